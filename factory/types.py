@@ -1,0 +1,81 @@
+"""The records that flow between stages.
+
+They are plain dataclasses so that Ray can pickle them and tests can build them by hand. A stage's
+inputs and outputs are these types, never dicts with string keys checked at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ToolStatus = Literal["ok", "model_error", "infra_error"]
+# Why a trajectory stopped: the model answered without a call, it used all its turns, or its tokens.
+StopReason = Literal["no_call", "max_turns", "budget"]
+
+
+@dataclass
+class ToolCall:
+    """One call parsed from the model's output."""
+
+    name: str
+    arguments: dict[str, Any] | None  # None when the call's JSON could not be parsed
+    raw: str  # the text between the call markers, as the model wrote it
+    parse_error: str | None = None
+
+
+@dataclass
+class ToolResult:
+    """What came back from one call.
+
+    model_error: the model's fault (unknown tool, bad arguments, the tool's own isError); shown to the
+    model and trained on. infra_error: ours (timeout, crash, transport); counted, and the spec decides
+    whether the trajectory is kept in the loss.
+    """
+
+    tool: str
+    text: str  # what the model sees as the tool response
+    status: ToolStatus = "ok"
+    error_kind: str | None = None  # timeout | crash | transport | circuit_open | unknown_tool | bad_arguments | tool_error | parse_error
+    latency_s: float = 0.0
+
+
+@dataclass
+class Turn:
+    """One assistant turn and the tool calls it made."""
+
+    text: str  # the decoded model tokens of this turn (for logs only; ids are the truth)
+    num_tokens: int
+    calls: list[ToolCall] = field(default_factory=list)
+    results: list[ToolResult] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    """One sampled multi-turn episode for one prompt.
+
+    response_ids holds everything after the prompt: model tokens and the tool/template tokens appended
+    between turns; loss_mask has the same length and is 1 exactly on the tokens the model produced.
+    """
+
+    prompt_index: int  # which prompt of the batch (the group id)
+    sample_index: int  # which of the group's samples
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    turns: list[Turn]
+    stop_reason: StopReason
+    row: dict[str, Any]  # the data row: ground truth and any extra columns reward functions read
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the prompt as chat messages
+    completion: str = ""  # decoded response, model and tool tokens, for rewards and logs
+    rewards: dict[str, float | None] = field(default_factory=dict)  # value of every reward node
+    reward: float = 0.0  # the value of the training node
+    infra_error: bool = False  # some tool call failed for infrastructure reasons
+    truncated: bool = False  # stopped by the token budget in the middle of a turn
+
+    @property
+    def num_tool_calls(self) -> int:
+        return sum(len(t.calls) for t in self.turns)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
