@@ -122,8 +122,8 @@ class FnNode(Section):
 class JudgeNode(Section):
     llm_judge: str
     """A jinja template in prompts/ that renders the judge's prompt from `prompt`, `completion` and the row."""
-    endpoint: str | None = None
-    """An OpenAI-compatible base URL; unset: the policy's own rollout engine judges."""
+    endpoint: str
+    """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API; `OPENAI_API_KEY` is sent when set)."""
     model: str | None = None
     """Model name sent to the endpoint."""
     parse: str = r"(?i)score\s*[:=]\s*([0-9.]+)"

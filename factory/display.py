@@ -1,0 +1,65 @@
+"""The live terminal display of a run: a progress bar with ETA, one line per step, and a final summary.
+
+On a terminal the bar redraws in place; in a log file (CI, nohup) each step is one plain line.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+class Display:
+    def __init__(self, total_steps: int, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.total = total_steps
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                  console=self.console, transient=True)
+        self._task = None
+
+    def __enter__(self) -> "Display":
+        self._progress.__enter__()
+        self._task = self._progress.add_task("training", total=self.total)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.__exit__(*exc)
+
+    def status(self, text: str) -> None:
+        """A one-off line for slow phases (starting Ray, building the model, evaluating)."""
+        self._progress.console.log(text)
+
+    def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
+        timing = " ".join(f"{k[7:-2]} {m[k]:.1f}s" for k in
+                          ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s",
+                           "timing/weight_sync_s") if k in m)
+        acc = f" acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
+        self._progress.console.log(
+            f"step {step:>4}  reward {_fmt(m.get('reward/mean'))}{acc}  turns {_fmt(m.get('num_turns/mean'), '.2f')}"
+            f"  tool calls {int(m.get('tools/calls', 0))} (infra err {int(m.get('tools/infra_errors', 0))})"
+            f"  loss {_fmt(m.get('actor/pg_loss'), '.4f')}  step {m.get('timing/step_s', 0):.1f}s [{timing}]")
+        self._progress.update(self._task, completed=step if completed is None else completed,
+                              description=f"training (reward {_fmt(m.get('reward/mean'), '.2f')})")
+
+    def summary(self, *, run_id: str, experiment: str, uri: str, before: dict[str, float],
+                after: dict[str, float], wall_s: float, checkpoint: str | None) -> None:
+        table = Table(title="Factory run finished", show_header=True)
+        table.add_column("metric")
+        table.add_column("step 0", justify="right")
+        table.add_column("final", justify="right")
+        for k in sorted(set(before) | set(after)):
+            table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
+        self.console.print(table)
+        self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
+        if checkpoint:
+            self.console.print(f"final model (HF folder): {checkpoint}")
+        ui = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite") else f"open {uri}"
+        self.console.print(f"see it: {ui}   then http://127.0.0.1:5000")

@@ -1,0 +1,201 @@
+"""`factory run`: the single controller. It places the stages on Ray and runs the loop
+
+    batch = data.next_batch(); trajs = rollout.generate(batch); trajs = reward.score(trajs);
+    stats = update.step(trajs); rollout.load_weights(update.state_dict())
+
+calling the stage actors as if they were local. Everything that branches (algorithm, backend, dynamic
+sampling) lives outside `train_loop`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from factory.spec.schema import Spec
+
+
+@dataclass
+class Stages:
+    data: Any
+    rollout: Any
+    reward: Any
+    update: Any
+    handles: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    before: dict[str, float]
+    after: dict[str, float]
+    checkpoint: str | None
+
+
+def start_ray(spec: Spec) -> None:
+    """Join $RAY_ADDRESS / resources.ray_address, else start a small local Ray of our own."""
+    address = spec.resources.ray_address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only cluster: no token needed
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
+    ray.init(num_cpus=os.cpu_count(), object_store_memory=int(spec.resources.object_store_gb * 2**30),
+             include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+
+
+def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
+    from factory.data import DataStage
+    from factory.stages import RewardActor, RolloutStage, UpdateActor
+
+    workdir = os.getcwd()
+    res = spec.resources
+    data = ray.remote(DataStage).options(num_cpus=0).remote(
+        spec.data, seed=spec.seed, base_dir=Path(base_dir), eval_size=spec.train.eval_size)
+    rollout = ray.remote(RolloutStage).options(num_cpus=res.rollout.num_cpus, num_gpus=res.rollout.num_gpus).remote(
+        spec, model_path, base_dir=base_dir, workdir=workdir)
+    reward = ray.remote(RewardActor).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(
+        spec, base_dir=base_dir, workdir=workdir)
+    update = ray.remote(UpdateActor).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
+        spec, model_path, workdir=workdir)
+    stages = Stages(data, rollout, reward, update, [data, rollout, reward, update])
+    ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
+    return stages
+
+
+def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str]) -> tuple[dict[str, float], list[Any]]:
+    """Greedy, one sample per held-out prompt; `eval/<metric>` is the mean of that reward node."""
+    batch = ray.get(s.data.eval_batch.remote())
+    if batch is None:
+        return {}, []
+    trajs, rollout_m = ray.get(s.rollout.generate.remote(batch, group_size=1, greedy=True))
+    trajs, _ = ray.get(s.reward.score.remote(trajs))
+    out = {f"eval/{name}": _mean([t.rewards.get(node) for t in trajs]) for name, node in metric_nodes.items()}
+    out["eval/reward"] = _mean([t.reward for t in trajs])
+    out["eval/num_turns"] = rollout_m["num_turns/mean"]
+    out["eval/tool_calls"] = rollout_m["tool_calls/mean"]
+    return out, trajs
+
+
+def _mean(values: list[float | None]) -> float:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(present) / len(present) if present else float("nan")
+
+
+def collect(s: Stages, spec: Spec, alg: Any) -> tuple[list[Any], dict[str, float]]:
+    """One step's scored trajectories. With dynamic sampling (DAPO), groups whose rewards all agree carry
+    no signal: they are dropped and more prompts are sampled, up to 3 extra rounds."""
+    from factory.algorithms import dynamic_sampling_keep
+
+    want, kept, metrics = spec.train.prompts_per_step, [], {}
+    for attempt in range(4 if alg.dynamic_sampling else 1):
+        batch = s.data.next_batch.remote(want - len({t.prompt_index for t in kept}) if attempt else want)
+        trajs, roll_m = ray.get(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size))
+        trajs, rew_m = ray.get(s.reward.score.remote(trajs))
+        for t in trajs:  # keep group ids unique across rounds
+            t.prompt_index += 1000 * attempt
+        metrics = _merge(metrics, {**roll_m, **rew_m})
+        if not alg.dynamic_sampling:
+            return trajs, metrics
+        import torch
+
+        keep = dynamic_sampling_keep(torch.tensor([t.reward for t in trajs]),
+                                     torch.tensor([t.prompt_index for t in trajs]), alg.std_eps)
+        kept += [t for t, k in zip(trajs, keep.tolist()) if k]
+        if len({t.prompt_index for t in kept}) >= want:
+            break
+    metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)
+    return kept or trajs, metrics
+
+
+def _merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Sum timings and counts over rounds; later means win."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0.0) + v if (k.startswith("timing/") or k.endswith(("calls", "errors", "timeouts"))) else v
+    return out
+
+
+def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str]) -> RunResult:
+    from factory.algorithms import resolve
+
+    alg = resolve(spec.algorithm)
+    ckpt_dir = spec.train.checkpoint_dir
+    before, eval_trajs = evaluate(s, spec, metric_nodes)
+    tracker.log_metrics(before, step=0)
+    tracker.log_trajectories(eval_trajs, 0, name="eval_trajectories")
+    display.step(0, before, completed=0)
+    after, checkpoint = before, None
+    for step in range(1, spec.train.steps + 1):
+        t0 = time.perf_counter()
+        trajs, m = collect(s, spec, alg)                                   # data -> rollout -> tools -> reward
+        m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
+        t_sync = time.perf_counter()
+        ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
+        m["timing/weight_sync_s"] = time.perf_counter() - t_sync
+        m["timing/step_s"] = time.perf_counter() - t0
+        m["timing/overhead_s"] = m["timing/step_s"] - sum(
+            m.get(k, 0.0) for k in ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s"))
+        m["perf/tokens_per_s"] = sum(len(t.response_ids) for t in trajs) / m["timing/step_s"]
+        if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
+            after, eval_trajs = evaluate(s, spec, metric_nodes)
+            m.update(after)
+            tracker.log_trajectories(eval_trajs, step, name="eval_trajectories")
+        if step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
+            checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step))
+        tracker.log_metrics(m, step=step)
+        tracker.log_trajectories(trajs[: spec.tracking.log_trajectories], step)
+        display.step(step, m)
+    return RunResult(tracker.run_id, before, after, checkpoint)
+
+
+def run(plan: Any, spec: Spec) -> RunResult:
+    """Run a compiled plan end to end; returns the MLflow run id and before/after eval metrics."""
+    from factory.assets import resolve_model
+    from factory.display import Display
+    from factory.spec.compile import plan_json
+    from factory.tracking import Tracker, git_commit, tracking_uri
+
+    t_start = time.perf_counter()
+    display = Display(spec.train.steps)
+    uri = tracking_uri(spec.tracking.uri)
+    tracker = Tracker(uri, spec.tracking.experiment)
+    metric_nodes = metric_nodes_of(spec)
+    with display:
+        display.status("resolving the model")
+        model_path = resolve_model(spec.model.path)
+        display.status("starting Ray and the stage actors (data, rollout+tools, reward, DeepSpeed update)")
+        start_ray(spec)
+        status = "FAILED"
+        try:
+            stages = place_stages(spec, model_path, str(plan.base_dir))
+            tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
+                    **({"factory.git_commit": c} if (c := git_commit()) else {}), **spec.tracking.tags}
+            tracker.start(spec.name, plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+            display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
+            result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
+            status = "FINISHED"
+        finally:
+            tracker.end(status)
+            ray.shutdown()
+    display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, uri=uri, before=result.before,
+                    after=result.after, wall_s=time.perf_counter() - t_start,
+                    checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))
+    return result
+
+
+def metric_nodes_of(spec: Spec) -> dict[str, str]:
+    """Eval metrics: the spec's `metrics`, else `accuracy` = the first python-function node."""
+    if spec.metrics:
+        return dict(spec.metrics)
+    from factory.spec.schema import FnNode
+
+    first = next((n for n, v in spec.rewards.items() if isinstance(v, FnNode)), None)
+    return {"accuracy": first} if first else {}

@@ -1,0 +1,51 @@
+"""Small helpers shared by stages: import-path resolution, file lookup, the jinja environment."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def import_path(spec: str) -> Callable[..., Any]:
+    """`package.module:attr` -> the attribute. The working directory is importable, so a user's
+    `rewards/` folder next to the spec works without installing it."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"'{spec}' is not an import path of the form module:function")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:
+    """A file named in the spec: relative to the working directory first, then to the spec's folder."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or base_dir is None:
+        return p
+    alt = Path(base_dir) / p
+    return alt if alt.exists() else p
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    # jinja's own tojson returns Markup and HTML-escapes '<', which would change the rendered prompt
+    # (transformers registers a plain json.dumps for the same reason).
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def template_env() -> jinja2.Environment:
+    """The sandboxed jinja environment for every user template (prompts, judges, chat templates)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
+                                        undefined=jinja2.StrictUndefined)
+    env.filters["tojson"] = _tojson
+    return env
