@@ -1,0 +1,439 @@
+"""RL algorithms as pure tensor functions, chosen by name from small registries.
+
+Four registries hold the pieces (verl core_algos style): ADVANTAGES turn one reward per sample into one
+advantage per sample, POLICY_LOSSES turn log-probs into a per-token loss, AGGREGATIONS turn per-token
+values into the one number to backprop, KL_ESTIMATORS estimate KL(policy || reference) per token.
+PRESETS name the published combinations (grpo, dapo, gspo, ...); `resolve` merges a preset with what a
+spec sets explicitly into a frozen `Algorithm`, and `policy_objective` computes one micro-batch's loss.
+
+A new algorithm is one function and one `@REGISTRY.register("name")` line. Shapes: N sequences, T
+response tokens; `mask` is 1 on tokens the model produced (tool/template tokens and padding are 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+# exp() of a log-ratio beyond this is a numerical accident, not a policy change (verl clamps at 20 too).
+_MAX_LOG_RATIO = 20.0
+
+
+class UnknownNameError(KeyError):
+    """An unknown registry name; str() is the plain message (KeyError would quote it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class Registry:
+    """name -> function. Registering a name twice is an error, so two modules can never silently shadow
+    each other's algorithm; an unknown name lists the known ones so `factory check` can show them."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._fns: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._fns:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._fns[name] = fn
+            return fn
+
+        return add
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        if name not in self._fns:
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+        return self._fns[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+
+ADVANTAGES = Registry("advantage")
+POLICY_LOSSES = Registry("policy loss")
+AGGREGATIONS = Registry("aggregation")
+KL_ESTIMATORS = Registry("KL estimator")
+
+
+# ---------------------------------------------------------------------------------------- advantages
+def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sample mean and unbiased std of its group (groups need not be contiguous). A group of one
+    has std 0: it carries no comparison, so it counts as zero-variance."""
+    _, inv = torch.unique(group_ids, return_inverse=True)  # [N] dense group index
+    k = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, torch.ones_like(rewards))  # [G]
+    mean = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, rewards) / count  # [G]
+    sq = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, (rewards - mean[inv]) ** 2)  # [G]
+    std = (sq / (count - 1).clamp(min=1)).sqrt()  # [G] Bessel-corrected, as torch.std / TRL / verl
+    return mean[inv], std[inv]  # [N], [N]
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """(r - group mean) / group std (DeepSeekMath). Zero where std < eps: dividing by a near-zero std
+    would turn float noise into large advantages that Adam then amplifies."""
+    mean, std = _group_stats(rewards, group_ids)
+    flat = std < eps
+    return torch.where(flat, 0.0, (rewards - mean) / torch.where(flat, 1.0, std))
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """r - group mean, no std scaling (Dr.GRPO: the std divides easy and hard prompts unequally)."""
+    mean, std = _group_stats(rewards, group_ids)
+    return torch.where(std < eps, 0.0, rewards - mean)
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """r_i - mean of the OTHER samples of the group = G/(G-1) * (r_i - group mean) (Ahmadian et al.)."""
+    mean, std = _group_stats(rewards, group_ids)
+    _, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    g = count[inv].to(rewards.dtype)  # [N] size of each sample's group
+    return torch.where(std < eps, 0.0, (rewards - mean) * g / (g - 1).clamp(min=1))
+
+
+def _batch_normalise(x: Tensor, eps: float) -> Tensor:
+    std = x.std() if x.numel() > 1 else x.new_zeros(())
+    return torch.zeros_like(x) if std < eps else (x - x.mean()) / std
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """REINFORCE++ (Hu 2025): rewards normalised over the whole batch; groups are not used."""
+    return _batch_normalise(rewards, eps)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """REINFORCE++-baseline: subtract the group mean, then divide by the batch std of the result (its
+    batch mean is already 0). Zero-variance groups stay exactly 0."""
+    mean, std = _group_stats(rewards, group_ids)
+    centred = torch.where(std < eps, 0.0, rewards - mean)
+    return _batch_normalise(centred, eps)
+
+
+@ADVANTAGES.register("mean_baseline")
+def mean_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
+    """r - batch mean: plain REINFORCE with a mean baseline, for group_size 1 (the group-mean variant
+    is `dr_grpo`). Zero when the whole batch agrees."""
+    if rewards.numel() < 2 or rewards.std() < eps:
+        return torch.zeros_like(rewards)
+    return rewards - rewards.mean()
+
+
+# ------------------------------------------------------------------------------------ policy losses
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log(pi/pi_old) per token, 0 on masked tokens so padding (even -inf) never makes inf*0 = nan."""
+    return torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # [N, T]
+
+
+def _clipped(ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+             dual_clip_c: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(r*A, clip(r, 1-low, 1+high)*A) per token, and its stats. With dual_clip_c, verl's dual clip
+    caps a negative-advantage token's loss at c*|A| so a huge ratio cannot blow it up (verl core_algos
+    compute_policy_loss_vanilla: pg_losses3 = -A*c; pg_losses = where(A < 0, min(pg_losses3,
+    clip_pg_losses1), clip_pg_losses1))."""
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))  # [N, T]
+    with torch.no_grad():
+        r, lr, f = ratio.detach(), log_ratio.detach(), ratio.dtype
+        # TRL's definition: the tokens whose gradient the clip removes (low: A < 0, high: A > 0).
+        stats = {
+            "clip_frac_low": _masked_mean(((r < 1 - clip_low) & (adv < 0)).to(f), mask),
+            "clip_frac_high": _masked_mean(((r > 1 + clip_high) & (adv > 0)).to(f), mask),
+            "approx_kl": _masked_mean(torch.expm1(lr) - lr, mask),  # k3 of KL(old||new): r - 1 - log r
+        }
+    if dual_clip_c is not None:
+        bound = -adv * dual_clip_c  # [N, 1] = c*|A| where A < 0
+        with torch.no_grad():
+            stats["clip_frac_dual"] = _masked_mean(((adv < 0) & (loss > bound)).to(ratio.dtype), mask)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return loss, stats
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip_c=None):
+    """PPO-clip with asymmetric bounds [1-clip_low, 1+clip_high] (DAPO clip-higher); dual clip when
+    dual_clip_c is set."""
+    lr = _log_ratio(logp, old_logp, mask)  # [N, T]
+    return _clipped(lr.exp(), lr, advantages[:, None], mask, clip_low, clip_high, dual_clip_c)
+
+
+@POLICY_LOSSES.register("dual_clip")
+def dual_clip_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip_c=3.0):
+    """PPO-clip with the dual clip always on (c = 3 by default, verl's clip_ratio_c)."""
+    c = 3.0 if dual_clip_c is None else dual_clip_c
+    return ppo_clip_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual_clip_c=c)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip_c=None):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t log(pi/pi_old)), clipped.
+    Written per token with the paper's stop-gradient trick (GSPO-token, as verl): log s_i,t =
+    sg[log s_i] + logp_t - sg[logp_t] has the value log s_i on every token and the gradient of logp_t,
+    so with seq_mean_token_mean it equals TRL's importance_sampling_level="sequence" in value and grad."""
+    lr = _log_ratio(logp, old_logp, mask)  # [N, T]
+    m = mask.to(lr.dtype)
+    seq_lr = (lr * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [N]
+    tok_lr = seq_lr.detach()[:, None] + logp - logp.detach()  # [N, T] value = seq_lr, grad = d logp
+    loss, stats = _clipped(tok_lr.exp(), tok_lr, advantages[:, None], mask, clip_low, clip_high, dual_clip_c)
+    stats["approx_kl"] = _masked_mean(torch.expm1(lr.detach()) - lr.detach(), mask)  # token-level, as the others
+    return loss, stats
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip_c=None):
+    """CISPO (MiniMax-M1): -sg[clip(r, 1-clip_low, 1+clip_high)] * A * logp. Clipping the IS weight,
+    not the update, keeps the gradient of every token (PPO-clip drops clipped ones). clip_low >= 1
+    means no lower bound (the paper's setting; TRL's epsilon_high = 1 + clip_high)."""
+    lr = _log_ratio(logp, old_logp, mask)  # [N, T]
+    ratio, adv = lr.exp().detach(), advantages[:, None]
+    weight = ratio.clamp(min=max(0.0, 1 - clip_low), max=1 + clip_high)  # [N, T] stop-grad
+    loss = -weight * adv * torch.where(mask.bool(), logp, 0.0)
+    with torch.no_grad():  # here every clipped weight counts, whatever the sign of A: all still train
+        stats = {
+            "clip_frac_low": _masked_mean((ratio < 1 - clip_low).to(lr.dtype), mask),
+            "clip_frac_high": _masked_mean((ratio > 1 + clip_high).to(lr.dtype), mask),
+            "approx_kl": _masked_mean(torch.expm1(lr) - lr, mask),
+        }
+    return loss, stats
+
+
+# ------------------------------------------------------------------------------------- aggregations
+# Micro-batch aware: the update sums the aggregated losses of a mini-batch's micro-batches, so the
+# normalisers are the whole mini-batch's totals and the sum equals the mini-batch's loss.
+def _masked(values: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask.bool(), values, 0.0)  # where, not *: a nan/inf on padding stays out
+
+
+@AGGREGATIONS.register("token_mean")
+def token_mean(values, mask, *, num_tokens: float, num_seqs: float, max_len: int) -> Tensor:
+    """sum(v*m) / num_tokens: every token weighs the same (DAPO, TRL bnpo/dapo)."""
+    return _masked(values, mask).sum() / max(num_tokens, 1.0)
+
+
+@AGGREGATIONS.register("seq_mean_token_mean")
+def seq_mean_token_mean(values, mask, *, num_tokens: float, num_seqs: float, max_len: int) -> Tensor:
+    """sum_i mean_t(v_i) / num_seqs: every sequence weighs the same (GRPO, GSPO, TRL grpo)."""
+    per_seq = _masked(values, mask).sum(-1) / mask.to(values.dtype).sum(-1).clamp(min=1.0)  # [N]
+    return per_seq.sum() / max(num_seqs, 1.0)
+
+
+@AGGREGATIONS.register("seq_sum_norm")
+def seq_sum_norm(values, mask, *, num_tokens: float, num_seqs: float, max_len: int) -> Tensor:
+    """sum(v*m) / (num_seqs * max_len): a constant normaliser, so no length bias (Dr.GRPO)."""
+    return _masked(values, mask).sum() / max(num_seqs * max_len, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- KL
+# Schulman's estimators of KL(pi || ref) from tokens sampled by pi; log r = ref_logp - logp.
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """-log r = logp - ref_logp: unbiased, high variance, can be negative."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """(log r)^2 / 2: biased, low variance, always >= 0."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """r - 1 - log r: unbiased, low variance, >= 0 (GRPO's and TRL's choice)."""
+    d = ref_logp - logp
+    return torch.expm1(d) - d
+
+
+def kl_reward_penalty(rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *, coef: float,
+                      estimator: str = "k1") -> Tensor:
+    """rewards - coef * sum_t KL_t over the model's tokens, for kl_apply == "reward" (InstructGPT,
+    REINFORCE++): the penalty then flows through the advantage, not the loss. Computed without grad."""
+    with torch.no_grad():
+        kl = _masked(KL_ESTIMATORS[estimator](logp, ref_logp), mask).sum(-1)  # [N]
+    return rewards - coef * kl
+
+
+# -------------------------------------------------------------------------------------- DAPO extras
+def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor, eps: float) -> Tensor:
+    """BoolTensor[N]: True for samples of groups whose rewards spread (std >= eps). DAPO drops the
+    rest (they have zero advantage, so only dilute the batch); the rollout loop refills the batch."""
+    _, std = _group_stats(rewards, group_ids)
+    return std >= eps
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO soft overlong punishment, to add to the reward: 0 up to max_len - buffer, then falling
+    linearly to -penalty at max_len (and staying there beyond). buffer == 0 turns it off."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.get_default_dtype())
+    exceed = lengths.to(torch.get_default_dtype()) - (max_len - buffer)
+    return -penalty * (exceed / buffer).clamp(0.0, 1.0)
+
+
+def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:
+    """DAPO overlong filtering: truncated trajectories contribute no tokens to the loss."""
+    return mask * (~truncated.bool())[:, None].to(mask.dtype)
+
+
+# ------------------------------------------------------------------------------ presets and resolve
+@dataclass(frozen=True)
+class Algorithm:
+    """The fully resolved algorithm: what the update stage reads; no field is optional by accident."""
+
+    name: str
+    advantage: str
+    loss: str
+    aggregation: str
+    clip_low: float
+    clip_high: float
+    dual_clip_c: float | None
+    kl_coef: float
+    kl_estimator: str
+    kl_apply: str
+    entropy_coef: float
+    epochs: int
+    mini_batches: int
+    dynamic_sampling: bool
+    overlong_filter: bool
+    overlong_buffer: int
+    overlong_penalty: float
+    std_eps: float
+
+    @property
+    def needs_reference(self) -> bool:
+        """The frozen reference model is loaded only when KL is actually used."""
+        return self.kl_coef > 0
+
+
+_PPO = {"loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "dual_clip_c": None, "dynamic_sampling": False}
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeekMath GRPO as TRL's loss_type="grpo": group-normalised advantage, per-sequence token mean.
+    "grpo": {**_PPO, "advantage": "grpo", "aggregation": "seq_mean_token_mean"},
+    # Dr.GRPO: no std scaling, no length normalisation (constant max_len), else as GRPO.
+    "dr_grpo": {**_PPO, "advantage": "dr_grpo", "aggregation": "seq_sum_norm"},
+    # DAPO: clip-higher 0.28, token mean over the batch, dynamic sampling. The soft overlong penalty
+    # needs a buffer in tokens that depends on the budget, so it stays off until overlong.buffer is set.
+    "dapo": {**_PPO, "advantage": "grpo", "aggregation": "token_mean", "clip_high": 0.28,
+             "dynamic_sampling": True},
+    # BNPO (TRL loss_type="bnpo"): GRPO with a token mean over the batch.
+    "bnpo": {**_PPO, "advantage": "grpo", "aggregation": "token_mean"},
+    # GSPO: sequence ratio, per-sequence mean; the paper's clip range is tiny because s_i is a mean.
+    "gspo": {**_PPO, "advantage": "grpo", "loss": "gspo", "aggregation": "seq_mean_token_mean",
+             "clip_low": 3e-4, "clip_high": 4e-4},
+    # CISPO (MiniMax-M1 / ScaleRL): IS weight capped at 5 (= 1 + 4.0), no lower bound, token mean.
+    "cispo": {**_PPO, "advantage": "grpo", "loss": "cispo", "aggregation": "token_mean",
+              "clip_low": 1.0, "clip_high": 4.0},
+    # RLOO: leave-one-out baseline; PPO-clip only matters when epochs/mini-batches go off-policy.
+    "rloo": {**_PPO, "advantage": "rloo", "aggregation": "token_mean"},
+    # REINFORCE++: batch-normalised reward, token mean; its KL belongs in the reward (k1), as the paper.
+    "reinforce_pp": {**_PPO, "advantage": "reinforce_pp", "aggregation": "token_mean",
+                     "kl_apply": "reward", "kl_estimator": "k1"},
+    "reinforce_pp_baseline": {**_PPO, "advantage": "reinforce_pp_baseline", "aggregation": "token_mean",
+                              "kl_apply": "reward", "kl_estimator": "k1"},
+    # Plain REINFORCE with a batch-mean baseline (works with group_size 1).
+    "mean_baseline": {**_PPO, "advantage": "mean_baseline", "aggregation": "token_mean"},
+}
+
+
+def resolve(spec: Any) -> Algorithm:
+    """Preset `spec.name` filled in, then every field the spec sets explicitly on top (a field counts as
+    set when it is in pydantic's model_fields_set, or not None for the preset-filled ones). Raises
+    KeyError/ValueError naming the bad value and the known names."""
+    if spec.name not in PRESETS:
+        raise UnknownNameError(f"unknown algorithm {spec.name!r}; known: {', '.join(sorted(PRESETS))}")
+    s: dict[str, Any] = {"kl_apply": spec.kl.apply, "kl_estimator": spec.kl.estimator, **PRESETS[spec.name]}
+    for key in ("advantage", "loss", "aggregation", "dual_clip_c", "dynamic_sampling"):
+        if getattr(spec, key) is not None:
+            s[key] = getattr(spec, key)
+    if spec.clip is not None:
+        s["clip_low"], s["clip_high"] = spec.clip
+    for key in ("apply", "estimator"):  # explicit kl settings beat the preset's
+        if key in spec.kl.model_fields_set:
+            s[f"kl_{key}"] = getattr(spec.kl, key)
+    for field, registry in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES), ("aggregation", AGGREGATIONS),
+                            ("kl_estimator", KL_ESTIMATORS)):
+        if s[field] not in registry:
+            raise UnknownNameError(f"algorithm.{field}: unknown {registry.kind} {s[field]!r}; "
+                                   f"known: {', '.join(registry.names())}")
+    if s["loss"] == "dual_clip" and s["dual_clip_c"] is None:
+        s["dual_clip_c"] = 3.0  # verl's clip_ratio_c default
+    alg = Algorithm(
+        name=spec.name, **s, kl_coef=spec.kl.coef, entropy_coef=spec.entropy_coef, epochs=spec.epochs,
+        mini_batches=spec.mini_batches, overlong_filter=spec.overlong.filter,
+        overlong_buffer=spec.overlong.buffer, overlong_penalty=spec.overlong.penalty, std_eps=spec.std_eps,
+    )
+    _check(alg)
+    return alg
+
+
+def _check(a: Algorithm) -> None:
+    problems = []
+    if a.clip_low < 0 or a.clip_high < 0:
+        problems.append(f"algorithm.clip: bounds must be >= 0, got ({a.clip_low}, {a.clip_high})")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        problems.append(f"algorithm.dual_clip_c: must be > 1, got {a.dual_clip_c}")
+    if a.kl_coef < 0:
+        problems.append(f"algorithm.kl.coef: must be >= 0, got {a.kl_coef}")
+    for key in ("epochs", "mini_batches"):
+        if getattr(a, key) < 1:
+            problems.append(f"algorithm.{key}: must be >= 1, got {getattr(a, key)}")
+    if a.overlong_buffer < 0:
+        problems.append(f"algorithm.overlong.buffer: must be >= 0, got {a.overlong_buffer}")
+    if a.std_eps <= 0:
+        problems.append(f"algorithm.std_eps: must be > 0, got {a.std_eps}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------- update
+def policy_objective(alg: Algorithm, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                     ref_logp: Tensor | None = None, entropy: Tensor | None = None, num_tokens: float,
+                     num_seqs: float, max_len: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to backprop for one micro-batch: aggregated policy loss + kl_coef * aggregated KL (when
+    kl_apply == "loss") - entropy_coef * token-mean entropy. num_tokens / num_seqs are the mini-batch's
+    totals (see AGGREGATIONS). Every returned stat is this micro-batch's SHARE of the mini-batch value,
+    so the update sums stats over micro-batches exactly as it sums losses."""
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    aggregate = AGGREGATIONS[alg.aggregation]
+    per_token, raw = POLICY_LOSSES[alg.loss](logp, old_logp, advantages, mask, clip_low=alg.clip_low,
+                                             clip_high=alg.clip_high, dual_clip_c=alg.dual_clip_c)
+    pg_loss = aggregate(per_token, mask, **norm)
+    loss = pg_loss
+    share = mask.to(per_token.dtype).sum() / max(num_tokens, 1.0)  # turns this micro-batch's token means into shares
+    stats = {"pg_loss": pg_loss.detach(), **{k: v * share for k, v in raw.items()}}
+    if alg.kl_coef > 0 and alg.kl_apply == "loss":
+        if ref_logp is None:
+            raise ValueError("kl.coef > 0 with kl.apply='loss' needs ref_logp")
+        kl = aggregate(KL_ESTIMATORS[alg.kl_estimator](logp, ref_logp), mask, **norm)
+        loss = loss + alg.kl_coef * kl
+        stats["kl"] = kl.detach()
+    if entropy is not None:
+        # A token mean whatever the loss's aggregation (as TRL), so entropy_coef means the same everywhere.
+        ent = token_mean(entropy, mask, **norm)
+        loss = loss - alg.entropy_coef * ent if alg.entropy_coef else loss
+        stats["entropy"] = ent.detach()
+    return loss, stats
+
+
+def minibatches(n: int, mini_batches: int, seed: int) -> list[Tensor]:
+    """A seeded random partition of range(n) into `mini_batches` near-equal index tensors; call it
+    once per epoch with a different seed (e.g. seed + epoch) to reshuffle."""
+    if not 1 <= mini_batches <= n:
+        raise ValueError(f"mini_batches must be in [1, {n}] for {n} samples, got {mini_batches}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return list(torch.tensor_split(perm, mini_batches))
