@@ -27,8 +27,8 @@ def arithmetic(n: int, seed: int = 0, operands: tuple[int, int] = (2, 3), digits
     rng = random.Random(seed)
     for _ in range(n):
         k = rng.randint(*operands)
-        terms = [str(rng.randint(10 ** (rng.randint(*digits) - 1), 10 ** rng.randint(*digits) - 1))
-                 for _ in range(k)]
+        sizes = [rng.randint(*digits) for _ in range(k)]
+        terms = [str(rng.randint(10 ** (d - 1), 10 ** d - 1)) for d in sizes]
         expr = terms[0]
         for term in terms[1:]:
             expr += f" {rng.choice(ops)} {term}"
