@@ -49,3 +49,12 @@ def test_busy_clock_splits_wall_time(monkeypatch):
     c.enter("generate"); now[0] = 3.0       # 2 s generate (tools overlapping)
     c.exit("tools"); c.exit("generate"); now[0] = 3.5  # 0.5 s idle
     assert c.read() == {"generate": 2.0, "tools": 1.0, "idle": 0.5}
+
+
+def test_plan_differences_name_the_changed_settings():
+    from factory.diff import plan_differences
+
+    a = {"spec": {"train": {"lr": 1e-5, "steps": 10}}, "hashes": {"rewards": {"rewards/math.py": "aa"}, "run": "1"}}
+    b = {"spec": {"train": {"lr": 3e-6, "steps": 10}}, "hashes": {"rewards": {"rewards/math.py": "bb"}, "run": "2"}}
+    assert plan_differences(a, b) == [("hashes.rewards.rewards/math.py", "aa", "bb"),
+                                      ("spec.train.lr", "1e-05", "3e-06")]
