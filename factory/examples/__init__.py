@@ -1,0 +1,1 @@
+"""Small, real components that ship with Factory: the quickstart's MCP calculator server."""

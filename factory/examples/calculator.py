@@ -1,0 +1,108 @@
+"""The MCP calculator server the quickstart agent learns to use.
+
+Run it as `python -m factory.examples.calculator` (stdio, the default) or with
+`--http --port N` for streamable HTTP on 127.0.0.1. Expressions are evaluated by walking
+Python's AST over a whitelist of nodes (numbers, + - * / // % **, unary +/-, parentheses), never
+with eval: the model writes the expression, so it is untrusted input.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import operator
+from collections.abc import Callable
+from typing import Annotated
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+# Bounds that keep one call cheap: `9**9**9` would otherwise pin a core for minutes.
+MAX_EXPRESSION_CHARS = 1000
+MAX_EXPONENT = 1000
+MAX_MAGNITUDE = 1e300
+
+
+def evaluate(expression: str) -> int | float:
+    """The value of an arithmetic expression; ValueError names what is not allowed."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
+    return _eval(tree.body)
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent larger than {MAX_EXPONENT}")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("result too large") from None
+        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+            raise ValueError("result too large or not a real number")
+        return value
+    raise ValueError(f"unsupported element: {ast.dump(node)[:60]}")
+
+
+def format_number(value: int | float) -> str:
+    """The number as the model should read it: integers without '.0', floats rounded to 10 digits."""
+    if isinstance(value, float):
+        if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.10g}"
+    return str(value)
+
+
+server = MCPServer("factory-calculator")
+
+
+# The description and the argument's description are what the model reads in its tool list.
+@server.tool(
+    description="Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (3 + 4) * 2.",
+    structured_output=False,
+)
+def calculate(expression: Annotated[str, Field(description="The arithmetic expression to evaluate.")]) -> str:
+    """The expression's value as text; an isError result saying why when it cannot be evaluated."""
+    try:
+        return format_number(evaluate(expression))
+    except ValueError as exc:
+        # ToolError keeps its message in the isError result, so the model learns what went wrong.
+        raise ToolError(str(exc)) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http", action="store_true", help="serve streamable HTTP instead of stdio")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    if args.http:
+        server.run("streamable-http", host="127.0.0.1", port=args.port)
+    else:
+        server.run("stdio")
+
+
+if __name__ == "__main__":
+    main()

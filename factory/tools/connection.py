@@ -1,0 +1,253 @@
+"""One live MCP session -- a stdio server process or a streamable-HTTP session -- and its transports.
+
+The SDK's transports and `ClientSession` are anyio context managers whose cancel scopes must be
+entered and left by the same task, so each connection runs inside a task of its own (the "owner")
+that opens the transport, initializes, lists the tools and then waits until it is told to close or
+the server goes away. Calls come from any task of the same event loop through `call_tool`;
+the SDK's dispatcher matches the concurrent requests to their responses.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import anyio
+import httpx2
+from mcp import types as mcp_types
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from factory.spec.schema import HttpServer, StdioServer
+
+log = logging.getLogger(__name__)
+
+CLIENT_INFO = mcp_types.Implementation(name="factory", version="0.1.0")
+STDERR_TAIL_CHARS = 2000
+
+# A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
+TransportFactory = Callable[[IO[str]], AbstractAsyncContextManager[Any]]
+
+
+class ServerStartError(RuntimeError):
+    """A server could not be started or did not answer initialize/tools/list in time."""
+
+
+def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerParameters:
+    """The SDK's launch parameters for a stdio server spec.
+
+    `python`/`python3` mean the interpreter running Factory, so a server module sees the same
+    packages whether or not the venv is activated. A relative command path with a slash and a
+    relative `cwd` are resolved against `base_dir` (the spec's folder). The environment is the
+    SDK's safe default set (HOME, PATH, ...) plus `env` from the spec.
+    """
+    command = spec.command
+    if command in ("python", "python3"):
+        command = sys.executable
+    elif base_dir is not None and os.sep in command and not os.path.isabs(command):
+        command = str((base_dir / command).resolve())
+    cwd = spec.cwd
+    if cwd is not None and base_dir is not None and not os.path.isabs(cwd):
+        cwd = str((base_dir / cwd).resolve())
+    return StdioServerParameters(command=command, args=list(spec.args), env=dict(spec.env) or None, cwd=cwd)
+
+
+def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactory:
+    params = stdio_parameters(spec, base_dir)
+    return lambda errlog: stdio_client(params, errlog=errlog)
+
+
+def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """HTTP headers whose values come from environment variables; a missing variable is an error."""
+    missing = [var for var in headers_from_env.values() if var not in environ]
+    if missing:
+        raise ServerStartError(f"environment variable(s) not set for headers_from_env: {', '.join(missing)}")
+    return {header: environ[var] for header, var in headers_from_env.items()}
+
+
+def http_transport(spec: HttpServer) -> TransportFactory:
+    @contextlib.asynccontextmanager
+    async def open_http(_errlog: IO[str]) -> AsyncIterator[Any]:
+        headers = http_headers(spec.headers_from_env, os.environ)  # read at each (re)connect: tokens rotate
+        # The SDK's own defaults: 30 s to connect/write, a long read because a server may hold an
+        # event stream open. Per-call timeouts are ours, above this layer.
+        timeout = httpx2.Timeout(30.0, read=300.0)
+        async with httpx2.AsyncClient(headers=headers, timeout=timeout) as client:
+            async with streamable_http_client(spec.url, http_client=client) as streams:
+                yield streams
+
+    return open_http
+
+
+class _WatchedReadStream:
+    """The transport's read stream, passed through, with an event set when the server's side ends.
+
+    The SDK's dispatcher fails in-flight requests when the stream ends but has no public hook to
+    tell the owner of the session; this wrapper (implementing the SDK's public `ReadStream`
+    protocol) is that hook, so a server that dies while idle is restarted before the next call.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.ended = asyncio.Event()
+
+    async def receive(self) -> Any:
+        try:
+            return await self._inner.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.ended.set()
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def __aiter__(self) -> _WatchedReadStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> _WatchedReadStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.ended.set()
+        await self.aclose()
+
+    def __getattr__(self, name: str) -> Any:  # e.g. `last_context`, read by the dispatcher via getattr
+        return getattr(self._inner, name)
+
+
+class McpConnection:
+    """One MCP session owned by its own task; `open` it, `call_tool` from anywhere, `close` it once.
+
+    `on_lost` is called (from the owner task) when the server side ends without us closing it:
+    the process died or the HTTP session broke.
+    """
+
+    def __init__(self, label: str, transport: TransportFactory, on_lost: Callable[[McpConnection], None]) -> None:
+        self.label = label
+        self._transport = transport
+        self._on_lost = on_lost
+        self._closing = asyncio.Event()
+        self._owner: asyncio.Task[None] | None = None
+        self._stderr: IO[str] | None = None
+        self.session: ClientSession | None = None
+        self.tools: list[mcp_types.Tool] = []
+        self.in_flight = 0
+        self.lost = False
+
+    @property
+    def alive(self) -> bool:
+        return self.session is not None and not self.lost and not self._closing.is_set()
+
+    async def open(self, timeout_s: float) -> None:
+        """Start the server, initialize and list its tools; ServerStartError (with stderr) if that fails."""
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._owner = asyncio.create_task(self._own(ready, timeout_s), name=f"mcp:{self.label}")
+        try:
+            await ready
+        except Exception as exc:
+            await self.close()
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise ServerStartError(f"tool server {self.label!r} failed to start: {detail}{self.stderr_tail()}") from exc
+
+    async def _own(self, ready: asyncio.Future[None], timeout_s: float) -> None:
+        lost = False
+        self._stderr = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+        try:
+            async with self._transport(self._stderr) as (read_stream, write_stream):
+                watched = _WatchedReadStream(read_stream)
+                async with ClientSession(watched, write_stream, client_info=CLIENT_INFO) as session:
+                    with anyio.fail_after(timeout_s):
+                        await session.initialize()
+                        self.tools = await _list_all_tools(session)
+                    self.session = session
+                    ready.set_result(None)
+                    await _first_of(self._closing.wait(), watched.ended.wait())
+                    lost = not self._closing.is_set()
+                    self.lost = lost
+        except Exception as exc:  # the server failed to start, or its transport broke while running
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                lost = not self._closing.is_set()
+                log.warning("tool server %s: connection ended: %r", self.label, exc)
+        finally:
+            self.session = None
+            if not ready.done():  # cancelled before it was ready
+                ready.set_exception(ServerStartError("start was cancelled"))
+        if lost:
+            self.lost = True
+            self._on_lost(self)
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> mcp_types.CallToolResult:
+        """Send one tools/call; raises what the SDK raises (MCPError, stream errors, ...)."""
+        session = self.session
+        if session is None:
+            raise anyio.ClosedResourceError(f"connection to {self.label} is not open")
+        return await session.call_tool(name, arguments)
+
+    def stderr_tail(self) -> str:
+        """The last lines the server wrote to stderr, for error messages ('' when there are none)."""
+        if self._stderr is None or self._stderr.closed:
+            return ""
+        try:
+            self._stderr.flush()
+            size = self._stderr.seek(0, os.SEEK_END)
+            self._stderr.seek(max(0, size - STDERR_TAIL_CHARS * 4))
+            text = self._stderr.read()[-STDERR_TAIL_CHARS:].strip()
+        except (OSError, ValueError):
+            return ""
+        return f"\n--- server stderr (tail) ---\n{text}" if text else ""
+
+    async def close(self, timeout_s: float = 15.0) -> None:
+        """Shut the session and its process down (stdin closed, then SIGTERM/SIGKILL by the SDK)."""
+        self._closing.set()
+        owner = self._owner
+        if owner is not None and not owner.done():
+            # The SDK's shutdown is shielded and bounded (~6 s worst case); cancel only as a last resort.
+            done, _ = await asyncio.wait({owner}, timeout=timeout_s)
+            if not done:
+                owner.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await owner
+        if self._stderr is not None and not self._stderr.closed:
+            self._stderr.close()
+
+
+async def _list_all_tools(session: ClientSession) -> list[mcp_types.Tool]:
+    """Every tool of a server, following tools/list pagination."""
+    tools: list[mcp_types.Tool] = []
+    cursor: str | None = None
+    while True:
+        params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await session.list_tools(params=params)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+async def _first_of(*awaitables: Any) -> None:
+    """Wait until the first of several awaitables finishes; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,80 @@
+"""Per-tool counters and latencies, in the names the tracking stage logs.
+
+Names: `tools/<tool>/calls`, `.../model_errors`, `.../infra_errors`, `.../timeouts`, `.../errors` (both kinds),
+`.../latency_s_p50`, `.../latency_s_p95`; totals `tools/calls`, `tools/model_errors`,
+`tools/infra_errors`, `tools/timeouts`; per server `tool_servers/<server>/restarts` and
+`tool_servers/<server>/circuit_opens`. A call to a name that is no tool (the model made it up) is
+counted in the totals only, so a model cannot grow the metric set without bound.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from factory.types import ToolResult
+
+
+@dataclass
+class _ToolStats:
+    calls: int = 0
+    model_errors: int = 0
+    infra_errors: int = 0
+    timeouts: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+class ToolMetrics:
+    """Counters since the last reset. Not thread-safe: it lives in the ToolBox's event loop."""
+
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self._tools: dict[str, _ToolStats] = defaultdict(_ToolStats)
+        self._totals = _ToolStats()
+        self._servers: dict[str, dict[str, int]] = defaultdict(lambda: {"restarts": 0, "circuit_opens": 0})
+
+    def record(self, tool: str | None, result: ToolResult) -> None:
+        """Count one finished call; `tool` is None when the name matched no tool."""
+        targets = [self._totals] if tool is None else [self._totals, self._tools[tool]]
+        for stats in targets:
+            stats.calls += 1
+            stats.model_errors += result.status == "model_error"
+            stats.infra_errors += result.status == "infra_error"
+            stats.timeouts += result.error_kind == "timeout"
+            stats.latencies.append(result.latency_s)
+
+    def server_event(self, server: str, event: str) -> None:
+        """Count a server-level event: `restarts` or `circuit_opens`."""
+        self._servers[server][event] += 1
+
+    def snapshot(self, reset: bool = False) -> dict[str, float]:
+        """All metrics as a flat dict of floats; `reset` starts a new window (e.g. per training step)."""
+        out: dict[str, float] = {}
+        for name, stats in sorted(self._tools.items()):
+            out.update(_stats_dict(f"tools/{name}", stats, latency=True))
+        out.update(_stats_dict("tools", self._totals, latency=False))
+        for server, events in sorted(self._servers.items()):
+            for event, count in events.items():
+                out[f"tool_servers/{server}/{event}"] = float(count)
+        if reset:
+            self._clear()
+        return out
+
+
+def _stats_dict(prefix: str, stats: _ToolStats, *, latency: bool) -> dict[str, float]:
+    out = {
+        f"{prefix}/calls": float(stats.calls),
+        f"{prefix}/model_errors": float(stats.model_errors),
+        f"{prefix}/infra_errors": float(stats.infra_errors),
+        f"{prefix}/timeouts": float(stats.timeouts),
+    }
+    if latency:
+        out[f"{prefix}/errors"] = float(stats.model_errors + stats.infra_errors)
+        if stats.latencies:
+            p50, p95 = np.percentile(stats.latencies, [50, 95])
+            out[f"{prefix}/latency_s_p50"] = float(p50)
+            out[f"{prefix}/latency_s_p95"] = float(p95)
+    return out

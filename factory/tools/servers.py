@@ -1,0 +1,321 @@
+"""The backends behind tool names: an MCP server (stdio replicas or one HTTP session) and a python function.
+
+Each backend turns `call(tool, arguments)` into a ToolResult and never raises for a tool or server
+problem. It owns the per-server policies of the spec: bounded concurrency, per-call timeout,
+retries with backoff for infrastructure failures only, restart of a server that died, and a
+circuit breaker. Argument validation and naming live one level up, in the ToolBox.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pydantic
+from mcp import types as mcp_types
+from mcp.shared.exceptions import MCPError
+
+from factory.spec.schema import HttpServer, PythonTool, StdioServer
+from factory.tools.connection import (
+    McpConnection,
+    ServerStartError,
+    TransportFactory,
+    http_transport,
+    stdio_transport,
+)
+from factory.tools.metrics import ToolMetrics
+from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
+from factory.tools.results import content_text, infra_error, model_error, value_text
+from factory.types import ToolResult
+
+log = logging.getLogger(__name__)
+
+# Stream errors: the connection under the session is gone (process died, pipe closed, HTTP broke).
+_CONNECTION_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
+
+
+async def with_retries(
+    attempt: Callable[[], Awaitable[tuple[ToolResult, bool]]], retries: int, resilience: Resilience
+) -> ToolResult:
+    """Run `attempt` until it gives a final result, at most `retries` more times, with backoff.
+
+    `attempt` returns (result, retryable); only infrastructure failures are retryable.
+    """
+    for number in range(retries + 1):
+        result, retryable = await attempt()
+        if not retryable or number == retries:
+            return result
+        await asyncio.sleep(backoff_delay(number, resilience.backoff_base_s, resilience.backoff_max_s))
+    raise AssertionError("unreachable")
+
+
+class McpServer:
+    """An MCP server as a managed resource: `replicas` stdio processes, or one HTTP session.
+
+    Calls go to the live replica with the fewest calls in flight; at most `concurrency` calls are in
+    flight over all replicas. A replica whose connection ends is restarted at once (unless the
+    circuit is open); calls that were in flight on it fail with `crash` and are retried on the new
+    process. Retried calls are sent again: set `retries: 0` for tools with side effects.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        spec: StdioServer | HttpServer,
+        *,
+        base_dir: Path | None,
+        resilience: Resilience,
+        metrics: ToolMetrics,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.resilience = resilience
+        self._metrics = metrics
+        self._transport: TransportFactory = (
+            stdio_transport(spec, base_dir) if isinstance(spec, StdioServer) else http_transport(spec)
+        )
+        count = spec.replicas if isinstance(spec, StdioServer) else 1
+        self._replicas = [_Replica(self, index) for index in range(count)]
+        self._slots = asyncio.Semaphore(spec.concurrency)
+        self._breaker = CircuitBreaker(resilience.breaker_threshold, resilience.breaker_cooldown_s)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.tools: list[mcp_types.Tool] = []
+
+    async def start(self) -> None:
+        """Start every replica in parallel; if any fails, stop the others and raise ServerStartError."""
+        results = await asyncio.gather(*(r.start() for r in self._replicas), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self.tools = self._replicas[0].connection.tools if self._replicas[0].connection else []
+
+    async def close(self) -> None:
+        self._closed = True
+        await asyncio.gather(*(r.close() for r in self._replicas), return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        return await with_retries(lambda: self._attempt(tool, arguments), self.spec.retries, self.resilience)
+
+    async def _attempt(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
+        if self._closed:
+            return infra_error(tool, "transport", "Error: the tool servers are shut down."), False
+        if not self._breaker.allow():
+            # Not retryable: the circuit stays open for seconds, a backoff of 0.1 s would not help.
+            text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
+            return infra_error(tool, "circuit_open", text), False
+        async with self._slots:
+            replica = self._pick()
+            try:
+                connection = await replica.get()
+            except ServerStartError as exc:
+                self._breaker_failure()
+                log.warning("%s", exc)
+                return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be started."), True
+            connection.in_flight += 1
+            try:
+                with anyio.fail_after(self.spec.timeout_s):
+                    result = await connection.call_tool(tool, arguments)
+            except TimeoutError:
+                self._breaker.release_probe()
+                return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+            except Exception as exc:  # every other failure is classified, never raised
+                return self._failure(tool, connection, replica, exc)
+            finally:
+                connection.in_flight -= 1
+        self._breaker.record_success()
+        if result.is_error:
+            return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False
+        return ToolResult(tool=tool, text=content_text(result)), False
+
+    def _failure(
+        self, tool: str, connection: McpConnection, replica: _Replica, exc: Exception
+    ) -> tuple[ToolResult, bool]:
+        """Classify an exception from tools/call into a ToolResult and whether to retry it."""
+        if isinstance(exc, MCPError):
+            if exc.code == mcp_types.CONNECTION_CLOSED:
+                replica.lost(connection)
+                return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
+            if exc.code == mcp_types.REQUEST_TIMEOUT:
+                self._breaker.release_probe()
+                return infra_error(tool, "timeout", f"Error: {tool} timed out."), True
+            if exc.code == mcp_types.INVALID_PARAMS:
+                # The server's own validation refused arguments that passed the inputSchema check.
+                self._breaker.record_success()
+                return model_error(tool, "bad_arguments", f"Error: invalid arguments for {tool}: {exc}"), False
+            self._breaker.record_success()  # the server answered; it is alive
+            return infra_error(tool, "transport", f"Error: tool server {self.name!r} answered with an error."), True
+        if isinstance(exc, _CONNECTION_ERRORS):
+            replica.lost(connection)
+            return infra_error(tool, "crash", f"Error: lost the connection to tool server {self.name!r}."), True
+        if isinstance(exc, pydantic.ValidationError):
+            log.warning("tool server %s sent a malformed result for %s: %s", self.name, tool, exc)
+            return infra_error(tool, "transport", f"Error: tool server {self.name!r} sent a malformed result."), True
+        log.warning("tool server %s: %s failed: %r", self.name, tool, exc)
+        return infra_error(tool, "transport", f"Error: the call to {tool} failed ({type(exc).__name__})."), True
+
+    def _pick(self) -> _Replica:
+        """The live replica with the fewest calls in flight; a dead one (to be restarted) if none lives."""
+        live = [r for r in self._replicas if r.connection is not None and r.connection.alive]
+        pool = live or self._replicas
+        return min(pool, key=lambda r: r.connection.in_flight if r.connection is not None else 0)
+
+    def _breaker_failure(self) -> None:
+        if self._breaker.record_failure():
+            self._metrics.server_event(self.name, "circuit_opens")
+            log.warning("tool server %s: circuit opened after repeated failures", self.name)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        """Run a background task (restart, close) that close() will wait for."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # consume errors: they are logged
+
+
+class _Replica:
+    """One process (or HTTP session) of a server: started once, restarted each time it is lost."""
+
+    def __init__(self, server: McpServer, index: int) -> None:
+        self.server = server
+        self.label = f"{server.name}#{index}" if index else server.name
+        self.connection: McpConnection | None = None
+        self._starting: asyncio.Future[McpConnection] | None = None
+        self._starts = 0
+
+    async def start(self) -> McpConnection:
+        return await self.get()
+
+    async def get(self) -> McpConnection:
+        """A live connection, starting one if needed; concurrent callers share one start."""
+        if self.connection is not None and self.connection.alive:
+            return self.connection
+        if self._starting is None or self._starting.done():
+            self._starting = asyncio.ensure_future(self._open())
+            self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
+        # shield: a caller that times out or is cancelled must not cancel the start the others wait on
+        return await asyncio.shield(self._starting)
+
+    async def _open(self) -> McpConnection:
+        connection = McpConnection(self.label, self.server._transport, self.lost)
+        await connection.open(self.server.resilience.start_timeout_s)
+        if self.server._closed:
+            await connection.close()
+            raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
+        self._starts += 1
+        if self._starts > 1:
+            self.server._metrics.server_event(self.server.name, "restarts")
+            log.warning("tool server %s restarted", self.label)
+        self.connection = connection
+        return connection
+
+    def lost(self, connection: McpConnection) -> None:
+        """The connection ended under us: count one failure, close it, restart unless the circuit is open."""
+        if connection is not self.connection:
+            return  # already handled (many in-flight calls fail for one crash)
+        self.connection = None
+        connection.lost = True
+        log.warning("tool server %s: connection lost%s", self.label, connection.stderr_tail())
+        server = self.server
+        server._breaker_failure()
+        server._spawn(connection.close())
+        if not server._closed and server._breaker.state == "closed":
+            server._spawn(self.get())
+
+    async def close(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            await asyncio.gather(self._starting, return_exceptions=True)
+        if self.connection is not None:
+            connection, self.connection = self.connection, None
+            await connection.close()
+
+
+class PythonFunction:
+    """A plain python function called in-process. Sync functions run in a worker thread so a slow one
+    never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end).
+    An exception from the function is the tool's own error (model_error), like an MCP tool's isError.
+    """
+
+    def __init__(self, name: str, spec: PythonTool, *, base_dir: Path | None, resilience: Resilience) -> None:
+        self.name = name
+        self.spec = spec
+        self.resilience = resilience
+        self._base_dir = base_dir
+        self._slots = asyncio.Semaphore(spec.concurrency)
+        self.fn: Callable[..., Any] | None = None
+        self.schema: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        self.fn = load_function(self.spec.function, self._base_dir)
+        self.schema = function_schema(self.fn, self.name)
+
+    async def close(self) -> None:
+        pass  # nothing to release: no process, no session
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        return await with_retries(lambda: self._attempt(tool, arguments), self.spec.retries, self.resilience)
+
+    async def _attempt(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
+        fn = self.fn
+        assert fn is not None, "PythonFunction.start() was not called"
+        async with self._slots:
+            try:
+                with anyio.fail_after(self.spec.timeout_s):
+                    if inspect.iscoroutinefunction(fn):
+                        value = await fn(**arguments)
+                    else:
+                        value = await anyio.to_thread.run_sync(
+                            functools.partial(fn, **arguments), abandon_on_cancel=True
+                        )
+            except TimeoutError:
+                return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+            except Exception as exc:
+                return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
+        return ToolResult(tool=tool, text=value_text(value)), False
+
+
+def load_function(path: str, base_dir: Path | None) -> Callable[..., Any]:
+    """The function named by `module:function`; `base_dir` joins sys.path if the module is not found."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"python tool {path!r}: expected `module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        if base_dir is None or str(base_dir) in sys.path:
+            raise
+        sys.path.insert(0, str(base_dir))
+        module = importlib.import_module(module_name)
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"python tool {path!r} is not callable")
+    return fn
+
+
+def function_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:
+    """The OpenAI/HF function-tool schema of `fn`, from its type hints and Google-style docstring.
+
+    Uses transformers' `get_json_schema` (what `apply_chat_template(tools=[fn])` and TRL use), so
+    a function documents itself the same way everywhere: every argument needs a type hint and an
+    `Args:` line. The tool's name is its key in the spec, not the function's name.
+    """
+    from transformers.utils import get_json_schema  # lazy: transformers is heavy and only python tools need it
+
+    schema = get_json_schema(fn)
+    schema["function"]["name"] = name
+    schema["function"].pop("return", None)
+    return schema

@@ -1,0 +1,260 @@
+"""ToolBox: every tool of a spec behind one async `call`, for the rollout and the driver.
+
+Naming rule. The spec's `tools:` maps a SERVER name to a server; a server exposes several tools. A
+tool is offered to the model under its own name when no other server has a tool of that name, else
+as `<server>__<tool>`; `<server>__<tool>` is always accepted in calls too. A python tool is one
+tool whose name is its key in the spec.
+
+Failures, kept apart. model_error (the model's fault, shown to it and trained on): unknown_tool,
+parse_error (the call's JSON did not parse), bad_arguments (fails the tool's inputSchema, checked
+here with jsonschema before anything is sent), tool_error (the tool's own isError, or a python tool
+that raised). infra_error (ours; the spec decides if the trajectory trains): timeout, crash,
+transport, circuit_open.
+
+Event loop. A ToolBox belongs to the event loop that ran `start()` (the rollout actor's); call it
+only from that loop. All its calls run concurrently, bounded only by each server's `concurrency`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
+
+from factory.spec.schema import PythonTool, ToolSpec
+from factory.tools.metrics import ToolMetrics
+from factory.tools.resilience import Resilience
+from factory.tools.results import infra_error, model_error, truncate_middle
+from factory.tools.servers import McpServer, PythonFunction
+from factory.types import ToolCall, ToolResult
+
+log = logging.getLogger(__name__)
+
+QUALIFIER = "__"
+
+Backend = McpServer | PythonFunction
+
+
+@dataclass(frozen=True)
+class ToolEntry:
+    """One tool as offered to the model."""
+
+    offered: str  # the name the model calls
+    server: str  # key in the spec's `tools:`
+    tool: str  # the name the server knows it by
+    description: str
+    input_schema: dict[str, Any]
+
+
+class ToolBox:
+    """The tools of one spec: MCP servers (stdio, streamable HTTP) and python functions."""
+
+    def __init__(self, backends: Mapping[str, Backend], metrics: ToolMetrics) -> None:
+        self._backends = dict(backends)
+        self._metrics = metrics
+        self._entries: list[ToolEntry] = []
+        self._routes: dict[str, ToolEntry] = {}
+        self._validators: dict[str, Any] = {}
+        self._started = False
+        self._closed = False
+
+    @classmethod
+    def from_spec(
+        cls, tools: Mapping[str, ToolSpec], *, base_dir: Path | None = None, resilience: Resilience | None = None
+    ) -> ToolBox:
+        """Build, without side effects: nothing is started, imported or connected until `start()`."""
+        resilience = resilience or Resilience()
+        metrics = ToolMetrics()
+        backends: dict[str, Backend] = {}
+        for name, spec in tools.items():
+            if QUALIFIER in name:
+                raise ValueError(f"tool server name {name!r} must not contain {QUALIFIER!r} (it joins server and tool)")
+            if isinstance(spec, PythonTool):
+                backends[name] = PythonFunction(name, spec, base_dir=base_dir, resilience=resilience)
+            else:
+                backends[name] = McpServer(name, spec, base_dir=base_dir, resilience=resilience, metrics=metrics)
+        return cls(backends, metrics)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start every server in parallel, initialize sessions, list and check tools.
+
+        Raises (after stopping whatever did start) if a server fails to start, lists no tool that
+        `allowed_tools` names, or a python tool cannot be imported or described.
+        """
+        if self._started:
+            return
+        names = list(self._backends)
+        results = await asyncio.gather(*(self._backends[n].start() for n in names), return_exceptions=True)
+        failures = [(n, r) for n, r in zip(names, results) if isinstance(r, BaseException)]
+        try:
+            if failures:
+                raise ToolStartError("; ".join(f"{n}: {e}" for n, e in failures)) from failures[0][1]
+            self._entries = offered_tools(self._listings())
+            self._routes = routes(self._entries)
+            self._validators = {e.offered: compile_validator(e) for e in self._entries}
+        except BaseException:
+            await self.close()
+            raise
+        self._started = True
+
+    async def close(self) -> None:
+        """Stop every server (no orphan processes). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(b.close() for b in self._backends.values()), return_exceptions=True)
+
+    async def __aenter__(self) -> ToolBox:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # -------------------------------------------------------------------------------------- listing
+    def _listings(self) -> dict[str, list[tuple[str, str, dict[str, Any]]]]:
+        """server -> [(tool, description, inputSchema)] of the allowed tools, checking allowed_tools."""
+        out: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+        for name, backend in self._backends.items():
+            if isinstance(backend, PythonFunction):
+                fn = backend.schema["function"]
+                tools = [(name, fn.get("description") or "", fn["parameters"])]
+            else:
+                tools = [(t.name, t.description or "", t.input_schema) for t in backend.tools]
+            allowed = backend.spec.allowed_tools
+            if allowed is not None:
+                missing = sorted(set(allowed) - {t[0] for t in tools})
+                if missing:
+                    have = ", ".join(t[0] for t in tools)
+                    raise ToolStartError(f"{name}: allowed_tools names unknown tool(s) {missing}; the server has: {have}")
+                tools = [t for t in tools if t[0] in allowed]
+            out[name] = tools
+        return out
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The offered tools in the OpenAI/HF function-tool format that chat templates take."""
+        return [
+            {"type": "function", "function": {"name": e.offered, "description": e.description, "parameters": e.input_schema}}
+            for e in self._entries
+        ]
+
+    def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
+        """server -> [{name, offered_as, description, inputSchema}] of the offered tools (for check and the Plan)."""
+        listing: dict[str, list[dict[str, Any]]] = {name: [] for name in self._backends}
+        for e in self._entries:
+            listing[e.server].append(
+                {"name": e.tool, "offered_as": e.offered, "description": e.description, "inputSchema": e.input_schema}
+            )
+        return listing
+
+    # ---------------------------------------------------------------------------------------- calls
+    async def call(self, call: ToolCall) -> ToolResult:
+        """Run one call from the model. Never raises for tool or server problems: every failure is a
+        ToolResult with status model_error/infra_error and an error_kind; text is cut to the server's
+        `max_result_chars`; latency_s is the whole time the caller waited (queueing and retries included).
+        """
+        started = time.perf_counter()
+        entry = self._routes.get(call.name)
+        result = await self._dispatch(call, entry)
+        if entry is not None:
+            result.text = truncate_middle(result.text, self._backends[entry.server].spec.max_result_chars)
+            result.tool = entry.offered
+        result.latency_s = time.perf_counter() - started
+        self._metrics.record(entry.offered if entry else None, result)
+        return result
+
+    async def call_many(self, calls: Iterable[ToolCall]) -> list[ToolResult]:
+        """The calls of one turn, run concurrently; results in the order of the calls."""
+        return list(await asyncio.gather(*(self.call(c) for c in calls)))
+
+    async def _dispatch(self, call: ToolCall, entry: ToolEntry | None) -> ToolResult:
+        if not self._started or self._closed:
+            return infra_error(call.name, "transport", "Error: the tools are not running.")
+        if entry is None:
+            available = ", ".join(e.offered for e in self._entries)
+            return model_error(call.name, "unknown_tool", f"Error: unknown tool {call.name!r}. Available tools: {available}.")
+        if call.arguments is None:
+            reason = f": {call.parse_error}" if call.parse_error else ""
+            return model_error(entry.offered, "parse_error", f"Error: the arguments of {entry.offered} are not valid JSON{reason}.")
+        problem = argument_problem(self._validators[entry.offered], call.arguments)
+        if problem is not None:
+            return model_error(entry.offered, "bad_arguments", f"Error: invalid arguments for {entry.offered}: {problem}")
+        try:
+            return await self._backends[entry.server].call(entry.tool, call.arguments)
+        except Exception as exc:  # a bug of ours must not end a rollout: count it as infrastructure
+            log.exception("tool call %s failed unexpectedly", entry.offered)
+            return infra_error(entry.offered, "transport", f"Error: the call to {entry.offered} failed ({type(exc).__name__}).")
+
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """Per-tool calls, model_errors, infra_errors, timeouts, errors, latency_s_p50/p95, and totals."""
+        return self._metrics.snapshot(reset=reset)
+
+
+class ToolStartError(RuntimeError):
+    """The tools could not be started; the message names each server that failed and why."""
+
+
+# ------------------------------------------------------------------------------------ pure helpers
+def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]]) -> list[ToolEntry]:
+    """Name each tool for the model: its own name when unique across servers, else `server__tool`."""
+    counts = Counter(tool for tools in listings.values() for tool, _, _ in tools)
+    return [
+        ToolEntry(
+            offered=tool if counts[tool] == 1 else f"{server}{QUALIFIER}{tool}",
+            server=server,
+            tool=tool,
+            description=description,
+            input_schema=schema,
+        )
+        for server, tools in listings.items()
+        for tool, description, schema in tools
+    ]
+
+
+def routes(entries: Iterable[ToolEntry]) -> dict[str, ToolEntry]:
+    """Every name a call may use: the offered name and, always, `server__tool`."""
+    table: dict[str, ToolEntry] = {}
+    for e in entries:
+        table[f"{e.server}{QUALIFIER}{e.tool}"] = e
+    for e in entries:
+        table[e.offered] = e  # an offered name wins over a qualified one that happens to equal it
+    return table
+
+
+def compile_validator(entry: ToolEntry) -> Any | None:
+    """A jsonschema validator for the tool's inputSchema (its declared draft, else 2020-12, MCP's default).
+
+    A schema that is itself invalid is reported and not enforced: the server will judge the arguments.
+    """
+    cls = jsonschema.validators.validator_for(entry.input_schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(entry.input_schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        log.warning("tool %s has an invalid inputSchema, arguments are not checked: %s", entry.offered, exc.message)
+        return None
+    return cls(entry.input_schema)
+
+
+def argument_problem(validator: Any | None, arguments: Any) -> str | None:
+    """Why `arguments` do not fit the schema (one readable sentence), or None when they do."""
+    if not isinstance(arguments, dict):
+        return f"expected a JSON object of arguments, got {type(arguments).__name__}"
+    if validator is None:
+        return None
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"{error.message}" + (f" (at {where})" if where else "")
