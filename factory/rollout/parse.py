@@ -1,0 +1,63 @@
+"""Tool calls parsed from model text in the Hermes / Qwen format.
+
+    <tool_call>
+    {"name": "add", "arguments": {"a": 1, "b": 2}}
+    </tool_call>
+
+Parsing never raises: a call the model wrote badly becomes a ToolCall with `arguments=None` and a
+`parse_error` that the agent loop answers to the model as an error observation (the model learns from
+it, and a reward can count it).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from factory.types import ToolCall
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+# Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
+_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """All calls in `text`, in order; an unclosed `<tool_call>` at the end is one malformed call."""
+    calls = [parse_one(m.group(1)) for m in _BLOCK.finditer(text)]
+    # Whatever follows the last closed block: an opening marker there was never closed (the model ran
+    # out of tokens or forgot the marker).
+    last_end = max((m.end() for m in _BLOCK.finditer(text)), default=0)
+    tail = text[last_end:]
+    if OPEN in tail:
+        raw = tail[tail.index(OPEN) + len(OPEN):]
+        calls.append(_malformed(raw, f"unclosed {OPEN}: no {CLOSE} after it"))
+    return calls
+
+
+def parse_one(raw: str) -> ToolCall:
+    """One call from the text between the markers: a JSON object with `name` and `arguments`."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return _malformed(raw, f"invalid JSON: {e}")
+    if not isinstance(obj, dict):
+        return _malformed(raw, f"expected a JSON object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return _malformed(raw, 'missing "name" (a string)')
+    args = obj.get("arguments", {})  # a tool without parameters may be called without "arguments"
+    if isinstance(args, str):
+        # Some models (and OpenAI's wire format) give the arguments as a JSON-encoded string.
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return ToolCall(name=name, arguments=None, raw=raw, parse_error=f'"arguments" string is not JSON: {e}')
+    if not isinstance(args, dict):
+        return ToolCall(name=name, arguments=None, raw=raw,
+                        parse_error=f'"arguments" must be a JSON object, got {type(args).__name__}')
+    return ToolCall(name=name, arguments=args, raw=raw)
+
+
+def _malformed(raw: str, error: str) -> ToolCall:
+    m = _NAME.search(raw)
+    return ToolCall(name=m.group(1) if m else "?", arguments=None, raw=raw, parse_error=error)
