@@ -1,0 +1,390 @@
+"""Hand-worked tests for factory.algorithms: small float64 tensors, the expected numbers written out with
+their arithmetic in comments (torchtune style)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from factory import algorithms as A
+from factory.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS, Registry,
+                                dynamic_sampling_keep, kl_reward_penalty, minibatches, overlong_filter_mask,
+                                overlong_penalty, policy_objective, resolve)
+from factory.spec.schema import AlgorithmSpec, KLSpec, OverlongSpec
+
+E = math.e
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+def t(x, dtype=torch.float64):
+    return torch.tensor(x, dtype=dtype)
+
+
+def close(got, want, atol=1e-6):
+    torch.testing.assert_close(got, t(want) if not isinstance(want, torch.Tensor) else want, rtol=0, atol=atol)
+
+
+# -------------------------------------------------------------------------------------------- registry
+def test_registry_refuses_duplicates_and_lists_known_names_for_unknown():
+    reg = Registry("widget")
+
+    @reg.register("b")
+    def b():
+        return "b"
+
+    reg.register("a")(lambda: "a")
+    assert reg["b"] is b and "a" in reg and "c" not in reg
+    assert reg.names() == ["a", "b"]  # sorted
+    with pytest.raises(ValueError, match="widget 'b' is already registered"):
+        reg.register("b")(lambda: None)
+    with pytest.raises(KeyError) as err:
+        reg["c"]
+    assert str(err.value) == "unknown widget 'c'; known: a, b"
+
+
+def test_real_registries_refuse_a_second_grpo():
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        ADVANTAGES.register("grpo")(lambda *a, **k: None)
+
+
+# Every registered function has a hand-worked test below; a new one must add its own.
+HAND_WORKED = {
+    "advantage": {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "mean_baseline"},
+    "policy loss": {"ppo_clip", "dual_clip", "gspo", "cispo"},
+    "aggregation": {"token_mean", "seq_mean_token_mean", "seq_sum_norm"},
+    "KL estimator": {"k1", "k2", "k3"},
+}
+
+
+def test_every_registered_function_is_hand_worked_here():
+    for reg in (ADVANTAGES, POLICY_LOSSES, AGGREGATIONS, KL_ESTIMATORS):
+        assert set(reg.names()) == HAND_WORKED[reg.kind]
+
+
+# ------------------------------------------------------------------------------------------ advantages
+# Interleaved groups: group 0 = samples 0, 2 (rewards 1, 3); group 1 = samples 1, 3 (0, 2); group 2 =
+# samples 4, 5 (5, 5: no spread). Groups 0 and 1: mean 2 and 1, deviations -1, +1,
+# unbiased std = sqrt((1 + 1) / (2 - 1)) = sqrt(2).
+R = [1.0, 0.0, 3.0, 2.0, 5.0, 5.0]
+G = [0, 1, 0, 1, 2, 2]
+
+
+def test_grpo_advantage_group_mean_and_std():
+    s = 1 / math.sqrt(2)  # deviation 1 / std sqrt(2)
+    close(ADVANTAGES["grpo"](t(R), torch.tensor(G), eps=1e-6), [-s, -s, s, s, 0.0, 0.0])
+
+
+def test_grpo_advantage_zero_for_near_constant_and_single_groups():
+    # group 0: std of (1, 1 + 1e-9) = 7e-10 < eps 1e-6 -> 0, not +-0.707 amplified noise; group 1: one sample.
+    close(ADVANTAGES["grpo"](t([1.0, 1.0 + 1e-9, 4.0]), torch.tensor([0, 0, 1]), eps=1e-6), [0.0, 0.0, 0.0])
+
+
+def test_dr_grpo_advantage_no_std_scaling():
+    # r - group mean: 1-2, 0-1, 3-2, 2-1, 5-5, 5-5
+    close(ADVANTAGES["dr_grpo"](t(R), torch.tensor(G), eps=1e-6), [-1.0, -1.0, 1.0, 1.0, 0.0, 0.0])
+
+
+def test_rloo_advantage_leave_one_out():
+    # one group of 3 (0, 3, 6): 0 - (3+6)/2 = -4.5; 3 - (0+6)/2 = 0; 6 - (0+3)/2 = 4.5.
+    # A second group (2, 2) has no spread -> 0.
+    got = ADVANTAGES["rloo"](t([0.0, 2.0, 3.0, 2.0, 6.0]), torch.tensor([9, 4, 9, 4, 9]), eps=1e-6)
+    close(got, [-4.5, 0.0, 0.0, 0.0, 4.5])
+
+
+def test_reinforce_pp_advantage_batch_normalised():
+    # batch (0, 1, 2, 5): mean 2, deviations (-2, -1, 0, 3), squares 4+1+0+9 = 14, std = sqrt(14/3).
+    s = math.sqrt(14 / 3)
+    got = ADVANTAGES["reinforce_pp"](t([0.0, 1.0, 2.0, 5.0]), torch.tensor([0, 0, 1, 1]), eps=1e-6)
+    close(got, [-2 / s, -1 / s, 0.0, 3 / s])
+    close(ADVANTAGES["reinforce_pp"](t([2.0, 2.0]), torch.tensor([0, 1]), eps=1e-6), [0.0, 0.0])
+
+
+def test_reinforce_pp_baseline_group_centred_then_batch_std():
+    # group-centred = (-1, -1, 1, 1, 0, 0), batch mean 0, std = sqrt(4 / 5): 1/sqrt(0.8) = 1.1180;
+    # the flat group stays exactly 0.
+    s = 1 / math.sqrt(0.8)
+    close(ADVANTAGES["reinforce_pp_baseline"](t(R), torch.tensor(G), eps=1e-6), [-s, -s, s, s, 0.0, 0.0])
+
+
+def test_mean_baseline_advantage_batch_mean():
+    # batch mean of (0, 1, 2, 5) = 2 -> (-2, -1, 0, 3), whatever the groups
+    close(ADVANTAGES["mean_baseline"](t([0.0, 1.0, 2.0, 5.0]), torch.tensor([0, 0, 0, 0]), eps=1e-6),
+          [-2.0, -1.0, 0.0, 3.0])
+    close(ADVANTAGES["mean_baseline"](t([3.0, 3.0]), torch.tensor([0, 1]), eps=1e-6), [0.0, 0.0])
+
+
+# --------------------------------------------------------------------------------------- policy losses
+# Four one-token sequences plus a padding column whose log-probs are -inf (padding must not make nan).
+#   row 0: log ratio +1 -> r = e = 2.718, A = +1: clip_high 0.28 -> -min(e, 1.28) = -1.28 (clipped high)
+#   row 1: r = e,           A = -1: -min(-e, -1.28) = e = 2.71828 (pessimistic side: not clipped)
+#   row 2: r = 1/e = 0.368, A = -1: -min(-0.368, -0.8) = 0.8 (clipped low)
+#   row 3: r = 1/e,         A = +1: -min(0.368, 0.8) = -0.36788
+LOGP = [[-1.0, -math.inf], [-1.0, -math.inf], [-2.0, -math.inf], [-2.0, -math.inf]]
+OLD = [[-2.0, 0.0], [-2.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]]
+ADV = [1.0, -1.0, -1.0, 1.0]
+MASK = [[1, 0], [1, 0], [1, 0], [1, 0]]
+
+
+def test_ppo_clip_asymmetric_bounds():
+    logp = t(LOGP).requires_grad_()
+    loss, stats = POLICY_LOSSES["ppo_clip"](logp, t(OLD), t(ADV), t(MASK), clip_low=0.2, clip_high=0.28,
+                                            dual_clip_c=None)
+    close(loss[:, 0], [-1.28, E, 0.8, -1 / E])
+    assert torch.isfinite(loss).all()
+    close(stats["clip_frac_low"], 0.25)  # row 2 of 4 tokens
+    close(stats["clip_frac_high"], 0.25)  # row 0
+    # k3 of KL(old||new) = r - 1 - log r: (e - 2) for rows 0, 1 and (1/e - 1 + 1) for rows 2, 3
+    close(stats["approx_kl"], (2 * (E - 2) + 2 / E) / 4)
+    loss[:, 0].sum().backward()
+    # d/dlogp of -A*r = -A*r where not clipped: row 1: e; row 3: -1/e; clipped rows 0, 2: 0; padding 0
+    close(logp.grad[:, 0], [0.0, E, 0.0, -1 / E])
+    close(logp.grad[:, 1], [0.0, 0.0, 0.0, 0.0])
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # row 0: r = e^2 = 7.389, A = -1: PPO loss 7.389 -> capped at c*|A| = 3 (no gradient)
+    # row 1: r = e = 2.718,   A = -1: 2.718 < 3 -> unchanged
+    # row 2: r = e^2,         A = +1: -min(7.389, 1.2) = -1.2 (positive A: dual clip does not apply)
+    logp = t([[0.0], [0.0], [0.0]]).requires_grad_()
+    args = (logp, t([[-2.0], [-1.0], [-2.0]]), t([-1.0, -1.0, 1.0]), t([[1], [1], [1]]))
+    loss, stats = POLICY_LOSSES["dual_clip"](*args, clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    close(loss[:, 0], [3.0, E, -1.2])
+    close(stats["clip_frac_dual"], 1 / 3)
+    loss.sum().backward()
+    close(logp.grad[:, 0], [0.0, E, 0.0])
+    # dual_clip's c defaults to verl's 3; ppo_clip without c leaves row 0 at e^2
+    close(POLICY_LOSSES["dual_clip"](*args, clip_low=0.2, clip_high=0.2, dual_clip_c=None)[0][:, 0],
+          [3.0, E, -1.2])
+    close(POLICY_LOSSES["ppo_clip"](*args, clip_low=0.2, clip_high=0.2, dual_clip_c=None)[0][:, 0],
+          [E**2, E, -1.2])
+
+
+def test_gspo_sequence_ratio_with_stop_gradient():
+    # row 0: log ratios (0.2, 0.4), mean 0.3 -> s = e^0.3 = 1.3499 > 1.2, A = +1: every token -1.2, clipped
+    # row 1: log ratios (0.1, -0.1, pad), mean 0 -> s = 1, A = -1: every token +1
+    logp = t([[0.2, 0.4, 0.0], [0.1, -0.1, 0.0]]).requires_grad_()
+    mask = t([[1, 1, 0], [1, 1, 0]])
+    loss, stats = POLICY_LOSSES["gspo"](logp, torch.zeros(2, 3, dtype=torch.float64), t([1.0, -1.0]), mask,
+                                        clip_low=0.2, clip_high=0.2, dual_clip_c=None)
+    close(loss * mask, [[-1.2, -1.2, 0.0], [1.0, 1.0, 0.0]])
+    close(stats["clip_frac_high"], 0.5)  # both tokens of row 0, of 4
+    agg = AGGREGATIONS["seq_mean_token_mean"](loss, mask, num_tokens=4.0, num_seqs=2.0, max_len=3)
+    close(agg, (-1.2 + 1.0) / 2)  # -0.1
+    agg.backward()
+    # row 1: loss = -A*s, ds/dlogp_t = s/|y| = 1/2, over num_seqs 2 -> 0.25 per token; row 0 clipped -> 0
+    close(logp.grad, [[0.0, 0.0, 0.0], [0.25, 0.25, 0.0]])
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    # log ratios (1, 0): weights min(e, 1.28) = 1.28 and 1; A = 2; logp (-0.5, -2):
+    # loss = -w*A*logp = (-1.28*2*-0.5, -1*2*-2) = (1.28, 4); gradient -w*A = (-2.56, -2): the clipped
+    # token still trains (PPO-clip would give it 0).
+    logp = t([[-0.5, -2.0]]).requires_grad_()
+    loss, stats = POLICY_LOSSES["cispo"](logp, t([[-1.5, -2.0]]), t([2.0]), t([[1, 1]]), clip_low=1.0,
+                                         clip_high=0.28, dual_clip_c=None)
+    close(loss, [[1.28, 4.0]])
+    close(stats["clip_frac_high"], 0.5)
+    loss.sum().backward()
+    close(logp.grad, [[-2.56, -2.0]])
+
+
+# ---------------------------------------------------------------------------------------- aggregations
+V = [[1.0, 2.0, math.nan], [4.0, 5.0, 6.0]]  # the nan sits on padding and must not leak
+M = [[1, 1, 0], [1, 0, 0]]
+
+
+def test_token_mean():
+    # (1 + 2 + 4) / 3 tokens = 7/3; with the mini-batch holding 6 tokens: 7/6
+    close(AGGREGATIONS["token_mean"](t(V), t(M), num_tokens=3.0, num_seqs=2.0, max_len=4), 7 / 3)
+    close(AGGREGATIONS["token_mean"](t(V), t(M), num_tokens=6.0, num_seqs=2.0, max_len=4), 7 / 6)
+
+
+def test_seq_mean_token_mean():
+    # row means (1+2)/2 = 1.5 and 4/1 = 4 -> (1.5 + 4) / 2 sequences = 2.75
+    close(AGGREGATIONS["seq_mean_token_mean"](t(V), t(M), num_tokens=3.0, num_seqs=2.0, max_len=4), 2.75)
+
+
+def test_seq_sum_norm():
+    # (1 + 2 + 4) / (2 sequences * budget 4) = 7/8
+    close(AGGREGATIONS["seq_sum_norm"](t(V), t(M), num_tokens=3.0, num_seqs=2.0, max_len=4), 0.875)
+
+
+@pytest.mark.parametrize("name", ["token_mean", "seq_mean_token_mean", "seq_sum_norm"])
+def test_aggregations_sum_over_micro_batches(name):
+    # one row per micro-batch, normalised by the mini-batch's totals, sums to the mini-batch value
+    fn, norm = AGGREGATIONS[name], {"num_tokens": 3.0, "num_seqs": 2.0, "max_len": 4}
+    whole = fn(t(V), t(M), **norm)
+    parts = fn(t(V)[:1], t(M)[:1], **norm) + fn(t(V)[1:], t(M)[1:], **norm)
+    close(parts, whole)
+
+
+# ------------------------------------------------------------------------------------------------ KL
+def test_kl_estimators():
+    # token 0: logp 0, ref -1 -> log r = ref - logp = -1; token 1: logp -1, ref 0 -> log r = +1
+    logp, ref = t([[0.0, -1.0]]), t([[-1.0, 0.0]])
+    close(KL_ESTIMATORS["k1"](logp, ref), [[1.0, -1.0]])  # -log r
+    close(KL_ESTIMATORS["k2"](logp, ref), [[0.5, 0.5]])  # (log r)^2 / 2
+    close(KL_ESTIMATORS["k3"](logp, ref), [[1 / E, E - 2]])  # r - 1 - log r: e^-1 - 1 + 1, e - 1 - 1
+
+
+def test_kl_reward_penalty_sums_over_model_tokens():
+    # row 0 k3 = 1/e + (e - 2) = 1.08616 -> 1 - 0.1 * 1.08616 = 0.891384; row 1: KL 0 (its second token
+    # is masked: a tool token, whatever its log-probs) -> 2
+    logp, ref = t([[0.0, -1.0], [0.0, -5.0]]), t([[-1.0, 0.0], [0.0, 0.0]])
+    got = kl_reward_penalty(t([1.0, 2.0]), logp, ref, t([[1, 1], [1, 0]]), coef=0.1, estimator="k3")
+    close(got, [1 - 0.1 * (1 / E + E - 2), 2.0])
+
+
+# -------------------------------------------------------------------------------------- DAPO extras
+def test_dynamic_sampling_keeps_groups_with_spread():
+    # groups (1, 1) and (0, 0) agree -> dropped; (0, 1) keeps both
+    got = dynamic_sampling_keep(t([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2]), 1e-6)
+    assert got.tolist() == [False, False, True, True, False, False]
+
+
+def test_overlong_penalty_dapo_formula():
+    # budget 100, buffer 20: penalty starts after 80; exceed = len - 80 = (-10, 0, 10, 20, 40)
+    # -> -clamp(exceed / 20, 0, 1) = (0, 0, -0.5, -1, -1), times penalty 0.5
+    got = overlong_penalty(torch.tensor([70, 80, 90, 100, 120]), max_len=100, buffer=20, penalty=0.5)
+    close(got.double(), [0.0, 0.0, -0.25, -0.5, -0.5])
+    assert overlong_penalty(torch.tensor([120]), max_len=100, buffer=0, penalty=1.0).tolist() == [0.0]
+
+
+def test_overlong_filter_drops_truncated_trajectories_from_the_loss():
+    got = overlong_filter_mask(torch.tensor([[1, 1], [1, 0]]), torch.tensor([False, True]))
+    assert got.tolist() == [[1, 1], [0, 0]]
+
+
+# ------------------------------------------------------------------------------------- update helpers
+def test_minibatches_partition_and_seed():
+    parts = minibatches(10, 3, seed=7)
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert sorted(torch.cat(parts).tolist()) == list(range(10))
+    assert all(torch.equal(a, b) for a, b in zip(parts, minibatches(10, 3, seed=7)))
+    assert not torch.equal(torch.cat(parts), torch.cat(minibatches(10, 3, seed=8)))
+    with pytest.raises(ValueError, match="mini_batches must be in"):
+        minibatches(2, 3, seed=0)
+
+
+def _bnpo(**kw):
+    return resolve(AlgorithmSpec(name="bnpo", clip=(0.2, 0.28), **kw))
+
+
+def test_policy_objective_adds_kl_and_subtracts_entropy():
+    # the ppo_clip rows above: (-1.28 + e + 0.8 - 1/e) / 4 tokens = 1.8704 / 4 = 0.46760 (token mean)
+    # + 0.1 * k1 (ref = logp - 0.5 on every model token: KL 0.5) = +0.05
+    # - 0.01 * token-mean entropy (1 + 2 + 3 + 4) / 4 = 2.5 -> -0.025
+    alg = _bnpo(kl=KLSpec(coef=0.1, estimator="k1"), entropy_coef=0.01)
+    logp = t(LOGP)
+    ref = torch.where(t(MASK).bool(), logp - 0.5, 0.0)
+    ent = t([[1.0, 9.0], [2.0, 9.0], [3.0, 9.0], [4.0, 9.0]])
+    pg = (-1.28 + E + 0.8 - 1 / E) / 4
+    loss, stats = policy_objective(alg, logp, t(OLD), t(ADV), t(MASK), ref_logp=ref, entropy=ent,
+                                   num_tokens=4.0, num_seqs=4.0, max_len=2)
+    close(loss, pg + 0.1 * 0.5 - 0.01 * 2.5)
+    close(stats["pg_loss"], pg)
+    close(stats["kl"], 0.5)
+    close(stats["entropy"], 2.5)
+
+
+def test_policy_objective_stats_are_micro_batch_shares():
+    # rows 0-1 and rows 2-3 as two micro-batches of a 4-token mini-batch: each clip fraction (1/4) and
+    # the loss come out the same when summed
+    alg = _bnpo()
+    norm = {"num_tokens": 4.0, "num_seqs": 4.0, "max_len": 2}
+    whole = policy_objective(alg, t(LOGP), t(OLD), t(ADV), t(MASK), **norm)
+    halves = [policy_objective(alg, t(LOGP)[h], t(OLD)[h], t(ADV)[h], t(MASK)[h], **norm)
+              for h in (slice(0, 2), slice(2, 4))]
+    close(halves[0][0] + halves[1][0], whole[0])
+    for key in ("pg_loss", "clip_frac_low", "clip_frac_high", "approx_kl"):
+        close(halves[0][1][key] + halves[1][1][key], whole[1][key])
+    close(whole[1]["clip_frac_low"], 0.25)
+
+
+def test_policy_objective_kl_needs_ref_and_reward_mode_leaves_loss_alone():
+    args = (t(LOGP), t(OLD), t(ADV), t(MASK))
+    norm = {"num_tokens": 4.0, "num_seqs": 4.0, "max_len": 2}
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        policy_objective(_bnpo(kl=KLSpec(coef=0.1)), *args, **norm)
+    plain = policy_objective(_bnpo(), *args, **norm)[0]
+    in_reward = policy_objective(_bnpo(kl=KLSpec(coef=0.1, apply="reward")), *args, ref_logp=t(LOGP) - 1, **norm)
+    close(in_reward[0], plain)
+    assert "kl" not in in_reward[1]
+
+
+# -------------------------------------------------------------------------------------------- resolve
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo", "rloo", "reinforce_pp",
+                                  "reinforce_pp_baseline", "mean_baseline"])
+def test_every_preset_resolves_to_known_names(name):
+    alg = resolve(AlgorithmSpec(name=name))
+    assert alg.name == name
+    assert alg.advantage in ADVANTAGES and alg.loss in POLICY_LOSSES and alg.aggregation in AGGREGATIONS
+    assert alg.kl_estimator in KL_ESTIMATORS and not alg.needs_reference
+
+
+def test_presets_set_what_their_papers_set():
+    assert set(PRESETS) >= {"grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo", "rloo", "reinforce_pp",
+                            "mean_baseline"}
+    grpo, dr, dapo = resolve(AlgorithmSpec(name="grpo")), resolve(AlgorithmSpec(name="dr_grpo")), \
+        resolve(AlgorithmSpec(name="dapo"))
+    assert (grpo.advantage, grpo.aggregation, grpo.clip_low, grpo.clip_high) == ("grpo", "seq_mean_token_mean",
+                                                                              0.2, 0.2)
+    assert (dr.advantage, dr.aggregation) == ("dr_grpo", "seq_sum_norm")
+    assert (dapo.aggregation, dapo.clip_high, dapo.dynamic_sampling) == ("token_mean", 0.28, True)
+    assert resolve(AlgorithmSpec(name="gspo")).loss == "gspo"
+    cispo = resolve(AlgorithmSpec(name="cispo"))
+    assert (cispo.loss, cispo.clip_low, cispo.clip_high) == ("cispo", 1.0, 4.0)  # weight in [0, 5]
+    assert resolve(AlgorithmSpec(name="reinforce_pp")).kl_apply == "reward"
+
+
+def test_explicit_fields_override_the_preset():
+    alg = resolve(AlgorithmSpec.model_validate({
+        "name": "dapo", "clip": [0.1, 0.3], "dynamic_sampling": False, "aggregation": "seq_mean_token_mean",
+        "loss": "dual_clip", "kl": {"coef": 0.05, "apply": "loss"}, "epochs": 2, "mini_batches": 4,
+        "overlong": {"filter": True, "buffer": 16, "penalty": 0.5}, "entropy_coef": 0.001,
+    }))
+    assert (alg.clip_low, alg.clip_high, alg.dynamic_sampling, alg.aggregation) == (0.1, 0.3, False,
+                                                                                     "seq_mean_token_mean")
+    assert alg.loss == "dual_clip" and alg.dual_clip_c == 3.0  # verl's default c for dual clip
+    assert (alg.kl_coef, alg.kl_apply, alg.needs_reference) == (0.05, "loss", True)
+    assert (alg.epochs, alg.mini_batches, alg.entropy_coef) == (2, 4, 0.001)
+    assert (alg.overlong_filter, alg.overlong_buffer, alg.overlong_penalty) == (True, 16, 0.5)
+    # an explicit kl.apply beats the preset's (reinforce_pp puts KL in the reward)
+    assert resolve(AlgorithmSpec.model_validate({"name": "reinforce_pp", "kl": {"apply": "loss"}})).kl_apply \
+        == "loss"
+
+
+def test_resolve_names_the_bad_value_and_lists_known_names():
+    with pytest.raises(KeyError) as err:
+        resolve(AlgorithmSpec(name="grpoo"))
+    assert str(err.value) == ("unknown algorithm 'grpoo'; known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
+                              "mean_baseline, reinforce_pp, reinforce_pp_baseline, rloo")
+    with pytest.raises(KeyError) as err:
+        resolve(AlgorithmSpec(loss="ppo"))
+    assert str(err.value) == "algorithm.loss: unknown policy loss 'ppo'; known: cispo, dual_clip, gspo, ppo_clip"
+    with pytest.raises(KeyError, match="algorithm.advantage: unknown advantage 'gae'"):
+        resolve(AlgorithmSpec(advantage="gae"))
+
+
+def test_resolve_rejects_bad_numbers():
+    with pytest.raises(ValueError, match=r"algorithm.dual_clip_c: must be > 1, got 0.5"):
+        resolve(AlgorithmSpec(dual_clip_c=0.5))
+    with pytest.raises(ValueError, match=r"algorithm.epochs: must be >= 1, got 0"):
+        resolve(AlgorithmSpec(epochs=0))
+    with pytest.raises(ValueError, match=r"algorithm.clip: bounds must be >= 0"):
+        resolve(AlgorithmSpec(clip=(-0.1, 0.2)))
+    with pytest.raises(ValueError, match=r"algorithm.overlong.buffer: must be >= 0"):
+        resolve(AlgorithmSpec(overlong=OverlongSpec(buffer=-1)))
+
+
+def test_module_is_float64_safe():
+    # the whole objective keeps float64 (the parity tests compare to 1e-6 and rely on it)
+    loss, stats = policy_objective(_bnpo(), t(LOGP), t(OLD), t(ADV), t(MASK), num_tokens=4.0, num_seqs=4.0,
+                                   max_len=2)
+    assert loss.dtype == torch.float64 and all(v.dtype == torch.float64 for v in stats.values())
+    assert A.ADVANTAGES["grpo"](t(R), torch.tensor(G), eps=1e-6).dtype == torch.float64
