@@ -1,0 +1,93 @@
+"""The multi-turn agent loop: one async task per trajectory.
+
+    generate -> parse tool calls -> call the tools (in parallel) -> append their responses AS TOKENS -> repeat
+
+until the model answers without a call (`no_call`), uses its last turn (`max_turns`) or its tokens
+(`budget`). The model's ids are kept as generated (loss mask 1); the ids between turns come from the chat
+template (loss mask 0). Every trajectory of a batch runs concurrently, so one trajectory's tool calls
+overlap other trajectories' generation, and the engine batches whatever generation requests are waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from factory.rollout.chat import ChatFormat
+from factory.rollout.engine import Engine, Sampling
+from factory.rollout.parse import parse_tool_calls
+from factory.spec.schema import RolloutSpec
+from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
+
+
+class ToolBox(Protocol):
+    """What the loop needs from factory.tools.ToolBox."""
+
+    def schemas(self) -> list[dict]: ...
+
+    async def call(self, call: ToolCall) -> ToolResult: ...
+
+
+def sampling_from_spec(cfg: RolloutSpec, *, greedy: bool = False) -> Sampling:
+    """The spec's sampling settings (greedy for evaluation)."""
+    return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
+
+
+async def call_tool(toolbox: ToolBox, call: ToolCall) -> ToolResult:
+    """Run one parsed call. Malformed calls go to the toolbox too: it answers them (parse_error,
+    unknown_tool) with an error the model reads, and counts them in its per-tool metrics. The toolbox
+    never raises; if it does anyway (a bug), the call is recorded as an infrastructure error instead of
+    ending the whole rollout."""
+    try:
+        return await toolbox.call(call)
+    except Exception as e:
+        return ToolResult(tool=call.name, text=f"Error: the tool call failed ({type(e).__name__}).",
+                          status="infra_error", error_kind="crash")
+
+
+async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: ToolBox, *, messages: list[dict[str, Any]],
+                         row: dict[str, Any], prompt_index: int, sample_index: int, cfg: RolloutSpec,
+                         sampling: Sampling) -> Trajectory:
+    """One episode: the model's turns and the tool responses between them, as ids with a loss mask."""
+    prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
+    response: list[int] = []
+    mask: list[int] = []
+    turns: list[Turn] = []
+    stop: StopReason = "max_turns"
+    for turn_no in range(cfg.max_turns):
+        limit = min(cfg.max_new_tokens, cfg.max_total_tokens - len(response))
+        gen = await engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=sampling)
+        response += gen.ids
+        mask += [1] * len(gen.ids)
+        # The stop token is not part of what the model said; parse and log the text before it.
+        text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
+        turn = Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text))
+        turns.append(turn)
+        if not turn.calls:
+            stop = "no_call" if gen.finished else "budget"
+            break
+        if turn_no == cfg.max_turns - 1:
+            break  # nothing would read the responses: the calls are recorded, not run
+        turn.results = list(await asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls)))
+        ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
+        delta = chat.tool_delta_ids(turn.results, turn_ended_with_eos=ended_with_eot)
+        if len(response) + len(delta) >= cfg.max_total_tokens:  # no room left for the model to answer
+            stop = "budget"
+            break
+        response += delta
+        mask += [0] * len(delta)
+    return Trajectory(
+        prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids, response_ids=response,
+        loss_mask=mask, turns=turns, stop_reason=stop, row=row, messages=messages,
+        completion=chat.decode(response),
+        infra_error=any(r.status == "infra_error" for t in turns for r in t.results),
+        truncated=not gen.finished,  # the last model turn was cut by a token limit
+    )
+
+
+async def rollout(engine: Engine, chat: ChatFormat, toolbox: ToolBox, prompts: list[tuple[list[dict], dict]], *,
+                  group_size: int, cfg: RolloutSpec, sampling: Sampling) -> list[Trajectory]:
+    """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index)."""
+    tasks = [run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
+                            cfg=cfg, sampling=sampling)
+             for p, (messages, row) in enumerate(prompts) for s in range(group_size)]
+    return list(await asyncio.gather(*tasks))

