@@ -11,8 +11,9 @@ response tokens; `mask` is 1 on tokens the model produced (tool/template tokens 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -188,7 +189,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_cli
     lr = _log_ratio(logp, old_logp, mask)  # [N, T]
     m = mask.to(lr.dtype)
     seq_lr = (lr * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [N]
-    tok_lr = seq_lr.detach()[:, None] + logp - logp.detach()  # [N, T] value = seq_lr, grad = d logp
+    lp = torch.where(mask.bool(), logp, 0.0)  # padding (even -inf) out, else -inf - -inf = nan there
+    tok_lr = seq_lr.detach()[:, None] + lp - lp.detach()  # [N, T] value = seq_lr, grad = d logp
     loss, stats = _clipped(tok_lr.exp(), tok_lr, advantages[:, None], mask, clip_low, clip_high, dual_clip_c)
     stats["approx_kl"] = _masked_mean(torch.expm1(lr.detach()) - lr.detach(), mask)  # token-level, as the others
     return loss, stats
@@ -419,7 +421,10 @@ def policy_objective(alg: Algorithm, logp: Tensor, old_logp: Tensor, advantages:
     if alg.kl_coef > 0 and alg.kl_apply == "loss":
         if ref_logp is None:
             raise ValueError("kl.coef > 0 with kl.apply='loss' needs ref_logp")
-        kl = aggregate(KL_ESTIMATORS[alg.kl_estimator](logp, ref_logp), mask, **norm)
+        # padding zeroed first: a -inf log-prob there would give KL inf and, through backward, nan grads
+        on = mask.bool()
+        kl_tok = KL_ESTIMATORS[alg.kl_estimator](torch.where(on, logp, 0.0), torch.where(on, ref_logp, 0.0))
+        kl = aggregate(kl_tok, mask, **norm)
         loss = loss + alg.kl_coef * kl
         stats["kl"] = kl.detach()
     if entropy is not None:

@@ -8,9 +8,21 @@ import pytest
 import torch
 
 from factory import algorithms as A
-from factory.algorithms import (ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PRESETS, Registry,
-                                dynamic_sampling_keep, kl_reward_penalty, minibatches, overlong_filter_mask,
-                                overlong_penalty, policy_objective, resolve)
+from factory.algorithms import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PRESETS,
+    Registry,
+    dynamic_sampling_keep,
+    kl_reward_penalty,
+    minibatches,
+    overlong_filter_mask,
+    overlong_penalty,
+    policy_objective,
+    resolve,
+)
 from factory.spec.schema import AlgorithmSpec, KLSpec, OverlongSpec
 
 E = math.e
@@ -284,6 +296,12 @@ def test_policy_objective_adds_kl_and_subtracts_entropy():
     ref = torch.where(t(MASK).bool(), logp - 0.5, 0.0)
     ent = t([[1.0, 9.0], [2.0, 9.0], [3.0, 9.0], [4.0, 9.0]])
     pg = (-1.28 + E + 0.8 - 1 / E) / 4
+    for name in ("bnpo", "gspo", "cispo"):  # -inf on padding leaves every loss's gradient finite
+        leaf = logp.clone().requires_grad_()
+        spec = AlgorithmSpec(name=name, kl=KLSpec(coef=0.1, estimator="k3"), entropy_coef=0.01)
+        policy_objective(resolve(spec), leaf, t(OLD), t(ADV), t(MASK), ref_logp=t(LOGP) - 1, entropy=ent,
+                         num_tokens=4.0, num_seqs=4.0, max_len=2)[0].backward()
+        assert torch.isfinite(leaf.grad).all() and (leaf.grad[:, 1] == 0).all(), name
     loss, stats = policy_objective(alg, logp, t(OLD), t(ADV), t(MASK), ref_logp=ref, entropy=ent,
                                    num_tokens=4.0, num_seqs=4.0, max_len=2)
     close(loss, pg + 0.1 * 0.5 - 0.01 * 2.5)

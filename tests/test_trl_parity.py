@@ -13,12 +13,12 @@ import pytest
 import torch
 
 trl = pytest.importorskip("trl")
-from accelerate import Accelerator  # noqa: E402
-from transformers import TrainerState  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from accelerate import Accelerator
+from transformers import TrainerState
+from trl import GRPOConfig, GRPOTrainer
 
-from factory.algorithms import policy_objective, resolve  # noqa: E402
-from factory.spec.schema import AlgorithmSpec, KLSpec  # noqa: E402
+from factory.algorithms import policy_objective, resolve
+from factory.spec.schema import AlgorithmSpec, KLSpec
 
 MAX_LEN = 8  # TRL's max_completion_length = Factory's max_len (the Dr.GRPO constant)
 
@@ -118,7 +118,7 @@ def test_gspo_matches_trl_sequence_level_importance_sampling():
     batch = make_batch(seed=1)
     t = trl_trainer("grpo", eps=0.05, eps_high=0.08, level="sequence")
     want, want_grad = trl_loss(t, *batch)
-    got, got_grad, stats = factory_loss(resolve(AlgorithmSpec(name="gspo", clip=(0.05, 0.08))), *batch)
+    got, got_grad, _ = factory_loss(resolve(AlgorithmSpec(name="gspo", clip=(0.05, 0.08))), *batch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # The stop-gradient trick gives the gradient of the true sequence-level ratio.
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
