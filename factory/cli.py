@@ -1,0 +1,131 @@
+"""The `factory` command: run, check, plan, diff.
+
+Exit codes: 0 success; 2 the spec (or the command line) is wrong, with every problem listed and no
+traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
+`check` and `plan` import no torch, Ray or DeepSpeed: they answer in about a second.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+from factory.spec.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
+
+
+def _check(args: argparse.Namespace) -> int:
+    from factory.spec.compile import compile_file
+    from factory.spec.render import check_summary
+
+    spec, plan = compile_file(args.spec, args.overrides, connect=args.connect)
+    for warning in plan.warnings:
+        print(warning, file=sys.stderr)
+    print(check_summary(plan))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from factory.spec.compile import compile_file, plan_json
+    from factory.spec.render import plan_text
+
+    _, plan = compile_file(args.spec, args.overrides)
+    for warning in plan.warnings:
+        print(warning, file=sys.stderr)
+    sys.stdout.write(plan_json(plan) if args.json else plan_text(plan) + "\n")
+    return 0
+
+
+def _missing(module: str, e: ModuleNotFoundError) -> bool:
+    return bool(e.name) and (e.name == module or module.startswith(e.name + "."))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from factory.spec.compile import compile_file
+
+    spec, plan = compile_file(args.spec, args.overrides)
+    for warning in plan.warnings:
+        print(warning, file=sys.stderr)
+    try:
+        from factory.driver import run
+    except ModuleNotFoundError as e:
+        if not _missing("factory.driver", e):
+            raise
+        print("factory run: the driver (factory.driver) is not installed in this build", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+    run(plan, spec)
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    try:
+        from factory.diff import main as diff_main
+    except ModuleNotFoundError as e:
+        if not _missing("factory.diff", e):
+            raise
+        print("factory diff: factory.diff is not installed in this build", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+    return int(diff_main(args) or 0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="factory",
+        description="Train tool-using LLM agents with RL from one YAML spec.",
+        epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4`. "
+               "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def spec_command(name: str, help_text: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_text, description=help_text)
+        c.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
+        c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dot-list overrides, e.g. train.lr=3e-6")
+        c.set_defaults(func=fn)
+        return c
+
+    spec_command("run", "train: compile the spec, start Ray and the stages, track the run in MLflow", _run)
+    check = spec_command("check", "validate and compile the spec without starting Ray or loading weights", _check)
+    check.add_argument("--connect", action="store_true",
+                       help="also start each tool server, list its tools and check the tools the spec names")
+    plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
+
+    d = sub.add_parser("diff", help="compare two tracked runs: settings, hashes and final metrics",
+                       description="compare two tracked runs: settings, hashes and final metrics")
+    d.add_argument("run_a", metavar="RUN_A", help="MLflow run id")
+    d.add_argument("run_b", metavar="RUN_B", help="MLflow run id")
+    d.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    d.set_defaults(func=_diff)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    # Overrides may come after options (`plan SPEC --json a=1 b=2`); argparse stops the positional
+    # list at the first option, so the rest arrive as extras.
+    args, extra = p.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return args.func(args)
+    except SpecErrors as e:
+        print(e.report(), file=sys.stderr)
+        return EXIT_SPEC_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # anything else is a bug in Factory: one line, the traceback on request
+        if os.environ.get("FACTORY_DEBUG"):
+            traceback.print_exc()
+        else:
+            print(f"factory: internal error: {type(e).__name__}: {e}\n"
+                  "rerun with FACTORY_DEBUG=1 to see the traceback", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Compiling a spec into a Plan: resolve every reference, build the stage graph, hash what defines the run.
+
+Every reference is checked where the spec names it, and each failure is a `SpecError` at that key's
+line: template files (and their jinja syntax), data files and generators, reward functions (import and
+signature), the reward graph (undefined nodes, cycles `a --> b --> a`, the training node, metrics), tool
+servers named by tool nodes, the model (built-in asset, local folder or cached hub id) and the algorithm.
+
+The Plan is plain data. `plan_json(plan)` is byte-identical for the same inputs (sorted keys, no
+timestamps): MLflow stores it with every run and `factory diff` compares two of them. Values that came
+from `${oc.env:...}` are shown as "***" in the plan (and hashed masked); the runnable `Spec` with the
+real values is returned next to the Plan, never inside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import graphlib
+import importlib.metadata
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+from pydantic import BaseModel
+
+from factory.spec.errors import SpecError, SpecErrors
+from factory.spec.load import SpecSource, dotted, load_all, read_config
+from factory.spec.refs import (RefError, find_file, generator_problem, import_object, model_problem,
+                               reward_problem, sha256_file, sha256_json, shown_path, source_file,
+                               template_problem)
+from factory.spec.schema import (FnNode, HttpServer, JudgeNode, MaxNode, MinNode, ProductNode, PythonTool,
+                                 Spec, StdioServer, SumNode, ToolNode)
+
+MASK = "***"
+ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the run: what it consumes and produces, and what Ray reserves for it."""
+
+    name: str
+    does: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    resources: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`src` hands `carries` to `dst`; `weight_sync` is the update -> rollout edge that closes the loop."""
+
+    src: str
+    dst: str
+    carries: str
+    kind: str = "data"  # data | call | weight_sync
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled spec. Plain data: `plan_json` serialises all of it except `spec_yaml` (the same as
+    `spec`) and `warnings` (diagnostics that depend on the machine, such as the HF cache)."""
+
+    spec: dict[str, Any]  # the resolved spec, keys sorted, env-derived values masked as "***"
+    spec_yaml: str  # the same as YAML (what MLflow stores as spec.yaml)
+    spec_path: str  # the spec file as given
+    base_dir: str  # the spec file's folder (absolute): relative file references fall back to it
+    stages: tuple[Stage, ...]
+    edges: tuple[Edge, ...]
+    reward_order: tuple[str, ...]  # reward nodes, inputs before the nodes that read them
+    reward_node: str  # the node whose value trains the policy
+    metrics: dict[str, str]  # eval metric name -> reward node
+    algorithm: dict[str, Any]  # the resolved algorithm (preset filled in)
+    hashes: dict[str, Any]  # spec, templates, rewards, data, code, tools, run
+    version: str  # factory's version
+    tools: dict[str, list[str]] = field(default_factory=dict)  # server -> offered tools (when connected)
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # shown by `factory check`, not hashed
+
+
+# ----------------------------------------------------------------------------------- small helpers
+def _close(name: str, names: Iterable[str]) -> str:
+    names = list(names)
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return f"; defined: {', '.join(names)}" if names else "; none is defined"
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-ready copy of a resolved object (dataclasses, pydantic models, tuples, callables)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if callable(obj):
+        return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+    return obj
+
+
+def _sorted(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _sorted(obj[k]) for k in sorted(obj, key=str)}
+    if isinstance(obj, list):
+        return [_sorted(v) for v in obj]
+    return obj
+
+
+def mask(data: dict[str, Any], paths: Iterable[str]) -> dict[str, Any]:
+    """A copy with the value at each dotted path replaced by "***" (paths that do not exist are skipped)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for path in paths:
+        parts = path.split(".")
+        target: Any = out
+        for p in parts[:-1]:
+            if isinstance(target, dict) and p in target:
+                target = target[p]
+            elif isinstance(target, list) and p.isdigit() and int(p) < len(target):
+                target = target[int(p)]
+            else:
+                target = None
+                break
+        last = parts[-1]
+        if isinstance(target, dict) and last in target:
+            target[last] = MASK
+        elif isinstance(target, list) and last.isdigit() and int(last) < len(target):
+            target[int(last)] = MASK
+    return out
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("factory-rl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"  # running from a source tree that was not pip-installed
+
+
+class _Report:
+    """Collects errors and warnings at dotted paths of one source."""
+
+    def __init__(self, source: SpecSource):
+        self.source = source
+        self.errors: list[SpecError] = []
+        self.warnings: list[SpecError] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(self.source.error(path, message))
+
+    def warn(self, path: str, message: str) -> None:
+        self.warnings.append(self.source.error(path, message, level="warning"))
+
+
+# ----------------------------------------------------------------------------------------- checks
+def _check_model(spec: Spec, r: _Report) -> None:
+    error, warning = model_problem(spec.model.path)
+    if error:
+        r.error("model.path", error)
+    if warning:
+        r.warn("model.path", warning)
+    if spec.model.tokenizer is not None:
+        error, warning = model_problem(spec.model.tokenizer, required_file="")
+        if error:
+            r.error("model.tokenizer", error.replace("model folder", "tokenizer folder"))
+        if warning:
+            r.warn("model.tokenizer", warning)
+
+
+def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
+    """(dotted path, file, is a chat template) of every template the spec names."""
+    out = []
+    if spec.chat_template:
+        out.append(("chat_template", spec.chat_template, True))
+    if spec.data.prompt:
+        out.append(("data.prompt", spec.data.prompt, False))
+    if spec.data.system_prompt:
+        out.append(("data.system_prompt", spec.data.system_prompt, False))
+    for name, node in spec.rewards.items():
+        if isinstance(node, JudgeNode):
+            out.append((f"rewards.{name}.llm_judge", node.llm_judge, False))
+    return out
+
+
+def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
+    hashes: dict[str, str] = {}
+    for path, name, chat in _templates(spec):
+        found = find_file(name, r.source.base_dir)
+        if found is None:
+            r.error(path, f"template file not found: {name}")
+            continue
+        problem = template_problem(found, chat_template=chat)
+        if problem:
+            r.error(path, problem)
+        hashes[name] = sha256_file(found)
+    return hashes
+
+
+def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
+    hashes: dict[str, Any] = {}
+    for split in ("train", "eval"):
+        source = getattr(spec.data, split)
+        if source is None:
+            continue
+        if source.path is not None:
+            found = find_file(source.path, r.source.base_dir)
+            if found is None:
+                r.error(f"data.{split}.path", f"data file not found: {source.path}")
+            elif found.suffix not in (".parquet", ".jsonl", ".json"):
+                r.error(f"data.{split}.path", f"data files must be .parquet or .jsonl, got {source.path}")
+            else:
+                hashes[split] = {"path": source.path, "sha256": sha256_file(found)}
+            continue
+        try:
+            fn = import_object(source.generator)
+        except RefError as e:
+            r.error(f"data.{split}.generator", str(e))
+            continue
+        problem = generator_problem(fn, source.generator, source.args)
+        if problem:
+            r.error(f"data.{split}.generator", problem)
+        src = source_file(fn)
+        hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
+                         "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
+    return hashes
+
+
+def _check_reward_fns(spec: Spec, r: _Report) -> dict[str, str]:
+    hashes: dict[str, str] = {}
+    for name, node in spec.rewards.items():
+        if not isinstance(node, FnNode):
+            continue
+        try:
+            fn = import_object(node.fn)
+        except RefError as e:
+            r.error(f"rewards.{name}.fn", str(e))
+            continue
+        problem = reward_problem(fn, node.fn, node.args, node.group)
+        if problem:
+            r.error(f"rewards.{name}.fn", problem)
+        src = source_file(fn)
+        if src is not None:
+            hashes[shown_path(src)] = sha256_file(src)
+    return hashes
+
+
+def _inputs(node: Any) -> list[tuple[str, str]]:
+    """(input node, the dotted sub-path that names it) of a combinator node."""
+    if isinstance(node, SumNode):
+        return [(k, f"sum.{k}") for k in node.sum]
+    for cls, key in ((MinNode, "min"), (MaxNode, "max"), (ProductNode, "product")):
+        if isinstance(node, cls):
+            return [(k, f"{key}.{i}") for i, k in enumerate(getattr(node, key))]
+    return []
+
+
+def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[str], str | None, dict[str, str]]:
+    """Undefined inputs, cycles, the training node and metrics; returns (order, training node, metrics)."""
+    nodes = spec.rewards
+    graph: dict[str, list[str]] = {}
+    where: dict[tuple[str, str], str] = {}  # (node, input) -> dotted path of the reference
+    for name, node in nodes.items():
+        graph[name] = []
+        for inp, sub in _inputs(node):
+            path = f"rewards.{name}.{sub}"
+            if inp in nodes:
+                graph[name].append(inp)
+                where.setdefault((name, inp), path)
+            elif inp not in broken:
+                r.error(path, f"undefined reward node '{inp}'{_close(inp, nodes)}")
+    order: list[str] = []
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        # CycleError lists nodes each a predecessor (an input) of the next; reversed, each node reads
+        # the next one, which is how the spec is written: `a: {sum: {b: 1}}` is `a --> b`.
+        cycle = list(reversed(e.args[1]))[:-1]
+        start = min(range(len(cycle)), key=lambda i: list(nodes).index(cycle[i]))
+        cycle = cycle[start:] + cycle[:start]
+        shown = " --> ".join(cycle + [cycle[0]])
+        nxt = cycle[1] if len(cycle) > 1 else cycle[0]
+        r.error(where[(cycle[0], nxt)], f"reward graph has a cycle: {shown}")
+    train: str | None = None
+    if spec.reward is not None:
+        if spec.reward in nodes:
+            train = spec.reward
+        elif spec.reward not in broken:
+            r.error("reward", f"undefined reward node '{spec.reward}'{_close(spec.reward, nodes)}")
+    elif len(nodes) == 1:
+        train = next(iter(nodes))
+    elif "total" in nodes:
+        train = "total"
+    elif not broken:
+        r.error("rewards", "several reward nodes and none is named 'total': set `reward` to the node that "
+                           "trains the policy")
+    for metric, node_name in spec.metrics.items():
+        if node_name not in nodes and node_name not in broken:
+            r.error(f"metrics.{metric}", f"undefined reward node '{node_name}'{_close(node_name, nodes)}")
+    metrics = dict(spec.metrics)
+    if not metrics:  # the driver's rule: `accuracy` is the first python-function node
+        first = next((n for n, v in nodes.items() if isinstance(v, FnNode)), None)
+        metrics = {"accuracy": first} if first else {}
+    return order, train, metrics
+
+
+def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing | None) -> dict[str, str]:
+    """Server names, python tools, HTTP URLs, commands; with a listing, every tool the spec names."""
+    code: dict[str, str] = {}
+    for name, server in spec.tools.items():
+        if "." in name:
+            r.error(f"tools.{name}", f"a tool server name must not contain '.': '{name}'")
+        if isinstance(server, PythonTool):
+            try:
+                fn = import_object(server.function)
+            except RefError as e:
+                r.error(f"tools.{name}.function", str(e))
+            else:
+                if (src := source_file(fn)) is not None:
+                    code[shown_path(src)] = sha256_file(src)
+        elif isinstance(server, HttpServer):
+            if not server.url.startswith(("http://", "https://")):
+                r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")
+        elif isinstance(server, StdioServer):
+            cwd = Path(server.cwd) if server.cwd else Path.cwd()
+            if shutil.which(server.command) is None and not (cwd / server.command).is_file():
+                r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
+        if listing is not None and server.allowed_tools is not None and name in listing:
+            have = [t["name"] for t in listing[name]]
+            for i, tool in enumerate(server.allowed_tools):
+                if tool not in have:
+                    r.error(f"tools.{name}.allowed_tools.{i}", f"server '{name}' has no tool '{tool}'{_close(tool, have)}")
+    for node_name, node in spec.rewards.items():
+        if not isinstance(node, ToolNode):
+            continue
+        server_name, dot, tool = node.tool.partition(".")
+        path = f"rewards.{node_name}.tool"
+        if not dot or not tool:
+            r.error(path, f"expected 'server.tool', got '{node.tool}'")
+        elif server_name not in spec.tools:
+            if server_name not in broken:
+                r.error(path, f"undefined tool server '{server_name}'{_close(server_name, spec.tools)}")
+        elif listing is not None and server_name in listing:
+            offered = spec.tools[server_name].allowed_tools
+            have = [t["name"] for t in listing[server_name] if offered is None or t["name"] in offered]
+            if tool not in have:
+                r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have)}")
+    return code
+
+
+def _resolve_algorithm(spec: Spec, r: _Report) -> dict[str, Any]:
+    """The algorithm preset filled in by `factory.algorithms.resolve`; its errors at the field they name."""
+    try:
+        from factory.algorithms import resolve
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("factory.algorithms"):
+            return spec.algorithm.model_dump(mode="json")  # the registry is not there: nothing to resolve
+        raise
+    try:
+        return _plain(resolve(spec.algorithm))
+    except (KeyError, ValueError) as e:
+        text = str(e.args[0]) if e.args else str(e)
+        # resolve() words problems as "algorithm.FIELD: message", joined by "; ", or names the preset.
+        for problem in re.split(r"; (?=algorithm\.)", text):
+            found = re.match(r"algorithm\.([\w.]+): (.*)", problem, re.S)
+            if found:
+                r.error("algorithm." + _ALGORITHM_FIELDS.get(found[1], found[1]), found[2])
+            else:
+                r.error("algorithm.name", problem)
+        return spec.algorithm.model_dump(mode="json")
+
+
+# Fields of the resolved algorithm that live elsewhere in the spec's `algorithm` section.
+_ALGORITHM_FIELDS = {"kl_estimator": "kl.estimator", "kl_apply": "kl.apply", "kl_coef": "kl.coef",
+                     "clip_low": "clip", "clip_high": "clip", "overlong_buffer": "overlong.buffer",
+                     "overlong_filter": "overlong.filter", "overlong_penalty": "overlong.penalty"}
+
+
+# ------------------------------------------------------------------------------------- the graph
+def stage_graph(spec: Spec) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
+    """data -> rollout (<-> tools) -> reward -> update, and the weight-sync edge update -> rollout."""
+    res = spec.resources
+
+    def resources(stage: Any) -> dict[str, float]:
+        return {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
+
+    none = {"num_cpus": 0.0, "num_gpus": 0.0}
+    stages = [Stage("data", "reads rows, renders prompts, serves batches", (), ("batch",), none),
+              Stage("rollout", f"multi-turn generation ({spec.rollout.engine}), {spec.rollout.group_size} "
+                               f"samples per prompt, up to {spec.rollout.max_turns} turns",
+                    ("batch", "weights") + (("tool_results",) if spec.tools else ()),
+                    ("trajectories",) + (("tool_calls",) if spec.tools else ()), resources(res.rollout))]
+    edges = [Edge("data", "rollout", "batch")]
+    tool_nodes = any(isinstance(n, ToolNode) for n in spec.rewards.values())
+    if spec.tools:
+        stages.append(Stage("tools", f"MCP/python tool servers: {', '.join(spec.tools)}", ("tool_calls",),
+                            ("tool_results",), none))
+        edges += [Edge("rollout", "tools", "tool_calls", "call"), Edge("tools", "rollout", "tool_results", "call")]
+    stages.append(Stage("reward", "evaluates the reward graph per trajectory", ("trajectories",),
+                        ("scored_trajectories",), resources(res.reward)))
+    edges.append(Edge("rollout", "reward", "trajectories"))
+    if spec.tools and tool_nodes:
+        edges += [Edge("reward", "tools", "tool_calls", "call"), Edge("tools", "reward", "tool_results", "call")]
+    stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{spec.train.deepspeed.zero_stage} "
+                                  "optimizer step", ("scored_trajectories",), ("weights", "stats"),
+                        resources(res.update)))
+    edges += [Edge("reward", "update", "scored_trajectories"), Edge("update", "rollout", "weights", "weight_sync")]
+    return tuple(stages), tuple(edges)
+
+
+# ------------------------------------------------------------------------------------------ compile
+def _source_of(source: SpecSource | str | os.PathLike) -> SpecSource:
+    if isinstance(source, SpecSource):
+        return source
+    return read_config(source)[1]  # lines and env-derived paths of the file alone
+
+
+def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | None = None,
+             tools: ToolListing | None = None) -> tuple[Plan | None, list[SpecError]]:
+    """The plan and every error found; the plan is None when there are errors."""
+    broken = broken or {}
+    r = _Report(source)
+    _check_model(spec, r)
+    templates = _check_templates(spec, r)
+    data = _check_data(spec, r)
+    rewards = _check_reward_fns(spec, r)
+    order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
+    code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
+    algorithm = _resolve_algorithm(spec, r)
+    if r.errors:
+        return None, r.errors
+    shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
+    hashes: dict[str, Any] = {
+        "spec": sha256_json(shown),
+        "templates": templates,
+        "rewards": rewards,
+        "data": data,
+        "code": code,  # python tool modules
+        "tools": {} if tools is None else {name: sha256_json(_offered(spec, name, listed))
+                                           for name, listed in tools.items()},
+    }
+    hashes["run"] = sha256_json(hashes)
+    stages, edges = stage_graph(spec)
+    assert train is not None  # no errors: the training node was found
+    plan = Plan(
+        spec=shown,
+        spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),
+        spec_path=source.file,
+        base_dir=str(source.base_dir),
+        stages=stages,
+        edges=edges,
+        reward_order=tuple(order),
+        reward_node=train,
+        metrics=metrics,
+        algorithm=algorithm,
+        hashes=_sorted(hashes),
+        version=_version(),
+        tools={} if tools is None else {n: [t["name"] for t in _offered(spec, n, ls)] for n, ls in tools.items()},
+        warnings=tuple(str(w) for w in r.warnings),
+    )
+    return plan, []
+
+
+def _offered(spec: Spec, name: str, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the model is offered by one server (its allowed tools), in a stable order."""
+    allowed = spec.tools[name].allowed_tools
+    keep = [{k: t.get(k) for k in ("name", "description", "inputSchema")} for t in listed
+            if allowed is None or t["name"] in allowed]
+    return sorted(keep, key=lambda t: t["name"])
+
+
+def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
+                 tools: ToolListing | None = None) -> Plan:
+    """Resolve every reference of a loaded spec and build its Plan; raises `SpecErrors`.
+
+    `source` is what `load()` returned (or the spec file's path: then overrides are not located).
+    `tools` is the listing of every server (`factory check --connect`): tool names are then checked and
+    the tool schemas hashed."""
+    src = _source_of(source)
+    plan, errors = _compile(spec, src, None, tools)
+    if errors or plan is None:
+        raise SpecErrors(errors, src.file)
+    return plan
+
+
+def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
+                 connect: bool = False) -> tuple[Spec, Plan]:
+    """Load, validate and compile one spec, reporting load and compile errors together; with `connect`,
+    also start every tool server to check the tools the spec names. Returns the runnable spec (real
+    values) and its Plan; raises `SpecErrors`."""
+    loaded = load_all(path, overrides)
+    errors = list(loaded.errors)
+    plan = None
+    if loaded.spec is not None:
+        plan, compile_errors = _compile(loaded.spec, loaded.source, loaded.broken)
+        errors += compile_errors
+    if errors or loaded.spec is None or plan is None:
+        raise SpecErrors(errors, loaded.source.file)
+    if connect and loaded.spec.tools:
+        from factory.spec.connect import list_all
+
+        listing, connect_errors = list_all(loaded.spec, loaded.source)
+        if connect_errors:
+            raise SpecErrors(connect_errors, loaded.source.file)
+        plan, errors = _compile(loaded.spec, loaded.source, None, listing)
+        if errors or plan is None:
+            raise SpecErrors(errors, loaded.source.file)
+    return loaded.spec, plan
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as sorted plain data (without the derived `spec_yaml` and the `warnings`)."""
+    data = _plain(plan)
+    data.pop("warnings", None)
+    data.pop("spec_yaml", None)
+    return _sorted(data)
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as JSON, byte-identical across runs for the same inputs."""
+    import json
+
+    return json.dumps(plan_dict(plan), sort_keys=True, indent=2, ensure_ascii=False) + "\n"

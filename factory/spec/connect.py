@@ -1,0 +1,53 @@
+"""`factory check --connect`: start every tool server, list its tools, shut it down.
+
+Each server is started on its own (all of them concurrently), so a server that fails is reported at its
+own line; `allowed_tools` is lifted while listing so that the compiler can say which named tool is
+missing, with a suggestion, instead of the server refusing to start.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from factory.spec.errors import SpecError
+from factory.spec.load import SpecSource
+from factory.spec.schema import Spec
+
+# Starting a server includes its handshake; tools already have their own start timeout, this bounds the
+# whole listing so that `check` always returns.
+LIST_TIMEOUT_S = 60.0
+
+
+async def _list_one(name: str, server: Any, source: SpecSource) -> list[dict[str, Any]]:
+    from factory.tools import ToolBox
+
+    box = ToolBox.from_spec({name: server.model_copy(update={"allowed_tools": None})}, base_dir=source.base_dir)
+    try:
+        await asyncio.wait_for(box.start(), LIST_TIMEOUT_S)
+        return box.tool_listing()[name]
+    finally:
+        await box.close()
+
+
+async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
+    names = list(spec.tools)
+    results = await asyncio.gather(*(_list_one(n, spec.tools[n], source) for n in names), return_exceptions=True)
+    listing: dict[str, list[dict[str, Any]]] = {}
+    errors: list[SpecError] = []
+    for name, result in zip(names, results):
+        if isinstance(result, asyncio.TimeoutError):
+            errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))
+        elif isinstance(result, Exception):
+            text = str(result).splitlines()[0] if str(result) else type(result).__name__
+            errors.append(source.error(f"tools.{name}", f"server failed to start: {text}"))
+        elif isinstance(result, BaseException):
+            raise result  # KeyboardInterrupt and friends are not spec errors
+        else:
+            listing[name] = result
+    return listing, errors
+
+
+def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
+    """server -> [{name, description, inputSchema, ...}] of every server, and an error per server that
+    failed to start. Runs its own event loop: call it outside one."""
+    return asyncio.run(_list_all(spec, source))

@@ -1,0 +1,335 @@
+"""Loading a spec: YAML -> OmegaConf (interpolation, `${oc.env:VAR}`, dot-list overrides) -> pydantic.
+
+OmegaConf forgets where a value came from, so the raw YAML is also composed with PyYAML to map every
+dotted path to its line; overrides are located as `<override N>`. Every problem is collected (YAML
+syntax, unresolvable interpolations, unknown keys, wrong types) and raised together as `SpecErrors`.
+
+When validation fails, the loader also *repairs* a copy of the spec (drops the offending keys so their
+defaults apply, drops broken reward/tool nodes) so that the compiler can still report reference errors
+(missing templates, bad imports, cycles) in the same run: one spec with five mistakes shows all five.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ValidationError
+
+from factory.spec.errors import SpecError, SpecErrors
+from factory.spec.schema import Spec
+from factory.spec.translate import Parts, Problem, translate
+
+_REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
+
+
+def dotted(parts: Iterable[str | int]) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+@dataclass(frozen=True)
+class SpecSource:
+    """Where a spec came from: its text, the line of every dotted path, the overrides, and which values
+    were read from the environment (those are masked in printed plans)."""
+
+    file: str  # the spec file as the user named it (shown in messages)
+    base_dir: Path  # the spec file's folder (absolute): relative file references fall back to it
+    text: str
+    lines: Mapping[str, int] = field(default_factory=dict)  # dotted path -> 1-based line of its key
+    overrides: tuple[str, ...] = ()
+    override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
+    env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
+
+    def locate(self, path: str) -> tuple[str, int | None]:
+        """(file, line) for a dotted path: the override that set it or the nearest key in the file."""
+        p = path
+        while True:
+            if p in self.override_paths:
+                return f"<override {self.override_paths[p]}>", None
+            if p in self.lines:
+                return self.file, self.lines[p]
+            if not p:
+                return self.file, None
+            p = p.rpartition(".")[0]
+
+    def error(self, path: str, message: str, level: str = "error") -> SpecError:
+        file, line = self.locate(path)
+        return SpecError(file, line, path, message, level=level)  # type: ignore[arg-type]
+
+
+@dataclass
+class Loaded:
+    """The loader's full result. `spec` is None only when the spec could not be repaired;
+    `broken` names reward/tool nodes dropped by the repair (the compiler stays quiet about them)."""
+
+    spec: Spec | None
+    source: SpecSource
+    errors: list[SpecError]
+    broken: dict[str, set[str]] = field(default_factory=lambda: {"rewards": set(), "tools": set()})
+
+
+# ------------------------------------------------------------------------------------------ YAML
+def _line_map(node: yaml.Node | None, prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
+    """Dotted path -> line of its key, for every mapping key and list item of the composed YAML."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = f"{prefix}.{key.value}" if prefix else str(key.value)
+            out.setdefault(path, key.start_mark.line + 1)
+            _line_map(value, path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = f"{prefix}.{i}" if prefix else str(i)
+            out.setdefault(path, item.start_mark.line + 1)
+            _line_map(item, path, out)
+    return out
+
+
+def _yaml_error(e: yaml.YAMLError, file: str, text: str) -> SpecError:
+    """A YAML syntax error at its line, with the line and a caret under the column."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return SpecError(file, None, "", f"yaml syntax error: {problem}")
+    lines = text.splitlines()
+    code = lines[mark.line] if mark.line < len(lines) else ""
+    num = str(mark.line + 1)
+    snippet = f"  {num} | {code}\n  {' ' * len(num)} | {' ' * mark.column}^"
+    return SpecError(file, mark.line + 1, "", f"yaml syntax error: {problem}", snippet=snippet)
+
+
+def _omega_message(e: OmegaConfBaseException) -> str:
+    """OmegaConf's message without its `full_key:`/`object_type=` trailer, in our lower-case style."""
+    text = str(e).splitlines()[0]
+    if isinstance(e.__cause__, KeyError) or "KeyError raised while resolving" in text:
+        text = text.split(": ", 1)[-1].strip('"')
+    if text.startswith("Missing mandatory value"):
+        return "missing value (???)"
+    return text[:1].lower() + text[1:]
+
+
+# ------------------------------------------------------------------------------ env-derived values
+_REF = re.compile(r"\$\{([^}]*)\}")
+
+
+def _leaves(data: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, data
+
+
+def env_paths(raw: dict) -> frozenset[str]:
+    """Paths whose value came from `${oc.env:...}`, directly or through interpolating such a value."""
+    strings = {p: v for p, v in _leaves(raw) if isinstance(v, str) and "${" in v}
+    found = {p for p, v in strings.items() if "oc.env" in v}
+    grew = True
+    while grew:
+        grew = False
+        for p, v in strings.items():
+            if p in found:
+                continue
+            refs = [r for r in _REF.findall(v) if ":" not in r]
+            if any(r == q or q.startswith(r + ".") for r in refs for q in found):
+                found.add(p)
+                grew = True
+    return frozenset(found)
+
+
+# ------------------------------------------------------------------------------------ OmegaConf
+def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[SpecError]
+                     ) -> tuple[DictConfig, dict[str, int]]:
+    paths: dict[str, int] = {}
+    for n, item in enumerate(overrides, 1):
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'"))
+            continue
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+            msg = _omega_message(e) if isinstance(e, OmegaConfBaseException) else str(e).splitlines()[0]
+            errors.append(SpecError(f"<override {n}>", None, key.strip(), msg))
+            continue
+        paths[key.strip()] = n
+    return cfg, paths
+
+
+def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) -> Any:
+    """Resolve interpolations leaf by leaf so that every bad one is reported, not just the first."""
+    if isinstance(node, DictConfig):
+        out = {}
+        for key in node.keys():
+            p = f"{path}.{key}" if path else str(key)
+            try:
+                value = node[key]
+            except OmegaConfBaseException as e:
+                errors.append(source.error(p, _omega_message(e)))
+                continue
+            out[key] = _resolve(value, p, source, errors)
+        return out
+    if isinstance(node, ListConfig):
+        out_list = []
+        for i in range(len(node)):
+            p = f"{path}.{i}" if path else str(i)
+            try:
+                value = node[i]
+            except OmegaConfBaseException as e:
+                errors.append(source.error(p, _omega_message(e)))
+                value = None
+            out_list.append(_resolve(value, p, source, errors))
+        return out_list
+    return node
+
+
+def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
+    """The spec file and overrides as one resolved plain dict. Errors that leave nothing to validate
+    (unreadable file, YAML syntax) are raised; the rest are returned."""
+    file = str(path)
+    overrides = tuple(overrides)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e.strerror or e}")], file) from None
+    source = SpecSource(file, Path(path).resolve().parent, text)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
+    except yaml.YAMLError as e:
+        raise SpecErrors([_yaml_error(e, file, text)], file) from None
+    except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
+        key = getattr(e, "full_key", "") or ""
+        lines = _line_map(root)
+        raise SpecErrors([SpecError(file, lines.get(key), key, _omega_message(e))], file) from None
+    if root is None:
+        raise SpecErrors([SpecError(file, None, "", "the spec is empty")], file)
+    if not isinstance(cfg, DictConfig):
+        raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
+    errors: list[SpecError] = []
+    cfg, override_paths = _apply_overrides(cfg, overrides, errors)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    source = SpecSource(file, source.base_dir, text, _line_map(root), overrides, override_paths,
+                        env_paths(raw))  # type: ignore[arg-type]
+    data = _resolve(cfg, "", source, errors)
+    return data, source, errors
+
+
+# --------------------------------------------------------------------------------------- pydantic
+def _problem_errors(problems: list[Problem], source: SpecSource) -> list[SpecError]:
+    return [source.error(dotted(p.parts), p.message) for p in problems]
+
+
+def _delete(data: dict, parts: Parts) -> bool:
+    """Remove one path from nested dicts/lists; False when there is nothing to remove."""
+    parent: Any = data
+    for p in parts[:-1]:
+        try:
+            parent = parent[p]
+        except (KeyError, IndexError, TypeError):
+            return False
+    try:
+        del parent[parts[-1]]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True
+
+
+def _repair(data: dict, problems: list[Problem], broken: dict[str, set[str]]) -> Spec | None:
+    """Drop what failed until the rest validates, so the compiler can check it; None if that cannot be
+    done without losing a required top-level key."""
+    for _ in range(_REPAIR_ROUNDS):
+        for p in problems:
+            target = p.node if p.node is not None else p.parts
+            missing = p.message == "missing required key" and p.node is None
+            if missing:
+                target = p.parts[:-1]
+            if not target:
+                return None
+            if target[0] in broken and len(target) >= 2:
+                target = target[:2]  # a broken reward/tool node is dropped whole
+                broken[str(target[0])].add(str(target[1]))
+            if not _delete(data, target) and missing:
+                return None
+        try:
+            return _with_default_interpolations(Spec.model_validate(data), data)
+        except ValidationError as e:
+            problems = translate(Spec, e.errors(), data)
+    return None
+
+
+def _default_templates(model: BaseModel, prefix: Parts = ()) -> list[tuple[Parts, str]]:
+    """Fields left at a default that interpolates other values (`checkpoint_dir: runs/${name}`)."""
+    out: list[tuple[Parts, str]] = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out += _default_templates(value, prefix + (name,))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, BaseModel):
+                    out += _default_templates(v, prefix + (name, k))
+        elif isinstance(value, str) and "${" in value and name not in model.model_fields_set:
+            out.append((prefix + (name,), value))
+    return out
+
+
+def _with_default_interpolations(spec: Spec, data: dict) -> Spec:
+    """Resolve interpolating defaults against the user's values, so the plan shows what will be used."""
+    templates = _default_templates(spec)
+    if not templates:
+        return spec
+    data = copy.deepcopy(data)
+    cfg = OmegaConf.create(data)
+    for parts, template in templates:
+        OmegaConf.update(cfg, dotted(parts), template, force_add=True)
+        target = data
+        for p in parts[:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = OmegaConf.select(cfg, dotted(parts))
+    return Spec.model_validate(data)
+
+
+def load_all(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Loaded:
+    """Load and validate, collecting every error; on failure also return a repaired spec (see module
+    doc). Raises `SpecErrors` only when nothing can be validated (unreadable file, YAML syntax)."""
+    data, source, errors = read_config(path, overrides)
+    loaded = Loaded(None, source, errors)
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as e:
+        problems = translate(Spec, e.errors(), data)
+        # A value whose interpolation failed was left out of `data`; it is already reported, so its
+        # "missing required key" would only repeat it.
+        failed = {err.path for err in errors}
+        shown = [p for p in problems if not (p.message == "missing required key" and dotted(p.parts) in failed)]
+        loaded.errors += _problem_errors(shown, source)
+        loaded.spec = _repair(copy.deepcopy(data), problems, loaded.broken)
+        return loaded
+    try:
+        loaded.spec = _with_default_interpolations(spec, data)
+    except (OmegaConfBaseException, ValidationError) as e:
+        loaded.errors.append(source.error("", f"cannot resolve a default: {str(e).splitlines()[0]}"))
+    return loaded
+
+
+def load(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[Spec, SpecSource]:
+    """The validated spec and where it came from; raises `SpecErrors` listing every problem."""
+    loaded = load_all(path, overrides)
+    if loaded.errors or loaded.spec is None:
+        raise SpecErrors(loaded.errors, loaded.source.file)
+    return loaded.spec, loaded.source
+
+
+def load_spec(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Spec:
+    """The validated spec; raises `SpecErrors` listing every problem."""
+    return load(path, overrides)[0]

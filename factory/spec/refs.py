@@ -1,0 +1,222 @@
+"""Resolving what a spec refers to: python objects by import path, files, models; and hashing them.
+
+Each check returns a short message (or raises `RefError` with one) instead of letting the user's
+ImportError or SyntaxError escape: the compiler reports it at the line of the key that named it.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from factory.util import resolve_file
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RefError(Exception):
+    """A reference that does not resolve; `str(e)` is the message shown to the user."""
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path relative to the working directory when it lies below it (stable across checkouts)."""
+    p = Path(path).resolve()
+    try:
+        return p.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """The working directory on sys.path while importing, as at run time (`rewards/` next to the spec)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def import_object(ref: str) -> Any:
+    """`module:attr` -> the object; every way this can fail becomes a `RefError`."""
+    if not _IMPORT_PATH.match(ref):
+        raise RefError(f"expected an import path 'module:function', got '{ref}'")
+    module_name, _, attr = ref.partition(":")
+    with _cwd_importable():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise RefError(f"cannot import '{ref}': no module named '{e.name}'") from None
+            raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
+        except SyntaxError as e:
+            where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name
+            raise RefError(f"cannot import '{ref}': syntax error in {where}: {e.msg}") from None
+        except Exception as e:  # the user's module may raise anything while it is imported
+            raise RefError(f"cannot import '{ref}': importing '{module_name}' raised "
+                           f"{type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise RefError(f"cannot import '{ref}': '{module_name}' has no attribute '{part}'{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RefError(f"'{ref}' is not callable")
+    return obj
+
+
+def source_file(obj: Any) -> Path | None:
+    """The python file that defines `obj` (None for builtins and C extensions)."""
+    try:
+        found = inspect.getsourcefile(inspect.unwrap(obj))
+    except TypeError:
+        return None
+    return Path(found) if found and Path(found).is_file() else None
+
+
+# ------------------------------------------------------------------------------------- signatures
+def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...], keywords: dict[str, Any],
+                  shape: str, row_keywords: bool) -> str | None:
+    """Why `fn(*positional, **keywords)` cannot be called, or None. With `row_keywords`, required
+    parameters left unbound are taken to be row columns passed by keyword at run time."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # no introspectable signature (a builtin): nothing to check
+    try:
+        bound = sig.bind_partial(*positional, **keywords)
+    except TypeError as e:
+        return f"{ref}{sig} cannot be called as {shape}: {e}"
+    for name, param in sig.parameters.items():
+        if name in bound.arguments or param.default is not param.empty:
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if row_keywords and param.kind is not param.POSITIONAL_ONLY:
+            continue
+        return f"{ref}{sig} cannot be called as {shape}: missing a required argument: '{name}'"
+    return None
+
+
+def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool) -> str | None:
+    """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
+    completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword."""
+    if group:
+        return _bind_problem(fn, ref, ("prompts", "completions", "rows"), args,
+                             "f(prompts, completions, rows)", row_keywords=False)
+    return _bind_problem(fn, ref, ("prompt", "completion"), args, "f(prompt, completion, **row)",
+                         row_keywords=True)
+
+
+def generator_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any]) -> str | None:
+    """A data generator is called as `fn(n=..., seed=..., **args)`."""
+    return _bind_problem(fn, ref, (), {"n": 1, "seed": 0, **args}, "f(n=..., seed=..., **args)",
+                         row_keywords=False)
+
+
+# ------------------------------------------------------------------------------------------ files
+def find_file(path: str, base_dir: Path) -> Path | None:
+    """A file the spec names: relative to the working directory, then to the spec's folder."""
+    p = resolve_file(path, base_dir)
+    return p if p.is_file() else None
+
+
+def template_problem(path: Path, chat_template: bool = False) -> str | None:
+    """A jinja syntax error in a template, as `file:line: message`."""
+    import jinja2
+
+    from factory.util import template_env
+
+    if chat_template:
+        # Hugging Face chat templates may use loop controls and the `generation` tag (transformers
+        # adds both); parse with the controls and let an unknown `generation` tag pass.
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    else:
+        env = template_env()
+    try:
+        env.parse(path.read_text(encoding="utf-8"))
+    except jinja2.TemplateSyntaxError as e:
+        if chat_template and "generation" in e.message:
+            return None
+        return f"template syntax error in {shown_path(path)}:{e.lineno}: {e.message}"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"cannot read {shown_path(path)}: {e}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------- models
+def _known_assets() -> dict[str, str] | None:
+    try:
+        from factory.assets import KNOWN_ASSETS
+    except ImportError:
+        return None
+    return KNOWN_ASSETS
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    """Whether a hub model's config is in the local Hugging Face cache (no network is touched)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # a malformed repo id: treat as not cached, the warning says what to do
+        return False
+
+
+def model_problem(path: str, required_file: str = "config.json") -> tuple[str | None, str | None]:
+    """(error, warning) for a model path: a `factory:NAME` asset must be known, a local folder must hold
+    `required_file`; anything else is taken as a hub id that must already be cached."""
+    if path.startswith("factory:"):
+        name = path.removeprefix("factory:")
+        known = _known_assets()
+        if known is None or name in known:
+            return None, None
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        hint = f"did you mean 'factory:{close[0]}'? " if close else ""
+        return f"unknown built-in model '{path}'; {hint}known: {', '.join('factory:' + k for k in sorted(known))}", None
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if required_file and not (local / required_file).is_file():
+            return f"model folder has no {required_file}: {path}", None
+        return None, None
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
+        return f"model folder not found: {path}", None
+    if _in_hf_cache(path):
+        return None, None
+    return None, (f"'{path}' is not a local folder: it is taken as a Hugging Face hub id and must already "
+                  "be in the local Hugging Face cache")
+
+
+# ----------------------------------------------------------------------------------------- hashes
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):  # data files may be large: stream them
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    """The one JSON text of a value: sorted keys, no spaces, unicode kept."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()

@@ -1,0 +1,217 @@
+"""Pydantic validation errors -> short, fixed messages at dotted paths.
+
+Pydantic reports where validation failed as a `loc` tuple that also names the union member it tried
+(`('tools', 'calc', 'StdioServer', 'command')`), and reports every member of a union when a node matches
+none. Users think in keys, not classes: this module walks the schema along each `loc` to drop member
+tags, keeps only the errors of the member the user evidently meant (the one whose distinctive key is
+present: `command`, `url`, `function`; `fn`, `llm_judge`, `tool`, `sum`, ...), and words each error as
+"unknown key 'lr_rate'; did you mean 'lr'?" or "expected a number, got 'fast'".
+"""
+from __future__ import annotations
+
+import difflib
+import types
+from dataclasses import dataclass
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+Parts = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One translated error. `node` is the path of the union node (a tool server or a reward node) the
+    error lies in, if any: the loader drops such a node as a whole when it repairs a spec."""
+
+    parts: Parts
+    message: str
+    node: Parts | None = None
+
+
+# -------------------------------------------------------------------------------- schema walking
+def _strip(ann: Any) -> Any:
+    """Peel `Annotated[...]` and `X | None` down to the type that matters."""
+    while True:
+        origin = get_origin(ann)
+        if origin is Annotated:
+            ann = get_args(ann)[0]
+            continue
+        if origin in (Union, types.UnionType):
+            args = [a for a in get_args(ann) if a is not type(None)]
+            if len(args) == 1:
+                ann = args[0]
+                continue
+        return ann
+
+
+def _union_members(ann: Any) -> tuple[type, ...]:
+    if get_origin(ann) in (Union, types.UnionType):
+        return tuple(a for a in get_args(ann) if a is not type(None))
+    return ()
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+@dataclass
+class _Loc:
+    parts: list[str | int]
+    model: type[BaseModel] | None  # the model whose field the last part names
+    container: Any  # the annotation of what holds the last part (a model, dict, list or tuple type)
+    node: Parts | None  # path of the union node passed through
+    members: tuple[type, ...]  # that union's members
+    tag: str | None  # the member pydantic tried
+
+
+def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
+    """Follow a pydantic `loc` through the schema, dropping union-member tags."""
+    out = _Loc([], None, None, None, (), None)
+    ann: Any = root
+    for item in loc:
+        ann = _strip(ann)
+        members = _union_members(ann)
+        if members:
+            by_name = {m.__name__: m for m in members if isinstance(m, type)}
+            if item in by_name:
+                out.node, out.members, out.tag = tuple(out.parts), members, str(item)
+                ann = by_name[item]
+                continue
+        out.container = ann
+        out.model = ann if _is_model(ann) else None
+        if _is_model(ann):
+            field = ann.model_fields.get(item) if isinstance(item, str) else None
+            ann = field.annotation if field is not None else None
+        elif get_origin(ann) is dict:
+            ann = get_args(ann)[1]
+        elif get_origin(ann) in (list, tuple, set):
+            args = get_args(ann)
+            ann = args[0] if args else None
+        else:
+            ann = None
+        out.parts.append(item)
+    return out
+
+
+def required_keys(model: type[BaseModel]) -> list[str]:
+    return [name for name, f in model.model_fields.items() if f.is_required()]
+
+
+# ------------------------------------------------------------------------------------- messages
+def show(value: Any) -> str:
+    """A value as the user wrote it in YAML, short."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, str):
+        return f"'{value[:40]}...'" if len(value) > 40 else f"'{value}'"
+    return str(value)
+
+
+def nearest(key: str, valid: list[str]) -> str | None:
+    """The valid key a typo most likely meant: a close spelling, else one that shares its first word
+    (`lr_rate` -> `lr`, which difflib alone finds too different)."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    head = key.split("_")[0]
+    same_head = [v for v in valid if v.split("_")[0] == head]
+    return same_head[0] if len(same_head) == 1 else None
+
+
+def unknown_key(key: str, valid: list[str]) -> str:
+    near = nearest(key, valid)
+    if near:
+        return f"unknown key '{key}'; did you mean '{near}'?"
+    return f"unknown key '{key}'; expected one of: {', '.join(valid)}"
+
+
+_EXPECTED = {
+    "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+    "dict": "a mapping", "model": "a mapping", "model_attributes": "a mapping", "list": "a list",
+    "tuple": "a list", "set": "a list", "iterable": "a list",
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def message(err: dict[str, Any], where: _Loc) -> str:
+    """The fixed text for one pydantic error."""
+    kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        valid = list(where.model.model_fields) if where.model is not None else []
+        return unknown_key(str(where.parts[-1]), valid)
+    if kind == "missing":
+        if get_origin(where.container) is tuple:  # a short list for a fixed-size tuple such as `clip`
+            return f"expected a list of {len(get_args(where.container))} items"
+        return "missing required key"
+    for prefix, expected in _EXPECTED.items():
+        if kind in (f"{prefix}_type", f"{prefix}_parsing", f"{prefix}_from_float"):
+            return f"expected {expected}, got {show(value)}"
+    if kind == "literal_error":
+        return f"expected {ctx['expected']}, got {show(value)}"
+    if kind in _BOUNDS:
+        bound = next(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le"))
+        return f"must be {_BOUNDS[kind]} {bound}, got {show(value)}"
+    if kind == "too_long" and get_origin(where.container) is tuple:
+        return f"expected a list of {len(get_args(where.container))} items"
+    text = err["msg"].removeprefix("Value error, ")
+    return text[:1].lower() + text[1:]
+
+
+# ------------------------------------------------------------------------------------ translation
+def _get(data: Any, parts: Parts) -> Any:
+    for p in parts:
+        if isinstance(data, dict) and p in data:
+            data = data[p]
+        elif isinstance(data, list) and isinstance(p, int) and p < len(data):
+            data = data[p]
+        else:
+            return None
+    return data
+
+
+def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict, _Loc]],
+                   data: dict) -> list[Problem]:
+    """Errors inside one union node: keep those of the member the user meant, else say what makes a node."""
+    raw = _get(data, node)
+    distinctive = {m: required_keys(m) for m in members if _is_model(m)}
+    all_distinctive = [k for keys in distinctive.values() for k in keys[:1]]
+    if not isinstance(raw, dict):
+        return [Problem(node, f"expected a mapping with one of the keys: {', '.join(all_distinctive)}, "
+                              f"got {show(raw)}", node)]
+    present = [m for m, keys in distinctive.items() if keys and keys[0] in raw]
+    if len(present) == 1:
+        tag = present[0].__name__
+        return [Problem(tuple(w.parts), message(e, w), node) for e, w in errs if w.tag == tag]
+    if len(present) > 1:
+        found = ", ".join(distinctive[m][0] for m in present)
+        return [Problem(node, f"expected exactly one of the keys: {', '.join(all_distinctive)}; found {found}",
+                        node)]
+    fields = list(dict.fromkeys(k for m in distinctive for k in m.model_fields))
+    typos = [Problem(node + (k,), unknown_key(k, fields), node) for k in raw
+             if k not in fields and nearest(k, fields)]
+    return typos or [Problem(node, f"expected one of the keys: {', '.join(all_distinctive)}", node)]
+
+
+def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -> list[Problem]:
+    """All pydantic errors of one validation as problems at dotted paths (in the errors' order)."""
+    plain: list[Problem] = []
+    by_node: dict[Parts, list[tuple[dict, _Loc]]] = {}
+    members: dict[Parts, tuple[type, ...]] = {}
+    for err in errors:
+        where = walk(root, tuple(err["loc"]))
+        if where.node is None:
+            plain.append(Problem(tuple(where.parts), message(err, where)))
+        else:
+            by_node.setdefault(where.node, []).append((err, where))
+            members[where.node] = where.members
+    out = list(plain)
+    for node, errs in by_node.items():
+        out += _node_problems(node, members[node], errs, data)
+    return list(dict.fromkeys(out))
