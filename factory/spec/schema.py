@@ -188,7 +188,7 @@ class AlgorithmSpec(Section):
     """A preset from the registry (grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, ...): it fills
     `advantage`, `loss` and `aggregation`; fields set here override it."""
     advantage: str | None = None
-    """Advantage estimator name (grpo, dr_grpo, rloo, reinforce_pp, mean_baseline)."""
+    """Advantage estimator name (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, mean_baseline)."""
     loss: str | None = None
     """Policy loss name (ppo_clip, dual_clip, gspo, cispo)."""
     aggregation: str | None = None
