@@ -162,9 +162,10 @@ class McpConnection:
         try:
             await ready
         except Exception as exc:
-            await self.close()
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise ServerStartError(f"tool server {self.label!r} failed to start: {detail}{self.stderr_tail()}") from exc
+            await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
+            message = f"tool server {self.label!r} failed to start: {describe(exc)}{self.stderr_tail()}"
+            self._close_stderr()
+            raise ServerStartError(message) from exc
 
     async def _own(self, ready: asyncio.Future[None], timeout_s: float) -> None:
         lost = False
@@ -186,7 +187,7 @@ class McpConnection:
                 ready.set_exception(exc)
             else:
                 lost = not self._closing.is_set()
-                log.warning("tool server %s: connection ended: %r", self.label, exc)
+                log.warning("tool server %s: connection ended: %s", self.label, describe(exc))
         finally:
             self.session = None
             if not ready.done():  # cancelled before it was ready
@@ -215,7 +216,7 @@ class McpConnection:
             return ""
         return f"\n--- server stderr (tail) ---\n{text}" if text else ""
 
-    async def close(self, timeout_s: float = 15.0) -> None:
+    async def close(self, timeout_s: float = 15.0, keep_stderr: bool = False) -> None:
         """Shut the session and its process down (stdin closed, then SIGTERM/SIGKILL by the SDK)."""
         self._closing.set()
         owner = self._owner
@@ -226,8 +227,19 @@ class McpConnection:
                 owner.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await owner
+        if not keep_stderr:
+            self._close_stderr()
+
+    def _close_stderr(self) -> None:
         if self._stderr is not None and not self._stderr.closed:
             self._stderr.close()
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of the first leaf exception: anyio task groups wrap errors in ExceptionGroups."""
+    while getattr(exc, "exceptions", None):  # duck-typed: BaseExceptionGroup is 3.11+, we support 3.10
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 async def _list_all_tools(session: ClientSession) -> list[mcp_types.Tool]:

@@ -1,0 +1,245 @@
+"""Fault tests: the ToolBox against a real stdio server that misbehaves (tests/tool_servers/faulty.py).
+
+Each fault has its own test and assertion; the last test runs a whole "rollout" (concurrent fake
+trajectories, several calls per turn) through every fault at once, with the server killed midway,
+and checks that every trajectory finishes and every fault lands in its counter.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from factory.spec.schema import StdioServer
+from factory.tools import Resilience, ToolBox
+from factory.types import ToolCall, ToolResult
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY = StdioServer(
+    command="python", args=["tests/tool_servers/faulty.py"], cwd=str(ROOT), timeout_s=1.0, retries=1, max_result_chars=1000
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def box():
+    async with ToolBox.from_spec({"faulty": FAULTY}) as toolbox:
+        yield toolbox
+
+
+def call(name: str, **arguments) -> ToolCall:
+    return ToolCall(name=name, arguments=arguments, raw="")
+
+
+async def server_pid(box: ToolBox) -> int:
+    result = await box.call(call("pid"))
+    assert result.status == "ok", result
+    return int(result.text)
+
+
+def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+async def run_trajectory(box: ToolBox, turns: list[list[ToolCall]]) -> list[list[ToolResult]]:
+    """A fake trajectory: each turn's calls run together, turns one after another, as the rollout does."""
+    return [await box.call_many(turn) for turn in turns]
+
+
+async def kill_when_busy(box: ToolBox, pid: int, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    os.kill(pid, signal.SIGKILL)
+
+
+class CallCounter:
+    """Wraps a backend's call to count what reaches the server (a spy; the server stays real)."""
+
+    def __init__(self, backend) -> None:
+        self.calls = 0
+        self._inner = backend.call
+
+    async def __call__(self, tool, arguments):
+        self.calls += 1
+        return await self._inner(tool, arguments)
+
+
+# --------------------------------------------------------------------------- one fault per test
+async def test_server_killed_mid_rollout_is_restarted_and_calls_retried(box):
+    before = box.metrics()
+    old_pid = await server_pid(box)
+    turns = [[call("echo", text=f"{t}.{c}", delay_s=0.2) for c in range(2)] for t in range(3)]
+    trajectories = [run_trajectory(box, turns) for _ in range(16)]
+    *results, _ = await asyncio.gather(*trajectories, kill_when_busy(box, old_pid, 0.3))
+    assert len(results) == 16
+    for trajectory in results:  # every in-flight call was retried on the restarted server
+        assert [[r.text for r in turn] for turn in trajectory] == [[f"{t}.{c}" for c in range(2)] for t in range(3)]
+    after = box.metrics()
+    assert delta(before, after, "tool_servers/faulty/restarts") == 1
+    assert delta(before, after, "tools/echo/infra_errors") == 0
+    assert await server_pid(box) != old_pid
+
+
+async def test_without_retries_in_flight_calls_fail_cleanly_as_crash():
+    async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"retries": 0})}) as box:
+        pid = await server_pid(box)
+        calls = [box.call(call("echo", text=str(i), delay_s=2.0)) for i in range(8)]
+        started = time.perf_counter()
+        *results, _ = await asyncio.gather(*calls, kill_when_busy(box, pid, 0.3))
+        assert time.perf_counter() - started < 1.5  # failed at once, not after the 2 s echo or a timeout
+        assert {(r.status, r.error_kind) for r in results} == {("infra_error", "crash")}
+        metrics = box.metrics()
+        assert metrics["tools/echo/infra_errors"] == 8 and metrics["tools/echo/timeouts"] == 0
+        assert (await box.call(call("echo", text="back"))).text == "back"
+        assert box.metrics()["tool_servers/faulty/restarts"] == 1
+
+
+async def test_call_past_its_timeout_is_an_infra_timeout_and_blocks_nobody(box):
+    before = box.metrics()
+    pid = await server_pid(box)
+    slow = asyncio.create_task(box.call(call("sleep", seconds=30)))
+    await asyncio.sleep(0.05)
+    quick = await box.call(call("echo", text="quick"))
+    assert quick.text == "quick" and quick.latency_s < 0.5  # not stuck behind the hung call
+    result = await slow
+    assert (result.status, result.error_kind) == ("infra_error", "timeout")
+    assert 2.0 <= result.latency_s < 4.0  # 1 s timeout, 1 retry with backoff, 1 s timeout
+    after = box.metrics()
+    assert delta(before, after, "tools/sleep/timeouts") == 1
+    assert delta(before, after, "tools/sleep/infra_errors") == 1
+    assert await server_pid(box) == pid  # a timeout is not a crash: the server keeps running
+
+
+async def test_tool_that_raises_is_a_model_error(box):
+    before = box.metrics()
+    result = await box.call(call("boom", message="broken"))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert "boom" in result.text
+    after = box.metrics()
+    assert delta(before, after, "tools/boom/model_errors") == 1
+    assert delta(before, after, "tools/boom/infra_errors") == 0
+
+
+async def test_ten_megabyte_result_is_truncated_head_and_tail(box):
+    result = await box.call(call("huge", chars=10_000_000))
+    assert result.status == "ok"
+    assert len(result.text) == 1000
+    assert result.text.startswith("HEADxxx") and result.text.endswith("xxxTAIL")
+    assert "characters omitted]" in result.text
+
+
+async def test_malformed_json_never_reaches_the_server(box, monkeypatch):
+    spy = CallCounter(box._backends["faulty"])
+    monkeypatch.setattr(box._backends["faulty"], "call", spy)
+    before = box.metrics()
+    result = await box.call(ToolCall("echo", None, raw='{"text": "unterminated', parse_error="Unterminated string"))
+    assert (result.status, result.error_kind) == ("model_error", "parse_error")
+    assert spy.calls == 0
+    assert delta(before, box.metrics(), "tools/echo/model_errors") == 1
+
+
+async def test_schema_invalid_arguments_never_reach_the_server(box, monkeypatch):
+    spy = CallCounter(box._backends["faulty"])
+    monkeypatch.setattr(box._backends["faulty"], "call", spy)
+    result = await box.call(call("echo", text=5))
+    assert (result.status, result.error_kind) == ("model_error", "bad_arguments")
+    assert "5 is not of type 'string'" in result.text
+    assert spy.calls == 0
+
+
+async def test_unknown_tool_is_a_model_error(box):
+    before = box.metrics()
+    result = await box.call(call("rm_rf", path="/"))
+    assert (result.status, result.error_kind) == ("model_error", "unknown_tool")
+    after = box.metrics()
+    assert delta(before, after, "tools/model_errors") == 1 and delta(before, after, "tools/calls") == 1
+
+
+async def test_circuit_breaker_stops_hammering_then_probes():
+    resilience = Resilience(breaker_threshold=2, breaker_cooldown_s=0.5)
+    spec = FAULTY.model_copy(update={"retries": 0})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        crashes = [await box.call(call("die")) for _ in range(2)]  # each call kills the server
+        assert [r.error_kind for r in crashes] == ["crash", "crash"]
+        fast = await box.call(call("echo", text="x"))
+        assert (fast.status, fast.error_kind) == ("infra_error", "circuit_open")
+        assert fast.latency_s < 0.05  # answered without touching the server
+        await asyncio.sleep(0.6)
+        probe = await box.call(call("echo", text="probe"))  # the probe restarts the server
+        assert probe.text == "probe"
+        metrics = box.metrics()
+        assert metrics["tool_servers/faulty/circuit_opens"] == 1
+        assert metrics["tools/echo/infra_errors"] == 1 and metrics["tools/die/infra_errors"] == 2
+
+
+# ------------------------------------------------------------------------- every fault at once
+def fault_plan(index: int) -> list[list[ToolCall]]:
+    """Trajectory `index`'s three turns of three calls; every trajectory meets several faults."""
+    kinds = [
+        call("echo", text=f"ok{index}", delay_s=0.1),
+        call("boom"),
+        call("huge", chars=50_000),
+        call("no_such_tool"),
+        ToolCall("echo", None, raw="{", parse_error="Expecting value"),
+        call("echo", text=["not", "a", "string"]),
+        call("echo", text="late", delay_s=0.3),
+    ]
+    turns = [[kinds[(index + 3 * t + c) % len(kinds)] for c in range(3)] for t in range(3)]
+    if index == 0:
+        turns[1][0] = call("sleep", seconds=30)  # one hung call in one trajectory
+    return turns
+
+
+EXPECTED_KIND = {  # (status, error_kind) per call, by what the model asked for
+    "ok": ("ok", None),
+    "boom": ("model_error", "tool_error"),
+    "no_such_tool": ("model_error", "unknown_tool"),
+    "parse": ("model_error", "parse_error"),
+    "bad": ("model_error", "bad_arguments"),
+    "sleep": ("infra_error", "timeout"),
+}
+
+
+def expected(c: ToolCall) -> tuple[str, str | None]:
+    if c.name == "no_such_tool":
+        return EXPECTED_KIND["no_such_tool"]
+    if c.arguments is None:
+        return EXPECTED_KIND["parse"]
+    if c.name == "echo" and not isinstance(c.arguments["text"], str):
+        return EXPECTED_KIND["bad"]
+    return EXPECTED_KIND.get(c.name, EXPECTED_KIND["ok"])
+
+
+async def test_rollout_through_every_fault_loses_nothing(box):
+    before = box.metrics()
+    pid = await server_pid(box)
+    plans = [fault_plan(i) for i in range(16)]
+    started = time.perf_counter()
+    *results, _ = await asyncio.gather(*(run_trajectory(box, p) for p in plans), kill_when_busy(box, pid, 0.2))
+    assert time.perf_counter() - started < 8.0  # nothing hangs
+    outcomes: Counter[tuple[str, str | None]] = Counter()
+    for plan, trajectory in zip(plans, results):
+        assert [len(turn) for turn in trajectory] == [3, 3, 3]  # no call silently lost
+        for planned_turn, result_turn in zip(plan, trajectory):
+            for c, r in zip(planned_turn, result_turn):
+                assert (r.status, r.error_kind) == expected(c), (c, r)
+                outcomes[(r.status, r.error_kind)] += 1
+                if c.name == "huge":
+                    assert len(r.text) == 1000 and r.text.endswith("TAIL")
+    after = box.metrics()
+    assert delta(before, after, "tools/calls") == 16 * 9 + 1  # + the pid call
+    assert delta(before, after, "tools/timeouts") == outcomes[("infra_error", "timeout")] == 1
+    assert delta(before, after, "tools/infra_errors") == 1  # the kill was absorbed by retries
+    model_errors = sum(n for (status, _), n in outcomes.items() if status == "model_error")
+    assert delta(before, after, "tools/model_errors") == model_errors
+    assert delta(before, after, "tool_servers/faulty/restarts") == 1

@@ -1,0 +1,294 @@
+"""The ToolBox against real servers: the calculator shipped in this repo (stdio and streamable HTTP),
+a python tool, and a third-party server from PyPI (mcp-server-time, in its own venv)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from factory.spec.schema import HttpServer, PythonTool, StdioServer
+from factory.tools import ToolBox, ToolStartError, list_tools, schema_hash
+from factory.types import ToolCall
+
+ROOT = Path(__file__).resolve().parents[1]
+CALC = StdioServer(command="python", args=["-m", "factory.examples.calculator"], cwd=str(ROOT), timeout_s=10)
+TIME_SERVER = ROOT / ".factory/tool-venvs/mcp-server-time/bin/mcp-server-time"
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def box():
+    """One calculator server (and a python tool) for the whole module: a stdio start costs ~0.6 s."""
+    tools = {"calc": CALC, "count": PythonTool(function="tests.test_tools_servers:count_words")}
+    async with ToolBox.from_spec(tools, base_dir=ROOT) as toolbox:
+        yield toolbox
+
+
+def count_words(text: str) -> int:
+    """Count the words of a text.
+
+    Args:
+        text: The text whose words are counted.
+    """
+    return len(text.split())
+
+
+async def slow_double(x: int) -> int:
+    """Double a number, slowly.
+
+    Args:
+        x: The number to double.
+    """
+    await asyncio.sleep(0.2)
+    return 2 * x
+
+
+def call(name, arguments, raw=""):
+    return ToolCall(name=name, arguments=arguments, raw=raw)
+
+
+# ------------------------------------------------------------------------------------ calculator
+async def test_schemas_are_function_tools(box):
+    schemas = {s["function"]["name"]: s for s in box.schemas()}
+    assert set(schemas) == {"calculate", "count"}
+    calc = schemas["calculate"]
+    assert calc["type"] == "function"
+    assert calc["function"]["parameters"]["required"] == ["expression"]
+    assert "arithmetic" in calc["function"]["description"]
+    assert schemas["count"]["function"]["parameters"]["properties"]["text"]["type"] == "string"
+
+
+async def test_calculate_evaluates(box):
+    result = await box.call(call("calculate", {"expression": "(3 + 4) * 2 - 10 / 4"}))
+    assert (result.status, result.text, result.error_kind) == ("ok", "11.5", None)
+    assert result.latency_s > 0
+
+
+async def test_calculator_refuses_code(box):
+    result = await box.call(call("calculate", {"expression": "__import__('os').getpid()"}))
+    assert result.status == "model_error" and result.error_kind == "tool_error"
+    assert "unsupported" in result.text
+
+
+async def test_tool_error_is_a_model_error(box):
+    result = await box.call(call("calculate", {"expression": "1/0"}))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert "division by zero" in result.text
+
+
+async def test_schema_invalid_arguments_never_reach_the_server(box):
+    before = box.metrics()["tools/calculate/calls"]
+    result = await box.call(call("calculate", {"expr": "1+1"}))
+    assert (result.status, result.error_kind) == ("model_error", "bad_arguments")
+    assert "'expression' is a required property" in result.text
+    assert box.metrics()["tools/calculate/model_errors"] >= 1
+    assert box.metrics()["tools/calculate/calls"] == before + 1
+
+
+async def test_unparsable_json_is_a_parse_error(box):
+    result = await box.call(ToolCall("calculate", None, raw='{"expression": "1+', parse_error="unterminated string"))
+    assert (result.status, result.error_kind) == ("model_error", "parse_error")
+    assert "unterminated string" in result.text
+
+
+async def test_unknown_tool_lists_the_real_ones(box):
+    before = box.metrics()
+    result = await box.call(call("calculator", {"expression": "1"}))
+    assert (result.status, result.error_kind) == ("model_error", "unknown_tool")
+    assert "Available tools: calculate, count" in result.text
+    after = box.metrics()
+    assert after["tools/model_errors"] == before["tools/model_errors"] + 1
+    assert not any(k.startswith("tools/calculator/") for k in after)
+
+
+async def test_qualified_name_is_accepted(box):
+    result = await box.call(call("calc__calculate", {"expression": "2**10"}))
+    assert (result.status, result.text, result.tool) == ("ok", "1024", "calculate")
+
+
+async def test_python_tool_is_called_in_process(box):
+    result = await box.call(call("count", {"text": "one two three"}))
+    assert (result.status, result.text) == ("ok", "3")
+
+
+async def test_calls_of_a_turn_run_concurrently_and_keep_order(box):
+    calls = [call("calculate", {"expression": f"{i} * 3"}) for i in range(40)]
+    results = await box.call_many(calls)
+    assert [r.text for r in results] == [str(i * 3) for i in range(40)]
+
+
+async def test_listing_and_hash(box):
+    listing = box.tool_listing()
+    assert [t["name"] for t in listing["calc"]] == ["calculate"]
+    assert listing["calc"][0]["offered_as"] == "calculate"
+    assert listing["count"][0]["inputSchema"]["required"] == ["text"]
+    assert len(schema_hash(listing)) == 64
+
+
+async def test_metrics_have_latency_percentiles(box):
+    metrics = box.metrics()
+    assert metrics["tools/calculate/latency_s_p50"] <= metrics["tools/calculate/latency_s_p95"]
+    assert metrics["tools/calls"] >= metrics["tools/calculate/calls"]
+
+
+# ------------------------------------------------------------------------------- start and stop
+async def test_close_leaves_no_process_and_is_idempotent():
+    before = set(_children(os.getpid()))
+    box = ToolBox.from_spec({"calc": CALC.model_copy(update={"replicas": 2})})
+    await box.start()
+    children = set(_children(os.getpid())) - before
+    assert len(children) == 2
+    await box.close()
+    await box.close()
+    assert not any(_alive(p) for p in children)
+    result = await box.call(call("calculate", {"expression": "1"}))
+    assert result.status == "infra_error"
+
+
+async def test_replicas_share_the_calls():
+    async with ToolBox.from_spec({"calc": CALC.model_copy(update={"replicas": 2})}) as box:
+        replicas = box._backends["calc"]._replicas
+        assert all(r.connection is not None and r.connection.alive for r in replicas)
+        results = await box.call_many([call("calculate", {"expression": f"{i}+1"}) for i in range(20)])
+        assert all(r.status == "ok" for r in results)
+
+
+async def test_a_server_that_cannot_start_fails_start_with_its_stderr():
+    bad = StdioServer(command="python", args=["-c", "import sys; sys.stderr.write('no such thing'); sys.exit(2)"])
+    before = set(_children(os.getpid()))
+    box = ToolBox.from_spec({"calc": CALC, "bad": bad})
+    with pytest.raises(ToolStartError, match="(?s)bad: .*no such thing"):
+        await box.start()
+    assert set(_children(os.getpid())) <= before  # the calculator that did start was stopped again
+
+
+async def test_allowed_tools_filters_and_checks():
+    async with ToolBox.from_spec({"calc": CALC.model_copy(update={"allowed_tools": ["calculate"]})}) as box:
+        assert [s["function"]["name"] for s in box.schemas()] == ["calculate"]
+    box = ToolBox.from_spec({"calc": CALC.model_copy(update={"allowed_tools": ["calc"]})})
+    with pytest.raises(ToolStartError, match=r"allowed_tools names unknown tool\(s\) \['calc'\]"):
+        await box.start()
+
+
+async def test_async_python_tool_calls_overlap():
+    async with ToolBox.from_spec({"double": PythonTool(function="tests.test_tools_servers:slow_double")}) as box:
+        started = time.perf_counter()
+        results = await box.call_many([call("double", {"x": i}) for i in range(10)])
+        elapsed = time.perf_counter() - started
+    assert [r.text for r in results] == [str(2 * i) for i in range(10)]
+    assert elapsed < 0.6  # ten 0.2 s calls, concurrently
+
+
+def test_list_tools_for_check_connect():
+    listing = list_tools({"calc": CALC}, base_dir=ROOT)
+    assert listing["calc"][0]["name"] == "calculate"
+
+
+# ------------------------------------------------------------------------------ streamable HTTP
+@pytest.fixture(scope="module")
+def http_server():
+    """The faulty test server over streamable HTTP on a free 127.0.0.1 port, stopped at module end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the HTTP test server did not start") from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/mcp", proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def test_http_transport_calls_concurrently_and_sends_env_headers(http_server, monkeypatch):
+    url, _ = http_server
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", "Bearer test")
+    spec = HttpServer(url=url, headers_from_env={"Authorization": "FACTORY_TEST_TOKEN"}, timeout_s=10)
+    async with ToolBox.from_spec({"web": spec}) as box:
+        assert (await box.call(call("header", {"name": "Authorization"}))).text == "Bearer test"
+        started = time.perf_counter()
+        results = await box.call_many([call("echo", {"text": str(i), "delay_s": 0.3}) for i in range(20)])
+        assert time.perf_counter() - started < 2.0  # twenty 0.3 s calls overlap over HTTP too
+        assert [r.text for r in results] == [str(i) for i in range(20)]
+        error = await box.call(call("boom", {}))
+        assert error.error_kind == "tool_error"
+
+
+async def test_http_server_gone_is_an_infra_error(http_server):
+    url, proc = http_server
+    async with ToolBox.from_spec({"web": HttpServer(url=url, timeout_s=5, retries=0)}) as box:
+        assert (await box.call(call("echo", {"text": "up"}))).status == "ok"
+        proc.terminate()
+        proc.wait(timeout=10)
+        result = await box.call(call("echo", {"text": "down"}))
+    assert result.status == "infra_error" and result.error_kind in ("crash", "transport")
+
+
+# ------------------------------------------------------------------------ third-party from PyPI
+@pytest.mark.skipif(
+    not TIME_SERVER.exists(), reason="mcp-server-time is not installed: run bin/install-tool-servers (CI does)"
+)
+async def test_third_party_time_server():
+    spec = StdioServer(command=str(TIME_SERVER.relative_to(ROOT)), args=["--local-timezone", "UTC"])
+    async with ToolBox.from_spec({"time": spec, "calc": CALC}, base_dir=ROOT) as box:
+        names = {s["function"]["name"] for s in box.schemas()}
+        assert {"get_current_time", "convert_time", "calculate"} <= names
+        now = await box.call(call("get_current_time", {"timezone": "UTC"}))
+        assert now.status == "ok" and '"timezone": "UTC"' in now.text
+        converted = await box.call(
+            call("convert_time", {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"})
+        )
+        assert converted.status == "ok" and "21:00" in converted.text
+        missing = await box.call(call("get_current_time", {}))
+        assert missing.error_kind == "bad_arguments"
+        wrong_zone = await box.call(call("get_current_time", {"timezone": "Mars/Olympus"}))
+        assert wrong_zone.status == "model_error"
+
+
+# --------------------------------------------------------------------------------------- helpers
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc), excluding zombies."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

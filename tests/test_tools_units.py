@@ -1,0 +1,259 @@
+"""Unit tests of the tools package's pure parts: truncation, naming, validation, breaker, metrics, schemas."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import types as mcp_types
+
+from factory.spec.schema import PythonTool, StdioServer
+from factory.tools.connection import ServerStartError, http_headers, stdio_parameters
+from factory.tools.listing import schema_hash
+from factory.tools.metrics import ToolMetrics
+from factory.tools.resilience import CircuitBreaker, backoff_delay
+from factory.tools.results import content_text, truncate_middle, value_text
+from factory.tools.servers import function_schema, load_function
+from factory.tools.toolbox import ToolBox, ToolEntry, argument_problem, compile_validator, offered_tools, routes
+from factory.types import ToolResult
+
+
+# ------------------------------------------------------------------------------------- truncation
+def test_truncate_keeps_short_text_unchanged():
+    assert truncate_middle("hello", 5) == "hello"
+
+
+def test_truncate_keeps_head_tail_and_marker_within_limit():
+    text = "HEAD" + "x" * 10_000 + "TAIL"
+    out = truncate_middle(text, 100)
+    assert len(out) == 100
+    head, marker, tail = out.split("\n")
+    assert head.startswith("HEAD") and tail.endswith("TAIL")
+    assert marker == f"...[{len(text) - len(head) - len(tail)} characters omitted]..."
+
+
+def test_truncate_limit_smaller_than_marker_keeps_head_only():
+    assert truncate_middle("abcdefghijklmnopqrstuvwxyz" * 10, 8) == "abcdefgh"
+
+
+# ------------------------------------------------------------------------------------ result text
+def test_content_text_joins_blocks_and_names_non_text():
+    result = mcp_types.CallToolResult(
+        content=[
+            mcp_types.TextContent(type="text", text="a"),
+            mcp_types.ImageContent(type="image", data="QUJD", mime_type="image/png"),
+            mcp_types.TextContent(type="text", text="b"),
+        ]
+    )
+    assert content_text(result) == "a\n[image: image/png, 4 base64 characters]\nb"
+
+
+def test_content_text_falls_back_to_structured_content():
+    result = mcp_types.CallToolResult(content=[], structured_content={"value": 3})
+    assert content_text(result) == '{"value": 3}'
+
+
+def test_value_text():
+    assert value_text("x") == "x"
+    assert value_text({"a": [1, 2]}) == '{"a": [1, 2]}'
+
+
+# ----------------------------------------------------------------------------------------- naming
+def test_unique_names_are_bare_and_clashes_are_qualified():
+    schema = {"type": "object"}
+    listings = {
+        "calc": [("calculate", "", schema), ("now", "", schema)],
+        "time": [("now", "", schema), ("convert", "", schema)],
+    }
+    offered = {(e.server, e.tool): e.offered for e in offered_tools(listings)}
+    assert offered == {
+        ("calc", "calculate"): "calculate",
+        ("calc", "now"): "calc__now",
+        ("time", "now"): "time__now",
+        ("time", "convert"): "convert",
+    }
+
+
+def test_routes_accept_offered_and_qualified_names():
+    entries = offered_tools({"calc": [("calculate", "", {"type": "object"})]})
+    table = routes(entries)
+    assert table["calculate"] is table["calc__calculate"]
+    assert "now" not in table
+
+
+def test_server_name_with_separator_is_rejected():
+    with pytest.raises(ValueError, match="must not contain '__'"):
+        ToolBox.from_spec({"my__calc": StdioServer(command="python")})
+
+
+# ------------------------------------------------------------------------------------- validation
+SCHEMA = {
+    "type": "object",
+    "properties": {"expression": {"type": "string"}, "digits": {"type": "integer", "minimum": 0}},
+    "required": ["expression"],
+}
+
+
+def _validator(schema=SCHEMA):
+    return compile_validator(ToolEntry("t", "s", "t", "", schema))
+
+
+def test_valid_arguments_pass():
+    assert argument_problem(_validator(), {"expression": "1+1", "digits": 2}) is None
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        ({}, "'expression' is a required property"),
+        ({"expression": 3}, "3 is not of type 'string' (at expression)"),
+        ({"expression": "1", "digits": -1}, "-1 is less than the minimum of 0 (at digits)"),
+        (["1+1"], "expected a JSON object of arguments, got list"),
+    ],
+)
+def test_invalid_arguments_are_explained(arguments, expected):
+    assert argument_problem(_validator(), arguments) == expected
+
+
+def test_invalid_schema_is_not_enforced():
+    validator = _validator({"type": "object", "properties": {"x": {"type": 12}}})
+    assert validator is None
+    assert argument_problem(validator, {"x": "anything"}) is None
+
+
+# ---------------------------------------------------------------------------------------- breaker
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_threshold_and_probes_after_cooldown():
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=3, cooldown_s=5.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+    assert breaker.state == "open" and not breaker.allow()
+    clock.now = 5.0
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one probe at a time
+    assert breaker.record_failure()  # the probe failed: open again for a full cooldown
+    clock.now = 9.0
+    assert not breaker.allow()
+    clock.now = 10.0
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == "closed" and breaker.allow()
+
+
+def test_breaker_success_resets_the_count():
+    breaker = CircuitBreaker(threshold=2, cooldown_s=1.0, clock=FakeClock())
+    breaker.record_failure()
+    breaker.record_success()
+    assert not breaker.record_failure()
+    assert breaker.state == "closed"
+
+
+def test_breaker_released_probe_lets_another_through():
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=1.0, clock=clock)
+    breaker.record_failure()
+    clock.now = 1.0
+    assert breaker.allow() and not breaker.allow()
+    breaker.release_probe()
+    assert breaker.allow()
+
+
+def test_backoff_doubles_caps_and_jitters_within_half():
+    assert backoff_delay(0, 0.1, 2.0, rng=lambda: 1.0) == pytest.approx(0.1)
+    assert backoff_delay(3, 0.1, 2.0, rng=lambda: 1.0) == pytest.approx(0.8)
+    assert backoff_delay(10, 0.1, 2.0, rng=lambda: 1.0) == pytest.approx(2.0)
+    assert backoff_delay(3, 0.1, 2.0, rng=lambda: 0.0) == pytest.approx(0.4)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+def test_metrics_count_each_kind_and_reset():
+    metrics = ToolMetrics()
+    metrics.record("calc", ToolResult("calc", "1", latency_s=0.1))
+    metrics.record("calc", ToolResult("calc", "e", status="model_error", error_kind="bad_arguments", latency_s=0.2))
+    metrics.record("calc", ToolResult("calc", "e", status="infra_error", error_kind="timeout", latency_s=0.3))
+    metrics.record(None, ToolResult("nope", "e", status="model_error", error_kind="unknown_tool"))
+    metrics.server_event("srv", "restarts")
+    snap = metrics.snapshot(reset=True)
+    assert snap["tools/calc/calls"] == 3
+    assert snap["tools/calc/model_errors"] == 1
+    assert snap["tools/calc/infra_errors"] == 1
+    assert snap["tools/calc/timeouts"] == 1
+    assert snap["tools/calc/errors"] == 2
+    assert snap["tools/calc/latency_s_p50"] == pytest.approx(0.2)
+    assert snap["tools/calc/latency_s_p95"] == pytest.approx(0.29)
+    assert snap["tools/calls"] == 4 and snap["tools/model_errors"] == 2 and snap["tools/infra_errors"] == 1
+    assert snap["tool_servers/srv/restarts"] == 1
+    assert not any(k.startswith("tools/nope") for k in snap)
+    assert metrics.snapshot() == {"tools/calls": 0.0, "tools/model_errors": 0.0, "tools/infra_errors": 0.0, "tools/timeouts": 0.0}
+
+
+# ---------------------------------------------------------------------------- transports, schemas
+def test_stdio_parameters_resolve_python_and_relative_paths(tmp_path: Path):
+    spec = StdioServer(command="python", args=["-m", "x"], cwd="sub", env={"A": "1"})
+    params = stdio_parameters(spec, tmp_path)
+    assert params.command == sys.executable
+    assert params.cwd == str(tmp_path / "sub")
+    assert params.env == {"A": "1"}
+    venv_cmd = stdio_parameters(StdioServer(command=".venvs/srv/bin/srv"), tmp_path).command
+    assert venv_cmd == str(tmp_path / ".venvs/srv/bin/srv")
+    assert stdio_parameters(StdioServer(command="uvx"), tmp_path).command == "uvx"
+
+
+def test_http_headers_come_from_the_environment():
+    assert http_headers({"Authorization": "TOKEN"}, {"TOKEN": "Bearer x"}) == {"Authorization": "Bearer x"}
+    with pytest.raises(ServerStartError, match="TOKEN"):
+        http_headers({"Authorization": "TOKEN"}, {})
+
+
+def word_count(text: str, min_length: int = 1) -> int:
+    """Count the words of a text.
+
+    Args:
+        text: The text to count words in.
+        min_length: Only words at least this long count.
+    """
+    return sum(len(w) >= min_length for w in text.split())
+
+
+def test_function_schema_from_hints_and_docstring():
+    schema = function_schema(word_count, "count")
+    assert schema == {
+        "type": "function",
+        "function": {
+            "name": "count",
+            "description": "Count the words of a text.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string", "description": "The text to count words in."},
+                    "min_length": {"type": "integer", "description": "Only words at least this long count."},
+                },
+                "required": ["text"],
+            },
+        },
+    }
+
+
+def test_load_function_by_import_path():
+    assert load_function("tests.test_tools_units:word_count", None) is word_count
+    with pytest.raises(ValueError, match="module:function"):
+        load_function("tests.test_tools_units.word_count", None)
+
+
+def test_python_tool_spec_fields_reach_the_backend():
+    box = ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_units:word_count", timeout_s=2)})
+    assert box._backends["count"].spec.timeout_s == 2
+
+
+def test_schema_hash_changes_with_any_schema_change():
+    listing = {"calc": [{"name": "calculate", "inputSchema": {"type": "object"}}]}
+    changed = {"calc": [{"name": "calculate", "inputSchema": {"type": "object", "required": ["x"]}}]}
+    assert schema_hash(listing) == schema_hash({"calc": [{"inputSchema": {"type": "object"}, "name": "calculate"}]})
+    assert schema_hash(listing) != schema_hash(changed)

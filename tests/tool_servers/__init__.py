@@ -1,0 +1,1 @@
+"""Test-only MCP servers that misbehave on purpose (slow, crashing, raising, huge output)."""

@@ -1,0 +1,66 @@
+"""An MCP server whose tools fail in every way the ToolBox must survive.
+
+Run: `python tests/tool_servers/faulty.py` (stdio) or `... --http PORT` (streamable HTTP on 127.0.0.1).
+Each tool is one fault; `pid` lets a test kill the process; `header` shows what HTTP headers arrived.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+
+# CRITICAL: the SDK would render every raised exception as a rich traceback, slowing the whole server.
+server = MCPServer("faulty", log_level="CRITICAL")
+
+
+@server.tool(structured_output=False)
+async def echo(text: str, delay_s: float = 0.0) -> str:
+    """Return `text`, after `delay_s` seconds."""
+    await anyio.sleep(delay_s)
+    return text
+
+
+@server.tool(structured_output=False)
+async def sleep(seconds: float) -> str:
+    """Sleep, then answer: with `seconds` past the client's timeout this is a hung call."""
+    await anyio.sleep(seconds)
+    return f"slept {seconds}"
+
+
+@server.tool(structured_output=False)
+def boom(message: str = "kaboom") -> str:
+    """Raise, as a buggy tool does; the server turns it into an isError result."""
+    raise ValueError(message)
+
+
+@server.tool(structured_output=False)
+def huge(chars: int) -> str:
+    """A result of exactly `chars` characters that starts with HEAD and ends with TAIL."""
+    return "HEAD" + "x" * max(0, chars - 8) + "TAIL"
+
+
+@server.tool(structured_output=False)
+def pid() -> int:
+    """This server's process id, so a test can kill it."""
+    return os.getpid()
+
+
+@server.tool(structured_output=False)
+def die() -> str:
+    """Exit the process in the middle of the call: a crash."""
+    os._exit(3)
+
+
+@server.tool(structured_output=False)
+def header(name: str, ctx: Context) -> str:
+    """The value of HTTP request header `name` ('' over stdio or when absent)."""
+    return (ctx.headers or {}).get(name.lower(), "")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--http":
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run("stdio")
