@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from factory.spec.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 
@@ -19,7 +19,7 @@ def _check(args: argparse.Namespace) -> int:
     from factory.spec.compile import compile_file
     from factory.spec.render import check_summary
 
-    spec, plan = compile_file(args.spec, args.overrides, connect=args.connect)
+    _, plan = compile_file(args.spec, args.overrides, connect=args.connect)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     print(check_summary(plan))

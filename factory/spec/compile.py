@@ -13,26 +13,48 @@ real values is returned next to the Plan, never inside it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import graphlib
 import importlib.metadata
 import os
 import re
 import shutil
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
 from factory.spec.errors import SpecError, SpecErrors
-from factory.spec.load import SpecSource, dotted, load_all, read_config
-from factory.spec.refs import (RefError, find_file, generator_problem, import_object, model_problem,
-                               reward_problem, sha256_file, sha256_json, shown_path, source_file,
-                               template_problem)
-from factory.spec.schema import (FnNode, HttpServer, JudgeNode, MaxNode, MinNode, ProductNode, PythonTool,
-                                 Spec, StdioServer, SumNode, ToolNode)
+from factory.spec.load import SpecSource, load_all, read_config
+from factory.spec.refs import (
+    RefError,
+    find_file,
+    generator_problem,
+    import_object,
+    model_problem,
+    reward_problem,
+    sha256_file,
+    sha256_json,
+    shown_path,
+    source_file,
+    template_problem,
+)
+from factory.spec.schema import (
+    FnNode,
+    HttpServer,
+    JudgeNode,
+    MaxNode,
+    MinNode,
+    ProductNode,
+    PythonTool,
+    Spec,
+    StdioServer,
+    SumNode,
+    ToolNode,
+)
+from factory.spec.translate import nearest
 
 MASK = "***"
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
@@ -82,10 +104,11 @@ class Plan:
 
 # ----------------------------------------------------------------------------------- small helpers
 def _close(name: str, names: Iterable[str]) -> str:
+    """The suggestion that ends an "undefined name" message."""
     names = list(names)
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean '{close[0]}'?"
+    near = nearest(name, names)
+    if near:
+        return f"; did you mean '{near}'?"
     return f"; defined: {', '.join(names)}" if names else "; none is defined"
 
 
@@ -367,7 +390,7 @@ def _resolve_algorithm(spec: Spec, r: _Report) -> dict[str, Any]:
         text = str(e.args[0]) if e.args else str(e)
         # resolve() words problems as "algorithm.FIELD: message", joined by "; ", or names the preset.
         for problem in re.split(r"; (?=algorithm\.)", text):
-            found = re.match(r"algorithm\.([\w.]+): (.*)", problem, re.S)
+            found = re.match(r"algorithm\.([\w.]+): (.*)", problem, re.DOTALL)
             if found:
                 r.error("algorithm." + _ALGORITHM_FIELDS.get(found[1], found[1]), found[2])
             else:

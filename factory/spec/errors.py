@@ -25,6 +25,7 @@ class SpecError:
     message: str
     snippet: str = ""  # extra lines shown under the message (the offending YAML line and a caret)
     level: Literal["error", "warning"] = "error"
+    column: int = 0  # 1-based column of the key, for ordering errors that share a line (not shown)
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.line is not None else self.file
@@ -49,13 +50,13 @@ class SpecErrors(Exception):
 
 
 def sort_errors(errors: list[SpecError]) -> list[SpecError]:
-    """File errors by line first, then command-line overrides in the order given; duplicates dropped
-    (two checks may reach the same conclusion about one key)."""
+    """File errors in reading order (line, column), then command-line overrides in the order given;
+    duplicates dropped (two checks may reach the same conclusion about one key)."""
 
-    def key(e: SpecError) -> tuple[int, int, str]:
+    def key(e: SpecError) -> tuple[int, int, int]:
         if e.file.startswith("<override "):
-            return (1, int(e.file[len("<override "):-1]), e.path)
-        return (0, e.line if e.line is not None else 0, e.path)
+            return (1, int(e.file[len("<override "):-1]), 0)
+        return (0, e.line if e.line is not None else 0, e.column)
 
     unique = list(dict.fromkeys(errors))
     return sorted(unique, key=key)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -41,26 +42,27 @@ class SpecSource:
     file: str  # the spec file as the user named it (shown in messages)
     base_dir: Path  # the spec file's folder (absolute): relative file references fall back to it
     text: str
-    lines: Mapping[str, int] = field(default_factory=dict)  # dotted path -> 1-based line of its key
+    lines: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # dotted path -> (line, column) of its key
     overrides: tuple[str, ...] = ()
     override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
     env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
 
-    def locate(self, path: str) -> tuple[str, int | None]:
-        """(file, line) for a dotted path: the override that set it or the nearest key in the file."""
+    def locate(self, path: str) -> tuple[str, int | None, int]:
+        """(file, line, column) for a dotted path: the override that set it, else the nearest key in the
+        file (a missing key is located at its parent)."""
         p = path
         while True:
             if p in self.override_paths:
-                return f"<override {self.override_paths[p]}>", None
+                return f"<override {self.override_paths[p]}>", None, 0
             if p in self.lines:
-                return self.file, self.lines[p]
+                return (self.file, *self.lines[p])
             if not p:
-                return self.file, None
+                return self.file, None, 0
             p = p.rpartition(".")[0]
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
-        file, line = self.locate(path)
-        return SpecError(file, line, path, message, level=level)  # type: ignore[arg-type]
+        file, line, column = self.locate(path)
+        return SpecError(file, line, path, message, level=level, column=column)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -75,18 +77,19 @@ class Loaded:
 
 
 # ------------------------------------------------------------------------------------------ YAML
-def _line_map(node: yaml.Node | None, prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
-    """Dotted path -> line of its key, for every mapping key and list item of the composed YAML."""
+def _line_map(node: yaml.Node | None, prefix: str = "",
+              out: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """Dotted path -> (line, column) of its key, for every mapping key and list item of the YAML."""
     out = {} if out is None else out
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
-            out.setdefault(path, key.start_mark.line + 1)
+            out.setdefault(path, (key.start_mark.line + 1, key.start_mark.column + 1))
             _line_map(value, path, out)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             path = f"{prefix}.{i}" if prefix else str(i)
-            out.setdefault(path, item.start_mark.line + 1)
+            out.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
             _line_map(item, path, out)
     return out
 
@@ -169,7 +172,7 @@ def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) 
     """Resolve interpolations leaf by leaf so that every bad one is reported, not just the first."""
     if isinstance(node, DictConfig):
         out = {}
-        for key in node.keys():
+        for key in node:  # iterating a DictConfig gives its keys without resolving values
             p = f"{path}.{key}" if path else str(key)
             try:
                 value = node[key]
@@ -209,8 +212,8 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
         key = getattr(e, "full_key", "") or ""
-        lines = _line_map(root)
-        raise SpecErrors([SpecError(file, lines.get(key), key, _omega_message(e))], file) from None
+        line = _line_map(root).get(key, (None, 0))[0]
+        raise SpecErrors([SpecError(file, line, key, _omega_message(e))], file) from None
     if root is None:
         raise SpecErrors([SpecError(file, None, "", "the spec is empty")], file)
     if not isinstance(cfg, DictConfig):

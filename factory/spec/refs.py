@@ -14,8 +14,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from factory.util import resolve_file
 

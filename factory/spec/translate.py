@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
@@ -114,15 +115,16 @@ def show(value: Any) -> str:
     return str(value)
 
 
-def nearest(key: str, valid: list[str]) -> str | None:
-    """The valid key a typo most likely meant: a close spelling, else one that shares its first word
-    (`lr_rate` -> `lr`, which difflib alone finds too different)."""
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    """The valid name a typo most likely meant: a close spelling (difflib), else the one name that
+    starts the typo or that the typo starts (`lr_rate` -> `lr`, `calculator` -> `calc`), which difflib
+    alone finds too different."""
+    valid = list(valid)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
         return close[0]
-    head = key.split("_")[0]
-    same_head = [v for v in valid if v.split("_")[0] == head]
-    return same_head[0] if len(same_head) == 1 else None
+    head = [v for v in valid if min(len(v), len(key)) >= 2 and (key.startswith(v) or v.startswith(key))]
+    return head[0] if len(head) == 1 else None
 
 
 def unknown_key(key: str, valid: list[str]) -> str:
@@ -165,6 +167,13 @@ def message(err: dict[str, Any], where: _Loc) -> str:
 
 
 # ------------------------------------------------------------------------------------ translation
+def _parts(err: dict[str, Any], where: _Loc) -> Parts:
+    """Where to report: a fixed-size list that is too short is wrong as a whole, not at its last item."""
+    if err["type"] == "missing" and get_origin(where.container) is tuple:
+        return tuple(where.parts[:-1])
+    return tuple(where.parts)
+
+
 def _get(data: Any, parts: Parts) -> Any:
     for p in parts:
         if isinstance(data, dict) and p in data:
@@ -188,7 +197,7 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     present = [m for m, keys in distinctive.items() if keys and keys[0] in raw]
     if len(present) == 1:
         tag = present[0].__name__
-        return [Problem(tuple(w.parts), message(e, w), node) for e, w in errs if w.tag == tag]
+        return [Problem(_parts(e, w), message(e, w), node) for e, w in errs if w.tag == tag]
     if len(present) > 1:
         found = ", ".join(distinctive[m][0] for m in present)
         return [Problem(node, f"expected exactly one of the keys: {', '.join(all_distinctive)}; found {found}",
@@ -207,7 +216,7 @@ def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -
     for err in errors:
         where = walk(root, tuple(err["loc"]))
         if where.node is None:
-            plain.append(Problem(tuple(where.parts), message(err, where)))
+            plain.append(Problem(_parts(err, where), message(err, where)))
         else:
             by_node.setdefault(where.node, []).append((err, where))
             members[where.node] = where.members

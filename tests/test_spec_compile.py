@@ -1,0 +1,340 @@
+"""Compiling: every reference resolved and reported at the line that names it; the Plan and its hashes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from factory.spec.compile import compile_file, compile_spec, plan_json
+from factory.spec.errors import SpecErrors
+from factory.spec.load import load
+from tests.test_spec_support import BASE, make_project, report
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    return make_project(tmp_path, monkeypatch)
+
+
+def _base(project, mod: str) -> str:
+    project.module(mod)
+    return BASE.replace("{mod}", mod)
+
+
+def _errors(path: str, overrides=()) -> str:
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path, overrides)
+    return report(e)
+
+
+def test_valid_spec_compiles_to_a_plan(project):
+    spec, plan = compile_file(project.spec(_base(project, "rc_valid")))
+    assert [s.name for s in plan.stages] == ["data", "rollout", "reward", "update"]
+    assert ("update", "rollout", "weights", "weight_sync") in [(e.src, e.dst, e.carries, e.kind) for e in plan.edges]
+    assert plan.reward_order[-1] == "total" and set(plan.reward_order) == {"correct", "fmt", "total"}
+    assert plan.reward_node == "total"
+    assert plan.metrics == {"accuracy": "correct"}
+    assert plan.algorithm["name"] == "grpo" and plan.algorithm["advantage"] == "grpo"
+    assert set(plan.hashes) == {"spec", "templates", "rewards", "data", "code", "tools", "run"}
+    assert list(plan.hashes["rewards"]) == ["rc_valid.py"]
+    assert plan.hashes["data"]["train"]["generator"] == "factory.data:arithmetic"
+    assert plan.spec["train"]["lr"] == spec.train.lr
+
+
+def test_tools_make_a_tools_stage_and_call_edges(project):
+    path = project.spec(_base(project, "rc_stage") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
+    _, plan = compile_file(path)
+    assert [s.name for s in plan.stages] == ["data", "rollout", "tools", "reward", "update"]
+    assert [(e.src, e.dst) for e in plan.edges if e.kind == "call"] == [("rollout", "tools"), ("tools", "rollout")]
+
+
+def test_missing_template_files(project):
+    project.module("rc_tmpl")
+    project.file("prompts/ok.jinja", "{{ question }}")
+    path = project.spec(BASE.replace("{mod}", "rc_tmpl").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/ok.jinja\n"
+        "  system_prompt: prompts/system.jinja\n") + "chat_template: prompts/chat.jinja\n")
+    assert _errors(path) == (
+        "spec.yaml:6: data.system_prompt: template file not found: prompts/system.jinja\n"
+        "spec.yaml:11: chat_template: template file not found: prompts/chat.jinja\n"
+        "2 errors in spec.yaml")
+
+
+def test_template_found_next_to_the_spec_and_jinja_errors_reported(project):
+    project.file("conf/prompts/ok.jinja", "{{ question }}")
+    project.file("conf/prompts/bad.jinja", "line one\n{% if x %}\n")
+    project.spec(BASE.replace("{mod}", "rc_near"), "conf/spec.yaml")
+    project.module("rc_near")
+    text = (project.root / "conf/spec.yaml").read_text().replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/ok.jinja\n"
+        "  system_prompt: prompts/bad.jinja\n")
+    (project.root / "conf/spec.yaml").write_text(text)
+    assert _errors("conf/spec.yaml") == (
+        "conf/spec.yaml:6: data.system_prompt: template syntax error in conf/prompts/bad.jinja:2: Unexpected end "
+        "of template. Jinja was looking for the following tags: 'elif' or 'else' or 'endif'. The innermost block "
+        "that needs to be closed is 'if'.\n"
+        "1 error in conf/spec.yaml")
+
+
+def test_unimportable_reward_functions(project):
+    project.module("rc_syntax", "def f(prompt, completion, **row):\n    return (\n")
+    project.module("rc_raises", "raise RuntimeError('no GPU here')\n")
+    path = project.spec(_base(project, "rc_imp") + """\
+  a: {fn: rewards_nowhere:f}
+  b: {fn: "rc_imp:exactt"}
+  c: {fn: "rc_syntax:f"}
+  d: {fn: "rc_raises:f"}
+  e: {fn: not-a-path}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.fn: cannot import 'rewards_nowhere:f': no module named 'rewards_nowhere'\n"
+        "spec.yaml:10: rewards.b.fn: cannot import 'rc_imp:exactt': 'rc_imp' has no attribute 'exactt'; "
+        "did you mean 'exact'?\n"
+        "spec.yaml:11: rewards.c.fn: cannot import 'rc_syntax:f': syntax error in rc_syntax.py:2: '(' was never "
+        "closed\n"
+        "spec.yaml:12: rewards.d.fn: cannot import 'rc_raises:f': importing 'rc_raises' raised RuntimeError: "
+        "no GPU here\n"
+        "spec.yaml:13: rewards.e.fn: expected an import path 'module:function', got 'not-a-path'\n"
+        "5 errors in spec.yaml")
+
+
+def test_reward_signatures(project):
+    project.module("rc_sig", """\
+def one_arg(completion):
+    return 0.0
+
+def needs_column(prompt, completion, answer):
+    return 0.0
+
+def positional_only(prompt, completion, extra, /):
+    return 0.0
+
+def takes_scale(prompt, completion, scale=1.0, **row):
+    return 0.0
+
+def group(prompts, completions, rows):
+    return [0.0] * len(completions)
+""")
+    path = project.spec(_base(project, "rc_sigbase") + """\
+  a: {fn: "rc_sig:one_arg"}
+  b: {fn: "rc_sig:needs_column"}
+  c: {fn: "rc_sig:positional_only"}
+  d: {fn: "rc_sig:takes_scale", args: {scale: 2.0}}
+  e: {fn: "rc_sig:needs_column", args: {weight: 2.0}}
+  f: {fn: "rc_sig:group", group: true}
+  g: {fn: "rc_sig:one_arg", group: true}
+""")
+    # b takes its `answer` from the row by name; d binds `scale`; f is a proper group reward.
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.fn: rc_sig:one_arg(completion) cannot be called as f(prompt, completion, **row): "
+        "too many positional arguments\n"
+        "spec.yaml:11: rewards.c.fn: rc_sig:positional_only(prompt, completion, extra, /) cannot be called as "
+        "f(prompt, completion, **row): missing a required argument: 'extra'\n"
+        "spec.yaml:13: rewards.e.fn: rc_sig:needs_column(prompt, completion, answer) cannot be called as "
+        "f(prompt, completion, **row): got an unexpected keyword argument 'weight'\n"
+        "spec.yaml:15: rewards.g.fn: rc_sig:one_arg(completion) cannot be called as f(prompts, completions, rows): "
+        "too many positional arguments\n"
+        "4 errors in spec.yaml")
+
+
+def test_reward_graph_cycle_is_shown_and_located(project):
+    path = project.spec(_base(project, "rc_cycle") + """\
+  a: {sum: {b: 1.0}}
+  b: {max: [correct, c]}
+  c: {product: [a]}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.sum.b: reward graph has a cycle: a --> b --> c --> a\n1 error in spec.yaml")
+
+
+def test_self_cycle(project):
+    path = project.spec(_base(project, "rc_self") + "  loop: {min: [loop]}\n")
+    assert _errors(path) == "spec.yaml:9: rewards.loop.min.0: reward graph has a cycle: loop --> loop\n1 error in spec.yaml"
+
+
+def test_undefined_nodes_training_node_and_metrics(project):
+    path = project.spec(_base(project, "rc_undef").replace("fmt: 0.1", "fmtt: 0.1") + """\
+  gate: {product: [correct, nothing]}
+reward: totl
+metrics: {acc: corect}
+""")
+    assert _errors(path) == (
+        "spec.yaml:8: rewards.total.sum.fmtt: undefined reward node 'fmtt'; did you mean 'fmt'?\n"
+        "spec.yaml:9: rewards.gate.product.1: undefined reward node 'nothing'; defined: correct, fmt, total, gate\n"
+        "spec.yaml:10: reward: undefined reward node 'totl'; did you mean 'total'?\n"
+        "spec.yaml:11: metrics.acc: undefined reward node 'corect'; did you mean 'correct'?\n"
+        "4 errors in spec.yaml")
+
+
+def test_training_node_defaults(project):
+    project.module("rc_train")
+    one = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\ndata: {train: {generator: factory.data:arithmetic}}\n"
+                       "rewards:\n  only: {fn: 'rc_train:exact'}\n", "one.yaml")
+    assert compile_file(one)[1].reward_node == "only"
+    two = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\ndata: {train: {generator: factory.data:arithmetic}}\n"
+                       "rewards:\n  a: {fn: 'rc_train:exact'}\n  b: {fn: 'rc_train:fmt'}\n", "two.yaml")
+    assert _errors(two) == ("two.yaml:4: rewards: several reward nodes and none is named 'total': set `reward` "
+                            "to the node that trains the policy\n1 error in two.yaml")
+
+
+def test_tools_named_by_reward_nodes_and_server_names(project):
+    path = project.spec(_base(project, "rc_tools") + """\
+  via_tool: {tool: calculator.add}
+  no_dot: {tool: calc}
+tools:
+  calc: {command: python, args: [-m, factory.examples.calculator]}
+  web: {url: ftp://example.org/mcp}
+  fn: {function: "rc_tools:nothing"}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.via_tool.tool: undefined tool server 'calculator'; did you mean 'calc'?\n"
+        "spec.yaml:10: rewards.no_dot.tool: expected 'server.tool', got 'calc'\n"
+        "spec.yaml:13: tools.web.url: expected an http(s) URL, got 'ftp://example.org/mcp'\n"
+        "spec.yaml:14: tools.fn.function: cannot import 'rc_tools:nothing': 'rc_tools' has no attribute 'nothing'\n"
+        "4 errors in spec.yaml")
+
+
+def test_data_files_and_generators(project):
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
+    project.module("rc_gen", "def rows(n, seed, level=1):\n    return []\n\ndef no_n(seed):\n    return []\n")
+    path = project.spec(_base(project, "rc_data").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: data/train.jsonl}\n  eval: {path: data/eval.parquet}\n"))
+    assert _errors(path) == "spec.yaml:5: data.eval.path: data file not found: data/eval.parquet\n1 error in spec.yaml"
+    gen = project.spec(_base(project, "rc_data2").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: 'rc_gen:rows', args: {level: 2}}\n  eval: {generator: 'rc_gen:no_n'}\n"), "gen.yaml")
+    assert _errors(gen) == ("gen.yaml:5: data.eval.generator: rc_gen:no_n(seed) cannot be called as "
+                            "f(n=..., seed=..., **args): got an unexpected keyword argument 'n'\n1 error in gen.yaml")
+
+
+def test_model_paths(project):
+    project.file("models/empty/README", "no config here")
+    project.file("models/ok/config.json", "{}")
+    base = _base(project, "rc_model")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "factory:tiny-qwen"), "a.yaml")) == (
+        "a.yaml:2: model.path: unknown built-in model 'factory:tiny-qwen'; did you mean 'factory:tiny-qwen3'? "
+        "known: factory:smollm2-135m-instruct, factory:tiny-qwen3\n1 error in a.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/empty"), "b.yaml")) == (
+        "b.yaml:2: model.path: model folder has no config.json: models/empty\n1 error in b.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "./models/gone"), "c.yaml")) == (
+        "c.yaml:2: model.path: model folder not found: ./models/gone\n1 error in c.yaml")
+    assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/ok"), "d.yaml"))[1].warnings == ()
+    hub = compile_file(project.spec(base.replace("factory:tiny-qwen3", "SomeOrg/not-cached-model"), "e.yaml"))[1]
+    assert hub.warnings == (("e.yaml:2: model.path: warning: 'SomeOrg/not-cached-model' is not a local folder: it "
+                             "is taken as a Hugging Face hub id and must already be in the local Hugging Face "
+                             "cache"),)
+
+
+def test_algorithm_names_are_resolved(project):
+    base = _base(project, "rc_alg")
+    assert _errors(project.spec(base + "algorithm: {name: grpoo}\n", "a.yaml")).splitlines()[0] == (
+        "a.yaml:9: algorithm.name: unknown algorithm 'grpoo'; known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
+        "mean_baseline, reinforce_pp, reinforce_pp_baseline, rloo")
+    text = _errors(project.spec(base + "algorithm:\n  name: grpo\n  loss: ppo_clipp\n", "b.yaml"))
+    assert text.startswith("b.yaml:11: algorithm.loss: unknown policy loss 'ppo_clipp'; known: ")
+    _, plan = compile_file(project.spec(base + "algorithm: {name: dapo}\n", "c.yaml"))
+    assert plan.algorithm["clip_high"] == 0.28 and plan.algorithm["dynamic_sampling"] is True
+
+
+def test_five_errors_in_one_spec_are_all_reported(project):
+    project.module("rc_five")
+    path = project.spec("""\
+name: five
+model: {path: "factory:tiny-qwen3"}
+chat_template: prompts/missing.jinja
+data:
+  train: {generator: factory.data:arithmetic, size: 8}
+rewards:
+  correct: {fn: "rc_five_nowhere:exact"}
+  a: {sum: {b: 1.0, correct: 1.0}}
+  b: {max: [a]}
+  total: {sum: {a: 1.0}}
+train:
+  lr_rate: 1.0e-5
+  steps: many
+""")
+    assert _errors(path) == (
+        "spec.yaml:3: chat_template: template file not found: prompts/missing.jinja\n"
+        "spec.yaml:7: rewards.correct.fn: cannot import 'rc_five_nowhere:exact': no module named 'rc_five_nowhere'\n"
+        "spec.yaml:8: rewards.a.sum.b: reward graph has a cycle: a --> b --> a\n"
+        "spec.yaml:12: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
+        "spec.yaml:13: train.steps: expected an integer, got 'many'\n"
+        "5 errors in spec.yaml")
+
+
+def test_broken_nodes_do_not_cause_follow_up_errors(project):
+    path = project.spec(_base(project, "rc_broken").replace("fmt: {fn: \"rc_broken:fmt\"}", "fmt: {fn: 3, grp: 1}"))
+    # `total` reads `fmt`, which is broken: only fmt's own errors are shown, not "undefined node 'fmt'".
+    assert _errors(path) == (
+        "spec.yaml:7: rewards.fmt.fn: expected a string, got 3\n"
+        "spec.yaml:7: rewards.fmt.grp: unknown key 'grp'; did you mean 'group'?\n"
+        "2 errors in spec.yaml")
+
+
+def test_plan_json_is_byte_stable_and_masks_env_values(project, monkeypatch):
+    monkeypatch.setenv("FACTORY_TEST_SECRET_URI", "http://user:pw@tracking.internal:5000")
+    path = project.spec(_base(project, "rc_json") + "tracking: {uri: '${oc.env:FACTORY_TEST_SECRET_URI}'}\n")
+    spec, plan = compile_file(path)
+    first = plan_json(plan)
+    assert first == plan_json(compile_file(path)[1])
+    assert spec.tracking.uri == "http://user:pw@tracking.internal:5000"  # real value kept for running
+    assert plan.spec["tracking"]["uri"] == "***"
+    assert "pw@tracking" not in first and "pw@tracking" not in plan.spec_yaml
+    data = json.loads(first)
+    assert data["spec"]["tracking"]["uri"] == "***"
+    assert "warnings" not in data and "spec_yaml" not in data
+    assert list(data) == sorted(data)
+
+
+def test_env_value_does_not_change_the_spec_hash(project, monkeypatch):
+    path = project.spec(_base(project, "rc_envhash") + "tracking: {uri: '${oc.env:FACTORY_TEST_URI2}'}\n")
+    monkeypatch.setenv("FACTORY_TEST_URI2", "http://a:1")
+    a = compile_file(path)[1].hashes
+    monkeypatch.setenv("FACTORY_TEST_URI2", "http://b:2")
+    assert compile_file(path)[1].hashes == a
+
+
+def test_overrides_change_the_plan_and_its_hashes(project):
+    path = project.spec(_base(project, "rc_ovr"))
+    a = compile_file(path)[1]
+    b = compile_file(path, ["train.lr=3e-6"])[1]
+    assert b.spec["train"]["lr"] == 3e-6
+    assert a.hashes["spec"] != b.hashes["spec"] and a.hashes["run"] != b.hashes["run"]
+    assert a.hashes["rewards"] == b.hashes["rewards"]
+
+
+def test_hashes_change_when_a_reward_source_or_template_changes(project):
+    project.file("prompts/p.jinja", "{{ question }}")
+    path = project.spec(_base(project, "rc_hash").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/p.jinja\n"))
+    before = compile_file(path)[1].hashes
+    project.module("rc_hash", (project.root / "rc_hash.py").read_text() + "\n# a comment changes the source\n")
+    after = compile_file(path)[1].hashes
+    assert after["rewards"]["rc_hash.py"] != before["rewards"]["rc_hash.py"]
+    assert after["run"] != before["run"] and after["spec"] == before["spec"]
+    project.file("prompts/p.jinja", "Q: {{ question }}")
+    again = compile_file(path)[1].hashes
+    assert again["templates"]["prompts/p.jinja"] != after["templates"]["prompts/p.jinja"]
+    assert again["run"] != after["run"]
+
+
+def test_compile_spec_api_with_a_loaded_source(project):
+    path = project.spec(_base(project, "rc_api") + "chat_template: prompts/none.jinja\n")
+    spec, source = load(path, ["train.lr=1e-5"])
+    with pytest.raises(SpecErrors) as e:
+        compile_spec(spec, source)
+    assert report(e) == "spec.yaml:9: chat_template: template file not found: prompts/none.jinja\n1 error in spec.yaml"
+    with pytest.raises(SpecErrors) as e:
+        compile_spec(spec, path)  # a path works too: the file is read again for its lines
+    assert report(e).splitlines()[0] == "spec.yaml:9: chat_template: template file not found: prompts/none.jinja"
+
+
+def test_compile_errors_in_overridden_values_point_at_the_override(project):
+    path = project.spec(_base(project, "rc_ovr_err"))
+    assert _errors(path, ["rewards.correct.fn=rc_ovr_err:nope"]) == (
+        "<override 1>: rewards.correct.fn: cannot import 'rc_ovr_err:nope': 'rc_ovr_err' has no attribute 'nope'\n"
+        "1 error in spec.yaml")

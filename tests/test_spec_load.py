@@ -1,0 +1,203 @@
+"""Loading: YAML -> OmegaConf -> pydantic, every error at its file, line and dotted path."""
+from __future__ import annotations
+
+import pytest
+
+from factory.spec.errors import SpecErrors
+from factory.spec.load import load, load_all, load_spec
+from tests.test_spec_support import BASE, make_project, report
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    return make_project(tmp_path, monkeypatch)
+
+
+def _base(project, mod: str) -> str:
+    project.module(mod)
+    return BASE.replace("{mod}", mod)
+
+
+def test_valid_spec_loads_with_defaults(project):
+    spec = load_spec(project.spec(_base(project, "rw_valid")))
+    assert spec.name == "demo"
+    assert spec.train.lr == 1e-6
+    assert spec.train.checkpoint_dir == "runs/demo"  # the schema's `runs/${name}` default, resolved
+
+
+def test_misspelled_key_suggests_the_nearest(project):
+    path = project.spec(_base(project, "rw_typo") + "train:\n  lr_rate: 1.0e-5\n  stpes: 3\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:10: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
+        "spec.yaml:11: train.stpes: unknown key 'stpes'; did you mean 'steps'?\n"
+        "2 errors in spec.yaml")
+
+
+def test_unknown_key_without_a_near_one_lists_the_valid_keys(project):
+    path = project.spec(_base(project, "rw_unknown") + "tracking: {colour: red}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e).splitlines()[0] == (
+        "spec.yaml:9: tracking.colour: unknown key 'colour'; expected one of: experiment, uri, tags, "
+        "log_trajectories")
+
+
+def test_wrong_types_name_the_expected_type(project):
+    path = project.spec(_base(project, "rw_types") + """\
+train: {steps: many, lr: fast, bf16_autocast: maybe}
+rollout: {engine: vlm, group_size: 0}
+algorithm: {clip: [0.2]}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:9: train.steps: expected an integer, got 'many'\n"
+        "spec.yaml:9: train.lr: expected a number, got 'fast'\n"
+        "spec.yaml:9: train.bf16_autocast: expected true or false, got 'maybe'\n"
+        "spec.yaml:10: rollout.engine: expected 'hf' or 'vllm', got 'vlm'\n"
+        "spec.yaml:10: rollout.group_size: must be >= 1, got 0\n"
+        "spec.yaml:11: algorithm.clip: expected a list of 2 items\n"
+        "6 errors in spec.yaml")
+
+
+def test_missing_required_key_points_at_its_parent(project):
+    path = project.spec("name: x\nmodel: {dtype: float32}\ndata: {train: {path: a.jsonl}}\nrewards: {}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == "spec.yaml:2: model.path: missing required key\n1 error in spec.yaml"
+
+
+def test_tool_and_reward_nodes_report_only_the_member_the_user_meant(project):
+    path = project.spec(_base(project, "rw_nodes") + """\
+  judge: {llm_judge: prompts/judge.jinja}
+  typo: {fnn: x:y}
+  bare: {weight: 2}
+  both: {fn: "x:y", sum: {correct: 1}}
+tools:
+  calc: {comand: python}
+  web: {url: http://127.0.0.1:1/mcp, timeout_s: soon}
+  text: just a string
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:9: rewards.judge.endpoint: missing required key\n"
+        "spec.yaml:10: rewards.typo.fnn: unknown key 'fnn'; did you mean 'fn'?\n"
+        "spec.yaml:11: rewards.bare: expected one of the keys: fn, llm_judge, tool, sum, min, max, product\n"
+        "spec.yaml:12: rewards.both: expected exactly one of the keys: fn, llm_judge, tool, sum, min, max, "
+        "product; found fn, sum\n"
+        "spec.yaml:14: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
+        "spec.yaml:15: tools.web.timeout_s: expected a number, got 'soon'\n"
+        "spec.yaml:16: tools.text: expected a mapping with one of the keys: command, url, function, "
+        "got 'just a string'\n"
+        "7 errors in spec.yaml")
+
+
+def test_model_validator_message_is_kept(project):
+    path = project.spec(_base(project, "rw_validator").replace(
+        "train: {generator: factory.data:arithmetic, size: 8}", "train: {size: 8}"))
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == "spec.yaml:4: data.train: give exactly one of `path` or `generator`\n1 error in spec.yaml"
+
+
+def test_yaml_syntax_error_shows_line_and_snippet(project):
+    path = project.spec("name: demo\nmodel:\n  path: x: y\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:3: yaml syntax error: mapping values are not allowed here\n"
+        "  3 |   path: x: y\n"
+        "    |          ^\n"
+        "1 error in spec.yaml")
+
+
+def test_duplicate_key_is_a_yaml_error_at_the_second_one(project):
+    path = project.spec("name: a\nname: b\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e).splitlines()[0] == "spec.yaml:2: yaml syntax error: found duplicate key name"
+
+
+def test_empty_and_non_mapping_specs(project):
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("", "empty.yaml"))
+    assert report(e) == "empty.yaml: the spec is empty\n1 error in empty.yaml"
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("- a\n- b\n", "list.yaml"))
+    assert report(e) == "list.yaml:1: the spec must be a mapping of keys to values\n1 error in list.yaml"
+    with pytest.raises(SpecErrors) as e:
+        load_spec("nowhere.yaml")
+    assert report(e) == "nowhere.yaml: cannot read the spec: No such file or directory\n1 error in nowhere.yaml"
+
+
+def test_overrides_set_values_and_unknown_override_keys_are_named(project):
+    path = project.spec(_base(project, "rw_override"))
+    spec = load_spec(path, ["train.lr=3e-6", "rollout.group_size=4"])
+    assert spec.train.lr == 3e-6 and spec.rollout.group_size == 4
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.lr=3e-6", "train.lr_rate=1", "rollout.top_k=many", "oops"])
+    assert report(e) == (
+        "<override 2>: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
+        "<override 3>: rollout.top_k: expected an integer, got 'many'\n"
+        "<override 4>: expected KEY=VALUE, got 'oops'\n"
+        "3 errors in spec.yaml")
+
+
+def test_interpolation_and_env(project, monkeypatch):
+    monkeypatch.setenv("FACTORY_TEST_URI", "http://secret-host:5000")
+    path = project.spec(_base(project, "rw_env") + """\
+tracking:
+  uri: ${oc.env:FACTORY_TEST_URI}
+  experiment: ${name}-exp
+""")
+    spec, source = load(path)
+    assert spec.tracking.uri == "http://secret-host:5000"
+    assert spec.tracking.experiment == "demo-exp"
+    assert source.env_paths == {"tracking.uri"}
+
+
+def test_env_derived_through_another_interpolation(project, monkeypatch):
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", "t0k3n")
+    path = project.spec(_base(project, "rw_env2") + """\
+tracking:
+  tags: {token: "${oc.env:FACTORY_TEST_TOKEN}", copy: "${tracking.tags.token}", plain: x}
+""")
+    _, source = load(path)
+    assert source.env_paths == {"tracking.tags.token", "tracking.tags.copy"}
+
+
+def test_unresolvable_interpolations_are_all_reported_at_their_lines(project, monkeypatch):
+    monkeypatch.delenv("FACTORY_TEST_MISSING", raising=False)
+    path = project.spec(_base(project, "rw_badenv") + """\
+tracking:
+  uri: ${oc.env:FACTORY_TEST_MISSING}
+  experiment: ${nowhere.key}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:10: tracking.uri: environment variable 'FACTORY_TEST_MISSING' not found\n"
+        "spec.yaml:11: tracking.experiment: interpolation key 'nowhere.key' not found\n"
+        "2 errors in spec.yaml")
+
+
+def test_malformed_interpolation_is_reported_at_its_line(project):
+    path = project.spec(_base(project, "rw_grammar") + "tracking: {experiment: '${name'}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e).splitlines()[0].startswith("spec.yaml:9: tracking.experiment: ")
+
+
+def test_load_all_repairs_so_the_compiler_can_go_on(project):
+    path = project.spec(_base(project, "rw_repair") + """\
+  broken: {fnn: x}
+train: {lr_rate: 1, steps: many}
+""")
+    loaded = load_all(path)
+    assert len(loaded.errors) == 3
+    assert loaded.spec is not None
+    assert loaded.spec.train.steps == 50  # the bad value was dropped: the default applies
+    assert "broken" not in loaded.spec.rewards and loaded.broken["rewards"] == {"broken"}
