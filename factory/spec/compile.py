@@ -103,13 +103,13 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------- small helpers
-def _close(name: str, names: Iterable[str]) -> str:
+def _close(name: str, names: Iterable[str], listed: str = "defined") -> str:
     """The suggestion that ends an "undefined name" message."""
     names = list(names)
     near = nearest(name, names)
     if near:
         return f"; did you mean '{near}'?"
-    return f"; defined: {', '.join(names)}" if names else "; none is defined"
+    return f"; {listed}: {', '.join(names)}" if names else "; none is defined"
 
 
 def _plain(obj: Any) -> Any:
@@ -349,7 +349,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")
-        elif isinstance(server, StdioServer):
+        elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
+            # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)
             cwd = Path(server.cwd) if server.cwd else Path.cwd()
             if shutil.which(server.command) is None and not (cwd / server.command).is_file():
                 r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
@@ -357,7 +358,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             have = [t["name"] for t in listing[name]]
             for i, tool in enumerate(server.allowed_tools):
                 if tool not in have:
-                    r.error(f"tools.{name}.allowed_tools.{i}", f"server '{name}' has no tool '{tool}'{_close(tool, have)}")
+                    r.error(f"tools.{name}.allowed_tools.{i}",
+                            f"server '{name}' has no tool '{tool}'{_close(tool, have, 'it has')}")
     for node_name, node in spec.rewards.items():
         if not isinstance(node, ToolNode):
             continue
@@ -372,7 +374,7 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             offered = spec.tools[server_name].allowed_tools
             have = [t["name"] for t in listing[server_name] if offered is None or t["name"] in offered]
             if tool not in have:
-                r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have)}")
+                r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have, 'it offers')}")
     return code
 
 

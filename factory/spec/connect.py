@@ -39,6 +39,8 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
             errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))
         elif isinstance(result, Exception):
             text = str(result).splitlines()[0] if str(result) else type(result).__name__
+            # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY"; the location says NAME.
+            text = text.rpartition("failed to start: ")[2]
             errors.append(source.error(f"tools.{name}", f"server failed to start: {text}"))
         elif isinstance(result, BaseException):
             raise result  # KeyboardInterrupt and friends are not spec errors

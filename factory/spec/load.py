@@ -34,6 +34,13 @@ def dotted(parts: Iterable[str | int]) -> str:
     return ".".join(str(p) for p in parts)
 
 
+def _ancestors(path: str) -> Iterable[str]:
+    """`a.b.c`, `a.b`, `a`."""
+    while path:
+        yield path
+        path = path.rpartition(".")[0]
+
+
 @dataclass(frozen=True)
 class SpecSource:
     """Where a spec came from: its text, the line of every dotted path, the overrides, and which values
@@ -48,17 +55,15 @@ class SpecSource:
     env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
 
     def locate(self, path: str) -> tuple[str, int | None, int]:
-        """(file, line, column) for a dotted path: the override that set it, else the nearest key in the
-        file (a missing key is located at its parent)."""
-        p = path
-        while True:
+        """(file, line, column) for a dotted path: the override that set it or any of its parents, else
+        the nearest key in the file (a missing key is located at its parent)."""
+        for p in _ancestors(path):
             if p in self.override_paths:
                 return f"<override {self.override_paths[p]}>", None, 0
+        for p in _ancestors(path):
             if p in self.lines:
                 return (self.file, *self.lines[p])
-            if not p:
-                return self.file, None, 0
-            p = p.rpartition(".")[0]
+        return self.file, None, 0
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
         file, line, column = self.locate(path)
