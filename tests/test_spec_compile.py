@@ -177,6 +177,9 @@ def test_training_node_defaults(project):
                        "rewards:\n  a: {fn: 'rc_train:exact'}\n  b: {fn: 'rc_train:fmt'}\n", "two.yaml")
     assert _errors(two) == ("two.yaml:4: rewards: several reward nodes and none is named 'total': set `reward` "
                             "to the node that trains the policy\n1 error in two.yaml")
+    none = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\ndata: {train: {generator: factory.data:arithmetic}}\n"
+                        "rewards: {}\n", "none.yaml")
+    assert _errors(none) == "none.yaml:4: rewards: no reward nodes: define at least one\n1 error in none.yaml"
 
 
 def test_tools_named_by_reward_nodes_and_server_names(project):

@@ -12,6 +12,7 @@ real values is returned next to the Plan, never inside it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import graphlib
 import importlib.metadata
@@ -137,8 +138,6 @@ def _sorted(obj: Any) -> Any:
 
 def mask(data: dict[str, Any], paths: Iterable[str]) -> dict[str, Any]:
     """A copy with the value at each dotted path replaced by "***" (paths that do not exist are skipped)."""
-    import copy
-
     out = copy.deepcopy(data)
     for path in paths:
         parts = path.split(".")
@@ -315,6 +314,8 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
             train = spec.reward
         elif spec.reward not in broken:
             r.error("reward", f"undefined reward node '{spec.reward}'{_close(spec.reward, nodes)}")
+    elif not nodes:
+        r.error("rewards", "no reward nodes: define at least one")
     elif len(nodes) == 1:
         train = next(iter(nodes))
     elif "total" in nodes:

@@ -258,8 +258,8 @@ def _repair(data: dict, problems: list[Problem], broken: dict[str, set[str]]) ->
     for _ in range(_REPAIR_ROUNDS):
         for p in problems:
             target = p.node if p.node is not None else p.parts
-            missing = p.message == "missing required key" and p.node is None
-            if missing:
+            missing = p.kind == "missing" and p.node is None
+            if missing:  # nothing to drop at the path itself: drop its parent, whose default may do
                 target = p.parts[:-1]
             if not target:
                 return None
@@ -319,7 +319,7 @@ def load_all(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Loaded:
         # A value whose interpolation failed was left out of `data`; it is already reported, so its
         # "missing required key" would only repeat it.
         failed = {err.path for err in errors}
-        shown = [p for p in problems if not (p.message == "missing required key" and dotted(p.parts) in failed)]
+        shown = [p for p in problems if not (p.kind == "missing" and dotted(p.parts) in failed)]
         loaded.errors += _problem_errors(shown, source)
         loaded.spec = _repair(copy.deepcopy(data), problems, loaded.broken)
         return loaded

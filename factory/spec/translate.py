@@ -28,6 +28,7 @@ class Problem:
     parts: Parts
     message: str
     node: Parts | None = None
+    kind: str = ""  # pydantic's error type (`missing`, `extra_forbidden`, ...); "" for node-level problems
 
 
 # -------------------------------------------------------------------------------- schema walking
@@ -167,11 +168,11 @@ def message(err: dict[str, Any], where: _Loc) -> str:
 
 
 # ------------------------------------------------------------------------------------ translation
-def _parts(err: dict[str, Any], where: _Loc) -> Parts:
-    """Where to report: a fixed-size list that is too short is wrong as a whole, not at its last item."""
+def _problem(err: dict[str, Any], where: _Loc, node: Parts | None = None) -> Problem:
+    """A fixed-size list that is too short is wrong as a whole, not missing its last item."""
     if err["type"] == "missing" and get_origin(where.container) is tuple:
-        return tuple(where.parts[:-1])
-    return tuple(where.parts)
+        return Problem(tuple(where.parts[:-1]), message(err, where), node, "too_short")
+    return Problem(tuple(where.parts), message(err, where), node, err["type"])
 
 
 def _get(data: Any, parts: Parts) -> Any:
@@ -197,7 +198,7 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     present = [m for m, keys in distinctive.items() if keys and keys[0] in raw]
     if len(present) == 1:
         tag = present[0].__name__
-        return [Problem(_parts(e, w), message(e, w), node) for e, w in errs if w.tag == tag]
+        return [_problem(e, w, node) for e, w in errs if w.tag == tag]
     if len(present) > 1:
         found = ", ".join(distinctive[m][0] for m in present)
         return [Problem(node, f"expected exactly one of the keys: {', '.join(all_distinctive)}; found {found}",
@@ -216,7 +217,7 @@ def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -
     for err in errors:
         where = walk(root, tuple(err["loc"]))
         if where.node is None:
-            plain.append(Problem(_parts(err, where), message(err, where)))
+            plain.append(_problem(err, where))
         else:
             by_node.setdefault(where.node, []).append((err, where))
             members[where.node] = where.members
