@@ -188,7 +188,7 @@ async def test_async_python_tool_calls_overlap():
         results = await box.call_many([call("double", {"x": i}) for i in range(10)])
         elapsed = time.perf_counter() - started
     assert [r.text for r in results] == [str(2 * i) for i in range(10)]
-    assert elapsed < 0.6  # ten 0.2 s calls, concurrently
+    assert elapsed < 1.0  # ten 0.2 s calls: 2 s one at a time
 
 
 def test_list_tools_for_check_connect():
@@ -233,7 +233,7 @@ async def test_http_transport_calls_concurrently_and_sends_env_headers(http_serv
         assert (await box.call(call("header", {"name": "Authorization"}))).text == "Bearer test"
         started = time.perf_counter()
         results = await box.call_many([call("echo", {"text": str(i), "delay_s": 0.3}) for i in range(20)])
-        assert time.perf_counter() - started < 2.0  # twenty 0.3 s calls overlap over HTTP too
+        assert time.perf_counter() - started < 3.0  # twenty 0.3 s calls (6 s one at a time) overlap over HTTP too
         assert [r.text for r in results] == [str(i) for i in range(20)]
         error = await box.call(call("boom", {}))
         assert error.error_kind == "tool_error"
