@@ -118,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SPEC_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `factory plan | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except Exception as e:  # anything else is a bug in Factory: one line, the traceback on request
         if os.environ.get("FACTORY_DEBUG"):
             traceback.print_exc()

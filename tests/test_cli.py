@@ -22,9 +22,9 @@ def project(tmp_path, monkeypatch):
     return make_project(tmp_path, monkeypatch)
 
 
-def _factory(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _factory(*args: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
     """`factory ARGS` in a fresh process, as a user runs it (the source tree importable, not installed)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("FACTORY_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "factory.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -71,6 +71,16 @@ def test_plan_json_shows_overrides_and_is_stable(project, capsys):
     assert cli.main(["plan", path, "train.lr_rate=3e-6", "--json"]) == 2
     assert capsys.readouterr().err == ("<override 1>: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
                                        "1 error in spec.yaml\n")
+
+
+def test_plan_json_is_identical_across_processes(project):
+    # Two processes with different hash seeds: nothing in the plan may depend on set or dict hashing.
+    project.module("cli_bytes")
+    path = project.spec(BASE.replace("{mod}", "cli_bytes") + "tools:\n  b: {command: python}\n  a: {command: python}\n")
+    first = _factory("plan", path, "--json", cwd=project.root, PYTHONHASHSEED="1")
+    second = _factory("plan", path, "--json", cwd=project.root, PYTHONHASHSEED="2")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
 
 
 def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
