@@ -21,7 +21,12 @@ from factory.types import ToolCall, ToolResult
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = StdioServer(
-    command="python", args=["tests/tool_servers/faulty.py"], cwd=str(ROOT), timeout_s=1.0, retries=1, max_result_chars=1000
+    command="python",
+    args=["tests/tool_servers/faulty.py"],
+    cwd=str(ROOT),
+    timeout_s=1.0,
+    retries=1,
+    max_result_chars=1000,
 )
 
 pytestmark = pytest.mark.anyio

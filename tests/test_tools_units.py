@@ -191,7 +191,8 @@ def test_metrics_count_each_kind_and_reset():
     assert snap["tools/calls"] == 4 and snap["tools/model_errors"] == 2 and snap["tools/infra_errors"] == 1
     assert snap["tool_servers/srv/restarts"] == 1
     assert not any(k.startswith("tools/nope") for k in snap)
-    assert metrics.snapshot() == {"tools/calls": 0.0, "tools/model_errors": 0.0, "tools/infra_errors": 0.0, "tools/timeouts": 0.0}
+    empty = {"tools/calls": 0.0, "tools/model_errors": 0.0, "tools/infra_errors": 0.0, "tools/timeouts": 0.0}
+    assert metrics.snapshot() == empty
 
 
 # ---------------------------------------------------------------------------- transports, schemas

@@ -5,6 +5,6 @@
 """
 from factory.tools.listing import list_tools, schema_hash
 from factory.tools.resilience import Resilience
-from factory.tools.toolbox import ToolBox, ToolStartError
+from factory.tools.toolbox import ToolBox, ToolStartError, qualified_name
 
-__all__ = ["ToolBox", "ToolStartError", "Resilience", "list_tools", "schema_hash"]
+__all__ = ["ToolBox", "ToolStartError", "Resilience", "list_tools", "qualified_name", "schema_hash"]

@@ -35,7 +35,7 @@ CLIENT_INFO = mcp_types.Implementation(name="factory", version="0.1.0")
 STDERR_TAIL_CHARS = 2000
 
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
-TransportFactory = Callable[[IO[str]], AbstractAsyncContextManager[Any]]
+TransportFactory = Callable[[IO[bytes]], AbstractAsyncContextManager[Any]]
 
 
 class ServerStartError(RuntimeError):
@@ -62,8 +62,10 @@ def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerPar
 
 
 def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactory:
+    """Opens the SDK's stdio client: spawns the server in its own process group, speaks over its pipes."""
     params = stdio_parameters(spec, base_dir)
-    return lambda errlog: stdio_client(params, errlog=errlog)
+    # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
+    return lambda errlog: stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
 
 
 def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
@@ -75,8 +77,9 @@ def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]
 
 
 def http_transport(spec: HttpServer) -> TransportFactory:
+    """Opens the SDK's streamable-HTTP client with the spec's headers; the server runs elsewhere."""
     @contextlib.asynccontextmanager
-    async def open_http(_errlog: IO[str]) -> AsyncIterator[Any]:
+    async def open_http(_errlog: IO[bytes]) -> AsyncIterator[Any]:
         headers = http_headers(spec.headers_from_env, os.environ)  # read at each (re)connect: tokens rotate
         # The SDK's own defaults: 30 s to connect/write, a long read because a server may hold an
         # event stream open. Per-call timeouts are ours, above this layer.
@@ -145,7 +148,7 @@ class McpConnection:
         self._on_lost = on_lost
         self._closing = asyncio.Event()
         self._owner: asyncio.Task[None] | None = None
-        self._stderr: IO[str] | None = None
+        self._stderr: IO[bytes] | None = None
         self.session: ClientSession | None = None
         self.tools: list[mcp_types.Tool] = []
         self.in_flight = 0
@@ -169,7 +172,8 @@ class McpConnection:
 
     async def _own(self, ready: asyncio.Future[None], timeout_s: float) -> None:
         lost = False
-        self._stderr = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+        # The server's stderr goes to a file of its own (not our terminal): kept for error messages.
+        self._stderr = tempfile.TemporaryFile()
         try:
             async with self._transport(self._stderr) as (read_stream, write_stream):
                 watched = _WatchedReadStream(read_stream)
@@ -208,12 +212,13 @@ class McpConnection:
         if self._stderr is None or self._stderr.closed:
             return ""
         try:
-            self._stderr.flush()
-            size = self._stderr.seek(0, os.SEEK_END)
-            self._stderr.seek(max(0, size - STDERR_TAIL_CHARS * 4))
-            text = self._stderr.read()[-STDERR_TAIL_CHARS:].strip()
+            # pread, not seek+read: the server shares this file's offset and may still be writing.
+            fd = self._stderr.fileno()
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, STDERR_TAIL_CHARS, max(0, size - STDERR_TAIL_CHARS))
         except (OSError, ValueError):
             return ""
+        text = data.decode("utf-8", errors="replace").strip()
         return f"\n--- server stderr (tail) ---\n{text}" if text else ""
 
     async def close(self, timeout_s: float = 15.0, keep_stderr: bool = False) -> None:

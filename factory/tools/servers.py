@@ -13,7 +13,6 @@ import importlib
 import inspect
 import logging
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any

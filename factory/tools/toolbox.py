@@ -56,7 +56,11 @@ class ToolEntry:
 
 
 class ToolBox:
-    """The tools of one spec: MCP servers (stdio, streamable HTTP) and python functions."""
+    """The tools of one spec: MCP servers (stdio, streamable HTTP) and python functions.
+
+    Lives in one asyncio event loop, the one that ran `start()`; share it between the rollout's
+    trajectories (tasks of that loop), not between loops or threads.
+    """
 
     def __init__(self, backends: Mapping[str, Backend], metrics: ToolMetrics) -> None:
         self._backends = dict(backends)
@@ -138,7 +142,9 @@ class ToolBox:
                 missing = sorted(set(allowed) - {t[0] for t in tools})
                 if missing:
                     have = ", ".join(t[0] for t in tools)
-                    raise ToolStartError(f"{name}: allowed_tools names unknown tool(s) {missing}; the server has: {have}")
+                    raise ToolStartError(
+                        f"{name}: allowed_tools names unknown tool(s) {missing}; the server has: {have}"
+                    )
                 tools = [t for t in tools if t[0] in allowed]
             out[name] = tools
         return out
@@ -146,7 +152,10 @@ class ToolBox:
     def schemas(self) -> list[dict[str, Any]]:
         """The offered tools in the OpenAI/HF function-tool format that chat templates take."""
         return [
-            {"type": "function", "function": {"name": e.offered, "description": e.description, "parameters": e.input_schema}}
+            {
+                "type": "function",
+                "function": {"name": e.offered, "description": e.description, "parameters": e.input_schema},
+            }
             for e in self._entries
         ]
 
@@ -184,18 +193,20 @@ class ToolBox:
             return infra_error(call.name, "transport", "Error: the tools are not running.")
         if entry is None:
             available = ", ".join(e.offered for e in self._entries)
-            return model_error(call.name, "unknown_tool", f"Error: unknown tool {call.name!r}. Available tools: {available}.")
+            text = f"Error: unknown tool {call.name!r}. Available tools: {available}."
+            return model_error(call.name, "unknown_tool", text)
+        name = entry.offered
         if call.arguments is None:
             reason = f": {call.parse_error}" if call.parse_error else ""
-            return model_error(entry.offered, "parse_error", f"Error: the arguments of {entry.offered} are not valid JSON{reason}.")
-        problem = argument_problem(self._validators[entry.offered], call.arguments)
+            return model_error(name, "parse_error", f"Error: the arguments of {name} are not valid JSON{reason}.")
+        problem = argument_problem(self._validators[name], call.arguments)
         if problem is not None:
-            return model_error(entry.offered, "bad_arguments", f"Error: invalid arguments for {entry.offered}: {problem}")
+            return model_error(name, "bad_arguments", f"Error: invalid arguments for {name}: {problem}")
         try:
             return await self._backends[entry.server].call(entry.tool, call.arguments)
         except Exception as exc:  # a bug of ours must not end a rollout: count it as infrastructure
-            log.exception("tool call %s failed unexpectedly", entry.offered)
-            return infra_error(entry.offered, "transport", f"Error: the call to {entry.offered} failed ({type(exc).__name__}).")
+            log.exception("tool call %s failed unexpectedly", name)
+            return infra_error(name, "transport", f"Error: the call to {name} failed ({type(exc).__name__}).")
 
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """Per-tool calls, model_errors, infra_errors, timeouts, errors, latency_s_p50/p95, and totals."""
@@ -207,12 +218,17 @@ class ToolStartError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ pure helpers
+def qualified_name(server: str, tool: str) -> str:
+    """The name that always reaches `tool` of `server`, whether or not its bare name is unique."""
+    return f"{server}{QUALIFIER}{tool}"
+
+
 def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]]) -> list[ToolEntry]:
     """Name each tool for the model: its own name when unique across servers, else `server__tool`."""
     counts = Counter(tool for tools in listings.values() for tool, _, _ in tools)
     return [
         ToolEntry(
-            offered=tool if counts[tool] == 1 else f"{server}{QUALIFIER}{tool}",
+            offered=tool if counts[tool] == 1 else qualified_name(server, tool),
             server=server,
             tool=tool,
             description=description,
@@ -227,7 +243,7 @@ def routes(entries: Iterable[ToolEntry]) -> dict[str, ToolEntry]:
     """Every name a call may use: the offered name and, always, `server__tool`."""
     table: dict[str, ToolEntry] = {}
     for e in entries:
-        table[f"{e.server}{QUALIFIER}{e.tool}"] = e
+        table[qualified_name(e.server, e.tool)] = e
     for e in entries:
         table[e.offered] = e  # an offered name wins over a qualified one that happens to equal it
     return table
