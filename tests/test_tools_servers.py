@@ -191,6 +191,22 @@ async def test_async_python_tool_calls_overlap():
     assert elapsed < 1.0  # ten 0.2 s calls: 2 s one at a time
 
 
+def test_restart_in_a_new_event_loop_after_close():
+    """A stage that runs `asyncio.run` per step starts and closes the same ToolBox in each loop."""
+    box = ToolBox.from_spec({"calc": CALC})
+
+    async def step(expression: str) -> str:
+        await box.start()
+        try:
+            return (await box.call(call("calculate", {"expression": expression}))).text
+        finally:
+            await box.close()
+
+    assert asyncio.run(step("1+1")) == "2"
+    assert asyncio.run(step("2+2")) == "4"
+    assert box.metrics()["tools/calculate/calls"] == 2
+
+
 def test_list_tools_for_check_connect():
     listing = list_tools({"calc": CALC}, base_dir=ROOT)
     assert listing["calc"][0]["name"] == "calculate"

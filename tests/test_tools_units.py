@@ -1,6 +1,7 @@
 """Unit tests of the tools package's pure parts: truncation, naming, validation, breaker, metrics, schemas."""
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, backoff_delay
 from factory.tools.results import content_text, truncate_middle, value_text
 from factory.tools.servers import function_schema, load_function
-from factory.tools.toolbox import ToolBox, ToolEntry, argument_problem, compile_validator, offered_tools, routes
+from factory.tools.toolbox import (
+    ToolBox,
+    ToolEntry,
+    ToolStartError,
+    argument_problem,
+    compile_validator,
+    offered_tools,
+    routes,
+)
 from factory.types import ToolResult
 
 
@@ -248,9 +257,11 @@ def test_load_function_by_import_path():
         load_function("tests.test_tools_units.word_count", None)
 
 
-def test_python_tool_spec_fields_reach_the_backend():
-    box = ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_units:word_count", timeout_s=2)})
-    assert box._backends["count"].spec.timeout_s == 2
+def test_from_spec_has_no_side_effects_and_start_names_the_failure():
+    box = ToolBox.from_spec({"gone": PythonTool(function="no_such_module_xyz:fn")})  # nothing imported yet
+    assert "no_such_module_xyz" not in sys.modules
+    with pytest.raises(ToolStartError, match="gone: No module named 'no_such_module_xyz'"):
+        asyncio.run(box.start())
 
 
 def test_schema_hash_changes_with_any_schema_change():

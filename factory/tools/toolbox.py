@@ -59,44 +59,48 @@ class ToolBox:
     """The tools of one spec: MCP servers (stdio, streamable HTTP) and python functions.
 
     Lives in one asyncio event loop, the one that ran `start()`; share it between the rollout's
-    trajectories (tasks of that loop), not between loops or threads.
+    trajectories (tasks of that loop), not between loops or threads. `close()` then `start()` again
+    (even in another loop, as a stage that runs `asyncio.run` per step does) starts fresh servers;
+    metrics carry over until reset.
     """
 
-    def __init__(self, backends: Mapping[str, Backend], metrics: ToolMetrics) -> None:
-        self._backends = dict(backends)
-        self._metrics = metrics
+    def __init__(self, tools: Mapping[str, ToolSpec], *, base_dir: Path | None, resilience: Resilience) -> None:
+        self._specs = dict(tools)
+        self._base_dir = base_dir
+        self._resilience = resilience
+        self._metrics = ToolMetrics()
+        self._backends: dict[str, Backend] = {}
         self._entries: list[ToolEntry] = []
         self._routes: dict[str, ToolEntry] = {}
         self._validators: dict[str, Any] = {}
-        self._started = False
-        self._closed = False
+        self._running = False
 
     @classmethod
     def from_spec(
         cls, tools: Mapping[str, ToolSpec], *, base_dir: Path | None = None, resilience: Resilience | None = None
     ) -> ToolBox:
         """Build, without side effects: nothing is started, imported or connected until `start()`."""
-        resilience = resilience or Resilience()
-        metrics = ToolMetrics()
-        backends: dict[str, Backend] = {}
-        for name, spec in tools.items():
+        for name in tools:
             if QUALIFIER in name:
                 raise ValueError(f"tool server name {name!r} must not contain {QUALIFIER!r} (it joins server and tool)")
-            if isinstance(spec, PythonTool):
-                backends[name] = PythonFunction(name, spec, base_dir=base_dir, resilience=resilience)
-            else:
-                backends[name] = McpServer(name, spec, base_dir=base_dir, resilience=resilience, metrics=metrics)
-        return cls(backends, metrics)
+        return cls(tools, base_dir=base_dir, resilience=resilience or Resilience())
+
+    def _make_backend(self, name: str, spec: ToolSpec) -> Backend:
+        if isinstance(spec, PythonTool):
+            return PythonFunction(name, spec, base_dir=self._base_dir, resilience=self._resilience)
+        return McpServer(name, spec, base_dir=self._base_dir, resilience=self._resilience, metrics=self._metrics)
 
     # ------------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start every server in parallel, initialize sessions, list and check tools.
+        """Start every server in parallel, initialize sessions, list and check tools. No-op when running.
 
         Raises (after stopping whatever did start) if a server fails to start, lists no tool that
         `allowed_tools` names, or a python tool cannot be imported or described.
         """
-        if self._started:
+        if self._running:
             return
+        # Fresh backends at each start: their locks and sessions belong to the loop that starts them.
+        self._backends = {name: self._make_backend(name, spec) for name, spec in self._specs.items()}
         names = list(self._backends)
         results = await asyncio.gather(*(self._backends[n].start() for n in names), return_exceptions=True)
         failures = [(n, r) for n, r in zip(names, results) if isinstance(r, BaseException)]
@@ -107,16 +111,18 @@ class ToolBox:
             self._routes = routes(self._entries)
             self._validators = {e.offered: compile_validator(e) for e in self._entries}
         except BaseException:
-            await self.close()
+            await self._close_backends()
             raise
-        self._started = True
+        self._running = True
 
     async def close(self) -> None:
         """Stop every server (no orphan processes). Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.gather(*(b.close() for b in self._backends.values()), return_exceptions=True)
+        self._running = False
+        await self._close_backends()
+
+    async def _close_backends(self) -> None:
+        backends, self._backends = self._backends, {}
+        await asyncio.gather(*(b.close() for b in backends.values()), return_exceptions=True)
 
     async def __aenter__(self) -> ToolBox:
         await self.start()
@@ -178,7 +184,7 @@ class ToolBox:
         entry = self._routes.get(call.name)
         result = await self._dispatch(call, entry)
         if entry is not None:
-            result.text = truncate_middle(result.text, self._backends[entry.server].spec.max_result_chars)
+            result.text = truncate_middle(result.text, self._specs[entry.server].max_result_chars)
             result.tool = entry.offered
         result.latency_s = time.perf_counter() - started
         self._metrics.record(entry.offered if entry else None, result)
@@ -189,7 +195,7 @@ class ToolBox:
         return list(await asyncio.gather(*(self.call(c) for c in calls)))
 
     async def _dispatch(self, call: ToolCall, entry: ToolEntry | None) -> ToolResult:
-        if not self._started or self._closed:
+        if not self._running:
             return infra_error(call.name, "transport", "Error: the tools are not running.")
         if entry is None:
             available = ", ".join(e.offered for e in self._entries)
