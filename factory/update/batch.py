@@ -1,0 +1,93 @@
+"""From trajectories to tensors: rewards, the loss mask, the mini/micro-batch plan, padded micro-batches.
+
+Pure functions of their inputs (no model, no engine), so each is tested by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from factory.algorithms import Algorithm, minibatches, overlong_penalty
+from factory.types import Trajectory
+
+
+def kept(trajs: list[Trajectory], alg: Algorithm, drop_infra_errors: bool) -> list[bool]:
+    """Which trajectories train: not those hit by an infrastructure tool failure (when the spec drops
+    them: their episode says nothing about the policy) nor, with DAPO overlong filtering, those cut by
+    the token budget. Dropped ones are still logged and counted, never forwarded."""
+    return [not ((drop_infra_errors and t.infra_error) or (alg.overlong_filter and t.truncated)) for t in trajs]
+
+
+def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Tensor:
+    """[N] the reward each advantage starts from: the training node's value plus DAPO's soft overlong
+    penalty on the response length (model and tool tokens, what the budget counts). A KL-in-reward
+    penalty is applied later, once reference log-probs exist."""
+    rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)  # [N]
+    lengths = torch.tensor([len(t.response_ids) for t in trajs])  # [N]
+    return rewards + overlong_penalty(lengths, max_len, alg.overlong_buffer, alg.overlong_penalty).float()
+
+
+def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batch: int, epochs: int,
+         seed: int) -> list[list[list[int]]]:
+    """The update schedule of one training step: for each epoch x mini-batch, its micro-batches as lists
+    of positions in range(num).
+
+    Mini-batches are a seeded random partition (factory.algorithms.minibatches, reshuffled per epoch);
+    inside one, samples are sorted by (prompt length, total length) before being cut into micro-batches,
+    so each right-padded micro-batch wastes little on padding and the logits window (see `collate`)
+    stays short. The order inside a mini-batch does not change its gradient: the loss is normalised by
+    the mini-batch's totals. `mini_batches` is capped at `num` (fewer kept samples than mini-batches)."""
+    out: list[list[list[int]]] = []
+    for epoch in range(epochs):
+        for mb in minibatches(num, min(mini_batches, num), seed + epoch):
+            order = sorted(mb.tolist(), key=lambda i: lengths[i])
+            out.append([order[k:k + micro_batch] for k in range(0, len(order), micro_batch)])
+    return out
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded prompt+response sequences and where their response tokens sit.
+
+    The logits that predict response tokens lie in the window of positions [start, end) (start = the
+    shortest prompt - 1, end = the longest sequence - 1): only those are computed (`logits_to_keep`),
+    never [B, L, V] over the prompts. `gather[b, j]` is the window column that predicts row b's j-th
+    response token; `targets` are the next-token ids of every window column.
+    """
+
+    input_ids: Tensor  # [B, L] long, right-padded
+    attention_mask: Tensor  # [B, L] long
+    start: int
+    end: int
+    targets: Tensor  # [B, W] long, W = end - start: the token each window column predicts
+    gather: Tensor  # [B, R] long, column of window for each response position (clamped on padding)
+    mask: Tensor  # [B, R] float: 1 on model-generated tokens, 0 on tool/template tokens and padding
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        move = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
+        return MicroBatch(**move)
+
+
+def collate(trajs: list[Trajectory], pad_id: int = 0) -> MicroBatch:
+    """Pad a micro-batch of trajectories (token ids are concatenated as generated, never re-tokenised)."""
+    prompts = [len(t.prompt_ids) for t in trajs]
+    responses = [len(t.response_ids) for t in trajs]
+    if min(prompts) < 1:
+        raise ValueError("a trajectory has an empty prompt: its first response token has no context")
+    seq_len = max(p + r for p, r in zip(prompts, responses))
+    resp_len = max(max(responses), 1)
+    ids = torch.full((len(trajs), seq_len), pad_id, dtype=torch.long)  # [B, L]
+    attn = torch.zeros_like(ids)  # [B, L]
+    mask = torch.zeros(len(trajs), resp_len)  # [B, R]
+    for b, t in enumerate(trajs):
+        seq = t.prompt_ids + t.response_ids
+        ids[b, : len(seq)] = torch.tensor(seq)
+        attn[b, : len(seq)] = 1
+        mask[b, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=mask.dtype)
+    start = min(prompts) - 1
+    end = max(seq_len - 1, start + 1)
+    gather = (torch.tensor(prompts)[:, None] - 1 - start + torch.arange(resp_len)).clamp(max=end - start - 1)
+    targets = torch.cat([ids, torch.full((len(trajs), 1), pad_id)], 1)[:, start + 1: end + 1]  # [B, W]
+    return MicroBatch(ids, attn, start, end, targets, gather, mask)

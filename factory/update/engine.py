@@ -1,0 +1,148 @@
+"""Building the DeepSpeed engine: process group, config, optimizer, LR schedule, autocast.
+
+Everything that depends on the machine (CPU or CUDA, bf16 support, one process or a launcher's many) is
+decided here, so the learner's update loop has no device branches.
+
+DeepSpeed on CPU and its one slow step: every `deepspeed.initialize` creates a `TorchBackend`
+(deepspeed/comm/comm.py:init_distributed), whose constructor calls `build_shm_op()` unconditionally,
+whatever the world size. On the CPU accelerator that JIT-compiles the `deepspeed_shm_comm` C++ op with
+torch.utils.cpp_extension (24-52 s here). No env var or config key skips it: `build_shm_op` only returns
+early when the accelerator has no builder or `deepspeed.ops.__compatible_ops__` says the op is
+incompatible, and ShareMemCommBuilder.is_compatible is True on Linux. So we make it a one-time cost:
+torch caches JIT builds in `$TORCH_EXTENSIONS_DIR`, which we point at `$FACTORY_CACHE/torch_extensions`
+unless the user set it; a warm `deepspeed.initialize` then takes ~0.1 s. (The other way is an install-time
+prebuild: `DS_BUILD_SHM_COMM=1 pip install deepspeed==0.19.8`, after which the op is imported, not built.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Any
+
+import torch
+
+from factory.spec.schema import Spec
+
+
+def use_extension_cache() -> str:
+    """Point torch's JIT-extension cache at Factory's cache folder (unless the user chose one) so the
+    DeepSpeed shm_comm op is compiled once per machine, not once per run. Returns the folder."""
+    from factory.assets import cache_dir
+
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group() -> None:
+    """Join (or make) the torch.distributed group DeepSpeed needs.
+
+    Under a launcher (torchrun, `deepspeed`, WORLD_SIZE > 1) its env vars are used as they are. Alone,
+    we are a world of one: rank 0 on 127.0.0.1 with a fresh port each time, so a second learner in the
+    same process (tests, a restart) never meets a port the first one left in TIME_WAIT. The backend is
+    the accelerator's: gloo on CPU, nccl on CUDA."""
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+                          WORLD_SIZE="1")
+    use_extension_cache()
+    deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name(),
+                               verbose=False)
+
+
+def on_cuda() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"
+
+
+def cpu_supports_bf16() -> bool:
+    """True when oneDNN has fast bf16 kernels here (AVX512-bf16 or AMX); elsewhere autocast to bf16
+    on CPU is emulated and slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def autocast_dtype(spec: Spec) -> torch.dtype | None:
+    """bf16 autocast when asked and the device has it; None = run in the weights' dtype. Only for fp32
+    weights: bf16/fp16 weights (model.dtype) are DeepSpeed's mixed precision instead."""
+    if not spec.train.bf16_autocast or spec.model.dtype != "float32":
+        return None
+    if on_cuda():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if cpu_supports_bf16() else None
+
+
+def autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(spec: Spec) -> dict[str, Any]:
+    """The DeepSpeed config for a spec: ZeRO stage, micro batch, clipping, precision; then every extra
+    key of `train.deepspeed` merged on top (so any DeepSpeed setting is reachable from the spec).
+
+    Gradient accumulation is caller-owned (`managed_gradient_accumulation: false`): a mini-batch has as
+    many micro-batches as its size needs, each `engine.backward` accumulates without rescaling, and one
+    `engine.step` per mini-batch reduces, clips and steps. The loss is already normalised by the
+    mini-batch totals (see factory.algorithms AGGREGATIONS), so the accumulated gradient is exact."""
+    ds = spec.train.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.train.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": spec.train.optimizer.grad_clip,
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,  # we report our own metrics; DeepSpeed's progress lines are noise
+        "wall_clock_breakdown": False,
+    }
+    if spec.model.dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec.model.dtype == "float16":
+        cfg["fp16"] = {"enabled": True}
+    if spec.train.optimizer.name != "adamw":
+        cfg["zero_allow_untested_optimizer"] = True  # ZeRO refuses torch optimizers it has no test for
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        # DeepSpeed insists on its own CPU Adam with offload (a 60 s first-use build); torch's AdamW on
+        # the offloaded fp32 states is correct, just slower per step.
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    return _deep_merge(cfg, dict(ds.model_extra or {}))
+
+
+def make_optimizer(spec: Spec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """A client torch optimizer: DeepSpeed's own Adam variants JIT-compile for 60-96 s on first use."""
+    o = spec.train.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.train.lr, weight_decay=o.weight_decay)
+    # foreach=False: the multi-tensor path gains nothing on CPU and keeps extra copies of every state.
+    return torch.optim.AdamW(params, lr=spec.train.lr, betas=o.betas, weight_decay=o.weight_decay,
+                             foreach=on_cuda())
+
+
+def learning_rate(spec: Spec, step: int) -> float:
+    """The LR of training step `step` (1-based): linear warmup over `train.warmup_steps` training steps
+    (what users count), then constant. Set on the optimizer at the start of each training step rather
+    than by a per-update scheduler, so epochs x mini-batches (which can shrink when few trajectories
+    are kept) never shift the warmup, and a resumed run needs no scheduler state."""
+    warmup = spec.train.warmup_steps
+    return spec.train.lr * (min(1.0, step / warmup) if warmup > 0 else 1.0)

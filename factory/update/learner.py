@@ -1,0 +1,264 @@
+"""The learner: a DeepSpeed engine that turns scored trajectories into policy updates.
+
+One `step(trajs)` is one training step:
+  1. keep: infra-error trajectories (when the spec drops them) and overlong-filtered ones leave the loss
+  2. plan: epochs x mini-batches x micro-batches over the kept trajectories
+  3. old (and reference) log-probs: one no-grad pass, before any update, kept for every epoch
+  4. rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages
+  5. per mini-batch: forward/backward each micro-batch (loss normalised by the mini-batch totals), then
+     one engine.step (reduce, clip, optimizer step)
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from factory.algorithms import ADVANTAGES, KL_ESTIMATORS, kl_reward_penalty, policy_objective, resolve
+from factory.spec.schema import Spec
+from factory.types import Trajectory
+import factory.update.checkpoint as ckpt
+from factory.update.batch import collate, kept, plan, shaped_rewards
+from factory.update.engine import (autocast_dtype, deepspeed_config, init_process_group, learning_rate,
+                                   make_optimizer)
+from factory.update.logprobs import response_logprobs
+
+
+class Learner:
+    """The policy being trained, wrapped in a DeepSpeed engine (ZeRO stage from the spec).
+
+    Checkpoint layout: see factory.update.checkpoint (`<dir>/step_<N>/` DeepSpeed files + `hf/`,
+    `<dir>/latest`)."""
+
+    def __init__(self, spec: Spec, model_path: str):
+        # No side effects: the actor constructs this in the driver's process description; setup() loads.
+        self.spec, self.model_path = spec, model_path
+        self.alg = resolve(spec.algorithm)
+        self.engine = None
+        self.ref: torch.nn.Module | None = None
+        self.steps_done = 0  # training steps completed (restored by load_checkpoint)
+
+    # ---------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from factory.assets import resolve_model
+
+        if self.spec.train.threads:
+            torch.set_num_threads(self.spec.train.threads)
+        init_process_group()
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.spec.model.tokenizer or self.model_path))
+        self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                               config=deepspeed_config(self.spec))
+        self.engine.train()
+        self.amp = autocast_dtype(self.spec)
+        if self.alg.needs_reference:  # only then: a second copy of the weights is not free
+            self.ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
+            self.ref.requires_grad_(False).eval().to(self.engine.device)
+
+    def _module_dtype(self) -> torch.dtype:
+        return next(self.engine.module.parameters()).dtype
+
+    # ----------------------------------------------------------------------------------------- step
+    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One training step on a scored rollout batch; returns the actor/* and timing metrics."""
+        t0 = time.perf_counter()
+        spec, alg, engine = self.spec, self.alg, self.engine
+        assert engine is not None, "call setup() first"
+        keep = kept(trajs, alg, spec.rollout.drop_infra_errors)
+        idx = [i for i, k in enumerate(keep) if k]
+        sub = [trajs[i] for i in idx]
+        lr = learning_rate(spec, self.steps_done + 1)
+        for group in self.optimizer.param_groups:  # DeepSpeed's ZeRO wrappers share these dicts
+            group["lr"] = lr
+        stats: dict[str, float] = {"actor/dropped": float(len(trajs) - len(sub)), "actor/lr": lr}
+        if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
+            self.steps_done += 1
+            return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0}
+
+        lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
+        schedule = plan(len(sub), lengths, alg.mini_batches, spec.train.micro_batch, alg.epochs,
+                        seed=spec.seed * 100_003 + self.steps_done * 101)
+        first_epoch = schedule[: len(schedule) // alg.epochs]
+
+        # Old (and reference) log-probs over the first epoch's exact micro-batches, so the first
+        # mini-batch sees ratio 1 bit for bit.
+        t_old = time.perf_counter()
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch)
+        mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
+        stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
+
+        rewards = shaped_rewards(sub, alg, spec.rollout.max_total_tokens)  # [n]
+        kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None else None  # [n, Rmax]
+        if kl_tokens is not None and alg.kl_apply == "reward":
+            rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
+        groups = torch.tensor([t.prompt_index for t in sub])  # [n]
+        adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
+
+        t_train = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        for minibatch in schedule:
+            for key, value in self._update(sub, minibatch, old, ref, adv, mask).items():
+                sums[key] += value
+        stats["timing/update_train_s"] = time.perf_counter() - t_train
+        self.steps_done += 1
+
+        tokens = float(mask.sum())
+        stats.update({f"actor/{k}": v / len(schedule) for k, v in sums.items()})
+        stats.update({
+            "actor/updates": float(len(schedule)),
+            "actor/tokens": tokens,
+            "actor/entropy": stats.get("actor/entropy", float((entropy * mask).sum()) / max(tokens, 1.0)),
+            "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
+                                  else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
+            "actor/advantage_abs_mean": float(adv.abs().mean()),
+            "actor/reward_shaped_mean": float(rewards.mean()),
+            "actor/zero_adv_groups": float(_zero_groups(adv, groups)),
+            "perf/update_tokens_per_s": tokens * alg.epochs / max(stats["timing/update_train_s"], 1e-9),
+            "perf/update_max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "timing/update_step_s": time.perf_counter() - t0,
+        })
+        return stats
+
+    def logprobs(self, trajs: list[Trajectory]) -> Tensor:
+        """[N, max response length] log-probs of every response token under the current policy (no
+        grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
+        lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
+        return self._logprobs_before_update(trajs, plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0))[0]
+
+    @torch.no_grad()
+    def _logprobs_before_update(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]
+                                ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """[n, Rmax] log-probs of the policy that sampled (old), of the reference (or None), and the
+        policy's entropy (for the stat), all over the same micro-batches."""
+        width = max(max(len(t.response_ids) for t in sub), 1)
+        old = torch.zeros(len(sub), width)
+        ref = torch.zeros(len(sub), width) if self.ref is not None else None
+        entropy = torch.zeros(len(sub), width)
+        for minibatch in micro_plan:
+            for micro in minibatch:
+                mb = collate([sub[i] for i in micro]).to(self.engine.device)
+                logp, ent = response_logprobs(self.engine, mb, amp=self.amp, entropy=True)
+                r = logp.shape[1]
+                old[micro, :r], entropy[micro, :r] = logp.cpu(), ent.cpu()
+                if ref is not None:
+                    ref[micro, :r] = response_logprobs(self.ref, mb, amp=self.amp)[0].cpu()
+        valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
+        zero = lambda x: None if x is None else torch.where(valid, x, 0.0)  # noqa: E731
+        return zero(old), zero(ref), zero(entropy)
+
+    def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor, ref: Tensor | None,
+                adv: Tensor, mask: Tensor) -> dict[str, float]:
+        """Accumulate one mini-batch's gradient over its micro-batches and take one optimizer step.
+        policy_objective normalises each micro-batch by the mini-batch totals and returns stats as
+        shares, so summing both over micro-batches gives the mini-batch's exact loss and stats;
+        engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps is 1
+        and the accumulation boundary is ours: managed_gradient_accumulation=false)."""
+        engine, alg = self.engine, self.alg
+        members = [i for micro in minibatch for i in micro]
+        totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
+                  "max_len": self.spec.rollout.max_total_tokens}
+        out: dict[str, float] = defaultdict(float)
+        for micro in minibatch:
+            mb = collate([sub[i] for i in micro]).to(engine.device)
+            logp, ent = response_logprobs(engine, mb, amp=self.amp, entropy=alg.entropy_coef > 0,
+                                          entropy_grad=True)
+            r, dev = logp.shape[1], engine.device
+            loss, st = policy_objective(
+                alg, logp, old[micro, :r].to(dev), adv[micro].to(dev), mb.mask,
+                ref_logp=ref[micro, :r].to(dev) if ref is not None and alg.kl_apply == "loss" else None,
+                entropy=ent, **totals)
+            engine.backward(loss, scale_wrt_gas=False)
+            for key, value in st.items():
+                out[key] += float(value)
+        # ZeRO's optimizers report the global norm they clip with; plain stage 0 (fp32, no wrapper)
+        # reports none, so there we measure it on the module's gradients before they are consumed.
+        local = _grad_norm(engine.module) if engine.zero_optimization_stage() == 0 else None
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        norm = local if norm is None else norm
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        return out
+
+    # ------------------------------------------------------------------------- weights, checkpoints
+    def state_dict(self) -> dict[str, Tensor]:
+        """Full weights on CPU under Hugging Face names (tied weights appear under both names, as
+        `module.state_dict()`: vLLM's reload needs lm_head.weight). Gathered from the ranks' shards
+        under ZeRO-3; every rank must call it then."""
+        import deepspeed
+
+        module = self.engine.module
+        gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+                  if self.engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+        copies: dict[int, Tensor] = {}  # keep tied tensors tied: one copy per storage
+        with gather:
+            return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", copy=True))
+                    for k, v in module.state_dict().items()}
+
+    def save_checkpoint(self, directory: str, step: int) -> str:
+        """Save `<dir>/step_<step>/` (DeepSpeed model + optimizer + {step, rng}, and an `hf/` folder
+        loadable by transformers), then point `<dir>/latest` at it. Returns the step folder."""
+        import deepspeed.comm as dist
+
+        name = ckpt.tag(step)
+        self.engine.save_checkpoint(directory, tag=name, client_state={"step": step, "rng": ckpt.rng_state()},
+                                    save_latest=False)
+        weights = self.state_dict()
+        if dist.get_rank() == 0:
+            hf = Path(directory) / name / "hf"
+            self.engine.module.save_pretrained(hf, state_dict=weights)
+            self.tokenizer.save_pretrained(hf)
+            ckpt.write_latest(directory, name)
+        dist.barrier()
+        return str(Path(directory) / name)
+
+    def load_checkpoint(self, directory: str) -> int | None:
+        """Resume from `<dir>/latest`: weights, optimizer state, step and RNG. None when there is none."""
+        name = ckpt.read_latest(directory)
+        if name is None:
+            return None
+        path, client = self.engine.load_checkpoint(directory, tag=name)
+        if path is None:
+            raise FileNotFoundError(f"{directory}/latest names {name!r} but DeepSpeed could not load it")
+        ckpt.set_rng_state(client["rng"])
+        self.steps_done = int(client["step"])
+        return self.steps_done
+
+    def shutdown(self) -> None:
+        """Release the engine and the process group (a later setup() in this process starts afresh)."""
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = self.ref = None
+        if torch.distributed.is_initialized():
+            import deepspeed.comm as dist
+
+            dist.destroy_process_group()  # DeepSpeed's: also forgets the sub-groups it cached
+        gc.collect()
+
+
+def _grad_norm(module: torch.nn.Module) -> float | None:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+def _padded(rows: list[list[int]], fill: float) -> Tensor:
+    """[n, max(len, 1)] float tensor of ragged rows."""
+    out = torch.full((len(rows), max(max(len(r) for r in rows), 1)), fill)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=out.dtype)
+    return out
+
+
+def _zero_groups(adv: Tensor, groups: Tensor) -> int:
+    """Groups whose every advantage is exactly 0 (all rewards agreed): they teach nothing this step."""
+    return sum(int((adv[groups == g] == 0).all()) for g in groups.unique())

@@ -1,0 +1,233 @@
+"""The learner on a real DeepSpeed engine (CPU accelerator, gloo) and the tiny Qwen3 on the real Qwen3
+tokenizer. The first run on a machine compiles DeepSpeed's shm_comm op once (~25-50 s, cached under
+$FACTORY_CACHE/torch_extensions); after that each learner starts in about a second."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from factory.assets import resolve_model
+from factory.spec.schema import Spec
+from factory.types import Trajectory
+from factory.update import Learner
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return resolve_model("factory:tiny-qwen3")
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def make_spec(model_path: str, **sections: Any) -> Spec:
+    base = {
+        "name": "update-test", "model": {"path": model_path},
+        "data": {"train": {"generator": "x:y"}}, "rewards": {"r": {"fn": "x:y"}},
+        "rollout": {"max_total_tokens": 64},
+        # fp32, SGD, no clipping: a step moves every weight by exactly -lr * gradient, so comparing
+        # weight deltas compares gradients.
+        "train": {"micro_batch": 4, "lr": 0.5, "bf16_autocast": False, "threads": 1,
+                  "optimizer": {"name": "sgd", "grad_clip": 0.0}},
+    }
+    return Spec.model_validate(_merge(base, sections))
+
+
+@pytest.fixture
+def learners():
+    """Builds learners one at a time, as the update actor does: making the next one shuts the previous
+    one down (its process group is the process's), and the last one is shut down after the test."""
+    live: list[Learner] = []
+
+    def make(spec: Spec) -> Learner:
+        while live:
+            live.pop().shutdown()
+        learner = Learner(spec, spec.model.path)
+        learner.setup()
+        live.append(learner)
+        return learner
+
+    yield make
+    while live:
+        live.pop().shutdown()
+
+
+def batch(seed: int = 0, groups: int = 3, group_size: int = 4) -> list[Trajectory]:
+    """Random token trajectories with tool tokens (mask 0) in the middle and rewards that differ
+    within each group, so every group has non-zero advantages."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(100, 5000) for _ in range(rng.randint(4, 12))]
+        for s in range(group_size):
+            n = rng.randint(6, 20)
+            mask = [0 if 2 <= j < 4 else 1 for j in range(n)]  # a 2-token tool response
+            out.append(Trajectory(prompt_index=g, sample_index=s, prompt_ids=prompt,
+                                  response_ids=[rng.randrange(100, 5000) for _ in range(n)], loss_mask=mask,
+                                  turns=[], stop_reason="no_call", row={}, reward=float(s % 2) + 0.1 * g))
+    return out
+
+
+def one_step_delta(learner: Learner, trajs: list[Trajectory]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    before = learner.state_dict()
+    stats = learner.step(trajs)
+    after = learner.state_dict()
+    return {k: after[k] - before[k] for k in before}, stats
+
+
+def assert_same_delta(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
+    scale = max(float(v.abs().max()) for v in a.values())
+    assert scale > 0, "the update did not move the weights"
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=tol * scale, rtol=0, msg=k)
+
+
+def surrogate(learner: Learner, trajs: list[Trajectory], logp0: torch.Tensor) -> float:
+    """-mean_i A_i * mean_t log pi(token) relative to the first policy: the GRPO objective that the
+    steps minimise (0 at the start; lower = more likely good answers, less likely bad ones)."""
+    from factory.algorithms import ADVANTAGES
+
+    adv = ADVANTAGES["grpo"](torch.tensor([t.reward for t in trajs]), torch.tensor([t.prompt_index for t in trajs]),
+                             eps=1e-6)
+    mask = torch.zeros_like(logp0)
+    for i, t in enumerate(trajs):
+        mask[i, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=mask.dtype)
+    delta = (learner.logprobs(trajs) - logp0) * mask
+    return float(-(adv * delta.sum(1) / mask.sum(1)).mean())
+
+
+def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, learners):
+    torch.manual_seed(0)
+    spec = make_spec(model_path, train={"bf16_autocast": True, "lr": 3e-3,
+                                        "optimizer": {"name": "adamw", "grad_clip": 1.0}})
+    learner = learners(spec)
+    trajs = batch()
+    logp0 = learner.logprobs(trajs)
+    delta, stats = one_step_delta(learner, trajs)
+    assert max(float(v.abs().max()) for v in delta.values()) > 1e-4
+    losses = [surrogate(learner, trajs, logp0)]
+    for _ in range(2):
+        learner.step(trajs)
+        losses.append(surrogate(learner, trajs, logp0))
+    assert losses[0] < 0 and losses[2] < losses[1] < losses[0], losses
+    assert stats["actor/tokens"] == sum(sum(t.loss_mask) for t in trajs)
+    assert stats["actor/dropped"] == 0 and stats["actor/zero_adv_groups"] == 0 and stats["actor/updates"] == 1
+    assert stats["actor/grad_norm"] > 0 and stats["actor/lr"] == 3e-3 and stats["actor/entropy"] > 5
+    assert stats["actor/clip_frac_low"] == stats["actor/clip_frac_high"] == 0  # ratio 1 on the first update
+    assert abs(stats["actor/approx_kl"]) < 1e-6 and stats["actor/kl"] == 0
+    assert learner.ref is None  # kl.coef == 0: no reference model
+
+
+def test_micro_batching_is_exact(model_path, learners):
+    """Micro-batch 1 and 4 (and several mini-batches and epochs) give the same update as one pass."""
+    trajs = batch(seed=1)
+    deltas = {}
+    for micro in (1, 4, 12):
+        learner = learners(make_spec(model_path, train={"micro_batch": micro}))
+        deltas[micro], stats = one_step_delta(learner, trajs)
+        assert stats["actor/updates"] == 1
+    assert_same_delta(deltas[12], deltas[1])
+    assert_same_delta(deltas[12], deltas[4])
+
+
+def test_mini_batches_and_epochs_take_several_steps_from_the_same_old_logprobs(model_path, learners):
+    spec = make_spec(model_path, algorithm={"epochs": 2, "mini_batches": 3}, train={"micro_batch": 2, "lr": 3.0})
+    stats = learners(spec).step(batch(seed=2))
+    assert stats["actor/updates"] == 6
+    # later mini-batches see a moved policy against the kept old log-probs: ratios leave 1
+    assert stats["actor/approx_kl"] > 0
+
+
+def test_tool_tokens_do_not_reach_the_gradient(model_path, learners):
+    """Changing mask-0 tokens that no model token conditions on (a trailing tool response) changes
+    nothing; neither does changing their length (padding)."""
+    trajs = batch(seed=3)
+    other = []
+    for t in trajs:
+        tail = [7, 8, 9][: 1 + t.sample_index % 3]
+        other.append(Trajectory(**{**t.__dict__, "response_ids": t.response_ids + tail,
+                                   "loss_mask": t.loss_mask + [0] * len(tail)}))
+    a, sa = one_step_delta(learners(make_spec(model_path)), trajs)
+    b, sb = one_step_delta(learners(make_spec(model_path)), other)
+    assert_same_delta(a, b)
+    assert sa["actor/pg_loss"] == pytest.approx(sb["actor/pg_loss"], abs=1e-6)
+
+
+def test_infra_error_trajectories_are_kept_out(model_path, learners):
+    clean = batch(seed=4)
+    broken = [Trajectory(**{**t.__dict__, "reward": 100.0 * (i % 2), "infra_error": True})
+              for i, t in enumerate(batch(seed=5))]
+    mixed = clean[:6] + broken[:4] + clean[6:]
+    a, _ = one_step_delta(learners(make_spec(model_path)), clean)
+    b, stats = one_step_delta(learners(make_spec(model_path)), mixed)
+    assert stats["actor/dropped"] == 4
+    assert_same_delta(a, b)
+    c, stats = one_step_delta(learners(make_spec(model_path, rollout={"drop_infra_errors": False})), mixed)
+    assert stats["actor/dropped"] == 0
+    assert max(float((c[k] - a[k]).abs().max()) for k in a) > 1e-3
+
+
+def test_all_dropped_means_no_update(model_path, learners):
+    trajs = [Trajectory(**{**t.__dict__, "infra_error": True}) for t in batch(seed=6)]
+    delta, stats = one_step_delta(learners(make_spec(model_path)), trajs)
+    assert stats["actor/updates"] == 0 and stats["actor/dropped"] == len(trajs)
+    assert all(float(v.abs().max()) == 0 for v in delta.values())
+
+
+@pytest.mark.parametrize("apply", ["loss", "reward"])
+def test_reference_model_only_with_kl(model_path, learners, apply):
+    spec = make_spec(model_path, algorithm={"kl": {"coef": 0.1, "apply": apply}}, train={"lr": 3.0})
+    learner = learners(spec)
+    assert learner.ref is not None and not any(p.requires_grad for p in learner.ref.parameters())
+    trajs = batch(seed=7)
+    first = learner.step(trajs)
+    assert first["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # the policy still equals the reference
+    assert learner.step(trajs)["actor/kl"] > 1e-4
+
+
+def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, learners, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    spec = make_spec(model_path, train={"lr": 1e-2, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
+    trajs = batch(seed=8)
+    first = learners(spec)
+    assert first.load_checkpoint(str(tmp_path)) is None  # nothing saved yet
+    first.step(trajs)
+    first.step(trajs)
+    out = first.save_checkpoint(str(tmp_path), 2)
+    assert out == str(tmp_path / "step_2") and (tmp_path / "latest").read_text().strip() == "step_2"
+    saved = first.state_dict()
+
+    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf")  # a plain Hugging Face folder
+    for k, v in hf.state_dict().items():
+        torch.testing.assert_close(v, saved[k], atol=0, rtol=0)
+
+    a = first.step(trajs)
+    after_a = first.state_dict()
+
+    second = learners(spec)
+    assert second.load_checkpoint(str(tmp_path)) == 2
+    for k, v in second.state_dict().items():
+        torch.testing.assert_close(v, saved[k], atol=0, rtol=0)
+    # Adam's moments came back too: the next step is the same on both
+    b = second.step(trajs)
+    assert a["actor/pg_loss"] == b["actor/pg_loss"]
+    for k, v in second.state_dict().items():
+        torch.testing.assert_close(v, after_a[k], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_give_the_stage_0_update(model_path, learners, stage):
+    trajs = batch(seed=9)
+    base, _ = one_step_delta(learners(make_spec(model_path)), trajs)
+    zero, stats = one_step_delta(learners(make_spec(model_path, train={"deepspeed": {"zero_stage": stage}})), trajs)
+    assert_same_delta(base, zero)
+    assert stats["actor/grad_norm"] > 0

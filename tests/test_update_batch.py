@@ -1,0 +1,111 @@
+"""The update stage's pure pieces: which trajectories train, shaped rewards, the update plan, padding,
+and response log-probs from the logits window. No DeepSpeed here: these run in milliseconds."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from factory.algorithms import resolve
+from factory.spec.schema import AlgorithmSpec
+from factory.types import Trajectory
+from factory.update.batch import collate, kept, plan, shaped_rewards
+from factory.update.logprobs import response_logprobs
+
+
+def traj(prompt: list[int], response: list[int], mask: list[int] | None = None, **kw) -> Trajectory:
+    return Trajectory(prompt_index=kw.pop("group", 0), sample_index=0, prompt_ids=prompt, response_ids=response,
+                      loss_mask=mask if mask is not None else [1] * len(response), turns=[], stop_reason="no_call",
+                      row={}, **kw)
+
+
+def test_kept_drops_infra_errors_and_overlong_only_when_asked():
+    trajs = [traj([1], [2]), traj([1], [2], infra_error=True), traj([1], [2], truncated=True)]
+    plain = resolve(AlgorithmSpec())
+    assert kept(trajs, plain, drop_infra_errors=True) == [True, False, True]
+    assert kept(trajs, plain, drop_infra_errors=False) == [True, True, True]
+    dapo = resolve(AlgorithmSpec(name="dapo", overlong={"filter": True}))
+    assert kept(trajs, dapo, drop_infra_errors=False) == [True, True, False]
+
+
+def test_shaped_rewards_add_the_soft_overlong_penalty():
+    alg = resolve(AlgorithmSpec(overlong={"buffer": 4, "penalty": 1.0}))
+    trajs = [traj([1], [2] * n, reward=1.0) for n in (6, 8, 10, 12)]  # budget 10, penalty from 6 on
+    assert shaped_rewards(trajs, alg, max_len=10).tolist() == [1.0, 0.5, 0.0, 0.0]
+    assert shaped_rewards(trajs, resolve(AlgorithmSpec()), max_len=10).tolist() == [1.0] * 4
+
+
+def test_plan_covers_each_sample_once_per_epoch_in_sorted_micro_batches():
+    lengths = [(p, p + r) for p, r in [(5, 3), (2, 9), (7, 1), (2, 2), (5, 5), (3, 3), (9, 9)]]
+    sched = plan(7, lengths, mini_batches=2, micro_batch=2, epochs=3, seed=11)
+    assert len(sched) == 6  # epochs x mini-batches optimizer steps
+    for epoch in range(3):
+        seen = sorted(i for mb in sched[2 * epoch: 2 * epoch + 2] for micro in mb for i in micro)
+        assert seen == list(range(7))
+    for mb in sched:
+        flat = [i for micro in mb for i in micro]
+        assert all(len(micro) <= 2 for micro in mb)
+        assert [lengths[i] for i in flat] == sorted(lengths[i] for i in flat)  # less padding
+    assert sched == plan(7, lengths, 2, 2, 3, seed=11)  # seeded
+    assert sched[:2] != sched[2:4] or sched[2:4] != sched[4:6]  # reshuffled per epoch
+    assert len(plan(2, lengths[:2], mini_batches=4, micro_batch=1, epochs=1, seed=0)) == 2  # capped at n
+
+
+def test_collate_window_targets_are_the_response_tokens():
+    trajs = [traj([10, 11, 12], [20, 21], [1, 0]), traj([13], [22, 23, 24, 25], [0, 1, 1, 1])]
+    mb = collate(trajs, pad_id=0)
+    assert mb.input_ids.tolist() == [[10, 11, 12, 20, 21], [13, 22, 23, 24, 25]]
+    assert mb.attention_mask.tolist() == [[1] * 5, [1] * 5]
+    # shortest prompt is 1 token: the window starts at position 0 and ends before the last position
+    assert (mb.start, mb.end) == (0, 4)
+    picked = mb.targets.gather(1, mb.gather)  # the token each response position's logits predict
+    assert picked[0, :2].tolist() == [20, 21] and picked[1].tolist() == [22, 23, 24, 25]
+    assert mb.mask.tolist() == [[1, 0, 0, 0], [0, 1, 1, 1]]  # padding is masked
+
+
+def test_collate_pads_on_the_right():
+    mb = collate([traj([1, 2], [3]), traj([4, 5, 6, 7], [8, 9])], pad_id=0)
+    assert mb.input_ids.tolist() == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1] * 6]
+    assert (mb.start, mb.end) == (1, 5)
+    assert mb.targets.gather(1, mb.gather)[:, :1].tolist() == [[3], [8]]
+    with pytest.raises(ValueError, match="empty prompt"):
+        collate([traj([], [1])])
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def test_response_logprobs_match_full_logits_of_each_sequence_alone(tiny_model):
+    """The windowed, padded batch gives each token the log-prob a lone full forward gives it."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 5), (9, 2), (1, 7), (6, 6)]
+    trajs = [traj(torch.randint(1, 97, (p,), generator=g).tolist(), torch.randint(1, 97, (r,), generator=g).tolist())
+             for p, r in shapes]
+    mb = collate(trajs)
+    with torch.no_grad():
+        logp, ent = response_logprobs(tiny_model, mb, amp=None, entropy=True)
+    assert logp.shape == ent.shape == (4, 7)
+    for b, t in enumerate(trajs):
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        with torch.no_grad():
+            full = torch.log_softmax(tiny_model(ids).logits[0].double(), -1)  # [L, V]
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        want = full[p - 1: p + r - 1].gather(1, torch.tensor(t.response_ids)[:, None])[:, 0]
+        want_ent = -(full[p - 1: p + r - 1].exp() * full[p - 1: p + r - 1]).sum(-1)
+        torch.testing.assert_close(logp[b, :r].double(), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[b, :r].double(), want_ent, atol=1e-5, rtol=0)
+
+
+def test_response_logprobs_carry_gradient_only_when_needed(tiny_model):
+    mb = collate([traj([1, 2], [3, 4])])
+    logp, ent = response_logprobs(tiny_model, mb, amp=None, entropy=True)
+    assert logp.requires_grad and not ent.requires_grad
+    _, ent = response_logprobs(tiny_model, mb, amp=None, entropy=True, entropy_grad=True)
+    assert ent.requires_grad
