@@ -55,6 +55,18 @@ async def slow_double(x: int) -> int:
     return 2 * x
 
 
+def flaky_divide(a: float, b: float) -> float:
+    """Divide two numbers (a blocking, sync function).
+
+    Args:
+        a: The dividend.
+        b: The divisor; 0 raises, and a negative one makes the call hang for a second.
+    """
+    if b < 0:
+        time.sleep(1.0)
+    return a / b
+
+
 def call(name, arguments, raw=""):
     return ToolCall(name=name, arguments=arguments, raw=raw)
 
@@ -189,6 +201,23 @@ async def test_async_python_tool_calls_overlap():
         elapsed = time.perf_counter() - started
     assert [r.text for r in results] == [str(2 * i) for i in range(10)]
     assert elapsed < 1.0  # ten 0.2 s calls: 2 s one at a time
+
+
+async def test_sync_python_tool_errors_and_timeouts():
+    spec = PythonTool(function="tests.test_tools_servers:flaky_divide", timeout_s=0.3, retries=0)
+    async with ToolBox.from_spec({"divide": spec}) as box:
+        assert (await box.call(call("divide", {"a": 1, "b": 4}))).text == "0.25"
+        raised = await box.call(call("divide", {"a": 1, "b": 0}))
+        assert (raised.status, raised.error_kind) == ("model_error", "tool_error")
+        assert raised.text == "Error: ZeroDivisionError: division by zero"
+        started = time.perf_counter()
+        hung, quick = await asyncio.gather(
+            box.call(call("divide", {"a": 1, "b": -1})), box.call(call("divide", {"a": 3, "b": 2}))
+        )
+        assert (hung.status, hung.error_kind) == ("infra_error", "timeout")
+        assert quick.text == "1.5" and quick.latency_s < 0.3  # the blocking call runs in a thread, not the loop
+        assert time.perf_counter() - started < 0.9  # the timed-out thread is abandoned, not awaited
+        assert box.metrics()["tools/divide/timeouts"] == 1
 
 
 def test_restart_in_a_new_event_loop_after_close():
