@@ -413,7 +413,7 @@ def stage_graph(spec: Spec) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     res = spec.resources
 
     def resources(stage: Any) -> dict[str, float]:
-        return {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus}
+        return {"num_cpus": float(stage.num_cpus), "num_gpus": float(stage.num_gpus)}
 
     none = {"num_cpus": 0.0, "num_gpus": 0.0}
     stages = [Stage("data", "reads rows, renders prompts, serves batches", (), ("batch",), none),

@@ -99,10 +99,13 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None  # no introspectable signature (a builtin): nothing to check
+    # Shown without annotations: `(prompt, completion, answer='')` reads better than the typed form.
+    shown = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                        return_annotation=sig.empty)
     try:
         bound = sig.bind_partial(*positional, **keywords)
     except TypeError as e:
-        return f"{ref}{sig} cannot be called as {shape}: {e}"
+        return f"{ref}{shown} cannot be called as {shape}: {e}"
     for name, param in sig.parameters.items():
         if name in bound.arguments or param.default is not param.empty:
             continue
@@ -110,7 +113,7 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
             continue
         if row_keywords and param.kind is not param.POSITIONAL_ONLY:
             continue
-        return f"{ref}{sig} cannot be called as {shape}: missing a required argument: '{name}'"
+        return f"{ref}{shown} cannot be called as {shape}: missing a required argument: '{name}'"
     return None
 
 
