@@ -28,12 +28,15 @@ def _check(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from factory.spec.compile import compile_file, plan_json
-    from factory.spec.render import plan_text
+    from factory.spec.render import explain_text, plan_text
 
-    _, plan = compile_file(args.spec, args.overrides)
+    spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
-    sys.stdout.write(plan_json(plan) if args.json else plan_text(plan) + "\n")
+    if args.json:
+        sys.stdout.write(plan_json(plan))
+    else:
+        sys.stdout.write((explain_text(plan, spec) if args.explain else plan_text(plan)) + "\n")
     return 0
 
 
@@ -91,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
                        help="also start each tool server, list its tools and check the tools the spec names")
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
+    plan.add_argument("--explain", action="store_true", help="print every resolved setting with its documentation")
 
     d = sub.add_parser("diff", help="compare two tracked runs: settings, hashes and final metrics",
                        description="compare two tracked runs: settings, hashes and final metrics")

@@ -89,6 +89,11 @@ def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
     out = capsys.readouterr().out
     for line in ("# stages", "  update --weights--> rollout (weight sync)", "# hashes", "    cli_text.py: "):
         assert line in out
+    assert cli.main(["plan", "spec.yaml", "train.lr=3e-6", "--explain"]) == 0
+    explained = capsys.readouterr().out
+    assert "# Learning rate.\ntrain.lr: 3e-06\n" in explained
+    assert '# Only these of the server\'s tools' not in explained  # no tools in this spec
+    assert 'rewards.correct.fn: "cli_text:exact"' in explained
 
 
 def test_internal_errors_exit_1_with_one_line(project, capsys, monkeypatch):

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import textwrap
+from collections.abc import Iterator
 from typing import Any
+
+from pydantic import BaseModel
 
 from factory.spec.compile import Plan
 
@@ -96,4 +100,27 @@ def plan_text(plan: Plan) -> str:
         else:
             out.append(f"  {key}: {value}")
     out.append(f"\n# factory {plan.version}")
+    return "\n".join(out)
+
+
+def _explained(model: BaseModel, shown: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, str, Any]]:
+    """(dotted path, docstring, shown value) of every leaf setting, in the schema's order."""
+    for name, info in type(model).model_fields.items():
+        value, path = getattr(model, name), f"{prefix}{name}"
+        doc = " ".join((info.description or "").split())
+        if isinstance(value, BaseModel):
+            yield from _explained(value, shown.get(name, {}), f"{path}.")
+        elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            for key, node in value.items():  # tools and reward nodes: one block per entry
+                yield from _explained(node, shown.get(name, {}).get(key, {}), f"{path}.{key}.")
+        else:
+            yield path, doc, shown.get(name)
+
+
+def explain_text(plan: Plan, spec: BaseModel) -> str:
+    """Every resolved setting with its documentation (the schema's docstrings) above it."""
+    out = []
+    for path, doc, value in _explained(spec, plan.spec):
+        out += [f"# {line}" for line in textwrap.wrap(doc, 100)]
+        out.append(f"{path}: {json.dumps(value, ensure_ascii=False)}")
     return "\n".join(out)
