@@ -184,6 +184,15 @@ tracking:
         "2 errors in spec.yaml")
 
 
+def test_failed_interpolation_is_reported_once(project, monkeypatch):
+    monkeypatch.delenv("FACTORY_TEST_NO_FN", raising=False)
+    path = project.spec(_base(project, "rw_once") + "  extra: {fn: '${oc.env:FACTORY_TEST_NO_FN}'}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == ("spec.yaml:9: rewards.extra.fn: environment variable 'FACTORY_TEST_NO_FN' not found\n"
+                         "1 error in spec.yaml")
+
+
 def test_malformed_interpolation_is_reported_at_its_line(project):
     path = project.spec(_base(project, "rw_grammar") + "tracking: {experiment: '${name'}\n")
     with pytest.raises(SpecErrors) as e:

@@ -272,6 +272,8 @@ def _repair(data: dict, problems: list[Problem], broken: dict[str, set[str]]) ->
             return _with_default_interpolations(Spec.model_validate(data), data)
         except ValidationError as e:
             problems = translate(Spec, e.errors(), data)
+        except OmegaConfBaseException:
+            return None  # a default interpolates a value that was dropped: nothing sound to compile
     return None
 
 
@@ -316,10 +318,15 @@ def load_all(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Loaded:
         spec = Spec.model_validate(data)
     except ValidationError as e:
         problems = translate(Spec, e.errors(), data)
-        # A value whose interpolation failed was left out of `data`; it is already reported, so its
-        # "missing required key" would only repeat it.
-        failed = {err.path for err in errors}
-        shown = [p for p in problems if not (p.kind == "missing" and dotted(p.parts) in failed)]
+        # A value whose interpolation failed was left out of `data`; it is already reported, so a
+        # "missing required key" for it (or "a node needs one of the keys" for its node) only repeats it.
+        failed = [err.path for err in errors]
+
+        def repeats(p: Problem) -> bool:
+            path = dotted(p.parts)
+            return p.kind in ("missing", "") and any(f == path or f.startswith(path + ".") for f in failed)
+
+        shown = [p for p in problems if not repeats(p)]
         loaded.errors += _problem_errors(shown, source)
         loaded.spec = _repair(copy.deepcopy(data), problems, loaded.broken)
         return loaded
