@@ -111,6 +111,24 @@ def test_sampling_is_seeded(model_path, engine):
     assert sample(1) == sample(1) != sample(2)
 
 
+def test_the_models_saved_sampling_defaults_do_not_leak(model_path, engine, tmp_path):
+    """A checkpoint whose generation_config.json says top_k=1 (i.e. greedy) must still sample from the
+    full distribution the spec names."""
+    import json
+    import os
+
+    for f in os.listdir(model_path):
+        if f != "generation_config.json":
+            os.symlink(os.path.join(model_path, f), tmp_path / f)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": IM_END, "top_k": 1, "repetition_penalty": 1.5, "temperature": 0.01}))
+    e = HFEngine(str(tmp_path), batch_size=8, seed=0)
+    e.load_state_dict(engine.model.state_dict())
+    greedy = asyncio.run(gather(e, [(prompts()[0], 6)]))[0].ids
+    samples = asyncio.run(gather(e, [(prompts()[0], 6)] * 4, Sampling(temperature=1.0)))
+    assert all(o.ids != greedy for o in samples)
+
+
 def test_load_state_dict_checks_keys_and_changes_outputs(model_path):
     e = HFEngine(model_path, batch_size=8, seed=0)
     before = asyncio.run(gather(e, [(prompts()[0], 6)]))[0].ids

@@ -99,7 +99,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
                  device: str = "cpu", bf16_autocast: bool = False, stop_token_ids: Sequence[int] = ()):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.device = torch.device(device)
         torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -112,6 +112,10 @@ class HFEngine:
             raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
         pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else cfg.pad_token_id
         self.pad_token_id = int(_as_list(pad)[0]) if pad is not None else self.stop_token_ids[0]
+        # generate() fills every field we leave unset from the model's saved generation_config (Qwen
+        # checkpoints ship top_k, top_p, repetition_penalty...). RL needs samples from exactly the
+        # distribution the spec names (the learner's ratios assume it), so those saved defaults go.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
         # One worker thread: batches never overlap, and the lock keeps weight loads out of a running batch.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
@@ -186,9 +190,8 @@ class HFEngine:
         from transformers import GenerationConfig
 
         s = batch[0].sampling
-        # A full GenerationConfig of our own: the model's saved sampling defaults (Qwen3 ships top_k=20,
-        # temperature 0.6) must not silently override the spec.
-        sample = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or None}
+        # top_k=0 is transformers' "off"; None would mean "the default", which is 50.
+        sample = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
         config = GenerationConfig(
             do_sample=not s.greedy, max_new_tokens=max(r.max_new_tokens for r in batch),
             eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, **sample,
