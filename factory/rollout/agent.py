@@ -19,7 +19,7 @@ from factory.spec.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
 
 
-class ToolBox(Protocol):
+class Tools(Protocol):
     """What the loop needs from factory.tools.ToolBox."""
 
     def schemas(self) -> list[dict]: ...
@@ -32,7 +32,7 @@ def sampling_from_spec(cfg: RolloutSpec, *, greedy: bool = False) -> Sampling:
     return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
 
 
-async def call_tool(toolbox: ToolBox, call: ToolCall) -> ToolResult:
+async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
     """Run one parsed call. Malformed calls go to the toolbox too: it answers them (parse_error,
     unknown_tool) with an error the model reads, and counts them in its per-tool metrics. The toolbox
     never raises; if it does anyway (a bug), the call is recorded as an infrastructure error instead of
@@ -44,7 +44,7 @@ async def call_tool(toolbox: ToolBox, call: ToolCall) -> ToolResult:
                           status="infra_error", error_kind="crash")
 
 
-async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: ToolBox, *, messages: list[dict[str, Any]],
+async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, messages: list[dict[str, Any]],
                          row: dict[str, Any], prompt_index: int, sample_index: int, cfg: RolloutSpec,
                          sampling: Sampling) -> Trajectory:
     """One episode: the model's turns and the tool responses between them, as ids with a loss mask."""
@@ -84,7 +84,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: ToolBox, *, 
     )
 
 
-async def rollout(engine: Engine, chat: ChatFormat, toolbox: ToolBox, prompts: list[tuple[list[dict], dict]], *,
+async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
                   group_size: int, cfg: RolloutSpec, sampling: Sampling) -> list[Trajectory]:
     """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index)."""
     tasks = [run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
