@@ -18,7 +18,22 @@ from factory.update import Learner
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
+    """The built-in tiny Qwen3 (real tokenizer, 152k vocab): for the tests that train and save."""
     return resolve_model("factory:tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def small_path(model_path, tmp_path_factory) -> str:
+    """The same architecture with a 5k vocab: the lm_head and log-softmax over 152k logits dominate the
+    tiny model's update, and the gradient-equivalence tests only need the arithmetic."""
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("small-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    return str(out)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +124,7 @@ def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, le
     spec = make_spec(model_path, train={"bf16_autocast": True, "lr": 3e-3,
                                         "optimizer": {"name": "adamw", "grad_clip": 1.0}})
     learner = learners(spec)
-    trajs = batch()
+    trajs = batch(groups=2)
     logp0 = learner.logprobs(trajs)
     delta, stats = one_step_delta(learner, trajs)
     assert max(float(v.abs().max()) for v in delta.values()) > 1e-4
@@ -126,27 +141,27 @@ def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, le
     assert learner.ref is None  # kl.coef == 0: no reference model
 
 
-def test_micro_batching_is_exact(model_path, learners):
+def test_micro_batching_is_exact(small_path, learners):
     """Micro-batch 1 and 4 (and several mini-batches and epochs) give the same update as one pass."""
     trajs = batch(seed=1)
     deltas = {}
     for micro in (1, 4, 12):
-        learner = learners(make_spec(model_path, train={"micro_batch": micro}))
+        learner = learners(make_spec(small_path, train={"micro_batch": micro}))
         deltas[micro], stats = one_step_delta(learner, trajs)
         assert stats["actor/updates"] == 1
     assert_same_delta(deltas[12], deltas[1])
     assert_same_delta(deltas[12], deltas[4])
 
 
-def test_mini_batches_and_epochs_take_several_steps_from_the_same_old_logprobs(model_path, learners):
-    spec = make_spec(model_path, algorithm={"epochs": 2, "mini_batches": 3}, train={"micro_batch": 2, "lr": 3.0})
+def test_mini_batches_and_epochs_take_several_steps_from_the_same_old_logprobs(small_path, learners):
+    spec = make_spec(small_path, algorithm={"epochs": 2, "mini_batches": 3}, train={"micro_batch": 2, "lr": 3.0})
     stats = learners(spec).step(batch(seed=2))
     assert stats["actor/updates"] == 6
     # later mini-batches see a moved policy against the kept old log-probs: ratios leave 1
     assert stats["actor/approx_kl"] > 0
 
 
-def test_tool_tokens_do_not_reach_the_gradient(model_path, learners):
+def test_tool_tokens_do_not_reach_the_gradient(small_path, learners):
     """Changing mask-0 tokens that no model token conditions on (a trailing tool response) changes
     nothing; neither does changing their length (padding)."""
     trajs = batch(seed=3)
@@ -155,36 +170,36 @@ def test_tool_tokens_do_not_reach_the_gradient(model_path, learners):
         tail = [7, 8, 9][: 1 + t.sample_index % 3]
         other.append(Trajectory(**{**t.__dict__, "response_ids": t.response_ids + tail,
                                    "loss_mask": t.loss_mask + [0] * len(tail)}))
-    a, sa = one_step_delta(learners(make_spec(model_path)), trajs)
-    b, sb = one_step_delta(learners(make_spec(model_path)), other)
+    a, sa = one_step_delta(learners(make_spec(small_path)), trajs)
+    b, sb = one_step_delta(learners(make_spec(small_path)), other)
     assert_same_delta(a, b)
     assert sa["actor/pg_loss"] == pytest.approx(sb["actor/pg_loss"], abs=1e-6)
 
 
-def test_infra_error_trajectories_are_kept_out(model_path, learners):
+def test_infra_error_trajectories_are_kept_out(small_path, learners):
     clean = batch(seed=4)
     broken = [Trajectory(**{**t.__dict__, "reward": 100.0 * (i % 2), "infra_error": True})
               for i, t in enumerate(batch(seed=5))]
     mixed = clean[:6] + broken[:4] + clean[6:]
-    a, _ = one_step_delta(learners(make_spec(model_path)), clean)
-    b, stats = one_step_delta(learners(make_spec(model_path)), mixed)
+    a, _ = one_step_delta(learners(make_spec(small_path)), clean)
+    b, stats = one_step_delta(learners(make_spec(small_path)), mixed)
     assert stats["actor/dropped"] == 4
     assert_same_delta(a, b)
-    c, stats = one_step_delta(learners(make_spec(model_path, rollout={"drop_infra_errors": False})), mixed)
+    c, stats = one_step_delta(learners(make_spec(small_path, rollout={"drop_infra_errors": False})), mixed)
     assert stats["actor/dropped"] == 0
     assert max(float((c[k] - a[k]).abs().max()) for k in a) > 1e-3
 
 
-def test_all_dropped_means_no_update(model_path, learners):
+def test_all_dropped_means_no_update(small_path, learners):
     trajs = [Trajectory(**{**t.__dict__, "infra_error": True}) for t in batch(seed=6)]
-    delta, stats = one_step_delta(learners(make_spec(model_path)), trajs)
+    delta, stats = one_step_delta(learners(make_spec(small_path)), trajs)
     assert stats["actor/updates"] == 0 and stats["actor/dropped"] == len(trajs)
     assert all(float(v.abs().max()) == 0 for v in delta.values())
 
 
 @pytest.mark.parametrize("apply", ["loss", "reward"])
-def test_reference_model_only_with_kl(model_path, learners, apply):
-    spec = make_spec(model_path, algorithm={"kl": {"coef": 0.1, "apply": apply}}, train={"lr": 3.0})
+def test_reference_model_only_with_kl(small_path, learners, apply):
+    spec = make_spec(small_path, algorithm={"kl": {"coef": 0.1, "apply": apply}}, train={"lr": 3.0})
     learner = learners(spec)
     assert learner.ref is not None and not any(p.requires_grad for p in learner.ref.parameters())
     trajs = batch(seed=7)
@@ -193,10 +208,13 @@ def test_reference_model_only_with_kl(model_path, learners, apply):
     assert learner.step(trajs)["actor/kl"] > 1e-4
 
 
-def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, learners, tmp_path):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, small_path, learners, tmp_path, stage):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = make_spec(model_path, train={"lr": 1e-2, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
+    spec = make_spec(small_path, model={"tokenizer": model_path},
+                     train={"lr": 1e-2, "optimizer": {"name": "adamw", "grad_clip": 1.0},
+                            "deepspeed": {"zero_stage": stage}})
     trajs = batch(seed=8)
     first = learners(spec)
     assert first.load_checkpoint(str(tmp_path)) is None  # nothing saved yet
@@ -209,6 +227,7 @@ def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, learn
     hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf")  # a plain Hugging Face folder
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(v, saved[k], atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(Path(out) / "hf").convert_tokens_to_ids("<|im_end|>") == 151645
 
     a = first.step(trajs)
     after_a = first.state_dict()
@@ -225,9 +244,9 @@ def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, learn
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_give_the_stage_0_update(model_path, learners, stage):
+def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     trajs = batch(seed=9)
-    base, _ = one_step_delta(learners(make_spec(model_path)), trajs)
-    zero, stats = one_step_delta(learners(make_spec(model_path, train={"deepspeed": {"zero_stage": stage}})), trajs)
+    base, _ = one_step_delta(learners(make_spec(small_path)), trajs)
+    zero, stats = one_step_delta(learners(make_spec(small_path, train={"deepspeed": {"zero_stage": stage}})), trajs)
     assert_same_delta(base, zero)
     assert stats["actor/grad_norm"] > 0

@@ -11,7 +11,6 @@ One `step(trajs)` is one training step:
 from __future__ import annotations
 
 import contextlib
-import gc
 import resource
 import time
 from collections import defaultdict
@@ -42,20 +41,18 @@ class Learner:
         self.alg = resolve(spec.algorithm)
         self.engine = None
         self.ref: torch.nn.Module | None = None
+        self.tokenizer = None  # for the hf/ folder of checkpoints; loaded on first save
         self.steps_done = 0  # training steps completed (restored by load_checkpoint)
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         import deepspeed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from factory.assets import resolve_model
+        from transformers import AutoModelForCausalLM
 
         if self.spec.train.threads:
             torch.set_num_threads(self.spec.train.threads)
         init_process_group()
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.spec.model.tokenizer or self.model_path))
         self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                config=deepspeed_config(self.spec))
@@ -91,14 +88,18 @@ class Learner:
         first_epoch = schedule[: len(schedule) // alg.epochs]
 
         # Old (and reference) log-probs over the first epoch's exact micro-batches, so the first
-        # mini-batch sees ratio 1 bit for bit.
+        # mini-batch sees ratio 1 bit for bit. With a single optimizer update (1 epoch, 1 mini-batch)
+        # the sampling policy IS the current one: its log-probs are the update pass's own, detached,
+        # and a separate pass would only repeat that forward (25% of the step) -- unless a KL-in-reward
+        # needs them before the advantages exist.
+        on_policy = len(schedule) == 1 and not (self.ref is not None and alg.kl_apply == "reward")
         t_old = time.perf_counter()
-        old, ref, entropy = self._logprobs_before_update(sub, first_epoch)
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=not on_policy)
         mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
 
         rewards = shaped_rewards(sub, alg, spec.rollout.max_total_tokens)  # [n]
-        kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None else None  # [n, Rmax]
+        kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
         if kl_tokens is not None and alg.kl_apply == "reward":
             rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
         groups = torch.tensor([t.prompt_index for t in sub])  # [n]
@@ -117,16 +118,18 @@ class Learner:
         stats.update({
             "actor/updates": float(len(schedule)),
             "actor/tokens": tokens,
-            "actor/entropy": stats.get("actor/entropy", float((entropy * mask).sum()) / max(tokens, 1.0)),
+            "actor/entropy": stats.get("actor/entropy", 0.0 if entropy is None
+                                       else float((entropy * mask).sum()) / max(tokens, 1.0)),
             "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
                                   else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
             "actor/advantage_abs_mean": float(adv.abs().mean()),
             "actor/reward_shaped_mean": float(rewards.mean()),
             "actor/zero_adv_groups": float(_zero_groups(adv, groups)),
-            "perf/update_tokens_per_s": tokens * alg.epochs / max(stats["timing/update_train_s"], 1e-9),
             "perf/update_max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "timing/update_step_s": time.perf_counter() - t0,
         })
+        # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
+        stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
         return stats
 
     def logprobs(self, trajs: list[Trajectory]) -> Tensor:
@@ -136,28 +139,32 @@ class Learner:
         return self._logprobs_before_update(trajs, plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0))[0]
 
     @torch.no_grad()
-    def _logprobs_before_update(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]
-                                ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """[n, Rmax] log-probs of the policy that sampled (old), of the reference (or None), and the
-        policy's entropy (for the stat), all over the same micro-batches."""
+    def _logprobs_before_update(self, sub: list[Trajectory], micro_plan: list[list[list[int]]], *,
+                                policy: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """[n, Rmax] log-probs of the policy that sampled (old) and its entropy (for the stat) when
+        `policy`, and of the reference model when there is one; None for what is not computed. All
+        over the same micro-batches; zeros past each response."""
         width = max(max(len(t.response_ids) for t in sub), 1)
-        old = torch.zeros(len(sub), width)
+        old = torch.zeros(len(sub), width) if policy else None
+        entropy = torch.zeros(len(sub), width) if policy else None
         ref = torch.zeros(len(sub), width) if self.ref is not None else None
-        entropy = torch.zeros(len(sub), width)
+        if old is None and ref is None:
+            return None, None, None
         for minibatch in micro_plan:
             for micro in minibatch:
                 mb = collate([sub[i] for i in micro]).to(self.engine.device)
-                logp, ent = response_logprobs(self.engine, mb, amp=self.amp, entropy=True)
-                r = logp.shape[1]
-                old[micro, :r], entropy[micro, :r] = logp.cpu(), ent.cpu()
+                if old is not None:
+                    logp, ent = response_logprobs(self.engine, mb, amp=self.amp, entropy=True)
+                    old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
                 if ref is not None:
-                    ref[micro, :r] = response_logprobs(self.ref, mb, amp=self.amp)[0].cpu()
+                    logp = response_logprobs(self.ref, mb, amp=self.amp)[0]
+                    ref[micro, : logp.shape[1]] = logp.cpu()
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
         zero = lambda x: None if x is None else torch.where(valid, x, 0.0)  # noqa: E731
         return zero(old), zero(ref), zero(entropy)
 
-    def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor, ref: Tensor | None,
-                adv: Tensor, mask: Tensor) -> dict[str, float]:
+    def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor | None,
+                ref: Tensor | None, adv: Tensor, mask: Tensor) -> dict[str, float]:
         """Accumulate one mini-batch's gradient over its micro-batches and take one optimizer step.
         policy_objective normalises each micro-batch by the mini-batch totals and returns stats as
         shares, so summing both over micro-batches gives the mini-batch's exact loss and stats;
@@ -170,11 +177,13 @@ class Learner:
         out: dict[str, float] = defaultdict(float)
         for micro in minibatch:
             mb = collate([sub[i] for i in micro]).to(engine.device)
-            logp, ent = response_logprobs(engine, mb, amp=self.amp, entropy=alg.entropy_coef > 0,
-                                          entropy_grad=True)
+            # on-policy (old is None): this pass also measures the entropy stat, without grad
+            logp, ent = response_logprobs(engine, mb, amp=self.amp, entropy=old is None or alg.entropy_coef > 0,
+                                          entropy_grad=alg.entropy_coef > 0)
             r, dev = logp.shape[1], engine.device
+            old_logp = logp.detach() if old is None else old[micro, :r].to(dev)
             loss, st = policy_objective(
-                alg, logp, old[micro, :r].to(dev), adv[micro].to(dev), mb.mask,
+                alg, logp, old_logp, adv[micro].to(dev), mb.mask,
                 ref_logp=ref[micro, :r].to(dev) if ref is not None and alg.kl_apply == "loss" else None,
                 entropy=ent, **totals)
             engine.backward(loss, scale_wrt_gas=False)
@@ -217,10 +226,21 @@ class Learner:
         if dist.get_rank() == 0:
             hf = Path(directory) / name / "hf"
             self.engine.module.save_pretrained(hf, state_dict=weights)
-            self.tokenizer.save_pretrained(hf)
+            self._tokenizer().save_pretrained(hf)
             ckpt.write_latest(directory, name)
         dist.barrier()
         return str(Path(directory) / name)
+
+    def _tokenizer(self):
+        """Loaded on first save only: parsing a 150k-token tokenizer.json takes ~1 s, and the update
+        itself never needs text."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from factory.assets import resolve_model
+
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.spec.model.tokenizer or self.model_path))
+        return self.tokenizer
 
     def load_checkpoint(self, directory: str) -> int | None:
         """Resume from `<dir>/latest`: weights, optimizer state, step and RNG. None when there is none."""
@@ -243,7 +263,6 @@ class Learner:
             import deepspeed.comm as dist
 
             dist.destroy_process_group()  # DeepSpeed's: also forgets the sub-groups it cached
-        gc.collect()
 
 
 def _grad_norm(module: torch.nn.Module) -> float | None:
