@@ -406,3 +406,12 @@ def test_module_is_float64_safe():
                                    max_len=2)
     assert loss.dtype == torch.float64 and all(v.dtype == torch.float64 for v in stats.values())
     assert A.ADVANTAGES["grpo"](t(R), torch.tensor(G), eps=1e-6).dtype == torch.float64
+
+
+def test_preset_names_match_the_registries():
+    # factory.presets keeps a torch-free copy of the registry names for `factory check`.
+    from factory import algorithms as A
+    from factory.presets import NAMES
+
+    assert NAMES == {"advantage": A.ADVANTAGES.names(), "policy loss": A.POLICY_LOSSES.names(),
+                     "aggregation": A.AGGREGATIONS.names(), "KL estimator": A.KL_ESTIMATORS.names()}

@@ -148,8 +148,6 @@ def test_every_shipped_spec_checks(spec, monkeypatch, capsys):
     assert code == 0, capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="factory.algorithms imports torch at module level; `factory check` "
-                                       "resolves algorithm names through it")
 def test_check_does_not_import_torch_ray_or_deepspeed():
     code = ("import sys; from factory.cli import main; rc = main(['check', 'specs/quickstart.yaml']); "
             "print(sorted(m for m in ('torch', 'ray', 'deepspeed') if m in sys.modules)); sys.exit(rc)")

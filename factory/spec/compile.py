@@ -380,13 +380,10 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
 
 
 def _resolve_algorithm(spec: Spec, r: _Report) -> dict[str, Any]:
-    """The algorithm preset filled in by `factory.algorithms.resolve`; its errors at the field they name."""
-    try:
-        from factory.algorithms import resolve
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("factory.algorithms"):
-            return spec.algorithm.model_dump(mode="json")  # the registry is not there: nothing to resolve
-        raise
+    """The algorithm preset filled in by `factory.presets.resolve` (torch-free); its errors at the field
+    they name."""
+    from factory.presets import resolve
+
     try:
         return _plain(resolve(spec.algorithm))
     except (KeyError, ValueError) as e:
