@@ -40,35 +40,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _missing(module: str, e: ModuleNotFoundError) -> bool:
-    return bool(e.name) and (e.name == module or module.startswith(e.name + "."))
-
-
 def _run(args: argparse.Namespace) -> int:
     from factory.spec.compile import compile_file
 
     spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
-    try:
-        from factory.driver import run
-    except ModuleNotFoundError as e:
-        if not _missing("factory.driver", e):
-            raise
-        print("factory run: the driver (factory.driver) is not installed in this build", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+    from factory.driver import run
+
     run(plan, spec)
     return 0
 
 
 def _diff(args: argparse.Namespace) -> int:
-    try:
-        from factory.diff import main as diff_main
-    except ModuleNotFoundError as e:
-        if not _missing("factory.diff", e):
-            raise
-        print("factory diff: factory.diff is not installed in this build", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+    from factory.diff import main as diff_main
+
     return int(diff_main(args) or 0)
 
 

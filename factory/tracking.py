@@ -53,7 +53,7 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
     for t in trajs:
         calls = [{"turn": i, "name": c.name, "arguments": json.dumps(c.arguments, sort_keys=True),
                   "parse_error": c.parse_error, "status": r.status, "error_kind": r.error_kind,
-                  "latency_s": r.latency_s, "result": r.text[:2000]}
+                  "latency_s": r.latency_s, "tool": r.tool, "result": r.text[:2000]}
                  for i, turn in enumerate(t.turns) for c, r in zip(turn.calls, turn.results)]
         rows.append({
             "step": step, "prompt_index": t.prompt_index, "sample_index": t.sample_index,

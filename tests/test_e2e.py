@@ -1,0 +1,112 @@
+"""The whole graph, for real: `factory run specs/tiny.yaml` through Ray, the calculator MCP server,
+DeepSpeed and MLflow, then the store is read back as a user would read it."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tiny-run")
+    for folder in ("specs", "prompts", "rewards"):
+        shutil.copytree(REPO / folder, work / folder)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", f"train.steps={STEPS}"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    return work, client, run, out
+
+
+def test_parameters_changed(tiny_run):
+    import torch
+    from safetensors.torch import load_file
+
+    from factory.assets import resolve_model
+
+    work, *_ = tiny_run
+    before = load_file(Path(resolve_model("factory:tiny-qwen3-calc")) / "model.safetensors")
+    after = load_file(work / "runs" / "tiny" / f"step_{STEPS}" / "hf" / "model.safetensors")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
+    assert (work / "runs" / "tiny" / "latest").read_text().strip() == f"step_{STEPS}"
+
+
+def test_every_step_has_its_metrics(tiny_run):
+    _, client, run, _ = tiny_run
+    for name in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "timing/step_s", "timing/generate_s",
+                 "timing/tools_s", "timing/reward_s", "timing/update_s", "timing/weight_sync_s",
+                 "tools/calculate/calls", "num_turns/mean", "response_length/mean"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
+        assert steps == list(range(1, STEPS + 1)), name
+    eval_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
+    assert eval_steps == [0, STEPS]
+    assert run.data.params["train.steps"] == str(STEPS)
+    assert run.data.tags["factory.spec_hash"]
+
+
+def _trajectories(tiny_run):
+    work, client, run, _ = tiny_run
+    rows = []
+    for step in range(1, STEPS + 1):
+        path = client.download_artifacts(run.info.run_id, f"trajectories/step_{step:05d}.parquet", str(work))
+        rows += pq.read_table(path).to_pylist()
+    return rows
+
+
+def test_trajectory_artifact_holds_the_tool_calls(tiny_run):
+    rows = _trajectories(tiny_run)
+    calls = [c for r in rows for c in r["tool_calls"]]
+    assert calls, "the warmed-up tiny model made no tool call"
+    ok = [c for c in calls if c["status"] == "ok"]
+    assert ok and all(c["name"] == "calculate" and c["result"] for c in ok)
+
+
+def test_loss_mask_is_zero_exactly_on_tool_and_template_tokens(tiny_run):
+    """Re-render each recorded tool response with the chat template: the mask-0 runs of the response must be
+    exactly those ids, and every other token must be the model's (mask 1)."""
+    from transformers import AutoTokenizer
+
+    from factory.assets import resolve_model
+    from factory.rollout.chat import ChatFormat
+    from factory.types import ToolResult
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(resolve_model("factory:tiny-qwen3-calc")))
+    checked = 0
+    for r in _trajectories(tiny_run):
+        ids, mask = r["response_ids"], r["loss_mask"]
+        assert len(ids) == len(mask) and mask[0] == 1
+        runs, i = [], 0  # the maximal runs of mask 0, as (start, end)
+        while i < len(mask):
+            if mask[i] == 0:
+                j = i
+                while j < len(mask) and mask[j] == 0:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            else:
+                i += 1
+        by_turn: dict[int, list[ToolResult]] = {}
+        for c in r["tool_calls"]:
+            by_turn.setdefault(c["turn"], []).append(ToolResult(tool=c["tool"], text=c["result"]))
+        answered = [t for t in sorted(by_turn) if t < r["num_turns"] - 1]
+        assert len(runs) == len(answered)
+        for (start, end), turn in zip(runs, answered):
+            ended_with_eot = ids[start - 1] == chat.end_of_turn_id
+            assert ids[start:end] == chat.tool_delta_ids(by_turn[turn], turn_ended_with_eos=ended_with_eot)
+            checked += 1
+    assert checked > 0, "no trajectory had a tool response to check"
