@@ -43,7 +43,7 @@ class Display:
                            "timing/weight_sync_s") if k in m)
         acc = f" acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
         self._progress.console.log(
-            f"step {step:>4}  reward {_fmt(m.get('reward/mean'))}{acc}  turns {_fmt(m.get('num_turns/mean'), '.2f')}"
+            f"step {step:>4}  reward {_fmt(m.get('reward/mean', m.get('eval/reward')))}{acc}  turns {_fmt(m.get('num_turns/mean', m.get('eval/num_turns')), '.2f')}"
             f"  tool calls {int(m.get('tools/calls', 0))} (infra err {int(m.get('tools/infra_errors', 0))})"
             f"  loss {_fmt(m.get('actor/pg_loss'), '.4f')}  step {m.get('timing/step_s', 0):.1f}s [{timing}]")
         self._progress.update(self._task, completed=step if completed is None else completed,

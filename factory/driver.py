@@ -48,7 +48,13 @@ def start_ray(spec: Spec) -> None:
     temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
     ray.init(num_cpus=os.cpu_count(), object_store_memory=int(spec.resources.object_store_gb * 2**30),
              include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": _QUIET})
+
+
+# Stage processes log through Ray to this terminal; keep library chatter (weight-loading bars, advisory
+# warnings) out of the run's display.
+_QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+          "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
 def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
