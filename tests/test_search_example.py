@@ -71,6 +71,19 @@ def test_unusable_forms_are_dropped():
     assert S.article_questions(article("Lu Xun", "Lu Xun was a Chinese writer.", topic="People"), {}) == []
 
 
+def test_who_is_asked_of_people_filed_anywhere():
+    assert S.is_person(article("Adam Smith", "", "Scottish economist and philosopher (1723–1790)", "Uncategorized"))
+    assert not S.is_person(article("Leviathan", "", "Book by a philosopher (1651)", "Uncategorized"))
+    assert not S.is_person(article("Great Depression", "", "Worldwide economic depression (1929–1939)",
+                                   "Uncategorized"))
+
+
+def test_a_description_that_repeats_the_definition_is_asked_once():
+    a = article("Cinematography", "Cinematography is the art of motion picture photography and of film making.",
+                "Art of motion picture photography and of film making")
+    assert [r["form"] for r in S.article_questions(a, {a["description"].lower(): 1})] == ["definition"]
+
+
 def test_answer_drops_the_disambiguating_qualifier():
     assert S.answer_of("Mercury (planet)") == "Mercury"
     assert S.answer_of("Maximilian I, Holy Roman Emperor") == "Maximilian I, Holy Roman Emperor"
@@ -102,8 +115,10 @@ def test_splits_are_disjoint_by_article_and_about_ninety_ten():
         list(S.questions(1, split="validation"))
 
 
-def test_no_question_gives_its_answer_away():
-    for row in S.split_questions("train") + S.split_questions("test"):
+def test_no_question_gives_its_answer_away_or_has_two_answers():
+    rows = S.split_questions("train") + S.split_questions("test")
+    assert len({r["question"].lower() for r in rows}) == len(rows)
+    for row in rows:
         assert row["answer"].lower() not in row["question"].lower()
         assert row["question"].endswith("?") and row["question"].count("(") == row["question"].count(")")
 
