@@ -109,3 +109,33 @@ def test_response_logprobs_carry_gradient_only_when_needed(tiny_model):
     assert logp.requires_grad and not ent.requires_grad
     _, ent = response_logprobs(tiny_model, mb, amp=None, entropy=True, entropy_grad=True)
     assert ent.requires_grad
+
+
+def _spec(**train):
+    from factory.spec.schema import Spec
+
+    return Spec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"train": {"generator": "x:y"}},
+                                "rewards": {"r": {"fn": "x:y"}}, "train": train})
+
+
+def test_learning_rate_warms_up_linearly_over_training_steps():
+    from factory.update.engine import learning_rate
+
+    spec = _spec(lr=1e-3, warmup_steps=4)
+    assert [learning_rate(spec, s) for s in (1, 2, 4, 9)] == pytest.approx([2.5e-4, 5e-4, 1e-3, 1e-3])
+    assert learning_rate(_spec(lr=1e-3), 1) == 1e-3
+
+
+def test_deepspeed_config_from_the_spec_with_extra_keys_passed_through():
+    from factory.update.engine import deepspeed_config
+
+    cfg = deepspeed_config(_spec(micro_batch=2, optimizer={"grad_clip": 0.5},
+                                 deepspeed={"zero_stage": 2, "zero_optimization": {"overlap_comm": False},
+                                            "communication_data_type": "fp32"}))
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_clipping"] == 0.5
+    # accumulation boundaries are the learner's: one engine.step per mini-batch
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["managed_gradient_accumulation"] is False
+    assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": False}  # merged, not replaced
+    assert cfg["communication_data_type"] == "fp32" and "bf16" not in cfg
+    offload = deepspeed_config(_spec(deepspeed={"zero_stage": 1, "offload_optimizer": True}))
+    assert offload["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}

@@ -65,7 +65,7 @@ class MicroBatch:
     gather: Tensor  # [B, R] long, column of window for each response position (clamped on padding)
     mask: Tensor  # [B, R] float: 1 on model-generated tokens, 0 on tool/template tokens and padding
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
+    def to(self, device: torch.device | str) -> MicroBatch:
         move = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
         return MicroBatch(**move)
 

@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import factory.update.checkpoint as ckpt
 from factory.algorithms import ADVANTAGES, KL_ESTIMATORS, kl_reward_penalty, policy_objective, resolve
 from factory.spec.schema import Spec
 from factory.types import Trajectory
-import factory.update.checkpoint as ckpt
 from factory.update.batch import collate, kept, plan, shaped_rewards
-from factory.update.engine import (autocast_dtype, deepspeed_config, init_process_group, learning_rate,
-                                   make_optimizer)
+from factory.update.engine import autocast_dtype, deepspeed_config, init_process_group, learning_rate, make_optimizer
 from factory.update.logprobs import response_logprobs
 
 
@@ -160,7 +159,10 @@ class Learner:
                     logp = response_logprobs(self.ref, mb, amp=self.amp)[0]
                     ref[micro, : logp.shape[1]] = logp.cpu()
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
-        zero = lambda x: None if x is None else torch.where(valid, x, 0.0)  # noqa: E731
+
+        def zero(x: Tensor | None) -> Tensor | None:
+            return None if x is None else torch.where(valid, x, 0.0)
+
         return zero(old), zero(ref), zero(entropy)
 
     def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor | None,
