@@ -289,5 +289,5 @@ def test_smollm2_sized_update_stays_in_memory(tmp_path, learners):
                                     loss_mask=[0 if 40 <= j < 60 else 1 for j in range(n)], turns=[],
                                     stop_reason="no_call", row={}, reward=float(rng.random() < 0.5)))
     stats = learners(spec).step(trajs)
-    assert stats["actor/tokens"] > 6000 and stats["actor/grad_norm"] > 0
+    assert stats["actor/tokens"] > 2500 and stats["actor/grad_norm"] > 0
     assert stats["perf/update_max_rss_gb"] < 8.0
