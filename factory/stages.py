@@ -111,7 +111,8 @@ class RolloutStage:
         if self.spec.rollout.engine != "hf":
             raise ValueError(f"rollout.engine '{self.spec.rollout.engine}' is not available in this build; use hf")
         self.engine = HFEngine(self.model_path, dtype=self.spec.model.dtype, batch_size=self.spec.rollout.batch_size,
-                               seed=self.spec.seed, bf16_autocast=self.spec.train.bf16_autocast)
+                               seed=self.spec.seed, bf16_autocast=self.spec.train.bf16_autocast,
+                               stop_token_ids=self.chat.stop_token_ids)
         self.toolbox = ToolBox.from_spec(self.spec.tools, base_dir=base)
         await self.toolbox.start()
         return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()]}
