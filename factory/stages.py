@@ -87,6 +87,13 @@ class _Timed:
             self._clock.exit(self._kind)
 
 
+def rollout_dtype(spec: Spec) -> str:
+    """The rollout engine's weight dtype (see RolloutSpec.dtype)."""
+    if spec.rollout.dtype != "auto":
+        return spec.rollout.dtype
+    return "bfloat16" if spec.train.bf16_autocast else spec.model.dtype
+
+
 class RolloutStage:
     """The rollout actor: the generation engine, the chat format and the tool pool, all living in this
     actor's event loop (Ray runs async actor methods on one loop, which the MCP sessions need)."""
@@ -110,8 +117,8 @@ class RolloutStage:
         self.tokenizer = tokenizer
         if self.spec.rollout.engine != "hf":
             raise ValueError(f"rollout.engine '{self.spec.rollout.engine}' is not available in this build; use hf")
-        self.engine = HFEngine(self.model_path, dtype=self.spec.model.dtype, batch_size=self.spec.rollout.batch_size,
-                               seed=self.spec.seed, bf16_autocast=self.spec.train.bf16_autocast,
+        self.engine = HFEngine(self.model_path, dtype=rollout_dtype(self.spec), batch_size=self.spec.rollout.batch_size,
+                               seed=self.spec.seed, bf16_autocast=rollout_dtype(self.spec) == "float32" and self.spec.train.bf16_autocast,
                                stop_token_ids=self.chat.stop_token_ids)
         self.toolbox = ToolBox.from_spec(self.spec.tools, base_dir=base)
         await self.toolbox.start()
@@ -125,6 +132,7 @@ class RolloutStage:
         r = self.spec.rollout
         sampling = Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=greedy)
         clock = BusyClock()
+        batches_before = self.engine.batches_run
         t0 = time.perf_counter()
         self.toolbox.metrics(reset=True)
         trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.toolbox, clock, "tools"),
@@ -138,6 +146,7 @@ class RolloutStage:
             "tool_calls/mean": statistics.fmean(t.num_tool_calls for t in trajs),
             "rollout/infra_error_trajectories": float(sum(t.infra_error for t in trajs)),
             "rollout/truncated": float(sum(t.truncated for t in trajs)),
+            "rollout/engine_batches": float(self.engine.batches_run - batches_before),
             "perf/generate_tokens_per_s": sum(t.num_model_tokens for t in trajs) / max(busy["generate"], 1e-9),
             **{f"rollout/stop_{k}": float(sum(t.stop_reason == k for t in trajs)) for k in ("no_call", "max_turns", "budget")},
             **self.toolbox.metrics(reset=True),

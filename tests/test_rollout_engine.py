@@ -84,7 +84,7 @@ def test_batches_split_by_size_and_by_sampling(engine):
 def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
     async def early_and_late():
         early = [asyncio.create_task(engine.generate(p, max_new_tokens=40, sampling=GREEDY)) for p in prompts()]
-        await asyncio.sleep(0.01)  # the first batch is running in the worker thread by now
+        await asyncio.sleep(engine.max_batch_wait_s + 0.05)  # the first batch is running in the worker thread by now
         late = await asyncio.wait_for(engine.generate(prompts()[1], max_new_tokens=40, sampling=GREEDY), 30)
         return await asyncio.gather(*early), late
 
@@ -151,3 +151,17 @@ def test_bf16_autocast_generates(model_path):
 
 def test_zero_token_budget_returns_nothing(engine):
     assert asyncio.run(gather(engine, [(prompts()[0], 0)])) == [Generation([], False)]
+
+
+def test_requests_a_few_ms_apart_share_one_batch(engine):
+    """After a tool round, next-turn requests arrive staggered; they must not become many small batches."""
+    async def staggered():
+        tasks = []
+        for p in prompts():
+            tasks.append(asyncio.create_task(engine.generate(p, max_new_tokens=4, sampling=GREEDY)))
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*tasks)
+
+    before = engine.batches_run
+    asyncio.run(staggered())
+    assert engine.batches_run - before == 1

@@ -124,6 +124,7 @@ class HFEngine:
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
+        self.batch_window_s, self.max_batch_wait_s = 0.02, 0.25
 
     # ------------------------------------------------------------------------------------ Engine API
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
@@ -163,8 +164,7 @@ class HFEngine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            # Let every task that is ready right now submit its request before the batch is cut.
-            await asyncio.sleep(0)
+            await self._gather_requests()
             while self._pending:
                 batch = self._take_batch()
                 try:
@@ -177,6 +177,19 @@ class HFEngine:
                 for r, g in zip(batch, results):
                     if not r.future.done():  # the caller may have been cancelled
                         r.future.set_result(g)
+
+    async def _gather_requests(self) -> None:
+        """Wait briefly for more requests before cutting a batch. After a tool round the trajectories'
+        next-turn requests arrive a few milliseconds apart (their calls finish at different times);
+        cutting at the first one ran turn 2 as several small `generate` calls, each paying the whole
+        per-token loop. We wait while requests keep arriving (`batch_window_s` of quiet), at most
+        `max_batch_wait_s`: cheap next to a batch that takes seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_batch_wait_s
+        seen = -1
+        while len(self._pending) != seen and len(self._pending) < self.batch_size and loop.time() < deadline:
+            seen = len(self._pending)
+            await asyncio.sleep(self.batch_window_s)
 
     def _take_batch(self) -> list[_Request]:
         """Up to batch_size pending requests that share the first one's sampling, oldest first."""

@@ -217,6 +217,9 @@ class AlgorithmSpec(Section):
 class RolloutSpec(Section):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation backend: hf (transformers, the CPU default) or vllm."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype in the rollout engine. auto: bfloat16 when `train.bf16_autocast` (the update's matmuls
+    run in bf16 then too; 1.4-1.5x faster sampling than fp32 + autocast on CPU), else `model.dtype`."""
     group_size: int = Field(8, ge=1)
     """Samples per prompt (the G of GRPO)."""
     max_turns: int = Field(3, ge=1)
