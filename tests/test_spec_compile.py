@@ -8,17 +8,8 @@ import pytest
 from factory.spec.compile import compile_file, compile_spec, plan_json
 from factory.spec.errors import SpecErrors
 from factory.spec.load import load
-from tests.test_spec_support import BASE, make_project, report
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    return make_project(tmp_path, monkeypatch)
-
-
-def _base(project, mod: str) -> str:
-    project.module(mod)
-    return BASE.replace("{mod}", mod)
+from tests.test_spec_support import BASE, report
+from tests.test_spec_support import base_spec as _base
 
 
 def _errors(path: str, overrides=()) -> str:
@@ -219,7 +210,7 @@ def test_model_paths(project):
     base = _base(project, "rc_model")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "factory:tiny-qwen"), "a.yaml")) == (
         "a.yaml:2: model.path: unknown built-in model 'factory:tiny-qwen'; did you mean 'factory:tiny-qwen3'? "
-        "known: factory:smollm2-135m-instruct, factory:tiny-qwen3\n1 error in a.yaml")
+        "known: factory:smollm2-135m-instruct, factory:tiny-qwen3, factory:tiny-qwen3-calc\n1 error in a.yaml")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/empty"), "b.yaml")) == (
         "b.yaml:2: model.path: model folder has no config.json: models/empty\n1 error in b.yaml")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "./models/gone"), "c.yaml")) == (

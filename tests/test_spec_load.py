@@ -5,17 +5,8 @@ import pytest
 
 from factory.spec.errors import SpecErrors
 from factory.spec.load import load, load_all, load_spec
-from tests.test_spec_support import BASE, make_project, report
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    return make_project(tmp_path, monkeypatch)
-
-
-def _base(project, mod: str) -> str:
-    project.module(mod)
-    return BASE.replace("{mod}", mod)
+from tests.test_spec_support import base_spec as _base
+from tests.test_spec_support import report
 
 
 def test_valid_spec_loads_with_defaults(project):

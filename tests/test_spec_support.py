@@ -70,3 +70,9 @@ def make_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
 
 def report(exc: pytest.ExceptionInfo[SpecErrors]) -> str:
     return exc.value.report()
+
+
+def base_spec(project, mod: str) -> str:
+    """BASE with its reward module `mod` written into the project."""
+    project.module(mod)
+    return BASE.replace("{mod}", mod)

@@ -33,11 +33,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 async def box():
     async with ToolBox.from_spec({"faulty": FAULTY}) as toolbox:
         yield toolbox

@@ -24,11 +24,6 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 async def box():
     """One calculator server (and a python tool) for the whole module: a stdio start costs ~0.6 s."""
     tools = {"calc": CALC, "count": PythonTool(function="tests.test_tools_servers:count_words")}

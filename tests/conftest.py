@@ -1,0 +1,16 @@
+"""Fixtures shared by several test modules."""
+import pytest
+
+from tests.test_spec_support import make_project
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A throwaway project folder (spec files, reward modules) as the working directory."""
+    return make_project(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    """Async tests run on asyncio (the event loop the rollout actor uses)."""
+    return "asyncio"
