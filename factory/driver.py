@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from factory.spec.schema import Spec
+from factory.tracking import git_commit
 
 
 @dataclass
@@ -167,7 +168,7 @@ def run(plan: Any, spec: Spec) -> RunResult:
     from factory.assets import resolve_model
     from factory.display import Display
     from factory.spec.compile import plan_json
-    from factory.tracking import Tracker, git_commit, tracking_uri
+    from factory.tracking import Tracker, tracking_uri
 
     t_start = time.perf_counter()
     display = Display(spec.train.steps)
@@ -183,7 +184,7 @@ def run(plan: Any, spec: Spec) -> RunResult:
         try:
             stages = place_stages(spec, model_path, str(plan.base_dir))
             tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
-                    **({"factory.git_commit": c} if (c := git_commit()) else {}), **spec.tracking.tags}
+                    **_commits(), **spec.tracking.tags}
             tracker.start(spec.name, plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
@@ -195,6 +196,14 @@ def run(plan: Any, spec: Spec) -> RunResult:
                     after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))
     return result
+
+
+def _commits() -> dict[str, str]:
+    """The git commit of the project the run was started from, and of Factory's own source."""
+    import factory
+
+    tags = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(factory.__file__).parent)}
+    return {k: v for k, v in tags.items() if v}
 
 
 def metric_nodes_of(spec: Spec) -> dict[str, str]:

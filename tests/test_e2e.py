@@ -56,7 +56,7 @@ def test_every_step_has_its_metrics(tiny_run):
     eval_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
     assert eval_steps == [0, STEPS]
     assert run.data.params["train.steps"] == str(STEPS)
-    assert run.data.tags["factory.spec_hash"]
+    assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
 
 
 def _trajectories(tiny_run):
