@@ -12,7 +12,6 @@ response tokens; `mask` is 1 on tokens the model produced (tool/template tokens 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch

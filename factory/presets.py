@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+
 class UnknownNameError(KeyError):
     """An unknown registry name; str() is the plain message (KeyError would quote it)."""
 

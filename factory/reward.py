@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from factory.spec.schema import (FnNode, JudgeNode, MaxNode, MinNode, ProductNode, Spec, SumNode, ToolNode)
+from factory.spec.schema import FnNode, JudgeNode, MaxNode, MinNode, ProductNode, Spec, SumNode, ToolNode
 from factory.types import ToolCall, Trajectory
 from factory.util import import_path, resolve_file, template_env
 

@@ -5,7 +5,6 @@ use them in-process; the driver wraps them with `ray.remote`.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import statistics
 import sys

@@ -9,11 +9,11 @@ the model learns from are byte-identical to the ones it will see.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 from factory.types import ToolResult
-
 
 
 def calculator_schema() -> list[dict]:
@@ -54,9 +54,20 @@ def build_tiny_qwen3_calc(out: Path, base: str, steps: int = 80, batch: int = 8,
                           seed: int = 0) -> None:
     """Warm up `base` (the tiny-qwen3 folder) and save the result to `out` (~30 s on 2 cores)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # a one-off build: use the machine, whatever the caller set
+    try:
+        _train(out, base, steps, batch, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(out: Path, base: str, steps: int, batch: int, lr: float, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     data = warmup_sequences(tokenizer, 256, seed=seed)

@@ -1,7 +1,4 @@
-import math
 import time
-
-import pytest
 
 from factory.reward import RewardStage, topological_order
 from factory.spec.schema import Spec

@@ -11,6 +11,7 @@ One `step(trajs)` is one training step:
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 from collections import defaultdict
@@ -45,6 +46,9 @@ class Learner:
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
+        if not torch.cuda.is_available():
+            # Say what DeepSpeed would otherwise guess, loudly, on every start ("Setting accelerator to CPU").
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
         from transformers import AutoModelForCausalLM
 
