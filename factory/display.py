@@ -18,7 +18,7 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 class Display:
     def __init__(self, total_steps: int, console: Console | None = None):
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, log_path=False)
         self.total = total_steps
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -38,16 +38,21 @@ class Display:
         self._progress.console.log(text)
 
     def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
-        timing = " ".join(f"{k[7:-2]} {m[k]:.1f}s" for k in
-                          ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s",
-                           "timing/weight_sync_s") if k in m)
-        acc = f" acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
-        self._progress.console.log(
-            f"step {step:>4}  reward {_fmt(m.get('reward/mean', m.get('eval/reward')))}{acc}  turns {_fmt(m.get('num_turns/mean', m.get('eval/num_turns')), '.2f')}"
-            f"  tool calls {int(m.get('tools/calls', 0))} (infra err {int(m.get('tools/infra_errors', 0))})"
-            f"  loss {_fmt(m.get('actor/pg_loss'), '.4f')}  step {m.get('timing/step_s', 0):.1f}s [{timing}]")
+        acc = f"  eval acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
+        if step == 0:  # before training: only the evaluation ran
+            line = (f"step    0  eval reward {_fmt(m.get('eval/reward'))}{acc}  tool calls/question "
+                    f"{_fmt(m.get('eval/tool_calls'), '.2f')}")
+        else:
+            split = ", ".join(f"{k[7:-2]} {m[k]:.1f}s" for k in
+                              ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s",
+                               "timing/weight_sync_s") if k in m)
+            line = (f"step {step:>4}  reward {_fmt(m.get('reward/mean'))}{acc}  turns {_fmt(m.get('num_turns/mean'), '.2f')}"
+                    f"  tool calls {int(m.get('tools/calls', 0))} (infra errors {int(m.get('tools/infra_errors', 0))})"
+                    f"  loss {_fmt(m.get('actor/pg_loss'), '.4f')}  {m.get('timing/step_s', 0):.1f}s ({split})")
+        # markup=False: the line holds brackets and user text that rich must not read as markup
+        self._progress.console.log(line, markup=False)
         self._progress.update(self._task, completed=step if completed is None else completed,
-                              description=f"training (reward {_fmt(m.get('reward/mean'), '.2f')})")
+                              description=f"training (reward {_fmt(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
     def summary(self, *, run_id: str, experiment: str, uri: str, before: dict[str, float],
                 after: dict[str, float], wall_s: float, checkpoint: str | None) -> None:
