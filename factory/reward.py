@@ -173,7 +173,12 @@ class RewardStage:
         env = template_env()
         ctx = {"prompt": prompt_text(t.messages), "completion": t.completion, **t.row}
         args = {k: env.from_string(v).render(**ctx) for k, v in node.arguments.items()}
-        result = await self._toolbox.call(ToolCall(name=node.tool.split(".")[-1], arguments=args, raw=""))
+        from factory.tools.toolbox import qualified_name
+
+        server, _, tool = node.tool.partition(".")
+        # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key)
+        name = qualified_name(server, tool) if tool else server
+        result = await self._toolbox.call(ToolCall(name=name, arguments=args, raw=""))
         if result.status != "ok":
             raise RuntimeError(f"tool {node.tool}: {result.error_kind}: {result.text[:200]}")
         return float(result.text.strip())

@@ -70,3 +70,19 @@ def test_topological_order():
                       "a": {"fn": "tests.fixtures.reward_fns:length"}})
     order = topological_order(spec.rewards)
     assert order.index("a") < order.index("m") < order.index("t")
+
+
+def test_tool_node_calls_a_python_tool_and_an_mcp_tool(tmp_path):
+    import sys
+
+    spec = Spec.model_validate({
+        "name": "t", "model": {"path": "x"}, "data": {"train": {"generator": "factory.data:arithmetic"}},
+        "tools": {"scorer": {"function": "tests.fixtures.reward_fns:length_score"},
+                  "calc": {"command": sys.executable, "args": ["-m", "factory.examples.calculator"]}},
+        "rewards": {"len": {"tool": "scorer", "arguments": {"text": "{{ completion }}"}},
+                    "calc": {"tool": "calc.calculate", "arguments": {"expression": "{{ answer }} * 2"}},
+                    "total": {"sum": {"len": 1.0, "calc": 1.0}}}})
+    trajs, m = score(spec, [traj("abcdefghij")])
+    # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
+    assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
+    assert m["rewards/len/errors"] == 0.0
