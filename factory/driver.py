@@ -180,7 +180,7 @@ def run(plan: Any, spec: Spec) -> RunResult:
         model_path = resolve_model(spec.model.path)
         display.status("starting Ray and the stage actors (data, rollout+tools, reward, DeepSpeed update)")
         start_ray(spec)
-        status = "FAILED"
+        status, stages = "FAILED", None
         try:
             stages = place_stages(spec, model_path, str(plan.base_dir))
             tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
@@ -189,8 +189,13 @@ def run(plan: Any, spec: Spec) -> RunResult:
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
             status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"  # MLflow's word for a run stopped by its user
+            raise
         finally:
             tracker.end(status)
+            if stages is not None:  # stop tool servers cleanly before the actors go
+                ray.wait([stages.rollout.close.remote(), stages.reward.close.remote()], num_returns=2, timeout=30)
             ray.shutdown()
     display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, uri=uri, before=result.before,
                     after=result.after, wall_s=time.perf_counter() - t_start,

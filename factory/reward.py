@@ -73,6 +73,9 @@ class RewardStage:
 
     def setup(self) -> None:
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
+        # One event loop for the stage's life: tool servers for tool nodes start once and stay up.
+        self._loop = asyncio.new_event_loop()
+        self._toolbox_started = False
         self._fns: dict[str, Callable[..., Any]] = {}
         self._judges: dict[str, Any] = {}
         env = template_env()
@@ -89,27 +92,24 @@ class RewardStage:
 
     def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """Fill `rewards` and `reward` of every trajectory; return them with the stage's metrics."""
-        return asyncio.run(self._score(trajs))
+        return self._loop.run_until_complete(self._score(trajs))
 
     async def _score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         t0 = time.perf_counter()
-        if self._toolbox is not None:
+        if self._toolbox is not None and not self._toolbox_started:
             await self._toolbox.start()
+            self._toolbox_started = True
         metrics: dict[str, float] = {}
-        try:
-            for name in self.order:
-                node = self._spec.rewards[name]
-                t_node = time.perf_counter()
-                values, errors = await self._eval_node(name, node, trajs)
-                for traj, v in zip(trajs, values):
-                    traj.rewards[name] = v
-                present = [v for v in values if v is not None]
-                metrics[f"rewards/{name}/mean"] = sum(present) / len(present) if present else float("nan")
-                metrics[f"rewards/{name}/errors"] = float(errors)
-                metrics[f"timing/reward_{name}_s"] = time.perf_counter() - t_node
-        finally:
-            if self._toolbox is not None:
-                await self._toolbox.close()
+        for name in self.order:
+            node = self._spec.rewards[name]
+            t_node = time.perf_counter()
+            values, errors = await self._eval_node(name, node, trajs)
+            for traj, v in zip(trajs, values):
+                traj.rewards[name] = v
+            present = [v for v in values if v is not None]
+            metrics[f"rewards/{name}/mean"] = sum(present) / len(present) if present else float("nan")
+            metrics[f"rewards/{name}/errors"] = float(errors)
+            metrics[f"timing/reward_{name}_s"] = time.perf_counter() - t_node
         for traj in trajs:
             value = traj.rewards.get(self.train_node)
             traj.reward = 0.0 if value is None or math.isnan(value) else float(value)
@@ -184,6 +184,9 @@ class RewardStage:
         return float(result.text.strip())
 
     def close(self) -> None:
+        if self._toolbox is not None and self._toolbox_started:
+            self._loop.run_until_complete(self._toolbox.close())
+        self._loop.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -177,6 +177,9 @@ class RewardActor:
     def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         return self.stage.score(trajs)
 
+    def close(self) -> None:
+        self.stage.close()
+
 
 class UpdateActor:
     """The learner (a DeepSpeed engine) in its own process."""

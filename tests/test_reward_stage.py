@@ -82,7 +82,13 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool(tmp_path):
         "rewards": {"len": {"tool": "scorer", "arguments": {"text": "{{ completion }}"}},
                     "calc": {"tool": "calc.calculate", "arguments": {"expression": "{{ answer }} * 2"}},
                     "total": {"sum": {"len": 1.0, "calc": 1.0}}}})
-    trajs, m = score(spec, [traj("abcdefghij")])
-    # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
-    assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
-    assert m["rewards/len/errors"] == 0.0
+    stage = RewardStage(spec)
+    stage.setup()
+    try:
+        for _ in range(2):  # the second step reuses the tool servers the first one started
+            trajs, m = stage.score([traj("abcdefghij")])
+            # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
+            assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
+            assert m["rewards/len/errors"] == 0.0
+    finally:
+        stage.close()
