@@ -193,6 +193,11 @@ def _check_model(spec: Spec, r: _Report) -> None:
             r.error("model.tokenizer", error.replace("model folder", "tokenizer folder"))
         if warning:
             r.warn("model.tokenizer", warning)
+    if spec.rollout.engine == "vllm":
+        # The spec language has the seam; the engine itself lands with the vLLM issue. Say so up front
+        # rather than at the rollout actor's start.
+        r.warn("rollout.engine", "the vllm engine is not in this build yet: `factory run` stops at rollout setup; "
+                                 "use engine: hf")
 
 
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
