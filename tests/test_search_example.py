@@ -2,10 +2,7 @@
 article, and the MCP search server over stdio (through the ToolBox) and streamable HTTP."""
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from factory.spec.refs import generator_problem
 from factory.spec.schema import HttpServer, StdioServer
 from factory.tools import ToolBox
 from factory.types import ToolCall
+from tests.servers import free_port, http_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,25 +199,10 @@ async def test_server_over_stdio_through_the_toolbox(tmp_path, anyio_backend):
 @pytest.fixture
 def http_url(tmp_path):
     """The search server over streamable HTTP on a free 127.0.0.1 port, stopped after the test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "factory.examples.search", "--http", "--port", str(port)],
-                            cwd=ROOT, env={"FACTORY_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
-                time.sleep(0.1)
+    port = free_port()
+    argv = [sys.executable, "-m", "factory.examples.search", "--http", "--port", str(port)]
+    with http_server(argv, port, cwd=ROOT, env={"FACTORY_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}):
         yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.mark.slow  # ~4 s: a second server start; the transport itself is covered with the calculator

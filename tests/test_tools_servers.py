@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +13,8 @@ import pytest
 from factory.spec.schema import HttpServer, PythonTool, StdioServer
 from factory.tools import ToolBox, ToolStartError, list_tools, schema_hash
 from factory.types import ToolCall
+from tests.servers import free_port
+from tests.servers import http_server as run_http_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CALC = StdioServer(command="python", args=["-m", "factory.examples.calculator"], cwd=str(ROOT), timeout_s=10)
@@ -240,29 +240,9 @@ def test_list_tools_for_check_connect():
 @pytest.fixture(scope="module")
 def http_server():
     """The faulty test server over streamable HTTP on a free 127.0.0.1 port, stopped at module end."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the HTTP test server did not start") from None
-                time.sleep(0.05)
+    port = free_port()
+    with run_http_server([sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)], port, cwd=ROOT) as proc:
         yield f"http://127.0.0.1:{port}/mcp", proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def test_http_transport_calls_concurrently_and_sends_env_headers(http_server, monkeypatch):

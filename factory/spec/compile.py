@@ -19,7 +19,7 @@ import importlib.metadata
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +179,18 @@ class _Report:
     def warn(self, path: str, message: str) -> None:
         self.warnings.append(self.source.error(path, message, level="warning"))
 
+    def imported(self, path: str, ref: str, check: Callable[[Any], str | None] | None = None) -> Any | None:
+        """The object `ref` (module:attr) names, or None with the import error reported at `path`; a
+        problem `check(obj)` finds is reported there too (the object is still returned: it can be hashed)."""
+        try:
+            obj = import_object(ref)
+        except RefError as e:
+            self.error(path, str(e))
+            return None
+        if check is not None and (problem := check(obj)):
+            self.error(path, problem)
+        return obj
+
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_model(spec: Spec, r: _Report) -> None:
@@ -244,14 +256,10 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             else:
                 hashes[split] = {"path": source.path, "sha256": sha256_file(found)}
             continue
-        try:
-            fn = import_object(source.generator)
-        except RefError as e:
-            r.error(f"data.{split}.generator", str(e))
+        fn = r.imported(f"data.{split}.generator", source.generator,
+                        lambda f: generator_problem(f, source.generator, source.args))
+        if fn is None:
             continue
-        problem = generator_problem(fn, source.generator, source.args)
-        if problem:
-            r.error(f"data.{split}.generator", problem)
         src = source_file(fn)
         hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
@@ -263,16 +271,8 @@ def _check_reward_fns(spec: Spec, r: _Report) -> dict[str, str]:
     for name, node in spec.rewards.items():
         if not isinstance(node, FnNode):
             continue
-        try:
-            fn = import_object(node.fn)
-        except RefError as e:
-            r.error(f"rewards.{name}.fn", str(e))
-            continue
-        problem = reward_problem(fn, node.fn, node.args, node.group)
-        if problem:
-            r.error(f"rewards.{name}.fn", problem)
-        src = source_file(fn)
-        if src is not None:
+        fn = r.imported(f"rewards.{name}.fn", node.fn, lambda f: reward_problem(f, node.fn, node.args, node.group))
+        if fn is not None and (src := source_file(fn)) is not None:
             hashes[shown_path(src)] = sha256_file(src)
     return hashes
 
@@ -345,13 +345,9 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
         if "." in name:
             r.error(f"tools.{name}", f"a tool server name must not contain '.': '{name}'")
         if isinstance(server, PythonTool):
-            try:
-                fn = import_object(server.function)
-            except RefError as e:
-                r.error(f"tools.{name}.function", str(e))
-            else:
-                if (src := source_file(fn)) is not None:
-                    code[shown_path(src)] = sha256_file(src)
+            fn = r.imported(f"tools.{name}.function", server.function)
+            if fn is not None and (src := source_file(fn)) is not None:
+                code[shown_path(src)] = sha256_file(src)
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")
