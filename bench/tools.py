@@ -76,7 +76,7 @@ def check(results: list, trajectories: int, turns: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> dict[str, float]:
-    from factory.spec.schema import StdioServer
+    from factory.schema import StdioServer
     from factory.tools import ToolBox
 
     spec = StdioServer(

@@ -12,12 +12,12 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from factory.spec.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
+from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 
 
 def _check(args: argparse.Namespace) -> int:
-    from factory.spec.compile import compile_file
-    from factory.spec.render import check_summary
+    from factory.compiler.compile import compile_file
+    from factory.compiler.render import check_summary
 
     _, plan = compile_file(args.spec, args.overrides, connect=args.connect)
     for warning in plan.warnings:
@@ -27,8 +27,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from factory.spec.compile import compile_file, plan_json
-    from factory.spec.render import explain_text, plan_text
+    from factory.compiler.compile import compile_file, plan_json
+    from factory.compiler.render import explain_text, plan_text
 
     spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
@@ -41,7 +41,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from factory.spec.compile import compile_file
+    from factory.compiler.compile import compile_file
 
     spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:

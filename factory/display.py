@@ -5,7 +5,6 @@ On a terminal the bar redraws in place; in a log file (CI, nohup) each step is o
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -25,12 +24,12 @@ class Display:
                                   console=self.console, transient=True)
         self._task = None
 
-    def __enter__(self) -> "Display":
+    def __enter__(self) -> Display:
         self._progress.__enter__()
         self._task = self._progress.add_task("training", total=self.total)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._progress.__exit__(*exc)
 
     def status(self, text: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from factory.spec.schema import Spec
+from factory.schema import Spec
 from factory.tracking import git_commit
 
 
@@ -60,7 +60,9 @@ _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", 
 
 def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
     from factory.data import DataStage
-    from factory.stages import RewardActor, RolloutStage, UpdateActor
+    from factory.reward import RewardStage
+    from factory.rollout.stage import RolloutStage
+    from factory.update.stage import UpdateStage
 
     workdir = os.getcwd()
     res = spec.resources
@@ -68,9 +70,9 @@ def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
         spec.data, seed=spec.seed, base_dir=Path(base_dir), eval_size=spec.train.eval_size)
     rollout = ray.remote(RolloutStage).options(num_cpus=res.rollout.num_cpus, num_gpus=res.rollout.num_gpus).remote(
         spec, model_path, base_dir=base_dir, workdir=workdir)
-    reward = ray.remote(RewardActor).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(
+    reward = ray.remote(RewardStage).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(
         spec, base_dir=base_dir, workdir=workdir)
-    update = ray.remote(UpdateActor).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
+    update = ray.remote(UpdateStage).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
         spec, model_path, workdir=workdir)
     stages = Stages(data, rollout, reward, update, [data, rollout, reward, update])
     ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
@@ -166,8 +168,8 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
 def run(plan: Any, spec: Spec) -> RunResult:
     """Run a compiled plan end to end; returns the MLflow run id and before/after eval metrics."""
     from factory.assets import resolve_model
+    from factory.compiler.compile import plan_json
     from factory.display import Display
-    from factory.spec.compile import plan_json
     from factory.tracking import Tracker, tracking_uri
 
     t_start = time.perf_counter()
@@ -215,7 +217,7 @@ def metric_nodes_of(spec: Spec) -> dict[str, str]:
     """Eval metrics: the spec's `metrics`, else `accuracy` = the first python-function node."""
     if spec.metrics:
         return dict(spec.metrics)
-    from factory.spec.schema import FnNode
+    from factory.schema import FnNode
 
     first = next((n for n, v in spec.rewards.items() if isinstance(v, FnNode)), None)
     return {"accuracy": first} if first else {}

@@ -5,8 +5,9 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -49,3 +50,20 @@ def template_env() -> jinja2.Environment:
                                         undefined=jinja2.StrictUndefined)
     env.filters["tojson"] = _tojson
     return env
+
+
+def enter_workdir(workdir: str | None) -> None:
+    """Make a stage process look like the driver: same working directory, and that directory importable
+    (user modules such as a project's `rewards/` import from it)."""
+    if workdir:
+        os.chdir(workdir)
+        if workdir not in sys.path:
+            sys.path.insert(0, workdir)
+
+
+def set_threads(threads: int | None) -> None:
+    """An explicit torch thread count for a computing stage (None = all cores): oversubscription on
+    small CPU boxes made steps 10-30x slower."""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)

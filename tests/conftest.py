@@ -1,7 +1,7 @@
 """Fixtures shared by several test modules."""
 import pytest
 
-from tests.test_spec_support import make_project
+from tests.test_compiler_support import make_project
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from factory.algorithms import (
     policy_objective,
     resolve,
 )
-from factory.spec.schema import AlgorithmSpec, KLSpec, OverlongSpec
+from factory.schema import AlgorithmSpec, KLSpec, OverlongSpec
 
 E = math.e
 

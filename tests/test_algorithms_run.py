@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _spec(*overrides: str):
-    from factory.spec.load import load_spec
+    from factory.compiler.load import load_spec
 
     return load_spec(str(REPO / "specs" / "tiny.yaml"), list(overrides))
 
@@ -33,7 +33,7 @@ def scored():
     from factory.assets import resolve_model
     from factory.data import DataStage
     from factory.reward import RewardStage
-    from factory.stages import RolloutStage
+    from factory.rollout.stage import RolloutStage
 
     torch.set_num_threads(1)
     old = os.getcwd()
@@ -54,8 +54,14 @@ def scored():
         trajs, _ = asyncio.run(go())
         reward = RewardStage(spec, base_dir=REPO / "specs")
         reward.setup()
-        trajs, _ = reward.score(trajs)
-        reward.close()
+
+        async def score():
+            try:
+                return await reward.score(trajs)
+            finally:
+                await reward.close()
+
+        trajs, _ = asyncio.run(score())
     finally:
         os.chdir(old)
     # Make sure every group has spread, so every advantage estimator has something to push on.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from factory import cli
-from tests.test_spec_support import BASE, make_project
+from tests.test_compiler_support import BASE, make_project
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -96,12 +96,12 @@ def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
 
 
 def test_internal_errors_exit_1_with_one_line(project, capsys, monkeypatch):
-    import factory.spec.compile
+    import factory.compiler.compile
 
     def broken(*args, **kwargs):
         raise RuntimeError("the compiler fell over")
 
-    monkeypatch.setattr(factory.spec.compile, "compile_file", broken)
+    monkeypatch.setattr(factory.compiler.compile, "compile_file", broken)
     monkeypatch.delenv("FACTORY_DEBUG", raising=False)
     assert cli.main(["check", "any.yaml"]) == 1
     assert capsys.readouterr().err == ("factory: internal error: RuntimeError: the compiler fell over\n"

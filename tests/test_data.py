@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.data import DataStage, PromptRenderer, arithmetic, from_table, load_rows
-from factory.spec.schema import DataSource, DataSpec
+from factory.schema import DataSource, DataSpec
 
 
 def test_arithmetic_answers_are_exact_and_seeded():

@@ -1,7 +1,8 @@
+import asyncio
 import time
 
 from factory.reward import RewardStage, topological_order
-from factory.spec.schema import Spec
+from factory.schema import Spec
 from factory.types import Trajectory
 
 
@@ -20,10 +21,14 @@ def traj(completion, prompt_index=0, sample_index=0):
 def score(spec, trajs):
     stage = RewardStage(spec)
     stage.setup()
-    try:
-        return stage.score(trajs)
-    finally:
-        stage.close()
+
+    async def go():
+        try:
+            return await stage.score(trajs)
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
 
 
 def test_graph_values_and_combinators():
@@ -84,11 +89,15 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool(tmp_path):
                     "total": {"sum": {"len": 1.0, "calc": 1.0}}}})
     stage = RewardStage(spec)
     stage.setup()
-    try:
-        for _ in range(2):  # the second step reuses the tool servers the first one started
-            trajs, m = stage.score([traj("abcdefghij")])
-            # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
-            assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
-            assert m["rewards/len/errors"] == 0.0
-    finally:
-        stage.close()
+
+    async def go():
+        try:
+            for _ in range(2):  # the second step reuses the tool servers the first one started
+                trajs, m = await stage.score([traj("abcdefghij")])
+                # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
+                assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
+                assert m["rewards/len/errors"] == 0.0
+        finally:
+            await stage.close()
+
+    asyncio.run(go())

@@ -10,7 +10,7 @@ from factory.assets import package_dir
 from factory.rollout.agent import rollout, run_trajectory, sampling_from_spec
 from factory.rollout.chat import ChatFormat
 from factory.rollout.engine import Generation, Sampling
-from factory.spec.schema import RolloutSpec
+from factory.schema import RolloutSpec
 from factory.types import ToolCall, ToolResult
 
 GREEDY = Sampling(greedy=True)

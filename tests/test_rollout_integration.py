@@ -10,7 +10,7 @@ from factory.assets import resolve_model
 from factory.rollout.agent import rollout, run_trajectory
 from factory.rollout.chat import ChatFormat
 from factory.rollout.engine import HFEngine, Sampling
-from factory.spec.schema import PythonTool, RolloutSpec
+from factory.schema import PythonTool, RolloutSpec
 from factory.tools import ToolBox
 from tests.test_rollout_agent import ScriptedEngine, call
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from mcp.server.mcpserver.exceptions import ToolError
 
+from factory.compiler.refs import generator_problem
 from factory.examples import search as S
-from factory.spec.refs import generator_problem
-from factory.spec.schema import HttpServer, StdioServer
+from factory.schema import HttpServer, StdioServer
 from factory.tools import ToolBox
 from factory.types import ToolCall
 from tests.servers import free_port, http_server

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.spec.schema import StdioServer
+from factory.schema import StdioServer
 from factory.tools import Resilience, ToolBox
 from factory.types import ToolCall, ToolResult
 

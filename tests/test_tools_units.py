@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from mcp import types as mcp_types
 
-from factory.spec.schema import PythonTool, StdioServer
+from factory.schema import PythonTool, StdioServer
 from factory.tools.connection import ServerStartError, http_headers, stdio_parameters
-from factory.tools.listing import schema_hash
 from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, backoff_delay
 from factory.tools.results import content_text, truncate_middle, value_text
@@ -262,10 +261,3 @@ def test_from_spec_has_no_side_effects_and_start_names_the_failure():
     assert "no_such_module_xyz" not in sys.modules
     with pytest.raises(ToolStartError, match="gone: No module named 'no_such_module_xyz'"):
         asyncio.run(box.start())
-
-
-def test_schema_hash_changes_with_any_schema_change():
-    listing = {"calc": [{"name": "calculate", "inputSchema": {"type": "object"}}]}
-    changed = {"calc": [{"name": "calculate", "inputSchema": {"type": "object", "required": ["x"]}}]}
-    assert schema_hash(listing) == schema_hash({"calc": [{"inputSchema": {"type": "object"}, "name": "calculate"}]})
-    assert schema_hash(listing) != schema_hash(changed)

@@ -1,6 +1,6 @@
 import pyarrow.parquet as pq
 
-from factory.stages import BusyClock
+from factory.rollout.stage import BusyClock
 from factory.tracking import Tracker, flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
@@ -43,7 +43,7 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
 
 def test_busy_clock_splits_wall_time(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("factory.stages.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("factory.rollout.stage.time.perf_counter", lambda: now[0])
     c = BusyClock()
     c.enter("tools"); now[0] = 1.0          # 1 s tools only
     c.enter("generate"); now[0] = 3.0       # 2 s generate (tools overlapping)

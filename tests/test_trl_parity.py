@@ -18,7 +18,7 @@ from transformers import TrainerState
 from trl import GRPOConfig, GRPOTrainer
 
 from factory.algorithms import policy_objective, resolve
-from factory.spec.schema import AlgorithmSpec, KLSpec
+from factory.schema import AlgorithmSpec, KLSpec
 
 MAX_LEN = 8  # TRL's max_completion_length = Factory's max_len (the Dr.GRPO constant)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from factory.assets import resolve_model
-from factory.spec.schema import Spec
+from factory.schema import Spec
 from factory.types import Trajectory
 from factory.update import Learner
 

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from factory.algorithms import resolve
-from factory.spec.schema import AlgorithmSpec
+from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
 from factory.update.batch import collate, kept, plan, shaped_rewards
 from factory.update.logprobs import response_logprobs
@@ -112,7 +112,7 @@ def test_response_logprobs_carry_gradient_only_when_needed(tiny_model):
 
 
 def _spec(**train):
-    from factory.spec.schema import Spec
+    from factory.schema import Spec
 
     return Spec.model_validate({"name": "t", "model": {"path": "m"}, "data": {"train": {"generator": "x:y"}},
                                 "rewards": {"r": {"fn": "x:y"}}, "train": train})

@@ -3,7 +3,8 @@ DeepSearch example's offline search server."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def serve(server: Any, doc: str, argv: list[str] | None = None, before: Callable[[], Any] | None = None) -> None:

@@ -68,7 +68,7 @@ def _eval(node: ast.AST) -> int | float:
     raise ValueError(f"unsupported element: {ast.dump(node)[:60]}")
 
 
-def format_number(value: int | float) -> str:
+def format_number(value: float) -> str:
     """The number as the model should read it: integers without '.0', floats rounded to 10 digits."""
     if isinstance(value, float):
         if math.isfinite(value) and value == int(value) and abs(value) < 1e15:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from factory.rollout.chat import ChatFormat
 from factory.rollout.engine import Engine, Sampling
 from factory.rollout.parse import parse_tool_calls
-from factory.spec.schema import RolloutSpec
+from factory.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
 
 

@@ -27,7 +27,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
-from factory.spec.schema import HttpServer, StdioServer
+from factory.schema import HttpServer, StdioServer
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import pydantic
 from mcp import types as mcp_types
 from mcp.shared.exceptions import MCPError
 
-from factory.spec.schema import HttpServer, PythonTool, StdioServer
+from factory.schema import HttpServer, PythonTool, StdioServer
 from factory.tools.connection import (
     McpConnection,
     ServerStartError,

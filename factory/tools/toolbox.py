@@ -30,7 +30,7 @@ import jsonschema
 import jsonschema.exceptions
 import jsonschema.validators
 
-from factory.spec.schema import PythonTool, ToolSpec
+from factory.schema import PythonTool, ToolSpec
 from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import Resilience
 from factory.tools.results import infra_error, model_error, truncate_middle

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from factory.spec.schema import Spec
+from factory.schema import Spec
 
 
 def use_extension_cache() -> str:

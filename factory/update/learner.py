@@ -22,7 +22,7 @@ from torch import Tensor
 
 import factory.update.checkpoint as ckpt
 from factory.algorithms import ADVANTAGES, KL_ESTIMATORS, kl_reward_penalty, policy_objective, resolve
-from factory.spec.schema import Spec
+from factory.schema import Spec
 from factory.types import Trajectory
 from factory.update.batch import collate, kept, plan, shaped_rewards
 from factory.update.engine import autocast_dtype, deepspeed_config, init_process_group, learning_rate, make_optimizer

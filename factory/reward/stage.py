@@ -8,73 +8,39 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import graphlib
 import inspect
 import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from factory.spec.schema import FnNode, JudgeNode, MaxNode, MinNode, ProductNode, Spec, SumNode, ToolNode
+from factory.reward.graph import combine, prompt_text, topological_order, training_node
+from factory.schema import FnNode, JudgeNode, Spec, ToolNode
 from factory.types import ToolCall, Trajectory
-from factory.util import import_path, resolve_file, template_env
+from factory.util import enter_workdir, import_path, resolve_file, template_env
 
 log = logging.getLogger(__name__)
 
 
-def node_inputs(node: Any) -> list[str]:
-    """The other nodes a node reads."""
-    if isinstance(node, SumNode):
-        return list(node.sum)
-    if isinstance(node, (MinNode, MaxNode, ProductNode)):
-        return list(getattr(node, type(node).__name__[:-4].lower()))
-    return []
-
-
-def topological_order(nodes: dict[str, Any]) -> list[str]:
-    """Nodes so that inputs come first (the compiler has already rejected cycles)."""
-    return list(graphlib.TopologicalSorter({n: node_inputs(v) for n, v in nodes.items()}).static_order())
-
-
-def training_node(spec: Spec) -> str:
-    if spec.reward:
-        return spec.reward
-    return next(iter(spec.rewards)) if len(spec.rewards) == 1 else "total"
-
-
-def prompt_text(messages: list[dict[str, Any]]) -> str:
-    """What reward functions get as `prompt`: the last user message (the task as posed)."""
-    users = [m["content"] for m in messages if m.get("role") == "user"]
-    return users[-1] if users else ""
-
-
-def _combine(node: Any, values: dict[str, float | None]) -> float | None:
-    if isinstance(node, SumNode):
-        return sum(w * (values[k] or 0.0) for k, w in node.sum.items())
-    inputs = [values[k] for k in node_inputs(node)]
-    if isinstance(node, ProductNode):
-        return math.prod(v or 0.0 for v in inputs)
-    present = [v for v in inputs if v is not None]
-    if not present:
-        return None
-    return min(present) if isinstance(node, MinNode) else max(present)
-
-
 class RewardStage:
-    """Scores trajectories. `toolbox` (for tool nodes) is started lazily in this stage's event loop."""
+    """The reward actor: scores trajectories. Its methods are coroutines, so Ray runs it as an async
+    actor with one event loop for its life: tool servers for tool nodes start once and stay up."""
 
-    def __init__(self, spec: Spec, *, base_dir: Path | None = None, max_workers: int = 16):
-        self._spec, self._base_dir, self._max_workers = spec, base_dir, max_workers
+    def __init__(self, spec: Spec, *, base_dir: str | Path | None = None, workdir: str | None = None,
+                 max_workers: int = 16):
+        self._spec, self._workdir, self._max_workers = spec, workdir, max_workers
+        self._base_dir = Path(base_dir) if base_dir else None
         self.order = topological_order(spec.rewards)
         self.train_node = training_node(spec)
 
     def setup(self) -> None:
+        # In its own actor, so slow or crashing reward code never stalls rollout.
+        enter_workdir(self._workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
-        # One event loop for the stage's life: tool servers for tool nodes start once and stay up.
-        self._loop = asyncio.new_event_loop()
         self._toolbox_started = False
         self._fns: dict[str, Callable[..., Any]] = {}
         self._judges: dict[str, Any] = {}
@@ -90,11 +56,8 @@ class RewardStage:
 
             self._toolbox = ToolBox.from_spec(self._spec.tools, base_dir=self._base_dir)
 
-    def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+    async def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """Fill `rewards` and `reward` of every trajectory; return them with the stage's metrics."""
-        return self._loop.run_until_complete(self._score(trajs))
-
-    async def _score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         t0 = time.perf_counter()
         if self._toolbox is not None and not self._toolbox_started:
             await self._toolbox.start()
@@ -119,7 +82,7 @@ class RewardStage:
 
     async def _eval_node(self, name: str, node: Any, trajs: list[Trajectory]) -> tuple[list[float | None], int]:
         if not isinstance(node, (FnNode, JudgeNode, ToolNode)):
-            return [_combine(node, t.rewards) for t in trajs], 0
+            return [combine(node, t.rewards) for t in trajs], 0
         if isinstance(node, FnNode) and node.group:
             groups: dict[int, list[int]] = {}
             for i, t in enumerate(trajs):
@@ -183,10 +146,9 @@ class RewardStage:
             raise RuntimeError(f"tool {node.tool}: {result.error_kind}: {result.text[:200]}")
         return float(result.text.strip())
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._toolbox is not None and self._toolbox_started:
-            self._loop.run_until_complete(self._toolbox.close())
-        self._loop.close()
+            await self._toolbox.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -20,16 +20,15 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
-from factory.spec.errors import SpecError, SpecErrors
-from factory.spec.load import SpecSource, load_all, read_config
-from factory.spec.refs import (
+from factory.compiler.errors import SpecError, SpecErrors
+from factory.compiler.load import SpecSource, load_all, read_config
+from factory.compiler.refs import (
     RefError,
     find_file,
     generator_problem,
@@ -42,7 +41,9 @@ from factory.spec.refs import (
     source_file,
     template_problem,
 )
-from factory.spec.schema import (
+from factory.compiler.translate import nearest
+from factory.plan import Edge, Plan, Stage
+from factory.schema import (
     FnNode,
     HttpServer,
     JudgeNode,
@@ -55,52 +56,9 @@ from factory.spec.schema import (
     SumNode,
     ToolNode,
 )
-from factory.spec.translate import nearest
 
 MASK = "***"
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage of the run: what it consumes and produces, and what Ray reserves for it."""
-
-    name: str
-    does: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    resources: dict[str, float]
-
-
-@dataclass(frozen=True)
-class Edge:
-    """`src` hands `carries` to `dst`; `weight_sync` is the update -> rollout edge that closes the loop."""
-
-    src: str
-    dst: str
-    carries: str
-    kind: str = "data"  # data | call | weight_sync
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A compiled spec. Plain data: `plan_json` serialises all of it except `spec_yaml` (the same as
-    `spec`) and `warnings` (diagnostics that depend on the machine, such as the HF cache)."""
-
-    spec: dict[str, Any]  # the resolved spec, keys sorted, env-derived values masked as "***"
-    spec_yaml: str  # the same as YAML (what MLflow stores as spec.yaml)
-    spec_path: str  # the spec file as given
-    base_dir: str  # the spec file's folder (absolute): relative file references fall back to it
-    stages: tuple[Stage, ...]
-    edges: tuple[Edge, ...]
-    reward_order: tuple[str, ...]  # reward nodes, inputs before the nodes that read them
-    reward_node: str  # the node whose value trains the policy
-    metrics: dict[str, str]  # eval metric name -> reward node
-    algorithm: dict[str, Any]  # the resolved algorithm (preset filled in)
-    hashes: dict[str, Any]  # spec, templates, rewards, data, code, tools, run
-    version: str  # factory's version
-    tools: dict[str, list[str]] = field(default_factory=dict)  # server -> offered tools (when connected)
-    warnings: tuple[str, ...] = field(default=(), compare=False)  # shown by `factory check`, not hashed
 
 
 # ----------------------------------------------------------------------------------- small helpers
@@ -526,7 +484,7 @@ def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
     if errors or loaded.spec is None or plan is None:
         raise SpecErrors(errors, loaded.source.file)
     if connect and loaded.spec.tools:
-        from factory.spec.connect import list_all
+        from factory.compiler.connect import list_all
 
         listing, connect_errors = list_all(loaded.spec, loaded.source)
         if connect_errors:

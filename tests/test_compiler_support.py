@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.spec.errors import SpecErrors
+from factory.compiler.errors import SpecErrors
 
 # A small valid spec; tests replace or append keys. Its reward module is written by `project()`.
 BASE = """\

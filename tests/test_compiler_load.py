@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from factory.spec.errors import SpecErrors
-from factory.spec.load import load, load_all, load_spec
-from tests.test_spec_support import base_spec as _base
-from tests.test_spec_support import report
+from factory.compiler.errors import SpecErrors
+from factory.compiler.load import load, load_all, load_spec
+from tests.test_compiler_support import base_spec as _base
+from tests.test_compiler_support import report
 
 
 def test_valid_spec_loads_with_defaults(project):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from factory.spec.errors import SpecError
-from factory.spec.load import SpecSource
-from factory.spec.schema import Spec
+from factory.compiler.errors import SpecError
+from factory.compiler.load import SpecSource
+from factory.schema import Spec
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
 # whole listing so that `check` always returns.

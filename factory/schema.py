@@ -6,7 +6,7 @@ at its line, not a silently ignored setting.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,7 +41,7 @@ class DataSource(Section):
     """How many rows to draw from `generator` (ignored for files)."""
 
     @model_validator(mode="after")
-    def _one_source(self) -> "DataSource":
+    def _one_source(self) -> DataSource:
         if (self.path is None) == (self.generator is None):
             raise ValueError("give exactly one of `path` or `generator`")
         return self
@@ -104,7 +104,7 @@ class PythonTool(_ToolCommon):
     schema. Sync or async. Called in-process, no server."""
 
 
-ToolSpec = Annotated[Union[StdioServer, HttpServer, PythonTool], Field(union_mode="left_to_right")]
+ToolSpec = Annotated[StdioServer | HttpServer | PythonTool, Field(union_mode="left_to_right")]
 
 
 # ------------------------------------------------------------------------------------------- rewards
@@ -159,7 +159,7 @@ class ProductNode(Section):
 
 
 RewardNode = Annotated[
-    Union[FnNode, JudgeNode, ToolNode, SumNode, MinNode, MaxNode, ProductNode],
+    FnNode | JudgeNode | ToolNode | SumNode | MinNode | MaxNode | ProductNode,
     Field(union_mode="left_to_right"),
 ]
 

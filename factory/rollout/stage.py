@@ -1,34 +1,20 @@
-"""Stage classes that the driver places on Ray as actors.
+"""The rollout stage: the generation engine, the chat format and the tool pool in one actor.
 
-Each is a plain class (constructors have no side effects; `setup()` does the heavy work), so tests can
-use them in-process; the driver wraps them with `ray.remote`.
+A plain class (the constructor has no side effects; `setup()` does the heavy work), so tests can use it
+in-process; the driver wraps it with `ray.remote`.
 """
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from factory.spec.schema import Spec
+from factory.schema import Spec
 from factory.types import ToolCall, ToolResult, Trajectory
-
-
-def enter_workdir(workdir: str | None, threads: int | None) -> None:
-    """Make a stage process look like the driver: same working directory (user modules such as
-    `rewards.*` import from it) and an explicit torch thread count (oversubscription on small CPU boxes
-    made steps 10-30x slower)."""
-    if workdir:
-        os.chdir(workdir)
-        if workdir not in sys.path:
-            sys.path.insert(0, workdir)
-    import torch
-
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+from factory.util import enter_workdir, set_threads
 
 
 class BusyClock:
@@ -101,7 +87,8 @@ class RolloutStage:
         self.spec, self.model_path, self.base_dir, self.workdir = spec, model_path, base_dir, workdir
 
     async def setup(self) -> dict[str, Any]:
-        enter_workdir(self.workdir, self.spec.train.threads)
+        enter_workdir(self.workdir)
+        set_threads(self.spec.train.threads)
         from transformers import AutoTokenizer
 
         from factory.rollout.chat import ChatFormat
@@ -159,55 +146,3 @@ class RolloutStage:
 
     async def close(self) -> None:
         await self.toolbox.close()
-
-
-class RewardActor:
-    """The reward stage in its own process, so slow or crashing reward code never stalls rollout."""
-
-    def __init__(self, spec: Spec, *, base_dir: str | None = None, workdir: str | None = None):
-        self.spec, self.base_dir, self.workdir = spec, base_dir, workdir
-
-    def setup(self) -> None:
-        enter_workdir(self.workdir, 1)
-        from factory.reward import RewardStage
-
-        self.stage = RewardStage(self.spec, base_dir=Path(self.base_dir) if self.base_dir else None)
-        self.stage.setup()
-
-    def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
-        return self.stage.score(trajs)
-
-    def close(self) -> None:
-        self.stage.close()
-
-
-class UpdateActor:
-    """The learner (a DeepSpeed engine) in its own process."""
-
-    def __init__(self, spec: Spec, model_path: str, *, workdir: str | None = None):
-        self.spec, self.model_path, self.workdir = spec, model_path, workdir
-
-    def setup(self) -> None:
-        enter_workdir(self.workdir, self.spec.train.threads)
-        from factory.update import Learner
-
-        self.learner = Learner(self.spec, self.model_path)
-        self.learner.setup()
-
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        t0 = time.perf_counter()
-        stats = self.learner.step(trajs)
-        stats["timing/update_s"] = time.perf_counter() - t0
-        return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
-
-    def save_checkpoint(self, directory: str, step: int) -> str:
-        return self.learner.save_checkpoint(directory, step)
-
-    def load_checkpoint(self, directory: str) -> int | None:
-        return self.learner.load_checkpoint(directory)
-
-    def shutdown(self) -> None:
-        self.learner.shutdown()

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from factory.spec.compile import compile_file, compile_spec, plan_json
-from factory.spec.errors import SpecErrors
-from factory.spec.load import load
-from tests.test_spec_support import BASE, report
-from tests.test_spec_support import base_spec as _base
+from factory.compiler.compile import compile_file, compile_spec, plan_json
+from factory.compiler.errors import SpecErrors
+from factory.compiler.load import load
+from tests.test_compiler_support import BASE, report
+from tests.test_compiler_support import base_spec as _base
 
 
 def _errors(path: str, overrides=()) -> str:

@@ -177,9 +177,7 @@ def _problem(err: dict[str, Any], where: _Loc, node: Parts | None = None) -> Pro
 
 def _get(data: Any, parts: Parts) -> Any:
     for p in parts:
-        if isinstance(data, dict) and p in data:
-            data = data[p]
-        elif isinstance(data, list) and isinstance(p, int) and p < len(data):
+        if isinstance(data, dict) and p in data or isinstance(data, list) and isinstance(p, int) and p < len(data):
             data = data[p]
         else:
             return None

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from factory.spec.compile import Plan
+from factory.plan import Plan
 
 
 def _source(s: dict[str, Any]) -> str:

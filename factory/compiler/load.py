@@ -23,9 +23,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from factory.spec.errors import SpecError, SpecErrors
-from factory.spec.schema import Spec
-from factory.spec.translate import Parts, Problem, translate
+from factory.compiler.errors import SpecError, SpecErrors
+from factory.compiler.translate import Parts, Problem, translate
+from factory.schema import Spec
 
 _REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
 

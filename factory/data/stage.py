@@ -1,0 +1,64 @@
+"""The data-prep stage: a seeded, epoch-shuffled stream of training batches and a fixed eval batch."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from factory.data.sources import PromptRenderer, load_rows, to_table
+from factory.schema import DataSpec
+
+
+class DataStage:
+    """The data-prep stage: an endless, seeded, epoch-shuffled stream of training batches and a fixed eval
+    batch. Holds everything in memory: RL prompt sets are small next to the model."""
+
+    def __init__(self, spec: DataSpec, *, seed: int, base_dir: Path | None = None, eval_size: int | None = None):
+        self._spec, self._seed, self._base_dir, self._eval_size = spec, seed, base_dir, eval_size
+        self._rows: list[dict[str, Any]] = []
+        self._order: list[int] = []
+        self._epoch = 0
+        self._cursor = 0
+
+    def setup(self) -> dict[str, int]:
+        self._renderer = PromptRenderer(self._spec, self._base_dir)
+        self._rows = load_rows(self._spec.train, seed=self._seed, base_dir=self._base_dir)
+        if not self._rows:
+            raise ValueError("data.train produced no rows")
+        # Eval rows come from another seed stream so generated eval questions differ from training ones.
+        self._eval = (load_rows(self._spec.eval, seed=self._seed + 1_000_003, base_dir=self._base_dir)
+                      if self._spec.eval else [])
+        if self._eval_size is not None:
+            self._eval = self._eval[: self._eval_size]
+        self._reshuffle()
+        return {"train_rows": len(self._rows), "eval_rows": len(self._eval)}
+
+    def _reshuffle(self) -> None:
+        self._order = list(range(len(self._rows)))
+        if self._spec.shuffle:
+            random.Random(self._seed * 7919 + self._epoch).shuffle(self._order)
+        self._cursor = 0
+
+    def next_batch(self, n: int) -> pa.Table:
+        rows = []
+        while len(rows) < n:
+            if self._cursor >= len(self._order):
+                self._epoch += 1
+                self._reshuffle()
+            rows.append(self._rows[self._order[self._cursor]])
+            self._cursor += 1
+        return to_table(self._renderer, rows)
+
+    def eval_batch(self) -> pa.Table | None:
+        return to_table(self._renderer, self._eval) if self._eval else None
+
+    def state(self) -> dict[str, int]:
+        """Position in the stream, saved with checkpoints so a resumed run sees the same data."""
+        return {"epoch": self._epoch, "cursor": self._cursor}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self._epoch = state["epoch"]
+        self._reshuffle()
+        self._cursor = state["cursor"]
