@@ -8,7 +8,6 @@ sampling) lives outside `train_loop`.
 """
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -85,17 +84,14 @@ def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str]) -> tuple[dict[
     if batch is None:
         return {}, []
     trajs, rollout_m = ray.get(s.rollout.generate.remote(batch, group_size=1, greedy=True))
-    trajs, _ = ray.get(s.reward.score.remote(trajs))
-    out = {f"eval/{name}": _mean([t.rewards.get(node) for t in trajs]) for name, node in metric_nodes.items()}
-    out["eval/reward"] = _mean([t.reward for t in trajs])
+    trajs, reward_m = ray.get(s.reward.score.remote(trajs))
+    # The reward stage's means: the same missing-value rule as the trained reward (see RewardNode.on_missing)
+    out = {f"eval/{name}": reward_m[f"rewards/{node}/mean"] for name, node in metric_nodes.items()}
+    out["eval/reward"] = reward_m["reward/mean"]
+    out["eval/dropped"] = reward_m["reward/dropped"]
     out["eval/num_turns"] = rollout_m["num_turns/mean"]
     out["eval/tool_calls"] = rollout_m["tool_calls/mean"]
     return out, trajs
-
-
-def _mean(values: list[float | None]) -> float:
-    present = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(present) / len(present) if present else float("nan")
 
 
 def collect(s: Stages, spec: Spec, alg: Any) -> tuple[list[Any], dict[str, float]]:

@@ -108,29 +108,92 @@ ToolSpec = Annotated[StdioServer | HttpServer | PythonTool, Field(union_mode="le
 
 
 # ------------------------------------------------------------------------------------------- rewards
-class FnNode(Section):
+OnMissing = Literal["zero", "drop_sample", "fail"]
+
+
+class _Leaf(Section):
+    """A node that computes a value itself (a function, a judge, a tool), so it can lack one."""
+
+    on_missing: OnMissing = "zero"
+    """What a missing value does (the function returned None or raised; the judge's reply did not parse or
+    its request failed; the tool failed or its text is not a number). `zero`: it counts as 0.0, in the
+    trained reward and in every mean, training and eval alike (the default: a run neither stops nor
+    shrinks because one reward had no answer). `drop_sample`: the trajectory leaves the loss and every
+    mean, training and eval (it stays in the logs). `fail`: the run stops with an error naming the node,
+    the trajectory and the reason."""
+
+    def inputs(self) -> list[tuple[str, str]]:
+        return []
+
+
+class FnNode(_Leaf):
     fn: str
-    """A reward function by import path `module:function`, called as
-    `fn(prompt, completion, **row) -> float | None` (None = no opinion, excluded from means)."""
+    """A reward function by import path `module:function`, called as `fn(prompt, completion, **row)`
+    and returning a float or None (no value: see `on_missing`). A function that declares a `turns`
+    parameter also gets the structured turns (factory.types.Turn: each model turn's `text`, its parsed
+    `calls` with any `parse_error`, each tool result with its `status`). Factory's own functions live in
+    `factory.rewards` (`factory.rewards.math:numeric_match`, `factory.rewards.format:tool_call_ok`); a
+    project's own in its `rewards/` folder (`rewards.mine:fn`)."""
     args: dict[str, Any] = {}
     """Extra keyword arguments bound to the function."""
     group: bool = False
-    """A group reward: called once per group with lists `(prompts, completions, rows)` and returning one
-    value per completion."""
+    """A group reward: called once per group with lists `(prompts, completions, rows)` (and `turns`, when
+    it declares it) and returning one value per completion."""
 
 
-class JudgeNode(Section):
+class LocalJudge(Section):
+    path: str
+    """The judge model: a Hugging Face folder, a cached hub id or a built-in `factory:NAME` asset. Factory
+    starts it as its own Ray actor, with the resources below."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf: transformers (CPU or one GPU); vllm: the vLLM engine (GPU)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The judge's weights' dtype (bfloat16 on GPUs and bf16-capable CPUs)."""
+    num_cpus: float = 0
+    """CPUs reserved for the judge's actor."""
+    num_gpus: float = 0
+    """GPUs reserved for the judge's actor (the hf engine uses CUDA when this is > 0)."""
+
+
+class JudgeNode(_Leaf):
     llm_judge: str
-    """A jinja template in prompts/ that renders the judge's prompt from `prompt`, `completion` and the row."""
-    endpoint: str
-    """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API; `OPENAI_API_KEY` is sent when set)."""
+    """A jinja template in prompts/ that renders the judge's prompt (sent as the user message) from
+    `prompt`, `completion`, `turns` and the row."""
+    endpoint: str | None = None
+    """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API; `OPENAI_API_KEY` is sent when
+    set). Give `endpoint` or `local`."""
     model: str | None = None
-    """Model name sent to the endpoint."""
+    """The model name sent to `endpoint`."""
+    local: LocalJudge | None = None
+    """A judge model that Factory runs itself, as its own Ray actor."""
     parse: str = r"(?i)score\s*[:=]\s*([0-9.]+)"
-    """A regex whose first group is the score."""
+    """A regex searched in the reply; its first group (or whole match) is the score. A reply it does not
+    match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record."""
+    json_field: str | None = None
+    """Read the score from this field of a JSON object in the reply instead of `parse`."""
+    max_tokens: int = Field(256, ge=1)
+    """New tokens of the judge's reply at most."""
+    concurrency: int = Field(16, ge=1)
+    """Judge requests in flight at once (HTTP requests to `endpoint`; prompts per batch to `local`)."""
+    timeout_s: float = 60.0
+    """Per-request timeout in seconds (a local judge: per batch)."""
+    retries: int = Field(1, ge=0)
+    """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff; a
+    reply that does not parse is not retried."""
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeNode:
+        if (self.endpoint is None) == (self.local is None):
+            raise ValueError("give exactly one of `endpoint` (an OpenAI-compatible server) or `local` (a model "
+                             "Factory runs)")
+        if self.local is not None and self.model is not None:
+            raise ValueError("`model` names the endpoint's model; a local judge's model is `local.path`")
+        if self.json_field is not None and "parse" in self.model_fields_set:
+            raise ValueError("give `parse` (a regex) or `json_field`, not both")
+        return self
 
 
-class ToolNode(Section):
+class ToolNode(_Leaf):
     tool: str
     """A tool, as `server.tool` from the `tools` section, called with `arguments`; its text result is
     parsed as a float."""
@@ -140,26 +203,82 @@ class ToolNode(Section):
 
 class SumNode(Section):
     sum: dict[str, float]
-    """Weighted sum of other nodes: `{node: weight}`. A None input counts as 0."""
+    """Weighted sum of other nodes: `{node: weight}`."""
+
+    def inputs(self) -> list[tuple[str, str]]:
+        return [(k, f"sum.{k}") for k in self.sum]
 
 
-class MinNode(Section):
+class _ListNode(Section):
+    def inputs(self) -> list[tuple[str, str]]:
+        key = next(iter(type(self).model_fields))
+        return [(k, f"{key}.{i}") for i, k in enumerate(getattr(self, key))]
+
+
+class MinNode(_ListNode):
     min: list[str]
     """The smallest of other nodes."""
 
 
-class MaxNode(Section):
+class MaxNode(_ListNode):
     max: list[str]
     """The largest of other nodes."""
 
 
-class ProductNode(Section):
+class ProductNode(_ListNode):
     product: list[str]
-    """The product of other nodes (gating: `product: [format_ok, correct]`)."""
+    """The product of other nodes."""
+
+
+class GateNode(Section):
+    gate: str
+    """The condition: a node whose value decides, per trajectory, whether `then` is evaluated at all (judge
+    only well-formed answers: `{gate: well_formed, then: judge}`)."""
+    then: str
+    """The node evaluated where the condition passes; its value is this node's value there."""
+    threshold: float = 1.0
+    """The condition passes where its value is at least this."""
+    otherwise: float = 0.0
+    """This node's value where the condition does not pass (`then` is not evaluated there)."""
+
+    def inputs(self) -> list[tuple[str, str]]:
+        return [(self.gate, "gate"), (self.then, "then")]
+
+
+class ClipNode(Section):
+    clip: str
+    """Another node, its value clipped to [`lower`, `upper`]."""
+    lower: float | None = None
+    """Lower bound (None = none)."""
+    upper: float | None = None
+    """Upper bound (None = none)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ClipNode:
+        if self.lower is None and self.upper is None:
+            raise ValueError("give `lower`, `upper` or both")
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"`lower` ({self.lower:g}) is above `upper` ({self.upper:g})")
+        return self
+
+    def inputs(self) -> list[tuple[str, str]]:
+        return [(self.clip, "clip")]
+
+
+class NormalizeNode(Section):
+    normalize: str
+    """Another node, standardised: (value - mean) / std over `over`; 0 where all values agree (std < 1e-6).
+    Puts rewards of different scales on one footing before a sum (GDPO-style per-reward normalisation)."""
+    over: Literal["group", "batch"] = "group"
+    """group: the samples of one prompt; batch: all trajectories scored together (one step's batch, so the
+    reward stage then needs whole batches)."""
+
+    def inputs(self) -> list[tuple[str, str]]:
+        return [(self.normalize, "normalize")]
 
 
 RewardNode = Annotated[
-    FnNode | JudgeNode | ToolNode | SumNode | MinNode | MaxNode | ProductNode,
+    FnNode | JudgeNode | ToolNode | SumNode | MinNode | MaxNode | ProductNode | GateNode | ClipNode | NormalizeNode,
     Field(union_mode="left_to_right"),
 ]
 

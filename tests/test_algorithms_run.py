@@ -37,7 +37,7 @@ def scored():
 
     torch.set_num_threads(1)
     old = os.getcwd()
-    os.chdir(REPO)  # the spec's prompts/ and rewards/ resolve from the repository root
+    os.chdir(REPO)  # the spec's prompts/ resolve from the repository root
     try:
         spec = _spec("rollout.temperature=1.2")
         data = DataStage(spec.data, seed=spec.seed, base_dir=REPO / "specs")
@@ -53,9 +53,9 @@ def scored():
 
         trajs, _ = asyncio.run(go())
         reward = RewardStage(spec, base_dir=REPO / "specs")
-        reward.setup()
 
         async def score():
+            await reward.setup()
             try:
                 return await reward.score(trajs)
             finally:

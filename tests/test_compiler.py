@@ -332,3 +332,86 @@ def test_compile_errors_in_overridden_values_point_at_the_override(project):
     assert _errors(path, ["rewards.correct.fn=rc_ovr_err:nope"]) == (
         "<override 1>: rewards.correct.fn: cannot import 'rc_ovr_err:nope': 'rc_ovr_err' has no attribute 'nope'\n"
         "1 error in spec.yaml")
+
+
+# ------------------------------------------------------------------ gates, clips, normalisation, judges
+def test_gate_clip_and_normalize_inputs_are_checked(project):
+    path = project.spec(_base(project, "rc_newnodes") + """\
+  g: {gate: correctt, then: fmt}
+  h: {gate: correct, then: zzz}
+  c: {clip: nothing, upper: 1}
+  n: {normalize: fmtt, over: batch}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.g.gate: undefined reward node 'correctt'; did you mean 'correct'?\n"
+        "spec.yaml:10: rewards.h.then: undefined reward node 'zzz'; defined: correct, fmt, total, g, h, c, n\n"
+        "spec.yaml:11: rewards.c.clip: undefined reward node 'nothing'; defined: correct, fmt, total, g, h, c, n\n"
+        "spec.yaml:12: rewards.n.normalize: undefined reward node 'fmtt'; did you mean 'fmt'?\n"
+        "4 errors in spec.yaml")
+
+
+def test_cycle_through_a_gate_a_clip_and_a_normalisation(project):
+    path = project.spec(_base(project, "rc_newcycle") + """\
+  a: {gate: correct, then: b}
+  b: {clip: c, lower: 0}
+  c: {normalize: a}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.then: reward graph has a cycle: a --> b --> c --> a\n1 error in spec.yaml")
+
+
+def test_new_node_settings_are_validated(project):
+    project.file("prompts/judge.jinja", "Grade {{ completion }}")
+    path = project.spec(_base(project, "rc_newvals") + """\
+  c1: {clip: correct}
+  c2: {clip: correct, lower: 2, upper: 1}
+  opinion: {fn: "rc_newvals:fmt", on_missing: skip}
+  s: {sum: {correct: 1.0}, on_missing: zero}
+  n: {normalize: correct, over: step}
+  j: {llm_judge: prompts/judge.jinja, endpoint: "http://127.0.0.1:1/v1", json_field: score, parse: "(\\\\d)"}
+  k: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3"}, model: big}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.c1: give `lower`, `upper` or both\n"
+        "spec.yaml:10: rewards.c2: `lower` (2) is above `upper` (1)\n"
+        "spec.yaml:11: rewards.opinion.on_missing: expected 'zero', 'drop_sample' or 'fail', got 'skip'\n"
+        "spec.yaml:12: rewards.s.on_missing: unknown key 'on_missing'; expected one of: sum\n"
+        "spec.yaml:13: rewards.n.over: expected 'group' or 'batch', got 'step'\n"
+        "spec.yaml:14: rewards.j: give `parse` (a regex) or `json_field`, not both\n"
+        "spec.yaml:15: rewards.k: `model` names the endpoint's model; a local judge's model is `local.path`\n"
+        "7 errors in spec.yaml")
+
+
+def test_judge_endpoints_models_and_patterns_are_checked(project):
+    project.file("prompts/judge.jinja", "Grade {{ completion }}")
+    path = project.spec(_base(project, "rc_judges") + """\
+  a: {llm_judge: prompts/judge.jinja, endpoint: "ftp://judge/v1"}
+  b: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwn3"}}
+  c: {llm_judge: prompts/judge.jinja, endpoint: "http://127.0.0.1:1/v1", parse: "score: ("}
+  d: {llm_judge: prompts/nowhere.jinja, local: {path: "factory:tiny-qwen3", num_gpus: 1}}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.endpoint: expected an http(s) URL, got 'ftp://judge/v1'\n"
+        "spec.yaml:10: rewards.b.local.path: unknown built-in model 'factory:tiny-qwn3'; did you mean "
+        "'factory:tiny-qwen3'? known: factory:smollm2-135m-instruct, factory:tiny-qwen3, factory:tiny-qwen3-calc\n"
+        "spec.yaml:11: rewards.c.parse: not a regular expression: missing ), unterminated subpattern at position 7\n"
+        "spec.yaml:12: rewards.d.llm_judge: template file not found: prompts/nowhere.jinja\n"
+        "4 errors in spec.yaml")
+
+
+def test_a_local_judge_is_a_stage_with_its_own_resources(project, capsys):
+    from factory import cli
+
+    project.file("prompts/judge.jinja", "Grade {{ completion }}")
+    path = project.spec(_base(project, "rc_judge_stage") + """\
+  judge: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3", num_cpus: 1, num_gpus: 1}}
+  gated: {gate: fmt, then: judge}
+reward: total
+""")
+    _, plan = compile_file(path)
+    judge = next(s for s in plan.stages if s.name == "judge.judge")
+    assert judge.resources == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert ("reward", "judge.judge", "judge_prompts", "call") in [(e.src, e.dst, e.carries, e.kind) for e in plan.edges]
+    assert cli.main(["check", path]) == 0
+    assert ("  stages     data -> rollout -> reward -> update; reward <-> judge.judge; update -> rollout (weight sync); "
+            "1 GPUs") in capsys.readouterr().out

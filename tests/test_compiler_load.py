@@ -74,11 +74,13 @@ tools:
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
     assert report(e) == (
-        "spec.yaml:9: rewards.judge.endpoint: missing required key\n"
+        "spec.yaml:9: rewards.judge: give exactly one of `endpoint` (an OpenAI-compatible server) or `local` (a "
+        "model Factory runs)\n"
         "spec.yaml:10: rewards.typo.fnn: unknown key 'fnn'; did you mean 'fn'?\n"
-        "spec.yaml:11: rewards.bare: expected one of the keys: fn, llm_judge, tool, sum, min, max, product\n"
+        "spec.yaml:11: rewards.bare: expected one of the keys: fn, llm_judge, tool, sum, min, max, product, gate, "
+        "clip, normalize\n"
         "spec.yaml:12: rewards.both: expected exactly one of the keys: fn, llm_judge, tool, sum, min, max, "
-        "product; found fn, sum\n"
+        "product, gate, clip, normalize; found fn, sum\n"
         "spec.yaml:14: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
         "spec.yaml:15: tools.web.timeout_s: expected a number, got 'soon'\n"
         "spec.yaml:16: tools.text: expected a mapping with one of the keys: command, url, function, "

@@ -18,7 +18,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("tiny-run")
-    for folder in ("specs", "prompts", "rewards"):
+    for folder in ("specs", "prompts"):
         shutil.copytree(REPO / folder, work / folder)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)

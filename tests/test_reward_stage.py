@@ -1,28 +1,36 @@
+"""The reward stage on hand-computed examples: combinators, the gate, normalisation, missing values under
+each `on_missing` policy, the per-step cache, concurrency, and what reward functions receive."""
 import asyncio
-import time
+import math
+import sys
 
-from factory.reward import RewardStage, topological_order
+import pytest
+
+from factory.reward import MissingReward, RewardStage, topological_order
 from factory.schema import Spec
-from factory.types import Trajectory
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
+from tests.fixtures import reward_fns
+
+FNS = "tests.fixtures.reward_fns"
 
 
-def make_spec(rewards, reward=None):
+def make_spec(rewards, reward=None, tools=None):
     return Spec.model_validate({
         "name": "t", "model": {"path": "x"}, "data": {"train": {"generator": "factory.data:arithmetic"}},
-        "rewards": rewards, **({"reward": reward} if reward else {})})
+        "rewards": rewards, **({"reward": reward} if reward else {}), **({"tools": tools} if tools else {})})
 
 
-def traj(completion, prompt_index=0, sample_index=0):
+def traj(completion, prompt_index=0, sample_index=0, turns=(), answer="1"):
     return Trajectory(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=[], response_ids=[],
-                      loss_mask=[], turns=[], stop_reason="no_call", row={"answer": "1"},
+                      loss_mask=[], turns=list(turns), stop_reason="no_call", row={"answer": answer},
                       messages=[{"role": "user", "content": "q"}], completion=completion)
 
 
 def score(spec, trajs):
     stage = RewardStage(spec)
-    stage.setup()
 
     async def go():
+        await stage.setup()
         try:
             return await stage.score(trajs)
         finally:
@@ -31,66 +39,174 @@ def score(spec, trajs):
     return asyncio.run(go())
 
 
-def test_graph_values_and_combinators():
+def test_sum_min_max_product_and_clip():
     spec = make_spec({
-        "len": {"fn": "tests.fixtures.reward_fns:length"},
-        "half": {"fn": "tests.fixtures.reward_fns:async_half"},
-        "none": {"fn": "tests.fixtures.reward_fns:none_for_empty"},
-        "total": {"sum": {"len": 1.0, "half": 2.0, "none": 10.0}},
-        "lo": {"min": ["len", "half", "none"]},
-        "gate": {"product": ["half", "len"]},
+        "len": {"fn": f"{FNS}:length"},
+        "half": {"fn": f"{FNS}:async_half"},
+        "total": {"sum": {"len": 1.0, "half": 2.0}},
+        "lo": {"min": ["len", "half"]},
+        "hi": {"max": ["len", "half"]},
+        "prod": {"product": ["len", "half"]},
+        "capped": {"clip": "len", "lower": 1.0, "upper": 2.0},
+        "floor": {"clip": "half", "lower": 0.75},
     })
     trajs, m = score(spec, [traj("abc"), traj("")])
-    # "abc": len 3, half 0.5, none 1 -> total 3 + 1 + 10 = 14; min 0.5; product 1.5
-    assert trajs[0].rewards == {"len": 3.0, "half": 0.5, "none": 1.0, "total": 14.0, "lo": 0.5, "gate": 1.5}
-    # "": len 0, none None -> counts 0 in the sum (0 + 1 + 0), ignored by min, 0 in the product
-    assert trajs[1].rewards["total"] == 1.0 and trajs[1].rewards["lo"] == 0.0 and trajs[1].rewards["none"] is None
-    assert [t.reward for t in trajs] == [14.0, 1.0]  # `total` is the default training node
-    assert m["reward/mean"] == 7.5 and m["rewards/none/mean"] == 1.0
+    # "abc": len 3, half 0.5 -> total 3 + 2*0.5 = 4; min 0.5; max 3; product 1.5; clip(3, 1, 2) = 2;
+    # clip(0.5, 0.75) = 0.75
+    assert trajs[0].rewards == {"len": 3.0, "half": 0.5, "total": 4.0, "lo": 0.5, "hi": 3.0, "prod": 1.5,
+                                "capped": 2.0, "floor": 0.75}
+    # "": len 0 -> total 0 + 1 = 1; min 0; max 0.5; product 0; clip(0, 1, 2) = 1
+    assert (trajs[1].rewards["total"], trajs[1].rewards["lo"], trajs[1].rewards["hi"], trajs[1].rewards["prod"],
+            trajs[1].rewards["capped"]) == (1.0, 0.0, 0.5, 0.0, 1.0)
+    assert [t.reward for t in trajs] == [4.0, 1.0]  # `total` is the default training node
+    assert m["reward/mean"] == 2.5 and m["rewards/len/mean"] == 1.5 and m["rewards/capped/mean"] == 1.5
+    assert m["rewards/len/missing"] == 0.0 and "rewards/total/missing" not in m  # combinators cannot miss
 
 
-def test_failing_reward_is_recorded_and_run_goes_on():
-    spec = make_spec({"b": {"fn": "tests.fixtures.reward_fns:boom"}})
+def test_gate_evaluates_then_only_where_the_condition_passes():
+    reward_fns.CALLS.clear()
+    spec = make_spec({
+        "ok": {"fn": f"{FNS}:starts_with_ok"},
+        "costly": {"fn": f"{FNS}:counted", "args": {"name": "gated"}},
+        "total": {"gate": "ok", "then": "costly", "otherwise": -1.0},
+    })
+    trajs, m = score(spec, [traj("ok yes"), traj("no"), traj("ok"), traj("nope")])
+    assert reward_fns.CALLS["gated"] == 2  # called only for the two that start with "ok"
+    assert [t.reward for t in trajs] == [6.0, -1.0, 2.0, -1.0]
+    assert [t.rewards["costly"] for t in trajs] == [6.0, None, 2.0, None]
+    assert trajs[1].reward_details["costly"] == {"status": "skipped"}
+    assert m["rewards/costly/skipped"] == 2.0 and m["rewards/costly/mean"] == 4.0  # mean of what was evaluated
+    assert m["reward/mean"] == 1.5  # (6 - 1 + 2 - 1) / 4
+
+
+def test_gate_threshold():
+    spec = make_spec({"len": {"fn": f"{FNS}:length"}, "half": {"fn": f"{FNS}:async_half"},
+                      "total": {"gate": "len", "then": "half", "threshold": 3}})
+    trajs, _ = score(spec, [traj("ab"), traj("abc")])
+    assert [t.reward for t in trajs] == [0.0, 0.5]  # 2 < 3: `otherwise` (0.0); 3 >= 3: half
+
+
+def test_each_value_is_computed_once_per_trajectory():
+    reward_fns.CALLS.clear()
+    spec = make_spec({
+        "shared": {"fn": f"{FNS}:counted", "args": {"name": "shared"}},
+        "a": {"sum": {"shared": 2.0}}, "b": {"max": ["shared", "a"]},
+        "total": {"sum": {"a": 1.0, "b": 1.0, "shared": 1.0}},
+    })
+    trajs, _ = score(spec, [traj("ab"), traj("abcd")])
+    assert reward_fns.CALLS["shared"] == 2  # read by a, b and total; computed once per trajectory
+    assert [t.reward for t in trajs] == [2 * 2 + 4 + 2, 8 + 8 + 4]
+
+
+def test_normalize_over_group_and_batch():
+    spec = make_spec({
+        "len": {"fn": f"{FNS}:length"},
+        "by_group": {"normalize": "len"},
+        "by_batch": {"normalize": "len", "over": "batch"},
+        "total": {"sum": {"by_group": 1.0}},
+    })
+    trajs, _ = score(spec, [traj("a", 0, 0), traj("abc", 0, 1), traj("xx", 1, 0), traj("yy", 1, 1)])
+    # group 0: 1, 3 -> mean 2, std 1 -> -1, 1; group 1: 2, 2 agree -> 0, 0
+    assert [t.rewards["by_group"] for t in trajs] == [-1.0, 1.0, 0.0, 0.0]
+    # batch: 1, 3, 2, 2 -> mean 2, std sqrt(0.5)
+    s = math.sqrt(0.5)
+    assert [t.rewards["by_batch"] for t in trajs] == pytest.approx([-1 / s, 1 / s, 0.0, 0.0])
+    assert RewardStage(spec).needs_whole_batch
+    assert not RewardStage(make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})).needs_whole_batch
+
+
+@pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
+def test_on_missing(policy):
+    from factory.algorithms import resolve
+    from factory.schema import AlgorithmSpec
+    from factory.update.batch import kept
+
+    spec = make_spec({"len": {"fn": f"{FNS}:length"},
+                      "opinion": {"fn": f"{FNS}:none_for_empty", "on_missing": policy},
+                      "total": {"sum": {"len": 1.0, "opinion": 1.0}}, "acc": {"max": ["opinion"]}})
+    trajs = [traj("abc", 0, 0), traj("", 0, 1)]  # none_for_empty: 1.0 for "abc", None for ""
+    if policy == "fail":
+        with pytest.raises(MissingReward) as e:
+            score(spec, trajs)
+        assert str(e.value) == ("reward node 'opinion' has no value for trajectory 0.1 and its on_missing is "
+                                "'fail': missing: returned None")
+        return
+    trajs, m = score(spec, trajs)
+    assert trajs[1].reward_details["opinion"] == {"status": "missing", "error": "returned None"}
+    assert m["rewards/opinion/missing"] == 1.0 and m["rewards/opinion/errors"] == 0.0
+    keep = kept(trajs, resolve(AlgorithmSpec()), drop_infra_errors=True)
+    if policy == "zero":
+        # "" counts 0 everywhere: total 0 + 0; the trained reward and every mean include it
+        assert trajs[1].rewards["opinion"] == 0.0 and trajs[1].reward == 0.0 and trajs[1].dropped is None
+        assert keep == [True, True]
+        assert m["reward/mean"] == 2.0 and m["rewards/opinion/mean"] == 0.5 and m["rewards/acc/mean"] == 0.5
+        assert m["reward/dropped"] == 0.0
+    else:
+        # "" leaves the loss and every mean, and every node reading `opinion` has no value there either
+        assert trajs[1].rewards["opinion"] is None and trajs[1].rewards["total"] is None
+        assert trajs[1].rewards["len"] == 0.0  # nodes that do not read it still have their values (logged)
+        assert trajs[1].dropped == "rewards.opinion: missing: returned None"
+        assert keep == [True, False]
+        assert m["reward/mean"] == 4.0 and m["rewards/opinion/mean"] == 1.0 and m["rewards/len/mean"] == 3.0
+        assert m["reward/dropped"] == 1.0
+
+
+def test_failures_are_recorded_counted_and_the_run_goes_on():
+    spec = make_spec({"b": {"fn": f"{FNS}:boom"}, "word": {"fn": f"{FNS}:not_a_number"},
+                      "nan": {"fn": f"{FNS}:nan"}, "total": {"sum": {"b": 1.0, "word": 1.0, "nan": 1.0}}})
     trajs, m = score(spec, [traj("fine"), traj("boom")])
-    assert trajs[0].rewards["b"] == 1.0 and trajs[1].rewards["b"] is None
-    assert trajs[1].reward == 0.0 and m["rewards/b/errors"] == 1.0
+    assert trajs[0].rewards["b"] == 1.0 and trajs[1].rewards["b"] == 0.0  # on_missing: zero (the default)
+    assert trajs[1].reward_details["b"] == {"status": "error", "error": "RuntimeError: reward function crashed"}
+    assert trajs[0].reward_details["word"] == {"status": "error", "error": "returned 'high', not a number"}
+    assert trajs[0].reward_details["nan"] == {"status": "missing", "error": "returned NaN"}
+    assert (m["rewards/b/errors"], m["rewards/word/errors"], m["rewards/nan/errors"]) == (1.0, 2.0, 0.0)
+    assert m["rewards/nan/missing"] == 2.0 and [t.reward for t in trajs] == [1.0, 0.0]
 
 
-def test_rewards_run_in_parallel():
-    spec = make_spec({"s": {"fn": "tests.fixtures.reward_fns:slow", "args": {"delay": 0.2}}})
-    t0 = time.perf_counter()
-    score(spec, [traj(str(i)) for i in range(8)])
-    # 8 calls of 0.2 s: serial would take 1.6 s.
-    assert time.perf_counter() - t0 < 1.0
+def test_independent_nodes_and_trajectories_run_concurrently():
+    reward_fns.INFLIGHT.update(now=0, peak=0)
+    spec = make_spec({"a": {"fn": f"{FNS}:overlapping"}, "b": {"fn": f"{FNS}:overlapping"},
+                      "c": {"fn": f"{FNS}:overlapping"}, "total": {"sum": {"a": 1.0, "b": 1.0, "c": 1.0}}})
+    trajs, _ = score(spec, [traj(str(i), i) for i in range(4)])
+    assert reward_fns.INFLIGHT["peak"] == 12  # 3 nodes x 4 trajectories all in flight at once
+    assert [t.reward for t in trajs] == [3.0] * 4
+
+
+def test_turns_reach_only_functions_that_declare_them():
+    turns = [Turn(text='<tool_call>{"name": "add"}</tool_call>', num_tokens=9,
+                  calls=[ToolCall(name="add", arguments={}, raw='{"name": "add"}')],
+                  results=[ToolResult(tool="add", text="Error: missing a", status="model_error")]),
+             Turn(text="<answer>2</answer>", num_tokens=5)]
+    spec = make_spec({"calls": {"fn": f"{FNS}:sees_turns"}, "answer": {"fn": f"{FNS}:sees_row"},
+                      "total": {"sum": {"calls": 1.0, "answer": 1.0}}})
+    trajs, m = score(spec, [traj("x", turns=turns, answer="2")])
+    assert trajs[0].rewards == {"calls": 1.0, "answer": 2.0, "total": 3.0} and m["rewards/calls/errors"] == 0.0
 
 
 def test_group_reward_gets_each_group():
-    spec = make_spec({"rank": {"fn": "tests.fixtures.reward_fns:group_rank", "group": True}})
+    spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True}})
     trajs, _ = score(spec, [traj("aaa", 0, 0), traj("a", 0, 1), traj("bb", 1, 0), traj("b", 1, 1)])
     assert [t.rewards["rank"] for t in trajs] == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_topological_order():
-    spec = make_spec({"t": {"sum": {"a": 1, "m": 1}}, "m": {"max": ["a"]},
-                      "a": {"fn": "tests.fixtures.reward_fns:length"}})
+    spec = make_spec({"t": {"sum": {"a": 1, "m": 1}}, "m": {"max": ["a"]}, "g": {"gate": "a", "then": "m"},
+                      "a": {"fn": f"{FNS}:length"}}, reward="t")
     order = topological_order(spec.rewards)
-    assert order.index("a") < order.index("m") < order.index("t")
+    assert order.index("a") < order.index("m") < order.index("t") and order.index("m") < order.index("g")
 
 
-def test_tool_node_calls_a_python_tool_and_an_mcp_tool(tmp_path):
-    import sys
-
-    spec = Spec.model_validate({
-        "name": "t", "model": {"path": "x"}, "data": {"train": {"generator": "factory.data:arithmetic"}},
-        "tools": {"scorer": {"function": "tests.fixtures.reward_fns:length_score"},
-                  "calc": {"command": sys.executable, "args": ["-m", "factory.examples.calculator"]}},
-        "rewards": {"len": {"tool": "scorer", "arguments": {"text": "{{ completion }}"}},
-                    "calc": {"tool": "calc.calculate", "arguments": {"expression": "{{ answer }} * 2"}},
-                    "total": {"sum": {"len": 1.0, "calc": 1.0}}}})
+def test_tool_node_calls_a_python_tool_and_an_mcp_tool():
+    spec = make_spec(
+        {"len": {"tool": "scorer", "arguments": {"text": "{{ completion }}"}},
+         "calc": {"tool": "calc.calculate", "arguments": {"expression": "{{ answer }} * 2"}},
+         "total": {"sum": {"len": 1.0, "calc": 1.0}}},
+        tools={"scorer": {"function": f"{FNS}:length_score"},
+               "calc": {"command": sys.executable, "args": ["-m", "factory.examples.calculator"]}})
     stage = RewardStage(spec)
-    stage.setup()
 
     async def go():
+        await stage.setup()
         try:
             for _ in range(2):  # the second step reuses the tool servers the first one started
                 trajs, m = await stage.score([traj("abcdefghij")])

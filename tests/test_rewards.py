@@ -1,14 +1,27 @@
-from rewards.format import called_tool, tool_call_ok
-from rewards.math import exact_match, extract_answer, numeric_match
+"""Factory's built-in reward functions (factory.rewards), on turns parsed by the rollout's own parser."""
+from factory.rewards.format import called_tool, tool_call_ok, tools_succeeded
+from factory.rewards.math import exact_match, extract_answer, numeric_match
+from factory.rollout.parse import parse_tool_calls
+from factory.types import ToolResult, Turn
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
 
-def test_answer_is_read_from_the_model_text_only():
-    # A number inside a tool response must not count as the model's answer.
+def turn(text, *statuses):
+    """A model turn as the rollout records it: its text, the calls parsed from it, and their results."""
+    calls = parse_tool_calls(text)
+    return Turn(text=text, num_tokens=len(text), calls=calls,
+                results=[ToolResult(tool=c.name, text="5", status=s) for c, s in zip(calls, statuses)])
+
+
+def test_answer_is_read_from_the_model_turns_only():
+    # An answer inside a tool response is not the model's.
+    turns = [turn(CALL, "ok"), turn("no answer")]
     completion = f"{CALL}<tool_response>\n<answer>5</answer>\n</tool_response>no answer"
-    assert extract_answer(completion) is None
-    assert extract_answer(f"{CALL}<tool_response>5</tool_response><answer> 5 </answer>") == "5"
+    assert extract_answer(completion, turns) is None
+    assert extract_answer(completion) is None  # without turns: tool responses are cut from the text
+    assert extract_answer("", [turn(CALL, "ok"), turn("<answer> 5 </answer>")]) == "5"
+    assert numeric_match("q", "", answer="5", turns=[turn(CALL, "ok"), turn("<answer>5</answer>")]) == 1.0
 
 
 def test_numeric_match():
@@ -24,10 +37,16 @@ def test_exact_match_ignores_case_and_space():
     assert exact_match("q", "<answer>Lyon</answer>", answer="paris") == 0.0
 
 
-def test_tool_call_format():
-    assert tool_call_ok("q", CALL) == 1.0
-    assert tool_call_ok("q", "<tool_call>{not json}</tool_call>") == 0.0
-    assert tool_call_ok("q", CALL + "<tool_call>[1]</tool_call>") == 0.0  # every call must be well formed
-    assert tool_call_ok("q", "<answer>5</answer>") == 0.0
-    assert called_tool("q", "<tool_call>{broken") == 1.0
-    assert called_tool("q", "<tool_response><tool_call></tool_response>") == 0.0
+def test_tool_call_format_comes_from_the_parsed_calls():
+    assert tool_call_ok("q", "", turns=[turn(CALL, "ok"), turn("<answer>5</answer>")]) == 1.0
+    assert tool_call_ok("q", "", turns=[turn("<tool_call>{not json}</tool_call>", "model_error")]) == 0.0
+    # every call must be well formed, in every turn
+    assert tool_call_ok("q", "", turns=[turn(CALL, "ok"), turn("<tool_call>[1]</tool_call>", "model_error")]) == 0.0
+    assert tool_call_ok("q", "", turns=[turn("<answer>5</answer>")]) == 0.0
+    assert called_tool("q", "", turns=[turn("<tool_call>{broken")]) == 1.0  # an unclosed call is an attempt
+    assert called_tool("q", "", turns=[turn("<answer>5</answer>")]) == 0.0
+
+
+def test_tools_succeeded_reads_result_status():
+    assert tools_succeeded("q", "", turns=[turn(CALL + CALL, "ok", "infra_error"), turn("done")]) == 0.5
+    assert tools_succeeded("q", "", turns=[turn("<answer>5</answer>")]) is None

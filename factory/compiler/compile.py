@@ -47,13 +47,9 @@ from factory.schema import (
     FnNode,
     HttpServer,
     JudgeNode,
-    MaxNode,
-    MinNode,
-    ProductNode,
     PythonTool,
     Spec,
     StdioServer,
-    SumNode,
     ToolNode,
 )
 
@@ -235,14 +231,28 @@ def _check_reward_fns(spec: Spec, r: _Report) -> dict[str, str]:
     return hashes
 
 
-def _inputs(node: Any) -> list[tuple[str, str]]:
-    """(input node, the dotted sub-path that names it) of a combinator node."""
-    if isinstance(node, SumNode):
-        return [(k, f"sum.{k}") for k in node.sum]
-    for cls, key in ((MinNode, "min"), (MaxNode, "max"), (ProductNode, "product")):
-        if isinstance(node, cls):
-            return [(k, f"{key}.{i}") for i, k in enumerate(getattr(node, key))]
-    return []
+def _check_judges(spec: Spec, r: _Report) -> None:
+    """Where a judge gets its replies and how it reads a score from them."""
+    for name, node in spec.rewards.items():
+        if not isinstance(node, JudgeNode):
+            continue
+        path = f"rewards.{name}"
+        if node.endpoint is not None and not node.endpoint.startswith(("http://", "https://")):
+            r.error(f"{path}.endpoint", f"expected an http(s) URL, got '{node.endpoint}'")
+        if node.local is not None:
+            error, warning = model_problem(node.local.path)
+            if error:
+                r.error(f"{path}.local.path", error)
+            if warning:
+                r.warn(f"{path}.local.path", warning)
+            if node.local.engine == "vllm":
+                r.warn(f"{path}.local.engine", "the vllm engine is not in this build yet: `factory run` stops at "
+                                               "reward setup; use engine: hf")
+        if node.json_field is None:
+            try:
+                re.compile(node.parse)
+            except re.error as e:
+                r.error(f"{path}.parse", f"not a regular expression: {e}")
 
 
 def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[str], str | None, dict[str, str]]:
@@ -252,7 +262,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
     where: dict[tuple[str, str], str] = {}  # (node, input) -> dotted path of the reference
     for name, node in nodes.items():
         graph[name] = []
-        for inp, sub in _inputs(node):
+        for inp, sub in node.inputs():
             path = f"rewards.{name}.{sub}"
             if inp in nodes:
                 graph[name].append(inp)
@@ -386,6 +396,12 @@ def stage_graph(spec: Spec) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     stages.append(Stage("reward", "evaluates the reward graph per trajectory", ("trajectories",),
                         ("scored_trajectories",), resources(res.reward)))
     edges.append(Edge("rollout", "reward", "trajectories"))
+    for name, node in spec.rewards.items():  # a local judge is its own actor, with its own resources
+        if isinstance(node, JudgeNode) and node.local is not None:
+            judge = f"judge.{name}"
+            stages.append(Stage(judge, f"LLM judge {node.local.path} ({node.local.engine}) for reward node '{name}'",
+                                ("judge_prompts",), ("judge_replies",), resources(node.local)))
+            edges += [Edge("reward", judge, "judge_prompts", "call"), Edge(judge, "reward", "judge_replies", "call")]
     if spec.tools and tool_nodes:
         edges += [Edge("reward", "tools", "tool_calls", "call"), Edge("tools", "reward", "tool_results", "call")]
     stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{spec.train.deepspeed.zero_stage} "
@@ -411,6 +427,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     templates = _check_templates(spec, r)
     data = _check_data(spec, r)
     rewards = _check_reward_fns(spec, r)
+    _check_judges(spec, r)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)

@@ -31,9 +31,11 @@ def _tool(name: str, t: dict[str, Any], listed: dict[str, list[str]]) -> str:
 
 def stage_line(plan: Plan) -> str:
     names = [s.name for s in plan.stages]
-    line = " -> ".join(n for n in names if n != "tools")
+    line = " -> ".join(n for n in names if n != "tools" and not n.startswith("judge."))
     if "tools" in names:
         line += "; rollout <-> tools"
+    for judge in (n for n in names if n.startswith("judge.")):
+        line += f"; reward <-> {judge}"
     return line + "; update -> rollout (weight sync)"
 
 

@@ -10,6 +10,7 @@ present: `command`, `url`, `function`; `fn`, `llm_judge`, `tool`, `sum`, ...), a
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ def _is_model(ann: Any) -> bool:
     return isinstance(ann, type) and issubclass(ann, BaseModel)
 
 
+_VALIDATED = re.compile(r"function-(?:after|before|wrap|plain)\[.*, (\w+)\]")
+
+
 @dataclass
 class _Loc:
     parts: list[str | int]
@@ -76,6 +80,9 @@ def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
         members = _union_members(ann)
         if members:
             by_name = {m.__name__: m for m in members if isinstance(m, type)}
+            # A member with a model validator is tagged `function-after[_check(), Member]`.
+            if isinstance(item, str) and (tagged := _VALIDATED.fullmatch(item)):
+                item = tagged[1]
             if item in by_name:
                 out.node, out.members, out.tag = tuple(out.parts), members, str(item)
                 ann = by_name[item]

@@ -1,20 +1,46 @@
-"""The reward graph: which nodes read which, in what order, and how combinators combine."""
+"""The reward graph as pure functions: which nodes read which, how combinators combine, how a judge's
+reply becomes a score, and the step metrics of scored trajectories (the one rule for training and eval).
+
+A node's value for one trajectory is a float, or None when it has none: a leaf whose `on_missing` is
+`drop_sample` had no value (the trajectory is then dropped, and every node that reads it is None too), or
+a gate did not evaluate it there ("skipped"). Every mean is over the trajectories that were not dropped
+and over the values that exist.
+"""
 from __future__ import annotations
 
 import graphlib
+import json
 import math
+import re
+import statistics
 from typing import Any
 
-from factory.schema import MaxNode, MinNode, ProductNode, Spec, SumNode
+from factory.schema import (
+    ClipNode,
+    FnNode,
+    GateNode,
+    JudgeNode,
+    MaxNode,
+    MinNode,
+    ProductNode,
+    Spec,
+    SumNode,
+    ToolNode,
+)
+from factory.types import Trajectory
+
+LEAVES = (FnNode, JudgeNode, ToolNode)
+NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there
+
+
+class MissingReward(RuntimeError):
+    """A node with `on_missing: fail` had no value: the run stops (the message names node, trajectory,
+    reason)."""
 
 
 def node_inputs(node: Any) -> list[str]:
     """The other nodes a node reads."""
-    if isinstance(node, SumNode):
-        return list(node.sum)
-    if isinstance(node, (MinNode, MaxNode, ProductNode)):
-        return list(getattr(node, type(node).__name__[:-4].lower()))
-    return []
+    return [name for name, _ in node.inputs()]
 
 
 def topological_order(nodes: dict[str, Any]) -> list[str]:
@@ -28,19 +54,127 @@ def training_node(spec: Spec) -> str:
     return next(iter(spec.rewards)) if len(spec.rewards) == 1 else "total"
 
 
+def roots(nodes: dict[str, Any], train: str) -> list[str]:
+    """The nodes evaluated on every trajectory: the training node and every node no other node reads.
+    The rest are evaluated where a reader needs them (so a gate's `then` runs only where it passes)."""
+    read = {inp for node in nodes.values() for inp in node_inputs(node)}
+    return [n for n in nodes if n == train or n not in read]
+
+
+def conditional(nodes: dict[str, Any], train: str) -> set[str]:
+    """The nodes a gate may leave unevaluated: those reachable from the roots only through a gate's
+    `then`."""
+    always, todo = set(), roots(nodes, train)
+    while todo:
+        name = todo.pop()
+        if name in always:
+            continue
+        always.add(name)
+        node = nodes[name]
+        todo += [node.gate] if isinstance(node, GateNode) else node_inputs(node)
+    return set(nodes) - always
+
+
 def prompt_text(messages: list[dict[str, Any]]) -> str:
     """What reward functions get as `prompt`: the last user message (the task as posed)."""
     users = [m["content"] for m in messages if m.get("role") == "user"]
     return users[-1] if users else ""
 
 
-def combine(node: Any, values: dict[str, float | None]) -> float | None:
+def combine(node: Any, values: list[float]) -> float:
+    """A sum, min, max, product or clip node's value from its inputs' values (in `node.inputs()` order)."""
     if isinstance(node, SumNode):
-        return sum(w * (values[k] or 0.0) for k, w in node.sum.items())
-    inputs = [values[k] for k in node_inputs(node)]
+        return math.fsum(w * v for w, v in zip(node.sum.values(), values))
     if isinstance(node, ProductNode):
-        return math.prod(v or 0.0 for v in inputs)
-    present = [v for v in inputs if v is not None]
+        return math.prod(values)
+    if isinstance(node, MinNode):
+        return min(values)
+    if isinstance(node, MaxNode):
+        return max(values)
+    if isinstance(node, ClipNode):
+        lower = -math.inf if node.lower is None else node.lower
+        upper = math.inf if node.upper is None else node.upper
+        return min(max(values[0], lower), upper)
+    raise TypeError(f"not a combinator: {type(node).__name__}")
+
+
+def gate_passes(node: GateNode, condition: float) -> bool:
+    return condition >= node.threshold
+
+
+def standardize(values: list[float | None]) -> list[float | None]:
+    """(v - mean) / std over the values that exist (population std); all 0 when they agree."""
+    present = [v for v in values if v is not None]
     if not present:
-        return None
-    return min(present) if isinstance(node, MinNode) else max(present)
+        return list(values)
+    mean = statistics.fmean(present)
+    std = statistics.pstdev(present, mu=mean)
+    return [None if v is None else (0.0 if std < NORMALIZE_EPS else (v - mean) / std) for v in values]
+
+
+# ------------------------------------------------------------------------------------ judge replies
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def parse_score(reply: str, node: JudgeNode) -> float:
+    """The score in a judge's reply, by the node's regex (first group, else the whole match) or JSON field;
+    raises ValueError saying why a reply does not parse."""
+    if node.json_field is not None:
+        found = _JSON_OBJECT.search(reply)
+        try:
+            obj = json.loads(found.group()) if found else None
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            raise ValueError("no JSON object in the reply")
+        if node.json_field not in obj:
+            raise ValueError(f"the reply's JSON has no field '{node.json_field}'")
+        return _number(obj[node.json_field])
+    found = re.search(node.parse, reply)
+    if found is None:
+        raise ValueError("the reply does not match `parse`")
+    return _number(found.group(1) if found.groups() else found.group())
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and (m := _NUMBER.fullmatch(value.strip())):
+        return float(m.group())
+    raise ValueError(f"not a number: {str(value)[:40]!r}")
+
+
+# ------------------------------------------------------------------------------------------ metrics
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values) if values else float("nan")
+
+
+def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -> dict[str, float]:
+    """The metrics of scored trajectories, computed from their records alone (so a step scored in several
+    calls, an eval batch and a rescored run all follow one rule):
+
+    `rewards/<node>/mean` over kept trajectories where the node has a value; for function, judge and tool
+    nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
+    `/parse_failures` (a judge reply or tool text that is not a score); for judges `/calls` (requests
+    made); for nodes a gate may leave out `/skipped` (not evaluated); `reward/mean` over kept trajectories;
+    `reward/dropped` (trajectories a `drop_sample` node took out)."""
+    kept = [t for t in trajs if t.dropped is None]
+    gated = conditional(nodes, train)
+    out: dict[str, float] = {}
+    for name, node in nodes.items():
+        out[f"rewards/{name}/mean"] = _mean([v for t in kept if (v := t.rewards.get(name)) is not None])
+        status = [t.reward_details.get(name, {}).get("status", "ok") for t in trajs]
+        if isinstance(node, LEAVES):
+            out[f"rewards/{name}/missing"] = float(sum(s in ("missing", "error", "parse_failure") for s in status))
+            out[f"rewards/{name}/errors"] = float(status.count("error"))
+            out[f"rewards/{name}/parse_failures"] = float(status.count("parse_failure"))
+        if isinstance(node, JudgeNode):
+            out[f"rewards/{name}/calls"] = float(sum(s != "skipped" for s in status))
+        if name in gated:
+            out[f"rewards/{name}/skipped"] = float(status.count("skipped"))
+    out["reward/mean"] = _mean([t.reward for t in kept])
+    out["reward/dropped"] = float(len(trajs) - len(kept))
+    return out

@@ -1,25 +1,43 @@
-"""The reward stage: evaluates the spec's reward graph for every trajectory, in parallel.
+"""The reward stage: evaluates the spec's reward graph for every trajectory.
 
-Nodes are evaluated in topological order; within a node, all trajectories (or groups) run concurrently
-in a thread pool (python functions, judge HTTP calls) or on the event loop (async functions, tool calls).
-A node that raises for one trajectory gives None there and counts an error; the run goes on.
+One `score(trajs)` call computes each (node, trajectory) value at most once, on demand, as an asyncio
+task: the roots (the training node and every node nothing reads) are asked for on every trajectory, and
+each node asks for its inputs. So independent nodes and all trajectories run concurrently -- python
+functions in a thread pool, async functions, judge requests and tool calls on the event loop -- and a
+gate asks for its `then` node only where its condition passes. A function, judge or tool without a value
+follows its node's `on_missing`; every failure is recorded in the trajectory and counted, and the run
+goes on (unless the node says `fail`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import math
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.reward.graph import combine, prompt_text, topological_order, training_node
-from factory.schema import FnNode, JudgeNode, Spec, ToolNode
+from factory.reward.graph import (
+    LEAVES,
+    MissingReward,
+    combine,
+    gate_passes,
+    node_inputs,
+    parse_score,
+    prompt_text,
+    reward_metrics,
+    roots,
+    standardize,
+    topological_order,
+    training_node,
+)
+from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, Spec, ToolNode
 from factory.types import ToolCall, Trajectory
 from factory.util import enter_workdir, import_path, resolve_file, template_env
 
@@ -27,140 +45,296 @@ log = logging.getLogger(__name__)
 
 
 class RewardStage:
-    """The reward actor: scores trajectories. Its methods are coroutines, so Ray runs it as an async
-    actor with one event loop for its life: tool servers for tool nodes start once and stay up."""
+    """The reward actor. Its methods are coroutines, so Ray runs it as an async actor with one event loop
+    for its life: tool servers for tool nodes start once and stay up.
+
+    API: `await setup()`, then `await score(trajs)` per batch -- any set of whole groups; a step may be
+    scored in several calls (group by group) unless `needs_whole_batch` -- and `await close()`."""
 
     def __init__(self, spec: Spec, *, base_dir: str | Path | None = None, workdir: str | None = None,
-                 max_workers: int = 16):
-        self._spec, self._workdir, self._max_workers = spec, workdir, max_workers
-        self._base_dir = Path(base_dir) if base_dir else None
-        self.order = topological_order(spec.rewards)
+                 max_workers: int = 64):
+        self.nodes = dict(spec.rewards)
         self.train_node = training_node(spec)
+        self.order = topological_order(self.nodes)
+        self._tools, self._seed = spec.tools, spec.seed
+        self._workdir, self._max_workers = workdir, max_workers
+        self._base_dir = Path(base_dir) if base_dir else None
 
-    def setup(self) -> None:
+    @property
+    def needs_whole_batch(self) -> bool:
+        """True when a node normalises over the batch: then one call must hold a whole step."""
+        return any(isinstance(n, NormalizeNode) and n.over == "batch" for n in self.nodes.values())
+
+    async def setup(self) -> None:
         # In its own actor, so slow or crashing reward code never stalls rollout.
         enter_workdir(self._workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
-        self._toolbox_started = False
-        self._fns: dict[str, Callable[..., Any]] = {}
-        self._judges: dict[str, Any] = {}
+        self._fns: dict[str, tuple[Callable[..., Any], bool]] = {}  # node -> (function, wants `turns`)
+        self._templates: dict[str, Any] = {}
+        self._judge_actors: dict[str, Any] = {}
         env = template_env()
-        for name, node in self._spec.rewards.items():
+        for name, node in self.nodes.items():
             if isinstance(node, FnNode):
-                self._fns[name] = functools.partial(import_path(node.fn), **node.args)
+                fn = import_path(node.fn)
+                self._fns[name] = (functools.partial(fn, **node.args), _takes_turns(fn))
             elif isinstance(node, JudgeNode):
-                self._judges[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
+                self._templates[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
+                if node.local is not None:
+                    from factory.reward.judge import start_judge_actor
+
+                    self._judge_actors[name] = start_judge_actor(node, seed=self._seed)
+        await asyncio.gather(*(actor.setup.remote() for actor in self._judge_actors.values()))
         self._toolbox = None
-        if any(isinstance(n, ToolNode) for n in self._spec.rewards.values()):
+        self._toolbox_started = False
+        if any(isinstance(n, ToolNode) for n in self.nodes.values()):
             from factory.tools import ToolBox
 
-            self._toolbox = ToolBox.from_spec(self._spec.tools, base_dir=self._base_dir)
+            self._toolbox = ToolBox.from_spec(self._tools, base_dir=self._base_dir)
 
     async def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
-        """Fill `rewards` and `reward` of every trajectory; return them with the stage's metrics."""
+        """Fill `rewards`, `reward_details`, `reward` and `dropped` of every trajectory; return them with the
+        metrics of this call (`reward_metrics`, plus timings)."""
         t0 = time.perf_counter()
         if self._toolbox is not None and not self._toolbox_started:
             await self._toolbox.start()
             self._toolbox_started = True
-        metrics: dict[str, float] = {}
-        for name in self.order:
-            node = self._spec.rewards[name]
-            t_node = time.perf_counter()
-            values, errors = await self._eval_node(name, node, trajs)
-            for traj, v in zip(trajs, values):
-                traj.rewards[name] = v
-            present = [v for v in values if v is not None]
-            metrics[f"rewards/{name}/mean"] = sum(present) / len(present) if present else float("nan")
-            metrics[f"rewards/{name}/errors"] = float(errors)
-            metrics[f"timing/reward_{name}_s"] = time.perf_counter() - t_node
-        for traj in trajs:
-            value = traj.rewards.get(self.train_node)
-            traj.reward = 0.0 if value is None or math.isnan(value) else float(value)
-        metrics["reward/mean"] = sum(t.reward for t in trajs) / max(1, len(trajs))
+        evaluation = _Evaluation(self, trajs)
+        await evaluation.run()
+        metrics = reward_metrics(trajs, self.nodes, self.train_node)
+        metrics.update({f"timing/reward_{name}_s": end - start for name, (start, end) in evaluation.spans.items()})
         metrics["timing/reward_s"] = time.perf_counter() - t0
         return trajs, metrics
-
-    async def _eval_node(self, name: str, node: Any, trajs: list[Trajectory]) -> tuple[list[float | None], int]:
-        if not isinstance(node, (FnNode, JudgeNode, ToolNode)):
-            return [combine(node, t.rewards) for t in trajs], 0
-        if isinstance(node, FnNode) and node.group:
-            groups: dict[int, list[int]] = {}
-            for i, t in enumerate(trajs):
-                groups.setdefault(t.prompt_index, []).append(i)
-            calls = [self._call(name, self._group_call, name, [trajs[i] for i in idx]) for idx in groups.values()]
-            results = await asyncio.gather(*calls)
-            values: list[float | None] = [None] * len(trajs)
-            errors = 0
-            for idx, (vals, err) in zip(groups.values(), results):
-                errors += err
-                for i, v in zip(idx, vals if vals is not None else [None] * len(idx)):
-                    values[i] = v
-            return values, errors
-        fn = {FnNode: self._fn_call, JudgeNode: self._judge_call, ToolNode: self._tool_call}[type(node)]
-        results = await asyncio.gather(*(self._call(name, fn, name, t) for t in trajs))
-        return [v for v, _ in results], sum(e for _, e in results)
-
-    async def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
-        """Run one reward evaluation; a failure is logged and counted, never raised."""
-        try:
-            return await fn(*args), 0
-        except Exception as e:  # a user's reward function may raise anything
-            log.warning("reward node %s failed: %s: %s", name, type(e).__name__, e)
-            return None, 1
-
-    async def _run_sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-
-    async def _fn_call(self, name: str, t: Trajectory) -> float | None:
-        value = await self._run_sync(self._fns[name], prompt_text(t.messages), t.completion, **t.row)
-        return None if value is None else float(value)
-
-    async def _group_call(self, name: str, group: list[Trajectory]) -> list[float | None]:
-        values = await self._run_sync(self._fns[name], [prompt_text(t.messages) for t in group],
-                                      [t.completion for t in group], [t.row for t in group])
-        if len(values) != len(group):
-            raise ValueError(f"group reward returned {len(values)} values for {len(group)} completions")
-        return [None if v is None else float(v) for v in values]
-
-    async def _judge_call(self, name: str, t: Trajectory) -> float | None:
-        node: JudgeNode = self._spec.rewards[name]  # type: ignore[assignment]
-        prompt = self._judges[name].render(prompt=prompt_text(t.messages), completion=t.completion, **t.row)
-        text = await self._run_sync(_openai_chat, node.endpoint, node.model, prompt)
-        found = re.search(node.parse, text)
-        return float(found.group(1)) if found else None
-
-    async def _tool_call(self, name: str, t: Trajectory) -> float | None:
-        node: ToolNode = self._spec.rewards[name]  # type: ignore[assignment]
-        env = template_env()
-        ctx = {"prompt": prompt_text(t.messages), "completion": t.completion, **t.row}
-        args = {k: env.from_string(v).render(**ctx) for k, v in node.arguments.items()}
-        from factory.tools.toolbox import qualified_name
-
-        server, _, tool = node.tool.partition(".")
-        # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key)
-        name = qualified_name(server, tool) if tool else server
-        result = await self._toolbox.call(ToolCall(name=name, arguments=args, raw=""))
-        if result.status != "ok":
-            raise RuntimeError(f"tool {node.tool}: {result.error_kind}: {result.text[:200]}")
-        return float(result.text.strip())
 
     async def close(self) -> None:
         if self._toolbox is not None and self._toolbox_started:
             await self._toolbox.close()
+        if self._judge_actors:
+            import ray
+
+            for actor in self._judge_actors.values():
+                ray.kill(actor)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A reward function's result: awaited if it is async, else run in the thread pool."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-def _openai_chat(endpoint: str, model: str | None, prompt: str, timeout_s: float = 60.0) -> str:
-    """One chat completion from an OpenAI-compatible server (vLLM, SGLang, a hosted API)."""
-    import os
 
-    import requests
+def _takes_turns(fn: Callable[..., Any]) -> bool:
+    """Whether a reward function declares a `turns` parameter (only then does it get the turns: a
+    `**row` catch-all keeps receiving exactly the row)."""
+    try:
+        return "turns" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
-    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if "OPENAI_API_KEY" in os.environ else {}
-    resp = requests.post(endpoint.rstrip("/") + "/chat/completions", timeout=timeout_s, headers=headers,
-                         json={"model": model or "default", "temperature": 0.0,
-                               "messages": [{"role": "user", "content": prompt}]})
-    resp.raise_for_status()
-    return resp.json()["choices"][0]["message"]["content"]
+
+@dataclass
+class _Outcome:
+    """A leaf's result for one trajectory before its `on_missing` applies."""
+
+    value: float | None
+    status: str = "ok"  # ok | missing | error | parse_failure
+    detail: dict[str, Any] = field(default_factory=dict)  # reply, error
+
+
+def _outcome(value: Any) -> _Outcome:
+    """What a reward function returned, as an outcome."""
+    if value is None:
+        return _Outcome(None, "missing", {"error": "returned None"})
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
+    if math.isnan(number):
+        return _Outcome(None, "missing", {"error": "returned NaN"})
+    return _Outcome(number)
+
+
+def _failed(e: BaseException) -> _Outcome:
+    return _Outcome(None, "error", {"error": f"{type(e).__name__}: {e}"[:500]})
+
+
+class _Evaluation:
+    """One `score` call: every (node, trajectory) value as a task, created on first demand and shared by
+    all readers (the per-step cache), and what happened to each."""
+
+    def __init__(self, stage: RewardStage, trajs: list[Trajectory]):
+        self.s, self.trajs = stage, trajs
+        self.tasks: dict[tuple[Any, ...], asyncio.Future] = {}
+        self.details: dict[tuple[str, int], dict[str, Any]] = {}
+        self.dropped: dict[int, str] = {}
+        self.spans: dict[str, tuple[float, float]] = {}  # leaf node -> (first start, last end)
+        self.groups: dict[int, list[int]] = {}
+        for i, t in enumerate(trajs):
+            self.groups.setdefault(t.prompt_index, []).append(i)
+
+    async def run(self) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            self.judges = {}
+            for name, node in self.s.nodes.items():
+                if isinstance(node, JudgeNode):
+                    from factory.reward.judge import EndpointSession, LocalSession
+
+                    session = (EndpointSession(node) if node.local is None
+                               else LocalSession(node, self.s._judge_actors[name]))
+                    self.judges[name] = await stack.enter_async_context(session)
+            try:
+                await asyncio.gather(*(self.value(n, i) for n in roots(self.s.nodes, self.s.train_node)
+                                       for i in range(len(self.trajs))))
+            finally:  # after a `fail`, nothing may keep running
+                pending = [t for t in self.tasks.values() if not t.done()]
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self._record()
+
+    # -------------------------------------------------------------------------------------- values
+    def _memo(self, key: tuple[Any, ...], make: Callable[[], Awaitable[Any]]) -> asyncio.Future:
+        if key not in self.tasks:
+            self.tasks[key] = asyncio.ensure_future(make())
+        return self.tasks[key]
+
+    def value(self, name: str, i: int) -> asyncio.Future:
+        """Node `name`'s value on trajectory i (float, or None: dropped)."""
+        return self._memo((name, i), lambda: self._compute(name, i))
+
+    async def _compute(self, name: str, i: int) -> float | None:
+        node = self.s.nodes[name]
+        if isinstance(node, LEAVES):
+            return self._settle(name, i, await self._leaf(name, node, i))
+        if isinstance(node, GateNode):
+            condition = await self.value(node.gate, i)
+            if condition is None:
+                return None
+            return await self.value(node.then, i) if gate_passes(node, condition) else node.otherwise
+        if isinstance(node, NormalizeNode):
+            scope = (tuple(self.groups[self.trajs[i].prompt_index]) if node.over == "group"
+                     else tuple(range(len(self.trajs))))
+            return (await self._memo((name, scope), lambda: self._normalized(node, scope)))[i]
+        values = await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))
+        return None if any(v is None for v in values) else combine(node, list(values))
+
+    async def _normalized(self, node: NormalizeNode, scope: tuple[int, ...]) -> dict[int, float | None]:
+        values = await asyncio.gather(*(self.value(node.normalize, j) for j in scope))
+        return dict(zip(scope, standardize(list(values))))
+
+    def _settle(self, name: str, i: int, out: _Outcome) -> float | None:
+        """Record a leaf's outcome and apply its `on_missing`."""
+        if out.status != "ok" or out.detail:
+            self.details[(name, i)] = {"status": out.status, **out.detail}
+        if out.value is not None:
+            return out.value
+        node = self.s.nodes[name]
+        reason = out.status + (f": {out.detail['error']}" if "error" in out.detail else "")
+        if node.on_missing == "zero":
+            return 0.0
+        if node.on_missing == "drop_sample":
+            self.dropped.setdefault(i, f"rewards.{name}: {reason}")
+            return None
+        t = self.trajs[i]
+        raise MissingReward(f"reward node '{name}' has no value for trajectory {t.prompt_index}.{t.sample_index} "
+                            f"and its on_missing is 'fail': {reason}")
+
+    # ---------------------------------------------------------------------------------------- leaves
+    async def _leaf(self, name: str, node: Any, i: int) -> _Outcome:
+        start = time.perf_counter()
+        try:
+            if isinstance(node, FnNode):
+                if node.group:
+                    pid = self.trajs[i].prompt_index
+                    return (await self._memo((name, "group", pid), lambda: self._group_fn(name, pid)))[i]
+                return await self._fn(name, i)
+            if isinstance(node, JudgeNode):
+                return await self._judge(name, node, i)
+            return await self._tool(node, i)
+        finally:
+            first, _ = self.spans.get(name, (start, start))
+            self.spans[name] = (min(first, start), time.perf_counter())
+
+    async def _fn(self, name: str, i: int) -> _Outcome:
+        fn, wants_turns = self.s._fns[name]
+        t = self.trajs[i]
+        kwargs = {**t.row, "turns": t.turns} if wants_turns else t.row
+        try:
+            return _outcome(await self.s.call(fn, prompt_text(t.messages), t.completion, **kwargs))
+        except Exception as e:  # a user's reward function may raise anything
+            return _failed(e)
+
+    async def _group_fn(self, name: str, pid: int) -> dict[int, _Outcome]:
+        fn, wants_turns = self.s._fns[name]
+        members = self.groups[pid]
+        group = [self.trajs[i] for i in members]
+        kwargs = {"turns": [t.turns for t in group]} if wants_turns else {}
+        try:
+            values = await self.s.call(fn, [prompt_text(t.messages) for t in group], [t.completion for t in group],
+                                       [t.row for t in group], **kwargs)
+            if len(values) != len(group):
+                raise ValueError(f"group reward returned {len(values)} values for {len(group)} completions")
+        except Exception as e:
+            return {i: _failed(e) for i in members}
+        return {i: _outcome(v) for i, v in zip(members, values)}
+
+    async def _judge(self, name: str, node: JudgeNode, i: int) -> _Outcome:
+        t = self.trajs[i]
+        try:
+            prompt = self.s._templates[name].render(
+                {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns})
+        except Exception as e:  # a template that reads a column the row lacks
+            return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})
+        try:
+            reply = await self.judges[name].reply(prompt)
+        except Exception as e:
+            return _failed(e)
+        try:
+            return _Outcome(parse_score(reply, node), "ok", {"reply": reply})
+        except ValueError as e:
+            return _Outcome(None, "parse_failure", {"reply": reply, "error": str(e)})
+
+    async def _tool(self, node: ToolNode, i: int) -> _Outcome:
+        from factory.tools.toolbox import qualified_name
+
+        t = self.trajs[i]
+        env = template_env()
+        ctx = {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion}
+        server, _, tool = node.tool.partition(".")
+        # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key)
+        call = ToolCall(name=qualified_name(server, tool) if tool else server, raw="",
+                        arguments={k: env.from_string(v).render(**ctx) for k, v in node.arguments.items()})
+        try:
+            result = await self.s._toolbox.call(call)
+        except Exception as e:
+            return _failed(e)
+        if result.status != "ok":
+            return _Outcome(None, "error", {"error": f"tool {node.tool}: {result.error_kind}: {result.text[:200]}"})
+        try:
+            return _Outcome(float(result.text.strip()))
+        except ValueError:
+            return _Outcome(None, "parse_failure",
+                            {"reply": result.text[:500], "error": "the tool's text is not a number"})
+
+    # ---------------------------------------------------------------------------------------- record
+    def _record(self) -> None:
+        for i, t in enumerate(self.trajs):
+            t.rewards, t.reward_details = {}, {}
+            for name in self.s.order:
+                task = self.tasks.get((name, i))
+                if task is None:  # a gate did not ask for it here
+                    t.rewards[name] = None
+                    t.reward_details[name] = {"status": "skipped"}
+                    continue
+                t.rewards[name] = task.result()
+                if (name, i) in self.details:
+                    t.reward_details[name] = self.details[(name, i)]
+            t.dropped = self.dropped.get(i)
+            value = t.rewards[self.s.train_node]
+            t.reward = 0.0 if value is None else float(value)
+        failed: dict[str, list[str]] = {}
+        for (name, _), d in self.details.items():
+            if d["status"] != "ok":
+                failed.setdefault(name, []).append(d.get("error", d["status"]))
+        for name, errors in failed.items():  # one line per node, not one per trajectory
+            log.warning("reward node %s: no value for %d of %d trajectories (first: %s)", name, len(errors),
+                        len(self.trajs), errors[0])

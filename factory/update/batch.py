@@ -15,9 +15,11 @@ from factory.types import Trajectory
 
 def kept(trajs: list[Trajectory], alg: Algorithm, drop_infra_errors: bool) -> list[bool]:
     """Which trajectories train: not those hit by an infrastructure tool failure (when the spec drops
-    them: their episode says nothing about the policy) nor, with DAPO overlong filtering, those cut by
-    the token budget. Dropped ones are still logged and counted, never forwarded."""
-    return [not ((drop_infra_errors and t.infra_error) or (alg.overlong_filter and t.truncated)) for t in trajs]
+    them: their episode says nothing about the policy), nor, with DAPO overlong filtering, those cut by
+    the token budget, nor those the reward stage dropped (a `drop_sample` node had no value). Dropped
+    ones are still logged and counted, never forwarded."""
+    return [not ((drop_infra_errors and t.infra_error) or (alg.overlong_filter and t.truncated) or t.dropped)
+            for t in trajs]
 
 
 def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Tensor:

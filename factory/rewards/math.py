@@ -1,11 +1,16 @@
 """Answer-checking rewards for math-style tasks.
 
 A reward is a plain function `(prompt, completion, **row) -> float | None`; `answer` comes from the data
-row's ground-truth column (`data.answer_key`). None means "no opinion" and is left out of means.
+row's ground-truth column (`data.answer_key`). The answer is read from the model's own turns: the reward
+stage passes them as `turns`; called without them (from a user's function, say), tool responses are cut
+out of the completion text instead.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+from factory.types import Turn
 
 # The final answer is what the model puts in <answer>...</answer>; without the tag, nothing is graded, so a
 # model cannot score by rambling numbers.
@@ -13,28 +18,30 @@ _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
-def extract_answer(completion: str) -> str | None:
+def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str | None:
     """The text of the last <answer> tag in the model's own text (tool responses never count)."""
-    found = _ANSWER.findall(_model_text(completion))
+    found = _ANSWER.findall(_model_text(completion, turns))
     return found[-1].strip() if found else None
 
 
-def _model_text(completion: str) -> str:
-    # Tool responses are echoed into the completion between <tool_response> tags; an answer copied by the
-    # tool (or injected by a hostile one) must not count as the model's.
+def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
+    # An answer copied by a tool (or injected by a hostile one) must not count as the model's.
+    if turns is not None:
+        return "\n".join(t.text for t in turns)
     return re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL)
 
 
-def exact_match(prompt: str, completion: str, answer: str = "", **_: object) -> float:
+def exact_match(prompt: str, completion: str, answer: str = "", turns: Sequence[Turn] | None = None,
+                **_: object) -> float:
     """1.0 when the <answer> text equals the ground truth (whitespace- and case-insensitive), else 0.0."""
-    got = extract_answer(completion)
+    got = extract_answer(completion, turns)
     return float(got is not None and got.strip().lower() == str(answer).strip().lower())
 
 
 def numeric_match(prompt: str, completion: str, answer: str | float = "", rel_tol: float = 1e-6,
-                  **_: object) -> float:
+                  turns: Sequence[Turn] | None = None, **_: object) -> float:
     """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol."""
-    got = extract_answer(completion)
+    got = extract_answer(completion, turns)
     if got is None:
         return 0.0
     found = _NUMBER.search(got.replace(",", ""))

@@ -1,0 +1,170 @@
+"""LLM judges: an OpenAI-compatible endpoint, or a model Factory runs itself as its own Ray actor.
+
+A judge node's requests in one `score` call go through one session: `EndpointSession` sends them as
+concurrent HTTP requests (at most `concurrency` in flight, failed ones retried with backoff);
+`LocalSession` gathers the requests waiting at a moment into batches of up to `concurrency` prompts for
+the `JudgeModel` actor, whose engine generates each batch together. Either way `reply(prompt)` returns
+the reply's text or raises `JudgeError` saying what failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from factory.schema import JudgeNode, LocalJudge
+
+
+class JudgeError(RuntimeError):
+    """A judge request that failed (after its retries): no reply to parse."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+class EndpointSession:
+    """Chat completions from an OpenAI-compatible server (vLLM, SGLang, a hosted API), greedy."""
+
+    def __init__(self, node: JudgeNode):
+        self.node = node
+        self.url = (node.endpoint or "").rstrip("/") + "/chat/completions"
+
+    async def __aenter__(self) -> EndpointSession:
+        import httpx2
+
+        key = os.environ.get("OPENAI_API_KEY")
+        self._client = httpx2.AsyncClient(timeout=self.node.timeout_s,
+                                          headers={"Authorization": f"Bearer {key}"} if key else {})
+        self._slots = asyncio.Semaphore(self.node.concurrency)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    async def reply(self, prompt: str) -> str:
+        import httpx2
+
+        body = {"model": self.node.model or "default", "temperature": 0.0, "max_tokens": self.node.max_tokens,
+                "messages": [{"role": "user", "content": prompt}]}
+        async with self._slots:
+            for attempt in range(self.node.retries + 1):
+                try:
+                    resp = await self._client.post(self.url, json=body)
+                    if resp.status_code == 429 or resp.status_code >= 500:
+                        raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                    if resp.status_code >= 400:  # our request is wrong: retrying cannot help
+                        raise JudgeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                    return _content(resp)
+                except (_Retryable, httpx2.TransportError) as e:
+                    error = f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e)
+                    if attempt == self.node.retries:
+                        raise JudgeError(error) from None
+                    await asyncio.sleep(0.25 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _content(resp: Any) -> str:
+    try:
+        content = resp.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise JudgeError(f"not a chat completion: {type(e).__name__}: {resp.text[:200]}") from None
+    return content or ""  # a reply without text (a refusal, a tool call) parses as nothing
+
+
+class LocalSession:
+    """Batches one judge node's prompts for its `JudgeModel` actor."""
+
+    window_s = 0.005  # requests arriving this close together join one batch
+
+    def __init__(self, node: JudgeNode, actor: Any):
+        self.node, self.actor = node, actor
+        self._pending: list[tuple[str, asyncio.Future]] = []
+        self._sender: asyncio.Task | None = None
+
+    async def __aenter__(self) -> LocalSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+
+    async def reply(self, prompt: str) -> str:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((prompt, future))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send())
+        return await future
+
+    async def _send(self) -> None:
+        seen = -1
+        while len(self._pending) != seen:  # wait until requests stop arriving
+            seen = len(self._pending)
+            await asyncio.sleep(self.window_s)
+        while self._pending:
+            batch, self._pending = self._pending[: self.node.concurrency], self._pending[self.node.concurrency:]
+            try:
+                call = self.actor.complete.remote([p for p, _ in batch], self.node.max_tokens)
+                replies = await asyncio.wait_for(call, self.node.timeout_s)
+            except Exception as e:  # the actor died, timed out or raised: these requests failed
+                error = JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), text in zip(batch, replies):
+                if not future.done():
+                    future.set_result(text)
+
+
+class JudgeModel:
+    """A judge model in its own Ray actor (with its own CPUs/GPUs): chat-formats each prompt as one user
+    message with the model's own chat template and answers greedily.
+
+    The constructor has no side effects; `setup()` loads the model."""
+
+    def __init__(self, cfg: LocalJudge, *, seed: int = 0):
+        self.cfg, self.seed = cfg, seed
+
+    async def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from factory.assets import resolve_model
+        from factory.rollout.chat import ChatFormat
+
+        path = resolve_model(self.cfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.chat = ChatFormat(self.tokenizer)
+        self.engine = _engine(self.cfg, path, self.chat.stop_token_ids, self.seed)
+
+    async def complete(self, prompts: list[str], max_tokens: int) -> list[str]:
+        from factory.rollout.engine import Sampling
+
+        greedy = Sampling(greedy=True)
+        ids = [self.chat.prompt_ids([{"role": "user", "content": p}], None) for p in prompts]
+        # All at once: the engine batches concurrent requests into one generate call.
+        gens = await asyncio.gather(*(self.engine.generate(x, max_new_tokens=max_tokens, sampling=greedy)
+                                      for x in ids))
+        return [self.tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
+
+
+def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) -> Any:
+    """The judge's generation engine behind the rollout's `Engine` protocol."""
+    if cfg.engine == "vllm":
+        raise RuntimeError("a local judge with engine: vllm needs the vLLM engine, which is not in this build yet; "
+                           "use engine: hf")
+    import torch
+
+    from factory.rollout.engine import HFEngine
+
+    device = "cuda" if cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
+    return HFEngine(path, dtype=cfg.dtype, seed=seed, device=device, stop_token_ids=stop_token_ids)
+
+
+def start_judge_actor(node: JudgeNode, *, seed: int = 0) -> Any:
+    """The `JudgeModel` actor of a local judge node, placed with the node's own resources."""
+    import ray
+
+    assert node.local is not None
+    cls = ray.remote(JudgeModel)
+    return cls.options(num_cpus=node.local.num_cpus, num_gpus=node.local.num_gpus).remote(node.local, seed=seed)

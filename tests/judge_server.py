@@ -1,0 +1,63 @@
+"""A scripted OpenAI-compatible chat-completions server for the judge tests (127.0.0.1 only).
+
+    python -m tests.judge_server PORT
+
+The reply depends on a marker in the last user message: [good] -> "Score: 1", [bad] -> "Score: 0",
+[garble] -> a reply without a score, [json] -> a JSON object, [fail] -> HTTP 500, [flaky] -> HTTP 503 the
+first time, then "Score: 1". GET /stats -> the requests seen, per marker, and the most in flight at once.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies": []}
+REPLIES = {"good": "The answer is right.\nScore: 1", "bad": "Wrong.\nScore: 0", "garble": "I refuse to grade this.",
+           "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1"}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def _send(self, code: int, body: str) -> None:
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        with LOCK:
+            self._send(200, json.dumps(STATS))
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        marker = (re.search(r"\[(\w+)\]", prompt) or [None, "none"])[1]
+        with LOCK:
+            STATS["requests"] += 1
+            seen = STATS["by_marker"][marker] = STATS["by_marker"].get(marker, 0) + 1
+            STATS["inflight"] += 1
+            STATS["peak"] = max(STATS["peak"], STATS["inflight"])
+            STATS["bodies"].append({k: body[k] for k in ("model", "temperature", "max_tokens")})
+        try:
+            time.sleep(0.05)  # long enough for concurrent requests to overlap
+            if marker == "fail" or (marker == "flaky" and seen == 1):
+                self._send(500 if marker == "fail" else 503, '{"error": "judge down"}')
+                return
+            reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": REPLIES.get(marker, "")}}]}
+            self._send(200, json.dumps(reply))
+        finally:
+            with LOCK:
+                STATS["inflight"] -= 1
+
+
+if __name__ == "__main__":
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

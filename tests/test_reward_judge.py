@@ -1,0 +1,131 @@
+"""LLM judges: an OpenAI-compatible server started here on 127.0.0.1, and a local model as its own Ray actor."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from factory.reward import RewardStage
+from tests.servers import free_port, http_server
+from tests.test_reward_stage import make_spec, traj
+
+REPO = Path(__file__).resolve().parents[1]
+FNS = "tests.fixtures.reward_fns"
+
+
+@pytest.fixture
+def judge_server():
+    port = free_port()
+    with http_server([sys.executable, "-m", "tests.judge_server", str(port)], port, cwd=REPO):
+        yield f"http://127.0.0.1:{port}/v1", lambda: json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/stats"))
+
+
+def _score(spec, trajs, base_dir):
+    stage = RewardStage(spec, base_dir=base_dir)
+
+    async def go():
+        await stage.setup()
+        try:
+            return await stage.score(trajs)
+        finally:
+            await stage.close()
+
+    return asyncio.run(go())
+
+
+def test_endpoint_judge_behind_a_gate_counts_every_failure(judge_server, tmp_path):
+    url, stats = judge_server
+    (tmp_path / "judge.jinja").write_text("Grade this answer to '{{ prompt }}' (truth {{ answer }}): {{ completion }}")
+    spec = make_spec({
+        "fmt": {"fn": f"{FNS}:starts_with_ok"},
+        "judge": {"llm_judge": "judge.jinja", "endpoint": url, "model": "grader", "concurrency": 2, "retries": 1,
+                  "max_tokens": 32},
+        "graded": {"llm_judge": "judge.jinja", "endpoint": url, "json_field": "score", "concurrency": 2},
+        "total": {"gate": "fmt", "then": "judge"},
+    })
+    completions = ["ok [good]", "ok [bad]", "ok [garble]", "ok [fail]", "ok [flaky]", "no [good]", "ok [json]"]
+    trajs, m = _score(spec, [traj(c, i) for i, c in enumerate(completions)], tmp_path)
+    judge = [t.rewards["judge"] for t in trajs]
+    # good 1; bad 0; garble: no score -> 0 (on_missing zero); fail: HTTP 500 twice -> 0; flaky: 503 then
+    # retried -> 1; "no ...": fmt fails, the judge is never asked; json: no "Score:" -> 0
+    assert judge == [1.0, 0.0, 0.0, 0.0, 1.0, None, 0.0]
+    assert [t.reward for t in trajs] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert trajs[2].reward_details["judge"] == {"status": "parse_failure", "reply": "I refuse to grade this.",
+                                                "error": "the reply does not match `parse`"}
+    assert trajs[3].reward_details["judge"] == {"status": "error",
+                                                "error": 'JudgeError: HTTP 500: {"error": "judge down"}'}
+    assert trajs[0].reward_details["judge"] == {"status": "ok", "reply": "The answer is right.\nScore: 1"}
+    assert trajs[5].reward_details["judge"] == {"status": "skipped"}
+    assert (m["rewards/judge/calls"], m["rewards/judge/errors"], m["rewards/judge/parse_failures"],
+            m["rewards/judge/missing"], m["rewards/judge/skipped"]) == (6.0, 1.0, 2.0, 3.0, 1.0)
+    # the ungated JSON judge reads `score` from the one reply that has JSON; the others fail to parse
+    assert trajs[6].rewards["graded"] == 0.5 and m["rewards/graded/parse_failures"] == 5.0
+    seen = stats()
+    # the gated judge: 6 trajectories + 1 retry of [fail] + 1 retry of [flaky]; the JSON judge: 7 + 2 retries
+    assert seen["by_marker"] == {"good": 3, "bad": 2, "garble": 2, "fail": 4, "flaky": 3, "json": 2}
+    assert 2 <= seen["peak"] <= 4  # two judge nodes, each with at most `concurrency: 2` requests in flight
+    body = next(b for b in seen["bodies"] if b["model"] == "grader")
+    assert body == {"model": "grader", "temperature": 0.0, "max_tokens": 32}
+
+
+def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
+                                "retries": 0, "on_missing": "drop_sample"}})
+    trajs, m = _score(spec, [traj("a", 0), traj("b", 1)], tmp_path)
+    assert m["rewards/judge/errors"] == 2.0 and m["reward/dropped"] == 2.0
+    assert all(t.reward_details["judge"]["error"].startswith("JudgeError: ConnectError") for t in trajs)
+    assert all(t.dropped.startswith("rewards.judge: error: JudgeError: ConnectError") for t in trajs)
+
+
+def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
+    """A tiny model cannot really grade; the point is the plumbing: each prompt goes through the judge
+    model's chat template to its own Ray actor, the greedy reply comes back raw with its trajectory, and
+    what does not parse is counted."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from factory.assets import resolve_model
+    from factory.reward.graph import parse_score
+    from factory.rollout.chat import ChatFormat
+    from factory.rollout.engine import HFEngine, Sampling
+
+    template = "What is {{ completion }}? The expected answer is {{ answer }}. Use the calculator."
+    (tmp_path / "judge.jinja").write_text(template)
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "local": {"path": "factory:tiny-qwen3-calc"},
+                                "parse": r"(\d+)", "max_tokens": 24, "concurrency": 1}})
+    trajs = [traj("2 + 3", 0, answer="5"), traj("17 * 3", 1, answer="51"), traj("12 + 30", 2, answer="42")]
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    try:
+        trajs, m = _score(spec, trajs, tmp_path)
+    finally:
+        ray.shutdown()
+    # The same prompts, greedily, through the same engine in this process.
+    path = resolve_model("factory:tiny-qwen3-calc")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat(tokenizer)
+    engine = HFEngine(path, stop_token_ids=chat.stop_token_ids)
+    prompts = [template.replace("{{ completion }}", t.completion).replace("{{ answer }}", t.row["answer"])
+               for t in trajs]
+
+    async def replies():  # one at a time, as `concurrency: 1` sends them (padding never differs)
+        gens = [await engine.generate(chat.prompt_ids([{"role": "user", "content": p}], None), max_new_tokens=24,
+                                      sampling=Sampling(greedy=True)) for p in prompts]
+        return [tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
+
+    expected = asyncio.run(replies())
+    assert len(set(expected)) == 3  # different prompts, different replies: none can be swapped unnoticed
+    assert [t.reward_details["judge"]["reply"] for t in trajs] == expected
+    node = spec.rewards["judge"]
+    for t, reply in zip(trajs, expected):
+        try:
+            assert t.rewards["judge"] == parse_score(reply, node)
+        except ValueError:  # no digits in the reply: a counted parse failure, 0 by on_missing: zero
+            assert t.rewards["judge"] == 0.0 and t.reward_details["judge"]["status"] == "parse_failure"
+    assert m["rewards/judge/calls"] == 3.0 and m["rewards/judge/errors"] == 0.0
+    assert m["rewards/judge/parse_failures"] == float(
+        sum(t.reward_details["judge"]["status"] == "parse_failure" for t in trajs))
