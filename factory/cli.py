@@ -1,4 +1,4 @@
-"""The `factory` command: run, check, plan, diff.
+"""The `factory` command: run, check, plan, diff, schema.
 
 Exit codes: 0 success; 2 the spec (or the command line) is wrong, with every problem listed and no
 traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
@@ -58,6 +58,23 @@ def _diff(args: argparse.Namespace) -> int:
     return int(diff_main(args) or 0)
 
 
+def _schema(args: argparse.Namespace) -> int:
+    from factory import reference
+
+    if args.write:
+        try:
+            root = reference.checkout_root()
+        except FileNotFoundError as e:
+            print(f"factory schema: {e}", file=sys.stderr)
+            return EXIT_SPEC_ERROR
+        changed = reference.write(root)
+        for rel in reference.outputs():
+            print(f"{'updated' if rel in changed else 'up to date'}: {rel.as_posix()}")
+        return 0
+    sys.stdout.write(reference.markdown() if args.markdown else reference.json_schema_text())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="factory",
@@ -81,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
     plan.add_argument("--explain", action="store_true", help="print every resolved setting with its documentation")
+
+    schema_help = "print the spec's JSON Schema (for editors and validators), or its markdown reference"
+    sc = sub.add_parser("schema", help=schema_help, description=schema_help)
+    sc.add_argument("--markdown", action="store_true", help="print the reference page (docs/reference/spec.md)")
+    sc.add_argument("--write", action="store_true",
+                    help="rewrite the committed schema and reference of this source checkout")
+    sc.set_defaults(func=_schema)
 
     d = sub.add_parser("diff", help="compare two tracked runs: settings, hashes and final metrics",
                        description="compare two tracked runs: settings, hashes and final metrics")
