@@ -37,7 +37,7 @@ KNOWN_ASSETS: dict[str, str] = {
 
 # Bump a recipe's version when its output changes: the cache folder is named after it, so old builds
 # are never mistaken for new ones.
-_VERSIONS = {"smollm2-135m-instruct": 1, "tiny-qwen3": 1, "tiny-qwen3-calc": 1}
+_VERSIONS = {"smollm2-135m-instruct": 1, "tiny-qwen3": 2, "tiny-qwen3-calc": 2}
 
 
 def cache_dir() -> Path:
@@ -115,7 +115,7 @@ def _build_tiny_qwen3(out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # the smallest head size vLLM's CPU attention kernels take
         intermediate_size=128,
         max_position_embeddings=4096,
         tie_word_embeddings=True,

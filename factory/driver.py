@@ -28,6 +28,7 @@ class Stages:
     reward: Any
     update: Any
     handles: list[Any] = field(default_factory=list)
+    resolved: dict[str, Any] = field(default_factory=dict)  # what each stage chose on its device (engine, dtypes)
 
 
 @dataclass
@@ -73,9 +74,9 @@ def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
         spec, base_dir=base_dir, workdir=workdir)
     update = ray.remote(UpdateStage).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
         spec, model_path, workdir=workdir)
-    stages = Stages(data, rollout, reward, update, [data, rollout, reward, update])
-    ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
-    return stages
+    _, roll, _, upd = ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
+    return Stages(data, rollout, reward, update, [data, rollout, reward, update],
+                  resolved={"rollout": roll["resolved"], "update": upd["resolved"]})
 
 
 def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str]) -> tuple[dict[str, float], list[Any]]:
@@ -183,7 +184,7 @@ def run(plan: Any, spec: Spec) -> RunResult:
             stages = place_stages(spec, model_path, str(plan.base_dir))
             tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
                     **_commits(), **spec.tracking.tags}
-            tracker.start(spec.name, plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+            tracker.start(spec.name, {**plan.spec, "resolved": stages.resolved}, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
             status = "FINISHED"

@@ -337,8 +337,10 @@ class RolloutSpec(Section):
     engine: Literal["hf", "vllm"] = "hf"
     """Generation backend: hf (transformers, the CPU default) or vllm."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights' dtype in the rollout engine. auto: bfloat16 when `train.bf16_autocast` (the update's matmuls
-    run in bf16 then too; 1.4-1.5x faster sampling than fp32 + autocast on CPU), else `model.dtype`."""
+    """Weights' dtype in the rollout engine. auto: bfloat16 when bf16 is wanted (`train.bf16_autocast` or
+    bfloat16 `model.dtype`) AND the rollout's device computes it natively (CUDA from Ampere on; a CPU with
+    AVX512-bf16 or AMX), else float32: emulated bf16 is 30-60x slower than float32 on other CPUs. The
+    run's params record what was chosen (`resolved.rollout.dtype`)."""
     group_size: int = Field(8, ge=1)
     """Samples per prompt (the G of GRPO)."""
     max_turns: int = Field(3, ge=1)
@@ -395,7 +397,9 @@ class TrainSpec(Section):
     optimizer: OptimizerSpec = OptimizerSpec()
     """Optimizer settings."""
     bf16_autocast: bool = True
-    """bf16 autocast for forward/backward where the machine supports it (CPU with AVX512-bf16/AMX, CUDA)."""
+    """bf16 autocast for forward/backward where the device computes bf16 natively (CUDA from Ampere on; a
+    CPU with AVX512-bf16 or AMX); elsewhere the update runs in float32. The run's params record what was
+    chosen (`resolved.update.autocast`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
     checkpoint_every: int = 0

@@ -43,7 +43,7 @@ def test_unknown_asset_names_the_known_ones(cache):
 def test_builds_once_into_the_cache(cache, counting_builder):
     first = resolve_model("factory:tiny-qwen3")
     assert resolve_model("factory:tiny-qwen3") == first and len(counting_builder) == 1
-    assert Path(first) == cache / "models" / "tiny-qwen3-v1" and (Path(first) / "config.json").is_file()
+    assert Path(first) == cache / "models" / "tiny-qwen3-v2" and (Path(first) / "config.json").is_file()
     assert Path(first).stat().st_mode & 0o777 == 0o755
 
 
@@ -65,7 +65,7 @@ def test_a_failed_build_leaves_nothing_behind(cache, monkeypatch):
     monkeypatch.setitem(assets._BUILDERS, "tiny-qwen3", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model("factory:tiny-qwen3")
-    assert [p.name for p in (cache / "models").iterdir()] == ["tiny-qwen3-v1.lock"]
+    assert [p.name for p in (cache / "models").iterdir()] == ["tiny-qwen3-v2.lock"]
 
 
 def test_missing_package_says_how_to_install():

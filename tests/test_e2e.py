@@ -56,6 +56,10 @@ def test_every_step_has_its_metrics(tiny_run):
     eval_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
     assert eval_steps == [0, STEPS]
     assert run.data.params["train.steps"] == str(STEPS)
+    # what the stages chose on their device (tiny.yaml trains in float32: no bf16 anywhere)
+    assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
+        "resolved.rollout.engine": "hf", "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
+        "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off"}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
 
 

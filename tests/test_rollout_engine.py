@@ -143,8 +143,8 @@ def test_load_state_dict_checks_keys_and_changes_outputs(model_path):
         e.load_state_dict({k: v for k, v in sd.items() if k != "model.norm.weight"})
 
 
-def test_bf16_autocast_generates(model_path):
-    e = HFEngine(model_path, batch_size=8, seed=0, bf16_autocast=True)
+def test_bf16_weights_generate(model_path):
+    e = HFEngine(model_path, dtype="bfloat16", batch_size=8, seed=0)
     outs = asyncio.run(gather(e, [(p, 3) for p in prompts()]))
     assert [len(o.ids) for o in outs] == [3, 3, 3, 3]
 

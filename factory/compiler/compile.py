@@ -166,6 +166,29 @@ def _check_model(spec: Spec, r: _Report) -> None:
                                  "use engine: hf")
 
 
+def _check_devices(spec: Spec, r: _Report) -> None:
+    """GPUs a stage reserves must exist, and an explicit half-precision dtype the stage's device only
+    emulates gets a warning. Skipped when joining a Ray cluster: its stages run on other machines."""
+    from factory.device import cuda_devices, half_precision_warning, stage_device
+
+    if spec.resources.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    res = spec.resources
+    for name in ("rollout", "update", "reward"):
+        want = getattr(res, name).num_gpus
+        if want > 0 and len(cuda_devices()) < want:
+            have = len(cuda_devices())
+            found = f"only {have} CUDA device{'s' if have != 1 else ''}" if have else "no CUDA device (no NVIDIA driver)"
+            r.error(f"resources.{name}.num_gpus",
+                    f"{want:g} GPU{'s' if want != 1 else ''} reserved but this machine has {found}; set "
+                    f"resources.{name}.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
+                    "GPUs (resources.ray_address or $RAY_ADDRESS)")
+    if warning := half_precision_warning(stage_device(res.rollout.num_gpus), spec.rollout.dtype):
+        r.warn("rollout.dtype", warning)  # (auto is not a dtype: it never warns, it picks float32 there)
+    if warning := half_precision_warning(stage_device(res.update.num_gpus), spec.model.dtype):
+        r.warn("model.dtype", warning)
+
+
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
     """(dotted path, file, is a chat template) of every template the spec names."""
     out = []
@@ -424,6 +447,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     broken = broken or {}
     r = _Report(source)
     _check_model(spec, r)
+    _check_devices(spec, r)
     templates = _check_templates(spec, r)
     data = _check_data(spec, r)
     rewards = _check_reward_fns(spec, r)

@@ -9,7 +9,6 @@ batch (continuous batching would need a different engine: that is what a vLLM en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -98,14 +97,13 @@ class HFEngine:
     """
 
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
-                 device: str = "cpu", bf16_autocast: bool = False, stop_token_ids: Sequence[int] = ()):
+                 device: str = "cpu", stop_token_ids: Sequence[int] = ()):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.device = torch.device(device)
         torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         self.batch_size = batch_size
-        self.bf16_autocast = bf16_autocast
         cfg, gen_cfg = self.model.config, self.model.generation_config
         self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
         if not self.stop_token_ids:
@@ -210,9 +208,7 @@ class HFEngine:
             eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, **sample,
         )
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16_autocast
-                    else contextlib.nullcontext())
-        with self._lock, torch.inference_mode(), autocast:
+        with self._lock, torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=config)
         self.batches_run += 1

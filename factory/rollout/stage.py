@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.device import stage_device
 from factory.schema import Spec
 from factory.types import ToolCall, ToolResult, Trajectory
 from factory.util import enter_workdir, set_threads
@@ -73,10 +74,13 @@ class _Timed:
 
 
 def rollout_dtype(spec: Spec) -> str:
-    """The rollout engine's weight dtype (see RolloutSpec.dtype)."""
+    """The rollout engine's weight dtype (see RolloutSpec.dtype): `auto` asks the rollout's device."""
+    from factory.device import auto_dtype, stage_device
+
     if spec.rollout.dtype != "auto":
         return spec.rollout.dtype
-    return "bfloat16" if spec.train.bf16_autocast else spec.model.dtype
+    return auto_dtype(stage_device(spec.resources.rollout.num_gpus), want_bf16=spec.train.bf16_autocast,
+                      weights=spec.model.dtype)
 
 
 class RolloutStage:
@@ -103,12 +107,13 @@ class RolloutStage:
         self.tokenizer = tokenizer
         if self.spec.rollout.engine != "hf":
             raise ValueError(f"rollout.engine '{self.spec.rollout.engine}' is not available in this build; use hf")
-        self.engine = HFEngine(self.model_path, dtype=rollout_dtype(self.spec), batch_size=self.spec.rollout.batch_size,
-                               seed=self.spec.seed, bf16_autocast=rollout_dtype(self.spec) == "float32" and self.spec.train.bf16_autocast,
-                               stop_token_ids=self.chat.stop_token_ids)
+        device, dtype = stage_device(self.spec.resources.rollout.num_gpus), rollout_dtype(self.spec)
+        self.engine = HFEngine(self.model_path, dtype=dtype, batch_size=self.spec.rollout.batch_size,
+                               seed=self.spec.seed, device=device, stop_token_ids=self.chat.stop_token_ids)
         self.toolbox = ToolBox.from_spec(self.spec.tools, base_dir=base)
         await self.toolbox.start()
-        return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()]}
+        return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()],
+                "resolved": {"engine": "hf", "device": device, "dtype": dtype}}
 
     async def generate(self, batch: pa.Table, *, group_size: int, greedy: bool = False) -> tuple[list[Trajectory], dict[str, float]]:
         from factory.data import from_table

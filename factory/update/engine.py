@@ -64,23 +64,15 @@ def on_cuda() -> bool:
     return get_accelerator().device_name() == "cuda"
 
 
-def cpu_supports_bf16() -> bool:
-    """True when oneDNN has fast bf16 kernels here (AVX512-bf16 or AMX); elsewhere autocast to bf16
-    on CPU is emulated and slower than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def autocast_dtype(spec: Spec) -> torch.dtype | None:
-    """bf16 autocast when asked and the device has it; None = run in the weights' dtype. Only for fp32
-    weights: bf16/fp16 weights (model.dtype) are DeepSpeed's mixed precision instead."""
+    """bf16 autocast when asked and the device computes bf16 natively (factory.device); None = run in the
+    weights' dtype. Only for fp32 weights: bf16/fp16 weights (model.dtype) are DeepSpeed's mixed
+    precision instead."""
+    from factory.device import fast_bf16
+
     if not spec.train.bf16_autocast or spec.model.dtype != "float32":
         return None
-    if on_cuda():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if cpu_supports_bf16() else None
+    return torch.bfloat16 if fast_bf16("cuda" if on_cuda() else "cpu") else None
 
 
 def autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:

@@ -65,6 +65,12 @@ class Learner:
             self.ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
             self.ref.requires_grad_(False).eval().to(self.engine.device)
 
+    def resolved(self) -> dict[str, str]:
+        """What this learner computes with, as chosen for its device: the run's params record it."""
+        return {"device": torch.device(self.engine.device).type,
+                "dtype": str(self._module_dtype()).removeprefix("torch."),
+                "autocast": str(self.amp).removeprefix("torch.") if self.amp is not None else "off"}
+
     def _module_dtype(self) -> torch.dtype:
         return next(self.engine.module.parameters()).dtype
 

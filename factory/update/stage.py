@@ -15,13 +15,15 @@ class UpdateStage:
     def __init__(self, spec: Spec, model_path: str, *, workdir: str | None = None):
         self.spec, self.model_path, self.workdir = spec, model_path, workdir
 
-    def setup(self) -> None:
+    def setup(self) -> dict[str, Any]:
+        """Load the model into DeepSpeed; returns what was resolved on this device (for the run's params)."""
         enter_workdir(self.workdir)
         set_threads(self.spec.train.threads)
         from factory.update import Learner
 
         self.learner = Learner(self.spec, self.model_path)
         self.learner.setup()
+        return {"resolved": self.learner.resolved()}
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()

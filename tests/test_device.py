@@ -1,0 +1,129 @@
+"""The device probe and every `auto` dtype choice made from it, with the probe faked both ways."""
+from __future__ import annotations
+
+import pytest
+
+from factory import device
+from factory.compiler.compile import compile_file
+from factory.compiler.errors import SpecErrors
+from factory.device import Device, auto_dtype, cpu_from
+from factory.schema import Spec
+from tests.test_compiler_support import base_spec as _base
+from tests.test_compiler_support import report
+
+ZEN4 = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
+SAPPHIRE = "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+AVX2_ONLY = "model name\t: AMD EPYC 7B12\nflags\t\t: fpu sse2 avx avx2 fma\n"
+
+FAST = Device("cpu", "fake fast", True, "amx_bf16")
+SLOW = Device("cpu", "fake slow", False, "no avx512_bf16/amx_bf16 in /proc/cpuinfo")
+
+
+def test_cpu_flags_and_the_onednn_cap():
+    assert cpu_from(ZEN4, None) == Device("cpu", "AMD EPYC", True, "avx512_bf16")
+    assert cpu_from(SAPPHIRE, "").fast_bf16 and cpu_from(SAPPHIRE, "").why == "amx_bf16/avx512_bf16"
+    assert cpu_from(AVX2_ONLY, None) == Device("cpu", "AMD EPYC 7B12", False, "no avx512_bf16/amx_bf16 in /proc/cpuinfo")
+    # How we emulate an AVX2-only machine: oneDNN then never uses the bf16 instructions the CPU has.
+    assert cpu_from(ZEN4, "AVX2") == Device("cpu", "AMD EPYC", False, "ONEDNN_MAX_CPU_ISA=AVX2 hides avx512_bf16")
+    assert cpu_from(ZEN4, "avx512_core_amx").fast_bf16
+    assert not cpu_from("", None).fast_bf16  # no /proc/cpuinfo: assume the slow case
+
+
+def test_probe_agrees_with_torch_here():
+    torch = pytest.importorskip("torch")
+    assert device.cpu().fast_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """fake(Device) makes every stage's probe answer with it (the CPU and CUDA both)."""
+    def set_(d: Device) -> None:
+        monkeypatch.setattr(device, "probe", lambda kind: Device(kind, d.name, d.fast_bf16, d.why))
+    return set_
+
+
+def _spec(**sections) -> Spec:
+    base = {"name": "t", "model": {"path": "m"}, "data": {"train": {"generator": "g:f"}},
+            "rewards": {"r": {"fn": "m:f"}}}
+    return Spec.model_validate({**base, **sections})
+
+
+@pytest.mark.parametrize("probe,want", [(FAST, "bfloat16"), (SLOW, "float32")])
+def test_no_auto_setting_picks_bf16_where_it_is_slow(fake, probe, want):
+    from factory.rollout.stage import rollout_dtype
+    from factory.update.engine import autocast_dtype
+
+    fake(probe)
+    torch = pytest.importorskip("torch")
+    # rollout.dtype auto, under bf16 autocast or bf16 weights
+    assert rollout_dtype(_spec(train={"bf16_autocast": True})) == want
+    assert rollout_dtype(_spec(model={"path": "m", "dtype": "bfloat16"}, train={"bf16_autocast": False})) == want
+    assert rollout_dtype(_spec(train={"bf16_autocast": False})) == "float32"
+    # the update's autocast
+    assert autocast_dtype(_spec(train={"bf16_autocast": True})) == (torch.bfloat16 if probe.fast_bf16 else None)
+    assert autocast_dtype(_spec(train={"bf16_autocast": False})) is None
+    # an explicit choice is the user's
+    assert rollout_dtype(_spec(rollout={"dtype": "bfloat16"})) == "bfloat16"
+
+
+def test_auto_dtype_on_cuda(fake):
+    fake(FAST)
+    assert auto_dtype("cuda", want_bf16=True) == "bfloat16"
+    assert auto_dtype("cuda", want_bf16=False, weights="float16") == "float16"
+    assert auto_dtype("cpu", want_bf16=False, weights="float16") == "float32"  # no fast fp16 matmuls on CPUs
+    fake(Device("cuda", "Tesla T4", False, "compute capability 7.5"))
+    assert auto_dtype("cuda", want_bf16=True) == "float32"
+
+
+def test_check_warns_about_explicit_bf16_on_a_slow_cpu(project, fake):
+    base = _base(project, "dev_warn")
+    path = project.spec(base + "rollout: {dtype: bfloat16}\n")
+    fake(SLOW)
+    _, plan = compile_file(path)
+    assert plan.warnings == ((
+        "spec.yaml:9: rollout.dtype: warning: bfloat16 on this CPU (fake slow; no avx512_bf16/amx_bf16 in "
+        "/proc/cpuinfo) is emulated by oneDNN: matmuls run about 30-60x slower than in float32; use float32, or "
+        "`auto` where the setting has it"),)
+    fake(FAST)
+    assert compile_file(path)[1].warnings == ()
+    fake(SLOW)
+    weights = compile_file(project.spec(base.replace("{path: \"factory:tiny-qwen3\"}",
+                                                     "{path: \"factory:tiny-qwen3\", dtype: bfloat16}"), "w.yaml"))[1]
+    assert [w.split(": warning")[0] for w in weights.warnings] == ["w.yaml:2: model.dtype"]
+    assert compile_file(project.spec(base, "auto.yaml"))[1].warnings == ()  # auto never warns: it falls back
+
+
+def test_gpus_asked_on_a_machine_without_cuda_fail_at_check(project, monkeypatch):
+    monkeypatch.setattr(device, "cuda_devices", lambda: ())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    base = _base(project, "dev_gpu")
+    path = project.spec(base + "resources:\n  rollout: {num_gpus: 1}\n")
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path)
+    assert report(e) == (
+        "spec.yaml:10: resources.rollout.num_gpus: 1 GPU reserved but this machine has no CUDA device (no NVIDIA "
+        "driver); set resources.rollout.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
+        "GPUs (resources.ray_address or $RAY_ADDRESS)\n1 error in spec.yaml")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # the cluster's machines are not this one
+    compile_file(path)
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),))
+    compile_file(path)
+    with pytest.raises(SpecErrors, match="2 GPUs reserved but this machine has only 1 CUDA device;"):
+        compile_file(project.spec(base + "resources:\n  update: {num_gpus: 2}\n", "two.yaml"))
+
+
+@pytest.mark.parametrize("probe,want", [(FAST, "bfloat16"), (SLOW, "float32")])
+def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
+    import asyncio
+
+    from factory.assets import resolve_model
+    from factory.rollout.stage import RolloutStage
+
+    fake(probe)
+    spec = _spec(model={"path": "factory:tiny-qwen3"}, train={"bf16_autocast": True, "threads": 1})
+    stage = RolloutStage(spec, resolve_model("factory:tiny-qwen3"))
+    info = asyncio.run(stage.setup())
+    assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want}
+    assert str(next(stage.engine.model.parameters()).dtype) == f"torch.{want}"
+    asyncio.run(stage.close())
