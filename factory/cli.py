@@ -1,4 +1,4 @@
-"""The `factory` command: run, check, plan, diff, schema.
+"""The `factory` command: run, check, plan, diff, schema, init.
 
 Exit codes: 0 success; 2 the spec (or the command line) is wrong, with every problem listed and no
 traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
@@ -75,6 +75,26 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from factory.project import DESCRIPTIONS, InitError, create
+
+    target = Path(args.name)
+    try:
+        name, written = create(target)
+    except InitError as e:
+        print(f"factory init: {e}", file=sys.stderr)
+        return EXIT_SPEC_ERROR
+    print(f"created {target.as_posix()}/ (Factory project '{name}'):")
+    shown = [f for f in DESCRIPTIONS if f in written] + [f for f in written if f not in DESCRIPTIONS]
+    for rel in shown:
+        print(f"  {rel:20} {DESCRIPTIONS.get(rel, '')}".rstrip())
+    cd = f"cd {target.as_posix()} && " if target.resolve() != Path.cwd().resolve() else ""
+    print(f"next:\n  {cd}factory check spec.yaml --connect && factory run spec.yaml train.steps=1")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="factory",
@@ -98,6 +118,11 @@ def parser() -> argparse.ArgumentParser:
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
     plan.add_argument("--explain", action="store_true", help="print every resolved setting with its documentation")
+
+    init_help = "create a project folder: a spec, a prompt, a reward function, an MCP tool server and data"
+    ini = sub.add_parser("init", help=init_help, description=init_help)
+    ini.add_argument("name", metavar="NAME", help="the folder to create (its name names the project; '.' = here)")
+    ini.set_defaults(func=_init)
 
     schema_help = "print the spec's JSON Schema (for editors and validators), or its markdown reference"
     sc = sub.add_parser("schema", help=schema_help, description=schema_help)

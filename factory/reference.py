@@ -168,7 +168,7 @@ def _type_text(ann: Any, link: dict[type, str]) -> str:
     if ann in _SCALARS:
         return _SCALARS[ann]
     if _is_model(ann):
-        return f"[{link[ann]}](#{_anchor(link[ann])})" if ann in link else ann.__name__
+        return f"[{link[ann]}](#{anchor(link[ann])})" if ann in link else ann.__name__
     if origin is Literal:
         return " | ".join(f"`{_yaml(a)}`" for a in args)
     if origin is list:
@@ -210,7 +210,7 @@ def _yaml(value: Any) -> str:
     return text.removesuffix("\n...").strip()
 
 
-def _anchor(title: str) -> str:
+def anchor(title: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
@@ -310,11 +310,11 @@ def markdown() -> str:
         "points at the JSON Schema (`factory schema` prints it; the repository ships it as",
         f"`{SCHEMA_FILE.as_posix()}`):",
         "",
-        "```yaml",
+        '```yaml skip="the first line of a spec, shown alone"',
         f"# yaml-language-server: $schema=../{SCHEMA_FILE.as_posix()}",
         "```",
         "",
-        "Sections: " + " · ".join(f"[{t}](#{_anchor(t)})" for t in link.values()),
+        "Sections: " + " · ".join(f"[{t}](#{anchor(t)})" for t in link.values()),
         "",
     ]
     for model, title in link.items():

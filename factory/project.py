@@ -1,0 +1,72 @@
+"""`factory init NAME`: a new project folder, copied from factory/scaffold/.
+
+The scaffold is a complete, small project (spec, task prompt, chat template, a reward function of its
+own beside Factory's built-ins, a local MCP tool server, data) that passes `factory check --connect` and
+trains on a CPU from its own folder. Its files are plain files in factory/scaffold/, so they are read,
+linted and tested like any other; `PROJECT_NAME` in them becomes the project's name. The spec's JSON
+Schema is written next to the spec, so an editor completes and checks it with no setup.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SCAFFOLD = Path(__file__).resolve().parent / "scaffold"
+PLACEHOLDER = "PROJECT_NAME"
+SCHEMA_NAME = "spec.schema.json"  # the scaffold's spec.yaml names it on its first line
+_RENAMED = {"gitignore": ".gitignore"}  # a dotfile would be left out of the installed package
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+# What `factory init` prints about each file, in this order.
+DESCRIPTIONS = {
+    "spec.yaml": "the spec: model, data, tools, rewards, algorithm",
+    "prompts/task.jinja": "a data row -> chat messages",
+    "prompts/chat.jinja": "the chat template (messages and tool list -> tokens)",
+    "rewards/task.py": "your reward function (rewards.task:correct)",
+    "tools/letters.py": "a tiny MCP tool server (count_letter)",
+    "data/train.jsonl": "training questions and answers",
+    "data/eval.jsonl": "held-out questions",
+    SCHEMA_NAME: "the spec's JSON Schema, for your editor",
+    "README.md": "what is where, and the commands",
+    "rewards/__init__.py": "makes rewards/ a package",
+    ".gitignore": "keeps mlflow.db and runs/ out of git",
+}
+
+
+class InitError(Exception):
+    """The project cannot be created as asked; `str(e)` says why and what to do."""
+
+
+def project_files(name: str) -> dict[str, str]:
+    """Relative path -> text of every file of a new project called `name`."""
+    from factory.reference import json_schema_text
+
+    files = {}
+    for path in sorted(SCAFFOLD.rglob("*")):
+        if path.is_dir() or "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(SCAFFOLD).as_posix()
+        files[_RENAMED.get(rel, rel)] = path.read_text(encoding="utf-8").replace(PLACEHOLDER, name)
+    files[SCHEMA_NAME] = json_schema_text()
+    return files
+
+
+def create(target: Path) -> tuple[str, list[str]]:
+    """Write a new project into `target` (created if missing); (its name, the files written).
+    Refuses to overwrite anything: an existing file is an error that names it."""
+    name = target.resolve().name
+    if not _NAME.match(name):
+        raise InitError(f"'{name}' is not a usable project name: use letters, digits, '-', '_' and '.', "
+                        "starting with a letter or digit")
+    if target.exists() and not target.is_dir():
+        raise InitError(f"{target} exists and is not a folder")
+    files = project_files(name)
+    clashes = [rel for rel in files if (target / rel).exists()]
+    if clashes:
+        raise InitError(f"{target} already has {', '.join(clashes)}; factory init never overwrites files: "
+                        "choose a new name or an empty folder")
+    for rel, text in files.items():
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return name, list(files)

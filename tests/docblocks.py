@@ -1,0 +1,325 @@
+"""The docs harness: every fenced block of a documentation page is executed, so the docs cannot drift.
+
+A page runs top to bottom, like a reader following it, in a fresh working folder of its own that holds
+copies of the repository's specs/, prompts/ and schema/ (the docs' relative paths work as in a checkout), with
+this environment's `factory` first on PATH (as after `source .venv/bin/activate`) and no
+MLFLOW_TRACKING_URI (runs go to ./mlflow.db of that folder). The info string after the language holds
+the harness's instructions, which GitHub does not show: ```` ```bash run-overrides="train.steps=1" ````.
+
+By language:
+- `bash`, `sh`: the block runs as one bash script (`set -euo pipefail`) and must exit 0.
+    `run-overrides="k=v ..."`: appended to every `factory run` in the block. This is the ONE place where
+      the harness runs something other than what the reader sees: long runs are cut short (fewer steps,
+      fewer eval rows) so that the docs run in CI in seconds. The page's command itself is unchanged.
+    `serve=URL`: a server that runs until stopped: the harness starts it, waits until URL answers with
+      HTTP 200, then stops it.
+    `skip="why"`: not run (only `bash -n` checks it); the reason is required (a GPU, a cluster...).
+- `console`: each `$ command` line runs (bash); the lines after it, up to the next `$` line, are its
+    expected output (stdout and stderr together). `...` alone on a line matches any number of lines;
+    `...` inside a line matches any text. Exit codes are not checked: the output shows the error.
+- `yaml`: `file=PATH` writes the block there (later blocks use it); `base=SPEC` checks the block's
+    top-level sections in place of SPEC's with `factory check`; a block that is a whole spec (it has
+    `name`, `model`, `data` and `rewards`) is checked with `factory check` as it is, unless it is marked
+    `broken` (a page showing mistakes; its console block then shows the errors).
+- `python`: `file=PATH` writes the block there; otherwise it runs with this environment's python in the
+    working folder and must exit 0.
+- `json`: must parse (a `.jsonl` file: line by line); `file=PATH` writes it.
+- any language: `file=PATH` writes the block; `skip="why"` leaves it alone.
+A block the harness would not execute is an error: every command and snippet in the docs runs.
+Relative links and images of a page must exist.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LINKED = ("specs", "prompts", "schema")  # what a page's working folder has of the repository (copied)
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>.*)$")
+_LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+class DocError(AssertionError):
+    """A block failed; the message names the page and line."""
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    attrs: dict[str, str]
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO).as_posix()}:{self.line}"
+
+
+@dataclass
+class Page:
+    path: Path
+    blocks: list[Block] = field(default_factory=list)
+    links: list[tuple[int, str]] = field(default_factory=list)
+
+
+def parse(path: Path) -> Page:
+    page = Page(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            page.links += [(i + 1, t.group("target")) for t in _LINK.finditer(lines[i])]
+            i += 1
+            continue
+        fence, indent = m.group("fence"), len(m.group("indent"))
+        lang, _, rest = m.group("info").strip().partition(" ")
+        attrs = {}
+        for token in shlex.split(rest):
+            key, sep, value = token.partition("=")
+            attrs[key] = value if sep else ""
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
+            j += 1
+        page.blocks.append(Block(path, i + 1, lang.lower(), attrs, "\n".join(body) + "\n"))
+        i = j + 1
+    return page
+
+
+# ------------------------------------------------------------------------------------------ running
+def environment() -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for var in ("FACTORY_DEBUG", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(var, None)
+    return env
+
+
+def workdir(tmp: Path) -> Path:
+    """A page's working folder with copies (not links: a page may write files there) of LINKED."""
+    for name in LINKED:
+        shutil.copytree(REPO / name, tmp / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp
+
+
+def _bash(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=environment(), capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _with_overrides(script: str, overrides: str) -> str:
+    """`factory run SPEC ...` -> `factory run SPEC ... OVERRIDES`, at the end of each such command."""
+    out = []
+    for line in script.splitlines():
+        parts = re.split(r"(&&|\|\||;|\|)", line)
+        for k, part in enumerate(parts):
+            if re.search(r"(^|\s)factory run\s", part):
+                body = part.rstrip()
+                parts[k] = f"{body} {overrides}" + part[len(body):]
+        out.append("".join(parts))
+    return "\n".join(out)
+
+
+def _fail(block: Block, what: str, out: subprocess.CompletedProcess[str] | None = None) -> DocError:
+    text = f"{block.where}: {what}"
+    if out is not None:
+        text += f"\n--- exit {out.returncode}\n--- stdout\n{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}"
+    return DocError(text)
+
+
+def run_bash(block: Block, cwd: Path, timeout: float) -> None:
+    if "skip" in block.attrs:
+        out = _bash(f"bash -n <<'__FACTORY_DOC__'\n{block.text}__FACTORY_DOC__\n", cwd, 30)
+        if out.returncode:
+            raise _fail(block, "shell syntax error", out)
+        return
+    script = block.text
+    if "run-overrides" in block.attrs:
+        script = _with_overrides(script, block.attrs["run-overrides"])
+    if "serve" in block.attrs:
+        return _serve(block, script, cwd, timeout)
+    out = _bash("set -euo pipefail\n" + script, cwd, timeout)
+    if out.returncode:
+        raise _fail(block, "the commands failed", out)
+
+
+def _serve(block: Block, script: str, cwd: Path, timeout: float) -> None:
+    url = block.attrs["serve"]
+    proc = subprocess.Popen(["bash", "-c", f"exec {script.strip()}"], cwd=cwd, env=environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise _fail(block, f"the server exited ({proc.returncode}) before {url} answered:\n"
+                                   f"{proc.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise _fail(block, f"{url} did not answer within {timeout:.0f} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)  # the server and anything it started (its own session)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+
+def _matches(expected: list[str], actual: list[str]) -> bool:
+    """`...` alone matches any run of lines; `...` within a line matches any text."""
+    if not expected:
+        return not actual
+    head, rest = expected[0], expected[1:]
+    if head.strip() == "...":
+        return any(_matches(rest, actual[k:]) for k in range(len(actual) + 1))
+    if not actual:
+        return False
+    pattern = ".*".join(re.escape(p) for p in head.split("..."))
+    return re.fullmatch(pattern, actual[0]) is not None and _matches(rest, actual[1:])
+
+
+def run_console(block: Block, cwd: Path, timeout: float) -> None:
+    commands: list[tuple[str, list[str]]] = []
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        elif commands:
+            commands[-1][1].append(line.rstrip())
+        elif line.strip():
+            raise _fail(block, f"a console block starts with `$ command`, not {line!r}")
+    for command, expected in commands:
+        # stderr into stdout, in the order printed, as a terminal shows them
+        out = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
+        actual = [x.rstrip() for x in out.stdout.rstrip("\n").splitlines()]
+        while expected and not expected[-1]:
+            expected.pop()
+        if not _matches(expected, actual):
+            raise _fail(block, f"`$ {command}` printed something else than the page shows:\n--- page\n"
+                               + "\n".join(expected) + "\n--- actual\n" + "\n".join(actual))
+
+
+def _is_spec(data: object) -> bool:
+    return isinstance(data, dict) and {"name", "model", "data", "rewards"} <= set(data)
+
+
+def check_spec(block: Block, spec: Path, cwd: Path) -> None:
+    out = _bash(f"factory check {shlex.quote(spec.relative_to(cwd).as_posix())}", cwd, 120)
+    if out.returncode:
+        raise _fail(block, f"`factory check` refuses this spec ({spec.name})", out)
+
+
+def run_yaml(block: Block, cwd: Path) -> None:
+    try:
+        data = yaml.safe_load(block.text)
+    except yaml.YAMLError as e:
+        raise _fail(block, f"not YAML: {e}") from None
+    if "file" in block.attrs:
+        target = cwd / block.attrs["file"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.text, encoding="utf-8")
+        if _is_spec(data) and "broken" not in block.attrs:
+            check_spec(block, target, cwd)
+        return
+    if "base" in block.attrs:
+        base = yaml.safe_load((cwd / block.attrs["base"]).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise _fail(block, "a block with base= holds top-level spec sections")
+        merged = {**base, **data}
+    elif _is_spec(data):
+        merged = data
+    else:
+        raise _fail(block, "a yaml block needs base=SPEC (checked as SPEC with these sections), file=PATH, "
+                           "skip=\"why\", or to be a whole spec")
+    target = cwd / f".doc-{block.line}.yaml"
+    target.write_text(yaml.safe_dump(merged, sort_keys=False), encoding="utf-8")
+    check_spec(block, target, cwd)
+
+
+def run_python(block: Block, cwd: Path, timeout: float) -> None:
+    if "file" in block.attrs:
+        target = cwd / block.attrs["file"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.text, encoding="utf-8")
+        return
+    out = subprocess.run([sys.executable, "-c", block.text], cwd=cwd, env=environment(), capture_output=True,
+                         text=True, timeout=timeout, check=False)
+    if out.returncode:
+        raise _fail(block, "the python block failed", out)
+
+
+def run_block(block: Block, cwd: Path, timeout: float = 600) -> None:
+    if "skip" in block.attrs and not block.attrs["skip"].strip():
+        raise _fail(block, 'skip needs a reason: skip="why this block cannot run here"')
+    if block.lang in ("bash", "sh", "shell"):
+        return run_bash(block, cwd, timeout)
+    if "skip" in block.attrs:
+        return None
+    if block.lang == "console":
+        return run_console(block, cwd, timeout)
+    if block.lang in ("yaml", "yml"):
+        return run_yaml(block, cwd)
+    if block.lang == "python":
+        return run_python(block, cwd, timeout)
+    if block.lang == "json":
+        try:
+            json.loads(block.text) if "file" not in block.attrs or not block.attrs["file"].endswith(".jsonl") \
+                else [json.loads(line) for line in block.text.splitlines() if line.strip()]
+        except ValueError as e:
+            raise _fail(block, f"not JSON: {e}") from None
+    if "file" in block.attrs:
+        target = cwd / block.attrs["file"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(block.text, encoding="utf-8")
+        return None
+    raise _fail(block, f"the harness does not run a `{block.lang or 'plain'}` block: give it file=PATH, "
+                       'skip="why", or write it as console/bash/yaml/python')
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    from factory.reference import anchor
+
+    found, fenced = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            found.add(anchor(line.lstrip("#").strip()))
+    return found
+
+
+def check_links(page: Page) -> list[str]:
+    """Relative links and images that point nowhere, and #anchors that no heading makes."""
+    broken = []
+    for line, target in page.links:
+        if re.match(r"^[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.path.parent / file).resolve() if file else page.path
+        where = f"{page.path.relative_to(REPO).as_posix()}:{line}"
+        if not path.exists():
+            broken.append(f"{where}: broken link {target}")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{where}: no heading makes the anchor #{anchor} in {file or 'this page'}")
+    return broken

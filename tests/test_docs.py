@@ -1,0 +1,94 @@
+"""Every command and snippet in the docs runs (tests/docblocks.py says how each kind of block is run)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import docblocks
+from tests.docblocks import REPO, Block, check_links, parse, run_block, workdir
+
+PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_page(path, tmp_path):
+    page = parse(path)
+    cwd = workdir(tmp_path)
+    for block in page.blocks:
+        run_block(block, cwd)
+    assert not check_links(page)
+
+
+# ------------------------------------------------------------------------------ the harness itself
+def _page(tmp_path: Path, text: str) -> list[Block]:
+    path = REPO / "docs" / ".harness-test.md"  # under REPO so that messages name it as a page
+    path.write_text(text)
+    try:
+        return parse(path).blocks
+    finally:
+        path.unlink()
+
+
+def test_harness_parses_info_strings(tmp_path):
+    (block,) = _page(tmp_path, '# t\n\n```bash run-overrides="train.steps=1 a.b=2" skip="no GPU"\nx\n```\n')
+    assert (block.lang, block.attrs, block.text, block.line) == (
+        "bash", {"run-overrides": "train.steps=1 a.b=2", "skip": "no GPU"}, "x\n", 3)
+
+
+def test_harness_appends_overrides_to_factory_run_only():
+    script = "factory check s.yaml && factory run s.yaml a=1 | tee log\nfactory run t.yaml  # c"
+    assert docblocks._with_overrides(script, "train.steps=1") == (
+        "factory check s.yaml && factory run s.yaml a=1 train.steps=1 | tee log\n"
+        "factory run t.yaml  # c train.steps=1")
+
+
+def test_console_output_matching():
+    m = docblocks._matches
+    assert m(["a", "...", "d"], ["a", "b", "c", "d"])
+    assert m(["a", "...", "d"], ["a", "d"])
+    assert m(["run ... in 1.3 s"], ["run 4f3a in 1.3 s"])
+    assert not m(["a", "d"], ["a", "b", "d"])
+    assert not m(["x ... y"], ["x z"])
+
+
+def test_harness_fails_loudly(tmp_path):
+    cwd = workdir(tmp_path)
+    blocks = _page(tmp_path, "```console\n$ echo hi\nbye\n```\n\n```bash\nfalse\n```\n\n```toml\na = 1\n```\n\n"
+                             "```yaml\ntrain: {lr: 1}\n```\n\n```bash skip=\"\"\ntrue\n```\n")
+    messages = []
+    for block in blocks:
+        with pytest.raises(AssertionError) as e:
+            run_block(block, cwd, timeout=60)
+        messages.append(str(e.value).splitlines()[0])
+    assert messages == [
+        "docs/.harness-test.md:1: `$ echo hi` printed something else than the page shows:",
+        "docs/.harness-test.md:6: the commands failed",
+        ("docs/.harness-test.md:10: the harness does not run a `toml` block: give it file=PATH, skip=\"why\", "
+         "or write it as console/bash/yaml/python"),
+        ("docs/.harness-test.md:14: a yaml block needs base=SPEC (checked as SPEC with these sections), "
+         "file=PATH, skip=\"why\", or to be a whole spec"),
+        "docs/.harness-test.md:18: skip needs a reason: skip=\"why this block cannot run here\"",
+    ]
+
+
+def test_yaml_fragment_is_checked_against_its_base(tmp_path):
+    cwd = workdir(tmp_path)
+    ok, bad = _page(tmp_path, "```yaml base=specs/tiny.yaml\ntrain: {steps: 3}\n```\n\n"
+                              "```yaml base=specs/tiny.yaml\ntrain: {stepz: 3}\n```\n")
+    run_block(ok, cwd)
+    with pytest.raises(AssertionError, match="unknown key 'stepz'; did you mean 'steps'"):
+        run_block(bad, cwd)
+
+
+def test_links_and_anchors_are_checked(tmp_path):
+    page = REPO / "docs" / ".harness-test.md"
+    page.write_text("# A title: here\n\n[ok](#a-title-here) [file](reference/spec.md#algorithmkl) "
+                    "[gone](nowhere.md) [bad anchor](reference/spec.md#nope) [web](https://example.org)\n")
+    try:
+        assert check_links(parse(page)) == [
+            "docs/.harness-test.md:3: broken link nowhere.md",
+            "docs/.harness-test.md:3: no heading makes the anchor #nope in reference/spec.md",
+        ]
+    finally:
+        page.unlink()

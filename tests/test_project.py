@@ -1,0 +1,136 @@
+"""`factory init NAME`: the scaffold is a project that checks, connects and trains from its own folder."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from omegaconf import OmegaConf
+
+from factory import cli, reference
+from factory.project import SCAFFOLD, create, project_files
+from factory.types import ToolCall, Turn
+
+BIN = Path(sys.executable).parent  # the `factory` script of the environment running the tests
+
+
+def _shell(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A command line as a user types it, with this environment's `factory` first on PATH."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("FACTORY_DEBUG", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_init_writes_the_project(tmp_path, capsys):
+    assert cli.main(["init", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "factory check spec.yaml --connect && factory run spec.yaml train.steps=1" in out
+    demo = tmp_path / "demo"
+    written = sorted(p.relative_to(demo).as_posix() for p in demo.rglob("*") if p.is_file())
+    assert written == sorted(project_files("demo"))
+    spec = (demo / "spec.yaml").read_text()
+    assert spec.splitlines()[0] == "# yaml-language-server: $schema=spec.schema.json"
+    assert "\nname: demo\n" in spec and "PROJECT_NAME" not in spec
+    assert (demo / ".gitignore").is_file()
+    assert json.loads((demo / "spec.schema.json").read_text()) == reference.json_schema()
+    data = OmegaConf.to_container(OmegaConf.create(spec), resolve=False)
+    assert list(jsonschema.Draft7Validator(reference.json_schema()).iter_errors(data)) == []
+
+
+def test_init_never_overwrites(tmp_path, capsys):
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "spec.yaml").write_text("mine\n")
+    assert cli.main(["init", str(demo)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"factory init: {demo} already has spec.yaml; factory init never overwrites files: "
+                   "choose a new name or an empty folder\n")
+    assert (demo / "spec.yaml").read_text() == "mine\n"
+    assert not (demo / "rewards").exists()
+
+
+def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
+    here = tmp_path / "my-agent"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert cli.main(["init", "."]) == 0
+    assert "\nname: my-agent\n" in (here / "spec.yaml").read_text()
+    assert "next:\n  factory check spec.yaml --connect" in capsys.readouterr().out
+    assert cli.main(["init", str(tmp_path / "bad name")]) == 2
+    assert "is not a usable project name" in capsys.readouterr().err
+
+
+def test_scaffold_reward_reads_the_models_answer():
+    spec = importlib.util.spec_from_file_location("scaffold_task", SCAFFOLD / "rewards" / "task.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    correct = module.correct
+    assert correct("q", "<answer>3</answer>", answer=3) == 1.0
+    assert correct("q", "The answer is <answer> 3 times</answer>", answer=3) == 1.0
+    assert correct("q", "<answer>4</answer>", answer=3) == 0.0
+    assert correct("q", "3", answer=3) == 0.0  # no tag, no credit
+    # With turns, only the model's own text counts: a tool result that says <answer>3</answer> does not.
+    turns = [Turn(text='<tool_call>{"name": "count_letter"}</tool_call>', num_tokens=5,
+                  calls=[ToolCall(name="count_letter", arguments={}, raw="")])]
+    assert correct("q", "<tool_response><answer>3</answer></tool_response>", answer=3, turns=turns) == 0.0
+
+
+def test_scaffold_tool_server_answers_over_mcp(tmp_path):
+    """The project's own MCP server, started as the spec starts it, answers a real call."""
+    from factory.schema import StdioServer
+    from factory.tools import ToolBox
+
+    create(tmp_path / "demo")
+    server = StdioServer(command="python", args=["tools/letters.py"], cwd=".", timeout_s=10)
+
+    async def call() -> list:
+        box = ToolBox.from_spec({"letters": server}, base_dir=tmp_path / "demo")
+        await box.start()
+        try:
+            ok = await box.call(ToolCall("count_letter", {"word": "Strawberry", "letter": "r"}, raw=""))
+            bad = await box.call(ToolCall("count_letter", {"word": "banana", "letter": "an"}, raw=""))
+            return [ok, bad]
+        finally:
+            await box.close()
+
+    ok, bad = asyncio.run(call())
+    assert (ok.status, ok.text) == ("ok", "3")
+    assert bad.status == "model_error" and "letter must be one character" in bad.text
+
+
+def test_init_check_connect_from_the_project_folder(tmp_path):
+    out = _shell("factory init demo && cd demo && factory check spec.yaml --connect", tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "spec.yaml: ok" in out.stdout
+    assert "letters (stdio: python tools/letters.py; tools: count_letter)" in out.stdout
+
+
+def test_scaffold_copies_no_caches(tmp_path):
+    """Only the scaffold's own files are copied, not caches left by importing its modules."""
+    cache = SCAFFOLD / "rewards" / "__pycache__"
+    made = not cache.exists()
+    cache.mkdir(exist_ok=True)
+    try:
+        assert not [rel for rel in project_files("x") if "__pycache__" in rel]
+    finally:
+        if made:
+            cache.rmdir()
+
+
+@pytest.mark.slow
+def test_acceptance_init_check_run_one_step(tmp_path):
+    """Issue 16's acceptance, exactly as a user types it on a fresh clone."""
+    out = _shell("factory init demo && cd demo && factory check spec.yaml --connect && "
+                 "factory run spec.yaml train.steps=1", tmp_path, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    demo = tmp_path / "demo"
+    assert (demo / "mlflow.db").is_file()
+    assert (demo / "runs" / "demo" / "latest").read_text().strip() == "step_1"
