@@ -138,6 +138,18 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     assert err.endswith("1 error in spec.yaml\n")
 
 
+def test_check_connect_says_why_a_server_died(project, capsys):
+    """The server's last line of stderr, not just the SDK's "Connection closed"."""
+    project.module("cli_typo")
+    path = project.spec(BASE.replace("{mod}", "cli_typo")
+                        + "tools:\n  calc: {command: python, args: [-m, factory.examples.calculater]}\n")
+    assert cli.main(["check", path, "--connect"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spec.yaml:10: tools.calc: server failed to start: ")
+    assert err.endswith("; the server's last words: "
+                        f"{sys.executable}: No module named factory.examples.calculater\n1 error in spec.yaml\n")
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=[p.name for p in SPECS])
 def test_every_shipped_spec_checks(spec, monkeypatch, capsys):
     from factory.device import cuda_devices

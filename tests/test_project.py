@@ -113,6 +113,16 @@ def test_init_check_connect_from_the_project_folder(tmp_path):
     assert "letters (stdio: python tools/letters.py; tools: count_letter)" in out.stdout
 
 
+def test_check_from_the_parent_folder_says_where_to_run(tmp_path):
+    """The error a user meets first: python references import from the working directory."""
+    out = _shell("factory init demo >/dev/null && factory check demo/spec.yaml", tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr == (
+        "demo/spec.yaml:27: rewards.correct.fn: cannot import 'rewards.task:correct': no module named 'rewards' "
+        "here; it is in demo/: run factory from that folder\n"
+        "1 error in demo/spec.yaml\n")
+
+
 def test_scaffold_copies_no_caches(tmp_path):
     """Only the scaffold's own files are copied, not caches left by importing its modules."""
     cache = SCAFFOLD / "rewards" / "__pycache__"

@@ -19,6 +19,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -139,11 +140,23 @@ class _Report:
         try:
             obj = import_object(ref)
         except RefError as e:
-            self.error(path, str(e))
+            self.error(path, str(e) + self._elsewhere(ref))
             return None
         if check is not None and (problem := check(obj)):
             self.error(path, problem)
         return obj
+
+
+    def _elsewhere(self, ref: str) -> str:
+        """A hint when the module is beside the spec but factory runs from another folder (python
+        references import from the working directory, the way `python -m` does)."""
+        top = ref.partition(":")[0].split(".")[0]
+        beside = self.source.base_dir
+        if beside.resolve() == Path.cwd().resolve() or top in sys.modules:
+            return ""
+        if (beside / top).is_dir() or (beside / f"{top}.py").is_file():
+            return f" here; it is in {shown_path(beside)}/: run factory from that folder"
+        return ""
 
 
 # ----------------------------------------------------------------------------------------- checks

@@ -38,9 +38,13 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
         if isinstance(result, asyncio.TimeoutError):
             errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))
         elif isinstance(result, Exception):
-            text = str(result).splitlines()[0] if str(result) else type(result).__name__
+            lines = str(result).splitlines() or [type(result).__name__]
             # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY"; the location says NAME.
-            text = text.rpartition("failed to start: ")[2]
+            text = lines[0].rpartition("failed to start: ")[2]
+            # "Connection closed" says little; the last line the server printed usually says why.
+            said = [line for line in lines[1:] if line.strip() and not line.startswith("--- server stderr")]
+            if said:
+                text += f"; the server's last words: {said[-1].strip()}"
             errors.append(source.error(f"tools.{name}", f"server failed to start: {text}"))
         elif isinstance(result, BaseException):
             raise result  # KeyboardInterrupt and friends are not spec errors
