@@ -468,7 +468,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)
-    if r.errors:
+    if train is None and not r.errors and not broken.get("rewards"):
+        r.error("rewards", "no node trains the policy: set `reward`")  # unreachable today; never a bare assert
+    if r.errors or train is None:  # train is None without errors only when the loader dropped a broken node
         return None, r.errors
     shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
     hashes: dict[str, Any] = {
@@ -482,7 +484,6 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     }
     hashes["run"] = sha256_json(hashes)
     stages, edges = stage_graph(spec)
-    assert train is not None  # no errors: the training node was found
     plan = Plan(
         spec=shown,
         spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),

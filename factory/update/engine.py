@@ -9,7 +9,7 @@ whatever the world size. On the CPU accelerator that JIT-compiles the `deepspeed
 torch.utils.cpp_extension (24-52 s here). No env var or config key skips it: `build_shm_op` only returns
 early when the accelerator has no builder or `deepspeed.ops.__compatible_ops__` says the op is
 incompatible, and ShareMemCommBuilder.is_compatible is True on Linux. So we make it a one-time cost:
-torch caches JIT builds in `$TORCH_EXTENSIONS_DIR`, which we point at `$FACTORY_CACHE/torch_extensions`
+torch caches JIT builds in `$TORCH_EXTENSIONS_DIR`, which we point at `$FACTORY_CACHE/torch_extensions/<env>`
 unless the user set it; a warm `deepspeed.initialize` then takes ~0.1 s. (The other way is an install-time
 prebuild: `DS_BUILD_SHM_COMM=1 pip install deepspeed==0.19.8`, after which the op is imported, not built.)
 """
@@ -28,9 +28,15 @@ from factory.schema import Spec
 def use_extension_cache() -> str:
     """Point torch's JIT-extension cache at Factory's cache folder (unless the user chose one) so the
     DeepSpeed shm_comm op is compiled once per machine, not once per run. Returns the folder."""
+    import hashlib
+    import sys
+
     from factory.assets import cache_dir
 
-    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+    # One folder per Python environment: the build records the sources' paths inside the venv, so two
+    # checkouts sharing one folder rebuild the op (~50 s) each time the other one ran.
+    env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions" / env))
 
 
 def _free_port() -> int:
