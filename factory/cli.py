@@ -1,7 +1,7 @@
 """The `factory` command: run, check, plan, diff, schema, init.
 
-Exit codes: 0 success; 2 the spec (or the command line) is wrong, with every problem listed and no
-traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
+Exit codes: 0 success; 2 the spec (or the command line, or the data it names) is wrong, with every
+problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
 `check` and `plan` import no torch, Ray or DeepSpeed: they answer in about a second.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
+from factory.util import UserError
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -154,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
+        return EXIT_SPEC_ERROR
+    except UserError as e:  # bad input found while running (data rows); Ray wraps it: show the cause
+        print(f"factory: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return EXIT_SPEC_ERROR
     except KeyboardInterrupt:
         return 130

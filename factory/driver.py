@@ -66,8 +66,11 @@ def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
 
     workdir = os.getcwd()
     res = spec.resources
+    from factory.reward.graph import required_columns
+
     data = ray.remote(DataStage).options(num_cpus=0).remote(
-        spec.data, seed=spec.seed, base_dir=Path(base_dir), eval_size=spec.train.eval_size)
+        spec.data, seed=spec.seed, base_dir=Path(base_dir), eval_size=spec.train.eval_size,
+        required_columns=required_columns(spec))
     rollout = ray.remote(RolloutStage).options(num_cpus=res.rollout.num_cpus, num_gpus=res.rollout.num_gpus).remote(
         spec, model_path, base_dir=base_dir, workdir=workdir)
     reward = ray.remote(RewardStage).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(

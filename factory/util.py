@@ -13,6 +13,11 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
+class UserError(Exception):
+    """Bad input found while running (data rows, ...): the CLI prints the message alone, no traceback,
+    and exits with code 2, as for a spec error."""
+
+
 def import_path(spec: str) -> Callable[..., Any]:
     """`package.module:attr` -> the attribute. The working directory is importable, so a user's
     `rewards/` folder next to the spec works without installing it."""

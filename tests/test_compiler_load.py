@@ -117,7 +117,7 @@ def test_duplicate_key_is_a_yaml_error_at_the_second_one(project):
 def test_empty_and_non_mapping_specs(project):
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("", "empty.yaml"))
-    assert report(e) == "empty.yaml: the spec is empty\n1 error in empty.yaml"
+    assert report(e) == "empty.yaml:1: the spec is empty\n1 error in empty.yaml"
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("- a\n- b\n", "list.yaml"))
     assert report(e) == "list.yaml:1: the spec must be a mapping of keys to values\n1 error in list.yaml"

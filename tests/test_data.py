@@ -3,7 +3,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from factory.data import DataStage, PromptRenderer, arithmetic, from_table, load_rows
+from factory.data import DataError, DataStage, PromptRenderer, arithmetic, from_table, load_rows
 from factory.schema import DataSource, DataSpec
 
 
@@ -59,3 +59,92 @@ def test_bad_file_type(tmp_path):
     (tmp_path / "d.csv").write_text("a")
     with pytest.raises(ValueError, match="must be .parquet or .jsonl"):
         load_rows(DataSource(path=str(tmp_path / "d.csv")), seed=0)
+
+
+# ------------------------------------------------------------------------------------- bad rows
+def _stage(tmp_path, text: str, name: str = "rows.jsonl", **spec) -> DataStage:
+    (tmp_path / name).write_text(text)
+    return DataStage(DataSpec(train=DataSource(path=name), **spec), seed=0, base_dir=tmp_path,
+                     required_columns={"answer": "rewards.correct"})
+
+
+def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
+    rows = [
+        '{"question": "1+1?", "answer": "2"}',
+        '{"question": "2+2?"}',                                   # no answer column
+        '',                                                       # blank lines are skipped, not counted
+        '{"question": 7, "answer": "3"}',                         # question of the wrong type
+        '{"prompt": [{"role": "user", "content": ["x"]}], "answer": "1"}',  # content not a string
+        '{"prompt": [{"role": "robot", "content": "hi"}], "answer": "1"}',  # unknown role
+        '{"prompt": [], "answer": "1"}',                           # no message at all
+        '["not", "an", "object"]',
+        '{"answer": "5"}',                                         # nothing to prompt with
+    ]
+    stage = _stage(tmp_path, "\n".join(rows) + "\n")
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value).splitlines() == [
+        "rows.jsonl:2: missing column 'answer' (needed by rewards.correct)",
+        "rows.jsonl:4: column 'question' must be a string, got int",
+        "rows.jsonl:5: message 0: content must be a string, got list",
+        "rows.jsonl:6: message 0: role must be one of system, user, assistant, tool, got 'robot'",
+        "rows.jsonl:7: expected a non-empty list of chat messages, got list",
+        "rows.jsonl:8: expected an object of columns, got list",
+        "rows.jsonl:9: a row needs a `prompt` messages column, a `question` column or data.prompt",
+    ]
+
+
+def test_invalid_json_lines_are_named(tmp_path):
+    stage = _stage(tmp_path, '{"question": "q", "answer": "1"}\n{"question": "q",\n')
+    with pytest.raises(DataError, match=r"^rows.jsonl:2: invalid JSON: Expecting property name"):
+        stage.setup()
+
+
+def test_prompt_template_reading_a_missing_column_names_the_row(tmp_path):
+    (tmp_path / "p.jinja").write_text("Solve {{ expression }}")
+    stage = _stage(tmp_path, '{"expression": "1+1", "answer": "2"}\n{"answer": "3"}\n', prompt="p.jinja")
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value) == "rows.jsonl:2: data.prompt needs a column this row does not have: 'expression' is undefined"
+
+
+def test_parquet_rows_and_many_problems(tmp_path):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"question": [f"q{i}" for i in range(30)], "gold": ["1"] * 30}), tmp_path / "d.parquet")
+    stage = DataStage(DataSpec(train=DataSource(path="d.parquet")), seed=0, base_dir=tmp_path,
+                      required_columns={"answer": "rewards.correct"})
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    lines = str(e.value).splitlines()
+    assert lines[0] == "d.parquet row 1: missing column 'answer' (needed by rewards.correct)"
+    assert len(lines) == 11 and lines[-1] == "... and 20 more"
+
+
+def test_eval_rows_are_checked_too(tmp_path):
+    (tmp_path / "ok.jsonl").write_text('{"question": "q", "answer": "1"}\n')
+    spec = DataSpec(train=DataSource(path="ok.jsonl"), eval=DataSource(generator=f"{__name__}:bad_generator"))
+    with pytest.raises(DataError, match=r"^tests.test_data:bad_generator row 2: column 'question' must be a string"):
+        DataStage(spec, seed=0, base_dir=tmp_path).setup()
+
+
+def bad_generator(n: int, seed: int = 0):
+    return [{"question": "fine"}, {"question": None}]
+
+
+def test_reward_functions_declare_the_columns_they_need(project):
+    from factory.compiler.load import load_spec
+    from factory.reward.graph import required_columns
+
+    project.module("rq_rewards", "def needs(prompt, completion, answer, unit, scale=1.0, **row):\n    return 0.0\n"
+                                 "def relaxed(prompt, completion, answer='', **row):\n    return 0.0\n")
+    spec = load_spec(project.spec("""\
+        name: x
+        model: {path: "factory:tiny-qwen3"}
+        data: {train: {generator: factory.data:arithmetic}, answer_key: gold}
+        rewards:
+          a: {fn: "rq_rewards:needs", args: {unit: cm}}
+          b: {fn: "rq_rewards:relaxed"}
+          total: {sum: {a: 1, b: 1}}
+        """))
+    assert required_columns(spec) == {"gold": "rewards.a"}

@@ -130,6 +130,17 @@ async def test_tool_that_raises_is_a_model_error(box):
     assert delta(before, after, "tools/boom/infra_errors") == 0
 
 
+async def test_json_rpc_error_keeps_the_servers_message_in_the_result_and_the_log(box, caplog):
+    with caplog.at_level("WARNING", logger="factory.tools.servers"):
+        result = await box.call(call("rpc_error", message="quota exhausted for key 7", code=-32000))
+    assert (result.status, result.error_kind) == ("infra_error", "transport")
+    assert result.text == "Error: tool server 'faulty' answered with error -32000: quota exhausted for key 7"
+    assert "JSON-RPC error -32000: quota exhausted for key 7" in caplog.text
+    refused = await box.call(call("rpc_error", message="x must be positive", code=-32602))  # INVALID_PARAMS
+    assert (refused.status, refused.error_kind) == ("model_error", "bad_arguments")
+    assert refused.text == "Error: invalid arguments for rpc_error: x must be positive"
+
+
 async def test_ten_megabyte_result_is_truncated_head_and_tail():
     # Its own server with a roomy timeout: moving 10 MB through a pipe on a loaded 2-core box can take >1 s.
     async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"timeout_s": 30.0})}) as box:

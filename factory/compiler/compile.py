@@ -42,6 +42,7 @@ from factory.compiler.refs import (
     source_file,
     template_problem,
 )
+from factory.compiler.settings import check_deepspeed, check_dependent
 from factory.compiler.translate import nearest
 from factory.plan import Edge, Plan, Stage
 from factory.schema import (
@@ -468,6 +469,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)
+    check_deepspeed(spec, r)
+    check_dependent(spec, algorithm, r)
     if train is None and not r.errors and not broken.get("rewards"):
         r.error("rewards", "no node trains the policy: set `reward`")  # unreachable today; never a bare assert
     if r.errors or train is None:  # train is None without errors only when the loader dropped a broken node

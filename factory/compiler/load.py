@@ -49,7 +49,8 @@ class SpecSource:
     file: str  # the spec file as the user named it (shown in messages)
     base_dir: Path  # the spec file's folder (absolute): relative file references fall back to it
     text: str
-    lines: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # dotted path -> (line, column) of its key
+    # dotted path -> (line, column) of its key; "" -> where the top-level mapping starts
+    lines: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()
     override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
     env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
@@ -63,6 +64,8 @@ class SpecSource:
         for p in _ancestors(path):
             if p in self.lines:
                 return (self.file, *self.lines[p])
+        if "" in self.lines:  # a missing top-level key: the line where the spec's mapping starts
+            return (self.file, *self.lines[""])
         return self.file, None, 0
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
@@ -165,7 +168,8 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             continue
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+        except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
+            # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
             msg = _omega_message(e) if isinstance(e, OmegaConfBaseException) else str(e).splitlines()[0]
             errors.append(SpecError(f"<override {n}>", None, key.strip(), msg))
             continue
@@ -212,21 +216,28 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
     source = SpecSource(file, Path(path).resolve().parent, text)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise SpecErrors([_yaml_error(e, file, text)], file) from None
+    if root is None:
+        raise SpecErrors([SpecError(file, 1, "", "the spec is empty")], file)
+    if not isinstance(root, yaml.MappingNode):  # OmegaConf asserts on a bare scalar
+        raise SpecErrors([SpecError(file, root.start_mark.line + 1, "",
+                                    "the spec must be a mapping of keys to values")], file)
+    try:
         cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
         key = getattr(e, "full_key", "") or ""
-        line = _line_map(root).get(key, (None, 0))[0]
+        line = _line_map(root).get(key, (root.start_mark.line + 1, 0))[0]
         raise SpecErrors([SpecError(file, line, key, _omega_message(e))], file) from None
-    if root is None:
-        raise SpecErrors([SpecError(file, None, "", "the spec is empty")], file)
     if not isinstance(cfg, DictConfig):
         raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
     errors: list[SpecError] = []
     cfg, override_paths = _apply_overrides(cfg, overrides, errors)
     raw = OmegaConf.to_container(cfg, resolve=False)
-    source = SpecSource(file, source.base_dir, text, _line_map(root), overrides, override_paths,
+    lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
+    source = SpecSource(file, source.base_dir, text, lines, overrides, override_paths,
                         env_paths(raw))  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
     return data, source, errors

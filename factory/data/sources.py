@@ -7,30 +7,112 @@ reward functions receive the ground truth and any extra fields as keyword argume
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import pyarrow as pa
 
 from factory.schema import DataSource, DataSpec
-from factory.util import import_path, resolve_file, template_env
+from factory.util import UserError, import_path, resolve_file, template_env
 
 
 # --------------------------------------------------------------------------------------------- loading
-def load_rows(source: DataSource, *, seed: int, base_dir: Path | None = None) -> list[dict[str, Any]]:
-    """All rows of one source as plain dicts."""
+class DataError(UserError, ValueError):
+    """Data rows that cannot be used (bad JSON, missing columns, wrong types), found while the data is
+    prepared, before any training step. The message names the file (or generator) and every bad row."""
+
+
+def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None
+                ) -> tuple[list[dict[str, Any]], list[str]]:
+    """All rows of one source as plain dicts, and where each came from (`file:line` for jsonl, `file row
+    N` for parquet, `generator row N`), for error messages."""
     if source.generator is not None:
         fn = import_path(source.generator)
-        return list(fn(n=source.size, seed=seed, **source.args))
+        rows = list(fn(n=source.size, seed=seed, **source.args))
+        return rows, [f"{source.generator} row {i + 1}" for i in range(len(rows))]
     path = resolve_file(source.path, base_dir)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
     if path.suffix in (".jsonl", ".json"):
+        rows, origins, problems = [], [], []
         with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    raise ValueError(f"{path}: data files must be .parquet or .jsonl")
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                    origins.append(f"{source.path}:{number}")
+                except json.JSONDecodeError as e:
+                    problems.append(f"{source.path}:{number}: invalid JSON: {e}")
+        if problems:
+            raise DataError(_listed(problems))
+        return rows, origins
+    raise DataError(f"{source.path}: data files must be .parquet or .jsonl")
+
+
+def load_rows(source: DataSource, *, seed: int, base_dir: Path | None = None) -> list[dict[str, Any]]:
+    """All rows of one source as plain dicts."""
+    return read_source(source, seed=seed, base_dir=base_dir)[0]
+
+
+_SHOWN_PROBLEMS = 10
+
+
+def _listed(problems: list[str]) -> str:
+    more = len(problems) - _SHOWN_PROBLEMS
+    return "\n".join(problems[:_SHOWN_PROBLEMS] + ([f"... and {more} more"] if more > 0 else []))
+
+
+def check_rows(rows: list[Any], origins: list[str], renderer: PromptRenderer,
+               required: Mapping[str, str] | None = None) -> None:
+    """Every row renders to valid chat messages and has the columns the reward functions need; raises
+    DataError listing the bad rows. `required`: column -> who needs it (`rewards.correct`)."""
+    problems = []
+    for row, where in zip(rows, origins):
+        problem = row_problem(row, renderer, required or {})
+        if problem:
+            problems.append(f"{where}: {problem}")
+    if problems:
+        raise DataError(_listed(problems))
+
+
+def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str]) -> str | None:
+    """Why one row cannot be used, or None."""
+    if not isinstance(row, dict):
+        return f"expected an object of columns, got {type(row).__name__}"
+    missing = [f"'{c}' (needed by {who})" for c, who in required.items() if c not in row]
+    if missing:
+        return f"missing column {', '.join(missing)}"
+    try:
+        renderer.messages(row)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        return str(e)
+    return None
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat messages as templates and the rollout expect them: a non-empty list of {role, content}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"expected a non-empty list of chat messages, got {_kind(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i}: expected an object with role and content, got {_kind(m)}")
+        if m.get("role") not in _ROLES:
+            raise ValueError(f"message {i}: role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i}: content must be a string, got {_kind(m.get('content'))}")
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__
 
 
 class PromptRenderer:
@@ -44,19 +126,39 @@ class PromptRenderer:
         self._answer_key = spec.answer_key
 
     def messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        """The row's chat messages; ValueError (or a jinja error naming a missing column) when the row
+        cannot make them."""
         if self._prompt is not None:
-            text = self._prompt.render(**row).strip()
+            text = self._render(self._prompt, row, "data.prompt")
             # A template may render a whole JSON message list, or just the user's text.
-            messages = json.loads(text) if text.startswith("[") else [{"role": "user", "content": text}]
+            if text.startswith("["):
+                try:
+                    messages = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data.prompt rendered invalid JSON for this row: {e}") from None
+            else:
+                messages = [{"role": "user", "content": text}]
         elif isinstance(row.get("prompt"), list):
-            messages = [dict(m) for m in row["prompt"]]
+            messages = [dict(m) if isinstance(m, dict) else m for m in row["prompt"]]
+        elif isinstance(row.get("question", row.get("prompt")), str):
+            messages = [{"role": "user", "content": row.get("question", row.get("prompt"))}]
         elif "question" in row or "prompt" in row:
-            messages = [{"role": "user", "content": str(row.get("question", row.get("prompt")))}]
+            column = "question" if "question" in row else "prompt"
+            raise ValueError(f"column '{column}' must be a string{' or a list of messages' * (column == 'prompt')}, "
+                             f"got {_kind(row[column])}")
         else:
             raise ValueError("a row needs a `prompt` messages column, a `question` column or data.prompt")
-        if self._system is not None and not (messages and messages[0]["role"] == "system"):
-            messages.insert(0, {"role": "system", "content": self._system.render(**row).strip()})
+        _check_messages(messages)
+        if self._system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self._render(self._system, row, "data.system_prompt")})
         return messages
+
+    @staticmethod
+    def _render(template: jinja2.Template, row: dict[str, Any], name: str) -> str:
+        try:
+            return template.render(**row).strip()
+        except jinja2.UndefinedError as e:  # StrictUndefined: the template reads a column the row lacks
+            raise ValueError(f"{name} needs a column this row does not have: {e.message}") from None
 
     def row_fields(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row as reward functions see it: `answer` is the ground-truth column."""

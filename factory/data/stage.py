@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from factory.data.sources import PromptRenderer, load_rows, to_table
+from factory.data.sources import DataError, PromptRenderer, check_rows, read_source, to_table
 from factory.schema import DataSpec
 
 
@@ -15,8 +16,10 @@ class DataStage:
     """The data-prep stage: an endless, seeded, epoch-shuffled stream of training batches and a fixed eval
     batch. Holds everything in memory: RL prompt sets are small next to the model."""
 
-    def __init__(self, spec: DataSpec, *, seed: int, base_dir: Path | None = None, eval_size: int | None = None):
+    def __init__(self, spec: DataSpec, *, seed: int, base_dir: Path | None = None, eval_size: int | None = None,
+                 required_columns: Mapping[str, str] | None = None):
         self._spec, self._seed, self._base_dir, self._eval_size = spec, seed, base_dir, eval_size
+        self._required = dict(required_columns or {})  # column -> who needs it, checked on every row
         self._rows: list[dict[str, Any]] = []
         self._order: list[int] = []
         self._epoch = 0
@@ -24,14 +27,19 @@ class DataStage:
 
     def setup(self) -> dict[str, int]:
         self._renderer = PromptRenderer(self._spec, self._base_dir)
-        self._rows = load_rows(self._spec.train, seed=self._seed, base_dir=self._base_dir)
+        # Every row is checked here, before any training step: a bad row 3,000 rows in would otherwise stop
+        # the run when an epoch first reaches it.
+        self._rows, origins = read_source(self._spec.train, seed=self._seed, base_dir=self._base_dir)
         if not self._rows:
-            raise ValueError("data.train produced no rows")
-        # Eval rows come from another seed stream so generated eval questions differ from training ones.
-        self._eval = (load_rows(self._spec.eval, seed=self._seed + 1_000_003, base_dir=self._base_dir)
-                      if self._spec.eval else [])
-        if self._eval_size is not None:
-            self._eval = self._eval[: self._eval_size]
+            raise DataError("data.train produced no rows")
+        check_rows(self._rows, origins, self._renderer, self._required)
+        self._eval = []
+        if self._spec.eval:
+            # Eval rows come from another seed stream so generated eval questions differ from training ones.
+            self._eval, origins = read_source(self._spec.eval, seed=self._seed + 1_000_003, base_dir=self._base_dir)
+            if self._eval_size is not None:
+                self._eval, origins = self._eval[: self._eval_size], origins[: self._eval_size]
+            check_rows(self._eval, origins, self._renderer, self._required)
         self._reshuffle()
         return {"train_rows": len(self._rows), "eval_rows": len(self._eval)}
 

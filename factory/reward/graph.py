@@ -9,6 +9,7 @@ and over the values that exist.
 from __future__ import annotations
 
 import graphlib
+import inspect
 import json
 import math
 import re
@@ -28,6 +29,7 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
+from factory.util import import_path
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there
@@ -52,6 +54,29 @@ def training_node(spec: Spec) -> str:
     if spec.reward:
         return spec.reward
     return next(iter(spec.rewards)) if len(spec.rewards) == 1 else "total"
+
+
+def required_columns(spec: Spec) -> dict[str, str]:
+    """Data columns the reward functions cannot do without: column -> the node that needs it.
+
+    A reward function is called as `fn(prompt, completion, **row, **args)` (plus `turns` when it asks),
+    so every other parameter that has no default and is not bound by the node's `args` must come from
+    the row; its `answer` is the row's `data.answer_key` column. The data stage checks every row for them
+    before the first step."""
+    needed: dict[str, str] = {}
+    for name, node in spec.rewards.items():
+        if not isinstance(node, FnNode) or node.group:
+            continue
+        try:
+            params = list(inspect.signature(import_path(node.fn)).parameters.values())[2:]
+        except (TypeError, ValueError):  # no introspectable signature: nothing to require
+            continue
+        for p in params:
+            if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and p.name not in node.args and p.name != "turns"):
+                column = spec.data.answer_key if p.name == "answer" else p.name
+                needed.setdefault(column, f"rewards.{name}")
+    return needed
 
 
 def roots(nodes: dict[str, Any], train: str) -> list[str]:

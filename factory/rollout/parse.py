@@ -40,6 +40,8 @@ def parse_one(raw: str) -> ToolCall:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         return _malformed(raw, f"invalid JSON: {e}")
+    except RecursionError:  # a model can nest `[[[[...` deeper than the decoder's recursion limit
+        return _malformed(raw, "invalid JSON: nested too deeply")
     if not isinstance(obj, dict):
         return _malformed(raw, f"expected a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -52,6 +54,8 @@ def parse_one(raw: str) -> ToolCall:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             return ToolCall(name=name, arguments=None, raw=raw, parse_error=f'"arguments" string is not JSON: {e}')
+        except RecursionError:
+            return ToolCall(name=name, arguments=None, raw=raw, parse_error='"arguments" string is nested too deeply')
     if not isinstance(args, dict):
         return ToolCall(name=name, arguments=None, raw=raw,
                         parse_error=f'"arguments" must be a JSON object, got {type(args).__name__}')

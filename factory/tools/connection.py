@@ -153,6 +153,12 @@ class McpConnection:
         self.tools: list[mcp_types.Tool] = []
         self.in_flight = 0
         self.lost = False
+        self._watched: _WatchedReadStream | None = None
+
+    @property
+    def stream_ended(self) -> bool:
+        """The server's side of the transport has ended (EOF): the process died or the session broke."""
+        return self._watched is not None and self._watched.ended.is_set()
 
     @property
     def alive(self) -> bool:
@@ -176,7 +182,7 @@ class McpConnection:
         self._stderr = tempfile.TemporaryFile()
         try:
             async with self._transport(self._stderr) as (read_stream, write_stream):
-                watched = _WatchedReadStream(read_stream)
+                watched = self._watched = _WatchedReadStream(read_stream)
                 async with ClientSession(watched, write_stream, client_info=CLIENT_INFO) as session:
                     with anyio.fail_after(timeout_s):
                         await session.initialize()

@@ -38,6 +38,8 @@ from factory.types import ToolResult
 
 log = logging.getLogger(__name__)
 
+# The message of the error the SDK raises itself when the transport closes under a request.
+_SDK_CLOSED = "Connection closed"
 # Stream errors: the connection under the session is gone (process died, pipe closed, HTTP broke).
 _CONNECTION_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
 
@@ -144,7 +146,9 @@ class McpServer:
     ) -> tuple[ToolResult, bool]:
         """Classify an exception from tools/call into a ToolResult and whether to retry it."""
         if isinstance(exc, MCPError):
-            if exc.code == mcp_types.CONNECTION_CLOSED:
+            # The SDK reports a closed transport as error -32000, a code servers may use for their own
+            # errors too ("implementation-defined server error"); only a real close is a crash.
+            if exc.code == mcp_types.CONNECTION_CLOSED and (connection.stream_ended or exc.message == _SDK_CLOSED):
                 replica.lost(connection)
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
             if exc.code == mcp_types.REQUEST_TIMEOUT:
@@ -153,9 +157,13 @@ class McpServer:
             if exc.code == mcp_types.INVALID_PARAMS:
                 # The server's own validation refused arguments that passed the inputSchema check.
                 self._breaker.record_success()
-                return model_error(tool, "bad_arguments", f"Error: invalid arguments for {tool}: {exc}"), False
+                log.info("tool server %s refused the arguments of %s: %s", self.name, tool, exc.message)
+                return model_error(tool, "bad_arguments", f"Error: invalid arguments for {tool}: {exc.message}"), False
             self._breaker.record_success()  # the server answered; it is alive
-            return infra_error(tool, "transport", f"Error: tool server {self.name!r} answered with an error."), True
+            # The server's own words are the only clue to what went wrong: keep them in the result and the log.
+            log.warning("tool server %s answered %s with JSON-RPC error %s: %s", self.name, tool, exc.code, exc.message)
+            text = f"Error: tool server {self.name!r} answered with error {exc.code}: {exc.message}"
+            return infra_error(tool, "transport", text), True
         if isinstance(exc, _CONNECTION_ERRORS):
             replica.lost(connection)
             return infra_error(tool, "crash", f"Error: lost the connection to tool server {self.name!r}."), True

@@ -10,6 +10,7 @@ import sys
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.shared.exceptions import MCPError
 
 # CRITICAL: the SDK would render every raised exception as a rich traceback, slowing the whole server.
 server = MCPServer("faulty", log_level="CRITICAL")
@@ -33,6 +34,12 @@ async def sleep(seconds: float) -> str:
 def boom(message: str = "kaboom") -> str:
     """Raise, as a buggy tool does; the server turns it into an isError result."""
     raise ValueError(message)
+
+
+@server.tool(structured_output=False)
+def rpc_error(message: str, code: int = -32603) -> str:
+    """Answer with a JSON-RPC error (a protocol error, not a tool's isError result)."""
+    raise MCPError(code, message)
 
 
 @server.tool(structured_output=False)

@@ -1,0 +1,151 @@
+"""No silently ignored setting: checks for values the pydantic schema accepts but the pipeline would not use.
+
+The schema forbids unknown keys, but three kinds of setting can still be accepted and then ignored:
+- `train.deepspeed` passes extra keys through to DeepSpeed, whose config reader ignores top-level keys
+  it does not know (a misspelt `zero_stagee` did nothing). They are checked against the keys DeepSpeed
+  reads (`DEEPSPEED_KEYS`, a static list so that `factory check` stays torch-free; a test compares it
+  with what DeepSpeed 0.19's own config reader looks up).
+- keys of DeepSpeed's config that Factory itself sets from the spec: a second source of truth that
+  would silently override (or be overridden by) the spec's own setting.
+- settings that only matter together with another one (`train.eval_every` without `data.eval`). Those
+  are warnings, not errors, because an override that turns the other setting off (`data.eval=null` to
+  skip evaluation for a quick run) is legitimate; `factory check`, `plan` and `run` print them.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from factory.compiler.translate import nearest, show
+from factory.schema import DeepSpeedSpec, Spec
+
+# Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
+# lookups of the real reader and compares). Any other top-level key is ignored by DeepSpeed.
+DEEPSPEED_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+    "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline",
+    "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+    "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention", "sparse_gradients",
+    "steps_per_print", "tensor_parallel", "tensorboard", "timers", "torch_autocast", "train_batch_size",
+    "train_micro_batch_size_per_gpu", "use_data_before_expert_parallelism", "vocabulary_size",
+    "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "zero_optimization",
+})
+
+# The keys (and aliases) of DeepSpeed's `zero_optimization` section (DeepSpeedZeroConfig; DeepSpeed
+# refuses others too, but only when the update actor starts, a minute into the run).
+ZERO_KEYS = frozenset({
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "elastic_checkpoint", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
+    "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
+    "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer", "offload_param",
+    "overlap_comm", "override_module_apply", "param_persistence_threshold", "parameter_alignment",
+    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage", "stage3_allgather_sequential",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+    "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights",
+})
+
+# DeepSpeed keys that Factory derives from the spec (factory.update.engine.deepspeed_config): setting
+# them under `train.deepspeed` would fight the spec's own setting, so the error names that setting.
+OWNED_KEYS = {
+    "train_micro_batch_size_per_gpu": "set train.micro_batch",
+    "train_batch_size": "the batch is train.prompts_per_step x rollout.group_size",
+    "gradient_accumulation_steps": "Factory accumulates each mini-batch itself: set algorithm.mini_batches "
+                                   "and train.micro_batch",
+    "managed_gradient_accumulation": "Factory accumulates each mini-batch itself",
+    "gradient_clipping": "set train.optimizer.grad_clip",
+    "optimizer": "set train.optimizer",
+    "scheduler": "set train.lr and train.warmup_steps",
+    "bf16": "set model.dtype (or train.bf16_autocast)",
+    "bfloat16": "set model.dtype (or train.bf16_autocast)",
+    "fp16": "set model.dtype",
+    "amp": "set model.dtype (or train.bf16_autocast)",
+    "torch_autocast": "set train.bf16_autocast",
+}
+OWNED_ZERO_KEYS = {"stage": "set train.deepspeed.zero_stage"}
+
+
+class Report(Protocol):
+    def error(self, path: str, message: str) -> None: ...
+
+    def warn(self, path: str, message: str) -> None: ...
+
+
+def _unknown(key: str, valid: frozenset[str] | set[str], where: str) -> str:
+    near = nearest(key, sorted(valid))
+    hint = f"; did you mean '{near}'?" if near else f"; see DeepSpeed's configuration reference for {where}"
+    return f"unknown key '{key}'{hint}"
+
+
+def check_deepspeed(spec: Spec, r: Report) -> None:
+    """Every extra key under `train.deepspeed` is one DeepSpeed reads and Factory does not set itself."""
+    extra: dict[str, Any] = dict(spec.train.deepspeed.model_extra or {})
+    for key, value in extra.items():
+        path = f"train.deepspeed.{key}"
+        if key in OWNED_KEYS:
+            r.error(path, f"Factory sets this DeepSpeed key from the spec: {OWNED_KEYS[key]}")
+        elif key not in DEEPSPEED_KEYS:
+            # Factory's own keys first: `zero_stagee` most likely meant `zero_stage`.
+            r.error(path, _unknown(key, set(DeepSpeedSpec.model_fields) | DEEPSPEED_KEYS, "the top level"))
+        elif key == "zero_optimization":
+            if not isinstance(value, dict):
+                r.error(path, f"expected a mapping, got {show(value)}")
+                continue
+            for sub in value:
+                if sub in OWNED_ZERO_KEYS:
+                    r.error(f"{path}.{sub}", f"Factory sets this DeepSpeed key from the spec: {OWNED_ZERO_KEYS[sub]}")
+                elif sub not in ZERO_KEYS:
+                    r.error(f"{path}.{sub}", _unknown(str(sub), ZERO_KEYS, "zero_optimization"))
+    ds = spec.train.deepspeed
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        r.error("train.deepspeed.offload_optimizer", "optimizer offload needs ZeRO: set zero_stage to 1, 2 or 3")
+
+
+def _set(model: Any, field: str) -> bool:
+    """Whether the user wrote the field (a default does not count)."""
+    return field in model.model_fields_set
+
+
+def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
+    """Settings that conflict with the source they belong to (errors), and settings that do nothing
+    because another setting is off (warnings)."""
+    for split in ("train", "eval"):
+        source = getattr(spec.data, split)
+        if source is None or source.path is None:
+            continue
+        for field in ("size", "args"):
+            if _set(source, field):
+                r.error(f"data.{split}.{field}", f"'{field}' applies to a generator; every row of the file "
+                                                 f"{source.path} is used")
+    unused = "has no effect"
+    if spec.data.eval is None:
+        for path, model, field in (("metrics", spec, "metrics"), ("train.eval_every", spec.train, "eval_every"),
+                                   ("train.eval_size", spec.train, "eval_size")):
+            if _set(model, field):
+                r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
+    if spec.rollout.engine != "vllm" and _set(spec.rollout, "kv_cache_gb"):
+        r.warn("rollout.kv_cache_gb", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
+    if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
+        r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")
+    if spec.algorithm.kl.coef == 0:
+        for field in ("estimator", "apply"):
+            if _set(spec.algorithm.kl, field):
+                r.warn(f"algorithm.kl.{field}", f"{unused} while algorithm.kl.coef is 0 (no KL term)")
+    if _set(spec.algorithm, "dual_clip_c") and algorithm.get("loss") != "dual_clip":
+        r.warn("algorithm.dual_clip_c", f"{unused} with loss '{algorithm.get('loss')}' (dual_clip only)")
+    overlong = spec.algorithm.overlong
+    if _set(overlong, "penalty") and overlong.buffer == 0:
+        r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")
+    if spec.resources.ray_address and _set(spec.resources, "object_store_gb"):
+        r.warn("resources.object_store_gb", f"{unused} when joining a Ray cluster (resources.ray_address)")

@@ -1,0 +1,213 @@
+"""No silently ignored setting: every schema field is read, DeepSpeed pass-through keys are real DeepSpeed
+keys, settings that depend on another one say so, and a broken reward node is a located error."""
+from __future__ import annotations
+
+import ast
+import os
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from factory import cli
+from factory.compiler.compile import compile_file
+from factory.compiler.errors import SpecErrors
+from factory.compiler.settings import DEEPSPEED_KEYS, ZERO_KEYS
+from factory.compiler.translate import _strip, _union_members
+from factory.schema import Spec
+from tests.test_compiler_support import BASE, report
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Fields read without naming them as an attribute: the combinators' inputs are read by
+# factory.reward.graph.node_inputs as getattr(node, <class name>). kv_cache_gb is read by the vLLM engine
+# (issue 8); until it lands, `engine: hf` warns that it has no effect and `engine: vllm` stops at setup.
+READ_INDIRECTLY = {"MinNode.min", "MaxNode.max", "ProductNode.product", "RolloutSpec.kv_cache_gb"}
+
+
+def _models(ann: typing.Any, out: set[type[BaseModel]]) -> set[type[BaseModel]]:
+    ann = _strip(ann)
+    for member in _union_members(ann) or (ann,):
+        member = _strip(member)
+        if typing.get_origin(member) in (dict, list, tuple):
+            for arg in typing.get_args(member):
+                _models(arg, out)
+        elif isinstance(member, type) and issubclass(member, BaseModel) and member not in out:
+            out.add(member)
+            for field in member.model_fields.values():
+                _models(field.annotation, out)
+    return out
+
+
+def _names_read_by_the_pipeline() -> set[str]:
+    """Attribute names (and getattr constants) used anywhere in factory/ outside the schema itself and
+    the compiler's warnings about unused settings."""
+    names: set[str] = set()
+    for path in (REPO / "factory").rglob("*.py"):
+        if path.name == "schema.py" or path.relative_to(REPO).as_posix() == "factory/compiler/settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant)):
+                names.add(node.args[1].value)
+    return names
+
+
+def test_every_schema_field_is_read_by_the_pipeline():
+    """A guard, not a proof: a field whose name is never read anywhere in factory/ is certainly ignored."""
+    read = _names_read_by_the_pipeline()
+    unread = sorted(f"{m.__name__}.{f}" for m in _models(Spec, set()) for f in m.model_fields
+                    if f not in read and f"{m.__name__}.{f}" not in READ_INDIRECTLY)
+    assert unread == []
+
+
+def test_deepspeed_key_list_is_what_deepspeed_reads():
+    """Record every top-level key DeepSpeed's own config reader looks up; the static list must match it
+    (after a DeepSpeed upgrade this says which keys to add or drop)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    seen: set[str] = set()
+
+    class Recording(dict):
+        def get(self, key, *default):
+            seen.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+        def keys(self):  # DeepSpeed also asks `KEY in param_dict.keys()`
+            outer = self
+
+            class Keys:
+                def __contains__(self, key):
+                    seen.add(key)
+                    return dict.__contains__(outer, key)
+
+                def __iter__(self):
+                    return iter(dict.keys(outer))
+
+                def __len__(self):
+                    return dict.__len__(outer)
+
+            return Keys()
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1))
+    # sequence_parallel_size is read only when torch.distributed is initialised (not in this process).
+    assert DEEPSPEED_KEYS == seen | {"sequence_parallel_size"}
+    zero = {n for n, f in DeepSpeedZeroConfig.model_fields.items()} | {
+        f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    assert ZERO_KEYS == zero
+
+
+def _spec(project, mod: str, extra: str = "", base: str = BASE) -> str:
+    project.module(mod)
+    return project.spec(base.replace("{mod}", mod) + extra)
+
+
+def _errors(path: str, overrides=()) -> str:
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path, overrides)
+    return report(e)
+
+
+def test_deepspeed_keys_are_checked_with_a_suggestion(project):
+    path = _spec(project, "st_ds", "train:\n  deepspeed:\n    zero_stagee: 2\n    steps_per_prin: 10\n"
+                                   "    zero_optimization: {overlap_com: true, stage: 2, reduce_bucket_size: 5}\n"
+                                   "    gradient_clipping: 0.5\n    offload_optimizer: true\n")
+    assert _errors(path) == (
+        "spec.yaml:11: train.deepspeed.zero_stagee: unknown key 'zero_stagee'; did you mean 'zero_stage'?\n"
+        "spec.yaml:12: train.deepspeed.steps_per_prin: unknown key 'steps_per_prin'; did you mean 'steps_per_print'?\n"
+        "spec.yaml:13: train.deepspeed.zero_optimization.overlap_com: unknown key 'overlap_com'; did you mean "
+        "'overlap_comm'?\n"
+        "spec.yaml:13: train.deepspeed.zero_optimization.stage: Factory sets this DeepSpeed key from the spec: "
+        "set train.deepspeed.zero_stage\n"
+        "spec.yaml:14: train.deepspeed.gradient_clipping: Factory sets this DeepSpeed key from the spec: "
+        "set train.optimizer.grad_clip\n"
+        "spec.yaml:15: train.deepspeed.offload_optimizer: optimizer offload needs ZeRO: set zero_stage to 1, 2 or 3\n"
+        "6 errors in spec.yaml")
+
+
+def test_real_deepspeed_keys_pass(project):
+    path = _spec(project, "st_ds_ok", "train:\n  deepspeed: {zero_stage: 2, offload_optimizer: true, "
+                                      "steps_per_print: 5, zero_optimization: {overlap_comm: true}}\n")
+    spec, _ = compile_file(path)
+    assert spec.train.deepspeed.model_extra == {"steps_per_print": 5, "zero_optimization": {"overlap_comm": True}}
+
+
+def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
+    path = _spec(project, "st_eval", "metrics: {acc: correct}\ntrain: {eval_every: 2, eval_size: 4}\n")
+    assert cli.main(["check", path]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "spec.yaml:9: metrics: warning: has no effect without data.eval (there is nothing to evaluate)",
+        "spec.yaml:10: train.eval_every: warning: has no effect without data.eval (there is nothing to evaluate)",
+        "spec.yaml:10: train.eval_size: warning: has no effect without data.eval (there is nothing to evaluate)",
+    ]
+    # with eval data they are what they say
+    assert cli.main(["check", path, "data.eval={generator: 'factory.data:arithmetic', size: 4}"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_settings_that_another_setting_switches_off_warn(project):
+    path = _spec(project, "st_dep", "rollout: {kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
+                                    "algorithm: {kl: {estimator: k1}, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")
+    _, plan = compile_file(path)
+    assert plan.warnings == (
+        "spec.yaml:9: rollout.kv_cache_gb: warning: has no effect with engine 'hf' (vLLM only)",
+        "spec.yaml:10: train.optimizer.betas: warning: has no effect with optimizer 'sgd' (AdamW only)",
+        "spec.yaml:11: algorithm.kl.estimator: warning: has no effect while algorithm.kl.coef is 0 (no KL term)",
+        "spec.yaml:11: algorithm.dual_clip_c: warning: has no effect with loss 'ppo_clip' (dual_clip only)",
+        ("spec.yaml:11: algorithm.overlong.penalty: warning: has no effect while algorithm.overlong.buffer is 0 "
+         "(no soft penalty)"),
+    )
+
+
+def test_generator_settings_on_a_file_are_errors(project):
+    project.file("rows.jsonl", '{"question": "1+1?", "answer": "2"}\n')
+    base = BASE.replace("train: {generator: factory.data:arithmetic, size: 8}",
+                        "train: {path: rows.jsonl, size: 8, args: {a: 1}}")
+    path = _spec(project, "st_file", base=base)
+    assert _errors(path) == (
+        "spec.yaml:4: data.train.size: 'size' applies to a generator; every row of the file rows.jsonl is used\n"
+        "spec.yaml:4: data.train.args: 'args' applies to a generator; every row of the file rows.jsonl is used\n"
+        "2 errors in spec.yaml")
+
+
+@pytest.mark.parametrize("total, message", [
+    ("total: {sum: {correct: {a: 1}, shaping: 0.2, attempted: 0.1}}",
+     "rewards.total.sum.correct: expected a number, got a mapping"),
+    ("total: {sum: {correct: [1, 2], shaping: 0.2, attempted: 0.1}}",
+     "rewards.total.sum.correct: expected a number, got a list"),
+    ("total: {nested: {sum: {correct: 1.0}}}",
+     "rewards.total: expected one of the keys: fn, llm_judge, tool, sum, min, max, product"),
+    ("total: [correct, shaping]",
+     "rewards.total: expected a mapping with one of the keys: fn, llm_judge, tool, sum, min, max, product, got a list"),
+])
+def test_calculator_reward_node_replaced_by_a_mapping_or_list_is_located(tmp_path, monkeypatch, capsys, total,
+                                                                        message):
+    """A mapping or list in place of a weight, or of the whole training node, crashed the compiler with an
+    AssertionError (exit 1); it is a located spec error (exit 2)."""
+    text = (REPO / "specs/calculator.yaml").read_text()
+    line = "total: {sum: {correct: 1.0, shaping: 0.2, attempted: 0.1}}"
+    assert line in text
+    spec = tmp_path / "calculator.yaml"
+    spec.write_text(text.replace(line, total))
+    lineno = text[: text.index(line)].count("\n") + 1
+    monkeypatch.chdir(REPO)  # the spec's reward functions and prompts are the repository's
+    assert cli.main(["check", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:{lineno}: {message}" in err and "internal error" not in err
