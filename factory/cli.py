@@ -47,6 +47,11 @@ def _run(args: argparse.Namespace) -> int:
     spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
+    if not (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")):
+        # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
+        # interface and advertise the machine's address; this flag (read when ray is imported, so set it
+        # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from factory.driver import run
 
     run(plan, spec)

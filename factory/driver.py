@@ -186,8 +186,8 @@ def run(plan: Any, spec: Spec) -> RunResult:
         try:
             stages = place_stages(spec, model_path, str(plan.base_dir))
             tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
-                    **_commits(), **spec.tracking.tags}
-            tracker.start(spec.name, {**plan.spec, "resolved": stages.resolved}, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+                    **_commits(), **plan.spec["tracking"]["tags"]}  # the plan's: env-derived values masked
+            tracker.start(plan.spec["name"], {**plan.spec, "resolved": stages.resolved}, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
             status = "FINISHED"

@@ -11,6 +11,7 @@ defaults apply, drops broken reward/tool nodes) so that the compiler can still r
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -140,10 +141,11 @@ def _leaves(data: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
         yield prefix, data
 
 
-def env_paths(raw: dict) -> frozenset[str]:
-    """Paths whose value came from `${oc.env:...}`, directly or through interpolating such a value."""
+def env_paths(raw: dict, seed: Iterable[str] = ()) -> frozenset[str]:
+    """Paths whose value came from `${oc.env:...}`, directly or through interpolating such a value (or one
+    of the `seed` paths, already known to be env-derived)."""
     strings = {p: v for p, v in _leaves(raw) if isinstance(v, str) and "${" in v}
-    found = {p for p, v in strings.items() if "oc.env" in v}
+    found = {p for p, v in strings.items() if "oc.env" in v} | set(seed)
     grew = True
     while grew:
         grew = False
@@ -345,7 +347,27 @@ def load_all(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Loaded:
         loaded.spec = _with_default_interpolations(spec, data)
     except (OmegaConfBaseException, ValidationError) as e:
         loaded.errors.append(source.error("", f"cannot resolve a default: {str(e).splitlines()[0]}"))
+        return loaded
+    # A default that interpolates an env-derived value (`checkpoint_dir: runs/${name}` with a name from
+    # ${oc.env:...}) is env-derived too: mask it wherever the spec is shown.
+    defaults = {dotted(parts): template for parts, template in _default_templates(spec)}
+    if defaults:
+        derived = env_paths(_nested(defaults), seed=source.env_paths) - source.env_paths
+        if derived:
+            loaded.source = dataclasses.replace(source, env_paths=source.env_paths | derived)
     return loaded
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1} -> {"a": {"b": 1}}."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        target = out
+        *parents, last = path.split(".")
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[last] = value
+    return out
 
 
 def load(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[Spec, SpecSource]:

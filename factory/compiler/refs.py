@@ -143,13 +143,14 @@ def find_file(path: str, base_dir: Path) -> Path | None:
 def template_problem(path: Path, chat_template: bool = False) -> str | None:
     """A jinja syntax error in a template, as `file:line: message`."""
     import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from factory.util import template_env
 
     if chat_template:
         # Hugging Face chat templates may use loop controls and the `generation` tag (transformers
         # adds both); parse with the controls and let an unknown `generation` tag pass.
-        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     else:
         env = template_env()
     try:

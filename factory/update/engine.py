@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Any
 
 import torch
@@ -39,29 +38,24 @@ def use_extension_cache() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions" / env))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group() -> None:
     """Join (or make) the torch.distributed group DeepSpeed needs.
 
     Under a launcher (torchrun, `deepspeed`, WORLD_SIZE > 1) its env vars are used as they are. Alone,
-    we are a world of one: rank 0 on 127.0.0.1 with a fresh port each time, so a second learner in the
-    same process (tests, a restart) never meets a port the first one left in TIME_WAIT. The backend is
-    the accelerator's: gloo on CPU, nccl on CUDA."""
+    we are a world of one: there is nobody to meet, so the group is made on an in-memory store rather
+    than env:// (whose TCPStore listens on every interface), and a second learner in the same process
+    (tests, a restart) never meets a port in TIME_WAIT. The backend is the accelerator's: gloo on CPU,
+    nccl on CUDA."""
     import deepspeed
 
     if torch.distributed.is_initialized():
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1")
     use_extension_cache()
-    deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name(),
-                               verbose=False)
+    backend = deepspeed.get_accelerator().communication_backend_name()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
 
 
 def on_cuda() -> bool:
