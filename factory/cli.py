@@ -1,4 +1,4 @@
-"""The `factory` command: run, check, plan, diff, schema, init.
+"""The `factory` command: run, check, plan, diff, export, schema, init.
 
 Exit codes: 0 success; 2 the spec (or the command line, or the data it names) is wrong, with every
 problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
@@ -56,6 +56,12 @@ def _run(args: argparse.Namespace) -> int:
 
     run(plan, spec)
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from factory.export import main as export_main
+
+    return export_main(args)
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -136,6 +142,15 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--write", action="store_true",
                     help="rewrite the committed schema and reference of this source checkout")
     sc.set_defaults(func=_schema)
+
+    e = sub.add_parser("export", help="copy a run's checkpoint out as a Hugging Face folder (transformers, vLLM)",
+                       description="copy a run's checkpoint out as a Hugging Face folder: safetensors, tokenizer and "
+                                   "the run's chat template; loads with transformers and serves with vLLM")
+    e.add_argument("run", metavar="RUN", help="MLflow run id, or a checkpoint folder (train.checkpoint_dir)")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest)")
+    e.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
+    e.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    e.set_defaults(func=_export)
 
     d = sub.add_parser("diff", help="compare two tracked runs: settings, hashes and final metrics",
                        description="compare two tracked runs: settings, hashes and final metrics")

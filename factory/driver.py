@@ -76,7 +76,7 @@ def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
     reward = ray.remote(RewardStage).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(
         spec, base_dir=base_dir, workdir=workdir)
     update = ray.remote(UpdateStage).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
-        spec, model_path, workdir=workdir)
+        spec, model_path, workdir=workdir, base_dir=base_dir)
     _, roll, _, upd = ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
     return Stages(data, rollout, reward, update, [data, rollout, reward, update],
                   resolved={"rollout": roll["resolved"], "update": upd["resolved"]})

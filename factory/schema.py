@@ -404,6 +404,8 @@ class TrainSpec(Section):
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int | None = Field(None, ge=1)
+    """Keep only the newest K checkpoints, deleting older ones as new ones are committed (None = keep all)."""
     checkpoint_dir: str = "runs/${name}"
     """Where checkpoints go: `<dir>/step_<N>/` and a `latest` file naming the newest."""
     eval_every: int = 0

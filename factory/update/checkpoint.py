@@ -1,33 +1,49 @@
-"""Checkpoint layout, the `latest` marker, and the RNG state a resumed run needs.
+"""Checkpoint layout, how a checkpoint is committed atomically, which ones are kept, and the RNG state a
+resumed run needs.
 
 Layout of a checkpoint directory (`train.checkpoint_dir`):
 
     <dir>/
       latest                      text "step_<N>": the newest COMPLETE checkpoint
-      step_<N>/                   DeepSpeed engine.save_checkpoint(tag="step_<N>"): model, optimizer
-                                  (ZeRO-partitioned when ZeRO >= 1), and client state {step, rng}
+      step_<N>/                   DeepSpeed engine.save_checkpoint: model, optimizer (ZeRO-partitioned when
+                                  ZeRO >= 1), and client state {step, rng}
         mp_rank_00_model_states.pt, *optim_states.pt, ...   (DeepSpeed's own files)
-        hf/                       Hugging Face folder: config, model.safetensors, tokenizer;
-                                  `AutoModelForCausalLM.from_pretrained(<dir>/step_<N>/hf)` loads it
+        run_state.json            what the driver needs to continue: data position, MLflow run id, ...
+        hf/                       Hugging Face folder: config, model.safetensors, tokenizer with the run's
+                                  chat template; `AutoModelForCausalLM.from_pretrained(<dir>/step_<N>/hf)`
       step_<M>/ ...
+      .incomplete-step_<K>/       a save in progress, or one that a crash interrupted (removed by the next save)
 
-`latest` is written last, atomically (write + rename), so a run killed while saving resumes from the
-previous complete checkpoint, never from a half-written one.
+A save writes everything into `.incomplete-step_<N>/`, renames that folder to `step_<N>/` (one atomic
+rename on POSIX), then rewrites `latest` (write + rename). A run killed at any moment leaves `latest`
+naming a complete checkpoint: the previous one until the rename, the new one after it.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 LATEST = "latest"
+HF = "hf"  # the Hugging Face folder inside each checkpoint
+RUN_STATE = "run_state.json"
+INCOMPLETE = ".incomplete-"
+_STEP = re.compile(r"^step_(\d+)$")
 
 
 def tag(step: int) -> str:
     return f"step_{step}"
+
+
+def staging(directory: str | os.PathLike, name: str) -> str:
+    """The tag a save writes under before it is committed (`.incomplete-step_<N>`)."""
+    return INCOMPLETE + name
 
 
 def read_latest(directory: str | os.PathLike) -> str | None:
@@ -42,8 +58,85 @@ def read_latest(directory: str | os.PathLike) -> str | None:
 def write_latest(directory: str | os.PathLike, name: str) -> None:
     path = Path(directory) / LATEST
     tmp = path.with_name(f".{LATEST}.{os.getpid()}.tmp")
-    tmp.write_text(name + "\n")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic on POSIX: readers see the old marker or the new one
+
+
+def clear_staging(directory: str | os.PathLike, name: str) -> Path:
+    """An empty `.incomplete-<name>/` (whatever an interrupted save of the same step left is removed)."""
+    path = Path(directory) / staging(directory, name)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(directory: str | os.PathLike, name: str, keep: int | None = None) -> Path:
+    """Make the staged checkpoint `name` the newest: rename `.incomplete-<name>/` to `<name>/` (replacing an
+    older checkpoint of the same step, which a resumed run may write again), point `latest` at it, then
+    keep only the newest `keep` checkpoints. Returns the checkpoint's folder."""
+    directory = Path(directory)
+    final = directory / name
+    if final.exists():  # move it aside first: rename cannot replace a non-empty folder
+        old = directory / staging(directory, name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        if read_latest(directory) == name:
+            # `latest` must never name a missing folder: a crash right here would otherwise leave none
+            previous = [n for n in complete(directory) if n != name]
+            if previous:
+                write_latest(directory, previous[-1])
+        os.replace(directory / staging(directory, name), final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(directory / staging(directory, name), final)
+    _fsync_dir(directory)
+    write_latest(directory, name)
+    prune(directory, keep)
+    return final
+
+
+def complete(directory: str | os.PathLike) -> list[str]:
+    """The committed checkpoints of a directory, oldest first."""
+    found = []
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else []:
+        m = _STEP.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry.name))
+    return [name for _, name in sorted(found)]
+
+
+def prune(directory: str | os.PathLike, keep: int | None) -> list[str]:
+    """Delete all but the newest `keep` checkpoints (the one `latest` names is always kept) and whatever
+    interrupted saves left behind; returns the names deleted."""
+    directory = Path(directory)
+    latest = read_latest(directory)
+    names = complete(directory)
+    doomed = [n for n in names[: max(len(names) - keep, 0)] if n != latest] if keep else []
+    doomed += [e.name for e in directory.iterdir() if e.name.startswith(INCOMPLETE)]
+    for name in doomed:
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return doomed
+
+
+def write_run_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    (Path(folder) / RUN_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+
+def read_run_state(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / RUN_STATE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (a power cut after it must not bring the old name back)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:

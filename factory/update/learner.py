@@ -16,6 +16,7 @@ import resource
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,9 +36,10 @@ class Learner:
     Checkpoint layout: see factory.update.checkpoint (`<dir>/step_<N>/` DeepSpeed files + `hf/`,
     `<dir>/latest`)."""
 
-    def __init__(self, spec: Spec, model_path: str):
+    def __init__(self, spec: Spec, model_path: str, chat_template: str | None = None):
         # No side effects: the actor constructs this in the driver's process description; setup() loads.
         self.spec, self.model_path = spec, model_path
+        self.chat_template = chat_template  # the text of the spec's chat template, for saved hf/ folders
         self.alg = resolve(spec.algorithm)
         self.engine = None
         self.ref: torch.nn.Module | None = None
@@ -226,32 +228,45 @@ class Learner:
             return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", copy=True))
                     for k, v in module.state_dict().items()}
 
-    def save_checkpoint(self, directory: str, step: int) -> str:
-        """Save `<dir>/step_<step>/` (DeepSpeed model + optimizer + {step, rng}, and an `hf/` folder
-        loadable by transformers), then point `<dir>/latest` at it. Returns the step folder."""
+    def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
+        """Save `<dir>/step_<step>/`: DeepSpeed model + optimizer + {step, rng}, `state` (the driver's:
+        data position, run id; JSON) and an `hf/` folder that transformers loads, with the run's chat
+        template. Written under a staging name and committed by one rename (factory.update.checkpoint), so
+        a crash at any point leaves `latest` naming a complete checkpoint; then only the newest
+        `train.keep_checkpoints` are kept. Every rank must call it. Returns the step folder."""
         import deepspeed.comm as dist
 
         name = ckpt.tag(step)
-        self.engine.save_checkpoint(directory, tag=name, client_state={"step": step, "rng": ckpt.rng_state()},
+        staged = ckpt.staging(directory, name)
+        if dist.get_rank() == 0:
+            ckpt.clear_staging(directory, name)
+        dist.barrier()
+        self.engine.save_checkpoint(directory, tag=staged, client_state={"step": step, "rng": ckpt.rng_state()},
                                     save_latest=False)
         weights = self.state_dict()
         if dist.get_rank() == 0:
-            hf = Path(directory) / name / "hf"
-            self.engine.module.save_pretrained(hf, state_dict=weights)
-            self._tokenizer().save_pretrained(hf)
-            ckpt.write_latest(directory, name)
+            folder = Path(directory) / staged
+            self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
+            self._tokenizer().save_pretrained(folder / ckpt.HF)
+            ckpt.write_run_state(folder, {"step": step, **(state or {})})
+        dist.barrier()  # every rank's shards are written before the folder is committed
+        if dist.get_rank() == 0:
+            ckpt.commit(directory, name, keep=self.spec.train.keep_checkpoints)
         dist.barrier()
         return str(Path(directory) / name)
 
     def _tokenizer(self):
         """Loaded on first save only: parsing a 150k-token tokenizer.json takes ~1 s, and the update
-        itself never needs text."""
+        itself never needs text. It carries the run's chat template (the spec's, when it names one), so
+        `apply_chat_template` on the saved folder, and a vLLM server of it, format chats as the run did."""
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
             from factory.assets import resolve_model
 
             self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.spec.model.tokenizer or self.model_path))
+            if self.chat_template is not None:
+                self.tokenizer.chat_template = self.chat_template
         return self.tokenizer
 
     def load_checkpoint(self, directory: str) -> int | None:

@@ -1,0 +1,111 @@
+"""Checkpoints are committed atomically and pruned to `train.keep_checkpoints`; `factory export` copies one
+out as a Hugging Face folder that transformers loads, with the run's chat template, from any ZeRO stage."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import factory.update.checkpoint as ckpt
+from factory import cli
+from tests.test_update import batch, make_spec, model_path, small_path  # noqa: F401  (fixtures)
+from tests.test_update import learners  # noqa: F401
+
+
+def _fake(directory: Path, step: int) -> None:
+    """A staged checkpoint with one file, committed the way the learner commits."""
+    name = ckpt.tag(step)
+    (ckpt.clear_staging(directory, name) / "weights").write_text(str(step))
+
+
+def test_commit_prune_and_latest(tmp_path):
+    for step in (1, 2, 3):
+        _fake(tmp_path, step)
+        ckpt.commit(tmp_path, ckpt.tag(step), keep=2)
+    assert ckpt.complete(tmp_path) == ["step_2", "step_3"] and ckpt.read_latest(tmp_path) == "step_3"
+    # an interrupted save leaves a staging folder and changes nothing a reader sees...
+    _fake(tmp_path, 4)
+    assert ckpt.read_latest(tmp_path) == "step_3" and ckpt.complete(tmp_path) == ["step_2", "step_3"]
+    # ...and the next commit sweeps it away
+    _fake(tmp_path, 5)
+    ckpt.commit(tmp_path, "step_5", keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_3", "step_5"]
+    # saving a step again (a resumed run reaching it) replaces it whole
+    _fake(tmp_path, 5)
+    (tmp_path / ckpt.staging(tmp_path, "step_5") / "weights").write_text("again")
+    ckpt.commit(tmp_path, "step_5", keep=None)
+    assert (tmp_path / "step_5" / "weights").read_text() == "again" and ckpt.read_latest(tmp_path) == "step_5"
+
+
+def test_keep_never_deletes_what_latest_names(tmp_path):
+    for step in (7, 8):
+        _fake(tmp_path, step)
+        ckpt.commit(tmp_path, ckpt.tag(step))
+    ckpt.write_latest(tmp_path, "step_7")  # e.g. a fresh run that only got to its step 7
+    assert ckpt.prune(tmp_path, keep=1) == []  # step_8 is the newest, step_7 the one `latest` names: both stay
+    assert ckpt.complete(tmp_path) == ["step_7", "step_8"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(small_path, model_path, learners, tmp_path,  # noqa: F811
+                                                                     monkeypatch, stage):
+    chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    spec = make_spec(small_path, model={"tokenizer": model_path},
+                     train={"lr": 1e-2, "optimizer": {"name": "adamw"}, "keep_checkpoints": 2,
+                            "deepspeed": {"zero_stage": stage}})
+    learner = learners(spec)
+    learner.chat_template = chat_template
+    trajs = batch(seed=3)
+    learner.step(trajs)
+    learner.save_checkpoint(str(tmp_path), 1, {"data": {"epoch": 0, "cursor": 4}, "run_id": "abc"})
+    at_1 = learner.state_dict()
+    learner.step(trajs)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")  # the save dies after DeepSpeed wrote its files, before the HF folder
+
+    monkeypatch.setattr(type(learner.engine.module), "save_pretrained", crash)
+    with pytest.raises(OSError, match="disk full"):
+        learner.save_checkpoint(str(tmp_path), 2)
+    monkeypatch.undo()
+    assert ckpt.read_latest(tmp_path) == "step_1" and ckpt.complete(tmp_path) == ["step_1"]
+    assert (tmp_path / ".incomplete-step_2").is_dir()
+
+    resumed = learners(spec)
+    assert resumed.load_checkpoint(str(tmp_path)) == 1
+    for k, v in resumed.state_dict().items():
+        torch.testing.assert_close(v, at_1[k], atol=0, rtol=0)
+    assert ckpt.read_run_state(tmp_path / "step_1") == {"step": 1, "data": {"epoch": 0, "cursor": 4},
+                                                        "run_id": "abc"}
+
+    resumed.chat_template = chat_template
+    for step in (2, 3, 4):
+        resumed.step(trajs)
+        resumed.save_checkpoint(str(tmp_path), step)
+    assert ckpt.complete(tmp_path) == ["step_3", "step_4"] and ckpt.read_latest(tmp_path) == "step_4"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # the interrupted save was swept away
+    final = resumed.state_dict()
+
+    # factory export: a Hugging Face folder equal to the policy, with the run's chat template
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path.parent / f"exported-{stage}"
+    assert cli.main(["export", str(tmp_path), "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, final[k], atol=0, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    assert cli.main(["export", str(tmp_path), "--step", "3", "--out", str(out)]) == 2  # never overwrites
+    assert cli.main(["export", str(tmp_path), "--step", "1", "--out", str(tmp_path.parent / "x")]) == 2  # pruned
+
+
+def test_export_errors_are_clear(tmp_path, capsys):
+    assert cli.main(["export", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert cli.main(["export", "0123456789abcdef", "--out", str(tmp_path / "o"),
+                     "--uri", f"sqlite:///{tmp_path}/mlflow.db"]) == 2
+    assert "neither a checkpoint folder nor an MLflow run id" in capsys.readouterr().err
