@@ -151,7 +151,8 @@ def test_check_connect_says_why_a_server_died(project, capsys):
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[p.name for p in SPECS])
-def test_every_shipped_spec_checks(spec, monkeypatch, capsys):
+def test_every_shipped_spec_checks_and_connects(spec, monkeypatch, capsys):
+    """Every spec in specs/ compiles, and every tool server it names starts and offers the tools it names."""
     from factory.device import cuda_devices
 
     monkeypatch.chdir(REPO)
@@ -162,8 +163,12 @@ def test_every_shipped_spec_checks(spec, monkeypatch, capsys):
         assert cli.main(["check", str(spec.relative_to(REPO))]) == 2
         assert "num_gpus: " in capsys.readouterr().err
         monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
-    code = cli.main(["check", str(spec.relative_to(REPO))])
-    assert code == 0, capsys.readouterr().err
+    code = cli.main(["check", str(spec.relative_to(REPO)), "--connect"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "warning: command not found" not in err
+    if "\ntools:" in spec.read_text():  # each server's line lists the tools it offered
+        assert "; tools: " in out, out
 
 
 def test_check_does_not_import_torch_ray_or_deepspeed():

@@ -167,6 +167,16 @@ def test_index_cache_is_reused_and_keyed_by_the_corpus(tmp_path):
     assert unwritable.top(query, 1) == [7]
 
 
+def test_passage_length_is_a_server_option(monkeypatch, index):
+    monkeypatch.setattr(S, "_index", index)
+    monkeypatch.setattr(S, "_passage_chars", S.PASSAGE_CHARS)
+    S._start(S.argparse.Namespace(passage_chars=40))
+    first = S.search("alloy of copper and tin", 1)
+    assert first == "Doc 1 (Title: Bronze; Alloy of copper and tin)\nBronze is an alloy consisting primarily ..."
+    with pytest.raises(SystemExit, match="--passage-chars must be at least 1"):
+        S._start(S.argparse.Namespace(passage_chars=0))
+
+
 def test_search_tool_refuses_a_query_without_words(monkeypatch, index):
     monkeypatch.setattr(S, "_index", index)
     assert S.search("alloy of copper and tin", 1).startswith("Doc 1 (Title: Bronze")

@@ -358,8 +358,9 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
             # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)
-            cwd = Path(server.cwd) if server.cwd else Path.cwd()
-            if shutil.which(server.command) is None and not (cwd / server.command).is_file():
+            # A relative path with a slash is started relative to the spec's folder (tools.connection).
+            where = r.source.base_dir if os.sep in server.command else Path(server.cwd or Path.cwd())
+            if shutil.which(server.command) is None and not (where / server.command).is_file():
                 r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
         if listing is not None and server.allowed_tools is not None and name in listing:
             have = [t["name"] for t in listing[name]]

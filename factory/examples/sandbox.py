@@ -1,0 +1,160 @@
+"""A sandboxed Python runner as an MCP server: the code-execution agent's tool.
+
+    python -m factory.examples.sandbox [--timeout-s 10] [--cpu-s 5] [--memory-mb 512]
+
+One tool, `run_python(code)`: the code runs as `main.py` in a fresh temporary folder, in a child
+process of its own session, with the standard library only, and the tool answers with its exit code,
+stdout and stderr (each cut to `--output-chars`). The child locks itself down with kernel mechanisms
+before the code starts (see `factory.examples.sandbox_child`): resource limits, a network namespace
+where the kernel allows one, Landlock (reads limited to the Python installation and system libraries,
+writes to the temporary folder) and seccomp (no exec, no fork, no sockets, signals only to itself). The
+server adds a wall-clock limit: a program still running after `--timeout-s` is killed with its whole
+process group. The folder is deleted after each call.
+
+Linux only; Landlock (kernel 5.13+, enabled in the LSM list) and libseccomp are required: where either
+is missing every call answers that the code cannot be run safely, and nothing runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+from mcp.server.mcpserver import MCPServer
+from pydantic import Field
+
+from factory.examples import serve
+from factory.examples.sandbox_child import EXIT_NOT_SANDBOXED
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 10.0   # wall clock, enforced by the server
+    cpu_s: int = 5            # CPU time (RLIMIT_CPU): SIGKILL after the soft limit, the hard one is the same
+    memory_mb: int = 512      # address space (RLIMIT_AS): a larger allocation raises MemoryError
+    file_mb: int = 16         # largest file the program may write (RLIMIT_FSIZE)
+    output_chars: int = 4000  # stdout and stderr are each cut to this in the answer
+
+
+async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
+    """Run `code` in the sandbox: {exit_code, stdout, stderr, timed_out, sandboxed}."""
+    workdir = tempfile.mkdtemp(prefix="factory-sandbox-")
+    try:
+        Path(workdir, "main.py").write_text(code, encoding="utf-8")  # a small local file: no need for a thread
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1"}
+        # -I: no user site, no PYTHON* variables, no working directory on sys.path. The child imports
+        # its set-up code from the installed package, then forgets it.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-m", "factory.examples.sandbox_child", json.dumps(asdict(limits)),
+            cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        cap = limits.output_chars * 4 + 1024  # bytes: a flood of output is not read into memory
+        reads = asyncio.gather(_read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap))
+        timed_out = False
+        try:
+            out, err = await asyncio.wait_for(reads, limits.timeout_s)
+            await proc.wait()
+        except asyncio.TimeoutError:
+            timed_out = True
+            out, err = b"", b""
+        finally:
+            _kill_group(proc.pid)
+            if proc.returncode is None:
+                await proc.wait()
+        return {"exit_code": proc.returncode, "timed_out": timed_out,
+                "sandboxed": proc.returncode != EXIT_NOT_SANDBOXED,
+                "stdout": _cut(out.decode("utf-8", "replace"), limits.output_chars),
+                "stderr": _cut(err.decode("utf-8", "replace"), limits.output_chars)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _read_capped(stream: asyncio.StreamReader | None, cap: int) -> bytes:
+    """Read a stream to its end, keeping at most `cap` bytes (the rest is drained so the child never
+    blocks on a full pipe)."""
+    kept = bytearray()
+    while stream is not None and (chunk := await stream.read(65536)):
+        if len(kept) < cap:
+            kept += chunk[: cap - len(kept)]
+    return bytes(kept)
+
+
+def _kill_group(pid: int) -> None:
+    # The child leads its own session (start_new_session), so its group holds whatever it started.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more characters cut]"
+
+
+def describe(result: dict[str, object], limits: Limits) -> str:
+    """The answer the model reads."""
+    if not result["sandboxed"]:
+        return "Error: the code was not run: " + str(result["stderr"]).strip()
+    if result["timed_out"]:
+        head = f"killed: the program ran longer than {limits.timeout_s:g} s"
+    elif isinstance(result["exit_code"], int) and result["exit_code"] < 0:
+        sig = -result["exit_code"]
+        why = {signal.SIGKILL: " (CPU time limit)", signal.SIGXCPU: " (CPU time limit)",
+               signal.SIGXFSZ: " (file size limit)"}.get(sig, "")
+        head = f"killed by signal {signal.Signals(sig).name}{why}"
+    else:
+        head = f"exit code {result['exit_code']}"
+    parts = [head]
+    if result["stdout"]:
+        parts.append("stdout:\n" + str(result["stdout"]).rstrip("\n"))
+    if result["stderr"]:
+        parts.append("stderr:\n" + str(result["stderr"]).rstrip("\n"))
+    return "\n".join(parts)
+
+
+# WARNING: INFO logs a line per request to stderr, which costs time under many concurrent calls.
+server = MCPServer("factory-sandbox", log_level="WARNING")
+_limits = Limits()
+
+
+@server.tool(
+    description="Run a Python program (standard library only; no network, no files outside its own folder, "
+                "no subprocesses) and return its exit code, stdout and stderr. Print what you want to see.",
+    structured_output=False,
+)
+async def run_python(code: Annotated[str, Field(description="The whole Python program to run.")]) -> str:
+    """The program's exit code and output as text."""
+    return describe(await run_sandboxed(code, _limits), _limits)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    d = Limits()
+    parser.add_argument("--timeout-s", type=float, default=d.timeout_s, help="wall-clock limit per call")
+    parser.add_argument("--cpu-s", type=int, default=d.cpu_s, help="CPU-time limit per call")
+    parser.add_argument("--memory-mb", type=int, default=d.memory_mb, help="address-space limit per call")
+    parser.add_argument("--file-mb", type=int, default=d.file_mb, help="largest file a program may write")
+    parser.add_argument("--output-chars", type=int, default=d.output_chars, help="stdout/stderr kept per call")
+
+
+def _configure(args: argparse.Namespace) -> None:
+    global _limits
+    _limits = Limits(timeout_s=args.timeout_s, cpu_s=args.cpu_s, memory_mb=args.memory_mb, file_mb=args.file_mb,
+                     output_chars=args.output_chars)
+
+
+def main(argv: list[str] | None = None) -> None:
+    serve(server, __doc__, argv, before=_configure, options=_options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The child side of the Python sandbox (`factory.examples.sandbox`): lock this process down, then run
+the untrusted program `main.py` of the working directory as `__main__`.
+
+    python -I -m factory.examples.sandbox_child LIMITS_JSON
+
+Every restriction is a kernel mechanism applied to this process before the untrusted code starts, and
+none of them can be lifted afterwards:
+  1. resource limits (setrlimit): CPU seconds, address space, file size, open files, no core dumps;
+  2. a new user and network namespace (unshare) when the kernel allows it unprivileged: no network
+     interface but a loopback that is down;
+  3. Landlock: reads only under the Python installation and system library folders, writes only in
+     the working directory, no TCP bind/connect (ABI 4+), no signals or abstract UNIX sockets out of
+     the sandbox (ABI 6+);
+  4. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
+     sockets, no ptrace, no namespace or mount changes, signals only to itself.
+Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import sys
+from typing import Any
+
+EXIT_NOT_SANDBOXED = 97
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_THREAD = 0x10000000, 0x40000000, 0x00010000
+
+# Landlock (linux/landlock.h): syscall numbers are the same on every architecture (444-446).
+_LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
+_LL_CREATE_VERSION = 1
+_LL_RULE_PATH_BENEATH = 1
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1  # the kernel's struct is packed: 12 bytes
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _syscall(number: int, *args: object) -> int:
+    result = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return result
+
+
+def set_limits(limits: dict[str, int]) -> None:
+    """Hard and soft limits alike, so that the program cannot raise them again."""
+    for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_mb"] << 20),
+                        ("RLIMIT_FSIZE", limits["file_mb"] << 20), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def leave_network() -> bool:
+    """A fresh user + network namespace; False when unprivileged namespaces are not allowed here (seccomp
+    still forbids sockets)."""
+    return _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+
+
+def landlock_abi() -> int:
+    try:
+        return _syscall(_LL_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_LL_CREATE_VERSION))
+    except OSError:
+        return 0
+
+
+def apply_landlock(workdir: str, read_roots: list[str]) -> int:
+    """Restrict the file system (and, where the kernel can, TCP and signals); returns the ABI used."""
+    abi = landlock_abi()
+    if abi < 1:
+        raise OSError(errno.ENOSYS, "Landlock is not available in this kernel")
+    fs_all = _FS_ALL_BY_ABI.get(abi, (1 << 16) - 1)
+    attr = _RulesetAttr(handled_access_fs=fs_all,
+                        handled_access_net=(_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0,
+                        scoped=(_SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL) if abi >= 6 else 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    ruleset = _syscall(_LL_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    try:
+        read = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+        for path, access in [*((p, read) for p in read_roots), (workdir, fs_all)]:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # a root that does not exist on this system (/lib64 on some)
+            try:
+                # A rule on a file (not a folder) may only name file rights.
+                allowed = access if os.path.isdir(path) else access & (_FS_EXECUTE | _FS_READ_FILE | _FS_WRITE_FILE)
+                rule = _PathBeneath(allowed_access=allowed, parent_fd=fd)
+                _syscall(_LL_ADD_RULE, ruleset, ctypes.c_int(_LL_RULE_PATH_BENEATH), ctypes.byref(rule),
+                         ctypes.c_uint32(0))
+            finally:
+                os.close(fd)
+        _syscall(_LL_RESTRICT, ruleset, ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def apply_seccomp(seccomp: Any) -> None:
+    """Deny the system calls that would leave the sandbox; everything else (files, threads, memory) is
+    allowed. EPERM makes Python raise PermissionError, which the program can read and report.
+    `seccomp` is the pyseccomp module, imported before Landlock hides its folder."""
+    deny = seccomp.ERRNO(errno.EPERM)
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in ("execve", "execveat", "fork", "vfork", "socket", "socketpair", "ptrace", "process_vm_readv",
+                 "process_vm_writev", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "bpf",
+                 "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "io_uring_setup",
+                 "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "personality", "kexec_load", "init_module",
+                 "finit_module", "reboot", "swapon", "setrlimit", "prlimit64"):
+        f.add_rule(deny, name)
+    f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))  # a new process, not a thread
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")  # its flags sit in memory; ENOSYS: libc falls back to clone
+    me = os.getpid()
+    for name in ("kill", "tgkill"):
+        f.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, me))
+    f.load()  # sets no_new_privs first
+
+
+def read_roots() -> list[str]:
+    """What the interpreter needs to read: its own installation and the system's shared libraries."""
+    roots = {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo", "/etc/localtime", "/dev/null",
+             "/dev/urandom", "/dev/zero"}
+    return sorted(roots)
+
+
+def main(argv: list[str]) -> None:
+    limits = json.loads(argv[0])
+    workdir = os.getcwd()
+    with open("main.py", encoding="utf-8") as f:
+        code = f.read()
+    try:
+        import pyseccomp
+
+        set_limits(limits)
+        leave_network()
+        apply_landlock(workdir, read_roots())
+        apply_seccomp(pyseccomp)
+    except Exception as e:  # noqa: BLE001 -- fail closed: never run the program half-sandboxed
+        print(f"sandbox: cannot isolate the program: {e}", file=sys.stderr)
+        os._exit(EXIT_NOT_SANDBOXED)
+    # The program sees the standard library only: the packages we imported to set up are forgotten, and
+    # their folders are outside what Landlock lets it read anyway.
+    sys.path[:] = [p for p in sys.path if "-packages" not in p]
+    for name in [m for m in sys.modules if m.startswith(("pyseccomp", "factory"))]:
+        del sys.modules[name]
+    sys.argv = ["main.py"]
+    globals_ = {"__name__": "__main__", "__file__": os.path.join(workdir, "main.py"), "__builtins__": __builtins__}
+    try:
+        exec(compile(code, "main.py", "exec"), globals_)  # noqa: S102 -- running it is the point; the kernel confines it
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- the program's own traceback, without this module's frame
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

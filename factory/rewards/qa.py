@@ -1,0 +1,54 @@
+"""Answer-checking rewards for open questions (search, trivia): SQuAD's exact match and token F1.
+
+The answer is the text of the model's last <answer></answer> tag, outside tool responses; both it and
+the ground truth are normalised the way SQuAD and Search-R1 score them (lower case, punctuation and the
+articles a/an/the dropped, whitespace collapsed), so "The Bronze." matches "Bronze".
+"""
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+from factory.rewards.math import extract_answer
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = str(text).lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _answers(answer: str | list[str]) -> list[str]:
+    # Data sets such as NQ list several accepted answers; the best match counts.
+    return [str(a) for a in answer] if isinstance(answer, (list, tuple)) else [str(answer)]
+
+
+def exact_match(prompt: str, completion: str, answer: str | list[str] = "", **_: object) -> float:
+    """1.0 when the normalised <answer> text equals a normalised ground truth, else 0.0 (no tag: 0.0)."""
+    got = extract_answer(completion)
+    if got is None:
+        return 0.0
+    return float(any(normalize_answer(got) == normalize_answer(a) for a in _answers(answer)))
+
+
+def token_f1(prediction: str, truth: str) -> float:
+    """SQuAD's token F1 of two normalised strings."""
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1(prompt: str, completion: str, answer: str | list[str] = "", **_: object) -> float:
+    """Token F1 of the <answer> text against the best ground truth (no tag: 0.0): partial credit for
+    'Mercury planet' against 'Mercury'."""
+    got = extract_answer(completion)
+    if got is None:
+        return 0.0
+    return max(token_f1(got, a) for a in _answers(answer))

@@ -1,0 +1,123 @@
+"""The sandboxed Python runner (factory.examples.sandbox): escape attempts against the real child process,
+and the MCP server over stdio through the ToolBox."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from factory.examples.sandbox import Limits, describe, run_sandboxed
+from factory.examples.sandbox_child import landlock_abi
+from factory.schema import StdioServer
+from factory.tools import ToolBox
+from factory.types import ToolCall
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = Limits(timeout_s=3.0, cpu_s=1, memory_mb=256)
+
+pytestmark = [pytest.mark.anyio,
+              pytest.mark.skipif(landlock_abi() < 1, reason="the sandbox needs Landlock (Linux 5.13+)")]
+
+
+async def run(code: str, limits: Limits = FAST) -> dict:
+    return await run_sandboxed(code, limits)
+
+
+def blocked(result: dict, error: str) -> bool:
+    """The program ran sandboxed and died of `error` (e.g. PermissionError) raised by the kernel's refusal."""
+    return result["sandboxed"] and result["exit_code"] == 1 and error in result["stderr"]
+
+
+async def test_plain_code_runs_and_prints():
+    result = await run("import math\nprint(math.factorial(20))\nprint('err', file=__import__('sys').stderr)")
+    assert (result["exit_code"], result["stdout"], result["stderr"]) == (0, "2432902008176640000\n", "err\n")
+
+
+async def test_threads_and_files_in_its_own_folder_work():
+    code = ("import threading\nopen('data.txt', 'w').write('kept')\nout = []\n"
+            "t = threading.Thread(target=lambda: out.append(open('data.txt').read()))\nt.start(); t.join()\nprint(out[0])")
+    assert (await run(code))["stdout"] == "kept\n"
+
+
+@pytest.mark.parametrize("code", [
+    "import os; os.execv('/bin/sh', ['sh', '-c', 'id'])",
+    "import subprocess; subprocess.run(['id'])",
+    "import os; os.fork()",
+    "import os\nwhile True: os.fork()",  # a fork bomb stops at the first fork
+    "import multiprocessing as m; p = m.Process(target=print); p.start()",
+    "import ctypes; assert ctypes.CDLL(None).fork() != -1, 'fork failed'",  # the syscall, not the Python wrapper
+])
+async def test_no_new_processes(code):
+    result = await run(code)
+    assert result["exit_code"] == 1 and ("PermissionError" in result["stderr"] or "fork failed" in result["stderr"]), result
+
+
+async def test_os_system_cannot_start_a_shell(tmp_path):
+    marker = tmp_path / "pwned"
+    result = await run(f"import os; print(os.system('touch {marker}'))")
+    assert result["stdout"] == "32512\n"  # 127 << 8: glibc's answer when it cannot spawn the shell
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("code", [
+    "import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)",
+    "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('8.8.8.8', 53))",
+    "import socket; socket.socket(socket.AF_UNIX).connect('/var/run/docker.sock')",
+    "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000', timeout=1)",
+])
+async def test_no_network(code):
+    result = await run(code)
+    assert result["exit_code"] == 1 and ("PermissionError" in result["stderr"] or "Operation not permitted"
+                                         in result["stderr"]), result
+
+
+async def test_no_files_outside_its_folder(tmp_path):
+    target = tmp_path / "escape.txt"
+    assert blocked(await run(f"open({str(target)!r}, 'w').write('x')"), "PermissionError")
+    assert not target.exists()
+    assert blocked(await run("open('/etc/passwd').read()"), "PermissionError")
+    assert blocked(await run(f"open({str(ROOT / 'README.md')!r}).read()"), "PermissionError")
+    assert blocked(await run("import os; os.listdir('/etc')"), "PermissionError")
+
+
+async def test_cannot_signal_the_server_or_lift_its_limits():
+    assert blocked(await run("import os, signal; os.kill(os.getppid(), signal.SIGKILL)"), "PermissionError")
+    result = await run("import resource; resource.setrlimit(resource.RLIMIT_CPU, (100, 100))")
+    assert result["exit_code"] == 1 and "not allowed to raise" in result["stderr"]
+
+
+async def test_huge_allocation_is_a_memory_error():
+    assert blocked(await run("x = bytearray(4 * 2**30)"), "MemoryError")
+
+
+async def test_infinite_loop_is_killed_by_the_cpu_limit():
+    result = await run("while True: pass")
+    assert result["exit_code"] == -9 and not result["timed_out"]
+    assert describe(result, FAST) == "killed by signal SIGKILL (CPU time limit)"
+
+
+async def test_sleeping_program_is_killed_at_the_wall_clock_limit():
+    t0 = time.monotonic()
+    result = await run("import time; time.sleep(60)", Limits(timeout_s=1.0))
+    assert result["timed_out"] and time.monotonic() - t0 < 10
+    assert describe(result, FAST).startswith("killed: the program ran longer than")
+
+
+async def test_output_is_cut_and_the_folder_removed():
+    result = await run("import os; print(os.getcwd()); print('x' * 10**6)", Limits(output_chars=100))
+    workdir = result["stdout"].splitlines()[0]
+    assert "more characters cut" in result["stdout"] and len(result["stdout"]) < 200
+    assert workdir.startswith("/") and not os.path.exists(workdir)
+
+
+async def test_the_mcp_server_answers_over_stdio():
+    server = StdioServer(command="python", args=["-m", "factory.examples.sandbox", "--timeout-s", "5"],
+                         cwd=str(ROOT), timeout_s=20)
+    async with ToolBox.from_spec({"py": server}, base_dir=ROOT) as box:
+        assert [s["function"]["name"] for s in box.schemas()] == ["run_python"]
+        ok = await box.call(ToolCall("run_python", {"code": "print(6 * 7)"}, raw=""))
+        assert (ok.status, ok.text) == ("ok", "exit code 0\nstdout:\n42")
+        bad = await box.call(ToolCall("run_python", {"code": "import os; os.system('id')\nraise SystemExit(2)"}, raw=""))
+        assert bad.status == "ok" and bad.text == "exit code 2"  # a failing program is an answer, not a tool error
