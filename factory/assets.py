@@ -45,6 +45,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FACTORY_CACHE") or Path.home() / ".cache" / "factory")
 
 
+def is_built(path: str) -> bool:
+    """False when `resolve_model(path)` would first have to build the asset (so the caller can say so)."""
+    name = path[len(PREFIX):]
+    if not path.startswith(PREFIX) or name not in _BUILDERS:
+        return True
+    return (cache_dir() / "models" / f"{name}-v{_VERSIONS[name]}").is_dir()
+
+
 def resolve_model(path: str) -> str:
     """Return a Hugging Face model folder for `path`; build `factory:NAME` assets on first use."""
     if not path.startswith(PREFIX):

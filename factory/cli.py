@@ -1,7 +1,8 @@
-"""The `factory` command: run, check, plan, diff, export, schema, init.
+"""The `factory` command: run, check, plan, runs, diff, ui, export, schema, init.
 
-Exit codes: 0 success; 2 the spec (or the command line, or the data it names) is wrong, with every
-problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1 shows the traceback).
+Exit codes: 0 success; 2 the spec (or the command line, the data or a run it names) is wrong, with
+every problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1
+shows the traceback).
 `check` and `plan` import no torch, Ray or DeepSpeed: they answer in about a second.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
+from factory.runs import RunLookupError
 from factory.util import UserError
 
 
@@ -67,7 +69,19 @@ def _export(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from factory.diff import main as diff_main
 
-    return int(diff_main(args) or 0)
+    return diff_main(args)
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from factory.runs import runs_main
+
+    return runs_main(args)
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from factory.runs import ui_main
+
+    return ui_main(args)
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -152,12 +166,33 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     e.set_defaults(func=_export)
 
-    d = sub.add_parser("diff", help="compare two tracked runs: settings, hashes and final metrics",
-                       description="compare two tracked runs: settings, hashes and final metrics")
-    d.add_argument("run_a", metavar="RUN_A", help="MLflow run id")
-    d.add_argument("run_b", metavar="RUN_B", help="MLflow run id")
-    d.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    uri_help = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+    r = sub.add_parser("runs", help="list tracked runs: status, steps, final reward, eval metrics, duration",
+                       description="list tracked runs, newest first: status, steps done, final reward, eval "
+                                   "metrics, spec name, duration")
+    r.add_argument("--experiment", default=None, help="only this MLflow experiment (default: all)")
+    r.add_argument("--json", action="store_true", help="print the runs as JSON")
+    r.add_argument("--limit", type=int, default=100, help="at most this many runs (default: 100)")
+    r.add_argument("--uri", default=None, help=uri_help)
+    r.set_defaults(func=_runs)
+
+    what = ("compare two tracked runs: what defined them (settings, templates, reward code, data, tool "
+            "schemas), their metrics side by side, and trajectories of prompts both saw")
+    d = sub.add_parser("diff", help=what, description=what)
+    d.add_argument("run_a", metavar="RUN_A", help="run id, id prefix (8+ characters) or run name")
+    d.add_argument("run_b", metavar="RUN_B", help="run id, id prefix (8+ characters) or run name")
+    d.add_argument("--json", action="store_true", help="print the comparison as JSON (see the README)")
+    d.add_argument("--prompt", type=int, default=0, metavar="N",
+                   help="show the trajectories of the N-th prompt both runs saw (default: 0)")
+    d.add_argument("--uri", default=None, help=uri_help)
     d.set_defaults(func=_diff)
+
+    u = sub.add_parser("ui", help="the MLflow UI of the tracking store on 127.0.0.1 (prints its URL)",
+                       description="start the MLflow UI (one worker, no job runners) on the tracking store")
+    u.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
+    u.add_argument("--host", default="127.0.0.1", help="interface (default: 127.0.0.1, this machine only)")
+    u.add_argument("--uri", default=None, help=uri_help)
+    u.set_defaults(func=_ui)
     return p
 
 
@@ -175,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
+        return EXIT_SPEC_ERROR
+    except RunLookupError as e:  # a run named on the command line that cannot be found or compared
+        print(f"factory {args.command}: error: {e}", file=sys.stderr)
         return EXIT_SPEC_ERROR
     except UserError as e:  # bad input found while running (data rows); Ray wraps it: show the cause
         print(f"factory: {getattr(e, 'cause', None) or e}", file=sys.stderr)

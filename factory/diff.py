@@ -1,61 +1,370 @@
-"""`factory diff RUN_A RUN_B`: how two tracked runs differ.
+"""`factory diff RUN_A RUN_B`: how two tracked runs differ, and how their results compare.
 
-Reads each MLflow run's plan.json artifact and compares what defines a run (the resolved spec, the
-hashes of templates, reward sources, data and tool schemas), then the final metrics side by side.
+1. What defines each run, from its `plan.json` artifact: spec settings, chat/prompt templates, reward
+   code, data, python-tool code and MCP tool schemas (hashed when the run's servers started; `tools.json`
+   says which tools were added, removed or changed). A run without a plan cannot be compared: that is an
+   error, never "identical".
+2. A warning when the results are not comparable (different algorithm, data or model).
+3. Metrics side by side with deltas (B - A): final and best reward, per-node rewards, eval metrics at
+   step 0 and at the end, mean step time and its split, tokens/s.
+4. For prompts both runs saw (same split), their trajectories side by side.
+
+The pure functions (`plan_changes`, `comparability`, `metric_rows`, `common_prompts`) take plain data;
+`compare` reads MLflow and returns the whole report as a JSON-ready dict (what `--json` prints).
 """
 from __future__ import annotations
 
 import json
 import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from factory.runs import RunLookupError, client_for, find_run
 from factory.tracking import flatten, tracking_uri
 
-
-def plan_differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(key, value in A, value in B) for every spec setting or hash that differs, sorted by key."""
-    fa = dict(flatten({"spec": a.get("spec", {}), "hashes": a.get("hashes", {})}))
-    fb = dict(flatten({"spec": b.get("spec", {}), "hashes": b.get("hashes", {})}))
-    return [(k, fa.get(k, "<unset>"), fb.get(k, "<unset>"))
-            for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "hashes.run"]
-
-
-def metric_differences(a: dict[str, float], b: dict[str, float]) -> list[tuple[str, float | None, float | None]]:
-    keys = sorted(k for k in set(a) | set(b) if not k.startswith("timing/"))
-    return [(k, a.get(k), b.get(k)) for k in keys]
+# plan.hashes section -> the kind of change it names
+_HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data", "code": "tool_code",
+               "tools": "tool_schema"}
+# spec sections whose change makes results not comparable, and how the warning names them
+_NOT_COMPARABLE = {"algorithm": "algorithm", "data": "data", "model": "model"}
+# tags that describe where a run ran (not part of its plan): shown when they differ
+_ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit")
 
 
-def _load(client: Any, run_id: str) -> tuple[Any, dict[str, Any]]:
-    run = client.get_run(run_id)
+class NoPlanError(RunLookupError):
+    """A run has no plan.json: it was not made by `factory run`, or its upload failed."""
+
+
+@dataclass
+class RunRecord:
+    """What diff reads of one run."""
+
+    run: Any
+    plan: dict[str, Any]
+    tools: dict[str, list[dict[str, Any]]] | None  # tools.json, when the run recorded it
+    trajectories: list[dict[str, Any]] = field(default_factory=list)  # rows of every step's tables, with split
+
+    @property
+    def label(self) -> str:
+        return f"{self.run.info.run_name} ({self.run.info.run_id[:8]})"
+
+
+# ------------------------------------------------------------------------------------------- plans
+def _flat(d: Any) -> dict[str, str]:
+    return dict(flatten(d)) if isinstance(d, dict) else {}
+
+
+def tool_changes(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None) -> dict[str, list[str]]:
+    """Tools of one server added, removed or changed (description or input schema) from A to B."""
+    ta = {t["name"]: t for t in a or []}
+    tb = {t["name"]: t for t in b or []}
+    shape = lambda t: (t.get("description"), json.dumps(t.get("inputSchema"), sort_keys=True))  # noqa: E731
+    return {"added": sorted(set(tb) - set(ta)), "removed": sorted(set(ta) - set(tb)),
+            "changed": sorted(n for n in set(ta) & set(tb) if shape(ta[n]) != shape(tb[n]))}
+
+
+def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] | None = None,
+                 tools_b: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every difference in what defines the two runs, as {kind, key, a, b} (plus `tools` for a tool-schema
+    change when both runs recorded their listing). Kinds: setting (a spec key), template, reward_code, data,
+    tool_code, tool_schema, algorithm (a preset that resolved differently under the same spec), version."""
+    out: list[dict[str, Any]] = []
+    sa, sb = _flat(a.get("spec")), _flat(b.get("spec"))
+    out += [{"kind": "setting", "key": k, "a": sa.get(k), "b": sb.get(k)}
+            for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+    ha, hb = a.get("hashes", {}), b.get("hashes", {})
+    for section, kind in _HASH_KINDS.items():
+        fa, fb = _flat(ha.get(section, {})), _flat(hb.get(section, {}))
+        if section == "tools" and (not fa or not fb):
+            continue  # not recorded for one run: reported as a note, not as a change
+        for k in sorted(set(fa) | set(fb)):
+            if fa.get(k) == fb.get(k):
+                continue
+            change = {"kind": kind, "key": f"{section}.{k}", "a": fa.get(k), "b": fb.get(k)}
+            if kind == "tool_schema" and tools_a is not None and tools_b is not None:
+                server = k.split(".")[0]
+                change["tools"] = tool_changes(tools_a.get(server), tools_b.get(server))
+            out.append(change)
+    if a.get("spec", {}).get("algorithm") == b.get("spec", {}).get("algorithm"):
+        aa, ab = _flat(a.get("algorithm", {})), _flat(b.get("algorithm", {}))
+        out += [{"kind": "algorithm", "key": f"algorithm.{k} (resolved)", "a": aa.get(k), "b": ab.get(k)}
+                for k in sorted(set(aa) | set(ab)) if aa.get(k) != ab.get(k)]
+    if a.get("version") != b.get("version"):
+        out.append({"kind": "version", "key": "factory version", "a": a.get("version"), "b": b.get("version")})
+    return out
+
+
+def plan_notes(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[str]:
+    """What the comparison cannot see: a run whose tool schemas were not hashed."""
+    notes = []
+    for plan, name in zip((a, b), names):
+        if plan.get("spec", {}).get("tools") and not plan.get("hashes", {}).get("tools"):
+            notes.append(f"run {name} did not record its tool schemas (its plan was compiled without the "
+                         "servers): a change of tool server would not show")
+    return notes
+
+
+def comparability(changes: list[dict[str, Any]]) -> list[str]:
+    """Warnings when the results are not comparable: different algorithm, data or model."""
+    warnings = []
+    for section, what in _NOT_COMPARABLE.items():
+        keys = [c["key"] for c in changes
+                if (c["kind"] == "setting" and c["key"].split(".")[0] == section)
+                or (section == "data" and c["kind"] == "data") or (section == "algorithm" and c["kind"] == "algorithm")]
+        if keys:
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            warnings.append(f"not comparable: different {what} ({shown})")
+    return warnings
+
+
+def environment_changes(tags_a: dict[str, str], tags_b: dict[str, str]) -> list[dict[str, Any]]:
+    keys = sorted(k for k in set(tags_a) | set(tags_b) if k.startswith(_ENVIRONMENT))
+    return [{"key": k, "a": tags_a.get(k), "b": tags_b.get(k)} for k in keys if tags_a.get(k) != tags_b.get(k)]
+
+
+# ----------------------------------------------------------------------------------------- metrics
+def _num(v: float | None) -> float | None:
+    return None if v is None or math.isnan(v) else v
+
+
+def _summaries(history: dict[str, list[tuple[int, float]]]) -> dict[tuple[str, str], float | None]:
+    """(metric, aggregate) -> value, from each metric's (step, value) history."""
+    out: dict[tuple[str, str], float | None] = {}
+    for key, points in history.items():
+        points = sorted(points)
+        values = [v for _, v in points if not math.isnan(v)]
+        if not points:
+            continue
+        if key == "reward/mean":
+            out[(key, "final")] = _num(points[-1][1])
+            out[(key, "best")] = max(values) if values else None
+        elif key.startswith("rewards/") and key.endswith("/mean"):
+            out[(key, "final")] = _num(points[-1][1])
+        elif key.startswith("eval/"):
+            if points[0][0] == 0:
+                out[(key, "step 0")] = _num(points[0][1])
+            out[(key, "final")] = _num(points[-1][1])
+        elif key.startswith(("timing/", "perf/")):
+            out[(key, "mean")] = sum(values) / len(values) if values else None
+    return out
+
+
+_ORDER = ("reward/", "rewards/", "eval/", "timing/step_s", "timing/", "perf/")
+
+
+def metric_rows(history_a: dict[str, list[tuple[int, float]]],
+                history_b: dict[str, list[tuple[int, float]]]) -> list[dict[str, Any]]:
+    """Metrics side by side: {metric, agg, a, b, delta (b - a)}, rewards first, then eval, time, speed."""
+    sa, sb = _summaries(history_a), _summaries(history_b)
+
+    def rank(item: tuple[str, str]) -> tuple[int, str, str]:
+        return next(i for i, p in enumerate(_ORDER + ("",)) if item[0].startswith(p)), item[0], item[1]
+
+    rows = []
+    for metric, agg in sorted(set(sa) | set(sb), key=rank):
+        a, b = sa.get((metric, agg)), sb.get((metric, agg))
+        rows.append({"metric": metric, "agg": agg, "a": a, "b": b,
+                     "delta": b - a if a is not None and b is not None else None})
+    return rows
+
+
+def _histories(client: Any, run: Any) -> dict[str, list[tuple[int, float]]]:
+    keys = [k for k in run.data.metrics if k == "reward/mean" or k.startswith(("eval/", "timing/", "perf/"))
+            or (k.startswith("rewards/") and k.endswith("/mean"))]
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
+
+
+# ------------------------------------------------------------------------------------ trajectories
+def _prompt_text(prompt_json: str) -> str:
+    """The last user message of a prompt (what a reader recognises it by)."""
     try:
-        with open(client.download_artifacts(run_id, "plan.json"), encoding="utf-8") as f:
-            plan = json.load(f)
-    except Exception:  # a run not made by factory has no plan: compare params only
-        plan = {"spec": run.data.params}
-    return run, plan
+        messages = json.loads(prompt_json)
+    except (TypeError, ValueError):
+        return str(prompt_json)
+    users = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1] if users else messages[-1].get("content", "") if messages else "")
+
+
+def _trajectory_view(row: dict[str, Any]) -> dict[str, Any]:
+    rewards = row.get("rewards")
+    if isinstance(rewards, str):
+        rewards = json.loads(rewards)
+    return {"step": row.get("step"), "sample_index": row.get("sample_index"), "reward": row.get("reward"),
+            "rewards": rewards, "num_turns": row.get("num_turns"), "stop_reason": row.get("stop_reason"),
+            "completion": row.get("completion"),
+            "tool_calls": [{k: c.get(k) for k in ("turn", "name", "arguments", "status", "result")}
+                           for c in row.get("tool_calls") or []]}
+
+
+def common_prompts(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompts both runs saw in the same split (eval first), each with both runs' trajectories of the last
+    step in which they saw it."""
+    def latest(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            by.setdefault((r["split"], r["prompt"]), []).append(r)
+        out = {}
+        for key, group in by.items():
+            last = max(r["step"] for r in group)
+            out[key] = sorted((r for r in group if r["step"] == last), key=lambda r: r.get("sample_index") or 0)
+        return out
+
+    la, lb = latest(rows_a), latest(rows_b)
+    order = list(dict.fromkeys((r["split"], r["prompt"]) for r in rows_a))
+    keys = [k for k in order if k in lb]
+    keys.sort(key=lambda k: k[0] != "eval")  # stable: eval prompts first, each split in A's order
+    out = []
+    for i, (split, prompt) in enumerate(keys):
+        a, b = [_trajectory_view(r) for r in la[(split, prompt)]], [_trajectory_view(r) for r in lb[(split, prompt)]]
+        mean = lambda ts: sum(t["reward"] for t in ts) / len(ts) if ts else None  # noqa: E731
+        out.append({"index": i, "split": split, "prompt": _prompt_text(prompt), "a_reward_mean": mean(a),
+                    "b_reward_mean": mean(b), "a": a, "b": b})
+    return out
+
+
+def _trajectory_rows(client: Any, run_id: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for folder, split in (("eval_trajectories", "eval"), ("trajectories", "train")):
+            files = [f.path for f in client.list_artifacts(run_id, folder) if f.path.endswith(".parquet")]
+            for path in files:
+                local = client.download_artifacts(run_id, path, tmp)
+                rows += [{**r, "split": split} for r in pq.read_table(local).to_pylist()]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- compare
+def load(client: Any, ref: str, uri: str) -> RunRecord:
+    run = find_run(client, ref, uri)
+    run_id = run.info.run_id
+    names = {f.path for f in client.list_artifacts(run_id)}
+    if "plan.json" not in names:
+        raise NoPlanError(f"run {run.info.run_name} ({run_id}) has no plan.json artifact: it was not made by "
+                          "`factory run`, or its upload failed; what defined it is unknown, so it cannot be compared")
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = json.loads(Path(client.download_artifacts(run_id, "plan.json", tmp)).read_text())
+        tools = (json.loads(Path(client.download_artifacts(run_id, "tools.json", tmp)).read_text())
+                 if "tools.json" in names else None)
+    return RunRecord(run, plan, tools, _trajectory_rows(client, run_id))
+
+
+def _side(r: RunRecord) -> dict[str, Any]:
+    info, tags = r.run.info, r.run.data.tags
+    return {"run_id": info.run_id, "name": info.run_name, "spec": tags.get("factory.spec_name"),
+            "status": info.status, "plan_hash": r.plan.get("hashes", {}).get("run")}
+
+
+def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, float]]],
+            history_b: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    """The whole report as plain data (see the README for an example)."""
+    changes = plan_changes(a.plan, b.plan, a.tools, b.tools)
+    notes = plan_notes(a.plan, b.plan, ("A", "B"))
+    prompts = common_prompts(a.trajectories, b.trajectories)
+    return {
+        "a": _side(a), "b": _side(b),
+        "identical": not changes and not notes,
+        "changes": changes,
+        "notes": notes,
+        "warnings": comparability(changes),
+        "environment": environment_changes(a.run.data.tags, b.run.data.tags),
+        "metrics": metric_rows(history_a, history_b),
+        "prompts": [{k: p[k] for k in ("index", "split", "prompt", "a_reward_mean", "b_reward_mean")} for p in prompts],
+        "trajectories": None,
+        "_prompts_full": prompts,
+    }
 
 
 def main(args: Any) -> int:
-    from mlflow.tracking import MlflowClient
+    uri = tracking_uri(getattr(args, "uri", None))
+    client = client_for(uri)
+    a, b = load(client, args.run_a, uri), load(client, args.run_b, uri)
+    report = compare(a, b, _histories(client, a.run), _histories(client, b.run))
+    full = report.pop("_prompts_full")
+    if full:
+        if not 0 <= args.prompt < len(full):
+            raise RunLookupError(f"--prompt {args.prompt}: the runs share {len(full)} prompts (0..{len(full) - 1})")
+        report["trajectories"] = full[args.prompt]
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False))
+    else:
+        render(report, a, b)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- text
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _cut(text: str | None, n: int = 600) -> str:
+    text = text or ""
+    return text if len(text) <= n else text[:n] + f" ... [{len(text) - n} more]"
+
+
+def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console()
-    client = MlflowClient(tracking_uri(getattr(args, "uri", None)))
-    run_a, plan_a = _load(client, args.run_a)
-    run_b, plan_b = _load(client, args.run_b)
-    diffs = plan_differences(plan_a, plan_b)
-    table = Table(title=f"what differs: A={args.run_a[:8]} B={args.run_b[:8]}")
-    for col in ("setting", "A", "B"):
-        table.add_column(col, overflow="fold")
-    for key, va, vb in diffs:
-        table.add_row(key, va, vb)
-    console.print(table if diffs else "the two runs were defined identically (same spec and hashes)")
-    metrics = Table(title="final metrics")
-    for col in ("metric", "A", "B"):
-        metrics.add_column(col)
-    fmt = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
-    for key, va, vb in metric_differences(run_a.data.metrics, run_b.data.metrics):
-        metrics.add_row(key, fmt(va), fmt(vb))
+    console.print(Text(f"A = {a.label}   B = {b.label}", style="bold"))
+    for w in report["warnings"]:
+        console.print(Text(f"warning: {w}", style="yellow"))
+    for n in report["notes"]:
+        console.print(Text(f"note: {n}", style="yellow"))
+    if report["changes"]:
+        table = Table(title="what differs")
+        for col in ("kind", "key", "A", "B"):
+            table.add_column(col, overflow="fold")
+        for c in report["changes"]:
+            extra = ""
+            if c.get("tools"):
+                extra = "; ".join(f"{k}: {', '.join(v)}" for k, v in c["tools"].items() if v)
+            table.add_row(c["kind"], c["key"] + (f"\n({extra})" if extra else ""), _fmt(c["a"]), _fmt(c["b"]))
+        console.print(table)
+    elif report["identical"]:
+        console.print(f"defined identically: same spec, templates, reward code, data and tool schemas "
+                      f"(plan {report['a']['plan_hash'][:12]})")
+    if report["environment"]:
+        env = Table(title="where they ran (not part of the plan)")
+        for col in ("tag", "A", "B"):
+            env.add_column(col, overflow="fold")
+        for e in report["environment"]:
+            env.add_row(e["key"], _fmt(e["a"]), _fmt(e["b"]))
+        console.print(env)
+    metrics = Table(title="metrics")
+    for col, justify in (("metric", "left"), ("", "left"), ("A", "right"), ("B", "right"), ("B - A", "right")):
+        metrics.add_column(col, justify=justify)
+    for m in report["metrics"]:
+        delta = "-" if m["delta"] is None else f"{m['delta']:+.4g}"
+        metrics.add_row(m["metric"], m["agg"], _fmt(m["a"]), _fmt(m["b"]), delta)
     console.print(metrics)
-    return 0
+    shown = report["trajectories"]
+    if shown is None:
+        console.print("no prompt was seen by both runs")
+        return
+    console.print(Text(f"{len(report['prompts'])} prompts seen by both runs; prompt {shown['index']} "
+                       f"({shown['split']}, --prompt N shows another):", style="bold"))
+    console.print(Text(shown["prompt"]))
+    side = Table(show_lines=True)
+    side.add_column(f"A {a.label}", overflow="fold", ratio=1)
+    side.add_column(f"B {b.label}", overflow="fold", ratio=1)
+
+    def cell(t: dict[str, Any] | None) -> Text:
+        if t is None:
+            return Text("")
+        head = f"step {t['step']} sample {t['sample_index']}  reward {_fmt(t['reward'])}  {t['stop_reason']}\n"
+        return Text(head + _cut(t["completion"]))
+
+    for i in range(max(len(shown["a"]), len(shown["b"]))):
+        side.add_row(cell(shown["a"][i] if i < len(shown["a"]) else None),
+                     cell(shown["b"][i] if i < len(shown["b"]) else None))
+    console.print(side)

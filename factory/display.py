@@ -1,10 +1,13 @@
 """The live terminal display of a run: a progress bar with ETA, one line per step, and a final summary.
 
-On a terminal the bar redraws in place; in a log file (CI, nohup) each step is one plain line.
+On a terminal the bars redraw in place; in a log file (CI, nohup) each step is one plain line, and a long
+phase (the step-0 evaluation, a step's rollout) prints its trajectories done/total every `log_every_s`.
 """
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -16,13 +19,17 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 
 class Display:
-    def __init__(self, total_steps: int, console: Console | None = None):
+    def __init__(self, total_steps: int, console: Console | None = None, *, log_every_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.console = console or Console(stderr=True, log_path=False)
         self.total = total_steps
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                   console=self.console, transient=True)
         self._task = None
+        self.log_every_s, self._clock = log_every_s, clock
+        # The long phase in progress: (label, bar task on a terminal, started, last plain line printed).
+        self._phase: tuple[str, object, float, float] | None = None
 
     def __enter__(self) -> Display:
         self._progress.__enter__()
@@ -35,6 +42,27 @@ class Display:
     def status(self, text: str) -> None:
         """A one-off line for slow phases (starting Ray, building the model, evaluating)."""
         self._progress.console.log(text)
+
+    def progress(self, label: str, done: int, total: int) -> None:
+        """Trajectories done out of total in a long phase (called every half second or so while it runs):
+        a live bar on a terminal; in a log file, a plain line every `log_every_s` seconds."""
+        now = self._clock()
+        if self._phase is None or self._phase[0] != label:
+            self.done()
+            task = self._progress.add_task(label, total=total) if self.console.is_terminal else None
+            self._phase = (label, task, now, now)
+        _, task, started, last = self._phase
+        if task is not None:
+            self._progress.update(task, completed=done, total=total)
+        elif now - last >= self.log_every_s:
+            self._progress.console.log(f"{label}: {done}/{total} trajectories ({now - started:.0f} s)", markup=False)
+            self._phase = (label, task, started, now)
+
+    def done(self) -> None:
+        """The long phase is over: its bar goes away (the step line that follows says how it went)."""
+        if self._phase is not None and self._phase[1] is not None:
+            self._progress.remove_task(self._phase[1])
+        self._phase = None
 
     def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
         acc = f"  eval acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
@@ -53,7 +81,7 @@ class Display:
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {_fmt(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
-    def summary(self, *, run_id: str, experiment: str, uri: str, before: dict[str, float],
+    def summary(self, *, run_id: str, experiment: str, experiment_id: str, uri: str, before: dict[str, float],
                 after: dict[str, float], wall_s: float, checkpoint: str | None) -> None:
         table = Table(title="Factory run finished", show_header=True)
         table.add_column("metric")
@@ -65,5 +93,10 @@ class Display:
         self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
         if checkpoint:
             self.console.print(f"final model (HF folder): {checkpoint}")
-        ui = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite") else f"open {uri}"
-        self.console.print(f"see it: {ui}   then http://127.0.0.1:5000")
+        if uri.startswith(("http://", "https://")):
+            self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
+        else:
+            from factory.tracking import tracking_uri
+
+            ui = "factory ui" if uri == tracking_uri(None) else f"factory ui --uri {uri}"
+            self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")

@@ -18,7 +18,6 @@ from typing import Any
 import ray
 
 from factory.schema import Spec
-from factory.tracking import git_commit
 
 
 @dataclass
@@ -58,7 +57,7 @@ _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", 
           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
-def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
+def place_stages(spec: Spec, model_path: str, base_dir: str, display: Any) -> Stages:
     from factory.data import DataStage
     from factory.reward import RewardStage
     from factory.rollout.stage import RolloutStage
@@ -77,17 +76,44 @@ def place_stages(spec: Spec, model_path: str, base_dir: str) -> Stages:
         spec, base_dir=base_dir, workdir=workdir)
     update = ray.remote(UpdateStage).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
         spec, model_path, workdir=workdir, base_dir=base_dir)
-    _, roll, _, upd = ray.get([data.setup.remote(), rollout.setup.remote(), reward.setup.remote(), update.setup.remote()])
+    tools = f", starts the tool servers {', '.join(spec.tools)}" if spec.tools else ""
+    display.status(f"starting the stages: data; rollout (loads the model{tools}); reward; update (DeepSpeed engine; "
+                   "the first run on a machine also compiles DeepSpeed's C++ ops, about a minute)")
+    ready = await_setup({"data": data.setup.remote(), "rollout": rollout.setup.remote(),
+                         "reward": reward.setup.remote(), "update": update.setup.remote()}, display)
     return Stages(data, rollout, reward, update, [data, rollout, reward, update],
-                  resolved={"rollout": roll["resolved"], "update": upd["resolved"]})
+                  resolved={"rollout": ready["rollout"]["resolved"], "update": ready["update"]["resolved"]})
 
 
-def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str]) -> tuple[dict[str, float], list[Any]]:
+def await_setup(refs: dict[str, Any], display: Any) -> dict[str, Any]:
+    """Every stage's setup result, saying as each one is ready."""
+    t0, names, out = time.perf_counter(), {ref: name for name, ref in refs.items()}, {}
+    while names:
+        (ref,), _ = ray.wait(list(names), num_returns=1)
+        name = names.pop(ref)
+        out[name] = ray.get(ref)  # a setup that failed raises here
+        display.status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+def follow(ref: Any, rollouts: list[Any], display: Any, label: str) -> Any:
+    """The result of a rollout call; meanwhile the display shows the trajectories done out of total, polled
+    from the rollout actors (async actors answer `progress()` while `generate` awaits)."""
+    while not ray.wait([ref], timeout=0.5)[0]:
+        counts = ray.get([r.progress.remote() for r in rollouts])
+        display.progress(label, sum(d for d, _ in counts), sum(t for _, t in counts))
+    display.done()
+    return ray.get(ref)
+
+
+def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str], display: Any,
+             step: int) -> tuple[dict[str, float], list[Any]]:
     """Greedy, one sample per held-out prompt; `eval/<metric>` is the mean of that reward node."""
     batch = ray.get(s.data.eval_batch.remote())
     if batch is None:
         return {}, []
-    trajs, rollout_m = ray.get(s.rollout.generate.remote(batch, group_size=1, greedy=True))
+    trajs, rollout_m = follow(s.rollout.generate.remote(batch, group_size=1, greedy=True), [s.rollout], display,
+                              f"step {step} evaluation")
     trajs, reward_m = ray.get(s.reward.score.remote(trajs))
     # The reward stage's means: the same missing-value rule as the trained reward (see RewardNode.on_missing)
     out = {f"eval/{name}": reward_m[f"rewards/{node}/mean"] for name, node in metric_nodes.items()}
@@ -98,7 +124,7 @@ def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str]) -> tuple[dict[
     return out, trajs
 
 
-def collect(s: Stages, spec: Spec, alg: Any) -> tuple[list[Any], dict[str, float]]:
+def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
     """One step's scored trajectories. With dynamic sampling (DAPO), groups whose rewards all agree carry
     no signal: they are dropped and more prompts are sampled, up to 3 extra rounds."""
     from factory.algorithms import dynamic_sampling_keep
@@ -106,7 +132,8 @@ def collect(s: Stages, spec: Spec, alg: Any) -> tuple[list[Any], dict[str, float
     want, kept, metrics = spec.train.prompts_per_step, [], {}
     for attempt in range(4 if alg.dynamic_sampling else 1):
         batch = s.data.next_batch.remote(want - len({t.prompt_index for t in kept}) if attempt else want)
-        trajs, roll_m = ray.get(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size))
+        trajs, roll_m = follow(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size), [s.rollout],
+                               display, f"step {step} rollout")
         trajs, rew_m = ray.get(s.reward.score.remote(trajs))
         for t in trajs:  # keep group ids unique across rounds
             t.prompt_index += 1000 * attempt
@@ -137,14 +164,15 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
 
     alg = resolve(spec.algorithm)
     ckpt_dir = spec.train.checkpoint_dir
-    before, eval_trajs = evaluate(s, spec, metric_nodes)
+    traces = spec.tracking.log_trajectories
+    before, eval_trajs = evaluate(s, spec, metric_nodes, display, 0)
     tracker.log_metrics(before, step=0)
-    tracker.log_trajectories(eval_trajs, 0, name="eval_trajectories")
+    tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
     display.step(0, before, completed=0)
     after, checkpoint = before, None
     for step in range(1, spec.train.steps + 1):
         t0 = time.perf_counter()
-        trajs, m = collect(s, spec, alg)                                   # data -> rollout -> tools -> reward
+        trajs, m = collect(s, spec, alg, display, step)                    # data -> rollout -> tools -> reward
         m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
         t_sync = time.perf_counter()
         ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
@@ -154,21 +182,21 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
             m.get(k, 0.0) for k in ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s"))
         m["perf/tokens_per_s"] = sum(len(t.response_ids) for t in trajs) / m["timing/step_s"]
         if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
-            after, eval_trajs = evaluate(s, spec, metric_nodes)
+            after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
             m.update(after)
-            tracker.log_trajectories(eval_trajs, step, name="eval_trajectories")
+            tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
         if step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
             checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step))
+            tracker.log_checkpoint(step, checkpoint)
         tracker.log_metrics(m, step=step)
-        tracker.log_trajectories(trajs[: spec.tracking.log_trajectories], step)
+        tracker.log_trajectories(trajs[:traces], step)
         display.step(step, m)
     return RunResult(tracker.run_id, before, after, checkpoint)
 
 
 def run(plan: Any, spec: Spec) -> RunResult:
     """Run a compiled plan end to end; returns the MLflow run id and before/after eval metrics."""
-    from factory.assets import resolve_model
-    from factory.compiler.compile import plan_json
+    from factory.assets import is_built, resolve_model
     from factory.display import Display
     from factory.tracking import Tracker, tracking_uri
 
@@ -178,16 +206,16 @@ def run(plan: Any, spec: Spec) -> RunResult:
     tracker = Tracker(uri, spec.tracking.experiment)
     metric_nodes = metric_nodes_of(spec)
     with display:
-        display.status("resolving the model")
+        if not is_built(spec.model.path):
+            display.status(f"building the model {spec.model.path} into the cache (first use only)")
         model_path = resolve_model(spec.model.path)
-        display.status("starting Ray and the stage actors (data, rollout+tools, reward, DeepSpeed update)")
+        display.status("starting Ray")
         start_ray(spec)
         status, stages = "FAILED", None
         try:
-            stages = place_stages(spec, model_path, str(plan.base_dir))
-            tags = {"factory.spec_hash": plan.hashes["spec"], "factory.run_hash": plan.hashes["run"],
-                    **_commits(), **plan.spec["tracking"]["tags"]}  # the plan's: env-derived values masked
-            tracker.start(plan.spec["name"], {**plan.spec, "resolved": stages.resolved}, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+            stages = place_stages(spec, model_path, str(plan.base_dir), display)
+            plan = tracker.start_run(plan, spec, ray.get(stages.rollout.tool_listing.remote()),
+                                     {"resolved": stages.resolved})
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
             status = "FINISHED"
@@ -199,18 +227,10 @@ def run(plan: Any, spec: Spec) -> RunResult:
             if stages is not None:  # stop tool servers cleanly before the actors go
                 ray.wait([stages.rollout.close.remote(), stages.reward.close.remote()], num_returns=2, timeout=30)
             ray.shutdown()
-    display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, uri=uri, before=result.before,
-                    after=result.after, wall_s=time.perf_counter() - t_start,
+    display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, experiment_id=tracker.experiment_id,
+                    uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))
     return result
-
-
-def _commits() -> dict[str, str]:
-    """The git commit of the project the run was started from, and of Factory's own source."""
-    import factory
-
-    tags = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(factory.__file__).parent)}
-    return {k: v for k, v in tags.items() if v}
 
 
 def metric_nodes_of(spec: Spec) -> dict[str, str]:

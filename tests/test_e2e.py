@@ -1,35 +1,20 @@
 """The whole graph, for real: `factory run specs/tiny.yaml` through Ray, the calculator MCP server,
-DeepSpeed and MLflow, then the store is read back as a user would read it."""
+DeepSpeed and an MLflow tracking server, then the store is read back as a user would read it."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 2
+from tests.tracked_runs import STEPS
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("tiny-run")
-    for folder in ("specs", "prompts"):
-        shutil.copytree(REPO / folder, work / folder)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", f"train.steps={STEPS}"],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    return work, client, run, out
+def tiny_run(tiny_runs):
+    """Run A of the shared pair (tests/tracked_runs.py): `factory run specs/tiny.yaml`, tracked over HTTP by a
+    real `mlflow server`."""
+    return tiny_runs.work_a, tiny_runs.client, tiny_runs.a, tiny_runs.out_a
 
 
 def test_parameters_changed(tiny_run):

@@ -1,8 +1,15 @@
+import json
+from pathlib import Path
+
 import pyarrow.parquet as pq
+import pytest
 
 from factory.rollout.stage import BusyClock
 from factory.tracking import Tracker, flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _traj():
@@ -51,10 +58,148 @@ def test_busy_clock_splits_wall_time(monkeypatch):
     assert c.read() == {"generate": 2.0, "tools": 1.0, "idle": 0.5}
 
 
-def test_plan_differences_name_the_changed_settings():
-    from factory.diff import plan_differences
+def test_plan_changes_name_each_kind_of_change():
+    from factory.diff import plan_changes
 
-    a = {"spec": {"train": {"lr": 1e-5, "steps": 10}}, "hashes": {"rewards": {"rewards/math.py": "aa"}, "run": "1"}}
-    b = {"spec": {"train": {"lr": 3e-6, "steps": 10}}, "hashes": {"rewards": {"rewards/math.py": "bb"}, "run": "2"}}
-    assert plan_differences(a, b) == [("hashes.rewards.rewards/math.py", "aa", "bb"),
-                                      ("spec.train.lr", "1e-05", "3e-06")]
+    a = {"spec": {"train": {"lr": 1e-5, "steps": 10}, "tools": {"calc": {}}}, "version": "0.1.0",
+         "hashes": {"rewards": {"rewards/math.py": "aa"}, "templates": {"p.jinja": "t1"}, "data": {"train": {"sha256": "d1"}},
+                    "tools": {"calc": "h1"}, "code": {}, "spec": "s1", "run": "1"}}
+    b = {"spec": {"train": {"lr": 3e-6, "steps": 10}, "tools": {"calc": {}}}, "version": "0.1.0",
+         "hashes": {"rewards": {"rewards/math.py": "bb"}, "templates": {"p.jinja": "t2"}, "data": {"train": {"sha256": "d2"}},
+                    "tools": {"calc": "h2"}, "code": {}, "spec": "s2", "run": "2"}}
+    listing = {"calc": [{"name": "calculate", "description": "x", "inputSchema": {"type": "object"}}]}
+    changed = {"calc": listing["calc"] + [{"name": "sqrt", "description": "y", "inputSchema": {}}]}
+    assert plan_changes(a, b, listing, changed) == [
+        {"kind": "setting", "key": "train.lr", "a": "1e-05", "b": "3e-06"},
+        {"kind": "template", "key": "templates.p.jinja", "a": "t1", "b": "t2"},
+        {"kind": "reward_code", "key": "rewards.rewards/math.py", "a": "aa", "b": "bb"},
+        {"kind": "data", "key": "data.train.sha256", "a": "d1", "b": "d2"},
+        {"kind": "tool_schema", "key": "tools.calc", "a": "h1", "b": "h2",
+         "tools": {"added": ["sqrt"], "removed": [], "changed": []}},
+    ]
+    assert plan_changes(a, a) == []
+
+
+def test_unrecorded_tool_schemas_are_a_note_not_identical():
+    from factory.diff import plan_changes, plan_notes
+
+    a = {"spec": {"tools": {"calc": {}}}, "hashes": {"tools": {}}}
+    b = {"spec": {"tools": {"calc": {}}}, "hashes": {"tools": {"calc": "h"}}}
+    assert plan_changes(a, b) == []
+    assert plan_notes(a, b, ("A", "B")) == [
+        "run A did not record its tool schemas (its plan was compiled without the servers): a change of tool "
+        "server would not show"]
+
+
+def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
+    from factory.diff import comparability
+
+    changes = [{"kind": "setting", "key": "algorithm.name"}, {"kind": "data", "key": "data.train.sha256"},
+               {"kind": "setting", "key": "model.path"}, {"kind": "setting", "key": "train.lr"}]
+    assert comparability(changes) == ["not comparable: different algorithm (algorithm.name)",
+                                      "not comparable: different data (data.train.sha256)",
+                                      "not comparable: different model (model.path)"]
+    assert comparability([{"kind": "setting", "key": "train.lr"}]) == []
+
+
+def test_metric_rows_final_best_mean_and_deltas():
+    from factory.diff import metric_rows
+
+    a = {"reward/mean": [(1, 0.2), (2, 0.6), (3, 0.4)], "eval/accuracy": [(0, 0.1), (3, 0.5)],
+         "timing/step_s": [(1, 2.0), (2, 4.0), (3, 6.0)]}
+    b = {"reward/mean": [(1, 0.3), (2, 0.5)], "eval/accuracy": [(0, 0.1), (2, 0.9)], "perf/tokens_per_s": [(1, 9.0)]}
+    rows = [(r["metric"], r["agg"], r["a"], r["b"], r["delta"]) for r in metric_rows(a, b)]
+    assert rows == [("reward/mean", "best", 0.6, 0.5, pytest.approx(-0.1)),
+                    ("reward/mean", "final", 0.4, 0.5, pytest.approx(0.1)),
+                    ("eval/accuracy", "final", 0.5, 0.9, pytest.approx(0.4)),
+                    ("eval/accuracy", "step 0", 0.1, 0.1, 0.0),
+                    ("timing/step_s", "mean", 4.0, None, None),
+                    ("perf/tokens_per_s", "mean", None, 9.0, None)]
+
+
+def test_common_prompts_pair_the_last_step_of_each_run():
+    from factory.diff import common_prompts
+
+    def row(split, step, q, reward, sample=0):
+        return {"split": split, "step": step, "prompt": json.dumps([{"role": "user", "content": q}]),
+                "sample_index": sample, "reward": reward, "rewards": "{}", "completion": f"{q}:{reward}",
+                "tool_calls": []}
+
+    a = [row("eval", 0, "q1", 0.0), row("eval", 2, "q1", 1.0), row("train", 1, "q2", 0.5), row("train", 1, "q3", 0.0)]
+    b = [row("eval", 0, "q1", 0.0), row("eval", 2, "q1", 0.0), row("train", 1, "q2", 0.25, 1)]
+    prompts = common_prompts(a, b)
+    assert [(p["split"], p["prompt"]) for p in prompts] == [("eval", "q1"), ("train", "q2")]
+    assert [t["completion"] for t in prompts[0]["a"]] == ["q1:1.0"] and prompts[0]["b"][0]["step"] == 2
+    assert prompts[1]["a_reward_mean"] == 0.5 and prompts[1]["b_reward_mean"] == 0.25
+
+
+def test_environment_tags_name_versions_cpu_and_gpu():
+    from factory.tracking import environment_tags
+
+    tags = environment_tags()
+    assert tags["factory.version.torch"].startswith("2.") and tags["factory.version.mcp"] != "none"
+    assert tags["factory.cpu"] and tags["factory.cpu"] != "unknown" and tags["factory.gpu"]
+    assert "factory.version.vllm" in tags and "factory.version.deepspeed" in tags
+
+
+def test_trajectory_trace_has_a_span_per_turn_and_tool_call(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    t = Tracker(uri, "exp")
+    t.start("r", {}, {}, {})
+    traj = _traj()
+    traj.turns[0].results[0] = ToolResult("calculate", "timed out", status="infra_error", error_kind="timeout",
+                                          latency_s=0.5)
+    traj.turns[0].started_at, traj.turns[0].generated_at, traj.turns[0].ended_at = 100.0, 101.0, 101.5
+    traj.turns[1].started_at = traj.turns[1].generated_at = traj.turns[1].ended_at = 101.5
+    t.log_trajectories([traj], step=2, split="eval")
+    t.end()
+    (trace,) = mlflow.search_traces(run_id=t.run_id, return_type="list")
+    assert trace.info.tags["factory.split"] == "eval" and trace.info.tags["factory.step"] == "2"
+    spans = {s.name: s for s in trace.data.spans}
+    assert set(spans) == {"trajectory", "turn 0", "turn 1", "calculate"}
+    tool = spans["calculate"]
+    assert tool.parent_id == spans["turn 0"].span_id and tool.status.status_code.value == "ERROR"
+    assert (tool.start_time_ns, tool.end_time_ns) == (101_000_000_000, 101_500_000_000)
+    assert tool.attributes["error_kind"] == "timeout" and tool.inputs == {"expression": "1+2"}
+    assert (spans["trajectory"].start_time_ns, spans["trajectory"].end_time_ns) == (100_000_000_000, 101_500_000_000)
+
+
+def test_checkpoints_are_logged_as_tags_and_a_list(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    t = Tracker(uri, "exp")
+    t.start("r", {}, {}, {})
+    t.log_checkpoint(2, "runs/x/step_2")
+    t.log_checkpoint(4, "runs/x/step_4")
+    t.end()
+    client = MlflowClient(uri)
+    tags = client.get_run(t.run_id).data.tags
+    assert tags["factory.checkpoint"] == str(tmp_path / "runs/x/step_4") and tags["factory.checkpoint_step"] == "4"
+    listed = json.loads(open(client.download_artifacts(t.run_id, "checkpoints.json", str(tmp_path))).read())
+    assert [(c["step"], c["hf"]) for c in listed] == [(2, str(tmp_path / "runs/x/step_2/hf")),
+                                                      (4, str(tmp_path / "runs/x/step_4/hf"))]
+
+
+def test_run_time_tool_hash_equals_check_connect(monkeypatch):
+    """`factory run` hashes the listing of its started servers exactly as `factory check --connect` does."""
+    import asyncio
+
+    from factory.compiler.compile import compile_file, with_tool_listing
+    from factory.tools import ToolBox
+
+    monkeypatch.chdir(REPO)
+    spec, plain = compile_file("specs/tiny.yaml")
+    _, connected = compile_file("specs/tiny.yaml", connect=True)
+    assert plain.hashes["tools"] == {} and connected.hashes["tools"]
+
+    async def listing():
+        async with ToolBox.from_spec(spec.tools, base_dir=REPO) as box:
+            return box.tool_listing()
+
+    at_run = with_tool_listing(plain, spec, asyncio.run(listing()))
+    assert at_run.hashes == connected.hashes and at_run.tools == connected.tools == {"calc": ["calculate"]}

@@ -515,6 +515,17 @@ def _offered(spec: Spec, name: str, listed: list[dict[str, Any]]) -> list[dict[s
     return sorted(keep, key=lambda t: t["name"])
 
 
+def with_tool_listing(plan: Plan, spec: Spec, listing: ToolListing) -> Plan:
+    """The plan with its tool schemas hashed from the listing of the started servers: what `--connect`
+    computes, done by `factory run` once the rollout stage's servers are up, so that every run's plan hash
+    covers the schemas its model was offered (a changed MCP server changes the hash)."""
+    hashes = {k: v for k, v in plan.hashes.items() if k != "run"}
+    hashes["tools"] = {name: sha256_json(_offered(spec, name, listed)) for name, listed in listing.items()}
+    hashes["run"] = sha256_json(hashes)
+    return dataclasses.replace(plan, hashes=_sorted(hashes),
+                               tools={n: [t["name"] for t in _offered(spec, n, ls)] for n, ls in listing.items()})
+
+
 def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
                  tools: ToolListing | None = None) -> Plan:
     """Resolve every reference of a loaded spec and build its Plan; raises `SpecErrors`.

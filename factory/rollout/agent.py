@@ -10,6 +10,8 @@ overlap other trajectories' generation, and the engine batches whatever generati
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from factory.rollout.chat import ChatFormat
@@ -55,12 +57,15 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     stop: StopReason = "max_turns"
     for turn_no in range(cfg.max_turns):
         limit = min(cfg.max_new_tokens, cfg.max_total_tokens - len(response))
+        started = time.time()
         gen = await engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=sampling)
+        generated = time.time()
         response += gen.ids
         mask += [1] * len(gen.ids)
         # The stop token is not part of what the model said; parse and log the text before it.
         text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-        turn = Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text))
+        turn = Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text), started_at=started,
+                    generated_at=generated, ended_at=generated)
         turns.append(turn)
         if not turn.calls:
             stop = "no_call" if gen.finished else "budget"
@@ -68,6 +73,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         if turn_no == cfg.max_turns - 1:
             break  # nothing would read the responses: the calls are recorded, not run
         turn.results = list(await asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls)))
+        turn.ended_at = time.time()
         ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
         delta = chat.tool_delta_ids(turn.results, turn_ended_with_eos=ended_with_eot)
         if len(response) + len(delta) >= cfg.max_total_tokens:  # no room left for the model to answer
@@ -85,9 +91,17 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
 
 
 async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
-                  group_size: int, cfg: RolloutSpec, sampling: Sampling) -> list[Trajectory]:
-    """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index)."""
-    tasks = [run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
-                            cfg=cfg, sampling=sampling)
-             for p, (messages, row) in enumerate(prompts) for s in range(group_size)]
-    return list(await asyncio.gather(*tasks))
+                  group_size: int, cfg: RolloutSpec, sampling: Sampling,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index).
+    `on_done` is called as each trajectory finishes (the stage counts them for its progress report)."""
+
+    async def one(messages: list[dict[str, Any]], row: dict[str, Any], p: int, s: int) -> Trajectory:
+        t = await run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
+                                 cfg=cfg, sampling=sampling)
+        if on_done is not None:
+            on_done(t)
+        return t
+
+    return list(await asyncio.gather(*(one(messages, row, p, s) for p, (messages, row) in enumerate(prompts)
+                                       for s in range(group_size))))

@@ -89,6 +89,7 @@ class RolloutStage:
 
     def __init__(self, spec: Spec, model_path: str, *, base_dir: str | None = None, workdir: str | None = None):
         self.spec, self.model_path, self.base_dir, self.workdir = spec, model_path, base_dir, workdir
+        self._done, self._total = 0, 0  # trajectories of the generate call in progress
 
     async def setup(self) -> dict[str, Any]:
         enter_workdir(self.workdir)
@@ -126,8 +127,10 @@ class RolloutStage:
         batches_before = self.engine.batches_run
         t0 = time.perf_counter()
         self.toolbox.metrics(reset=True)
+        prompts = from_table(batch)
+        self._done, self._total = 0, len(prompts) * group_size
         trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.toolbox, clock, "tools"),
-                              from_table(batch), group_size=group_size, cfg=r, sampling=sampling)
+                              prompts, group_size=group_size, cfg=r, sampling=sampling, on_done=self._count)
         wall = time.perf_counter() - t0
         busy = clock.read()
         metrics = {
@@ -143,6 +146,19 @@ class RolloutStage:
             **self.toolbox.metrics(reset=True),
         }
         return trajs, metrics
+
+    def _count(self, _: Trajectory) -> None:
+        self._done += 1
+
+    async def progress(self) -> tuple[int, int]:
+        """(trajectories done, trajectories asked) of the current `generate` call. Ray runs an async
+        actor's calls on one event loop, so the driver can poll this while `generate` awaits."""
+        return self._done, self._total
+
+    async def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
+        """server -> [{name, offered_as, description, inputSchema}] of the tools offered to the model, as the
+        started servers list them (what the run's tool-schema hash is computed from)."""
+        return self.toolbox.tool_listing()
 
     def load_weights(self, state_dict: dict[str, Any]) -> float:
         t0 = time.perf_counter()

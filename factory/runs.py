@@ -1,0 +1,190 @@
+"""Tracked runs from the command line: `factory runs` (a table of runs), `factory ui` (the MLflow UI), and
+how `factory diff` finds a run by id, id prefix or name.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from factory.tracking import tracking_uri
+
+
+class RunLookupError(Exception):
+    """A run named on the command line does not exist, is ambiguous, or cannot be compared."""
+
+
+def client_for(uri: str | None) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri(uri))
+
+
+def _all_experiments(client: Any) -> list[Any]:
+    return client.search_experiments()
+
+
+def search(client: Any, experiment: str | None = None, max_results: int = 1000) -> list[Any]:
+    """Runs of one experiment (by name), else of every experiment; newest first."""
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            names = ", ".join(e.name for e in _all_experiments(client)) or "none"
+            raise RunLookupError(f"no experiment named '{experiment}' (experiments: {names})")
+        ids = [exp.experiment_id]
+    else:
+        ids = [e.experiment_id for e in _all_experiments(client)]
+    if not ids:
+        return []
+    return client.search_runs(ids, max_results=max_results, order_by=["attributes.start_time DESC"])
+
+
+def find_run(client: Any, ref: str, uri: str) -> Any:
+    """The run `ref` names: a run id, a unique id prefix (8+ characters, as `factory runs` shows them) or a
+    unique run name."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(ref)
+    except MlflowException:
+        pass
+    runs = search(client)
+    by_name = [r for r in runs if r.info.run_name == ref]
+    by_prefix = [r for r in runs if len(ref) >= 8 and r.info.run_id.startswith(ref)]
+    found = by_name or by_prefix
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise RunLookupError(f"no run with id or name '{ref}' in {uri}")
+    ids = ", ".join(r.info.run_id for r in found[:5])
+    raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
+
+
+# ------------------------------------------------------------------------------------------- runs
+def _num(v: Any) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def run_summary(run: Any) -> dict[str, Any]:
+    """What `factory runs` shows of one run."""
+    info, data = run.info, run.data
+    end = info.end_time or (time.time() * 1000 if info.status == "RUNNING" else info.start_time)
+    steps = data.params.get("train.steps")
+    return {
+        "run_id": info.run_id,
+        "name": info.run_name,
+        "experiment_id": info.experiment_id,
+        "spec": data.tags.get("factory.spec_name", ""),
+        "status": info.status,
+        "steps_done": int(data.tags["factory.step"]) if "factory.step" in data.tags else None,
+        "steps": int(steps) if steps and steps.isdigit() else None,
+        "final_reward": _num(data.metrics.get("reward/mean")),
+        "eval": {k: _num(v) for k, v in sorted(data.metrics.items()) if k.startswith("eval/")},
+        "start_time": info.start_time / 1000 if info.start_time else None,
+        "duration_s": (end - info.start_time) / 1000 if info.start_time else None,
+        "plan_hash": data.tags.get("factory.plan_hash"),
+    }
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def runs_main(args: Any) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    client = client_for(args.uri)
+    rows = [run_summary(r) for r in search(client, args.experiment, max_results=args.limit)]
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+        return 0
+    if not rows:
+        where = f" (experiment '{args.experiment}')" if args.experiment else ""
+        print(f"no runs in {tracking_uri(args.uri)}{where}")
+        return 0
+    eval_keys = sorted({k for r in rows for k in r["eval"]})
+    table = Table(title=f"runs in {tracking_uri(args.uri)}")
+    for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "duration", "started"):
+        table.add_column(col, justify="right" if col in ("steps", "reward", "duration") or col in eval_keys else "left")
+    for r in rows:
+        steps = f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
+        dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
+        table.add_row(r["run_id"][:8], r["name"], r["spec"], r["status"], steps, _fmt(r["final_reward"]),
+                      *(_fmt(r["eval"].get(k)) for k in eval_keys), dur, started)
+    Console().print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- ui
+def server_command(uri: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """`mlflow server` with light settings: one worker and no job-execution processes (the default starts
+    ~15 processes and 1.7 GB; this one 2 processes and ~360 MB). Artifacts of a local store stay where the
+    runs wrote them."""
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+    argv = [mlflow, "server", "--backend-store-uri", uri, "--host", host, "--port", str(port), "--workers", "1"]
+    return argv, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"mlflow server did not answer on {url} within {timeout_s:.0f} s")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) != 0
+
+
+def ui_main(args: Any) -> int:
+    uri = tracking_uri(args.uri)
+    if uri.startswith(("http://", "https://")):
+        print(f"the tracking store is a server already: open {uri}")
+        return 0
+    if not _port_free(args.host, args.port):
+        raise RunLookupError(f"port {args.port} on {args.host} is in use; pick another with --port")
+    argv, env = server_command(uri, args.host, args.port)
+    url = f"http://{args.host}:{args.port}"
+    # The server's log goes to a file (a pipe nobody reads would fill and stall it); shown if it fails.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        print(f"starting the MLflow UI on {uri} ...", file=sys.stderr, flush=True)
+        try:
+            wait_until_up(url, proc)
+        except RuntimeError as e:
+            log.seek(0)
+            raise RunLookupError(f"{e}\n{log.read()[-2000:]}".rstrip()) from None
+        print(f"MLflow UI: {url}   (Ctrl-C stops it)", flush=True)
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+    return 0

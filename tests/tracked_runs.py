@@ -1,0 +1,105 @@
+"""Session fixtures: a real `mlflow server` on 127.0.0.1 and a pair of tiny `factory run`s tracked over HTTP.
+
+The pair is shared by the end-to-end checks (test_e2e), the diff, REST and browser tests (test_tracking_server):
+run B is run A with one reward weight changed, so `factory diff` must name exactly that change.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from factory.runs import server_command, wait_until_up
+from tests.servers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 2
+CHANGE = ("rewards.total.sum.well_formed", "0.2", "0.5")  # the one setting run B changes
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path) -> Iterator[str]:
+    """`mlflow server` (one worker, no job runners) on a sqlite store and an artifact folder in `folder`;
+    yields its URL and stops it afterwards."""
+    port = free_port()
+    argv, env = server_command(f"sqlite:///{folder}/mlflow.db", "127.0.0.1", port)
+    argv += ["--artifacts-destination", str(folder / "artifacts")]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            try:
+                wait_until_up(url, proc)
+            except RuntimeError:
+                log.seek(0)
+                raise RuntimeError(log.read().decode(errors="replace")[-3000:]) from None
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def project_copy(folder: Path) -> Path:
+    """A working directory with the repository's specs, prompts and rewards, as a user's project has."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("specs", "prompts"):
+        shutil.copytree(REPO / name, folder / name)
+    return folder
+
+
+def factory(*args: str, cwd: Path, uri: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """`factory ARGS` in a fresh process as a user runs it, tracking to `uri`."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("FACTORY_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "factory.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@dataclass
+class TinyRuns:
+    uri: str
+    client: Any  # MlflowClient on the server
+    work_a: Path
+    work_b: Path
+    a: Any  # mlflow Run
+    b: Any
+    out_a: subprocess.CompletedProcess[str]
+    out_b: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="session")
+def tracking_server(tmp_path_factory) -> Iterator[str]:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tracking_server, tmp_path_factory) -> TinyRuns:
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("tiny-runs")
+    work_a, work_b = project_copy(root / "a"), project_copy(root / "b")
+    key, _, changed = CHANGE
+    out_a = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", cwd=work_a, uri=tracking_server)
+    assert out_a.returncode == 0, out_a.stderr[-4000:]
+    out_b = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", f"{key}={changed}", cwd=work_b,
+                    uri=tracking_server)
+    assert out_b.returncode == 0, out_b.stderr[-4000:]
+    client = MlflowClient(tracking_server)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2
+    return TinyRuns(tracking_server, client, work_a, work_b, runs[0], runs[1], out_a, out_b)
