@@ -315,6 +315,8 @@ def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
     from rich.text import Text
 
     console = Console()
+    if not console.is_terminal:  # piped or in a log: room for the side-by-side tables
+        console = Console(width=160)
     console.print(Text(f"A = {a.label}   B = {b.label}", style="bold"))
     for w in report["warnings"]:
         console.print(Text(f"warning: {w}", style="yellow"))

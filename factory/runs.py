@@ -114,14 +114,18 @@ def runs_main(args: Any) -> int:
     eval_keys = sorted({k for r in rows for k in r["eval"]})
     table = Table(title=f"runs in {tracking_uri(args.uri)}")
     for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "duration", "started"):
-        table.add_column(col, justify="right" if col in ("steps", "reward", "duration") or col in eval_keys else "left")
+        numeric = col in ("steps", "reward", "duration") or col in eval_keys
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name")
     for r in rows:
         steps = f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
         table.add_row(r["run_id"][:8], r["name"], r["spec"], r["status"], steps, _fmt(r["final_reward"]),
                       *(_fmt(r["eval"].get(k)) for k in eval_keys), dur, started)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped or in a log: do not squeeze the table into 80 columns
+        console = Console(width=200)
+    console.print(table)
     return 0
 
 

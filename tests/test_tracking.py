@@ -156,7 +156,7 @@ def test_trajectory_trace_has_a_span_per_turn_and_tool_call(tmp_path, monkeypatc
     traj.turns[1].started_at = traj.turns[1].generated_at = traj.turns[1].ended_at = 101.5
     t.log_trajectories([traj], step=2, split="eval")
     t.end()
-    (trace,) = mlflow.search_traces(run_id=t.run_id, return_type="list")
+    (trace,) = mlflow.search_traces(locations=[t.experiment_id], run_id=t.run_id, return_type="list")
     assert trace.info.tags["factory.split"] == "eval" and trace.info.tags["factory.step"] == "2"
     spans = {s.name: s for s in trace.data.spans}
     assert set(spans) == {"trajectory", "turn 0", "turn 1", "calculate"}
