@@ -119,9 +119,15 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
     return warnings
 
 
-def environment_changes(tags_a: dict[str, str], tags_b: dict[str, str]) -> list[dict[str, Any]]:
-    keys = sorted(k for k in set(tags_a) | set(tags_b) if k.startswith(_ENVIRONMENT))
-    return [{"key": k, "a": tags_a.get(k), "b": tags_b.get(k)} for k in keys if tags_a.get(k) != tags_b.get(k)]
+def environment_changes(run_a: Any, run_b: Any) -> list[dict[str, Any]]:
+    """Where and how the runs ran, when it differs: versions, CPU, GPU, commits (tags) and what each stage
+    chose on its device (`resolved.*` params: engine, device, dtypes)."""
+    def of(run: Any) -> dict[str, str]:
+        return {**{k: v for k, v in run.data.tags.items() if k.startswith(_ENVIRONMENT)},
+                **{k: v for k, v in run.data.params.items() if k.startswith("resolved.")}}
+
+    a, b = of(run_a), of(run_b)
+    return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -270,7 +276,7 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
         "changes": changes,
         "notes": notes,
         "warnings": comparability(changes),
-        "environment": environment_changes(a.run.data.tags, b.run.data.tags),
+        "environment": environment_changes(a.run, b.run),
         "metrics": metric_rows(history_a, history_b),
         "prompts": [{k: p[k] for k in ("index", "split", "prompt", "a_reward_mean", "b_reward_mean")} for p in prompts],
         "trajectories": None,
@@ -336,7 +342,7 @@ def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
         console.print(f"defined identically: same spec, templates, reward code, data and tool schemas "
                       f"(plan {report['a']['plan_hash'][:12]})")
     if report["environment"]:
-        env = Table(title="where they ran (not part of the plan)")
+        env = Table(title="where and how they ran (not part of the plan)")
         for col in ("tag", "A", "B"):
             env.add_column(col, overflow="fold")
         for e in report["environment"]:

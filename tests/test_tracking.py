@@ -203,3 +203,17 @@ def test_run_time_tool_hash_equals_check_connect(monkeypatch):
 
     at_run = with_tool_listing(plain, spec, asyncio.run(listing()))
     assert at_run.hashes == connected.hashes and at_run.tools == connected.tools == {"calc": ["calculate"]}
+
+
+def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
+    from types import SimpleNamespace as NS
+
+    from factory.diff import environment_changes
+
+    a = NS(data=NS(tags={"factory.cpu": "AMD EPYC", "factory.version.torch": "2.13.0", "factory.plan_hash": "1"},
+                   params={"resolved.rollout.dtype": "bfloat16", "train.lr": "1e-05"}))
+    b = NS(data=NS(tags={"factory.cpu": "AMD EPYC", "factory.version.torch": "2.14.0", "factory.plan_hash": "2"},
+                   params={"resolved.rollout.dtype": "float32", "train.lr": "3e-06"}))
+    assert environment_changes(a, b) == [
+        {"key": "factory.version.torch", "a": "2.13.0", "b": "2.14.0"},
+        {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]
