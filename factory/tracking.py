@@ -148,7 +148,7 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             "reward": t.reward, "rewards": json.dumps(t.rewards, sort_keys=True),
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
             "infra_error": t.infra_error, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
-            "loss_mask": t.loss_mask,
+            "loss_mask": t.loss_mask, "sampler_logprobs": t.sampler_logprobs,
         })
     return rows
 

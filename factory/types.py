@@ -59,7 +59,8 @@ class Trajectory:
     """One sampled multi-turn episode for one prompt.
 
     response_ids holds everything after the prompt: model tokens and the tool/template tokens appended
-    between turns; loss_mask has the same length and is 1 exactly on the tokens the model produced.
+    between turns; loss_mask has the same length and is 1 exactly on the tokens the model produced;
+    sampler_logprobs too: the rollout engine's log-prob of each model token (0 on mask-0 tokens).
     """
 
     prompt_index: int  # which prompt of the batch (the group id)
@@ -80,6 +81,7 @@ class Trajectory:
     dropped: str | None = None  # why the reward stage took it out of the loss and the means (drop_sample)
     infra_error: bool = False  # some tool call failed for infrastructure reasons
     truncated: bool = False  # stopped by the token budget in the middle of a turn
+    sampler_logprobs: list[float] = field(default_factory=list)  # [len(response_ids)]; empty = not recorded
 
     @property
     def num_tool_calls(self) -> int:

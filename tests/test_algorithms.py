@@ -415,3 +415,39 @@ def test_preset_names_match_the_registries():
 
     assert NAMES == {"advantage": A.ADVANTAGES.names(), "policy loss": A.POLICY_LOSSES.names(),
                      "aggregation": A.AGGREGATIONS.names(), "KL estimator": A.KL_ESTIMATORS.names()}
+
+
+# ------------------------------------------------------------------------------ rollout correction
+def test_truncated_is_weights_hand_worked():
+    # token 0: pi_old 0.5, pi_rollout 0.2 -> 2.5, capped at 2.0
+    # token 1: pi_old 0.3, pi_rollout 0.6 -> 0.5
+    # token 2: a tool token (mask 0) -> 1, whatever its numbers
+    old = torch.log(t([[0.5, 0.3, 0.9]]))
+    rollout = torch.log(t([[0.2, 0.6, 0.1]]))
+    close(A.truncated_is_weights(old, rollout, t([[1.0, 1.0, 0.0]]), cap=2.0), [[2.0, 0.5, 1.0]])
+
+
+def test_tis_in_the_policy_objective_hand_worked():
+    # on-policy (ratio 1), A = +1, PPO-clip: each token's loss is -1; times the weights 2.0 and 0.5
+    # -> [-2, -0.5]; token mean over 2 tokens = -1.25
+    alg = resolve(AlgorithmSpec(name="bnpo", rollout_correction={"kind": "tis", "cap": 2.0}))
+    logp = torch.log(t([[0.5, 0.3]]))
+    weights = A.truncated_is_weights(logp, torch.log(t([[0.2, 0.6]])), t([[1.0, 1.0]]), cap=2.0)
+    loss, stats = policy_objective(alg, logp, logp, t([1.0]), t([[1.0, 1.0]]), is_weights=weights,
+                                   num_tokens=2.0, num_seqs=1.0, max_len=2)
+    close(loss, -1.25)
+    close(stats["tis_weight_mean"], 1.25)  # (2.0 + 0.5) / 2
+    close(stats["tis_capped_frac"], 0.5)  # one of the two tokens hit the cap
+
+
+def test_rollout_mismatch_sums_over_model_tokens():
+    # |(-1) - (-1.5)| = 0.5 and |(-2) - (-1.9)| = 0.1 on model tokens; the tool token's 9 is ignored
+    total, count, worst = A.rollout_mismatch(t([[-1.0, -2.0, 0.0]]), t([[-1.5, -1.9, 9.0]]), t([[1.0, 1.0, 0.0]]))
+    assert (round(total, 6), count, round(worst, 6)) == (0.6, 2.0, 0.5)
+
+
+def test_rollout_correction_and_rollout_logprobs_exclude_each_other():
+    assert resolve(AlgorithmSpec(rollout_correction={"cap": 3.0})).rollout_correction_cap == 3.0
+    assert resolve(AlgorithmSpec()).rollout_correction is None
+    with pytest.raises(ValueError, match="algorithm.rollout_correction: with use_rollout_logprobs"):
+        resolve(AlgorithmSpec(rollout_correction={"kind": "tis"}, use_rollout_logprobs=True))

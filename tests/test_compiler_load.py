@@ -47,7 +47,7 @@ algorithm: {clip: [0.2]}
         "spec.yaml:9: train.steps: expected an integer, got 'many'\n"
         "spec.yaml:9: train.lr: expected a number, got 'fast'\n"
         "spec.yaml:9: train.bf16_autocast: expected true or false, got 'maybe'\n"
-        "spec.yaml:10: rollout.engine: expected 'hf' or 'vllm', got 'vlm'\n"
+        "spec.yaml:10: rollout.engine: expected 'auto', 'hf' or 'vllm', got 'vlm'\n"
         "spec.yaml:10: rollout.group_size: must be >= 1, got 0\n"
         "spec.yaml:11: algorithm.clip: expected a list of 2 items\n"
         "6 errors in spec.yaml")

@@ -92,13 +92,14 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
     from factory.assets import resolve_model
     from factory.reward.graph import parse_score
     from factory.rollout.chat import ChatFormat
-    from factory.rollout.engine import HFEngine, Sampling
+    from factory.rollout.engine import Sampling
+    from factory.rollout.engine_hf import HFEngine
 
     template = "What is {{ completion }}? The expected answer is {{ answer }}. Use the calculator."
     (tmp_path / "judge.jinja").write_text(template)
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "local": {"path": "factory:tiny-qwen3-calc"},
                                 "parse": r"(\d+)", "max_tokens": 24, "concurrency": 1}})
-    trajs = [traj("2 + 3", 0, answer="5"), traj("17 * 3", 1, answer="51"), traj("12 + 30", 2, answer="42")]
+    trajs = [traj("2 + 3", 0, answer="5"), traj("17 * 3", 1, answer="51"), traj("100 / 4", 2, answer="25")]
     ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     try:
         trajs, m = _score(spec, trajs, tmp_path)

@@ -46,7 +46,7 @@ class ScriptedEngine:
         cut = ids[:max_new_tokens]
         return Generation(cut, finished=ends and len(cut) == len(ids))
 
-    def load_state_dict(self, state_dict):
+    def load_weights(self, state_dict):
         raise NotImplementedError
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from factory.assets import resolve_model
-from factory.rollout.engine import Generation, HFEngine, Sampling, cut_at_stop, left_pad
+from factory.rollout.engine import Generation, Sampling, cut_at_stop
+from factory.rollout.engine_hf import HFEngine, left_pad
 
 GREEDY = Sampling(greedy=True)
 IM_START, IM_END, NL = 151644, 151645, 198
@@ -13,7 +14,9 @@ IM_START, IM_END, NL = 151644, 151645, 198
 
 def test_cut_at_stop():
     assert cut_at_stop([5, 6, 7, 2, 9], [2], limit=10) == Generation([5, 6, 7, 2], True)
-    assert cut_at_stop([5, 6, 7, 2, 9], [2], limit=3) == Generation([5, 6, 7], False)
+    assert cut_at_stop([5, 6, 7, 2, 9], [2], limit=3, logprobs=[-1, -2, -3, -4, -5]) == Generation([5, 6, 7], False,
+                                                                                                   [-1, -2, -3])
+    assert cut_at_stop([5, 6, 7, 2, 9], [2], limit=10, logprobs=[-1, -2, -3, -4, -5]).logprobs == [-1, -2, -3, -4]
     assert cut_at_stop([5, 6, 7], [2, 7], limit=3) == Generation([5, 6, 7], True)
     assert cut_at_stop([], [2], limit=3) == Generation([], False)
 
@@ -35,7 +38,7 @@ def engine(model_path):
     e = HFEngine(model_path, batch_size=8, seed=0)
     # The random init echoes the last prompt token whatever the context (tied embeddings dominate);
     # larger projections make the output depend on the whole context, so padding mistakes show.
-    e.load_state_dict({k: v * 15 if "proj" in k else v for k, v in e.model.state_dict().items()})
+    e.load_weights({k: v * 15 if "proj" in k else v for k, v in e.model.state_dict().items()})
     return e
 
 
@@ -90,22 +93,22 @@ def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
 
     before = engine.batches_run
     early, late = asyncio.run(early_and_late())
-    assert engine.batches_run - before == 2 and late == early[1]
+    assert engine.batches_run - before == 2 and late.ids == early[1].ids
 
 
 def test_stop_tokens_end_a_generation(model_path, engine):
     (first,) = asyncio.run(gather(engine, [(prompts()[0], 4)]))
     stopper = HFEngine(model_path, batch_size=8, seed=0, stop_token_ids=[first.ids[2]])
-    stopper.load_state_dict(engine.model.state_dict())
+    stopper.load_weights(engine.model.state_dict())
     assert IM_END in stopper.stop_token_ids  # the model's own eos is always a stop token
     (out,) = asyncio.run(gather(stopper, [(prompts()[0], 4)]))
-    assert out == Generation(first.ids[:3], finished=True)
+    assert (out.ids, out.finished) == (first.ids[:3], True) and out.logprobs == pytest.approx(first.logprobs[:3], abs=1e-5)
 
 
 def test_sampling_is_seeded(model_path, engine):
     def sample(seed):
         e = HFEngine(model_path, batch_size=8, seed=seed)
-        e.load_state_dict(engine.model.state_dict())
+        e.load_weights(engine.model.state_dict())
         return [o.ids for o in asyncio.run(gather(e, [(p, 6) for p in prompts()], Sampling(temperature=1.0)))]
 
     assert sample(1) == sample(1) != sample(2)
@@ -123,24 +126,24 @@ def test_the_models_saved_sampling_defaults_do_not_leak(model_path, engine, tmp_
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": IM_END, "top_k": 1, "repetition_penalty": 1.5, "temperature": 0.01}))
     e = HFEngine(str(tmp_path), batch_size=8, seed=0)
-    e.load_state_dict(engine.model.state_dict())
+    e.load_weights(engine.model.state_dict())
     greedy = asyncio.run(gather(e, [(prompts()[0], 6)]))[0].ids
     samples = asyncio.run(gather(e, [(prompts()[0], 6)] * 4, Sampling(temperature=1.0)))
     assert all(o.ids != greedy for o in samples)
 
 
-def test_load_state_dict_checks_keys_and_changes_outputs(model_path):
+def test_load_weights_checks_keys_and_changes_outputs(model_path):
     e = HFEngine(model_path, batch_size=8, seed=0)
     before = asyncio.run(gather(e, [(prompts()[0], 6)]))[0].ids
     sd = {k: v * 15 if "proj" in k else v.clone() for k, v in e.model.state_dict().items()}
     del sd["lm_head.weight"]  # tied to the embeddings: may be left out
-    e.load_state_dict(sd)
+    e.load_weights(sd)
     assert torch.equal(e.model.model.layers[0].mlp.up_proj.weight, sd["model.layers.0.mlp.up_proj.weight"])
     assert asyncio.run(gather(e, [(prompts()[0], 6)]))[0].ids != before
     with pytest.raises(KeyError, match="does not have"):
-        e.load_state_dict({**sd, "extra.weight": torch.zeros(1)})
+        e.load_weights({**sd, "extra.weight": torch.zeros(1)})
     with pytest.raises(KeyError, match="missing from the update"):
-        e.load_state_dict({k: v for k, v in sd.items() if k != "model.norm.weight"})
+        e.load_weights({k: v for k, v in sd.items() if k != "model.norm.weight"})
 
 
 def test_bf16_weights_generate(model_path):
@@ -165,3 +168,75 @@ def test_requests_a_few_ms_apart_share_one_batch(engine):
     before = engine.batches_run
     asyncio.run(staggered())
     assert engine.batches_run - before == 1
+
+
+def _forward_logprobs(model, prompt, ids, temperature=1.0):
+    """log_softmax(logits / T) of `ids` after `prompt`, by one plain forward (the learner's convention)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=0.7, seed=11), Sampling(temperature=1.0)])
+def test_logprobs_are_the_models_under_the_sampling_temperature(engine, sampling):
+    outs = asyncio.run(gather(engine, [(p, 12) for p in prompts()], sampling))
+    for p, out in zip(prompts(), outs):
+        assert len(out.logprobs) == len(out.ids) > 0
+        want = _forward_logprobs(engine.model, p, out.ids, 1.0 if sampling.greedy else sampling.temperature)
+        assert out.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_a_seeded_request_samples_the_same_in_any_batch(engine):
+    """What a request samples depends on its seed, not on the requests batched beside it."""
+    def seeded(i):
+        return Sampling(temperature=1.0, seed=1000 + i)
+
+    async def alone():
+        return [await engine.generate(p, max_new_tokens=10, sampling=seeded(i)) for i, p in enumerate(prompts())]
+
+    async def together(order):
+        outs = await asyncio.gather(*(engine.generate(prompts()[i], max_new_tokens=10, sampling=seeded(i)) for i in order))
+        return [outs[order.index(i)] for i in range(len(order))]
+
+    single = [o.ids for o in asyncio.run(alone())]
+    assert [o.ids for o in asyncio.run(together([0, 1, 2, 3]))] == single
+    assert [o.ids for o in asyncio.run(together([3, 1, 0, 2]))] == single
+    other = asyncio.run(engine.generate(prompts()[0], max_new_tokens=10, sampling=Sampling(temperature=1.0, seed=7)))
+    assert other.ids != single[0]
+
+
+def test_top_k_one_is_greedy_with_certain_tokens(engine):
+    greedy = asyncio.run(gather(engine, [(prompts()[2], 8)]))[0]
+    top1 = asyncio.run(gather(engine, [(prompts()[2], 8)], Sampling(temperature=1.0, top_k=1, seed=3)))[0]
+    assert top1.ids == greedy.ids
+    assert top1.logprobs == pytest.approx([0.0] * len(top1.ids))  # renormalised over the one kept token
+
+
+def test_uniform_is_a_pure_function_of_seed_and_position():
+    from factory.rollout.engine_hf import uniform
+
+    draws = [uniform(s, t) for s in range(50) for t in range(50)]
+    assert all(0.0 < u <= 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert uniform(12, 3) == uniform(12, 3) and abs(sum(draws) / len(draws) - 0.5) < 0.02
+
+
+def test_request_seeds_differ_by_every_part_of_the_key():
+    from factory.rollout.engine import request_seed
+
+    keys = [(0, 1, 0, p, s, t) for p in range(3) for s in range(3) for t in range(3)] + [(1, 1, 0, 0, 0, 0)]
+    seeds = [request_seed(*k) for k in keys]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**63 for x in seeds)
+    assert request_seed(7, 2, 0, 1, 1, 0) == request_seed(7, 2, 0, 1, 1, 0)
+
+
+def test_make_engine_auto_falls_back_to_transformers_and_says_why(model_path, monkeypatch):
+    import factory.rollout.engine as engine_module
+    from factory.rollout.engine import make_engine
+    from factory.schema import RolloutSpec
+
+    monkeypatch.setattr(engine_module, "vllm_installed", lambda: False)
+    e = make_engine(RolloutSpec(engine="auto"), model_path, device="cpu", dtype="float32", seed=0)
+    assert e.name == "hf" and e.fallback_reason == "vLLM is not installed"
+    with pytest.raises(RuntimeError, match="vLLM is not installed"):
+        make_engine(RolloutSpec(engine="vllm"), model_path, device="cpu", dtype="float32", seed=0)
+    assert make_engine(RolloutSpec(engine="hf"), model_path, device="cpu", dtype="float32", seed=0).fallback_reason is None

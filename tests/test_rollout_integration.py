@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 from factory.assets import resolve_model
 from factory.rollout.agent import rollout, run_trajectory
 from factory.rollout.chat import ChatFormat
-from factory.rollout.engine import HFEngine, Sampling
+from factory.rollout.engine import Sampling
+from factory.rollout.engine_hf import HFEngine
 from factory.schema import PythonTool, RolloutSpec
 from factory.tools import ToolBox
 from tests.test_rollout_agent import ScriptedEngine, call

@@ -291,3 +291,62 @@ def test_smollm2_sized_update_stays_in_memory(tmp_path, learners):
     stats = learners(spec).step(trajs)
     assert stats["actor/tokens"] > 2500 and stats["actor/grad_norm"] > 0
     assert stats["perf/update_max_rss_gb"] < 8.0
+
+
+def _with_sampler_logprobs(learner: Learner, trajs: list[Trajectory], shift: float = 0.0) -> list[Trajectory]:
+    """The trajectories as a rollout engine would record them: the current policy's log-prob of each
+    model token (plus `shift`, a stand-in for engine/learner mismatch), 0 on mask-0 tokens."""
+    logp = learner.logprobs(trajs)
+    return [Trajectory(**{**t.__dict__, "sampler_logprobs": [float(logp[i, j]) + shift if m else 0.0
+                                                              for j, m in enumerate(t.loss_mask)]})
+            for i, t in enumerate(trajs)]
+
+
+def test_rollout_logprob_mismatch_is_reported(small_path, learners):
+    learner = learners(make_spec(small_path))
+    exact = learner.step(_with_sampler_logprobs(learner, batch(seed=11)))
+    assert exact["rollout/logprob_diff_mean"] < 1e-5 and exact["rollout/logprob_diff_max"] < 1e-5
+    off = learner.step(_with_sampler_logprobs(learner, batch(seed=11), shift=-0.3))
+    assert off["rollout/logprob_diff_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert "rollout/logprob_diff_mean" not in learner.step(batch(seed=11))  # nothing recorded, nothing reported
+    # with a pre-update pass (several mini-batches) the numbers come from that pass
+    spec = make_spec(small_path, algorithm={"mini_batches": 2})
+    learner = learners(spec)
+    assert learner.step(_with_sampler_logprobs(learner, batch(seed=11), shift=0.2))[
+        "rollout/logprob_diff_mean"] == pytest.approx(0.2, abs=1e-4)
+
+
+def test_tis_weights_the_loss_by_the_capped_ratio(small_path, learners):
+    """Sampler probabilities e^0.5 below the learner's give weight min(e^0.5, cap): with cap 1.5 every
+    token's gradient is 1.5x the uncorrected one (ratio 1, single update); without a shift it is 1x."""
+    trajs = batch(seed=12)
+    plain, _ = one_step_delta(learners(make_spec(small_path)), trajs)
+    spec = make_spec(small_path, algorithm={"rollout_correction": {"kind": "tis", "cap": 1.5}})
+    learner = learners(spec)
+    same, stats = one_step_delta(learner, _with_sampler_logprobs(learner, trajs))
+    assert_same_delta(plain, same, tol=1e-4)
+    assert stats["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    learner = learners(spec)
+    capped, stats = one_step_delta(learner, _with_sampler_logprobs(learner, trajs, shift=-0.5))
+    assert_same_delta({k: 1.5 * v for k, v in plain.items()}, capped, tol=1e-4)
+    assert stats["actor/tis_weight_mean"] == pytest.approx(1.5) and stats["actor/tis_capped_frac"] == pytest.approx(1.0)
+
+
+def test_rollout_logprobs_stand_in_for_the_old_logprob_pass(small_path, learners):
+    """use_rollout_logprobs: no pre-update pass even with several updates, and pi_old is the sampler's."""
+    spec = make_spec(small_path, algorithm={"mini_batches": 3, "use_rollout_logprobs": True})
+    learner = learners(spec)
+    trajs = _with_sampler_logprobs(learner, batch(seed=13))
+    passes = []
+    pass_of = learner._logprobs_before_update
+    learner._logprobs_before_update = lambda *a, policy=True: passes.append(policy) or pass_of(*a, policy=policy)
+    stats = learner.step(trajs)
+    assert passes == [False]  # asked for no policy log-probs: only a reference model would be run
+    assert stats["actor/updates"] == 3 and stats["actor/entropy"] > 0
+    # the same update as the learner's own pass gives when the sampler matches the learner
+    reference = learners(make_spec(small_path, algorithm={"mini_batches": 3}))
+    a, _ = one_step_delta(reference, trajs)
+    b, _ = one_step_delta(learners(spec), trajs)
+    assert_same_delta(a, b, tol=1e-4)
+    with pytest.raises(ValueError, match="recorded no log-probs"):
+        learners(spec).step(batch(seed=13))

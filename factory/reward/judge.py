@@ -149,16 +149,13 @@ class JudgeModel:
 
 
 def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) -> Any:
-    """The judge's generation engine behind the rollout's `Engine` protocol."""
-    if cfg.engine == "vllm":
-        raise RuntimeError("a local judge with engine: vllm needs the vLLM engine, which is not in this build yet; "
-                           "use engine: hf")
-    import torch
+    """The judge's generation engine, made as the rollout makes its own (factory.rollout.engine)."""
+    from factory.device import stage_device
+    from factory.rollout.engine import make_engine
+    from factory.schema import RolloutSpec
 
-    from factory.rollout.engine import HFEngine
-
-    device = "cuda" if cfg.num_gpus > 0 and torch.cuda.is_available() else "cpu"
-    return HFEngine(path, dtype=cfg.dtype, seed=seed, device=device, stop_token_ids=stop_token_ids)
+    return make_engine(RolloutSpec(engine=cfg.engine), path, device=stage_device(cfg.num_gpus), dtype=cfg.dtype,
+                       seed=seed, stop_token_ids=stop_token_ids)
 
 
 def start_judge_actor(node: JudgeNode, *, seed: int = 0) -> Any:

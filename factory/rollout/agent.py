@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from factory.rollout.chat import ChatFormat
-from factory.rollout.engine import Engine, Sampling
+from factory.rollout.engine import Engine, Sampling, request_seed
 from factory.rollout.parse import parse_tool_calls
 from factory.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
@@ -48,20 +49,25 @@ async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
 
 async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, messages: list[dict[str, Any]],
                          row: dict[str, Any], prompt_index: int, sample_index: int, cfg: RolloutSpec,
-                         sampling: Sampling) -> Trajectory:
-    """One episode: the model's turns and the tool responses between them, as ids with a loss mask."""
+                         sampling: Sampling, seed: int | None = None) -> Trajectory:
+    """One episode: the model's turns and the tool responses between them, as ids with a loss mask and
+    the sampler's log-prob of every model token. With `seed`, turn k samples with its own seed derived
+    from (seed, k)."""
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
     mask: list[int] = []
+    logprobs: list[float] = []
     turns: list[Turn] = []
     stop: StopReason = "max_turns"
     for turn_no in range(cfg.max_turns):
         limit = min(cfg.max_new_tokens, cfg.max_total_tokens - len(response))
         started = time.time()
-        gen = await engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=sampling)
+        turn_sampling = sampling if seed is None or sampling.greedy else replace(sampling, seed=request_seed(seed, turn_no))
+        gen = await engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=turn_sampling)
         generated = time.time()
         response += gen.ids
         mask += [1] * len(gen.ids)
+        logprobs += gen.logprobs if len(gen.logprobs) == len(gen.ids) else [0.0] * len(gen.ids)
         # The stop token is not part of what the model said; parse and log the text before it.
         text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
         turn = Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text), started_at=started,
@@ -81,9 +87,10 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             break
         response += delta
         mask += [0] * len(delta)
+        logprobs += [0.0] * len(delta)
     return Trajectory(
         prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids, response_ids=response,
-        loss_mask=mask, turns=turns, stop_reason=stop, row=row, messages=messages,
+        loss_mask=mask, sampler_logprobs=logprobs, turns=turns, stop_reason=stop, row=row, messages=messages,
         completion=chat.decode(response),
         infra_error=any(r.status == "infra_error" for t in turns for r in t.results),
         truncated=not gen.finished,  # the last model turn was cut by a token limit
@@ -92,13 +99,17 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
 
 async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
                   group_size: int, cfg: RolloutSpec, sampling: Sampling,
-                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+                  on_done: Callable[[Trajectory], None] | None = None,
+                  seed_key: tuple[int, ...] | None = None) -> list[Trajectory]:
     """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index).
-    `on_done` is called as each trajectory finishes (the stage counts them for its progress report)."""
+    `on_done` is called as each trajectory finishes (the stage counts them for its progress report).
+    `seed_key` (e.g. (spec seed, step)) seeds every request from (seed_key, prompt, sample, turn) rather
+    than from a generator whose draws would depend on how requests happened to be batched."""
 
     async def one(messages: list[dict[str, Any]], row: dict[str, Any], p: int, s: int) -> Trajectory:
+        seed = None if seed_key is None else request_seed(*seed_key, p, s)
         t = await run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
-                                 cfg=cfg, sampling=sampling)
+                                 cfg=cfg, sampling=sampling, seed=seed)
         if on_done is not None:
             on_done(t)
         return t

