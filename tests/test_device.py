@@ -121,7 +121,8 @@ def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
     from factory.rollout.stage import RolloutStage
 
     fake(probe)
-    spec = _spec(model={"path": "factory:tiny-qwen3"}, train={"bf16_autocast": True, "threads": 1})
+    spec = _spec(model={"path": "factory:tiny-qwen3"}, train={"bf16_autocast": True, "threads": 1},
+                 rollout={"engine": "hf"})
     stage = RolloutStage(spec, resolve_model("factory:tiny-qwen3"))
     info = asyncio.run(stage.setup())
     assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want}

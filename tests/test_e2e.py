@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.tracked_runs import STEPS
+from tests.tracked_runs import ENGINE, STEPS
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_every_step_has_its_metrics(tiny_run):
     assert run.data.params["train.steps"] == str(STEPS)
     # what the stages chose on their device (tiny.yaml trains in float32: no bf16 anywhere)
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
-        "resolved.rollout.engine": "hf", "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
+        "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
         "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off"}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
 
@@ -63,6 +63,20 @@ def test_trajectory_artifact_holds_the_tool_calls(tiny_run):
     assert calls, "the warmed-up tiny model made no tool call"
     ok = [c for c in calls if c["status"] == "ok"]
     assert ok and all(c["name"] == "calculate" and c["result"] for c in ok)
+
+
+def test_the_sampler_logprobs_are_recorded_and_agree_with_the_learner(tiny_run):
+    """Every model token carries the engine's log-prob (tool tokens 0), and the learner, on the same
+    weights in float32, computed the same numbers (see tests/test_rollout_vllm.py for the bound)."""
+    _, client, run, _ = tiny_run
+    for r in _trajectories(tiny_run):
+        lps, mask = r["sampler_logprobs"], r["loss_mask"]
+        assert len(lps) == len(mask)
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m) and all(lp <= 0.0 for lp in lps)
+        assert any(lp < 0.0 for lp, m in zip(lps, mask) if m)
+    for name in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)) and max(m.value for m in history) < 1e-3
 
 
 def test_loss_mask_is_zero_exactly_on_tool_and_template_tokens(tiny_run):

@@ -21,9 +21,8 @@ from tests.test_compiler_support import BASE, report
 REPO = Path(__file__).resolve().parents[1]
 
 # Fields read without naming them as an attribute: the combinators' inputs are read by
-# factory.reward.graph.node_inputs as getattr(node, <class name>). kv_cache_gb is read by the vLLM engine
-# (issue 8); until it lands, `engine: hf` warns that it has no effect and `engine: vllm` stops at setup.
-READ_INDIRECTLY = {"MinNode.min", "MaxNode.max", "ProductNode.product", "RolloutSpec.kv_cache_gb"}
+# factory.reward.graph.node_inputs as getattr(node, <class name>).
+READ_INDIRECTLY = {"MinNode.min", "MaxNode.max", "ProductNode.product"}
 
 
 def _models(ann: typing.Any, out: set[type[BaseModel]]) -> set[type[BaseModel]]:
@@ -163,7 +162,7 @@ def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
 
 
 def test_settings_that_another_setting_switches_off_warn(project):
-    path = _spec(project, "st_dep", "rollout: {kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
+    path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
                                     "algorithm: {kl: {estimator: k1}, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")
     _, plan = compile_file(path)
     assert plan.warnings == (

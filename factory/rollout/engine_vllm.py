@@ -22,15 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from factory.rollout.engine import Generation, Sampling
 
 _TIED_HEAD, _EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+log = logging.getLogger(__name__)
+# vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started (its thread binding
+# must not move); our step thread still needs the real one once, at its start.
+_set_num_threads = torch.set_num_threads
 
 
 class VLLMEngine:
@@ -45,12 +52,16 @@ class VLLMEngine:
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would flood the run's display
+        threads = threads or torch.get_num_threads()
         if device == "cpu":
             # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set; the rollout's own
             # thread budget is what we want it to use.
-            import torch
-
-            os.environ["OMP_NUM_THREADS"] = str(threads or torch.get_num_threads())
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        # Every vLLM call (start-up included) runs on this one thread. OpenMP's thread count is per
+        # thread: vLLM's CPU attention plans its work for torch's thread count and checks that the thread
+        # running the kernel has the same, so the step thread sets it before anything else.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step",
+                                            initializer=_set_num_threads, initargs=(threads,))
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -63,18 +74,16 @@ class VLLMEngine:
             skip_tokenizer_init=True,  # ids in, ids out: no detokenizing on the hot path
             disable_log_stats=True,
         )
-        self.engine = LLMEngine.from_engine_args(args)
+        self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
         self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
         self.fallback_reason: str | None = None
         self.batches_run = 0  # engine steps (each one forward over the running batch)
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # guards the queues below and _running
-        self._engine_lock = threading.Lock()  # a step and a weight load never overlap
+        self._lock = threading.Lock()  # guards the queues below and _running (the event loop and the step thread)
         self._incoming: list[tuple[str, list[int], Any]] = []
         self._aborts: list[str] = []
         self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._running = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step")
 
     @staticmethod
     def _model_eos(model_path: str) -> list[int]:
@@ -125,9 +134,12 @@ class VLLMEngine:
         weights = dict(state_dict)
         if _TIED_HEAD not in weights and _EMBEDDINGS in weights:
             weights[_TIED_HEAD] = weights[_EMBEDDINGS]  # see the module docstring: vLLM needs the head named
-        with self._engine_lock:
+        def reload() -> None:
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
             self.engine.reset_prefix_cache()  # cached KV belongs to the old weights
+
+        # On the step thread, like every vLLM call: after the step loop has drained, never inside a step.
+        self._executor.submit(reload).result()
 
     # ----------------------------------------------------------------------------------- step loop
     def _step_loop(self) -> None:
@@ -151,19 +163,18 @@ class VLLMEngine:
     def _step(self, incoming: list[tuple[str, list[int], Any]], aborts: list[str]) -> list[Any]:
         from vllm.inputs import TokensPrompt
 
-        with self._engine_lock:
-            if aborts:
-                self.engine.abort_request(aborts)
-            for rid, prompt, params in incoming:
-                try:
-                    request = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
-                    self.engine.add_request(rid, request, params)
-                except Exception as e:  # e.g. a prompt longer than the model's context: fail that request only
-                    self._deliver(rid, e)
-            if not self.engine.has_unfinished_requests():
-                return []
-            self.batches_run += 1
-            return [o for o in self.engine.step() if o.finished]
+        if aborts:
+            self.engine.abort_request(aborts)
+        for rid, prompt, params in incoming:
+            try:
+                request = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
+                self.engine.add_request(rid, request, params)
+            except Exception as e:  # e.g. a prompt longer than the model's context: fail that request only
+                self._deliver(rid, e)
+        if not self.engine.has_unfinished_requests():
+            return []
+        self.batches_run += 1
+        return [o for o in self.engine.step() if o.finished]
 
     def _generation(self, out: Any) -> Generation:
         completion = out.outputs[0]
@@ -191,10 +202,9 @@ class VLLMEngine:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             rids = list(self._waiting)
-        with self._engine_lock:
-            try:
-                self.engine.abort_request(rids)
-            except Exception:  # already broken; the requests fail below either way
-                pass
+        try:
+            self.engine.abort_request(rids)
+        except Exception as e:  # already broken; the requests fail below either way
+            log.warning("vLLM: aborting after an engine error failed too: %s", e)
         for rid in rids:
             self._deliver(rid, error)
