@@ -10,8 +10,13 @@ import torch
 
 import factory.update.checkpoint as ckpt
 from factory import cli
-from tests.test_update import batch, make_spec, model_path, small_path  # noqa: F401  (fixtures)
-from tests.test_update import learners  # noqa: F401
+from tests.test_update import (  # noqa: F401  (fixtures)
+    batch,
+    learners,
+    make_spec,
+    model_path,
+    small_path,
+)
 
 
 def _fake(directory: Path, step: int) -> None:

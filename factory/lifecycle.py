@@ -1,0 +1,143 @@
+"""How a run stops: Ctrl-C finishes the step in flight and saves, and a driver killed outright leaves
+nothing behind that outlives the next `factory run`.
+
+Ctrl-C. A terminal sends SIGINT to its whole foreground process group, and a local Ray's processes (GCS,
+raylet, agents) are in the driver's group: they would die at once, taking the update actor and the chance
+of a final checkpoint with them. So they are started with SIGINT ignored (children inherit an ignored
+signal, and Python keeps it ignored), and the driver alone decides: the first Ctrl-C asks the loop to stop
+after the step in flight (which is logged and checkpointed), a second one stops at once.
+
+SIGKILL. Nothing runs in a killed driver. Ray's GCS, raylet and workers notice and exit within seconds
+(Ray's workers also take their child processes, the MCP servers, with them), but its dashboard and
+runtime-env agents linger for a minute or two. So each driver records the processes it started (pid and
+start time, refreshed every step) in a session file, deletes it when it ends, and every `factory run`
+first ends what the records of dead drivers still name.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psutil
+
+
+def sessions_dir() -> Path:
+    """One folder per user on this machine, beside the local Ray's own session files."""
+    return Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}" / "drivers"
+
+
+# ---------------------------------------------------------------------------------- Ctrl-C
+class GracefulStop:
+    """While active (a context manager, main thread only), the first SIGINT sets `requested` and the loop
+    ends after its current step; the second raises KeyboardInterrupt as usual."""
+
+    def __init__(self, on_first: Any = None):
+        self.requested = False
+        self._on_first = on_first  # called with no argument on the first Ctrl-C (to tell the user)
+        self._previous: Any = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self._on_first is not None:
+            self._on_first()
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside inherit SIGINT ignored (see the module doc); the caller's own handling is
+    restored at once after. Outside the main thread (tests, embedding) signals cannot be changed: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------- SIGKILL
+def _identity(proc: psutil.Process) -> dict[str, Any]:
+    """A process as (pid, start time): a pid alone may be reused by an unrelated process later."""
+    return {"pid": proc.pid, "started": proc.create_time(), "name": proc.name()}
+
+
+def _alive(entry: dict[str, Any]) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(entry["pid"])
+        return proc if abs(proc.create_time() - entry["started"]) < 0.01 else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+class SessionRecord:
+    """The session file of one driver: itself and every process it started, kept current."""
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = folder or sessions_dir()
+        self.me = psutil.Process()
+        self.path = self.folder / f"{self.me.pid}.json"
+
+    def update(self) -> None:
+        """Write (or rewrite) the record with the driver's descendants as they are now."""
+        try:
+            children = [_identity(p) for p in self.me.children(recursive=True)]
+        except psutil.Error:
+            return  # a child ended while we listed: the next update will catch up
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"driver": _identity(self.me), "children": children}))
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        """The driver ended in order: its processes are gone, so is its record."""
+        self.path.unlink(missing_ok=True)
+
+
+def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0) -> list[str]:
+    """End the processes that drivers no longer alive left behind (SIGTERM, then SIGKILL after
+    `timeout_s`), and drop their records. Returns what was ended, as `name[pid]`."""
+    folder = folder or sessions_dir()
+    ended: list[psutil.Process] = []
+    labels: list[str] = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        if _alive(record["driver"]) is not None:
+            continue  # another run is going on: its processes are its own
+        for entry in record["children"]:
+            proc = _alive(entry)
+            if proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    proc.terminate()
+                    ended.append(proc)
+                    labels.append(f"{entry['name']}[{entry['pid']}]")
+        path.unlink(missing_ok=True)
+    _, stubborn = psutil.wait_procs(ended, timeout=timeout_s)
+    for proc in stubborn:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return labels

@@ -1,0 +1,97 @@
+"""Stopping, in isolation: the first Ctrl-C is a request, the second an interrupt; processes started while
+SIGINT is ignored keep ignoring it; a killed driver's leftovers are ended by the next start.
+(The same on real runs: tests/test_run_lifecycle.py.)"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+
+
+def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
+    told = []
+    with GracefulStop(on_first=lambda: told.append(1)) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        assert stop.requested and told == [1]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_children_started_while_ignoring_keep_ignoring_sigint():
+    script = "import signal, sys, time; print(signal.getsignal(signal.SIGINT), flush=True); time.sleep(30)"
+    with children_ignore_sigint():
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # ours is back at once
+    try:
+        assert child.stdout.readline().strip() in ("Handlers.SIG_IGN", "1")  # 1 == SIG_IGN
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert child.poll() is None  # a terminal's Ctrl-C would not have ended it
+    finally:
+        child.kill()
+        child.wait()
+
+
+# A stand-in driver: records itself and a child that outlives it (in its own session, deaf to SIGTERM
+# like a hung agent), then waits to be killed.
+DRIVER = """
+import subprocess, sys, time
+from pathlib import Path
+from factory.lifecycle import SessionRecord
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"], start_new_session=True)
+record = SessionRecord(Path(sys.argv[1]))
+record.update()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_drivers_leftovers_are_ended_by_the_next_start(tmp_path):
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    orphan = int(driver.stdout.readline())
+    assert reap_orphans(tmp_path) == []  # its driver is alive: not ours to end
+    driver.kill()
+    driver.wait()
+    assert psutil.pid_exists(orphan)  # SIGKILL left it behind
+    ended = reap_orphans(tmp_path, timeout_s=1.0)  # deaf to SIGTERM: SIGKILL after the timeout
+    assert len(ended) == 1 and ended[0].endswith(f"[{orphan}]")
+    assert not _running(orphan)
+    assert list(tmp_path.iterdir()) == []  # the record is gone
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has ended, unreaped
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_record_never_names_a_process_by_pid_alone(tmp_path):
+    """A recorded pid that now belongs to another process (pid reuse) is left alone."""
+    record = SessionRecord(tmp_path)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        record.update()
+        parsed = json.loads(record.path.read_text())
+        parsed["driver"]["pid"] = 999_999_999  # the driver is gone
+        for child in parsed["children"]:
+            child["started"] += 1000.0  # the same pid, a different process
+        record.path.write_text(json.dumps(parsed))
+        assert reap_orphans(tmp_path, timeout_s=0.5) == []
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
