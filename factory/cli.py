@@ -56,8 +56,7 @@ def _run(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from factory.driver import run
 
-    run(plan, spec)
-    return 0
+    return 130 if run(plan, spec).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
 def _export(args: argparse.Namespace) -> int:

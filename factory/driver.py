@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 from factory.schema import Spec
 
 
@@ -36,6 +37,7 @@ class RunResult:
     before: dict[str, float]
     after: dict[str, float]
     checkpoint: str | None
+    stopped: bool = False  # Ctrl-C ended it early (after a logged, checkpointed step)
 
 
 def start_ray(spec: Spec) -> None:
@@ -46,9 +48,10 @@ def start_ray(spec: Spec) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=int(spec.resources.object_store_gb * 2**30),
-             include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
-             runtime_env={"env_vars": _QUIET})
+    with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.lifecycle)
+        ray.init(num_cpus=os.cpu_count(), object_store_memory=int(spec.resources.object_store_gb * 2**30),
+                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+                 runtime_env={"env_vars": _QUIET})
 
 
 # Stage processes log through Ray to this terminal; keep library chatter (weight-loading bars, advisory
@@ -159,7 +162,8 @@ def _merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str]) -> RunResult:
+def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str],
+               record: SessionRecord) -> RunResult:
     from factory.algorithms import resolve
 
     alg = resolve(spec.algorithm)
@@ -170,28 +174,35 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
     tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
     display.step(0, before, completed=0)
     after, checkpoint = before, None
-    for step in range(1, spec.train.steps + 1):
-        t0 = time.perf_counter()
-        trajs, m = collect(s, spec, alg, display, step)                    # data -> rollout -> tools -> reward
-        m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
-        t_sync = time.perf_counter()
-        ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
-        m["timing/weight_sync_s"] = time.perf_counter() - t_sync
-        m["timing/step_s"] = time.perf_counter() - t0
-        m["timing/overhead_s"] = m["timing/step_s"] - sum(
-            m.get(k, 0.0) for k in ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s"))
-        m["perf/tokens_per_s"] = sum(len(t.response_ids) for t in trajs) / m["timing/step_s"]
-        if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
-            after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
-            m.update(after)
-            tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-        if step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
-            checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step))
-            tracker.log_checkpoint(step, checkpoint)
-        tracker.log_metrics(m, step=step)
-        tracker.log_trajectories(trajs[:traces], step)
-        display.step(step, m)
-    return RunResult(tracker.run_id, before, after, checkpoint)
+    stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
+                                                        "checkpointed); Ctrl-C again stops at once"))
+    with stop:
+        for step in range(1, spec.train.steps + 1):
+            t0 = time.perf_counter()
+            trajs, m = collect(s, spec, alg, display, step)                    # data -> rollout -> tools -> reward
+            m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
+            t_sync = time.perf_counter()
+            ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
+            m["timing/weight_sync_s"] = time.perf_counter() - t_sync
+            m["timing/step_s"] = time.perf_counter() - t0
+            m["timing/overhead_s"] = m["timing/step_s"] - sum(
+                m.get(k, 0.0) for k in ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s"))
+            m["perf/tokens_per_s"] = sum(len(t.response_ids) for t in trajs) / m["timing/step_s"]
+            if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
+                after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
+                m.update(after)
+                tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
+            tracker.log_metrics(m, step=step)
+            tracker.log_trajectories(trajs[:traces], step)
+            display.step(step, m)
+            stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
+            if stopping or step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
+                checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step))
+                tracker.log_checkpoint(step, checkpoint)
+            record.update()  # what this run has started, for the next run to end should this one be killed
+            if stopping:
+                break
+    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested)
 
 
 def run(plan: Any, spec: Spec) -> RunResult:
@@ -206,19 +217,25 @@ def run(plan: Any, spec: Spec) -> RunResult:
     tracker = Tracker(uri, spec.tracking.experiment)
     metric_nodes = metric_nodes_of(spec)
     with display:
+        ended = reap_orphans()
+        if ended:
+            display.status(f"ended what a killed run left behind: {', '.join(ended)}")
         if not is_built(spec.model.path):
             display.status(f"building the model {spec.model.path} into the cache (first use only)")
         model_path = resolve_model(spec.model.path)
         display.status("starting Ray")
         start_ray(spec)
+        record = SessionRecord()
+        record.update()
         status, stages = "FAILED", None
         try:
             stages = place_stages(spec, model_path, str(plan.base_dir), display)
+            record.update()
             plan = tracker.start_run(plan, spec, ray.get(stages.rollout.tool_listing.remote()),
                                      {"resolved": stages.resolved})
             display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(stages, spec, plan, tracker, display, metric_nodes)
-            status = "FINISHED"
+            result = train_loop(stages, spec, plan, tracker, display, metric_nodes, record)
+            status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
         except KeyboardInterrupt:
             status = "KILLED"  # MLflow's word for a run stopped by its user
             raise
@@ -227,6 +244,7 @@ def run(plan: Any, spec: Spec) -> RunResult:
             if stages is not None:  # stop tool servers cleanly before the actors go
                 ray.wait([stages.rollout.close.remote(), stages.reward.close.remote()], num_returns=2, timeout=30)
             ray.shutdown()
+            record.close()
     display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))

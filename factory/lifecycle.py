@@ -109,25 +109,33 @@ class SessionRecord:
         tmp.write_text(json.dumps({"driver": _identity(self.me), "children": children}))
         os.replace(tmp, self.path)
 
-    def close(self) -> None:
-        """The driver ended in order: its processes are gone, so is its record."""
+    def close(self, timeout_s: float = 10.0) -> list[str]:
+        """The driver is ending in order, its cluster shut down: wait for the processes it started to exit,
+        end those that linger (Ray's agents take a while), and drop the record. Returns what was ended."""
+        ended = reap_orphans(self.folder, timeout_s, only=self.path, wait_s=timeout_s)
         self.path.unlink(missing_ok=True)
+        return ended
 
 
-def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0) -> list[str]:
+def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Path | None = None,
+                 wait_s: float = 0.0) -> list[str]:
     """End the processes that drivers no longer alive left behind (SIGTERM, then SIGKILL after
-    `timeout_s`), and drop their records. Returns what was ended, as `name[pid]`."""
+    `timeout_s`), and drop their records. Returns what was ended, as `name[pid]`. `only`: just this
+    record, whose driver is the caller (alive); its processes get `wait_s` to exit by themselves first."""
     folder = folder or sessions_dir()
     ended: list[psutil.Process] = []
     labels: list[str] = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    paths = [only] if only is not None else (sorted(folder.glob("*.json")) if folder.is_dir() else [])
+    for path in paths:
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             path.unlink(missing_ok=True)
             continue
-        if _alive(record["driver"]) is not None:
+        if only is None and _alive(record["driver"]) is not None:
             continue  # another run is going on: its processes are its own
+        if wait_s:
+            psutil.wait_procs([p for e in record["children"] if (p := _alive(e)) is not None], timeout=wait_s)
         for entry in record["children"]:
             proc = _alive(entry)
             if proc is not None:
