@@ -53,9 +53,29 @@ def init_process_group() -> None:
     use_extension_cache()
     backend = deepspeed.get_accelerator().communication_backend_name()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        # DeepSpeed reads its rank from the environment; what we add is taken away again by
+        # release_process_group, so a later library in this process (accelerate, a test) does not take a
+        # half-set launcher environment for a distributed job.
+        own = {k: v for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items() if k not in os.environ}
+        os.environ.update(own)
+        _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
+
+
+_ENV_SET_BY_US: dict[str, str] = {}
+
+
+def release_process_group() -> None:
+    """Destroy the process group and take back the environment init_process_group added."""
+    if torch.distributed.is_initialized():
+        import deepspeed.comm as dist
+
+        dist.destroy_process_group()  # DeepSpeed's: also forgets the sub-groups it cached
+    for key, value in list(_ENV_SET_BY_US.items()):
+        if os.environ.get(key) == value:
+            del os.environ[key]
+        del _ENV_SET_BY_US[key]
 
 
 def on_cuda() -> bool:

@@ -34,7 +34,14 @@ from factory.algorithms import (
 from factory.schema import Spec
 from factory.types import Trajectory
 from factory.update.batch import collate, kept, plan, shaped_rewards
-from factory.update.engine import autocast_dtype, deepspeed_config, init_process_group, learning_rate, make_optimizer
+from factory.update.engine import (
+    autocast_dtype,
+    deepspeed_config,
+    init_process_group,
+    learning_rate,
+    make_optimizer,
+    release_process_group,
+)
 from factory.update.logprobs import response_logprobs
 
 
@@ -323,10 +330,7 @@ class Learner:
         if self.engine is not None:
             self.engine.destroy()
         self.engine = self.ref = None
-        if torch.distributed.is_initialized():
-            import deepspeed.comm as dist
-
-            dist.destroy_process_group()  # DeepSpeed's: also forgets the sub-groups it cached
+        release_process_group()
 
 
 def _rollout_logprobs(trajs: list[Trajectory]) -> Tensor | None:
