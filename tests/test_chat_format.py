@@ -37,6 +37,18 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "It is 5."},
         {"role": "user", "content": "Thanks"},
     ],
+    # as Factory's loop records a conversation: the model's calls are its text, results are tool
+    # messages (two in one round), reasoning inside the model's text, two rounds, then an answer
+    "multi-turn tool loop": [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "What is (2+3)*4 - 1?"},
+        {"role": "assistant", "content": "<think>\nTwo steps.\n</think>\n\n" + CALL + "\n" + CALL},
+        {"role": "tool", "name": "calculate", "content": "5"},
+        {"role": "tool", "name": "calculate", "content": "5"},
+        {"role": "assistant", "content": CALL.replace("2 + 3", "5 * 4 - 1")},
+        {"role": "tool", "name": "calculate", "content": "19"},
+        {"role": "assistant", "content": "<answer>19</answer>"},
+    ],
 }
 
 
@@ -59,6 +71,19 @@ def test_render_equals_apply_chat_template(tokenizer, template, name, tools, gen
     expected = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                              add_generation_prompt=gen)
     assert chat.render(messages, tools, add_generation_prompt=gen) == expected
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+@pytest.mark.parametrize("upto", [2, 5, 7, 8], ids=lambda n: f"{n}-messages")
+def test_qwen3_multi_turn_tool_loop_equals_apply_chat_template(tokenizer, thinking, upto):
+    """Qwen3's own template, its tools block and enable_thinking, at every point of a multi-turn tool
+    conversation: byte for byte what transformers renders."""
+    messages = CONVERSATIONS["multi-turn tool loop"][:upto]
+    chat = ChatFormat(tokenizer, template_kwargs={"enable_thinking": thinking})
+    for gen in (True, False):
+        expected = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=gen,
+                                                 enable_thinking=thinking)
+        assert chat.render(messages, TOOLS, add_generation_prompt=gen) == expected
 
 
 def test_prompt_ids_equal_apply_chat_template_ids(tokenizer, template):
@@ -113,3 +138,57 @@ def test_no_template_is_an_error(tokenizer):
 
     with pytest.raises(ValueError, match="no chat template"):
         ChatFormat(NoTemplate())
+
+
+def test_shipped_templates_are_prefix_preserving(tokenizer):
+    from factory.rollout.chat import prefix_problem
+
+    assert prefix_problem(tokenizer.chat_template) is None
+    # Qwen3 without thinking puts an empty think block in the generation prompt but not in the earlier
+    # turns it renders later: the model's first turn is seen differently from the second turn on.
+    assert prefix_problem(tokenizer.chat_template, template_kwargs={"enable_thinking": False}).startswith(
+        "the chat template is not prefix-preserving across turns: message 2 (assistant)")
+    for path in (Path(__file__).parent.parent / "prompts").glob("chatml*.jinja"):
+        assert prefix_problem(path.read_text()) is None, path.name
+
+
+# Earlier assistant turns collapsed once the conversation goes on (as some templates do to save context).
+COLLAPSING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
+              "[earlier turn]{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A system header that counts the messages: every render rewrites the first message.
+COUNTING = ("<|im_start|>system\n{{ messages | length }} messages<|im_end|>\n{% for m in messages[1:] %}<|im_start|>"
+            "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+            "\n{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_named_at_the_first_changed_message():
+    from factory.rollout.chat import prefix_problem
+
+    assert prefix_problem(COLLAPSING) == (
+        "the chat template is not prefix-preserving across turns: message 2 (assistant) of a multi-turn tool "
+        "conversation renders differently once later turns follow, so the context the model generated in is not "
+        "what the template renders for the conversation. The model saw 'E-QUERY<|im_end|>\\n<|im_start|>assistant"
+        "\\n<tool_call>\\n{\"name\": \"probe\", \"arguments'; with the next turn the template renders "
+        "'E-QUERY<|im_end|>\\n<|im_start|>assistant\\n[earlier turn]<|im_end|>\\n<|im_start|>too'")
+    assert prefix_problem(COUNTING).startswith("the chat template is not prefix-preserving across turns: message 0 "
+                                               "(system) of a multi-turn tool conversation")
+
+
+def test_factory_check_rejects_a_template_that_is_not_prefix_preserving(project):
+    from factory.compiler.compile import compile_file
+    from factory.compiler.errors import SpecErrors
+    from tests.test_compiler_support import base_spec
+
+    project.file("prompts/collapse.jinja", COLLAPSING)
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    path = project.spec(base_spec(project, "ct_prefix") + tools + "chat_template: prompts/collapse.jinja\n")
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path)
+    assert e.value.report().startswith(
+        "spec.yaml:11: chat_template: the chat template is not prefix-preserving across turns: message 2 (assistant)")
+    # one turn: nothing is spliced, the template is fine for it
+    compile_file(project.spec(base_spec(project, "ct_prefix") + tools + "chat_template: prompts/collapse.jinja\n"
+                              "rollout: {max_turns: 1}\n", "one.yaml"))
+    # the tokenizer's own template (Qwen3's, for factory:tiny-qwen3) is checked too, and passes
+    compile_file(project.spec(base_spec(project, "ct_prefix") + tools, "own.yaml"))

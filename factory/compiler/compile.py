@@ -238,6 +238,43 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     return hashes
 
 
+def _check_chat_template(spec: Spec, r: _Report) -> None:
+    """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
+    the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
+    template or the tokenizer's own, without loading a tokenizer."""
+    import json
+
+    from factory.assets import tokenizer_files
+    from factory.rollout.chat import prefix_problem
+
+    if not spec.tools or spec.rollout.max_turns < 2:
+        return
+    folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
+    config_file = folder / "tokenizer_config.json" if folder else None
+    config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
+    if spec.chat_template:
+        found = find_file(spec.chat_template, r.source.base_dir)
+        if found is None:
+            return  # reported by _check_templates
+        template, path = found.read_text(), "chat_template"
+    else:
+        own = folder / "chat_template.jinja" if folder else None
+        template = own.read_text() if own and own.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str):
+            return  # not on disk before the first run (or the tokenizer has none: the rollout says so)
+        path = "model.tokenizer" if spec.model.tokenizer else "model.path"
+    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+               if k.endswith("_token") and isinstance(v, (str, dict))}
+    try:
+        problem = prefix_problem(template, special)
+    except Exception as e:  # a template that does not even compile is reported by _check_templates
+        problem = None if spec.chat_template else f"the tokenizer's chat template does not compile: {e}"
+    if problem:
+        r.error(path, problem)
+
+
 def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
     hashes: dict[str, Any] = {}
     for split in ("train", "eval"):
@@ -468,6 +505,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_model(spec, r)
     _check_devices(spec, r)
     templates = _check_templates(spec, r)
+    _check_chat_template(spec, r)
     data = _check_data(spec, r)
     rewards = _check_reward_fns(spec, r)
     _check_judges(spec, r)

@@ -128,3 +128,77 @@ class ChatFormat:
         # The model still stops on eos; the text the template writes after a turn is then appended whole.
         eos = self.tokenizer.eos_token or ""
         return (eos if eos and tail.startswith(eos) else ""), self.tokenizer.eos_token_id
+
+
+# ----------------------------------------------------------------------------- prefix preservation
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe", "description": "A probe tool.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+
+
+def _probe_call(x: int) -> str:
+    return '<tool_call>\n{"name": "probe", "arguments": {"x": %d}}\n</tool_call>' % x
+
+
+# A conversation shaped as the multi-turn loop makes it: the model's turns are its text (tool calls
+# written as text, no structured tool_calls), tool results are `tool` messages, several in one round.
+_PROBE_CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "FACTORY-PROBE-SYSTEM"},
+    {"role": "user", "content": _PROBE_USER},
+    {"role": "assistant", "content": _probe_call(1) + "\n" + _probe_call(2)},
+    {"role": "tool", "name": "probe", "content": "FACTORY-PROBE-RESULT-1"},
+    {"role": "tool", "name": "probe", "content": "FACTORY-PROBE-RESULT-2"},
+    {"role": "assistant", "content": _probe_call(3)},
+    {"role": "tool", "name": "probe", "content": "FACTORY-PROBE-RESULT-3"},
+    {"role": "assistant", "content": "FACTORY-PROBE-ANSWER"},
+]
+
+
+def _excerpt(text: str, at: int) -> str:
+    return repr(text[max(0, at - 40): at + 40])
+
+
+def prefix_problem(template: str, special_tokens: dict[str, str] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> str | None:
+    """Why `template` cannot serve the multi-turn loop, or None. Text only (jinja, no tokenizer), so
+    `factory check` can ask it without torch.
+
+    The loop never re-renders a conversation: the context of turn k+1 is the context of turn k, the
+    model's own text, and the template text after it (tool results, the next generation prompt). That
+    equals what the template renders for the conversation so far only if the template is
+    prefix-preserving across turns: rendering the conversation up to the next generation prompt must
+    begin with the previous render followed by the model's turn verbatim. A template that rewrites an
+    earlier message once later ones follow (drops a reasoning block, moves tool results into the system
+    prompt, re-renders the last assistant turn) would train the model on contexts it never sees when the
+    template is used. The answer names the first message whose text changes."""
+    render = compile_template(template)
+    kwargs = {**(special_tokens or {}), **(template_kwargs or {})}
+
+    def text(messages: list[dict[str, Any]], generation: bool) -> str:
+        return render.render(messages=messages, tools=_PROBE_TOOLS, documents=None,
+                             add_generation_prompt=generation, **kwargs)
+
+    msgs = _PROBE_CONVERSATION
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    try:
+        for a, b in zip(turns, turns[1:]):
+            seen = text(msgs[:a], True) + msgs[a]["content"]  # what the model had written at the end of turn a
+            later = text(msgs[:b], True)  # the template's render when turn b is generated
+            if later.startswith(seen):
+                continue
+            at = next((i for i, (x, y) in enumerate(zip(seen, later)) if x != y), min(len(seen), len(later)))
+            # the message whose text holds the first difference: the last one whose render ends before it
+            culprit = a
+            for m in range(1, a + 1):  # (a template may refuse to render no messages at all)
+                before = text(msgs[:m], False)
+                if len(before) > at or not seen.startswith(before):
+                    culprit = m - 1
+                    break
+            role = msgs[culprit]["role"]
+            return (f"the chat template is not prefix-preserving across turns: message {culprit} ({role}) of a "
+                    f"multi-turn tool conversation renders differently once later turns follow, so the context the "
+                    f"model generated in is not what the template renders for the conversation. The model saw "
+                    f"{_excerpt(seen, at)}; with the next turn the template renders {_excerpt(later, at)}")
+    except jinja2.TemplateError as e:
+        return f"the chat template cannot render a multi-turn tool conversation: {e}"
+    return None
