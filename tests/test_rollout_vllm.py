@@ -38,19 +38,19 @@ def model_path():
 def vllm(model_path):
     from factory.rollout.engine_vllm import VLLMEngine
 
-    # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the process (its
-    # thread binding must not move) and we set OMP_NUM_THREADS for it; a rollout actor lives with that,
-    # the other tests of this pytest process should not, so both are put back afterwards.
-    set_threads, omp = torch.set_num_threads, os.environ.get("OMP_NUM_THREADS")
+    # vLLM changes its process for good: its CPU worker replaces torch.set_num_threads with a no-op (its
+    # thread binding must not move), and importing it sets some twenty environment variables
+    # (LD_PRELOAD=libgomp, LOCAL_WORLD_SIZE, OMP_NUM_THREADS, ...). A rollout actor is a process of its own
+    # and lives with that; the rest of this pytest process (and the runs it starts) must not, so both
+    # are put back afterwards.
+    set_threads, environ = torch.set_num_threads, dict(os.environ)
     try:
         engine = VLLMEngine(model_path, kv_cache_gb=0.25, stop_token_ids=[IM_END], threads=1, max_num_seqs=16)
         yield engine
     finally:
         torch.set_num_threads = set_threads
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")
