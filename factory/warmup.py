@@ -27,14 +27,15 @@ def calculator_schema() -> list[dict]:
                                               "parameters": t.input_schema}} for t in tools]
 
 
-def warmup_sequences(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) pairs of whole calculator exchanges: call, tool response, answer."""
+def warmup_sequences(tokenizer, n: int, seed: int, tools: list[dict] | None = None) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) pairs of whole calculator exchanges: call, tool response, answer. `tools` is the
+    tool list the prompts show (default: the calculator server's); its first tool must take `expression`."""
     from factory.data import arithmetic
     from factory.examples.calculator import evaluate, format_number
     from factory.rollout.chat import ChatFormat
 
     chat = ChatFormat(tokenizer)
-    tools = calculator_schema()
+    tools = tools or calculator_schema()
     eot = [chat.end_of_turn_id]
     out = []
     for row in arithmetic(n, seed=seed, operands=(2, 2), digits=(1, 2)):
@@ -51,26 +52,27 @@ def warmup_sequences(tokenizer, n: int, seed: int) -> list[tuple[list[int], list
 
 
 def build_tiny_qwen3_calc(out: Path, base: str, steps: int = 80, batch: int = 8, lr: float = 3e-3,
-                          seed: int = 0) -> None:
-    """Warm up `base` (the tiny-qwen3 folder) and save the result to `out` (~30 s on 2 cores)."""
+                          seed: int = 0, tools: list[dict] | None = None) -> None:
+    """Warm up `base` (the tiny-qwen3 folder) on prompts listing `tools` (default: the calculator
+    server's) and save the result to `out` (~30 s on 2 cores)."""
     import torch
 
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a one-off build: use the machine, whatever the caller set
     try:
-        _train(out, base, steps, batch, lr, seed)
+        _train(out, base, steps, batch, lr, seed, tools)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(out: Path, base: str, steps: int, batch: int, lr: float, seed: int) -> None:
+def _train(out: Path, base: str, steps: int, batch: int, lr: float, seed: int, tools: list[dict] | None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    data = warmup_sequences(tokenizer, 256, seed=seed)
+    data = warmup_sequences(tokenizer, 256, seed=seed, tools=tools)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -42,6 +42,7 @@ from factory.update.engine import (
     make_optimizer,
     release_process_group,
 )
+from factory.update.flops import ModelShape, forward_flops
 from factory.update.logprobs import response_logprobs
 
 
@@ -73,6 +74,7 @@ class Learner:
             torch.set_num_threads(self.spec.train.threads)
         init_process_group()
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.shape = ModelShape.of(model)
         self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                config=deepspeed_config(self.spec))
@@ -172,6 +174,11 @@ class Learner:
         })
         # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
         stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
+        # useful FLOPs: forward + backward (3 forwards) per epoch, plus the no-grad old and reference passes
+        passes = 3 * alg.epochs + (old is not None) + (ref is not None)
+        stats["perf/update_flops_per_s"] = (forward_flops(self.shape, [(len(t.prompt_ids), len(t.response_ids))
+                                                                      for t in sub]) * passes
+                                            / max(stats["timing/update_step_s"], 1e-9))
         return stats
 
     def logprobs(self, trajs: list[Trajectory]) -> Tensor:

@@ -1,0 +1,331 @@
+"""Benchmark: one agentic step -- multi-turn rollout with a slow tool, then a slow LLM judge -- scheduled
+three ways on the same components.
+
+    python bench/agentic.py [--repeats 3] [--prompts 4] [--group-size 8] [--tool-latency 0.2]
+                            [--judge-latency 0.5] [--judge-capacity 8] [--quick]
+
+The same pieces serve every contender: Factory's rollout stage (its engine with the model, the chat
+template, its ToolBox talking to a real stdio MCP server whose `calculate` tool answers after
+`--tool-latency` seconds) and Factory's reward stage (`correct`: a python function; `judge`: an LLM-judge
+node calling a real OpenAI-compatible HTTP endpoint, served here, that answers after `--judge-latency`
+seconds and serves at most `--judge-capacity` requests at once, like a judge server's batch limit).
+The model is the tiny Qwen3 warmed up on the calculator exchange: it calls the tool on its own, and
+sampled at temperature 1 its turns and turn lengths differ from trajectory to trajectory.
+
+  factory      the rollout stage's own loop (one async task per trajectory; the engine batches whatever
+               requests wait; tool calls overlap other trajectories' generation), each group handed to
+               the reward stage as soon as it is complete, so judging overlaps generation;
+  sync turns   a synchronous per-turn batch loop (Search-R1's): each turn, generate for every live
+               trajectory as one batch, then run all their tool calls at once and wait for the slowest,
+               then the next turn; when every trajectory is done, score them all (judge calls concurrent);
+  sequential   each turn, generate for every live trajectory as one batch, then each tool call one by
+               one; then each trajectory's reward one by one.
+
+The contenders alternate (factory, sync, sequential, factory, ...) `--repeats` times on the same prompts
+with the same sampling seed; the step time is rollout + reward until every trajectory is scored. Medians.
+
+Prints a table, then as its LAST line JSON: speedup_vs_sequential and speedup_vs_sync_turns (the baseline's
+median step time / Factory's). Targets: >= 3 and >= 1.3.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
+
+from bench.common import cpu, cpu_line, median, print_json, table
+
+
+# ------------------------------------------------------------------------------------------ the tool
+def serve(latency_s: float) -> None:
+    """The benchmark's MCP server: the calculator's `calculate` tool (same name, description and argument,
+    so the warmed-up model calls it), answering after `latency_s` seconds like a remote API."""
+    from typing import Annotated
+
+    import anyio
+    from mcp.server.mcpserver import MCPServer
+    from pydantic import Field
+
+    from factory.examples.calculator import evaluate, format_number
+
+    server = MCPServer("bench-slow-calculator", log_level="WARNING")
+
+    @server.tool(description="Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (3 + 4) * 2.",
+                 structured_output=False)
+    async def calculate(expression: Annotated[str, Field(description="The arithmetic expression to evaluate.")]) -> str:
+        await anyio.sleep(latency_s)
+        try:
+            return format_number(evaluate(expression))
+        except ValueError as exc:
+            return f"Error: {exc}"
+
+    server.run("stdio")
+
+
+# ----------------------------------------------------------------------------------------- the judge
+@contextlib.contextmanager
+def judge_server(latency_s: float, capacity: int) -> Iterator[tuple[str, list[int]]]:
+    """An OpenAI-compatible `/v1/chat/completions` endpoint on 127.0.0.1 that answers `score: 1` after a
+    fixed latency, serving at most `capacity` requests at a time (the rest queue, as at a real server).
+    Yields its base URL and a one-item list counting the requests served."""
+    slots, served = threading.Semaphore(capacity), [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with slots:
+                time.sleep(latency_s)
+            served[0] += 1
+            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "score: 1"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------------------------------ the spec
+def make_spec(a: argparse.Namespace, judge_url: str, folder: Path):
+    from factory.compiler.compile import compile_file
+
+    (folder / "judge.jinja").write_text("Rate the answer to {{ prompt }}:\n{{ completion }}\nReply 'score: <0-1>'.\n")
+    (folder / "spec.yaml").write_text(f"""name: agentic-bench
+seed: 0
+model: {{path: {a.model}}}
+data: {{train: {{generator: factory.data:arithmetic, size: 256, args: {{operands: [2, 2], digits: [1, 2]}}}}}}
+tools:
+  calc: {{command: {sys.executable}, args: [{Path(__file__).resolve()}, --serve, --latency, '{a.tool_latency}'],
+          concurrency: 256, timeout_s: 30}}
+rewards:
+  correct: {{fn: factory.rewards.math:numeric_match}}
+  judge: {{llm_judge: judge.jinja, endpoint: '{judge_url}', concurrency: 256, timeout_s: 120}}
+  total: {{sum: {{correct: 1.0, judge: 0.1}}}}
+rollout: {{group_size: {a.group_size}, max_turns: {a.max_turns}, max_new_tokens: {a.max_new_tokens},
+          max_total_tokens: 1024, temperature: 1.0}}
+train: {{prompts_per_step: {a.prompts}, threads: {a.threads}}}
+""")
+    spec, plan = compile_file(folder / "spec.yaml")
+    return spec, plan
+
+
+# -------------------------------------------------------------------------------------- contenders
+async def factory_step(rollout, reward, batch, group_size: int) -> list:
+    """Factory as the driver runs a step: the rollout stage streams complete groups; each is scored at once."""
+    if not hasattr(rollout, "stream"):  # TEMPORARY until streaming lands
+        trajs, _ = await rollout.generate(batch, group_size=group_size)
+        return (await reward.score(trajs))[0]
+    scoring = []
+    async for group in rollout.stream(batch, group_size=group_size):
+        scoring.append(asyncio.ensure_future(reward.score(group)))
+    return [t for trajs, _ in await asyncio.gather(*scoring) for t in trajs]
+
+
+class Lockstep:
+    """The baselines' trajectories, advanced turn by turn together (Search-R1's loop)."""
+
+    def __init__(self, engine, chat, toolbox, cfg, prompts: list[tuple[list[dict], dict]], group_size: int):
+        from factory.rollout.agent import sampling_from_spec
+
+        self.engine, self.chat, self.toolbox, self.cfg = engine, chat, toolbox, cfg
+        self.sampling = sampling_from_spec(cfg)
+        schemas = toolbox.schemas() or None
+        self.trajs = [self._start(messages, row, p, s, chat.prompt_ids(messages, schemas))
+                      for p, (messages, row) in enumerate(prompts) for s in range(group_size)]
+
+    @staticmethod
+    def _start(messages, row, p, s, prompt_ids):
+        from factory.types import Trajectory
+
+        return Trajectory(prompt_index=p, sample_index=s, prompt_ids=prompt_ids, response_ids=[], loss_mask=[],
+                          turns=[], stop_reason="max_turns", row=row, messages=messages)
+
+    async def run(self, one_by_one: bool) -> list:
+        """Every turn: one generation batch for the live trajectories, then all their tool calls, at once
+        (waiting for the slowest) or `one_by_one`; a trajectory leaves when it answers without a call or
+        runs out of turns or tokens."""
+        from factory.rollout.agent import call_tool
+        from factory.rollout.parse import parse_tool_calls
+        from factory.types import Turn
+
+        chat, cfg, engine = self.chat, self.cfg, self.engine
+        live = list(self.trajs)
+        for turn_no in range(cfg.max_turns):
+            gens = await asyncio.gather(*(engine.generate(
+                t.prompt_ids + t.response_ids, sampling=self.sampling,
+                max_new_tokens=min(cfg.max_new_tokens, cfg.max_total_tokens - len(t.response_ids))) for t in live))
+            calling = []
+            for t, gen in zip(live, gens):
+                t.response_ids += gen.ids
+                t.loss_mask += [1] * len(gen.ids)
+                t.truncated = not gen.finished
+                text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
+                t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text)))
+                if not t.turns[-1].calls:
+                    t.stop_reason = "no_call" if gen.finished else "budget"
+                elif turn_no < cfg.max_turns - 1:
+                    calling.append((t, gen))
+            calls = [c for t, _ in calling for c in t.turns[-1].calls]
+            if one_by_one:
+                results = [await call_tool(self.toolbox, c) for c in calls]
+            else:
+                results = list(await asyncio.gather(*(call_tool(self.toolbox, c) for c in calls)))
+            live = []
+            for t, gen in calling:
+                turn = t.turns[-1]
+                turn.results, results = results[: len(turn.calls)], results[len(turn.calls):]
+                delta = chat.tool_delta_ids(turn.results, gen.finished and gen.ids[-1] == chat.end_of_turn_id)
+                if len(t.response_ids) + len(delta) >= cfg.max_total_tokens:
+                    t.stop_reason = "budget"
+                    continue
+                t.response_ids += delta
+                t.loss_mask += [0] * len(delta)
+                live.append(t)
+            if not live:
+                break
+        for t in self.trajs:
+            t.completion = chat.decode(t.response_ids)
+            t.infra_error = any(r.status == "infra_error" for turn in t.turns for r in turn.results)
+        return self.trajs
+
+
+def lockstep(stage, prompts, group_size: int) -> Lockstep:
+    return Lockstep(stage.engine, stage.chat, stage.toolbox, stage.spec.rollout, prompts, group_size)
+
+
+async def sync_turns_step(stage, reward, prompts, group_size: int) -> list:
+    trajs = await lockstep(stage, prompts, group_size).run(one_by_one=False)
+    return (await reward.score(trajs))[0]
+
+
+async def sequential_step(stage, reward, prompts, group_size: int) -> list:
+    trajs = await lockstep(stage, prompts, group_size).run(one_by_one=True)
+    for t in trajs:  # one trajectory at a time (the graph has no group or batch node)
+        await reward.score([t])
+    return trajs
+
+
+# ---------------------------------------------------------------------------------------------- main
+async def measure(a: argparse.Namespace, folder: Path) -> dict:
+    from factory.data import DataStage, from_table
+    from factory.reward import RewardStage
+    from factory.rollout.stage import RolloutStage
+
+    with judge_server(a.judge_latency, a.judge_capacity) as (judge_url, judged):
+        spec, plan = make_spec(a, judge_url, folder)
+        from factory.assets import resolve_model
+
+        data = DataStage(spec.data, seed=spec.seed, base_dir=Path(plan.base_dir))
+        data.setup()
+        rollout = RolloutStage(spec, resolve_model(spec.model.path), base_dir=plan.base_dir, workdir=str(folder))
+        reward = RewardStage(spec, base_dir=plan.base_dir, workdir=str(folder))
+        await rollout.setup()
+        await reward.setup()
+        try:
+            batch = data.next_batch(a.prompts)
+            prompts = from_table(batch)
+            await factory_step(rollout, reward, batch, a.group_size)  # warm-up: first-call costs, not measured
+            times: dict[str, list[float]] = {"factory": [], "sync turns": [], "sequential": []}
+            shapes: dict[str, list] = {k: [] for k in times}
+            for _ in range(a.repeats):
+                for name, runs in times.items():
+                    t0 = time.perf_counter()
+                    if name == "factory":
+                        trajs = await factory_step(rollout, reward, batch, a.group_size)
+                    elif name == "sync turns":
+                        trajs = await sync_turns_step(rollout, reward, prompts, a.group_size)
+                    else:
+                        trajs = await sequential_step(rollout, reward, prompts, a.group_size)
+                    runs.append(time.perf_counter() - t0)
+                    shapes[name].append(trajs)
+        finally:
+            await rollout.close()
+            await reward.close()
+    return {"times": times, "shapes": shapes, "judge_requests": judged[0]}
+
+
+def describe(trajs: list) -> tuple[float, float, float, float]:
+    """Mean turns, tool calls, model tokens per trajectory, and the spread of turns (stdev)."""
+    turns = [len(t.turns) for t in trajs]
+    return (statistics.fmean(turns), statistics.fmean(t.num_tool_calls for t in trajs),
+            statistics.fmean(sum(t.loss_mask) for t in trajs), statistics.pstdev(turns))
+
+
+def main(a: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    print(cpu_line())
+    print(f"{a.prompts} prompts x {a.group_size} samples, up to {a.max_turns} turns of {a.max_new_tokens} tokens; "
+          f"tool latency {a.tool_latency:g} s; judge latency {a.judge_latency:g} s, capacity {a.judge_capacity}; "
+          f"{a.repeats} repeats alternated; model {a.model}")
+    with tempfile.TemporaryDirectory(prefix="factory-agentic-") as tmp:
+        out = asyncio.run(measure(a, Path(tmp)))
+    times = out["times"]
+    rows = []
+    for name, ts in times.items():
+        shape = [describe(trajs) for trajs in out["shapes"][name]]
+        rows.append((name, median(ts), min(ts), max(ts), *(statistics.fmean(s[i] for s in shape) for i in range(4))))
+    print(table(["contender", "median s", "min s", "max s", "turns", "tool calls", "model tok", "turns sd"], rows,
+                first=14))
+    factory = median(times["factory"])
+    return {"speedup_vs_sequential": round(median(times["sequential"]) / factory, 3),
+            "speedup_vs_sync_turns": round(median(times["sync turns"]) / factory, 3),
+            "factory_s": round(factory, 3), "sync_turns_s": round(median(times["sync turns"]), 3),
+            "sequential_s": round(median(times["sequential"]), 3), "cpu": cpu()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    import os
+
+    parser = argparse.ArgumentParser(description="an agentic step: Factory vs sequential vs synchronous turns")
+    parser.add_argument("--model", default="factory:tiny-qwen3-calc")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool call takes")
+    parser.add_argument("--judge-latency", type=float, default=0.5, help="seconds each judge request takes")
+    parser.add_argument("--judge-capacity", type=int, default=8, help="judge requests served at once")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke test, not a measurement)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the tool server
+    parser.add_argument("--latency", type=float, default=0.2, help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
+    if a.quick:
+        a.repeats, a.prompts, a.group_size, a.max_new_tokens = 1, 2, 2, 16
+        a.tool_latency, a.judge_latency = 0.05, 0.05
+    return a
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.serve:
+        serve(arguments.latency)
+    else:
+        print_json(main(arguments))

@@ -1,0 +1,164 @@
+"""Benchmark: where a Factory step's time goes, how it scales with the batch, and how hard the update
+works the machine.
+
+    python bench/breakdown.py [--model factory:smollm2-135m-instruct] [--prompts 2] [--steps 4] [--quick]
+
+Runs `factory run` (as users run it: Ray actors, MCP calculator server, DeepSpeed, MLflow) on the
+quickstart task at 1x, 2x and 4x `--prompts` prompts per step, and reads every step's metrics back from
+MLflow. For the steady steps (not the first, not the last, which also evaluates and checkpoints):
+
+  split     each step's wall time (between consecutive MLflow records: the whole loop, logging included)
+            cut into generate (a generation in flight), tools (only tool calls in flight), reward, update,
+            weight sync and other = the rest: rollout bookkeeping, moving batches between actors, the
+            data stage, the driver and its MLflow logging -- the framework's own overhead.
+  scaling   median step time at 2x and 4x prompts over 1x (2.0 and 4.0 = linear).
+  FLOP/s    the update's useful FLOP/s (perf/update_flops_per_s: real tokens only, see
+            factory/update/flops.py) against a plain square matmul in the same dtype, with the same
+            threads, in this process, measured between the runs.
+
+Prints tables, then as its LAST line JSON: overhead_fraction (other / step, median over the 1x steps),
+scaling_2x, update_flops_over_matmul (median). Targets: <= 0.05, <= 2.1, >= 0.3.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
+
+from bench.common import cpu, cpu_line, factory_run, median, print_json, table, write_project
+
+PARTS = {"generate": "timing/generate_s", "tools": "timing/tools_only_s", "reward": "timing/reward_s",
+         "update": "timing/update_s", "weight sync": "timing/weight_sync_s"}
+
+
+def spec(a: argparse.Namespace, prompts: int) -> str:
+    """The quickstart's task and sizes (specs/quickstart.yaml), smaller batches by default."""
+    return f"""name: breakdown
+seed: 7
+model: {{path: '{a.model}'}}
+chat_template: {ROOT / 'prompts/chatml_tools_compact.jinja' if 'smollm2' in a.model else 'null'}
+data:
+  train: {{generator: factory.data:arithmetic, size: 2048}}
+  prompt: {ROOT / ('prompts/arith_fewshot.jinja' if 'smollm2' in a.model else 'prompts/arith.jinja')}
+tools:
+  calc: {{command: {sys.executable}, args: [-m, factory.examples.calculator], timeout_s: 5, retries: 1}}
+rewards:
+  correct: {{fn: factory.rewards.math:numeric_match}}
+  well_formed: {{fn: factory.rewards.format:tool_call_ok}}
+  attempted: {{fn: factory.rewards.format:called_tool}}
+  total: {{sum: {{correct: 1.0, well_formed: 0.2, attempted: 0.1}}}}
+reward: total
+algorithm: {{name: grpo}}
+rollout: {{group_size: {a.group_size}, max_turns: 3, max_new_tokens: {a.max_new_tokens}, max_total_tokens: 256,
+          temperature: 1.0}}
+train: {{steps: {a.steps}, prompts_per_step: {prompts}, micro_batch: 4, lr: 1.0e-5, threads: {a.threads},
+        checkpoint_dir: ckpt}}
+tracking: {{experiment: breakdown}}
+resources: {{object_store_gb: 0.5}}
+"""
+
+
+def matmul_flops_per_s(dtype_name: str, threads: int, n: int = 1024, seconds: float = 3.0) -> float:
+    """A plain n x n x n matmul's FLOP/s in `dtype_name` with `threads` threads (best of repeated runs)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(3):
+        a @ b
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def update_dtype(run) -> str:
+    """The dtype the update's matmuls ran in: bf16 under autocast, else the weights' (MLflow params)."""
+    from mlflow.tracking import MlflowClient
+
+    params = MlflowClient(run.store).get_run(run.run_id).data.params
+    autocast = params.get("resolved.update.autocast", "off")
+    return autocast if autocast != "off" else params.get("resolved.update.dtype", "float32")
+
+
+def split_rows(run, label: str) -> tuple[list, float]:
+    steps = run.steady_steps
+    rows, fractions = [], []
+    for step, period in zip(steps, run.periods):
+        m = run.metrics[step]
+        parts = [m.get(k, 0.0) for k in PARTS.values()]
+        other = period - sum(parts)
+        fractions.append(other / period)
+        rows.append((f"{label} step {step}", period, *parts, other, other / period))
+    return rows, median(fractions)
+
+
+def main(a: argparse.Namespace) -> dict:
+    from factory.assets import resolve_model
+
+    resolve_model(a.model)  # build the model once, outside any timing
+    print(cpu_line())
+    print(f"model {a.model}; quickstart task, G={a.group_size}, up to 3 turns x {a.max_new_tokens} tokens, "
+          f"{a.threads} threads; {a.steps} steps per run")
+    runs, matmuls = {}, {}
+    with tempfile.TemporaryDirectory(prefix="factory-breakdown-") as tmp:
+        for scale in a.scales:
+            folder = Path(tmp) / f"x{scale}"
+            write_project(folder, spec(a, a.prompts * scale))
+            runs[scale] = factory_run(folder)
+            dtype = update_dtype(runs[scale])
+            matmuls.setdefault(dtype, []).append(matmul_flops_per_s(dtype, a.threads))
+
+    base = runs[a.scales[0]]
+    rows, overhead = split_rows(base, "1x")
+    print("\nstep split (s) at 1x")
+    print(table(["", "step", *PARTS, "other", "other/step"], rows, first=16, width=11))
+
+    dtype = update_dtype(base)
+    matmul = median(matmuls[dtype])
+    print(f"\nscaling (median steady step) and update FLOP/s vs a {1024}^3 {dtype} matmul "
+          f"({matmul / 1e9:.1f} GFLOP/s)")
+    scale_rows, ratios = [], {}
+    for scale, run in runs.items():
+        step = median(run.periods)
+        flops = median([run.metrics[s]["perf/update_flops_per_s"] for s in run.steady_steps])
+        ratios[scale] = step / median(base.periods)
+        scale_rows.append((f"{scale}x ({a.prompts * scale} prompts)", step, ratios[scale],
+                           run.mean("timing/update_s"), flops / 1e9, flops / matmul))
+    print(table(["", "step s", "vs 1x", "update s", "upd GFLOP/s", "vs matmul"], scale_rows, first=22))
+    update_ratio = median([median([r.metrics[s]["perf/update_flops_per_s"] for s in r.steady_steps])
+                           for r in runs.values()]) / matmul
+    return {"overhead_fraction": round(overhead, 4), "scaling_2x": round(ratios.get(2, float("nan")), 3),
+            "scaling_4x": round(ratios.get(4, float("nan")), 3),
+            "update_flops_over_matmul": round(update_ratio, 3), "matmul_gflops": round(matmul / 1e9, 1),
+            "update_dtype": dtype, "cpu": cpu()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Factory's step split, batch scaling and update FLOP/s")
+    parser.add_argument("--model", default="factory:smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step at 1x")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first and last are not timed)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1x and 2x, 3 steps (a smoke test)")
+    a = parser.parse_args(argv)
+    a.scales = [1, 2, 4]
+    if a.quick:
+        a.model, a.prompts, a.group_size, a.max_new_tokens, a.steps, a.scales = (
+            "factory:tiny-qwen3-calc", 1, 2, 16, 3, [1, 2])
+    return a
+
+
+if __name__ == "__main__":
+    print_json(main(parse_args()))

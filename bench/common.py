@@ -1,0 +1,141 @@
+"""What the step-time benchmarks share: the CPU they ran on, `factory run` in a throwaway project with its
+per-step numbers read back from MLflow, medians and plain tables.
+
+Every benchmark prints a table and, as its LAST line, one JSON object of ratios measured side by side in
+the same run (the machines are shared and noisy: never compare numbers from different runs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The variables that make an AVX512/AMX machine compute like an AVX2-only one (no fast bf16 kernels).
+AVX2_EMULATION = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU the numbers come from: model, cores, the vector flags that decide bf16 speed, whether bf16
+    is native for Factory (factory.device) and whether AVX2 is being emulated on a bigger machine
+    (AVX2_EMULATION in the environment)."""
+    from factory.device import cpu as device_cpu
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    emulated = all(os.environ.get(k) == v for k, v in AVX2_EMULATION.items())
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+            "bf16_native": device_cpu().fast_bf16, "avx2_emulated": emulated}
+
+
+def cpu_line() -> str:
+    c = cpu()
+    kind = f"AVX2 emulated on {c['model']}" if c["avx2_emulated"] else c["model"]
+    return (f"CPU: {kind}, {c['cores']} cores, flags {' '.join(c['flags']) or '-'}, "
+            f"bf16 {'native' if c['bf16_native'] else 'emulated'}")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, first: int = 28, width: int = 12) -> str:
+    """A plain fixed-width table: the first column left-aligned, numbers right-aligned."""
+    def cell(v: Any, w: int, left: bool) -> str:
+        text = f"{v:.3f}" if isinstance(v, float) else str(v)
+        return text.ljust(w) if left else text.rjust(w)
+
+    lines = ["".join(cell(h, first if i == 0 else width, i == 0) for i, h in enumerate(headers))]
+    lines += ["".join(cell(v, first if i == 0 else width, i == 0) for i, v in enumerate(r)) for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class FactoryRun:
+    """One `factory run`: its per-step metrics and the wall time of each steady step."""
+
+    metrics: dict[int, dict[str, float]]  # step -> every metric logged at that step
+    periods: list[float]  # seconds between consecutive steps' metric records (see factory_run)
+    wall_s: float  # the whole command, start-up included
+    store: str = ""  # the MLflow tracking URI
+    run_id: str = ""
+    stderr: str = field(repr=False, default="")
+
+    def mean(self, key: str, steps: Sequence[int] | None = None) -> float:
+        steps = steps or self.steady_steps
+        values = [self.metrics[s][key] for s in steps if key in self.metrics.get(s, {})]
+        return statistics.fmean(values) if values else float("nan")
+
+    @property
+    def steady_steps(self) -> list[int]:
+        """Steps whose period is measured: not the first (its start is not a step end) and not the last
+        (it also runs the final evaluation and checkpoint)."""
+        steps = sorted(s for s in self.metrics if s > 0)
+        return steps[1:-1]
+
+
+def write_project(folder: Path, spec: str, files: dict[str, str] | None = None) -> Path:
+    """A project folder holding `spec.yaml` and any extra files; returns the spec's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    path = folder / "spec.yaml"
+    path.write_text(spec)
+    return path
+
+
+def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: float = 1800) -> FactoryRun:
+    """`factory run spec.yaml` as a user runs it (its own process, its own local Ray, a sqlite MLflow store
+    in the project), then its metrics read back from MLflow.
+
+    A step's period is the time between the MLflow records of two consecutive steps: everything the loop
+    does per step (data, rollout, tools, reward, update, weight sync, logging) and nothing of start-up.
+    """
+    store = f"sqlite:///{project}/mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": os.pathsep.join([str(ROOT), str(project)])}
+    env.pop("RAY_ADDRESS", None)  # a local Ray of its own, never a cluster the caller happens to point at
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "spec.yaml", *overrides], cwd=project,
+                         env=env, capture_output=True, text=True, timeout=timeout_s,
+                         check=False)
+    wall = time.perf_counter() - started
+    if out.returncode != 0:
+        raise SystemExit(f"factory run failed in {project} (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    run = runs[0]
+    metrics: dict[int, dict[str, float]] = {}
+    stamps: dict[int, int] = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, key):
+            metrics.setdefault(m.step, {})[key] = m.value
+            if key == "timing/step_s":
+                stamps[m.step] = m.timestamp
+    result = FactoryRun(metrics, [], wall, store, run.info.run_id, out.stderr)
+    result.periods = [(stamps[s] - stamps[s - 1]) / 1000 for s in result.steady_steps if s - 1 in stamps]
+    return result
+
+
+def print_json(ratios: dict[str, Any]) -> None:
+    """The benchmark's last line."""
+    print(json.dumps(ratios), flush=True)
