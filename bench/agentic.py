@@ -41,6 +41,9 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
@@ -52,11 +55,8 @@ from bench.common import cpu, cpu_line, median, print_json, table
 def serve(latency_s: float) -> None:
     """The benchmark's MCP server: the calculator's `calculate` tool (same name, description and argument,
     so the warmed-up model calls it), answering after `latency_s` seconds like a remote API."""
-    from typing import Annotated
-
     import anyio
     from mcp.server.mcpserver import MCPServer
-    from pydantic import Field
 
     from factory.examples.calculator import evaluate, format_number
 
@@ -65,6 +65,7 @@ def serve(latency_s: float) -> None:
     @server.tool(description="Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (3 + 4) * 2.",
                  structured_output=False)
     async def calculate(expression: Annotated[str, Field(description="The arithmetic expression to evaluate.")]) -> str:
+        # (module-level Annotated and Field: the SDK evaluates these annotations in this module's globals)
         await anyio.sleep(latency_s)
         try:
             return format_number(evaluate(expression))
