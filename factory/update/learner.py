@@ -130,6 +130,8 @@ class Learner:
                                                          policy=not (on_policy or alg.use_rollout_logprobs))
         mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
+        # useful forwards: forward + backward (3 forwards) per epoch, plus the no-grad old and reference passes
+        passes = 3 * alg.epochs + (old is not None) + (ref is not None)
         # The learner's pre-update log-probs vs the sampler's on the same tokens: from the pass when
         # there was one, else from the first mini-batch's update pass (still the sampling weights).
         mismatch = [0.0, 0.0, 0.0]  # sum, count, max
@@ -174,8 +176,6 @@ class Learner:
         })
         # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
         stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
-        # useful FLOPs: forward + backward (3 forwards) per epoch, plus the no-grad old and reference passes
-        passes = 3 * alg.epochs + (old is not None) + (ref is not None)
         stats["perf/update_flops_per_s"] = (forward_flops(self.shape, [(len(t.prompt_ids), len(t.response_ids))
                                                                       for t in sub]) * passes
                                             / max(stats["timing/update_step_s"], 1e-9))
