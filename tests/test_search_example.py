@@ -2,10 +2,13 @@
 article, and the MCP search server over stdio (through the ToolBox) and streamable HTTP."""
 from __future__ import annotations
 
+import asyncio
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from mcp.server.mcpserver.exceptions import ToolError
 
 from factory.compiler.refs import generator_problem
@@ -170,18 +173,67 @@ def test_index_cache_is_reused_and_keyed_by_the_corpus(tmp_path):
 def test_passage_length_is_a_server_option(monkeypatch, index):
     monkeypatch.setattr(S, "_index", index)
     monkeypatch.setattr(S, "_passage_chars", S.PASSAGE_CHARS)
-    S._start(S.argparse.Namespace(passage_chars=40))
-    first = S.search("alloy of copper and tin", 1)
+    S._start(S.argparse.Namespace(passage_chars=40, retriever_url=None))
+    first = asyncio.run(S.search("alloy of copper and tin", 1))
     assert first == "Doc 1 (Title: Bronze; Alloy of copper and tin)\nBronze is an alloy consisting primarily ..."
     with pytest.raises(SystemExit, match="--passage-chars must be at least 1"):
-        S._start(S.argparse.Namespace(passage_chars=0))
+        S._start(S.argparse.Namespace(passage_chars=0, retriever_url=None))
 
 
 def test_search_tool_refuses_a_query_without_words(monkeypatch, index):
     monkeypatch.setattr(S, "_index", index)
-    assert S.search("alloy of copper and tin", 1).startswith("Doc 1 (Title: Bronze")
+    assert asyncio.run(S.search("alloy of copper and tin", 1)).startswith("Doc 1 (Title: Bronze")
     with pytest.raises(ToolError, match="no passage matches"):
-        S.search("the of and")
+        asyncio.run(S.search("the of and"))
+
+
+# ------------------------------------------------------------------------------ remote retriever
+# What Search-R1's retrieval server (e5 over the 2018 Wikipedia dump) answers for one query: contents are
+# '"Title"\ntext', best hit first.
+RETRIEVED = [{"document": {"id": "1", "contents": '"Bronze"\nBronze is an alloy consisting primarily of copper.'},
+              "score": 0.91},
+             {"document": {"id": "2", "contents": '"Brass"\nBrass is an alloy of copper and zinc.'}, "score": 0.85}]
+
+
+def test_retriever_hits_become_numbered_passages():
+    assert S.retriever_passages(RETRIEVED) == (
+        "Doc 1 (Title: Bronze)\nBronze is an alloy consisting primarily of copper.\n\n"
+        "Doc 2 (Title: Brass)\nBrass is an alloy of copper and zinc.")
+    assert S.retriever_passages([]) == ""
+
+
+def test_search_goes_to_the_retriever_over_http(monkeypatch):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen = []
+
+    class Retriever(BaseHTTPRequestHandler):  # the retrieval server's HTTP contract, with canned hits
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            body = json.dumps({"result": [RETRIEVED[: seen[-1]["topk"]]]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Retriever)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(S, "_index", None)
+        S._start(S.argparse.Namespace(passage_chars=20, retriever_url=f"http://127.0.0.1:{httpd.server_port}/retrieve"))
+        assert S._index is None  # no local index is built for a remote retriever
+        text = asyncio.run(S.search("copper alloy", 1))
+    finally:
+        httpd.shutdown()
+        monkeypatch.setattr(S, "_retriever_url", None)
+        monkeypatch.setattr(S, "_passage_chars", S.PASSAGE_CHARS)
+    assert seen == [{"queries": ["copper alloy"], "topk": 1, "return_scores": True}]
+    assert text == "Doc 1 (Title: Bronze)\nBronze is an alloy ..."
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -222,3 +274,54 @@ async def test_server_over_streamable_http(http_url, anyio_backend):
     async with ToolBox.from_spec({"search": HttpServer(url=http_url, timeout_s=10)}, base_dir=ROOT) as box:
         result = await box.call(ToolCall(name="search", arguments={"query": "alloy of copper and tin"}, raw=""))
     assert result.status == "ok" and result.text.startswith("Doc 1 (Title: Bronze")
+
+
+# ------------------------------------------------------------------------------ Search-R1 data (GPU recipe)
+def test_flashrag_rows_become_verl_rows():
+    from factory.examples.search_data import INSTRUCTIONS, to_row
+
+    row = to_row({"id": "train_0", "question": " who got the first nobel prize in physics ",
+                  "golden_answers": ["Wilhelm Conrad Röntgen"], "metadata": {}}, 0, "nq", "train")
+    assert row == {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": INSTRUCTIONS + "who got the first nobel prize in physics?"}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["Wilhelm Conrad Röntgen"]}},
+        "extra_info": {"split": "train", "index": 0},
+        "question": "who got the first nobel prize in physics?",
+        "golden_answers": ["Wilhelm Conrad Röntgen"],
+    }
+    assert to_row({"question": "Is it?", "golden_answers": "yes"}, 3, "hotpotqa", "dev")["golden_answers"] == ["yes"]
+    with pytest.raises(ValueError, match="no golden answer"):
+        to_row({"question": "q", "golden_answers": [" "]}, 1, "nq", "train")
+
+
+def test_search_r1_data_and_retriever_overrides_compile(tmp_path, monkeypatch):
+    """The command docs/gallery/deepsearch.md gives for NQ + HotpotQA and the e5 retriever compiles."""
+    import pyarrow.parquet as pq
+
+    from factory.compiler.compile import compile_file
+    from factory.examples.search_data import build, write
+
+    examples = {"nq": {"train": [{"question": "capital of france", "golden_answers": ["Paris"]},
+                                 {"question": "no answer", "golden_answers": []}],
+                       "dev": [{"question": "largest ocean", "golden_answers": ["Pacific", "Pacific Ocean"]}]},
+                "hotpotqa": {"train": [{"question": "q2?", "golden_answers": ["a2"]}],
+                             "test": [{"question": "q3", "golden_answers": ["a3"]}]}}
+    rows = build(examples, test_size=4)
+    assert [r["question"] for r in rows["train"]] == ["capital of france?", "q2?"]  # the unanswerable row skipped
+    assert sorted(r["data_source"] for r in rows["test"]) == ["hotpotqa", "nq"]
+    paths = write(rows, tmp_path / "data" / "nq_hotpotqa")
+    assert pq.read_table(paths["train"]).column("golden_answers").to_pylist() == [["Paris"], ["a2"]]
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the spec's GPUs are a cluster's, not this machine's
+    page = (ROOT / "docs/gallery/deepsearch.md").read_text()
+    block = re.search(r"```yaml[^\n]*\n(data:\n.*?)```", page, re.DOTALL).group(1)
+    spec = yaml.safe_load((ROOT / "specs/deepsearch-qwen3-4b.yaml").read_text())
+    spec.update(yaml.safe_load(block))
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs/nq.yaml").write_text(yaml.safe_dump(spec))
+    (tmp_path / "prompts").symlink_to(ROOT / "prompts")
+    monkeypatch.chdir(tmp_path)
+    compiled, _ = compile_file(tmp_path / "specs/nq.yaml")
+    assert compiled.data.train.path == "data/nq_hotpotqa/train.parquet" and compiled.data.answer_key == "golden_answers"
+    assert compiled.tools["search"].args[-1] == "http://127.0.0.1:8000/retrieve"

@@ -296,6 +296,7 @@ def questions(n: int, seed: int = 0, split: str = "train") -> Iterator[dict[str,
 server = MCPServer("factory-search", log_level="WARNING")
 _index: Index | None = None
 _passage_chars = PASSAGE_CHARS  # --passage-chars: small models read shorter passages faster
+_retriever_url: str | None = None  # --retriever-url: a Search-R1 retrieval server instead of the local index
 
 
 def get_index() -> Index:
@@ -315,29 +316,62 @@ def get_index() -> Index:
                 "each with its article title.",
     structured_output=False,
 )
-def search(
+async def search(
     query: Annotated[str, Field(description="A short search query, e.g. a name or a few keywords.")],
     top_k: Annotated[int, Field(description="How many passages to return.", ge=1, le=MAX_TOP_K)] = 3,
 ) -> str:
     """The top passages as text; an isError result when the query has no searchable word or no match."""
-    found = get_index().search(query, top_k, _passage_chars)
+    if _retriever_url:
+        found = await retrieve(_retriever_url, query, top_k, _passage_chars)
+    else:
+        found = get_index().search(query, top_k, _passage_chars)  # BM25 in memory: milliseconds
     if not found:
         # ToolError keeps its message in the isError result, so the model learns to change its query.
         raise ToolError(f"no passage matches {query!r}; try other keywords")
     return found
 
 
+# ------------------------------------------------------------------------------ a remote retriever
+def retriever_passages(result: list[dict[str, Any]], passage_chars: int = PASSAGE_CHARS) -> str:
+    """The hits of one query from a Search-R1 retrieval server (`{"document": {"contents": '"Title"\\ntext'},
+    "score": ...}`, best first) as numbered passages, in the same format as the local index's."""
+    passages = []
+    for rank, hit in enumerate(result, start=1):
+        contents = str((hit.get("document") or hit).get("contents", ""))
+        title, _, text = contents.partition("\n")
+        article = {"title": title.strip().strip('"'), "description": "", "extract": " ".join(text.split())}
+        passages.append(format_passage(rank, article, passage_chars))
+    return "\n\n".join(passages)
+
+
+async def retrieve(url: str, query: str, top_k: int, passage_chars: int = PASSAGE_CHARS) -> str:
+    """Ask a Search-R1 retrieval server (`POST {queries, topk, return_scores}` -> `{result: [[hit]]}`; e.g.
+    the e5 retriever over the 2018 Wikipedia dump, docs/gallery/deepsearch.md) for one query's passages."""
+    import httpx2
+
+    async with httpx2.AsyncClient(timeout=30.0) as client:
+        response = await client.post(url, json={"queries": [query], "topk": top_k, "return_scores": True})
+    if response.status_code != 200:
+        raise RuntimeError(f"the retriever at {url} answered HTTP {response.status_code}")
+    return retriever_passages(response.json()["result"][0], passage_chars)
+
+
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passage-chars", type=int, default=PASSAGE_CHARS, metavar="N",
                         help=f"characters of each article's extract shown in a result (default {PASSAGE_CHARS})")
+    parser.add_argument("--retriever-url", metavar="URL", default=None,
+                        help="search a Search-R1 retrieval server (e.g. http://127.0.0.1:8000/retrieve) instead "
+                             "of the local Wikipedia snapshot")
 
 
 def _start(args: argparse.Namespace) -> None:
-    global _passage_chars
+    global _passage_chars, _retriever_url
     if args.passage_chars < 1:
         raise SystemExit("--passage-chars must be at least 1")
     _passage_chars = args.passage_chars
-    get_index()  # index before serving: the first call then answers in ms
+    _retriever_url = args.retriever_url
+    if not _retriever_url:
+        get_index()  # index before serving: the first call then answers in ms
 
 
 def main(argv: list[str] | None = None) -> None:
