@@ -1,0 +1,43 @@
+"""Multi-agent through MCP: a spec's agent served behind one `ask` tool (factory.examples.agent_server),
+used over stdio as another agent's tool; the inner agent's own tool calls really happen."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from factory.examples.agent_server import answer_text
+from factory.schema import StdioServer
+from factory.tools import ToolBox
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _traj(*turns):
+    return Trajectory(prompt_index=0, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=list(turns),
+                      stop_reason="no_call", row={})
+
+
+def test_answer_is_the_last_answer_tag_with_calls_listed_first():
+    call = Turn(text='<tool_call>{"name": "calculate"}</tool_call>', num_tokens=5,
+                calls=[ToolCall("calculate", {"expression": "2+2"}, raw="")],
+                results=[ToolResult(tool="calculate", text="4\n")])
+    traj = _traj(call, Turn(text="So <answer> 4 </answer>", num_tokens=5))
+    assert answer_text(traj) == "4"
+    assert answer_text(traj, show_calls=True) == 'calculate({"expression": "2+2"}) -> 4\n4'
+    assert answer_text(_traj(Turn(text=" no tag ", num_tokens=2))) == "no tag"  # no tag: the last turn's text
+
+
+@pytest.mark.anyio
+async def test_the_inner_agent_calls_its_own_tools_behind_ask():
+    # The inner agent is specs/tiny.yaml: the tiny Qwen3 warmed up to call the calculator server.
+    server = StdioServer(command="python", args=["-m", "factory.examples.agent_server", "specs/tiny.yaml",
+                                                 "--show-calls"], cwd=str(ROOT), timeout_s=120)
+    async with ToolBox.from_spec({"agent": server}, base_dir=ROOT) as box:
+        assert [s["function"]["name"] for s in box.schemas()] == ["ask"]
+        result = await box.call(ToolCall("ask", {"question": "What is 12 + 30?"}, raw=""))
+    assert result.status == "ok", result.text
+    # A line per inner call, answered by the real calculator server (a number, or its error message).
+    assert re.match(r'calculate\(\{"expression": ".*"\}\) -> \S', result.text), result.text
