@@ -74,6 +74,10 @@ def test_exact_match_normalises_like_squad():
     assert qa.exact_match("", "<answer>Paris</answer>", answer=["Lyon", "paris"]) == 1.0  # any accepted answer
     # an answer inside a tool response is not the model's
     assert qa.exact_match("", "<tool_response><answer>Bronze</answer></tool_response>", answer="Bronze") == 0.0
+    from factory.types import Turn
+
+    turns = [Turn(text="<answer>Brass</answer>", num_tokens=3)]  # the model's own turns decide, whatever the text
+    assert qa.exact_match("", "<answer>Bronze</answer>", answer="Bronze", turns=turns) == 0.0
 
 
 def test_f1_gives_partial_credit():

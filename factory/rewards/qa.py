@@ -1,6 +1,6 @@
 """Answer-checking rewards for open questions (search, trivia): SQuAD's exact match and token F1.
 
-The answer is the text of the model's last <answer></answer> tag, outside tool responses; both it and
+The answer is the text of the model's last <answer></answer> tag in its own turns (never a tool's text); both it and
 the ground truth are normalised the way SQuAD and Search-R1 score them (lower case, punctuation and the
 articles a/an/the dropped, whitespace collapsed), so "The Bronze." matches "Bronze".
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from collections.abc import Sequence
 
 from factory.rewards.math import extract_answer
+from factory.types import Turn
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -27,9 +29,10 @@ def _answers(answer: str | list[str]) -> list[str]:
     return [str(a) for a in answer] if isinstance(answer, (list, tuple)) else [str(answer)]
 
 
-def exact_match(prompt: str, completion: str, answer: str | list[str] = "", **_: object) -> float:
+def exact_match(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+                **_: object) -> float:
     """1.0 when the normalised <answer> text equals a normalised ground truth, else 0.0 (no tag: 0.0)."""
-    got = extract_answer(completion)
+    got = extract_answer(completion, turns)
     if got is None:
         return 0.0
     return float(any(normalize_answer(got) == normalize_answer(a) for a in _answers(answer)))
@@ -45,10 +48,11 @@ def token_f1(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def f1(prompt: str, completion: str, answer: str | list[str] = "", **_: object) -> float:
+def f1(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+       **_: object) -> float:
     """Token F1 of the <answer> text against the best ground truth (no tag: 0.0): partial credit for
     'Mercury planet' against 'Mercury'."""
-    got = extract_answer(completion)
+    got = extract_answer(completion, turns)
     if got is None:
         return 0.0
     return max(token_f1(got, a) for a in _answers(answer))
