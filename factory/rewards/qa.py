@@ -56,3 +56,9 @@ def f1(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequen
     if got is None:
         return 0.0
     return max(token_f1(got, a) for a in _answers(answer))
+
+
+def answered(prompt: str, completion: str, turns: Sequence[Turn] | None = None, **_: object) -> float:
+    """1.0 when the model wrote an <answer> tag in its own turns. Meant as a gate (judge only what has an
+    answer to judge), not as a bonus: a bonus for the tag alone is learned as a shortcut."""
+    return float(extract_answer(completion, turns) is not None)
