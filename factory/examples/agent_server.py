@@ -11,17 +11,20 @@ loop as training) and answers with the text of the agent's `<answer>` tag, or it
 none. With `--show-calls` the answer is preceded by the agent's tool calls and their results, one line
 each (`calc.calculate({"expression": "2+2"}) -> 4`).
 
-The model is loaded and the agent's tool servers are started before the server answers its first request
-(give the outer spec's entry a start-up allowance accordingly); calls are answered one episode at a time.
+The server answers `initialize` at once and loads the model and starts the agent's tool servers in the
+background (a client's start-up timeout never waits on a model load); the first `ask` waits for them, and
+a failed load is that call's error. Calls are answered one episode at a time.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
 import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,14 +39,27 @@ _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
 
 
 class Agent:
-    """One spec's agent, run in this process: the rollout stage (engine + chat format + tools) and the
-    spec's prompt renderer."""
+    """One spec's agent, run in this process on an event loop of its own in a thread: the rollout stage
+    (engine + chat format + tools) and the spec's prompt renderer.
+
+    Why a thread: loading the model and generating are long blocking calls; on the MCP server's loop they
+    would keep it from answering `initialize` (a client's start-up timeout) and pings. The agent's tool
+    servers are MCP sessions bound to the loop that opens them, so they live on the agent's loop too."""
 
     def __init__(self, spec_path: str, model: str | None = None, show_calls: bool = False):
         self.spec_path, self.model, self.show_calls = spec_path, model, show_calls
-        self._lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started: concurrent.futures.Future[None] | None = None
 
-    async def start(self) -> None:
+    def begin(self) -> None:
+        """Start the agent's loop and begin loading on it; returns at once."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agent", daemon=True)
+        self._thread.start()
+        self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+
+    async def _start(self) -> None:
         from factory.assets import resolve_model
         from factory.compiler.compile import compile_file
         from factory.data.sources import PromptRenderer
@@ -51,13 +67,13 @@ class Agent:
 
         overrides = [f"model.path={self.model}"] if self.model else []
         spec, plan = compile_file(self.spec_path, overrides)
-        self.spec = spec
         self.renderer = PromptRenderer(spec.data, Path(plan.base_dir))
         self.stage = RolloutStage(spec, resolve_model(spec.model.path), base_dir=str(plan.base_dir),
                                   workdir=os.getcwd())
+        self._lock = asyncio.Lock()  # on the agent's loop
         await self.stage.setup()
 
-    async def ask(self, question: str) -> str:
+    async def _episode(self, question: str) -> str:
         from factory.data.sources import to_table
 
         async with self._lock:  # one episode at a time: the engine batches within a call, not across
@@ -65,8 +81,25 @@ class Agent:
                                                  greedy=True)
         return answer_text(trajs[0], self.show_calls)
 
+    async def ask(self, question: str) -> str:
+        """The agent's answer; the first call waits for the load (a failed load is its error)."""
+        assert self._started is not None and self._loop is not None, "begin() first"
+        # shield: a call that times out while the model loads must not cancel the load
+        await asyncio.shield(asyncio.wrap_future(self._started))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._episode(question), self._loop))
+
     async def close(self) -> None:
-        await self.stage.close()
+        if self._started is None or self._loop is None or self._thread is None:
+            return
+        self._started.cancel()  # a load still under way stops at its next await
+        try:
+            await asyncio.wrap_future(self._started)
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.stage.close(), self._loop))
+        except (Exception, concurrent.futures.CancelledError):
+            pass  # the load failed (its calls said why) or was cancelled: nothing of it to close
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            await asyncio.to_thread(self._thread.join, 30)
 
 
 def answer_text(traj: Any, show_calls: bool = False) -> str:
@@ -89,10 +122,8 @@ _agent: Agent | None = None
 
 @contextlib.asynccontextmanager
 async def _lifespan(_server: Any) -> AsyncIterator[None]:
-    # The agent's tool servers are MCP sessions bound to the event loop that opens them: they start here,
-    # on the server's own loop, before the first request is read.
     if _agent is not None:
-        await _agent.start()
+        _agent.begin()  # loads in the background, on the agent's own loop
     try:
         yield
     finally:
