@@ -1,4 +1,4 @@
-"""The `factory` command: run, check, plan, runs, diff, ui, export, schema, init.
+"""The `factory` command: run, check, plan, rescore, runs, diff, ui, export, schema, init.
 
 Exit codes: 0 success; 2 the spec (or the command line, the data or a run it names) is wrong, with
 every problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1
@@ -65,6 +65,12 @@ def _export(args: argparse.Namespace) -> int:
     return export_main(args)
 
 
+def _rescore(args: argparse.Namespace) -> int:
+    from factory.rescore import main as rescore_main
+
+    return rescore_main(args)
+
+
 def _diff(args: argparse.Namespace) -> int:
     from factory.diff import main as diff_main
 
@@ -120,6 +126,15 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(text: str) -> set[int]:
+    from factory.rescore import parse_steps
+
+    try:
+        return parse_steps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="factory",
@@ -164,6 +179,19 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
     e.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     e.set_defaults(func=_export)
+
+    rs = sub.add_parser("rescore", help="score a finished run's saved trajectories again with a changed reward "
+                                        "graph (no new rollouts), as a new MLflow run",
+                        description="score a finished run's saved trajectories again with another spec's reward "
+                                    "graph, without new rollouts; logs a new MLflow run tagged factory.rescore_of")
+    rs.add_argument("run", metavar="RUN", help="MLflow run id of the finished run")
+    rs.add_argument("--spec", required=True, metavar="SPEC", help="the spec whose reward graph scores the run")
+    rs.add_argument("--steps", default=None, type=_steps, metavar="STEPS",
+                    help="only these steps, e.g. 1,3-5 (default: all saved)")
+    rs.add_argument("--uri", default=None, help="MLflow tracking URI (default: the spec's, $MLFLOW_TRACKING_URI "
+                                                "or sqlite:///mlflow.db)")
+    rs.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dot-list overrides of the spec")
+    rs.set_defaults(func=_rescore)
 
     uri_help = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
     r = sub.add_parser("runs", help="list tracked runs: status, steps, final reward, eval metrics, duration",

@@ -112,16 +112,15 @@ def follow(ref: Any, rollouts: list[Any], display: Any, label: str) -> Any:
 def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str], display: Any,
              step: int) -> tuple[dict[str, float], list[Any]]:
     """Greedy, one sample per held-out prompt; `eval/<metric>` is the mean of that reward node."""
+    from factory.reward.graph import eval_metrics
+
     batch = ray.get(s.data.eval_batch.remote())
     if batch is None:
         return {}, []
     trajs, rollout_m = follow(s.rollout.generate.remote(batch, group_size=1, greedy=True), [s.rollout], display,
                               f"step {step} evaluation")
     trajs, reward_m = ray.get(s.reward.score.remote(trajs))
-    # The reward stage's means: the same missing-value rule as the trained reward (see RewardNode.on_missing)
-    out = {f"eval/{name}": reward_m[f"rewards/{node}/mean"] for name, node in metric_nodes.items()}
-    out["eval/reward"] = reward_m["reward/mean"]
-    out["eval/dropped"] = reward_m["reward/dropped"]
+    out = eval_metrics(reward_m, metric_nodes)  # the training reward's missing-value rule (on_missing)
     out["eval/num_turns"] = rollout_m["num_turns/mean"]
     out["eval/tool_calls"] = rollout_m["tool_calls/mean"]
     return out, trajs

@@ -450,8 +450,9 @@ class TrackingSpec(Section):
     """MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory."""
     tags: dict[str, str] = {}
     """Extra tags on the MLflow run."""
-    log_trajectories: int = 16
-    """Trajectories per step written to the run's trajectory table."""
+    log_trajectories: int | None = None
+    """Trajectories per step written to the run's trajectory table. None: all of them, so that `factory
+    rescore` can score every step again with a changed reward graph."""
 
 
 class StageResources(Section):

@@ -14,6 +14,7 @@ Only the driver process talks to MLflow.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -149,6 +150,11 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
             "infra_error": t.infra_error, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "loss_mask": t.loss_mask, "sampler_logprobs": t.sampler_logprobs,
+            # What `factory rescore` needs to score it again: the row, the structured turns (whole), and
+            # what the reward stage said about each node (judge replies, errors, drops).
+            "row": json.dumps(t.row, sort_keys=True, default=str), "truncated": t.truncated,
+            "turns": json.dumps([dataclasses.asdict(turn) for turn in t.turns], ensure_ascii=False),
+            "reward_details": json.dumps(t.reward_details, sort_keys=True, ensure_ascii=False), "dropped": t.dropped,
         })
     return rows
 

@@ -29,15 +29,16 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
+from factory.util import UserError
 from factory.util import import_path
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there
 
 
-class MissingReward(RuntimeError):
+class MissingReward(UserError, RuntimeError):
     """A node with `on_missing: fail` had no value: the run stops (the message names node, trajectory,
-    reason)."""
+    reason; the CLI shows it alone and exits 2)."""
 
 
 def node_inputs(node: Any) -> list[str]:
@@ -202,4 +203,13 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
             out[f"rewards/{name}/skipped"] = float(status.count("skipped"))
     out["reward/mean"] = _mean([t.reward for t in kept])
     out["reward/dropped"] = float(len(trajs) - len(kept))
+    return out
+
+
+def eval_metrics(metrics: dict[str, float], metric_nodes: dict[str, str]) -> dict[str, float]:
+    """An evaluation's `eval/*` metrics from `reward_metrics` of its trajectories: `eval/<name>` is the mean
+    of its node, `eval/reward` of the trained reward (the same missing-value rule as training)."""
+    out = {f"eval/{name}": metrics[f"rewards/{node}/mean"] for name, node in metric_nodes.items()}
+    out["eval/reward"] = metrics["reward/mean"]
+    out["eval/dropped"] = metrics["reward/dropped"]
     return out

@@ -52,7 +52,7 @@ class RewardStage:
     scored in several calls (group by group) unless `needs_whole_batch` -- and `await close()`."""
 
     def __init__(self, spec: Spec, *, base_dir: str | Path | None = None, workdir: str | None = None,
-                 max_workers: int = 64):
+                 max_workers: int = 256):
         self.nodes = dict(spec.rewards)
         self.train_node = training_node(spec)
         self.order = topological_order(self.nodes)

@@ -1,0 +1,204 @@
+"""`factory rescore RUN --spec NEW.yaml [--steps 1,3-5]`: score a finished run's saved trajectories again
+with another reward graph -- no new rollouts -- as a new MLflow run tagged `factory.rescore_of = RUN`.
+
+Every `factory run` saves each step's trajectories (`tracking.log_trajectories`, all by default) with what
+a reward needs: the prompt, the completion, the data row and the structured turns. Rescoring reads them
+back, evaluates the new spec's reward graph with the same reward stage (so judges, gates, `on_missing`
+and the metrics are exactly those of a run), and logs the same per-node metrics at the same steps:
+`rewards/<node>/*` and `reward/mean` for training steps, `eval/<metric>` for evaluations. The new run's
+trajectory tables hold the re-scored trajectories, so it can be compared (`factory diff`) or rescored again.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from factory.plan import Plan
+from factory.reward.graph import eval_metrics
+from factory.schema import JudgeNode, Spec
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
+from factory.util import UserError
+
+SPLITS = {"train": "trajectories", "eval": "eval_trajectories"}  # split -> the run's artifact folder
+_STEP_FILE = re.compile(r"step_(\d+)\.parquet$")
+
+
+class RescoreError(UserError):
+    """The run cannot be rescored as asked (no such run, no saved trajectories, steps not saved)."""
+
+
+@dataclass
+class Rescored:
+    run_id: str  # the new MLflow run
+    rescore_of: str
+    metrics: dict[tuple[str, int], dict[str, float]]  # (split, step) -> the new run's metrics
+    notes: list[str]  # what the user should know (steps saved only in part)
+
+
+# ------------------------------------------------------------------------------- records -> trajectories
+def trajectory_from_record(r: dict[str, Any]) -> Trajectory:
+    """A trajectory as `factory.tracking.trajectory_records` saved it (the inverse of that function)."""
+    turns = [Turn(text=t["text"], num_tokens=t["num_tokens"], calls=[ToolCall(**c) for c in t["calls"]],
+                  results=[ToolResult(**x) for x in t["results"]]) for t in json.loads(r["turns"])]
+    return Trajectory(prompt_index=r["prompt_index"], sample_index=r["sample_index"], prompt_ids=list(r["prompt_ids"]),
+                      response_ids=list(r["response_ids"]), loss_mask=list(r["loss_mask"]), turns=turns,
+                      stop_reason=r["stop_reason"], row=json.loads(r["row"]), messages=json.loads(r["prompt"]),
+                      completion=r["completion"], infra_error=r["infra_error"], truncated=r["truncated"])
+
+
+def parse_steps(text: str) -> set[int]:
+    """`1,3-5` -> {1, 3, 4, 5}; raises ValueError on anything else."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        found = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not found:
+            raise ValueError(f"not a step or a range of steps: '{part}'")
+        first, last = int(found[1]), int(found[2] or found[1])
+        if last < first:
+            raise ValueError(f"empty range of steps: '{part}'")
+        steps.update(range(first, last + 1))
+    return steps
+
+
+def _saved(client: Any, run_id: str, folder: str) -> dict[int, str]:
+    """step -> artifact path of the run's saved trajectory tables in `folder`."""
+    return {int(m[1]): f.path for f in client.list_artifacts(run_id, folder)
+            if (m := _STEP_FILE.search(f.path))}
+
+
+def _load(client: Any, run_id: str, steps: set[int] | None) -> dict[tuple[str, int], list[Trajectory]]:
+    import pyarrow.parquet as pq
+
+    found = {(split, step): path for split, folder in SPLITS.items()
+             for step, path in _saved(client, run_id, folder).items() if steps is None or step in steps}
+    if not found:
+        raise RescoreError(f"run {run_id} has no saved trajectories" + (
+            f" at steps {_shown(steps)}" if steps else ""))
+    if steps and (absent := steps - {step for _, step in found}):
+        raise RescoreError(f"run {run_id} saved no trajectories at steps {_shown(absent)}")
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] != "eval")):
+            table = pq.read_table(client.download_artifacts(run_id, path, tmp))
+            if "turns" not in table.column_names:
+                raise RescoreError(f"run {run_id} saved its trajectories without their data rows and turns (it "
+                                   "was made before `factory rescore` existed): it cannot be rescored")
+            out[key] = [trajectory_from_record(r) for r in table.to_pylist()]
+    return out
+
+
+def _shown(steps: set[int]) -> str:
+    return ", ".join(str(s) for s in sorted(steps))
+
+
+# ------------------------------------------------------------------------------------------- scoring
+async def _score_all(stage: Any, batches: dict[tuple[str, int], list[Trajectory]]) -> dict[tuple[str, int], dict]:
+    await stage.setup()
+    try:
+        return {key: (await stage.score(trajs))[1] for key, trajs in batches.items()}
+    finally:
+        await stage.close()
+
+
+def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
+    """Score run `run_id`'s saved trajectories with `spec`'s reward graph and log a new MLflow run."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from factory.reward import RewardStage
+    from factory.tracking import Tracker
+
+    client = MlflowClient(uri)
+    try:
+        old = client.get_run(run_id)
+    except MlflowException:
+        raise RescoreError(f"no run '{run_id}' in {uri}") from None
+    batches = _load(client, run_id, steps)
+    notes = []
+    per_step = _int(old.data.params.get("train.prompts_per_step")) * _int(old.data.params.get("rollout.group_size"))
+    for (split, step), trajs in batches.items():
+        if split == "train" and per_step and len(trajs) < per_step:
+            notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (tracking.log_trajectories); "
+                         "its metrics cover those")
+
+    local_judges = any(isinstance(n, JudgeNode) and n.local is not None for n in spec.rewards.values())
+    if local_judges:  # a local judge is a Ray actor of its own
+        from factory.driver import start_ray
+
+        start_ray(spec)
+    try:
+        stage = RewardStage(spec, base_dir=plan.base_dir, workdir=os.getcwd())
+        scored = asyncio.run(_score_all(stage, batches))
+    finally:
+        if local_judges:
+            import ray
+
+            ray.shutdown()
+
+    metrics: dict[tuple[str, int], dict[str, float]] = {}
+    for (split, step), m in scored.items():
+        metrics[(split, step)] = (m if split == "train" else eval_metrics(m, plan.metrics))
+
+    from factory.compiler.compile import plan_json
+
+    tracker = Tracker(uri, client.get_experiment(old.info.experiment_id).name)
+    tags = {"factory.rescore_of": run_id, "factory.spec_hash": plan.hashes["spec"],
+            "factory.run_hash": plan.hashes["run"], "factory.rescored_steps": _shown({s for _, s in batches}),
+            **spec.tracking.tags}
+    tracker.start(f"{spec.name}-rescore", plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+    try:
+        for (split, step), trajs in batches.items():
+            tracker.log_metrics(metrics[(split, step)], step=step)
+            tracker.log_trajectories(trajs, step, name=SPLITS[split])
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    tracker.end("FINISHED")
+    assert tracker.run_id is not None
+    return Rescored(tracker.run_id, run_id, metrics, notes)
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+# -------------------------------------------------------------------------------------------- command
+def main(args: Any) -> int:
+    """`factory rescore`: compile the new spec, rescore, print old -> new per step."""
+    from mlflow.tracking import MlflowClient
+    from rich.console import Console
+    from rich.table import Table
+
+    from factory.compiler.compile import compile_file
+    from factory.tracking import tracking_uri
+
+    spec, plan = compile_file(args.spec, args.overrides)
+    uri = args.uri or tracking_uri(spec.tracking.uri)
+    result = rescore(args.run, spec, plan, uri=uri, steps=args.steps)
+    client = MlflowClient(uri)
+    console = Console()
+    table = Table(title=f"run {args.run} rescored with {args.spec}")
+    for column in ("step", "metric", "before", "after"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
+            before = _history(client, args.run, key, step)
+            table.add_row(str(step), key, "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
+    console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(f"MLflow run {result.run_id} (factory.rescore_of = {args.run}) in {uri}")
+    return 0
+
+
+def _history(client: Any, run_id: str, key: str, step: int) -> float | None:
+    values = [m.value for m in client.get_metric_history(run_id, key) if m.step == step]
+    return values[-1] if values else None

@@ -1,0 +1,31 @@
+"""`factory rescore`'s pieces: saved trajectory records read back whole, and the --steps syntax."""
+import pyarrow as pa
+import pytest
+
+from factory.rescore import parse_steps, trajectory_from_record
+from factory.tracking import trajectory_records
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
+
+
+def test_a_saved_trajectory_reads_back_whole():
+    t = Trajectory(prompt_index=3, sample_index=1, prompt_ids=[1, 2], response_ids=[5, 6, 7, 8], loss_mask=[1, 1, 0, 1],
+                   turns=[Turn(text='<tool_call>{"name": "add"}</tool_call>', num_tokens=2,
+                               calls=[ToolCall(name="add", arguments={"a": [1, 2]}, raw='{"name": "add"}')],
+                               results=[ToolResult(tool="add", text="3", status="ok", latency_s=0.5)]),
+                          Turn(text="<answer>3</answer>", num_tokens=1,
+                               calls=[ToolCall(name="?", arguments=None, raw="{", parse_error="invalid JSON")])],
+                   stop_reason="max_turns", row={"answer": "3", "question": "1 + 2", "level": 2},
+                   messages=[{"role": "user", "content": "1 + 2"}], completion="...", rewards={"a": 1.0, "b": None},
+                   reward=1.0, reward_details={"b": {"status": "skipped"}}, infra_error=True, truncated=True)
+    # through a parquet table and back, as MLflow stores it
+    (record,) = pa.Table.from_pylist(trajectory_records([t], step=4)).to_pylist()
+    back = trajectory_from_record(record)
+    t.rewards, t.reward, t.reward_details = {}, 0.0, {}  # a rescore starts from the episode, not its old scores
+    assert back == t
+
+
+def test_steps_syntax():
+    assert parse_steps("1,3-5, 9") == {1, 3, 4, 5, 9}
+    for bad in ("1,,2", "5-3", "x"):
+        with pytest.raises(ValueError):
+            parse_steps(bad)
