@@ -10,8 +10,8 @@ still overlap -- what the stage did before nodes ran concurrently), the times su
 for async reward functions (on the event loop) and for plain blocking ones (in the stage's thread pool).
 
 Each time is the median of 3 `score` calls after an untimed one (the stage's thread pool is then up, as
-in every step of a run after the first). Prints a table, then as its last line JSON with `parallel_ratio` (serial time / Factory time, plain
-functions: the common case), `parallel_ratio_async`, and the times.
+in every step of a run after the first). Prints a table, then as its last line JSON with `parallel_ratio`
+(serial time / Factory time, plain functions: the common case), `parallel_ratio_async`, and the times.
 """
 from __future__ import annotations
 

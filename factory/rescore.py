@@ -123,8 +123,8 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     per_step = _int(old.data.params.get("train.prompts_per_step")) * _int(old.data.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
         if split == "train" and per_step and len(trajs) < per_step:
-            notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (tracking.log_trajectories); "
-                         "its metrics cover those")
+            notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved "
+                         "(tracking.log_trajectories); its metrics cover those")
 
     local_judges = any(isinstance(n, JudgeNode) and n.local is not None for n in spec.rewards.values())
     if local_judges:  # a local judge is a Ray actor of its own
