@@ -107,6 +107,9 @@ def takes_scale(prompt, completion, scale=1.0, **row):
 
 def group(prompts, completions, rows):
     return [0.0] * len(completions)
+
+def group_turns(prompts, completions, rows, turns):
+    return [0.0] * len(completions)
 """)
     path = project.spec(_base(project, "rc_sigbase") + """\
   a: {fn: "rc_sig:one_arg"}
@@ -116,8 +119,10 @@ def group(prompts, completions, rows):
   e: {fn: "rc_sig:needs_column", args: {weight: 2.0}}
   f: {fn: "rc_sig:group", group: true}
   g: {fn: "rc_sig:one_arg", group: true}
+  h: {fn: "rc_sig:group_turns", group: true}
 """)
-    # b takes its `answer` from the row by name; d binds `scale`; f is a proper group reward.
+    # b takes its `answer` from the row by name; d binds `scale`; f and h (which gets `turns`) are proper
+    # group rewards.
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.fn: rc_sig:one_arg(completion) cannot be called as f(prompt, completion, **row): "
         "too many positional arguments\n"

@@ -184,9 +184,14 @@ def test_turns_reach_only_functions_that_declare_them():
 
 
 def test_group_reward_gets_each_group():
-    spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True}})
-    trajs, _ = score(spec, [traj("aaa", 0, 0), traj("a", 0, 1), traj("bb", 1, 0), traj("b", 1, 1)])
+    call = Turn(text="", num_tokens=1, calls=[ToolCall(name="add", arguments={}, raw="")])
+    spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True},
+                      "calls": {"fn": f"{FNS}:group_calls", "group": True},
+                      "total": {"sum": {"rank": 1.0, "calls": 1.0}}})
+    trajs, _ = score(spec, [traj("aaa", 0, 0, turns=[call, call]), traj("a", 0, 1), traj("bb", 1, 0),
+                            traj("b", 1, 1, turns=[call])])
     assert [t.rewards["rank"] for t in trajs] == [1.0, 0.0, 1.0, 0.0]
+    assert [t.rewards["calls"] for t in trajs] == [1.0, -1.0, -0.5, 0.5]  # calls minus the group's mean
 
 
 def test_topological_order():

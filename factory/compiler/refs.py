@@ -119,9 +119,14 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
 
 def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool) -> str | None:
     """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
-    completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword."""
+    completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword, and `turns`
+    when it declares it."""
     if group:
-        return _bind_problem(fn, ref, ("prompts", "completions", "rows"), args,
+        try:
+            turns = {"turns": []} if "turns" in inspect.signature(fn).parameters else {}
+        except (TypeError, ValueError):
+            turns = {}
+        return _bind_problem(fn, ref, ("prompts", "completions", "rows"), {**turns, **args},
                              "f(prompts, completions, rows)", row_keywords=False)
     return _bind_problem(fn, ref, ("prompt", "completion"), args, "f(prompt, completion, **row)",
                          row_keywords=True)

@@ -70,13 +70,15 @@ class RewardStage:
         enter_workdir(self._workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
         self._fns: dict[str, tuple[Callable[..., Any], bool]] = {}  # node -> (function, wants `turns`)
-        self._templates: dict[str, Any] = {}
+        self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
         self._judge_actors: dict[str, Any] = {}
         env = template_env()
         for name, node in self.nodes.items():
             if isinstance(node, FnNode):
                 fn = import_path(node.fn)
                 self._fns[name] = (functools.partial(fn, **node.args), _takes_turns(fn))
+            elif isinstance(node, ToolNode):
+                self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
                 self._templates[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
                 if node.local is not None:
@@ -249,7 +251,7 @@ class _Evaluation:
                 return await self._fn(name, i)
             if isinstance(node, JudgeNode):
                 return await self._judge(name, node, i)
-            return await self._tool(node, i)
+            return await self._tool(name, node, i)
         finally:
             first, _ = self.spans.get(name, (start, start))
             self.spans[name] = (min(first, start), time.perf_counter())
@@ -293,16 +295,18 @@ class _Evaluation:
         except ValueError as e:
             return _Outcome(None, "parse_failure", {"reply": reply, "error": str(e)})
 
-    async def _tool(self, node: ToolNode, i: int) -> _Outcome:
+    async def _tool(self, name: str, node: ToolNode, i: int) -> _Outcome:
         from factory.tools.toolbox import qualified_name
 
         t = self.trajs[i]
-        env = template_env()
         ctx = {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion}
         server, _, tool = node.tool.partition(".")
+        try:
+            arguments = {k: template.render(ctx) for k, template in self.s._templates[name].items()}
+        except Exception as e:  # a template that reads a column the row lacks
+            return _Outcome(None, "error", {"error": f"tool arguments: {type(e).__name__}: {e}"})
         # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key)
-        call = ToolCall(name=qualified_name(server, tool) if tool else server, raw="",
-                        arguments={k: env.from_string(v).render(**ctx) for k, v in node.arguments.items()})
+        call = ToolCall(name=qualified_name(server, tool) if tool else server, raw="", arguments=arguments)
         try:
             result = await self.s._toolbox.call(call)
         except Exception as e:
