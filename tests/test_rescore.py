@@ -29,3 +29,17 @@ def test_steps_syntax():
     for bad in ("1,,2", "5-3", "x"):
         with pytest.raises(ValueError):
             parse_steps(bad)
+
+
+def test_a_run_stopped_by_on_missing_fail_says_why_in_one_line(monkeypatch, capsys):
+    from factory import cli
+    from factory.reward import MissingReward
+
+    def stopped(args):
+        raise MissingReward("reward node 'judge' has no value for trajectory 3.1 and its on_missing is 'fail': "
+                            "parse_failure: the reply does not match `parse`")
+
+    monkeypatch.setattr(cli, "_run", stopped)
+    assert cli.main(["run", "spec.yaml"]) == 1
+    assert capsys.readouterr().err == ("factory: reward node 'judge' has no value for trajectory 3.1 and its "
+                                       "on_missing is 'fail': parse_failure: the reply does not match `parse`\n")
