@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OLD_WEIGHT, NEW_WEIGHT = 0.1, 0.6  # well_formed's weight in `total`, before and after
+OLD_WEIGHT, NEW_WEIGHT = 0.1, 0.6  # the weight of `clean` (or `tried`) in `total`, before and after
 
 SPEC = """\
 name: mine
@@ -52,7 +52,7 @@ def user_run(tmp_path_factory):
     project = tmp_path_factory.mktemp("user-project")
     assert not project.resolve().is_relative_to(REPO)
     python, rewards = readme_recipe()
-    assert f"well_formed: {OLD_WEIGHT}" in rewards
+    assert f"clean: {OLD_WEIGHT}," in rewards and f"tried: {OLD_WEIGHT}}}" in rewards
     (project / "rewards").mkdir()
     (project / "rewards" / "__init__.py").write_text("")
     (project / "rewards" / "math.py").write_text(python)
@@ -60,8 +60,6 @@ def user_run(tmp_path_factory):
     (project / "prompts" / "question.jinja").write_text("{{ question }}")
     (project / "specs").mkdir()
     (project / "specs" / "run.yaml").write_text(SPEC.format(rewards=rewards.rstrip()))
-    (project / "specs" / "rescore.yaml").write_text(
-        SPEC.format(rewards=rewards.rstrip().replace(f"well_formed: {OLD_WEIGHT}", f"well_formed: {NEW_WEIGHT}")))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH", "FACTORY_DEBUG")}
     env["MLFLOW_TRACKING_URI"] = f"sqlite:///{project}/mlflow.db"
     checked = factory("check", "specs/run.yaml", cwd=project, env=env)
@@ -72,7 +70,7 @@ def user_run(tmp_path_factory):
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     (run,) = client.search_runs([client.get_experiment_by_name("mine").experiment_id])
-    return project, env, client, run, checked
+    return project, env, client, run, checked, rewards
 
 
 def _metric(client, run_id: str, key: str, step: int) -> float:
@@ -81,43 +79,60 @@ def _metric(client, run_id: str, key: str, step: int) -> float:
 
 
 def test_user_project_checks_and_runs_with_its_own_and_builtin_rewards(user_run):
-    project, _, client, run, checked = user_run
-    assert "  rewards    mine, clean, well_formed -> total (trains the policy)" in checked.stdout
+    project, _, client, run, checked, _ = user_run
+    assert "  rewards    mine, clean, tried -> total (trains the policy)" in checked.stdout
     # its own rewards.math and Factory's factory.rewards.math were both imported and scored every trajectory
     hashed = client.download_artifacts(run.info.run_id, "plan.json", str(project))
     assert '"rewards/math.py"' in Path(hashed).read_text()  # the project's file, hashed as part of the run
-    for node in ("mine", "clean", "well_formed"):
+    for node in ("mine", "clean", "tried"):
         assert _metric(client, run.info.run_id, f"rewards/{node}/errors", 1) == 0.0, node
     assert run.data.tags["mlflow.runName"] == "mine" and run.info.status == "FINISHED"
 
 
-def test_rescore_moves_the_reward_by_exactly_the_changed_weight(user_run):
-    project, env, client, run, _ = user_run
-    out = factory("rescore", run.info.run_id, "--spec", "specs/rescore.yaml", cwd=project, env=env)
+def _eval_mean(client, run_id: str, node: str, step: int, folder: Path) -> float:
+    """The mean of a node over a run's saved evaluation at `step` (every trajectory: on_missing is zero)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    path = client.download_artifacts(run_id, f"eval_trajectories/step_{step:05d}.parquet", str(folder))
+    values = [json.loads(r)[node] for r in pq.read_table(path).column("rewards").to_pylist()]
+    return sum(values) / len(values)
+
+
+def test_rescore_moves_the_reward_by_exactly_the_changed_weight(user_run, tmp_path):
+    project, env, client, run, _, rewards = user_run
+    old_id = run.info.run_id
+    # Change the weight of a node that is not 0 everywhere, or the test would prove nothing. One of the two
+    # is not: a trajectory without tool calls has no failed call (clean = 1), one with calls tried (tried = 1).
+    node = "clean" if _metric(client, old_id, "rewards/clean/mean", 1) > 0 else "tried"
+    mean = _metric(client, old_id, f"rewards/{node}/mean", 1)
+    assert mean > 0
+    changed = rewards.rstrip().replace(f"{node}: {OLD_WEIGHT}", f"{node}: {NEW_WEIGHT}")
+    assert changed.count(str(NEW_WEIGHT)) == 1  # one weight, nothing else, changed
+    (project / "specs" / "rescore.yaml").write_text(SPEC.format(rewards=changed))
+    out = factory("rescore", old_id, "--spec", "specs/rescore.yaml", cwd=project, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
-    runs = client.search_runs([run.info.experiment_id], f"tags.`factory.rescore_of` = '{run.info.run_id}'")
-    (new,) = runs
-    assert new.info.run_id in out.stdout and new.data.tags["factory.rescored_steps"] == "0, 1"
-    old_id, new_id = run.info.run_id, new.info.run_id
-    well_formed = _metric(client, old_id, "rewards/well_formed/mean", 1)
-    assert well_formed > 0, "the warmed-up tiny model made no well-formed call: nothing to move"
-    # Only well_formed's weight changed: total = mine + 0.1 clean + w well_formed, so the mean moves by
-    # (0.6 - 0.1) x mean(well_formed), and every node's own mean stays put.
+    (new,) = client.search_runs([run.info.experiment_id], f"tags.`factory.rescore_of` = '{old_id}'")
+    new_id = new.info.run_id
+    assert new_id in out.stdout and new.data.tags["factory.rescored_steps"] == "0, 1"
+    # total = mine + w_clean clean + w_tried tried: the mean moves by (0.6 - 0.1) x mean(node) and every
+    # node's own mean stays put.
     moved = _metric(client, new_id, "reward/mean", 1) - _metric(client, old_id, "reward/mean", 1)
-    assert moved == pytest.approx((NEW_WEIGHT - OLD_WEIGHT) * well_formed, abs=1e-9)
-    for node in ("mine", "clean", "well_formed"):
-        key = f"rewards/{node}/mean"
+    assert moved == pytest.approx((NEW_WEIGHT - OLD_WEIGHT) * mean, abs=1e-9)
+    for name in ("mine", "clean", "tried"):
+        key = f"rewards/{name}/mean"
         assert _metric(client, new_id, key, 1) == pytest.approx(_metric(client, old_id, key, 1), abs=1e-12), key
     # Evaluations (steps 0 and 1) are rescored too, under the same rule.
     for step in (0, 1):
         moved = _metric(client, new_id, "eval/reward", step) - _metric(client, old_id, "eval/reward", step)
-        fmt = _metric(client, old_id, "eval/format", step)
-        assert moved == pytest.approx((NEW_WEIGHT - OLD_WEIGHT) * fmt, abs=1e-9)
+        assert moved == pytest.approx((NEW_WEIGHT - OLD_WEIGHT) * _eval_mean(client, old_id, node, step, tmp_path),
+                                      abs=1e-9)
         assert _metric(client, new_id, "eval/accuracy", step) == _metric(client, old_id, "eval/accuracy", step)
 
 
 def test_rescore_refuses_steps_that_were_not_saved(user_run):
-    project, env, _, run, _ = user_run
-    out = factory("rescore", run.info.run_id, "--spec", "specs/rescore.yaml", "--steps", "1,5-6", cwd=project, env=env)
+    project, env, _, run, _, _ = user_run
+    out = factory("rescore", run.info.run_id, "--spec", "specs/run.yaml", "--steps", "1,5-6", cwd=project, env=env)
     assert out.returncode == 2
     assert out.stderr == f"factory: run {run.info.run_id} saved no trajectories at steps 5, 6\n"
