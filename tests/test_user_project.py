@@ -36,8 +36,8 @@ resources: {{object_store_gb: 0.5}}
 def readme_recipe() -> tuple[str, str]:
     """The python and YAML blocks of the README's "Your own reward" section."""
     section = (REPO / "README.md").read_text().split("## Your own reward", 1)[1].split("\n## ", 1)[0]
-    (python,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    (yaml,) = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    (python,) = re.findall(r"```python[^\n]*\n(.*?)```", section, re.DOTALL)
+    (yaml,) = re.findall(r"```yaml[^\n]*\n(.*?)```", section, re.DOTALL)
     return python, yaml
 
 

@@ -194,19 +194,25 @@ def _check_devices(spec: Spec, r: _Report) -> None:
     if spec.resources.ray_address or os.environ.get("RAY_ADDRESS"):
         return
     res = spec.resources
-    for name in ("rollout", "update", "reward"):
-        want = getattr(res, name).num_gpus
+    reservations = [(f"resources.{name}", getattr(res, name)) for name in ("rollout", "update", "reward")]
+    reservations += [(f"rewards.{name}.local", node.local) for name, node in spec.rewards.items()
+                     if isinstance(node, JudgeNode) and node.local is not None]  # a local judge's own actor
+    for path, stage in reservations:
+        want = stage.num_gpus
         if want > 0 and len(cuda_devices()) < want:
             have = len(cuda_devices())
             found = f"only {have} CUDA device{'s' if have != 1 else ''}" if have else "no CUDA device (no NVIDIA driver)"
-            r.error(f"resources.{name}.num_gpus",
+            r.error(f"{path}.num_gpus",
                     f"{want:g} GPU{'s' if want != 1 else ''} reserved but this machine has {found}; set "
-                    f"resources.{name}.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
+                    f"{path}.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
                     "GPUs (resources.ray_address or $RAY_ADDRESS)")
     if warning := half_precision_warning(stage_device(res.rollout.num_gpus), spec.rollout.dtype):
         r.warn("rollout.dtype", warning)  # (auto is not a dtype: it never warns, it picks float32 there)
     if warning := half_precision_warning(stage_device(res.update.num_gpus), spec.model.dtype):
         r.warn("model.dtype", warning)
+    for path, stage in reservations[3:]:
+        if warning := half_precision_warning(stage_device(stage.num_gpus), stage.dtype):
+            r.warn(f"{path}.dtype", warning)
 
 
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:

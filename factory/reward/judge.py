@@ -150,12 +150,14 @@ class JudgeModel:
 
 def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) -> Any:
     """The judge's generation engine, made as the rollout makes its own (factory.rollout.engine)."""
-    from factory.device import stage_device
+    from factory.device import auto_dtype, stage_device
     from factory.rollout.engine import make_engine
     from factory.schema import RolloutSpec
 
-    return make_engine(RolloutSpec(engine=cfg.engine), path, device=stage_device(cfg.num_gpus), dtype=cfg.dtype,
-                       seed=seed, stop_token_ids=stop_token_ids)
+    device = stage_device(cfg.num_gpus)
+    dtype = auto_dtype(device, want_bf16=True) if cfg.dtype == "auto" else cfg.dtype
+    return make_engine(RolloutSpec(engine=cfg.engine), path, device=device, dtype=dtype, seed=seed,
+                       stop_token_ids=stop_token_ids)
 
 
 def start_judge_actor(node: JudgeNode, *, seed: int = 0) -> Any:
