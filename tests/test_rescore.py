@@ -32,6 +32,7 @@ def test_steps_syntax():
 
 
 def test_a_run_stopped_by_on_missing_fail_says_why_in_one_line(monkeypatch, capsys):
+    """Exit 2, as for bad input: the spec asked the run to stop on a missing value."""
     from factory import cli
     from factory.reward import MissingReward
 
@@ -40,6 +41,6 @@ def test_a_run_stopped_by_on_missing_fail_says_why_in_one_line(monkeypatch, caps
                             "parse_failure: the reply does not match `parse`")
 
     monkeypatch.setattr(cli, "_run", stopped)
-    assert cli.main(["run", "spec.yaml"]) == 1
+    assert cli.main(["run", "spec.yaml"]) == 2
     assert capsys.readouterr().err == ("factory: reward node 'judge' has no value for trajectory 3.1 and its "
                                        "on_missing is 'fail': parse_failure: the reply does not match `parse`\n")
