@@ -192,7 +192,7 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
                 m.update(after)
                 tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
             tracker.log_metrics(m, step=step)
-            tracker.log_trajectories(trajs[:traces], step)
+            tracker.log_trajectories(trajs, step, traces=traces)  # the table keeps all: `factory rescore` reads it
             display.step(step, m)
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
             if stopping or step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):

@@ -1,8 +1,7 @@
 """`factory rescore RUN --spec NEW.yaml [--steps 1,3-5]`: score a finished run's saved trajectories again
 with another reward graph -- no new rollouts -- as a new MLflow run tagged `factory.rescore_of = RUN`.
 
-Every `factory run` saves each step's trajectories (`tracking.log_trajectories`, all by default) with what
-a reward needs: the prompt, the completion, the data row and the structured turns. Rescoring reads them
+Every `factory run` saves all of each step's trajectories in the step's table, with what a reward needs: the prompt, the completion, the data row and the structured turns. Rescoring reads them
 back, evaluates the new spec's reward graph with the same reward stage (so judges, gates, `on_missing`
 and the metrics are exactly those of a run), and logs the same per-node metrics at the same steps:
 `rewards/<node>/*` and `reward/mean` for training steps, `eval/<metric>` for evaluations. The new run's
@@ -123,8 +122,8 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     per_step = _int(old.data.params.get("train.prompts_per_step")) * _int(old.data.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
         if split == "train" and per_step and len(trajs) < per_step:
-            notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved "
-                         "(tracking.log_trajectories); its metrics cover those")
+            notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (a run made before "
+                         "every trajectory was kept); its metrics cover those")
 
     local_judges = any(isinstance(n, JudgeNode) and n.local is not None for n in spec.rewards.values())
     if local_judges:  # a local judge is a Ray actor of its own
@@ -154,7 +153,7 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     try:
         for (split, step), trajs in batches.items():
             tracker.log_metrics(metrics[(split, step)], step=step)
-            tracker.log_trajectories(trajs, step, name=SPLITS[split])
+            tracker.log_trajectories(trajs, step, split=split, traces=0)
     except BaseException:
         tracker.end("FAILED")
         raise

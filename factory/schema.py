@@ -452,9 +452,9 @@ class TrackingSpec(Section):
     """MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory."""
     tags: dict[str, str] = {}
     """Extra tags on the MLflow run."""
-    log_trajectories: int | None = None
-    """Trajectories per step written to the run's trajectory table. None: all of them, so that `factory
-    rescore` can score every step again with a changed reward graph."""
+    log_trajectories: int | None = 16
+    """Trajectories per step logged as MLflow traces (the UI's view of episodes; None = all). The step's
+    trajectory table always holds every trajectory, so `factory rescore` can score each step again."""
 
 
 class StageResources(Section):
