@@ -46,6 +46,7 @@ def trajectory_from_record(r: dict[str, Any]) -> Trajectory:
                   results=[ToolResult(**x) for x in t["results"]]) for t in json.loads(r["turns"])]
     return Trajectory(prompt_index=r["prompt_index"], sample_index=r["sample_index"], prompt_ids=list(r["prompt_ids"]),
                       response_ids=list(r["response_ids"]), loss_mask=list(r["loss_mask"]), turns=turns,
+                      sampler_logprobs=list(r.get("sampler_logprobs") or []),
                       stop_reason=r["stop_reason"], row=json.loads(r["row"]), messages=json.loads(r["prompt"]),
                       completion=r["completion"], infra_error=r["infra_error"], truncated=r["truncated"])
 

@@ -9,6 +9,7 @@ from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 def test_a_saved_trajectory_reads_back_whole():
     t = Trajectory(prompt_index=3, sample_index=1, prompt_ids=[1, 2], response_ids=[5, 6, 7, 8], loss_mask=[1, 1, 0, 1],
+                   sampler_logprobs=[-0.5, -1.25, 0.0, -2.0],
                    turns=[Turn(text='<tool_call>{"name": "add"}</tool_call>', num_tokens=2,
                                calls=[ToolCall(name="add", arguments={"a": [1, 2]}, raw='{"name": "add"}')],
                                results=[ToolResult(tool="add", text="3", status="ok", latency_s=0.5)]),
