@@ -70,8 +70,8 @@ class Display:
             line = (f"step    0  eval reward {_fmt(m.get('eval/reward'))}{acc}  tool calls/question "
                     f"{_fmt(m.get('eval/tool_calls'), '.2f')}")
         else:
-            split = ", ".join(f"{k[7:-2]} {m[k]:.1f}s" for k in
-                              ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s",
+            split = ", ".join(f"{k[7:-2].replace('_', ' ')} {m[k]:.1f}s" for k in
+                              ("timing/generate_s", "timing/tools_only_s", "timing/reward_s", "timing/update_s",
                                "timing/weight_sync_s") if k in m)
             line = (f"step {step:>4}  reward {_fmt(m.get('reward/mean'))}{acc}  turns {_fmt(m.get('num_turns/mean'), '.2f')}"
                     f"  tool calls {int(m.get('tools/calls', 0))} (infra errors {int(m.get('tools/infra_errors', 0))})"

@@ -8,6 +8,7 @@ sampling) lives outside `train_loop`.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -131,7 +132,7 @@ def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[l
     no signal: they are dropped and more prompts are sampled, up to 3 extra rounds."""
     from factory.algorithms import dynamic_sampling_keep
 
-    want, kept, metrics = spec.train.prompts_per_step, [], {}
+    want, kept, metrics, seen, generated = spec.train.prompts_per_step, [], {}, 0, 0
     for attempt in range(4 if alg.dynamic_sampling else 1):
         batch = s.data.next_batch.remote(want - len({t.prompt_index for t in kept}) if attempt else want)
         trajs, roll_m = follow(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size, step=step,
@@ -139,9 +140,11 @@ def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[l
         trajs, rew_m = ray.get(s.reward.score.remote(trajs))
         for t in trajs:  # keep group ids unique across rounds
             t.prompt_index += 1000 * attempt
-        metrics = _merge(metrics, {**roll_m, **rew_m})
+        metrics = _merge(metrics, {**roll_m, **rew_m}, seen, len(trajs))
+        seen += len(trajs)
+        generated += sum(t.num_model_tokens for t in trajs)
         if not alg.dynamic_sampling:
-            return trajs, metrics
+            return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
         import torch
 
         keep = dynamic_sampling_keep(torch.tensor([t.reward for t in trajs]),
@@ -150,15 +153,40 @@ def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[l
         if len({t.prompt_index for t in kept}) >= want:
             break
     metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)
-    return kept or trajs, metrics
+    metrics["rollout/dynamic_sampling_kept"] = float(len(kept))  # the trained batch; the means are over all rounds
+    return kept or trajs, {**metrics, "rollout/generated_tokens": float(generated)}
 
 
-def _merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Sum timings and counts over rounds; later means win."""
+def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[str, float]:
+    """One step's metrics from two sampling rounds of `na` and `nb` trajectories, so that they describe
+    the step's whole batch: a mean (`.../mean`), rate (`_per_s`) or percentile (`_p50`, `_p95`) is
+    weighted by what it is over -- trajectories, the kept ones for `reward/` means, generate time, tool
+    calls -- and a round without a value (NaN) weighs nothing; everything else (times, counts) adds up."""
+    def weight(k: str, m: dict[str, float], n: int) -> float:
+        if math.isnan(m[k]):
+            return 0.0
+        if k.endswith("_per_s"):  # perf/generate_tokens_per_s: tokens over generate time
+            return m.get("timing/generate_s", 0.0)
+        if k.endswith(("_p50", "_p95")):  # tools/<tool>/latency_s_p50: over that tool's calls
+            return m.get(k.rsplit("/", 1)[0] + "/calls", 0.0)
+        return n - m.get("reward/dropped", 0.0) if k.startswith(("reward/", "rewards/")) else n
+
     out = dict(a)
     for k, v in b.items():
-        out[k] = out.get(k, 0.0) + v if (k.startswith("timing/") or k.endswith(("calls", "errors", "timeouts"))) else v
+        if k not in a:
+            out[k] = v
+        elif k.endswith(("/mean", "_per_s", "_p50", "_p95")):
+            wa, wb = weight(k, a, na), weight(k, b, nb)
+            out[k] = v if not wa else a[k] if not wb else (a[k] * wa + v * wb) / (wa + wb)
+        else:
+            out[k] = a[k] + v
     return out
+
+
+# The parts a step's wall time (`timing/step_s`) is split into, none overlapping another: generate (a
+# generation in flight), tools_only (tool calls in flight and no generation), reward, update, weight_sync;
+# `timing/overhead_s` is the rest (moving batches between actors, the data stage, rollout bookkeeping).
+STEP_PARTS = ("generate", "tools_only", "reward", "update", "weight_sync")
 
 
 def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str],
@@ -184,9 +212,9 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
             ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
             m["timing/weight_sync_s"] = time.perf_counter() - t_sync
             m["timing/step_s"] = time.perf_counter() - t0
-            m["timing/overhead_s"] = m["timing/step_s"] - sum(
-                m.get(k, 0.0) for k in ("timing/generate_s", "timing/tools_s", "timing/reward_s", "timing/update_s"))
-            m["perf/tokens_per_s"] = sum(len(t.response_ids) for t in trajs) / m["timing/step_s"]
+            m["timing/overhead_s"] = m["timing/step_s"] - sum(m.get(f"timing/{k}_s", 0.0) for k in STEP_PARTS)
+            # tokens the model generated in the step (every sampling round), not tool results or template text
+            m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
             if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
                 after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
                 m.update(after)

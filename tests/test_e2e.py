@@ -34,7 +34,7 @@ def test_parameters_changed(tiny_run):
 def test_every_step_has_its_metrics(tiny_run):
     _, client, run, _ = tiny_run
     for name in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "timing/step_s", "timing/generate_s",
-                 "timing/tools_s", "timing/reward_s", "timing/update_s", "timing/weight_sync_s",
+                 "timing/tools_only_s", "timing/reward_s", "timing/update_s", "timing/weight_sync_s",
                  "tools/calculate/calls", "num_turns/mean", "response_length/mean"):
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
         assert steps == list(range(1, STEPS + 1)), name
@@ -55,6 +55,26 @@ def _trajectories(tiny_run):
         path = client.download_artifacts(run.info.run_id, f"trajectories/step_{step:05d}.parquet", str(work))
         rows += pq.read_table(path).to_pylist()
     return rows
+
+
+def test_step_split_and_token_rate_are_honest(tiny_run):
+    """timing/overhead_s is what the named parts (weight sync included) leave of the step, and
+    perf/tokens_per_s counts the model's own tokens only (mask 1), not tool results or template text."""
+    from factory.driver import STEP_PARTS
+
+    _, client, run, _ = tiny_run
+    m = {step: {} for step in range(1, STEPS + 1)}
+    for key in ("timing/step_s", "timing/overhead_s", "perf/tokens_per_s", *(f"timing/{p}_s" for p in STEP_PARTS)):
+        for point in client.get_metric_history(run.info.run_id, key):
+            m[point.step][key] = point.value
+    rows = _trajectories(tiny_run)
+    assert len(rows) == STEPS * 8  # tiny.yaml: 2 prompts x 4 samples a step, all logged
+    for step, values in m.items():
+        parts = sum(values[f"timing/{p}_s"] for p in STEP_PARTS)
+        assert values["timing/overhead_s"] == pytest.approx(values["timing/step_s"] - parts, abs=1e-6)
+        assert values["timing/weight_sync_s"] > 0 and values["timing/overhead_s"] > -0.05, values
+        generated = sum(sum(r["loss_mask"]) for r in rows[(step - 1) * 8: step * 8])
+        assert values["perf/tokens_per_s"] * values["timing/step_s"] == pytest.approx(generated)
 
 
 def test_trajectory_artifact_holds_the_tool_calls(tiny_run):

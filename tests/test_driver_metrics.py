@@ -1,0 +1,34 @@
+"""The driver's step metrics over dynamic-sampling rounds (`_merge`): they describe the step's whole batch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from factory.driver import _merge
+
+
+def test_rounds_merge_into_the_whole_batchs_metrics():
+    # round 1: 8 trajectories, 2 dropped by the reward stage; round 2: 4 trajectories, none dropped
+    a = {"reward/mean": 0.5, "rewards/correct/mean": 1.0, "num_turns/mean": 2.0, "timing/generate_s": 3.0,
+         "perf/generate_tokens_per_s": 100.0, "tools/calc/calls": 6.0, "tools/calc/latency_s_p50": 0.1,
+         "reward/dropped": 2.0, "rollout/stop_budget": 1.0, "tool_servers/calc/restarts": 1.0}
+    b = {"reward/mean": 0.0, "rewards/correct/mean": math.nan, "num_turns/mean": 1.0, "timing/generate_s": 1.0,
+         "perf/generate_tokens_per_s": 200.0, "tools/calc/calls": 2.0, "tools/calc/latency_s_p50": 0.3,
+         "reward/dropped": 0.0, "rollout/stop_budget": 2.0, "tool_servers/calc/restarts": 0.0, "rollout/new": 7.0}
+    m = _merge(a, b, 8, 4)
+    assert m["reward/mean"] == pytest.approx((0.5 * 6 + 0.0 * 4) / 10)  # over the kept trajectories of both
+    assert m["rewards/correct/mean"] == 1.0  # a round with no value weighs nothing
+    assert m["num_turns/mean"] == pytest.approx((2.0 * 8 + 1.0 * 4) / 12)
+    assert m["perf/generate_tokens_per_s"] == pytest.approx((300 + 200) / 4)  # all tokens over all generate time
+    assert m["tools/calc/latency_s_p50"] == pytest.approx((0.1 * 6 + 0.3 * 2) / 8)
+    assert (m["timing/generate_s"], m["tools/calc/calls"], m["reward/dropped"], m["rollout/stop_budget"],
+            m["tool_servers/calc/restarts"], m["rollout/new"]) == (4.0, 8.0, 2.0, 3.0, 1.0, 7.0)
+    # a third round folds in the same way: the merged metrics carry the summed weights
+    c = {"reward/mean": 1.0, "reward/dropped": 0.0}
+    assert _merge(m, c, 12, 2)["reward/mean"] == pytest.approx((0.5 * 6 + 0.0 * 4 + 1.0 * 2) / 12)
+
+
+def test_a_single_round_is_unchanged():
+    b = {"reward/mean": 0.25, "timing/generate_s": 1.5, "tools/calls": 3.0}
+    assert _merge({}, b, 0, 5) == b
