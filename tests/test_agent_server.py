@@ -41,3 +41,15 @@ async def test_the_inner_agent_calls_its_own_tools_behind_ask():
     assert result.status == "ok", result.text
     # A line per inner call, answered by the real calculator server (a number, or its error message).
     assert re.match(r'calculate\(\{"expression": ".*"\}\) -> \S', result.text), result.text
+
+
+def test_a_wrong_inner_spec_stops_the_server_with_the_compilers_words(monkeypatch, capsys):
+    from factory import cli
+
+    monkeypatch.chdir(ROOT)
+    args = "tools.agent.args=[-m, factory.examples.agent_server, specs/tiny.yaml, --model, /nonexistent]"
+    assert cli.main(["check", "specs/multi-agent.yaml", "--connect", args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specs/multi-agent.yaml:23: tools.agent: server failed to start: "), err
+    assert err.endswith("the agent's spec is wrong: <override 1>: model.path: model folder not found: /nonexistent\n"
+                        "1 error in specs/multi-agent.yaml\n"), err

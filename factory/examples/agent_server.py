@@ -52,8 +52,18 @@ class Agent:
         self._thread: threading.Thread | None = None
         self._started: concurrent.futures.Future[None] | None = None
 
+    def compile(self) -> None:
+        """Compile the agent's spec (quick: no weights); SpecErrors if it is wrong."""
+        from factory.compiler.compile import compile_file
+        from factory.data.sources import PromptRenderer
+
+        overrides = [f"model.path={self.model}"] if self.model else []
+        self.spec, plan = compile_file(self.spec_path, overrides)
+        self.base_dir = Path(plan.base_dir)
+        self.renderer = PromptRenderer(self.spec.data, self.base_dir)
+
     def begin(self) -> None:
-        """Start the agent's loop and begin loading on it; returns at once."""
+        """Start the agent's loop and load the agent on it; returns without waiting for the load."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent", daemon=True)
         self._thread.start()
@@ -61,14 +71,9 @@ class Agent:
 
     async def _start(self) -> None:
         from factory.assets import resolve_model
-        from factory.compiler.compile import compile_file
-        from factory.data.sources import PromptRenderer
         from factory.rollout.stage import RolloutStage
 
-        overrides = [f"model.path={self.model}"] if self.model else []
-        spec, plan = compile_file(self.spec_path, overrides)
-        self.renderer = PromptRenderer(spec.data, Path(plan.base_dir))
-        self.stage = RolloutStage(spec, resolve_model(spec.model.path), base_dir=str(plan.base_dir),
+        self.stage = RolloutStage(self.spec, resolve_model(self.spec.model.path), base_dir=str(self.base_dir),
                                   workdir=os.getcwd())
         self._lock = asyncio.Lock()  # on the agent's loop
         await self.stage.setup()
@@ -153,8 +158,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> None:
+    from factory.compiler.errors import SpecErrors
+
     global _agent
-    _agent = Agent(args.spec, args.model, args.show_calls)  # started by the lifespan, on the server's loop
+    _agent = Agent(args.spec, args.model, args.show_calls)  # loaded by the lifespan, in the background
+    try:  # a wrong agent spec stops the server before it answers: the compiler's message is its last words
+        _agent.compile()
+    except SpecErrors as e:
+        raise SystemExit(f"agent_server: {e.report()}\nagent_server: the agent's spec is wrong: {e.errors[0]}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
