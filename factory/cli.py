@@ -54,9 +54,17 @@ def _run(args: argparse.Namespace) -> int:
         # interface and advertise the machine's address; this flag (read when ray is imported, so set it
         # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    resume = None
+    if args.resume is not None:
+        from factory.resume import find
+        from factory.tracking import tracking_uri
+
+        resume = find(plan, args.resume or None, tracking_uri(spec.tracking.uri), train=spec.train,
+                      experiment=spec.tracking.experiment, allow_spec_change=args.allow_spec_change)
+        print(resume.describe(), file=sys.stderr)
     from factory.driver import run
 
-    return 130 if run(plan, spec).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
+    return 130 if run(plan, spec, resume).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -151,7 +159,13 @@ def parser() -> argparse.ArgumentParser:
         c.set_defaults(func=fn)
         return c
 
-    spec_command("run", "train: compile the spec, start Ray and the stages, track the run in MLflow", _run)
+    run = spec_command("run", "train: compile the spec, start Ray and the stages, track the run in MLflow", _run)
+    run.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
+                     help="continue a killed or stopped run from its newest checkpoint, in the same MLflow run: "
+                          "RUN (id, id prefix or name), else the newest unfinished run of this spec")
+    run.add_argument("--allow-spec-change", action="store_true",
+                     help="with --resume: continue the run although the spec, overrides, templates, reward code "
+                          "or data differ from its own (recorded on the run)")
     check = spec_command("check", "validate and compile the spec without starting Ray or loading weights", _check)
     check.add_argument("--connect", action="store_true",
                        help="also start each tool server, list its tools and check the tools the spec names")
@@ -231,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "allow_spec_change", False) and args.resume is None:
+        p.error("--allow-spec-change goes with --resume")
+    if getattr(args, "resume", None) and "=" in args.resume:  # `--resume a.b=c`: an override, not a RUN
+        extra, args.resume = [args.resume, *extra], ""
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:

@@ -14,12 +14,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 from factory.schema import Spec
+
+if TYPE_CHECKING:
+    from factory.resume import Resume
 
 
 @dataclass
@@ -183,6 +186,15 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
     return out
 
 
+def restore(s: Stages, resume: Resume) -> int:
+    """Put the stages where the resumed run's checkpoint left them (factory.resume); returns its step."""
+    if resume.checkpoint is not None:
+        ray.get(s.update.load_checkpoint.remote(str(resume.checkpoint_dir), resume.checkpoint))
+        ray.get([s.data.restore.remote(resume.data),
+                 s.rollout.load_weights.remote(s.update.state_dict.remote())])
+    return resume.step
+
+
 # The parts a step's wall time (`timing/step_s`) is split into, none overlapping another: generate (a
 # generation in flight), tools_only (tool calls in flight and no generation), reward, update, weight_sync;
 # `timing/overhead_s` is the rest (moving batches between actors, the data stage, rollout bookkeeping).
@@ -190,21 +202,25 @@ STEP_PARTS = ("generate", "tools_only", "reward", "update", "weight_sync")
 
 
 def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str],
-               record: SessionRecord) -> RunResult:
+               record: SessionRecord, resume: Resume | None = None) -> RunResult:
     from factory.algorithms import resolve
 
     alg = resolve(spec.algorithm)
     ckpt_dir = spec.train.checkpoint_dir
     traces = spec.tracking.log_trajectories
-    before, eval_trajs = evaluate(s, spec, metric_nodes, display, 0)
-    tracker.log_metrics(before, step=0)
-    tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
-    display.step(0, before, completed=0)
+    done = restore(s, resume) if resume else 0
+    if done:
+        before = resume.before  # its step-0 evaluation, as the run logged it
+    else:
+        before, eval_trajs = evaluate(s, spec, metric_nodes, display, 0)
+        tracker.log_metrics(before, step=0)
+        tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
+        display.step(0, before, completed=0)
     after, checkpoint = before, None
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"))
     with stop:
-        for step in range(1, spec.train.steps + 1):
+        for step in range(done + 1, spec.train.steps + 1):
             t0 = time.perf_counter()
             trajs, m = collect(s, spec, alg, display, step)                    # data -> rollout -> tools -> reward
             m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
@@ -219,12 +235,13 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
                 after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
                 m.update(after)
                 tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-            tracker.log_metrics(m, step=step)
+            tracker.log_metrics(m, step=step)  # before the checkpoint: a checkpointed step is a logged one
             tracker.log_trajectories(trajs, step, traces=traces)  # the table keeps all: `factory rescore` reads it
             display.step(step, m)
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
             if stopping or step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
-                checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step))
+                state = {"run_id": tracker.run_id, "data": ray.get(s.data.state.remote())}  # what --resume reads
+                checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step, state))
                 tracker.log_checkpoint(step, checkpoint)
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
@@ -232,8 +249,9 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested)
 
 
-def run(plan: Any, spec: Spec) -> RunResult:
-    """Run a compiled plan end to end; returns the MLflow run id and before/after eval metrics."""
+def run(plan: Any, spec: Spec, resume: Resume | None = None) -> RunResult:
+    """Run a compiled plan end to end (or continue the run `resume` names, see factory.resume); returns the
+    MLflow run id and before/after eval metrics."""
     from factory.assets import is_built, resolve_model
     from factory.display import Display
     from factory.tracking import Tracker, tracking_uri
@@ -258,10 +276,11 @@ def run(plan: Any, spec: Spec) -> RunResult:
         try:
             stages = place_stages(spec, model_path, str(plan.base_dir), display)
             record.update()
-            plan = tracker.start_run(plan, spec, ray.get(stages.rollout.tool_listing.remote()),
-                                     {"resolved": stages.resolved})
-            display.status(f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(stages, spec, plan, tracker, display, metric_nodes, record)
+            listing = ray.get(stages.rollout.tool_listing.remote())
+            plan = (tracker.resume(resume, plan, spec, listing) if resume else
+                    tracker.start_run(plan, spec, listing, {"resolved": stages.resolved}))
+            display.status(resume.describe() if resume else f"MLflow run {tracker.run_id}; evaluating at step 0")
+            result = train_loop(stages, spec, plan, tracker, display, metric_nodes, record, resume)
             status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
         except KeyboardInterrupt:
             status = "KILLED"  # MLflow's word for a run stopped by its user

@@ -38,6 +38,7 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 _MAX_PARAM = 6000
 # What a trace span keeps of long texts (prompts, tool results): the parquet tables keep them whole.
 _SPAN_TEXT = 4000
+DRIVER_TAG = "factory.driver"  # {"host", "pid", "started"}: the driver writing the run (see factory.resume)
 # Packages whose versions can change a run's outcome.
 VERSIONED = ("factory-rl", "torch", "transformers", "deepspeed", "vllm", "mcp", "ray", "mlflow")
 
@@ -128,6 +129,16 @@ def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> d
             **environment_tags(), **extra}
 
 
+def driver_tag() -> str:
+    """This driver process (DRIVER_TAG): a later `--resume` refuses a run whose driver is alive."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return json.dumps({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()})
+
+
 def run_name(spec_name: str) -> str:
     """Unique enough to name a run on the command line (`factory diff NAME_A NAME_B`)."""
     return f"{spec_name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -213,13 +224,16 @@ class Tracker:
         self.experiment_id: str | None = None
         self.checkpoints: list[dict[str, Any]] = []
         self.record_checkpoints = True
+        # The last step the run already holds metrics of: a resumed run computes the steps after its
+        # checkpoint again, and they are not logged twice (factory.resume).
+        self.logged = -1
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         import mlflow
 
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(self.experiment)
-        run = mlflow.start_run(run_name=run_name, tags=tags)
+        run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = dict(flatten(params))
         keys = list(items)
@@ -250,9 +264,35 @@ class Tracker:
                     "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n"})
         return plan
 
+    def resume(self, resume: Any, plan: Any, spec: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
+        """Reopen the run `resume` names (MLflow sets it RUNNING again) instead of starting one: params and
+        artifacts stay as they were; a spec change that `--allow-spec-change` let through is recorded
+        (tag `factory.resumed_spec_hash`, `resumed/step_N/spec.yaml` and `plan.json`). Returns the plan
+        with its tool schemas hashed."""
+        import mlflow
+
+        from factory.compiler.compile import MASK, plan_json, with_tool_listing
+
+        plan = with_tool_listing(plan, spec, listing)
+        mlflow.set_tracking_uri(self.uri)
+        run = mlflow.start_run(run_id=resume.run_id)
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.record_checkpoints = plan.spec["train"]["checkpoint_dir"] != MASK
+        self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
+        count = int(run.data.tags.get("factory.resumes", "0")) + 1
+        mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
+                         "factory.resumed_from_step": str(resume.step)})
+        if resume.changed:
+            mlflow.set_tag("factory.resumed_spec_hash", plan.hashes["spec"])
+            mlflow.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
+            mlflow.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
+        return plan
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         import mlflow
 
+        if step <= self.logged:
+            return
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
         mlflow.set_tag("factory.step", str(step))  # steps done, for `factory runs` (and a crashed run)
 
@@ -262,7 +302,7 @@ class Tracker:
         of the first `traces` trajectories (all when None)."""
         import mlflow
 
-        if not trajs:
+        if not trajs or step <= self.logged:
             return
         table = pa.Table.from_pylist(trajectory_records(trajs, step))
         folder = "trajectories" if split == "train" else f"{split}_trajectories"
@@ -283,6 +323,7 @@ class Tracker:
         if not self.record_checkpoints:
             return
         path = str(Path(path).resolve())
+        self.checkpoints = [c for c in self.checkpoints if c["step"] != step]  # a step computed again
         self.checkpoints.append({"step": step, "path": path, "hf": str(Path(path) / "hf")})
         mlflow.set_tags({"factory.checkpoint": path, "factory.checkpoint_step": str(step)})
         mlflow.log_text(json.dumps(self.checkpoints, indent=2) + "\n", "checkpoints.json")

@@ -1,16 +1,23 @@
-"""Stopping real runs of specs/tiny.yaml (Ray + MCP + DeepSpeed + MLflow), as a user would:
+"""Stopping and resuming real runs of specs/tiny.yaml (Ray + MCP + DeepSpeed + MLflow), as a user would:
 
-1. a run SIGKILLed after its first checkpoint leaves processes behind (Ray's agents linger) -- the next
-   `factory run` ends them;
-2. that next run, given Ctrl-C (SIGINT to its whole process group, as a terminal sends it) after its first
+1. a run SIGKILLed at a random step leaves processes behind (Ray's agents linger) -- the next `factory run`
+   ends them;
+2. that next run, given Ctrl-C (SIGINT to its whole process group, as a terminal sends it) after its second
    step, finishes the step in flight, checkpoints it, marks the MLflow run KILLED, exits 130 and leaves no
    process behind;
+3. `factory run --resume` picks the killed run (the newest unfinished run of the same spec; the Ctrl-C'd one
+   is newer but differs), continues it from its last checkpoint to the end in the same MLflow run, which
+   then holds every step's metrics exactly once, and its final weights equal those of run 2, which trained
+   the same steps with the same seed uninterrupted;
+4. `factory export RUN` of it loads with transformers and generates, greedily, the tokens the run's final
+   policy generated in its last evaluation;
 and on the way: every socket the runs listen on is on loopback, and a value from `${oc.env:...}` reaches
 neither the MLflow store nor the logs.
 """
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -22,11 +29,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.tracked_runs import ENGINE
+
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-7f1d2c"
-# Secrets go where users put them: a tool server's environment, a tag.
-OVERRIDES = ["train.steps=3", "train.checkpoint_every=1", "tools.calc.env={TOKEN: '${oc.env:FACTORY_TEST_SECRET}'}",
+STEPS = 3
+# Secrets go where users put them: a tool server's environment, a tag. The engine as the other end-to-end
+# runs choose it (vLLM where it is installed).
+OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", f"rollout.engine={ENGINE}",
+             "tools.calc.env={TOKEN: '${oc.env:FACTORY_TEST_SECRET}'}",
              "tracking.tags={owner: '${oc.env:FACTORY_TEST_SECRET}'}"]
+# Run 2 (the Ctrl-C'd one) trains the same steps in its own folder, one more planned so that stopping it
+# after step STEPS is a stop before the end.
+SECOND = ["train.checkpoint_dir=runs/second", f"train.steps={STEPS + 1}"]
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
@@ -88,9 +103,11 @@ def running(procs) -> list[str]:
     return alive
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float, seen: dict, ips: set) -> None:
+def wait_for(path: Path | tuple[Path, ...], proc: subprocess.Popen, timeout_s: float, seen: dict, ips: set) -> None:
+    """Until `path` (any of them) exists, recording the driver's process tree and listening addresses."""
+    paths = path if isinstance(path, tuple) else (path,)
     deadline = time.time() + timeout_s
-    while not path.exists():
+    while not any(p.exists() for p in paths):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() < deadline, f"{path} did not appear"
         procs = tree(proc)
@@ -99,47 +116,142 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float, seen: dict, i
         time.sleep(0.5)
 
 
-def test_sigkill_then_ctrl_c(work):
+@pytest.fixture(scope="module")
+def killed(work):
+    """Run 1, SIGKILLed at a random moment after the metrics of a random step k < STEPS are logged: while
+    its checkpoint of step k is being written, or after, in step k+1."""
+    tmp, _ = work
+    k, delay = random.randint(1, STEPS - 1), random.uniform(0.0, 1.5)
+    proc, seen, ips = start(work), {}, set()
+    # a step's metrics are logged before its checkpoint is staged (.incomplete-step_k) and committed
+    wait_for((tmp / f"runs/tiny/.incomplete-step_{k}", tmp / f"runs/tiny/step_{k}"), proc, 300, seen, ips)
+    time.sleep(delay)
+    assert proc.poll() is None, f"run 1 ended before the kill (step {k} + {delay:.2f} s)"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return {"seen": seen, "ips": ips, "leftovers": running(seen.values()), "when": f"step {k} + {delay:.2f} s"}
+
+
+@pytest.fixture(scope="module")
+def stopped(work, killed):
+    """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1."""
+    tmp, _ = work
+    proc, seen = start(work, *SECOND), {}
+    wait_for(tmp / f"runs/second/step_{STEPS - 1}", proc, 300, seen, killed["ips"])
+    alive_after_start = running(killed["seen"].values())
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return {"proc": proc, "out": out, "err": err, "seen": seen, "alive_after_start": alive_after_start}
+
+
+def test_sigkill_then_ctrl_c(work, killed, stopped):
     from mlflow.tracking import MlflowClient
 
     tmp, env = work
-    # 1. SIGKILL after the first checkpoint
-    first, first_seen, ips = start(work), {}, set()
-    wait_for(tmp / "runs/tiny/latest", first, 300, first_seen, ips)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait()
-    leftovers = running(first_seen.values())
-
-    # 2. the next run ends what the first left behind, then gets Ctrl-C after its first step
-    second, seen = start(work, "train.checkpoint_dir=runs/second"), {}
-    wait_for(tmp / "runs/second/latest", second, 300, seen, ips)
-    assert running(first_seen.values()) == [], f"left by the killed run and still alive: {leftovers}"
-    os.killpg(second.pid, signal.SIGINT)
-    try:
-        out, err = second.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(second.pid, signal.SIGKILL)
-        raise
+    # 2. run 2 ended what the killed run 1 left behind
+    assert stopped["alive_after_start"] == [], f"left by the killed run and still alive: {killed['leftovers']}"
+    second, err = stopped["proc"], stopped["err"]
     assert second.returncode == 130, err[-3000:]
     deadline = time.time() + 10
-    while running(seen.values()) and time.time() < deadline:
+    while running(stopped["seen"].values()) and time.time() < deadline:
         time.sleep(0.2)
-    assert running(seen.values()) == []  # Ray's processes, the stage actors, the MCP servers: all gone
+    assert running(stopped["seen"].values()) == []  # Ray's processes, the stage actors, the MCP servers: all gone
     assert not list((tmp / f"factory-ray-{os.getuid()}" / "drivers").glob("*.json"))  # no record left
 
     # the step in flight was finished, logged and checkpointed; the run is KILLED
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    runs = {r.data.tags["mlflow.runName"]: r for r in client.search_runs([client.get_experiment_by_name("tiny").experiment_id])}
-    killed = [r for r in runs.values() if r.info.status == "KILLED"]
-    assert len(killed) == 1, [(r.info.run_id, r.info.status) for r in runs.values()]
-    steps = [m.step for m in client.get_metric_history(killed[0].info.run_id, "timing/step_s")]
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    killed_runs = [r for r in runs if r.info.status == "KILLED"]
+    assert len(killed_runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
+    steps = [m.step for m in client.get_metric_history(killed_runs[0].info.run_id, "timing/step_s")]
     last = int((tmp / "runs/second/latest").read_text().strip().removeprefix("step_"))
-    assert sorted(steps) == list(range(1, last + 1)) and 1 <= last < 3  # each step once, the last one saved
+    assert sorted(steps) == list(range(1, last + 1)) and last == STEPS  # each step once, the last one saved
 
     # every socket either run listened on was on loopback
+    ips = killed["ips"]
     assert ips and ips <= set(LOOPBACK), ips
     # the secret reached neither the store nor the logs (Ray's session logs included)
-    assert SECRET not in out + err
+    assert SECRET not in stopped["out"] + err
     for path in [tmp / "mlflow.db", *(tmp / "mlruns").rglob("*"), *(tmp / f"factory-ray-{os.getuid()}").rglob("*")]:
         if path.is_file() and not path.is_symlink():
             assert SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.fixture(scope="module")
+def resumed(work, killed, stopped):
+    """Run 3: `factory run SPEC OVERRIDES --resume`, which continues run 1."""
+    _, env = work
+    proc = start(work, "--resume")
+    try:
+        _, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, f"run 1 killed at {killed['when']}:\n{err[-3000:]}"
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    (run,) = [r for r in runs if r.data.tags.get("factory.resumes")]
+    (second,) = [r for r in runs if r.info.status == "KILLED"]
+    return {"run": run, "second": second, "client": client, "err": err}
+
+
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, killed, resumed):
+    import torch
+    from safetensors.torch import load_file
+
+    from factory.assets import resolve_model
+
+    tmp, _ = work
+    run, client = resumed["run"], resumed["client"]
+    when = f"(run 1 killed at {killed['when']})"
+    assert f"resuming run {run.info.run_id}" in resumed["err"], resumed["err"][-2000:]
+    assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1", when
+    # every metric holds each step exactly once, none lost, none logged twice: the steps run 2 logged (it
+    # stopped after step STEPS, so its only evaluation was at step 0)
+    second = resumed["second"].info.run_id
+    assert set(run.data.metrics) == set(resumed["second"].data.metrics), when
+    for key in run.data.metrics:
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        expected = sorted(m.step for m in client.get_metric_history(second, key)) + (
+            [STEPS] if key.startswith("eval/") else [])
+        assert steps == expected, (key, steps, when)
+    rewards = [[m.value for m in sorted(client.get_metric_history(r, "reward/mean"), key=lambda m: m.step)]
+               for r in (run.info.run_id, second)]
+    assert rewards[0] == rewards[1], when
+    # the final weights are those of run 2, which trained the same steps uninterrupted (CPU, fixed seed:
+    # every source of randomness is restored from the checkpoint or a function of (seed, step))
+    final = load_file(tmp / f"runs/tiny/step_{STEPS}/hf/model.safetensors")
+    reference = load_file(tmp / f"runs/second/step_{STEPS}/hf/model.safetensors")
+    initial = load_file(Path(resolve_model("factory:tiny-qwen3-calc")) / "model.safetensors")
+    differ = [k for k in reference if not torch.equal(final[k], reference[k])]
+    assert differ == [], f"{len(differ)} tensors differ from the uninterrupted run's {when}"
+    assert sum(not torch.equal(final[k], initial[k]) for k in final) > len(final) // 2  # it did train
+
+
+def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(work, resumed):
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory import cli
+
+    tmp, env = work
+    run, client = resumed["run"], resumed["client"]
+    out = tmp / "exported"
+    assert cli.main(["export", run.info.run_id, "--out", str(out), "--uri", env["MLFLOW_TRACKING_URI"]]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    # the run's last evaluation: greedy, by the rollout engine holding the final weights
+    table = pq.read_table(client.download_artifacts(run.info.run_id, f"eval_trajectories/step_{STEPS:05d}.parquet",
+                                                    str(tmp)))
+    for row in table.to_pylist():
+        mask = row["loss_mask"]
+        first_turn = row["response_ids"][: mask.index(0) if 0 in mask else len(mask)]  # the model's own tokens
+        got = model.generate(torch.tensor([row["prompt_ids"]]), max_new_tokens=len(first_turn),
+                             do_sample=False)[0, len(row["prompt_ids"]):].tolist()
+        assert got == first_turn, row["prompt_index"]

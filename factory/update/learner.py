@@ -320,9 +320,10 @@ class Learner:
                 self.tokenizer.chat_template = self.chat_template
         return self.tokenizer
 
-    def load_checkpoint(self, directory: str) -> int | None:
-        """Resume from `<dir>/latest`: weights, optimizer state, step and RNG. None when there is none."""
-        name = ckpt.read_latest(directory)
+    def load_checkpoint(self, directory: str, name: str | None = None) -> int | None:
+        """Resume from checkpoint `name` (`step_<N>`; default: the one `<dir>/latest` names): weights,
+        optimizer state, step and RNG. None when there is none."""
+        name = name or ckpt.read_latest(directory)
         if name is None:
             return None
         path, client = self.engine.load_checkpoint(directory, tag=name)

@@ -40,8 +40,8 @@ class UpdateStage:
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
         return self.learner.save_checkpoint(directory, step, state)
 
-    def load_checkpoint(self, directory: str) -> int | None:
-        return self.learner.load_checkpoint(directory)
+    def load_checkpoint(self, directory: str, name: str | None = None) -> int | None:
+        return self.learner.load_checkpoint(directory, name)
 
     def shutdown(self) -> None:
         self.learner.shutdown()

@@ -1,0 +1,186 @@
+"""`factory run SPEC --resume [RUN]`: which run continues, from which checkpoint, and what it already logged.
+
+A resumed run continues in its own MLflow run (MLflow sets it back to RUNNING) from the newest complete
+checkpoint that run wrote: the learner's weights, optimizer state, LR step and RNG (`Learner.load_checkpoint`),
+the data stream's position (`run_state.json` beside the checkpoint) and, from the learner, the rollout
+engine's weights. Every other source of randomness is a function of (seed, step): the rollout's sampling
+seeds, the learner's mini-batch shuffle, the data order of each epoch. So on CPU with a fixed seed the
+resumed run's final weights equal an uninterrupted run's (tests/test_run_lifecycle.py).
+
+No step twice, none missing: the driver logs a step's metrics BEFORE it writes that step's checkpoint, so
+every checkpointed step is in the run's metrics. A run killed between the two has logged steps past its
+newest checkpoint; the resumed run computes them again (it needs their updates) and the tracker does not
+log them a second time (`Tracker.logged`).
+
+Refused, with exit code 2 and what to do: a run of a different spec (its spec hash, prompt or chat
+templates, reward code or data differ) unless `--allow-spec-change` (the change is then recorded on the
+run: tag `factory.resumed_spec_hash`, artifacts `resumed/step_N/`); a run still going on in a live driver;
+a run with no step left to do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from factory.tracking import DRIVER_TAG
+from factory.update.checkpoint import complete, read_run_state
+from factory.util import UserError
+
+# Logged once per training step, after the step's update (what "the run logged step N" means).
+STEP_METRIC = "timing/step_s"
+# Logged at step 0 when the spec has held-out data (the step-0 evaluation is done).
+EVAL_METRIC = "eval/reward"
+# Inputs whose hash must match for a resume (beside the spec's own): what else defines the training.
+HASHED_INPUTS = ("templates", "rewards", "data", "code")
+
+
+class ResumeError(UserError):
+    """No run to resume, or one that must not be resumed as asked; the message says which and what to do."""
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts."""
+
+    run_id: str
+    run_name: str
+    checkpoint_dir: Path
+    checkpoint: str | None  # `step_<N>` to load; None: the run saved none, it starts over (in the same run)
+    step: int  # steps done at that checkpoint (0 without one)
+    logged: int  # the last step whose metrics the run holds (-1: none, not even the step-0 evaluation)
+    data: dict[str, Any] | None  # the data stream's position at the checkpoint
+    before: dict[str, float] = field(default_factory=dict)  # the step-0 evaluation, for the summary
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the run's checkpoints.json
+    changed: list[str] = field(default_factory=list)  # what differs from the run's spec (allowed)
+
+    def describe(self) -> str:
+        where = (f"from its checkpoint {self.checkpoint_dir / self.checkpoint}" if self.checkpoint
+                 else "from the start (it saved no checkpoint)")
+        again = (f"; steps {self.step + 1}-{self.logged} are computed again and not logged twice"
+                 if self.logged > self.step else "")
+        changed = f"; with a changed {', '.join(self.changed)} (--allow-spec-change)" if self.changed else ""
+        return f"resuming run {self.run_id} ({self.run_name}) at step {self.step + 1}, {where}{again}{changed}"
+
+
+def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
+         allow_spec_change: bool = False) -> Resume:
+    """The run to resume: `ref` (a run id, id prefix or name), else the newest unfinished run of this plan's
+    spec (same spec name and hash) in `experiment`. `train`: the spec's train settings (steps, and the
+    checkpoint folder of a run that recorded none)."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.runs import find_run
+
+    client = MlflowClient(uri)
+    name = plan.spec["name"]
+    run = find_run(client, ref, uri) if ref else _newest_resumable(client, plan, experiment, uri)
+    tags = run.data.tags
+    if tags.get("factory.spec_name") != name:
+        raise ResumeError(f"run {run.info.run_id} is not a run of spec '{name}' "
+                          f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
+    if run.info.status == "RUNNING" and _driver_alive(tags.get(DRIVER_TAG)):
+        raise ResumeError(f"run {run.info.run_id} is still running (driver pid "
+                          f"{json.loads(tags[DRIVER_TAG])['pid']}): stop it first (Ctrl-C saves a checkpoint)")
+    changed = changes(plan, client, run)
+    if changed and not allow_spec_change:
+        raise ResumeError(f"run {run.info.run_id} was trained with a different {', '.join(changed)} than this "
+                          f"spec and overrides give: resume with the same spec and overrides, or pass "
+                          "--allow-spec-change to continue it under the changed one (recorded on the run)")
+    directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
+    checkpoint, state = newest_checkpoint(directory, run.info.run_id)
+    step = int(state["step"]) if checkpoint else 0
+    if step >= train.steps:
+        raise ResumeError(f"run {run.info.run_id} has done all {train.steps} steps (its checkpoint "
+                          f"{directory / checkpoint}): nothing to resume")
+    return Resume(run.info.run_id, run.info.run_name, directory, checkpoint, step, logged_step(client, run),
+                  state.get("data") if checkpoint else None, before=step0_eval(client, run),
+                  checkpoints=_artifact_json(client, run.info.run_id, "checkpoints.json") or [], changed=changed)
+
+
+def _newest_resumable(client: Any, plan: Any, experiment: str, uri: str) -> Any:
+    name = plan.spec["name"]
+    exp = client.get_experiment_by_name(experiment)
+    runs = [] if exp is None else client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`factory.spec_name` = '{name}'",
+        order_by=["attributes.start_time DESC"], max_results=200)
+    unfinished = [r for r in runs if r.info.status != "FINISHED"]
+    same = [r for r in unfinished if r.data.tags.get("factory.spec_hash") == plan.hashes["spec"]]
+    if same:
+        return same[0]
+    others = "; ".join(f"{r.info.run_id} ({r.info.run_name}, {r.info.status})" for r in unfinished[:5])
+    raise ResumeError(f"no unfinished run of spec '{name}' with this spec and overrides in experiment "
+                      f"'{experiment}' ({uri})"
+                      + (f"; unfinished runs of another version of the spec: {others} -- give one as "
+                         "`--resume RUN` (with --allow-spec-change)" if others else
+                         ": start it without --resume"))
+
+
+def changes(plan: Any, client: Any, run: Any) -> list[str]:
+    """What of this plan differs from the one the run was trained with: "spec" and the names of
+    HASHED_INPUTS (from the run's plan.json; runs without one compare the spec hash alone)."""
+    out = [] if run.data.tags.get("factory.spec_hash") == plan.hashes["spec"] else ["spec"]
+    recorded = (_artifact_json(client, run.info.run_id, "plan.json") or {}).get("hashes")
+    if recorded:
+        out += [k for k in HASHED_INPUTS if recorded.get(k) != plan.hashes.get(k)]
+    return out
+
+
+def newest_checkpoint(directory: Path, run_id: str) -> tuple[str | None, dict[str, Any]]:
+    """The newest complete checkpoint in `directory` written by run `run_id` (its run_state.json says so:
+    runs of the same spec share the folder) and its run state; (None, {}) when there is none."""
+    for name in reversed(complete(directory)):
+        state = read_run_state(directory / name)
+        if state.get("run_id") == run_id:
+            return name, state
+    return None, {}
+
+
+def logged_step(client: Any, run: Any) -> int:
+    """The last step whose metrics the run holds: a training step, else 0 when the step-0 evaluation is
+    there, else -1."""
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, STEP_METRIC)]
+    if steps:
+        return max(steps)
+    return 0 if client.get_metric_history(run.info.run_id, EVAL_METRIC) else -1
+
+
+def step0_eval(client: Any, run: Any) -> dict[str, float]:
+    out = {}
+    for key in run.data.metrics:
+        if key.startswith("eval/"):
+            for m in client.get_metric_history(run.info.run_id, key):
+                if m.step == 0:
+                    out[key] = m.value
+    return out
+
+
+def _artifact_json(client: Any, run_id: str, path: str) -> Any:
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no download bar in the run's output
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client.download_artifacts(run_id, path, tmp)
+        except Exception:  # noqa: BLE001 -- MLflow raises store-specific errors for a missing artifact
+            return None
+        return json.loads(Path(local).read_text())
+
+
+def _driver_alive(tag: str | None) -> bool:
+    """Whether the driver a run's tag names is alive on this machine (pid and start time, never pid alone).
+    A driver on another machine cannot be checked: it is taken as gone (the run's status said RUNNING
+    only because nothing marked it ended)."""
+    import psutil
+
+    if not tag:
+        return False
+    d = json.loads(tag)
+    if d.get("host") != socket.gethostname():
+        return False
+    try:
+        return abs(psutil.Process(d["pid"]).create_time() - d["started"]) < 0.01
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False

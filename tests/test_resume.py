@@ -1,0 +1,151 @@
+"""`factory run SPEC --resume [RUN]`: which run and checkpoint it picks, what it refuses (exit 2, before Ray
+starts), and the tracker never logging a step twice. The crash test itself (a real run SIGKILLed, resumed,
+its final weights equal to an uninterrupted run's) is tests/test_run_lifecycle.py."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from factory import cli
+from factory.compiler.compile import compile_file, plan_json
+from factory.resume import ResumeError, find
+from factory.tracking import DRIVER_TAG, Tracker
+from factory.update.checkpoint import write_run_state
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = str(REPO / "specs" / "tiny.yaml")
+GONE = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": 0.0})  # a driver that ended
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory):
+    """One store for the module (creating a sqlite store takes seconds); each test its own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/m.db"
+
+
+@pytest.fixture
+def store(uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri, tmp_path / "ckpt"
+
+
+def compiled(ckpt: Path, *overrides: str):
+    return compile_file(SPEC, [f"train.checkpoint_dir={ckpt}", "train.steps=4", *overrides])
+
+
+def fake_run(uri: str, ckpt: Path, plan, *, logged: int, checkpoints: tuple[int, ...] = (), status: str = "RUNNING",
+             driver: str = GONE, experiment: str = "tiny") -> str:
+    """A run as `factory run` leaves it: tags, plan.json, metrics through step `logged`, checkpoints whose
+    run_state names it; status RUNNING is what a SIGKILLed driver leaves."""
+    from mlflow.tracking import MlflowClient
+
+    t = Tracker(uri, experiment)
+    t.start("tiny-x", {}, {"factory.spec_name": "tiny", "factory.spec_hash": plan.hashes["spec"],
+                           "factory.checkpoint_dir": str(ckpt)}, {"plan.json": plan_json(plan)})
+    t.log_metrics({"eval/reward": 0.25}, step=0)
+    for step in range(1, logged + 1):
+        t.log_metrics({"timing/step_s": 1.0, "reward/mean": step / 10}, step=step)
+    for step in checkpoints:
+        folder = ckpt / f"step_{step}"
+        folder.mkdir(parents=True)
+        write_run_state(folder, {"step": step, "run_id": t.run_id, "data": {"epoch": 0, "cursor": 2 * step}})
+        t.log_checkpoint(step, str(folder))
+    t.end("FINISHED" if status == "FINISHED" else "FAILED")
+    client = MlflowClient(uri)
+    client.update_run(t.run_id, status=status)
+    client.set_tag(t.run_id, DRIVER_TAG, driver)
+    return t.run_id
+
+
+def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(store):
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    exp = {"experiment": "picks"}
+    older = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), status="KILLED", **exp)
+    mine = fake_run(uri, ckpt, plan, logged=2, checkpoints=(1,), **exp)  # killed after logging step 2, before saving it
+    fake_run(uri, ckpt, plan, logged=2, checkpoints=(), status="FINISHED", **exp)  # finished: nothing to resume
+    _, other_plan = compiled(ckpt, "train.lr=0.5")
+    fake_run(uri, ckpt, other_plan, logged=1, **exp)  # newest, but another spec
+
+    r = find(plan, None, uri, train=spec.train, **exp)
+    # step_2 in the shared folder is the older run's: this run continues from its own step_1
+    assert (r.run_id, r.checkpoint, r.step, r.logged) == (mine, "step_1", 1, 2)
+    assert r.data == {"epoch": 0, "cursor": 2} and r.before == {"eval/reward": 0.25} and r.changed == []
+    assert [c["step"] for c in r.checkpoints] == [1]
+    assert "at step 2" in r.describe() and "steps 2-2 are computed again and not logged twice" in r.describe()
+    assert find(plan, older, uri, train=spec.train, **exp).checkpoint == "step_2"  # named explicitly (id)
+
+
+def test_refusals_are_exit_2_with_what_to_do(store, capsys):
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run = fake_run(uri, ckpt, plan, logged=1, checkpoints=(1,))
+    base = ["run", SPEC, f"train.checkpoint_dir={ckpt}", "train.steps=4"]
+
+    # another spec: not picked, and refused when named, unless allowed
+    assert cli.main([*base, "train.lr=0.5", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no unfinished run of spec 'tiny' with this spec and overrides" in err and run in err, err
+    assert "--allow-spec-change" in err
+    assert cli.main([*base, "--resume", run, "train.lr=0.5"]) == 2
+    assert "trained with a different spec than this spec and overrides give" in capsys.readouterr().err
+    spec2, plan2 = compiled(ckpt, "train.lr=0.5")
+    allowed = find(plan2, run, uri, train=spec2.train, experiment="tiny", allow_spec_change=True)
+    assert allowed.changed == ["spec"] and allowed.checkpoint == "step_1"
+    # `--resume KEY=VALUE` is an override, not a run name
+    assert cli.main([*base, "--resume", "train.lr=0.5"]) == 2
+    assert "no unfinished run of spec 'tiny'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):  # without --resume it would mean nothing: refused
+        cli.main([*base, "--allow-spec-change"])
+    assert "--allow-spec-change goes with --resume" in capsys.readouterr().err
+
+    # a run whose driver is alive (this process, for the test)
+    from mlflow.tracking import MlflowClient
+    from psutil import Process
+
+    me = Process()
+    MlflowClient(uri).set_tag(run, DRIVER_TAG, json.dumps({"host": socket.gethostname(), "pid": me.pid,
+                                                           "started": me.create_time()}))
+    with pytest.raises(ResumeError, match=f"run {run} is still running .*stop it first"):
+        find(plan, run, uri, train=spec.train, experiment="tiny")
+
+    # a run that did all its steps
+    done = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="KILLED")
+    with pytest.raises(ResumeError, match="has done all 4 steps"):
+        find(plan, done, uri, train=spec.train, experiment="tiny")
+    assert cli.main([*base, "--resume", "no-such-run"]) == 2
+    assert "no run with id or name 'no-such-run'" in capsys.readouterr().err
+
+
+def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    t = Tracker(uri, "e")
+    run_id = t.start("r", {}, {}, {})
+    for step in (0, 1, 2):
+        t.log_metrics({"m": float(step)}, step=step)
+    t.log_checkpoint(1, str(tmp_path / "step_1"))
+    t.end("FAILED")
+
+    # what factory.resume.find returns, as far as the tracker reads it
+    r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
+
+    spec, plan = compiled(tmp_path / "ckpt")
+    resumed = Tracker(uri, "e")
+    resumed.resume(r, plan, spec, {"calc": []})
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+    for step in (2, 3):  # step 2 is computed again after the step-1 checkpoint
+        resumed.log_metrics({"m": 10.0 + step}, step=step)
+    resumed.log_checkpoint(2, str(tmp_path / "step_2"))
+    resumed.end()
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, "m"), key=lambda m: m.step)] == \
+        [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0)]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1"
+    assert run.data.tags["factory.resumed_from_step"] == "1"
