@@ -279,7 +279,8 @@ def run(plan: Any, spec: Spec, resume: Resume | None = None) -> RunResult:
             listing = ray.get(stages.rollout.tool_listing.remote())
             plan = (tracker.resume(resume, plan, spec, listing) if resume else
                     tracker.start_run(plan, spec, listing, {"resolved": stages.resolved}))
-            display.status(resume.describe() if resume else f"MLflow run {tracker.run_id}; evaluating at step 0")
+            display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
+                           f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(stages, spec, plan, tracker, display, metric_nodes, record, resume)
             status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
         except KeyboardInterrupt:

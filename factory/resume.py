@@ -61,8 +61,9 @@ class Resume:
     def describe(self) -> str:
         where = (f"from its checkpoint {self.checkpoint_dir / self.checkpoint}" if self.checkpoint
                  else "from the start (it saved no checkpoint)")
-        again = (f"; steps {self.step + 1}-{self.logged} are computed again and not logged twice"
-                 if self.logged > self.step else "")
+        first, last = self.step + 1, self.logged
+        again = ("" if last < first else f"; step {first} is computed again, not logged twice" if last == first
+                 else f"; steps {first}-{last} are computed again, not logged twice")
         changed = f"; with a changed {', '.join(self.changed)} (--allow-spec-change)" if self.changed else ""
         return f"resuming run {self.run_id} ({self.run_name}) at step {self.step + 1}, {where}{again}{changed}"
 

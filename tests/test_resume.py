@@ -77,7 +77,7 @@ def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(sto
     assert (r.run_id, r.checkpoint, r.step, r.logged) == (mine, "step_1", 1, 2)
     assert r.data == {"epoch": 0, "cursor": 2} and r.before == {"eval/reward": 0.25} and r.changed == []
     assert [c["step"] for c in r.checkpoints] == [1]
-    assert "at step 2" in r.describe() and "steps 2-2 are computed again and not logged twice" in r.describe()
+    assert "at step 2" in r.describe() and "step 2 is computed again, not logged twice" in r.describe()
     assert find(plan, older, uri, train=spec.train, **exp).checkpoint == "step_2"  # named explicitly (id)
 
 

@@ -127,9 +127,11 @@ def killed(work):
     wait_for((tmp / f"runs/tiny/.incomplete-step_{k}", tmp / f"runs/tiny/step_{k}"), proc, 300, seen, ips)
     time.sleep(delay)
     assert proc.poll() is None, f"run 1 ended before the kill (step {k} + {delay:.2f} s)"
+    saved = (tmp / f"runs/tiny/step_{k}").exists()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    return {"seen": seen, "ips": ips, "leftovers": running(seen.values()), "when": f"step {k} + {delay:.2f} s"}
+    when = f"step {k} logged + {delay:.2f} s, {'after' if saved else 'before'} its checkpoint was committed"
+    return {"seen": seen, "ips": ips, "leftovers": running(seen.values()), "when": when}
 
 
 @pytest.fixture(scope="module")
