@@ -206,7 +206,8 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
     from factory.algorithms import resolve
 
     alg = resolve(spec.algorithm)
-    ckpt_dir = spec.train.checkpoint_dir
+    # a resumed run keeps its folder (absolute, from its tags), whichever directory it is resumed from
+    ckpt_dir = str(resume.checkpoint_dir) if resume else spec.train.checkpoint_dir
     traces = spec.tracking.log_trajectories
     done = restore(s, resume) if resume else 0
     if done:
