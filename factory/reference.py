@@ -12,6 +12,7 @@ models) are added here, so the editor offers them too.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import types
@@ -216,7 +217,9 @@ def anchor(title: str) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """Text for a table cell: one line, `|` escaped, and `<tag>` outside code spans shown, not parsed as HTML."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
 
 
 def _sections(model: type[BaseModel], path: str) -> Iterator[tuple[str, type[BaseModel], str]]:
@@ -283,7 +286,34 @@ def _registries() -> list[str]:
     out += [f"| {kind} | {', '.join(f'`{n}`' for n in names)} |" for kind, names in NAMES.items()]
     out += ["", "### `model.path`: built-in models", "", "| path | what it is |", "|---|---|"]
     out += [f"| `{PREFIX}{name}` | {_cell(text)} |" for name, text in sorted(KNOWN_ASSETS.items())]
+    out += ["", "### Built-in reward functions", "",
+            "For `rewards.NAME.fn`; extra parameters are set with the node's `args`.", "",
+            "| fn | args | returns |", "|---|---|---|"]
+    for ref, fn in builtin_rewards():
+        params = inspect.signature(fn).parameters.values()
+        extra = [f"`{p.name}={p.default!r}`" for p in params if p.default is not p.empty
+                 and p.name not in ("answer", "turns") and p.kind is p.POSITIONAL_OR_KEYWORD]
+        out.append(f"| `{ref}` | {', '.join(extra)} | {_cell(paragraphs(fn.__doc__).split(chr(10))[0])} |")
     return out
+
+
+def builtin_rewards() -> list[tuple[str, Any]]:
+    """(import path, function) of every reward function in `factory.rewards`: public functions whose
+    first parameters are `prompt, completion` (helpers such as `extract_answer` are not rewards)."""
+    import importlib
+    import pkgutil
+
+    import factory.rewards
+
+    found = []
+    for info in sorted(pkgutil.iter_modules(factory.rewards.__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"factory.rewards.{info.name}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("_") or fn.__module__ != module.__name__:
+                continue
+            if list(inspect.signature(fn).parameters)[:2] == ["prompt", "completion"]:
+                found.append((f"{module.__name__}:{name}", fn))
+    return found
 
 
 def markdown() -> str:

@@ -142,6 +142,17 @@ def test_reference_page_lists_every_key():
             assert f"| `{name}` |" in page, name
 
 
+def test_reference_lists_the_builtin_reward_functions():
+    refs = [ref for ref, _ in reference.builtin_rewards()]
+    assert {"factory.rewards.math:numeric_match", "factory.rewards.format:tool_call_ok"} <= set(refs)
+    assert not [ref for ref in refs if ref.endswith(":extract_answer")]  # a helper, not a reward
+    page = reference.markdown()
+    assert "| `factory.rewards.math:numeric_match` | `rel_tol=1e-06` | 1.0 when the first number in the &lt;answer>" \
+        in page  # `<answer>` outside code would be an HTML tag to a markdown renderer: escaped
+    for ref in refs:
+        assert f"| `{ref}` |" in page
+
+
 def test_cli_prints_schema_and_reference(capsys):
     assert cli.main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out) == reference.json_schema()
