@@ -1,7 +1,8 @@
 """The docs harness: every fenced block of a documentation page is executed, so the docs cannot drift.
 
 A page runs top to bottom, like a reader following it, in a fresh working folder of its own that holds
-copies of the repository's specs/, prompts/ and schema/ (the docs' relative paths work as in a checkout), with
+copies of the repository's specs/, prompts/ and schema/ and a link to the third-party tool servers that
+bin/setup installs (.factory/tool-venvs), so the docs' relative paths work as in a checkout, with
 this environment's `factory` first on PATH (as after `source .venv/bin/activate`) and no
 MLFLOW_TRACKING_URI (runs go to ./mlflow.db of that folder). The info string after the language holds
 the harness's instructions, which GitHub does not show: ```` ```bash run-overrides="train.steps=1" ````.
@@ -11,16 +12,22 @@ By language:
     `run-overrides="k=v ..."`: appended to every `factory run` in the block. This is the ONE place where
       the harness runs something other than what the reader sees: long runs are cut short (fewer steps,
       fewer eval rows) so that the docs run in CI in seconds. The page's command itself is unchanged.
-    `serve=URL`: a server that runs until stopped: the harness starts it, waits until URL answers with
-      HTTP 200, then stops it.
+    `serve=URL`: a server that runs until stopped: the harness starts it, waits until URL answers (an
+      HTTP status below 500), then stops it. `background=URL`: the same, but it keeps running for the
+      rest of the page (later blocks talk to it) and is stopped when the page ends.
     `skip="why"`: not run (only `bash -n` checks it); the reason is required (a GPU, a cluster...).
+    `slow="why"`: run only by the slow tests (`pytest -m slow`); the default suite checks its syntax as
+      for `skip`. For a training run that CI cannot afford twice; the reason says which test covers it.
 - `console`: each `$ command` line runs (bash); the lines after it, up to the next `$` line, are its
     expected output (stdout and stderr together). `...` alone on a line matches any number of lines;
     `...` inside a line matches any text. Exit codes are not checked: the output shows the error.
+    `run-overrides` and `slow` work as for `bash`.
 - `yaml`: `file=PATH` writes the block there (later blocks use it); `base=SPEC` checks the block's
-    top-level sections in place of SPEC's with `factory check`; a block that is a whole spec (it has
-    `name`, `model`, `data` and `rewards`) is checked with `factory check` as it is, unless it is marked
-    `broken` (a page showing mistakes; its console block then shows the errors).
+    top-level sections in place of SPEC's with `factory check` (with `file=PATH` too, that spec is
+    written to PATH); a block that is a whole spec (it has `name`, `model`, `data` and `rewards`) is
+    checked with `factory check` as it is, unless it is marked `broken` (a page showing mistakes; its
+    console block then shows the errors). A spec file that a later block runs `factory check` on is
+    checked there only (with that block's flags, such as --connect).
 - `python`: `file=PATH` writes the block there; otherwise it runs with this environment's python in the
     working folder and must exit 0.
 - `json`: must parse (a `.jsonl` file: line by line); `file=PATH` writes it.
@@ -76,6 +83,17 @@ class Page:
     links: list[tuple[int, str]] = field(default_factory=list)
 
 
+def _checked_later(page: Page) -> None:
+    """A spec written by a yaml block that a later block runs `factory check` on is checked there (with
+    the page's own flags, often --connect): checking it twice would only cost time."""
+    for k, block in enumerate(page.blocks):
+        name = block.attrs.get("file")
+        if block.lang in ("yaml", "yml") and name:
+            later = "\n".join(b.text for b in page.blocks[k + 1:] if b.lang in ("console", "bash", "sh"))
+            if re.search(rf"factory check {re.escape(name)}(\s|$)", later):
+                block.attrs["checked-later"] = ""
+
+
 def parse(path: Path) -> Page:
     page = Page(path)
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -98,12 +116,14 @@ def parse(path: Path) -> Page:
             j += 1
         page.blocks.append(Block(path, i + 1, lang.lower(), attrs, "\n".join(body) + "\n"))
         i = j + 1
+    _checked_later(page)
     return page
 
 
 # ------------------------------------------------------------------------------------------ running
 def environment() -> dict[str, str]:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # COLUMNS: rich wraps at 80 columns when it writes to a pipe; a wide page reads better and matches better
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "160"}
     for var in ("FACTORY_DEBUG", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
         env.pop(var, None)
     return env
@@ -113,6 +133,9 @@ def workdir(tmp: Path) -> Path:
     """A page's working folder with copies (not links: a page may write files there) of LINKED."""
     for name in LINKED:
         shutil.copytree(REPO / name, tmp / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if (REPO / ".factory" / "tool-venvs").is_dir():  # third-party MCP servers (bin/install-tool-servers)
+        (tmp / ".factory").mkdir()
+        (tmp / ".factory" / "tool-venvs").symlink_to(REPO / ".factory" / "tool-venvs", target_is_directory=True)
     return tmp
 
 
@@ -141,48 +164,72 @@ def _fail(block: Block, what: str, out: subprocess.CompletedProcess[str] | None 
     return DocError(text)
 
 
-def run_bash(block: Block, cwd: Path, timeout: float) -> None:
+def _syntax(block: Block, script: str, cwd: Path) -> None:
+    out = _bash(f"bash -n <<'__FACTORY_DOC__'\n{script}__FACTORY_DOC__\n", cwd, 30)
+    if out.returncode:
+        raise _fail(block, "shell syntax error", out)
+
+
+def run_bash(block: Block, cwd: Path, timeout: float) -> subprocess.Popen[str] | None:
     if "skip" in block.attrs:
-        out = _bash(f"bash -n <<'__FACTORY_DOC__'\n{block.text}__FACTORY_DOC__\n", cwd, 30)
-        if out.returncode:
-            raise _fail(block, "shell syntax error", out)
-        return
+        return _syntax(block, block.text, cwd)
     script = block.text
     if "run-overrides" in block.attrs:
         script = _with_overrides(script, block.attrs["run-overrides"])
-    if "serve" in block.attrs:
+    if "serve" in block.attrs or "background" in block.attrs:
         return _serve(block, script, cwd, timeout)
     out = _bash("set -euo pipefail\n" + script, cwd, timeout)
     if out.returncode:
         raise _fail(block, "the commands failed", out)
 
 
-def _serve(block: Block, script: str, cwd: Path, timeout: float) -> None:
-    url = block.attrs["serve"]
-    proc = subprocess.Popen(["bash", "-c", f"exec {script.strip()}"], cwd=cwd, env=environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers at `url` (any status below 500: an MCP endpoint refuses a GET)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status < 500
+    except urllib.error.HTTPError as e:
+        return e.code < 500
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _serve(block: Block, script: str, cwd: Path, timeout: float) -> subprocess.Popen[str] | None:
+    """Start a server, wait until its URL answers; stop it (`serve`) or hand it back (`background`)."""
+    url = block.attrs.get("serve") or block.attrs["background"]
+    log = (cwd / f".server-{block.line}.log").open("w")
+    with log:  # the server writes to its own copy of the file descriptor
+        proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=environment(), stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise _fail(block, f"the server exited ({proc.returncode}) before {url} answered:\n"
-                                   f"{proc.stdout.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+                                   f"{(cwd / log.name).read_text()[-4000:]}")
+            if _answers(url):
+                if "background" in block.attrs:
+                    return proc
+                break
             time.sleep(0.5)
-        raise _fail(block, f"{url} did not answer within {timeout:.0f} s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)  # the server and anything it started (its own session)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+        else:
+            raise _fail(block, f"{url} did not answer within {timeout:.0f} s")
+    except BaseException:
+        stop(proc)
+        raise
+    stop(proc)
+    return None
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Stop a server the harness started, and anything it started (its own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
 
 
 def _matches(expected: list[str], actual: list[str]) -> bool:
@@ -208,6 +255,8 @@ def run_console(block: Block, cwd: Path, timeout: float) -> None:
         elif line.strip():
             raise _fail(block, f"a console block starts with `$ command`, not {line!r}")
     for command, expected in commands:
+        if "run-overrides" in block.attrs:
+            command = _with_overrides(command, block.attrs["run-overrides"])
         # stderr into stdout, in the order printed, as a terminal shows them
         out = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
@@ -233,12 +282,14 @@ def run_yaml(block: Block, cwd: Path) -> None:
     try:
         data = yaml.safe_load(block.text)
     except yaml.YAMLError as e:
-        raise _fail(block, f"not YAML: {e}") from None
-    if "file" in block.attrs:
+        if "broken" not in block.attrs:
+            raise _fail(block, f"not YAML: {e}") from None
+        data = None  # a page showing a YAML mistake
+    if "file" in block.attrs and "base" not in block.attrs:
         target = cwd / block.attrs["file"]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(block.text, encoding="utf-8")
-        if _is_spec(data) and "broken" not in block.attrs:
+        if _is_spec(data) and not {"broken", "checked-later"} & set(block.attrs):
             check_spec(block, target, cwd)
         return
     if "base" in block.attrs:
@@ -251,9 +302,11 @@ def run_yaml(block: Block, cwd: Path) -> None:
     else:
         raise _fail(block, "a yaml block needs base=SPEC (checked as SPEC with these sections), file=PATH, "
                            "skip=\"why\", or to be a whole spec")
-    target = cwd / f".doc-{block.line}.yaml"
+    target = cwd / block.attrs.get("file", f".doc-{block.line}.yaml")
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(yaml.safe_dump(merged, sort_keys=False), encoding="utf-8")
-    check_spec(block, target, cwd)
+    if "checked-later" not in block.attrs:
+        check_spec(block, target, cwd)
 
 
 def run_python(block: Block, cwd: Path, timeout: float) -> None:
@@ -268,9 +321,19 @@ def run_python(block: Block, cwd: Path, timeout: float) -> None:
         raise _fail(block, "the python block failed", out)
 
 
-def run_block(block: Block, cwd: Path, timeout: float = 600) -> None:
-    if "skip" in block.attrs and not block.attrs["skip"].strip():
-        raise _fail(block, 'skip needs a reason: skip="why this block cannot run here"')
+def run_block(block: Block, cwd: Path, timeout: float = 600, slow: bool = False) -> subprocess.Popen[str] | None:
+    """Run one block; a server started with `background=` is returned (the caller stops it). A block
+    marked `slow` runs only when `slow` is true; otherwise its shell syntax is checked."""
+    for attr in ("skip", "slow"):
+        if attr in block.attrs and not block.attrs[attr].strip():
+            raise _fail(block, f'{attr} needs a reason: {attr}="why this block cannot run here"')
+    if "slow" in block.attrs and not slow:
+        if block.lang == "console":
+            commands = [line[2:] for line in block.text.splitlines() if line.startswith("$ ")]
+            return _syntax(block, "".join(f"{c}\n" for c in commands), cwd)
+        if block.lang in ("bash", "sh", "shell"):
+            return _syntax(block, block.text, cwd)
+        raise _fail(block, "slow is for bash and console blocks (commands)")
     if block.lang in ("bash", "sh", "shell"):
         return run_bash(block, cwd, timeout)
     if "skip" in block.attrs:

@@ -11,13 +11,32 @@ from tests.docblocks import REPO, Block, check_links, parse, run_block, workdir
 PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
 
 
+SLOW_PAGES = [p for p in PAGES if any("slow" in b.attrs for b in parse(p).blocks)]
+
+
+def _run_page(path: Path, cwd: Path, slow: bool) -> None:
+    page = parse(path)
+    servers = []
+    try:
+        for block in page.blocks:
+            if (server := run_block(block, cwd, slow=slow)) is not None:
+                servers.append(server)
+    finally:
+        for server in servers:
+            docblocks.stop(server)
+    assert not check_links(page)
+
+
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
 def test_page(path, tmp_path):
-    page = parse(path)
-    cwd = workdir(tmp_path)
-    for block in page.blocks:
-        run_block(block, cwd)
-    assert not check_links(page)
+    _run_page(path, workdir(tmp_path), slow=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SLOW_PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_page_with_its_slow_blocks(path, tmp_path):
+    """The same page with the blocks marked `slow` run too (the quickstart's whole training run...)."""
+    _run_page(path, workdir(tmp_path), slow=True)
 
 
 # ------------------------------------------------------------------------------ the harness itself
@@ -55,7 +74,8 @@ def test_console_output_matching():
 def test_harness_fails_loudly(tmp_path):
     cwd = workdir(tmp_path)
     blocks = _page(tmp_path, "```console\n$ echo hi\nbye\n```\n\n```bash\nfalse\n```\n\n```toml\na = 1\n```\n\n"
-                             "```yaml\ntrain: {lr: 1}\n```\n\n```bash skip=\"\"\ntrue\n```\n")
+                             "```yaml\ntrain: {lr: 1}\n```\n\n```bash skip=\"\"\ntrue\n```\n\n"
+                             "```console slow=\"a long run\"\n$ echo 'unclosed\n```\n")
     messages = []
     for block in blocks:
         with pytest.raises(AssertionError) as e:
@@ -69,6 +89,7 @@ def test_harness_fails_loudly(tmp_path):
         ("docs/.harness-test.md:14: a yaml block needs base=SPEC (checked as SPEC with these sections), "
          "file=PATH, skip=\"why\", or to be a whole spec"),
         "docs/.harness-test.md:18: skip needs a reason: skip=\"why this block cannot run here\"",
+        "docs/.harness-test.md:22: shell syntax error",
     ]
 
 
@@ -92,3 +113,9 @@ def test_links_and_anchors_are_checked(tmp_path):
         ]
     finally:
         page.unlink()
+
+
+def test_a_spec_that_a_later_block_checks_is_checked_there_only(tmp_path):
+    spec, other, _ = _page(tmp_path, "```yaml file=s.yaml\nname: s\n```\n\n```yaml file=t.yaml\nname: t\n```\n\n"
+                                     "```console\n$ factory check s.yaml --connect\n```\n")
+    assert "checked-later" in spec.attrs and "checked-later" not in other.attrs
