@@ -31,13 +31,15 @@ def _check(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from factory.compiler.compile import compile_file, plan_json
-    from factory.compiler.render import explain_text, plan_text
+    from factory.compiler.render import dot_text, explain_text, plan_text
 
     spec, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     if args.json:
         sys.stdout.write(plan_json(plan))
+    elif args.dot:
+        sys.stdout.write(dot_text(plan))
     else:
         sys.stdout.write((explain_text(plan, spec) if args.explain else plan_text(plan)) + "\n")
     return 0
@@ -46,10 +48,10 @@ def _plan(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from factory.compiler.compile import compile_file
 
-    spec, plan = compile_file(args.spec, args.overrides)
+    _, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
-    if not (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")):
+    if not (plan.driver.resources.ray_address or os.environ.get("RAY_ADDRESS")):
         # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
         # interface and advertise the machine's address; this flag (read when ray is imported, so set it
         # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
@@ -59,12 +61,13 @@ def _run(args: argparse.Namespace) -> int:
         from factory.resume import find
         from factory.tracking import tracking_uri
 
-        resume = find(plan, args.resume or None, tracking_uri(spec.tracking.uri), train=spec.train,
-                      experiment=spec.tracking.experiment, allow_spec_change=args.allow_spec_change)
+        d = plan.driver
+        resume = find(plan, args.resume or None, tracking_uri(d.tracking.uri), train=d.train,
+                      experiment=d.tracking.experiment, allow_spec_change=args.allow_spec_change)
         print(resume.describe(), file=sys.stderr)
     from factory.driver import run
 
-    return 130 if run(plan, spec, resume).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
+    return 130 if run(plan, resume).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -172,6 +175,8 @@ def parser() -> argparse.ArgumentParser:
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
     plan.add_argument("--explain", action="store_true", help="print every resolved setting with its documentation")
+    plan.add_argument("--dot", action="store_true",
+                      help="print the stage graph in Graphviz dot (render: factory plan SPEC --dot | dot -Tsvg)")
 
     init_help = "create a project folder: a spec, a prompt, a reward function, an MCP tool server and data"
     ini = sub.add_parser("init", help=init_help, description=init_help)

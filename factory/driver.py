@@ -1,17 +1,23 @@
-"""`factory run`: the single controller. It places the stages on Ray and runs the loop
+"""`factory run`: the single controller. It places the plan's stages on Ray and runs the loop along the
+plan's edges (`factory plan` lists them):
 
-    batch = data.next_batch(); trajs = rollout.generate(batch); trajs = reward.score(trajs);
-    stats = update.step(trajs); rollout.load_weights(update.state_dict())
+    batch = data.next_batch(n); trajs = rollout.generate(batch); trajs = reward.score(trajs)   # plan.flow("data")
+    stats = update.step(trajs)                                                                # ... its last edge
+    rollout.load_weights(update.state_dict())                                                # the weight_sync edge
 
-calling the stage actors as if they were local. Everything that branches (algorithm, backend, dynamic
-sampling) lives outside `train_loop`.
+Each stage is a `Group` of replicas (Ray actors in one placement group) called as if it were one local
+object. Nothing here names a stage: placement, wiring (call edges) and the loop all read the plan.
+Everything that branches (algorithm, backend, dynamic sampling) lives outside `train_loop`.
 """
 from __future__ import annotations
 
+import graphlib
+import json
 import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,20 +25,16 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
-from factory.schema import Spec
+from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.types import Placement
+from factory.util import import_path
 
 if TYPE_CHECKING:
     from factory.resume import Resume
 
-
-@dataclass
-class Stages:
-    data: Any
-    rollout: Any
-    reward: Any
-    update: Any
-    handles: list[Any] = field(default_factory=list)
-    resolved: dict[str, Any] = field(default_factory=dict)  # what each stage chose on its device (engine, dtypes)
+# How long a stage's placement group may wait for its resources on a cluster that has them in total
+# (busy with other jobs, or an autoscaler adding nodes) before the run gives up with a clear message.
+PLACEMENT_TIMEOUT_S = 600
 
 
 @dataclass
@@ -44,114 +46,213 @@ class RunResult:
     stopped: bool = False  # Ctrl-C ended it early (after a logged, checkpointed step)
 
 
-def start_ray(spec: Spec) -> None:
-    """Join $RAY_ADDRESS / resources.ray_address, else start a small local Ray of our own."""
-    address = spec.resources.ray_address or os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only cluster: no token needed
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return
-    temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
-    with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.lifecycle)
-        ray.init(num_cpus=os.cpu_count(), object_store_memory=int(spec.resources.object_store_gb * 2**30),
-                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
-                 runtime_env={"env_vars": _QUIET})
-
-
+# ------------------------------------------------------------------------------------------ Ray
 # Stage processes log through Ray to this terminal; keep library chatter (weight-loading bars, advisory
 # warnings) out of the run's display.
 _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
-def place_stages(spec: Spec, model_path: str, base_dir: str, display: Any) -> Stages:
-    from factory.data import DataStage
-    from factory.reward import RewardStage
-    from factory.rollout.stage import RolloutStage
-    from factory.update.stage import UpdateStage
-
-    workdir = os.getcwd()
-    res = spec.resources
-    from factory.reward.graph import required_columns
-
-    data = ray.remote(DataStage).options(num_cpus=0).remote(
-        spec.data, seed=spec.seed, base_dir=Path(base_dir), eval_size=spec.train.eval_size,
-        required_columns=required_columns(spec))
-    rollout = ray.remote(RolloutStage).options(num_cpus=res.rollout.num_cpus, num_gpus=res.rollout.num_gpus).remote(
-        spec, model_path, base_dir=base_dir, workdir=workdir)
-    reward = ray.remote(RewardStage).options(num_cpus=res.reward.num_cpus, num_gpus=res.reward.num_gpus).remote(
-        spec, base_dir=base_dir, workdir=workdir)
-    update = ray.remote(UpdateStage).options(num_cpus=res.update.num_cpus, num_gpus=res.update.num_gpus).remote(
-        spec, model_path, workdir=workdir, base_dir=base_dir)
-    tools = f", starts the tool servers {', '.join(spec.tools)}" if spec.tools else ""
-    display.status(f"starting the stages: data; rollout (loads the model{tools}); reward; update (DeepSpeed engine; "
-                   "the first run on a machine also compiles DeepSpeed's C++ ops, about a minute)")
-    ready = await_setup({"data": data.setup.remote(), "rollout": rollout.setup.remote(),
-                         "reward": reward.setup.remote(), "update": update.setup.remote()}, display)
-    return Stages(data, rollout, reward, update, [data, rollout, reward, update],
-                  resolved={"rollout": ready["rollout"]["resolved"], "update": ready["update"]["resolved"]})
+def start_ray(cluster: ClusterSettings) -> None:
+    """Join $RAY_ADDRESS / resources.ray_address, else start a small local Ray of our own."""
+    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only cluster: no token needed
+    if address:
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
+        return
+    temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
+    with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.lifecycle)
+        ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
+                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+                 runtime_env={"env_vars": _QUIET})
 
 
-def await_setup(refs: dict[str, Any], display: Any) -> dict[str, Any]:
-    """Every stage's setup result, saying as each one is ready."""
-    t0, names, out = time.perf_counter(), {ref: name for name, ref in refs.items()}, {}
-    while names:
-        (ref,), _ = ray.wait(list(names), num_returns=1)
-        name = names.pop(ref)
-        out[name] = ray.get(ref)  # a setup that failed raises here
-        display.status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
-    return out
+# --------------------------------------------------------------------------------------- groups
+@dataclass
+class Group:
+    """The replicas of one stage, called as one object.
+
+    A method the stage class lists in `SHARDED` splits its input over the replicas (`cls.split`) and
+    joins their answers (`cls.merge`); any other method reaches every replica alike, and replica 0's
+    answer is the group's (for a torch.distributed world: rank 0's)."""
+
+    stage: Stage
+    cls: type
+    actors: list[Any]
+    placement_group: Any = None
+    info: list[dict[str, Any]] = field(default_factory=list)  # what each replica's setup reported
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every replica; their ObjectRefs, replica 0's first."""
+        if len(self.actors) > 1:  # serialise a big argument once, not once per replica
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
+        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+
+    def call(self, method: str, *args: Any, progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
+        """`method` on the group, as if it were one object. `progress(done, total)`, when given and the
+        stage reports `progress()`, hears the replicas' summed progress about twice a second meanwhile."""
+        sharded = method in getattr(self.cls, "SHARDED", ())
+        if sharded:
+            parts = self.cls.split(args[0], len(self.actors))
+            refs = [getattr(actor, method).remote(*part, *args[1:], **kwargs) for actor, part in zip(self.actors, parts)]
+        else:
+            refs = self.submit(method, *args, **kwargs)
+        if progress is not None and hasattr(self.cls, "progress"):
+            while len(ray.wait(refs, num_returns=len(refs), timeout=0.5)[0]) < len(refs):
+                counts = ray.get([actor.progress.remote() for actor in self.actors])
+                progress(sum(done for done, _ in counts), sum(total for _, total in counts))
+        answers = ray.get(refs)
+        return self.cls.merge(answers) if sharded else answers[0]
 
 
-def follow(ref: Any, rollouts: list[Any], display: Any, label: str) -> Any:
-    """The result of a rollout call; meanwhile the display shows the trajectories done out of total, polled
-    from the rollout actors (async actors answer `progress()` while `generate` awaits)."""
-    while not ray.wait([ref], timeout=0.5)[0]:
-        counts = ray.get([r.progress.remote() for r in rollouts])
-        display.progress(label, sum(d for d, _ in counts), sum(t for _, t in counts))
-    display.done()
-    return ray.get(ref)
+Groups = dict[str, Group]
 
 
-def evaluate(s: Stages, spec: Spec, metric_nodes: dict[str, str], display: Any,
-             step: int) -> tuple[dict[str, float], list[Any]]:
-    """Greedy, one sample per held-out prompt; `eval/<metric>` is the mean of that reward node."""
+def _placement_group(stage: Stage) -> Any:
+    """A placement group reserving one bundle per replica, or None when a replica reserves nothing."""
+    if not stage.resources:
+        return None
+    from ray.util.placement_group import placement_group
+
+    total = ray.cluster_resources()
+    short = {k: v * stage.replicas for k, v in stage.resources.items() if total.get(k, 0.0) < v}
+    if short:  # Ray would wait forever for a bundle no node can hold
+        raise RuntimeError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray "
+                           f"cluster has {({k: total.get(k, 0.0) for k in short})} in all: change "
+                           f"resources.{stage.name} or add nodes")
+    pg = placement_group([dict(stage.resources)] * stage.replicas, strategy=stage.strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        raise RuntimeError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
+                           f"no room in {PLACEMENT_TIMEOUT_S} s; free: {ray.available_resources()}")
+    return pg
+
+
+def start_group(stage: Stage) -> Group:
+    """The stage's replicas as Ray actors: constructed with the stage's slice (nothing else), each in
+    its own bundle of the stage's placement group."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cls = import_path(stage.cls)
+    pg = _placement_group(stage)
+    custom = {k: v for k, v in stage.resources.items() if k not in ("CPU", "GPU")}
+    actors = []
+    for i in range(stage.replicas):
+        options: dict[str, Any] = {"num_cpus": stage.resources.get("CPU", 0), "num_gpus": stage.resources.get("GPU", 0),
+                                   "resources": custom}
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        actors.append(ray.remote(cls).options(**options).remote(stage.settings))
+    return Group(stage, cls, actors, pg)
+
+
+def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
+    """Start every stage's group and set its replicas up, callees before their callers (each caller
+    gets a handle on the stages its call edges reach); a torch.distributed group first meets at rank
+    0's address. `status` hears each stage as it is ready."""
+    groups: Groups = {}
+    t0 = time.perf_counter()
+    try:
+        for stage in plan.stages:
+            groups[stage.name] = start_group(stage)
+        calls = [e for e in plan.edges if e.kind == "call" and e.method]
+        order = graphlib.TopologicalSorter({s.name: {e.dst for e in calls if e.src == s.name} for s in plan.stages})
+        order.prepare()
+        while order.is_active():
+            ready = order.get_ready()
+            pending = {name: setup_group(groups[name], {e.dst: groups[e.dst].actors[0] for e in calls if e.src == name})
+                       for name in ready}
+            for name, refs in pending.items():
+                groups[name].info = ray.get(refs)  # a setup that failed raises here
+                status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
+            order.done(*ready)
+    except BaseException:
+        teardown(groups)
+        raise
+    return groups
+
+
+def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
+    """Start every replica's setup (ObjectRefs of what each reports), telling it its rank and peers."""
+    workdir, world = os.getcwd(), len(g.actors)
+    addr, port = ray.get(g.actors[0].address.remote()) if getattr(g.cls, "WORLD", False) and world > 1 else ("", 0)
+    return [actor.setup.remote(Placement(workdir, rank, world, addr, port, peers))
+            for rank, actor in enumerate(g.actors)]
+
+
+def teardown(groups: Groups) -> None:
+    """Stop tool servers and engines cleanly before the actors go, then free the placement groups."""
+    refs = [ref for g in groups.values() if hasattr(g.cls, "close") for ref in g.submit("close")]
+    ray.wait(refs, num_returns=len(refs), timeout=30)
+    for g in groups.values():
+        for actor in g.actors:
+            ray.kill(actor)
+        if g.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(g.placement_group)
+
+
+def placement_record(groups: Groups) -> dict[str, Any]:
+    """What was placed, as each replica reported it (MLflow's placement.json, next to plan.json)."""
+    return {name: {"cls": g.stage.cls, "replicas": len(g.actors), "resources": g.stage.resources,
+                   "strategy": g.stage.strategy, "setup": g.info} for name, g in groups.items()}
+
+
+# ----------------------------------------------------------------------------------------- flows
+def carry(g: Groups, edges: list[Edge], *args: Any, display: Any, label: str,
+          **context: Any) -> tuple[Any, dict[str, float]]:
+    """Carry one batch along `edges`: the first edge's source fetches it (`fetch(*args)`), then each
+    edge's destination receives the previous answer, and `context` (the step and the dynamic-sampling
+    attempt, which seed the sampling). Returns the last answer and every stage's metrics; the display
+    shows the progress of stages that report it."""
+    x = g[edges[0].src].call(edges[0].fetch, *args)
+    metrics: dict[str, float] = {}
+    if x is None:  # no held-out data
+        return None, metrics
+    for e in edges:
+        x, m = g[e.dst].call(e.method, x, progress=lambda done, total: display.progress(label, done, total),
+                             **context)
+        display.done()
+        metrics.update(m)
+    return x, metrics
+
+
+def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
+    """The eval flow up to (not into) the trainer; `eval/<metric>` is the mean of that reward node."""
+    trajs, m = carry(g, plan.flow("eval")[:-1], display=display, label=f"step {step} evaluation", step=step)
+    if trajs is None:
+        return {}, []
     from factory.reward.graph import eval_metrics
 
-    batch = ray.get(s.data.eval_batch.remote())
-    if batch is None:
-        return {}, []
-    trajs, rollout_m = follow(s.rollout.generate.remote(batch, group_size=1, greedy=True), [s.rollout], display,
-                              f"step {step} evaluation")
-    trajs, reward_m = ray.get(s.reward.score.remote(trajs))
-    out = eval_metrics(reward_m, metric_nodes)  # the training reward's missing-value rule (on_missing)
-    out["eval/num_turns"] = rollout_m["num_turns/mean"]
-    out["eval/tool_calls"] = rollout_m["tool_calls/mean"]
+    out = eval_metrics(m, plan.metrics)  # the training reward's missing-value rule (on_missing)
+    out["eval/num_turns"] = m["num_turns/mean"]
+    out["eval/tool_calls"] = m["tool_calls/mean"]
     return out, trajs
 
 
-def collect(s: Stages, spec: Spec, alg: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
-    """One step's scored trajectories. With dynamic sampling (DAPO), groups whose rewards all agree carry
-    no signal: they are dropped and more prompts are sampled, up to 3 extra rounds."""
+def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
+    """One step's scored trajectories: the data flow up to (not into) the trainer. With dynamic sampling
+    (DAPO), groups whose rewards all agree carry no signal: they are dropped and more prompts are
+    sampled, up to 3 extra rounds."""
     from factory.algorithms import dynamic_sampling_keep
 
-    want, kept, metrics, seen, generated = spec.train.prompts_per_step, [], {}, 0, 0
-    for attempt in range(4 if alg.dynamic_sampling else 1):
-        batch = s.data.next_batch.remote(want - len({t.prompt_index for t in kept}) if attempt else want)
-        trajs, roll_m = follow(s.rollout.generate.remote(batch, group_size=spec.rollout.group_size, step=step,
-                                                         attempt=attempt), [s.rollout], display, f"step {step} rollout")
-        trajs, rew_m = ray.get(s.reward.score.remote(trajs))
+    edges, d = plan.flow("data")[:-1], plan.driver
+    want, kept, metrics, seen, generated = d.train.prompts_per_step, [], {}, 0, 0
+    for attempt in range(4 if d.dynamic_sampling else 1):
+        trajs, m = carry(g, edges, want - len({t.prompt_index for t in kept}) if attempt else want, display=display,
+                         label=f"step {step} rollout", step=step, attempt=attempt)
         for t in trajs:  # keep group ids unique across rounds
             t.prompt_index += 1000 * attempt
-        metrics = _merge(metrics, {**roll_m, **rew_m}, seen, len(trajs))
+        metrics = _merge(metrics, m, seen, len(trajs))
         seen += len(trajs)
         generated += sum(t.num_model_tokens for t in trajs)
-        if not alg.dynamic_sampling:
+        if not d.dynamic_sampling:
             return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
         import torch
 
         keep = dynamic_sampling_keep(torch.tensor([t.reward for t in trajs]),
-                                     torch.tensor([t.prompt_index for t in trajs]), alg.std_eps)
+                                     torch.tensor([t.prompt_index for t in trajs]), d.std_eps)
         kept += [t for t, k in zip(trajs, keep.tolist()) if k]
         if len({t.prompt_index for t in kept}) >= want:
             break
@@ -186,34 +287,45 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
     return out
 
 
-def restore(s: Stages, resume: Resume) -> int:
-    """Put the stages where the resumed run's checkpoint left them (factory.resume); returns its step."""
+def sync_weights(g: Groups, plan: Plan) -> float:
+    """Every weight_sync edge: the source's weights (rank 0's; every rank takes part in gathering them)
+    go to every replica of the destination, through Ray's object store, never through this process."""
+    t0 = time.perf_counter()
+    for e in plan.edges:
+        if e.kind == "weight_sync":
+            weights = g[e.src].submit(e.fetch)
+            ray.get(g[e.dst].submit(e.method, weights[0]) + weights[1:])
+    return time.perf_counter() - t0
+
+
+def restore(g: Groups, plan: Plan, resume: Resume) -> int:
+    """Put the stages where the resumed run's checkpoint left them (factory.resume): every rank loads the
+    trainer's checkpoint, the data source its position, the engines the trainer's weights; returns its step."""
     if resume.checkpoint is not None:
-        ray.get(s.update.load_checkpoint.remote(str(resume.checkpoint_dir), resume.checkpoint))
-        ray.get([s.data.restore.remote(resume.data),
-                 s.rollout.load_weights.remote(s.update.state_dict.remote())])
+        data, trainer = plan.flow("data")[0].src, plan.flow("data")[-1].dst
+        g[trainer].call("load_checkpoint", str(resume.checkpoint_dir), resume.checkpoint)
+        g[data].call("restore", resume.data)
+        sync_weights(g, plan)
     return resume.step
 
 
+# ------------------------------------------------------------------------------------------ loop
 # The parts a step's wall time (`timing/step_s`) is split into, none overlapping another: generate (a
 # generation in flight), tools_only (tool calls in flight and no generation), reward, update, weight_sync;
 # `timing/overhead_s` is the rest (moving batches between actors, the data stage, rollout bookkeeping).
 STEP_PARTS = ("generate", "tools_only", "reward", "update", "weight_sync")
 
 
-def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, metric_nodes: dict[str, str],
-               record: SessionRecord, resume: Resume | None = None) -> RunResult:
-    from factory.algorithms import resolve
-
-    alg = resolve(spec.algorithm)
+def train_loop(g: Groups, plan: Plan, tracker: Any, display: Any, record: SessionRecord,
+               resume: Resume | None = None) -> RunResult:
+    d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
     # a resumed run keeps its folder (absolute, from its tags), whichever directory it is resumed from
-    ckpt_dir = str(resume.checkpoint_dir) if resume else spec.train.checkpoint_dir
-    traces = spec.tracking.log_trajectories
-    done = restore(s, resume) if resume else 0
+    ckpt_dir = str(resume.checkpoint_dir) if resume else d.train.checkpoint_dir
+    done = restore(g, plan, resume) if resume else 0
     if done:
         before = resume.before  # its step-0 evaluation, as the run logged it
     else:
-        before, eval_trajs = evaluate(s, spec, metric_nodes, display, 0)
+        before, eval_trajs = evaluate(g, plan, display, 0)
         tracker.log_metrics(before, step=0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
         display.step(0, before, completed=0)
@@ -221,28 +333,26 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"))
     with stop:
-        for step in range(done + 1, spec.train.steps + 1):
+        for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
-            trajs, m = collect(s, spec, alg, display, step)                    # data -> rollout -> tools -> reward
-            m.update(ray.get(s.update.step.remote(trajs)))                     # advantages + DeepSpeed update
-            t_sync = time.perf_counter()
-            ray.get(s.rollout.load_weights.remote(s.update.state_dict.remote()))  # weight sync: update -> rollout
-            m["timing/weight_sync_s"] = time.perf_counter() - t_sync
+            trajs, m = collect(g, plan, display, step)                         # data -> rollout (<-> tools) -> reward
+            m.update(g[trainer.dst].call(trainer.method, trajs))              # advantages + DeepSpeed update
+            m["timing/weight_sync_s"] = sync_weights(g, plan)                  # update -> every rollout replica
             m["timing/step_s"] = time.perf_counter() - t0
             m["timing/overhead_s"] = m["timing/step_s"] - sum(m.get(f"timing/{k}_s", 0.0) for k in STEP_PARTS)
             # tokens the model generated in the step (every sampling round), not tool results or template text
             m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
-            if step == spec.train.steps or (spec.train.eval_every and step % spec.train.eval_every == 0):
-                after, eval_trajs = evaluate(s, spec, metric_nodes, display, step)
+            if _due(step, d.train.eval_every, d.train.steps):
+                after, eval_trajs = evaluate(g, plan, display, step)
                 m.update(after)
                 tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
             tracker.log_metrics(m, step=step)  # before the checkpoint: a checkpointed step is a logged one
             tracker.log_trajectories(trajs, step, traces=traces)  # the table keeps all: `factory rescore` reads it
             display.step(step, m)
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
-            if stopping or step == spec.train.steps or (spec.train.checkpoint_every and step % spec.train.checkpoint_every == 0):
-                state = {"run_id": tracker.run_id, "data": ray.get(s.data.state.remote())}  # what --resume reads
-                checkpoint = ray.get(s.update.save_checkpoint.remote(ckpt_dir, step, state))
+            if stopping or _due(step, d.train.checkpoint_every, d.train.steps):
+                state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
+                checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
                 tracker.log_checkpoint(step, checkpoint)
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
@@ -250,60 +360,66 @@ def train_loop(s: Stages, spec: Spec, plan: Any, tracker: Any, display: Any, met
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested)
 
 
-def run(plan: Any, spec: Spec, resume: Resume | None = None) -> RunResult:
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def run(plan: Plan, resume: Resume | None = None) -> RunResult:
     """Run a compiled plan end to end (or continue the run `resume` names, see factory.resume); returns the
     MLflow run id and before/after eval metrics."""
-    from factory.assets import is_built, resolve_model
     from factory.display import Display
     from factory.tracking import Tracker, tracking_uri
 
-    t_start = time.perf_counter()
-    display = Display(spec.train.steps)
-    uri = tracking_uri(spec.tracking.uri)
-    tracker = Tracker(uri, spec.tracking.experiment)
-    metric_nodes = metric_nodes_of(spec)
+    t_start, d = time.perf_counter(), plan.driver
+    display = Display(d.train.steps)
+    uri = tracking_uri(d.tracking.uri)
+    tracker = Tracker(uri, d.tracking.experiment)
     with display:
         ended = reap_orphans()
         if ended:
             display.status(f"ended what a killed run left behind: {', '.join(ended)}")
-        if not is_built(spec.model.path):
-            display.status(f"building the model {spec.model.path} into the cache (first use only)")
-        model_path = resolve_model(spec.model.path)
+        build_models(plan, display.status)
         display.status("starting Ray")
-        start_ray(spec)
+        start_ray(d.resources)
         record = SessionRecord()
         record.update()
-        status, stages = "FAILED", None
+        status, groups = "FAILED", {}
         try:
-            stages = place_stages(spec, model_path, str(plan.base_dir), display)
+            stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
+            display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
+                           "DeepSpeed's C++ ops, about a minute)")
+            groups = place(plan, display.status)
             record.update()
-            listing = ray.get(stages.rollout.tool_listing.remote())
-            plan = (tracker.resume(resume, plan, spec, listing) if resume else
-                    tracker.start_run(plan, spec, listing, {"resolved": stages.resolved}))
+            # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
+            resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+            listing = next((g.call("tool_listing") for g in groups.values() if hasattr(g.cls, "tool_listing")), {})
+            placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
+            plan = (tracker.resume(resume, plan, listing) if resume else
+                    tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
             display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
                            f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(stages, spec, plan, tracker, display, metric_nodes, record, resume)
+            result = train_loop(groups, plan, tracker, display, record, resume)
             status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
         except KeyboardInterrupt:
             status = "KILLED"  # MLflow's word for a run stopped by its user
             raise
         finally:
             tracker.end(status)
-            if stages is not None:  # stop tool servers cleanly before the actors go
-                ray.wait([stages.rollout.close.remote(), stages.reward.close.remote()], num_returns=2, timeout=30)
+            teardown(groups)
             ray.shutdown()
             record.close()
-    display.summary(run_id=result.run_id, experiment=spec.tracking.experiment, experiment_id=tracker.experiment_id,
+    display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))
     return result
 
 
-def metric_nodes_of(spec: Spec) -> dict[str, str]:
-    """Eval metrics: the spec's `metrics`, else `accuracy` = the first python-function node."""
-    if spec.metrics:
-        return dict(spec.metrics)
-    from factory.schema import FnNode
+def build_models(plan: Plan, status: Callable[[str], None]) -> None:
+    """Build the built-in models the stages will load (first use only) here, once, before Ray starts,
+    rather than in whichever stage's setup comes first."""
+    from factory.assets import is_built, resolve_model
 
-    first = next((n for n, v in spec.rewards.items() if isinstance(v, FnNode)), None)
-    return {"accuracy": first} if first else {}
+    for path in sorted({s.settings.model.path for s in plan.stages if hasattr(s.settings, "model")}):
+        if not is_built(path):
+            status(f"building the model {path} into the cache (first use only)")
+            resolve_model(path)

@@ -1,40 +1,151 @@
-"""The Plan: a compiled spec, as plain data.
+"""The Plan: a compiled spec, as plain data, and the program `factory run` executes.
 
-The compiler (factory.compiler) builds it; the driver executes it; MLflow stores it with every run and
-`factory diff` compares two of them. It lives at the bottom of the package (it imports nothing of
-Factory's) so every stage can read its slice without importing the compiler.
+The compiler (factory.compiler) builds it; the driver places `plan.stages` and runs the loop along
+`plan.edges`; MLflow stores it with every run and `factory diff` compares two of them.
+
+Each stage carries its slice of the spec (`settings`): the spec sections it reads, under their spec
+names, and the values the compiler derived for it (the reward order, the resolved algorithm, ...). The
+stage's constructor receives that slice and nothing else, so what `factory plan` shows is what runs.
+
+It sits at the bottom of the package with the schema (it imports only `factory.schema` and the
+torch-free `factory.presets`), so every stage can read its slice without importing the compiler.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from factory.presets import Algorithm
+from factory.schema import (
+    DataSpec,
+    LocalJudge,
+    ModelSpec,
+    RewardNode,
+    RolloutSpec,
+    ToolSpec,
+    TrackingSpec,
+    TrainSpec,
+)
 
 
+# ------------------------------------------------------------------------------------ stage slices
+class Settings(BaseModel):
+    """A stage's slice of the spec. Spec sections keep their spec names (the spec's masked paths mask
+    them in every view); the rest are values the compiler resolved."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSettings(Settings):
+    data: DataSpec
+    seed: int
+    eval_size: int | None  # evaluate on at most this many eval rows
+    required_columns: dict[str, str]  # column -> the reward node that needs it: every row is checked for it
+    base_dir: str  # the spec's folder: relative file references fall back to it
+
+
+class RolloutSettings(Settings):
+    model: ModelSpec
+    chat_template: str | None
+    rollout: RolloutSpec
+    bf16_autocast: bool  # train.bf16_autocast: rollout.dtype auto follows the update's precision
+    num_gpus: float  # resources.rollout.num_gpus: a replica with a GPU generates on CUDA
+    seed: int
+    threads: int | None
+    base_dir: str
+
+
+class ToolsSettings(Settings):
+    tools: dict[str, ToolSpec]
+    base_dir: str
+
+
+class RewardSettings(Settings):
+    rewards: dict[str, RewardNode]
+    order: tuple[str, ...]  # reward nodes, inputs before the nodes that read them
+    train_node: str  # the node whose value trains the policy
+    base_dir: str
+
+
+class JudgeSettings(Settings):
+    judge: LocalJudge  # rewards.<node>.local
+    seed: int
+
+
+class UpdateSettings(Settings):
+    model: ModelSpec
+    chat_template: str | None  # saved hf/ folders carry it
+    rollout: RolloutSpec  # the sampling temperature, the token budget, drop_infra_errors
+    train: TrainSpec
+    algorithm: Algorithm  # the preset filled in and overridden by the spec
+    seed: int
+    base_dir: str
+
+
+class ClusterSettings(Settings):
+    ray_address: str | None
+    object_store_gb: float
+
+
+class DriverSettings(Settings):
+    """What the single controller itself reads: the loop, the eval metrics, tracking and the cluster."""
+
+    name: str
+    train: TrainSpec  # the loop reads steps, prompts_per_step and the eval/checkpoint cadence
+    metrics: dict[str, str]  # eval metric name -> reward node
+    dynamic_sampling: bool  # the resolved algorithm's: the driver refills the batch
+    std_eps: float
+    tracking: TrackingSpec
+    resources: ClusterSettings
+
+
+# ------------------------------------------------------------------------------------- the graph
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the run: what it consumes and produces, and what Ray reserves for it."""
+    """One stage: the class the driver places (by import path), how many replicas, what each reserves,
+    and the slice its constructor receives."""
 
     name: str
     does: str
+    cls: str  # `module:Class`, constructed as Class(settings) in each replica's Ray actor
+    settings: Settings
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    resources: dict[str, float]
+    replicas: int = 1
+    resources: dict[str, float] = field(default_factory=dict)  # one replica's Ray bundle: CPU, GPU, custom
+    strategy: str = "PACK"  # how the replicas' placement group spreads over nodes
+
+
+EdgeKind = Literal["data", "eval", "call", "weight_sync"]
 
 
 @dataclass(frozen=True)
 class Edge:
-    """`src` hands `carries` to `dst`; `weight_sync` is the update -> rollout edge that closes the loop."""
+    """`src` hands `carries` to `dst`, whose method `method` receives it.
+
+    data: one training step flows along these, from the source stage to the trainer. eval: the same
+    flow from the held-out batch (it never reaches the trainer). call: `src` calls `dst.method` itself,
+    as often as it needs (tool calls). weight_sync: the edge that closes the loop. `fetch` is the `src`
+    method the driver calls to get what the edge carries; empty when it is the answer of the previous
+    edge's method."""
 
     src: str
     dst: str
     carries: str
-    kind: str = "data"  # data | call | weight_sync
+    kind: EdgeKind = "data"
+    method: str = ""
+    fetch: str = ""
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A compiled spec. Plain data: `plan_json` serialises all of it except `spec_yaml` (the same as
-    `spec`) and `warnings` (diagnostics that depend on the machine, such as the HF cache)."""
+    """A compiled spec. `plan_json` serialises all of it except `spec_yaml` (the same as `spec`) and
+    `warnings` (diagnostics that depend on the machine, such as the HF cache).
+
+    `spec` and every serialised view show values that came from the environment as "***"; the stage
+    slices and `driver` hold the real values, because they are what runs."""
 
     spec: dict[str, Any]  # the resolved spec, keys sorted, env-derived values masked as "***"
     spec_yaml: str  # the same as YAML (what MLflow stores as spec.yaml)
@@ -42,11 +153,40 @@ class Plan:
     base_dir: str  # the spec file's folder (absolute): relative file references fall back to it
     stages: tuple[Stage, ...]
     edges: tuple[Edge, ...]
-    reward_order: tuple[str, ...]  # reward nodes, inputs before the nodes that read them
-    reward_node: str  # the node whose value trains the policy
-    metrics: dict[str, str]  # eval metric name -> reward node
-    algorithm: dict[str, Any]  # the resolved algorithm (preset filled in)
+    driver: DriverSettings
     hashes: dict[str, Any]  # spec, templates, rewards, data, code, tools, run
     version: str  # factory's version
     tools: dict[str, list[str]] = field(default_factory=dict)  # server -> offered tools (when connected)
     warnings: tuple[str, ...] = field(default=(), compare=False)  # shown by `factory check`, not hashed
+    masked: tuple[str, ...] = field(default=(), compare=False, repr=False)  # spec paths read from the env
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"the plan has no stage {name!r}")
+
+    def flow(self, kind: Literal["data", "eval"]) -> list[Edge]:
+        """The edges one batch travels, in order: the `kind` edge out of the source, then the data edges
+        from stage to stage until the trainer (the stage no data edge leaves)."""
+        (edge,) = [e for e in self.edges if e.kind == kind and e.fetch]
+        path = [edge]
+        while nxt := [e for e in self.edges if e.kind == "data" and e.src == path[-1].dst]:
+            path.append(nxt[0])
+        return path
+
+    @property
+    def reward_order(self) -> tuple[str, ...]:
+        return self.stage("reward").settings.order  # type: ignore[attr-defined]
+
+    @property
+    def reward_node(self) -> str:
+        return self.stage("reward").settings.train_node  # type: ignore[attr-defined]
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self.stage("update").settings.algorithm  # type: ignore[attr-defined]
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        return self.driver.metrics

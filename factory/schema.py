@@ -87,8 +87,9 @@ class StdioServer(_ToolCommon):
     """Extra environment variables for the server process."""
     cwd: str | None = None
     """Working directory of the server process."""
-    replicas: int = 1
-    """Processes of this server to start; calls are spread over them."""
+    replicas: int = Field(1, ge=1)
+    """Processes of this server for the whole cluster (the tools stage starts them once, whatever the
+    number of rollout replicas); calls are spread over them."""
 
 
 class HttpServer(_ToolCommon):
@@ -424,6 +425,10 @@ class TrainSpec(Section):
     """Linear warmup steps."""
     optimizer: OptimizerSpec = OptimizerSpec()
     """Optimizer settings."""
+    gradient_checkpointing: bool = False
+    """Keep one activation per layer and recompute the rest in backward: activations shrink ~20x for ~30%
+    more update compute. What lets long responses of multi-billion-parameter models fit a GPU
+    (docs/scale.md sizes it)."""
     bf16_autocast: bool = True
     """bf16 autocast for forward/backward where the device computes bf16 natively (CUDA from Ampere on; a
     CPU with AVX512-bf16 or AMX); elsewhere the update runs in float32. The run's params record what was
@@ -458,10 +463,22 @@ class TrackingSpec(Section):
 
 
 class StageResources(Section):
-    num_cpus: float = 0
-    """CPUs reserved for this stage's actor."""
-    num_gpus: float = 0
-    """GPUs reserved for this stage's actor."""
+    num_cpus: float = Field(0, ge=0)
+    """CPUs reserved for each replica of this stage (Ray's `num_cpus`)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs reserved for each replica (Ray's `num_gpus`; Ray sets CUDA_VISIBLE_DEVICES to them)."""
+    custom: dict[str, float] = {}
+    """Ray custom resources each replica needs: `{node_b: 1}` places it on a node started with
+    `ray start --resources '{"node_b": 1}'`."""
+
+
+class GroupResources(StageResources):
+    replicas: int = Field(1, ge=1)
+    """Replicas of this stage: rollout engines that share the trajectories of a step, or DeepSpeed ranks
+    (data parallel) that share the update."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the replicas' Ray placement group spreads them: PACK on as few nodes as fit, SPREAD over as
+    many as possible; STRICT_ variants fail rather than bend."""
 
 
 class ResourcesSpec(Section):
@@ -469,12 +486,15 @@ class ResourcesSpec(Section):
     """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
     object_store_gb: float = 1.0
     """Object store size of a local Ray."""
-    rollout: StageResources = StageResources()
-    """Resources of the rollout actor."""
-    update: StageResources = StageResources()
-    """Resources of the update actor."""
+    rollout: GroupResources = GroupResources()
+    """Per rollout engine replica; `replicas` engines split each step's prompts, and weight sync reaches all."""
+    update: GroupResources = GroupResources()
+    """Per DeepSpeed rank; `replicas` ranks form one data-parallel world (at most one GPU each)."""
     reward: StageResources = StageResources()
     """Resources of the reward actor."""
+    tools: StageResources = StageResources()
+    """Resources of the tools actor, which runs every tool server once for the whole cluster and
+    serves every rollout replica and the reward stage."""
 
 
 # ---------------------------------------------------------------------------------------------- spec

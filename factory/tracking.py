@@ -243,28 +243,29 @@ class Tracker:
             mlflow.log_text(text, name)
         return self.run_id
 
-    def start_run(self, plan: Any, spec: Any, listing: dict[str, list[dict[str, Any]]],
-                  extra_params: dict[str, Any] | None = None) -> Any:
+    def start_run(self, plan: Any, listing: dict[str, list[dict[str, Any]]],
+                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None) -> Any:
         """Open the MLflow run of a compiled plan whose tool servers are running: their listing is hashed into
         the plan (so a changed server changes the plan hash), then params (the spec and `extra_params`, such
-        as what each stage chose on its device), tags, and the plan, spec and tool listing as artifacts.
-        Name, params and tags come from the plan, where values taken from the environment are masked.
-        Returns the plan with its tool schemas hashed."""
+        as what each stage chose on its device), tags, and the plan, spec and tool listing (and
+        `extra_artifacts`, such as where each stage was placed) as artifacts. Name, params and tags come
+        from the plan, where values taken from the environment are masked. Returns the plan with its tool
+        schemas hashed."""
         from factory.compiler.compile import MASK, plan_json, with_tool_listing
 
-        plan = with_tool_listing(plan, spec, listing)
+        plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"])
         # Where checkpoints go (read by `factory export RUN`); not recorded when the path came from the env.
         self.record_checkpoints = shown["train"]["checkpoint_dir"] != MASK
         if self.record_checkpoints:
-            tags["factory.checkpoint_dir"] = str(Path(spec.train.checkpoint_dir).resolve())
+            tags["factory.checkpoint_dir"] = str(Path(plan.driver.train.checkpoint_dir).resolve())
         self.start(run_name(shown["name"]), {**shown, **(extra_params or {})}, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
-                    "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n"})
+                    "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n", **(extra_artifacts or {})})
         return plan
 
-    def resume(self, resume: Any, plan: Any, spec: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
+    def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
         """Reopen the run `resume` names (MLflow sets it RUNNING again) instead of starting one: params and
         artifacts stay as they were; a spec change that `--allow-spec-change` let through is recorded
         (tag `factory.resumed_spec_hash`, `resumed/step_N/spec.yaml` and `plan.json`). Returns the plan
@@ -273,7 +274,7 @@ class Tracker:
 
         from factory.compiler.compile import MASK, plan_json, with_tool_listing
 
-        plan = with_tool_listing(plan, spec, listing)
+        plan = with_tool_listing(plan, listing)
         mlflow.set_tracking_uri(self.uri)
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id

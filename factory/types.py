@@ -90,3 +90,15 @@ class Trajectory:
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the driver tells one replica of a stage at setup: where it runs and whom it calls."""
+
+    workdir: str | None = None  # the driver's working directory: user modules (rewards/) import from it
+    rank: int = 0  # this replica's index in its stage's group
+    world_size: int = 1  # replicas in the group
+    master_addr: str = "127.0.0.1"  # rank 0's address and port, for groups that form a torch.distributed world
+    master_port: int = 0
+    peers: dict[str, Any] = field(default_factory=dict)  # stage name -> handle, for each stage this one calls

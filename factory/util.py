@@ -61,6 +61,12 @@ def enter_workdir(workdir: str | None) -> None:
     """Make a stage process look like the driver: same working directory, and that directory importable
     (user modules such as a project's `rewards/` import from it)."""
     if workdir:
+        if not os.path.isdir(workdir):
+            import socket
+
+            raise FileNotFoundError(f"the project folder {workdir} is not on this node ({socket.gethostname()}): a "
+                                    "run on several machines needs it at the same path on each (a shared "
+                                    "filesystem; see docs/scale.md)")
         os.chdir(workdir)
         if workdir not in sys.path:
             sys.path.insert(0, workdir)
@@ -72,3 +78,11 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray): stages report it so a run records where
+    each replica was placed."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -20,48 +20,45 @@ from factory.presets import PRESETS
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _spec(*overrides: str):
-    from factory.compiler.load import load_spec
+def _plan(*overrides: str):
+    from factory.compiler.compile import compile_file
 
-    return load_spec(str(REPO / "specs" / "tiny.yaml"), list(overrides))
+    return compile_file(REPO / "specs" / "tiny.yaml", list(overrides))[1]
 
 
 @pytest.fixture(scope="module")
 def scored():
     import torch
 
-    from factory.assets import resolve_model
     from factory.data import DataStage
     from factory.reward import RewardStage
     from factory.rollout.stage import RolloutStage
+    from factory.tools.stage import ToolsStage
+    from factory.types import Placement
 
     torch.set_num_threads(1)
     old = os.getcwd()
     os.chdir(REPO)  # the spec's prompts/ resolve from the repository root
     try:
-        spec = _spec("rollout.temperature=1.2")
-        data = DataStage(spec.data, seed=spec.seed, base_dir=REPO / "specs")
+        plan = _plan("rollout.temperature=1.2")
+        data = DataStage(plan.stage("data").settings)
         data.setup()
-        rollout = RolloutStage(spec, resolve_model(spec.model.path), base_dir=str(REPO / "specs"))
+        tools, rollout = ToolsStage(plan.stage("tools").settings), RolloutStage(plan.stage("rollout").settings)
+        reward = RewardStage(plan.stage("reward").settings)
 
         async def go():
-            await rollout.setup()
-            try:
-                return await rollout.generate(data.next_batch(2), group_size=4)
-            finally:
-                await rollout.close()
-
-        trajs, _ = asyncio.run(go())
-        reward = RewardStage(spec, base_dir=REPO / "specs")
-
-        async def score():
+            await tools.setup()
+            await rollout.setup(Placement(peers={"tools": tools}))
             await reward.setup()
             try:
+                trajs, _ = RolloutStage.merge([await rollout.generate(data.next_batch(2))])
                 return await reward.score(trajs)
             finally:
+                await rollout.close()
                 await reward.close()
+                await tools.close()
 
-        trajs, _ = asyncio.run(score())
+        trajs, _ = asyncio.run(go())
     finally:
         os.chdir(old)
     # Make sure every group has spread, so every advantage estimator has something to push on.
@@ -74,15 +71,13 @@ def scored():
 def test_preset_runs_an_update_step(name, scored):
     import torch
 
-    from factory.assets import resolve_model
     from factory.update import Learner
 
     torch.set_num_threads(1)
     overrides = [f"algorithm.name={name}"]
     if PRESETS[name].get("kl_apply") == "reward":
         overrides.append("algorithm.kl.coef=0.01")  # REINFORCE++ puts KL in the reward: exercise it
-    spec = _spec(*overrides)
-    learner = Learner(spec, resolve_model(spec.model.path))
+    learner = Learner(_plan(*overrides).stage("update").settings)
     learner.setup()
     try:
         before = {k: v.clone() for k, v in learner.state_dict().items()}
@@ -106,7 +101,7 @@ def _copy(t):
 def test_factory_run_with_each_preset(name, tmp_path):
     import shutil
 
-    for folder in ("specs", "prompts", "rewards"):
+    for folder in ("specs", "prompts"):
         shutil.copytree(REPO / folder, tmp_path / folder)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", "train.steps=1",

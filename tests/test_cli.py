@@ -86,7 +86,8 @@ def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
     project.module("cli_text")
     assert cli.main(["plan", project.spec(BASE.replace("{mod}", "cli_text"))]) == 0
     out = capsys.readouterr().out
-    for line in ("# stages", "  update --weights--> rollout (weight sync)", "# hashes", "    cli_text.py: "):
+    for line in ("# stages", "  update.state_dict --weights--> rollout.load_weights (weight sync)", "# hashes",
+                 "    cli_text.py: "):
         assert line in out
     assert cli.main(["plan", "spec.yaml", "train.lr=3e-6", "--explain"]) == 0
     explained = capsys.readouterr().out
@@ -178,3 +179,32 @@ def test_check_does_not_import_torch_ray_or_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "[]"
+
+
+def test_plan_dot_draws_stages_replicas_and_edges(project, capsys, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")  # a cluster's GPUs: this machine has none
+    project.module("cli_dot")
+    path = project.spec(BASE.replace("{mod}", "cli_dot") + (
+        "tools:\n  calc: {command: python}\n"
+        "resources: {rollout: {replicas: 2}, update: {replicas: 4, num_gpus: 1}}\n"
+        "train: {deepspeed: {zero_stage: 3}}\n"))
+    assert cli.main(["plan", path, "--dot"]) == 0
+    assert capsys.readouterr().out == """\
+digraph "demo" {
+  rankdir=LR;
+  node [shape=box, style=rounded, fontname="Helvetica"];
+  edge [fontname="Helvetica", fontsize=10];
+  "data" [label="data\\nDataStage"];
+  "rollout" [label="rollout\\nRolloutStage x 2 replicas"];
+  "tools" [label="tools\\nToolsStage"];
+  "reward" [label="reward\\nRewardStage"];
+  "update" [label="update\\nUpdateStage x 4 replicas\\neach: GPU 1"];
+  "data" -> "rollout" [label="batch"];
+  "data" -> "rollout" [label="eval_batch", style=dashed];
+  "rollout" -> "tools" [label="tool_calls", style=dotted];
+  "tools" -> "rollout" [label="tool_results", style=dotted];
+  "rollout" -> "reward" [label="trajectories"];
+  "reward" -> "update" [label="scored_trajectories"];
+  "update" -> "rollout" [label="weights (weight sync)", style=bold];
+}
+"""

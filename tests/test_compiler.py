@@ -25,7 +25,7 @@ def test_valid_spec_compiles_to_a_plan(project):
     assert plan.reward_order[-1] == "total" and set(plan.reward_order) == {"correct", "fmt", "total"}
     assert plan.reward_node == "total"
     assert plan.metrics == {"accuracy": "correct"}
-    assert plan.algorithm["name"] == "grpo" and plan.algorithm["advantage"] == "grpo"
+    assert plan.algorithm.name == "grpo" and plan.algorithm.advantage == "grpo"
     assert set(plan.hashes) == {"spec", "templates", "rewards", "data", "code", "tools", "run"}
     assert list(plan.hashes["rewards"]) == ["rc_valid.py"]
     assert plan.hashes["data"]["train"]["generator"] == "factory.data:arithmetic"
@@ -235,7 +235,7 @@ def test_algorithm_names_are_resolved(project):
     text = _errors(project.spec(base + "algorithm:\n  name: grpo\n  loss: ppo_clipp\n", "b.yaml"))
     assert text.startswith("b.yaml:11: algorithm.loss: unknown policy loss 'ppo_clipp'; known: ")
     _, plan = compile_file(project.spec(base + "algorithm: {name: dapo}\n", "c.yaml"))
-    assert plan.algorithm["clip_high"] == 0.28 and plan.algorithm["dynamic_sampling"] is True
+    assert plan.algorithm.clip_high == 0.28 and plan.algorithm.dynamic_sampling is True
 
 
 def test_five_errors_in_one_spec_are_all_reported(project):
@@ -420,10 +420,58 @@ reward: total
         "driver); set rewards.judge.local.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
         "GPUs (resources.ray_address or $RAY_ADDRESS)\n1 error in spec.yaml")
     monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),))
-    _, plan = compile_file(path)
-    judge = next(s for s in plan.stages if s.name == "judge.judge")
-    assert judge.resources == {"num_cpus": 1.0, "num_gpus": 1.0}
+    spec, plan = compile_file(path)
+    judge = plan.stage("judge.judge")
+    assert (judge.cls, judge.resources) == ("factory.reward.judge:JudgeModel", {"CPU": 1.0, "GPU": 1.0})
+    assert judge.settings.judge == spec.rewards["judge"].local
     assert ("reward", "judge.judge", "judge_prompts", "call") in [(e.src, e.dst, e.carries, e.kind) for e in plan.edges]
     assert cli.main(["check", path]) == 0
     assert ("  stages     data -> rollout -> reward -> update; reward <-> judge.judge; update -> rollout (weight sync); "
             "1 GPUs") in capsys.readouterr().out
+
+
+def test_each_stage_carries_its_class_replicas_bundle_and_slice(project, monkeypatch):
+    from factory.presets import resolve
+
+    monkeypatch.setenv("FACTORY_TEST_TOOL_KEY", "s3cret")
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")  # a cluster's GPUs: this machine has none
+    path = project.spec(_base(project, "rc_slice") + (
+        "tools:\n  calc: {command: python, args: [-m, x], env: {KEY: '${oc.env:FACTORY_TEST_TOOL_KEY}'}}\n"
+        "resources:\n  rollout: {replicas: 2, num_cpus: 1, custom: {node_b: 1}}\n"
+        "  update: {replicas: 2, num_gpus: 1, strategy: SPREAD}\n"
+        "train: {deepspeed: {zero_stage: 3}}\n"))
+    spec, plan = compile_file(path)
+    assert {s.name: s.cls for s in plan.stages} == {
+        "data": "factory.data.stage:DataStage", "rollout": "factory.rollout.stage:RolloutStage",
+        "tools": "factory.tools.stage:ToolsStage", "reward": "factory.reward.stage:RewardStage",
+        "update": "factory.update.stage:UpdateStage"}
+    rollout, update = plan.stage("rollout"), plan.stage("update")
+    assert (rollout.replicas, rollout.resources, rollout.strategy) == (2, {"CPU": 1.0, "node_b": 1.0}, "PACK")
+    assert (update.replicas, update.resources, update.strategy) == (2, {"GPU": 1.0}, "SPREAD")
+    assert plan.stage("data").resources == {}  # reserves nothing: no placement group
+    # the slices: spec sections under their names, and what the compiler resolved
+    assert rollout.settings.rollout == spec.rollout and rollout.settings.model == spec.model
+    assert plan.stage("reward").settings.order == plan.reward_order and plan.reward_node == "total"
+    assert update.settings.algorithm == resolve(spec.algorithm) and update.settings.train == spec.train
+    assert plan.stage("tools").settings.tools["calc"].env == {"KEY": "s3cret"}  # the real value is what runs
+    text = plan_json(plan)
+    tools = next(s for s in json.loads(text)["stages"] if s["name"] == "tools")
+    assert tools["settings"]["tools"]["calc"]["env"]["KEY"] == "***" and "s3cret" not in text
+    assert [e.method for e in plan.flow("data")] == ["generate", "score", "step"]
+    assert [e.method for e in plan.flow("eval")] == ["evaluate", "score", "step"]
+
+
+def test_placement_the_cluster_cannot_honour_is_a_spec_error(project, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")  # a cluster's GPUs: this machine has none
+    path = project.spec(_base(project, "rc_ranks") + "resources: {update: {num_gpus: 4}}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: resources.update.num_gpus: a DeepSpeed rank uses at most one GPU, got 4: set "
+        "`replicas: 4` and `num_gpus: 1`\n1 error in spec.yaml")
+    assert _errors(project.spec(_base(project, "rc_ranks")), ["resources.update.replicas=2",
+                                                              "resources.update.num_gpus=0.5",
+                                                              "train.deepspeed.zero_stage=1"]) == (
+        "<override 2>: resources.update.num_gpus: 2 DeepSpeed ranks sharing GPUs (0.5 each) cannot talk over NCCL, "
+        "which needs one GPU per rank: set `num_gpus: 1` (or 0 to train on the CPU over gloo)\n1 error in spec.yaml")
+    assert _errors(project.spec(_base(project, "rc_ranks")), ["resources.update.replicas=2"]) == (
+        "<override 1>: resources.update.replicas: 2 DeepSpeed ranks need ZeRO stage 1, 2 or 3: set "
+        "train.deepspeed.zero_stage (1 shards only the optimizer states)\n1 error in spec.yaml")

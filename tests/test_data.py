@@ -4,7 +4,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.data import DataError, DataStage, PromptRenderer, arithmetic, from_table, load_rows
+from factory.plan import DataSettings
 from factory.schema import DataSource, DataSpec
+
+
+def _settings(spec: DataSpec, base_dir, required=None, seed: int = 0) -> DataSettings:
+    """The data stage's slice, as the compiler cuts it."""
+    return DataSettings(data=spec, seed=seed, eval_size=None, required_columns=required or {}, base_dir=str(base_dir))
 
 
 def test_arithmetic_answers_are_exact_and_seeded():
@@ -35,7 +41,7 @@ def test_verl_parquet_prompt_column(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "hi"}]], "gt": ["x"]}), path)
     spec = DataSpec(train=DataSource(path=str(path)), answer_key="gt")
-    stage = DataStage(spec, seed=0)
+    stage = DataStage(_settings(spec, tmp_path))
     stage.setup()
     (messages, row), = from_table(stage.next_batch(1))
     assert messages == [{"role": "user", "content": "hi"}]
@@ -45,8 +51,8 @@ def test_verl_parquet_prompt_column(tmp_path):
 def test_jsonl_and_epoch_wrap(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(3)))
-    stage = DataStage(DataSpec(train=DataSource(path=str(path))), seed=1)
-    assert stage.setup() == {"train_rows": 3, "eval_rows": 0}
+    stage = DataStage(_settings(DataSpec(train=DataSource(path=str(path))), tmp_path, seed=1))
+    assert stage.setup() == {"node": None, "train_rows": 3, "eval_rows": 0}  # (None: not in Ray)
     seen = [row["answer"] for _, row in from_table(stage.next_batch(6))]
     assert sorted(seen[:3]) == ["0", "1", "2"] and sorted(seen[3:]) == ["0", "1", "2"]
     state = stage.state()
@@ -64,8 +70,7 @@ def test_bad_file_type(tmp_path):
 # ------------------------------------------------------------------------------------- bad rows
 def _stage(tmp_path, text: str, name: str = "rows.jsonl", **spec) -> DataStage:
     (tmp_path / name).write_text(text)
-    return DataStage(DataSpec(train=DataSource(path=name), **spec), seed=0, base_dir=tmp_path,
-                     required_columns={"answer": "rewards.correct"})
+    return DataStage(_settings(DataSpec(train=DataSource(path=name), **spec), tmp_path, {"answer": "rewards.correct"}))
 
 
 def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
@@ -112,8 +117,7 @@ def test_parquet_rows_and_many_problems(tmp_path):
     import pyarrow as pa
 
     pq.write_table(pa.table({"question": [f"q{i}" for i in range(30)], "gold": ["1"] * 30}), tmp_path / "d.parquet")
-    stage = DataStage(DataSpec(train=DataSource(path="d.parquet")), seed=0, base_dir=tmp_path,
-                      required_columns={"answer": "rewards.correct"})
+    stage = DataStage(_settings(DataSpec(train=DataSource(path="d.parquet")), tmp_path, {"answer": "rewards.correct"}))
     with pytest.raises(DataError) as e:
         stage.setup()
     lines = str(e.value).splitlines()
@@ -125,7 +129,7 @@ def test_eval_rows_are_checked_too(tmp_path):
     (tmp_path / "ok.jsonl").write_text('{"question": "q", "answer": "1"}\n')
     spec = DataSpec(train=DataSource(path="ok.jsonl"), eval=DataSource(generator=f"{__name__}:bad_generator"))
     with pytest.raises(DataError, match=r"^tests.test_data:bad_generator row 2: column 'question' must be a string"):
-        DataStage(spec, seed=0, base_dir=tmp_path).setup()
+        DataStage(_settings(spec, tmp_path)).setup()
 
 
 def bad_generator(n: int, seed: int = 0):

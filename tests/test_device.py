@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from factory import device
-from factory.compiler.compile import compile_file
+from factory.compiler.compile import compile_file, stage_settings
 from factory.compiler.errors import SpecErrors
 from factory.device import Device, auto_dtype, cpu_from
 from factory.schema import Spec
@@ -55,15 +55,22 @@ def test_no_auto_setting_picks_bf16_where_it_is_slow(fake, probe, want):
 
     fake(probe)
     torch = pytest.importorskip("torch")
+
+    def rollout(**sections):
+        return stage_settings(_spec(**sections))["rollout"]
+
+    def update(**sections):
+        return stage_settings(_spec(**sections))["update"]
+
     # rollout.dtype auto, under bf16 autocast or bf16 weights
-    assert rollout_dtype(_spec(train={"bf16_autocast": True})) == want
-    assert rollout_dtype(_spec(model={"path": "m", "dtype": "bfloat16"}, train={"bf16_autocast": False})) == want
-    assert rollout_dtype(_spec(train={"bf16_autocast": False})) == "float32"
+    assert rollout_dtype(rollout(train={"bf16_autocast": True})) == want
+    assert rollout_dtype(rollout(model={"path": "m", "dtype": "bfloat16"}, train={"bf16_autocast": False})) == want
+    assert rollout_dtype(rollout(train={"bf16_autocast": False})) == "float32"
     # the update's autocast
-    assert autocast_dtype(_spec(train={"bf16_autocast": True})) == (torch.bfloat16 if probe.fast_bf16 else None)
-    assert autocast_dtype(_spec(train={"bf16_autocast": False})) is None
+    assert autocast_dtype(update(train={"bf16_autocast": True})) == (torch.bfloat16 if probe.fast_bf16 else None)
+    assert autocast_dtype(update(train={"bf16_autocast": False})) is None
     # an explicit choice is the user's
-    assert rollout_dtype(_spec(rollout={"dtype": "bfloat16"})) == "bfloat16"
+    assert rollout_dtype(rollout(rollout={"dtype": "bfloat16"})) == "bfloat16"
 
 
 def test_auto_dtype_on_cuda(fake):
@@ -117,13 +124,12 @@ def test_gpus_asked_on_a_machine_without_cuda_fail_at_check(project, monkeypatch
 def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
     import asyncio
 
-    from factory.assets import resolve_model
     from factory.rollout.stage import RolloutStage
 
     fake(probe)
     spec = _spec(model={"path": "factory:tiny-qwen3"}, train={"bf16_autocast": True, "threads": 1},
                  rollout={"engine": "hf"})
-    stage = RolloutStage(spec, resolve_model("factory:tiny-qwen3"))
+    stage = RolloutStage(stage_settings(spec)["rollout"])
     info = asyncio.run(stage.setup())
     assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want}
     assert str(next(stage.engine.model.parameters()).dtype) == f"torch.{want}"

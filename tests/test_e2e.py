@@ -2,12 +2,18 @@
 DeepSpeed and an MLflow tracking server, then the store is read back as a user would read it."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from tests.tracked_runs import ENGINE, STEPS
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,38 @@ def test_every_step_has_its_metrics(tiny_run):
         "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
         "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off"}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
+
+
+def test_the_run_placed_and_ran_its_plan(tiny_run):
+    """What the run placed, and what each stage reported running at setup (the reward order, the training
+    node, the resolved algorithm, the tools), is its plan.json -- and plan.json is what `factory plan
+    --json` prints for the same spec, with the started tool servers' schemas hashed in."""
+    work, client, run, out = tiny_run
+
+    def artifact(name: str) -> str:
+        return Path(client.download_artifacts(run.info.run_id, name, str(work))).read_text()
+
+    printed = subprocess.run([sys.executable, "-m", "factory.cli", "plan", "specs/tiny.yaml", f"train.steps={STEPS}",
+                              f"rollout.engine={ENGINE}", "--json"], cwd=work, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120, check=True)
+    plan, placed = json.loads(artifact("plan.json")), json.loads(artifact("placement.json"))
+    compiled = json.loads(printed.stdout)
+    assert plan["tools"] == {"calc": ["calculate"]} and plan["hashes"]["tools"]["calc"]
+    for key in ("hashes", "tools"):  # what only the started servers can say
+        plan.pop(key), compiled.pop(key)
+    assert plan == compiled
+    stages = {s["name"]: s for s in plan["stages"]}
+    assert sorted(placed) == sorted(stages) == ["data", "reward", "rollout", "tools", "update"]
+    for name, stage in stages.items():
+        p = placed[name]
+        assert (p["cls"], p["replicas"], p["resources"], p["strategy"]) == (
+            stage["cls"], stage["replicas"], stage["resources"], stage["strategy"])
+        assert len(p["setup"]) == stage["replicas"]
+    (reward,) = placed["reward"]["setup"]
+    assert [reward["order"], reward["train_node"]] == [stages["reward"]["settings"]["order"], "total"]
+    (update,) = placed["update"]["setup"]
+    assert update["algorithm"] == stages["update"]["settings"]["algorithm"] and update["world_size"] == 1
+    assert placed["rollout"]["setup"][0]["tools"] == placed["tools"]["setup"][0]["tools"] == ["calculate"]
 
 
 def _trajectories(tiny_run):

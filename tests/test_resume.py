@@ -137,7 +137,7 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
 
     spec, plan = compiled(tmp_path / "ckpt")
     resumed = Tracker(uri, "e")
-    resumed.resume(r, plan, spec, {"calc": []})
+    resumed.resume(r, plan, {"calc": []})
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
     for step in (2, 3):  # step 2 is computed again after the step-1 checkpoint
         resumed.log_metrics({"m": 10.0 + step}, step=step)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from factory.compiler.compile import stage_settings
 from factory.reward import RewardStage
+from factory.types import Placement
 from tests.servers import free_port, http_server
 from tests.test_reward_stage import make_spec, traj
 
@@ -24,11 +26,11 @@ def judge_server():
         yield f"http://127.0.0.1:{port}/v1", lambda: json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/stats"))
 
 
-def _score(spec, trajs, base_dir):
-    stage = RewardStage(spec, base_dir=base_dir)
+def _score(spec, trajs, base_dir, peers=None):
+    stage = RewardStage(stage_settings(spec, base_dir)["reward"])
 
     async def go():
-        await stage.setup()
+        await stage.setup(Placement(peers=peers or {}))
         try:
             return await stage.score(trajs)
         finally:
@@ -105,7 +107,12 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
              traj("What is the capital of France", 3, answer="Paris")]
     ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     try:
-        trajs, m = _score(spec, trajs, tmp_path)
+        # the plan's judge.judge stage, placed as the driver places it, then called along its call edge
+        from factory.reward.judge import JudgeModel
+
+        judge = ray.remote(JudgeModel).remote(stage_settings(spec, tmp_path)["judge.judge"])
+        ray.get(judge.setup.remote())
+        trajs, m = _score(spec, trajs, tmp_path, {"judge.judge": judge})
     finally:
         ray.shutdown()
     # The same prompts, greedily, through the same engine in this process.

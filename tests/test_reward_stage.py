@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from factory.reward import MissingReward, RewardStage, topological_order
+from factory.compiler.compile import stage_settings
+from factory.reward import MissingReward, RewardStage
 from factory.schema import Spec
-from factory.types import ToolCall, ToolResult, Trajectory, Turn
+from factory.types import Placement, ToolCall, ToolResult, Trajectory, Turn
 from tests.fixtures import reward_fns
 
 FNS = "tests.fixtures.reward_fns"
@@ -26,8 +27,13 @@ def traj(completion, prompt_index=0, sample_index=0, turns=(), answer="1"):
                       messages=[{"role": "user", "content": "q"}], completion=completion)
 
 
+def reward_stage(spec):
+    """The reward stage built from its slice of the compiled spec, as the driver builds it."""
+    return RewardStage(stage_settings(spec)["reward"])
+
+
 def score(spec, trajs):
-    stage = RewardStage(spec)
+    stage = reward_stage(spec)
 
     async def go():
         await stage.setup()
@@ -111,8 +117,8 @@ def test_normalize_over_group_and_batch():
     # batch: 1, 3, 2, 2 -> mean 2, std sqrt(0.5)
     s = math.sqrt(0.5)
     assert [t.rewards["by_batch"] for t in trajs] == pytest.approx([-1 / s, 1 / s, 0.0, 0.0])
-    assert RewardStage(spec).needs_whole_batch
-    assert not RewardStage(make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})).needs_whole_batch
+    assert reward_stage(spec).needs_whole_batch
+    assert not reward_stage(make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})).needs_whole_batch
 
 
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
@@ -194,10 +200,10 @@ def test_group_reward_gets_each_group():
     assert [t.rewards["calls"] for t in trajs] == [1.0, -1.0, -0.5, 0.5]  # calls minus the group's mean
 
 
-def test_topological_order():
+def test_the_stage_scores_in_the_compiled_order():
     spec = make_spec({"t": {"sum": {"a": 1, "m": 1}}, "m": {"max": ["a"]}, "g": {"gate": "a", "then": "m"},
                       "a": {"fn": f"{FNS}:length"}}, reward="t")
-    order = topological_order(spec.rewards)
+    order = reward_stage(spec).order
     assert order.index("a") < order.index("m") < order.index("t") and order.index("m") < order.index("g")
 
 
@@ -208,17 +214,22 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool():
          "total": {"sum": {"len": 1.0, "calc": 1.0}}},
         tools={"scorer": {"function": f"{FNS}:length_score"},
                "calc": {"command": sys.executable, "args": ["-m", "factory.examples.calculator"]}})
-    stage = RewardStage(spec)
+    from factory.tools.stage import ToolsStage
+
+    settings = stage_settings(spec)
+    tools, stage = ToolsStage(settings["tools"]), RewardStage(settings["reward"])
 
     async def go():
-        await stage.setup()
+        await tools.setup()
+        await stage.setup(Placement(peers={"tools": tools}))  # the plan's reward -> tools call edge
         try:
-            for _ in range(2):  # the second step reuses the tool servers the first one started
+            for _ in range(2):  # the second step reuses the tool servers the tools stage started
                 trajs, m = await stage.score([traj("abcdefghij")])
                 # length_score("abcdefghij") = 10 / 10 = 1.0; calculate("1 * 2") = 2 (the row's answer is "1")
                 assert trajs[0].rewards == {"len": 1.0, "calc": 2.0, "total": 3.0}
                 assert m["rewards/len/errors"] == 0.0
         finally:
             await stage.close()
+            await tools.close()
 
     asyncio.run(go())

@@ -201,7 +201,7 @@ def test_run_time_tool_hash_equals_check_connect(monkeypatch):
         async with ToolBox.from_spec(spec.tools, base_dir=REPO) as box:
             return box.tool_listing()
 
-    at_run = with_tool_listing(plain, spec, asyncio.run(listing()))
+    at_run = with_tool_listing(plain, asyncio.run(listing()))
     assert at_run.hashes == connected.hashes and at_run.tools == connected.tools == {"calc": ["calculate"]}
 
 

@@ -192,7 +192,7 @@ def _track_plan(work: Path, uri: str, monkeypatch) -> str:
             return box.tool_listing()
 
     tracker = Tracker(uri, "tool-change")
-    tracker.start_run(plan, spec, asyncio.run(listing()))
+    tracker.start_run(plan, asyncio.run(listing()))
     tracker.end()
     return tracker.run_id
 

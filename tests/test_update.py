@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from factory.assets import resolve_model
+from factory.compiler.compile import stage_settings
 from factory.schema import Spec
 from factory.types import Trajectory
 from factory.update import Learner
@@ -65,7 +66,7 @@ def learners():
     def make(spec: Spec) -> Learner:
         while live:
             live.pop().shutdown()
-        learner = Learner(spec, spec.model.path)
+        learner = Learner(stage_settings(spec)["update"])
         learner.setup()
         live.append(learner)
         return learner
@@ -261,6 +262,15 @@ def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     zero, stats = one_step_delta(learners(make_spec(small_path, train={"deepspeed": {"zero_stage": stage}})), trajs)
     assert_same_delta(base, zero)
     assert stats["actor/grad_norm"] > 0
+
+
+def test_gradient_checkpointing_gives_the_same_update(small_path, learners):
+    trajs = batch(seed=10)
+    base, _ = one_step_delta(learners(make_spec(small_path)), trajs)
+    learner = learners(make_spec(small_path, train={"gradient_checkpointing": True}))
+    assert learner.engine.module.is_gradient_checkpointing
+    recomputed, _ = one_step_delta(learner, trajs)
+    assert_same_delta(base, recomputed)
 
 
 @pytest.mark.slow

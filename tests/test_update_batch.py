@@ -9,7 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard
 from factory.update.logprobs import response_logprobs
 
 
@@ -49,6 +49,20 @@ def test_plan_covers_each_sample_once_per_epoch_in_sorted_micro_batches():
     assert sched == plan(7, lengths, 2, 2, 3, seed=11)  # seeded
     assert sched[:2] != sched[2:4] or sched[2:4] != sched[4:6]  # reshuffled per epoch
     assert len(plan(2, lengths[:2], mini_batches=4, micro_batch=1, epochs=1, seed=0)) == 2  # capped at n
+
+
+def test_shard_deals_each_minibatch_over_the_ranks_in_equal_numbers_of_micro_batches():
+    schedule = [[[0, 1], [2, 3], [4]], [[5, 6]]]  # two mini-batches, each in plan's length order
+    # mini-batch 1 (0..4) dealt round-robin: rank 0 takes 0, 2, 4 (2 micro-batches of at most 2), rank 1
+    # takes 1, 3 (1 micro-batch) and pads with one empty stand-in so both run 2 forwards/backwards.
+    assert shard(schedule, rank=0, world=2, micro_batch=2) == [[[0, 2], [4]], [[5]]]
+    assert shard(schedule, rank=1, world=2, micro_batch=2) == [[[1, 3], []], [[6]]]
+    assert shard(schedule, rank=0, world=1, micro_batch=2) == schedule  # one rank: the plan itself
+    assert shard([[[0]]], rank=1, world=2, micro_batch=4) == [[[]]]  # more ranks than samples
+    for world in (2, 3):  # every sample is trained exactly once, by one rank
+        parts = [shard(schedule, r, world, 2) for r in range(world)]
+        assert sorted(i for p in parts for mb in p for micro in mb for i in micro) == list(range(7))
+        assert len({tuple(len(mb) for mb in p) for p in parts}) == 1
 
 
 def test_collate_window_targets_are_the_response_tokens():

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +44,29 @@ from factory.compiler.refs import (
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
 from factory.compiler.translate import nearest
-from factory.plan import Edge, Plan, Stage
+from factory.plan import (
+    ClusterSettings,
+    DataSettings,
+    DriverSettings,
+    Edge,
+    JudgeSettings,
+    Plan,
+    RewardSettings,
+    RolloutSettings,
+    Settings,
+    Stage,
+    ToolsSettings,
+    UpdateSettings,
+)
+from factory.presets import Algorithm, resolve
 from factory.schema import (
     FnNode,
     HttpServer,
     JudgeNode,
+    LocalJudge,
     PythonTool,
     Spec,
+    StageResources,
     StdioServer,
     ToolNode,
 )
@@ -194,14 +210,16 @@ def _check_devices(spec: Spec, r: _Report) -> None:
     if spec.resources.ray_address or os.environ.get("RAY_ADDRESS"):
         return
     res = spec.resources
-    reservations = [(f"resources.{name}", getattr(res, name)) for name in ("rollout", "update", "reward")]
-    reservations += [(f"rewards.{name}.local", node.local) for name, node in spec.rewards.items()
+    # every replica on this machine
+    reservations = [(f"resources.{name}", getattr(res, name).num_gpus * getattr(getattr(res, name), "replicas", 1))
+                    for name in ("rollout", "update", "reward", "tools")]
+    reservations += [(f"rewards.{name}.local", node.local.num_gpus) for name, node in spec.rewards.items()
                      if isinstance(node, JudgeNode) and node.local is not None]  # a local judge's own actor
-    for path, stage in reservations:
-        want = stage.num_gpus
+    for path, want in reservations:
         if want > 0 and len(cuda_devices()) < want:
             have = len(cuda_devices())
-            found = f"only {have} CUDA device{'s' if have != 1 else ''}" if have else "no CUDA device (no NVIDIA driver)"
+            found = (f"only {have} CUDA device{'s' if have != 1 else ''}" if have
+                     else "no CUDA device (no NVIDIA driver)")
             r.error(f"{path}.num_gpus",
                     f"{want:g} GPU{'s' if want != 1 else ''} reserved but this machine has {found}; set "
                     f"{path}.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
@@ -210,9 +228,10 @@ def _check_devices(spec: Spec, r: _Report) -> None:
         r.warn("rollout.dtype", warning)  # (auto is not a dtype: it never warns, it picks float32 there)
     if warning := half_precision_warning(stage_device(res.update.num_gpus), spec.model.dtype):
         r.warn("model.dtype", warning)
-    for path, stage in reservations[3:]:
-        if warning := half_precision_warning(stage_device(stage.num_gpus), stage.dtype):
-            r.warn(f"{path}.dtype", warning)
+    for name, node in spec.rewards.items():
+        if isinstance(node, JudgeNode) and node.local is not None:
+            if warning := half_precision_warning(stage_device(node.local.num_gpus), node.local.dtype):
+                r.warn(f"rewards.{name}.local.dtype", warning)
 
 
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
@@ -433,13 +452,11 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     return code
 
 
-def _resolve_algorithm(spec: Spec, r: _Report) -> dict[str, Any]:
+def _resolve_algorithm(spec: Spec, r: _Report) -> Algorithm | None:
     """The algorithm preset filled in by `factory.presets.resolve` (torch-free); its errors at the field
-    they name."""
-    from factory.presets import resolve
-
+    they name (and None)."""
     try:
-        return _plain(resolve(spec.algorithm))
+        return resolve(spec.algorithm)
     except (KeyError, ValueError) as e:
         text = str(e.args[0]) if e.args else str(e)
         # resolve() words problems as "algorithm.FIELD: message", joined by "; ", or names the preset.
@@ -449,7 +466,24 @@ def _resolve_algorithm(spec: Spec, r: _Report) -> dict[str, Any]:
                 r.error("algorithm." + _ALGORITHM_FIELDS.get(found[1], found[1]), found[2])
             else:
                 r.error("algorithm.name", problem)
-        return spec.algorithm.model_dump(mode="json")
+        return None
+
+
+def _check_resources(spec: Spec, r: _Report) -> None:
+    """What the placement cannot honour: a DeepSpeed rank owns at most one GPU and does not share it
+    (NCCL refuses two ranks on one device), and data parallelism over several ranks goes through a ZeRO
+    optimizer (stage 0 would leave the gradient norm unreduced)."""
+    update = spec.resources.update
+    if update.num_gpus > 1:
+        r.error("resources.update.num_gpus", f"a DeepSpeed rank uses at most one GPU, got {update.num_gpus:g}: "
+                                             f"set `replicas: {update.num_gpus:g}` and `num_gpus: 1`")
+    if update.replicas > 1 and 0 < update.num_gpus < 1:
+        r.error("resources.update.num_gpus", f"{update.replicas} DeepSpeed ranks sharing GPUs ({update.num_gpus:g} "
+                                             "each) cannot talk over NCCL, which needs one GPU per rank: set "
+                                             "`num_gpus: 1` (or 0 to train on the CPU over gloo)")
+    if update.replicas > 1 and spec.train.deepspeed.zero_stage == 0:
+        r.error("resources.update.replicas", f"{update.replicas} DeepSpeed ranks need ZeRO stage 1, 2 or 3: "
+                                             "set train.deepspeed.zero_stage (1 shards only the optimizer states)")
 
 
 # Fields of the resolved algorithm that live elsewhere in the spec's `algorithm` section.
@@ -459,41 +493,81 @@ _ALGORITHM_FIELDS = {"kl_estimator": "kl.estimator", "kl_apply": "kl.apply", "kl
 
 
 # ------------------------------------------------------------------------------------- the graph
-def stage_graph(spec: Spec) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
-    """data -> rollout (<-> tools) -> reward -> update, and the weight-sync edge update -> rollout."""
-    res = spec.resources
+def _bundle(res: StageResources | LocalJudge) -> dict[str, float]:
+    """One replica's Ray bundle, in Ray's resource names; what is 0 is left out (Ray refuses empty
+    bundles: a stage that reserves nothing gets no placement group)."""
+    custom = getattr(res, "custom", {})
+    bundle = {"CPU": float(res.num_cpus), "GPU": float(res.num_gpus), **{k: float(v) for k, v in custom.items()}}
+    return {k: v for k, v in bundle.items() if v > 0}
 
-    def resources(stage: Any) -> dict[str, float]:
-        return {"num_cpus": float(stage.num_cpus), "num_gpus": float(stage.num_gpus)}
 
-    none = {"num_cpus": 0.0, "num_gpus": 0.0}
-    stages = [Stage("data", "reads rows, renders prompts, serves batches", (), ("batch",), none),
-              Stage("rollout", f"multi-turn generation ({spec.rollout.engine}), {spec.rollout.group_size} "
-                               f"samples per prompt, up to {spec.rollout.max_turns} turns",
-                    ("batch", "weights") + (("tool_results",) if spec.tools else ()),
-                    ("trajectories",) + (("tool_calls",) if spec.tools else ()), resources(res.rollout))]
-    edges = [Edge("data", "rollout", "batch")]
+def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Sequence[str], train_node: str,
+                required: Mapping[str, str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
+    """data -> rollout (<-> tools) -> reward -> update, the eval flow data -> rollout -> reward, and the
+    weight-sync edge update -> rollout; each stage with its class, replicas, bundle and settings.
+    `required`: the data columns the reward functions need (column -> node)."""
+    res, r, t = spec.resources, spec.rollout, spec.train
+    replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
+    ranks = f" over {res.update.replicas} ranks" if res.update.replicas > 1 else ""
+    stages = [
+        Stage("data", "reads rows, renders prompts, serves batches", "factory.data.stage:DataStage",
+              DataSettings(data=spec.data, seed=spec.seed, eval_size=t.eval_size,
+                           required_columns=dict(required), base_dir=base_dir),
+              (), ("batch", "eval_batch")),
+        Stage("rollout", f"{replicas}multi-turn generation ({r.engine}), {r.group_size} samples per prompt, "
+                         f"up to {r.max_turns} turns", "factory.rollout.stage:RolloutStage",
+              RolloutSettings(model=spec.model, chat_template=spec.chat_template, rollout=r,
+                              bf16_autocast=t.bf16_autocast, num_gpus=res.rollout.num_gpus, seed=spec.seed,
+                              threads=t.threads, base_dir=base_dir),
+              ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
+              ("trajectories",) + (("tool_calls",) if spec.tools else ()),
+              res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy),
+    ]
+    edges = [Edge("data", "rollout", "batch", "data", method="generate", fetch="next_batch"),
+             Edge("data", "rollout", "eval_batch", "eval", method="evaluate", fetch="eval_batch")]
     tool_nodes = any(isinstance(n, ToolNode) for n in spec.rewards.values())
     if spec.tools:
-        stages.append(Stage("tools", f"MCP/python tool servers: {', '.join(spec.tools)}", ("tool_calls",),
-                            ("tool_results",), none))
-        edges += [Edge("rollout", "tools", "tool_calls", "call"), Edge("tools", "rollout", "tool_results", "call")]
-    stages.append(Stage("reward", "evaluates the reward graph per trajectory", ("trajectories",),
-                        ("scored_trajectories",), resources(res.reward)))
-    edges.append(Edge("rollout", "reward", "trajectories"))
-    for name, node in spec.rewards.items():  # a local judge is its own actor, with its own resources
+        servers = ", ".join(f"{n} x{s.replicas}" if getattr(s, "replicas", 1) > 1 else n for n, s in spec.tools.items())
+        stages.append(Stage("tools", f"MCP/python tool servers, once for the cluster: {servers}",
+                            "factory.tools.stage:ToolsStage", ToolsSettings(tools=spec.tools, base_dir=base_dir),
+                            ("tool_calls",), ("tool_results",), 1, _bundle(res.tools)))
+        edges += [Edge("rollout", "tools", "tool_calls", "call", method="call"),
+                  Edge("tools", "rollout", "tool_results", "call")]
+    stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
+                        RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
+                                       base_dir=base_dir),
+                        ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
+                        ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
+                        1, _bundle(res.reward)))
+    edges.append(Edge("rollout", "reward", "trajectories", "data", method="score"))
+    for name, node in spec.rewards.items():  # a local judge model is a stage of its own, with its own resources
         if isinstance(node, JudgeNode) and node.local is not None:
             judge = f"judge.{name}"
             stages.append(Stage(judge, f"LLM judge {node.local.path} ({node.local.engine}) for reward node '{name}'",
-                                ("judge_prompts",), ("judge_replies",), resources(node.local)))
-            edges += [Edge("reward", judge, "judge_prompts", "call"), Edge(judge, "reward", "judge_replies", "call")]
+                                "factory.reward.judge:JudgeModel", JudgeSettings(judge=node.local, seed=spec.seed),
+                                ("judge_prompts",), ("judge_replies",), 1, _bundle(node.local)))
+            edges += [Edge("reward", judge, "judge_prompts", "call", method="complete"),
+                      Edge(judge, "reward", "judge_replies", "call")]
     if spec.tools and tool_nodes:
-        edges += [Edge("reward", "tools", "tool_calls", "call"), Edge("tools", "reward", "tool_results", "call")]
-    stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{spec.train.deepspeed.zero_stage} "
-                                  "optimizer step", ("scored_trajectories",), ("weights", "stats"),
-                        resources(res.update)))
-    edges += [Edge("reward", "update", "scored_trajectories"), Edge("update", "rollout", "weights", "weight_sync")]
+        edges += [Edge("reward", "tools", "tool_calls", "call", method="call"),
+                  Edge("tools", "reward", "tool_results", "call")]
+    stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{t.deepspeed.zero_stage} optimizer "
+                                  f"step{ranks}", "factory.update.stage:UpdateStage",
+                        UpdateSettings(model=spec.model, chat_template=spec.chat_template, rollout=r, train=t,
+                                       algorithm=algorithm, seed=spec.seed, base_dir=base_dir),
+                        ("scored_trajectories",), ("weights", "stats"),
+                        res.update.replicas, _bundle(res.update), res.update.strategy))
+    edges += [Edge("reward", "update", "scored_trajectories", "data", method="step"),
+              Edge("update", "rollout", "weights", "weight_sync", method="load_weights", fetch="state_dict")]
     return tuple(stages), tuple(edges)
+
+
+def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str]) -> DriverSettings:
+    return DriverSettings(name=spec.name, train=spec.train, metrics=dict(metrics),
+                          dynamic_sampling=algorithm.dynamic_sampling, std_eps=algorithm.std_eps,
+                          tracking=spec.tracking,
+                          resources=ClusterSettings(ray_address=spec.resources.ray_address,
+                                                    object_store_gb=spec.resources.object_store_gb))
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -519,11 +593,13 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)
-    check_dependent(spec, algorithm, r)
+    check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r)
+    _check_resources(spec, r)
     if train is None and not r.errors and not broken.get("rewards"):
         r.error("rewards", "no node trains the policy: set `reward`")  # unreachable today; never a bare assert
-    if r.errors or train is None:  # train is None without errors only when the loader dropped a broken node
+    if r.errors or train is None or algorithm is None:  # train is None without errors only when the loader dropped a broken node
         return None, r.errors
+    assert train is not None and algorithm is not None  # no errors: both were resolved
     shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
     hashes: dict[str, Any] = {
         "spec": sha256_json(shown),
@@ -531,47 +607,52 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         "rewards": rewards,
         "data": data,
         "code": code,  # python tool modules
-        "tools": {} if tools is None else {name: sha256_json(_offered(spec, name, listed))
+        "tools": {} if tools is None else {name: sha256_json(_offered(spec.tools, name, listed))
                                            for name, listed in tools.items()},
     }
     hashes["run"] = sha256_json(hashes)
-    stages, edges = stage_graph(spec)
+    base_dir = str(source.base_dir)
+    from factory.reward.graph import required_columns  # (the reward functions imported: checked above)
+
+    stages, edges = stage_graph(spec, base_dir=base_dir, algorithm=algorithm, order=order, train_node=train,
+                                required=required_columns(spec))
     plan = Plan(
         spec=shown,
         spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),
         spec_path=source.file,
-        base_dir=str(source.base_dir),
+        base_dir=base_dir,
         stages=stages,
         edges=edges,
-        reward_order=tuple(order),
-        reward_node=train,
-        metrics=metrics,
-        algorithm=algorithm,
+        driver=driver_settings(spec, algorithm, metrics),
         hashes=_sorted(hashes),
         version=_version(),
-        tools={} if tools is None else {n: [t["name"] for t in _offered(spec, n, ls)] for n, ls in tools.items()},
+        tools={} if tools is None else {n: [t["name"] for t in _offered(spec.tools, n, ls)] for n, ls in tools.items()},
         warnings=tuple(str(w) for w in r.warnings),
+        masked=tuple(sorted(source.env_paths)),
     )
     return plan, []
 
 
-def _offered(spec: Spec, name: str, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the model is offered by one server (its allowed tools), in a stable order."""
-    allowed = spec.tools[name].allowed_tools
+def _offered(tools: Mapping[str, Any], name: str, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the model is offered by one server of `tools` (its allowed tools), in a stable order."""
+    allowed = tools[name].allowed_tools
     keep = [{k: t.get(k) for k in ("name", "description", "inputSchema")} for t in listed
             if allowed is None or t["name"] in allowed]
     return sorted(keep, key=lambda t: t["name"])
 
 
-def with_tool_listing(plan: Plan, spec: Spec, listing: ToolListing) -> Plan:
+def with_tool_listing(plan: Plan, listing: ToolListing) -> Plan:
     """The plan with its tool schemas hashed from the listing of the started servers: what `--connect`
-    computes, done by `factory run` once the rollout stage's servers are up, so that every run's plan hash
+    computes, done by `factory run` once the tools stage's servers are up, so that every run's plan hash
     covers the schemas its model was offered (a changed MCP server changes the hash)."""
+    if not listing:
+        return plan
+    tools = plan.stage("tools").settings.tools  # type: ignore[attr-defined]
     hashes = {k: v for k, v in plan.hashes.items() if k != "run"}
-    hashes["tools"] = {name: sha256_json(_offered(spec, name, listed)) for name, listed in listing.items()}
+    hashes["tools"] = {name: sha256_json(_offered(tools, name, listed)) for name, listed in listing.items()}
     hashes["run"] = sha256_json(hashes)
     return dataclasses.replace(plan, hashes=_sorted(hashes),
-                               tools={n: [t["name"] for t in _offered(spec, n, ls)] for n, ls in listing.items()})
+                               tools={n: [t["name"] for t in _offered(tools, n, ls)] for n, ls in listing.items()})
 
 
 def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
@@ -613,11 +694,31 @@ def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
     return loaded.spec, plan
 
 
+def stage_settings(spec: Spec, base_dir: str | os.PathLike = ".") -> dict[str, Settings]:
+    """Every stage's slice of a spec built in code (tests, notebooks), resolved as `compile_spec`
+    resolves it but without checking files, imports or models (so the data stage checks no columns for
+    the reward functions). Raises `SpecErrors` for a reward graph or algorithm that cannot be resolved."""
+    source = SpecSource(file="<spec>", base_dir=Path(base_dir).resolve(), text="")
+    r = _Report(source)
+    order, train, _ = _check_reward_graph(spec, r, set())
+    algorithm = _resolve_algorithm(spec, r)
+    if r.errors or train is None or algorithm is None:
+        raise SpecErrors(r.errors, source.file)
+    stages, _ = stage_graph(spec, base_dir=str(source.base_dir), algorithm=algorithm, order=order, train_node=train,
+                            required={})
+    return {s.name: s.settings for s in stages}
+
+
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    """The plan as sorted plain data (without the derived `spec_yaml` and the `warnings`)."""
+    """The plan as sorted plain data, without the derived `spec_yaml`, the `warnings` and the list of
+    masked paths. Stage slices keep spec sections under their spec names, so the spec's env-derived
+    paths mask them too: "***" in every slice as in the spec."""
     data = _plain(plan)
-    data.pop("warnings", None)
-    data.pop("spec_yaml", None)
+    for key in ("warnings", "spec_yaml", "masked"):
+        data.pop(key, None)
+    data["driver"] = mask(data["driver"], plan.masked)
+    for stage in data["stages"]:
+        stage["settings"] = mask(stage["settings"], plan.masked)
     return _sorted(data)
 
 

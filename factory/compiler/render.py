@@ -1,6 +1,7 @@
-"""Text views of a Plan for the terminal: the `factory check` summary and the `factory plan` listing."""
+"""Text views of a Plan: the `factory check` summary, the `factory plan` listing and its Graphviz dot."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from collections.abc import Iterator
@@ -8,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from factory.plan import Plan
+from factory.plan import Edge, Plan, Stage
 
 
 def _source(s: dict[str, Any]) -> str:
@@ -29,9 +30,14 @@ def _tool(name: str, t: dict[str, Any], listed: dict[str, list[str]]) -> str:
     return f"{name} ({kind})"
 
 
+def _replicas(stage: Stage) -> str:
+    return f" x{stage.replicas}" if stage.replicas > 1 else ""
+
+
 def stage_line(plan: Plan) -> str:
     names = [s.name for s in plan.stages]
-    line = " -> ".join(n for n in names if n != "tools" and not n.startswith("judge."))
+    line = " -> ".join(s.name + _replicas(s) for s in plan.stages
+                       if s.name != "tools" and not s.name.startswith("judge."))
     if "tools" in names:
         line += "; rollout <-> tools"
     for judge in (n for n in names if n.startswith("judge.")):
@@ -47,13 +53,10 @@ def check_summary(plan: Plan) -> str:
         data += f"; eval: {_source(s['data']['eval'])}"
     tools = "; ".join(_tool(n, t, plan.tools) for n, t in s["tools"].items()) or "(none)"
     alg = plan.algorithm
-    alg_text = alg.get("name", "?")
-    details = [f"{k} {alg[k]}" for k in ("advantage", "loss", "aggregation") if alg.get(k)]
-    if details:
-        alg_text += f" ({', '.join(details)})"
+    alg_text = f"{alg.name} (advantage {alg.advantage}, loss {alg.loss}, aggregation {alg.aggregation})"
     rewards = ", ".join(n for n in plan.reward_order if n != plan.reward_node)
     rewards = f"{rewards} -> {plan.reward_node}" if rewards else plan.reward_node
-    gpus = sum(st.resources.get("num_gpus", 0) for st in plan.stages)
+    gpus = sum(st.resources.get("GPU", 0) * st.replicas for st in plan.stages)
     lines = [
         f"{plan.spec_path}: ok",
         f"  model      {s['model']['path']}",
@@ -65,6 +68,39 @@ def check_summary(plan: Plan) -> str:
         f"  run hash   {plan.hashes['run'][:12]}",
     ]
     return "\n".join(lines)
+
+
+def _bundle(stage: Stage) -> str:
+    each = ", ".join(f"{k} {v:g}" for k, v in stage.resources.items())
+    return f"each replica reserves {each} ({stage.strategy})" if each else "reserves nothing"
+
+
+def edge_text(e: Edge) -> str:
+    """`data.next_batch --batch--> rollout.generate`: the methods the driver (or, for a call edge, the
+    source stage) calls."""
+    src = f"{e.src}.{e.fetch}" if e.fetch else e.src
+    dst = f"{e.dst}.{e.method}" if e.method else e.dst
+    kind = "" if e.kind == "data" else f" ({e.kind.replace('_', ' ')})"
+    return f"{src} --{e.carries}--> {dst}{kind}"
+
+
+def dot_text(plan: Plan) -> str:
+    """The stage graph in Graphviz dot: one box per stage (its class and replicas), one arrow per edge
+    labelled with what it carries; eval edges dashed, tool calls dotted, the weight sync bold."""
+    q = json.dumps  # a JSON string is a valid dot string (and \n a line break in a label)
+    out = [f"digraph {q(plan.spec.get('name', 'plan'))} {{", "  rankdir=LR;",
+           '  node [shape=box, style=rounded, fontname="Helvetica"];', '  edge [fontname="Helvetica", fontsize=10];']
+    for st in plan.stages:
+        label = [st.name, st.cls.rpartition(":")[2] + (f" x {st.replicas} replicas" if st.replicas > 1 else "")]
+        if st.resources:
+            label.append("each: " + ", ".join(f"{k} {v:g}" for k, v in st.resources.items()))
+        out.append(f"  {q(st.name)} [label={q(chr(10).join(label))}];")
+    style = {"data": "", "eval": ", style=dashed", "call": ", style=dotted", "weight_sync": ", style=bold"}
+    for e in plan.edges:
+        label = e.carries + (" (weight sync)" if e.kind == "weight_sync" else "")
+        out.append(f"  {q(e.src)} -> {q(e.dst)} [label={q(label)}{style[e.kind]}];")
+    out.append("}")
+    return "\n".join(out) + "\n"
 
 
 def _hash_entry(h: Any) -> str:
@@ -82,17 +118,16 @@ def plan_text(plan: Plan) -> str:
     out = ["# resolved spec (values read from the environment are shown as ***)", plan.spec_yaml.rstrip(), "",
            "# stages"]
     for st in plan.stages:
-        res = ", ".join(f"{k}={v:g}" for k, v in st.resources.items())
         out.append(f"  {st.name:8} {st.does}")
-        out.append(f"  {'':8} in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}; {res}")
-    out += ["", "# edges"]
-    for e in plan.edges:
-        out.append(f"  {e.src} --{e.carries}--> {e.dst}" + (f" ({e.kind.replace('_', ' ')})" if e.kind != "data" else ""))
+        out.append(f"  {'':8} {st.cls}{_replicas(st)}; {_bundle(st)}")
+        out.append(f"  {'':8} in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}")
+    out += ["", "# edges (the methods the driver calls; a call edge's source calls it itself)"]
+    out += [f"  {edge_text(e)}" for e in plan.edges]
     out += ["", "# reward graph",
             f"  order: {' -> '.join(plan.reward_order)}; trains on: {plan.reward_node}",
             f"  eval metrics: {', '.join(f'{k}={v}' for k, v in plan.metrics.items()) or '-'}",
             "", "# algorithm"]
-    out += [f"  {k}: {json.dumps(v)}" for k, v in sorted(plan.algorithm.items())]
+    out += [f"  {k}: {json.dumps(v)}" for k, v in sorted(dataclasses.asdict(plan.algorithm).items())]
     out += ["", "# hashes"]
     for key, value in sorted(plan.hashes.items()):
         if isinstance(value, dict):

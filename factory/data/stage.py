@@ -9,23 +9,26 @@ from typing import Any
 import pyarrow as pa
 
 from factory.data.sources import DataError, PromptRenderer, check_rows, read_source, to_table
-from factory.schema import DataSpec
+from factory.plan import DataSettings
+from factory.types import Placement
+from factory.util import enter_workdir, node_id
 
 
 class DataStage:
     """The data-prep stage: an endless, seeded, epoch-shuffled stream of training batches and a fixed eval
     batch. Holds everything in memory: RL prompt sets are small next to the model."""
 
-    def __init__(self, spec: DataSpec, *, seed: int, base_dir: Path | None = None, eval_size: int | None = None,
-                 required_columns: Mapping[str, str] | None = None):
-        self._spec, self._seed, self._base_dir, self._eval_size = spec, seed, base_dir, eval_size
-        self._required = dict(required_columns or {})  # column -> who needs it, checked on every row
+    def __init__(self, settings: DataSettings):
+        self._spec, self._seed, self._eval_size = settings.data, settings.seed, settings.eval_size
+        self._base_dir = Path(settings.base_dir)
+        self._required = dict(settings.required_columns)  # column -> who needs it, checked on every row
         self._rows: list[dict[str, Any]] = []
         self._order: list[int] = []
         self._epoch = 0
         self._cursor = 0
 
-    def setup(self) -> dict[str, int]:
+    def setup(self, placement: Placement | None = None) -> dict[str, Any]:
+        enter_workdir((placement or Placement()).workdir)
         self._renderer = PromptRenderer(self._spec, self._base_dir)
         # Every row is checked here, before any training step: a bad row 3,000 rows in would otherwise stop
         # the run when an epoch first reaches it.
@@ -41,7 +44,7 @@ class DataStage:
                 self._eval, origins = self._eval[: self._eval_size], origins[: self._eval_size]
             check_rows(self._eval, origins, self._renderer, self._required)
         self._reshuffle()
-        return {"train_rows": len(self._rows), "eval_rows": len(self._eval)}
+        return {"node": node_id(), "train_rows": len(self._rows), "eval_rows": len(self._eval)}
 
     def _reshuffle(self) -> None:
         self._order = list(range(len(self._rows)))

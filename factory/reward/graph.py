@@ -8,7 +8,6 @@ and over the values that exist.
 """
 from __future__ import annotations
 
-import graphlib
 import inspect
 import json
 import math
@@ -44,17 +43,6 @@ class MissingReward(UserError, RuntimeError):
 def node_inputs(node: Any) -> list[str]:
     """The other nodes a node reads."""
     return [name for name, _ in node.inputs()]
-
-
-def topological_order(nodes: dict[str, Any]) -> list[str]:
-    """Nodes so that inputs come first (the compiler has already rejected cycles)."""
-    return list(graphlib.TopologicalSorter({n: node_inputs(v) for n, v in nodes.items()}).static_order())
-
-
-def training_node(spec: Spec) -> str:
-    if spec.reward:
-        return spec.reward
-    return next(iter(spec.rewards)) if len(spec.rewards) == 1 else "total"
 
 
 def required_columns(spec: Spec) -> dict[str, str]:

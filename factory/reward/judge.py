@@ -12,7 +12,10 @@ import asyncio
 import os
 from typing import Any
 
+from factory.plan import JudgeSettings
 from factory.schema import JudgeNode, LocalJudge
+from factory.types import Placement
+from factory.util import enter_workdir, node_id
 
 
 class JudgeError(RuntimeError):
@@ -119,23 +122,26 @@ class LocalSession:
 
 class JudgeModel:
     """A judge model in its own Ray actor (with its own CPUs/GPUs): chat-formats each prompt as one user
-    message with the model's own chat template and answers greedily.
+    message with the model's own chat template and answers greedily. The driver places it as the plan's
+    `judge.<node>` stage; the reward stage calls it along the plan's call edge.
 
     The constructor has no side effects; `setup()` loads the model."""
 
-    def __init__(self, cfg: LocalJudge, *, seed: int = 0):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, settings: JudgeSettings):
+        self.cfg, self.seed = settings.judge, settings.seed
 
-    async def setup(self) -> None:
+    async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         from factory.assets import resolve_model
         from factory.rollout.chat import ChatFormat
 
+        enter_workdir((placement or Placement()).workdir)
         path = resolve_model(self.cfg.path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.chat = ChatFormat(self.tokenizer)
         self.engine = _engine(self.cfg, path, self.chat.stop_token_ids, self.seed)
+        return {"node": node_id(), "model": path}
 
     async def complete(self, prompts: list[str], max_tokens: int) -> list[str]:
         from factory.rollout.engine import Sampling
@@ -159,11 +165,3 @@ def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) ->
     return make_engine(RolloutSpec(engine=cfg.engine), path, device=device, dtype=dtype, seed=seed,
                        stop_token_ids=stop_token_ids)
 
-
-def start_judge_actor(node: JudgeNode, *, seed: int = 0) -> Any:
-    """The `JudgeModel` actor of a local judge node, placed with the node's own resources."""
-    import ray
-
-    assert node.local is not None
-    cls = ray.remote(JudgeModel)
-    return cls.options(num_cpus=node.local.num_cpus, num_gpus=node.local.num_gpus).remote(node.local, seed=seed)

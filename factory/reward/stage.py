@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from factory.plan import RewardSettings
 from factory.reward.graph import (
     LEAVES,
     MissingReward,
@@ -34,40 +35,36 @@ from factory.reward.graph import (
     reward_metrics,
     roots,
     standardize,
-    topological_order,
-    training_node,
 )
-from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, Spec, ToolNode
-from factory.types import ToolCall, Trajectory
-from factory.util import enter_workdir, import_path, resolve_file, template_env
+from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
+from factory.types import Placement, ToolCall, Trajectory
+from factory.util import enter_workdir, import_path, node_id, resolve_file, template_env
 
 log = logging.getLogger(__name__)
 
 
 class RewardStage:
     """The reward actor. Its methods are coroutines, so Ray runs it as an async actor with one event loop
-    for its life: tool servers for tool nodes start once and stay up.
+    for its life; tool nodes call the tools stage (the plan's reward -> tools edge).
 
-    API: `await setup()`, then `await score(trajs)` per batch -- any set of whole groups; a step may be
+    API: `await setup(placement)`, then `await score(trajs)` per batch -- any set of whole groups; a step may be
     scored in several calls (group by group) unless `needs_whole_batch` -- and `await close()`."""
 
-    def __init__(self, spec: Spec, *, base_dir: str | Path | None = None, workdir: str | None = None,
-                 max_workers: int = 256):
-        self.nodes = dict(spec.rewards)
-        self.train_node = training_node(spec)
-        self.order = topological_order(self.nodes)
-        self._tools, self._seed = spec.tools, spec.seed
-        self._workdir, self._max_workers = workdir, max_workers
-        self._base_dir = Path(base_dir) if base_dir else None
+    def __init__(self, settings: RewardSettings, *, max_workers: int = 256):
+        self.nodes = dict(settings.rewards)
+        self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
+        self._max_workers = max_workers
+        self._base_dir = Path(settings.base_dir)
 
     @property
     def needs_whole_batch(self) -> bool:
         """True when a node normalises over the batch: then one call must hold a whole step."""
         return any(isinstance(n, NormalizeNode) and n.over == "batch" for n in self.nodes.values())
 
-    async def setup(self) -> None:
+    async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         # In its own actor, so slow or crashing reward code never stalls rollout.
-        enter_workdir(self._workdir)
+        placement = placement or Placement()
+        enter_workdir(placement.workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
         self._fns: dict[str, tuple[Callable[..., Any], bool]] = {}  # node -> (function, wants `turns`)
         self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
@@ -81,25 +78,18 @@ class RewardStage:
                 self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
                 self._templates[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
-                if node.local is not None:
-                    from factory.reward.judge import start_judge_actor
+                if node.local is not None:  # the plan's judge.<node> stage, which the driver placed
+                    self._judge_actors[name] = placement.peers[f"judge.{name}"]
+        from factory.tools.client import ToolsClient
 
-                    self._judge_actors[name] = start_judge_actor(node, seed=self._seed)
-        await asyncio.gather(*(actor.setup.remote() for actor in self._judge_actors.values()))
-        self._toolbox = None
-        self._toolbox_started = False
-        if any(isinstance(n, ToolNode) for n in self.nodes.values()):
-            from factory.tools import ToolBox
-
-            self._toolbox = ToolBox.from_spec(self._tools, base_dir=self._base_dir)
+        self._toolbox = ToolsClient(placement.peers.get("tools"))
+        await self._toolbox.start()
+        return {"node": node_id(), "order": list(self.order), "train_node": self.train_node}
 
     async def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """Fill `rewards`, `reward_details`, `reward` and `dropped` of every trajectory; return them with the
         metrics of this call (`reward_metrics`, plus timings)."""
         t0 = time.perf_counter()
-        if self._toolbox is not None and not self._toolbox_started:
-            await self._toolbox.start()
-            self._toolbox_started = True
         evaluation = _Evaluation(self, trajs)
         await evaluation.run()
         metrics = reward_metrics(trajs, self.nodes, self.train_node)
@@ -108,13 +98,6 @@ class RewardStage:
         return trajs, metrics
 
     async def close(self) -> None:
-        if self._toolbox is not None and self._toolbox_started:
-            await self._toolbox.close()
-        if self._judge_actors:
-            import ray
-
-            for actor in self._judge_actors.values():
-                ray.kill(actor)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

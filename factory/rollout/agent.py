@@ -100,11 +100,12 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
 async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
                   group_size: int, cfg: RolloutSpec, sampling: Sampling,
                   on_done: Callable[[Trajectory], None] | None = None,
-                  seed_key: tuple[int, ...] | None = None) -> list[Trajectory]:
+                  seed_key: tuple[int, ...] | None = None, first_index: int = 0) -> list[Trajectory]:
     """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index).
     `on_done` is called as each trajectory finishes (the stage counts them for its progress report).
     `seed_key` (e.g. (spec seed, step)) seeds every request from (seed_key, prompt, sample, turn) rather
-    than from a generator whose draws would depend on how requests happened to be batched."""
+    than from a generator whose draws would depend on how requests happened to be batched. Prompts are
+    numbered from `first_index` (a rollout replica's part of a step starts there)."""
 
     async def one(messages: list[dict[str, Any]], row: dict[str, Any], p: int, s: int) -> Trajectory:
         seed = None if seed_key is None else request_seed(*seed_key, p, s)
@@ -114,5 +115,6 @@ async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: lis
             on_done(t)
         return t
 
-    return list(await asyncio.gather(*(one(messages, row, p, s) for p, (messages, row) in enumerate(prompts)
+    return list(await asyncio.gather(*(one(messages, row, p, s)
+                                       for p, (messages, row) in enumerate(prompts, start=first_index)
                                        for s in range(group_size))))

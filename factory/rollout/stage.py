@@ -1,21 +1,24 @@
-"""The rollout stage: the generation engine, the chat format and the tool pool in one actor.
+"""The rollout stage: the generation engine and the chat format in one actor, calling the tools stage.
 
 A plain class (the constructor has no side effects; `setup()` does the heavy work), so tests can use it
-in-process; the driver wraps it with `ray.remote`.
+in-process; the driver wraps it with `ray.remote`, once per replica.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from factory.device import stage_device
-from factory.schema import Spec
-from factory.types import ToolCall, ToolResult, Trajectory
-from factory.util import enter_workdir, set_threads
+from factory.plan import RolloutSettings
+from factory.tools.metrics import ToolMetrics
+from factory.types import Placement, ToolCall, ToolResult, Trajectory
+from factory.util import enter_workdir, node_id, set_threads
 
 
 class BusyClock:
@@ -73,85 +76,98 @@ class _Timed:
             self._clock.exit(self._kind)
 
 
-def rollout_dtype(spec: Spec) -> str:
+def rollout_dtype(settings: RolloutSettings) -> str:
     """The rollout engine's weight dtype (see RolloutSpec.dtype): `auto` asks the rollout's device."""
     from factory.device import auto_dtype, stage_device
 
-    if spec.rollout.dtype != "auto":
-        return spec.rollout.dtype
-    return auto_dtype(stage_device(spec.resources.rollout.num_gpus), want_bf16=spec.train.bf16_autocast,
-                      weights=spec.model.dtype)
+    if settings.rollout.dtype != "auto":
+        return settings.rollout.dtype
+    return auto_dtype(stage_device(settings.num_gpus), want_bf16=settings.bf16_autocast, weights=settings.model.dtype)
+
+
+@dataclass
+class RolloutPart:
+    """One replica's answer to a batch: its trajectories and what it measured, merged over replicas by
+    `RolloutStage.merge` (each field says how)."""
+
+    trajs: list[Trajectory]
+    busy: dict[str, float]  # generate / tools / idle split of this replica's wall time
+    wall_s: float
+    engine_batches: int
+    tools: ToolMetrics  # this replica's tool calls (added up over replicas)
 
 
 class RolloutStage:
-    """The rollout actor: the generation engine, the chat format and the tool pool, all living in this
-    actor's event loop (Ray runs async actor methods on one loop, which the MCP sessions need)."""
+    """The rollout actor: one generation engine and the chat format, calling the tools stage for tool
+    calls. The engine lives in this actor's event loop (Ray runs async actor methods on one loop).
 
-    def __init__(self, spec: Spec, model_path: str, *, base_dir: str | None = None, workdir: str | None = None):
-        self.spec, self.model_path, self.base_dir, self.workdir = spec, model_path, base_dir, workdir
+    Worker group: `replicas` of these share a step. `generate` and `evaluate` take a batch that the driver
+    cuts with `split` (contiguous prompts, one part per replica) and answer parts that `merge` joins;
+    every other method (load_weights, close) reaches every replica."""
+
+    SHARDED = frozenset({"generate", "evaluate"})
+
+    def __init__(self, settings: RolloutSettings):
+        self.settings = settings
         self._done, self._total = 0, 0  # trajectories of the generate call in progress
 
-    async def setup(self) -> dict[str, Any]:
-        enter_workdir(self.workdir)
-        set_threads(self.spec.train.threads)
+    async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
+        placement = placement or Placement()
+        s = self.settings
+        enter_workdir(placement.workdir)
+        set_threads(s.threads)
         from transformers import AutoTokenizer
 
+        from factory.assets import resolve_model
         from factory.rollout.chat import ChatFormat
         from factory.rollout.engine import make_engine
-        from factory.tools import ToolBox
+        from factory.tools.client import ToolsClient
         from factory.util import resolve_file
 
-        base = Path(self.base_dir) if self.base_dir else None
-        tokenizer = AutoTokenizer.from_pretrained(self.spec.model.tokenizer or self.model_path)
-        template = (resolve_file(self.spec.chat_template, base).read_text() if self.spec.chat_template else None)
+        model_path = resolve_model(s.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(s.model.tokenizer or model_path))
+        template = (resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None)
         self.chat = ChatFormat(tokenizer, template)
         self.tokenizer = tokenizer
-        device, dtype = stage_device(self.spec.resources.rollout.num_gpus), rollout_dtype(self.spec)
-        self.engine = make_engine(self.spec.rollout, self.model_path, device=device, dtype=dtype, seed=self.spec.seed,
-                                  stop_token_ids=self.chat.stop_token_ids, threads=self.spec.train.threads)
-        self.toolbox = ToolBox.from_spec(self.spec.tools, base_dir=base)
-        await self.toolbox.start()
+        device, dtype = stage_device(s.num_gpus), rollout_dtype(s)
+        self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
+                                  stop_token_ids=self.chat.stop_token_ids, threads=s.threads)
+        self.tools = ToolsClient(placement.peers.get("tools"))
+        await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype}
         if self.engine.fallback_reason:
             resolved["engine_fallback"] = self.engine.fallback_reason
-        return {"tools": [s["function"]["name"] for s in self.toolbox.schemas()], "resolved": resolved}
+        return {"node": node_id(), "tools": [t["function"]["name"] for t in self.tools.schemas()], "resolved": resolved}
 
-    async def generate(self, batch: pa.Table, *, group_size: int, greedy: bool = False, step: int = 0,
-                       attempt: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
-        """Trajectories for a batch of prompts. Sampled requests are seeded from (seed, step, attempt,
-        prompt, sample, turn), so a resumed run samples what the uninterrupted run would have."""
+    async def generate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0) -> RolloutPart:
+        """`group_size` trajectories per prompt of `batch`, whose prompts are numbered from `first_index`
+        (its place in the step's batch). Sampled requests are seeded from (seed, step, attempt, prompt,
+        sample, turn), so a resumed run samples what the uninterrupted run would have, and the samples do
+        not depend on how many replicas share the batch."""
+        return await self._run(batch, first_index, self.settings.rollout.group_size, greedy=False,
+                               seed_key=(self.settings.seed, step, attempt))
+
+    async def evaluate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0) -> RolloutPart:
+        """One greedy trajectory per held-out prompt."""
+        return await self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0))
+
+    async def _run(self, batch: pa.Table, first_index: int, group_size: int, *, greedy: bool,
+                   seed_key: tuple[int, ...]) -> RolloutPart:
         from factory.data import from_table
-        from factory.rollout.agent import rollout
-        from factory.rollout.engine import Sampling
+        from factory.rollout.agent import rollout, sampling_from_spec
 
-        r = self.spec.rollout
-        sampling = Sampling(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, greedy=greedy)
         clock = BusyClock()
         batches_before = self.engine.batches_run
         t0 = time.perf_counter()
-        self.toolbox.metrics(reset=True)
+        await self.tools.take_metrics()  # start this batch's count
         prompts = from_table(batch)
         self._done, self._total = 0, len(prompts) * group_size
-        trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.toolbox, clock, "tools"),
-                              prompts, group_size=group_size, cfg=r, sampling=sampling, on_done=self._count,
-                              seed_key=(self.spec.seed, step, attempt))
-        wall = time.perf_counter() - t0
-        busy = clock.read()
-        metrics = {
-            # tools_only: time with tool calls in flight and no generation (tool time hidden behind
-            # generation is not in it: that is the point of overlapping them)
-            "timing/rollout_s": wall, "timing/generate_s": busy["generate"], "timing/tools_only_s": busy["tools"],
-            "response_length/mean": statistics.fmean(t.num_model_tokens for t in trajs),
-            "num_turns/mean": statistics.fmean(len(t.turns) for t in trajs),
-            "tool_calls/mean": statistics.fmean(t.num_tool_calls for t in trajs),
-            "rollout/infra_error_trajectories": float(sum(t.infra_error for t in trajs)),
-            "rollout/truncated": float(sum(t.truncated for t in trajs)),
-            "rollout/engine_batches": float(self.engine.batches_run - batches_before),
-            "perf/generate_tokens_per_s": sum(t.num_model_tokens for t in trajs) / max(busy["generate"], 1e-9),
-            **{f"rollout/stop_{k}": float(sum(t.stop_reason == k for t in trajs)) for k in ("no_call", "max_turns", "budget")},
-            **self.toolbox.metrics(reset=True),
-        }
-        return trajs, metrics
+        trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"),
+                              prompts, group_size=group_size, cfg=self.settings.rollout,
+                              sampling=sampling_from_spec(self.settings.rollout, greedy=greedy), on_done=self._count,
+                              seed_key=seed_key, first_index=first_index)
+        return RolloutPart(trajs, clock.read(), time.perf_counter() - t0, self.engine.batches_run - batches_before,
+                           await self.tools.take_metrics())
 
     def _count(self, _: Trajectory) -> None:
         self._done += 1
@@ -161,10 +177,39 @@ class RolloutStage:
         actor's calls on one event loop, so the driver can poll this while `generate` awaits."""
         return self._done, self._total
 
-    async def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
-        """server -> [{name, offered_as, description, inputSchema}] of the tools offered to the model, as the
-        started servers list them (what the run's tool-schema hash is computed from)."""
-        return self.toolbox.tool_listing()
+    @staticmethod
+    def split(batch: pa.Table, replicas: int) -> list[tuple[pa.Table, int]]:
+        """(part, number of its first prompt) for each replica that gets prompts, in order."""
+        n = batch.num_rows
+        bounds = [n * i // replicas for i in range(replicas + 1)]
+        return [(batch.slice(lo, hi - lo), lo) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+    @staticmethod
+    def merge(parts: list[RolloutPart]) -> tuple[list[Trajectory], dict[str, float]]:
+        """All replicas' trajectories in prompt order, and the step's rollout metrics: counts add up,
+        means are over all trajectories, and the time split is the slowest replica's (the step waits
+        for it)."""
+        trajs = [t for p in parts for t in p.trajs]
+        slowest = max(parts, key=lambda p: p.wall_s)
+        tools = ToolMetrics()
+        for p in parts:
+            tools.add(p.tools)
+        return trajs, {
+            "timing/rollout_s": slowest.wall_s, "timing/generate_s": slowest.busy["generate"],
+            "timing/tools_s": slowest.busy["tools"],
+            "response_length/mean": statistics.fmean(t.num_model_tokens for t in trajs),
+            "num_turns/mean": statistics.fmean(len(t.turns) for t in trajs),
+            "tool_calls/mean": statistics.fmean(t.num_tool_calls for t in trajs),
+            "rollout/infra_error_trajectories": float(sum(t.infra_error for t in trajs)),
+            "rollout/truncated": float(sum(t.truncated for t in trajs)),
+            "rollout/engine_batches": float(sum(p.engine_batches for p in parts)),
+            # replicas generate side by side: their rates add up
+            "perf/generate_tokens_per_s": sum(sum(t.num_model_tokens for t in p.trajs) / max(p.busy["generate"], 1e-9)
+                                              for p in parts),
+            **{f"rollout/stop_{k}": float(sum(t.stop_reason == k for t in trajs))
+               for k in ("no_call", "max_turns", "budget")},
+            **tools.snapshot(),
+        }
 
     def load_weights(self, state_dict: dict[str, Any]) -> float:
         t0 = time.perf_counter()
@@ -172,4 +217,4 @@ class RolloutStage:
         return time.perf_counter() - t0
 
     async def close(self) -> None:
-        await self.toolbox.close()
+        """Nothing to stop here: the tool servers belong to the tools stage."""

@@ -24,9 +24,22 @@ class _ToolStats:
     timeouts: int = 0
     latencies: list[float] = field(default_factory=list)
 
+    def add(self, other: _ToolStats) -> None:
+        self.calls += other.calls
+        self.model_errors += other.model_errors
+        self.infra_errors += other.infra_errors
+        self.timeouts += other.timeouts
+        self.latencies += other.latencies
+
+
+def _no_events() -> dict[str, int]:  # a named function, not a lambda: ToolMetrics travels between actors
+    return {"restarts": 0, "circuit_opens": 0}
+
 
 class ToolMetrics:
-    """Counters since the last reset. Not thread-safe: it lives in the ToolBox's event loop."""
+    """Counters since the last reset. Not thread-safe: it lives in one event loop (the ToolBox's, or a
+    caller's). Picklable, and `add` merges another's counts: rollout replicas each count their own calls
+    and the driver adds them up."""
 
     def __init__(self) -> None:
         self._clear()
@@ -34,7 +47,7 @@ class ToolMetrics:
     def _clear(self) -> None:
         self._tools: dict[str, _ToolStats] = defaultdict(_ToolStats)
         self._totals = _ToolStats()
-        self._servers: dict[str, dict[str, int]] = defaultdict(lambda: {"restarts": 0, "circuit_opens": 0})
+        self._servers: dict[str, dict[str, int]] = defaultdict(_no_events)
 
     def record(self, tool: str | None, result: ToolResult) -> None:
         """Count one finished call; `tool` is None when the name matched no tool."""
@@ -46,9 +59,25 @@ class ToolMetrics:
             stats.timeouts += result.error_kind == "timeout"
             stats.latencies.append(result.latency_s)
 
-    def server_event(self, server: str, event: str) -> None:
+    def server_event(self, server: str, event: str, count: int = 1) -> None:
         """Count a server-level event: `restarts` or `circuit_opens`."""
-        self._servers[server][event] += 1
+        self._servers[server][event] += count
+
+    def add(self, other: ToolMetrics) -> None:
+        """Count another's calls and server events in this one too."""
+        for name, stats in other._tools.items():
+            self._tools[name].add(stats)
+        self._totals.add(other._totals)
+        for server, events in other._servers.items():
+            for event, count in events.items():
+                self._servers[server][event] += count
+
+    def take_server_events(self) -> dict[str, dict[str, int]]:
+        """Server events since the last take, and a fresh start (the tools stage reports these to its
+        callers, which count the calls themselves)."""
+        events = dict(self._servers)
+        self._clear()
+        return events
 
     def snapshot(self, reset: bool = False) -> dict[str, float]:
         """All metrics as a flat dict of floats; `reset` starts a new window (e.g. per training step)."""

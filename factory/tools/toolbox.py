@@ -214,6 +214,11 @@ class ToolBox:
             log.exception("tool call %s failed unexpectedly", name)
             return infra_error(name, "transport", f"Error: the call to {name} failed ({type(exc).__name__}).")
 
+    def server_events(self) -> dict[str, dict[str, int]]:
+        """Restarts and circuit opens since the last ask, and a fresh count (for the tools stage, whose
+        callers count their calls themselves)."""
+        return self._metrics.take_server_events()
+
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """Per-tool calls, model_errors, infra_errors, timeouts, errors, latency_s_p50/p95, and totals."""
         return self._metrics.snapshot(reset=reset)

@@ -49,6 +49,26 @@ def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batc
     return out
 
 
+def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int) -> list[list[list[int]]]:
+    """One rank's part of an update schedule (see `plan`), for data parallelism over `world` ranks.
+
+    Each mini-batch's samples, in `plan`'s length order, are dealt round-robin over the ranks (so the
+    ranks get near-equal work) and cut into micro-batches. Every rank runs the same number of
+    micro-batches per mini-batch: ZeRO-2/3 reduce gradients inside backward and ZeRO-3 gathers
+    parameters inside forward, so the ranks' passes must pair up. A rank short of samples gets empty
+    micro-batches, which the learner runs on a stand-in sample with weight 0. One rank: `schedule`."""
+    if world == 1:
+        return schedule
+    out = []
+    for minibatch in schedule:
+        members = [i for micro in minibatch for i in micro]
+        mine = members[rank::world]
+        count = -(-len(members[0::world]) // micro_batch)  # rank 0's part is the largest
+        micros = [mine[k:k + micro_batch] for k in range(0, len(mine), micro_batch)]
+        out.append(micros + [[] for _ in range(count - len(micros))])
+    return out
+
+
 @dataclass
 class MicroBatch:
     """Right-padded prompt+response sequences and where their response tokens sit.

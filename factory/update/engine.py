@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from factory.schema import Spec
+from factory.plan import UpdateSettings
 
 
 def use_extension_cache() -> str:
@@ -84,7 +84,7 @@ def on_cuda() -> bool:
     return get_accelerator().device_name() == "cuda"
 
 
-def autocast_dtype(spec: Spec) -> torch.dtype | None:
+def autocast_dtype(spec: UpdateSettings) -> torch.dtype | None:
     """bf16 autocast when asked and the device computes bf16 natively (factory.device); None = run in the
     weights' dtype. Only for fp32 weights: bf16/fp16 weights (model.dtype) are DeepSpeed's mixed
     precision instead."""
@@ -108,7 +108,7 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def deepspeed_config(spec: Spec) -> dict[str, Any]:
+def deepspeed_config(spec: UpdateSettings) -> dict[str, Any]:
     """The DeepSpeed config for a spec: ZeRO stage, micro batch, clipping, precision; then every extra
     key of `train.deepspeed` merged on top (so any DeepSpeed setting is reachable from the spec).
 
@@ -141,7 +141,7 @@ def deepspeed_config(spec: Spec) -> dict[str, Any]:
     return _deep_merge(cfg, dict(ds.model_extra or {}))
 
 
-def make_optimizer(spec: Spec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(spec: UpdateSettings, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """A client torch optimizer: DeepSpeed's own Adam variants JIT-compile for 60-96 s on first use."""
     o = spec.train.optimizer
     if o.name == "sgd":
@@ -151,7 +151,7 @@ def make_optimizer(spec: Spec, params: list[torch.nn.Parameter]) -> torch.optim.
                              foreach=on_cuda())
 
 
-def learning_rate(spec: Spec, step: int) -> float:
+def learning_rate(spec: UpdateSettings, step: int) -> float:
     """The LR of training step `step` (1-based): linear warmup over `train.warmup_steps` training steps
     (what users count), then constant. Set on the optimizer at the start of each training step rather
     than by a per-update scheduler, so epochs x mini-batches (which can shrink when few trajectories

@@ -7,6 +7,14 @@ One `step(trajs)` is one training step:
   4. rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages
   5. per mini-batch: forward/backward each micro-batch (loss normalised by the mini-batch totals), then
      one engine.step (reduce, clip, optimizer step)
+
+Data parallel over the ranks of a DeepSpeed world (the update stage's replicas): every rank receives the
+whole scored batch (one object in Ray's store), so rewards, advantages and the loss normalisers
+(num_tokens, num_seqs of each mini-batch) are computed from all of it, identically on every rank --
+the same totals an all-reduce of the shards would give, without the round trip. The forward/backward
+work is sharded (`batch.shard`); the old and reference log-probs each rank computes for its shard are
+all-reduced so every rank holds all of them, and so are the loss statistics. The result does not depend
+on the number of ranks (tests/test_update_ranks.py).
 """
 from __future__ import annotations
 
@@ -27,13 +35,12 @@ from factory.algorithms import (
     KL_ESTIMATORS,
     kl_reward_penalty,
     policy_objective,
-    resolve,
     rollout_mismatch,
     truncated_is_weights,
 )
-from factory.schema import Spec
+from factory.plan import UpdateSettings
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard
 from factory.update.engine import (
     autocast_dtype,
     deepspeed_config,
@@ -52,11 +59,12 @@ class Learner:
     Checkpoint layout: see factory.update.checkpoint (`<dir>/step_<N>/` DeepSpeed files + `hf/`,
     `<dir>/latest`)."""
 
-    def __init__(self, spec: Spec, model_path: str, chat_template: str | None = None):
+    def __init__(self, settings: UpdateSettings, chat_template: str | None = None):
         # No side effects: the actor constructs this in the driver's process description; setup() loads.
-        self.spec, self.model_path = spec, model_path
+        self.spec = settings  # the update's slice of the spec (model, rollout, train, the resolved algorithm)
         self.chat_template = chat_template  # the text of the spec's chat template, for saved hf/ folders
-        self.alg = resolve(spec.algorithm)
+        self.alg = settings.algorithm
+        self.rank, self.world = 0, 1
         self.engine = None
         self.ref: torch.nn.Module | None = None
         self.tokenizer = None  # for the hf/ folder of checkpoints; loaded on first save
@@ -68,13 +76,21 @@ class Learner:
             # Say what DeepSpeed would otherwise guess, loudly, on every start ("Setting accelerator to CPU").
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
+        import deepspeed.comm as dist
         from transformers import AutoModelForCausalLM
+
+        from factory.assets import resolve_model
 
         if self.spec.train.threads:
             torch.set_num_threads(self.spec.train.threads)
+        self.model_path = resolve_model(self.spec.model.path)
         init_process_group()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.shape = ModelShape.of(model)
+        if self.spec.train.gradient_checkpointing:
+            # non-reentrant: the variant that works under ZeRO-3's parameter gathering
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                config=deepspeed_config(self.spec))
@@ -113,7 +129,8 @@ class Learner:
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
         schedule = plan(len(sub), lengths, alg.mini_batches, spec.train.micro_batch, alg.epochs,
                         seed=spec.seed * 100_003 + self.steps_done * 101)
-        first_epoch = schedule[: len(schedule) // alg.epochs]
+        mine = shard(schedule, self.rank, self.world, spec.train.micro_batch)  # this rank's micro-batches
+        first_epoch = mine[: len(mine) // alg.epochs]
 
         # Old (and reference) log-probs over the first epoch's exact micro-batches, so the first
         # mini-batch sees ratio 1 bit for bit. With a single optimizer update (1 epoch, 1 mini-batch)
@@ -149,10 +166,19 @@ class Learner:
 
         t_train = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
-        for i, minibatch in enumerate(schedule):
-            measure = mismatch if i == 0 and mismatch[1] == 0 and rollout_lp is not None else None
-            for key, value in self._update(sub, minibatch, old, ref, adv, mask, rollout_lp, measure).items():
+        norms = []
+        measured = mismatch[1] == 0 and rollout_lp is not None  # not yet: the first update pass measures it
+        for i, (minibatch, micros) in enumerate(zip(schedule, mine)):
+            measure = mismatch if i == 0 and measured else None
+            part, norm = self._update(sub, minibatch, micros, old, ref, adv, mask, rollout_lp, measure)
+            for key, value in part.items():
                 sums[key] += value
+            norms.append(norm)
+        sums = self._all_sum_stats(sums)
+        if all(n is not None for n in norms):
+            sums["grad_norm"] = sum(norms)
+        if measured:  # each rank measured its share of the first mini-batch
+            mismatch = self._all_mismatch(mismatch)
         stats["timing/update_train_s"] = time.perf_counter() - t_train
         if mismatch[1]:
             stats["rollout/logprob_diff_mean"] = mismatch[0] / mismatch[1]
@@ -185,14 +211,17 @@ class Learner:
         """[N, max response length] log-probs of every response token under the current policy (no
         grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
-        return self._logprobs_before_update(trajs, plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0))[0]
+        schedule = plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0)
+        return self._logprobs_before_update(trajs, shard(schedule, self.rank, self.world, self.spec.train.micro_batch))[0]
 
     @torch.no_grad()
     def _logprobs_before_update(self, sub: list[Trajectory], micro_plan: list[list[list[int]]], *,
                                 policy: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """[n, Rmax] log-probs of the policy that sampled (old) and its entropy (for the stat) when
         `policy`, and of the reference model when there is one; None for what is not computed. All
-        over the same micro-batches; zeros past each response."""
+        over the same micro-batches (this rank's; an empty one is a stand-in forward that keeps ZeRO-3's
+        parameter gathers paired across ranks), then summed over the ranks, each row being one rank's;
+        zeros past each response."""
         width = max(max(len(t.response_ids) for t in sub), 1)
         old = torch.zeros(len(sub), width) if policy else None
         entropy = torch.zeros(len(sub), width) if policy else None
@@ -202,14 +231,16 @@ class Learner:
         temperature = self.spec.rollout.temperature
         for minibatch in micro_plan:
             for micro in minibatch:
-                mb = collate([sub[i] for i in micro]).to(self.engine.device)
+                mb = collate([sub[i] for i in micro or [0]]).to(self.engine.device)
                 if old is not None:
                     logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=temperature,
                                                   entropy=True)
-                    old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
-                if ref is not None:
+                    if micro:
+                        old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
+                if ref is not None and micro:
                     logp = response_logprobs(self.ref, mb, amp=self.amp, temperature=temperature)[0]
                     ref[micro, : logp.shape[1]] = logp.cpu()
+        old, ref, entropy = (self._all_sum(x) for x in (old, ref, entropy))
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
 
         def zero(x: Tensor | None) -> Tensor | None:
@@ -217,21 +248,26 @@ class Learner:
 
         return zero(old), zero(ref), zero(entropy)
 
-    def _update(self, sub: list[Trajectory], minibatch: list[list[int]], old: Tensor | None,
-                ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
-                measure: list[float] | None = None) -> dict[str, float]:
-        """Accumulate one mini-batch's gradient over its micro-batches and take one optimizer step.
-        policy_objective normalises each micro-batch by the mini-batch totals and returns stats as
-        shares, so summing both over micro-batches gives the mini-batch's exact loss and stats;
-        engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps is 1
-        and the accumulation boundary is ours: managed_gradient_accumulation=false).
-        `measure` ([sum, count, max]) collects the rollout/learner log-prob mismatch from this pass."""
+    def _update(self, sub: list[Trajectory], minibatch: list[list[int]], micros: list[list[int]],
+                old: Tensor | None, ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
+                measure: list[float] | None = None) -> tuple[dict[str, float], float | None]:
+        """Accumulate one mini-batch's gradient over this rank's micro-batches (`micros`, its share of
+        `minibatch`) and take one optimizer step; returns this rank's stats and the global gradient norm.
+        policy_objective normalises each micro-batch by the whole mini-batch's totals and returns stats
+        as shares, so summing both over micro-batches (and ranks) gives the mini-batch's exact loss and
+        stats; engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps
+        is 1 and the accumulation boundary is ours: managed_gradient_accumulation=false).
+        `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch."""
         engine, alg = self.engine, self.alg
         members = [i for micro in minibatch for i in micro]
         totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
                   "max_len": self.spec.rollout.max_total_tokens}
         out: dict[str, float] = defaultdict(float)
-        for micro in minibatch:
+        for micro in micros:
+            # An empty micro-batch (this rank ran out of samples) runs a stand-in sample with weight 0,
+            # so its forward and backward still pair up with the other ranks' collectives.
+            weight = 1.0 if micro else 0.0
+            micro = micro or members[:1]
             mb = collate([sub[i] for i in micro]).to(engine.device)
             # without a pre-update pass (on-policy, or pi_old from the rollout) this pass also measures the
             # entropy stat, without grad
@@ -241,7 +277,7 @@ class Learner:
             r, dev = logp.shape[1], engine.device
             old_logp = logp.detach() if old is None else old[micro, :r].to(dev)
             sampler = rollout_lp[micro, :r].to(dev) if rollout_lp is not None else None
-            if measure is not None and sampler is not None:
+            if measure is not None and sampler is not None and weight:
                 part = rollout_mismatch(logp.detach(), sampler, mb.mask)
                 measure[0], measure[1], measure[2] = measure[0] + part[0], measure[1] + part[1], max(measure[2], part[2])
             weights = None
@@ -251,24 +287,53 @@ class Learner:
                 alg, logp, old_logp, adv[micro].to(dev), mb.mask,
                 ref_logp=ref[micro, :r].to(dev) if ref is not None and alg.kl_apply == "loss" else None,
                 entropy=ent, is_weights=weights, **totals)
-            engine.backward(loss, scale_wrt_gas=False)
+            # DeepSpeed averages gradients over the ranks; each rank's loss is its share of the
+            # mini-batch's loss, whose gradient is the SUM of the shares: scale by the world size.
+            engine.backward(loss * (weight * self.world), scale_wrt_gas=False)
             for key, value in st.items():
-                out[key] += float(value)
-        # ZeRO's optimizers report the global norm they clip with; plain stage 0 (fp32, no wrapper)
-        # reports none, so there we measure it on the module's gradients before they are consumed.
+                out[key] += weight * float(value)
+        # ZeRO's optimizers report the global norm they clip with; plain stage 0 (fp32, no wrapper, one
+        # rank: the compiler asks for ZeRO when there are several) reports none, so there we measure it
+        # on the module's gradients before they are consumed.
         local = _grad_norm(engine.module) if engine.zero_optimization_stage() == 0 else None
         engine.step()
         norm = engine.get_global_grad_norm()
         norm = local if norm is None else norm
-        if norm is not None:
-            out["grad_norm"] = float(norm)
-        return out
+        return out, None if norm is None else float(norm)
+
+    def _all_sum(self, x: Tensor | None) -> Tensor | None:
+        """x summed over the ranks (x itself with one rank)."""
+        if x is None or self.world == 1:
+            return x
+        import deepspeed.comm as dist
+
+        on_device = x.to(self.engine.device)  # nccl reduces CUDA tensors, gloo CPU ones
+        dist.all_reduce(on_device)
+        return on_device.cpu()
+
+    def _all_sum_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-rank shares of the loss statistics, summed over the ranks (every rank has the same keys:
+        stand-in micro-batches report theirs with weight 0)."""
+        keys = sorted(stats)
+        total = self._all_sum(torch.tensor([stats[k] for k in keys], dtype=torch.float64))
+        return dict(zip(keys, total.tolist()))
+
+    def _all_mismatch(self, mismatch: list[float]) -> list[float]:
+        """[sum, count, max] of the log-prob mismatch over the ranks' shares."""
+        if self.world == 1:
+            return mismatch
+        import deepspeed.comm as dist
+
+        sums = self._all_sum(torch.tensor(mismatch[:2], dtype=torch.float64)).tolist()
+        peak = torch.tensor([mismatch[2]], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return [*sums, float(peak)]
 
     # ------------------------------------------------------------------------- weights, checkpoints
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, every_rank: bool = False) -> dict[str, Tensor] | None:
         """Full weights on CPU under Hugging Face names (tied weights appear under both names, as
-        `module.state_dict()`: vLLM's reload needs lm_head.weight). Gathered from the ranks' shards
-        under ZeRO-3; every rank must call it then."""
+        `module.state_dict()`: vLLM's reload needs lm_head.weight), on rank 0 (None elsewhere, unless
+        `every_rank`). Gathered from the ranks' shards under ZeRO-3; every rank must call it then."""
         import deepspeed
 
         module = self.engine.module
@@ -276,6 +341,8 @@ class Learner:
                   if self.engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
         copies: dict[int, Tensor] = {}  # keep tied tensors tied: one copy per storage
         with gather:
+            if self.rank != 0 and not every_rank:
+                return None
             return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", copy=True))
                     for k, v in module.state_dict().items()}
 

@@ -1,32 +1,57 @@
-"""The update stage: the DeepSpeed learner in its own actor, timed."""
+"""The update stage: the DeepSpeed learner in its own actor, one actor per rank, timed."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from factory.schema import Spec
-from factory.types import Trajectory
-from factory.util import enter_workdir, resolve_file, set_threads
+from factory.plan import UpdateSettings
+from factory.types import Placement, Trajectory
+from factory.util import enter_workdir, node_id, resolve_file, set_threads
 
 
 class UpdateStage:
-    """The update actor: the learner (a DeepSpeed engine) in its own process."""
+    """The update actor: one rank of the learner (a DeepSpeed engine).
 
-    def __init__(self, spec: Spec, model_path: str, *, workdir: str | None = None, base_dir: str | None = None):
-        self.spec, self.model_path, self.workdir, self.base_dir = spec, model_path, workdir, base_dir
+    Worker group: the `replicas` of this stage are the ranks of one torch.distributed world (data
+    parallel, ZeRO 1-3; gloo on CPU, nccl on CUDA). The driver asks rank 0 for a rendezvous `address`,
+    then sets every rank up with it; every method reaches every rank alike (each rank receives the whole
+    batch and trains on its shard) and rank 0's answer is the group's."""
 
-    def setup(self) -> dict[str, Any]:
-        """Load the model into DeepSpeed; returns what was resolved on this device (for the run's params)."""
-        enter_workdir(self.workdir)
-        set_threads(self.spec.train.threads)
+    WORLD = True
+
+    def __init__(self, settings: UpdateSettings):
+        self.settings = settings
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 meets the others: this node's address and a port free on it now."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, placement: Placement | None = None) -> dict[str, Any]:
+        placement = placement or Placement()
+        enter_workdir(placement.workdir)
+        set_threads(self.settings.train.threads)
+        if placement.world_size > 1:
+            # What a launcher (torchrun, `deepspeed`) would set. Ray gives each rank its own GPUs
+            # (CUDA_VISIBLE_DEVICES), so within its process every rank is local rank 0.
+            os.environ.update(MASTER_ADDR=placement.master_addr, MASTER_PORT=str(placement.master_port),
+                              RANK=str(placement.rank), LOCAL_RANK="0", WORLD_SIZE=str(placement.world_size))
         from factory.update import Learner
 
-        template = (resolve_file(self.spec.chat_template, Path(self.base_dir) if self.base_dir else None).read_text()
-                    if self.spec.chat_template else None)
-        self.learner = Learner(self.spec, self.model_path, chat_template=template)
+        s = self.settings  # the chat template's text goes into saved hf/ folders
+        template = resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None
+        self.learner = Learner(s, chat_template=template)
         self.learner.setup()
-        return {"resolved": self.learner.resolved()}
+        return {"node": node_id(), "rank": self.learner.rank, "world_size": self.learner.world,
+                "algorithm": dataclasses.asdict(self.learner.alg), "resolved": self.learner.resolved()}
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -34,8 +59,9 @@ class UpdateStage:
         stats["timing/update_s"] = time.perf_counter() - t0
         return stats
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
+    def state_dict(self, every_rank: bool = False) -> dict[str, Any] | None:
+        """The full weights on rank 0 (every rank takes part in gathering them under ZeRO-3)."""
+        return self.learner.state_dict(every_rank)
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
         return self.learner.save_checkpoint(directory, step, state)

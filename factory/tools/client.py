@@ -1,0 +1,60 @@
+"""A stage's handle on the tools stage: the agent loop's `Tools` (schemas, call), wherever the tools run.
+
+The tools stage is a Ray actor, usually in another process and maybe on another node; tests hand the
+ToolsStage itself. Calls are counted here, on the caller's side (what this caller asked and how long it
+waited), so each rollout replica reports its own calls and the driver adds them up.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+from factory.tools.metrics import ToolMetrics
+from factory.tools.results import model_error
+from factory.types import ToolCall, ToolResult
+
+
+async def _invoke(target: Any, method: str, *args: Any) -> Any:
+    """`target.method(*args)` on a Ray actor handle (awaiting its ObjectRef) or on a local object."""
+    fn = getattr(target, method)
+    if hasattr(fn, "remote"):
+        return await fn.remote(*args)
+    out = fn(*args)
+    return await out if inspect.isawaitable(out) else out
+
+
+class ToolsClient:
+    """Calls the tools stage; with no tools stage (a spec without tools) every call is an unknown tool."""
+
+    def __init__(self, stage: Any | None):
+        self._stage = stage
+        self._schemas: list[dict[str, Any]] = []
+        self._metrics = ToolMetrics()
+
+    async def start(self) -> None:
+        if self._stage is not None:
+            self._schemas = await _invoke(self._stage, "schemas")
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return self._schemas
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        """One call, answered by the tools stage (never raises for tool problems: see ToolBox.call)."""
+        started = time.perf_counter()
+        if self._stage is None:
+            result = model_error(call.name, "unknown_tool", f"Error: unknown tool {call.name!r}. No tools are available.")
+        else:
+            result = await _invoke(self._stage, "call", call)
+        result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
+        self._metrics.record(None if result.error_kind == "unknown_tool" else result.tool, result)
+        return result
+
+    async def take_metrics(self) -> ToolMetrics:
+        """This caller's calls since the last take, with the servers' restarts and circuit opens."""
+        taken, self._metrics = self._metrics, ToolMetrics()
+        if self._stage is not None:
+            for server, events in (await _invoke(self._stage, "server_events")).items():
+                for event, count in events.items():
+                    taken.server_event(server, event, count)
+        return taken

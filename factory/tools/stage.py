@@ -1,0 +1,51 @@
+"""The tools stage: every tool server of a spec, started once for the whole cluster.
+
+One Ray actor holds the ToolBox (MCP sessions over stdio and HTTP, python tools). Rollout replicas on any
+node and the reward stage call it through `ToolsClient`, so a stdio server runs once per cluster (or
+`replicas` times, as the spec says), not once per rollout process or node.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from factory.plan import ToolsSettings
+from factory.types import Placement, ToolCall, ToolResult
+from factory.util import enter_workdir, node_id
+
+
+class ToolsStage:
+    """The tools actor. Its methods are coroutines: Ray runs it as an async actor with one event loop
+    for its life, which the MCP sessions need, and serves many calls at once."""
+
+    def __init__(self, settings: ToolsSettings):
+        self.settings = settings
+        self.box: Any = None
+
+    async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
+        from pathlib import Path
+
+        from factory.tools.toolbox import ToolBox
+
+        enter_workdir((placement or Placement()).workdir)
+        self.box = ToolBox.from_spec(self.settings.tools, base_dir=Path(self.settings.base_dir))
+        await self.box.start()
+        return {"node": node_id(), "tools": [s["function"]["name"] for s in self.box.schemas()]}
+
+    async def schemas(self) -> list[dict[str, Any]]:
+        return self.box.schemas()
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        return await self.box.call(call)
+
+    async def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
+        """server -> [{name, offered_as, description, inputSchema}] of the tools offered to the model, as the
+        started servers list them (what the run's tool-schema hash is computed from)."""
+        return self.box.tool_listing()
+
+    async def server_events(self) -> dict[str, dict[str, int]]:
+        """Restarts and circuit opens since the last ask (callers count their own calls)."""
+        return self.box.server_events()
+
+    async def close(self) -> None:
+        if self.box is not None:
+            await self.box.close()

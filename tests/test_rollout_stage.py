@@ -1,0 +1,97 @@
+"""The rollout stage's worker-group protocol (split a batch over replicas, merge their parts) and its
+tools client against a tools stage it calls (in-process here; a Ray actor in a run)."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pyarrow as pa
+import pytest
+
+from factory.rollout.stage import RolloutPart, RolloutStage
+from factory.tools.client import ToolsClient
+from factory.tools.metrics import ToolMetrics
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
+
+
+def test_split_gives_contiguous_prompts_and_their_first_number():
+    batch = pa.table({"messages": [[{"role": "user", "content": str(i)}] for i in range(5)], "row": ["{}"] * 5})
+    parts = RolloutStage.split(batch, 2)
+    assert [(p.column("messages").to_pylist()[0][0]["content"], p.num_rows, first) for p, first in parts] == [
+        ("0", 2, 0), ("2", 3, 2)]
+    assert [first for _, first in RolloutStage.split(batch, 8)] == [0, 1, 2, 3, 4]  # no empty part
+    assert RolloutStage.split(batch, 1)[0][0].num_rows == 5
+
+
+def _traj(prompt: int, tokens: int, calls: int) -> Trajectory:
+    turn = Turn(text="", num_tokens=tokens, calls=[ToolCall("calc", {}, "")] * calls)
+    return Trajectory(prompt_index=prompt, sample_index=0, prompt_ids=[1], response_ids=[2] * tokens,
+                      loss_mask=[1] * tokens, turns=[turn], stop_reason="no_call", row={})
+
+
+def _tools(latencies: list[float], restarts: int = 0) -> ToolMetrics:
+    m = ToolMetrics()
+    for latency in latencies:
+        m.record("calc", ToolResult(tool="calc", text="1", latency_s=latency))
+    m.server_event("calc", "restarts", restarts)
+    return pickle.loads(pickle.dumps(m))  # parts travel between actors
+
+
+def test_merge_adds_counts_averages_over_all_trajectories_and_times_the_slowest_replica():
+    fast = RolloutPart([_traj(0, 4, 1)], {"generate": 1.0, "tools": 0.5, "idle": 0.5}, 2.0, 1, _tools([0.1], 1))
+    slow = RolloutPart([_traj(1, 8, 2), _traj(2, 6, 0)], {"generate": 3.0, "tools": 1.0, "idle": 0.0}, 4.0, 2,
+                       _tools([0.2, 0.3]))
+    trajs, m = RolloutStage.merge([fast, slow])
+    assert [t.prompt_index for t in trajs] == [0, 1, 2]
+    assert (m["timing/rollout_s"], m["timing/generate_s"], m["timing/tools_s"]) == (4.0, 3.0, 1.0)
+    assert m["response_length/mean"] == 6.0 and m["tool_calls/mean"] == 1.0
+    assert m["rollout/engine_batches"] == 3.0
+    assert m["perf/generate_tokens_per_s"] == pytest.approx(4 / 1.0 + 14 / 3.0)  # replicas' rates add up
+    assert m["tools/calc/calls"] == 3.0 and m["tools/calc/latency_s_p50"] == pytest.approx(0.2)
+    assert m["tool_servers/calc/restarts"] == 1.0
+
+
+class FakeToolsStage:
+    """What ToolsClient needs of the tools stage."""
+
+    def __init__(self):
+        self.events = {"calc": {"restarts": 2, "circuit_opens": 0}}
+
+    async def schemas(self):
+        return [{"type": "function", "function": {"name": "calc", "description": "", "parameters": {}}}]
+
+    async def call(self, call: ToolCall) -> ToolResult:
+        if call.name != "calc":
+            return ToolResult(tool=call.name, text="no", status="model_error", error_kind="unknown_tool")
+        return ToolResult(tool="calc", text="42", latency_s=123.0)
+
+    def server_events(self):
+        events, self.events = self.events, {}
+        return events
+
+
+def test_tools_client_counts_the_callers_calls_and_takes_server_events():
+    async def go():
+        client = ToolsClient(FakeToolsStage())
+        await client.start()
+        assert [s["function"]["name"] for s in client.schemas()] == ["calc"]
+        ok = await client.call(ToolCall("calc", {}, ""))
+        await client.call(ToolCall("nope", {}, ""))
+        assert ok.text == "42" and ok.latency_s < 1.0  # the wait the caller saw, not the stage's number
+        first, second = (await client.take_metrics()).snapshot(), (await client.take_metrics()).snapshot()
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first["tools/calls"] == 2.0 and first["tools/calc/calls"] == 1.0 and "tools/nope/calls" not in first
+    assert first["tool_servers/calc/restarts"] == 2.0
+    assert second["tools/calls"] == 0.0 and "tool_servers/calc/restarts" not in second
+
+
+def test_without_a_tools_stage_every_call_is_an_unknown_tool():
+    async def go():
+        client = ToolsClient(None)
+        await client.start()
+        return client.schemas(), await client.call(ToolCall("calc", {"a": 1}, ""))
+
+    schemas, result = asyncio.run(go())
+    assert schemas == [] and (result.status, result.error_kind) == ("model_error", "unknown_tool")
