@@ -94,7 +94,8 @@ class Group:
         sharded = method in getattr(self.cls, "SHARDED", ())
         if sharded:
             parts = self.cls.split(args[0], len(self.actors))
-            refs = [getattr(actor, method).remote(*part, *args[1:], **kwargs) for actor, part in zip(self.actors, parts)]
+            refs = [getattr(actor, method).remote(*part, *args[1:], **kwargs)
+                    for actor, part in zip(self.actors, parts)]
         else:
             refs = self.submit(method, *args, **kwargs)
         if progress is not None and hasattr(self.cls, "progress"):

@@ -60,13 +60,13 @@ def ray_cluster(nodes: list[dict[str, float]], num_cpus: int = 2, timeout_s: flo
     address = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(_start(["--head", f"--port={address.split(':')[1]}", f"--temp-dir={temp}", "--include-dashboard=false",
-                             f"--num-cpus={num_cpus}",
+        procs.append(_start(["--head", f"--port={address.split(':')[1]}", f"--temp-dir={temp}",
+                             "--include-dashboard=false", f"--num-cpus={num_cpus}",
                              f"--resources={json.dumps(nodes[0])}"], Path(temp) / "head.log", env))
         _wait(address, 1, procs, temp, timeout_s)
         for i, resources in enumerate(nodes[1:], 1):
-            procs.append(_start([f"--address={address}", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}"],
-                                Path(temp) / f"node{i}.log", env))
+            procs.append(_start([f"--address={address}", f"--num-cpus={num_cpus}",
+                                 f"--resources={json.dumps(resources)}"], Path(temp) / f"node{i}.log", env))
         _wait(address, len(nodes), procs, temp, timeout_s)
         yield address
     finally:

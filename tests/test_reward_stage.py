@@ -118,7 +118,8 @@ def test_normalize_over_group_and_batch():
     s = math.sqrt(0.5)
     assert [t.rewards["by_batch"] for t in trajs] == pytest.approx([-1 / s, 1 / s, 0.0, 0.0])
     assert reward_stage(spec).needs_whole_batch
-    assert not reward_stage(make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})).needs_whole_batch
+    per_group = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})
+    assert not reward_stage(per_group).needs_whole_batch
 
 
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])

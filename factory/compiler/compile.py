@@ -597,7 +597,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_resources(spec, r)
     if train is None and not r.errors and not broken.get("rewards"):
         r.error("rewards", "no node trains the policy: set `reward`")  # unreachable today; never a bare assert
-    if r.errors or train is None or algorithm is None:  # train is None without errors only when the loader dropped a broken node
+    if r.errors or train is None or algorithm is None:  # (train is None without errors: a broken node was dropped)
         return None, r.errors
     assert train is not None and algorithm is not None  # no errors: both were resolved
     shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))

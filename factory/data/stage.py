@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 

@@ -43,7 +43,8 @@ class ToolsClient:
         """One call, answered by the tools stage (never raises for tool problems: see ToolBox.call)."""
         started = time.perf_counter()
         if self._stage is None:
-            result = model_error(call.name, "unknown_tool", f"Error: unknown tool {call.name!r}. No tools are available.")
+            result = model_error(call.name, "unknown_tool",
+                                 f"Error: unknown tool {call.name!r}. No tools are available.")
         else:
             result = await _invoke(self._stage, "call", call)
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included

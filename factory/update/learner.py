@@ -212,7 +212,8 @@ class Learner:
         grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
         schedule = plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0)
-        return self._logprobs_before_update(trajs, shard(schedule, self.rank, self.world, self.spec.train.micro_batch))[0]
+        mine = shard(schedule, self.rank, self.world, self.spec.train.micro_batch)
+        return self._logprobs_before_update(trajs, mine)[0]
 
     @torch.no_grad()
     def _logprobs_before_update(self, sub: list[Trajectory], micro_plan: list[list[list[int]]], *,
