@@ -116,11 +116,11 @@ def _placement_group(stage: Stage) -> Any:
     from ray.util.placement_group import placement_group
 
     total = ray.cluster_resources()
-    short = {k: v * stage.replicas for k, v in stage.resources.items() if total.get(k, 0.0) < v}
-    if short:  # Ray would wait forever for a bundle no node can hold
-        raise RuntimeError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray "
-                           f"cluster has {({k: total.get(k, 0.0) for k in short})} in all: change "
-                           f"resources.{stage.name} or add nodes")
+    short = [k for k, v in stage.resources.items() if total.get(k, 0.0) < v * stage.replicas]
+    if short:  # Ray would wait forever for bundles the cluster cannot hold
+        raise RuntimeError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray cluster "
+                           f"has {({k: total.get(k, 0.0) for k in short})} in all: reserve less for it (the "
+                           "spec's `resources`) or add nodes")
     pg = placement_group([dict(stage.resources)] * stage.replicas, strategy=stage.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:

@@ -86,9 +86,11 @@ class RewardStage:
         await self._toolbox.start()
         return {"node": node_id(), "order": list(self.order), "train_node": self.train_node}
 
-    async def score(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+    async def score(self, trajs: list[Trajectory], *, step: int = 0,
+                    attempt: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
         """Fill `rewards`, `reward_details`, `reward` and `dropped` of every trajectory; return them with the
-        metrics of this call (`reward_metrics`, plus timings)."""
+        metrics of this call (`reward_metrics`, plus timings). (`step`, `attempt`: the context every stage
+        on the plan's data path receives with its batch; scoring does not depend on them.)"""
         t0 = time.perf_counter()
         evaluation = _Evaluation(self, trajs)
         await evaluation.run()
