@@ -282,11 +282,6 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
     return -penalty * (exceed / buffer).clamp(0.0, 1.0)
 
 
-def overlong_filter_mask(mask: Tensor, truncated: Tensor) -> Tensor:
-    """DAPO overlong filtering: truncated trajectories contribute no tokens to the loss."""
-    return mask * (~truncated.bool())[:, None].to(mask.dtype)
-
-
 # ------------------------------------------------------------------------------ rollout correction
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
     """Truncated importance sampling (TIS; Yao et al. 2025, verl's token-level rollout_is): per token,

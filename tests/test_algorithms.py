@@ -18,7 +18,6 @@ from factory.algorithms import (
     dynamic_sampling_keep,
     kl_reward_penalty,
     minibatches,
-    overlong_filter_mask,
     overlong_penalty,
     policy_objective,
     resolve,
@@ -265,11 +264,6 @@ def test_overlong_penalty_dapo_formula():
     got = overlong_penalty(torch.tensor([70, 80, 90, 100, 120]), max_len=100, buffer=20, penalty=0.5)
     close(got.double(), [0.0, 0.0, -0.25, -0.5, -0.5])
     assert overlong_penalty(torch.tensor([120]), max_len=100, buffer=0, penalty=1.0).tolist() == [0.0]
-
-
-def test_overlong_filter_drops_truncated_trajectories_from_the_loss():
-    got = overlong_filter_mask(torch.tensor([[1, 1], [1, 0]]), torch.tensor([False, True]))
-    assert got.tolist() == [[1, 1], [0, 0]]
 
 
 # ------------------------------------------------------------------------------------- update helpers
