@@ -40,7 +40,9 @@ def scored():
     old = os.getcwd()
     os.chdir(REPO)  # the spec's prompts/ resolve from the repository root
     try:
-        plan = _plan("rollout.temperature=1.2")
+        # The transformers engine: vLLM in this process would leave its own torch.distributed group behind,
+        # which DeepSpeed would then adopt without the launcher environment it asserts (LOCAL_RANK).
+        plan = _plan("rollout.temperature=1.2", "rollout.engine=hf")
         data = DataStage(plan.stage("data").settings)
         data.setup()
         tools, rollout = ToolsStage(plan.stage("tools").settings), RolloutStage(plan.stage("rollout").settings)
