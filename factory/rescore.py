@@ -10,6 +10,7 @@ trajectory tables hold the re-scored trajectories, so it can be compared (`facto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -19,8 +20,8 @@ from typing import Any
 
 from factory.plan import Plan
 from factory.reward.graph import eval_metrics
-from factory.schema import JudgeNode, Spec
-from factory.types import ToolCall, ToolResult, Trajectory, Turn
+from factory.schema import Spec
+from factory.types import Placement, ToolCall, ToolResult, Trajectory, Turn
 from factory.util import UserError
 
 SPLITS = {"train": "trajectories", "eval": "eval_trajectories"}  # split -> the run's artifact folder
@@ -97,12 +98,26 @@ def _shown(steps: set[int]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- scoring
-async def _score_all(stage: Any, batches: dict[tuple[str, int], list[Trajectory]]) -> dict[tuple[str, int], dict]:
-    await stage.setup()
+async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]],
+                     judges: dict[str, Any]) -> dict[tuple[str, int], dict]:
+    """The plan's reward stage in this process, calling the tools stage (here too, when a tool node needs
+    it) and the placed local judges along the plan's call edges."""
+    from factory.reward import RewardStage
+    from factory.tools.stage import ToolsStage
+
+    peers, tools = dict(judges), None
+    if any(e.kind == "call" and (e.src, e.dst) == ("reward", "tools") for e in plan.edges):
+        tools = peers["tools"] = ToolsStage(plan.stage("tools").settings)
+    stage = RewardStage(plan.stage("reward").settings)
     try:
+        if tools is not None:
+            await tools.setup(Placement(workdir=os.getcwd()))
+        await stage.setup(Placement(workdir=os.getcwd(), peers=peers))
         return {key: (await stage.score(trajs))[1] for key, trajs in batches.items()}
     finally:
         await stage.close()
+        if tools is not None:
+            await tools.close()
 
 
 def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
@@ -110,7 +125,6 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from factory.reward import RewardStage
     from factory.tracking import Tracker
 
     client = MlflowClient(uri)
@@ -126,18 +140,24 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
             notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (a run made before "
                          "every trajectory was kept); its metrics cover those")
 
-    local_judges = any(isinstance(n, JudgeNode) and n.local is not None for n in spec.rewards.values())
-    if local_judges:  # a local judge is a Ray actor of its own
-        from factory.driver import start_ray
+    judges = [s for s in plan.stages if any(e.kind == "call" and (e.src, e.dst) == ("reward", s.name)
+                                            for e in plan.edges) and s.name != "tools"]
+    groups: dict[str, Any] = {}
+    if judges:  # a local judge is a stage of its own: placed on Ray as `factory run` places it
+        import ray
 
-        start_ray(spec)
+        from factory.driver import place, start_ray
+
+        start_ray(plan.driver.resources)
     try:
-        stage = RewardStage(spec, base_dir=plan.base_dir, workdir=os.getcwd())
-        scored = asyncio.run(_score_all(stage, batches))
+        if judges:
+            groups = place(dataclasses.replace(plan, stages=tuple(judges), edges=()))
+        scored = asyncio.run(_score_all(plan, batches, {name: g.actors[0] for name, g in groups.items()}))
     finally:
-        if local_judges:
-            import ray
+        if judges:
+            from factory.driver import teardown
 
+            teardown(groups)
             ray.shutdown()
 
     metrics: dict[tuple[str, int], dict[str, float]] = {}

@@ -229,9 +229,9 @@ def _check_devices(spec: Spec, r: _Report) -> None:
     if warning := half_precision_warning(stage_device(res.update.num_gpus), spec.model.dtype):
         r.warn("model.dtype", warning)
     for name, node in spec.rewards.items():
-        if isinstance(node, JudgeNode) and node.local is not None:
-            if warning := half_precision_warning(stage_device(node.local.num_gpus), node.local.dtype):
-                r.warn(f"rewards.{name}.local.dtype", warning)
+        if (isinstance(node, JudgeNode) and node.local is not None
+                and (warning := half_precision_warning(stage_device(node.local.num_gpus), node.local.dtype))):
+            r.warn(f"rewards.{name}.local.dtype", warning)
 
 
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
