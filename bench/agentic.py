@@ -138,7 +138,7 @@ train: {{prompts_per_step: {a.prompts}, threads: {a.threads}}}
 async def factory_step(rollout, reward, batch, group_size: int) -> list:
     """Factory as the driver runs a step: the rollout stage streams complete groups; each is scored at once."""
     if not hasattr(rollout, "stream"):  # TEMPORARY until streaming lands
-        trajs, _ = await rollout.generate(batch, group_size=group_size)
+        trajs, _ = rollout.merge([await rollout.generate(batch)])  # group_size: the spec's (make_spec sets it)
         return (await reward.score(trajs))[0]
     scoring = []
     async for group in rollout.stream(batch, group_size=group_size):
@@ -215,7 +215,7 @@ class Lockstep:
 
 
 def lockstep(stage, prompts, group_size: int) -> Lockstep:
-    return Lockstep(stage.engine, stage.chat, stage.toolbox, stage.spec.rollout, prompts, group_size)
+    return Lockstep(stage.engine, stage.chat, stage.tools, stage.settings.rollout, prompts, group_size)
 
 
 async def sync_turns_step(stage, reward, prompts, group_size: int) -> list:
@@ -235,17 +235,20 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
     from factory.data import DataStage, from_table
     from factory.reward import RewardStage
     from factory.rollout.stage import RolloutStage
+    from factory.tools.stage import ToolsStage
+    from factory.types import Placement
 
     with judge_server(a.judge_latency, a.judge_capacity) as (judge_url, judged):
-        spec, plan = make_spec(a, judge_url, folder)
-        from factory.assets import resolve_model
-
-        data = DataStage(spec.data, seed=spec.seed, base_dir=Path(plan.base_dir))
+        _, plan = make_spec(a, judge_url, folder)
+        data = DataStage(plan.stage("data").settings)
         data.setup()
-        rollout = RolloutStage(spec, resolve_model(spec.model.path), base_dir=plan.base_dir, workdir=str(folder))
-        reward = RewardStage(spec, base_dir=plan.base_dir, workdir=str(folder))
-        await rollout.setup()
-        await reward.setup()
+        # the plan's stages in this process, the rollout and reward calling the tools stage directly
+        tools, rollout = ToolsStage(plan.stage("tools").settings), RolloutStage(plan.stage("rollout").settings)
+        reward = RewardStage(plan.stage("reward").settings)
+        await tools.setup(Placement(workdir=str(folder)))
+        peers = {"tools": tools}
+        await rollout.setup(Placement(workdir=str(folder), peers=peers))
+        await reward.setup(Placement(workdir=str(folder), peers=peers))
         try:
             batch = data.next_batch(a.prompts)
             prompts = from_table(batch)
@@ -266,6 +269,7 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
         finally:
             await rollout.close()
             await reward.close()
+            await tools.close()
     return {"times": times, "shapes": shapes, "judge_requests": judged[0]}
 
 

@@ -29,24 +29,27 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or n
 
 
 async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
-    from factory.assets import resolve_model
     from factory.compiler.compile import compile_file
     from factory.data import DataStage
     from factory.device import cpu
     from factory.rollout.stage import RolloutStage, rollout_dtype
+    from factory.tools.stage import ToolsStage
+    from factory.types import Placement
 
     spec, plan = compile_file(spec_path)
-    model = resolve_model(spec.model.path)
-    data = DataStage(spec.data, seed=spec.seed, base_dir=Path(plan.base_dir), eval_size=eval_size or None)
+    data = DataStage(plan.stage("data").settings.model_copy(update={"eval_size": eval_size or None}))
     data.setup()
+    tools = ToolsStage(plan.stage("tools").settings) if spec.tools else None
+    if tools is not None:
+        await tools.setup(Placement(workdir=os.getcwd()))
+    settings = plan.stage("rollout").settings
     batches = [data.next_batch(spec.train.prompts_per_step) for _ in range(rounds + 1)]  # +1: warm-up
     stages = {}
     # transformers first: vLLM's CPU worker pins torch's thread count for the rest of the process.
     for name in ("hf", "vllm"):
-        stage = RolloutStage(spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": name})}),
-                             model, base_dir=plan.base_dir, workdir=os.getcwd())
+        stage = RolloutStage(settings.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": name})}))
         t0 = time.perf_counter()
-        info = await stage.setup()
+        info = await stage.setup(Placement(workdir=os.getcwd(), peers={"tools": tools} if tools else {}))
         stages[name] = stage
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s ({info['resolved']})", flush=True)
 
@@ -54,7 +57,9 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
 
     async def one(name: str, kind: str, batch, group: int, greedy: bool, r: int) -> None:
         t0 = time.perf_counter()
-        trajs, m = await stages[name].generate(batch, group_size=group, greedy=greedy, step=r)
+        stage = stages[name]
+        part = await (stage.evaluate(batch, step=r) if greedy else stage.generate(batch, step=r))
+        trajs, m = stage.merge([part])
         rows.append({"engine": name, "kind": kind, "round": r, "wall_s": time.perf_counter() - t0,
                      "generate_s": m["timing/generate_s"], "tokens": sum(t.num_model_tokens for t in trajs),
                      "tok_s": m["perf/generate_tokens_per_s"], "calls": sum(t.num_tool_calls for t in trajs),
@@ -74,6 +79,8 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
             await one(name, "eval", held_out, 1, True, 0)
     for stage in stages.values():
         await stage.close()
+    if tools is not None:
+        await tools.close()
 
     def median(name: str, key: str, kind: str = "step") -> float:
         return statistics.median(x[key] for x in rows if x["engine"] == name and x["kind"] == kind)
@@ -86,7 +93,7 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
            if eval_size else {}),
         "cpu": device.name,
         "avx2_emulated": os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2",
-        "dtype": rollout_dtype(spec),
+        "dtype": rollout_dtype(settings),
     }
 
 

@@ -59,9 +59,10 @@ def _trajectories(n: int):
 async def _timed_score(spec, n: int, repeats: int = 3) -> float:
     """The median time of `repeats` score calls over n trajectories, after one untimed call: a stage lives
     for a whole run, so a step finds its thread pool already up."""
+    from factory.compiler.compile import stage_settings
     from factory.reward import RewardStage
 
-    stage = RewardStage(spec)
+    stage = RewardStage(stage_settings(spec)["reward"])
     await stage.setup()
     times = []
     try:

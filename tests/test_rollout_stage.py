@@ -43,7 +43,7 @@ def test_merge_adds_counts_averages_over_all_trajectories_and_times_the_slowest_
                        _tools([0.2, 0.3]))
     trajs, m = RolloutStage.merge([fast, slow])
     assert [t.prompt_index for t in trajs] == [0, 1, 2]
-    assert (m["timing/rollout_s"], m["timing/generate_s"], m["timing/tools_s"]) == (4.0, 3.0, 1.0)
+    assert (m["timing/rollout_s"], m["timing/generate_s"], m["timing/tools_only_s"]) == (4.0, 3.0, 1.0)
     assert m["response_length/mean"] == 6.0 and m["tool_calls/mean"] == 1.0
     assert m["rollout/engine_batches"] == 3.0
     assert m["perf/generate_tokens_per_s"] == pytest.approx(4 / 1.0 + 14 / 3.0)  # replicas' rates add up

@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from factory.compiler.compile import compile_file, plan_json
 from factory.data import DataError, DataStage
+from factory.plan import DataSettings
 from factory.schema import DataSource, DataSpec, PythonTool, StdioServer
 from factory.tools import ToolBox
 from factory.types import ToolCall
@@ -52,7 +53,8 @@ def test_every_jinja_environment_factory_makes_is_a_sandbox():
 def test_a_prompt_template_cannot_escape_and_the_row_is_named(tmp_path):
     (tmp_path / "evil.jinja").write_text(ESCAPE)
     (tmp_path / "rows.jsonl").write_text('{"question": "q"}\n')
-    stage = DataStage(DataSpec(train=DataSource(path="rows.jsonl"), prompt="evil.jinja"), seed=0, base_dir=tmp_path)
+    stage = DataStage(DataSettings(data=DataSpec(train=DataSource(path="rows.jsonl"), prompt="evil.jinja"), seed=0,
+                                   eval_size=None, required_columns={}, base_dir=str(tmp_path)))
     with pytest.raises(DataError, match=r"^rows.jsonl:1: .*unsafe"):
         stage.setup()
 

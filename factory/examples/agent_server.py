@@ -58,8 +58,8 @@ class Agent:
         from factory.data.sources import PromptRenderer
 
         overrides = [f"model.path={self.model}"] if self.model else []
-        self.spec, plan = compile_file(self.spec_path, overrides)
-        self.base_dir = Path(plan.base_dir)
+        self.spec, self.plan = compile_file(self.spec_path, overrides)
+        self.base_dir = Path(self.plan.base_dir)
         self.renderer = PromptRenderer(self.spec.data, self.base_dir)
 
     def begin(self) -> None:
@@ -70,21 +70,31 @@ class Agent:
         self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
 
     async def _start(self) -> None:
-        from factory.assets import resolve_model
         from factory.rollout.stage import RolloutStage
+        from factory.tools.stage import ToolsStage
+        from factory.types import Placement
 
-        self.stage = RolloutStage(self.spec, resolve_model(self.spec.model.path), base_dir=str(self.base_dir),
-                                  workdir=os.getcwd())
+        # The plan's rollout and tools stages, in this process (the rollout calls the tools stage directly)
+        self.tools = ToolsStage(self.plan.stage("tools").settings) if self.spec.tools else None
+        self.stage = RolloutStage(self.plan.stage("rollout").settings)
         self._lock = asyncio.Lock()  # on the agent's loop
-        await self.stage.setup()
+        peers = {}
+        if self.tools is not None:
+            await self.tools.setup(Placement(workdir=os.getcwd()))
+            peers["tools"] = self.tools
+        try:
+            await self.stage.setup(Placement(workdir=os.getcwd(), peers=peers))
+        except BaseException:
+            if self.tools is not None:
+                await self.tools.close()
+            raise
 
     async def _episode(self, question: str) -> str:
         from factory.data.sources import to_table
 
         async with self._lock:  # one episode at a time: the engine batches within a call, not across
-            trajs, _ = await self.stage.generate(to_table(self.renderer, [{"question": question}]), group_size=1,
-                                                 greedy=True)
-        return answer_text(trajs[0], self.show_calls)
+            part = await self.stage.evaluate(to_table(self.renderer, [{"question": question}]))  # greedy, one
+        return answer_text(part.trajs[0], self.show_calls)
 
     async def ask(self, question: str) -> str:
         """The agent's answer; the first call waits for the load (a failed load is its error)."""
@@ -99,12 +109,18 @@ class Agent:
         self._started.cancel()  # a load still under way stops at its next await
         try:
             await asyncio.wrap_future(self._started)
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.stage.close(), self._loop))
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), self._loop))
         except (Exception, concurrent.futures.CancelledError):
             pass  # the load failed (its calls said why) or was cancelled: nothing of it to close
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             await asyncio.to_thread(self._thread.join, 30)
+
+
+    async def _close(self) -> None:
+        await self.stage.close()
+        if self.tools is not None:
+            await self.tools.close()
 
 
 def answer_text(traj: Any, show_calls: bool = False) -> str:
