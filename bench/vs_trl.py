@@ -1,6 +1,6 @@
 """Benchmark: step time of Factory vs TRL's GRPOTrainer (trl 1.16, the test extra) on the same work, on CPU.
 
-    python bench/vs_trl.py [--repeats 3] [--steps 6] [--model factory:tiny-qwen3-calc] [--bf16] [--quick]
+    python bench/vs_trl.py [--repeats 3] [--steps 6] [--model factory:tiny-qwen3-calc] [--bf16] [--only tools] [--quick]
 
 Two comparisons, each with the contenders alternated (Factory, TRL, Factory, TRL, ...) `--repeats` times:
   no tools   one assistant turn per completion;
@@ -241,13 +241,18 @@ def main(a: argparse.Namespace) -> dict:
     print(f"model {a.model}, temperature {a.temperature}; P={a.prompts} prompts x G={a.group_size} per step, completion budget "
           f"{a.completion_tokens} tokens, micro-batch {a.micro_batch}, {a.threads} threads, "
           f"{'bf16 autocast' if a.bf16 else 'float32'}; {a.steps} steps per run, {a.repeats} repeats alternated")
+    out: dict = {}
     with tempfile.TemporaryDirectory(prefix="factory-vs-trl-") as tmp:
-        plain = compare(a, model_path, False, Path(tmp))
-        tools = compare(a, model_path, True, Path(tmp))
-    return {"factory_over_trl": round(plain["ratio"], 3), "factory_over_trl_tools": round(tools["ratio"], 3),
-            "factory_step_s": round(plain["factory_s"], 3), "trl_step_s": round(plain["trl_s"], 3),
-            "factory_step_tools_s": round(tools["factory_s"], 3), "trl_step_tools_s": round(tools["trl_s"], 3),
-            "cpu": cpu()}
+        if a.only in (None, "plain"):
+            plain = compare(a, model_path, False, Path(tmp))
+            out.update({"factory_over_trl": round(plain["ratio"], 3), "factory_step_s": round(plain["factory_s"], 3),
+                        "trl_step_s": round(plain["trl_s"], 3)})
+        if a.only in (None, "tools"):
+            tools = compare(a, model_path, True, Path(tmp))
+            out.update({"factory_over_trl_tools": round(tools["ratio"], 3),
+                        "factory_step_tools_s": round(tools["factory_s"], 3),
+                        "trl_step_tools_s": round(tools["trl_s"], 3)})
+    return {**out, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -263,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (default float32)")
+    parser.add_argument("--only", choices=["plain", "tools"],
+                        help="run one of the two comparisons (its ratio alone in the JSON line)")
     parser.add_argument("--quick", action="store_true", help="one short repeat (a smoke test, not a measurement)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
