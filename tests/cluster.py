@@ -61,6 +61,7 @@ def ray_cluster(nodes: list[dict[str, float]], num_cpus: int = 2, timeout_s: flo
     procs: list[subprocess.Popen] = []
     try:
         procs.append(_start(["--head", f"--port={address.split(':')[1]}", f"--temp-dir={temp}",
+                             f"--ray-client-server-port={free_port()}",  # not the default 10001: others' heads
                              "--include-dashboard=false", f"--num-cpus={num_cpus}",
                              f"--resources={json.dumps(nodes[0])}"], Path(temp) / "head.log", env))
         _wait(address, 1, procs, temp, timeout_s)
@@ -76,17 +77,19 @@ def ray_cluster(nodes: list[dict[str, float]], num_cpus: int = 2, timeout_s: flo
 
 
 def _wait(address: str, count: int, procs: list[subprocess.Popen], temp: str, timeout_s: float) -> None:
-    """Until `count` nodes are alive in the cluster (asked from a short-lived process, so this one never
-    holds a connection of its own)."""
-    code = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+    """Until `count` nodes are alive in the cluster, asked from one short-lived process (so this one never
+    holds a connection of its own) that polls until then: Ray is imported once, not once a second."""
+    code = ("import ray, sys, time; deadline = time.monotonic() + float(sys.argv[3]); "
+            "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+            "while sum(n['Alive'] for n in ray.nodes()) < int(sys.argv[2]) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.5)\n"
             "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            break
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=30,
-                                 env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the head may not take connections yet
+            out = subprocess.run([sys.executable, "-c", code, address, str(count), str(deadline - time.monotonic())],
+                                 capture_output=True, text=True, timeout=max(deadline - time.monotonic(), 1) + 30,
+                                 env={**os.environ, "RAY_AUTH_MODE": "disabled"}, check=False)
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
                 return
         time.sleep(1)
