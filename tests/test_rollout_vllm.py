@@ -187,6 +187,7 @@ def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path):
     with the engine's within AGREE; an engine left unsynced for one step does not."""
     import ray
 
+    from factory.compiler.compile import stage_settings
     from factory.update.stage import UpdateStage
     from tests.test_update import make_spec
 
@@ -194,7 +195,7 @@ def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path):
                      train={"lr": 1e-3, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
     ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     try:
-        update = ray.remote(UpdateStage).remote(spec, model_path)
+        update = ray.remote(UpdateStage).remote(stage_settings(spec)["update"])
         ray.get(update.setup.remote())
         vllm.load_weights(ray.get(update.state_dict.remote()))
         rng = random.Random(0)
