@@ -360,3 +360,19 @@ def test_rollout_logprobs_stand_in_for_the_old_logprob_pass(small_path, learners
     assert_same_delta(a, b, tol=1e-4)
     with pytest.raises(ValueError, match="recorded no log-probs"):
         learners(spec).step(batch(seed=13))
+
+
+def test_a_killed_builders_baton_is_cleared_only_in_factorys_own_cache(tmp_path, monkeypatch):
+    """A `lock` baton left by a builder killed mid-build made every later DeepSpeed start wait forever."""
+    from factory.update.engine import extension_build_lock
+
+    monkeypatch.setenv("FACTORY_CACHE", str(tmp_path / "cache"))
+    ours = tmp_path / "cache" / "torch_extensions" / "env" / "deepspeed_shm_comm"
+    theirs = tmp_path / "elsewhere" / "deepspeed_shm_comm"
+    for folder in (ours, theirs):
+        folder.mkdir(parents=True)
+        (folder / "lock").touch()
+    with extension_build_lock(str(ours.parent)):
+        assert not (ours / "lock").exists()
+    with extension_build_lock(str(theirs.parent)):
+        assert (theirs / "lock").exists()  # a folder the user chose may hold another program's live build

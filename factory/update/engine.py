@@ -16,6 +16,7 @@ prebuild: `DS_BUILD_SHM_COMM=1 pip install deepspeed==0.19.8`, after which the o
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 from typing import Any
 
@@ -38,6 +39,31 @@ def use_extension_cache() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions" / env))
 
 
+@contextlib.contextmanager
+def extension_build_lock(folder: str):
+    """Hold an OS file lock on `folder` while DeepSpeed may JIT-build its op, and clear build batons a
+    killed builder left behind.
+
+    torch marks a build in progress with a `lock` file (torch.utils.file_baton) that only the builder
+    removes: a process killed mid-build (Ctrl-C twice, SIGKILL, the OOM killer) leaves it, and every later
+    start then waits on it forever, silently. Our lock is an fcntl lock, which the kernel releases when
+    its holder dies; every Factory process builds under it, so a baton found while we hold it belongs to
+    nobody alive. Only in Factory's own cache folder: a folder the user chose may be shared with other
+    programs' builds."""
+    from filelock import FileLock
+
+    from factory.assets import cache_dir
+
+    ours = os.path.realpath(folder).startswith(os.path.realpath(cache_dir()))
+    os.makedirs(folder, exist_ok=True)
+    with FileLock(os.path.join(folder, ".factory-build.lock")):
+        if ours:
+            for baton in glob.glob(os.path.join(folder, "*", "lock")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(baton)
+        yield
+
+
 def init_process_group() -> None:
     """Join (or make) the torch.distributed group DeepSpeed needs.
 
@@ -50,7 +76,7 @@ def init_process_group() -> None:
 
     if torch.distributed.is_initialized():
         return
-    use_extension_cache()
+    folder = use_extension_cache()
     backend = deepspeed.get_accelerator().communication_backend_name()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # DeepSpeed reads its rank from the environment; what we add is taken away again by
@@ -60,7 +86,8 @@ def init_process_group() -> None:
         os.environ.update(own)
         _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
+    with extension_build_lock(folder):  # the shm_comm op is built (or loaded) here
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
 
 
 _ENV_SET_BY_US: dict[str, str] = {}
