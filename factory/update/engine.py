@@ -86,8 +86,14 @@ def init_process_group() -> None:
         os.environ.update(own)
         _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    with extension_build_lock(folder):  # the shm_comm op is built (or loaded) here
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
+    # The shm_comm op is built (or loaded) here, alone, under the lock; DeepSpeed's TorchBackend then finds
+    # it loaded. Only the build is locked: init_distributed meets the other ranks, which must not wait
+    # for a lock that a rank waiting for them holds.
+    from deepspeed.comm.torch import build_shm_op
+
+    with extension_build_lock(folder):
+        build_shm_op()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
 
 
 _ENV_SET_BY_US: dict[str, str] = {}
