@@ -48,7 +48,7 @@ from pydantic import Field
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, median, print_json, table
+from bench.common import cpu, cpu_line, median, print_json, table, workload_arguments
 
 
 # ------------------------------------------------------------------------------------------ the tool
@@ -305,19 +305,13 @@ def main(a: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    import os
-
     parser = argparse.ArgumentParser(description="an agentic step: Factory vs sequential vs synchronous turns")
-    parser.add_argument("--model", default="factory:tiny-qwen3-calc")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=8)
+    workload_arguments(parser, "factory:tiny-qwen3-calc")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool call takes")
     parser.add_argument("--judge-latency", type=float, default=0.5, help="seconds each judge request takes")
     parser.add_argument("--judge-capacity", type=int, default=8, help="judge requests served at once")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke test, not a measurement)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the tool server
     parser.add_argument("--latency", type=float, default=0.2, help=argparse.SUPPRESS)

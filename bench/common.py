@@ -6,6 +6,8 @@ the same run (the machines are shared and noisy: never compare numbers from diff
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import statistics
@@ -134,6 +136,16 @@ def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: floa
     result = FactoryRun(metrics, [], wall, store, run.info.run_id, out.stderr)
     result.periods = [(stamps[s] - stamps[s - 1]) / 1000 for s in result.steady_steps if s - 1 in stamps]
     return result
+
+
+def workload_arguments(parser: "argparse.ArgumentParser", model: str) -> None:
+    """The options every step benchmark shares: what is sampled, how much of it, how often, on how many
+    threads."""
+    parser.add_argument("--model", default=model, help="a Factory model name or HF folder")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
 
 
 def print_json(ratios: dict[str, Any]) -> None:

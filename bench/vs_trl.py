@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, factory_run, median, print_json, table, write_project
+from bench.common import cpu, cpu_line, factory_run, median, print_json, table, workload_arguments, write_project
 
 
 def calculate(expression: str) -> str:
@@ -257,16 +257,12 @@ def main(a: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Factory vs TRL GRPOTrainer step time")
-    parser.add_argument("--model", default=BENCH_MODEL, help="a Factory model name or HF folder")
+    workload_arguments(parser, BENCH_MODEL)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="sampling temperature on both sides (the tiny model's calls are well-formed at 0.7)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--completion-tokens", type=int, default=64, help="completion budget (C)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (M)")
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first and last are not timed)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (default float32)")
     parser.add_argument("--only", choices=["plain", "tools"],
                         help="run one of the two comparisons (its ratio alone in the JSON line)")
