@@ -46,6 +46,21 @@ def test_tool_call_format_comes_from_the_parsed_calls():
     assert called_tool("q", "", turns=[turn("<tool_call>{broken")]) == 1.0  # an unclosed call is an attempt
     assert called_tool("q", "", turns=[turn("<answer>5</answer>")]) == 0.0
 
+def test_a_call_to_a_tool_the_servers_do_not_offer_is_not_well_formed():
+    # A search model put its guess in the call's name ({"name": "Bronze", ...}): valid JSON, but no tool.
+    guess = '<tool_call>\n{"name": "Bronze", "arguments": {"query": "alloy"}}\n</tool_call>'
+    calls = parse_tool_calls(guess)
+    unknown = Turn(text=guess, num_tokens=9, calls=calls,
+                   results=[ToolResult(tool="Bronze", text="Error: unknown tool 'Bronze'.", status="model_error",
+                                       error_kind="unknown_tool")])
+    assert tool_call_ok("q", "", turns=[unknown, turn("<answer>Bronze</answer>")]) == 0.0
+    assert tool_call_ok("q", "", turns=[turn(CALL, "ok"), unknown]) == 0.0
+    # a call the rollout did not run (the last turn's) has no result: the spec's tool names decide
+    assert tool_call_ok("q", "", turns=[turn(guess)]) == 1.0
+    assert tool_call_ok("q", "", turns=[turn(guess)], tools=["calculate"]) == 0.0
+    assert tool_call_ok("q", "", turns=[turn(CALL, "ok"), turn(CALL)], tools=["calculate"]) == 1.0
+    assert called_tool("q", "", turns=[unknown]) == 1.0  # still an attempt
+
 
 def test_tools_succeeded_reads_result_status():
     assert tools_succeeded("q", "", turns=[turn(CALL + CALL, "ok", "infra_error"), turn("done")]) == 0.5
