@@ -5,6 +5,9 @@ plan's edges (`factory plan` lists them):
     stats = update.step(trajs)                                                                # ... its last edge
     rollout.load_weights(update.state_dict())                                                # the weight_sync edge
 
+where `reward.score` receives each trajectory group as soon as the rollout completes it (a `stream` edge),
+so scoring overlaps generation.
+
 Each stage is a `Group` of replicas (Ray actors in one placement group) called as if it were one local
 object. Nothing here names a stage: placement, wiring (call edges) and the loop all read the plan.
 Everything that branches (algorithm, backend, dynamic sampling) lives outside `train_loop`.
@@ -105,6 +108,37 @@ class Group:
         answers = ray.get(refs)
         return self.cls.merge(answers) if sharded else answers[0]
 
+    def stream(self, method: str, batch: Any, *, on_part: Callable[[Any], None],
+               progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
+        """A SHARDED `method` in its streamed form (`cls.STREAMS[method]`): each replica's part of `batch`
+        yields one item per prompt (a complete trajectory group) and then its answer. `on_part` receives
+        each group's ObjectRef as soon as any replica yields it (the group stays in Ray's object store,
+        unread here); returns the replicas' answers joined (`cls.merge`), as `call` would."""
+        parts = self.cls.split(batch, len(self.actors))
+        streams = {getattr(actor, self.cls.STREAMS[method]).remote(*part, **kwargs): len(part[0])
+                   for actor, part in zip(self.actors, parts)}  # stream -> groups still to come
+        pending, answers, last, polled = list(streams), {}, {}, time.perf_counter()
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5, fetch_local=False)
+            for s in ready:
+                item = next(s, None)
+                if item is None:  # ended early: a replica that raised yields its error as its last item
+                    if s in last:
+                        ray.get(last[s])
+                    raise RuntimeError(f"{self.stage.name}.{method}: a replica's stream ended before its answer")
+                last[s] = item
+                if streams[s]:
+                    streams[s] -= 1
+                    on_part(item)
+                    pending.append(s)
+                else:
+                    answers[s] = item
+            if progress is not None and hasattr(self.cls, "progress") and time.perf_counter() - polled > 0.5:
+                polled = time.perf_counter()
+                counts = ray.get([actor.progress.remote() for actor in self.actors])
+                progress(sum(done for done, _ in counts), sum(total for _, total in counts))
+        return self.cls.merge(ray.get([answers[s] for s in streams]))
+
 
 Groups = dict[str, Group]
 
@@ -204,19 +238,57 @@ def placement_record(groups: Groups) -> dict[str, Any]:
 def carry(g: Groups, edges: list[Edge], *args: Any, display: Any, label: str,
           **context: Any) -> tuple[Any, dict[str, float]]:
     """Carry one batch along `edges`: the first edge's source fetches it (`fetch(*args)`), then each
-    edge's destination receives the previous answer, and `context` (the step and the dynamic-sampling
-    attempt, which seed the sampling). Returns the last answer and every stage's metrics; the display
-    shows the progress of stages that report it."""
+    edge's destination receives the previous answer -- part by part, as the source streams it, along a
+    `stream` edge (`pipe`) -- and `context` (the step and the dynamic-sampling attempt, which seed the
+    sampling). Returns the last answer and every stage's metrics; the display shows the progress of
+    stages that report it."""
     x = g[edges[0].src].call(edges[0].fetch, *args)
     metrics: dict[str, float] = {}
     if x is None:  # no held-out data
         return None, metrics
-    for e in edges:
-        x, m = g[e.dst].call(e.method, x, progress=lambda done, total: display.progress(label, done, total),
-                             **context)
+
+    def progress(done: int, total: int) -> None:
+        display.progress(label, done, total)
+
+    todo = list(edges)
+    while todo:
+        e = todo.pop(0)
+        if todo and todo[0].stream:
+            x, m = pipe(g[e.dst], e.method, g[todo[0].dst], todo.pop(0).method, x, progress=progress, **context)
+        else:
+            x, m = g[e.dst].call(e.method, x, progress=progress, **context)
         display.done()
         metrics.update(m)
     return x, metrics
+
+
+def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, progress: Callable[[int, int], None],
+         **context: Any) -> tuple[list[Any], dict[str, float]]:
+    """`src.method(x)` streamed into `dst.dst_method`: each trajectory group goes to `dst` (its replicas in
+    turn; an async actor works on several at once) as soon as it is complete, so `dst`'s work overlaps
+    `src`'s. Returns `dst`'s trajectories in `src`'s order (prompt, sample) and the metrics of both: `src`'s
+    answer's, and `dst`'s merged over the groups (`_merge`, by trajectory counts), except that
+    `timing/<dst>_s` is the time `dst` worked after `src` ended -- the part of its work generation did not
+    hide, which the step waits for -- and `timing/<dst>_wall_s` runs from the first group to the last answer."""
+    refs: list[Any] = []
+    t_first = 0.0
+
+    def send(group: Any) -> None:
+        nonlocal t_first
+        t_first = t_first or time.perf_counter()
+        actor = dst.actors[len(refs) % len(dst.actors)]
+        refs.append(getattr(actor, dst_method).remote(group, **context))
+
+    _, metrics = src.stream(method, x, on_part=send, progress=progress, **context)
+    t_src = time.perf_counter()
+    answers = sorted(ray.get(refs), key=lambda a: a[0][0].prompt_index)  # groups in prompt order
+    joined: dict[str, float] = {}
+    for n, (part, m) in enumerate(answers):
+        joined = _merge(joined, m, sum(len(p) for p, _ in answers[:n]), len(part))
+    name = dst.stage.name
+    joined[f"timing/{name}_s"] = time.perf_counter() - t_src
+    joined[f"timing/{name}_wall_s"] = time.perf_counter() - t_first
+    return [t for part, _ in answers for t in part], {**metrics, **joined}
 
 
 def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
@@ -312,8 +384,10 @@ def restore(g: Groups, plan: Plan, resume: Resume) -> int:
 
 # ------------------------------------------------------------------------------------------ loop
 # The parts a step's wall time (`timing/step_s`) is split into, none overlapping another: generate (a
-# generation in flight), tools_only (tool calls in flight and no generation), reward, update, weight_sync;
-# `timing/overhead_s` is the rest (moving batches between actors, the data stage, rollout bookkeeping).
+# generation in flight), tools_only (tool calls in flight and no generation), reward (scoring the step
+# waited for: with groups streamed to the reward stage, only what was left after the rollout ended;
+# `timing/reward_wall_s` spans all of it), update, weight_sync; `timing/overhead_s` is the rest (moving
+# batches between actors, the data stage, rollout bookkeeping).
 STEP_PARTS = ("generate", "tools_only", "reward", "update", "weight_sync")
 
 

@@ -129,7 +129,9 @@ class Edge:
     flow from the held-out batch (it never reaches the trainer). call: `src` calls `dst.method` itself,
     as often as it needs (tool calls). weight_sync: the edge that closes the loop. `fetch` is the `src`
     method the driver calls to get what the edge carries; empty when it is the answer of the previous
-    edge's method."""
+    edge's method. `stream` (a data edge out of a stage whose class lists the previous edge's method in
+    `STREAMS`): `dst` receives the answer part by part -- each trajectory group as soon as it is complete --
+    so its work overlaps the source's; off when `dst` needs the whole batch in one call."""
 
     src: str
     dst: str
@@ -137,6 +139,7 @@ class Edge:
     kind: EdgeKind = "data"
     method: str = ""
     fetch: str = ""
+    stream: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,16 @@ def test_tools_make_a_tools_stage_and_call_edges(project):
     assert [(e.src, e.dst) for e in plan.edges if e.kind == "call"] == [("rollout", "tools"), ("tools", "rollout")]
 
 
+def test_groups_stream_to_the_reward_stage_unless_a_node_normalises_over_the_batch(project):
+    _, plan = compile_file(project.spec(_base(project, "rc_stream")))
+    assert [e.stream for e in plan.flow("data")] == [False, True, False]  # rollout -> reward, group by group
+    batch = _base(project, "rc_stream").replace("  total: {sum: {correct: 1.0, fmt: 0.1}}",
+                                                "  norm: {normalize: correct, over: batch}\n"
+                                                "  total: {sum: {norm: 1.0, fmt: 0.1}}")
+    _, plan = compile_file(project.spec(batch))
+    assert not any(e.stream for e in plan.edges)  # the batch's statistics need all of it in one call
+
+
 def test_missing_template_files(project):
     project.module("rc_tmpl")
     project.file("prompts/ok.jinja", "{{ question }}")

@@ -64,6 +64,7 @@ from factory.schema import (
     HttpServer,
     JudgeNode,
     LocalJudge,
+    NormalizeNode,
     PythonTool,
     Spec,
     StageResources,
@@ -539,7 +540,9 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
                         1, _bundle(res.reward)))
-    edges.append(Edge("rollout", "reward", "trajectories", "data", method="score"))
+    # groups are scored as they finish, overlapping generation, unless a node normalises over the whole batch
+    whole_batch = any(isinstance(n, NormalizeNode) and n.over == "batch" for n in spec.rewards.values())
+    edges.append(Edge("rollout", "reward", "trajectories", "data", method="score", stream=not whole_batch))
     for name, node in spec.rewards.items():  # a local judge model is a stage of its own, with its own resources
         if isinstance(node, JudgeNode) and node.local is not None:
             judge = f"judge.{name}"

@@ -1,10 +1,10 @@
 """LLM judges: an OpenAI-compatible endpoint, or a model Factory runs itself as its own Ray actor.
 
-A judge node's requests in one `score` call go through one session: `EndpointSession` sends them as
-concurrent HTTP requests (at most `concurrency` in flight, failed ones retried with backoff);
-`LocalSession` gathers the requests waiting at a moment into batches of up to `concurrency` prompts for
-the `JudgeModel` actor, whose engine generates each batch together. Either way `reply(prompt)` returns
-the reply's text or raises `JudgeError` saying what failed.
+A judge node's requests -- from every `score` call of the reward actor, concurrent ones too -- go through
+one session: `EndpointSession` sends them as concurrent HTTP requests (at most `concurrency` in flight,
+failed ones retried with backoff); `LocalSession` gathers the requests waiting at a moment into batches of
+up to `concurrency` prompts for the `JudgeModel` actor, whose engine generates each batch together. Either
+way `reply(prompt)` returns the reply's text or raises `JudgeError` saying what failed.
 """
 from __future__ import annotations
 

@@ -80,10 +80,17 @@ class RewardStage:
                 self._templates[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
                 if node.local is not None:  # the plan's judge.<node> stage, which the driver placed
                     self._judge_actors[name] = placement.peers[f"judge.{name}"]
+        from factory.reward.judge import EndpointSession, LocalSession
         from factory.tools.client import ToolsClient
 
         self._toolbox = ToolsClient(placement.peers.get("tools"))
         await self._toolbox.start()
+        # One session per judge node for the actor's life, shared by concurrent `score` calls (a step's
+        # groups are scored as they arrive), so a node's `concurrency` bounds all of its requests at once.
+        self._sessions = contextlib.AsyncExitStack()
+        self._judges = {name: await self._sessions.enter_async_context(
+                            EndpointSession(node) if node.local is None else LocalSession(node, self._judge_actors[name]))
+                        for name, node in self.nodes.items() if isinstance(node, JudgeNode)}
         return {"node": node_id(), "order": list(self.order), "train_node": self.train_node}
 
     async def score(self, trajs: list[Trajectory], *, step: int = 0,
@@ -100,6 +107,7 @@ class RewardStage:
         return trajs, metrics
 
     async def close(self) -> None:
+        await self._sessions.aclose()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -159,23 +167,14 @@ class _Evaluation:
             self.groups.setdefault(t.prompt_index, []).append(i)
 
     async def run(self) -> None:
-        async with contextlib.AsyncExitStack() as stack:
-            self.judges = {}
-            for name, node in self.s.nodes.items():
-                if isinstance(node, JudgeNode):
-                    from factory.reward.judge import EndpointSession, LocalSession
-
-                    session = (EndpointSession(node) if node.local is None
-                               else LocalSession(node, self.s._judge_actors[name]))
-                    self.judges[name] = await stack.enter_async_context(session)
-            try:
-                await asyncio.gather(*(self.value(n, i) for n in roots(self.s.nodes, self.s.train_node)
-                                       for i in range(len(self.trajs))))
-            finally:  # after a `fail`, nothing may keep running
-                pending = [t for t in self.tasks.values() if not t.done()]
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        try:
+            await asyncio.gather(*(self.value(n, i) for n in roots(self.s.nodes, self.s.train_node)
+                                   for i in range(len(self.trajs))))
+        finally:  # after a `fail`, nothing may keep running
+            pending = [t for t in self.tasks.values() if not t.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         self._record()
 
     # -------------------------------------------------------------------------------------- values
@@ -272,7 +271,7 @@ class _Evaluation:
         except Exception as e:  # a template that reads a column the row lacks
             return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})
         try:
-            reply = await self.judges[name].reply(prompt)
+            reply = await self.s._judges[name].reply(prompt)
         except Exception as e:
             return _failed(e)
         try:

@@ -5,9 +5,12 @@ in-process; the driver wraps it with `ray.remote`, once per replica.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +109,8 @@ class RolloutStage:
     every other method (load_weights, close) reaches every replica."""
 
     SHARDED = frozenset({"generate", "evaluate"})
+    # a method's streamed form (`Edge.stream`): it yields each prompt's group as it completes, then the answer
+    STREAMS = {"generate": "generate_groups", "evaluate": "evaluate_groups"}
 
     def __init__(self, settings: RolloutSettings):
         self.settings = settings
@@ -144,15 +149,28 @@ class RolloutStage:
         (its place in the step's batch). Sampled requests are seeded from (seed, step, attempt, prompt,
         sample, turn), so a resumed run samples what the uninterrupted run would have, and the samples do
         not depend on how many replicas share the batch."""
-        return await self._run(batch, first_index, self.settings.rollout.group_size, greedy=False,
-                               seed_key=(self.settings.seed, step, attempt))
+        return await _last(self.generate_groups(batch, first_index, step=step, attempt=attempt))
 
     async def evaluate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0) -> RolloutPart:
         """One greedy trajectory per held-out prompt."""
-        return await self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0))
+        return await _last(self.evaluate_groups(batch, first_index, step=step))
+
+    async def generate_groups(self, batch: pa.Table, first_index: int = 0, *, step: int = 0,
+                              attempt: int = 0) -> AsyncIterator[list[Trajectory] | RolloutPart]:
+        """`generate`, streamed: each prompt's group as soon as its last sample ends (in the order they
+        finish), then, last, the RolloutPart `generate` answers. One item per prompt, then the part."""
+        async for item in self._run(batch, first_index, self.settings.rollout.group_size, greedy=False,
+                                    seed_key=(self.settings.seed, step, attempt)):
+            yield item
+
+    async def evaluate_groups(self, batch: pa.Table, first_index: int = 0, *,
+                              step: int = 0) -> AsyncIterator[list[Trajectory] | RolloutPart]:
+        """`evaluate`, streamed as `generate_groups` streams `generate`."""
+        async for item in self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0)):
+            yield item
 
     async def _run(self, batch: pa.Table, first_index: int, group_size: int, *, greedy: bool,
-                   seed_key: tuple[int, ...]) -> RolloutPart:
+                   seed_key: tuple[int, ...]) -> AsyncIterator[list[Trajectory] | RolloutPart]:
         from factory.data import from_table
         from factory.rollout.agent import rollout, sampling_from_spec
 
@@ -162,15 +180,24 @@ class RolloutStage:
         await self.tools.take_metrics()  # start this batch's count
         prompts = from_table(batch)
         self._done, self._total = 0, len(prompts) * group_size
-        trajs = await rollout(_Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"),
-                              prompts, group_size=group_size, cfg=self.settings.rollout,
-                              sampling=sampling_from_spec(self.settings.rollout, greedy=greedy), on_done=self._count,
-                              seed_key=seed_key, first_index=first_index)
-        return RolloutPart(trajs, clock.read(), time.perf_counter() - t0, self.engine.batches_run - batches_before,
-                           await self.tools.take_metrics())
-
-    def _count(self, _: Trajectory) -> None:
-        self._done += 1
+        finished: asyncio.Queue[Trajectory | None] = asyncio.Queue()
+        task = asyncio.ensure_future(rollout(
+            _Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"), prompts,
+            group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, greedy=greedy),
+            on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index))
+        task.add_done_callback(lambda _: finished.put_nowait(None))  # ended (or failed): wake the reader
+        try:
+            groups: dict[int, list[Trajectory]] = defaultdict(list)
+            while (t := await finished.get()) is not None:
+                self._done += 1
+                groups[t.prompt_index].append(t)
+                if len(groups[t.prompt_index]) == group_size:
+                    yield sorted(groups.pop(t.prompt_index), key=lambda t: t.sample_index)
+            trajs = task.result()  # raises what the rollout raised
+        finally:  # a consumer that stops early (or a failure) leaves nothing running
+            task.cancel()
+        yield RolloutPart(trajs, clock.read(), time.perf_counter() - t0, self.engine.batches_run - batches_before,
+                          await self.tools.take_metrics())
 
     async def progress(self) -> tuple[int, int]:
         """(trajectories done, trajectories asked) of the current `generate` call. Ray runs an async
@@ -220,3 +247,10 @@ class RolloutStage:
 
     async def close(self) -> None:
         """Nothing to stop here: the tool servers belong to the tools stage."""
+
+
+async def _last(items: AsyncIterator[Any]) -> Any:
+    """The last item of a stream (a streamed method's answer)."""
+    async for item in items:
+        last = item
+    return last
