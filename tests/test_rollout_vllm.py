@@ -125,6 +125,24 @@ def test_seeded_requests_sample_the_same_in_any_batch(vllm):
     assert asyncio.run(together([2, 0, 3, 1])) == first == asyncio.run(alone())
 
 
+def test_seeded_requests_longer_together_than_one_engine_step(vllm):
+    """Prompts that do not fit in one step's token budget all at once (a DeepSearch step: 32 prompts of
+    ~400 tokens). vLLM splits such a prefill over steps and rewinds a seeded request's generator for the
+    token it discards, which only a CUDA generator can: on CPU the run stopped with "CPU Generator does
+    not use offset". Whole-prompt prefills keep seeded sampling working (and as reproducible)."""
+    rng = random.Random(0)
+    long = [prompts()[i % 4][:-3] + [rng.randrange(1000, 20000) for _ in range(900)] + prompts()[0][-3:]
+            for i in range(6)]
+    seeded = [Sampling(temperature=1.0, seed=request_seed(4, i)) for i in range(6)]
+
+    async def together():
+        return await asyncio.gather(*(vllm.generate(p, max_new_tokens=4, sampling=s) for p, s in zip(long, seeded)))
+
+    outs = asyncio.run(together())
+    assert all(len(o.ids) == 4 or o.finished for o in outs)
+    assert [o.ids for o in asyncio.run(together())] == [o.ids for o in outs]
+
+
 def test_continuous_batching_a_late_request_joins_the_running_batch(vllm, hf):
     """A request that arrives while others decode is added at the next step and finishes first, instead
     of waiting for the batch to end (what the transformers engine does)."""

@@ -68,6 +68,11 @@ class VLLMEngine:
         args = EngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             enable_prefix_caching=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+            # Whole-prompt prefills on CPU: a prefill split over steps discards a token and rewinds the
+            # seeded request's generator, which only CUDA generators can ("CPU Generator does not use
+            # offset"); a step of 32 DeepSearch prompts (~400 tokens each) crashed the rollout. (vLLM then
+            # sizes a step's token budget to hold at least one whole prompt of max_model_len.)
+            **({"enable_chunked_prefill": False} if device == "cpu" else {}),
             enforce_eager=device == "cpu",  # no torch.compile/inductor build on CPU: minutes of start-up for little
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
