@@ -4,6 +4,7 @@ $FACTORY_CACHE/torch_extensions); after that each learner starts in about a seco
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,22 @@ def test_gradient_checkpointing_gives_the_same_update(small_path, learners):
     assert learner.engine.module.is_gradient_checkpointing
     recomputed, _ = one_step_delta(learner, trajs)
     assert_same_delta(base, recomputed)
+
+
+def test_shared_prefix_once_gives_the_same_update(small_path, learners):
+    """Trajectories that start with a common system/few-shot block: running it once per micro-batch
+    (train.share_prefix, the default) moves the weights as running it for every sequence does."""
+    system = [7 + i for i in range(20)]  # >= MIN_SHARED_PREFIX tokens every prompt starts with
+    trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=11)]
+    base, _ = one_step_delta(learners(make_spec(small_path, train={"share_prefix": False})), trajs)
+    for stage in (0, 2):
+        learner = learners(make_spec(small_path, train={"deepspeed": {"zero_stage": stage}}))
+        assert learner.resolved()["share_prefix"] == "on"
+        shared, stats = one_step_delta(learner, trajs)
+        assert_same_delta(base, shared)
+        assert stats["perf/update_flops_per_s"] > 0
+    no_cache = learners(make_spec(small_path, train={"gradient_checkpointing": True}))
+    assert no_cache.resolved()["share_prefix"] == "off"  # HF drops the KV cache under checkpointing
 
 
 @pytest.mark.slow

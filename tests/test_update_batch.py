@@ -9,7 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix
 from factory.update.logprobs import response_logprobs
 
 
@@ -123,6 +123,40 @@ def test_response_logprobs_carry_gradient_only_when_needed(tiny_model):
     assert logp.requires_grad and not ent.requires_grad
     _, ent = response_logprobs(tiny_model, mb, amp=None, entropy=True, entropy_grad=True)
     assert ent.requires_grad
+
+
+def test_shared_prefix_stops_at_the_first_difference_and_before_the_shortest_prompt_ends():
+    assert shared_prefix([traj([1, 2, 3, 4, 5], [9]), traj([1, 2, 3, 7, 5, 6], [9])]) == 3
+    # identical prompts: the last prompt token stays each row's own (it predicts the first response token)
+    assert shared_prefix([traj([1, 2, 3], [9]), traj([1, 2, 3], [8])]) == 2
+    assert shared_prefix([traj([1, 2, 3, 4], [9]), traj([1, 2], [8, 7])]) == 1
+    assert shared_prefix([traj([5, 2], [9]), traj([1, 2], [8])]) == 0
+    assert collate([traj([1, 2, 3, 4, 5], [9]), traj([1, 2, 3, 7, 5, 6], [9])]).shared == 3
+
+
+def test_shared_prefix_pass_gives_the_same_logprobs_and_gradients(tiny_model):
+    """The common prefix run once (its KV repeated for the rows) is the same function of the weights:
+    the same log-probs and entropies, and the same gradient, as the full forward of every row."""
+    torch.manual_seed(2)
+    model = type(tiny_model)(tiny_model.config).train()  # its own copy: gradients accumulate on it
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(1, 97, (24,), generator=g).tolist()  # >= MIN_SHARED_PREFIX
+    trajs = [traj(prefix + torch.randint(1, 97, (p,), generator=g).tolist(),
+                  torch.randint(1, 97, (r,), generator=g).tolist()) for p, r in [(3, 5), (6, 2), (1, 7)]]
+    mb = collate(trajs)
+    assert mb.shared == 24
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp, ent = response_logprobs(model, mb, amp=None, entropy=True, entropy_grad=True, share_prefix=share)
+        ((logp * mb.mask).sum() + (ent * mb.mask).sum()).backward()
+        results.append((logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp0, en0, g0), (lp1, en1, g1) = results
+    torch.testing.assert_close(lp1 * mb.mask, lp0 * mb.mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(en1 * mb.mask, en0 * mb.mask, atol=1e-5, rtol=0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert any(float(x.abs().sum()) > 0 for x in g1[:1])  # the embeddings got gradient through the prefix
 
 
 def _spec(**train):

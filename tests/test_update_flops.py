@@ -14,6 +14,10 @@ def test_forward_flops_by_hand():
     # sequences add up; an empty batch costs nothing
     assert forward_flops(shape, [(2, 1), (2, 1)]) == 468
     assert forward_flops(shape, []) == 0
+    # a shared first token runs once: two sequences of 3 cost 2 x 234 minus one token's body (2 * 10) and
+    # one 1^2 attention (2 * 2 * 4 * 1)
+    assert forward_flops(shape, [(2, 1), (2, 1)], shared=1) == 468 - 20 - 16
+    assert forward_flops(shape, [(2, 1)], shared=1) == 234
 
 
 def test_model_shape_counts_the_body_not_the_embeddings():

@@ -51,7 +51,7 @@ class VLLMEngine:
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would flood the run's display
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines and per-weight dtype warnings would flood the run's display
         threads = threads or torch.get_num_threads()
         if device == "cpu":
             # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set; the rollout's own

@@ -86,6 +86,7 @@ class MicroBatch:
     targets: Tensor  # [B, W] long, W = end - start: the token each window column predicts
     gather: Tensor  # [B, R] long, column of window for each response position (clamped on padding)
     mask: Tensor  # [B, R] float: 1 on model-generated tokens, 0 on tool/template tokens and padding
+    shared: int = 0  # leading tokens every row has in common (<= start): a system prompt, few-shot turns
 
     def to(self, device: torch.device | str) -> MicroBatch:
         move = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
@@ -112,4 +113,14 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> MicroBatch:
     end = max(seq_len - 1, start + 1)
     gather = (torch.tensor(prompts)[:, None] - 1 - start + torch.arange(resp_len)).clamp(max=end - start - 1)
     targets = torch.cat([ids, torch.full((len(trajs), 1), pad_id)], 1)[:, start + 1: end + 1]  # [B, W]
-    return MicroBatch(ids, attn, start, end, targets, gather, mask)
+    return MicroBatch(ids, attn, start, end, targets, gather, mask, shared_prefix(trajs))
+
+
+def shared_prefix(trajs: list[Trajectory]) -> int:
+    """How many leading prompt tokens all `trajs` have in common, at most the shortest prompt - 1 (the
+    position that predicts a first response token must be a row's own)."""
+    first, cap = trajs[0].prompt_ids, min(len(t.prompt_ids) for t in trajs) - 1
+    n = 0
+    while n < cap and all(t.prompt_ids[n] == first[n] for t in trajs):
+        n += 1
+    return n

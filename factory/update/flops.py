@@ -37,14 +37,17 @@ class ModelShape:
         return cls(body, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, cfg.hidden_size, cfg.vocab_size)
 
 
-def forward_flops(shape: ModelShape, lengths: Sequence[tuple[int, int]]) -> float:
+def forward_flops(shape: ModelShape, lengths: Sequence[tuple[int, int]], shared: int = 0) -> float:
     """FLOPs of one forward pass over sequences given as (prompt length, response length): every token
     through the body, causal attention over each sequence, and the vocabulary projection on the
-    positions that predict response tokens."""
+    positions that predict response tokens. `shared`: the sequences' first `shared` tokens are the same
+    and run once for all of them (factory.update.logprobs), so they count once."""
     total = 0.0
     for prompt, response in lengths:
         n = prompt + response
-        total += 2.0 * shape.body_params * n                 # matmuls with the layers' weights
-        total += 2.0 * shape.layers * shape.attention_dim * n * n  # QK^T and AV, causal: half of 2 x 2 n^2 d
+        total += 2.0 * shape.body_params * (n - shared)                 # matmuls with the layers' weights
+        total += 2.0 * shape.layers * shape.attention_dim * (n * n - shared * shared)  # QK^T and AV, causal
         total += 2.0 * shape.hidden * shape.vocab * response  # lm_head on the logits window
+    if shared and lengths:
+        total += 2.0 * shape.body_params * shared + 2.0 * shape.layers * shape.attention_dim * shared * shared
     return total

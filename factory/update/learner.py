@@ -40,7 +40,7 @@ from factory.algorithms import (
 )
 from factory.plan import UpdateSettings
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix
 from factory.update.engine import (
     autocast_dtype,
     deepspeed_config,
@@ -50,7 +50,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import response_logprobs
+from factory.update.logprobs import response_logprobs, run_once
 
 
 class Learner:
@@ -69,6 +69,7 @@ class Learner:
         self.ref: torch.nn.Module | None = None
         self.tokenizer = None  # for the hf/ folder of checkpoints; loaded on first save
         self.steps_done = 0  # training steps completed (restored by load_checkpoint)
+        self.share_prefix = False  # run a micro-batch's common prefix once (decided in setup)
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -96,6 +97,9 @@ class Learner:
                                                config=deepspeed_config(self.spec))
         self.engine.train()
         self.amp = autocast_dtype(self.spec)
+        # HF drops the KV cache under gradient checkpointing; ZeRO-3 ranks must run paired forwards
+        self.share_prefix = (self.spec.train.share_prefix and not self.spec.train.gradient_checkpointing
+                             and not (self.engine.zero_optimization_stage() == 3 and self.world > 1))
         if self.alg.needs_reference:  # only then: a second copy of the weights is not free
             self.ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
             self.ref.requires_grad_(False).eval().to(self.engine.device)
@@ -104,7 +108,8 @@ class Learner:
         """What this learner computes with, as chosen for its device: the run's params record it."""
         return {"device": torch.device(self.engine.device).type,
                 "dtype": str(self._module_dtype()).removeprefix("torch."),
-                "autocast": str(self.amp).removeprefix("torch.") if self.amp is not None else "off"}
+                "autocast": str(self.amp).removeprefix("torch.") if self.amp is not None else "off",
+                "share_prefix": "on" if self.share_prefix else "off"}
 
     def _module_dtype(self) -> torch.dtype:
         return next(self.engine.module.parameters()).dtype
@@ -202,10 +207,20 @@ class Learner:
         })
         # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
         stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
-        stats["perf/update_flops_per_s"] = (forward_flops(self.shape, [(len(t.prompt_ids), len(t.response_ids))
-                                                                      for t in sub]) * passes
+        stats["perf/update_flops_per_s"] = (self._pass_flops(sub, first_epoch) * passes
                                             / max(stats["timing/update_step_s"], 1e-9))
         return stats
+
+    def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
+        """FLOPs of one forward over all of `sub` as this learner runs it: with prefix sharing, each
+        micro-batch's shared prefix once. From this rank's micro-batches times the world size (the
+        ranks' shares are near-equal; exact with one rank)."""
+        total = 0.0
+        for micro in (m for minibatch in micro_plan for m in minibatch if m):
+            group = [sub[i] for i in micro]
+            shared = run_once(len(group), shared_prefix(group)) if self.share_prefix else 0
+            total += forward_flops(self.shape, [(len(t.prompt_ids), len(t.response_ids)) for t in group], shared)
+        return total * self.world
 
     def logprobs(self, trajs: list[Trajectory]) -> Tensor:
         """[N, max response length] log-probs of every response token under the current policy (no
@@ -235,11 +250,12 @@ class Learner:
                 mb = collate([sub[i] for i in micro or [0]]).to(self.engine.device)
                 if old is not None:
                     logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=temperature,
-                                                  entropy=True)
+                                                  entropy=True, share_prefix=self.share_prefix)
                     if micro:
                         old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
                 if ref is not None and micro:
-                    logp = response_logprobs(self.ref, mb, amp=self.amp, temperature=temperature)[0]
+                    logp = response_logprobs(self.ref, mb, amp=self.amp, temperature=temperature,
+                                             share_prefix=self.share_prefix)[0]
                     ref[micro, : logp.shape[1]] = logp.cpu()
         old, ref, entropy = (self._all_sum(x) for x in (old, ref, entropy))
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
@@ -274,7 +290,7 @@ class Learner:
             # entropy stat, without grad
             logp, ent = response_logprobs(engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
                                           entropy=old is None or alg.use_rollout_logprobs or alg.entropy_coef > 0,
-                                          entropy_grad=alg.entropy_coef > 0)
+                                          entropy_grad=alg.entropy_coef > 0, share_prefix=self.share_prefix)
             r, dev = logp.shape[1], engine.device
             old_logp = logp.detach() if old is None else old[micro, :r].to(dev)
             sampler = rollout_lp[micro, :r].to(dev) if rollout_lp is not None else None
