@@ -20,6 +20,7 @@ import math
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,11 +364,19 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
 def sync_weights(g: Groups, plan: Plan) -> float:
     """Every weight_sync edge: the source's weights (rank 0's; every rank takes part in gathering them)
     go to every replica of the destination, through Ray's object store, never through this process."""
+    return load_weights(g, fetch_weights(g, plan))
+
+
+def fetch_weights(g: Groups, plan: Plan) -> list[tuple[Edge, list[Any]]]:
+    """Each weight_sync edge with its source's weights as every rank's ObjectRef (rank 0's holds them)."""
+    return [(e, g[e.src].submit(e.fetch)) for e in plan.edges if e.kind == "weight_sync"]
+
+
+def load_weights(g: Groups, fetched: list[tuple[Edge, list[Any]]]) -> float:
+    """Fetched weights into every replica of each edge's destination; the seconds it took."""
     t0 = time.perf_counter()
-    for e in plan.edges:
-        if e.kind == "weight_sync":
-            weights = g[e.src].submit(e.fetch)
-            ray.get(g[e.dst].submit(e.method, weights[0]) + weights[1:])
+    for e, weights in fetched:
+        ray.get(g[e.dst].submit(e.method, weights[0]) + weights[1:])
     return time.perf_counter() - t0
 
 
@@ -387,8 +396,69 @@ def restore(g: Groups, plan: Plan, resume: Resume) -> int:
 # generation in flight), tools_only (tool calls in flight and no generation), reward (scoring the step
 # waited for: with groups streamed to the reward stage, only what was left after the rollout ended;
 # `timing/reward_wall_s` spans all of it), update, weight_sync; `timing/overhead_s` is the rest (moving
-# batches between actors, the data stage, rollout bookkeeping).
+# batches between actors, the data stage, rollout bookkeeping). With train.max_staleness > 0 a step's wall
+# time runs from its rollout to the next one, and update / weight_sync are what it waited for (an earlier
+# step's update, running behind this rollout, and its weight sync); `timing/update_busy_s` is the step's
+# own update time.
 STEP_PARTS = ("generate", "tools_only", "reward", "update", "weight_sync")
+
+
+@dataclass
+class _Pending:
+    """A step whose update is in flight."""
+
+    step: int
+    trajs: list[Any]
+    metrics: dict[str, float]
+    t0: float  # when the step's rollout began
+    update: list[Any]  # every rank's ObjectRef of the update's stats
+    weights: list[tuple[Edge, list[Any]]]  # the weights right after it (fetch_weights)
+
+
+class Updates:
+    """The trainer's updates in flight (`train.max_staleness`). A step's update is submitted as soon as its
+    batch is scored, and its weights fetched right behind it (an actor runs its calls in order, so they are
+    that update's, whatever is submitted next). A step finishes -- its update awaited, its weights loaded
+    into every rollout replica -- once more than `max_staleness` steps are in flight, or at once when the
+    loop drains (a step that evaluates, checkpoints or ends the run). So with 0 the next rollout waits for
+    this update (on-policy), with 1 it runs while this update does, with the previous step's weights."""
+
+    def __init__(self, g: Groups, plan: Plan, synced: int):
+        self.g, self.plan, self.k = g, plan, plan.driver.train.max_staleness
+        self.synced = synced  # the step whose update's weights the rollout holds
+        self.pending: deque[_Pending] = deque()
+
+    def submit(self, step: int, trajs: list[Any], m: dict[str, float], t0: float) -> None:
+        trainer = self.plan.flow("data")[-1]
+        m["train/staleness"] = float(step - 1 - self.synced)  # updates the sampling weights were behind
+        if self.k:  # what this step waits for, added up in `finish`
+            m["timing/update_s"] = m["timing/weight_sync_s"] = 0.0
+        update = self.g[trainer.dst].submit(trainer.method, trajs)
+        self.pending.append(_Pending(step, trajs, m, t0, update, fetch_weights(self.g, self.plan)))
+
+    def finish(self, drain: bool) -> list[tuple[int, list[Any], dict[str, float]]]:
+        """The steps that finish now, oldest first: (step, trajectories, complete metrics)."""
+        current, done = self.pending[-1], []
+        while self.pending and (drain or len(self.pending) > self.k):
+            p = self.pending.popleft()
+            t0 = time.perf_counter()
+            stats = ray.get(p.update)[0]  # rank 0's
+            waited, synced = time.perf_counter() - t0, load_weights(self.g, p.weights)
+            self.synced = p.step
+            if self.k:  # the update ran behind the next rollout: a step counts the part it waited for
+                stats["timing/update_busy_s"] = stats.pop("timing/update_s")
+                current.metrics["timing/update_s"] += waited
+                current.metrics["timing/weight_sync_s"] += synced
+            else:
+                p.metrics["timing/weight_sync_s"] = synced
+            p.metrics.update(stats)
+            done.append((p.step, p.trajs, p.metrics))
+        m = current.metrics
+        m["timing/step_s"] = time.perf_counter() - current.t0
+        m["timing/overhead_s"] = m["timing/step_s"] - sum(m.get(f"timing/{k}_s", 0.0) for k in STEP_PARTS)
+        # tokens the model generated in the step (every sampling round), not tool results or template text
+        m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
+        return done
 
 
 def train_loop(g: Groups, plan: Plan, tracker: Any, display: Any, record: SessionRecord,
@@ -404,28 +474,26 @@ def train_loop(g: Groups, plan: Plan, tracker: Any, display: Any, record: Sessio
         tracker.log_metrics(before, step=0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
         display.step(0, before, completed=0)
-    after, checkpoint = before, None
+    after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"))
     with stop:
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
-            trajs, m = collect(g, plan, display, step)                         # data -> rollout (<-> tools) -> reward
-            m.update(g[trainer.dst].call(trainer.method, trajs))              # advantages + DeepSpeed update
-            m["timing/weight_sync_s"] = sync_weights(g, plan)                  # update -> every rollout replica
-            m["timing/step_s"] = time.perf_counter() - t0
-            m["timing/overhead_s"] = m["timing/step_s"] - sum(m.get(f"timing/{k}_s", 0.0) for k in STEP_PARTS)
-            # tokens the model generated in the step (every sampling round), not tool results or template text
-            m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
-            if _due(step, d.train.eval_every, d.train.steps):
-                after, eval_trajs = evaluate(g, plan, display, step)
-                m.update(after)
-                tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-            tracker.log_metrics(m, step=step)  # before the checkpoint: a checkpointed step is a logged one
-            tracker.log_trajectories(trajs, step, traces=traces)  # the table keeps all: `factory rescore` reads it
-            display.step(step, m)
+            trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
+            updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
-            if stopping or _due(step, d.train.checkpoint_every, d.train.steps):
+            evaluating = _due(step, d.train.eval_every, d.train.steps)
+            saving = stopping or _due(step, d.train.checkpoint_every, d.train.steps)
+            for n, trajs_n, m_n in updates.finish(drain=evaluating or saving):  # its weights -> every rollout replica
+                if n == step and evaluating:
+                    after, eval_trajs = evaluate(g, plan, display, step)
+                    m_n.update(after)
+                    tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
+                tracker.log_metrics(m_n, step=n)  # before the checkpoint: a checkpointed step is a logged one
+                tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
+                display.step(n, m_n)
+            if saving:  # drained: the trainer holds this step's update, the data source is past its batch
                 state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
                 checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
                 tracker.log_checkpoint(step, checkpoint)

@@ -453,6 +453,16 @@ class TrainSpec(Section):
     """Evaluate on at most this many eval rows (None = all)."""
     threads: int | None = None
     """torch threads per stage process (None = all cores)."""
+    max_staleness: int = Field(0, ge=0)
+    """How many updates the weights that sample a step may lag behind the weights it trains (off-policy
+    overlap, as verl's one-step off-policy and AReaL offer). 0: on-policy; each rollout waits for the
+    previous step's update and weight sync. 1: the rollout of step t+1 runs while step t's update does,
+    with the weights of step t-1; k: up to k updates in flight, each holding a copy of the weights in Ray's
+    object store until it is synced. With k > 0 the PPO ratio's pi_old is the rollout engine's log-probs
+    (with `algorithm.rollout_correction`: the learner's pass before the update, TIS then correcting for
+    the stale sampler, AReaL's decoupled objective), so several epochs or mini-batches work as usual.
+    Steps that evaluate or checkpoint, and the last, wait for their update: the step after them is
+    on-policy, as is the first step of a resumed run. `train/staleness` logs each step's lag."""
 
 
 # ------------------------------------------------------------------------------------ tracking, Ray

@@ -393,3 +393,27 @@ def test_a_killed_builders_baton_is_cleared_only_in_factorys_own_cache(tmp_path,
         assert not (ours / "lock").exists()
     with extension_build_lock(str(theirs.parent)):
         assert (theirs / "lock").exists()  # a folder the user chose may hold another program's live build
+
+
+def test_stale_rollouts_take_pi_old_from_the_sampler_not_the_current_weights(small_path, learners):
+    """train.max_staleness > 0: the weights that sampled the batch are older than the learner's, so the
+    single-update shortcut (pi_old = the update pass's own log-probs, ratio 1) would be wrong. pi_old is
+    the sampler's: log-probs e^0.5 below the learner's give ratio e^0.5 > 1 + 0.28, clipped wherever the
+    advantage is positive. With a rollout correction, the learner's pass is pi_old and TIS weighs the rest."""
+    trajs = batch(seed=14)
+    learner = learners(make_spec(small_path))
+    fresh = learner.step(_with_sampler_logprobs(learner, trajs, shift=-0.5))
+    assert fresh["actor/clip_frac_high"] == 0.0  # on-policy: ratio 1 whatever the sampler said
+    learner = learners(make_spec(small_path, train={"max_staleness": 1}))
+    stale = learner.step(_with_sampler_logprobs(learner, trajs, shift=-0.5))
+    assert 0.2 < stale["actor/clip_frac_high"] < 0.8  # the tokens with a positive advantage
+    spec = make_spec(small_path, train={"max_staleness": 1}, algorithm={"rollout_correction": {"kind": "tis", "cap": 1.5}})
+    learner = learners(spec)
+    sampled, passes = _with_sampler_logprobs(learner, trajs, shift=-0.5), []
+    pass_of = learner._logprobs_before_update
+    learner._logprobs_before_update = lambda *a, policy=True: passes.append(policy) or pass_of(*a, policy=policy)
+    corrected = learner.step(sampled)
+    assert passes == [True] and corrected["actor/clip_frac_high"] == 0.0  # pi_old from the pass: ratio 1
+    assert corrected["actor/tis_weight_mean"] == pytest.approx(1.5)  # min(e^0.5, 1.5)
+    with pytest.raises(ValueError, match="train.max_staleness: pi_old is the rollout's log-probs"):
+        learners(make_spec(small_path, train={"max_staleness": 1})).step(batch(seed=14))

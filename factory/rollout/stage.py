@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
@@ -110,7 +110,7 @@ class RolloutStage:
 
     SHARDED = frozenset({"generate", "evaluate"})
     # a method's streamed form (`Edge.stream`): it yields each prompt's group as it completes, then the answer
-    STREAMS = {"generate": "generate_groups", "evaluate": "evaluate_groups"}
+    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups", "evaluate": "evaluate_groups"}
 
     def __init__(self, settings: RolloutSettings):
         self.settings = settings

@@ -143,13 +143,18 @@ class Learner:
         # and a separate pass would only repeat that forward (25% of the step) -- unless a KL-in-reward
         # needs them before the advantages exist.
         # With use_rollout_logprobs the engine's log-probs are pi_old and no pass is needed either.
-        on_policy = len(schedule) == 1 and not (self.ref is not None and alg.kl_apply == "reward")
+        # With stale rollouts (train.max_staleness > 0) the current weights are not the sampling ones: no
+        # shortcut; pi_old is the engine's log-probs, or, under a rollout correction, the pass's (TIS then
+        # weighs each token by pi_old / pi_rollout, which carries the staleness).
+        stale = spec.train.max_staleness > 0
+        use_rollout_lp = alg.use_rollout_logprobs or (stale and alg.rollout_correction is None)
+        on_policy = len(schedule) == 1 and not stale and not (self.ref is not None and alg.kl_apply == "reward")
         rollout_lp = _rollout_logprobs(sub)  # [n, Rmax] the sampler's, or None when the engine gave none
-        if alg.use_rollout_logprobs and rollout_lp is None:
-            raise ValueError("algorithm.use_rollout_logprobs: the rollout recorded no log-probs")
+        if use_rollout_lp and rollout_lp is None:
+            raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
+                             "is the rollout's log-probs, but the rollout recorded no log-probs")
         t_old = time.perf_counter()
-        old, ref, entropy = self._logprobs_before_update(sub, first_epoch,
-                                                         policy=not (on_policy or alg.use_rollout_logprobs))
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=not (on_policy or use_rollout_lp))
         mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
         # useful forwards: forward + backward (3 forwards) per epoch, plus the no-grad old and reference passes
@@ -159,7 +164,7 @@ class Learner:
         mismatch = [0.0, 0.0, 0.0]  # sum, count, max
         if old is not None and rollout_lp is not None:
             mismatch = list(rollout_mismatch(old, rollout_lp, mask))
-        if alg.use_rollout_logprobs:
+        if use_rollout_lp:
             old = rollout_lp
 
         rewards = shaped_rewards(sub, alg, spec.rollout.max_total_tokens)  # [n]
@@ -175,7 +180,8 @@ class Learner:
         measured = mismatch[1] == 0 and rollout_lp is not None  # not yet: the first update pass measures it
         for i, (minibatch, micros) in enumerate(zip(schedule, mine)):
             measure = mismatch if i == 0 and measured else None
-            part, norm = self._update(sub, minibatch, micros, old, ref, adv, mask, rollout_lp, measure)
+            part, norm = self._update(sub, minibatch, micros, old, ref, adv, mask, rollout_lp, measure,
+                                      entropy=entropy is None)
             for key, value in part.items():
                 sums[key] += value
             norms.append(norm)
@@ -267,14 +273,15 @@ class Learner:
 
     def _update(self, sub: list[Trajectory], minibatch: list[list[int]], micros: list[list[int]],
                 old: Tensor | None, ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
-                measure: list[float] | None = None) -> tuple[dict[str, float], float | None]:
+                measure: list[float] | None = None, *, entropy: bool = True) -> tuple[dict[str, float], float | None]:
         """Accumulate one mini-batch's gradient over this rank's micro-batches (`micros`, its share of
         `minibatch`) and take one optimizer step; returns this rank's stats and the global gradient norm.
         policy_objective normalises each micro-batch by the whole mini-batch's totals and returns stats
         as shares, so summing both over micro-batches (and ranks) gives the mini-batch's exact loss and
         stats; engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps
         is 1 and the accumulation boundary is ours: managed_gradient_accumulation=false).
-        `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch."""
+        `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch; `entropy`: this
+        pass measures the entropy stat (no pre-update pass did)."""
         engine, alg = self.engine, self.alg
         members = [i for micro in minibatch for i in micro]
         totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
@@ -289,7 +296,7 @@ class Learner:
             # without a pre-update pass (on-policy, or pi_old from the rollout) this pass also measures the
             # entropy stat, without grad
             logp, ent = response_logprobs(engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
-                                          entropy=old is None or alg.use_rollout_logprobs or alg.entropy_coef > 0,
+                                          entropy=entropy or alg.entropy_coef > 0,
                                           entropy_grad=alg.entropy_coef > 0, share_prefix=self.share_prefix)
             r, dev = logp.shape[1], engine.device
             old_logp = logp.detach() if old is None else old[micro, :r].to(dev)

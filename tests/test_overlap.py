@@ -1,0 +1,366 @@
+"""Overlap between stages (issue 14), the driver's own code on real Ray actors.
+
+Streaming: a trajectory group goes to the reward stage as soon as it is complete, so scoring overlaps
+generation (`Group.stream`, `pipe`: two replicas of a stand-in rollout stage whose groups finish one by
+one, and the real reward stage). `train.max_staleness`: the training loop (`train_loop`) on stand-in
+stages that log what they do and when: 0 keeps today's order, 1 runs a rollout while the previous update
+does."""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pyarrow as pa
+import pytest
+import ray
+
+from factory.compiler.compile import stage_settings
+from factory.driver import Group, carry, pipe, setup_group, start_group
+from factory.plan import Edge, Stage
+from factory.rollout.stage import RolloutStage
+from factory.types import Trajectory
+from tests.test_reward_stage import make_spec
+
+REPO = Path(__file__).resolve().parents[1]
+FNS = "tests.fixtures.reward_fns"
+GROUP, GAP_S = 2, 0.3  # samples per prompt; a replica's groups finish this far apart
+
+
+class SteppedRollout:
+    """A rollout replica whose groups finish GAP_S apart (the real stage's streaming contract: one item per
+    prompt, then its answer), with the split and merge of the real stage."""
+
+    SHARDED = frozenset({"generate"})
+    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups"}
+    split = staticmethod(RolloutStage.split)
+
+    def __init__(self, settings=None):
+        self.done = 0
+
+    async def generate_groups(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0):
+        trajs = []
+        for p in range(first_index, first_index + batch.num_rows):
+            await asyncio.sleep(GAP_S)
+            if "fail" in batch.column_names and p == 1:
+                raise RuntimeError("the engine broke mid-batch")
+            group = [Trajectory(prompt_index=p, sample_index=s, prompt_ids=[], response_ids=[], loss_mask=[],
+                                turns=[], stop_reason="no_call", row={"answer": "1"}, messages=[{"role": "user", "content": "q"}],
+                                completion="x" * (p + s)) for s in range(GROUP)]
+            self.done += GROUP
+            trajs += group
+            yield group
+        yield trajs, time.time()
+
+    async def progress(self):
+        return self.done, self.done
+
+    @staticmethod
+    def merge(parts):
+        return [t for trajs, _ in parts for t in trajs], {"timing/rollout_s": 1.0, "test/ended_at": max(e for _, e in parts)}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="factory-stream-"),
+             object_store_memory=200 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the stand-in stage lives in tests/
+    yield
+    ray.shutdown()
+
+
+def _groups(rewards: dict) -> tuple[Group, Group]:
+    rollout = Group(Stage("rollout", "test", "tests.test_streaming:SteppedRollout", None, (), ()), SteppedRollout,
+                    [ray.remote(SteppedRollout).remote() for _ in range(2)])
+    reward = start_group(Stage("reward", "test", "factory.reward.stage:RewardStage",
+                               stage_settings(make_spec(rewards))["reward"], (), ()))
+    reward.info = ray.get(setup_group(reward, {}))
+    return rollout, reward
+
+
+def test_groups_are_scored_while_the_rollout_still_generates(local_ray):
+    rollout, reward = _groups({"at": {"fn": f"{FNS}:scored_at"}, "len": {"fn": f"{FNS}:length"},
+                               "total": {"sum": {"len": 1.0}}})
+    batch = pa.table({"i": list(range(5))})  # 5 prompts over 2 replicas: 2 + 3, the last ends at 3 x GAP_S
+    progress = []
+    trajs, m = pipe(rollout, "generate", reward, "score", batch, progress=lambda *a: progress.append(a), step=1)
+
+    ended = m["test/ended_at"]
+    scored = {t.prompt_index: t.rewards["at"] for t in trajs}
+    # the first groups (one per replica, after GAP_S) were scored about 2 x GAP_S before the rollout ended
+    assert min(scored.values()) < ended - 1.5 * GAP_S, (scored, ended)
+    assert [(t.prompt_index, t.sample_index) for t in trajs] == [(p, s) for p in range(5) for s in range(GROUP)]
+    # the step's metrics describe the whole batch: means over all 10 trajectories, counts added up
+    assert m["rewards/len/mean"] == pytest.approx(statistics.fmean(p + s for p in range(5) for s in range(GROUP)))
+    assert m["reward/mean"] == pytest.approx(m["rewards/len/mean"]) and m["reward/dropped"] == 0.0
+    # timing/reward_s: only the scoring after the rollout ended (the last group's), within the wall span
+    assert 0 <= m["timing/reward_s"] < m["timing/reward_wall_s"] and m["timing/reward_s"] < GAP_S
+    assert m["timing/rollout_s"] == 1.0 and progress and progress[-1][0] <= 5 * GROUP
+
+
+def test_carry_streams_along_a_stream_edge_and_calls_whole_batches_otherwise(local_ray):
+    rollout, reward = _groups({"at": {"fn": f"{FNS}:scored_at"}, "total": {"sum": {"at": 1.0}}})
+
+    class Source:  # the data stage's part: fetch a batch
+        SHARDED = frozenset()
+
+    class Display:
+        def progress(self, *a): ...
+        def done(self): ...
+
+    data = Group(Stage("data", "test", "x:Data", None, (), ()), Source, [ray.remote(_Data).remote()])
+    g = {"data": data, "rollout": rollout, "reward": reward}
+    edges = [Edge("data", "rollout", "batch", method="generate", fetch="next_batch"),
+             Edge("rollout", "reward", "trajectories", method="score", stream=True)]
+    trajs, m = carry(g, edges, 4, display=Display(), label="step 1", step=1)
+    assert len(trajs) == 4 * GROUP and min(t.reward for t in trajs) < m["test/ended_at"] - GAP_S / 2
+    assert math.isfinite(m["timing/reward_wall_s"])
+
+
+class _Data:
+    def next_batch(self, n):
+        return pa.table({"i": list(range(n))})
+
+
+def test_a_replica_that_fails_mid_stream_fails_the_call_with_its_error(local_ray):
+    rollout, reward = _groups({"total": {"fn": f"{FNS}:length"}})
+    with pytest.raises(ray.exceptions.RayTaskError, match="the engine broke mid-batch"):
+        pipe(rollout, "generate", reward, "score", pa.table({"fail": [0, 1, 2, 3]}), progress=lambda *a: None)
+
+
+# ------------------------------------------------------------------------------- train.max_staleness
+UPDATE_S = 0.8  # the stand-in update's time: longer than a rollout, so an overlap shows
+
+
+class Fresh:
+    def reset(self):  # a fresh start for each run on the module's actors
+        self.__init__()
+
+
+class Log(Fresh):
+    """What the stand-in stages did, with timestamps (an actor: every stage writes to it)."""
+
+    def __init__(self):
+        self.events = []
+
+    def add(self, *event):
+        self.events.append((*event, time.time()))
+
+    def read(self):
+        return self.events
+
+
+def _log():
+    return ray.get_actor("stream-test-log")
+
+
+class FakeData(Fresh):
+    def __init__(self, settings=None):
+        self.pos = 0
+
+    def next_batch(self, n):
+        self.pos += n
+        return pa.table({"i": list(range(n))})
+
+    def eval_batch(self):
+        return None  # no held-out data: no evaluation
+
+    def state(self):
+        return {"pos": self.pos}
+
+
+class FakeRollout(SteppedRollout, Fresh):
+    async def generate_groups(self, batch, first_index=0, *, step=0, attempt=0):
+        _log().add.remote("rollout", step)
+        async for item in super().generate_groups(batch, first_index, step=step, attempt=attempt):
+            yield item
+
+    def load_weights(self, weights):
+        _log().add.remote("load", weights["version"])
+
+
+class FakeReward(Fresh):
+    def __init__(self, settings=None):
+        pass
+
+    async def score(self, group, *, step=0, attempt=0):
+        return group, {"reward/mean": 0.5, "reward/dropped": 0.0, "timing/reward_s": 0.01}
+
+
+class FakeUpdate(Fresh):
+    """A learner whose version counts its updates; each update takes UPDATE_S."""
+
+    def __init__(self, settings=None):
+        self.version = 0
+
+    def step(self, trajs):
+        _log().add.remote("update", self.version + 1)
+        time.sleep(UPDATE_S)
+        self.version += 1
+        _log().add.remote("updated", self.version)
+        return {"timing/update_s": UPDATE_S, "actor/version": float(self.version)}
+
+    def state_dict(self):
+        return {"version": self.version}
+
+    def save_checkpoint(self, directory, step, state):
+        _log().add.remote("checkpoint", self.version, state["data"]["pos"])
+        return f"{directory}/step_{step}"
+
+
+class Tracker:
+    run_id = "test"
+
+    def __init__(self):
+        self.metrics = {}
+
+    def log_metrics(self, m, step):
+        self.metrics[step] = dict(m)
+
+    def log_trajectories(self, *a, **k): ...
+
+    def log_checkpoint(self, *a): ...
+
+
+class Quiet:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    from factory.compiler.compile import compile_file
+
+    return compile_file(str(REPO / "specs/tiny.yaml"))[1]
+
+
+STAND_INS = {"data": FakeData, "rollout": FakeRollout, "reward": FakeReward, "update": FakeUpdate, "tools": FakeData}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(local_ray):
+    """The stand-in stages' actors, started once for the module (starting an actor takes a second or two)."""
+    log = ray.remote(Log).options(name="stream-test-log").remote()
+    actors = {name: ray.remote(cls).remote() for name, cls in STAND_INS.items()}
+    yield log, actors
+    for actor in (log, *actors.values()):
+        ray.kill(actor)
+
+
+def _run(plan, stand_ins, staleness: int, steps: int = 4, checkpoint_every: int = 0):
+    import dataclasses
+
+    from factory.driver import train_loop
+
+    train = plan.driver.train.model_copy(update={"max_staleness": staleness, "steps": steps,
+                                                 "checkpoint_every": checkpoint_every})
+    plan = dataclasses.replace(plan, driver=plan.driver.model_copy(update={"train": train}))
+    log, actors = stand_ins
+    ray.get([actor.reset.remote() for actor in (log, *actors.values())])
+    g = {s.name: Group(s, STAND_INS[s.name], [actors[s.name]]) for s in plan.stages}
+    tracker = Tracker()
+    train_loop(g, plan, tracker, Quiet(), Quiet())
+    return tracker.metrics, ray.get(log.read.remote())
+
+
+def _times(events, kind):
+    return {n: t for k, n, *_, t in events if k == kind}
+
+
+def test_max_staleness_0_runs_each_rollout_after_the_previous_update_and_its_weight_sync(tiny_plan, stand_ins):
+    metrics, events = _run(tiny_plan, stand_ins, staleness=0, steps=3)
+    order = [(k, n) for k, n, *_ in events if k in ("rollout", "update", "load")]
+    assert order == [("rollout", 1), ("update", 1), ("load", 1), ("rollout", 2), ("update", 2), ("load", 2),
+                     ("rollout", 3), ("update", 3), ("load", 3)]
+    assert [metrics[s]["train/staleness"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    assert [metrics[s]["actor/version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    for m in (metrics[s] for s in (1, 2, 3)):  # the update's own time, as today
+        assert m["timing/update_s"] == UPDATE_S and m["timing/overhead_s"] > -0.05
+
+
+def test_max_staleness_1_overlaps_the_next_rollout_with_the_update(tiny_plan, stand_ins):
+    metrics, events = _run(tiny_plan, stand_ins, staleness=1, steps=4, checkpoint_every=2)
+    rollouts, updated = _times(events, "rollout"), _times(events, "updated")
+    # the rollout of step 2 (and 4) started before the update of step 1 (and 3) ended
+    assert rollouts[2] < updated[1] - UPDATE_S / 2 and rollouts[4] < updated[3] - UPDATE_S / 2
+    # step 2 waits for its checkpoint: step 3 samples with step 2's weights (on-policy), as a resumed run would
+    assert rollouts[3] > updated[2]
+    assert [metrics[s]["train/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
+    assert [metrics[s]["actor/version"] for s in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]  # each step its own update
+    # weights reach the rollout in order, each before the rollout that needs it
+    loads = [(e[1], e[-1]) for e in events if e[0] == "load"]
+    assert [n for n, _ in loads] == [1, 2, 3, 4] and loads[0][1] < rollouts[3] and loads[2][1] > rollouts[4]
+    # a checkpoint holds that step's update and the data position after its batch (2 prompts a step)
+    assert [e[1:3] for e in events if e[0] == "checkpoint"] == [(2, 4), (4, 8)]
+    for m in (metrics[s] for s in (1, 2, 3, 4)):  # the step's parts stay apart: update_s is what it waited for
+        assert m["timing/update_busy_s"] == UPDATE_S and m["timing/update_s"] <= m["timing/step_s"]
+        assert m["timing/overhead_s"] > -0.05
+    # step 3 waited for no update (update 3 ran behind rollout 4); step 2 for the end of update 1, which ran
+    # behind rollout 2 (2 x GAP_S), and all of update 2 (its checkpoint needs it)
+    assert metrics[3]["timing/update_s"] == 0.0
+    assert UPDATE_S < metrics[2]["timing/update_s"] < 2 * UPDATE_S - GAP_S
+
+
+class WeightsHolder:
+    """A rollout stand-in that keeps the weights it is sent."""
+
+    def __init__(self, settings=None):
+        self.weights = None
+
+    def load_weights(self, weights):
+        self.weights = weights
+
+    def read(self):
+        return self.weights
+
+
+def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(local_ray):
+    """The overlap machinery at 0 (`Updates`: the update and its weights fetched at once, then awaited and
+    loaded) gives the real learner's weights and statistics of the loop before it (call the update, then
+    `sync_weights`), bit for bit, over two steps."""
+    import torch
+
+    from factory.assets import resolve_model
+    from factory.driver import Updates, sync_weights
+    from tests.test_update import batch
+    from tests.test_update import make_spec as update_spec
+
+    spec = update_spec(resolve_model("factory:tiny-qwen3"))
+    plan = SimpleNamespace(flow=lambda _: [Edge("reward", "update", "scored_trajectories", method="step")],
+                           edges=[Edge("update", "rollout", "weights", "weight_sync", method="load_weights",
+                                       fetch="state_dict")], driver=SimpleNamespace(train=spec.train))
+
+    def stages():
+        update = start_group(Stage("update", "test", "factory.update.stage:UpdateStage",
+                                   stage_settings(spec)["update"], (), ()))
+        update.info = ray.get(setup_group(update, {}))
+        holder = Group(Stage("rollout", "test", "x:Holder", None, (), ()), WeightsHolder,
+                       [ray.remote(WeightsHolder).remote()])
+        return {"update": update, "rollout": holder}
+
+    before, after = stages(), stages()
+    updates = Updates(after, plan, synced=0)
+    try:
+        initial = ray.get(before["update"].submit("state_dict"))[0]
+        for step in (1, 2):
+            trajs = batch(seed=step)
+            old = before["update"].call("step", trajs)
+            sync_weights(before, plan)
+            updates.submit(step, trajs, {"rollout/generated_tokens": 1.0}, time.perf_counter())
+            ((n, _, new),) = updates.finish(drain=False)
+            assert n == step and new.pop("train/staleness") == 0.0
+            same = [k for k in old if not k.startswith(("timing/", "perf/"))]
+            assert len(same) > 8 and {k: new[k] for k in same} == {k: old[k] for k in same}
+        a, b = (ray.get(g["rollout"].actors[0].read.remote()) for g in (before, after))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert any(not torch.equal(a[k], initial[k]) for k in a)  # the two steps did train
+    finally:
+        for g in (before, after):
+            ray.get(g["update"].submit("shutdown"))
