@@ -364,3 +364,25 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
     finally:
         for g in (before, after):
             ray.get(g["update"].submit("shutdown"))
+
+
+@pytest.mark.slow
+def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_path):
+    """The whole stack (Ray, the calculator MCP server, DeepSpeed, MLflow) at max_staleness 1: ~3 min here."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.tracked_runs import ENGINE, factory, project_copy
+
+    work, uri = project_copy(tmp_path / "work"), f"sqlite:///{tmp_path}/mlflow.db"
+    out = factory("run", "specs/tiny.yaml", "train.steps=4", "train.max_staleness=1", f"rollout.engine={ENGINE}",
+                  cwd=work, uri=uri)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    assert history("train/staleness") == [0.0, 1.0, 1.0, 1.0]  # the last step waits for its update, not its rollout
+    assert len(history("timing/update_busy_s")) == 4 and len(history("actor/pg_loss")) == 4
+    assert (work / "runs" / "tiny" / "step_4" / "hf" / "model.safetensors").exists()
