@@ -74,6 +74,26 @@ def test_endpoint_judge_behind_a_gate_counts_every_failure(judge_server, tmp_pat
     assert body == {"model": "grader", "temperature": 0.0, "max_tokens": 32}
 
 
+def test_a_judge_nodes_concurrency_bounds_concurrent_score_calls(judge_server, tmp_path):
+    """A step's groups are scored as they complete, several `score` calls at once: the node's one session
+    (for the actor's life) keeps its `concurrency` over all of them, not per call."""
+    url, stats = judge_server
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    stage = RewardStage(stage_settings(make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url,
+                                                            "concurrency": 2}}), tmp_path)["reward"])
+
+    async def go():
+        await stage.setup(Placement())
+        try:  # 4 groups of 3 at once
+            return await asyncio.gather(*(stage.score([traj("ok [good]", g, s) for s in range(3)]) for g in range(4)))
+        finally:
+            await stage.close()
+
+    answers = asyncio.run(go())
+    assert [t.reward for trajs, _ in answers for t in trajs] == [1.0] * 12
+    assert stats()["peak"] == 2  # 12 requests of 4 calls, never more than 2 in flight (per-call sessions: 8)
+
+
 def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
