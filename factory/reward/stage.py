@@ -55,6 +55,7 @@ class RewardStage:
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
         self._max_workers = max_workers
         self._base_dir = Path(settings.base_dir)
+        self._sessions = contextlib.AsyncExitStack()  # the judge sessions setup() opens; close() closes them
 
     @property
     def needs_whole_batch(self) -> bool:
@@ -87,7 +88,6 @@ class RewardStage:
         await self._toolbox.start()
         # One session per judge node for the actor's life, shared by concurrent `score` calls (a step's
         # groups are scored as they arrive), so a node's `concurrency` bounds all of its requests at once.
-        self._sessions = contextlib.AsyncExitStack()
         self._judges = {name: await self._sessions.enter_async_context(
                             EndpointSession(node) if node.local is None else LocalSession(node, self._judge_actors[name]))
                         for name, node in self.nodes.items() if isinstance(node, JudgeNode)}
