@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,15 @@ def test_unimportable_reward_functions(project):
         "no GPU here\n"
         "spec.yaml:13: rewards.e.fn: expected an import path 'module:function', got 'not-a-path'\n"
         "5 errors in spec.yaml")
+
+
+def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_path_factory):
+    """The hint that looks for a module beside the spec (when factory runs from another folder) must not
+    fail on a name the OS rejects as a file name (found by tests/test_fuzz_spec.py)."""
+    path = project.spec(_base(project, "rc_imp") + "  a: {fn: " + "x" * 300 + ":f}\n")
+    path = Path(path).resolve()
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    assert "rewards.a.fn: cannot import 'xxx" in _errors(str(path))
 
 
 def test_reward_signatures(project):

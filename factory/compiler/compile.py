@@ -172,8 +172,11 @@ class _Report:
         beside = self.source.base_dir
         if beside.resolve() == Path.cwd().resolve() or top in sys.modules:
             return ""
-        if (beside / top).is_dir() or (beside / f"{top}.py").is_file():
-            return f" here; it is in {shown_path(beside)}/: run factory from that folder"
+        try:
+            if (beside / top).is_dir() or (beside / f"{top}.py").is_file():
+                return f" here; it is in {shown_path(beside)}/: run factory from that folder"
+        except OSError:  # not a name a file can have (too long, say): then it is not there either
+            pass
         return ""
 
 
