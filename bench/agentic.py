@@ -99,8 +99,13 @@ def judge_server(latency_s: float, capacity: int) -> Iterator[tuple[str, list[in
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        # listen backlog: socketserver's default of 5 reset connections when a whole batch's judge calls
+        # arrived at once (httpx ReadError: judge values missing, and a contender doing less work)
+        request_queue_size = 256
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
