@@ -50,7 +50,8 @@ def test_every_step_has_its_metrics(tiny_run):
     # what the stages chose on their device (tiny.yaml trains in float32: no bf16 anywhere)
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
         "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
-        "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off"}
+        "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off",
+        "resolved.update.share_prefix": "on"}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
 
 
