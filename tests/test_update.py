@@ -290,6 +290,41 @@ def test_shared_prefix_once_gives_the_same_update(small_path, learners):
     assert no_cache.resolved()["share_prefix"] == "off"  # HF drops the KV cache under checkpointing
 
 
+def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, learners, monkeypatch):
+    """Rows of a group whose rewards all agree add nothing to the gradient: the update does not run them,
+    and moves the weights as running them does -- also when a whole step is flat, where AdamW's moments
+    still move the weights (a stand-in sample keeps its optimizer step)."""
+    import factory.update.learner as learner_module
+
+    trajs = batch(seed=12, groups=3)
+    flat = [replace(t, reward=1.0) if t.prompt_index == 1 else t for t in trajs]  # group 1 agrees
+    all_flat = [replace(t, reward=0.0) for t in batch(seed=13, groups=2)]
+    spec = make_spec(small_path, train={"lr": 1e-3, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
+
+    def run() -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
+        learner = learners(spec)
+        (d1, s1), (d2, s2) = one_step_delta(learner, flat), one_step_delta(learner, all_flat)
+        return [d1, d2], [s1, s2]
+
+    skipped, skipped_stats = run()
+    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch: schedule)
+    full, full_stats = run()
+    for a, b in zip(full, skipped):
+        assert_same_delta(a, b)
+    assert [s["actor/skipped_zero_adv"] for s in skipped_stats] == [4, 8]
+    assert [s["actor/skipped_zero_adv"] for s in full_stats] == [0, 0]
+    assert skipped_stats[0]["actor/pg_loss"] == pytest.approx(full_stats[0]["actor/pg_loss"], abs=1e-6)
+    assert skipped_stats[0]["actor/entropy"] > 5  # a token mean over the rows that ran, not diluted
+    assert "actor/entropy" not in skipped_stats[1]  # nothing ran: nothing measured (not a fake 0)
+    assert skipped_stats[1]["actor/grad_norm"] == 0
+
+
+def test_zero_advantage_rows_still_run_when_a_kl_term_is_in_the_loss(small_path, learners):
+    trajs = [replace(t, reward=1.0) for t in batch(seed=14, groups=2)]
+    learner = learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1, "apply": "loss"}}))
+    assert learner.step(trajs)["actor/skipped_zero_adv"] == 0  # the KL gradient needs every row
+
+
 @pytest.mark.slow
 def test_smollm2_sized_update_stays_in_memory(tmp_path, learners):
     """A SmolLM2-135M-shaped Llama (random weights) on a realistic batch: 32 sequences x ~250 tokens,

@@ -9,7 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix, without_zero_advantage
 from factory.update.logprobs import response_logprobs
 
 
@@ -63,6 +63,17 @@ def test_shard_deals_each_minibatch_over_the_ranks_in_equal_numbers_of_micro_bat
         parts = [shard(schedule, r, world, 2) for r in range(world)]
         assert sorted(i for p in parts for mb in p for micro in mb for i in micro) == list(range(7))
         assert len({tuple(len(mb) for mb in p) for p in parts}) == 1
+
+
+def test_without_zero_advantage_drops_those_rows_and_recuts_full_micro_batches():
+    schedule = [[[0, 1], [2, 3], [4]], [[5, 6]]]  # two mini-batches, each in plan's length order
+    adv = torch.tensor([0.5, 0.0, 0.0, -1.0, 2.0, 0.0, 0.0])
+    # the survivors keep their order and fill micro-batches again; a mini-batch may be left empty
+    assert without_zero_advantage(schedule, adv, micro_batch=2) == [[[0, 3], [4]], []]
+    assert without_zero_advantage(schedule, torch.ones(7), micro_batch=3) == [[[0, 1, 2], [3, 4]], [[5, 6]]]
+    # shard deals what is left; an empty mini-batch gives every rank no micro-batch (the learner runs a
+    # weight-0 stand-in there, so the optimizer still steps on zero gradients)
+    assert shard([[[0, 3], [4]], []], rank=1, world=2, micro_batch=2) == [[[3]], []]
 
 
 def test_collate_window_targets_are_the_response_tokens():

@@ -49,6 +49,22 @@ def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batc
     return out
 
 
+def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor,
+                           micro_batch: int) -> list[list[list[int]]]:
+    """`schedule` (see `plan`) without the rows whose advantage is exactly 0, each mini-batch's remaining
+    rows (still in length order) re-cut into full micro-batches; a mini-batch may end up with none.
+
+    Such a row (its group's rewards all agreed) adds exactly 0 to every policy loss here and to its
+    gradient -- each is the advantage times a function of the ratio -- so running it is wasted work: once
+    a quickstart group is solved, that is most of the batch. The loss must still be normalised by the
+    whole mini-batch's totals (the learner keeps them), and nothing else may be in the loss."""
+    out = []
+    for minibatch in schedule:
+        rows = [i for micro in minibatch for i in micro if advantages[i] != 0]
+        out.append([rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)])
+    return out
+
+
 def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int) -> list[list[list[int]]]:
     """One rank's part of an update schedule (see `plan`), for data parallelism over `world` ranks.
 

@@ -40,7 +40,7 @@ from factory.algorithms import (
 )
 from factory.plan import UpdateSettings
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix
+from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix, without_zero_advantage
 from factory.update.engine import (
     autocast_dtype,
     deepspeed_config,
@@ -153,12 +153,11 @@ class Learner:
         if use_rollout_lp and rollout_lp is None:
             raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
                              "is the rollout's log-probs, but the rollout recorded no log-probs")
+        ran_pass = not (on_policy or use_rollout_lp)  # pi_old needs a no-grad pass of its own
         t_old = time.perf_counter()
-        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=not (on_policy or use_rollout_lp))
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=ran_pass)
         mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
-        # useful forwards: forward + backward (3 forwards) per epoch, plus the no-grad old and reference passes
-        passes = 3 * alg.epochs + (old is not None) + (ref is not None)
         # The learner's pre-update log-probs vs the sampler's on the same tokens: from the pass when
         # there was one, else from the first mini-batch's update pass (still the sampling weights).
         mismatch = [0.0, 0.0, 0.0]  # sum, count, max
@@ -174,14 +173,24 @@ class Learner:
         groups = torch.tensor([t.prompt_index for t in sub])  # [n]
         adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
 
+        # Rows whose advantage is exactly 0 add exactly 0 to the loss's gradient when nothing else is in the
+        # loss (no KL term, no entropy bonus): the update skips them (batch.without_zero_advantage), keeping
+        # each mini-batch's normalisers over all its rows. Only without a pre-update pass, whose micro-batches
+        # must be the update's for the first ratio to be 1 bit for bit.
+        skip = ref is None and alg.entropy_coef == 0 and not ran_pass
+        update_plan = without_zero_advantage(schedule, adv, spec.train.micro_batch) if skip else schedule
+        # A mini-batch left with no rows runs one stand-in sample with weight 0 (see _update): its optimizer
+        # step then sees zero gradients, as without skipping, so Adam's moments move the same way.
+        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, spec.train.micro_batch)]
+
         t_train = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         norms = []
         measured = mismatch[1] == 0 and rollout_lp is not None  # not yet: the first update pass measures it
-        for i, (minibatch, micros) in enumerate(zip(schedule, mine)):
+        for i, (minibatch, micros) in enumerate(zip(schedule, update_mine)):
             measure = mismatch if i == 0 and measured else None
             part, norm = self._update(sub, minibatch, micros, old, ref, adv, mask, rollout_lp, measure,
-                                      entropy=entropy is None)
+                                      entropy=entropy is None, computed=[j for m in update_plan[i] for j in m])
             for key, value in part.items():
                 sums[key] += value
             norms.append(norm)
@@ -197,12 +206,20 @@ class Learner:
         self.steps_done += 1
 
         tokens = float(mask.sum())
-        stats.update({f"actor/{k}": v / len(schedule) for k, v in sums.items()})
+        # Loss and gradient norm: means over the mini-batches. Token stats (entropy, clip fractions, ...):
+        # over the mini-batches that ran rows -- one whose rows were all skipped measured nothing.
+        ran = sum(1 for minibatch in update_plan if any(minibatch))
+        for key, value in sums.items():
+            if key in ("pg_loss", "grad_norm") or ran:
+                stats[f"actor/{key}"] = value / (len(schedule) if key in ("pg_loss", "grad_norm") else ran)
+        if "actor/entropy" not in stats and entropy is not None:  # measured by the pre-update pass
+            stats["actor/entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        computed_rows = sum(len(micro) for minibatch in update_plan[: len(update_plan) // alg.epochs]
+                            for micro in minibatch)
         stats.update({
             "actor/updates": float(len(schedule)),
             "actor/tokens": tokens,
-            "actor/entropy": stats.get("actor/entropy", 0.0 if entropy is None
-                                       else float((entropy * mask).sum()) / max(tokens, 1.0)),
+            "actor/skipped_zero_adv": float(len(sub) - computed_rows),  # rows the update did not run (see skip)
             "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
                                   else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
             "actor/advantage_abs_mean": float(adv.abs().mean()),
@@ -213,8 +230,10 @@ class Learner:
         })
         # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
         stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
-        stats["perf/update_flops_per_s"] = (self._pass_flops(sub, first_epoch) * passes
-                                            / max(stats["timing/update_step_s"], 1e-9))
+        stats["perf/update_flops_per_s"] = (
+            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * 3 * alg.epochs
+             + self._pass_flops(sub, first_epoch) * (ran_pass + (ref is not None)))
+            / max(stats["timing/update_step_s"], 1e-9))
         return stats
 
     def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
@@ -273,7 +292,8 @@ class Learner:
 
     def _update(self, sub: list[Trajectory], minibatch: list[list[int]], micros: list[list[int]],
                 old: Tensor | None, ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
-                measure: list[float] | None = None, *, entropy: bool = True) -> tuple[dict[str, float], float | None]:
+                measure: list[float] | None = None, *, entropy: bool = True,
+                computed: list[int] | None = None) -> tuple[dict[str, float], float | None]:
         """Accumulate one mini-batch's gradient over this rank's micro-batches (`micros`, its share of
         `minibatch`) and take one optimizer step; returns this rank's stats and the global gradient norm.
         policy_objective normalises each micro-batch by the whole mini-batch's totals and returns stats
@@ -281,7 +301,8 @@ class Learner:
         stats; engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps
         is 1 and the accumulation boundary is ours: managed_gradient_accumulation=false).
         `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch; `entropy`: this
-        pass measures the entropy stat (no pre-update pass did)."""
+        pass measures the entropy stat (no pre-update pass did); `computed`: the mini-batch's rows the
+        update runs (all of them unless zero-advantage rows are skipped), over which the token stats are."""
         engine, alg = self.engine, self.alg
         members = [i for micro in minibatch for i in micro]
         totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
@@ -316,6 +337,10 @@ class Learner:
             engine.backward(loss * (weight * self.world), scale_wrt_gas=False)
             for key, value in st.items():
                 out[key] += weight * float(value)
+        if computed is not None and len(computed) < len(members):
+            # the stats are shares of the whole mini-batch's tokens: make them means over the rows run
+            scale = totals["num_tokens"] / max(float(mask[computed].sum()), 1.0)
+            out = {k: v if k == "pg_loss" else v * scale for k, v in out.items()}
         # ZeRO's optimizers report the global norm they clip with; plain stage 0 (fp32, no wrapper, one
         # rank: the compiler asks for ZeRO when there are several) reports none, so there we measure it
         # on the module's gradients before they are consumed.
