@@ -23,7 +23,6 @@ from torch import Tensor
 from factory.update.batch import MicroBatch
 from factory.update.engine import autocast
 
-
 # Below this many shared tokens a second forward call costs more than it saves.
 MIN_SHARED_PREFIX = 16
 
