@@ -59,13 +59,16 @@ def median(values: Sequence[float]) -> float:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, first: int = 28, width: int = 12) -> str:
-    """A plain fixed-width table: the first column left-aligned, numbers right-aligned."""
+    """A plain fixed-width table: the first column left-aligned, numbers right-aligned, cells a space apart
+    (so that a header as wide as its column does not run into the next)."""
     def cell(v: Any, w: int, left: bool) -> str:
         text = f"{v:.3f}" if isinstance(v, float) else str(v)
         return text.ljust(w) if left else text.rjust(w)
 
-    lines = ["".join(cell(h, first if i == 0 else width, i == 0) for i, h in enumerate(headers))]
-    lines += ["".join(cell(v, first if i == 0 else width, i == 0) for i, v in enumerate(r)) for r in rows]
+    def line(r: Sequence[Any]) -> str:
+        return " ".join(cell(v, first if i == 0 else width, i == 0) for i, v in enumerate(r)).rstrip()
+
+    lines = [line(headers)] + [line(r) for r in rows]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.agentic import Lockstep
+from bench.common import table
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
 from factory.schema import RolloutSpec
@@ -41,6 +42,12 @@ def test_lockstep_baselines_build_the_agent_loops_trajectories(tokenizer, script
                                sampling=sampling_from_spec(cfg)))
     theirs = asyncio.run(Lockstep(ScriptedEngine(chat, script), chat, FakeToolBox(), cfg, prompts, 2).run(one_by_one))
     assert [_record(t) for t in theirs] == [_record(t) for t in ours]
+
+
+def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
+    lines = table(["", "update", "weight sync", "other"], [("1x", 8.6, 2.2, 0.3)], first=4, width=11).splitlines()
+    assert lines[0].split() == ["update", "weight", "sync", "other"]  # not "updateweight"
+    assert lines[1].split() == ["1x", "8.600", "2.200", "0.300"]
 
 
 @pytest.mark.slow
