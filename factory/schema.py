@@ -160,8 +160,9 @@ class LocalJudge(Section):
 
 class JudgeNode(_Leaf):
     llm_judge: str
-    """A jinja template in prompts/ that renders the judge's prompt (sent as the user message) from
-    `prompt`, `completion`, `turns` and the row."""
+    """A jinja template in prompts/ that renders the judge's prompt from `prompt`, `completion`, `turns` and
+    the row: text (sent as the user message) or a JSON list of chat messages (worked cases as real
+    user/assistant turns, which a small judge follows far better; prompts/judge_answer_fewshot.jinja)."""
     endpoint: str | None = None
     """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API; `OPENAI_API_KEY` is sent when
     set). Give `endpoint` or `local`."""

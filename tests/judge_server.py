@@ -4,7 +4,8 @@
 
 The reply depends on a marker in the last user message: [good] -> "Score: 1", [bad] -> "Score: 0",
 [garble] -> a reply without a score, [json] -> a JSON object, [fail] -> HTTP 500, [flaky] -> HTTP 503 the
-first time, then "Score: 1". GET /stats -> the requests seen, per marker, and the most in flight at once.
+first time, then "Score: 1". GET /stats -> the requests seen, per marker, the most in flight at once, and
+each request's message roles.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies": []}
+STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies": [], "roles": []}
 REPLIES = {"good": "The answer is right.\nScore: 1", "bad": "Wrong.\nScore: 0", "garble": "I refuse to grade this.",
            "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1"}
 
@@ -47,6 +48,7 @@ class Handler(BaseHTTPRequestHandler):
             STATS["inflight"] += 1
             STATS["peak"] = max(STATS["peak"], STATS["inflight"])
             STATS["bodies"].append({k: body[k] for k in ("model", "temperature", "max_tokens")})
+            STATS["roles"].append([m["role"] for m in body["messages"]])
         try:
             time.sleep(0.05)  # long enough for concurrent requests to overlap
             if marker == "fail" or (marker == "flaky" and seen == 1):

@@ -94,6 +94,33 @@ def test_a_judge_nodes_concurrency_bounds_concurrent_score_calls(judge_server, t
     assert stats()["peak"] == 2  # 12 requests of 4 calls, never more than 2 in flight (per-call sessions: 8)
 
 
+def test_a_judge_template_may_render_chat_messages(judge_server, tmp_path):
+    """A template that renders a JSON message list is sent as those messages (worked cases as real turns);
+    one that renders broken JSON is an error of that trajectory's judge call, never sent."""
+    url, stats = judge_server
+    (tmp_path / "judge.jinja").write_text(
+        '[{"role": "system", "content": "Grade."}, {"role": "user", "content": "x [bad]"},'
+        ' {"role": "assistant", "content": "Score: 0"}, {"role": "user", "content": {{ completion | tojson }}}]')
+    (tmp_path / "broken.jinja").write_text('[{"role": "user", "content": {{ completion }}}]')  # no tojson
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url},
+                      "broken": {"llm_judge": "broken.jinja", "endpoint": url},
+                      "total": {"sum": {"judge": 1.0, "broken": 1.0}}})
+    trajs, m = _score(spec, [traj("ok [good]", 0), traj("ok [bad]", 1)], tmp_path)
+    assert [t.rewards["judge"] for t in trajs] == [1.0, 0.0]  # the marker of the LAST message decides
+    assert stats()["roles"] == [["system", "user", "assistant", "user"]] * 2
+    assert m["rewards/broken/errors"] == 2.0 and stats()["requests"] == 2
+    assert trajs[0].reward_details["broken"]["error"].startswith("judge template: ValueError: rendered invalid JSON")
+
+
+def test_judge_messages_reads_a_message_list_or_wraps_text():
+    from factory.reward.judge import judge_messages
+
+    assert judge_messages("Grade: 4") == [{"role": "user", "content": "Grade: 4"}]
+    assert judge_messages(' [{"role": "user", "content": "hi"}]') == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="role must be one of"):
+        judge_messages('[{"role": "judge", "content": "hi"}]')
+
+
 def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",

@@ -95,7 +95,7 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str])
     return None
 
 
-def _check_messages(messages: Any) -> None:
+def check_messages(messages: Any) -> None:
     """Chat messages as templates and the rollout expect them: a non-empty list of {role, content}."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"expected a non-empty list of chat messages, got {_kind(messages)}")
@@ -148,7 +148,7 @@ class PromptRenderer:
                              f"got {_kind(row[column])}")
         else:
             raise ValueError("a row needs a `prompt` messages column, a `question` column or data.prompt")
-        _check_messages(messages)
+        check_messages(messages)
         if self._system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self._render(self._system, row, "data.system_prompt")})
         return messages

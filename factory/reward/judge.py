@@ -9,9 +9,11 @@ way `reply(prompt)` returns the reply's text or raises `JudgeError` saying what 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from typing import Any
 
+from factory.data.sources import check_messages
 from factory.plan import JudgeSettings
 from factory.schema import JudgeNode, LocalJudge
 from factory.types import Placement
@@ -45,11 +47,11 @@ class EndpointSession:
     async def __aexit__(self, *exc: object) -> None:
         await self._client.aclose()
 
-    async def reply(self, prompt: str) -> str:
+    async def reply(self, messages: list[dict[str, str]]) -> str:
         import httpx2
 
         body = {"model": self.node.model or "default", "temperature": 0.0, "max_tokens": self.node.max_tokens,
-                "messages": [{"role": "user", "content": prompt}]}
+                "messages": messages}
         async with self._slots:
             for attempt in range(self.node.retries + 1):
                 try:
@@ -82,7 +84,7 @@ class LocalSession:
 
     def __init__(self, node: JudgeNode, actor: Any):
         self.node, self.actor = node, actor
-        self._pending: list[tuple[str, asyncio.Future]] = []
+        self._pending: list[tuple[list[dict[str, str]], asyncio.Future]] = []
         self._sender: asyncio.Task | None = None
 
     async def __aenter__(self) -> LocalSession:
@@ -92,9 +94,9 @@ class LocalSession:
         if self._sender is not None:
             self._sender.cancel()
 
-    async def reply(self, prompt: str) -> str:
+    async def reply(self, messages: list[dict[str, str]]) -> str:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((prompt, future))
+        self._pending.append((messages, future))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send())
         return await future
@@ -121,8 +123,8 @@ class LocalSession:
 
 
 class JudgeModel:
-    """A judge model in its own Ray actor (with its own CPUs/GPUs): chat-formats each prompt as one user
-    message with the model's own chat template and answers greedily. The driver places it as the plan's
+    """A judge model in its own Ray actor (with its own CPUs/GPUs): chat-formats each prompt's messages with
+    the model's own chat template and answers greedily. The driver places it as the plan's
     `judge.<node>` stage; the reward stage calls it along the plan's call edge.
 
     The constructor has no side effects; `setup()` loads the model."""
@@ -143,15 +145,29 @@ class JudgeModel:
         self.engine = _engine(self.cfg, path, self.chat.stop_token_ids, self.seed)
         return {"node": node_id(), "model": path}
 
-    async def complete(self, prompts: list[str], max_tokens: int) -> list[str]:
+    async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str]:
         from factory.rollout.engine import Sampling
 
         greedy = Sampling(greedy=True)
-        ids = [self.chat.prompt_ids([{"role": "user", "content": p}], None) for p in prompts]
+        ids = [self.chat.prompt_ids(messages, None) for messages in prompts]
         # All at once: the engine batches concurrent requests into one generate call.
         gens = await asyncio.gather(*(self.engine.generate(x, max_new_tokens=max_tokens, sampling=greedy)
                                       for x in ids))
         return [self.tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
+
+
+def judge_messages(text: str) -> list[dict[str, str]]:
+    """The judge's chat messages from its rendered template: a JSON message list, as `data.prompt` may
+    render (worked cases as real chat turns: a small judge follows those where it ignores examples inside
+    one message), or else the text as one user message. ValueError when the JSON is not such a list."""
+    if not text.lstrip().startswith("["):
+        return [{"role": "user", "content": text}]
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"rendered invalid JSON: {e}") from None
+    check_messages(messages)
+    return messages
 
 
 def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) -> Any:

@@ -36,6 +36,7 @@ from factory.reward.graph import (
     roots,
     standardize,
 )
+from factory.reward.judge import judge_messages
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_path, node_id, resolve_file, template_env
@@ -266,12 +267,12 @@ class _Evaluation:
     async def _judge(self, name: str, node: JudgeNode, i: int) -> _Outcome:
         t = self.trajs[i]
         try:
-            prompt = self.s._templates[name].render(
-                {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns})
-        except Exception as e:  # a template that reads a column the row lacks
+            messages = judge_messages(self.s._templates[name].render(
+                {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns}))
+        except Exception as e:  # a template that reads a column the row lacks, or renders a broken message list
             return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})
         try:
-            reply = await self.s._judges[name].reply(prompt)
+            reply = await self.s._judges[name].reply(messages)
         except Exception as e:
             return _failed(e)
         try:
