@@ -85,3 +85,10 @@ def test_f1_gives_partial_credit():
     assert qa.f1("", "<answer>the Leonardo da Vinci</answer>", answer="Leonardo da Vinci") == 1.0
     assert qa.f1("", "<answer>Venus</answer>", answer="Mercury") == 0.0
     assert qa.f1("", "no tag", answer="Mercury") == 0.0
+
+
+def test_near_miss_is_a_rejected_answer_that_shares_words():
+    assert qa.near_miss("", "<answer>Srinivasa Ramanujan Iyengar</answer>", answer="Srinivasa Ramanujan") == 1.0
+    assert qa.near_miss("", "<answer>The Ramanujan</answer>", answer=["Hardy", "Ramanujan"]) == 0.0  # exact
+    assert qa.near_miss("", "<answer>Venus</answer>", answer="Mercury") == 0.0  # no word in common
+    assert qa.near_miss("", "Ramanujan", answer="Ramanujan") == 0.0  # no answer tag

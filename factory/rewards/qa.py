@@ -62,3 +62,12 @@ def answered(prompt: str, completion: str, turns: Sequence[Turn] | None = None, 
     """1.0 when the model wrote an <answer> tag in its own turns. Meant as a gate (judge only what has an
     answer to judge), not as a bonus: a bonus for the tag alone is learned as a shortcut."""
     return float(extract_answer(completion, turns) is not None)
+
+
+def near_miss(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+              **_: object) -> float:
+    """1.0 when the <answer> is not an exact match but shares words with a ground truth ('Srinivasa
+    Ramanujan Iyengar' for 'Srinivasa Ramanujan'): the answers an equivalence judge is for. As a gate it
+    keeps a judge's calls, and its mistakes, to those (an exact match needs no judge; an answer with no
+    word in common is wrong for one)."""
+    return float(f1(prompt, completion, answer, turns) > 0 and exact_match(prompt, completion, answer, turns) == 0)
