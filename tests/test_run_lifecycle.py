@@ -125,7 +125,12 @@ def killed(work):
     proc, seen, ips = start(work), {}, set()
     # a step's metrics are logged before its checkpoint is staged (.incomplete-step_k) and committed
     wait_for((tmp / f"runs/tiny/.incomplete-step_{k}", tmp / f"runs/tiny/step_{k}"), proc, 300, seen, ips)
-    time.sleep(delay)
+    # On a fast CPU step k+1 can end within the delay (a tiny step takes well under a second on a Zen 5):
+    # kill no later than its checkpoint's staging, so run 1 always leaves a step to resume.
+    end = time.monotonic() + delay
+    after = (tmp / f"runs/tiny/.incomplete-step_{k + 1}", tmp / f"runs/tiny/step_{k + 1}")
+    while time.monotonic() < end and not any(p.exists() for p in after):
+        time.sleep(0.01)
     assert proc.poll() is None, f"run 1 ended before the kill (step {k} + {delay:.2f} s)"
     saved = (tmp / f"runs/tiny/step_{k}").exists()
     os.kill(proc.pid, signal.SIGKILL)
