@@ -4,7 +4,8 @@ A judge node's requests -- from every `score` call of the reward actor, concurre
 one session: `EndpointSession` sends them as concurrent HTTP requests (at most `concurrency` in flight,
 failed ones retried with backoff); `LocalSession` gathers the requests waiting at a moment into batches of
 up to `concurrency` prompts for the `JudgeModel` actor, whose engine generates each batch together. Either
-way `reply(prompt)` returns the reply's text or raises `JudgeError` saying what failed.
+way `reply(messages)` (from `judge_messages`) returns the reply's text or raises `JudgeError` saying what
+failed.
 """
 from __future__ import annotations
 
