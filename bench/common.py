@@ -117,7 +117,7 @@ def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: floa
     env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": os.pathsep.join([str(ROOT), str(project)])}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, never a cluster the caller happens to point at
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "spec.yaml", *overrides], cwd=project,
+    out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "spec.yaml", *overrides], cwd=project,
                          env=env, capture_output=True, text=True, timeout=timeout_s,
                          check=False)
     wall = time.perf_counter() - started

@@ -61,7 +61,7 @@ def run_tiny(engine: str, steps: int, timeout: int) -> dict:
     uri = f"sqlite:///{work}/mlflow.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
-    argv = [sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", f"train.steps={steps}",
+    argv = [sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", f"train.steps={steps}",
             f"rollout.engine={engine}", "resources.rollout.num_gpus=0.5", "resources.update.num_gpus=0.5",
             "train.bf16_autocast=true", "train.threads=4", "rollout.kv_cache_gb=2", "tracking.experiment=gpu-check"]
     t0 = time.perf_counter()

@@ -361,7 +361,7 @@ def run_block(block: Block, cwd: Path, timeout: float = 600, slow: bool = False)
 
 def anchors(path: Path) -> set[str]:
     """GitHub's anchors of a markdown file's headings."""
-    from factory.reference import anchor
+    from factory.commands.reference import anchor
 
     found, fenced = set(), False
     for line in path.read_text(encoding="utf-8").splitlines():

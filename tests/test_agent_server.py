@@ -44,7 +44,7 @@ async def test_the_inner_agent_calls_its_own_tools_behind_ask():
 
 
 def test_a_wrong_inner_spec_stops_the_server_with_the_compilers_words(monkeypatch, capsys):
-    from factory import cli
+    from factory.commands import cli
 
     monkeypatch.chdir(ROOT)
     args = "tools.agent.args=[-m, factory.examples.agent_server, specs/tiny.yaml, --model, /nonexistent]"

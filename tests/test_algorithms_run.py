@@ -106,7 +106,7 @@ def test_factory_run_with_each_preset(name, tmp_path):
     for folder in ("specs", "prompts"):
         shutil.copytree(REPO / folder, tmp_path / folder)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", "train.steps=1",
+    out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=1",
                           f"algorithm.name={name}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

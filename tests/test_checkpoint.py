@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import factory.update.checkpoint as ckpt
-from factory import cli
+from factory.commands import cli
 from tests.test_update import (  # noqa: F401  (fixtures)
     batch,
     learners,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from factory import cli
+from factory.commands import cli
 from tests.test_compiler_support import BASE, make_project
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def _factory(*args: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProc
     """`factory ARGS` in a fresh process, as a user runs it (the source tree importable, not installed)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("FACTORY_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "factory.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "factory.commands.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -173,7 +173,7 @@ def test_every_shipped_spec_checks_and_connects(spec, monkeypatch, capsys):
 
 
 def test_check_does_not_import_torch_ray_or_deepspeed():
-    code = ("import sys; from factory.cli import main; rc = main(['check', 'specs/quickstart.yaml']); "
+    code = ("import sys; from factory.commands.cli import main; rc = main(['check', 'specs/quickstart.yaml']); "
             "print(sorted(m for m in ('torch', 'ray', 'deepspeed') if m in sys.modules)); sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

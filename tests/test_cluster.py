@@ -76,8 +76,8 @@ def test_tiny_spec_on_two_nodes_two_ranks_equal_one_rank(cluster, monkeypatch):
     import ray
 
     from factory.compiler.compile import compile_file
-    from factory.display import Display
-    from factory.driver import (
+    from factory.runtime.display import Display
+    from factory.runtime.driver import (
         collect,
         place,
         placement_record,
@@ -136,7 +136,7 @@ def test_factory_run_joins_the_cluster(zero, cluster, tmp_path):
         shutil.copytree(REPO / folder, tmp_path / folder)
     env = {**os.environ, "RAY_ADDRESS": cluster, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO),
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
-    out = subprocess.run([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", *OVERRIDES,
+    out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", *OVERRIDES,
                           f"train.deepspeed.zero_stage={zero}"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=1200, check=False)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -425,7 +425,8 @@ def test_judge_endpoints_models_and_patterns_are_checked(project):
 
 
 def test_a_local_judge_is_a_stage_with_its_own_resources(project, capsys, monkeypatch):
-    from factory import cli, device
+    from factory import device
+    from factory.commands import cli
     from factory.device import Device
 
     project.file("prompts/judge.jinja", "Grade {{ completion }}")

@@ -2,7 +2,7 @@ import io
 
 from rich.console import Console
 
-from factory.display import Display
+from factory.runtime.display import Display
 
 
 def _lines(steps):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from factory.driver import _merge
+from factory.runtime.driver import _merge
 
 
 def test_rounds_merge_into_the_whole_batchs_metrics():

@@ -64,7 +64,7 @@ def test_the_run_placed_and_ran_its_plan(tiny_run):
     def artifact(name: str) -> str:
         return Path(client.download_artifacts(run.info.run_id, name, str(work))).read_text()
 
-    printed = subprocess.run([sys.executable, "-m", "factory.cli", "plan", "specs/tiny.yaml", f"train.steps={STEPS}",
+    printed = subprocess.run([sys.executable, "-m", "factory.commands.cli", "plan", "specs/tiny.yaml", f"train.steps={STEPS}",
                               f"rollout.engine={ENGINE}", "--json"], cwd=work, capture_output=True, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120, check=True)
     plan, placed = json.loads(artifact("plan.json")), json.loads(artifact("placement.json"))
@@ -99,7 +99,7 @@ def _trajectories(tiny_run):
 def test_step_split_and_token_rate_are_honest(tiny_run):
     """timing/overhead_s is what the named parts (weight sync included) leave of the step, and
     perf/tokens_per_s counts the model's own tokens only (mask 1), not tool results or template text."""
-    from factory.driver import STEP_PARTS
+    from factory.runtime.driver import STEP_PARTS
 
     _, client, run, _ = tiny_run
     m = {step: {} for step in range(1, STEPS + 1)}

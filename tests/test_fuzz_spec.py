@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from factory import cli
+from factory.commands import cli
 from factory.compiler.errors import SpecErrors
 from factory.compiler.load import load_spec
 from factory.compiler.translate import _strip

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 
 
 def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
@@ -48,7 +48,7 @@ def test_children_started_while_ignoring_keep_ignoring_sigint():
 DRIVER = """
 import subprocess, sys, time
 from pathlib import Path
-from factory.lifecycle import SessionRecord
+from factory.runtime.lifecycle import SessionRecord
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"], start_new_session=True)
 record = SessionRecord(Path(sys.argv[1]))

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from factory.compiler.compile import stage_settings
-from factory.driver import Group, carry, pipe, setup_group, start_group
+from factory.runtime.driver import Group, carry, pipe, setup_group, start_group
 from factory.plan import Edge, Stage
 from factory.rollout.stage import RolloutStage
 from factory.types import Trajectory
@@ -257,7 +257,7 @@ def stand_ins(local_ray):
 def _run(plan, stand_ins, staleness: int, steps: int = 4, checkpoint_every: int = 0):
     import dataclasses
 
-    from factory.driver import train_loop
+    from factory.runtime.driver import train_loop
 
     train = plan.driver.train.model_copy(update={"max_staleness": staleness, "steps": steps,
                                                  "checkpoint_every": checkpoint_every})
@@ -328,7 +328,7 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
     import torch
 
     from factory.assets import resolve_model
-    from factory.driver import Updates, sync_weights
+    from factory.runtime.driver import Updates, sync_weights
     from tests.test_update import batch
     from tests.test_update import make_spec as update_spec
 

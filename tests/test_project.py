@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from omegaconf import OmegaConf
 
-from factory import cli, reference
-from factory.project import SCAFFOLD, create, project_files
+from factory.commands import cli, reference
+from factory.commands.init import SCAFFOLD, create, project_files
 from factory.types import ToolCall, Turn
 
 BIN = Path(sys.executable).parent  # the `factory` script of the environment running the tests

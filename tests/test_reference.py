@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from pydantic import BaseModel
 
-from factory import cli, reference
+from factory.commands import cli, reference
 from factory.presets import PRESETS
 from factory.schema import Spec
 

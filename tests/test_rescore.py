@@ -2,8 +2,8 @@
 import pyarrow as pa
 import pytest
 
-from factory.rescore import parse_steps, trajectory_from_record
-from factory.tracking import trajectory_records
+from factory.commands.rescore import parse_steps, trajectory_from_record
+from factory.tracking.mlflow_tracker import trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 
@@ -34,7 +34,7 @@ def test_steps_syntax():
 
 def test_a_run_stopped_by_on_missing_fail_says_why_in_one_line(monkeypatch, capsys):
     """Exit 2, as for bad input: the spec asked the run to stop on a missing value."""
-    from factory import cli
+    from factory.commands import cli
     from factory.reward import MissingReward
 
     def stopped(args):

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from factory import cli
+from factory.commands import cli
 from factory.compiler.compile import compile_file, plan_json
-from factory.resume import ResumeError, find
-from factory.tracking import DRIVER_TAG, Tracker
+from factory.runtime.resume import ResumeError, find
+from factory.tracking.mlflow_tracker import DRIVER_TAG, Tracker
 from factory.update.checkpoint import write_run_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     t.log_checkpoint(1, str(tmp_path / "step_1"))
     t.end("FAILED")
 
-    # what factory.resume.find returns, as far as the tracker reads it
+    # what factory.runtime.resume.find returns, as far as the tracker reads it
     r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
 
     spec, plan = compiled(tmp_path / "ckpt")

@@ -62,7 +62,7 @@ def work():
 def start(work, *extra: str) -> subprocess.Popen:
     tmp, env = work
     # its own session: SIGINT to its process group is what a terminal's Ctrl-C is
-    return subprocess.Popen([sys.executable, "-m", "factory.cli", "run", "specs/tiny.yaml", *OVERRIDES, *extra],
+    return subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", *OVERRIDES, *extra],
                             cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -246,7 +246,7 @@ def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(work, resum
     import torch
     from transformers import AutoModelForCausalLM
 
-    from factory import cli
+    from factory.commands import cli
 
     tmp, env = work
     run, client = resumed["run"], resumed["client"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from factory import cli
+from factory.commands import cli
 from factory.compiler.compile import compile_file
 from factory.compiler.errors import SpecErrors
 from factory.compiler.settings import DEEPSPEED_KEYS, ZERO_KEYS

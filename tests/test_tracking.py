@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.rollout.stage import BusyClock
-from factory.tracking import Tracker, flatten, trajectory_records
+from factory.tracking.mlflow_tracker import Tracker, flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 
@@ -59,7 +59,7 @@ def test_busy_clock_splits_wall_time(monkeypatch):
 
 
 def test_plan_changes_name_each_kind_of_change():
-    from factory.diff import plan_changes
+    from factory.commands.diff import plan_changes
 
     a = {"spec": {"train": {"lr": 1e-5, "steps": 10}, "tools": {"calc": {}}}, "version": "0.1.0",
          "hashes": {"rewards": {"rewards/math.py": "aa"}, "templates": {"p.jinja": "t1"}, "data": {"train": {"sha256": "d1"}},
@@ -81,7 +81,7 @@ def test_plan_changes_name_each_kind_of_change():
 
 
 def test_unrecorded_tool_schemas_are_a_note_not_identical():
-    from factory.diff import plan_changes, plan_notes
+    from factory.commands.diff import plan_changes, plan_notes
 
     a = {"spec": {"tools": {"calc": {}}}, "hashes": {"tools": {}}}
     b = {"spec": {"tools": {"calc": {}}}, "hashes": {"tools": {"calc": "h"}}}
@@ -92,7 +92,7 @@ def test_unrecorded_tool_schemas_are_a_note_not_identical():
 
 
 def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
-    from factory.diff import comparability
+    from factory.commands.diff import comparability
 
     changes = [{"kind": "setting", "key": "algorithm.name"}, {"kind": "data", "key": "data.train.sha256"},
                {"kind": "setting", "key": "model.path"}, {"kind": "setting", "key": "train.lr"}]
@@ -103,7 +103,7 @@ def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
 
 
 def test_metric_rows_final_best_mean_and_deltas():
-    from factory.diff import metric_rows
+    from factory.commands.diff import metric_rows
 
     a = {"reward/mean": [(1, 0.2), (2, 0.6), (3, 0.4)], "eval/accuracy": [(0, 0.1), (3, 0.5)],
          "timing/step_s": [(1, 2.0), (2, 4.0), (3, 6.0)]}
@@ -118,7 +118,7 @@ def test_metric_rows_final_best_mean_and_deltas():
 
 
 def test_common_prompts_pair_the_last_step_of_each_run():
-    from factory.diff import common_prompts
+    from factory.commands.diff import common_prompts
 
     def row(split, step, q, reward, sample=0):
         return {"split": split, "step": step, "prompt": json.dumps([{"role": "user", "content": q}]),
@@ -134,7 +134,7 @@ def test_common_prompts_pair_the_last_step_of_each_run():
 
 
 def test_environment_tags_name_versions_cpu_and_gpu():
-    from factory.tracking import environment_tags
+    from factory.tracking.mlflow_tracker import environment_tags
 
     tags = environment_tags()
     assert tags["factory.version.torch"].startswith("2.") and tags["factory.version.mcp"] != "none"
@@ -208,7 +208,7 @@ def test_run_time_tool_hash_equals_check_connect(monkeypatch):
 def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
     from types import SimpleNamespace as NS
 
-    from factory.diff import environment_changes
+    from factory.commands.diff import environment_changes
 
     a = NS(data=NS(tags={"factory.cpu": "AMD EPYC", "factory.version.torch": "2.13.0", "factory.plan_hash": "1"},
                    params={"resolved.rollout.dtype": "bfloat16", "train.lr": "1e-05"}))

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from factory.compiler.compile import stage_settings
-from factory.driver import Group, setup_group, start_group
+from factory.runtime.driver import Group, setup_group, start_group
 from factory.plan import Stage
 from tests.test_update import batch, make_spec
 

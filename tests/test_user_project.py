@@ -43,7 +43,7 @@ def readme_recipe() -> tuple[str, str]:
 
 def factory(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The `factory` command as a user runs it: installed, from the project folder."""
-    return subprocess.run([sys.executable, "-m", "factory.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "factory.commands.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 

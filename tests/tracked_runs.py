@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from factory.runs import server_command, wait_until_up
+from factory.tracking.runs import server_command, wait_until_up
 from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def factory(*args: str, cwd: Path, uri: str, timeout: int = 900) -> subprocess.C
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     env.pop("FACTORY_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "factory.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "factory.commands.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

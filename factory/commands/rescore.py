@@ -42,7 +42,7 @@ class Rescored:
 
 # ------------------------------------------------------------------------------- records -> trajectories
 def trajectory_from_record(r: dict[str, Any]) -> Trajectory:
-    """A trajectory as `factory.tracking.trajectory_records` saved it (the inverse of that function)."""
+    """A trajectory as `factory.tracking.mlflow_tracker.trajectory_records` saved it (the inverse of that function)."""
     turns = [Turn(text=t["text"], num_tokens=t["num_tokens"], calls=[ToolCall(**c) for c in t["calls"]],
                   results=[ToolResult(**x) for x in t["results"]]) for t in json.loads(r["turns"])]
     return Trajectory(prompt_index=r["prompt_index"], sample_index=r["sample_index"], prompt_ids=list(r["prompt_ids"]),
@@ -125,7 +125,7 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from factory.tracking import Tracker
+    from factory.tracking.mlflow_tracker import Tracker
 
     client = MlflowClient(uri)
     try:
@@ -146,7 +146,7 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     if judges:  # a local judge is a stage of its own: placed on Ray as `factory run` places it
         import ray
 
-        from factory.driver import place, start_ray
+        from factory.runtime.driver import place, start_ray
 
         start_ray(plan.driver.resources)
     try:
@@ -155,7 +155,7 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         scored = asyncio.run(_score_all(plan, batches, {name: g.actors[0] for name, g in groups.items()}))
     finally:
         if judges:
-            from factory.driver import teardown
+            from factory.runtime.driver import teardown
 
             teardown(groups)
             ray.shutdown()
@@ -198,7 +198,7 @@ def main(args: Any) -> int:
     from rich.table import Table
 
     from factory.compiler.compile import compile_file
-    from factory.tracking import tracking_uri
+    from factory.tracking.mlflow_tracker import tracking_uri
 
     spec, plan = compile_file(args.spec, args.overrides)
     uri = args.uri or tracking_uri(spec.tracking.uri)

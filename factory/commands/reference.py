@@ -67,7 +67,7 @@ def _node(schema: dict[str, Any], defs: dict[str, Any], dotted: str) -> dict[str
         try:
             node = node["properties"][key]
         except KeyError:
-            raise KeyError(f"factory/reference.py names `{dotted}`, which the spec no longer has: "
+            raise KeyError(f"factory/commands/reference.py names `{dotted}`, which the spec no longer has: "
                            "update _registry_names()") from None
     for branch in node.get("anyOf", []):
         if branch.get("type") == "string":
@@ -359,7 +359,7 @@ def markdown() -> str:
 # ------------------------------------------------------------------------------------------ writing
 def checkout_root() -> Path:
     """The source checkout that holds this package (where the generated files are committed)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file() or not (root / "specs").is_dir():
         raise FileNotFoundError(f"`{REFRESH}` updates a source checkout; {root} is not one "
                                 "(write to a file of your own: `factory schema > spec.schema.json`)")

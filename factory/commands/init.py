@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SCAFFOLD = Path(__file__).resolve().parent / "scaffold"
+SCAFFOLD = Path(__file__).resolve().parents[1] / "scaffold"
 PLACEHOLDER = "PROJECT_NAME"
 SCHEMA_NAME = "spec.schema.json"  # the scaffold's spec.yaml names it on its first line
 _RENAMED = {"gitignore": ".gitignore"}  # a dotfile would be left out of the installed package
@@ -39,7 +39,7 @@ class InitError(Exception):
 
 def project_files(name: str) -> dict[str, str]:
     """Relative path -> text of every file of a new project called `name`."""
-    from factory.reference import json_schema_text
+    from factory.commands.reference import json_schema_text
 
     files = {}
     for path in sorted(SCAFFOLD.rglob("*")):

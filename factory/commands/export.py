@@ -37,7 +37,7 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from factory.tracking import tracking_uri
+    from factory.tracking.mlflow_tracker import tracking_uri
 
     try:
         found = MlflowClient(tracking_uri(uri)).get_run(run)

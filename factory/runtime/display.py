@@ -96,7 +96,7 @@ class Display:
         if uri.startswith(("http://", "https://")):
             self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
-            from factory.tracking import tracking_uri
+            from factory.tracking.mlflow_tracker import tracking_uri
 
             ui = "factory ui" if uri == tracking_uri(None) else f"factory ui --uri {uri}"
             self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from factory.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 from factory.plan import ClusterSettings, Edge, Plan, Stage
 from factory.types import Placement
 from factory.util import import_path
 
 if TYPE_CHECKING:
-    from factory.resume import Resume
+    from factory.runtime.resume import Resume
 
 # How long a stage's placement group may wait for its resources on a cluster that has them in total
 # (busy with other jobs, or an autoscaler adding nodes) before the run gives up with a clear message.
@@ -65,7 +65,7 @@ def start_ray(cluster: ClusterSettings) -> None:
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
         return
     temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
-    with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.lifecycle)
+    with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.runtime.lifecycle)
         ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
                  include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
                  runtime_env={"env_vars": _QUIET})
@@ -381,7 +381,7 @@ def load_weights(g: Groups, fetched: list[tuple[Edge, list[Any]]]) -> float:
 
 
 def restore(g: Groups, plan: Plan, resume: Resume) -> int:
-    """Put the stages where the resumed run's checkpoint left them (factory.resume): every rank loads the
+    """Put the stages where the resumed run's checkpoint left them (factory.runtime.resume): every rank loads the
     trainer's checkpoint, the data source its position, the engines the trainer's weights; returns its step."""
     if resume.checkpoint is not None:
         data, trainer = plan.flow("data")[0].src, plan.flow("data")[-1].dst
@@ -508,10 +508,10 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def run(plan: Plan, resume: Resume | None = None) -> RunResult:
-    """Run a compiled plan end to end (or continue the run `resume` names, see factory.resume); returns the
+    """Run a compiled plan end to end (or continue the run `resume` names, see factory.runtime.resume); returns the
     MLflow run id and before/after eval metrics."""
-    from factory.display import Display
-    from factory.tracking import Tracker, tracking_uri
+    from factory.runtime.display import Display
+    from factory.tracking.mlflow_tracker import Tracker, tracking_uri
 
     t_start, d = time.perf_counter(), plan.driver
     display = Display(d.train.steps)

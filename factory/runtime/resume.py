@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.tracking import DRIVER_TAG
+from factory.tracking.mlflow_tracker import DRIVER_TAG
 from factory.update.checkpoint import complete, read_run_state
 from factory.util import UserError
 
@@ -75,7 +75,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     checkpoint folder of a run that recorded none)."""
     from mlflow.tracking import MlflowClient
 
-    from factory.runs import find_run
+    from factory.tracking.runs import find_run
 
     client = MlflowClient(uri)
     name = plan.spec["name"]

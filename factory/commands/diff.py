@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.runs import RunLookupError, client_for, find_run
-from factory.tracking import flatten, tracking_uri
+from factory.tracking.runs import RunLookupError, client_for, find_run
+from factory.tracking.mlflow_tracker import flatten, tracking_uri
 
 # plan.hashes section -> the kind of change it names
 _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data", "code": "tool_code",

@@ -38,7 +38,7 @@ DEFAULT_URI = "sqlite:///mlflow.db"
 _MAX_PARAM = 6000
 # What a trace span keeps of long texts (prompts, tool results): the parquet tables keep them whole.
 _SPAN_TEXT = 4000
-DRIVER_TAG = "factory.driver"  # {"host", "pid", "started"}: the driver writing the run (see factory.resume)
+DRIVER_TAG = "factory.runtime.driver"  # {"host", "pid", "started"}: the driver writing the run (see factory.runtime.resume)
 # Packages whose versions can change a run's outcome.
 VERSIONED = ("factory-rl", "torch", "transformers", "deepspeed", "vllm", "mcp", "ray", "mlflow")
 
@@ -225,7 +225,7 @@ class Tracker:
         self.checkpoints: list[dict[str, Any]] = []
         self.record_checkpoints = True
         # The last step the run already holds metrics of: a resumed run computes the steps after its
-        # checkpoint again, and they are not logged twice (factory.resume).
+        # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
-from factory.runs import RunLookupError
+from factory.tracking.runs import RunLookupError
 from factory.util import UserError
 
 
@@ -58,44 +58,44 @@ def _run(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     resume = None
     if args.resume is not None:
-        from factory.resume import find
-        from factory.tracking import tracking_uri
+        from factory.runtime.resume import find
+        from factory.tracking.mlflow_tracker import tracking_uri
 
         d = plan.driver
         resume = find(plan, args.resume or None, tracking_uri(d.tracking.uri), train=d.train,
                       experiment=d.tracking.experiment, allow_spec_change=args.allow_spec_change)
         print(resume.describe(), file=sys.stderr)
-    from factory.driver import run
+    from factory.runtime.driver import run
 
     return 130 if run(plan, resume).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
 def _export(args: argparse.Namespace) -> int:
-    from factory.export import main as export_main
+    from factory.commands.export import main as export_main
 
     return export_main(args)
 
 
 def _rescore(args: argparse.Namespace) -> int:
-    from factory.rescore import main as rescore_main
+    from factory.commands.rescore import main as rescore_main
 
     return rescore_main(args)
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from factory.diff import main as diff_main
+    from factory.commands.diff import main as diff_main
 
     return diff_main(args)
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from factory.runs import runs_main
+    from factory.tracking.runs import runs_main
 
     return runs_main(args)
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from factory.runs import ui_main
+    from factory.tracking.runs import ui_main
 
     return ui_main(args)
 
@@ -120,7 +120,7 @@ def _schema(args: argparse.Namespace) -> int:
 def _init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from factory.project import DESCRIPTIONS, InitError, create
+    from factory.commands.init import DESCRIPTIONS, InitError, create
 
     target = Path(args.name)
     try:
@@ -138,7 +138,7 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _steps(text: str) -> set[int]:
-    from factory.rescore import parse_steps
+    from factory.commands.rescore import parse_steps
 
     try:
         return parse_steps(text)

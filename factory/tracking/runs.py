@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.tracking import tracking_uri
+from factory.tracking.mlflow_tracker import tracking_uri
 
 
 class RunLookupError(Exception):
