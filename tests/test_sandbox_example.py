@@ -123,3 +123,67 @@ async def test_the_mcp_server_answers_over_stdio():
         assert (ok.status, ok.text) == ("ok", "exit code 0\nstdout:\n42")
         bad = await box.call(ToolCall("run_python", {"code": "import os; os.system('id')\nraise SystemExit(2)"}, raw=""))
         assert bad.status == "ok" and bad.text == "exit code 2"  # a failing program is an answer, not a tool error
+
+
+async def test_a_program_that_closes_its_pipes_is_still_killed_at_the_wall_clock_limit():
+    # Closing stdout and stderr ended the server's reads at once; it then waited for the process unbounded.
+    t0 = time.monotonic()
+    result = await run("import os, time\nprint(os.getpid(), flush=True)\nos.close(1); os.close(2)\ntime.sleep(60)",
+                       Limits(timeout_s=2.0))
+    assert result["timed_out"] and time.monotonic() - t0 < 2.0 + 5
+    pid = int(result["stdout"].split()[0])
+    assert not Path(f"/proc/{pid}").exists()  # nothing left: killed and reaped
+
+
+async def test_the_files_of_one_call_share_a_disk_quota():
+    # 40 files of 1 MB each, each under the file-size limit: together over the 8 MB quota.
+    code = ("import os\nn = 0\ntry:\n    for i in range(40):\n        with open(f'f{i}', 'wb') as f:\n"
+            "            f.write(b'x' * 2**20)\n        n += 1\nfinally:\n"
+            "    print(n, sum(os.path.getsize(p) for p in os.listdir('.')) // 2**20, flush=True)")
+    result = await run(code, Limits(timeout_s=10.0, file_mb=4, disk_mb=8))
+    assert result["sandboxed"] and not result["timed_out"], result
+    if result.get("over_quota"):  # no private tmpfs here: the server measured the folder and stopped it
+        assert describe(result, Limits(disk_mb=8)) == "killed: the program's files took more than 8 MB"
+    else:  # the kernel refused the write past the quota
+        written, total_mb = map(int, result["stdout"].split())
+        assert written < 8 and total_mb <= 8 and "No space left on device" in result["stderr"], result
+
+
+def test_the_seccomp_filter_alone_refuses_every_signal_syscall_aimed_at_another_process():
+    # Landlock ABI 6+ scopes signals too; the filter must hold where the kernel's Landlock is older.
+    # In a forked child with only the seccomp filter: each syscall aimed at the parent (signal 0, which
+    # only checks permission) answers EPERM; aimed at itself it is allowed.
+    import ctypes
+    import errno as errno_
+
+    import pyseccomp
+
+    from factory.examples.sandbox_child import apply_seccomp
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    names = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+    nr = {n: pyseccomp.resolve_syscall(pyseccomp.system_arch(), n) for n in names}
+    info = ctypes.create_string_buffer(128)  # a zeroed siginfo_t
+
+    def send(name: str, pid: int) -> int:
+        args = {"kill": (pid, 0), "tkill": (pid, 0), "tgkill": (pid, pid, 0), "rt_sigqueueinfo": (pid, 0, info),
+                "rt_tgsigqueueinfo": (pid, pid, 0, info)}[name]
+        ctypes.set_errno(0)
+        return 0 if libc.syscall(nr[name], *args) == 0 else ctypes.get_errno()
+
+    parent = os.getpid()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            apply_seccomp(pyseccomp)
+            answers = [send(n, parent) for n in names] + [send("kill", os.getpid())]
+            os.write(write, bytes(answers))
+        finally:
+            os._exit(0)
+    os.close(write)
+    answers = os.read(read, 64)
+    os.waitpid(child, 0)
+    # rt_sigqueueinfo to another process with si_code 0 would be refused by the kernel anyway (EPERM too),
+    # so it is the filter's answer only where the kernel allows it; the other four reach the parent today.
+    assert list(answers) == [errno_.EPERM] * len(names) + [0]

@@ -5,11 +5,13 @@
 One tool, `run_python(code)`: the code runs as `main.py` in a fresh temporary folder, in a child
 process of its own session, with the standard library only, and the tool answers with its exit code,
 stdout and stderr (each cut to `--output-chars`). The child locks itself down with kernel mechanisms
-before the code starts (see `factory.examples.sandbox_child`): resource limits, a network namespace
-where the kernel allows one, Landlock (reads limited to the Python installation and system libraries,
-writes to the temporary folder) and seccomp (no exec, no fork, no sockets, signals only to itself). The
-server adds a wall-clock limit: a program still running after `--timeout-s` is killed with its whole
-process group. The folder is deleted after each call.
+before the code starts (see `factory.examples.sandbox_child`): resource limits, network and mount
+namespaces where the kernel allows them (the folder becomes a private tmpfs of `--disk-mb`), Landlock
+(reads limited to the Python installation and system libraries, writes to the temporary folder) and
+seccomp (no exec, no fork, no sockets, signals only to itself). The server adds a wall-clock limit: a
+program still running after `--timeout-s` (pipes closed or not) is killed with its whole process group,
+and so is one whose files outgrow `--disk-mb` where the kernel could not enforce it. The folder is
+deleted after each call.
 
 Linux only; Landlock (kernel 5.13+, enabled in the LSM list) and libseccomp are required: where either
 is missing every call answers that the code cannot be run safely, and nothing runs.
@@ -41,6 +43,7 @@ class Limits:
     cpu_s: int = 5            # CPU time (RLIMIT_CPU): SIGKILL after the soft limit, the hard one is the same
     memory_mb: int = 512      # address space (RLIMIT_AS): a larger allocation raises MemoryError
     file_mb: int = 16         # largest file the program may write (RLIMIT_FSIZE)
+    disk_mb: int = 64         # all its files together: a private tmpfs of this size (see sandbox_child)
     output_chars: int = 4000  # stdout and stderr are each cut to this in the answer
 
 
@@ -59,34 +62,63 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
             cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
         cap = limits.output_chars * 4 + 1024  # bytes: a flood of output is not read into memory
-        reads = asyncio.gather(_read_capped(proc.stdout, cap), _read_capped(proc.stderr, cap))
-        timed_out = False
-        try:
-            out, err = await asyncio.wait_for(reads, limits.timeout_s)
+
+        out, err = bytearray(), bytearray()  # what was read, kept when the program is killed
+
+        async def finish() -> None:
+            # The deadline covers the process's end too: a program that closes its pipes and sleeps on
+            # is still timed.
+            await asyncio.gather(_read_capped(proc.stdout, cap, out), _read_capped(proc.stderr, cap, err))
             await proc.wait()
-        except asyncio.TimeoutError:
-            timed_out = True
-            out, err = b"", b""
+
+        watch = asyncio.create_task(_watch_disk(workdir, limits.disk_mb << 20))
+        finishing = asyncio.ensure_future(finish())
+        timed_out = over_quota = False
+        try:
+            done, _ = await asyncio.wait({finishing, watch}, timeout=limits.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            timed_out, over_quota = not done, watch in done
         finally:
+            watch.cancel()
             _kill_group(proc.pid)
+            finishing.cancel()
             if proc.returncode is None:
                 await proc.wait()
-        return {"exit_code": proc.returncode, "timed_out": timed_out,
+        return {"exit_code": proc.returncode, "timed_out": timed_out, "over_quota": over_quota,
                 "sandboxed": proc.returncode != EXIT_NOT_SANDBOXED,
-                "stdout": _cut(out.decode("utf-8", "replace"), limits.output_chars),
-                "stderr": _cut(err.decode("utf-8", "replace"), limits.output_chars)}
+                "stdout": _cut(bytes(out).decode("utf-8", "replace"), limits.output_chars),
+                "stderr": _cut(bytes(err).decode("utf-8", "replace"), limits.output_chars)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _read_capped(stream: asyncio.StreamReader | None, cap: int) -> bytes:
-    """Read a stream to its end, keeping at most `cap` bytes (the rest is drained so the child never
-    blocks on a full pipe)."""
-    kept = bytearray()
+async def _read_capped(stream: asyncio.StreamReader | None, cap: int, kept: bytearray) -> None:
+    """Read a stream to its end into `kept`, keeping at most `cap` bytes (the rest is drained so the
+    child never blocks on a full pipe)."""
     while stream is not None and (chunk := await stream.read(65536)):
         if len(kept) < cap:
             kept += chunk[: cap - len(kept)]
-    return bytes(kept)
+
+
+async def _watch_disk(workdir: str, quota: int) -> None:
+    """Returns when the files in `workdir` hold more than `quota` bytes. Only where the child could not
+    make its private tmpfs (no unprivileged namespaces) does the host folder fill: the kernel enforces
+    the quota there, this check (every 0.1 s) is the fallback."""
+    while True:
+        await asyncio.sleep(0.1)
+        if _folder_bytes(workdir) > quota:
+            return
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _kill_group(pid: int) -> None:
@@ -107,6 +139,8 @@ def describe(result: dict[str, object], limits: Limits) -> str:
         return "Error: the code was not run: " + str(result["stderr"]).strip()
     if result["timed_out"]:
         head = f"killed: the program ran longer than {limits.timeout_s:g} s"
+    elif result.get("over_quota"):
+        head = f"killed: the program's files took more than {limits.disk_mb} MB"
     elif isinstance(result["exit_code"], int) and result["exit_code"] < 0:
         sig = -result["exit_code"]
         why = {signal.SIGKILL: " (CPU time limit)", signal.SIGXCPU: " (CPU time limit)",
@@ -143,13 +177,14 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-s", type=int, default=d.cpu_s, help="CPU-time limit per call")
     parser.add_argument("--memory-mb", type=int, default=d.memory_mb, help="address-space limit per call")
     parser.add_argument("--file-mb", type=int, default=d.file_mb, help="largest file a program may write")
+    parser.add_argument("--disk-mb", type=int, default=d.disk_mb, help="all of a program's files together")
     parser.add_argument("--output-chars", type=int, default=d.output_chars, help="stdout/stderr kept per call")
 
 
 def _configure(args: argparse.Namespace) -> None:
     global _limits
     _limits = Limits(timeout_s=args.timeout_s, cpu_s=args.cpu_s, memory_mb=args.memory_mb, file_mb=args.file_mb,
-                     output_chars=args.output_chars)
+                     disk_mb=args.disk_mb, output_chars=args.output_chars)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,13 +6,16 @@ the untrusted program `main.py` of the working directory as `__main__`.
 Every restriction is a kernel mechanism applied to this process before the untrusted code starts, and
 none of them can be lifted afterwards:
   1. resource limits (setrlimit): CPU seconds, address space, file size, open files, no core dumps;
-  2. a new user and network namespace (unshare) when the kernel allows it unprivileged: no network
-     interface but a loopback that is down;
+  2. a new user, network and mount namespace (unshare) when the kernel allows it unprivileged: no
+     network interface but a loopback that is down, and the working directory becomes a private tmpfs
+     of `disk_mb` (and at most 4096 files), so the program's files in all can never exceed its quota
+     (the server checks the folder's size itself where the namespace is not allowed);
   3. Landlock: reads only under the Python installation and system library folders, writes only in
      the working directory, no TCP bind/connect (ABI 4+), no signals or abstract UNIX sockets out of
      the sandbox (ABI 6+);
   4. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
-     sockets, no ptrace, no namespace or mount changes, signals only to itself.
+     sockets, no ptrace, no namespace or mount changes, signals only to itself (kill, tkill, tgkill,
+     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
 """
 from __future__ import annotations
@@ -26,7 +29,9 @@ import sys
 from typing import Any
 
 EXIT_NOT_SANDBOXED = 97
-CLONE_NEWUSER, CLONE_NEWNET, CLONE_THREAD = 0x10000000, 0x40000000, 0x00010000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS, CLONE_THREAD = 0x10000000, 0x40000000, 0x00020000, 0x00010000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+MAX_FILES = 4096  # inodes of the private folder: many empty files fill a disk's inode table, not its bytes
 
 # Landlock (linux/landlock.h): syscall numbers are the same on every architecture (444-446).
 _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
@@ -68,10 +73,26 @@ def set_limits(limits: dict[str, int]) -> None:
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
-def leave_network() -> bool:
-    """A fresh user + network namespace; False when unprivileged namespaces are not allowed here (seccomp
-    still forbids sockets)."""
-    return _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+def private_namespaces(workdir: str, disk_mb: int) -> bool:
+    """A fresh user + network + mount namespace whose working directory is a tmpfs of `disk_mb` (the
+    program's main.py is read before): no network, and the kernel refuses a write past the quota
+    (ENOSPC) whatever the number of files. The tmpfs goes with the last process of the namespace, so
+    nothing the program wrote outlives it. False when unprivileged namespaces are not allowed here
+    (seccomp still forbids sockets; the server then measures the folder itself)."""
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
+        return False
+    # Map our own ids (the kernel refuses files on the new tmpfs from an unmapped owner); no setgroups.
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    options = f"size={disk_mb}m,nr_inodes={MAX_FILES},mode=0700".encode()
+    if _libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC),
+                   options) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot mount the private folder: {os.strerror(code)}")
+    os.chdir(workdir)  # the mount, not the folder under it
+    return True
 
 
 def landlock_abi() -> int:
@@ -127,8 +148,10 @@ def apply_seccomp(seccomp: Any) -> None:
         f.add_rule(deny, name)
     f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))  # a new process, not a thread
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")  # its flags sit in memory; ENOSYS: libc falls back to clone
+    # Every system call that sends a signal, aimed anywhere but this process (its first argument is a
+    # pid, a thread group or, for tkill, a thread id: this process's main thread has its pid).
     me = os.getpid()
-    for name in ("kill", "tgkill"):
+    for name in ("kill", "tgkill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"):
         f.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, me))
     f.load()  # sets no_new_privs first
 
@@ -150,7 +173,9 @@ def main(argv: list[str]) -> None:
         import pyseccomp
 
         set_limits(limits)
-        leave_network()
+        if private_namespaces(workdir, limits["disk_mb"]):
+            with open("main.py", "w", encoding="utf-8") as f:  # into the private folder: tracebacks show lines
+                f.write(code)
         apply_landlock(workdir, read_roots())
         apply_seccomp(pyseccomp)
     except Exception as e:  # noqa: BLE001 -- fail closed: never run the program half-sandboxed
