@@ -10,6 +10,8 @@ AVX2 emulated), which turned a 42 s evaluation into minutes of silence.
   `ONEDNN_MAX_CPU_ISA` (set below AVX512_CORE_BF16, oneDNN will not use those instructions even where
   the CPU has them; `ONEDNN_MAX_CPU_ISA=AVX2` is how we emulate an AVX2-only machine). On the machines
   we measured this agrees with torch's `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, both ways.
+- `FACTORY_FAKE_CPU=avx2|avx512_bf16|amx_bf16` fakes the CPU's answer (tests, docs and CI on the other
+  kind of machine); see `fake_cpu`.
 - CUDA: the driver library (libcuda) through ctypes: device count and compute capability; bf16 is
   native from capability 8.0 (Ampere). `CUDA_VISIBLE_DEVICES` is honoured by the driver itself.
 """
@@ -74,10 +76,33 @@ def cpu_from(cpuinfo: str, onednn_max_isa: str | None) -> Device:
     return Device("cpu", name, True, "/".join(native))
 
 
+# FACTORY_FAKE_CPU: the one switch that makes this machine's CPU answer as the other kind, so the test suite,
+# the docs and a run can be checked for both kinds on either machine (CI runs on whoever submits). It fakes
+# Factory's answer only: oneDNN still computes with what the CPU has (add ONEDNN_MAX_CPU_ISA=AVX2
+# ATEN_CPU_CAPABILITY=avx2 to emulate an AVX2-only CPU's kernels as well).
+FAKE_CPU = "FACTORY_FAKE_CPU"
+FAKE_CPU_KINDS = {"avx2": (), "avx512_bf16": ("avx512_bf16",), "amx_bf16": ("avx512_bf16", "amx_bf16")}
+
+
+def fake_cpu(real: Device, kind: str) -> Device:
+    """`real` answering as a CPU of `kind` (a FAKE_CPU_KINDS key) would."""
+    if kind not in FAKE_CPU_KINDS:
+        raise ValueError(f"{FAKE_CPU}={kind!r}: expected one of {', '.join(FAKE_CPU_KINDS)} (or unset)")
+    native = FAKE_CPU_KINDS[kind]
+    return Device("cpu", real.name, bool(native), f"{FAKE_CPU}={kind}: " +
+                  ("/".join(native) if native else "no avx512_bf16/amx_bf16"))
+
+
+def real_cpu() -> Device:
+    """This machine's CPU as oneDNN will use it, whatever $FACTORY_FAKE_CPU says."""
+    return cpu_from(_cpuinfo(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+
+
 @functools.cache
 def cpu() -> Device:
-    """This machine's CPU."""
-    return cpu_from(_cpuinfo(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    """The CPU every choice is made for: this machine's, or the kind $FACTORY_FAKE_CPU names."""
+    kind = os.environ.get(FAKE_CPU, "").strip().lower()
+    return fake_cpu(real_cpu(), kind) if kind else real_cpu()
 
 
 # ----------------------------------------------------------------------------------------------- CUDA

@@ -31,7 +31,25 @@ def test_cpu_flags_and_the_onednn_cap():
 
 def test_probe_agrees_with_torch_here():
     torch = pytest.importorskip("torch")
-    assert device.cpu().fast_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert device.real_cpu().fast_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_the_cpu_can_be_faked_to_either_kind(monkeypatch):
+    """FACTORY_FAKE_CPU is the one switch that runs the suite, the docs or a run as on the other kind of CPU."""
+    zen = Device("cpu", "AMD EPYC", True, "avx512_bf16")
+    assert device.fake_cpu(zen, "avx2") == Device("cpu", "AMD EPYC", False, "FACTORY_FAKE_CPU=avx2: no avx512_bf16/amx_bf16")
+    assert device.fake_cpu(SLOW, "avx512_bf16") == Device("cpu", "fake slow", True, "FACTORY_FAKE_CPU=avx512_bf16: avx512_bf16")
+    assert device.fake_cpu(SLOW, "amx_bf16").fast_bf16
+    with pytest.raises(ValueError, match=r"FACTORY_FAKE_CPU='avx3': expected one of avx2, avx512_bf16, amx_bf16 \(or unset\)"):
+        device.fake_cpu(zen, "avx3")
+    for kind, fast in (("avx2", False), ("AVX512_BF16", True)):
+        monkeypatch.setenv("FACTORY_FAKE_CPU", kind)
+        device.cpu.cache_clear()
+        try:
+            assert device.probe("cpu").fast_bf16 is fast and device.probe("cpu").name == device.real_cpu().name
+            assert auto_dtype("cpu", want_bf16=True) == ("bfloat16" if fast else "float32")
+        finally:
+            device.cpu.cache_clear()
 
 
 @pytest.fixture

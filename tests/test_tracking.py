@@ -4,6 +4,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from factory import device
+
 from factory.rollout.stage import BusyClock
 from factory.tracking.mlflow_tracker import Tracker, flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
@@ -139,6 +141,8 @@ def test_environment_tags_name_versions_cpu_and_gpu():
     tags = environment_tags()
     assert tags["factory.version.torch"].startswith("2.") and tags["factory.version.mcp"] != "none"
     assert tags["factory.cpu"] and tags["factory.cpu"] != "unknown" and tags["factory.gpu"]
+    assert tags["factory.cpu_kind"].endswith(("bf16 native (" + device.cpu().why + ")",
+                                              "bf16 emulated (" + device.cpu().why + ")"))
     assert "factory.version.vllm" in tags and "factory.version.deepspeed" in tags
 
 

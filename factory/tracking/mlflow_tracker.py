@@ -95,6 +95,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_kind() -> str:
+    """Which CPU of that name, and what Factory made of it: "family 26 model 2; bf16 native (avx512_bf16)".
+    (lscpu says "AMD EPYC" for Zen 3, 4 and 5 alike; the family tells them apart, and the bf16 answer says
+    whether the run was faked or emulated as a CPU without bf16.)"""
+    from factory.device import cpu
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    ids = [f"{key} {m[1]}" for key, pattern in (("family", r"^cpu family\s*:\s*(\d+)"), ("model", r"^model\s*:\s*(\d+)"))
+           if (m := re.search(pattern, info, re.MULTILINE))]
+    d = cpu()
+    return "; ".join([" ".join(ids)] * bool(ids) + [f"bf16 {'native' if d.fast_bf16 else 'emulated'} ({d.why})"])
+
+
 def gpu_kind() -> str:
     """"2 x NVIDIA H100 80GB HBM3" from nvidia-smi (the driver process may not own a GPU itself: Ray gives
     them to the stage actors, so torch here would say none), else "none"."""
@@ -118,6 +134,7 @@ def environment_tags() -> dict[str, str]:
     tags = {f"factory.version.{name.removesuffix('-rl')}": package_version(name) for name in VERSIONED}
     tags["factory.version.python"] = platform.python_version()
     tags["factory.cpu"] = cpu_model()
+    tags["factory.cpu_kind"] = cpu_kind()
     tags["factory.gpu"] = gpu_kind()
     commits = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(factory.__file__).parent)}
     return {**tags, **{k: v for k, v in commits.items() if v}}
