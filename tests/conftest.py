@@ -1,5 +1,8 @@
 """Fixtures shared by several test modules."""
+import os
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +26,18 @@ def project(tmp_path, monkeypatch):
 def anyio_backend():
     """Async tests run on asyncio (the event loop the rollout actor uses)."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One small Ray in this process for every test that places stage actors itself (test_overlap,
+    test_update_ranks, test_reward_judge, test_rollout_vllm): starting Ray costs seconds, so they share one.
+    Each test kills the actors it starts. Stand-in stages some of them place live in tests/ (PYTHONPATH)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="factory-tests-ray-"),
+             object_store_memory=512 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    yield
+    ray.shutdown()

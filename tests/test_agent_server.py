@@ -32,9 +32,12 @@ def test_answer_is_the_last_answer_tag_with_calls_listed_first():
 
 @pytest.mark.anyio
 async def test_the_inner_agent_calls_its_own_tools_behind_ask():
-    # The inner agent is specs/tiny.yaml: the tiny Qwen3 warmed up to call the calculator server.
+    # The inner agent is specs/tiny.yaml: the tiny Qwen3 warmed up to call the calculator server. On the
+    # transformers engine: the vLLM engine's start-up (tens of seconds on 2 cores) proves nothing more here,
+    # and the end-to-end runs (tests/test_e2e.py) run the rollout stage on vLLM.
     server = StdioServer(command="python", args=["-m", "factory.examples.agent_server", "specs/tiny.yaml",
-                                                 "--show-calls"], cwd=str(ROOT), timeout_s=120)
+                                                 "--set", "rollout.engine=hf", "--show-calls"],
+                         cwd=str(ROOT), timeout_s=120)
     async with ToolBox.from_spec({"agent": server}, base_dir=ROOT) as box:
         assert [s["function"]["name"] for s in box.schemas()] == ["ask"]
         result = await box.call(ToolCall("ask", {"question": "What is 12 + 30?"}, raw=""))

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,16 +62,6 @@ class SteppedRollout:
     @staticmethod
     def merge(parts):
         return [t for trajs, _ in parts for t in trajs], {"timing/rollout_s": 1.0, "test/ended_at": max(e for _, e in parts)}
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="factory-stream-"),
-             object_store_memory=200 * 2**20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})  # the stand-in stage lives in tests/
-    yield
-    ray.shutdown()
 
 
 def _groups(rewards: dict) -> tuple[Group, Group]:

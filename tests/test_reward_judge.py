@@ -131,7 +131,7 @@ def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     assert all(t.dropped.startswith("rewards.judge: error: JudgeError: ConnectError") for t in trajs)
 
 
-def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
+def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
     """A tiny model cannot really grade; the point is the plumbing: each prompt goes through the judge
     model's chat template to its own Ray actor, the greedy reply comes back raw with its trajectory, and
     what does not parse is counted."""
@@ -152,16 +152,15 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path):
                                 "concurrency": 1}})
     trajs = [traj("2 + 3", 0, answer="5"), traj("100 - 1", 1, answer="99"), traj("hello", 2, answer="world"),
              traj("What is the capital of France", 3, answer="Paris")]
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
-    try:
-        # the plan's judge.judge stage, placed as the driver places it, then called along its call edge
-        from factory.reward.judge import JudgeModel
+    # the plan's judge.judge stage, placed as the driver places it, then called along its call edge
+    from factory.reward.judge import JudgeModel
 
-        judge = ray.remote(JudgeModel).remote(stage_settings(spec, tmp_path)["judge.judge"])
+    judge = ray.remote(JudgeModel).options(num_cpus=0).remote(stage_settings(spec, tmp_path)["judge.judge"])
+    try:
         ray.get(judge.setup.remote())
         trajs, m = _score(spec, trajs, tmp_path, {"judge.judge": judge})
     finally:
-        ray.shutdown()
+        ray.kill(judge)
     # The same prompts, greedily, through the same engine in this process.
     path = resolve_model("factory:tiny-qwen3-calc")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -198,7 +198,7 @@ def test_a_cancelled_request_is_aborted(vllm):
     assert not vllm.engine.has_unfinished_requests()
 
 
-def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path):
+def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path, local_ray):
     """The RL loop in miniature, with the learner in its own Ray actor as `factory run` places it: sample
     with vLLM, train one step on those samples, sync the weights into vLLM in place, sample again.
     Before every update the learner's log-probs of the sampled tokens (rollout/logprob_diff_max) agree
@@ -211,9 +211,8 @@ def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path):
 
     spec = make_spec(model_path, rollout={"temperature": 0.8, "max_total_tokens": 64},
                      train={"lr": 1e-3, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    update = ray.remote(UpdateStage).options(num_cpus=0).remote(stage_settings(spec)["update"])
     try:
-        update = ray.remote(UpdateStage).remote(stage_settings(spec)["update"])
         ray.get(update.setup.remote())
         vllm.load_weights(ray.get(update.state_dict.remote()))
         rng = random.Random(0)
@@ -227,7 +226,7 @@ def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path):
         stale = ray.get(update.step.remote(sample(vllm, 4, rng)))["rollout/logprob_diff_max"]
         assert stale > 10 * AGREE, stale
     finally:
-        ray.shutdown()
+        ray.kill(update)
 
 
 def sample(vllm, step: int, rng: random.Random) -> list[Trajectory]:

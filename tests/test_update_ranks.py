@@ -9,8 +9,6 @@ mini-batches of 5 samples with micro-batch 2, so one rank runs 2 micro-batches a
 """
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import ray
@@ -35,16 +33,6 @@ LOSS_TOL = 1e-5
 GRAD_TOL = 1e-5
 ADAM_TOL = 5e-6
 CASES = {2: {"name": "sgd", "grad_clip": 0.0}, 3: {"name": "adamw", "grad_clip": 0.05}}
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp = tempfile.mkdtemp(prefix="factory-ranks-")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, object_store_memory=300 * 2**20,
-             log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _group(settings, replicas: int) -> Group:

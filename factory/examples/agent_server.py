@@ -1,11 +1,12 @@
 """A trained agent as an MCP server: its model and its own tools behind one `ask` tool, so that another
 spec can use the agent as a tool (multi-agent training through MCP).
 
-    python -m factory.examples.agent_server SPEC [--model HF_FOLDER] [--show-calls]
+    python -m factory.examples.agent_server SPEC [--model HF_FOLDER] [--set KEY=VALUE ...] [--show-calls]
 
 SPEC is the agent's own spec (a file path, relative to the working directory): its model, chat template,
 prompt template (`data.prompt`, rendered from `{question}`), tools and rollout limits. `--model` replaces
-the spec's model with a trained checkpoint, e.g. `runs/quickstart/step_8/hf`. Each `ask(question)` runs
+the spec's model with a trained checkpoint, e.g. `runs/quickstart/step_8/hf`; `--set` overrides any
+other key of the agent's spec, as `factory run` takes them (`--set rollout.engine=hf`). Each `ask(question)` runs
 one greedy episode through Factory's own rollout stage (the same engine, chat format, tool pool and agent
 loop as training) and answers with the text of the agent's `<answer>` tag, or its last turn when it wrote
 none. With `--show-calls` the answer is preceded by the agent's tool calls and their results, one line
@@ -46,8 +47,9 @@ class Agent:
     would keep it from answering `initialize` (a client's start-up timeout) and pings. The agent's tool
     servers are MCP sessions bound to the loop that opens them, so they live on the agent's loop too."""
 
-    def __init__(self, spec_path: str, model: str | None = None, show_calls: bool = False):
-        self.spec_path, self.model, self.show_calls = spec_path, model, show_calls
+    def __init__(self, spec_path: str, model: str | None = None, show_calls: bool = False,
+                 overrides: tuple[str, ...] = ()):
+        self.spec_path, self.model, self.show_calls, self.overrides = spec_path, model, show_calls, overrides
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started: concurrent.futures.Future[None] | None = None
@@ -57,7 +59,7 @@ class Agent:
         from factory.compiler.compile import compile_file
         from factory.data.sources import PromptRenderer
 
-        overrides = [f"model.path={self.model}"] if self.model else []
+        overrides = [*self.overrides, *([f"model.path={self.model}"] if self.model else [])]
         self.spec, self.plan = compile_file(self.spec_path, overrides)
         self.base_dir = Path(self.plan.base_dir)
         self.renderer = PromptRenderer(self.spec.data, self.base_dir)
@@ -170,6 +172,8 @@ async def ask(question: Annotated[str, Field(description="The question for the a
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", help="the agent's spec file")
     parser.add_argument("--model", default=None, help="a trained model folder in place of the spec's model")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="an override of the agent's spec, as `factory run` takes them (repeatable)")
     parser.add_argument("--show-calls", action="store_true", help="list the agent's tool calls before its answer")
 
 
@@ -177,7 +181,7 @@ def _load(args: argparse.Namespace) -> None:
     from factory.compiler.errors import SpecErrors
 
     global _agent
-    _agent = Agent(args.spec, args.model, args.show_calls)  # loaded by the lifespan, in the background
+    _agent = Agent(args.spec, args.model, args.show_calls, tuple(args.overrides))  # loaded by the lifespan, in the background
     try:  # a wrong agent spec stops the server before it answers: the compiler's message is its last words
         _agent.compile()
     except SpecErrors as e:
