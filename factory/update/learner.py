@@ -1,12 +1,15 @@
 """The learner: a DeepSpeed engine that turns scored trajectories into policy updates.
 
-One `step(trajs)` is one training step:
-  1. keep: infra-error trajectories (when the spec drops them) and overlong-filtered ones leave the loss
-  2. plan: epochs x mini-batches x micro-batches over the kept trajectories
-  3. old (and reference) log-probs: one no-grad pass, before any update, kept for every epoch
-  4. rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages
-  5. per mini-batch: forward/backward each micro-batch (loss normalised by the mini-batch totals), then
-     one engine.step (reduce, clip, optimizer step)
+One `step(trajs)` is one training step, each part a method or a pure function below it:
+  1. `_begin`: infra-error trajectories (when the spec drops them), overlong-filtered and dropped ones
+     leave the loss; the step's learning rate
+  2. `batch.plan`: epochs x mini-batches x micro-batches over the kept trajectories
+  3. `_before_update`: pi_old (where from: `pi_old_source`), reference and sampler log-probs, before any
+     update, kept for every epoch
+  4. `targets`: rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages
+  5. `_train`: per mini-batch (`_update`), forward/backward each micro-batch (`_micro_loss`, normalised by
+     the mini-batch totals), then one engine.step (reduce, clip, optimizer step)
+  6. `step_stats`: the actor/* metrics
 
 Data parallel over the ranks of a DeepSpeed world (the update stage's replicas): every rank receives the
 whole scored batch (one object in Ray's store), so rewards, advantages and the loss normalisers
@@ -23,6 +26,7 @@ import os
 import resource
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ import factory.update.checkpoint as ckpt
 from factory.algorithms import (
     ADVANTAGES,
     KL_ESTIMATORS,
+    Algorithm,
     kl_reward_penalty,
     policy_objective,
     rollout_mismatch,
@@ -118,79 +123,89 @@ class Learner:
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One training step on a scored rollout batch; returns the actor/* and timing metrics."""
         t0 = time.perf_counter()
-        spec, alg, engine = self.spec, self.alg, self.engine
-        assert engine is not None, "call setup() first"
-        keep = kept(trajs, alg, spec.rollout.drop_infra_errors)
-        idx = [i for i, k in enumerate(keep) if k]
-        sub = [trajs[i] for i in idx]
-        lr = learning_rate(spec, self.steps_done + 1)
-        for group in self.optimizer.param_groups:  # DeepSpeed's ZeRO wrappers share these dicts
-            group["lr"] = lr
-        stats: dict[str, float] = {"actor/dropped": float(len(trajs) - len(sub)), "actor/lr": lr}
+        assert self.engine is not None, "call setup() first"
+        alg, micro_batch = self.alg, self.spec.train.micro_batch
+        sub, stats = self._begin(trajs)
         if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
             self.steps_done += 1
             return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0}
 
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
-        schedule = plan(len(sub), lengths, alg.mini_batches, spec.train.micro_batch, alg.epochs,
-                        seed=spec.seed * 100_003 + self.steps_done * 101)
-        mine = shard(schedule, self.rank, self.world, spec.train.micro_batch)  # this rank's micro-batches
-        first_epoch = mine[: len(mine) // alg.epochs]
-
-        # Old (and reference) log-probs over the first epoch's exact micro-batches, so the first
-        # mini-batch sees ratio 1 bit for bit. With a single optimizer update (1 epoch, 1 mini-batch)
-        # the sampling policy IS the current one: its log-probs are the update pass's own, detached,
-        # and a separate pass would only repeat that forward (25% of the step) -- unless a KL-in-reward
-        # needs them before the advantages exist.
-        # With use_rollout_logprobs the engine's log-probs are pi_old and no pass is needed either.
-        # With stale rollouts (train.max_staleness > 0) the current weights are not the sampling ones: no
-        # shortcut; pi_old is the engine's log-probs, or, under a rollout correction, the pass's (TIS then
-        # weighs each token by pi_old / pi_rollout, which carries the staleness).
-        stale = spec.train.max_staleness > 0
-        use_rollout_lp = alg.use_rollout_logprobs or (stale and alg.rollout_correction is None)
-        on_policy = len(schedule) == 1 and not stale and not (self.ref is not None and alg.kl_apply == "reward")
-        rollout_lp = _rollout_logprobs(sub)  # [n, Rmax] the sampler's, or None when the engine gave none
-        if use_rollout_lp and rollout_lp is None:
-            raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
-                             "is the rollout's log-probs, but the rollout recorded no log-probs")
-        ran_pass = not (on_policy or use_rollout_lp)  # pi_old needs a no-grad pass of its own
+        schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
+                        seed=self.spec.seed * 100_003 + self.steps_done * 101)
+        first_epoch = shard(schedule, self.rank, self.world, micro_batch)[: len(schedule) // alg.epochs]
         t_old = time.perf_counter()
-        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=ran_pass)
-        mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
+        before = self._before_update(sub, schedule, first_epoch)
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
-        # The learner's pre-update log-probs vs the sampler's on the same tokens: from the pass when
-        # there was one, else from the first mini-batch's update pass (still the sampling weights).
-        mismatch = [0.0, 0.0, 0.0]  # sum, count, max
-        if old is not None and rollout_lp is not None:
-            mismatch = list(rollout_mismatch(old, rollout_lp, mask))
-        if use_rollout_lp:
-            old = rollout_lp
-
-        rewards = shaped_rewards(sub, alg, spec.rollout.max_total_tokens)  # [n]
-        kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
-        if kl_tokens is not None and alg.kl_apply == "reward":
-            rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
-        groups = torch.tensor([t.prompt_index for t in sub])  # [n]
-        adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
+        target = targets(sub, alg, self.spec.rollout.max_total_tokens, before.old, before.ref, before.mask)
 
         # Rows whose advantage is exactly 0 add exactly 0 to the loss's gradient when nothing else is in the
         # loss (no KL term, no entropy bonus): the update skips them (batch.without_zero_advantage), keeping
         # each mini-batch's normalisers over all its rows. Only without a pre-update pass, whose micro-batches
         # must be the update's for the first ratio to be 1 bit for bit.
-        skip = ref is None and alg.entropy_coef == 0 and not ran_pass
-        update_plan = without_zero_advantage(schedule, adv, spec.train.micro_batch) if skip else schedule
+        skip = before.ref is None and alg.entropy_coef == 0 and not before.own_pass
+        update_plan = without_zero_advantage(schedule, target.adv, micro_batch) if skip else schedule
         # A mini-batch left with no rows runs one stand-in sample with weight 0 (see _update): its optimizer
         # step then sees zero gradients, as without skipping, so Adam's moments move the same way.
-        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, spec.train.micro_batch)]
+        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, micro_batch)]
 
         t_train = time.perf_counter()
+        sums = self._train(sub, schedule, update_plan, update_mine, before, target.adv)
+        stats["timing/update_train_s"] = time.perf_counter() - t_train
+        stats.update(mismatch_stats(before.mismatch))
+        self.steps_done += 1
+        stats.update(step_stats(sums, schedule, update_plan, alg.epochs, before, target))
+        stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
+        # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
+        stats["perf/update_tokens_per_s"] = stats["actor/tokens"] * alg.epochs / max(elapsed, 1e-9)
+        stats["perf/update_flops_per_s"] = (
+            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * 3 * alg.epochs
+             + self._pass_flops(sub, first_epoch) * (before.own_pass + (before.ref is not None)))
+            / max(elapsed, 1e-9))
+        return stats
+
+    def _begin(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
+        """The trajectories that train this step (see batch.kept) and the step's learning rate, set on
+        the optimizer; with the first stats (how many were dropped, the LR)."""
+        keep = kept(trajs, self.alg, self.spec.rollout.drop_infra_errors)
+        sub = [t for t, k in zip(trajs, keep) if k]
+        lr = learning_rate(self.spec, self.steps_done + 1)
+        for group in self.optimizer.param_groups:  # DeepSpeed's ZeRO wrappers share these dicts
+            group["lr"] = lr
+        return sub, {"actor/dropped": float(len(trajs) - len(sub)), "actor/lr": lr}
+
+    def _before_update(self, sub: list[Trajectory], schedule: list[list[list[int]]],
+                       first_epoch: list[list[list[int]]]) -> BeforeUpdate:
+        """pi_old, the reference log-probs and the sampler's, before any optimizer step (see pi_old_source):
+        a pass runs over the first epoch's exact micro-batches (this rank's), so the first mini-batch
+        sees ratio 1 bit for bit."""
+        sampler = _rollout_logprobs(sub)  # [n, Rmax] the sampler's, or None when the engine gave none
+        source = pi_old_source(self.alg, stale=self.spec.train.max_staleness > 0, updates=len(schedule),
+                               kl_in_reward=self.ref is not None and self.alg.kl_apply == "reward",
+                               recorded=sampler is not None)
+        old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=source.own_pass)
+        mask = _padded([t.loss_mask for t in sub], 0.0)  # [n, Rmax]
+        # The learner's pre-update log-probs vs the sampler's on the same tokens: from the pass when
+        # there was one, else from the first mini-batch's update pass (still the sampling weights).
+        mismatch = [0.0, 0.0, 0.0]  # sum, count, max
+        if old is not None and sampler is not None:
+            mismatch = list(rollout_mismatch(old, sampler, mask))
+        return BeforeUpdate(old=sampler if source.from_rollout else old, ref=ref, entropy=entropy,
+                            sampler=sampler, mask=mask, mismatch=mismatch, own_pass=source.own_pass)
+
+    def _train(self, sub: list[Trajectory], schedule: list[list[list[int]]], update_plan: list[list[list[int]]],
+               update_mine: list[list[list[int]]], before: BeforeUpdate, adv: Tensor) -> dict[str, float]:
+        """One optimizer step per mini-batch of `schedule`, running this rank's `update_mine` (its share of
+        `update_plan`); returns the loss statistics summed over the mini-batches and the ranks. When no
+        pass measured the sampler mismatch, the first mini-batch's update pass does (into before.mismatch)."""
         sums: dict[str, float] = defaultdict(float)
         norms = []
-        measured = mismatch[1] == 0 and rollout_lp is not None  # not yet: the first update pass measures it
+        measured = before.mismatch[1] == 0 and before.sampler is not None
         for i, (minibatch, micros) in enumerate(zip(schedule, update_mine)):
-            measure = mismatch if i == 0 and measured else None
-            part, norm = self._update(sub, minibatch, micros, old, ref, adv, mask, rollout_lp, measure,
-                                      entropy=entropy is None, computed=[j for m in update_plan[i] for j in m])
+            measure = before.mismatch if i == 0 and measured else None
+            part, norm = self._update(sub, minibatch, micros, before, adv, measure,
+                                      computed=[j for m in update_plan[i] for j in m])
             for key, value in part.items():
                 sums[key] += value
             norms.append(norm)
@@ -198,43 +213,8 @@ class Learner:
         if all(n is not None for n in norms):
             sums["grad_norm"] = sum(norms)
         if measured:  # each rank measured its share of the first mini-batch
-            mismatch = self._all_mismatch(mismatch)
-        stats["timing/update_train_s"] = time.perf_counter() - t_train
-        if mismatch[1]:
-            stats["rollout/logprob_diff_mean"] = mismatch[0] / mismatch[1]
-            stats["rollout/logprob_diff_max"] = mismatch[2]
-        self.steps_done += 1
-
-        tokens = float(mask.sum())
-        # Loss and gradient norm: means over the mini-batches. Token stats (entropy, clip fractions, ...):
-        # over the mini-batches that ran rows -- one whose rows were all skipped measured nothing.
-        ran = sum(1 for minibatch in update_plan if any(minibatch))
-        for key, value in sums.items():
-            if key in ("pg_loss", "grad_norm") or ran:
-                stats[f"actor/{key}"] = value / (len(schedule) if key in ("pg_loss", "grad_norm") else ran)
-        if "actor/entropy" not in stats and entropy is not None:  # measured by the pre-update pass
-            stats["actor/entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
-        computed_rows = sum(len(micro) for minibatch in update_plan[: len(update_plan) // alg.epochs]
-                            for micro in minibatch)
-        stats.update({
-            "actor/updates": float(len(schedule)),
-            "actor/tokens": tokens,
-            "actor/skipped_zero_adv": float(len(sub) - computed_rows),  # rows the update did not run (see skip)
-            "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
-                                  else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
-            "actor/advantage_abs_mean": float(adv.abs().mean()),
-            "actor/reward_shaped_mean": float(rewards.mean()),
-            "actor/zero_adv_groups": float(_zero_groups(adv, groups)),
-            "perf/update_max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "timing/update_step_s": time.perf_counter() - t0,
-        })
-        # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
-        stats["perf/update_tokens_per_s"] = tokens * alg.epochs / max(stats["timing/update_step_s"], 1e-9)
-        stats["perf/update_flops_per_s"] = (
-            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * 3 * alg.epochs
-             + self._pass_flops(sub, first_epoch) * (ran_pass + (ref is not None)))
-            / max(stats["timing/update_step_s"], 1e-9))
-        return stats
+            before.mismatch = self._all_mismatch(before.mismatch)
+        return sums
 
     def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
         """FLOPs of one forward over all of `sub` as this learner runs it: with prefix sharing, each
@@ -291,19 +271,18 @@ class Learner:
         return zero(old), zero(ref), zero(entropy)
 
     def _update(self, sub: list[Trajectory], minibatch: list[list[int]], micros: list[list[int]],
-                old: Tensor | None, ref: Tensor | None, adv: Tensor, mask: Tensor, rollout_lp: Tensor | None = None,
-                measure: list[float] | None = None, *, entropy: bool = True,
-                computed: list[int] | None = None) -> tuple[dict[str, float], float | None]:
+                before: BeforeUpdate, adv: Tensor, measure: list[float] | None,
+                computed: list[int]) -> tuple[dict[str, float], float | None]:
         """Accumulate one mini-batch's gradient over this rank's micro-batches (`micros`, its share of
         `minibatch`) and take one optimizer step; returns this rank's stats and the global gradient norm.
         policy_objective normalises each micro-batch by the whole mini-batch's totals and returns stats
         as shares, so summing both over micro-batches (and ranks) gives the mini-batch's exact loss and
         stats; engine.backward(scale_wrt_gas=False) adds gradients unscaled (gradient_accumulation_steps
         is 1 and the accumulation boundary is ours: managed_gradient_accumulation=false).
-        `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch; `entropy`: this
-        pass measures the entropy stat (no pre-update pass did); `computed`: the mini-batch's rows the
-        update runs (all of them unless zero-advantage rows are skipped), over which the token stats are."""
-        engine, alg = self.engine, self.alg
+        `measure` ([sum, count, max]) collects this rank's rollout/learner log-prob mismatch; `computed`:
+        the mini-batch's rows the update runs (all of them unless zero-advantage rows are skipped), over
+        which the token stats are."""
+        engine, mask = self.engine, before.mask
         members = [i for micro in minibatch for i in micro]
         totals = {"num_tokens": float(mask[members].sum()), "num_seqs": float(len(members)),
                   "max_len": self.spec.rollout.max_total_tokens}
@@ -312,32 +291,13 @@ class Learner:
             # An empty micro-batch (this rank ran out of samples) runs a stand-in sample with weight 0,
             # so its forward and backward still pair up with the other ranks' collectives.
             weight = 1.0 if micro else 0.0
-            micro = micro or members[:1]
-            mb = collate([sub[i] for i in micro]).to(engine.device)
-            # without a pre-update pass (on-policy, or pi_old from the rollout) this pass also measures the
-            # entropy stat, without grad
-            logp, ent = response_logprobs(engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
-                                          entropy=entropy or alg.entropy_coef > 0,
-                                          entropy_grad=alg.entropy_coef > 0, share_prefix=self.share_prefix)
-            r, dev = logp.shape[1], engine.device
-            old_logp = logp.detach() if old is None else old[micro, :r].to(dev)
-            sampler = rollout_lp[micro, :r].to(dev) if rollout_lp is not None else None
-            if measure is not None and sampler is not None and weight:
-                part = rollout_mismatch(logp.detach(), sampler, mb.mask)
-                measure[0], measure[1], measure[2] = measure[0] + part[0], measure[1] + part[1], max(measure[2], part[2])
-            weights = None
-            if alg.rollout_correction == "tis" and sampler is not None:
-                weights = truncated_is_weights(old_logp, sampler, mb.mask, alg.rollout_correction_cap)
-            loss, st = policy_objective(
-                alg, logp, old_logp, adv[micro].to(dev), mb.mask,
-                ref_logp=ref[micro, :r].to(dev) if ref is not None and alg.kl_apply == "loss" else None,
-                entropy=ent, is_weights=weights, **totals)
+            loss, st = self._micro_loss(sub, micro or members[:1], before, adv, totals, measure if weight else None)
             # DeepSpeed averages gradients over the ranks; each rank's loss is its share of the
             # mini-batch's loss, whose gradient is the SUM of the shares: scale by the world size.
             engine.backward(loss * (weight * self.world), scale_wrt_gas=False)
             for key, value in st.items():
                 out[key] += weight * float(value)
-        if computed is not None and len(computed) < len(members):
+        if len(computed) < len(members):
             # the stats are shares of the whole mini-batch's tokens: make them means over the rows run
             scale = totals["num_tokens"] / max(float(mask[computed].sum()), 1.0)
             out = {k: v if k == "pg_loss" else v * scale for k, v in out.items()}
@@ -349,6 +309,29 @@ class Learner:
         norm = engine.get_global_grad_norm()
         norm = local if norm is None else norm
         return out, None if norm is None else float(norm)
+
+    def _micro_loss(self, sub: list[Trajectory], micro: list[int], before: BeforeUpdate, adv: Tensor,
+                    totals: dict[str, float], measure: list[float] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's share of its mini-batch's loss (with grad) and stats. Without a pre-update pass
+        (on-policy, or pi_old from the rollout) this pass also measures the entropy stat, without grad, and
+        pi_old is its own log-probs, detached; `measure` adds its learner/sampler mismatch."""
+        alg, dev = self.alg, self.engine.device
+        mb = collate([sub[i] for i in micro]).to(dev)
+        logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
+                                      entropy=before.entropy is None or alg.entropy_coef > 0,
+                                      entropy_grad=alg.entropy_coef > 0, share_prefix=self.share_prefix)
+        r = logp.shape[1]
+        old_logp = logp.detach() if before.old is None else before.old[micro, :r].to(dev)
+        sampler = before.sampler[micro, :r].to(dev) if before.sampler is not None else None
+        if measure is not None and sampler is not None:
+            part = rollout_mismatch(logp.detach(), sampler, mb.mask)
+            measure[0], measure[1], measure[2] = measure[0] + part[0], measure[1] + part[1], max(measure[2], part[2])
+        weights = None
+        if alg.rollout_correction == "tis" and sampler is not None:
+            weights = truncated_is_weights(old_logp, sampler, mb.mask, alg.rollout_correction_cap)
+        ref = before.ref[micro, :r].to(dev) if before.ref is not None and alg.kl_apply == "loss" else None
+        return policy_objective(alg, logp, old_logp, adv[micro].to(dev), mb.mask, ref_logp=ref, entropy=ent,
+                                is_weights=weights, **totals)
 
     def _all_sum(self, x: Tensor | None) -> Tensor | None:
         """x summed over the ranks (x itself with one rank)."""
@@ -481,3 +464,99 @@ def _padded(rows: list[list[int]], fill: float) -> Tensor:
 def _zero_groups(adv: Tensor, groups: Tensor) -> int:
     """Groups whose every advantage is exactly 0 (all rewards agreed): they teach nothing this step."""
     return sum(int((adv[groups == g] == 0).all()) for g in groups.unique())
+
+
+# ------------------------------------------------------------------ the step's decisions, as pure functions
+@dataclass(frozen=True)
+class PiOld:
+    """Where a step's pi_old (the sampling policy's log-probs, the ratio's denominator) comes from."""
+
+    from_rollout: bool  # the rollout engine's recorded log-probs
+    own_pass: bool  # a no-grad pass of its own before the update (else: the update pass's own, detached)
+
+
+def pi_old_source(alg: Algorithm, *, stale: bool, updates: int, kl_in_reward: bool, recorded: bool) -> PiOld:
+    """With a single optimizer update (`updates` = epochs x mini-batches = 1) the sampling policy IS the
+    current one: its log-probs are the update pass's own, detached, and a separate pass would only repeat
+    that forward (25% of the step) -- unless a KL-in-reward needs them before the advantages exist.
+    With use_rollout_logprobs the engine's log-probs are pi_old and no pass is needed either.
+    With stale rollouts (train.max_staleness > 0) the current weights are not the sampling ones: no
+    shortcut; pi_old is the engine's log-probs, or, under a rollout correction, the pass's (TIS then
+    weighs each token by pi_old / pi_rollout, which carries the staleness). `recorded`: the rollout
+    recorded log-probs for every trajectory."""
+    from_rollout = alg.use_rollout_logprobs or (stale and alg.rollout_correction is None)
+    if from_rollout and not recorded:
+        raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
+                         "is the rollout's log-probs, but the rollout recorded no log-probs")
+    on_policy = updates == 1 and not stale and not kl_in_reward
+    return PiOld(from_rollout=from_rollout, own_pass=not (on_policy or from_rollout))
+
+
+@dataclass
+class BeforeUpdate:
+    """What a step knows before its first optimizer step: [n, Rmax] tensors over the kept rows."""
+
+    old: Tensor | None  # pi_old; None: the update pass's own log-probs, detached (see pi_old_source)
+    ref: Tensor | None  # the reference model's, when there is one
+    entropy: Tensor | None  # measured by the pre-update pass; None: the first update pass measures it
+    sampler: Tensor | None  # the rollout engine's, when it recorded them
+    mask: Tensor  # 1 on model tokens
+    mismatch: list[float]  # [sum, count, max] |learner - sampler| log-prob; count 0: not measured yet
+    own_pass: bool  # a pre-update policy pass ran
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the update pushes towards: [n] per kept row."""
+
+    rewards: Tensor  # shaped: overlong penalty, and the KL penalty when KL goes in the reward
+    groups: Tensor  # the prompt each row answers
+    adv: Tensor  # the advantage
+    kl_tokens: Tensor | None  # [n, Rmax] per-token KL to the reference (when pi_old and ref both exist)
+
+
+def targets(sub: list[Trajectory], alg: Algorithm, max_len: int, old: Tensor | None, ref: Tensor | None,
+            mask: Tensor) -> Targets:
+    """Rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages."""
+    rewards = shaped_rewards(sub, alg, max_len)  # [n]
+    kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
+    if kl_tokens is not None and alg.kl_apply == "reward":
+        rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
+    groups = torch.tensor([t.prompt_index for t in sub])  # [n]
+    adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
+    return Targets(rewards=rewards, groups=groups, adv=adv, kl_tokens=kl_tokens)
+
+
+def mismatch_stats(mismatch: list[float]) -> dict[str, float]:
+    """rollout/logprob_diff_* from [sum, count, max]; none when nothing was measured."""
+    if not mismatch[1]:
+        return {}
+    return {"rollout/logprob_diff_mean": mismatch[0] / mismatch[1], "rollout/logprob_diff_max": mismatch[2]}
+
+
+def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_plan: list[list[list[int]]],
+               epochs: int, before: BeforeUpdate, target: Targets) -> dict[str, float]:
+    """The actor/* metrics of a step from the loss statistics summed over its mini-batches (`sums`)."""
+    stats: dict[str, float] = {}
+    mask, tokens = before.mask, float(before.mask.sum())
+    # Loss and gradient norm: means over the mini-batches. Token stats (entropy, clip fractions, ...):
+    # over the mini-batches that ran rows -- one whose rows were all skipped measured nothing.
+    ran = sum(1 for minibatch in update_plan if any(minibatch))
+    for key, value in sums.items():
+        if key in ("pg_loss", "grad_norm") or ran:
+            stats[f"actor/{key}"] = value / (len(schedule) if key in ("pg_loss", "grad_norm") else ran)
+    if "actor/entropy" not in stats and before.entropy is not None:  # measured by the pre-update pass
+        stats["actor/entropy"] = float((before.entropy * mask).sum()) / max(tokens, 1.0)
+    computed_rows = sum(len(micro) for minibatch in update_plan[: len(update_plan) // epochs] for micro in minibatch)
+    kl_tokens, adv = target.kl_tokens, target.adv
+    stats.update({
+        "actor/updates": float(len(schedule)),
+        "actor/tokens": tokens,
+        "actor/skipped_zero_adv": float(len(adv) - computed_rows),  # rows the update did not run
+        "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
+                              else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
+        "actor/advantage_abs_mean": float(adv.abs().mean()),
+        "actor/reward_shaped_mean": float(target.rewards.mean()),
+        "actor/zero_adv_groups": float(_zero_groups(adv, target.groups)),
+    })
+    return stats
