@@ -251,7 +251,7 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
         tools, rollout = ToolsStage(plan.stage("tools").settings), RolloutStage(plan.stage("rollout").settings)
         reward = RewardStage(plan.stage("reward").settings)
         await tools.setup(Placement(workdir=str(folder)))
-        peers = {"tools": tools}
+        peers = {rollout.settings.tool_peer: tools}  # the role of both stages' call edges to the tools
         await rollout.setup(Placement(workdir=str(folder), peers=peers))
         await reward.setup(Placement(workdir=str(folder), peers=peers))
         try:

@@ -49,7 +49,7 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
     for name in ("hf", "vllm"):
         stage = RolloutStage(settings.model_copy(update={"rollout": spec.rollout.model_copy(update={"engine": name})}))
         t0 = time.perf_counter()
-        info = await stage.setup(Placement(workdir=os.getcwd(), peers={"tools": tools} if tools else {}))
+        info = await stage.setup(Placement(workdir=os.getcwd(), peers={settings.tool_peer: tools} if tools else {}))
         stages[name] = stage
         print(f"{name}: started in {time.perf_counter() - t0:.1f} s ({info['resolved']})", flush=True)
 

@@ -13,7 +13,7 @@ torch-free `factory.presets`), so every stage can read its slice without importi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -33,9 +33,20 @@ from factory.schema import (
 # ------------------------------------------------------------------------------------ stage slices
 class Settings(BaseModel):
     """A stage's slice of the spec. Spec sections keep their spec names (the spec's masked paths mask
-    them in every view); the rest are values the compiler resolved."""
+    them in every view); the rest are values the compiler resolved.
+
+    A stage that calls other stages finds them in `Placement.peers` under the roles its slice names
+    (`peer_roles`): the roles of the plan's call edges out of it, never a stage's name."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def peer_roles(self) -> list[str]:
+        """The `Placement.peers` keys this stage reads (the compiler checks that a call edge has each)."""
+        return []
+
+    def models(self) -> list[str]:
+        """The models this stage loads (`model.path` values), which the driver builds before Ray starts."""
+        return []
 
 
 class DataSettings(Settings):
@@ -55,6 +66,13 @@ class RolloutSettings(Settings):
     seed: int
     threads: int | None
     base_dir: str
+    tool_peer: str | None  # the role of its call edge to the tool servers; None: the spec has no tools
+
+    def peer_roles(self) -> list[str]:
+        return [self.tool_peer] if self.tool_peer else []
+
+    def models(self) -> list[str]:
+        return [self.model.path]
 
 
 class ToolsSettings(Settings):
@@ -67,11 +85,20 @@ class RewardSettings(Settings):
     order: tuple[str, ...]  # reward nodes, inputs before the nodes that read them
     train_node: str  # the node whose value trains the policy
     base_dir: str
+    whole_batch: bool  # a node normalises over the batch: one `score` call must hold a whole step
+    tool_peer: str | None  # the role of its call edge to the tool servers (tool nodes); None: none
+    judge_peers: dict[str, str]  # judge node with a local model -> the role of its call edge to that model
+
+    def peer_roles(self) -> list[str]:
+        return ([self.tool_peer] if self.tool_peer else []) + list(self.judge_peers.values())
 
 
 class JudgeSettings(Settings):
     judge: LocalJudge  # rewards.<node>.local
     seed: int
+
+    def models(self) -> list[str]:
+        return [self.judge.path]
 
 
 class UpdateSettings(Settings):
@@ -82,6 +109,9 @@ class UpdateSettings(Settings):
     algorithm: Algorithm  # the preset filled in and overridden by the spec
     seed: int
     base_dir: str
+
+    def models(self) -> list[str]:
+        return [self.model.path]
 
 
 class ClusterSettings(Settings):
@@ -99,6 +129,9 @@ class DriverSettings(Settings):
     std_eps: float
     tracking: TrackingSpec
     resources: ClusterSettings
+
+
+S = TypeVar("S", bound=Settings)
 
 
 # ------------------------------------------------------------------------------------- the graph
@@ -127,11 +160,12 @@ class Edge:
 
     data: one training step flows along these, from the source stage to the trainer. eval: the same
     flow from the held-out batch (it never reaches the trainer). call: `src` calls `dst.method` itself,
-    as often as it needs (tool calls). weight_sync: the edge that closes the loop. `fetch` is the `src`
-    method the driver calls to get what the edge carries; empty when it is the answer of the previous
-    edge's method. `stream` (a data edge out of a stage whose class lists the previous edge's method in
-    `STREAMS`): `dst` receives the answer part by part -- each trajectory group as soon as it is complete --
-    so its work overlaps the source's; off when `dst` needs the whole batch in one call."""
+    as often as it needs (tool calls), through the handle it receives at setup as `Placement.peers[role]`
+    (its slice names the role). weight_sync: the edge that closes the loop. `fetch` is the `src` method
+    the driver calls to get what the edge carries; empty when it is the answer of the previous edge's
+    method. `stream` (a data edge out of a method whose stage declares a streamed form of it, see
+    factory.contract.Call): `dst` receives the answer part by part -- each trajectory group as soon as it
+    is complete -- so its work overlaps the source's; off when `dst` needs the whole batch in one call."""
 
     src: str
     dst: str
@@ -140,6 +174,7 @@ class Edge:
     method: str = ""
     fetch: str = ""
     stream: bool = False
+    role: str = ""
 
 
 @dataclass(frozen=True)
@@ -164,10 +199,17 @@ class Plan:
     masked: tuple[str, ...] = field(default=(), compare=False, repr=False)  # spec paths read from the env
 
     def stage(self, name: str) -> Stage:
+        """The stage named `name`: for tests and notebooks, which know the plan they built."""
         for s in self.stages:
             if s.name == name:
                 return s
         raise KeyError(f"the plan has no stage {name!r}")
+
+    def sliced(self, kind: type[S]) -> S:
+        """The one stage slice of type `kind`: the reward graph's (RewardSettings), the trainer's
+        (UpdateSettings). Code outside the compiler finds a stage by what it is, never by its name."""
+        (found,) = [s.settings for s in self.stages if isinstance(s.settings, kind)]
+        return found
 
     def flow(self, kind: Literal["data", "eval"]) -> list[Edge]:
         """The edges one batch travels, in order: the `kind` edge out of the source, then the data edges
@@ -180,15 +222,15 @@ class Plan:
 
     @property
     def reward_order(self) -> tuple[str, ...]:
-        return self.stage("reward").settings.order  # type: ignore[attr-defined]
+        return self.sliced(RewardSettings).order
 
     @property
     def reward_node(self) -> str:
-        return self.stage("reward").settings.train_node  # type: ignore[attr-defined]
+        return self.sliced(RewardSettings).train_node
 
     @property
     def algorithm(self) -> Algorithm:
-        return self.stage("update").settings.algorithm  # type: ignore[attr-defined]
+        return self.sliced(UpdateSettings).algorithm
 
     @property
     def metrics(self) -> dict[str, str]:

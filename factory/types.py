@@ -101,4 +101,5 @@ class Placement:
     world_size: int = 1  # replicas in the group
     master_addr: str = "127.0.0.1"  # rank 0's address and port, for groups that form a torch.distributed world
     master_port: int = 0
-    peers: dict[str, Any] = field(default_factory=dict)  # stage name -> handle, for each stage this one calls
+    # role -> handle, for each call edge out of this stage (its slice names the roles it reads)
+    peers: dict[str, Any] = field(default_factory=dict)

@@ -50,7 +50,7 @@ def scored():
 
         async def go():
             await tools.setup()
-            await rollout.setup(Placement(peers={"tools": tools}))
+            await rollout.setup(Placement(peers={rollout.settings.tool_peer: tools}))
             await reward.setup()
             try:
                 trajs, _ = RolloutStage.merge([await rollout.generate(data.next_batch(2))])

@@ -13,15 +13,15 @@ import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pyarrow as pa
 import pytest
 import ray
 
 from factory.compiler.compile import stage_settings
-from factory.runtime.driver import Group, carry, pipe, setup_group, start_group
+from factory.contract import Call, Contract, StageActor
 from factory.plan import Edge, Stage
+from factory.runtime.driver import Group, carry, pipe, setup_group, start_group, teardown
 from factory.rollout.stage import RolloutStage
 from factory.types import Trajectory
 from tests.test_reward_stage import make_spec
@@ -31,12 +31,12 @@ FNS = "tests.fixtures.reward_fns"
 GROUP, GAP_S = 2, 0.3  # samples per prompt; a replica's groups finish this far apart
 
 
-class SteppedRollout:
+class SteppedRollout(StageActor):
     """A rollout replica whose groups finish GAP_S apart (the real stage's streaming contract: one item per
     prompt, then its answer), with the split and merge of the real stage."""
 
-    SHARDED = frozenset({"generate"})
-    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups"}
+    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_groups"), "load_weights": Call("all")},
+                        progress=True)
     split = staticmethod(RolloutStage.split)
 
     def __init__(self, settings=None):
@@ -96,8 +96,8 @@ def test_groups_are_scored_while_the_rollout_still_generates(local_ray):
 def test_carry_streams_along_a_stream_edge_and_calls_whole_batches_otherwise(local_ray):
     rollout, reward = _groups({"at": {"fn": f"{FNS}:scored_at"}, "total": {"sum": {"at": 1.0}}})
 
-    class Source:  # the data stage's part: fetch a batch
-        SHARDED = frozenset()
+    class Source(StageActor):  # the data stage's part: fetch a batch
+        CONTRACT = Contract(calls={"next_batch": Call("one")})
 
     class Display:
         def progress(self, *a): ...
@@ -149,7 +149,9 @@ def _log():
     return ray.get_actor("stream-test-log")
 
 
-class FakeData(Fresh):
+class FakeData(Fresh, StageActor):
+    CONTRACT = Contract(calls={"next_batch": Call("one"), "eval_batch": Call("one")}, state=True)
+
     def __init__(self, settings=None):
         self.pos = 0
 
@@ -174,7 +176,9 @@ class FakeRollout(SteppedRollout, Fresh):
         _log().add.remote("load", weights["version"])
 
 
-class FakeReward(Fresh):
+class FakeReward(Fresh, StageActor):
+    CONTRACT = Contract(calls={"score": Call("one")})
+
     def __init__(self, settings=None):
         pass
 
@@ -182,8 +186,10 @@ class FakeReward(Fresh):
         return group, {"reward/mean": 0.5, "reward/dropped": 0.0, "timing/reward_s": 0.01}
 
 
-class FakeUpdate(Fresh):
+class FakeUpdate(Fresh, StageActor):
     """A learner whose version counts its updates; each update takes UPDATE_S."""
+
+    CONTRACT = Contract(calls={"step": Call("all"), "state_dict": Call("all")}, checkpoint=True)
 
     def __init__(self, settings=None):
         self.version = 0
@@ -296,8 +302,10 @@ def test_max_staleness_1_overlaps_the_next_rollout_with_the_update(tiny_plan, st
     assert UPDATE_S < metrics[2]["timing/update_s"] < 2 * UPDATE_S - GAP_S
 
 
-class WeightsHolder:
+class WeightsHolder(StageActor):
     """A rollout stand-in that keeps the weights it is sent."""
+
+    CONTRACT = Contract(calls={"load_weights": Call("all")})
 
     def __init__(self, settings=None):
         self.weights = None
@@ -351,7 +359,31 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
         assert any(not torch.equal(a[k], initial[k]) for k in a)  # the two steps did train
     finally:
         for g in (before, after):
-            ray.get(g["update"].submit("shutdown"))
+            teardown(g)  # every stage closed, the real update's engine and process group included
+
+
+class Closes(StageActor):
+    """A stage stand-in that records its close() in the test's log actor."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def close(self):
+        ray.get(ray.get_actor("teardown-log").add.remote("closed", self.name))
+
+
+def test_teardown_closes_every_stage_the_update_included(tiny_plan, local_ray):
+    """teardown asks every stage to close -- not only those that happen to have a `close` -- before the
+    actors go: the trainer's process group, the engines and the tool servers all get their chance."""
+    log = ray.remote(Log).options(name="teardown-log").remote()
+    try:
+        groups = {s.name: Group(s, Closes, [ray.remote(Closes).remote(s.name)]) for s in tiny_plan.stages}
+        teardown(groups)
+        closed = [event[1] for event in ray.get(log.read.remote())]
+        assert sorted(closed) == sorted(s.name for s in tiny_plan.stages)
+        assert tiny_plan.flow("data")[-1].dst in closed  # the trainer's
+    finally:
+        ray.kill(log)
 
 
 @pytest.mark.slow

@@ -117,9 +117,9 @@ def test_normalize_over_group_and_batch():
     # batch: 1, 3, 2, 2 -> mean 2, std sqrt(0.5)
     s = math.sqrt(0.5)
     assert [t.rewards["by_batch"] for t in trajs] == pytest.approx([-1 / s, 1 / s, 0.0, 0.0])
-    assert reward_stage(spec).needs_whole_batch
+    assert reward_stage(spec).settings.whole_batch  # decided by the compiler: one `score` call per step
     per_group = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})
-    assert not reward_stage(per_group).needs_whole_batch
+    assert not reward_stage(per_group).settings.whole_batch
 
 
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
@@ -222,7 +222,8 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool():
 
     async def go():
         await tools.setup()
-        await stage.setup(Placement(peers={"tools": tools}))  # the plan's reward -> tools call edge
+        # the plan's reward -> tools call edge, under the role the reward stage's slice names
+        await stage.setup(Placement(peers={settings["reward"].tool_peer: tools}))
         try:
             for _ in range(2):  # the second step reuses the tool servers the tools stage started
                 trajs, m = await stage.score([traj("abcdefghij")])

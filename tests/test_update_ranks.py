@@ -76,7 +76,7 @@ def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
             before = ref
     finally:
         for g in (one, two):
-            ray.get(g.submit("shutdown"))
+            ray.get(g.submit("close"))
             for actor in g.actors:
                 ray.kill(actor)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 from factory.plan import Plan
 from factory.reward.graph import eval_metrics
 from factory.schema import Spec
-from factory.types import Placement, ToolCall, ToolResult, Trajectory, Turn
+from factory.types import ToolCall, ToolResult, Trajectory, Turn
 from factory.util import UserError
 
 SPLITS = {"train": "trajectories", "eval": "eval_trajectories"}  # split -> the run's artifact folder
@@ -98,26 +97,21 @@ def _shown(steps: set[int]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- scoring
-async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]],
-                     judges: dict[str, Any]) -> dict[tuple[str, int], dict]:
-    """The plan's reward stage in this process, calling the tools stage (here too, when a tool node needs
-    it) and the placed local judges along the plan's call edges."""
-    from factory.reward import RewardStage
-    from factory.tools.stage import ToolsStage
+def scorer(plan: Plan) -> str:
+    """The stage that scores a batch: the one whose answer the trainer receives."""
+    return plan.flow("data")[-1].src
 
-    peers, tools = dict(judges), None
-    if any(e.kind == "call" and (e.src, e.dst) == ("reward", "tools") for e in plan.edges):
-        tools = peers["tools"] = ToolsStage(plan.stage("tools").settings)
-    stage = RewardStage(plan.stage("reward").settings)
-    try:
-        if tools is not None:
-            await tools.setup(Placement(workdir=os.getcwd()))
-        await stage.setup(Placement(workdir=os.getcwd(), peers=peers))
-        return {key: (await stage.score(trajs))[1] for key, trajs in batches.items()}
-    finally:
-        await stage.close()
-        if tools is not None:
-            await tools.close()
+
+async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]],
+                     placed: dict[str, Any]) -> dict[tuple[str, int], dict]:
+    """The plan's scoring stage in this process with the callees that may run inline (tool servers), calling
+    the `placed` ones (local judge models on Ray: stage name -> actor) along the plan's call edges."""
+    from factory.runtime.local import callees, local_stages
+
+    name = scorer(plan)
+    here = [c for c in callees(plan, name) if c not in placed] + [name]
+    async with local_stages(plan, here, remote=placed) as stages:
+        return {key: (await stages[name].score(trajs))[1] for key, trajs in batches.items()}
 
 
 def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
@@ -140,10 +134,12 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
             notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (a run made before "
                          "every trajectory was kept); its metrics cover those")
 
-    judges = [s for s in plan.stages if any(e.kind == "call" and (e.src, e.dst) == ("reward", s.name)
-                                            for e in plan.edges) and s.name != "tools"]
+    from factory.runtime.local import callees, runs_inline
+
+    # a local judge model is a stage of its own: placed on Ray as `factory run` places it
+    judges = [plan.stage(n) for n in callees(plan, scorer(plan)) if not runs_inline(plan, n)]
     groups: dict[str, Any] = {}
-    if judges:  # a local judge is a stage of its own: placed on Ray as `factory run` places it
+    if judges:
         import ray
 
         from factory.runtime.driver import place, start_ray

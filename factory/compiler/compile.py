@@ -44,6 +44,8 @@ from factory.compiler.refs import (
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
 from factory.compiler.translate import nearest
+from factory.contract import ContractError
+from factory.contract import check as check_contracts
 from factory.plan import (
     ClusterSettings,
     DataSettings,
@@ -513,6 +515,11 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     res, r, t = spec.resources, spec.rollout, spec.train
     replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
     ranks = f" over {res.update.replicas} ranks" if res.update.replicas > 1 else ""
+    tool_nodes = any(isinstance(n, ToolNode) for n in spec.rewards.values())
+    # the roles under which a stage receives its callees (Placement.peers), named in its slice
+    tool_peer = "tool_calls" if spec.tools else None
+    judges = {name: f"judge:{name}" for name, node in spec.rewards.items()
+              if isinstance(node, JudgeNode) and node.local is not None}
     stages = [
         Stage("data", "reads rows, renders prompts, serves batches", "factory.data.stage:DataStage",
               DataSettings(data=spec.data, seed=spec.seed, eval_size=t.eval_size,
@@ -522,40 +529,40 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                          f"up to {r.max_turns} turns", "factory.rollout.stage:RolloutStage",
               RolloutSettings(model=spec.model, chat_template=spec.chat_template, rollout=r,
                               bf16_autocast=t.bf16_autocast, num_gpus=res.rollout.num_gpus, seed=spec.seed,
-                              threads=t.threads, base_dir=base_dir),
+                              threads=t.threads, base_dir=base_dir, tool_peer=tool_peer),
               ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
               ("trajectories",) + (("tool_calls",) if spec.tools else ()),
               res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy),
     ]
     edges = [Edge("data", "rollout", "batch", "data", method="generate", fetch="next_batch"),
              Edge("data", "rollout", "eval_batch", "eval", method="evaluate", fetch="eval_batch")]
-    tool_nodes = any(isinstance(n, ToolNode) for n in spec.rewards.values())
     if spec.tools:
         servers = ", ".join(f"{n} x{s.replicas}" if getattr(s, "replicas", 1) > 1 else n for n, s in spec.tools.items())
         stages.append(Stage("tools", f"MCP/python tool servers, once for the cluster: {servers}",
                             "factory.tools.stage:ToolsStage", ToolsSettings(tools=spec.tools, base_dir=base_dir),
                             ("tool_calls",), ("tool_results",), 1, _bundle(res.tools)))
-        edges += [Edge("rollout", "tools", "tool_calls", "call", method="call"),
+        edges += [Edge("rollout", "tools", "tool_calls", "call", method="call", role=tool_peer or ""),
                   Edge("tools", "rollout", "tool_results", "call")]
+    # groups are scored as they finish, overlapping generation, unless a node normalises over the whole batch
+    whole_batch = any(isinstance(n, NormalizeNode) and n.over == "batch" for n in spec.rewards.values())
     stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
-                                       base_dir=base_dir),
+                                       base_dir=base_dir, whole_batch=whole_batch,
+                                       tool_peer=tool_peer if tool_nodes else None, judge_peers=judges),
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
                         1, _bundle(res.reward)))
-    # groups are scored as they finish, overlapping generation, unless a node normalises over the whole batch
-    whole_batch = any(isinstance(n, NormalizeNode) and n.over == "batch" for n in spec.rewards.values())
     edges.append(Edge("rollout", "reward", "trajectories", "data", method="score", stream=not whole_batch))
-    for name, node in spec.rewards.items():  # a local judge model is a stage of its own, with its own resources
-        if isinstance(node, JudgeNode) and node.local is not None:
-            judge = f"judge.{name}"
-            stages.append(Stage(judge, f"LLM judge {node.local.path} ({node.local.engine}) for reward node '{name}'",
-                                "factory.reward.judge:JudgeModel", JudgeSettings(judge=node.local, seed=spec.seed),
-                                ("judge_prompts",), ("judge_replies",), 1, _bundle(node.local)))
-            edges += [Edge("reward", judge, "judge_prompts", "call", method="complete"),
-                      Edge(judge, "reward", "judge_replies", "call")]
+    for name, role in judges.items():  # a local judge model is a stage of its own, with its own resources
+        local = spec.rewards[name].local  # type: ignore[union-attr]
+        judge = f"judge.{name}"
+        stages.append(Stage(judge, f"LLM judge {local.path} ({local.engine}) for reward node '{name}'",
+                            "factory.reward.judge:JudgeModel", JudgeSettings(judge=local, seed=spec.seed),
+                            ("judge_prompts",), ("judge_replies",), 1, _bundle(local)))
+        edges += [Edge("reward", judge, "judge_prompts", "call", method="complete", role=role),
+                  Edge(judge, "reward", "judge_replies", "call")]
     if spec.tools and tool_nodes:
-        edges += [Edge("reward", "tools", "tool_calls", "call", method="call"),
+        edges += [Edge("reward", "tools", "tool_calls", "call", method="call", role=tool_peer or ""),
                   Edge("tools", "reward", "tool_results", "call")]
     stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{t.deepspeed.zero_stage} optimizer "
                                   f"step{ranks}", "factory.update.stage:UpdateStage",
@@ -636,6 +643,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         warnings=tuple(str(w) for w in r.warnings),
         masked=tuple(sorted(source.env_paths)),
     )
+    if problems := check_contracts(plan):  # Factory's own stage classes disagree with its stage graph
+        raise ContractError(problems)
     return plan, []
 
 
@@ -653,7 +662,7 @@ def with_tool_listing(plan: Plan, listing: ToolListing) -> Plan:
     covers the schemas its model was offered (a changed MCP server changes the hash)."""
     if not listing:
         return plan
-    tools = plan.stage("tools").settings.tools  # type: ignore[attr-defined]
+    tools = plan.sliced(ToolsSettings).tools
     hashes = {k: v for k, v in plan.hashes.items() if k != "run"}
     hashes["tools"] = {name: sha256_json(_offered(tools, name, listed)) for name, listed in listing.items()}
     hashes["run"] = sha256_json(hashes)

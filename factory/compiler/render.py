@@ -35,14 +35,14 @@ def _replicas(stage: Stage) -> str:
 
 
 def stage_line(plan: Plan) -> str:
-    names = [s.name for s in plan.stages]
-    line = " -> ".join(s.name + _replicas(s) for s in plan.stages
-                       if s.name != "tools" and not s.name.startswith("judge."))
-    if "tools" in names:
-        line += "; rollout <-> tools"
-    for judge in (n for n in names if n.startswith("judge.")):
-        line += f"; reward <-> {judge}"
-    return line + "; update -> rollout (weight sync)"
+    """The stage graph on one line, read from its edges: the training flow, then each call edge (a stage
+    that calls another) and the weight sync."""
+    flow = plan.flow("data")
+    replicas = {s.name: _replicas(s) for s in plan.stages}
+    parts = [" -> ".join(n + replicas[n] for n in [flow[0].src, *(e.dst for e in flow)])]
+    parts += [f"{e.src} <-> {e.dst}" for e in plan.edges if e.kind == "call" and e.method]
+    parts += [f"{e.src} -> {e.dst} (weight sync)" for e in plan.edges if e.kind == "weight_sync"]
+    return "; ".join(parts)
 
 
 def check_summary(plan: Plan) -> str:

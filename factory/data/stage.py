@@ -7,15 +7,18 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.contract import Call, Contract, StageActor
 from factory.data.sources import DataError, PromptRenderer, check_rows, read_source, to_table
 from factory.plan import DataSettings
 from factory.types import Placement
 from factory.util import enter_workdir, node_id
 
 
-class DataStage:
+class DataStage(StageActor):
     """The data-prep stage: an endless, seeded, epoch-shuffled stream of training batches and a fixed eval
     batch. Holds everything in memory: RL prompt sets are small next to the model."""
+
+    CONTRACT = Contract(calls={"next_batch": Call("one"), "eval_batch": Call("one")}, state=True)
 
     def __init__(self, settings: DataSettings):
         self._spec, self._seed, self._eval_size = settings.data, settings.seed, settings.eval_size

@@ -23,7 +23,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import os
 import re
 import threading
 from collections.abc import AsyncIterator
@@ -72,24 +71,15 @@ class Agent:
         self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
 
     async def _start(self) -> None:
-        from factory.rollout.stage import RolloutStage
-        from factory.tools.stage import ToolsStage
-        from factory.types import Placement
+        from factory.runtime.local import callees, local_stages
 
-        # The plan's rollout and tools stages, in this process (the rollout calls the tools stage directly)
-        self.tools = ToolsStage(self.plan.stage("tools").settings) if self.spec.tools else None
-        self.stage = RolloutStage(self.plan.stage("rollout").settings)
+        # The plan's rollout stage (the one that answers held-out prompts, greedily) and its tool servers, in
+        # this process: the rollout calls the tools directly
+        name = self.plan.flow("eval")[0].dst
         self._lock = asyncio.Lock()  # on the agent's loop
-        peers = {}
-        if self.tools is not None:
-            await self.tools.setup(Placement(workdir=os.getcwd()))
-            peers["tools"] = self.tools
-        try:
-            await self.stage.setup(Placement(workdir=os.getcwd(), peers=peers))
-        except BaseException:
-            if self.tools is not None:
-                await self.tools.close()
-            raise
+        self._stages = contextlib.AsyncExitStack()  # closed by _close
+        self.stage = (await self._stages.enter_async_context(
+            local_stages(self.plan, [*callees(self.plan, name), name])))[name]
 
     async def _episode(self, question: str) -> str:
         from factory.data.sources import to_table
@@ -120,9 +110,7 @@ class Agent:
 
 
     async def _close(self) -> None:
-        await self.stage.close()
-        if self.tools is not None:
-            await self.tools.close()
+        await self._stages.aclose()
 
 
 def answer_text(traj: Any, show_calls: bool = False) -> str:

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from factory.contract import Call, Contract, StageActor
 from factory.data.sources import check_messages
 from factory.plan import JudgeSettings
 from factory.schema import JudgeNode, LocalJudge
@@ -123,12 +124,14 @@ class LocalSession:
                     future.set_result(text)
 
 
-class JudgeModel:
+class JudgeModel(StageActor):
     """A judge model in its own Ray actor (with its own CPUs/GPUs): chat-formats each prompt's messages with
-    the model's own chat template and answers greedily. The driver places it as the plan's
-    `judge.<node>` stage; the reward stage calls it along the plan's call edge.
+    the model's own chat template and answers greedily. The driver places it as a stage of its own; the
+    reward stage calls it along the plan's call edge.
 
     The constructor has no side effects; `setup()` loads the model."""
+
+    CONTRACT = Contract(calls={"complete": Call("one")})
 
     def __init__(self, settings: JudgeSettings):
         self.cfg, self.seed = settings.judge, settings.seed

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from factory.contract import Call, Contract, StageActor
 from factory.plan import RewardSettings
 from factory.reward.graph import (
     LEAVES,
@@ -44,24 +45,24 @@ from factory.util import enter_workdir, import_path, node_id, resolve_file, temp
 log = logging.getLogger(__name__)
 
 
-class RewardStage:
+class RewardStage(StageActor):
     """The reward actor. Its methods are coroutines, so Ray runs it as an async actor with one event loop
-    for its life; tool nodes call the tools stage (the plan's reward -> tools edge).
+    for its life; tool nodes call the tools stage and local judges their model (the plan's call edges out
+    of it, handed to it at setup under the roles its slice names).
 
     API: `await setup(placement)`, then `await score(trajs)` per batch -- any set of whole groups; a step may be
-    scored in several calls (group by group) unless `needs_whole_batch` -- and `await close()`."""
+    scored in several calls (group by group) unless the slice says `whole_batch` -- and `await close()`."""
+
+    CONTRACT = Contract(calls={"score": Call("one")})
 
     def __init__(self, settings: RewardSettings, *, max_workers: int = 256):
+        self.settings = settings
         self.nodes = dict(settings.rewards)
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
         self._max_workers = max_workers
         self._base_dir = Path(settings.base_dir)
+        self._pool: ThreadPoolExecutor | None = None
         self._sessions = contextlib.AsyncExitStack()  # the judge sessions setup() opens; close() closes them
-
-    @property
-    def needs_whole_batch(self) -> bool:
-        """True when a node normalises over the batch: then one call must hold a whole step."""
-        return any(isinstance(n, NormalizeNode) and n.over == "batch" for n in self.nodes.values())
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         # In its own actor, so slow or crashing reward code never stalls rollout.
@@ -80,12 +81,13 @@ class RewardStage:
                 self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
                 self._templates[name] = env.from_string(resolve_file(node.llm_judge, self._base_dir).read_text())
-                if node.local is not None:  # the plan's judge.<node> stage, which the driver placed
-                    self._judge_actors[name] = placement.peers[f"judge.{name}"]
+                if node.local is not None:  # the judge model's stage, which the driver placed
+                    self._judge_actors[name] = placement.peers[self.settings.judge_peers[name]]
         from factory.reward.judge import EndpointSession, LocalSession
         from factory.tools.client import ToolsClient
 
-        self._toolbox = ToolsClient(placement.peers.get("tools"))
+        tools = self.settings.tool_peer
+        self._toolbox = ToolsClient(placement.peers[tools] if tools else None)
         await self._toolbox.start()
         # One session per judge node for the actor's life, shared by concurrent `score` calls (a step's
         # groups are scored as they arrive), so a node's `concurrency` bounds all of its requests at once.
@@ -109,7 +111,8 @@ class RewardStage:
 
     async def close(self) -> None:
         await self._sessions.aclose()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A reward function's result: awaited if it is async, else run in the thread pool."""

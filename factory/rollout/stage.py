@@ -13,10 +13,11 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pyarrow as pa
 
+from factory.contract import Call, Contract, StageActor
 from factory.device import stage_device
 from factory.plan import RolloutSettings
 from factory.tools.metrics import ToolMetrics
@@ -100,17 +101,18 @@ class RolloutPart:
     tools: ToolMetrics  # this replica's tool calls (added up over replicas)
 
 
-class RolloutStage:
+class RolloutStage(StageActor):
     """The rollout actor: one generation engine and the chat format, calling the tools stage for tool
     calls. The engine lives in this actor's event loop (Ray runs async actor methods on one loop).
 
     Worker group: `replicas` of these share a step. `generate` and `evaluate` take a batch that the driver
-    cuts with `split` (contiguous prompts, one part per replica) and answer parts that `merge` joins;
-    every other method (load_weights, close) reaches every replica."""
+    cuts with `split` (contiguous prompts, one part per replica) and answer parts that `merge` joins; each
+    has a streamed form (`Edge.stream`) that yields each prompt's group as it completes, then the answer.
+    `load_weights` (and close) reaches every replica."""
 
-    SHARDED = frozenset({"generate", "evaluate"})
-    # a method's streamed form (`Edge.stream`): it yields each prompt's group as it completes, then the answer
-    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups", "evaluate": "evaluate_groups"}
+    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_groups"),
+                               "evaluate": Call("split", stream="evaluate_groups"),
+                               "load_weights": Call("all")}, progress=True)
 
     def __init__(self, settings: RolloutSettings):
         self.settings = settings
@@ -137,7 +139,7 @@ class RolloutStage:
         device, dtype = stage_device(s.num_gpus), rollout_dtype(s)
         self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
                                   stop_token_ids=self.chat.stop_token_ids, threads=s.threads)
-        self.tools = ToolsClient(placement.peers.get("tools"))
+        self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype}
         if self.engine.fallback_reason:

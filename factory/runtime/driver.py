@@ -9,7 +9,9 @@ where `reward.score` receives each trajectory group as soon as the rollout compl
 so scoring overlaps generation.
 
 Each stage is a `Group` of replicas (Ray actors in one placement group) called as if it were one local
-object. Nothing here names a stage: placement, wiring (call edges) and the loop all read the plan.
+object, as its class's `CONTRACT` declares (factory.contract: how each method is dispatched over the
+replicas, whether it streams, what else the stage does). Nothing here names a stage or probes a class:
+placement, wiring (call edges, by role) and the loop all read the plan and the declared contracts.
 Everything that branches (algorithm, backend, dynamic sampling) lives outside `train_loop`.
 """
 from __future__ import annotations
@@ -28,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 from factory.types import Placement
 from factory.util import import_path
 
@@ -74,10 +77,9 @@ def start_ray(cluster: ClusterSettings) -> None:
 # --------------------------------------------------------------------------------------- groups
 @dataclass
 class Group:
-    """The replicas of one stage, called as one object.
-
-    A method the stage class lists in `SHARDED` splits its input over the replicas (`cls.split`) and
-    joins their answers (`cls.merge`); any other method reaches every replica alike, and replica 0's
+    """The replicas of one stage, called as one object, each method as the class's CONTRACT declares it
+    (factory.contract.Call): `one` goes to one replica (in turn), `split` cuts its input over the replicas
+    (`cls.split`) and joins their answers (`cls.merge`), `all` reaches every replica alike and replica 0's
     answer is the group's (for a torch.distributed world: rank 0's)."""
 
     stage: Stage
@@ -85,6 +87,11 @@ class Group:
     actors: list[Any]
     placement_group: Any = None
     info: list[dict[str, Any]] = field(default_factory=list)  # what each replica's setup reported
+    turn: int = 0  # the replica the next `one` call goes to
+
+    @property
+    def contract(self) -> Contract:
+        return self.cls.CONTRACT
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every replica; their ObjectRefs, replica 0's first."""
@@ -92,31 +99,44 @@ class Group:
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
 
+    def next_replica(self) -> Any:
+        """The replica whose turn it is for a `one` call (the replicas in turn)."""
+        actor = self.actors[self.turn % len(self.actors)]
+        self.turn += 1
+        return actor
+
     def call(self, method: str, *args: Any, progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
         """`method` on the group, as if it were one object. `progress(done, total)`, when given and the
-        stage reports `progress()`, hears the replicas' summed progress about twice a second meanwhile."""
-        sharded = method in getattr(self.cls, "SHARDED", ())
-        if sharded:
+        stage declares `progress`, hears the replicas' summed progress about twice a second meanwhile."""
+        dispatch = self.contract.call(method).dispatch
+        if dispatch == "split":
             parts = self.cls.split(args[0], len(self.actors))
             refs = [getattr(actor, method).remote(*part, *args[1:], **kwargs)
                     for actor, part in zip(self.actors, parts)]
+        elif dispatch == "one":
+            refs = [getattr(self.next_replica(), method).remote(*args, **kwargs)]
         else:
             refs = self.submit(method, *args, **kwargs)
-        if progress is not None and hasattr(self.cls, "progress"):
+        if progress is not None and self.contract.progress:
             while len(ray.wait(refs, num_returns=len(refs), timeout=0.5)[0]) < len(refs):
-                counts = ray.get([actor.progress.remote() for actor in self.actors])
-                progress(sum(done for done, _ in counts), sum(total for _, total in counts))
+                progress(*self.progress())
         answers = ray.get(refs)
-        return self.cls.merge(answers) if sharded else answers[0]
+        return self.cls.merge(answers) if dispatch == "split" else answers[0]
+
+    def progress(self) -> tuple[int, int]:
+        """(done, total) summed over the replicas (a stage that declares `progress`)."""
+        counts = ray.get([actor.progress.remote() for actor in self.actors])
+        return sum(done for done, _ in counts), sum(total for _, total in counts)
 
     def stream(self, method: str, batch: Any, *, on_part: Callable[[Any], None],
                progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
-        """A SHARDED `method` in its streamed form (`cls.STREAMS[method]`): each replica's part of `batch`
+        """A `split` method in its streamed form (its Call's `stream`): each replica's part of `batch`
         yields one item per prompt (a complete trajectory group) and then its answer. `on_part` receives
         each group's ObjectRef as soon as any replica yields it (the group stays in Ray's object store,
         unread here); returns the replicas' answers joined (`cls.merge`), as `call` would."""
         parts = self.cls.split(batch, len(self.actors))
-        streams = {getattr(actor, self.cls.STREAMS[method]).remote(*part, **kwargs): len(part[0])
+        streamed = self.contract.calls[method].stream
+        streams = {getattr(actor, streamed).remote(*part, **kwargs): len(part[0])
                    for actor, part in zip(self.actors, parts)}  # stream -> groups still to come
         pending, answers, last, polled = list(streams), {}, {}, time.perf_counter()
         while pending:
@@ -134,10 +154,9 @@ class Group:
                     pending.append(s)
                 else:
                     answers[s] = item
-            if progress is not None and hasattr(self.cls, "progress") and time.perf_counter() - polled > 0.5:
+            if progress is not None and self.contract.progress and time.perf_counter() - polled > 0.5:
                 polled = time.perf_counter()
-                counts = ray.get([actor.progress.remote() for actor in self.actors])
-                progress(sum(done for done, _ in counts), sum(total for _, total in counts))
+                progress(*self.progress())
         return self.cls.merge(ray.get([answers[s] for s in streams]))
 
 
@@ -184,8 +203,8 @@ def start_group(stage: Stage) -> Group:
 
 def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
     """Start every stage's group and set its replicas up, callees before their callers (each caller
-    gets a handle on the stages its call edges reach); a torch.distributed group first meets at rank
-    0's address. `status` hears each stage as it is ready."""
+    gets a handle on the stages its call edges reach, under each edge's role); a torch.distributed
+    group first meets at rank 0's address. `status` hears each stage as it is ready."""
     groups: Groups = {}
     t0 = time.perf_counter()
     try:
@@ -196,8 +215,8 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
         order.prepare()
         while order.is_active():
             ready = order.get_ready()
-            pending = {name: setup_group(groups[name], {e.dst: groups[e.dst].actors[0] for e in calls if e.src == name})
-                       for name in ready}
+            handles = {name: g.actors[0] for name, g in groups.items()}
+            pending = {name: setup_group(groups[name], peers_of(calls, name, handles)) for name in ready}
             for name, refs in pending.items():
                 groups[name].info = ray.get(refs)  # a setup that failed raises here
                 status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
@@ -209,16 +228,19 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
 
 
 def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
-    """Start every replica's setup (ObjectRefs of what each reports), telling it its rank and peers."""
+    """Start every replica's setup (ObjectRefs of what each reports), telling it its rank and peers (role ->
+    handle)."""
     workdir, world = os.getcwd(), len(g.actors)
-    addr, port = ray.get(g.actors[0].address.remote()) if getattr(g.cls, "WORLD", False) and world > 1 else ("", 0)
+    addr, port = ray.get(g.actors[0].address.remote()) if g.contract.world and world > 1 else ("", 0)
     return [actor.setup.remote(Placement(workdir, rank, world, addr, port, peers))
             for rank, actor in enumerate(g.actors)]
 
 
 def teardown(groups: Groups) -> None:
-    """Stop tool servers and engines cleanly before the actors go, then free the placement groups."""
-    refs = [ref for g in groups.values() if hasattr(g.cls, "close") for ref in g.submit("close")]
+    """Close every stage (tool servers, engines, the trainer's process group: each stage's `close`) before
+    the actors go, then free the placement groups. A close that fails or hangs (30 s) does not keep the
+    others from running nor the actors from being killed."""
+    refs = [ref for g in groups.values() for ref in g.submit("close")]
     ray.wait(refs, num_returns=len(refs), timeout=30)
     for g in groups.values():
         for actor in g.actors:
@@ -277,8 +299,7 @@ def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, progre
     def send(group: Any) -> None:
         nonlocal t_first
         t_first = t_first or time.perf_counter()
-        actor = dst.actors[len(refs) % len(dst.actors)]
-        refs.append(getattr(actor, dst_method).remote(group, **context))
+        refs.append(getattr(dst.next_replica(), dst_method).remote(group, **context))
 
     _, metrics = src.stream(method, x, on_part=send, progress=progress, **context)
     t_src = time.perf_counter()
@@ -535,7 +556,7 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             record.update()
             # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
             resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
-            listing = next((g.call("tool_listing") for g in groups.values() if hasattr(g.cls, "tool_listing")), {})
+            listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
             placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
             plan = (tracker.resume(resume, plan, listing) if resume else
                     tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
@@ -562,7 +583,7 @@ def build_models(plan: Plan, status: Callable[[str], None]) -> None:
     rather than in whichever stage's setup comes first."""
     from factory.assets import is_built, resolve_model
 
-    for path in sorted({s.settings.model.path for s in plan.stages if hasattr(s.settings, "model")}):
+    for path in sorted({path for s in plan.stages for path in s.settings.models()}):
         if not is_built(path):
             status(f"building the model {path} into the cache (first use only)")
             resolve_model(path)

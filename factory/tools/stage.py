@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from factory.contract import Call, Contract, StageActor
 from factory.plan import ToolsSettings
 from factory.types import Placement, ToolCall, ToolResult
 from factory.util import enter_workdir, node_id
 
 
-class ToolsStage:
+class ToolsStage(StageActor):
     """The tools actor. Its methods are coroutines: Ray runs it as an async actor with one event loop
-    for its life, which the MCP sessions need, and serves many calls at once."""
+    for its life, which the MCP sessions need, and serves many calls at once. Its callers (the rollout,
+    tool reward nodes) call `schemas`, `call` and `server_events` through their `ToolsClient`."""
+
+    CONTRACT = Contract(calls={"call": Call("one"), "schemas": Call("one"), "server_events": Call("one")},
+                        lists_tools=True, inline=True)
 
     def __init__(self, settings: ToolsSettings):
         self.settings = settings
@@ -48,4 +53,5 @@ class ToolsStage:
 
     async def close(self) -> None:
         if self.box is not None:
-            await self.box.close()
+            box, self.box = self.box, None
+            await box.close()

@@ -7,12 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from factory.contract import Call, Contract, StageActor
 from factory.plan import UpdateSettings
 from factory.types import Placement, Trajectory
 from factory.util import enter_workdir, node_id, resolve_file, set_threads
 
 
-class UpdateStage:
+class UpdateStage(StageActor):
     """The update actor: one rank of the learner (a DeepSpeed engine).
 
     Worker group: the `replicas` of this stage are the ranks of one torch.distributed world (data
@@ -20,10 +21,12 @@ class UpdateStage:
     then sets every rank up with it; every method reaches every rank alike (each rank receives the whole
     batch and trains on its shard) and rank 0's answer is the group's."""
 
-    WORLD = True
+    # every call reaches every rank: each rank trains on its shard and all take part in the collectives
+    CONTRACT = Contract(calls={"step": Call("all"), "state_dict": Call("all")}, world=True, checkpoint=True)
 
     def __init__(self, settings: UpdateSettings):
         self.settings = settings
+        self.learner: Any = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 meets the others: this node's address and a port free on it now."""
@@ -69,5 +72,8 @@ class UpdateStage:
     def load_checkpoint(self, directory: str, name: str | None = None) -> int | None:
         return self.learner.load_checkpoint(directory, name)
 
-    def shutdown(self) -> None:
-        self.learner.shutdown()
+    def close(self) -> None:
+        """Release the DeepSpeed engine and the process group (nothing to release before setup)."""
+        if self.learner is not None:
+            learner, self.learner = self.learner, None
+            learner.shutdown()

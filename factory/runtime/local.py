@@ -1,0 +1,61 @@
+"""Some of a plan's stages in this process, without Ray: what `factory rescore` (the scoring stage and its
+tool servers) and the agent server (the rollout stage and its tools) run.
+
+The same classes the driver places, constructed with the same slices, set up in the same order (callees
+before their callers) and wired the same way (each caller gets its callees by the roles of its call
+edges); a callee that must run elsewhere (a judge model on its GPU) is handed in as a Ray actor handle.
+"""
+from __future__ import annotations
+
+import contextlib
+import graphlib
+import inspect
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+from factory.contract import StageActor, peers_of
+from factory.plan import Plan
+from factory.types import Placement
+from factory.util import import_path
+
+
+def callees(plan: Plan, caller: str) -> list[str]:
+    """The stages `caller` calls along the plan's call edges, in the plan's order."""
+    called = {e.dst for e in plan.edges if e.kind == "call" and e.src == caller and e.method}
+    return [s.name for s in plan.stages if s.name in called]
+
+
+def runs_inline(plan: Plan, name: str) -> bool:
+    """Whether the stage declares that it may serve its callers from inside their process."""
+    return import_path(plan.stage(name).cls).CONTRACT.inline
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+@contextlib.asynccontextmanager
+async def local_stages(plan: Plan, names: Iterable[str],
+                       remote: Mapping[str, Any] | None = None) -> AsyncIterator[dict[str, StageActor]]:
+    """The stages `names` of `plan`, constructed here and set up, callees first, each handed its peers by
+    role (the stages here, or `remote`: stage name -> Ray actor handle); yields them by name and closes
+    every one on the way out (also those set up before one whose setup failed)."""
+    names = list(names)
+    remote = dict(remote or {})
+    calls = [e for e in plan.edges if e.kind == "call" and e.method]
+    order = graphlib.TopologicalSorter({n: {e.dst for e in calls if e.src == n and e.dst in names} for n in names})
+    stages: dict[str, StageActor] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for name in order.static_order():
+            s = plan.stage(name)
+            stage = import_path(s.cls)(s.settings)
+            stack.push_async_callback(_maybe_await_close, stage)
+            await _maybe_await(stage.setup(Placement(workdir=os.getcwd(),
+                                                     peers=peers_of(calls, name, {**remote, **stages}))))
+            stages[name] = stage
+        yield stages
+
+
+async def _maybe_await_close(stage: StageActor) -> None:
+    await _maybe_await(stage.close())
