@@ -32,7 +32,8 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
     from factory.compiler.compile import compile_file
     from factory.data import DataStage
     from factory.device import cpu
-    from factory.rollout.stage import RolloutStage, rollout_dtype
+    from factory.device import resolve_dtype
+    from factory.rollout.stage import RolloutStage
     from factory.tools.stage import ToolsStage
     from factory.types import Placement
 
@@ -93,7 +94,7 @@ async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
            if eval_size else {}),
         "cpu": device.name,
         "avx2_emulated": os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2",
-        "dtype": rollout_dtype(settings),
+        "dtype": resolve_dtype(settings.compute),
     }
 
 

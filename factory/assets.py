@@ -157,10 +157,15 @@ def _build_tiny_qwen3(out: Path) -> None:
 
 
 def _build_tiny_qwen3_calc(out: Path) -> None:
-    """tiny-qwen3 warmed up on the calculator exchange (factory/warmup.py)."""
-    from factory.warmup import build_tiny_qwen3_calc
+    """tiny-qwen3 warmed up on the calculator exchange (factory/warmup.py). The recipe trains on the
+    calculator server's own tool list, rendered by the rollout's chat format: it sits in a layer above
+    this one, so it is named by import path (no import runs back up a layer; README, "Layout")."""
+    from factory.util import import_object
 
-    build_tiny_qwen3_calc(out, resolve_model("factory:tiny-qwen3"))
+    import_object(WARMUP)(out, resolve_model("factory:tiny-qwen3"))
+
+
+WARMUP = "factory.warmup:build_tiny_qwen3_calc"
 
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {

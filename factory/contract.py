@@ -135,13 +135,13 @@ def check(plan: Plan) -> list[str]:
     stage; a stream edge out of a method that has a streamed form; the data source keeps a position and
     the trainer checkpoints (the loop saves and restores both); every peer role a slice names reached by
     a call edge of that stage."""
-    from factory.util import import_path
+    from factory.util import import_object
 
     out: list[str] = []
     classes: dict[str, type] = {}
     for s in plan.stages:
         try:
-            cls = import_path(s.cls)
+            cls = import_object(s.cls)
         except Exception as e:  # noqa: BLE001 -- any failure to import is this stage's problem
             out.append(f"stage {s.name}: cannot import {s.cls}: {type(e).__name__}: {e}")
             continue

@@ -1,6 +1,6 @@
 """What the hardware does fast, asked without importing torch (so `factory check` stays torch-free).
 
-Every `auto` dtype or autocast choice in every stage goes through `auto_dtype` / `fast_bf16` here: bf16
+Every `auto` dtype or autocast choice in every stage goes through `resolve_dtype` here: bf16
 only where the device computes it natively, float32 everywhere else. The reason is speed, not accuracy:
 on a CPU without AVX512-bf16 or AMX, oneDNN emulates bf16 and a matmul runs 30-60x slower than in
 float32 (measured: 1.2 vs 70.8 GFLOP/s on an AVX2-only AMD EPYC; 2.3 vs 90 on an AVX512 EPYC with
@@ -21,7 +21,10 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from factory.plan import Compute
 
 DeviceKind = Literal["cpu", "cuda"]
 
@@ -165,6 +168,15 @@ def auto_dtype(kind: DeviceKind, *, want_bf16: bool, weights: str = "float32") -
     if weights == "float16" and kind == "cuda":
         return "float16"
     return "float32"
+
+
+def resolve_dtype(compute: Compute) -> str:
+    """The dtype a stage computes in: its setting, or for `auto` what `auto_dtype` picks on its device. The
+    one rule every stage's `auto` goes through (the rollout's engine, a local judge's, the update's
+    autocast), asked on the stage's own machine."""
+    if compute.dtype != "auto":
+        return compute.dtype
+    return auto_dtype(compute.device, want_bf16=compute.want_bf16, weights=compute.weights)
 
 
 def half_precision_warning(kind: DeviceKind, dtype: str) -> str | None:

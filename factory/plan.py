@@ -49,6 +49,24 @@ class Settings(BaseModel):
         return []
 
 
+class Compute(Settings):
+    """Where a computing stage runs and what its `auto` dtype weighs: decided by the compiler. The dtype
+    itself is picked on the stage's own machine, by factory.device.resolve_dtype (the one rule)."""
+
+    device: Literal["cpu", "cuda"]  # cuda when the stage reserves a GPU (Ray makes one visible to it)
+    dtype: str  # the setting: a dtype, or auto
+    want_bf16: bool  # auto takes bfloat16 where the device computes it natively
+    weights: str = "float32"  # the model's stored dtype (model.dtype): auto keeps bf16/fp16 weights where native
+
+
+class EngineSettings(Settings):
+    """What a generation engine starts with (factory.rollout.engine.make_engine)."""
+
+    engine: Literal["auto", "hf", "vllm"]
+    batch_size: int  # most sequences in one batch
+    kv_cache_gb: float  # vLLM's KV cache
+
+
 class DataSettings(Settings):
     data: DataSpec
     seed: int
@@ -61,8 +79,8 @@ class RolloutSettings(Settings):
     model: ModelSpec
     chat_template: str | None
     rollout: RolloutSpec
-    bf16_autocast: bool  # train.bf16_autocast: rollout.dtype auto follows the update's precision
-    num_gpus: float  # resources.rollout.num_gpus: a replica with a GPU generates on CUDA
+    compute: Compute  # rollout.dtype on the device resources.rollout.num_gpus gives; auto follows the update's bf16
+    num_gpus: float  # resources.rollout.num_gpus
     seed: int
     threads: int | None
     base_dir: str
@@ -86,6 +104,7 @@ class RewardSettings(Settings):
     train_node: str  # the node whose value trains the policy
     base_dir: str
     whole_batch: bool  # a node normalises over the batch: one `score` call must hold a whole step
+    takes_turns: tuple[str, ...]  # function nodes whose function declares `turns` (the compiler read its signature)
     tool_peer: str | None  # the role of its call edge to the tool servers (tool nodes); None: none
     judge_peers: dict[str, str]  # judge node with a local model -> the role of its call edge to that model
 
@@ -96,6 +115,8 @@ class RewardSettings(Settings):
 class JudgeSettings(Settings):
     judge: LocalJudge  # rewards.<node>.local
     seed: int
+    compute: Compute  # the judge's dtype on the device its num_gpus gives (auto: bf16 where native)
+    engine: EngineSettings  # its engine; a batch holds the node's `concurrency` prompts
 
     def models(self) -> list[str]:
         return [self.judge.path]
@@ -109,13 +130,16 @@ class UpdateSettings(Settings):
     algorithm: Algorithm  # the preset filled in and overridden by the spec
     seed: int
     base_dir: str
+    # the device resources.update.num_gpus gives; dtype: the autocast's (auto under train.bf16_autocast with
+    # float32 weights: bf16 where native; float32: none)
+    compute: Compute
 
     def models(self) -> list[str]:
         return [self.model.path]
 
 
 class ClusterSettings(Settings):
-    ray_address: str | None
+    ray_address: str | None  # the cluster to join (resources.ray_address, else $RAY_ADDRESS); None: a local Ray
     object_store_gb: float
 
 
@@ -204,6 +228,11 @@ class Plan:
             if s.name == name:
                 return s
         raise KeyError(f"the plan has no stage {name!r}")
+
+    def from_env(self, path: str) -> bool:
+        """Whether the spec's value at dotted `path` (or a section holding it) came from the environment:
+        every view shows it as "***", and nothing derived from it (a tag, a param) may show it either."""
+        return any(path == m or path.startswith(m + ".") for m in self.masked)
 
     def sliced(self, kind: type[S]) -> S:
         """The one stage slice of type `kind`: the reward graph's (RewardSettings), the trainer's

@@ -1,15 +1,21 @@
-"""Small helpers shared by stages: import-path resolution, file lookup, the jinja environment."""
+"""Small helpers shared by every layer: the one import resolver, file lookup, the one jinja environment
+factory."""
 from __future__ import annotations
 
+import contextlib
+import difflib
 import importlib
 import json
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -18,19 +24,84 @@ class UserError(Exception):
     and exits with code 2, as for a spec error."""
 
 
-def import_path(spec: str) -> Callable[..., Any]:
-    """`package.module:attr` -> the attribute. The working directory is importable, so a user's
-    `rewards/` folder next to the spec works without installing it."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"'{spec}' is not an import path of the form module:function")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    module = importlib.import_module(module_name)
+# ------------------------------------------------------------------------------------- import paths
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RefError(UserError, ValueError):
+    """A `module:attr` reference that does not resolve; `str(e)` is the message shown to the user (the
+    compiler shows it at the line of the key that named it)."""
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A path relative to the working directory when it lies below it (stable across checkouts)."""
+    p = Path(path).resolve()
+    try:
+        return p.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+@contextlib.contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """`folder` on sys.path while importing (left as it was after: a stage process has already made its
+    working directory importable for good, factory.util.enter_workdir)."""
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+class _NoModule(RefError):
+    """The module itself is not there (not a module that failed while importing)."""
+
+
+def _import_module(module_name: str, ref: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise _NoModule(f"cannot import '{ref}': no module named '{e.name}'") from None
+        raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
+    except SyntaxError as e:
+        where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name
+        raise RefError(f"cannot import '{ref}': syntax error in {where}: {e.msg}") from None
+    except Exception as e:  # the user's module may raise anything while it is imported
+        raise RefError(f"cannot import '{ref}': importing '{module_name}' raised {type(e).__name__}: {e}") from None
+
+
+def import_object(ref: str, base_dir: Path | None = None) -> Any:
+    """`module:attr` -> the object it names, which must be callable (a reward function, a data generator,
+    a python tool, a stage class). The one import resolver: the compiler, every stage and the driver use
+    it. The module is imported as `python -m` would from the working directory, so a project's own
+    `rewards/` package works without installing it; a module found nowhere else is then looked up in
+    `base_dir` (the spec's folder, which then stays importable: python tools). Every way this can fail
+    is a `RefError` saying what."""
+    if not _IMPORT_PATH.match(ref):
+        raise RefError(f"expected an import path 'module:function', got '{ref}'")
+    module_name, _, attr = ref.partition(":")
+    with _importable(os.getcwd()):
+        try:
+            module = _import_module(module_name, ref)
+        except _NoModule:
+            if base_dir is None or str(base_dir) in sys.path:
+                raise
+            sys.path.insert(0, str(base_dir))
+            module = _import_module(module_name, ref)
     obj: Any = module
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise RefError(f"cannot import '{ref}': '{module_name}' has no attribute '{part}'{hint}")
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise RefError(f"'{ref}' is not callable")
     return obj
 
 
@@ -43,14 +114,41 @@ def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:
     return alt if alt.exists() else p
 
 
+# ----------------------------------------------------------------------------------------- templates
+# jinja's own tojson returns Markup and HTML-escapes '<', which would change the rendered text
+# (transformers registers a plain json.dumps for the same reason). A prompt's `tojson(indent)` takes
+# jinja's argument order; a chat template's takes transformers' (ensure_ascii first), as HF renders it.
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    # jinja's own tojson returns Markup and HTML-escapes '<', which would change the rendered prompt
-    # (transformers registers a plain json.dumps for the same reason).
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
-def template_env() -> jinja2.Environment:
-    """The sandboxed jinja environment for every user template (prompts, judges, chat templates)."""
+def _chat_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                 sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def template_env(kind: Literal["prompt", "chat"] = "prompt") -> jinja2.Environment:
+    """The one sandboxed jinja environment factory, for every template a spec names.
+
+    prompt: the user's templates (data.prompt, data.system_prompt, judge prompts, tool-node arguments):
+    a column the row lacks is an error (StrictUndefined), not an empty string. chat: a Hugging Face chat
+    template, compiled as transformers does so the output is byte-identical to
+    `tokenizer.apply_chat_template` (loop controls, `raise_exception`, `strftime_now`, undefined is
+    empty)."""
+    if kind == "chat":
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _chat_tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False,
                                         undefined=jinja2.StrictUndefined)
     env.filters["tojson"] = _tojson

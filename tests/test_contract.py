@@ -13,7 +13,7 @@ import pytest
 
 from factory.compiler.compile import compile_file
 from factory.contract import Call, Contract, ContractError, StageActor, check, peers_of
-from factory.util import import_path
+from factory.util import import_object
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_every_stage_class_declares_what_the_plan_calls(full_plan):
     assert {s.name for s in full_plan.stages} == {"data", "rollout", "tools", "reward", "judge.judged", "update"}
     assert check(full_plan) == []
     for s in full_plan.stages:
-        assert issubclass(import_path(s.cls), StageActor)
+        assert issubclass(import_object(s.cls), StageActor)
 
 
 def test_a_method_an_edge_calls_that_its_class_does_not_declare_is_a_compile_error(project, monkeypatch):
@@ -101,7 +101,7 @@ def test_every_stage_closes_before_setup_and_the_update_releases_its_learner(ful
     from factory.update.stage import UpdateStage
 
     for s in full_plan.stages:
-        stage = import_path(s.cls)(s.settings)
+        stage = import_object(s.cls)(s.settings)
         closed = stage.close()
         if inspect.isawaitable(closed):
             asyncio.run(closed)

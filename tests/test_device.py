@@ -68,11 +68,14 @@ def _spec(**sections) -> Spec:
 
 @pytest.mark.parametrize("probe,want", [(FAST, "bfloat16"), (SLOW, "float32")])
 def test_no_auto_setting_picks_bf16_where_it_is_slow(fake, probe, want):
-    from factory.rollout.stage import rollout_dtype
+    from factory.device import resolve_dtype
     from factory.update.engine import autocast_dtype
 
     fake(probe)
     torch = pytest.importorskip("torch")
+
+    def rollout_dtype(settings):
+        return resolve_dtype(settings.compute)
 
     def rollout(**sections):
         return stage_settings(_spec(**sections))["rollout"]
@@ -89,6 +92,10 @@ def test_no_auto_setting_picks_bf16_where_it_is_slow(fake, probe, want):
     assert autocast_dtype(update(train={"bf16_autocast": False})) is None
     # an explicit choice is the user's
     assert rollout_dtype(rollout(rollout={"dtype": "bfloat16"})) == "bfloat16"
+    # a local judge's auto: bf16 where native, through the same rule
+    judged = stage_settings(_spec(rewards={"j": {"llm_judge": "j.jinja", "local": {"path": "m"}}}))["judge.j"]
+    assert resolve_dtype(judged.compute) == want
+    assert resolve_dtype(judged.compute.model_copy(update={"dtype": "float32"})) == "float32"
 
 
 def test_auto_dtype_on_cuda(fake):

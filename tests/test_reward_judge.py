@@ -113,7 +113,7 @@ def test_a_judge_template_may_render_chat_messages(judge_server, tmp_path):
 
 
 def test_judge_messages_reads_a_message_list_or_wraps_text():
-    from factory.reward.judge import judge_messages
+    from factory.data.sources import messages_from_text as judge_messages  # the one text-or-messages rule
 
     assert judge_messages("Grade: 4") == [{"role": "user", "content": "Grade: 4"}]
     assert judge_messages(' [{"role": "user", "content": "hi"}]') == [{"role": "user", "content": "hi"}]

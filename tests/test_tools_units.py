@@ -13,7 +13,8 @@ from factory.tools.connection import ServerStartError, http_headers, stdio_param
 from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, backoff_delay
 from factory.tools.results import content_text, truncate_middle, value_text
-from factory.tools.servers import function_schema, load_function
+from factory.tools.servers import function_schema
+from factory.util import import_object
 from factory.tools.toolbox import (
     ToolBox,
     ToolEntry,
@@ -251,13 +252,14 @@ def test_function_schema_from_hints_and_docstring():
 
 
 def test_load_function_by_import_path():
-    assert load_function("tests.test_tools_units:word_count", None) is word_count
+    assert import_object("tests.test_tools_units:word_count") is word_count
     with pytest.raises(ValueError, match="module:function"):
-        load_function("tests.test_tools_units.word_count", None)
+        import_object("tests.test_tools_units.word_count")
 
 
 def test_from_spec_has_no_side_effects_and_start_names_the_failure():
     box = ToolBox.from_spec({"gone": PythonTool(function="no_such_module_xyz:fn")})  # nothing imported yet
     assert "no_such_module_xyz" not in sys.modules
-    with pytest.raises(ToolStartError, match="gone: No module named 'no_such_module_xyz'"):
+    with pytest.raises(ToolStartError,
+                       match="gone: cannot import 'no_such_module_xyz:fn': no module named 'no_such_module_xyz'"):
         asyncio.run(box.start())

@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     _, plan = compile_file(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
-    if not (plan.driver.resources.ray_address or os.environ.get("RAY_ADDRESS")):
+    if not plan.driver.resources.ray_address:
         # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
         # interface and advertise the machine's address; this flag (read when ray is imported, so set it
         # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.

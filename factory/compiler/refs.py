@@ -5,80 +5,16 @@ ImportError or SyntaxError escape: the compiler reports it at the line of the ke
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
-import importlib
 import inspect
 import json
-import os
-import re
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from factory.util import resolve_file
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-class RefError(Exception):
-    """A reference that does not resolve; `str(e)` is the message shown to the user."""
-
-
-def shown_path(path: str | os.PathLike) -> str:
-    """A path relative to the working directory when it lies below it (stable across checkouts)."""
-    p = Path(path).resolve()
-    try:
-        return p.relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return p.as_posix()
-
-
-@contextlib.contextmanager
-def _cwd_importable() -> Iterator[None]:
-    """The working directory on sys.path while importing, as at run time (`rewards/` next to the spec)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def import_object(ref: str) -> Any:
-    """`module:attr` -> the object; every way this can fail becomes a `RefError`."""
-    if not _IMPORT_PATH.match(ref):
-        raise RefError(f"expected an import path 'module:function', got '{ref}'")
-    module_name, _, attr = ref.partition(":")
-    with _cwd_importable():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-                raise RefError(f"cannot import '{ref}': no module named '{e.name}'") from None
-            raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
-        except SyntaxError as e:
-            where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name
-            raise RefError(f"cannot import '{ref}': syntax error in {where}: {e.msg}") from None
-        except Exception as e:  # the user's module may raise anything while it is imported
-            raise RefError(f"cannot import '{ref}': importing '{module_name}' raised "
-                           f"{type(e).__name__}: {e}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise RefError(f"cannot import '{ref}': '{module_name}' has no attribute '{part}'{hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RefError(f"'{ref}' is not callable")
-    return obj
+# The one import resolver and its error live in factory.util: every stage imports with it too.
+from factory.util import RefError, import_object, resolve_file, shown_path  # noqa: F401
 
 
 def source_file(obj: Any) -> Path | None:
@@ -122,10 +58,9 @@ def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group
     completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword, and `turns`
     when it declares it."""
     if group:
-        try:
-            turns = {"turns": []} if "turns" in inspect.signature(fn).parameters else {}
-        except (TypeError, ValueError):
-            turns = {}
+        from factory.reward.graph import takes_turns
+
+        turns = {"turns": []} if takes_turns(fn) else {}
         return _bind_problem(fn, ref, ("prompts", "completions", "rows"), {**turns, **args},
                              "f(prompts, completions, rows)", row_keywords=False)
     return _bind_problem(fn, ref, ("prompt", "completion"), args, "f(prompt, completion, **row)",
@@ -148,16 +83,12 @@ def find_file(path: str, base_dir: Path) -> Path | None:
 def template_problem(path: Path, chat_template: bool = False) -> str | None:
     """A jinja syntax error in a template, as `file:line: message`."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from factory.util import template_env
 
-    if chat_template:
-        # Hugging Face chat templates may use loop controls and the `generation` tag (transformers
-        # adds both); parse with the controls and let an unknown `generation` tag pass.
-        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-    else:
-        env = template_env()
+    # Hugging Face chat templates may use loop controls and the `generation` tag (transformers adds
+    # both): the chat environment has the controls, and an unknown `generation` tag passes below.
+    env = template_env("chat" if chat_template else "prompt")
     try:
         env.parse(path.read_text(encoding="utf-8"))
     except jinja2.TemplateSyntaxError as e:

@@ -15,7 +15,7 @@ import jinja2
 import pyarrow as pa
 
 from factory.schema import DataSource, DataSpec
-from factory.util import UserError, import_path, resolve_file, template_env
+from factory.util import UserError, import_object, resolve_file, template_env
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -29,7 +29,7 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None
     """All rows of one source as plain dicts, and where each came from (`file:line` for jsonl, `file row
     N` for parquet, `generator row N`), for error messages."""
     if source.generator is not None:
-        fn = import_path(source.generator)
+        fn = import_object(source.generator)
         rows = list(fn(n=source.size, seed=seed, **source.args))
         return rows, [f"{source.generator} row {i + 1}" for i in range(len(rows))]
     path = resolve_file(source.path, base_dir)
@@ -95,6 +95,20 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str])
     return None
 
 
+def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
+    """The chat messages a rendered template means: a JSON list of messages when the text starts with `[`
+    (worked examples as real chat turns), else the text as one user message. The one rule for
+    `data.prompt` and judge prompts. ValueError (naming `what`) when the JSON is broken or not such a list."""
+    if not text.lstrip().startswith("["):
+        return [{"role": "user", "content": text}]
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} rendered invalid JSON: {e}".lstrip()) from None
+    check_messages(messages)
+    return messages
+
+
 def check_messages(messages: Any) -> None:
     """Chat messages as templates and the rollout expect them: a non-empty list of {role, content}."""
     if not isinstance(messages, list) or not messages:
@@ -129,15 +143,8 @@ class PromptRenderer:
         """The row's chat messages; ValueError (or a jinja error naming a missing column) when the row
         cannot make them."""
         if self._prompt is not None:
-            text = self._render(self._prompt, row, "data.prompt")
-            # A template may render a whole JSON message list, or just the user's text.
-            if text.startswith("["):
-                try:
-                    messages = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"data.prompt rendered invalid JSON for this row: {e}") from None
-            else:
-                messages = [{"role": "user", "content": text}]
+            # a template may render a whole JSON message list, or just the user's text
+            messages = messages_from_text(self._render(self._prompt, row, "data.prompt"), "data.prompt")
         elif isinstance(row.get("prompt"), list):
             messages = [dict(m) if isinstance(m, dict) else m for m in row["prompt"]]
         elif isinstance(row.get("question", row.get("prompt")), str):

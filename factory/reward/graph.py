@@ -13,6 +13,7 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from factory.schema import (
@@ -29,7 +30,7 @@ from factory.schema import (
 )
 from factory.types import Trajectory
 from factory.util import UserError
-from factory.util import import_path
+from factory.util import import_object
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there
@@ -45,8 +46,18 @@ def node_inputs(node: Any) -> list[str]:
     return [name for name, _ in node.inputs()]
 
 
-def required_columns(spec: Spec) -> dict[str, str]:
-    """Data columns the reward functions cannot do without: column -> the node that needs it.
+def takes_turns(fn: Callable[..., Any]) -> bool:
+    """Whether a reward function declares a `turns` parameter: only then does the reward stage pass the
+    turns (a `**row` catch-all keeps receiving exactly the row). The compiler asks once per function."""
+    try:
+        return "turns" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = None) -> dict[str, str]:
+    """Data columns the reward functions cannot do without: column -> the node that needs it. `fns`: each
+    function node's function, as the compiler imported it (default: imported here).
 
     A reward function is called as `fn(prompt, completion, **row, **args)` (plus `turns` when it asks),
     so every other parameter that has no default and is not bound by the node's `args` must come from
@@ -57,7 +68,8 @@ def required_columns(spec: Spec) -> dict[str, str]:
         if not isinstance(node, FnNode) or node.group:
             continue
         try:
-            params = list(inspect.signature(import_path(node.fn)).parameters.values())[2:]
+            fn = fns[name] if fns is not None else import_object(node.fn)
+            params = list(inspect.signature(fn).parameters.values())[2:]
         except (TypeError, ValueError):  # no introspectable signature: nothing to require
             continue
         for p in params:

@@ -4,20 +4,18 @@ A judge node's requests -- from every `score` call of the reward actor, concurre
 one session: `EndpointSession` sends them as concurrent HTTP requests (at most `concurrency` in flight,
 failed ones retried with backoff); `LocalSession` gathers the requests waiting at a moment into batches of
 up to `concurrency` prompts for the `JudgeModel` actor, whose engine generates each batch together. Either
-way `reply(messages)` (from `judge_messages`) returns the reply's text or raises `JudgeError` saying what
+way `reply(messages)` (from factory.data.sources.messages_from_text) returns the reply's text or raises `JudgeError` saying what
 failed.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from typing import Any
 
 from factory.contract import Call, Contract, StageActor
-from factory.data.sources import check_messages
 from factory.plan import JudgeSettings
-from factory.schema import JudgeNode, LocalJudge
+from factory.schema import JudgeNode
 from factory.types import Placement
 from factory.util import enter_workdir, node_id
 
@@ -134,6 +132,7 @@ class JudgeModel(StageActor):
     CONTRACT = Contract(calls={"complete": Call("one")})
 
     def __init__(self, settings: JudgeSettings):
+        self.settings = settings
         self.cfg, self.seed = settings.judge, settings.seed
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
@@ -146,7 +145,13 @@ class JudgeModel(StageActor):
         path = resolve_model(self.cfg.path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.chat = ChatFormat(self.tokenizer)
-        self.engine = _engine(self.cfg, path, self.chat.stop_token_ids, self.seed)
+        from factory.device import resolve_dtype
+        from factory.rollout.engine import make_engine
+
+        s = self.settings
+        device, dtype = s.compute.device, resolve_dtype(s.compute)
+        self.engine = make_engine(s.engine, path, device=device, dtype=dtype, seed=self.seed,
+                                  stop_token_ids=self.chat.stop_token_ids)
         return {"node": node_id(), "model": path}
 
     async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str]:
@@ -158,30 +163,3 @@ class JudgeModel(StageActor):
         gens = await asyncio.gather(*(self.engine.generate(x, max_new_tokens=max_tokens, sampling=greedy)
                                       for x in ids))
         return [self.tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
-
-
-def judge_messages(text: str) -> list[dict[str, str]]:
-    """The judge's chat messages from its rendered template: a JSON message list, as `data.prompt` may
-    render (worked cases as real chat turns: a small judge follows those where it ignores examples inside
-    one message), or else the text as one user message. ValueError when the JSON is not such a list."""
-    if not text.lstrip().startswith("["):
-        return [{"role": "user", "content": text}]
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"rendered invalid JSON: {e}") from None
-    check_messages(messages)
-    return messages
-
-
-def _engine(cfg: LocalJudge, path: str, stop_token_ids: list[int], seed: int) -> Any:
-    """The judge's generation engine, made as the rollout makes its own (factory.rollout.engine)."""
-    from factory.device import auto_dtype, stage_device
-    from factory.rollout.engine import make_engine
-    from factory.schema import RolloutSpec
-
-    device = stage_device(cfg.num_gpus)
-    dtype = auto_dtype(device, want_bf16=True) if cfg.dtype == "auto" else cfg.dtype
-    return make_engine(RolloutSpec(engine=cfg.engine), path, device=device, dtype=dtype, seed=seed,
-                       stop_token_ids=stop_token_ids)
-

@@ -37,10 +37,10 @@ from factory.reward.graph import (
     roots,
     standardize,
 )
-from factory.reward.judge import judge_messages
+from factory.data.sources import messages_from_text
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
-from factory.util import enter_workdir, import_path, node_id, resolve_file, template_env
+from factory.util import enter_workdir, import_object, node_id, resolve_file, template_env
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class RewardStage(StageActor):
         env = template_env()
         for name, node in self.nodes.items():
             if isinstance(node, FnNode):
-                fn = import_path(node.fn)
-                self._fns[name] = (functools.partial(fn, **node.args), _takes_turns(fn))
+                fn = import_object(node.fn)
+                self._fns[name] = (functools.partial(fn, **node.args), name in self.settings.takes_turns)
             elif isinstance(node, ToolNode):
                 self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
@@ -119,15 +119,6 @@ class RewardStage(StageActor):
         if inspect.iscoroutinefunction(fn):
             return await fn(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-
-
-def _takes_turns(fn: Callable[..., Any]) -> bool:
-    """Whether a reward function declares a `turns` parameter (only then does it get the turns: a
-    `**row` catch-all keeps receiving exactly the row)."""
-    try:
-        return "turns" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 @dataclass
@@ -270,7 +261,7 @@ class _Evaluation:
     async def _judge(self, name: str, node: JudgeNode, i: int) -> _Outcome:
         t = self.trajs[i]
         try:
-            messages = judge_messages(self.s._templates[name].render(
+            messages = messages_from_text(self.s._templates[name].render(
                 {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns}))
         except Exception as e:  # a template that reads a column the row lacks, or renders a broken message list
             return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})

@@ -8,15 +8,12 @@ as the whole conversation does under `tokenizer.apply_chat_template`.
 """
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from factory.types import ToolResult
+from factory.util import template_env
 
 # Stands in for the model's text when rendering; the template must copy it verbatim (every template we
 # know does: the assistant content is output as is).
@@ -26,24 +23,8 @@ _PROBE_USER = "FACTORY-PROBE-QUERY"
 
 def compile_template(template: str) -> jinja2.Template:
     """Compile a chat template the way transformers does, so the output is byte-identical to
-    `tokenizer.apply_chat_template`: a sandboxed environment, trim/lstrip blocks, loop controls, and a
-    plain json.dumps `tojson` (jinja's own returns Markup and HTML-escapes `<tool_call>`)."""
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(template)
+    `tokenizer.apply_chat_template` (the chat kind of factory.util.template_env)."""
+    return template_env("chat").from_string(template)
 
 
 class ChatFormat:

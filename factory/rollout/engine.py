@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from factory.plan import EngineSettings
     from factory.schema import RolloutSpec
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,13 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_engine(settings: RolloutSpec, model_path: str, *, device: str, dtype: str, seed: int,
+def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, device: str, dtype: str, seed: int,
                 stop_token_ids: Sequence[int] = (), threads: int | None = None) -> Engine:
     """The generation engine `settings.engine` names, on `device` ("cpu" or "cuda"), with weights in
-    `dtype` (a concrete dtype: resolve `auto` with factory.device.auto_dtype first).
+    `dtype` (a concrete dtype: resolve `auto` with factory.device.resolve_dtype first).
 
     Reads `engine`, `batch_size` (most sequences in one batch) and `kv_cache_gb` (vLLM's KV cache) from
-    the rollout settings. `auto` tries vLLM and falls back to transformers when vLLM is not installed
+    the rollout's settings or a local judge's (its slice's EngineSettings). `auto` tries vLLM and falls back to transformers when vLLM is not installed
     or cannot run this model here (the reason is logged and kept in `engine.fallback_reason`); an
     explicit `vllm` fails loudly instead."""
     from factory.rollout.engine_hf import HFEngine

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from factory.contract import Call, Contract, StageActor
-from factory.device import stage_device
+from factory.device import resolve_dtype
 from factory.plan import RolloutSettings
 from factory.tools.metrics import ToolMetrics
 from factory.types import Placement, ToolCall, ToolResult, Trajectory
@@ -80,15 +80,6 @@ class _Timed:
             self._clock.exit(self._kind)
 
 
-def rollout_dtype(settings: RolloutSettings) -> str:
-    """The rollout engine's weight dtype (see RolloutSpec.dtype): `auto` asks the rollout's device."""
-    from factory.device import auto_dtype, stage_device
-
-    if settings.rollout.dtype != "auto":
-        return settings.rollout.dtype
-    return auto_dtype(stage_device(settings.num_gpus), want_bf16=settings.bf16_autocast, weights=settings.model.dtype)
-
-
 @dataclass
 class RolloutPart:
     """One replica's answer to a batch: its trajectories and what it measured, merged over replicas by
@@ -136,7 +127,7 @@ class RolloutStage(StageActor):
         template = (resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None)
         self.chat = ChatFormat(tokenizer, template)
         self.tokenizer = tokenizer
-        device, dtype = stage_device(s.num_gpus), rollout_dtype(s)
+        device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
                                   stop_token_ids=self.chat.stop_token_ids, threads=s.threads)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)

@@ -34,7 +34,7 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
 from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
 from factory.types import Placement
-from factory.util import import_path
+from factory.util import import_object
 
 if TYPE_CHECKING:
     from factory.runtime.resume import Resume
@@ -61,8 +61,9 @@ _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", 
 
 
 def start_ray(cluster: ClusterSettings) -> None:
-    """Join $RAY_ADDRESS / resources.ray_address, else start a small local Ray of our own."""
-    address = cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
+    local Ray of our own."""
+    address = cluster.ray_address
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only cluster: no token needed
     if address:
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
@@ -188,7 +189,7 @@ def start_group(stage: Stage) -> Group:
     its own bundle of the stage's placement group."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cls = import_path(stage.cls)
+    cls = import_object(stage.cls)
     pg = _placement_group(stage)
     custom = {k: v for k, v in stage.resources.items() if k not in ("CPU", "GPU")}
     actors = []

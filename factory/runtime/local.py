@@ -17,7 +17,7 @@ from typing import Any
 from factory.contract import StageActor, peers_of
 from factory.plan import Plan
 from factory.types import Placement
-from factory.util import import_path
+from factory.util import import_object
 
 
 def callees(plan: Plan, caller: str) -> list[str]:
@@ -28,7 +28,7 @@ def callees(plan: Plan, caller: str) -> list[str]:
 
 def runs_inline(plan: Plan, name: str) -> bool:
     """Whether the stage declares that it may serve its callers from inside their process."""
-    return import_path(plan.stage(name).cls).CONTRACT.inline
+    return import_object(plan.stage(name).cls).CONTRACT.inline
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -49,7 +49,7 @@ async def local_stages(plan: Plan, names: Iterable[str],
     async with contextlib.AsyncExitStack() as stack:
         for name in order.static_order():
             s = plan.stage(name)
-            stage = import_path(s.cls)(s.settings)
+            stage = import_object(s.cls)(s.settings)
             stack.push_async_callback(_maybe_await_close, stage)
             await _maybe_await(stage.setup(Placement(workdir=os.getcwd(),
                                                      peers=peers_of(calls, name, {**remote, **stages}))))

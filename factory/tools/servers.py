@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import logging
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
 from factory.tools.results import content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
+from factory.util import import_object
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class PythonFunction:
         self.schema: dict[str, Any] = {}
 
     async def start(self) -> None:
-        self.fn = load_function(self.spec.function, self._base_dir)
+        self.fn = import_object(self.spec.function, self._base_dir)
         self.schema = function_schema(self.fn, self.name)
 
     async def close(self) -> None:
@@ -291,26 +290,6 @@ class PythonFunction:
             except Exception as exc:
                 return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
         return ToolResult(tool=tool, text=value_text(value)), False
-
-
-def load_function(path: str, base_dir: Path | None) -> Callable[..., Any]:
-    """The function named by `module:function`; `base_dir` joins sys.path if the module is not found."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"python tool {path!r}: expected `module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError:
-        if base_dir is None or str(base_dir) in sys.path:
-            raise
-        sys.path.insert(0, str(base_dir))
-        module = importlib.import_module(module_name)
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TypeError(f"python tool {path!r} is not callable")
-    return fn
 
 
 def function_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:

@@ -268,13 +268,13 @@ class Tracker:
         `extra_artifacts`, such as where each stage was placed) as artifacts. Name, params and tags come
         from the plan, where values taken from the environment are masked. Returns the plan with its tool
         schemas hashed."""
-        from factory.compiler.compile import MASK, plan_json, with_tool_listing
+        from factory.compiler.compile import plan_json, with_tool_listing
 
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"])
         # Where checkpoints go (read by `factory export RUN`); not recorded when the path came from the env.
-        self.record_checkpoints = shown["train"]["checkpoint_dir"] != MASK
+        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
         if self.record_checkpoints:
             tags["factory.checkpoint_dir"] = str(Path(plan.driver.train.checkpoint_dir).resolve())
         self.start(run_name(shown["name"]), {**shown, **(extra_params or {})}, tags,
@@ -289,13 +289,13 @@ class Tracker:
         with its tool schemas hashed."""
         import mlflow
 
-        from factory.compiler.compile import MASK, plan_json, with_tool_listing
+        from factory.compiler.compile import plan_json, with_tool_listing
 
         plan = with_tool_listing(plan, listing)
         mlflow.set_tracking_uri(self.uri)
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
-        self.record_checkpoints = plan.spec["train"]["checkpoint_dir"] != MASK
+        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
         self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),

@@ -118,14 +118,12 @@ def on_cuda() -> bool:
 
 
 def autocast_dtype(spec: UpdateSettings) -> torch.dtype | None:
-    """bf16 autocast when asked and the device computes bf16 natively (factory.device); None = run in the
-    weights' dtype. Only for fp32 weights: bf16/fp16 weights (model.dtype) are DeepSpeed's mixed
-    precision instead."""
-    from factory.device import fast_bf16
+    """bf16 autocast when asked and the update's device computes bf16 natively (factory.device's one rule,
+    on the slice's `compute`); None = run in the weights' dtype. Only for fp32 weights: bf16/fp16 weights
+    (model.dtype) are DeepSpeed's mixed precision instead (the compiler then asks for no autocast)."""
+    from factory.device import resolve_dtype
 
-    if not spec.train.bf16_autocast or spec.model.dtype != "float32":
-        return None
-    return torch.bfloat16 if fast_bf16("cuda" if on_cuda() else "cpu") else None
+    return torch.bfloat16 if resolve_dtype(spec.compute) == "bfloat16" else None
 
 
 def autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:

@@ -78,8 +78,9 @@ class Learner:
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        if not torch.cuda.is_available():
-            # Say what DeepSpeed would otherwise guess, loudly, on every start ("Setting accelerator to CPU").
+        if self.spec.compute.device == "cpu":
+            # The compiler's device (no GPU reserved). Say it before DeepSpeed guesses, loudly, on every start
+            # ("Setting accelerator to CPU"), or takes a GPU this stage did not reserve.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
         import deepspeed.comm as dist
