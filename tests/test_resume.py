@@ -14,7 +14,8 @@ import pytest
 from factory.commands import cli
 from factory.compiler.compile import compile_file, plan_json
 from factory.runtime.resume import ResumeError, find
-from factory.tracking.mlflow_tracker import DRIVER_TAG, Tracker
+from factory.tracking.mlflow_tracker import DRIVER_TAG
+from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
 from factory.update.checkpoint import write_run_state
 
 REPO = Path(__file__).resolve().parents[1]

@@ -155,10 +155,11 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
     # the plan's judge.judge stage, placed as the driver places it, then called along its call edge
     from factory.reward.judge import JudgeModel
 
-    judge = ray.remote(JudgeModel).options(num_cpus=0).remote(stage_settings(spec, tmp_path)["judge.judge"])
+    settings = stage_settings(spec, tmp_path)
+    judge = ray.remote(JudgeModel).options(num_cpus=0).remote(settings["judge.judge"])
     try:
         ray.get(judge.setup.remote())
-        trajs, m = _score(spec, trajs, tmp_path, {"judge.judge": judge})
+        trajs, m = _score(spec, trajs, tmp_path, {settings["reward"].judge_peers["judge"]: judge})  # by its role
     finally:
         ray.kill(judge)
     # The same prompts, greedily, through the same engine in this process.

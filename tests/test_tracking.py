@@ -7,7 +7,8 @@ import pytest
 from factory import device
 
 from factory.rollout.stage import BusyClock
-from factory.tracking.mlflow_tracker import Tracker, flatten, trajectory_records
+from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
+from factory.tracking.mlflow_tracker import flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 
@@ -210,14 +211,16 @@ def test_run_time_tool_hash_equals_check_connect(monkeypatch):
 
 
 def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
-    from types import SimpleNamespace as NS
-
     from factory.commands.diff import environment_changes
+    from factory.tracking.tracker import TrackedRun
 
-    a = NS(data=NS(tags={"factory.cpu": "AMD EPYC", "factory.version.torch": "2.13.0", "factory.plan_hash": "1"},
-                   params={"resolved.rollout.dtype": "bfloat16", "train.lr": "1e-05"}))
-    b = NS(data=NS(tags={"factory.cpu": "AMD EPYC", "factory.version.torch": "2.14.0", "factory.plan_hash": "2"},
-                   params={"resolved.rollout.dtype": "float32", "train.lr": "3e-06"}))
+    def run(tags, params):
+        return TrackedRun("r", "r", "0", "FINISHED", None, None, tags=tags, params=params)
+
+    a = run({"factory.cpu": "AMD EPYC", "factory.version.torch": "2.13.0", "factory.plan_hash": "1"},
+            {"resolved.rollout.dtype": "bfloat16", "train.lr": "1e-05"})
+    b = run({"factory.cpu": "AMD EPYC", "factory.version.torch": "2.14.0", "factory.plan_hash": "2"},
+            {"resolved.rollout.dtype": "float32", "train.lr": "3e-06"})
     assert environment_changes(a, b) == [
         {"key": "factory.version.torch", "a": "2.13.0", "b": "2.14.0"},
         {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]

@@ -182,7 +182,7 @@ def _track_plan(work: Path, uri: str, monkeypatch) -> str:
     (a real ToolBox), their listing hashed into the plan, the MLflow run opened. Returns the run id."""
     from factory.compiler.compile import compile_file
     from factory.tools import ToolBox
-    from factory.tracking.mlflow_tracker import Tracker
+    from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
 
     monkeypatch.chdir(work)
     spec, plan = compile_file("specs/tiny.yaml", ["tools.calc.args=[-m,calc_tools]"])
@@ -290,7 +290,7 @@ def test_factory_ui_serves_the_configured_store(tmp_path):
     and the runs of that store (with their artifacts) are there."""
     import time
 
-    from factory.tracking.mlflow_tracker import Tracker
+    from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
     from tests.servers import free_port
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -4,6 +4,7 @@ and trained for one step with `factory run` from that folder, using Factory's bu
 own; then `factory rescore` scores the finished run again with one weight changed."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -116,6 +117,11 @@ def test_rescore_moves_the_reward_by_exactly_the_changed_weight(user_run, tmp_pa
     (new,) = client.search_runs([run.info.experiment_id], f"tags.`factory.rescore_of` = '{old_id}'")
     new_id = new.info.run_id
     assert new_id in out.stdout and new.data.tags["factory.rescored_steps"] == "0, 1"
+    # tagged as `factory run` tags a run: `factory runs` reads its plan hash, `factory diff` what it ran on
+    hashes = json.loads(Path(client.download_artifacts(new_id, "plan.json", str(tmp_path))).read_text())["hashes"]
+    tags = new.data.tags
+    assert tags["factory.plan_hash"] == hashes["run"] and tags["factory.spec_hash"] == hashes["spec"]
+    assert tags["factory.cpu"] == run.data.tags["factory.cpu"] and "factory.version.torch" in tags
     # total = mine + w_clean clean + w_tried tried: the mean moves by (0.6 - 0.1) x mean(node) and every
     # node's own mean stays put.
     moved = _metric(client, new_id, "reward/mean", 1) - _metric(client, old_id, "reward/mean", 1)

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
-from factory.tracking.runs import RunLookupError
+from factory.tracking.tracker import RunLookupError
 from factory.util import UserError
 
 

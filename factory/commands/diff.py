@@ -18,11 +18,10 @@ import json
 import math
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from factory.tracking.runs import RunLookupError, client_for, find_run
-from factory.tracking.mlflow_tracker import flatten, tracking_uri
+from factory.tracking.mlflow_tracker import flatten
+from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
 
 # plan.hashes section -> the kind of change it names
 _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data", "code": "tool_code",
@@ -41,14 +40,14 @@ class NoPlanError(RunLookupError):
 class RunRecord:
     """What diff reads of one run."""
 
-    run: Any
+    run: TrackedRun
     plan: dict[str, Any]
     tools: dict[str, list[dict[str, Any]]] | None  # tools.json, when the run recorded it
     trajectories: list[dict[str, Any]] = field(default_factory=list)  # rows of every step's tables, with split
 
     @property
     def label(self) -> str:
-        return f"{self.run.info.run_name} ({self.run.info.run_id[:8]})"
+        return f"{self.run.name} ({self.run.run_id[:8]})"
 
 
 # ------------------------------------------------------------------------------------------- plans
@@ -119,12 +118,12 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
     return warnings
 
 
-def environment_changes(run_a: Any, run_b: Any) -> list[dict[str, Any]]:
+def environment_changes(run_a: TrackedRun, run_b: TrackedRun) -> list[dict[str, Any]]:
     """Where and how the runs ran, when it differs: versions, CPU, GPU, commits (tags) and what each stage
     chose on its device (`resolved.*` params: engine, device, dtypes)."""
-    def of(run: Any) -> dict[str, str]:
-        return {**{k: v for k, v in run.data.tags.items() if k.startswith(_ENVIRONMENT)},
-                **{k: v for k, v in run.data.params.items() if k.startswith("resolved.")}}
+    def of(run: TrackedRun) -> dict[str, str]:
+        return {**{k: v for k, v in run.tags.items() if k.startswith(_ENVIRONMENT)},
+                **{k: v for k, v in run.params.items() if k.startswith("resolved.")}}
 
     a, b = of(run_a), of(run_b)
     return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -176,10 +175,10 @@ def metric_rows(history_a: dict[str, list[tuple[int, float]]],
     return rows
 
 
-def _histories(client: Any, run: Any) -> dict[str, list[tuple[int, float]]]:
-    keys = [k for k in run.data.metrics if k == "reward/mean" or k.startswith(("eval/", "timing/", "perf/"))
+def _histories(tracker: Tracker, run: TrackedRun) -> dict[str, list[tuple[int, float]]]:
+    keys = [k for k in run.metrics if k == "reward/mean" or k.startswith(("eval/", "timing/", "perf/"))
             or (k.startswith("rewards/") and k.endswith("/mean"))]
-    return {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
+    return {k: tracker.metric_history(run.run_id, k) for k in keys}
 
 
 # ------------------------------------------------------------------------------------ trajectories
@@ -230,38 +229,35 @@ def common_prompts(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]]) -
     return out
 
 
-def _trajectory_rows(client: Any, run_id: str) -> list[dict[str, Any]]:
+def _trajectory_rows(tracker: Tracker, run_id: str) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for folder, split in (("eval_trajectories", "eval"), ("trajectories", "train")):
-            files = [f.path for f in client.list_artifacts(run_id, folder) if f.path.endswith(".parquet")]
-            for path in files:
-                local = client.download_artifacts(run_id, path, tmp)
+            for path in (p for p in tracker.artifacts(run_id, folder) if p.endswith(".parquet")):
+                local = tracker.download(run_id, path, tmp)
                 rows += [{**r, "split": split} for r in pq.read_table(local).to_pylist()]
     return rows
 
 
 # ------------------------------------------------------------------------------------------- compare
-def load(client: Any, ref: str, uri: str) -> RunRecord:
-    run = find_run(client, ref, uri)
-    run_id = run.info.run_id
-    names = {f.path for f in client.list_artifacts(run_id)}
+def load(tracker: Tracker, ref: str) -> RunRecord:
+    run = tracker.run(ref)
+    run_id = run.run_id
+    names = set(tracker.artifacts(run_id))
     if "plan.json" not in names:
-        raise NoPlanError(f"run {run.info.run_name} ({run_id}) has no plan.json artifact: it was not made by "
+        raise NoPlanError(f"run {run.name} ({run_id}) has no plan.json artifact: it was not made by "
                           "`factory run`, or its upload failed; what defined it is unknown, so it cannot be compared")
     with tempfile.TemporaryDirectory() as tmp:
-        plan = json.loads(Path(client.download_artifacts(run_id, "plan.json", tmp)).read_text())
-        tools = (json.loads(Path(client.download_artifacts(run_id, "tools.json", tmp)).read_text())
-                 if "tools.json" in names else None)
-    return RunRecord(run, plan, tools, _trajectory_rows(client, run_id))
+        plan = json.loads(tracker.download(run_id, "plan.json", tmp).read_text())
+        tools = json.loads(tracker.download(run_id, "tools.json", tmp).read_text()) if "tools.json" in names else None
+    return RunRecord(run, plan, tools, _trajectory_rows(tracker, run_id))
 
 
 def _side(r: RunRecord) -> dict[str, Any]:
-    info, tags = r.run.info, r.run.data.tags
-    return {"run_id": info.run_id, "name": info.run_name, "spec": tags.get("factory.spec_name"),
-            "status": info.status, "plan_hash": r.plan.get("hashes", {}).get("run")}
+    return {"run_id": r.run.run_id, "name": r.run.name, "spec": r.run.tags.get("factory.spec_name"),
+            "status": r.run.status, "plan_hash": r.plan.get("hashes", {}).get("run")}
 
 
 def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, float]]],
@@ -285,10 +281,9 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
 
 
 def main(args: Any) -> int:
-    uri = tracking_uri(getattr(args, "uri", None))
-    client = client_for(uri)
-    a, b = load(client, args.run_a, uri), load(client, args.run_b, uri)
-    report = compare(a, b, _histories(client, a.run), _histories(client, b.run))
+    tracker = open_tracker(getattr(args, "uri", None))
+    a, b = load(tracker, args.run_a), load(tracker, args.run_b)
+    report = compare(a, b, _histories(tracker, a.run), _histories(tracker, b.run))
     full = report.pop("_prompts_full")
     if full:
         if not 0 <= args.prompt < len(full):

@@ -34,16 +34,13 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
     path = Path(run).expanduser()
     if path.is_dir():
         return path
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from factory.tracking.tracker import RunLookupError, open_tracker
 
-    from factory.tracking.mlflow_tracker import tracking_uri
-
+    tracker = open_tracker(uri)
     try:
-        found = MlflowClient(tracking_uri(uri)).get_run(run)
-    except MlflowException:
-        raise ExportError(f"'{run}' is neither a checkpoint folder nor an MLflow run id in {tracking_uri(uri)}") from None
-    tags = found.data.tags
+        tags = tracker.run(run).tags
+    except RunLookupError:
+        raise ExportError(f"'{run}' is neither a checkpoint folder nor an MLflow run id in {tracker.uri}") from None
     if CHECKPOINT_DIR_TAG in tags:
         return Path(tags[CHECKPOINT_DIR_TAG])
     if CHECKPOINT_TAG in tags:

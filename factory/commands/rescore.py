@@ -20,6 +20,7 @@ from typing import Any
 from factory.plan import Plan
 from factory.reward.graph import eval_metrics
 from factory.schema import Spec
+from factory.tracking.tracker import Tracker
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 from factory.util import UserError
 
@@ -65,17 +66,16 @@ def parse_steps(text: str) -> set[int]:
     return steps
 
 
-def _saved(client: Any, run_id: str, folder: str) -> dict[int, str]:
+def _saved(tracker: Tracker, run_id: str, folder: str) -> dict[int, str]:
     """step -> artifact path of the run's saved trajectory tables in `folder`."""
-    return {int(m[1]): f.path for f in client.list_artifacts(run_id, folder)
-            if (m := _STEP_FILE.search(f.path))}
+    return {int(m[1]): path for path in tracker.artifacts(run_id, folder) if (m := _STEP_FILE.search(path))}
 
 
-def _load(client: Any, run_id: str, steps: set[int] | None) -> dict[tuple[str, int], list[Trajectory]]:
+def _load(tracker: Tracker, run_id: str, steps: set[int] | None) -> dict[tuple[str, int], list[Trajectory]]:
     import pyarrow.parquet as pq
 
     found = {(split, step): path for split, folder in SPLITS.items()
-             for step, path in _saved(client, run_id, folder).items() if steps is None or step in steps}
+             for step, path in _saved(tracker, run_id, folder).items() if steps is None or step in steps}
     if not found:
         raise RescoreError(f"run {run_id} has no saved trajectories" + (
             f" at steps {_shown(steps)}" if steps else ""))
@@ -84,7 +84,7 @@ def _load(client: Any, run_id: str, steps: set[int] | None) -> dict[tuple[str, i
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for key, path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] != "eval")):
-            table = pq.read_table(client.download_artifacts(run_id, path, tmp))
+            table = pq.read_table(tracker.download(run_id, path, tmp))
             if "turns" not in table.column_names:
                 raise RescoreError(f"run {run_id} saved its trajectories without their data rows and turns (it "
                                    "was made before `factory rescore` existed): it cannot be rescored")
@@ -116,19 +116,18 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
 
 def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
     """Score run `run_id`'s saved trajectories with `spec`'s reward graph and log a new MLflow run."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from factory.tracking.tracker import RunLookupError, open_tracker
 
-    from factory.tracking.mlflow_tracker import Tracker
-
-    client = MlflowClient(uri)
+    store = open_tracker(uri)
     try:
-        old = client.get_run(run_id)
-    except MlflowException:
+        old = store.run(run_id)
+    except RunLookupError:
         raise RescoreError(f"no run '{run_id}' in {uri}") from None
-    batches = _load(client, run_id, steps)
+    run_id = old.run_id  # as given: an id, an id prefix or a run name
+    tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
+    batches = _load(tracker, run_id, steps)
     notes = []
-    per_step = _int(old.data.params.get("train.prompts_per_step")) * _int(old.data.params.get("rollout.group_size"))
+    per_step = _int(old.params.get("train.prompts_per_step")) * _int(old.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
         if split == "train" and per_step and len(trajs) < per_step:
             notes.append(f"step {step}: {len(trajs)} of {per_step} trajectories were saved (a run made before "
@@ -161,11 +160,12 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         metrics[(split, step)] = (m if split == "train" else eval_metrics(m, plan.metrics))
 
     from factory.compiler.compile import plan_json
+    from factory.tracking.mlflow_tracker import run_tags
 
-    tracker = Tracker(uri, client.get_experiment(old.info.experiment_id).name)
-    tags = {"factory.rescore_of": run_id, "factory.spec_hash": plan.hashes["spec"],
-            "factory.run_hash": plan.hashes["run"], "factory.rescored_steps": _shown({s for _, s in batches}),
-            **spec.tracking.tags}
+    # what identifies a run, as `factory run` tags it (spec name and hash, plan hash, what it ran on), and
+    # what this one rescored
+    tags = {**run_tags(plan.hashes, spec.name, spec.tracking.tags), "factory.rescore_of": run_id,
+            "factory.rescored_steps": _shown({s for _, s in batches})}
     tracker.start(f"{spec.name}-rescore", plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
     try:
         for (split, step), trajs in batches.items():
@@ -189,24 +189,24 @@ def _int(value: str | None) -> int:
 # -------------------------------------------------------------------------------------------- command
 def main(args: Any) -> int:
     """`factory rescore`: compile the new spec, rescore, print old -> new per step."""
-    from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.table import Table
 
     from factory.compiler.compile import compile_file
     from factory.tracking.mlflow_tracker import tracking_uri
+    from factory.tracking.tracker import open_tracker
 
     spec, plan = compile_file(args.spec, args.overrides)
     uri = args.uri or tracking_uri(spec.tracking.uri)
     result = rescore(args.run, spec, plan, uri=uri, steps=args.steps)
-    client = MlflowClient(uri)
+    tracker = open_tracker(uri)
     console = Console()
     table = Table(title=f"run {args.run} rescored with {args.spec}")
     for column in ("step", "metric", "before", "after"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
-            before = _history(client, args.run, key, step)
+            before = _history(tracker, result.rescore_of, key, step)
             table.add_row(str(step), key, "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
     console.print(table)
     for note in result.notes:
@@ -215,6 +215,6 @@ def main(args: Any) -> int:
     return 0
 
 
-def _history(client: Any, run_id: str, key: str, step: int) -> float | None:
-    values = [m.value for m in client.get_metric_history(run_id, key) if m.step == step]
+def _history(tracker: Tracker, run_id: str, key: str, step: int) -> float | None:
+    values = [value for at, value in tracker.metric_history(run_id, key) if at == step]
     return values[-1] if values else None

@@ -38,6 +38,7 @@ from factory.util import import_object
 
 if TYPE_CHECKING:
     from factory.runtime.resume import Resume
+    from factory.tracking.tracker import Tracker
 
 # How long a stage's placement group may wait for its resources on a cluster that has them in total
 # (busy with other jobs, or an autoscaler adding nodes) before the run gives up with a clear message.
@@ -483,7 +484,7 @@ class Updates:
         return done
 
 
-def train_loop(g: Groups, plan: Plan, tracker: Any, display: Any, record: SessionRecord,
+def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: SessionRecord,
                resume: Resume | None = None) -> RunResult:
     d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
     # a resumed run keeps its folder (absolute, from its tags), whichever directory it is resumed from
@@ -533,12 +534,12 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
     """Run a compiled plan end to end (or continue the run `resume` names, see factory.runtime.resume); returns the
     MLflow run id and before/after eval metrics."""
     from factory.runtime.display import Display
-    from factory.tracking.mlflow_tracker import Tracker, tracking_uri
+    from factory.tracking.tracker import open_tracker
 
     t_start, d = time.perf_counter(), plan.driver
     display = Display(d.train.steps)
-    uri = tracking_uri(d.tracking.uri)
-    tracker = Tracker(uri, d.tracking.experiment)
+    tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
+    uri = tracker.uri
     with display:
         ended = reap_orphans()
         if ended:

@@ -20,7 +20,6 @@ a run with no step left to do.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import tempfile
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.tracking.mlflow_tracker import DRIVER_TAG
+from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state
 from factory.util import UserError
 
@@ -73,47 +73,45 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     """The run to resume: `ref` (a run id, id prefix or name), else the newest unfinished run of this plan's
     spec (same spec name and hash) in `experiment`. `train`: the spec's train settings (steps, and the
     checkpoint folder of a run that recorded none)."""
-    from mlflow.tracking import MlflowClient
+    from factory.tracking.tracker import open_tracker
 
-    from factory.tracking.runs import find_run
-
-    client = MlflowClient(uri)
+    tracker = open_tracker(uri)
     name = plan.spec["name"]
-    run = find_run(client, ref, uri) if ref else _newest_resumable(client, plan, experiment, uri)
-    tags = run.data.tags
+    run = tracker.run(ref) if ref else _newest_resumable(tracker, plan, experiment, uri)
+    tags = run.tags
     if tags.get("factory.spec_name") != name:
-        raise ResumeError(f"run {run.info.run_id} is not a run of spec '{name}' "
+        raise ResumeError(f"run {run.run_id} is not a run of spec '{name}' "
                           f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
-    if run.info.status == "RUNNING" and _driver_alive(tags.get(DRIVER_TAG)):
-        raise ResumeError(f"run {run.info.run_id} is still running (driver pid "
+    if run.status == "RUNNING" and _driver_alive(tags.get(DRIVER_TAG)):
+        raise ResumeError(f"run {run.run_id} is still running (driver pid "
                           f"{json.loads(tags[DRIVER_TAG])['pid']}): stop it first (Ctrl-C saves a checkpoint)")
-    changed = changes(plan, client, run)
+    changed = changes(plan, tracker, run)
     if changed and not allow_spec_change:
-        raise ResumeError(f"run {run.info.run_id} was trained with a different {', '.join(changed)} than this "
+        raise ResumeError(f"run {run.run_id} was trained with a different {', '.join(changed)} than this "
                           f"spec and overrides give: resume with the same spec and overrides, or pass "
                           "--allow-spec-change to continue it under the changed one (recorded on the run)")
     directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
-    checkpoint, state = newest_checkpoint(directory, run.info.run_id)
+    checkpoint, state = newest_checkpoint(directory, run.run_id)
     step = int(state["step"]) if checkpoint else 0
     if step >= train.steps:
-        raise ResumeError(f"run {run.info.run_id} has done all {train.steps} steps (its checkpoint "
+        raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
-    return Resume(run.info.run_id, run.info.run_name, directory, checkpoint, step, logged_step(client, run),
-                  state.get("data") if checkpoint else None, before=step0_eval(client, run),
-                  checkpoints=_artifact_json(client, run.info.run_id, "checkpoints.json") or [], changed=changed)
+    return Resume(run.run_id, run.name, directory, checkpoint, step, logged_step(tracker, run),
+                  state.get("data") if checkpoint else None, before=step0_eval(tracker, run),
+                  checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed)
 
 
-def _newest_resumable(client: Any, plan: Any, experiment: str, uri: str) -> Any:
+def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) -> TrackedRun:
     name = plan.spec["name"]
-    exp = client.get_experiment_by_name(experiment)
-    runs = [] if exp is None else client.search_runs(
-        [exp.experiment_id], filter_string=f"tags.`factory.spec_name` = '{name}'",
-        order_by=["attributes.start_time DESC"], max_results=200)
-    unfinished = [r for r in runs if r.info.status != "FINISHED"]
-    same = [r for r in unfinished if r.data.tags.get("factory.spec_hash") == plan.hashes["spec"]]
+    try:
+        runs = tracker.runs(experiment, spec_name=name, max_results=200)
+    except RunLookupError:  # no such experiment: no run to resume
+        runs = []
+    unfinished = [r for r in runs if r.status != "FINISHED"]
+    same = [r for r in unfinished if r.tags.get("factory.spec_hash") == plan.hashes["spec"]]
     if same:
         return same[0]
-    others = "; ".join(f"{r.info.run_id} ({r.info.run_name}, {r.info.status})" for r in unfinished[:5])
+    others = "; ".join(f"{r.run_id} ({r.name}, {r.status})" for r in unfinished[:5])
     raise ResumeError(f"no unfinished run of spec '{name}' with this spec and overrides in experiment "
                       f"'{experiment}' ({uri})"
                       + (f"; unfinished runs of another version of the spec: {others} -- give one as "
@@ -121,11 +119,11 @@ def _newest_resumable(client: Any, plan: Any, experiment: str, uri: str) -> Any:
                          ": start it without --resume"))
 
 
-def changes(plan: Any, client: Any, run: Any) -> list[str]:
+def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
     """What of this plan differs from the one the run was trained with: "spec" and the names of
     HASHED_INPUTS (from the run's plan.json; runs without one compare the spec hash alone)."""
-    out = [] if run.data.tags.get("factory.spec_hash") == plan.hashes["spec"] else ["spec"]
-    recorded = (_artifact_json(client, run.info.run_id, "plan.json") or {}).get("hashes")
+    out = [] if run.tags.get("factory.spec_hash") == plan.hashes["spec"] else ["spec"]
+    recorded = (_artifact_json(tracker, run.run_id, "plan.json") or {}).get("hashes")
     if recorded:
         out += [k for k in HASHED_INPUTS if recorded.get(k) != plan.hashes.get(k)]
     return out
@@ -141,33 +139,32 @@ def newest_checkpoint(directory: Path, run_id: str) -> tuple[str | None, dict[st
     return None, {}
 
 
-def logged_step(client: Any, run: Any) -> int:
+def logged_step(tracker: Tracker, run: TrackedRun) -> int:
     """The last step whose metrics the run holds: a training step, else 0 when the step-0 evaluation is
     there, else -1."""
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, STEP_METRIC)]
+    steps = [step for step, _ in tracker.metric_history(run.run_id, STEP_METRIC)]
     if steps:
         return max(steps)
-    return 0 if client.get_metric_history(run.info.run_id, EVAL_METRIC) else -1
+    return 0 if tracker.metric_history(run.run_id, EVAL_METRIC) else -1
 
 
-def step0_eval(client: Any, run: Any) -> dict[str, float]:
+def step0_eval(tracker: Tracker, run: TrackedRun) -> dict[str, float]:
     out = {}
-    for key in run.data.metrics:
+    for key in run.metrics:
         if key.startswith("eval/"):
-            for m in client.get_metric_history(run.info.run_id, key):
-                if m.step == 0:
-                    out[key] = m.value
+            for step, value in tracker.metric_history(run.run_id, key):
+                if step == 0:
+                    out[key] = value
     return out
 
 
-def _artifact_json(client: Any, run_id: str, path: str) -> Any:
-    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no download bar in the run's output
+def _artifact_json(tracker: Tracker, run_id: str, path: str) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            local = client.download_artifacts(run_id, path, tmp)
-        except Exception:  # noqa: BLE001 -- MLflow raises store-specific errors for a missing artifact
+            local = tracker.download(run_id, path, tmp)
+        except Exception:  # noqa: BLE001 -- a store raises its own errors for a missing artifact
             return None
-        return json.loads(Path(local).read_text())
+        return json.loads(local.read_text())
 
 
 def _driver_alive(tag: str | None) -> bool:

@@ -10,7 +10,8 @@
 - traces: each logged trajectory as an MLflow trace (a span per turn and per tool call, with latency and
   status), linked to the run, so the MLflow UI shows the agent's episodes.
 
-Only the driver process talks to MLflow.
+`MlflowTracker` is the implementation of the tracking seam (factory.tracking.tracker.Tracker): the one
+place that builds an MLflow client. Only the driver process (and the commands) talk to MLflow.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -232,11 +234,13 @@ def log_trace(client: Any, run_id: str, t: Trajectory, *, step: int, split: str)
 
 
 # ------------------------------------------------------------------------------------------ tracker
-class Tracker:
-    """Wraps the MLflow fluent API for the driver. Only the driver process talks to MLflow."""
+class MlflowTracker:
+    """The Tracker of an MLflow store: the fluent API for the run it writes, an MlflowClient for runs read
+    back (factory.tracking.tracker.Tracker)."""
 
-    def __init__(self, uri: str, experiment: str):
+    def __init__(self, uri: str, experiment: str | None = None):
         self.uri, self.experiment = uri, experiment
+        self._client: Any = None
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.checkpoints: list[dict[str, Any]] = []
@@ -248,6 +252,7 @@ class Tracker:
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         import mlflow
 
+        assert self.experiment is not None, "a run is written into an experiment"
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(self.experiment)
         run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
@@ -328,9 +333,8 @@ class Tracker:
             path = Path(tmp) / f"step_{step:05d}.parquet"
             pq.write_table(table, path, compression="zstd")
             mlflow.log_artifact(str(path), artifact_path=folder)
-        client = mlflow.MlflowClient(self.uri)
         for t in trajs[:traces]:
-            log_trace(client, self.run_id, t, step=step, split=split)
+            log_trace(self.client, self.run_id, t, step=step, split=split)
 
     def log_checkpoint(self, step: int, path: str) -> None:
         """Where the step's checkpoint is: tags `factory.checkpoint` (the newest, absolute) and
@@ -358,3 +362,69 @@ class Tracker:
             mlflow.flush_trace_async_logging()  # traces are exported in the background
             mlflow.end_run(status=status)
 
+    # ---------------------------------------------------------------------------- runs read back
+    @property
+    def client(self) -> Any:
+        """The store's MlflowClient (built once, here only)."""
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(self.uri)
+        return self._client
+
+    def run(self, ref: str) -> TrackedRun:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return _tracked(self.client.get_run(ref))
+        except MlflowException:
+            pass
+        runs = self.runs()
+        by_name = [r for r in runs if r.name == ref]
+        by_prefix = [r for r in runs if len(ref) >= 8 and r.run_id.startswith(ref)]
+        found = by_name or by_prefix
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise RunLookupError(f"no run with id or name '{ref}' in {self.uri}")
+        ids = ", ".join(r.run_id for r in found[:5])
+        raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
+
+    def runs(self, experiment: str | None = None, *, spec_name: str | None = None,
+             max_results: int = 1000) -> list[TrackedRun]:
+        if experiment is not None:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                names = ", ".join(e.name for e in self.client.search_experiments()) or "none"
+                raise RunLookupError(f"no experiment named '{experiment}' (experiments: {names})")
+            ids = [exp.experiment_id]
+        else:
+            ids = [e.experiment_id for e in self.client.search_experiments()]
+        if not ids:
+            return []
+        where = f"tags.`factory.spec_name` = '{spec_name}'" if spec_name is not None else ""
+        found = self.client.search_runs(ids, filter_string=where, max_results=max_results,
+                                        order_by=["attributes.start_time DESC"])
+        return [_tracked(r) for r in found]
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
+
+    def artifacts(self, run_id: str, folder: str = "") -> list[str]:
+        return [f.path for f in self.client.list_artifacts(run_id, folder or None)]
+
+    def download(self, run_id: str, path: str, into: str | Path) -> Path:
+        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no download bar in our output
+        return Path(self.client.download_artifacts(run_id, path, str(into)))
+
+    def experiment_name(self, experiment_id: str) -> str:
+        return self.client.get_experiment(experiment_id).name
+
+
+def _tracked(run: Any) -> TrackedRun:
+    """An MLflow run entity as a TrackedRun (times in seconds)."""
+    info, data = run.info, run.data
+    return TrackedRun(run_id=info.run_id, name=info.run_name, experiment_id=info.experiment_id, status=info.status,
+                      start_time=info.start_time / 1000 if info.start_time else None,
+                      end_time=info.end_time / 1000 if info.end_time else None,
+                      tags=dict(data.tags), params=dict(data.params), metrics=dict(data.metrics))

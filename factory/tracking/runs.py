@@ -1,5 +1,6 @@
-"""Tracked runs from the command line: `factory runs` (a table of runs), `factory ui` (the MLflow UI), and
-how `factory diff` finds a run by id, id prefix or name.
+"""Tracked runs from the command line: `factory runs` (a table of runs) and `factory ui` (the MLflow UI).
+Runs are read through the tracking seam (factory.tracking.tracker), which also finds a run by id, id
+prefix or name for `factory diff`, `export`, `rescore` and `--resume`.
 """
 from __future__ import annotations
 
@@ -16,56 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.tracking.mlflow_tracker import tracking_uri
-
-
-class RunLookupError(Exception):
-    """A run named on the command line does not exist, is ambiguous, or cannot be compared."""
-
-
-def client_for(uri: str | None) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri(uri))
-
-
-def _all_experiments(client: Any) -> list[Any]:
-    return client.search_experiments()
-
-
-def search(client: Any, experiment: str | None = None, max_results: int = 1000) -> list[Any]:
-    """Runs of one experiment (by name), else of every experiment; newest first."""
-    if experiment is not None:
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            names = ", ".join(e.name for e in _all_experiments(client)) or "none"
-            raise RunLookupError(f"no experiment named '{experiment}' (experiments: {names})")
-        ids = [exp.experiment_id]
-    else:
-        ids = [e.experiment_id for e in _all_experiments(client)]
-    if not ids:
-        return []
-    return client.search_runs(ids, max_results=max_results, order_by=["attributes.start_time DESC"])
-
-
-def find_run(client: Any, ref: str, uri: str) -> Any:
-    """The run `ref` names: a run id, a unique id prefix (8+ characters, as `factory runs` shows them) or a
-    unique run name."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_run(ref)
-    except MlflowException:
-        pass
-    runs = search(client)
-    by_name = [r for r in runs if r.info.run_name == ref]
-    by_prefix = [r for r in runs if len(ref) >= 8 and r.info.run_id.startswith(ref)]
-    found = by_name or by_prefix
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise RunLookupError(f"no run with id or name '{ref}' in {uri}")
-    ids = ", ".join(r.info.run_id for r in found[:5])
-    raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
+from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -73,24 +25,23 @@ def _num(v: Any) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
-def run_summary(run: Any) -> dict[str, Any]:
+def run_summary(run: TrackedRun) -> dict[str, Any]:
     """What `factory runs` shows of one run."""
-    info, data = run.info, run.data
-    end = info.end_time or (time.time() * 1000 if info.status == "RUNNING" else info.start_time)
-    steps = data.params.get("train.steps")
+    end = run.end_time or (time.time() if run.status == "RUNNING" else run.start_time)
+    steps = run.params.get("train.steps")
     return {
-        "run_id": info.run_id,
-        "name": info.run_name,
-        "experiment_id": info.experiment_id,
-        "spec": data.tags.get("factory.spec_name", ""),
-        "status": info.status,
-        "steps_done": int(data.tags["factory.step"]) if "factory.step" in data.tags else None,
+        "run_id": run.run_id,
+        "name": run.name,
+        "experiment_id": run.experiment_id,
+        "spec": run.tags.get("factory.spec_name", ""),
+        "status": run.status,
+        "steps_done": int(run.tags["factory.step"]) if "factory.step" in run.tags else None,
         "steps": int(steps) if steps and steps.isdigit() else None,
-        "final_reward": _num(data.metrics.get("reward/mean")),
-        "eval": {k: _num(v) for k, v in sorted(data.metrics.items()) if k.startswith("eval/")},
-        "start_time": info.start_time / 1000 if info.start_time else None,
-        "duration_s": (end - info.start_time) / 1000 if info.start_time else None,
-        "plan_hash": data.tags.get("factory.plan_hash"),
+        "final_reward": _num(run.metrics.get("reward/mean")),
+        "eval": {k: _num(v) for k, v in sorted(run.metrics.items()) if k.startswith("eval/")},
+        "start_time": run.start_time,
+        "duration_s": end - run.start_time if run.start_time and end else None,
+        "plan_hash": run.tags.get("factory.plan_hash"),
     }
 
 
@@ -102,8 +53,7 @@ def runs_main(args: Any) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    client = client_for(args.uri)
-    rows = [run_summary(r) for r in search(client, args.experiment, max_results=args.limit)]
+    rows = [run_summary(r) for r in open_tracker(args.uri).runs(args.experiment, max_results=args.limit)]
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
         return 0

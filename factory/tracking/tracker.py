@@ -1,0 +1,105 @@
+"""The tracking seam: where a run is recorded and how tracked runs are read back.
+
+`Tracker` is what the rest of Factory knows of a tracking store. The driver writes one run through it
+(`start_run` ... `end`); `factory runs`, `diff`, `export`, `rescore` and `run --resume` read runs back
+through it, as `TrackedRun` records. MLflow is the implementation (factory.tracking.mlflow_tracker); a
+second store implements this protocol and `open_tracker` picks it by URI. Nothing else builds a store's
+client.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from factory.plan import Plan
+    from factory.types import Trajectory
+
+
+class RunLookupError(Exception):
+    """A run named on the command line does not exist, is ambiguous, or cannot be compared."""
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """One tracked run as Factory reads it back, whatever store holds it."""
+
+    run_id: str
+    name: str
+    experiment_id: str
+    status: str  # RUNNING | FINISHED | FAILED | KILLED (KILLED: stopped by its user)
+    start_time: float | None  # seconds since the epoch
+    end_time: float | None
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # each metric's latest value
+
+
+class Tracker(Protocol):
+    """A tracking store: one run written (the driver's, or a rescore's), runs read back."""
+
+    uri: str
+    run_id: str | None  # the run being written
+    experiment_id: str | None
+    logged: int  # the last step the run being written already holds (a resumed run's)
+
+    # ---- writing one run
+    def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
+        """Open a new run with its params (flattened), tags and text artifacts; returns its id."""
+        ...
+
+    def start_run(self, plan: Plan, listing: dict[str, list[dict[str, Any]]],
+                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None) -> Plan:
+        """Open the run of a compiled plan (see MlflowTracker.start_run); returns the plan with its tool
+        schemas hashed."""
+        ...
+
+    def resume(self, resume: Any, plan: Plan, listing: dict[str, list[dict[str, Any]]]) -> Plan:
+        """Reopen the run `resume` (factory.runtime.resume.Resume) names instead of starting one."""
+        ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_trajectories(self, trajs: list[Trajectory], step: int, *, split: str = "train",
+                         traces: int | None = None) -> None: ...
+
+    def log_checkpoint(self, step: int, path: str) -> None: ...
+
+    def log_text(self, text: str, name: str) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...
+
+    # ---- reading runs back
+    def run(self, ref: str) -> TrackedRun:
+        """The run `ref` names: a run id, a unique id prefix (8+ characters) or a unique run name;
+        RunLookupError when there is none or several."""
+        ...
+
+    def runs(self, experiment: str | None = None, *, spec_name: str | None = None,
+             max_results: int = 1000) -> list[TrackedRun]:
+        """Runs of one experiment (by name; RunLookupError when there is none), else of every experiment,
+        of one spec when `spec_name` is given; newest first."""
+        ...
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every value logged for `key`."""
+        ...
+
+    def artifacts(self, run_id: str, folder: str = "") -> list[str]:
+        """The paths of a run's artifacts directly in `folder`."""
+        ...
+
+    def download(self, run_id: str, path: str, into: str | Path) -> Path:
+        """One artifact of a run, as a local file (or folder) under `into`."""
+        ...
+
+    def experiment_name(self, experiment_id: str) -> str: ...
+
+
+def open_tracker(uri: str | None = None, experiment: str | None = None) -> Tracker:
+    """The tracking store at `uri` (default: the spec's, $MLFLOW_TRACKING_URI, else ./mlflow.db): MLflow,
+    the one implementation. `experiment`: where a run it writes goes."""
+    from factory.tracking.mlflow_tracker import MlflowTracker, tracking_uri
+
+    return MlflowTracker(tracking_uri(uri), experiment)
