@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from factory.types import Placement
+from factory.util import import_object
 
 if TYPE_CHECKING:
     from factory.plan import Edge, Plan, Stage
@@ -135,8 +136,6 @@ def check(plan: Plan) -> list[str]:
     stage; a stream edge out of a method that has a streamed form; the data source keeps a position and
     the trainer checkpoints (the loop saves and restores both); every peer role a slice names reached by
     a call edge of that stage."""
-    from factory.util import import_object
-
     out: list[str] = []
     classes: dict[str, type] = {}
     for s in plan.stages:
@@ -152,10 +151,10 @@ def check(plan: Plan) -> list[str]:
         out += _class_problems(s, cls)
     for e in plan.edges:
         out += _edge_problems(plan, e, classes)
-    for what, flag, edge in (("the data source", "state", plan.flow("data")[0].src),
+    for what, flag, name in (("the data source", "state", plan.flow("data")[0].src),
                              ("the trainer", "checkpoint", plan.flow("data")[-1].dst)):
-        if edge in classes and not getattr(classes[edge].CONTRACT, flag):
-            out.append(f"stage {edge}: {what} must declare `{flag}` (the loop saves and restores it)")
+        if name in classes and not getattr(classes[name].CONTRACT, flag):
+            out.append(f"stage {name}: {what} must declare `{flag}` (the loop saves and restores it)")
     for s in plan.stages:
         roles = {e.role for e in plan.edges if e.kind == "call" and e.src == s.name and e.method}
         for role in sorted(set(s.settings.peer_roles()) - roles if s.settings is not None else ()):
