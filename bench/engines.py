@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or n
 async def run(spec_path: str, rounds: int, eval_size: int) -> dict:
     from factory.compiler.compile import compile_file
     from factory.data import DataStage
-    from factory.device import cpu
-    from factory.device import resolve_dtype
+    from factory.device import cpu, resolve_dtype
     from factory.rollout.stage import RolloutStage
     from factory.tools.stage import ToolsStage
     from factory.types import Placement

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import re
-import tomllib
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # import-linter brings tomli on Python 3.10
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ import ray
 from factory.compiler.compile import stage_settings
 from factory.contract import Call, Contract, StageActor
 from factory.plan import Edge, Stage
-from factory.runtime.driver import Group, carry, pipe, setup_group, start_group, teardown
 from factory.rollout.stage import RolloutStage
+from factory.runtime.driver import Group, carry, pipe, setup_group, start_group, teardown
 from factory.types import Trajectory
 from tests.test_reward_stage import make_spec
 

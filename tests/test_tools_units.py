@@ -14,7 +14,6 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, backoff_delay
 from factory.tools.results import content_text, truncate_middle, value_text
 from factory.tools.servers import function_schema
-from factory.util import import_object
 from factory.tools.toolbox import (
     ToolBox,
     ToolEntry,
@@ -25,6 +24,7 @@ from factory.tools.toolbox import (
     routes,
 )
 from factory.types import ToolResult
+from factory.util import import_object
 
 
 # ------------------------------------------------------------------------------------- truncation

@@ -11,7 +11,6 @@ from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
 from factory.tracking.mlflow_tracker import flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -15,8 +15,8 @@ import ray
 import torch
 
 from factory.compiler.compile import stage_settings
-from factory.runtime.driver import Group, setup_group, start_group
 from factory.plan import Stage
+from factory.runtime.driver import Group, setup_group, start_group
 from tests.test_update import batch, make_spec
 
 STEPS = 2

@@ -29,8 +29,7 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
-from factory.util import UserError
-from factory.util import import_object
+from factory.util import UserError, import_object
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.contract import Call, Contract, StageActor
+from factory.data.sources import messages_from_text
 from factory.plan import RewardSettings
 from factory.reward.graph import (
     LEAVES,
@@ -37,7 +38,6 @@ from factory.reward.graph import (
     roots,
     standardize,
 )
-from factory.data.sources import messages_from_text
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_object, node_id, resolve_file, template_env

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 _WHERE = {"Resilience": "factory.tools.resilience", "ToolBox": "factory.tools.toolbox",
           "ToolStartError": "factory.tools.toolbox", "qualified_name": "factory.tools.toolbox"}
-__all__ = sorted(_WHERE)
+__all__ = ["Resilience", "ToolBox", "ToolStartError", "qualified_name"]
 
 
 def __getattr__(name: str) -> Any:
