@@ -101,7 +101,7 @@ def _ui(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from factory import reference
+    from factory.commands import reference
 
     if args.write:
         try:
