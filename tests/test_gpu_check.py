@@ -1,0 +1,59 @@
+"""bin/gpu-check's CPU-runnable part: its arguments, its dry run, how a run's metrics are judged, and the
+JSON line it ends with (the GPU runs themselves need a GPU: docs/engines.md says where they stand)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+from bench.gpu_check import CHECKS, Check, judge, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = {"rollout.device": "cuda", "update.device": "cuda", "update.autocast": "bfloat16", "rollout.engine": "vllm",
+        "rollout.dtype": "bfloat16", "update.weight_sync": "adapters (bfloat16)"}
+
+
+def test_arguments():
+    a = parse_args([])
+    assert a.only == ["tiny_vllm", "quickstart_bf16", "quickstart_lora"] and not a.dry_run
+    assert parse_args(["--only", "quickstart_lora", "--dry-run"]).only == ["quickstart_lora"]
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "no_such_check"])
+
+
+def test_dry_run_prints_each_checks_command_as_the_json_line():
+    out = subprocess.run(["bash", str(ROOT / "bin/gpu-check"), "--dry-run"], capture_output=True, text=True,
+                         timeout=120, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(line) == {"machine", "checks", "ok", "dry_run"} and set(line["checks"]) == set(CHECKS)
+    lora = line["checks"]["quickstart_lora"]["command"]
+    assert lora[:3] == ["factory", "run", "specs/quickstart.yaml"]
+    assert {"model.lora.r=16", "algorithm.rollout_correction.kind=tis", "resources.rollout.num_gpus=0.5"} <= set(lora)
+
+
+def test_judge_passes_a_good_run_and_names_what_failed():
+    check = Check("s", (), {"rollout.device": "cuda"}, lora=True, tis=True)
+    good = {"rollout/logprob_diff_mean": [(1, 0.3), (2, 0.01)], "rollout/logprob_diff_max": [(2, 0.2)],
+            "actor/tis_weight_mean": [(2, 0.99)], "timing/step_s": [(1, 9.0), (2, 3.0)]}
+    r = judge(check, good, CUDA, 12.0)
+    assert r["ok"] and r["logprob_diff_mean"] == 0.01 and r["step_s"] == 3.0  # step 1 (before a sync) left out
+    bad = judge(check, {"rollout/logprob_diff_mean": [(2, 0.2)]},
+                {**CUDA, "rollout.device": "cpu", "update.weight_sync": "full (bfloat16)"}, 1.0)
+    assert not bad["ok"]
+    for part in ("resolved.rollout.device is 'cpu', not 'cuda'", "differ by 0.2 on average",
+                 "the sync carried 'full (bfloat16)'", "no actor/tis_weight_mean"):
+        assert part in bad["error"]
+
+
+def test_without_cuda_it_says_so_and_still_ends_with_its_json_line(capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check, "machine", lambda: {"cuda_available": False, "gpus": []})
+    assert gpu_check.main(["--only", "tiny_vllm"]) == 1
+    out = capsys.readouterr()
+    assert "needs an NVIDIA GPU" in out.err
+    assert json.loads(out.out.strip().splitlines()[-1]) == {"machine": {"cuda_available": False, "gpus": []},
+                                                            "checks": {}, "ok": False}
