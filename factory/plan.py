@@ -136,6 +136,8 @@ class UpdateSettings(Settings):
 
     def models(self) -> list[str]:
         return [self.model.path]
+    # the rollout's Compute: each weight sync is cast to the dtype its engine holds (resolve_dtype)
+    rollout_compute: Compute | None = None
 
 
 class ClusterSettings(Settings):

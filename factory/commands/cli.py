@@ -196,6 +196,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("run", metavar="RUN", help="MLflow run id, or a checkpoint folder (train.checkpoint_dir)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest)")
     e.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
+    e.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write the adapter folder (peft loads it) instead of merged weights")
     e.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     e.set_defaults(func=_export)
 

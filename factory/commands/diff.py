@@ -109,8 +109,10 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
     """Warnings when the results are not comparable: different algorithm, data or model."""
     warnings = []
     for section, what in _NOT_COMPARABLE.items():
+        # LoRA trains the same model another way (model.lora.*): comparing the two is the point
         keys = [c["key"] for c in changes
-                if (c["kind"] == "setting" and c["key"].split(".")[0] == section)
+                if (c["kind"] == "setting" and c["key"].split(".")[0] == section
+                    and not c["key"].startswith("model.lora"))
                 or (section == "data" and c["kind"] == "data") or (section == "algorithm" and c["kind"] == "algorithm")]
         if keys:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")

@@ -1,4 +1,4 @@
-"""`factory export RUN [--step N] --out DIR`: a run's checkpoint as a Hugging Face folder.
+"""`factory export RUN [--step N] [--adapter] --out DIR`: a run's checkpoint as a Hugging Face folder.
 
 Every committed checkpoint already holds one (`step_<N>/hf/`: config, model.safetensors, tokenizer with the
 run's chat template, generation config), written at save time from the full weights, gathered from the
@@ -6,6 +6,12 @@ ranks' shards under ZeRO-3, so it is the same for every ZeRO stage. Export finds
 checks that the folder is whole, and copies it to DIR atomically (a staging folder renamed into place): the
 result loads with `AutoModelForCausalLM.from_pretrained(DIR)` and serves with `vllm serve DIR`, and
 `tokenizer.apply_chat_template` formats chats as the run did. No torch is imported: it is a copy.
+
+A LoRA run (`model.lora`) checkpoints peft's adapter folder instead (`step_<N>/adapter/`: the adapters,
+a config naming the base model's folder, the tokenizer). Export then merges the adapters into the base
+model's weights (peft's `merge_and_unload`) and writes the same kind of folder a full run gives; with
+`--adapter` it copies the adapter folder, which `PeftModel.from_pretrained(base, DIR)` loads (and vLLM
+serves with `--enable-lora`).
 
 RUN is an MLflow run id (the run's tags name its checkpoint folder) or a path: a checkpoint directory
 (`train.checkpoint_dir`, holding `latest` and `step_<N>/`) or one step's folder.
@@ -16,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from factory.update.checkpoint import HF, complete, read_latest, tag
+from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, tag
 from factory.util import UserError
 
 CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's train.checkpoint_dir, absolute (set by the driver)
@@ -49,42 +55,88 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
                       "from the environment): pass the checkpoint folder instead")
 
 
-def hf_folder(root: Path, step: int | None = None) -> Path:
-    """The `hf/` folder of step N (default: the one `latest` names) under a checkpoint directory, or of a
-    step folder given directly."""
-    if (root / HF).is_dir() and step is None:
-        return root / HF
+def step_folder(root: Path, step: int | None = None) -> Path:
+    """The folder of step N (default: the one `latest` names) under a checkpoint directory, or a step
+    folder given directly: whichever holds `hf/` or (a LoRA run's) `adapter/`."""
+    if step is None and ((root / HF).is_dir() or (root / ADAPTER).is_dir()):
+        return root
     name = tag(step) if step is not None else read_latest(root)
     if name is None:
         raise ExportError(f"{root} holds no complete checkpoint (no `latest` marker)")
-    folder = root / name / HF
-    if not folder.is_dir():
+    if not (root / name).is_dir():
         have = ", ".join(complete(root)) or "none"
         raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
-    missing = [f for f in REQUIRED if not (folder / f).is_file()]
-    if missing or not any(folder.glob("*.safetensors")):
-        raise ExportError(f"{folder} is not a whole Hugging Face folder (missing {', '.join(missing) or 'weights'})")
+    return root / name
+
+
+def hf_folder(root: Path, step: int | None = None) -> Path:
+    """The whole `hf/` folder of step N (see step_folder)."""
+    folder = step_folder(root, step) / HF
+    if (folder.parent / ADAPTER).is_dir() and not folder.is_dir():
+        raise ExportError(f"{folder.parent} is a LoRA checkpoint (adapter/, no hf/): export merges it")
+    _whole(folder, REQUIRED, "a whole Hugging Face folder")
     return folder
 
 
-def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str | None = None) -> Path:
-    """Copy the run's checkpoint (step N, default the newest) to `out` as a Hugging Face folder."""
-    source = hf_folder(checkpoint_dir(run, uri), step)
+def _whole(folder: Path, required: tuple[str, ...], what: str) -> None:
+    if not folder.is_dir():
+        raise ExportError(f"{folder.parent} holds neither hf/ nor adapter/: not a checkpoint")
+    missing = [f for f in required if not (folder / f).is_file()]
+    if missing or not any(folder.glob("*.safetensors")):
+        raise ExportError(f"{folder} is not {what} (missing {', '.join(missing) or 'weights'})")
+
+
+def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str | None = None,
+           adapter: bool = False) -> Path:
+    """Write the run's checkpoint (step N, default the newest) to `out`: a Hugging Face folder (a LoRA run's
+    adapters merged into the base weights), or with `adapter` a LoRA run's peft adapter folder."""
+    folder = step_folder(checkpoint_dir(run, uri), step)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty: choose a new folder (nothing is overwritten)")
+    lora = (folder / ADAPTER).is_dir()
+    if adapter and not lora:
+        raise ExportError(f"{folder} holds full weights (the run trained no LoRA adapters): export it without --adapter")
+    source = folder / ADAPTER if lora else hf_folder(folder)
+    if lora:
+        _whole(source, ("adapter_config.json", "tokenizer_config.json"), "a whole adapter folder")
     staging = out.with_name(f".{out.name}.exporting")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
+    if lora and not adapter:
+        _merge(source, staging)
+    else:
+        shutil.copytree(source, staging)
     if out.exists():
         out.rmdir()  # the empty folder the user made
     os.replace(staging, out)
     return source
 
 
+def _merge(adapter: Path, out: Path) -> None:
+    """The base model named by the adapter's config with the adapters merged in (W + scale B @ A, in float32
+    as the learner trained), saved with the adapter folder's tokenizer and chat template."""
+    import torch
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_path = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    if not base_path or not Path(base_path).is_dir():
+        raise ExportError(f"{adapter}: the base model {base_path!r} it adapts is not on disk here; "
+                          "export --adapter copies the adapters alone")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)
+
+
 def main(args) -> int:
-    source = export(args.run, args.out, args.step, args.uri)
-    print(f"exported {source} -> {args.out}\n"
+    source = export(args.run, args.out, args.step, args.uri, adapter=args.adapter)
+    if args.adapter:
+        print(f"exported {source} -> {args.out}\n"
+              f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {str(args.out)!r})")
+        return 0
+    merged = " (LoRA adapters merged into the base weights)" if source.name == ADAPTER else ""
+    print(f"exported {source} -> {args.out}{merged}\n"
           f"  transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})\n"
           f"  vLLM:         vllm serve {args.out}")
     return 0

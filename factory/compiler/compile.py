@@ -199,6 +199,43 @@ def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
         if warning:
             r.warn("model.tokenizer", warning)
     _check_engine("rollout.engine", spec.rollout.engine, r, joins)
+    _check_model_shape(spec, r)
+
+
+def _check_model_shape(spec: Spec, r: _Report) -> None:
+    """What depends on the model's architecture, read from its config.json without loading weights (skipped
+    while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
+    LoRA's target modules must name linear layers of the model, and a rollout replica's GPUs (vLLM's
+    tensor-parallel size) must divide its attention heads."""
+    from factory.assets import tokenizer_files
+    from factory.lora import linear_layers, model_config, target_problem
+
+    k = spec.resources.rollout.num_gpus
+    if k > 1 and k != int(k):
+        r.error("resources.rollout.num_gpus", f"{k:g} GPUs: more than one GPU per rollout replica is vLLM's tensor "
+                                              "parallelism over whole GPUs; give a whole number")
+    folder = tokenizer_files(spec.model.path)  # the model folder itself when it is on disk
+    config = model_config(folder) if folder else None
+    lora_names = spec.model.lora is not None and not isinstance(spec.model.lora.target_modules, str)
+    if config is None and lora_names and spec.model.path.startswith("factory:"):
+        from factory.assets import resolve_model
+
+        # a built-in model not built yet: build it now (what the run would do first) to check the names
+        folder = Path(resolve_model(spec.model.path))
+        config = model_config(folder)
+    if config is None:
+        return
+    heads = config.get("num_attention_heads")
+    if k > 1 and k == int(k) and isinstance(heads, int) and heads % int(k):
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        r.error("resources.rollout.num_gpus", f"vLLM splits the model's {heads} attention heads over the rollout "
+                                              f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
+                                              f"of {heads}: one of {', '.join(map(str, divisors))}")
+    if lora_names:
+        layers = linear_layers(folder)
+        problem = target_problem(spec.model.lora.target_modules, layers) if layers else None
+        if problem:
+            r.error("model.lora.target_modules", problem)
 
 
 def _check_engine(path: str, engine: str, r: _Report, joins: bool) -> None:
@@ -595,7 +632,9 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                         UpdateSettings(model=spec.model, chat_template=spec.chat_template, rollout=r, train=t,
                                        algorithm=algorithm, seed=spec.seed, base_dir=base_dir,
                                        compute=_compute(res.update.num_gpus, "auto" if t.bf16_autocast
-                                                        and spec.model.dtype == "float32" else "float32", True)),
+                                                        and spec.model.dtype == "float32" else "float32", True),
+                                       rollout_compute=_compute(res.rollout.num_gpus, r.dtype, t.bf16_autocast,
+                                                                spec.model.dtype)),
                         ("scored_trajectories",), ("weights", "stats"),
                         res.update.replicas, _bundle(res.update), res.update.strategy))
     edges += [Edge("reward", "update", "scored_trajectories", "data", method="step"),

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from factory.lora import Adapters
     from factory.plan import EngineSettings
-    from factory.schema import RolloutSpec
+    from factory.schema import LoraSpec, RolloutSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,15 @@ class Generation:
 
 class Engine(Protocol):
     name: str  # "hf" or "vllm": what the run's params record
+    weight_sync: str  # how it takes a sync (full weights, LoRA adapters): `resolved.rollout.weight_sync`
 
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
         """Continue `prompt_ids` by at most `max_new_tokens` tokens."""
         ...
 
-    def load_weights(self, state_dict: dict[str, Any]) -> None:
-        """Take the learner's new weights in place (weight sync; no restart)."""
+    def load_weights(self, state_dict: dict[str, Any] | Adapters) -> None:
+        """Take the learner's new weights in place (weight sync; no restart): full weights, or with
+        `model.lora` the adapters."""
         ...
 
 
@@ -103,13 +106,22 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_lora_mode(setting: str, device: str) -> str:
+    """`rollout.vllm_lora` on `device`: auto merges on CPU and serves on CUDA (see the setting)."""
+    return setting if setting != "auto" else ("serve" if device == "cuda" else "merge")
+
+
 def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, device: str, dtype: str, seed: int,
-                stop_token_ids: Sequence[int] = (), threads: int | None = None) -> Engine:
+                stop_token_ids: Sequence[int] = (), threads: int | None = None, gpus: int = 1,
+                lora: LoraSpec | None = None) -> Engine:
     """The generation engine `settings.engine` names, on `device` ("cpu" or "cuda"), with weights in
     `dtype` (a concrete dtype: resolve `auto` with factory.device.resolve_dtype first).
 
     Reads `engine`, `batch_size` (most sequences in one batch) and `kv_cache_gb` (vLLM's KV cache) from
-    the rollout's settings or a local judge's (its slice's EngineSettings). `auto` tries vLLM and falls back to transformers when vLLM is not installed
+    the rollout's settings or a local judge's (its slice's EngineSettings). `gpus` > 1 (a replica's
+    `resources.rollout.num_gpus`) is vLLM's tensor-parallel size; the transformers engine runs on one
+    device. `lora` (the rollout's `model.lora`): weight syncs carry adapters (factory.lora.Adapters), which
+    vLLM takes as `rollout.vllm_lora` says; each engine says how in `weight_sync`. `auto` tries vLLM and falls back to transformers when vLLM is not installed
     or cannot run this model here (the reason is logged and kept in `engine.fallback_reason`); an
     explicit `vllm` fails loudly instead."""
     from factory.rollout.engine_hf import HFEngine
@@ -128,13 +140,15 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
             try:
                 return VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
                                   max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
-                                  threads=threads)
+                                  threads=threads, tensor_parallel_size=gpus,
+                                  lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
+                                  lora_rank=lora.r if lora is not None else 0)
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers
                 if choice == "vllm":
                     raise
                 fallback = f"vLLM could not start: {type(e).__name__}: {str(e)[:300]}"
         log.warning("rollout.engine auto: using transformers (%s)", fallback)
     engine = HFEngine(model_path, dtype=dtype, batch_size=settings.batch_size, seed=seed, device=device,
-                      stop_token_ids=stop_token_ids)
+                      stop_token_ids=stop_token_ids, lora=lora)
     engine.fallback_reason = fallback
     return engine

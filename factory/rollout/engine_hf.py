@@ -18,12 +18,16 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from factory.lora import Adapters
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
+
+if TYPE_CHECKING:
+    from factory.schema import LoraSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
@@ -126,12 +130,21 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
-                 device: str = "cpu", stop_token_ids: Sequence[int] = ()):
+                 device: str = "cpu", stop_token_ids: Sequence[int] = (), lora: LoraSpec | None = None):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.device = torch.device(device)
         torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.weight_sync = "full weights"  # what the run's resolved params say
+        if lora is not None:
+            # the learner's adapters, through peft: a sync sets A and B (B starts at 0: the base model)
+            from peft import get_peft_model
+
+            from factory.lora import peft_config
+
+            self.model = get_peft_model(self.model, peft_config(lora)).eval()
+            self.weight_sync = "lora adapters (peft)"
         self.batch_size = batch_size
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         cfg, gen_cfg = self.model.config, self.model.generation_config
@@ -164,9 +177,19 @@ class HFEngine:
         self._ensure_worker(loop).set()
         return await request.future
 
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
         """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
-        they share storage with a key that is present (tied embeddings / lm_head)."""
+        they share storage with a key that is present (tied embeddings / lm_head). LoRA: the adapters
+        replace peft's, every one of them."""
+        if isinstance(state_dict, Adapters):
+            from peft import set_peft_model_state_dict
+
+            with self._lock:
+                result = set_peft_model_state_dict(self.model, state_dict.tensors)
+                if result.unexpected_keys or any("lora_" in k for k in result.missing_keys):
+                    raise KeyError(f"adapters that do not fit this model: {sorted(result.unexpected_keys)[:5]} "
+                                   f"unexpected, {[k for k in result.missing_keys if 'lora_' in k][:5]} missing")
+            return
         with self._lock:
             missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
             if unexpected:

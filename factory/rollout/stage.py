@@ -129,10 +129,12 @@ class RolloutStage(StageActor):
         self.tokenizer = tokenizer
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
-                                  stop_token_ids=self.chat.stop_token_ids, threads=s.threads)
+                                  stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
+                                  gpus=max(1, int(s.num_gpus)), lora=s.model.lora)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
-        resolved = {"engine": self.engine.name, "device": device, "dtype": dtype}
+        resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
+                    "weight_sync": self.engine.weight_sync}
         if self.engine.fallback_reason:
             resolved["engine_fallback"] = self.engine.fallback_reason
         return {"node": node_id(), "tools": [t["function"]["name"] for t in self.tools.schemas()], "resolved": resolved}

@@ -346,7 +346,9 @@ class MlflowTracker:
             return
         path = str(Path(path).resolve())
         self.checkpoints = [c for c in self.checkpoints if c["step"] != step]  # a step computed again
-        self.checkpoints.append({"step": step, "path": path, "hf": str(Path(path) / "hf")})
+        # a LoRA run's checkpoint holds peft's adapter folder where a full run's holds the HF folder
+        folder = "adapter" if (Path(path) / "adapter").is_dir() else "hf"
+        self.checkpoints.append({"step": step, "path": path, folder: str(Path(path) / folder)})
         mlflow.set_tags({"factory.checkpoint": path, "factory.checkpoint_step": str(step)})
         mlflow.log_text(json.dumps(self.checkpoints, indent=2) + "\n", "checkpoints.json")
 

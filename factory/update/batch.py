@@ -140,3 +140,89 @@ def shared_prefix(trajs: list[Trajectory]) -> int:
     while n < cap and all(t.prompt_ids[n] == first[n] for t in trajs):
         n += 1
     return n
+
+
+# ---------------------------------------------------------------------------------------- packing
+# `train.packing: auto` packs a micro-batch whose padded layout would be more than this share padding
+# (measured on CPU: docs/performance.md#sequence-packing).
+PACK_ABOVE = 0.10
+
+
+def padding_fraction(lengths: list[int]) -> float:
+    """The share of a right-padded micro-batch's tokens that are padding: 1 - sum(L) / (B * max(L))."""
+    return 1.0 - sum(lengths) / (len(lengths) * max(max(lengths), 1)) if lengths else 0.0
+
+
+def padding_stats(micro_lengths: list[list[int]], mode: str) -> dict[str, float]:
+    """actor/padding_frac: the share of the padded layout's tokens that are padding, over a step's
+    micro-batches (each a list of sequence lengths); actor/packed_frac: the share of them packed."""
+    padded = sum(len(ls) * max(ls) for ls in micro_lengths)
+    return {"actor/padding_frac": 1.0 - sum(map(sum, micro_lengths)) / padded if padded else 0.0,
+            "actor/packed_frac": (sum(should_pack(mode, ls) for ls in micro_lengths) / len(micro_lengths)
+                                  if micro_lengths else 0.0)}
+
+
+def should_pack(mode: str, lengths: list[int]) -> bool:
+    """`train.packing` for one micro-batch of sequences of `lengths` tokens: on, off, or auto (above PACK_ABOVE
+    padding). A single row has nothing to pack."""
+    if len(lengths) < 2 or mode == "off":
+        return False
+    return mode == "on" or padding_fraction(lengths) > PACK_ABOVE
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch's rows laid end to end in one row: no padding. Each row keeps its own positions
+    (0.., or prefix.. after a shared prefix) and attends only to itself and the shared prefix
+    (factory.update.logprobs.packed_attention reads `lengths`).
+
+    `prefix` [1, P] is the rows' common prefix, run once before the packed row (P = `shared`, 0: none);
+    `keep` [K] are the packed positions whose logits predict a response token (every row's, in order),
+    `targets` [K] those tokens, and `gather[b, j]` the index in K of row b's j-th response token (clamped on
+    padding, which `mask` zeroes)."""
+
+    input_ids: Tensor  # [1, T] long: every row's tokens after the shared prefix
+    position_ids: Tensor  # [1, T] long
+    lengths: list[int]  # tokens of each row in input_ids
+    prefix: Tensor  # [1, P] long
+    keep: Tensor  # [K] long
+    targets: Tensor  # [K] long
+    gather: Tensor  # [B, R] long
+    mask: Tensor  # [B, R] float: 1 on model-generated tokens, 0 on tool/template tokens and padding
+    shared: int = 0
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        move = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
+        return PackedBatch(**move)
+
+
+def collate_packed(trajs: list[Trajectory], shared: int = 0) -> PackedBatch:
+    """Pack a micro-batch (see PackedBatch); `shared` leading tokens, common to every row and shorter than
+    every prompt (`shared_prefix`), are left out of the rows and run once."""
+    prompts = [len(t.prompt_ids) for t in trajs]
+    if min(prompts) < 1:
+        raise ValueError("a trajectory has an empty prompt: its first response token has no context")
+    if shared > min(prompts) - 1:
+        raise ValueError(f"a shared prefix of {shared} tokens would swallow the token before a response")
+    ids, pos, lengths, keep, targets, firsts = [], [], [], [], [], []
+    offset = found = 0
+    for t, p in zip(trajs, prompts):
+        seq = t.prompt_ids + t.response_ids
+        ids += seq[shared:]
+        pos += range(shared, len(seq))
+        lengths.append(len(seq) - shared)
+        r = len(t.response_ids)
+        keep += range(offset + p - 1 - shared, offset + p - 1 - shared + r)  # the position before each token
+        targets += t.response_ids
+        firsts.append(found)
+        offset, found = offset + len(seq) - shared, found + r
+    resp_len = max(max(len(t.response_ids) for t in trajs), 1)
+    mask = torch.zeros(len(trajs), resp_len)  # [B, R]
+    gather = torch.zeros(len(trajs), resp_len, dtype=torch.long)  # [B, R]
+    for b, t in enumerate(trajs):
+        r = len(t.response_ids)
+        mask[b, : len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=mask.dtype)
+        gather[b] = firsts[b] + torch.arange(resp_len).clamp(max=max(r - 1, 0))
+    gather = gather.clamp(max=max(len(keep) - 1, 0))
+    return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), lengths, torch.tensor([trajs[0].prompt_ids[:shared]]),
+                       torch.tensor(keep, dtype=torch.long), torch.tensor(targets, dtype=torch.long), gather, mask, shared)

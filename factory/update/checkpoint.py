@@ -11,6 +11,10 @@ Layout of a checkpoint directory (`train.checkpoint_dir`):
         run_state.json            what the driver needs to continue: data position, MLflow run id, ...
         hf/                       Hugging Face folder: config, model.safetensors, tokenizer with the run's
                                   chat template; `AutoModelForCausalLM.from_pretrained(<dir>/step_<N>/hf)`
+        adapter/                  instead of hf/ in a LoRA run (model.lora): peft's adapter folder
+                                  (adapter_config.json naming the base model's folder, adapter_model.safetensors)
+                                  and the tokenizer; the DeepSpeed files hold the adapters and their optimizer
+                                  state only (the frozen weights are the model folder's)
       step_<M>/ ...
       .incomplete-step_<K>/       a save in progress, or one that a crash interrupted (removed by the next save)
 
@@ -32,6 +36,7 @@ import torch
 
 LATEST = "latest"
 HF = "hf"  # the Hugging Face folder inside each checkpoint
+ADAPTER = "adapter"  # a LoRA run's checkpoint holds peft's adapter folder instead (with the tokenizer)
 RUN_STATE = "run_state.json"
 INCOMPLETE = ".incomplete-"
 _STEP = re.compile(r"^step_(\d+)$")

@@ -22,6 +22,7 @@ on the number of ranks (tests/test_update_ranks.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import time
@@ -43,9 +44,24 @@ from factory.algorithms import (
     rollout_mismatch,
     truncated_is_weights,
 )
+from factory.device import resolve_dtype
+from factory.lora import Adapters
 from factory.plan import UpdateSettings
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix, without_zero_advantage
+from factory.update.batch import (
+    MicroBatch,
+    PackedBatch,
+    collate,
+    collate_packed,
+    kept,
+    plan,
+    shaped_rewards,
+    shard,
+    padding_stats,
+    shared_prefix,
+    should_pack,
+    without_zero_advantage,
+)
 from factory.update.engine import (
     autocast_dtype,
     deepspeed_config,
@@ -55,7 +71,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import response_logprobs, run_once
+from factory.update.logprobs import response_logprobs, run_once, use_packed_attention
 
 
 class Learner:
@@ -75,6 +91,7 @@ class Learner:
         self.tokenizer = None  # for the hf/ folder of checkpoints; loaded on first save
         self.steps_done = 0  # training steps completed (restored by load_checkpoint)
         self.share_prefix = False  # run a micro-batch's common prefix once (decided in setup)
+        self.sync_bytes = 0  # what the last weight sync (state_dict) carried
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -95,6 +112,15 @@ class Learner:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         self.shape = ModelShape.of(model)
+        if self.spec.train.packing != "off":  # packed rows need attention that stays inside each row
+            use_packed_attention(model)
+        self.lora = self.spec.model.lora
+        if self.lora is not None:  # adapters beside the frozen weights: only they require grad
+            from peft import get_peft_model
+
+            from factory.lora import peft_config
+
+            model = get_peft_model(model, peft_config(self.lora))
         if self.spec.train.gradient_checkpointing:
             # non-reentrant: the variant that works under ZeRO-3's parameter gathering
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -106,16 +132,26 @@ class Learner:
         # HF drops the KV cache under gradient checkpointing; ZeRO-3 ranks must run paired forwards
         self.share_prefix = (self.spec.train.share_prefix and not self.spec.train.gradient_checkpointing
                              and not (self.engine.zero_optimization_stage() == 3 and self.world > 1))
-        if self.alg.needs_reference:  # only then: a second copy of the weights is not free
+        if self.alg.needs_reference and self.lora is not None:
+            self.ref = AdaptersOff(self.engine.module)  # the base model IS the reference: no second copy
+        elif self.alg.needs_reference:  # only then: a second copy of the weights is not free
             self.ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
             self.ref.requires_grad_(False).eval().to(self.engine.device)
+            if self.spec.train.packing != "off":
+                use_packed_attention(self.ref)
+        # the rollout engine's dtype, by the rule its own stage applies (a learner built outside a plan: float32)
+        rollout = self.spec.rollout_compute
+        self.sync_dtype = _DTYPES[resolve_dtype(rollout) if rollout is not None else "float32"]
 
     def resolved(self) -> dict[str, str]:
         """What this learner computes with, as chosen for its device: the run's params record it."""
         return {"device": torch.device(self.engine.device).type,
                 "dtype": str(self._module_dtype()).removeprefix("torch."),
                 "autocast": str(self.amp).removeprefix("torch.") if self.amp is not None else "off",
-                "share_prefix": "on" if self.share_prefix else "off"}
+                "share_prefix": "on" if self.share_prefix else "off",
+                "packing": self.spec.train.packing,
+                "weight_sync": f"adapters ({str(self.sync_dtype).removeprefix('torch.')})" if self.lora is not None
+                else f"full ({str(self.sync_dtype).removeprefix('torch.')})"}
 
     def _module_dtype(self) -> torch.dtype:
         return next(self.engine.module.parameters()).dtype
@@ -156,12 +192,17 @@ class Learner:
         stats.update(mismatch_stats(before.mismatch))
         self.steps_done += 1
         stats.update(step_stats(sums, schedule, update_plan, alg.epochs, before, target))
+        stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
+                                    for minibatch in update_plan for micro in minibatch if micro],
+                                   self.spec.train.packing))
         stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6  # the sync that brought the weights this step sampled with
         elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
         # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
         stats["perf/update_tokens_per_s"] = stats["actor/tokens"] * alg.epochs / max(elapsed, 1e-9)
         stats["perf/update_flops_per_s"] = (
-            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * 3 * alg.epochs
+            # LoRA's backward computes no gradient of the frozen weights: forward + input gradients only
+            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * (2 if self.lora else 3) * alg.epochs
              + self._pass_flops(sub, first_epoch) * (before.own_pass + (before.ref is not None)))
             / max(elapsed, 1e-9))
         return stats
@@ -217,6 +258,13 @@ class Learner:
             before.mismatch = self._all_mismatch(before.mismatch)
         return sums
 
+    def _collate(self, group: list[Trajectory]) -> MicroBatch | PackedBatch:
+        """One micro-batch's tensors: packed when `train.packing` says so for its lengths, else right-padded.
+        Packed rows leave out the prefix they share when it is run once (`share_prefix`)."""
+        if not should_pack(self.spec.train.packing, [len(t.prompt_ids) + len(t.response_ids) for t in group]):
+            return collate(group)
+        return collate_packed(group, run_once(len(group), shared_prefix(group)) if self.share_prefix else 0)
+
     def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
         """FLOPs of one forward over all of `sub` as this learner runs it: with prefix sharing, each
         micro-batch's shared prefix once. From this rank's micro-batches times the world size (the
@@ -253,7 +301,7 @@ class Learner:
         temperature = self.spec.rollout.temperature
         for minibatch in micro_plan:
             for micro in minibatch:
-                mb = collate([sub[i] for i in micro or [0]]).to(self.engine.device)
+                mb = self._collate([sub[i] for i in micro or [0]]).to(self.engine.device)
                 if old is not None:
                     logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=temperature,
                                                   entropy=True, share_prefix=self.share_prefix)
@@ -317,7 +365,7 @@ class Learner:
         (on-policy, or pi_old from the rollout) this pass also measures the entropy stat, without grad, and
         pi_old is its own log-probs, detached; `measure` adds its learner/sampler mismatch."""
         alg, dev = self.alg, self.engine.device
-        mb = collate([sub[i] for i in micro]).to(dev)
+        mb = self._collate([sub[i] for i in micro]).to(dev)
         logp, ent = response_logprobs(self.engine, mb, amp=self.amp, temperature=self.spec.rollout.temperature,
                                       entropy=before.entropy is None or alg.entropy_coef > 0,
                                       entropy_grad=alg.entropy_coef > 0, share_prefix=self.share_prefix)
@@ -363,21 +411,63 @@ class Learner:
         return [*sums, float(peak)]
 
     # ------------------------------------------------------------------------- weights, checkpoints
-    def state_dict(self, every_rank: bool = False) -> dict[str, Tensor] | None:
-        """Full weights on CPU under Hugging Face names (tied weights appear under both names, as
-        `module.state_dict()`: vLLM's reload needs lm_head.weight), on rank 0 (None elsewhere, unless
-        `every_rank`). Gathered from the ranks' shards under ZeRO-3; every rank must call it then."""
+    def state_dict(self, every_rank: bool = False, copy: bool = True) -> dict[str, Tensor] | Adapters | None:
+        """What a weight sync sends, in the rollout engine's dtype (`sync_dtype`: a bf16 engine gets bf16, half
+        the bytes; the cast is the one the engine would make), on rank 0 (None elsewhere, unless
+        `every_rank`); gathered from the ranks' shards under ZeRO-3 (every rank must call it then).
+
+        Full weights: under Hugging Face names, tied weights under both names (one tensor), as
+        `module.state_dict()` (vLLM's reload needs lm_head.weight). With LoRA: the adapters only
+        (factory.lora.Adapters), the frozen weights never change. `copy=False`: full weights may be the live
+        tensors (see `weights`)."""
+        out = (self.adapters(every_rank, dtype=self.sync_dtype) if self.lora is not None
+               else self.weights(every_rank, dtype=self.sync_dtype, copy=copy))
+        if out is not None:  # for the next step's perf/weight_sync_mb (tied tensors count once)
+            tensors = out.tensors if isinstance(out, Adapters) else out
+            self.sync_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors.values()}.values())
+        return out
+
+    def weights(self, every_rank: bool = False, dtype: torch.dtype | None = None,
+                copy: bool = True) -> dict[str, Tensor] | None:
+        """The full weights on CPU under Hugging Face names, in `dtype` (default: the module's). With
+        `copy=False`, without ZeRO-3, on a CPU and in the module's dtype they are the live tensors: for the
+        update actor's answer to a weight sync, which Ray copies into its object store as the call returns,
+        before the next update can touch them (one copy of 0.5 GB less per sync for SmolLM2 in float32)."""
         import deepspeed
 
         module = self.engine.module
+        sharded = self.engine.zero_optimization_stage() == 3
         gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-                  if self.engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+                  if sharded else contextlib.nullcontext())
         copies: dict[int, Tensor] = {}  # keep tied tensors tied: one copy per storage
         with gather:
             if self.rank != 0 and not every_rank:
                 return None
-            return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", copy=True))
+            # a gathered ZeRO-3 tensor is freed when the gather ends: that one must be copied
+            return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", dtype=dtype or v.dtype, copy=copy or sharded))
                     for k, v in module.state_dict().items()}
+
+    def adapters(self, every_rank: bool = False, dtype: torch.dtype | None = None) -> Adapters | None:
+        """The LoRA adapters (peft's names, as its adapter files hold them) on CPU in `dtype` (default:
+        their own), with the scale they are added with."""
+        import deepspeed
+        from peft import get_peft_model_state_dict
+
+        from factory.lora import Adapters, scale
+
+        module = self.engine.module
+        trained = [p for p in module.parameters() if p.requires_grad]
+        gather = (deepspeed.zero.GatheredParameters(trained, modifier_rank=None)
+                  if self.engine.zero_optimization_stage() == 3 else contextlib.nullcontext())
+        with gather:
+            if self.rank != 0 and not every_rank:
+                return None
+            tensors = {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True)
+                       for k, v in get_peft_model_state_dict(module).items()}
+        # peft's adapter_config.json as a plain dict (sets as lists), for an engine that loads an adapter folder
+        config = json.loads(json.dumps(module.peft_config["default"].to_dict(),
+                                       default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+        return Adapters(tensors, scale(self.lora), version=self.steps_done, config=config)
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
         """Save `<dir>/step_<step>/`: DeepSpeed model + optimizer + {step, rng}, `state` (the driver's:
@@ -392,13 +482,19 @@ class Learner:
         if dist.get_rank() == 0:
             ckpt.clear_staging(directory, name)
         dist.barrier()
+        # With LoRA the frozen weights are the model folder's: the checkpoint holds the adapters and their
+        # optimizer state only.
         self.engine.save_checkpoint(directory, tag=staged, client_state={"step": step, "rng": ckpt.rng_state()},
-                                    save_latest=False)
-        weights = self.state_dict()
+                                    save_latest=False, exclude_frozen_parameters=self.lora is not None)
+        weights = self.adapters() if self.lora is not None else self.weights()
         if dist.get_rank() == 0:
             folder = Path(directory) / staged
-            self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
-            self._tokenizer().save_pretrained(folder / ckpt.HF)
+            if self.lora is not None:  # peft's adapter folder (config names the base model's folder)
+                self.engine.module.save_pretrained(folder / ckpt.ADAPTER, state_dict=weights.tensors)
+                self._tokenizer().save_pretrained(folder / ckpt.ADAPTER)
+            else:
+                self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
+                self._tokenizer().save_pretrained(folder / ckpt.HF)
             ckpt.write_run_state(folder, {"step": step, **(state or {})})
         dist.barrier()  # every rank's shards are written before the folder is committed
         if dist.get_rank() == 0:
@@ -426,7 +522,8 @@ class Learner:
         name = name or ckpt.read_latest(directory)
         if name is None:
             return None
-        path, client = self.engine.load_checkpoint(directory, tag=name)
+        # LoRA checkpoints hold no frozen weights: those stay as loaded from the model folder
+        path, client = self.engine.load_checkpoint(directory, tag=name, load_module_strict=self.lora is None)
         if path is None:
             raise FileNotFoundError(f"{directory}/latest names {name!r} but DeepSpeed could not load it")
         ckpt.set_rng_state(client["rng"])
@@ -439,6 +536,21 @@ class Learner:
             self.engine.destroy()
         self.engine = self.ref = None
         release_process_group()
+
+
+class AdaptersOff:
+    """The KL reference of a LoRA run: the policy's own module with its adapters switched off (peft's
+    `disable_adapter`), which is the frozen base model -- no second copy of the weights. Called like a model."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module  # not a submodule of anything: .eval()/.requires_grad_ on us never reach it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.module.disable_adapter():
+            return self.module(*args, **kwargs)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _rollout_logprobs(trajs: list[Trajectory]) -> Tensor | None:

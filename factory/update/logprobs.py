@@ -11,6 +11,14 @@ is the same function of the weights (gradients flow back through the repeated ca
 pass), computed with B-1 fewer passes over the prefix: for the quickstart, ~2.5x fewer update FLOPs,
 which is what makes its float32 update fit on CPUs without bf16.
 
+Packing (`train.packing`, factory.update.batch.PackedBatch): a micro-batch's rows end to end in one row,
+so the linear layers -- most of the compute -- see no padding. Attention must not cross rows: the model
+runs with the `factory_packed` attention (registered through transformers' AttentionInterface, the library's
+own extension point), which for a packed call runs torch's sdpa once per row (after the shared prefix's
+keys, when there is one) and for any other call is transformers' sdpa unchanged. On CUDA a varlen kernel
+(flash-attention's) would do the per-row loop in one launch; on CPU sdpa per row is exact and its cost is
+the rows' own attention, as in the padded layout (measured: docs/performance.md#sequence-packing).
+
 The log-probs are those of the distribution the rollout sampled from, softmax(logits / temperature), as
 the rollout engines report them (factory.rollout.engine) and as TRL and verl compute them: at any
 temperature other than 1, log_softmax(logits) would be another policy than the one that sampled.
@@ -20,11 +28,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from factory.update.batch import MicroBatch
+from factory.update.batch import MicroBatch, PackedBatch
 from factory.update.engine import autocast
 
 # Below this many shared tokens a second forward call costs more than it saves.
 MIN_SHARED_PREFIX = 16
+
+
+PACKED_ATTENTION = "factory_packed"
+
+
+def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None, packed_lengths: list[int] | None = None,
+                     **kwargs) -> tuple[Tensor, None]:
+    """transformers' sdpa attention, per row of a packed call: query [1, H, T, D] holds rows of
+    `packed_lengths` tokens end to end; key/value [1, Hkv, P + T, D] the same after P cached prefix tokens
+    (the shared prefix), which every row attends to. Any other call: sdpa as it is."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    prefix = key.shape[2] - query.shape[2]
+    outs, start = [], 0
+    for n in packed_lengths:
+        rows = slice(prefix + start, prefix + start + n)
+        k = torch.cat([key[:, :, :prefix], key[:, :, rows]], 2) if prefix else key[:, :, rows]
+        v = torch.cat([value[:, :, :prefix], value[:, :, rows]], 2) if prefix else value[:, :, rows]
+        # causal within the row, everything of the prefix visible: row token i sees keys 0 .. prefix + i
+        causal = (torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
+                  if prefix else None)
+        out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], k, v, causal, dropout=dropout,
+                                        scaling=scaling, is_causal=not prefix)
+        outs.append(out)  # [1, n, H, D]
+        start += n
+    return torch.cat(outs, 1), None
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Give `model` the `factory_packed` attention (registered once; its mask is sdpa's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(PACKED_ATTENTION)
 
 
 def run_once(rows: int, shared: int) -> int:
@@ -32,14 +80,18 @@ def run_once(rows: int, shared: int) -> int:
     return shared if rows > 1 and shared >= MIN_SHARED_PREFIX else 0
 
 
-def response_logprobs(model: torch.nn.Module, mb: MicroBatch, *, amp: torch.dtype | None, temperature: float = 1.0,
+def response_logprobs(model: torch.nn.Module, mb: MicroBatch | PackedBatch, *, amp: torch.dtype | None, temperature: float = 1.0,
                       entropy: bool = False, entropy_grad: bool = False,
                       share_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
     """logp [B, R] of each response token given everything before it, under softmax(logits /
     temperature), and its entropy [B, R] when asked (with grad only if `entropy_grad`: the bonus term
     needs it, the reported stat does not). Positions past a row's response hold values of a
     neighbouring column: callers mask them. `share_prefix`: run the rows' common prefix once (see the
-    module's docstring); the caller says when the model allows it (not under gradient checkpointing)."""
+    module's docstring); the caller says when the model allows it (not under gradient checkpointing).
+    A PackedBatch (the model must have `use_packed_attention`) carries its own prefix decision."""
+    if isinstance(mb, PackedBatch):
+        return _packed_logprobs(model, mb, amp=amp, temperature=temperature, entropy=entropy,
+                                entropy_grad=entropy_grad)
     keep = torch.arange(mb.start, mb.end, device=mb.input_ids.device)  # [W]
     shared = run_once(len(mb.input_ids), mb.shared) if share_prefix else 0
     with autocast(mb.input_ids.device.type, amp):
@@ -61,4 +113,26 @@ def response_logprobs(model: torch.nn.Module, mb: MicroBatch, *, amp: torch.dtyp
             # -sum p log p as a batched dot product: no [B, W, V] product temporary (~30% faster here)
             ent_w = -(logsm.exp().unsqueeze(-2) @ logsm.unsqueeze(-1))[..., 0, 0]  # [B, W]
             ent = ent_w.gather(1, mb.gather)  # [B, R]
+    return logp, ent
+
+
+def _packed_logprobs(model: torch.nn.Module, mb: PackedBatch, *, amp: torch.dtype | None, temperature: float,
+                     entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """response_logprobs of a packed micro-batch: the logits of the `keep` positions only, [1, K, V]."""
+    device = mb.input_ids.device
+    cache = None
+    with autocast(device.type, amp):
+        if mb.shared:  # the prefix once, for one row: the packed row is one row
+            cache = model(input_ids=mb.prefix, use_cache=True, logits_to_keep=1).past_key_values
+        # an all-ones mask: transformers then builds no [T, T] mask (packed_attention needs none)
+        ones = torch.ones(1, mb.shared + mb.input_ids.shape[1], dtype=torch.long, device=device)
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=ones, past_key_values=cache,
+                    logits_to_keep=mb.keep, use_cache=False, packed_lengths=mb.lengths)
+    logits = out.logits[0].float()  # [K, V]
+    logsm = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # [K, V]
+    logp = logsm.gather(-1, mb.targets[:, None])[:, 0][mb.gather]  # [B, R]
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = -(logsm.exp().unsqueeze(-2) @ logsm.unsqueeze(-1))[..., 0, 0][mb.gather]  # [B, R]
     return logp, ent

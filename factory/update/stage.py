@@ -63,8 +63,10 @@ class UpdateStage(StageActor):
         return stats
 
     def state_dict(self, every_rank: bool = False) -> dict[str, Any] | None:
-        """The full weights on rank 0 (every rank takes part in gathering them under ZeRO-3)."""
-        return self.learner.state_dict(every_rank)
+        """What a weight sync sends, on rank 0 (every rank takes part in gathering it under ZeRO-3): the
+        weights in the rollout engine's dtype, or the LoRA adapters. Not copied where the learner can avoid
+        it: Ray serialises the answer before this actor runs its next call."""
+        return self.learner.state_dict(every_rank, copy=False)
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
         return self.learner.save_checkpoint(directory, step, state)

@@ -1,0 +1,130 @@
+"""LoRA (`model.lora`) as every stage sees it: peft's config from the spec, the model's linear layers (for
+`factory check`), and the adapter tensors a weight sync carries.
+
+An adapter of a linear layer `W` [out, in] is `B` [out, r] @ `A` [r, in] scaled by alpha / r, W frozen
+(peft's LoRA). The learner trains A and B only; what reaches a rollout engine after each update is the
+adapter tensors (`Adapters`), named as peft saves them (`base_model.model.<module>.lora_A.weight`), which
+the transformers engine loads into its own peft model and vLLM either serves as a LoRA adapter or merges
+into its weights (factory.rollout.engine_vllm says which and why).
+
+Sits at the bottom of the package with the schema: the compiler, the learner and the engines import it.
+torch, transformers and peft are imported inside the functions that need them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from factory.schema import LoraSpec
+
+ALL_LINEAR = "all-linear"
+# peft saves an adapter's tensors under these names: base_model.model.<module path>.lora_A.weight
+PEFT_PREFIX = "base_model.model."
+
+
+def scale(spec: LoraSpec) -> float:
+    """alpha / r: how much of B @ A is added to W."""
+    return alpha(spec) / spec.r
+
+
+def alpha(spec: LoraSpec) -> float:
+    """The spec's alpha, or 2 r when unset."""
+    return float(spec.alpha) if spec.alpha is not None else 2.0 * spec.r
+
+
+def peft_config(spec: LoraSpec) -> Any:
+    """peft's LoraConfig for a spec's `model.lora`."""
+    from peft import LoraConfig
+
+    targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
+    return LoraConfig(r=spec.r, lora_alpha=alpha(spec), lora_dropout=spec.dropout, target_modules=targets,
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def model_config(folder: str | Path) -> dict[str, Any] | None:
+    """A model folder's config.json as a dict (None when it is not on disk)."""
+    f = Path(folder) / "config.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def linear_layers(folder: str | Path) -> list[str] | None:
+    """Module paths of the model's linear layers other than the output head (what `all-linear` targets),
+    from its config alone: the model is built on the meta device (no weights read, no memory). None when
+    the folder has no config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_config(folder) is None:
+        return None
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
+    """What is wrong with `model.lora.target_modules` for a model whose linear layers are `layers` (module
+    paths), as peft matches them: a name matches a module whose path is that name or ends in `.name`."""
+    if isinstance(targets, str):
+        return None if targets == ALL_LINEAR else f"{targets!r}: give a list of module names or {ALL_LINEAR!r}"
+    if not targets:
+        return f"no module named: give at least one (the model's linear layers: {', '.join(short_names(layers))})"
+    missing = [t for t in targets if not any(p == t or p.endswith("." + t) for p in layers)]
+    if not missing:
+        return None
+    import difflib
+
+    names = short_names(layers)
+    hints = []
+    for t in missing:
+        close = difflib.get_close_matches(t.rsplit(".", 1)[-1], names, n=1, cutoff=0.6)
+        hints.append(f"{t!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"{', '.join(hints)} {'matches' if len(missing) == 1 else 'match'} no linear layer of the model; "
+            f"its linear layers: {', '.join(names)}")
+
+
+def short_names(layers: list[str]) -> list[str]:
+    """The distinct last parts of module paths, in first-seen order (q_proj, k_proj, ...)."""
+    return list(dict.fromkeys(p.rsplit(".", 1)[-1] for p in layers))
+
+
+@dataclass
+class Adapters:
+    """What a LoRA weight sync carries: the adapter tensors under peft's names, and the scale they are
+    added with. `tensors` may be in the engine's dtype (the learner casts before sending)."""
+
+    tensors: dict[str, torch.Tensor]
+    scale: float
+    version: int = 0  # the learner's step: an engine that caches adapters by id reloads a newer one
+    config: dict[str, Any] = field(default_factory=dict)  # peft's adapter_config.json, for engines that read one
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """module path (the base model's name, `model.layers.0.self_attn.q_proj`) -> (A [r, in], B [out, r])."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for name, t in self.tensors.items():
+            module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+            a, b = out.get(module, (None, None))
+            out[module] = (t, b) if kind.startswith("A") else (a, t)
+        return out  # type: ignore[return-value]
+
+
+def merged(base: dict[str, torch.Tensor], adapters: Adapters, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`{module}.weight` = W + scale * B @ A for every adapted module, computed in float32 from `base`
+    (the module weights as loaded, before any adapter) and cast to `dtype` (default: W's)."""
+    import torch
+
+    out = {}
+    for module, (a, b) in adapters.pairs().items():
+        w = base[f"{module}.weight"]
+        delta = (b.float() @ a.float()) * adapters.scale  # [out, in]
+        out[f"{module}.weight"] = (w.float() + delta).to(dtype or w.dtype)
+    return out

@@ -1,0 +1,91 @@
+"""LoRA (model.lora): the spec, `factory check`'s target-module check, the adapter tensors a sync carries."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factory.assets import resolve_model
+from factory.compiler.compile import compile_file
+from factory.compiler.errors import SpecErrors
+from factory.lora import Adapters, merged, short_names, target_problem
+from tests.test_compiler_support import base_spec
+
+LAYERS = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj",
+          "model.layers.1.self_attn.q_proj"]
+
+
+def test_target_problem_matches_names_as_peft_does():
+    assert target_problem(["q_proj", "up_proj"], LAYERS) is None
+    assert target_problem(["self_attn.k_proj"], LAYERS) is None  # a path suffix
+    assert target_problem("all-linear", LAYERS) is None
+    assert target_problem(["q_prj", "o_proj"], LAYERS) == (
+        "'q_prj' (did you mean 'q_proj'?), 'o_proj' (did you mean 'q_proj'?) match no linear layer of the model; "
+        "its linear layers: q_proj, k_proj, up_proj")
+    assert "matches no linear layer" in target_problem(["proj"], LAYERS)  # whole names only
+    assert short_names(LAYERS) == ["q_proj", "k_proj", "up_proj"]
+
+
+def _tiny_spec(project, extra: str) -> str:
+    folder = resolve_model("factory:tiny-qwen3")  # on disk: its config is what the check reads
+    return project.spec(base_spec(project, "lora_rc").replace('"factory:tiny-qwen3"', f'"{folder}"') + extra)
+
+
+def test_check_locates_a_target_module_the_model_lacks(project):
+    with pytest.raises(SpecErrors) as e:
+        compile_file(_tiny_spec(project, ""), ["model.lora.target_modules=[q_proj,qkv_proj]"])
+    assert ("model.lora.target_modules: 'qkv_proj' (did you mean 'v_proj'?) matches no linear layer of the model; "
+            "its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj") in e.value.report()
+    spec, plan = compile_file(_tiny_spec(project, ""), ["model.lora.r=8"])  # `model.lora.r=N` alone turns it on
+    assert spec.model.lora.r == 8 and spec.model.lora.target_modules == "all-linear"
+    assert plan.spec["model"]["lora"] == {"alpha": None, "dropout": 0.0, "r": 8, "target_modules": "all-linear"}
+
+
+def test_rollout_gpus_must_divide_the_attention_heads(project):
+    # tiny-qwen3 has 4 attention heads; 3 GPUs per replica cannot split them (the line is the spec's)
+    path = _tiny_spec(project, "resources:\n  rollout: {num_gpus: 3}\n")
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path)
+    assert ("spec.yaml:10: resources.rollout.num_gpus: vLLM splits the model's 4 attention heads over the rollout "
+            "replica's 3 GPUs (tensor_parallel_size), which needs a divisor of 4: one of 1, 2, 4") in e.value.report()
+    with pytest.raises(SpecErrors) as e:
+        compile_file(_tiny_spec(project, "resources:\n  rollout: {num_gpus: 1.5}\n"))
+    assert "resources.rollout.num_gpus: 1.5 GPUs: more than one GPU per rollout replica" in e.value.report()
+    with pytest.raises(SpecErrors) as e:  # 2 divides 4: only the missing CUDA devices are wrong here
+        compile_file(_tiny_spec(project, "resources:\n  rollout: {num_gpus: 2}\n"))
+    assert "attention heads" not in e.value.report()
+
+
+def test_merged_adds_the_scaled_product_to_the_base_weight():
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # [out=2, in=2]
+    a = torch.tensor([[1.0, 0.0]])  # [r=1, in]
+    b = torch.tensor([[0.5], [-1.0]])  # [out, r]
+    ad = Adapters({"base_model.model.m.q.lora_A.weight": a, "base_model.model.m.q.lora_B.weight": b}, scale=2.0)
+    # B @ A = [[0.5, 0], [-1, 0]]; x2 = [[1, 0], [-2, 0]]
+    out = merged({"m.q.weight": w}, ad)
+    assert torch.equal(out["m.q.weight"], torch.tensor([[2.0, 2.0], [1.0, 4.0]]))
+    assert ad.nbytes() == 4 * (2 + 2)
+    assert merged({"m.q.weight": w}, ad, torch.bfloat16)["m.q.weight"].dtype == torch.bfloat16
+
+
+def test_diff_shows_lora_settings_and_still_compares_the_runs():
+    """`factory diff` of a full-weight run and a LoRA run of the same model: the LoRA settings are setting
+    changes, and the model is not called different (LoRA is a way of training it)."""
+    from factory.commands.diff import comparability, plan_changes
+
+    a = {"spec": {"model": {"path": "m", "lora": None}, "train": {"lr": 1e-5}}}
+    b = {"spec": {"model": {"path": "m", "lora": {"r": 16, "alpha": None, "dropout": 0.0,
+                                                  "target_modules": "all-linear"}}, "train": {"lr": 1e-4}}}
+    changes = plan_changes(a, b)
+    keys = {c["key"]: (c["a"], c["b"]) for c in changes}
+    assert keys["model.lora.r"] == (None, "16") and keys["model.lora.target_modules"] == (None, "all-linear")
+    assert comparability(changes) == []
+    assert comparability(plan_changes(a, {"spec": {"model": {"path": "other", "lora": None}}})) != []
+
+
+def test_how_vllm_takes_adapters_by_device_and_the_rank_it_sizes_for():
+    from factory.rollout.engine import vllm_lora_mode
+    from factory.rollout.engine_vllm import _lora_rank
+
+    assert vllm_lora_mode("auto", "cpu") == "merge" and vllm_lora_mode("auto", "cuda") == "serve"
+    assert vllm_lora_mode("serve", "cpu") == "serve" and vllm_lora_mode("merge", "cuda") == "merge"
+    assert [_lora_rank(r) for r in (1, 8, 9, 16, 33, 512)] == [8, 8, 16, 16, 64, 512]
