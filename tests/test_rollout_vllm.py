@@ -242,7 +242,7 @@ def sample(vllm, step: int, rng: random.Random) -> list[Trajectory]:
                        row={}, reward=float(k % 2) + rng.random() * 0.1) for k, o in enumerate(outs)]
 
 
-def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_path):
+def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_path, local_ray):
     """The loop above with `model.lora`: the learner trains adapters only and a sync sends only them
     (factory.lora.Adapters); vLLM merges them into its weights (rollout.vllm_lora: merge) or serves them as
     its LoRA adapter (serve), the transformers engine loads them into its peft model. Before every update
@@ -267,9 +267,8 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
     assert served.weight_sync == "lora served by vLLM"
     base = {k: v.clone() for k, v in HFEngine(model_path, stop_token_ids=[IM_END]).model.state_dict().items()}
     vllm.load_weights(base)  # earlier tests left other weights in it: back to the model folder's
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    update = ray.remote(UpdateStage).options(num_cpus=0).remote(stage_settings(spec)["update"])
     try:
-        update = ray.remote(UpdateStage).remote(stage_settings(spec)["update"])
         ray.get(update.setup.remote())
         rng = random.Random(0)
         for engine in (vllm, served, hf_lora):
@@ -285,5 +284,5 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
             stale = ray.get(update.step.remote(sample(engine, 2, rng)))["rollout/logprob_diff_max"]
             assert stale > 10 * AGREE, (engine.weight_sync, stale)
     finally:
-        ray.shutdown()
+        ray.kill(update)
         vllm.load_weights(base)
