@@ -79,7 +79,8 @@ def test_checkpoint_holds_adapters_and_optimizer_resumes_and_exports(small_path,
     assert not (tmp_path / "step_1" / "hf").exists()
     (model_states,) = (tmp_path / "step_1").glob("*mp_rank_00_model_states.pt")  # DeepSpeed's name per stage
     states = torch.load(model_states, weights_only=False)
-    assert all("lora_" in k for k in states.get("module") or {})  # the adapters, no frozen weights
+    frozen = {k for k, p in learner.engine.module.named_parameters() if not p.requires_grad}
+    assert frozen and not frozen & set(states.get("module") or {})  # the adapters, no frozen weights
     learner.step(trajs)
     want = learner.adapters()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -91,8 +92,11 @@ class Display:
             table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
         self.console.print(table)
         self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
-        if checkpoint:
-            self.console.print(f"final model (HF folder): {checkpoint}")
+        if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
+            self.console.print(f"final adapters (peft folder): {Path(checkpoint, 'adapter')}; merged model: "
+                               f"factory export {run_id} --out DIR")
+        elif checkpoint:
+            self.console.print(f"final model (HF folder): {Path(checkpoint, 'hf')}")
         if uri.startswith(("http://", "https://")):
             self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:

@@ -576,7 +576,7 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             record.close()
     display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
-                    checkpoint=(str(Path(result.checkpoint) / "hf") if result.checkpoint else None))
+                    checkpoint=result.checkpoint)
     return result
 
 
