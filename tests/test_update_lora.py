@@ -79,8 +79,10 @@ def test_checkpoint_holds_adapters_and_optimizer_resumes_and_exports(small_path,
     assert not (tmp_path / "step_1" / "hf").exists()
     (model_states,) = (tmp_path / "step_1").glob("*mp_rank_00_model_states.pt")  # DeepSpeed's name per stage
     states = torch.load(model_states, weights_only=False)
-    frozen = {k for k, p in learner.engine.module.named_parameters() if not p.requires_grad}
-    assert frozen and not frozen & set(states.get("module") or {})  # the adapters, no frozen weights
+    # the adapters, no frozen weights -- but a tied head: DeepSpeed drops frozen *parameters* by name and a
+    # tied lm_head.weight is the embeddings' second name, not a parameter of its own (the model ties them)
+    saved = {k for k in states.get("module") or {} if "lora_" not in k}
+    assert saved <= {k for k in learner.engine.module.state_dict() if k.endswith("lm_head.weight")}, saved
     learner.step(trajs)
     want = learner.adapters()
 
