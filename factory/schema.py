@@ -184,8 +184,9 @@ class JudgeNode(_Leaf):
     the row: text (sent as the user message) or a JSON list of chat messages (worked cases as real
     user/assistant turns, which a small judge follows far better; prompts/judge_answer_fewshot.jinja)."""
     endpoint: str | None = None
-    """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API; `OPENAI_API_KEY` is sent when
-    set). Give `endpoint` or `local`."""
+    """An OpenAI-compatible base URL (a vLLM or SGLang server, a hosted API). `OPENAI_API_KEY`, when set, is
+    sent only to an https URL or one on loopback (127.0.0.1, ::1, localhost), never over plain http to
+    another host. Give `endpoint` or `local`."""
     model: str | None = None
     """The model name sent to `endpoint`."""
     local: LocalJudge | None = None
@@ -202,8 +203,14 @@ class JudgeNode(_Leaf):
     timeout_s: float = 60.0
     """Per-request timeout in seconds (a local judge: per batch)."""
     retries: int = Field(1, ge=0)
-    """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff; a
-    reply that does not parse is not retried."""
+    """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff, or
+    after the time the server's `Retry-After` asks (at most `timeout_s`); a reply that does not parse is
+    not retried."""
+    rpm: float | None = Field(None, gt=0)
+    """Requests per minute sent to `endpoint` at most (a hosted API's rate limit; None = no limit)."""
+    tpm: float | None = Field(None, gt=0)
+    """Tokens per minute sent to `endpoint` at most, each request counted as its prompt's characters / 4
+    plus `max_tokens` (None = no limit)."""
 
     @model_validator(mode="after")
     def _one_judge(self) -> JudgeNode:
@@ -212,6 +219,8 @@ class JudgeNode(_Leaf):
                              "Factory runs)")
         if self.local is not None and self.model is not None:
             raise ValueError("`model` names the endpoint's model; a local judge's model is `local.path`")
+        if self.local is not None and (self.rpm or self.tpm):
+            raise ValueError("`rpm` and `tpm` limit an endpoint's requests; a local judge has none")
         if self.json_field is not None and "parse" in self.model_fields_set:
             raise ValueError("give `parse` (a regex) or `json_field`, not both")
         return self

@@ -4,8 +4,10 @@
 
 The reply depends on a marker in the last user message: [good] -> "Score: 1", [bad] -> "Score: 0",
 [garble] -> a reply without a score, [json] -> a JSON object, [fail] -> HTTP 500, [flaky] -> HTTP 503 the
-first time, then "Score: 1". GET /stats -> the requests seen, per marker, the most in flight at once, and
-each request's message roles.
+first time, then "Score: 1", [limited] -> HTTP 429 with `Retry-After: 1` the first time, then "Score: 1",
+[nan] / [inf] -> {"score": NaN} / {"score": Infinity} (what Python's json writes and reads). GET /stats ->
+the requests seen, per marker, the most in flight at once, each request's message roles, when each
+request came (per marker, seconds since the server started) and whether it carried an Authorization.
 """
 from __future__ import annotations
 
@@ -17,18 +19,23 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies": [], "roles": []}
+STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies": [], "roles": [], "times": {},
+               "auth": []}
 REPLIES = {"good": "The answer is right.\nScore: 1", "bad": "Wrong.\nScore: 0", "garble": "I refuse to grade this.",
-           "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1"}
+           "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1", "limited": "Score: 1",
+           "nan": '{"score": NaN}', "inf": '{"score": Infinity}'}
+T0 = time.monotonic()
 
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: object) -> None:  # quiet
         pass
 
-    def _send(self, code: int, body: str) -> None:
+    def _send(self, code: int, body: str, headers: dict[str, str] | None = None) -> None:
         data = body.encode()
         self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -49,10 +56,15 @@ class Handler(BaseHTTPRequestHandler):
             STATS["peak"] = max(STATS["peak"], STATS["inflight"])
             STATS["bodies"].append({k: body[k] for k in ("model", "temperature", "max_tokens")})
             STATS["roles"].append([m["role"] for m in body["messages"]])
+            STATS["times"].setdefault(marker, []).append(time.monotonic() - T0)
+            STATS["auth"].append("Authorization" in self.headers)
         try:
             time.sleep(0.05)  # long enough for concurrent requests to overlap
             if marker == "fail" or (marker == "flaky" and seen == 1):
                 self._send(500 if marker == "fail" else 503, '{"error": "judge down"}')
+                return
+            if marker == "limited" and seen == 1:
+                self._send(429, '{"error": "slow down"}', {"Retry-After": "1"})
                 return
             reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": REPLIES.get(marker, "")}}]}
             self._send(200, json.dumps(reply))

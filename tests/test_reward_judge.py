@@ -187,3 +187,52 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
     assert m["rewards/judge/calls"] == 4.0 and m["rewards/judge/errors"] == 0.0
     assert m["rewards/judge/parse_failures"] == float(
         sum(t.reward_details["judge"]["status"] == "parse_failure" for t in trajs))
+
+
+def test_a_judge_waits_as_retry_after_asks_and_keeps_to_its_rpm(judge_server, tmp_path):
+    """A 429 with `Retry-After: 1` is retried a second later, not after the 0.25 s backoff; `rpm: 120` sends
+    6 requests at no more than 2 a second (a bucket of one second's worth: two at once, then one per 0.5 s)."""
+    url, stats = judge_server
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "retries": 1}})
+    trajs, m = _score(spec, [traj("ok [limited]", 0)], tmp_path)
+    assert trajs[0].rewards["judge"] == 1.0 and m["rewards/judge/errors"] == 0.0
+    first, second = stats()["times"]["limited"]
+    assert second - first >= 0.95, (first, second)  # as asked; before: 0.25 s later
+
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "rpm": 120, "concurrency": 8}})
+    trajs, m = _score(spec, [traj("ok [good]", i) for i in range(6)], tmp_path)
+    assert [t.reward for t in trajs] == [1.0] * 6
+    times = stats()["times"]["good"]
+    assert len(times) == 6 and max(times) - min(times) >= 1.9, times  # without rpm: all 6 within 0.1 s
+
+
+def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
+    from factory.reward.judge import key_may_go_to, retry_after
+
+    assert key_may_go_to("https://api.example.com/v1/chat/completions")
+    assert key_may_go_to("http://127.0.0.1:8000/v1/chat/completions")
+    assert key_may_go_to("http://[::1]:8000/v1/chat/completions") and key_may_go_to("http://localhost/v1")
+    assert not key_may_go_to("http://judge.internal:8000/v1/chat/completions")
+    assert not key_may_go_to("http://10.0.0.5/v1")
+    assert retry_after("3", 60) == 3.0 and retry_after("600", 60) == 60 and retry_after(None, 60) is None
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 60) == 0.0 and retry_after("soon", 60) is None
+
+
+def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):
+    """Sent over http to a non-loopback host, the key would cross the network in clear text. The request
+    goes to a host that does not resolve: what matters is the header the session built."""
+    import asyncio as aio
+
+    from factory.reward.judge import EndpointSession
+    from factory.schema import JudgeNode
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+
+    async def headers(endpoint: str) -> dict:
+        async with EndpointSession(JudgeNode(llm_judge="j.jinja", endpoint=endpoint)) as s:
+            return dict(s._client.headers)
+
+    assert aio.run(headers("http://judge.internal:8000/v1")).get("authorization") is None
+    assert aio.run(headers("https://judge.internal/v1"))["authorization"] == "Bearer sk-test"
+    assert aio.run(headers("http://127.0.0.1:8000/v1"))["authorization"] == "Bearer sk-test"

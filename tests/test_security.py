@@ -141,3 +141,61 @@ def test_tool_arguments_never_reach_a_shell(tmp_path):
         assert (refused.status, refused.error_kind) == ("model_error", "tool_error"), refused
         assert echoed.text == text  # a python tool gets the string as a string
     assert not marker.exists()
+
+
+def test_a_world_of_ranks_meets_on_rank_0s_address_alone():
+    """torch's own TCPStore server (what env:// makes) listens on every interface; the update stage's
+    world meets on a store served on rank 0's address alone: loopback on a local Ray."""
+    import threading
+
+    import psutil
+
+    from factory.update.engine import rendezvous_store
+    from tests.servers import free_port
+
+    port = free_port()
+    stores = {}
+
+    def rank(r: int) -> None:
+        stores[r] = rendezvous_store("127.0.0.1", port, r, 2, timeout_s=20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stores[0].set("hello", "world")
+    assert stores[1].get("hello") == b"world"  # the two ranks met
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}
+
+
+def test_the_per_user_folder_is_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
+    """Ray's session files and the driver records go in `factory-ray-<uid>` in the temp folder: a name
+    anyone can predict. Made 0700; one made by another user, or writable by others, is refused."""
+    import os
+    import stat
+
+    from factory.runtime.lifecycle import UnsafeFolder, private_dir, sessions_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    folder = private_dir()
+    assert folder == tmp_path / f"factory-ray-{os.getuid()}" and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert sessions_dir() == folder / "drivers"
+    folder.chmod(0o755)  # ours but readable (an older Factory made it so): closed again
+    assert stat.S_IMODE(private_dir().stat().st_mode) == 0o700
+    folder.chmod(0o777)  # writable by anyone: someone may have planted files already
+    with pytest.raises(UnsafeFolder, match="Remove it, or set TMPDIR"):
+        private_dir()
+    folder.chmod(0o700)
+    os.chown(folder, 12345, -1) if os.getuid() == 0 else pytest.skip("chown needs root")
+    with pytest.raises(UnsafeFolder, match="owned by uid 12345"):
+        private_dir()
+    folder.rmdir()
+    folder.symlink_to(tmp_path)  # a link to a folder of the attacker's choosing
+    with pytest.raises(UnsafeFolder, match="a link"):
+        private_dir()

@@ -29,7 +29,12 @@ class _Retryable(Exception):
 
 
 class EndpointSession:
-    """Chat completions from an OpenAI-compatible server (vLLM, SGLang, a hosted API), greedy."""
+    """Chat completions from an OpenAI-compatible server (vLLM, SGLang, a hosted API), greedy.
+
+    `OPENAI_API_KEY` goes only where nobody between can read it: an https endpoint, or one on this
+    machine's loopback. A 429 or 503 that says when to come back (`Retry-After`) is retried then, not
+    sooner; `rpm` and `tpm` cap the requests and (estimated) tokens sent per minute (aiolimiter's leaky
+    buckets)."""
 
     def __init__(self, node: JudgeNode):
         self.node = node
@@ -39,9 +44,20 @@ class EndpointSession:
         import httpx2
 
         key = os.environ.get("OPENAI_API_KEY")
+        self.key_withheld = bool(key) and not key_may_go_to(self.url)
+        send = key and not self.key_withheld
         self._client = httpx2.AsyncClient(timeout=self.node.timeout_s,
-                                          headers={"Authorization": f"Bearer {key}"} if key else {})
+                                          headers={"Authorization": f"Bearer {key}"} if send else {})
         self._slots = asyncio.Semaphore(self.node.concurrency)
+        self._rpm = self._tpm = None
+        if self.node.rpm or self.node.tpm:
+            from aiolimiter import AsyncLimiter
+
+            # rpm as a bucket of one second's worth (at least one request): never more than rpm in any
+            # minute, and no burst of a whole minute's requests at once
+            period = max(1.0, 60.0 / self.node.rpm) if self.node.rpm else 1.0
+            self._rpm = AsyncLimiter(self.node.rpm * period / 60.0, period) if self.node.rpm else None
+            self._tpm = AsyncLimiter(self.node.tpm, 60) if self.node.tpm else None
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -54,19 +70,67 @@ class EndpointSession:
                 "messages": messages}
         async with self._slots:
             for attempt in range(self.node.retries + 1):
+                await self._within_limits(messages)
+                wait = 0.25 * 2**attempt
                 try:
                     resp = await self._client.post(self.url, json=body)
                     if resp.status_code == 429 or resp.status_code >= 500:
+                        wait = retry_after(resp.headers.get("retry-after"), self.node.timeout_s) or wait
                         raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
                     if resp.status_code >= 400:  # our request is wrong: retrying cannot help
-                        raise JudgeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                        hint = (" (OPENAI_API_KEY is set but sent only to https or loopback endpoints)"
+                                if resp.status_code in (401, 403) and self.key_withheld else "")
+                        raise JudgeError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
                     return _content(resp)
                 except (_Retryable, httpx2.TransportError) as e:
                     error = f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e)
                     if attempt == self.node.retries:
                         raise JudgeError(error) from None
-                    await asyncio.sleep(0.25 * 2**attempt)
+                    await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+    async def _within_limits(self, messages: list[dict[str, str]]) -> None:
+        if self._rpm is not None:
+            await self._rpm.acquire()
+        if self._tpm is not None:
+            # what the request may cost: its text at ~4 characters a token, and the whole reply budget
+            cost = sum(len(str(m.get("content", ""))) for m in messages) / 4 + self.node.max_tokens
+            await self._tpm.acquire(min(cost, self.node.tpm))
+
+
+def key_may_go_to(url: str) -> bool:
+    """Whether an API key may be sent to `url`: over TLS, or to this machine's loopback."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return True
+    host = parts.hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def retry_after(value: str | None, cap_s: float) -> float | None:
+    """Seconds a `Retry-After` header asks to wait (a number of seconds or an HTTP date), at most
+    `cap_s`; None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        import datetime
+
+        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    return min(max(seconds, 0.0), cap_s)
 
 
 def _content(resp: Any) -> str:

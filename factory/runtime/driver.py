@@ -20,7 +20,7 @@ import graphlib
 import json
 import math
 import os
-import tempfile
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +32,7 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
-from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
 from factory.types import Placement
 from factory.util import import_object
 
@@ -63,13 +63,20 @@ _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", 
 
 def start_ray(cluster: ClusterSettings) -> None:
     """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
-    local Ray of our own."""
+    local Ray of our own.
+
+    A local Ray listens on loopback (factory.commands.cli), where any user of the machine can reach it:
+    unless RAY_AUTH_MODE says otherwise it requires a token, fresh for each run and known only to this
+    driver's environment (inherited by the Ray processes it starts), and keeps its session files in this
+    user's private folder (factory.runtime.lifecycle.private_dir: its owner and mode are checked)."""
     address = cluster.ray_address
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, loopback-only cluster: no token needed
-    if address:
+    if address:  # a cluster's own settings (its token, if it has one) decide
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
         return
-    temp = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
+    temp = private_dir()
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.runtime.lifecycle)
         ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
                  include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,

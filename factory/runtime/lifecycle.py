@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -28,10 +29,37 @@ from typing import Any
 
 import psutil
 
+from factory.util import UserError
+
+
+class UnsafeFolder(UserError):
+    """The per-user folder exists but another user owns it or others may write in it."""
+
+
+def private_dir() -> Path:
+    """This user's folder on this machine (`factory-ray-<uid>` in the system temp folder): the local Ray's
+    session files (its unix sockets among them) and the driver records. Its name is predictable, so
+    another local user could make it first and watch or plant what goes in: it is made 0700, and one that
+    already exists must be owned by this user and writable by nobody else (UnsafeFolder otherwise)."""
+    path = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        owner = "a link" if stat.S_ISLNK(info.st_mode) else f"owned by uid {info.st_uid}, mode {info.st_mode & 0o777:o}"
+        raise UnsafeFolder(f"{path} exists and is {owner}: another user may control what a run puts there "
+                           "(Ray's sockets, the records of the processes it ends). Remove it, or set TMPDIR to a "
+                           "folder of your own")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours, and readable by others (made by an older Factory or by Ray): close it
+    return path
+
 
 def sessions_dir() -> Path:
     """One folder per user on this machine, beside the local Ray's own session files."""
-    return Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}" / "drivers"
+    return private_dir() / "drivers"
 
 
 # ---------------------------------------------------------------------------------- Ctrl-C

@@ -70,15 +70,26 @@ def init_process_group() -> None:
     Under a launcher (torchrun, `deepspeed`, WORLD_SIZE > 1) its env vars are used as they are. Alone,
     we are a world of one: there is nobody to meet, so the group is made on an in-memory store rather
     than env:// (whose TCPStore listens on every interface), and a second learner in the same process
-    (tests, a restart) never meets a port in TIME_WAIT. The backend is the accelerator's: gloo on CPU,
-    nccl on CUDA."""
+    (tests, a restart) never meets a port in TIME_WAIT. A world Factory sets up itself (MASTER_ADDR etc.
+    from the update stage, no torchrun) meets on a store served on rank 0's address alone
+    (`rendezvous_store`). The backend is the accelerator's: gloo on CPU, nccl on CUDA."""
     import deepspeed
 
     if torch.distributed.is_initialized():
         return
     folder = use_extension_cache()
     backend = deepspeed.get_accelerator().communication_backend_name()
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Factory's own world (the update stage's replicas, factory.update.stage), not a launcher's: the
+        # rendezvous store listens on rank 0's node address alone -- loopback on a local Ray -- where
+        # env:// would listen on every interface, and gloo's pairs use the same interface.
+        addr, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+        if is_loopback(addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = rendezvous_store(addr, port, rank, world)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
+    elif world == 1:
         # DeepSpeed reads its rank from the environment; what we add is taken away again by
         # release_process_group, so a later library in this process (accelerate, a test) does not take a
         # half-set launcher environment for a distributed job.
@@ -97,6 +108,34 @@ def init_process_group() -> None:
 
 
 _ENV_SET_BY_US: dict[str, str] = {}
+
+
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world: int,
+                     timeout_s: float = 300.0) -> torch.distributed.TCPStore:
+    """The world's key-value store, rank 0 serving it on `addr` alone (torch's own TCPStore server binds
+    every interface: it is given a socket bound here instead); the other ranks connect to it."""
+    import datetime
+    import socket
+
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(max(world, 16))
+        listen_fd = sock.detach()  # the store owns it from here
+    return torch.distributed.TCPStore(addr, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                                      master_listen_fd=listen_fd)
 
 
 def release_process_group() -> None:

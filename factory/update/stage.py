@@ -34,9 +34,10 @@ class UpdateStage(StageActor):
 
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        addr = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            s.bind((addr, 0))
+            return addr, s.getsockname()[1]
 
     def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         placement = placement or Placement()
