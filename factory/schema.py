@@ -487,6 +487,10 @@ class TrainSpec(Section):
     chosen (`resolved.update.autocast`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
+    max_non_finite_steps: int = Field(3, ge=0)
+    """Stop the run after this many steps in a row whose updates were all skipped because the loss or the
+    gradient norm was inf or NaN (each such update is skipped and counted in `actor/skipped_non_finite`;
+    the weights stay finite). 0 = never stop for it."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int | None = Field(None, ge=1)

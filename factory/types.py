@@ -76,6 +76,7 @@ class Trajectory:
     rewards: dict[str, float | None] = field(default_factory=dict)  # value of every reward node
     reward: float = 0.0  # the value of the training node
     # Per reward node, when there is something to say: {"status": ok | missing | error | parse_failure |
+    # non_finite (inf or NaN: no value) |
     # skipped, "reply": a judge's raw reply, "error": what failed}.
     reward_details: dict[str, dict[str, Any]] = field(default_factory=dict)
     dropped: str | None = None  # why the reward stage took it out of the loss and the means (drop_sample)

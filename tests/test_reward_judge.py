@@ -236,3 +236,15 @@ def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatc
     assert aio.run(headers("http://judge.internal:8000/v1")).get("authorization") is None
     assert aio.run(headers("https://judge.internal/v1"))["authorization"] == "Bearer sk-test"
     assert aio.run(headers("http://127.0.0.1:8000/v1"))["authorization"] == "Bearer sk-test"
+
+
+def test_a_judge_that_replies_nan_or_infinity_gives_no_value(judge_server, tmp_path):
+    """Python's json reads `NaN` and `Infinity`: such a score was taken as it came."""
+    url, _ = judge_server
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "json_field": "score"}})
+    trajs, m = _score(spec, [traj("ok [nan]", 0), traj("ok [inf]", 1), traj("ok [json]", 2)], tmp_path)
+    assert [t.reward for t in trajs] == [0.0, 0.0, 0.5]
+    assert trajs[0].reward_details["judge"] == {"status": "non_finite", "reply": '{"score": NaN}',
+                                                "error": "the value is not finite: nan"}
+    assert m["rewards/judge/non_finite"] == 2.0 and m["rewards/judge/missing"] == 2.0

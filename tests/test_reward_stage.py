@@ -8,6 +8,7 @@ import pytest
 
 from factory.compiler.compile import stage_settings
 from factory.reward import MissingReward, RewardStage
+from factory.reward.graph import NonFiniteReward
 from factory.schema import Spec
 from factory.types import Placement, ToolCall, ToolResult, Trajectory, Turn
 from tests.fixtures import reward_fns
@@ -165,9 +166,34 @@ def test_failures_are_recorded_counted_and_the_run_goes_on():
     assert trajs[0].rewards["b"] == 1.0 and trajs[1].rewards["b"] == 0.0  # on_missing: zero (the default)
     assert trajs[1].reward_details["b"] == {"status": "error", "error": "RuntimeError: reward function crashed"}
     assert trajs[0].reward_details["word"] == {"status": "error", "error": "returned 'high', not a number"}
-    assert trajs[0].reward_details["nan"] == {"status": "missing", "error": "returned NaN"}
+    assert trajs[0].reward_details["nan"] == {"status": "non_finite", "error": "the value is not finite: nan"}
     assert (m["rewards/b/errors"], m["rewards/word/errors"], m["rewards/nan/errors"]) == (1.0, 2.0, 0.0)
-    assert m["rewards/nan/missing"] == 2.0 and [t.reward for t in trajs] == [1.0, 0.0]
+    assert m["rewards/nan/missing"] == 2.0 and m["rewards/nan/non_finite"] == 2.0
+    assert [t.reward for t in trajs] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
+def test_an_infinite_reward_is_no_value_and_its_on_missing_applies(policy):
+    """inf passed as a value before (only NaN was caught): one +inf made the group's advantages NaN."""
+    spec = make_spec({"big": {"fn": f"{FNS}:inf_for_big", "on_missing": policy}, "len": {"fn": f"{FNS}:length"},
+                      "total": {"sum": {"big": 1.0, "len": 1.0}}})
+    if policy == "fail":
+        with pytest.raises(MissingReward, match=r"reward node 'big' has no value for trajectory 0.1 .*"
+                                                r"non_finite: the value is not finite: inf"):
+            score(spec, [traj("ok"), traj("big", 0, 1)])
+        return
+    trajs, m = score(spec, [traj("ok"), traj("big", 0, 1)])
+    assert trajs[1].reward_details["big"] == {"status": "non_finite", "error": "the value is not finite: inf"}
+    assert m["rewards/big/non_finite"] == 1.0 and m["rewards/big/missing"] == 1.0
+    assert all(math.isfinite(t.reward) for t in trajs) and math.isfinite(m["reward/mean"])
+    assert trajs[1].rewards["total"] == (3.0 if policy == "zero" else None)
+
+
+def test_a_combinator_that_overflows_is_a_located_failure():
+    spec = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": 1e308}}})
+    with pytest.raises(NonFiniteReward, match=r"reward node 'total' is inf for trajectory 0.0 from finite inputs "
+                                              r"\{'len': 2.0\}"):
+        score(spec, [traj("ab")])
 
 
 def test_independent_nodes_and_trajectories_run_concurrently():

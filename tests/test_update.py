@@ -452,3 +452,36 @@ def test_stale_rollouts_take_pi_old_from_the_sampler_not_the_current_weights(sma
     assert corrected["actor/tis_weight_mean"] == pytest.approx(1.5)  # min(e^0.5, 1.5)
     with pytest.raises(ValueError, match="train.max_staleness: pi_old is the rollout's log-probs"):
         learners(make_spec(small_path, train={"max_staleness": 1})).step(batch(seed=14))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
+    """A reward of inf (NaN advantages) and a NaN sampler log-prob (a NaN loss, with finite gradients: the
+    clipped objective's max takes the finite branch) each skip the step's update, counted; the weights stay
+    as they were, finite; the third such step in a row stops. Stage 0 skips by Factory's own check, ZeRO
+    by DeepSpeed's overflow check."""
+    import math
+
+    from factory.update.learner import NonFiniteUpdate
+
+    spec = make_spec(small_path, algorithm={"use_rollout_logprobs": True},
+                     train={"max_non_finite_steps": 3, "deepspeed": {"zero_stage": stage}})
+    learner = learners(spec)
+    trajs = _with_sampler_logprobs(learner, batch(seed=21))
+    trajs[0] = Trajectory(**{**trajs[0].__dict__, "reward": math.inf})
+    delta, stats = one_step_delta(learner, trajs)
+    assert stats["actor/skipped_non_finite"] == 1 and stats["actor/updates"] == 0
+    assert all(float(v.abs().max()) == 0 for v in delta.values())
+    trajs = _with_sampler_logprobs(learner, batch(seed=22))
+    trajs[0].sampler_logprobs[1] = math.nan  # a model token's
+    delta, stats = one_step_delta(learner, trajs)
+    assert stats["actor/skipped_non_finite"] == 1 and stats["actor/updates"] == 0 and "actor/grad_norm" not in stats
+    assert all(float(v.abs().max()) == 0 for v in delta.values())
+    with pytest.raises(NonFiniteUpdate, match="3 steps in a row had a non-finite loss or gradient norm"):
+        learner.step(trajs)
+    assert all(bool(torch.isfinite(v).all()) for v in learner.state_dict().values())
+    # a good step resets the count
+    good = learners(spec)
+    good.step(trajs)
+    good.step(_with_sampler_logprobs(good, batch(seed=23)))
+    assert good.non_finite_steps == 0

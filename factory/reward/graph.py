@@ -32,12 +32,19 @@ from factory.types import Trajectory
 from factory.util import UserError, import_object
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
+# A leaf's outcomes that leave it without a value (its `on_missing` applies): counted in `/missing`.
+MISSING = ("missing", "error", "parse_failure", "non_finite")
 NORMALIZE_EPS = 1e-6  # below this std all values agree: a normalised node is 0 there
 
 
 class MissingReward(UserError, RuntimeError):
     """A node with `on_missing: fail` had no value: the run stops (the message names node, trajectory,
     reason; the CLI shows it alone and exits 2)."""
+
+
+class NonFiniteReward(UserError, RuntimeError):
+    """A combinator's value overflowed to inf or NaN from finite inputs: the run stops, naming the node, the
+    trajectory and the inputs."""
 
 
 def node_inputs(node: Any) -> list[str]:
@@ -183,7 +190,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
 
     `rewards/<node>/mean` over kept trajectories where the node has a value; for function, judge and tool
     nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
-    `/parse_failures` (a judge reply or tool text that is not a score); for judges `/calls` (requests
+    `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
+    inf or NaN, taken as none); for judges `/calls` (requests
     made); for nodes a gate may leave out `/skipped` (not evaluated); `reward/mean` over kept trajectories;
     `reward/dropped` (trajectories a `drop_sample` node took out)."""
     kept = [t for t in trajs if t.dropped is None]
@@ -193,7 +201,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
         out[f"rewards/{name}/mean"] = _mean([v for t in kept if (v := t.rewards.get(name)) is not None])
         status = [t.reward_details.get(name, {}).get("status", "ok") for t in trajs]
         if isinstance(node, LEAVES):
-            out[f"rewards/{name}/missing"] = float(sum(s in ("missing", "error", "parse_failure") for s in status))
+            out[f"rewards/{name}/missing"] = float(sum(s in MISSING for s in status))
+            out[f"rewards/{name}/non_finite"] = float(status.count("non_finite"))
             out[f"rewards/{name}/errors"] = float(status.count("error"))
             out[f"rewards/{name}/parse_failures"] = float(status.count("parse_failure"))
         if isinstance(node, JudgeNode):

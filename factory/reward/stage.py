@@ -29,6 +29,7 @@ from factory.plan import RewardSettings
 from factory.reward.graph import (
     LEAVES,
     MissingReward,
+    NonFiniteReward,
     combine,
     gate_passes,
     node_inputs,
@@ -126,7 +127,7 @@ class _Outcome:
     """A leaf's result for one trajectory before its `on_missing` applies."""
 
     value: float | None
-    status: str = "ok"  # ok | missing | error | parse_failure
+    status: str = "ok"  # ok | missing | error | parse_failure | non_finite
     detail: dict[str, Any] = field(default_factory=dict)  # reply, error
 
 
@@ -138,8 +139,6 @@ def _outcome(value: Any) -> _Outcome:
         number = float(value)
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
-    if math.isnan(number):
-        return _Outcome(None, "missing", {"error": "returned NaN"})
     return _Outcome(number)
 
 
@@ -196,14 +195,26 @@ class _Evaluation:
                      else tuple(range(len(self.trajs))))
             return (await self._memo((name, scope), lambda: self._normalized(node, scope)))[i]
         values = await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))
-        return None if any(v is None for v in values) else combine(node, list(values))
+        if any(v is None for v in values):
+            return None
+        value = combine(node, list(values))
+        if not math.isfinite(value):  # finite inputs, so the weights or the sizes overflow: the spec's to fix
+            t = self.trajs[i]
+            raise NonFiniteReward(f"reward node '{name}' is {value!r} for trajectory {t.prompt_index}."
+                                  f"{t.sample_index} from finite inputs {dict(zip(node_inputs(node), values))}: "
+                                  "its weights or its inputs' sizes overflow a float")
+        return value
 
     async def _normalized(self, node: NormalizeNode, scope: tuple[int, ...]) -> dict[int, float | None]:
         values = await asyncio.gather(*(self.value(node.normalize, j) for j in scope))
         return dict(zip(scope, standardize(list(values))))
 
     def _settle(self, name: str, i: int, out: _Outcome) -> float | None:
-        """Record a leaf's outcome and apply its `on_missing`."""
+        """Record a leaf's outcome and apply its `on_missing`. A value from outside that is not finite (a
+        function's inf or NaN, a judge's `{"score": NaN}`, a tool's "inf") is no value: one such number
+        would reach the advantages, then every weight."""
+        if out.value is not None and not math.isfinite(out.value):
+            out = _Outcome(None, "non_finite", {**out.detail, "error": f"the value is not finite: {out.value!r}"})
         if out.status != "ok" or out.detail:
             self.details[(name, i)] = {"status": out.status, **out.detail}
         if out.value is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import time
@@ -72,6 +73,14 @@ from factory.update.engine import (
 )
 from factory.update.flops import ModelShape, forward_flops
 from factory.update.logprobs import response_logprobs, run_once, use_packed_attention
+from factory.util import UserError
+
+
+class NonFiniteUpdate(UserError):
+    """Several steps in a row could not update the weights: their loss or gradient norm was inf or NaN."""
+
+
+SKIPPED = "skipped_non_finite"  # a step's count of updates skipped for a non-finite value (`_train`'s sums)
 
 
 class Learner:
@@ -92,6 +101,7 @@ class Learner:
         self.steps_done = 0  # training steps completed (restored by load_checkpoint)
         self.share_prefix = False  # run a micro-batch's common prefix once (decided in setup)
         self.sync_bytes = 0  # what the last weight sync (state_dict) carried
+        self.non_finite_steps = 0  # steps in a row whose every update was skipped for a non-finite value
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -165,7 +175,7 @@ class Learner:
         sub, stats = self._begin(trajs)
         if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
             self.steps_done += 1
-            return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0}
+            return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 0.0}
 
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
         schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
@@ -175,6 +185,8 @@ class Learner:
         before = self._before_update(sub, schedule, first_epoch)
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
         target = targets(sub, alg, self.spec.rollout.max_total_tokens, before.old, before.ref, before.mask)
+        if not bool(torch.isfinite(target.adv).all()):  # a value from outside that was not finite: no update at all
+            return self._skipped(stats, "advantages")
 
         # Rows whose advantage is exactly 0 add exactly 0 to the loss's gradient when nothing else is in the
         # loss (no KL term, no entropy bonus): the update skips them (batch.without_zero_advantage), keeping
@@ -252,8 +264,12 @@ class Learner:
                 sums[key] += value
             norms.append(norm)
         sums = self._all_sum_stats(sums)
-        if all(n is not None for n in norms):
-            sums["grad_norm"] = sum(norms)
+        skipped = sum(n is not None and not math.isfinite(n) for n in norms)  # updates not applied (see _update)
+        finite = [n for n in norms if n is not None and math.isfinite(n)]
+        if all(n is not None for n in norms) and finite:
+            sums["grad_norm"] = sum(finite) * len(norms) / len(finite)  # the mean below is over the applied ones
+        sums[SKIPPED] = float(skipped)  # the same on every rank: the gradient norm is global
+        self._count_non_finite(skipped == len(norms))
         if measured:  # each rank measured its share of the first mini-batch
             before.mismatch = self._all_mismatch(before.mismatch)
         return sums
@@ -264,6 +280,24 @@ class Learner:
         if not should_pack(self.spec.train.packing, [len(t.prompt_ids) + len(t.response_ids) for t in group]):
             return collate(group)
         return collate_packed(group, run_once(len(group), shared_prefix(group)) if self.share_prefix else 0)
+
+    def _skipped(self, stats: dict[str, float], what: str) -> dict[str, float]:
+        """A step that updates nothing because its `what` are not finite; counted, and the LR schedule kept."""
+        self.steps_done += 1
+        self._count_non_finite(True, what)
+        return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 1.0}
+
+    def _count_non_finite(self, whole_step: bool, what: str = "loss or gradient norm") -> None:
+        """Steps in a row that skipped every update for a non-finite value: `train.max_non_finite_steps` of
+        them stop the run (the weights stay those of the last good step, as do the checkpoints)."""
+        self.non_finite_steps = self.non_finite_steps + 1 if whole_step else 0
+        limit = self.spec.train.max_non_finite_steps
+        if limit and self.non_finite_steps >= limit:
+            raise NonFiniteUpdate(
+                f"{self.non_finite_steps} steps in a row had a non-finite {what} (inf or NaN), and their updates "
+                f"were skipped: the weights are still those of step {self.steps_done - self.non_finite_steps}. "
+                "Look at actor/skipped_non_finite and the rewards' non_finite counts; a lower train.lr or "
+                "algorithm.grad_clip usually helps (train.max_non_finite_steps: 0 goes on regardless)")
 
     def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
         """FLOPs of one forward over all of `sub` as this learner runs it: with prefix sharing, each
@@ -341,6 +375,12 @@ class Learner:
             # so its forward and backward still pair up with the other ranks' collectives.
             weight = 1.0 if micro else 0.0
             loss, st = self._micro_loss(sub, micro or members[:1], before, adv, totals, measure if weight else None)
+            if not bool(torch.isfinite(loss)):
+                # A non-finite loss can still give finite gradients (the clipped objective's max takes the
+                # finite branch): an update from a loss nobody can read. Make its gradient not finite, so the
+                # update is skipped as one with a NaN gradient is (ZeRO 1-3: DeepSpeed's overflow check, which
+                # every rank sees through the gradient all-reduce; stage 0: ours, below).
+                loss = loss * math.nan
             # DeepSpeed averages gradients over the ranks; each rank's loss is its share of the
             # mini-batch's loss, whose gradient is the SUM of the shares: scale by the world size.
             engine.backward(loss * (weight * self.world), scale_wrt_gas=False)
@@ -354,6 +394,11 @@ class Learner:
         # rank: the compiler asks for ZeRO when there are several) reports none, so there we measure it
         # on the module's gradients before they are consumed.
         local = _grad_norm(engine.module) if engine.zero_optimization_stage() == 0 else None
+        if local is not None and not math.isfinite(local):
+            # ZeRO 1-3 skip an update whose gradient norm is inf/NaN themselves (and report it so); stage 0
+            # would apply it: a NaN in every weight from then on.
+            engine.zero_grad()
+            return out, math.inf
         engine.step()
         norm = engine.get_global_grad_norm()
         norm = local if norm is None else norm
@@ -444,8 +489,11 @@ class Learner:
             if self.rank != 0 and not every_rank:
                 return None
             # a gathered ZeRO-3 tensor is freed when the gather ends: that one must be copied
-            return {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", dtype=dtype or v.dtype, copy=copy or sharded))
-                    for k, v in module.state_dict().items()}
+            weights = {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", dtype=dtype or v.dtype,
+                                                                         copy=copy or sharded))
+                       for k, v in module.state_dict().items()}
+        _check_finite(weights)  # never synced to the rollout, nor checkpointed (save_checkpoint gathers here)
+        return weights
 
     def adapters(self, every_rank: bool = False, dtype: torch.dtype | None = None) -> Adapters | None:
         """The LoRA adapters (peft's names, as its adapter files hold them) on CPU in `dtype` (default:
@@ -464,6 +512,7 @@ class Learner:
                 return None
             tensors = {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True)
                        for k, v in get_peft_model_state_dict(module).items()}
+        _check_finite(tensors)  # adapters with inf/NaN are synced nowhere either
         # peft's adapter_config.json as a plain dict (sets as lists), for an engine that loads an adapter folder
         config = json.loads(json.dumps(module.peft_config["default"].to_dict(),
                                        default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
@@ -561,6 +610,15 @@ def _rollout_logprobs(trajs: list[Trajectory]) -> Tensor | None:
     return _padded([t.sampler_logprobs for t in trajs], 0.0)
 
 
+def _check_finite(weights: dict[str, Tensor]) -> None:
+    """Weights with an inf or NaN go nowhere: the updates that could make them are skipped (see `_update`),
+    so one here is a bug or a path we did not foresee, and it must not reach the rollout or a checkpoint."""
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise NonFiniteUpdate(f"the policy's weights hold inf or NaN ({', '.join(bad[:3])}"
+                              f"{', ...' if len(bad) > 3 else ''}): not synced to the rollout, not checkpointed")
+
+
 def _grad_norm(module: torch.nn.Module) -> float | None:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     return float(torch.nn.utils.get_total_norm(grads)) if grads else None
@@ -655,7 +713,10 @@ def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_p
     # Loss and gradient norm: means over the mini-batches. Token stats (entropy, clip fractions, ...):
     # over the mini-batches that ran rows -- one whose rows were all skipped measured nothing.
     ran = sum(1 for minibatch in update_plan if any(minibatch))
+    skipped = sums.get(SKIPPED, 0.0)  # updates skipped for a non-finite loss or gradient norm
     for key, value in sums.items():
+        if key == SKIPPED:
+            continue
         if key in ("pg_loss", "grad_norm") or ran:
             stats[f"actor/{key}"] = value / (len(schedule) if key in ("pg_loss", "grad_norm") else ran)
     if "actor/entropy" not in stats and before.entropy is not None:  # measured by the pre-update pass
@@ -663,7 +724,8 @@ def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_p
     computed_rows = sum(len(micro) for minibatch in update_plan[: len(update_plan) // epochs] for micro in minibatch)
     kl_tokens, adv = target.kl_tokens, target.adv
     stats.update({
-        "actor/updates": float(len(schedule)),
+        "actor/updates": float(len(schedule)) - skipped,
+        "actor/skipped_non_finite": skipped,
         "actor/tokens": tokens,
         "actor/skipped_zero_adv": float(len(adv) - computed_rows),  # rows the update did not run
         "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
