@@ -492,11 +492,16 @@ class TrainSpec(Section):
     gradient norm was inf or NaN (each such update is skipped and counted in `actor/skipped_non_finite`;
     the weights stay finite). 0 = never stop for it."""
     checkpoint_every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    """Save a checkpoint every N steps (0 = only at the end, and every `checkpoint_every_s`)."""
+    checkpoint_every_s: float = Field(1800.0, gt=0)
+    """Also save a checkpoint after the first step that ends this many seconds after the previous save (or
+    the run's start), so that a long run killed outright loses at most about this much work."""
     keep_checkpoints: int | None = Field(None, ge=1)
     """Keep only the newest K checkpoints, deleting older ones as new ones are committed (None = keep all)."""
     checkpoint_dir: str = "runs/${name}"
-    """Where checkpoints go: `<dir>/step_<N>/` and a `latest` file naming the newest."""
+    """Where runs keep checkpoints: each run in a folder of its own, `<dir>/<run name>-<run id prefix>/`
+    (`step_<N>/` and a `latest` file naming the newest), so runs of one spec never replace or prune each
+    other's. The run's `factory.checkpoint_dir` tag names it; `factory export RUN` reads it."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at step 0 and the end)."""
     eval_size: int | None = None

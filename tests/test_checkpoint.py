@@ -2,6 +2,7 @@
 out as a Hugging Face folder that transformers loads, with the run's chat template, from any ZeRO stage."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -114,3 +115,26 @@ def test_export_errors_are_clear(tmp_path, capsys):
     assert cli.main(["export", "0123456789abcdef", "--out", str(tmp_path / "o"),
                      "--uri", f"sqlite:///{tmp_path}/mlflow.db"]) == 2
     assert "neither a checkpoint folder nor an MLflow run id" in capsys.readouterr().err
+
+
+def test_every_file_is_on_disk_before_the_commit_names_it(tmp_path, monkeypatch):
+    """A power cut after the rename must not leave a committed name over files the disk never received:
+    each file and folder of the checkpoint is fsynced before the rename, and the manifest lists them."""
+    _fake(tmp_path, 1)
+    staged = tmp_path / ckpt.staging(tmp_path, "step_1")
+    (staged / "hf").mkdir()
+    (staged / "hf" / "model.safetensors").write_bytes(b"w" * 100)
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: renamed.append((str(a), len(synced))) or real_replace(a, b))
+    ckpt.commit(tmp_path, "step_1")
+    before_rename = set(synced[: renamed[0][1]])
+    assert renamed[0][0] == str(staged)
+    on_disk = {str(staged / rel) for rel in ("weights", "hf/model.safetensors", ckpt.MANIFEST, "hf", "")}
+    assert {p.rstrip("/") for p in on_disk} <= before_rename, before_rename
+    manifest = json.loads((tmp_path / "step_1" / ckpt.MANIFEST).read_text())
+    assert manifest["hf/model.safetensors"]["size"] == 100 and ckpt.verify(tmp_path / "step_1") is None
+    with open(tmp_path / "step_1" / "hf" / "model.safetensors", "r+b") as f:
+        f.truncate(50)
+    assert ckpt.verify(tmp_path / "step_1").endswith("holds 50 bytes, 100 were saved")

@@ -29,12 +29,27 @@ def test_parameters_changed(tiny_run):
 
     from factory.assets import resolve_model
 
-    work, *_ = tiny_run
+    work, _, run, _ = tiny_run
+    folder = Path(run.data.tags["factory.checkpoint_dir"])  # the run's own, under train.checkpoint_dir
+    assert folder.parent == work / "runs" / "tiny" and folder.name == f"{run.info.run_name}-{run.info.run_id[:8]}"
     before = load_file(Path(resolve_model("factory:tiny-qwen3-calc")) / "model.safetensors")
-    after = load_file(work / "runs" / "tiny" / f"step_{STEPS}" / "hf" / "model.safetensors")
+    after = load_file(folder / f"step_{STEPS}" / "hf" / "model.safetensors")
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
-    assert (work / "runs" / "tiny" / "latest").read_text().strip() == f"step_{STEPS}"
+    assert (folder / "latest").read_text().strip() == f"step_{STEPS}"
+
+
+def test_two_runs_of_one_spec_at_once_each_export_their_own_weights(tiny_runs, tmp_path):
+    """Runs A and B of tests/tracked_runs.py ran at once in one folder (one spec, one checkpoint_dir): each
+    kept its own checkpoints, and `factory export RUN` of each generates, greedily, exactly the tokens that
+    run's final policy generated in its last evaluation. (Before, the second run's step_2 replaced the
+    first's in the shared folder, and both exports gave whichever `latest` named.)"""
+    from tests.test_run_lifecycle import export_matches_last_eval
+
+    folders = {tiny_runs.a.data.tags["factory.checkpoint_dir"], tiny_runs.b.data.tags["factory.checkpoint_dir"]}
+    assert len(folders) == 2
+    for run, name in ((tiny_runs.a, "a"), (tiny_runs.b, "b")):
+        export_matches_last_eval(run, tiny_runs.client, tiny_runs.uri, tmp_path / name, STEPS)
 
 
 def test_every_step_has_its_metrics(tiny_run):

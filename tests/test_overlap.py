@@ -211,6 +211,7 @@ class FakeUpdate(Fresh, StageActor):
 
 class Tracker:
     run_id = "test"
+    checkpoint_dir = "runs/test"
 
     def __init__(self):
         self.metrics = {}

@@ -134,7 +134,7 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     t.end("FAILED")
 
     # what factory.runtime.resume.find returns, as far as the tracker reads it
-    r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
+    r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoint_dir=Path("ckpt"), checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
 
     spec, plan = compiled(tmp_path / "ckpt")
     resumed = Tracker(uri, "e")
@@ -150,3 +150,25 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1"
     assert run.data.tags["factory.resumed_from_step"] == "1"
+
+
+def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):
+    """A file of the newest checkpoint cut short (a disk that lost its tail): --resume falls back to the
+    run's previous checkpoint and says which it passed over and why."""
+    from factory.update.checkpoint import write_manifest
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    exp = {"experiment": "verified"}
+    run = fake_run(uri, ckpt, plan, logged=3, checkpoints=(1, 2), **exp)
+    for step in (1, 2):
+        (ckpt / f"step_{step}" / "model.safetensors").write_bytes(b"w" * 1000)
+        write_manifest(ckpt / f"step_{step}")
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert (r.run_id, r.checkpoint) == (run, "step_2") and r.unreadable == []
+    with open(ckpt / "step_2" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert (r.checkpoint, r.step, r.data) == ("step_1", 1, {"epoch": 0, "cursor": 2})
+    assert r.unreadable == [f"step_2: {ckpt}/step_2/model.safetensors holds 10 bytes, 1000 were saved"]
+    assert "passed over step_2" in r.describe()

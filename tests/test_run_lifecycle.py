@@ -103,13 +103,20 @@ def running(procs) -> list[str]:
     return alive
 
 
-def wait_for(path: Path | tuple[Path, ...], proc: subprocess.Popen, timeout_s: float, seen: dict, ips: set) -> None:
-    """Until `path` (any of them) exists, recording the driver's process tree and listening addresses."""
-    paths = path if isinstance(path, tuple) else (path,)
+def found(root: Path, *patterns: str) -> bool:
+    """Whether any path under `root` matches one of the glob `patterns` (a run's checkpoint folder is
+    `runs/<spec>/<run name>-<id>/`: `runs/tiny/*/step_2`)."""
+    return any(next(root.glob(p), None) is not None for p in patterns)
+
+
+def wait_for(root: Path, patterns: tuple[str, ...], proc: subprocess.Popen, timeout_s: float, seen: dict,
+             ips: set) -> None:
+    """Until a path matching one of `patterns` exists under `root`, recording the driver's process tree and
+    listening addresses."""
     deadline = time.time() + timeout_s
-    while not any(p.exists() for p in paths):
+    while not found(root, *patterns):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, f"{path} did not appear"
+        assert time.time() < deadline, f"{patterns} did not appear"
         procs = tree(proc)
         seen.update(procs)
         ips |= listening(procs.values())
@@ -124,15 +131,15 @@ def killed(work):
     k, delay = random.randint(1, STEPS - 1), random.uniform(0.0, 1.5)
     proc, seen, ips = start(work), {}, set()
     # a step's metrics are logged before its checkpoint is staged (.incomplete-step_k) and committed
-    wait_for((tmp / f"runs/tiny/.incomplete-step_{k}", tmp / f"runs/tiny/step_{k}"), proc, 300, seen, ips)
+    wait_for(tmp, (f"runs/tiny/*/.incomplete-step_{k}", f"runs/tiny/*/step_{k}"), proc, 300, seen, ips)
     # On a fast CPU step k+1 can end within the delay (a tiny step takes well under a second on a Zen 5):
     # kill no later than its checkpoint's staging, so run 1 always leaves a step to resume.
     end = time.monotonic() + delay
-    after = (tmp / f"runs/tiny/.incomplete-step_{k + 1}", tmp / f"runs/tiny/step_{k + 1}")
-    while time.monotonic() < end and not any(p.exists() for p in after):
+    after = (f"runs/tiny/*/.incomplete-step_{k + 1}", f"runs/tiny/*/step_{k + 1}")
+    while time.monotonic() < end and not found(tmp, *after):
         time.sleep(0.01)
     assert proc.poll() is None, f"run 1 ended before the kill (step {k} + {delay:.2f} s)"
-    saved = (tmp / f"runs/tiny/step_{k}").exists()
+    saved = found(tmp, f"runs/tiny/*/step_{k}")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     when = f"step {k} logged + {delay:.2f} s, {'after' if saved else 'before'} its checkpoint was committed"
@@ -144,7 +151,7 @@ def stopped(work, killed):
     """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1."""
     tmp, _ = work
     proc, seen = start(work, *SECOND), {}
-    wait_for(tmp / f"runs/second/step_{STEPS - 1}", proc, 300, seen, killed["ips"])
+    wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
     alive_after_start = running(killed["seen"].values())
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -175,7 +182,8 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
     killed_runs = [r for r in runs if r.info.status == "KILLED"]
     assert len(killed_runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
     steps = [m.step for m in client.get_metric_history(killed_runs[0].info.run_id, "timing/step_s")]
-    last = int((tmp / "runs/second/latest").read_text().strip().removeprefix("step_"))
+    (latest,) = (tmp / "runs/second").glob("*/latest")
+    last = int(latest.read_text().strip().removeprefix("step_"))
     assert sorted(steps) == list(range(1, last + 1)) and last == STEPS  # each step once, the last one saved
 
     # every socket either run listened on was on loopback
@@ -233,8 +241,8 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, kille
     assert rewards[0] == rewards[1], when
     # the final weights are those of run 2, which trained the same steps uninterrupted (CPU, fixed seed:
     # every source of randomness is restored from the checkpoint or a function of (seed, step))
-    final = load_file(tmp / f"runs/tiny/step_{STEPS}/hf/model.safetensors")
-    reference = load_file(tmp / f"runs/second/step_{STEPS}/hf/model.safetensors")
+    final = load_file(Path(run.data.tags["factory.checkpoint_dir"]) / f"step_{STEPS}/hf/model.safetensors")
+    (reference,) = [load_file(p) for p in (tmp / "runs/second").glob(f"*/step_{STEPS}/hf/model.safetensors")]
     initial = load_file(Path(resolve_model("factory:tiny-qwen3-calc")) / "model.safetensors")
     differ = [k for k in reference if not torch.equal(final[k], reference[k])]
     assert differ == [], f"{len(differ)} tensors differ from the uninterrupted run's {when}"
@@ -242,19 +250,24 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, kille
 
 
 def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(work, resumed):
+    tmp, env = work
+    export_matches_last_eval(resumed["run"], resumed["client"], env["MLFLOW_TRACKING_URI"], tmp, STEPS)
+
+
+def export_matches_last_eval(run, client, uri: str, tmp: Path, steps: int) -> None:
+    """`factory export RUN` loads with transformers and generates, greedily, exactly the tokens the run's
+    final policy generated in its evaluation at step `steps`."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM
 
     from factory.commands import cli
 
-    tmp, env = work
-    run, client = resumed["run"], resumed["client"]
     out = tmp / "exported"
-    assert cli.main(["export", run.info.run_id, "--out", str(out), "--uri", env["MLFLOW_TRACKING_URI"]]) == 0
+    assert cli.main(["export", run.info.run_id, "--out", str(out), "--uri", uri]) == 0
     model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     # the run's last evaluation: greedy, by the rollout engine holding the final weights
-    table = pq.read_table(client.download_artifacts(run.info.run_id, f"eval_trajectories/step_{STEPS:05d}.parquet",
+    table = pq.read_table(client.download_artifacts(run.info.run_id, f"eval_trajectories/step_{steps:05d}.parquet",
                                                     str(tmp)))
     for row in table.to_pylist():
         mask = row["loss_mask"]

@@ -139,7 +139,9 @@ def test_the_run_records_what_defined_it(tiny_runs):
     checkpoints = json.loads((folder / "checkpoints.json").read_text())
     assert [c["step"] for c in checkpoints] == [STEPS]
     assert run.data.tags["factory.checkpoint"] == checkpoints[-1]["path"]
-    assert run.data.tags["factory.checkpoint_dir"] == str(tiny_runs.work_a / "runs" / "tiny")  # factory export reads it
+    folder = Path(run.data.tags["factory.checkpoint_dir"])  # factory export reads it: the run's own folder
+    assert folder == tiny_runs.work_a / "runs" / "tiny" / f"{run.info.run_name}-{run.info.run_id[:8]}"
+    assert Path(checkpoints[-1]["path"]).parent == folder
     assert (Path(checkpoints[-1]["hf"]) / "model.safetensors").is_file()
 
 

@@ -1,7 +1,9 @@
 """Session fixtures: a real `mlflow server` on 127.0.0.1 and a pair of tiny `factory run`s tracked over HTTP.
 
 The pair is shared by the end-to-end checks (test_e2e), the diff, REST and browser tests (test_tracking_server):
-run B is run A with one reward weight changed, so `factory diff` must name exactly that change.
+run B is run A with one reward weight changed, so `factory diff` must name exactly that change. Both run AT
+ONCE in ONE project folder, as two runs of one spec a user starts side by side: each keeps its checkpoints
+in a folder of its own, and `factory export` of each gives its own weights (test_e2e).
 """
 from __future__ import annotations
 
@@ -126,16 +128,15 @@ def tiny_runs(tracking_server, tmp_path_factory) -> TinyRuns:
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("tiny-runs")
-    work_a, work_b = project_copy(root / "a"), project_copy(root / "b")
+    work = project_copy(root / "project")
     key, _, changed = CHANGE
     engine = f"rollout.engine={ENGINE}"
     out_a, out_b = overlapped(("run", "specs/tiny.yaml", f"train.steps={STEPS}", engine),
                               ("run", "specs/tiny.yaml", f"train.steps={STEPS}", engine, f"{key}={changed}"),
-                              cwds=(work_a, work_b), uri=tracking_server)
+                              cwds=(work, work), uri=tracking_server)
     assert out_a.returncode == 0, out_a.stderr[-4000:]
     assert out_b.returncode == 0, out_b.stderr[-4000:]
     client = MlflowClient(tracking_server)
-    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
-                              order_by=["attributes.start_time ASC"])
-    assert len(runs) == 2
-    return TinyRuns(tracking_server, client, work_a, work_b, runs[0], runs[1], out_a, out_b)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    a, b = sorted(runs, key=lambda r: r.data.params[key] != CHANGE[1])  # A kept the spec's weight
+    return TinyRuns(tracking_server, client, work, work, a, b, out_a, out_b)

@@ -13,8 +13,10 @@ model's weights (peft's `merge_and_unload`) and writes the same kind of folder a
 `--adapter` it copies the adapter folder, which `PeftModel.from_pretrained(base, DIR)` loads (and vLLM
 serves with `--enable-lora`).
 
-RUN is an MLflow run id (the run's tags name its checkpoint folder) or a path: a checkpoint directory
-(`train.checkpoint_dir`, holding `latest` and `step_<N>/`) or one step's folder.
+RUN is an MLflow run id (the run's tags name its own checkpoint folder, so runs of one spec never export
+each other's weights) or a path: a run's checkpoint folder (holding `latest` and `step_<N>/`) or one
+step's folder. A checkpoint whose files differ from its manifest (factory.update.checkpoint.verify) is
+refused.
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ import os
 import shutil
 from pathlib import Path
 
-from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, tag
+from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, tag, verify
 from factory.util import UserError
 
-CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's train.checkpoint_dir, absolute (set by the driver)
+CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's own checkpoint folder, absolute (set by the tracker)
 CHECKPOINT_TAG = "factory.checkpoint"  # the newest checkpoint's folder (set as each one is committed)
 # What a Hugging Face folder must hold to load and serve (tokenizer.json or the slow tokenizer's files).
 REQUIRED = ("config.json", "tokenizer_config.json")
@@ -66,6 +68,8 @@ def step_folder(root: Path, step: int | None = None) -> Path:
     if not (root / name).is_dir():
         have = ", ".join(complete(root)) or "none"
         raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
+    if (problem := verify(root / name)) is not None:
+        raise ExportError(f"{root / name} is not as it was saved: {problem}")
     return root / name
 
 

@@ -494,8 +494,7 @@ class Updates:
 def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: SessionRecord,
                resume: Resume | None = None) -> RunResult:
     d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
-    # a resumed run keeps its folder (absolute, from its tags), whichever directory it is resumed from
-    ckpt_dir = str(resume.checkpoint_dir) if resume else d.train.checkpoint_dir
+    ckpt_dir = tracker.checkpoint_dir  # this run's own folder (a resumed run's, from its tags)
     done = restore(g, plan, resume) if resume else 0
     if done:
         before = resume.before  # its step-0 evaluation, as the run logged it
@@ -505,6 +504,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
         display.step(0, before, completed=0)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
+    saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"))
     with stop:
@@ -514,7 +514,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
             evaluating = _due(step, d.train.eval_every, d.train.steps)
-            saving = stopping or _due(step, d.train.checkpoint_every, d.train.steps)
+            saving = (stopping or _due(step, d.train.checkpoint_every, d.train.steps)
+                      or time.monotonic() - saved_at >= d.train.checkpoint_every_s)
             for n, trajs_n, m_n in updates.finish(drain=evaluating or saving):  # its weights -> every rollout replica
                 if n == step and evaluating:
                     after, eval_trajs = evaluate(g, plan, display, step)
@@ -527,6 +528,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
                 checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
                 tracker.log_checkpoint(step, checkpoint)
+                saved_at = time.monotonic()
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
                 break

@@ -28,7 +28,7 @@ from typing import Any
 
 from factory.tracking.mlflow_tracker import DRIVER_TAG
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
-from factory.update.checkpoint import complete, read_run_state
+from factory.update.checkpoint import complete, read_run_state, verify
 from factory.util import UserError
 
 # Logged once per training step, after the step's update (what "the run logged step N" means).
@@ -57,6 +57,7 @@ class Resume:
     before: dict[str, float] = field(default_factory=dict)  # the step-0 evaluation, for the summary
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the run's checkpoints.json
     changed: list[str] = field(default_factory=list)  # what differs from the run's spec (allowed)
+    unreadable: list[str] = field(default_factory=list)  # newer checkpoints passed over, and why
 
     def describe(self) -> str:
         where = (f"from its checkpoint {self.checkpoint_dir / self.checkpoint}" if self.checkpoint
@@ -65,7 +66,8 @@ class Resume:
         again = ("" if last < first else f"; step {first} is computed again, not logged twice" if last == first
                  else f"; steps {first}-{last} are computed again, not logged twice")
         changed = f"; with a changed {', '.join(self.changed)} (--allow-spec-change)" if self.changed else ""
-        return f"resuming run {self.run_id} ({self.run_name}) at step {self.step + 1}, {where}{again}{changed}"
+        passed = "".join(f"\n  passed over {u} (not as saved)" for u in self.unreadable)
+        return f"resuming run {self.run_id} ({self.run_name}) at step {self.step + 1}, {where}{again}{changed}{passed}"
 
 
 def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
@@ -91,14 +93,16 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                           f"spec and overrides give: resume with the same spec and overrides, or pass "
                           "--allow-spec-change to continue it under the changed one (recorded on the run)")
     directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
-    checkpoint, state = newest_checkpoint(directory, run.run_id)
+    skipped: list[str] = []
+    checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
     step = int(state["step"]) if checkpoint else 0
     if step >= train.steps:
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     return Resume(run.run_id, run.name, directory, checkpoint, step, logged_step(tracker, run),
                   state.get("data") if checkpoint else None, before=step0_eval(tracker, run),
-                  checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed)
+                  checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
+                  unreadable=skipped)
 
 
 def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) -> TrackedRun:
@@ -129,13 +133,21 @@ def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
     return out
 
 
-def newest_checkpoint(directory: Path, run_id: str) -> tuple[str | None, dict[str, Any]]:
+def newest_checkpoint(directory: Path, run_id: str,
+                      skipped: list[str] | None = None) -> tuple[str | None, dict[str, Any]]:
     """The newest complete checkpoint in `directory` written by run `run_id` (its run_state.json says so:
-    runs of the same spec share the folder) and its run state; (None, {}) when there is none."""
+    runs saved before each run had its own folder shared one) whose files are as they were saved
+    (`verify`), and its run state; (None, {}) when there is none. A newer one that fails the check is
+    passed over, and `skipped` hears why."""
     for name in reversed(complete(directory)):
         state = read_run_state(directory / name)
-        if state.get("run_id") == run_id:
+        if state.get("run_id") != run_id:
+            continue
+        problem = verify(directory / name)
+        if problem is None:
             return name, state
+        if skipped is not None:
+            skipped.append(f"{name}: {problem}")
     return None, {}
 
 

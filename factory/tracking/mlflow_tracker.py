@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
+from factory.update.checkpoint import run_folder
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
@@ -244,6 +245,7 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.checkpoint_dir: str | None = None  # this run's own checkpoint folder (set when it starts)
         self.record_checkpoints = True
         # The last step the run already holds metrics of: a resumed run computes the steps after its
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
@@ -278,13 +280,18 @@ class MlflowTracker:
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"])
-        # Where checkpoints go (read by `factory export RUN`); not recorded when the path came from the env.
-        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
-        if self.record_checkpoints:
-            tags["factory.checkpoint_dir"] = str(Path(plan.driver.train.checkpoint_dir).resolve())
-        self.start(run_name(shown["name"]), {**shown, **(extra_params or {})}, tags,
+        name = run_name(shown["name"])
+        self.start(name, {**shown, **(extra_params or {})}, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
                     "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n", **(extra_artifacts or {})})
+        # The run's own checkpoint folder (factory.update.checkpoint.run_folder), read by `factory export RUN`
+        # and `--resume`; not recorded when the path came from the environment.
+        self.checkpoint_dir = str(run_folder(Path(plan.driver.train.checkpoint_dir).resolve(), name, self.run_id))
+        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
+        if self.record_checkpoints:
+            import mlflow
+
+            mlflow.set_tag("factory.checkpoint_dir", self.checkpoint_dir)
         return plan
 
     def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
@@ -301,6 +308,7 @@ class MlflowTracker:
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
+        self.checkpoint_dir = str(resume.checkpoint_dir)  # a resumed run keeps its folder, wherever it is resumed from
         self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),

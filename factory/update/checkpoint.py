@@ -1,7 +1,9 @@
 """Checkpoint layout, how a checkpoint is committed atomically, which ones are kept, and the RNG state a
 resumed run needs.
 
-Layout of a checkpoint directory (`train.checkpoint_dir`):
+Each run has a folder of its own under `train.checkpoint_dir`, named after the run and its MLflow id
+(`run_folder`), so runs of one spec, at once or one after another, never replace or prune each other's
+checkpoints. Layout of that folder:
 
     <dir>/
       latest                      text "step_<N>": the newest COMPLETE checkpoint
@@ -9,6 +11,7 @@ Layout of a checkpoint directory (`train.checkpoint_dir`):
                                   ZeRO >= 1), and client state {step, rng}
         mp_rank_00_model_states.pt, *optim_states.pt, ...   (DeepSpeed's own files)
         run_state.json            what the driver needs to continue: data position, MLflow run id, ...
+        manifest.json             every other file's size and sha256, written last: `verify` checks them
         hf/                       Hugging Face folder: config, model.safetensors, tokenizer with the run's
                                   chat template; `AutoModelForCausalLM.from_pretrained(<dir>/step_<N>/hf)`
         adapter/                  instead of hf/ in a LoRA run (model.lora): peft's adapter folder
@@ -18,12 +21,16 @@ Layout of a checkpoint directory (`train.checkpoint_dir`):
       step_<M>/ ...
       .incomplete-step_<K>/       a save in progress, or one that a crash interrupted (removed by the next save)
 
-A save writes everything into `.incomplete-step_<N>/`, renames that folder to `step_<N>/` (one atomic
-rename on POSIX), then rewrites `latest` (write + rename). A run killed at any moment leaves `latest`
-naming a complete checkpoint: the previous one until the rename, the new one after it.
+A save writes everything into `.incomplete-step_<N>/`, writes the manifest, fsyncs every file and folder
+in it, renames that folder to `step_<N>/` (one atomic rename on POSIX), fsyncs the parent, then rewrites
+`latest` (write + fsync + rename). A run killed at any moment leaves `latest` naming a complete
+checkpoint: the previous one until the rename, the new one after it; and a power cut cannot leave a
+committed name over files the disk never received. What the disk lost anyway (a bad sector, a copy cut
+short) `verify` finds, and `--resume` falls back to the run's previous checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -38,6 +45,7 @@ LATEST = "latest"
 HF = "hf"  # the Hugging Face folder inside each checkpoint
 ADAPTER = "adapter"  # a LoRA run's checkpoint holds peft's adapter folder instead (with the tokenizer)
 RUN_STATE = "run_state.json"
+MANIFEST = "manifest.json"
 INCOMPLETE = ".incomplete-"
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -78,12 +86,76 @@ def clear_staging(directory: str | os.PathLike, name: str) -> Path:
     return path
 
 
+def run_folder(root: str | os.PathLike, run_name: str, run_id: str) -> Path:
+    """A run's own checkpoint folder under `train.checkpoint_dir`: its name and id prefix, unique even for
+    two runs of one spec started in the same second."""
+    return Path(root) / f"{run_name}-{run_id[:8]}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str | os.PathLike) -> None:
+    """`manifest.json`: each file of the checkpoint (relative path) with its size and sha256."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def verify(folder: str | os.PathLike) -> str | None:
+    """Why a committed checkpoint cannot be trusted (a file missing, cut short or changed since it was
+    saved), or None when every file matches its manifest. A checkpoint saved before manifests existed
+    has none: it is taken as it is."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None if folder.is_dir() else f"{folder} is missing"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{path}: unreadable ({e})"
+    for rel, want in manifest.items():
+        f = folder / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f} holds {size} bytes, {want['size']} were saved"
+        if _sha256(f) != want["sha256"]:
+            return f"{f} differs from what was saved (sha256)"
+    return None
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Every file and folder under `folder` (and itself) on disk, before a rename makes it visible."""
+    folder = Path(folder)
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):  # files before their folders
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(folder)
+
+
 def commit(directory: str | os.PathLike, name: str, keep: int | None = None) -> Path:
     """Make the staged checkpoint `name` the newest: rename `.incomplete-<name>/` to `<name>/` (replacing an
     older checkpoint of the same step, which a resumed run may write again), point `latest` at it, then
     keep only the newest `keep` checkpoints. Returns the checkpoint's folder."""
     directory = Path(directory)
     final = directory / name
+    staged = directory / staging(directory, name)
+    write_manifest(staged)
+    fsync_tree(staged)  # the files reach the disk before the name that says they are complete
     if final.exists():  # move it aside first: rename cannot replace a non-empty folder
         old = directory / staging(directory, name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -127,6 +199,7 @@ def prune(directory: str | os.PathLike, keep: int | None) -> list[str]:
 
 
 def write_run_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / RUN_STATE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
