@@ -487,6 +487,10 @@ class TrainSpec(Section):
     chosen (`resolved.update.autocast`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
+    max_infra_error_rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Stop the run (exit code 3, naming the causes) at a step where more than this share of trajectories
+    failed from infrastructure: a tool call that timed out, crashed, could not connect or met an open
+    circuit, or a judge request that failed after its retries. Such a step would train on zeros. 1 = never."""
     max_non_finite_steps: int = Field(3, ge=0)
     """Stop the run after this many steps in a row whose updates were all skipped because the loss or the
     gradient norm was inf or NaN (each such update is skipped and counted in `actor/skipped_non_finite`;

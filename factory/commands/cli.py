@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
+from factory.runtime.health import EXIT_INFRA, InfraFailure
 from factory.tracking.tracker import RunLookupError
 from factory.util import UserError
 
@@ -269,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # bad input found while running (data rows); Ray wraps it: show the cause
         print(f"factory: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return EXIT_SPEC_ERROR
+    except InfraFailure as e:  # a step's tools or judge were down: the cause, and its own exit code
+        print(f"factory: {e}", file=sys.stderr)
+        return EXIT_INFRA
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `factory plan | head`: the reader left; not an error of ours

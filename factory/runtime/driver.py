@@ -32,6 +32,7 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.runtime.health import check_infra
 from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
 from factory.types import Placement
 from factory.util import import_object
@@ -511,6 +512,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
+            m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
             evaluating = _due(step, d.train.eval_every, d.train.steps)

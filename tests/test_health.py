@@ -1,0 +1,69 @@
+"""`train.max_infra_error_rate`: a step whose trajectories failed from infrastructure (a tool server down, a
+judge that answered nothing) stops the run with exit code 3 and the cause, before its update. The failures
+here are real: a judge endpoint nobody listens on, a tool server killed whose restarts fail; the driver's
+check reads the trajectories they leave. (A real run that stops this way: tests/test_chaos.py, slow.)"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from factory.runtime.health import EXIT_INFRA, InfraFailure, check_infra
+from factory.schema import StdioServer
+from factory.tools import ToolBox
+from factory.types import ToolCall, Trajectory, Turn
+from tests.servers import free_port
+from tests.test_reward_judge import _score
+from tests.test_reward_stage import make_spec, traj
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_step_whose_judge_is_down_stops_naming_it(tmp_path):
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
+                                "retries": 0}})
+    trajs, _ = _score(spec, [traj(str(i), i) for i in range(4)], tmp_path)
+    with pytest.raises(InfraFailure, match=r"step 2: 4 of 4 trajectories failed from infrastructure \(100%, above "
+                                           r"train.max_infra_error_rate 0.5\): judge judge: ConnectError"):
+        check_infra(trajs, 0.5, step=2)
+    assert check_infra(trajs, 1.0, step=2) == 1.0  # 1 = never stop
+
+
+@pytest.mark.anyio
+async def test_a_step_whose_tool_server_was_killed_and_does_not_come_back_stops_naming_it(tmp_path):
+    """The server starts once; killed, its restarts exit at once (a marker says it ran): every later call is
+    an infrastructure error (crash, failed start, then the open circuit)."""
+    marker = tmp_path / "started"
+    once = (f"import os, runpy, sys\nif os.path.exists({str(marker)!r}): sys.exit(1)\nopen({str(marker)!r}, 'w').close()\n"
+            f"sys.argv = ['faulty.py']\nrunpy.run_path({str(ROOT / 'tests/tool_servers/faulty.py')!r}, run_name='__main__')")
+    server = StdioServer(command=sys.executable, args=["-c", once], timeout_s=2.0, retries=1)
+    async with ToolBox.from_spec({"faulty": server}) as box:
+        ok = await box.call(ToolCall(name="pid", arguments={}, raw=""))
+        os.kill(int(ok.text), signal.SIGKILL)
+        results = [await box.call(ToolCall(name="echo", arguments={"text": str(i)}, raw="")) for i in range(4)]
+    assert all(r.status == "infra_error" for r in results), results
+    trajs = [Trajectory(prompt_index=i, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                        turns=[Turn(text="call", num_tokens=1, calls=[ToolCall(name="echo", arguments={}, raw="")],
+                                    results=[r])], stop_reason="no_call", row={}) for i, r in enumerate(results)]
+    trajs.append(Trajectory(prompt_index=9, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                            turns=[], stop_reason="no_call", row={}))  # made no call: fine
+    with pytest.raises(InfraFailure, match=r"step 1: 4 of 5 trajectories failed from infrastructure \(80%.*"
+                                           r"tool echo: "):
+        check_infra(trajs, 0.5, step=1)
+    assert check_infra(trajs, 0.8, step=1) == 0.8  # at the limit, not above it: the step trains
+
+
+def test_the_cli_exits_3_with_the_cause(monkeypatch, capsys):
+    from factory.commands import cli
+    from factory.runtime import driver
+
+    def down(plan, resume=None):
+        raise InfraFailure("step 1: 8 of 8 trajectories failed from infrastructure: judge j: ConnectError (8)")
+
+    monkeypatch.setattr(driver, "run", down)
+    assert cli.main(["run", str(ROOT / "specs/tiny.yaml")]) == EXIT_INFRA == 3
+    assert capsys.readouterr().err.strip().endswith("judge j: ConnectError (8)")
