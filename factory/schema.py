@@ -160,6 +160,10 @@ class FnNode(_Leaf):
     group: bool = False
     """A group reward: called once per group with lists `(prompts, completions, rows)` (and `turns`, when
     it declares it) and returning one value per completion."""
+    timeout_s: float | None = Field(60.0, gt=0)
+    """Seconds a call may take (None = no limit); past it the call has no value (an error, `on_missing`
+    applies) and scoring goes on. An async function is cancelled; a plain one's thread cannot be stopped
+    in Python and runs on to its end, holding one of the stage's 256 worker threads meanwhile."""
 
 
 class LocalJudge(Section):
@@ -415,7 +419,14 @@ class RolloutSpec(Section):
     batch_size: int = 64
     """Sequences generated together by the engine at most."""
     drop_infra_errors: bool = True
-    """Trajectories hit by an infrastructure tool failure are kept out of the loss (still logged)."""
+    """Trajectories hit by an infrastructure tool failure (or the episode timeout) are kept out of the loss
+    (still logged); without it they stay, and a timed-out one trains nothing (its loss mask is zeroed)
+    but its reward still counts in its group's statistics."""
+    episode_timeout_s: float | None = Field(300.0, gt=0)
+    """Wall-clock seconds one trajectory may take, generation and tool calls together (None = no limit). At
+    the limit the call or generation in flight is given up, the trajectory ends (`stop_reason: timeout`,
+    `rollout/stop_timeout`) with what it had, and counts as an infrastructure failure: so one slow tool
+    cannot hold a whole step."""
     kv_cache_gb: float = Field(2.0, gt=0)
     """vLLM's KV-cache size in GiB, in the memory of the rollout's device (CPU RAM or the GPU). It holds
     the running sequences and the cached prefixes; a sequence longer than it holds cannot run. The
@@ -487,6 +498,10 @@ class TrainSpec(Section):
     chosen (`resolved.update.autocast`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
+    stage_timeout_s: float = Field(1800.0, gt=0)
+    """The longest the driver waits for a stage's answer before the run fails naming the stage and what it
+    was doing: the first call of each kind (start-up, the first step) gets this much; later ones at most 5x
+    the longest call of their kind so far (at least 120 s), a stage's reported progress resetting the clock."""
     max_infra_error_rate: float = Field(0.5, ge=0.0, le=1.0)
     """Stop the run (exit code 3, naming the causes) at a step where more than this share of trajectories
     failed from infrastructure: a tool call that timed out, crashed, could not connect or met an open

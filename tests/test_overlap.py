@@ -407,3 +407,56 @@ def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_pa
     assert history("train/staleness") == [0.0, 1.0, 1.0, 1.0]  # the last step waits for its update, not its rollout
     assert len(history("timing/update_busy_s")) == 4 and len(history("actor/pg_loss")) == 4
     assert (work / "runs" / "tiny" / "step_4" / "hf" / "model.safetensors").exists()
+
+
+class Stuck:
+    """A stage whose `step` never answers (a hung engine); its stream yields one group, then hangs."""
+
+    SHARDED = frozenset({"generate"})
+    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups"}
+    split = staticmethod(RolloutStage.split)
+
+    def __init__(self, settings=None):
+        pass
+
+    async def step(self, trajs, **context):
+        await asyncio.sleep(3600)
+
+    async def generate_groups(self, batch: pa.Table, first_index: int = 0, **context):
+        yield []
+        await asyncio.sleep(3600)
+
+
+def test_a_stage_that_never_answers_fails_the_run_naming_it_and_what_it_did(local_ray):
+    from factory.runtime.deadlines import Deadlines, StageTimeout
+
+    stuck = Group(Stage("update", "test", "tests.test_overlap:Stuck", None, (), ()), Stuck, [ray.remote(Stuck).remote()],
+                  deadlines=Deadlines(limit_s=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout, match=r"stage 'update' did not answer step \(step 3\) within 1 s "
+                                           r"\(train.stage_timeout_s\); waited 1 s"):
+        stuck.call("step", [], step=3)
+    rollout = Group(Stage("rollout", "test", "tests.test_overlap:Stuck", None, (), ()), Stuck,
+                    [ray.remote(Stuck).remote()], deadlines=Deadlines(limit_s=1.0))
+    with pytest.raises(StageTimeout, match=r"stage 'rollout' did not answer generate \(step 2\) .*its last "
+                                           r"progress: 1 groups done"):
+        rollout.stream("generate", pa.table({"i": [0, 1]}), on_part=lambda _: None, step=2)
+    assert time.monotonic() - t0 < 6
+    for g in (stuck, rollout):
+        ray.kill(g.actors[0])
+
+
+def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
+    """A heartbeat: the stand-in rollout's groups arrive GAP_S apart, 3 x GAP_S in all, past a 2 x GAP_S
+    deadline that each group starts again; a call's time then sets the next deadline of its kind."""
+    from factory.runtime.deadlines import FLOOR_S, Deadlines
+
+    rollout, reward = _groups({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": 1.0}}})
+    rollout.deadlines = reward.deadlines = Deadlines(limit_s=2 * GAP_S)
+    trajs, _ = pipe(rollout, "generate", reward, "score", pa.table({"i": list(range(5))}), progress=lambda *a: None,
+                    step=1)
+    assert len(trajs) == 5 * GROUP
+    assert rollout.deadlines.longest["rollout.generate"] > 2 * GAP_S
+    assert Deadlines(limit_s=3600, longest={"a.b": 100.0}).budget("a.b") == 500.0
+    assert Deadlines(limit_s=3600, longest={"a.b": 1.0}).budget("a.b") == FLOOR_S
+    assert Deadlines(limit_s=300, longest={"a.b": 100.0}).budget("a.b") == 300

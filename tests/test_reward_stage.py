@@ -261,3 +261,18 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool():
             await tools.close()
 
     asyncio.run(go())
+
+
+def test_a_reward_function_past_its_timeout_has_no_value_and_scoring_goes_on():
+    """`timeout_s` on a function node: a call that hangs (0.2 s here against 0.05) is an error, counted, and
+    the other nodes and trajectories are scored as usual."""
+    import time
+
+    spec = make_spec({"slow": {"fn": f"{FNS}:slow", "args": {"delay": 0.2}, "timeout_s": 0.05},
+                      "len": {"fn": f"{FNS}:length"}, "total": {"sum": {"slow": 1.0, "len": 1.0}}})
+    t0 = time.monotonic()
+    trajs, m = score(spec, [traj("ab"), traj("abc", 0, 1)])
+    assert time.monotonic() - t0 < 0.2 + 1.0
+    assert trajs[0].reward_details["slow"] == {"status": "error", "error": "TimeoutError: took longer than timeout_s "
+                                                                             "(0.05 s)"}
+    assert m["rewards/slow/errors"] == 2.0 and [t.reward for t in trajs] == [2.0, 3.0]

@@ -225,3 +225,31 @@ def test_sampling_from_spec():
     cfg = RolloutSpec(temperature=0.7, top_p=0.9, top_k=5)
     assert sampling_from_spec(cfg) == Sampling(0.7, 0.9, 5, False)
     assert sampling_from_spec(cfg, greedy=True).greedy
+
+
+def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
+    """A real MCP server whose tool sleeps 60 s (its own timeout 120 s): with `episode_timeout_s: 5` the
+    trajectory ends in seconds, marked `timeout`, the call an infrastructure failure, nothing trained on."""
+    from pathlib import Path
+
+    from factory.schema import StdioServer
+    from factory.tools import ToolBox
+
+    root = Path(__file__).resolve().parents[1]
+    server = StdioServer(command="python", args=["tests/tool_servers/faulty.py"], cwd=str(root), timeout_s=120.0)
+    engine = ScriptedEngine(chat, [(call("sleep", seconds=60), True), ("<answer>20</answer>", True)])
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=512, episode_timeout_s=5)
+
+    async def go():
+        async with ToolBox.from_spec({"faulty": server}) as box:
+            t0 = time.monotonic()
+            t = await run_trajectory(engine, chat, box, messages=PROMPT, row={}, prompt_index=0, sample_index=0,
+                                     cfg=cfg, sampling=GREEDY)
+            return t, time.monotonic() - t0
+
+    t, took = asyncio.run(go())
+    assert 5 <= took < 10, took
+    assert t.stop_reason == "timeout" and t.infra_error and t.truncated is False
+    (result,) = t.turns[0].results
+    assert (result.status, result.error_kind) == ("infra_error", "episode_timeout")
+    assert len(t.turns) == 1 and set(t.loss_mask) == {0} and len(t.loss_mask) == len(t.response_ids) > 0

@@ -286,3 +286,25 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
     finally:
         ray.kill(update)
         vllm.load_weights(base)
+
+
+def test_an_error_on_the_step_thread_fails_the_waiting_requests_at_once(vllm, monkeypatch):
+    """`has_unfinished_requests` raising ended the step thread and left it marked running: every request,
+    then and later, waited forever. Now the waiting ones fail at once, and the next request runs."""
+    real = vllm.engine.has_unfinished_requests
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:  # in the loop, after the first step was added
+            raise RuntimeError("engine core died")
+        return real()
+
+    monkeypatch.setattr(vllm.engine, "has_unfinished_requests", flaky)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="engine core died"):
+            await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=8, sampling=GREEDY), 30)
+        return await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=4, sampling=GREEDY), 30)
+
+    assert 1 <= len(asyncio.run(go()).ids) <= 4

@@ -251,9 +251,17 @@ class _Evaluation:
         t = self.trajs[i]
         kwargs = {**t.row, "turns": t.turns} if wants_turns else t.row
         try:
-            return _outcome(await self.s.call(fn, prompt_text(t.messages), t.completion, **kwargs))
+            return _outcome(await self._in_time(name, self.s.call(fn, prompt_text(t.messages), t.completion, **kwargs)))
         except Exception as e:  # a user's reward function may raise anything
             return _failed(e)
+
+    async def _in_time(self, name: str, work: Awaitable[Any]) -> Any:
+        """`work` within the node's `timeout_s` (TimeoutError, said in words, past it)."""
+        limit = self.s.nodes[name].timeout_s
+        try:
+            return await (work if limit is None else asyncio.wait_for(work, limit))
+        except TimeoutError:
+            raise TimeoutError(f"took longer than timeout_s ({limit:g} s)") from None
 
     async def _group_fn(self, name: str, pid: int) -> dict[int, _Outcome]:
         fn, wants_turns = self.s._fns[name]
@@ -261,8 +269,9 @@ class _Evaluation:
         group = [self.trajs[i] for i in members]
         kwargs = {"turns": [t.turns for t in group]} if wants_turns else {}
         try:
-            values = await self.s.call(fn, [prompt_text(t.messages) for t in group], [t.completion for t in group],
-                                       [t.row for t in group], **kwargs)
+            values = await self._in_time(name, self.s.call(fn, [prompt_text(t.messages) for t in group],
+                                                           [t.completion for t in group], [t.row for t in group],
+                                                           **kwargs))
             if len(values) != len(group):
                 raise ValueError(f"group reward returned {len(values)} values for {len(group)} completions")
         except Exception as e:

@@ -3,7 +3,9 @@
     generate -> parse tool calls -> call the tools (in parallel) -> append their responses AS TOKENS -> repeat
 
 until the model answers without a call (`no_call`), uses its last turn (`max_turns`) or its tokens
-(`budget`). The model's ids are kept as generated (loss mask 1); the ids between turns come from the chat
+(`budget`), or runs out of time (`timeout`: `rollout.episode_timeout_s`, so one slow tool or a stalled
+generation cannot hold a whole step; what was done by then is kept, its loss mask zeroed, and the
+trajectory counts as an infrastructure failure). The model's ids are kept as generated (loss mask 1); the ids between turns come from the chat
 template (loss mask 0). Every trajectory of a batch runs concurrently, so one trajectory's tool calls
 overlap other trajectories' generation, and the engine batches whatever generation requests are waiting.
 """
@@ -59,11 +61,22 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     logprobs: list[float] = []
     turns: list[Turn] = []
     stop: StopReason = "max_turns"
+    deadline = time.monotonic() + cfg.episode_timeout_s if cfg.episode_timeout_s else None
+
+    async def in_time(work: Any) -> Any:  # TimeoutError past the episode's deadline (the work is cancelled)
+        return await (work if deadline is None else asyncio.wait_for(work, max(deadline - time.monotonic(), 0.0)))
+
+    finished = True  # whether the last model turn ended by itself (not cut by a token limit or the clock)
     for turn_no in range(cfg.max_turns):
         limit = min(cfg.max_new_tokens, cfg.max_total_tokens - len(response))
         started = time.time()
         turn_sampling = sampling if seed is None or sampling.greedy else replace(sampling, seed=request_seed(seed, turn_no))
-        gen = await engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=turn_sampling)
+        try:
+            gen = await in_time(engine.generate(prompt_ids + response, max_new_tokens=limit, sampling=turn_sampling))
+        except TimeoutError:
+            stop, finished = "timeout", False
+            break
+        finished = gen.finished
         generated = time.time()
         response += gen.ids
         mask += [1] * len(gen.ids)
@@ -78,7 +91,14 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             break
         if turn_no == cfg.max_turns - 1:
             break  # nothing would read the responses: the calls are recorded, not run
-        turn.results = list(await asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls)))
+        try:
+            turn.results = list(await in_time(asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls))))
+        except TimeoutError:
+            turn.results = [ToolResult(tool=c.name, text="Error: the episode ran out of time.", status="infra_error",
+                                       error_kind="episode_timeout") for c in turn.calls]
+            turn.ended_at = time.time()
+            stop = "timeout"
+            break
         turn.ended_at = time.time()
         ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
         delta = chat.tool_delta_ids(turn.results, turn_ended_with_eos=ended_with_eot)
@@ -88,12 +108,14 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         response += delta
         mask += [0] * len(delta)
         logprobs += [0.0] * len(delta)
+    if stop == "timeout":  # never trained on: dropped with drop_infra_errors, else kept in its group, masked
+        mask = [0] * len(mask)
     return Trajectory(
         prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids, response_ids=response,
         loss_mask=mask, sampler_logprobs=logprobs, turns=turns, stop_reason=stop, row=row, messages=messages,
         completion=chat.decode(response),
-        infra_error=any(r.status == "infra_error" for t in turns for r in t.results),
-        truncated=not gen.finished,  # the last model turn was cut by a token limit
+        infra_error=stop == "timeout" or any(r.status == "infra_error" for t in turns for r in t.results),
+        truncated=not finished,  # the last model turn was cut by a token limit (or the clock)
     )
 
 

@@ -220,21 +220,31 @@ class VLLMEngine:
     # ----------------------------------------------------------------------------------- step loop
     def _step_loop(self) -> None:
         """Runs in the worker thread while there is work: add what was queued, step, deliver what
-        finished. Exits (and clears _running) only when nothing is queued or decoding."""
-        while True:
+        finished. Exits (and clears _running) when nothing is queued or decoding -- or when anything on
+        this thread fails outside a step (asking the engine whether work is left, reading an output): then
+        every waiting request fails at once with that error, and the next `generate` starts a new loop.
+        (Before, such an error ended the thread with `_running` still set: every later request waited
+        forever.)"""
+        try:
+            while True:
+                with self._lock:
+                    incoming, self._incoming = self._incoming, []
+                    aborts, self._aborts = self._aborts, []
+                    if not incoming and not aborts and not self.engine.has_unfinished_requests():
+                        self._running = False
+                        return
+                try:
+                    outputs = self._step(incoming, aborts)
+                except Exception as e:  # the engine broke: fail everything in flight, leave a clean state
+                    self._fail_all(e)
+                    continue
+                for out in outputs:
+                    self._deliver(out.request_id, self._generation(out))
+        except BaseException as e:  # noqa: BLE001 -- nobody may wait for this thread forever
             with self._lock:
-                incoming, self._incoming = self._incoming, []
-                aborts, self._aborts = self._aborts, []
-                if not incoming and not aborts and not self.engine.has_unfinished_requests():
-                    self._running = False
-                    return
-            try:
-                outputs = self._step(incoming, aborts)
-            except Exception as e:  # the engine broke: fail everything in flight, leave a clean state
-                self._fail_all(e)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, self._generation(out))
+                self._running = False
+                self._incoming = []  # their callers are in _waiting: they fail below
+            self._fail_all(e if isinstance(e, Exception) else RuntimeError(f"vLLM step thread: {e!r}"))
 
     def _step(self, incoming: list[tuple[str, list[int], Any]], aborts: list[str]) -> list[Any]:
         from vllm.inputs import TokensPrompt

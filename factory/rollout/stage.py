@@ -231,7 +231,7 @@ class RolloutStage(StageActor):
             "perf/generate_tokens_per_s": sum(sum(t.num_model_tokens for t in p.trajs) / max(p.busy["generate"], 1e-9)
                                               for p in parts),
             **{f"rollout/stop_{k}": float(sum(t.stop_reason == k for t in trajs))
-               for k in ("no_call", "max_turns", "budget")},
+               for k in ("no_call", "max_turns", "budget", "timeout")},
             **tools.snapshot(),
         }
 

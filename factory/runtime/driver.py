@@ -32,6 +32,7 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.runtime.deadlines import Deadlines
 from factory.runtime.health import check_infra
 from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
 from factory.types import Placement
@@ -98,6 +99,7 @@ class Group:
     placement_group: Any = None
     info: list[dict[str, Any]] = field(default_factory=list)  # what each replica's setup reported
     turn: int = 0  # the replica the next `one` call goes to
+    deadlines: Deadlines = field(default_factory=Deadlines)  # every wait on it ends (factory.runtime.deadlines)
 
     @property
     def contract(self) -> Contract:
@@ -127,16 +129,27 @@ class Group:
             refs = [getattr(self.next_replica(), method).remote(*args, **kwargs)]
         else:
             refs = self.submit(method, *args, **kwargs)
-        if progress is not None and self.contract.progress:
-            while len(ray.wait(refs, num_returns=len(refs), timeout=0.5)[0]) < len(refs):
-                progress(*self.progress())
-        answers = ray.get(refs)
+        answers = self.deadlines.get(refs, f"{self.stage.name}.{method}", _doing(kwargs), self._progress(progress))
         return self.cls.merge(answers) if dispatch == "split" else answers[0]
 
     def progress(self) -> tuple[int, int]:
         """(done, total) summed over the replicas (a stage that declares `progress`)."""
-        counts = ray.get([actor.progress.remote() for actor in self.actors])
+        counts = ray.get([actor.progress.remote() for actor in self.actors], timeout=60)
         return sum(done for done, _ in counts), sum(total for _, total in counts)
+
+    def _progress(self, show: Callable[[int, int], None] | None) -> Callable[[], tuple[int, int]] | None:
+        """For a stage that declares `progress`: a poll of the replicas' summed (done, total), shown by
+        `show` when given; the deadline takes a change as a heartbeat."""
+        if not self.contract.progress:
+            return None
+
+        def poll() -> tuple[int, int]:
+            done = self.progress()
+            if show is not None:
+                show(*done)
+            return done
+
+        return poll
 
     def stream(self, method: str, batch: Any, *, on_part: Callable[[Any], None],
                progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
@@ -149,8 +162,14 @@ class Group:
         streams = {getattr(actor, streamed).remote(*part, **kwargs): len(part[0])
                    for actor, part in zip(self.actors, parts)}  # stream -> groups still to come
         pending, answers, last, polled = list(streams), {}, {}, time.perf_counter()
+        kind, start = f"{self.stage.name}.{method}", time.monotonic()
+        budget, beat, groups = self.deadlines.budget(kind), start, 0  # a group from any replica is a heartbeat
         while pending:
+            if time.monotonic() - beat > budget:
+                self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{groups} groups done")
             ready, pending = ray.wait(pending, num_returns=1, timeout=0.5, fetch_local=False)
+            beat = time.monotonic() if ready else beat
+            groups += len(ready)
             for s in ready:
                 item = next(s, None)
                 if item is None:  # ended early: a replica that raised yields its error as its last item
@@ -167,6 +186,7 @@ class Group:
             if progress is not None and self.contract.progress and time.perf_counter() - polled > 0.5:
                 polled = time.perf_counter()
                 progress(*self.progress())
+        self.deadlines.took(kind, time.monotonic() - start)
         return self.cls.merge(ray.get([answers[s] for s in streams]))
 
 
@@ -211,7 +231,7 @@ def start_group(stage: Stage) -> Group:
     return Group(stage, cls, actors, pg)
 
 
-def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
+def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines: Deadlines | None = None) -> Groups:
     """Start every stage's group and set its replicas up, callees before their callers (each caller
     gets a handle on the stages its call edges reach, under each edge's role); a torch.distributed
     group first meets at rank 0's address. `status` hears each stage as it is ready."""
@@ -220,6 +240,8 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
     try:
         for stage in plan.stages:
             groups[stage.name] = start_group(stage)
+            if deadlines is not None:  # one for the run: the waits on every stage share its record
+                groups[stage.name].deadlines = deadlines
         calls = [e for e in plan.edges if e.kind == "call" and e.method]
         order = graphlib.TopologicalSorter({s.name: {e.dst for e in calls if e.src == s.name} for s in plan.stages})
         order.prepare()
@@ -228,7 +250,7 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None) -> Groups:
             handles = {name: g.actors[0] for name, g in groups.items()}
             pending = {name: setup_group(groups[name], peers_of(calls, name, handles)) for name in ready}
             for name, refs in pending.items():
-                groups[name].info = ray.get(refs)  # a setup that failed raises here
+                groups[name].info = groups[name].deadlines.get(refs, f"{name}.setup", "starting")  # a failed setup raises here
                 status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
             order.done(*ready)
     except BaseException:
@@ -313,7 +335,8 @@ def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, progre
 
     _, metrics = src.stream(method, x, on_part=send, progress=progress, **context)
     t_src = time.perf_counter()
-    answers = sorted(ray.get(refs), key=lambda a: a[0][0].prompt_index)  # groups in prompt order
+    answers = dst.deadlines.get(refs, f"{dst.stage.name}.{dst_method}", _doing(context))
+    answers = sorted(answers, key=lambda a: a[0][0].prompt_index)  # groups in prompt order
     joined: dict[str, float] = {}
     for n, (part, m) in enumerate(answers):
         joined = _merge(joined, m, sum(len(p) for p, _ in answers[:n]), len(part))
@@ -407,7 +430,8 @@ def load_weights(g: Groups, fetched: list[tuple[Edge, list[Any]]]) -> float:
     """Fetched weights into every replica of each edge's destination; the seconds it took."""
     t0 = time.perf_counter()
     for e, weights in fetched:
-        ray.get(g[e.dst].submit(e.method, weights[0]) + weights[1:])
+        dst = g[e.dst]
+        dst.deadlines.get(dst.submit(e.method, weights[0]) + weights[1:], f"{e.dst}.{e.method}", f"weights from {e.src}")
     return time.perf_counter() - t0
 
 
@@ -473,7 +497,8 @@ class Updates:
         while self.pending and (drain or len(self.pending) > self.k):
             p = self.pending.popleft()
             t0 = time.perf_counter()
-            stats = ray.get(p.update)[0]  # rank 0's
+            trainer = self.plan.flow("data")[-1]
+            stats = self.g[trainer.dst].deadlines.get(p.update, f"{trainer.dst}.{trainer.method}", f"step {p.step}")[0]
             waited, synced = time.perf_counter() - t0, load_weights(self.g, p.weights)
             self.synced = p.step
             if self.k:  # the update ran behind the next rollout: a step counts the part it waited for
@@ -537,6 +562,12 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested)
 
 
+def _doing(context: dict[str, Any]) -> str:
+    """What a call is for, from the context it carries: "step 3", "step 3, attempt 1"."""
+    parts = [f"{k} {context[k]}" for k in ("step", "attempt") if context.get(k)]
+    return ", ".join(parts)
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
@@ -565,7 +596,7 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
             display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
                            "DeepSpeed's C++ ops, about a minute)")
-            groups = place(plan, display.status)
+            groups = place(plan, display.status, Deadlines(d.train.stage_timeout_s))
             record.update()
             # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
             resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
