@@ -34,3 +34,61 @@ def http_server(argv: list[str], port: int, *, cwd: Path, env: dict[str, str] | 
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+class Unpluggable:
+    """A TCP forwarder on 127.0.0.1 in front of `target_port`, whose cable can be pulled: `down()` closes
+    its listening socket and every connection through it (a client then meets "connection refused", as
+    from a server that died), `up()` listens again on the same port."""
+
+    def __init__(self, target_port: int):
+        import threading
+
+        self.target, self.port = target_port, free_port()
+        self._lock, self._conns, self._server = threading.Lock(), [], None
+        self.up()
+
+    def up(self) -> None:
+        import threading
+
+        self._server = socket.socket()
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind(("127.0.0.1", self.port))
+        self._server.listen(64)
+        threading.Thread(target=self._accept, args=(self._server,), daemon=True).start()
+
+    def down(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the accepting thread (a close alone would leave it listening)
+            self._server.shutdown(socket.SHUT_RDWR)
+        self._server.close()
+        with self._lock:
+            for c in self._conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+                    c.close()
+            self._conns.clear()
+
+    def _accept(self, server: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:  # closed by down()
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)

@@ -223,3 +223,76 @@ def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
     assert environment_changes(a, b) == [
         {"key": "factory.version.torch", "a": "2.13.0", "b": "2.14.0"},
         {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]
+
+
+def test_records_wait_in_the_spool_while_the_server_is_down_and_each_step_is_logged_once(tracking_server, tmp_path,
+                                                                                        monkeypatch):
+    """A real `mlflow server` behind a forwarder whose cable is pulled after step 1 and put back before step
+    4: steps 2 and 3 wait in the run's spool (each call returns at once, the run goes on), and are sent,
+    in order, when the server answers again. A driver killed with records unsent leaves them in the spool;
+    the resumed run's tracker sends them first and does not log those steps again."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    import factory.tracking.mlflow_tracker as mt
+    from tests.servers import Unpluggable
+
+    monkeypatch.setattr(mt, "RETRY_S", 0.0)  # try the server again at every record (the run waits 10 s)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # each try fails at once
+    cable = Unpluggable(int(tracking_server.rsplit(":", 1)[1]))
+    uri = f"http://127.0.0.1:{cable.port}"
+    notes: list[str] = []
+    t = Tracker(uri, "spool")
+    t.start("spool", {}, {}, {})
+    t.notify = notes.append
+    t.open_spool(tmp_path / "spool")
+
+    def step(tracker, n):
+        tracker.log_trajectories([_traj()], n, traces=0)
+        tracker.log_metrics({"timing/step_s": 1.0, "reward/mean": n / 10}, step=n)
+
+    step(t, 1)
+    cable.down()
+    t0 = time.monotonic()
+    step(t, 2)
+    step(t, 3)
+    assert time.monotonic() - t0 < 20  # each record tried once, fast (MLflow's own retries: minutes)
+    assert len(t.spool.records) == 4 and "does not answer" in notes[0]
+    cable.up()
+    step(t, 4)
+    assert t.spool.records == [] and "answers again" in notes[-1]
+    # the server goes away again at step 5, and the driver is killed before it comes back
+    cable.down()
+    step(t, 5)
+    assert len(t.spool.records) == 2
+    cable.up()
+    resumed = Tracker(uri, "spool")
+    resumed.run_id, resumed.logged = t.run_id, 4  # what factory.runtime.resume finds in the store: step 4
+    resumed.open_spool(tmp_path / "spool")  # sends step 5, left by the killed driver
+    assert resumed.logged == 5 and resumed.spool.records == []
+    step(resumed, 5)  # computed again after the checkpoint: not logged twice
+    step(resumed, 6)
+    resumed.end("FINISHED")
+    client = MlflowClient(tracking_server)
+    assert [m.step for m in client.get_metric_history(t.run_id, "reward/mean")] == [1, 2, 3, 4, 5, 6]
+    tables = [f.path for f in client.list_artifacts(t.run_id, "trajectories")]
+    assert tables == [f"trajectories/step_{n:05d}.parquet" for n in range(1, 7)]
+    assert client.get_run(t.run_id).info.status == "FINISHED"
+    cable.down()
+
+
+def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):
+    """The store is gone at the end of the run: `end` tells where the unsent records are and returns, so the
+    driver's teardown (tool servers, Ray) always runs after it."""
+    from tests.servers import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    t = Tracker(f"http://127.0.0.1:{free_port()}", "gone")
+    t.run_id = "0" * 32
+    notes: list[str] = []
+    t.notify = notes.append
+    t.open_spool(tmp_path / "spool")
+    t.log_metrics({"timing/step_s": 1.0}, step=1)
+    t.end("FINISHED")
+    assert any("could not be sent: they wait in" in n and str(tmp_path / "spool") in n for n in notes), notes

@@ -526,8 +526,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         before = resume.before  # its step-0 evaluation, as the run logged it
     else:
         before, eval_trajs = evaluate(g, plan, display, 0)
-        tracker.log_metrics(before, step=0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
+        tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
@@ -548,8 +548,11 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                     after, eval_trajs = evaluate(g, plan, display, step)
                     m_n.update(after)
                     tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-                tracker.log_metrics(m_n, step=n)  # before the checkpoint: a checkpointed step is a logged one
+                # the tables first, the metrics last: a step with metrics is a step with its tables (a run
+                # killed between them computes the step again on --resume, and logs the tables again,
+                # under the same names); and both before the checkpoint: a checkpointed step is a logged one
                 tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
+                tracker.log_metrics(m_n, step=n)
                 display.step(n, m_n)
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
                 state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
@@ -581,6 +584,7 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
     t_start, d = time.perf_counter(), plan.driver
     display = Display(d.train.steps)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
+    tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
     with display:
         ended = reap_orphans()
@@ -612,10 +616,12 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             status = "KILLED"  # MLflow's word for a run stopped by its user
             raise
         finally:
-            tracker.end(status)
-            teardown(groups)
-            ray.shutdown()
-            record.close()
+            try:
+                tracker.end(status)  # never raises by itself; whatever happens, the teardown follows
+            finally:
+                teardown(groups)
+                ray.shutdown()
+                record.close()
     display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=result.checkpoint)

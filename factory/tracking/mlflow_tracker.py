@@ -250,6 +250,16 @@ class MlflowTracker:
         # The last step the run already holds metrics of: a resumed run computes the steps after its
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
+        self.spool: Any = None  # factory.tracking.spool.Spool, once the run has a folder (open_spool)
+        self.down_since: float | None = None  # when the store stopped answering (None: it answers)
+        self._tried = 0.0
+        self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
+        if uri.startswith(("http://", "https://")):
+            # Fail fast and let the spool wait, rather than block the run in MLflow's own retries (7 with
+            # backoff: minutes per request while a server is down).
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         import mlflow
@@ -292,6 +302,7 @@ class MlflowTracker:
             import mlflow
 
             mlflow.set_tag("factory.checkpoint_dir", self.checkpoint_dir)
+        self.open_spool(Path(self.checkpoint_dir) / SPOOL)
         return plan
 
     def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
@@ -310,6 +321,7 @@ class MlflowTracker:
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
         self.checkpoint_dir = str(resume.checkpoint_dir)  # a resumed run keeps its folder, wherever it is resumed from
         self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
+        self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
                          "factory.resumed_from_step": str(resume.step)})
@@ -319,20 +331,31 @@ class MlflowTracker:
             mlflow.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
         return plan
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import mlflow
+    # ------------------------------------------------------------------------ records, through the spool
+    # Once the run exists, every record goes through a spool in the run's own folder (factory.tracking.spool):
+    # written to local disk first, then sent in order. A tracking server that cannot be reached holds the
+    # records there -- the run goes on -- and they are sent when it answers again (or by `--resume`).
+    def open_spool(self, folder: str | os.PathLike) -> None:
+        """Records from here on go through the spool in `folder`; what an earlier driver of this run left
+        unsent there is sent first."""
+        from factory.tracking.spool import Spool
 
+        self.spool = Spool(folder)
+        for record in self.spool.records:  # the killed driver's steps count as logged once they are sent
+            if record["kind"] == "metrics" and STEP_KEY in record["values"]:
+                self.logged = max(self.logged, record["step"])
+        self.flush()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if step <= self.logged:
             return
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
-        mlflow.set_tag("factory.step", str(step))  # steps done, for `factory runs` (and a crashed run)
+        self._record("metrics", step=step, values={k: float(v) for k, v in metrics.items()})
 
     def log_trajectories(self, trajs: list[Trajectory], step: int, *, split: str = "train",
                          traces: int | None = None) -> None:
         """The step's table (`trajectories/` or `eval_trajectories/step_NNNNN.parquet`) and a trace for each
-        of the first `traces` trajectories (all when None)."""
-        import mlflow
-
+        of the first `traces` trajectories (all when None). The table is spooled (it is what `factory
+        rescore` reads); traces are sent only while the store answers."""
         if not trajs or step <= self.logged:
             return
         table = pa.Table.from_pylist(trajectory_records(trajs, step))
@@ -340,16 +363,18 @@ class MlflowTracker:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / f"step_{step:05d}.parquet"
             pq.write_table(table, path, compression="zstd")
-            mlflow.log_artifact(str(path), artifact_path=folder)
-        for t in trajs[:traces]:
-            log_trace(self.client, self.run_id, t, step=step, split=split)
+            self._record("artifact", file=path, artifact_path=folder)
+        if self.down_since is None:
+            try:
+                for t in trajs[:traces]:
+                    log_trace(self.client, self.run_id, t, step=step, split=split)
+            except Exception as e:  # noqa: BLE001 -- a view of the table, never worth the run
+                self._note(f"traces of step {step} not logged: {type(e).__name__}: {str(e)[:200]}")
 
     def log_checkpoint(self, step: int, path: str) -> None:
         """Where the step's checkpoint is: tags `factory.checkpoint` (the newest, absolute) and
         `factory.checkpoint_step`, and `checkpoints.json` listing every one ({step, path, hf}). With
         `train.keep_checkpoints` the older ones listed may have been removed since."""
-        import mlflow
-
         if not self.record_checkpoints:
             return
         path = str(Path(path).resolve())
@@ -357,20 +382,91 @@ class MlflowTracker:
         # a LoRA run's checkpoint holds peft's adapter folder where a full run's holds the HF folder
         folder = "adapter" if (Path(path) / "adapter").is_dir() else "hf"
         self.checkpoints.append({"step": step, "path": path, folder: str(Path(path) / folder)})
-        mlflow.set_tags({"factory.checkpoint": path, "factory.checkpoint_step": str(step)})
-        mlflow.log_text(json.dumps(self.checkpoints, indent=2) + "\n", "checkpoints.json")
+        self._record("tags", tags={"factory.checkpoint": path, "factory.checkpoint_step": str(step)})
+        self._record("text", text=json.dumps(self.checkpoints, indent=2) + "\n", name="checkpoints.json")
 
     def log_text(self, text: str, name: str) -> None:
-        import mlflow
+        self._record("text", text=text, name=name)
 
-        mlflow.log_text(text, name)
+    def _record(self, kind: str, file: Any = None, **fields: Any) -> None:
+        if self.spool is None:  # before open_spool (a rescore, a test): straight to the store
+            self._send({"kind": kind, **fields}, file)
+            return
+        self.spool.add(kind, file, **fields)
+        self.flush()
+
+    def flush(self, force: bool = False) -> bool:
+        """Send what waits in the spool, oldest first, until the store fails to answer; True when nothing
+        waits. While the store is down it is tried again after RETRY_S (every record would otherwise pay
+        for a failed connection), or at once with `force`."""
+        if self.spool is None:
+            return True
+        if self.down_since is not None and not force and time.monotonic() - self._tried < RETRY_S:
+            return not self.spool.records
+        self._tried = time.monotonic()
+        while self.spool.records:
+            record = self.spool.records[0]
+            try:
+                self._send(record, self.spool.path(record) if "file" in record else None)
+            except Exception as e:  # noqa: BLE001 -- MLflow and its transport raise many kinds
+                if _refused(e):  # the store answered that this record is wrong: sending it again cannot help
+                    self._note(f"a {record['kind']} record was refused and dropped: {str(e)[:300]}")
+                else:
+                    if self.down_since is None:
+                        self.down_since = time.monotonic()
+                        self._note(f"the tracking store does not answer ({type(e).__name__}: {str(e)[:160]}); "
+                                   f"records wait in {self.spool.folder} and are sent when it does")
+                    return False
+            self.spool.done(record)
+        if self.down_since is not None:
+            self._note(f"the tracking store answers again: sent what waited ({time.monotonic() - self.down_since:.0f} s)")
+            self.down_since = None
+        return True
+
+    def _send(self, record: dict[str, Any], file: Any) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        client = self.client
+        kind = record["kind"]
+        if kind == "metrics":
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, record["step"]) for k, v in record["values"].items()]
+            for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+                client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
+            # steps done, for `factory runs` (and a crashed run)
+            client.log_batch(self.run_id, tags=[RunTag("factory.step", str(record["step"]))], synchronous=True)
+        elif kind == "artifact":
+            client.log_artifact(self.run_id, str(file), record["artifact_path"])
+        elif kind == "tags":
+            client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in record["tags"].items()], synchronous=True)
+        elif kind == "text":
+            client.log_text(self.run_id, record["text"], record["name"])
+        else:
+            raise ValueError(f"unknown tracking record {kind!r}")
+
+    def _note(self, text: str) -> None:
+        if self.notify is not None:
+            self.notify(text)
 
     def end(self, status: str = "FINISHED") -> None:
+        """Send what waits (a last try), then mark the run ended. Never raises: the run's teardown comes
+        after it. What could not be sent stays in the spool, and the message says where."""
         import mlflow
 
-        if self.run_id is not None:
+        if self.run_id is None:
+            return
+        try:
             mlflow.flush_trace_async_logging()  # traces are exported in the background
+        except Exception:  # noqa: BLE001
+            pass
+        if not self.flush(force=True):
+            self._note(f"{len(self.spool.records)} tracking records could not be sent: they wait in "
+                       f"{self.spool.folder}; `factory run SPEC --resume {self.run_id}` sends them")
+        try:
             mlflow.end_run(status=status)
+        except Exception as e:  # noqa: BLE001 -- the store is down: its status stays RUNNING, resumable
+            self._note(f"the run could not be marked {status} in the tracking store: {type(e).__name__}: {str(e)[:200]}")
+
 
     # ---------------------------------------------------------------------------- runs read back
     @property
@@ -429,6 +525,21 @@ class MlflowTracker:
 
     def experiment_name(self, experiment_id: str) -> str:
         return self.client.get_experiment(experiment_id).name
+
+
+
+SPOOL = "tracking-spool"  # in the run's own folder
+STEP_KEY = "timing/step_s"  # the metric every training step logs (factory.runtime.resume.STEP_METRIC)
+RETRY_S = 10.0  # while the tracking store is down, try it again at most this often
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether the store answered and refused the request (HTTP 4xx: a bad value), as opposed to not
+    answering (connection refused or reset, a timeout, HTTP 5xx)."""
+    from mlflow.exceptions import MlflowException
+
+    code = e.get_http_status_code() if isinstance(e, MlflowException) else None
+    return code is not None and 400 <= code < 500
 
 
 def _tracked(run: Any) -> TrackedRun:

@@ -43,6 +43,8 @@ class Tracker(Protocol):
     run_id: str | None  # the run being written
     experiment_id: str | None
     logged: int  # the last step the run being written already holds (a resumed run's)
+    checkpoint_dir: str | None  # the run's own checkpoint folder (factory.update.checkpoint.run_folder)
+    notify: Any  # called with a line for the user when writing to the store stalls or resumes (or None)
 
     # ---- writing one run
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:

@@ -1,0 +1,67 @@
+"""A run's tracking records on local disk until the tracking store has them.
+
+Every record the driver makes (a step's metrics, a trajectory table, a tag, a small text artifact) is first
+appended to `journal.jsonl` in the run's own folder (tables are copied beside it), then sent, in order;
+`sent` holds the number of the last record the store acknowledged. While the store cannot be reached the
+records wait here and the run goes on; the next record, or the end of the run, sends what waits first. A
+driver killed with records unsent leaves them here, and `--resume` sends them before anything new.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+JOURNAL, SENT, FILES = "journal.jsonl", "sent", "files"
+
+
+class Spool:
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.sent = int((self.folder / SENT).read_text()) if (self.folder / SENT).is_file() else 0
+        self.records: list[dict[str, Any]] = []  # not yet sent, oldest first
+        journal = self.folder / JOURNAL
+        self.last = self.sent  # numbers go on from the last record ever sent
+        if journal.is_file():
+            for line in journal.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # the line a kill cut short: it was never acknowledged to anyone
+                    continue
+                self.last = max(self.last, record["seq"])
+                if record["seq"] > self.sent:
+                    self.records.append(record)
+
+    def add(self, kind: str, file: str | os.PathLike | None = None, **fields: Any) -> dict[str, Any]:
+        """Append a record (with a copy of `file`, whose name is kept) to the journal, on disk at once."""
+        self.last += 1
+        record = {"seq": self.last, "kind": kind, **fields}
+        if file is not None:
+            keep = self.folder / FILES / str(self.last) / Path(file).name
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(file, keep)
+            record["file"] = str(keep.relative_to(self.folder))
+        with open(self.folder / JOURNAL, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records.append(record)
+        return record
+
+    def path(self, record: dict[str, Any]) -> Path:
+        return self.folder / record["file"]
+
+    def done(self, record: dict[str, Any]) -> None:
+        """The store has `record`: never send it again."""
+        self.records.remove(record)
+        self.sent = record["seq"]
+        tmp = self.folder / f".{SENT}.tmp"
+        tmp.write_text(str(self.sent))
+        os.replace(tmp, self.folder / SENT)
+        if "file" in record:
+            shutil.rmtree(self.path(record).parent, ignore_errors=True)
+        if not self.records:  # all sent: start the journal afresh (it only ever holds what waits)
+            (self.folder / JOURNAL).unlink(missing_ok=True)
