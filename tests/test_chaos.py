@@ -1,0 +1,65 @@
+"""Real runs under real faults (slow: each starts Ray, the stages and a tiny model; see the times below).
+
+- The chaos run (bench/chaos.py, 20 steps): the tracking server stopped at step 2 and started again at
+  step 4, the calculator MCP server SIGKILLed at three random steps, a judge endpoint answering 500 and 429
+  to 30% of its requests, a rollout replica SIGKILLed: the run fails cleanly and `--resume` completes it;
+  every step's metrics and table are in the store exactly once and the final weights are finite.
+- A run whose judge endpoint is down stops at step 1 with exit code 3, naming the judge, and leaves no
+  process behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.servers import free_port
+from tests.tracked_runs import ENGINE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # a 20-step run, a failure and a resume: ~10 min on 2 cores (AMD EPYC, Zen 5)
+def test_the_chaos_run(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from bench.chaos import main
+
+    counts = main(["--steps", "20", "--seed", "0", "--workdir", str(tmp_path / "chaos")])
+    assert counts["status"] == "FINISHED" and counts["steps_logged_once"] and counts["tables_logged_once"], counts
+    assert counts["weights_finite"] and counts["judge"]["500"] and counts["judge"]["429"], counts
+    assert counts["resumes"] >= 1 and counts["exit_codes"][-1] == 0, counts
+
+
+@pytest.mark.slow  # a run that stops after its step-0 evaluation and one step: ~1 min on 2 cores
+def test_a_run_whose_judge_endpoint_is_down_stops_with_exit_3_naming_it(tmp_path):
+    for name in ("specs", "prompts"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    (tmp_path / "prompts" / "j.jinja").write_text("{{ completion }}")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO),
+           "TMPDIR": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    proc = subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=3",
+                             f"rollout.engine={ENGINE}", f"rewards.judged={{llm_judge: prompts/j.jinja, endpoint: '{dead}', "
+                             "retries: 0}", "rewards.total.sum.judged=1.0"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set = set()
+    while proc.poll() is None:
+        try:
+            seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    err = proc.stderr.read()
+    assert proc.returncode == 3, err[-3000:]
+    assert "step 1: 8 of 8 trajectories failed from infrastructure" in err and "judge judged: ConnectError" in err
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in seen if psutil.pid_exists(p)], timeout=20)
+    assert alive == [], alive  # the teardown ran: Ray, the stage actors, the MCP servers are gone
