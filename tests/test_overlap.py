@@ -249,13 +249,14 @@ def stand_ins(local_ray):
         ray.kill(actor)
 
 
-def _run(plan, stand_ins, staleness: int, steps: int = 4, checkpoint_every: int = 0):
+def _run(plan, stand_ins, staleness: int, steps: int = 4, checkpoint_every: int = 0, checkpoint_every_s: float = 1800.0):
     import dataclasses
 
     from factory.runtime.driver import train_loop
 
     train = plan.driver.train.model_copy(update={"max_staleness": staleness, "steps": steps,
-                                                 "checkpoint_every": checkpoint_every})
+                                                 "checkpoint_every": checkpoint_every,
+                                                 "checkpoint_every_s": checkpoint_every_s})
     plan = dataclasses.replace(plan, driver=plan.driver.model_copy(update={"train": train}))
     log, actors = stand_ins
     ray.get([actor.reset.remote() for actor in (log, *actors.values())])
@@ -460,3 +461,12 @@ def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
     assert Deadlines(limit_s=3600, longest={"a.b": 100.0}).budget("a.b") == 500.0
     assert Deadlines(limit_s=3600, longest={"a.b": 1.0}).budget("a.b") == FLOOR_S
     assert Deadlines(limit_s=300, longest={"a.b": 100.0}).budget("a.b") == 300
+
+
+def test_a_checkpoint_every_so_many_seconds(tiny_plan, stand_ins):
+    """`train.checkpoint_every_s`: with steps of about UPDATE_S and a limit just below one step, every step
+    saves; with the default (1800 s) only the last does."""
+    _, events = _run(tiny_plan, stand_ins, staleness=0, steps=3, checkpoint_every_s=UPDATE_S * 0.9)
+    assert [n for k, n, *_ in events if k == "checkpoint"] == [1, 2, 3]
+    _, events = _run(tiny_plan, stand_ins, staleness=0, steps=3)
+    assert [n for k, n, *_ in events if k == "checkpoint"] == [3]
