@@ -6,7 +6,8 @@ injected at random moments, then checked as a user would check it.
 Injected (the moments drawn from --seed; each fault is real, nothing is mocked):
   - the tracking server (`mlflow server`) stopped once step 2 is checkpointed, started again once step 4 is;
   - the calculator MCP server SIGKILLed at three random steps (the tools stage restarts it);
-  - the judge endpoint answers HTTP 500 to 15% and 429 (Retry-After: 1) to 15% of its requests;
+  - the judge endpoint answers HTTP 500 to 15% and 429 (Retry-After: 1) to 15% of its requests, and
+    `{"score": NaN}` to 10%; a project reward function returns inf for a third of the completions;
   - a rollout replica (its Ray actor's process) SIGKILLed at a random step: the run fails, and
     `factory run SPEC --resume` completes it from its last checkpoint.
 Checked at the end: the run is FINISHED; every step's metrics and trajectory table are in the store exactly
@@ -40,10 +41,11 @@ from bench.common import cpu_line  # noqa: E402
 # ------------------------------------------------------------------------------------- the judge
 class Judge:
     """An OpenAI-compatible judge on 127.0.0.1 that fails a share of its requests: 500, or 429 with
-    Retry-After: 1. Answers "Score: 1" otherwise."""
+    Retry-After: 1; answers `{"score": NaN}` to a share `pnan`, `{"score": 1}` otherwise (read it with
+    `json_field: score`)."""
 
-    def __init__(self, rng: random.Random, p500: float, p429: float):
-        self.counts = {"requests": 0, "500": 0, "429": 0, "ok": 0}
+    def __init__(self, rng: random.Random, p500: float, p429: float, pnan: float = 0.0):
+        self.counts = {"requests": 0, "500": 0, "429": 0, "nan": 0, "ok": 0}
         lock, counts = threading.Lock(), self.counts
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,11 +57,13 @@ class Judge:
                 with lock:
                     counts["requests"] += 1
                     draw = rng.random()
-                    kind = "500" if draw < p500 else "429" if draw < p500 + p429 else "ok"
+                    kind = ("500" if draw < p500 else "429" if draw < p500 + p429 else
+                            "nan" if draw < p500 + p429 + pnan else "ok")
                     counts[kind] += 1
-                code = {"500": 500, "429": 429, "ok": 200}[kind]
-                body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Score: 1"}}]}
-                                  if kind == "ok" else {"error": "chaos"}).encode()
+                code = {"500": 500, "429": 429, "nan": 200, "ok": 200}[kind]
+                score = '{"score": NaN}' if kind == "nan" else '{"score": 1}'
+                body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": score}}]}
+                                  if code == 200 else {"error": "chaos"}).encode()
                 self.send_response(code)
                 if kind == "429":
                     self.send_header("Retry-After", "1")
@@ -125,6 +129,22 @@ def kill_matching(pid: int, needle: str) -> list[int]:
     return killed
 
 
+def wild_rewards(work: Path, judge_url: str) -> list[str]:
+    """Overrides adding to specs/tiny.yaml (in `work`) two rewards from outside that misbehave: a project
+    reward function that returns inf for a third of the completions, and the judge at `judge_url` (read
+    through `json_field: score`, so its NaN arrives as a number). Both weigh 0.1 in the trained total."""
+    (work / "prompts" / "chaos_judge.jinja").write_text("Is this answer to '{{ prompt }}' right? {{ completion }}\n")
+    (work / "rewards").mkdir(exist_ok=True)
+    (work / "rewards" / "__init__.py").write_text("")
+    (work / "rewards" / "chaos.py").write_text(
+        "import math\n\n\ndef sometimes_inf(prompt, completion, **row):\n"
+        "    return math.inf if len(completion) % 3 == 0 else 0.0\n")
+    engine = "vllm" if __import__("importlib").util.find_spec("vllm") else "hf"
+    return [f"rollout.engine={engine}", "rewards.wild={fn: 'rewards.chaos:sometimes_inf'}",
+            f"rewards.judged={{llm_judge: prompts/chaos_judge.jinja, endpoint: '{judge_url}', json_field: score, "
+            "retries: 3, timeout_s: 10, concurrency: 4}", "rewards.total.sum.judged=0.1", "rewards.total.sum.wild=0.1"]
+
+
 def free_port() -> int:
     import socket
 
@@ -150,16 +170,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     for name in ("specs", "prompts"):
         shutil.copytree(ROOT / name, work / name, dirs_exist_ok=True)
-    (work / "prompts" / "chaos_judge.jinja").write_text("Is this answer to '{{ prompt }}' right? {{ completion }}\n")
     print(cpu_line(), flush=True)
 
-    judge = Judge(rng, p500=0.15, p429=0.15)
+    judge = Judge(rng, p500=0.15, p429=0.15, pnan=0.1)
     tracking = TrackingServer(work, free_port())
     tracking.start()
-    engine = "vllm" if __import__("importlib").util.find_spec("vllm") else "hf"
-    overrides = [f"train.steps={args.steps}", "train.checkpoint_every=1", f"rollout.engine={engine}",
-                 f"rewards.judged={{llm_judge: prompts/chaos_judge.jinja, endpoint: '{judge.url}', retries: 3, "
-                 "timeout_s: 10, concurrency: 4}", "rewards.total.sum.judged=0.1"]
+    overrides = [f"train.steps={args.steps}", "train.checkpoint_every=1", *wild_rewards(work, judge.url)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.url, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
 
@@ -232,13 +248,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tool_calls_infra_errors": metric("tools/infra_errors"),
         "tool_server_restarts": tool_restarts,
         "judge_errors_after_retries": metric("rewards/judged/errors"),
+        "non_finite_rewards_taken_as_missing": metric("rewards/judged/non_finite") + metric("rewards/wild/non_finite"),
+        "updates_skipped_non_finite": metric("actor/skipped_non_finite"),
         "tracking_stalls_noted": stderr.count("does not answer"),
     }
     print("\ninjected:")
     for line in injected:
         print(f"  {line}")
     print(f"  judge: {judge.counts['requests']} requests, {judge.counts['500']} answered 500, "
-          f"{judge.counts['429']} answered 429 (Retry-After: 1)")
+          f"{judge.counts['429']} answered 429 (Retry-After: 1), {judge.counts['nan']} answered a NaN score")
     print("survived:")
     for k, v in survived.items():
         print(f"  {k}: {v}")

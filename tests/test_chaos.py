@@ -6,6 +6,7 @@
   every step's metrics and table are in the store exactly once and the final weights are finite.
 - A run whose judge endpoint is down stops at step 1 with exit code 3, naming the judge, and leaves no
   process behind.
+- A run whose reward function returns inf and whose judge replies NaN ends with every parameter finite.
 """
 from __future__ import annotations
 
@@ -63,3 +64,34 @@ def test_a_run_whose_judge_endpoint_is_down_stops_with_exit_3_naming_it(tmp_path
     assert "step 1: 8 of 8 trajectories failed from infrastructure" in err and "judge judged: ConnectError" in err
     _, alive = psutil.wait_procs([psutil.Process(p) for p in seen if psutil.pid_exists(p)], timeout=20)
     assert alive == [], alive  # the teardown ran: Ray, the stage actors, the MCP servers are gone
+
+
+@pytest.mark.slow  # a 3-step run: ~1 min on 2 cores
+def test_a_run_whose_reward_returns_inf_and_whose_judge_replies_nan_keeps_every_weight_finite(tmp_path):
+    import random
+
+    import torch
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(REPO))
+    from bench.chaos import Judge, wild_rewards
+
+    for name in ("specs", "prompts"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    judge = Judge(random.Random(0), p500=0.0, p429=0.0, pnan=0.5)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=3",
+                          *wild_rewards(tmp_path, judge.url)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=900)
+    judge.server.shutdown()
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    total = {k: sum(m.value for m in client.get_metric_history(run.info.run_id, k))
+             for k in ("rewards/wild/non_finite", "rewards/judged/non_finite", "reward/mean")}
+    assert total["rewards/wild/non_finite"] > 0 and total["rewards/judged/non_finite"] > 0, total
+    weights = load_file(Path(run.data.tags["factory.checkpoint_dir"]) / "step_3" / "hf" / "model.safetensors")
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values())
