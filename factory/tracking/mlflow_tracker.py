@@ -341,8 +341,12 @@ class MlflowTracker:
         from factory.tracking.spool import Spool
 
         self.spool = Spool(folder)
-        for record in self.spool.records:  # the killed driver's steps count as logged once they are sent
-            if record["kind"] == "metrics" and STEP_KEY in record["values"]:
+        for record in list(self.spool.records):
+            if record["kind"] != "metrics":
+                continue
+            if record["step"] <= self.logged:  # sent, but killed before the spool could note it: not twice
+                self.spool.done(record)
+            elif STEP_KEY in record["values"]:  # the killed driver's steps count as logged: they are sent now
                 self.logged = max(self.logged, record["step"])
         self.flush()
 

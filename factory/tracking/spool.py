@@ -57,7 +57,8 @@ class Spool:
     def done(self, record: dict[str, Any]) -> None:
         """The store has `record`: never send it again."""
         self.records.remove(record)
-        self.sent = record["seq"]
+        # every record up to `sent` is done: the oldest still waiting bounds it
+        self.sent = self.records[0]["seq"] - 1 if self.records else max(self.sent, record["seq"])
         tmp = self.folder / f".{SENT}.tmp"
         tmp.write_text(str(self.sent))
         os.replace(tmp, self.folder / SENT)
