@@ -520,7 +520,8 @@ class TrainSpec(Section):
     checkpoint_dir: str = "runs/${name}"
     """Where runs keep checkpoints: each run in a folder of its own, `<dir>/<run name>-<run id prefix>/`
     (`step_<N>/` and a `latest` file naming the newest), so runs of one spec never replace or prune each
-    other's. The run's `factory.checkpoint_dir` tag names it; `factory export RUN` reads it."""
+    other's; `<dir>/newest` links to the folder of the run that saved last (`runs/NAME/newest/step_5/hf`).
+    The run's `factory.checkpoint_dir` tag names its folder; `factory export RUN` reads it."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at step 0 and the end)."""
     eval_size: int | None = None

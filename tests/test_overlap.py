@@ -407,7 +407,7 @@ def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_pa
 
     assert history("train/staleness") == [0.0, 1.0, 1.0, 1.0]  # the last step waits for its update, not its rollout
     assert len(history("timing/update_busy_s")) == 4 and len(history("actor/pg_loss")) == 4
-    assert (work / "runs" / "tiny" / "step_4" / "hf" / "model.safetensors").exists()
+    assert (work / "runs" / "tiny" / "newest" / "step_4" / "hf" / "model.safetensors").exists()
 
 
 class Stuck:

@@ -143,4 +143,4 @@ def test_acceptance_init_check_run_one_step(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     demo = tmp_path / "demo"
     assert (demo / "mlflow.db").is_file()
-    assert (demo / "runs" / "demo" / "latest").read_text().strip() == "step_1"
+    assert (demo / "runs" / "demo" / "newest" / "latest").read_text().strip() == "step_1"

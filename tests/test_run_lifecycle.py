@@ -174,7 +174,8 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
     while running(stopped["seen"].values()) and time.time() < deadline:
         time.sleep(0.2)
     assert running(stopped["seen"].values()) == []  # Ray's processes, the stage actors, the MCP servers: all gone
-    assert not list((tmp / f"factory-ray-{os.getuid()}" / "drivers").glob("*.json"))  # no record left
+    assert not list((tmp / f"factory-{os.getuid()}" / "drivers").glob("*.json"))  # no record left
+    assert oct((tmp / f"factory-{os.getuid()}").stat().st_mode & 0o777) == "0o700"  # Ray's folder inside: private
 
     # the step in flight was finished, logged and checkpointed; the run is KILLED
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
@@ -191,7 +192,7 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
     assert ips and ips <= set(LOOPBACK), ips
     # the secret reached neither the store nor the logs (Ray's session logs included)
     assert SECRET not in stopped["out"] + err
-    for path in [tmp / "mlflow.db", *(tmp / "mlruns").rglob("*"), *(tmp / f"factory-ray-{os.getuid()}").rglob("*")]:
+    for path in [tmp / "mlflow.db", *(tmp / "mlruns").rglob("*"), *(tmp / f"factory-{os.getuid()}").rglob("*")]:
         if path.is_file() and not path.is_symlink():
             assert SECRET.encode() not in path.read_bytes(), path
 

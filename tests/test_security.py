@@ -172,8 +172,8 @@ def test_a_world_of_ranks_meets_on_rank_0s_address_alone():
 
 
 def test_the_per_user_folder_is_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
-    """Ray's session files and the driver records go in `factory-ray-<uid>` in the temp folder: a name
-    anyone can predict. Made 0700; one made by another user, or writable by others, is refused."""
+    """Ray's session files and the driver records go in `factory-<uid>` in the temp folder: a name anyone
+    can predict. Made 0700; one made by another user, or writable by others, is refused."""
     import os
     import stat
 
@@ -184,7 +184,7 @@ def test_the_per_user_folder_is_private_and_a_foreign_one_is_refused(tmp_path, m
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     folder = private_dir()
-    assert folder == tmp_path / f"factory-ray-{os.getuid()}" and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert folder == tmp_path / f"factory-{os.getuid()}" and stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert sessions_dir() == folder / "drivers"
     folder.chmod(0o755)  # ours but readable (an older Factory made it so): closed again
     assert stat.S_IMODE(private_dir().stat().st_mode) == 0o700

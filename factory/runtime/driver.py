@@ -76,7 +76,7 @@ def start_ray(cluster: ClusterSettings) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
         return
-    temp = private_dir()
+    temp = private_dir() / "ray"
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.runtime.lifecycle)

@@ -37,11 +37,13 @@ class UnsafeFolder(UserError):
 
 
 def private_dir() -> Path:
-    """This user's folder on this machine (`factory-ray-<uid>` in the system temp folder): the local Ray's
-    session files (its unix sockets among them) and the driver records. Its name is predictable, so
-    another local user could make it first and watch or plant what goes in: it is made 0700, and one that
-    already exists must be owned by this user and writable by nobody else (UnsafeFolder otherwise)."""
-    path = Path(tempfile.gettempdir()) / f"factory-ray-{os.getuid()}"
+    """This user's folder on this machine (`factory-<uid>` in the system temp folder): the local Ray's
+    session files in `ray/` (its unix sockets among them; Ray makes that folder writable by all, which this
+    one's mode makes moot) and the driver records in `drivers/`. Its name is predictable, so another local
+    user could make it first and watch or plant what goes in: it is made 0700, and one that already exists
+    must be owned by this user and writable by nobody else (UnsafeFolder otherwise). (Factory used
+    `factory-ray-<uid>` before, which Ray had made writable by all: it is left alone.)"""
+    path = Path(tempfile.gettempdir()) / f"factory-{os.getuid()}"
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:

@@ -296,12 +296,14 @@ class MlflowTracker:
                     "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n", **(extra_artifacts or {})})
         # The run's own checkpoint folder (factory.update.checkpoint.run_folder), read by `factory export RUN`
         # and `--resume`; not recorded when the path came from the environment.
-        self.checkpoint_dir = str(run_folder(Path(plan.driver.train.checkpoint_dir).resolve(), name, self.run_id))
+        # (relative to the working directory when the spec's is: the stages run there too, and the summary
+        # shows it so; the tag is absolute, for `factory export` from anywhere)
+        self.checkpoint_dir = str(run_folder(plan.driver.train.checkpoint_dir, name, self.run_id))
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
         if self.record_checkpoints:
             import mlflow
 
-            mlflow.set_tag("factory.checkpoint_dir", self.checkpoint_dir)
+            mlflow.set_tag("factory.checkpoint_dir", str(Path(self.checkpoint_dir).resolve()))
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)
         return plan
 

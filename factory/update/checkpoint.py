@@ -3,7 +3,8 @@ resumed run needs.
 
 Each run has a folder of its own under `train.checkpoint_dir`, named after the run and its MLflow id
 (`run_folder`), so runs of one spec, at once or one after another, never replace or prune each other's
-checkpoints. Layout of that folder:
+checkpoints; `<checkpoint_dir>/newest` links to the folder of the run that saved last (`point_newest`).
+Layout of a run's folder:
 
     <dir>/
       latest                      text "step_<N>": the newest COMPLETE checkpoint
@@ -90,6 +91,19 @@ def run_folder(root: str | os.PathLike, run_name: str, run_id: str) -> Path:
     """A run's own checkpoint folder under `train.checkpoint_dir`: its name and id prefix, unique even for
     two runs of one spec started in the same second."""
     return Path(root) / f"{run_name}-{run_id[:8]}"
+
+
+NEWEST = "newest"  # beside the runs' folders: a link to the folder of the run that saved a checkpoint last
+
+
+def point_newest(run_dir: str | os.PathLike) -> None:
+    """`<checkpoint_dir>/newest` -> this run's folder (replaced atomically): a stable path to the last
+    saved model of a spec (`runs/quickstart/newest/step_5/hf`), which no run's checkpoints depend on."""
+    run_dir = Path(run_dir)
+    link, tmp = run_dir.parent / NEWEST, run_dir.parent / f".{NEWEST}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name, target_is_directory=True)
+    os.replace(tmp, link)
 
 
 def _sha256(path: Path) -> str:

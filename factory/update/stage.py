@@ -70,7 +70,14 @@ class UpdateStage(StageActor):
         return self.learner.state_dict(every_rank, copy=False)
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
-        return self.learner.save_checkpoint(directory, step, state)
+        """The learner's checkpoint in the run's own folder `directory`, then `newest` beside it points
+        there (factory.update.checkpoint.point_newest)."""
+        from factory.update import checkpoint
+
+        saved = self.learner.save_checkpoint(directory, step, state)
+        if self.learner.rank == 0:
+            checkpoint.point_newest(directory)
+        return saved
 
     def load_checkpoint(self, directory: str, name: str | None = None) -> int | None:
         return self.learner.load_checkpoint(directory, name)
