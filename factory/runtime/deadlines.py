@@ -47,7 +47,9 @@ class Deadlines:
         start = last_beat = time.monotonic()
         budget, beat, pending = self.budget(kind), None, list(refs)
         while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S, fetch_local=False)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S, fetch_local=False)
+            if ready:
+                ray.get(ready)  # a replica that raised fails the call at once, not once the others are done
             if not pending:
                 break
             if progress is not None:
