@@ -410,11 +410,10 @@ def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_pa
     assert (work / "runs" / "tiny" / "newest" / "step_4" / "hf" / "model.safetensors").exists()
 
 
-class Stuck:
+class Stuck(StageActor):
     """A stage whose `step` never answers (a hung engine); its stream yields one group, then hangs."""
 
-    SHARDED = frozenset({"generate"})
-    STREAMS: ClassVar[dict[str, str]] = {"generate": "generate_groups"}
+    CONTRACT = Contract(calls={"step": Call("all"), "generate": Call("split", stream="generate_groups")})
     split = staticmethod(RolloutStage.split)
 
     def __init__(self, settings=None):

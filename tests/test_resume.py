@@ -134,7 +134,8 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     t.end("FAILED")
 
     # what factory.runtime.resume.find returns, as far as the tracker reads it
-    r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoint_dir=Path("ckpt"), checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
+    r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
+                        checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
 
     spec, plan = compiled(tmp_path / "ckpt")
     resumed = Tracker(uri, "e")
