@@ -263,7 +263,7 @@ def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
     """Start every replica's setup (ObjectRefs of what each reports), telling it its rank and peers (role ->
     handle)."""
     workdir, world = os.getcwd(), len(g.actors)
-    addr, port = ray.get(g.actors[0].address.remote()) if g.contract.world and world > 1 else ("", 0)
+    addr, port = ray.get(g.actors[0].address.remote(), timeout=300) if g.contract.world and world > 1 else ("", 0)
     return [actor.setup.remote(Placement(workdir, rank, world, addr, port, peers))
             for rank, actor in enumerate(g.actors)]
 
