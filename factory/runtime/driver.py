@@ -79,6 +79,12 @@ def start_ray(cluster: ClusterSettings) -> None:
     temp = private_dir() / "ray"
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        # Ray read its config (the auth mode, the token) when it was imported: have this process read them
+        # again, as ray's own token set-up does, or its GCS client would knock without the token.
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     with children_ignore_sigint():  # a terminal's Ctrl-C reaches the driver alone (factory.runtime.lifecycle)
         ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
                  include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
