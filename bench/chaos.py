@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tracking.start()
     overrides = [f"train.steps={args.steps}", "train.checkpoint_every=1", *wild_rewards(work, judge.url)]
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.url, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a local Ray of the run's own, default auth
+        env.pop(key, None)
 
     tool_kills = sorted(rng.sample(range(2, args.steps), 3))
     replica_kill = rng.choice([s for s in range(6, args.steps - 3) if s not in tool_kills])

@@ -43,7 +43,8 @@ def test_a_run_whose_judge_endpoint_is_down_stops_with_exit_3_naming_it(tmp_path
     (tmp_path / "prompts" / "j.jinja").write_text("{{ completion }}")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO),
            "TMPDIR": str(tmp_path)}
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
     dead = f"http://127.0.0.1:{free_port()}/v1"
     proc = subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=3",
                              f"rollout.engine={ENGINE}", f"rewards.judged={{llm_judge: prompts/j.jinja, endpoint: '{dead}', "
@@ -82,7 +83,8 @@ def test_a_run_whose_reward_returns_inf_and_whose_judge_replies_nan_keeps_every_
     judge = Judge(random.Random(0), p500=0.0, p429=0.0, pnan=0.5)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
     out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=3",
                           *wild_rewards(tmp_path, judge.url)], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=900)

@@ -54,7 +54,8 @@ def work():
         shutil.copytree(REPO / folder, tmp / folder)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "PYTHONPATH": str(REPO),
            "TMPDIR": str(tmp), "FACTORY_TEST_SECRET": SECRET}
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a local Ray, with the default auth (a token)
+        env.pop(key, None)
     yield tmp, env
     shutil.rmtree(tmp, ignore_errors=True)
 

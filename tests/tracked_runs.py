@@ -70,6 +70,8 @@ def _user_env(uri: str) -> dict[str, str]:
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     env.pop("FACTORY_DEBUG", None)
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # the tests' own Ray turns auth off: the runs use their default
+        env.pop(key, None)
     return env
 
 
