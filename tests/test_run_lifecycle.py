@@ -43,6 +43,7 @@ OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", f"rollout.engin
 # after step STEPS is a stop before the end.
 SECOND = ["train.checkpoint_dir=runs/second", f"train.steps={STEPS + 1}"]
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+GCS_AUTH: set[str] = set()  # RAY_AUTH_MODE in the environment of every local Ray's GCS the runs started
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,12 @@ def wait_for(root: Path, patterns: tuple[str, ...], proc: subprocess.Popen, time
         procs = tree(proc)
         seen.update(procs)
         ips |= listening(procs.values())
+        for p in procs.values():  # the local Ray's auth, as its GCS's environment says
+            try:
+                if "gcs_server" in p.name():
+                    GCS_AUTH.add(p.environ().get("RAY_AUTH_MODE", "unset"))
+            except psutil.Error:
+                pass
         time.sleep(0.5)
 
 
@@ -188,6 +195,8 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
     last = int(latest.read_text().strip().removeprefix("step_"))
     assert sorted(steps) == list(range(1, last + 1)) and last == STEPS  # each step once, the last one saved
 
+    # the local Ray required a token (a fresh one per run, in the environment of the processes it started)
+    assert GCS_AUTH == {"token"}, GCS_AUTH
     # every socket either run listened on was on loopback
     ips = killed["ips"]
     assert ips and ips <= set(LOOPBACK), ips
