@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     finite = all(bool(torch.isfinite(v).all()) for v in weights.values())
     metric = lambda key: sum(m.value for m in client.get_metric_history(run.info.run_id, key))  # noqa: E731
-    tool_restarts = sum(metric(k) for k in run.data.metrics if k.startswith("tool_servers/") and k.endswith("/restarts"))
+    tool_restarts = sum(metric(k) for k in run.data.metrics
+                        if k.startswith("tool_servers/") and k.endswith("/restarts"))
     survived = {
         "status": run.info.status,
         "exit_codes": exits,
