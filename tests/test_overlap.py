@@ -463,9 +463,9 @@ def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
 
 
 def test_a_checkpoint_every_so_many_seconds(tiny_plan, stand_ins):
-    """`train.checkpoint_every_s`: with steps of about UPDATE_S and a limit just below one step, every step
-    saves; with the default (1800 s) only the last does."""
-    _, events = _run(tiny_plan, stand_ins, staleness=0, steps=3, checkpoint_every_s=UPDATE_S * 0.9)
+    """`train.checkpoint_every_s`: with a limit shorter than any step (it is read when the step's batch is
+    scored), every step saves; with the default (1800 s) only the last does."""
+    _, events = _run(tiny_plan, stand_ins, staleness=0, steps=3, checkpoint_every_s=0.01)
     assert [n for k, n, *_ in events if k == "checkpoint"] == [1, 2, 3]
     _, events = _run(tiny_plan, stand_ins, staleness=0, steps=3)
     assert [n for k, n, *_ in events if k == "checkpoint"] == [3]

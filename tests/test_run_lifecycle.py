@@ -191,8 +191,7 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
     killed_runs = [r for r in runs if r.info.status == "KILLED"]
     assert len(killed_runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
     steps = [m.step for m in client.get_metric_history(killed_runs[0].info.run_id, "timing/step_s")]
-    (latest,) = (tmp / "runs/second").glob("*/latest")
-    last = int(latest.read_text().strip().removeprefix("step_"))
+    last = int((tmp / "runs/second/newest/latest").read_text().strip().removeprefix("step_"))  # its one run
     assert sorted(steps) == list(range(1, last + 1)) and last == STEPS  # each step once, the last one saved
 
     # the local Ray required a token (a fresh one per run, in the environment of the processes it started)
@@ -253,7 +252,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, kille
     # the final weights are those of run 2, which trained the same steps uninterrupted (CPU, fixed seed:
     # every source of randomness is restored from the checkpoint or a function of (seed, step))
     final = load_file(Path(run.data.tags["factory.checkpoint_dir"]) / f"step_{STEPS}/hf/model.safetensors")
-    (reference,) = [load_file(p) for p in (tmp / "runs/second").glob(f"*/step_{STEPS}/hf/model.safetensors")]
+    reference = load_file(tmp / f"runs/second/newest/step_{STEPS}/hf/model.safetensors")  # run 2's own folder
     initial = load_file(Path(resolve_model("factory:tiny-qwen3-calc")) / "model.safetensors")
     differ = [k for k in reference if not torch.equal(final[k], reference[k])]
     assert differ == [], f"{len(differ)} tensors differ from the uninterrupted run's {when}"
