@@ -364,7 +364,8 @@ class AlgorithmSpec(Section):
     clip: tuple[float, float] | None = None
     """PPO clip range (low, high): ratio clipped to [1-low, 1+high]. Asymmetric = DAPO clip-higher."""
     dual_clip_c: float | None = None
-    """Dual-clip constant c > 1 for negative advantages."""
+    """Dual-clip constant c > 1 for negative advantages: caps a negative-advantage token's loss at c x |A|.
+    Applied by the losses ppo_clip, dual_clip (default 3) and gspo; cispo ignores it."""
     kl: KLSpec = KLSpec()
     """KL to the reference model."""
     entropy_coef: float = 0.0
@@ -497,7 +498,9 @@ class TrainSpec(Section):
     CPU with AVX512-bf16 or AMX); elsewhere the update runs in float32. The run's params record what was
     chosen (`resolved.update.autocast`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
-    """DeepSpeed settings; other keys are passed through to the DeepSpeed config."""
+    """DeepSpeed settings; other keys are passed through to the DeepSpeed config (`factory check` refuses keys
+    Factory sets from the spec, keys Factory's update does not apply, such as `compile` or `pipeline`, and
+    keys DeepSpeed has removed)."""
     stage_timeout_s: float = Field(1800.0, gt=0)
     """The longest the driver waits for a stage's answer before the run fails naming the stage and what it
     was doing: the first call of each kind (start-up, the first step) gets this much; later ones at most 5x

@@ -175,6 +175,18 @@ def test_dual_clip_caps_negative_advantage_loss():
           [E**2, E, -1.2])
 
 
+def test_the_losses_said_to_apply_dual_clip_c_are_the_ones_it_changes():
+    """`factory check` warns that dual_clip_c has no effect with the other losses: it must be exact."""
+    from factory.presets import DUAL_CLIP_LOSSES
+
+    # one token, r = e^2, A = -1: every clipped loss puts it above c = 3, so where c applies it caps it
+    args = (t([[0.0]]), t([[-2.0]]), t([-1.0]), t([[1]]))
+    changed = {name for name in POLICY_LOSSES.names()
+               if not torch.equal(POLICY_LOSSES[name](*args, clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)[0],
+                                  POLICY_LOSSES[name](*args, clip_low=0.2, clip_high=0.2, dual_clip_c=100.0)[0])}
+    assert changed == DUAL_CLIP_LOSSES == {"ppo_clip", "dual_clip", "gspo"}
+
+
 def test_gspo_sequence_ratio_with_stop_gradient():
     # row 0: log ratios (0.2, 0.4), mean 0.3 -> s = e^0.3 = 1.3499 > 1.2, A = +1: every token -1.2, clipped
     # row 1: log ratios (0.1, -0.1, pad), mean 0 -> s = 1, A = -1: every token +1

@@ -140,6 +140,40 @@ def test_deepspeed_keys_are_checked_with_a_suggestion(project):
         "6 errors in spec.yaml")
 
 
+def test_deepspeed_keys_factory_does_not_apply_or_deepspeed_removed_are_errors(project):
+    """Keys DeepSpeed reads but that act only through parts of DeepSpeed Factory's update does not use
+    (its data loader, a PipelineModule, engine.compile(), deepspeed.checkpointing) were accepted and did
+    nothing; keys DeepSpeed 0.19 removed failed a minute into the run. Both are errors at check time."""
+    path = _spec(project, "st_ds_na", "train:\n  deepspeed:\n    compile: {deepcompile: true}\n"
+                                      "    activation_checkpointing: {partition_activations: true}\n"
+                                      "    pipeline: {stages: 2}\n    dataloader_drop_last: true\n"
+                                      "    curriculum_learning: {enabled: true}\n"
+                                      "    data_efficiency: {enabled: true}\n")
+    lines = _errors(path).splitlines()
+    assert lines[0] == ("spec.yaml:11: train.deepspeed.compile: not applied by Factory's update: DeepSpeed compiles "
+                        "only when engine.compile() is called, and Factory's update does not call it (the model "
+                        "runs eagerly)")
+    assert lines[1].startswith("spec.yaml:12: train.deepspeed.activation_checkpointing: not applied by Factory's "
+                               "update: ") and lines[1].endswith("set train.gradient_checkpointing")
+    assert lines[2].startswith("spec.yaml:13: train.deepspeed.pipeline: not applied by Factory's update: pipeline "
+                               "parallelism needs a DeepSpeed PipelineModule")
+    for line, key in zip(lines[3:], ("dataloader_drop_last", "curriculum_learning", "data_efficiency")):
+        assert f"train.deepspeed.{key}: " in line
+    assert "DeepSpeed's own data loader" in lines[3] and "DeepSpeed's own data loader" in lines[5]
+    assert lines[4].endswith("curriculum_learning: DeepSpeed 0.19 has removed this feature (it refuses the key "
+                             "when the engine starts)")
+    assert lines[6] == "6 errors in spec.yaml"
+
+
+def test_removed_deepspeed_keys_are_the_ones_deepspeed_refuses():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+
+    from factory.compiler.settings import OWNED_KEYS, REMOVED
+
+    assert REMOVED == set(_REMOVED_TOP_LEVEL_CONFIG_KEYS) - set(OWNED_KEYS)  # amp: Factory's own message
+
+
 def test_real_deepspeed_keys_pass(project):
     path = _spec(project, "st_ds_ok", "train:\n  deepspeed: {zero_stage: 2, offload_optimizer: true, "
                                       "steps_per_print: 5, zero_optimization: {overlap_comm: true}}\n")
@@ -163,16 +197,20 @@ def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
 
 def test_settings_that_another_setting_switches_off_warn(project):
     path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
-                                    "algorithm: {kl: {estimator: k1}, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")
+                                    "algorithm: {kl: {estimator: k1}, loss: cispo, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")
     _, plan = compile_file(path)
     assert plan.warnings == (
         "spec.yaml:9: rollout.kv_cache_gb: warning: has no effect with engine 'hf' (vLLM only)",
         "spec.yaml:10: train.optimizer.betas: warning: has no effect with optimizer 'sgd' (AdamW only)",
         "spec.yaml:11: algorithm.kl.estimator: warning: has no effect while algorithm.kl.coef is 0 (no KL term)",
-        "spec.yaml:11: algorithm.dual_clip_c: warning: has no effect with loss 'ppo_clip' (dual_clip only)",
+        "spec.yaml:11: algorithm.dual_clip_c: warning: has no effect with loss 'cispo' (it applies to dual_clip, "
+        "gspo, ppo_clip)",
         ("spec.yaml:11: algorithm.overlong.penalty: warning: has no effect while algorithm.overlong.buffer is 0 "
          "(no soft penalty)"),
     )
+    for loss in ("ppo_clip", "gspo", "dual_clip"):  # they apply it: no warning
+        _, plan = compile_file(path, [f"algorithm.loss={loss}"])
+        assert not [w for w in plan.warnings if "dual_clip_c" in w], loss
 
 
 def test_generator_settings_on_a_file_are_errors(project):

@@ -7,6 +7,10 @@ The schema forbids unknown keys, but three kinds of setting can still be accepte
   with what DeepSpeed 0.19's own config reader looks up).
 - keys of DeepSpeed's config that Factory itself sets from the spec: a second source of truth that
   would silently override (or be overridden by) the spec's own setting.
+- keys DeepSpeed reads but that act only through something Factory's update does not use (DeepSpeed's
+  data loader, a PipelineModule, `engine.compile()`, `deepspeed.checkpointing`), and keys DeepSpeed 0.19
+  has removed (it refuses them when the engine starts, a minute into the run): errors saying what to
+  use instead (`NOT_APPLIED`, `REMOVED`).
 - settings that only matter together with another one (`train.eval_every` without `data.eval`). Those
   are warnings, not errors, because an override that turns the other setting off (`data.eval=null` to
   skip evaluation for a quick run) is legitimate; `factory check`, `plan` and `run` print them.
@@ -16,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
+from factory.presets import DUAL_CLIP_LOSSES
 from factory.schema import DeepSpeedSpec, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
@@ -75,6 +80,26 @@ OWNED_KEYS = {
 }
 OWNED_ZERO_KEYS = {"stage": "set train.deepspeed.zero_stage"}
 
+# DeepSpeed keys that do something only through a part of DeepSpeed Factory's update never uses: accepted,
+# they would do nothing. Each says why and what to use instead.
+_DATA = ("it configures DeepSpeed's own data loader (deepspeed.initialize(training_data=...)), which Factory "
+         "does not use: the data stage builds every batch (data.*, train.prompts_per_step)")
+NOT_APPLIED = {
+    "compile": "DeepSpeed compiles only when engine.compile() is called, and Factory's update does not call it "
+               "(the model runs eagerly)",
+    "activation_checkpointing": "it configures deepspeed.checkpointing, which Hugging Face models do not call: "
+                                "set train.gradient_checkpointing",
+    "pipeline": "pipeline parallelism needs a DeepSpeed PipelineModule; Factory trains the Hugging Face model "
+                "data-parallel over the update's replicas (with ZeRO: train.deepspeed.zero_stage)",
+    "dataloader_drop_last": _DATA,
+    "data_efficiency": _DATA,
+}
+# Top-level keys DeepSpeed 0.19 has removed: its config reader raises on them (runtime/config.py,
+# _REMOVED_TOP_LEVEL_CONFIG_KEYS) only when the update stage starts.
+REMOVED = frozenset({"compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting",
+                     "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention",
+                     "sparse_gradients"})
+
 
 class Report(Protocol):
     def error(self, path: str, message: str) -> None: ...
@@ -95,6 +120,10 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
         path = f"train.deepspeed.{key}"
         if key in OWNED_KEYS:
             r.error(path, f"Factory sets this DeepSpeed key from the spec: {OWNED_KEYS[key]}")
+        elif key in NOT_APPLIED:
+            r.error(path, f"not applied by Factory's update: {NOT_APPLIED[key]}")
+        elif key in REMOVED:
+            r.error(path, "DeepSpeed 0.19 has removed this feature (it refuses the key when the engine starts)")
         elif key not in DEEPSPEED_KEYS:
             # Factory's own keys first: `zero_stagee` most likely meant `zero_stage`.
             r.error(path, _unknown(key, set(DeepSpeedSpec.model_fields) | DEEPSPEED_KEYS, "the top level"))
@@ -142,8 +171,9 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
         for field in ("estimator", "apply"):
             if _set(spec.algorithm.kl, field):
                 r.warn(f"algorithm.kl.{field}", f"{unused} while algorithm.kl.coef is 0 (no KL term)")
-    if _set(spec.algorithm, "dual_clip_c") and algorithm.get("loss") != "dual_clip":
-        r.warn("algorithm.dual_clip_c", f"{unused} with loss '{algorithm.get('loss')}' (dual_clip only)")
+    if _set(spec.algorithm, "dual_clip_c") and algorithm.get("loss") not in DUAL_CLIP_LOSSES:
+        r.warn("algorithm.dual_clip_c", f"{unused} with loss '{algorithm.get('loss')}' (it applies to "
+                                        f"{', '.join(sorted(DUAL_CLIP_LOSSES))})")
     overlong = spec.algorithm.overlong
     if _set(overlong, "penalty") and overlong.buffer == 0:
         r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")
