@@ -483,8 +483,9 @@ class TrainSpec(Section):
     """Run the tokens that every sequence of a micro-batch starts with (a system prompt, few-shot turns) once
     per micro-batch in the update, not once per sequence. Exact: the same loss and gradients (the prefix's
     keys and values carry gradient back). For the quickstart ~2.5x fewer update FLOPs. Not used under
-    gradient checkpointing, nor ZeRO-3 over several ranks (their forward passes must pair up); the run's
-    params record whether it was (`resolved.update.share_prefix`)."""
+    gradient checkpointing, nor ZeRO-3 over several ranks (their forward passes must pair up), nor for a
+    model with dropout (the rows would share one dropout mask over the prefix); the run's params record
+    whether it was (`resolved.update.share_prefix`: on, off, or `off (dropout)`)."""
     packing: Literal["auto", "on", "off"] = "auto"
     """Sequence packing in the update: a micro-batch's rows laid end to end in one row (each with its own
     positions; attention never crosses rows) instead of right-padded to the longest, so no token of compute

@@ -139,7 +139,7 @@ def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, le
     assert stats["actor/dropped"] == 0 and stats["actor/zero_adv_groups"] == 0 and stats["actor/updates"] == 1
     assert stats["actor/grad_norm"] > 0 and stats["actor/lr"] == 3e-3 and stats["actor/entropy"] > 5
     assert stats["actor/clip_frac_low"] == stats["actor/clip_frac_high"] == 0  # ratio 1 on the first update
-    assert abs(stats["actor/approx_kl"]) < 1e-6 and stats["actor/kl"] == 0
+    assert abs(stats["actor/approx_kl"]) < 1e-6 and "actor/kl" not in stats  # no reference: no KL, not a 0
     assert learner.ref is None  # kl.coef == 0: no reference model
 
 
@@ -290,6 +290,40 @@ def test_shared_prefix_once_gives_the_same_update(small_path, learners):
     assert no_cache.resolved()["share_prefix"] == "off"  # HF drops the KV cache under checkpointing
 
 
+@pytest.fixture(scope="module")
+def dropout_path(small_path, tmp_path_factory) -> str:
+    """The small Qwen3 with attention dropout 0.1 (applied functionally in training mode, no nn.Dropout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(small_path)
+    config.attention_dropout = 0.1
+    out = tmp_path_factory.mktemp("small-qwen3-dropout")
+    AutoModelForCausalLM.from_pretrained(small_path, config=config).save_pretrained(out)
+    return str(out)
+
+
+def test_a_model_with_dropout_does_not_share_the_prefix(small_path, dropout_path, learners):
+    """Under dropout a prefix run once for all rows would share one dropout mask, where one pass per row
+    draws a mask per row: not the same update, so sharing is off (and the run's params say why). With
+    the same RNG state the update is then exactly the unshared one; had the prefix been shared, the masks
+    (and the number of random draws) would differ."""
+    from transformers import AutoModelForCausalLM
+
+    from factory.update.logprobs import active_dropout
+
+    assert active_dropout(AutoModelForCausalLM.from_pretrained(small_path)) == []
+    assert active_dropout(AutoModelForCausalLM.from_pretrained(dropout_path)) == ["config.attention_dropout=0.1"]
+    system = [7 + i for i in range(20)]
+    trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=16)]
+    deltas = []
+    for share in (False, True):
+        learner = learners(make_spec(dropout_path, train={"share_prefix": share}))
+        assert learner.resolved()["share_prefix"] == ("off (dropout)" if share else "off")
+        torch.manual_seed(0)
+        deltas.append(one_step_delta(learner, trajs)[0])
+    assert_same_delta(*deltas, tol=0)
+
+
 def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, learners, monkeypatch):
     """Rows of a group whose rewards all agree add nothing to the gradient: the update does not run them,
     and moves the weights as running them does -- also when a whole step is flat, where AdamW's moments
@@ -317,6 +351,34 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, 
     assert skipped_stats[0]["actor/entropy"] > 5  # a token mean over the rows that ran, not diluted
     assert "actor/entropy" not in skipped_stats[1]  # nothing ran: nothing measured (not a fake 0)
     assert skipped_stats[1]["actor/grad_norm"] == 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "bnpo", "dr_grpo"])  # the three aggregations' normalisers
+def test_zero_advantage_skip_moves_the_weights_as_plain_sgd_on_every_row_does(small_path, learners, monkeypatch, name):
+    """The exact claim, tested where it can fail: with plain SGD (no clipping) a step moves every weight by
+    -lr x gradient, so a wrongly scaled gradient (a normaliser over the rows that ran instead of the whole
+    mini-batch) shows in the delta. AdamW's first step is lr x sign(gradient), which hides any scale.
+    The batch holds zero-advantage rows in the middle (group 1 agrees), so the micro-batches are re-cut."""
+    import factory.update.learner as learner_module
+
+    trajs = batch(seed=15, groups=4)
+    flat = [replace(t, reward=0.5) if t.prompt_index in (1, 2) else t for t in trajs]  # 8 of 16 rows flat
+    spec = make_spec(small_path, algorithm={"name": name})  # SGD, lr 0.5, no clip, fp32 (make_spec)
+    skipped, skipped_stats = one_step_delta(learners(spec), flat)
+    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch: schedule)
+    full, full_stats = one_step_delta(learners(spec), flat)
+    assert skipped_stats["actor/skipped_zero_adv"] == 8 and full_stats["actor/skipped_zero_adv"] == 0
+    assert (skipped_stats["actor/trained_rows"], full_stats["actor/trained_rows"]) == (8, 16)
+    ran_tokens = sum(sum(t.loss_mask) for t in flat if t.prompt_index not in (1, 2))
+    assert skipped_stats["actor/trained_tokens"] == ran_tokens  # perf/update_tokens_per_s counts these
+    assert skipped_stats["actor/tokens"] == full_stats["actor/tokens"] == sum(sum(t.loss_mask) for t in flat)
+    assert_same_delta(full, skipped)
+    assert skipped_stats["actor/grad_norm"] == pytest.approx(full_stats["actor/grad_norm"], rel=1e-5)
+    # and it can fail: the same gradient over the rows that ran only (their own normalisers) differs
+    ran = [t for t in flat if t.prompt_index not in (1, 2)]
+    only_ran, _ = one_step_delta(learners(spec), ran)
+    with pytest.raises(AssertionError):
+        assert_same_delta(full, only_ran)
 
 
 def test_zero_advantage_rows_still_run_when_a_kl_term_is_in_the_loss(small_path, learners):

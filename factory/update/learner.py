@@ -72,7 +72,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import response_logprobs, run_once, use_packed_attention
+from factory.update.logprobs import active_dropout, response_logprobs, run_once, use_packed_attention
 from factory.util import UserError
 
 
@@ -102,6 +102,7 @@ class Learner:
         self.share_prefix = False  # run a micro-batch's common prefix once (decided in setup)
         self.sync_bytes = 0  # what the last weight sync (state_dict) carried
         self.non_finite_steps = 0  # steps in a row whose every update was skipped for a non-finite value
+        self.dropout: list[str] = []  # where the model drops out in training mode (decided in setup)
 
     # ---------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -139,9 +140,12 @@ class Learner:
                                                config=deepspeed_config(self.spec))
         self.engine.train()
         self.amp = autocast_dtype(self.spec)
-        # HF drops the KV cache under gradient checkpointing; ZeRO-3 ranks must run paired forwards
+        # HF drops the KV cache under gradient checkpointing; ZeRO-3 ranks must run paired forwards; under
+        # dropout a shared prefix would share one dropout mask across the rows (logprobs.active_dropout)
+        self.dropout = active_dropout(model)
         self.share_prefix = (self.spec.train.share_prefix and not self.spec.train.gradient_checkpointing
-                             and not (self.engine.zero_optimization_stage() == 3 and self.world > 1))
+                             and not (self.engine.zero_optimization_stage() == 3 and self.world > 1)
+                             and not self.dropout)
         if self.alg.needs_reference and self.lora is not None:
             self.ref = AdaptersOff(self.engine.module)  # the base model IS the reference: no second copy
         elif self.alg.needs_reference:  # only then: a second copy of the weights is not free
@@ -158,7 +162,8 @@ class Learner:
         return {"device": torch.device(self.engine.device).type,
                 "dtype": str(self._module_dtype()).removeprefix("torch."),
                 "autocast": str(self.amp).removeprefix("torch.") if self.amp is not None else "off",
-                "share_prefix": "on" if self.share_prefix else "off",
+                "share_prefix": "on" if self.share_prefix else "off (dropout)" if self.dropout and
+                                self.spec.train.share_prefix else "off",
                 "packing": self.spec.train.packing,
                 "weight_sync": f"adapters ({str(self.sync_dtype).removeprefix('torch.')})" if self.lora is not None
                 else f"full ({str(self.sync_dtype).removeprefix('torch.')})"}
@@ -175,7 +180,8 @@ class Learner:
         sub, stats = self._begin(trajs)
         if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
             self.steps_done += 1
-            return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 0.0}
+            return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 0.0,
+                    "actor/trained_rows": 0.0}
 
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
         schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
@@ -210,8 +216,9 @@ class Learner:
         stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6  # the sync that brought the weights this step sampled with
         elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
-        # model tokens trained (once per epoch) per second of the whole step, old-log-prob pass included
-        stats["perf/update_tokens_per_s"] = stats["actor/tokens"] * alg.epochs / max(elapsed, 1e-9)
+        # model tokens of the rows trained (once per epoch; a skipped row's are not) per second of the whole
+        # step, old-log-prob pass included
+        stats["perf/update_tokens_per_s"] = stats["actor/trained_tokens"] * alg.epochs / max(elapsed, 1e-9)
         stats["perf/update_flops_per_s"] = (
             # LoRA's backward computes no gradient of the frozen weights: forward + input gradients only
             (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * (2 if self.lora else 3) * alg.epochs
@@ -721,15 +728,18 @@ def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_p
             stats[f"actor/{key}"] = value / (len(schedule) if key in ("pg_loss", "grad_norm") else ran)
     if "actor/entropy" not in stats and before.entropy is not None:  # measured by the pre-update pass
         stats["actor/entropy"] = float((before.entropy * mask).sum()) / max(tokens, 1.0)
-    computed_rows = sum(len(micro) for minibatch in update_plan[: len(update_plan) // epochs] for micro in minibatch)
+    # the rows the update ran: all of them unless zero-advantage rows were skipped
+    computed = [i for minibatch in update_plan[: len(update_plan) // epochs] for micro in minibatch for i in micro]
     kl_tokens, adv = target.kl_tokens, target.adv
+    if kl_tokens is not None and "actor/kl" not in stats:  # no reference model: no KL to report, not a 0
+        stats["actor/kl"] = float((kl_tokens * mask).sum()) / max(tokens, 1.0)
     stats.update({
         "actor/updates": float(len(schedule)) - skipped,
         "actor/skipped_non_finite": skipped,
-        "actor/tokens": tokens,
-        "actor/skipped_zero_adv": float(len(adv) - computed_rows),  # rows the update did not run
-        "actor/kl": stats.get("actor/kl", 0.0 if kl_tokens is None
-                              else float((kl_tokens * mask).sum()) / max(tokens, 1.0)),
+        "actor/tokens": tokens,  # model tokens in the loss's normalisers (every kept row's)
+        "actor/trained_rows": float(len(computed)),
+        "actor/trained_tokens": float(mask[computed].sum()) if computed else 0.0,
+        "actor/skipped_zero_adv": float(len(adv) - len(computed)),  # rows the update did not run
         "actor/advantage_abs_mean": float(adv.abs().mean()),
         "actor/reward_shaped_mean": float(target.rewards.mean()),
         "actor/zero_adv_groups": float(_zero_groups(adv, target.groups)),

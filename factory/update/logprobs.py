@@ -80,6 +80,22 @@ def run_once(rows: int, shared: int) -> int:
     return shared if rows > 1 and shared >= MIN_SHARED_PREFIX else 0
 
 
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """Where `model` drops out in training mode: nn.Dropout modules with p > 0 and config rates above 0
+    (`attention_dropout`, `hidden_dropout`, `resid_pdrop`, ...: Hugging Face attention applies its rate
+    functionally, with no module to find). Prefix sharing runs the prefix once for all rows, so under
+    dropout every row would share one mask there, where separate passes draw one mask per row: the update
+    would no longer be the same function, so the learner does not share a prefix then."""
+    found = [f"{name or 'model'}.p={m.p}" for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    for key, value in (config.to_dict() if config is not None else {}).items():
+        if (("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and value > 0):
+            found.append(f"config.{key}={value}")
+    return found
+
+
 def response_logprobs(model: torch.nn.Module, mb: MicroBatch | PackedBatch, *, amp: torch.dtype | None, temperature: float = 1.0,
                       entropy: bool = False, entropy_grad: bool = False,
                       share_prefix: bool = False) -> tuple[Tensor, Tensor | None]:
