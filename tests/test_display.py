@@ -66,3 +66,29 @@ def test_long_phase_shows_a_live_bar_on_a_terminal():
         d._progress.refresh()
         d.done()
     assert "step 0 evaluation" in out.getvalue() and "17/64" in out.getvalue()
+
+
+def test_startup_line_and_metrics_add_up_to_the_time_to_first_request():
+    """timing/startup_s runs from the command's start to the first rollout request; its phases (and the
+    'other' left between them) add up to it, and each stage's ready time is shown inside `stages`."""
+    from factory.runtime.startup import Startup
+
+    now = [100.0]
+    s = Startup(started_at=90.0, clock=lambda: now[0])
+    s.lap("command")  # 10 s: imports and compile
+    now[0] = 104.5
+    s.lap("ray")
+    s.stage_ready("tools", 1.0)
+    s.stage_ready("rollout", 20.0)
+    now[0] = 125.0
+    s.lap("stages")
+    now[0] = 127.0
+    s.lap("tracking")
+    now[0] = 127.5  # the data stage's first batch, before the request
+    m = s.finish()
+    assert m["timing/startup_s"] == 37.5
+    assert {k: v for k, v in m.items() if k != "timing/startup_s"} == {
+        "timing/startup/command_s": 10.0, "timing/startup/ray_s": 4.5, "timing/startup/stages_s": 20.5,
+        "timing/startup/tracking_s": 2.0, "timing/startup/stage_tools_s": 1.0, "timing/startup/stage_rollout_s": 20.0}
+    assert s.describe() == ("start-up 37.5 s to the first rollout request: command 10.0 s, ray 4.5 s, stages 20.5 s "
+                            "(tools 1.0, rollout 20.0 ready), tracking 2.0 s, other 0.5 s")

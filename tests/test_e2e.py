@@ -62,6 +62,13 @@ def test_every_step_has_its_metrics(tiny_run):
     eval_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy"))
     assert eval_steps == [0, STEPS]
     assert run.data.params["train.steps"] == str(STEPS)
+    # the time to first step, logged with the step-0 evaluation, and its phases (which it contains)
+    startup = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics if k.startswith("timing/startup")}
+    assert {p.step for points in startup.values() for p in points} == {0}
+    total = startup.pop("timing/startup_s")[0].value
+    phases = {k: v[0].value for k, v in startup.items() if "/stage_" not in k}
+    assert set(phases) == {f"timing/startup/{p}_s" for p in ("command", "models", "ray", "stages", "tracking")}
+    assert 0 < sum(phases.values()) <= total
     # what the stages chose on their device (tiny.yaml trains in float32: no bf16 anywhere)
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
         "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",

@@ -32,9 +32,10 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
-from factory.runtime.deadlines import Deadlines
+from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import check_infra
 from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
+from factory.runtime.startup import Startup
 from factory.types import Placement
 from factory.util import import_object
 
@@ -237,10 +238,12 @@ def start_group(stage: Stage) -> Group:
     return Group(stage, cls, actors, pg)
 
 
-def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines: Deadlines | None = None) -> Groups:
+def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines: Deadlines | None = None,
+          ready: Callable[[str, float], None] = lambda name, seconds: None) -> Groups:
     """Start every stage's group and set its replicas up, callees before their callers (each caller
     gets a handle on the stages its call edges reach, under each edge's role); a torch.distributed
-    group first meets at rank 0's address. `status` hears each stage as it is ready."""
+    group first meets at rank 0's address. `status` hears each stage as it is ready, and `ready` its
+    name and the seconds since placing began."""
     groups: Groups = {}
     t0 = time.perf_counter()
     try:
@@ -251,14 +254,26 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
         calls = [e for e in plan.edges if e.kind == "call" and e.method]
         order = graphlib.TopologicalSorter({s.name: {e.dst for e in calls if e.src == s.name} for s in plan.stages})
         order.prepare()
+        handles = {name: g.actors[0] for name, g in groups.items()}
+        # A stage's setup starts as soon as the stages it calls are ready, not when every stage of the
+        # previous wave is: the rollout's engine does not wait for the update's DeepSpeed start.
+        pending: dict[str, tuple[list[Any], float]] = {}  # stage -> its replicas' setup refs, when they began
         while order.is_active():
-            ready = order.get_ready()
-            handles = {name: g.actors[0] for name, g in groups.items()}
-            pending = {name: setup_group(groups[name], peers_of(calls, name, handles)) for name in ready}
-            for name, refs in pending.items():
-                groups[name].info = groups[name].deadlines.get(refs, f"{name}.setup", "starting")  # a failed setup raises here
+            for name in order.get_ready():
+                pending[name] = setup_group(groups[name], peers_of(calls, name, handles)), time.monotonic()
+            ray.wait([r for refs, _ in pending.values() for r in refs], num_returns=1, timeout=POLL_S)
+            for name, (refs, began) in list(pending.items()):
+                kind, d = f"{name}.setup", groups[name].deadlines
+                if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                    if time.monotonic() - began > d.budget(kind):
+                        d.fail(kind, "starting", time.monotonic() - began, d.budget(kind))
+                    continue
+                groups[name].info = d.get(refs, kind, "starting")  # done: a failed setup raises here
+                d.took(kind, time.monotonic() - began)
+                del pending[name]
+                ready(name, time.perf_counter() - t0)
                 status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
-            order.done(*ready)
+                order.done(name)
     except BaseException:
         teardown(groups)
         raise
@@ -524,10 +539,20 @@ class Updates:
 
 
 def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: SessionRecord,
-               resume: Resume | None = None) -> RunResult:
+               resume: Resume | None = None, startup: Startup | None = None) -> RunResult:
     d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
+    startup = startup or Startup()
     ckpt_dir = tracker.checkpoint_dir  # this run's own folder (a resumed run's, from its tags)
-    done = restore(g, plan, resume) if resume else 0
+    done = 0
+    if resume:
+        done = restore(g, plan, resume)
+        startup.lap("restore")
+    # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
+    # at step 0. A resumed session only shows its own: every step's metrics are logged once.
+    started = startup.finish()
+    if not resume:
+        tracker.log_metrics(started, step=0)
+    display.status(startup.describe())
     if done:
         before = resume.before  # its step-0 evaluation, as the run logged it
     else:
@@ -581,12 +606,15 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def run(plan: Plan, resume: Resume | None = None) -> RunResult:
+def run(plan: Plan, resume: Resume | None = None, started_at: float | None = None) -> RunResult:
     """Run a compiled plan end to end (or continue the run `resume` names, see factory.runtime.resume); returns the
-    MLflow run id and before/after eval metrics."""
+    MLflow run id and before/after eval metrics. `started_at` (epoch seconds): when the command started,
+    for the time to first step (`timing/startup_s`); default now."""
     from factory.runtime.display import Display
     from factory.tracking.tracker import open_tracker
 
+    startup = Startup(started_at)
+    startup.lap("command")
     t_start, d = time.perf_counter(), plan.driver
     display = Display(d.train.steps)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
@@ -597,8 +625,10 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
         if ended:
             display.status(f"ended what a killed run left behind: {', '.join(ended)}")
         build_models(plan, display.status)
+        startup.lap("models")
         display.status("starting Ray")
         start_ray(d.resources)
+        startup.lap("ray")
         record = SessionRecord()
         record.update()
         status, groups = "FAILED", {}
@@ -606,7 +636,8 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
             display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
                            "DeepSpeed's C++ ops, about a minute)")
-            groups = place(plan, display.status, Deadlines(d.train.stage_timeout_s))
+            groups = place(plan, display.status, Deadlines(d.train.stage_timeout_s), startup.stage_ready)
+            startup.lap("stages")
             record.update()
             # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
             resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
@@ -614,9 +645,10 @@ def run(plan: Plan, resume: Resume | None = None) -> RunResult:
             placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
             plan = (tracker.resume(resume, plan, listing) if resume else
                     tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
+            startup.lap("tracking")
             display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
                            f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(groups, plan, tracker, display, record, resume)
+            result = train_loop(groups, plan, tracker, display, record, resume, startup)
             status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
         except KeyboardInterrupt:
             status = "KILLED"  # MLflow's word for a run stopped by its user
