@@ -7,33 +7,42 @@ three ways on the same components.
 The same pieces serve every contender: Factory's rollout stage (its engine with the model, the chat
 template, its ToolBox talking to a real stdio MCP server whose `calculate` tool answers after
 `--tool-latency` seconds) and Factory's reward stage (`correct`: a python function; `judge`: an LLM-judge
-node calling a real OpenAI-compatible HTTP endpoint, served here, that answers after `--judge-latency`
-seconds and serves at most `--judge-capacity` requests at once, like a judge server's batch limit).
-The model is the tiny Qwen3 warmed up on the calculator exchange: it calls the tool on its own, and
-sampled at temperature 1 its turns and turn lengths differ from trajectory to trajectory.
+node calling a real OpenAI-compatible HTTP endpoint, served by a process of its own, that answers after
+`--judge-latency` seconds and serves at most `--judge-capacity` requests at once, like a judge server's
+batch limit). The model is the tiny Qwen3 warmed up on the calculator exchange: it calls the tool on its
+own, and sampled at temperature 1 its turns and turn lengths differ from trajectory to trajectory.
 
-  factory      the rollout stage's own loop (one async task per trajectory; the engine batches whatever
-               requests wait; tool calls overlap other trajectories' generation), each group handed to
-               the reward stage as soon as it is complete, so judging overlaps generation;
+  factory      what `factory run` does in a step: the plan's tools, rollout and reward stages as Ray
+               actors (driver.place), the batch carried along the plan's data edges by the driver's own
+               code (driver.pipe): the rollout stage's loop (one async task per trajectory; the engine
+               batches whatever requests wait; tool calls overlap other trajectories' generation) streams
+               each group to the reward stage as soon as it is complete, so judging overlaps generation;
   sync turns   a synchronous per-turn batch loop (Search-R1's): each turn, generate for every live
                trajectory as one batch, then run all their tool calls at once and wait for the slowest,
                then the next turn; when every trajectory is done, score them all (judge calls concurrent);
   sequential   each turn, generate for every live trajectory as one batch, then each tool call one by
                one; then each trajectory's reward one by one.
 
-The contenders alternate (factory, sync, sequential, factory, ...) `--repeats` times on the same prompts
-with the same sampling seed; the step time is rollout + reward until every trajectory is scored. Medians.
+The baselines run the same stages in this process (their engine is another instance of the same model
+in the same dtype). Every request is seeded exactly as Factory's rollout seeds it -- from (spec seed, step,
+attempt, prompt, sample, turn) -- so the three contenders build the same trajectories token for token:
+the benchmark checks that on every repeat (and stops if any trajectory differs), so the times compare the
+same work. The contenders alternate (factory, sync, sequential, factory, ...) `--repeats` times on the
+same prompts, after one unmeasured warm-up round each; the step time is rollout + reward until every
+trajectory is scored. Medians.
 
 Prints a table, then as its LAST line JSON: speedup_vs_sequential and speedup_vs_sync_turns (the baseline's
-median step time / Factory's). Targets: >= 3 and >= 1.3.
+median step time / Factory's) and same_trajectories. Targets: >= 3 and >= 1.3.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -76,19 +85,17 @@ def serve(latency_s: float) -> None:
 
 
 # ----------------------------------------------------------------------------------------- the judge
-@contextlib.contextmanager
-def judge_server(latency_s: float, capacity: int) -> Iterator[tuple[str, list[int]]]:
+def serve_judge(latency_s: float, capacity: int) -> None:
     """An OpenAI-compatible `/v1/chat/completions` endpoint on 127.0.0.1 that answers `score: 1` after a
     fixed latency, serving at most `capacity` requests at a time (the rest queue, as at a real server).
-    Yields its base URL and a one-item list counting the requests served."""
-    slots, served = threading.Semaphore(capacity), [0]
+    Prints its port, then serves until killed."""
+    slots = threading.Semaphore(capacity)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with slots:
                 time.sleep(latency_s)
-            served[0] += 1
             body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "score: 1"}}]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -106,13 +113,21 @@ def judge_server(latency_s: float, capacity: int) -> Iterator[tuple[str, list[in
         daemon_threads = True
 
     server = Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+@contextlib.contextmanager
+def judge_server(latency_s: float, capacity: int) -> Iterator[str]:
+    """`serve_judge` in a process of its own (so that neither contender's process serves it); yields its
+    base URL."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-judge", "--latency",
+                             str(latency_s), "--capacity", str(capacity)], stdout=subprocess.PIPE, text=True)
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", served
+        yield f"http://127.0.0.1:{int(proc.stdout.readline())}/v1"
     finally:
-        server.shutdown()
-        server.server_close()
+        proc.kill()
+        proc.wait()
 
 
 # ------------------------------------------------------------------------------------------ the spec
@@ -140,28 +155,51 @@ train: {{prompts_per_step: {a.prompts}, threads: {a.threads}}}
 
 
 # -------------------------------------------------------------------------------------- contenders
-async def factory_step(rollout, reward, batch, group_size: int) -> list:
-    """Factory as the driver runs a step: the rollout stage streams complete groups; each is scored at once."""
-    if not hasattr(rollout, "stream"):  # TEMPORARY until streaming lands
-        trajs, _ = rollout.merge([await rollout.generate(batch)])  # group_size: the spec's (make_spec sets it)
-        return (await reward.score(trajs))[0]
-    scoring = []
-    async for group in rollout.stream(batch, group_size=group_size):
-        scoring.append(asyncio.ensure_future(reward.score(group)))
-    return [t for trajs, _ in await asyncio.gather(*scoring) for t in trajs]
+# Factory's step is the driver's: a step's sampling is seeded from (spec seed, step, attempt); the
+# benchmark's step is step 0, attempt 0 (it never trains), in every contender.
+STEP, ATTEMPT = 0, 0
+
+
+def step_stages(plan):
+    """The plan with only the stages a step's rollout and scoring run on: the data flow's stages between
+    its source and its trainer, and every stage they call (the tools)."""
+    names = {e.dst for e in plan.flow("data")[:-1]}
+    calls = [e for e in plan.edges if e.kind == "call"]
+    while extra := {e.dst for e in calls if e.src in names} - names:
+        names |= extra
+    return dataclasses.replace(plan, stages=tuple(s for s in plan.stages if s.name in names),
+                               edges=tuple(e for e in plan.edges if e.src in names and e.dst in names))
+
+
+def factory_step(groups, plan, batch) -> list:
+    """Factory's step as the driver runs it (driver.carry): the batch goes to the rollout stage, which
+    streams each trajectory group, as soon as it is complete, to the reward stage (driver.pipe)."""
+    from factory.runtime.driver import pipe
+
+    into_rollout, into_reward = plan.flow("data")[:2]
+    assert into_reward.stream, "the plan scores the batch whole: no streaming to measure"
+    trajs, _ = pipe(groups[into_rollout.dst], into_rollout.method, groups[into_reward.dst], into_reward.method,
+                    batch, progress=lambda done, total: None, step=STEP, attempt=ATTEMPT)
+    return trajs
 
 
 class Lockstep:
-    """The baselines' trajectories, advanced turn by turn together (Search-R1's loop)."""
+    """The baselines' trajectories, advanced turn by turn together (Search-R1's loop). `seed_key` seeds
+    each request as Factory's rollout does (factory.rollout.agent.rollout: (seed_key, prompt, sample),
+    then the turn), so a trajectory samples the same tokens in either schedule."""
 
-    def __init__(self, engine, chat, toolbox, cfg, prompts: list[tuple[list[dict], dict]], group_size: int):
+    def __init__(self, engine, chat, toolbox, cfg, prompts: list[tuple[list[dict], dict]], group_size: int,
+                 seed_key: tuple[int, ...] | None = None):
         from factory.rollout.agent import sampling_from_spec
+        from factory.rollout.engine import request_seed
 
         self.engine, self.chat, self.toolbox, self.cfg = engine, chat, toolbox, cfg
         self.sampling = sampling_from_spec(cfg)
         schemas = toolbox.schemas() or None
         self.trajs = [self._start(messages, row, p, s, chat.prompt_ids(messages, schemas))
                       for p, (messages, row) in enumerate(prompts) for s in range(group_size)]
+        self.seeds = [None if seed_key is None else request_seed(*seed_key, t.prompt_index, t.sample_index)
+                      for t in self.trajs]
 
     @staticmethod
     def _start(messages, row, p, s, prompt_ids):
@@ -175,14 +213,21 @@ class Lockstep:
         (waiting for the slowest) or `one_by_one`; a trajectory leaves when it answers without a call or
         runs out of turns or tokens."""
         from factory.rollout.agent import call_tool
+        from factory.rollout.engine import request_seed
         from factory.rollout.parse import parse_tool_calls
         from factory.types import Turn
 
         chat, cfg, engine = self.chat, self.cfg, self.engine
+        seeds = {id(t): seed for t, seed in zip(self.trajs, self.seeds)}
+
+        def sampling(t, turn_no):
+            seed = seeds[id(t)]
+            return self.sampling if seed is None else dataclasses.replace(self.sampling, seed=request_seed(seed, turn_no))
+
         live = list(self.trajs)
         for turn_no in range(cfg.max_turns):
             gens = await asyncio.gather(*(engine.generate(
-                t.prompt_ids + t.response_ids, sampling=self.sampling,
+                t.prompt_ids + t.response_ids, sampling=sampling(t, turn_no),
                 max_new_tokens=min(cfg.max_new_tokens, cfg.max_total_tokens - len(t.response_ids))) for t in live))
             calling = []
             for t, gen in zip(live, gens):
@@ -220,7 +265,8 @@ class Lockstep:
 
 
 def lockstep(stage, prompts, group_size: int) -> Lockstep:
-    return Lockstep(stage.engine, stage.chat, stage.tools, stage.settings.rollout, prompts, group_size)
+    return Lockstep(stage.engine, stage.chat, stage.tools, stage.settings.rollout, prompts, group_size,
+                    seed_key=(stage.settings.seed, STEP, ATTEMPT))
 
 
 async def sync_turns_step(stage, reward, prompts, group_size: int) -> list:
@@ -236,46 +282,76 @@ async def sequential_step(stage, reward, prompts, group_size: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def trajectory_record(t) -> tuple:
+    """What a trajectory is, token for token: ids, loss mask, each turn's text, calls and tool results."""
+    return (t.prompt_index, t.sample_index, t.prompt_ids, t.response_ids, t.loss_mask, t.stop_reason, t.completion,
+            t.truncated, t.infra_error, [(u.text, u.num_tokens, [c.raw for c in u.calls],
+                                         [(r.tool, r.text, r.status) for r in u.results]) for u in t.turns])
+
+
+def differing(a: list, b: list) -> int:
+    """How many trajectories of two contenders differ (0: the same work, token for token)."""
+    if len(a) != len(b):
+        return max(len(a), len(b))
+    return sum(trajectory_record(x) != trajectory_record(y) for x, y in zip(a, b))
+
+
 async def measure(a: argparse.Namespace, folder: Path) -> dict:
+    import ray
+
     from factory.data import DataStage, from_table
     from factory.reward import RewardStage
     from factory.rollout.stage import RolloutStage
+    from factory.runtime.driver import place, start_ray, teardown
     from factory.tools.stage import ToolsStage
     from factory.types import Placement
 
-    with judge_server(a.judge_latency, a.judge_capacity) as (judge_url, judged):
+    with judge_server(a.judge_latency, a.judge_capacity) as judge_url:
         _, plan = make_spec(a, judge_url, folder)
         data = DataStage(plan.stage("data").settings)
         data.setup()
-        # the plan's stages in this process, the rollout and reward calling the tools stage directly
+        batch = data.next_batch(a.prompts)
+        prompts = from_table(batch)
+        # Factory: the step's stages as `factory run` places them, on a local Ray of their own
+        start_ray(plan.driver.resources)
+        groups = {}
+        # the baselines: the same stages in this process, the rollout and reward calling the tools stage directly
         tools, rollout = ToolsStage(plan.stage("tools").settings), RolloutStage(plan.stage("rollout").settings)
         reward = RewardStage(plan.stage("reward").settings)
-        await tools.setup(Placement(workdir=str(folder)))
-        peers = {rollout.settings.tool_peer: tools}  # the role of both stages' call edges to the tools
-        await rollout.setup(Placement(workdir=str(folder), peers=peers))
-        await reward.setup(Placement(workdir=str(folder), peers=peers))
         try:
-            batch = data.next_batch(a.prompts)
-            prompts = from_table(batch)
-            await factory_step(rollout, reward, batch, a.group_size)  # warm-up: first-call costs, not measured
-            times: dict[str, list[float]] = {"factory": [], "sync turns": [], "sequential": []}
-            shapes: dict[str, list] = {k: [] for k in times}
-            for _ in range(a.repeats):
-                for name, runs in times.items():
+            groups = place(step_stages(plan))
+            await tools.setup(Placement(workdir=str(folder)))
+            peers = {rollout.settings.tool_peer: tools}  # the role of both stages' call edges to the tools
+            await rollout.setup(Placement(workdir=str(folder), peers=peers))
+            await reward.setup(Placement(workdir=str(folder), peers=peers))
+            async def factory() -> list:  # the driver's calls block this loop: nothing else runs meanwhile
+                return factory_step(groups, plan, batch)
+
+            steps = {"factory": factory,
+                     "sync turns": lambda: sync_turns_step(rollout, reward, prompts, a.group_size),
+                     "sequential": lambda: sequential_step(rollout, reward, prompts, a.group_size)}
+            times: dict[str, list[float]] = {k: [] for k in steps}
+            shapes: dict[str, list] = {k: [] for k in steps}
+            reference = None
+            for round_no in range(a.repeats + 1):  # round 0 warms every contender up (first-call costs)
+                for name, step in steps.items():
                     t0 = time.perf_counter()
-                    if name == "factory":
-                        trajs = await factory_step(rollout, reward, batch, a.group_size)
-                    elif name == "sync turns":
-                        trajs = await sync_turns_step(rollout, reward, prompts, a.group_size)
-                    else:
-                        trajs = await sequential_step(rollout, reward, prompts, a.group_size)
-                    runs.append(time.perf_counter() - t0)
-                    shapes[name].append(trajs)
+                    trajs = await step()
+                    elapsed = time.perf_counter() - t0
+                    reference = reference or trajs
+                    if (n := differing(reference, trajs)):
+                        raise SystemExit(f"{name} built {n} of {len(trajs)} trajectories other than factory's: "
+                                         "the contenders would not do the same work")
+                    if round_no:
+                        times[name].append(elapsed)
+                        shapes[name].append(trajs)
         finally:
             await rollout.close()
             await reward.close()
             await tools.close()
-    return {"times": times, "shapes": shapes, "judge_requests": judged[0]}
+            teardown(groups)
+            ray.shutdown()
+    return {"times": times, "shapes": shapes}
 
 
 def describe(trajs: list) -> tuple[float, float, float, float]:
@@ -302,11 +378,13 @@ def main(a: argparse.Namespace) -> dict:
         rows.append((name, median(ts), min(ts), max(ts), *(statistics.fmean(s[i] for s in shape) for i in range(4))))
     print(table(["contender", "median s", "min s", "max s", "turns", "tool calls", "model tok", "turns sd"], rows,
                 first=14))
+    print(f"same trajectories, token for token, in every contender and repeat: yes ({len(out['shapes']['factory'][0])} "
+          "per step)")
     factory = median(times["factory"])
     return {"speedup_vs_sequential": round(median(times["sequential"]) / factory, 3),
             "speedup_vs_sync_turns": round(median(times["sync turns"]) / factory, 3),
             "factory_s": round(factory, 3), "sync_turns_s": round(median(times["sync turns"]), 3),
-            "sequential_s": round(median(times["sequential"]), 3), "cpu": cpu()}
+            "sequential_s": round(median(times["sequential"]), 3), "same_trajectories": True, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -319,7 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--judge-capacity", type=int, default=8, help="judge requests served at once")
     parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke test, not a measurement)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the tool server
+    parser.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)  # internal: be the judge
     parser.add_argument("--latency", type=float, default=0.2, help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", type=int, default=8, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.quick:
         a.repeats, a.prompts, a.group_size, a.max_new_tokens = 1, 2, 2, 16
@@ -331,5 +411,7 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.serve:
         serve(arguments.latency)
+    elif arguments.serve_judge:
+        serve_judge(arguments.latency, arguments.capacity)
     else:
         print_json(main(arguments))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agentic import Lockstep
+from bench.agentic import Lockstep, differing
 from bench.common import table
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
@@ -44,6 +44,62 @@ def test_lockstep_baselines_build_the_agent_loops_trajectories(tokenizer, script
     assert [_record(t) for t in theirs] == [_record(t) for t in ours]
 
 
+class Calculator:
+    """The calculator's `calculate`, in-process (the real MCP server is bench/agentic.py's own)."""
+
+    def schemas(self):
+        from factory.tools.servers import function_schema
+
+        def calculate(expression: str) -> str:
+            """Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. (3 + 4) * 2.
+
+            Args:
+                expression: The arithmetic expression to evaluate.
+            """
+
+        return [function_schema(calculate, "calculate")]
+
+    async def call(self, c):
+        from factory.examples.calculator import evaluate, format_number
+        from factory.types import ToolResult
+
+        try:
+            return ToolResult(c.name, format_number(evaluate((c.arguments or {}).get("expression", ""))))
+        except Exception as e:  # noqa: BLE001 -- the model's malformed call: an answer it reads
+            return ToolResult(c.name, f"Error: {e}", "model_error", "bad_arguments")
+
+
+def test_every_contender_builds_the_same_trajectories_on_a_real_engine():
+    """bench/agentic.py compares schedules of the same work: seeded as Factory's rollout seeds every
+    request, the sequential and synchronous-turn loops sample, on the real transformers engine and the
+    tiny model warmed up on the calculator exchange (temperature 1: turns and lengths differ), the same
+    trajectories as Factory's agent loop, token for token, although the engine batches them differently.
+    (The benchmark itself checks the same on its vLLM engine, every repeat.)"""
+    import torch
+    from transformers import AutoTokenizer
+
+    from factory.assets import resolve_model
+    from factory.data import arithmetic
+    from factory.rollout.engine_hf import HFEngine
+
+    torch.set_num_threads(1)
+    path = resolve_model("factory:tiny-qwen3-calc")
+    chat = ChatFormat(AutoTokenizer.from_pretrained(path))
+    engine = HFEngine(path, seed=0, stop_token_ids=chat.stop_token_ids)
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=24, max_total_tokens=256, temperature=1.0)
+    prompts = [([{"role": "user", "content": r["question"]}], r) for r in arithmetic(3, seed=1, operands=(2, 2))]
+    key = (7, 0, 0)  # (spec seed, step, attempt)
+    ours = asyncio.run(rollout(engine, chat, Calculator(), prompts, group_size=4, cfg=cfg,
+                               sampling=sampling_from_spec(cfg), seed_key=key))
+    assert sum(t.num_tool_calls for t in ours) > 0 and len({len(t.turns) for t in ours}) > 1  # real agentic work
+    for one_by_one in (False, True):
+        theirs = asyncio.run(Lockstep(engine, chat, Calculator(), cfg, prompts, 4, seed_key=key).run(one_by_one))
+        assert differing(ours, theirs) == 0
+    # and the check can fail: unseeded, the baseline samples other trajectories
+    unseeded = asyncio.run(Lockstep(engine, chat, Calculator(), cfg, prompts, 4).run(False))
+    assert differing(ours, unseeded) > 0
+
+
 def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
     lines = table(["", "update", "weight sync", "other"], [("1x", 8.6, 2.2, 0.3)], first=4, width=11).splitlines()
     assert lines[0].split() == ["update", "weight", "sync", "other"]  # not "updateweight"
@@ -52,7 +108,7 @@ def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
-    ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns"}),
+    ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns", "same_trajectories"}),
     ("breakdown.py", {"overhead_fraction", "scaling_2x", "update_flops_over_matmul", "weight_sync_fraction"}),
     ("lora.py", {"sync_bytes", "update_rss", "step_time", "update_time"}),
     ("packing.py", {"packed_over_padded", "packed_over_padded_uniform"}),

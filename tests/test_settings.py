@@ -203,8 +203,8 @@ def test_settings_that_another_setting_switches_off_warn(project):
         "spec.yaml:9: rollout.kv_cache_gb: warning: has no effect with engine 'hf' (vLLM only)",
         "spec.yaml:10: train.optimizer.betas: warning: has no effect with optimizer 'sgd' (AdamW only)",
         "spec.yaml:11: algorithm.kl.estimator: warning: has no effect while algorithm.kl.coef is 0 (no KL term)",
-        "spec.yaml:11: algorithm.dual_clip_c: warning: has no effect with loss 'cispo' (it applies to dual_clip, "
-        "gspo, ppo_clip)",
+        ("spec.yaml:11: algorithm.dual_clip_c: warning: has no effect with loss 'cispo' (it applies to dual_clip, "
+         "gspo, ppo_clip)"),
         ("spec.yaml:11: algorithm.overlong.penalty: warning: has no effect while algorithm.overlong.buffer is 0 "
          "(no soft penalty)"),
     )
