@@ -47,7 +47,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,8 +63,14 @@ PASSAGE_CHARS = 600   # one passage's extract; three of them fit the spec's max_
 MAX_TOP_K = 10
 # What the index is made of; change it when the tokenization or the indexed text changes (cache key).
 INDEX_RECIPE = "title. description. extract; stopwords=en; stemmer=english; v1"
-TEST_PERCENT = 10
-SPLITS = ("train", "test")
+HELD_OUT_PERCENT = 10  # of the articles, by a hash of the title: never trained on
+SPLITS = ("train", "validation", "test")
+# The held-out articles are dealt into validation and test by a draw with a seed of its own (not any run's).
+SPLIT_SEED = 28
+# Run seeds whose held-out evaluations chose earlier settings of specs/deepsearch-cpu.yaml (lr, steps,
+# prompts per step), before the held-out articles were split: those questions' articles are validation
+# articles, never test ones, so no setting was ever chosen on a test question.
+TUNED_ON_SEEDS = (7, 8, 9)
 
 
 # --------------------------------------------------------------------------------------------- corpus
@@ -196,10 +202,41 @@ _DESCRIPTION_HEAD = re.compile(r"\s(?:of|by|in|from|for|who|that|at|on)\s|[(,;]"
 MIN_PREDICATE_WORDS = 5  # "Who was a Chinese writer?" fits hundreds of people; "a large sandstone monolith" several
 
 
+def held_out(title: str) -> bool:
+    """True for a stable ~10% of titles (a hash of the text, the same on every machine)."""
+    return int(hashlib.sha256(title.encode("utf-8")).hexdigest()[:8], 16) % 100 < HELD_OUT_PERCENT
+
+
 def split_of(title: str) -> str:
-    """'test' for a stable ~10% of titles, else 'train' (a hash of the text, the same on every machine)."""
-    bucket = int(hashlib.sha256(title.encode("utf-8")).hexdigest()[:8], 16) % 100
-    return "test" if bucket < TEST_PERCENT else "train"
+    """'train' for ~90% of the articles; the held-out rest 'validation' (for choosing settings) or 'test'
+    (for reporting once), half each (see `held_out_splits`)."""
+    return held_out_splits().get(title, "train")
+
+
+@functools.lru_cache(maxsize=1)
+def held_out_splits() -> dict[str, str]:
+    """Each held-out article's split: the articles whose questions chose earlier settings (TUNED_ON_SEEDS)
+    are validation; the others are shuffled with SPLIT_SEED and dealt so that each split holds half of
+    all held-out articles."""
+    held = sorted({a["title"] for a in load_corpus() if held_out(a["title"])})
+    tuned = _tuned_on_titles()
+    rest = [t for t in held if t not in tuned]
+    random.Random(SPLIT_SEED).shuffle(rest)
+    test = set(rest[: len(held) // 2])
+    return {t: "test" if t in test else "validation" for t in held}
+
+
+def _tuned_on_titles() -> set[str]:
+    """The articles of the 64 held-out questions each run seed of TUNED_ON_SEEDS evaluated on before the
+    held-out articles were split (the data stage drew them as `questions(64, seed + 1_000_003)` from all
+    held-out questions in corpus order, which this repeats)."""
+    pool = _questions_where(held_out)
+    titles: set[str] = set()
+    for seed in TUNED_ON_SEEDS:
+        order = list(range(len(pool)))
+        random.Random(seed + 1_000_003).shuffle(order)
+        titles |= {pool[i]["title"] for i in order[:64]}
+    return titles
 
 
 def answer_of(title: str) -> str:
@@ -267,21 +304,27 @@ def split_questions(split: str) -> tuple[dict[str, str], ...]:
     """Every question of a split, in corpus order."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return _questions_where(lambda title: split_of(title) == split)
+
+
+def _questions_where(keep: Callable[[str], bool]) -> tuple[dict[str, str], ...]:
+    """Every question of the articles whose title `keep` accepts, in corpus order."""
     articles = load_corpus()
     shared = Counter(a["description"].lower() for a in articles)
     every = [row for a in articles for row in article_questions(a, shared)]
     # The same words asked of two articles ("What is the internal framework of the human body?") have
-    # no single answer: drop them (counted over the whole corpus, so both splits drop the same ones).
+    # no single answer: drop them (counted over the whole corpus, so every split drops the same ones).
     asked = Counter(row["question"].lower() for row in every)
-    return tuple(row for row in every if split_of(row["title"]) == split and asked[row["question"].lower()] == 1)
+    return tuple(row for row in every if keep(row["title"]) and asked[row["question"].lower()] == 1)
 
 
-def questions(n: int, seed: int = 0, split: str = "train") -> Iterator[dict[str, str]]:
-    """n question rows {question, answer, title, form} of one split, in a seeded shuffled order."""
+def questions(n: int, seed: int = 0, split: str = "train", draw_seed: int | None = None) -> Iterator[dict[str, str]]:
+    """n question rows {question, answer, title, form} of one split, in a seeded shuffled order: the run's
+    `seed`, or `draw_seed` when given, so that runs of every seed evaluate on the same questions."""
     pool = split_questions(split)
     if n > 0 and not pool:
         raise ValueError(f"the {split} split has no questions")  # cannot happen with the shipped corpus
-    rng = random.Random(seed)
+    rng = random.Random(seed if draw_seed is None else draw_seed)
     emitted = 0
     while emitted < n:
         order = list(range(len(pool)))
