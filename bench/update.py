@@ -53,6 +53,8 @@ async def rollout_batch(spec_path: str) -> tuple[object, list]:
     from factory.tools.stage import ToolsStage
     from factory.types import Placement
 
+    from factory.contract import peers_of
+
     spec, plan = compile_file(spec_path)
     flow = plan.flow("data")
     source, rollout_name = flow[0].src, flow[0].dst
@@ -63,7 +65,7 @@ async def rollout_batch(spec_path: str) -> tuple[object, list]:
     for t in tools.values():
         await t.setup(Placement(workdir=os.getcwd()))
     rollout = RolloutStage(plan.stage(rollout_name).settings)
-    await rollout.setup(Placement(workdir=os.getcwd(), peers=tools))
+    await rollout.setup(Placement(workdir=os.getcwd(), peers=peers_of(plan.edges, rollout_name, tools)))
     try:
         trajs, _ = RolloutStage.merge([await rollout.generate(data.next_batch(spec.train.prompts_per_step))])
     finally:
