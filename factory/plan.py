@@ -85,6 +85,7 @@ class RolloutSettings(Settings):
     threads: int | None
     base_dir: str
     tool_peer: str | None  # the role of its call edge to the tool servers; None: the spec has no tools
+    run_tokens: int = 0  # at most this many tokens sampled over the run (steps and evaluations): `engine: auto` weighs it
 
     def peer_roles(self) -> list[str]:
         return [self.tool_peer] if self.tool_peer else []

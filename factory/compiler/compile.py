@@ -564,6 +564,21 @@ def _compute(num_gpus: float, dtype: str, want_bf16: bool, weights: str = "float
     return Compute(device=stage_device(num_gpus), dtype=dtype, want_bf16=want_bf16, weights=weights)
 
 
+def run_tokens(spec: Spec) -> int:
+    """At most how many tokens a run samples: every training rollout and every evaluation (at step 0,
+    every `train.eval_every` steps and at the end), each at most `max_turns` x `max_new_tokens` and
+    `max_total_tokens`. Held-out rows count as `train.eval_size`, else a generator's `size` (a file's rows
+    are not read here: 0 without eval_size)."""
+    r, t = spec.rollout, spec.train
+    per_rollout = min(r.max_turns * r.max_new_tokens, r.max_total_tokens)
+    rollouts = t.steps * t.prompts_per_step * r.group_size
+    if spec.data.eval is not None:
+        rows = t.eval_size if t.eval_size is not None else spec.data.eval.size if spec.data.eval.generator else 0
+        evals = len({0, t.steps} | ({k for k in range(t.eval_every, t.steps + 1, t.eval_every)} if t.eval_every else set()))
+        rollouts += evals * rows
+    return rollouts * per_rollout
+
+
 def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Sequence[str], train_node: str,
                 required: Mapping[str, str], turns: Sequence[str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     """data -> rollout (<-> tools) -> reward -> update, the eval flow data -> rollout -> reward, and the
@@ -588,7 +603,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
               RolloutSettings(model=spec.model, chat_template=spec.chat_template, rollout=r,
                               compute=_compute(res.rollout.num_gpus, r.dtype, t.bf16_autocast, spec.model.dtype),
                               num_gpus=res.rollout.num_gpus, seed=spec.seed, threads=t.threads, base_dir=base_dir,
-                              tool_peer=tool_peer),
+                              tool_peer=tool_peer, run_tokens=run_tokens(spec)),
               ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
               ("trajectories",) + (("tool_calls",) if spec.tools else ()),
               res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy),

@@ -111,9 +111,46 @@ def vllm_lora_mode(setting: str, device: str) -> str:
     return setting if setting != "auto" else ("serve" if device == "cuda" else "merge")
 
 
+# `engine: auto` on a CPU: vLLM only where its start-up costs less than it saves over the run. Measured on
+# AMD EPYC (Zen 5, 2 cores; bench/engines.py, 2026-12-01): vLLM's engine starts in 10.3-10.8 s (importing
+# vllm alone 6 s) against well under a second for transformers' (whose imports the rollout pays anyway);
+# on a step's rollout it sampled 400 vs 240 tokens/s for the 10M tiny Qwen3 and 88-198 vs 25-29 for the
+# 135M SmolLM2, which saves 1.7e-10 and 2.0e-10 s per sampled token per parameter. Taking the lower saving
+# and ~10 s of start-up, vLLM pays off once tokens x parameters exceeds about 6e10: the tiny spec (~1.5k
+# tokens x 10M) is faster on transformers, the quickstart (~41k tokens x 135M) on vLLM.
+VLLM_EXTRA_START_S = 10.0
+SAVED_S_PER_TOKEN_PARAM = 1.7e-10
+
+
+def auto_prefers_vllm(run_tokens: int, params: int) -> tuple[bool, str]:
+    """Whether `auto` takes vLLM for a CPU run sampling at most `run_tokens` tokens from a model of
+    `params` parameters, and why (the run's `resolved.rollout.engine_reason`)."""
+    saved = run_tokens * params * SAVED_S_PER_TOKEN_PARAM
+    verdict = "more" if saved > VLLM_EXTRA_START_S else "less"
+    return saved > VLLM_EXTRA_START_S, (
+        f"at most {run_tokens} tokens x {params / 1e6:.1f}M parameters: vLLM would save ~{saved:.0f} s of "
+        f"generation, {verdict} than its ~{VLLM_EXTRA_START_S:.0f} s longer start-up")
+
+
+def model_params(model_path: str) -> int:
+    """Parameters of a Hugging Face folder's safetensors, from their headers (nothing is loaded)."""
+    import json
+    import math
+    import struct
+    from pathlib import Path
+
+    total = 0
+    for f in Path(model_path).glob("*.safetensors"):
+        with f.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
 def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, device: str, dtype: str, seed: int,
                 stop_token_ids: Sequence[int] = (), threads: int | None = None, gpus: int = 1,
-                lora: LoraSpec | None = None) -> Engine:
+                lora: LoraSpec | None = None, run_tokens: int | None = None) -> Engine:
     """The generation engine `settings.engine` names, on `device` ("cpu" or "cuda"), with weights in
     `dtype` (a concrete dtype: resolve `auto` with factory.device.resolve_dtype first).
 
@@ -123,11 +160,17 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
     device. `lora` (the rollout's `model.lora`): weight syncs carry adapters (factory.lora.Adapters), which
     vLLM takes as `rollout.vllm_lora` says; each engine says how in `weight_sync`. `auto` tries vLLM and falls back to transformers when vLLM is not installed
     or cannot run this model here (the reason is logged and kept in `engine.fallback_reason`); an
-    explicit `vllm` fails loudly instead."""
+    explicit `vllm` fails loudly instead. On a CPU, given `run_tokens` (at most how many tokens the run
+    samples), `auto` takes transformers where vLLM's start-up would cost more than it saves
+    (`auto_prefers_vllm`; the reason is kept in `engine.choice_reason`)."""
     from factory.rollout.engine_hf import HFEngine
 
     choice = settings.engine
-    fallback = None
+    fallback = reason = None
+    if choice == "auto" and device == "cpu" and run_tokens is not None and vllm_installed():
+        prefers, reason = auto_prefers_vllm(run_tokens, model_params(model_path))
+        if not prefers:
+            choice = "hf"
     if choice in ("auto", "vllm"):
         if not vllm_installed():
             if choice == "vllm":
@@ -138,11 +181,13 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
             from factory.rollout.engine_vllm import VLLMEngine
 
             try:
-                return VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
-                                  max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
-                                  threads=threads, tensor_parallel_size=gpus,
-                                  lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
-                                  lora_rank=lora.r if lora is not None else 0)
+                engine = VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
+                                    max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
+                                    threads=threads, tensor_parallel_size=gpus,
+                                    lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
+                                    lora_rank=lora.r if lora is not None else 0)
+                engine.choice_reason = reason
+                return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers
                 if choice == "vllm":
                     raise
@@ -150,5 +195,5 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
         log.warning("rollout.engine auto: using transformers (%s)", fallback)
     engine = HFEngine(model_path, dtype=dtype, batch_size=settings.batch_size, seed=seed, device=device,
                       stop_token_ids=stop_token_ids, lora=lora)
-    engine.fallback_reason = fallback
+    engine.fallback_reason, engine.choice_reason = fallback, reason
     return engine

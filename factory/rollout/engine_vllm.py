@@ -109,6 +109,7 @@ class VLLMEngine:
         self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
         self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
         self.fallback_reason: str | None = None
+        self.choice_reason: str | None = None  # set by make_engine when `auto` weighed its start-up
         self.batches_run = 0  # engine steps (each one forward over the running batch)
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards the queues below and _running (the event loop and the step thread)

@@ -130,13 +130,16 @@ class RolloutStage(StageActor):
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
                                   stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
-                                  gpus=max(1, int(s.num_gpus)), lora=s.model.lora)
+                                  gpus=max(1, int(s.num_gpus)), lora=s.model.lora,
+                                  run_tokens=s.run_tokens)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
                     "weight_sync": self.engine.weight_sync}
         if self.engine.fallback_reason:
             resolved["engine_fallback"] = self.engine.fallback_reason
+        if self.engine.choice_reason:  # `auto` weighed vLLM's start-up against its saving
+            resolved["engine_reason"] = self.engine.choice_reason
         return {"node": node_id(), "tools": [t["function"]["name"] for t in self.tools.schemas()], "resolved": resolved}
 
     async def generate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0) -> RolloutPart:
