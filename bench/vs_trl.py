@@ -357,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--engines from {sorted(TARGETS)}, --models from {sorted(MODELS)}")
     if a.quick:
         a.repeats, a.steps, a.prompts, a.group_size, a.completion_tokens = 1, 3, 1, 4, 16
-        a.micro_batch, a.models = 4, ["tiny"]
+        a.micro_batch, a.models = 4, a.models[:1]
     if (a.prompts * a.group_size) % a.micro_batch:
         parser.error("prompts x group size must be a multiple of the micro-batch")
     return a
