@@ -61,7 +61,7 @@ def test_the_cli_exits_3_with_the_cause(monkeypatch, capsys):
     from factory.commands import cli
     from factory.runtime import driver
 
-    def down(plan, resume=None):
+    def down(plan, resume=None, **_):
         raise InfraFailure("step 1: 8 of 8 trajectories failed from infrastructure: judge j: ConnectError (8)")
 
     monkeypatch.setattr(driver, "run", down)

@@ -242,6 +242,30 @@ def sample(vllm, step: int, rng: random.Random) -> list[Trajectory]:
                        row={}, reward=float(k % 2) + rng.random() * 0.1) for k, o in enumerate(outs)]
 
 
+def test_an_error_on_the_step_thread_fails_the_waiting_requests_at_once(vllm, monkeypatch):
+    """`has_unfinished_requests` raising ended the step thread and left it marked running: every request,
+    then and later, waited forever. Now the waiting ones fail at once, and the next request runs."""
+    real = vllm.engine.has_unfinished_requests
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:  # in the loop, after the first step was added
+            raise RuntimeError("engine core died")
+        return real()
+
+    monkeypatch.setattr(vllm.engine, "has_unfinished_requests", flaky)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="engine core died"):
+            await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=8, sampling=GREEDY), 30)
+        return await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=4, sampling=GREEDY), 30)
+
+    assert 1 <= len(asyncio.run(go()).ids) <= 4
+
+
+# Last in this module: it builds a second vLLM engine in this process, and vLLM's parallel groups are
+# process-global -- when that engine goes, the module's engine can no longer step.
 def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_path, local_ray):
     """The loop above with `model.lora`: the learner trains adapters only and a sync sends only them
     (factory.lora.Adapters); vLLM merges them into its weights (rollout.vllm_lora: merge) or serves them as
@@ -286,25 +310,3 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
     finally:
         ray.kill(update)
         vllm.load_weights(base)
-
-
-def test_an_error_on_the_step_thread_fails_the_waiting_requests_at_once(vllm, monkeypatch):
-    """`has_unfinished_requests` raising ended the step thread and left it marked running: every request,
-    then and later, waited forever. Now the waiting ones fail at once, and the next request runs."""
-    real = vllm.engine.has_unfinished_requests
-    calls = {"n": 0}
-
-    def flaky():
-        calls["n"] += 1
-        if calls["n"] == 2:  # in the loop, after the first step was added
-            raise RuntimeError("engine core died")
-        return real()
-
-    monkeypatch.setattr(vllm.engine, "has_unfinished_requests", flaky)
-
-    async def go():
-        with pytest.raises(RuntimeError, match="engine core died"):
-            await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=8, sampling=GREEDY), 30)
-        return await asyncio.wait_for(vllm.generate([IM_START, 872, NL], max_new_tokens=4, sampling=GREEDY), 30)
-
-    assert 1 <= len(asyncio.run(go()).ids) <= 4
