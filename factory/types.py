@@ -75,6 +75,13 @@ class Trajectory:
     completion: str = ""  # decoded response, model and tool tokens, for rewards and logs
     rewards: dict[str, float | None] = field(default_factory=dict)  # value of every reward node
     reward: float = 0.0  # the value of the training node
+    # Nodes with one value per model turn (`per: turn`, and the combinators that read one): node -> a value
+    # per turn, None where it has none (a gate did not evaluate it there; a drop). Their `rewards` entry is
+    # the mean over the turns that have a value.
+    turn_rewards: dict[str, list[float | None]] = field(default_factory=dict)
+    # The training node's value at each model turn (missing = 0.0, as `reward`), when it is per turn; empty
+    # when it is trajectory-level. What `algorithm.credit: turn` assigns to each turn.
+    turn_reward: list[float] = field(default_factory=list)
     # Per reward node, when there is something to say: {"status": ok | missing | error | parse_failure |
     # non_finite (inf or NaN: no value) |
     # skipped, "reply": a judge's raw reply, "error": what failed}.

@@ -378,7 +378,8 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
     for name, node in spec.rewards.items():
         if not isinstance(node, FnNode):
             continue
-        fn = r.imported(f"rewards.{name}.fn", node.fn, lambda f: reward_problem(f, node.fn, node.args, node.group))
+        fn = r.imported(f"rewards.{name}.fn", node.fn, lambda f: reward_problem(f, node.fn, node.args, node.group,
+                                                                                 node.per == "turn"))
         if fn is None:
             continue
         fns[name] = fn
@@ -409,6 +410,18 @@ def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:
                 r.error(f"{path}.parse", f"not a regular expression: {e}")
 
 
+def _check_per_turn(nodes: dict[str, Any], r: _Report) -> None:
+    """A `normalize` node standardises one value per trajectory over a group or batch: it cannot read a
+    node with one value per turn (which turn would it compare?)."""
+    from factory.reward.graph import per_turn_nodes
+
+    per_turn = per_turn_nodes(nodes)
+    for name, node in nodes.items():
+        if isinstance(node, NormalizeNode) and node.normalize in per_turn:
+            r.error(f"rewards.{name}.normalize", f"'{node.normalize}' has one value per model turn (per: turn); "
+                                                 "normalize standardises one value per trajectory")
+
+
 def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[str], str | None, dict[str, str]]:
     """Undefined inputs, cycles, the training node and metrics; returns (order, training node, metrics)."""
     nodes = spec.rewards
@@ -426,6 +439,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
     order: list[str] = []
     try:
         order = list(graphlib.TopologicalSorter(graph).static_order())
+        _check_per_turn(nodes, r)
     except graphlib.CycleError as e:
         # CycleError lists nodes each a predecessor (an input) of the next; reversed, each node reads
         # the next one, which is how the spec is written: `a: {sum: {b: 1}}` is `a --> b`.

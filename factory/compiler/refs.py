@@ -53,16 +53,20 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
     return None
 
 
-def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool) -> str | None:
+def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool,
+                   per_turn: bool = False) -> str | None:
     """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
     completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword, and `turns`
-    when it declares it."""
+    when it declares it; a per-turn one also `turn` and `index` by keyword."""
     if group:
         from factory.reward.graph import takes_turns
 
         turns = {"turns": []} if takes_turns(fn) else {}
         return _bind_problem(fn, ref, ("prompts", "completions", "rows"), {**turns, **args},
                              "f(prompts, completions, rows)", row_keywords=False)
+    if per_turn:
+        return _bind_problem(fn, ref, ("prompt", "completion"), {"turn": None, "index": 0, **args},
+                             "f(prompt, turn_text, turn=..., index=..., **row)", row_keywords=True)
     return _bind_problem(fn, ref, ("prompt", "completion"), args, "f(prompt, completion, **row)",
                          row_keywords=True)
 

@@ -23,6 +23,7 @@ from factory.schema import (
     JudgeNode,
     MaxNode,
     MinNode,
+    NormalizeNode,
     ProductNode,
     Spec,
     SumNode,
@@ -65,10 +66,10 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
     """Data columns the reward functions cannot do without: column -> the node that needs it. `fns`: each
     function node's function, as the compiler imported it (default: imported here).
 
-    A reward function is called as `fn(prompt, completion, **row, **args)` (plus `turns` when it asks),
-    so every other parameter that has no default and is not bound by the node's `args` must come from
-    the row; its `answer` is the row's `data.answer_key` column. The data stage checks every row for them
-    before the first step."""
+    A reward function is called as `fn(prompt, completion, **row, **args)` (plus `turns` when it asks; a
+    per-turn one also gets `turn` and `index`), so every other parameter that has no default and is not
+    bound by the node's `args` must come from the row; its `answer` is the row's `data.answer_key` column.
+    The data stage checks every row for them before the first step."""
     needed: dict[str, str] = {}
     for name, node in spec.rewards.items():
         if not isinstance(node, FnNode) or node.group:
@@ -80,10 +81,38 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
             continue
         for p in params:
             if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                    and p.name not in node.args and p.name != "turns"):
+                    and p.name not in node.args and p.name not in _passed(node)):
                 column = spec.data.answer_key if p.name == "answer" else p.name
                 needed.setdefault(column, f"rewards.{name}")
     return needed
+
+
+def per_turn_nodes(nodes: Mapping[str, Any]) -> set[str]:
+    """The nodes with one value per model turn: function nodes with `per: turn`, and every combinator or
+    gate that reads one, directly or not (a trajectory-level input counts at every turn there). A
+    `normalize` node never is one: the compiler refuses one that reads a per-turn node."""
+    out = {name for name, node in nodes.items() if isinstance(node, FnNode) and node.per == "turn"}
+    changed = True
+    while changed:  # to a fixed point: a chain of readers is found whatever the nodes' order
+        changed = False
+        for name, node in nodes.items():
+            if (name not in out and not isinstance(node, (*LEAVES, NormalizeNode))
+                    and any(inp in out for inp in node_inputs(node))):
+                out.add(name)
+                changed = True
+    return out
+
+
+def turn_mean(values: list[float | None]) -> float | None:
+    """A per-turn node's value for the whole trajectory: the mean over the turns that have a value (None
+    when none has: no turns, or a gate evaluated it nowhere)."""
+    present = [v for v in values if v is not None]
+    return math.fsum(present) / len(present) if present else None
+
+
+def _passed(node: FnNode) -> tuple[str, ...]:
+    """The keyword arguments the reward stage passes besides the row (never data columns)."""
+    return ("turns", "turn", "index") if node.per == "turn" else ("turns",)
 
 
 def roots(nodes: dict[str, Any], train: str) -> list[str]:
@@ -184,22 +213,36 @@ def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values) if values else float("nan")
 
 
+def statuses(t: Trajectory, name: str) -> list[str]:
+    """What happened to node `name` on trajectory t: one status per turn for a per-turn node whose details
+    say turn by turn, else one (`ok` when nothing was recorded)."""
+    detail = t.reward_details.get(name, {})
+    if "turns" in detail:
+        return [d.get("status", "ok") for d in detail["turns"]]
+    return [detail.get("status", "ok")]
+
+
 def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -> dict[str, float]:
     """The metrics of scored trajectories, computed from their records alone (so a step scored in several
     calls, an eval batch and a rescored run all follow one rule):
 
-    `rewards/<node>/mean` over kept trajectories where the node has a value; for function, judge and tool
-    nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
+    `rewards/<node>/mean` over kept trajectories where the node has a value (a per-turn node's value: the
+    mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
     `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
     inf or NaN, taken as none); for judges `/calls` (requests
     made); for nodes a gate may leave out `/skipped` (not evaluated); `reward/mean` over kept trajectories;
-    `reward/dropped` (trajectories a `drop_sample` node took out)."""
+    `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
+    and its `/turn_mean` is the mean over every turn of the kept trajectories that has a value."""
     kept = [t for t in trajs if t.dropped is None]
     gated = conditional(nodes, train)
+    t_nodes = per_turn_nodes(nodes)
     out: dict[str, float] = {}
     for name, node in nodes.items():
         out[f"rewards/{name}/mean"] = _mean([v for t in kept if (v := t.rewards.get(name)) is not None])
-        status = [t.reward_details.get(name, {}).get("status", "ok") for t in trajs]
+        status = [s for t in trajs for s in statuses(t, name)]
+        if name in t_nodes:
+            out[f"rewards/{name}/turn_mean"] = _mean([v for t in kept for v in t.turn_rewards.get(name, ())
+                                                      if v is not None])
         if isinstance(node, LEAVES):
             out[f"rewards/{name}/missing"] = float(sum(s in MISSING for s in status))
             out[f"rewards/{name}/non_finite"] = float(status.count("non_finite"))

@@ -1,7 +1,7 @@
 """The reward stage: evaluates the spec's reward graph for every trajectory.
 
-One `score(trajs)` call computes each (node, trajectory) value at most once, on demand, as an asyncio
-task: the roots (the training node and every node nothing reads) are asked for on every trajectory, and
+One `score(trajs)` call computes each (node, trajectory) value -- each (node, trajectory, turn) value for
+a per-turn node -- at most once, on demand, as an asyncio task: the roots (the training node and every node nothing reads) are asked for on every trajectory, and
 each node asks for its inputs. So independent nodes and all trajectories run concurrently -- python
 functions in a thread pool, async functions, judge requests and tool calls on the event loop -- and a
 gate asks for its `then` node only where its condition passes. A function, judge or tool without a value
@@ -34,10 +34,12 @@ from factory.reward.graph import (
     gate_passes,
     node_inputs,
     parse_score,
+    per_turn_nodes,
     prompt_text,
     reward_metrics,
     roots,
     standardize,
+    turn_mean,
 )
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
@@ -60,6 +62,7 @@ class RewardStage(StageActor):
         self.settings = settings
         self.nodes = dict(settings.rewards)
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
+        self.per_turn = per_turn_nodes(self.nodes)  # a pure function of the nodes the slice holds
         self._max_workers = max_workers
         self._base_dir = Path(settings.base_dir)
         self._pool: ThreadPoolExecutor | None = None
@@ -162,8 +165,10 @@ class _Evaluation:
 
     async def run(self) -> None:
         try:
-            await asyncio.gather(*(self.value(n, i) for n in roots(self.s.nodes, self.s.train_node)
-                                   for i in range(len(self.trajs))))
+            await asyncio.gather(*(self.value(n, i) if n not in self.s.per_turn else self.turn_value(n, i, k)
+                                   for n in roots(self.s.nodes, self.s.train_node)
+                                   for i in range(len(self.trajs))
+                                   for k in ([None] if n not in self.s.per_turn else range(len(self.trajs[i].turns)))))
         finally:  # after a `fail`, nothing may keep running
             pending = [t for t in self.tasks.values() if not t.done()]
             for task in pending:
@@ -181,6 +186,37 @@ class _Evaluation:
         """Node `name`'s value on trajectory i (float, or None: dropped)."""
         return self._memo((name, i), lambda: self._compute(name, i))
 
+    def turn_value(self, name: str, i: int, k: int) -> asyncio.Future:
+        """Per-turn node `name`'s value at turn k of trajectory i (float, or None: dropped)."""
+        return self._memo((name, i, k), lambda: self._compute_turn(name, i, k))
+
+    def at(self, name: str, i: int, k: int) -> asyncio.Future:
+        """Node `name`'s value where turn k of trajectory i reads it: its own at that turn for a per-turn
+        node, the trajectory's for a trajectory-level one (the same at every turn)."""
+        return self.turn_value(name, i, k) if name in self.s.per_turn else self.value(name, i)
+
+    async def _compute_turn(self, name: str, i: int, k: int) -> float | None:
+        node = self.s.nodes[name]
+        if isinstance(node, LEAVES):  # a function node with `per: turn` (the schema allows no other leaf)
+            return self._settle(name, i, await self._leaf(name, node, i, k), k)
+        if isinstance(node, GateNode):  # per turn: the condition decides turn by turn
+            condition = await self.at(node.gate, i, k)
+            if condition is None:
+                return None
+            return await self.at(node.then, i, k) if gate_passes(node, condition) else node.otherwise
+        return self._combined(name, node, i, list(await asyncio.gather(*(self.at(n, i, k) for n in node_inputs(node)))), k)
+
+    def _combined(self, name: str, node: Any, i: int, values: list[float | None], k: int | None = None) -> float | None:
+        if any(v is None for v in values):
+            return None
+        value = combine(node, values)
+        if not math.isfinite(value):  # finite inputs, so the weights or the sizes overflow: the spec's to fix
+            t = self.trajs[i]
+            raise NonFiniteReward(f"reward node '{name}' is {value!r} for trajectory {t.prompt_index}."
+                                  f"{t.sample_index}{_turn(k)} from finite inputs {dict(zip(node_inputs(node), values))}: "
+                                  "its weights or its inputs' sizes overflow a float")
+        return value
+
     async def _compute(self, name: str, i: int) -> float | None:
         node = self.s.nodes[name]
         if isinstance(node, LEAVES):
@@ -194,29 +230,20 @@ class _Evaluation:
             scope = (tuple(self.groups[self.trajs[i].prompt_index]) if node.over == "group"
                      else tuple(range(len(self.trajs))))
             return (await self._memo((name, scope), lambda: self._normalized(node, scope)))[i]
-        values = await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))
-        if any(v is None for v in values):
-            return None
-        value = combine(node, list(values))
-        if not math.isfinite(value):  # finite inputs, so the weights or the sizes overflow: the spec's to fix
-            t = self.trajs[i]
-            raise NonFiniteReward(f"reward node '{name}' is {value!r} for trajectory {t.prompt_index}."
-                                  f"{t.sample_index} from finite inputs {dict(zip(node_inputs(node), values))}: "
-                                  "its weights or its inputs' sizes overflow a float")
-        return value
+        return self._combined(name, node, i, list(await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))))
 
     async def _normalized(self, node: NormalizeNode, scope: tuple[int, ...]) -> dict[int, float | None]:
         values = await asyncio.gather(*(self.value(node.normalize, j) for j in scope))
         return dict(zip(scope, standardize(list(values))))
 
-    def _settle(self, name: str, i: int, out: _Outcome) -> float | None:
-        """Record a leaf's outcome and apply its `on_missing`. A value from outside that is not finite (a
+    def _settle(self, name: str, i: int, out: _Outcome, k: int | None = None) -> float | None:
+        """Record a leaf's outcome (at turn k for a per-turn node) and apply its `on_missing`. A value from outside that is not finite (a
         function's inf or NaN, a judge's `{"score": NaN}`, a tool's "inf") is no value: one such number
         would reach the advantages, then every weight."""
         if out.value is not None and not math.isfinite(out.value):
             out = _Outcome(None, "non_finite", {**out.detail, "error": f"the value is not finite: {out.value!r}"})
         if out.status != "ok" or out.detail:
-            self.details[(name, i)] = {"status": out.status, **out.detail}
+            self.details[(name, i) if k is None else (name, i, k)] = {"status": out.status, **out.detail}
         if out.value is not None:
             return out.value
         node = self.s.nodes[name]
@@ -224,16 +251,18 @@ class _Evaluation:
         if node.on_missing == "zero":
             return 0.0
         if node.on_missing == "drop_sample":
-            self.dropped.setdefault(i, f"rewards.{name}: {reason}")
+            self.dropped.setdefault(i, f"rewards.{name}{_turn(k)}: {reason}")
             return None
         t = self.trajs[i]
-        raise MissingReward(f"reward node '{name}' has no value for trajectory {t.prompt_index}.{t.sample_index} "
-                            f"and its on_missing is 'fail': {reason}")
+        raise MissingReward(f"reward node '{name}' has no value for trajectory {t.prompt_index}.{t.sample_index}"
+                            f"{_turn(k)} and its on_missing is 'fail': {reason}")
 
     # ---------------------------------------------------------------------------------------- leaves
-    async def _leaf(self, name: str, node: Any, i: int) -> _Outcome:
+    async def _leaf(self, name: str, node: Any, i: int, k: int | None = None) -> _Outcome:
         start = time.perf_counter()
         try:
+            if k is not None:
+                return await self._fn(name, i, k)
             if isinstance(node, FnNode):
                 if node.group:
                     pid = self.trajs[i].prompt_index
@@ -246,12 +275,17 @@ class _Evaluation:
             first, _ = self.spans.get(name, (start, start))
             self.spans[name] = (min(first, start), time.perf_counter())
 
-    async def _fn(self, name: str, i: int) -> _Outcome:
+    async def _fn(self, name: str, i: int, k: int | None = None) -> _Outcome:
+        """A function node's outcome on trajectory i; at its turn k for a per-turn node, called with that
+        turn's text as the completion and the turn itself (ours win over row columns of the same name)."""
         fn, wants_turns = self.s._fns[name]
         t = self.trajs[i]
         kwargs = {**t.row, "turns": t.turns} if wants_turns else t.row
+        completion = t.completion
+        if k is not None:
+            kwargs, completion = {**kwargs, "turn": t.turns[k], "index": k}, t.turns[k].text
         try:
-            return _outcome(await self._in_time(name, self.s.call(fn, prompt_text(t.messages), t.completion, **kwargs)))
+            return _outcome(await self._in_time(name, self.s.call(fn, prompt_text(t.messages), completion, **kwargs)))
         except Exception as e:  # a user's reward function may raise anything
             return _failed(e)
 
@@ -321,8 +355,11 @@ class _Evaluation:
     # ---------------------------------------------------------------------------------------- record
     def _record(self) -> None:
         for i, t in enumerate(self.trajs):
-            t.rewards, t.reward_details = {}, {}
+            t.rewards, t.reward_details, t.turn_rewards, t.turn_reward = {}, {}, {}, []
             for name in self.s.order:
+                if name in self.s.per_turn:
+                    self._record_turns(name, i, t)
+                    continue
                 task = self.tasks.get((name, i))
                 if task is None:  # a gate did not ask for it here
                     t.rewards[name] = None
@@ -334,10 +371,34 @@ class _Evaluation:
             t.dropped = self.dropped.get(i)
             value = t.rewards[self.s.train_node]
             t.reward = 0.0 if value is None else float(value)
+            if self.s.train_node in self.s.per_turn:
+                t.turn_reward = [0.0 if v is None else float(v) for v in t.turn_rewards[self.s.train_node]]
         failed: dict[str, list[str]] = {}
-        for (name, _), d in self.details.items():
+        for (name, *_), d in self.details.items():
             if d["status"] != "ok":
                 failed.setdefault(name, []).append(d.get("error", d["status"]))
         for name, errors in failed.items():  # one line per node, not one per trajectory
-            log.warning("reward node %s: no value for %d of %d trajectories (first: %s)", name, len(errors),
-                        len(self.trajs), errors[0])
+            log.warning("reward node %s: no value for %d of %d %s (first: %s)", name, len(errors),
+                        len(self.trajs), "trajectories" if name not in self.s.per_turn else "trajectories' turns",
+                        errors[0])
+
+    def _record_turns(self, name: str, i: int, t: Trajectory) -> None:
+        """A per-turn node's values on trajectory i, turn by turn (None where a gate did not ask for it), its
+        trajectory value (the mean over its turns) and, when some turn has something to say, the details of
+        every turn."""
+        values, details = [], []
+        for k in range(len(t.turns)):
+            task = self.tasks.get((name, i, k))
+            values.append(None if task is None else task.result())
+            details.append({"status": "skipped"} if task is None else self.details.get((name, i, k), {}))
+        t.turn_rewards[name] = values
+        t.rewards[name] = turn_mean(values)
+        if any(details):
+            first = next(d for d in details if d)
+            t.reward_details[name] = {"status": first.get("status", "ok"), "turns": details,
+                                      **({"error": first["error"]} if "error" in first else {})}
+
+
+def _turn(k: int | None) -> str:
+    """Where a message about a per-turn value says which turn."""
+    return "" if k is None else f" (turn {k})"

@@ -178,6 +178,7 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             "step": step, "prompt_index": t.prompt_index, "sample_index": t.sample_index,
             "prompt": json.dumps(t.messages, ensure_ascii=False), "completion": t.completion,
             "reward": t.reward, "rewards": json.dumps(t.rewards, sort_keys=True),
+            "turn_rewards": json.dumps(t.turn_rewards, sort_keys=True),  # per-turn nodes: a value per turn
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
             "infra_error": t.infra_error, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "loss_mask": t.loss_mask, "sampler_logprobs": t.sampler_logprobs,
