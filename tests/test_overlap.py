@@ -430,14 +430,18 @@ class Stuck(StageActor):
 def test_a_stage_that_never_answers_fails_the_run_naming_it_and_what_it_did(local_ray):
     from factory.runtime.deadlines import Deadlines, StageTimeout
 
-    stuck = Group(Stage("update", "test", "tests.test_overlap:Stuck", None, (), ()), Stuck, [ray.remote(Stuck).remote()],
+    # Both actors are up before the 1 s deadlines start: on a loaded machine a worker process alone takes
+    # longer to start, and the rollout's first group would then arrive after its deadline.
+    actors = [ray.remote(Stuck).remote() for _ in range(2)]
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    stuck = Group(Stage("update", "test", "tests.test_overlap:Stuck", None, (), ()), Stuck, [actors[0]],
                   deadlines=Deadlines(limit_s=1.0))
     t0 = time.monotonic()
     with pytest.raises(StageTimeout, match=r"stage 'update' did not answer step \(step 3\) within 1 s "
                                            r"\(train.stage_timeout_s\); waited 1 s"):
         stuck.call("step", [], step=3)
     rollout = Group(Stage("rollout", "test", "tests.test_overlap:Stuck", None, (), ()), Stuck,
-                    [ray.remote(Stuck).remote()], deadlines=Deadlines(limit_s=1.0))
+                    [actors[1]], deadlines=Deadlines(limit_s=1.0))
     with pytest.raises(StageTimeout, match=r"stage 'rollout' did not answer generate \(step 2\) .*its last "
                                            r"progress: 1 groups done"):
         rollout.stream("generate", pa.table({"i": [0, 1]}), on_part=lambda _: None, step=2)
