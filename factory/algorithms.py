@@ -1,7 +1,7 @@
 """RL algorithms as pure tensor functions, chosen by name from small registries.
 
 Four registries hold the pieces (verl core_algos style): ADVANTAGES turn one reward per sample into one
-advantage per sample, POLICY_LOSSES turn log-probs into a per-token loss, AGGREGATIONS turn per-token
+advantage per sample (`turn_advantages` applies one per model turn, for `credit: turn`), POLICY_LOSSES turn log-probs into a per-token loss, AGGREGATIONS turn per-token
 values into the one number to backprop, KL_ESTIMATORS estimate KL(policy || reference) per token.
 PRESETS name the published combinations (grpo, dapo, gspo, ...); `resolve` merges a preset with what a
 spec sets explicitly into a frozen `Algorithm`, and `policy_objective` computes one micro-batch's loss.
@@ -126,7 +126,50 @@ def mean_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -
     return rewards - rewards.mean()
 
 
+# ----------------------------------------------------------------------------------- turn credit
+def discounted_turn_returns(rewards: Tensor, gamma: float) -> Tensor:
+    """[K] each turn's return from its turn rewards [K]: the discounted mean of the rewards from that turn
+    on, G_k = sum_{j>=k} gamma^(j-k) r_j / sum_{j>=k} gamma^(j-k).
+
+    The discounted return of RL (Sutton & Barto, ch. 3), divided by the sum of its weights: a turn's
+    reward here is a rate that the reward graph defines per turn (a trajectory-level node counts at every
+    turn), so the return keeps its scale whatever the number of turns left. gamma = 1: the mean of this
+    and later turns (G_0 is the trajectory's reward, the mean over its turns); gamma = 0: r_k alone."""
+    out = torch.empty_like(rewards)  # [K]
+    num = den = 0.0
+    for k in range(rewards.numel() - 1, -1, -1):  # K is a handful of turns: a plain backward scan
+        num, den = rewards[k] + gamma * num, 1.0 + gamma * den
+        out[k] = num / den
+    return out
+
+
+def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: float, advantage: str,
+                    eps: float) -> list[Tensor]:
+    """One advantage per model turn ([K_i] per trajectory i) from each turn's reward ([K_i] each; N in all).
+
+    Each turn's return (`discounted_turn_returns`) is standardised by the advantage estimator `advantage`
+    (grpo: (G - mean) / std, ...) among the turns at the same position k of the same group's trajectories:
+    group-relative advantages (GRPO, Shao et al. 2024) taken per step, as GiGPO's step-level groups (Feng
+    et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training", arXiv:2505.10978), whose anchor
+    states -- the same environment state reached by several trajectories -- are here the same turn of the
+    same prompt (the states themselves are not compared). A position that only one trajectory of a group
+    reached has no comparison: advantage 0, as a group of one."""
+    lengths = [int(r.numel()) for r in turn_rewards]
+    if not sum(lengths):
+        return [r.new_zeros(0) for r in turn_rewards]
+    returns = torch.cat([discounted_turn_returns(r, gamma) for r in turn_rewards])  # [sum K]
+    position = torch.cat([torch.arange(k) for k in lengths])  # [sum K] turn index within its trajectory
+    group = torch.repeat_interleave(group_ids, torch.tensor(lengths))  # [sum K] the trajectory's group
+    _, cell = torch.unique(torch.stack([group, position], 1), dim=0, return_inverse=True)  # (group, position)
+    return list(torch.split(ADVANTAGES[advantage](returns, cell, eps=eps), lengths))
+
+
 # ------------------------------------------------------------------------------------ policy losses
+def _per_token(advantages: Tensor) -> Tensor:
+    """[N, 1]: one advantage per sequence, broadcast over its tokens; or [N, T] as given (turn credit)."""
+    return advantages[:, None] if advantages.dim() == 1 else advantages
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp(min=1.0)
@@ -153,7 +196,7 @@ def _clipped(ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, clip_l
             "approx_kl": _masked_mean(torch.expm1(lr) - lr, mask),  # k3 of KL(old||new): r - 1 - log r
         }
     if dual_clip_c is not None:
-        bound = -adv * dual_clip_c  # [N, 1] = c*|A| where A < 0
+        bound = -adv * dual_clip_c  # [N, 1] or [N, T] = c*|A| where A < 0
         with torch.no_grad():
             stats["clip_frac_dual"] = _masked_mean(((adv < 0) & (loss > bound)).to(ratio.dtype), mask)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
@@ -165,7 +208,7 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual
     """PPO-clip with asymmetric bounds [1-clip_low, 1+clip_high] (DAPO clip-higher); dual clip when
     dual_clip_c is set."""
     lr = _log_ratio(logp, old_logp, mask)  # [N, T]
-    return _clipped(lr.exp(), lr, advantages[:, None], mask, clip_low, clip_high, dual_clip_c)
+    return _clipped(lr.exp(), lr, _per_token(advantages), mask, clip_low, clip_high, dual_clip_c)
 
 
 @POLICY_LOSSES.register("dual_clip")
@@ -186,7 +229,7 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_cli
     seq_lr = (lr * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [N]
     lp = torch.where(mask.bool(), logp, 0.0)  # padding (even -inf) out, else -inf - -inf = nan there
     tok_lr = seq_lr.detach()[:, None] + lp - lp.detach()  # [N, T] value = seq_lr, grad = d logp
-    loss, stats = _clipped(tok_lr.exp(), tok_lr, advantages[:, None], mask, clip_low, clip_high, dual_clip_c)
+    loss, stats = _clipped(tok_lr.exp(), tok_lr, _per_token(advantages), mask, clip_low, clip_high, dual_clip_c)
     stats["approx_kl"] = _masked_mean(torch.expm1(lr.detach()) - lr.detach(), mask)  # token-level, as the others
     return loss, stats
 
@@ -197,7 +240,7 @@ def cispo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_cl
     not the update, keeps the gradient of every token (PPO-clip drops clipped ones). clip_low >= 1
     means no lower bound (the paper's setting; TRL's epsilon_high = 1 + clip_high)."""
     lr = _log_ratio(logp, old_logp, mask)  # [N, T]
-    ratio, adv = lr.exp().detach(), advantages[:, None]
+    ratio, adv = lr.exp().detach(), _per_token(advantages)
     weight = ratio.clamp(min=max(0.0, 1 - clip_low), max=1 + clip_high)  # [N, T] stop-grad
     loss = -weight * adv * torch.where(mask.bool(), logp, 0.0)
     with torch.no_grad():  # here every clipped weight counts, whatever the sign of A: all still train

@@ -54,6 +54,8 @@ class Algorithm:
     rollout_correction: str | None = None  # "tis", or None for no correction
     rollout_correction_cap: float = 2.0
     use_rollout_logprobs: bool = False
+    credit: str = "trajectory"  # trajectory | turn: one advantage per trajectory, or per model turn
+    gamma: float = 1.0  # credit "turn": discount of later turns in a turn's return
 
     @property
     def needs_reference(self) -> bool:
@@ -119,7 +121,7 @@ def resolve(spec: Any) -> Algorithm:
         overlong_buffer=spec.overlong.buffer, overlong_penalty=spec.overlong.penalty, std_eps=spec.std_eps,
         rollout_correction=spec.rollout_correction.kind if spec.rollout_correction else None,
         rollout_correction_cap=spec.rollout_correction.cap if spec.rollout_correction else 2.0,
-        use_rollout_logprobs=spec.use_rollout_logprobs,
+        use_rollout_logprobs=spec.use_rollout_logprobs, credit=spec.credit, gamma=spec.gamma,
     )
     _check(alg)
     return alg

@@ -404,6 +404,23 @@ class AlgorithmSpec(Section):
     forward pass over the whole batch before the first update; with a single update there is no such
     pass to skip, and the ratio pi/pi_rollout then also carries the engine/learner mismatch, which the
     clip bounds (verl's rollout-correction bypass mode; slime's --use-rollout-logprobs)."""
+    credit: Literal["trajectory", "turn"] = "trajectory"
+    """Who gets the credit. trajectory: one advantage per trajectory, on all of its model tokens (from the
+    trained reward; a per-turn training node's is the mean over its turns). turn: one advantage per model
+    turn, on that turn's tokens: each turn's return (the discounted mean of the trained node's values from
+    that turn on, see `gamma`) standardised by `advantage` among the group's trajectories at the same turn
+    position (factory.algorithms.turn_advantages; docs/algorithms.md#turn-level-credit). A trajectory-level
+    training node counts at every turn."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """credit: turn only: the discount of later turns in a turn's return. 1: the mean of this and every
+    later turn's value (turn 0's return is then the trajectory's reward); 0: the turn's own value only."""
+
+    @model_validator(mode="after")
+    def _gamma_needs_turn_credit(self) -> AlgorithmSpec:
+        if "gamma" in self.model_fields_set and self.credit != "turn":
+            raise ValueError("`gamma` discounts later turns' rewards under `credit: turn`; with credit "
+                             f"'{self.credit}' nothing reads it")
+        return self
 
 
 # ------------------------------------------------------------------------------------------- rollout

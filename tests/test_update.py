@@ -14,7 +14,7 @@ import torch
 from factory.assets import resolve_model
 from factory.compiler.compile import stage_settings
 from factory.schema import Spec
-from factory.types import Trajectory
+from factory.types import Trajectory, Turn
 from factory.update import Learner
 
 
@@ -547,3 +547,40 @@ def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
     good.step(trajs)
     good.step(_with_sampler_logprobs(good, batch(seed=23)))
     assert good.non_finite_steps == 0
+
+
+# ------------------------------------------------------------------------ turn credit (algorithm.credit)
+def with_turns(trajs, split):
+    """`batch()`'s trajectories (2 model tokens, a 2-token tool response, the rest model tokens) as two turns
+    (`split`) or one turn holding every model token; per-turn rewards that differ within each group."""
+    out = []
+    for t in trajs:
+        model = sum(t.loss_mask)
+        turns = [Turn(text="", num_tokens=2), Turn(text="", num_tokens=model - 2)] if split else [Turn(text="", num_tokens=model)]
+        values = [t.reward, float(t.sample_index % 3)] if split else []
+        out.append(replace(t, turns=turns, turn_reward=values, reward=sum(values) / 2 if split else t.reward))
+    return out
+
+
+def test_one_turn_trajectories_train_bit_for_bit_the_same_under_both_credits(small_path, learners):
+    """With one turn per trajectory a turn's advantage is its trajectory's, spread over the same tokens:
+    the per-token path ([n, Rmax]) must give exactly the update of the per-row one ([n]), weight for weight."""
+    trajs = with_turns(batch(seed=3), split=False)
+    deltas = {}
+    for credit in ("trajectory", "turn"):
+        learner = learners(make_spec(small_path, algorithm={"credit": credit}))
+        deltas[credit], stats = one_step_delta(learner, trajs)
+    assert max(float(v.abs().max()) for v in deltas["trajectory"].values()) > 0
+    for k, v in deltas["trajectory"].items():
+        assert torch.equal(v, deltas["turn"][k]), k
+
+
+def test_turn_credit_trains_each_turn_on_its_own_advantage(small_path, learners):
+    trajs = with_turns(batch(seed=4), split=True)
+    learner = learners(make_spec(small_path, algorithm={"credit": "turn", "gamma": 0.0}))
+    delta, stats = one_step_delta(learner, trajs)
+    assert max(float(v.abs().max()) for v in delta.values()) > 0 and stats["actor/updates"] == 1
+    assert stats["actor/advantage_abs_mean"] > 0 and stats["actor/zero_adv_groups"] == 0
+    # the same batch under trajectory credit moves the weights differently
+    other, _ = one_step_delta(learners(make_spec(small_path)), trajs)
+    assert any(not torch.equal(v, other[k]) for k, v in delta.items())

@@ -31,6 +31,54 @@ def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Ten
     return rewards + overlong_penalty(lengths, max_len, alg.overlong_buffer, alg.overlong_penalty).float()
 
 
+def turn_rewards(trajs: list[Trajectory], shaped: Tensor) -> list[Tensor]:
+    """[K_i] per trajectory: the trained reward at each of its model turns, for `credit: turn`. A per-turn
+    training node gives its own values (`turn_reward`); a trajectory-level one counts at every turn. What
+    shaping added to the trajectory's reward (`shaped` [N] - reward: the overlong penalty, a KL penalty)
+    counts at every turn too, so a turn's reward is shaped as the trajectory's is (its turn mean moves by
+    exactly that)."""
+    # built as shaped_rewards builds the rewards, so the shift is exactly 0 where nothing was added
+    shift = shaped - torch.tensor([float(t.reward) for t in trajs], dtype=shaped.dtype)  # [N]
+    out = []
+    for t, d in zip(trajs, shift):
+        values = t.turn_reward if t.turn_reward else [float(t.reward)] * len(t.turns)
+        out.append(torch.tensor(values, dtype=shaped.dtype) + d)  # [K]
+    return out
+
+
+def turn_of_tokens(loss_mask: list[int], turn_tokens: list[int]) -> list[int]:
+    """The model turn each response token belongs to, -1 on tool/template tokens: the mask's 1s are the
+    turns' generated tokens in order (the rollout appends each turn's ids as generated), turn k holding
+    `turn_tokens[k]` of them. Model tokens beyond the turns' count (a record made by hand) go to the last
+    turn."""
+    ends = [sum(turn_tokens[: k + 1]) for k in range(len(turn_tokens))]
+    out, seen, k = [], 0, 0
+    for m in loss_mask:
+        if not m:
+            out.append(-1)
+            continue
+        while k < len(ends) - 1 and seen >= ends[k]:
+            k += 1
+        out.append(k)
+        seen += 1
+    return out
+
+
+def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int) -> Tensor:
+    """[N, width] each model token's advantage: its turn's (`turn_adv`, [K_i] per trajectory), 0 on
+    tool/template tokens and padding. What the policy losses take in place of one advantage per row."""
+    out = torch.zeros(len(trajs), width)  # [N, width]
+    for i, (t, adv) in enumerate(zip(trajs, turn_adv)):
+        if not adv.numel():  # no model turn: no model token either
+            continue
+        turn = torch.tensor(turn_of_tokens(t.loss_mask, [x.num_tokens for x in t.turns]), dtype=torch.long)
+        on = turn >= 0
+        row = torch.zeros(len(turn), dtype=out.dtype)
+        row[on] = adv.to(out.dtype)[turn[on]]
+        out[i, : len(row)] = row
+    return out
+
+
 def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batch: int, epochs: int,
          seed: int) -> list[list[list[int]]]:
     """The update schedule of one training step: for each epoch x mini-batch, its micro-batches as lists
@@ -51,7 +99,8 @@ def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batc
 
 def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor,
                            micro_batch: int) -> list[list[list[int]]]:
-    """`schedule` (see `plan`) without the rows whose advantage is exactly 0, each mini-batch's remaining
+    """`schedule` (see `plan`) without the rows whose advantage is exactly 0 (every token's, for [N, T]
+    advantages: turn credit), each mini-batch's remaining
     rows (still in length order) re-cut into full micro-batches; a mini-batch may end up with none.
 
     Such a row (its group's rewards all agreed) adds exactly 0 to every policy loss here and to its
@@ -60,7 +109,7 @@ def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor,
     whole mini-batch's totals (the learner keeps them), and nothing else may be in the loss."""
     out = []
     for minibatch in schedule:
-        rows = [i for micro in minibatch for i in micro if advantages[i] != 0]
+        rows = [i for micro in minibatch for i in micro if bool(advantages[i].ne(0).any())]
         out.append([rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)])
     return out
 

@@ -44,6 +44,7 @@ from factory.algorithms import (
     policy_objective,
     rollout_mismatch,
     truncated_is_weights,
+    turn_advantages,
 )
 from factory.device import resolve_dtype
 from factory.lora import Adapters
@@ -55,6 +56,8 @@ from factory.update.batch import (
     collate,
     collate_packed,
     kept,
+    token_advantages,
+    turn_rewards,
     plan,
     shaped_rewards,
     shard,
@@ -431,7 +434,8 @@ class Learner:
         if alg.rollout_correction == "tis" and sampler is not None:
             weights = truncated_is_weights(old_logp, sampler, mb.mask, alg.rollout_correction_cap)
         ref = before.ref[micro, :r].to(dev) if before.ref is not None and alg.kl_apply == "loss" else None
-        return policy_objective(alg, logp, old_logp, adv[micro].to(dev), mb.mask, ref_logp=ref, entropy=ent,
+        rows = adv[micro] if adv.dim() == 1 else adv[micro, :r]  # [B] or, with turn credit, [B, r]
+        return policy_objective(alg, logp, old_logp, rows.to(dev), mb.mask, ref_logp=ref, entropy=ent,
                                 is_weights=weights, **totals)
 
     def _all_sum(self, x: Tensor | None) -> Tensor | None:
@@ -689,19 +693,25 @@ class Targets:
 
     rewards: Tensor  # shaped: overlong penalty, and the KL penalty when KL goes in the reward
     groups: Tensor  # the prompt each row answers
-    adv: Tensor  # the advantage
+    adv: Tensor  # the advantage; [n, Rmax] per token with `credit: turn` (each token its turn's)
     kl_tokens: Tensor | None  # [n, Rmax] per-token KL to the reference (when pi_old and ref both exist)
 
 
 def targets(sub: list[Trajectory], alg: Algorithm, max_len: int, old: Tensor | None, ref: Tensor | None,
             mask: Tensor) -> Targets:
-    """Rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages."""
+    """Rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages: one per
+    row ([n]), or with `credit: turn` one per model turn spread over that turn's tokens ([n, Rmax])."""
     rewards = shaped_rewards(sub, alg, max_len)  # [n]
     kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
     if kl_tokens is not None and alg.kl_apply == "reward":
         rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
     groups = torch.tensor([t.prompt_index for t in sub])  # [n]
-    adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
+    if alg.credit == "turn":
+        per_turn = turn_advantages(turn_rewards(sub, rewards), groups, gamma=alg.gamma, advantage=alg.advantage,
+                                   eps=alg.std_eps)  # [K_i] each
+        adv = token_advantages(sub, per_turn, mask.shape[1])  # [n, Rmax]
+    else:
+        adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
     return Targets(rewards=rewards, groups=groups, adv=adv, kl_tokens=kl_tokens)
 
 
@@ -740,7 +750,9 @@ def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_p
         "actor/trained_rows": float(len(computed)),
         "actor/trained_tokens": float(mask[computed].sum()) if computed else 0.0,
         "actor/skipped_zero_adv": float(len(adv) - len(computed)),  # rows the update did not run
-        "actor/advantage_abs_mean": float(adv.abs().mean()),
+        # per row; with turn credit per model token (each carries its turn's)
+        "actor/advantage_abs_mean": float(adv.abs().mean()) if adv.dim() == 1
+        else float((adv.abs() * mask).sum()) / max(tokens, 1.0),
         "actor/reward_shaped_mean": float(target.rewards.mean()),
         "actor/zero_adv_groups": float(_zero_groups(adv, target.groups)),
     })

@@ -1,0 +1,103 @@
+"""Turn-level credit (`algorithm.credit: turn`): per-turn returns and advantages worked by hand, their spread
+over each turn's loss-mask tokens, and the update: `credit: trajectory` (the default) takes today's path,
+and on one-turn trajectories both credits give the same weights bit for bit (tests/test_update.py, beside
+its tiny model)."""
+import pytest
+import torch
+
+from factory.algorithms import ADVANTAGES, discounted_turn_returns, turn_advantages
+from factory.schema import AlgorithmSpec
+from factory.types import Trajectory, Turn
+from factory.update.batch import token_advantages, turn_of_tokens, turn_rewards
+from factory.update.learner import targets
+from factory.presets import resolve
+
+
+def close(a, b):
+    torch.testing.assert_close(a, torch.tensor(b, dtype=a.dtype), rtol=0, atol=1e-6)
+
+
+def test_discounted_turn_returns_by_hand():
+    r = torch.tensor([1.0, 0.0, 1.0])
+    # gamma 0.5, backwards: G2 = 1/1 = 1; G1 = (0 + .5*1) / (1 + .5) = 1/3; G0 = (1 + .5*.5) / (1 + .5*1.5) = 1.25/1.75 = 5/7
+    close(discounted_turn_returns(r, 0.5), [5 / 7, 1 / 3, 1.0])
+    close(discounted_turn_returns(r, 1.0), [2 / 3, 1 / 2, 1.0])  # means of [1,0,1], [0,1], [1]
+    close(discounted_turn_returns(r, 0.0), [1.0, 0.0, 1.0])  # each turn alone
+    assert discounted_turn_returns(torch.tensor([]), 0.5).numel() == 0
+
+
+# group 0: a = [1, 0, 1], b = [0, 1], c = [1, 1, 0]; group 1: d = [2, 2] alone
+REWARDS = [torch.tensor(x) for x in ([1.0, 0.0, 1.0], [0.0, 1.0], [1.0, 1.0, 0.0], [2.0, 2.0])]
+GROUPS = torch.tensor([0, 0, 0, 1])
+
+
+def test_turn_advantages_by_hand():
+    # gamma 0.5 returns: a [5/7, 1/3, 1]; b [(0 + .5*1)/1.5 = 1/3, 1]; c [(1 + .5*1)/1.75 = 6/7, (1 + 0)/1.5 = 2/3, 0]
+    # dr_grpo: G - the mean of the group's returns at the same turn position
+    #   position 0: {5/7, 1/3, 6/7} = {45, 21, 54}/63, mean 40/63 -> a 5/63, b -19/63, c 14/63
+    #   position 1: {1/3, 1, 2/3}, mean 2/3 -> a -1/3, b 1/3, c 0
+    #   position 2: {1, 0} (a, c; b has no turn 2), mean 1/2 -> a 1/2, c -1/2
+    #   d is alone in its group at every position: no comparison, 0
+    a, b, c, d = turn_advantages(REWARDS, GROUPS, gamma=0.5, advantage="dr_grpo", eps=1e-6)
+    close(a, [5 / 63, -1 / 3, 1 / 2])
+    close(b, [-19 / 63, 1 / 3])
+    close(c, [14 / 63, 0.0, -1 / 2])
+    close(d, [0.0, 0.0])
+    # grpo also divides by the position's std (Bessel): position 1 deviations -1/3, 1/3, 0 -> var (2/9)/2,
+    # std 1/3 -> -1, 1, 0; position 2 deviations 1/2, -1/2 -> var (1/2)/1, std 1/sqrt(2) -> +-sqrt(2)/2
+    a, b, c, _ = turn_advantages(REWARDS, GROUPS, gamma=0.5, advantage="grpo", eps=1e-6)
+    assert [float(a[1]), float(b[1]), float(c[1])] == pytest.approx([-1.0, 1.0, 0.0], abs=1e-6)
+    assert [float(a[2]), float(c[2])] == pytest.approx([2 ** -0.5, -(2 ** -0.5)], abs=1e-6)
+
+
+def test_with_gamma_1_turn_0_gets_the_trajectory_advantage():
+    """G_0 with gamma 1 is the mean of the turns: the trajectory's reward under credit: trajectory."""
+    first = [adv[0] for adv in turn_advantages(REWARDS, GROUPS, gamma=1.0, advantage="grpo", eps=1e-6)]
+    means = torch.stack([r.mean() for r in REWARDS])
+    torch.testing.assert_close(torch.stack(first), ADVANTAGES["grpo"](means, GROUPS, eps=1e-6))
+
+
+def test_each_turn_advantage_lands_on_that_turns_model_tokens():
+    # turn 0: 2 tokens, a 2-token tool response, turn 1: 1 token, a tool response, turn 2: 2 tokens
+    mask = [1, 1, 0, 0, 1, 0, 1, 1]
+    assert turn_of_tokens(mask, [2, 1, 2]) == [0, 0, -1, -1, 1, -1, 2, 2]
+    assert turn_of_tokens([1, 1, 1], [1, 1]) == [0, 1, 1]  # more model tokens than counted: the last turn's
+    t = traj(mask, [2, 1, 2], reward=0.0)
+    adv = token_advantages([t, traj([], [], 0.0)], [torch.tensor([0.5, -1.0, 2.0]), torch.tensor([])], width=10)
+    close(adv, [[0.5, 0.5, 0, 0, -1.0, 0, 2.0, 2.0, 0, 0], [0] * 10])
+
+
+def traj(mask, turn_tokens, reward, group=0, turn_reward=()):
+    return Trajectory(prompt_index=group, sample_index=0, prompt_ids=[5, 6], response_ids=[7] * len(mask),
+                      loss_mask=mask, turns=[Turn(text="", num_tokens=n) for n in turn_tokens], stop_reason="no_call",
+                      row={}, reward=reward, turn_reward=list(turn_reward))
+
+
+def test_turn_rewards_from_a_per_turn_or_a_trajectory_node_with_the_shaping_at_every_turn():
+    per_turn = traj([1, 1], [1, 1], reward=0.5, turn_reward=[1.0, 0.0])
+    whole = traj([1, 1, 1], [1, 2], reward=2.0)
+    r = turn_rewards([per_turn, whole], torch.tensor([0.5 - 0.25, 2.0]))  # an overlong penalty of 0.25 on the first
+    close(r[0], [0.75, -0.25])
+    close(r[1], [2.0, 2.0])
+
+
+def test_targets_by_credit():
+    """credit: trajectory is today's path ([n] from the registry, bit for bit); turn: [n, Rmax] per token."""
+    trajs = [traj([1, 0, 1], [1, 1], 0.5, turn_reward=[1.0, 0.0]), traj([1, 0, 1], [1, 1], 1.0, turn_reward=[1.0, 1.0]),
+             traj([1], [1], 0.0, turn_reward=[0.0])]
+    mask = torch.tensor([[1.0, 0, 1], [1, 0, 1], [1, 0, 0]])
+    default = resolve(AlgorithmSpec(name="grpo"))
+    assert default.credit == "trajectory"
+    got = targets(trajs, default, 64, None, None, mask)
+    expected = ADVANTAGES["grpo"](torch.tensor([0.5, 1.0, 0.0]), torch.tensor([0, 0, 0]), eps=default.std_eps)
+    assert got.adv.shape == (3,) and torch.equal(got.adv, expected)
+    turn = resolve(AlgorithmSpec(name="dr_grpo", credit="turn", gamma=0.0))
+    got = targets(trajs, turn, 64, None, None, mask)
+    # position 0: {1, 1, 0}, mean 2/3 -> 1/3, 1/3, -2/3; position 1: {0, 1} (the third has one turn) -> -1/2, 1/2
+    close(got.adv, [[1 / 3, 0, -1 / 2], [1 / 3, 0, 1 / 2], [-2 / 3, 0, 0]])
+
+
+def test_gamma_is_refused_without_turn_credit():
+    with pytest.raises(ValueError, match="`gamma` discounts later turns' rewards under `credit: turn`"):
+        AlgorithmSpec(gamma=0.9)
+
