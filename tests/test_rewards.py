@@ -65,3 +65,35 @@ def test_a_call_to_a_tool_the_servers_do_not_offer_is_not_well_formed():
 def test_tools_succeeded_reads_result_status():
     assert tools_succeeded("q", "", turns=[turn(CALL + CALL, "ok", "infra_error"), turn("done")]) == 0.5
     assert tools_succeeded("q", "", turns=[turn("<answer>5</answer>")]) is None
+
+
+def test_reference_chain_is_the_value_of_each_prefix():
+    from factory.rewards.chain import reference_chain
+
+    assert reference_chain("7 + 12 - 5 + 33") == [19, 14, 47]
+    assert reference_chain("2 + 3 * 4") == [5, 14]  # each prefix with the usual precedence
+    assert reference_chain("8") == []
+
+
+def test_chain_step_checks_each_turn_on_its_own():
+    from factory.rewards.chain import chain_step
+    from factory.types import ToolCall
+
+    def call(*results, status="ok"):
+        return Turn(text="<tool_call>", num_tokens=1, calls=[ToolCall("calculate", {}, "") for _ in results],
+                    results=[ToolResult(tool="calc", text=r, status=status) for r in results])
+
+    row = {"expression": "7 + 12 - 5", "answer": "14"}
+    step1, whole, wrong, answer = call("19"), call("14"), call("20"), Turn(text="<answer>14</answer>", num_tokens=1)
+    turns = [step1, whole, answer]
+
+    def score(k, ts=turns):
+        return chain_step("q", ts[k].text, ts[k], k, turns=ts, **row)
+
+    assert [score(0), score(1), score(2)] == [1.0, 1.0, 1.0]  # 19, then 14 (new), then the right answer
+    assert score(1, [step1, call("19"), answer]) == 0.0  # repeating a value already reached earns nothing
+    assert score(0, [wrong, answer]) == 0.0  # 20 is not on the chain
+    assert score(0, [call("19", status="model_error"), answer]) == 0.0  # a failed call is no step
+    assert score(0, [Turn(text="", num_tokens=1, calls=step1.calls), answer]) == 0.0  # calls never run
+    assert score(1, [step1, Turn(text="<answer>15</answer>", num_tokens=1)]) == 0.0  # a wrong answer
+    assert score(0, [call("19", "14"), answer]) == 1.0  # two right steps at once

@@ -53,7 +53,8 @@ def check_summary(plan: Plan) -> str:
         data += f"; eval: {_source(s['data']['eval'])}"
     tools = "; ".join(_tool(n, t, plan.tools) for n, t in s["tools"].items()) or "(none)"
     alg = plan.algorithm
-    alg_text = f"{alg.name} (advantage {alg.advantage}, loss {alg.loss}, aggregation {alg.aggregation})"
+    alg_text = (f"{alg.name} (advantage {alg.advantage}, loss {alg.loss}, aggregation {alg.aggregation}"
+                + (f", credit per turn, gamma {alg.gamma:g})" if alg.credit == "turn" else ")"))
     rewards = ", ".join(n for n in plan.reward_order if n != plan.reward_node)
     rewards = f"{rewards} -> {plan.reward_node}" if rewards else plan.reward_node
     gpus = sum(st.resources.get("GPU", 0) * st.replicas for st in plan.stages)
