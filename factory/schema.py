@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class Section(BaseModel):
@@ -658,3 +658,6 @@ class Spec(Section):
     """MLflow tracking."""
     resources: ResourcesSpec = ResourcesSpec()
     """Ray placement."""
+    # Where `factory.load` read this spec (the compiler's SpecSource: its file, lines and overrides), so that
+    # compiling it later still names file:line; None for a spec built in code. Not a setting.
+    _source: Any = PrivateAttr(None)

@@ -33,6 +33,16 @@ class RefError(UserError, ValueError):
     compiler shows it at the line of the key that named it)."""
 
 
+def version() -> str:
+    """Factory's version (the installed distribution's), or "unknown" in a source tree never pip-installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("factory-rl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def shown_path(path: str | os.PathLike) -> str:
     """A path relative to the working directory when it lies below it (stable across checkouts)."""
     p = Path(path).resolve()

@@ -91,18 +91,18 @@ def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
         assert line in out
     assert cli.main(["plan", "spec.yaml", "train.lr=3e-6", "--explain"]) == 0
     explained = capsys.readouterr().out
-    assert "# Learning rate.\ntrain.lr: 3e-06\n" in explained
+    assert "# Learning rate.\ntrain.lr: 3e-06  # <override 1>\n" in explained
     assert '# Only these of the server\'s tools' not in explained  # no tools in this spec
     assert 'rewards.correct.fn: "cli_text:exact"' in explained
 
 
 def test_internal_errors_exit_1_with_one_line(project, capsys, monkeypatch):
-    import factory.compiler.compile
+    import factory.commands.api
 
     def broken(*args, **kwargs):
         raise RuntimeError("the compiler fell over")
 
-    monkeypatch.setattr(factory.compiler.compile, "compile_file", broken)
+    monkeypatch.setattr(factory.commands.api, "compile_file", broken)
     monkeypatch.delenv("FACTORY_DEBUG", raising=False)
     assert cli.main(["check", "any.yaml"]) == 1
     assert capsys.readouterr().err == ("factory: internal error: RuntimeError: the compiler fell over\n"

@@ -241,10 +241,9 @@ def test_model_paths(project):
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "./models/gone"), "c.yaml")) == (
         "c.yaml:2: model.path: model folder not found: ./models/gone\n1 error in c.yaml")
     assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/ok"), "d.yaml"))[1].warnings == ()
-    hub = compile_file(project.spec(base.replace("factory:tiny-qwen3", "SomeOrg/not-cached-model"), "e.yaml"))[1]
-    assert hub.warnings == (("e.yaml:2: model.path: warning: 'SomeOrg/not-cached-model' is not a local folder: it "
-                             "is taken as a Hugging Face hub id and must already be in the local Hugging Face "
-                             "cache"),)
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "SomeOrg/not-cached-model"), "e.yaml")).startswith(
+        "e.yaml:2: model.path: 'SomeOrg/not-cached-model' is not a local folder, and as a Hugging Face hub id it is "
+        "not in the local Hugging Face cache (")  # tests/test_conventions.py: the hub cache, laid out by the test
 
 
 def test_algorithm_names_are_resolved(project):

@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
 from factory.tracking.tracker import RunLookupError
-from factory.util import UserError
+from factory.util import UserError, version
 
 
 def _check(args: argparse.Namespace) -> int:
-    from factory.compiler.compile import compile_file
+    from factory.commands import api
     from factory.compiler.render import check_summary
 
-    _, plan = compile_file(args.spec, args.overrides, connect=args.connect)
+    plan = api.compile_plan(args.spec, args.overrides, connect=args.connect)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     print(check_summary(plan))
@@ -31,46 +31,37 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from factory.compiler.compile import compile_file, plan_json
+    from factory.commands import api
+    from factory.compiler.compile import plan_json
+    from factory.compiler.load import source_of
     from factory.compiler.render import dot_text, explain_text, plan_text
 
-    spec, plan = compile_file(args.spec, args.overrides)
+    plan = api.compile_plan(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     if args.json:
         sys.stdout.write(plan_json(plan))
     elif args.dot:
         sys.stdout.write(dot_text(plan))
+    elif args.explain:
+        spec = api.load_spec(args.spec, args.overrides)  # it compiled: it loads; its source says who set what
+        sys.stdout.write(explain_text(plan, spec, source_of(spec).origin) + "\n")
     else:
-        sys.stdout.write((explain_text(plan, spec) if args.explain else plan_text(plan)) + "\n")
+        sys.stdout.write(plan_text(plan) + "\n")
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    from factory.compiler.compile import compile_file
-
-    _, plan = compile_file(args.spec, args.overrides)
-    for warning in plan.warnings:
-        print(warning, file=sys.stderr)
-    if not plan.driver.resources.ray_address:
-        # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
-        # interface and advertise the machine's address; this flag (read when ray is imported, so set it
-        # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    resume = None
-    if args.resume is not None:
-        from factory.runtime.resume import find
-        from factory.tracking.mlflow_tracker import tracking_uri
-
-        d = plan.driver
-        resume = find(plan, args.resume or None, tracking_uri(d.tracking.uri), train=d.train,
-                      experiment=d.tracking.experiment, allow_spec_change=args.allow_spec_change)
-        print(resume.describe(), file=sys.stderr)
-    from factory.runtime.driver import run
+    from factory.commands import api
     from factory.runtime.startup import process_started
 
+    plan = api.compile_plan(args.spec, args.overrides)
+    for warning in plan.warnings:
+        print(warning, file=sys.stderr)
     # the time to first step counts from this process's start: the imports and the compile too
-    return 130 if run(plan, resume, started_at=process_started()).stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
+    result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
+                     started_at=process_started())
+    return 130 if result.stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -92,7 +83,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from factory.tracking.runs import runs_main
+    from factory.tracking.runs import runs_main  # the table of factory.runs()
 
     return runs_main(args)
 
@@ -153,15 +144,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="factory",
         description="Train tool-using LLM agents with RL from one YAML spec.",
-        epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4`. "
+        epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4` (or `--train.lr 3e-6`). "
                "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback).",
     )
+    p.add_argument("--version", action="version", version=f"factory {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def spec_command(name: str, help_text: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help_text, description=help_text)
+        # no abbreviated options: `--res 3` must not become `--resume 3`; a dashed key is an override
+        c = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         c.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
-        c.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dot-list overrides, e.g. train.lr=3e-6")
+        c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dot-list overrides, e.g. train.lr=3e-6 (or --train.lr 3e-6, --train.lr=3e-6)")
         c.set_defaults(func=fn)
         return c
 
@@ -177,7 +171,9 @@ def parser() -> argparse.ArgumentParser:
                        help="also start each tool server, list its tools and check the tools the spec names")
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
-    plan.add_argument("--explain", action="store_true", help="print every resolved setting with its documentation")
+    plan.add_argument("--explain", action="store_true",
+                      help="print every resolved setting with its documentation and where it was set (file:line "
+                           "of the spec or of a spec it extends, an override, or the default)")
     plan.add_argument("--dot", action="store_true",
                       help="print the stage graph in Graphviz dot (render: factory plan SPEC --dot | dot -Tsvg)")
 
@@ -247,11 +243,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def dashed_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
+    """The arguments argparse left over, with `--KEY VALUE` and `--KEY=VALUE` (what a TRL or HF Trainer
+    user types) turned into the dot-list override `KEY=VALUE`; and the dashed keys given no value. A
+    command's own options were taken by argparse before: what is left that starts with `--` is a key."""
+    out, wrong, i = [], [], 0
+    while i < len(extra):
+        item = extra[i]
+        if item.startswith("--") and len(item) > 2:
+            key, eq, value = item[2:].partition("=")
+            if eq:
+                out.append(f"{key}={value}")
+            elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+                out.append(f"{key}={extra[i + 1]}")
+                i += 1
+            else:
+                wrong.append(item)
+        else:
+            out.append(item)
+        i += 1
+    return out, wrong
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     # Overrides may come after options (`plan SPEC --json a=1 b=2`); argparse stops the positional
     # list at the first option, so the rest arrive as extras.
     args, extra = p.parse_known_args(argv)
+    if hasattr(args, "overrides"):  # `--train.lr 1e-5` and `--train.lr=1e-5` are `train.lr=1e-5` (spec commands)
+        extra, wrong = dashed_overrides(extra)
+        if wrong:
+            p.error(f"unrecognized arguments: {' '.join(wrong)} (an override takes a value: --KEY VALUE or --KEY=VALUE)")
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -282,15 +282,25 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
     }
 
 
-def main(args: Any) -> int:
-    tracker = open_tracker(getattr(args, "uri", None))
-    a, b = load(tracker, args.run_a), load(tracker, args.run_b)
+def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
+              ) -> tuple[dict[str, Any], RunRecord, RunRecord]:
+    """Two tracked runs (id, id prefix or name) compared (`compare`), with the trajectories of the
+    `prompt`-th prompt both saw; and the two runs."""
+    tracker = open_tracker(uri)
+    a, b = load(tracker, run_a), load(tracker, run_b)
     report = compare(a, b, _histories(tracker, a.run), _histories(tracker, b.run))
     full = report.pop("_prompts_full")
     if full:
-        if not 0 <= args.prompt < len(full):
-            raise RunLookupError(f"--prompt {args.prompt}: the runs share {len(full)} prompts (0..{len(full) - 1})")
-        report["trajectories"] = full[args.prompt]
+        if not 0 <= prompt < len(full):
+            raise RunLookupError(f"--prompt {prompt}: the runs share {len(full)} prompts (0..{len(full) - 1})")
+        report["trajectories"] = full[prompt]
+    return report, a, b
+
+
+def main(args: Any) -> int:
+    from factory.commands import api
+
+    report, a, b = api.diff_records(args.run_a, args.run_b, prompt=args.prompt, uri=args.uri)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False))
     else:

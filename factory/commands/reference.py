@@ -125,7 +125,15 @@ def json_schema() -> dict[str, Any]:
         **{k: v for k, v in raw.items() if k not in ("title", "description")},
         "definitions": defs,
     }
-    return _draft7(schema)
+    schema = _draft7(schema)
+    # `extends` is read by the loader, not a setting (factory.compiler.load): a spec that extends another
+    # may leave the required keys to its base.
+    schema["properties"] = {"extends": {
+        "description": "A spec (or a list of specs, merged in order) this one is merged over, relative to this "
+                       "file's folder: a mapping merges key by key, any other value replaces the base's.",
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}, **schema["properties"]}
+    schema["anyOf"] = [{"required": ["extends"]}, {"required": schema.pop("required")}]
+    return schema
 
 
 def json_schema_text() -> str:

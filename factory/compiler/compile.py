@@ -16,7 +16,6 @@ import contextlib
 import copy
 import dataclasses
 import graphlib
-import importlib.metadata
 import os
 import re
 import shutil
@@ -29,12 +28,14 @@ import yaml
 from pydantic import BaseModel
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.load import SpecSource, load_all, read_config
+from factory.compiler.load import SpecInput, SpecSource, load_all, read_config, remember
 from factory.compiler.refs import (
     RefError,
     find_file,
     generator_problem,
+    hub_snapshot,
     import_object,
+    is_hub_id,
     model_problem,
     reward_problem,
     sha256_file,
@@ -76,6 +77,7 @@ from factory.schema import (
     StdioServer,
     ToolNode,
 )
+from factory.util import version
 
 MASK = "***"
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
@@ -136,13 +138,6 @@ def mask(data: dict[str, Any], paths: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("factory-rl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"  # running from a source tree that was not pip-installed
-
-
 class _Report:
     """Collects errors and warnings at dotted paths of one source."""
 
@@ -187,19 +182,40 @@ class _Report:
 
 # ----------------------------------------------------------------------------------------- checks
 def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
-    error, warning = model_problem(spec.model.path)
-    if error:
-        r.error("model.path", error)
-    if warning:
-        r.warn("model.path", warning)
-    if spec.model.tokenizer is not None:
-        error, warning = model_problem(spec.model.tokenizer, required_file="")
+    """The model (and tokenizer) must be there. A hub id missing from this machine's cache is an error;
+    on a Ray cluster (`joins`) a warning: the nodes that load it have caches of their own."""
+    for path, value, required in (("model.path", spec.model.path, "config.json"),
+                                  ("model.tokenizer", spec.model.tokenizer, "")):
+        if value is None:
+            continue
+        error, warning = model_problem(value, required_file=required)
+        if error and joins and is_hub_id(value):
+            error, warning = None, error
         if error:
-            r.error("model.tokenizer", error.replace("model folder", "tokenizer folder"))
+            r.error(path, error.replace("model folder", "tokenizer folder") if required == "" else error)
         if warning:
-            r.warn("model.tokenizer", warning)
+            r.warn(path, warning)
     _check_engine("rollout.engine", spec.rollout.engine, r, joins)
     _check_model_shape(spec, r)
+
+
+def _local(path: str, required_file: str = "config.json") -> str:
+    """A model path as the stages load it: a hub id as its folder in the local Hugging Face cache (decided
+    here, once: no stage looks it up, none reaches the network), anything else as it is."""
+    if not is_hub_id(path):
+        return path
+    folder = hub_snapshot(path, required_file)
+    return str(folder) if folder is not None else path
+
+
+def with_cached_models(spec: Spec) -> Spec:
+    """The spec the stages run: every hub id (the model, its tokenizer, local judges) as its cached folder."""
+    model = spec.model.model_copy(update={"path": _local(spec.model.path)} |
+                                  ({"tokenizer": _local(spec.model.tokenizer, "")} if spec.model.tokenizer else {}))
+    rewards = {name: node.model_copy(update={"local": node.local.model_copy(update={"path": _local(node.local.path)})})
+               if isinstance(node, JudgeNode) and node.local is not None else node
+               for name, node in spec.rewards.items()}
+    return spec.model_copy(update={"model": model, "rewards": rewards})
 
 
 def _check_model_shape(spec: Spec, r: _Report) -> None:
@@ -214,7 +230,7 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     if k > 1 and k != int(k):
         r.error("resources.rollout.num_gpus", f"{k:g} GPUs: more than one GPU per rollout replica is vLLM's tensor "
                                               "parallelism over whole GPUs; give a whole number")
-    folder = tokenizer_files(spec.model.path)  # the model folder itself when it is on disk
+    folder = tokenizer_files(_local(spec.model.path))  # the model folder itself when it is on disk
     config = model_config(folder) if folder else None
     lora_names = spec.model.lora is not None and not isinstance(spec.model.lora.target_modules, str)
     if config is None and lora_names and spec.model.path.startswith("factory:"):
@@ -398,6 +414,8 @@ def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:
             r.error(f"{path}.endpoint", f"expected an http(s) URL, got '{node.endpoint}'")
         if node.local is not None:
             error, warning = model_problem(node.local.path)
+            if error and joins and is_hub_id(node.local.path):  # a cluster's nodes have caches of their own
+                error, warning = None, error
             if error:
                 r.error(f"{path}.local.path", error)
             if warning:
@@ -730,8 +748,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     base_dir = str(source.base_dir)
     from factory.reward.graph import required_columns, takes_turns
 
-    stages, edges = stage_graph(spec, base_dir=base_dir, algorithm=algorithm, order=order, train_node=train,
-                                required=required_columns(spec, fns),
+    runnable = spec if ray_address is not None else with_cached_models(spec)  # a cluster's nodes: their caches
+    stages, edges = stage_graph(runnable, base_dir=base_dir, algorithm=algorithm, order=order,
+                                train_node=train, required=required_columns(spec, fns),
                                 turns=tuple(n for n, fn in fns.items() if takes_turns(fn)))
     plan = Plan(
         spec=shown,
@@ -742,7 +761,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         edges=edges,
         driver=driver_settings(spec, algorithm, metrics, ray_address),
         hashes=_sorted(hashes),
-        version=_version(),
+        version=version(),
         tools={} if tools is None else {n: [t["name"] for t in _offered(spec.tools, n, ls)] for n, ls in tools.items()},
         warnings=tuple(str(w) for w in r.warnings),
         # $RAY_ADDRESS came from the environment as a `${oc.env:...}` value would: shown masked
@@ -790,9 +809,10 @@ def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
     return plan
 
 
-def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
+def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,
                  connect: bool = False) -> tuple[Spec, Plan]:
-    """Load, validate and compile one spec, reporting load and compile errors together; with `connect`,
+    """Load, validate and compile one spec (a path, YAML text or a dict: factory.compiler.load.read_spec),
+    reporting load and compile errors together; with `connect`,
     also start every tool server to check the tools the spec names. Returns the runnable spec (real
     values) and its Plan; raises `SpecErrors`."""
     loaded = load_all(path, overrides)
@@ -812,7 +832,7 @@ def compile_file(path: str | os.PathLike, overrides: Iterable[str] = (), *,
         plan, errors = _compile(loaded.spec, loaded.source, None, listing)
         if errors or plan is None:
             raise SpecErrors(errors, loaded.source.file)
-    return loaded.spec, plan
+    return remember(loaded.spec, loaded.source), plan
 
 
 def stage_settings(spec: Spec, base_dir: str | os.PathLike = ".") -> dict[str, Settings]:

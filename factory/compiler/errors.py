@@ -50,13 +50,14 @@ class SpecErrors(Exception):
 
 
 def sort_errors(errors: list[SpecError]) -> list[SpecError]:
-    """File errors in reading order (line, column), then command-line overrides in the order given;
-    duplicates dropped (two checks may reach the same conclusion about one key)."""
+    """File errors in reading order (line, column; a spec's bases, `extends`, file by file), then
+    command-line overrides in the order given; duplicates dropped (two checks may reach the same
+    conclusion about one key)."""
 
-    def key(e: SpecError) -> tuple[int, int, int]:
+    def key(e: SpecError) -> tuple[int, str, int, int]:
         if e.file.startswith("<override "):
-            return (1, int(e.file[len("<override "):-1]), 0)
-        return (0, e.line if e.line is not None else 0, e.column)
+            return (1, "", int(e.file[len("<override "):-1]), 0)
+        return (0, e.file, e.line if e.line is not None else 0, e.column)
 
     unique = list(dict.fromkeys(errors))
     return sorted(unique, key=key)

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from factory.compiler.errors import SpecError, SpecErrors
 from factory.compiler.translate import Parts, Problem, translate
 from factory.schema import Spec
+from factory.util import shown_path
 
 _REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
 
@@ -55,6 +56,7 @@ class SpecSource:
     overrides: tuple[str, ...] = ()
     override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
     env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
+    files: Mapping[str, str] = field(default_factory=dict)  # dotted path -> the base spec (`extends`) that set it
 
     def locate(self, path: str) -> tuple[str, int | None, int]:
         """(file, line, column) for a dotted path: the override that set it or any of its parents, else
@@ -64,10 +66,20 @@ class SpecSource:
                 return f"<override {self.override_paths[p]}>", None, 0
         for p in _ancestors(path):
             if p in self.lines:
-                return (self.file, *self.lines[p])
+                return (self.files.get(p, self.file), *self.lines[p])
         if "" in self.lines:  # a missing top-level key: the line where the spec's mapping starts
             return (self.file, *self.lines[""])
         return self.file, None, 0
+
+    def origin(self, path: str) -> str:
+        """Which file (and line) or override set a value: `specs/base.yaml:12`, `<override 2>`, or
+        `default` when no file named it (the schema's default)."""
+        for p in _ancestors(path):
+            if p in self.override_paths:
+                return f"<override {self.override_paths[p]}>"
+        if path in self.lines:  # a key the file wrote (a parent's line is no origin of a default below it)
+            return f"{self.files.get(path, self.file)}:{self.lines[path][0]}"
+        return "default"
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
         file, line, column = self.locate(path)
@@ -206,16 +218,12 @@ def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) 
     return node
 
 
-def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
-    """The spec file and overrides as one resolved plain dict. Errors that leave nothing to validate
-    (unreadable file, YAML syntax) are raised; the rest are returned."""
-    file = str(path)
-    overrides = tuple(overrides)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e.strerror or e}")], file) from None
-    source = SpecSource(file, Path(path).resolve().parent, text)
+def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
+             ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str]]:
+    """One spec text as a DictConfig (interpolations unresolved), with the line of every dotted path and,
+    for paths a base file set, that file. `extends: BASE` (or a list of bases, merged in order) names
+    specs, relative to this one's folder, that this one is merged over: a mapping merges key by key, any
+    other value (a list too) replaces the base's. Errors that leave nothing to merge are raised."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -225,22 +233,110 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
     if not isinstance(root, yaml.MappingNode):  # OmegaConf asserts on a bare scalar
         raise SpecErrors([SpecError(file, root.start_mark.line + 1, "",
                                     "the spec must be a mapping of keys to values")], file)
+    lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
     try:
         cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
         key = getattr(e, "full_key", "") or ""
-        line = _line_map(root).get(key, (root.start_mark.line + 1, 0))[0]
-        raise SpecErrors([SpecError(file, line, key, _omega_message(e))], file) from None
+        raise SpecErrors([SpecError(file, lines.get(key, lines[""])[0], key, _omega_message(e))], file) from None
     if not isinstance(cfg, DictConfig):
         raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
+    if "extends" not in cfg:
+        return cfg, lines, {}
+    names = OmegaConf.to_container(cfg, resolve=False)["extends"]  # as written: never interpolated
+    del cfg["extends"]
+    at = lines.get("extends", lines[""])[0]
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise SpecErrors([SpecError(file, at, "extends", "expected a spec file or a list of them")], file)
+    merged, merged_lines, files = OmegaConf.create({}), {}, {}
+    for name in names:
+        base = (base_dir / Path(name).expanduser()).resolve()
+        shown = shown_path(base)
+        if base in chain:
+            cycle = " -> ".join(shown_path(c) for c in (*chain, base))
+            raise SpecErrors([SpecError(file, at, "extends", f"specs extend each other in a cycle: {cycle}")], file)
+        try:
+            base_text = base.read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpecErrors([SpecError(file, at, "extends", f"cannot read the base spec {shown}: "
+                                                             f"{e.strerror or e}")], file) from None
+        b_cfg, b_lines, b_files = _compose(shown, base_text, base.parent, (*chain, base))
+        merged = OmegaConf.merge(merged, b_cfg)
+        merged_lines.update(b_lines)
+        files.update({p: b_files.get(p, shown) for p in b_lines})
+    try:
+        cfg = OmegaConf.merge(merged, cfg)
+    except OmegaConfBaseException as e:
+        raise SpecErrors([SpecError(file, at, "extends", _omega_message(e))], file) from None
+    # This file's values replace the bases'; what a replaced list or scalar held in a base is gone.
+    own = {p for p in lines if p}
+    replaced = [p for p in own if not isinstance(OmegaConf.select(cfg, p, throw_on_resolution_failure=False),
+                                                 DictConfig)]
+    for p in list(merged_lines):
+        if any(p.startswith(r + ".") for r in replaced):
+            merged_lines.pop(p)
+            files.pop(p, None)
+    for p in (*own, ""):
+        files.pop(p, None)
+    merged_lines.update(lines)
+    merged_lines.pop("extends", None)
+    return cfg, merged_lines, files
+
+
+def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
+    """The spec file (merged over the specs it `extends`) and overrides as one resolved plain dict. Errors
+    that leave nothing to validate (unreadable file, YAML syntax) are raised; the rest are returned."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e.strerror or e}")], file) from None
+    return read_text(text, file, Path(path).resolve().parent, overrides, chain=(Path(path).resolve(),))
+
+
+SpecInput = str | os.PathLike | Mapping  # a spec file's path, a spec's YAML text, or the spec as a dict
+
+
+def read_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
+    """`read_config` of a path, a YAML text (a string with a line break: named `<spec>` in messages) or a
+    dict (`<dict>`, its errors located by dotted path alone); a text's or dict's relative references and
+    `extends` start from the working directory."""
+    if isinstance(spec, Mapping):
+        try:
+            text = yaml.safe_dump(_plain_dict(spec), sort_keys=False, allow_unicode=True)
+        except yaml.YAMLError as e:
+            raise SpecErrors([SpecError("<dict>", None, "", f"not plain data: {e}")], "<dict>") from None
+        return read_text(text, "<dict>", Path.cwd(), overrides, located=False)
+    if isinstance(spec, str) and "\n" in spec:
+        return read_text(spec, "<spec>", Path.cwd(), overrides)
+    return read_config(spec, overrides)
+
+
+def _plain_dict(data: Any) -> Any:
+    """A mapping (an OmegaConf config too) as plain dicts and lists, paths as strings."""
+    if isinstance(data, Mapping):
+        return {str(k): _plain_dict(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_plain_dict(v) for v in data]
+    return str(data) if isinstance(data, os.PathLike) else data
+
+
+def read_text(text: str, file: str, base_dir: Path, overrides: Iterable[str] = (), *, chain: tuple[Path, ...] = (),
+              located: bool = True) -> tuple[dict, SpecSource, list[SpecError]]:
+    """`read_config` of a spec given as text: `file` names it in messages, `base_dir` is the folder its
+    relative references (and `extends`) start from; `located=False` for a text nobody wrote (a spec
+    given as a dict): its errors name the dotted path without a line."""
+    overrides = tuple(overrides)
+    cfg, lines, files = _compose(file, text, base_dir, chain)
     errors: list[SpecError] = []
     cfg, override_paths = _apply_overrides(cfg, overrides, errors)
     raw = OmegaConf.to_container(cfg, resolve=False)
-    lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
-    source = SpecSource(file, source.base_dir, text, lines, overrides, override_paths,
-                        env_paths(raw))  # type: ignore[arg-type]
+    source = SpecSource(file, base_dir, text, lines if located else {}, overrides, override_paths,
+                        env_paths(raw), files if located else {})  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
     return data, source, errors
 
@@ -322,10 +418,11 @@ def _with_default_interpolations(spec: Spec, data: dict) -> Spec:
     return Spec.model_validate(data)
 
 
-def load_all(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Loaded:
-    """Load and validate, collecting every error; on failure also return a repaired spec (see module
-    doc). Raises `SpecErrors` only when nothing can be validated (unreadable file, YAML syntax)."""
-    data, source, errors = read_config(path, overrides)
+def load_all(spec: SpecInput, overrides: Iterable[str] = ()) -> Loaded:
+    """Load and validate (a path, YAML text or dict: `read_spec`), collecting every error; on failure also
+    return a repaired spec (see module doc). Raises `SpecErrors` only when nothing can be validated
+    (unreadable file, YAML syntax)."""
+    data, source, errors = read_spec(spec, overrides)
     loaded = Loaded(None, source, errors)
     try:
         spec = Spec.model_validate(data)
@@ -370,14 +467,26 @@ def _nested(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[Spec, SpecSource]:
-    """The validated spec and where it came from; raises `SpecErrors` listing every problem."""
+def remember(spec: Spec, source: SpecSource) -> Spec:
+    """`spec`, knowing where it was read (`source_of`)."""
+    spec._source = source
+    return spec
+
+
+def source_of(spec: Spec) -> SpecSource | None:
+    """Where a loaded spec was read (file, lines, overrides); None for a spec built in code."""
+    return spec._source
+
+
+def load(path: SpecInput, overrides: Iterable[str] = ()) -> tuple[Spec, SpecSource]:
+    """The validated spec (knowing its source: `source_of`) and where it came from; raises `SpecErrors`
+    listing every problem."""
     loaded = load_all(path, overrides)
     if loaded.errors or loaded.spec is None:
         raise SpecErrors(loaded.errors, loaded.source.file)
-    return loaded.spec, loaded.source
+    return remember(loaded.spec, loaded.source), loaded.source
 
 
-def load_spec(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Spec:
+def load_spec(path: SpecInput, overrides: Iterable[str] = ()) -> Spec:
     """The validated spec; raises `SpecErrors` listing every problem."""
     return load(path, overrides)[0]

@@ -113,21 +113,38 @@ def _known_assets() -> dict[str, str] | None:
     return KNOWN_ASSETS
 
 
-def _in_hf_cache(repo_id: str) -> bool:
-    """Whether a hub model's config is in the local Hugging Face cache (no network is touched)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
+def is_hub_id(path: str) -> bool:
+    """Whether a model path names a Hugging Face hub repository (`org/name` or `name`) rather than a local
+    folder or a built-in `factory:` asset."""
+    if path.startswith(("factory:", ".", "/", "~")) or path.count("/") > 1:
         return False
+    return not Path(path).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, required_file: str = "config.json") -> Path | None:
+    """The folder of a hub model in the local Hugging Face cache (huggingface_hub's own lookup: $HF_HOME,
+    $HF_HUB_CACHE; never the network, whatever $HF_HUB_OFFLINE says), holding `required_file`; None when
+    it is not there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
     try:
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except Exception:  # a malformed repo id: treat as not cached, the warning says what to do
-        return False
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+    return folder if not required_file or (folder / required_file).is_file() else None
+
+
+def hub_cache() -> str:
+    """The local Hugging Face cache this process reads ($HF_HUB_CACHE, else $HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    return shown_path(constants.HF_HUB_CACHE)
 
 
 def model_problem(path: str, required_file: str = "config.json") -> tuple[str | None, str | None]:
     """(error, warning) for a model path: a `factory:NAME` asset must be known, a local folder must hold
-    `required_file`; anything else is taken as a hub id that must already be cached."""
+    `required_file`; anything else is taken as a hub id that must already be in the local cache."""
     if path.startswith("factory:"):
         name = path.removeprefix("factory:")
         known = _known_assets()
@@ -141,12 +158,14 @@ def model_problem(path: str, required_file: str = "config.json") -> tuple[str | 
         if required_file and not (local / required_file).is_file():
             return f"model folder has no {required_file}: {path}", None
         return None, None
-    if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
+    if not is_hub_id(path):
         return f"model folder not found: {path}", None
-    if _in_hf_cache(path):
+    if hub_snapshot(path, required_file) is not None:
         return None, None
-    return None, (f"'{path}' is not a local folder: it is taken as a Hugging Face hub id and must already "
-                  "be in the local Hugging Face cache")
+    return (f"'{path}' is not a local folder, and as a Hugging Face hub id it is not in the local Hugging Face "
+            f"cache ({hub_cache()}): fill the cache with `hf download {path}` (where the hub can be reached; "
+            "copy the cache folder over to a machine that cannot reach it), or point HF_HOME at a cache that "
+            "holds it"), None
 
 
 # ----------------------------------------------------------------------------------------- hashes

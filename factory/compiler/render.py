@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -155,10 +155,13 @@ def _explained(model: BaseModel, shown: dict[str, Any], prefix: str = "") -> Ite
             yield path, doc, shown.get(name)
 
 
-def explain_text(plan: Plan, spec: BaseModel) -> str:
-    """Every resolved setting with its documentation (the schema's docstrings) above it."""
+def explain_text(plan: Plan, spec: BaseModel, origin: Callable[[str], str] | None = None) -> str:
+    """Every resolved setting with its documentation (the schema's docstrings) above it and, given
+    `origin` (factory.compiler.load.SpecSource.origin), where its value was set: the file and line (a
+    base spec's, with `extends`), the override, or `default`."""
     out = []
     for path, doc, value in _explained(spec, plan.spec):
         out += [f"# {line}" for line in textwrap.wrap(doc, 100)]
-        out.append(f"{path}: {json.dumps(value, ensure_ascii=False)}")
+        where = f"  # {origin(path)}" if origin is not None else ""
+        out.append(f"{path}: {json.dumps(value, ensure_ascii=False)}{where}")
     return "\n".join(out)

@@ -135,7 +135,55 @@ def nearest(key: str, valid: Iterable[str]) -> str | None:
     return head[0] if len(head) == 1 else None
 
 
+# Names users bring from TRL (GRPOConfig and its TrainingArguments) and Axolotl configs -> Factory's key
+# and whose name it is. A spec that uses one gets "did you mean" with Factory's full key, wherever the name
+# stands; docs/specs.md shows the same table (tests/test_conventions.py keeps the two equal).
+PEER_NAMES: dict[str, tuple[str, str]] = {
+    "num_generations": ("rollout.group_size", "TRL"),
+    "beta": ("algorithm.kl.coef", "TRL"),
+    "epsilon": ("algorithm.clip", "TRL"),
+    "epsilon_high": ("algorithm.clip", "TRL"),
+    "num_iterations": ("algorithm.epochs", "TRL"),
+    "loss_type": ("algorithm.name", "TRL"),
+    "scale_rewards": ("algorithm.advantage", "TRL"),
+    "mask_truncated_completions": ("algorithm.overlong.filter", "TRL"),
+    "reward_weights": ("rewards", "TRL"),
+    "reward_funcs": ("rewards", "TRL"),
+    "max_completion_length": ("rollout.max_new_tokens", "TRL"),
+    "use_vllm": ("rollout.engine", "TRL"),
+    "learning_rate": ("train.lr", "TRL and Axolotl"),
+    "max_steps": ("train.steps", "TRL and Axolotl"),
+    "per_device_train_batch_size": ("train.micro_batch", "TRL"),
+    "micro_batch_size": ("train.micro_batch", "Axolotl"),
+    "gradient_accumulation_steps": ("train.prompts_per_step", "TRL and Axolotl"),
+    "warmup_steps": ("train.warmup_steps", "TRL and Axolotl"),
+    "weight_decay": ("train.optimizer.weight_decay", "TRL and Axolotl"),
+    "max_grad_norm": ("train.optimizer.grad_clip", "TRL and Axolotl"),
+    "adam_beta1": ("train.optimizer.betas", "TRL and Axolotl"),
+    "adam_beta2": ("train.optimizer.betas", "TRL and Axolotl"),
+    "optim": ("train.optimizer.name", "TRL"),
+    "optimizer": ("train.optimizer.name", "Axolotl"),
+    "gradient_checkpointing": ("train.gradient_checkpointing", "TRL and Axolotl"),
+    "save_steps": ("train.checkpoint_every", "TRL and Axolotl"),
+    "eval_steps": ("train.eval_every", "TRL and Axolotl"),
+    "output_dir": ("train.checkpoint_dir", "TRL and Axolotl"),
+    "model_name_or_path": ("model.path", "TRL"),
+    "base_model": ("model.path", "Axolotl"),
+    "lora_r": ("model.lora.r", "Axolotl"),
+    "lora_alpha": ("model.lora.alpha", "Axolotl"),
+    "lora_dropout": ("model.lora.dropout", "Axolotl"),
+    "lora_target_modules": ("model.lora.target_modules", "Axolotl"),
+    "datasets": ("data.train", "Axolotl"),
+    "val_set_size": ("data.eval", "Axolotl"),
+    "wandb_project": ("tracking.experiment", "Axolotl"),
+    "run_name": ("name", "TRL"),
+}
+
+
 def unknown_key(key: str, valid: list[str]) -> str:
+    if key in PEER_NAMES:
+        ours, whose = PEER_NAMES[key]
+        return f"unknown key '{key}'; did you mean '{ours}'? ('{key}' is the {whose} name)"
     near = nearest(key, valid)
     if near:
         return f"unknown key '{key}'; did you mean '{near}'?"

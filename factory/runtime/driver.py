@@ -21,6 +21,7 @@ import json
 import math
 import os
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,7 +55,12 @@ class RunResult:
     before: dict[str, float]
     after: dict[str, float]
     checkpoint: str | None
-    stopped: bool = False  # Ctrl-C ended it early (after a logged, checkpointed step)
+    stopped: bool = False  # Ctrl-C (or a `stop` event) ended it early, after a logged, checkpointed step
+
+    @property
+    def status(self) -> str:
+        """The MLflow run's status: FINISHED, or KILLED (MLflow's word for stopped by its user)."""
+        return "KILLED" if self.stopped else "FINISHED"
 
 
 # ------------------------------------------------------------------------------------------ Ray
@@ -538,9 +544,14 @@ class Updates:
         return done
 
 
+OnStep = Callable[[int, dict[str, float]], None]  # (step, its metrics as logged); step 0: the first evaluation
+
+
 def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: SessionRecord,
-               resume: Resume | None = None, startup: Startup | None = None) -> RunResult:
+               resume: Resume | None = None, startup: Startup | None = None, on_step: OnStep | None = None,
+               stop_event: threading.Event | None = None) -> RunResult:
     d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
+    on_step = on_step or (lambda step, metrics: None)
     startup = startup or Startup()
     ckpt_dir = tracker.checkpoint_dir  # this run's own folder (a resumed run's, from its tags)
     done = 0
@@ -560,10 +571,11 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
         tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
+        on_step(0, before)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
-                                                        "checkpointed); Ctrl-C again stops at once"))
+                                                        "checkpointed); Ctrl-C again stops at once"), event=stop_event)
     with stop:
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
@@ -585,6 +597,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
                 tracker.log_metrics(m_n, step=n)
                 display.step(n, m_n)
+                on_step(n, m_n)
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
                 state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
                 checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
@@ -606,10 +619,13 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def run(plan: Plan, resume: Resume | None = None, started_at: float | None = None) -> RunResult:
+def run(plan: Plan, resume: Resume | None = None, started_at: float | None = None, *, on_step: OnStep | None = None,
+        stop: threading.Event | None = None) -> RunResult:
     """Run a compiled plan end to end (or continue the run `resume` names, see factory.runtime.resume); returns the
     MLflow run id and before/after eval metrics. `started_at` (epoch seconds): when the command started,
-    for the time to first step (`timing/startup_s`); default now."""
+    for the time to first step (`timing/startup_s`); default now. `on_step(step, metrics)` hears each step's
+    metrics as they are logged (step 0: the first evaluation); `stop`, set by any thread, ends the run after
+    the step in flight as Ctrl-C does (logged, checkpointed, the MLflow run KILLED). Any thread may call it."""
     from factory.runtime.display import Display
     from factory.tracking.tracker import open_tracker
 
@@ -648,8 +664,8 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
             startup.lap("tracking")
             display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
                            f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(groups, plan, tracker, display, record, resume, startup)
-            status = "KILLED" if result.stopped else "FINISHED"  # KILLED: MLflow's word for stopped by its user
+            result = train_loop(groups, plan, tracker, display, record, resume, startup, on_step, stop)
+            status = result.status
         except KeyboardInterrupt:
             status = "KILLED"  # MLflow's word for a run stopped by its user
             raise

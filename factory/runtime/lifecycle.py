@@ -1,7 +1,9 @@
 """How a run stops: Ctrl-C finishes the step in flight and saves, and a driver killed outright leaves
 nothing behind that outlives the next `factory run`.
 
-Ctrl-C. A terminal sends SIGINT to its whole foreground process group, and a local Ray's processes (GCS,
+Ctrl-C. (From Python, `factory.run(..., stop=event)` is the same request without a signal: any thread
+may set the event, and a run in a thread other than the main one hears no SIGINT.) A terminal sends
+SIGINT to its whole foreground process group, and a local Ray's processes (GCS,
 raylet, agents) are in the driver's group: they would die at once, taking the update actor and the chance
 of a final checkpoint with them. So they are started with SIGINT ignored (children inherit an ignored
 signal, and Python keeps it ignored), and the driver alone decides: the first Ctrl-C asks the loop to stop
@@ -66,18 +68,24 @@ def sessions_dir() -> Path:
 
 # ---------------------------------------------------------------------------------- Ctrl-C
 class GracefulStop:
-    """While active (a context manager, main thread only), the first SIGINT sets `requested` and the loop
-    ends after its current step; the second raises KeyboardInterrupt as usual."""
+    """While active (a context manager), a stop request ends the loop after its current step: the first
+    SIGINT (Ctrl-C, or a notebook's "interrupt kernel"; heard in the main thread only, where Python
+    delivers signals), or `event` set by any thread (factory.run's `stop`). A second SIGINT raises
+    KeyboardInterrupt as usual."""
 
-    def __init__(self, on_first: Any = None):
-        self.requested = False
+    def __init__(self, on_first: Any = None, event: threading.Event | None = None):
+        self.event = event if event is not None else threading.Event()
         self._on_first = on_first  # called with no argument on the first Ctrl-C (to tell the user)
         self._previous: Any = None
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.event.set()
         if self._on_first is not None:
             self._on_first()
 

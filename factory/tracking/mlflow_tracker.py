@@ -132,14 +132,12 @@ def gpu_kind() -> str:
 
 def environment_tags() -> dict[str, str]:
     """Versions, CPU, GPU and git commits: what a run ran on (not part of the plan, shown by diff)."""
-    import factory
-
     tags = {f"factory.version.{name.removesuffix('-rl')}": package_version(name) for name in VERSIONED}
     tags["factory.version.python"] = platform.python_version()
     tags["factory.cpu"] = cpu_model()
     tags["factory.cpu_kind"] = cpu_kind()
     tags["factory.gpu"] = gpu_kind()
-    commits = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(factory.__file__).parent)}
+    commits = {"factory.git_commit": git_commit(), "factory.source_commit": git_commit(Path(__file__).parents[1])}  # factory/
     return {**tags, **{k: v for k, v in commits.items() if v}}
 
 

@@ -49,11 +49,17 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
+    """`run_summary` of the tracked runs, newest first: of one experiment (by name), else of all
+    (`factory runs`, factory.runs)."""
+    return [run_summary(r) for r in open_tracker(uri).runs(experiment, max_results=limit)]
+
+
 def runs_main(args: Any) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    rows = [run_summary(r) for r in open_tracker(args.uri).runs(args.experiment, max_results=args.limit)]
+    rows = list_runs(args.experiment, limit=args.limit, uri=args.uri)
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
         return 0

@@ -1,0 +1,111 @@
+"""Factory from Python: the same program as the `factory` command, which is a thin layer over these functions.
+
+    import factory
+    spec = factory.load("specs/tiny.yaml", ["train.steps=2"])   # a path, YAML text or a dict -> the typed Spec
+    plan = factory.compile(spec)                                   # -> the Plan (`factory plan`)
+    result = factory.run(plan, on_step=lambda step, m: print(step, m["reward/mean"]))   # `factory run`
+    factory.runs(); factory.diff(a, b)                             # `factory runs`, `factory diff --json`
+    factory.evaluate("specs/tiny.yaml", model=result.run_id)       # `factory eval`
+
+A spec error raises `SpecErrors` (its `report()` is what the command prints, FILE:LINE first); a run that
+cannot be found raises `RunLookupError`. `run` works from any thread and from a notebook kernel: `stop`, a
+`threading.Event` any thread may set, ends it after the step in flight, as Ctrl-C does.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from factory.compiler.compile import compile_file, compile_spec
+from factory.compiler.load import SpecInput, SpecSource, load, source_of
+from factory.plan import Plan
+from factory.schema import Spec
+
+if TYPE_CHECKING:
+    from factory.commands.diff import RunRecord
+    from factory.runtime.driver import OnStep, RunResult
+
+
+def load_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> Spec:
+    """The typed, validated spec: `spec` is a path, a YAML text (a string with a line break) or a dict;
+    `overrides` are dot-lists (`train.lr=1e-5`). Raises `SpecErrors` listing every problem."""
+    return load(spec, overrides)[0]
+
+
+def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, connect: bool = False) -> Plan:
+    """The Plan of a spec (a Spec from `load`, a path, a YAML text or a dict): every reference resolved,
+    the stage graph built, the run's hashes. Errors of loading and compiling are raised together as
+    `SpecErrors`. `connect` also starts every tool server to check the tools the spec names."""
+    if isinstance(spec, Spec):
+        if overrides:  # a typed spec is final: overrides apply to what it was loaded from
+            raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec: "
+                            "factory.load(spec, overrides) first")
+        source = source_of(spec) or SpecSource("<spec>", Path.cwd(), "")  # a Spec built in code
+        if connect:  # the tool servers are started from what the spec was read from
+            text = source.file if not source.file.startswith("<") else source.text
+            return compile_file(text, source.overrides, connect=True)[1]
+        return compile_spec(spec, source)
+    return compile_file(spec, overrides, connect=connect)[1]
+
+
+def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step: OnStep | None = None,
+        stop: threading.Event | None = None, resume: str | None = None, allow_spec_change: bool = False,
+        started_at: float | None = None) -> RunResult:
+    """Train: place the plan's stages on Ray, run the loop, track the run in MLflow; returns the run's result
+    (`run_id`, the `before` and `after` eval metrics, the last `checkpoint`, `status` FINISHED or KILLED).
+
+    `plan` may also be anything `compile_plan` takes. `on_step(step, metrics)` hears every step's metrics as
+    they are logged (step 0: the evaluation before training). `stop`: set it from any thread to end the run
+    after the step in flight (logged and checkpointed; the MLflow run KILLED), as Ctrl-C does. `resume`:
+    continue a killed or stopped run (its id, id prefix or name; "" for the newest unfinished run of this
+    spec) from its newest checkpoint."""
+    if not isinstance(plan, Plan):
+        plan = compile_plan(plan, overrides)
+    elif overrides:
+        raise TypeError("overrides go with a spec, not with a compiled Plan")
+    if not plan.driver.resources.ray_address:
+        # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
+        # interface and advertise the machine's address; this flag (read when ray is imported, so set it
+        # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    found = None
+    if resume is not None:
+        import sys
+
+        from factory.runtime.resume import find
+        from factory.tracking.mlflow_tracker import tracking_uri
+
+        d = plan.driver
+        found = find(plan, resume or None, tracking_uri(d.tracking.uri), train=d.train,
+                     experiment=d.tracking.experiment, allow_spec_change=allow_spec_change)
+        print(found.describe(), file=sys.stderr)
+    from factory.runtime.driver import run as run_plan
+
+    return run_plan(plan, found, started_at=started_at, on_step=on_step, stop=stop)
+
+
+def diff_records(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
+                 ) -> tuple[dict[str, Any], RunRecord, RunRecord]:
+    """`diff`, with the two runs' records (what `factory diff` renders)."""
+    from factory.commands.diff import diff_runs
+
+    return diff_runs(run_a, run_b, prompt=prompt, uri=uri)
+
+
+def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> dict[str, Any]:
+    """Two tracked runs (id, id prefix of 8+ characters, or name) compared, as `factory diff --json` prints
+    it: what defined them (`changes`: settings, templates, reward code, data, tool schemas), their
+    `metrics` side by side, and the `trajectories` of the `prompt`-th prompt both saw."""
+    return diff_records(run_a, run_b, prompt=prompt, uri=uri)[0]
+
+
+def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
+    """The tracked runs, newest first, as `factory runs --json` prints them (status, steps done, final
+    reward, eval metrics, duration...). `uri`: the tracking store (default: $MLFLOW_TRACKING_URI, else
+    sqlite:///mlflow.db)."""
+    from factory.tracking.runs import list_runs
+
+    return list_runs(experiment, limit=limit, uri=uri)
