@@ -146,6 +146,16 @@ class ClusterSettings(Settings):
     object_store_gb: float
 
 
+class WatchSettings(Settings):
+    """What the reward-hacking monitors (factory.monitors) read of the reward graph, resolved by the compiler."""
+
+    task_metric: str | None  # the first `metrics` entry (its `eval/` value is the held-out metric)
+    task_node: str | None  # its reward node (its training-batch mean is the task metric)
+    weights: dict[str, float]  # the training node's `sum` inputs and their weights; {} when it is not a sum
+    judges: tuple[str, ...]  # judge nodes
+    verifier: str | None  # the task node when it is a python function (what judges are checked against)
+
+
 class DriverSettings(Settings):
     """What the single controller itself reads: the loop, the eval metrics, tracking and the cluster."""
 
@@ -156,6 +166,7 @@ class DriverSettings(Settings):
     std_eps: float
     tracking: TrackingSpec
     resources: ClusterSettings
+    watch: WatchSettings  # what the monitors read (train.monitors, train.stop_on: their thresholds and stops)
 
 
 S = TypeVar("S", bound=Settings)

@@ -496,6 +496,43 @@ class DeepSpeedSpec(Section):
     """ZeRO-Offload the optimizer states to CPU."""
 
 
+MonitorName = Literal["reward_dominance", "length_drift", "tool_call_rate", "judge_disagreement",
+                      "train_eval_divergence"]
+
+
+class MonitorsSpec(Section):
+    """Thresholds of the reward-hacking monitors (factory.monitors: what each one computes). Each step's
+    recent window (the last `window` steps) is compared with the run's first `window` steps."""
+
+    window: int = Field(2, ge=1)
+    """Steps averaged on each side of a comparison; a monitor speaks from step `window` + 1 on."""
+    min_task_gain: float = Field(0.05, ge=0.0)
+    """The task metric (the node of the first `metrics` entry, on the training batch) "does not move" while
+    its recent mean is less than this above its first steps' mean."""
+    dominance: float = Field(0.8, gt=0.0, le=1.0)
+    """reward_dominance fires when one node other than the task metric's carries at least this share of the
+    training reward's within-group variance (what GRPO's advantages are made of), over the recent window,
+    while the task metric does not move."""
+    length_ratio: float = Field(2.0, gt=1.0)
+    """length_drift fires when the mean response length (model tokens) grew or shrank by this factor from
+    the first steps while the task metric does not move."""
+    tool_call_ratio: float = Field(1.5, gt=1.0)
+    """tool_call_rate fires when tool calls per trajectory rose by this factor from the first steps (by at
+    least 0.5 calls) while the task metric does not move."""
+    disagreement: float = Field(0.3, gt=0.0, le=1.0)
+    """judge_disagreement fires when a judge node and the verifier (the task metric's node, a function)
+    disagree on at least this share of the recent window's trajectories, each read as pass or fail at
+    `pass_at`."""
+    pass_at: float = 0.5
+    """The value at which a judge's or verifier's score counts as a pass (judge_disagreement)."""
+    train_rise: float = Field(0.1, ge=0.0)
+    """train_eval_divergence fires when the training reward's recent mean rose at least this much from the
+    first steps while the held-out metric (the first `metrics` entry's `eval/`) fell by `eval_fall` or more
+    from step 0 to the newest evaluation."""
+    eval_fall: float = Field(0.05, gt=0.0)
+    """See `train_rise`."""
+
+
 class TrainSpec(Section):
     steps: int = Field(50, ge=1)
     """Training steps (one rollout batch and its updates each)."""
@@ -548,6 +585,13 @@ class TrainSpec(Section):
     """Stop the run after this many steps in a row whose updates were all skipped because the loss or the
     gradient norm was inf or NaN (each such update is skipped and counted in `actor/skipped_non_finite`;
     the weights stay finite). 0 = never stop for it."""
+    monitors: MonitorsSpec = MonitorsSpec()
+    """The reward-hacking monitors' thresholds. Every step logs each monitor as `monitor/<name>` (its
+    statistic) and `monitor/<name>/fired` (1 while it fires); the first firing prints a warning line and
+    tags the run (`factory.monitor.<name>`: the step), which `factory runs` and `factory diff` show."""
+    stop_on: list[MonitorName] = []
+    """Monitors that stop the run when they fire: the step is logged and checkpointed, then the run ends
+    with exit code 4 and a message naming the monitor and why (`factory.stopped_by` tag)."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end, and every `checkpoint_every_s`)."""
     checkpoint_every_s: float = Field(1800.0, gt=0)

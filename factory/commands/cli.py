@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 the spec (or the command line, the data or a run it names) is wrong, with
 every problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1
-shows the traceback).
+shows the traceback); 3 a step had too many infrastructure failures; 4 a reward-hacking monitor that
+`train.stop_on` names fired; 130 Ctrl-C.
 `check` and `plan` import no torch, Ray or DeepSpeed: they answer in about a second.
 """
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _run(args: argparse.Namespace) -> int:
     # the time to first step counts from this process's start: the imports and the compile too
     result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
                      started_at=process_started())
+    if result.halted:  # a train.stop_on monitor: its own exit code and why
+        from factory.monitors import EXIT_MONITOR
+
+        print(f"factory: stopped: {result.halted}", file=sys.stderr)
+        return EXIT_MONITOR
     return 130 if result.stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
 
 
@@ -145,7 +151,8 @@ def parser() -> argparse.ArgumentParser:
         prog="factory",
         description="Train tool-using LLM agents with RL from one YAML spec.",
         epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4` (or `--train.lr 3e-6`). "
-               "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback).",
+               "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback), "
+               "3 infrastructure failures, 4 a train.stop_on monitor fired, 130 Ctrl-C.",
     )
     p.add_argument("--version", action="version", version=f"factory {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

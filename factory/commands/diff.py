@@ -6,7 +6,8 @@
    error, never "identical".
 2. A warning when the results are not comparable (different algorithm, data or model).
 3. Metrics side by side with deltas (B - A): final and best reward, per-node rewards, eval metrics at
-   step 0 and at the end, mean step time and its split, tokens/s.
+   step 0 and at the end, the reward-hacking monitors (final statistic, the step each first fired), mean
+   step time and its split, tokens/s.
 4. For prompts both runs saw (same split), their trajectories side by side.
 
 The pure functions (`plan_changes`, `comparability`, `metric_rows`, `common_prompts`) take plain data;
@@ -153,12 +154,16 @@ def _summaries(history: dict[str, list[tuple[int, float]]]) -> dict[tuple[str, s
             if points[0][0] == 0:
                 out[(key, "step 0")] = _num(points[0][1])
             out[(key, "final")] = _num(points[-1][1])
+        elif key.startswith("monitor/") and key.endswith("/fired"):  # the step it first fired (None: never)
+            out[(key.removesuffix("/fired"), "first fired")] = next((float(st) for st, v in points if v >= 1), None)
+        elif key.startswith("monitor/"):
+            out[(key, "final")] = _num(points[-1][1])
         elif key.startswith(("timing/", "perf/")):
             out[(key, "mean")] = sum(values) / len(values) if values else None
     return out
 
 
-_ORDER = ("reward/", "rewards/", "eval/", "timing/step_s", "timing/", "perf/")
+_ORDER = ("reward/", "rewards/", "eval/", "monitor/", "timing/step_s", "timing/", "perf/")
 
 
 def metric_rows(history_a: dict[str, list[tuple[int, float]]],
@@ -178,7 +183,7 @@ def metric_rows(history_a: dict[str, list[tuple[int, float]]],
 
 
 def _histories(tracker: Tracker, run: TrackedRun) -> dict[str, list[tuple[int, float]]]:
-    keys = [k for k in run.metrics if k == "reward/mean" or k.startswith(("eval/", "timing/", "perf/"))
+    keys = [k for k in run.metrics if k == "reward/mean" or k.startswith(("eval/", "monitor/", "timing/", "perf/"))
             or (k.startswith("rewards/") and k.endswith("/mean"))]
     return {k: tracker.metric_history(run.run_id, k) for k in keys}
 

@@ -63,6 +63,7 @@ from factory.plan import (
     Stage,
     ToolsSettings,
     UpdateSettings,
+    WatchSettings,
 )
 from factory.presets import Algorithm, resolve
 from factory.schema import (
@@ -75,6 +76,7 @@ from factory.schema import (
     Spec,
     StageResources,
     StdioServer,
+    SumNode,
     ToolNode,
 )
 from factory.util import version
@@ -694,13 +696,26 @@ def cluster_address(spec: Spec) -> str | None:
     return spec.resources.ray_address or os.environ.get("RAY_ADDRESS") or None
 
 
-def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str],
+def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str], train_node: str | None,
                     ray_address: str | None) -> DriverSettings:
     return DriverSettings(name=spec.name, train=spec.train, metrics=dict(metrics),
                           dynamic_sampling=algorithm.dynamic_sampling, std_eps=algorithm.std_eps,
                           tracking=spec.tracking,
                           resources=ClusterSettings(ray_address=ray_address,
-                                                    object_store_gb=spec.resources.object_store_gb))
+                                                    object_store_gb=spec.resources.object_store_gb),
+                          watch=watch_settings(spec, metrics, train_node))
+
+
+def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | None) -> WatchSettings:
+    """The reward graph as the monitors read it: the task metric and its node, the training node's sum
+    weights, the judges and the verifier they are checked against."""
+    task_metric = next(iter(metrics), None)
+    task_node = metrics.get(task_metric) if task_metric else None
+    trained = spec.rewards.get(train_node) if train_node else None
+    return WatchSettings(task_metric=task_metric, task_node=task_node,
+                         weights=dict(trained.sum) if isinstance(trained, SumNode) else {},
+                         judges=tuple(n for n, v in spec.rewards.items() if isinstance(v, JudgeNode)),
+                         verifier=task_node if isinstance(spec.rewards.get(task_node or ""), FnNode) else None)
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -759,7 +774,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         base_dir=base_dir,
         stages=stages,
         edges=edges,
-        driver=driver_settings(spec, algorithm, metrics, ray_address),
+        driver=driver_settings(spec, algorithm, metrics, train, ray_address),
         hashes=_sorted(hashes),
         version=version(),
         tools={} if tools is None else {n: [t["name"] for t in _offered(spec.tools, n, ls)] for n, ls in tools.items()},

@@ -33,6 +33,7 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import check_infra
 from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
@@ -56,11 +57,13 @@ class RunResult:
     after: dict[str, float]
     checkpoint: str | None
     stopped: bool = False  # Ctrl-C (or a `stop` event) ended it early, after a logged, checkpointed step
+    halted: str | None = None  # a `train.stop_on` monitor ended it early (after a logged, checkpointed step): why
 
     @property
     def status(self) -> str:
-        """The MLflow run's status: FINISHED, or KILLED (MLflow's word for stopped by its user)."""
-        return "KILLED" if self.stopped else "FINISHED"
+        """The MLflow run's status: FINISHED, or KILLED (MLflow's word for stopped by its user: Ctrl-C, a
+        `stop` event, or a monitor the spec's train.stop_on names)."""
+        return "KILLED" if self.stopped or self.halted else "FINISHED"
 
 
 # ------------------------------------------------------------------------------------------ Ray
@@ -573,6 +576,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         display.step(0, before, completed=0)
         on_step(0, before)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
+    watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
+    watch.evaluated(0, before)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"), event=stop_event)
@@ -581,8 +586,11 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             t0 = time.perf_counter()
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
+            m.update(watch.observe(step, trajs, m))           # reward-hacking monitors
+            heed(watch, step, display, tracker)
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
-            stopping = stop.requested  # read once: a Ctrl-C from here on stops after the next step
+            # read once: a Ctrl-C from here on stops after the next step; a stop_on monitor stops after this one
+            stopping = stop.requested or watch.halt is not None
             evaluating = _due(step, d.train.eval_every, d.train.steps)
             saving = (stopping or _due(step, d.train.checkpoint_every, d.train.steps)
                       or time.monotonic() - saved_at >= d.train.checkpoint_every_s)
@@ -590,6 +598,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 if n == step and evaluating:
                     after, eval_trajs = evaluate(g, plan, display, step)
                     m_n.update(after)
+                    watch.evaluated(step, after)
                     tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
                 # the tables first, the metrics last: a step with metrics is a step with its tables (a run
                 # killed between them computes the step again on --resume, and logs the tables again,
@@ -606,7 +615,17 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
                 break
-    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested)
+    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt)
+
+
+def heed(watch: Watch, step: int, display: Any, tracker: Tracker) -> None:
+    """A monitor that fired for the first time: one warning line, and a tag on the run naming the step
+    (`factory runs` and `factory diff` show them); a stop_on monitor's, the tag of what stopped the run."""
+    for name, reading in watch.new:
+        display.status(f"warning: monitor {name} fired at step {step}: {reading.why}")
+        tracker.log_tags({f"factory.monitor.{name}": str(step)})
+    if watch.halted_at == step:
+        tracker.log_tags({"factory.stopped_by": watch.halt[:5000]})
 
 
 def _doing(context: dict[str, Any]) -> str:

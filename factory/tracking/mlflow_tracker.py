@@ -393,6 +393,9 @@ class MlflowTracker:
     def log_text(self, text: str, name: str) -> None:
         self._record("text", text=text, name=name)
 
+    def log_tags(self, tags: dict[str, str]) -> None:
+        self._record("tags", tags=tags)
+
     def _record(self, kind: str, file: Any = None, **fields: Any) -> None:
         if self.spool is None:  # before open_spool (a rescore, a test): straight to the store
             self._send({"kind": kind, **fields}, file)

@@ -1,4 +1,5 @@
-"""Tracked runs from the command line: `factory runs` (a table of runs) and `factory ui` (the MLflow UI).
+"""Tracked runs from the command line: `factory runs` (a table of runs, with the reward-hacking monitors that
+fired in each) and `factory ui` (the MLflow UI).
 Runs are read through the tracking seam (factory.tracking.tracker), which also finds a run by id, id
 prefix or name for `factory diff`, `export`, `rescore` and `--resume`.
 """
@@ -42,7 +43,20 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
         "start_time": run.start_time,
         "duration_s": end - run.start_time if run.start_time and end else None,
         "plan_hash": run.tags.get("factory.plan_hash"),
+        "monitors": monitors(run),
+        "stopped_by": run.tags.get("factory.stopped_by"),
     }
+
+
+def monitors(run: TrackedRun) -> dict[str, dict[str, Any]]:
+    """Each reward-hacking monitor the run logged (factory.monitors): its newest statistic, whether it fires
+    at the newest step, and the step at which it first fired (None: never)."""
+    names = {k.split("/")[1] for k in run.metrics if k.startswith("monitor/")}
+    names |= {k.removeprefix("factory.monitor.") for k in run.tags if k.startswith("factory.monitor.")}
+    fired = {n: run.tags.get(f"factory.monitor.{n}") for n in names}
+    return {n: {"value": _num(run.metrics.get(f"monitor/{n}")),
+                "firing": bool(run.metrics.get(f"monitor/{n}/fired", 0.0)),
+                "fired_at": int(fired[n]) if fired[n] and fired[n].isdigit() else None} for n in sorted(names)}
 
 
 def _fmt(v: float | None, spec: str = ".3f") -> str:
@@ -69,15 +83,17 @@ def runs_main(args: Any) -> int:
         return 0
     eval_keys = sorted({k for r in rows for k in r["eval"]})
     table = Table(title=f"runs in {tracking_uri(args.uri)}")
-    for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "duration", "started"):
+    for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "monitors fired", "duration",
+                "started"):
         numeric = col in ("steps", "reward", "duration") or col in eval_keys
         table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name")
     for r in rows:
         steps = f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
+        fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
         table.add_row(r["run_id"][:8], r["name"], r["spec"], r["status"], steps, _fmt(r["final_reward"]),
-                      *(_fmt(r["eval"].get(k)) for k in eval_keys), dur, started)
+                      *(_fmt(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
     console = Console()
     if not console.is_terminal:  # piped or in a log: do not squeeze the table into 80 columns
         console = Console(width=200)

@@ -1,0 +1,265 @@
+"""Reward-hacking monitors: signs, computed every step from what the run already has, that the policy is
+learning the reward rather than the task (verl#7004: today people catch it by reading charts).
+
+    reward_dominance       one reward node (not the task's) carries most of the training reward's
+                           within-group variance -- what GRPO's advantages are made of -- while the task
+                           metric does not move: the policy is trained on that node alone
+    length_drift           the mean response length grew or shrank by a factor while the task does not move
+    tool_call_rate         tool calls per trajectory rose while the task does not
+    judge_disagreement     a judge node and the verifier (the task's python function) disagree on many
+                           trajectories: one of them is being fooled
+    train_eval_divergence  the training reward rose while the held-out metric fell
+
+The task metric is the first `metrics` entry: its node's mean over the training batch (`rewards/<node>/
+mean`) and its held-out value (`eval/<name>`). "Does not move" compares the recent window (the last
+`train.monitors.window` steps) with the run's first `window` steps (`task_gain`).
+
+Each monitor is a pure function of the run's history -- one `Row` of floats per step (`step_row` makes it
+from the step's trajectories and metrics) plus the evaluations -- and the thresholds; it returns a Reading
+(its statistic, whether it fires, why) or None while the history cannot tell (too few steps, a graph
+without a judge). They are registered by name in MONITORS, which refuses a duplicate. `Watch` holds one
+run's history for the driver: it logs `monitor/<name>` and `monitor/<name>/fired`, remembers the first
+firing of each (a warning line, once) and whether a `train.stop_on` monitor fired.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+from factory.plan import WatchSettings
+from factory.schema import MonitorName, MonitorsSpec
+
+EXIT_MONITOR = 4  # `factory run`'s exit code when a `train.stop_on` monitor stopped the run
+
+Row = dict[str, float]  # one step: reward, task, length, tool_calls, share/<node>, disagree/<judge>
+
+
+@dataclass(frozen=True)
+class History:
+    """What the monitors read: one Row per training step, oldest first, and the held-out metric at each
+    evaluation (step, value), step 0 first."""
+
+    rows: Sequence[Row]
+    evals: Sequence[tuple[int, float]] = ()
+
+
+@dataclass(frozen=True)
+class Reading:
+    value: float  # the monitor's statistic (logged as `monitor/<name>`)
+    fired: bool
+    why: str  # one sentence with the numbers, for the warning line and the stop message
+
+
+Monitor = Callable[[History, MonitorsSpec], "Reading | None"]
+MONITORS: dict[str, Monitor] = {}
+
+
+def monitor(name: str) -> Callable[[Monitor], Monitor]:
+    """Register a monitor under `name` (one of schema.MonitorName); a second one of that name is refused."""
+    def add(fn: Monitor) -> Monitor:
+        if name in MONITORS:
+            raise ValueError(f"monitor {name!r} is registered twice")
+        if name not in get_args(MonitorName):
+            raise ValueError(f"monitor {name!r} is not in factory.schema.MonitorName (train.stop_on names it)")
+        MONITORS[name] = fn
+        return fn
+    return add
+
+
+# ------------------------------------------------------------------------------------ windows
+def _mean(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def windows(h: History, key: str, w: int) -> tuple[float, float] | None:
+    """(mean of `key` over the first `w` steps, over the last `w`), or None before step w + 1 or when a
+    side has no value."""
+    if len(h.rows) < w + 1:
+        return None
+    first, last = (_mean([r.get(key, math.nan) for r in part]) for part in (h.rows[:w], h.rows[-w:]))
+    return None if math.isnan(first) or math.isnan(last) else (first, last)
+
+
+def task_gain(h: History, w: int) -> float | None:
+    """How much the task metric's recent mean rose above its first steps' mean (None: unknown)."""
+    pair = windows(h, "task", w)
+    return None if pair is None else pair[1] - pair[0]
+
+
+def _flat(h: History, s: MonitorsSpec) -> tuple[bool, str] | None:
+    """Whether the task metric "does not move", and how it was measured; None while unknown."""
+    gain = task_gain(h, s.window)
+    if gain is None:
+        return None
+    return gain < s.min_task_gain, f"the task metric moved {gain:+.3f} (under {s.min_task_gain:g} counts as still)"
+
+
+# ----------------------------------------------------------------------------------- monitors
+@monitor("reward_dominance")
+def reward_dominance(h: History, s: MonitorsSpec) -> Reading | None:
+    """The largest recent share of within-group variance carried by one non-task node (`share/<node>`)."""
+    if len(h.rows) < s.window + 1:
+        return None
+    nodes = sorted({k[6:] for r in h.rows[-s.window:] for k in r if k.startswith("share/")})
+    shares = {n: _mean([r.get(f"share/{n}", math.nan) for r in h.rows[-s.window:]]) for n in nodes}
+    shares = {n: v for n, v in shares.items() if not math.isnan(v)}
+    flat = _flat(h, s)
+    if not shares or flat is None:
+        return None
+    node = max(shares, key=lambda n: shares[n])
+    value = shares[node]
+    return Reading(value, value >= s.dominance and flat[0],
+                   f"reward node '{node}' carries {value:.0%} of the training reward's within-group variance over "
+                   f"the last {s.window} steps (threshold {s.dominance:.0%}) and {flat[1]}")
+
+
+def _ratio_monitor(h: History, s: MonitorsSpec, key: str, what: str, ratio: float, *, both_ways: bool,
+                   min_rise: float = 0.0) -> Reading | None:
+    pair, flat = windows(h, key, s.window), _flat(h, s)
+    if pair is None or flat is None:
+        return None
+    first, last = pair
+    value = last / first if first > 0 else (math.inf if last > 0 else 1.0)
+    drifted = value >= ratio and last - first >= min_rise or (both_ways and value <= 1 / ratio)
+    return Reading(value, drifted and flat[0],
+                   f"{what} went from {first:.3g} (first {s.window} steps) to {last:.3g} (last {s.window}), "
+                   f"x{value:.2f} (threshold x{ratio:g}), and {flat[1]}")
+
+
+@monitor("length_drift")
+def length_drift(h: History, s: MonitorsSpec) -> Reading | None:
+    """Recent mean response length (model tokens) over the first steps'."""
+    return _ratio_monitor(h, s, "length", "the mean response length", s.length_ratio, both_ways=True)
+
+
+@monitor("tool_call_rate")
+def tool_call_rate(h: History, s: MonitorsSpec) -> Reading | None:
+    """Recent tool calls per trajectory over the first steps'."""
+    return _ratio_monitor(h, s, "tool_calls", "tool calls per trajectory", s.tool_call_ratio, both_ways=False,
+                          min_rise=0.5)
+
+
+@monitor("judge_disagreement")
+def judge_disagreement(h: History, s: MonitorsSpec) -> Reading | None:
+    """The largest recent share of trajectories on which one judge and the verifier disagree."""
+    recent = h.rows[-s.window:]
+    judges = sorted({k[9:] for r in recent for k in r if k.startswith("disagree/")})
+    rates = {j: _mean([r.get(f"disagree/{j}", math.nan) for r in recent]) for j in judges}
+    rates = {j: v for j, v in rates.items() if not math.isnan(v)}
+    if not rates or len(h.rows) < s.window:
+        return None
+    judge = max(rates, key=lambda j: rates[j])
+    value = rates[judge]
+    return Reading(value, value >= s.disagreement,
+                   f"judge '{judge}' and the verifier disagree on {value:.0%} of the last {s.window} steps' "
+                   f"trajectories (threshold {s.disagreement:.0%}, pass at {s.pass_at:g})")
+
+
+@monitor("train_eval_divergence")
+def train_eval_divergence(h: History, s: MonitorsSpec) -> Reading | None:
+    """The held-out metric's change from step 0 to the newest evaluation (fires when it fell while the
+    training reward rose)."""
+    pair = windows(h, "reward", s.window)
+    if pair is None or len(h.evals) < 2:
+        return None
+    (s0, e0), (sn, en) = h.evals[0], h.evals[-1]
+    rise, value = pair[1] - pair[0], en - e0
+    return Reading(value, rise >= s.train_rise and value <= -s.eval_fall,
+                   f"the training reward rose {rise:+.3f} (threshold {s.train_rise:g}) while the held-out metric "
+                   f"went {e0:.3f} -> {en:.3f} from step {s0} to step {sn} (a fall of {s.eval_fall:g} fires)")
+
+
+def read_all(h: History, s: MonitorsSpec) -> dict[str, Reading]:
+    """Every monitor that can tell from `h`."""
+    return {name: r for name, fn in MONITORS.items() if (r := fn(h, s)) is not None}
+
+
+# --------------------------------------------------------------------------- from trajectories
+def _value(v: float | None) -> float:
+    return 0.0 if v is None or not math.isfinite(v) else float(v)
+
+
+def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights: dict[str, float],
+                    total: str) -> dict[str, float]:
+    """Each sum input's share of the training reward's within-group variance: for T = sum_i w_i r_i,
+    Var(T) = sum_i w_i Cov(r_i, T) within each group, so node i's share is sum_g w_i Cov_g(r_i, T) / sum_g
+    Var_g(T) (the shares add up to 1; a node that moves against the total has a negative one). `groups`:
+    each group's trajectories as {node: value}. Empty when no group's total varies."""
+    var, cov = 0.0, dict.fromkeys(weights, 0.0)
+    for g in groups:
+        if len(g) < 2:
+            continue
+        t = [_value(r.get(total)) for r in g]
+        mt = sum(t) / len(t)
+        var += sum((x - mt) ** 2 for x in t) / len(t)
+        for node, w in weights.items():
+            v = [_value(r.get(node)) for r in g]
+            mv = sum(v) / len(v)
+            cov[node] += w * sum((a - mv) * (b - mt) for a, b in zip(v, t)) / len(t)
+    return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
+
+
+def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, s: MonitorsSpec,
+             total: str) -> Row:
+    """One step of the history from its scored trajectories (those the reward stage kept) and metrics."""
+    kept = [t for t in trajs if t.dropped is None]
+    row: Row = {"reward": metrics.get("reward/mean", math.nan),
+                "task": metrics.get(f"rewards/{w.task_node}/mean", math.nan) if w.task_node else math.nan,
+                "length": metrics.get("response_length/mean", math.nan),
+                "tool_calls": metrics.get("tool_calls/mean", math.nan)}
+    if w.weights:
+        groups: dict[int, list[dict[str, float | None]]] = {}
+        for t in kept:
+            groups.setdefault(t.prompt_index, []).append({**t.rewards, total: t.reward})
+        shares = variance_shares(list(groups.values()), w.weights, total)
+        row.update({f"share/{n}": v for n, v in shares.items() if n != w.task_node})
+    if w.verifier:
+        for judge in w.judges:
+            pairs = [(t.rewards.get(judge), t.rewards.get(w.verifier)) for t in kept]
+            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            if pairs:
+                row[f"disagree/{judge}"] = sum((a >= s.pass_at) != (b >= s.pass_at) for a, b in pairs) / len(pairs)
+    return row
+
+
+# ---------------------------------------------------------------------------------- one run's watch
+@dataclass
+class Watch:
+    """One run's monitors, for the driver: `observe` each step's scored batch, `evaluated` each
+    evaluation; `new` holds the monitors that fired for the first time at the last step, `halt` the
+    first `train.stop_on` monitor that fired (with why)."""
+
+    settings: WatchSettings
+    spec: MonitorsSpec
+    stop_on: Sequence[str] = ()
+    total: str = "__total__"  # the key the trajectory's trained reward goes under in a row
+    rows: list[Row] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    fired: dict[str, int] = field(default_factory=dict)  # monitor -> the step it first fired
+    new: list[tuple[str, Reading]] = field(default_factory=list)
+    halt: str | None = None
+    halted_at: int | None = None  # the step at which `halt` was set
+
+    def evaluated(self, step: int, metrics: dict[str, float]) -> None:
+        key = f"eval/{self.settings.task_metric}"
+        if self.settings.task_metric and key in metrics and math.isfinite(metrics[key]):
+            self.evals.append((step, metrics[key]))
+
+    def observe(self, step: int, trajs: Sequence[Any], metrics: dict[str, float]) -> dict[str, float]:
+        """The step's `monitor/<name>` and `monitor/<name>/fired` metrics."""
+        self.rows.append(step_row(trajs, metrics, self.settings, self.spec, self.total))
+        out: dict[str, float] = {}
+        self.new = []
+        for name, r in read_all(History(self.rows, self.evals), self.spec).items():
+            out[f"monitor/{name}"] = r.value
+            out[f"monitor/{name}/fired"] = float(r.fired)
+            if r.fired and name not in self.fired:
+                self.fired[name] = step
+                self.new.append((name, r))
+            if r.fired and name in self.stop_on and self.halt is None:
+                self.halt = f"monitor {name} fired at step {step} (train.stop_on): {r.why}"
+                self.halted_at = step
+        return out

@@ -1,0 +1,231 @@
+"""The reward-hacking monitors (factory.monitors): hand-worked variance shares, each monitor on step
+histories where it must fire and where it must stay silent, the run's Watch (a warning once, stop_on),
+how `factory runs` and `factory diff` show them, and (slow) real runs: the hackable spec, where
+reward_dominance stops the run at step 3 with exit code 4, and the quickstart, where nothing fires."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+from factory.monitors import (
+    EXIT_MONITOR,
+    MONITORS,
+    History,
+    Watch,
+    monitor,
+    read_all,
+    step_row,
+    variance_shares,
+)
+from factory.plan import WatchSettings
+from factory.schema import MonitorName, MonitorsSpec
+from factory.types import Trajectory
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "monitors"
+S = MonitorsSpec()  # window 2: a monitor speaks from step 3 on
+
+
+def rows(**series: list[float]) -> list[dict[str, float]]:
+    """Step rows from columns: rows(task=[...], length=[...])."""
+    n = len(next(iter(series.values())))
+    return [{k: v[i] for k, v in series.items()} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------- hand-worked
+def test_variance_shares_hand_worked():
+    # one group; T = c + 0.5 f with c = [1,0,1,0], f = [1,1,0,0]: T = [1.5, 0.5, 1, 0], mean 0.75,
+    # Var(T) = (0.5625 + 0.0625 + 0.0625 + 0.5625) / 4 = 0.3125;
+    # Cov(c, T) = (0.5*0.75 + 0.5*0.25 + 0.5*0.25 + 0.5*0.75) / 4 = 0.25          -> share 1 * 0.25 / 0.3125 = 0.8
+    # Cov(f, T) = (0.5*0.75 - 0.5*0.25 - 0.5*0.25 + 0.5*0.75) / 4 = 0.125  -> share 0.5 * 0.125 / 0.3125 = 0.2
+    group = [{"c": c, "f": f, "T": c + 0.5 * f} for c, f in ((1, 1), (0, 1), (1, 0), (0, 0))]
+    shares = variance_shares([group], {"c": 1.0, "f": 0.5}, "T")
+    assert shares == pytest.approx({"c": 0.8, "f": 0.2})
+
+
+def test_variance_shares_are_within_groups_and_empty_without_variance():
+    # the groups differ in c (0 in one, 1 in the other) but c never varies within a group: all of the
+    # within-group variance is f's, whatever the means across groups
+    groups = [[{"c": 0, "f": f, "T": f} for f in (1, 0)], [{"c": 1, "f": f, "T": 1 + f} for f in (0, 1)]]
+    assert variance_shares(groups, {"c": 1.0, "f": 1.0}, "T") == pytest.approx({"c": 0.0, "f": 1.0})
+    flat = [[{"c": 1, "f": 1, "T": 2}] * 4]
+    assert variance_shares(flat, {"c": 1.0, "f": 1.0}, "T") == {}
+
+
+def test_step_row_from_trajectories():
+    def traj(p, c, f, judge=None):
+        rewards = {"correct": c, "fmt": f} | ({"judge": judge} if judge is not None else {})
+        return Trajectory(prompt_index=p, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
+                          stop_reason="no_call", row={}, rewards=rewards, reward=c + f)
+
+    w = WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
+                      judges=("judge",), verifier="correct")
+    trajs = [traj(0, 0.0, 1.0, 0.9), traj(0, 0.0, 0.0, 0.8), traj(1, 1.0, 1.0, 0.1), traj(1, 1.0, 0.0, None)]
+    dropped = traj(1, 0.0, 1.0, 1.0)
+    dropped.dropped = "rewards.judge: missing"  # out of the loss: out of the monitors too
+    row = step_row([*trajs, dropped], {"reward/mean": 1.0, "rewards/correct/mean": 0.5, "response_length/mean": 20.0,
+                                       "tool_calls/mean": 1.0}, w, S, "total")
+    # correct never varies within a group: all the variance is fmt's (the task node's own share is not kept);
+    # the judge passes two wrong answers and fails a right one: 3 of the 3 it scored disagree
+    assert row == {"reward": 1.0, "task": 0.5, "length": 20.0, "tool_calls": 1.0, "share/fmt": 1.0,
+                   "disagree/judge": 1.0}
+
+
+# ---------------------------------------------------------------------------------- the monitors
+def test_the_registry_is_the_schemas_list_and_refuses_a_duplicate():
+    assert set(MONITORS) == set(get_args(MonitorName))
+    with pytest.raises(ValueError, match="registered twice"):
+        monitor("length_drift")(lambda h, s: None)
+    with pytest.raises(ValueError, match="not in factory.schema.MonitorName"):
+        monitor("no_such_monitor")(lambda h, s: None)
+
+
+def test_nothing_speaks_before_step_window_plus_one():
+    h = History(rows(task=[0.0, 0.0], length=[10.0, 90.0], tool_calls=[0.0, 3.0], reward=[0.0, 1.0],
+                     **{"share/fmt": [1.0, 1.0]}))
+    assert read_all(h, S) == {}
+
+
+@pytest.mark.parametrize("name, series, fires", [
+    # one non-task node carries all the within-group variance, the task stays at 0: fires
+    ("reward_dominance", dict(task=[0.0, 0.0, 0.02], **{"share/fmt": [1.0, 0.95, 0.9]}), True),
+    # the same share while the task climbs: a healthy run where the format reward still varies
+    ("reward_dominance", dict(task=[0.1, 0.3, 0.6], **{"share/fmt": [1.0, 0.95, 0.9]}), False),
+    # the task moves little but the format node carries only half: no
+    ("reward_dominance", dict(task=[0.0, 0.0, 0.0], **{"share/fmt": [0.5, 0.5, 0.5]}), False),
+    # lengths double (20, 22 -> 22, 60: means 21 -> 41, x1.95) -- not quite; then x2.1
+    ("length_drift", dict(task=[0.2, 0.2, 0.2], length=[20.0, 22.0, 60.0]), False),
+    ("length_drift", dict(task=[0.2, 0.2, 0.2], length=[20.0, 22.0, 66.0]), True),
+    # shrinking counts too
+    ("length_drift", dict(task=[0.2, 0.2, 0.2, 0.2], length=[80.0, 80.0, 10.0, 10.0]), True),
+    # longer answers that are right more often: no
+    ("length_drift", dict(task=[0.2, 0.4, 0.8], length=[20.0, 22.0, 66.0]), False),
+    # 0.5 -> 2.5 calls per trajectory, task flat: fires
+    ("tool_call_rate", dict(task=[0.3, 0.3, 0.3], tool_calls=[0.5, 0.5, 4.5]), True),
+    # x1.5 but +0.25 calls: too few calls to mean anything
+    ("tool_call_rate", dict(task=[0.3, 0.3, 0.3], tool_calls=[0.1, 0.1, 0.4]), False),
+    # more calls, and more right answers: the tool is being learned
+    ("tool_call_rate", dict(task=[0.1, 0.3, 0.6], tool_calls=[0.5, 0.5, 4.5]), False),
+    ("judge_disagreement", dict(**{"disagree/judge": [0.1, 0.4, 0.5]}), True),
+    ("judge_disagreement", dict(**{"disagree/judge": [0.1, 0.1, 0.2]}), False),
+])
+def test_each_monitor_on_histories(name, series, fires):
+    reading = MONITORS[name](History(rows(**series)), S)
+    assert reading is not None and reading.fired is fires, reading
+
+
+def test_train_eval_divergence():
+    h = History(rows(reward=[0.2, 0.3, 0.5, 0.6]), evals=[(0, 0.5), (2, 0.45), (4, 0.3)])
+    r = MONITORS["train_eval_divergence"](h, S)
+    assert r.fired and r.value == pytest.approx(-0.2) and "0.500 -> 0.300 from step 0 to step 4" in r.why
+    rising = History(rows(reward=[0.2, 0.3, 0.5, 0.6]), evals=[(0, 0.5), (4, 0.7)])
+    assert not MONITORS["train_eval_divergence"](rising, S).fired
+    assert MONITORS["train_eval_divergence"](History(rows(reward=[0.2, 0.3, 0.5])), S) is None  # one evaluation
+
+
+def _recorded(name: str) -> list[dict[str, float]]:
+    return json.loads((FIXTURES / f"{name}.json").read_text())["rows"]
+
+
+def test_recorded_hackable_run_fires_reward_dominance_at_step_3():
+    """The rows the Watch made of a real run of specs/hackable.yaml (recorded: docs in the fixture)."""
+    recorded = _recorded("hackable")
+    w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier=None), S,
+              ("reward_dominance",))
+    fired_at = next(i + 1 for i in range(len(recorded))
+                    if (r := MONITORS["reward_dominance"](History(recorded[:i + 1]), S)) and r.fired)
+    assert fired_at == 3
+    assert w.spec.window + 1 == 3
+
+
+# ---------------------------------------------------------------------------------- the run's watch
+class _Traj:
+    def __init__(self, p, rewards, reward):
+        self.prompt_index, self.rewards, self.reward, self.dropped = p, rewards, reward, None
+
+
+def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
+    w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
+                            judges=(), verifier="correct"), S, stop_on=("reward_dominance",))
+    w.evaluated(0, {"eval/accuracy": 0.0})
+    batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
+    m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
+    out = [w.observe(step, batch, m) for step in (1, 2, 3, 4)]
+    assert out[0] == {} and out[1] == {}
+    assert out[2]["monitor/reward_dominance"] == 1.0 and out[2]["monitor/reward_dominance/fired"] == 1.0
+    assert out[2]["monitor/length_drift"] == 1.0 and out[2]["monitor/length_drift/fired"] == 0.0
+    assert w.fired == {"reward_dominance": 3} and w.halted_at == 3 and w.new == []  # step 4: not new again
+    assert w.halt.startswith("monitor reward_dominance fired at step 3 (train.stop_on): reward node 'fmt' "
+                             "carries 100% of the training reward's within-group variance")
+    assert EXIT_MONITOR == 4
+
+
+# ---------------------------------------------------------------------------------- runs and diff
+def test_runs_and_diff_show_the_monitors():
+    from factory.commands.diff import metric_rows
+    from factory.tracking.runs import run_summary
+    from factory.tracking.tracker import TrackedRun
+
+    run = TrackedRun("r1", "hackable-1", "0", "KILLED", 0.0, 1.0,
+                     tags={"factory.monitor.reward_dominance": "3", "factory.stopped_by": "monitor reward_dominance"},
+                     metrics={"monitor/reward_dominance": 1.0, "monitor/reward_dominance/fired": 1.0,
+                              "monitor/length_drift": 1.1, "monitor/length_drift/fired": 0.0})
+    s = run_summary(run)
+    assert s["monitors"] == {"length_drift": {"value": 1.1, "firing": False, "fired_at": None},
+                             "reward_dominance": {"value": 1.0, "firing": True, "fired_at": 3}}
+    assert s["stopped_by"] == "monitor reward_dominance"
+    hist_a = {"monitor/reward_dominance": [(3, 0.5), (4, 0.6)], "monitor/reward_dominance/fired": [(3, 0.0), (4, 0.0)]}
+    hist_b = {"monitor/reward_dominance": [(3, 1.0)], "monitor/reward_dominance/fired": [(3, 1.0)]}
+    got = {(r["metric"], r["agg"]): (r["a"], r["b"]) for r in metric_rows(hist_a, hist_b)}
+    assert got == {("monitor/reward_dominance", "final"): (0.6, 1.0),
+                   ("monitor/reward_dominance", "first fired"): (None, 3.0)}
+
+
+# ---------------------------------------------------------------------------------- real runs
+def _factory_run(spec: str, tmp_path: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    return subprocess.run([sys.executable, "-m", "factory", "run", str(REPO / spec), *overrides,
+                           f"train.checkpoint_dir={tmp_path}/runs"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _tracked(tmp_path: Path):
+    from factory.tracking.tracker import open_tracker
+
+    tracker = open_tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = tracker.runs()
+    return tracker, run
+
+
+@pytest.mark.slow  # a real run of the tiny model (Ray, MCP, DeepSpeed, MLflow): ~1 min on 2 cores
+def test_hackable_spec_stops_on_reward_dominance_at_step_3(tmp_path):
+    out = _factory_run("specs/hackable.yaml", tmp_path, timeout=900)
+    assert out.returncode == EXIT_MONITOR, out.stderr[-3000:]
+    assert "factory: stopped: monitor reward_dominance fired at step 3 (train.stop_on)" in out.stderr
+    assert out.stdout.count("warning: monitor reward_dominance fired") + out.stderr.count(
+        "warning: monitor reward_dominance fired") == 1
+    tracker, run = _tracked(tmp_path)
+    assert run.status == "KILLED" and run.tags["factory.monitor.reward_dominance"] == "3"
+    assert run.tags["factory.step"] == "3" and run.tags["factory.stopped_by"].startswith("monitor reward_dominance")
+    listed = subprocess.run([sys.executable, "-m", "factory", "runs", "--json", "--uri",
+                             f"sqlite:///{tmp_path}/mlflow.db"], capture_output=True, text=True, timeout=120)
+    (shown,) = json.loads(listed.stdout)
+    assert shown["monitors"]["reward_dominance"]["fired_at"] == 3
+
+
+@pytest.mark.slow  # the quickstart end to end: ~15 min on a 2-core CPU
+def test_quickstart_fires_no_monitor(tmp_path):
+    out = _factory_run("specs/quickstart.yaml", tmp_path, timeout=3600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tracker, run = _tracked(tmp_path)
+    fired = {k: v for k, v in run.tags.items() if k.startswith("factory.monitor.")}
+    assert fired == {}
+    assert any(k.startswith("monitor/") for k in run.metrics)  # they were computed, and stayed silent
+    assert all(not math.isnan(v) for k, v in run.metrics.items() if k.startswith("monitor/") and k.endswith("/fired"))
