@@ -22,6 +22,7 @@ from factory.schema import (
     DataSpec,
     LocalJudge,
     ModelSpec,
+    ReplaySpec,
     RewardNode,
     RolloutSpec,
     ToolSpec,
@@ -97,6 +98,7 @@ class RolloutSettings(Settings):
 class ToolsSettings(Settings):
     tools: dict[str, ToolSpec]
     base_dir: str
+    record: bool = True  # tracking.record_tools: keep every call for the run's tool_calls tables
 
 
 class RewardSettings(Settings):
@@ -166,6 +168,7 @@ class DriverSettings(Settings):
     std_eps: float
     tracking: TrackingSpec
     resources: ClusterSettings
+    replay: ReplaySpec  # the run whose recorded tool calls answer this one's (replay.run; None: none)
     watch: WatchSettings  # what the monitors read (train.monitors, train.stop_on: their thresholds and stops)
 
 

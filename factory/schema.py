@@ -96,6 +96,12 @@ class _ToolCommon(Section):
     """Only these of the server's tools are offered to the model. Unset: all of them."""
     max_result_chars: int = 4096
     """Longer results are cut to this size, head and tail kept, with a marker in the middle."""
+    cache: bool = False
+    """The server's tools are deterministic: keep their answers across runs (on disk, in
+    `$FACTORY_CACHE/tool-cache.sqlite`, default `~/.cache/factory`), keyed by the tool's schema hash and its
+    arguments, and answer a call seen before from there. Only answers that came back (`ok` or the tool's
+    own error) are kept, never an infrastructure failure. Each step logs `tool_servers/<server>/cache_hits`
+    and `cache_misses`."""
 
 
 class StdioServer(_ToolCommon):
@@ -630,6 +636,11 @@ class TrackingSpec(Section):
     """MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory."""
     tags: dict[str, str] = {}
     """Extra tags on the MLflow run."""
+    record_tools: bool = True
+    """Record every tool call that reaches a tool (its origin in the run, the request, the whole result,
+    status and latency) in a table per step logged with the run (`tool_calls/step_NNNNN.parquet`): what
+    `factory run SPEC --replay RUN` serves calls from. (The issue's `tools.record`: under `tools:` it
+    would take a server's name.)"""
     log_trajectories: int | None = 16
     """Trajectories per step logged as MLflow traces (the UI's view of episodes; None = all). The step's
     trajectory table always holds every trajectory, so `factory rescore` can score each step again."""
@@ -670,6 +681,17 @@ class ResourcesSpec(Section):
     serves every rollout replica and the reward stage."""
 
 
+class ReplaySpec(Section):
+    run: str | None = None
+    """A tracked run (id, id prefix or name) whose recorded tool calls (`tracking.record_tools`) answer this
+    run's: a call made at the same place in the run (split, step, prompt, sample, turn, call) with the same
+    tool and arguments gets the recorded result, and the tool is not called. `factory run SPEC --replay RUN`
+    sets it. A reward node's calls are matched by tool and arguments, in order."""
+    on_miss: Literal["fail", "live"] = "fail"
+    """A call the recording does not hold (the run went elsewhere). fail: the run stops at the end of that
+    step (exit code 2) naming the first call missed; live: the tool is called."""
+
+
 # ---------------------------------------------------------------------------------------------- spec
 class Spec(Section):
     name: str
@@ -700,6 +722,9 @@ class Spec(Section):
     """The update stage."""
     tracking: TrackingSpec = TrackingSpec()
     """MLflow tracking."""
+    replay: ReplaySpec = ReplaySpec()
+    """Serve tool calls from an earlier run's recording: a run repeated exactly, or a flaky tool debugged
+    after the fact."""
     resources: ResourcesSpec = ResourcesSpec()
     """Ray placement."""
     # Where `factory.load` read this spec (the compiler's SpecSource: its file, lines and overrides), so that

@@ -21,6 +21,9 @@ class ToolCall:
     arguments: dict[str, Any] | None  # None when the call's JSON could not be parsed
     raw: str  # the text between the call markers, as the model wrote it
     parse_error: str | None = None
+    # Where in the run the call was made, "<split>/<step>/<attempt>/<prompt>/<sample>/<turn>/<k>" (the
+    # rollout sets it; "" for a reward node's call): the key a replay serves the recorded answer by.
+    origin: str = ""
 
 
 @dataclass

@@ -41,7 +41,15 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc"}, {"plan.json": "{}"})
     t.log_metrics({"reward/mean": 0.5}, step=1)
     t.log_trajectories([_traj()], step=1)
+    calls = [{"origin": f"train/1/0/0/{i}/0/0", "server": "s", "tool": "t", "arguments": "{}", "text": "x" * 5000,
+              "status": "ok", "error_kind": None, "latency_s": 0.5, "source": "live"} for i in range(3)]
+    t.log_tool_calls(calls[:2], 1)
+    t.log_tool_calls([], 2)  # nothing called: no table
+    t.log_tool_calls(calls[2:], 3)
     t.end()
+    # the recorded tool calls (what --replay serves): whole results, in order
+    assert t.artifacts(run_id, "tool_calls") == ["tool_calls/step_00001.parquet", "tool_calls/step_00003.parquet"]
+    assert t.tool_calls(run_id) == calls
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.data.params["train.lr"] == "1e-05" and run.data.tags["factory.spec_hash"] == "abc"

@@ -56,6 +56,8 @@ def _run(args: argparse.Namespace) -> int:
     from factory.commands import api
     from factory.runtime.startup import process_started
 
+    if args.replay is not None:  # the same as the override, which the run's plan records
+        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
     plan = api.compile_plan(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
@@ -170,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="RUN",
                      help="continue a killed or stopped run from its newest checkpoint, in the same MLflow run: "
                           "RUN (id, id prefix or name), else the newest unfinished run of this spec")
+    run.add_argument("--replay", default=None, metavar="RUN",
+                     help="answer tool calls from RUN's recorded calls (id, id prefix or name) instead of calling "
+                          "the tools (= replay.run=RUN; replay.on_miss=live calls the tools for calls RUN did not make)")
     run.add_argument("--allow-spec-change", action="store_true",
                      help="with --resume: continue the run although the spec, overrides, templates, reward code "
                           "or data differ from its own (recorded on the run)")

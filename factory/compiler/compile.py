@@ -647,7 +647,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     if spec.tools:
         servers = ", ".join(f"{n} x{s.replicas}" if getattr(s, "replicas", 1) > 1 else n for n, s in spec.tools.items())
         stages.append(Stage("tools", f"MCP/python tool servers, once for the cluster: {servers}",
-                            "factory.tools.stage:ToolsStage", ToolsSettings(tools=spec.tools, base_dir=base_dir),
+                            "factory.tools.stage:ToolsStage",
+                            ToolsSettings(tools=spec.tools, base_dir=base_dir, record=spec.tracking.record_tools),
                             ("tool_calls",), ("tool_results",), 1, _bundle(res.tools)))
         edges += [Edge("rollout", "tools", "tool_calls", "call", method="call", role=tool_peer or ""),
                   Edge("tools", "rollout", "tool_results", "call")]
@@ -703,7 +704,7 @@ def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str]
                           tracking=spec.tracking,
                           resources=ClusterSettings(ray_address=ray_address,
                                                     object_store_gb=spec.resources.object_store_gb),
-                          watch=watch_settings(spec, metrics, train_node))
+                          replay=spec.replay, watch=watch_settings(spec, metrics, train_node))
 
 
 def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | None) -> WatchSettings:

@@ -51,10 +51,11 @@ async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
 
 async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, messages: list[dict[str, Any]],
                          row: dict[str, Any], prompt_index: int, sample_index: int, cfg: RolloutSpec,
-                         sampling: Sampling, seed: int | None = None) -> Trajectory:
+                         sampling: Sampling, seed: int | None = None, origin: str = "") -> Trajectory:
     """One episode: the model's turns and the tool responses between them, as ids with a loss mask and
     the sampler's log-prob of every model token. With `seed`, turn k samples with its own seed derived
-    from (seed, k)."""
+    from (seed, k). `origin` names the episode in the run: call k of turn t is `<origin>/<t>/<k>`
+    (ToolCall.origin, what a replay finds its recorded answer by)."""
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
     mask: list[int] = []
@@ -83,7 +84,9 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         logprobs += gen.logprobs if len(gen.logprobs) == len(gen.ids) else [0.0] * len(gen.ids)
         # The stop token is not part of what the model said; parse and log the text before it.
         text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-        turn = Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text), started_at=started,
+        calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c
+                 for k, c in enumerate(parse_tool_calls(text))]
+        turn = Turn(text=text, num_tokens=len(gen.ids), calls=calls, started_at=started,
                     generated_at=generated, ended_at=generated)
         turns.append(turn)
         if not turn.calls:
@@ -122,17 +125,18 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
 async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
                   group_size: int, cfg: RolloutSpec, sampling: Sampling,
                   on_done: Callable[[Trajectory], None] | None = None,
-                  seed_key: tuple[int, ...] | None = None, first_index: int = 0) -> list[Trajectory]:
+                  seed_key: tuple[int, ...] | None = None, first_index: int = 0, origin: str = "") -> list[Trajectory]:
     """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index).
     `on_done` is called as each trajectory finishes (the stage counts them for its progress report).
     `seed_key` (e.g. (spec seed, step)) seeds every request from (seed_key, prompt, sample, turn) rather
     than from a generator whose draws would depend on how requests happened to be batched. Prompts are
-    numbered from `first_index` (a rollout replica's part of a step starts there)."""
+    numbered from `first_index` (a rollout replica's part of a step starts there). `origin` ("train/3/0")
+    prefixes each episode's `<prompt>/<sample>` in its calls' origins."""
 
     async def one(messages: list[dict[str, Any]], row: dict[str, Any], p: int, s: int) -> Trajectory:
         seed = None if seed_key is None else request_seed(*seed_key, p, s)
         t = await run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
-                                 cfg=cfg, sampling=sampling, seed=seed)
+                                 cfg=cfg, sampling=sampling, seed=seed, origin=f"{origin}/{p}/{s}" if origin else "")
         if on_done is not None:
             on_done(t)
         return t

@@ -158,17 +158,18 @@ class RolloutStage(StageActor):
         """`generate`, streamed: each prompt's group as soon as its last sample ends (in the order they
         finish), then, last, the RolloutPart `generate` answers. One item per prompt, then the part."""
         async for item in self._run(batch, first_index, self.settings.rollout.group_size, greedy=False,
-                                    seed_key=(self.settings.seed, step, attempt)):
+                                    seed_key=(self.settings.seed, step, attempt), origin=f"train/{step}/{attempt}"):
             yield item
 
     async def evaluate_groups(self, batch: pa.Table, first_index: int = 0, *,
                               step: int = 0) -> AsyncIterator[list[Trajectory] | RolloutPart]:
         """`evaluate`, streamed as `generate_groups` streams `generate`."""
-        async for item in self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0)):
+        async for item in self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0),
+                                    origin=f"eval/{step}/0"):
             yield item
 
     async def _run(self, batch: pa.Table, first_index: int, group_size: int, *, greedy: bool,
-                   seed_key: tuple[int, ...]) -> AsyncIterator[list[Trajectory] | RolloutPart]:
+                   seed_key: tuple[int, ...], origin: str) -> AsyncIterator[list[Trajectory] | RolloutPart]:
         from factory.data import from_table
         from factory.rollout.agent import rollout, sampling_from_spec
 
@@ -182,7 +183,7 @@ class RolloutStage(StageActor):
         task = asyncio.ensure_future(rollout(
             _Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"), prompts,
             group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, greedy=greedy),
-            on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index))
+            on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index, origin=origin))
         task.add_done_callback(lambda _: finished.put_nowait(None))  # ended (or failed): wake the reader
         try:
             groups: dict[int, list[Trajectory]] = defaultdict(list)

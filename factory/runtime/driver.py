@@ -572,6 +572,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     else:
         before, eval_trajs = evaluate(g, plan, display, 0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
+        log_tool_calls(g, tracker, 0, plan)
         tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
         on_step(0, before)
@@ -604,6 +605,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 # killed between them computes the step again on --resume, and logs the tables again,
                 # under the same names); and both before the checkpoint: a checkpointed step is a logged one
                 tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
+                log_tool_calls(g, tracker, n, plan)  # every tool call since the last table (tracking.record_tools)
                 tracker.log_metrics(m_n, step=n)
                 display.step(n, m_n)
                 on_step(n, m_n)
@@ -616,6 +618,33 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             if stopping:
                 break
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt)
+
+
+def log_tool_calls(g: Groups, tracker: Tracker, step: int, plan: Plan) -> None:
+    """The tool calls recorded since the last table, as the step's `tool_calls` table; a replay that could
+    not answer some of them stops the run here under `replay.on_miss: fail` (factory.tools.recording)."""
+    from factory.tools.recording import ReplayMiss
+
+    for group in (x for x in g.values() if x.contract.records_tools):
+        taken = group.call("take_recording")
+        tracker.log_tool_calls(taken["rows"], step)
+        if taken["misses"] and plan.driver.replay.on_miss == "fail":
+            raise ReplayMiss(f"step {step}: the recording of run {plan.driver.replay.run} has no answer for "
+                             f"{len(taken['misses'])} tool calls, first {taken['misses'][0]}: this run went "
+                             "elsewhere (a changed spec, model or data); replay.on_miss=live calls the tools instead")
+
+
+def replay_tools(g: Groups, tracker: Tracker, plan: Plan) -> None:
+    """Hand the recorded tool calls of the run `replay.run` names to the stages that record tool calls."""
+    from factory.util import UserError
+
+    run = tracker.run(plan.driver.replay.run)
+    rows = tracker.tool_calls(run.run_id)
+    if not rows:
+        raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
+                        "was off, or it made none)")
+    for group in (x for x in g.values() if x.contract.records_tools):
+        group.call("replay", rows, plan.driver.replay.on_miss)
 
 
 def heed(watch: Watch, step: int, display: Any, tracker: Tracker) -> None:
@@ -678,6 +707,10 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
             resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
             listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
             placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
+            if d.replay.run:  # before the run is opened: a run that cannot be replayed opens none
+                replay_tools(groups, tracker, plan)
+                display.status(f"tool calls answered from run {d.replay.run}'s recording "
+                               f"(replay.on_miss: {d.replay.on_miss})")
             plan = (tracker.resume(resume, plan, listing) if resume else
                     tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
             startup.lap("tracking")

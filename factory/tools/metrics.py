@@ -3,7 +3,7 @@
 Names: `tools/<tool>/calls`, `.../model_errors`, `.../infra_errors`, `.../timeouts`, `.../errors` (both kinds),
 `.../latency_s_p50`, `.../latency_s_p95`; totals `tools/calls`, `tools/model_errors`,
 `tools/infra_errors`, `tools/timeouts`; per server `tool_servers/<server>/restarts` and
-`tool_servers/<server>/circuit_opens`. A call to a name that is no tool (the model made it up) is
+`tool_servers/<server>/circuit_opens` (and `cache_hits`, `cache_misses` for a server marked `cache: true`). A call to a name that is no tool (the model made it up) is
 counted in the totals only, so a model cannot grow the metric set without bound.
 """
 from __future__ import annotations
@@ -60,8 +60,9 @@ class ToolMetrics:
             stats.latencies.append(result.latency_s)
 
     def server_event(self, server: str, event: str, count: int = 1) -> None:
-        """Count a server-level event: `restarts` or `circuit_opens`."""
-        self._servers[server][event] += count
+        """Count a server-level event: `restarts`, `circuit_opens`, or (a server marked `cache: true`)
+        `cache_hits` and `cache_misses`."""
+        self._servers[server][event] = self._servers[server].get(event, 0) + count
 
     def add(self, other: ToolMetrics) -> None:
         """Count another's calls and server events in this one too."""

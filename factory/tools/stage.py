@@ -20,7 +20,7 @@ class ToolsStage(StageActor):
     tool reward nodes) call `schemas`, `call` and `server_events` through their `ToolsClient`."""
 
     CONTRACT = Contract(calls={"call": Call("one"), "schemas": Call("one"), "server_events": Call("one")},
-                        lists_tools=True, inline=True)
+                        lists_tools=True, records_tools=True, inline=True)
 
     def __init__(self, settings: ToolsSettings):
         self.settings = settings
@@ -32,7 +32,8 @@ class ToolsStage(StageActor):
         from factory.tools.toolbox import ToolBox
 
         enter_workdir((placement or Placement()).workdir)
-        self.box = ToolBox.from_spec(self.settings.tools, base_dir=Path(self.settings.base_dir))
+        self.box = ToolBox.from_spec(self.settings.tools, base_dir=Path(self.settings.base_dir),
+                                     record=self.settings.record)
         await self.box.start()
         return {"node": node_id(), "tools": [s["function"]["name"] for s in self.box.schemas()]}
 
@@ -46,6 +47,21 @@ class ToolsStage(StageActor):
         """server -> [{name, offered_as, description, inputSchema}] of the tools offered to the model, as the
         started servers list them (what the run's tool-schema hash is computed from)."""
         return self.box.tool_listing()
+
+    async def take_recording(self) -> dict[str, Any]:
+        """The calls recorded since the last take (factory.tools.recording: table rows; [] when the run does
+        not record), and the calls a replay could not answer meanwhile."""
+        rows = self.box.recorder.take() if self.box.recorder is not None else []
+        misses = self.box.replay.misses if self.box.replay is not None else []
+        if self.box.replay is not None:
+            self.box.replay.misses = []
+        return {"rows": rows, "misses": misses}
+
+    async def replay(self, rows: list[dict[str, Any]], on_miss: str) -> None:
+        """Answer calls from a recorded run's rows from now on (factory.tools.recording.Replay)."""
+        from factory.tools.recording import Replay
+
+        self.box.replay = Replay(rows, on_miss)
 
     async def server_events(self) -> dict[str, dict[str, int]]:
         """Restarts and circuit opens since the last ask (callers count their own calls)."""

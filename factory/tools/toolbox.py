@@ -32,6 +32,7 @@ import jsonschema.validators
 
 from factory.schema import PythonTool, ToolSpec
 from factory.tools.metrics import ToolMetrics
+from factory.tools.recording import Recorder, Replay, ToolCache
 from factory.tools.resilience import Resilience
 from factory.tools.results import infra_error, model_error, truncate_middle
 from factory.tools.servers import McpServer, PythonFunction
@@ -64,8 +65,14 @@ class ToolBox:
     metrics carry over until reset.
     """
 
-    def __init__(self, tools: Mapping[str, ToolSpec], *, base_dir: Path | None, resilience: Resilience) -> None:
+    def __init__(self, tools: Mapping[str, ToolSpec], *, base_dir: Path | None, resilience: Resilience,
+                 record: bool = False) -> None:
         self._specs = dict(tools)
+        # factory.tools.recording: the calls kept for the run's tables, a recording that answers calls, the
+        # cross-run cache of the servers marked `cache: true` (opened on first use)
+        self.recorder = Recorder() if record else None
+        self.replay: Replay | None = None
+        self._cache: ToolCache | None = None
         self._base_dir = base_dir
         self._resilience = resilience
         self._metrics = ToolMetrics()
@@ -77,13 +84,15 @@ class ToolBox:
 
     @classmethod
     def from_spec(
-        cls, tools: Mapping[str, ToolSpec], *, base_dir: Path | None = None, resilience: Resilience | None = None
+        cls, tools: Mapping[str, ToolSpec], *, base_dir: Path | None = None, resilience: Resilience | None = None,
+        record: bool = False,
     ) -> ToolBox:
-        """Build, without side effects: nothing is started, imported or connected until `start()`."""
+        """Build, without side effects: nothing is started, imported or connected until `start()`. `record`:
+        keep every call that reaches a tool in `recorder` (factory.tools.recording)."""
         for name in tools:
             if QUALIFIER in name:
                 raise ValueError(f"tool server name {name!r} must not contain {QUALIFIER!r} (it joins server and tool)")
-        return cls(tools, base_dir=base_dir, resilience=resilience or Resilience())
+        return cls(tools, base_dir=base_dir, resilience=resilience or Resilience(), record=record)
 
     def _make_backend(self, name: str, spec: ToolSpec) -> Backend:
         if isinstance(spec, PythonTool):
@@ -119,6 +128,8 @@ class ToolBox:
         """Stop every server (no orphan processes). Safe to call twice."""
         self._running = False
         await self._close_backends()
+        if self._cache is not None:
+            self._cache.close()
 
     async def _close_backends(self) -> None:
         backends, self._backends = self._backends, {}
@@ -208,11 +219,38 @@ class ToolBox:
         problem = argument_problem(self._validators[name], call.arguments)
         if problem is not None:
             return model_error(name, "bad_arguments", f"Error: invalid arguments for {name}: {problem}")
+        started, source = time.perf_counter(), "live"
+        result = self.replay.answer(call, entry.server, entry.tool) if self.replay is not None else None
+        if result is not None:
+            source = "replay"
+        elif self.replay is not None and self.replay.on_miss == "fail":
+            return infra_error(name, "replay_miss", f"Error: the replayed run has no answer for this call to {name}.")
+        else:
+            result, source = await self._cached_or_live(call, entry)
+        if self.recorder is not None:
+            self.recorder.add(call, entry.server, entry.tool, result, time.perf_counter() - started, source)
+        return result
+
+    async def _cached_or_live(self, call: ToolCall, entry: ToolEntry) -> tuple[ToolResult, str]:
+        """The server's answer, from the cross-run cache when the server is marked `cache: true`."""
+        key = None
+        if self._specs[entry.server].cache:
+            self._cache = self._cache or ToolCache()
+            key = ToolCache.key(entry.server, entry.tool, entry.input_schema, call.arguments)
+            cached = self._cache.get(key)
+            self._metrics.server_event(entry.server, "cache_hits" if cached else "cache_misses")
+            if cached is not None:
+                cached.tool = entry.offered
+                return cached, "cache"
         try:
-            return await self._backends[entry.server].call(entry.tool, call.arguments)
+            result = await self._backends[entry.server].call(entry.tool, call.arguments)
         except Exception as exc:  # a bug of ours must not end a rollout: count it as infrastructure
-            log.exception("tool call %s failed unexpectedly", name)
-            return infra_error(name, "transport", f"Error: the call to {name} failed ({type(exc).__name__}).")
+            log.exception("tool call %s failed unexpectedly", entry.offered)
+            return infra_error(entry.offered, "transport",
+                               f"Error: the call to {entry.offered} failed ({type(exc).__name__})."), "live"
+        if key is not None:
+            self._cache.put(key, result)
+        return result, "live"
 
     def server_events(self) -> dict[str, dict[str, int]]:
         """Restarts and circuit opens since the last ask, and a fresh count (for the tools stage, whose

@@ -5,7 +5,8 @@
   GPU kind, the last step done, the newest checkpoint;
 - artifacts: `plan.json` (with the tool schemas hashed after the servers started), `spec.yaml`,
   `tools.json` (the tool listing the model was offered), `checkpoints.json`, and per step a parquet table
-  of trajectories (`trajectories/step_NNNNN.parquet`, `eval_trajectories/...`);
+  of trajectories (`trajectories/step_NNNNN.parquet`, `eval_trajectories/...`) and one of the tool calls
+  made since the last (`tool_calls/step_NNNNN.parquet`: factory.tools.recording);
 - metrics per step, named as in DESIGN.md;
 - traces: each logged trajectory as an MLflow trace (a span per turn and per tool call, with latency and
   status), linked to the run, so the MLflow UI shows the agent's episodes.
@@ -376,6 +377,27 @@ class MlflowTracker:
             except Exception as e:  # noqa: BLE001 -- a view of the table, never worth the run
                 self._note(f"traces of step {step} not logged: {type(e).__name__}: {str(e)[:200]}")
 
+    def log_tool_calls(self, rows: list[dict[str, Any]], step: int) -> None:
+        """`tool_calls/step_NNNNN.parquet`: the calls recorded since the last table (spooled, as the
+        trajectory tables are: it is what `--replay` serves calls from)."""
+        if not rows or step <= self.logged:
+            return
+        from factory.tools.recording import COLUMNS
+
+        table = pa.Table.from_pylist(rows, schema=TOOL_CALLS)
+        assert table.column_names == list(COLUMNS)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"step_{step:05d}.parquet"
+            pq.write_table(table, path, compression="zstd")
+            self._record("artifact", file=path, artifact_path="tool_calls")
+
+    def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in sorted(p for p in self.artifacts(run_id, "tool_calls") if p.endswith(".parquet")):
+                rows += pq.read_table(self.download(run_id, path, tmp)).to_pylist()
+        return rows
+
     def log_checkpoint(self, step: int, path: str) -> None:
         """Where the step's checkpoint is: tags `factory.checkpoint` (the newest, absolute) and
         `factory.checkpoint_step`, and `checkpoints.json` listing every one ({step, path, hf}). With
@@ -537,6 +559,9 @@ class MlflowTracker:
 
 
 SPOOL = "tracking-spool"  # in the run's own folder
+TOOL_CALLS = pa.schema([("origin", pa.string()), ("server", pa.string()), ("tool", pa.string()),
+                        ("arguments", pa.string()), ("text", pa.string()), ("status", pa.string()),
+                        ("error_kind", pa.string()), ("latency_s", pa.float64()), ("source", pa.string())])
 STEP_KEY = "timing/step_s"  # the metric every training step logs (factory.runtime.resume.STEP_METRIC)
 RETRY_S = 10.0  # while the tracking store is down, try it again at most this often
 

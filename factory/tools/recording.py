@@ -1,0 +1,141 @@
+"""Record, replay and cache tool calls, at the one seam every call crosses: the ToolBox's call to a
+server (after the call was routed and its arguments checked against the tool's schema, before the server
+is reached).
+
+- Recording (`tracking.record_tools`, on by default): each call that reaches a tool becomes a row -- where
+  in the run it was made (ToolCall.origin), the server, the tool, the arguments, the whole result, its
+  status, error kind and latency. The driver takes the rows after each step and logs them as the step's
+  `tool_calls/step_NNNNN.parquet` table.
+- Replay (`replay.run`, `factory run SPEC --replay RUN`): a recorded run's rows answer this run's calls.
+  A call is matched by its origin and must name the same tool with the same arguments; a call without an
+  origin (a reward node's) takes the next unused row of the same tool and arguments. A call the recording
+  does not hold is a miss: `replay.on_miss: live` calls the tool, `fail` answers an infrastructure error
+  (`replay_miss`) and the driver stops the run at the end of the step, naming the first miss.
+- Cache (`tools.<server>.cache: true`): the answers of a deterministic tool, kept across runs in a sqlite
+  file, keyed by (server, tool, the tool's schema hash, the arguments). Infrastructure failures are never
+  kept.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from factory.types import ToolCall, ToolResult
+from factory.util import UserError
+
+COLUMNS = ("origin", "server", "tool", "arguments", "text", "status", "error_kind", "latency_s", "source")
+
+
+class ReplayMiss(UserError):
+    """A replayed run made tool calls its recording does not hold (replay.on_miss: fail)."""
+
+
+def canonical(arguments: Any) -> str:
+    """The arguments as one string: JSON with sorted keys and no spaces (a key that does not depend on the
+    order the model wrote them in)."""
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def schema_hash(input_schema: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical(input_schema).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Recorder:
+    """The calls since the last `take`, as table rows."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, call: ToolCall, server: str, tool: str, result: ToolResult, latency_s: float, source: str) -> None:
+        self.rows.append({"origin": call.origin, "server": server, "tool": tool, "arguments": canonical(call.arguments),
+                          "text": result.text, "status": result.status, "error_kind": result.error_kind,
+                          "latency_s": latency_s, "source": source})
+
+    def take(self) -> list[dict[str, Any]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
+class Replay:
+    """A recording's rows, answering calls (see the module doc). `misses` lists what it could not answer."""
+
+    def __init__(self, rows: list[dict[str, Any]], on_miss: str):
+        self.on_miss = on_miss
+        self.by_origin = {r["origin"]: r for r in rows if r["origin"]}
+        self.in_order: dict[tuple[str, str, str], deque[dict[str, Any]]] = defaultdict(deque)
+        for r in rows:
+            if not r["origin"]:
+                self.in_order[(r["server"], r["tool"], r["arguments"])].append(r)
+        self.misses: list[str] = []
+        self.served = 0
+
+    def answer(self, call: ToolCall, server: str, tool: str) -> ToolResult | None:
+        """The recorded result of `call`, or None (a miss, noted in `misses`)."""
+        args = canonical(call.arguments)
+        if call.origin:
+            row = self.by_origin.get(call.origin)
+            if row is not None and (row["server"], row["tool"], row["arguments"]) != (server, tool, args):
+                row = None
+        else:
+            queue = self.in_order.get((server, tool, args))
+            row = queue.popleft() if queue else None
+        if row is None:
+            self.misses.append(f"{tool}({args[:200]}) at {call.origin or 'a reward node'}")
+            return None
+        self.served += 1
+        return ToolResult(tool=tool, text=row["text"], status=row["status"], error_kind=row["error_kind"])
+
+
+def cache_path() -> Path:
+    from factory.assets import cache_dir
+
+    return cache_dir() / "tool-cache.sqlite"
+
+
+class ToolCache:
+    """Answers of deterministic tools across runs (a sqlite file; one connection per process, guarded by a
+    lock: the tools stage calls it from one event loop, tests from several threads)."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_path()
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+            self._db.execute("CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, text TEXT, status TEXT, "
+                             "error_kind TEXT, stored REAL)")
+        return self._db
+
+    @staticmethod
+    def key(server: str, tool: str, input_schema: dict[str, Any], arguments: Any) -> str:
+        return hashlib.sha256(canonical([server, tool, schema_hash(input_schema), arguments]).encode()).hexdigest()
+
+    def get(self, key: str) -> ToolResult | None:
+        with self._lock:
+            row = self._conn().execute("SELECT text, status, error_kind FROM answers WHERE key = ?", (key,)).fetchone()
+        return None if row is None else ToolResult(tool="", text=row[0], status=row[1], error_kind=row[2])
+
+    def put(self, key: str, result: ToolResult) -> None:
+        if result.status == "infra_error":  # ours, not the tool's answer
+            return
+        with self._lock:
+            db = self._conn()
+            db.execute("INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)",
+                       (key, result.text, result.status, result.error_kind, time.time()))
+            db.commit()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

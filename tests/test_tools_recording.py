@@ -1,0 +1,172 @@
+"""Record, replay and cache at the ToolBox's seam (factory.tools.recording), with a python tool whose
+answers change from call to call (tests/tool_servers/drifting.py): recorded rows, a replay that answers
+exactly what was recorded without calling the tool, misses (fail or live), reward-node calls in order,
+the cross-run cache (the tool_calls table through MLflow: tests/test_tracking.py::test_mlflow_run_roundtrip). A real replayed run (same trajectories,
+bit-for-bit weights) is tests/test_tools_recording.py::test_a_replayed_run_repeats_the_recorded_one (slow)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from factory.schema import PythonTool
+from factory.tools.recording import Replay, ToolCache, canonical
+from factory.tools.toolbox import ToolBox
+from factory.types import ToolCall
+from tests.tool_servers import drifting
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = {"calculate": PythonTool(function="tests.tool_servers.drifting:calculate")}
+CACHED = {"calculate": PythonTool(function="tests.tool_servers.drifting:calculate", cache=True)}
+
+
+def call(expr: str, origin: str = "") -> ToolCall:
+    return ToolCall("calculate", {"expression": expr}, raw="", origin=origin)
+
+
+async def _calls(box: ToolBox, calls: list[ToolCall]) -> list:
+    async with box:
+        return [await box.call(c) for c in calls]
+
+
+def test_record_then_replay_answers_what_was_recorded_without_calling_the_tool():
+    calls = [call("2+3", "train/1/0/0/0/0/0"), call("2+3", "train/1/0/0/1/0/0"), call("7*6", "eval/0/0/1/0/0/0")]
+    box = ToolBox.from_spec(TOOL, base_dir=REPO, record=True)
+    live = asyncio.run(_calls(box, calls))
+    assert [r.text.split(" [")[0] for r in live] == ["5", "5", "42"] and live[0].text != live[1].text  # it drifts
+    rows = box.recorder.take()
+    assert [(r["origin"], r["server"], r["tool"], r["arguments"], r["status"], r["source"]) for r in rows] == [
+        (c.origin, "calculate", "calculate", canonical(c.arguments), "ok", "live") for c in calls]
+    assert [r["text"] for r in rows] == [r.text for r in live] and all(r["latency_s"] >= 0 for r in rows)
+    assert box.recorder.take() == []  # taken once
+
+    before = drifting.calls_so_far()
+    replayed = ToolBox.from_spec(TOOL, base_dir=REPO, record=True)
+    replayed.replay = Replay(rows, "fail")
+    again = asyncio.run(_calls(replayed, list(reversed(calls))))  # in another order: matched by origin
+    assert [r.text for r in again] == [r.text for r in reversed(live)]
+    assert all(r.status == "ok" and r.tool == "calculate" for r in again)
+    assert drifting.calls_so_far() == before  # the tool was never called
+    assert {r["source"] for r in replayed.recorder.take()} == {"replay"}  # a replayed run records too
+
+
+def test_a_miss_fails_the_call_or_goes_live():
+    rows = [{"origin": "train/1/0/0/0/0/0", "server": "calculate", "tool": "calculate",
+             "arguments": canonical({"expression": "2+3"}), "text": "5 [recorded]", "status": "ok",
+             "error_kind": None, "latency_s": 0.1, "source": "live"}]
+    # the same place with other arguments, and a place the recording never saw
+    missing = [call("2+4", "train/1/0/0/0/0/0"), call("2+3", "train/9/0/0/0/0/0")]
+    box = ToolBox.from_spec(TOOL, base_dir=REPO)
+    box.replay = Replay(rows, "fail")
+    failed = asyncio.run(_calls(box, missing))
+    assert [(r.status, r.error_kind) for r in failed] == [("infra_error", "replay_miss")] * 2
+    assert box.replay.misses == ['calculate({"expression":"2+4"}) at train/1/0/0/0/0/0',
+                                 'calculate({"expression":"2+3"}) at train/9/0/0/0/0/0']
+    box = ToolBox.from_spec(TOOL, base_dir=REPO)
+    box.replay = Replay(rows, "live")
+    live = asyncio.run(_calls(box, missing))
+    assert [r.text.split(" [")[0] for r in live] == ["6", "5"] and len(box.replay.misses) == 2
+
+
+def test_calls_without_an_origin_take_the_recorded_answers_in_order():
+    rows = [{"origin": "", "server": "calculate", "tool": "calculate", "arguments": canonical({"expression": "1+1"}),
+             "text": f"2 [recorded {i}]", "status": "ok", "error_kind": None, "latency_s": 0.0, "source": "live"}
+            for i in (1, 2)]
+    box = ToolBox.from_spec(TOOL, base_dir=REPO)
+    box.replay = Replay(rows, "fail")
+    got = asyncio.run(_calls(box, [call("1+1"), call("1+1"), call("1+1")]))
+    assert [r.text for r in got[:2]] == ["2 [recorded 1]", "2 [recorded 2]"] and got[2].error_kind == "replay_miss"
+
+
+def test_malformed_calls_are_answered_live_not_replayed():
+    box = ToolBox.from_spec(TOOL, base_dir=REPO)
+    box.replay = Replay([], "fail")
+    (bad,) = asyncio.run(_calls(box, [ToolCall("calculate", {"expr": "1"}, raw="", origin="train/1/0/0/0/0/0")]))
+    assert bad.error_kind == "bad_arguments" and box.replay.misses == []
+
+
+def test_the_cache_answers_a_second_run_and_keeps_no_infra_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("FACTORY_CACHE", str(tmp_path))
+    first = ToolBox.from_spec(CACHED, base_dir=REPO, record=True)
+    a = asyncio.run(_calls(first, [call("2+3"), call("2+3"), call("9-1")]))
+    assert a[0].text == a[1].text  # the second call of the run was answered from the cache
+    assert first.metrics()["tool_servers/calculate/cache_hits"] == 1.0
+    assert first.metrics()["tool_servers/calculate/cache_misses"] == 2.0
+    before = drifting.calls_so_far()
+    second = ToolBox.from_spec(CACHED, base_dir=REPO, record=True)  # another run: a fresh ToolBox
+    b = asyncio.run(_calls(second, [call("9-1"), call("2+3")]))
+    assert [r.text for r in b] == [a[2].text, a[0].text] and drifting.calls_so_far() == before
+    assert [r["source"] for r in second.recorder.take()] == ["cache", "cache"]
+    # another schema is another key; an infrastructure failure is not kept
+    cache = ToolCache(tmp_path / "tool-cache.sqlite")
+    k = ToolCache.key("calculate", "calculate", {"type": "object"}, {"expression": "2+3"})
+    assert cache.get(k) is None
+    from factory.tools.results import infra_error
+
+    cache.put(k, infra_error("calculate", "timeout", "Error: timed out"))
+    assert cache.get(k) is None
+    cache.close()
+
+
+# ------------------------------------------------------------------------------------------ a real run
+def _spec(tmp_path: Path) -> Path:
+    """specs/tiny.yaml with the drifting calculator as its tool (a python tool named as the MCP calculator's)."""
+    text = (REPO / "specs/tiny.yaml").read_text()
+    line = "  calc: {command: python, args: [-m, factory.examples.calculator], timeout_s: 5}"
+    assert line in text
+    spec = tmp_path / "tiny-drifting.yaml"
+    spec.write_text(text.replace(line, "  calculate: {function: tests.tool_servers.drifting:calculate}"))
+    return spec
+
+
+def _run(tmp_path: Path, spec: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    return subprocess.run([sys.executable, "-m", "factory", "run", str(spec), f"train.checkpoint_dir={tmp_path}/runs",
+                           *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _tables(tracker, run_id: str, folder: str) -> list[list[dict]]:
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return [pq.read_table(tracker.download(run_id, p, tmp)).to_pylist()
+                for p in sorted(tracker.artifacts(run_id, folder))]
+
+
+@pytest.mark.slow  # two real runs of the tiny spec (Ray, a python tool, DeepSpeed, MLflow): ~2 min on 2 cores
+def test_a_replayed_run_repeats_the_recorded_one(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from factory.tracking.tracker import open_tracker
+
+    spec = _spec(tmp_path)
+    first = _run(tmp_path, spec, "tracking.experiment=recorded")
+    assert first.returncode == 0, first.stderr[-3000:]
+    tracker = open_tracker(f"sqlite:///{tmp_path}/mlflow.db")
+    (recorded,) = tracker.runs("recorded")
+    second = _run(tmp_path, spec, "--replay", recorded.run_id, "tracking.experiment=replayed")
+    assert second.returncode == 0, second.stderr[-3000:]
+    (replayed,) = tracker.runs("replayed")
+    rows_a, rows_b = tracker.tool_calls(recorded.run_id), tracker.tool_calls(replayed.run_id)
+    assert rows_a and {r["source"] for r in rows_a} == {"live"} and {r["source"] for r in rows_b} == {"replay"}
+    assert " [call " in rows_a[0]["text"]  # the tool drifts: a live call would have answered otherwise
+    key = lambda r: r["origin"]  # noqa: E731
+    assert [(r["origin"], r["arguments"], r["text"]) for r in sorted(rows_a, key=key)] == \
+           [(r["origin"], r["arguments"], r["text"]) for r in sorted(rows_b, key=key)]
+    for folder in ("trajectories", "eval_trajectories"):  # the same episodes, token for token
+        fields = ("step", "prompt_index", "sample_index", "response_ids", "loss_mask", "reward", "tool_calls")
+        strip = lambda t: {k: ([{**c, "latency_s": 0} for c in t[k]] if k == "tool_calls" else t[k])  # noqa: E731
+                           for k in fields}
+        assert [[strip(t) for t in table] for table in _tables(tracker, recorded.run_id, folder)] == \
+               [[strip(t) for t in table] for table in _tables(tracker, replayed.run_id, folder)]
+    weights = [load_file(next(Path(run.tags["factory.checkpoint"]).glob("hf/*.safetensors")))
+               for run in (tracker.run(recorded.run_id), tracker.run(replayed.run_id))]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # bit for bit
