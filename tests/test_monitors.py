@@ -130,19 +130,15 @@ def test_train_eval_divergence():
     assert MONITORS["train_eval_divergence"](History(rows(reward=[0.2, 0.3, 0.5])), S) is None  # one evaluation
 
 
-def _recorded(name: str) -> list[dict[str, float]]:
-    return json.loads((FIXTURES / f"{name}.json").read_text())["rows"]
-
-
-def test_recorded_hackable_run_fires_reward_dominance_at_step_3():
-    """The rows the Watch made of a real run of specs/hackable.yaml (recorded: docs in the fixture)."""
-    recorded = _recorded("hackable")
-    w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier=None), S,
-              ("reward_dominance",))
-    fired_at = next(i + 1 for i in range(len(recorded))
-                    if (r := MONITORS["reward_dominance"](History(recorded[:i + 1]), S)) and r.fired)
-    assert fired_at == 3
-    assert w.spec.window + 1 == 3
+def test_recorded_hackable_run_fires_reward_dominance_at_step_3_and_nothing_else():
+    """The rows the monitors made of a real run of specs/hackable.yaml (tests/fixtures/monitors/hackable.json
+    says how it was recorded): the format node carries all the within-group variance, the task stays at 0."""
+    recorded = json.loads((FIXTURES / "hackable.json").read_text())
+    rows, evals = recorded["rows"], [tuple(e) for e in recorded["evals"]]
+    fired = {n: next((i + 1 for i in range(len(rows)) if (r := fn(History(rows[:i + 1], evals), S)) and r.fired), None)
+             for n, fn in MONITORS.items()}
+    assert fired == {"reward_dominance": 3, "length_drift": None, "tool_call_rate": None, "judge_disagreement": None,
+                     "train_eval_divergence": None}
 
 
 # ---------------------------------------------------------------------------------- the run's watch
@@ -192,7 +188,7 @@ def test_runs_and_diff_show_the_monitors():
 def _factory_run(spec: str, tmp_path: Path, *overrides: str, timeout: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     return subprocess.run([sys.executable, "-m", "factory", "run", str(REPO / spec), *overrides,
-                           f"train.checkpoint_dir={tmp_path}/runs"], cwd=tmp_path, env=env, capture_output=True,
+                           f"train.checkpoint_dir={tmp_path}/runs"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -1,8 +1,9 @@
 """Record, replay and cache at the ToolBox's seam (factory.tools.recording), with a python tool whose
 answers change from call to call (tests/tool_servers/drifting.py): recorded rows, a replay that answers
-exactly what was recorded without calling the tool, misses (fail or live), reward-node calls in order,
-the cross-run cache (the tool_calls table through MLflow: tests/test_tracking.py::test_mlflow_run_roundtrip). A real replayed run (same trajectories,
-bit-for-bit weights) is tests/test_tools_recording.py::test_a_replayed_run_repeats_the_recorded_one (slow)."""
+exactly what was recorded without calling the tool, misses (fail or live), reward-node calls in order, the
+cross-run cache (the tool_calls table through MLflow: tests/test_tracking.py::test_mlflow_run_roundtrip). A
+real replayed run (the same trajectories, bit-for-bit weights): test_a_replayed_run_repeats_the_recorded_one
+(slow)."""
 from __future__ import annotations
 
 import asyncio

@@ -174,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
                           "RUN (id, id prefix or name), else the newest unfinished run of this spec")
     run.add_argument("--replay", default=None, metavar="RUN",
                      help="answer tool calls from RUN's recorded calls (id, id prefix or name) instead of calling "
-                          "the tools (= replay.run=RUN; replay.on_miss=live calls the tools for calls RUN did not make)")
+                          "the tools (= replay.run=RUN; replay.on_miss=live calls the tools for calls RUN did "
+                          "not make)")
     run.add_argument("--allow-spec-change", action="store_true",
                      help="with --resume: continue the run although the spec, overrides, templates, reward code "
                           "or data differ from its own (recorded on the run)")

@@ -47,11 +47,16 @@ def schema_hash(input_schema: dict[str, Any]) -> str:
     return hashlib.sha256(canonical(input_schema).encode()).hexdigest()[:16]
 
 
+# A run's driver takes the rows after every step; where nobody takes them (`factory rescore`, the agent
+# server run the tools stage in-process) only the newest this many are kept.
+MAX_ROWS = 100_000
+
+
 @dataclass
 class Recorder:
-    """The calls since the last `take`, as table rows."""
+    """The calls since the last `take`, as table rows (at most MAX_ROWS, the newest)."""
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_ROWS))
 
     def add(self, call: ToolCall, server: str, tool: str, result: ToolResult, latency_s: float, source: str) -> None:
         self.rows.append({"origin": call.origin, "server": server, "tool": tool, "arguments": canonical(call.arguments),
@@ -59,7 +64,7 @@ class Recorder:
                           "latency_s": latency_s, "source": source})
 
     def take(self) -> list[dict[str, Any]]:
-        rows, self.rows = self.rows, []
+        rows, self.rows = list(self.rows), deque(maxlen=MAX_ROWS)
         return rows
 
 
