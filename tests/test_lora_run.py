@@ -9,9 +9,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+import pytest
+
 from tests.tracked_runs import ENGINE, factory, project_copy
 
 
+# Slow (~40-60 s on a 2-core AMD EPYC Zen 5): the default suite has its parts -- the sync's adapters and the
+# engines' agreement after it (test_rollout_vllm), the adapters' checkpoint, resume and merged export
+# (test_update_lora) -- and a real run of every other path; this is the whole LoRA run once more.
+@pytest.mark.slow
 def test_a_lora_run_exports_a_merged_model_that_generates_its_last_evaluation(tmp_path):
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM

@@ -46,7 +46,9 @@ def _weights(g: Group) -> list[dict[str, torch.Tensor]]:
     return ray.get(g.submit("state_dict", True))  # every rank's full parameters
 
 
-@pytest.mark.parametrize("zero", sorted(CASES))
+# ZeRO-3 with AdamW in the default suite; ZeRO-2 with SGD, which checks the same sums over ranks through
+# another partitioning, is slow (~12-25 s each on a 2-core AMD EPYC Zen 5).
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
     optimizer = CASES[zero]
     lr = 0.5 if optimizer["name"] == "sgd" else 1e-3
