@@ -21,8 +21,8 @@ from factory.types import ToolCall
 from tests.tool_servers import drifting
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = {"calculate": PythonTool(function="tests.tool_servers.drifting:calculate")}
-CACHED = {"calculate": PythonTool(function="tests.tool_servers.drifting:calculate", cache=True)}
+TOOL = {"calculate": PythonTool(function="tests.tool_servers.drifting:answer")}
+CACHED = {"calculate": PythonTool(function="tests.tool_servers.drifting:answer", cache=True)}
 
 
 def call(expr: str, origin: str = "") -> ToolCall:
@@ -115,12 +115,13 @@ def test_the_cache_answers_a_second_run_and_keeps_no_infra_error(tmp_path, monke
 
 # ------------------------------------------------------------------------------------------ a real run
 def _spec(tmp_path: Path) -> Path:
-    """specs/tiny.yaml with the drifting calculator as its tool (a python tool named as the MCP calculator's)."""
+    """specs/tiny.yaml with the drifting calculator as its MCP server (the calculator's listing, other answers)."""
     text = (REPO / "specs/tiny.yaml").read_text()
     line = "  calc: {command: python, args: [-m, factory.examples.calculator], timeout_s: 5}"
     assert line in text
     spec = tmp_path / "tiny-drifting.yaml"
-    spec.write_text(text.replace(line, "  calculate: {function: tests.tool_servers.drifting:calculate}"))
+    spec.write_text(text.replace(line, f"  calc: {{command: python, args: [{REPO}/tests/tool_servers/drifting.py], "
+                                       "timeout_s: 5}"))
     return spec
 
 
