@@ -141,7 +141,7 @@ def _tables(tracker, run_id: str, folder: str) -> list[list[dict]]:
                 for p in sorted(tracker.artifacts(run_id, folder))]
 
 
-@pytest.mark.slow  # two real runs of the tiny spec (Ray, a python tool, DeepSpeed, MLflow): ~2 min on 2 cores
+@pytest.mark.slow  # two real runs of the tiny spec (Ray, MCP, DeepSpeed, MLflow): 144 s on 2 shared cores (Zen 5)
 def test_a_replayed_run_repeats_the_recorded_one(tmp_path):
     import torch
     from safetensors.torch import load_file
