@@ -215,7 +215,7 @@ def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, 
         for t in kept:
             groups.setdefault(t.prompt_index, []).append({**t.rewards, total: t.reward})
         shares = variance_shares(list(groups.values()), w.weights, total)
-        row.update({f"share/{n}": v for n, v in shares.items() if n != w.task_node})
+        row.update({f"share/{n}": v for n, v in shares.items() if n in w.candidates})
     if w.verifier:
         for judge in w.judges:
             pairs = [(t.rewards.get(judge), t.rewards.get(w.verifier)) for t in kept]

@@ -154,6 +154,9 @@ class WatchSettings(Settings):
     task_metric: str | None  # the first `metrics` entry (its `eval/` value is the held-out metric)
     task_node: str | None  # its reward node (its training-batch mean is the task metric)
     weights: dict[str, float]  # the training node's `sum` inputs and their weights; {} when it is not a sum
+    # the sum inputs that may dominate (reward_dominance): those that do not read the task node (a
+    # `correct: {max: [exact, judged]}` carries the task itself)
+    candidates: tuple[str, ...] = ()
     judges: tuple[str, ...]  # judge nodes
     verifier: str | None  # the task node when it is a python function (what judges are checked against)
 

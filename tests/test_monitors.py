@@ -66,7 +66,7 @@ def test_step_row_from_trajectories():
                           stop_reason="no_call", row={}, rewards=rewards, reward=c + f)
 
     w = WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
-                      judges=("judge",), verifier="correct")
+                      judges=("judge",), verifier="correct", candidates=("fmt",))
     trajs = [traj(0, 0.0, 1.0, 0.9), traj(0, 0.0, 0.0, 0.8), traj(1, 1.0, 1.0, 0.1), traj(1, 1.0, 0.0, None)]
     dropped = traj(1, 0.0, 1.0, 1.0)
     dropped.dropped = "rewards.judge: missing"  # out of the loss: out of the monitors too
@@ -149,7 +149,7 @@ class _Traj:
 
 def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
-                            judges=(), verifier="correct"), S, stop_on=("reward_dominance",))
+                            judges=(), verifier="correct", candidates=("fmt",)), S, stop_on=("reward_dominance",))
     w.evaluated(0, {"eval/accuracy": 0.0})
     batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
     m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
@@ -225,3 +225,16 @@ def test_quickstart_fires_no_monitor(tmp_path):
     assert fired == {}
     assert any(k.startswith("monitor/") for k in run.metrics)  # they were computed, and stayed silent
     assert all(not math.isnan(v) for k, v in run.metrics.items() if k.startswith("monitor/") and k.endswith("/fired"))
+
+
+def test_the_plan_names_the_nodes_that_may_dominate():
+    from factory.compiler.compile import compile_file
+
+    def watch(spec: str):
+        return compile_file(str(REPO / spec))[1].driver.watch
+
+    assert watch("specs/quickstart.yaml").candidates == ("attempted", "well_formed")
+    # `correct: {max: [exact, judged]}` reads the task node (exact): it is the task, not a rival
+    judged = watch("specs/deepsearch-cpu-judge.yaml")
+    assert (judged.task_node, judged.verifier, judged.judges) == ("exact", "exact", ("judge",))
+    assert judged.candidates == ("searched", "well_formed")

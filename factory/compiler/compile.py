@@ -713,8 +713,15 @@ def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | Non
     task_metric = next(iter(metrics), None)
     task_node = metrics.get(task_metric) if task_metric else None
     trained = spec.rewards.get(train_node) if train_node else None
-    return WatchSettings(task_metric=task_metric, task_node=task_node,
-                         weights=dict(trained.sum) if isinstance(trained, SumNode) else {},
+    weights = dict(trained.sum) if isinstance(trained, SumNode) else {}
+
+    def reads_task(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        node = spec.rewards.get(name)
+        return name == task_node or (node is not None and name not in seen and
+                                     any(reads_task(i, seen | {name}) for i, _ in node.inputs()))
+
+    return WatchSettings(task_metric=task_metric, task_node=task_node, weights=weights,
+                         candidates=tuple(sorted(n for n in weights if not reads_task(n))),
                          judges=tuple(n for n, v in spec.rewards.items() if isinstance(v, JudgeNode)),
                          verifier=task_node if isinstance(spec.rewards.get(task_node or ""), FnNode) else None)
 
