@@ -32,3 +32,11 @@ def test_rounds_merge_into_the_whole_batchs_metrics():
 def test_a_single_round_is_unchanged():
     b = {"reward/mean": 0.25, "timing/generate_s": 1.5, "tools/calls": 3.0}
     assert _merge({}, b, 0, 5) == b
+
+
+def test_a_per_turn_nodes_turn_mean_is_weighted_by_its_turns():
+    # two groups scored apart: 6 turns with mean 0.5, then 2 turns with mean 1.0 (4 trajectories each)
+    a = {"rewards/step/turns/mean": 0.5, "rewards/step/turns": 6.0, "reward/dropped": 0.0}
+    b = {"rewards/step/turns/mean": 1.0, "rewards/step/turns": 2.0, "reward/dropped": 0.0}
+    m = _merge(a, b, 4, 4)
+    assert m["rewards/step/turns/mean"] == pytest.approx((0.5 * 6 + 1.0 * 2) / 8) and m["rewards/step/turns"] == 8.0

@@ -39,7 +39,7 @@ def test_a_per_turn_node_is_called_once_per_turn_with_the_turn_its_index_and_the
     # counts are of turns: the two answer turns are missing
     assert m["rewards/step/missing"] == 2.0
     assert m["rewards/step/mean"] == pytest.approx((1 / 3 + 0.5) / 2)
-    assert m["rewards/step/turn_mean"] == pytest.approx(2 / 5)  # 2 of the 5 turns score 1
+    assert m["rewards/step/turns/mean"] == pytest.approx(2 / 5) and m["rewards/step/turns"] == 5.0  # 2 of 5 turns score 1
     assert trajs[0].reward_details["step"]["turns"][2]["status"] == "missing"
     assert trajs[0].reward_details["step"]["turns"][0] == {}
 

@@ -232,7 +232,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     inf or NaN, taken as none); for judges `/calls` (requests
     made); for nodes a gate may leave out `/skipped` (not evaluated); `reward/mean` over kept trajectories;
     `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
-    and its `/turn_mean` is the mean over every turn of the kept trajectories that has a value."""
+    its `/turns/mean` is the mean over every turn of the kept trajectories that has a value, `/turns` how
+    many such turns there are."""
     kept = [t for t in trajs if t.dropped is None]
     gated = conditional(nodes, train)
     t_nodes = per_turn_nodes(nodes)
@@ -240,9 +241,10 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     for name, node in nodes.items():
         out[f"rewards/{name}/mean"] = _mean([v for t in kept if (v := t.rewards.get(name)) is not None])
         status = [s for t in trajs for s in statuses(t, name)]
-        if name in t_nodes:
-            out[f"rewards/{name}/turn_mean"] = _mean([v for t in kept for v in t.turn_rewards.get(name, ())
-                                                      if v is not None])
+        if name in t_nodes:  # the count first: a step scored in several calls weighs each call's mean by it
+            values = [v for t in kept for v in t.turn_rewards.get(name, ()) if v is not None]
+            out[f"rewards/{name}/turns"] = float(len(values))
+            out[f"rewards/{name}/turns/mean"] = _mean(values)
         if isinstance(node, LEAVES):
             out[f"rewards/{name}/missing"] = float(sum(s in MISSING for s in status))
             out[f"rewards/{name}/non_finite"] = float(status.count("non_finite"))

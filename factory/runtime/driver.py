@@ -423,7 +423,7 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
     """One step's metrics from two sampling rounds of `na` and `nb` trajectories, so that they describe
     the step's whole batch: a mean (`.../mean`), rate (`_per_s`) or percentile (`_p50`, `_p95`) is
     weighted by what it is over -- trajectories, the kept ones for `reward/` means, generate time, tool
-    calls -- and a round without a value (NaN) weighs nothing; everything else (times, counts) adds up."""
+    calls, a per-turn node's turns -- and a round without a value (NaN) weighs nothing; everything else (times, counts) adds up."""
     def weight(k: str, m: dict[str, float], n: int) -> float:
         if math.isnan(m[k]):
             return 0.0
@@ -431,6 +431,8 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
             return m.get("timing/generate_s", 0.0)
         if k.endswith(("_p50", "_p95")):  # tools/<tool>/latency_s_p50: over that tool's calls
             return m.get(k.rsplit("/", 1)[0] + "/calls", 0.0)
+        if k.endswith("/turns/mean"):  # rewards/<node>/turns/mean: over that per-turn node's turns
+            return m.get(k.removesuffix("/mean"), 0.0)
         return n - m.get("reward/dropped", 0.0) if k.startswith(("reward/", "rewards/")) else n
 
     out = dict(a)
