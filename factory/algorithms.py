@@ -316,6 +316,23 @@ def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor, eps: float) -> Ten
     return std >= eps
 
 
+def turn_dynamic_sampling_keep(turn_rewards: list[Tensor], group_ids: Tensor, gamma: float, eps: float) -> Tensor:
+    """BoolTensor[N]: `dynamic_sampling_keep` for `credit: turn`: True for samples of groups where the turn
+    returns (`discounted_turn_returns`) spread at some turn position, i.e. where some turn gets a non-zero
+    advantage (a group whose trajectory rewards agree may still differ turn by turn)."""
+    lengths = [int(r.numel()) for r in turn_rewards]
+    keep = torch.zeros(len(turn_rewards), dtype=torch.bool)
+    if not sum(lengths):
+        return keep
+    returns = torch.cat([discounted_turn_returns(r, gamma) for r in turn_rewards])  # [sum K]
+    position = torch.cat([torch.arange(k) for k in lengths])  # [sum K]
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [sum K] its sample
+    _, cell = torch.unique(torch.stack([group_ids[owner], position], 1), dim=0, return_inverse=True)
+    _, std = _group_stats(returns, cell)  # [sum K]
+    spread = group_ids[owner[std >= eps]].unique()  # the groups with a turn position that spreads
+    return torch.isin(group_ids, spread)
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
     """DAPO soft overlong punishment, to add to the reward: 0 up to max_len - buffer, then falling
     linearly to -penalty at max_len (and staying there beyond). buffer == 0 turns it off."""

@@ -169,6 +169,7 @@ class DriverSettings(Settings):
     metrics: dict[str, str]  # eval metric name -> reward node
     dynamic_sampling: bool  # the resolved algorithm's: the driver refills the batch
     std_eps: float
+    turn_gamma: float | None  # credit: turn -> its gamma (dynamic sampling then judges groups turn by turn); None: trajectory credit
     tracking: TrackingSpec
     resources: ClusterSettings
     replay: ReplaySpec  # the run whose recorded tool calls answer this one's (replay.run; None: none)

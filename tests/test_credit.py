@@ -101,3 +101,15 @@ def test_gamma_is_refused_without_turn_credit():
     with pytest.raises(ValueError, match="`gamma` discounts later turns' rewards under `credit: turn`"):
         AlgorithmSpec(gamma=0.9)
 
+
+
+def test_dynamic_sampling_under_turn_credit_keeps_groups_whose_turns_differ():
+    from factory.algorithms import dynamic_sampling_keep, turn_dynamic_sampling_keep
+
+    # group 0: [1, 0] and [0, 1] agree as trajectories (mean 0.5 each) but not at turn 1 (returns 0 vs 1, gamma 1);
+    # group 1: [1, 1] twice agree everywhere; group 2: one turn and no turn (a lone position each)
+    rewards = [torch.tensor(x) for x in ([1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0], [])]
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    means = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 0.0])
+    assert dynamic_sampling_keep(means[:4], groups[:4], 1e-6).tolist() == [False] * 4  # trajectory credit drops both
+    assert turn_dynamic_sampling_keep(rewards, groups, 1.0, 1e-6).tolist() == [True, True, False, False, False, False]

@@ -701,6 +701,7 @@ def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str]
                     ray_address: str | None) -> DriverSettings:
     return DriverSettings(name=spec.name, train=spec.train, metrics=dict(metrics),
                           dynamic_sampling=algorithm.dynamic_sampling, std_eps=algorithm.std_eps,
+                          turn_gamma=algorithm.gamma if algorithm.credit == "turn" else None,
                           tracking=spec.tracking,
                           resources=ClusterSettings(ray_address=ray_address,
                                                     object_store_gb=spec.resources.object_store_gb),
