@@ -87,6 +87,9 @@ class RolloutSettings(Settings):
     base_dir: str
     tool_peer: str | None  # the role of its call edge to the tool servers; None: the spec has no tools
     run_tokens: int = 0  # at most this many tokens sampled over the run (steps and evaluations): `engine: auto` weighs it
+    # An OpenAI-compatible base URL that generates instead of a local engine (`factory eval --model URL`:
+    # it takes no weights, so only an evaluation's plan sets it; the model's tokenizer is still read here).
+    endpoint: str | None = None
 
     def peer_roles(self) -> list[str]:
         return [self.tool_peer] if self.tool_peer else []

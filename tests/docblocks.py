@@ -29,7 +29,7 @@ By language:
     console block then shows the errors). A spec file that a later block runs `factory check` on is
     checked there only (with that block's flags, such as --connect).
 - `python`: `file=PATH` writes the block there; otherwise it runs with this environment's python in the
-    working folder and must exit 0.
+    working folder and must exit 0. `slow` works as for `bash` (the default suite compiles it).
 - `json`: must parse (a `.jsonl` file: line by line); `file=PATH` writes it.
 - any language: `file=PATH` writes the block; `skip="why"` leaves it alone.
 A block the harness would not execute is an error: every command and snippet in the docs runs.
@@ -333,7 +333,13 @@ def run_block(block: Block, cwd: Path, timeout: float = 600, slow: bool = False)
             return _syntax(block, "".join(f"{c}\n" for c in commands), cwd)
         if block.lang in ("bash", "sh", "shell"):
             return _syntax(block, block.text, cwd)
-        raise _fail(block, "slow is for bash and console blocks (commands)")
+        if block.lang == "python" and "file" not in block.attrs:
+            try:
+                compile(block.text, block.where, "exec")
+            except SyntaxError as e:
+                raise _fail(block, f"python syntax error: {e}") from None
+            return None
+        raise _fail(block, "slow is for bash, console and python blocks (commands, scripts)")
     if block.lang in ("bash", "sh", "shell"):
         return run_bash(block, cwd, timeout)
     if "skip" in block.attrs:

@@ -26,7 +26,7 @@ from factory.schema import Spec
 
 if TYPE_CHECKING:
     from factory.commands.diff import RunRecord
-    from factory.runtime.driver import OnStep, RunResult
+    from factory.runtime.driver import EvalResult, OnStep, RunResult
 
 
 def load_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> Spec:
@@ -109,3 +109,82 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
     from factory.tracking.runs import list_runs
 
     return list_runs(experiment, limit=limit, uri=uri)
+
+
+def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
+             uri: str | None = None) -> EvalResult:
+    """Score a model on the spec's eval split with the spec's reward graph, without training, as a training
+    run evaluates (the driver's own evaluation: greedy, the same seeds, `eval/<metric>` the same); logged as
+    an MLflow run (tagged `factory.kind=eval`) that `factory.diff` compares with a training run. Returns its
+    `run_id`, the `step` it is logged at and the `metrics`.
+
+    `model`: None (the spec's model), a Hugging Face folder, a checkpoint folder (a run's, or one step's), a
+    tracked run (id, id prefix or name, in `uri`): its newest checkpoint, logged at that checkpoint's step,
+    so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
+    OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
+    engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template)."""
+    from factory.runtime.driver import evaluate_only
+
+    path, step, tags = _eval_model(model, uri)
+    endpoint = path if path is not None and path.startswith(("http://", "https://")) else None
+    if endpoint is None and path is not None:
+        if isinstance(spec, Spec):
+            if overrides:
+                raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec")
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
+        else:
+            overrides = [*overrides, f"model.path={path}"]
+    plan = compile_plan(spec, overrides)
+    if endpoint is not None:
+        plan = with_endpoint(plan, endpoint)
+    if plan.spec["data"].get("eval") is None:
+        from factory.util import UserError
+
+        raise UserError(f"{plan.spec_path}: data.eval: not set; evaluation scores the spec's eval split")
+    return evaluate_only(plan, step, tags)
+
+
+def _eval_model(model: str | os.PathLike | None, uri: str | None) -> tuple[str | None, int, dict[str, str]]:
+    """(the Hugging Face folder to load, the step to log at, the eval run's tags) for `evaluate`'s `model`."""
+    from factory.commands.export import ExportError, checkpoint_dir, export, hf_folder, step_folder
+    from factory.update.checkpoint import ADAPTER
+
+    if model is None:
+        return None, 0, {}
+    ref = str(model)
+    if ref.startswith(("http://", "https://")):  # an OpenAI-compatible server (its base URL, .../v1)
+        return ref, 0, {"factory.eval_model": ref}
+    local = Path(ref).expanduser()
+    if (local / "config.json").is_file():  # a Hugging Face folder
+        return str(local.resolve()), 0, {"factory.eval_model": str(local.resolve())}
+    tags = {}
+    if not local.is_dir():  # a tracked run: its own checkpoint folder
+        from factory.tracking.tracker import open_tracker
+
+        run_id = open_tracker(uri).run(ref).run_id
+        local, tags = checkpoint_dir(run_id, uri), {"factory.eval_of": run_id}
+    folder = step_folder(local)
+    step = int(folder.name.removeprefix("step_")) if folder.name.startswith("step_") else 0
+    tags["factory.eval_model"] = str(folder.resolve())
+    if (folder / ADAPTER).is_dir():  # LoRA adapters: merged into the base weights, as `factory export` does
+        import tempfile
+
+        merged = Path(tempfile.mkdtemp(prefix="factory-eval-")) / "model"
+        export(str(folder), merged)
+        return str(merged), step, tags
+    try:
+        return str(hf_folder(folder).resolve()), step, tags
+    except ExportError as e:
+        raise ExportError(f"--model {ref}: {e}") from None
+
+
+def with_endpoint(plan: Plan, url: str) -> Plan:
+    """The plan with its rollout generating through the OpenAI-compatible server at `url` (its base URL,
+    `.../v1`) instead of a local engine: the model is not loaded; its tokenizer still is, from `model.path`."""
+    import dataclasses
+
+    from factory.plan import RolloutSettings
+
+    stages = tuple(dataclasses.replace(s, settings=s.settings.model_copy(update={"endpoint": url}))
+                   if isinstance(s.settings, RolloutSettings) else s for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)

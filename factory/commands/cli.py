@@ -1,4 +1,5 @@
-"""The `factory` command: run, check, plan, rescore, runs, diff, ui, export, schema, init.
+"""The `factory` command: run, check, plan, eval, rescore, runs, diff, ui, export, schema, init; a thin layer
+over factory.commands.api (`import factory`), the same program from Python.
 
 Exit codes: 0 success; 2 the spec (or the command line, the data or a run it names) is wrong, with
 every problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1
@@ -70,6 +71,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"factory: stopped: {result.halted}", file=sys.stderr)
         return EXIT_MONITOR
     return 130 if result.stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from factory.commands import api
+
+    api.evaluate(args.spec, args.model, args.overrides, uri=args.uri)
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -189,6 +197,15 @@ def parser() -> argparse.ArgumentParser:
                            "of the spec or of a spec it extends, an override, or the default)")
     plan.add_argument("--dot", action="store_true",
                       help="print the stage graph in Graphviz dot (render: factory plan SPEC --dot | dot -Tsvg)")
+
+    ev = spec_command("eval", "score a model on the spec's eval split with its reward graph, without training, as an "
+                              "MLflow run that `factory diff` compares with a training run", _eval)
+    ev.add_argument("--model", default=None, metavar="RUN|DIR|URL",
+                    help="a tracked run (its newest checkpoint, logged at its step), a checkpoint folder, a Hugging "
+                         "Face folder, or an OpenAI-compatible server's base URL (http://HOST:PORT/v1; the spec's "
+                         "model gives the tokenizer); default: the spec's model")
+    ev.add_argument("--uri", default=None, help="MLflow tracking URI where RUN is found (default: "
+                                                "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
     init_help = "create a project folder: a spec, a prompt, a reward function, an MCP tool server and data"
     ini = sub.add_parser("init", help=init_help, description=init_help)

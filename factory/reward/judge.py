@@ -17,7 +17,7 @@ from factory.contract import Call, Contract, StageActor
 from factory.plan import JudgeSettings
 from factory.schema import JudgeNode
 from factory.types import Placement
-from factory.util import enter_workdir, node_id
+from factory.util import enter_workdir, key_may_go_to, node_id
 
 
 class JudgeError(RuntimeError):
@@ -96,21 +96,6 @@ class EndpointSession:
             # what the request may cost: its text at ~4 characters a token, and the whole reply budget
             cost = sum(len(str(m.get("content", ""))) for m in messages) / 4 + self.node.max_tokens
             await self._tpm.acquire(min(cost, self.node.tpm))
-
-
-def key_may_go_to(url: str) -> bool:
-    """Whether an API key may be sent to `url`: over TLS, or to this machine's loopback."""
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme == "https":
-        return True
-    host = parts.hostname or ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def retry_after(value: str | None, cap_s: float) -> float | None:

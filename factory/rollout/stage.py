@@ -128,10 +128,15 @@ class RolloutStage(StageActor):
         self.chat = ChatFormat(tokenizer, template)
         self.tokenizer = tokenizer
         device, dtype = s.compute.device, resolve_dtype(s.compute)
-        self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
-                                  stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
-                                  gpus=max(1, int(s.num_gpus)), lora=s.model.lora,
-                                  run_tokens=s.run_tokens)
+        if s.endpoint:  # a served model (factory eval --model URL): nothing is loaded here
+            from factory.rollout.engine_endpoint import EndpointEngine
+
+            self.engine = EndpointEngine(s.endpoint, tokenizer, self.chat.stop_token_ids, self.chat.end_of_turn_id)
+        else:
+            self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
+                                      stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
+                                      gpus=max(1, int(s.num_gpus)), lora=s.model.lora,
+                                      run_tokens=s.run_tokens)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,

@@ -16,6 +16,8 @@ Everything that branches (algorithm, backend, dynamic sampling) lives outside `t
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import graphlib
 import json
 import math
@@ -24,7 +26,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -693,53 +695,117 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
     with display:
-        ended = reap_orphans()
-        if ended:
-            display.status(f"ended what a killed run left behind: {', '.join(ended)}")
-        build_models(plan, display.status)
-        startup.lap("models")
-        display.status("starting Ray")
-        start_ray(d.resources)
-        startup.lap("ray")
-        record = SessionRecord()
-        record.update()
-        status, groups = "FAILED", {}
-        try:
-            stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
-            display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
-                           "DeepSpeed's C++ ops, about a minute)")
-            groups = place(plan, display.status, Deadlines(d.train.stage_timeout_s), startup.stage_ready)
-            startup.lap("stages")
-            record.update()
-            # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
-            resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
-            listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
-            placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
-            if d.replay.run:  # before the run is opened: a run that cannot be replayed opens none
-                replay_tools(groups, tracker, plan)
-                display.status(f"tool calls answered from run {d.replay.run}'s recording "
-                               f"(replay.on_miss: {d.replay.on_miss})")
-            plan = (tracker.resume(resume, plan, listing) if resume else
-                    tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
-            startup.lap("tracking")
-            display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
-                           f"MLflow run {tracker.run_id}; evaluating at step 0")
-            result = train_loop(groups, plan, tracker, display, record, resume, startup, on_step, stop)
-            status = result.status
-        except KeyboardInterrupt:
-            status = "KILLED"  # MLflow's word for a run stopped by its user
-            raise
-        finally:
+        with placed(plan, display, startup) as (groups, record):
+            status = "FAILED"
             try:
-                tracker.end(status)  # never raises by itself; whatever happens, the teardown follows
+                # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
+                resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+                listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
+                placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
+                if d.replay.run:  # before the run is opened: a run that cannot be replayed opens none
+                    replay_tools(groups, tracker, plan)
+                    display.status(f"tool calls answered from run {d.replay.run}'s recording "
+                                   f"(replay.on_miss: {d.replay.on_miss})")
+                plan = (tracker.resume(resume, plan, listing) if resume else
+                        tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
+                startup.lap("tracking")
+                display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
+                               f"MLflow run {tracker.run_id}; evaluating at step 0")
+                result = train_loop(groups, plan, tracker, display, record, resume, startup, on_step, stop)
+                status = result.status
+            except KeyboardInterrupt:
+                status = "KILLED"  # MLflow's word for a run stopped by its user
+                raise
             finally:
-                teardown(groups)
-                ray.shutdown()
-                record.close()
+                tracker.end(status)  # never raises by itself; the teardown follows (`placed`)
     display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=result.checkpoint)
     return result
+
+
+@contextlib.contextmanager
+def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups, SessionRecord]]:
+    """The plan's stages placed on Ray (a Ray of our own, or the cluster's), set up and ready; whatever
+    happens inside, every stage is closed, Ray shut down and this driver's session record dropped after."""
+    ended = reap_orphans()
+    if ended:
+        display.status(f"ended what a killed run left behind: {', '.join(ended)}")
+    build_models(plan, display.status)
+    startup.lap("models")
+    display.status("starting Ray")
+    start_ray(plan.driver.resources)
+    startup.lap("ray")
+    record = SessionRecord()
+    record.update()
+    groups: Groups = {}
+    try:
+        stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
+        display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
+                       "DeepSpeed's C++ ops, about a minute)")
+        groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
+        startup.lap("stages")
+        record.update()
+        yield groups, record
+    finally:
+        teardown(groups)
+        ray.shutdown()
+        record.close()
+
+
+def eval_stages(plan: Plan) -> Plan:
+    """The plan cut to what its eval flow reaches: the stages along it (up to, not into, the trainer) and
+    every stage they call, with the edges among them (no trainer, no weight sync)."""
+    keep = {s for e in plan.flow("eval")[:-1] for s in (e.src, e.dst)}
+    calls = [e for e in plan.edges if e.kind == "call"]
+    while grown := {e.dst for e in calls if e.src in keep} - keep:
+        keep |= grown
+    return dataclasses.replace(plan, stages=tuple(s for s in plan.stages if s.name in keep),
+                               edges=tuple(e for e in plan.edges if e.src in keep and e.dst in keep))
+
+
+@dataclass
+class EvalResult:
+    run_id: str
+    step: int  # the step the metrics are logged at (the evaluated checkpoint's)
+    metrics: dict[str, float]  # eval/<metric>, as a training run logs them at its evaluations
+
+
+def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None) -> EvalResult:
+    """Score the plan's model on its eval split with its reward graph, without training: the stages the eval
+    flow reaches are placed, `evaluate` (the driver's own evaluation, as a training run's step-`step`
+    evaluation) runs once, and the metrics and trajectories are logged as an MLflow run of the plan,
+    tagged `factory.kind=eval` and `tags`, which `factory diff` compares with a training run."""
+    from factory.runtime.display import Display
+    from factory.tracking.tracker import open_tracker
+
+    d, t_start = plan.driver, time.perf_counter()
+    display = Display(0)
+    tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
+    tracker.notify = display.status
+    with display:
+        with placed(eval_stages(plan), display, Startup()) as (groups, _):
+            status = "FAILED"
+            try:
+                listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
+                resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+                plan = tracker.start_run(plan, listing, {"resolved": resolved},
+                                         extra_tags={"factory.kind": "eval", **(tags or {})})
+                display.status(f"MLflow run {tracker.run_id}; evaluating")
+                metrics, trajs = evaluate(groups, plan, display, step)
+                tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
+                log_tool_calls(groups, tracker, step, plan)
+                tracker.log_metrics(metrics, step=step)
+                status = "FINISHED"
+            except KeyboardInterrupt:
+                status = "KILLED"
+                raise
+            finally:
+                tracker.end(status)
+    shown = "  ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
+    display.console.print(f"{shown}\nMLflow run {tracker.run_id} in experiment '{d.tracking.experiment}' "
+                          f"({tracker.uri}), {time.perf_counter() - t_start:.0f} s", markup=False)
+    return EvalResult(tracker.run_id, step, metrics)
 
 
 def build_models(plan: Plan, status: Callable[[str], None]) -> None:

@@ -278,7 +278,8 @@ class MlflowTracker:
         return self.run_id
 
     def start_run(self, plan: Any, listing: dict[str, list[dict[str, Any]]],
-                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None) -> Any:
+                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None,
+                  extra_tags: dict[str, str] | None = None) -> Any:
         """Open the MLflow run of a compiled plan whose tool servers are running: their listing is hashed into
         the plan (so a changed server changes the plan hash), then params (the spec and `extra_params`, such
         as what each stage chose on its device), tags, and the plan, spec and tool listing (and
@@ -289,7 +290,7 @@ class MlflowTracker:
 
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
-        tags = run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"])
+        tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
         name = run_name(shown["name"])
         self.start(name, {**shown, **(extra_params or {})}, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,

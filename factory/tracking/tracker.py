@@ -52,7 +52,8 @@ class Tracker(Protocol):
         ...
 
     def start_run(self, plan: Plan, listing: dict[str, list[dict[str, Any]]],
-                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None) -> Plan:
+                  extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None,
+                  extra_tags: dict[str, str] | None = None) -> Plan:
         """Open the run of a compiled plan (see MlflowTracker.start_run); returns the plan with its tool
         schemas hashed."""
         ...

@@ -1,0 +1,88 @@
+"""Generation by an OpenAI-compatible server (vLLM, SGLang, ...), for `factory eval --model URL`: the model is
+not loaded here and takes no weight syncs, so it scores, it never trains.
+
+Each request goes to the completions API with the prompt as token ids (the conversation so far, rendered
+and tokenized here as with a local engine), so nothing already generated is tokenized again; the answer
+comes back as token ids where the server gives them (vLLM's `return_tokens_as_token_ids`), else as text
+that is tokenized here (the one place Factory re-tokenizes, and only for a server that cannot do better).
+A turn the server ended at a stop token that it left out of its answer gets the end-of-turn token back, as
+a local engine's turn ends. `OPENAI_API_KEY` goes only to an https or loopback URL (factory.util).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from factory.rollout.engine import Generation, Sampling, cut_at_stop
+from factory.util import key_may_go_to
+
+_TOKEN_ID = "token_id:"  # vLLM's form of a token in `logprobs.tokens` with return_tokens_as_token_ids
+
+
+class EndpointEngine:
+    name = "endpoint"
+    weight_sync = "none (an endpoint: evaluation only)"
+    fallback_reason: str | None = None
+    choice_reason: str | None = None
+
+    def __init__(self, url: str, tokenizer: Any, stop_token_ids: Sequence[int], end_of_turn_id: int | None,
+                 timeout_s: float = 300.0):
+        self.url = url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.end_of_turn_id = end_of_turn_id
+        self.timeout_s = timeout_s
+        self._client: Any = None
+        self._model: str | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def _start(self) -> tuple[Any, str]:
+        """The HTTP client and the served model's name (the server's first, from /models), made once."""
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if self._client is None:
+                import httpx2
+
+                key = os.environ.get("OPENAI_API_KEY")
+                headers = {"Authorization": f"Bearer {key}"} if key and key_may_go_to(self.url) else {}
+                self._client = httpx2.AsyncClient(timeout=self.timeout_s, headers=headers)
+                listed = await self._client.get(f"{self.url}/models")
+                listed.raise_for_status()
+                self._model = listed.json()["data"][0]["id"]
+        return self._client, self._model  # type: ignore[return-value]
+
+    async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
+        client, model = await self._start()
+        body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 1,
+                                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+        if sampling.greedy:
+            body["temperature"] = 0.0
+        else:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            if sampling.top_k:
+                body["top_k"] = sampling.top_k
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+        reply = await client.post(f"{self.url}/completions", json=body)
+        reply.raise_for_status()
+        return self.answer(reply.json()["choices"][0], max_new_tokens)
+
+    def answer(self, choice: dict[str, Any], limit: int) -> Generation:
+        """One completion choice as the turn's ids and log-probs (see the module doc)."""
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens") or []
+        if tokens and all(isinstance(t, str) and t.startswith(_TOKEN_ID) for t in tokens):
+            ids = [int(t[len(_TOKEN_ID):]) for t in tokens]
+            lps = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or [0.0] * len(ids)]
+        else:
+            ids = self.tokenizer.encode(choice.get("text") or "", add_special_tokens=False)
+            lps = [0.0] * len(ids)  # not the sampler's: the text was tokenized here
+        if choice.get("finish_reason") == "stop" and not set(ids[-1:]) & set(self.stop_token_ids):
+            stop = self.end_of_turn_id if self.end_of_turn_id is not None else self.stop_token_ids[0]
+            ids, lps = [*ids, stop], [*lps, 0.0]
+        return cut_at_stop(ids, self.stop_token_ids, limit + 1, lps)
+
+    def load_weights(self, state_dict: Any) -> None:
+        raise RuntimeError("an endpoint's model takes no weights: it evaluates (factory eval), it does not train")

@@ -1,0 +1,142 @@
+"""`import factory`: the Python API is the same program as the CLI (factory/commands/api.py). Loading a spec
+from a path, a YAML text or a dict; compiling; a run from a thread that is not the main one, stopped from
+another thread after the step in flight; `factory eval` of a finished run giving the run's own final
+evaluation, and `factory diff` comparing the two."""
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+import factory
+from factory.runtime.driver import eval_stages
+from factory.runtime.lifecycle import GracefulStop
+from factory.schema import Spec
+from tests.tracked_runs import ENGINE, STEPS, factory as factory_cli, project_copy
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "specs" / "tiny.yaml"
+
+
+# ------------------------------------------------------------------------------------- load, compile
+def test_a_spec_loads_from_a_path_a_yaml_text_or_a_dict(monkeypatch):
+    monkeypatch.chdir(REPO)
+    text = TINY.read_text()
+    specs = [factory.load(TINY, ["train.steps=3"]), factory.load(text, ["train.steps=3"]),
+             factory.load(yaml.safe_load(text), ["train.steps=3"])]
+    assert all(isinstance(s, Spec) and s.train.steps == 3 for s in specs)
+    assert specs[0].model_dump() == specs[1].model_dump() == specs[2].model_dump()
+    # compiled from the typed spec or from the path with its overrides: one plan, one hash
+    assert factory.compile(specs[0]).hashes == factory.compile(str(TINY), ["train.steps=3"]).hashes
+
+
+def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(factory.SpecErrors) as e:
+        factory.compile("name: x\nmodel: {path: factory:tiny-qwen3}\ndata: {train: {path: a.jsonl}}\n"
+                        "rewards: {a: {fn: nowhere:f}}\nbeta: 0.1\n")
+    assert e.value.report() == (
+        "<spec>:3: data.train.path: data file not found: a.jsonl\n"
+        "<spec>:4: rewards.a.fn: cannot import 'nowhere:f': no module named 'nowhere'\n"
+        "<spec>:5: beta: unknown key 'beta'; did you mean 'algorithm.kl.coef'? ('beta' is the TRL name)\n"
+        "3 errors in <spec>")
+    with pytest.raises(factory.SpecErrors, match=r"<dict>: train.stepz: unknown key 'stepz'"):
+        factory.load({**yaml.safe_load(TINY.read_text()), "train": {"stepz": 1}})
+
+
+def test_a_stop_event_set_by_another_thread_is_a_stop_request():
+    """GracefulStop in a thread that is not the main one: no signal handler (Python allows none there),
+    and the event, set from yet another thread, asks the loop to stop."""
+    event, seen = threading.Event(), []
+
+    def loop():
+        with GracefulStop(event=event) as stop:
+            seen.append(stop.requested)
+            threading.Thread(target=event.set).start()
+            event.wait(5)
+            seen.append(stop.requested)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    worker.join(10)
+    assert seen == [False, True]
+
+
+def test_an_evaluation_places_only_what_the_eval_flow_reaches(monkeypatch):
+    monkeypatch.chdir(REPO)
+    plan = eval_stages(factory.compile(TINY))
+    assert [s.name for s in plan.stages] == ["data", "rollout", "tools", "reward"]
+    assert {e.kind for e in plan.edges} == {"data", "eval", "call"} and "update" not in {e.dst for e in plan.edges}
+
+
+# ------------------------------------------------------------------------------------ real runs
+@pytest.mark.slow  # a tiny training run of 3 steps (about 1.5 min on 2 cores); issue 24's acceptance of item 1
+def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_path, monkeypatch):
+    """factory.run in a thread that is not the main one, each step's metrics streamed to on_step: the main
+    thread sets `stop` once step 1 is logged, and the 3-step run ends after step 2 (the step in flight),
+    logged and checkpointed, KILLED as Ctrl-C leaves it. (A run that completes from a thread: the eval test's
+    run below, and docs/python.md.)"""
+    from mlflow.tracking import MlflowClient
+
+    work = project_copy(tmp_path / "project")
+    uri = f"sqlite:///{work}/mlflow.db"
+    overrides = [f"tracking.uri={uri}", f"rollout.engine={ENGINE}", "train.steps=3"]
+    steps: queue.Queue = queue.Queue()
+    stop, out = threading.Event(), {}
+
+    def train():
+        try:
+            out["result"] = factory.run("specs/tiny.yaml", overrides, stop=stop,
+                                        on_step=lambda step, metrics: steps.put((step, dict(metrics))))
+        except BaseException as e:  # noqa: BLE001 -- shown by the assertion below
+            out["error"] = e
+
+    monkeypatch.chdir(work)
+    worker = threading.Thread(target=train)
+    worker.start()
+    seen = []
+    while (item := steps.get(timeout=600))[0] < 1:
+        seen.append(item)
+    seen.append(item)
+    stop.set()  # step 1 is logged; step 2 is in flight
+    worker.join(600)
+    assert not worker.is_alive() and "error" not in out, out.get("error")
+    result = out["result"]
+    while not steps.empty():
+        seen.append(steps.get())
+    assert [s for s, _ in seen] == [0, 1, 2]
+    assert (result.stopped, result.status) == (True, "KILLED")
+    run = MlflowClient(uri).get_run(result.run_id)
+    assert run.info.status == "KILLED" and run.data.tags["factory.step"] == "2"
+    assert run.data.metrics["reward/mean"] == seen[-1][1]["reward/mean"]  # what on_step heard is what was logged
+    assert Path(result.checkpoint).name == "step_2"
+
+
+def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_them(tiny_runs, tmp_path):
+    """`factory eval SPEC --model RUN` scores the run's newest checkpoint on the eval split, with the
+    driver's own evaluation (greedy, the same seeds): the metrics the run logged at its last step; then
+    `factory diff` compares the eval run with the training run (the model is what differs)."""
+    import json
+
+    run = tiny_runs.a
+    # its own experiment: the tests that list the pair's experiment find the pair alone
+    out = factory_cli("eval", "specs/tiny.yaml", "--model", run.info.run_id, f"train.steps={STEPS}",
+                      f"rollout.engine={ENGINE}", "tracking.experiment=tiny-eval", cwd=tiny_runs.work_a,
+                      uri=tiny_runs.uri)
+    assert out.returncode == 0, out.stderr[-3000:]
+    experiment = tiny_runs.client.get_experiment_by_name("tiny-eval").experiment_id
+    (ev,) = tiny_runs.client.search_runs([experiment], f"tags.`factory.eval_of` = '{run.info.run_id}'")
+    assert ev.info.status == "FINISHED" and ev.data.tags["factory.kind"] == "eval"
+    final = {k: v for k, v in run.data.metrics.items() if k.startswith("eval/")}
+    assert final and ev.data.metrics == final
+    history = tiny_runs.client.get_metric_history(ev.info.run_id, "eval/reward")
+    assert [m.step for m in history] == [STEPS]
+    diff = factory_cli("diff", run.info.run_id, ev.info.run_id, "--json", cwd=tiny_runs.work_a, uri=tiny_runs.uri)
+    assert diff.returncode == 0, diff.stderr[-3000:]
+    report = json.loads(diff.stdout)
+    assert [c["key"] for c in report["changes"] if c["kind"] == "setting"] == ["model.path", "tracking.experiment"]
+    rows = {(m["metric"], m["agg"]): m for m in report["metrics"]}
+    assert rows[("eval/reward", "final")]["delta"] == 0

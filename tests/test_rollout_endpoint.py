@@ -1,0 +1,80 @@
+"""The endpoint engine (`factory eval --model URL`): a scripted OpenAI-compatible completions server on
+127.0.0.1 stands in for vLLM. The prompt goes as token ids; token ids come back (vLLM's
+return_tokens_as_token_ids) or text tokenized here; a stop the server left out is put back."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from factory.rollout.engine import Sampling
+from factory.rollout.engine_endpoint import EndpointEngine
+
+SEEN: list[dict] = []
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _json(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # /v1/models
+        self._json({"data": [{"id": "served-model"}]})
+
+    def do_POST(self) -> None:  # /v1/completions
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        SEEN.append(body)
+        if body["prompt"][0] == 1:  # a vLLM: ids, stopped at a stop token it left out
+            self._json({"choices": [{"text": "ab", "finish_reason": "stop",
+                                     "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -0.25]}}]})
+        else:  # a server that answers text only, cut at max_tokens
+            self._json({"choices": [{"text": "xyz", "finish_reason": "length"}]})
+
+
+class Tokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+@pytest.mark.anyio
+async def test_ids_in_ids_out_and_the_stop_put_back(server):
+    SEEN.clear()
+    engine = EndpointEngine(server, Tokenizer(), stop_token_ids=[2, 99], end_of_turn_id=99)
+    out = await engine.generate([1, 5, 6], max_new_tokens=8, sampling=Sampling(greedy=True))
+    assert (out.ids, out.finished, out.logprobs) == ([7, 8, 99], True, [-0.5, -0.25, 0.0])
+    assert SEEN[0]["prompt"] == [1, 5, 6] and SEEN[0]["model"] == "served-model" and SEEN[0]["temperature"] == 0.0
+    out = await engine.generate([3], max_new_tokens=3, sampling=Sampling(temperature=0.7, seed=11))
+    assert (out.ids, out.finished) == ([120, 121, 122], False)  # the text, tokenized here
+    assert (SEEN[1]["temperature"], SEEN[1]["seed"]) == (0.7, 11)
+    with pytest.raises(RuntimeError, match="takes no weights"):
+        engine.load_weights({})
+
+
+def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):
+    from pathlib import Path
+
+    import factory
+    from factory.commands.api import with_endpoint
+    from factory.plan import RolloutSettings
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    plan = with_endpoint(factory.compile("specs/tiny.yaml"), "http://127.0.0.1:8000/v1")
+    (rollout,) = [s.settings for s in plan.stages if isinstance(s.settings, RolloutSettings)]
+    assert rollout.endpoint == "http://127.0.0.1:8000/v1"
