@@ -149,6 +149,17 @@ class _Leaf(Section):
     mean, training and eval (it stays in the logs). `fail`: the run stops with an error naming the node,
     the trajectory and the reason."""
 
+    per: Literal["trajectory", "turn"] = "trajectory"
+    """trajectory: one value per trajectory. turn: one value per model turn (a process reward). A function is
+    then called once per turn as `fn(prompt, turn_text, turn=..., index=..., **row)`: `turn` is that turn
+    (factory.types.Turn: its `text`, its parsed `calls`, each of its `results` with its `status`), `index`
+    its position from 0 (and `turns`, all of them, when it declares it); a judge's template and a tool's
+    arguments are rendered once per turn, `completion` being the turn's text, with `turn` and `index` too.
+    `on_missing` applies turn by turn; a combinator or gate that reads a per-turn node is per turn too, a
+    trajectory-level input counting at every turn. A per-turn node's value for the trajectory (its
+    `rewards/<node>/mean`, the trained reward under `algorithm.credit: trajectory`) is the mean over its
+    turns."""
+
     def inputs(self) -> list[tuple[str, str]]:
         return []
 
@@ -170,14 +181,6 @@ class FnNode(_Leaf):
     """Seconds a call may take (None = no limit); past it the call has no value (an error, `on_missing`
     applies) and scoring goes on. An async function is cancelled; a plain one's thread cannot be stopped
     in Python and runs on to its end, holding one of the stage's 256 worker threads meanwhile."""
-    per: Literal["trajectory", "turn"] = "trajectory"
-    """trajectory: one value per trajectory. turn: one value per model turn (a process reward), the function
-    called once per turn as `fn(prompt, turn_text, turn=..., index=..., **row)`: `turn` is that turn
-    (factory.types.Turn: its `text`, its parsed `calls`, each of its `results` with its `status`), `index`
-    its position from 0 (and `turns`, all of them, when it declares it). `on_missing` applies turn by turn;
-    a combinator or gate that reads a per-turn node is per turn too, a trajectory-level input counting at
-    every turn. A per-turn node's value for the trajectory (its `rewards/<node>/mean`, the trained reward
-    under `algorithm.credit: trajectory`) is the mean over its turns."""
 
     @model_validator(mode="after")
     def _per_group(self) -> FnNode:

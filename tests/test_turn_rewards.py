@@ -127,3 +127,44 @@ def test_schema_and_compiler_refuse_what_per_turn_cannot_do():
 
 def _no_turn(prompt, completion, answer=""):
     return 1.0
+
+
+def test_judge_and_tool_nodes_per_turn_render_each_turn(tmp_path):
+    """A per-turn judge is asked about each turn (`completion` is the turn's text) and a per-turn tool is
+    called with each turn's arguments."""
+    import asyncio
+    import sys
+
+    from factory.compiler.compile import stage_settings
+    from factory.reward import RewardStage
+    from factory.tools.stage import ToolsStage
+    from factory.types import Placement
+    from tests.servers import free_port, http_server
+    from tests.test_reward_judge import REPO
+
+    port = free_port()
+    (tmp_path / "judge.jinja").write_text("Grade turn {{ index }}: {{ completion }}")
+    spec = make_spec({
+        "judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{port}/v1", "model": "m", "per": "turn"},
+        "len": {"tool": "scorer", "arguments": {"text": "{{ completion }}"}, "per": "turn"},
+        "total": {"sum": {"judge": 1.0, "len": 1.0}}},
+        tools={"scorer": {"function": f"{FNS}:length_score"}})
+    settings = stage_settings(spec, tmp_path)
+    tools, stage = ToolsStage(settings["tools"]), RewardStage(settings["reward"])
+
+    async def go():
+        await tools.setup()
+        await stage.setup(Placement(peers={settings["reward"].tool_peer: tools}))
+        try:
+            return await stage.score([traj("x", turns=[turn("ab [good]"), turn("[bad]")])])
+        finally:
+            await stage.close()
+            await tools.close()
+
+    with http_server([sys.executable, "-m", "tests.judge_server", str(port)], port, cwd=REPO):
+        trajs, m = asyncio.run(go())
+    # the judge server scores "[good]" 1 and "[bad]" 0; length_score is len / 10: "ab [good]" 0.9, "[bad]" 0.5
+    assert trajs[0].turn_rewards["judge"] == [1.0, 0.0]
+    assert trajs[0].turn_rewards["len"] == pytest.approx([0.9, 0.5])
+    assert trajs[0].turn_rewards["total"] == pytest.approx([1.9, 0.5])
+    assert m["rewards/judge/calls"] == 2.0

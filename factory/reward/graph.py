@@ -88,10 +88,10 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
 
 
 def per_turn_nodes(nodes: Mapping[str, Any]) -> set[str]:
-    """The nodes with one value per model turn: function nodes with `per: turn`, and every combinator or
+    """The nodes with one value per model turn: function, judge and tool nodes with `per: turn`, and every combinator or
     gate that reads one, directly or not (a trajectory-level input counts at every turn there). A
     `normalize` node never is one: the compiler refuses one that reads a per-turn node."""
-    out = {name for name, node in nodes.items() if isinstance(node, FnNode) and node.per == "turn"}
+    out = {name for name, node in nodes.items() if isinstance(node, LEAVES) and node.per == "turn"}
     changed = True
     while changed:  # to a fixed point: a chain of readers is found whatever the nodes' order
         changed = False

@@ -197,7 +197,7 @@ class _Evaluation:
 
     async def _compute_turn(self, name: str, i: int, k: int) -> float | None:
         node = self.s.nodes[name]
-        if isinstance(node, LEAVES):  # a function node with `per: turn` (the schema allows no other leaf)
+        if isinstance(node, LEAVES):  # a function, judge or tool node with `per: turn`
             return self._settle(name, i, await self._leaf(name, node, i, k), k)
         if isinstance(node, GateNode):  # per turn: the condition decides turn by turn
             condition = await self.at(node.gate, i, k)
@@ -261,7 +261,7 @@ class _Evaluation:
     async def _leaf(self, name: str, node: Any, i: int, k: int | None = None) -> _Outcome:
         start = time.perf_counter()
         try:
-            if k is not None:
+            if isinstance(node, FnNode) and k is not None:
                 return await self._fn(name, i, k)
             if isinstance(node, FnNode):
                 if node.group:
@@ -269,8 +269,8 @@ class _Evaluation:
                     return (await self._memo((name, "group", pid), lambda: self._group_fn(name, pid)))[i]
                 return await self._fn(name, i)
             if isinstance(node, JudgeNode):
-                return await self._judge(name, node, i)
-            return await self._tool(name, node, i)
+                return await self._judge(name, node, i, k)
+            return await self._tool(name, node, i, k)
         finally:
             first, _ = self.spans.get(name, (start, start))
             self.spans[name] = (min(first, start), time.perf_counter())
@@ -312,11 +312,18 @@ class _Evaluation:
             return {i: _failed(e) for i in members}
         return {i: _outcome(v) for i, v in zip(members, values)}
 
-    async def _judge(self, name: str, node: JudgeNode, i: int) -> _Outcome:
+    def _context(self, i: int, k: int | None) -> dict[str, Any]:
+        """What a judge's template and a tool's arguments are rendered with: the row, `prompt`, `completion`
+        and `turns`; at turn k of a per-turn node, `completion` is that turn's text, with `turn` and `index`."""
         t = self.trajs[i]
+        ctx = {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns}
+        if k is not None:
+            ctx.update(completion=t.turns[k].text, turn=t.turns[k], index=k)
+        return ctx
+
+    async def _judge(self, name: str, node: JudgeNode, i: int, k: int | None = None) -> _Outcome:
         try:
-            messages = messages_from_text(self.s._templates[name].render(
-                {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion, "turns": t.turns}))
+            messages = messages_from_text(self.s._templates[name].render(self._context(i, k)))
         except Exception as e:  # a template that reads a column the row lacks, or renders a broken message list
             return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})
         try:
@@ -328,11 +335,10 @@ class _Evaluation:
         except ValueError as e:
             return _Outcome(None, "parse_failure", {"reply": reply, "error": str(e)})
 
-    async def _tool(self, name: str, node: ToolNode, i: int) -> _Outcome:
+    async def _tool(self, name: str, node: ToolNode, i: int, k: int | None = None) -> _Outcome:
         from factory.tools.toolbox import qualified_name
 
-        t = self.trajs[i]
-        ctx = {**t.row, "prompt": prompt_text(t.messages), "completion": t.completion}
+        ctx = self._context(i, k)
         server, _, tool = node.tool.partition(".")
         try:
             arguments = {k: template.render(ctx) for k, template in self.s._templates[name].items()}
