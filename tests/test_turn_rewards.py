@@ -168,3 +168,17 @@ def test_judge_and_tool_nodes_per_turn_render_each_turn(tmp_path):
     assert trajs[0].turn_rewards["len"] == pytest.approx([0.9, 0.5])
     assert trajs[0].turn_rewards["total"] == pytest.approx([1.9, 0.5])
     assert m["rewards/judge/calls"] == 2.0
+
+
+def test_a_rescored_trajectory_gets_the_same_per_turn_values():
+    """`factory rescore` reads turns back from the saved table: a per-turn node scores them as the run did."""
+    import pyarrow as pa
+
+    from factory.commands.rescore import trajectory_from_record
+    from factory.tracking.mlflow_tracker import trajectory_records
+
+    spec = make_spec({"step": {"fn": f"{FNS}:call_ok", "per": "turn"}})
+    (scored,), _ = score(spec, [traj("abc", turns=T0)])
+    (record,) = pa.Table.from_pylist(trajectory_records([scored], step=1)).to_pylist()
+    (again,), _ = score(spec, [trajectory_from_record(record)])
+    assert again.turn_rewards == scored.turn_rewards == {"step": [1.0, 0.0, 0.0]}
