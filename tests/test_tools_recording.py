@@ -102,6 +102,13 @@ def test_the_cache_answers_a_second_run_and_keeps_no_infra_error(tmp_path, monke
     b = asyncio.run(_calls(second, [call("9-1"), call("2+3")]))
     assert [r.text for r in b] == [a[2].text, a[0].text] and drifting.calls_so_far() == before
     assert [r["source"] for r in second.recorder.take()] == ["cache", "cache"]
+    # the counts add up over callers, as the driver adds the rollout replicas' (a real run merges them)
+    from factory.tools.metrics import ToolMetrics
+
+    merged = ToolMetrics()
+    merged.add(first._metrics)
+    merged.add(second._metrics)
+    assert merged.snapshot()["tool_servers/calculate/cache_hits"] == 3.0
     # another schema is another key; an infrastructure failure is not kept
     cache = ToolCache(tmp_path / "tool-cache.sqlite")
     k = ToolCache.key("calculate", "calculate", {"type": "object"}, {"expression": "2+3"})

@@ -72,7 +72,7 @@ class ToolMetrics:
         self._totals.add(other._totals)
         for server, events in other._servers.items():
             for event, count in events.items():
-                self._servers[server][event] += count
+                self.server_event(server, event, count)
 
     def take_server_events(self) -> dict[str, dict[str, int]]:
         """Server events since the last take, and a fresh start (the tools stage reports these to its
