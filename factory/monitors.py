@@ -243,6 +243,16 @@ class Watch:
     halt: str | None = None
     halted_at: int | None = None  # the step at which `halt` was set
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the monitors (their windows reach back over earlier steps): a resumed
+        run reads the same history, and logs the same `monitor/*` values, as an uninterrupted one."""
+        return {"rows": self.rows, "evals": self.evals, "fired": self.fired}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.rows = [dict(r) for r in state["rows"]]
+        self.evals = [(int(s), float(v)) for s, v in state["evals"]]
+        self.fired = {k: int(v) for k, v in state["fired"].items()}
+
     def evaluated(self, step: int, metrics: dict[str, float]) -> None:
         key = f"eval/{self.settings.task_metric}"
         if self.settings.task_metric and key in metrics and math.isfinite(metrics[key]):

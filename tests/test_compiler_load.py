@@ -31,7 +31,7 @@ def test_unknown_key_without_a_near_one_lists_the_valid_keys(project):
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
     assert report(e).splitlines()[0] == (
-        "spec.yaml:9: tracking.colour: unknown key 'colour'; expected one of: experiment, uri, tags, "
+        "spec.yaml:9: tracking.colour: unknown key 'colour'; expected one of: experiment, uri, tags, record_tools, "
         "log_trajectories")
 
 

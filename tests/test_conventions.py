@@ -130,7 +130,7 @@ def test_a_hub_id_is_resolved_through_the_local_cache(project):
 
 # ---------------------------------------------------------------------------------- TRL and Axolotl
 def test_trl_and_axolotl_names_get_factorys_key(project):
-    path = project.spec(base_spec(project, "trl") + "beta: 0.04\nalgorithm: {epsilon: 0.2}\n"
+    path = project.spec(base_spec(project, "rw_trl_names") + "beta: 0.04\nalgorithm: {epsilon: 0.2}\n"
                                                     "train: {learning_rate: 1.0e-5}\n")
     assert _errors(path, ["num_generations=4", "per_device_train_batch_size=2"]) == (
         "spec.yaml:9: beta: unknown key 'beta'; did you mean 'algorithm.kl.coef'? ('beta' is the TRL name)\n"

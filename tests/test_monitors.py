@@ -163,6 +163,27 @@ def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     assert EXIT_MONITOR == 4
 
 
+def test_a_resumed_watch_reads_the_history_an_uninterrupted_one_does():
+    """The monitors' windows reach back over earlier steps: a run resumed from its step-2 checkpoint (the
+    watch's state through run_state.json) logs at step 3 what the uninterrupted run logged, and does not
+    warn again of a monitor that fired before the checkpoint."""
+    def watch():
+        return Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
+                                   judges=(), verifier="correct", candidates=("fmt",)), S)
+
+    batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
+    m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
+    whole, first = watch(), watch()
+    for w in (whole, first):
+        w.evaluated(0, {"eval/accuracy": 0.0})
+        for step in (1, 2, 3):
+            w.observe(step, batch, m)
+    resumed = watch()
+    resumed.restore(json.loads(json.dumps(first.state())))  # as a checkpoint's run_state.json holds it
+    assert resumed.observe(4, batch, m) == whole.observe(4, batch, m) != {}
+    assert resumed.fired == whole.fired == {"reward_dominance": 3} and resumed.new == []
+
+
 # ---------------------------------------------------------------------------------- runs and diff
 def test_runs_and_diff_show_the_monitors():
     from factory.commands.diff import metric_rows

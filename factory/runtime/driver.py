@@ -588,7 +588,10 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         on_step(0, before)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
     watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
-    watch.evaluated(0, before)
+    if resume and resume.watch is not None:
+        watch.restore(resume.watch)  # the history up to the checkpoint, step 0's evaluation included
+    else:
+        watch.evaluated(0, before)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
                                                         "checkpointed); Ctrl-C again stops at once"), event=stop_event)
@@ -620,7 +623,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 display.step(n, m_n)
                 on_step(n, m_n)
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
-                state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state")}  # for --resume
+                state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"),  # for --resume
+                         "watch": watch.state()}
                 checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
                 tracker.log_checkpoint(step, checkpoint)
                 saved_at = time.monotonic()

@@ -54,6 +54,7 @@ class Resume:
     step: int  # steps done at that checkpoint (0 without one)
     logged: int  # the last step whose metrics the run holds (-1: none, not even the step-0 evaluation)
     data: dict[str, Any] | None  # the data stream's position at the checkpoint
+    watch: dict[str, Any] | None = None  # the monitors' history at the checkpoint (factory.monitors.Watch)
     before: dict[str, float] = field(default_factory=dict)  # the step-0 evaluation, for the summary
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the run's checkpoints.json
     changed: list[str] = field(default_factory=list)  # what differs from the run's spec (allowed)
@@ -100,7 +101,8 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     return Resume(run.run_id, run.name, directory, checkpoint, step, logged_step(tracker, run),
-                  state.get("data") if checkpoint else None, before=step0_eval(tracker, run),
+                  state.get("data") if checkpoint else None, state.get("watch") if checkpoint else None,
+                  before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
                   unreadable=skipped)
 
