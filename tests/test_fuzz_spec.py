@@ -28,7 +28,7 @@ from factory.compiler.translate import _strip
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ["specs/tiny.yaml", "specs/calculator.yaml", "specs/quickstart.yaml"]
-EXAMPLES = int(os.environ.get("FACTORY_FUZZ_EXAMPLES", "150"))  # ~10 s in all on a 2-core AMD EPYC Zen 5
+EXAMPLES = int(os.environ.get("FACTORY_FUZZ_EXAMPLES", "150"))  # ~10 s in all on a 2-core AMD EPYC Zen 4
 # An error line: `FILE:LINE: ...` or `<override N>: ...`; snippet lines under it start with spaces.
 LOCATED = re.compile(r"^(?:(?P<file>.+?):(?P<line>\d+)|<override \d+>): ")
 

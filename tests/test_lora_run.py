@@ -14,7 +14,7 @@ import pytest
 from tests.tracked_runs import ENGINE, factory, project_copy
 
 
-# Slow (~40-60 s on a 2-core AMD EPYC Zen 5): the default suite has its parts -- the sync's adapters and the
+# Slow (~40-60 s on a 2-core AMD EPYC Zen 4): the default suite has its parts -- the sync's adapters and the
 # engines' agreement after it (test_rollout_vllm), the adapters' checkpoint, resume and merged export
 # (test_update_lora) -- and a real run of every other path; this is the whole LoRA run once more.
 @pytest.mark.slow

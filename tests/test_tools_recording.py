@@ -148,7 +148,7 @@ def _tables(tracker, run_id: str, folder: str) -> list[list[dict]]:
                 for p in sorted(tracker.artifacts(run_id, folder))]
 
 
-@pytest.mark.slow  # two real runs of the tiny spec (Ray, MCP, DeepSpeed, MLflow): 144 s on 2 shared cores (Zen 5)
+@pytest.mark.slow  # two real runs of the tiny spec (Ray, MCP, DeepSpeed, MLflow): 144 s on 2 shared cores (AMD EPYC Zen 4)
 def test_a_replayed_run_repeats_the_recorded_one(tmp_path):
     import torch
     from safetensors.torch import load_file

@@ -47,7 +47,7 @@ def _weights(g: Group) -> list[dict[str, torch.Tensor]]:
 
 
 # ZeRO-3 with AdamW in the default suite; ZeRO-2 with SGD, which checks the same sums over ranks through
-# another partitioning, is slow (~12-25 s each on a 2-core AMD EPYC Zen 5).
+# another partitioning, is slow (~12-25 s each on a 2-core AMD EPYC Zen 4).
 @pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
     optimizer = CASES[zero]
