@@ -69,7 +69,14 @@ def scored():
     return trajs
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# In the default suite, one preset of each loss family (token-level ratio, sequence-level ratio, clipped
+# weight, KL in the reward); the rest, whose losses differ from these only in the normaliser or the baseline
+# (each tested in test_update / test_algorithms), are slow: ~4 s each of the suite's budget (#23).
+DEFAULT_PRESETS = ("grpo", "gspo", "cispo", "reinforce_pp")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_PRESETS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(PRESETS)])
 def test_preset_runs_an_update_step(name, scored):
     import torch
 

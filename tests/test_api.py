@@ -115,6 +115,7 @@ def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_p
     assert Path(result.checkpoint).name == "step_2"
 
 
+@pytest.mark.slow  # a `factory eval` of the shared tiny run: 34 s of its own on a 2-core AMD EPYC Zen 4 (#23's budget)
 def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_them(tiny_runs, tmp_path):
     """`factory eval SPEC --model RUN` scores the run's newest checkpoint on the eval split, with the
     driver's own evaluation (greedy, the same seeds): the metrics the run logged at its last step; then
