@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -23,6 +24,12 @@ from tests.servers import free_port
 from tests.tracked_runs import ENGINE
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def short_tmp() -> str:
+    """A TMPDIR for a run: Ray's unix sockets go ~70 characters below `$TMPDIR/factory-<uid>/`, and a socket
+    path may hold 107 bytes, so pytest's tmp_path is too long for it."""
+    return tempfile.mkdtemp(prefix="fch", dir="/tmp")
 
 
 @pytest.mark.slow  # a 20-step run, a failure and a resume: 2.5 min measured on 2 cores (AMD EPYC, Zen 5)
@@ -42,7 +49,7 @@ def test_a_run_whose_judge_endpoint_is_down_stops_with_exit_3_naming_it(tmp_path
         shutil.copytree(REPO / name, tmp_path / name)
     (tmp_path / "prompts" / "j.jinja").write_text("{{ completion }}")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO),
-           "TMPDIR": str(tmp_path)}
+           "TMPDIR": short_tmp()}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -82,7 +89,7 @@ def test_a_run_whose_reward_returns_inf_and_whose_judge_replies_nan_keeps_every_
         shutil.copytree(REPO / name, tmp_path / name)
     judge = Judge(random.Random(0), p500=0.0, p429=0.0, pnan=0.5)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO), "TMPDIR": short_tmp()}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
     out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", "train.steps=3",
