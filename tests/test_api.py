@@ -47,6 +47,19 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         factory.load({**yaml.safe_load(TINY.read_text()), "train": {"stepz": 1}})
 
 
+def test_compiling_with_connect_compiles_the_spec_it_is_given(monkeypatch):
+    """`connect` starts the tool servers of this Spec: a Spec built in code has no file to read again, and a
+    loaded one changed in code (`model_copy`) must keep its changes."""
+    monkeypatch.chdir(REPO)
+    data = yaml.safe_load(TINY.read_text())
+    data["tools"] = {"calc": {"function": "tests.tool_servers.drifting:answer"}}  # in-process: nothing to start
+    built = Spec.model_validate(data)
+    assert factory.compile(built, connect=True).tools == {"calc": ["calc"]}
+    changed = factory.load(data).model_copy(update={"name": "changed"})
+    plan = factory.compile(changed, connect=True)
+    assert plan.spec["name"] == "changed" and plan.tools == {"calc": ["calc"]}
+
+
 def test_a_stop_event_set_by_another_thread_is_a_stop_request():
     """GracefulStop in a thread that is not the main one: no signal handler (Python allows none there),
     and the event, set from yet another thread, asks the loop to stop."""
@@ -70,6 +83,33 @@ def test_an_evaluation_places_only_what_the_eval_flow_reaches(monkeypatch):
     plan = eval_stages(factory.compile(TINY))
     assert [s.name for s in plan.stages] == ["data", "rollout", "tools", "reward"]
     assert {e.kind for e in plan.edges} == {"data", "eval", "call"} and "update" not in {e.dst for e in plan.edges}
+
+
+def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monkeypatch):
+    """`factory eval --model` of a LoRA checkpoint merges the adapters into a full model (GBs for a real one):
+    it is gone once the evaluation returns, or fails."""
+    import factory.commands.api as api
+    import factory.commands.export as export
+    import factory.runtime.driver as driver
+
+    monkeypatch.chdir(REPO)
+    step = tmp_path / "run" / "step_00003"
+    (step / "adapter").mkdir(parents=True)
+    merged, seen = [], []
+    monkeypatch.setattr(export, "export", lambda src, dst: (Path(dst).mkdir(parents=True), merged.append(Path(dst))))
+    tiny = factory.compile(TINY)
+    monkeypatch.setattr(api, "compile_plan", lambda spec, overrides: seen.append(list(overrides)) or tiny)
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: (merged[-1].is_dir(), step))
+    assert factory.evaluate(TINY, model=step) == (True, 3)  # there while it is evaluated, at the checkpoint's step
+    assert seen == [[f"model.path={merged[0]}"]] and not merged[0].exists()
+
+    def fails(plan, step, tags):
+        raise RuntimeError("the engine failed")
+
+    monkeypatch.setattr(driver, "evaluate_only", fails)
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        factory.evaluate(TINY, model=step)
+    assert len(merged) == 2 and not merged[1].exists()
 
 
 # ------------------------------------------------------------------------------------ real runs

@@ -95,3 +95,47 @@ def test_a_record_never_names_a_process_by_pid_alone(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# ------------------------------------------------------------------------------- a local Ray on loopback
+def test_factory_evaluate_keeps_its_local_ray_on_loopback(monkeypatch):
+    """`factory eval` (factory.evaluate) starts a local Ray as `factory run` does: the loopback flag must be
+    set before the driver (and so ray) is imported, not only by factory.run."""
+    import factory
+    import factory.runtime.driver as driver
+    from factory.runtime.lifecycle import LOOPBACK_FLAG
+
+    seen = []
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.delenv(LOOPBACK_FLAG, raising=False)
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: seen.append(os.environ.get(LOOPBACK_FLAG)))
+    factory.evaluate("specs/tiny.yaml")
+    assert seen == ["0"]
+    # a spec that joins a cluster leaves the cluster's own network settings alone
+    monkeypatch.delenv(LOOPBACK_FLAG)
+    factory.evaluate("specs/tiny.yaml", overrides=["resources.ray_address=ray://10.0.0.1:10001"])
+    assert seen[-1] is None
+
+
+def test_a_local_ray_is_refused_when_ray_was_imported_before_the_loopback_flag(monkeypatch):
+    """A notebook that imported ray first: Ray read the flag already and would listen on every interface.
+    start_ray says so before it starts anything; a user's own explicit `=1` is theirs to choose."""
+    import ray
+    from ray._private import ray_constants
+
+    from factory.plan import ClusterSettings
+    from factory.runtime.driver import start_ray
+    from factory.runtime.lifecycle import LOOPBACK_FLAG, check_ray_on_loopback
+    from factory.util import UserError
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
+    monkeypatch.setenv(LOOPBACK_FLAG, "0")
+    with pytest.raises(UserError, match=r"ray was imported before Factory could set "
+                                        r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"):
+        start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+    monkeypatch.setenv(LOOPBACK_FLAG, "1")
+    check_ray_on_loopback()  # asked for by the user: no error
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    monkeypatch.setenv(LOOPBACK_FLAG, "0")
+    check_ray_on_loopback()

@@ -14,6 +14,7 @@ cannot be found raises `RunLookupError`. `run` works from any thread and from a 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from factory.compiler.compile import compile_file, compile_spec
 from factory.compiler.load import SpecInput, SpecSource, load, source_of
 from factory.plan import Plan
+from factory.runtime.lifecycle import local_ray_on_loopback
 from factory.schema import Spec
 
 if TYPE_CHECKING:
@@ -44,10 +46,7 @@ def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, conne
             raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec: "
                             "factory.load(spec, overrides) first")
         source = source_of(spec) or SpecSource("<spec>", Path.cwd(), "")  # a Spec built in code
-        if connect:  # the tool servers are started from what the spec was read from
-            text = source.file if not source.file.startswith("<") else source.text
-            return compile_file(text, source.overrides, connect=True)[1]
-        return compile_spec(spec, source)
+        return compile_spec(spec, source, connect=connect)  # this Spec, as it is now: its tool servers too
     return compile_file(spec, overrides, connect=connect)[1]
 
 
@@ -66,11 +65,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         plan = compile_plan(plan, overrides)
     elif overrides:
         raise TypeError("overrides go with a spec, not with a compiled Plan")
-    if not plan.driver.resources.ray_address:
-        # A local Ray of our own listens on loopback only. Ray would bind its gRPC servers to every
-        # interface and advertise the machine's address; this flag (read when ray is imported, so set it
-        # before the driver imports ray) makes it take 127.0.0.1 as the node address and bind that alone.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
     found = None
     if resume is not None:
         import sys
@@ -123,29 +118,34 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
     OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template)."""
-    from factory.runtime.driver import evaluate_only
+    # a LoRA checkpoint is merged into a full model (GBs) in here, removed once evaluated or failed
+    with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
+        path, step, tags = _eval_model(model, uri, Path(scratch))
+        endpoint = path if path is not None and path.startswith(("http://", "https://")) else None
+        if endpoint is None and path is not None:
+            if isinstance(spec, Spec):
+                if overrides:
+                    raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec")
+                spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
+            else:
+                overrides = [*overrides, f"model.path={path}"]
+        plan = compile_plan(spec, overrides)
+        if endpoint is not None:
+            plan = with_endpoint(plan, endpoint)
+        if plan.spec["data"].get("eval") is None:
+            from factory.util import UserError
 
-    path, step, tags = _eval_model(model, uri)
-    endpoint = path if path is not None and path.startswith(("http://", "https://")) else None
-    if endpoint is None and path is not None:
-        if isinstance(spec, Spec):
-            if overrides:
-                raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec")
-            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
-        else:
-            overrides = [*overrides, f"model.path={path}"]
-    plan = compile_plan(spec, overrides)
-    if endpoint is not None:
-        plan = with_endpoint(plan, endpoint)
-    if plan.spec["data"].get("eval") is None:
-        from factory.util import UserError
+            raise UserError(f"{plan.spec_path}: data.eval: not set; evaluation scores the spec's eval split")
+        local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+        from factory.runtime.driver import evaluate_only
 
-        raise UserError(f"{plan.spec_path}: data.eval: not set; evaluation scores the spec's eval split")
-    return evaluate_only(plan, step, tags)
+        return evaluate_only(plan, step, tags)
 
 
-def _eval_model(model: str | os.PathLike | None, uri: str | None) -> tuple[str | None, int, dict[str, str]]:
-    """(the Hugging Face folder to load, the step to log at, the eval run's tags) for `evaluate`'s `model`."""
+def _eval_model(model: str | os.PathLike | None, uri: str | None,
+                scratch: Path) -> tuple[str | None, int, dict[str, str]]:
+    """(the Hugging Face folder to load, the step to log at, the eval run's tags) for `evaluate`'s `model`;
+    a LoRA checkpoint's merged model is written under `scratch`, which the caller removes."""
     from factory.commands.export import ExportError, checkpoint_dir, export, hf_folder, step_folder
     from factory.update.checkpoint import ADAPTER
 
@@ -167,9 +167,7 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None) -> tuple[str |
     step = int(folder.name.removeprefix("step_")) if folder.name.startswith("step_") else 0
     tags["factory.eval_model"] = str(folder.resolve())
     if (folder / ADAPTER).is_dir():  # LoRA adapters: merged into the base weights, as `factory export` does
-        import tempfile
-
-        merged = Path(tempfile.mkdtemp(prefix="factory-eval-")) / "model"
+        merged = scratch / "model"
         export(str(folder), merged)
         return str(merged), step, tags
     try:

@@ -139,6 +139,9 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     judges = [plan.stage(n) for n in callees(plan, scorer(plan)) if not runs_inline(plan, n)]
     groups: dict[str, Any] = {}
     if judges:
+        from factory.runtime.lifecycle import local_ray_on_loopback
+
+        local_ray_on_loopback(plan.driver.resources.ray_address)  # before ray is imported
         import ray
 
         from factory.runtime.driver import place, start_ray

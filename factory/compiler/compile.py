@@ -820,17 +820,33 @@ def with_tool_listing(plan: Plan, listing: ToolListing) -> Plan:
 
 
 def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
-                 tools: ToolListing | None = None) -> Plan:
+                 tools: ToolListing | None = None, connect: bool = False) -> Plan:
     """Resolve every reference of a loaded spec and build its Plan; raises `SpecErrors`.
 
     `source` is what `load()` returned (or the spec file's path: then overrides are not located).
     `tools` is the listing of every server (`factory check --connect`): tool names are then checked and
-    the tool schemas hashed."""
+    the tool schemas hashed. `connect` makes that listing: every server of `spec.tools` is started."""
     src = _source_of(source)
     plan, errors = _compile(spec, src, None, tools)
     if errors or plan is None:
         raise SpecErrors(errors, src.file)
-    return plan
+    return _connected(spec, src, plan) if connect and tools is None else plan
+
+
+def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
+    """`plan` compiled again with the listing of every tool server of `spec`, each started to list its tools
+    (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have."""
+    if not spec.tools:
+        return plan
+    from factory.compiler.connect import list_all
+
+    listing, errors = list_all(spec, source)
+    if errors:
+        raise SpecErrors(errors, source.file)
+    connected, errors = _compile(spec, source, None, listing)
+    if errors or connected is None:
+        raise SpecErrors(errors, source.file)
+    return connected
 
 
 def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,
@@ -847,15 +863,8 @@ def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,
         errors += compile_errors
     if errors or loaded.spec is None or plan is None:
         raise SpecErrors(errors, loaded.source.file)
-    if connect and loaded.spec.tools:
-        from factory.compiler.connect import list_all
-
-        listing, connect_errors = list_all(loaded.spec, loaded.source)
-        if connect_errors:
-            raise SpecErrors(connect_errors, loaded.source.file)
-        plan, errors = _compile(loaded.spec, loaded.source, None, listing)
-        if errors or plan is None:
-            raise SpecErrors(errors, loaded.source.file)
+    if connect:
+        plan = _connected(loaded.spec, loaded.source, plan)
     return remember(loaded.spec, loaded.source), plan
 
 

@@ -38,7 +38,8 @@ from factory.plan import ClusterSettings, Edge, Plan, Stage
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import check_infra
-from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, private_dir, reap_orphans
+from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
+                                       private_dir, reap_orphans)
 from factory.runtime.startup import Startup
 from factory.types import Placement
 from factory.util import import_object
@@ -79,7 +80,8 @@ def start_ray(cluster: ClusterSettings) -> None:
     """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
     local Ray of our own.
 
-    A local Ray listens on loopback (factory.commands.cli), where any user of the machine can reach it:
+    A local Ray listens on loopback (factory.runtime.lifecycle.local_ray_on_loopback, checked here), where
+    any user of the machine can reach it:
     unless RAY_AUTH_MODE says otherwise it requires a token, fresh for each run and known only to this
     driver's environment (inherited by the Ray processes it starts), and keeps its session files in this
     user's private folder (factory.runtime.lifecycle.private_dir: its owner and mode are checked)."""
@@ -88,6 +90,7 @@ def start_ray(cluster: ClusterSettings) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
         return
+    check_ray_on_loopback()
     temp = private_dir() / "ray"
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))

@@ -61,6 +61,32 @@ def private_dir() -> Path:
     return path
 
 
+# Ray binds a local cluster's gRPC servers to every interface and advertises the machine's address unless
+# this is "0" (then it takes 127.0.0.1 as the node address and binds that alone). Ray reads it once, when
+# `ray` is first imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER).
+LOOPBACK_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_ray_on_loopback(ray_address: str | None) -> None:
+    """Before `ray` is imported: a local Ray of our own (no `ray_address`) will listen on loopback only.
+    Every entry point that may start one (factory.run, factory.evaluate, rescore) calls it first;
+    factory.runtime.driver.start_ray checks that it came in time."""
+    if not ray_address:
+        os.environ.setdefault(LOOPBACK_FLAG, "0")
+
+
+def check_ray_on_loopback() -> None:
+    """Refuse to start a local Ray that would listen on every interface: `ray` was imported (in a notebook,
+    by other code) before `local_ray_on_loopback` set the flag. A user's own `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`
+    is theirs to choose."""
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get(LOOPBACK_FLAG, "0") == "0":
+        raise UserError(f"ray was imported before Factory could set {LOOPBACK_FLAG}=0, so a local Ray would listen "
+                        "on every network interface: set it in the environment before Python starts (or before "
+                        "`import ray`), or call factory.run / factory.evaluate before importing ray")
+
+
 def sessions_dir() -> Path:
     """One folder per user on this machine, beside the local Ray's own session files."""
     return private_dir() / "drivers"
