@@ -120,6 +120,57 @@ def test_the_cache_answers_a_second_run_and_keeps_no_infra_error(tmp_path, monke
     cache.close()
 
 
+def test_a_cache_that_fails_is_passed_by_and_the_tool_answers_live(tmp_path, monkeypatch, caplog):
+    """The cache is an optimisation: a corrupt (or locked, or full) sqlite file must not turn a call into an
+    error nor escape ToolBox.call (which never raises); the call goes to the live tool, recorded as such."""
+    monkeypatch.setenv("FACTORY_CACHE", str(tmp_path))
+    (tmp_path / "tool-cache.sqlite").write_bytes(b"not a database" * 100)
+    box = ToolBox.from_spec(CACHED, base_dir=REPO, record=True)
+    before = drifting.calls_so_far()
+    got = asyncio.run(_calls(box, [call("2+3"), call("9-1")]))
+    assert [(r.status, r.text.split(" [")[0]) for r in got] == [("ok", "5"), ("ok", "8")]
+    assert drifting.calls_so_far() == before + 2
+    assert [r["source"] for r in box.recorder.take()] == ["live", "live"]
+    assert sum("the tool cache" in r.message for r in caplog.records) == 1  # said once, not on every call
+
+
+def test_the_cache_is_read_and_written_off_the_event_loop(tmp_path, monkeypatch):
+    """sqlite waits (a write lock another run holds, an fsync per answer) must not stall the tools stage's
+    event loop, where every call of the step is in flight."""
+    import threading
+
+    monkeypatch.setenv("FACTORY_CACHE", str(tmp_path))
+    threads = []
+    for name in ("get", "put"):
+        real = getattr(ToolCache, name)
+        monkeypatch.setattr(ToolCache, name, lambda self, *a, _real=real: threads.append(threading.get_ident())
+                            or _real(self, *a))
+    asyncio.run(_calls(ToolBox.from_spec(CACHED, base_dir=REPO), [call("2+3")]))
+    assert len(threads) == 2 and threading.get_ident() not in threads
+
+
+def test_a_tools_stage_run_in_process_records_nothing(monkeypatch):
+    """`factory rescore` and the agent server run the tools stage in their own process, where no driver takes
+    the recording: it must not keep every call's whole result (a fetch tool's pages) for nobody."""
+    import yaml
+
+    import factory
+    from factory.runtime.local import local_stages
+
+    monkeypatch.chdir(REPO)
+    data = yaml.safe_load((REPO / "specs" / "tiny.yaml").read_text())
+    data["tools"] = {"calc": {"function": "tests.tool_servers.drifting:answer"}}  # in-process: nothing to start
+    plan = factory.compile(data)
+    assert plan.stage("tools").settings.record  # a run records (tracking.record_tools)
+
+    async def recorder():
+        async with local_stages(plan, ["tools"]) as stages:
+            await stages["tools"].call(call("2+3"))
+            return stages["tools"].box.recorder
+
+    assert asyncio.run(recorder()) is None
+
+
 # ------------------------------------------------------------------------------------------ a real run
 def _spec(tmp_path: Path) -> Path:
     """specs/tiny.yaml with the drifting calculator as its MCP server (the calculator's listing, other answers)."""

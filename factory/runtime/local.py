@@ -4,6 +4,7 @@ tool servers) and the agent server (the rollout stage and its tools) run.
 The same classes the driver places, constructed with the same slices, set up in the same order (callees
 before their callers) and wired the same way (each caller gets its callees by the roles of its call
 edges); a callee that must run elsewhere (a judge model on its GPU) is handed in as a Ray actor handle.
+A tools stage here records no tool calls: only a run's driver takes them, for its tables.
 """
 from __future__ import annotations
 
@@ -48,8 +49,11 @@ async def local_stages(plan: Plan, names: Iterable[str],
     stages: dict[str, StageActor] = {}
     async with contextlib.AsyncExitStack() as stack:
         for name in order.static_order():
-            s = plan.stage(name)
-            stage = import_object(s.cls)(s.settings)
+            s, cls = plan.stage(name), import_object(plan.stage(name).cls)
+            # no driver here takes a tools stage's recording (its `take_recording`): it would only pile up
+            # every call's whole result for nobody
+            settings = s.settings.model_copy(update={"record": False}) if cls.CONTRACT.records_tools else s.settings
+            stage = cls(settings)
             stack.push_async_callback(_maybe_await_close, stage)
             await _maybe_await(stage.setup(Placement(workdir=os.getcwd(),
                                                      peers=peers_of(calls, name, {**remote, **stages}))))

@@ -47,16 +47,13 @@ def schema_hash(input_schema: dict[str, Any]) -> str:
     return hashlib.sha256(canonical(input_schema).encode()).hexdigest()[:16]
 
 
-# A run's driver takes the rows after every step; where nobody takes them (`factory rescore`, the agent
-# server run the tools stage in-process) only the newest this many are kept.
-MAX_ROWS = 100_000
-
-
 @dataclass
 class Recorder:
-    """The calls since the last `take`, as table rows (at most MAX_ROWS, the newest)."""
+    """The calls since the last `take`, as table rows. A run's driver takes them after every rollout and
+    evaluation; where nobody would (`factory rescore`, the agent server run the tools stage in-process) the
+    stage records nothing (factory.runtime.local)."""
 
-    rows: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_ROWS))
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, call: ToolCall, server: str, tool: str, result: ToolResult, latency_s: float, source: str) -> None:
         self.rows.append({"origin": call.origin, "server": server, "tool": tool, "arguments": canonical(call.arguments),
@@ -64,7 +61,7 @@ class Recorder:
                           "latency_s": latency_s, "source": source})
 
     def take(self) -> list[dict[str, Any]]:
-        rows, self.rows = list(self.rows), deque(maxlen=MAX_ROWS)
+        rows, self.rows = self.rows, []
         return rows
 
 
@@ -106,7 +103,7 @@ def cache_path() -> Path:
 
 class ToolCache:
     """Answers of deterministic tools across runs (a sqlite file; one connection per process, guarded by a
-    lock: the tools stage calls it from one event loop, tests from several threads)."""
+    lock: the tools stage calls it from worker threads of its event loop, tests from several threads)."""
 
     def __init__(self, path: Path | None = None):
         self.path = path or cache_path()
@@ -116,7 +113,10 @@ class ToolCache:
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=5)
+            # readers (every run sharing the cache) do not wait on a writer; a writer waits 5 s for another
+            # at most, then the call goes to the live tool (ToolBox._cached_or_live)
+            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, text TEXT, status TEXT, "
                              "error_kind TEXT, stored REAL)")
         return self._db

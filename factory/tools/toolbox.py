@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -73,6 +74,7 @@ class ToolBox:
         self.recorder = Recorder() if record else None
         self.replay: Replay | None = None
         self._cache: ToolCache | None = None
+        self._cache_warned = False
         self._base_dir = base_dir
         self._resilience = resilience
         self._metrics = ToolMetrics()
@@ -232,15 +234,22 @@ class ToolBox:
         return result
 
     async def _cached_or_live(self, call: ToolCall, entry: ToolEntry) -> tuple[ToolResult, str]:
-        """The server's answer, from the cross-run cache when the server is marked `cache: true`."""
+        """The server's answer, from the cross-run cache when the server is marked `cache: true`. The cache
+        is an optimisation: its sqlite calls run off the event loop (a write lock held by another run must
+        not stall every call in flight), and a cache that fails (locked, full, corrupt) is passed by: the
+        call goes to the live tool."""
         key = None
         if self._specs[entry.server].cache:
             self._cache = self._cache or ToolCache()
             key = ToolCache.key(entry.server, entry.tool, entry.input_schema, call.arguments)
-            cached = self._cache.get(key)
-            self._metrics.server_event(entry.server, "cache_hits" if cached else "cache_misses")
+            try:
+                cached = await asyncio.to_thread(self._cache.get, key)
+            except (sqlite3.Error, OSError) as exc:
+                self._cache_failed(exc, entry.offered)
+                cached = key = None
+            else:
+                self._metrics.server_event(entry.server, "cache_hits" if cached else "cache_misses")
             if cached is not None:
-                cached.tool = entry.offered
                 return cached, "cache"
         try:
             result = await self._backends[entry.server].call(entry.tool, call.arguments)
@@ -249,8 +258,18 @@ class ToolBox:
             return infra_error(entry.offered, "transport",
                                f"Error: the call to {entry.offered} failed ({type(exc).__name__})."), "live"
         if key is not None:
-            self._cache.put(key, result)
+            try:
+                await asyncio.to_thread(self._cache.put, key, result)
+            except (sqlite3.Error, OSError) as exc:
+                self._cache_failed(exc, entry.offered)
         return result, "live"
+
+    def _cache_failed(self, exc: Exception, tool: str) -> None:
+        """One warning per ToolBox (a broken cache would otherwise say so on every call)."""
+        if not self._cache_warned:
+            self._cache_warned = True
+            log.warning("the tool cache %s failed (%s: %s): %s and later calls go to the live tools",
+                        self._cache.path if self._cache else "", type(exc).__name__, exc, tool)
 
     def server_events(self) -> dict[str, dict[str, int]]:
         """Restarts and circuit opens since the last ask, and a fresh count (for the tools stage, whose
