@@ -689,10 +689,12 @@ class ReplaySpec(Section):
     """A tracked run (id, id prefix or name) whose recorded tool calls (`tracking.record_tools`) answer this
     run's: a call made at the same place in the run (split, step, prompt, sample, turn, call) with the same
     tool and arguments gets the recorded result, and the tool is not called. `factory run SPEC --replay RUN`
-    sets it. A reward node's calls are matched by tool and arguments, in order."""
+    sets it; `factory eval` replays the same way. A reward node's calls are matched by tool and arguments,
+    in order."""
     on_miss: Literal["fail", "live"] = "fail"
-    """A call the recording does not hold (the run went elsewhere). fail: the run stops at the end of that
-    step (exit code 2) naming the first call missed; live: the tool is called."""
+    """A call the recording does not hold (the run went elsewhere). fail: the run stops as soon as that
+    step's rollout (or evaluation) ends, before the step is trained on (exit code 2), naming the first call
+    missed; live: the tool is called."""
 
 
 # ---------------------------------------------------------------------------------------------- spec

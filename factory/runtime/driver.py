@@ -585,11 +585,12 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     else:
         before, eval_trajs = evaluate(g, plan, display, 0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
-        log_tool_calls(g, tracker, 0, plan)
+        tracker.log_tool_calls(take_tool_calls(g, plan, "step 0 evaluation"), 0)
         tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
         on_step(0, before)
     after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
+    tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
     if resume and resume.watch is not None:
         watch.restore(resume.watch)  # the history up to the checkpoint, step 0's evaluation included
@@ -602,6 +603,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
+            tool_calls[step] = take_tool_calls(g, plan, f"step {step}")  # a replay miss stops the run here
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             m.update(watch.observe(step, trajs, m))           # reward-hacking monitors
             heed(watch, step, display, tracker)
@@ -614,6 +616,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             for n, trajs_n, m_n in updates.finish(drain=evaluating or saving):  # its weights -> every rollout replica
                 if n == step and evaluating:
                     after, eval_trajs = evaluate(g, plan, display, step)
+                    tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
                     m_n.update(after)
                     watch.evaluated(step, after)
                     tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
@@ -621,7 +624,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 # killed between them computes the step again on --resume, and logs the tables again,
                 # under the same names); and both before the checkpoint: a checkpointed step is a logged one
                 tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
-                log_tool_calls(g, tracker, n, plan)  # every tool call since the last table (tracking.record_tools)
+                tracker.log_tool_calls(tool_calls.pop(n), n)  # the calls step n made (tracking.record_tools)
                 tracker.log_metrics(m_n, step=n)
                 display.step(n, m_n)
                 on_step(n, m_n)
@@ -637,18 +640,22 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt)
 
 
-def log_tool_calls(g: Groups, tracker: Tracker, step: int, plan: Plan) -> None:
-    """The tool calls recorded since the last table, as the step's `tool_calls` table; a replay that could
-    not answer some of them stops the run here under `replay.on_miss: fail` (factory.tools.recording)."""
+def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]:
+    """The tool calls recorded since the last take (the rows of the rollout or evaluation `made_in` names,
+    taken right after it: its `tool_calls` table). A replay that could not answer some of them stops the run
+    here under `replay.on_miss: fail` (factory.tools.recording), before the step is checked or trained on
+    the errors the misses answered."""
     from factory.tools.recording import ReplayMiss
 
+    rows: list[dict[str, Any]] = []
     for group in (x for x in g.values() if x.contract.records_tools):
         taken = group.call("take_recording")
-        tracker.log_tool_calls(taken["rows"], step)
+        rows += taken["rows"]
         if taken["misses"] and plan.driver.replay.on_miss == "fail":
-            raise ReplayMiss(f"step {step}: the recording of run {plan.driver.replay.run} has no answer for "
+            raise ReplayMiss(f"{made_in}: the recording of run {plan.driver.replay.run} has no answer for "
                              f"{len(taken['misses'])} tool calls, first {taken['misses'][0]}: this run went "
                              "elsewhere (a changed spec, model or data); replay.on_miss=live calls the tools instead")
+    return rows
 
 
 def replay_tools(g: Groups, tracker: Tracker, plan: Plan) -> None:
@@ -701,30 +708,20 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
-    with display:
-        with placed(plan, display, startup) as (groups, record):
-            status = "FAILED"
-            try:
-                # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
-                resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
-                listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
-                placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
-                if d.replay.run:  # before the run is opened: a run that cannot be replayed opens none
-                    replay_tools(groups, tracker, plan)
-                    display.status(f"tool calls answered from run {d.replay.run}'s recording "
-                                   f"(replay.on_miss: {d.replay.on_miss})")
-                plan = (tracker.resume(resume, plan, listing) if resume else
-                        tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement}))
-                startup.lap("tracking")
-                display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
-                               f"MLflow run {tracker.run_id}; evaluating at step 0")
-                result = train_loop(groups, plan, tracker, display, record, resume, startup, on_step, stop)
-                status = result.status
-            except KeyboardInterrupt:
-                status = "KILLED"  # MLflow's word for a run stopped by its user
-                raise
-            finally:
-                tracker.end(status)  # never raises by itself; the teardown follows (`placed`)
+
+    def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
+        if resume:
+            return tracker.resume(resume, plan, listing)
+        placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
+        return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement})
+
+    with display, placed(plan, display, startup) as (groups, record):
+        with opened_run(tracker, plan, groups, display, start) as opened:
+            startup.lap("tracking")
+            display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
+                           f"MLflow run {tracker.run_id}; evaluating at step 0")
+            result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
+            opened.status = result.status
     display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
                     uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
                     checkpoint=result.checkpoint)
@@ -772,6 +769,38 @@ def eval_stages(plan: Plan) -> Plan:
 
 
 @dataclass
+class OpenedRun:
+    plan: Plan  # with the tool schemas the started servers offer hashed in (tracker.start_run)
+    status: str = "FINISHED"  # what the tracked run ends as, unless the block raises
+
+
+@contextlib.contextmanager
+def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
+               start: Callable[[dict[str, Any], dict[str, Any]], Plan]) -> Iterator[OpenedRun]:
+    """The tracked run of the placed `groups`, for `factory run` and `factory eval` alike: `replay.run`'s
+    recorded tool calls handed to the stages (before the run is opened: a run that cannot be replayed opens
+    none), then `start(tool listing, what each stage resolved)` opens it. It ends with the block: FAILED
+    when it raised, KILLED on Ctrl-C, else the status the block set."""
+    d, status = plan.driver, "FAILED"
+    try:
+        listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
+        # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
+        resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+        if d.replay.run:
+            replay_tools(groups, tracker, plan)
+            display.status(f"tool calls answered from run {d.replay.run}'s recording (replay.on_miss: "
+                           f"{d.replay.on_miss})")
+        opened = OpenedRun(start(listing, resolved))
+        yield opened
+        status = opened.status
+    except KeyboardInterrupt:
+        status = "KILLED"  # MLflow's word for a run stopped by its user
+        raise
+    finally:
+        tracker.end(status)  # never raises by itself; the teardown follows (`placed`)
+
+
+@dataclass
 class EvalResult:
     run_id: str
     step: int  # the step the metrics are logged at (the evaluated checkpoint's)
@@ -790,25 +819,18 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
     display = Display(0)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status
-    with display:
-        with placed(eval_stages(plan), display, Startup()) as (groups, _):
-            status = "FAILED"
-            try:
-                listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
-                resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
-                plan = tracker.start_run(plan, listing, {"resolved": resolved},
-                                         extra_tags={"factory.kind": "eval", **(tags or {})})
-                display.status(f"MLflow run {tracker.run_id}; evaluating")
-                metrics, trajs = evaluate(groups, plan, display, step)
-                tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
-                log_tool_calls(groups, tracker, step, plan)
-                tracker.log_metrics(metrics, step=step)
-                status = "FINISHED"
-            except KeyboardInterrupt:
-                status = "KILLED"
-                raise
-            finally:
-                tracker.end(status)
+
+    def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
+        return tracker.start_run(plan, listing, {"resolved": resolved},
+                                 extra_tags={"factory.kind": "eval", **(tags or {})})
+
+    with display, placed(eval_stages(plan), display, Startup()) as (groups, _):
+        with opened_run(tracker, plan, groups, display, start) as opened:
+            display.status(f"MLflow run {tracker.run_id}; evaluating")
+            metrics, trajs = evaluate(groups, opened.plan, display, step)
+            tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
+            tracker.log_tool_calls(take_tool_calls(groups, opened.plan, f"step {step} evaluation"), step)
+            tracker.log_metrics(metrics, step=step)
     shown = "  ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
     display.console.print(f"{shown}\nMLflow run {tracker.run_id} in experiment '{d.tracking.experiment}' "
                           f"({tracker.uri}), {time.perf_counter() - t_start:.0f} s", markup=False)

@@ -4,13 +4,14 @@ is reached).
 
 - Recording (`tracking.record_tools`, on by default): each call that reaches a tool becomes a row -- where
   in the run it was made (ToolCall.origin), the server, the tool, the arguments, the whole result, its
-  status, error kind and latency. The driver takes the rows after each step and logs them as the step's
-  `tool_calls/step_NNNNN.parquet` table.
+  status, error kind and latency. The driver takes the rows right after each step's rollout and evaluation
+  and logs them as that step's `tool_calls/step_NNNNN.parquet` table.
 - Replay (`replay.run`, `factory run SPEC --replay RUN`): a recorded run's rows answer this run's calls.
   A call is matched by its origin and must name the same tool with the same arguments; a call without an
   origin (a reward node's) takes the next unused row of the same tool and arguments. A call the recording
   does not hold is a miss: `replay.on_miss: live` calls the tool, `fail` answers an infrastructure error
-  (`replay_miss`) and the driver stops the run at the end of the step, naming the first miss.
+  (`replay_miss`) and the driver stops the run as soon as the step's rollout (or evaluation) ends, before
+  the step is trained on, naming the first miss.
 - Cache (`tools.<server>.cache: true`): the answers of a deterministic tool, kept across runs in a sqlite
   file, keyed by (server, tool, the tool's schema hash, the arguments). Infrastructure failures are never
   kept.

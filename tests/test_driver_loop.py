@@ -1,0 +1,171 @@
+"""The driver's loop (train_loop) in the order it calls its stages, with the stages, the trainer's updates and
+the tracker replaced by fakes that note what they were asked: no Ray, no model, milliseconds. What a real run
+adds (the stages themselves): tests/test_tools_recording.py (slow), tests/test_e2e.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import factory
+from factory.contract import Contract
+from factory.runtime import driver
+from factory.tools.recording import ReplayMiss
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class World:
+    """What the fakes were asked, in order."""
+
+    made: list[str] = field(default_factory=list)  # tool calls made since the last take (their origins)
+    misses: list[str] = field(default_factory=list)
+    submitted: list[int] = field(default_factory=list)  # the steps handed to the trainer
+    tables: dict[int, list[str]] = field(default_factory=dict)  # step -> its tool_calls table's origins
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    eval_metric: list[float] = field(default_factory=list)  # what each evaluation returns, in turn
+    miss_at: int | None = None  # the step whose rollout a replay cannot answer
+    rewards: list[float] = field(default_factory=list)  # each step's reward/mean, in turn
+    replayed: list[Any] = field(default_factory=list)  # what the tools stage was told to replay
+    ended: list[str] = field(default_factory=list)  # the tracked run's end status
+
+
+class FakeGroup:
+    def __init__(self, world: World, contract: Contract):
+        self.world, self.contract, self.info = world, contract, [{}]
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method == "replay":
+            self.world.replayed = list(args)
+            return None
+        if method == "take_recording":
+            taken = {"rows": [{"origin": o} for o in self.world.made], "misses": self.world.misses}
+            self.world.made, self.world.misses = [], []
+            return taken
+        return {"state": {}, "save_checkpoint": "step_x", "tool_listing": {}}[method]
+
+
+class FakeUpdates:
+    """driver.Updates' order without a trainer: a step finishes once more than max_staleness are in flight."""
+
+    def __init__(self, world: World, g: Any, plan: Any, synced: int):
+        self.world, self.k, self.pending = world, plan.driver.train.max_staleness, []
+
+    def submit(self, step: int, trajs: list[Any], m: dict[str, float], t0: float) -> None:
+        self.world.submitted.append(step)
+        self.pending.append((step, trajs, m))
+
+    def finish(self, drain: bool) -> list[tuple[int, list[Any], dict[str, float]]]:
+        done = []
+        while self.pending and (drain or len(self.pending) > self.k):
+            done.append(self.pending.pop(0))
+        return done
+
+
+class FakeTracker:
+    run_id, checkpoint_dir, logged, uri = "r", "/nonexistent", 0, "sqlite:///nowhere.db"
+
+    def __init__(self, world: World):
+        self.world = world
+
+    def log_tool_calls(self, rows: list[dict[str, Any]], step: int) -> None:
+        assert step not in self.world.tables  # one table per step (a second would replace the first)
+        self.world.tables[step] = [r["origin"] for r in rows]
+
+    def log_metrics(self, m: dict[str, float], step: int) -> None:
+        self.world.metrics[step] = dict(m)
+
+    def run(self, ref: str) -> Any:
+        return type("Run", (), {"run_id": f"{ref}-id", "name": ref})()
+
+    def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+        return [{"origin": "eval/0/0/0/0/0/0", "from": run_id}]
+
+    def start_run(self, plan: Any, *a: Any, **k: Any) -> Any:
+        return plan
+
+    def end(self, status: str) -> None:
+        self.world.ended.append(status)
+
+    def log_trajectories(self, *a: Any, **k: Any) -> None: ...
+    def log_checkpoint(self, *a: Any) -> None: ...
+    def log_tags(self, *a: Any) -> None: ...
+
+
+class Quiet:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def fake_groups(world: World, plan: Any) -> dict[str, FakeGroup]:
+    """The plan's stages as fakes; the tools stage records and lists tools, as its CONTRACT declares (the
+    stage classes are not imported: the trainer's would bring DeepSpeed in)."""
+    assert "tools" in {s.name for s in plan.stages}
+    return {s.name: FakeGroup(world, Contract(records_tools=s.name == "tools", lists_tools=s.name == "tools"))
+            for s in plan.stages}
+
+
+def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]) -> driver.RunResult:
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
+
+    def collect(g: Any, plan: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
+        world.made += [f"train/{step}/0/0/0/0/0"]
+        if step == world.miss_at:
+            world.misses.append(f"calculate(...) at train/{step}/0/0/0/0/0")
+        return [], {"rollout/generated_tokens": 0.0, **({"reward/mean": world.rewards.pop(0)} if world.rewards else {})}
+
+    def evaluate(g: Any, plan: Any, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
+        world.made += [f"eval/{step}/0/0/0/0/0"]
+        return {"eval/accuracy": world.eval_metric.pop(0) if world.eval_metric else 0.5}, []
+
+    monkeypatch.setattr(driver, "collect", collect)
+    monkeypatch.setattr(driver, "evaluate", evaluate)
+    monkeypatch.setattr(driver, "Updates", lambda g, plan, synced: FakeUpdates(world, g, plan, synced))
+    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet())
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_each_steps_tool_calls_table_holds_the_calls_that_step_made(monkeypatch, staleness):
+    """With train.max_staleness 1 step n is logged after step n+1's rollout: its table must still hold step n's
+    calls (and its evaluation's), not the next step's."""
+    world = World()
+    run_loop(monkeypatch, world, ["train.steps=3", f"train.max_staleness={staleness}", "train.eval_every=2"])
+    assert world.tables == {0: ["eval/0/0/0/0/0/0"], 1: ["train/1/0/0/0/0/0"],
+                            2: ["train/2/0/0/0/0/0", "eval/2/0/0/0/0/0"], 3: ["train/3/0/0/0/0/0", "eval/3/0/0/0/0/0"]}
+
+
+def test_a_replay_miss_stops_the_run_before_the_step_is_trained_on(monkeypatch):
+    """Under replay.on_miss: fail, the step whose rollout missed is never handed to the trainer, and the error
+    names that step (not the step logged when the miss was taken)."""
+    world = World(miss_at=2)
+    with pytest.raises(ReplayMiss, match=r"^step 2: the recording of run old has no answer for 1 tool calls"):
+        run_loop(monkeypatch, world, ["train.steps=3", "train.max_staleness=1", "replay.run=old"])
+    assert world.submitted == [1]
+
+
+def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch):
+    """`factory eval SPEC replay.run=X` must answer from X's recording, not call the live tools while the
+    setting says otherwise."""
+    import contextlib
+
+    import factory.tracking.tracker as tracker_module
+
+    world = World()
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old", "replay.on_miss=live"])
+
+    @contextlib.contextmanager
+    def placed(plan: Any, display: Any, startup: Any):
+        yield fake_groups(world, plan), None
+
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(driver, "evaluate", lambda g, plan, display, step: ({"eval/accuracy": 0.5}, []))
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: FakeTracker(world))
+    result = driver.evaluate_only(plan, 4)
+    assert world.replayed == [[{"origin": "eval/0/0/0/0/0/0", "from": "old-id"}], "live"]
+    assert result.metrics == {"eval/accuracy": 0.5} and world.metrics == {4: {"eval/accuracy": 0.5}}
+    assert world.ended == ["FINISHED"]
