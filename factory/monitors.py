@@ -229,8 +229,8 @@ def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, 
 @dataclass
 class Watch:
     """One run's monitors, for the driver: `observe` each step's scored batch, `evaluated` each
-    evaluation; `new` holds the monitors that fired for the first time at the last step, `halt` the
-    first `train.stop_on` monitor that fired (with why)."""
+    evaluation; `new` holds the monitors that fired for the first time at the last step (at its observe or
+    its evaluation), `halt` the first `train.stop_on` monitor that fired (with why)."""
 
     settings: WatchSettings
     spec: MonitorsSpec
@@ -253,16 +253,24 @@ class Watch:
         self.evals = [(int(s), float(v)) for s, v in state["evals"]]
         self.fired = {k: int(v) for k, v in state["fired"].items()}
 
-    def evaluated(self, step: int, metrics: dict[str, float]) -> None:
+    def evaluated(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Note the evaluation at `step`. The driver evaluates a step after observing its batch, so the step's
+        readings are made again with it (its `monitor/*` metrics, returned; {} before any step): otherwise no
+        reading would ever see the final evaluation."""
         key = f"eval/{self.settings.task_metric}"
         if self.settings.task_metric and key in metrics and math.isfinite(metrics[key]):
             self.evals.append((step, metrics[key]))
+        return self._read(step) if self.rows else {}
 
     def observe(self, step: int, trajs: Sequence[Any], metrics: dict[str, float]) -> dict[str, float]:
         """The step's `monitor/<name>` and `monitor/<name>/fired` metrics."""
         self.rows.append(step_row(trajs, metrics, self.settings, self.spec, self.total))
-        out: dict[str, float] = {}
         self.new = []
+        return self._read(step)
+
+    def _read(self, step: int) -> dict[str, float]:
+        """Every monitor on the history so far, as the step's metrics; first firings go to `new`."""
+        out: dict[str, float] = {}
         for name, r in read_all(History(self.rows, self.evals), self.spec).items():
             out[f"monitor/{name}"] = r.value
             out[f"monitor/{name}/fired"] = float(r.fired)

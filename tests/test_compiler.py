@@ -495,3 +495,27 @@ def test_placement_the_cluster_cannot_honour_is_a_spec_error(project, monkeypatc
     assert _errors(project.spec(_base(project, "rc_ranks")), ["resources.update.replicas=2"]) == (
         "<override 1>: resources.update.replicas: 2 DeepSpeed ranks need ZeRO stage 1, 2 or 3: set "
         "train.deepspeed.zero_stage (1 shards only the optimizer states)\n1 error in spec.yaml")
+
+
+def test_a_stop_on_monitor_that_can_never_fire_is_refused(project):
+    """train.stop_on names monitors that stop the run: one that cannot speak in this spec would never stop it."""
+    path = project.spec(_base(project, "rc_stop") + "train:\n  steps: 5\n  stop_on: [reward_dominance, "
+                        "judge_disagreement, tool_call_rate, train_eval_divergence]\n")
+    assert _errors(path) == (
+        "spec.yaml:11: train.stop_on.1: monitor 'judge_disagreement' can never fire: there is no judge node in "
+        "`rewards` to check against the verifier: add one, or remove it from stop_on\n"
+        "spec.yaml:11: train.stop_on.2: monitor 'tool_call_rate' can never fire: the spec has no `tools`: remove it "
+        "from stop_on\n"
+        "spec.yaml:11: train.stop_on.3: monitor 'train_eval_divergence' can never fire: there is no held-out metric "
+        "without data.eval: add data.eval, or remove it from stop_on\n"
+        "3 errors in spec.yaml")
+    assert _errors(path, ["reward=correct", "train.stop_on=[reward_dominance]"]) == (
+        "<override 2>: train.stop_on.0: monitor 'reward_dominance' can never fire: the training reward 'correct' is "
+        "not a `sum` (the monitor weighs the shares of its inputs): remove it from stop_on\n"
+        "1 error in spec.yaml")
+    assert _errors(path, ["train.steps=2", "train.stop_on=[length_drift]"]) == (
+        "<override 2>: train.stop_on.0: monitor 'length_drift' can never fire: train.steps 2 ends before step 3, the "
+        "first a monitor speaks at (train.monitors.window + 1): run more steps or shorten the window, or remove it "
+        "from stop_on\n"
+        "1 error in spec.yaml")
+    compile_file(path, ["train.stop_on=[reward_dominance, length_drift]"])  # they can: accepted

@@ -147,6 +147,16 @@ def test_a_replay_miss_stops_the_run_before_the_step_is_trained_on(monkeypatch):
     assert world.submitted == [1]
 
 
+def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(monkeypatch):
+    """eval_every 0 (the default): evaluations at step 0 and the last step. train_eval_divergence speaks at the
+    last step, once its evaluation is in, and its stop_on is heeded: the step is logged with the reading and
+    checkpointed, and the run ends halted."""
+    world = World(eval_metric=[0.5, 0.3], rewards=[0.0, 0.2, 0.4])
+    result = run_loop(monkeypatch, world, ["train.steps=3", "train.stop_on=[train_eval_divergence]"])
+    assert world.metrics[3]["monitor/train_eval_divergence/fired"] == 1.0
+    assert result.halted.startswith("monitor train_eval_divergence fired at step 3") and result.checkpoint == "step_x"
+
+
 def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch):
     """`factory eval SPEC replay.run=X` must answer from X's recording, not call the live tools while the
     setting says otherwise."""

@@ -163,6 +163,21 @@ def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     assert EXIT_MONITOR == 4
 
 
+def test_the_final_evaluation_is_read_at_its_step():
+    """The driver evaluates a step after observing its batch: with the default eval_every 0 (evaluations at
+    step 0 and the last step only) train_eval_divergence must still read the last one, at the last step."""
+    w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier="correct",
+                            candidates=()), S, stop_on=("train_eval_divergence",))
+    assert w.evaluated(0, {"eval/accuracy": 0.5}) == {}  # before any step: nothing to read
+    for step, reward in ((1, 0.0), (2, 0.2), (3, 0.4)):  # the driver's order: observe, then (at 3) evaluate
+        assert "monitor/train_eval_divergence" not in w.observe(step, [], {"reward/mean": reward})
+    again = w.evaluated(3, {"eval/accuracy": 0.3})
+    # the training reward rose 0.3 - 0.1 = 0.2 (>= 0.1) while the held-out metric fell 0.5 -> 0.3 (>= 0.05)
+    assert again["monitor/train_eval_divergence"] == pytest.approx(-0.2)
+    assert again["monitor/train_eval_divergence/fired"] == 1.0
+    assert w.halted_at == 3 and [name for name, _ in w.new] == ["train_eval_divergence"]
+
+
 def test_a_resumed_watch_reads_the_history_an_uninterrupted_one_does():
     """The monitors' windows reach back over earlier steps: a run resumed from its step-2 checkpoint (the
     watch's state through run_state.json) logs at step 3 what the uninterrupted run logged, and does not

@@ -727,6 +727,38 @@ def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | Non
                          verifier=task_node if isinstance(spec.rewards.get(task_node or ""), FnNode) else None)
 
 
+def _check_stop_on(spec: Spec, r: _Report, metrics: Mapping[str, str], train_node: str | None) -> None:
+    """A `train.stop_on` monitor that can never fire in this spec (factory.monitors: what each one reads) is a
+    setting nothing reads: refused, saying why."""
+    if not spec.train.stop_on or train_node is None:  # no training node: the reward graph's errors say why
+        return
+    w = watch_settings(spec, metrics, train_node)
+    window = spec.train.monitors.window
+    for i, name in enumerate(spec.train.stop_on):
+        why, fix = None, ""
+        if spec.train.steps < window + 1:
+            why, fix = (f"train.steps {spec.train.steps} ends before step {window + 1}, the first a monitor speaks "
+                        "at (train.monitors.window + 1)", "run more steps or shorten the window")
+        elif w.task_node is None and name != "judge_disagreement":
+            why, fix = "there is no task metric to compare with", "name a reward node in `metrics`"
+        elif name == "judge_disagreement" and not w.judges:
+            why, fix = "there is no judge node in `rewards` to check against the verifier", "add one"
+        elif name == "judge_disagreement" and w.verifier is None:
+            why = "the task node (the first `metrics` entry) is not a python function to check the judges against"
+            fix = "name one in `metrics`"
+        elif name == "reward_dominance" and not w.weights:
+            why = f"the training reward '{train_node}' is not a `sum` (the monitor weighs the shares of its inputs)"
+        elif name == "reward_dominance" and not w.candidates:
+            why = f"every input of the sum '{train_node}' reads the task node '{w.task_node}'"
+        elif name == "tool_call_rate" and not spec.tools:
+            why = "the spec has no `tools`"
+        elif name == "train_eval_divergence" and spec.data.eval is None:
+            why, fix = "there is no held-out metric without data.eval", "add data.eval"
+        if why is not None:
+            r.error(f"train.stop_on.{i}", f"monitor '{name}' can never fire: {why}: "
+                                          f"{fix + ', or ' if fix else ''}remove it from stop_on")
+
+
 # ------------------------------------------------------------------------------------------ compile
 def _source_of(source: SpecSource | str | os.PathLike) -> SpecSource:
     if isinstance(source, SpecSource):
@@ -748,6 +780,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     rewards, fns = _check_reward_fns(spec, r)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
+    _check_stop_on(spec, r, metrics, train)
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)

@@ -606,7 +606,6 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             tool_calls[step] = take_tool_calls(g, plan, f"step {step}")  # a replay miss stops the run here
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             m.update(watch.observe(step, trajs, m))           # reward-hacking monitors
-            heed(watch, step, display, tracker)
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             # read once: a Ctrl-C from here on stops after the next step; a stop_on monitor stops after this one
             stopping = stop.requested or watch.halt is not None
@@ -618,7 +617,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                     after, eval_trajs = evaluate(g, plan, display, step)
                     tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
                     m_n.update(after)
-                    watch.evaluated(step, after)
+                    m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
                     tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
                 # the tables first, the metrics last: a step with metrics is a step with its tables (a run
                 # killed between them computes the step again on --resume, and logs the tables again,
@@ -628,6 +627,9 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 tracker.log_metrics(m_n, step=n)
                 display.step(n, m_n)
                 on_step(n, m_n)
+            heed(watch, step, display, tracker)
+            if watch.halt is not None and not stopping:  # the step's own evaluation stopped it (drained: save)
+                stopping = saving = True
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
                 state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"),  # for --resume
                          "watch": watch.state()}
