@@ -145,11 +145,13 @@ def tool_call_rate(h: History, s: MonitorsSpec) -> Reading | None:
 @monitor("judge_disagreement")
 def judge_disagreement(h: History, s: MonitorsSpec) -> Reading | None:
     """The largest recent share of trajectories on which one judge and the verifier disagree."""
+    if len(h.rows) < s.window + 1:  # as every monitor: from step window + 1 on
+        return None
     recent = h.rows[-s.window:]
     judges = sorted({k[9:] for r in recent for k in r if k.startswith("disagree/")})
     rates = {j: _mean([r.get(f"disagree/{j}", math.nan) for r in recent]) for j in judges}
     rates = {j: v for j, v in rates.items() if not math.isnan(v)}
-    if not rates or len(h.rows) < s.window:
+    if not rates:
         return None
     judge = max(rates, key=lambda j: rates[j])
     value = rates[judge]

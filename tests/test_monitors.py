@@ -89,7 +89,7 @@ def test_the_registry_is_the_schemas_list_and_refuses_a_duplicate():
 
 def test_nothing_speaks_before_step_window_plus_one():
     h = History(rows(task=[0.0, 0.0], length=[10.0, 90.0], tool_calls=[0.0, 3.0], reward=[0.0, 1.0],
-                     **{"share/fmt": [1.0, 1.0]}))
+                     **{"share/fmt": [1.0, 1.0], "disagree/judge": [0.9, 0.9]}), evals=[(0, 0.5), (2, 0.1)])
     assert read_all(h, S) == {}
 
 
