@@ -208,7 +208,7 @@ def test_a_judge_waits_as_retry_after_asks_and_keeps_to_its_rpm(judge_server, tm
 
 
 def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
-    from factory.reward.judge import retry_after
+    from factory.endpoints import retry_after
     from factory.util import key_may_go_to
 
     assert key_may_go_to("https://api.example.com/v1/chat/completions")

@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from factory.endpoints import EndpointError
 from factory.rollout.engine import Sampling
 from factory.rollout.engine_endpoint import EndpointEngine
 
@@ -33,7 +34,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # /v1/completions
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         SEEN.append(body)
-        if body["prompt"][0] == 1:  # a vLLM: ids, stopped at a stop token it left out
+        if body["prompt"][0] == 4 and sum(b["prompt"][0] == 4 for b in SEEN) < 3:  # busy twice, then answers
+            data = b"overloaded"
+            self.send_response(503)
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif body["prompt"][0] == 1:  # a vLLM: ids, stopped at a stop token it left out
             self._json({"choices": [{"text": "ab", "finish_reason": "stop",
                                      "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -0.25]}}]})
         else:  # a server that answers text only, cut at max_tokens
@@ -65,6 +73,26 @@ async def test_ids_in_ids_out_and_the_stop_put_back(server):
     assert (SEEN[1]["temperature"], SEEN[1]["seed"]) == (0.7, 11)
     with pytest.raises(RuntimeError, match="takes no weights"):
         engine.load_weights({})
+
+
+@pytest.mark.anyio
+async def test_a_busy_server_is_retried_the_stop_tokens_sent_and_the_client_closed(server):
+    """A 503 (vLLM's queue full) costs a wait, not the evaluation, as a judge's requests; the server is told
+    the template's stop tokens, so it does not generate to max_tokens past an end of turn it does not know;
+    the stage's close closes the HTTP client."""
+    SEEN.clear()
+    engine = EndpointEngine(server, Tokenizer(), stop_token_ids=[2, 99], end_of_turn_id=99)
+    out = await engine.generate([4], max_new_tokens=3, sampling=Sampling(greedy=True))
+    assert out.ids == [120, 121, 122] and len(SEEN) == 3  # two 503s, then the answer
+    assert all(b["stop_token_ids"] == [2, 99] for b in SEEN)
+    client = engine._client
+    await engine.close()
+    assert client.is_closed and engine._client is None
+    few = EndpointEngine(server, Tokenizer(), stop_token_ids=[2], end_of_turn_id=None, retries=1)
+    with pytest.raises(EndpointError, match="^HTTP 503: overloaded$"):
+        SEEN.clear()
+        await few.generate([4], max_new_tokens=3, sampling=Sampling(greedy=True))
+    await few.close()
 
 
 def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):

@@ -10,44 +10,32 @@ failed.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from factory.contract import Call, Contract, StageActor
+from factory.endpoints import EndpointError, open_client, request
 from factory.plan import JudgeSettings
 from factory.schema import JudgeNode
 from factory.types import Placement
-from factory.util import enter_workdir, key_may_go_to, node_id
+from factory.util import enter_workdir, node_id
 
 
 class JudgeError(RuntimeError):
     """A judge request that failed (after its retries): no reply to parse."""
 
 
-class _Retryable(Exception):
-    pass
-
-
 class EndpointSession:
     """Chat completions from an OpenAI-compatible server (vLLM, SGLang, a hosted API), greedy.
 
-    `OPENAI_API_KEY` goes only where nobody between can read it: an https endpoint, or one on this
-    machine's loopback. A 429 or 503 that says when to come back (`Retry-After`) is retried then, not
-    sooner; `rpm` and `tpm` cap the requests and (estimated) tokens sent per minute (aiolimiter's leaky
-    buckets)."""
+    The API key, the retries and `Retry-After` as every endpoint request (factory.endpoints); `rpm` and `tpm`
+    cap the requests and (estimated) tokens sent per minute (aiolimiter's leaky buckets)."""
 
     def __init__(self, node: JudgeNode):
         self.node = node
         self.url = (node.endpoint or "").rstrip("/") + "/chat/completions"
 
     async def __aenter__(self) -> EndpointSession:
-        import httpx2
-
-        key = os.environ.get("OPENAI_API_KEY")
-        self.key_withheld = bool(key) and not key_may_go_to(self.url)
-        send = key and not self.key_withheld
-        self._client = httpx2.AsyncClient(timeout=self.node.timeout_s,
-                                          headers={"Authorization": f"Bearer {key}"} if send else {})
+        self._client, self.key_withheld = open_client(self.url, self.node.timeout_s)
         self._slots = asyncio.Semaphore(self.node.concurrency)
         self._rpm = self._tpm = None
         if self.node.rpm or self.node.tpm:
@@ -64,30 +52,16 @@ class EndpointSession:
         await self._client.aclose()
 
     async def reply(self, messages: list[dict[str, str]]) -> str:
-        import httpx2
-
         body = {"model": self.node.model or "default", "temperature": 0.0, "max_tokens": self.node.max_tokens,
                 "messages": messages}
         async with self._slots:
-            for attempt in range(self.node.retries + 1):
-                await self._within_limits(messages)
-                wait = 0.25 * 2**attempt
-                try:
-                    resp = await self._client.post(self.url, json=body)
-                    if resp.status_code == 429 or resp.status_code >= 500:
-                        wait = retry_after(resp.headers.get("retry-after"), self.node.timeout_s) or wait
-                        raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                    if resp.status_code >= 400:  # our request is wrong: retrying cannot help
-                        hint = (" (OPENAI_API_KEY is set but sent only to https or loopback endpoints)"
-                                if resp.status_code in (401, 403) and self.key_withheld else "")
-                        raise JudgeError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
-                    return _content(resp)
-                except (_Retryable, httpx2.TransportError) as e:
-                    error = f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e)
-                    if attempt == self.node.retries:
-                        raise JudgeError(error) from None
-                    await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
+            try:
+                resp = await request(self._client, "POST", self.url, body=body, retries=self.node.retries,
+                                     cap_s=self.node.timeout_s, key_withheld=self.key_withheld,
+                                     before_each=lambda: self._within_limits(messages))
+            except EndpointError as e:
+                raise JudgeError(str(e)) from None
+        return _content(resp)
 
     async def _within_limits(self, messages: list[dict[str, str]]) -> None:
         if self._rpm is not None:
@@ -96,26 +70,6 @@ class EndpointSession:
             # what the request may cost: its text at ~4 characters a token, and the whole reply budget
             cost = sum(len(str(m.get("content", ""))) for m in messages) / 4 + self.node.max_tokens
             await self._tpm.acquire(min(cost, self.node.tpm))
-
-
-def retry_after(value: str | None, cap_s: float) -> float | None:
-    """Seconds a `Retry-After` header asks to wait (a number of seconds or an HTTP date), at most
-    `cap_s`; None when absent or unreadable."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        from email.utils import parsedate_to_datetime
-
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        import datetime
-
-        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
-    return min(max(seconds, 0.0), cap_s)
 
 
 def _content(resp: Any) -> str:

@@ -79,6 +79,11 @@ class Engine(Protocol):
         `model.lora` the adapters."""
         ...
 
+    async def close(self) -> None:
+        """Let go of what the engine holds outside its process (an endpoint's HTTP connections); the rollout
+        stage's close calls it."""
+        ...
+
 
 def request_seed(*key: int) -> int:
     """A 63-bit seed from a tuple of ints: (spec seed, step, prompt index, sample index, turn) gives every

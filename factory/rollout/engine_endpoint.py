@@ -6,19 +6,19 @@ and tokenized here as with a local engine), so nothing already generated is toke
 comes back as token ids where the server gives them (vLLM's `return_tokens_as_token_ids`), else as text
 that is tokenized here (the one place Factory re-tokenizes, and only for a server that cannot do better).
 A turn the server ended at a stop token that it left out of its answer gets the end-of-turn token back, as
-a local engine's turn ends. `OPENAI_API_KEY` goes only to an https or loopback URL (factory.util).
+a local engine's turn ends. The API key, retries and `Retry-After` as a judge's requests (factory.endpoints).
 """
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from factory.endpoints import open_client, request
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
-from factory.util import key_may_go_to
 
 _TOKEN_ID = "token_id:"  # vLLM's form of a token in `logprobs.tokens` with return_tokens_as_token_ids
+RETRIES = 4  # a request failed for a reason that may pass (429, 5xx, transport) is tried again: 3.75 s of backoff
 
 
 class EndpointEngine:
@@ -28,13 +28,14 @@ class EndpointEngine:
     choice_reason: str | None = None
 
     def __init__(self, url: str, tokenizer: Any, stop_token_ids: Sequence[int], end_of_turn_id: int | None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, retries: int = RETRIES):
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.end_of_turn_id = end_of_turn_id
-        self.timeout_s = timeout_s
+        self.timeout_s, self.retries = timeout_s, retries
         self._client: Any = None
+        self._key_withheld = False
         self._model: str | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -43,20 +44,24 @@ class EndpointEngine:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             if self._client is None:
-                import httpx2
-
-                key = os.environ.get("OPENAI_API_KEY")
-                headers = {"Authorization": f"Bearer {key}"} if key and key_may_go_to(self.url) else {}
-                self._client = httpx2.AsyncClient(timeout=self.timeout_s, headers=headers)
-                listed = await self._client.get(f"{self.url}/models")
-                listed.raise_for_status()
+                self._client, self._key_withheld = open_client(self.url, self.timeout_s)
+                listed = await self._send("GET", f"{self.url}/models")
                 self._model = listed.json()["data"][0]["id"]
         return self._client, self._model  # type: ignore[return-value]
 
+    async def _send(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        """One request, retried as a judge's are (factory.endpoints): a busy server (429, 503) or a dropped
+        connection costs a wait, not the evaluation."""
+        return await request(self._client, method, url, body=body, retries=self.retries, cap_s=self.timeout_s,
+                             key_withheld=self._key_withheld)
+
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
-        client, model = await self._start()
+        _, model = await self._start()
+        # stop_token_ids (a vLLM / SGLang extension): the server stops at the template's end of turn too,
+        # not only at its model's EOS, instead of generating to max_tokens for cut_at_stop to throw away
         body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 1,
-                                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+                                "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                                "stop_token_ids": self.stop_token_ids}
         if sampling.greedy:
             body["temperature"] = 0.0
         else:
@@ -65,8 +70,7 @@ class EndpointEngine:
                 body["top_k"] = sampling.top_k
             if sampling.seed is not None:
                 body["seed"] = sampling.seed
-        reply = await client.post(f"{self.url}/completions", json=body)
-        reply.raise_for_status()
+        reply = await self._send("POST", f"{self.url}/completions", body)
         return self.answer(reply.json()["choices"][0], max_new_tokens)
 
     def answer(self, choice: dict[str, Any], limit: int) -> Generation:
@@ -86,3 +90,9 @@ class EndpointEngine:
 
     def load_weights(self, state_dict: Any) -> None:
         raise RuntimeError("an endpoint's model takes no weights: it evaluates (factory eval), it does not train")
+
+    async def close(self) -> None:
+        """The HTTP client's connections closed (the stage's close)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()

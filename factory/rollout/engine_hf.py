@@ -178,6 +178,11 @@ class HFEngine:
         self._ensure_worker(loop).set()
         return await request.future
 
+    async def close(self) -> None:
+        """The batching task stopped; the model is memory of this process, freed with it."""
+        if self._worker is not None:
+            self._worker.cancel()
+
     def load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
         """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
         they share storage with a key that is present (tied embeddings / lm_head). LoRA: the adapters

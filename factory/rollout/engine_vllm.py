@@ -163,6 +163,9 @@ class VLLMEngine:
                 self._waiting.pop(rid, None)
             raise
 
+    async def close(self) -> None:
+        """Nothing outside this process: the engine and its step thread end with the actor."""
+
     def load_weights(self, state_dict: dict[str, Any] | Adapters) -> None:
         if isinstance(state_dict, Adapters) and self.lora == "serve":
             self._executor.submit(self._serve, state_dict).result()

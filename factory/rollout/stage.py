@@ -107,6 +107,7 @@ class RolloutStage(StageActor):
 
     def __init__(self, settings: RolloutSettings):
         self.settings = settings
+        self.engine: Any = None  # made in setup
         self._done, self._total = 0, 0  # trajectories of the generate call in progress
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
@@ -250,7 +251,9 @@ class RolloutStage(StageActor):
         return time.perf_counter() - t0
 
     async def close(self) -> None:
-        """Nothing to stop here: the tool servers belong to the tools stage."""
+        """The engine's close (an endpoint's HTTP client); the tool servers belong to the tools stage."""
+        if self.engine is not None:
+            await self.engine.close()
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:

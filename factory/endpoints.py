@@ -1,0 +1,87 @@
+"""Requests to an OpenAI-compatible server (vLLM, SGLang, a hosted API), for everything that calls one: an
+LLM judge (factory.reward.judge) and the endpoint engine of `factory eval --model URL`
+(factory.rollout.engine_endpoint).
+
+`OPENAI_API_KEY` goes only where nobody between can read it: an https endpoint, or one on this machine's
+loopback (factory.util.key_may_go_to). A request that fails for a reason that may pass (HTTP 429, a 5xx, a
+transport error) is retried with backoff; a 429 or 503 that says when to come back (`Retry-After`) is retried
+then, not sooner. Any other 4xx is our request's fault: retrying cannot help.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from factory.util import key_may_go_to
+
+
+class EndpointError(RuntimeError):
+    """A request that failed after its retries, saying why (`HTTP 503: ...`, `ConnectError: ...`)."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+def open_client(url: str, timeout_s: float) -> tuple[Any, bool]:
+    """An httpx2 client for `url` carrying `OPENAI_API_KEY` where it may go, and whether a key was set but
+    withheld (a 401 or 403 then says so)."""
+    import httpx2
+
+    key = os.environ.get("OPENAI_API_KEY")
+    withheld = bool(key) and not key_may_go_to(url)
+    headers = {"Authorization": f"Bearer {key}"} if key and not withheld else {}
+    return httpx2.AsyncClient(timeout=timeout_s, headers=headers), withheld
+
+
+async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | None = None, retries: int,
+                  cap_s: float, key_withheld: bool = False,
+                  before_each: Callable[[], Awaitable[None]] | None = None) -> Any:
+    """The response to `method url` (with `body` as JSON), retried up to `retries` times as the module doc
+    says, waiting 0.25 s, 0.5 s, 1 s... or what `Retry-After` asks (at most `cap_s`); `before_each` is awaited
+    before every attempt (a rate limit). Raises EndpointError."""
+    import httpx2
+
+    for attempt in range(retries + 1):
+        if before_each is not None:
+            await before_each()
+        wait = 0.25 * 2**attempt
+        try:
+            resp = await client.request(method, url, json=body)
+            if resp.status_code == 429 or resp.status_code >= 500:
+                asked = retry_after(resp.headers.get("retry-after"), cap_s)
+                wait = wait if asked is None else asked
+                raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            if resp.status_code >= 400:  # our request is wrong: retrying cannot help
+                hint = (" (OPENAI_API_KEY is set but sent only to https or loopback endpoints)"
+                        if resp.status_code in (401, 403) and key_withheld else "")
+                raise EndpointError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
+            return resp
+        except (_Retryable, httpx2.TransportError) as e:
+            error = f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e)
+            if attempt == retries:
+                raise EndpointError(error) from None
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def retry_after(value: str | None, cap_s: float) -> float | None:
+    """Seconds a `Retry-After` header asks to wait (a number of seconds or an HTTP date), at most
+    `cap_s`; None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        import datetime
+
+        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    return min(max(seconds, 0.0), cap_s)
