@@ -519,3 +519,24 @@ def test_a_stop_on_monitor_that_can_never_fire_is_refused(project):
         "from stop_on\n"
         "1 error in spec.yaml")
     compile_file(path, ["train.stop_on=[reward_dominance, length_drift]"])  # they can: accepted
+
+
+def test_a_base_specs_files_are_found_next_to_it(project):
+    """`extends` names a base relative to the file that names it; so are the files a base names: a base in
+    specs/base/ with data and a template beside it compiles alone and from a spec in specs/ alike, and the
+    stages get the paths from the top spec's folder. A value the top spec (or an override) sets stays its own."""
+    project.module("rc_base")
+    project.file("specs/base/data/train.jsonl", '{"question": "1 + 1", "answer": "2"}\n')
+    project.file("specs/base/prompts/ask.jinja", "{{ question }}")
+    project.file("specs/base/common.yaml", BASE.replace("{mod}", "rc_base").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: data/train.jsonl}\n  prompt: prompts/ask.jinja\n"))
+    project.file("specs/run.yaml", "extends: base/common.yaml\nname: child\n")
+    _, alone = compile_file("specs/base/common.yaml")
+    _, child = compile_file("specs/run.yaml")
+    data = child.stage("data").settings
+    assert (data.data.train.path, data.data.prompt) == ("base/data/train.jsonl", "base/prompts/ask.jinja")
+    assert child.hashes["data"]["train"]["sha256"] == alone.hashes["data"]["train"]["sha256"]
+    project.file("specs/prompts/mine.jinja", "{{ question }}!")
+    _, own = compile_file("specs/run.yaml", ["data.prompt=specs/prompts/mine.jinja"])
+    assert own.stage("data").settings.data.prompt == "specs/prompts/mine.jinja"

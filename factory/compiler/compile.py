@@ -766,10 +766,47 @@ def _source_of(source: SpecSource | str | os.PathLike) -> SpecSource:
     return read_config(source)[1]  # lines and env-derived paths of the file alone
 
 
+def _rebased(spec: Spec, source: SpecSource) -> Spec:
+    """The spec with each relative file that a base spec (`extends`) names, and that is there, taken from
+    that base's folder -- as `extends` names are -- and written relative to this spec's folder, which every
+    check and stage resolves against. (Python references import from the working directory, as always.)"""
+    if not source.folders:
+        return spec
+    refs: list[tuple[tuple[str, ...], str | None, Callable[[Path], bool]]] = [
+        (("data", "train", "path"), spec.data.train.path, Path.is_file),
+        (("data", "prompt"), spec.data.prompt, Path.is_file),
+        (("data", "system_prompt"), spec.data.system_prompt, Path.is_file),
+        (("chat_template",), spec.chat_template, Path.is_file)]
+    if spec.data.eval is not None:
+        refs.append((("data", "eval", "path"), spec.data.eval.path, Path.is_file))
+    refs += [(("rewards", n, "llm_judge"), node.llm_judge, Path.is_file) for n, node in spec.rewards.items()
+             if isinstance(node, JudgeNode)]
+    for n, server in spec.tools.items():
+        if isinstance(server, StdioServer):  # a command with a slash starts from the spec's folder
+            refs += [(("tools", n, "command"), server.command if os.sep in server.command else None, Path.is_file),
+                     (("tools", n, "cwd"), server.cwd, Path.is_dir)]
+    for parts, value, exists in refs:
+        folder = source.folder_of(".".join(parts))
+        if folder is not None and value and not os.path.isabs(value) and exists(folder / value):
+            spec = _with(spec, parts, Path(os.path.relpath(folder / value, source.base_dir)).as_posix())
+    return spec
+
+
+def _with(model: Any, parts: Sequence[str], value: Any) -> Any:
+    """`model` (a pydantic model, or a dict of them) with the value at `parts` replaced, the rest shared."""
+    if not parts:
+        return value
+    head, rest = parts[0], parts[1:]
+    if isinstance(model, dict):
+        return {**model, head: _with(model[head], rest, value)}
+    return model.model_copy(update={head: _with(getattr(model, head), rest, value)})
+
+
 def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | None = None,
              tools: ToolListing | None = None) -> tuple[Plan | None, list[SpecError]]:
     """The plan and every error found; the plan is None when there are errors."""
     broken = broken or {}
+    spec = _rebased(spec, source)
     r = _Report(source)
     ray_address = cluster_address(spec)  # decided here, once: the driver joins it (or starts a Ray of its own)
     _check_model(spec, r, joins=ray_address is not None)

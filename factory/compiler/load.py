@@ -57,6 +57,14 @@ class SpecSource:
     override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
     env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
     files: Mapping[str, str] = field(default_factory=dict)  # dotted path -> the base spec (`extends`) that set it
+    folders: Mapping[str, Path] = field(default_factory=dict)  # dotted path -> that base spec's folder (absolute)
+
+    def folder_of(self, path: str) -> Path | None:
+        """The folder of the base spec (`extends`) that set the value at `path`, where a relative file it
+        names starts; None when this file or an override set it."""
+        if any(p in self.override_paths for p in _ancestors(path)):
+            return None
+        return self.folders.get(path)
 
     def locate(self, path: str) -> tuple[str, int | None, int]:
         """(file, line, column) for a dotted path: the override that set it or any of its parents, else
@@ -219,9 +227,9 @@ def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) 
 
 
 def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
-             ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str]]:
+             ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str], dict[str, Path]]:
     """One spec text as a DictConfig (interpolations unresolved), with the line of every dotted path and,
-    for paths a base file set, that file. `extends: BASE` (or a list of bases, merged in order) names
+    for paths a base file set, that file and its folder. `extends: BASE` (or a list of bases, merged in order) names
     specs, relative to this one's folder, that this one is merged over: a mapping merges key by key, any
     other value (a list too) replaces the base's. Errors that leave nothing to merge are raised."""
     try:
@@ -244,7 +252,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     if not isinstance(cfg, DictConfig):
         raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
     if "extends" not in cfg:
-        return cfg, lines, {}
+        return cfg, lines, {}, {}
     names = OmegaConf.to_container(cfg, resolve=False)["extends"]  # as written: never interpolated
     del cfg["extends"]
     at = lines.get("extends", lines[""])[0]
@@ -252,7 +260,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         names = [names]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise SpecErrors([SpecError(file, at, "extends", "expected a spec file or a list of them")], file)
-    merged, merged_lines, files = OmegaConf.create({}), {}, {}
+    merged, merged_lines, files, folders = OmegaConf.create({}), {}, {}, {}
     for name in names:
         base = (base_dir / Path(name).expanduser()).resolve()
         shown = shown_path(base)
@@ -264,10 +272,11 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         except OSError as e:
             raise SpecErrors([SpecError(file, at, "extends", f"cannot read the base spec {shown}: "
                                                              f"{e.strerror or e}")], file) from None
-        b_cfg, b_lines, b_files = _compose(shown, base_text, base.parent, (*chain, base))
+        b_cfg, b_lines, b_files, b_folders = _compose(shown, base_text, base.parent, (*chain, base))
         merged = OmegaConf.merge(merged, b_cfg)
         merged_lines.update(b_lines)
         files.update({p: b_files.get(p, shown) for p in b_lines})
+        folders.update({p: b_folders.get(p, base.parent) for p in b_lines})
     try:
         cfg = OmegaConf.merge(merged, cfg)
     except OmegaConfBaseException as e:
@@ -280,11 +289,13 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         if any(p.startswith(r + ".") for r in replaced):
             merged_lines.pop(p)
             files.pop(p, None)
+            folders.pop(p, None)
     for p in (*own, ""):
         files.pop(p, None)
+        folders.pop(p, None)
     merged_lines.update(lines)
     merged_lines.pop("extends", None)
-    return cfg, merged_lines, files
+    return cfg, merged_lines, files, folders
 
 
 def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
@@ -331,12 +342,12 @@ def read_text(text: str, file: str, base_dir: Path, overrides: Iterable[str] = (
     relative references (and `extends`) start from; `located=False` for a text nobody wrote (a spec
     given as a dict): its errors name the dotted path without a line."""
     overrides = tuple(overrides)
-    cfg, lines, files = _compose(file, text, base_dir, chain)
+    cfg, lines, files, folders = _compose(file, text, base_dir, chain)
     errors: list[SpecError] = []
     cfg, override_paths = _apply_overrides(cfg, overrides, errors)
     raw = OmegaConf.to_container(cfg, resolve=False)
     source = SpecSource(file, base_dir, text, lines if located else {}, overrides, override_paths,
-                        env_paths(raw), files if located else {})  # type: ignore[arg-type]
+                        env_paths(raw), files if located else {}, folders)  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
     return data, source, errors
 
