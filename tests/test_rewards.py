@@ -1,4 +1,6 @@
 """Factory's built-in reward functions (factory.rewards), on turns parsed by the rollout's own parser."""
+from pathlib import Path
+
 from factory.rewards.format import called_tool, tool_call_ok, tools_succeeded
 from factory.rewards.math import exact_match, extract_answer, numeric_match
 from factory.rollout.parse import parse_tool_calls
@@ -73,6 +75,17 @@ def test_reference_chain_is_the_value_of_each_prefix():
     assert reference_chain("7 + 12 - 5 + 33") == [19, 14, 47]
     assert reference_chain("2 + 3 * 4") == [5, 14]  # each prefix with the usual precedence
     assert reference_chain("8") == []
+
+
+def test_chain_steps_columns_are_required_of_the_data(monkeypatch):
+    """A dataset without `expression` must be refused before step 1 (the data stage checks every row for the
+    columns reward functions cannot do without), not score every tool-calling turn 0."""
+    import factory
+    from factory.reward.graph import required_columns
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    needed = required_columns(factory.load("specs/arith-chain.yaml"))
+    assert needed["expression"] == "rewards.step" and "answer" in needed
 
 
 def test_chain_step_checks_each_turn_on_its_own():

@@ -44,6 +44,14 @@ def test_a_per_turn_node_is_called_once_per_turn_with_the_turn_its_index_and_the
     assert trajs[0].reward_details["step"]["turns"][0] == {}
 
 
+def test_the_missing_values_warning_counts_a_per_turn_nodes_turns(caplog):
+    """2 of the 5 turns (the answer turns) have no value: not "2 of 2 trajectories' turns"."""
+    spec = make_spec({"step": {"fn": f"{FNS}:call_ok", "per": "turn"}})
+    score(spec, [traj("abc", turns=T0, answer="7"), traj("d", turns=T1, answer="8")])
+    assert [r.getMessage().split(" (first")[0] for r in caplog.records if "no value for" in r.getMessage()] == [
+        "reward node step: no value for 2 of 5 trajectories' turns"]
+
+
 def test_combinators_clip_and_gate_work_per_turn_with_trajectory_inputs_at_every_turn():
     spec = make_spec({
         "step": {"fn": f"{FNS}:call_ok", "per": "turn", "on_missing": "zero"},

@@ -383,9 +383,11 @@ class _Evaluation:
         for (name, *_), d in self.details.items():
             if d["status"] != "ok":
                 failed.setdefault(name, []).append(d.get("error", d["status"]))
+        turns = sum(len(t.turns) for t in self.trajs)
         for name, errors in failed.items():  # one line per node, not one per trajectory
+            per_turn = name in self.s.per_turn
             log.warning("reward node %s: no value for %d of %d %s (first: %s)", name, len(errors),
-                        len(self.trajs), "trajectories" if name not in self.s.per_turn else "trajectories' turns",
+                        turns if per_turn else len(self.trajs), "trajectories' turns" if per_turn else "trajectories",
                         errors[0])
 
     def _record_turns(self, name: str, i: int, t: Trajectory) -> None:
