@@ -157,11 +157,20 @@ def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: flo
     lengths = [int(r.numel()) for r in turn_rewards]
     if not sum(lengths):
         return [r.new_zeros(0) for r in turn_rewards]
+    returns, cell, _ = _turn_cells(turn_rewards, group_ids, gamma)
+    return list(torch.split(ADVANTAGES[advantage](returns, cell, eps=eps), lengths))
+
+
+def _turn_cells(turn_rewards: list[Tensor], group_ids: Tensor, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The turns of a batch that has some ([K_i] rewards per trajectory i), flat: each turn's return
+    (`discounted_turn_returns`) [sum K], its cell -- (its trajectory's group, its position k), numbered --
+    [sum K], and its trajectory [sum K]. A turn's advantage is standardised within its cell."""
+    lengths = [int(r.numel()) for r in turn_rewards]
     returns = torch.cat([discounted_turn_returns(r, gamma) for r in turn_rewards])  # [sum K]
     position = torch.cat([torch.arange(k) for k in lengths])  # [sum K] turn index within its trajectory
-    group = torch.repeat_interleave(group_ids, torch.tensor(lengths))  # [sum K] the trajectory's group
-    _, cell = torch.unique(torch.stack([group, position], 1), dim=0, return_inverse=True)  # (group, position)
-    return list(torch.split(ADVANTAGES[advantage](returns, cell, eps=eps), lengths))
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [sum K] its trajectory
+    _, cell = torch.unique(torch.stack([group_ids[owner], position], 1), dim=0, return_inverse=True)
+    return returns, cell, owner
 
 
 # ------------------------------------------------------------------------------------ policy losses
@@ -320,14 +329,9 @@ def turn_dynamic_sampling_keep(turn_rewards: list[Tensor], group_ids: Tensor, ga
     """BoolTensor[N]: `dynamic_sampling_keep` for `credit: turn`: True for samples of groups where the turn
     returns (`discounted_turn_returns`) spread at some turn position, i.e. where some turn gets a non-zero
     advantage (a group whose trajectory rewards agree may still differ turn by turn)."""
-    lengths = [int(r.numel()) for r in turn_rewards]
-    keep = torch.zeros(len(turn_rewards), dtype=torch.bool)
-    if not sum(lengths):
-        return keep
-    returns = torch.cat([discounted_turn_returns(r, gamma) for r in turn_rewards])  # [sum K]
-    position = torch.cat([torch.arange(k) for k in lengths])  # [sum K]
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [sum K] its sample
-    _, cell = torch.unique(torch.stack([group_ids[owner], position], 1), dim=0, return_inverse=True)
+    if not sum(int(r.numel()) for r in turn_rewards):
+        return torch.zeros(len(turn_rewards), dtype=torch.bool)
+    returns, cell, owner = _turn_cells(turn_rewards, group_ids, gamma)
     _, std = _group_stats(returns, cell)  # [sum K]
     spread = group_ids[owner[std >= eps]].unique()  # the groups with a turn position that spreads
     return torch.isin(group_ids, spread)

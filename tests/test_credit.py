@@ -60,8 +60,9 @@ def test_with_gamma_1_turn_0_gets_the_trajectory_advantage():
 def test_each_turn_advantage_lands_on_that_turns_model_tokens():
     # turn 0: 2 tokens, a 2-token tool response, turn 1: 1 token, a tool response, turn 2: 2 tokens
     mask = [1, 1, 0, 0, 1, 0, 1, 1]
-    assert turn_of_tokens(mask, [2, 1, 2]) == [0, 0, -1, -1, 1, -1, 2, 2]
-    assert turn_of_tokens([1, 1, 1], [1, 1]) == [0, 1, 1]  # more model tokens than counted: the last turn's
+    assert turn_of_tokens(mask, [2, 1, 2]).tolist() == [0, 0, -1, -1, 1, -1, 2, 2]
+    assert turn_of_tokens([1, 1, 1], [1, 1]).tolist() == [0, 1, 1]  # more model tokens than counted: the last turn's
+    assert turn_of_tokens([1, 0, 1, 1], [1, 0, 2]).tolist() == [0, -1, 2, 2]  # a turn of no tokens owns none
     t = traj(mask, [2, 1, 2], reward=0.0)
     adv = token_advantages([t, traj([], [], 0.0)], [torch.tensor([0.5, -1.0, 2.0]), torch.tensor([])], width=10)
     close(adv, [[0.5, 0.5, 0, 0, -1.0, 0, 2.0, 2.0, 0, 0], [0] * 10])

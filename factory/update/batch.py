@@ -4,6 +4,7 @@ Pure functions of their inputs (no model, no engine), so each is tested by hand.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,22 +47,16 @@ def turn_rewards(trajs: list[Trajectory], shaped: Tensor) -> list[Tensor]:
     return out
 
 
-def turn_of_tokens(loss_mask: list[int], turn_tokens: list[int]) -> list[int]:
-    """The model turn each response token belongs to, -1 on tool/template tokens: the mask's 1s are the
-    turns' generated tokens in order (the rollout appends each turn's ids as generated), turn k holding
+def turn_of_tokens(loss_mask: Sequence[int] | Tensor, turn_tokens: Sequence[int]) -> Tensor:
+    """[R] long: the model turn each response token belongs to, -1 on tool/template tokens: the mask's 1s are
+    the turns' generated tokens in order (the rollout appends each turn's ids as generated), turn k holding
     `turn_tokens[k]` of them. Model tokens beyond the turns' count (a record made by hand) go to the last
-    turn."""
-    ends = [sum(turn_tokens[: k + 1]) for k in range(len(turn_tokens))]
-    out, seen, k = [], 0, 0
-    for m in loss_mask:
-        if not m:
-            out.append(-1)
-            continue
-        while k < len(ends) - 1 and seen >= ends[k]:
-            k += 1
-        out.append(k)
-        seen += 1
-    return out
+    turn. Tensor ops, no loop over tokens: the update step runs it on every row of the batch."""
+    on = torch.as_tensor(loss_mask).bool()  # [R]
+    ordinal = on.long().cumsum(0) - 1  # [R] where on: this is the model's ordinal-th token
+    ends = torch.tensor(list(turn_tokens), dtype=torch.long).cumsum(0)  # [K] turn k ends before ends[k]
+    turn = torch.searchsorted(ends, ordinal, right=True).clamp(max=max(len(turn_tokens) - 1, 0))  # [R]
+    return torch.where(on, turn, -1)
 
 
 def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int) -> Tensor:
@@ -71,11 +66,8 @@ def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int
     for i, (t, adv) in enumerate(zip(trajs, turn_adv)):
         if not adv.numel():  # no model turn: no model token either
             continue
-        turn = torch.tensor(turn_of_tokens(t.loss_mask, [x.num_tokens for x in t.turns]), dtype=torch.long)
-        on = turn >= 0
-        row = torch.zeros(len(turn), dtype=out.dtype)
-        row[on] = adv.to(out.dtype)[turn[on]]
-        out[i, : len(row)] = row
+        turn = turn_of_tokens(t.loss_mask, [x.num_tokens for x in t.turns])  # [R]
+        out[i, : len(turn)] = torch.where(turn >= 0, adv.to(out.dtype)[turn.clamp(min=0)], 0.0)
     return out
 
 
