@@ -27,7 +27,6 @@ from factory.runtime.lifecycle import local_ray_on_loopback
 from factory.schema import Spec
 
 if TYPE_CHECKING:
-    from factory.commands.diff import RunRecord
     from factory.runtime.driver import EvalResult, OnStep, RunResult
 
 
@@ -82,19 +81,13 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     return run_plan(plan, found, started_at=started_at, on_step=on_step, stop=stop)
 
 
-def diff_records(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
-                 ) -> tuple[dict[str, Any], RunRecord, RunRecord]:
-    """`diff`, with the two runs' records (what `factory diff` renders)."""
-    from factory.commands.diff import diff_runs
-
-    return diff_runs(run_a, run_b, prompt=prompt, uri=uri)
-
-
 def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> dict[str, Any]:
     """Two tracked runs (id, id prefix of 8+ characters, or name) compared, as `factory diff --json` prints
     it: what defined them (`changes`: settings, templates, reward code, data, tool schemas), their
     `metrics` side by side, and the `trajectories` of the `prompt`-th prompt both saw."""
-    return diff_records(run_a, run_b, prompt=prompt, uri=uri)[0]
+    from factory.commands.diff import diff_runs
+
+    return diff_runs(run_a, run_b, prompt=prompt, uri=uri)[0]
 
 
 def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:

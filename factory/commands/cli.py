@@ -33,12 +33,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from factory.commands import api
-    from factory.compiler.compile import plan_json
+    from factory.compiler.compile import compile_file, plan_json
     from factory.compiler.load import source_of
     from factory.compiler.render import dot_text, explain_text, plan_text
 
-    plan = api.compile_plan(args.spec, args.overrides)
+    spec, plan = compile_file(args.spec, args.overrides)  # the spec knows its source: who set what
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     if args.json:
@@ -46,7 +45,6 @@ def _plan(args: argparse.Namespace) -> int:
     elif args.dot:
         sys.stdout.write(dot_text(plan))
     elif args.explain:
-        spec = api.load_spec(args.spec, args.overrides)  # it compiled: it loads; its source says who set what
         sys.stdout.write(explain_text(plan, spec, source_of(spec).origin) + "\n")
     else:
         sys.stdout.write(plan_text(plan) + "\n")

@@ -303,9 +303,7 @@ def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
 
 
 def main(args: Any) -> int:
-    from factory.commands import api
-
-    report, a, b = api.diff_records(args.run_a, args.run_b, prompt=args.prompt, uri=args.uri)
+    report, a, b = diff_runs(args.run_a, args.run_b, prompt=args.prompt, uri=args.uri)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False))
     else:
