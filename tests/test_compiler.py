@@ -521,7 +521,7 @@ def test_a_stop_on_monitor_that_can_never_fire_is_refused(project):
     compile_file(path, ["train.stop_on=[reward_dominance, length_drift]"])  # they can: accepted
 
 
-def test_a_base_specs_files_are_found_next_to_it(project):
+def test_a_base_specs_files_are_found_next_to_it(project, monkeypatch):
     """`extends` names a base relative to the file that names it; so are the files a base names: a base in
     specs/base/ with data and a template beside it compiles alone and from a spec in specs/ alike, and the
     stages get the paths from the top spec's folder. A value the top spec (or an override) sets stays its own."""
@@ -540,3 +540,15 @@ def test_a_base_specs_files_are_found_next_to_it(project):
     project.file("specs/prompts/mine.jinja", "{{ question }}!")
     _, own = compile_file("specs/run.yaml", ["data.prompt=specs/prompts/mine.jinja"])
     assert own.stage("data").settings.data.prompt == "specs/prompts/mine.jinja"
+    # --connect starts a base's tool server from beside the base too
+    import factory.compiler.connect as connect
+
+    project.file("specs/base/bin/serve", "#!/bin/sh\n")
+    project.file("specs/tools.yaml", "extends: base/common.yaml\nname: tools\n")
+    project.file("specs/base/common.yaml", (project.root / "specs/base/common.yaml").read_text()
+                 + "tools:\n  calc: {command: bin/serve}\n")
+    started = []
+    monkeypatch.setattr(connect, "list_all",
+                        lambda spec, source: started.append(spec.tools["calc"].command) or ({}, []))
+    compile_file("specs/tools.yaml", connect=True)
+    assert started == ["base/bin/serve"]

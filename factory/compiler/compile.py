@@ -910,7 +910,7 @@ def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
         return plan
     from factory.compiler.connect import list_all
 
-    listing, errors = list_all(spec, source)
+    listing, errors = list_all(_rebased(spec, source), source)  # a base's server started from beside it
     if errors:
         raise SpecErrors(errors, source.file)
     connected, errors = _compile(spec, source, None, listing)
