@@ -266,6 +266,10 @@ def test_an_error_on_the_step_thread_fails_the_waiting_requests_at_once(vllm, mo
 
 # Last in this module: it builds a second vLLM engine in this process, and vLLM's parallel groups are
 # process-global -- when that engine goes, the module's engine can no longer step.
+# Slow (#23: ~26 s, most of it that second engine's start-up): the default suite keeps the full-weight sync
+# loop above (the vLLM side of the merge mode is that same load) and the learner's adapters, checkpoint and
+# merged export (test_update_lora); test_lora_run, also slow, runs a LoRA spec end to end on vLLM.
+@pytest.mark.slow
 def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_path, local_ray):
     """The loop above with `model.lora`: the learner trains adapters only and a sync sends only them
     (factory.lora.Adapters); vLLM merges them into its weights (rollout.vllm_lora: merge) or serves them as

@@ -1,7 +1,7 @@
 """Stopping and resuming real runs of specs/tiny.yaml (Ray + MCP + DeepSpeed + MLflow), as a user would:
 
-1. a run SIGKILLed at a random step leaves processes behind (Ray's agents linger) -- the next `factory run`
-   ends them;
+1. a run SIGKILLed at a random moment of its steps leaves processes behind (Ray's agents linger) -- the
+   next `factory run` ends them;
 2. that next run, given Ctrl-C (SIGINT to its whole process group, as a terminal sends it) after its second
    step, finishes the step in flight, checkpoints it, marks the MLflow run KILLED, exits 130 and leaves no
    process behind;
@@ -31,7 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-7f1d2c"
-STEPS = 3
+STEPS = 2  # the fewest that leave a step to resume after the kill (k = 1), each step ~3 s of the budget
 # Secrets go where users put them: a tool server's environment, a tag. The engine is transformers, which
 # `auto` picks for the tiny spec: the vLLM path end to end is test_e2e's (tests/tracked_runs.py), and three
 # more vLLM start-ups here cost ~30 s of the suite's budget for nothing this module checks.

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.tracked_runs import CHANGE, REPO, STEPS, factory, project_copy
+from tests.tracked_runs import CHANGE, REPO, STEPS, factory, factory_here, project_copy
 
 ARTIFACTS = REPO / "test-artifacts"  # git-ignored; CI keeps it
 
 
 def _diff(tiny_runs, *args: str) -> subprocess.CompletedProcess[str]:
-    return factory("diff", *args, cwd=tiny_runs.work_a, uri=tiny_runs.uri, timeout=180)
+    return factory_here("diff", *args, cwd=tiny_runs.work_a, uri=tiny_runs.uri)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_a_run_without_a_plan_is_an_error_never_identical(tiny_runs):
 
 
 def test_runs_lists_both_runs(tiny_runs):
-    out = factory("runs", "--experiment", "tiny", "--json", cwd=tiny_runs.work_a, uri=tiny_runs.uri, timeout=120)
+    out = factory_here("runs", "--experiment", "tiny", "--json", cwd=tiny_runs.work_a, uri=tiny_runs.uri)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["run_id"]: r for r in json.loads(out.stdout)}
     for run in (tiny_runs.a, tiny_runs.b):
@@ -102,7 +102,7 @@ def test_runs_lists_both_runs(tiny_runs):
         assert r["status"] == "FINISHED" and r["spec"] == "tiny" and r["steps_done"] == STEPS == r["steps"]
         assert r["final_reward"] == pytest.approx(run.data.metrics["reward/mean"])
         assert set(r["eval"]) >= {"eval/accuracy", "eval/reward"} and r["duration_s"] > 0
-    text = factory("runs", cwd=tiny_runs.work_a, uri=tiny_runs.uri, timeout=120)
+    text = factory_here("runs", cwd=tiny_runs.work_a, uri=tiny_runs.uri)
     assert tiny_runs.a.info.run_id[:8] in text.stdout and "FINISHED" in text.stdout
 
 
@@ -206,7 +206,7 @@ def test_a_changed_tool_server_shows_as_a_tool_schema_change(tracking_server, tm
     run_a = _track_plan(work, tracking_server, monkeypatch)
     (work / "calc_tools.py").write_text(_TOOLS_B)
     run_b = _track_plan(work, tracking_server, monkeypatch)
-    out = factory("diff", run_a, run_b, "--json", cwd=tmp_path, uri=tracking_server, timeout=120)
+    out = factory_here("diff", run_a, run_b, "--json", cwd=tmp_path, uri=tracking_server)
     assert out.returncode == 0, out.stderr[-3000:]
     changes = json.loads(out.stdout)["changes"]
     assert len(changes) == 1, changes
@@ -281,7 +281,7 @@ def test_a_changed_tool_server_shows_in_the_diff_of_two_full_runs(tracking_serve
     runs = client.search_runs([client.get_experiment_by_name("tool-change-runs").experiment_id],
                               order_by=["attributes.start_time ASC"])
     ids = [r.info.run_id for r in runs]
-    out = factory("diff", *ids, "--json", cwd=tmp_path, uri=tracking_server, timeout=120)
+    out = factory_here("diff", *ids, "--json", cwd=tmp_path, uri=tracking_server)
     assert out.returncode == 0, out.stderr[-3000:]
     (change,) = json.loads(out.stdout)["changes"]
     assert change["kind"] == "tool_schema" and change["tools"]["added"] == ["sqrt"]

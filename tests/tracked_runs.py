@@ -81,6 +81,32 @@ def factory(*args: str, cwd: Path, uri: str, timeout: int = 900) -> subprocess.C
                           capture_output=True, text=True, timeout=timeout)
 
 
+def factory_here(*args: str, cwd: Path, uri: str) -> subprocess.CompletedProcess[str]:
+    """`factory ARGS` in this process (its `main`, argv to exit code, stdout and stderr captured), for the
+    read-only commands (`diff`, `runs`) the tests call many times: a fresh process for each costs the
+    interpreter and mlflow's imports (~3 s) every time. The commands' own process path is test_cli's."""
+    import io
+    from contextlib import chdir, redirect_stderr, redirect_stdout
+
+    from factory.commands import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        with chdir(cwd), redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as e:  # argparse's errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+    return subprocess.CompletedProcess(["factory", *args], code, out.getvalue(), err.getvalue())
+
+
 def overlapped(first: tuple[str, ...], second: tuple[str, ...], *, cwds: tuple[Path, Path], uri: str,
                timeout: int = 900) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """Two `factory` commands, the second started once the first has started its MLflow run (so the runs
