@@ -223,6 +223,8 @@ class Tracker:
 
     def log_checkpoint(self, *a): ...
 
+    def log_tool_calls(self, *a): ...
+
 
 class Quiet:
     def __getattr__(self, name):
