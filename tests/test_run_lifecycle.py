@@ -31,7 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-7f1d2c"
-STEPS = 2  # the fewest that leave a step to resume after the kill (k = 1), each step ~3 s of the budget
+STEPS = 3
 # Secrets go where users put them: a tool server's environment, a tag. The engine is transformers, which
 # `auto` picks for the tiny spec: the vLLM path end to end is test_e2e's (tests/tracked_runs.py), and three
 # more vLLM start-ups here cost ~30 s of the suite's budget for nothing this module checks.
