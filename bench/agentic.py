@@ -297,6 +297,9 @@ def differing(a: list, b: list) -> int:
 
 
 async def measure(a: argparse.Namespace, folder: Path) -> dict:
+    from factory.runtime.lifecycle import local_ray_on_loopback
+
+    local_ray_on_loopback(None)  # before ray is imported: Factory's local Ray listens on loopback only
     import ray
 
     from factory.data import DataStage, from_table

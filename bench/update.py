@@ -55,7 +55,10 @@ async def rollout_batch(spec_path: str) -> tuple[object, list]:
 
     from factory.contract import peers_of
 
-    spec, plan = compile_file(spec_path)
+    # The transformers engine makes the batch whatever the spec's rollout uses: vLLM in this process would
+    # leave its torch.distributed group behind, which the learner's DeepSpeed cannot adopt (it is the update
+    # that is measured here, on the same trajectories either way).
+    spec, plan = compile_file(spec_path, ["rollout.engine=hf"])
     flow = plan.flow("data")
     source, rollout_name = flow[0].src, flow[0].dst
     calls = {e.dst for e in plan.edges if e.kind == "call" and e.src == rollout_name}
