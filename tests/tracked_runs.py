@@ -86,20 +86,22 @@ def factory_here(*args: str, cwd: Path, uri: str) -> subprocess.CompletedProcess
     read-only commands (`diff`, `runs`) the tests call many times: a fresh process for each costs the
     interpreter and mlflow's imports (~3 s) every time. The commands' own process path is test_cli's."""
     import io
-    from contextlib import chdir, redirect_stderr, redirect_stdout
+    from contextlib import redirect_stderr, redirect_stdout
 
     from factory.commands import cli
 
     out, err = io.StringIO(), io.StringIO()
-    old = os.environ.get("MLFLOW_TRACKING_URI")
+    old, here = os.environ.get("MLFLOW_TRACKING_URI"), os.getcwd()
     os.environ["MLFLOW_TRACKING_URI"] = uri
+    os.chdir(cwd)  # (contextlib.chdir is Python 3.11's; Factory supports 3.10)
     try:
-        with chdir(cwd), redirect_stdout(out), redirect_stderr(err):
+        with redirect_stdout(out), redirect_stderr(err):
             try:
                 code = cli.main(list(args))
             except SystemExit as e:  # argparse's errors
                 code = e.code if isinstance(e.code, int) else 2
     finally:
+        os.chdir(here)
         if old is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
