@@ -7,7 +7,7 @@ chooses as it would for the whole run), in a project folder of its own with its 
 the run logs `timing/startup_s` (the command's start to the first rollout request, see
 factory/runtime/startup.py) it is stopped as a user stops it (Ctrl-C twice: at once, cleanly), and the
 metric and its phases are read back from MLflow. A first, unmeasured run warms the machine up as a user's
-first run does (the model converted into the cache, DeepSpeed's C++ op built, the MLflow store created,
+first run does (the model converted into the cache, the MLflow store created,
 the OS's file cache); `--no-warmup` measures from whatever state the machine is in.
 
 Prints a table per spec (each run's start-up and phases, the engine `auto` chose), then as its LAST line

@@ -747,8 +747,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
     groups: Groups = {}
     try:
         stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
-        display.status(f"starting the stages: {stages} (the first run on a machine also compiles "
-                       "DeepSpeed's C++ ops, about a minute)")
+        display.status(f"starting the stages: {stages}")
         groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
         startup.lap("stages")
         record.update()

@@ -3,20 +3,22 @@
 Everything that depends on the machine (CPU or CUDA, bf16 support, one process or a launcher's many) is
 decided here, so the learner's update loop has no device branches.
 
-DeepSpeed on CPU and its one slow step: every `deepspeed.initialize` creates a `TorchBackend`
+DeepSpeed on CPU and the op we never use: every `deepspeed.initialize` creates a `TorchBackend`
 (deepspeed/comm/comm.py:init_distributed), whose constructor calls `build_shm_op()` unconditionally,
 whatever the world size. On the CPU accelerator that JIT-compiles the `deepspeed_shm_comm` C++ op with
-torch.utils.cpp_extension (24-52 s here). No env var or config key skips it: `build_shm_op` only returns
-early when the accelerator has no builder or `deepspeed.ops.__compatible_ops__` says the op is
-incompatible, and ShareMemCommBuilder.is_compatible is True on Linux. So we make it a one-time cost:
-torch caches JIT builds in `$TORCH_EXTENSIONS_DIR`, which we point at `$FACTORY_CACHE/torch_extensions/<env>`
-unless the user set it; a warm `deepspeed.initialize` then takes ~0.1 s. (The other way is an install-time
-prebuild: `DS_BUILD_SHM_COMM=1 pip install deepspeed==0.19.8`, after which the op is imported, not built.)
+torch.utils.cpp_extension (24-52 s on 2 Zen 4 cores, twice that on a slow CPU) the first time on a
+machine. That op serves one collective only, `inference_all_reduce` (AutoTP's inference layers), which
+falls back to the process group's all_reduce without it; training's collectives (all_reduce,
+reduce_scatter, all_gather of ZeRO) are torch.distributed's on the gloo backend either way. So we
+declare it unavailable (`deepspeed.ops.__compatible_ops__`, the one switch `build_shm_op` reads) and
+nothing is compiled. An op a user's own `train.deepspeed` keys ask for is still JIT-built, once per
+machine: torch caches JIT builds in `$TORCH_EXTENSIONS_DIR`, which we point at
+`$FACTORY_CACHE/torch_extensions/<env>` unless the user set it. (Optimizer offload needs none: it runs
+torch's AdamW, see `deepspeed_config`.)
 """
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 from typing import Any
 
@@ -27,7 +29,8 @@ from factory.plan import UpdateSettings
 
 def use_extension_cache() -> str:
     """Point torch's JIT-extension cache at Factory's cache folder (unless the user chose one) so the
-    DeepSpeed shm_comm op is compiled once per machine, not once per run. Returns the folder."""
+    JIT-built ops (CPU Adam, for optimizer offload) are compiled once per machine, not once per run.
+    Returns the folder."""
     import hashlib
     import sys
 
@@ -37,31 +40,6 @@ def use_extension_cache() -> str:
     # checkouts sharing one folder rebuild the op (~50 s) each time the other one ran.
     env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions" / env))
-
-
-@contextlib.contextmanager
-def extension_build_lock(folder: str):
-    """Hold an OS file lock on `folder` while DeepSpeed may JIT-build its op, and clear build batons a
-    killed builder left behind.
-
-    torch marks a build in progress with a `lock` file (torch.utils.file_baton) that only the builder
-    removes: a process killed mid-build (Ctrl-C twice, SIGKILL, the OOM killer) leaves it, and every later
-    start then waits on it forever, silently. Our lock is an fcntl lock, which the kernel releases when
-    its holder dies; every Factory process builds under it, so a baton found while we hold it belongs to
-    nobody alive. Only in Factory's own cache folder: a folder the user chose may be shared with other
-    programs' builds."""
-    from filelock import FileLock
-
-    from factory.assets import cache_dir
-
-    ours = os.path.realpath(folder).startswith(os.path.realpath(cache_dir()))
-    os.makedirs(folder, exist_ok=True)
-    with FileLock(os.path.join(folder, ".factory-build.lock")):
-        if ours:
-            for baton in glob.glob(os.path.join(folder, "*", "lock")):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(baton)
-        yield
 
 
 def init_process_group() -> None:
@@ -77,7 +55,7 @@ def init_process_group() -> None:
 
     if torch.distributed.is_initialized():
         return
-    folder = use_extension_cache()
+    use_extension_cache()
     backend = deepspeed.get_accelerator().communication_backend_name()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -97,17 +75,23 @@ def init_process_group() -> None:
         os.environ.update(own)
         _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    # The shm_comm op is built (or loaded) here, alone, under the lock; DeepSpeed's TorchBackend then finds
-    # it loaded. Only the build is locked: init_distributed meets the other ranks, which must not wait
-    # for a lock that a rank waiting for them holds.
-    from deepspeed.comm.torch import build_shm_op
-
-    with extension_build_lock(folder):
-        build_shm_op()
+    skip_shm_op()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
 
 
 _ENV_SET_BY_US: dict[str, str] = {}
+
+
+def skip_shm_op() -> None:
+    """Tell DeepSpeed its shm_comm op is unavailable, so `TorchBackend` does not JIT-compile it (module
+    docstring): only `inference_all_reduce` uses it, and that falls back to the process group's
+    all_reduce."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def is_loopback(addr: str) -> bool:
