@@ -1,11 +1,13 @@
 """bin/setup's plan for the machine it runs on (`--dry-run`: nothing is installed), with an NVIDIA driver
-faked by an `nvidia-smi` script on PATH."""
+faked by an `nvidia-smi` script on PATH; and bin/uv-options, which lets uv install what pip would."""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +65,48 @@ def test_vllm_pin_agrees_with_the_cpu_torch_pin():
     for both machines (a vllm bump must move both files)."""
     cpu = dict(re.findall(r"^([\w-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M))
     assert cpu["torch"] == _pins()["torch"]
+
+
+def _uv_options():
+    """bin/uv-options as a module (a script without .py)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("uv_options", str(ROOT / "bin/uv-options"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("uv_options", loader))
+    loader.exec_module(module)
+    return module
+
+
+def test_uv_options_translate_pip_configuration_as_pip_reads_it():
+    """[install] overrides [global], PIP_* variables (`:env:`) override both; lists split on whitespace."""
+    uv = _uv_options()
+    listing = ("global.extra-index-url='file:///a/simple file:///b/simple'\nglobal.find-links='/old'\n"
+               "install.find-links='/wheels'\nglobal.cert='/ca.crt'\n:env:.default-timeout='180'\n"
+               ":env:.disable-pip-version-check='1'\nglobal.constraint='/etc/c.txt'\nglobal.index-url='https://mirror/simple'\n")
+    args, env = uv.translate(uv.effective(listing))
+    assert args == ["--index-strategy", "unsafe-best-match", "--constraint", "/etc/c.txt",
+                    "--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
+                    "--find-links", "/wheels", "--index-url", "https://mirror/simple"]
+    assert env == {"SSL_CERT_FILE": "/ca.crt", "UV_HTTP_TIMEOUT": "180"}
+    with pytest.raises(ValueError, match="pip option only-binary=':all:' has no uv translation here"):
+        uv.translate(uv.effective("global.only-binary=':all:'\n"))
+
+
+@pytest.mark.skipif(subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "uv", "--version"],
+                                   capture_output=True).returncode != 0, reason="uv is not installed (FACTORY_NO_UV=1 bin/setup)")
+def test_uv_picks_the_torch_pip_picks():
+    """With this machine's pip configuration translated, uv resolves torch==2.13.0 to the very build pip
+    installs (here the CPU wheel of a find-links folder; left to itself uv takes PyPI's CUDA build)."""
+    import json
+
+    vpy = str(ROOT / ".venv/bin/python")
+    report = subprocess.run([vpy, "-m", "pip", "install", "--dry-run", "-q", "--ignore-installed", "--no-deps",
+                             "--report", "-", "-c", "constraints.txt", "torch==2.13.0"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    pip_version = json.loads(report.stdout)["install"][0]["metadata"]["version"]
+    options = subprocess.run([vpy, "bin/uv-options"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    compiled = subprocess.run(["bash", "-c", options + '\necho torch==2.13.0 | "$0" -m uv pip compile -q --no-header '
+                               '--no-deps --python "$0" "${UV_ARGS[@]}" -c constraints.txt -', vpy],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert compiled.stdout.splitlines()[0] == f"torch=={pip_version}"
