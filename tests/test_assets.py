@@ -90,9 +90,11 @@ def test_tiny_qwen3_recipe(cache):
     assert all(torch.equal(before[k], v) for k, v in rebuilt.state_dict().items())
 
 
-def test_smollm2_recipe(cache):
-    """The GGUF conversion (~20 s): a working instruct model with the ChatML tokens. In the default suite
-    because the README's main job trains this model and no other default test builds it."""
+def test_smollm2_recipe():
+    """The GGUF conversion: a working instruct model with the ChatML tokens. In the default suite because
+    the README's main job trains this model. It checks the asset in $FACTORY_CACHE, the one that job uses:
+    bin/setup builds it with this recipe (~20 s; a failed build fails set-up), and a cache without it
+    builds it here."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
