@@ -35,11 +35,14 @@ ADAM_TOL = 5e-6
 CASES = {2: {"name": "sgd", "grad_clip": 0.0}, 3: {"name": "adamw", "grad_clip": 0.05}}
 
 
-def _group(settings, replicas: int) -> Group:
-    g = start_group(Stage("update", "test", "factory.update.stage:UpdateStage", settings, ("scored_trajectories",),
-                          ("weights",), replicas=replicas))
-    g.info = ray.get(setup_group(g, {}))
-    return g
+def _groups(settings, *replicas: int) -> list[Group]:
+    """One update group per entry of `replicas`, set up at once (the ranks of 2 cores load in parallel)."""
+    groups = [start_group(Stage("update", "test", "factory.update.stage:UpdateStage", settings,
+                                ("scored_trajectories",), ("weights",), replicas=n)) for n in replicas]
+    setups = [setup_group(g, {}) for g in groups]
+    for g, refs in zip(groups, setups):
+        g.info = ray.get(refs)
+    return groups
 
 
 def _weights(g: Group) -> list[dict[str, torch.Tensor]]:
@@ -56,13 +59,15 @@ def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
                                         "optimizer": optimizer},
                      algorithm={"mini_batches": 2, "kl": {"coef": 0.05}})
     settings = stage_settings(spec)["update"]
-    one, two = _group(settings, 1), _group(settings, 2)
+    one, two = _groups(settings, 1, 2)
     try:
         assert [i["rank"] for i in two.info] == [0, 1] and {i["world_size"] for i in two.info} == {2}
         (before,) = _weights(one)
         for step in range(STEPS):
             trajs = batch(seed=step, groups=5, group_size=2)  # 10 samples: 2 mini-batches of 5
-            a, b = one.call("step", trajs), two.call("step", trajs)
+            pending = one.submit("step", trajs)  # world 1 steps while world 2 does (3 processes, 2 cores)
+            b = two.call("step", trajs)
+            (a,) = ray.get(pending)
             for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/tokens"):
                 assert b[key] == pytest.approx(a[key], rel=LOSS_TOL, abs=LOSS_TOL), (step, key)
             (ref,), (rank0, rank1) = _weights(one), _weights(two)
