@@ -37,6 +37,7 @@ Relative links and images of a page must exist.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -44,9 +45,11 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,12 +124,48 @@ def parse(path: Path) -> Page:
 
 
 # ------------------------------------------------------------------------------------------ running
-def environment() -> dict[str, str]:
+_FORK: Path | None = None  # the fork server's folder (tests/docfork.py), while `fork_server` runs
+
+
+def environment(fork: bool = True) -> dict[str, str]:
+    """The blocks' environment; with the fork server running (and `fork`), its `factory` first on PATH."""
     # COLUMNS: rich wraps at 80 columns when it writes to a pipe; a wide page reads better and matches better
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "COLUMNS": "160"}
-    for var in ("FACTORY_DEBUG", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+    # PYTEST_CURRENT_TEST: pytest's, changed per test (a user has none; the fork server compares environments)
+    for var in ("FACTORY_DEBUG", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "FACTORY_DOCS_FORK", "PYTEST_CURRENT_TEST"):
         env.pop(var, None)
+    if _FORK is not None and fork:
+        env["PATH"] = f"{_FORK}{os.pathsep}{env['PATH']}"
+        env["FACTORY_DOCS_FORK"] = str(_FORK / "socket")
     return env
+
+
+@contextlib.contextmanager
+def fork_server() -> Iterator[None]:
+    """The blocks' `factory` commands through tests/docfork.py (one import of the compiler for all of them,
+    ~0.6 s less per command); servers (`serve=`, `background=`) start as they are, to be stopped by their
+    process group."""
+    global _FORK
+    from tests import docfork
+
+    folder = Path(tempfile.mkdtemp(prefix="factory-docs-fork-"))
+    docfork.write_shim(str(folder), sys.executable, str(BIN / "factory"))
+    _FORK = folder
+    server = subprocess.Popen([sys.executable, docfork.__file__, str(folder / "socket")], env=environment(),
+                              cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "socket").exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the docs fork server did not start (exit {server.poll()})")
+            time.sleep(0.05)
+        yield
+    finally:
+        _FORK = None
+        os.killpg(server.pid, 9)  # the server and any command still running from it
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def workdir(tmp: Path) -> Path:
@@ -199,7 +238,7 @@ def _serve(block: Block, script: str, cwd: Path, timeout: float) -> subprocess.P
     url = block.attrs.get("serve") or block.attrs["background"]
     log = (cwd / f".server-{block.line}.log").open("w")
     with log:  # the server writes to its own copy of the file descriptor
-        proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=environment(), stdout=log,
+        proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=environment(fork=False), stdout=log,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout

@@ -27,8 +27,14 @@ def _run_page(path: Path, cwd: Path, slow: bool) -> None:
     assert not check_links(page)
 
 
+@pytest.fixture(scope="module")
+def fork_server():
+    with docblocks.fork_server():
+        yield
+
+
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
-def test_page(path, tmp_path):
+def test_page(path, tmp_path, fork_server):
     _run_page(path, workdir(tmp_path), slow=False)
 
 
