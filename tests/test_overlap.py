@@ -206,7 +206,9 @@ class FakeUpdate(Fresh, StageActor):
         return {"version": self.version}
 
     def save_checkpoint(self, directory, step, state):
-        _log().add.remote("checkpoint", self.version, state["data"]["pos"])
+        # awaited: the run's last event, which the test reads as soon as the run returns (a message from
+        # this actor and one from the test to the log actor are not ordered)
+        ray.get(_log().add.remote("checkpoint", self.version, state["data"]["pos"]))
         return f"{directory}/step_{step}"
 
 
@@ -462,6 +464,8 @@ def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
     from factory.runtime.deadlines import FLOOR_S, Deadlines
 
     rollout, reward = _groups({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": 1.0}}})
+    # the replicas up before the 0.6 s deadlines start (a worker process can take longer to start on 2 cores)
+    ray.get([a.__ray_ready__.remote() for a in rollout.actors])
     rollout.deadlines = reward.deadlines = Deadlines(limit_s=2 * GAP_S)
     trajs, _ = pipe(rollout, "generate", reward, "score", pa.table({"i": list(range(5))}), progress=lambda *a: None,
                     step=1)
