@@ -36,8 +36,18 @@ def local_ray():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="factory-tests-ray-"),
-             object_store_memory=512 * 2**20, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    # PYTHONPATH reaches the workers through the environment Ray's processes start with (set for ray.init
+    # only), not a runtime_env: that would start a worker per actor through Ray's runtime-env agent while
+    # the workers Ray starts ahead of time sit idle (factory.runtime.driver.start_ray does the same).
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *([old] if old else [])])
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="factory-tests-ray-"),
+                 object_store_memory=512 * 2**20, log_to_driver=False)
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
     yield
     ray.shutdown()

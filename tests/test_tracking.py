@@ -38,6 +38,10 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/m.db"
     t = Tracker(uri, "exp")
+    # what `factory run` does in a thread while its stages start: the new store's tables, the experiment
+    t.prepare()
+    assert MlflowClient(uri).get_experiment_by_name("exp") is not None
+    Tracker(f"sqlite:///{tmp_path}/no/such/folder/m.db", "exp").prepare()  # an error is left for `start`
     run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc"}, {"plan.json": "{}"})
     t.log_metrics({"reward/mean": 0.5}, step=1)
     t.log_trajectories([_traj()], step=1)

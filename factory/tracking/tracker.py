@@ -47,6 +47,10 @@ class Tracker(Protocol):
     notify: Any  # called with a line for the user when writing to the store stalls or resumes (or None)
 
     # ---- writing one run
+    def prepare(self) -> None:
+        """Open the store ahead of `start` (safe in a thread of its own; failures are left for `start`)."""
+        ...
+
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         """Open a new run with its params (flattened), tags and text artifacts; returns its id."""
         ...
