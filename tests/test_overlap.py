@@ -25,7 +25,6 @@ from factory.rollout.stage import RolloutStage
 from factory.runtime.driver import Group, carry, pipe, setup_group, start_group, teardown
 from factory.types import Trajectory
 from tests.test_reward_stage import make_spec
-from tests.test_update import model_path, small_path  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 FNS = "tests.fixtures.reward_fns"
@@ -235,6 +234,23 @@ class Quiet:
 
 
 @pytest.fixture(scope="module")
+def small_path(tmp_path_factory) -> str:
+    """The tiny Qwen3 with a 5k vocab, as test_update's small_path. Built here, its imports in here: the
+    stand-in stages' Ray workers import this module, and torch at its top would add ~1.3 s to each start."""
+    import torch
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from factory.assets import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model("factory:tiny-qwen3"))
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("small-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def tiny_plan():
     from factory.compiler.compile import compile_file
 
@@ -324,11 +340,11 @@ class WeightsHolder(StageActor):
         return self.weights
 
 
-def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(local_ray, small_path):  # noqa: F811
+def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(local_ray, small_path):
     """The overlap machinery at 0 (`Updates`: the update and its weights fetched at once, then awaited and
     loaded) gives the real learner's weights and statistics of the loop before it (call the update, then
-    `sync_weights`), bit for bit, over two steps. On the tiny Qwen3 with a 5k vocab (test_update's
-    small_path): what is compared is the machinery's order of calls, which a 152k-wide lm_head only slows."""
+    `sync_weights`), bit for bit, over two steps. On the tiny Qwen3 with a 5k vocab (small_path): what is
+    compared is the machinery's order of calls, which a 152k-wide lm_head only slows."""
     import torch
 
     from factory.runtime.driver import Updates, sync_weights
