@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_compiler_support import make_project
+from tests.lifecycle_runs import killed, resumed, stopped, user_project  # noqa: F401 (session fixtures shared by modules)
 from tests.tracked_runs import tiny_runs, tracking_server  # noqa: F401 (session fixtures shared by modules)
 
 # A shell without job control starts background commands with SIGINT ignored, and Python then leaves it

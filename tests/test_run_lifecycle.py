@@ -1,4 +1,5 @@
-"""Stopping and resuming real runs of specs/tiny.yaml (Ray + MCP + DeepSpeed + MLflow), as a user would:
+"""Stopping and resuming real runs of a user's project (Ray + MCP + DeepSpeed + MLflow; the runs are
+tests/lifecycle_runs.py's session fixtures), as a user would:
 
 1. a run SIGKILLed at a random moment of its steps leaves processes behind (Ray's agents linger) -- the
    next `factory run` ends them;
@@ -17,162 +18,15 @@ neither the MLflow store nor the logs.
 from __future__ import annotations
 
 import os
-import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
-import pytest
+from tests.lifecycle_runs import GCS_AUTH, LOOPBACK, SECRET, STEPS, running
 
-REPO = Path(__file__).resolve().parents[1]
-SECRET = "s3cret-7f1d2c"
-STEPS = 3
-# Secrets go where users put them: a tool server's environment, a tag. The engine is transformers, which
-# `auto` picks for the tiny spec: the vLLM path end to end is test_e2e's (tests/tracked_runs.py), and three
-# more vLLM start-ups here cost ~30 s of the suite's budget for nothing this module checks.
-OVERRIDES = [f"train.steps={STEPS}", "train.checkpoint_every=1", "rollout.engine=hf",
-             "tools.calc.env={TOKEN: '${oc.env:FACTORY_TEST_SECRET}'}",
-             "tracking.tags={owner: '${oc.env:FACTORY_TEST_SECRET}'}"]
-# Run 2 (the Ctrl-C'd one) trains the same steps in its own folder, one more planned so that stopping it
-# after step STEPS is a stop before the end.
-SECOND = ["train.checkpoint_dir=runs/second", f"train.steps={STEPS + 1}"]
-LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-GCS_AUTH: set[str] = set()  # RAY_AUTH_MODE in the environment of every local Ray's GCS the runs started
-
-
-@pytest.fixture(scope="module")
-def work():
-    # A short temp root of our own: Ray's session files (and unix sockets, whose paths are length-limited)
-    # and Factory's driver records live under it, apart from every other Ray on this machine.
-    tmp = Path(tempfile.mkdtemp(prefix="frl", dir="/tmp"))
-    for folder in ("specs", "prompts"):
-        shutil.copytree(REPO / folder, tmp / folder)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db", "PYTHONPATH": str(REPO),
-           "TMPDIR": str(tmp), "FACTORY_TEST_SECRET": SECRET}
-    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a local Ray, with the default auth (a token)
-        env.pop(key, None)
-    yield tmp, env
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def start(work, *extra: str) -> subprocess.Popen:
-    tmp, env = work
-    # its own session: SIGINT to its process group is what a terminal's Ctrl-C is
-    return subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/tiny.yaml", *OVERRIDES, *extra],
-                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def tree(proc: subprocess.Popen) -> dict[tuple[int, float], psutil.Process]:
-    """The driver's descendants, by (pid, start time)."""
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
-    out = {}
-    for p in kids:
-        try:
-            out[(p.pid, p.create_time())] = p
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def listening(procs) -> set[str]:
-    out = set()
-    for p in procs:
-        try:
-            out |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def running(procs) -> list[str]:
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{p.name()}[{p.pid}]")
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def found(root: Path, *patterns: str) -> bool:
-    """Whether any path under `root` matches one of the glob `patterns` (a run's checkpoint folder is
-    `runs/<spec>/<run name>-<id>/`: `runs/tiny/*/step_2`)."""
-    return any(next(root.glob(p), None) is not None for p in patterns)
-
-
-def wait_for(root: Path, patterns: tuple[str, ...], proc: subprocess.Popen, timeout_s: float, seen: dict,
-             ips: set) -> None:
-    """Until a path matching one of `patterns` exists under `root`, recording the driver's process tree and
-    listening addresses."""
-    deadline = time.time() + timeout_s
-    while not found(root, *patterns):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < deadline, f"{patterns} did not appear"
-        procs = tree(proc)
-        seen.update(procs)
-        ips |= listening(procs.values())
-        for p in procs.values():  # the local Ray's auth, as its GCS's environment says
-            try:
-                if "gcs_server" in p.name():
-                    GCS_AUTH.add(p.environ().get("RAY_AUTH_MODE", "unset"))
-            except psutil.Error:
-                pass
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def killed(work):
-    """Run 1, SIGKILLed at a random moment after the metrics of a random step k < STEPS are logged: while
-    its checkpoint of step k is being written, or after, in step k+1."""
-    tmp, _ = work
-    k, delay = random.randint(1, STEPS - 1), random.uniform(0.0, 1.5)
-    proc, seen, ips = start(work), {}, set()
-    # a step's metrics are logged before its checkpoint is staged (.incomplete-step_k) and committed
-    wait_for(tmp, (f"runs/tiny/*/.incomplete-step_{k}", f"runs/tiny/*/step_{k}"), proc, 300, seen, ips)
-    # On a fast CPU step k+1 can end within the delay (a tiny step takes well under a second on a Zen 5):
-    # kill no later than its checkpoint's staging, so run 1 always leaves a step to resume.
-    end = time.monotonic() + delay
-    after = (f"runs/tiny/*/.incomplete-step_{k + 1}", f"runs/tiny/*/step_{k + 1}")
-    while time.monotonic() < end and not found(tmp, *after):
-        time.sleep(0.01)
-    assert proc.poll() is None, f"run 1 ended before the kill (step {k} + {delay:.2f} s)"
-    saved = found(tmp, f"runs/tiny/*/step_{k}")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    when = f"step {k} logged + {delay:.2f} s, {'after' if saved else 'before'} its checkpoint was committed"
-    return {"seen": seen, "ips": ips, "leftovers": running(seen.values()), "when": when}
-
-
-@pytest.fixture(scope="module")
-def stopped(work, killed):
-    """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1."""
-    tmp, _ = work
-    proc, seen = start(work, *SECOND), {}
-    wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
-    alive_after_start = running(killed["seen"].values())
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return {"proc": proc, "out": out, "err": err, "seen": seen, "alive_after_start": alive_after_start}
-
-
-def test_sigkill_then_ctrl_c(work, killed, stopped):
+def test_sigkill_then_ctrl_c(user_project, killed, stopped):
     from mlflow.tracking import MlflowClient
 
-    tmp, env = work
+    tmp, env = user_project[:2]
     # 2. run 2 ended what the killed run 1 left behind
     assert stopped["alive_after_start"] == [], f"left by the killed run and still alive: {killed['leftovers']}"
     second, err = stopped["proc"], stopped["err"]
@@ -186,7 +40,7 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
 
     # the step in flight was finished, logged and checkpointed; the run is KILLED
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("mine").experiment_id])
     killed_runs = [r for r in runs if r.info.status == "KILLED"]
     assert len(killed_runs) == 1, [(r.info.run_id, r.info.status) for r in runs]
     steps = [m.step for m in client.get_metric_history(killed_runs[0].info.run_id, "timing/step_s")]
@@ -205,33 +59,13 @@ def test_sigkill_then_ctrl_c(work, killed, stopped):
             assert SECRET.encode() not in path.read_bytes(), path
 
 
-@pytest.fixture(scope="module")
-def resumed(work, killed, stopped):
-    """Run 3: `factory run SPEC OVERRIDES --resume`, which continues run 1."""
-    _, env = work
-    proc = start(work, "--resume")
-    try:
-        _, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, f"run 1 killed at {killed['when']}:\n{err[-3000:]}"
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    (run,) = [r for r in runs if r.data.tags.get("factory.resumes")]
-    (second,) = [r for r in runs if r.info.status == "KILLED"]
-    return {"run": run, "second": second, "client": client, "err": err}
-
-
-def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, killed, resumed):
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_project, killed, resumed):
     import torch
     from safetensors.torch import load_file
 
     from factory.assets import resolve_model
 
-    tmp, _ = work
+    tmp = user_project[0]
     run, client = resumed["run"], resumed["client"]
     when = f"(run 1 killed at {killed['when']})"
     assert f"resuming run {run.info.run_id}" in resumed["err"], resumed["err"][-2000:]
@@ -261,8 +95,8 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(work, kille
     assert sum(not torch.equal(final[k], initial[k]) for k in final) > len(final) // 2  # it did train
 
 
-def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(work, resumed):
-    tmp, env = work
+def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(user_project, resumed):
+    tmp, env = user_project[:2]
     export_matches_last_eval(resumed["run"], resumed["client"], env["MLFLOW_TRACKING_URI"], tmp, STEPS)
 
 
