@@ -30,6 +30,24 @@ def anyio_backend():
 
 
 @pytest.fixture(scope="session")
+def small_path(tmp_path_factory) -> str:
+    """The tiny Qwen3 with a 5k vocab, built once: the lm_head and log-softmax over 152k logits dominate the
+    tiny model's update, and the tests of the update's arithmetic need the arithmetic only. Imports in
+    here: the stand-in stages' Ray workers import the test modules, and torch at a top would slow each."""
+    import torch
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from factory.assets import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model("factory:tiny-qwen3"))
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("small-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def local_ray():
     """One small Ray in this process for every test that places stage actors itself (test_overlap,
     test_update_ranks, test_reward_judge, test_rollout_vllm): starting Ray costs seconds, so they share one.

@@ -16,7 +16,6 @@ from tests.test_update import (  # noqa: F401  (fixtures)
     learners,
     make_spec,
     model_path,
-    small_path,
 )
 
 

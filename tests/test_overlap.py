@@ -234,23 +234,6 @@ class Quiet:
 
 
 @pytest.fixture(scope="module")
-def small_path(tmp_path_factory) -> str:
-    """The tiny Qwen3 with a 5k vocab, as test_update's small_path. Built here, its imports in here: the
-    stand-in stages' Ray workers import this module, and torch at its top would add ~1.3 s to each start."""
-    import torch
-    from transformers import AutoConfig, Qwen3ForCausalLM
-
-    from factory.assets import resolve_model
-
-    config = AutoConfig.from_pretrained(resolve_model("factory:tiny-qwen3"))
-    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("small-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def tiny_plan():
     from factory.compiler.compile import compile_file
 

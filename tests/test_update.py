@@ -23,20 +23,6 @@ def model_path() -> str:
     return resolve_model("factory:tiny-qwen3")
 
 
-@pytest.fixture(scope="module")
-def small_path(model_path, tmp_path_factory) -> str:
-    """The same architecture with a 5k vocab: the lm_head and log-softmax over 152k logits dominate the
-    tiny model's update, and the gradient-equivalence tests only need the arithmetic."""
-    from transformers import AutoConfig, Qwen3ForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("small-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    return str(out)
-
-
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():

@@ -13,7 +13,6 @@ from tests.test_update import (  # noqa: F401  (fixtures)
     learners,
     make_spec,
     model_path,
-    small_path,
 )
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj", "up_proj"]}

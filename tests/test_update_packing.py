@@ -18,7 +18,6 @@ from tests.test_update import (  # noqa: F401  (fixtures)
     make_spec,
     model_path,
     one_step_delta,
-    small_path,
 )
 
 

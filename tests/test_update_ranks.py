@@ -88,16 +88,3 @@ def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
                 ray.kill(actor)
 
 
-@pytest.fixture(scope="module")
-def small_path(tmp_path_factory) -> str:
-    """The tiny Qwen3 with a 5k vocab (the update's arithmetic, without a 152k-wide lm_head)."""
-    from transformers import AutoConfig, Qwen3ForCausalLM
-
-    from factory.assets import resolve_model
-
-    config = AutoConfig.from_pretrained(resolve_model("factory:tiny-qwen3"))
-    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 5120, 0, 0, 1
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("small-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    return str(out)
