@@ -6,7 +6,7 @@ decided here, so the learner's update loop has no device branches.
 DeepSpeed on CPU and the op we never use: every `deepspeed.initialize` creates a `TorchBackend`
 (deepspeed/comm/comm.py:init_distributed), whose constructor calls `build_shm_op()` unconditionally,
 whatever the world size. On the CPU accelerator that JIT-compiles the `deepspeed_shm_comm` C++ op with
-torch.utils.cpp_extension (24-52 s on 2 Zen 4 cores, twice that on a slow CPU) the first time on a
+torch.utils.cpp_extension (24-52 s on 2 Zen 4 cores, more on a slower CPU) the first time on a
 machine. That op serves one collective only, `inference_all_reduce` (AutoTP's inference layers), which
 falls back to the process group's all_reduce without it; training's collectives (all_reduce,
 reduce_scatter, all_gather of ZeRO) are torch.distributed's on the gloo backend either way. So we
