@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 from pathlib import Path
 
 import psutil
@@ -75,6 +76,13 @@ def factory(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedP
                           text=True, timeout=600)
 
 
+class Project(NamedTuple):
+    folder: Path  # the project folder, where every run starts
+    env: dict[str, str]  # the runs' environment (their MLflow store: a sqlite file in `folder`)
+    checked: subprocess.CompletedProcess[str]  # `factory check specs/run.yaml`
+    rewards: str  # the README's YAML block for the spec's rewards
+
+
 @pytest.fixture(scope="session")
 def user_project():
     """The project folder (under a short temp root of our own: Ray's session files, and unix sockets, whose
@@ -97,12 +105,12 @@ def user_project():
         env.pop(key, None)
     checked = factory("check", "specs/run.yaml", cwd=tmp, env=env)
     assert checked.returncode == 0, checked.stderr
-    yield tmp, env, checked, rewards
+    yield Project(tmp, env, checked, rewards)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def start(user_project, *extra: str) -> subprocess.Popen:
-    tmp, env = user_project[:2]
+    tmp, env = user_project.folder, user_project.env
     # its own session: SIGINT to its process group is what a terminal's Ctrl-C is
     return subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/run.yaml", *OVERRIDES, *extra],
                             cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -175,7 +183,7 @@ def wait_for(root: Path, patterns: tuple[str, ...], proc: subprocess.Popen, time
 def killed(user_project):
     """Run 1, SIGKILLed at a random moment after the metrics of a random step k < STEPS are logged: while
     its checkpoint of step k is being written, or after, in step k+1."""
-    tmp = user_project[0]
+    tmp = user_project.folder
     k, delay = random.randint(1, STEPS - 1), random.uniform(0.0, 1.5)
     proc, seen, ips = start(user_project), {}, set()
     # a step's metrics are logged before its checkpoint is staged (.incomplete-step_k) and committed
@@ -197,7 +205,7 @@ def killed(user_project):
 @pytest.fixture(scope="session")
 def stopped(user_project, killed):
     """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1."""
-    tmp = user_project[0]
+    tmp = user_project.folder
     proc, seen = start(user_project, *SECOND), {}
     wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
     alive_after_start = running(killed["seen"].values())
@@ -213,7 +221,7 @@ def stopped(user_project, killed):
 @pytest.fixture(scope="session")
 def resumed(user_project, killed, stopped):
     """Run 3: `factory run SPEC OVERRIDES --resume`, which continues run 1."""
-    env = user_project[1]
+    env = user_project.env
     proc = start(user_project, "--resume")
     try:
         _, err = proc.communicate(timeout=600)

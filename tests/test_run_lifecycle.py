@@ -26,7 +26,7 @@ from tests.lifecycle_runs import GCS_AUTH, LOOPBACK, SECRET, STEPS, running
 def test_sigkill_then_ctrl_c(user_project, killed, stopped):
     from mlflow.tracking import MlflowClient
 
-    tmp, env = user_project[:2]
+    tmp, env = user_project.folder, user_project.env
     # 2. run 2 ended what the killed run 1 left behind
     assert stopped["alive_after_start"] == [], f"left by the killed run and still alive: {killed['leftovers']}"
     second, err = stopped["proc"], stopped["err"]
@@ -65,7 +65,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_projec
 
     from factory.assets import resolve_model
 
-    tmp = user_project[0]
+    tmp = user_project.folder
     run, client = resumed["run"], resumed["client"]
     when = f"(run 1 killed at {killed['when']})"
     assert f"resuming run {run.info.run_id}" in resumed["err"], resumed["err"][-2000:]
@@ -96,7 +96,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_projec
 
 
 def test_export_generates_the_greedy_tokens_of_the_runs_final_policy(user_project, resumed):
-    tmp, env = user_project[:2]
+    tmp, env = user_project.folder, user_project.env
     export_matches_last_eval(resumed["run"], resumed["client"], env["MLFLOW_TRACKING_URI"], tmp, STEPS)
 
 
