@@ -16,7 +16,8 @@ own, and sampled at temperature 1 its turns and turn lengths differ from traject
                actors (driver.place), the batch carried along the plan's data edges by the driver's own
                code (driver.pipe): the rollout stage's loop (one async task per trajectory; the engine
                batches whatever requests wait; tool calls overlap other trajectories' generation) streams
-               each group to the reward stage as soon as it is complete, so judging overlaps generation;
+               each trajectory to the reward stage as soon as it ends (no node reads its group: the plan's
+               rollout -> reward edge streams trajectories), so judging overlaps generation;
   sync turns   a synchronous per-turn batch loop (Search-R1's): each turn, generate for every live
                trajectory as one batch, then run all their tool calls at once and wait for the slowest,
                then the next turn; when every trajectory is done, score them all (judge calls concurrent);
@@ -173,13 +174,14 @@ def step_stages(plan):
 
 def factory_step(groups, plan, batch) -> list:
     """Factory's step as the driver runs it (driver.carry): the batch goes to the rollout stage, which
-    streams each trajectory group, as soon as it is complete, to the reward stage (driver.pipe)."""
+    streams its parts -- each trajectory as soon as it ends, as the plan's edge says -- to the reward stage
+    (driver.pipe)."""
     from factory.runtime.driver import pipe
 
     into_rollout, into_reward = plan.flow("data")[:2]
-    assert into_reward.stream, "the plan scores the batch whole: no streaming to measure"
+    assert into_reward.stream == "trajectory", f"the plan streams {into_reward.stream}s, not trajectories"
     trajs, _ = pipe(groups[into_rollout.dst], into_rollout.method, groups[into_reward.dst], into_reward.method,
-                    batch, progress=lambda done, total: None, step=STEP, attempt=ATTEMPT)
+                    batch, part=into_reward.stream, progress=lambda done, total: None, step=STEP, attempt=ATTEMPT)
     return trajs
 
 

@@ -44,9 +44,11 @@ class Call:
     `split` cuts the first argument into one part per replica, each replica answers its part and the
     class's `merge` joins the answers. `all`: every replica receives the call (the ranks of a
     torch.distributed world must all take part) and replica 0's answer is the stage's.
-    `stream`: the name of the method's streamed form, which yields each part of its answer as soon as it
-    is done and then the answer itself (a `split` method: one stream per replica), so that a data edge
-    out of this method can hand the parts on while the rest is still being computed."""
+    `stream`: the name of the method's streamed form (a `split` method: one stream per replica), so that a
+    data edge out of this method can hand the parts of its answer on while the rest is still being
+    computed. It takes the method's arguments and `part=` the edge's `Edge.stream` (what one part is: a
+    "trajectory", a "group"), and yields the number of parts that follow (an int), each part as soon as it
+    is done, then the answer itself."""
 
     dispatch: Dispatch = "all"
     stream: str | None = None

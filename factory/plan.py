@@ -200,6 +200,9 @@ class Stage:
 
 
 EdgeKind = Literal["data", "eval", "call", "weight_sync"]
+# What a stream edge hands on as one part: one trajectory as soon as it ends, or one prompt's whole group
+# (all its samples) as soon as its last sample ends.
+StreamPart = Literal["trajectory", "group"]
 
 
 @dataclass(frozen=True)
@@ -212,8 +215,10 @@ class Edge:
     (its slice names the role). weight_sync: the edge that closes the loop. `fetch` is the `src` method
     the driver calls to get what the edge carries; empty when it is the answer of the previous edge's
     method. `stream` (a data edge out of a method whose stage declares a streamed form of it, see
-    factory.contract.Call): `dst` receives the answer part by part -- each trajectory group as soon as it
-    is complete -- so its work overlaps the source's; off when `dst` needs the whole batch in one call."""
+    factory.contract.Call): `dst` receives the answer part by part -- each trajectory as soon as it ends
+    ("trajectory"), or each prompt's group as soon as its last sample ends ("group", when `dst` reads a
+    trajectory's group) -- so its work overlaps the source's; None when `dst` needs the whole batch in one
+    call. The compiler decides it from what `dst` reads."""
 
     src: str
     dst: str
@@ -221,7 +226,7 @@ class Edge:
     kind: EdgeKind = "data"
     method: str = ""
     fetch: str = ""
-    stream: bool = False
+    stream: StreamPart | None = None
     role: str = ""
 
 

@@ -40,14 +40,29 @@ def test_tools_make_a_tools_stage_and_call_edges(project):
     assert [(e.src, e.dst) for e in plan.edges if e.kind == "call"] == [("rollout", "tools"), ("tools", "rollout")]
 
 
-def test_groups_stream_to_the_reward_stage_unless_a_node_normalises_over_the_batch(project):
-    _, plan = compile_file(project.spec(_base(project, "rc_stream")))
-    assert [e.stream for e in plan.flow("data")] == [False, True, False]  # rollout -> reward, group by group
-    batch = _base(project, "rc_stream").replace("  total: {sum: {correct: 1.0, fmt: 0.1}}",
-                                                "  norm: {normalize: correct, over: batch}\n"
-                                                "  total: {sum: {norm: 1.0, fmt: 0.1}}")
-    _, plan = compile_file(project.spec(batch))
-    assert not any(e.stream for e in plan.edges)  # the batch's statistics need all of it in one call
+def test_the_rollout_streams_trajectories_groups_or_nothing_as_the_reward_graph_reads(project):
+    """Trajectories when no node reads beyond its own; groups when one reads its group (a normalize over
+    the group, a group function); nothing when one normalises over the batch. `factory plan` shows it."""
+    from factory.compiler.render import edge_text
+
+    base = _base(project, "rc_stream")
+
+    def streams(nodes: str) -> list:
+        _, plan = compile_file(project.spec(base.replace("  total: {sum: {correct: 1.0, fmt: 0.1}}", nodes)))
+        return [e.stream for e in plan.edges]
+
+    _, plan = compile_file(project.spec(base))
+    assert [e.stream for e in plan.flow("data")] == [None, "trajectory", None]  # rollout -> reward, as each ends
+    assert edge_text(plan.flow("data")[1]) == "rollout --trajectories--> reward.score (each trajectory as it completes)"
+    by_group = ["  norm: {normalize: correct}\n  total: {sum: {norm: 1.0, fmt: 0.1}}",
+                "  rank: {fn: rc_stream:group_ok, group: true}\n  total: {sum: {rank: 1.0, fmt: 0.1}}"]
+    for nodes in by_group:
+        assert [s for s in streams(nodes) if s] == ["group"], nodes  # the group's samples in one call
+    # the batch's statistics need all of it in one call, a group reward or not
+    assert not any(streams("  norm: {normalize: correct, over: batch}\n  rank: {fn: rc_stream:group_ok, group: true}\n"
+                           "  total: {sum: {norm: 1.0, rank: 0.1}}"))
+    _, plan = compile_file(project.spec(base.replace("  total: {sum: {correct: 1.0, fmt: 0.1}}", by_group[0])))
+    assert edge_text(plan.flow("data")[1]) == "rollout --trajectories--> reward.score (each group as it completes)"
 
 
 def test_missing_template_files(project):

@@ -63,7 +63,7 @@ def test_a_method_an_edge_calls_that_its_class_does_not_declare_is_a_compile_err
     # a stream edge out of a method without a streamed form; a flag whose methods the class lacks
     with monkeypatch.context() as patch, pytest.raises(ContractError) as e:
         patch.setattr(RolloutStage, "CONTRACT", Contract(
-            calls={"generate": Call("split", stream="generate_groups"), "evaluate": Call("split"),
+            calls={"generate": Call("split", stream="generate_parts"), "evaluate": Call("split"),
                    "load_weights": Call("all")}, state=True))
         compile_file(path)
     assert e.value.problems == [

@@ -1,10 +1,10 @@
 """Overlap between stages (issue 14), the driver's own code on real Ray actors.
 
-Streaming: a trajectory group goes to the reward stage as soon as it is complete, so scoring overlaps
-generation (`Group.stream`, `pipe`: two replicas of a stand-in rollout stage whose groups finish one by
-one, and the real reward stage). `train.max_staleness`: the training loop (`train_loop`) on stand-in
-stages that log what they do and when: 0 keeps today's order, 1 runs a rollout while the previous update
-does."""
+Streaming: each trajectory (or, when a reward node reads its group, each group) goes to the reward stage
+as soon as it is complete, so scoring overlaps generation (`Group.stream`, `pipe`: two replicas of a
+stand-in rollout stage whose prompts finish one by one, and the real reward stage).
+`train.max_staleness`: the training loop (`train_loop`) on stand-in stages that log what they do and
+when: 0 keeps today's order, 1 runs a rollout while the previous update does."""
 from __future__ import annotations
 
 import asyncio
@@ -32,17 +32,20 @@ GROUP, GAP_S = 2, 0.3  # samples per prompt; a replica's groups finish this far 
 
 
 class SteppedRollout(StageActor):
-    """A rollout replica whose groups finish GAP_S apart (the real stage's streaming contract: one item per
-    prompt, then its answer), with the split and merge of the real stage."""
+    """A rollout replica whose prompts finish GAP_S apart, a prompt's samples last to first (the real stage's
+    streaming contract: the number of parts, then each part -- a group, or one trajectory -- then its
+    answer), with the split and merge of the real stage."""
 
-    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_groups"), "load_weights": Call("all")},
+    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_parts"), "load_weights": Call("all")},
                         progress=True)
     split = staticmethod(RolloutStage.split)
 
     def __init__(self, settings=None):
         self.done = 0
 
-    async def generate_groups(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0):
+    async def generate_parts(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0,
+                             part: str = "group"):
+        yield batch.num_rows * (GROUP if part == "trajectory" else 1)
         trajs = []
         for p in range(first_index, first_index + batch.num_rows):
             await asyncio.sleep(GAP_S)
@@ -53,7 +56,11 @@ class SteppedRollout(StageActor):
                                 completion="x" * (p + s)) for s in range(GROUP)]
             self.done += GROUP
             trajs += group
-            yield group
+            if part == "group":
+                yield group
+            else:
+                for t in reversed(group):
+                    yield [t]
         yield trajs, time.time()
 
     async def progress(self):
@@ -73,22 +80,34 @@ def _groups(rewards: dict) -> tuple[Group, Group]:
     return rollout, reward
 
 
-def test_groups_are_scored_while_the_rollout_still_generates(local_ray):
+@pytest.mark.parametrize("part", ["group", "trajectory"])
+def test_parts_are_scored_while_the_rollout_still_generates(local_ray, part):
+    """Each group, or each trajectory, is scored as soon as the rollout yields it; the answers come back in
+    (prompt, sample) order (a prompt's samples end last to first here) with the whole batch's metrics."""
     rollout, reward = _groups({"at": {"fn": f"{FNS}:scored_at"}, "len": {"fn": f"{FNS}:length"},
-                               "total": {"sum": {"len": 1.0}}})
+                               "rank": {"fn": f"{FNS}:group_rank", "group": True},  # what one score call held
+                               "kept": {"fn": f"{FNS}:none_for_empty", "on_missing": "drop_sample"},
+                               "total": {"sum": {"len": 1.0, "kept": 0.0}}})
     batch = pa.table({"i": list(range(5))})  # 5 prompts over 2 replicas: 2 + 3, the last ends at 3 x GAP_S
     progress = []
-    trajs, m = pipe(rollout, "generate", reward, "score", batch, progress=lambda *a: progress.append(a), step=1)
+    trajs, m = pipe(rollout, "generate", reward, "score", batch, part=part, progress=lambda *a: progress.append(a),
+                    step=1)
 
     ended = m["test/ended_at"]
-    scored = {t.prompt_index: t.rewards["at"] for t in trajs}
-    # the first groups (one per replica, after GAP_S) were scored about 2 x GAP_S before the rollout ended
+    scored = {(t.prompt_index, t.sample_index): t.rewards["at"] for t in trajs}
+    # the first parts (one prompt per replica, after GAP_S) were scored about 2 x GAP_S before the rollout ended
     assert min(scored.values()) < ended - 1.5 * GAP_S, (scored, ended)
     assert [(t.prompt_index, t.sample_index) for t in trajs] == [(p, s) for p in range(5) for s in range(GROUP)]
-    # the step's metrics describe the whole batch: means over all 10 trajectories, counts added up
-    assert m["rewards/len/mean"] == pytest.approx(statistics.fmean(p + s for p in range(5) for s in range(GROUP)))
-    assert m["reward/mean"] == pytest.approx(m["rewards/len/mean"]) and m["reward/dropped"] == 0.0
-    # timing/reward_s: only the scoring after the rollout ended (the last group's), within the wall span
+    # a group part holds a prompt's samples (ranked among each other); a trajectory part one trajectory
+    assert [t.rewards["rank"] for t in trajs] == [float(s) if part == "group" else 0.0
+                                                   for p in range(5) for s in range(GROUP)]
+    # the step's metrics describe the whole batch: means over the 9 kept trajectories (0.0 has no completion:
+    # dropped; the part that holds it alone has no mean and weighs nothing), counts added up
+    kept = [p + s for p in range(5) for s in range(GROUP) if p + s]
+    assert m["rewards/len/mean"] == pytest.approx(statistics.fmean(kept))
+    assert m["reward/mean"] == pytest.approx(statistics.fmean(kept)) and m["reward/dropped"] == 1.0
+    assert m["rewards/kept/missing"] == 1.0
+    # timing/reward_s: only the scoring after the rollout ended (the last part's), within the wall span
     assert 0 <= m["timing/reward_s"] < m["timing/reward_wall_s"] and m["timing/reward_s"] < GAP_S
     assert m["timing/rollout_s"] == 1.0 and progress and progress[-1][0] <= 5 * GROUP
 
@@ -106,7 +125,7 @@ def test_carry_streams_along_a_stream_edge_and_calls_whole_batches_otherwise(loc
     data = Group(Stage("data", "test", "x:Data", None, (), ()), Source, [ray.remote(_Data).remote()])
     g = {"data": data, "rollout": rollout, "reward": reward}
     edges = [Edge("data", "rollout", "batch", method="generate", fetch="next_batch"),
-             Edge("rollout", "reward", "trajectories", method="score", stream=True)]
+             Edge("rollout", "reward", "trajectories", method="score", stream="trajectory")]
     trajs, m = carry(g, edges, 4, display=Display(), label="step 1", step=1)
     assert len(trajs) == 4 * GROUP and min(t.reward for t in trajs) < m["test/ended_at"] - GAP_S / 2
     assert math.isfinite(m["timing/reward_wall_s"])
@@ -120,7 +139,8 @@ class _Data:
 def test_a_replica_that_fails_mid_stream_fails_the_call_with_its_error(local_ray):
     rollout, reward = _groups({"total": {"fn": f"{FNS}:length"}})
     with pytest.raises(ray.exceptions.RayTaskError, match="the engine broke mid-batch"):
-        pipe(rollout, "generate", reward, "score", pa.table({"fail": [0, 1, 2, 3]}), progress=lambda *a: None)
+        pipe(rollout, "generate", reward, "score", pa.table({"fail": [0, 1, 2, 3]}), part="group",
+             progress=lambda *a: None)
 
 
 # ------------------------------------------------------------------------------- train.max_staleness
@@ -167,9 +187,9 @@ class FakeData(Fresh, StageActor):
 
 
 class FakeRollout(SteppedRollout, Fresh):
-    async def generate_groups(self, batch, first_index=0, *, step=0, attempt=0):
+    async def generate_parts(self, batch, first_index=0, *, step=0, attempt=0, part="group"):
         _log().add.remote("rollout", step)
-        async for item in super().generate_groups(batch, first_index, step=step, attempt=attempt):
+        async for item in super().generate_parts(batch, first_index, step=step, attempt=attempt, part=part):
             yield item
 
     def load_weights(self, weights):
@@ -420,7 +440,7 @@ def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_pa
 class Stuck(StageActor):
     """A stage whose `step` never answers (a hung engine); its stream yields one group, then hangs."""
 
-    CONTRACT = Contract(calls={"step": Call("all"), "generate": Call("split", stream="generate_groups")})
+    CONTRACT = Contract(calls={"step": Call("all"), "generate": Call("split", stream="generate_parts")})
     split = staticmethod(RolloutStage.split)
 
     def __init__(self, settings=None):
@@ -429,7 +449,8 @@ class Stuck(StageActor):
     async def step(self, trajs, **context):
         await asyncio.sleep(3600)
 
-    async def generate_groups(self, batch: pa.Table, first_index: int = 0, **context):
+    async def generate_parts(self, batch: pa.Table, first_index: int = 0, **context):
+        yield 2
         yield []
         await asyncio.sleep(3600)
 
@@ -451,7 +472,7 @@ def test_a_stage_that_never_answers_fails_the_run_naming_it_and_what_it_did(loca
                     [actors[1]], deadlines=Deadlines(limit_s=1.0))
     with pytest.raises(StageTimeout, match=r"stage 'rollout' did not answer generate \(step 2\) .*its last "
                                            r"progress: 1 groups done"):
-        rollout.stream("generate", pa.table({"i": [0, 1]}), on_part=lambda _: None, step=2)
+        rollout.stream("generate", pa.table({"i": [0, 1]}), part="group", on_part=lambda _: None, step=2)
     assert time.monotonic() - t0 < 6
     for g in (stuck, rollout):
         ray.kill(g.actors[0])
@@ -466,8 +487,8 @@ def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
     # the replicas up before the 0.6 s deadlines start (a worker process can take longer to start on 2 cores)
     ray.get([a.__ray_ready__.remote() for a in rollout.actors])
     rollout.deadlines = reward.deadlines = Deadlines(limit_s=2 * GAP_S)
-    trajs, _ = pipe(rollout, "generate", reward, "score", pa.table({"i": list(range(5))}), progress=lambda *a: None,
-                    step=1)
+    trajs, _ = pipe(rollout, "generate", reward, "score", pa.table({"i": list(range(5))}), part="trajectory",
+                    progress=lambda *a: None, step=1)
     assert len(trajs) == 5 * GROUP
     assert rollout.deadlines.longest["rollout.generate"] > 2 * GAP_S
     assert Deadlines(limit_s=3600, longest={"a.b": 100.0}).budget("a.b") == 500.0

@@ -61,6 +61,7 @@ from factory.plan import (
     RolloutSettings,
     Settings,
     Stage,
+    StreamPart,
     ToolsSettings,
     UpdateSettings,
     WatchSettings,
@@ -75,6 +76,7 @@ from factory.schema import (
     PythonTool,
     Spec,
     StageResources,
+    RewardNode,
     StdioServer,
     SumNode,
     ToolNode,
@@ -613,6 +615,20 @@ def run_tokens(spec: Spec) -> int:
     return rollouts * per_rollout
 
 
+def reward_stream(rewards: Mapping[str, RewardNode]) -> StreamPart | None:
+    """How the rollout hands a step's trajectories to the reward stage, from the most any node reads
+    beyond its own trajectory. Nothing: each trajectory as soon as it ends, so a slow judge starts on the
+    first finished sample (on one batched engine a group ends with its slowest sample, near the end of
+    generation). Its group (a `normalize` over the group, a group function): each group once its last sample
+    ends. The batch (a `normalize` over the batch): None, the whole batch in one call after the rollout."""
+    nodes = list(rewards.values())
+    if any(isinstance(n, NormalizeNode) and n.over == "batch" for n in nodes):
+        return None
+    if any(isinstance(n, NormalizeNode) and n.over == "group" or isinstance(n, FnNode) and n.group for n in nodes):
+        return "group"
+    return "trajectory"
+
+
 def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Sequence[str], train_node: str,
                 required: Mapping[str, str], turns: Sequence[str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     """data -> rollout (<-> tools) -> reward -> update, the eval flow data -> rollout -> reward, and the
@@ -652,8 +668,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                             ("tool_calls",), ("tool_results",), 1, _bundle(res.tools)))
         edges += [Edge("rollout", "tools", "tool_calls", "call", method="call", role=tool_peer or ""),
                   Edge("tools", "rollout", "tool_results", "call")]
-    # groups are scored as they finish, overlapping generation, unless a node normalises over the whole batch
-    whole_batch = any(isinstance(n, NormalizeNode) and n.over == "batch" for n in spec.rewards.values())
+    stream = reward_stream(spec.rewards)
+    whole_batch = stream is None
     stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
                                        base_dir=base_dir, whole_batch=whole_batch, takes_turns=tuple(turns),
@@ -661,7 +677,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
                         1, _bundle(res.reward)))
-    edges.append(Edge("rollout", "reward", "trajectories", "data", method="score", stream=not whole_batch))
+    edges.append(Edge("rollout", "reward", "trajectories", "data", method="score", stream=stream))
     for name, role in judges.items():  # a local judge model is a stage of its own, with its own resources
         local = spec.rewards[name].local  # type: ignore[union-attr]
         judge = f"judge.{name}"

@@ -82,7 +82,7 @@ def edge_text(e: Edge) -> str:
     src = f"{e.src}.{e.fetch}" if e.fetch else e.src
     dst = f"{e.dst}.{e.method}" if e.method else e.dst
     kind = "" if e.kind == "data" else f" ({e.kind.replace('_', ' ')})"
-    return f"{src} --{e.carries}--> {dst}{kind}" + (" (each group as it completes)" if e.stream else "")
+    return f"{src} --{e.carries}--> {dst}{kind}" + (f" (each {e.stream} as it completes)" if e.stream else "")
 
 
 def dot_text(plan: Plan) -> str:

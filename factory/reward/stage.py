@@ -53,8 +53,10 @@ class RewardStage(StageActor):
     for its life; tool nodes call the tools stage and local judges their model (the plan's call edges out
     of it, handed to it at setup under the roles its slice names).
 
-    API: `await setup(placement)`, then `await score(trajs)` per batch -- any set of whole groups; a step may be
-    scored in several calls (group by group) unless the slice says `whole_batch` -- and `await close()`."""
+    API: `await setup(placement)`, then `await score(trajs)` per batch -- a step may be scored in several
+    calls: trajectory by trajectory when no node reads beyond its trajectory, group by group (whole groups)
+    when a node reads its group, the whole batch at once when the slice says `whole_batch` (the compiler's
+    choice, `Edge.stream`) -- and `await close()`."""
 
     CONTRACT = Contract(calls={"score": Call("one")})
 
@@ -94,7 +96,8 @@ class RewardStage(StageActor):
         self._toolbox = ToolsClient(placement.peers[tools] if tools else None)
         await self._toolbox.start()
         # One session per judge node for the actor's life, shared by concurrent `score` calls (a step's
-        # groups are scored as they arrive), so a node's `concurrency` bounds all of its requests at once.
+        # trajectories or groups are scored as they arrive), so a node's `concurrency` bounds all of its
+        # requests at once.
         self._judges = {name: await self._sessions.enter_async_context(
                             EndpointSession(node) if node.local is None else LocalSession(node, self._judge_actors[name]))
                         for name, node in self.nodes.items() if isinstance(node, JudgeNode)}

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from factory.contract import Call, Contract, StageActor
 from factory.device import resolve_dtype
-from factory.plan import RolloutSettings
+from factory.plan import RolloutSettings, StreamPart
 from factory.tools.metrics import ToolMetrics
 from factory.types import Placement, ToolCall, ToolResult, Trajectory
 from factory.util import enter_workdir, node_id, set_threads
@@ -98,11 +98,12 @@ class RolloutStage(StageActor):
 
     Worker group: `replicas` of these share a step. `generate` and `evaluate` take a batch that the driver
     cuts with `split` (contiguous prompts, one part per replica) and answer parts that `merge` joins; each
-    has a streamed form (`Edge.stream`) that yields each prompt's group as it completes, then the answer.
+    has a streamed form (`generate_parts`, `evaluate_parts`) that yields each trajectory as it ends, or each
+    prompt's group once its last sample ends, as the stream edge says (`Edge.stream`), then the answer.
     `load_weights` (and close) reaches every replica."""
 
-    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_groups"),
-                               "evaluate": Call("split", stream="evaluate_groups"),
+    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_parts"),
+                               "evaluate": Call("split", stream="evaluate_parts"),
                                "load_weights": Call("all")}, progress=True)
 
     def __init__(self, settings: RolloutSettings):
@@ -153,29 +154,31 @@ class RolloutStage(StageActor):
         (its place in the step's batch). Sampled requests are seeded from (seed, step, attempt, prompt,
         sample, turn), so a resumed run samples what the uninterrupted run would have, and the samples do
         not depend on how many replicas share the batch."""
-        return await _last(self.generate_groups(batch, first_index, step=step, attempt=attempt))
+        return await _last(self.generate_parts(batch, first_index, step=step, attempt=attempt))
 
     async def evaluate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0) -> RolloutPart:
         """One greedy trajectory per held-out prompt."""
-        return await _last(self.evaluate_groups(batch, first_index, step=step))
+        return await _last(self.evaluate_parts(batch, first_index, step=step))
 
-    async def generate_groups(self, batch: pa.Table, first_index: int = 0, *, step: int = 0,
-                              attempt: int = 0) -> AsyncIterator[list[Trajectory] | RolloutPart]:
-        """`generate`, streamed: each prompt's group as soon as its last sample ends (in the order they
-        finish), then, last, the RolloutPart `generate` answers. One item per prompt, then the part."""
-        async for item in self._run(batch, first_index, self.settings.rollout.group_size, greedy=False,
+    async def generate_parts(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0,
+                             part: StreamPart = "group") -> AsyncIterator[int | list[Trajectory] | RolloutPart]:
+        """`generate`, streamed (factory.contract.Call.stream): first the number of parts that follow, then
+        each part as soon as it is done, in the order they finish -- with `part="trajectory"` each
+        trajectory as it ends (a list of one), with "group" each prompt's group once its last sample ends --
+        and last the RolloutPart `generate` answers."""
+        async for item in self._run(batch, first_index, self.settings.rollout.group_size, part, greedy=False,
                                     seed_key=(self.settings.seed, step, attempt), origin=f"train/{step}/{attempt}"):
             yield item
 
-    async def evaluate_groups(self, batch: pa.Table, first_index: int = 0, *,
-                              step: int = 0) -> AsyncIterator[list[Trajectory] | RolloutPart]:
-        """`evaluate`, streamed as `generate_groups` streams `generate`."""
-        async for item in self._run(batch, first_index, 1, greedy=True, seed_key=(self.settings.seed, step, 0),
+    async def evaluate_parts(self, batch: pa.Table, first_index: int = 0, *, step: int = 0,
+                             part: StreamPart = "group") -> AsyncIterator[int | list[Trajectory] | RolloutPart]:
+        """`evaluate`, streamed as `generate_parts` streams `generate`."""
+        async for item in self._run(batch, first_index, 1, part, greedy=True, seed_key=(self.settings.seed, step, 0),
                                     origin=f"eval/{step}/0"):
             yield item
 
-    async def _run(self, batch: pa.Table, first_index: int, group_size: int, *, greedy: bool,
-                   seed_key: tuple[int, ...], origin: str) -> AsyncIterator[list[Trajectory] | RolloutPart]:
+    async def _run(self, batch: pa.Table, first_index: int, group_size: int, part: StreamPart, *, greedy: bool,
+                   seed_key: tuple[int, ...], origin: str) -> AsyncIterator[int | list[Trajectory] | RolloutPart]:
         from factory.data import from_table
         from factory.rollout.agent import rollout, sampling_from_spec
 
@@ -191,12 +194,16 @@ class RolloutStage(StageActor):
             group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, greedy=greedy),
             on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index, origin=origin))
         task.add_done_callback(lambda _: finished.put_nowait(None))  # ended (or failed): wake the reader
+        # one group or trajectory at a time (`size` of them per part), announced first: the driver never
+        # reads the parts (they stay in Ray's object store), so it learns here when the answer comes
+        size = group_size if part == "group" else 1
         try:
+            yield len(prompts) * group_size // size
             groups: dict[int, list[Trajectory]] = defaultdict(list)
             while (t := await finished.get()) is not None:
                 self._done += 1
                 groups[t.prompt_index].append(t)
-                if len(groups[t.prompt_index]) == group_size:
+                if len(groups[t.prompt_index]) == size:
                     yield sorted(groups.pop(t.prompt_index), key=lambda t: t.sample_index)
             trajs = task.result()  # raises what the rollout raised
         finally:  # a consumer that stops early (or a failure) leaves nothing running

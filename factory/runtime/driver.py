@@ -5,8 +5,8 @@ plan's edges (`factory plan` lists them):
     stats = update.step(trajs)                                                                # ... its last edge
     rollout.load_weights(update.state_dict())                                                # the weight_sync edge
 
-where `reward.score` receives each trajectory group as soon as the rollout completes it (a `stream` edge),
-so scoring overlaps generation.
+where `reward.score` receives each trajectory as soon as it ends -- each group once its last sample ends,
+when a reward node reads its group -- (a `stream` edge, `Edge.stream`), so scoring overlaps generation.
 
 Each stage is a `Group` of replicas (Ray actors in one placement group) called as if it were one local
 object, as its class's `CONTRACT` declares (factory.contract: how each method is dispatched over the
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from factory.contract import Contract, peers_of
-from factory.plan import ClusterSettings, Edge, Plan, Stage
+from factory.plan import ClusterSettings, Edge, Plan, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import check_infra
@@ -176,25 +176,28 @@ class Group:
 
         return poll
 
-    def stream(self, method: str, batch: Any, *, on_part: Callable[[Any], None],
+    def stream(self, method: str, batch: Any, *, part: StreamPart, on_part: Callable[[Any], None],
                progress: Callable[[int, int], None] | None = None, **kwargs: Any) -> Any:
-        """A `split` method in its streamed form (its Call's `stream`): each replica's part of `batch`
-        yields one item per prompt (a complete trajectory group) and then its answer. `on_part` receives
-        each group's ObjectRef as soon as any replica yields it (the group stays in Ray's object store,
-        unread here); returns the replicas' answers joined (`cls.merge`), as `call` would."""
-        parts = self.cls.split(batch, len(self.actors))
+        """A `split` method in its streamed form (its Call's `stream`, factory.contract): each replica's part
+        of `batch` streams its parts (`part`: what one is, the edge's `Edge.stream`) and then its answer.
+        `on_part` receives each part's ObjectRef as soon as any replica yields it (the part stays in Ray's
+        object store, unread here); returns the replicas' answers joined (`cls.merge`), as `call` would.
+
+        A stream's first item is the number of parts that follow (read here: a small int): this process
+        never reads the parts, so that count is how it tells the last part from the answer, whatever a part
+        is and however many samples a prompt has."""
+        shares = self.cls.split(batch, len(self.actors))
         streamed = self.contract.calls[method].stream
-        streams = {getattr(actor, streamed).remote(*part, **kwargs): len(part[0])
-                   for actor, part in zip(self.actors, parts)}  # stream -> groups still to come
+        streams: dict[Any, int | None] = {getattr(actor, streamed).remote(*share, part=part, **kwargs): None
+                                          for actor, share in zip(self.actors, shares)}  # stream -> parts to come
         pending, answers, last, polled = list(streams), {}, {}, time.perf_counter()
         kind, start = f"{self.stage.name}.{method}", time.monotonic()
-        budget, beat, groups = self.deadlines.budget(kind), start, 0  # a group from any replica is a heartbeat
+        budget, beat, done = self.deadlines.budget(kind), start, 0  # a part from any replica is a heartbeat
         while pending:
             if time.monotonic() - beat > budget:
-                self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{groups} groups done")
+                self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{done} {part}s done")
             ready, pending = ray.wait(pending, num_returns=1, timeout=0.5, fetch_local=False)
             beat = time.monotonic() if ready else beat
-            groups += len(ready)
             for s in ready:
                 item = next(s, None)
                 if item is None:  # ended early: a replica that raised yields its error as its last item
@@ -202,8 +205,12 @@ class Group:
                         ray.get(last[s])
                     raise RuntimeError(f"{self.stage.name}.{method}: a replica's stream ended before its answer")
                 last[s] = item
-                if streams[s]:
+                if streams[s] is None:
+                    streams[s] = ray.get(item)
+                    pending.append(s)
+                elif streams[s]:
                     streams[s] -= 1
+                    done += 1
                     on_part(item)
                     pending.append(s)
                 else:
@@ -347,8 +354,9 @@ def carry(g: Groups, edges: list[Edge], *args: Any, display: Any, label: str,
     todo = list(edges)
     while todo:
         e = todo.pop(0)
-        if todo and todo[0].stream:
-            x, m = pipe(g[e.dst], e.method, g[todo[0].dst], todo.pop(0).method, x, progress=progress, **context)
+        if todo and (part := todo[0].stream):
+            into = todo.pop(0)
+            x, m = pipe(g[e.dst], e.method, g[into.dst], into.method, x, part=part, progress=progress, **context)
         else:
             x, m = g[e.dst].call(e.method, x, progress=progress, **context)
         display.done()
@@ -356,33 +364,36 @@ def carry(g: Groups, edges: list[Edge], *args: Any, display: Any, label: str,
     return x, metrics
 
 
-def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, progress: Callable[[int, int], None],
-         **context: Any) -> tuple[list[Any], dict[str, float]]:
-    """`src.method(x)` streamed into `dst.dst_method`: each trajectory group goes to `dst` (its replicas in
-    turn; an async actor works on several at once) as soon as it is complete, so `dst`'s work overlaps
-    `src`'s. Returns `dst`'s trajectories in `src`'s order (prompt, sample) and the metrics of both: `src`'s
-    answer's, and `dst`'s merged over the groups (`_merge`, by trajectory counts), except that
+def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, part: StreamPart,
+         progress: Callable[[int, int], None], **context: Any) -> tuple[list[Any], dict[str, float]]:
+    """`src.method(x)` streamed into `dst.dst_method`: each part (`part`, the edge's `Edge.stream`: one
+    trajectory as soon as it ends, or one prompt's group once its last sample ends) goes to `dst` (its
+    replicas in turn; an async actor works on several at once) at once, so `dst`'s work overlaps `src`'s.
+    Returns `dst`'s trajectories in `src`'s order (prompt, sample) and the metrics of both: `src`'s
+    answer's, and `dst`'s merged over the parts (`_merge`, by trajectory counts), except that
     `timing/<dst>_s` is the time `dst` worked after `src` ended -- the part of its work generation did not
-    hide, which the step waits for -- and `timing/<dst>_wall_s` runs from the first group to the last answer."""
+    hide, which the step waits for -- and `timing/<dst>_wall_s` runs from the first part to the last answer."""
     refs: list[Any] = []
     t_first = 0.0
 
-    def send(group: Any) -> None:
+    def send(trajs: Any) -> None:
         nonlocal t_first
         t_first = t_first or time.perf_counter()
-        refs.append(getattr(dst.next_replica(), dst_method).remote(group, **context))
+        refs.append(getattr(dst.next_replica(), dst_method).remote(trajs, **context))
 
-    _, metrics = src.stream(method, x, on_part=send, progress=progress, **context)
+    _, metrics = src.stream(method, x, part=part, on_part=send, progress=progress, **context)
     t_src = time.perf_counter()
     answers = dst.deadlines.get(refs, f"{dst.stage.name}.{dst_method}", _doing(context))
-    answers = sorted(answers, key=lambda a: a[0][0].prompt_index)  # groups in prompt order
+    answers = sorted(answers, key=lambda a: (a[0][0].prompt_index, a[0][0].sample_index))  # in (prompt, sample) order
     joined: dict[str, float] = {}
-    for n, (part, m) in enumerate(answers):
-        joined = _merge(joined, m, sum(len(p) for p, _ in answers[:n]), len(part))
+    seen = 0
+    for trajs, m in answers:
+        joined = _merge(joined, m, seen, len(trajs))
+        seen += len(trajs)
     name = dst.stage.name
     joined[f"timing/{name}_s"] = time.perf_counter() - t_src
     joined[f"timing/{name}_wall_s"] = time.perf_counter() - t_first
-    return [t for part, _ in answers for t in part], {**metrics, **joined}
+    return [t for trajs, _ in answers for t in trajs], {**metrics, **joined}
 
 
 def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
@@ -435,10 +446,11 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
 
 
 def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[str, float]:
-    """One step's metrics from two sampling rounds of `na` and `nb` trajectories, so that they describe
-    the step's whole batch: a mean (`.../mean`), rate (`_per_s`) or percentile (`_p50`, `_p95`) is
-    weighted by what it is over -- trajectories, the kept ones for `reward/` means, generate time, tool
-    calls, a per-turn node's turns -- and a round without a value (NaN) weighs nothing; everything else (times, counts) adds up."""
+    """One step's metrics from two sampling rounds (or two streamed parts: groups, single trajectories) of
+    `na` and `nb` trajectories, so that they describe the step's whole batch: a mean (`.../mean`), rate
+    (`_per_s`) or percentile (`_p50`, `_p95`) is weighted by what it is over -- trajectories, the kept ones
+    for `reward/` means, generate time, tool calls, a per-turn node's turns -- and a round or part without a
+    value (NaN) weighs nothing; everything else (times, counts) adds up."""
     def weight(k: str, m: dict[str, float], n: int) -> float:
         if math.isnan(m[k]):
             return 0.0
@@ -496,7 +508,7 @@ def restore(g: Groups, plan: Plan, resume: Resume) -> int:
 # ------------------------------------------------------------------------------------------ loop
 # The parts a step's wall time (`timing/step_s`) is split into, none overlapping another: generate (a
 # generation in flight), tools_only (tool calls in flight and no generation), reward (scoring the step
-# waited for: with groups streamed to the reward stage, only what was left after the rollout ended;
+# waited for: with trajectories streamed to the reward stage, only what was left after the rollout ended;
 # `timing/reward_wall_s` spans all of it), update, weight_sync; `timing/overhead_s` is the rest (moving
 # batches between actors, the data stage, rollout bookkeeping). With train.max_staleness > 0 a step's wall
 # time runs from its rollout to the next one, and update / weight_sync are what it waited for (an earlier
