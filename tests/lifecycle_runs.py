@@ -7,7 +7,10 @@ which uses Factory's built-in rewards next to its own. From that folder:
 
 1. run 1 is SIGKILLed at a random moment of its steps;
 2. run 2 (its own checkpoint folder, one step more planned) gets Ctrl-C after step STEPS;
-3. `factory run --resume` continues run 1 to the end.
+3. `factory run --resume` continues run 1 to the end. It starts once run 2 has started Ray (so run 2 is the
+   one that ends what run 1 left behind) and runs beside it, as a user resumes one run while another goes
+   on: most of a tiny run is start-up that leaves a core idle, so the two cost ~25 s less than one after
+   the other (2-core Zen 4).
 
 One set of runs serves both modules: each run costs ~30 s of start-up on 2 cores.
 """
@@ -204,30 +207,33 @@ def killed(user_project):
 
 @pytest.fixture(scope="session")
 def stopped(user_project, killed):
-    """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1."""
+    """Run 2: it ends what run 1 left behind, then gets Ctrl-C after its checkpoint of step STEPS - 1.
+    Run 3 (`factory run SPEC OVERRIDES --resume`, which continues run 1) starts once run 2's driver
+    record is written (run 2 has ended run 1's leftovers and started Ray) and runs beside it; both have
+    ended when this returns, so that nothing of run 3 is alive while run 2's leftovers are counted."""
     tmp = user_project.folder
     proc, seen = start(user_project, *SECOND), {}
-    wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
-    alive_after_start = running(killed["seen"].values())
-    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(tmp, (f"factory-{os.getuid()}/drivers/{proc.pid}.json",), proc, 300, seen, killed["ips"])
+    third = start(user_project, "--resume")
     try:
+        wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
+        alive_after_start = running(killed["seen"].values())
+        os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _, third_err = third.communicate(timeout=600)
+    except BaseException:
+        for p in (proc, third):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
         raise
-    return {"proc": proc, "out": out, "err": err, "seen": seen, "alive_after_start": alive_after_start}
+    return {"proc": proc, "out": out, "err": err, "seen": seen, "alive_after_start": alive_after_start,
+            "third": third, "third_err": third_err}
 
 
 @pytest.fixture(scope="session")
 def resumed(user_project, killed, stopped):
-    """Run 3: `factory run SPEC OVERRIDES --resume`, which continues run 1."""
-    env = user_project.env
-    proc = start(user_project, "--resume")
-    try:
-        _, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    """Run 3, which `stopped` ran beside run 2: what it did to run 1's MLflow run."""
+    env, proc, err = user_project.env, stopped["third"], stopped["third_err"]
     assert proc.returncode == 0, f"run 1 killed at {killed['when']}:\n{err[-3000:]}"
     from mlflow.tracking import MlflowClient
 
