@@ -1,6 +1,8 @@
 """Factory's built-in reward functions (factory.rewards), on turns parsed by the rollout's own parser."""
 from pathlib import Path
 
+import pytest
+
 from factory.rewards.format import called_tool, tool_call_ok, tools_succeeded
 from factory.rewards.math import exact_match, extract_answer, numeric_match
 from factory.rollout.parse import parse_tool_calls
@@ -110,3 +112,20 @@ def test_chain_step_checks_each_turn_on_its_own():
     assert score(0, [Turn(text="", num_tokens=1, calls=step1.calls), answer]) == 0.0  # calls never run
     assert score(1, [step1, Turn(text="<answer>15</answer>", num_tokens=1)]) == 0.0  # a wrong answer
     assert score(0, [call("19", "14"), answer]) == 1.0  # two right steps at once
+
+
+@pytest.mark.parametrize("fn", ["factory.rewards.math:numeric_match", "factory.rewards.math:exact_match",
+                                "factory.rewards.qa:exact_match"])
+def test_the_builtin_answer_checkers_require_the_answer_column(fn, project):
+    """Data without the ground-truth column is refused before step 1 (the data stage checks every row), not
+    scored 0 on every sample by a default `answer=""`."""
+    from factory.compiler.load import load_spec
+    from factory.reward.graph import required_columns
+
+    spec = load_spec(project.spec(f"""\
+        name: x
+        model: {{path: "factory:tiny-qwen3"}}
+        data: {{train: {{generator: factory.data:arithmetic}}, answer_key: gold}}
+        rewards: {{r: {{fn: "{fn}"}}}}
+        """))
+    assert required_columns(spec) == {"gold": "rewards.r"}

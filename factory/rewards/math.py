@@ -1,9 +1,10 @@
 """Answer-checking rewards for math-style tasks.
 
 A reward is a plain function `(prompt, completion, **row) -> float | None`; `answer` comes from the data
-row's ground-truth column (`data.answer_key`). The answer is read from the model's own turns: the reward
-stage passes them as `turns`; called without them (from a user's function, say), tool responses are cut
-out of the completion text instead.
+row's ground-truth column (`data.answer_key`), which these functions require: data without it is refused
+before the first step (factory.reward.graph.required_columns), never scored 0 on every sample. The answer
+is read from the model's own turns: the reward stage passes them as `turns`; called without them (from a
+user's function, say), tool responses are cut out of the completion text instead.
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
     return re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL)
 
 
-def exact_match(prompt: str, completion: str, answer: str = "", turns: Sequence[Turn] | None = None,
+def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn] | None = None,
                 **_: object) -> float:
     """1.0 when the <answer> text equals the ground truth (whitespace- and case-insensitive), else 0.0."""
     got = extract_answer(completion, turns)
     return float(got is not None and got.strip().lower() == str(answer).strip().lower())
 
 
-def numeric_match(prompt: str, completion: str, answer: str | float = "", rel_tol: float = 1e-6,
+def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6,
                   turns: Sequence[Turn] | None = None, **_: object) -> float:
     """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol."""
     got = extract_answer(completion, turns)

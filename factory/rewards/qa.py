@@ -29,7 +29,7 @@ def _answers(answer: str | list[str]) -> list[str]:
     return [str(a) for a in answer] if isinstance(answer, (list, tuple)) else [str(answer)]
 
 
-def exact_match(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+def exact_match(prompt: str, completion: str, answer: str | list[str], turns: Sequence[Turn] | None = None,
                 **_: object) -> float:
     """1.0 when the normalised <answer> text equals a normalised ground truth, else 0.0 (no tag: 0.0)."""
     got = extract_answer(completion, turns)
