@@ -179,7 +179,7 @@ def factory_step(groups, plan, batch) -> list:
     from factory.runtime.driver import pipe
 
     into_rollout, into_reward = plan.flow("data")[:2]
-    assert into_reward.stream == "trajectory", f"the plan streams {into_reward.stream}s, not trajectories"
+    assert into_reward.stream == "trajectory", f"the plan streams {into_reward.stream or 'nothing'}, not trajectories"
     trajs, _ = pipe(groups[into_rollout.dst], into_rollout.method, groups[into_reward.dst], into_reward.method,
                     batch, part=into_reward.stream, progress=lambda done, total: None, step=STEP, attempt=ATTEMPT)
     return trajs

@@ -393,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
     a.engines, a.models = a.engines.split(","), a.models.split(",")
+    a.trl_python = os.path.abspath(a.trl_python)  # TRL runs in a folder of its own (a venv's python: not resolved)
     if not set(a.engines) <= set(TARGETS) or not set(a.models) <= set(MODELS):
         parser.error(f"--engines from {sorted(TARGETS)}, --models from {sorted(MODELS)}")
     if a.quick:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from pathlib import Path
 
 import psutil
@@ -112,12 +112,14 @@ def user_project():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def start(user_project, *extra: str) -> subprocess.Popen:
+def start(user_project, *extra: str, out: Any = subprocess.PIPE) -> subprocess.Popen:
+    """`factory run specs/run.yaml OVERRIDES EXTRA` from the project folder; its output to pipes, or to `out`
+    (a file) for a run nobody reads until it ends (a full pipe would stall it)."""
     tmp, env = user_project.folder, user_project.env
     # its own session: SIGINT to its process group is what a terminal's Ctrl-C is
     return subprocess.Popen([sys.executable, "-m", "factory.commands.cli", "run", "specs/run.yaml", *OVERRIDES, *extra],
-                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT if out is not subprocess.PIPE
+                            else subprocess.PIPE, text=True, start_new_session=True)
 
 
 def tree(proc: subprocess.Popen) -> dict[tuple[int, float], psutil.Process]:
@@ -214,18 +216,23 @@ def stopped(user_project, killed):
     tmp = user_project.folder
     proc, seen = start(user_project, *SECOND), {}
     wait_for(tmp, (f"factory-{os.getuid()}/drivers/{proc.pid}.json",), proc, 300, seen, killed["ips"])
-    third = start(user_project, "--resume")
+    third_out = tempfile.TemporaryFile("w+")
+    third = start(user_project, "--resume", out=third_out)
     try:
         wait_for(tmp, (f"runs/second/*/step_{STEPS - 1}",), proc, 300, seen, killed["ips"])
         alive_after_start = running(killed["seen"].values())
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=180)
-        _, third_err = third.communicate(timeout=600)
+        third.wait(timeout=600)
     except BaseException:
         for p in (proc, third):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         raise
+    finally:
+        third_out.seek(0)
+        third_err = third_out.read()  # its stdout and stderr, interleaved
+        third_out.close()
     return {"proc": proc, "out": out, "err": err, "seen": seen, "alive_after_start": alive_after_start,
             "third": third, "third_err": third_err}
 

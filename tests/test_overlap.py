@@ -479,8 +479,8 @@ def test_a_stage_that_never_answers_fails_the_run_naming_it_and_what_it_did(loca
 
 
 def test_a_stage_that_makes_progress_is_not_timed_out(local_ray):
-    """A heartbeat: the stand-in rollout's groups arrive GAP_S apart, 3 x GAP_S in all, past a 2 x GAP_S
-    deadline that each group starts again; a call's time then sets the next deadline of its kind."""
+    """A heartbeat: the stand-in rollout's parts arrive GAP_S apart, 3 x GAP_S in all, past a 2 x GAP_S
+    deadline that each part starts again; a call's time then sets the next deadline of its kind."""
     from factory.runtime.deadlines import FLOOR_S, Deadlines
 
     rollout, reward = _groups({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": 1.0}}})

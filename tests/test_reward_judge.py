@@ -75,8 +75,8 @@ def test_endpoint_judge_behind_a_gate_counts_every_failure(judge_server, tmp_pat
 
 
 def test_a_judge_nodes_concurrency_bounds_concurrent_score_calls(judge_server, tmp_path):
-    """A step's groups are scored as they complete, several `score` calls at once: the node's one session
-    (for the actor's life) keeps its `concurrency` over all of them, not per call."""
+    """A step's trajectories (or groups) are scored as they complete, several `score` calls at once: the
+    node's one session (for the actor's life) keeps its `concurrency` over all of them, not per call."""
     url, stats = judge_server
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     stage = RewardStage(stage_settings(make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url,

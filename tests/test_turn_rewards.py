@@ -52,6 +52,29 @@ def test_the_missing_values_warning_counts_a_per_turn_nodes_turns(caplog):
         "reward node step: no value for 2 of 5 trajectories' turns"]
 
 
+
+def test_a_failing_node_is_logged_once_per_sampling_round_however_many_calls_score_it(caplog):
+    """Streamed trajectory by trajectory, a step is many `score` calls: one line per node and step (and
+    dynamic-sampling attempt), not one per trajectory; `rewards/<node>/missing` counts each call's."""
+    import asyncio
+
+    from tests.test_reward_stage import reward_stage
+
+    stage = reward_stage(make_spec({"step": {"fn": f"{FNS}:call_ok", "per": "turn"}}))
+
+    async def go():
+        await stage.setup()
+        try:
+            for step, attempt in ((1, 0), (1, 0), (1, 1), (2, 0), (2, 0)):
+                _, m = await stage.score([traj("abc", turns=T0, answer="7")], step=step, attempt=attempt)
+                assert m["rewards/step/missing"] == 1.0
+        finally:
+            await stage.close()
+
+    asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if "no value for" in r.getMessage()]
+    assert [ln.split("of step ")[1].split(";")[0] for ln in lines] == ["1", "1", "2"]  # (1, 0), (1, 1), (2, 0)
+
 def test_combinators_clip_and_gate_work_per_turn_with_trajectory_inputs_at_every_turn():
     spec = make_spec({
         "step": {"fn": f"{FNS}:call_ok", "per": "turn", "on_missing": "zero"},

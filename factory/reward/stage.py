@@ -65,6 +65,8 @@ class RewardStage(StageActor):
         self.nodes = dict(settings.rewards)
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
         self.per_turn = per_turn_nodes(self.nodes)  # a pure function of the nodes the slice holds
+        self._warned_round: tuple[int, int] | None = None  # (step, attempt) whose failing nodes were logged
+        self._warned: set[str] = set()
         self._max_workers = max_workers
         self._base_dir = Path(settings.base_dir)
         self._pool: ThreadPoolExecutor | None = None
@@ -111,10 +113,28 @@ class RewardStage(StageActor):
         t0 = time.perf_counter()
         evaluation = _Evaluation(self, trajs)
         await evaluation.run()
+        self._warn(evaluation, step, attempt)
         metrics = reward_metrics(trajs, self.nodes, self.train_node)
         metrics.update({f"timing/reward_{name}_s": end - start for name, (start, end) in evaluation.spans.items()})
         metrics["timing/reward_s"] = time.perf_counter() - t0
         return trajs, metrics
+
+    def _warn(self, evaluation: _Evaluation, step: int, attempt: int) -> None:
+        """One line per node that had no value somewhere, at most once per sampling round: a step is scored
+        in many calls (one per trajectory when they are streamed), and `rewards/<node>/missing` and
+        `/errors` count every one."""
+        if (step, attempt) != self._warned_round:
+            self._warned_round, self._warned = (step, attempt), set()
+        turns = sum(len(t.turns) for t in evaluation.trajs)
+        for name, errors in evaluation.failed.items():
+            if name in self._warned:
+                continue
+            self._warned.add(name)
+            per_turn = name in self.per_turn
+            log.warning("reward node %s: no value for %d of %d %s (first: %s), in a scoring call of step %d; "
+                        "rewards/%s/missing counts all of the step's, which are not logged again", name,
+                        len(errors), turns if per_turn else len(evaluation.trajs),
+                        "trajectories' turns" if per_turn else "trajectories", errors[0], step, name)
 
     async def close(self) -> None:
         await self._sessions.aclose()
@@ -162,6 +182,7 @@ class _Evaluation:
         self.details: dict[tuple[str, int], dict[str, Any]] = {}
         self.dropped: dict[int, str] = {}
         self.spans: dict[str, tuple[float, float]] = {}  # leaf node -> (first start, last end)
+        self.failed: dict[str, list[str]] = {}  # node -> why each of its missing values is missing
         self.groups: dict[int, list[int]] = {}
         for i, t in enumerate(trajs):
             self.groups.setdefault(t.prompt_index, []).append(i)
@@ -382,16 +403,9 @@ class _Evaluation:
             t.reward = 0.0 if value is None else float(value)
             if self.s.train_node in self.s.per_turn:
                 t.turn_reward = [0.0 if v is None else float(v) for v in t.turn_rewards[self.s.train_node]]
-        failed: dict[str, list[str]] = {}
         for (name, *_), d in self.details.items():
             if d["status"] != "ok":
-                failed.setdefault(name, []).append(d.get("error", d["status"]))
-        turns = sum(len(t.turns) for t in self.trajs)
-        for name, errors in failed.items():  # one line per node, not one per trajectory
-            per_turn = name in self.s.per_turn
-            log.warning("reward node %s: no value for %d of %d %s (first: %s)", name, len(errors),
-                        turns if per_turn else len(self.trajs), "trajectories' turns" if per_turn else "trajectories",
-                        errors[0])
+                self.failed.setdefault(name, []).append(d.get("error", d["status"]))
 
     def _record_turns(self, name: str, i: int, t: Trajectory) -> None:
         """A per-turn node's values on trajectory i, turn by turn (None where a gate did not ask for it), its

@@ -195,7 +195,7 @@ class Group:
         budget, beat, done = self.deadlines.budget(kind), start, 0  # a part from any replica is a heartbeat
         while pending:
             if time.monotonic() - beat > budget:
-                self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{done} {part}s done")
+                self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{done} {PLURAL[part]} done")
             ready, pending = ray.wait(pending, num_returns=1, timeout=0.5, fetch_local=False)
             beat = time.monotonic() if ready else beat
             for s in ready:
@@ -223,6 +223,7 @@ class Group:
 
 
 Groups = dict[str, Group]
+PLURAL = {"trajectory": "trajectories", "group": "groups"}
 
 
 def _placement_group(stage: Stage) -> Any:
