@@ -29,6 +29,16 @@ def test_rounds_merge_into_the_whole_batchs_metrics():
     assert _merge(m, c, 12, 2)["reward/mean"] == pytest.approx((0.5 * 6 + 0.0 * 4 + 1.0 * 2) / 12)
 
 
+def test_a_gated_nodes_mean_is_weighted_by_the_trajectories_it_has_a_value_for():
+    """A judge behind a gate: asked on 1 of 8 trajectories in one part (value 1.0), on 8 of 8 in the other
+    (0.0): the step's mean is over its 9 values, not 16 trajectories (groups streamed, dynamic sampling)."""
+    a = {"rewards/judge/mean": 1.0, "rewards/judge/values": 1.0, "rewards/judge/skipped": 7.0, "reward/dropped": 0.0}
+    b = {"rewards/judge/mean": 0.0, "rewards/judge/values": 8.0, "rewards/judge/skipped": 0.0, "reward/dropped": 0.0}
+    m = _merge(a, b, 8, 8)
+    assert m["rewards/judge/mean"] == pytest.approx(1 / 9)
+    assert (m["rewards/judge/values"], m["rewards/judge/skipped"]) == (9.0, 7.0)
+
+
 def test_a_single_round_is_unchanged():
     b = {"reward/mean": 0.25, "timing/generate_s": 1.5, "tools/calls": 3.0}
     assert _merge({}, b, 0, 5) == b

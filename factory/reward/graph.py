@@ -230,7 +230,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
     `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
     inf or NaN, taken as none); for judges `/calls` (requests
-    made); for nodes a gate may leave out `/skipped` (not evaluated); `reward/mean` over kept trajectories;
+    made); for nodes a gate may leave out `/skipped` (not evaluated) and `/values` (the kept trajectories
+    its mean is over); `reward/mean` over kept trajectories;
     `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
     its `/turns/mean` is the mean over every turn of the kept trajectories that has a value, `/turns` how
     many such turns there are."""
@@ -254,6 +255,9 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
             out[f"rewards/{name}/calls"] = float(sum(s != "skipped" for s in status))
         if name in gated:
             out[f"rewards/{name}/skipped"] = float(status.count("skipped"))
+            # what its mean is over (a gate may leave it out of some kept trajectories): a step scored in
+            # several calls weighs each call's mean by it
+            out[f"rewards/{name}/values"] = float(sum(t.rewards.get(name) is not None for t in kept))
     out["reward/mean"] = _mean([t.reward for t in kept])
     out["reward/dropped"] = float(len(trajs) - len(kept))
     return out

@@ -461,6 +461,8 @@ def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[s
             return m.get(k.rsplit("/", 1)[0] + "/calls", 0.0)
         if k.endswith("/turns/mean"):  # rewards/<node>/turns/mean: over that per-turn node's turns
             return m.get(k.removesuffix("/mean"), 0.0)
+        if k.removesuffix("/mean") + "/values" in m:  # a gated node's mean: over the trajectories it has a value for
+            return m[k.removesuffix("/mean") + "/values"]
         return n - m.get("reward/dropped", 0.0) if k.startswith(("reward/", "rewards/")) else n
 
     out = dict(a)
