@@ -70,3 +70,48 @@ def local_ray():
             os.environ["PYTHONPATH"] = old
     yield
     ray.shutdown()
+
+
+
+# bin/test runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the unit tests keep one
+# core busy while the real runs' start-ups and waits leave gaps on the other. A worker takes one group of
+# tests at a time, so what a group builds once is still built once: a group is a test file (its module
+# fixtures: a vLLM engine, a Ray session), or the files below, which read one session fixture of real
+# runs. (xdist's own loadgroup reads `xdist_group` marks by renaming the tests' node ids, which pytest 9
+# no longer lets a plugin do; the scheduler below groups by file instead.)
+_SHARED_RUNS = {  # group: (the session fixtures of real runs, the test files that read them)
+    "tracked": ({"tiny_runs", "tracking_server"},
+                {"tests/test_api.py", "tests/test_e2e.py", "tests/test_tracking.py", "tests/test_tracking_server.py"}),
+    "lifecycle": ({"killed", "resumed", "stopped", "user_project"},
+                  {"tests/test_run_lifecycle.py", "tests/test_user_project.py"}),
+}
+_GROUP_OF_FILE = {file: group for group, (_, files) in _SHARED_RUNS.items() for file in files}
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _GROUP_OF_FILE.get(_file(nodeid), _file(nodeid))
+
+    return ByGroup(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # a new reader of a shared fixture joins its group here, or would build it again
+        for group, (fixtures, files) in _SHARED_RUNS.items():
+            if fixtures & set(item.fixturenames) and _file(item.nodeid) not in files:
+                raise pytest.UsageError(f"{item.nodeid} reads the session fixture of the {group!r} runs: add "
+                                        f"{_file(item.nodeid)} to _SHARED_RUNS[{group!r}] in tests/conftest.py")
+    if hasattr(config, "workerinput"):
+        # The groups of real runs take minutes: they go first (bin/test turns xdist's reordering off), so
+        # that neither is the tail of a worker while the other worker has nothing left to do.
+        items.sort(key=lambda item: _file(item.nodeid) not in _GROUP_OF_FILE)
