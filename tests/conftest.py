@@ -1,4 +1,5 @@
 """Fixtures shared by several test modules."""
+import logging
 import os
 import signal
 import tempfile
@@ -115,3 +116,16 @@ def pytest_collection_modifyitems(config, items):
         # The groups of real runs take minutes: they go first (bin/test turns xdist's reordering off), so
         # that neither is the tail of a worker while the other worker has nothing left to do.
         items.sort(key=lambda item: _file(item.nodeid) not in _GROUP_OF_FILE)
+
+
+@pytest.fixture(autouse=True)
+def _factory_loggers_stay_enabled():
+    """A test that disables Factory's loggers (a library's `logging.config.dictConfig` run in this process
+    disables every logger that exists) fails here, not some later test on the same worker that reads a
+    warning: which test runs after which depends on how the workers share the files."""
+    yield
+    loggers = logging.root.manager.loggerDict.items()
+    disabled = [name for name, logger in loggers if name.startswith("factory") and getattr(logger, "disabled", False)]
+    for name in disabled:  # enabled again, so that only the test that disabled them fails
+        logging.getLogger(name).disabled = False
+    assert not disabled, f"this test disabled the loggers {disabled}; run what configures logging in a subprocess"

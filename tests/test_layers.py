@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,11 +22,13 @@ def _layers() -> list[list[str]]:
     return [[f"factory.{m.strip()}" for m in re.split(r"[|:]", layer)] for layer in contract["layers"]]
 
 
-def test_no_import_runs_back_up_a_layer(capsys):
-    from importlinter.cli import lint_imports
-
-    code = lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True, no_logo=True)
-    assert code == 0, capsys.readouterr().out
+def test_no_import_runs_back_up_a_layer():
+    # In a process of its own: import-linter configures logging with dictConfig, which disables every logger
+    # that exists when it runs, so Factory's warnings would vanish from the tests that run after it here.
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_the_readme_lists_the_layers_of_the_contract():
