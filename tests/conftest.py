@@ -73,7 +73,6 @@ def local_ray():
     ray.shutdown()
 
 
-
 # bin/test runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the unit tests keep one
 # core busy while the real runs' start-ups and waits leave gaps on the other. A worker takes one group of
 # tests at a time, so what a group builds once is still built once: a group is a test file (its module
@@ -106,12 +105,17 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+MISGROUPED = pytest.StashKey[list]()  # tests that read a shared fixture of real runs outside its group
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # a new reader of a shared fixture joins its group here, or would build it again
-        for group, (fixtures, files) in _SHARED_RUNS.items():
-            if fixtures & set(item.fixturenames) and _file(item.nodeid) not in files:
-                raise pytest.UsageError(f"{item.nodeid} reads the session fixture of the {group!r} runs: add "
-                                        f"{_file(item.nodeid)} to _SHARED_RUNS[{group!r}] in tests/conftest.py")
+    # Read before -m deselects anything, so that a slow test is checked too; tests/test_suite.py reports
+    # them (an error raised here would only crash the xdist worker, without a message).
+    config.stash[MISGROUPED] = [
+        f"{item.nodeid} reads the session fixture of the {group!r} runs: add {_file(item.nodeid)} to "
+        f"_SHARED_RUNS[{group!r}] in tests/conftest.py, or each worker that runs it builds the runs again"
+        for item in items for group, (fixtures, files) in _SHARED_RUNS.items()
+        if fixtures & set(item.fixturenames) and _file(item.nodeid) not in files]
     if hasattr(config, "workerinput"):
         # The groups of real runs take minutes: they go first (bin/test turns xdist's reordering off), so
         # that neither is the tail of a worker while the other worker has nothing left to do.
