@@ -63,7 +63,9 @@ class Contract:
     # The replicas form one torch.distributed world: the driver asks replica 0 for a rendezvous
     # `address()` and gives every replica its rank and that address at setup.
     world: bool = False
-    # `progress() -> (done, total)` may be polled while a call runs (the run's display).
+    # `progress() -> (done, total, work)` may be polled while a call runs: (done, total) for the run's
+    # display, and `work` a count that grows while the stage computes (the engine's forward steps), which
+    # the call's deadline takes as a heartbeat even while nothing is done yet (factory.runtime.deadlines).
     progress: bool = False
     # `state()` / `restore(state)`: a position the driver saves with every checkpoint (the data stream's).
     state: bool = False

@@ -64,7 +64,7 @@ class SteppedRollout(StageActor):
         yield trajs, time.time()
 
     async def progress(self):
-        return self.done, self.done
+        return self.done, self.done, self.done
 
     @staticmethod
     def merge(parts):
@@ -453,6 +453,54 @@ class Stuck(StageActor):
         yield 2
         yield []
         await asyncio.sleep(3600)
+
+
+class Working(StageActor):
+    """A rollout that computes for WORK_S before its first part, its engine stepping every 0.05 s (a batch of
+    long first turns on a busy CPU); with `stall`, its engine stops stepping after the first steps."""
+
+    CONTRACT = Contract(calls={"generate": Call("split", stream="generate_parts")}, progress=True)
+    split = staticmethod(RolloutStage.split)
+
+    def __init__(self, settings=None):
+        self.steps = 0
+
+    async def generate_parts(self, batch: pa.Table, first_index: int = 0, *, stall: bool = False, **context):
+        yield 1
+        for _ in range(int(WORK_S / 0.05)):
+            await asyncio.sleep(0.05)
+            self.steps += 0 if stall and self.steps >= 3 else 1
+        yield []
+        yield [], time.time()
+
+    async def progress(self):
+        return 0, 1, self.steps
+
+    @staticmethod
+    def merge(parts):
+        return parts
+
+
+WORK_S = 2.5
+
+
+def test_a_stage_whose_engine_steps_is_not_timed_out_before_its_first_part(local_ray):
+    """The deadline (1 s) is shorter than the time to the first part (WORK_S): the engine's steps, polled
+    through `progress`, are the heartbeat. An engine that stops stepping is timed out all the same."""
+    from factory.runtime.deadlines import Deadlines, StageTimeout
+
+    actors = [ray.remote(Working).remote() for _ in range(2)]
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    working, stalled = (Group(Stage("rollout", "test", "tests.test_overlap:Working", None, (), ()), Working, [a],
+                              deadlines=Deadlines(limit_s=1.0)) for a in actors)
+    t0 = time.monotonic()
+    working.stream("generate", pa.table({"i": [0]}), part="trajectory", on_part=lambda _: None, step=1)
+    assert time.monotonic() - t0 > WORK_S
+    with pytest.raises(StageTimeout, match=r"stage 'rollout' did not answer generate \(step 1\) within 1 s"):
+        stalled.stream("generate", pa.table({"i": [0]}), part="trajectory", on_part=lambda _: None, step=1,
+                       stall=True)
+    for a in actors:
+        ray.kill(a)
 
 
 def test_a_stage_that_never_answers_fails_the_run_naming_it_and_what_it_did(local_ray):

@@ -56,10 +56,11 @@ async def gather(engine, requests, sampling=GREEDY):
 
 
 def test_concurrent_requests_share_one_batch_and_keep_their_limits(engine):
-    before = engine.batches_run
+    before, steps = engine.batches_run, engine.forward_steps
     limits = [12, 5, 12, 1]
     outs = asyncio.run(gather(engine, list(zip(prompts(), limits))))
     assert engine.batches_run - before == 1
+    assert engine.forward_steps - steps == 12  # one batch decoding to its longest limit: the heartbeat's count
     assert [len(o.ids) for o in outs] == limits and not any(o.finished for o in outs)
 
 

@@ -69,6 +69,8 @@ class Generation:
 class Engine(Protocol):
     name: str  # "hf" or "vllm": what the run's params record
     weight_sync: str  # how it takes a sync (full weights, LoRA adapters): `resolved.rollout.weight_sync`
+    batches_run: int  # batches (hf: `generate` calls; vllm: engine steps) so far, for the rollout's metrics
+    forward_steps: int  # forward passes so far: the rollout's heartbeat while no trajectory ends yet
 
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
         """Continue `prompt_ids` by at most `max_new_tokens` tokens."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,6 +75,7 @@ class SeededSampler:
         if not sampling.greedy and sampling.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(sampling.top_p))
         self.logprobs: list[Tensor] = []  # per step: [B]
+        self.on_step: Callable[[], None] | None = None  # called after each step (the engine counts them)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logits = scores.float()  # [B, V]
@@ -88,6 +89,8 @@ class SeededSampler:
             logp = torch.log_softmax(logits, dim=-1)  # [B, V]
             chosen = self._draw(logp, input_ids.shape[1] - self.prompt_width)
         self.logprobs.append(logp.gather(1, chosen[:, None])[:, 0].cpu())
+        if self.on_step is not None:
+            self.on_step()
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, chosen[:, None], 0.0)
 
@@ -166,6 +169,7 @@ class HFEngine:
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
+        self.forward_steps = 0  # decoding steps over all batches: the rollout's heartbeat (RolloutStage.progress)
         self.batch_window_s, self.max_batch_wait_s = 0.02, 0.25
 
     # ------------------------------------------------------------------------------------ Engine API
@@ -256,11 +260,15 @@ class HFEngine:
         self._pending = [r for r in self._pending if id(r) not in taken]
         return batch
 
+    def _stepped(self) -> None:
+        self.forward_steps += 1
+
     def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
         from transformers import GenerationConfig, LogitsProcessorList
 
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
         sampler = SeededSampler(batch[0].sampling, [r.sampling.seed for r in batch], ids.shape[1], self.generator)
+        sampler.on_step = self._stepped
         # Greedy decoding over the sampler's scores: the sampler has already chosen each token.
         config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in batch),
                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)

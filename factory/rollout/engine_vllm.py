@@ -266,6 +266,11 @@ class VLLMEngine:
         self.batches_run += 1
         return [o for o in self.engine.step() if o.finished]
 
+    @property
+    def forward_steps(self) -> int:
+        """The rollout's heartbeat (RolloutStage.progress): each engine step is one forward."""
+        return self.batches_run
+
     def _generation(self, out: Any) -> Generation:
         completion = out.outputs[0]
         ids = list(completion.token_ids)

@@ -211,10 +211,12 @@ class RolloutStage(StageActor):
         yield RolloutPart(trajs, clock.read(), time.perf_counter() - t0, self.engine.batches_run - batches_before,
                           await self.tools.take_metrics())
 
-    async def progress(self) -> tuple[int, int]:
-        """(trajectories done, trajectories asked) of the current `generate` call. Ray runs an async
-        actor's calls on one event loop, so the driver can poll this while `generate` awaits."""
-        return self._done, self._total
+    async def progress(self) -> tuple[int, int, int]:
+        """(trajectories done, trajectories asked) of the current `generate` call, and the engine's forward
+        steps so far: a batch of long first turns ends no trajectory for minutes on a busy CPU, but each of
+        its decoding steps shows that the engine works. Ray runs an async actor's calls on one event loop,
+        so the driver can poll this while `generate` awaits."""
+        return self._done, self._total, self.engine.forward_steps
 
     @staticmethod
     def split(batch: pa.Table, replicas: int) -> list[tuple[pa.Table, int]]:

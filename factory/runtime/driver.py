@@ -157,22 +157,22 @@ class Group:
         answers = self.deadlines.get(refs, f"{self.stage.name}.{method}", _doing(kwargs), self._progress(progress))
         return self.cls.merge(answers) if dispatch == "split" else answers[0]
 
-    def progress(self) -> tuple[int, int]:
-        """(done, total) summed over the replicas (a stage that declares `progress`)."""
+    def progress(self) -> tuple[int, int, int]:
+        """(done, total, work) summed over the replicas (a stage that declares `progress`)."""
         counts = ray.get([actor.progress.remote() for actor in self.actors], timeout=60)
-        return sum(done for done, _ in counts), sum(total for _, total in counts)
+        return tuple(sum(column) for column in zip(*counts))  # type: ignore[return-value]
 
-    def _progress(self, show: Callable[[int, int], None] | None) -> Callable[[], tuple[int, int]] | None:
-        """For a stage that declares `progress`: a poll of the replicas' summed (done, total), shown by
-        `show` when given; the deadline takes a change as a heartbeat."""
+    def _progress(self, show: Callable[[int, int], None] | None) -> Callable[[], tuple[int, int, int]] | None:
+        """For a stage that declares `progress`: a poll of the replicas' summed (done, total, work), its
+        (done, total) shown by `show` when given; the deadline takes any change as a heartbeat."""
         if not self.contract.progress:
             return None
 
-        def poll() -> tuple[int, int]:
-            done = self.progress()
+        def poll() -> tuple[int, int, int]:
+            done, total, work = self.progress()
             if show is not None:
-                show(*done)
-            return done
+                show(done, total)
+            return done, total, work
 
         return poll
 
@@ -192,7 +192,8 @@ class Group:
                                           for actor, share in zip(self.actors, shares)}  # stream -> parts to come
         pending, answers, last, polled = list(streams), {}, {}, time.perf_counter()
         kind, start = f"{self.stage.name}.{method}", time.monotonic()
-        budget, beat, done = self.deadlines.budget(kind), start, 0  # a part from any replica is a heartbeat
+        # a heartbeat: a part from any replica, or (a stage that declares `progress`) more work done
+        budget, beat, done, work = self.deadlines.budget(kind), start, 0, None
         while pending:
             if time.monotonic() - beat > budget:
                 self.deadlines.fail(kind, _doing(kwargs), time.monotonic() - start, budget, f"{done} {PLURAL[part]} done")
@@ -215,9 +216,12 @@ class Group:
                     pending.append(s)
                 else:
                     answers[s] = item
-            if progress is not None and self.contract.progress and time.perf_counter() - polled > 0.5:
+            if self.contract.progress and time.perf_counter() - polled > 0.5:
                 polled = time.perf_counter()
-                progress(*self.progress())
+                shown, total, now = self.progress()
+                beat, work = beat if now == work else time.monotonic(), now
+                if progress is not None:
+                    progress(shown, total)
         self.deadlines.took(kind, time.monotonic() - start)
         return self.cls.merge(ray.get([answers[s] for s in streams]))
 
