@@ -67,3 +67,18 @@ def test_the_cli_exits_3_with_the_cause(monkeypatch, capsys):
     monkeypatch.setattr(driver, "run", down)
     assert cli.main(["run", str(ROOT / "specs/tiny.yaml")]) == EXIT_INFRA == 3
     assert capsys.readouterr().err.strip().endswith("judge j: ConnectError (8)")
+
+
+def test_a_stage_that_stopped_answering_exits_3_with_its_message_not_as_an_internal_error(monkeypatch, capsys):
+    from factory.commands import cli
+    from factory.runtime import driver
+    from factory.runtime.deadlines import Deadlines
+
+    def hung(plan, resume=None, **_):
+        Deadlines(limit_s=1.0).fail("rollout.generate", "step 6", 181.0, 181.0, "0 trajectories done")
+
+    monkeypatch.setattr(driver, "run", hung)
+    assert cli.main(["run", str(ROOT / "specs/tiny.yaml")]) == EXIT_INFRA
+    err = capsys.readouterr().err
+    assert "internal error" not in err and err.startswith("factory: stage 'rollout' did not answer generate (step 6)")
+    assert "`factory run SPEC --resume` continues the run" in err

@@ -160,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
         description="Train tool-using LLM agents with RL from one YAML spec.",
         epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4` (or `--train.lr 3e-6`). "
                "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback), "
-               "3 infrastructure failures, 4 a train.stop_on monitor fired, 130 Ctrl-C.",
+               "3 infrastructure failures (a step's tools or judge down, a stage that stopped answering), "
+               "4 a train.stop_on monitor fired, 130 Ctrl-C.",
     )
     p.add_argument("--version", action="version", version=f"factory {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -322,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # bad input found while running (data rows); Ray wraps it: show the cause
         print(f"factory: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return EXIT_SPEC_ERROR
-    except InfraFailure as e:  # a step's tools or judge were down: the cause, and its own exit code
+    except InfraFailure as e:  # a step's tools or judge were down, a stage hung (StageTimeout): the cause, exit 3
         print(f"factory: {e}", file=sys.stderr)
         return EXIT_INFRA
     except KeyboardInterrupt:

@@ -18,13 +18,16 @@ from typing import Any
 
 import ray
 
+from factory.runtime.health import InfraFailure
+
 FACTOR = 5.0  # a call may take this many times the longest call of its kind so far ...
 FLOOR_S = 120.0  # ... but never less than this (steps vary: eval steps, longer answers, a busy machine)
 POLL_S = 0.5  # how often a wait looks at the stage's progress
 
 
-class StageTimeout(RuntimeError):
-    """A stage did not answer within its deadline: the message says which, doing what, for how long."""
+class StageTimeout(InfraFailure):
+    """A stage did not answer within its deadline: the message says which, doing what, for how long. An
+    infrastructure failure (`factory run` exits 3 with the message), not a bug of Factory's."""
 
 
 @dataclass
@@ -70,4 +73,5 @@ class Deadlines:
         state = f"; its last progress: {beat}" if beat is not None else ""
         raise StageTimeout(f"stage '{stage}' did not answer {method}{f' ({doing})' if doing else ''} within "
                            f"{budget:.0f} s ({why}); waited {waited:.0f} s{state}. The run stops: look at that "
-                           "stage's log above (a hung tool server, a stalled engine)")
+                           "stage's log above (a hung tool server, a stalled engine); `factory run SPEC --resume` "
+                           "continues the run from its newest checkpoint")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-EXIT_INFRA = 3  # `factory run`'s exit code when a step had too many infrastructure failures
+EXIT_INFRA = 3  # `factory run`'s exit code when a step had too many infrastructure failures, or a stage hung
 
 
 class InfraFailure(RuntimeError):
