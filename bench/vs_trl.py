@@ -355,7 +355,8 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
           f"factory {work_of['factory']['zero_std_groups']:.2f}, trl {work_of['trl']['zero_std_groups']:.2f}")
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
             "factory_s": round(fs, 3), "trl_s": round(ts, 3),
-            "work": {side: {k: round(v, 2) for k, v in w.items()} for side, w in work_of.items()}}
+            "factory_update_s": round(f_up, 3), "trl_update_s": round(t_up, 3),
+            "work": {side: {k: round(v, 2) for k, v in w.items() if k != "update_s"} for side, w in work_of.items()}}
 
 
 def main(a: argparse.Namespace) -> dict:

@@ -106,6 +106,22 @@ def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
     assert lines[1].split() == ["1x", "8.600", "2.200", "0.300"]
 
 
+def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatch, tmp_path, capsys):
+    import bench.vs_trl as vs_trl
+
+    def side(periods, update_s):
+        return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
+                "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}}
+
+    monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
+    monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
+    monkeypatch.setattr(vs_trl, "run_trl", lambda *args: side([5.0, 5.0], 4.5))
+    out = vs_trl.compare(vs_trl.parse_args(["--repeats", "2"]), "hf", "tiny", False, tmp_path)
+    assert (out["factory_update_s"], out["trl_update_s"], out["ratio"]) == (1.0, 4.5, 0.6)
+    assert "update_s" not in out["work"]["factory"]  # time is not work
+    assert "the rest (generation, rewards, weight sync, the loop): factory 2.00 s, trl 0.50 s" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
     ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns", "same_trajectories"}),
