@@ -243,7 +243,8 @@ def trl_worker(config: dict) -> dict:
     trainer.train()
     ends = clock.ends
     periods = [ends[i] - ends[i - 1] for i in range(1, len(ends) - 1)]  # steps 2..N-1, as for Factory
-    updates = [period - gen for period, gen in zip(periods, generation_s[1:])]  # call k generates step k+1
+    # periods[i] is step i+1's (0-based), whose generate-and-score call is generation_s[i+1]
+    updates = [period - gen for period, gen in zip(periods, generation_s[1:])]
     steady = [log for log in clock.logs if "completions/mean_length" in log][1:-1]
 
     def mean(key: str) -> float:
@@ -332,13 +333,14 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
                      f["sampled_tokens"], t["sampled_tokens"],
                      f["trained_rows"], t["trained_rows"], f["tool_calls"], t["tool_calls"]))
     work_of = {side: {k: median([run[k] for run in runs]) for k in ("sampled_tokens", "trained_rows", "tool_calls",
-                                                                      "zero_std_groups", "update_s")}
+                                                                      "zero_std_groups")}
                for side, runs in sides.items()}
+    f_up, t_up = (median([run["update_s"] for run in sides[side]]) for side in ("factory", "trl"))
     fs, ts = median(f_periods), median(t_periods)
     ratio = fs / ts
     per_token = (fs / work_of["factory"]["sampled_tokens"]) / (ts / work_of["trl"]["sampled_tokens"])
     per_row = (fs / work_of["factory"]["trained_rows"]) / (ts / work_of["trl"]["trained_rows"])
-    rows.append(("median", fs, ts, ratio, work_of["factory"]["update_s"], work_of["trl"]["update_s"],
+    rows.append(("median", fs, ts, ratio, f_up, t_up,
                  work_of["factory"]["sampled_tokens"], work_of["trl"]["sampled_tokens"],
                  work_of["factory"]["trained_rows"], work_of["trl"]["trained_rows"], work_of["factory"]["tool_calls"],
                  work_of["trl"]["tool_calls"]))
@@ -346,7 +348,6 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     print(f"\n{what}: step time (s) of the steady steps, and each side's work per step")
     print(table(["", "factory s", "trl s", "factory/trl", "f update", "t update", "f tokens", "t tokens", "f rows",
                  "t rows", "f calls", "t calls"], rows, first=10, width=11))
-    f_up, t_up = work_of["factory"]["update_s"], work_of["trl"]["update_s"]
     print(f"update (forward, backward, optimizer step): factory {f_up:.2f} s, trl {t_up:.2f} s a step; the rest "
           f"(generation, rewards, weight sync, the loop): factory {fs - f_up:.2f} s, trl {ts - t_up:.2f} s")
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
@@ -356,7 +357,7 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
             "factory_s": round(fs, 3), "trl_s": round(ts, 3),
             "factory_update_s": round(f_up, 3), "trl_update_s": round(t_up, 3),
-            "work": {side: {k: round(v, 2) for k, v in w.items() if k != "update_s"} for side, w in work_of.items()}}
+            "work": {side: {k: round(v, 2) for k, v in w.items()} for side, w in work_of.items()}}
 
 
 def main(a: argparse.Namespace) -> dict:
