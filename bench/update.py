@@ -79,8 +79,17 @@ async def rollout_batch(spec_path: str) -> tuple[object, list]:
     return plan, [replace(t, reward=float(t.sample_index)) for t in trajs]
 
 
-def profile_step(learner, trajs: list) -> dict[str, float]:
-    """Seconds of one learner step by part (self CPU time of the ops in each category; `other` is the rest)."""
+def names_op(name: str, key: str) -> bool:
+    """Whether a profiler op name holds `key` as a whole name part: `aten::exp` is `aten::exp` and
+    `aten::exp_`, not `aten::expand`."""
+    name, key = name.lower(), key.lower()
+    at = name.find(key)
+    return at >= 0 and (at + len(key) == len(name) or not name[at + len(key)].isalpha())
+
+
+def profile_step(learner, trajs: list) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Seconds of one learner step by part (self CPU time of the ops in each category; `other` is the rest),
+    and the ops of `other` with their seconds, largest first (what the rest is made of)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -88,16 +97,20 @@ def profile_step(learner, trajs: list) -> dict[str, float]:
         learner.step(trajs)
         wall = time.perf_counter() - t0
     parts: dict[str, float] = defaultdict(float)
+    other: dict[str, float] = defaultdict(float)
     total = 0.0
     for e in prof.key_averages():
         seconds = e.self_cpu_time_total / 1e6
         total += seconds
         name = e.key
-        part = next((label for label, keys in CATEGORIES if any(k.lower() in name.lower() for k in keys)), "other")
+        part = next((label for label, keys in CATEGORIES if any(names_op(name, k) for k in keys)), "other")
         parts[part] += seconds
+        if part == "other":
+            other[name] += seconds
     # self times add up over the threads' work; scale them to the step's wall time
     scale = wall / total if total else 0.0
-    return {"wall_s": wall, **{k: v * scale for k, v in parts.items()}}
+    return ({"wall_s": wall, **{k: v * scale for k, v in parts.items()}},
+            sorted(((k, v * scale) for k, v in other.items()), key=lambda kv: -kv[1]))
 
 
 def main(a: argparse.Namespace) -> dict:
@@ -132,17 +145,20 @@ def main(a: argparse.Namespace) -> dict:
                 if step > 1 or a.steps == 1:
                     ratios.append(flops / matmul)
             print(table(["", "update s", "rows", "GFLOP/s", "matmul GFLOP/s", "ratio"], rows, first=10, width=14))
-            parts = profile_step(learner, trajs)
+            parts, other_ops = profile_step(learner, trajs)
         finally:
             learner.shutdown()
     wall = parts.pop("wall_s")
     print(f"\none step under torch.profiler ({wall:.2f} s; self CPU time by part, scaled to the wall time)")
     shares = {k: v / wall for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
     print(table(["part", "s", "share"], [(k, parts[k], shares[k]) for k in shares], first=22))
+    print("\nwhat `other` is made of (its 10 largest ops)")
+    print(table(["op", "s", "share"], [(k[:40], v, v / wall) for k, v in other_ops[:10]], first=42))
     ratio = median(ratios)
     return {"update_flops_over_matmul": round(ratio, 3), "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
             "matmul_gflops": round(median([r[4] for r in rows]), 1), "update_dtype": dtype,
-            "profile_shares": {k: round(v, 3) for k, v in shares.items()}, "cpu": cpu()}
+            "profile_shares": {k: round(v, 3) for k, v in shares.items()},
+            "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ import pytest
 
 from bench.agentic import Lockstep, differing
 from bench.common import table
+from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
 from factory.schema import RolloutSpec
@@ -98,6 +99,14 @@ def test_every_contender_builds_the_same_trajectories_on_a_real_engine():
     # and the check can fail: unseeded, the baseline samples other trajectories
     unseeded = asyncio.run(Lockstep(engine, chat, Calculator(), cfg, prompts, 4).run(False))
     assert differing(ours, unseeded) > 0
+
+
+def test_the_update_profile_sorts_ops_by_whole_names():
+    # aten::expand is a view, not the exp of the log-softmax; the backward ops go with their forward
+    assert names_op("aten::exp_", "aten::exp") and not names_op("aten::expand", "aten::exp")
+    assert names_op("aten::_log_softmax_backward_data", "log_softmax")
+    assert names_op("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "scaled_dot_product")
+    assert not names_op("aten::mul", "aten::mm")
 
 
 def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
