@@ -50,18 +50,29 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     prefix = key.shape[2] - query.shape[2]
-    outs, start = [], 0
-    for n in packed_lengths:
-        rows = slice(prefix + start, prefix + start + n)
-        k = torch.cat([key[:, :, :prefix], key[:, :, rows]], 2) if prefix else key[:, :, rows]
-        v = torch.cat([value[:, :, :prefix], value[:, :, rows]], 2) if prefix else value[:, :, rows]
+    # split, not slices: a slice's backward writes its gradient into a zero-filled tensor the size of the
+    # whole key (per row, per layer) and adds those up; split's backward is one cat (15% of this attention's
+    # time on CPU, docs/performance.md#on-a-real-avx2-only-cpu-2026-12-02)
+    queries = query.split(packed_lengths, 2)
+    key_prefix, *keys = key.split([prefix, *packed_lengths], 2)
+    value_prefix, *values = value.split([prefix, *packed_lengths], 2)
+    outs = []
+    for q, k, v, n in zip(queries, keys, values, packed_lengths):
+        if not prefix:
+            out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
+            outs.append(out)  # [1, n, H, D]
+            continue
+        k, v = torch.cat([key_prefix, k], 2), torch.cat([value_prefix, v], 2)
         # causal within the row, everything of the prefix visible: row token i sees keys 0 .. prefix + i
-        causal = (torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
-                  if prefix else None)
-        out, _ = sdpa_attention_forward(module, query[:, :, start:start + n], k, v, causal, dropout=dropout,
-                                        scaling=scaling, is_causal=not prefix)
-        outs.append(out)  # [1, n, H, D]
-        start += n
+        causal = torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
+        if query.device.type == "cpu":
+            # torch's sdpa reads grouped keys itself (enable_gqa); with a mask, transformers' wrapper would
+            # first copy them out to every query head (repeat_kv): another 20% of this attention on CPU
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal, dropout_p=dropout, scale=scaling, enable_gqa=True).transpose(1, 2)
+        else:  # elsewhere (CUDA) transformers' path, as before: not measured there
+            out, _ = sdpa_attention_forward(module, q, k, v, causal, dropout=dropout, scaling=scaling, is_causal=False)
+        outs.append(out)
     return torch.cat(outs, 1), None
 
 
