@@ -95,3 +95,37 @@ def test_a_packed_update_is_the_padded_update(small_path, learners):  # noqa: F8
         assert stats["actor/padding_frac"] == base_stats["actor/padding_frac"] > 0
         assert stats["actor/pg_loss"] == pytest.approx(base_stats["actor/pg_loss"], abs=1e-6)
     assert stats["actor/skipped_zero_adv"] == 4
+
+
+def test_packed_attention_after_a_prefix_is_plain_attention_row_by_row_with_grouped_keys():
+    # 9 query heads over 3 key heads, as SmolLM2: the CPU path lets sdpa read the grouped keys itself.
+    # Reference: each row's attention written out by hand, keys repeated per head, prefix all visible.
+    import torch.nn.functional as F
+
+    from factory.update.logprobs import packed_attention
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 3
+
+    torch.manual_seed(0)
+    prefix, lengths, heads, groups, dim = 5, [3, 1, 4], 9, 3, 8
+    q = torch.randn(1, heads, sum(lengths), dim, requires_grad=True)
+    k = torch.randn(1, groups, prefix + sum(lengths), dim, requires_grad=True)
+    v = torch.randn(1, groups, prefix + sum(lengths), dim, requires_grad=True)
+    out, _ = packed_attention(Layer(), q, k, v, None, scaling=dim ** -0.5, packed_lengths=lengths)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    refs, start = [], 0
+    for n in lengths:
+        keep = list(range(prefix)) + list(range(prefix + start, prefix + start + n))
+        kk, vv = k[:, :, keep].repeat_interleave(3, 1), v[:, :, keep].repeat_interleave(3, 1)
+        scores = q[:, :, start:start + n] @ kk.transpose(-1, -2) * dim ** -0.5
+        visible = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+        refs.append((F.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vv).transpose(1, 2))
+        start += n
+    ref = torch.cat(refs, 1)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert out.shape == ref.shape == (1, sum(lengths), heads, dim)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
