@@ -337,6 +337,29 @@ def turn_dynamic_sampling_keep(turn_rewards: list[Tensor], group_ids: Tensor, ga
     return torch.isin(group_ids, spread)
 
 
+def max_variance_keep(rewards: Tensor, group_ids: Tensor, m: int) -> Tensor:
+    """BoolTensor[N]: m samples of each group, those whose rewards have the largest variance (PODS
+    max-variance down-sampling, Xu et al. 2025). Among m of a group's sorted rewards the variance is
+    largest for some k best together with the m - k worst (their lemma), so m + 1 candidates are tried.
+    Ties keep the earlier sample, and among equal variances the smaller k: the choice is deterministic,
+    the same on every rank. A group of m or fewer keeps all of its samples."""
+    keep = torch.zeros(rewards.shape, dtype=torch.bool)
+    for g in group_ids.unique():
+        members = (group_ids == g).nonzero().flatten()  # [G] in batch order
+        if len(members) <= m:
+            keep[members] = True
+            continue
+        order = members[torch.sort(rewards[members].double(), stable=True).indices]  # [G] worst first
+        best, best_var = None, -1.0
+        for k in range(m + 1):  # the k best and the m - k worst
+            chosen = torch.cat([order[: m - k], order[len(order) - k:]])
+            var = float(rewards[chosen].double().var(unbiased=False))
+            if var > best_var + 1e-12:
+                best, best_var = chosen, var
+        keep[best] = True
+    return keep
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
     """DAPO soft overlong punishment, to add to the reward: 0 up to max_len - buffer, then falling
     linearly to -penalty at max_len (and staying there beyond). buffer == 0 turns it off."""

@@ -56,6 +56,7 @@ class Algorithm:
     use_rollout_logprobs: bool = False
     credit: str = "trajectory"  # trajectory | turn: one advantage per trajectory, or per model turn
     gamma: float = 1.0  # credit "turn": discount of later turns in a turn's return
+    train_per_group: int | None = None  # max-variance down-sampling: train this many of each group (None: all)
 
     @property
     def needs_reference(self) -> bool:
@@ -122,6 +123,7 @@ def resolve(spec: Any) -> Algorithm:
         rollout_correction=spec.rollout_correction.kind if spec.rollout_correction else None,
         rollout_correction_cap=spec.rollout_correction.cap if spec.rollout_correction else 2.0,
         use_rollout_logprobs=spec.use_rollout_logprobs, credit=spec.credit, gamma=spec.gamma,
+        train_per_group=spec.train_per_group,
     )
     _check(alg)
     return alg

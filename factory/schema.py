@@ -400,6 +400,13 @@ class AlgorithmSpec(Section):
     """Optimizer steps per epoch; old log-probs are kept from before the first."""
     dynamic_sampling: bool | None = None
     """Drop groups whose rewards all agree and sample more to refill the batch (DAPO)."""
+    train_per_group: int | None = Field(None, ge=2)
+    """Train only this many of each group's samples: those whose rewards spread the most (max-variance
+    down-sampling, PODS, Xu et al. 2025): the k best and the m - k worst, for the k that gives them the
+    largest variance. Advantages are computed over the ones kept. The others are sampled, scored and
+    logged (`actor/down_sampled` counts them), not trained, so the update costs about m / group_size of
+    what the whole group would, while every sample still explores. Below `rollout.group_size`. None:
+    train every sample."""
     overlong: OverlongSpec = OverlongSpec()
     """DAPO overlong filtering and soft penalty."""
     std_eps: float = 1e-6

@@ -16,6 +16,7 @@ from factory.algorithms import (
     PRESETS,
     Registry,
     dynamic_sampling_keep,
+    max_variance_keep,
     kl_reward_penalty,
     minibatches,
     overlong_penalty,
@@ -268,6 +269,29 @@ def test_dynamic_sampling_keeps_groups_with_spread():
     # groups (1, 1) and (0, 0) agree -> dropped; (0, 1) keeps both
     got = dynamic_sampling_keep(t([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2]), 1e-6)
     assert got.tolist() == [False, False, True, True, False, False]
+
+
+def test_max_variance_keep_takes_the_extremes_of_each_group():
+    # group 0: two right of eight -> both right ones and the first two wrong ones (variance 0.25, the most
+    # four of them can have); group 1 has no more than m: all kept; group 2, interleaved, all equal: the first m
+    rewards = t([1, 0, 0, 0, 0, 0, 1, 0, 0.5, 0.2, 3, 3, 3, 3, 3])
+    groups = torch.tensor([0] * 8 + [1, 1] + [2] * 5)
+    got = max_variance_keep(rewards, groups, 4).nonzero().flatten().tolist()
+    assert got == [0, 1, 2, 6, 8, 9, 10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_max_variance_keep_finds_the_most_spread_subset(seed):
+    """Against every subset of size m, on rewards with ties and without: no subset spreads more."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 4, (8,), generator=gen).float() if seed % 2 else torch.rand(8, generator=gen)
+    for m in (2, 3, 4, 5):
+        keep = max_variance_keep(rewards, torch.zeros(8, dtype=torch.long), m)
+        assert int(keep.sum()) == m
+        best = max(float(rewards[list(c)].var(unbiased=False)) for c in itertools.combinations(range(8), m))
+        assert float(rewards[keep].var(unbiased=False)) == pytest.approx(best, abs=1e-7), (seed, m)
 
 
 def test_overlong_penalty_dapo_formula():

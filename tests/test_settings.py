@@ -195,6 +195,13 @@ def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def test_train_per_group_must_be_below_the_group_size(project):
+    path = _spec(project, "st_tpg", "rollout: {group_size: 4}\nalgorithm: {train_per_group: 4}\n")
+    assert _errors(path) == ("spec.yaml:10: algorithm.train_per_group: 4 is not below rollout.group_size (4), so "
+                             "every sample would train anyway: lower it or remove it\n1 error in spec.yaml")
+    compile_file(path, ["algorithm.train_per_group=3"])
+
+
 def test_settings_that_another_setting_switches_off_warn(project):
     path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
                                     "algorithm: {kl: {estimator: k1}, loss: cispo, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")

@@ -188,6 +188,18 @@ def test_overlong_filter_keeps_truncated_trajectories_out(small_path, learners):
     assert_same_delta(a, b)
 
 
+def test_train_per_group_trains_the_chosen_samples_as_if_only_they_were_sampled(small_path, learners):
+    """Max-variance down-sampling: one step with `train_per_group: 2` is one step on the two extremes of
+    each group (advantages over them alone), the others left out."""
+    trajs = [Trajectory(**{**t.__dict__, "reward": [0.0, 0.4, 1.0, 0.5][t.sample_index] + 0.1 * t.prompt_index})
+             for t in batch(seed=11)]
+    chosen = [t for t in trajs if t.sample_index in (0, 2)]  # the worst and the best of each group
+    a, _ = one_step_delta(learners(make_spec(small_path)), chosen)
+    b, stats = one_step_delta(learners(make_spec(small_path, algorithm={"train_per_group": 2})), trajs)
+    assert stats["actor/down_sampled"] == 6 and stats["actor/trained_rows"] == 6
+    assert_same_delta(a, b)
+
+
 def test_all_dropped_means_no_update(small_path, learners):
     trajs = [Trajectory(**{**t.__dict__, "infra_error": True}) for t in batch(seed=6)]
     delta, stats = one_step_delta(learners(make_spec(small_path)), trajs)

@@ -174,6 +174,10 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if _set(spec.algorithm, "dual_clip_c") and algorithm.get("loss") not in DUAL_CLIP_LOSSES:
         r.warn("algorithm.dual_clip_c", f"{unused} with loss '{algorithm.get('loss')}' (it applies to "
                                         f"{', '.join(sorted(DUAL_CLIP_LOSSES))})")
+    keep = spec.algorithm.train_per_group
+    if keep is not None and keep >= spec.rollout.group_size:
+        r.error("algorithm.train_per_group", f"{keep} is not below rollout.group_size ({spec.rollout.group_size}), "
+                                             "so every sample would train anyway: lower it or remove it")
     overlong = spec.algorithm.overlong
     if _set(overlong, "penalty") and overlong.buffer == 0:
         r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")

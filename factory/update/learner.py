@@ -41,6 +41,7 @@ from factory.algorithms import (
     KL_ESTIMATORS,
     Algorithm,
     kl_reward_penalty,
+    max_variance_keep,
     policy_objective,
     rollout_mismatch,
     truncated_is_weights,
@@ -234,10 +235,16 @@ class Learner:
         the optimizer; with the first stats (how many were dropped, the LR)."""
         keep = kept(trajs, self.alg, self.spec.rollout.drop_infra_errors)
         sub = [t for t, k in zip(trajs, keep) if k]
+        stats = {"actor/dropped": float(len(trajs) - len(sub))}
+        if self.alg.train_per_group is not None and sub:  # after the drops: the kept m are trainable ones
+            chosen = max_variance_keep(shaped_rewards(sub, self.alg, self.spec.rollout.max_total_tokens),
+                                       torch.tensor([t.prompt_index for t in sub]), self.alg.train_per_group)
+            stats["actor/down_sampled"] = float(len(sub) - int(chosen.sum()))
+            sub = [t for t, k in zip(sub, chosen.tolist()) if k]
         lr = learning_rate(self.spec, self.steps_done + 1)
         for group in self.optimizer.param_groups:  # DeepSpeed's ZeRO wrappers share these dicts
             group["lr"] = lr
-        return sub, {"actor/dropped": float(len(trajs) - len(sub)), "actor/lr": lr}
+        return sub, {**stats, "actor/lr": lr}
 
     def _before_update(self, sub: list[Trajectory], schedule: list[list[list[int]]],
                        first_epoch: list[list[list[int]]]) -> BeforeUpdate:
