@@ -232,7 +232,7 @@ class Learner:
 
     def _begin(self, trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, float]]:
         """The trajectories that train this step (see batch.kept) and the step's learning rate, set on
-        the optimizer; with the first stats (how many were dropped, the LR)."""
+        the optimizer; with the first stats (how many were dropped, how many down-sampled, the LR)."""
         keep = kept(trajs, self.alg, self.spec.rollout.drop_infra_errors)
         sub = [t for t, k in zip(trajs, keep) if k]
         stats = {"actor/dropped": float(len(trajs) - len(sub))}
