@@ -58,20 +58,19 @@ class Handler(BaseHTTPRequestHandler):
             STATS["roles"].append([m["role"] for m in body["messages"]])
             STATS["times"].setdefault(marker, []).append(time.monotonic() - T0)
             STATS["auth"].append("Authorization" in self.headers)
-        try:
-            time.sleep(0.05)  # long enough for concurrent requests to overlap
-            if marker == "fail" or (marker == "flaky" and seen == 1):
-                self._send(500 if marker == "fail" else 503, '{"error": "judge down"}')
-                return
-            if marker == "limited" and seen == 1:
-                self._send(429, '{"error": "slow down"}', {"Retry-After": "1"})
-                return
-            reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": REPLIES.get(marker, "")}}]}
-            self._send(200, json.dumps(reply))
-        finally:
-            with LOCK:
-                STATS["inflight"] -= 1
-
+        time.sleep(0.05)  # long enough for concurrent requests to overlap
+        if marker == "fail" or (marker == "flaky" and seen == 1):
+            reply = (500 if marker == "fail" else 503, '{"error": "judge down"}', None)
+        elif marker == "limited" and seen == 1:
+            reply = (429, '{"error": "slow down"}', {"Retry-After": "1"})
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": REPLIES.get(marker, "")}}
+            reply = (200, json.dumps({"choices": [choice]}), None)
+        # Out of flight before the reply is written: once a client has read it, it may send its next request,
+        # and that must not meet this one still counted (a peak of concurrency + 1 that the client never had).
+        with LOCK:
+            STATS["inflight"] -= 1
+        self._send(*reply)
 
 if __name__ == "__main__":
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
