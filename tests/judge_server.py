@@ -72,5 +72,6 @@ class Handler(BaseHTTPRequestHandler):
             STATS["inflight"] -= 1
         self._send(*reply)
 
+
 if __name__ == "__main__":
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
