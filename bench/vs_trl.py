@@ -306,10 +306,12 @@ def same_kv_blocks() -> None:
     to pass this, so the name TRL calls is wrapped; every other argument stays TRL's."""
     import trl.generation.vllm_generation as generation
 
+    from factory.rollout.engine_vllm import CPU_BLOCK_SIZE
+
     build = generation.LLM
 
     def llm(*args, **kwargs):
-        kwargs.setdefault("block_size", 32)
+        kwargs.setdefault("block_size", CPU_BLOCK_SIZE)
         return build(*args, **kwargs)
 
     generation.LLM = llm

