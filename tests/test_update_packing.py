@@ -129,3 +129,36 @@ def test_packed_attention_after_a_prefix_is_plain_attention_row_by_row_with_grou
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_masked_call_on_cpu_reads_grouped_keys_and_equals_transformers_sdpa(monkeypatch):
+    # Right-padded rows after a shared prefix (the padded layout's masked call): torch's sdpa on the grouped
+    # keys must give transformers' sdpa (keys copied out to every query head) to 1e-5, outputs and gradients.
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    from factory.update.logprobs import packed_attention
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    torch.manual_seed(0)
+    rows, prefix, length, heads, groups, dim = 3, 5, 4, 9, 3, 8
+    q = torch.randn(rows, heads, length, dim, requires_grad=True)
+    k = torch.randn(rows, groups, prefix + length, dim, requires_grad=True)
+    v = torch.randn(rows, groups, prefix + length, dim, requires_grad=True)
+    real = [length, 2, 3]  # rows 2 and 3 padded on the right
+    mask = torch.ones(rows, 1, length, prefix + length, dtype=torch.bool).tril(prefix)
+    for r, n in enumerate(real):
+        mask[r, :, :, prefix + n:] = False
+    repeats = []
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda t, n: repeats.append(n) or t.repeat_interleave(n, 1))
+    out, _ = packed_attention(Layer(), q, k, v, mask, scaling=dim ** -0.5)
+    assert not repeats, "the CPU path copied the keys out per head"
+    grads = torch.autograd.grad(out[:, :2].square().sum(), (q, k, v))  # row 3's padded query positions unused
+    ref, _ = hf_sdpa.sdpa_attention_forward(Layer(), q, k, v, mask, scaling=dim ** -0.5)
+    assert repeats == [3, 3]
+    ref_grads = torch.autograd.grad(ref[:, :2].square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
