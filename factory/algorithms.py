@@ -360,6 +360,48 @@ def max_variance_keep(rewards: Tensor, group_ids: Tensor, m: int) -> Tensor:
     return keep
 
 
+# Above this many subsets of one group `max_turn_variance_keep` stops searching them all (C(14, 7) = 3432:
+# group sizes up to 14 are searched whole, a few ms a group).
+MAX_SUBSETS = 3432
+
+
+def max_turn_variance_keep(turn_rewards: list[Tensor], group_ids: Tensor, m: int, gamma: float) -> Tensor:
+    """BoolTensor[N]: m samples of each group for `credit: turn`, those whose turn returns spread most:
+    the largest sum, over turn positions, of the variance of the chosen samples' returns at that position
+    (`discounted_turn_returns`; a position reached by fewer than 2 of them adds 0). That is what turn
+    credit standardises, position by position (`turn_advantages`), where `max_variance_keep` looks at one
+    reward per trajectory and would keep an arbitrary m of a group whose trajectories agree overall but
+    differ turn by turn. Every subset is tried (ties keep the earliest in batch order); a group with more
+    than MAX_SUBSETS subsets of m falls back to `max_variance_keep` on each trajectory's first-turn return.
+    A group of m or fewer keeps all of its samples."""
+    import itertools
+    from math import comb
+
+    returns = [discounted_turn_returns(r.double(), gamma) for r in turn_rewards]  # [K_i] each
+    keep = torch.zeros(len(returns), dtype=torch.bool)
+    for g in group_ids.unique():
+        members = (group_ids == g).nonzero().flatten().tolist()
+        if len(members) <= m:
+            keep[members] = True
+            continue
+        if comb(len(members), m) > MAX_SUBSETS:
+            first = torch.tensor([float(returns[i][0]) if len(returns[i]) else 0.0 for i in members])
+            keep[torch.tensor(members)[max_variance_keep(first, torch.zeros(len(members), dtype=torch.long), m)]] = True
+            continue
+        best, best_score = None, -1.0
+        for chosen in itertools.combinations(members, m):
+            score = 0.0
+            for k in range(max(len(returns[i]) for i in chosen)):
+                at = [float(returns[i][k]) for i in chosen if len(returns[i]) > k]
+                if len(at) > 1:
+                    mean = sum(at) / len(at)
+                    score += sum((x - mean) ** 2 for x in at) / len(at)
+            if score > best_score + 1e-12:
+                best, best_score = chosen, score
+        keep[list(best)] = True
+    return keep
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
     """DAPO soft overlong punishment, to add to the reward: 0 up to max_len - buffer, then falling
     linearly to -penalty at max_len (and staying there beyond). buffer == 0 turns it off."""

@@ -405,8 +405,9 @@ class AlgorithmSpec(Section):
     down-sampling, PODS, Xu et al. 2025): the k best and the m - k worst, for the k that gives them the
     largest variance. Advantages are computed over the ones kept. The others are sampled, scored and
     logged (`actor/down_sampled` counts them), not trained, so the update costs about m / group_size of
-    what the whole group would, while every sample still explores. Below `rollout.group_size`. None:
-    train every sample."""
+    what the whole group would, while every sample still explores. Under `credit: turn` the m are those whose
+    turn returns spread the most, position by position (what turn credit standardises). Below
+    `rollout.group_size`. None: train every sample."""
     overlong: OverlongSpec = OverlongSpec()
     """DAPO overlong filtering and soft penalty."""
     std_eps: float = 1e-6

@@ -103,7 +103,6 @@ def test_gamma_is_refused_without_turn_credit():
         AlgorithmSpec(gamma=0.9)
 
 
-
 def test_dynamic_sampling_under_turn_credit_keeps_groups_whose_turns_differ():
     from factory.algorithms import dynamic_sampling_keep, turn_dynamic_sampling_keep
 
@@ -114,3 +113,45 @@ def test_dynamic_sampling_under_turn_credit_keeps_groups_whose_turns_differ():
     means = torch.tensor([0.5, 0.5, 1.0, 1.0, 1.0, 0.0])
     assert dynamic_sampling_keep(means[:4], groups[:4], 1e-6).tolist() == [False] * 4  # trajectory credit drops both
     assert turn_dynamic_sampling_keep(rewards, groups, 1.0, 1e-6).tolist() == [True, True, False, False, False, False]
+
+
+def test_down_sampling_under_turn_credit_keeps_the_samples_whose_turns_differ():
+    from factory.algorithms import max_turn_variance_keep, max_variance_keep
+
+    # one group of 4, all with the same trajectory reward (0.5, gamma 1): a and b agree turn by turn,
+    # c and d do not (returns at turn 1: 0 and 1). By trajectory reward every pair ties and the first two
+    # (a, b: nothing to learn) are kept; by turn returns c and d, the only pair with a spread.
+    rewards = [torch.tensor(x) for x in ([0.5, 0.5], [0.5, 0.5], [1.0, 0.0], [0.0, 1.0])]
+    groups = torch.zeros(4, dtype=torch.long)
+    assert max_variance_keep(torch.full((4,), 0.5), groups, 2).tolist() == [True, True, False, False]
+    assert max_turn_variance_keep(rewards, groups, 2, gamma=1.0).tolist() == [False, False, True, True]
+    # a group of m or fewer keeps all; a second group is chosen on its own
+    two = max_turn_variance_keep(rewards + [torch.tensor([1.0])], torch.tensor([0, 0, 0, 0, 1]), 2, gamma=1.0)
+    assert two.tolist() == [False, False, True, True, True]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_down_sampling_under_turn_credit_with_one_reward_per_trajectory_is_max_variance(seed):
+    """A trajectory-level reward counts at every turn: with equal turn counts the turn objective is the turn
+    count times the reward's variance, so it keeps the subset max_variance_keep keeps (distinct rewards)."""
+    from factory.algorithms import max_turn_variance_keep, max_variance_keep
+
+    gen = torch.Generator().manual_seed(seed)
+    reward = torch.rand(16, generator=gen)
+    groups = torch.tensor([0] * 8 + [1] * 8)
+    turns = [r.repeat(3) for r in reward]
+    for m in (2, 3, 5):
+        assert torch.equal(max_turn_variance_keep(turns, groups, m, gamma=0.7), max_variance_keep(reward, groups, m))
+
+
+def test_down_sampling_under_turn_credit_falls_back_to_first_turn_returns_for_big_groups():
+    from factory.algorithms import MAX_SUBSETS, max_turn_variance_keep, max_variance_keep
+    from math import comb
+
+    assert comb(16, 8) > MAX_SUBSETS >= comb(8, 4)
+    gen = torch.Generator().manual_seed(3)
+    rewards = [torch.rand(int(torch.randint(1, 4, (1,), generator=gen)), generator=gen) for _ in range(16)]
+    groups = torch.zeros(16, dtype=torch.long)
+    first = torch.stack([discounted_turn_returns(r, 0.5)[0] for r in rewards])
+    got = max_turn_variance_keep(rewards, groups, 8, gamma=0.5)
+    assert torch.equal(got, max_variance_keep(first, groups, 8)) and int(got.sum()) == 8

@@ -575,3 +575,18 @@ def test_turn_credit_trains_each_turn_on_its_own_advantage(small_path, learners)
     # the same batch under trajectory credit moves the weights differently
     other, _ = one_step_delta(learners(make_spec(small_path)), trajs)
     assert any(not torch.equal(v, other[k]) for k, v in delta.items())
+
+
+def test_train_per_group_under_turn_credit_keeps_the_samples_whose_turns_differ(small_path, learners):
+    """Every trajectory's reward is 0.5, but samples 2 and 3 of each group split it differently between their
+    two turns ([1, 0] and [0, 1]; samples 0 and 1: [0.5, 0.5]). Down-sampling to 2 by trajectory reward would
+    keep samples 0 and 1 (all ties; nothing to learn, no update); by turn returns it keeps 2 and 3, and the step
+    is the step on those two alone."""
+    split = [[0.5, 0.5], [0.5, 0.5], [1.0, 0.0], [0.0, 1.0]]
+    trajs = [replace(t, turns=[Turn(text="", num_tokens=2), Turn(text="", num_tokens=sum(t.loss_mask) - 2)],
+                     turn_reward=split[t.sample_index], reward=0.5) for t in batch(seed=5)]
+    turn = {"credit": "turn", "gamma": 1.0}
+    a, _ = one_step_delta(learners(make_spec(small_path, algorithm=turn)), [t for t in trajs if t.sample_index >= 2])
+    b, stats = one_step_delta(learners(make_spec(small_path, algorithm={**turn, "train_per_group": 2})), trajs)
+    assert stats["actor/down_sampled"] == 6 and stats["actor/trained_rows"] == 6
+    assert_same_delta(a, b)

@@ -41,6 +41,7 @@ from factory.algorithms import (
     KL_ESTIMATORS,
     Algorithm,
     kl_reward_penalty,
+    max_turn_variance_keep,
     max_variance_keep,
     policy_objective,
     rollout_mismatch,
@@ -237,8 +238,11 @@ class Learner:
         sub = [t for t, k in zip(trajs, keep) if k]
         stats = {"actor/dropped": float(len(trajs) - len(sub))}
         if self.alg.train_per_group is not None and sub:  # after the drops: the kept m are trainable ones
-            chosen = max_variance_keep(shaped_rewards(sub, self.alg, self.spec.rollout.max_total_tokens),
-                                       torch.tensor([t.prompt_index for t in sub]), self.alg.train_per_group)
+            shaped = shaped_rewards(sub, self.alg, self.spec.rollout.max_total_tokens)
+            groups = torch.tensor([t.prompt_index for t in sub])
+            # under turn credit, by the spread of what it standardises: the turn returns, position by position
+            chosen = (max_turn_variance_keep(turn_rewards(sub, shaped), groups, self.alg.train_per_group, self.alg.gamma)
+                      if self.alg.credit == "turn" else max_variance_keep(shaped, groups, self.alg.train_per_group))
             stats["actor/down_sampled"] = float(len(sub) - int(chosen.sum()))
             sub = [t for t, k in zip(sub, chosen.tolist()) if k]
         lr = learning_rate(self.spec, self.steps_done + 1)
