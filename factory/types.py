@@ -114,3 +114,58 @@ class Placement:
     master_port: int = 0
     # role -> handle, for each call edge out of this stage (its slice names the roles it reads)
     peers: dict[str, Any] = field(default_factory=dict)
+
+
+class Weights(dict):
+    """What a full weight sync carries: parameter name -> CPU tensor, a plain dict to whoever holds it.
+
+    Pickled (into Ray's object store, on the way from the update stage to the rollout replicas) as numpy
+    arrays, which pickle protocol 5 hands over out of band: the sender copies each tensor once into the
+    store and every receiver maps it there without a copy. A torch tensor pickles through a bytes copy on
+    each side instead: SmolLM2's 0.54 GB of float32 weights took 0.95 s to put and 0.8 s to get on a 2-core
+    Zen 3, against 0.08 and 0.01 s as arrays. dtypes numpy lacks (bfloat16, float8) travel as integers of
+    their size; tensors that share storage (tied embeddings) travel once and arrive sharing it.
+
+    A received tensor is a read-only view of the store: engines copy it into their own parameters and must
+    never write to it."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        arrays: dict[tuple[Any, ...], Any] = {}  # one array per storage view: pickle then sends it once
+        entries = []
+        for name, tensor in self.items():
+            t = tensor.detach()
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            if key not in arrays:
+                arrays[key] = _as_array(t)
+            entries.append((name, arrays[key], str(t.dtype).removeprefix("torch.")))
+        return _weights_from_arrays, (entries,)
+
+
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_array(t: Any) -> Any:
+    """A CPU tensor as a numpy array sharing its memory; dtypes numpy lacks as integers of their size."""
+    import torch
+
+    try:
+        return t.numpy()
+    except TypeError:  # bfloat16, float8: no numpy dtype
+        return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])).numpy()
+
+
+def _weights_from_arrays(entries: list[tuple[str, Any, str]]) -> Weights:
+    import warnings
+
+    import torch
+
+    tensors: dict[int, Any] = {}  # id(array) -> tensor: tied tensors stay one tensor
+    with warnings.catch_warnings():
+        # the arrays are read-only views of Ray's store (see Weights); torch warns that it cannot mark them so
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for _, array, dtype in entries:
+            if id(array) not in tensors:
+                t = torch.from_numpy(array)
+                want = getattr(torch, dtype)
+                tensors[id(array)] = t if t.dtype == want else t.view(want)
+    return Weights((name, tensors[id(array)]) for name, array, _ in entries)

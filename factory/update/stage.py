@@ -67,7 +67,10 @@ class UpdateStage(StageActor):
         """What a weight sync sends, on rank 0 (every rank takes part in gathering it under ZeRO-3): the
         weights in the rollout engine's dtype, or the LoRA adapters. Not copied where the learner can avoid
         it: Ray serialises the answer before this actor runs its next call."""
-        return self.learner.state_dict(every_rank, copy=False)
+        from factory.types import Weights
+
+        out = self.learner.state_dict(every_rank, copy=False)
+        return Weights(out) if isinstance(out, dict) else out  # full weights cross Ray as arrays: see Weights
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
         """The learner's checkpoint in the run's own folder `directory`, then `newest` beside it points
