@@ -122,8 +122,8 @@ class Weights(dict):
     Pickled (into Ray's object store, on the way from the update stage to the rollout replicas) as numpy
     arrays, which pickle protocol 5 hands over out of band: the sender copies each tensor once into the
     store and every receiver maps it there without a copy. A torch tensor pickles through a bytes copy on
-    each side instead: SmolLM2's 0.54 GB of float32 weights took 0.95 s to put and 0.8 s to get on a 2-core
-    Zen 3, against 0.08 and 0.01 s as arrays. dtypes numpy lacks (bfloat16, float8) travel as integers of
+    each side instead: SmolLM2's 0.54 GB of float32 weights took 0.93 s to put and 0.81 s to get on a 2-core
+    Zen 3, against 0.07 and 0.06 s as arrays. dtypes numpy lacks (bfloat16, float8) travel as integers of
     their size; tensors that share storage (tied embeddings) travel once and arrive sharing it.
 
     A received tensor is a read-only view of the store: engines copy it into their own parameters and must

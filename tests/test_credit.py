@@ -148,10 +148,37 @@ def test_down_sampling_under_turn_credit_falls_back_to_first_turn_returns_for_bi
     from factory.algorithms import MAX_SUBSETS, max_turn_variance_keep, max_variance_keep
     from math import comb
 
-    assert comb(16, 8) > MAX_SUBSETS >= comb(8, 4)
+    assert comb(18, 9) > MAX_SUBSETS >= comb(16, 8)
     gen = torch.Generator().manual_seed(3)
-    rewards = [torch.rand(int(torch.randint(1, 4, (1,), generator=gen)), generator=gen) for _ in range(16)]
-    groups = torch.zeros(16, dtype=torch.long)
+    rewards = [torch.rand(int(torch.randint(1, 4, (1,), generator=gen)), generator=gen) for _ in range(18)]
+    groups = torch.zeros(18, dtype=torch.long)
     first = torch.stack([discounted_turn_returns(r, 0.5)[0] for r in rewards])
-    got = max_turn_variance_keep(rewards, groups, 8, gamma=0.5)
-    assert torch.equal(got, max_variance_keep(first, groups, 8)) and int(got.sum()) == 8
+    got = max_turn_variance_keep(rewards, groups, 9, gamma=0.5)
+    assert torch.equal(got, max_variance_keep(first, groups, 9)) and int(got.sum()) == 9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_down_sampling_under_turn_credit_keeps_the_subset_that_spreads_most_turn_by_turn(seed):
+    """Against every subset written out by hand: turn counts of 1-3, some with no turn at all."""
+    import itertools
+
+    from factory.algorithms import max_turn_variance_keep
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).float()
+               for _ in range(8)]
+    returns = [discounted_turn_returns(r, 0.8).tolist() for r in rewards]
+
+    def spread(chosen):
+        total = 0.0
+        for k in range(4):
+            at = [returns[i][k] for i in chosen if len(returns[i]) > k]
+            if len(at) > 1:
+                total += sum((x - sum(at) / len(at)) ** 2 for x in at) / len(at)
+        return total
+
+    for m in (2, 3, 5):
+        got = max_turn_variance_keep(rewards, torch.zeros(8, dtype=torch.long), m, gamma=0.8)
+        assert int(got.sum()) == m
+        best = max(spread(c) for c in itertools.combinations(range(8), m))
+        assert spread(got.nonzero().flatten().tolist()) == pytest.approx(best, abs=1e-9), (seed, m)

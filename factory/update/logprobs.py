@@ -52,8 +52,8 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
                 and kwargs.get("position_bias") is None and kwargs.get("cache") is None):
             # A padded call with a mask on CPU (right-padded rows, the shared prefix's keys before them): torch's
             # sdpa reads the grouped keys itself, where transformers' wrapper would copy them out to every query
-            # head first (repeat_kv) and its backward would fill and sum gradients that size (the quickstart's
-            # short-row micro-batch: 0.56 s of a 15 s update on a real AVX2 Zen 3).
+            # head first (repeat_kv) and its backward would fill and sum gradients that size (on the quickstart's
+            # short-row micro-batch, about 45% of that attention's time on a real AVX2 Zen 3).
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).contiguous(), None
