@@ -33,3 +33,20 @@ def test_weights_are_a_plain_dict_to_their_holder():
     w = Weights({"a": torch.ones(2)})
     assert isinstance(w, dict) and torch.equal(w["a"], torch.ones(2))
     assert torch.equal(pickle.loads(pickle.dumps(w))["a"], torch.ones(2))  # in-band pickling works too
+
+
+def test_the_update_stage_answers_a_weight_sync_with_weights_and_passes_adapters_and_none_through():
+    from types import SimpleNamespace
+
+    from factory.lora import Adapters
+    from factory.update.stage import UpdateStage
+
+    stage = UpdateStage(settings=None)
+    full = {"w": torch.ones(2)}
+    adapters = Adapters({"a": torch.ones(1)}, scale=2.0)
+    for answer, want in ((full, Weights), (adapters, Adapters), (None, type(None))):
+        stage.learner = SimpleNamespace(state_dict=lambda every_rank, copy, answer=answer: answer)
+        got = stage.state_dict()
+        assert type(got) is want
+    stage.learner = SimpleNamespace(state_dict=lambda every_rank, copy: full)
+    assert stage.state_dict()["w"] is full["w"]  # the same tensors, not copies (Ray copies them once)
