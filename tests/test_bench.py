@@ -120,7 +120,8 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
 
     def side(periods, update_s):
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
-                "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s]}
+                "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s],
+                "sampling_dtype": "float32"}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
@@ -132,6 +133,44 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     assert "the rest (generation, rewards, weight sync, the loop): factory 2.00 s, trl 0.50 s" in printed
     assert "mean completion length by step (repeat 0): factory [1.0], trl [4.5]" in printed
 
+
+
+def test_vs_trl_gives_trls_vllm_factorys_sampling_dtype_and_kv_blocks(monkeypatch):
+    # TRL leaves vLLM's dtype "auto", which samples a float32 model in bfloat16 on x86 CPUs
+    import types
+
+    import trl.generation.vllm_generation as generation
+
+    import bench.vs_trl as vs_trl
+    from factory.rollout.engine_vllm import CPU_BLOCK_SIZE
+
+    seen = {}
+
+    def build(**kwargs):  # what TRL's VLLMGeneration calls; the engine reports the dtype it resolved
+        seen.update(kwargs)
+        config = types.SimpleNamespace(dtype=getattr(__import__("torch"), kwargs.get("dtype", "bfloat16")))
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=config))
+
+    monkeypatch.setattr(generation, "LLM", build)
+    resolved = vs_trl.same_engine("float32")
+    generation.LLM(model="m", seed=0)
+    assert (seen["dtype"], seen["block_size"], seen["seed"]) == ("float32", CPU_BLOCK_SIZE, 0)
+    assert resolved == ["float32"]
+
+
+def test_vs_trl_stops_when_the_vllm_pair_sampled_in_different_dtypes(monkeypatch, tmp_path):
+    import bench.vs_trl as vs_trl
+
+    def side(dtype):
+        return lambda *args: {"periods": [1.0], "update_s": 0.5, "sampled_tokens": 1.0, "trained_rows": 1.0,
+                              "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {}, "length_by_step": [],
+                              "sampling_dtype": dtype}
+
+    monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
+    monkeypatch.setattr(vs_trl, "run_factory", side("float32"))
+    monkeypatch.setattr(vs_trl, "run_trl", side("bfloat16"))
+    with pytest.raises(SystemExit, match="sampled in bfloat16, Factory's in float32"):
+        vs_trl.compare(vs_trl.parse_args(["--repeats", "1"]), "vllm", "tiny", False, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
