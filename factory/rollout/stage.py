@@ -143,6 +143,8 @@ class RolloutStage(StageActor):
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
                     "weight_sync": self.engine.weight_sync}
+        if self.engine.name == "vllm":
+            resolved["vllm_compiled"] = self.engine.compiled
         if self.engine.fallback_reason:
             resolved["engine_fallback"] = self.engine.fallback_reason
         if self.engine.choice_reason:  # `auto` weighed vLLM's start-up against its saving
