@@ -87,9 +87,7 @@ def matmul_flops_per_s(dtype_name: str, threads: int, n: int = 1024, seconds: fl
 
 def update_dtype(run) -> str:
     """The dtype the update's matmuls ran in: bf16 under autocast, else the weights' (MLflow params)."""
-    from mlflow.tracking import MlflowClient
-
-    params = MlflowClient(run.store).get_run(run.run_id).data.params
+    params = run.params
     autocast = params.get("resolved.update.autocast", "off")
     return autocast if autocast != "off" else params.get("resolved.update.dtype", "float32")
 

@@ -91,6 +91,7 @@ class FactoryRun:
     store: str = ""  # the MLflow tracking URI
     run_id: str = ""
     stderr: str = field(repr=False, default="")
+    params: dict[str, str] = field(default_factory=dict)  # the run's MLflow params (the spec, `resolved.*`)
 
     def mean(self, key: str, steps: Sequence[int] | None = None) -> float:
         steps = steps or self.steady_steps
@@ -145,7 +146,7 @@ def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: floa
             metrics.setdefault(m.step, {})[key] = m.value
             if key == "timing/step_s":
                 stamps[m.step] = m.timestamp
-    result = FactoryRun(metrics, [], wall, store, run.info.run_id, out.stderr)
+    result = FactoryRun(metrics, [], wall, store, run.info.run_id, out.stderr, dict(run.data.params))
     result.periods = [(stamps[s] - stamps[s - 1]) / 1000 for s in result.steady_steps if s - 1 in stamps]
     return result
 

@@ -56,12 +56,6 @@ def summary(run) -> dict[str, float]:
             "step_s": median(run.periods)}
 
 
-def params(run) -> dict[str, str]:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(run.store).get_run(run.run_id).data.params
-
-
 def main(a: argparse.Namespace) -> dict:
     from factory.assets import resolve_model
 
@@ -78,7 +72,7 @@ def main(a: argparse.Namespace) -> dict:
             (folder / "spec.yaml").write_text((ROOT / "specs/quickstart.yaml").read_text())
             run = factory_run(folder, overrides(a, lora))
             results[label] = summary(run)
-            p = params(run)
+            p = run.params
             chose[label] = {k: p.get(f"resolved.{k}", "?") for k in ("update.weight_sync", "rollout.weight_sync",
                                                                         "rollout.engine", "update.autocast")}
     full, lora = results["full"], results[f"lora r={a.r}"]

@@ -183,9 +183,7 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
                   {"prompts.jsonl": "".join(json.dumps(r) + "\n" for r in rows)})
     run = factory_run(folder)
     n = a.prompts * a.group_size
-    from mlflow.tracking import MlflowClient
-
-    params = MlflowClient(run.store).get_run(run.run_id).data.params
+    params = run.params
     return {"sampling_dtype": params.get("resolved.rollout.dtype", "?"),
             "update_autocast": params.get("resolved.update.autocast", "?"),
             "compiled": params.get("resolved.rollout.vllm_compiled") == "true",
