@@ -13,13 +13,17 @@ MLflow. For the steady steps (not the first, not the last, which also evaluates 
             data stage, the driver and its MLflow logging -- the framework's own overhead, which leaves
             out the weight sync (sending the new weights to the rollout engine: Factory's work too), its
             own column and its own fraction.
-  scaling   median step time at 2x and 4x prompts over 1x (2.0 and 4.0 = linear).
+  scaling   median step time at 2x and 4x prompts over 1x (2.0 and 4.0 = linear), beside each run's work
+            per step (sampled tokens, trained rows) and the step time per sampled token over 1x's (1.0 =
+            linear in the work actually done: a larger batch's trajectories need not be as long).
   FLOP/s    the update's useful FLOP/s (perf/update_flops_per_s: real tokens only, see
             factory/update/flops.py) against a plain square matmul in the same dtype, with the same
-            threads, in this process, measured between the runs.
+            threads, in this process, measured between the runs; over the steady steps that trained a row
+            (a step whose groups all agree trains none, and its 0 FLOP/s says nothing of the update).
 
 Prints tables, then as its LAST line JSON: overhead_fraction (other / step, median over the 1x steps;
-the weight sync is not in it), weight_sync_fraction (weight sync / step, the same way), scaling_2x, update_flops_over_matmul (median).
+the weight sync is not in it), weight_sync_fraction (weight sync / step, the same way), scaling_2x,
+scaling_2x_per_token, update_flops_over_matmul (median; null when no steady step trained a row).
 Targets: <= 0.05, <= 0.05, <= 2.1, >= 0.3. `--prompts 4 --micro-batch 16 --scales 1` measures the
 quickstart's own batch (4 prompts x 8 samples, micro-batches of 16) at 1x only.
 """
@@ -92,6 +96,12 @@ def update_dtype(run) -> str:
     return autocast if autocast != "off" else params.get("resolved.update.dtype", "float32")
 
 
+def update_flops(run) -> float | None:
+    """The update's median FLOP/s over the steady steps that trained a row; None if none did."""
+    trained = [s for s in run.steady_steps if run.metrics[s].get("actor/trained_rows", 0) > 0]
+    return median([run.metrics[s]["perf/update_flops_per_s"] for s in trained]) if trained else None
+
+
 def split_rows(run, label: str) -> tuple[list, float, float]:
     """The split of each steady step, the median share of `other` and the median share of the weight sync."""
     steps = run.steady_steps
@@ -131,20 +141,29 @@ def main(a: argparse.Namespace) -> dict:
     matmul = median(matmuls[dtype])
     print(f"\nscaling (median steady step) and update FLOP/s vs a {1024}^3 {dtype} matmul "
           f"({matmul / 1e9:.1f} GFLOP/s)")
-    scale_rows, ratios = [], {}
+    scale_rows, ratios, per_token = [], {}, {}
+    base_per_token = median(base.periods) / base.mean("rollout/generated_tokens")
     for scale, run in runs.items():
         step = median(run.periods)
-        flops = median([run.metrics[s]["perf/update_flops_per_s"] for s in run.steady_steps])
+        flops = update_flops(run)
         ratios[scale] = step / median(base.periods)
+        per_token[scale] = step / run.mean("rollout/generated_tokens") / base_per_token
         scale_rows.append((f"{scale}x ({a.prompts * scale} prompts)", step, ratios[scale],
-                           run.mean("timing/update_s"), flops / 1e9, flops / matmul))
-    print(table(["", "step s", "vs 1x", "update s", "upd GFLOP/s", "vs matmul"], scale_rows, first=22))
-    update_ratio = median([median([r.metrics[s]["perf/update_flops_per_s"] for s in r.steady_steps])
-                           for r in runs.values()]) / matmul
+                           run.mean("rollout/generated_tokens"), run.mean("actor/trained_rows"), per_token[scale],
+                           run.mean("timing/update_s"), flops / 1e9 if flops else "-",
+                           flops / matmul if flops else "-"))
+    print(table(["", "step s", "vs 1x", "sampled tok", "rows trained", "s/tok vs 1x", "update s", "upd GFLOP/s",
+                 "vs matmul"], scale_rows, first=22))
+    trained = [f for f in map(update_flops, runs.values()) if f]
+    if not trained:
+        print("no steady step trained a row (every group's rewards agreed): no update FLOP/s to report")
+    update_ratio = median(trained) / matmul if trained else None
     return {"overhead_fraction": round(overhead, 4), "weight_sync_fraction": round(sync, 4),
             "weight_sync_mb": round(base.mean("perf/weight_sync_mb"), 1), "scaling_2x": round(ratios.get(2, float("nan")), 3),
             "scaling_4x": round(ratios.get(4, float("nan")), 3),
-            "update_flops_over_matmul": round(update_ratio, 3), "matmul_gflops": round(matmul / 1e9, 1),
+            "scaling_2x_per_token": round(per_token.get(2, float("nan")), 3),
+            "update_flops_over_matmul": None if update_ratio is None else round(update_ratio, 3),
+            "matmul_gflops": round(matmul / 1e9, 1),
             "update_dtype": dtype, "cpu": cpu()}
 
 
@@ -156,13 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first and last are not timed)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1x and 2x, 3 steps (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1x and 2x, 4 steps (a smoke test)")
     parser.add_argument("--micro-batch", type=int, default=4, help="train.micro_batch (the quickstart's: 16)")
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 2, 4], help="batch sizes, in --prompts")
     a = parser.parse_args(argv)
     if a.quick:
         a.model, a.prompts, a.group_size, a.max_new_tokens, a.steps, a.scales = (
-            "factory:tiny-qwen3-calc", 1, 2, 16, 3, [1, 2])
+            "factory:tiny-qwen3-calc", 2, 4, 16, 4, [1, 2])  # 2 groups of 4, 2 steady steps: some row trains
     return a
 
 

@@ -115,6 +115,20 @@ def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
     assert lines[1].split() == ["1x", "8.600", "2.200", "0.300"]
 
 
+def test_breakdown_reads_the_update_flops_only_of_steps_that_trained_a_row():
+    # a step whose groups all agree trains nothing: its 0 FLOP/s would pull the median to 0 (seen: --quick said 0.0)
+    from bench.breakdown import update_flops
+    from bench.common import FactoryRun
+
+    def run(*steps):  # steps 1.. : (trained rows, FLOP/s); steps 0 and last are not steady
+        metrics = {s: {"actor/trained_rows": r, "perf/update_flops_per_s": f} for s, (r, f) in enumerate(steps, 1)}
+        return FactoryRun(metrics={**metrics, len(steps) + 1: {}}, periods=[], wall_s=0.0)
+
+    assert update_flops(run((0, 0.0), (0, 0.0), (4, 3e9), (2, 5e9))) == 4e9  # steady: 2, 3, 4
+    assert update_flops(run((9, 1e9), (0, 0.0), (3, 2e9), (0, 0.0))) == 2e9
+    assert update_flops(run((4, 1e9), (0, 0.0), (0, 0.0))) is None
+
+
 def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatch, tmp_path, capsys):
     import bench.vs_trl as vs_trl
 
@@ -211,4 +225,4 @@ def test_benchmark_runs_and_ends_with_its_json_line(bench, keys, tmp_path):
                          text=True, timeout=1800, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
-    assert keys <= set(last) and all(last[k] > 0 for k in keys), last
+    assert keys <= set(last) and all(last[k] is not None and last[k] > 0 for k in keys), last
