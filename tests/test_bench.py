@@ -129,6 +129,14 @@ def test_breakdown_reads_the_update_flops_only_of_steps_that_trained_a_row():
     assert update_flops(run((4, 1e9), (0, 0.0), (0, 0.0))) is None
 
 
+def test_vs_trl_compares_with_the_tool_only_at_close_call_rates():
+    from bench.vs_trl import tool_rates_comparable
+
+    assert tool_rates_comparable(31.0, 30.0) and tool_rates_comparable(8.0, 10.0) and tool_rates_comparable(10.0, 8.0)
+    assert not tool_rates_comparable(31.0, 16.0)  # within 2x, once accepted: twice the round trips and turns
+    assert not tool_rates_comparable(31.0, 2.3) and not tool_rates_comparable(0.0, 0.0)
+
+
 def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatch, tmp_path, capsys):
     import bench.vs_trl as vs_trl
 
