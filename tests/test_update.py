@@ -140,6 +140,26 @@ def test_micro_batching_is_exact(small_path, learners):
     assert_same_delta(deltas[12], deltas[4])
 
 
+def test_a_token_budget_cuts_micro_batches_shorter_and_the_update_stays_exact(small_path, learners, monkeypatch):
+    """`train.micro_batch_tokens`: micro-batches of unequal row counts, the same update as one pass."""
+    import factory.update.learner as learner_module
+
+    trajs = batch(seed=1)
+    cuts = []
+    real_shard = learner_module.shard
+    monkeypatch.setattr(learner_module, "shard", lambda *a, **k: cuts.append(real_shard(*a, **k)) or cuts[-1])
+    whole, _ = one_step_delta(learners(make_spec(small_path, train={"micro_batch": 12})), trajs)
+    cuts.clear()
+    budgeted, _ = one_step_delta(learners(make_spec(small_path, train={"micro_batch": 12, "micro_batch_tokens": 64})),
+                                 trajs)
+    micros = [m for schedule in cuts for minibatch in schedule for m in minibatch if m]
+    sizes = {len(m) for m in micros}
+    assert len(sizes) > 1 and max(sizes) < 12, sizes  # cut short, and not into equal parts
+    totals = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    assert all(len(m) * max(totals[i] for i in m) <= 64 for m in micros)
+    assert_same_delta(whole, budgeted)
+
+
 def test_mini_batches_and_epochs_take_several_steps_from_the_same_old_logprobs(small_path, learners):
     spec = make_spec(small_path, algorithm={"epochs": 2, "mini_batches": 3}, train={"micro_batch": 2, "lr": 3.0})
     stats = learners(spec).step(batch(seed=2))
@@ -338,7 +358,7 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, 
         return [d1, d2], [s1, s2]
 
     skipped, skipped_stats = run()
-    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch: schedule)
+    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch, *rest: schedule)
     full, full_stats = run()
     for a, b in zip(full, skipped):
         assert_same_delta(a, b)
@@ -362,7 +382,7 @@ def test_zero_advantage_skip_moves_the_weights_as_plain_sgd_on_every_row_does(sm
     flat = [replace(t, reward=0.5) if t.prompt_index in (1, 2) else t for t in trajs]  # 8 of 16 rows flat
     spec = make_spec(small_path, algorithm={"name": name})  # SGD, lr 0.5, no clip, fp32 (make_spec)
     skipped, skipped_stats = one_step_delta(learners(spec), flat)
-    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch: schedule)
+    monkeypatch.setattr(learner_module, "without_zero_advantage", lambda schedule, adv, micro_batch, *rest: schedule)
     full, full_stats = one_step_delta(learners(spec), flat)
     assert skipped_stats["actor/skipped_zero_adv"] == 8 and full_stats["actor/skipped_zero_adv"] == 0
     assert (skipped_stats["actor/trained_rows"], full_stats["actor/trained_rows"]) == (8, 16)

@@ -9,7 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
-from factory.update.batch import collate, kept, plan, shaped_rewards, shard, shared_prefix, without_zero_advantage
+from factory.update.batch import (collate, cut, kept, plan, shaped_rewards, shard, shared_prefix,
+                                  without_zero_advantage)
 from factory.update.logprobs import response_logprobs
 
 
@@ -49,6 +50,32 @@ def test_plan_covers_each_sample_once_per_epoch_in_sorted_micro_batches():
     assert sched == plan(7, lengths, 2, 2, 3, seed=11)  # seeded
     assert sched[:2] != sched[2:4] or sched[2:4] != sched[4:6]  # reshuffled per epoch
     assert len(plan(2, lengths[:2], mini_batches=4, micro_batch=1, epochs=1, seed=0)) == 2  # capped at n
+
+
+def test_cut_keeps_each_micro_batch_within_its_rows_and_its_padded_tokens():
+    assert cut([3, 1, 0, 2], 2) == [[3, 1], [0, 2]]  # rows alone: as before
+    tokens = [10, 10, 30, 30, 100, 5]
+    # rows x the longest row <= 60: [0, 1] (20), then 2 would make 3 x 30; [2, 3] (60); 4 alone (over the budget)
+    assert cut([0, 1, 2, 3, 4], 8, tokens, max_tokens=60) == [[0, 1], [2, 3], [4]]
+    assert cut([5, 0, 1, 2], 2, tokens, max_tokens=1000) == [[5, 0], [1, 2]]  # the row cap still holds
+    assert cut([], 4, tokens, max_tokens=60) == []
+    lengths = [(p, p + r) for p, r in [(5, 3), (2, 9), (7, 1), (2, 2), (5, 5), (3, 3), (9, 9)]]
+    sched = plan(7, lengths, mini_batches=2, micro_batch=4, epochs=2, seed=3, max_tokens=24)
+    for mb in sched:
+        assert all(len(m) == 1 or len(m) * max(lengths[i][1] for i in m) <= 24 for m in mb)
+    for epoch in (sched[:2], sched[2:]):  # still every sample once per epoch
+        assert sorted(i for mb in epoch for m in mb for i in m) == list(range(7))
+    assert max(len(m) for mb in sched for m in mb) < 4  # the budget, not the row cap, cut them
+
+
+def test_shard_with_a_token_budget_still_gives_every_rank_as_many_micro_batches():
+    tokens = [4, 4, 4, 4, 20, 20, 4, 4]
+    schedule = [[list(range(8))]]
+    parts = [shard(schedule, rank, 2, 4, tokens, max_tokens=16) for rank in (0, 1)]
+    # rank 0: rows 0 2 4 6 -> [0, 2], [4], [6]; rank 1: 1 3 5 7 -> [1, 3], [5], [7]
+    assert parts == [[[[0, 2], [4], [6]]], [[[1, 3], [5], [7]]]]
+    uneven = [shard([[[0, 1, 2]]], rank, 2, 4, [20, 4, 20], max_tokens=16) for rank in (0, 1)]
+    assert uneven == [[[[0], [2]]], [[[1], []]]]  # rank 1 pads to rank 0's count
 
 
 def test_shard_deals_each_minibatch_over_the_ranks_in_equal_numbers_of_micro_batches():

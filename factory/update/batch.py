@@ -71,29 +71,50 @@ def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int
     return out
 
 
+def cut(rows: list[int], micro_batch: int, tokens: Sequence[int] = (), max_tokens: int | None = None) -> list[list[int]]:
+    """`rows`, in their order, cut into consecutive micro-batches of at most `micro_batch` rows and, with
+    `max_tokens` (`train.micro_batch_tokens`), of at most that many tokens laid out padded: rows x the
+    longest row's `tokens[i]` (prompt + response), what a padded micro-batch computes and a packed one
+    never exceeds. A row longer than `max_tokens` goes alone."""
+    if max_tokens is None:
+        return [rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)]
+    out: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in rows:
+        if current and (len(current) == micro_batch or (len(current) + 1) * max(longest, tokens[i]) > max_tokens):
+            out.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, tokens[i])
+    return out + [current] if current else out
+
+
 def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batch: int, epochs: int,
-         seed: int) -> list[list[list[int]]]:
+         seed: int, max_tokens: int | None = None) -> list[list[list[int]]]:
     """The update schedule of one training step: for each epoch x mini-batch, its micro-batches as lists
     of positions in range(num).
 
     Mini-batches are a seeded random partition (factory.algorithms.minibatches, reshuffled per epoch);
-    inside one, samples are sorted by (prompt length, total length) before being cut into micro-batches,
-    so each right-padded micro-batch wastes little on padding and the logits window (see `collate`)
-    stays short. The order inside a mini-batch does not change its gradient: the loss is normalised by
-    the mini-batch's totals. `mini_batches` is capped at `num` (fewer kept samples than mini-batches)."""
+    inside one, samples are sorted by (prompt length, total length) before being cut into micro-batches
+    (`cut`: `micro_batch` rows, and at most `max_tokens` tokens when given), so each right-padded
+    micro-batch wastes little on padding and the logits window (see `collate`) stays short. The order
+    inside a mini-batch does not change its gradient: the loss is normalised by the mini-batch's totals.
+    `mini_batches` is capped at `num` (fewer kept samples than mini-batches)."""
+    tokens = [total for _, total in lengths]
     out: list[list[list[int]]] = []
     for epoch in range(epochs):
         for mb in minibatches(num, min(mini_batches, num), seed + epoch):
             order = sorted(mb.tolist(), key=lambda i: lengths[i])
-            out.append([order[k:k + micro_batch] for k in range(0, len(order), micro_batch)])
+            out.append(cut(order, micro_batch, tokens, max_tokens))
     return out
 
 
-def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor,
-                           micro_batch: int) -> list[list[list[int]]]:
+def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor, micro_batch: int,
+                           tokens: Sequence[int] = (), max_tokens: int | None = None) -> list[list[list[int]]]:
     """`schedule` (see `plan`) without the rows whose advantage is exactly 0 (every token's, for [N, T]
     advantages: turn credit), each mini-batch's remaining
-    rows (still in length order) re-cut into full micro-batches; a mini-batch may end up with none.
+    rows (still in length order) re-cut into full micro-batches (`cut`); a mini-batch may end up with none.
 
     Such a row (its group's rewards all agreed) adds exactly 0 to every policy loss here and to its
     gradient -- each is the advantage times a function of the ratio -- so running it is wasted work: once
@@ -102,15 +123,16 @@ def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor,
     out = []
     for minibatch in schedule:
         rows = [i for micro in minibatch for i in micro if bool(advantages[i].ne(0).any())]
-        out.append([rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)])
+        out.append(cut(rows, micro_batch, tokens, max_tokens))
     return out
 
 
-def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int) -> list[list[list[int]]]:
+def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int, tokens: Sequence[int] = (),
+          max_tokens: int | None = None) -> list[list[list[int]]]:
     """One rank's part of an update schedule (see `plan`), for data parallelism over `world` ranks.
 
     Each mini-batch's samples, in `plan`'s length order, are dealt round-robin over the ranks (so the
-    ranks get near-equal work) and cut into micro-batches. Every rank runs the same number of
+    ranks get near-equal work) and cut into micro-batches (`cut`). Every rank runs the same number of
     micro-batches per mini-batch: ZeRO-2/3 reduce gradients inside backward and ZeRO-3 gathers
     parameters inside forward, so the ranks' passes must pair up. A rank short of samples gets empty
     micro-batches, which the learner runs on a stand-in sample with weight 0. One rank: `schedule`."""
@@ -119,10 +141,9 @@ def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: i
     out = []
     for minibatch in schedule:
         members = [i for micro in minibatch for i in micro]
-        mine = members[rank::world]
-        count = -(-len(members[0::world]) // micro_batch)  # rank 0's part is the largest
-        micros = [mine[k:k + micro_batch] for k in range(0, len(mine), micro_batch)]
-        out.append(micros + [[] for _ in range(count - len(micros))])
+        cuts = [cut(members[r::world], micro_batch, tokens, max_tokens) for r in range(world)]
+        count = max(len(c) for c in cuts)  # every rank works it out alike: the plan is the same on all
+        out.append(cuts[rank] + [[] for _ in range(count - len(cuts[rank]))])
     return out
 
 

@@ -181,7 +181,7 @@ class Learner:
         """One training step on a scored rollout batch; returns the actor/* and timing metrics."""
         t0 = time.perf_counter()
         assert self.engine is not None, "call setup() first"
-        alg, micro_batch = self.alg, self.spec.train.micro_batch
+        alg, micro_batch, max_tokens = self.alg, self.spec.train.micro_batch, self.spec.train.micro_batch_tokens
         sub, stats = self._begin(trajs)
         if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
             self.steps_done += 1
@@ -189,9 +189,10 @@ class Learner:
                     "actor/trained_rows": 0.0}
 
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
+        tokens = [total for _, total in lengths]
         schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
-                        seed=self.spec.seed * 100_003 + self.steps_done * 101)
-        first_epoch = shard(schedule, self.rank, self.world, micro_batch)[: len(schedule) // alg.epochs]
+                        seed=self.spec.seed * 100_003 + self.steps_done * 101, max_tokens=max_tokens)
+        first_epoch = shard(schedule, self.rank, self.world, micro_batch, tokens, max_tokens)[: len(schedule) // alg.epochs]
         t_old = time.perf_counter()
         before = self._before_update(sub, schedule, first_epoch)
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
@@ -204,10 +205,11 @@ class Learner:
         # each mini-batch's normalisers over all its rows. Only without a pre-update pass, whose micro-batches
         # must be the update's for the first ratio to be 1 bit for bit.
         skip = before.ref is None and alg.entropy_coef == 0 and not before.own_pass
-        update_plan = without_zero_advantage(schedule, target.adv, micro_batch) if skip else schedule
+        update_plan = without_zero_advantage(schedule, target.adv, micro_batch, tokens, max_tokens) if skip else schedule
         # A mini-batch left with no rows runs one stand-in sample with weight 0 (see _update): its optimizer
         # step then sees zero gradients, as without skipping, so Adam's moments move the same way.
-        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, micro_batch)]
+        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, micro_batch, tokens,
+                                                          max_tokens)]
 
         t_train = time.perf_counter()
         sums = self._train(sub, schedule, update_plan, update_mine, before, target.adv)
@@ -335,8 +337,10 @@ class Learner:
         """[N, max response length] log-probs of every response token under the current policy (no
         grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
-        schedule = plan(len(trajs), lengths, 1, self.spec.train.micro_batch, 1, 0)
-        mine = shard(schedule, self.rank, self.world, self.spec.train.micro_batch)
+        train = self.spec.train
+        schedule = plan(len(trajs), lengths, 1, train.micro_batch, 1, 0, max_tokens=train.micro_batch_tokens)
+        mine = shard(schedule, self.rank, self.world, train.micro_batch, [total for _, total in lengths],
+                     train.micro_batch_tokens)
         return self._logprobs_before_update(trajs, mine)[0]
 
     @torch.no_grad()
