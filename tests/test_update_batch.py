@@ -59,6 +59,8 @@ def test_cut_keeps_each_micro_batch_within_its_rows_and_its_padded_tokens():
     assert cut([0, 1, 2, 3, 4], 8, tokens, max_tokens=60) == [[0, 1], [2, 3], [4]]
     assert cut([5, 0, 1, 2], 2, tokens, max_tokens=1000) == [[5, 0], [1, 2]]  # the row cap still holds
     assert cut([], 4, tokens, max_tokens=60) == []
+    with pytest.raises(ValueError, match="tokens"):
+        cut([0, 1], 4, max_tokens=60)  # a budget without the rows' tokens
     lengths = [(p, p + r) for p, r in [(5, 3), (2, 9), (7, 1), (2, 2), (5, 5), (3, 3), (9, 9)]]
     sched = plan(7, lengths, mini_batches=2, micro_batch=4, epochs=2, seed=3, max_tokens=24)
     for mb in sched:

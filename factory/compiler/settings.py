@@ -67,7 +67,7 @@ OWNED_KEYS = {
     "train_micro_batch_size_per_gpu": "set train.micro_batch",
     "train_batch_size": "the batch is train.prompts_per_step x rollout.group_size",
     "gradient_accumulation_steps": "Factory accumulates each mini-batch itself: set algorithm.mini_batches "
-                                   "and train.micro_batch",
+                                   "and train.micro_batch (train.micro_batch_tokens to cap its tokens)",
     "managed_gradient_accumulation": "Factory accumulates each mini-batch itself",
     "gradient_clipping": "set train.optimizer.grad_clip",
     "optimizer": "set train.optimizer",

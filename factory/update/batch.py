@@ -78,6 +78,8 @@ def cut(rows: list[int], micro_batch: int, tokens: Sequence[int] = (), max_token
     never exceeds. A row longer than `max_tokens` goes alone."""
     if max_tokens is None:
         return [rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)]
+    if rows and not tokens:
+        raise ValueError("cut: a token budget needs each row's tokens")
     out: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -114,7 +116,7 @@ def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor, 
                            tokens: Sequence[int] = (), max_tokens: int | None = None) -> list[list[list[int]]]:
     """`schedule` (see `plan`) without the rows whose advantage is exactly 0 (every token's, for [N, T]
     advantages: turn credit), each mini-batch's remaining
-    rows (still in length order) re-cut into full micro-batches (`cut`); a mini-batch may end up with none.
+    rows (still in length order) re-cut into micro-batches (`cut`); a mini-batch may end up with none.
 
     Such a row (its group's rewards all agreed) adds exactly 0 to every policy loss here and to its
     gradient -- each is the advantage times a function of the ratio -- so running it is wasted work: once
