@@ -564,12 +564,13 @@ class TrainSpec(Section):
     micro_batch: int = Field(4, ge=1)
     """Sequences per forward/backward; bounds memory."""
     micro_batch_tokens: int | None = Field(None, ge=1)
-    """At most this many tokens per forward/backward as well, counted as a padded micro-batch computes
-    them: its rows x its longest row (prompt + response). A micro-batch of long rows then holds fewer than
-    `micro_batch`; a row longer than this goes alone. Bounds the update's activations as trajectories
-    grow longer during a run (with `micro_batch` alone the update's peak follows the longest step's rows:
-    README, the quickstart's memory). Exact: the loss is normalised over the mini-batch, however it is
-    cut. Fewer rows per micro-batch share the prefix (`share_prefix`) less. None: `micro_batch` alone."""
+    """At most this many tokens per forward/backward as well, counted as the update computes them: its
+    rows x its longest row (prompt + response, padded), except that a prefix every row of the micro-batch
+    shares counts once when `share_prefix` runs it once: shared + rows x (longest - shared). A micro-batch
+    of long rows then holds fewer than `micro_batch`; a row longer than this goes alone. Bounds the
+    update's activations as trajectories grow longer during a run (with `micro_batch` alone the update's
+    peak follows the longest step's rows: README, the quickstart's memory). Exact: the loss is normalised
+    over the mini-batch, however it is cut. None: `micro_batch` alone."""
     lr: float = 1e-6
     """Learning rate."""
     warmup_steps: int = 0

@@ -307,6 +307,28 @@ def test_shared_prefix_once_gives_the_same_update(small_path, learners):
     assert no_cache.resolved()["share_prefix"] == "off"  # HF drops the KV cache under checkpointing
 
 
+def test_a_token_budget_counts_the_prefix_the_update_runs_once(small_path, learners, monkeypatch):
+    """`train.micro_batch_tokens` with a shared prefix: a micro-batch holds the rows whose cost as the
+    update runs them (the prefix once) fits, more than their padded size would allow; still exact."""
+    import factory.update.learner as learner_module
+    from factory.update.batch import run_once, shared_prefix
+
+    system = [7 + i for i in range(20)]  # >= MIN_SHARED_PREFIX tokens every prompt starts with
+    trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=11)]  # rows of 30-52 tokens
+    whole, _ = one_step_delta(learners(make_spec(small_path, train={"micro_batch": 12})), trajs)
+    cuts = []
+    real_shard = learner_module.shard
+    monkeypatch.setattr(learner_module, "shard", lambda *a, **k: cuts.append(real_shard(*a, **k)) or cuts[-1])
+    budgeted, _ = one_step_delta(learners(make_spec(small_path, train={"micro_batch": 12, "micro_batch_tokens": 100})),
+                                 trajs)
+    micros = [[trajs[i] for i in m] for schedule in cuts for minibatch in schedule for m in minibatch if m]
+    totals = [[len(t.prompt_ids) + len(t.response_ids) for t in m] for m in micros]
+    once = [run_once(len(m), shared_prefix(m)) for m in micros]
+    assert all(len(m) == 1 or s + len(m) * (max(n) - s) <= 100 for m, n, s in zip(micros, totals, once))
+    assert any(len(n) * max(n) > 100 for n in totals)  # padded counting would have cut these
+    assert_same_delta(whole, budgeted)
+
+
 @pytest.fixture(scope="module")
 def dropout_path(small_path, tmp_path_factory) -> str:
     """The small Qwen3 with attention dropout 0.1 (applied functionally in training mode, no nn.Dropout)."""

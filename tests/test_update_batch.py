@@ -9,8 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
-from factory.update.batch import (collate, cut, kept, plan, shaped_rewards, shard, shared_prefix,
-                                  without_zero_advantage)
+from factory.update.batch import (MIN_SHARED_PREFIX, TokenBudget, collate, common_prefix, cut, kept, plan, run_once,
+                                  shaped_rewards, shard, shared_prefix, without_zero_advantage)
 from factory.update.logprobs import response_logprobs
 
 
@@ -52,17 +52,20 @@ def test_plan_covers_each_sample_once_per_epoch_in_sorted_micro_batches():
     assert len(plan(2, lengths[:2], mini_batches=4, micro_batch=1, epochs=1, seed=0)) == 2  # capped at n
 
 
+def budget(limit: int, totals: list[int], prompts: list[list[int]] = ()) -> TokenBudget:
+    return TokenBudget(limit, totals, prompts)
+
+
 def test_cut_keeps_each_micro_batch_within_its_rows_and_its_padded_tokens():
     assert cut([3, 1, 0, 2], 2) == [[3, 1], [0, 2]]  # rows alone: as before
     tokens = [10, 10, 30, 30, 100, 5]
     # rows x the longest row <= 60: [0, 1] (20), then 2 would make 3 x 30; [2, 3] (60); 4 alone (over the budget)
-    assert cut([0, 1, 2, 3, 4], 8, tokens, max_tokens=60) == [[0, 1], [2, 3], [4]]
-    assert cut([5, 0, 1, 2], 2, tokens, max_tokens=1000) == [[5, 0], [1, 2]]  # the row cap still holds
-    assert cut([], 4, tokens, max_tokens=60) == []
-    with pytest.raises(ValueError, match="tokens"):
-        cut([0, 1], 4, max_tokens=60)  # a budget without the rows' tokens
+    assert cut([0, 1, 2, 3, 4], 8, budget(60, tokens)) == [[0, 1], [2, 3], [4]]
+    assert cut([5, 0, 1, 2], 2, budget(1000, tokens)) == [[5, 0], [1, 2]]  # the row cap still holds
+    assert cut([], 4, budget(60, tokens)) == []
     lengths = [(p, p + r) for p, r in [(5, 3), (2, 9), (7, 1), (2, 2), (5, 5), (3, 3), (9, 9)]]
-    sched = plan(7, lengths, mini_batches=2, micro_batch=4, epochs=2, seed=3, max_tokens=24)
+    sched = plan(7, lengths, mini_batches=2, micro_batch=4, epochs=2, seed=3,
+                 budget=budget(24, [total for _, total in lengths]))
     for mb in sched:
         assert all(len(m) == 1 or len(m) * max(lengths[i][1] for i in m) <= 24 for m in mb)
     for epoch in (sched[:2], sched[2:]):  # still every sample once per epoch
@@ -70,13 +73,50 @@ def test_cut_keeps_each_micro_batch_within_its_rows_and_its_padded_tokens():
     assert max(len(m) for mb in sched for m in mb) < 4  # the budget, not the row cap, cut them
 
 
+def test_a_token_budget_counts_a_shared_prefix_once_as_the_update_runs_it():
+    system = list(range(100, 100 + 20))  # 20 tokens every prompt starts with (>= MIN_SHARED_PREFIX)
+    prompts = [system + [1, 2], system + [1, 3], system + [4], system + [5, 6, 7], [9] + system]
+    totals = [30, 30, 30, 30, 30]
+    # padded: 2 rows x 30 = 60 fill the budget. Prefix once: 20 + rows x (30 - 20), so 4 rows make 60; row 4
+    # starts elsewhere (no common prefix with 0): its micro-batch would be 5 x 30, so it goes on its own
+    assert cut([0, 1, 2, 3, 4], 8, budget(60, totals)) == [[0, 1], [2, 3], [4]]
+    assert cut([0, 1, 2, 3, 4], 8, budget(60, totals, prompts)) == [[0, 1, 2, 3], [4]]
+    # the common prefix is the micro-batch's, not its first pair's: 0 and 1 share 21 tokens, 2 only 20:
+    # 21 + 2 x 9 = 39 <= 40, then 20 + 3 x 10 = 50 > 40
+    assert cut([0, 1, 2], 8, budget(40, totals, prompts)) == [[0, 1], [2]]
+    # at most the shortest prompt - 1 (a row's last prompt token predicts its first response token, so it is
+    # its own): identical prompts of 22 tokens share 21
+    same = budget(1000, [30, 30], [system + [1, 2]] * 2)
+    assert same.common(0, 1) == same.common(0, 0) == 21
+    # a common prefix too short to be run once counts in every row, as the update then runs it
+    short = [[1] * (MIN_SHARED_PREFIX - 1) + [7], [1] * (MIN_SHARED_PREFIX - 1) + [8]]
+    assert cut([0, 1], 8, budget(40, [25, 25], short)) == [[0], [1]]  # 2 x 25 = 50 > 40
+    # what the budget counts is what the update runs: each micro-batch's shared prefix as collate finds it
+    trajs = [traj(p, [3] * (t - len(p))) for p, t in zip(prompts, totals)]
+    for micro in cut([0, 1, 2, 3, 4], 3, budget(60, totals, prompts)):
+        group = [trajs[i] for i in micro]
+        once = run_once(len(group), shared_prefix(group))
+        assert once + len(group) * (max(totals[i] for i in micro) - once) <= 60
+
+
+def test_common_prefix_is_the_first_place_two_rows_differ():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        a = torch.randint(0, 3, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+        b = torch.randint(0, 3, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert common_prefix(a, b) == n, (a, b)
+
+
 def test_shard_with_a_token_budget_still_gives_every_rank_as_many_micro_batches():
     tokens = [4, 4, 4, 4, 20, 20, 4, 4]
     schedule = [[list(range(8))]]
-    parts = [shard(schedule, rank, 2, 4, tokens, max_tokens=16) for rank in (0, 1)]
+    parts = [shard(schedule, rank, 2, 4, budget(16, tokens)) for rank in (0, 1)]
     # rank 0: rows 0 2 4 6 -> [0, 2], [4], [6]; rank 1: 1 3 5 7 -> [1, 3], [5], [7]
     assert parts == [[[[0, 2], [4], [6]]], [[[1, 3], [5], [7]]]]
-    uneven = [shard([[[0, 1, 2]]], rank, 2, 4, [20, 4, 20], max_tokens=16) for rank in (0, 1)]
+    uneven = [shard([[[0, 1, 2]]], rank, 2, 4, budget(16, [20, 4, 20])) for rank in (0, 1)]
     assert uneven == [[[[0], [2]]], [[[1], []]]]  # rank 1 pads to rank 0's count
 
 

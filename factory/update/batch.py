@@ -71,49 +71,106 @@ def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int
     return out
 
 
-def cut(rows: list[int], micro_batch: int, tokens: Sequence[int] = (), max_tokens: int | None = None) -> list[list[int]]:
-    """`rows`, in their order, cut into consecutive micro-batches of at most `micro_batch` rows and, with
-    `max_tokens` (`train.micro_batch_tokens`), of at most that many tokens laid out padded: rows x the
-    longest row's `tokens[i]` (prompt + response), what a padded micro-batch computes and a packed one
-    never exceeds. A row longer than `max_tokens` goes alone."""
-    if max_tokens is None:
+# Below this many shared tokens a second forward call costs more than it saves (factory.update.logprobs).
+MIN_SHARED_PREFIX = 16
+
+
+def run_once(rows: int, shared: int) -> int:
+    """How many of `rows` sequences' `shared` common leading tokens are run once (0: none)."""
+    return shared if rows > 1 and shared >= MIN_SHARED_PREFIX else 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: halve (slice compares run in C)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """`train.micro_batch_tokens`: the most tokens one micro-batch may compute, and what each row brings.
+
+    A micro-batch computes its rows laid out padded (rows x its longest row, prompt + response: what a
+    padded micro-batch computes and a packed one never exceeds), except that with `prompts` (the rows'
+    prompt ids, given when `train.share_prefix` is on) the rows' common leading tokens count once, as the
+    update runs them (`run_once`): shared + rows x (longest - shared). The prefix's keys and values, which
+    every row then reads, are not counted: per token they are a small part of a layer's activations."""
+
+    limit: int
+    totals: Sequence[int]  # each row's prompt + response tokens
+    prompts: Sequence[Sequence[int]] = ()  # each row's prompt ids: a micro-batch's common prefix counts once
+
+    @classmethod
+    def of(cls, limit: int | None, trajs: Sequence[Trajectory], share_prefix: bool) -> TokenBudget | None:
+        """The budget of `trajs`' rows (None: no `limit`, micro-batches cut by their rows alone)."""
+        if limit is None:
+            return None
+        return cls(limit, [len(t.prompt_ids) + len(t.response_ids) for t in trajs],
+                   [t.prompt_ids for t in trajs] if share_prefix else ())
+
+    def common(self, a: int, b: int) -> int:
+        """The leading tokens rows `a` and `b` (a == b: one row) have in common that could be run once: at most
+        either's prompt - 1 (see `shared_prefix`); 0 without `prompts`."""
+        if not self.prompts:
+            return 0
+        pa, pb = self.prompts[a], self.prompts[b]
+        return min(common_prefix(pa, pb), len(pa) - 1, len(pb) - 1)
+
+    def cost(self, rows: int, longest: int, shared: int) -> int:
+        """The tokens a micro-batch of `rows` rows computes, its longest row `longest` tokens and its rows'
+        common prefix `shared` tokens."""
+        once = run_once(rows, shared)
+        return once + rows * (longest - once)
+
+
+def cut(rows: list[int], micro_batch: int, budget: TokenBudget | None = None) -> list[list[int]]:
+    """`rows`, in their order, cut into consecutive micro-batches of at most `micro_batch` rows and, with a
+    `budget`, of at most `budget.limit` tokens as `budget.cost` counts them. A row over the limit goes
+    alone."""
+    if budget is None:
         return [rows[k:k + micro_batch] for k in range(0, len(rows), micro_batch)]
-    if rows and not tokens:
-        raise ValueError("cut: a token budget needs each row's tokens")
     out: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = shared = 0  # the current micro-batch's longest row and its rows' common prefix
     for i in rows:
-        if current and (len(current) == micro_batch or (len(current) + 1) * max(longest, tokens[i]) > max_tokens):
+        if current:
+            grown, common = max(longest, budget.totals[i]), min(shared, budget.common(current[0], i))
+            if len(current) < micro_batch and budget.cost(len(current) + 1, grown, common) <= budget.limit:
+                current.append(i)
+                longest, shared = grown, common
+                continue
             out.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, tokens[i])
+        current, longest, shared = [i], budget.totals[i], budget.common(i, i)
     return out + [current] if current else out
 
 
 def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batch: int, epochs: int,
-         seed: int, max_tokens: int | None = None) -> list[list[list[int]]]:
+         seed: int, budget: TokenBudget | None = None) -> list[list[list[int]]]:
     """The update schedule of one training step: for each epoch x mini-batch, its micro-batches as lists
     of positions in range(num).
 
     Mini-batches are a seeded random partition (factory.algorithms.minibatches, reshuffled per epoch);
     inside one, samples are sorted by (prompt length, total length) before being cut into micro-batches
-    (`cut`: `micro_batch` rows, and at most `max_tokens` tokens when given), so each right-padded
+    (`cut`: `micro_batch` rows, and within the token `budget` when given), so each right-padded
     micro-batch wastes little on padding and the logits window (see `collate`) stays short. The order
     inside a mini-batch does not change its gradient: the loss is normalised by the mini-batch's totals.
     `mini_batches` is capped at `num` (fewer kept samples than mini-batches)."""
-    tokens = [total for _, total in lengths]
     out: list[list[list[int]]] = []
     for epoch in range(epochs):
         for mb in minibatches(num, min(mini_batches, num), seed + epoch):
             order = sorted(mb.tolist(), key=lambda i: lengths[i])
-            out.append(cut(order, micro_batch, tokens, max_tokens))
+            out.append(cut(order, micro_batch, budget))
     return out
 
 
 def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor, micro_batch: int,
-                           tokens: Sequence[int] = (), max_tokens: int | None = None) -> list[list[list[int]]]:
+                           budget: TokenBudget | None = None) -> list[list[list[int]]]:
     """`schedule` (see `plan`) without the rows whose advantage is exactly 0 (every token's, for [N, T]
     advantages: turn credit), each mini-batch's remaining
     rows (still in length order) re-cut into micro-batches (`cut`); a mini-batch may end up with none.
@@ -125,12 +182,12 @@ def without_zero_advantage(schedule: list[list[list[int]]], advantages: Tensor, 
     out = []
     for minibatch in schedule:
         rows = [i for micro in minibatch for i in micro if bool(advantages[i].ne(0).any())]
-        out.append(cut(rows, micro_batch, tokens, max_tokens))
+        out.append(cut(rows, micro_batch, budget))
     return out
 
 
-def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int, tokens: Sequence[int] = (),
-          max_tokens: int | None = None) -> list[list[list[int]]]:
+def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: int,
+          budget: TokenBudget | None = None) -> list[list[list[int]]]:
     """One rank's part of an update schedule (see `plan`), for data parallelism over `world` ranks.
 
     Each mini-batch's samples, in `plan`'s length order, are dealt round-robin over the ranks (so the
@@ -143,7 +200,7 @@ def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: i
     out = []
     for minibatch in schedule:
         members = [i for micro in minibatch for i in micro]
-        cuts = [cut(members[r::world], micro_batch, tokens, max_tokens) for r in range(world)]
+        cuts = [cut(members[r::world], micro_batch, budget) for r in range(world)]
         count = max(len(c) for c in cuts)  # every rank works it out alike: the plan is the same on all
         out.append(cuts[rank] + [[] for _ in range(count - len(cuts[rank]))])
     return out

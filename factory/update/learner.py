@@ -55,6 +55,7 @@ from factory.types import Trajectory
 from factory.update.batch import (
     MicroBatch,
     PackedBatch,
+    TokenBudget,
     collate,
     collate_packed,
     kept,
@@ -64,6 +65,7 @@ from factory.update.batch import (
     shaped_rewards,
     shard,
     padding_stats,
+    run_once,
     shared_prefix,
     should_pack,
     without_zero_advantage,
@@ -77,7 +79,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import active_dropout, response_logprobs, run_once, use_packed_attention
+from factory.update.logprobs import active_dropout, response_logprobs, use_packed_attention
 from factory.util import UserError
 
 
@@ -181,7 +183,7 @@ class Learner:
         """One training step on a scored rollout batch; returns the actor/* and timing metrics."""
         t0 = time.perf_counter()
         assert self.engine is not None, "call setup() first"
-        alg, micro_batch, max_tokens = self.alg, self.spec.train.micro_batch, self.spec.train.micro_batch_tokens
+        alg, micro_batch = self.alg, self.spec.train.micro_batch
         sub, stats = self._begin(trajs)
         if not sub:  # nothing to learn from; the step still counts so the LR schedule stays aligned
             self.steps_done += 1
@@ -189,10 +191,10 @@ class Learner:
                     "actor/trained_rows": 0.0}
 
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
-        tokens = [total for _, total in lengths]
+        budget = TokenBudget.of(self.spec.train.micro_batch_tokens, sub, self.share_prefix)
         schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
-                        seed=self.spec.seed * 100_003 + self.steps_done * 101, max_tokens=max_tokens)
-        first_epoch = shard(schedule, self.rank, self.world, micro_batch, tokens, max_tokens)[: len(schedule) // alg.epochs]
+                        seed=self.spec.seed * 100_003 + self.steps_done * 101, budget=budget)
+        first_epoch = shard(schedule, self.rank, self.world, micro_batch, budget)[: len(schedule) // alg.epochs]
         t_old = time.perf_counter()
         before = self._before_update(sub, schedule, first_epoch)
         stats["timing/update_fwd_old_s"] = time.perf_counter() - t_old
@@ -205,11 +207,10 @@ class Learner:
         # each mini-batch's normalisers over all its rows. Only without a pre-update pass, whose micro-batches
         # must be the update's for the first ratio to be 1 bit for bit.
         skip = before.ref is None and alg.entropy_coef == 0 and not before.own_pass
-        update_plan = without_zero_advantage(schedule, target.adv, micro_batch, tokens, max_tokens) if skip else schedule
+        update_plan = without_zero_advantage(schedule, target.adv, micro_batch, budget) if skip else schedule
         # A mini-batch left with no rows runs one stand-in sample with weight 0 (see _update): its optimizer
         # step then sees zero gradients, as without skipping, so Adam's moments move the same way.
-        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, micro_batch, tokens,
-                                                          max_tokens)]
+        update_mine = [micros or [[]] for micros in shard(update_plan, self.rank, self.world, micro_batch, budget)]
 
         t_train = time.perf_counter()
         sums = self._train(sub, schedule, update_plan, update_mine, before, target.adv)
@@ -217,9 +218,11 @@ class Learner:
         stats.update(mismatch_stats(before.mismatch))
         self.steps_done += 1
         stats.update(step_stats(sums, schedule, update_plan, alg.epochs, before, target))
+        def ran(sched: list[list[list[int]]]) -> list[list[int]]:  # every rank's micro-batches of `sched`
+            return [m for r in range(self.world) for mbs in shard(sched, r, self.world, micro_batch, budget) for m in mbs if m]
+
         stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
-                                    for minibatch in update_plan for micro in minibatch if micro],
-                                   self.spec.train.packing))
+                                    for micro in ran(update_plan)], self.spec.train.packing))
         stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6  # the sync that brought the weights this step sampled with
         elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
@@ -228,8 +231,8 @@ class Learner:
         stats["perf/update_tokens_per_s"] = stats["actor/trained_tokens"] * alg.epochs / max(elapsed, 1e-9)
         stats["perf/update_flops_per_s"] = (
             # LoRA's backward computes no gradient of the frozen weights: forward + input gradients only
-            (self._pass_flops(sub, update_mine[: len(update_mine) // alg.epochs]) * (2 if self.lora else 3) * alg.epochs
-             + self._pass_flops(sub, first_epoch) * (before.own_pass + (before.ref is not None)))
+            (self._pass_flops(sub, ran(update_plan[: len(update_plan) // alg.epochs])) * (2 if self.lora else 3) * alg.epochs
+             + self._pass_flops(sub, ran(schedule[: len(schedule) // alg.epochs])) * (before.own_pass + (before.ref is not None)))
             / max(elapsed, 1e-9))
         return stats
 
@@ -322,25 +325,24 @@ class Learner:
                 "Look at actor/skipped_non_finite and the rewards' non_finite counts; a lower train.lr or "
                 "algorithm.grad_clip usually helps (train.max_non_finite_steps: 0 goes on regardless)")
 
-    def _pass_flops(self, sub: list[Trajectory], micro_plan: list[list[list[int]]]) -> float:
-        """FLOPs of one forward over all of `sub` as this learner runs it: with prefix sharing, each
-        micro-batch's shared prefix once. From this rank's micro-batches times the world size (the
-        ranks' shares are near-equal; exact with one rank)."""
+    def _pass_flops(self, sub: list[Trajectory], micros: list[list[int]]) -> float:
+        """FLOPs of one forward over the micro-batches `micros` (every rank's) as the learner runs them:
+        with prefix sharing, each micro-batch's shared prefix once."""
         total = 0.0
-        for micro in (m for minibatch in micro_plan for m in minibatch if m):
+        for micro in micros:
             group = [sub[i] for i in micro]
             shared = run_once(len(group), shared_prefix(group)) if self.share_prefix else 0
             total += forward_flops(self.shape, [(len(t.prompt_ids), len(t.response_ids)) for t in group], shared)
-        return total * self.world
+        return total
 
     def logprobs(self, trajs: list[Trajectory]) -> Tensor:
         """[N, max response length] log-probs of every response token under the current policy (no
         grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
         lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
         train = self.spec.train
-        schedule = plan(len(trajs), lengths, 1, train.micro_batch, 1, 0, max_tokens=train.micro_batch_tokens)
-        mine = shard(schedule, self.rank, self.world, train.micro_batch, [total for _, total in lengths],
-                     train.micro_batch_tokens)
+        budget = TokenBudget.of(train.micro_batch_tokens, trajs, self.share_prefix)
+        schedule = plan(len(trajs), lengths, 1, train.micro_batch, 1, 0, budget=budget)
+        mine = shard(schedule, self.rank, self.world, train.micro_batch, budget)
         return self._logprobs_before_update(trajs, mine)[0]
 
     @torch.no_grad()

@@ -28,11 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from factory.update.batch import MicroBatch, PackedBatch
+from factory.update.batch import MicroBatch, PackedBatch, run_once
 from factory.update.engine import autocast
-
-# Below this many shared tokens a second forward call costs more than it saves.
-MIN_SHARED_PREFIX = 16
 
 
 PACKED_ATTENTION = "factory_packed"
@@ -94,11 +91,6 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
     model.set_attn_implementation(PACKED_ATTENTION)
-
-
-def run_once(rows: int, shared: int) -> int:
-    """How many of `rows` sequences' `shared` common leading tokens are run once (0: none)."""
-    return shared if rows > 1 and shared >= MIN_SHARED_PREFIX else 0
 
 
 def active_dropout(model: torch.nn.Module) -> list[str]:
