@@ -216,6 +216,19 @@ def test_turns_reach_only_functions_that_declare_them():
     assert trajs[0].rewards == {"calls": 1.0, "answer": 2.0, "total": 3.0} and m["rewards/calls/errors"] == 0.0
 
 
+def test_a_function_gets_only_the_row_columns_it_names():
+    """Without `**row` a reward function is passed the columns it names, not every column of the row (each
+    call raised TypeError before, and the node scored nothing)."""
+    spec = make_spec({"plain": {"fn": f"{FNS}:no_row"},
+                      "named": {"fn": f"{FNS}:named_columns", "args": {"scale": 10.0}},
+                      "total": {"sum": {"plain": 1.0, "named": 1.0}}})
+    t = traj("abc", answer="2")
+    t.row = {"answer": "2", "question": "1 + 1", "level": 3}
+    trajs, m = score(spec, [t])
+    assert trajs[0].rewards == {"plain": 3.0, "named": 20.0, "total": 23.0}
+    assert m["rewards/plain/errors"] == m["rewards/named/errors"] == 0.0
+
+
 def test_group_reward_gets_each_group():
     call = Turn(text="", num_tokens=1, calls=[ToolCall(name="add", arguments={}, raw="")])
     spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True},

@@ -62,6 +62,19 @@ def takes_turns(fn: Callable[..., Any]) -> bool:
         return False
 
 
+def row_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The row columns a reward function takes by keyword: None when it takes them all (`**row`, or a
+    signature that cannot be read), else the names of its parameters. The reward stage passes a function
+    only the columns it names, so `f(prompt, completion, answer)` works on rows with more columns."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = None) -> dict[str, str]:
     """Data columns the reward functions cannot do without: column -> the node that needs it. `fns`: each
     function node's function, as the compiler imported it (default: imported here).
@@ -75,7 +88,9 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
         if not isinstance(node, FnNode) or node.group:
             continue
         try:
-            fn = fns[name] if fns is not None else import_object(node.fn)
+            fn = fns.get(name) if fns is not None else import_object(node.fn)
+            if fn is None:  # it did not import: the compiler says so at its key
+                continue
             params = list(inspect.signature(fn).parameters.values())[2:]
         except (TypeError, ValueError):  # no introspectable signature: nothing to require
             continue

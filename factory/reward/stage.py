@@ -38,6 +38,7 @@ from factory.reward.graph import (
     prompt_text,
     reward_metrics,
     roots,
+    row_keywords,
     standardize,
     turn_mean,
 )
@@ -77,14 +78,16 @@ class RewardStage(StageActor):
         placement = placement or Placement()
         enter_workdir(placement.workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
-        self._fns: dict[str, tuple[Callable[..., Any], bool]] = {}  # node -> (function, wants `turns`)
+        # node -> (function, wants `turns`, the row columns it takes: None for all)
+        self._fns: dict[str, tuple[Callable[..., Any], bool, frozenset[str] | None]] = {}
         self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
         self._judge_actors: dict[str, Any] = {}
         env = template_env()
         for name, node in self.nodes.items():
             if isinstance(node, FnNode):
                 fn = import_object(node.fn)
-                self._fns[name] = (functools.partial(fn, **node.args), name in self.settings.takes_turns)
+                self._fns[name] = (functools.partial(fn, **node.args), name in self.settings.takes_turns,
+                                   row_keywords(fn))
             elif isinstance(node, ToolNode):
                 self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
@@ -302,9 +305,10 @@ class _Evaluation:
     async def _fn(self, name: str, i: int, k: int | None = None) -> _Outcome:
         """A function node's outcome on trajectory i; at its turn k for a per-turn node, called with that
         turn's text as the completion and the turn itself (ours win over row columns of the same name)."""
-        fn, wants_turns = self.s._fns[name]
+        fn, wants_turns, takes = self.s._fns[name]
         t = self.trajs[i]
-        kwargs = {**t.row, "turns": t.turns} if wants_turns else t.row
+        row = t.row if takes is None else {k: v for k, v in t.row.items() if k in takes}
+        kwargs = {**row, "turns": t.turns} if wants_turns else row
         completion = t.completion
         if k is not None:
             kwargs, completion = {**kwargs, "turn": t.turns[k], "index": k}, t.turns[k].text
@@ -322,7 +326,7 @@ class _Evaluation:
             raise TimeoutError(f"took longer than timeout_s ({limit:g} s)") from None
 
     async def _group_fn(self, name: str, pid: int) -> dict[int, _Outcome]:
-        fn, wants_turns = self.s._fns[name]
+        fn, wants_turns, _ = self.s._fns[name]
         members = self.groups[pid]
         group = [self.trajs[i] for i in members]
         kwargs = {"turns": [t.turns for t in group]} if wants_turns else {}
