@@ -180,3 +180,33 @@ def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch)
     assert world.replayed == [[{"origin": "eval/0/0/0/0/0/0", "from": "old-id"}], "live"]
     assert result.metrics == {"eval/accuracy": 0.5} and world.metrics == {4: {"eval/accuracy": 0.5}}
     assert world.ended == ["FINISHED"]
+
+
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_a_replay_of_a_run_that_is_not_there_fails_before_anything_is_placed(monkeypatch, command):
+    """`replay.run` naming no run (or one that recorded no tool calls) is found out from the store alone,
+    in seconds, not after Ray and every stage have started."""
+    import factory.tracking.tracker as tracker_module
+    from factory.tracking.tracker import RunLookupError
+    from factory.util import UserError
+
+    class NoSuchRun(FakeTracker):
+        def run(self, ref: str) -> Any:
+            if ref == "nosuchrun":
+                raise RunLookupError(f"no run with id or name '{ref}'")
+            return super().run(ref)
+
+        def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+            return []
+
+    def placed(*a: Any, **k: Any) -> Any:
+        raise AssertionError("stages placed before the replayed run was looked up")
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: NoSuchRun(World()))
+    go = driver.run if command == "run" else lambda plan: driver.evaluate_only(plan, 0)
+    with pytest.raises(RunLookupError, match="no run with id or name 'nosuchrun'"):
+        go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=nosuchrun"]))
+    with pytest.raises(UserError, match=r"replay: run old \(old-id\) recorded no tool calls"):
+        go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"]))

@@ -415,6 +415,40 @@ def test_teardown_closes_every_stage_the_update_included(tiny_plan, local_ray):
         ray.kill(log)
 
 
+class FailsToStart(StageActor):
+    """A stage stand-in whose setup raises what its settings name: a tool server that will not start, or
+    bad input (a UserError)."""
+
+    def __init__(self, settings):
+        self.error = settings
+
+    def setup(self, placement=None):
+        from factory.util import UserError
+
+        raise (UserError if self.error == "user" else RuntimeError)("calc: tool server 'calc' failed to start")
+
+
+def test_a_stage_that_cannot_start_stops_the_run_with_one_line_naming_it(tiny_plan, local_ray):
+    """A setup that raises ends `place` with the stage and the cause in one message (`factory run` exits
+    3 with it), not Ray's remote traceback as an internal error; bad input stays a UserError (exit 2)."""
+    import dataclasses
+
+    from factory.runtime.driver import place
+    from factory.runtime.health import StageStartError
+    from factory.util import UserError
+
+    def plan(error):
+        stage = Stage("tools", "test", "tests.test_overlap:FailsToStart", error, (), ())
+        return dataclasses.replace(tiny_plan, stages=(stage,), edges=())
+
+    with pytest.raises(StageStartError) as caught:
+        place(plan("infra"))
+    assert str(caught.value) == ("stage 'tools' did not start: RuntimeError: calc: tool server 'calc' failed to "
+                                 "start")
+    with pytest.raises(UserError, match="calc: tool server 'calc' failed to start"):
+        place(plan("user"))
+
+
 @pytest.mark.slow
 def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_path):
     """The whole stack (Ray, the calculator MCP server, DeepSpeed, MLflow) at max_staleness 1: ~3 min here."""

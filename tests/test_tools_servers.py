@@ -180,6 +180,18 @@ async def test_a_server_that_cannot_start_fails_start_with_its_stderr():
     assert set(_children(os.getpid())) <= before  # the calculator that did start was stopped again
 
 
+async def test_a_server_that_never_speaks_mcp_is_said_to_in_words():
+    """A process that starts but never answers `initialize` (a wrong command): the start times out with what
+    it waited for and how long, not a bare TimeoutError."""
+    from factory.tools.resilience import Resilience
+
+    mute = StdioServer(command=sys.executable, args=["-c", "import time; time.sleep(30)"])
+    box = ToolBox.from_spec({"mute": mute}, resilience=Resilience(start_timeout_s=0.5))
+    with pytest.raises(ToolStartError, match=r"mute: .*failed to start: TimeoutError: no MCP handshake \(initialize, "
+                                             r"tools/list\) within 0.5 s"):
+        await box.start()
+
+
 async def test_allowed_tools_filters_and_checks():
     async with ToolBox.from_spec({"calc": CALC.model_copy(update={"allowed_tools": ["calculate"]})}) as box:
         assert [s["function"]["name"] for s in box.schemas()] == ["calculate"]

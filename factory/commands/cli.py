@@ -190,12 +190,13 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--connect", action="store_true",
                        help="also start each tool server, list its tools and check the tools the spec names")
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
-    plan.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
-    plan.add_argument("--explain", action="store_true",
-                      help="print every resolved setting with its documentation and where it was set (file:line "
-                           "of the spec or of a spec it extends, an override, or the default)")
-    plan.add_argument("--dot", action="store_true",
-                      help="print the stage graph in Graphviz dot (render: factory plan SPEC --dot | dot -Tsvg)")
+    shown = plan.add_mutually_exclusive_group()  # one view at a time: `--json --dot` printed JSON alone
+    shown.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
+    shown.add_argument("--explain", action="store_true",
+                       help="print every resolved setting with its documentation and where it was set (file:line "
+                            "of the spec or of a spec it extends, an override, or the default)")
+    shown.add_argument("--dot", action="store_true",
+                       help="print the stage graph in Graphviz dot (render: factory plan SPEC --dot | dot -Tsvg)")
 
     ev = spec_command("eval", "score a model on the spec's eval split with its reward graph, without training, as an "
                               "MLflow run that `factory diff` compares with a training run", _eval)
@@ -335,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("FACTORY_DEBUG"):
             traceback.print_exc()
         else:
+            # an error raised in a stage arrives as Ray's RayTaskError, whose text is the remote traceback
+            e = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
             print(f"factory: internal error: {type(e).__name__}: {e}\n"
                   "rerun with FACTORY_DEBUG=1 to see the traceback", file=sys.stderr)
         return EXIT_INTERNAL_ERROR

@@ -37,7 +37,7 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import check_infra
+from factory.runtime.health import StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, reap_orphans)
 from factory.runtime.startup import Startup
@@ -298,7 +298,10 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
                     if time.monotonic() - began > d.budget(kind):
                         d.fail(kind, "starting", time.monotonic() - began, d.budget(kind))
                     continue
-                groups[name].info = d.get(refs, kind, "starting")  # done: a failed setup raises here
+                try:
+                    groups[name].info = d.get(refs, kind, "starting")  # done: a failed setup raises here
+                except ray.exceptions.RayTaskError as e:
+                    raise start_error(name, e) from None
                 d.took(kind, time.monotonic() - began)
                 del pending[name]
                 ready(name, time.perf_counter() - t0)
@@ -308,6 +311,18 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
         teardown(groups)
         raise
     return groups
+
+
+def start_error(name: str, e: ray.exceptions.RayTaskError) -> BaseException:
+    """What to raise when stage `name`'s setup raised `e`: a UserError as it is (bad input, exit 2), anything
+    else as a StageStartError that says which stage and why in one message (Ray's own text of `e` is the
+    remote traceback, which says nothing more to a user)."""
+    from factory.util import UserError
+
+    cause = e.cause if isinstance(e.cause, BaseException) else e
+    if isinstance(cause, UserError):
+        return e
+    return StageStartError(f"stage '{name}' did not start: {type(cause).__name__}: {cause}")
 
 
 def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
@@ -683,15 +698,23 @@ def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]
     return rows
 
 
-def replay_tools(g: Groups, tracker: Tracker, plan: Plan) -> None:
-    """Hand the recorded tool calls of the run `replay.run` names to the stages that record tool calls."""
+def recorded_tool_calls(tracker: Tracker, plan: Plan) -> list[dict[str, Any]] | None:
+    """The tool calls recorded by the run `replay.run` names (None: no replay). Read before any stage is
+    placed, so that a run that cannot be replayed (none by that name, none recorded) fails in seconds."""
     from factory.util import UserError
 
+    if not plan.driver.replay.run:
+        return None
     run = tracker.run(plan.driver.replay.run)
     rows = tracker.tool_calls(run.run_id)
     if not rows:
         raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
                         "was off, or it made none)")
+    return rows
+
+
+def replay_tools(g: Groups, rows: list[dict[str, Any]], plan: Plan) -> None:
+    """Hand the recorded tool calls (`recorded_tool_calls`) to the stages that record tool calls."""
     for group in (x for x in g.values() if x.contract.records_tools):
         group.call("replay", rows, plan.driver.replay.on_miss)
 
@@ -733,6 +756,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
+    replayed = recorded_tool_calls(tracker, plan)  # before the store is prepared in a thread, and anything placed
     prepared = prepare_in_background(tracker)
 
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
@@ -743,7 +767,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
         return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement})
 
     with display, placed(plan, display, startup) as (groups, record):
-        with opened_run(tracker, plan, groups, display, start) as opened:
+        with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             startup.lap("tracking")
             display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
                            f"MLflow run {tracker.run_id}; evaluating at step 0")
@@ -810,18 +834,19 @@ class OpenedRun:
 
 @contextlib.contextmanager
 def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
-               start: Callable[[dict[str, Any], dict[str, Any]], Plan]) -> Iterator[OpenedRun]:
-    """The tracked run of the placed `groups`, for `factory run` and `factory eval` alike: `replay.run`'s
-    recorded tool calls handed to the stages (before the run is opened: a run that cannot be replayed opens
-    none), then `start(tool listing, what each stage resolved)` opens it. It ends with the block: FAILED
+               start: Callable[[dict[str, Any], dict[str, Any]], Plan],
+               replayed: list[dict[str, Any]] | None) -> Iterator[OpenedRun]:
+    """The tracked run of the placed `groups`, for `factory run` and `factory eval` alike: the tool calls
+    `replayed` (`recorded_tool_calls`, None: no replay) handed to the stages, then `start(tool listing, what
+    each stage resolved)` opens it. It ends with the block: FAILED
     when it raised, KILLED on Ctrl-C, else the status the block set."""
     d, status = plan.driver, "FAILED"
     try:
         listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
         # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
         resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
-        if d.replay.run:
-            replay_tools(groups, tracker, plan)
+        if replayed is not None:
+            replay_tools(groups, replayed, plan)
             display.status(f"tool calls answered from run {d.replay.run}'s recording (replay.on_miss: "
                            f"{d.replay.on_miss})")
         opened = OpenedRun(start(listing, resolved))
@@ -853,6 +878,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
     display = Display(0)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status
+    replayed = recorded_tool_calls(tracker, plan)  # before the store is prepared in a thread, and anything placed
     prepared = prepare_in_background(tracker)
 
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
@@ -861,7 +887,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
                                  extra_tags={"factory.kind": "eval", **(tags or {})})
 
     with display, placed(eval_stages(plan), display, Startup()) as (groups, _):
-        with opened_run(tracker, plan, groups, display, start) as opened:
+        with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             display.status(f"MLflow run {tracker.run_id}; evaluating")
             metrics, trajs = evaluate(groups, opened.plan, display, step)
             tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)

@@ -16,6 +16,11 @@ class InfraFailure(RuntimeError):
     """A step whose share of trajectories failed from infrastructure is above `train.max_infra_error_rate`."""
 
 
+class StageStartError(InfraFailure):
+    """A stage's setup raised (a tool server that would not start, a model its engine could not load): the
+    run cannot begin. `factory run` exits 3 with the stage and the cause in one message, no traceback."""
+
+
 def infra_causes(t: Any) -> list[str]:
     """What failed from infrastructure in one scored trajectory: each tool whose call failed on our side
     (`tool <name>: <kind>`) and each judge node whose request failed (`judge <node>: <error>`)."""

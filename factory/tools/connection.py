@@ -184,9 +184,13 @@ class McpConnection:
             async with self._transport(self._stderr) as (read_stream, write_stream):
                 watched = self._watched = _WatchedReadStream(read_stream)
                 async with ClientSession(watched, write_stream, client_info=CLIENT_INFO) as session:
-                    with anyio.fail_after(timeout_s):
-                        await session.initialize()
-                        self.tools = await _list_all_tools(session)
+                    try:
+                        with anyio.fail_after(timeout_s):
+                            await session.initialize()
+                            self.tools = await _list_all_tools(session)
+                    except TimeoutError:  # said in words: a bare TimeoutError reads as nothing
+                        raise TimeoutError(f"no MCP handshake (initialize, tools/list) within {timeout_s:g} s: is "
+                                           "the command an MCP server on stdio, or the URL its endpoint?") from None
                     self.session = session
                     ready.set_result(None)
                     await _first_of(self._closing.wait(), watched.ended.wait())
