@@ -232,7 +232,8 @@ tools:
 
 def test_data_files_and_generators(project):
     project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
-    project.module("rc_gen", "def rows(n, seed, level=1):\n    return []\n\ndef no_n(seed):\n    return []\n")
+    project.module("rc_gen", "def rows(n, seed, level=1):\n    return [{'question': '1+1', 'answer': '2'}]\n\n"
+                             "def no_n(seed):\n    return []\n")
     path = project.spec(_base(project, "rc_data").replace(
         "  train: {generator: factory.data:arithmetic, size: 8}\n",
         "  train: {path: data/train.jsonl}\n  eval: {path: data/eval.parquet}\n"))
@@ -242,6 +243,28 @@ def test_data_files_and_generators(project):
         "  train: {generator: 'rc_gen:rows', args: {level: 2}}\n  eval: {generator: 'rc_gen:no_n'}\n"), "gen.yaml")
     assert _errors(gen) == ("gen.yaml:5: data.eval.generator: rc_gen:no_n(seed) cannot be called as "
                             "f(n=..., seed=..., **args): got an unexpected keyword argument 'n'\n1 error in gen.yaml")
+
+
+def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(project):
+    """`factory check` reads every row (as the data stage does before the first step): bad JSON, a row without a
+    column the prompt or a reward function needs, an empty file, a file that is not what its name says."""
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n{bad\n{"q": "2+2", "answer": "4"}\n')
+    project.file("data/empty.jsonl", "")
+    project.file("data/eval.parquet", "not parquet")
+    path = project.spec(_base(project, "rc_rows").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: data/train.jsonl}\n  eval: {path: data/eval.parquet}\n"))
+    assert _errors(path) == (
+        "spec.yaml:4: data.train.path: data/train.jsonl:2: invalid JSON: Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1)\n"
+        "spec.yaml:5: data.eval.path: cannot read data/eval.parquet: ArrowInvalid: Could not open Parquet input "
+        "source 'data/eval.parquet': Parquet magic bytes not found in footer. Either the file is corrupted or this "
+        "is not a parquet file.\n2 errors in spec.yaml")
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n{"q": "2+2", "answer": "4"}\n')
+    assert _errors(path, ["data.eval.path=data/empty.jsonl"]) == (
+        "spec.yaml:4: data.train.path: data/train.jsonl:2: a row needs a `prompt` messages column, a `question` "
+        "column or data.prompt\n"
+        "<override 1>: data.eval.path: data/empty.jsonl gave no rows\n2 errors in spec.yaml")
 
 
 def test_model_paths(project):

@@ -81,7 +81,7 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import version
+from factory.util import UserError, version
 
 MASK = "***"
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
@@ -389,6 +389,38 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
     return hashes
+
+
+def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[str, Callable[..., Any]]) -> None:
+    """Every row of each source that `_check_data` found (`data`), as the data stage reads and checks them
+    before the first step (JSON, columns the reward functions need, the prompt rendered): a bad row is found
+    here, at the source's key, not after Ray and every stage have started. RL prompt sets are small: the
+    shipped specs' 64-4,096 rows take 0.01-0.4 s."""
+    from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source
+    from factory.reward.graph import required_columns
+
+    try:
+        renderer = PromptRenderer(spec.data, r.source.base_dir)
+    except Exception:  # a template that is missing or does not compile: _check_templates says so
+        return
+    required = required_columns(spec, fns)
+    for split, seed in (("train", spec.seed), ("eval", spec.seed + EVAL_SEED_OFFSET)):
+        if split not in data or any(e.path.startswith(f"data.{split}") for e in r.errors):
+            continue  # not found, or its generator cannot be called as it would be: already said
+        source = getattr(spec.data, split)
+        key = f"data.{split}.path" if source.path is not None else f"data.{split}.generator"
+        try:
+            rows, origins = read_source(source, seed=seed, base_dir=r.source.base_dir)
+            if split == "eval" and spec.train.eval_size is not None:
+                rows, origins = rows[: spec.train.eval_size], origins[: spec.train.eval_size]
+            if not rows:
+                r.error(key, f"{source.path or source.generator} gave no rows")
+                continue
+            check_rows(rows, origins, renderer, required)
+        except UserError as e:  # DataError: the bad rows, each with its file:line
+            r.error(key, str(e))
+        except Exception as e:  # a file that is not what its name says (a corrupt parquet), a generator that raised
+            r.error(key, f"cannot read {source.path or source.generator}: {type(e).__name__}: {e}")
 
 
 def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str, Callable[..., Any]]]:
@@ -831,6 +863,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_chat_template(spec, r)
     data = _check_data(spec, r)
     rewards, fns = _check_reward_fns(spec, r)
+    _check_rows(spec, r, data, fns)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     _check_stop_on(spec, r, metrics, train)

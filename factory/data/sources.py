@@ -19,6 +19,9 @@ from factory.util import UserError, import_object, resolve_file, template_env
 
 
 # --------------------------------------------------------------------------------------------- loading
+# Eval rows come from another seed stream (seed + this) so generated eval questions differ from training ones.
+EVAL_SEED_OFFSET = 1_000_003
+
 class DataError(UserError, ValueError):
     """Data rows that cannot be used (bad JSON, missing columns, wrong types), found while the data is
     prepared, before any training step. The message names the file (or generator) and every bad row."""

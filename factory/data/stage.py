@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from factory.contract import Call, Contract, StageActor
-from factory.data.sources import DataError, PromptRenderer, check_rows, read_source, to_table
+from factory.data.sources import EVAL_SEED_OFFSET, DataError, PromptRenderer, check_rows, read_source, to_table
 from factory.plan import DataSettings
 from factory.types import Placement
 from factory.util import enter_workdir, node_id
@@ -40,8 +40,8 @@ class DataStage(StageActor):
         check_rows(self._rows, origins, self._renderer, self._required)
         self._eval = []
         if self._spec.eval:
-            # Eval rows come from another seed stream so generated eval questions differ from training ones.
-            self._eval, origins = read_source(self._spec.eval, seed=self._seed + 1_000_003, base_dir=self._base_dir)
+            self._eval, origins = read_source(self._spec.eval, seed=self._seed + EVAL_SEED_OFFSET,
+                                              base_dir=self._base_dir)
             if self._eval_size is not None:
                 self._eval, origins = self._eval[: self._eval_size], origins[: self._eval_size]
             check_rows(self._eval, origins, self._renderer, self._required)
