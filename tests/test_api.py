@@ -112,6 +112,23 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     assert len(merged) == 2 and not merged[1].exists()
 
 
+def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch):
+    """`--model ./path` that does not exist is not only "no run with that name": the user meant a folder."""
+    import factory.tracking.tracker as tracker_module
+    from factory.tracking.tracker import RunLookupError
+
+    class NoRuns:
+        def run(self, ref):
+            raise RunLookupError(f"no run with id or name '{ref}' in sqlite:///mlflow.db")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri=None, experiment=None: NoRuns())
+    with pytest.raises(RunLookupError, match=r"^no model folder \./nope, and no run with id or name '\./nope'"):
+        factory.evaluate(TINY, model="./nope")
+    with pytest.raises(RunLookupError, match=r"^no run with id or name 'nope' in"):  # a name: a run it meant
+        factory.evaluate(TINY, model="nope")
+
+
 # ------------------------------------------------------------------------------------ real runs
 @pytest.mark.slow  # a tiny training run of 3 steps (about 1.5 min on 2 cores); issue 24's acceptance of item 1
 def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_path, monkeypatch):

@@ -152,9 +152,14 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
         return str(local.resolve()), 0, {"factory.eval_model": str(local.resolve())}
     tags = {}
     if not local.is_dir():  # a tracked run: its own checkpoint folder
-        from factory.tracking.tracker import open_tracker
+        from factory.tracking.tracker import RunLookupError, open_tracker
 
-        run_id = open_tracker(uri).run(ref).run_id
+        try:
+            run_id = open_tracker(uri).run(ref).run_id
+        except RunLookupError as e:
+            if "/" in ref or ref.startswith("."):  # meant as a folder: say that there is none
+                raise RunLookupError(f"no model folder {ref}, and {e}") from None
+            raise
         local, tags = checkpoint_dir(run_id, uri), {"factory.eval_of": run_id}
     folder = step_folder(local)
     step = int(folder.name.removeprefix("step_")) if folder.name.startswith("step_") else 0
