@@ -53,6 +53,59 @@ algorithm: {clip: [0.2]}
         "6 errors in spec.yaml")
 
 
+def test_numbers_out_of_their_range_name_the_bound(project):
+    # each of these was accepted once; concurrency 0 hung every call to the server (a semaphore of 0 slots)
+    path = project.spec(_base(project, "rw_bounds") + """\
+tools:
+  calc: {command: python, concurrency: 0, timeout_s: 0, retries: -1, max_result_chars: -5}
+rollout: {temperature: 0, top_p: 5, top_k: -1, batch_size: 0}
+train: {lr: -1, warmup_steps: -5, checkpoint_every: -1, eval_every: -1, eval_size: 0, threads: 0,
+        optimizer: {weight_decay: -0.1, grad_clip: -1, betas: [0.9, 1.0]}}
+tracking: {log_trajectories: -1}
+resources: {object_store_gb: 0}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:10: tools.calc.concurrency: must be >= 1, got 0\n"
+        "spec.yaml:10: tools.calc.timeout_s: must be > 0, got 0\n"
+        "spec.yaml:10: tools.calc.retries: must be >= 0, got -1\n"
+        "spec.yaml:10: tools.calc.max_result_chars: must be >= 1, got -5\n"
+        "spec.yaml:11: rollout.temperature: must be > 0, got 0\n"
+        "spec.yaml:11: rollout.top_p: must be <= 1, got 5\n"
+        "spec.yaml:11: rollout.top_k: must be >= 0, got -1\n"
+        "spec.yaml:11: rollout.batch_size: must be >= 1, got 0\n"
+        "spec.yaml:12: train.lr: must be > 0, got -1\n"
+        "spec.yaml:12: train.warmup_steps: must be >= 0, got -5\n"
+        "spec.yaml:12: train.checkpoint_every: must be >= 0, got -1\n"
+        "spec.yaml:12: train.eval_every: must be >= 0, got -1\n"
+        "spec.yaml:12: train.eval_size: must be >= 1, got 0\n"
+        "spec.yaml:12: train.threads: must be >= 1, got 0\n"
+        "spec.yaml:13: train.optimizer.weight_decay: must be >= 0, got -0.1\n"
+        "spec.yaml:13: train.optimizer.grad_clip: must be >= 0, got -1\n"
+        "spec.yaml:13: train.optimizer.betas.1: must be < 1, got 1.0\n"
+        "spec.yaml:14: tracking.log_trajectories: must be >= 0, got -1\n"
+        "spec.yaml:15: resources.object_store_gb: must be > 0, got 0\n"
+        "19 errors in spec.yaml")
+
+
+def test_numbers_out_of_range_in_model_data_judge_and_algorithm(project):
+    text = _base(project, "rw_bounds2").replace('"factory:tiny-qwen3"}', '"factory:tiny-qwen3", lora: {alpha: 0}}')
+    path = project.spec(text.replace("size: 8}", "size: 0}") + """\
+  judge: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3", num_cpus: -1}, timeout_s: 0}
+algorithm: {overlong: {buffer: 4, penalty: -1}}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:2: model.lora.alpha: must be > 0, got 0\n"
+        "spec.yaml:4: data.train.size: must be >= 1, got 0\n"
+        "spec.yaml:9: rewards.judge.local.num_cpus: must be >= 0, got -1\n"
+        "spec.yaml:9: rewards.judge.timeout_s: must be > 0, got 0\n"
+        "spec.yaml:10: algorithm.overlong.penalty: must be >= 0, got -1\n"
+        "5 errors in spec.yaml")
+
+
 def test_missing_required_key_points_at_its_parent(project):
     path = project.spec("name: x\nmodel: {dtype: float32}\ndata: {train: {path: a.jsonl}}\nrewards: {}\n")
     with pytest.raises(SpecErrors) as e:
