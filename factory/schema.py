@@ -6,9 +6,15 @@ at its line, not a silently ignored setting.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+# A spec's or a project's name: it becomes a folder (`runs/${name}`, `factory init NAME`), so no separators,
+# no `..`, no leading `-` or `.`, nothing a shell must quote.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_RULE = "use letters, digits, '-', '_' and '.', starting with a letter or digit"
 
 
 class Section(BaseModel):
@@ -723,7 +729,8 @@ class ReplaySpec(Section):
 # ---------------------------------------------------------------------------------------------- spec
 class Spec(Section):
     name: str
-    """Run name; also names the checkpoint folder."""
+    """Run name; also names the checkpoint folder (`runs/NAME`): letters, digits, '-', '_' and '.',
+    starting with a letter or digit."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     model: ModelSpec
@@ -758,3 +765,12 @@ class Spec(Section):
     # Where `factory.load` read this spec (the compiler's SpecSource: its file, lines and overrides), so that
     # compiling it later still names file:line; None for a spec built in code. Not a setting.
     _source: Any = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _usable_name(cls, name: str) -> str:
+        # `/abs`, `../x` or `a/b` would put the default checkpoint folder outside runs/
+        if not NAME.fullmatch(name):
+            raise ValueError(f"'{name}' is not a usable name (it names the checkpoint folder, runs/NAME): "
+                             f"{NAME_RULE}")
+        return name
