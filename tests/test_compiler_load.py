@@ -192,6 +192,24 @@ def test_empty_and_non_mapping_specs(project):
     assert report(e) == "nowhere.yaml: cannot read the spec: No such file or directory\n1 error in nowhere.yaml"
 
 
+def test_a_spec_or_base_that_is_not_utf8_is_a_spec_error(project):
+    # read_text raised UnicodeDecodeError, which `factory check` showed as an internal error (exit 1)
+    (project.root / "latin.yaml").write_bytes(b"name: demo\n# caf\xe9 au lait\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec("latin.yaml")
+    assert report(e) == ("latin.yaml: cannot read the spec: not UTF-8 (byte 0xe9 at line 2); a spec is YAML saved "
+                         "as UTF-8\n1 error in latin.yaml")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: x\nextends: latin.yaml\n"))
+    assert report(e) == ("spec.yaml:2: extends: cannot read the base spec latin.yaml: not UTF-8 (byte 0xe9 at line "
+                         "2); a spec is YAML saved as UTF-8\n1 error in spec.yaml")
+    (project.root / "model.bin").write_bytes(bytes([0x80, 0x02, 0x7D]))
+    with pytest.raises(SpecErrors) as e:
+        load_spec("model.bin")
+    assert report(e) == ("model.bin: cannot read the spec: not UTF-8 (byte 0x80 at line 1); a spec is YAML saved "
+                         "as UTF-8\n1 error in model.bin")
+
+
 def test_overrides_set_values_and_unknown_override_keys_are_named(project):
     path = project.spec(_base(project, "rw_override"))
     spec = load_spec(path, ["train.lr=3e-6", "rollout.group_size=4"])
