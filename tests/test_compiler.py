@@ -261,6 +261,23 @@ def test_model_paths(project):
         "not in the local Hugging Face cache (")  # tests/test_conventions.py: the hub cache, laid out by the test
 
 
+def test_a_model_folder_whose_json_does_not_parse(project):
+    # json.loads escaped as an internal error (exit 1): transformers could not load such a folder either
+    project.file("models/bad/config.json", "{not json")
+    project.file("models/list/config.json", "[]")
+    project.file("models/tok/config.json", "{}")
+    project.file("models/tok/tokenizer_config.json", "{bad")
+    base = _base(project, "rc_model_json") + "tools:\n  calc: {command: python, args: [-m, x]}\n"
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/bad"), "a.yaml")) == (
+        "a.yaml:2: model.path: models/bad/config.json is not valid JSON (line 1, column 2: Expecting property name "
+        "enclosed in double quotes)\n1 error in a.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/list"), "b.yaml")) == (
+        "b.yaml:2: model.path: models/list/config.json must hold a JSON object, got list\n1 error in b.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/tok"), "c.yaml")) == (
+        "c.yaml:2: model.path: models/tok/tokenizer_config.json is not valid JSON (line 1, column 2: Expecting "
+        "property name enclosed in double quotes)\n1 error in c.yaml")
+
+
 def test_algorithm_names_are_resolved(project):
     base = _base(project, "rc_alg")
     assert _errors(project.spec(base + "algorithm: {name: grpoo}\n", "a.yaml")).splitlines()[0] == (

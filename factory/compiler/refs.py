@@ -142,9 +142,25 @@ def hub_cache() -> str:
     return shown_path(constants.HF_HUB_CACHE)
 
 
+def json_object(file: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (a model's config.json, its tokenizer_config.json); ValueError
+    with the reason as the user should read it, naming the file."""
+    shown = shown_path(file)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{shown} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {shown}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{shown} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def model_problem(path: str, required_file: str = "config.json") -> tuple[str | None, str | None]:
     """(error, warning) for a model path: a `factory:NAME` asset must be known, a local folder must hold
-    `required_file`; anything else is taken as a hub id that must already be in the local cache."""
+    `required_file` (JSON that parses, for a .json file); anything else is taken as a hub id that must already be in
+    the local cache."""
     if path.startswith("factory:"):
         name = path.removeprefix("factory:")
         known = _known_assets()
@@ -157,6 +173,11 @@ def model_problem(path: str, required_file: str = "config.json") -> tuple[str | 
     if local.is_dir():
         if required_file and not (local / required_file).is_file():
             return f"model folder has no {required_file}: {path}", None
+        if required_file.endswith(".json"):  # what transformers reads first: it must parse
+            try:
+                json_object(local / required_file)
+            except ValueError as e:
+                return str(e), None
         return None, None
     if not is_hub_id(path):
         return f"model folder not found: {path}", None
