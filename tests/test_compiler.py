@@ -247,6 +247,11 @@ def test_data_files_and_generators(project):
 def test_model_paths(project):
     project.file("models/empty/README", "no config here")
     project.file("models/ok/config.json", "{}")
+    project.file("models/ok/model.safetensors")
+    project.file("models/sharded/config.json", "{}")
+    project.file("models/sharded/pytorch_model-00001-of-00002.bin")
+    project.file("models/no_weights/config.json", "{}")
+    project.file("models/no_weights/tokenizer.json", "{}")
     base = _base(project, "rc_model")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "factory:tiny-qwen"), "a.yaml")) == (
         "a.yaml:2: model.path: unknown built-in model 'factory:tiny-qwen'; did you mean 'factory:tiny-qwen3'? "
@@ -256,6 +261,21 @@ def test_model_paths(project):
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "./models/gone"), "c.yaml")) == (
         "c.yaml:2: model.path: model folder not found: ./models/gone\n1 error in c.yaml")
     assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/ok"), "d.yaml"))[1].warnings == ()
+    assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/sharded"), "d.yaml"))[1].warnings == ()
+    # config and tokenizer but no weights passed the check; `factory run` then died loading it in the update stage
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/no_weights"), "f.yaml")) == (
+        "f.yaml:2: model.path: model folder has no weights (*.safetensors or pytorch_model*.bin files): "
+        "models/no_weights; copy the model's weight files into it, or give the folder that holds them\n"
+        "1 error in f.yaml")
+    # a tokenizer folder needs no weights; a local judge's model does
+    assert compile_file(project.spec(base.replace('"factory:tiny-qwen3"', '"factory:tiny-qwen3", tokenizer: '
+                                                  'models/no_weights'), "g.yaml"))[1].warnings == ()
+    project.file("prompts/judge.jinja", "Score: {{ completion }}")
+    assert _errors(project.spec(base + "  judge: {llm_judge: prompts/judge.jinja, local: {path: models/no_weights}}\n",
+                                "h.yaml")) == (
+        "h.yaml:9: rewards.judge.local.path: model folder has no weights (*.safetensors or pytorch_model*.bin "
+        "files): models/no_weights; copy the model's weight files into it, or give the folder that holds them\n"
+        "1 error in h.yaml")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "SomeOrg/not-cached-model"), "e.yaml")).startswith(
         "e.yaml:2: model.path: 'SomeOrg/not-cached-model' is not a local folder, and as a Hugging Face hub id it is "
         "not in the local Hugging Face cache (")  # tests/test_conventions.py: the hub cache, laid out by the test
@@ -266,6 +286,7 @@ def test_a_model_folder_whose_json_does_not_parse(project):
     project.file("models/bad/config.json", "{not json")
     project.file("models/list/config.json", "[]")
     project.file("models/tok/config.json", "{}")
+    project.file("models/tok/model.safetensors")
     project.file("models/tok/tokenizer_config.json", "{bad")
     base = _base(project, "rc_model_json") + "tools:\n  calc: {command: python, args: [-m, x]}\n"
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/bad"), "a.yaml")) == (

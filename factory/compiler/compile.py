@@ -189,11 +189,11 @@ class _Report:
 def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
     """The model (and tokenizer) must be there. A hub id missing from this machine's cache is an error;
     on a Ray cluster (`joins`) a warning: the nodes that load it have caches of their own."""
-    for path, value, required in (("model.path", spec.model.path, "config.json"),
-                                  ("model.tokenizer", spec.model.tokenizer, "")):
+    for path, value, required, weights in (("model.path", spec.model.path, "config.json", True),
+                                           ("model.tokenizer", spec.model.tokenizer, "", False)):
         if value is None:
             continue
-        error, warning = model_problem(value, required_file=required)
+        error, warning = model_problem(value, required_file=required, weights=weights)
         if error and joins and is_hub_id(value):
             error, warning = None, error
         if error:

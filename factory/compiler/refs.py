@@ -157,10 +157,18 @@ def json_object(file: Path) -> dict[str, Any]:
     return data
 
 
-def model_problem(path: str, required_file: str = "config.json") -> tuple[str | None, str | None]:
+# A model's weights as transformers loads them: one file, shards, or a shards' index.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+
+
+def has_weights(folder: Path) -> bool:
+    return any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
+
+
+def model_problem(path: str, required_file: str = "config.json", weights: bool = True) -> tuple[str | None, str | None]:
     """(error, warning) for a model path: a `factory:NAME` asset must be known, a local folder must hold
-    `required_file` (JSON that parses, for a .json file); anything else is taken as a hub id that must already be in
-    the local cache."""
+    `required_file` (JSON that parses, for a .json file) and, with `weights`, the weights; anything else is
+    taken as a hub id that must already be in the local cache (with its weights)."""
     if path.startswith("factory:"):
         name = path.removeprefix("factory:")
         known = _known_assets()
@@ -178,10 +186,17 @@ def model_problem(path: str, required_file: str = "config.json") -> tuple[str | 
                 json_object(local / required_file)
             except ValueError as e:
                 return str(e), None
+        if weights and not has_weights(local):  # else `factory run` fails only when the update stage loads it
+            return (f"model folder has no weights (*.safetensors or pytorch_model*.bin files): {path}; copy the "
+                    "model's weight files into it, or give the folder that holds them"), None
         return None, None
     if not is_hub_id(path):
         return f"model folder not found: {path}", None
-    if hub_snapshot(path, required_file) is not None:
+    cached = hub_snapshot(path, required_file)
+    if cached is not None and weights and not has_weights(cached):
+        return (f"the local Hugging Face cache ({hub_cache()}) holds '{path}' without its weights "
+                f"(*.safetensors or pytorch_model*.bin files): fill it with `hf download {path}`"), None
+    if cached is not None:
         return None, None
     return (f"'{path}' is not a local folder, and as a Hugging Face hub id it is not in the local Hugging Face "
             f"cache ({hub_cache()}): fill the cache with `hf download {path}` (where the hub can be reached; "
