@@ -267,6 +267,17 @@ def test_model_paths(project):
         "f.yaml:2: model.path: model folder has no weights (*.safetensors or pytorch_model*.bin files): "
         "models/no_weights; copy the model's weight files into it, or give the folder that holds them\n"
         "1 error in f.yaml")
+    # a file where a folder belongs was "model folder not found"
+    project.file("notes.txt", "a file")
+    files = base.replace('"factory:tiny-qwen3"', '"notes.txt", tokenizer: notes.txt')
+    assert _errors(project.spec(files, "i.yaml")) == (
+        "i.yaml:2: model.path: model folder expected, got a file: notes.txt; give the folder that holds config.json "
+        "and the weights\n"
+        "i.yaml:2: model.tokenizer: tokenizer folder expected, got a file: notes.txt; give the folder that holds the "
+        "tokenizer files\n2 errors in i.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/ok/config.json"), "j.yaml")) == (
+        "j.yaml:2: model.path: model folder expected, got a file: models/ok/config.json; did you mean its folder, "
+        "models/ok?\n1 error in j.yaml")
     # a tokenizer folder needs no weights; a local judge's model does
     assert compile_file(project.spec(base.replace('"factory:tiny-qwen3"', '"factory:tiny-qwen3", tokenizer: '
                                                   'models/no_weights'), "g.yaml"))[1].warnings == ()

@@ -190,6 +190,11 @@ def model_problem(path: str, required_file: str = "config.json", weights: bool =
             return (f"model folder has no weights (*.safetensors or pytorch_model*.bin files): {path}; copy the "
                     "model's weight files into it, or give the folder that holds them"), None
         return None, None
+    if local.is_file():  # `model.path: models/x/config.json`, say
+        holds = f"{required_file} and the weights" if weights else required_file or "the tokenizer files"
+        fix = (f"did you mean its folder, {shown_path(local.parent)}?" if (local.parent / "config.json").is_file()
+               else f"give the folder that holds {holds}")
+        return f"model folder expected, got a file: {path}; {fix}", None
     if not is_hub_id(path):
         return f"model folder not found: {path}", None
     cached = hub_snapshot(path, required_file)
