@@ -98,12 +98,15 @@ def test_template_found_next_to_the_spec_and_jinja_errors_reported(project):
 def test_unimportable_reward_functions(project):
     project.module("rc_syntax", "def f(prompt, completion, **row):\n    return (\n")
     project.module("rc_raises", "raise RuntimeError('no GPU here')\n")
+    # SystemExit is no Exception: `factory check` exited 3 (the infrastructure-failure code) saying nothing
+    project.module("rc_exits", "import sys\nsys.exit(3)\n")
     path = project.spec(_base(project, "rc_imp") + """\
   a: {fn: rewards_nowhere:f}
   b: {fn: "rc_imp:exactt"}
   c: {fn: "rc_syntax:f"}
   d: {fn: "rc_raises:f"}
   e: {fn: not-a-path}
+  f: {fn: "rc_exits:f"}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.fn: cannot import 'rewards_nowhere:f': no module named 'rewards_nowhere'\n"
@@ -114,7 +117,8 @@ def test_unimportable_reward_functions(project):
         "spec.yaml:12: rewards.d.fn: cannot import 'rc_raises:f': importing 'rc_raises' raised RuntimeError: "
         "no GPU here\n"
         "spec.yaml:13: rewards.e.fn: expected an import path 'module:function', got 'not-a-path'\n"
-        "5 errors in spec.yaml")
+        "spec.yaml:14: rewards.f.fn: cannot import 'rc_exits:f': 'rc_exits' called sys.exit(3) while being imported\n"
+        "6 errors in spec.yaml")
 
 
 def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_path_factory):
