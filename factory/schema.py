@@ -6,9 +6,15 @@ at its line, not a silently ignored setting.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+# A spec's or a project's name: it becomes a folder (`runs/${name}`, `factory init NAME`), so no separators,
+# no `..`, no leading `-` or `.`, nothing a shell must quote.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_RULE = "use letters, digits, '-', '_' and '.', starting with a letter or digit"
 
 
 class Section(BaseModel):
@@ -19,7 +25,7 @@ class Section(BaseModel):
 class LoraSpec(Section):
     r: int = Field(16, ge=1)
     """The adapters' rank: each targeted weight W [out, in] trains B [out, r] @ A [r, in] beside it, W frozen."""
-    alpha: float | None = None
+    alpha: float | None = Field(None, gt=0)
     """The adapters' scale is alpha / r. Unset: 2 r (scale 2, whatever the rank)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapters' input during the update. 0 keeps the learner's log-probs those the engine
@@ -57,7 +63,7 @@ class DataSource(Section):
     and returning an iterable of row dicts."""
     args: dict[str, Any] = {}
     """Keyword arguments for `generator`."""
-    size: int = 256
+    size: int = Field(256, ge=1)
     """How many rows to draw from `generator` (ignored for files)."""
 
     @model_validator(mode="after")
@@ -86,15 +92,15 @@ class DataSpec(Section):
 
 # --------------------------------------------------------------------------------------------- tools
 class _ToolCommon(Section):
-    timeout_s: float = 30.0
+    timeout_s: float = Field(30.0, gt=0)
     """Per-call timeout in seconds."""
-    retries: int = 1
-    """Retries for infrastructure failures only (timeouts, crashes, transport), with backoff."""
-    concurrency: int = 16
+    retries: int = Field(1, ge=0)
+    """Retries for infrastructure failures only (timeouts, crashes, transport), with backoff (0 = none)."""
+    concurrency: int = Field(16, ge=1)
     """Most calls in flight at once to this server (all replicas together)."""
     allowed_tools: list[str] | None = None
     """Only these of the server's tools are offered to the model. Unset: all of them."""
-    max_result_chars: int = 4096
+    max_result_chars: int = Field(4096, ge=1)
     """Longer results are cut to this size, head and tail kept, with a marker in the middle."""
     cache: bool = False
     """The server's tools are deterministic: keep their answers across runs (on disk, in
@@ -200,9 +206,9 @@ class LocalJudge(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The judge's weights' dtype. auto: bfloat16 where the judge's device computes it natively (CUDA,
     CPUs with AVX512-bf16/AMX), else float32."""
-    num_cpus: float = 0
+    num_cpus: float = Field(0, ge=0)
     """CPUs reserved for the judge's actor."""
-    num_gpus: float = 0
+    num_gpus: float = Field(0, ge=0)
     """GPUs reserved for the judge's actor (the hf engine uses CUDA when this is > 0)."""
 
 
@@ -228,7 +234,7 @@ class JudgeNode(_Leaf):
     """New tokens of the judge's reply at most."""
     concurrency: int = Field(16, ge=1)
     """Judge requests in flight at once (HTTP requests to `endpoint`; prompts per batch to `local`)."""
-    timeout_s: float = 60.0
+    timeout_s: float = Field(60.0, gt=0)
     """Per-request timeout in seconds (a local judge: per batch)."""
     retries: int = Field(1, ge=0)
     """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff, or
@@ -359,7 +365,7 @@ class OverlongSpec(Section):
     """Drop trajectories cut by the token budget from the loss (DAPO overlong filtering)."""
     buffer: int = 0
     """Soft overlong penalty: tokens before the budget where a linear penalty starts (0 = off)."""
-    penalty: float = 1.0
+    penalty: float = Field(1.0, ge=0)
     """Penalty at the budget, reached linearly over `buffer` tokens."""
 
 
@@ -462,13 +468,14 @@ class RolloutSpec(Section):
     """New tokens per assistant turn at most."""
     max_total_tokens: int = Field(1024, ge=1)
     """Response tokens per trajectory at most (model and tool tokens together)."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-    top_k: int = 0
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature: the policy trained is softmax(logits / temperature), so it must be above 0
+    (evaluation is greedy whatever this is)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the most likely tokens whose probabilities sum to this (1 = off)."""
+    top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off)."""
-    batch_size: int = 64
+    batch_size: int = Field(64, ge=1)
     """Sequences generated together by the engine at most."""
     drop_infra_errors: bool = True
     """Trajectories hit by an infrastructure tool failure (or the episode timeout) are kept out of the loss
@@ -503,11 +510,11 @@ class RolloutSpec(Section):
 class OptimizerSpec(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer. AdamW is torch's (no slow DeepSpeed op build on CPU)."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     """AdamW betas."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """Weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0)
     """Gradient norm clipping (0 = off)."""
 
 
@@ -571,9 +578,9 @@ class TrainSpec(Section):
     update's activations as trajectories grow longer during a run (with `micro_batch` alone the update's
     peak follows the longest step's rows: README, the quickstart's memory). Exact: the loss is normalised
     over the mini-batch, however it is cut. None: `micro_batch` alone."""
-    lr: float = 1e-6
+    lr: float = Field(1e-6, gt=0)
     """Learning rate."""
-    warmup_steps: int = 0
+    warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps."""
     optimizer: OptimizerSpec = OptimizerSpec()
     """Optimizer settings."""
@@ -623,7 +630,7 @@ class TrainSpec(Section):
     stop_on: list[MonitorName] = []
     """Monitors that stop the run when they fire: the step is logged and checkpointed, then the run ends
     with exit code 4 and a message naming the monitor and why (`factory.stopped_by` tag)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = Field(0, ge=0)
     """Save a checkpoint every N steps (0 = only at the end, and every `checkpoint_every_s`)."""
     checkpoint_every_s: float = Field(1800.0, gt=0)
     """Also save a checkpoint after the first step that ends this many seconds after the previous save (or
@@ -635,11 +642,11 @@ class TrainSpec(Section):
     (`step_<N>/` and a `latest` file naming the newest), so runs of one spec never replace or prune each
     other's; `<dir>/newest` links to the folder of the run that saved last (`runs/NAME/newest/step_5/hf`).
     The run's `factory.checkpoint_dir` tag names its folder; `factory export RUN` reads it."""
-    eval_every: int = 0
+    eval_every: int = Field(0, ge=0)
     """Evaluate every N steps (0 = only at step 0 and the end)."""
-    eval_size: int | None = None
+    eval_size: int | None = Field(None, ge=1)
     """Evaluate on at most this many eval rows (None = all)."""
-    threads: int | None = None
+    threads: int | None = Field(None, ge=1)
     """torch threads per stage process (None = all cores)."""
     max_staleness: int = Field(0, ge=0)
     """How many updates the weights that sample a step may lag behind the weights it trains (off-policy
@@ -666,8 +673,8 @@ class TrackingSpec(Section):
     status and latency) in a table per step logged with the run (`tool_calls/step_NNNNN.parquet`): what
     `factory run SPEC --replay RUN` serves calls from. (The issue's `tools.record`: under `tools:` it
     would take a server's name.)"""
-    log_trajectories: int | None = 16
-    """Trajectories per step logged as MLflow traces (the UI's view of episodes; None = all). The step's
+    log_trajectories: int | None = Field(16, ge=0)
+    """Trajectories per step logged as MLflow traces (the UI's view of episodes; 0 = none, None = all). The step's
     trajectory table always holds every trajectory, so `factory rescore` can score each step again."""
 
 
@@ -693,7 +700,7 @@ class GroupResources(StageResources):
 class ResourcesSpec(Section):
     ray_address: str | None = None
     """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
-    object_store_gb: float = 1.0
+    object_store_gb: float = Field(1.0, gt=0)
     """Object store size of a local Ray."""
     rollout: GroupResources = GroupResources()
     """Per rollout engine replica; `replicas` engines split each step's prompts, and weight sync reaches all."""
@@ -722,7 +729,8 @@ class ReplaySpec(Section):
 # ---------------------------------------------------------------------------------------------- spec
 class Spec(Section):
     name: str
-    """Run name; also names the checkpoint folder."""
+    """Run name; also names the checkpoint folder (`runs/NAME`): letters, digits, '-', '_' and '.',
+    starting with a letter or digit."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     model: ModelSpec
@@ -757,3 +765,12 @@ class Spec(Section):
     # Where `factory.load` read this spec (the compiler's SpecSource: its file, lines and overrides), so that
     # compiling it later still names file:line; None for a spec built in code. Not a setting.
     _source: Any = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _usable_name(cls, name: str) -> str:
+        # `/abs`, `../x` or `a/b` would put the default checkpoint folder outside runs/
+        if not NAME.fullmatch(name):
+            raise ValueError(f"'{name}' is not a usable name (it names the checkpoint folder, runs/NAME): "
+                             f"{NAME_RULE}")
+        return name

@@ -82,6 +82,9 @@ def _import_module(module_name: str, ref: str) -> Any:
         raise RefError(f"cannot import '{ref}': syntax error in {where}: {e.msg}") from None
     except Exception as e:  # the user's module may raise anything while it is imported
         raise RefError(f"cannot import '{ref}': importing '{module_name}' raised {type(e).__name__}: {e}") from None
+    except SystemExit as e:  # a script's `sys.exit()` at import: left alone, `factory check` would exit with its code
+        raise RefError(f"cannot import '{ref}': '{module_name}' called sys.exit({e.code!r}) while being imported"
+                       ) from None
 
 
 def import_object(ref: str, base_dir: Path | None = None) -> Any:

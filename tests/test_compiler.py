@@ -98,12 +98,15 @@ def test_template_found_next_to_the_spec_and_jinja_errors_reported(project):
 def test_unimportable_reward_functions(project):
     project.module("rc_syntax", "def f(prompt, completion, **row):\n    return (\n")
     project.module("rc_raises", "raise RuntimeError('no GPU here')\n")
+    # SystemExit is no Exception: `factory check` exited 3 (the infrastructure-failure code) saying nothing
+    project.module("rc_exits", "import sys\nsys.exit(3)\n")
     path = project.spec(_base(project, "rc_imp") + """\
   a: {fn: rewards_nowhere:f}
   b: {fn: "rc_imp:exactt"}
   c: {fn: "rc_syntax:f"}
   d: {fn: "rc_raises:f"}
   e: {fn: not-a-path}
+  f: {fn: "rc_exits:f"}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.fn: cannot import 'rewards_nowhere:f': no module named 'rewards_nowhere'\n"
@@ -114,7 +117,8 @@ def test_unimportable_reward_functions(project):
         "spec.yaml:12: rewards.d.fn: cannot import 'rc_raises:f': importing 'rc_raises' raised RuntimeError: "
         "no GPU here\n"
         "spec.yaml:13: rewards.e.fn: expected an import path 'module:function', got 'not-a-path'\n"
-        "5 errors in spec.yaml")
+        "spec.yaml:14: rewards.f.fn: cannot import 'rc_exits:f': 'rc_exits' called sys.exit(3) while being imported\n"
+        "6 errors in spec.yaml")
 
 
 def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_path_factory):
@@ -270,6 +274,11 @@ def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(projec
 def test_model_paths(project):
     project.file("models/empty/README", "no config here")
     project.file("models/ok/config.json", "{}")
+    project.file("models/ok/model.safetensors")
+    project.file("models/sharded/config.json", "{}")
+    project.file("models/sharded/pytorch_model-00001-of-00002.bin")
+    project.file("models/no_weights/config.json", "{}")
+    project.file("models/no_weights/tokenizer.json", "{}")
     base = _base(project, "rc_model")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "factory:tiny-qwen"), "a.yaml")) == (
         "a.yaml:2: model.path: unknown built-in model 'factory:tiny-qwen'; did you mean 'factory:tiny-qwen3'? "
@@ -279,9 +288,53 @@ def test_model_paths(project):
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "./models/gone"), "c.yaml")) == (
         "c.yaml:2: model.path: model folder not found: ./models/gone\n1 error in c.yaml")
     assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/ok"), "d.yaml"))[1].warnings == ()
+    assert compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/sharded"), "d.yaml"))[1].warnings == ()
+    # config and tokenizer but no weights passed the check; `factory run` then died loading it in the update stage
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/no_weights"), "f.yaml")) == (
+        "f.yaml:2: model.path: model folder has no weights (*.safetensors or pytorch_model*.bin files): "
+        "models/no_weights; copy the model's weight files into it, or give the folder that holds them\n"
+        "1 error in f.yaml")
+    # a file where a folder belongs was "model folder not found"
+    project.file("notes.txt", "a file")
+    files = base.replace('"factory:tiny-qwen3"', '"notes.txt", tokenizer: notes.txt')
+    assert _errors(project.spec(files, "i.yaml")) == (
+        "i.yaml:2: model.path: model folder expected, got a file: notes.txt; give the folder that holds config.json "
+        "and the weights\n"
+        "i.yaml:2: model.tokenizer: tokenizer folder expected, got a file: notes.txt; give the folder that holds the "
+        "tokenizer files\n2 errors in i.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/ok/config.json"), "j.yaml")) == (
+        "j.yaml:2: model.path: model folder expected, got a file: models/ok/config.json; did you mean its folder, "
+        "models/ok?\n1 error in j.yaml")
+    # a tokenizer folder needs no weights; a local judge's model does
+    assert compile_file(project.spec(base.replace('"factory:tiny-qwen3"', '"factory:tiny-qwen3", tokenizer: '
+                                                  'models/no_weights'), "g.yaml"))[1].warnings == ()
+    project.file("prompts/judge.jinja", "Score: {{ completion }}")
+    assert _errors(project.spec(base + "  judge: {llm_judge: prompts/judge.jinja, local: {path: models/no_weights}}\n",
+                                "h.yaml")) == (
+        "h.yaml:9: rewards.judge.local.path: model folder has no weights (*.safetensors or pytorch_model*.bin "
+        "files): models/no_weights; copy the model's weight files into it, or give the folder that holds them\n"
+        "1 error in h.yaml")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "SomeOrg/not-cached-model"), "e.yaml")).startswith(
         "e.yaml:2: model.path: 'SomeOrg/not-cached-model' is not a local folder, and as a Hugging Face hub id it is "
         "not in the local Hugging Face cache (")  # tests/test_conventions.py: the hub cache, laid out by the test
+
+
+def test_a_model_folder_whose_json_does_not_parse(project):
+    # json.loads escaped as an internal error (exit 1): transformers could not load such a folder either
+    project.file("models/bad/config.json", "{not json")
+    project.file("models/list/config.json", "[]")
+    project.file("models/tok/config.json", "{}")
+    project.file("models/tok/model.safetensors")
+    project.file("models/tok/tokenizer_config.json", "{bad")
+    base = _base(project, "rc_model_json") + "tools:\n  calc: {command: python, args: [-m, x]}\n"
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/bad"), "a.yaml")) == (
+        "a.yaml:2: model.path: models/bad/config.json is not valid JSON (line 1, column 2: Expecting property name "
+        "enclosed in double quotes)\n1 error in a.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/list"), "b.yaml")) == (
+        "b.yaml:2: model.path: models/list/config.json must hold a JSON object, got list\n1 error in b.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/tok"), "c.yaml")) == (
+        "c.yaml:2: model.path: models/tok/tokenizer_config.json is not valid JSON (line 1, column 2: Expecting "
+        "property name enclosed in double quotes)\n1 error in c.yaml")
 
 
 def test_algorithm_names_are_resolved(project):

@@ -53,6 +53,72 @@ algorithm: {clip: [0.2]}
         "6 errors in spec.yaml")
 
 
+def test_numbers_out_of_their_range_name_the_bound(project):
+    # each of these was accepted once; concurrency 0 hung every call to the server (a semaphore of 0 slots)
+    path = project.spec(_base(project, "rw_bounds") + """\
+tools:
+  calc: {command: python, concurrency: 0, timeout_s: 0, retries: -1, max_result_chars: -5}
+rollout: {temperature: 0, top_p: 5, top_k: -1, batch_size: 0}
+train: {lr: -1, warmup_steps: -5, checkpoint_every: -1, eval_every: -1, eval_size: 0, threads: 0,
+        optimizer: {weight_decay: -0.1, grad_clip: -1, betas: [0.9, 1.0]}}
+tracking: {log_trajectories: -1}
+resources: {object_store_gb: 0}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:10: tools.calc.concurrency: must be >= 1, got 0\n"
+        "spec.yaml:10: tools.calc.timeout_s: must be > 0, got 0\n"
+        "spec.yaml:10: tools.calc.retries: must be >= 0, got -1\n"
+        "spec.yaml:10: tools.calc.max_result_chars: must be >= 1, got -5\n"
+        "spec.yaml:11: rollout.temperature: must be > 0, got 0\n"
+        "spec.yaml:11: rollout.top_p: must be <= 1, got 5\n"
+        "spec.yaml:11: rollout.top_k: must be >= 0, got -1\n"
+        "spec.yaml:11: rollout.batch_size: must be >= 1, got 0\n"
+        "spec.yaml:12: train.lr: must be > 0, got -1\n"
+        "spec.yaml:12: train.warmup_steps: must be >= 0, got -5\n"
+        "spec.yaml:12: train.checkpoint_every: must be >= 0, got -1\n"
+        "spec.yaml:12: train.eval_every: must be >= 0, got -1\n"
+        "spec.yaml:12: train.eval_size: must be >= 1, got 0\n"
+        "spec.yaml:12: train.threads: must be >= 1, got 0\n"
+        "spec.yaml:13: train.optimizer.weight_decay: must be >= 0, got -0.1\n"
+        "spec.yaml:13: train.optimizer.grad_clip: must be >= 0, got -1\n"
+        "spec.yaml:13: train.optimizer.betas.1: must be < 1, got 1.0\n"
+        "spec.yaml:14: tracking.log_trajectories: must be >= 0, got -1\n"
+        "spec.yaml:15: resources.object_store_gb: must be > 0, got 0\n"
+        "19 errors in spec.yaml")
+
+
+def test_numbers_out_of_range_in_model_data_judge_and_algorithm(project):
+    text = _base(project, "rw_bounds2").replace('"factory:tiny-qwen3"}', '"factory:tiny-qwen3", lora: {alpha: 0}}')
+    path = project.spec(text.replace("size: 8}", "size: 0}") + """\
+  judge: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3", num_cpus: -1}, timeout_s: 0}
+algorithm: {overlong: {buffer: 4, penalty: -1}}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:2: model.lora.alpha: must be > 0, got 0\n"
+        "spec.yaml:4: data.train.size: must be >= 1, got 0\n"
+        "spec.yaml:9: rewards.judge.local.num_cpus: must be >= 0, got -1\n"
+        "spec.yaml:9: rewards.judge.timeout_s: must be > 0, got 0\n"
+        "spec.yaml:10: algorithm.overlong.penalty: must be >= 0, got -1\n"
+        "5 errors in spec.yaml")
+
+
+def test_name_must_make_a_folder_name(project):
+    # the default checkpoint_dir is runs/${name}: `/abs` made it runs//abs, `../x` a folder beside runs/
+    for name in ("/abs", "../evil", "a/b", "a b", ".hidden"):
+        path = project.spec(_base(project, "rw_name").replace("name: demo", f"name: '{name}'"))
+        with pytest.raises(SpecErrors) as e:
+            load_spec(path)
+        assert report(e) == (
+            f"spec.yaml:1: name: '{name}' is not a usable name (it names the checkpoint folder, runs/NAME): use "
+            "letters, digits, '-', '_' and '.', starting with a letter or digit\n1 error in spec.yaml")
+    assert load_spec(project.spec(_base(project, "rw_name").replace("name: demo", "name: v1.2_run-3"))).name == (
+        "v1.2_run-3")
+
+
 def test_missing_required_key_points_at_its_parent(project):
     path = project.spec("name: x\nmodel: {dtype: float32}\ndata: {train: {path: a.jsonl}}\nrewards: {}\n")
     with pytest.raises(SpecErrors) as e:
@@ -124,6 +190,24 @@ def test_empty_and_non_mapping_specs(project):
     with pytest.raises(SpecErrors) as e:
         load_spec("nowhere.yaml")
     assert report(e) == "nowhere.yaml: cannot read the spec: No such file or directory\n1 error in nowhere.yaml"
+
+
+def test_a_spec_or_base_that_is_not_utf8_is_a_spec_error(project):
+    # read_text raised UnicodeDecodeError, which `factory check` showed as an internal error (exit 1)
+    (project.root / "latin.yaml").write_bytes(b"name: demo\n# caf\xe9 au lait\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec("latin.yaml")
+    assert report(e) == ("latin.yaml: cannot read the spec: not UTF-8 (byte 0xe9 at line 2); a spec is YAML saved "
+                         "as UTF-8\n1 error in latin.yaml")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: x\nextends: latin.yaml\n"))
+    assert report(e) == ("spec.yaml:2: extends: cannot read the base spec latin.yaml: not UTF-8 (byte 0xe9 at line "
+                         "2); a spec is YAML saved as UTF-8\n1 error in spec.yaml")
+    (project.root / "model.bin").write_bytes(bytes([0x80, 0x02, 0x7D]))
+    with pytest.raises(SpecErrors) as e:
+        load_spec("model.bin")
+    assert report(e) == ("model.bin: cannot read the spec: not UTF-8 (byte 0x80 at line 1); a spec is YAML saved "
+                         "as UTF-8\n1 error in model.bin")
 
 
 def test_overrides_set_values_and_unknown_override_keys_are_named(project):

@@ -98,13 +98,15 @@ def test_version():
 
 
 # ------------------------------------------------------------------------------------------ hub ids
-def _hub_cache(root: Path, repo_id: str) -> Path:
+def _hub_cache(root: Path, repo_id: str, weights: bool = True) -> Path:
     """A Hugging Face cache holding one model as huggingface_hub lays it out: refs/main names the commit
     whose snapshot folder holds the files."""
     repo = root / "hub" / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / "0123456789abcdef"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "qwen3", "num_attention_heads": 4}')
+    if weights:
+        (snapshot / "model.safetensors").write_bytes(b"")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123456789abcdef")
     return snapshot
@@ -126,6 +128,12 @@ def test_a_hub_id_is_resolved_through_the_local_cache(project):
         "the local Hugging Face cache (hf/hub): fill the cache with `hf download acme/missing` (where the hub can "
         "be reached; copy the cache folder over to a machine that cannot reach it), or point HF_HOME at a cache "
         "that holds it\n1 error in spec.yaml\n")
+    _hub_cache(project.root / "hf", "acme/config-only", weights=False)  # `hf download acme/config-only config.json`
+    out = _factory("check", path, "model.path=acme/config-only", cwd=project.root, **env)
+    assert out.returncode == 2 and out.stderr == (
+        "<override 1>: model.path: the local Hugging Face cache (hf/hub) holds 'acme/config-only' without its weights "
+        "(*.safetensors or pytorch_model*.bin files): fill it with `hf download acme/config-only`\n"
+        "1 error in spec.yaml\n")
 
 
 # ---------------------------------------------------------------------------------- TRL and Axolotl

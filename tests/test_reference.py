@@ -121,13 +121,13 @@ def test_schema_knows_registry_names_and_docstrings():
     # Docstrings become one-line descriptions, also as markdown for editors that render it.
     lr = schema["definitions"]["TrainSpec"]["properties"]["lr"]
     assert lr == {"default": 1e-6, "description": "Learning rate.", "markdownDescription": "Learning rate.",
-                  "type": "number"}
+                  "type": "number", "exclusiveMinimum": 0}
     assert schema["definitions"]["KLSpec"]["properties"]["estimator"]["enum"] == ["k1", "k2", "k3"]
 
 
 def test_reference_page_lists_every_key():
     page = reference.markdown()
-    assert "| `lr` | number | `1.0e-06` | Learning rate. |" in page
+    assert "| `lr` | number, > 0 | `1.0e-06` | Learning rate. |" in page
     assert "| `group_size` | integer, >= 1 | `8` | Samples per prompt (the G of GRPO). |" in page
     # A `|` in a docstring or a type (`a | b`) is escaped: every row has as many cells as its table's header.
     bars, previous = 0, ""

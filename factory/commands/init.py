@@ -8,14 +8,14 @@ Schema is written next to the spec, so an editor completes and checks it with no
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
+
+from factory.schema import NAME, NAME_RULE
 
 SCAFFOLD = Path(__file__).resolve().parents[1] / "scaffold"
 PLACEHOLDER = "PROJECT_NAME"
 SCHEMA_NAME = "spec.schema.json"  # the scaffold's spec.yaml names it on its first line
 _RENAMED = {"gitignore": ".gitignore"}  # a dotfile would be left out of the installed package
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 # What `factory init` prints about each file, in this order.
 DESCRIPTIONS = {
@@ -55,9 +55,8 @@ def create(target: Path) -> tuple[str, list[str]]:
     """Write a new project into `target` (created if missing); (its name, the files written).
     Refuses to overwrite anything: an existing file is an error that names it."""
     name = target.resolve().name
-    if not _NAME.match(name):
-        raise InitError(f"'{name}' is not a usable project name: use letters, digits, '-', '_' and '.', "
-                        "starting with a letter or digit")
+    if not NAME.fullmatch(name):  # the name becomes the spec's `name`, held to the same rule
+        raise InitError(f"'{name}' is not a usable project name: {NAME_RULE}")
     if target.exists() and not target.is_dir():
         raise InitError(f"{target} exists and is not a folder")
     files = project_files(name)

@@ -36,6 +36,7 @@ from factory.compiler.refs import (
     hub_snapshot,
     import_object,
     is_hub_id,
+    json_object,
     model_problem,
     reward_problem,
     sha256_file,
@@ -188,11 +189,11 @@ class _Report:
 def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
     """The model (and tokenizer) must be there. A hub id missing from this machine's cache is an error;
     on a Ray cluster (`joins`) a warning: the nodes that load it have caches of their own."""
-    for path, value, required in (("model.path", spec.model.path, "config.json"),
-                                  ("model.tokenizer", spec.model.tokenizer, "")):
+    for path, value, required, weights in (("model.path", spec.model.path, "config.json", True),
+                                           ("model.tokenizer", spec.model.tokenizer, "", False)):
         if value is None:
             continue
-        error, warning = model_problem(value, required_file=required)
+        error, warning = model_problem(value, required_file=required, weights=weights)
         if error and joins and is_hub_id(value):
             error, warning = None, error
         if error:
@@ -235,7 +236,12 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         r.error("resources.rollout.num_gpus", f"{k:g} GPUs: more than one GPU per rollout replica is vLLM's tensor "
                                               "parallelism over whole GPUs; give a whole number")
     folder = tokenizer_files(_local(spec.model.path))  # the model folder itself when it is on disk
-    config = model_config(folder) if folder else None
+    try:
+        config = model_config(folder) if folder else None
+    except (OSError, ValueError):  # config.json unreadable or not JSON: _check_model said so at model.path
+        return
+    if config is not None and not isinstance(config, dict):  # said so at model.path too
+        return
     lora_names = spec.model.lora is not None and not isinstance(spec.model.lora.target_modules, str)
     if config is None and lora_names and spec.model.path.startswith("factory:"):
         from factory.assets import resolve_model
@@ -333,8 +339,6 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
     the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
     template or the tokenizer's own, without loading a tokenizer."""
-    import json
-
     from factory.assets import tokenizer_files
     from factory.rollout.chat import prefix_problem
 
@@ -342,20 +346,28 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
         return
     folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
     config_file = folder / "tokenizer_config.json" if folder else None
-    config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
+    model_key = "model.tokenizer" if spec.model.tokenizer else "model.path"
+    try:
+        config = json_object(config_file) if config_file and config_file.is_file() else {}
+    except ValueError as e:  # transformers could not load this tokenizer either
+        r.error(model_key, str(e))
+        return
     if spec.chat_template:
         found = find_file(spec.chat_template, r.source.base_dir)
         if found is None:
             return  # reported by _check_templates
-        template, path = found.read_text(), "chat_template"
+        try:
+            template, path = found.read_text(encoding="utf-8"), "chat_template"
+        except (OSError, ValueError):
+            return  # reported by _check_templates
     else:
         own = folder / "chat_template.jinja" if folder else None
-        template = own.read_text() if own and own.is_file() else config.get("chat_template")
+        template = own.read_text(encoding="utf-8") if own and own.is_file() else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not isinstance(template, str):
             return  # not on disk before the first run (or the tokenizer has none: the rollout says so)
-        path = "model.tokenizer" if spec.model.tokenizer else "model.path"
+        path = model_key
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:

@@ -226,6 +226,20 @@ def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) 
     return node
 
 
+def _file_text(path: Path) -> str:
+    """A spec file's text; `ValueError` with why it cannot be read, as the user should see it."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:  # a Latin-1 comment, or not a text file at all
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"not UTF-8 (byte 0x{data[e.start]:02x} at line {line}); a spec is YAML saved as "
+                         "UTF-8") from None
+
+
 def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
              ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str], dict[str, Path]]:
     """One spec text as a DictConfig (interpolations unresolved), with the line of every dotted path and,
@@ -268,10 +282,10 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
             cycle = " -> ".join(shown_path(c) for c in (*chain, base))
             raise SpecErrors([SpecError(file, at, "extends", f"specs extend each other in a cycle: {cycle}")], file)
         try:
-            base_text = base.read_text(encoding="utf-8")
-        except OSError as e:
-            raise SpecErrors([SpecError(file, at, "extends", f"cannot read the base spec {shown}: "
-                                                             f"{e.strerror or e}")], file) from None
+            base_text = _file_text(base)
+        except ValueError as e:
+            raise SpecErrors([SpecError(file, at, "extends", f"cannot read the base spec {shown}: {e}")],
+                             file) from None
         b_cfg, b_lines, b_files, b_folders = _compose(shown, base_text, base.parent, (*chain, base))
         merged = OmegaConf.merge(merged, b_cfg)
         merged_lines.update(b_lines)
@@ -303,9 +317,9 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
     that leave nothing to validate (unreadable file, YAML syntax) are raised; the rest are returned."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e.strerror or e}")], file) from None
+        text = _file_text(Path(path))
+    except ValueError as e:
+        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e}")], file) from None
     return read_text(text, file, Path(path).resolve().parent, overrides, chain=(Path(path).resolve(),))
 
 

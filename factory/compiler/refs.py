@@ -142,9 +142,33 @@ def hub_cache() -> str:
     return shown_path(constants.HF_HUB_CACHE)
 
 
-def model_problem(path: str, required_file: str = "config.json") -> tuple[str | None, str | None]:
+def json_object(file: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (a model's config.json, its tokenizer_config.json); ValueError
+    with the reason as the user should read it, naming the file."""
+    shown = shown_path(file)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{shown} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {shown}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{shown} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+# A model's weights as transformers loads them: one file, shards, or a shards' index.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+
+
+def has_weights(folder: Path) -> bool:
+    return any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILES)
+
+
+def model_problem(path: str, required_file: str = "config.json", weights: bool = True) -> tuple[str | None, str | None]:
     """(error, warning) for a model path: a `factory:NAME` asset must be known, a local folder must hold
-    `required_file`; anything else is taken as a hub id that must already be in the local cache."""
+    `required_file` (JSON that parses, for a .json file) and, with `weights`, the weights; anything else is
+    taken as a hub id that must already be in the local cache (with its weights)."""
     if path.startswith("factory:"):
         name = path.removeprefix("factory:")
         known = _known_assets()
@@ -157,10 +181,27 @@ def model_problem(path: str, required_file: str = "config.json") -> tuple[str | 
     if local.is_dir():
         if required_file and not (local / required_file).is_file():
             return f"model folder has no {required_file}: {path}", None
+        if required_file.endswith(".json"):  # what transformers reads first: it must parse
+            try:
+                json_object(local / required_file)
+            except ValueError as e:
+                return str(e), None
+        if weights and not has_weights(local):  # else `factory run` fails only when the update stage loads it
+            return (f"model folder has no weights (*.safetensors or pytorch_model*.bin files): {path}; copy the "
+                    "model's weight files into it, or give the folder that holds them"), None
         return None, None
+    if local.is_file():  # `model.path: models/x/config.json`, say
+        holds = f"{required_file} and the weights" if weights else required_file or "the tokenizer files"
+        fix = (f"did you mean its folder, {shown_path(local.parent)}?" if (local.parent / "config.json").is_file()
+               else f"give the folder that holds {holds}")
+        return f"model folder expected, got a file: {path}; {fix}", None
     if not is_hub_id(path):
         return f"model folder not found: {path}", None
-    if hub_snapshot(path, required_file) is not None:
+    cached = hub_snapshot(path, required_file)
+    if cached is not None and weights and not has_weights(cached):
+        return (f"the local Hugging Face cache ({hub_cache()}) holds '{path}' without its weights "
+                f"(*.safetensors or pytorch_model*.bin files): fill it with `hf download {path}`"), None
+    if cached is not None:
         return None, None
     return (f"'{path}' is not a local folder, and as a Hugging Face hub id it is not in the local Hugging Face "
             f"cache ({hub_cache()}): fill the cache with `hf download {path}` (where the hub can be reached; "

@@ -215,6 +215,8 @@ def message(err: dict[str, Any], where: _Loc) -> str:
         return f"expected {ctx['expected']}, got {show(value)}"
     if kind in _BOUNDS:
         bound = next(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le"))
+        if isinstance(bound, float) and bound.is_integer():  # a float field's `gt=0` reads "> 0", not "> 0.0"
+            bound = int(bound)
         return f"must be {_BOUNDS[kind]} {bound}, got {show(value)}"
     if kind == "too_long" and get_origin(where.container) is tuple:
         return f"expected a list of {len(get_args(where.container))} items"
