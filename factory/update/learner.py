@@ -323,7 +323,7 @@ class Learner:
                 f"{self.non_finite_steps} steps in a row had a non-finite {what} (inf or NaN), and their updates "
                 f"were skipped: the weights are still those of step {self.steps_done - self.non_finite_steps}. "
                 "Look at actor/skipped_non_finite and the rewards' non_finite counts; a lower train.lr or "
-                "algorithm.grad_clip usually helps (train.max_non_finite_steps: 0 goes on regardless)")
+                "train.optimizer.grad_clip usually helps (train.max_non_finite_steps: 0 goes on regardless)")
 
     def _pass_flops(self, sub: list[Trajectory], micros: list[list[int]]) -> float:
         """FLOPs of one forward over the micro-batches `micros` (every rank's) as the learner runs them:
