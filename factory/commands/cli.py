@@ -222,7 +222,8 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="copy a run's checkpoint out as a Hugging Face folder (transformers, vLLM)",
                        description="copy a run's checkpoint out as a Hugging Face folder: safetensors, tokenizer and "
                                    "the run's chat template; loads with transformers and serves with vLLM")
-    e.add_argument("run", metavar="RUN", help="MLflow run id, or a checkpoint folder (train.checkpoint_dir)")
+    e.add_argument("run", metavar="RUN", help="a run (MLflow run id, id prefix of 8+ characters, or name), or a "
+                                              "checkpoint folder (train.checkpoint_dir)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest)")
     e.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
     e.add_argument("--adapter", action="store_true",
@@ -244,9 +245,9 @@ def parser() -> argparse.ArgumentParser:
     rs.set_defaults(func=_rescore)
 
     uri_help = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
-    r = sub.add_parser("runs", help="list tracked runs: status, steps, final reward, eval metrics, duration",
+    r = sub.add_parser("runs", help="list tracked runs: status, steps, final reward, eval metrics, monitors, duration",
                        description="list tracked runs, newest first: status, steps done, final reward, eval "
-                                   "metrics, spec name, duration")
+                                   "metrics, the reward-hacking monitors that fired, spec name, duration")
     r.add_argument("--experiment", default=None, help="only this MLflow experiment (default: all)")
     r.add_argument("--json", action="store_true", help="print the runs as JSON")
     r.add_argument("--limit", type=int, default=100, help="at most this many runs (default: 100)")
