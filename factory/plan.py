@@ -111,6 +111,8 @@ class RewardSettings(Settings):
     base_dir: str
     whole_batch: bool  # a node normalises over the batch: one `score` call must hold a whole step
     takes_turns: tuple[str, ...]  # function nodes whose function declares `turns` (the compiler read its signature)
+    # function nodes whose function names the row columns it takes (no `**row`) -> those columns
+    row_keywords: dict[str, tuple[str, ...]] = {}
     tool_peer: str | None  # the role of its call edge to the tool servers (tool nodes); None: none
     judge_peers: dict[str, str]  # judge node with a local model -> the role of its call edge to that model
 

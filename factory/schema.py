@@ -11,10 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-# A spec's or a project's name: it becomes a folder (`runs/${name}`, `factory init NAME`), so no separators,
-# no `..`, no leading `-` or `.`, nothing a shell must quote.
+# A project's name (`factory init NAME`): a folder and a spec's name, so nothing a shell must quote.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 NAME_RULE = "use letters, digits, '-', '_' and '.', starting with a letter or digit"
+# A spec's name becomes one folder (`runs/${name}`): no separator, no control character, no leading '.'
+# (`..`) or '-'. Sweep names such as `qwen-lr=1e-5` or `a+b@2` stay usable.
+SPEC_NAME = r"^[^./\\\x00-\x1f-][^/\\\x00-\x1f]*$"
+SPEC_NAME_RULE = "one folder's name: no '/' or '\\', no control character, not starting with '.' or '-'"
 
 
 class Section(BaseModel):
@@ -728,9 +731,9 @@ class ReplaySpec(Section):
 
 # ---------------------------------------------------------------------------------------------- spec
 class Spec(Section):
-    name: str
-    """Run name; also names the checkpoint folder (`runs/NAME`): letters, digits, '-', '_' and '.',
-    starting with a letter or digit."""
+    name: str = Field(json_schema_extra={"pattern": SPEC_NAME})
+    """Run name; also names the checkpoint folder (`runs/NAME`): no '/' or '\\', no control character,
+    not starting with '.' or '-'."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     model: ModelSpec
@@ -770,7 +773,7 @@ class Spec(Section):
     @classmethod
     def _usable_name(cls, name: str) -> str:
         # `/abs`, `../x` or `a/b` would put the default checkpoint folder outside runs/
-        if not NAME.fullmatch(name):
+        if not re.fullmatch(SPEC_NAME, name):
             raise ValueError(f"'{name}' is not a usable name (it names the checkpoint folder, runs/NAME): "
-                             f"{NAME_RULE}")
+                             f"{SPEC_NAME_RULE}")
         return name

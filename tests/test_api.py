@@ -98,7 +98,7 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     merged, seen = [], []
     monkeypatch.setattr(export, "export", lambda src, dst: (Path(dst).mkdir(parents=True), merged.append(Path(dst))))
     tiny = factory.compile(TINY)
-    monkeypatch.setattr(api, "compile_plan", lambda spec, overrides: seen.append(list(overrides)) or tiny)
+    monkeypatch.setattr(api, "compile_plan", lambda spec, overrides, **k: seen.append(list(overrides)) or tiny)
     monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: (merged[-1].is_dir(), step))
     assert factory.evaluate(TINY, model=step) == (True, 3)  # there while it is evaluated, at the checkpoint's step
     assert seen == [[f"model.path={merged[0]}"]] and not merged[0].exists()
@@ -110,6 +110,25 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     with pytest.raises(RuntimeError, match="the engine failed"):
         factory.evaluate(TINY, model=step)
     assert len(merged) == 2 and not merged[1].exists()
+
+
+def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypatch):
+    """`factory eval --model URL` takes only the tokenizer and chat template from `model.path`: a folder
+    without weights (a model served elsewhere) is fine there, and a spec error for a run, which loads them."""
+    import shutil
+
+    import factory.runtime.driver as driver
+    from factory.assets import resolve_model
+    from factory.compiler.errors import SpecErrors
+
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "tokenizer-only"
+    shutil.copytree(resolve_model("factory:tiny-qwen3"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(SpecErrors, match="model folder has no weights"):
+        factory.compile(TINY, [f"model.path={folder}"])
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: plan.stage("rollout").settings.endpoint)
+    assert factory.evaluate(TINY, model="http://127.0.0.1:9/v1", overrides=[f"model.path={folder}"]) == (
+        "http://127.0.0.1:9/v1")
 
 
 def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch):

@@ -261,14 +261,18 @@ def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(projec
     assert _errors(path) == (
         "spec.yaml:4: data.train.path: data/train.jsonl:2: invalid JSON: Expecting property name enclosed in double "
         "quotes: line 1 column 2 (char 1)\n"
-        "spec.yaml:5: data.eval.path: cannot read data/eval.parquet: ArrowInvalid: Could not open Parquet input "
-        "source 'data/eval.parquet': Parquet magic bytes not found in footer. Either the file is corrupted or this "
-        "is not a parquet file.\n2 errors in spec.yaml")
+        "spec.yaml:5: data.eval.path: cannot read data/eval.parquet: ArrowInvalid: Parquet magic bytes not found in "
+        "footer. Either the file is corrupted or this is not a parquet file.\n2 errors in spec.yaml")
     project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n{"q": "2+2", "answer": "4"}\n')
     assert _errors(path, ["data.eval.path=data/empty.jsonl"]) == (
         "spec.yaml:4: data.train.path: data/train.jsonl:2: a row needs a `prompt` messages column, a `question` "
-        "column or data.prompt\n"
-        "<override 1>: data.eval.path: data/empty.jsonl gave no rows\n2 errors in spec.yaml")
+        "column or data.prompt\n1 error in spec.yaml")
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
+    _, plan = compile_file(path, ["data.eval.path=data/empty.jsonl"])  # an empty eval split: no evaluation
+    assert plan.warnings == ("<override 1>: data.eval.path: warning: data/empty.jsonl gave no rows: the run has no "
+                             "held-out evaluation",)
+    assert _errors(path, ["data.train.path=data/empty.jsonl", "data.eval.path=data/train.jsonl"]) == (
+        "<override 1>: data.train.path: data/empty.jsonl gave no rows\n1 error in spec.yaml")
 
 
 def test_model_paths(project):
@@ -326,7 +330,10 @@ def test_a_model_folder_whose_json_does_not_parse(project):
     project.file("models/tok/config.json", "{}")
     project.file("models/tok/model.safetensors")
     project.file("models/tok/tokenizer_config.json", "{bad")
-    base = _base(project, "rc_model_json") + "tools:\n  calc: {command: python, args: [-m, x]}\n"
+    project.file("models/tpl/config.json", "{}")
+    project.file("models/tpl/model.safetensors")
+    (project.root / "models/tpl/chat_template.jinja").write_bytes(b"{{ r\xe9sum\xe9 }}")  # Latin-1, not UTF-8
+    base = _base(project, "rc_model_json")  # no tools: the tokenizer's files are checked whatever the spec uses
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/bad"), "a.yaml")) == (
         "a.yaml:2: model.path: models/bad/config.json is not valid JSON (line 1, column 2: Expecting property name "
         "enclosed in double quotes)\n1 error in a.yaml")
@@ -335,6 +342,11 @@ def test_a_model_folder_whose_json_does_not_parse(project):
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/tok"), "c.yaml")) == (
         "c.yaml:2: model.path: models/tok/tokenizer_config.json is not valid JSON (line 1, column 2: Expecting "
         "property name enclosed in double quotes)\n1 error in c.yaml")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/tpl"), "d.yaml")) == (
+        "d.yaml:2: model.path: cannot read models/tpl/chat_template.jinja: not UTF-8 (invalid continuation byte at "
+        "byte 4)\n1 error in d.yaml")
+    tools = base + "tools:\n  calc: {command: python, args: [-m, x]}\n"  # with tools (a multi-turn check): once
+    assert _errors(project.spec(tools.replace("factory:tiny-qwen3", "models/tok"), "e.yaml")).count("not valid JSON") == 1
 
 
 def test_algorithm_names_are_resolved(project):

@@ -153,3 +153,20 @@ def test_reward_functions_declare_the_columns_they_need(project):
           total: {sum: {a: 1, b: 1}}
         """))
     assert required_columns(spec) == {"gold": "rewards.a"}
+
+
+def test_a_limit_reads_only_the_first_rows_of_each_kind_of_source(tmp_path):
+    """`factory check` reads at most CHECKED_ROWS rows of a source: the first ones, whatever its kind."""
+    import pyarrow as pa
+
+    from factory.data.sources import read_source
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": str(i)}) + "\n" for i in range(4)) + "{bad\n")
+    pq.write_table(pa.table({"question": [str(i) for i in range(5)]}), tmp_path / "rows.parquet")
+    for name in ("rows.jsonl", "rows.parquet"):
+        rows, origins = read_source(DataSource(path=name), seed=0, base_dir=tmp_path, limit=3)
+        assert [r["question"] for r in rows] == ["0", "1", "2"] and len(origins) == 3
+    with pytest.raises(DataError, match="rows.jsonl:5: invalid JSON"):  # without a limit, every line
+        read_source(DataSource(path="rows.jsonl"), seed=0, base_dir=tmp_path)
+    rows, _ = read_source(DataSource(generator="factory.data:arithmetic", size=100), seed=0, limit=7)
+    assert len(rows) == 7

@@ -423,8 +423,12 @@ class FailsToStart(StageActor):
         self.error = settings
 
     def setup(self, placement=None):
+        import os
+
         from factory.util import UserError
 
+        if self.error == "dies":  # as the OOM killer or a crash in native code ends it
+            os._exit(9)
         raise (UserError if self.error == "user" else RuntimeError)("calc: tool server 'calc' failed to start")
 
 
@@ -447,6 +451,8 @@ def test_a_stage_that_cannot_start_stops_the_run_with_one_line_naming_it(tiny_pl
                                  "start")
     with pytest.raises(UserError, match="calc: tool server 'calc' failed to start"):
         place(plan("user"))
+    with pytest.raises(StageStartError, match=r"^stage 'tools' did not start: its process ended \(ActorDiedError"):
+        place(plan("dies"))
 
 
 @pytest.mark.slow

@@ -218,15 +218,20 @@ def test_turns_reach_only_functions_that_declare_them():
 
 def test_a_function_gets_only_the_row_columns_it_names():
     """Without `**row` a reward function is passed the columns it names, not every column of the row (each
-    call raised TypeError before, and the node scored nothing)."""
+    call raised TypeError before, and the node scored nothing). No function is passed a row's `completion`
+    (or `prompt`) column, which would clash with its own argument, and the node's `args` win over a column
+    of the same name."""
     spec = make_spec({"plain": {"fn": f"{FNS}:no_row"},
                       "named": {"fn": f"{FNS}:named_columns", "args": {"scale": 10.0}},
-                      "total": {"sum": {"plain": 1.0, "named": 1.0}}})
+                      "all": {"fn": f"{FNS}:scaled_row", "args": {"scale": 10.0}},
+                      "total": {"sum": {"plain": 1.0, "named": 1.0, "all": 1.0}}})
+    settings = stage_settings(spec)["reward"]
+    assert settings.row_keywords == {"plain": (), "named": ("answer",)}  # decided by the compiler; `all`: every column
     t = traj("abc", answer="2")
-    t.row = {"answer": "2", "question": "1 + 1", "level": 3}
+    t.row = {"answer": "2", "question": "1 + 1", "level": 3, "completion": "the row's", "scale": 100}
     trajs, m = score(spec, [t])
-    assert trajs[0].rewards == {"plain": 3.0, "named": 20.0, "total": 23.0}
-    assert m["rewards/plain/errors"] == m["rewards/named/errors"] == 0.0
+    assert trajs[0].rewards == {"plain": 3.0, "named": 20.0, "all": 20.0, "total": 43.0}
+    assert m["rewards/plain/errors"] == m["rewards/named/errors"] == m["rewards/all/errors"] == 0.0
 
 
 def test_group_reward_gets_each_group():

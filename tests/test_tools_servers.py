@@ -186,10 +186,12 @@ async def test_a_server_that_never_speaks_mcp_is_said_to_in_words():
     from factory.tools.resilience import Resilience
 
     mute = StdioServer(command=sys.executable, args=["-c", "import time; time.sleep(30)"])
+    before = set(_children(os.getpid()))
     box = ToolBox.from_spec({"mute": mute}, resilience=Resilience(start_timeout_s=0.5))
     with pytest.raises(ToolStartError, match=r"mute: .*failed to start: TimeoutError: no MCP handshake \(initialize, "
                                              r"tools/list\) within 0.5 s"):
         await box.start()
+    assert set(_children(os.getpid())) <= before  # the mute process was ended, not left sleeping
 
 
 async def test_allowed_tools_filters_and_checks():

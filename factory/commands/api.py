@@ -36,17 +36,19 @@ def load_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> Spec:
     return load(spec, overrides)[0]
 
 
-def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, connect: bool = False) -> Plan:
+def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, connect: bool = False,
+                 weights: bool = True) -> Plan:
     """The Plan of a spec (a Spec from `load`, a path, a YAML text or a dict): every reference resolved,
     the stage graph built, the run's hashes. Errors of loading and compiling are raised together as
-    `SpecErrors`. `connect` also starts every tool server to check the tools the spec names."""
+    `SpecErrors`. `connect` also starts every tool server to check the tools the spec names; `weights`
+    False lets `model.path` hold no weights (factory.compiler.compile.compile_file)."""
     if isinstance(spec, Spec):
         if overrides:  # a typed spec is final: overrides apply to what it was loaded from
             raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec: "
                             "factory.load(spec, overrides) first")
         source = source_of(spec) or SpecSource("<spec>", Path.cwd(), "")  # a Spec built in code
-        return compile_spec(spec, source, connect=connect)  # this Spec, as it is now: its tool servers too
-    return compile_file(spec, overrides, connect=connect)[1]
+        return compile_spec(spec, source, connect=connect, weights=weights)  # this Spec as it is: its servers too
+    return compile_file(spec, overrides, connect=connect, weights=weights)[1]
 
 
 def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step: OnStep | None = None,
@@ -122,7 +124,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
                 spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
             else:
                 overrides = [*overrides, f"model.path={path}"]
-        plan = compile_plan(spec, overrides)
+        plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
         if plan.spec["data"].get("eval") is None:

@@ -47,8 +47,8 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
     tracker = open_tracker(uri)
     try:
         tags = tracker.run(run).tags
-    except RunLookupError:
-        raise ExportError(f"'{run}' is neither a checkpoint folder nor an MLflow run id in {tracker.uri}") from None
+    except RunLookupError as e:  # none by that id, prefix or name, or several: its own words say which
+        raise ExportError(f"'{run}' is not a checkpoint folder, and {e}") from None
     if CHECKPOINT_DIR_TAG in tags:
         return Path(tags[CHECKPOINT_DIR_TAG])
     if CHECKPOINT_TAG in tags:

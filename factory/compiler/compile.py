@@ -186,10 +186,11 @@ class _Report:
 
 
 # ----------------------------------------------------------------------------------------- checks
-def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
-    """The model (and tokenizer) must be there. A hub id missing from this machine's cache is an error;
-    on a Ray cluster (`joins`) a warning: the nodes that load it have caches of their own."""
-    for path, value, required, weights in (("model.path", spec.model.path, "config.json", True),
+def _check_model(spec: Spec, r: _Report, joins: bool, weights: bool = True) -> None:
+    """The model (and tokenizer) must be there, with its weights unless no stage loads them (`weights`
+    False: an evaluation whose rollout is an OpenAI-compatible server). A hub id missing from this machine's
+    cache is an error; on a Ray cluster (`joins`) a warning: the nodes that load it have caches of their own."""
+    for path, value, required, weights in (("model.path", spec.model.path, "config.json", weights),
                                            ("model.tokenizer", spec.model.tokenizer, "", False)):
         if value is None:
             continue
@@ -200,8 +201,28 @@ def _check_model(spec: Spec, r: _Report, joins: bool) -> None:
             r.error(path, error.replace("model folder", "tokenizer folder") if required == "" else error)
         if warning:
             r.warn(path, warning)
+    _check_tokenizer_config(spec, r)
     _check_engine("rollout.engine", spec.rollout.engine, r, joins)
     _check_model_shape(spec, r)
+
+
+def _check_tokenizer_config(spec: Spec, r: _Report) -> None:
+    """The tokenizer's tokenizer_config.json, when on disk, must parse to an object (transformers could not
+    load the tokenizer otherwise), and its own chat_template.jinja must read as UTF-8."""
+    from factory.assets import tokenizer_files
+
+    folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
+    key = "model.tokenizer" if spec.model.tokenizer else "model.path"
+    if folder is None:
+        return
+    try:
+        if (folder / "tokenizer_config.json").is_file():
+            json_object(folder / "tokenizer_config.json")
+        if (folder / "chat_template.jinja").is_file():
+            (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    except ValueError as e:  # json_object's reason, or a file that is not UTF-8
+        r.error(key, str(e) if not isinstance(e, UnicodeDecodeError) else
+                f"cannot read {shown_path(folder / 'chat_template.jinja')}: not UTF-8 ({e.reason} at byte {e.start})")
 
 
 def _local(path: str, required_file: str = "config.json") -> str:
@@ -349,8 +370,9 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     model_key = "model.tokenizer" if spec.model.tokenizer else "model.path"
     try:
         config = json_object(config_file) if config_file and config_file.is_file() else {}
-    except ValueError as e:  # transformers could not load this tokenizer either
-        r.error(model_key, str(e))
+        own = folder / "chat_template.jinja" if folder else None
+        own_template = own.read_text(encoding="utf-8") if own and own.is_file() else None
+    except ValueError:  # reported by _check_tokenizer_config
         return
     if spec.chat_template:
         found = find_file(spec.chat_template, r.source.base_dir)
@@ -361,8 +383,7 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
         except (OSError, ValueError):
             return  # reported by _check_templates
     else:
-        own = folder / "chat_template.jinja" if folder else None
-        template = own.read_text(encoding="utf-8") if own and own.is_file() else config.get("chat_template")
+        template = own_template if own_template is not None else config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not isinstance(template, str):
@@ -403,11 +424,16 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
     return hashes
 
 
+# `factory check` (every compile) checks at most this many rows of each data source: ~1 s at the ~85 us a row
+# takes to read and render (AMD EPYC, 2 cores); the data stage checks every row before the first step.
+CHECKED_ROWS = 10_000
+
+
 def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[str, Callable[..., Any]]) -> None:
-    """Every row of each source that `_check_data` found (`data`), as the data stage reads and checks them
-    before the first step (JSON, columns the reward functions need, the prompt rendered): a bad row is found
-    here, at the source's key, not after Ray and every stage have started. RL prompt sets are small: the
-    shipped specs' 64-4,096 rows take 0.01-0.4 s."""
+    """The first CHECKED_ROWS rows of each source that `_check_data` found (`data`), read and checked as
+    the data stage checks them all before the first step (JSON, the columns the reward functions need, the
+    prompt rendered): a bad row is found here, at the source's key, not after Ray and every stage have
+    started. An empty training split is an error, an empty eval split a warning (no held-out evaluation)."""
     from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source
     from factory.reward.graph import required_columns
 
@@ -421,18 +447,29 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
             continue  # not found, or its generator cannot be called as it would be: already said
         source = getattr(spec.data, split)
         key = f"data.{split}.path" if source.path is not None else f"data.{split}.generator"
+        limit = CHECKED_ROWS if split == "train" or spec.train.eval_size is None else min(spec.train.eval_size,
+                                                                                          CHECKED_ROWS)
         try:
-            rows, origins = read_source(source, seed=seed, base_dir=r.source.base_dir)
-            if split == "eval" and spec.train.eval_size is not None:
-                rows, origins = rows[: spec.train.eval_size], origins[: spec.train.eval_size]
-            if not rows:
-                r.error(key, f"{source.path or source.generator} gave no rows")
-                continue
-            check_rows(rows, origins, renderer, required)
-        except UserError as e:  # DataError: the bad rows, each with its file:line
+            rows, origins = read_source(source, seed=seed, base_dir=r.source.base_dir, limit=limit)
+        except UserError as e:  # DataError: bad JSON, each line with its file:line
             r.error(key, str(e))
-        except Exception as e:  # a file that is not what its name says (a corrupt parquet), a generator that raised
+            continue
+        except (Exception, SystemExit) as e:  # a file that is not what its name says (a corrupt parquet), a generator that raised
             r.error(key, f"cannot read {source.path or source.generator}: {type(e).__name__}: {e}")
+            continue
+        if not rows:
+            what = f"{source.path or source.generator} gave no rows"
+            if split == "train":
+                r.error(key, what)
+            else:
+                r.warn(key, f"{what}: the run has no held-out evaluation")
+            continue
+        try:
+            check_rows(rows, origins, renderer, required)
+        except UserError as e:  # DataError: the bad rows, each with its file:line (or row)
+            r.error(key, str(e))
+        except (Exception, SystemExit) as e:  # the prompt template failed on a row in a way row_problem does not expect
+            r.error("data.prompt", f"the template failed on {key}'s rows: {type(e).__name__}: {e}")
 
 
 def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str, Callable[..., Any]]]:
@@ -674,11 +711,14 @@ def reward_stream(rewards: Mapping[str, RewardNode]) -> StreamPart | None:
 
 
 def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Sequence[str], train_node: str,
-                required: Mapping[str, str], turns: Sequence[str]) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
+                required: Mapping[str, str], fns: Mapping[str, Callable[..., Any]]
+                ) -> tuple[tuple[Stage, ...], tuple[Edge, ...]]:
     """data -> rollout (<-> tools) -> reward -> update, the eval flow data -> rollout -> reward, and the
     weight-sync edge update -> rollout; each stage with its class, replicas, bundle and settings.
-    `required`: the data columns the reward functions need (column -> node); `turns`: the function nodes
-    whose function takes the trajectory's turns."""
+    `required`: the data columns the reward functions need (column -> node); `fns`: each function node's
+    function, whose signature says whether it takes the turns and which row columns it names."""
+    from factory.reward.graph import row_keywords, takes_turns
+
     res, r, t = spec.resources, spec.rollout, spec.train
     replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
     ranks = f" over {res.update.replicas} ranks" if res.update.replicas > 1 else ""
@@ -716,7 +756,10 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     whole_batch = stream is None
     stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
-                                       base_dir=base_dir, whole_batch=whole_batch, takes_turns=tuple(turns),
+                                       base_dir=base_dir, whole_batch=whole_batch,
+                                       takes_turns=tuple(n for n, fn in fns.items() if takes_turns(fn)),
+                                       row_keywords={n: named for n, fn in fns.items() if not spec.rewards[n].group
+                                                     and (named := row_keywords(fn, spec.rewards[n].args)) is not None},
                                        tool_peer=tool_peer if tool_nodes else None, judge_peers=judges),
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),
@@ -863,13 +906,13 @@ def _with(model: Any, parts: Sequence[str], value: Any) -> Any:
 
 
 def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | None = None,
-             tools: ToolListing | None = None) -> tuple[Plan | None, list[SpecError]]:
-    """The plan and every error found; the plan is None when there are errors."""
+             tools: ToolListing | None = None, weights: bool = True) -> tuple[Plan | None, list[SpecError]]:
+    """The plan and every error found; the plan is None when there are errors. `weights`: see `compile_file`."""
     broken = broken or {}
     spec = _rebased(spec, source)
     r = _Report(source)
     ray_address = cluster_address(spec)  # decided here, once: the driver joins it (or starts a Ray of its own)
-    _check_model(spec, r, joins=ray_address is not None)
+    _check_model(spec, r, joins=ray_address is not None, weights=weights)
     _check_devices(spec, r, joins=ray_address is not None)
     templates = _check_templates(spec, r)
     _check_chat_template(spec, r)
@@ -901,12 +944,12 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     }
     hashes["run"] = sha256_json(hashes)
     base_dir = str(source.base_dir)
-    from factory.reward.graph import required_columns, takes_turns
+    from factory.reward.graph import required_columns
 
     runnable = spec if ray_address is not None else with_cached_models(spec)  # a cluster's nodes: their caches
     stages, edges = stage_graph(runnable, base_dir=base_dir, algorithm=algorithm, order=order,
                                 train_node=train, required=required_columns(spec, fns),
-                                turns=tuple(n for n, fn in fns.items() if takes_turns(fn)))
+                                fns=fns)
     plan = Plan(
         spec=shown,
         spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),
@@ -951,14 +994,15 @@ def with_tool_listing(plan: Plan, listing: ToolListing) -> Plan:
 
 
 def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
-                 tools: ToolListing | None = None, connect: bool = False) -> Plan:
+                 tools: ToolListing | None = None, connect: bool = False, weights: bool = True) -> Plan:
     """Resolve every reference of a loaded spec and build its Plan; raises `SpecErrors`.
 
     `source` is what `load()` returned (or the spec file's path: then overrides are not located).
     `tools` is the listing of every server (`factory check --connect`): tool names are then checked and
-    the tool schemas hashed. `connect` makes that listing: every server of `spec.tools` is started."""
+    the tool schemas hashed. `connect` makes that listing: every server of `spec.tools` is started.
+    `weights`: see `compile_file`."""
     src = _source_of(source)
-    plan, errors = _compile(spec, src, None, tools)
+    plan, errors = _compile(spec, src, None, tools, weights)
     if errors or plan is None:
         raise SpecErrors(errors, src.file)
     return _connected(spec, src, plan) if connect and tools is None else plan
@@ -981,16 +1025,18 @@ def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
 
 
 def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,
-                 connect: bool = False) -> tuple[Spec, Plan]:
+                 connect: bool = False, weights: bool = True) -> tuple[Spec, Plan]:
     """Load, validate and compile one spec (a path, YAML text or a dict: factory.compiler.load.read_spec),
     reporting load and compile errors together; with `connect`,
-    also start every tool server to check the tools the spec names. Returns the runnable spec (real
-    values) and its Plan; raises `SpecErrors`."""
+    also start every tool server to check the tools the spec names. `weights` False: `model.path` need not
+    hold weights, as no stage will load them (`factory eval --model URL` generates through a server and
+    takes only the tokenizer and chat template from it). Returns the runnable spec (real values) and its
+    Plan; raises `SpecErrors`."""
     loaded = load_all(path, overrides)
     errors = list(loaded.errors)
     plan = None
     if loaded.spec is not None:
-        plan, compile_errors = _compile(loaded.spec, loaded.source, loaded.broken)
+        plan, compile_errors = _compile(loaded.spec, loaded.source, loaded.broken, weights=weights)
         errors += compile_errors
     if errors or loaded.spec is None or plan is None:
         raise SpecErrors(errors, loaded.source.file)
@@ -1004,22 +1050,19 @@ def stage_settings(spec: Spec, base_dir: str | os.PathLike = ".") -> dict[str, S
     resolves it but without checking files, imports or models (so the data stage checks no columns for
     the reward functions; a reward function that imports is asked whether it takes `turns`, one that
     does not is left alone). Raises `SpecErrors` for a reward graph or algorithm that cannot be resolved."""
-    from factory.reward.graph import takes_turns
-
     source = SpecSource(file="<spec>", base_dir=Path(base_dir).resolve(), text="")
     r = _Report(source)
     order, train, _ = _check_reward_graph(spec, r, set())
     algorithm = _resolve_algorithm(spec, r)
     if r.errors or train is None or algorithm is None:
         raise SpecErrors(r.errors, source.file)
-    turns = []
+    fns = {}
     for name, node in spec.rewards.items():
         if isinstance(node, FnNode):
             with contextlib.suppress(RefError):
-                if takes_turns(import_object(node.fn)):
-                    turns.append(name)
+                fns[name] = import_object(node.fn)
     stages, _ = stage_graph(spec, base_dir=str(source.base_dir), algorithm=algorithm, order=order, train_node=train,
-                            required={}, turns=turns)
+                            required={}, fns=fns)
     return {s.name: s.settings for s in stages}
 
 

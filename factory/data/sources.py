@@ -27,24 +27,31 @@ class DataError(UserError, ValueError):
     prepared, before any training step. The message names the file (or generator) and every bad row."""
 
 
-def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None
+def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, limit: int | None = None
                 ) -> tuple[list[dict[str, Any]], list[str]]:
     """All rows of one source as plain dicts, and where each came from (`file:line` for jsonl, `file row
-    N` for parquet, `generator row N`), for error messages."""
+    N` for parquet, `generator row N`), for error messages. `limit`: at most that many, the first ones (a
+    generator is asked for that many)."""
     if source.generator is not None:
         fn = import_object(source.generator)
-        rows = list(fn(n=source.size, seed=seed, **source.args))
+        rows = list(fn(n=source.size if limit is None else min(source.size, limit), seed=seed, **source.args))
         return rows, [f"{source.generator} row {i + 1}" for i in range(len(rows))]
     path = resolve_file(source.path, base_dir)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        if limit is None:
+            rows = pq.read_table(path).to_pylist()
+        else:
+            rows = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
+            rows = rows.to_pylist() if rows is not None else []
         return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
     if path.suffix in (".jsonl", ".json"):
         rows, origins, problems = [], [], []
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
+                if limit is not None and len(rows) + len(problems) >= limit:
+                    break
                 if not line.strip():
                     continue
                 try:

@@ -62,17 +62,19 @@ def takes_turns(fn: Callable[..., Any]) -> bool:
         return False
 
 
-def row_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
-    """The row columns a reward function takes by keyword: None when it takes them all (`**row`, or a
-    signature that cannot be read), else the names of its parameters. The reward stage passes a function
-    only the columns it names, so `f(prompt, completion, answer)` works on rows with more columns."""
+def row_keywords(fn: Callable[..., Any], args: Mapping[str, Any] = {}) -> tuple[str, ...] | None:
+    """The row columns a reward function names, which the reward stage passes it (sorted): the parameters after
+    `prompt` and `completion`, less the node's `args` and what the stage passes itself (`turns`, `turn`,
+    `index`). None when it takes every column (`**row`) or its signature cannot be read. So
+    `f(prompt, completion, answer)` works on rows with more columns. The compiler asks once per function."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
-    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return tuple(sorted(p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                        and p.name not in args and p.name not in ("turns", "turn", "index")))
 
 
 def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = None) -> dict[str, str]:

@@ -38,7 +38,6 @@ from factory.reward.graph import (
     prompt_text,
     reward_metrics,
     roots,
-    row_keywords,
     standardize,
     turn_mean,
 )
@@ -47,6 +46,17 @@ from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_object, node_id, resolve_file, template_env
 
 log = logging.getLogger(__name__)
+
+
+def _row_filter(node: FnNode, named: tuple[str, ...] | None) -> Callable[[str], bool]:
+    """Which row columns a function node's function is passed: those it names (`named`, the compiler's
+    `RewardSettings.row_keywords`), or every column for `**row` (None); never `prompt` or `completion`
+    (passed positionally) nor a column named like one of the node's `args`, which win."""
+    reserved = {"prompt", "completion", *node.args}
+    if named is None:
+        return lambda column: column not in reserved
+    wanted = set(named) - reserved
+    return wanted.__contains__
 
 
 class RewardStage(StageActor):
@@ -78,8 +88,8 @@ class RewardStage(StageActor):
         placement = placement or Placement()
         enter_workdir(placement.workdir)
         self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
-        # node -> (function, wants `turns`, the row columns it takes: None for all)
-        self._fns: dict[str, tuple[Callable[..., Any], bool, frozenset[str] | None]] = {}
+        # node -> (function, wants `turns`, which row columns it is passed: takes(column))
+        self._fns: dict[str, tuple[Callable[..., Any], bool, Callable[[str], bool]]] = {}
         self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
         self._judge_actors: dict[str, Any] = {}
         env = template_env()
@@ -87,7 +97,7 @@ class RewardStage(StageActor):
             if isinstance(node, FnNode):
                 fn = import_object(node.fn)
                 self._fns[name] = (functools.partial(fn, **node.args), name in self.settings.takes_turns,
-                                   row_keywords(fn))
+                                   _row_filter(node, self.settings.row_keywords.get(name)))
             elif isinstance(node, ToolNode):
                 self._templates[name] = {k: env.from_string(v) for k, v in node.arguments.items()}
             elif isinstance(node, JudgeNode):
@@ -307,7 +317,7 @@ class _Evaluation:
         turn's text as the completion and the turn itself (ours win over row columns of the same name)."""
         fn, wants_turns, takes = self.s._fns[name]
         t = self.trajs[i]
-        row = t.row if takes is None else {k: v for k, v in t.row.items() if k in takes}
+        row = {k: v for k, v in t.row.items() if takes(k)}
         kwargs = {**row, "turns": t.turns} if wants_turns else row
         completion = t.completion
         if k is not None:

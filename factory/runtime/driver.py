@@ -300,7 +300,7 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
                     continue
                 try:
                     groups[name].info = d.get(refs, kind, "starting")  # done: a failed setup raises here
-                except ray.exceptions.RayTaskError as e:
+                except ray.exceptions.RayError as e:  # it raised, or its process died (out of memory, a crash)
                     raise start_error(name, e) from None
                 d.took(kind, time.monotonic() - began)
                 del pending[name]
@@ -313,16 +313,20 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
     return groups
 
 
-def start_error(name: str, e: ray.exceptions.RayTaskError) -> BaseException:
-    """What to raise when stage `name`'s setup raised `e`: a UserError as it is (bad input, exit 2), anything
-    else as a StageStartError that says which stage and why in one message (Ray's own text of `e` is the
-    remote traceback, which says nothing more to a user)."""
+def start_error(name: str, e: ray.exceptions.RayError) -> BaseException:
+    """What to raise when stage `name`'s setup failed with `e`: a UserError as it is (bad input, exit 2),
+    anything else as a StageStartError that says which stage and why in one message (Ray's own text of a
+    task's error is the remote traceback, which says nothing more to a user)."""
     from factory.util import UserError
 
-    cause = e.cause if isinstance(e.cause, BaseException) else e
-    if isinstance(cause, UserError):
-        return e
-    return StageStartError(f"stage '{name}' did not start: {type(cause).__name__}: {cause}")
+    if isinstance(e, ray.exceptions.RayTaskError):  # setup raised
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        if isinstance(cause, UserError):
+            return e
+        return StageStartError(f"stage '{name}' did not start: {type(cause).__name__}: {cause}")
+    said = str(e).strip().splitlines()
+    return StageStartError(f"stage '{name}' did not start: its process ended ({type(e).__name__}"
+                           f"{': ' + said[0] if said else ''}); a model larger than the memory left is a common cause")
 
 
 def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:

@@ -98,8 +98,9 @@ class TokenBudget:
 
     A micro-batch computes its rows laid out padded (rows x its longest row, prompt + response: what a
     padded micro-batch computes and a packed one never exceeds), except that with `prompts` (the rows'
-    prompt ids, given when `train.share_prefix` is on) the rows' common leading tokens count once, as the
-    update runs them (`run_once`): shared + rows x (longest - shared). The prefix's keys and values, which
+    prompt ids, given when the learner runs a shared prefix once: `train.share_prefix`, unless gradient
+    checkpointing, dropout or ZeRO-3 over several ranks turn it off) the rows' common leading tokens count
+    once, as the update runs them (`run_once`): shared + rows x (longest - shared). The prefix's keys and values, which
     every row then reads, are not counted: per token they are a small part of a layer's activations."""
 
     limit: int
@@ -195,14 +196,22 @@ def shard(schedule: list[list[list[int]]], rank: int, world: int, micro_batch: i
     micro-batches per mini-batch: ZeRO-2/3 reduce gradients inside backward and ZeRO-3 gathers
     parameters inside forward, so the ranks' passes must pair up. A rank short of samples gets empty
     micro-batches, which the learner runs on a stand-in sample with weight 0. One rank: `schedule`."""
+    return shards(schedule, world, micro_batch, budget)[rank]
+
+
+def shards(schedule: list[list[list[int]]], world: int, micro_batch: int,
+           budget: TokenBudget | None = None) -> list[list[list[list[int]]]]:
+    """Every rank's part of `schedule` (see `shard`), worked out once: each rank computes all of them alike,
+    from the same plan."""
     if world == 1:
-        return schedule
-    out = []
+        return [schedule]
+    out: list[list[list[list[int]]]] = [[] for _ in range(world)]
     for minibatch in schedule:
         members = [i for micro in minibatch for i in micro]
         cuts = [cut(members[r::world], micro_batch, budget) for r in range(world)]
-        count = max(len(c) for c in cuts)  # every rank works it out alike: the plan is the same on all
-        out.append(cuts[rank] + [[] for _ in range(count - len(cuts[rank]))])
+        count = max(len(c) for c in cuts)
+        for r in range(world):
+            out[r].append(cuts[r] + [[] for _ in range(count - len(cuts[r]))])
     return out
 
 
@@ -257,10 +266,7 @@ def shared_prefix(trajs: list[Trajectory]) -> int:
     """How many leading prompt tokens all `trajs` have in common, at most the shortest prompt - 1 (the
     position that predicts a first response token must be a row's own)."""
     first, cap = trajs[0].prompt_ids, min(len(t.prompt_ids) for t in trajs) - 1
-    n = 0
-    while n < cap and all(t.prompt_ids[n] == first[n] for t in trajs):
-        n += 1
-    return n
+    return max(0, min([cap] + [common_prefix(first, t.prompt_ids) for t in trajs[1:]]))
 
 
 # ---------------------------------------------------------------------------------------- packing

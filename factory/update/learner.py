@@ -64,6 +64,7 @@ from factory.update.batch import (
     plan,
     shaped_rewards,
     shard,
+    shards,
     padding_stats,
     run_once,
     shared_prefix,
@@ -219,7 +220,7 @@ class Learner:
         self.steps_done += 1
         stats.update(step_stats(sums, schedule, update_plan, alg.epochs, before, target))
         def ran(sched: list[list[list[int]]]) -> list[list[int]]:  # every rank's micro-batches of `sched`
-            return [m for r in range(self.world) for mbs in shard(sched, r, self.world, micro_batch, budget) for m in mbs if m]
+            return [m for part in shards(sched, self.world, micro_batch, budget) for mbs in part for m in mbs if m]
 
         stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
                                     for micro in ran(update_plan)], self.spec.train.packing))
