@@ -98,6 +98,10 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(small_path, 
 
     out = tmp_path.parent / f"exported-{stage}"
     assert cli.main(["export", str(tmp_path), "--out", str(out)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder in (tmp_path / "step_4" / "hf", out):  # readable by a server run as another user (transformers: 0600)
+        assert {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}["model.safetensors"] == 0o666 & ~umask
     model = AutoModelForCausalLM.from_pretrained(out)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, final[k], atol=0, rtol=0)

@@ -3,6 +3,7 @@ import io
 from rich.console import Console
 
 from factory.runtime.display import Display
+from factory.runtime.driver import RunResult
 
 
 def _lines(steps):
@@ -27,18 +28,29 @@ def test_step_line_shows_reward_accuracy_and_time_split():
 def test_summary_names_the_run_and_the_ui_command():
     out = io.StringIO()
     d = Display(1, console=Console(file=out, width=200))
-    d.summary(run_id="abc", experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db",
-              before={"eval/accuracy": 0.3}, after={"eval/accuracy": 1.0}, wall_s=600, checkpoint="runs/x/step_8/hf")
+    d.summary(RunResult("abc", {"eval/accuracy": 0.3}, {"eval/accuracy": 1.0}, "runs/x/step_8/hf", after_step=8,
+                        last_step=8), experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db", wall_s=600)
     text = out.getvalue()
+    assert "Factory run finished" in text and "step 8" in text
     assert "MLflow run abc" in text and "factory ui --uri sqlite:///elsewhere.db" in text
     assert "0.300" in text and "1.000" in text and "runs/x/step_8/hf" in text
+
+
+def test_a_stopped_runs_summary_shows_no_final_evaluation_it_did_not_make():
+    """Stopped after step 2 with no evaluation since step 0's: the table showed step 0's values as "final"."""
+    out = io.StringIO()
+    Display(4, console=Console(file=out, width=200)).summary(
+        RunResult("abc", {"eval/reward": 0.2}, {"eval/reward": 0.2}, "runs/x/step_2", stopped=True, last_step=2),
+        experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db", wall_s=60)
+    text = out.getvalue()
+    assert "Factory run stopped after step 2" in text and "┃ final" not in text and text.count("0.200") == 1
+    assert "no evaluation after step 0: the run stopped before its next" in text
 
 
 def test_summary_links_a_tracking_server_run():
     out = io.StringIO()
     Display(1, console=Console(file=out, width=200)).summary(
-        run_id="abc", experiment="e", experiment_id="3", uri="http://127.0.0.1:5000/", before={}, after={},
-        wall_s=60, checkpoint=None)
+        RunResult("abc", {}, {}, None), experiment="e", experiment_id="3", uri="http://127.0.0.1:5000/", wall_s=60)
     assert "see it: http://127.0.0.1:5000/#/experiments/3/runs/abc" in out.getvalue()
 
 

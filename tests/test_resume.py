@@ -13,7 +13,7 @@ import pytest
 
 from factory.commands import cli
 from factory.compiler.compile import compile_file, plan_json
-from factory.runtime.resume import ResumeError, find
+from factory.runtime.resume import Resume, ResumeError, find
 from factory.tracking.mlflow_tracker import DRIVER_TAG
 from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
 from factory.update.checkpoint import write_run_state
@@ -79,6 +79,10 @@ def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(sto
     assert r.data == {"epoch": 0, "cursor": 2} and r.before == {"eval/reward": 0.25} and r.changed == []
     assert [c["step"] for c in r.checkpoints] == [1]
     assert "at step 2" in r.describe() and "step 2 is computed again, not logged twice" in r.describe()
+    # no checkpoint: it starts over, its step-0 evaluation included ("at step 1, from the start" read as both)
+    fresh = Resume("r", "n", ckpt, None, 0, 1, None)
+    assert fresh.describe() == ("resuming run r (n) from the start (it saved no checkpoint); steps 0-1 are computed "
+                                "again, not logged twice")
     assert find(plan, older, uri, train=spec.train, **exp).checkpoint == "step_2"  # named explicitly (id)
 
 
@@ -105,15 +109,30 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
         cli.main([*base, "--allow-spec-change"])
     assert "--allow-spec-change goes with --resume" in capsys.readouterr().err
 
-    # a run whose driver is alive (this process, for the test)
+    # a run held by a live driver: one still training it, or another --resume of it still starting (whose run
+    # was KILLED: the status says nothing until the run reopens, 30-60 s later; both drivers then logged it)
+    import subprocess
+    import sys
+
     from mlflow.tracking import MlflowClient
     from psutil import Process
 
-    me = Process()
-    MlflowClient(uri).set_tag(run, DRIVER_TAG, json.dumps({"host": socket.gethostname(), "pid": me.pid,
-                                                           "started": me.create_time()}))
-    with pytest.raises(ResumeError, match=f"run {run} is still running .*stop it first"):
-        find(plan, run, uri, train=spec.train, experiment="tiny")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        client = MlflowClient(uri)
+        client.set_tag(run, DRIVER_TAG, json.dumps({"host": socket.gethostname(), "pid": other.pid,
+                                                    "started": Process(other.pid).create_time()}))
+        for status in ("RUNNING", "KILLED"):
+            client.set_terminated(run, status)
+            with pytest.raises(ResumeError, match=f"run {run} is held by a live driver \\(pid {other.pid}\\).*stop "
+                                                  "that one first"):
+                find(plan, run, uri, train=spec.train, experiment="tiny")
+    finally:
+        other.kill()
+        other.wait()
+    # once that driver is gone, a resume takes the run at once: a second one now would be refused
+    assert find(plan, run, uri, train=spec.train, experiment="tiny").run_id == run
+    assert json.loads(client.get_run(run).data.tags[DRIVER_TAG])["pid"] == Process().pid
 
     # a run that did all its steps
     done = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="KILLED")

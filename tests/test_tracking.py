@@ -1,4 +1,5 @@
 import json
+import socket
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -92,6 +93,24 @@ def test_plan_changes_name_each_kind_of_change():
          "tools": {"added": ["sqrt"], "removed": [], "changed": []}},
     ]
     assert plan_changes(a, a) == []
+
+
+def test_diff_of_a_training_run_and_its_evaluation_leaves_out_what_training_alone_reads():
+    """`factory diff TRAIN EVAL`: the eval run's spec may give other train.* settings (it trains nothing): only
+    what an evaluation reads is a change, and a note says what was left out."""
+    from factory.commands.diff import RunRecord, compare
+    from factory.tracking.tracker import TrackedRun
+
+    def record(run_id, tags, spec):
+        return RunRecord(TrackedRun(run_id, run_id, "0", "FINISHED", 1.0, 2.0, tags=tags), {"spec": spec}, None)
+
+    trained = record("a", {}, {"model": {"path": "base"}, "train": {"lr": 5e-4, "steps": 3}})
+    evaluated = record("b", {"factory.kind": "eval"}, {"model": {"path": "ckpt"}, "train": {"lr": 1e-3, "steps": 2}})
+    report = compare(trained, evaluated, {}, {})
+    assert [c["key"] for c in report["changes"]] == ["model.path"]
+    assert report["notes"] == ["B is an eval run: settings it does not read (train.*, algorithm.*) are not compared"]
+    both = compare(trained, record("c", {}, {"model": {"path": "base"}, "train": {"lr": 1e-3, "steps": 3}}), {}, {})
+    assert [c["key"] for c in both["changes"]] == ["train.lr"] and both["notes"] == []
 
 
 def test_unrecorded_tool_schemas_are_a_note_not_identical():
@@ -308,3 +327,32 @@ def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch)
     t.log_metrics({"timing/step_s": 1.0}, step=1)
     t.end("FINISHED")
     assert any("could not be sent: they wait in" in n and str(tmp_path / "spool") in n for n in notes), notes
+
+
+def test_runs_tell_a_dead_driver_and_an_eval_or_rescore_from_a_training_run():
+    """`factory runs`: a SIGKILLed driver leaves its run RUNNING in MLflow forever (its duration grew on every
+    listing); an eval or rescore run showed its spec's train.steps as if it had trained ("3/2")."""
+    import subprocess
+    import sys
+
+    from psutil import Process
+
+    from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_tag
+    from factory.tracking.runs import run_summary
+    from factory.tracking.tracker import TrackedRun
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = Process(gone.pid).create_time()
+    gone.wait()
+    dead = json.dumps({"host": socket.gethostname(), "pid": gone.pid, "started": started})
+    params = {"train.steps": "2"}
+    s = run_summary(TrackedRun("r1", "a", "0", "RUNNING", 100.0, None, tags={DRIVER_TAG: dead}, params=params))
+    assert s["driver_alive"] is False and s["duration_s"] is None and s["kind"] == "train" and s["steps"] == 2
+    s = run_summary(TrackedRun("r2", "b", "0", "RUNNING", 100.0, None, tags={DRIVER_TAG: driver_tag()}, params=params))
+    assert s["driver_alive"] is True and s["duration_s"] > 0
+    other_host = json.dumps({"host": "elsewhere", "pid": 1, "started": 0.0})
+    assert run_summary(TrackedRun("r3", "c", "0", "RUNNING", 1.0, None, tags={DRIVER_TAG: other_host}))["driver_alive"] is None
+    ev = run_summary(TrackedRun("r4", "d", "0", "FINISHED", 1.0, 2.0, tags={"factory.kind": "eval"}, params=params))
+    rescored = run_summary(TrackedRun("r5", "e", "0", "FINISHED", 1.0, 2.0, tags={"factory.rescore_of": "r1"},
+                                      params=params))
+    assert (ev["kind"], ev["steps"], rescored["kind"], rescored["steps"]) == ("eval", None, "rescore", None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from factory.tracking.mlflow_tracker import flatten
+from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
 
 # plan.hashes section -> the kind of change it names
@@ -63,6 +64,10 @@ def tool_changes(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None)
     shape = lambda t: (t.get("description"), json.dumps(t.get("inputSchema"), sort_keys=True))  # noqa: E731
     return {"added": sorted(set(tb) - set(ta)), "removed": sorted(set(ta) - set(tb)),
             "changed": sorted(n for n in set(ta) & set(tb) if shape(ta[n]) != shape(tb[n]))}
+
+
+# What only training reads: left out when a side is an evaluation or a rescoring run (`factory eval`, `rescore`).
+TRAINING_ONLY = ("train.", "algorithm.")
 
 
 def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] | None = None,
@@ -272,6 +277,13 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
     """The whole report as plain data (see the README for an example)."""
     changes = plan_changes(a.plan, b.plan, a.tools, b.tools)
     notes = plan_notes(a.plan, b.plan, ("A", "B"))
+    kinds = {side: run_kind(r.run) for side, r in (("A", a), ("B", b))}
+    if {"eval", "rescore"} & set(kinds.values()):
+        # an evaluation or a rescoring trains nothing: its spec's training settings were never read
+        changes = [c for c in changes if c["kind"] != "algorithm" and not c["key"].startswith(TRAINING_ONLY)]
+        notes.append(" and ".join(f"{side} is {'an' if kind == 'eval' else 'a'} {kind} run"
+                                  for side, kind in kinds.items() if kind != "train")
+                     + f": settings it does not read ({', '.join(p + '*' for p in TRAINING_ONLY)}) are not compared")
     prompts = common_prompts(a.trajectories, b.trajectories)
     return {
         "a": _side(a), "b": _side(b),

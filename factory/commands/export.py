@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, tag, verify
+from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, readable, tag, verify
 from factory.util import UserError
 
 CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's own checkpoint folder, absolute (set by the tracker)
@@ -110,6 +110,7 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
         _merge(source, staging)
     else:
         shutil.copytree(source, staging)
+    readable(staging)  # a checkpoint saved before readable() was: its model.safetensors 0600, as transformers writes it
     if out.exists():
         out.rmdir()  # the empty folder the user made
     os.replace(staging, out)

@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -82,15 +83,23 @@ class Display:
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {_fmt(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
-    def summary(self, *, run_id: str, experiment: str, experiment_id: str, uri: str, before: dict[str, float],
-                after: dict[str, float], wall_s: float, checkpoint: str | None) -> None:
-        table = Table(title="Factory run finished", show_header=True)
+    def summary(self, result: Any, *, experiment: str, experiment_id: str, uri: str, wall_s: float) -> None:
+        """The run's end (`result`: factory.runtime.driver.RunResult): its evaluations at step 0 and at the
+        last step evaluated, each under its own step (a stopped run's last evaluation may be step 0's)."""
+        run_id, before, after, checkpoint = result.run_id, result.before, result.after, result.checkpoint
+        ended = (f"halted after step {result.last_step}" if result.halted else
+                 f"stopped after step {result.last_step}" if result.stopped else "finished")
+        self.console.print(f"Factory run {ended}", style="bold")  # not the table's title: rich wraps it to the table
+        table = Table(show_header=True)
         table.add_column("metric")
         table.add_column("step 0", justify="right")
-        table.add_column("final", justify="right")
+        if result.after_step:
+            table.add_column(f"step {result.after_step}", justify="right")
         for k in sorted(set(before) | set(after)):
-            table.add_row(k, _fmt(before.get(k)), _fmt(after.get(k)))
+            table.add_row(k, _fmt(before.get(k)), *([_fmt(after.get(k))] if result.after_step else []))
         self.console.print(table)
+        if not result.after_step and result.last_step:
+            self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
         self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
             self.console.print(f"final adapters (peft folder): {Path(checkpoint, 'adapter')}; merged model: "

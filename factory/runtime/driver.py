@@ -61,6 +61,8 @@ class RunResult:
     checkpoint: str | None
     stopped: bool = False  # Ctrl-C (or a `stop` event) ended it early, after a logged, checkpointed step
     halted: str | None = None  # a `train.stop_on` monitor ended it early (after a logged, checkpointed step): why
+    after_step: int = 0  # the step `after` was measured at: 0 when no evaluation followed step 0's (stopped first)
+    last_step: int = 0  # the last step done
 
     @property
     def status(self) -> str:
@@ -631,7 +633,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
         on_step(0, before)
-    after, checkpoint, updates = before, None, Updates(g, plan, synced=done)
+    after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done)
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
     if resume and resume.watch is not None:
@@ -656,7 +658,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                       or time.monotonic() - saved_at >= d.train.checkpoint_every_s)
             for n, trajs_n, m_n in updates.finish(drain=evaluating or saving):  # its weights -> every rollout replica
                 if n == step and evaluating:
-                    after, eval_trajs = evaluate(g, plan, display, step)
+                    (after, eval_trajs), after_step = evaluate(g, plan, display, step), step
                     tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
                     m_n.update(after)
                     m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
@@ -681,7 +683,9 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
                 break
-    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt)
+    last = step if done < d.train.steps else done  # (a resumed run with no step left never enters the loop)
+    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt,
+                     after_step=after_step, last_step=last)
 
 
 def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]:
@@ -773,13 +777,13 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     with display, placed(plan, display, startup) as (groups, record):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             startup.lap("tracking")
-            display.status(f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume else
+            display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
+                            else f"MLflow run {tracker.run_id} resumed from the start") if resume else
                            f"MLflow run {tracker.run_id}; evaluating at step 0")
             result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
             opened.status = result.status
-    display.summary(run_id=result.run_id, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id,
-                    uri=uri, before=result.before, after=result.after, wall_s=time.perf_counter() - t_start,
-                    checkpoint=result.checkpoint)
+    display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
+                    wall_s=time.perf_counter() - t_start)
     return result
 
 

@@ -20,13 +20,12 @@ a run with no step left to do.
 from __future__ import annotations
 
 import json
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state, verify
 from factory.util import UserError
@@ -61,14 +60,15 @@ class Resume:
     unreadable: list[str] = field(default_factory=list)  # newer checkpoints passed over, and why
 
     def describe(self) -> str:
-        where = (f"from its checkpoint {self.checkpoint_dir / self.checkpoint}" if self.checkpoint
-                 else "from the start (it saved no checkpoint)")
-        first, last = self.step + 1, self.logged
+        # without a checkpoint the run starts over: its step-0 evaluation too (logged once, as every step)
+        where = (f"at step {self.step + 1}, from its checkpoint {self.checkpoint_dir / self.checkpoint}"
+                 if self.checkpoint else "from the start (it saved no checkpoint)")
+        first, last = (self.step + 1 if self.checkpoint else 0), self.logged
         again = ("" if last < first else f"; step {first} is computed again, not logged twice" if last == first
                  else f"; steps {first}-{last} are computed again, not logged twice")
         changed = f"; with a changed {', '.join(self.changed)} (--allow-spec-change)" if self.changed else ""
         passed = "".join(f"\n  passed over {u} (not as saved)" for u in self.unreadable)
-        return f"resuming run {self.run_id} ({self.run_name}) at step {self.step + 1}, {where}{again}{changed}{passed}"
+        return f"resuming run {self.run_id} ({self.run_name}) {where}{again}{changed}{passed}"
 
 
 def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
@@ -85,9 +85,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     if tags.get("factory.spec_name") != name:
         raise ResumeError(f"run {run.run_id} is not a run of spec '{name}' "
                           f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
-    if run.status == "RUNNING" and _driver_alive(tags.get(DRIVER_TAG)):
-        raise ResumeError(f"run {run.run_id} is still running (driver pid "
-                          f"{json.loads(tags[DRIVER_TAG])['pid']}): stop it first (Ctrl-C saves a checkpoint)")
+    _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
     changed = changes(plan, tracker, run)
     if changed and not allow_spec_change:
         raise ResumeError(f"run {run.run_id} was trained with a different {', '.join(changed)} than this "
@@ -100,6 +98,9 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     if step >= train.steps:
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
+    # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
+    # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
+    _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
     return Resume(run.run_id, run.name, directory, checkpoint, step, logged_step(tracker, run),
                   state.get("data") if checkpoint else None, state.get("watch") if checkpoint else None,
                   before=step0_eval(tracker, run),
@@ -181,18 +182,18 @@ def _artifact_json(tracker: Tracker, run_id: str, path: str) -> Any:
         return json.loads(local.read_text())
 
 
-def _driver_alive(tag: str | None) -> bool:
-    """Whether the driver a run's tag names is alive on this machine (pid and start time, never pid alone).
-    A driver on another machine cannot be checked: it is taken as gone (the run's status said RUNNING
-    only because nothing marked it ended)."""
-    import psutil
+def _refuse_if_driven(run_id: str, tag: str | None) -> None:
+    """ResumeError when a live driver other than this process holds the run (its DRIVER_TAG): one still
+    training it, or another `--resume` of it still starting."""
+    from factory.tracking.mlflow_tracker import driver_tag
 
-    if not tag:
-        return False
-    d = json.loads(tag)
-    if d.get("host") != socket.gethostname():
-        return False
-    try:
-        return abs(psutil.Process(d["pid"]).create_time() - d["started"]) < 0.01
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+    if tag and tag != driver_tag() and _driver_alive(tag):
+        raise ResumeError(f"run {run_id} is held by a live driver (pid {json.loads(tag)['pid']}): it is still "
+                          "running, or another --resume of it is starting; stop that one first (Ctrl-C saves "
+                          "a checkpoint)")
+
+
+def _driver_alive(tag: str | None) -> bool:
+    """Whether the driver a run's tag names is alive on this machine. A driver on another machine cannot be
+    checked: it is taken as gone (the run's status said RUNNING only because nothing marked it ended)."""
+    return bool(driver_alive(tag))

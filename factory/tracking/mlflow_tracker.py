@@ -159,6 +159,24 @@ def driver_tag() -> str:
     return json.dumps({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()})
 
 
+def driver_alive(tag: str | None) -> bool | None:
+    """Whether the driver a run's DRIVER_TAG names is alive (pid and start time, never pid alone); None
+    when it cannot be told: no tag, or a driver on another machine."""
+    import socket
+
+    import psutil
+
+    if not tag:
+        return None
+    d = json.loads(tag)
+    if d.get("host") != socket.gethostname():
+        return None
+    try:
+        return abs(psutil.Process(d["pid"]).create_time() - d["started"]) < 0.01
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def run_name(spec_name: str) -> str:
     """Unique enough to name a run on the command line (`factory diff NAME_A NAME_B`)."""
     return f"{spec_name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -520,6 +538,10 @@ class MlflowTracker:
 
             self._client = MlflowClient(self.uri)
         return self._client
+
+    def claim(self, run_id: str) -> str:
+        self.client.set_tag(run_id, DRIVER_TAG, driver_tag())
+        return self.client.get_run(run_id).data.tags.get(DRIVER_TAG, "")
 
     def run(self, ref: str) -> TrackedRun:
         from mlflow.exceptions import MlflowException

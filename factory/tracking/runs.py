@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import tracking_uri
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
 
 
@@ -26,16 +26,26 @@ def _num(v: Any) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
+def run_kind(run: TrackedRun) -> str:
+    """train; eval (`factory eval`, tag factory.kind); rescore (`factory rescore`, tag factory.rescore_of)."""
+    return "rescore" if "factory.rescore_of" in run.tags else run.tags.get("factory.kind", "train")
+
+
 def run_summary(run: TrackedRun) -> dict[str, Any]:
-    """What `factory runs` shows of one run."""
-    end = run.end_time or (time.time() if run.status == "RUNNING" else run.start_time)
-    steps = run.params.get("train.steps")
+    """What `factory runs` shows of one run. `driver_alive`: for a RUNNING run, whether its driver is (None:
+    it cannot be told from here); a run whose driver was killed stays RUNNING in MLflow, with no end."""
+    alive = driver_alive(run.tags.get(DRIVER_TAG)) if run.status == "RUNNING" else None
+    end = run.end_time or (time.time() if run.status == "RUNNING" and alive is not False else None)
+    kind = run_kind(run)
+    steps = run.params.get("train.steps") if kind == "train" else None  # an eval's or rescore's spec's: not its own
     return {
         "run_id": run.run_id,
         "name": run.name,
         "experiment_id": run.experiment_id,
         "spec": run.tags.get("factory.spec_name", ""),
+        "kind": kind,
         "status": run.status,
+        "driver_alive": alive,
         "steps_done": int(run.tags["factory.step"]) if "factory.step" in run.tags else None,
         "steps": int(steps) if steps and steps.isdigit() else None,
         "final_reward": _num(run.metrics.get("reward/mean")),
@@ -88,11 +98,13 @@ def runs_main(args: Any) -> int:
         numeric = col in ("steps", "reward", "duration") or col in eval_keys
         table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name")
     for r in rows:
-        steps = f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
+        steps = (f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
+                 if r["kind"] == "train" else r["kind"])
+        status = f"{r['status']} (driver gone: --resume)" if r["driver_alive"] is False else r["status"]
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
-        table.add_row(r["run_id"][:8], r["name"], r["spec"], r["status"], steps, _fmt(r["final_reward"]),
+        table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, _fmt(r["final_reward"]),
                       *(_fmt(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
     console = Console()
     if not console.is_terminal:  # piped or in a log: do not squeeze the table into 80 columns

@@ -84,6 +84,12 @@ class Tracker(Protocol):
     def end(self, status: str = "FINISHED") -> None: ...
 
     # ---- reading runs back
+    def claim(self, run_id: str) -> str:
+        """Mark run `run_id` as this driver's (its DRIVER_TAG), before any stage starts, so that another
+        `--resume` of it refuses; returns the tag as the store holds it after (another driver's, when two
+        claimed at once and the other wrote last)."""
+        ...
+
     def run(self, ref: str) -> TrackedRun:
         """The run `ref` names: a run id, a unique id prefix (8+ characters) or a unique run name;
         RunLookupError when there is none or several."""

@@ -87,6 +87,17 @@ def clear_staging(directory: str | os.PathLike, name: str) -> Path:
     return path
 
 
+def readable(folder: str | os.PathLike) -> None:
+    """Every file under `folder` with the mode a new file gets here (0644 under the usual umask 022):
+    transformers writes model.safetensors through a private temporary file, 0600, which another user or a
+    serving container could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+
+
 def run_folder(root: str | os.PathLike, run_name: str, run_id: str) -> Path:
     """A run's own checkpoint folder under `train.checkpoint_dir`: its name and id prefix, unique even for
     two runs of one spec started in the same second."""

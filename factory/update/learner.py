@@ -573,6 +573,7 @@ class Learner:
             else:
                 self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
                 self._tokenizer().save_pretrained(folder / ckpt.HF)
+            ckpt.readable(folder / (ckpt.ADAPTER if self.lora is not None else ckpt.HF))  # a model to serve
             ckpt.write_run_state(folder, {"step": step, **(state or {})})
         dist.barrier()  # every rank's shards are written before the folder is committed
         if dist.get_rank() == 0:
