@@ -759,7 +759,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                                        base_dir=base_dir, whole_batch=whole_batch,
                                        takes_turns=tuple(n for n, fn in fns.items() if takes_turns(fn)),
                                        row_keywords={n: named for n, fn in fns.items() if not spec.rewards[n].group
-                                                     and (named := row_keywords(fn, spec.rewards[n].args)) is not None},
+                                                     and (named := row_keywords(fn, spec.rewards[n])) is not None},
                                        tool_peer=tool_peer if tool_nodes else None, judge_peers=judges),
                         ("trajectories",) + (("tool_results",) if spec.tools and tool_nodes else ()),
                         ("scored_trajectories",) + (("tool_calls",) if spec.tools and tool_nodes else ()),

@@ -62,11 +62,11 @@ def takes_turns(fn: Callable[..., Any]) -> bool:
         return False
 
 
-def row_keywords(fn: Callable[..., Any], args: Mapping[str, Any] = {}) -> tuple[str, ...] | None:
+def row_keywords(fn: Callable[..., Any], node: FnNode) -> tuple[str, ...] | None:
     """The row columns a reward function names, which the reward stage passes it (sorted): the parameters after
-    `prompt` and `completion`, less the node's `args` and what the stage passes itself (`turns`, `turn`,
-    `index`). None when it takes every column (`**row`) or its signature cannot be read. So
-    `f(prompt, completion, answer)` works on rows with more columns. The compiler asks once per function."""
+    `prompt` and `completion`, less the node's `args` and what the stage passes itself (`_passed`), as
+    `required_columns` reads them. None when it takes every column (`**row`) or its signature cannot be read.
+    So `f(prompt, completion, answer)` works on rows with more columns. The compiler asks once per function."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -74,7 +74,7 @@ def row_keywords(fn: Callable[..., Any], args: Mapping[str, Any] = {}) -> tuple[
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return tuple(sorted(p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                        and p.name not in args and p.name not in ("turns", "turn", "index")))
+                        and p.name not in node.args and p.name not in _passed(node)))
 
 
 def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = None) -> dict[str, str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state, verify
 from factory.util import UserError
@@ -185,15 +185,7 @@ def _artifact_json(tracker: Tracker, run_id: str, path: str) -> Any:
 def _refuse_if_driven(run_id: str, tag: str | None) -> None:
     """ResumeError when a live driver other than this process holds the run (its DRIVER_TAG): one still
     training it, or another `--resume` of it still starting."""
-    from factory.tracking.mlflow_tracker import driver_tag
-
-    if tag and tag != driver_tag() and _driver_alive(tag):
+    if tag and tag != driver_tag() and driver_alive(tag):  # None (another machine's driver): taken as gone
         raise ResumeError(f"run {run_id} is held by a live driver (pid {json.loads(tag)['pid']}): it is still "
                           "running, or another --resume of it is starting; stop that one first (Ctrl-C saves "
                           "a checkpoint)")
-
-
-def _driver_alive(tag: str | None) -> bool:
-    """Whether the driver a run's tag names is alive on this machine. A driver on another machine cannot be
-    checked: it is taken as gone (the run's status said RUNNING only because nothing marked it ended)."""
-    return bool(driver_alive(tag))
