@@ -734,8 +734,9 @@ class Spec(Section):
     name: str = Field(json_schema_extra={"pattern": SPEC_NAME})
     """Run name; also names the checkpoint folder (`runs/NAME`): no '/' or '\\', no control character,
     not starting with '.' or '-'."""
-    seed: int = 0
-    """Seed for data order, sampling and initialisation."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed for data order, sampling and initialisation: 0 to 2^32 - 1 (numpy's range, which vLLM seeds
+    from it)."""
     model: ModelSpec
     """The policy model."""
     chat_template: str | None = None

@@ -106,6 +106,16 @@ algorithm: {overlong: {buffer: 4, penalty: -1}}
         "5 errors in spec.yaml")
 
 
+def test_seed_must_be_in_numpys_range(project):
+    # vLLM seeds numpy from it (np.random.seed): -1 or 2**32 failed only when the rollout stage started
+    for seed, why in (("-1", "must be >= 0, got -1"), ("4294967296", "must be <= 4294967295, got 4294967296")):
+        path = project.spec(_base(project, "rw_seed") + f"seed: {seed}\n")
+        with pytest.raises(SpecErrors) as e:
+            load_spec(path)
+        assert report(e) == f"spec.yaml:9: seed: {why}\n1 error in spec.yaml"
+    assert load_spec(project.spec(_base(project, "rw_seed") + "seed: 4294967295\n")).seed == 2**32 - 1
+
+
 def test_name_must_make_a_folder_name(project):
     # the default checkpoint_dir is runs/${name}: `/abs` made it runs//abs, `../x` a folder beside runs/
     for name in ("/abs", "../evil", "a/b", ".hidden", "-rf"):
