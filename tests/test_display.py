@@ -1,4 +1,5 @@
 import io
+from pathlib import Path
 
 from rich.console import Console
 
@@ -28,12 +29,19 @@ def test_step_line_shows_reward_accuracy_and_time_split():
 def test_summary_names_the_run_and_the_ui_command():
     out = io.StringIO()
     d = Display(1, console=Console(file=out, width=200))
-    d.summary(RunResult("abc", {"eval/accuracy": 0.3}, {"eval/accuracy": 1.0}, "runs/x/step_8/hf", after_step=8,
-                        last_step=8), experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db", wall_s=600)
+    # RunResult.checkpoint is absolute; under the working directory it is shown as the spec's runs/ path reads
+    d.summary(RunResult("abc", {"eval/accuracy": 0.3}, {"eval/accuracy": 1.0}, str(Path.cwd() / "runs/x/step_8"),
+                        after_step=8, last_step=8),
+              experiment="e", experiment_id="3", uri="sqlite:///elsewhere.db", wall_s=600)
     text = out.getvalue()
     assert "Factory run finished" in text and "step 8" in text
     assert "MLflow run abc" in text and "factory ui --uri sqlite:///elsewhere.db" in text
-    assert "0.300" in text and "1.000" in text and "runs/x/step_8/hf" in text
+    assert "0.300" in text and "1.000" in text and "final model (HF folder): runs/x/step_8/hf\n" in text
+    out = io.StringIO()  # elsewhere: absolute
+    Display(1, console=Console(file=out, width=200)).summary(
+        RunResult("abc", {}, {}, "/elsewhere/x/step_8"), experiment="e", experiment_id="3", uri="sqlite:///m.db",
+        wall_s=6)
+    assert "final model (HF folder): /elsewhere/x/step_8/hf\n" in out.getvalue()
 
 
 def test_a_stopped_runs_summary_shows_no_final_evaluation_it_did_not_make():

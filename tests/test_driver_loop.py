@@ -155,7 +155,7 @@ def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(mo
     world = World(eval_metric=[0.5, 0.3], rewards=[0.0, 0.2, 0.4])
     result = run_loop(monkeypatch, world, ["train.steps=3", "train.stop_on=[train_eval_divergence]"])
     assert world.metrics[3]["monitor/train_eval_divergence/fired"] == 1.0
-    assert result.halted.startswith("monitor train_eval_divergence fired at step 3") and result.checkpoint == "step_x"
+    assert result.halted.startswith("monitor train_eval_divergence fired at step 3") and result.checkpoint == str(Path.cwd() / "step_x")  # absolute
 
 
 def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch):

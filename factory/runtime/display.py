@@ -102,10 +102,10 @@ class Display:
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
         self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
-            self.console.print(f"final adapters (peft folder): {Path(checkpoint, 'adapter')}; merged model: "
-                               f"factory export {run_id} --out DIR")
+            self.console.print(f"final adapters (peft folder): {_shown(Path(checkpoint, 'adapter'))}; merged "
+                               f"model: factory export {run_id} --out DIR")
         elif checkpoint:
-            self.console.print(f"final model (HF folder): {Path(checkpoint, 'hf')}")
+            self.console.print(f"final model (HF folder): {_shown(Path(checkpoint, 'hf'))}")
         if uri.startswith(("http://", "https://")):
             self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
@@ -113,3 +113,12 @@ class Display:
 
             ui = "factory ui" if uri == tracking_uri(None) else f"factory ui --uri {uri}"
             self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies under it (as a spec's `runs/NAME` reads), else
+    absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

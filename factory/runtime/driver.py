@@ -58,7 +58,7 @@ class RunResult:
     run_id: str
     before: dict[str, float]
     after: dict[str, float]
-    checkpoint: str | None
+    checkpoint: str | None  # the newest checkpoint's folder, absolute (fresh or resumed run alike)
     stopped: bool = False  # Ctrl-C (or a `stop` event) ended it early, after a logged, checkpointed step
     halted: str | None = None  # a `train.stop_on` monitor ended it early (after a logged, checkpointed step): why
     after_step: int = 0  # the step `after` was measured at: 0 when no evaluation followed step 0's (stopped first)
@@ -684,6 +684,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             if stopping:
                 break
     last = step if done < d.train.steps else done  # (a resumed run with no step left never enters the loop)
+    checkpoint = checkpoint and str(Path(checkpoint).absolute())  # a fresh run's folder is the spec's, often relative
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt,
                      after_step=after_step, last_step=last)
 
