@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -76,7 +77,7 @@ class FakeTracker:
         self.world.tables[step] = [r["origin"] for r in rows]
 
     def log_metrics(self, m: dict[str, float], step: int) -> None:
-        self.world.metrics[step] = dict(m)
+        self.world.metrics.setdefault(step, {}).update(m)
 
     def run(self, ref: str) -> Any:
         return type("Run", (), {"run_id": f"{ref}-id", "name": ref})()
@@ -109,7 +110,8 @@ def fake_groups(world: World, plan: Any) -> dict[str, FakeGroup]:
             for s in plan.stages}
 
 
-def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]) -> driver.RunResult:
+def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str],
+             resume: Any = None) -> driver.RunResult:
     monkeypatch.chdir(REPO)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
 
@@ -126,7 +128,23 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.setattr(driver, "collect", collect)
     monkeypatch.setattr(driver, "evaluate", evaluate)
     monkeypatch.setattr(driver, "Updates", lambda g, plan, synced: FakeUpdates(world, g, plan, synced))
-    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet())
+    monkeypatch.setattr(driver, "restore", lambda g, plan, resume: resume.step)
+    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume)
+
+
+def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):
+    """A fresh run's at step 0; a resumed one's at the step after the run's last logged (resumed from a
+    step-1 checkpoint with step 2 logged: step 2 is computed again, not logged, step 3 is this session's)."""
+    fresh = World()
+    run_loop(monkeypatch, fresh, ["train.steps=2"])
+    assert "timing/startup_s" in fresh.metrics[0] and "eval/accuracy" in fresh.metrics[0]
+    resumed = World()
+    resume = SimpleNamespace(step=1, logged=2, before={"eval/accuracy": 0.5}, watch=None)
+    run_loop(monkeypatch, resumed, ["train.steps=4"], resume=resume)
+    assert [s for s, m in resumed.metrics.items() if "timing/startup_s" in m] == [3]
+    done = World()  # nothing left to do: no start-up logged past the run's last step
+    run_loop(monkeypatch, done, ["train.steps=2"], resume=SimpleNamespace(step=2, logged=2, before={}, watch=None))
+    assert not any("timing/startup_s" in m for m in done.metrics.values())
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,6 +152,7 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
         t.log_metrics({"m": float(step)}, step=step)
     t.log_checkpoint(1, str(tmp_path / "step_1"))
     t.end("FAILED")
+    time.sleep(0.5)  # no driver: `factory runs` leaves this out of the run's duration
 
     # what factory.runtime.resume.find returns, as far as the tracker reads it
     r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
@@ -170,6 +172,24 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1"
     assert run.data.tags["factory.resumed_from_step"] == "1"
+    assert 0.4 <= float(run.data.tags["factory.idle_s"]) < 30
+    from factory.tracking.runs import run_summary
+
+    s = run_summary(Tracker(uri, "e").run(run_id))
+    assert s["duration_s"] == pytest.approx((run.info.end_time - run.info.start_time) / 1000
+                                            - float(run.data.tags["factory.idle_s"]))
+
+
+def test_a_killed_drivers_idle_time_starts_at_its_newest_step():
+    """A SIGKILLed driver leaves no end time: the gap runs from its newest step's metric."""
+    from factory.tracking.mlflow_tracker import idle_since
+
+    stamps = {"timing/step_s": [1_000_000, 1_060_000], "timing/startup_s": [990_000]}
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: [SimpleNamespace(timestamp=t) for t in stamps[key]])
+    killed = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=None))
+    assert idle_since(client, killed) == pytest.approx(time.time() - 1_060, abs=1)
+    stopped = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=2_000_000))
+    assert idle_since(client, stopped) == pytest.approx(time.time() - 2_000, abs=1)
 
 
 def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):

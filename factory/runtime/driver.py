@@ -619,10 +619,11 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         done = restore(g, plan, resume)
         startup.lap("restore")
     # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
-    # at step 0. A resumed session only shows its own: every step's metrics are logged once.
+    # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).
     started = startup.finish()
-    if not resume:
-        tracker.log_metrics(started, step=0)
+    first = resume.logged + 1 if resume else 0
+    if first <= d.train.steps:
+        tracker.log_metrics(started, step=first)
     display.status(startup.describe())
     if done:
         before = resume.before  # its step-0 evaluation, as the run logged it

@@ -3,7 +3,8 @@
 A user iterating on a spec waits this long before step 1 begins; `timing/startup_s` records it with the
 run (at step 0), `timing/startup/<phase>_s` its phases, and the display prints them in one line. It is
 logged as the first rollout request goes out, so a run stopped during its first evaluation has it too. A
-resumed session shows its own start-up but does not log it (the run's steps are logged once each).
+resumed session logs its own at the first step it logs (the one after the run's last logged step), so the
+metric's history holds one start-up per session.
 
 The clock is wall time (`time.time()`), because the command's start is the process's creation, which the
 CLI reads from the OS (`process_started`): Python's own start-up and the imports count, as a user waits

@@ -349,6 +349,8 @@ class MlflowTracker:
 
         plan = with_tool_listing(plan, listing)
         mlflow.set_tracking_uri(self.uri)
+        before = self.client.get_run(resume.run_id)
+        idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before)
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
@@ -357,7 +359,7 @@ class MlflowTracker:
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
-                         "factory.resumed_from_step": str(resume.step)})
+                         "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}"})
         if resume.changed:
             mlflow.set_tag("factory.resumed_spec_hash", plan.hashes["spec"])
             mlflow.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
@@ -599,6 +601,18 @@ TOOL_CALLS = pa.schema([("origin", pa.string()), ("server", pa.string()), ("tool
                         ("error_kind", pa.string()), ("latency_s", pa.float64()), ("source", pa.string())])
 STEP_KEY = "timing/step_s"  # the metric every training step logs (factory.runtime.resume.STEP_METRIC)
 RETRY_S = 10.0  # while the tracking store is down, try it again at most this often
+
+
+IDLE_TAG = "factory.idle_s"  # seconds a resumed run spent with no driver: `factory runs` leaves them out of its duration
+
+
+def idle_since(client: Any, run: Any) -> float:
+    """Seconds from when the run's last driver stopped working to now: its end, or, for a killed driver
+    (no end), its newest step's or start-up's metric (a step cut short by the kill counts as idle)."""
+    last = run.info.end_time or max((m.timestamp for key in (STEP_KEY, "timing/startup_s")
+                                     for m in client.get_metric_history(run.info.run_id, key)),
+                                    default=run.info.start_time)
+    return max(0.0, time.time() - last / 1000) if last else 0.0
 
 
 def _refused(e: BaseException) -> bool:

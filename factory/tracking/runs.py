@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, tracking_uri
+from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
 
 
@@ -33,7 +33,8 @@ def run_kind(run: TrackedRun) -> str:
 
 def run_summary(run: TrackedRun) -> dict[str, Any]:
     """What `factory runs` shows of one run. `driver_alive`: for a RUNNING run, whether its driver is (None:
-    it cannot be told from here); a run whose driver was killed stays RUNNING in MLflow, with no end."""
+    it cannot be told from here); a run whose driver was killed stays RUNNING in MLflow, with no end.
+    `duration_s`: start to end, less the time a resumed run had no driver (its tag `factory.idle_s`)."""
     alive = driver_alive(run.tags.get(DRIVER_TAG)) if run.status == "RUNNING" else None
     end = run.end_time or (time.time() if run.status == "RUNNING" and alive is not False else None)
     kind = run_kind(run)
@@ -51,7 +52,7 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
         "final_reward": _num(run.metrics.get("reward/mean")),
         "eval": {k: _num(v) for k, v in sorted(run.metrics.items()) if k.startswith("eval/")},
         "start_time": run.start_time,
-        "duration_s": end - run.start_time if run.start_time and end else None,
+        "duration_s": end - run.start_time - float(run.tags.get(IDLE_TAG, 0)) if run.start_time and end else None,
         "plan_hash": run.tags.get("factory.plan_hash"),
         "monitors": monitors(run),
         "stopped_by": run.tags.get("factory.stopped_by"),
