@@ -24,6 +24,8 @@ NAMES: dict[str, list[str]] = {
     "aggregation": ["seq_mean_token_mean", "seq_sum_norm", "token_mean"],
     "KL estimator": ["k1", "k2", "k3"],
 }
+# The advantages that compare a sample with the other samples of its prompt's group (a group of 1 has none).
+GROUP_ADVANTAGES = frozenset({"dr_grpo", "grpo", "reinforce_pp_baseline", "rloo"})
 # The policy losses that apply algorithm.dual_clip_c (tests/test_algorithms.py checks each loss's output).
 DUAL_CLIP_LOSSES = frozenset({"dual_clip", "gspo", "ppo_clip"})
 

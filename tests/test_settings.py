@@ -202,6 +202,19 @@ def test_train_per_group_must_be_below_the_group_size(project):
     compile_file(path, ["algorithm.train_per_group=3"])
 
 
+def test_one_sample_a_prompt_needs_an_advantage_without_groups(project):
+    """grpo with group_size 1 checked ok and trained 0 rows every step (each row its group's mean)."""
+    path = _spec(project, "st_g1", "rollout: {group_size: 1}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: rollout.group_size: 1 sample a prompt trains nothing: advantage 'grpo' compares each sample "
+        "with the others of its prompt's group, and a group of 1 has no others: set 2 or more (8 is usual), or "
+        "algorithm.advantage: reinforce_pp or mean_baseline (no groups) without dynamic sampling\n1 error in spec.yaml")
+    assert "dynamic sampling keeps only the groups" in _errors(path, ["algorithm.name=dapo",
+                                                                      "algorithm.advantage=mean_baseline"])
+    for ok in (["algorithm.name=reinforce_pp"], ["algorithm.advantage=mean_baseline"]):
+        compile_file(path, ok)
+
+
 def test_settings_that_another_setting_switches_off_warn(project):
     path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
                                     "algorithm: {kl: {estimator: k1}, loss: cispo, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")

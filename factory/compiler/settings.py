@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
-from factory.presets import DUAL_CLIP_LOSSES
+from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES
 from factory.schema import DeepSpeedSpec, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
@@ -174,6 +174,14 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if _set(spec.algorithm, "dual_clip_c") and algorithm.get("loss") not in DUAL_CLIP_LOSSES:
         r.warn("algorithm.dual_clip_c", f"{unused} with loss '{algorithm.get('loss')}' (it applies to "
                                         f"{', '.join(sorted(DUAL_CLIP_LOSSES))})")
+    if spec.rollout.group_size == 1 and algorithm:  # (every row's advantage 0: a run that trains nothing)
+        why = (f"advantage '{algorithm['advantage']}' compares each sample with the others of its prompt's group"
+               if algorithm["advantage"] in GROUP_ADVANTAGES else
+               "dynamic sampling keeps only the groups whose rewards differ" if algorithm["dynamic_sampling"] else "")
+        if why:
+            r.error("rollout.group_size", f"1 sample a prompt trains nothing: {why}, and a group of 1 has no "
+                                          "others: set 2 or more (8 is usual), or algorithm.advantage: "
+                                          "reinforce_pp or mean_baseline (no groups) without dynamic sampling")
     keep = spec.algorithm.train_per_group
     if keep is not None and keep >= spec.rollout.group_size:
         r.error("algorithm.train_per_group", f"{keep} is not below rollout.group_size ({spec.rollout.group_size}), "
