@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -41,6 +42,14 @@ def version() -> str:
         return importlib.metadata.version("factory-rl")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def fmt_number(v: float | None, spec: str = ".3f") -> str:
+    """A metric in a line or table: '-' when there is none (or NaN); `spec`, except a value of 1e6 or more
+    in size, with 4 significant digits (a runaway reward's 1e308 filled a terminal line with digits)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, ".4g" if abs(v) >= 1e6 else spec)
 
 
 def shown_path(path: str | os.PathLike) -> str:

@@ -170,6 +170,11 @@ def test_failures_are_recorded_counted_and_the_run_goes_on():
     assert (m["rewards/b/errors"], m["rewards/word/errors"], m["rewards/nan/errors"]) == (1.0, 2.0, 0.0)
     assert m["rewards/nan/missing"] == 2.0 and m["rewards/nan/non_finite"] == 2.0
     assert [t.reward for t in trajs] == [1.0, 0.0]
+    spec = make_spec({"text": {"fn": f"{FNS}:numeric_text"}, "np": {"fn": f"{FNS}:numpy_scalar"},
+                      "total": {"sum": {"text": 1.0, "np": 1.0}}})
+    trajs, _ = score(spec, [traj("fine")])
+    assert trajs[0].reward_details["text"] == {"status": "error", "error": "returned '0.5', not a number"}
+    assert trajs[0].rewards["np"] == 0.25
 
 
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
@@ -189,10 +194,24 @@ def test_an_infinite_reward_is_no_value_and_its_on_missing_applies(policy):
     assert trajs[1].rewards["total"] == (3.0 if policy == "zero" else None)
 
 
-def test_a_combinator_that_overflows_is_a_located_failure():
-    spec = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": 1e308}}})
-    with pytest.raises(NonFiniteReward, match=r"reward node 'total' is inf for trajectory 0.0 from finite inputs "
-                                              r"\{'len': 2.0\}"):
+def test_a_value_too_large_for_float32_is_no_value():
+    """1e308 passed the finiteness check and became inf in the update's float32 advantages: every update of
+    the run was skipped, with nothing on the console."""
+    spec = make_spec({"big": {"fn": f"{FNS}:huge_for_big"}, "len": {"fn": f"{FNS}:length"},
+                      "total": {"sum": {"big": 0.1, "len": 1.0}}})
+    trajs, m = score(spec, [traj("ok"), traj("big", 0, 1)])
+    assert trajs[1].reward_details["big"] == {
+        "status": "non_finite", "error": "the value is not finite: 1e+308 in float32, the dtype the update "
+                                         "computes advantages in"}
+    assert m["rewards/big/non_finite"] == 1.0 and trajs[1].rewards["total"] == 3.0  # on_missing: zero
+
+
+@pytest.mark.parametrize("weight, shown", [(1e308, "inf"), (1e300, r"2e\+300")])
+def test_a_combinator_that_overflows_is_a_located_failure(weight, shown):
+    spec = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": weight}}})
+    with pytest.raises(NonFiniteReward, match=rf"reward node 'total' is {shown} for trajectory 0.0 from finite "
+                                              r"inputs \{'len': 2.0\}: its weights or its inputs' sizes overflow "
+                                              r"a float32"):
         score(spec, [traj("ab")])
 
 

@@ -161,6 +161,15 @@ class RewardStage(StageActor):
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def usable(value: float) -> bool:
+    """A reward value the update can use: finite as the float32 it becomes there (1e308 is finite here, and
+    inf in the advantages, which skipped every update)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
 @dataclass
 class _Outcome:
     """A leaf's result for one trajectory before its `on_missing` applies."""
@@ -174,7 +183,9 @@ def _outcome(value: Any) -> _Outcome:
     """What a reward function returned, as an outcome."""
     if value is None:
         return _Outcome(None, "missing", {"error": "returned None"})
-    try:
+    try:  # a number of any kind (numpy's, a 0-d tensor, a bool), but not a string float() would parse
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         number = float(value)
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
@@ -247,11 +258,11 @@ class _Evaluation:
         if any(v is None for v in values):
             return None
         value = combine(node, values)
-        if not math.isfinite(value):  # finite inputs, so the weights or the sizes overflow: the spec's to fix
+        if not usable(value):  # finite inputs, so the weights or the sizes overflow: the spec's to fix
             t = self.trajs[i]
             raise NonFiniteReward(f"reward node '{name}' is {value!r} for trajectory {t.prompt_index}."
                                   f"{t.sample_index}{_turn(k)} from finite inputs {dict(zip(node_inputs(node), values))}: "
-                                  "its weights or its inputs' sizes overflow a float")
+                                  "its weights or its inputs' sizes overflow a float32")
         return value
 
     async def _compute(self, name: str, i: int) -> float | None:
@@ -277,8 +288,10 @@ class _Evaluation:
         """Record a leaf's outcome (at turn k for a per-turn node) and apply its `on_missing`. A value from outside that is not finite (a
         function's inf or NaN, a judge's `{"score": NaN}`, a tool's "inf") is no value: one such number
         would reach the advantages, then every weight."""
-        if out.value is not None and not math.isfinite(out.value):
-            out = _Outcome(None, "non_finite", {**out.detail, "error": f"the value is not finite: {out.value!r}"})
+        if out.value is not None and not usable(out.value):
+            out = _Outcome(None, "non_finite", {**out.detail, "error": f"the value is not finite: {out.value!r}"
+                                                + ("" if not math.isfinite(out.value) else
+                                                   " in float32, the dtype the update computes advantages in")})
         if out.status != "ok" or out.detail:
             self.details[(name, i) if k is None else (name, i, k)] = {"status": out.status, **out.detail}
         if out.value is not None:

@@ -5,7 +5,6 @@ phase (the step-0 evaluation, a step's rollout) prints its trajectories done/tot
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from factory.util import fmt_number, shown_path
 
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
 
 
 class Display:
@@ -32,6 +31,7 @@ class Display:
         self.log_every_s, self._clock = log_every_s, clock
         # The long phase in progress: (label, bar task on a terminal, started, last plain line printed).
         self._phase: tuple[str, object, float, float] | None = None
+        self.trained_rows, self.steps_shown = 0.0, 0  # this session's training steps, for the summary
 
     def __enter__(self) -> Display:
         self._progress.__enter__()
@@ -67,21 +67,27 @@ class Display:
         self._phase = None
 
     def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
-        acc = f"  eval acc {_fmt(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
+        acc = f"  eval acc {fmt_number(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
         if step == 0:  # before training: only the evaluation ran
-            line = (f"step    0  eval reward {_fmt(m.get('eval/reward'))}{acc}  tool calls/question "
-                    f"{_fmt(m.get('eval/tool_calls'), '.2f')}")
+            line = (f"step    0  eval reward {fmt_number(m.get('eval/reward'))}{acc}  tool calls/question "
+                    f"{fmt_number(m.get('eval/tool_calls'), '.2f')}")
         else:
             split = ", ".join(f"{k[7:-2].replace('_', ' ')} {m[k]:.1f}s" for k in
                               ("timing/generate_s", "timing/tools_only_s", "timing/reward_s", "timing/update_s",
                                "timing/weight_sync_s") if k in m)
-            line = (f"step {step:>4}  reward {_fmt(m.get('reward/mean'))}{acc}  turns {_fmt(m.get('num_turns/mean'), '.2f')}"
+            line = (f"step {step:>4}  reward {fmt_number(m.get('reward/mean'))}{acc}  turns {fmt_number(m.get('num_turns/mean'), '.2f')}"
                     f"  tool calls {int(m.get('tools/calls', 0))} (infra errors {int(m.get('tools/infra_errors', 0))})"
-                    f"  loss {_fmt(m.get('actor/pg_loss'), '.4f')}  {m.get('timing/step_s', 0):.1f}s ({split})")
+                    f"  loss {fmt_number(m.get('actor/pg_loss'), '.4f')}  {m.get('timing/step_s', 0):.1f}s ({split})")
+        untrained = step and untrained_why(m)
+        if step:
+            self.trained_rows += m.get("actor/trained_rows", 0.0)
+            self.steps_shown += 1
         # markup=False: the line holds brackets and user text that rich must not read as markup
         self._progress.console.log(line, markup=False)
+        if untrained:
+            self._progress.console.log(f"step {step}: nothing trained: {untrained}", style="yellow", markup=False)
         self._progress.update(self._task, completed=step if completed is None else completed,
-                              description=f"training (reward {_fmt(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
+                              description=f"training (reward {fmt_number(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
     def summary(self, result: Any, *, experiment: str, experiment_id: str, uri: str, wall_s: float) -> None:
         """The run's end (`result`: factory.runtime.driver.RunResult): its evaluations at step 0 and at the
@@ -96,16 +102,19 @@ class Display:
         if result.after_step:
             table.add_column(f"step {result.after_step}", justify="right")
         for k in sorted(set(before) | set(after)):
-            table.add_row(k, _fmt(before.get(k)), *([_fmt(after.get(k))] if result.after_step else []))
+            table.add_row(k, fmt_number(before.get(k)), *([fmt_number(after.get(k))] if result.after_step else []))
         self.console.print(table)
+        if self.steps_shown and not self.trained_rows:
+            self.console.print(f"warning: none of the {self.steps_shown} steps trained a row (the step lines say "
+                               "why): the model is the one it started from", style="yellow")
         if not result.after_step and result.last_step:
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
         self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
-            self.console.print(f"final adapters (peft folder): {_shown(Path(checkpoint, 'adapter'))}; merged "
+            self.console.print(f"final adapters (peft folder): {shown_path(Path(checkpoint, 'adapter'))}; merged "
                                f"model: factory export {run_id} --out DIR")
         elif checkpoint:
-            self.console.print(f"final model (HF folder): {_shown(Path(checkpoint, 'hf'))}")
+            self.console.print(f"final model (HF folder): {shown_path(Path(checkpoint, 'hf'))}")
         if uri.startswith(("http://", "https://")):
             self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
@@ -115,10 +124,16 @@ class Display:
             self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
 
 
-def _shown(path: Path) -> str:
-    """`path` relative to the working directory when it lies under it (as a spec's `runs/NAME` reads), else
-    absolute."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+def untrained_why(m: dict[str, float]) -> str | None:
+    """Why a training step's update changed no weight (from its metrics), or None when it trained a row."""
+    if m.get("actor/trained_rows", 0.0) > 0 and not m.get("actor/skipped_non_finite"):
+        return None
+    if m.get("actor/skipped_non_finite"):
+        return ("the update was skipped, its loss or gradient norm not finite (inf or NaN; see the rewards' "
+                "non_finite counts and their size): train.max_non_finite_steps such steps in a row stop the run")
+    if m.get("actor/dropped") and not m.get("actor/skipped_zero_adv"):
+        return ("every trajectory was dropped (see actor/dropped: a reward node with no value under on_missing: "
+                "drop_sample, infra errors, or algorithm.overlong.filter)")
+    if m.get("actor/skipped_zero_adv"):
+        return "every row's advantage was 0 (each group's rewards agreed)"
+    return None

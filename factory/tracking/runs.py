@@ -19,6 +19,7 @@ from typing import Any
 
 from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
+from factory.util import fmt_number
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -70,10 +71,6 @@ def monitors(run: TrackedRun) -> dict[str, dict[str, Any]]:
                 "fired_at": int(fired[n]) if fired[n] and fired[n].isdigit() else None} for n in sorted(names)}
 
 
-def _fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
     """`run_summary` of the tracked runs, newest first: of one experiment (by name), else of all
     (`factory runs`, factory.runs)."""
@@ -105,8 +102,8 @@ def runs_main(args: Any) -> int:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
-        table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, _fmt(r["final_reward"]),
-                      *(_fmt(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
+        table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, fmt_number(r["final_reward"]),
+                      *(fmt_number(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
     console = Console()
     if not console.is_terminal:  # piped or in a log: do not squeeze the table into 80 columns
         console = Console(width=200)
