@@ -83,9 +83,9 @@ def test_a_base_that_is_missing_or_extends_in_a_cycle_is_an_error_at_its_line(pr
 def test_dashed_overrides_are_dot_list_overrides(project, capsys):
     path = project.spec(base_spec(project, "dash"))
     assert cli.main(["plan", path, "--json", "--train.steps", "7", "--train.lr=3e-4", "rollout.group_size=2",
-                     "--seed", "-1"]) == 0
+                     "--rewards.total.sum.fmt", "-1"]) == 0  # a negative value after a dashed key
     spec = capsys.readouterr().out
-    assert '"steps": 7' in spec and '"lr": 0.0003' in spec and '"group_size": 2' in spec and '"seed": -1' in spec
+    assert '"steps": 7' in spec and '"lr": 0.0003' in spec and '"group_size": 2' in spec and '"fmt": -1' in spec
     assert cli.dashed_overrides(["--a.b", "1", "--c=2", "d=3", "--e"]) == (["a.b=1", "c=2", "d=3"], ["--e"])
     out = _factory("check", path, "--train.steps", cwd=project.root)
     assert out.returncode == 2 and out.stderr.endswith(
