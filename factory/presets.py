@@ -131,6 +131,15 @@ def resolve(spec: Any) -> Algorithm:
     return alg
 
 
+def filled(algorithm: dict[str, Any], alg: Algorithm) -> dict[str, Any]:
+    """The spec's `algorithm` section (as a dict) with what its preset decided in place of what it left
+    unset (null, or kl's defaults that the preset overrides): the section as the run uses it."""
+    kl = {**algorithm.get("kl", {}), "apply": alg.kl_apply, "estimator": alg.kl_estimator}
+    return {**algorithm, "advantage": alg.advantage, "loss": alg.loss, "aggregation": alg.aggregation,
+            "clip": [alg.clip_low, alg.clip_high], "dual_clip_c": alg.dual_clip_c,
+            "dynamic_sampling": alg.dynamic_sampling, "kl": kl}
+
+
 def _check(a: Algorithm) -> None:
     problems = []
     if a.clip_low < 0 or a.clip_high < 0:

@@ -94,6 +94,12 @@ def test_plan_text_lists_stages_edges_and_hashes(project, capsys):
     assert "# Learning rate.\ntrain.lr: 3e-06  # <override 1>\n" in explained
     assert '# Only these of the server\'s tools' not in explained  # no tools in this spec
     assert 'rewards.correct.fn: "cli_text:exact"' in explained
+    # what the preset decides is shown as decided, not as the field's null default
+    assert cli.main(["plan", "spec.yaml", "algorithm.name=dapo", "--explain"]) == 0
+    explained = capsys.readouterr().out
+    for line in ('algorithm.clip: [0.2, 0.28]  # preset dapo', 'algorithm.dynamic_sampling: true  # preset dapo',
+                 'algorithm.kl.apply: "loss"  # default', 'algorithm.dual_clip_c: null  # default'):
+        assert f"\n{line}\n" in explained, line
 
 
 def test_internal_errors_exit_1_with_one_line(project, capsys, monkeypatch):

@@ -220,6 +220,25 @@ def test_checkpoints_are_logged_as_tags_and_a_list(tmp_path, monkeypatch):
                                                       (4, str(tmp_path / "runs/x/step_4/hf"))]
 
 
+def test_a_runs_algorithm_params_are_what_its_preset_decided(tmp_path, monkeypatch):
+    """MLflow's params showed `algorithm.clip: null` for dapo (whose clip is (0.2, 0.28)): not comparable in
+    its UI, where params are the spec as the run used it."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.compiler.compile import compile_file
+
+    _, plan = compile_file(REPO / "specs/tiny.yaml", ["algorithm.name=dapo", "algorithm.loss=dual_clip"])
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    t = Tracker(uri, "exp")
+    t.start_run(plan, {"calc": []})
+    t.end()
+    params = MlflowClient(uri).get_run(t.run_id).data.params
+    keys = ("clip", "dynamic_sampling", "dual_clip_c", "loss", "kl.apply")
+    assert [params[f"algorithm.{k}"] for k in keys] == ["[0.2, 0.28]", "true", "3.0", "dual_clip", "loss"]
+    assert plan.spec["algorithm"]["clip"] is None  # the plan (and its hash) keep the spec as written
+
+
 def test_run_time_tool_hash_equals_check_connect(monkeypatch):
     """`factory run` hashes the listing of its started servers exactly as `factory check --connect` does."""
     import asyncio

@@ -317,12 +317,15 @@ class MlflowTracker:
         from the plan, where values taken from the environment are masked. Returns the plan with its tool
         schemas hashed."""
         from factory.compiler.compile import plan_json, with_tool_listing
+        from factory.presets import filled
 
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
         name = run_name(shown["name"])
-        self.start(name, {**shown, **(extra_params or {})}, tags,
+        # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
+        params = {**shown, "algorithm": filled(shown["algorithm"], plan.algorithm), **(extra_params or {})}
+        self.start(name, params, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
                     "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n", **(extra_artifacts or {})})
         # The run's own checkpoint folder (factory.update.checkpoint.run_folder), read by `factory export RUN`
