@@ -45,6 +45,34 @@ def test_extends_merges_the_overlay_over_its_base(project):
     assert "extends" not in plan.spec
 
 
+def test_extends_replaces_a_node_or_source_of_another_kind_and_null_removes_an_entry(project, capsys):
+    """Merged key by key, a base's `sum` weights stayed in a sum the spec wrote out whole (and `--explain`
+    named only the spec's line), a file source over a generator's kept its `size` (an error), and no key
+    could be removed."""
+    project.file("data/train.jsonl", '{"question": "1+1?", "answer": "2"}\n')
+    project.file("base.yaml", base_spec(project, "ext_kinds") + "rollout: {episode_timeout_s: 120}\n")
+    path = project.spec("extends: base.yaml\nname: over\n"
+                        "data: {train: {path: data/train.jsonl}}\n"      # a file's source over a generator's
+                        "rewards:\n  fmt: {min: [correct]}\n"           # an fn node made a min node
+                        "  total: {sum: {correct: 1.0, fmt: null}}\n"    # null: the base's weight goes
+                        "rollout: {episode_timeout_s: null}\n")          # a field's null is its value
+    spec, _ = compile_file(path)
+    assert spec.data.train.path == "data/train.jsonl" and spec.data.train.generator is None
+    assert spec.rewards["fmt"].min == ["correct"] and spec.rewards["total"].sum == {"correct": 1.0}
+    assert spec.rollout.episode_timeout_s is None
+    # an override's null removes an entry too; --explain names every place a merged mapping came from
+    assert cli.main(["plan", path, "--explain", "rewards.total.sum.correct=null", "rewards.total.sum.fmt=2"]) == 0
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    assert lines["rewards.total.sum"] == 'rewards.total.sum: {"fmt": 2.0}  # spec.yaml:6, <override 1>, <override 2>'
+    merged = project.spec("extends: base.yaml\nname: m\nrewards:\n  total: {sum: {fmt: 0.5}}\n", "m.yaml")
+    assert cli.main(["plan", merged, "--explain"]) == 0
+    lines = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    assert lines["rewards.total.sum"] == 'rewards.total.sum: {"correct": 1.0, "fmt": 0.5}  # m.yaml:4, base.yaml:8'
+    # without a base, a null weight is still a mistake to report
+    alone = project.spec(base_spec(project, "ext_alone").replace("fmt: 0.1}", "fmt: null}"), "alone.yaml")
+    assert "rewards.total.sum.fmt: expected a number, got null" in _errors(alone)
+
+
 def test_plan_explain_says_which_file_set_each_value(project, capsys):
     project.file("base.yaml", base_spec(project, "ext_explain") + "train: {steps: 4, lr: 1.0e-4}\n")
     path = project.spec("extends: base.yaml\nname: over\ntrain:\n  steps: 9\n")

@@ -25,8 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.translate import Parts, Problem, translate
-from factory.schema import Spec
+from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, translate
+from factory.schema import RewardNode, Spec
 from factory.util import shown_path
 
 _REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
@@ -85,9 +85,19 @@ class SpecSource:
         for p in _ancestors(path):
             if p in self.override_paths:
                 return f"<override {self.override_paths[p]}>"
+        # a mapping merged from several places (a base's sum and this spec's, an override of one weight):
+        # each place once, the value's own line first, then each other file's first line and the overrides
+        found: dict[str, str] = {}  # file (or override) -> where
         if path in self.lines:  # a key the file wrote (a parent's line is no origin of a default below it)
-            return f"{self.files.get(path, self.file)}:{self.lines[path][0]}"
-        return "default"
+            found[self.files.get(path, self.file)] = f"{self.files.get(path, self.file)}:{self.lines[path][0]}"
+        for p in self.lines:
+            if p.startswith(path + "."):
+                file = self.files.get(p, self.file)
+                found.setdefault(file, f"{file}:{self.lines[p][0]}")
+        for p, n in self.override_paths.items():
+            if p.startswith(path + "."):
+                found.setdefault(f"<override {n}>", f"<override {n}>")
+        return ", ".join(found.values()) or "default"
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
         file, line, column = self.locate(path)
@@ -189,7 +199,10 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'"))
             continue
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
+                _drop(cfg, key.strip())  # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base)
+            else:
+                cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
             msg = _omega_message(e) if isinstance(e, OmegaConfBaseException) else str(e).splitlines()[0]
@@ -291,6 +304,11 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         merged_lines.update(b_lines)
         files.update({p: b_files.get(p, shown) for p in b_lines})
         folders.update({p: b_folders.get(p, base.parent) for p in b_lines})
+    for p in _fit_base(merged, cfg):  # what this file replaces or removes whole: its lines in the bases go too
+        for q in [q for q in merged_lines if q == p or q.startswith(p + ".")]:
+            merged_lines.pop(q)
+            files.pop(q, None)
+            folders.pop(q, None)
     try:
         cfg = OmegaConf.merge(merged, cfg)
     except OmegaConfBaseException as e:
@@ -310,6 +328,69 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     merged_lines.update(lines)
     merged_lines.pop("extends", None)
     return cfg, merged_lines, files, folders
+
+
+# The keys that make a reward node one kind or another (fn, llm_judge, tool, sum, ...), and a data source.
+_NODE_KINDS = kind_keys(RewardNode)
+_SOURCE_KINDS = ("path", "generator")
+
+
+def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
+    """Ready the merged bases for a spec that `extends` them, where merging key by key would not do what
+    the spec says; returns the dotted paths removed from `base`:
+    - a reward node or data source the spec gives another kind replaces the base's whole (a `sum` node
+      made an `fn` one; a generator's source made a file's: its `size` and `args` go too);
+    - a key of a mapping of names (a reward node, a sum's weight, a tool server, a metric, a generator's
+      argument) that the spec sets to null is removed, from the base and the spec (JSON Merge Patch's
+      rule; a model's field set to null stays null)."""
+    removed = []
+    mine = OmegaConf.to_container(own, resolve=False)
+
+    def kind(value: Any, keys: tuple[str, ...]) -> str | None:
+        return next((k for k in keys if k in value), None) if isinstance(value, dict) else None
+
+    theirs, rewards = OmegaConf.to_container(base, resolve=False), mine.get("rewards")
+    swaps = [(f"rewards.{n}", _NODE_KINDS) for n in (rewards if isinstance(rewards, dict) else {})]
+    swaps += [(f"data.{split}", _SOURCE_KINDS) for split in ("train", "eval")]
+    for path, keys in swaps:
+        a, b = _at(theirs, path), _at(mine, path)
+        if kind(a, keys) and kind(b, keys) and kind(a, keys) != kind(b, keys):
+            removed.append(path)
+    for path in _nulls(mine):
+        if _at(theirs, path) is not None and names_an_entry(Spec, tuple(path.split("."))):
+            removed.append(path)
+            _drop(own, path)
+    for path in removed:
+        _drop(base, path)
+    return removed
+
+
+def _is_null(text: str) -> bool:
+    try:
+        return text.strip() != "" and yaml.safe_load(text) is None
+    except yaml.YAMLError:
+        return False
+
+
+def _at(data: Any, path: str) -> Any:
+    for key in path.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def _nulls(data: Any, prefix: str = "") -> Iterable[str]:
+    for key, value in data.items() if isinstance(data, dict) else ():
+        if value is None:
+            yield f"{prefix}{key}"
+        else:
+            yield from _nulls(value, f"{prefix}{key}.")
+
+
+def _drop(cfg: DictConfig, path: str) -> None:
+    parent, _, key = path.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_resolution_failure=False) if parent else cfg
+    if isinstance(node, DictConfig) and key in node:
+        del node[key]
 
 
 def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:

@@ -107,6 +107,32 @@ def required_keys(model: type[BaseModel]) -> list[str]:
     return [name for name, f in model.model_fields.items() if f.is_required()]
 
 
+def kind_keys(ann: Any) -> tuple[str, ...]:
+    """The key that makes a mapping each member of a union of models (its first required field)."""
+    return tuple(required_keys(m)[0] for m in _union_members(_strip(ann)) if _is_model(m) and required_keys(m))
+
+
+def names_an_entry(root: type[BaseModel], parts: Parts) -> bool:
+    """Whether `parts` ends at a key of a mapping of names in the schema (a reward node, one of a sum's
+    weights, a tool server, a generator's argument), not at a model's field. Unions are read member by
+    member."""
+    anns: list[Any] = [root]
+    for i, item in enumerate(parts):
+        nxt: list[Any] = []
+        for ann in anns:
+            ann = _strip(ann)
+            for member in _union_members(ann) or (ann,):
+                member = _strip(member)
+                if _is_model(member) and item in member.model_fields:
+                    nxt.append(member.model_fields[item].annotation)
+                elif get_origin(member) is dict:
+                    if i == len(parts) - 1:
+                        return True
+                    nxt.append(get_args(member)[1])
+        anns = nxt
+    return False
+
+
 # ------------------------------------------------------------------------------------- messages
 def show(value: Any) -> str:
     """A value as the user wrote it in YAML, short."""
