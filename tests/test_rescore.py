@@ -45,3 +45,30 @@ def test_a_run_stopped_by_on_missing_fail_says_why_in_one_line(monkeypatch, caps
     assert cli.main(["run", "spec.yaml"]) == 2
     assert capsys.readouterr().err == ("factory: reward node 'judge' has no value for trajectory 3.1 and its "
                                        "on_missing is 'fail': parse_failure: the reply does not match `parse`\n")
+
+
+def test_each_batch_is_scored_under_its_own_step(monkeypatch):
+    """Scored as step 0 every time, a node's missing values were warned of once for the whole rescore, and
+    as step 0."""
+    import asyncio
+    import contextlib
+
+    import factory.commands.rescore as rescore
+    import factory.runtime.local as local
+
+    seen = []
+
+    class Stage:
+        async def score(self, trajs, *, step=0, attempt=0):
+            seen.append((len(trajs), step))
+            return trajs, {"reward/mean": float(step)}
+
+    @contextlib.asynccontextmanager
+    async def stages(plan, names, remote):
+        yield {"reward": Stage()}
+
+    monkeypatch.setattr(rescore, "scorer", lambda plan: "reward")
+    monkeypatch.setattr(local, "callees", lambda plan, name: [])
+    monkeypatch.setattr(local, "local_stages", stages)
+    out = asyncio.run(rescore._score_all(None, {("train", 2): [1, 2], ("eval", 4): [1]}, {}))
+    assert seen == [(2, 2), (1, 4)] and out == {("train", 2): {"reward/mean": 2.0}, ("eval", 4): {"reward/mean": 4.0}}

@@ -111,7 +111,9 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
     name = scorer(plan)
     here = [c for c in callees(plan, name) if c not in placed] + [name]
     async with local_stages(plan, here, remote=placed) as stages:
-        return {key: (await stages[name].score(trajs))[1] for key, trajs in batches.items()}
+        # each batch under its own step: the stage warns once per node and step, naming the step
+        return {(split, step): (await stages[name].score(trajs, step=step))[1]
+                for (split, step), trajs in batches.items()}
 
 
 def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
