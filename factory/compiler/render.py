@@ -54,6 +54,7 @@ def check_summary(plan: Plan) -> str:
     tools = "; ".join(_tool(n, t, plan.tools) for n, t in s["tools"].items()) or "(none)"
     alg = plan.algorithm
     alg_text = (f"{alg.name} (advantage {alg.advantage}, loss {alg.loss}, aggregation {alg.aggregation}"
+                + (f", KL {alg.kl_coef:g} ({alg.kl_estimator}, in the {alg.kl_apply})" if alg.kl_coef else "")
                 + (f", credit per turn, gamma {alg.gamma:g})" if alg.credit == "turn" else ")"))
     rewards = ", ".join(n for n in plan.reward_order if n != plan.reward_node)
     rewards = f"{rewards} -> {plan.reward_node}" if rewards else plan.reward_node
