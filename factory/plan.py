@@ -30,6 +30,8 @@ from factory.schema import (
     TrainSpec,
 )
 
+MASK = "***"  # a value read from the environment (`${oc.env:...}`), as every view of a plan shows it
+
 
 # ------------------------------------------------------------------------------------ stage slices
 class Settings(BaseModel):

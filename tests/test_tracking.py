@@ -124,6 +124,18 @@ def test_unrecorded_tool_schemas_are_a_note_not_identical():
         "server would not show"]
 
 
+def test_values_both_runs_read_from_the_environment_are_a_note():
+    """Two rescores scored by different judges (JUDGE_URL) showed no difference at all: the endpoint is ***."""
+    from factory.commands.diff import plan_changes, plan_notes
+
+    judge = {"rewards": {"judge": {"endpoint": "***", "timeout_s": 5}}, "tracking": {"uri": "***"}}
+    a, b = {"spec": judge}, {"spec": {**judge, "tracking": {"uri": "sqlite:///m.db"}}}
+    assert plan_changes(a, b) == [{"kind": "setting", "key": "tracking.uri", "a": "***", "b": "sqlite:///m.db"}]
+    assert plan_notes(a, b, ("A", "B")) == [
+        "rewards.judge.endpoint: read from the environment in both runs and not recorded (***), so a difference "
+        "there cannot be seen"]
+
+
 def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
     from factory.commands.diff import comparability
 

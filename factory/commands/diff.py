@@ -19,8 +19,10 @@ import json
 import math
 import tempfile
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
+from factory.plan import MASK
 from factory.tracking.mlflow_tracker import flatten
 from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
@@ -102,13 +104,27 @@ def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] |
 
 
 def plan_notes(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[str]:
-    """What the comparison cannot see: a run whose tool schemas were not hashed."""
+    """What the comparison cannot see: a run whose tool schemas were not hashed; values both runs read
+    from the environment (recorded as *** only, so that tokens and private URLs stay out of the store)."""
     notes = []
     for plan, name in zip((a, b), names):
         if plan.get("spec", {}).get("tools") and not plan.get("hashes", {}).get("tools"):
             notes.append(f"run {name} did not record its tool schemas (its plan was compiled without the "
                          "servers): a change of tool server would not show")
+    hidden = sorted(set(_masked(a.get("spec", {}))) & set(_masked(b.get("spec", {}))))
+    if hidden:
+        notes.append(f"{', '.join(hidden)}: read from the environment in both runs and not recorded (***), so "
+                     "a difference there cannot be seen")
     return notes
+
+
+def _masked(d: Any, prefix: str = "") -> Iterator[str]:
+    """The dotted paths of a plan's spec whose value was read from the environment (shown as ***)."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _masked(v, f"{prefix}{k}.")
+    elif d == MASK:
+        yield prefix.rstrip(".")
 
 
 def comparability(changes: list[dict[str, Any]]) -> list[str]:

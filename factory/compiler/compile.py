@@ -50,6 +50,7 @@ from factory.compiler.translate import nearest
 from factory.contract import ContractError
 from factory.contract import check as check_contracts
 from factory.plan import (
+    MASK,
     ClusterSettings,
     Compute,
     DataSettings,
@@ -84,7 +85,6 @@ from factory.schema import (
 )
 from factory.util import UserError, version
 
-MASK = "***"
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
 
