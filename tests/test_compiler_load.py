@@ -116,6 +116,17 @@ def test_seed_must_be_in_numpys_range(project):
     assert load_spec(project.spec(_base(project, "rw_seed") + "seed: 4294967295\n")).seed == 2**32 - 1
 
 
+def test_an_error_about_what_an_override_set_is_located_at_the_override(project):
+    """Located at the section's line in the file, which did not hold the mistake."""
+    path = project.spec(_base(project, "rw_ovr") + "algorithm: {name: grpo}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["algorithm.gamma=0.5"])
+    assert report(e).startswith("<override 1>: algorithm.gamma: `gamma` discounts later turns' rewards")
+    with pytest.raises(SpecErrors) as e:  # a node only the overrides wrote
+        load_spec(path, ["rewards.b.fn=x:y", "rewards.b.gate=correct"])
+    assert report(e).startswith("<override 1>: rewards.b: expected exactly one of the keys")
+
+
 def test_name_must_make_a_folder_name(project):
     # the default checkpoint_dir is runs/${name}: `/abs` made it runs//abs, `../x` a folder beside runs/
     for name in ("/abs", "../evil", "a/b", ".hidden", "-rf"):

@@ -72,6 +72,9 @@ class SpecSource:
         for p in _ancestors(path):
             if p in self.override_paths:
                 return f"<override {self.override_paths[p]}>", None, 0
+        below = [n for p, n in self.override_paths.items() if p.startswith(path + ".")] if path else []
+        if below and path not in self.lines:  # a node or section only overrides wrote (rewards.b.fn=...)
+            return f"<override {min(below)}>", None, 0
         for p in _ancestors(path):
             if p in self.lines:
                 return (self.files.get(p, self.file), *self.lines[p])
@@ -100,6 +103,10 @@ class SpecSource:
         return ", ".join(found.values()) or "default"
 
     def error(self, path: str, message: str, level: str = "error") -> SpecError:
+        for p in self.override_paths:  # a section's error about a field an override set (`gamma`): there
+            if path and p.startswith(path + ".") and f"`{p[len(path) + 1:]}`" in message:
+                path = p
+                break
         file, line, column = self.locate(path)
         return SpecError(file, line, path, message, level=level, column=column)  # type: ignore[arg-type]
 
