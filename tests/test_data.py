@@ -4,6 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from factory.data import DataError, DataStage, PromptRenderer, arithmetic, from_table, load_rows
+from factory.data.sources import check_rows
 from factory.plan import DataSettings
 from factory.schema import DataSource, DataSpec
 
@@ -121,9 +122,13 @@ def test_parquet_rows_and_many_problems(tmp_path):
     stage = DataStage(_settings(DataSpec(train=DataSource(path="d.parquet")), tmp_path, {"answer": "rewards.correct"}))
     with pytest.raises(DataError) as e:
         stage.setup()
-    lines = str(e.value).splitlines()
-    assert lines[0] == "d.parquet row 1: missing column 'answer' (needed by rewards.correct)"
-    assert len(lines) == 11 and lines[-1] == "... and 20 more"
+    # one line for one problem: it listed 10 identical lines and "... and 20 more"
+    assert str(e.value) == "d.parquet row 1 and 29 more rows: missing column 'answer' (needed by rewards.correct)"
+    rows = [{"question": "q", "answer": "1"}, [1], {"question": 7}, [2], [3]]
+    with pytest.raises(DataError) as e:
+        check_rows(rows, [f"row {i + 1}" for i in range(5)], PromptRenderer(DataSpec(train=DataSource(path="x"))))
+    assert str(e.value).splitlines() == ["row 2 and 2 more rows: expected an object of columns, got list",
+                                         "row 3: column 'question' must be a string, got int"]
 
 
 def test_eval_rows_are_checked_too(tmp_path):

@@ -82,13 +82,14 @@ def check_rows(rows: list[Any], origins: list[str], renderer: PromptRenderer,
                required: Mapping[str, str] | None = None) -> None:
     """Every row renders to valid chat messages and has the columns the reward functions need; raises
     DataError listing the bad rows. `required`: column -> who needs it (`rewards.correct`)."""
-    problems = []
+    rows_with: dict[str, list[str]] = {}  # problem -> the rows that have it (one line for a column missing everywhere)
     for row, where in zip(rows, origins):
         problem = row_problem(row, renderer, required or {})
         if problem:
-            problems.append(f"{where}: {problem}")
-    if problems:
-        raise DataError(_listed(problems))
+            rows_with.setdefault(problem, []).append(where)
+    if rows_with:
+        raise DataError(_listed([f"{where[0]}{f' and {len(where) - 1} more rows' if len(where) > 1 else ''}: "
+                                 f"{problem}" for problem, where in rows_with.items()]))
 
 
 def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str]) -> str | None:
