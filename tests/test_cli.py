@@ -161,6 +161,33 @@ def test_check_connect_says_why_a_server_died(project, capsys):
                         f"{sys.executable}: No module named factory.examples.calculater\n1 error in spec.yaml\n")
 
 
+def test_check_connect_asks_each_judge_endpoint_whether_it_is_there(project, capsys):
+    """An unreachable judge checked ok: a run with it scored no trajectory (under drop_sample, dropped all)."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    project.module("cli_judge")
+    project.file("judge.jinja", "Rate {{ completion }}. Reply 'Score: <0-1>'.\n")
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers 501 to GET: a server is there
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec = BASE.replace("{mod}", "cli_judge") + "  judge: {llm_judge: judge.jinja, endpoint: URL}\n"
+        down = project.spec(spec.replace("URL", f"http://127.0.0.1:{closed}/v1"), "down.yaml")
+        assert cli.main(["check", down, "--connect"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"down.yaml:9: rewards.judge.endpoint: no answer from http://127.0.0.1:{closed}/v1 "
+                              "within 10 s (ConnectError") and err.endswith("1 error in down.yaml\n")
+        up = project.spec(spec.replace("URL", f"http://127.0.0.1:{server.server_address[1]}/v1"), "up.yaml")
+        assert cli.main(["check", up, "--connect"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=[p.name for p in SPECS])
 def test_every_shipped_spec_checks_and_connects(spec, monkeypatch, capsys):
     """Every spec in specs/ compiles, and every tool server it names starts and offers the tools it names."""

@@ -236,7 +236,7 @@ def _tracked(tmp_path: Path):
     return tracker, run
 
 
-@pytest.mark.slow  # a real run of the tiny model (Ray, MCP, DeepSpeed, MLflow): 45 s on 2 shared cores (AMD EPYC Zen 4)
+@pytest.mark.slow  # a real run of the tiny model (Ray, MCP, DeepSpeed, MLflow): 45 s (Zen 4) to 2 min (Zen 3, loaded)
 def test_hackable_spec_stops_on_reward_dominance_at_step_3(tmp_path):
     out = _factory_run("specs/hackable.yaml", tmp_path, timeout=900)
     assert out.returncode == EXIT_MONITOR, out.stderr[-3000:]

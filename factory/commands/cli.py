@@ -188,7 +188,8 @@ def parser() -> argparse.ArgumentParser:
                           "or data differ from its own (recorded on the run)")
     check = spec_command("check", "validate and compile the spec without starting Ray or loading weights", _check)
     check.add_argument("--connect", action="store_true",
-                       help="also start each tool server, list its tools and check the tools the spec names")
+                       help="also start each tool server, list its tools and check the tools the spec names; "
+                            "ask each judge endpoint whether it answers")
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
     shown = plan.add_mutually_exclusive_group()  # one view at a time: `--json --dot` printed JSON alone
     shown.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")

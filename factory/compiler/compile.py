@@ -1010,14 +1010,18 @@ def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
 
 def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
     """`plan` compiled again with the listing of every tool server of `spec`, each started to list its tools
-    (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have."""
-    if not spec.tools:
-        return plan
-    from factory.compiler.connect import list_all
+    (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have, and
+    for a judge endpoint that does not answer."""
+    from factory.compiler.connect import list_all, probe_judges
 
-    listing, errors = list_all(_rebased(spec, source), source)  # a base's server started from beside it
+    errors = probe_judges(spec, source)
+    # a base's server is started from beside that base
+    listing, more = list_all(_rebased(spec, source), source) if spec.tools else ({}, [])
+    errors += more
     if errors:
         raise SpecErrors(errors, source.file)
+    if not spec.tools:
+        return plan
     connected, errors = _compile(spec, source, None, listing)
     if errors or connected is None:
         raise SpecErrors(errors, source.file)

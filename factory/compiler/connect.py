@@ -1,4 +1,5 @@
-"""`factory check --connect`: start every tool server, list its tools, shut it down.
+"""`factory check --connect`: start every tool server, list its tools, shut it down; and ask every judge
+endpoint whether it is there.
 
 Each server is started on its own (all of them concurrently), so a server that fails is reported at its
 own line; `allowed_tools` is lifted while listing so that the compiler can say which named tool is
@@ -11,7 +12,7 @@ from typing import Any
 
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
-from factory.schema import Spec
+from factory.schema import JudgeNode, Spec
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
 # whole listing so that `check` always returns.
@@ -57,3 +58,35 @@ def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, A
     """server -> [{name, description, inputSchema, ...}] of every server, and an error per server that
     failed to start. Runs its own event loop: call it outside one."""
     return asyncio.run(_list_all(spec, source))
+
+
+JUDGE_PROBE_S = 10.0  # an endpoint that has not answered `GET /models` by then is reported
+
+
+async def _unreachable(url: str) -> str | None:
+    """Why `url` (an OpenAI-compatible base) does not answer, or None when it answers at all: any HTTP
+    status, a 404 or a 401 too, means a server is there (the run's requests say the rest)."""
+    from factory.endpoints import open_client
+
+    client, _ = open_client(url, JUDGE_PROBE_S)
+    try:
+        async with client:
+            await client.get(url.rstrip("/") + "/models")
+    except Exception as e:  # noqa: BLE001 -- whatever the transport raised is the answer
+        return f"{type(e).__name__}: {e}"[:200] if str(e) else type(e).__name__
+    return None
+
+
+def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
+    """An error for each judge endpoint that does not answer: with it down, every judged trajectory would
+    have no value (under `on_missing: drop_sample`, every one dropped). Runs its own event loop."""
+    judges = {name: node.endpoint for name, node in spec.rewards.items()
+              if isinstance(node, JudgeNode) and node.endpoint}
+
+    async def probe_all() -> list[str | None]:
+        return list(await asyncio.gather(*(_unreachable(url) for url in judges.values())))
+
+    return [source.error(f"rewards.{name}.endpoint", f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): "
+                                                     "is the judge's server up, and the URL its OpenAI-compatible "
+                                                     "base (ending in /v1)?")
+            for (name, url), why in zip(judges.items(), asyncio.run(probe_all()) if judges else []) if why]
