@@ -141,6 +141,9 @@ class PythonTool(_ToolCommon):
 
 
 ToolSpec = Annotated[StdioServer | HttpServer | PythonTool, Field(union_mode="left_to_right")]
+# Joins a server's name and a tool's when two servers offer one tool name (`calc__calculate`): no server
+# name may hold it.
+TOOL_QUALIFIER = "__"
 
 
 # ------------------------------------------------------------------------------------------- rewards

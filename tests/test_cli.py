@@ -140,6 +140,24 @@ def test_check_connect_lists_tools_and_checks_allowed_tools(project, capsys):
     assert "calc (stdio: python -m factory.examples.calculator; tools: calculate)" in capsys.readouterr().out
 
 
+def test_two_servers_with_one_tool_name_are_a_warning_and_a_qualifier_in_a_name_an_error(project, capsys):
+    """The model was offered calc__calculate and calc2__calculate without a word, and check listed the plain
+    names; a server named with `__` passed check and stopped `factory run` with exit 3 once Ray was up."""
+    project.module("cli_dup")
+    calc = "{command: python, args: [-m, factory.examples.calculator]}"
+    path = project.spec(BASE.replace("{mod}", "cli_dup") + f"tools:\n  calc: {calc}\n  calc2: {calc}\n")
+    assert cli.main(["check", path, "--connect"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("spec.yaml:10: tools.calc: warning: 2 servers offer a tool 'calculate' (calc, "
+                                   "calc2): the model is offered calc__calculate, calc2__calculate instead")
+    assert "tools: calc__calculate); calc2 (stdio: python -m factory.examples.calculator; tools: calc2__calculate)" \
+        in captured.out
+    assert cli.main(["check", path, "--connect", "tools.calc2.allowed_tools=[]"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert cli.main(["check", path, "tools.my__calc=" + calc]) == 2
+    assert capsys.readouterr().err.startswith("<override 1>: tools.my__calc: a tool server name must not contain '__'")
+
+
 def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     project.module("cli_dead")
     path = project.spec(BASE.replace("{mod}", "cli_dead") + "tools:\n  dead: {command: python, args: [-c, 'pass']}\n")

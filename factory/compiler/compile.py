@@ -70,6 +70,7 @@ from factory.plan import (
 )
 from factory.presets import Algorithm, resolve
 from factory.schema import (
+    TOOL_QUALIFIER,
     FnNode,
     HttpServer,
     JudgeNode,
@@ -583,6 +584,9 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     for name, server in spec.tools.items():
         if "." in name:
             r.error(f"tools.{name}", f"a tool server name must not contain '.': '{name}'")
+        if TOOL_QUALIFIER in name:
+            r.error(f"tools.{name}", f"a tool server name must not contain '{TOOL_QUALIFIER}' (it joins a server's "
+                                     f"name and a tool's when two servers offer one tool name): '{name}'")
         if isinstance(server, PythonTool):
             fn = r.imported(f"tools.{name}.function", server.function)
             if fn is not None and (src := source_file(fn)) is not None:
@@ -602,6 +606,14 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                 if tool not in have:
                     r.error(f"tools.{name}.allowed_tools.{i}",
                             f"server '{name}' has no tool '{tool}'{_close(tool, have, 'it has')}")
+    if listing is not None:  # one tool name from two servers: the model is offered `server__tool` for each
+        offered = {n: [t["name"] for t in listing[n] if spec.tools[n].allowed_tools is None
+                       or t["name"] in spec.tools[n].allowed_tools] for n in listing if n in spec.tools}
+        for tool, servers in _shared_tools(offered).items():
+            r.warn(f"tools.{servers[0]}", f"{len(servers)} servers offer a tool '{tool}' ({', '.join(servers)}): the "
+                                          f"model is offered {', '.join(s + TOOL_QUALIFIER + tool for s in servers)} "
+                                          f"instead, and a call to plain '{tool}' is refused; to keep the name, "
+                                          "leave it out of the other servers' allowed_tools")
     for node_name, node in spec.rewards.items():
         if not isinstance(node, ToolNode):
             continue
@@ -618,6 +630,15 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             if tool not in have:
                 r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have, 'it offers')}")
     return code
+
+
+def _shared_tools(offered: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """tool name -> the servers that offer it, for the names more than one server offers."""
+    servers: dict[str, list[str]] = {}
+    for server, tools in offered.items():
+        for tool in tools:
+            servers.setdefault(tool, []).append(server)
+    return {tool: names for tool, names in servers.items() if len(names) > 1}
 
 
 def _resolve_algorithm(spec: Spec, r: _Report) -> Algorithm | None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import textwrap
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
 
 from factory.plan import Edge, Plan, Stage
+from factory.schema import TOOL_QUALIFIER
 
 
 def _source(s: dict[str, Any]) -> str:
@@ -25,8 +27,10 @@ def _tool(name: str, t: dict[str, Any], listed: dict[str, list[str]]) -> str:
         kind = f"http: {t['url']}"
     else:
         kind = f"python: {t.get('function')}"
-    if name in listed:  # only after `--connect`
-        kind += f"; tools: {', '.join(listed[name]) or '(none)'}"
+    if name in listed:  # only after `--connect`: each as the model is offered it (factory.tools.offered_tools)
+        counts = Counter(tool for tools in listed.values() for tool in tools)
+        offered = [tool if counts[tool] == 1 else f"{name}{TOOL_QUALIFIER}{tool}" for tool in listed[name]]
+        kind += f"; tools: {', '.join(offered) or '(none)'}"
     return f"{name} ({kind})"
 
 

@@ -31,7 +31,7 @@ import jsonschema
 import jsonschema.exceptions
 import jsonschema.validators
 
-from factory.schema import PythonTool, ToolSpec
+from factory.schema import TOOL_QUALIFIER, PythonTool, ToolSpec
 from factory.tools.metrics import ToolMetrics
 from factory.tools.recording import Recorder, Replay, ToolCache
 from factory.tools.resilience import Resilience
@@ -40,8 +40,6 @@ from factory.tools.servers import McpServer, PythonFunction
 from factory.types import ToolCall, ToolResult
 
 log = logging.getLogger(__name__)
-
-QUALIFIER = "__"
 
 Backend = McpServer | PythonFunction
 
@@ -92,8 +90,8 @@ class ToolBox:
         """Build, without side effects: nothing is started, imported or connected until `start()`. `record`:
         keep every call that reaches a tool in `recorder` (factory.tools.recording)."""
         for name in tools:
-            if QUALIFIER in name:
-                raise ValueError(f"tool server name {name!r} must not contain {QUALIFIER!r} (it joins server and tool)")
+            if TOOL_QUALIFIER in name:
+                raise ValueError(f"tool server name {name!r} must not contain {TOOL_QUALIFIER!r} (it joins server and tool)")
         return cls(tools, base_dir=base_dir, resilience=resilience or Resilience(), record=record)
 
     def _make_backend(self, name: str, spec: ToolSpec) -> Backend:
@@ -288,7 +286,7 @@ class ToolStartError(RuntimeError):
 # ------------------------------------------------------------------------------------ pure helpers
 def qualified_name(server: str, tool: str) -> str:
     """The name that always reaches `tool` of `server`, whether or not its bare name is unique."""
-    return f"{server}{QUALIFIER}{tool}"
+    return f"{server}{TOOL_QUALIFIER}{tool}"
 
 
 def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]]) -> list[ToolEntry]:
