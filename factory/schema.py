@@ -677,8 +677,8 @@ class TrackingSpec(Section):
     record_tools: bool = True
     """Record every tool call that reaches a tool (its origin in the run, the request, the whole result,
     status and latency) in a table per step logged with the run (`tool_calls/step_NNNNN.parquet`): what
-    `factory run SPEC --replay RUN` serves calls from. (The issue's `tools.record`: under `tools:` it
-    would take a server's name.)"""
+    `factory run SPEC --replay RUN` serves calls from. (It lives here, not under `tools:`, whose keys
+    are server names.)"""
     log_trajectories: int | None = Field(16, ge=0)
     """Trajectories per step logged as MLflow traces (the UI's view of episodes; 0 = none, None = all). The step's
     trajectory table always holds every trajectory, so `factory rescore` can score each step again."""

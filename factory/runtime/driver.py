@@ -642,8 +642,9 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     else:
         watch.evaluated(0, before)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
-    stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after this step (it is logged and "
-                                                        "checkpointed); Ctrl-C again stops at once"), event=stop_event)
+    stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after the step in progress (it is logged "
+                                                        "and checkpointed); Ctrl-C again stops at once"),
+                        event=stop_event)
     with stop:
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
