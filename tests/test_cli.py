@@ -167,6 +167,20 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     assert err.endswith("1 error in spec.yaml\n")
 
 
+def test_check_connect_says_an_http_server_could_not_be_reached(project, capsys):
+    """Factory does not start an HTTP server: it said "failed to start", without the URL."""
+    import socket
+
+    project.module("cli_http")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = project.spec(BASE.replace("{mod}", "cli_http") + f"tools:\n  web: {{url: 'http://127.0.0.1:{port}/mcp'}}\n")
+    assert cli.main(["check", path, "--connect"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"spec.yaml:10: tools.web: server at http://127.0.0.1:{port}/mcp could not be reached: "), err
+
+
 def test_check_connect_says_why_a_server_died(project, capsys):
     """The server's last line of stderr, not just the SDK's "Connection closed"."""
     project.module("cli_typo")

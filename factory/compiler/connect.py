@@ -12,7 +12,7 @@ from typing import Any
 
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
-from factory.schema import JudgeNode, Spec
+from factory.schema import HttpServer, JudgeNode, Spec
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
 # whole listing so that `check` always returns.
@@ -40,13 +40,16 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
             errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))
         elif isinstance(result, Exception):
             lines = str(result).splitlines() or [type(result).__name__]
-            # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY"; the location says NAME.
-            text = lines[0].rpartition("failed to start: ")[2]
+            # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY" (an HTTP server's "at URL could
+            # not be reached: WHY"); the location says NAME.
+            http = isinstance(spec.tools[name], HttpServer)
+            text = lines[0].rpartition("could not be reached: " if http else "failed to start: ")[2]
             # "Connection closed" says little; the last line the server printed usually says why.
             said = [line for line in lines[1:] if line.strip() and not line.startswith("--- server stderr")]
             if said:
                 text += f"; the server's last words: {said[-1].strip()}"
-            errors.append(source.error(f"tools.{name}", f"server failed to start: {text}"))
+            what = f"server at {spec.tools[name].url} could not be reached" if http else "server failed to start"
+            errors.append(source.error(f"tools.{name}", f"{what}: {text}"))
         elif isinstance(result, BaseException):
             raise result  # KeyboardInterrupt and friends are not spec errors
         else:

@@ -142,8 +142,10 @@ class McpConnection:
     the process died or the HTTP session broke.
     """
 
-    def __init__(self, label: str, transport: TransportFactory, on_lost: Callable[[McpConnection], None]) -> None:
+    def __init__(self, label: str, transport: TransportFactory, on_lost: Callable[[McpConnection], None],
+                 url: str | None = None) -> None:
         self.label = label
+        self.url = url  # an HTTP server's: it runs elsewhere, so it is reached, not started
         self._transport = transport
         self._on_lost = on_lost
         self._closing = asyncio.Event()
@@ -172,7 +174,8 @@ class McpConnection:
             await ready
         except Exception as exc:
             await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
-            message = f"tool server {self.label!r} failed to start: {describe(exc)}{self.stderr_tail()}"
+            what = f"at {self.url} could not be reached" if self.url else "failed to start"
+            message = f"tool server {self.label!r} {what}: {describe(exc)}{self.stderr_tail()}"
             self._close_stderr()
             raise ServerStartError(message) from exc
 

@@ -123,7 +123,8 @@ class McpServer:
             except ServerStartError as exc:
                 self._breaker_failure()
                 log.warning("%s", exc)
-                return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be started."), True
+                what = "reached" if isinstance(self.spec, HttpServer) else "started"
+                return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be {what}."), True
             connection.in_flight += 1
             try:
                 with anyio.fail_after(self.spec.timeout_s):
@@ -215,7 +216,9 @@ class _Replica:
         return await asyncio.shield(self._starting)
 
     async def _open(self) -> McpConnection:
-        connection = McpConnection(self.label, self.server._transport, self.lost)
+        spec = self.server.spec
+        connection = McpConnection(self.label, self.server._transport, self.lost,
+                                   url=spec.url if isinstance(spec, HttpServer) else None)
         await connection.open(self.server.resilience.start_timeout_s)
         if self.server._closed:
             await connection.close()
