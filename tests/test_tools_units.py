@@ -124,10 +124,12 @@ def test_invalid_arguments_are_explained(arguments, expected):
     assert argument_problem(_validator(), arguments) == expected
 
 
-def test_invalid_schema_is_not_enforced():
+def test_invalid_schema_is_not_enforced(caplog):
     validator = _validator({"type": "object", "properties": {"x": {"type": 12}}})
     assert validator is None
     assert argument_problem(validator, {"x": "anything"}) is None
+    # the warning names the server (it named only the tool, which several servers may have)
+    assert "tool server 's': tool 't' has an invalid inputSchema, its arguments are not checked" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------- breaker

@@ -324,7 +324,8 @@ def compile_validator(entry: ToolEntry) -> Any | None:
     try:
         cls.check_schema(entry.input_schema)
     except jsonschema.exceptions.SchemaError as exc:
-        log.warning("tool %s has an invalid inputSchema, arguments are not checked: %s", entry.offered, exc.message)
+        log.warning("tool server %r: tool %r has an invalid inputSchema, its arguments are not checked (the "
+                    "server judges them): %s", entry.server, entry.tool, exc.message)
         return None
     return cls(entry.input_schema)
 
