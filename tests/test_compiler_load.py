@@ -16,6 +16,13 @@ def test_valid_spec_loads_with_defaults(project):
     assert spec.train.checkpoint_dir == "runs/demo"  # the schema's `runs/${name}` default, resolved
 
 
+def test_nearest_prefers_the_one_name_holding_every_word():
+    from factory.compiler.translate import nearest
+
+    assert nearest("get_time", ["convert_time", "get_current_time"]) == "get_current_time"  # difflib: convert_time
+    assert nearest("stpes", ["steps", "seed"]) == "steps" and nearest("lr_rate", ["lr", "warmup_steps"]) == "lr"
+
+
 def test_misspelled_key_suggests_the_nearest(project):
     path = project.spec(_base(project, "rw_typo") + "train:\n  lr_rate: 1.0e-5\n  stpes: 3\n")
     with pytest.raises(SpecErrors) as e:
