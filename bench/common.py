@@ -31,27 +31,46 @@ def cpu() -> dict[str, Any]:
     (AVX2_EMULATION in the environment)."""
     from factory.device import cpu as device_cpu
 
-    model, flags = "unknown", set()
+    info: dict[str, str] = {}  # the first core's /proc/cpuinfo lines
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    flags = set(info.get("flags", "").split())
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     emulated = all(os.environ.get(k) == v for k, v in AVX2_EMULATION.items())
-    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
-            "bf16_native": device_cpu().fast_bf16, "avx2_emulated": emulated}
+    # lscpu's model name alone ("AMD EPYC") is the same on a Zen 3, 4 and 5: family and model tell them apart
+    return {"model": info.get("model name", "unknown"), "family": info.get("cpu family"), "model_id": info.get("model"),
+            "stepping": info.get("stepping"), "virtual": "hypervisor" in flags, "cores": os.cpu_count(),
+            "flags": [f for f in wanted if f in flags], "bf16_native": device_cpu().fast_bf16,
+            "avx2_emulated": emulated, "faked": os.environ.get("FACTORY_FAKE_CPU"), **_run()}
+
+
+def _run() -> dict[str, Any]:
+    """When and at which commit the numbers were taken (a dirty tree says so)."""
+    import datetime
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "--short=10", "HEAD") or None
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {"commit": commit, "dirty": dirty, "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")}
 
 
 def cpu_line() -> str:
     c = cpu()
-    kind = f"AVX2 emulated on {c['model']}" if c["avx2_emulated"] else c["model"]
+    name = f"{c['model']} (family {c['family']} model {c['model_id']})" if c["family"] else c["model"]
+    kind = f"AVX2 emulated on {name}" if c["avx2_emulated"] else name
     return (f"CPU: {kind}, {c['cores']} cores, flags {' '.join(c['flags']) or '-'}, "
-            f"bf16 {'native' if c['bf16_native'] else 'emulated'}")
+            f"bf16 {'native' if c['bf16_native'] else 'emulated'}{' (faked: FACTORY_FAKE_CPU)' if c['faked'] else ''}"
+            f"; at {c['commit'] or '?'}{'+dirty' if c['dirty'] else ''}, {c['utc']}")
 
 
 def free_port() -> int:
