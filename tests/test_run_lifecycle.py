@@ -76,8 +76,12 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_projec
     # what only the final evaluation logs (run 2 stopped before it): eval/* at step STEPS, and the monitor that
     # compares it with the one at step 0 (factory.monitors: it reads the step's own evaluation)
     final_only = {k for k in run.data.metrics if k.startswith("monitor/train_eval_divergence")}
-    assert set(run.data.metrics) - final_only == set(resumed["second"].data.metrics), when
-    for key in run.data.metrics:
+    # each session logs its own start-up, at the first step it logs (a resumed one's: after the last logged)
+    sessions = {k for k in run.data.metrics if k.startswith("timing/startup")}
+    assert set(run.data.metrics) - final_only - sessions == set(resumed["second"].data.metrics) - sessions, when
+    starts = sorted(m.step for m in client.get_metric_history(run.info.run_id, "timing/startup_s"))
+    assert len(starts) == 2 and starts[0] == 0 < starts[1] <= STEPS, (starts, when)
+    for key in set(run.data.metrics) - sessions:
         steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
         expected = sorted(m.step for m in client.get_metric_history(second, key)) + (
             [STEPS] if key.startswith("eval/") or key in final_only else [])

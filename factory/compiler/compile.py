@@ -1031,22 +1031,20 @@ def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
 
 def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
     """`plan` compiled again with the listing of every tool server of `spec`, each started to list its tools
-    (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have, and
-    for a judge endpoint that does not answer."""
+    (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have; a
+    judge endpoint that does not answer is a warning."""
     from factory.compiler.connect import list_all, probe_judges
 
-    errors = probe_judges(spec, source)
+    silent = tuple(str(w) for w in probe_judges(spec, source))  # warnings: a judge's server is not ours to start
     # a base's server is started from beside that base
-    listing, more = list_all(_rebased(spec, source), source) if spec.tools else ({}, [])
-    errors += more
+    listing, errors = list_all(_rebased(spec, source), source) if spec.tools else ({}, [])
     if errors:
         raise SpecErrors(errors, source.file)
-    if not spec.tools:
-        return plan
-    connected, errors = _compile(spec, source, None, listing)
-    if errors or connected is None:
-        raise SpecErrors(errors, source.file)
-    return connected
+    if spec.tools:
+        plan, errors = _compile(spec, source, None, listing)
+        if errors or plan is None:
+            raise SpecErrors(errors, source.file)
+    return dataclasses.replace(plan, warnings=plan.warnings + silent)
 
 
 def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,

@@ -81,8 +81,10 @@ async def _unreachable(url: str) -> str | None:
 
 
 def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
-    """An error for each judge endpoint that does not answer: with it down, every judged trajectory would
-    have no value (under `on_missing: drop_sample`, every one dropped). Runs its own event loop."""
+    """A warning for each judge endpoint that does not answer: with it down, every judged trajectory would
+    have no value (under `on_missing: drop_sample`, every one dropped). A warning, not an error, as the
+    server is not Factory's to start and may answer only where the run runs (a cluster's network). Runs
+    its own event loop."""
     judges = {name: node.endpoint for name, node in spec.rewards.items()
               if isinstance(node, JudgeNode) and node.endpoint}
 
@@ -91,5 +93,6 @@ def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
 
     return [source.error(f"rewards.{name}.endpoint", f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): "
                                                      "is the judge's server up, and the URL its OpenAI-compatible "
-                                                     "base (ending in /v1)?")
+                                                     "base (ending in /v1)? A run would score nothing with it",
+                         level="warning")
             for (name, url), why in zip(judges.items(), asyncio.run(probe_all()) if judges else []) if why]
