@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -181,5 +182,12 @@ def workload_arguments(parser: "argparse.ArgumentParser", model: str) -> None:
 
 
 def print_json(ratios: dict[str, Any]) -> None:
-    """The benchmark's last line."""
-    print(json.dumps(ratios), flush=True)
+    """The benchmark's last line: valid JSON, a ratio that was not measured (NaN, inf) as null."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    print(json.dumps(plain(ratios), allow_nan=False), flush=True)

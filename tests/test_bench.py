@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.agentic import Lockstep, differing
-from bench.common import table
+from bench.common import cpu, print_json, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
@@ -113,6 +113,16 @@ def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
     lines = table(["", "update", "weight sync", "other"], [("1x", 8.6, 2.2, 0.3)], first=4, width=11).splitlines()
     assert lines[0].split() == ["update", "weight", "sync", "other"]  # not "updateweight"
     assert lines[1].split() == ["1x", "8.600", "2.200", "0.300"]
+
+
+def test_the_last_line_is_valid_json_and_names_the_machine_and_commit(capsys):
+    """`breakdown --scales 1` printed NaN for the scaling it did not measure: not JSON. And the CPU was only
+    lscpu's model name, the same on a Zen 3, 4 and 5."""
+    print_json({"scaling_2x": float("nan"), "cpu": {"x": [1.0, float("inf")]}})
+    assert json.loads(capsys.readouterr().out) == {"scaling_2x": None, "cpu": {"x": [1.0, None]}}
+    c = cpu()
+    assert {"family", "model_id", "stepping", "virtual", "commit", "dirty", "utc"} <= set(c)
+    assert c["commit"] and c["family"] is not None  # a git checkout on Linux
 
 
 def test_breakdown_reads_the_update_flops_only_of_steps_that_trained_a_row():
