@@ -89,3 +89,21 @@ def test_how_vllm_takes_adapters_by_device_and_the_rank_it_sizes_for():
     assert vllm_lora_mode("auto", "cpu") == "merge" and vllm_lora_mode("auto", "cuda") == "serve"
     assert vllm_lora_mode("serve", "cpu") == "serve" and vllm_lora_mode("merge", "cuda") == "merge"
     assert [_lora_rank(r) for r in (1, 8, 9, 16, 33, 512)] == [8, 8, 16, 16, 64, 512]
+
+
+def test_eval_takes_a_peft_adapter_folder_merged_into_its_base(tmp_path):
+    """`factory eval --model DIR` with the folder `export --adapter` writes (or a checkpoint's adapter/) said
+    "holds no complete checkpoint (no `latest` marker)"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from factory.commands.api import _eval_model
+
+    base = resolve_model("factory:tiny-qwen3")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "adapter")
+    (tmp_path / "scratch").mkdir()
+    folder, step, tags = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch")
+    assert (step, tags["factory.eval_model"]) == (0, str((tmp_path / "adapter").resolve()))
+    assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == model.config.num_hidden_layers

@@ -152,6 +152,15 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
     local = Path(ref).expanduser()
     if (local / "config.json").is_file():  # a Hugging Face folder
         return str(local.resolve()), 0, {"factory.eval_model": str(local.resolve())}
+    if (local / "adapter_config.json").is_file():  # a peft folder (`export --adapter`, a checkpoint's adapter/)
+        from factory.commands.export import merge_adapters
+
+        merged = scratch / "model"
+        try:
+            merge_adapters(local, merged)
+        except ExportError as e:
+            raise ExportError(f"--model {ref}: {e}") from None
+        return str(merged), 0, {"factory.eval_model": str(local.resolve())}
     tags = {}
     if not local.is_dir():  # a tracked run: its own checkpoint folder
         from factory.tracking.tracker import RunLookupError, open_tracker

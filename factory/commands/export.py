@@ -107,7 +107,7 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
     staging = out.with_name(f".{out.name}.exporting")
     shutil.rmtree(staging, ignore_errors=True)
     if lora and not adapter:
-        _merge(source, staging)
+        merge_adapters(source, staging)
     else:
         shutil.copytree(source, staging)
     readable(staging)  # a checkpoint saved before readable() was: its model.safetensors 0600, as transformers writes it
@@ -117,7 +117,7 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
     return source
 
 
-def _merge(adapter: Path, out: Path) -> None:
+def merge_adapters(adapter: Path, out: Path) -> None:
     """The base model named by the adapter's config with the adapters merged in (W + scale B @ A, in float32
     as the learner trained), saved with the adapter folder's tokenizer and chat template."""
     import torch
