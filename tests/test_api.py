@@ -45,6 +45,15 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         "3 errors in <spec>")
     with pytest.raises(factory.SpecErrors, match=r"<dict>: train.stepz: unknown key 'stepz'"):
         factory.load({**yaml.safe_load(TINY.read_text()), "train": {"stepz": 1}})
+    # Python's own mistakes: one string of overrides was one "override" per character; None a raw TypeError
+    with pytest.raises(TypeError, match=r"overrides: a list of 'KEY=VALUE' strings, got one string: "
+                                        r"\['train.steps=3'\]\?"):
+        factory.load(TINY, "train.steps=3")
+    with pytest.raises(TypeError, match="a spec is a path, a YAML text or a dict, got NoneType"):
+        factory.compile(None)
+    # a typo under a dotted override is the override's, not the spec line of its first part
+    with pytest.raises(factory.SpecErrors, match=r"^<override 1>: trian: unknown key 'trian'"):
+        factory.load(TINY, ["trian.steps=3"])
 
 
 def test_compiling_with_connect_compiles_the_spec_it_is_given(monkeypatch):

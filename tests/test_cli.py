@@ -58,6 +58,8 @@ def test_check_prints_a_summary_and_exits_0(project, capsys):
     assert out.splitlines()[0] == "spec.yaml: ok"
     assert "  rewards    correct, fmt -> total (trains the policy)" in out
     assert "  algorithm  grpo (advantage grpo, loss ppo_clip, aggregation seq_mean_token_mean)\n" in out
+    assert cli.main(["check", path, "model.lora.r=8"]) == 0
+    assert "  model      factory:tiny-qwen3 (LoRA r=8 on all-linear)\n" in capsys.readouterr().out
     assert cli.main(["check", path, "algorithm.name=reinforce_pp", "algorithm.kl.coef=0.01"]) == 0
     assert "  algorithm  reinforce_pp (advantage reinforce_pp, loss ppo_clip, aggregation token_mean, KL 0.01 (k1, " \
            "in the reward))\n" in capsys.readouterr().out

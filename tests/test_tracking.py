@@ -214,6 +214,19 @@ def test_trajectory_trace_has_a_span_per_turn_and_tool_call(tmp_path, monkeypatc
     assert (spans["trajectory"].start_time_ns, spans["trajectory"].end_time_ns) == (100_000_000_000, 101_500_000_000)
 
 
+def test_a_too_short_id_prefix_says_how_long_one_must_be(tmp_path):
+    from factory.tracking.tracker import RunLookupError
+
+    t = Tracker(f"sqlite:///{tmp_path}/m.db", "exp")
+    run_id = t.start("r", {}, {}, {})
+    t.end()
+    assert t.run(run_id[:8]).run_id == run_id
+    with pytest.raises(RunLookupError, match=f"no run with id or name '{run_id[:4]}' .*; an id prefix needs 8 "):
+        t.run(run_id[:4])
+    with pytest.raises(RunLookupError, match=r"in sqlite:\S+$"):  # no hint for a name that is not a prefix
+        t.run("zzzz")
+
+
 def test_checkpoints_are_logged_as_tags_and_a_list(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

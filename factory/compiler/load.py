@@ -418,6 +418,10 @@ def read_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> tuple[dict, Spe
     """`read_config` of a path, a YAML text (a string with a line break: named `<spec>` in messages) or a
     dict (`<dict>`, its errors located by dotted path alone); a text's or dict's relative references and
     `extends` start from the working directory."""
+    if isinstance(overrides, (str, bytes)):  # iterated, one string gave an "override" per character
+        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]?")
+    if not isinstance(spec, (str, os.PathLike, Mapping)):
+        raise TypeError(f"a spec is a path, a YAML text or a dict, got {type(spec).__name__}")
     if isinstance(spec, Mapping):
         try:
             text = yaml.safe_dump(_plain_dict(spec), sort_keys=False, allow_unicode=True)

@@ -34,6 +34,10 @@ def _tool(name: str, t: dict[str, Any], listed: dict[str, list[str]]) -> str:
     return f"{name} ({kind})"
 
 
+def _targets(modules: str | list[str]) -> str:
+    return modules if isinstance(modules, str) else ", ".join(modules)
+
+
 def _replicas(stage: Stage) -> str:
     return f" x{stage.replicas}" if stage.replicas > 1 else ""
 
@@ -65,7 +69,8 @@ def check_summary(plan: Plan) -> str:
     gpus = sum(st.resources.get("GPU", 0) * st.replicas for st in plan.stages)
     lines = [
         f"{plan.spec_path}: ok",
-        f"  model      {s['model']['path']}",
+        f"  model      {s['model']['path']}" + (f" (LoRA r={lora['r']} on {_targets(lora['target_modules'])})"
+                                                  if (lora := s["model"].get("lora")) else ""),
         f"  data       {data}",
         f"  tools      {tools}",
         f"  rewards    {rewards} (trains the policy)",

@@ -562,7 +562,9 @@ class MlflowTracker:
         if len(found) == 1:
             return found[0]
         if not found:
-            raise RunLookupError(f"no run with id or name '{ref}' in {self.uri}")
+            short = len(ref) < 8 and any(r.run_id.startswith(ref) for r in runs)
+            raise RunLookupError(f"no run with id or name '{ref}' in {self.uri}"
+                                 + ("; an id prefix needs 8 characters or more" if short else ""))
         ids = ", ".join(r.run_id for r in found[:5])
         raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
 
