@@ -18,9 +18,11 @@ if TYPE_CHECKING:
     from factory.commands.api import diff, evaluate, run, runs
     from factory.commands.api import load_spec as load
     from factory.compiler.errors import SpecErrors
+    from factory.runtime.resume import ResumeError
     from factory.tracking.tracker import RunLookupError
 
-__all__ = ["load", "compile", "run", "diff", "runs", "evaluate", "SpecErrors", "RunLookupError", "__version__"]
+__all__ = ["load", "compile", "run", "diff", "runs", "evaluate", "SpecErrors", "RunLookupError", "ResumeError",
+           "__version__"]
 
 _API = {"load": "load_spec", "compile": "compile_plan", "run": "run", "diff": "diff", "runs": "runs",
         "evaluate": "evaluate"}
@@ -35,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from factory.compiler.errors import SpecErrors
 
         return SpecErrors
+    if name == "ResumeError":
+        from factory.runtime.resume import ResumeError
+
+        return ResumeError
     if name == "RunLookupError":
         from factory.tracking.tracker import RunLookupError
 
