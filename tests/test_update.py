@@ -126,6 +126,7 @@ def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, le
     assert stats["actor/clip_frac_low"] == stats["actor/clip_frac_high"] == 0  # ratio 1 on the first update
     assert abs(stats["actor/approx_kl"]) < 1e-6 and "actor/kl" not in stats  # no reference: no KL, not a 0
     assert learner.ref is None  # kl.coef == 0: no reference model
+    assert stats["perf/weight_sync_mb"] > 0  # one_step_delta's state_dict() is a sync's payload
 
 
 def test_micro_batching_is_exact(small_path, learners):
@@ -218,6 +219,16 @@ def test_train_per_group_trains_the_chosen_samples_as_if_only_they_were_sampled(
     b, stats = one_step_delta(learners(make_spec(small_path, algorithm={"train_per_group": 2})), trajs)
     assert stats["actor/down_sampled"] == 6 and stats["actor/trained_rows"] == 6
     assert_same_delta(a, b)
+
+
+def test_weight_sync_size_is_logged_once_a_sync_brought_the_weights(small_path, learners):
+    """Step 1 samples the weights loaded from disk: it logged perf/weight_sync_mb 0.0, which halved its mean
+    over a 2-step run."""
+    learner, trajs = learners(make_spec(small_path)), batch(seed=3)
+    assert "perf/weight_sync_mb" not in learner.step(trajs)
+    payload = learner.state_dict()
+    size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in payload.values()}.values())
+    assert learner.step(trajs)["perf/weight_sync_mb"] == size / 1e6
 
 
 def test_all_dropped_means_no_update(small_path, learners):

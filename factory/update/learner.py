@@ -225,7 +225,8 @@ class Learner:
         stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
                                     for micro in ran(update_plan)], self.spec.train.packing))
         stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6  # the sync that brought the weights this step sampled with
+        if self.sync_bytes:  # the sync that brought the weights this step sampled with (step 1's came from disk)
+            stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6
         elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
         # model tokens of the rows trained (once per epoch; a skipped row's are not) per second of the whole
         # step, old-log-prob pass included
