@@ -139,3 +139,29 @@ def test_a_local_ray_is_refused_when_ray_was_imported_before_the_loopback_flag(m
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     monkeypatch.setenv(LOOPBACK_FLAG, "0")
     check_ray_on_loopback()
+
+
+def test_ray_that_will_not_start_is_an_infrastructure_failure(monkeypatch):
+    """On a machine with a load average of 38, Ray's node timed out starting: `factory run` said "internal
+    error" and asked for FACTORY_DEBUG=1."""
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.runtime.health import InfraFailure, RayStartError
+    from factory.util import UserError
+
+    def timed_out(cluster):
+        raise Exception("The current node timed out during startup. This could happen because some of the "
+                        "raylet failed to startup or the GCS has become overloaded.\nmore")
+
+    monkeypatch.setattr(driver, "_start_ray", timed_out)
+    with pytest.raises(RayStartError, match=r"^could not start a local Ray \(load average [\d.]+ on \d+ cores\): "
+                                            r"Exception: The current node timed out during startup\. .*overloaded\.$"):
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+    assert issubclass(RayStartError, InfraFailure)  # exit 3, as the CLI's other infrastructure failures
+
+    def ours(cluster):
+        raise UserError("ray was imported before Factory could set ...")
+
+    monkeypatch.setattr(driver, "_start_ray", ours)
+    with pytest.raises(UserError):  # our own message, as it is
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))

@@ -37,7 +37,7 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import StageStartError, check_infra
+from factory.runtime.health import RayStartError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, reap_orphans)
 from factory.runtime.startup import Startup
@@ -79,6 +79,22 @@ _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", 
 
 
 def start_ray(cluster: ClusterSettings) -> None:
+    """`_start_ray`, with a failure of Ray itself (a node that timed out starting on an overloaded machine,
+    an address nothing answers on) as a RayStartError, exit 3, naming Ray's reason: not an internal error."""
+    from factory.util import UserError
+
+    try:
+        _start_ray(cluster)
+    except (UserError, ValueError, TypeError):  # ours: a mistake to show as it is
+        raise
+    except Exception as e:  # noqa: BLE001 -- Ray raises a bare Exception for a node that timed out starting
+        where = (f"join the Ray cluster at {cluster.ray_address}" if cluster.ray_address else
+                 f"start a local Ray (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RayStartError(f"could not {where}: {type(e).__name__}: {first}") from e
+
+
+def _start_ray(cluster: ClusterSettings) -> None:
     """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
     local Ray of our own.
 

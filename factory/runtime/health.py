@@ -16,6 +16,11 @@ class InfraFailure(RuntimeError):
     """A step whose share of trajectories failed from infrastructure is above `train.max_infra_error_rate`."""
 
 
+class RayStartError(InfraFailure):
+    """Ray could not be started or joined (a node that timed out during start-up on an overloaded machine,
+    an address nothing answers on): exit 3 with Ray's reason, not an internal error."""
+
+
 class StageStartError(InfraFailure):
     """A stage's setup raised (a tool server that would not start, a model its engine could not load): the
     run cannot begin. `factory run` exits 3 with the stage and the cause in one message, no traceback."""
