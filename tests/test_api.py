@@ -224,5 +224,7 @@ def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_the
     assert diff.returncode == 0, diff.stderr[-3000:]
     report = json.loads(diff.stdout)
     assert [c["key"] for c in report["changes"] if c["kind"] == "setting"] == ["model.path", "tracking.experiment"]
+    # the eval's model is the run's checkpoint: no "not comparable: different model", a note instead
+    assert report["warnings"] == [] and "B evaluates the other run's checkpoint" in " ".join(report["notes"])
     rows = {(m["metric"], m["agg"]): m for m in report["metrics"]}
     assert rows[("eval/reward", "final")]["delta"] == 0

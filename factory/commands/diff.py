@@ -300,13 +300,19 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
         notes.append(" and ".join(f"{side} is {'an' if kind == 'eval' else 'a'} {kind} run"
                                   for side, kind in kinds.items() if kind != "train")
                      + f": settings it does not read ({', '.join(p + '*' for p in TRAINING_ONLY)}) are not compared")
+    warnings = comparability(changes)
+    if a.run.tags.get("factory.eval_of") == b.run.run_id or b.run.tags.get("factory.eval_of") == a.run.run_id:
+        # an evaluation of the other run's checkpoint: its model is that run's, whatever its model.path says
+        warnings = [w for w in warnings if not w.startswith("not comparable: different model")]
+        notes.append(f"{'A' if a.run.tags.get('factory.eval_of') else 'B'} evaluates the other run's checkpoint "
+                     "(its model.path is where that checkpoint was read from)")
     prompts = common_prompts(a.trajectories, b.trajectories)
     return {
         "a": _side(a), "b": _side(b),
         "identical": not changes and not notes,
         "changes": changes,
         "notes": notes,
-        "warnings": comparability(changes),
+        "warnings": warnings,
         "environment": environment_changes(a.run, b.run),
         "metrics": metric_rows(history_a, history_b),
         "prompts": [{k: p[k] for k in ("index", "split", "prompt", "a_reward_mean", "b_reward_mean")} for p in prompts],
