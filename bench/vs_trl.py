@@ -51,8 +51,12 @@ What is the same on both sides (and how):
   KV blocks  32 tokens on both sides (Factory's engine on CPU; TRL's `LLM(...)` wrapped to pass it, as
              TRL does not), so the samples of a group share their prompt's cache alike
 Left as TRL ships it, and said here: TRL's vLLM detokenizes its outputs (Factory's engine returns ids only).
-Factory is run as users run it: `factory run spec.yaml` (Ray actors, its stages, MLflow logging); TRL as
-its docs show it: `GRPOTrainer(...).train()` in one process, no logging backend.
+Factory is run as users run it, `factory run spec.yaml` (Ray actors, its stages, MLflow logging), with one
+setting a CPU user would not have: `rollout.vllm_compile: true`, as TRL's colocated vLLM is compiled (checked:
+the bench stops if the two differ); TRL as its docs show it: `GRPOTrainer(...).train()` in one process, no
+logging backend. Each side draws the same 256 rows in its own order, so a step's prompts differ between the
+sides; the work each side did is in the table. The ratio is of steady-state steps: start-up (compiling
+vLLM, on both sides) is not in it.
 
 Step time = wall time between the ends of consecutive steps (Factory: MLflow records; TRL: a callback's
 on_step_end), skipping the first step and the last (it also saves the final checkpoint). Medians over all
