@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, translate
+from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, translate, value_at
 from factory.schema import RewardNode, Spec
 from factory.util import shown_path
 
@@ -360,11 +360,11 @@ def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
     swaps = [(f"rewards.{n}", _NODE_KINDS) for n in (rewards if isinstance(rewards, dict) else {})]
     swaps += [(f"data.{split}", _SOURCE_KINDS) for split in ("train", "eval")]
     for path, keys in swaps:
-        a, b = _at(theirs, path), _at(mine, path)
+        a, b = value_at(theirs, path), value_at(mine, path)
         if kind(a, keys) and kind(b, keys) and kind(a, keys) != kind(b, keys):
             removed.append(path)
     for path in _nulls(mine):
-        if _at(theirs, path) is not None and names_an_entry(Spec, tuple(path.split("."))):
+        if value_at(theirs, path) is not None and names_an_entry(Spec, tuple(path.split("."))):
             removed.append(path)
             _drop(own, path)
     for path in removed:
@@ -377,12 +377,6 @@ def _is_null(text: str) -> bool:
         return text.strip() != "" and yaml.safe_load(text) is None
     except yaml.YAMLError:
         return False
-
-
-def _at(data: Any, path: str) -> Any:
-    for key in path.split("."):
-        data = data.get(key) if isinstance(data, dict) else None
-    return data
 
 
 def _nulls(data: Any, prefix: str = "") -> Iterable[str]:

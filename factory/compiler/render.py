@@ -169,6 +169,7 @@ def explain_text(plan: Plan, spec: BaseModel, origin: Callable[[str], str] | Non
     """Every resolved setting with its documentation (the schema's docstrings) above it and, given
     `origin` (factory.compiler.load.SpecSource.origin), where its value was set: the file and line (a
     base spec's, with `extends`), the override, or `default`."""
+    from factory.compiler.translate import value_at
     from factory.presets import filled
 
     out = []
@@ -176,13 +177,8 @@ def explain_text(plan: Plan, spec: BaseModel, origin: Callable[[str], str] | Non
     for path, doc, value in _explained(spec, shown):
         out += [f"# {line}" for line in textwrap.wrap(doc, 100)]
         where = origin(path) if origin is not None else None
-        if where == "default" and path.startswith("algorithm.") and value != _at(plan.spec, path):
+        if where == "default" and path.startswith("algorithm.") and value != value_at(plan.spec, path):
             where = f"preset {plan.algorithm.name}"  # a value the preset chose, not the field's default
         out.append(f"{path}: {json.dumps(value, ensure_ascii=False)}" + (f"  # {where}" if where else ""))
     return "\n".join(out)
 
-
-def _at(d: dict[str, Any], path: str) -> Any:
-    for key in path.split("."):
-        d = d.get(key) if isinstance(d, dict) else None
-    return d

@@ -267,7 +267,10 @@ def _problem(err: dict[str, Any], where: _Loc, node: Parts | None = None) -> Pro
     return Problem(tuple(where.parts), message(err, where), node, err["type"])
 
 
-def _get(data: Any, parts: Parts) -> Any:
+def value_at(data: Any, parts: Parts | str) -> Any:
+    """The value at a path of nested dicts and lists (a dotted string or its parts); None when absent."""
+    if isinstance(parts, str):
+        parts = tuple(parts.split("."))
     for p in parts:
         if isinstance(data, dict) and p in data or isinstance(data, list) and isinstance(p, int) and p < len(data):
             data = data[p]
@@ -279,7 +282,7 @@ def _get(data: Any, parts: Parts) -> Any:
 def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict, _Loc]],
                    data: dict) -> list[Problem]:
     """Errors inside one union node: keep those of the member the user meant, else say what makes a node."""
-    raw = _get(data, node)
+    raw = value_at(data, node)
     distinctive = {m: required_keys(m) for m in members if _is_model(m)}
     all_distinctive = [k for keys in distinctive.values() for k in keys[:1]]
     if not isinstance(raw, dict):
