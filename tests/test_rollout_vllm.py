@@ -353,3 +353,16 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
     finally:
         ray.kill(update)
         vllm.load_weights(base)
+
+
+def test_vllm_starts_in_a_process_that_imported_numba():
+    """vLLM's CPU platform scans every module's namespace when an engine starts; llvmlite's `ffi.lib`
+    (numba imports it: the search example's bm25s did, in the same test worker) broke that scan."""
+    pytest.importorskip("llvmlite")
+    import llvmlite.binding.ffi  # noqa: F401
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    from factory.rollout.engine_vllm import _llvmlite_answers_vars
+
+    _llvmlite_answers_vars()
+    _rebind_kernels([])  # the scan itself, with nothing to rebind

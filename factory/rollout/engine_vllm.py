@@ -37,6 +37,7 @@ import itertools
 import logging
 import os
 import shutil
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -60,6 +61,22 @@ _set_num_threads = torch.set_num_threads
 # (8 prompts x 8 samples, 2 turns) generated in 43 s instead of 65 s on a real AVX2 Zen 3;
 # plain decoding (64 x 160 tokens, nothing shared) was no slower (70-76 s against 79-81 s).
 CPU_BLOCK_SIZE = 32
+
+
+def _llvmlite_answers_vars() -> None:
+    """Let vLLM start in a process that imported numba (bm25s, a user's reward module, ...).
+
+    vLLM's CPU platform rebinds its Triton kernels by scanning every module's namespace and reading
+    `vars(value).get("kernel")` of each value with a `__dict__` (triton_utils.dispatcher._rebind_kernels).
+    llvmlite's `ffi.lib` has no `__dict__` of its own: its `__getattr__` wraps the shared library's
+    `__dict__` as a C function, `vars()` returns that wrapper, and the engine fails to start with
+    "'_lib_fn_wrapper' object has no attribute 'get'". Its lookup table is given a real (empty) dict
+    under that name; llvmlite never calls a C function named `__dict__`.
+    """
+    lib = getattr(sys.modules.get("llvmlite.binding.ffi"), "lib", None)
+    table = getattr(lib, "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
 
 
 class VLLMEngine:
@@ -120,6 +137,7 @@ class VLLMEngine:
                             None: "full weights"}[lora]  # what the run's resolved params say
         self._base: dict[str, torch.Tensor] = {}  # merge: W0 of the adapted layers and their siblings, float32
         self._adapter = None  # serve: the LoRARequest every request names, once a sync brought one
+        _llvmlite_answers_vars()
         self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
         self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
         self.fallback_reason: str | None = None
