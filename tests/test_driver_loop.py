@@ -32,6 +32,7 @@ class World:
     rewards: list[float] = field(default_factory=list)  # each step's reward/mean, in turn
     replayed: list[Any] = field(default_factory=list)  # what the tools stage was told to replay
     ended: list[str] = field(default_factory=list)  # the tracked run's end status
+    listing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the tools stage's tool_listing
 
 
 class FakeGroup:
@@ -46,7 +47,7 @@ class FakeGroup:
             taken = {"rows": [{"origin": o} for o in self.world.made], "misses": self.world.misses}
             self.world.made, self.world.misses = [], []
             return taken
-        return {"state": {}, "save_checkpoint": "step_x", "tool_listing": {}}[method]
+        return {"state": {}, "save_checkpoint": "step_x", "tool_listing": self.world.listing}[method]
 
 
 class FakeUpdates:
@@ -130,6 +131,26 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.setattr(driver, "Updates", lambda g, plan, synced: FakeUpdates(world, g, plan, synced))
     monkeypatch.setattr(driver, "restore", lambda g, plan, resume: resume.step)
     return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume)
+
+
+def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):
+    """Only `factory check --connect` said so: a run renamed the tools without a word."""
+    said = []
+
+    class Display(Quiet):
+        def warning(self, text: str) -> None:
+            said.append(text)
+
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", [])
+    for listing in ({s: [{"name": "calculate", "offered_as": f"{s}__calculate"}] for s in ("calc", "calc2")},
+                    {"calc": [{"name": "calculate", "offered_as": "calculate"}]}):
+        world = World(listing=listing)
+        with driver.opened_run(FakeTracker(world), plan, fake_groups(world, plan), Display(),
+                               lambda listing, resolved: plan, None):
+            pass
+    assert len(said) == 1 and said[0].startswith("2 servers offer a tool 'calculate' (calc, calc2): the model is "
+                                                 "offered calc__calculate, calc2__calculate instead")
 
 
 def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):

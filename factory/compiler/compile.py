@@ -609,11 +609,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     if listing is not None:  # one tool name from two servers: the model is offered `server__tool` for each
         offered = {n: [t["name"] for t in listing[n] if spec.tools[n].allowed_tools is None
                        or t["name"] in spec.tools[n].allowed_tools] for n in listing if n in spec.tools}
-        for tool, servers in _shared_tools(offered).items():
-            r.warn(f"tools.{servers[0]}", f"{len(servers)} servers offer a tool '{tool}' ({', '.join(servers)}): the "
-                                          f"model is offered {', '.join(s + TOOL_QUALIFIER + tool for s in servers)} "
-                                          f"instead, and a call to plain '{tool}' is refused; to keep the name, "
-                                          "leave it out of the other servers' allowed_tools")
+        for server, said in shared_tools(offered):
+            r.warn(f"tools.{server}", said)
     for node_name, node in spec.rewards.items():
         if not isinstance(node, ToolNode):
             continue
@@ -632,13 +629,17 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     return code
 
 
-def _shared_tools(offered: Mapping[str, list[str]]) -> dict[str, list[str]]:
-    """tool name -> the servers that offer it, for the names more than one server offers."""
+def shared_tools(offered: Mapping[str, list[str]]) -> list[tuple[str, str]]:
+    """(the first server, what to tell the user) for each tool name more than one server offers (`offered`:
+    server -> its tool names), said by `factory check --connect` and at the start of `factory run`."""
     servers: dict[str, list[str]] = {}
     for server, tools in offered.items():
         for tool in tools:
             servers.setdefault(tool, []).append(server)
-    return {tool: names for tool, names in servers.items() if len(names) > 1}
+    return [(names[0], f"{len(names)} servers offer a tool '{tool}' ({', '.join(names)}): the model is offered "
+                       f"{', '.join(s + TOOL_QUALIFIER + tool for s in names)} instead, and a call to plain '{tool}' "
+                       "is refused; to keep the name, leave it out of the other servers' allowed_tools")
+            for tool, names in servers.items() if len(names) > 1]
 
 
 def _resolve_algorithm(spec: Spec, r: _Report) -> Algorithm | None:

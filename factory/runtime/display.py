@@ -45,6 +45,10 @@ class Display:
         """A one-off line for slow phases (starting Ray, building the model, evaluating)."""
         self._progress.console.log(text)
 
+    def warning(self, text: str) -> None:
+        """A one-off line the user should read before the run goes on (it does go on)."""
+        self._progress.console.log(text, style="yellow", markup=False)
+
     def progress(self, label: str, done: int, total: int) -> None:
         """Trajectories done out of total in a long phase (called every half second or so while it runs):
         a live bar on a terminal; in a log file, a plain line every `log_every_s` seconds."""

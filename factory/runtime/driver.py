@@ -867,9 +867,13 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
     `replayed` (`recorded_tool_calls`, None: no replay) handed to the stages, then `start(tool listing, what
     each stage resolved)` opens it. It ends with the block: FAILED
     when it raised, KILLED on Ctrl-C, else the status the block set."""
+    from factory.compiler.compile import shared_tools
+
     d, status = plan.driver, "FAILED"
     try:
         listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
+        for _, said in shared_tools({server: [t["name"] for t in tools] for server, tools in listing.items()}):
+            display.warning(said)  # `factory check --connect` says it too; a run compiles without the listing
         # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
         resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
         if replayed is not None:
