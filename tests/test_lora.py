@@ -107,3 +107,15 @@ def test_eval_takes_a_peft_adapter_folder_merged_into_its_base(tmp_path):
     folder, step, tags = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch")
     assert (step, tags["factory.eval_model"]) == (0, str((tmp_path / "adapter").resolve()))
     assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == model.config.num_hidden_layers
+
+
+def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_removes(project):
+    """The eval run's `model.path` param was the merged model's temporary folder, gone once evaluated."""
+    import yaml
+
+    from factory.commands.api import tracked_model
+
+    _, plan = compile_file(_tiny_spec(project, ""))
+    shown = tracked_model(plan, "/runs/x/step_3")
+    assert shown.spec["model"]["path"] == yaml.safe_load(shown.spec_yaml)["model"]["path"] == "/runs/x/step_3"
+    assert shown.stages == plan.stages and shown.spec["rollout"] == plan.spec["rollout"]

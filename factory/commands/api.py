@@ -127,6 +127,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
+        if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
+            plan = tracked_model(plan, tags["factory.eval_model"])
         if plan.spec["data"].get("eval") is None:
             from factory.util import UserError
 
@@ -183,6 +185,18 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
         return str(hf_folder(folder).resolve()), step, tags
     except ExportError as e:
         raise ExportError(f"--model {ref}: {e}") from None
+
+
+def tracked_model(plan: Plan, source: str) -> Plan:
+    """The plan whose params and spec.yaml name `source` (the adapters the user gave) as `model.path`, not the
+    merged copy it loads, which is removed once evaluated; its stages still load the copy."""
+    import dataclasses
+
+    import yaml
+
+    spec = {**plan.spec, "model": {**plan.spec["model"], "path": source}}
+    return dataclasses.replace(plan, spec=spec, spec_yaml=yaml.safe_dump(spec, sort_keys=True, allow_unicode=True,
+                                                                          default_flow_style=False))
 
 
 def with_endpoint(plan: Plan, url: str) -> Plan:
