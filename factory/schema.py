@@ -689,9 +689,20 @@ class StageResources(Section):
     """CPUs reserved for each replica of this stage (Ray's `num_cpus`)."""
     num_gpus: float = Field(0, ge=0)
     """GPUs reserved for each replica (Ray's `num_gpus`; Ray sets CUDA_VISIBLE_DEVICES to them)."""
-    custom: dict[str, float] = {}
+    custom: dict[str, Annotated[float, Field(ge=0)]] = {}
     """Ray custom resources each replica needs: `{node_b: 1}` places it on a node started with
     `ray start --resources '{"node_b": 1}'`."""
+
+    @field_validator("custom")
+    @classmethod
+    def _ray_takes(cls, custom: dict[str, float]) -> dict[str, float]:
+        # what Ray would refuse when the stage is placed, after its start-up (ray_option_utils)
+        for name, amount in custom.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"'{name}' is not a custom resource: set num_{name.lower()}s instead")
+            if 0 < amount < 1e-4:
+                raise ValueError(f"{name}: {amount} is finer than Ray counts resources (0.0001)")
+        return custom
 
 
 class GroupResources(StageResources):

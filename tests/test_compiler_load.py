@@ -123,6 +123,24 @@ def test_seed_must_be_in_numpys_range(project):
     assert load_spec(project.spec(_base(project, "rw_seed") + "seed: 4294967295\n")).seed == 2**32 - 1
 
 
+def test_custom_resources_are_what_ray_takes(project):
+    # Ray refused these only when it placed the stage, after its start-up
+    path = project.spec(_base(project, "rw_custom") + "resources: {rollout: {custom: {CPU: 1, a: -1, b: 0.00001}}}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == "spec.yaml:9: resources.rollout.custom.a: must be >= 0, got -1\n1 error in spec.yaml"
+    path = project.spec(_base(project, "rw_custom") + "resources: {rollout: {custom: {CPU: 1, b: 0.00001}}}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == ("spec.yaml:9: resources.rollout.custom: 'CPU' is not a custom resource: set num_cpus "
+                         "instead\n1 error in spec.yaml")
+    path = project.spec(_base(project, "rw_custom") + "resources: {rollout: {custom: {b: 0.00001}}}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert "b: 1e-05 is finer than Ray counts resources (0.0001)" in report(e)
+    assert load_spec(project.spec(_base(project, "rw_custom") + "resources: {rollout: {custom: {b: 0.5}}}\n"))
+
+
 def test_an_error_about_what_an_override_set_is_located_at_the_override(project):
     """Located at the section's line in the file, which did not hold the mistake."""
     path = project.spec(_base(project, "rw_ovr") + "algorithm: {name: grpo}\n")
