@@ -58,7 +58,7 @@ from pydantic import Field
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, median, print_json, table, workload_arguments
+from bench.common import cpu, cpu_line, judge_targets, median, print_json, table, workload_arguments
 
 
 # ------------------------------------------------------------------------------------------ the tool
@@ -386,10 +386,12 @@ def main(a: argparse.Namespace) -> dict:
     print(f"same trajectories, token for token, in every contender and repeat: yes ({len(out['shapes']['factory'][0])} "
           "per step)")
     factory = median(times["factory"])
-    return {"speedup_vs_sequential": round(median(times["sequential"]) / factory, 3),
-            "speedup_vs_sync_turns": round(median(times["sync turns"]) / factory, 3),
-            "factory_s": round(factory, 3), "sync_turns_s": round(median(times["sync turns"]), 3),
-            "sequential_s": round(median(times["sequential"]), 3), "same_trajectories": True, "cpu": cpu()}
+    out = {"speedup_vs_sequential": round(median(times["sequential"]) / factory, 3),
+           "speedup_vs_sync_turns": round(median(times["sync turns"]) / factory, 3),
+           "factory_s": round(factory, 3), "sync_turns_s": round(median(times["sync turns"]), 3),
+           "sequential_s": round(median(times["sequential"]), 3), "same_trajectories": True}
+    targets = {"speedup_vs_sequential": (">=", 3.0), "speedup_vs_sync_turns": (">=", 1.3)}
+    return {**out, **judge_targets(out, targets, source="issues #14 and #28"), "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -181,6 +181,22 @@ def workload_arguments(parser: "argparse.ArgumentParser", model: str) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
 
 
+def judge_targets(out: dict[str, Any], targets: dict[str, tuple[str, float]], *, source: str) -> dict[str, Any]:
+    """Print whether each of `out`'s ratios meets its target (`{"key": ("<=", 0.5)}`), one line each, and
+    return the JSON's `targets` and `met` for them (a ratio that was not measured is met: null)."""
+    print(f"\ntargets ({source}):")
+    met: dict[str, bool | None] = {}
+    for key, (op, target) in targets.items():
+        value = out.get(key)
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            met[key] = None
+        else:
+            met[key] = value <= target if op == "<=" else value >= target
+        verdict = {None: "not measured", True: "met", False: "NOT met"}[met[key]]
+        print(f"  {key} {'-' if met[key] is None else value} (target {op} {target}): {verdict}")
+    return {"targets": {key: f"{op} {target}" for key, (op, target) in targets.items()}, "met": met}
+
+
 def print_json(ratios: dict[str, Any]) -> None:
     """The benchmark's last line: valid JSON, a ratio that was not measured (NaN, inf) as null."""
     def plain(v: Any) -> Any:

@@ -3,7 +3,7 @@
     python bench/packing.py [--prompts 4] [--repeats 2] [--model factory:smollm2-135m-instruct] [--quick]
 
 The learner (a real DeepSpeed engine, as the update stage runs it) takes one training step on the same
-trajectories with `train.packing: off` and `on`, alternated `--repeats` times; everything else is the
+trajectories with `train.packing: off` and `on`, alternated `--repeats` times (each layout's engine takes one unmeasured step first); everything else is the
 spec's default (share_prefix on, micro-batches of 8, bf16 autocast where the CPU has it). Two batches:
 
   deepsearch  DeepSearch-shaped (specs/deepsearch-cpu.yaml): a ~250-token few-shot block every prompt
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, median, print_json, table
+from bench.common import cpu, cpu_line, judge_targets, median, print_json, table
 
 
 def trajectories(prompts: int, group: int, uniform: bool, vocab: int, seed: int = 0) -> list:
@@ -72,6 +72,7 @@ def main(a: argparse.Namespace) -> dict:
             learner = Learner(stage_settings(spec)["update"])
             learner.setup()
             try:
+                learner.step(batches["deepsearch"])  # unmeasured: a fresh engine's first step is slower
                 for name, trajs in batches.items():
                     stats = learner.step(trajs)
                     times.setdefault((name, packing), []).append(stats["timing/update_step_s"])
@@ -86,9 +87,9 @@ def main(a: argparse.Namespace) -> dict:
         ratios[name] = on / off
         rows.append((name, padding[name], off, on, on / off))
     print(table(["batch", "padding frac", "padded s", "packed s", "packed/padded"], rows, first=12, width=14))
-    return {"packed_over_padded": round(ratios["deepsearch"], 3),
-            "packed_over_padded_uniform": round(ratios["uniform"], 3),
-            "padding_frac": round(padding["deepsearch"], 3), "target": 0.8, "cpu": cpu()}
+    out = {"packed_over_padded": round(ratios["deepsearch"], 3),
+           "packed_over_padded_uniform": round(ratios["uniform"], 3), "padding_frac": round(padding["deepsearch"], 3)}
+    return {**out, **judge_targets(out, {"packed_over_padded": ("<=", 0.8)}, source="issue #25"), "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

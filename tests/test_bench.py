@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.agentic import Lockstep, differing
-from bench.common import cpu, print_json, table
+from bench.common import cpu, judge_targets, print_json, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
@@ -123,6 +123,15 @@ def test_the_last_line_is_valid_json_and_names_the_machine_and_commit(capsys):
     c = cpu()
     assert {"family", "model_id", "stepping", "virtual", "commit", "dirty", "utc"} <= set(c)
     assert c["commit"] and c["family"] is not None  # a git checkout on Linux
+
+
+def test_a_benchmark_judges_each_ratio_by_its_own_direction_and_leaves_an_unmeasured_one_open(capsys):
+    got = judge_targets({"speedup": 1.29, "fraction": 0.04, "scaling_2x": None},
+                        {"speedup": (">=", 1.3), "fraction": ("<=", 0.05), "scaling_2x": ("<=", 2.1)}, source="#0")
+    assert got == {"targets": {"speedup": ">= 1.3", "fraction": "<= 0.05", "scaling_2x": "<= 2.1"},
+                   "met": {"speedup": False, "fraction": True, "scaling_2x": None}}
+    said = capsys.readouterr().out
+    assert "speedup 1.29 (target >= 1.3): NOT met" in said and "scaling_2x - (target <= 2.1): not measured" in said
 
 
 def test_breakdown_reads_the_update_flops_only_of_steps_that_trained_a_row():
@@ -244,3 +253,5 @@ def test_benchmark_runs_and_ends_with_its_json_line(bench, keys, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert keys <= set(last) and all(last[k] is not None and last[k] > 0 for k in keys), last
+    if script != "vs_trl.py":  # every benchmark but vs_trl (its own verdict line per engine) judges its targets
+        assert set(last["met"]) <= set(last["targets"]) and last["met"], last
