@@ -42,6 +42,9 @@ def test_judge_passes_a_good_run_and_names_what_failed():
             "actor/tis_weight_mean": [(2, 0.99)], "timing/step_s": [(1, 9.0), (2, 3.0)]}
     r = judge(check, good, CUDA, 12.0)
     assert r["ok"] and r["logprob_diff_mean"] == 0.01 and r["step_s"] == 3.0  # step 1 (before a sync) left out
+    # a time leaves out the last step too (it also evaluates and checkpoints) when a step is left
+    r = judge(check, {**good, "timing/step_s": [(1, 9.0), (2, 3.0), (3, 7.0)]}, CUDA, 12.0)
+    assert r["step_s"] == 3.0
     bad = judge(check, {"rollout/logprob_diff_mean": [(2, 0.2)]},
                 {**CUDA, "rollout.device": "cpu", "update.weight_sync": "full (bfloat16)"}, 1.0)
     assert not bad["ok"]
