@@ -6,7 +6,7 @@ Checks (each one `factory run` in a throwaway project folder, one GPU shared by 
 with `resources.rollout.num_gpus=0.5 resources.update.num_gpus=0.5`):
 
   tiny_vllm        specs/tiny.yaml on vLLM CUDA, the update on CUDA under bf16 autocast
-  quickstart_bf16  two steps of specs/quickstart.yaml, vLLM in bf16, bf16 autocast update (full weights)
+  quickstart_bf16  three steps of specs/quickstart.yaml, vLLM in bf16, bf16 autocast update (full weights)
   quickstart_lora  the same with `model.lora.r=16` (adapter-only sync) and TIS
                    (`algorithm.rollout_correction: {kind: tis}`)
 
