@@ -78,6 +78,24 @@ def test_plan_json_shows_overrides_and_is_stable(project, capsys):
                                        "1 error in spec.yaml\n")
 
 
+def test_what_user_code_prints_while_the_spec_compiles_goes_to_stderr(project, capsys):
+    """A reward module that prints when imported (and a generator that prints when called) must not
+    break `factory plan --json | jq` or `--dot | dot`: stdout holds the command's own output only."""
+    from tests.test_compiler_support import REWARDS
+
+    project.module("cli_loud", "print('loading my rewards')\n" + REWARDS
+                   + "\ndef rows(n, seed):\n    print('generating', n)\n    return [{'question': 'q', 'answer': '1'}] * n\n")
+    path = project.spec(BASE.replace("{mod}", "cli_loud").replace("factory.data:arithmetic", "cli_loud:rows"))
+    assert cli.main(["plan", path, "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["spec"]["name"] == "demo"
+    assert "loading my rewards\n" in out.err and "generating 8\n" in out.err
+    assert cli.main(["plan", path, "--dot"]) == 0
+    assert capsys.readouterr().out.startswith("digraph")
+    assert cli.main(["check", path]) == 0
+    assert capsys.readouterr().out.startswith("spec.yaml: ok")
+
+
 def test_plan_json_is_identical_across_processes(project):
     # Two processes with different hash seeds: nothing in the plan may depend on set or dict hashing.
     project.module("cli_bytes")

@@ -10,6 +10,7 @@ shows the traceback); 3 a step had too many infrastructure failures; 4 a reward-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -21,11 +22,19 @@ from factory.tracking.tracker import RunLookupError
 from factory.util import UserError, version
 
 
+def _user_output_to_stderr() -> contextlib.AbstractContextManager[object]:
+    """While the spec compiles, the user's code runs (reward, generator and tool modules imported, a
+    generator called): what it prints goes to stderr, so stdout holds only the command's own output
+    (`factory plan --json | jq` broke on a reward module's print at import)."""
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def _check(args: argparse.Namespace) -> int:
     from factory.commands import api
     from factory.compiler.render import check_summary
 
-    plan = api.compile_plan(args.spec, args.overrides, connect=args.connect)
+    with _user_output_to_stderr():
+        plan = api.compile_plan(args.spec, args.overrides, connect=args.connect)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     print(check_summary(plan))
@@ -37,7 +46,8 @@ def _plan(args: argparse.Namespace) -> int:
     from factory.compiler.load import source_of
     from factory.compiler.render import dot_text, explain_text, plan_text
 
-    spec, plan = compile_file(args.spec, args.overrides)  # the spec knows its source: who set what
+    with _user_output_to_stderr():
+        spec, plan = compile_file(args.spec, args.overrides)  # the spec knows its source: who set what
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     if args.json:
