@@ -75,7 +75,7 @@ def _importable(folder: str) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-class _NoModule(RefError):
+class NoModuleError(RefError):
     """The module itself is not there (not a module that failed while importing)."""
 
 
@@ -84,7 +84,7 @@ def _import_module(module_name: str, ref: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise _NoModule(f"cannot import '{ref}': no module named '{e.name}'") from None
+            raise NoModuleError(f"cannot import '{ref}': no module named '{e.name}'") from None
         raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
     except SyntaxError as e:
         where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name
@@ -106,10 +106,14 @@ def import_object(ref: str, base_dir: Path | None = None) -> Any:
     if not _IMPORT_PATH.match(ref):
         raise RefError(f"expected an import path 'module:function', got '{ref}'")
     module_name, _, attr = ref.partition(":")
+    if module_name == "__main__":  # here the script or notebook; in a stage's process, Ray's own worker
+        raise RefError(f"cannot import '{ref}': '__main__' is the running script or notebook, which the stages' "
+                       "processes do not run: put the function in a module and name that (rewards/mine.py: "
+                       f"'rewards.mine:{attr}')")
     with _importable(os.getcwd()):
         try:
             module = _import_module(module_name, ref)
-        except _NoModule:
+        except NoModuleError:
             if base_dir is None or str(base_dir) in sys.path:
                 raise
             sys.path.insert(0, str(base_dir))

@@ -121,6 +121,35 @@ def test_unimportable_reward_functions(project):
         "6 errors in spec.yaml")
 
 
+def test_a_function_of_the_running_script_is_refused_when_the_spec_compiles(project):
+    """`__main__:f` imports in the process that compiles (a notebook, a script calling factory.run), but
+    each stage imports it again in its own Ray worker, whose __main__ is Ray's: it passed `factory.compile`
+    and failed 40 s later in the reward stage's setup with a Ray traceback."""
+    import __main__
+
+    __main__.my_reward = lambda prompt, completion, **row: 1.0
+    try:
+        path = project.spec(_base(project, "rc_main") + "  a: {fn: \"__main__:my_reward\"}\n")
+        assert _errors(path) == (
+            "spec.yaml:9: rewards.a.fn: cannot import '__main__:my_reward': '__main__' is the running script or "
+            "notebook, which the stages' processes do not run: put the function in a module and name that "
+            "(rewards/mine.py: 'rewards.mine:my_reward')\n"
+            "1 error in spec.yaml")
+    finally:
+        del __main__.my_reward
+
+
+def test_the_run_from_that_folder_hint_only_for_a_module_not_found(project, monkeypatch, tmp_path_factory):
+    """Run from another folder, a module beside the spec is not found, and the error says where it is; a
+    reference that is not an import path at all got the same hint, which sent the user to the wrong fix."""
+    path = Path(project.spec(_base(project, "rc_far") + "  a: {fn: rc_far.exact}\n")).resolve()
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    errors = _errors(str(path)).splitlines()
+    beside = f" here; it is in {path.parent.as_posix()}/: run factory from that folder"
+    assert errors[0].endswith("rewards.correct.fn: cannot import 'rc_far:exact': no module named 'rc_far'" + beside)
+    assert errors[2].endswith("rewards.a.fn: expected an import path 'module:function', got 'rc_far.exact'")
+
+
 def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_path_factory):
     """The hint that looks for a module beside the spec (when factory runs from another folder) must not
     fail on a name the OS rejects as a file name (found by tests/test_fuzz_spec.py)."""

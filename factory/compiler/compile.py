@@ -84,7 +84,7 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import UserError, version
+from factory.util import NoModuleError, UserError, version
 
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
@@ -163,8 +163,8 @@ class _Report:
         problem `check(obj)` finds is reported there too (the object is still returned: it can be hashed)."""
         try:
             obj = import_object(ref)
-        except RefError as e:
-            self.error(path, str(e) + self._elsewhere(ref))
+        except RefError as e:  # the hint when the module is not found (other failures have a cause of their own)
+            self.error(path, str(e) + (self._elsewhere(ref) if isinstance(e, NoModuleError) else ""))
             return None
         if check is not None and (problem := check(obj)):
             self.error(path, problem)
