@@ -304,6 +304,30 @@ def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(projec
         "<override 1>: data.train.path: data/empty.jsonl gave no rows\n1 error in spec.yaml")
 
 
+def test_a_generator_gives_size_rows_at_most_and_fewer_is_a_warning(project):
+    """`size` is how many rows are drawn: an endless generator hung `factory check` (and the data stage),
+    one that yields more gave them all, and one that yields fewer was shown as `(64 rows)` without a word."""
+    project.module("rc_gens", """\
+import itertools
+
+def endless(n, seed):
+    return ({'question': f'{i}+1', 'answer': str(i + 1)} for i in itertools.count())
+
+def one(n, seed):
+    return [{'question': '1+1', 'answer': '2'}]
+""")
+    path = project.spec(_base(project, "rc_size").replace("factory.data:arithmetic, size: 8",
+                                                          "'rc_gens:endless', size: 5"))
+    spec, plan = compile_file(path)
+    assert plan.warnings == ()
+    from factory.data.sources import read_source
+
+    assert len(read_source(spec.data.train, seed=0)[0]) == 5
+    _, plan = compile_file(path, ["data.train.generator=rc_gens:one"])
+    assert plan.warnings == ("<override 1>: data.train.generator: warning: rc_gens:one gave 1 rows when asked for 5 "
+                             "(data.train.size is 5)",)
+
+
 def test_model_paths(project):
     project.file("models/empty/README", "no config here")
     project.file("models/ok/config.json", "{}")

@@ -465,6 +465,9 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
             else:
                 r.warn(key, f"{what}: the run has no held-out evaluation")
             continue
+        if source.generator is not None and len(rows) < min(source.size, limit):
+            r.warn(key, f"{source.generator} gave {len(rows)} rows when asked for {min(source.size, limit)} "
+                        f"(data.{split}.size is {source.size})")
         try:
             check_rows(rows, origins, renderer, required)
         except UserError as e:  # DataError: the bad rows, each with its file:line (or row)

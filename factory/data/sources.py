@@ -6,6 +6,7 @@ reward functions receive the ground truth and any extra fields as keyword argume
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,10 +32,11 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
                 ) -> tuple[list[dict[str, Any]], list[str]]:
     """All rows of one source as plain dicts, and where each came from (`file:line` for jsonl, `file row
     N` for parquet, `generator row N`), for error messages. `limit`: at most that many, the first ones (a
-    generator is asked for that many)."""
+    generator is asked for that many, and no more are taken: an endless one is fine)."""
     if source.generator is not None:
         fn = import_object(source.generator)
-        rows = list(fn(n=source.size if limit is None else min(source.size, limit), seed=seed, **source.args))
+        n = source.size if limit is None else min(source.size, limit)
+        rows = list(itertools.islice(fn(n=n, seed=seed, **source.args), n))
         return rows, [f"{source.generator} row {i + 1}" for i in range(len(rows))]
     path = resolve_file(source.path, base_dir)
     if path.suffix == ".parquet":
