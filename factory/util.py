@@ -96,13 +96,13 @@ def _import_module(module_name: str, ref: str) -> Any:
                        ) from None
 
 
-def import_object(ref: str, base_dir: Path | None = None) -> Any:
+def import_object(ref: str) -> Any:
     """`module:attr` -> the object it names, which must be callable (a reward function, a data generator,
     a python tool, a stage class). The one import resolver: the compiler, every stage and the driver use
-    it. The module is imported as `python -m` would from the working directory, so a project's own
-    `rewards/` package works without installing it; a module found nowhere else is then looked up in
-    `base_dir` (the spec's folder, which then stays importable: python tools). Every way this can fail
-    is a `RefError` saying what."""
+    it, with one rule. The module is imported as `python -m` would from the working directory, so a
+    project's own `rewards/` package works without installing it (a module beside a spec in another
+    folder is not: the compiler's error says where it is). Every way this can fail is a `RefError`
+    saying what."""
     if not _IMPORT_PATH.match(ref):
         raise RefError(f"expected an import path 'module:function', got '{ref}'")
     module_name, _, attr = ref.partition(":")
@@ -111,13 +111,7 @@ def import_object(ref: str, base_dir: Path | None = None) -> Any:
                        "processes do not run: put the function in a module and name that (rewards/mine.py: "
                        f"'rewards.mine:{attr}')")
     with _importable(os.getcwd()):
-        try:
-            module = _import_module(module_name, ref)
-        except NoModuleError:
-            if base_dir is None or str(base_dir) in sys.path:
-                raise
-            sys.path.insert(0, str(base_dir))
-            module = _import_module(module_name, ref)
+        module = _import_module(module_name, ref)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

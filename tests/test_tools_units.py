@@ -259,6 +259,20 @@ def test_load_function_by_import_path():
         import_object("tests.test_tools_units.word_count")
 
 
+def test_a_python_tool_imports_as_the_compiler_checked_it_from_the_working_directory(tmp_path, monkeypatch):
+    """`factory check` imports `tools.NAME.function` from the working directory only; the tools stage also
+    looked in the spec's folder (and left it at the front of sys.path), so the two disagreed on what a spec
+    may name, and the stage's extra rule was never reached past the check."""
+    spec_dir = tmp_path / "conf"
+    spec_dir.mkdir()
+    (spec_dir / "beside_spec_tools.py").write_text("def echo(text: str) -> str:\n    return text\n")
+    monkeypatch.chdir(tmp_path)
+    box = ToolBox.from_spec({"t": PythonTool(function="beside_spec_tools:echo")}, base_dir=spec_dir)
+    with pytest.raises(ToolStartError, match="no module named 'beside_spec_tools'"):
+        asyncio.run(box.start())
+    assert str(spec_dir) not in sys.path
+
+
 def test_from_spec_has_no_side_effects_and_start_names_the_failure():
     box = ToolBox.from_spec({"gone": PythonTool(function="no_such_module_xyz:fn")})  # nothing imported yet
     assert "no_such_module_xyz" not in sys.modules

@@ -257,17 +257,16 @@ class PythonFunction:
     An exception from the function is the tool's own error (model_error), like an MCP tool's isError.
     """
 
-    def __init__(self, name: str, spec: PythonTool, *, base_dir: Path | None, resilience: Resilience) -> None:
+    def __init__(self, name: str, spec: PythonTool, *, resilience: Resilience) -> None:
         self.name = name
         self.spec = spec
         self.resilience = resilience
-        self._base_dir = base_dir
         self._slots = asyncio.Semaphore(spec.concurrency)
         self.fn: Callable[..., Any] | None = None
         self.schema: dict[str, Any] = {}
 
     async def start(self) -> None:
-        self.fn = import_object(self.spec.function, self._base_dir)
+        self.fn = import_object(self.spec.function)  # from the working directory, as the compiler checked it
         self.schema = function_schema(self.fn, self.name)
 
     async def close(self) -> None:

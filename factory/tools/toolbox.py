@@ -96,7 +96,7 @@ class ToolBox:
 
     def _make_backend(self, name: str, spec: ToolSpec) -> Backend:
         if isinstance(spec, PythonTool):
-            return PythonFunction(name, spec, base_dir=self._base_dir, resilience=self._resilience)
+            return PythonFunction(name, spec, resilience=self._resilience)
         return McpServer(name, spec, base_dir=self._base_dir, resilience=self._resilience, metrics=self._metrics)
 
     # ------------------------------------------------------------------------------------ lifecycle
