@@ -249,3 +249,30 @@ def test_a_replay_of_a_run_that_is_not_there_fails_before_anything_is_placed(mon
         go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=nosuchrun"]))
     with pytest.raises(UserError, match=r"replay: run old \(old-id\) recorded no tool calls"):
         go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"]))
+
+
+def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size(monkeypatch):
+    """A refill round's prompts are renumbered so that no two prompts share a group id (the advantage's
+    group). The offset was 1000 per round: with 1000 prompts a step or more, round 1's prompt 0 became
+    round 0's prompt 1000, and the advantages of two different prompts were computed as one group."""
+    monkeypatch.chdir(REPO)
+    want = 1001
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["algorithm.name=dapo", f"train.prompts_per_step={want}",
+                                                          "rollout.group_size=2"])
+    asked = []
+
+    def carry(g: Any, edges: Any, n: int, **k: Any) -> tuple[list[Any], dict[str, float]]:
+        # one group kept a round: the first round's last prompt (index 1000), later rounds' first (index 0)
+        asked.append(n)
+        spreads = n - 1 if len(asked) == 1 else 0
+        trajs = [SimpleNamespace(prompt_index=p, sample_index=s, reward=float(s if p == spreads else 0),
+                                 num_model_tokens=1, origin=(len(asked), p)) for p in range(n) for s in range(2)]
+        return trajs, {}
+
+    monkeypatch.setattr(driver, "carry", carry)
+    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    assert asked == [want, want - 1, want - 2, want - 3] and m["rollout/dynamic_sampling_rounds"] == 4
+    groups: dict[int, set] = {}
+    for t in kept:
+        groups.setdefault(t.prompt_index, set()).add(t.origin[:2])
+    assert len(groups) == 4 and all(len(origins) == 1 for origins in groups.values())

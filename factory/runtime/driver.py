@@ -462,8 +462,8 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
     for attempt in range(4 if d.dynamic_sampling else 1):
         trajs, m = carry(g, edges, want - len({t.prompt_index for t in kept}) if attempt else want, display=display,
                          label=f"step {step} rollout", step=step, attempt=attempt)
-        for t in trajs:  # keep group ids unique across rounds
-            t.prompt_index += 1000 * attempt
+        for t in trajs:  # keep group ids unique across rounds (a round's prompt indices are below `want`)
+            t.prompt_index += want * attempt
         metrics = _merge(metrics, m, seen, len(trajs))
         seen += len(trajs)
         generated += sum(t.num_model_tokens for t in trajs)
