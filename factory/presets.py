@@ -114,8 +114,11 @@ def resolve(spec: Any) -> Algorithm:
     for field, kind in (("advantage", "advantage"), ("loss", "policy loss"), ("aggregation", "aggregation"),
                         ("kl_estimator", "KL estimator")):
         if s[field] not in NAMES[kind]:
+            # import paths name rewards, generators and tools; an algorithm's parts are registry names
+            how = (f" (algorithm.{field} takes a registry name, not an import path: a new {kind} is a function in "
+                   "factory/algorithms.py, docs/algorithms.md#a-new-algorithm)" if ":" in str(s[field]) else "")
             raise UnknownNameError(f"algorithm.{field}: unknown {kind} {s[field]!r}; "
-                                   f"known: {', '.join(NAMES[kind])}")
+                                   f"known: {', '.join(NAMES[kind])}{how}")
     if s["loss"] == "dual_clip" and s["dual_clip_c"] is None:
         s["dual_clip_c"] = 3.0  # verl's clip_ratio_c default
     alg = Algorithm(

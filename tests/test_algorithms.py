@@ -417,6 +417,13 @@ def test_resolve_names_the_bad_value_and_lists_known_names():
     assert str(err.value) == "algorithm.loss: unknown policy loss 'ppo'; known: cispo, dual_clip, gspo, ppo_clip"
     with pytest.raises(KeyError, match="algorithm.advantage: unknown advantage 'gae'"):
         resolve(AlgorithmSpec(advantage="gae"))
+    # Rewards, generators and tools are named by import path; an advantage written that way is told why not
+    with pytest.raises(KeyError) as err:
+        resolve(AlgorithmSpec(advantage="mine.algos:my_advantage"))
+    assert str(err.value) == (
+        "algorithm.advantage: unknown advantage 'mine.algos:my_advantage'; known: dr_grpo, grpo, mean_baseline, "
+        "reinforce_pp, reinforce_pp_baseline, rloo (algorithm.advantage takes a registry name, not an import path: "
+        "a new advantage is a function in factory/algorithms.py, docs/algorithms.md#a-new-algorithm)")
 
 
 def test_resolve_rejects_bad_numbers():
