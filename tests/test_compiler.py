@@ -33,6 +33,20 @@ def test_valid_spec_compiles_to_a_plan(project):
     assert plan.spec["train"]["lr"] == spec.train.lr
 
 
+def test_code_hashes_are_named_by_module_whatever_the_working_directory(project):
+    """A reward's or python tool's source is keyed by the module it is imported as: a built-in's was keyed by
+    its absolute path whenever Factory lay outside the working directory (an installed Factory, another
+    checkout), so the same spec and code gave another run hash, `factory diff` listed reward code changes
+    and `--resume` refused 'rewards changed'."""
+    project.file("rewards/__init__.py")
+    project.file("rewards/mine.py", "def count(text: str) -> int:\n    return len(text)\n")
+    path = project.spec(_base(project, "rc_keys") + "  builtin: {fn: factory.rewards.math:numeric_match}\n"
+                        "tools:\n  wc: {function: rewards.mine:count}\n")
+    _, plan = compile_file(path)
+    assert list(plan.hashes["rewards"]) == ["factory/rewards/math.py", "rc_keys.py"]
+    assert list(plan.hashes["code"]) == ["rewards/mine.py"]
+
+
 def test_tools_make_a_tools_stage_and_call_edges(project):
     path = project.spec(_base(project, "rc_stage") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
     _, plan = compile_file(path)

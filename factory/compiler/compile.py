@@ -43,6 +43,7 @@ from factory.compiler.refs import (
     sha256_json,
     shown_path,
     source_file,
+    source_key,
     template_problem,
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
@@ -489,7 +490,7 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
             continue
         fns[name] = fn
         if (src := source_file(fn)) is not None:
-            hashes[shown_path(src)] = sha256_file(src)
+            hashes[source_key(fn, src)] = sha256_file(src)
     return hashes, fns
 
 
@@ -593,7 +594,7 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
         if isinstance(server, PythonTool):
             fn = r.imported(f"tools.{name}.function", server.function)
             if fn is not None and (src := source_file(fn)) is not None:
-                code[shown_path(src)] = sha256_file(src)
+                code[source_key(fn, src)] = sha256_file(src)
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")

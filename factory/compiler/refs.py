@@ -26,6 +26,18 @@ def source_file(obj: Any) -> Path | None:
     return Path(found) if found and Path(found).is_file() else None
 
 
+def source_key(obj: Any, src: Path) -> str:
+    """How the plan's hashes name `obj`'s source file `src`: by the module it is imported as
+    (`factory/rewards/math.py`, `rewards/mine.py`), so that the same code hashes the same from any working
+    directory, checkout or virtualenv (`factory diff` and `--resume` compare these keys); a file that is no
+    importable module's by its path."""
+    module = getattr(inspect.getmodule(inspect.unwrap(obj)), "__name__", None)
+    if not module or module == "__main__":
+        return shown_path(src)
+    parts = module.split(".")
+    return "/".join(parts + [src.name] if src.name == "__init__.py" else parts[:-1] + [src.name])
+
+
 # ------------------------------------------------------------------------------------- signatures
 def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...], keywords: dict[str, Any],
                   shape: str, row_keywords: bool) -> str | None:
