@@ -6,7 +6,8 @@ values into the one number to backprop, KL_ESTIMATORS estimate KL(policy || refe
 PRESETS name the published combinations (grpo, dapo, gspo, ...); `resolve` merges a preset with what a
 spec sets explicitly into a frozen `Algorithm`, and `policy_objective` computes one micro-batch's loss.
 
-A new algorithm is one function and one `@REGISTRY.register("name")` line. Shapes: N sequences, T
+A new algorithm is one function and one `@REGISTRY.register("name")` line, and its name where
+factory/presets.py lists it (docs/algorithms.md#a-new-algorithm says where). Shapes: N sequences, T
 response tokens; `mask` is 1 on tokens the model produced (tool/template tokens and padding are 0).
 """
 from __future__ import annotations

@@ -188,6 +188,17 @@ def test_the_losses_said_to_apply_dual_clip_c_are_the_ones_it_changes():
     assert changed == DUAL_CLIP_LOSSES == {"ppo_clip", "dual_clip", "gspo"}
 
 
+def test_the_advantages_said_to_need_groups_are_the_ones_that_give_a_group_of_one_nothing():
+    """`factory check` refuses `rollout.group_size: 1` with the advantages in GROUP_ADVANTAGES (every row's
+    advantage would be 0: a run that trains nothing): the set must be exact, or a new group advantage left
+    out of it lets such a run start and silently learn nothing."""
+    from factory.presets import GROUP_ADVANTAGES
+
+    rewards, alone = t([0.0, 1.0, 3.0]), torch.tensor([0, 1, 2])  # three prompts, one sample each
+    silent = {name for name in ADVANTAGES.names() if not ADVANTAGES[name](rewards, alone, eps=1e-6).any()}
+    assert silent == GROUP_ADVANTAGES == {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+
+
 def test_gspo_sequence_ratio_with_stop_gradient():
     # row 0: log ratios (0.2, 0.4), mean 0.3 -> s = e^0.3 = 1.3499 > 1.2, A = +1: every token -1.2, clipped
     # row 1: log ratios (0.1, -0.1, pad), mean 0 -> s = 1, A = -1: every token +1
