@@ -62,9 +62,10 @@ def shown_path(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def _importable(folder: str) -> Iterator[None]:
-    """`folder` on sys.path while importing (left as it was after: a stage process has already made its
-    working directory importable for good, factory.util.enter_workdir)."""
+def importable(folder: str) -> Iterator[None]:
+    """`folder` on sys.path while importing, or while user code runs in this process and may import more
+    (a generator called by the compiler); left as it was after: a stage process has already made its
+    working directory importable for good, factory.util.enter_workdir."""
     added = folder not in sys.path
     if added:
         sys.path.insert(0, folder)
@@ -110,7 +111,7 @@ def import_object(ref: str) -> Any:
         raise RefError(f"cannot import '{ref}': '__main__' is the running script or notebook, which the stages' "
                        "processes do not run: put the function in a module and name that (rewards/mine.py: "
                        f"'rewards.mine:{attr}')")
-    with _importable(os.getcwd()):
+    with importable(os.getcwd()):
         module = _import_module(module_name, ref)
     obj: Any = module
     for part in attr.split("."):

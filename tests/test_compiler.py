@@ -342,6 +342,21 @@ def one(n, seed):
                              "(data.train.size is 5)",)
 
 
+def test_a_generator_may_import_its_helpers_when_called_as_in_the_data_stage(project):
+    """The data stage's process has its working directory on sys.path for good; `factory check`, which
+    calls the generator too, had it there only while importing the generator's module, so a helper
+    imported inside the generator failed the check ('No module named ...') of a spec that runs."""
+    import sys
+
+    project.module("rc_gen_helper", "def row(i):\n    return {'question': f'{i}+1', 'answer': str(i + 1)}\n")
+    project.module("rc_gen_lazy", "def rows(n, seed):\n    from rc_gen_helper import row\n"
+                                  "    return [row(i) for i in range(n)]\n")
+    path = project.spec(_base(project, "rc_lazy").replace("factory.data:arithmetic", "'rc_gen_lazy:rows'"))
+    before = list(sys.path)
+    assert compile_file(path)[1].warnings == ()
+    assert sys.path == before  # the caller's sys.path as it was (a notebook's, say)
+
+
 def test_model_paths(project):
     project.file("models/empty/README", "no config here")
     project.file("models/ok/config.json", "{}")

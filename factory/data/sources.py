@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import jinja2
 import pyarrow as pa
 
 from factory.schema import DataSource, DataSpec
-from factory.util import UserError, import_object, resolve_file, template_env
+from factory.util import UserError, import_object, importable, resolve_file, template_env
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -36,7 +37,8 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
     if source.generator is not None:
         fn = import_object(source.generator)
         n = source.size if limit is None else min(source.size, limit)
-        rows = list(itertools.islice(fn(n=n, seed=seed, **source.args), n))
+        with importable(os.getcwd()):  # as in the data stage: a generator may import its helpers when called
+            rows = list(itertools.islice(fn(n=n, seed=seed, **source.args), n))
         return rows, [f"{source.generator} row {i + 1}" for i in range(len(rows))]
     path = resolve_file(source.path, base_dir)
     if path.suffix == ".parquet":
