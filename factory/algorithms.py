@@ -154,12 +154,19 @@ def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: flo
     et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training", arXiv:2505.10978), whose anchor
     states -- the same environment state reached by several trajectories -- are here the same turn of the
     same prompt (the states themselves are not compared). A position that only one trajectory of a group
-    reached has no comparison: advantage 0, as a group of one."""
+    reached has no comparison: advantage 0, as a group of one. The estimator sees one position at a time,
+    so one that normalises over the batch (reinforce_pp, mean_baseline) compares the batch's turns at that
+    position, never a first turn with a third."""
     lengths = [int(r.numel()) for r in turn_rewards]
     if not sum(lengths):
         return [r.new_zeros(0) for r in turn_rewards]
     returns, cell, _ = _turn_cells(turn_rewards, group_ids, gamma)
-    return list(torch.split(ADVANTAGES[advantage](returns, cell, eps=eps), lengths))
+    position = torch.cat([torch.arange(k) for k in lengths])  # [sum K]
+    out = torch.empty_like(returns)
+    for k in range(max(lengths)):
+        at = position == k
+        out[at] = ADVANTAGES[advantage](returns[at], cell[at], eps=eps)
+    return list(torch.split(out, lengths))
 
 
 def _turn_cells(turn_rewards: list[Tensor], group_ids: Tensor, gamma: float) -> tuple[Tensor, Tensor, Tensor]:

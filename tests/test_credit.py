@@ -50,6 +50,22 @@ def test_turn_advantages_by_hand():
     assert [float(a[2]), float(c[2])] == pytest.approx([2 ** -0.5, -(2 ** -0.5)], abs=1e-6)
 
 
+def test_batch_estimators_compare_the_turns_at_one_position():
+    """reinforce_pp and mean_baseline use no groups: under credit: turn they normalised every turn of the
+    batch together (a first turn against a third, longer trajectories weighing more)."""
+    returns = [discounted_turn_returns(r, 0.5) for r in REWARDS]
+    for name in ("reinforce_pp", "mean_baseline", "reinforce_pp_baseline", "grpo"):
+        got = turn_advantages(REWARDS, GROUPS, gamma=0.5, advantage=name, eps=1e-6)
+        for k in range(3):
+            who = [i for i, r in enumerate(returns) if len(r) > k]
+            want = ADVANTAGES[name](torch.stack([returns[i][k] for i in who]), GROUPS[who], eps=1e-6)
+            close(torch.stack([got[i][k] for i in who]), want.tolist())
+    # by hand, mean_baseline at position 1: the returns a 1/3, b 1, c 2/3, d 2 (d's rewards are all 2), mean 1
+    _, b, _, d = turn_advantages(REWARDS, GROUPS, gamma=0.5, advantage="mean_baseline", eps=1e-6)
+    close(b[1:], [0.0])
+    close(d[1:], [1.0])
+
+
 def test_with_gamma_1_turn_0_gets_the_trajectory_advantage():
     """G_0 with gamma 1 is the mean of the turns: the trajectory's reward under credit: trajectory."""
     first = [adv[0] for adv in turn_advantages(REWARDS, GROUPS, gamma=1.0, advantage="grpo", eps=1e-6)]
