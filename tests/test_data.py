@@ -160,6 +160,28 @@ def test_reward_functions_declare_the_columns_they_need(project):
     assert required_columns(spec) == {"gold": "rewards.a"}
 
 
+def test_a_missing_column_says_when_the_function_has_another_nodes_shape(project):
+    """A group reward without `group: true` was "missing column 'rows' (needed by rewards.g)", at the data."""
+    from factory.compiler.load import load_spec
+    from factory.reward.graph import required_columns
+
+    project.module("rq_shapes", "def grp(prompts, completions, rows):\n    return [0.0]\n"
+                                "def turns(prompt, completion, turn, index):\n    return 0.0\n")
+    spec = load_spec(project.spec("""\
+        name: x
+        model: {path: "factory:tiny-qwen3"}
+        data: {train: {generator: factory.data:arithmetic}}
+        rewards:
+          g: {fn: "rq_shapes:grp"}
+          t: {fn: "rq_shapes:turns"}
+          total: {sum: {g: 1, t: 1}}
+        """))
+    assert required_columns(spec) == {
+        "rows": "rewards.g, which looks like a group reward: set `group: true` on the node",
+        "turn": "rewards.t, which looks like a per-turn reward: set `per: turn` on the node",
+        "index": "rewards.t, which looks like a per-turn reward: set `per: turn` on the node"}
+
+
 def test_a_limit_reads_only_the_first_rows_of_each_kind_of_source(tmp_path):
     """`factory check` reads at most CHECKED_ROWS rows of a source: the first ones, whatever its kind."""
     import pyarrow as pa

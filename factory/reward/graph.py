@@ -93,15 +93,24 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
             fn = fns.get(name) if fns is not None else import_object(node.fn)
             if fn is None:  # it did not import: the compiler says so at its key
                 continue
-            params = list(inspect.signature(fn).parameters.values())[2:]
+            every = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):  # no introspectable signature: nothing to require
             continue
-        for p in params:
+        for p in every[2:]:
             if (p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                     and p.name not in node.args and p.name not in _passed(node)):
                 column = spec.data.answer_key if p.name == "answer" else p.name
-                needed.setdefault(column, f"rewards.{name}")
+                needed.setdefault(column, f"rewards.{name}{_shape_hint([q.name for q in every], p.name)}")
     return needed
+
+
+def _shape_hint(names: list[str], column: str) -> str:
+    """What a missing column may really say: the function has another node's shape than its node declares."""
+    if column == "rows" or names[:2] == ["prompts", "completions"]:
+        return ", which looks like a group reward: set `group: true` on the node"
+    if column in ("turn", "index"):
+        return ", which looks like a per-turn reward: set `per: turn` on the node"
+    return ""
 
 
 def per_turn_nodes(nodes: Mapping[str, Any]) -> set[str]:
