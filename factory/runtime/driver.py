@@ -332,15 +332,17 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
 
 
 def start_error(name: str, e: ray.exceptions.RayError) -> BaseException:
-    """What to raise when stage `name`'s setup failed with `e`: a UserError as it is (bad input, exit 2),
-    anything else as a StageStartError that says which stage and why in one message (Ray's own text of a
+    """What to raise when stage `name`'s setup failed with `e`: a UserError as the stage raised it, its
+    message naming the stage (bad input, exit 2), anything else as a StageStartError that says which stage and why in one message (Ray's own text of a
     task's error is the remote traceback, which says nothing more to a user)."""
     from factory.util import UserError
 
     if isinstance(e, ray.exceptions.RayTaskError):  # setup raised
         cause = e.cause if isinstance(e.cause, BaseException) else e
-        if isinstance(cause, UserError):
-            return e
+        if isinstance(cause, UserError):  # itself, not Ray's wrapper (whose text is the remote traceback)
+            if len(cause.args) == 1 and isinstance(cause.args[0], str):
+                cause.args = (f"stage '{name}': {cause.args[0]}",)
+            return cause
         return StageStartError(f"stage '{name}' did not start: {type(cause).__name__}: {cause}")
     said = str(e).strip().splitlines()
     return StageStartError(f"stage '{name}' did not start: its process ended ({type(e).__name__}"
