@@ -737,3 +737,19 @@ def test_a_base_specs_files_are_found_next_to_it(project, monkeypatch):
                         lambda spec, source: started.append(spec.tools["calc"].command) or ({}, []))
     compile_file("specs/tools.yaml", connect=True)
     assert started == ["base/bin/serve"]
+
+
+def test_an_unknown_filter_in_a_template_is_an_error_of_check(project):
+    """jinja finds an unknown filter when it compiles a template, not when it parses it: `factory check`
+    said ok and the run's data stage (or rollout, for a chat template) failed to start."""
+    project.module("rc_filter")
+    project.file("prompts/filt.jinja", "Solve:\n{{ question | nosuchfilter }}")
+    project.file("prompts/chat.jinja", "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}")
+    path = project.spec(BASE.replace("{mod}", "rc_filter").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/filt.jinja\n")
+        + "chat_template: prompts/chat.jinja\n")
+    assert _errors(path) == (
+        "spec.yaml:5: data.prompt: template syntax error in prompts/filt.jinja:2: No filter named 'nosuchfilter'.\n"
+        "spec.yaml:10: chat_template: template syntax error in prompts/chat.jinja:1: No filter named 'nosuchfilter'.\n"
+        "2 errors in spec.yaml")

@@ -97,7 +97,9 @@ def find_file(path: str, base_dir: Path) -> Path | None:
 
 
 def template_problem(path: Path, chat_template: bool = False) -> str | None:
-    """A jinja syntax error in a template, as `file:line: message`."""
+    """A jinja syntax error in a template, as `file:line: message`: compiled, not only parsed, so that an
+    unknown filter or test (`{{ x | nosuch }}`, which jinja finds when it compiles) is found here, not when
+    the run's stage first loads the template."""
     import jinja2
 
     from factory.util import template_env
@@ -106,7 +108,7 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
     # both): the chat environment has the controls, and an unknown `generation` tag passes below.
     env = template_env("chat" if chat_template else "prompt")
     try:
-        env.parse(path.read_text(encoding="utf-8"))
+        env.from_string(path.read_text(encoding="utf-8"))  # TemplateAssertionError is a TemplateSyntaxError
     except jinja2.TemplateSyntaxError as e:
         if chat_template and "generation" in e.message:
             return None
