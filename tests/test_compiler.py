@@ -753,3 +753,21 @@ def test_an_unknown_filter_in_a_template_is_an_error_of_check(project):
         "spec.yaml:5: data.prompt: template syntax error in prompts/filt.jinja:2: No filter named 'nosuchfilter'.\n"
         "spec.yaml:10: chat_template: template syntax error in prompts/chat.jinja:1: No filter named 'nosuchfilter'.\n"
         "2 errors in spec.yaml")
+
+
+def test_a_tokenizer_without_a_chat_template_needs_chat_template(project):
+    """The rollout refused it ("the tokenizer has no chat template") only once every stage had started,
+    minutes after `factory check` said ok."""
+    for name in ("none", "own"):
+        project.file(f"models/{name}/config.json", "{}")
+        project.file(f"models/{name}/model.safetensors")
+        project.file(f"models/{name}/tokenizer_config.json", '{"eos_token": "<|im_end|>"}')
+    project.file("models/own/chat_template.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    project.file("prompts/chat.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    base = _base(project, "rc_no_template")
+    assert _errors(project.spec(base.replace("factory:tiny-qwen3", "models/none"), "a.yaml")) == (
+        "a.yaml:2: model.path: the tokenizer in models/none has no chat template: set `chat_template` to a jinja "
+        "chat template in prompts/ (prompts/chatml_tools.jinja is ChatML with tool calls)\n1 error in a.yaml")
+    compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/none") + "chat_template: prompts/chat.jinja\n",
+                              "b.yaml"))
+    compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/own"), "c.yaml"))

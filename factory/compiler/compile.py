@@ -225,6 +225,23 @@ def _check_tokenizer_config(spec: Spec, r: _Report) -> None:
     except ValueError as e:  # json_object's reason, or a file that is not UTF-8
         r.error(key, str(e) if not isinstance(e, UnicodeDecodeError) else
                 f"cannot read {shown_path(folder / 'chat_template.jinja')}: not UTF-8 ({e.reason} at byte {e.start})")
+        return
+    if not spec.chat_template and not _has_chat_template(folder):  # the rollout refused it after every stage started
+        r.error(key, f"the tokenizer in {shown_path(folder)} has no chat template: set `chat_template` to a jinja "
+                     f"chat template in prompts/ (prompts/chatml_tools.jinja is ChatML with tool calls)")
+
+
+def _has_chat_template(folder: Path) -> bool:
+    """Whether a tokenizer folder on disk holds a chat template where transformers looks for one
+    (chat_template.jinja, the tokenizer_config.json key, chat_template.json, additional_chat_templates/);
+    True when it holds no tokenizer files at all (nothing to judge from)."""
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return True
+    if any((folder / name).exists() for name in ("chat_template.jinja", "chat_template.json",
+                                                 "additional_chat_templates")):
+        return True
+    return bool(json_object(config_file).get("chat_template"))
 
 
 def _local(path: str, required_file: str = "config.json") -> str:
