@@ -197,3 +197,14 @@ def test_a_limit_reads_only_the_first_rows_of_each_kind_of_source(tmp_path):
         read_source(DataSource(path="rows.jsonl"), seed=0, base_dir=tmp_path)
     rows, _ = read_source(DataSource(generator="factory.data:arithmetic", size=100), seed=0, limit=7)
     assert len(rows) == 7
+
+
+def test_a_null_column_printed_by_the_prompt_is_a_row_problem(tmp_path):
+    """`{{ question }}` of a null question put the text 'None' in the model's prompt, and check said ok."""
+    (tmp_path / "p.jinja").write_text("Solve: {{ question }}{% if hint %} ({{ hint }}){% endif %}{{ hint or '' }}")
+    (tmp_path / "d.jsonl").write_text('{"question": "1 + 1?", "hint": null}\n{"question": null}\n')
+    spec = DataSpec(train=DataSource(path="d.jsonl"), prompt="p.jinja")
+    renderer = PromptRenderer(spec, base_dir=tmp_path)
+    assert renderer.messages({"question": "1 + 1?", "hint": None}) == [{"role": "user", "content": "Solve: 1 + 1?"}]
+    with pytest.raises(DataError, match=r"d.jsonl:2: data.prompt printed a null value .* write `\{\{ x or '' \}\}`"):
+        DataStage(_settings(spec, tmp_path)).setup()

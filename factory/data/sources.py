@@ -144,11 +144,25 @@ def _kind(value: Any) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
+class NullValueError(ValueError):
+    """A `{{ ... }}` of a prompt template printed a null value."""
+
+
+def _not_null(value: Any) -> Any:
+    """Every value a prompt template prints: a null (a JSON null, a parquet null, a column made null to fill a
+    schema) would be printed as the text `None` in the model's prompt."""
+    if value is None:
+        raise NullValueError("printed a null value (a column that is null in this row) where the prompt would "
+                             "read 'None'; write `{{ x or '' }}` or `{% if x %}` where a column may be null")
+    return value
+
+
 class PromptRenderer:
     """Turns a row into chat messages with the spec's jinja templates."""
 
     def __init__(self, spec: DataSpec, base_dir: Path | None = None):
         env = template_env()
+        env.finalize = _not_null  # before any template is compiled: the compiler reads it
         self._prompt = env.from_string(resolve_file(spec.prompt, base_dir).read_text()) if spec.prompt else None
         self._system = (env.from_string(resolve_file(spec.system_prompt, base_dir).read_text())
                         if spec.system_prompt else None)
@@ -181,6 +195,8 @@ class PromptRenderer:
             return template.render(**row).strip()
         except jinja2.UndefinedError as e:  # StrictUndefined: the template reads a column the row lacks
             raise ValueError(f"{name} needs a column this row does not have: {e.message}") from None
+        except NullValueError as e:
+            raise ValueError(f"{name} {e}") from None
 
     def row_fields(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row as reward functions see it: `answer` is the ground-truth column."""
