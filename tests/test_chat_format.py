@@ -192,3 +192,34 @@ def test_factory_check_rejects_a_template_that_is_not_prefix_preserving(project)
                               "rollout: {max_turns: 1}\n", "one.yaml"))
     # the tokenizer's own template (Qwen3's, for factory:tiny-qwen3) is checked too, and passes
     compile_file(project.spec(base_spec(project, "ct_prefix") + tools, "own.yaml"))
+
+
+def test_factory_check_warns_of_a_template_without_the_tool_list_or_the_system_message(project):
+    """A chat template written for chat alone (SmolLM2's own) never shows the model the tools; one that
+    skips system messages drops data.system_prompt. `factory check` said ok to both, without a word."""
+    from factory.compiler.compile import compile_file
+    from factory.rollout.chat import render_problems
+    from tests.test_compiler_support import base_spec
+
+    for path in (Path(__file__).parent.parent / "prompts").glob("chatml*.jinja"):
+        assert render_problems(path.read_text()) == [], path.name
+    no_system = ("{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                 "<|im_end|>\n{% endif %}{% endfor %}{% for t in tools %}{{ t.function.name }}{% endfor %}")
+    project.file("prompts/collapse.jinja", COLLAPSING)
+    project.file("prompts/no_system.jinja", no_system)
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    _, plan = compile_file(project.spec(base_spec(project, "ct_list") + tools + "chat_template: prompts/collapse.jinja\n"
+                                        "rollout: {max_turns: 1}\n"))
+    assert plan.warnings == ("spec.yaml:11: chat_template: warning: the chat template does not render the tool list "
+                             "(`tools`): the model is never told which tools exist nor how to call them; use a "
+                             "template that lists them (prompts/chatml_tools.jinja)",)
+    _, plan = compile_file(project.spec(base_spec(project, "ct_list") + tools + "chat_template: prompts/no_system.jinja\n"
+                                        "rollout: {max_turns: 1}\n", "b.yaml"))
+    assert [w.split(": warning: ")[1] for w in plan.warnings] == [
+        "the chat template drops the system message: data.system_prompt, and a system message of data.prompt, "
+        "would never reach the model"]
+    _, plan = compile_file(project.spec(base_spec(project, "ct_list") + tools, "own.yaml"))  # Qwen3's own lists them
+    assert plan.warnings == ()
+    _, plan = compile_file(project.spec(base_spec(project, "ct_list") + "chat_template: prompts/collapse.jinja\n",
+                                        "no_tools.yaml"))
+    assert plan.warnings == ()  # no tools: nothing to list

@@ -378,11 +378,12 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
 def _check_chat_template(spec: Spec, r: _Report) -> None:
     """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
     the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
-    template or the tokenizer's own, without loading a tokenizer."""
+    template or the tokenizer's own, without loading a tokenizer. With tools, a template that never shows
+    the model the tool list, or drops the system message, is a warning (factory.rollout.chat.render_problems)."""
     from factory.assets import tokenizer_files
-    from factory.rollout.chat import prefix_problem
+    from factory.rollout.chat import prefix_problem, render_problems
 
-    if not spec.tools or spec.rollout.max_turns < 2:
+    if not spec.tools:
         return
     folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
     config_file = folder / "tokenizer_config.json" if folder else None
@@ -410,6 +411,13 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
         path = model_key
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
+    try:
+        for warning in render_problems(template, special):
+            r.warn(path, warning)
+    except Exception:  # a template that does not render: prefix_problem (or _check_templates) says why
+        pass
+    if spec.rollout.max_turns < 2:
+        return
     try:
         problem = prefix_problem(template, special)
     except Exception as e:  # a template that does not even compile is reported by _check_templates
