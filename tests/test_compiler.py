@@ -771,3 +771,24 @@ def test_a_tokenizer_without_a_chat_template_needs_chat_template(project):
     compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/none") + "chat_template: prompts/chat.jinja\n",
                               "b.yaml"))
     compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/own"), "c.yaml"))
+
+
+def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkeypatch):
+    """`data file not found` for a folder that is there (a Hugging Face dataset), for a URL, and for a file
+    looked for in two places without saying which."""
+    project.file("data/hfds/data/train-00000-of-00001.parquet", "")
+    project.file("conf/prompts/ok.jinja", "{{ question }}")
+    base = _base(project, "rc_where")
+    folder = project.spec(base.replace("  train: {generator: factory.data:arithmetic, size: 8}\n",
+                                       "  train: {path: data/hfds}\n  eval: {path: 'https://example.com/e.jsonl'}\n"))
+    assert _errors(folder) == (
+        "spec.yaml:4: data.train.path: data/hfds is a folder; name one .jsonl or .parquet file (it holds "
+        "data/hfds/data/train-00000-of-00001.parquet)\n"
+        "spec.yaml:5: data.eval.path: data files are read from disk, not downloaded: https://example.com/e.jsonl is "
+        "a URL; download it and name the .jsonl or .parquet file\n2 errors in spec.yaml")
+    project.spec(base.replace("  train: {generator: factory.data:arithmetic, size: 8}\n",
+                              "  train: {path: data/nowhere.jsonl}\n  prompt: prompts/nowhere.jinja\n"), "conf/spec.yaml")
+    assert _errors("conf/spec.yaml") == (
+        "conf/spec.yaml:4: data.train.path: data file not found: data/nowhere.jsonl (looked in ./ and conf/)\n"
+        "conf/spec.yaml:5: data.prompt: template file not found: prompts/nowhere.jinja (looked in ./ and conf/)\n"
+        "2 errors in conf/spec.yaml")

@@ -85,7 +85,7 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import NoModuleError, UserError, version
+from factory.util import NoModuleError, UserError, resolve_file, version
 
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
@@ -366,7 +366,7 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     for path, name, chat in _templates(spec):
         found = find_file(name, r.source.base_dir)
         if found is None:
-            r.error(path, f"template file not found: {name}")
+            r.error(path, f"template file not found: {name}{'' if os.path.isabs(name) else _looked_in(r.source.base_dir)}")
             continue
         problem = template_problem(found, chat_template=chat)
         if problem:
@@ -435,7 +435,7 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         if source.path is not None:
             found = find_file(source.path, r.source.base_dir)
             if found is None:
-                r.error(f"data.{split}.path", f"data file not found: {source.path}")
+                r.error(f"data.{split}.path", _missing_data(source.path, r.source.base_dir))
             elif found.suffix not in (".parquet", ".jsonl", ".json"):
                 r.error(f"data.{split}.path", f"data files must be .parquet or .jsonl, got {source.path}")
             else:
@@ -449,6 +449,26 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
     return hashes
+
+
+def _missing_data(path: str, base_dir: Path) -> str:
+    """Why a data file is not there: a URL, a folder (a Hugging Face dataset saved or downloaded), or not found
+    where the spec's files are looked for."""
+    if re.match(r"^[a-z][a-z0-9+.-]*://", path):
+        return (f"data files are read from disk, not downloaded: {path} is a URL; download it and name the "
+                f".jsonl or .parquet file")
+    if (folder := resolve_file(path, base_dir)).is_dir():
+        inside = sorted(shown_path(f) for f in folder.rglob("*") if f.suffix in (".jsonl", ".parquet"))[:3]
+        return (f"{path} is a folder; name one .jsonl or .parquet file"
+                + (f" (it holds {', '.join(inside)})" if inside else ""))
+    return f"data file not found: {path}{'' if os.path.isabs(path) else _looked_in(base_dir)}"
+
+
+def _looked_in(base_dir: Path) -> str:
+    """Where a relative file the spec names was looked for, when that is two places: the working directory,
+    then the spec's folder ("" when they are one)."""
+    places = dict.fromkeys(p.resolve() for p in (Path.cwd(), Path(base_dir)))
+    return f" (looked in {' and '.join(shown_path(p) + '/' for p in places)})" if len(places) > 1 else ""
 
 
 # `factory check` (every compile) checks at most this many rows of each data source: ~1 s at the ~85 us a row
