@@ -333,3 +333,16 @@ train: {lr_rate: 1, steps: many}
     assert loaded.spec is not None
     assert loaded.spec.train.steps == 50  # the bad value was dropped: the default applies
     assert "broken" not in loaded.spec.rewards and loaded.broken["rewards"] == {"broken"}
+
+
+def test_an_override_that_gives_a_data_source_another_kind_replaces_it(project):
+    """As `extends` does: `data.train={path: ...}` over a generator was merged key by key into both, and
+    refused ('give exactly one of `path` or `generator`'); the same kind still merges."""
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
+    path = project.spec(_base(project, "rw_swap"))
+    spec = load_spec(path, ["data.train={path: data/train.jsonl}"])
+    assert spec.data.train.path == "data/train.jsonl" and spec.data.train.generator is None
+    spec = load_spec(path, ["data.train={generator: factory.data:arithmetic, args: {digits: [1, 1]}}"])
+    assert spec.data.train.size == 8 and spec.data.train.args == {"digits": [1, 1]}  # the same kind: merged
+    spec = load_spec(path, ["data.eval={path: data/train.jsonl}", "data.eval={generator: factory.data:arithmetic}"])
+    assert spec.data.eval.generator == "factory.data:arithmetic" and spec.data.eval.path is None

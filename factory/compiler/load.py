@@ -209,7 +209,9 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
                 _drop(cfg, key.strip())  # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base)
             else:
-                cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+                given = OmegaConf.from_dotlist([item])
+                _swap_sources(cfg, given)
+                cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
             msg = _omega_message(e) if isinstance(e, OmegaConfBaseException) else str(e).splitlines()[0]
@@ -370,6 +372,17 @@ def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
     for path in removed:
         _drop(base, path)
     return removed
+
+
+def _swap_sources(cfg: DictConfig, given: DictConfig) -> None:
+    """An override that gives a data source another kind (`data.train={generator: ...}` over a file) replaces
+    the source whole, as `extends` does (_fit_base); merged key by key it held both and was refused."""
+    theirs, mine = OmegaConf.to_container(cfg, resolve=False), OmegaConf.to_container(given, resolve=False)
+    for path in ("data.train", "data.eval"):
+        a, b = value_at(theirs, path), value_at(mine, path)
+        kinds = [next((k for k in _SOURCE_KINDS if k in v), None) if isinstance(v, dict) else None for v in (a, b)]
+        if kinds[0] and kinds[1] and kinds[0] != kinds[1]:
+            _drop(cfg, path)
 
 
 def _is_null(text: str) -> bool:
