@@ -59,8 +59,8 @@ class ModelSpec(Section):
 # ---------------------------------------------------------------------------------------------- data
 class DataSource(Section):
     path: str | None = None
-    """A .parquet or .jsonl file. Parquet with a `prompt` messages column (verl layout) or a `question`
-    text column both work."""
+    """A .parquet or .jsonl file (or .json: JSON Lines, or one JSON array of rows). Parquet with a `prompt`
+    messages column (verl layout) or a `question` text column both work."""
     generator: str | None = None
     """A python generator by import path `module:function`, called as `function(n=..., seed=..., **args)`
     and returning an iterable of row dicts."""

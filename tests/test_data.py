@@ -208,3 +208,21 @@ def test_a_null_column_printed_by_the_prompt_is_a_row_problem(tmp_path):
     assert renderer.messages({"question": "1 + 1?", "hint": None}) == [{"role": "user", "content": "Solve: 1 + 1?"}]
     with pytest.raises(DataError, match=r"d.jsonl:2: data.prompt printed a null value .* write `\{\{ x or '' \}\}`"):
         DataStage(_settings(spec, tmp_path)).setup()
+
+
+def test_a_json_array_file_and_a_byte_order_mark(tmp_path):
+    """A .json file holding one array of rows (a common export) was read as JSON Lines ('expected an object
+    of columns, got list'); a UTF-8 byte-order mark (Windows tools write one) made line 1 invalid JSON."""
+    from factory.data.sources import read_source
+
+    (tmp_path / "rows.json").write_text('[\n  {"question": "a", "answer": "1"},\n  {"question": "b", "answer": "2"}\n]\n')
+    rows, origins = read_source(DataSource(path="rows.json"), seed=0, base_dir=tmp_path)
+    assert [r["question"] for r in rows] == ["a", "b"] and origins == ["rows.json row 1", "rows.json row 2"]
+    assert len(read_source(DataSource(path="rows.json"), seed=0, base_dir=tmp_path, limit=1)[0]) == 1
+    (tmp_path / "lines.json").write_text('{"question": "a"}\n{"question": "b"}\n')  # JSON Lines, as before
+    assert len(read_source(DataSource(path="lines.json"), seed=0, base_dir=tmp_path)[0]) == 2
+    (tmp_path / "bad.json").write_text('[\n  {"question": "a"},\n  {"question" "b"}\n]\n')
+    with pytest.raises(DataError, match=r"bad.json:3: invalid JSON"):
+        read_source(DataSource(path="bad.json"), seed=0, base_dir=tmp_path)
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"question": "a"}\n')
+    assert read_source(DataSource(path="bom.jsonl"), seed=0, base_dir=tmp_path)[0] == [{"question": "a"}]

@@ -50,9 +50,17 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
             rows = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
             rows = rows.to_pylist() if rows is not None else []
         return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
+    if path.suffix == ".json" and _starts_with(path, "["):  # one JSON array of rows (not JSON Lines)
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{source.path}:{e.lineno}: invalid JSON: {e}") from None
+        rows = rows if limit is None else rows[:limit]
+        return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
     if path.suffix in (".jsonl", ".json"):
         rows, origins, problems = [], [], []
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark (Windows tools write one) is not part of the first row's JSON
+        with open(path, encoding="utf-8-sig") as f:
             for number, line in enumerate(f, 1):
                 if limit is not None and len(rows) + len(problems) >= limit:
                     break
@@ -67,6 +75,15 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
             raise DataError(_listed(problems))
         return rows, origins
     raise DataError(f"{source.path}: data files must be .parquet or .jsonl")
+
+
+def _starts_with(path: Path, char: str) -> bool:
+    """Whether a text file's first character that is not white space (or a byte-order mark) is `char`."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        while chunk := f.read(4096):
+            if chunk.strip():
+                return chunk.lstrip()[0] == char
+    return False
 
 
 def load_rows(source: DataSource, *, seed: int, base_dir: Path | None = None) -> list[dict[str, Any]]:
