@@ -792,3 +792,17 @@ def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkey
         "conf/spec.yaml:4: data.train.path: data file not found: data/nowhere.jsonl (looked in ./ and conf/)\n"
         "conf/spec.yaml:5: data.prompt: template file not found: prompts/nowhere.jinja (looked in ./ and conf/)\n"
         "2 errors in conf/spec.yaml")
+
+
+def test_a_template_that_includes_another_is_refused_at_its_key(project):
+    """`{% include %}` failed on every row with jinja's 'no loader for this environment specified'."""
+    project.module("rc_include")
+    project.file("prompts/inc.jinja", "{% include 'shots.jinja' %}\n{{ question }}")
+    project.file("prompts/shots.jinja", "Q: 1+1? A: 2")
+    path = project.spec(BASE.replace("{mod}", "rc_include").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/inc.jinja\n"))
+    assert _errors(path) == (
+        "spec.yaml:5: data.prompt: prompts/inc.jinja names another template ('shots.jinja') by include, import or "
+        "extends: a template is read alone, without the files it names; write that template's text into this one\n"
+        "1 error in spec.yaml")

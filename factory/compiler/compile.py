@@ -484,6 +484,8 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
     from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source
     from factory.reward.graph import required_columns
 
+    if any(e.path in ("data.prompt", "data.system_prompt") for e in r.errors):
+        return  # a template _check_templates refused (one that includes another compiles, and fails every row)
     try:
         renderer = PromptRenderer(spec.data, r.source.base_dir)
     except Exception:  # a template that is missing or does not compile: _check_templates says so

@@ -106,9 +106,18 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
 
     # Hugging Face chat templates may use loop controls and the `generation` tag (transformers adds
     # both): the chat environment has the controls, and an unknown `generation` tag passes below.
+    import jinja2.meta
+
     env = template_env("chat" if chat_template else "prompt")
     try:
-        env.from_string(path.read_text(encoding="utf-8"))  # TemplateAssertionError is a TemplateSyntaxError
+        text = path.read_text(encoding="utf-8")
+        env.from_string(text)  # TemplateAssertionError is a TemplateSyntaxError
+        # a template is read alone (and hashed alone): another one it names is not found when it renders
+        named = list(jinja2.meta.find_referenced_templates(env.parse(text)))
+        if named:
+            which = ", ".join(repr(n) if n else "one named by a variable" for n in named)
+            return (f"{shown_path(path)} names another template ({which}) by include, import or extends: a "
+                    f"template is read alone, without the files it names; write that template's text into this one")
     except jinja2.TemplateSyntaxError as e:
         if chat_template and "generation" in e.message:
             return None
