@@ -86,7 +86,8 @@ class DataSpec(Section):
     messages, or plain text used as the user message). Unset: the row's `prompt` messages are used."""
     system_prompt: str | None = None
     """A jinja template in prompts/ rendered as the system message (tools are listed by the chat
-    template, not here)."""
+    template, not here). A row whose messages already begin with a system message (data.prompt's, or its
+    `prompt` column's) keeps its own; `factory check` warns of it."""
     answer_key: str = "answer"
     """The column that holds the ground truth; reward functions receive it as `answer`."""
     shuffle: bool = True

@@ -226,3 +226,23 @@ def test_a_json_array_file_and_a_byte_order_mark(tmp_path):
         read_source(DataSource(path="bad.json"), seed=0, base_dir=tmp_path)
     (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"question": "a"}\n')
     assert read_source(DataSource(path="bom.jsonl"), seed=0, base_dir=tmp_path)[0] == [{"question": "a"}]
+
+
+def test_check_warns_when_data_system_prompt_is_not_used(project):
+    """A data.prompt that renders its own system message kept it, and data.system_prompt was dropped
+    without a word."""
+    from factory.compiler.compile import compile_file
+    from tests.test_compiler_support import base_spec
+
+    project.file("prompts/own.jinja", '[{"role": "system", "content": "Own."}, {"role": "user", "content": "{{ question }}"}]')
+    project.file("prompts/user.jinja", "{{ question }}")
+    project.file("prompts/sys.jinja", "Global.")
+    base = base_spec(project, "dw_system").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  prompt: prompts/own.jinja\n"
+        "  system_prompt: prompts/sys.jinja\n")
+    _, plan = compile_file(project.spec(base))
+    assert plan.warnings == ("spec.yaml:6: data.system_prompt: warning: not used for factory.data:arithmetic row 1 and "
+                             "7 more rows of data.train: their messages already begin with a system message, which is kept",)
+    _, plan = compile_file(project.spec(base.replace("prompts/own.jinja", "prompts/user.jinja"), "b.yaml"))
+    assert plan.warnings == ()

@@ -520,8 +520,14 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
             check_rows(rows, origins, renderer, required)
         except UserError as e:  # DataError: the bad rows, each with its file:line (or row)
             r.error(key, str(e))
+            continue
         except (Exception, SystemExit) as e:  # the prompt template failed on a row in a way row_problem does not expect
             r.error("data.prompt", f"the template failed on {key}'s rows: {type(e).__name__}: {e}")
+            continue
+        if unused := [where for row, where in zip(rows, origins) if renderer.system_unused(row)]:
+            more = f" and {len(unused) - 1} more rows" if len(unused) > 1 else ""
+            r.warn("data.system_prompt", f"not used for {unused[0]}{more} of data.{split}: their messages already "
+                                         f"begin with a system message, which is kept")
 
 
 def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str, Callable[..., Any]]]:

@@ -185,9 +185,21 @@ class PromptRenderer:
                         if spec.system_prompt else None)
         self._answer_key = spec.answer_key
 
+    def system_unused(self, row: dict[str, Any]) -> bool:
+        """Whether data.system_prompt is set but not used for this row: its messages (data.prompt's, or its
+        own `prompt` column) already begin with a system message, which is kept."""
+        return self._system is not None and self._messages(row)[0]["role"] == "system"
+
     def messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
         """The row's chat messages; ValueError (or a jinja error naming a missing column) when the row
         cannot make them."""
+        messages = self._messages(row)
+        if self._system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self._render(self._system, row, "data.system_prompt")})
+        return messages
+
+    def _messages(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        """The row's messages before data.system_prompt."""
         if self._prompt is not None:
             # a template may render a whole JSON message list, or just the user's text
             messages = messages_from_text(self._render(self._prompt, row, "data.prompt"), "data.prompt")
@@ -202,8 +214,6 @@ class PromptRenderer:
         else:
             raise ValueError("a row needs a `prompt` messages column, a `question` column or data.prompt")
         check_messages(messages)
-        if self._system is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self._render(self._system, row, "data.system_prompt")})
         return messages
 
     @staticmethod
