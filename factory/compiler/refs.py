@@ -101,13 +101,12 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
     unknown filter or test (`{{ x | nosuch }}`, which jinja finds when it compiles) is found here, not when
     the run's stage first loads the template."""
     import jinja2
+    import jinja2.meta
 
     from factory.util import template_env
 
     # Hugging Face chat templates may use loop controls and the `generation` tag (transformers adds
     # both): the chat environment has the controls, and an unknown `generation` tag passes below.
-    import jinja2.meta
-
     env = template_env("chat" if chat_template else "prompt")
     try:
         text = path.read_text(encoding="utf-8")
