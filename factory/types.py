@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 ToolStatus = Literal["ok", "model_error", "infra_error"]
 # Why a trajectory stopped: the model answered without a call, it used all its turns, or its tokens.
-StopReason = Literal["no_call", "max_turns", "budget", "timeout"]
+StopReason = Literal["no_call", "max_turns", "budget", "timeout", "prompt_too_long"]
 
 
 @dataclass

@@ -85,10 +85,10 @@ def chat(tokenizer):
     return ChatFormat(tokenizer)
 
 
-def run(engine, chat, toolbox, cfg=None, messages=PROMPT):
+def run(engine, chat, toolbox, cfg=None, messages=PROMPT, context=None):
     cfg = cfg or RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=1024)
     return asyncio.run(run_trajectory(engine, chat, toolbox, messages=messages, row={"answer": "20"},
-                                      prompt_index=0, sample_index=0, cfg=cfg, sampling=GREEDY))
+                                      prompt_index=0, sample_index=0, cfg=cfg, sampling=GREEDY, context=context))
 
 
 def model_token_mask(tokenizer, text, spans):
@@ -168,6 +168,31 @@ def test_turn_limits_shrink_to_the_remaining_budget(chat):
     assert cfg.max_total_tokens > first + 2  # so the first turn's limit is the per-turn one
     assert [m for _, m in engine.requests] == [first + 2, 4]
     assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, cfg.max_total_tokens)
+
+
+def test_a_prompt_that_fills_the_models_context_is_not_generated_from(chat):
+    """Nothing limited a prompt's length: a 250k-character row went to the engine, and transformers' attention
+    over it filled the machine's memory."""
+    engine = ScriptedEngine(chat, [("20", True)])
+    prompt = len(chat.prompt_ids(PROMPT, TOOLS))
+    traj = run(engine, chat, FakeToolBox(), context=prompt)
+    assert (traj.stop_reason, traj.response_ids, traj.loss_mask, engine.requests) == ("prompt_too_long", [], [], [])
+    traj = run(engine, chat, FakeToolBox(), context=prompt + 1)  # room for one token
+    assert (traj.stop_reason, len(traj.response_ids)) == ("budget", 1)
+
+
+def test_turns_are_cut_where_the_models_context_ends(chat):
+    engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("The answer is twenty, I believe.", True)])
+    prompt = len(chat.prompt_ids(PROMPT, TOOLS))
+    first = len(chat.encode(call("add", a=2, b=3))) + 1
+    delta = len(chat.tool_delta_ids([ToolResult("add", "5")], True))
+    traj = run(engine, chat, FakeToolBox(), context=prompt + first + delta + 4)
+    # the context's room left each time (below the per-turn limit of 64)
+    assert [m for _, m in engine.requests] == [first + delta + 4, 4]
+    assert (traj.stop_reason, len(traj.response_ids)) == ("budget", first + delta + 4)
+    engine.requests.clear()
+    traj = run(engine, chat, FakeToolBox(), context=prompt + first + delta)  # the tool results fill it
+    assert (traj.stop_reason, len(engine.requests)) == ("budget", 1)
 
 
 def test_a_cut_turn_with_a_complete_call_continues_and_the_end_of_turn_is_template_text(chat):

@@ -51,11 +51,16 @@ async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
 
 async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, messages: list[dict[str, Any]],
                          row: dict[str, Any], prompt_index: int, sample_index: int, cfg: RolloutSpec,
-                         sampling: Sampling, seed: int | None = None, origin: str = "") -> Trajectory:
+                         sampling: Sampling, seed: int | None = None, origin: str = "",
+                         context: int | None = None) -> Trajectory:
     """One episode: the model's turns and the tool responses between them, as ids with a loss mask and
     the sampler's log-prob of every model token. With `seed`, turn k samples with its own seed derived
     from (seed, k). `origin` names the episode in the run: call k of turn t is `<origin>/<t>/<k>`
-    (ToolCall.origin, what a replay finds its recorded answer by)."""
+    (ToolCall.origin, what a replay finds its recorded answer by). `context`: the model's context in
+    tokens (None: not known), which the prompt and the response must fit together: a prompt that leaves
+    no room is not generated from (stop reason `prompt_too_long`, nothing trained), and a turn is cut where
+    the context ends (an engine given more either refuses it or, as transformers does, computes attention
+    over all of it: a 250k-character row filled the machine's memory)."""
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
     mask: list[int] = []
@@ -68,8 +73,15 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         return await (work if deadline is None else asyncio.wait_for(work, max(deadline - time.monotonic(), 0.0)))
 
     finished = True  # whether the last model turn ended by itself (not cut by a token limit or the clock)
-    for turn_no in range(cfg.max_turns):
+    if context is not None and len(prompt_ids) >= context:
+        stop = "prompt_too_long"
+    for turn_no in range(0 if stop == "prompt_too_long" else cfg.max_turns):
         limit = min(cfg.max_new_tokens, cfg.max_total_tokens - len(response))
+        if context is not None:
+            limit = min(limit, context - len(prompt_ids) - len(response))
+            if limit < 1:  # the context is full: the model cannot answer the last tool results
+                stop = "budget"
+                break
         started = time.time()
         turn_sampling = sampling if seed is None or sampling.greedy else replace(sampling, seed=request_seed(seed, turn_no))
         try:
@@ -125,18 +137,20 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
 async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: list[tuple[list[dict], dict]], *,
                   group_size: int, cfg: RolloutSpec, sampling: Sampling,
                   on_done: Callable[[Trajectory], None] | None = None,
-                  seed_key: tuple[int, ...] | None = None, first_index: int = 0, origin: str = "") -> list[Trajectory]:
+                  seed_key: tuple[int, ...] | None = None, first_index: int = 0, origin: str = "",
+                  context: int | None = None) -> list[Trajectory]:
     """`group_size` trajectories per prompt, all at once; ordered by (prompt_index, sample_index).
     `on_done` is called as each trajectory finishes (the stage counts them for its progress report).
     `seed_key` (e.g. (spec seed, step)) seeds every request from (seed_key, prompt, sample, turn) rather
     than from a generator whose draws would depend on how requests happened to be batched. Prompts are
     numbered from `first_index` (a rollout replica's part of a step starts there). `origin` ("train/3/0")
-    prefixes each episode's `<prompt>/<sample>` in its calls' origins."""
+    prefixes each episode's `<prompt>/<sample>` in its calls' origins. `context`: see run_trajectory."""
 
     async def one(messages: list[dict[str, Any]], row: dict[str, Any], p: int, s: int) -> Trajectory:
         seed = None if seed_key is None else request_seed(*seed_key, p, s)
         t = await run_trajectory(engine, chat, toolbox, messages=messages, row=row, prompt_index=p, sample_index=s,
-                                 cfg=cfg, sampling=sampling, seed=seed, origin=f"{origin}/{p}/{s}" if origin else "")
+                                 cfg=cfg, sampling=sampling, seed=seed, origin=f"{origin}/{p}/{s}" if origin else "",
+                                 context=context)
         if on_done is not None:
             on_done(t)
         return t

@@ -25,6 +25,18 @@ from factory.types import Placement, ToolCall, ToolResult, Trajectory
 from factory.util import enter_workdir, node_id, set_threads
 
 
+def _context_tokens(model_path: str) -> int | None:
+    """The model's context in tokens, from its config.json (`max_position_embeddings`, what vLLM's
+    `max_model_len` defaults to); None when the config does not say."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 class BusyClock:
     """Splits rollout wall time into generate / tools-only / idle by counting what is in flight.
 
@@ -139,6 +151,8 @@ class RolloutStage(StageActor):
                                       stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
                                       gpus=max(1, int(s.num_gpus)), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
+        # the model's context (a served model's is the server's to enforce)
+        self.context = None if s.endpoint else _context_tokens(model_path)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
@@ -194,7 +208,8 @@ class RolloutStage(StageActor):
         task = asyncio.ensure_future(rollout(
             _Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"), prompts,
             group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, greedy=greedy),
-            on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index, origin=origin))
+            on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index, origin=origin,
+            context=self.context))
         task.add_done_callback(lambda _: finished.put_nowait(None))  # ended (or failed): wake the reader
         # one group or trajectory at a time (`size` of them per part), announced first: the driver never
         # reads the parts (they stay in Ray's object store), so it learns here when the answer comes
@@ -252,7 +267,7 @@ class RolloutStage(StageActor):
             "perf/generate_tokens_per_s": sum(sum(t.num_model_tokens for t in p.trajs) / max(p.busy["generate"], 1e-9)
                                               for p in parts),
             **{f"rollout/stop_{k}": float(sum(t.stop_reason == k for t in trajs))
-               for k in ("no_call", "max_turns", "budget", "timeout")},
+               for k in ("no_call", "max_turns", "budget", "timeout", "prompt_too_long")},
             **tools.snapshot(),
         }
 
