@@ -794,6 +794,24 @@ def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkey
         "2 errors in conf/spec.yaml")
 
 
+def test_a_file_in_the_working_directory_that_shadows_the_specs_own_is_a_warning(project):
+    """The working directory is looked in first: its own data/train.jsonl silently replaced the one beside
+    the spec."""
+    row = '{"question": "What is 2+3?", "answer": "5"}\n'
+    project.file("data/train.jsonl", row)
+    project.file("conf/data/train.jsonl", row.replace("2+3", "2+4").replace('"5"', '"6"'))
+    base = _base(project, "rc_shadow").replace("  train: {generator: factory.data:arithmetic, size: 8}\n",
+                                               "  train: {path: data/train.jsonl}\n")
+    project.spec(base, "conf/spec.yaml")
+    _, plan = compile_file("conf/spec.yaml")
+    assert [w for w in plan.warnings if "shadow" in w or "beside" in w] == [
+        "conf/spec.yaml:4: data.train.path: warning: data/train.jsonl is read from the working directory "
+        "(data/train.jsonl), not from beside the spec (conf/data/train.jsonl), which differs; to read that one, "
+        "name it conf/data/train.jsonl"]
+    project.file("conf/data/train.jsonl", row)  # the same bytes: nothing to say
+    assert not [w for w in compile_file("conf/spec.yaml")[1].warnings if "beside" in w]
+
+
 def test_a_template_that_includes_another_is_refused_at_its_key(project):
     """`{% include %}` failed on every row with jinja's 'no loader for this environment specified'."""
     project.module("rc_include")

@@ -368,6 +368,7 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
         if found is None:
             r.error(path, f"template file not found: {name}{'' if os.path.isabs(name) else _looked_in(r.source.base_dir)}")
             continue
+        _warn_shadowed(r, path, name)
         problem = template_problem(found, chat_template=chat)
         if problem:
             r.error(path, problem)
@@ -434,6 +435,8 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             continue
         if source.path is not None:
             found = find_file(source.path, r.source.base_dir)
+            if found is not None:
+                _warn_shadowed(r, f"data.{split}.path", source.path)
             if found is None:
                 r.error(f"data.{split}.path", _missing_data(source.path, r.source.base_dir))
             elif found.suffix not in (".parquet", ".jsonl", ".json"):
@@ -462,6 +465,17 @@ def _missing_data(path: str, base_dir: Path) -> str:
         return (f"{path} is a folder; name one .jsonl or .parquet file"
                 + (f" (it holds {', '.join(inside)})" if inside else ""))
     return f"data file not found: {path}{'' if os.path.isabs(path) else _looked_in(base_dir)}"
+
+
+def _warn_shadowed(r: _Report, path: str, name: str) -> None:
+    """A relative file the spec names is looked for in the working directory first: say so when the spec's
+    folder holds another file of that name (a project's own data/train.jsonl silently replaced the spec's)."""
+    here, beside = Path(name), Path(r.source.base_dir) / name
+    if (here.is_absolute() or not here.is_file() or not beside.is_file() or here.resolve() == beside.resolve()
+            or here.read_bytes() == beside.read_bytes()):
+        return
+    r.warn(path, f"{name} is read from the working directory ({shown_path(here.resolve())}), not from beside the "
+                 f"spec ({shown_path(beside)}), which differs; to read that one, name it {shown_path(beside)}")
 
 
 def _looked_in(base_dir: Path) -> str:
