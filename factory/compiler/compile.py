@@ -13,6 +13,7 @@ real values is returned next to the Plan, never inside it.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import copy
 import dataclasses
 import graphlib
@@ -472,7 +473,7 @@ def _warn_shadowed(r: _Report, path: str, name: str) -> None:
     folder holds another file of that name (a project's own data/train.jsonl silently replaced the spec's)."""
     here, beside = Path(name), Path(r.source.base_dir) / name
     if (here.is_absolute() or not here.is_file() or not beside.is_file() or here.resolve() == beside.resolve()
-            or here.read_bytes() == beside.read_bytes()):
+            or filecmp.cmp(here, beside, shallow=False)):  # (in chunks: a data file may be large)
         return
     r.warn(path, f"{name} is read from the working directory ({shown_path(here.resolve())}), not from beside the "
                  f"spec ({shown_path(beside)}), which differs; to read that one, name it {shown_path(beside)}")
