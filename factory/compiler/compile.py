@@ -13,9 +13,9 @@ real values is returned next to the Plan, never inside it.
 from __future__ import annotations
 
 import contextlib
-import filecmp
 import copy
 import dataclasses
+import filecmp
 import graphlib
 import os
 import re
