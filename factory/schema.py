@@ -89,7 +89,8 @@ class DataSpec(Section):
     template, not here). A row whose messages already begin with a system message (data.prompt's, or its
     `prompt` column's) keeps its own; `factory check` warns of it."""
     answer_key: str = "answer"
-    """The column that holds the ground truth; reward functions receive it as `answer`."""
+    """The column that holds the ground truth; reward functions receive it as `answer`. A dotted path reads a
+    nested column where no column has that name (`reward_model.ground_truth`, as verl's parquet keeps it)."""
     shuffle: bool = True
     """Shuffle training rows each epoch (seeded by `seed`)."""
 

@@ -246,3 +246,16 @@ def test_check_warns_when_data_system_prompt_is_not_used(project):
                              "7 more rows of data.train: their messages already begin with a system message, which is kept",)
     _, plan = compile_file(project.spec(base.replace("prompts/own.jinja", "prompts/user.jinja"), "b.yaml"))
     assert plan.warnings == ()
+
+
+def test_a_dotted_answer_key_reads_a_nested_column_as_verl_keeps_it(tmp_path):
+    """verl's parquet keeps the ground truth in `reward_model.ground_truth`: 'missing column' before."""
+    from factory.data.sources import PromptRenderer, check_rows
+
+    row = {"prompt": [{"role": "user", "content": "2+3?"}], "reward_model": {"ground_truth": "5", "style": "rule"}}
+    renderer = PromptRenderer(DataSpec(train=DataSource(path="d.jsonl"), answer_key="reward_model.ground_truth"))
+    assert renderer.row_fields(row)["answer"] == "5"
+    check_rows([row], ["d.jsonl:1"], renderer, {"reward_model.ground_truth": "rewards.correct"})
+    with pytest.raises(DataError, match=r"d.jsonl:1: missing column 'reward_model.truth'"):
+        check_rows([row], ["d.jsonl:1"], renderer, {"reward_model.truth": "rewards.correct"})
+    assert "answer" not in PromptRenderer(DataSpec(train=DataSource(path="d.jsonl"))).row_fields(row)

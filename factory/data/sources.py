@@ -113,11 +113,27 @@ def check_rows(rows: list[Any], origins: list[str], renderer: PromptRenderer,
                                  f"{problem}" for problem, where in rows_with.items()]))
 
 
+_ABSENT = object()
+
+
+def column(row: dict[str, Any], name: str) -> Any:
+    """The row's column `name`, or, where no column has that name, a dotted path into nested columns
+    (`reward_model.ground_truth`, where verl's parquet keeps the answer); `_ABSENT` when neither is there."""
+    if name in row:
+        return row[name]
+    value: Any = row
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
 def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str]) -> str | None:
     """Why one row cannot be used, or None."""
     if not isinstance(row, dict):
         return f"expected an object of columns, got {type(row).__name__}"
-    missing = [f"'{c}' (needed by {who})" for c, who in required.items() if c not in row]
+    missing = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is _ABSENT]
     if missing:
         return f"missing column {', '.join(missing)}"
     try:
@@ -228,8 +244,8 @@ class PromptRenderer:
     def row_fields(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row as reward functions see it: `answer` is the ground-truth column."""
         fields = {k: v for k, v in row.items() if k != "prompt"}
-        if self._answer_key in row:
-            fields["answer"] = row[self._answer_key]
+        if (answer := column(row, self._answer_key)) is not _ABSENT:
+            fields["answer"] = answer
         return fields
 
 
