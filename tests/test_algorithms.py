@@ -465,6 +465,19 @@ def test_preset_names_match_the_registries():
                      "aggregation": A.AGGREGATIONS.names(), "KL estimator": A.KL_ESTIMATORS.names()}
 
 
+def test_the_spec_reference_lists_every_registry_name():
+    """The field docs of algorithm.advantage/loss/aggregation list the names by hand: a new one must be added
+    there too (docs/algorithms.md#a-new-algorithm), or the generated reference leaves it out."""
+    import re
+
+    from factory.presets import NAMES
+    from factory.schema import AlgorithmSpec
+
+    for field, kind in (("advantage", "advantage"), ("loss", "policy loss"), ("aggregation", "aggregation")):
+        listed = re.search(r"\(([^)]*)\)", AlgorithmSpec.model_fields[field].description).group(1)
+        assert sorted(listed.split(", ")) == NAMES[kind], field
+
+
 # ------------------------------------------------------------------------------ rollout correction
 def test_truncated_is_weights_hand_worked():
     # token 0: pi_old 0.5, pi_rollout 0.2 -> 2.5, capped at 2.0
