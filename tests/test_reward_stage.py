@@ -105,6 +105,19 @@ def test_each_value_is_computed_once_per_trajectory():
     assert [t.reward for t in trajs] == [2 * 2 + 4 + 2, 8 + 8 + 4]
 
 
+def test_a_trajectory_whose_prompt_fills_the_context_is_not_scored_and_is_dropped():
+    """It was scored (a judge would be sent its whole prompt) and trained on, its empty completion in the means."""
+    import dataclasses
+
+    reward_fns.CALLS.clear()
+    spec = make_spec({"n": {"fn": f"{FNS}:counted", "args": {"name": "ctx"}}, "total": {"sum": {"n": 1.0}}})
+    long = dataclasses.replace(traj("", prompt_index=1), stop_reason="prompt_too_long")
+    trajs, m = score(spec, [traj("ab"), long])
+    assert reward_fns.CALLS["ctx"] == 1 and trajs[1].rewards["n"] is None and trajs[1].reward == 0.0
+    assert trajs[1].dropped == "its prompt fills the model's context: nothing was generated"
+    assert trajs[0].dropped is None and m["reward/dropped"] == 1.0 and m["reward/mean"] == trajs[0].reward
+
+
 def test_normalize_over_group_and_batch():
     spec = make_spec({
         "len": {"fn": f"{FNS}:length"},

@@ -190,9 +190,10 @@ def test_turns_are_cut_where_the_models_context_ends(chat):
     # the context's room left each time (below the per-turn limit of 64)
     assert [m for _, m in engine.requests] == [first + delta + 4, 4]
     assert (traj.stop_reason, len(traj.response_ids)) == ("budget", first + delta + 4)
-    engine.requests.clear()
-    traj = run(engine, chat, FakeToolBox(), context=prompt + first + delta)  # the tool results fill it
-    assert (traj.stop_reason, len(engine.requests)) == ("budget", 1)
+    for over in (0, 3):  # the tool results fill the context, or would run past it: not appended
+        engine.requests.clear()
+        traj = run(engine, chat, FakeToolBox(), context=prompt + first + delta - over)
+        assert (traj.stop_reason, len(engine.requests), len(traj.response_ids)) == ("budget", 1, first)
 
 
 def test_a_cut_turn_with_a_complete_call_continues_and_the_end_of_turn_is_template_text(chat):
@@ -278,3 +279,15 @@ def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
     (result,) = t.turns[0].results
     assert (result.status, result.error_kind) == ("infra_error", "episode_timeout")
     assert len(t.turns) == 1 and set(t.loss_mask) == {0} and len(t.loss_mask) == len(t.response_ids) > 0
+
+
+def test_the_models_context_is_read_from_its_config(tmp_path):
+    from factory.rollout.stage import _context_tokens
+
+    import json
+
+    for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None), ({"max_position_embeddings": "x"}, None),
+                         ({"text_config": {"max_position_embeddings": 8192}}, 8192)):  # a multimodal model's
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        assert _context_tokens(str(tmp_path)) == want
+    assert _context_tokens(str(tmp_path / "none")) is None

@@ -210,12 +210,16 @@ class _Evaluation:
         self.groups: dict[int, list[int]] = {}
         for i, t in enumerate(trajs):
             self.groups.setdefault(t.prompt_index, []).append(i)
+            if t.stop_reason == "prompt_too_long":  # never generated from (its prompt fills the context): no
+                # scoring (a judge would be sent the whole prompt), out of the loss and the means
+                self.dropped[i] = "its prompt fills the model's context: nothing was generated"
 
     async def run(self) -> None:
+        scored = [i for i in range(len(self.trajs)) if i not in self.dropped]
         try:
             await asyncio.gather(*(self.value(n, i) if n not in self.s.per_turn else self.turn_value(n, i, k)
                                    for n in roots(self.s.nodes, self.s.train_node)
-                                   for i in range(len(self.trajs))
+                                   for i in scored
                                    for k in ([None] if n not in self.s.per_turn else range(len(self.trajs[i].turns)))))
         finally:  # after a `fail`, nothing may keep running
             pending = [t for t in self.tasks.values() if not t.done()]

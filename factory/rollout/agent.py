@@ -58,8 +58,8 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     from (seed, k). `origin` names the episode in the run: call k of turn t is `<origin>/<t>/<k>`
     (ToolCall.origin, what a replay finds its recorded answer by). `context`: the model's context in
     tokens (None: not known), which the prompt and the response must fit together: a prompt that leaves
-    no room is not generated from (stop reason `prompt_too_long`, nothing trained), and a turn is cut where
-    the context ends (an engine given more either refuses it or, as transformers does, computes attention
+    no room is not generated from (stop reason `prompt_too_long`; the reward stage drops it), a turn is cut
+    where the context ends, and tool results that would not fit end the episode (an engine given more either refuses it or, as transformers does, computes attention
     over all of it: a 250k-character row filled the machine's memory)."""
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
@@ -117,7 +117,8 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         turn.ended_at = time.time()
         ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
         delta = chat.tool_delta_ids(turn.results, turn_ended_with_eos=ended_with_eot)
-        if len(response) + len(delta) >= cfg.max_total_tokens:  # no room left for the model to answer
+        room = min(cfg.max_total_tokens, context - len(prompt_ids) if context is not None else cfg.max_total_tokens)
+        if len(response) + len(delta) >= room:  # no room left for the model to answer (the budget or the context)
             stop = "budget"
             break
         response += delta

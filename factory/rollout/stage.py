@@ -26,14 +26,15 @@ from factory.util import enter_workdir, node_id, set_threads
 
 
 def _context_tokens(model_path: str) -> int | None:
-    """The model's context in tokens, from its config.json (`max_position_embeddings`, what vLLM's
-    `max_model_len` defaults to); None when the config does not say."""
+    """The model's context in tokens, from its config.json (`max_position_embeddings`, or its `text_config`'s
+    in a multimodal model: what vLLM's `max_model_len` defaults to); None when the config does not say."""
     import json
 
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
-    value = json.loads(config.read_text()).get("max_position_embeddings")
+    fields = json.loads(config.read_text())
+    value = fields.get("max_position_embeddings", (fields.get("text_config") or {}).get("max_position_embeddings"))
     return value if isinstance(value, int) and value > 0 else None
 
 

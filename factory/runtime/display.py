@@ -92,7 +92,7 @@ class Display:
             self._progress.console.log(f"step {step}: nothing trained: {untrained}", style="yellow", markup=False)
         if too_long := int(m.get("rollout/stop_prompt_too_long", 0)):
             self._progress.console.log(f"step {step}: {too_long} trajectories' prompts fill the model's context: not "
-                                       "generated from, nothing trained on them (shorten those rows)",
+                                       "generated from, scored or trained on (shorten those rows)",
                                        style="yellow", markup=False)
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {fmt_number(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
