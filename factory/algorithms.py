@@ -155,13 +155,13 @@ def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: flo
     states -- the same environment state reached by several trajectories -- are here the same turn of the
     same prompt (the states themselves are not compared). A position that only one trajectory of a group
     reached has no comparison: advantage 0, as a group of one. The estimator sees one position at a time,
-    so one that normalises over the batch (reinforce_pp, mean_baseline) compares the batch's turns at that
-    position, never a first turn with a third."""
+    so what it takes over the batch (reinforce_pp's and mean_baseline's mean and std, reinforce_pp_baseline's
+    std) is over the batch's turns at that position, never a first turn with a third; like a group's, a
+    position few trajectories reach is normalised over those few."""
     lengths = [int(r.numel()) for r in turn_rewards]
     if not sum(lengths):
         return [r.new_zeros(0) for r in turn_rewards]
-    returns, cell, _ = _turn_cells(turn_rewards, group_ids, gamma)
-    position = torch.cat([torch.arange(k) for k in lengths])  # [sum K]
+    returns, cell, _, position = _turn_cells(turn_rewards, group_ids, gamma)
     out = torch.empty_like(returns)
     for k in range(max(lengths)):
         at = position == k
@@ -169,16 +169,18 @@ def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: flo
     return list(torch.split(out, lengths))
 
 
-def _turn_cells(turn_rewards: list[Tensor], group_ids: Tensor, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+def _turn_cells(turn_rewards: list[Tensor], group_ids: Tensor,
+                gamma: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The turns of a batch that has some ([K_i] rewards per trajectory i), flat: each turn's return
     (`discounted_turn_returns`) [sum K], its cell -- (its trajectory's group, its position k), numbered --
-    [sum K], and its trajectory [sum K]. A turn's advantage is standardised within its cell."""
+    [sum K], its trajectory [sum K] and its position k [sum K]. A turn's advantage is standardised within
+    its cell."""
     lengths = [int(r.numel()) for r in turn_rewards]
     returns = torch.cat([discounted_turn_returns(r, gamma) for r in turn_rewards])  # [sum K]
     position = torch.cat([torch.arange(k) for k in lengths])  # [sum K] turn index within its trajectory
     owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [sum K] its trajectory
     _, cell = torch.unique(torch.stack([group_ids[owner], position], 1), dim=0, return_inverse=True)
-    return returns, cell, owner
+    return returns, cell, owner, position
 
 
 # ------------------------------------------------------------------------------------ policy losses
@@ -339,7 +341,7 @@ def turn_dynamic_sampling_keep(turn_rewards: list[Tensor], group_ids: Tensor, ga
     advantage (a group whose trajectory rewards agree may still differ turn by turn)."""
     if not sum(int(r.numel()) for r in turn_rewards):
         return torch.zeros(len(turn_rewards), dtype=torch.bool)
-    returns, cell, owner = _turn_cells(turn_rewards, group_ids, gamma)
+    returns, cell, owner, _ = _turn_cells(turn_rewards, group_ids, gamma)
     _, std = _group_stats(returns, cell)  # [sum K]
     spread = group_ids[owner[std >= eps]].unique()  # the groups with a turn position that spreads
     return torch.isin(group_ids, spread)
