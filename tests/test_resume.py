@@ -213,3 +213,15 @@ def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):
     assert (r.checkpoint, r.step, r.data) == ("step_1", 1, {"epoch": 0, "cursor": 2})
     assert r.unreadable == [f"step_2: {ckpt}/step_2/model.safetensors holds 10 bytes, 1000 were saved"]
     assert "passed over step_2" in r.describe()
+
+
+def test_recorded_source_hashes_compare_by_contents_not_by_where_the_source_was_found():
+    """Sources were keyed by file path (absolute for an installed Factory) before they were keyed by module
+    path: a run started then refused to resume ("rewards changed") with the same code."""
+    from factory.runtime.resume import same_sources
+
+    old = {"/venv/lib/python3.11/site-packages/factory/rewards/math.py": "aa", "rewards/mine.py": "bb"}
+    assert same_sources(old, {"factory/rewards/math.py": "aa", "rewards/mine.py": "bb"})
+    assert not same_sources(old, {"factory/rewards/math.py": "aa", "rewards/mine.py": "cc"})
+    assert not same_sources(old, {"factory/rewards/math.py": "aa"})
+    assert same_sources("x", "x") and not same_sources("x", "y") and not same_sources(None, {"a": "b"})

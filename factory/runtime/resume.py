@@ -132,8 +132,18 @@ def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
     out = [] if run.tags.get("factory.spec_hash") == plan.hashes["spec"] else ["spec"]
     recorded = (_artifact_json(tracker, run.run_id, "plan.json") or {}).get("hashes")
     if recorded:
-        out += [k for k in HASHED_INPUTS if recorded.get(k) != plan.hashes.get(k)]
+        out += [k for k in HASHED_INPUTS if not same_sources(recorded.get(k), plan.hashes.get(k))]
     return out
+
+
+def same_sources(a: Any, b: Any) -> bool:
+    """Whether two recorded hashes of one input say the same: for a {source: sha256} table, the same
+    contents whatever the keys (a reward's source was keyed by its file's path, absolute where Factory
+    lies outside the working directory, before it was keyed by module path: a run started then must still
+    resume with the same code)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return sorted(map(str, a.values())) == sorted(map(str, b.values()))
+    return a == b
 
 
 def newest_checkpoint(directory: Path, run_id: str,
