@@ -346,3 +346,6 @@ def test_an_override_that_gives_a_data_source_another_kind_replaces_it(project):
     assert spec.data.train.size == 8 and spec.data.train.args == {"digits": [1, 1]}  # the same kind: merged
     spec = load_spec(path, ["data.eval={path: data/train.jsonl}", "data.eval={generator: factory.data:arithmetic}"])
     assert spec.data.eval.generator == "factory.data:arithmetic" and spec.data.eval.path is None
+    # a reward node too (`extends` swapped it; an override was refused with "found fn, sum")
+    spec = load_spec(path, ["rewards.total={fn: factory.rewards.math:numeric_match}"])
+    assert spec.rewards["total"].fn == "factory.rewards.math:numeric_match"

@@ -210,7 +210,7 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                 _drop(cfg, key.strip())  # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base)
             else:
                 given = OmegaConf.from_dotlist([item])
-                _swap_sources(cfg, given)
+                _swap_kind(cfg, given, key.strip())
                 cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
@@ -352,19 +352,9 @@ def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
     - a key of a mapping of names (a reward node, a sum's weight, a tool server, a metric, a generator's
       argument) that the spec sets to null is removed, from the base and the spec (JSON Merge Patch's
       rule; a model's field set to null stays null)."""
-    removed = []
     mine = OmegaConf.to_container(own, resolve=False)
-
-    def kind(value: Any, keys: tuple[str, ...]) -> str | None:
-        return next((k for k in keys if k in value), None) if isinstance(value, dict) else None
-
-    theirs, rewards = OmegaConf.to_container(base, resolve=False), mine.get("rewards")
-    swaps = [(f"rewards.{n}", _NODE_KINDS) for n in (rewards if isinstance(rewards, dict) else {})]
-    swaps += [(f"data.{split}", _SOURCE_KINDS) for split in ("train", "eval")]
-    for path, keys in swaps:
-        a, b = value_at(theirs, path), value_at(mine, path)
-        if kind(a, keys) and kind(b, keys) and kind(a, keys) != kind(b, keys):
-            removed.append(path)
+    theirs = OmegaConf.to_container(base, resolve=False)
+    removed = _kind_swaps(theirs, mine)
     for path in _nulls(mine):
         if value_at(theirs, path) is not None and names_an_entry(Spec, tuple(path.split("."))):
             removed.append(path)
@@ -374,15 +364,27 @@ def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
     return removed
 
 
-def _swap_sources(cfg: DictConfig, given: DictConfig) -> None:
-    """An override that gives a data source another kind (`data.train={generator: ...}` over a file) replaces
-    the source whole, as `extends` does (_fit_base); merged key by key it held both and was refused."""
-    theirs, mine = OmegaConf.to_container(cfg, resolve=False), OmegaConf.to_container(given, resolve=False)
-    for path in ("data.train", "data.eval"):
-        a, b = value_at(theirs, path), value_at(mine, path)
-        kinds = [next((k for k in _SOURCE_KINDS if k in v), None) if isinstance(v, dict) else None for v in (a, b)]
-        if kinds[0] and kinds[1] and kinds[0] != kinds[1]:
-            _drop(cfg, path)
+def _kind_swaps(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """The reward nodes and data sources that `mine` gives another kind than `theirs` (a `sum` node made an
+    `fn` one, a generator's source made a file's): each replaces the other whole, its old keys gone."""
+    def kind(value: Any, keys: tuple[str, ...]) -> str | None:
+        return next((k for k in keys if k in value), None) if isinstance(value, dict) else None
+
+    rewards = mine.get("rewards")
+    swaps = [(f"rewards.{n}", _NODE_KINDS) for n in (rewards if isinstance(rewards, dict) else {})]
+    swaps += [(f"data.{split}", _SOURCE_KINDS) for split in ("train", "eval")]
+    return [path for path, keys in swaps
+            if kind(a := value_at(theirs, path), keys) and kind(b := value_at(mine, path), keys)
+            and kind(a, keys) != kind(b, keys)]
+
+
+def _swap_kind(cfg: DictConfig, given: DictConfig, key: str) -> None:
+    """An override that gives a whole reward node or data source another kind (`rewards.total={fn: ...}`
+    over a sum, `data.train={generator: ...}` over a file) replaces it, as `extends` does (_fit_base); merged
+    key by key it held both and was refused. (One key of it, `rewards.b.gate=...`, merges as it always did.)"""
+    mine = OmegaConf.to_container(given, resolve=False)
+    if key in _kind_swaps(OmegaConf.to_container(cfg, resolve=False), mine):
+        _drop(cfg, key)
 
 
 def _is_null(text: str) -> bool:
