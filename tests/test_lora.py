@@ -109,7 +109,7 @@ def test_eval_takes_a_peft_adapter_folder_merged_into_its_base(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == model.config.num_hidden_layers
 
 
-def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_removes(project):
+def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_removes(project, tmp_path):
     """The eval run's `model.path` param was the merged model's temporary folder, gone once evaluated."""
     import yaml
 
@@ -119,3 +119,7 @@ def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_remo
     shown = tracked_model(plan, "/runs/x/step_3")
     assert shown.spec["model"]["path"] == yaml.safe_load(shown.spec_yaml)["model"]["path"] == "/runs/x/step_3"
     assert shown.stages == plan.stages and shown.spec["rollout"] == plan.spec["rollout"]
+    # hashed as shown: every eval of the same adapters has one spec hash, whatever scratch folder it loaded
+    (tmp_path / "scratch").symlink_to(resolve_model("factory:tiny-qwen3"))  # another scratch folder, same model
+    _, again = compile_file(_tiny_spec(project, ""), [f"model.path={tmp_path / 'scratch'}"])
+    assert shown.hashes == tracked_model(again, "/runs/x/step_3").hashes != plan.hashes
