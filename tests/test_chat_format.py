@@ -223,3 +223,14 @@ def test_factory_check_warns_of_a_template_without_the_tool_list_or_the_system_m
     _, plan = compile_file(project.spec(base_spec(project, "ct_list") + "chat_template: prompts/collapse.jinja\n",
                                         "no_tools.yaml"))
     assert plan.warnings == ()  # no tools: nothing to list
+    # without tools, a dropped system message still matters when the spec has data.system_prompt
+    project.file("prompts/sys.jinja", "Be brief.")
+    no_system_no_tools = no_system.split("{% for t in tools %}")[0]
+    project.file("prompts/no_system_no_tools.jinja", no_system_no_tools)
+    text = base_spec(project, "ct_list") + "chat_template: prompts/no_system_no_tools.jinja\n"
+    _, plan = compile_file(project.spec(text, "c.yaml"))
+    assert plan.warnings == ()  # no system message to lose
+    _, plan = compile_file(project.spec(text.replace("data:\n", "data:\n  system_prompt: prompts/sys.jinja\n"), "d.yaml"))
+    assert [w.split(": warning: ")[1] for w in plan.warnings] == [
+        "the chat template drops the system message: data.system_prompt, and a system message of data.prompt, "
+        "would never reach the model"]

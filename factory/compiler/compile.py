@@ -380,12 +380,13 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
 def _check_chat_template(spec: Spec, r: _Report) -> None:
     """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
     the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
-    template or the tokenizer's own, without loading a tokenizer. With tools, a template that never shows
-    the model the tool list, or drops the system message, is a warning (factory.rollout.chat.render_problems)."""
+    template or the tokenizer's own, without loading a tokenizer. A template that never shows the model the
+    tool list (with tools), or drops the system message (with tools or data.system_prompt), is a warning
+    (factory.rollout.chat.render_problems)."""
     from factory.assets import tokenizer_files
     from factory.rollout.chat import prefix_problem, render_problems
 
-    if not spec.tools:
+    if not spec.tools and not spec.data.system_prompt:
         return
     folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
     config_file = folder / "tokenizer_config.json" if folder else None
@@ -414,11 +415,11 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:
-        for warning in render_problems(template, special):
+        for warning in render_problems(template, special, tools=bool(spec.tools)):
             r.warn(path, warning)
     except Exception:  # a template that does not render: prefix_problem (or _check_templates) says why
         pass
-    if spec.rollout.max_turns < 2:
+    if not spec.tools or spec.rollout.max_turns < 2:
         return
     try:
         problem = prefix_problem(template, special)

@@ -140,18 +140,18 @@ def _excerpt(text: str, at: int) -> str:
 
 
 def render_problems(template: str, special_tokens: dict[str, str] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[str]:
-    """What a chat template leaves out of a prompt with tools, each as a sentence: the tool list (a template
-    written for chat alone renders `messages` and ignores `tools`, so the model is never told which tools
-    exist or how to call them) and the system message (data.system_prompt would never reach the model).
-    Text only, as prefix_problem; jinja errors propagate."""
+                    template_kwargs: dict[str, Any] | None = None, *, tools: bool = True) -> list[str]:
+    """What a chat template leaves out of a prompt (with `tools`: one with tools), each as a sentence: the
+    tool list (a template written for chat alone renders `messages` and ignores `tools`, so the model is
+    never told which tools exist or how to call them) and the system message (data.system_prompt would
+    never reach the model). Text only, as prefix_problem; jinja errors propagate."""
     render = compile_template(template)
     messages = _PROBE_CONVERSATION[:2]  # the system message and the user's
-    text = render.render(messages=messages, tools=_PROBE_TOOLS, documents=None, add_generation_prompt=True,
-                         **{**(special_tokens or {}), **(template_kwargs or {})})
+    text = render.render(messages=messages, tools=_PROBE_TOOLS if tools else None, documents=None,
+                         add_generation_prompt=True, **{**(special_tokens or {}), **(template_kwargs or {})})
     out = []
     tool = _PROBE_TOOLS[0]["function"]
-    if tool["name"] not in text and tool["description"] not in text:
+    if tools and tool["name"] not in text and tool["description"] not in text:
         out.append("the chat template does not render the tool list (`tools`): the model is never told which "
                    "tools exist nor how to call them; use a template that lists them (prompts/chatml_tools.jinja)")
     if messages[0]["content"] not in text:
