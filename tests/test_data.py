@@ -166,7 +166,8 @@ def test_a_missing_column_says_when_the_function_has_another_nodes_shape(project
     from factory.reward.graph import required_columns
 
     project.module("rq_shapes", "def grp(prompts, completions, rows):\n    return [0.0]\n"
-                                "def turns(prompt, completion, turn, index):\n    return 0.0\n")
+                                "def turns(prompt, completion, turn, index):\n    return 0.0\n"
+                                "def indexed(prompt, completion, index):\n    return 0.0\n")
     spec = load_spec(project.spec("""\
         name: x
         model: {path: "factory:tiny-qwen3"}
@@ -174,12 +175,15 @@ def test_a_missing_column_says_when_the_function_has_another_nodes_shape(project
         rewards:
           g: {fn: "rq_shapes:grp"}
           t: {fn: "rq_shapes:turns"}
-          total: {sum: {g: 1, t: 1}}
+          i: {fn: "rq_shapes:indexed"}
+          total: {sum: {g: 1, t: 1, i: 1}}
         """))
     assert required_columns(spec) == {
         "rows": "rewards.g, which looks like a group reward: set `group: true` on the node",
         "turn": "rewards.t, which looks like a per-turn reward: set `per: turn` on the node",
         "index": "rewards.t, which looks like a per-turn reward: set `per: turn` on the node"}
+    assert required_columns(spec.model_copy(update={"rewards": {k: v for k, v in spec.rewards.items()
+                                                                if k != "t"}}))["index"] == "rewards.i"  # a column
 
 
 def test_a_limit_reads_only_the_first_rows_of_each_kind_of_source(tmp_path):

@@ -108,7 +108,7 @@ def _shape_hint(names: list[str], column: str) -> str:
     """What a missing column may really say: the function has another node's shape than its node declares."""
     if column == "rows" or names[:2] == ["prompts", "completions"]:
         return ", which looks like a group reward: set `group: true` on the node"
-    if column in ("turn", "index"):
+    if column == "turn" or (column == "index" and "turn" in names):  # (`index` alone is a common column)
         return ", which looks like a per-turn reward: set `per: turn` on the node"
     return ""
 
