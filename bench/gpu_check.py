@@ -143,7 +143,8 @@ def judge(check: Check, history: dict[str, list[tuple[int, float]]], resolved: d
         problems.append("TIS was asked for but no actor/tis_weight_mean was logged")
     result = {"ok": not problems, "wall_s": round(wall, 1),
               "generate_tokens_per_s": round(after_sync("perf/generate_tokens_per_s", timed=True), 1),
-              "step_s": round(after_sync("timing/step_s", timed=True), 3), "update_s": round(after_sync("timing/update_s", timed=True), 3),
+              "step_s": round(after_sync("timing/step_s", timed=True), 3),
+              "update_s": round(after_sync("timing/update_s", timed=True), 3),
               "weight_sync_s": round(after_sync("timing/weight_sync_s", timed=True), 3),
               "weight_sync_mb": round(after_sync("perf/weight_sync_mb"), 2),
               "logprob_diff_mean": diff_mean, "logprob_diff_max": diff_max,

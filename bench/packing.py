@@ -3,8 +3,8 @@
     python bench/packing.py [--prompts 4] [--repeats 2] [--model factory:smollm2-135m-instruct] [--quick]
 
 The learner (a real DeepSpeed engine, as the update stage runs it) takes one training step on the same
-trajectories with `train.packing: off` and `on`, alternated `--repeats` times (each layout's engine takes one unmeasured step first); everything else is the
-spec's default (share_prefix on, micro-batches of 8, bf16 autocast where the CPU has it). Two batches:
+trajectories with `train.packing: off` and `on`, alternated `--repeats` times (each layout's engine takes one
+unmeasured step first); everything else is the spec's default (share_prefix on, micro-batches of 8, bf16 autocast where the CPU has it). Two batches:
 
   deepsearch  DeepSearch-shaped (specs/deepsearch-cpu.yaml): a ~250-token few-shot block every prompt
               shares, a question of 10-40 tokens, 8 samples per prompt whose responses (model turns and

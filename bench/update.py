@@ -159,7 +159,8 @@ def main(a: argparse.Namespace) -> dict:
     # #28's target is for the float32 update (an AVX2 CPU); on a bf16 CPU the ratio is printed, not judged
     targets = {"update_flops_over_matmul": (">=", 0.5)} if dtype == "float32" else {}
     return {**judge_targets({"update_flops_over_matmul": round(ratio, 3)}, targets, source="issue #28, float32"),
-            "update_flops_over_matmul": round(ratio, 3), "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
+            "update_flops_over_matmul": round(ratio, 3),
+            "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
             "matmul_gflops": round(median([r[4] for r in rows]), 1), "update_dtype": dtype,
             "profile_shares": {k: round(v, 3) for k, v in shares.items()},
             "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, "cpu": cpu()}

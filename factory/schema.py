@@ -693,7 +693,8 @@ class StageResources(Section):
     """GPUs reserved for each replica (Ray's `num_gpus`; Ray sets CUDA_VISIBLE_DEVICES to them)."""
     custom: dict[str, Annotated[float, Field(ge=0)]] = {}
     """Ray custom resources each replica needs: `{node_b: 1}` places it on a node started with
-    `ray start --resources '{"node_b": 1}'`."""
+    `ray start --resources '{"node_b": 1}'`. Amounts >= 0, in steps of 0.0001 at the finest (Ray's); not
+    `CPU` or `GPU` (num_cpus, num_gpus)."""
 
     @field_validator("custom")
     @classmethod

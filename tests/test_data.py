@@ -65,7 +65,7 @@ def test_jsonl_and_epoch_wrap(tmp_path):
 
 def test_bad_file_type(tmp_path):
     (tmp_path / "d.csv").write_text("a")
-    with pytest.raises(ValueError, match="must be .parquet or .jsonl"):
+    with pytest.raises(ValueError, match="must be .parquet, .jsonl or .json"):
         load_rows(DataSource(path=str(tmp_path / "d.csv")), seed=0)
 
 

@@ -286,7 +286,8 @@ def test_the_models_context_is_read_from_its_config(tmp_path):
 
     import json
 
-    for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None), ({"max_position_embeddings": "x"}, None),
+    for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None),
+                         ({"max_position_embeddings": "x"}, None),
                          ({"text_config": {"max_position_embeddings": 8192}}, 8192)):  # a multimodal model's
         (tmp_path / "config.json").write_text(json.dumps(fields))
         assert _context_tokens(str(tmp_path)) == want

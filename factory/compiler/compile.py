@@ -367,7 +367,8 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     for path, name, chat in _templates(spec):
         found = find_file(name, r.source.base_dir)
         if found is None:
-            r.error(path, f"template file not found: {name}{'' if os.path.isabs(name) else _looked_in(r.source.base_dir)}")
+            where = "" if os.path.isabs(name) else _looked_in(r.source.base_dir)
+            r.error(path, f"template file not found: {name}{where}")
             continue
         _warn_shadowed(r, path, name)
         problem = template_problem(found, chat_template=chat)
@@ -442,7 +443,7 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             if found is None:
                 r.error(f"data.{split}.path", _missing_data(source.path, r.source.base_dir))
             elif found.suffix not in (".parquet", ".jsonl", ".json"):
-                r.error(f"data.{split}.path", f"data files must be .parquet or .jsonl, got {source.path}")
+                r.error(f"data.{split}.path", f"data files must be .parquet, .jsonl or .json, got {source.path}")
             else:
                 hashes[split] = {"path": source.path, "sha256": sha256_file(found)}
             continue

@@ -74,7 +74,7 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
         if problems:
             raise DataError(_listed(problems))
         return rows, origins
-    raise DataError(f"{source.path}: data files must be .parquet or .jsonl")
+    raise DataError(f"{source.path}: data files must be .parquet, .jsonl or .json")
 
 
 def _starts_with(path: Path, char: str) -> bool:

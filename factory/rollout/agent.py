@@ -59,8 +59,9 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     (ToolCall.origin, what a replay finds its recorded answer by). `context`: the model's context in
     tokens (None: not known), which the prompt and the response must fit together: a prompt that leaves
     no room is not generated from (stop reason `prompt_too_long`; the reward stage drops it), a turn is cut
-    where the context ends, and tool results that would not fit end the episode (an engine given more either refuses it or, as transformers does, computes attention
-    over all of it: a 250k-character row filled the machine's memory)."""
+    where the context ends, and tool results that would not fit end the episode (an engine given more either
+    refuses it or, as transformers does, computes attention over all of it: a 250k-character row filled the
+    machine's memory)."""
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
     mask: list[int] = []

@@ -333,8 +333,9 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
 
 def start_error(name: str, e: ray.exceptions.RayError) -> BaseException:
     """What to raise when stage `name`'s setup failed with `e`: a UserError as the stage raised it, its
-    message naming the stage (bad input, exit 2), anything else as a StageStartError that says which stage and why in one message (Ray's own text of a
-    task's error is the remote traceback, which says nothing more to a user)."""
+    message naming the stage (bad input, exit 2), anything else as a StageStartError that says which stage
+    and why in one message (Ray's own text of a task's error is the remote traceback, which says nothing
+    more to a user)."""
     from factory.util import UserError
 
     if isinstance(e, ray.exceptions.RayTaskError):  # setup raised
