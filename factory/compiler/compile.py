@@ -337,6 +337,7 @@ def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
                     f"{want:g} GPU{'s' if want != 1 else ''} reserved but this machine has {found}; set "
                     f"{path}.num_gpus=0 to run this stage on the CPU, or join a Ray cluster that has "
                     "GPUs (resources.ray_address or $RAY_ADDRESS)")
+    _check_local_room(spec, r, len(cuda_devices()))
     if warning := half_precision_warning(stage_device(res.rollout.num_gpus), spec.rollout.dtype):
         r.warn("rollout.dtype", warning)  # (auto is not a dtype: it never warns, it picks float32 there)
     if warning := half_precision_warning(stage_device(res.update.num_gpus), spec.model.dtype):
@@ -345,6 +346,37 @@ def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
         if (isinstance(node, JudgeNode) and node.local is not None
                 and (warning := half_precision_warning(stage_device(node.local.num_gpus), node.local.dtype))):
             r.warn(f"rewards.{name}.local.dtype", warning)
+
+
+def _check_local_room(spec: Spec, r: _Report, gpus: int) -> None:
+    """What a local Ray (one node: this machine's CPUs and CUDA devices, no custom resources) can never hold
+    is said before it starts, not found at placement (or after 10 minutes' wait there): custom resources,
+    STRICT_SPREAD over several replicas, and the stages' CPUs or GPUs together past the machine's (each
+    stage's placement group holds its share for the whole run). Warnings: `factory plan` of a spec meant for
+    a cluster, on a laptop, is legitimate."""
+    res = spec.resources
+    stages = [(f"resources.{name}", getattr(res, name), getattr(getattr(res, name), "replicas", 1))
+              for name in ("rollout", "update", "reward", "tools")]
+    stages += [(f"rewards.{name}.local", node.local, 1) for name, node in spec.rewards.items()
+               if isinstance(node, JudgeNode) and node.local is not None]
+    join = "join a Ray cluster that has it (resources.ray_address or $RAY_ADDRESS)"
+    for path, want, replicas in stages:
+        for key in getattr(want, "custom", {}) or {}:
+            r.warn(f"{path}.custom", f"custom resource {key!r} exists only on a Ray cluster's nodes started with "
+                                      f"`ray start --resources`; a local Ray has none: {join}, or remove it")
+        if getattr(want, "strategy", "PACK") == "STRICT_SPREAD" and replicas > 1:
+            r.warn(f"{path}.strategy", f"STRICT_SPREAD puts each of the {replicas} replicas on its own node; a local "
+                                        f"Ray is one node: use PACK or SPREAD, or {join.replace(' that has it', '')}")
+    cpus = os.cpu_count() or 1
+    for key, have, unit in (("num_cpus", cpus, "CPU"), ("num_gpus", gpus, "GPU")):
+        asks = [(path, getattr(want, key) * replicas) for path, want, replicas in stages if getattr(want, key) > 0]
+        total = sum(n for _, n in asks)
+        if total > have and (key == "num_cpus" or all(n <= have for _, n in asks)):  # one stage past: said above
+            listed = ", ".join(f"{path}.{key} {n:g}" for path, n in asks)
+            r.warn(f"{asks[-1][0]}.{key}",
+                    f"the stages reserve {total:g} {unit}s in all ({listed}, replicas counted) but a local Ray has "
+                    f"{have} (this machine's); a placement group holds its share for the whole run, so the run "
+                    f"would wait at placement: reserve less, or {join.replace('it', 'them')}")
 
 
 def _templates(spec: Spec) -> list[tuple[str, str, bool]]:

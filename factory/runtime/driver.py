@@ -37,7 +37,7 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import RayStartError, StageStartError, check_infra
+from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, reap_orphans)
 from factory.runtime.startup import Startup
@@ -91,7 +91,18 @@ def start_ray(cluster: ClusterSettings) -> None:
         where = (f"join the Ray cluster at {cluster.ray_address}" if cluster.ray_address else
                  f"start a local Ray (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
         first = (str(e).strip().splitlines() or [""])[0]
-        raise RayStartError(f"could not {where}: {type(e).__name__}: {first}") from e
+        raise RayStartError(f"could not {where}: {type(e).__name__}: {first}{auth_hint(cluster)}") from e
+
+
+def auth_hint(cluster: ClusterSettings) -> str:
+    """When joining without a token failed: Ray (2.60) gives an explicit address no token unless
+    RAY_AUTH_MODE=token, while `ray start --head` takes token authentication wherever ~/.ray/auth_token
+    exists (Ray writes it at a plain local `ray.init()`): its "Failed to connect" says nothing of it."""
+    if not cluster.ray_address or os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return ""
+    return ("; if the cluster uses token authentication (what `ray start` does where ~/.ray/auth_token exists; "
+            "its log says 'InvalidAuthToken'), set RAY_AUTH_MODE=token, with the cluster's token in "
+            "~/.ray/auth_token or $RAY_AUTH_TOKEN")
 
 
 def _start_ray(cluster: ClusterSettings) -> None:
@@ -257,13 +268,13 @@ def _placement_group(stage: Stage) -> Any:
     total = ray.cluster_resources()
     short = [k for k, v in stage.resources.items() if total.get(k, 0.0) < v * stage.replicas]
     if short:  # Ray would wait forever for bundles the cluster cannot hold
-        raise RuntimeError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray cluster "
+        raise PlacementError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray cluster "
                            f"has {({k: total.get(k, 0.0) for k in short})} in all: reserve less for it (the "
                            "spec's `resources`) or add nodes")
     pg = placement_group([dict(stage.resources)] * stage.replicas, strategy=stage.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
-        raise RuntimeError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
+        raise PlacementError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
                            f"no room in {PLACEMENT_TIMEOUT_S} s; free: {ray.available_resources()}")
     return pg
 
@@ -838,11 +849,29 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
         groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
         startup.lap("stages")
         record.update()
-        yield groups, record
+        try:
+            yield groups, record
+        except LOST as e:
+            raise lost_error(e) from e
     finally:
         teardown(groups)
         ray.shutdown()
         record.close()
+
+
+# What Ray raises when a stage's process, its node or the cluster itself went away (a replica killed or out
+# of memory, a node or the head stopped): an infrastructure failure that `--resume` continues from.
+LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError,
+        ray.exceptions.WorkerCrashedError, ray.exceptions.LocalRayletDiedError, ray.exceptions.RaySystemError)
+
+
+def lost_error(e: BaseException) -> StageLostError:
+    """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
+    from its newest checkpoint."""
+    said = (str(e).strip().splitlines() or [""])[0][:300]
+    return StageLostError(f"a stage's process or the Ray cluster went away mid-run ({type(e).__name__}: {said}); "
+                          "`factory run SPEC --resume` continues the run from its newest checkpoint, on this "
+                          "cluster once it is back or on another")
 
 
 def eval_stages(plan: Plan) -> Plan:

@@ -26,6 +26,17 @@ class StageStartError(InfraFailure):
     run cannot begin. `factory run` exits 3 with the stage and the cause in one message, no traceback."""
 
 
+class PlacementError(InfraFailure):
+    """A stage's reservation that the Ray cluster cannot hold, or found no room for in time: exit 3 naming the
+    stage, what it asked for and what the cluster has, not an internal error."""
+
+
+class StageLostError(InfraFailure):
+    """A stage's process, its node or the whole Ray cluster went away mid-run (a node killed, the head
+    stopped, a replica out of memory): exit 3, saying that `--resume` continues the run, not an internal
+    error with a remote traceback."""
+
+
 def infra_causes(t: Any) -> list[str]:
     """What failed from infrastructure in one scored trajectory: each tool whose call failed on our side
     (`tool <name>: <kind>`) and each judge node whose request failed (`judge <node>: <error>`)."""

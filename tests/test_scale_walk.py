@@ -1,0 +1,86 @@
+"""Scaling out on one machine (found by a walkthrough of docs/scale.md): joining a cluster that uses token
+authentication, placement that cannot succeed, and a cluster that goes away mid-run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from factory.compiler.compile import compile_file
+from tests.test_settings import _spec
+
+
+def test_a_join_that_fails_says_how_to_join_a_cluster_with_token_authentication(monkeypatch):
+    """`ray start --head` (Ray 2.60) takes token authentication where ~/.ray/auth_token exists; joining it
+    said only 'ConnectionError: Failed to connect to Ray cluster at ...' (the docs' recipe, as written)."""
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.runtime.health import RayStartError
+
+    def refused(cluster):
+        raise ConnectionError("Failed to connect to Ray cluster at 192.0.2.2:1")
+
+    monkeypatch.setattr(driver, "_start_ray", refused)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(RayStartError, match=r"^could not join the Ray cluster at 127\.0\.0\.1:1: ConnectionError: "
+                                            r"Failed to connect .*; if the cluster uses token authentication .*set "
+                                            r"RAY_AUTH_MODE=token"):
+        driver.start_ray(ClusterSettings(ray_address="127.0.0.1:1", object_store_gb=1.0))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # a token was used: nothing to add
+    with pytest.raises(RayStartError, match=r"192\.0\.2\.2:1$"):
+        driver.start_ray(ClusterSettings(ray_address="127.0.0.1:1", object_store_gb=1.0))
+    with pytest.raises(RayStartError, match=r"^could not start a local Ray"):  # not a join: nothing to add
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+
+
+def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monkeypatch):
+    """It said 'internal error: RuntimeError' and exited 1."""
+    import ray
+
+    from factory.plan import Stage
+    from factory.runtime import driver
+    from factory.runtime.health import InfraFailure, PlacementError
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    stage = Stage.__new__(Stage)
+    object.__setattr__(stage, "name", "rollout")
+    object.__setattr__(stage, "resources", {"CPU": 8.0})
+    object.__setattr__(stage, "replicas", 1)
+    object.__setattr__(stage, "strategy", "PACK")
+    with pytest.raises(PlacementError, match=r"stage 'rollout' needs 1 x \{'CPU': 8\.0\} but the Ray cluster has "
+                                             r"\{'CPU': 2\.0\}"):
+        driver._placement_group(stage)
+    assert issubclass(PlacementError, InfraFailure)  # exit 3
+
+
+def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume():
+    """The head node killed during a step: 'internal error: ActorUnavailableError', exit 1, nothing about
+    --resume."""
+    import ray
+
+    from factory.runtime.driver import LOST, lost_error
+    from factory.runtime.health import InfraFailure
+
+    e = ray.exceptions.ActorUnavailableError("The actor abc is unavailable: RpcError: Socket closed", b"\0" * 16)
+    assert isinstance(e, LOST)
+    said = lost_error(e)
+    assert isinstance(said, InfraFailure)
+    assert str(said).startswith("a stage's process or the Ray cluster went away mid-run (ActorUnavailableError: ")
+    assert "factory run SPEC --resume" in str(said)
+
+
+def test_what_a_local_ray_cannot_hold_is_said_before_a_run(project, monkeypatch):
+    """Custom resources and STRICT_SPREAD on a local Ray, and the stages' CPUs together past the machine's:
+    `factory check` said ok; the run then stopped at placement, or waited there 10 minutes in silence."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    path = _spec(project, "sw_room", "resources:\n  rollout: {replicas: 2, num_cpus: 1, strategy: STRICT_SPREAD}\n"
+                                     "  update: {num_cpus: 1}\n  tools: {custom: {node_b: 1}}\n")
+    _, plan = compile_file(path)
+    said = "\n".join(plan.warnings)
+    assert "resources.tools.custom: warning: custom resource 'node_b' exists only on a Ray cluster" in said
+    assert "resources.rollout.strategy: warning: STRICT_SPREAD puts each of the 2 replicas on its own node" in said
+    assert ("resources.update.num_cpus: warning: the stages reserve 3 CPUs in all (resources.rollout.num_cpus 2, "
+            "resources.update.num_cpus 1, replicas counted) but a local Ray has 2") in said
+    _, joined = compile_file(path, ["resources.ray_address=127.0.0.1:1"])  # a cluster's nodes decide
+    assert not [w for w in joined.warnings if "local Ray" in w]
