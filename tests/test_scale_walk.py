@@ -52,6 +52,21 @@ def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monk
         driver._placement_group(stage)
     assert issubclass(PlacementError, InfraFailure)  # exit 3
 
+    class NeverReady:  # room the run's other stages hold: the wait ends, naming only what the stage asks for
+        def ready(self):
+            return "ref"
+
+    object.__setattr__(stage, "resources", {"CPU": 1.0})
+    monkeypatch.setattr(driver, "PLACEMENT_TIMEOUT_S", 0)
+    import sys
+
+    monkeypatch.setattr(sys.modules["ray.util.placement_group"], "placement_group", lambda *a, **k: NeverReady())
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0, "memory": 2.4e10, "bundle_group_0_ab": 999.9})
+    with pytest.raises(PlacementError, match=r"^stage 'rollout': 1 x \{'CPU': 1\.0\} \(PACK\) found no room in 0 s; "
+                                             r"free: \{'CPU': 0\.0\} of \{'CPU': 2\.0\} \(the run's other stages"):
+        driver._placement_group(stage)
+
 
 def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume():
     """The head node killed during a step: 'internal error: ActorUnavailableError', exit 1, nothing about

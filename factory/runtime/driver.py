@@ -269,13 +269,17 @@ def _placement_group(stage: Stage) -> Any:
     short = [k for k, v in stage.resources.items() if total.get(k, 0.0) < v * stage.replicas]
     if short:  # Ray would wait forever for bundles the cluster cannot hold
         raise PlacementError(f"stage {stage.name!r} needs {stage.replicas} x {stage.resources} but the Ray cluster "
-                           f"has {({k: total.get(k, 0.0) for k in short})} in all: reserve less for it (the "
-                           "spec's `resources`) or add nodes")
+                             f"has {({k: total.get(k, 0.0) for k in short})} in all: reserve less for it (the "
+                             "spec's `resources`) or add nodes")
     pg = placement_group([dict(stage.resources)] * stage.replicas, strategy=stage.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
+        free = ray.available_resources()  # only what the stage asks for: not Ray's bundle and memory entries
         raise PlacementError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
-                           f"no room in {PLACEMENT_TIMEOUT_S} s; free: {ray.available_resources()}")
+                             f"no room in {PLACEMENT_TIMEOUT_S} s; free: "
+                             f"{({k: free.get(k, 0.0) for k in stage.resources})} of "
+                             f"{({k: total.get(k, 0.0) for k in stage.resources})} (the run's other stages and other "
+                             "jobs hold the rest): reserve less (the spec's `resources`) or add nodes")
     return pg
 
 
