@@ -1,4 +1,4 @@
-"""Scaling out on one machine (found by a walkthrough of docs/scale.md): joining a cluster that uses token
+"""Scaling out on one machine (docs/scale.md, as a walkthrough tried it): joining a cluster that uses token
 authentication, placement that cannot succeed, and a cluster that goes away mid-run."""
 from __future__ import annotations
 
