@@ -67,6 +67,7 @@ def test_summary_names_the_run_and_the_ui_command():
         RunResult("abc", {}, {}, "/elsewhere/x/step_8"), experiment="e", experiment_id="3", uri="sqlite:///m.db",
         wall_s=6)
     assert "final model (HF folder): /elsewhere/x/step_8/hf\n" in out.getvalue()
+    assert "no held-out evaluation was made (data.eval is not set" in out.getvalue() and "metric" not in out.getvalue()
 
 
 def test_a_stopped_runs_summary_shows_no_final_evaluation_it_did_not_make():

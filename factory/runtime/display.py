@@ -104,14 +104,18 @@ class Display:
         ended = (f"halted after step {result.last_step}" if result.halted else
                  f"stopped after step {result.last_step}" if result.stopped else "finished")
         self.console.print(f"Factory run {ended}", style="bold")  # not the table's title: rich wraps it to the table
-        table = Table(show_header=True)
-        table.add_column("metric")
-        table.add_column("step 0", justify="right")
-        if result.after_step:
-            table.add_column(f"step {result.after_step}", justify="right")
-        for k in sorted(set(before) | set(after)):
-            table.add_row(k, fmt_number(before.get(k)), *([fmt_number(after.get(k))] if result.after_step else []))
-        self.console.print(table)
+        if before or after:
+            table = Table(show_header=True)
+            table.add_column("metric")
+            table.add_column("step 0", justify="right")
+            if result.after_step:
+                table.add_column(f"step {result.after_step}", justify="right")
+            for k in sorted(set(before) | set(after)):
+                table.add_row(k, fmt_number(before.get(k)),
+                              *([fmt_number(after.get(k))] if result.after_step else []))
+            self.console.print(table)
+        else:  # (an empty table with its header alone said nothing)
+            self.console.print("no held-out evaluation was made (data.eval is not set, or the run ended before one)")
         if self.steps_shown and not self.trained_rows:
             self.console.print(f"warning: none of the {self.steps_shown} steps trained a row (the step lines say "
                                "why): the model is the one it started from", style="yellow")
