@@ -680,6 +680,12 @@ def test_placement_the_cluster_cannot_honour_is_a_spec_error(project, monkeypatc
     assert _errors(project.spec(_base(project, "rc_ranks")), ["resources.update.replicas=2"]) == (
         "<override 1>: resources.update.replicas: 2 DeepSpeed ranks need ZeRO stage 1, 2 or 3: set "
         "train.deepspeed.zero_stage (1 shards only the optimizer states)\n1 error in spec.yaml")
+    # more rollout replicas than prompts a step: some generate nothing (it ran without a word)
+    _, plan = compile_file(project.spec(_base(project, "rc_ranks")), ["resources.rollout.replicas=3",
+                                                                      "train.prompts_per_step=2"])
+    assert [w for w in plan.warnings if "rollout replicas" in w] == [
+        "<override 1>: resources.rollout.replicas: warning: 3 rollout replicas share train.prompts_per_step 2 "
+        "prompts a step: 1 of them would generate nothing; use at most 2 replicas"]
 
 
 def test_a_stop_on_monitor_that_can_never_fire_is_refused(project):

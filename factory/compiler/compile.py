@@ -780,6 +780,11 @@ def _check_resources(spec: Spec, r: _Report) -> None:
     if update.replicas > 1 and spec.train.deepspeed.zero_stage == 0:
         r.error("resources.update.replicas", f"{update.replicas} DeepSpeed ranks need ZeRO stage 1, 2 or 3: "
                                              "set train.deepspeed.zero_stage (1 shards only the optimizer states)")
+    rollout, prompts = spec.resources.rollout, spec.train.prompts_per_step
+    if rollout.replicas > prompts:  # the replicas share a step's prompts, each prompt's group on one of them
+        r.warn("resources.rollout.replicas", f"{rollout.replicas} rollout replicas share train.prompts_per_step "
+                                             f"{prompts} prompts a step: {rollout.replicas - prompts} of them would "
+                                             f"generate nothing; use at most {prompts} replicas")
 
 
 # Fields of the resolved algorithm that live elsewhere in the spec's `algorithm` section.
