@@ -181,8 +181,10 @@ def wait_for(root: Path, patterns: tuple[str, ...], proc: subprocess.Popen, time
         ips |= listening(procs.values())
         for p in procs.values():  # the local Ray's auth, as its GCS's environment says
             try:
-                if "gcs_server" in p.name():
-                    GCS_AUTH.add(p.environ().get("RAY_AUTH_MODE", "unset"))
+                # (an empty environment is a process read while it execs, not one started without the
+                # setting: that one would still hold PATH and the rest; seen once, as 'unset')
+                if "gcs_server" in p.name() and (environ := p.environ()):
+                    GCS_AUTH.add(environ.get("RAY_AUTH_MODE", "unset"))
             except psutil.Error:
                 pass
         time.sleep(0.5)
