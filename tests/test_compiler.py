@@ -830,3 +830,19 @@ def test_a_template_that_includes_another_is_refused_at_its_key(project):
         "spec.yaml:5: data.prompt: prompts/inc.jinja names another template ('shots.jinja') by include, import or "
         "extends: a template is read alone, without the files it names; write that template's text into this one\n"
         "1 error in spec.yaml")
+
+
+def test_a_relative_model_folder_beside_the_spec_is_found_there(project):
+    """`model.path: models/x` in conf/spec.yaml was looked for in the working directory only, then taken as a
+    hub id ("not in the local Hugging Face cache"), while data files and templates are looked for beside the
+    spec too. The plan shows the path as written; the stages get the folder found."""
+    project.file("conf/models/ok/config.json", "{}")
+    project.file("conf/models/ok/model.safetensors")
+    base = _base(project, "rc_model_beside")
+    project.spec(base.replace('"factory:tiny-qwen3"', '"models/ok", tokenizer: models/ok'), "conf/spec.yaml")
+    plan = compile_file("conf/spec.yaml")[1]
+    assert plan.spec["model"]["path"] == "models/ok"
+    assert {m for s in plan.stages for m in s.settings.models()} == {"conf/models/ok"}
+    project.file("models/ok/config.json", "{}")  # the working directory's own is taken first, as for data files
+    project.file("models/ok/model.safetensors")
+    assert {m for s in compile_file("conf/spec.yaml")[1].stages for m in s.settings.models()} == {"models/ok"}

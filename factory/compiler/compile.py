@@ -1028,6 +1028,24 @@ def _rebased(spec: Spec, source: SpecSource) -> Spec:
     return spec
 
 
+def _models_beside(spec: Spec, base_dir: Path) -> Spec:
+    """The spec with each relative model folder (the model, its tokenizer, local judges) that the working
+    directory lacks and the spec's folder holds taken from there, as data files and templates are (a spec in
+    a project folder naming `models/x` was looked up in the working directory only, then as a hub id)."""
+    def beside(path: str | None) -> str | None:
+        if path is None or path.startswith("factory:") or os.path.isabs(path) or Path(path).expanduser().exists():
+            return path
+        folder = Path(base_dir) / path
+        return shown_path(folder) if folder.is_dir() else path
+
+    spec = _with(spec, ("model",), spec.model.model_copy(update={"path": beside(spec.model.path),
+                                                                 "tokenizer": beside(spec.model.tokenizer)}))
+    for name, node in spec.rewards.items():
+        if isinstance(node, JudgeNode) and node.local is not None:
+            spec = _with(spec, ("rewards", name, "local", "path"), beside(node.local.path))
+    return spec
+
+
 def _with(model: Any, parts: Sequence[str], value: Any) -> Any:
     """`model` (a pydantic model, or a dict of them) with the value at `parts` replaced, the rest shared."""
     if not parts:
@@ -1043,6 +1061,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     """The plan and every error found; the plan is None when there are errors. `weights`: see `compile_file`."""
     broken = broken or {}
     spec = _rebased(spec, source)
+    shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
+    spec = _models_beside(spec, source.base_dir)  # checked and run where found; shown and hashed as written
     r = _Report(source)
     ray_address = cluster_address(spec)  # decided here, once: the driver joins it (or starts a Ray of its own)
     _check_model(spec, r, joins=ray_address is not None, weights=weights)
@@ -1065,7 +1085,6 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     if r.errors or train is None or algorithm is None:  # (train is None without errors: a broken node was dropped)
         return None, r.errors
     assert train is not None and algorithm is not None  # no errors: both were resolved
-    shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
     hashes: dict[str, Any] = {
         "spec": sha256_json(shown),
         "templates": templates,
