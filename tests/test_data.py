@@ -95,7 +95,7 @@ def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
         "rows.jsonl:4: column 'question' must be a string, got int",
         "rows.jsonl:5: message 0: content must be a string, got list",
         "rows.jsonl:6: message 0: role must be one of system, user, assistant, tool, got 'robot'",
-        "rows.jsonl:7: expected a non-empty list of chat messages, got list",
+        "rows.jsonl:7: expected a non-empty list of chat messages, got an empty list",
         "rows.jsonl:8: expected an object of columns, got list",
         "rows.jsonl:9: a row needs a `prompt` messages column, a `question` column or data.prompt",
     ]

@@ -160,7 +160,8 @@ def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
 def check_messages(messages: Any) -> None:
     """Chat messages as templates and the rollout expect them: a non-empty list of {role, content}."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"expected a non-empty list of chat messages, got {_kind(messages)}")
+        got = _kind(messages) if messages else "an empty list"
+        raise ValueError(f"expected a non-empty list of chat messages, got {got}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"message {i}: expected an object with role and content, got {_kind(m)}")
