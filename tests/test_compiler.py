@@ -846,3 +846,27 @@ def test_a_relative_model_folder_beside_the_spec_is_found_there(project):
     project.file("models/ok/config.json", "{}")  # the working directory's own is taken first, as for data files
     project.file("models/ok/model.safetensors")
     assert {m for s in compile_file("conf/spec.yaml")[1].stages for m in s.settings.models()} == {"models/ok"}
+
+
+def test_a_judge_template_reads_columns_every_row_must_have_and_must_not_print_a_null(project):
+    """A judge prompt (or a tool node's arguments) reading a column the data lacks passed check, and every
+    judge call of the run then failed ("judge template: UndefinedError"); one printing a null column sent the
+    judge the text `None`. Both are row problems now, found at check; `is defined` makes a column optional."""
+    rows = ['{"question": "1+1?", "answer": "2", "context": "sums"}', '{"question": "2+2?", "answer": "4"}',
+            '{"question": "3+3?", "answer": "6", "context": null}']
+    project.file("data/rows.jsonl", "\n".join(rows) + "\n")
+    project.file("prompts/judge.jinja", "Q: {{ prompt }}\nContext: {{ context }}\nGold: {{ answer }}\n"
+                                        "{% if hint is defined %}{{ hint }}{% endif %}A: {{ completion }}")
+    base = _base(project, "rc_judge_cols").replace("  train: {generator: factory.data:arithmetic, size: 8}\n",
+                                                   "  train: {path: data/rows.jsonl}\n")
+    judge = "  judge: {llm_judge: prompts/judge.jinja, endpoint: 'http://127.0.0.1:1/v1'}\n"
+    assert _errors(project.spec(base + judge)) == (
+        "spec.yaml:4: data.train.path: data/rows.jsonl:2: missing column 'context' (needed by rewards.judge)\n"
+        "data/rows.jsonl:3: rewards.judge's template printed a null value (a column that is null in this row) where "
+        "the prompt would read 'None'; write `{{ x or '' }}` or `{% if x %}` where a column may be null\n"
+        "1 error in spec.yaml")
+    project.file("data/rows.jsonl", rows[0] + "\n" + rows[2].replace("null", '"" ') + "\n")
+    compile_file(project.spec(base + judge))
+    # a tool node's arguments are read the same way
+    tool = "  score: {tool: calc.check, arguments: {expected: '{{ gold }}', got: '{{ completion }}'}}\n"
+    assert "missing column 'gold' (needed by rewards.score.arguments.expected)" in _errors(project.spec(base + tool))

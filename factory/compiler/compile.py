@@ -525,13 +525,37 @@ def _looked_in(base_dir: Path) -> str:
 CHECKED_ROWS = 10_000
 
 
-def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[str, Callable[..., Any]]) -> None:
+def _reward_templates(spec: Spec, base_dir: Path) -> dict[str, tuple[str, str]]:
+    """The reward graph's templates rendered with a row: where (`judge`, `score.arguments.query`) -> (node,
+    text), a judge's prompt and a tool node's arguments; a judge prompt that cannot be read is left out
+    (_check_templates says why)."""
+    out: dict[str, tuple[str, str]] = {}
+    for name, node in spec.rewards.items():
+        if isinstance(node, JudgeNode) and (found := find_file(node.llm_judge, base_dir)) is not None:
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                out[name] = (name, found.read_text(encoding="utf-8"))
+        elif isinstance(node, ToolNode):
+            out |= {f"{name}.arguments.{k}": (name, text) for k, text in node.arguments.items()}
+    return out
+
+
+def _required(spec: Spec, fns: Mapping[str, Callable[..., Any]], base_dir: Path) -> dict[str, str]:
+    """The data columns the reward graph needs (column -> who): its functions' parameters, then what its
+    templates read."""
+    from factory.reward.graph import required_columns, template_columns
+
+    return template_columns(spec, _reward_templates(spec, base_dir)) | required_columns(spec, fns)
+
+
+def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mapping[str, str]) -> None:
     """The first CHECKED_ROWS rows of each source that `_check_data` found (`data`), read and checked as
-    the data stage checks them all before the first step (JSON, the columns the reward functions need, the
-    prompt rendered): a bad row is found here, at the source's key, not after Ray and every stage have
-    started. An empty training split is an error, an empty eval split a warning (no held-out evaluation)."""
-    from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source
-    from factory.reward.graph import required_columns
+    the data stage checks them all before the first step (JSON, the columns the reward graph needs
+    (`required`), the prompt rendered), and with no null printed into the reward graph's templates: a bad row
+    is found here, at the source's key, not after Ray and every stage have started. An empty training split
+    is an error, an empty eval split a warning (no held-out evaluation)."""
+    import jinja2
+
+    from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source, row_template_env
 
     if any(e.path in ("data.prompt", "data.system_prompt") for e in r.errors):
         return  # a template _check_templates refused (one that includes another compiles, and fails every row)
@@ -539,7 +563,10 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
         renderer = PromptRenderer(spec.data, r.source.base_dir)
     except Exception:  # a template that is missing or does not compile: _check_templates says so
         return
-    required = required_columns(spec, fns)
+    env, judges = row_template_env(), {}
+    for where, (_, text) in _reward_templates(spec, r.source.base_dir).items():
+        with contextlib.suppress(jinja2.TemplateError):  # said at its key
+            judges[where] = env.from_string(text)
     for split, seed in (("train", spec.seed), ("eval", spec.seed + EVAL_SEED_OFFSET)):
         if split not in data or any(e.path.startswith(f"data.{split}") for e in r.errors):
             continue  # not found, or its generator cannot be called as it would be: already said
@@ -566,7 +593,7 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], fns: Mapping[st
             r.warn(key, f"{source.generator} gave {len(rows)} rows when asked for {min(source.size, limit)} "
                         f"(data.{split}.size is {source.size})")
         try:
-            check_rows(rows, origins, renderer, required)
+            check_rows(rows, origins, renderer, required, judges)
         except UserError as e:  # DataError: the bad rows, each with its file:line (or row)
             r.error(key, str(e))
             continue
@@ -1071,7 +1098,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_chat_template(spec, r)
     data = _check_data(spec, r)
     rewards, fns = _check_reward_fns(spec, r)
-    _check_rows(spec, r, data, fns)
+    required = _required(spec, fns, source.base_dir)
+    _check_rows(spec, r, data, required)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     _check_stop_on(spec, r, metrics, train)
@@ -1096,12 +1124,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     }
     hashes["run"] = sha256_json(hashes)
     base_dir = str(source.base_dir)
-    from factory.reward.graph import required_columns
-
     runnable = spec if ray_address is not None else with_cached_models(spec)  # a cluster's nodes: their caches
     stages, edges = stage_graph(runnable, base_dir=base_dir, algorithm=algorithm, order=order,
-                                train_node=train, required=required_columns(spec, fns),
-                                fns=fns)
+                                train_node=train, required=required, fns=fns)
     plan = Plan(
         spec=shown,
         spec_yaml=yaml.safe_dump(shown, sort_keys=True, allow_unicode=True, default_flow_style=False),

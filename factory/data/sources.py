@@ -100,12 +100,13 @@ def _listed(problems: list[str]) -> str:
 
 
 def check_rows(rows: list[Any], origins: list[str], renderer: PromptRenderer,
-               required: Mapping[str, str] | None = None) -> None:
+               required: Mapping[str, str] | None = None, judges: Mapping[str, jinja2.Template] | None = None) -> None:
     """Every row renders to valid chat messages and has the columns the reward functions need; raises
-    DataError listing the bad rows. `required`: column -> who needs it (`rewards.correct`)."""
+    DataError listing the bad rows. `required`: column -> who needs it (`rewards.correct`); `judges`: the
+    reward graph's templates (node -> one compiled by row_template_env), which must not print a null."""
     rows_with: dict[str, list[str]] = {}  # problem -> the rows that have it (one line for a column missing everywhere)
     for row, where in zip(rows, origins):
-        problem = row_problem(row, renderer, required or {})
+        problem = row_problem(row, renderer, required or {}, judges or {})
         if problem:
             rows_with.setdefault(problem, []).append(where)
     if rows_with:
@@ -129,8 +130,9 @@ def column(row: dict[str, Any], name: str) -> Any:
     return value
 
 
-def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str]) -> str | None:
-    """Why one row cannot be used, or None."""
+def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str],
+                judges: Mapping[str, jinja2.Template] | None = None) -> str | None:
+    """Why one row cannot be used, or None. `judges`: see check_rows."""
     if not isinstance(row, dict):
         return f"expected an object of columns, got {type(row).__name__}"
     missing = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is _ABSENT]
@@ -140,6 +142,15 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str])
         renderer.messages(row)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         return str(e)
+    for name, template in (judges or {}).items():
+        # rendered with the row and an empty trajectory: only a null the row puts in it is this row's problem
+        # (a template that needs a real trajectory fails here for that reason alone, and is left to the run)
+        try:
+            template.render({**renderer.row_fields(row), "prompt": "", "completion": "", "turns": []})
+        except NullValueError as e:
+            return f"rewards.{name}'s template {e}"
+        except Exception:  # noqa: BLE001 (see above)
+            pass
     return None
 
 
@@ -184,19 +195,26 @@ class NullValueError(ValueError):
 
 def _not_null(value: Any) -> Any:
     """Every value a prompt template prints: a null (a JSON null, a parquet null, a column made null to fill a
-    schema) would be printed as the text `None` in the model's prompt."""
+    schema) would be printed as the text `None` in the model's (or a judge's) prompt."""
     if value is None:
         raise NullValueError("printed a null value (a column that is null in this row) where the prompt would "
                              "read 'None'; write `{{ x or '' }}` or `{% if x %}` where a column may be null")
     return value
 
 
+def row_template_env() -> jinja2.Environment:
+    """The environment of templates rendered with a row (data.prompt, data.system_prompt, judge prompts,
+    tool nodes' arguments): template_env's, refusing to print a null."""
+    env = template_env()
+    env.finalize = _not_null  # before any template is compiled: the compiler reads it
+    return env
+
+
 class PromptRenderer:
     """Turns a row into chat messages with the spec's jinja templates."""
 
     def __init__(self, spec: DataSpec, base_dir: Path | None = None):
-        env = template_env()
-        env.finalize = _not_null  # before any template is compiled: the compiler reads it
+        env = row_template_env()
         self._prompt = env.from_string(resolve_file(spec.prompt, base_dir).read_text()) if spec.prompt else None
         self._system = (env.from_string(resolve_file(spec.system_prompt, base_dir).read_text())
                         if spec.system_prompt else None)

@@ -30,7 +30,7 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
-from factory.util import UserError, import_object
+from factory.util import UserError, import_object, template_env
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 # A leaf's outcomes that leave it without a value (its `on_missing` applies): counted in `/missing`.
@@ -101,6 +101,35 @@ def required_columns(spec: Spec, fns: Mapping[str, Callable[..., Any]] | None = 
                     and p.name not in node.args and p.name not in _passed(node)):
                 column = spec.data.answer_key if p.name == "answer" else p.name
                 needed.setdefault(column, f"rewards.{name}{_shape_hint([q.name for q in every], p.name)}")
+    return needed
+
+
+# What a judge's template and a tool node's arguments are rendered with besides the row's columns
+# (factory.reward.stage's context): the trajectory's fields, and at one turn of a per-turn node that turn's.
+_TRAJECTORY_NAMES = frozenset({"prompt", "completion", "turns"})
+_TURN_NAMES = frozenset({"turn", "index"})
+
+
+def template_columns(spec: Spec, texts: Mapping[str, tuple[str, str]]) -> dict[str, str]:
+    """Data columns the reward graph's templates read: column -> the node's key. `texts`: where -> (node,
+    template text). A name a template reads that is neither the trajectory's nor a jinja global, and that it
+    does not test with `is defined`, is a row column: a row without it would fail that node on every call."""
+    import jinja2
+    import jinja2.meta
+    from jinja2 import nodes
+
+    env = template_env()
+    needed: dict[str, str] = {}
+    for where, (name, text) in texts.items():
+        own = _TRAJECTORY_NAMES | (_TURN_NAMES if spec.rewards[name].per == "turn" else frozenset())
+        try:
+            ast = env.parse(text)
+        except jinja2.TemplateSyntaxError:  # the compiler says so at the template's key
+            continue
+        optional = {t.node.name for t in ast.find_all(nodes.Test)
+                    if t.name in ("defined", "undefined") and isinstance(t.node, nodes.Name)}
+        for v in sorted(jinja2.meta.find_undeclared_variables(ast) - own - optional - set(env.globals)):
+            needed.setdefault(spec.data.answer_key if v == "answer" else v, f"rewards.{where}")
     return needed
 
 

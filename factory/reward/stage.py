@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.contract import Call, Contract, StageActor
-from factory.data.sources import messages_from_text
+from factory.data.sources import messages_from_text, row_template_env
 from factory.plan import RewardSettings
 from factory.reward.graph import (
     LEAVES,
@@ -43,7 +43,7 @@ from factory.reward.graph import (
 )
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
-from factory.util import enter_workdir, import_object, node_id, resolve_file, template_env
+from factory.util import enter_workdir, import_object, node_id, resolve_file
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RewardStage(StageActor):
         self._fns: dict[str, tuple[Callable[..., Any], bool, Callable[[str], bool]]] = {}
         self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
         self._judge_actors: dict[str, Any] = {}
-        env = template_env()
+        env = row_template_env()  # a null column printed into a judge's prompt is refused, as in the model's
         for name, node in self.nodes.items():
             if isinstance(node, FnNode):
                 fn = import_object(node.fn)
