@@ -102,13 +102,17 @@ def test_a_judge_template_may_render_chat_messages(judge_server, tmp_path):
         '[{"role": "system", "content": "Grade."}, {"role": "user", "content": "x [bad]"},'
         ' {"role": "assistant", "content": "Score: 0"}, {"role": "user", "content": {{ completion | tojson }}}]')
     (tmp_path / "broken.jinja").write_text('[{"role": "user", "content": {{ completion }}}]')  # no tojson
+    (tmp_path / "null.jinja").write_text("Gold: {{ answer }}\n{{ completion }}")  # the judge read "Gold: None"
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url},
                       "broken": {"llm_judge": "broken.jinja", "endpoint": url},
-                      "total": {"sum": {"judge": 1.0, "broken": 1.0}}})
-    trajs, m = _score(spec, [traj("ok [good]", 0), traj("ok [bad]", 1)], tmp_path)
+                      "null": {"llm_judge": "null.jinja", "endpoint": url},
+                      "total": {"sum": {"judge": 1.0, "broken": 1.0, "null": 1.0}}})
+    trajs, m = _score(spec, [traj("ok [good]", 0), traj("ok [bad]", 1, answer=None)], tmp_path)
+    assert trajs[1].reward_details["null"]["error"].startswith("judge template: NullValueError: printed a null")
+    assert m["rewards/null/errors"] == 1.0
     assert [t.rewards["judge"] for t in trajs] == [1.0, 0.0]  # the marker of the LAST message decides
-    assert stats()["roles"] == [["system", "user", "assistant", "user"]] * 2
-    assert m["rewards/broken/errors"] == 2.0 and stats()["requests"] == 2
+    assert sorted(stats()["roles"]) == [["system", "user", "assistant", "user"]] * 2 + [["user"]]
+    assert m["rewards/broken/errors"] == 2.0 and stats()["requests"] == 3
     assert trajs[0].reward_details["broken"]["error"].startswith("judge template: ValueError: rendered invalid JSON")
 
 
