@@ -99,3 +99,24 @@ def test_what_a_local_ray_cannot_hold_is_said_before_a_run(project, monkeypatch)
             "resources.update.num_cpus 1, replicas counted) but a local Ray has 2") in said
     _, joined = compile_file(path, ["resources.ray_address=127.0.0.1:1"])  # a cluster's nodes decide
     assert not [w for w in joined.warnings if "local Ray" in w]
+
+
+def test_stages_that_a_local_ray_cannot_hold_together_fail_at_once():
+    """Each stage fitted alone, so the last one placed waited 600 s for room the run's own stages held
+    before PlacementError; on the run's own local Ray that room never frees: said before placing."""
+    from factory.plan import Stage
+    from factory.runtime.driver import room_problem
+
+    def stage(name, resources, replicas=1):
+        s = Stage.__new__(Stage)
+        for key, value in (("name", name), ("resources", resources), ("replicas", replicas)):
+            object.__setattr__(s, key, value)
+        return s
+
+    stages = [stage("data", {}), stage("rollout", {"CPU": 1.0}, 2), stage("update", {"CPU": 1.0, "GPU": 0.0})]
+    assert room_problem(stages, {"CPU": 3.0}) is None
+    assert room_problem(stages, {"CPU": 2.0}) == (
+        "the stages reserve 3 CPU in all (rollout 2, update 1; replicas counted) but the run's own local Ray has 2, "
+        "and each stage holds its share for the whole run: reserve less (the spec's `resources`), or join a Ray "
+        "cluster that has room (resources.ray_address or $RAY_ADDRESS)")
+    assert "reserve 0.5 judge_slot in all" in room_problem([stage("judge", {"judge_slot": 0.5})], {"CPU": 2.0})

@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -259,6 +259,25 @@ Groups = dict[str, Group]
 PLURAL = {"trajectory": "trajectories", "group": "groups"}
 
 
+def room_problem(stages: Iterable[Stage], total: Mapping[str, float]) -> str | None:
+    """Why a Ray of the run's own (one node, no other jobs) can never hold every stage at once, or None.
+    Each stage's placement group holds its share for the whole run, so the shares must fit together: else
+    the last stage placed waited PLACEMENT_TIMEOUT_S for room only the run itself held."""
+    shares: dict[str, list[tuple[str, float]]] = {}
+    for stage in stages:
+        for key, amount in stage.resources.items():
+            if amount > 0:
+                shares.setdefault(key, []).append((stage.name, amount * stage.replicas))
+    for key, asks in shares.items():
+        need, have = sum(n for _, n in asks), total.get(key, 0.0)
+        if need > have + 1e-9:
+            listed = ", ".join(f"{name} {n:g}" for name, n in asks)
+            return (f"the stages reserve {need:g} {key} in all ({listed}; replicas counted) but the run's own local "
+                    f"Ray has {have:g}, and each stage holds its share for the whole run: reserve less (the spec's "
+                    "`resources`), or join a Ray cluster that has room (resources.ray_address or $RAY_ADDRESS)")
+    return None
+
+
 def _placement_group(stage: Stage) -> Any:
     """A placement group reserving one bundle per replica, or None when a replica reserves nothing."""
     if not stage.resources:
@@ -309,6 +328,8 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
     name and the seconds since placing began."""
     groups: Groups = {}
     t0 = time.perf_counter()
+    if plan.driver.resources.ray_address is None and (why := room_problem(plan.stages, ray.cluster_resources())):
+        raise PlacementError(why)  # a cluster's room may free up (other jobs end, nodes join): only ours is fixed
     try:
         for stage in plan.stages:
             groups[stage.name] = start_group(stage)
