@@ -69,8 +69,9 @@ def test_two_ranks_equal_one_rank(zero, local_ray, small_path):
         for step in range(STEPS):
             trajs = batch(seed=step, groups=5, group_size=2)  # 10 samples: 2 mini-batches of 5
             pending = one.submit("step", trajs)  # world 1 steps while world 2 does (3 processes, 2 cores)
-            b = two.call("step", trajs)
+            b, b1 = ray.get(two.submit("step", trajs))  # each rank's answer (the group's is rank 0's)
             (a,) = ray.get(pending)
+            assert b["perf/update_max_rss_gb"] == b1["perf/update_max_rss_gb"]  # the largest rank's, on each
             for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/tokens"):
                 assert b[key] == pytest.approx(a[key], rel=LOSS_TOL, abs=LOSS_TOL), (step, key)
             (ref,), (rank0, rank1) = _weights(one), _weights(two)

@@ -225,7 +225,8 @@ class Learner:
 
         stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
                                     for micro in ran(update_plan)], self.spec.train.packing))
-        stats["perf/update_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        # the largest rank's, as the FLOP/s below are the world's: the ranks' memory is what runs out
+        stats["perf/update_max_rss_gb"] = self._all_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         if self.sync_bytes:  # the sync that brought the weights this step sampled with (step 1's came from disk)
             stats["perf/weight_sync_mb"] = self.sync_bytes / 1e6
         elapsed = stats["timing/update_step_s"] = time.perf_counter() - t0
@@ -479,12 +480,18 @@ class Learner:
         """[sum, count, max] of the log-prob mismatch over the ranks' shares."""
         if self.world == 1:
             return mismatch
+        sums = self._all_sum(torch.tensor(mismatch[:2], dtype=torch.float64)).tolist()
+        return [*sums, self._all_max(mismatch[2])]
+
+    def _all_max(self, value: float) -> float:
+        """value's largest over the ranks (value itself with one rank)."""
+        if self.world == 1:
+            return value
         import deepspeed.comm as dist
 
-        sums = self._all_sum(torch.tensor(mismatch[:2], dtype=torch.float64)).tolist()
-        peak = torch.tensor([mismatch[2]], dtype=torch.float64, device=self.engine.device)
+        peak = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return [*sums, float(peak)]
+        return float(peak)
 
     # ------------------------------------------------------------------------- weights, checkpoints
     def state_dict(self, every_rank: bool = False, copy: bool = True) -> dict[str, Tensor] | Adapters | None:
