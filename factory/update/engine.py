@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -76,7 +77,16 @@ def init_process_group() -> None:
         _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     skip_shm_op()
+    quiet_deprecated_collectives()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
+
+
+def quiet_deprecated_collectives() -> None:
+    """ZeRO with 2+ ranks calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which
+    torch 2.13 deprecates for their `_single` forms: a FutureWarning in the run's display that no user can
+    act on (DeepSpeed's call, not theirs). Only those two messages are silenced."""
+    deprecated = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+    warnings.filterwarnings("ignore", category=FutureWarning, message=deprecated)
 
 
 _ENV_SET_BY_US: dict[str, str] = {}
