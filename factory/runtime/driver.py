@@ -41,7 +41,7 @@ from factory.runtime.health import PlacementError, RayStartError, StageLostError
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, reap_orphans)
 from factory.runtime.startup import Startup
-from factory.types import Placement
+from factory.types import Placement, Trajectory
 from factory.util import import_object
 
 if TYPE_CHECKING:
@@ -665,37 +665,11 @@ OnStep = Callable[[int, dict[str, float]], None]  # (step, its metrics as logged
 def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: SessionRecord,
                resume: Resume | None = None, startup: Startup | None = None, on_step: OnStep | None = None,
                stop_event: threading.Event | None = None) -> RunResult:
-    d, trainer, traces = plan.driver, plan.flow("data")[-1], plan.driver.tracking.log_trajectories
+    d, traces = plan.driver, plan.driver.tracking.log_trajectories
     on_step = on_step or (lambda step, metrics: None)
-    startup = startup or Startup()
-    ckpt_dir = tracker.checkpoint_dir  # this run's own folder (a resumed run's, from its tags)
-    done = 0
-    if resume:
-        done = restore(g, plan, resume)
-        startup.lap("restore")
-    # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
-    # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).
-    started = startup.finish()
-    first = resume.logged + 1 if resume else 0
-    if first <= d.train.steps:
-        tracker.log_metrics(started, step=first)
-    display.status(startup.describe())
-    if done:
-        before = resume.before  # its step-0 evaluation, as the run logged it
-    else:
-        before, eval_trajs = evaluate(g, plan, display, 0)
-        tracker.log_trajectories(eval_trajs, 0, split="eval", traces=traces)
-        tracker.log_tool_calls(take_tool_calls(g, plan, "step 0 evaluation"), 0)
-        tracker.log_metrics(before, step=0)
-        display.step(0, before, completed=0)
-        on_step(0, before)
+    done, before, watch = _begin(g, plan, tracker, display, resume, startup or Startup(), on_step)
     after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done)
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
-    watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
-    if resume and resume.watch is not None:
-        watch.restore(resume.watch)  # the history up to the checkpoint, step 0's evaluation included
-    else:
-        watch.evaluated(0, before)
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after the step in progress (it is logged "
                                                         "and checkpointed); Ctrl-C again stops at once"),
@@ -720,23 +694,12 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                     m_n.update(after)
                     m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
                     tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-                # the tables first, the metrics last: a step with metrics is a step with its tables (a run
-                # killed between them computes the step again on --resume, and logs the tables again,
-                # under the same names); and both before the checkpoint: a checkpointed step is a logged one
-                tracker.log_trajectories(trajs_n, n, traces=traces)  # the table keeps all: `factory rescore` reads it
-                tracker.log_tool_calls(tool_calls.pop(n), n)  # the calls step n made (tracking.record_tools)
-                tracker.log_metrics(m_n, step=n)
-                display.step(n, m_n)
-                on_step(n, m_n)
+                _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
             heed(watch, step, display, tracker)
             if watch.halt is not None and not stopping:  # the step's own evaluation stopped it (drained: save)
                 stopping = saving = True
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
-                state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"),  # for --resume
-                         "watch": watch.state()}
-                checkpoint = g[trainer.dst].call("save_checkpoint", ckpt_dir, step, state)
-                tracker.log_checkpoint(step, checkpoint)
-                saved_at = time.monotonic()
+                checkpoint, saved_at = _save(g, plan, tracker, step, watch), time.monotonic()
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
                 break
@@ -744,6 +707,60 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     checkpoint = checkpoint and str(Path(checkpoint).absolute())  # a fresh run's folder is the spec's, often relative
     return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt,
                      after_step=after_step, last_step=last)
+
+
+def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume | None, startup: Startup,
+           on_step: OnStep) -> tuple[int, dict[str, float], Watch]:
+    """Before the first step: a resumed run's state restored, the start-up's timings logged, and step 0's
+    evaluation (a resumed run's own, as it logged it) with the monitors' history. (steps done, step 0's
+    metrics, the monitors)."""
+    d, done = plan.driver, 0
+    if resume:
+        done = restore(g, plan, resume)
+        startup.lap("restore")
+    # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
+    # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).
+    started = startup.finish()
+    first = resume.logged + 1 if resume else 0
+    if first <= d.train.steps:
+        tracker.log_metrics(started, step=first)
+    display.status(startup.describe())
+    if done:
+        before = resume.before  # its step-0 evaluation, as the run logged it
+    else:
+        before, eval_trajs = evaluate(g, plan, display, 0)
+        tracker.log_trajectories(eval_trajs, 0, split="eval", traces=d.tracking.log_trajectories)
+        tracker.log_tool_calls(take_tool_calls(g, plan, "step 0 evaluation"), 0)
+        tracker.log_metrics(before, step=0)
+        display.step(0, before, completed=0)
+        on_step(0, before)
+    watch = Watch(d.watch, d.train.monitors, d.train.stop_on)  # the reward-hacking monitors (factory.monitors)
+    if resume and resume.watch is not None:
+        watch.restore(resume.watch)  # the history up to the checkpoint, step 0's evaluation included
+    else:
+        watch.evaluated(0, before)
+    return done, before, watch
+
+
+def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: list[Trajectory],
+              tool_calls: list[dict[str, Any]], m: dict[str, float], traces: Any) -> None:
+    """Step n's record: the tables first, the metrics last -- a step with metrics is a step with its tables (a
+    run killed between them computes the step again on --resume, and logs the tables again, under the same
+    names) -- and both before its checkpoint: a checkpointed step is a logged one."""
+    tracker.log_trajectories(trajs, n, traces=traces)  # the table keeps all: `factory rescore` reads it
+    tracker.log_tool_calls(tool_calls, n)  # the calls step n made (tracking.record_tools)
+    tracker.log_metrics(m, step=n)
+    display.step(n, m)
+    on_step(n, m)
+
+
+def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch) -> str:
+    """A checkpoint after `step` (drained: the trainer holds its update, the data source is past its batch),
+    with what --resume needs besides the trainer's state: the run, the data source's place, the monitors."""
+    state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"), "watch": watch.state()}
+    checkpoint = g[plan.flow("data")[-1].dst].call("save_checkpoint", tracker.checkpoint_dir, step, state)
+    tracker.log_checkpoint(step, checkpoint)
+    return checkpoint
 
 
 def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]:
