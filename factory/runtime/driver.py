@@ -494,7 +494,7 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
     """One step's scored trajectories: the data flow up to (not into) the trainer. With dynamic sampling
     (DAPO), groups whose rewards all agree carry no signal: they are dropped and more prompts are
     sampled, up to 3 extra rounds."""
-    from factory.algorithms import dynamic_sampling_keep, turn_dynamic_sampling_keep
+    from factory.update.batch import with_signal  # (torch: imported when a step is collected, not at start-up)
 
     edges, d = plan.flow("data")[:-1], plan.driver
     want, kept, metrics, seen, generated = d.train.prompts_per_step, [], {}, 0, 0
@@ -508,17 +508,7 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
         generated += sum(t.num_model_tokens for t in trajs)
         if not d.dynamic_sampling:
             return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
-        import torch
-
-        if d.turn_gamma is not None:  # credit: turn: a group trains when some turn position spreads
-            from factory.update.batch import turn_rewards
-
-            keep = turn_dynamic_sampling_keep(turn_rewards(trajs, torch.tensor([float(t.reward) for t in trajs])),
-                                              torch.tensor([t.prompt_index for t in trajs]), d.turn_gamma, d.std_eps)
-        else:
-            keep = dynamic_sampling_keep(torch.tensor([t.reward for t in trajs]),
-                                         torch.tensor([t.prompt_index for t in trajs]), d.std_eps)
-        kept += [t for t, k in zip(trajs, keep.tolist()) if k]
+        kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps)) if k]
         if len({t.prompt_index for t in kept}) >= want:
             break
     metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from factory.algorithms import Algorithm, minibatches, overlong_penalty
+from factory.algorithms import (Algorithm, dynamic_sampling_keep, minibatches, overlong_penalty,
+                                turn_dynamic_sampling_keep)
 from factory.types import Trajectory
 
 
@@ -30,6 +31,16 @@ def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Ten
     rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)  # [N]
     lengths = torch.tensor([len(t.response_ids) for t in trajs])  # [N]
     return rewards + overlong_penalty(lengths, max_len, alg.overlong_buffer, alg.overlong_penalty).float()
+
+
+def with_signal(trajs: list[Trajectory], turn_gamma: float | None, eps: float) -> list[bool]:
+    """Which trajectories dynamic sampling (DAPO) keeps: those of groups whose rewards spread (std >= eps); with
+    `credit: turn` (`turn_gamma` set), those of groups whose turn returns spread at some turn position."""
+    groups = torch.tensor([t.prompt_index for t in trajs])
+    rewards = torch.tensor([float(t.reward) for t in trajs])
+    if turn_gamma is not None:
+        return turn_dynamic_sampling_keep(turn_rewards(trajs, rewards), groups, turn_gamma, eps).tolist()
+    return dynamic_sampling_keep(rewards, groups, eps).tolist()
 
 
 def turn_rewards(trajs: list[Trajectory], shaped: Tensor) -> list[Tensor]:
