@@ -870,3 +870,39 @@ def test_a_judge_template_reads_columns_every_row_must_have_and_must_not_print_a
     # a tool node's arguments are read the same way
     tool = "  score: {tool: calc.check, arguments: {expected: '{{ gold }}', got: '{{ completion }}'}}\n"
     assert "missing column 'gold' (needed by rewards.score.arguments.expected)" in _errors(project.spec(base + tool))
+
+
+def test_a_change_in_a_project_module_that_a_reward_generator_or_tool_imports_changes_the_hashes(project):
+    """Only the function's own file was hashed: a change to the helpers it imports (rewards/util.py) left the
+    run hash, `factory diff` and `--resume` unaware. Modules of the Python installation and Factory's own
+    are not counted (Factory's version is recorded with the run)."""
+    base = _base(project, "rc_helped")  # (writes rc_helped.py: replaced below)
+    project.module("rc_util_norm", "def norm(s):\n    return s.strip()\n")
+    project.module("rc_util_deep", "import rc_util_norm\n\ndef clean(s):\n    return rc_util_norm.norm(s)\n")
+    project.module("rc_helped", """\
+        import json, re
+        from factory.rewards.math import exact_match
+        from rc_util_deep import clean
+
+        def exact(prompt, completion, answer="", **row):
+            return float(clean(completion) == answer)
+
+        def fmt(prompt, completion, **row):
+            return 1.0
+
+        def gen(n, seed):
+            return [{"question": clean(f" {i}+1? "), "answer": str(i + 1)} for i in range(n)]
+
+        def tool(x: str) -> str:
+            '''Echo.'''
+            return clean(x)
+        """)
+    spec = base.replace("factory.data:arithmetic", "rc_helped:gen") + (
+        "tools:\n  echo: {function: rc_helped:tool}\n")
+    hashes = compile_file(project.spec(spec))[1].hashes
+    assert sorted(hashes["rewards"]) == sorted(hashes["code"]) == ["rc_helped.py", "rc_util_deep.py", "rc_util_norm.py"]
+    assert sorted(hashes["data"]["train"]["helpers_sha256"]) == ["rc_util_deep.py", "rc_util_norm.py"]
+    project.module("rc_util_norm", "def norm(s):\n    return s.strip().lower()\n")  # two imports away
+    again = compile_file(project.spec(spec))[1].hashes
+    assert again["run"] != hashes["run"]
+    assert [k for k in again["rewards"] if again["rewards"][k] != hashes["rewards"][k]] == ["rc_util_norm.py"]

@@ -43,8 +43,9 @@ from factory.compiler.refs import (
     sha256_file,
     sha256_json,
     shown_path,
+    helper_sources,
     source_file,
-    source_key,
+    source_hashes,
     template_problem,
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
@@ -486,6 +487,8 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         src = source_file(fn)
         hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
+        if helpers := {k: sha256_file(f) for k, f in helper_sources(fn).items()}:  # (absent: a hash as before)
+            hashes[split]["helpers_sha256"] = helpers
     return hashes
 
 
@@ -618,8 +621,7 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
         if fn is None:
             continue
         fns[name] = fn
-        if (src := source_file(fn)) is not None:
-            hashes[source_key(fn, src)] = sha256_file(src)
+        hashes |= source_hashes(fn)  # its module's and its project helpers
     return hashes, fns
 
 
@@ -722,8 +724,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                                      f"name and a tool's when two servers offer one tool name): '{name}'")
         if isinstance(server, PythonTool):
             fn = r.imported(f"tools.{name}.function", server.function)
-            if fn is not None and (src := source_file(fn)) is not None:
-                code[source_key(fn, src)] = sha256_file(src)
+            if fn is not None:
+                code |= source_hashes(fn)
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")

@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,54 @@ def source_key(obj: Any, src: Path) -> str:
         return shown_path(src)
     parts = module.split(".")
     return "/".join(parts + [src.name] if src.name == "__init__.py" else parts[:-1] + [src.name])
+
+
+def _installed_roots() -> tuple[Path, ...]:
+    """Where code that is no project's own lies: the Python installation (the standard library,
+    site-packages) and Factory's own package (its version is recorded with every run)."""
+    import sysconfig
+
+    import factory
+
+    paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(Path(p).resolve() for p in {*paths, factory.__path__[0]} if p)
+
+
+def helper_sources(obj: Any) -> dict[str, Path]:
+    """The project modules that `obj`'s module imports, directly or through one another (a reward function's
+    helpers in rewards/util.py): source_key -> file. A module counts when its file lies outside the Python
+    installation and Factory (`_installed_roots`); what is imported is what the module's globals hold (a
+    module, or a function or class from one), so a helper's change changes the plan's hashes as the
+    function's own does (`factory diff`, `--resume`)."""
+    root = inspect.getmodule(inspect.unwrap(obj))
+    if root is None:
+        return {}
+    installed, seen, todo, out = _installed_roots(), {root.__name__}, [root], {}
+    while todo:
+        for value in list(vars(todo.pop()).values()):
+            try:
+                name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            except Exception:  # noqa: BLE001 (a lazy proxy's attribute may raise anything)
+                continue
+            if not isinstance(name, str) or name in seen:
+                continue
+            seen.add(name)
+            module = sys.modules.get(name)
+            file = getattr(module, "__file__", None)
+            if not file or not file.endswith(".py") or any(Path(file).resolve().is_relative_to(p) for p in installed):
+                continue
+            out[source_key(module, Path(file))] = Path(file)
+            todo.append(module)
+    return dict(sorted(out.items()))
+
+
+def source_hashes(obj: Any) -> dict[str, str]:
+    """sha256 of `obj`'s source file and of its project helpers' (`helper_sources`), by source_key; {} for a
+    builtin."""
+    own = source_file(obj)
+    if own is None:
+        return {}
+    return {source_key(obj, own): sha256_file(own)} | {k: sha256_file(f) for k, f in helper_sources(obj).items()}
 
 
 # ------------------------------------------------------------------------------------- signatures
