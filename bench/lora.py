@@ -34,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, factory_run, median, print_json, table
+from bench.common import cpu, cpu_line, factory_run, judge_targets, median, print_json, table
 
-TARGETS = {"sync_bytes": 0.05, "update_rss": 0.6, "step_time": 0.8}
+TARGETS = {"sync_bytes": ("<=", 0.05), "update_rss": ("<=", 0.6), "step_time": ("<=", 0.8)}
 
 
 def overrides(a: argparse.Namespace, lora: bool) -> list[str]:
@@ -89,8 +89,9 @@ def main(a: argparse.Namespace) -> dict:
         print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     ratios = {"sync_bytes": lora["sync_mb"] / full["sync_mb"], "update_rss": lora["rss_gb"] / full["rss_gb"],
               "step_time": lora["step_s"] / full["step_s"], "update_time": lora["update_s"] / full["update_s"]}
-    return {**{k: round(v, 4) for k, v in ratios.items()}, "targets": TARGETS,
-            "met": {k: ratios[k] <= t for k, t in TARGETS.items()}, "r": a.r, "steps": a.steps, "repeats": a.repeats,
+    ratios = {k: round(v, 4) for k, v in ratios.items()}
+    return {**ratios, **judge_targets(ratios, TARGETS, source="issue #25"), "r": a.r, "steps": a.steps,
+            "repeats": a.repeats,
             "full": {k: round(v, 3) for k, v in full.items()}, "lora": {k: round(v, 3) for k, v in lora.items()},
             "quick": a.quick, "cpu": cpu()}
 
