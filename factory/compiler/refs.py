@@ -44,10 +44,9 @@ def _installed_roots() -> tuple[Path, ...]:
     site-packages) and Factory's own package (its version is recorded with every run)."""
     import sysconfig
 
-    import factory
-
     paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return tuple(Path(p).resolve() for p in {*paths, factory.__path__[0]} if p)
+    own = Path(__file__).resolve().parents[1]  # factory/ (not `import factory`: the compiler is a lower layer)
+    return tuple(Path(p).resolve() for p in {*paths, own} if p)
 
 
 def helper_sources(obj: Any) -> dict[str, Path]:
