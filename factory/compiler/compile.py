@@ -542,15 +542,8 @@ def _reward_templates(spec: Spec, base_dir: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _required(spec: Spec, fns: Mapping[str, Callable[..., Any]], base_dir: Path) -> dict[str, str]:
-    """The data columns the reward graph needs (column -> who): its functions' parameters, then what its
-    templates read."""
-    from factory.reward.graph import required_columns, template_columns
-
-    return template_columns(spec, _reward_templates(spec, base_dir)) | required_columns(spec, fns)
-
-
-def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mapping[str, str]) -> None:
+def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mapping[str, str],
+                templates: Mapping[str, tuple[str, str]]) -> None:
     """The first CHECKED_ROWS rows of each source that `_check_data` found (`data`), read and checked as
     the data stage checks them all before the first step (JSON, the columns the reward graph needs
     (`required`), the prompt rendered), and with no null printed into the reward graph's templates: a bad row
@@ -567,7 +560,7 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
     except Exception:  # a template that is missing or does not compile: _check_templates says so
         return
     env, judges = row_template_env(), {}
-    for where, (_, text) in _reward_templates(spec, r.source.base_dir).items():
+    for where, (_, text) in templates.items():  # the reward graph's (_reward_templates)
         with contextlib.suppress(jinja2.TemplateError):  # said at its key
             judges[where] = env.from_string(text)
     for split, seed in (("train", spec.seed), ("eval", spec.seed + EVAL_SEED_OFFSET)):
@@ -1100,8 +1093,11 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_chat_template(spec, r)
     data = _check_data(spec, r)
     rewards, fns = _check_reward_fns(spec, r)
-    required = _required(spec, fns, source.base_dir)
-    _check_rows(spec, r, data, required)
+    from factory.reward.graph import required_columns, template_columns
+
+    reward_templates = _reward_templates(spec, source.base_dir)  # read once: for their columns, then their nulls
+    required = template_columns(spec, reward_templates) | required_columns(spec, fns)  # the functions' first
+    _check_rows(spec, r, data, required, reward_templates)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     _check_stop_on(spec, r, metrics, train)
