@@ -349,3 +349,31 @@ def test_an_override_that_gives_a_data_source_another_kind_replaces_it(project):
     # a reward node too (`extends` swapped it; an override was refused with "found fn, sum")
     spec = load_spec(path, ["rewards.total={fn: factory.rewards.math:numeric_match}"])
     assert spec.rewards["total"].fn == "factory.rewards.math:numeric_match"
+
+
+def test_yaml_error_says_what_yaml_was_reading(project):
+    """PyYAML's context (its `context` and `context_mark`) is part of the message: alone, "found unexpected
+    end of stream" pointed at the last line of a spec whose quote was opened 30 lines up."""
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec('name: "demo\nseed: 1\nmodel: {path: x}\n'))
+    assert report(e) == (
+        "spec.yaml:1: yaml syntax error: found unexpected end of stream (while scanning a quoted scalar)\n"
+        '  1 | name: "demo\n'
+        "    |       ^\n"
+        "1 error in spec.yaml")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\nmodel: {path: x\ndata: {}\n"))
+    assert report(e).splitlines()[0] == ("spec.yaml:3: yaml syntax error: expected ',' or '}', but got ':' "
+                                         "(while parsing a flow mapping that starts at line 2)")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\n---\nseed: 1\n"))
+    assert report(e).splitlines()[0] == ("spec.yaml:2: yaml syntax error: expected a single document in the "
+                                         "stream, but found another document")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\nseed: 1\x00\n"))
+    assert report(e).splitlines()[0] == ("spec.yaml:2: yaml syntax error: unacceptable character #x0000: "
+                                         "special characters are not allowed")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\n"), ["train.steps=[1"])
+    assert ("<override 1>: train.steps: yaml syntax error: did not find expected ',' or ']' (while parsing a "
+            "flow sequence)") in report(e).splitlines()

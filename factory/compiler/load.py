@@ -140,17 +140,41 @@ def _line_map(node: yaml.Node | None, prefix: str = "",
     return out
 
 
+def _yaml_problem(e: yaml.YAMLError, at: int | None = None) -> str:
+    """What YAML found wrong, with what it was reading when it did: "but found another document" alone
+    does not say that a spec is one document, and "found unexpected end of stream" alone does not say that
+    a quote opened 30 lines up was never closed. `at`: the 0-based line the error is shown at (None: an
+    override, which has no lines)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context, mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if not context or isinstance(e, yaml.constructor.ConstructorError):  # "while constructing a mapping"
+        return problem
+    if not context.startswith("while "):  # "expected a single document in the stream"
+        return f"{context}, {problem}"
+    if at is None:
+        return f"{problem} ({context})"
+    if mark is not None and mark.line != at:
+        return f"{problem} ({context} that starts at line {mark.line + 1})"
+    return problem  # "while scanning for the next token", on the line shown: nothing more to say
+
+
 def _yaml_error(e: yaml.YAMLError, file: str, text: str) -> SpecError:
     """A YAML syntax error at its line, with the line and a caret under the column."""
     mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    at_end = mark is not None and mark.index >= len(text.rstrip())
+    if at_end and getattr(e, "context_mark", None) is not None:
+        mark = e.context_mark  # type: ignore[attr-defined]  # the end of the file is no place to fix
+    if mark is None and isinstance(getattr(e, "position", None), int):  # a character YAML refuses (NUL)
+        pos: int = e.position  # type: ignore[attr-defined]
+        mark = yaml.Mark("", pos, text.count("\n", 0, pos), pos - (text.rfind("\n", 0, pos) + 1), None, None)
     if mark is None:
-        return SpecError(file, None, "", f"yaml syntax error: {problem}")
+        return SpecError(file, None, "", f"yaml syntax error: {_yaml_problem(e)}")
     lines = text.splitlines()
     code = lines[mark.line] if mark.line < len(lines) else ""
     num = str(mark.line + 1)
     snippet = f"  {num} | {code}\n  {' ' * len(num)} | {' ' * mark.column}^"
-    return SpecError(file, mark.line + 1, "", f"yaml syntax error: {problem}", snippet=snippet)
+    return SpecError(file, mark.line + 1, "", f"yaml syntax error: {_yaml_problem(e, None if at_end else mark.line)}",
+                     snippet=snippet)
 
 
 def _omega_message(e: OmegaConfBaseException) -> str:
@@ -214,7 +238,9 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                 cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
-            msg = _omega_message(e) if isinstance(e, OmegaConfBaseException) else str(e).splitlines()[0]
+            msg = (_omega_message(e) if isinstance(e, OmegaConfBaseException)
+                   else f"yaml syntax error: {_yaml_problem(e)}" if isinstance(e, yaml.YAMLError)
+                   else str(e).splitlines()[0])
             errors.append(SpecError(f"<override {n}>", None, key.strip(), msg))
             continue
         paths[key.strip()] = n
