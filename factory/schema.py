@@ -7,9 +7,10 @@ at its line, not a silently ignored setting.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 # A project's name (`factory init NAME`): a folder and a spec's name, so nothing a shell must quote.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -20,8 +21,40 @@ SPEC_NAME = r"^[^./\\\x00-\x1f-][^/\\\x00-\x1f]*$"
 SPEC_NAME_RULE = "one folder's name: no '/' or '\\', no control character, not starting with '.' or '-'"
 
 
+def _bool_for_a_number(value: Any, ann: Any) -> str | None:
+    """What a number field expected, where `value` is a bool: pydantic's lax mode reads `steps: true` as
+    1 step and `lr: true` as 1.0, a wrong value silently accepted. None where a bool is not out of place."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    members = set(get_args(ann) if get_origin(ann) in (Union, types.UnionType) else (ann,))
+    if not isinstance(value, bool) or bool in members or Any in members or not {int, float} & members:
+        return None
+    return "a number" if float in members else "an integer"
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+# A number inside a mapping or a list (a sum's weight, Adam's betas), which Section's check of its own
+# fields does not reach.
+_NOT_A_BOOL = BeforeValidator(_not_a_bool)
+Number = Annotated[float, _NOT_A_BOOL]
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: `lr: .inf` (or `lr=inf` on the command line) would train on NaNs
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and (expected := _bool_for_a_number(value, field.annotation)) is not None:
+            raise ValueError(f"expected {expected}, got {str(value).lower()}")
+        return value
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -278,7 +311,7 @@ class ToolNode(_Leaf):
 
 
 class SumNode(Section):
-    sum: dict[str, float]
+    sum: dict[str, Number]
     """Weighted sum of other nodes: `{node: weight}`."""
 
     def inputs(self) -> list[tuple[str, str]]:
@@ -400,7 +433,7 @@ class AlgorithmSpec(Section):
     """Policy loss name (ppo_clip, dual_clip, gspo, cispo)."""
     aggregation: str | None = None
     """How token losses become one number (token_mean, seq_mean_token_mean, seq_sum_norm)."""
-    clip: tuple[float, float] | None = None
+    clip: tuple[Number, Number] | None = None
     """PPO clip range (low, high): ratio clipped to [1-low, 1+high]. Asymmetric = DAPO clip-higher."""
     dual_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages: caps a negative-advantage token's loss at c x |A|.
@@ -519,7 +552,7 @@ class RolloutSpec(Section):
 class OptimizerSpec(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer. AdamW is torch's (no slow DeepSpeed op build on CPU)."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL], Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL]] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0)
     """Weight decay."""
@@ -692,7 +725,7 @@ class StageResources(Section):
     """CPUs reserved for each replica of this stage (Ray's `num_cpus`)."""
     num_gpus: float = Field(0, ge=0)
     """GPUs reserved for each replica (Ray's `num_gpus`; Ray sets CUDA_VISIBLE_DEVICES to them)."""
-    custom: dict[str, Annotated[float, Field(ge=0)]] = {}
+    custom: dict[str, Annotated[float, Field(ge=0), _NOT_A_BOOL]] = {}
     """Ray custom resources each replica needs: `{node_b: 1}` places it on a node started with
     `ray start --resources '{"node_b": 1}'`. Amounts >= 0, in steps of 0.0001 at the finest (Ray's); not
     `CPU` or `GPU` (num_cpus, num_gpus)."""

@@ -60,6 +60,24 @@ algorithm: {clip: [0.2]}
         "6 errors in spec.yaml")
 
 
+def test_true_is_not_a_number_and_inf_is_not_a_learning_rate(project):
+    """pydantic's lax mode reads `steps: true` as 1 step and `lr: true` as 1.0, and takes `.inf`: wrong
+    values accepted in silence."""
+    path = project.spec(_base(project, "rw_bools") + """\
+train: {steps: true, lr: .inf, optimizer: {betas: [0.9, false]}, bf16_autocast: true}
+rollout: {top_k: false}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["rewards.correct.fn=factory.rewards.math:numeric_match", "algorithm.clip=[true,0.2]"])
+    assert report(e) == (
+        "spec.yaml:9: train.steps: expected an integer, got true\n"
+        "spec.yaml:9: train.lr: expected a finite number, got inf\n"
+        "spec.yaml:9: train.optimizer.betas.1: expected a number, got false\n"
+        "spec.yaml:10: rollout.top_k: expected an integer, got false\n"
+        "<override 2>: algorithm.clip.0: expected a number, got true\n"
+        "5 errors in spec.yaml")
+
+
 def test_numbers_out_of_their_range_name_the_bound(project):
     # each of these was accepted once; concurrency 0 hung every call to the server (a semaphore of 0 slots)
     path = project.spec(_base(project, "rw_bounds") + """\

@@ -246,6 +246,8 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     for prefix, expected in _EXPECTED.items():
         if kind in (f"{prefix}_type", f"{prefix}_parsing", f"{prefix}_from_float"):
             return f"expected {expected}, got {show(value)}"
+    if kind == "finite_number":  # inf and nan, refused (Section's allow_inf_nan)
+        return f"expected a finite number, got {show(value)}"
     if kind == "literal_error":
         return f"expected {ctx['expected']}, got {show(value)}"
     if kind in _BOUNDS:
