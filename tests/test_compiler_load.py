@@ -395,3 +395,15 @@ def test_yaml_error_says_what_yaml_was_reading(project):
         load_spec(project.spec("name: a\n"), ["train.steps=[1"])
     assert ("<override 1>: train.steps: yaml syntax error: did not find expected ',' or ']' (while parsing a "
             "flow sequence)") in report(e).splitlines()
+
+
+def test_an_override_that_removes_nothing_says_so(project):
+    """`NAME=null` removes an entry of a mapping of names; a misspelt NAME removed nothing, in silence."""
+    path = project.spec(_base(project, "rw_null"))
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["rewards.total.sum.fmtt=null", "tools.calc=null", "rewards.total.sum.fmt=null"])
+    assert report(e) == (
+        "<override 1>: rewards.total.sum.fmtt: nothing to remove: rewards.total.sum has no 'fmtt'; did you mean "
+        "'fmt'?\n"
+        "<override 2>: tools.calc: nothing to remove: tools has no 'calc'; it has: nothing\n"
+        "2 errors in spec.yaml")

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, translate, value_at
+from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, nearest, translate, value_at
 from factory.schema import RewardNode, Spec
 from factory.util import shown_path
 
@@ -231,7 +231,17 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             continue
         try:
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
-                _drop(cfg, key.strip())  # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base)
+                # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base); a misspelt one removed
+                # nothing, in silence
+                if not _drop(cfg, key.strip()):
+                    parent, _, name = key.strip().rpartition(".")
+                    node = OmegaConf.select(cfg, parent, throw_on_resolution_failure=False)
+                    names = [str(k) for k in node] if isinstance(node, DictConfig) else []
+                    near = nearest(name, names)
+                    hint = f"; did you mean '{near}'?" if near else f"; it has: {', '.join(names) or 'nothing'}"
+                    errors.append(SpecError(f"<override {n}>", None, key.strip(),
+                                            f"nothing to remove: {parent} has no '{name}'{hint}"))
+                    continue
             else:
                 given = OmegaConf.from_dotlist([item])
                 _swap_kind(cfg, given, key.strip())
@@ -428,11 +438,14 @@ def _nulls(data: Any, prefix: str = "") -> Iterable[str]:
             yield from _nulls(value, f"{prefix}{key}.")
 
 
-def _drop(cfg: DictConfig, path: str) -> None:
+def _drop(cfg: DictConfig, path: str) -> bool:
+    """Remove the key at `path`; False when there was none."""
     parent, _, key = path.rpartition(".")
     node = OmegaConf.select(cfg, parent, throw_on_resolution_failure=False) if parent else cfg
     if isinstance(node, DictConfig) and key in node:
         del node[key]
+        return True
+    return False
 
 
 def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
