@@ -407,3 +407,18 @@ def test_an_override_that_removes_nothing_says_so(project):
         "'fmt'?\n"
         "<override 2>: tools.calc: nothing to remove: tools has no 'calc'; it has: nothing\n"
         "2 errors in spec.yaml")
+
+
+def test_an_override_is_blamed_for_what_it_wrote(project):
+    """`train.steps.x=3` made the file's `steps` a mapping: the override is at fault, not the file's line; a
+    key with an empty part (`.train.steps`) was reported at the file's first line as an unknown key ''."""
+    path = project.spec(_base(project, "rw_blame") + "train: {steps: 2}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.steps.x=3", ".train.lr=1", "train..lr=1"])
+    assert report(e) == (
+        "<override 1>: train.steps: expected an integer, got a mapping\n"
+        "<override 2>: expected KEY=VALUE with a dotted key such as train.lr, got '.train.lr=1': a part between "
+        "dots is empty\n"
+        "<override 3>: expected KEY=VALUE with a dotted key such as train.lr, got 'train..lr=1': a part between "
+        "dots is empty\n"
+        "3 errors in spec.yaml")

@@ -73,7 +73,9 @@ class SpecSource:
             if p in self.override_paths:
                 return f"<override {self.override_paths[p]}>", None, 0
         below = [n for p, n in self.override_paths.items() if p.startswith(path + ".")] if path else []
-        if below and path not in self.lines:  # a node or section only overrides wrote (rewards.b.fn=...)
+        # a node or section only overrides wrote (rewards.b.fn=...), or a value of the file's that an
+        # override made a mapping (`train.steps.x=3` over `steps: 2`): nothing of it below in the file
+        if below and not any(p.startswith(path + ".") for p in self.lines):
             return f"<override {min(below)}>", None, 0
         for p in _ancestors(path):
             if p in self.lines:
@@ -228,6 +230,10 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
             errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'"))
+            continue
+        if "" in key.strip().split("."):  # `.train.steps=3`, `train..steps=3`: OmegaConf makes a key ''
+            errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE with a dotted key such as "
+                                                                 f"train.lr, got '{item}': a part between dots is empty"))
             continue
         try:
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
