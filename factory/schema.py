@@ -311,7 +311,7 @@ class ToolNode(_Leaf):
 
 
 class SumNode(Section):
-    sum: dict[str, Number]
+    sum: dict[str, Number] = Field(min_length=1)
     """Weighted sum of other nodes: `{node: weight}`."""
 
     def inputs(self) -> list[tuple[str, str]]:
@@ -325,17 +325,17 @@ class _ListNode(Section):
 
 
 class MinNode(_ListNode):
-    min: list[str]
+    min: list[str] = Field(min_length=1)
     """The smallest of other nodes."""
 
 
 class MaxNode(_ListNode):
-    max: list[str]
+    max: list[str] = Field(min_length=1)
     """The largest of other nodes."""
 
 
 class ProductNode(_ListNode):
-    product: list[str]
+    product: list[str] = Field(min_length=1)
     """The product of other nodes."""
 
 

@@ -260,6 +260,20 @@ def test_training_node_defaults(project):
     assert _errors(none) == "none.yaml:4: rewards: no reward nodes: define at least one\n1 error in none.yaml"
 
 
+def test_an_empty_sum_is_refused_and_a_broken_only_node_is_not_called_missing(project):
+    """`sum: {}` scored every trajectory 0 and trained on that, in silence; a spec whose one node is broken
+    was also told it had "no reward nodes"."""
+    path = project.spec(_base(project, "rc_empty") + "  nothing: {sum: {}}\n  none: {max: []}\nreward: nothing\n")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.nothing.sum: is empty: expected at least 1 item\n"
+        "spec.yaml:10: rewards.none.max: is empty: expected at least 1 item\n"
+        "2 errors in spec.yaml")
+    one = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\ndata: {train: {generator: factory.data:arithmetic}}\n"
+                       "rewards:\n  only: {fn: 'rc_empty:exact', sum: {a: 1}}\n", "one.yaml")
+    assert _errors(one) == ("one.yaml:5: rewards.only: expected exactly one of the keys: fn, llm_judge, tool, sum, min, "
+                            "max, product, gate, clip, normalize; found fn, sum\n1 error in one.yaml")
+
+
 def test_tools_named_by_reward_nodes_and_server_names(project):
     path = project.spec(_base(project, "rc_tools") + """\
   via_tool: {tool: calculator.add}

@@ -687,7 +687,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
             train = spec.reward
         elif spec.reward not in broken:
             r.error("reward", f"undefined reward node '{spec.reward}'{_close(spec.reward, nodes)}")
-    elif not nodes:
+    elif not nodes and not broken:  # a node that failed validation is reported already
         r.error("rewards", "no reward nodes: define at least one")
     elif len(nodes) == 1:
         train = next(iter(nodes))

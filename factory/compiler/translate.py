@@ -255,6 +255,9 @@ def message(err: dict[str, Any], where: _Loc) -> str:
         if isinstance(bound, float) and bound.is_integer():  # a float field's `gt=0` reads "> 0", not "> 0.0"
             bound = int(bound)
         return f"must be {_BOUNDS[kind]} {bound}, got {show(value)}"
+    if kind == "too_short" and get_origin(where.container) is not tuple and not ctx.get("actual_length"):
+        n = ctx.get("min_length", 1)  # an empty `sum: {}` or `min: []`, which scored every trajectory 0
+        return f"is empty: expected at least {n} item{'s' if n != 1 else ''}"
     if kind == "too_long" and get_origin(where.container) is tuple:
         return f"expected a list of {len(get_args(where.container))} items"
     text = err["msg"].removeprefix("Value error, ")
