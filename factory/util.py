@@ -25,6 +25,19 @@ class UserError(Exception):
     and exits with code 2, as for a spec error."""
 
 
+def store_problem(uri: str) -> str | None:
+    """Why MLflow would refuse `uri` as the tracking store, or None. A path (`mlflow.db`, `./mlruns`) is
+    MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE is set: the run failed
+    after Ray had started, and `factory runs --uri mlflow.db` with an internal error."""
+    scheme = uri.partition("://")[0] if "://" in uri else ""
+    if scheme not in ("", "file") or os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+        return None
+    path = uri.removeprefix("file://")
+    db = path if path.endswith(".db") else f"{path.rstrip('/') or '.'}/mlflow.db"
+    return (f"'{uri}' is a path, which MLflow reads as its file store and refuses: a tracking store is a URI, "
+            f"sqlite:///{db} (a file here), http://HOST:PORT (a server) or a database URL")
+
+
 # ------------------------------------------------------------------------------------- import paths
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 

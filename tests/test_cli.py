@@ -299,3 +299,21 @@ digraph "demo" {
   "update" -> "rollout" [label="weights (weight sync)", style=bold];
 }
 """
+
+
+def test_a_tracking_store_given_as_a_path_is_refused_before_anything_starts(project, capsys, monkeypatch):
+    """MLflow reads a path as its file store and refuses it: `tracking.uri: mlflow.db` failed once Ray had
+    started, and `factory runs --uri mlflow.db` with an internal error (exit 1)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    project.module("cli_uri")
+    path = project.spec(BASE.replace("{mod}", "cli_uri"))
+    fix = ("is a path, which MLflow reads as its file store and refuses: a tracking store is a URI, "
+           "sqlite:///mlflow.db (a file here), http://HOST:PORT (a server) or a database URL")
+    assert cli.main(["check", path, "tracking.uri=mlflow.db"]) == 2
+    assert capsys.readouterr().err == f"<override 1>: tracking.uri: 'mlflow.db' {fix}\n1 error in spec.yaml\n"
+    assert cli.main(["runs", "--uri", "mlflow.db"]) == 2
+    assert capsys.readouterr().err == f"factory: 'mlflow.db' {fix}\n"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "mlflow.db")
+    assert cli.main(["check", path]) == 2
+    assert "tracking.uri: unset, so $MLFLOW_TRACKING_URI: 'mlflow.db' is a path" in capsys.readouterr().err

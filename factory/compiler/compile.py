@@ -87,7 +87,7 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import NoModuleError, UserError, resolve_file, version
+from factory.util import NoModuleError, UserError, resolve_file, store_problem, version
 
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
@@ -1106,6 +1106,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     check_deepspeed(spec, r)
     check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r)
     _check_resources(spec, r)
+    uri = spec.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and (problem := store_problem(uri)) is not None:  # else found once Ray has started
+        r.error("tracking.uri", problem if spec.tracking.uri else f"unset, so $MLFLOW_TRACKING_URI: {problem}")
     if train is None and not r.errors and not broken.get("rewards"):
         r.error("rewards", "no node trains the policy: set `reward`")  # unreachable today; never a bare assert
     if r.errors or train is None or algorithm is None:  # (train is None without errors: a broken node was dropped)

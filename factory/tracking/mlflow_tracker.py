@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
 from factory.update.checkpoint import run_folder
+from factory.util import UserError, store_problem
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
@@ -49,8 +50,12 @@ VERSIONED = ("factory-rl", "torch", "transformers", "deepspeed", "vllm", "mcp", 
 
 
 def tracking_uri(spec_uri: str | None) -> str:
-    """The spec's URI, else $MLFLOW_TRACKING_URI, else a sqlite store in the working directory."""
-    return spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    """The spec's URI, else $MLFLOW_TRACKING_URI, else a sqlite store in the working directory; `UserError`
+    for one MLflow would refuse."""
+    uri = spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    if (problem := store_problem(uri)) is not None:
+        raise UserError(problem if spec_uri else f"$MLFLOW_TRACKING_URI: {problem}")
+    return uri
 
 
 def flatten(d: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
