@@ -317,3 +317,15 @@ def test_a_tracking_store_given_as_a_path_is_refused_before_anything_starts(proj
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "mlflow.db")
     assert cli.main(["check", path]) == 2
     assert "tracking.uri: unset, so $MLFLOW_TRACKING_URI: 'mlflow.db' is a path" in capsys.readouterr().err
+
+
+def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
+    """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"), and `ui --port
+    99999` met the socket module's OverflowError: an internal error, exit 1."""
+    for argv, said in ((["check"], "factory check: error: the following arguments are required: SPEC\n"),
+                       (["ui", "--port", "99999"], "factory ui: error: argument --port: a port is 1-65535, got 99999\n"),
+                       (["ui", "--port", "http"], "factory ui: error: argument --port: not a port number: 'http'\n")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.endswith(said)

@@ -164,6 +164,16 @@ def _steps(text: str) -> set[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:  # else the socket module's OverflowError, an "internal error"
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
+    return port
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="factory",
@@ -180,7 +190,8 @@ def parser() -> argparse.ArgumentParser:
         # no abbreviated options: `--res 3` must not become `--resume 3`; a dashed key is an override
         c = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         c.add_argument("spec", metavar="SPEC", help="the spec file (YAML)")
-        c.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+        # default=[]: without one, argparse counts a `*` positional as required ("required: SPEC, KEY=VALUE")
+        c.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                        help="dot-list overrides, e.g. train.lr=3e-6 (or --train.lr 3e-6, --train.lr=3e-6)")
         c.set_defaults(func=fn)
         return c
@@ -253,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
                     help="only these steps, e.g. 1,3-5 (default: all saved)")
     rs.add_argument("--uri", default=None, help="MLflow tracking URI (default: the spec's, $MLFLOW_TRACKING_URI "
                                                 "or sqlite:///mlflow.db)")
-    rs.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dot-list overrides of the spec")
+    rs.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dot-list overrides of the spec")
     rs.set_defaults(func=_rescore)
 
     uri_help = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
@@ -279,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("ui", help="the MLflow UI of the tracking store on 127.0.0.1 (prints its URL)",
                        description="start the MLflow UI (one worker, no job runners) on the tracking store")
-    u.add_argument("--port", type=int, default=5000, help="port (default: 5000)")
+    u.add_argument("--port", type=_port, default=5000, help="port (default: 5000)")
     u.add_argument("--host", default="127.0.0.1", help="interface (default: 127.0.0.1, this machine only)")
     u.add_argument("--uri", default=None, help=uri_help)
     u.set_defaults(func=_ui)
