@@ -369,6 +369,17 @@ def test_an_override_that_gives_a_data_source_another_kind_replaces_it(project):
     assert spec.rewards["total"].fn == "factory.rewards.math:numeric_match"
 
 
+def test_a_tool_server_given_another_kind_replaces_it(project):
+    """`tools.calc={url: ...}` over a `command` server was merged key by key into both, and refused with
+    "found command, url", a key the user never wrote; `extends` the same."""
+    path = project.spec(_base(project, "rw_server") + "tools:\n  calc: {command: python, args: [-m, x], timeout_s: 5}\n")
+    spec = load_spec(path, ["tools.calc={url: 'http://127.0.0.1:9/mcp'}"])
+    assert spec.tools["calc"].url == "http://127.0.0.1:9/mcp" and spec.tools["calc"].timeout_s == 30.0
+    project.spec("extends: spec.yaml\ntools:\n  calc: {url: 'http://127.0.0.1:9/mcp'}\n", "child.yaml")
+    assert load_spec(project.root / "child.yaml").tools["calc"].url == "http://127.0.0.1:9/mcp"
+    assert load_spec(path, ["tools.calc={timeout_s: 9}"]).tools["calc"].args == ["-m", "x"]  # same kind: merged
+
+
 def test_yaml_error_says_what_yaml_was_reading(project):
     """PyYAML's context (its `context` and `context_mark`) is part of the message: alone, "found unexpected
     end of stream" pointed at the last line of a spec whose quote was opened 30 lines up."""

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
 from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, nearest, translate, value_at
-from factory.schema import RewardNode, Spec
+from factory.schema import RewardNode, Spec, ToolSpec
 from factory.util import shown_path
 
 _REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
@@ -384,12 +384,13 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
 # The keys that make a reward node one kind or another (fn, llm_judge, tool, sum, ...), and a data source.
 _NODE_KINDS = kind_keys(RewardNode)
 _SOURCE_KINDS = ("path", "generator")
+_SERVER_KINDS = kind_keys(ToolSpec)  # command, url, function
 
 
 def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
     """Ready the merged bases for a spec that `extends` them, where merging key by key would not do what
     the spec says; returns the dotted paths removed from `base`:
-    - a reward node or data source the spec gives another kind replaces the base's whole (a `sum` node
+    - a reward node, tool server or data source the spec gives another kind replaces the base's whole (a `sum` node
       made an `fn` one; a generator's source made a file's: its `size` and `args` go too);
     - a key of a mapping of names (a reward node, a sum's weight, a tool server, a metric, a generator's
       argument) that the spec sets to null is removed, from the base and the spec (JSON Merge Patch's
@@ -407,13 +408,16 @@ def _fit_base(base: DictConfig, own: DictConfig) -> list[str]:
 
 
 def _kind_swaps(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """The reward nodes and data sources that `mine` gives another kind than `theirs` (a `sum` node made an
-    `fn` one, a generator's source made a file's): each replaces the other whole, its old keys gone."""
+    """The reward nodes, tool servers and data sources that `mine` gives another kind than `theirs` (a `sum`
+    node made an `fn` one, a `command` server a `url` one, a generator's source made a file's): each replaces
+    the other whole, its old keys gone."""
     def kind(value: Any, keys: tuple[str, ...]) -> str | None:
         return next((k for k in keys if k in value), None) if isinstance(value, dict) else None
 
     rewards = mine.get("rewards")
     swaps = [(f"rewards.{n}", _NODE_KINDS) for n in (rewards if isinstance(rewards, dict) else {})]
+    tools = mine.get("tools")
+    swaps += [(f"tools.{n}", _SERVER_KINDS) for n in (tools if isinstance(tools, dict) else {})]
     swaps += [(f"data.{split}", _SOURCE_KINDS) for split in ("train", "eval")]
     return [path for path, keys in swaps
             if kind(a := value_at(theirs, path), keys) and kind(b := value_at(mine, path), keys)
