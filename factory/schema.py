@@ -10,7 +10,16 @@ import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # A project's name (`factory init NAME`): a folder and a spec's name, so nothing a shell must quote.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -42,6 +51,7 @@ def _not_a_bool(value: Any) -> Any:
 # fields does not reach.
 _NOT_A_BOOL = BeforeValidator(_not_a_bool)
 Number = Annotated[float, _NOT_A_BOOL]
+_Beta = Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL]
 
 
 class Section(BaseModel):
@@ -552,7 +562,7 @@ class RolloutSpec(Section):
 class OptimizerSpec(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer. AdamW is torch's (no slow DeepSpeed op build on CPU)."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL], Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL]] = (0.9, 0.999)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0)
     """Weight decay."""

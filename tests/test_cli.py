@@ -323,7 +323,8 @@ def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
     """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"), and `ui --port
     99999` met the socket module's OverflowError: an internal error, exit 1."""
     for argv, said in ((["check"], "factory check: error: the following arguments are required: SPEC\n"),
-                       (["ui", "--port", "99999"], "factory ui: error: argument --port: a port is 1-65535, got 99999\n"),
+                       (["ui", "--port", "99999"],
+                        "factory ui: error: argument --port: a port is 1-65535, got 99999\n"),
                        (["ui", "--port", "http"], "factory ui: error: argument --port: not a port number: 'http'\n")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)

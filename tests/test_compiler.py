@@ -268,10 +268,11 @@ def test_an_empty_sum_is_refused_and_a_broken_only_node_is_not_called_missing(pr
         "spec.yaml:9: rewards.nothing.sum: is empty: expected at least 1 item\n"
         "spec.yaml:10: rewards.none.max: is empty: expected at least 1 item\n"
         "2 errors in spec.yaml")
-    one = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\ndata: {train: {generator: factory.data:arithmetic}}\n"
+    one = project.spec("name: x\nmodel: {path: 'factory:tiny-qwen3'}\n"
+                       "data: {train: {generator: factory.data:arithmetic}}\n"
                        "rewards:\n  only: {fn: 'rc_empty:exact', sum: {a: 1}}\n", "one.yaml")
-    assert _errors(one) == ("one.yaml:5: rewards.only: expected exactly one of the keys: fn, llm_judge, tool, sum, min, "
-                            "max, product, gate, clip, normalize; found fn, sum\n1 error in one.yaml")
+    assert _errors(one) == ("one.yaml:5: rewards.only: expected exactly one of the keys: fn, llm_judge, tool, sum, "
+                            "min, max, product, gate, clip, normalize; found fn, sum\n1 error in one.yaml")
 
 
 def test_tools_named_by_reward_nodes_and_server_names(project):

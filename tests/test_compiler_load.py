@@ -372,7 +372,8 @@ def test_an_override_that_gives_a_data_source_another_kind_replaces_it(project):
 def test_a_tool_server_given_another_kind_replaces_it(project):
     """`tools.calc={url: ...}` over a `command` server was merged key by key into both, and refused with
     "found command, url", a key the user never wrote; `extends` the same."""
-    path = project.spec(_base(project, "rw_server") + "tools:\n  calc: {command: python, args: [-m, x], timeout_s: 5}\n")
+    path = project.spec(_base(project, "rw_server") + (
+        "tools:\n  calc: {command: python, args: [-m, x], timeout_s: 5}\n"))
     spec = load_spec(path, ["tools.calc={url: 'http://127.0.0.1:9/mcp'}"])
     assert spec.tools["calc"].url == "http://127.0.0.1:9/mcp" and spec.tools["calc"].timeout_s == 30.0
     project.spec("extends: spec.yaml\ntools:\n  calc: {url: 'http://127.0.0.1:9/mcp'}\n", "child.yaml")

@@ -232,8 +232,8 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'"))
             continue
         if "" in key.strip().split("."):  # `.train.steps=3`, `train..steps=3`: OmegaConf makes a key ''
-            errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE with a dotted key such as "
-                                                                 f"train.lr, got '{item}': a part between dots is empty"))
+            errors.append(SpecError(f"<override {n}>", None, "", "expected KEY=VALUE with a dotted key such as "
+                                    f"train.lr, got '{item}': a part between dots is empty"))
             continue
         try:
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
