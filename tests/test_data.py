@@ -115,6 +115,16 @@ def test_prompt_template_reading_a_missing_column_names_the_row(tmp_path):
     assert str(e.value) == "rows.jsonl:2: data.prompt needs a column this row does not have: 'expression' is undefined"
 
 
+def test_a_prompt_template_that_renders_nothing_names_the_row(tmp_path):
+    """An empty template (or one whose `{% if %}` fails for a row) gave the model an empty message, in silence."""
+    (tmp_path / "p.jinja").write_text("{% if expression %}Solve {{ expression }}{% endif %}\n")
+    stage = _stage(tmp_path, '{"expression": "1+1", "answer": "2"}\n{"expression": "", "answer": "3"}\n',
+                   prompt="p.jinja")
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value) == "rows.jsonl:2: data.prompt rendered no text: the user's message would be empty"
+
+
 def test_parquet_rows_and_many_problems(tmp_path):
     import pyarrow as pa
 

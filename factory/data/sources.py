@@ -158,6 +158,8 @@ def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
     """The chat messages a rendered template means: a JSON list of messages when the text starts with `[`
     (worked examples as real chat turns), else the text as one user message. The one rule for
     `data.prompt` and judge prompts. ValueError (naming `what`) when the JSON is broken or not such a list."""
+    if not text.strip():  # an empty template, or one whose every `{% if %}` failed: the model reads nothing
+        raise ValueError(f"{what} rendered no text: the user's message would be empty".lstrip())
     if not text.lstrip().startswith("["):
         return [{"role": "user", "content": text}]
     try:
