@@ -194,6 +194,18 @@ async def test_a_server_that_never_speaks_mcp_is_said_to_in_words():
     assert set(_children(os.getpid())) <= before  # the mute process was ended, not left sleeping
 
 
+async def test_a_server_that_prints_to_stdout_is_said_to_in_one_line(caplog):
+    """The SDK logged a server's stdout line that is not JSON-RPC with pydantic's traceback: `factory check
+    --connect` of a server with a print() showed a traceback."""
+    chatty = StdioServer(command=sys.executable, args=["-c", "print('hello')"])
+    with pytest.raises(ToolStartError, match="chatty: .*failed to start"):
+        await ToolBox.from_spec({"chatty": chatty}).start()
+    said = [r for r in caplog.records if r.name == "mcp.client.stdio"]
+    assert [(r.getMessage(), r.exc_info) for r in said] == [
+        ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to Factory: 'hello'; a "
+         "server prints its own messages to stderr", None)]
+
+
 async def test_allowed_tools_filters_and_checks():
     async with ToolBox.from_spec({"calc": CALC.model_copy(update={"allowed_tools": ["calculate"]})}) as box:
         assert [s["function"]["name"] for s in box.schemas()] == ["calculate"]

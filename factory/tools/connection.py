@@ -61,9 +61,30 @@ def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerPar
     return StdioServerParameters(command=command, args=list(spec.args), env=dict(spec.env) or None, cwd=cwd)
 
 
+class _NotJsonRpcInOneLine(logging.Filter):
+    """The SDK logs each line of a server's stdout that is not JSON-RPC with its traceback
+    (`logger.exception`): a print() in a tool server, or a command that is no MCP server, filled the
+    terminal with pydantic's traceback. One line instead: the line, and where a server's own output goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.msg == "Failed to parse JSONRPC message from server":
+            exc = record.exc_info[1]
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            line = errors[0].get("input") if errors else str(exc)
+            record.msg = ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to "
+                          "Factory: %r; a server prints its own messages to stderr")
+            record.args = (str(line)[:200],)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_NOT_JSON_RPC = _NotJsonRpcInOneLine()
+
+
 def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactory:
     """Opens the SDK's stdio client: spawns the server in its own process group, speaks over its pipes."""
     params = stdio_parameters(spec, base_dir)
+    logging.getLogger("mcp.client.stdio").addFilter(_NOT_JSON_RPC)  # once: a filter already there is kept
     # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
     return lambda errlog: stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
 
