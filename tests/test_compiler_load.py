@@ -434,3 +434,14 @@ def test_an_override_is_blamed_for_what_it_wrote(project):
         "<override 3>: expected KEY=VALUE with a dotted key such as train.lr, got 'train..lr=1': a part between "
         "dots is empty\n"
         "3 errors in spec.yaml")
+
+
+def test_a_union_of_plain_types_is_one_error_at_its_key(project):
+    """`target_modules: list[str] | Literal['all-linear']`: pydantic's member tags leaked into the path
+    (`model.lora.target_modules.list[str]`, `...literal['all-linear']`), one error per member."""
+    path = project.spec(_base(project, "rw_union"))
+    for value, said in (("all_linear", "model.lora.target_modules: expected a list or 'all-linear', got 'all_linear'"),
+                        ("[q_proj, 3]", "model.lora.target_modules.1: expected a string, got 3")):
+        with pytest.raises(SpecErrors) as e:
+            load_spec(path, [f"model.lora.target_modules={value}"])
+        assert report(e) == f"<override 1>: {said}\n1 error in spec.yaml"

@@ -69,6 +69,8 @@ class _Loc:
     node: Parts | None  # path of the union node passed through
     members: tuple[type, ...]  # that union's members
     tag: str | None  # the member pydantic tried
+    tried: str | None = None  # the member of a union of plain types pydantic tried (`list[str]`)
+    tried_at: Parts = ()  # that union's path
 
 
 def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
@@ -86,6 +88,12 @@ def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
             if item in by_name:
                 out.node, out.members, out.tag = tuple(out.parts), members, str(item)
                 ann = by_name[item]
+                continue
+            if isinstance(item, str) and not any(_is_model(m) for m in members):
+                # a union of plain types (`list[str] | Literal['all-linear']`): pydantic's tag for the member
+                # it tried is no key of the spec
+                out.tried, out.tried_at = item, tuple(out.parts)
+                ann = next((m for m in members if item.startswith(getattr(get_origin(m), "__name__", "-"))), None)
                 continue
         out.container = ann
         out.model = ann if _is_model(ann) else None
@@ -307,19 +315,37 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     return typos or [Problem(node, f"expected one of the keys: {', '.join(all_distinctive)}", node)]
 
 
+def _one_of(parts: Parts, problems: list[tuple[str, Problem]], value: Any) -> list[Problem]:
+    """The errors of a union of plain types at one key, as the user meant it: a list's own errors where the
+    value is a list, else one "expected a list or 'all-linear', got ..." for the whole union."""
+    if isinstance(value, list):
+        inside = [p for member, p in problems if member.startswith("list")]
+        if inside:
+            return inside
+    wanted = [re.fullmatch(r"expected (.+), got .+", p.message) for _, p in problems]
+    if not all(wanted):
+        return [p for _, p in problems]
+    first = problems[0][1]
+    return [Problem(parts, f"expected {' or '.join(m[1] for m in wanted if m)}, got {show(value)}",
+                    first.node, first.kind)]
+
+
 def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -> list[Problem]:
     """All pydantic errors of one validation as problems at dotted paths (in the errors' order)."""
     plain: list[Problem] = []
     by_node: dict[Parts, list[tuple[dict, _Loc]]] = {}
     members: dict[Parts, tuple[type, ...]] = {}
+    tried: dict[Parts, list[tuple[str, Problem]]] = {}
     for err in errors:
         where = walk(root, tuple(err["loc"]))
-        if where.node is None:
+        if where.node is None and where.tried is not None:
+            tried.setdefault(where.tried_at, []).append((where.tried, _problem(err, where)))
+        elif where.node is None:
             plain.append(_problem(err, where))
         else:
             by_node.setdefault(where.node, []).append((err, where))
             members[where.node] = where.members
-    out = list(plain)
+    out = list(plain) + [p for parts, problems in tried.items() for p in _one_of(parts, problems, value_at(data, parts))]
     for node, errs in by_node.items():
         out += _node_problems(node, members[node], errs, data)
     return list(dict.fromkeys(out))
