@@ -345,7 +345,9 @@ def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -
         else:
             by_node.setdefault(where.node, []).append((err, where))
             members[where.node] = where.members
-    out = list(plain) + [p for parts, problems in tried.items() for p in _one_of(parts, problems, value_at(data, parts))]
+    out = list(plain)
+    for parts, problems in tried.items():
+        out += _one_of(parts, problems, value_at(data, parts))
     for node, errs in by_node.items():
         out += _node_problems(node, members[node], errs, data)
     return list(dict.fromkeys(out))
