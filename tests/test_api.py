@@ -126,6 +126,7 @@ def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypa
     without weights (a model served elsewhere) is fine there, and a spec error for a run, which loads them."""
     import shutil
 
+    import factory.compiler.connect as connect
     import factory.runtime.driver as driver
     from factory.assets import resolve_model
     from factory.compiler.errors import SpecErrors
@@ -136,6 +137,7 @@ def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypa
     with pytest.raises(SpecErrors, match="model folder has no weights"):
         factory.compile(TINY, [f"model.path={folder}"])
     monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: plan.stage("rollout").settings.endpoint)
+    monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
     assert factory.evaluate(TINY, model="http://127.0.0.1:9/v1", overrides=[f"model.path={folder}"]) == (
         "http://127.0.0.1:9/v1")
 

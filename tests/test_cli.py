@@ -330,3 +330,20 @@ def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
             cli.main(argv)
         assert e.value.code == 2
         assert capsys.readouterr().err.endswith(said)
+
+
+def test_eval_of_a_server_that_does_not_answer_exits_2_before_ray_starts(project, capsys, monkeypatch):
+    """`factory eval --model http://...` of a server that is down started Ray and the stages, and the
+    engine's requests retried it for minutes."""
+    from tests.servers import free_port
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    project.module("cli_ep")
+    path = project.spec(BASE.replace("{mod}", "cli_ep").replace(
+        "size: 8}\n", "size: 8}\n  eval: {generator: factory.data:arithmetic, size: 2}\n"))
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert cli.main(["eval", path, "--model", url]) == 2
+    assert capsys.readouterr().err == (
+        f"factory: --model {url}: no answer within 10 s (ConnectError: All connection attempts failed): is the "
+        "server up, and the URL its OpenAI-compatible base (ending in /v1)?\n")
+    assert not (project.root / "mlflow.db").exists()

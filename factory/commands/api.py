@@ -14,6 +14,7 @@ cannot be found raises `RunLookupError`. `run` works from any thread and from a 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -127,6 +128,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
+            _check_endpoint(endpoint, joins=plan.driver.resources.ray_address is not None)
         if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
             plan = tracked_model(plan, tags["factory.eval_model"])
         if plan.spec["data"].get("eval") is None:
@@ -137,6 +139,22 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         from factory.runtime.driver import evaluate_only
 
         return evaluate_only(plan, step, tags)
+
+
+def _check_endpoint(url: str, joins: bool) -> None:
+    """A server that does not answer is said before Ray starts: the engine's requests retried it for minutes.
+    On a cluster (`joins`) only a warning, as the server may answer only on the cluster's network."""
+    from factory.compiler.connect import JUDGE_PROBE_S, unreachable
+    from factory.util import UserError
+
+    why = unreachable(url)
+    if why is None:
+        return
+    said = (f"--model {url}: no answer within {JUDGE_PROBE_S:.0f} s ({why}): is the server up, and the URL its "
+            "OpenAI-compatible base (ending in /v1)?")
+    if not joins:
+        raise UserError(said)
+    print(f"warning: {said}", file=sys.stderr)
 
 
 def _eval_model(model: str | os.PathLike | None, uri: str | None,

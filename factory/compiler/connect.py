@@ -80,6 +80,11 @@ async def _unreachable(url: str) -> str | None:
     return None
 
 
+def unreachable(url: str) -> str | None:
+    """`_unreachable` from outside an event loop."""
+    return asyncio.run(_unreachable(url))
+
+
 def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
     """A warning for each judge endpoint that does not answer: with it down, every judged trajectory would
     have no value (under `on_missing: drop_sample`, every one dropped). A warning, not an error, as the
