@@ -215,6 +215,15 @@ def test_one_sample_a_prompt_needs_an_advantage_without_groups(project):
         compile_file(path, ok)
 
 
+def test_a_turn_budget_above_the_trajectory_budget_warns(project):
+    """`max_total_tokens: 1` under `max_new_tokens: 32` checked ok and trained 1-token turns."""
+    path = _spec(project, "st_budget", "rollout: {max_new_tokens: 32, max_total_tokens: 16}\n")
+    _, plan = compile_file(path)
+    assert plan.warnings == (
+        "spec.yaml:9: rollout.max_new_tokens: warning: has no effect above rollout.max_total_tokens (16), which "
+        "bounds a trajectory's response tokens: no turn can be longer",)
+
+
 def test_settings_that_another_setting_switches_off_warn(project):
     path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
                                     "algorithm: {kl: {estimator: k1}, loss: cispo, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")

@@ -163,6 +163,9 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                                    ("train.eval_size", spec.train, "eval_size")):
             if _set(model, field):
                 r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
+    if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
+        r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens ({spec.rollout.max_total_tokens}), "
+                                         "which bounds a trajectory's response tokens: no turn can be longer")
     if spec.rollout.engine == "hf" and _set(spec.rollout, "kv_cache_gb"):
         r.warn("rollout.kv_cache_gb", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
