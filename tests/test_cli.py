@@ -320,12 +320,13 @@ def test_a_tracking_store_given_as_a_path_is_refused_before_anything_starts(proj
 
 
 def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
-    """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"), and `ui --port
-    99999` met the socket module's OverflowError: an internal error, exit 1."""
+    """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"); `ui --port 99999`
+    met the socket module's OverflowError and `runs --limit 0` MLflow's: internal errors, exit 1."""
     for argv, said in ((["check"], "factory check: error: the following arguments are required: SPEC\n"),
                        (["ui", "--port", "99999"],
                         "factory ui: error: argument --port: a port is 1-65535, got 99999\n"),
-                       (["ui", "--port", "http"], "factory ui: error: argument --port: not a port number: 'http'\n")):
+                       (["ui", "--port", "http"], "factory ui: error: argument --port: not a port number: 'http'\n"),
+                       (["runs", "--limit", "0"], "factory runs: error: argument --limit: must be 1 or more, got 0\n")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2

@@ -164,6 +164,16 @@ def _steps(text: str) -> set[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:  # else MLflow's "Invalid value 0 for parameter 'max_results'", an internal error
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -273,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                                    "metrics, the reward-hacking monitors that fired, spec name, duration")
     r.add_argument("--experiment", default=None, help="only this MLflow experiment (default: all)")
     r.add_argument("--json", action="store_true", help="print the runs as JSON")
-    r.add_argument("--limit", type=int, default=100, help="at most this many runs (default: 100)")
+    r.add_argument("--limit", type=_positive, default=100, help="at most this many runs (default: 100)")
     r.add_argument("--uri", default=None, help=uri_help)
     r.set_defaults(func=_runs)
 
