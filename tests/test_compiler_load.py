@@ -445,3 +445,18 @@ def test_a_union_of_plain_types_is_one_error_at_its_key(project):
         with pytest.raises(SpecErrors) as e:
             load_spec(path, [f"model.lora.target_modules={value}"])
         assert report(e) == f"<override 1>: {said}\n1 error in spec.yaml"
+
+
+def test_a_null_entry_that_no_base_sets_says_what_null_does(project):
+    """`null` removes an entry a base spec sets; one no base sets was "expected a number, got null" (a sum's
+    weight) or "expected a mapping with one of the keys: ..., got null" (a node), with no word of a typo."""
+    project.spec(_base(project, "rw_nullfile"))
+    child = project.spec("extends: spec.yaml\nrewards:\n  total: {sum: {fmtt: null}}\n  nothere: null\n", "child.yaml")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(child)
+    assert report(e) == (
+        "child.yaml:3: rewards.total.sum.fmtt: null removes an entry that a base spec (extends) sets, and no base "
+        "sets rewards.total.sum.fmtt; did you mean 'fmt'?\n"
+        "child.yaml:4: rewards.nothere: null removes an entry that a base spec (extends) sets, and no base sets "
+        "rewards.nothere\n"
+        "2 errors in child.yaml")

@@ -70,7 +70,8 @@ def test_extends_replaces_a_node_or_source_of_another_kind_and_null_removes_an_e
     assert lines["rewards.total.sum"] == 'rewards.total.sum: {"correct": 1.0, "fmt": 0.5}  # m.yaml:4, base.yaml:8'
     # without a base, a null weight is still a mistake to report
     alone = project.spec(base_spec(project, "ext_alone").replace("fmt: 0.1}", "fmt: null}"), "alone.yaml")
-    assert "rewards.total.sum.fmt: expected a number, got null" in _errors(alone)
+    assert ("rewards.total.sum.fmt: null removes an entry that a base spec (extends) sets, and no base sets "
+            "rewards.total.sum.fmt") in _errors(alone)
 
 
 def test_plan_explain_says_which_file_set_each_value(project, capsys):

@@ -315,6 +315,23 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     return typos or [Problem(node, f"expected one of the keys: {', '.join(all_distinctive)}", node)]
 
 
+def _null_entry(root: type[BaseModel], problem: Problem, data: dict) -> Problem:
+    """A null entry of a mapping of names (`rewards: {nothere: null}`) that no base spec (`extends`) has: null
+    removes a base's entry, and where there is none to remove, "expected a number, got null" said nothing of
+    that."""
+    parent = value_at(data, problem.parts[:-1]) if problem.parts else None
+    name = problem.parts[-1] if problem.parts else None
+    if not (isinstance(parent, dict) and name in parent and parent[name] is None
+            and names_an_entry(root, problem.parts)):
+        return problem
+    others = [str(k) for k, v in parent.items() if v is not None]
+    near = nearest(str(name), others)
+    hint = f"; did you mean '{near}'?" if near else ""
+    where = ".".join(str(p) for p in problem.parts[:-1])
+    return Problem(problem.parts, f"null removes an entry that a base spec (extends) sets, and no base sets "
+                                  f"{where}.{name}{hint}", problem.node, problem.kind)
+
+
 def _one_of(parts: Parts, problems: list[tuple[str, Problem]], value: Any) -> list[Problem]:
     """The errors of a union of plain types at one key, as the user meant it: a list's own errors where the
     value is a list, else one "expected a list or 'all-linear', got ..." for the whole union."""
@@ -350,4 +367,4 @@ def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -
         out += _one_of(parts, problems, value_at(data, parts))
     for node, errs in by_node.items():
         out += _node_problems(node, members[node], errs, data)
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(_null_entry(root, p, data) for p in out))
