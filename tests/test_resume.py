@@ -187,10 +187,22 @@ def test_a_killed_drivers_idle_time_starts_at_its_newest_step():
 
     stamps = {"timing/step_s": [1_000_000, 1_060_000], "timing/startup_s": [990_000]}
     client = SimpleNamespace(get_metric_history=lambda run_id, key: [SimpleNamespace(timestamp=t) for t in stamps[key]])
-    killed = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=None))
+    killed = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=None, status="RUNNING"))
     assert idle_since(client, killed) == pytest.approx(time.time() - 1_060, abs=1)
-    stopped = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=2_000_000))
+    stopped = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=2_000_000, status="KILLED"))
     assert idle_since(client, stopped) == pytest.approx(time.time() - 2_000, abs=1)
+
+
+def test_a_resumed_run_killed_again_is_idle_from_its_newest_step_not_its_earlier_end():
+    """A run stopped (KILLED, an end time), resumed and SIGKILLed: MLflow keeps the first session's end time
+    on the RUNNING run. The idle time counted from it took in the second session's work: a duration of
+    -30 s in `factory runs` after the next resume."""
+    from factory.tracking.mlflow_tracker import idle_since
+
+    stamps = {"timing/step_s": [1_000_000, 1_300_000], "timing/startup_s": [990_000]}
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: [SimpleNamespace(timestamp=t) for t in stamps[key]])
+    again = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=1_100_000, status="RUNNING"))
+    assert idle_since(client, again) == pytest.approx(time.time() - 1_300, abs=1)
 
 
 def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):

@@ -394,6 +394,12 @@ def test_runs_tell_a_dead_driver_and_an_eval_or_rescore_from_a_training_run():
     assert s["driver_alive"] is False and s["duration_s"] is None and s["kind"] == "train" and s["steps"] == 2
     s = run_summary(TrackedRun("r2", "b", "0", "RUNNING", 100.0, None, tags={DRIVER_TAG: driver_tag()}, params=params))
     assert s["driver_alive"] is True and s["duration_s"] > 0
+    # resumed after a stop, so MLflow still holds the stopped session's end time (a negative duration, -0.7 min)
+    s = run_summary(TrackedRun("r1b", "a", "0", "RUNNING", 100.0, 110.0, tags={DRIVER_TAG: dead, "factory.idle_s": "50"},
+                               params=params))
+    assert s["duration_s"] is None
+    s = run_summary(TrackedRun("r2b", "b", "0", "RUNNING", 100.0, 110.0, tags={DRIVER_TAG: driver_tag()}, params=params))
+    assert s["duration_s"] > 1000
     other_host = json.dumps({"host": "elsewhere", "pid": 1, "started": 0.0})
     assert run_summary(TrackedRun("r3", "c", "0", "RUNNING", 1.0, None, tags={DRIVER_TAG: other_host}))["driver_alive"] is None
     ev = run_summary(TrackedRun("r4", "d", "0", "FINISHED", 1.0, 2.0, tags={"factory.kind": "eval"}, params=params))

@@ -618,8 +618,10 @@ IDLE_TAG = "factory.idle_s"  # seconds a resumed run spent with no driver: `fact
 
 def idle_since(client: Any, run: Any) -> float:
     """Seconds from when the run's last driver stopped working to now: its end, or, for a killed driver
-    (no end), its newest step's or start-up's metric (a step cut short by the kill counts as idle)."""
-    last = run.info.end_time or max((m.timestamp for key in (STEP_KEY, "timing/startup_s")
+    (no end), its newest step's or start-up's metric (a step cut short by the kill counts as idle). A RUNNING
+    run's end time is an earlier session's (a resumed run killed again): not when its last driver stopped."""
+    ended = run.info.end_time if run.info.status != "RUNNING" else None
+    last = ended or max((m.timestamp for key in (STEP_KEY, "timing/startup_s")
                                      for m in client.get_metric_history(run.info.run_id, key)),
                                     default=run.info.start_time)
     return max(0.0, time.time() - last / 1000) if last else 0.0

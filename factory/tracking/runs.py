@@ -37,7 +37,11 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
     it cannot be told from here); a run whose driver was killed stays RUNNING in MLflow, with no end.
     `duration_s`: start to end, less the time a resumed run had no driver (its tag `factory.idle_s`)."""
     alive = driver_alive(run.tags.get(DRIVER_TAG)) if run.status == "RUNNING" else None
-    end = run.end_time or (time.time() if run.status == "RUNNING" and alive is not False else None)
+    # A RUNNING run's end time is stale when it has one: a resumed run keeps its last session's end
+    if run.status == "RUNNING":
+        end = time.time() if alive is not False else None
+    else:
+        end = run.end_time
     kind = run_kind(run)
     steps = run.params.get("train.steps") if kind == "train" else None  # an eval's or rescore's spec's: not its own
     return {
