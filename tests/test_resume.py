@@ -181,6 +181,23 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
                                             - float(run.data.tags["factory.idle_s"]), abs=1e-3)
 
 
+def test_steps_done_are_those_with_a_step_metric_not_a_resumed_sessions_start_up(uri):
+    """A resumed session logs its start-up times at the step it does next: the run's `factory.step` tag
+    (steps done, what `factory runs` shows) said that step was done before it was (3/4 with 2 done, for a
+    resume killed in its first step)."""
+    from mlflow.tracking import MlflowClient
+
+    t = Tracker(uri, "e")
+    run_id = t.start("r", {}, {}, {})
+    t.log_metrics({"eval/reward": 0.5, "timing/startup_s": 9.0}, step=0)
+    assert MlflowClient(uri).get_run(run_id).data.tags["factory.step"] == "0"
+    t.log_metrics({"timing/step_s": 1.0}, step=1)
+    t.log_metrics({"timing/step_s": 1.0}, step=2)
+    t.log_metrics({"timing/startup_s": 9.0}, step=3)  # a resumed session's start-up, before its step 3
+    assert MlflowClient(uri).get_run(run_id).data.tags["factory.step"] == "2"
+    t.end()
+
+
 def test_a_killed_drivers_idle_time_starts_at_its_newest_step():
     """A SIGKILLed driver leaves no end time: the gap runs from its newest step's metric."""
     from factory.tracking.mlflow_tracker import idle_since

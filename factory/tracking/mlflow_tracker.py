@@ -504,8 +504,10 @@ class MlflowTracker:
             metrics = [Metric(k, v, now, record["step"]) for k, v in record["values"].items()]
             for i in range(0, len(metrics), 1000):  # MLflow's batch limit
                 client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
-            # steps done, for `factory runs` (and a crashed run)
-            client.log_batch(self.run_id, tags=[RunTag("factory.step", str(record["step"]))], synchronous=True)
+            # steps done, for `factory runs` (and a crashed run): a training step's record, or the step-0
+            # evaluation's; not a resumed session's start-up times, logged ahead at the step it will do next
+            if STEP_KEY in record["values"] or record["step"] == 0:
+                client.log_batch(self.run_id, tags=[RunTag("factory.step", str(record["step"]))], synchronous=True)
         elif kind == "artifact":
             client.log_artifact(self.run_id, str(file), record["artifact_path"])
         elif kind == "tags":
