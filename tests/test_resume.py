@@ -87,6 +87,22 @@ def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(sto
     assert find(plan, older, uri, train=spec.train, **exp).checkpoint == "step_2"  # named explicitly (id)
 
 
+def test_a_sessions_start_up_is_logged_once_at_its_first_step(store):
+    """A resume killed in its first step left its start-up times at that step; the next resume logged its own
+    there too: timing/startup_s held two values at step 3."""
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run_id = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), experiment="startup")
+    r = find(plan, run_id, uri, train=spec.train, experiment="startup")
+    assert r.startup_step(4) == 3 and r.startup_step(2) is None  # no step left: none to log it at
+    MlflowClient(uri).log_metric(run_id, "timing/startup_s", 40.0, step=3)  # that session, killed in step 3
+    MlflowClient(uri).set_tag(run_id, DRIVER_TAG, GONE)
+    again = find(plan, run_id, uri, train=spec.train, experiment="startup")
+    assert again.started == [3] and again.startup_step(4) is None
+
+
 def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     uri, ckpt = store
     spec, plan = compiled(ckpt)

@@ -711,8 +711,8 @@ def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume
     # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
     # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).
     started = startup.finish()
-    first = resume.logged + 1 if resume else 0
-    if first <= d.train.steps:
+    first = resume.startup_step(d.train.steps) if resume else 0
+    if first is not None:
         tracker.log_metrics(started, step=first)
     display.status(startup.describe())
     if done:

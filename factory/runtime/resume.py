@@ -34,6 +34,8 @@ from factory.util import UserError
 STEP_METRIC = "timing/step_s"
 # Logged at step 0 when the spec has held-out data (the step-0 evaluation is done).
 EVAL_METRIC = "eval/reward"
+# Logged by each session of a run at the first step it logs (factory.runtime.startup).
+STARTUP_METRIC = "timing/startup_s"
 # Inputs whose hash must match for a resume (beside the spec's own): what else defines the training.
 HASHED_INPUTS = ("templates", "rewards", "data", "code")
 
@@ -58,6 +60,14 @@ class Resume:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # the run's checkpoints.json
     changed: list[str] = field(default_factory=list)  # what differs from the run's spec (allowed)
     unreadable: list[str] = field(default_factory=list)  # newer checkpoints passed over, and why
+    started: list[int] = field(default_factory=list)  # the steps at which earlier sessions logged their start-up
+
+    def startup_step(self, steps: int) -> int | None:
+        """The step this session logs its start-up times at: the one after the run's last logged step; None
+        past the run's `steps`, or when an earlier session, killed before it logged that step, holds it (a
+        second value at one step is a duplicate in the metric's history)."""
+        first = self.logged + 1
+        return None if first > steps or first in self.started else first
 
     def describe(self) -> str:
         # without a checkpoint the run starts over: its step-0 evaluation too (logged once, as every step)
@@ -105,7 +115,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   state.get("data") if checkpoint else None, state.get("watch") if checkpoint else None,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
-                  unreadable=skipped)
+                  unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)])
 
 
 def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) -> TrackedRun:
