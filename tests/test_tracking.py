@@ -113,6 +113,24 @@ def test_diff_of_a_training_run_and_its_evaluation_leaves_out_what_training_alon
     assert [c["key"] for c in both["changes"]] == ["train.lr"] and both["notes"] == []
 
 
+def test_a_run_that_has_not_finished_is_compared_with_a_warning():
+    """`factory diff` of a finished run and one still running (or stopped, or failed) put their "final"
+    values side by side with nothing said: B's eval "final" was its step-0 evaluation, against A's step 4."""
+    from factory.commands.diff import RunRecord, compare
+    from factory.tracking.tracker import TrackedRun
+
+    params = {"train.steps": "4"}
+    done = RunRecord(TrackedRun("a", "a", "0", "FINISHED", 1.0, 2.0, tags={"factory.step": "4"}, params=params), {}, None)
+    going = RunRecord(TrackedRun("b", "b", "0", "FAILED", 1.0, 2.0, tags={"factory.step": "2"}, params=params), {}, None)
+    history_a = {"eval/accuracy": [(0, 0.0), (4, 0.5)], "reward/mean": [(1, 0.1), (4, 0.3)]}
+    history_b = {"eval/accuracy": [(0, 0.0)], "reward/mean": [(1, 0.1), (2, 0.2)]}
+    report = compare(done, going, history_a, history_b)
+    assert report["warnings"] == ["B has not finished (FAILED): 2 of 4 steps done; its final values are those it had "
+                                  "logged so far",
+                                  "their final evaluations are of different steps: A's of step 4, B's of step 0"]
+    assert report["identical"] and compare(done, done, history_a, history_a)["warnings"] == []
+
+
 def test_unrecorded_tool_schemas_are_a_note_not_identical():
     from factory.commands.diff import plan_changes, plan_notes
 

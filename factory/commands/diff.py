@@ -24,7 +24,7 @@ from typing import Any
 
 from factory.plan import MASK
 from factory.tracking.mlflow_tracker import flatten
-from factory.tracking.runs import run_kind
+from factory.tracking.runs import run_kind, run_summary
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
 
 # plan.hashes section -> the kind of change it names
@@ -140,6 +140,27 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
             warnings.append(f"not comparable: different {what} ({shown})")
     return warnings
+
+
+def progress(runs: dict[str, TrackedRun], histories: dict[str, dict[str, list[tuple[int, float]]]]) -> list[str]:
+    """Warnings when a side's "final" values are not of a finished run, or the final evaluations are of
+    different steps: a run still going on, stopped or failed is compared as far as it got (its eval
+    metrics' "final" may be its step-0 evaluation)."""
+    out = []
+    for side, run in runs.items():
+        if run.status == "FINISHED" or run_kind(run) != "train":
+            continue
+        s = run_summary(run)
+        state = run.status + (", its driver gone" if s["driver_alive"] is False else "")
+        done = s["steps_done"] if s["steps_done"] is not None else "?"
+        out.append(f"{side} has not finished ({state}): {done} of {s['steps'] or '?'} steps done; its final "
+                   "values are those it had logged so far")
+    last = {side: max((st for k, pts in h.items() if k.startswith("eval/") for st, _ in pts), default=None)
+            for side, h in histories.items()}
+    if None not in last.values() and len(set(last.values())) > 1:
+        out.append("their final evaluations are of different steps: "
+                   + ", ".join(f"{side}'s of step {step}" for side, step in last.items()))
+    return out
 
 
 def environment_changes(run_a: TrackedRun, run_b: TrackedRun) -> list[dict[str, Any]]:
@@ -306,6 +327,7 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
         warnings = [w for w in warnings if not w.startswith("not comparable: different model")]
         notes.append(f"{'A' if a.run.tags.get('factory.eval_of') else 'B'} evaluates the other run's checkpoint "
                      "(its model.path is where that checkpoint was read from)")
+    warnings += progress({"A": a.run, "B": b.run}, {"A": history_a, "B": history_b})
     prompts = common_prompts(a.trajectories, b.trajectories)
     return {
         "a": _side(a), "b": _side(b),
