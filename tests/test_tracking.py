@@ -131,6 +131,27 @@ def test_a_run_that_has_not_finished_is_compared_with_a_warning():
     assert report["identical"] and compare(done, done, history_a, history_a)["warnings"] == []
 
 
+def test_a_run_resumed_under_a_changed_spec_is_not_identical(tmp_path, monkeypatch):
+    """A run resumed with `--allow-spec-change train.steps=3` keeps its first spec's params and plan.json:
+    `factory diff` of it and a run of that first spec said "defined identically"."""
+    from factory.commands.diff import diff_runs
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    plan = {"spec": {"train": {"steps": 2, "lr": 0.001}}, "hashes": {"run": "h"}}
+    ids = []
+    for resumed in (False, True):
+        t = Tracker(uri, "e")
+        ids.append(t.start(f"r{resumed}", {}, {}, {"plan.json": json.dumps(plan)}))
+        if resumed:  # what MlflowTracker.resume records of the change
+            t.log_text(json.dumps({**plan, "spec": {"train": {"steps": 3, "lr": 0.001}}}), "resumed/step_2/plan.json")
+        t.end()
+    report, _, _ = diff_runs(*ids, uri=uri)
+    assert report["notes"] == ["B was resumed after step 2 under a changed spec (--allow-spec-change): "
+                               "train.steps 2 -> 3"]
+    assert not report["identical"] and report["changes"] == []
+
+
 def test_unrecorded_tool_schemas_are_a_note_not_identical():
     from factory.commands.diff import plan_changes, plan_notes
 

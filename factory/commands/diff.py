@@ -48,6 +48,8 @@ class RunRecord:
     plan: dict[str, Any]
     tools: dict[str, list[dict[str, Any]]] | None  # tools.json, when the run recorded it
     trajectories: list[dict[str, Any]] = field(default_factory=list)  # rows of every step's tables, with split
+    # (checkpoint step, plan) of each `--resume --allow-spec-change` (its `resumed/step_N/plan.json`), in order
+    resumed: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -125,6 +127,19 @@ def _masked(d: Any, prefix: str = "") -> Iterator[str]:
             yield from _masked(v, f"{prefix}{k}.")
     elif d == MASK:
         yield prefix.rstrip(".")
+
+
+def resumed_notes(side: str, plan: dict[str, Any], resumed: list[tuple[int, dict[str, Any]]]) -> list[str]:
+    """What a run resumed under a changed spec (`--allow-spec-change`) changed, each time: its params and
+    plan.json are those of its first spec, which the comparison above reads."""
+    notes = []
+    for step, later in resumed:
+        shown = ", ".join(f"{c['key']} {c['a']} -> {c['b']}" if c["kind"] == "setting" else c["key"]
+                          for c in plan_changes(plan, later))
+        notes.append(f"{side} was resumed after step {step} under a changed spec (--allow-spec-change): "
+                     f"{shown or 'nothing in its plan changed'}")
+        plan = later
+    return notes
 
 
 def comparability(changes: list[dict[str, Any]]) -> list[str]:
@@ -301,7 +316,10 @@ def load(tracker: Tracker, ref: str) -> RunRecord:
     with tempfile.TemporaryDirectory() as tmp:
         plan = json.loads(tracker.download(run_id, "plan.json", tmp).read_text())
         tools = json.loads(tracker.download(run_id, "tools.json", tmp).read_text()) if "tools.json" in names else None
-    return RunRecord(run, plan, tools, _trajectory_rows(tracker, run_id))
+        folders = tracker.artifacts(run_id, "resumed") if "resumed" in names else []
+        resumed = sorted((int(f.rsplit("_", 1)[1]), json.loads(tracker.download(run_id, f"{f}/plan.json", tmp).read_text()))
+                         for f in folders)
+    return RunRecord(run, plan, tools, _trajectory_rows(tracker, run_id), resumed)
 
 
 def _side(r: RunRecord) -> dict[str, Any]:
@@ -314,6 +332,7 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
     """The whole report as plain data (see the README for an example)."""
     changes = plan_changes(a.plan, b.plan, a.tools, b.tools)
     notes = plan_notes(a.plan, b.plan, ("A", "B"))
+    notes += resumed_notes("A", a.plan, a.resumed) + resumed_notes("B", b.plan, b.resumed)
     kinds = {side: run_kind(r.run) for side, r in (("A", a), ("B", b))}
     if {"eval", "rescore"} & set(kinds.values()):
         # an evaluation or a rescoring trains nothing: its spec's training settings were never read
