@@ -366,8 +366,11 @@ class MlflowTracker:
         self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
+        # the steps this session trains to: the run's train.steps param stays its first spec's, which
+        # `--allow-spec-change train.steps=N` changed (`factory runs` showed 3/2)
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
-                         "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}"})
+                         "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}",
+                         STEPS_TAG: str(plan.driver.train.steps)})
         if resume.changed:
             mlflow.set_tag("factory.resumed_spec_hash", plan.hashes["spec"])
             mlflow.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
@@ -615,6 +618,7 @@ STEP_KEY = "timing/step_s"  # the metric every training step logs (factory.runti
 RETRY_S = 10.0  # while the tracking store is down, try it again at most this often
 
 
+STEPS_TAG = "factory.train_steps"  # a resumed run's train.steps, as its last resume gave them
 IDLE_TAG = "factory.idle_s"  # seconds a resumed run spent with no driver: `factory runs` leaves them out of its duration
 
 

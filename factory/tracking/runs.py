@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, driver_alive, tracking_uri
+from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, STEPS_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
 from factory.util import fmt_number
 
@@ -43,7 +43,8 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
     else:
         end = run.end_time
     kind = run_kind(run)
-    steps = run.params.get("train.steps") if kind == "train" else None  # an eval's or rescore's spec's: not its own
+    # an eval's or rescore's spec's steps are not its own; a resumed run's are its last resume's
+    steps = run.tags.get(STEPS_TAG, run.params.get("train.steps")) if kind == "train" else None
     return {
         "run_id": run.run_id,
         "name": run.name,
