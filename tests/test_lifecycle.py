@@ -18,14 +18,29 @@ from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_igno
 
 def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
     told = []
-    with GracefulStop(on_first=lambda: told.append(1)) as stop:
+    with GracefulStop(on_first=told.append) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)  # the handler runs between bytecodes of the main thread
-        assert stop.requested and told == [1]
+        assert stop.requested and told == ["Ctrl-C"]
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_sigterm_stops_as_ctrl_c_does():
+    """`kill PID`, `timeout` or a container's stop send SIGTERM: it met Ray's handler in the driver, which
+    aborted (exit code 134, a C stack dump, the MLflow run FAILED) instead of stopping after the step."""
+    told = []
+    before = signal.getsignal(signal.SIGTERM)
+    with GracefulStop(on_first=told.append) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested and told == ["SIGTERM"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
 def test_children_started_while_ignoring_keep_ignoring_sigint():

@@ -4,7 +4,7 @@ over factory.commands.api (`import factory`), the same program from Python.
 Exit codes: 0 success; 2 the spec (or the command line, the data or a run it names) is wrong, with
 every problem listed and no traceback; 1 Factory itself failed (a one-line message; FACTORY_DEBUG=1
 shows the traceback); 3 a step had too many infrastructure failures; 4 a reward-hacking monitor that
-`train.stop_on` names fired; 130 Ctrl-C.
+`train.stop_on` names fired; 130 Ctrl-C (or SIGTERM: stopped after the step in flight).
 `check` and `plan` import no torch, Ray or DeepSpeed: they answer in about a second.
 """
 from __future__ import annotations
@@ -191,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Overrides are OmegaConf dot-lists: `train.lr=3e-6 rollout.group_size=4` (or `--train.lr 3e-6`). "
                "Exit codes: 0 ok, 2 spec error, 1 internal error (FACTORY_DEBUG=1 shows the traceback), "
                "3 infrastructure failures (a step's tools or judge down, a stage that stopped answering), "
-               "4 a train.stop_on monitor fired, 130 Ctrl-C.",
+               "4 a train.stop_on monitor fired, 130 Ctrl-C or SIGTERM.",
     )
     p.add_argument("--version", action="version", version=f"factory {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

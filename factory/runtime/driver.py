@@ -661,8 +661,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done)
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
-    stop = GracefulStop(on_first=lambda: display.status("Ctrl-C: stopping after the step in progress (it is logged "
-                                                        "and checkpointed); Ctrl-C again stops at once"),
+    stop = GracefulStop(on_first=lambda what: display.status(f"{what}: stopping after the step in progress (it is "
+                                                             f"logged and checkpointed); {what} again stops at once"),
                         event=stop_event)
     with stop:
         for step in range(done + 1, d.train.steps + 1):

@@ -95,14 +95,17 @@ def sessions_dir() -> Path:
 # ---------------------------------------------------------------------------------- Ctrl-C
 class GracefulStop:
     """While active (a context manager), a stop request ends the loop after its current step: the first
-    SIGINT (Ctrl-C, or a notebook's "interrupt kernel"; heard in the main thread only, where Python
-    delivers signals), or `event` set by any thread (factory.run's `stop`). A second SIGINT raises
-    KeyboardInterrupt as usual."""
+    SIGINT (Ctrl-C, or a notebook's "interrupt kernel") or SIGTERM (`kill PID`, `timeout`, a container or
+    job being stopped), heard in the main thread only, where Python delivers signals; or `event` set by
+    any thread (factory.run's `stop`). A second signal raises KeyboardInterrupt, as a second Ctrl-C does.
+    (SIGTERM otherwise met Ray's handler in the driver, which aborts: exit code 134, the run FAILED, unsaved.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, on_first: Any = None, event: threading.Event | None = None):
         self.event = event if event is not None else threading.Event()
-        self._on_first = on_first  # called with no argument on the first Ctrl-C (to tell the user)
-        self._previous: Any = None
+        self._on_first = on_first  # called with what asked ("Ctrl-C", "SIGTERM") on the first signal (to tell the user)
+        self._previous: dict[int, Any] = {}
 
     @property
     def requested(self) -> bool:
@@ -113,17 +116,17 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.event.set()
         if self._on_first is not None:
-            self._on_first()
+            self._on_first("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():  # None: a handler set outside Python (Ray's)
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
 
 
 @contextlib.contextmanager
