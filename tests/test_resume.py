@@ -259,6 +259,12 @@ def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):
     assert (r.checkpoint, r.step, r.data) == ("step_1", 1, {"epoch": 0, "cursor": 2})
     assert r.unreadable == [f"step_2: {ckpt}/step_2/model.safetensors holds 10 bytes, 1000 were saved"]
     assert "passed over step_2" in r.describe()
+    # every checkpoint cut short: it starts over, and does not say the run saved none (it did)
+    with open(ckpt / "step_1" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert r.checkpoint is None and len(r.unreadable) == 2
+    assert "from the start (no checkpoint it saved is usable)" in r.describe()
 
 
 def test_recorded_source_hashes_compare_by_contents_not_by_where_the_source_was_found():

@@ -72,7 +72,8 @@ class Resume:
     def describe(self) -> str:
         # without a checkpoint the run starts over: its step-0 evaluation too (logged once, as every step)
         where = (f"at step {self.step + 1}, from its checkpoint {self.checkpoint_dir / self.checkpoint}"
-                 if self.checkpoint else "from the start (it saved no checkpoint)")
+                 if self.checkpoint else "from the start (no checkpoint it saved is usable)" if self.unreadable
+                 else "from the start (it saved no checkpoint)")
         first, last = (self.step + 1 if self.checkpoint else 0), self.logged
         again = ("" if last < first else f"; step {first} is computed again, not logged twice" if last == first
                  else f"; steps {first}-{last} are computed again, not logged twice")
