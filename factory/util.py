@@ -65,6 +65,22 @@ def fmt_number(v: float | None, spec: str = ".3f") -> str:
     return format(v, ".4g" if abs(v) >= 1e6 else spec)
 
 
+def stdout_console(piped_width: int | None = None, file: Any = None) -> Any:
+    """A rich Console for a command's output on stdout (`file`), `piped_width` columns wide when it is not
+    a terminal (a log or a pipe: room for wide tables). A reader that leaves early (`factory runs | head`)
+    raises BrokenPipeError, which the command line ends with exit code 0: rich's own answer is SystemExit(1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    console = _Console(file=file)
+    if piped_width is not None and not console.is_terminal:
+        console = _Console(file=file, width=piped_width)
+    return console
+
+
 def shown_path(path: str | os.PathLike) -> str:
     """A path relative to the working directory when it lies below it (stable across checkouts)."""
     p = Path(path).resolve()

@@ -348,3 +348,27 @@ def test_eval_of_a_server_that_does_not_answer_exits_2_before_ray_starts(project
         f"factory: --model {url}: no answer within 10 s (ConnectError: All connection attempts failed): is the "
         "server up, and the URL its OpenAI-compatible base (ending in /v1)?\n")
     assert not (project.root / "mlflow.db").exists()
+
+
+LISTING = """
+import factory.tracking.runs as runs
+from factory.commands import cli
+row = dict(run_id="x" * 32, name="n", spec="s", kind="train", status="FINISHED", driver_alive=None, steps_done=1,
+           steps=1, final_reward=None, eval={}, start_time=None, duration_s=None, monitors={})
+runs.list_runs = lambda *a, **k: [row] * 5000  # a table longer than a pipe holds
+raise SystemExit(cli.main(["runs"]))
+"""
+
+
+def test_a_reader_that_leaves_early_is_exit_code_0():
+    """`factory runs | head`, `factory diff A B | head`: rich answers a closed pipe with SystemExit(1), so
+    the command exited 1 (an error) where its reader only had enough."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader has left (`head -1` once it has its line) before the table is written
+    proc = subprocess.run([sys.executable, "-c", LISTING], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(write)
+    assert proc.returncode == 0, proc.stderr

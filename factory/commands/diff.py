@@ -26,6 +26,7 @@ from factory.plan import MASK
 from factory.tracking.mlflow_tracker import flatten
 from factory.tracking.runs import run_kind, run_summary
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
+from factory.util import stdout_console
 
 # plan.hashes section -> the kind of change it names
 _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data", "code": "tool_code",
@@ -401,13 +402,10 @@ def _cut(text: str | None, n: int = 600) -> str:
 
 
 def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    console = Console()
-    if not console.is_terminal:  # piped or in a log: room for the side-by-side tables
-        console = Console(width=160)
+    console = stdout_console(piped_width=160)  # piped or in a log: room for the side-by-side tables
     console.print(Text(f"A = {a.label}   B = {b.label}", style="bold"))
     for w in report["warnings"]:
         console.print(Text(f"warning: {w}", style="yellow"))

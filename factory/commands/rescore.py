@@ -22,7 +22,7 @@ from factory.reward.graph import eval_metrics
 from factory.schema import Spec
 from factory.tracking.tracker import Tracker
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
-from factory.util import UserError
+from factory.util import UserError, stdout_console
 
 SPLITS = {"train": "trajectories", "eval": "eval_trajectories"}  # split -> the run's artifact folder
 _STEP_FILE = re.compile(r"step_(\d+)\.parquet$")
@@ -194,7 +194,6 @@ def _int(value: str | None) -> int:
 # -------------------------------------------------------------------------------------------- command
 def main(args: Any) -> int:
     """`factory rescore`: compile the new spec, rescore, print old -> new per step."""
-    from rich.console import Console
     from rich.table import Table
 
     from factory.compiler.compile import compile_file
@@ -205,7 +204,7 @@ def main(args: Any) -> int:
     uri = args.uri or tracking_uri(spec.tracking.uri)
     result = rescore(args.run, spec, plan, uri=uri, steps=args.steps)
     tracker = open_tracker(uri)
-    console = Console()
+    console = stdout_console()
     table = Table(title=f"run {args.run} rescored with {args.spec}")
     for column in ("step", "metric", "before", "after"):
         table.add_column(column, justify="right" if column != "metric" else "left")

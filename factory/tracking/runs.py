@@ -19,7 +19,7 @@ from typing import Any
 
 from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, STEPS_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
-from factory.util import fmt_number
+from factory.util import fmt_number, stdout_console
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -83,7 +83,6 @@ def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | Non
 
 
 def runs_main(args: Any) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     rows = list_runs(args.experiment, limit=args.limit, uri=args.uri)
@@ -109,9 +108,7 @@ def runs_main(args: Any) -> int:
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
         table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, fmt_number(r["final_reward"]),
                       *(fmt_number(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
-    console = Console()
-    if not console.is_terminal:  # piped or in a log: do not squeeze the table into 80 columns
-        console = Console(width=200)
+    console = stdout_console(piped_width=200)  # piped or in a log: do not squeeze the table into 80 columns
     console.print(table)
     return 0
 
