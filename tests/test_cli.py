@@ -363,12 +363,21 @@ raise SystemExit(cli.main(["runs"]))
 def test_a_reader_that_leaves_early_is_exit_code_0():
     """`factory runs | head`, `factory diff A B | head`: rich answers a closed pipe with SystemExit(1), so
     the command exited 1 (an error) where its reader only had enough."""
-    import os
-    import subprocess
-    import sys
-
     read, write = os.pipe()
     os.close(read)  # the reader has left (`head -1` once it has its line) before the table is written
     proc = subprocess.run([sys.executable, "-c", LISTING], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
     os.close(write)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_runs_table_keeps_each_runs_name(monkeypatch, capsys):
+    """Beside a run whose driver is gone ("RUNNING (driver gone: --resume)") and five eval metrics, the name
+    column (the one that may wrap) was squeezed to nothing in a 200-column listing."""
+    import factory.tracking.runs as runs
+
+    row = dict(run_id="0123456789abcdef" * 2, name="tiny-20261203-193414", spec="tiny", kind="train", status="RUNNING",
+               driver_alive=False, steps_done=2, steps=4, final_reward=0.0, start_time=1.0, duration_s=None, monitors={},
+               eval={f"eval/{k}": 0.0 for k in ("accuracy", "dropped", "num_turns", "reward", "tool_calls")})
+    monkeypatch.setattr(runs, "list_runs", lambda *a, **k: [row])
+    assert cli.main(["runs"]) == 0
+    assert "tiny-20261203-193414" in capsys.readouterr().out

@@ -98,7 +98,9 @@ def runs_main(args: Any) -> int:
     for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "monitors fired", "duration",
                 "started"):
         numeric = col in ("steps", "reward", "duration") or col in eval_keys
-        table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name")
+        # the name may wrap, but never to nothing (as it did beside a long status): `factory diff` takes it
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name",
+                         min_width=min(max(len(r["name"]) for r in rows), 24) if col == "name" else None)
     for r in rows:
         steps = (f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
                  if r["kind"] == "train" else r["kind"])
