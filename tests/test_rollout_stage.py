@@ -85,6 +85,7 @@ def test_tools_client_counts_the_callers_calls_and_takes_server_events():
     assert first["tools/calls"] == 2.0 and first["tools/calc/calls"] == 1.0 and "tools/nope/calls" not in first
     assert first["tool_servers/calc/restarts"] == 2.0
     assert second["tools/calls"] == 0.0 and "tool_servers/calc/restarts" not in second
+    assert second["tools/calc/calls"] == 0.0  # an offered tool without calls is a 0, not a gap in its chart
 
 
 def test_without_a_tools_stage_every_call_is_an_unknown_tool():

@@ -54,6 +54,7 @@ class ToolsClient:
     async def take_metrics(self) -> ToolMetrics:
         """This caller's calls since the last take, with the servers' restarts and circuit opens."""
         taken, self._metrics = self._metrics, ToolMetrics()
+        taken.offered(t["function"]["name"] for t in self._schemas)
         if self._stage is not None:
             for server, events in (await _invoke(self._stage, "server_events")).items():
                 for event, count in events.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,12 @@ class ToolMetrics:
             stats.infra_errors += result.status == "infra_error"
             stats.timeouts += result.error_kind == "timeout"
             stats.latencies.append(result.latency_s)
+
+    def offered(self, tools: Any) -> None:
+        """Count these tools' calls even when there are none: a step whose calls all missed a tool logs
+        `tools/<tool>/calls` 0, not nothing (a chart drew a line across the gap, as if it had calls)."""
+        for name in tools:
+            self._tools[name]  # noqa: B018 -- the defaultdict makes the entry
 
     def server_event(self, server: str, event: str, count: int = 1) -> None:
         """Count a server-level event: `restarts`, `circuit_opens`, or (a server marked `cache: true`)
