@@ -172,7 +172,7 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
 
     # what factory.runtime.resume.find returns, as far as the tracker reads it
     r = SimpleNamespace(run_id=run_id, step=1, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
-                        checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
+                        checkpoint="step_1", checkpoints=[{"step": 1, "path": "p", "hf": "h"}])
 
     spec, plan = compiled(tmp_path / "ckpt")
     resumed = Tracker(uri, "e")
@@ -196,6 +196,28 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     assert s["steps"] == 4  # the resumed session's train.steps, whatever the params say (--allow-spec-change)
     assert s["duration_s"] == pytest.approx((run.info.end_time - run.info.start_time) / 1000
                                             - float(run.data.tags["factory.idle_s"]), abs=1e-3)
+
+
+def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_resumes_from_it(uri, tmp_path):
+    """SIGKILL while the update stage writes a checkpoint: the stage outlives its driver by seconds and
+    commits it, unlisted. The run resumed from it, and its checkpoints.json listed steps 1 and 3, not 2."""
+    import tempfile
+
+    from mlflow.tracking import MlflowClient
+
+    t = Tracker(uri, "e")
+    run_id = t.start("r", {}, {}, {})
+    t.log_checkpoint(1, str(tmp_path / "ckpt" / "step_1"))
+    t.end("FAILED")
+    r = SimpleNamespace(run_id=run_id, step=2, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
+                        checkpoint="step_2", checkpoints=list(t.checkpoints))
+    _, plan = compiled(tmp_path / "ckpt")
+    resumed = Tracker(uri, "e")
+    resumed.resume(r, plan, {"calc": []})
+    resumed.end()
+    client = MlflowClient(uri)
+    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", tempfile.mkdtemp())).read_text())
+    assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
 
 
 def test_steps_done_are_those_with_a_step_metric_not_a_resumed_sessions_start_up(uri):

@@ -365,6 +365,9 @@ class MlflowTracker:
         self.checkpoint_dir = str(resume.checkpoint_dir)  # a resumed run keeps its folder, wherever it is resumed from
         self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
+        if resume.checkpoint and all(c["step"] != resume.step for c in self.checkpoints):
+            # the update stage committed it after its driver was killed (it outlives it by seconds): unlisted
+            self.log_checkpoint(resume.step, str(Path(self.checkpoint_dir) / resume.checkpoint))
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         # the steps this session trains to: the run's train.steps param stays its first spec's, which
         # `--allow-spec-change train.steps=N` changed (`factory runs` showed 3/2)
