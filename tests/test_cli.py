@@ -381,3 +381,17 @@ def test_the_runs_table_keeps_each_runs_name(monkeypatch, capsys):
     monkeypatch.setattr(runs, "list_runs", lambda *a, **k: [row])
     assert cli.main(["runs"]) == 0
     assert "tiny-20261203-193414" in capsys.readouterr().out
+
+
+def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
+    """A second Ctrl-C ended `factory run` with exit code 130 and not a word: the step in flight is lost, and
+    the user is not told that --resume continues the run."""
+    from factory.commands import api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "run", interrupted)
+    spec = str(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml")
+    assert cli.main(["run", spec, "train.steps=3"]) == 130
+    assert f"`factory run {spec} train.steps=3 --resume` continues the run" in capsys.readouterr().err

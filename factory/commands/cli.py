@@ -71,8 +71,14 @@ def _run(args: argparse.Namespace) -> int:
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     # the time to first step counts from this process's start: the imports and the compile too
-    result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
-                     started_at=process_started())
+    try:
+        result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
+                         started_at=process_started())
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the steps began: stopped at once
+        again = " ".join(["factory run", args.spec, *args.overrides, "--resume"])
+        print(f"factory: stopped at once, the step in flight unsaved; `{again}` continues the run from its newest "
+              "checkpoint (once its steps have begun)", file=sys.stderr)
+        raise
     if result.halted:  # a train.stop_on monitor: its own exit code and why
         from factory.monitors import EXIT_MONITOR
 
