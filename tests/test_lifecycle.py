@@ -43,6 +43,21 @@ def test_sigterm_stops_as_ctrl_c_does():
     assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
+def test_sigterm_before_the_steps_begin_interrupts():
+    """SIGTERM while the stages start met Ray's handler, which aborted the driver (exit code 134, a C stack
+    dump, nothing torn down): after ray.init it raises KeyboardInterrupt, as a second Ctrl-C does."""
+    from factory.runtime.lifecycle import sigterm_interrupts
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        sigterm_interrupts()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_children_started_while_ignoring_keep_ignoring_sigint():
     script = "import signal, sys, time; print(signal.getsignal(signal.SIGINT), flush=True); time.sleep(30)"
     with children_ignore_sigint():

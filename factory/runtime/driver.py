@@ -39,7 +39,7 @@ from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
-                                       private_dir, reap_orphans)
+                                       private_dir, reap_orphans, sigterm_interrupts)
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
 from factory.util import import_object
@@ -85,6 +85,7 @@ def start_ray(cluster: ClusterSettings) -> None:
 
     try:
         _start_ray(cluster)
+        sigterm_interrupts()  # Ray's own SIGTERM handler, set just now, aborts the driver
     except (UserError, ValueError, TypeError):  # ours: a mistake to show as it is
         raise
     except Exception as e:  # noqa: BLE001 -- Ray raises a bare Exception for a node that timed out starting

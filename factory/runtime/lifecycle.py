@@ -129,6 +129,19 @@ class GracefulStop:
         self._previous = {}
 
 
+def sigterm_interrupts() -> None:
+    """From now on SIGTERM raises KeyboardInterrupt in the main thread, as a second Ctrl-C does: the driver
+    tears its stages and Ray down and exits 130 (GracefulStop, once the steps begin, makes the first one a
+    stop after the step). Called after ray.init, whose handler for SIGTERM in the driver aborts it: exit code
+    134, a C stack dump, nothing torn down. Outside the main thread signals cannot be changed: no-op."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def children_ignore_sigint() -> Iterator[None]:
     """Processes started inside inherit SIGINT ignored (see the module doc); the caller's own handling is
