@@ -7,6 +7,14 @@ from pathlib import Path
 
 import pytest
 
+# Ray reads whether a local cluster listens on loopback once, at its first import, and test modules import
+# it as they are collected (the driver does, at its top); factory.run sets the flag just before it would
+# import ray, and refuses to start a Ray that read it too early. Set here as a user's environment would be,
+# or a test's factory.run failed depending on which module was collected first (the slow test_api stop test
+# failed alone; its 600 s wait for a step made that look like a hang). tests/test_lifecycle.py tests the
+# refusal itself.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 from tests.test_compiler_support import make_project
 from tests.lifecycle_runs import killed, resumed, stopped, user_project  # noqa: F401 (session fixtures shared by modules)
 from tests.tracked_runs import tiny_runs, tracking_server  # noqa: F401 (session fixtures shared by modules)

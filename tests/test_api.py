@@ -185,9 +185,11 @@ def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_p
     worker = threading.Thread(target=train)
     worker.start()
     seen = []
-    while (item := steps.get(timeout=600))[0] < 1:
-        seen.append(item)
-    seen.append(item)
+    while not seen or seen[-1][0] < 1:
+        try:
+            seen.append(steps.get(timeout=1))
+        except queue.Empty:  # a run that failed before step 1 says why at once, not after the wait
+            assert worker.is_alive(), out.get("error")
     stop.set()  # step 1 is logged; step 2 is in flight
     worker.join(600)
     assert not worker.is_alive() and "error" not in out, out.get("error")
