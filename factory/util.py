@@ -30,12 +30,44 @@ def store_problem(uri: str) -> str | None:
     MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE is set: the run failed
     after Ray had started, and `factory runs --uri mlflow.db` with an internal error."""
     scheme = uri.partition("://")[0] if "://" in uri else ""
-    if scheme not in ("", "file") or os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+    if scheme not in ("", "file"):
+        return _scheme_problem(uri, scheme)
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
         return None
     path = uri.removeprefix("file://")
     db = path if path.endswith(".db") else f"{path.rstrip('/') or '.'}/mlflow.db"
     return (f"'{uri}' is a path, which MLflow reads as its file store and refuses: a tracking store is a URI, "
             f"sqlite:///{db} (a file here), http://HOST:PORT (a server) or a database URL")
+
+
+# The schemes MLflow's own tracking stores read (a database's may name its driver: postgresql+psycopg2); a
+# plugin adds its own under the entry point group below.
+_STORE_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+
+
+def _scheme_problem(uri: str, scheme: str) -> str | None:
+    """`factory runs --uri foo://bar` met MLflow's model-registry error, an internal error (exit 1)."""
+    import importlib.metadata
+
+    plugins = {e.name for e in importlib.metadata.entry_points(group="mlflow.tracking_store")}
+    if scheme.partition("+")[0] in _STORE_SCHEMES or scheme in plugins:
+        return None
+    return (f"'{uri}': MLflow has no tracking store for '{scheme}://' URIs: a tracking store is sqlite:///FILE, "
+            "http://HOST:PORT (a server), or a database URL (postgresql://, mysql://, mssql://)")
+
+
+def missing_store(uri: str) -> str | None:
+    """Why a command that reads runs (runs, diff, export, rescore, eval of a run) finds none at `uri`: a
+    sqlite store whose file is not there (MLflow would create an empty one, and the command say that no run
+    has that id, leaving a stray mlflow.db behind), else None."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///:memory:"):
+        return None
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    if path.exists():
+        return None
+    return (f"no tracking store at {uri} (no file {path} here): runs are in the store `factory run` used (its "
+            "tracking.uri, else $MLFLOW_TRACKING_URI, else mlflow.db where it ran); pass it with --uri, or run "
+            "from that folder")
 
 
 # ------------------------------------------------------------------------------------- import paths

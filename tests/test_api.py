@@ -152,7 +152,7 @@ def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch)
             raise RunLookupError(f"no run with id or name '{ref}' in sqlite:///mlflow.db")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri=None, experiment=None: NoRuns())
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri=None, experiment=None, read=False: NoRuns())
     with pytest.raises(RunLookupError, match=r"^no model folder \./nope, and no run with id or name '\./nope'"):
         factory.evaluate(TINY, model="./nope")
     with pytest.raises(RunLookupError, match=r"^no run with id or name 'nope' in"):  # a name: a run it meant

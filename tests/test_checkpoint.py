@@ -117,8 +117,9 @@ def test_export_errors_are_clear(tmp_path, capsys):
     assert "holds no complete checkpoint" in capsys.readouterr().err
     assert cli.main(["export", "0123456789abcdef", "--out", str(tmp_path / "o"),
                      "--uri", f"sqlite:///{tmp_path}/mlflow.db"]) == 2
-    assert ("'0123456789abcdef' is not a checkpoint folder, and no run with id or name '0123456789abcdef' in "
-            "sqlite:///") in capsys.readouterr().err
+    assert ("'0123456789abcdef' is not a checkpoint folder, and no tracking store at "  # none there: none made
+            f"sqlite:///{tmp_path}/mlflow.db (no file {tmp_path}/mlflow.db here)") in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_every_file_is_on_disk_before_the_commit_names_it(tmp_path, monkeypatch):

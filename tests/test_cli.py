@@ -319,6 +319,33 @@ def test_a_tracking_store_given_as_a_path_is_refused_before_anything_starts(proj
     assert "tracking.uri: unset, so $MLFLOW_TRACKING_URI: 'mlflow.db' is a path" in capsys.readouterr().err
 
 
+def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflow_lacks(project, capsys,
+                                                                                          monkeypatch):
+    """In a folder without mlflow.db, `factory diff A B` (export, eval --model RUN, rescore) made an empty
+    store there and said no run had that id; `factory runs --uri foo://bar` met MLflow's model-registry
+    error (exit 1). A sqlite file that exists is read as before."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    missing = "no tracking store at sqlite:///mlflow.db (no file mlflow.db here): runs are in the store"
+    assert cli.main(["diff", "a", "b"]) == 2
+    assert capsys.readouterr().err.startswith(f"factory diff: error: {missing}")
+    assert cli.main(["export", "a", "--out", "x"]) == 2
+    assert capsys.readouterr().err.startswith(f"factory: 'a' is not a checkpoint folder, and {missing}")
+    assert cli.main(["runs"]) == 0
+    assert capsys.readouterr().out.startswith(f"no runs: {missing}")
+    assert not (project.root / "mlflow.db").exists()
+    assert cli.main(["runs", "--uri", "foo://bar"]) == 2
+    assert capsys.readouterr().err == ("factory: 'foo://bar': MLflow has no tracking store for 'foo://' URIs: a "
+                                       "tracking store is sqlite:///FILE, http://HOST:PORT (a server), or a "
+                                       "database URL (postgresql://, mysql://, mssql://)\n")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient("sqlite:///mlflow.db").search_experiments()  # an existing store, with no run
+    assert cli.main(["runs"]) == 0
+    assert capsys.readouterr().out.startswith("no runs in sqlite:///mlflow.db")
+    assert cli.main(["diff", "a", "b"]) == 2
+    assert "no run with id or name 'a' in sqlite:///mlflow.db" in capsys.readouterr().err
+
+
 def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
     """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"); `ui --port 99999`
     met the socket module's OverflowError and `runs --limit 0` MLflow's: internal errors, exit 1."""

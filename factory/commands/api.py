@@ -186,7 +186,7 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
         from factory.tracking.tracker import RunLookupError, open_tracker
 
         try:
-            run_id = open_tracker(uri).run(ref).run_id
+            run_id = open_tracker(uri, read=True).run(ref).run_id
         except RunLookupError as e:
             if "/" in ref or ref.startswith("."):  # meant as a folder: say that there is none
                 raise RunLookupError(f"no model folder {ref}, and {e}") from None

@@ -367,7 +367,7 @@ def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
               ) -> tuple[dict[str, Any], RunRecord, RunRecord]:
     """Two tracked runs (id, id prefix or name) compared (`compare`), with the trajectories of the
     `prompt`-th prompt both saw; and the two runs."""
-    tracker = open_tracker(uri)
+    tracker = open_tracker(uri, read=True)
     a, b = load(tracker, run_a), load(tracker, run_b)
     report = compare(a, b, _histories(tracker, a.run), _histories(tracker, b.run))
     full = report.pop("_prompts_full")

@@ -44,9 +44,8 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
         return path
     from factory.tracking.tracker import RunLookupError, open_tracker
 
-    tracker = open_tracker(uri)
     try:
-        tags = tracker.run(run).tags
+        tags = open_tracker(uri, read=True).run(run).tags
     except RunLookupError as e:  # none by that id, prefix or name, or several: its own words say which
         raise ExportError(f"'{run}' is not a checkpoint folder, and {e}") from None
     if CHECKPOINT_DIR_TAG in tags:

@@ -120,7 +120,7 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     """Score run `run_id`'s saved trajectories with `spec`'s reward graph and log a new MLflow run."""
     from factory.tracking.tracker import RunLookupError, open_tracker
 
-    store = open_tracker(uri)
+    store = open_tracker(uri, read=True)
     try:
         old = store.run(run_id)
     except RunLookupError:

@@ -19,7 +19,7 @@ from typing import Any
 
 from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, STEPS_TAG, driver_alive, tracking_uri
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
-from factory.util import fmt_number, stdout_console
+from factory.util import fmt_number, missing_store, stdout_console
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -79,6 +79,8 @@ def monitors(run: TrackedRun) -> dict[str, dict[str, Any]]:
 def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
     """`run_summary` of the tracked runs, newest first: of one experiment (by name), else of all
     (`factory runs`, factory.runs)."""
+    if missing_store(tracking_uri(uri)) is not None:  # none yet: not an empty store made here
+        return []
     return [run_summary(r) for r in open_tracker(uri).runs(experiment, max_results=limit)]
 
 
@@ -91,7 +93,9 @@ def runs_main(args: Any) -> int:
         return 0
     if not rows:
         where = f" (experiment '{args.experiment}')" if args.experiment else ""
-        print(f"no runs in {tracking_uri(args.uri)}{where}")
+        uri = tracking_uri(args.uri)
+        missing = missing_store(uri)
+        print(f"no runs in {uri}{where}" if missing is None else f"no runs: {missing}")
         return 0
     eval_keys = sorted({k for r in rows for k in r["eval"]})
     table = Table(title=f"runs in {tracking_uri(args.uri)}")

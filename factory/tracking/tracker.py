@@ -120,9 +120,14 @@ class Tracker(Protocol):
         ...
 
 
-def open_tracker(uri: str | None = None, experiment: str | None = None) -> Tracker:
+def open_tracker(uri: str | None = None, experiment: str | None = None, *, read: bool = False) -> Tracker:
     """The tracking store at `uri` (default: the spec's, $MLFLOW_TRACKING_URI, else ./mlflow.db): MLflow,
-    the one implementation. `experiment`: where a run it writes goes."""
+    the one implementation. `experiment`: where a run it writes goes. `read`: for a command that reads runs,
+    RunLookupError when the store is a sqlite file that does not exist (factory.util.missing_store)."""
     from factory.tracking.mlflow_tracker import MlflowTracker, tracking_uri
+    from factory.util import missing_store
 
-    return MlflowTracker(tracking_uri(uri), experiment)
+    uri = tracking_uri(uri)
+    if read and (problem := missing_store(uri)) is not None:
+        raise RunLookupError(problem)
+    return MlflowTracker(uri, experiment)
