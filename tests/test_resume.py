@@ -115,7 +115,8 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert "no unfinished run of spec 'tiny' with this spec and overrides" in err and run in err, err
     assert "--allow-spec-change" in err
     assert cli.main([*base, "--resume", run, "train.lr=0.5"]) == 2
-    assert "trained with a different spec than this spec and overrides give" in capsys.readouterr().err
+    assert ("trained with a different spec than this spec and overrides give (train.lr: 0.001 -> 0.5): resume "
+            "with the same") in (err := capsys.readouterr().err), repr(err)  # which key: the user need not hunt for the override
     spec2, plan2 = compiled(ckpt, "train.lr=0.5")
     allowed = find(plan2, run, uri, train=spec2.train, experiment="tiny", allow_spec_change=True)
     assert allowed.changed == ["spec"] and allowed.checkpoint == "step_1"

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag
+from factory.compiler.compile import plan_json
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state, verify
 from factory.util import UserError
@@ -99,9 +100,12 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
     changed = changes(plan, tracker, run)
     if changed and not allow_spec_change:
+        keys = spec_keys_changed(_artifact_json(tracker, run.run_id, "plan.json") or {}, plan) if "spec" in changed else []
+        shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
         raise ResumeError(f"run {run.run_id} was trained with a different {', '.join(changed)} than this "
-                          f"spec and overrides give: resume with the same spec and overrides, or pass "
-                          "--allow-spec-change to continue it under the changed one (recorded on the run)")
+                          f"spec and overrides give{f' ({shown})' if shown else ''}: resume with the same spec "
+                          "and overrides, or pass --allow-spec-change to continue it under the changed one "
+                          "(recorded on the run; `factory diff` shows every change afterwards)")
     directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
     skipped: list[str] = []
     checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
@@ -145,6 +149,16 @@ def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
     if recorded:
         out += [k for k in HASHED_INPUTS if not same_sources(recorded.get(k), plan.hashes.get(k))]
     return out
+
+
+def spec_keys_changed(recorded: dict[str, Any], plan: Any) -> list[str]:
+    """The spec keys whose values differ between a run's plan.json and this plan, as `key: then -> now`
+    (a refused resume said only "a different spec", and the user had to find which override it was). Keys
+    masked in either (paths from the environment, "***") are left out."""
+    then, now = dict(flatten(recorded.get("spec") or {})), dict(flatten(json.loads(plan_json(plan))["spec"]))
+    cut = lambda v: v if len(v) <= 60 else v[:57] + "..."  # noqa: E731 -- a list setting is one JSON value
+    return [f"{k}: {cut(then.get(k, 'unset'))} -> {cut(now.get(k, 'unset'))}" for k in sorted(set(then) | set(now))
+            if then.get(k) != now.get(k) and "***" not in (then.get(k), now.get(k))]
 
 
 def same_sources(a: Any, b: Any) -> bool:
