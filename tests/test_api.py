@@ -163,8 +163,9 @@ def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch)
 @pytest.mark.slow  # a tiny training run of 3 steps (about 1.5 min on 2 cores); issue 24's acceptance of item 1
 def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_path, monkeypatch):
     """factory.run in a thread that is not the main one, each step's metrics streamed to on_step: the main
-    thread sets `stop` once step 1 is logged, and the 3-step run ends after step 2 (the step in flight),
-    logged and checkpointed, KILLED as Ctrl-C leaves it. (A run that completes from a thread: the eval test's
+    thread sets `stop` once step 1 is logged, and the 3-step run ends after the step in flight, logged and
+    checkpointed, KILLED as Ctrl-C leaves it: step 1 when the loop hears the stop before it moves on, else
+    step 2 (which of the two is a race between the threads; the record agrees with itself either way). (A run that completes from a thread: the eval test's
     run below, and docs/python.md.)"""
     from mlflow.tracking import MlflowClient
 
@@ -190,18 +191,19 @@ def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_p
             seen.append(steps.get(timeout=1))
         except queue.Empty:  # a run that failed before step 1 says why at once, not after the wait
             assert worker.is_alive(), out.get("error")
-    stop.set()  # step 1 is logged; step 2 is in flight
+    stop.set()  # step 1 is logged; the loop is recording it, or step 2 is in flight
     worker.join(600)
     assert not worker.is_alive() and "error" not in out, out.get("error")
     result = out["result"]
     while not steps.empty():
         seen.append(steps.get())
-    assert [s for s, _ in seen] == [0, 1, 2]
+    last = seen[-1][0]
+    assert last in (1, 2) and [s for s, _ in seen] == list(range(last + 1)) and result.last_step == last
     assert (result.stopped, result.status) == (True, "KILLED")
     run = MlflowClient(uri).get_run(result.run_id)
-    assert run.info.status == "KILLED" and run.data.tags["factory.step"] == "2"
+    assert run.info.status == "KILLED" and run.data.tags["factory.step"] == str(last)
     assert run.data.metrics["reward/mean"] == seen[-1][1]["reward/mean"]  # what on_step heard is what was logged
-    assert Path(result.checkpoint).name == "step_2"
+    assert Path(result.checkpoint).name == f"step_{last}"
 
 
 @pytest.mark.slow  # a `factory eval` of the shared tiny run: 34 s of its own on a 2-core AMD EPYC Zen 4 (#23's budget)

@@ -3,6 +3,7 @@ the tracker replaced by fakes that note what they were asked: no Ray, no model, 
 adds (the stages themselves): tests/test_tools_recording.py (slow), tests/test_e2e.py."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import pytest
 import factory
 from factory.contract import Contract
 from factory.runtime import driver
+from factory.runtime.resume import Resume
 from factory.tools.recording import ReplayMiss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +114,7 @@ def fake_groups(world: World, plan: Any) -> dict[str, FakeGroup]:
 
 
 def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str],
-             resume: Any = None) -> driver.RunResult:
+             resume: Any = None, **kwargs: Any) -> driver.RunResult:
     monkeypatch.chdir(REPO)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
 
@@ -130,7 +132,8 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.setattr(driver, "evaluate", evaluate)
     monkeypatch.setattr(driver, "Updates", lambda g, plan, synced: FakeUpdates(world, g, plan, synced))
     monkeypatch.setattr(driver, "restore", lambda g, plan, resume: resume.step)
-    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume)
+    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume,
+                             **kwargs)
 
 
 def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):
@@ -153,6 +156,11 @@ def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):
                                                  "offered calc__calculate, calc2__calculate instead")
 
 
+def resumed_at(step: int, logged: int, before: dict[str, float] | None = None) -> Resume:
+    """A run resumed from its step-`step` checkpoint with metrics through step `logged` (restore is faked)."""
+    return Resume("r" * 32, "tiny-x", Path("checkpoints"), f"step_{step}", step, logged, None, before=before or {})
+
+
 def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):
     """A fresh run's at step 0; a resumed one's at the step after the run's last logged (resumed from a
     step-1 checkpoint with step 2 logged: step 2 is computed again, not logged, step 3 is this session's)."""
@@ -160,11 +168,11 @@ def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):
     run_loop(monkeypatch, fresh, ["train.steps=2"])
     assert "timing/startup_s" in fresh.metrics[0] and "eval/accuracy" in fresh.metrics[0]
     resumed = World()
-    resume = SimpleNamespace(step=1, logged=2, before={"eval/accuracy": 0.5}, watch=None)
+    resume = resumed_at(step=1, logged=2, before={"eval/accuracy": 0.5})
     run_loop(monkeypatch, resumed, ["train.steps=4"], resume=resume)
     assert [s for s, m in resumed.metrics.items() if "timing/startup_s" in m] == [3]
     done = World()  # nothing left to do: no start-up logged past the run's last step
-    run_loop(monkeypatch, done, ["train.steps=2"], resume=SimpleNamespace(step=2, logged=2, before={}, watch=None))
+    run_loop(monkeypatch, done, ["train.steps=2"], resume=resumed_at(step=2, logged=2))
     assert not any("timing/startup_s" in m for m in done.metrics.values())
 
 
@@ -276,3 +284,20 @@ def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size
     for t in kept:
         groups.setdefault(t.prompt_index, set()).add(t.origin[:2])
     assert len(groups) == 4 and all(len(origins) == 1 for origins in groups.values())
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_stop_set_in_on_step_ends_the_run_after_that_step_when_nothing_is_in_flight(monkeypatch, staleness):
+    """An early stop from on_step(N) (`factory.run(on_step=..., stop=...)`) ran one more step's rollout and
+    update: the loop read the stop only before the step's record. It ends after the step in flight: N itself,
+    or, with max_staleness 1 (N + 1's update is in flight when N is recorded), N + 1; checkpointed there."""
+    world, stop = World(), threading.Event()
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step == 1:
+            stop.set()
+
+    result = run_loop(monkeypatch, world, ["train.steps=4", f"train.max_staleness={staleness}"], on_step=on_step,
+                      stop_event=stop)
+    assert (result.last_step, result.stopped) == (1 + staleness, True) and result.checkpoint is not None
+    assert world.submitted == [1, 2][: 1 + staleness] and sorted(world.metrics) == [0, 1, 2][: 2 + staleness]

@@ -626,6 +626,8 @@ class Updates:
 
     def finish(self, drain: bool) -> list[tuple[int, list[Any], dict[str, float]]]:
         """The steps that finish now, oldest first: (step, trajectories, complete metrics)."""
+        if not self.pending:  # all finished already (the loop drains a second time for a stop)
+            return []
         current, done = self.pending[-1], []
         while self.pending and (drain or len(self.pending) > self.k):
             p = self.pending.popleft()
@@ -673,22 +675,26 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             m.update(watch.observe(step, trajs, m))           # reward-hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
-            # read once: a Ctrl-C from here on stops after the next step; a stop_on monitor stops after this one
+            # read once here, and once more below; a stop_on monitor stops after this step
             stopping = stop.requested or watch.halt is not None
             evaluating = _due(step, d.train.eval_every, d.train.steps)
             saving = (stopping or _due(step, d.train.checkpoint_every, d.train.steps)
                       or time.monotonic() - saved_at >= d.train.checkpoint_every_s)
-            for n, trajs_n, m_n in updates.finish(drain=evaluating or saving):  # its weights -> every rollout replica
-                if n == step and evaluating:
-                    (after, eval_trajs), after_step = evaluate(g, plan, display, step), step
-                    tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
-                    m_n.update(after)
-                    m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
-                    tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
-                _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
-            heed(watch, step, display, tracker)
-            if watch.halt is not None and not stopping:  # the step's own evaluation stopped it (drained: save)
+            for drain in (evaluating or saving, True):  # a second pass only for a stop asked during the first
+                for n, trajs_n, m_n in updates.finish(drain=drain):  # its weights -> every rollout replica
+                    if n == step and evaluating:
+                        (after, eval_trajs), after_step = evaluate(g, plan, display, step), step
+                        tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
+                        m_n.update(after)
+                        m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
+                        tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
+                    _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
+                if stopping or not (stop.requested or watch.halt is not None):
+                    break
+                # asked while steps were recorded (a stop set in on_step, a Ctrl-C; the monitors of the step's own
+                # evaluation): the run ends after the step in flight, saved, not after one more step
                 stopping = saving = True
+            heed(watch, step, display, tracker)
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
                 checkpoint, saved_at = _save(g, plan, tracker, step, watch), time.monotonic()
             record.update()  # what this run has started, for the next run to end should this one be killed
