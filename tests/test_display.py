@@ -33,14 +33,23 @@ def test_a_step_that_trained_nothing_says_why_and_the_summary_warns():
     with Display(3, console=Console(file=out, width=300, log_path=False)) as d:
         d.step(1, {"actor/trained_rows": 0.0, "actor/skipped_non_finite": 1.0, "reward/mean": 1e307})
         d.step(2, {"actor/trained_rows": 0.0, "actor/dropped": 8.0})
-        d.step(3, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 8.0, "actor/dropped": 0.0})
+        d.step(3, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 8.0, "actor/dropped": 0.0,
+                   "rewards/correct/errors": 0.0})
         d.summary(RunResult("abc", {}, {}, None, last_step=3), experiment="e", experiment_id="3",
                   uri="sqlite:///m.db", wall_s=6)
     text = out.getvalue()
     assert "reward 1e+307 " in text  # not 308 digits
     assert "step 1: nothing trained: the update was skipped, its loss or gradient norm not finite" in text
     assert "step 2: nothing trained: every trajectory was dropped (see actor/dropped" in text
-    assert "step 3: nothing trained: every row's advantage was 0 (each group's rewards agreed)" in text
+    assert any(line.rstrip().endswith("step 3: nothing trained: every row's advantage was 0 (each group's rewards "
+                                      "agreed)") for line in text.splitlines())
+    out = io.StringIO()
+    with Display(1, console=Console(file=out, width=300, log_path=False)) as d:  # a reward that raised every call
+        d.step(1, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 8.0, "rewards/correct/errors": 8.0,
+                   "rewards/format/errors": 0.0})
+    assert ("step 1: nothing trained: every row's advantage was 0 (each group's rewards agreed; reward correct "
+            "failed on some trajectories (rewards/<node>/errors; the reward stage's warning line says why))"
+            ) in out.getvalue()
     assert "warning: none of the 3 steps trained a row" in text
     out = io.StringIO()
     with Display(2, console=Console(file=out, width=300, log_path=False)) as d:

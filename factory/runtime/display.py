@@ -147,5 +147,10 @@ def untrained_why(m: dict[str, float]) -> str | None:
         return ("every trajectory was dropped (see actor/dropped: a reward node with no value under on_missing: "
                 "drop_sample, infra errors, or algorithm.overlong.filter)")
     if m.get("actor/skipped_zero_adv"):
-        return "every row's advantage was 0 (each group's rewards agreed)"
+        # a reward function that raised on every call agrees with itself: say so, or the run looks merely flat
+        failed = sorted(k.split("/")[1] for k, v in m.items() if k.startswith("rewards/") and k.endswith("/errors")
+                        and v)
+        why = (f"; reward {', '.join(failed)} failed on some trajectories (rewards/<node>/errors; the reward stage's "
+               "warning line says why)") if failed else ""
+        return f"every row's advantage was 0 (each group's rewards agreed{why})"
     return None
