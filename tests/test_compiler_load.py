@@ -391,18 +391,15 @@ def test_yaml_error_says_what_yaml_was_reading(project):
         '  1 | name: "demo\n'
         "    |       ^\n"
         "1 error in spec.yaml")
-    with pytest.raises(SpecErrors) as e:
-        load_spec(project.spec("name: a\nmodel: {path: x\ndata: {}\n"))
-    assert report(e).splitlines()[0] == ("spec.yaml:3: yaml syntax error: expected ',' or '}', but got ':' "
-                                         "(while parsing a flow mapping that starts at line 2)")
-    with pytest.raises(SpecErrors) as e:
-        load_spec(project.spec("name: a\n---\nseed: 1\n"))
-    assert report(e).splitlines()[0] == ("spec.yaml:2: yaml syntax error: expected a single document in the "
-                                         "stream, but found another document")
-    with pytest.raises(SpecErrors) as e:
-        load_spec(project.spec("name: a\nseed: 1\x00\n"))
-    assert report(e).splitlines()[0] == ("spec.yaml:2: yaml syntax error: unacceptable character #x0000: "
-                                         "special characters are not allowed")
+    for text, first in (("name: a\nmodel: {path: x\ndata: {}\n", "spec.yaml:3: yaml syntax error: expected ',' or "
+                         "'}', but got ':' (while parsing a flow mapping that starts at line 2)"),
+                        ("name: a\n---\nseed: 1\n", "spec.yaml:2: yaml syntax error: expected a single document "
+                         "in the stream, but found another document"),
+                        ("name: a\nseed: 1\x00\n", "spec.yaml:2: yaml syntax error: unacceptable character "
+                         "#x0000: special characters are not allowed")):
+        with pytest.raises(SpecErrors) as e:
+            load_spec(project.spec(text))
+        assert report(e).splitlines()[0] == first
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("name: a\n"), ["train.steps=[1"])
     assert ("<override 1>: train.steps: yaml syntax error: did not find expected ',' or ']' (while parsing a "
