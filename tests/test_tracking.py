@@ -303,6 +303,25 @@ def test_a_runs_algorithm_params_are_what_its_preset_decided(tmp_path, monkeypat
     assert plan.spec["algorithm"]["clip"] is None  # the plan (and its hash) keep the spec as written
 
 
+def test_runs_of_one_spec_started_in_the_same_second_get_names_of_their_own(tmp_path, monkeypatch):
+    """Two runs of a spec started in one second were both `tiny-<date>-<time>`: `factory diff NAME` then
+    refused the name as ambiguous. The second gets `-2`, the third `-3`, in any experiment of the store."""
+    import factory.tracking.mlflow_tracker as mt
+    from factory.compiler.compile import compile_file
+
+    _, plan = compile_file(REPO / "specs/tiny.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mt, "run_name", lambda spec_name: f"{spec_name}-20261204-003000")  # one second
+    names = []
+    for experiment in ("a", "b", "a"):
+        t = Tracker(f"sqlite:///{tmp_path}/m.db", experiment)
+        t.start_run(plan, {"calc": []})
+        t.end()
+        names.append(t.run(t.run_id).name)
+    assert names == ["tiny-20261204-003000", "tiny-20261204-003000-2", "tiny-20261204-003000-3"]
+    assert t.run("tiny-20261204-003000-2").name == names[1]  # each name finds its own run
+
+
 def test_run_time_tool_hash_equals_check_connect(monkeypatch):
     """`factory run` hashes the listing of its started servers exactly as `factory check --connect` does."""
     import asyncio

@@ -312,6 +312,19 @@ class MlflowTracker:
             mlflow.log_text(text, name)
         return self.run_id
 
+    def _free_name(self, name: str) -> str:
+        """`name`, or `name-2`, `-3`... when a run in the store has it already: two runs of one spec started in
+        the same second got one name, and `factory diff NAME` then asked for an id. A store that cannot be
+        asked leaves the name as it is (its start says why, or the spool takes the run)."""
+        with contextlib.suppress(Exception):
+            ids = [e.experiment_id for e in self.client.search_experiments()]
+            # (LIKE's '_' matches any character: the names are compared exactly below; a quote in the spec's
+            # name breaks the filter, and the name is left as it is)
+            taken = {r.info.run_name for r in self.client.search_runs(
+                ids, filter_string=f"attributes.run_name LIKE '{name}%'", max_results=1000)} if ids else set()
+            return next(n for n in (name, *(f"{name}-{k}" for k in range(2, len(taken) + 2))) if n not in taken)
+        return name
+
     def start_run(self, plan: Any, listing: dict[str, list[dict[str, Any]]],
                   extra_params: dict[str, Any] | None = None, extra_artifacts: dict[str, str] | None = None,
                   extra_tags: dict[str, str] | None = None) -> Any:
@@ -327,7 +340,7 @@ class MlflowTracker:
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
-        name = run_name(shown["name"])
+        name = self._free_name(run_name(shown["name"]))
         # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
         params = {**shown, "algorithm": filled(shown["algorithm"], plan.algorithm), **(extra_params or {})}
         self.start(name, params, tags,
