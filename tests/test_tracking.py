@@ -184,6 +184,9 @@ def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
                                       "not comparable: different data (data.train.sha256)",
                                       "not comparable: different model (model.path)"]
     assert comparability([{"kind": "setting", "key": "train.lr"}]) == []
+    # another prompt template for the same rows is what such a comparison is for (it said "different data")
+    assert comparability([{"kind": "setting", "key": "data.prompt"}, {"kind": "setting", "key": "data.system_prompt"},
+                          {"kind": "template", "key": "templates.prompts/arith.jinja"}]) == []
 
 
 def test_metric_rows_final_best_mean_and_deltas():

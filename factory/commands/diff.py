@@ -33,6 +33,8 @@ _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data"
                "tools": "tool_schema"}
 # spec sections whose change makes results not comparable, and how the warning names them
 _NOT_COMPARABLE = {"algorithm": "algorithm", "data": "data", "model": "model"}
+# keys of those sections whose change is the experiment itself, not another task or model
+_COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt")
 # tags that describe where a run ran (not part of its plan): shown when they differ
 _ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit")
 
@@ -147,10 +149,11 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
     """Warnings when the results are not comparable: different algorithm, data or model."""
     warnings = []
     for section, what in _NOT_COMPARABLE.items():
-        # LoRA trains the same model another way (model.lora.*): comparing the two is the point
+        # LoRA trains the same model another way (model.lora.*), and a prompt template asks the same rows
+        # another way (data.prompt, data.system_prompt; as the chat template does): comparing the two is the point
         keys = [c["key"] for c in changes
                 if (c["kind"] == "setting" and c["key"].split(".")[0] == section
-                    and not c["key"].startswith("model.lora"))
+                    and not c["key"].startswith(_COMPARABLE_WAYS))
                 or (section == "data" and c["kind"] == "data") or (section == "algorithm" and c["kind"] == "algorithm")]
         if keys:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
