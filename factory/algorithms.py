@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 # Presets and resolve() live in a torch-free module so `factory check` stays fast; re-exported here.
-from factory.presets import NAMES, PRESETS, Algorithm, UnknownNameError, resolve  # noqa: F401
+from factory.presets import NAMES, PRESETS, Algorithm, UnknownNameError, did_you_mean, resolve  # noqa: F401
 
 # exp() of a log-ratio beyond this is a numerical accident, not a policy change (verl clamps at 20 too).
 _MAX_LOG_RATIO = 20.0
@@ -44,7 +44,8 @@ class Registry:
 
     def __getitem__(self, name: str) -> Callable[..., Any]:
         if name not in self._fns:
-            raise UnknownNameError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+            raise UnknownNameError(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; known: "
+                                   f"{', '.join(self.names())}")
         return self._fns[name]
 
     def __contains__(self, name: object) -> bool:

@@ -5,8 +5,16 @@ functions live in factory/algorithms.py; NAMES lists their registry names, and a
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
+
+
+def did_you_mean(name: str, names: Any) -> str:
+    """" (did you mean 'x'?)" for a registry name close to `name`, else "" (difflib alone: this module sits
+    below factory.util, whose `nearest` the spec's keys get)."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 class UnknownNameError(KeyError):
@@ -101,7 +109,8 @@ def resolve(spec: Any) -> Algorithm:
     set when it is in pydantic's model_fields_set, or not None for the preset-filled ones). Raises
     KeyError/ValueError naming the bad value and the known names."""
     if spec.name not in PRESETS:
-        raise UnknownNameError(f"unknown algorithm {spec.name!r}; known: {', '.join(sorted(PRESETS))}")
+        raise UnknownNameError(f"unknown algorithm {spec.name!r}{did_you_mean(spec.name, PRESETS)}; known: "
+                               f"{', '.join(sorted(PRESETS))}")
     s: dict[str, Any] = {"kl_apply": spec.kl.apply, "kl_estimator": spec.kl.estimator, **PRESETS[spec.name]}
     for key in ("advantage", "loss", "aggregation", "dual_clip_c", "dynamic_sampling"):
         if getattr(spec, key) is not None:
@@ -117,8 +126,8 @@ def resolve(spec: Any) -> Algorithm:
             # import paths name rewards, generators and tools; an algorithm's parts are registry names
             how = (f" (algorithm.{field} takes a registry name, not an import path: a new {kind} is a function in "
                    "factory/algorithms.py, docs/algorithms.md#a-new-algorithm)" if ":" in str(s[field]) else "")
-            raise UnknownNameError(f"algorithm.{field}: unknown {kind} {s[field]!r}; "
-                                   f"known: {', '.join(NAMES[kind])}{how}")
+            raise UnknownNameError(f"algorithm.{field}: unknown {kind} {s[field]!r}"
+                                   f"{did_you_mean(str(s[field]), NAMES[kind])}; known: {', '.join(NAMES[kind])}{how}")
     if s["loss"] == "dual_clip" and s["dual_clip_c"] is None:
         s["dual_clip_c"] = 3.0  # verl's clip_ratio_c default
     alg = Algorithm(

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +68,35 @@ def missing_store(uri: str) -> str | None:
     return (f"no tracking store at {uri} (no file {path} here): runs are in the store `factory run` used (its "
             "tracking.uri, else $MLFLOW_TRACKING_URI, else mlflow.db where it ran); pass it with --uri, or run "
             "from that folder")
+
+
+# ------------------------------------------------------------------------------------- names
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    """The valid name a typo most likely meant: a close spelling (difflib), else the one name that
+    starts the typo or that the typo starts (`lr_rate` -> `lr`, `calculator` -> `calc`), which difflib
+    alone finds too different."""
+    valid = list(valid)
+    words = set(_words(key))  # every word of it in one name (`get_time` -> `get_current_time`, which difflib
+    if len(words) > 1:        # ranks below `convert_time`: fewer letters in common, more of them in place)
+        holding = [v for v in valid if words <= set(_words(v))]
+        if len(holding) == 1:
+            return holding[0]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    head = [v for v in valid if min(len(v), len(key)) >= 2 and (key.startswith(v) or v.startswith(key))]
+    return head[0] if len(head) == 1 else None
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in re.split(r"[_\-.]+", name.lower()) if w]
+
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """"; did you mean 'x'?" for the name a typo most likely meant, else ""."""
+    near = nearest(name, names)
+    return f"; did you mean '{near}'?" if near else ""
 
 
 # ------------------------------------------------------------------------------------- import paths
@@ -178,9 +207,8 @@ def import_object(ref: str) -> Any:
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise RefError(f"cannot import '{ref}': '{module_name}' has no attribute '{part}'{hint}")
+            raise RefError(f"cannot import '{ref}': '{module_name}' has no attribute '{part}'"
+                           f"{did_you_mean(part, names)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise RefError(f"'{ref}' is not callable")

@@ -421,7 +421,7 @@ def test_explicit_fields_override_the_preset():
 def test_resolve_names_the_bad_value_and_lists_known_names():
     with pytest.raises(KeyError) as err:
         resolve(AlgorithmSpec(name="grpoo"))
-    assert str(err.value) == ("unknown algorithm 'grpoo'; known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
+    assert str(err.value) == ("unknown algorithm 'grpoo' (did you mean 'grpo'?); known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
                               "mean_baseline, reinforce_pp, reinforce_pp_baseline, rloo")
     with pytest.raises(KeyError) as err:
         resolve(AlgorithmSpec(loss="ppo"))

@@ -449,10 +449,10 @@ def test_a_model_folder_whose_json_does_not_parse(project):
 def test_algorithm_names_are_resolved(project):
     base = _base(project, "rc_alg")
     assert _errors(project.spec(base + "algorithm: {name: grpoo}\n", "a.yaml")).splitlines()[0] == (
-        "a.yaml:9: algorithm.name: unknown algorithm 'grpoo'; known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
+        "a.yaml:9: algorithm.name: unknown algorithm 'grpoo' (did you mean 'grpo'?); known: bnpo, cispo, dapo, dr_grpo, grpo, gspo, "
         "mean_baseline, reinforce_pp, reinforce_pp_baseline, rloo")
     text = _errors(project.spec(base + "algorithm:\n  name: grpo\n  loss: ppo_clipp\n", "b.yaml"))
-    assert text.startswith("b.yaml:11: algorithm.loss: unknown policy loss 'ppo_clipp'; known: ")
+    assert text.startswith("b.yaml:11: algorithm.loss: unknown policy loss 'ppo_clipp' (did you mean 'ppo_clip'?); known: ")
     _, plan = compile_file(project.spec(base + "algorithm: {name: dapo}\n", "c.yaml"))
     assert plan.algorithm.clip_high == 0.28 and plan.algorithm.dynamic_sampling is True
 

@@ -9,14 +9,14 @@ present: `command`, `url`, `function`; `fn`, `llm_judge`, `tool`, `sum`, ...), a
 """
 from __future__ import annotations
 
-import difflib
 import re
 import types
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
+
+from factory.util import nearest  # noqa: F401 -- the compiler's modules take it from here
 
 Parts = tuple[str | int, ...]
 
@@ -155,27 +155,6 @@ def show(value: Any) -> str:
     if isinstance(value, str):
         return f"'{value[:40]}...'" if len(value) > 40 else f"'{value}'"
     return str(value)
-
-
-def nearest(key: str, valid: Iterable[str]) -> str | None:
-    """The valid name a typo most likely meant: a close spelling (difflib), else the one name that
-    starts the typo or that the typo starts (`lr_rate` -> `lr`, `calculator` -> `calc`), which difflib
-    alone finds too different."""
-    valid = list(valid)
-    words = set(_words(key))  # every word of it in one name (`get_time` -> `get_current_time`, which difflib
-    if len(words) > 1:        # ranks below `convert_time`: fewer letters in common, more of them in place)
-        holding = [v for v in valid if words <= set(_words(v))]
-        if len(holding) == 1:
-            return holding[0]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    head = [v for v in valid if min(len(v), len(key)) >= 2 and (key.startswith(v) or v.startswith(key))]
-    return head[0] if len(head) == 1 else None
-
-
-def _words(name: str) -> list[str]:
-    return [w for w in re.split(r"[_\-.]+", name.lower()) if w]
 
 
 # Names users bring from TRL (GRPOConfig and its TrainingArguments) and Axolotl configs -> Factory's key
