@@ -29,7 +29,7 @@ def store_problem(uri: str) -> str | None:
     """Why MLflow would refuse `uri` as the tracking store, or None. A path (`mlflow.db`, `./mlruns`) is
     MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE is set: the run failed
     after Ray had started, and `factory runs --uri mlflow.db` with an internal error."""
-    scheme = uri.partition("://")[0] if "://" in uri else ""
+    scheme = uri.partition("://")[0] if "://" in uri else uri if uri in ("databricks", "databricks-uc", "uc") else ""
     if scheme not in ("", "file"):
         return _scheme_problem(uri, scheme)
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
@@ -45,13 +45,28 @@ def store_problem(uri: str) -> str | None:
 _STORE_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
 
 
+_DEFAULT_DRIVERS = {"postgresql": "psycopg2", "mysql": "MySQLdb", "mssql": "pyodbc"}  # SQLAlchemy's defaults
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient", "psycopg": "'psycopg[binary]'"}
+
+
 def _scheme_problem(uri: str, scheme: str) -> str | None:
     """`factory runs --uri foo://bar` met MLflow's model-registry error, an internal error (exit 1)."""
     import importlib.metadata
+    import importlib.util
 
     plugins = {e.name for e in importlib.metadata.entry_points(group="mlflow.tracking_store")}
-    if scheme.partition("+")[0] in _STORE_SCHEMES or scheme in plugins:
+    base, _, driver = scheme.partition("+")
+    if scheme in plugins:
         return None
+    if base in _STORE_SCHEMES:
+        # SQLAlchemy's driver for a database URL is a module of its own: missing, MLflow's first query
+        # failed with ModuleNotFoundError, an internal error (exit 1)
+        module = {"mysqldb": "MySQLdb"}.get(driver, driver) or _DEFAULT_DRIVERS.get(base)
+        if module is None or importlib.util.find_spec(module) is not None:
+            return None
+        return (f"'{uri}' needs the database driver module '{module}', which is not installed: install it in "
+                f"Factory's environment (uv pip install {_DRIVER_PACKAGES.get(module, module)}), or name an "
+                f"installed one in the URL ({base}+DRIVER://)")
     return (f"'{uri}': MLflow has no tracking store for '{scheme}://' URIs: a tracking store is sqlite:///FILE, "
             "http://HOST:PORT (a server), or a database URL (postgresql://, mysql://, mssql://)")
 

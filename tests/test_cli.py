@@ -337,6 +337,11 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
     assert capsys.readouterr().err == ("factory: 'foo://bar': MLflow has no tracking store for 'foo://' URIs: a "
                                        "tracking store is sqlite:///FILE, http://HOST:PORT (a server), or a "
                                        "database URL (postgresql://, mysql://, mssql://)\n")
+    assert cli.main(["runs", "--uri", "postgresql+nosuchdriver://u@h/db"]) == 2  # was ModuleNotFoundError, exit 1
+    assert capsys.readouterr().err == (
+        "factory: 'postgresql+nosuchdriver://u@h/db' needs the database driver module 'nosuchdriver', which is not "
+        "installed: install it in Factory's environment (uv pip install nosuchdriver), or name an installed one in "
+        "the URL (postgresql+DRIVER://)\n")
     from mlflow.tracking import MlflowClient
 
     MlflowClient("sqlite:///mlflow.db").search_experiments()  # an existing store, with no run
