@@ -406,6 +406,17 @@ def test_yaml_error_says_what_yaml_was_reading(project):
             "flow sequence)") in report(e).splitlines()
 
 
+def test_a_key_written_one_level_too_deep_says_where_it_goes(project):
+    """`data.train.answer_key` listed data.train's keys (path, generator, args, size); the key is data's."""
+    path = project.spec(_base(project, "rw_deep"))
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["data.train.answer_key=x", "data.train.pathh=x"])
+    assert report(e).splitlines()[:2] == [
+        "<override 1>: data.train.answer_key: unknown key 'answer_key' here; 'answer_key' is a key of data: move it "
+        "up (data.answer_key)",
+        "<override 2>: data.train.pathh: unknown key 'pathh'; did you mean 'path'?"]  # a near name of its own first
+
+
 def test_an_override_that_removes_nothing_says_so(project):
     """`NAME=null` removes an entry of a mapping of names; a misspelt NAME removed nothing, in silence."""
     path = project.spec(_base(project, "rw_null"))

@@ -9,6 +9,7 @@ present: `command`, `url`, `function`; `fn`, `llm_judge`, `tool`, `sum`, ...), a
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class _Loc:
     tag: str | None  # the member pydantic tried
     tried: str | None = None  # the member of a union of plain types pydantic tried (`list[str]`)
     tried_at: Parts = ()  # that union's path
+    models: list[tuple[Parts, type[BaseModel]]] = dataclasses.field(default_factory=list)  # (path, model) passed
 
 
 def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
@@ -98,6 +100,7 @@ def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
         out.container = ann
         out.model = ann if _is_model(ann) else None
         if _is_model(ann):
+            out.models.append((tuple(out.parts), ann))
             field = ann.model_fields.get(item) if isinstance(item, str) else None
             ann = field.annotation if field is not None else None
         elif get_origin(ann) is dict:
@@ -225,7 +228,14 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     if kind == "extra_forbidden":
         valid = list(where.model.model_fields) if where.model is not None else []
-        return unknown_key(str(where.parts[-1]), valid)
+        key = str(where.parts[-1])
+        if key not in PEER_NAMES and not nearest(key, valid):
+            # a key of a section above, written one level too deep (`data.train.answer_key`)
+            for path, model in reversed(where.models[:-1]):
+                if key in model.model_fields:
+                    return (f"unknown key '{key}' here; '{key}' is a key of "
+                            f"{'.'.join(map(str, path)) or 'the spec'}: move it up ({'.'.join(map(str, (*path, key)))})")
+        return unknown_key(key, valid)
     if kind == "missing":
         if get_origin(where.container) is tuple:  # a short list for a fixed-size tuple such as `clip`
             return f"expected a list of {len(get_args(where.container))} items"
