@@ -323,7 +323,8 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
                                                                                           monkeypatch):
     """In a folder without mlflow.db, `factory diff A B` (export, eval --model RUN, rescore) made an empty
     store there and said no run had that id; `factory runs --uri foo://bar` met MLflow's model-registry
-    error (exit 1). A sqlite file that exists is read as before."""
+    error (exit 1), and a tracking server that is down an internal error too (now exit 3, the store's words).
+    A sqlite file that exists is read as before."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     missing = "no tracking store at sqlite:///mlflow.db (no file mlflow.db here): runs are in the store"
     assert cli.main(["diff", "a", "b"]) == 2
@@ -342,6 +343,13 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
         "factory: 'postgresql+nosuchdriver://u@h/db' needs the database driver module 'nosuchdriver', which is not "
         "installed: install it in Factory's environment (uv pip install nosuchdriver), or name an installed one in "
         "the URL (postgresql+DRIVER://)\n")
+    from tests.servers import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the test's time; the message is the same
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["runs", "--uri", dead]) == 3  # a server that is down: infrastructure, not an internal error
+    assert capsys.readouterr().err.startswith(f"factory runs: error: the tracking store {dead} did not answer "
+                                              "(MlflowException: ")
     from mlflow.tracking import MlflowClient
 
     MlflowClient("sqlite:///mlflow.db").search_experiments()  # an existing store, with no run

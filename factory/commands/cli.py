@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
-from factory.tracking.tracker import RunLookupError
+from factory.tracking.tracker import RunLookupError, StoreUnreadable
 from factory.util import UserError, version
 
 
@@ -358,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
         return EXIT_SPEC_ERROR
+    except StoreUnreadable as e:  # the store itself did not answer: infrastructure
+        print(f"factory {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_INFRA
     except RunLookupError as e:  # a run named on the command line that cannot be found or compared
         print(f"factory {args.command}: error: {e}", file=sys.stderr)
         return EXIT_SPEC_ERROR

@@ -81,7 +81,7 @@ def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | Non
     (`factory runs`, factory.runs)."""
     if missing_store(tracking_uri(uri)) is not None:  # none yet: not an empty store made here
         return []
-    return [run_summary(r) for r in open_tracker(uri).runs(experiment, max_results=limit)]
+    return [run_summary(r) for r in open_tracker(uri, read=True).runs(experiment, max_results=limit)]
 
 
 def runs_main(args: Any) -> int:

@@ -21,6 +21,11 @@ class RunLookupError(Exception):
     """A run named on the command line does not exist, is ambiguous, or cannot be compared."""
 
 
+class StoreUnreadable(RunLookupError):
+    """The tracking store did not answer a read (a server down, credentials missing): `factory` exits 3, as
+    for other infrastructure, with the store's own words; it was an internal error."""
+
+
 @dataclass(frozen=True)
 class TrackedRun:
     """One tracked run as Factory reads it back, whatever store holds it."""
@@ -123,11 +128,20 @@ class Tracker(Protocol):
 def open_tracker(uri: str | None = None, experiment: str | None = None, *, read: bool = False) -> Tracker:
     """The tracking store at `uri` (default: the spec's, $MLFLOW_TRACKING_URI, else ./mlflow.db): MLflow,
     the one implementation. `experiment`: where a run it writes goes. `read`: for a command that reads runs,
-    RunLookupError when the store is a sqlite file that does not exist (factory.util.missing_store)."""
+    RunLookupError when the store is a sqlite file that does not exist (factory.util.missing_store), and
+    StoreUnreadable when it does not answer."""
     from factory.tracking.mlflow_tracker import MlflowTracker, tracking_uri
     from factory.util import missing_store
 
     uri = tracking_uri(uri)
     if read and (problem := missing_store(uri)) is not None:
         raise RunLookupError(problem)
-    return MlflowTracker(uri, experiment)
+    tracker = MlflowTracker(uri, experiment)
+    if read:  # asked once here: a store that cannot answer is said as such, not as whatever query met it first
+        try:
+            tracker.client.search_experiments(max_results=1)
+        except Exception as e:  # noqa: BLE001 -- MLflow's, the HTTP client's or the database driver's
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise StoreUnreadable(f"the tracking store {uri} did not answer ({type(e).__name__}: {said[:300]})"
+                                  + (": is the server up?" if uri.startswith(("http://", "https://")) else ""))
+    return tracker
