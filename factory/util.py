@@ -85,6 +85,21 @@ def missing_store(uri: str) -> str | None:
             "from that folder")
 
 
+# ------------------------------------------------------------------------------------- async
+def run_sync(coro: Any) -> Any:
+    """`asyncio.run(coro)`, also from a thread whose event loop is running (a notebook's cell, a stage's
+    async setup), where asyncio.run refuses: then in a thread of its own."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 # ------------------------------------------------------------------------------------- names
 def nearest(key: str, valid: Iterable[str]) -> str | None:
     """The valid name a typo most likely meant: a close spelling (difflib), else the one name that

@@ -18,18 +18,10 @@ from factory.types import ToolResult
 
 def calculator_schema() -> list[dict]:
     """The tool list for the chat template, read from the calculator server's own tool definition."""
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
     from factory.examples.calculator import server
+    from factory.util import run_sync
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        tools = asyncio.run(server.list_tools())
-    else:  # the asset is being built from async code (a stage's setup): asyncio.run needs a thread of its own
-        with ThreadPoolExecutor(1) as pool:
-            tools = pool.submit(asyncio.run, server.list_tools()).result()
+    tools = run_sync(server.list_tools())  # (the asset may be built from async code: a stage's setup)
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.input_schema}} for t in tools]
 

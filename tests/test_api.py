@@ -159,6 +159,24 @@ def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch)
         factory.evaluate(TINY, model="nope")
 
 
+def test_evaluate_checks_its_server_from_a_running_event_loop_too():
+    """A notebook cell runs in an event loop: `factory.evaluate(model="http://...")` met asyncio.run's
+    "cannot be called from a running event loop" in its server check, before it could say the server is down."""
+    import asyncio
+
+    from factory.commands.api import _check_endpoint
+    from factory.util import UserError
+    from tests.servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+
+    async def cell():
+        with pytest.raises(UserError, match=f"--model {url}: no answer within"):
+            _check_endpoint(url, joins=False)
+
+    asyncio.run(cell())
+
+
 # ------------------------------------------------------------------------------------ real runs
 @pytest.mark.slow  # a tiny training run of 3 steps (about 1.5 min on 2 cores); issue 24's acceptance of item 1
 def test_a_run_from_a_thread_stops_after_the_step_when_another_thread_asks(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from typing import Any
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
 from factory.schema import HttpServer, JudgeNode, Spec
+from factory.util import run_sync
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
 # whole listing so that `check` always returns.
@@ -60,7 +61,7 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
 def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
     """server -> [{name, description, inputSchema, ...}] of every server, and an error per server that
     failed to start. Runs its own event loop: call it outside one."""
-    return asyncio.run(_list_all(spec, source))
+    return run_sync(_list_all(spec, source))
 
 
 JUDGE_PROBE_S = 10.0  # an endpoint that has not answered `GET /models` by then is reported
@@ -81,8 +82,8 @@ async def _unreachable(url: str) -> str | None:
 
 
 def unreachable(url: str) -> str | None:
-    """`_unreachable` from outside an event loop."""
-    return asyncio.run(_unreachable(url))
+    """`_unreachable`, from a notebook's running event loop too (factory.evaluate checks its --model)."""
+    return run_sync(_unreachable(url))
 
 
 def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
@@ -100,4 +101,4 @@ def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
                                                      "is the judge's server up, and the URL its OpenAI-compatible "
                                                      "base (ending in /v1)? A run would score nothing with it",
                          level="warning")
-            for (name, url), why in zip(judges.items(), asyncio.run(probe_all()) if judges else []) if why]
+            for (name, url), why in zip(judges.items(), run_sync(probe_all()) if judges else []) if why]
