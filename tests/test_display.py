@@ -147,3 +147,15 @@ def test_startup_line_and_metrics_add_up_to_the_time_to_first_request():
         "timing/startup/tracking_s": 2.0, "timing/startup/stage_tools_s": 1.0, "timing/startup/stage_rollout_s": 20.0}
     assert s.describe() == ("start-up 37.5 s to the first rollout request: command 10.0 s, ray 4.5 s, stages 20.5 s "
                             "(tools 1.0, rollout 20.0 ready), tracking 2.0 s, other 0.5 s")
+
+
+def test_the_summary_of_a_run_with_its_own_store_ignores_a_refused_environment_store(monkeypatch):
+    """A spec's tracking.uri beside $MLFLOW_TRACKING_URI=./mlruns (a path MLflow refuses, never read by that
+    run): the summary validated the variable to choose its `factory ui` hint, and a run that trained every
+    step ended with exit 2 there."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "./mlruns")
+    out = io.StringIO()
+    with Display(1, console=Console(file=out, width=300, log_path=False)) as d:
+        d.summary(RunResult("abc", {}, {}, None, last_step=1), experiment="e", experiment_id="3",
+                  uri="sqlite:///x.db", wall_s=6)
+    assert "see it: factory ui --uri sqlite:///x.db" in out.getvalue()

@@ -5,6 +5,7 @@ phase (the step-0 evaluation, a step's rollout) prints its trajectories done/tot
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -130,9 +131,12 @@ class Display:
         if uri.startswith(("http://", "https://")):
             self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
-            from factory.tracking.mlflow_tracker import tracking_uri
+            from factory.tracking.mlflow_tracker import DEFAULT_URI
 
-            ui = "factory ui" if uri == tracking_uri(None) else f"factory ui --uri {uri}"
+            # (the store `factory ui` opens with no --uri; read, not validated: a refused $MLFLOW_TRACKING_URI
+            # beside the spec's own tracking.uri must not fail a run at its summary)
+            ui = ("factory ui" if uri == (os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
+                  else f"factory ui --uri {uri}")
             self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
 
 
