@@ -46,7 +46,12 @@ _STORE_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "da
 
 
 _DEFAULT_DRIVERS = {"postgresql": "psycopg2", "mysql": "MySQLdb", "mssql": "pyodbc"}  # SQLAlchemy's defaults
-_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient", "psycopg": "'psycopg[binary]'"}
+# SQLAlchemy's name of a driver (the URL's `+name`) -> the module it imports, and the package that holds it
+_DRIVER_MODULES = {"psycopg2": "psycopg2", "psycopg": "psycopg", "pg8000": "pg8000", "asyncpg": "asyncpg",
+                   "pymysql": "pymysql", "mysqldb": "MySQLdb", "mysqlconnector": "mysql.connector",
+                   "mariadbconnector": "mariadb", "pyodbc": "pyodbc", "pymssql": "pymssql", "pysqlite": "sqlite3"}
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient", "psycopg": "'psycopg[binary]'",
+                    "mysql.connector": "mysql-connector-python"}
 
 
 def _scheme_problem(uri: str, scheme: str) -> str | None:
@@ -61,9 +66,14 @@ def _scheme_problem(uri: str, scheme: str) -> str | None:
     if base in _STORE_SCHEMES:
         # SQLAlchemy's driver for a database URL is a module of its own: missing, MLflow's first query
         # failed with ModuleNotFoundError, an internal error (exit 1)
-        module = {"mysqldb": "MySQLdb"}.get(driver, driver) or _DEFAULT_DRIVERS.get(base)
-        if module is None or importlib.util.find_spec(module) is not None:
+        module = _DRIVER_MODULES.get(driver) if driver else _DEFAULT_DRIVERS.get(base)
+        if module is None:  # a driver we do not know the module of: SQLAlchemy's to judge
             return None
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return None
+        except ModuleNotFoundError:  # a dotted module whose package is missing (mysql.connector)
+            pass
         return (f"'{uri}' needs the database driver module '{module}', which is not installed: install it in "
                 f"Factory's environment (uv pip install {_DRIVER_PACKAGES.get(module, module)}), or name an "
                 f"installed one in the URL ({base}+DRIVER://)")

@@ -338,18 +338,28 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
     assert capsys.readouterr().err == ("factory: 'foo://bar': MLflow has no tracking store for 'foo://' URIs: a "
                                        "tracking store is sqlite:///FILE, http://HOST:PORT (a server), or a "
                                        "database URL (postgresql://, mysql://, mssql://)\n")
-    assert cli.main(["runs", "--uri", "postgresql+nosuchdriver://u@h/db"]) == 2  # was ModuleNotFoundError, exit 1
-    assert capsys.readouterr().err == (
-        "factory: 'postgresql+nosuchdriver://u@h/db' needs the database driver module 'nosuchdriver', which is not "
-        "installed: install it in Factory's environment (uv pip install nosuchdriver), or name an installed one in "
-        "the URL (postgresql+DRIVER://)\n")
+    import importlib.util
+
+    from factory.util import store_problem
+
+    if importlib.util.find_spec("pg8000") is None:  # not one of Factory's dependencies
+        assert cli.main(["runs", "--uri", "postgresql+pg8000://u@h/db"]) == 2  # was ModuleNotFoundError, exit 1
+        assert capsys.readouterr().err == (
+            "factory: 'postgresql+pg8000://u@h/db' needs the database driver module 'pg8000', which is not "
+            "installed: install it in Factory's environment (uv pip install pg8000), or name an installed one in "
+            "the URL (postgresql+DRIVER://)\n")
+    if importlib.util.find_spec("mysql") is None:  # a dotted module whose package is missing
+        assert "uv pip install mysql-connector-python" in store_problem("mysql+mysqlconnector://u@h/db")
+    # the driver's module is not always its name; one Factory does not know is SQLAlchemy's to judge
+    assert store_problem("sqlite+pysqlite:///x.db") is None and store_problem("mysql+newdriver://u@h/db") is None
     from tests.servers import free_port
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the test's time; the message is the same
     dead = f"http://127.0.0.1:{free_port()}"
-    assert cli.main(["runs", "--uri", dead]) == 3  # a server that is down: infrastructure, not an internal error
-    assert capsys.readouterr().err.startswith(f"factory runs: error: the tracking store {dead} did not answer "
-                                              "(MlflowException: ")
+    for command in (["runs"], ["diff", "abcdef12", "abcdef13"], ["export", "abcdef12", "--out", "o"]):
+        assert cli.main([*command, "--uri", dead]) == 3  # a server that is down: infrastructure, not internal
+        assert capsys.readouterr().err.startswith(f"factory {command[0]}: error: the tracking store {dead} did "
+                                                  "not answer (MlflowException: ")
     from mlflow.tracking import MlflowClient
 
     MlflowClient("sqlite:///mlflow.db").search_experiments()  # an existing store, with no run

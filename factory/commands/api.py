@@ -183,12 +183,12 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
         return str(merged), 0, {"factory.eval_model": str(local.resolve())}
     tags = {}
     if not local.is_dir():  # a tracked run: its own checkpoint folder
-        from factory.tracking.tracker import RunLookupError, open_tracker
+        from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker
 
         try:
             run_id = open_tracker(uri, read=True).run(ref).run_id
         except RunLookupError as e:
-            if "/" in ref or ref.startswith("."):  # meant as a folder: say that there is none
+            if not isinstance(e, StoreUnreadable) and ("/" in ref or ref.startswith(".")):  # meant as a folder
                 raise RunLookupError(f"no model folder {ref}, and {e}") from None
             raise
         local, tags = checkpoint_dir(run_id, uri), {"factory.eval_of": run_id}

@@ -42,10 +42,12 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
     path = Path(run).expanduser()
     if path.is_dir():
         return path
-    from factory.tracking.tracker import RunLookupError, open_tracker
+    from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker
 
     try:
         tags = open_tracker(uri, read=True).run(run).tags
+    except StoreUnreadable:  # the store did not answer: infrastructure (exit 3), as it is
+        raise
     except RunLookupError as e:  # none by that id, prefix or name, or several: its own words say which
         raise ExportError(f"'{run}' is not a checkpoint folder, and {e}") from None
     if CHECKPOINT_DIR_TAG in tags:
