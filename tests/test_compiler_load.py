@@ -415,6 +415,9 @@ def test_a_key_written_one_level_too_deep_says_where_it_goes(project):
         "<override 1>: data.train.answer_key: unknown key 'answer_key' here; 'answer_key' is a key of data: move it "
         "up (data.answer_key)",
         "<override 2>: data.train.pathh: unknown key 'pathh'; did you mean 'path'?"]  # a near name of its own first
+    with pytest.raises(SpecErrors) as e:  # not across a named entry: a reward node's `model` is not the spec's
+        load_spec(path, ["rewards.correct.model=x"])
+    assert report(e).startswith("<override 1>: rewards.correct.model: unknown key 'model'; expected one of: ")
 
 
 def test_an_override_that_removes_nothing_says_so(project):

@@ -105,6 +105,7 @@ def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
             ann = field.annotation if field is not None else None
         elif get_origin(ann) is dict:
             ann = get_args(ann)[1]
+            out.models.clear()  # past a mapping of names (a reward node, a tool server): no key above fits here
         elif get_origin(ann) in (list, tuple, set):
             args = get_args(ann)
             ann = args[0] if args else None
