@@ -445,3 +445,8 @@ def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml")
     assert cli.main(["run", spec, "train.steps=3"]) == 130
     assert f"`factory run {spec} train.steps=3 --resume` continues the run" in capsys.readouterr().err
+    # a resume of a named run under a changed spec: the same again (a bare --resume would not find it), quoted
+    assert cli.main(["run", spec, "train.steps=4", "--resume", "tiny-x", "--allow-spec-change",
+                     "tracking.tags={a: b c}"]) == 130
+    assert (f"`factory run {spec} train.steps=4 'tracking.tags={{a: b c}}' --resume tiny-x --allow-spec-change` "
+            "continues the run") in capsys.readouterr().err

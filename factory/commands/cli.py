@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -75,7 +76,10 @@ def _run(args: argparse.Namespace) -> int:
         result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
                          started_at=process_started())
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the steps began: stopped at once
-        again = " ".join(["factory run", args.spec, *args.overrides, "--resume"])
+        # as this command ran it, quoted for a shell: its own run when one was named, and a spec change it allowed
+        # (a bare --resume takes the newest unfinished run of the spec as first recorded, not this changed one)
+        again = shlex.join(["factory", "run", args.spec, *args.overrides, "--resume", *([args.resume] if args.resume
+                            else []), *(["--allow-spec-change"] if args.allow_spec_change else [])])
         print(f"factory: stopped at once, the step in flight unsaved; `{again}` continues the run from its newest "
               "checkpoint (once its steps have begun)", file=sys.stderr)
         raise
