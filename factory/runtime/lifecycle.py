@@ -95,10 +95,12 @@ def sessions_dir() -> Path:
 # ---------------------------------------------------------------------------------- Ctrl-C
 class GracefulStop:
     """While active (a context manager), a stop request ends the loop after its current step: the first
-    SIGINT (Ctrl-C, or a notebook's "interrupt kernel") or SIGTERM (`kill PID`, `timeout`, a container or
-    job being stopped), heard in the main thread only, where Python delivers signals; or `event` set by
-    any thread (factory.run's `stop`). A second signal raises KeyboardInterrupt, as a second Ctrl-C does.
-    (SIGTERM otherwise met Ray's handler in the driver, which aborts: exit code 134, the run FAILED, unsaved.)"""
+    SIGINT (Ctrl-C, or a notebook's "interrupt kernel") or SIGTERM to the driver (`kill PID`, `timeout
+    --foreground`, a container or job being stopped), heard in the main thread only, where Python delivers
+    signals; or `event` set by any thread (factory.run's `stop`). A second signal raises KeyboardInterrupt,
+    as a second Ctrl-C does. (SIGTERM otherwise met Ray's handler in the driver, which aborts: exit code 134,
+    the run FAILED, unsaved.) A SIGTERM to the whole process group (plain `timeout`) reaches Ray's processes
+    too, which Ray does not shield from it as it does from SIGINT: they end at once, a lost stage."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
