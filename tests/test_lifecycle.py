@@ -195,3 +195,24 @@ def test_ray_that_will_not_start_is_an_infrastructure_failure(monkeypatch):
     monkeypatch.setattr(driver, "_start_ray", ours)
     with pytest.raises(UserError):  # our own message, as it is
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+
+
+def test_sigterm_is_handled_as_before_once_a_run_is_over():
+    """The driver makes SIGTERM a stop (Ray's own handler aborted it); a program or notebook that goes on
+    after factory.run returned kept that handler, and a later SIGTERM raised KeyboardInterrupt there."""
+    import signal
+
+    from factory.runtime.lifecycle import sigterm_interrupts, sigterm_restored
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with sigterm_restored():
+            signal.signal(signal.SIGTERM, lambda s, f: None)  # as Ray's init does
+            sigterm_interrupts()
+            assert signal.getsignal(signal.SIGTERM) is not mine
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

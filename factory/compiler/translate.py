@@ -234,8 +234,8 @@ def message(err: dict[str, Any], where: _Loc) -> str:
             # a key of a section above, written one level too deep (`data.train.answer_key`)
             for path, model in reversed(where.models[:-1]):
                 if key in model.model_fields:
-                    return (f"unknown key '{key}' here; '{key}' is a key of "
-                            f"{'.'.join(map(str, path)) or 'the spec'}: move it up ({'.'.join(map(str, (*path, key)))})")
+                    where, up = ".".join(map(str, path)) or "the spec", ".".join(map(str, (*path, key)))
+                    return f"unknown key '{key}' here; '{key}' is a key of {where}: move it up ({up})"
         return unknown_key(key, valid)
     if kind == "missing":
         if get_origin(where.container) is tuple:  # a short list for a fixed-size tuple such as `clip`

@@ -39,7 +39,7 @@ from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
-                                       private_dir, reap_orphans, sigterm_interrupts)
+                                       private_dir, reap_orphans, sigterm_interrupts, sigterm_restored)
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
 from factory.util import import_object
@@ -877,25 +877,26 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
     build_models(plan, display.status)
     startup.lap("models")
     display.status("starting Ray")
-    start_ray(plan.driver.resources)
-    startup.lap("ray")
-    record = SessionRecord()
-    record.update()
-    groups: Groups = {}
-    try:
-        stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
-        display.status(f"starting the stages: {stages}")
-        groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
-        startup.lap("stages")
+    with sigterm_restored():  # (Ray's handler, then ours: the run's only)
+        start_ray(plan.driver.resources)
+        startup.lap("ray")
+        record = SessionRecord()
         record.update()
+        groups: Groups = {}
         try:
-            yield groups, record
-        except LOST as e:
-            raise lost_error(e) from e
-    finally:
-        teardown(groups)
-        ray.shutdown()
-        record.close()
+            stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
+            display.status(f"starting the stages: {stages}")
+            groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
+            startup.lap("stages")
+            record.update()
+            try:
+                yield groups, record
+            except LOST as e:
+                raise lost_error(e) from e
+        finally:
+            teardown(groups)
+            ray.shutdown()
+            record.close()
 
 
 # What Ray raises when a stage's process, its node or the cluster itself went away (a replica killed or out

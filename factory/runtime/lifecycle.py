@@ -145,6 +145,19 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
+def sigterm_restored() -> Iterator[None]:
+    """SIGTERM's handling as it was before, once the block is done: Ray's handler and `sigterm_interrupts`'
+    are the run's, not the handling of a program or notebook that goes on after factory.run returns (where
+    SIGTERM would raise KeyboardInterrupt ever after). Outside the main thread: nothing to restore."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+@contextlib.contextmanager
 def children_ignore_sigint() -> Iterator[None]:
     """Processes started inside inherit SIGINT ignored (see the module doc); the caller's own handling is
     restored at once after. Outside the main thread (tests, embedding) signals cannot be changed: no-op."""
