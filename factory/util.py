@@ -34,7 +34,7 @@ def store_problem(uri: str) -> str | None:
         return _scheme_problem(uri, scheme)
     if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
         return None
-    path = uri.removeprefix("file://")
+    path = uri.removeprefix("file://").removeprefix("file:")  # (file:./mlruns is a file URI too)
     db = path if path.endswith(".db") else f"{path.rstrip('/') or '.'}/mlflow.db"
     return (f"'{uri}' is a path, which MLflow reads as its file store and refuses: a tracking store is a URI, "
             f"sqlite:///{db} (a file here), http://HOST:PORT (a server) or a database URL")

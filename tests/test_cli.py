@@ -358,8 +358,8 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
     dead = f"http://127.0.0.1:{free_port()}"
     for command in (["runs"], ["diff", "abcdef12", "abcdef13"], ["export", "abcdef12", "--out", "o"]):
         assert cli.main([*command, "--uri", dead]) == 3  # a server that is down: infrastructure, not internal
-        assert capsys.readouterr().err.startswith(f"factory {command[0]}: error: the tracking store {dead} did "
-                                                  "not answer (MlflowException: ")
+        assert capsys.readouterr().err.startswith(f"factory {command[0]}: error: the tracking store {dead} could "
+                                                  "not be read (MlflowException: ")
     from mlflow.tracking import MlflowClient
 
     MlflowClient("sqlite:///mlflow.db").search_experiments()  # an existing store, with no run

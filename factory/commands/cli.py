@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
         return EXIT_SPEC_ERROR
-    except StoreUnreadable as e:  # the store itself did not answer: infrastructure
+    except StoreUnreadable as e:  # the store itself could not be read: infrastructure
         print(f"factory {args.command}: error: {e}", file=sys.stderr)
         return EXIT_INFRA
     except RunLookupError as e:  # a run named on the command line that cannot be found or compared

@@ -46,7 +46,7 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
 
     try:
         tags = open_tracker(uri, read=True).run(run).tags
-    except StoreUnreadable:  # the store did not answer: infrastructure (exit 3), as it is
+    except StoreUnreadable:  # the store could not be read: infrastructure (exit 3), as it is
         raise
     except RunLookupError as e:  # none by that id, prefix or name, or several: its own words say which
         raise ExportError(f"'{run}' is not a checkpoint folder, and {e}") from None

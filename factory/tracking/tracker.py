@@ -22,8 +22,9 @@ class RunLookupError(Exception):
 
 
 class StoreUnreadable(RunLookupError):
-    """The tracking store did not answer a read (a server down, credentials missing): `factory` exits 3, as
-    for other infrastructure, with the store's own words; it was an internal error."""
+    """The tracking store could not be read (a server down, credentials missing, a database MLflow must
+    upgrade first): `factory` exits 3, as for other infrastructure, with the store's own words; it was an
+    internal error."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,6 @@ def open_tracker(uri: str | None = None, experiment: str | None = None, *, read:
             tracker.client.search_experiments(max_results=1)
         except Exception as e:  # noqa: BLE001 -- MLflow's, the HTTP client's or the database driver's
             said = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise StoreUnreadable(f"the tracking store {uri} did not answer ({type(e).__name__}: {said[:300]})"
+            raise StoreUnreadable(f"the tracking store {uri} could not be read ({type(e).__name__}: {said[:300]})"
                                   + (": is the server up?" if uri.startswith(("http://", "https://")) else ""))
     return tracker
