@@ -219,6 +219,15 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     client = MlflowClient(uri)
     listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", tempfile.mkdtemp())).read_text())
     assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
+    # step 3 saved, then found broken (its manifest): resumed from step 2, the list and the tags drop it (the
+    # list read [1, 2, 3] and the tags named step 3, passed over, until step 3 was saved again)
+    resumed.log_checkpoint(3, str(tmp_path / "ckpt" / "step_3"))
+    r.checkpoints, r.logged = list(resumed.checkpoints), 3
+    again = Tracker(uri, "e")
+    again.resume(r, plan, {"calc": []})
+    again.end()
+    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", tempfile.mkdtemp())).read_text())
+    assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
 
 
 def test_steps_done_are_those_with_a_step_metric_not_a_resumed_sessions_start_up(uri):

@@ -376,10 +376,15 @@ class MlflowTracker:
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
         self.checkpoint_dir = str(resume.checkpoint_dir)  # a resumed run keeps its folder, wherever it is resumed from
-        self.checkpoints, self.logged = list(resume.checkpoints), resume.logged
+        # one listed past the checkpoint resumed from failed its check (resume.newest_checkpoint passed it
+        # over): this session computes and saves those steps again
+        self.checkpoints = [c for c in resume.checkpoints if c["step"] <= resume.step]
+        self.logged = resume.logged
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
-        if resume.checkpoint and all(c["step"] != resume.step for c in self.checkpoints):
-            # the update stage committed it after its driver was killed (it outlives it by seconds): unlisted
+        if resume.checkpoint and (all(c["step"] != resume.step for c in self.checkpoints)
+                                  or len(self.checkpoints) < len(resume.checkpoints)):
+            # unlisted: the update stage committed it after its driver was killed (it outlives it by seconds);
+            # or listed before one passed over, which the tags and checkpoints.json must no longer name
             self.log_checkpoint(resume.step, str(Path(self.checkpoint_dir) / resume.checkpoint))
         count = int(run.data.tags.get("factory.resumes", "0")) + 1
         # the steps this session trains to: the run's train.steps param stays its first spec's, which
