@@ -39,7 +39,8 @@ from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
-                                       private_dir, reap_orphans, sigterm_interrupts, sigterm_restored)
+                                       private_dir, reap_orphans, sigterm_heard, sigterm_interrupts,
+                                       sigterm_restored)
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
 from factory.util import import_object
@@ -909,8 +910,11 @@ def lost_error(e: BaseException) -> StageLostError:
     """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
     from its newest checkpoint."""
     said = (str(e).strip().splitlines() or [""])[0][:300]
-    return StageLostError(f"a stage's process or the Ray cluster went away mid-run ({type(e).__name__}: {said}); "
-                          "`factory run SPEC --resume` continues the run from its newest checkpoint, on this "
+    why = ("; SIGTERM reached Ray's processes as well as the driver (a signal to the whole process group, as "
+           "plain `timeout` sends; `timeout --foreground` or `kill PID` signal the driver alone, which then stops "
+           "after the step)" if sigterm_heard.is_set() else "")
+    return StageLostError(f"a stage's process or the Ray cluster went away mid-run ({type(e).__name__}: {said})"
+                          f"{why}; `factory run SPEC --resume` continues the run from its newest checkpoint, on this "
                           "cluster once it is back or on another")
 
 

@@ -114,6 +114,8 @@ class GracefulStop:
         return self.event.is_set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM:
+            sigterm_heard.set()
         if self.requested:
             raise KeyboardInterrupt
         self.event.set()
@@ -141,7 +143,14 @@ def sigterm_interrupts() -> None:
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    sigterm_heard.set()
     raise KeyboardInterrupt
+
+
+# Set when the driver heard SIGTERM: a stage lost right after it most likely heard it too (a SIGTERM to the
+# whole process group, as plain `timeout` sends, reaches Ray's processes, which end at once), and the
+# lost-stage message says so.
+sigterm_heard = threading.Event()
 
 
 @contextlib.contextmanager
