@@ -71,23 +71,22 @@ def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monk
 def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(monkeypatch):
     """The head node killed during a step: 'internal error: ActorUnavailableError', exit 1, nothing about
     --resume."""
+    import threading
+
     import ray
 
+    from factory.runtime import driver, lifecycle
     from factory.runtime.driver import LOST, lost_error
     from factory.runtime.health import InfraFailure
 
+    monkeypatch.setattr(lifecycle, "sigterm_heard", threading.Event())  # (the module's own, whatever ran before)
+    monkeypatch.setattr(driver, "sigterm_heard", lifecycle.sigterm_heard)
     e = ray.exceptions.ActorUnavailableError("The actor abc is unavailable: RpcError: Socket closed", b"\0" * 16)
     assert isinstance(e, LOST)
     said = lost_error(e)
     assert isinstance(said, InfraFailure)
     assert str(said).startswith("a stage's process or the Ray cluster went away mid-run (ActorUnavailableError: ")
     assert "factory run SPEC --resume" in str(said) and "SIGTERM" not in str(said)
-    import threading
-
-    from factory.runtime import driver, lifecycle
-
-    monkeypatch.setattr(lifecycle, "sigterm_heard", threading.Event())  # (the module's own, whatever ran before)
-    monkeypatch.setattr(driver, "sigterm_heard", lifecycle.sigterm_heard)
     with pytest.raises(KeyboardInterrupt):  # the driver heard SIGTERM (`timeout` signals the whole group)
         lifecycle._interrupt(15, None)
     assert "SIGTERM reached Ray's processes as well as the driver" in str(lost_error(e))

@@ -878,6 +878,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
     build_models(plan, display.status)
     startup.lap("models")
     display.status("starting Ray")
+    sigterm_heard.clear()  # (this run's: a notebook's earlier run may have heard one)
     with sigterm_restored():  # (Ray's handler, then ours: the run's only)
         start_ray(plan.driver.resources)
         startup.lap("ray")
