@@ -90,6 +90,8 @@ def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(
     with pytest.raises(KeyboardInterrupt):  # the driver heard SIGTERM (`timeout` signals the whole group)
         lifecycle._interrupt(15, None)
     assert "SIGTERM reached Ray's processes as well as the driver" in str(lost_error(e))
+    coloured = ray.exceptions.ActorUnavailableError("\x1b[36mray::RolloutStage.load_weights()\x1b[39m", b"\0" * 16)
+    assert "ray::RolloutStage.load_weights()" in str(lost_error(coloured)) and "\x1b" not in str(lost_error(coloured))
 
 
 def test_what_a_local_ray_cannot_hold_is_said_before_a_run(project, monkeypatch):

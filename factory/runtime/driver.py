@@ -22,6 +22,7 @@ import graphlib
 import json
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -910,7 +911,7 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptio
 def lost_error(e: BaseException) -> StageLostError:
     """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
     from its newest checkpoint."""
-    said = (str(e).strip().splitlines() or [""])[0][:300]
+    said = re.sub(r"\x1b\[[0-9;]*m", "", (str(e).strip().splitlines() or [""])[0])[:300]  # Ray colours its names
     why = ("; SIGTERM reached Ray's processes as well as the driver (a signal to the whole process group, as "
            "plain `timeout` sends; `timeout --foreground` or `kill PID` signal the driver alone, which then stops "
            "after the step)" if sigterm_heard.is_set() else "")
