@@ -28,22 +28,37 @@ def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_sigterm_stops_as_ctrl_c_does():
+@pytest.fixture
+def no_sigterm_yet(monkeypatch):
+    """A SIGTERM an earlier test sent less than ECHO_S ago would make this test's first one an echo."""
+    from factory.runtime import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_sigterm_at", float("-inf"))
+    monkeypatch.setattr(lifecycle, "ECHO_S", 0.3)
+
+
+def test_sigterm_stops_as_ctrl_c_does(no_sigterm_yet):
     """`kill PID`, `timeout` or a container's stop send SIGTERM: it met Ray's handler in the driver, which
-    aborted (exit code 134, a C stack dump, the MLflow run FAILED) instead of stopping after the step."""
+    aborted (exit code 134, a C stack dump, the MLflow run FAILED) instead of stopping after the step.
+    Plain `timeout` sends it twice at once (to its child, then to its group): the echo is the same request,
+    not the second one that stops at once (which interrupted the step `timeout`'s first SIGTERM let finish)."""
     told = []
     before = signal.getsignal(signal.SIGTERM)
     with GracefulStop(on_first=told.append) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert stop.requested and told == ["SIGTERM"]
+        os.kill(os.getpid(), signal.SIGTERM)  # the echo
+        time.sleep(0.05)
+        time.sleep(0.3)  # past ECHO_S after it
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
+    assert told == ["SIGTERM"]
     assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
-def test_sigterm_before_the_steps_begin_interrupts():
+def test_sigterm_before_the_steps_begin_interrupts(no_sigterm_yet):
     """SIGTERM while the stages start met Ray's handler, which aborted the driver (exit code 134, a C stack
     dump, nothing torn down): after ray.init it raises KeyboardInterrupt, as a second Ctrl-C does."""
     from factory.runtime.lifecycle import sigterm_interrupts
@@ -216,3 +231,43 @@ def test_sigterm_is_handled_as_before_once_a_run_is_over():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# A stand-in driver: starts a local Ray as `factory run` does, hears SIGTERM, waits for a line, then needs Ray.
+RAY_DRIVER = """
+import os, signal, sys
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import psutil, ray
+from factory.plan import ClusterSettings
+from factory.runtime.driver import start_ray
+start_ray(ClusterSettings(ray_address=None, object_store_gb=0.3))
+signal.signal(signal.SIGTERM, lambda *a: print("heard SIGTERM", flush=True))
+groups = {os.getpgid(p.pid) for p in psutil.Process().children(recursive=True)}
+print("ray processes in the driver's group:", os.getpgrp() in groups, flush=True)
+sys.stdin.readline()
+print("ray answers:", ray.get(ray.remote(lambda: 7).remote(), timeout=60), flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_sigterm_to_the_drivers_process_group_leaves_its_local_ray_running():
+    """Plain `timeout` sends SIGTERM to its child and then to its whole group: Ray's processes were in the
+    driver's group and ended at once (a lost stage, the step in flight unsaved); each now begins a session
+    of its own (lifecycle.ray_starts_sessions), so the driver alone hears it, and Ray still answers."""
+    driver = subprocess.Popen([sys.executable, "-c", RAY_DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = driver.stdout.readline()
+        if line != "ray processes in the driver's group: False\n":
+            os.killpg(driver.pid, signal.SIGKILL)  # (its stderr ends only with it)
+            pytest.fail(line + driver.communicate()[1][-3000:])
+        os.killpg(driver.pid, signal.SIGTERM)  # as `timeout` does: the group, the driver among it
+        assert driver.stdout.readline() == "heard SIGTERM\n"
+        time.sleep(1)  # (what SIGTERM ends, it ends at once)
+        out, err = driver.communicate("go\n", timeout=120)
+        assert driver.returncode == 0 and out == "ray answers: 7\n", err[-3000:]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()

@@ -3,11 +3,14 @@ nothing behind that outlives the next `factory run`.
 
 Ctrl-C. (From Python, `factory.run(..., stop=event)` is the same request without a signal: any thread
 may set the event, and a run in a thread other than the main one hears no SIGINT.) A terminal sends
-SIGINT to its whole foreground process group, and a local Ray's processes (GCS,
-raylet, agents) are in the driver's group: they would die at once, taking the update actor and the chance
-of a final checkpoint with them. So they are started with SIGINT ignored (children inherit an ignored
-signal, and Python keeps it ignored), and the driver alone decides: the first Ctrl-C asks the loop to stop
-after the step in flight (which is logged and checkpointed), a second one stops at once.
+SIGINT to its whole foreground process group (and plain `timeout` sends SIGTERM to its child, then to
+its group). A local Ray's processes (GCS, raylet, agents) would be in the driver's group: they would die
+at once, taking the update actor and the chance of a final checkpoint with them. So each begins a session
+of its own (ray_starts_sessions), and is started with SIGINT ignored as well (children inherit an ignored
+signal, and Python keeps it ignored; this still holds should a Ray release move the hook the first
+relies on), and the driver alone decides: the first Ctrl-C or SIGTERM asks the loop to stop after the
+step in flight (which is logged and checkpointed), a second one stops at once. A signal sent to every
+process of a cgroup (a SLURM time limit, `systemctl stop`) still reaches Ray's processes too.
 
 SIGKILL. Nothing runs in a killed driver. Ray's GCS, raylet and workers notice and exit within seconds
 (Ray's workers also take their child processes, the MCP servers, with them), but its dashboard and
@@ -24,6 +27,7 @@ import signal
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -99,8 +103,8 @@ class GracefulStop:
     --foreground`, a container or job being stopped), heard in the main thread only, where Python delivers
     signals; or `event` set by any thread (factory.run's `stop`). A second signal raises KeyboardInterrupt,
     as a second Ctrl-C does. (SIGTERM otherwise met Ray's handler in the driver, which aborts: exit code 134,
-    the run FAILED, unsaved.) A SIGTERM to the whole process group (plain `timeout`) reaches Ray's processes
-    too, which Ray does not shield from it as it does from SIGINT: they end at once, a lost stage."""
+    the run FAILED, unsaved.) Plain `timeout` sends SIGTERM twice, to its child and then to its group, the
+    driver's: a SIGTERM within ECHO_S of the one before is that same request (`_echo`), not a second."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -114,8 +118,8 @@ class GracefulStop:
         return self.event.is_set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGTERM:
-            sigterm_heard.set()
+        if signum == signal.SIGTERM and _echo():
+            return
         if self.requested:
             raise KeyboardInterrupt
         self.event.set()
@@ -143,14 +147,26 @@ def sigterm_interrupts() -> None:
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    sigterm_heard.set()
-    raise KeyboardInterrupt
+    if not _echo():  # (an echo would interrupt the teardown the first one began)
+        raise KeyboardInterrupt
 
 
-# Set when the driver heard SIGTERM: a stage lost right after it most likely heard it too (a SIGTERM to the
-# whole process group, as plain `timeout` sends, reaches Ray's processes, which end at once), and the
-# lost-stage message says so.
+# Set when the driver heard SIGTERM: a stage lost right after it most likely heard it too (a SIGTERM to every
+# process of a job, as SLURM's time limit or systemd's stop send, reaches Ray's processes, which end at once),
+# and the lost-stage message says so.
 sigterm_heard = threading.Event()
+_sigterm_at = float("-inf")  # when the driver last heard SIGTERM (time.monotonic)
+ECHO_S = 1.0
+
+
+def _echo() -> bool:
+    """Record a SIGTERM heard now; True when it echoes one heard less than ECHO_S before (one sender's
+    two sends: plain `timeout` signals its child, then its whole group), which asks for nothing new."""
+    global _sigterm_at
+    now, before = time.monotonic(), _sigterm_at
+    _sigterm_at = now
+    sigterm_heard.set()
+    return now - before < ECHO_S
 
 
 @contextlib.contextmanager
@@ -178,6 +194,37 @@ def children_ignore_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def ray_starts_sessions() -> Iterator[None]:
+    """Each process a local Ray starts inside (GCS, raylet, its agents; the raylet's workers, the stage
+    actors and the MCP servers and engines they start, inherit the raylet's) begins a session of its own, out
+    of the driver's process group. A signal to that group then reaches the driver alone: plain `timeout`
+    sends SIGTERM to its child and then to its whole group, and Ray's processes (which Ray shields from
+    SIGINT, not SIGTERM) ended at once, so the run stopped as a lost stage, its step unsaved; now the driver
+    finishes the step, checkpoints and shuts Ray down (by pid, which still reaches them). A driver killed
+    outright still takes them along: Ray binds each to its parent's death (PR_SET_PDEATHSIG), sessions
+    apart. A signal to every process of a job (SLURM's time limit, systemd's stop: by cgroup) still reaches
+    them. Ray 2.60 starts them all through `ray._private.services.ConsolePopen` (a subprocess.Popen),
+    which is swapped for the block's length; a Ray without it starts them as before."""
+    from ray._private import services
+
+    base = getattr(services, "ConsolePopen", None)
+    if base is None:
+        yield
+        return
+
+    class OwnSession(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 # ---------------------------------------------------------------------------------- SIGKILL
