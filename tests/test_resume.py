@@ -160,6 +160,31 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert "no run with id or name 'no-such-run'" in capsys.readouterr().err
 
 
+def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allowed(store, capsys):
+    """LoRA turned on or off, or another rank: the checkpoint cannot load into the learner (DeepSpeed's
+    internal error once every stage had started, and the run left FAILED), so --resume says so up front."""
+    uri, ckpt = store
+    _, full = compiled(ckpt)
+    run = fake_run(uri, ckpt, full, logged=1, checkpoints=(1,), experiment="lora")
+    spec, lora = compiled(ckpt, "model.lora.r=8")
+    with pytest.raises(ResumeError, match=rf"^run {run}'s checkpoint .*step_1 holds full weights, and this spec "
+                                          r"trains LoRA adapters \(r 8, target_modules all-linear\) \(model.lora\)"
+                                          rf".*`factory export {run} --out DIR`, then model.path=DIR$"):
+        find(lora, run, uri, train=spec.train, experiment="lora", allow_spec_change=True)
+    adapters = fake_run(uri, ckpt / "a", lora, logged=1, checkpoints=(1,), experiment="lora")
+    spec16, r16 = compiled(ckpt / "a", "model.lora.r=16")
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters \(r 8, .*this spec trains LoRA adapters \(r 16,"):
+        find(r16, adapters, uri, train=spec16.train, experiment="lora", allow_spec_change=True)
+    # what loads into the same tensors is allowed: another alpha, another learning rate
+    spec_a, alpha = compiled(ckpt / "a", "model.lora.r=8", "model.lora.alpha=4", "train.lr=0.5")
+    assert find(alpha, adapters, uri, train=spec_a.train, experiment="lora",
+                allow_spec_change=True).checkpoint == "step_1"
+    # from the command line: exit 2, no traceback
+    assert cli.main(["run", SPEC, f"train.checkpoint_dir={ckpt}", "train.steps=4", "model.lora.r=8", "--resume", run,
+                     "--allow-spec-change"]) == 2
+    assert "holds full weights, and this spec trains LoRA adapters" in capsys.readouterr().err
+
+
 def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 

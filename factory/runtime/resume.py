@@ -113,6 +113,9 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     if step >= train.steps:
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
+    if checkpoint:
+        _refuse_other_weights(_artifact_json(tracker, run.run_id, "plan.json"), plan, run.run_id,
+                              directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
@@ -121,6 +124,25 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
                   unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)])
+
+
+def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
+    """ResumeError when the checkpoint holds other tensors than this plan trains: LoRA turned on or off, or
+    another rank or set of adapted layers (`--allow-spec-change` allows a changed spec, but a checkpoint's
+    weights and optimizer state load only into the shapes they were saved from: the learner failed with an
+    internal error in DeepSpeed after Ray and every stage had started, and left the run FAILED)."""
+    def trains(spec: dict[str, Any]) -> str:
+        lora = (spec.get("model") or {}).get("lora")
+        return ("full weights" if lora is None
+                else f"LoRA adapters (r {lora.get('r')}, target_modules {lora.get('target_modules')})")
+
+    then = trains((recorded or {}).get("spec") or {})
+    now = trains(plan.spec)
+    if recorded and then != now:
+        raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds {then}, and this spec trains {now} "
+                          "(model.lora): a checkpoint loads only into what it was saved from; resume without "
+                          f"changing model.lora, or start a new run from its model: `factory export {run_id} "
+                          "--out DIR`, then model.path=DIR")
 
 
 def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) -> TrackedRun:
