@@ -56,6 +56,31 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         factory.load(TINY, ["trian.steps=3"])
 
 
+def test_a_runs_python_mistakes_are_said_before_anything_starts(monkeypatch):
+    """A callback that is not one, or takes other arguments, a stop that is not an Event, a run named by a
+    number: each failed only when first used, after Ray and every stage had started (30-60 s), as a bare
+    "'str' object is not callable"."""
+    from factory.commands import api
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(api, "compile_plan", started)
+    for kwargs, said in [({"on_step": "print"}, r"^on_step: a function called as on_step\(step, metrics\), got str$"),
+                         ({"on_step": lambda metrics: None},
+                          r"^on_step: called as on_step\(step, metrics\), but it takes \(metrics\)$"),
+                         ({"stop": True}, r"^stop: a threading.Event \(set it to stop the run\), got bool$"),
+                         ({"resume": 3}, r"^resume: a run's id, id prefix or name, or \"\" for the newest "
+                                         r"unfinished run, got int$")]:
+        with pytest.raises(TypeError, match=said):
+            factory.run(TINY, **kwargs)
+    # what the docs show, and a callable whose signature Python cannot read, pass the checks
+    with pytest.raises(AssertionError, match="the run started"):
+        factory.run(TINY, on_step=lambda step, metrics: None, stop=threading.Event(), resume="")
+    with pytest.raises(AssertionError, match="the run started"):
+        factory.run(TINY, on_step=print)
+
+
 def test_compiling_with_connect_compiles_the_spec_it_is_given(monkeypatch):
     """`connect` starts the tool servers of this Spec: a Spec built in code has no file to read again, and a
     loaded one changed in code (`model_copy`) must keep its changes."""

@@ -63,6 +63,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     after the step in flight (logged and checkpointed; the MLflow run KILLED), as Ctrl-C does. `resume`:
     continue a killed or stopped run (its id, id prefix or name; "" for the newest unfinished run of this
     spec) from its newest checkpoint."""
+    _check_run_arguments(on_step, stop, resume)
     if not isinstance(plan, Plan):
         plan = compile_plan(plan, overrides)
     elif overrides:
@@ -82,6 +83,31 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     from factory.runtime.driver import run as run_plan
 
     return run_plan(plan, found, started_at=started_at, on_step=on_step, stop=stop)
+
+
+def _check_run_arguments(on_step: Any, stop: Any, resume: Any) -> None:
+    """TypeError for a Python mistake in `run`'s arguments, before anything starts: each was first used after
+    Ray and every stage had started (30-60 s), and failed there as a bare "'str' object is not callable" (or
+    "<lambda>() takes 1 positional argument but 2 were given")."""
+    if on_step is not None:
+        import inspect
+
+        if not callable(on_step):
+            raise TypeError(f"on_step: a function called as on_step(step, metrics), got {type(on_step).__name__}")
+        try:
+            signature = inspect.signature(on_step)
+        except ValueError:  # a callable whose signature cannot be read (some builtins): taken as it is
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(0, {})
+            except TypeError:
+                raise TypeError(f"on_step: called as on_step(step, metrics), but it takes {signature}") from None
+    if stop is not None and not (callable(getattr(stop, "is_set", None)) and callable(getattr(stop, "set", None))):
+        raise TypeError(f"stop: a threading.Event (set it to stop the run), got {type(stop).__name__}")
+    if resume is not None and not isinstance(resume, str):
+        raise TypeError(f"resume: a run's id, id prefix or name, or \"\" for the newest unfinished run, got "
+                        f"{type(resume).__name__}")
 
 
 def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> dict[str, Any]:
