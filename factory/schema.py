@@ -813,7 +813,8 @@ class Spec(Section):
     """The node whose value trains the policy. Unset: the only node, or the one named `total`."""
     metrics: dict[str, str] = {}
     """Eval metrics: `{name: node}`; `eval/<name>` is the mean of that node on the eval set.
-    Unset: `accuracy` is the first fn node's mean."""
+    Unset: `accuracy` is the first fn node's mean. The first entry is also the task the reward-hacking
+    monitors read (`train.monitors`), on the training batch too: it matters without data.eval."""
     algorithm: AlgorithmSpec = AlgorithmSpec()
     """The RL algorithm."""
     rollout: RolloutSpec = RolloutSpec()

@@ -186,10 +186,12 @@ def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
     assert cli.main(["check", path]) == 0
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "spec.yaml:9: metrics: warning: has no effect without data.eval (there is nothing to evaluate)",
         "spec.yaml:10: train.eval_every: warning: has no effect without data.eval (there is nothing to evaluate)",
         "spec.yaml:10: train.eval_size: warning: has no effect without data.eval (there is nothing to evaluate)",
     ]
+    # not `metrics` (it was warned of too): its first entry is the task the reward-hacking monitors read on the
+    # training batch; deleted as the warning said, the monitors took the first function node instead
+    assert compile_file(path, ["metrics.acc=fmt"])[1].driver.watch.task_node == "fmt"
     # with eval data they are what they say
     assert cli.main(["check", path, "data.eval={generator: 'factory.data:arithmetic', size: 4}"]) == 0
     assert "warning" not in capsys.readouterr().err

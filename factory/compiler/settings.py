@@ -158,8 +158,8 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                 r.error(f"data.{split}.{field}", f"'{field}' applies to a generator; every row of the file "
                                                  f"{source.path} is used")
     unused = "has no effect"
-    if spec.data.eval is None:
-        for path, model, field in (("metrics", spec, "metrics"), ("train.eval_every", spec.train, "eval_every"),
+    if spec.data.eval is None:  # (not `metrics`: its first entry is the task the monitors read on the training batch)
+        for path, model, field in (("train.eval_every", spec.train, "eval_every"),
                                    ("train.eval_size", spec.train, "eval_size")):
             if _set(model, field):
                 r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
