@@ -301,3 +301,20 @@ def test_a_stop_set_in_on_step_ends_the_run_after_that_step_when_nothing_is_in_f
                       stop_event=stop)
     assert (result.last_step, result.stopped) == (1 + staleness, True) and result.checkpoint is not None
     assert world.submitted == [1, 2][: 1 + staleness] and sorted(world.metrics) == [0, 1, 2][: 2 + staleness]
+
+
+@pytest.mark.parametrize("when", ["on_step(0)", "start-up"])
+def test_a_stop_asked_before_the_first_step_runs_no_step(monkeypatch, when):
+    """A stop set in on_step(0) (an early stop on the evaluation before training), or by another thread while the
+    stages started, ran step 1's rollout, update and checkpoint: the loop read the stop only after a step."""
+    world, stop = World(), threading.Event()
+    if when == "start-up":
+        stop.set()
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step == 0:
+            stop.set()
+
+    result = run_loop(monkeypatch, world, ["train.steps=4"], on_step=on_step, stop_event=stop)
+    assert (result.last_step, result.stopped, result.status, result.checkpoint) == (0, True, "KILLED", None)
+    assert world.submitted == [] and sorted(world.metrics) == [0]  # step 0's evaluation, logged

@@ -670,6 +670,8 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     stop = GracefulStop(on_first=lambda what: display.status(f"{what}: stopping after the step in progress (it is "
                                                              f"logged and checkpointed); {what} again stops at once"),
                         event=stop_event)
+    if stop.requested:  # asked before the first step (in on_step(0), or while the stages started): none runs
+        return RunResult(tracker.run_id, before, after, None, stopped=True, last_step=done)
     with stop:
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
