@@ -494,7 +494,7 @@ class AlgorithmSpec(Section):
     def _gamma_needs_turn_credit(self) -> AlgorithmSpec:
         if "gamma" in self.model_fields_set and self.credit != "turn":
             raise ValueError("`gamma` discounts later turns' rewards under `credit: turn`; with credit "
-                             f"'{self.credit}' nothing reads it")
+                             f"'{self.credit}' nothing reads it: set `credit: turn`, or remove `gamma`")
         return self
 
 

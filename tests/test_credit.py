@@ -115,7 +115,8 @@ def test_targets_by_credit():
 
 
 def test_gamma_is_refused_without_turn_credit():
-    with pytest.raises(ValueError, match="`gamma` discounts later turns' rewards under `credit: turn`"):
+    with pytest.raises(ValueError, match="`gamma` discounts later turns' rewards under `credit: turn`; with credit "
+                                         "'trajectory' nothing reads it: set `credit: turn`, or remove `gamma`"):
         AlgorithmSpec(gamma=0.9)
 
 
