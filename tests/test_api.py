@@ -51,6 +51,19 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         factory.load(TINY, "train.steps=3")
     with pytest.raises(TypeError, match="a spec is a path, a YAML text or a dict, got NoneType"):
         factory.compile(None)
+    # a dict of overrides gave its keys alone ("expected KEY=VALUE, got 'train.steps'"); a pair an AttributeError
+    with pytest.raises(TypeError, match=r"^overrides: a list of 'KEY=VALUE' strings, got a dict: "
+                                        r"\['train.steps=3', 'train.lr=1e-05'\]\?$"):
+        factory.load(TINY, {"train.steps": 3, "train.lr": 1e-5})
+    with pytest.raises(TypeError, match=r"^overrides: a list of 'KEY=VALUE' strings, got \('train.steps', 3\) "
+                                        r"\(tuple\)$"):
+        factory.compile(TINY, [("train.steps", 3)])
+    # evaluate spread one string into a list of characters when it was given a model folder
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(TypeError, match=r"got one string: \['train.steps=3'\]\?"):
+        factory.evaluate(TINY, model=folder, overrides="train.steps=3")
     # a typo under a dotted override is the override's, not the spec line of its first part
     with pytest.raises(factory.SpecErrors, match=r"^<override 1>: trian: unknown key 'trian'"):
         factory.load(TINY, ["trian.steps=3"])

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from factory.compiler.compile import compile_file, compile_spec
-from factory.compiler.load import SpecInput, SpecSource, load, source_of
+from factory.compiler.load import SpecInput, SpecSource, load, override_list, source_of
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback
 from factory.schema import Spec
@@ -140,6 +140,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
     OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template)."""
+    overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
     # a LoRA checkpoint is merged into a full model (GBs) in here, removed once evaluated or failed
     with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
         path, step, tags = _eval_model(model, uri, Path(scratch))

@@ -472,12 +472,25 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
 SpecInput = str | os.PathLike | Mapping  # a spec file's path, a spec's YAML text, or the spec as a dict
 
 
+def override_list(overrides: Iterable[str]) -> tuple[str, ...]:
+    """The dot-list overrides as a tuple; TypeError for a Python mistake, said as such."""
+    if isinstance(overrides, (str, bytes)):  # iterated, one string gave an "override" per character
+        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]?")
+    if isinstance(overrides, Mapping):  # iterated, a dict gave its keys alone: "expected KEY=VALUE, got 'train.steps'"
+        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got a dict: "
+                        f"{[f'{k}={v}' for k, v in overrides.items()]!r}?")
+    overrides = tuple(overrides)
+    odd = next((o for o in overrides if not isinstance(o, str)), None)
+    if odd is not None:  # (an AttributeError deep in the parsing: 'tuple' object has no attribute 'partition')
+        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got {odd!r} ({type(odd).__name__})")
+    return overrides
+
+
 def read_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> tuple[dict, SpecSource, list[SpecError]]:
     """`read_config` of a path, a YAML text (a string with a line break: named `<spec>` in messages) or a
     dict (`<dict>`, its errors located by dotted path alone); a text's or dict's relative references and
     `extends` start from the working directory."""
-    if isinstance(overrides, (str, bytes)):  # iterated, one string gave an "override" per character
-        raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]?")
+    overrides = override_list(overrides)
     if not isinstance(spec, (str, os.PathLike, Mapping)):
         raise TypeError(f"a spec is a path, a YAML text or a dict, got {type(spec).__name__}")
     if isinstance(spec, Mapping):
