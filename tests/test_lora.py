@@ -40,6 +40,21 @@ def test_check_locates_a_target_module_the_model_lacks(project):
     assert plan.spec["model"]["lora"] == {"alpha": None, "dropout": 0.0, "r": 8, "target_modules": "all-linear"}
 
 
+def test_check_warns_of_a_rank_above_the_hidden_size(project, capsys):
+    """r 128 on tiny-qwen3 (hidden size 64) checked ok in silence: adapters larger than the weights they adapt,
+    with no rank to learn that r 64 lacks."""
+    from factory.commands import cli
+
+    path = _tiny_spec(project, "")
+    assert cli.main(["check", path, "model.lora.r=128"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "<override 1>: model.lora.r: warning: 128 is above the model's hidden size 64, which bounds the rank of every "
+        "adapted layer's update: the rank beyond it adds parameters (the adapters then outnumber the weights they "
+        "adapt) and nothing they can learn; use r <= 64")
+    assert cli.main(["check", path, "model.lora.r=64"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_rollout_gpus_must_divide_the_attention_heads(project):
     # tiny-qwen3 has 4 attention heads; 3 GPUs per replica cannot split them (the line is the spec's)
     path = _tiny_spec(project, "resources:\n  rollout: {num_gpus: 3}\n")

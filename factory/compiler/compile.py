@@ -268,8 +268,8 @@ def with_cached_models(spec: Spec) -> Spec:
 def _check_model_shape(spec: Spec, r: _Report) -> None:
     """What depends on the model's architecture, read from its config.json without loading weights (skipped
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
-    LoRA's target modules must name linear layers of the model, and a rollout replica's GPUs (vLLM's
-    tensor-parallel size) must divide its attention heads."""
+    LoRA's target modules must name linear layers of the model (a rank above its hidden size is warned of),
+    and a rollout replica's GPUs (vLLM's tensor-parallel size) must divide its attention heads."""
     from factory.assets import tokenizer_files
     from factory.lora import linear_layers, model_config, target_problem
 
@@ -299,6 +299,11 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         r.error("resources.rollout.num_gpus", f"vLLM splits the model's {heads} attention heads over the rollout "
                                               f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
                                               f"of {heads}: one of {', '.join(map(str, divisors))}")
+    width, lora = config.get("hidden_size"), spec.model.lora
+    if lora is not None and isinstance(width, int) and lora.r > width:  # every linear layer has it as one side
+        r.warn("model.lora.r", f"{lora.r} is above the model's hidden size {width}, which bounds the rank of "
+                               "every adapted layer's update: the rank beyond it adds parameters (the adapters then "
+                               f"outnumber the weights they adapt) and nothing they can learn; use r <= {width}")
     if lora_names:
         layers = linear_layers(folder)
         problem = target_problem(spec.model.lora.target_modules, layers) if layers else None
