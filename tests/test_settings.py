@@ -197,6 +197,18 @@ def test_eval_only_settings_without_eval_data_warn_in_check(project, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+def test_turn_credit_with_one_turn_a_trajectory_warns_in_check(project, capsys):
+    """One model turn per trajectory: turn credit gives the advantages trajectory credit gives (bit for bit,
+    tests/test_update.py), and checked ok in silence."""
+    path = _spec(project, "st_turn", "algorithm: {credit: turn}\nrollout: {max_turns: 1}\n")
+    assert cli.main(["check", path]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "spec.yaml:9: algorithm.credit: warning: has no effect with rollout.max_turns 1: each trajectory's one model "
+        "turn gets the advantage credit 'trajectory' gives it (raise max_turns for turns to compare)"]
+    assert cli.main(["check", path, "rollout.max_turns=2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_train_per_group_must_be_below_the_group_size(project):
     path = _spec(project, "st_tpg", "rollout: {group_size: 4}\nalgorithm: {train_per_group: 4}\n")
     assert _errors(path) == ("spec.yaml:10: algorithm.train_per_group: 4 is not below rollout.group_size (4), so "

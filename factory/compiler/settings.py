@@ -189,6 +189,9 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if keep is not None and keep >= spec.rollout.group_size:
         r.error("algorithm.train_per_group", f"{keep} is not below rollout.group_size ({spec.rollout.group_size}), "
                                              "so every sample would train anyway: lower it or remove it")
+    if spec.algorithm.credit == "turn" and spec.rollout.max_turns == 1:
+        r.warn("algorithm.credit", f"{unused} with rollout.max_turns 1: each trajectory's one model turn gets the "
+                                   "advantage credit 'trajectory' gives it (raise max_turns for turns to compare)")
     overlong = spec.algorithm.overlong
     if _set(overlong, "penalty") and overlong.buffer == 0:
         r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")
