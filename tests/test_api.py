@@ -87,6 +87,8 @@ def test_a_runs_python_mistakes_are_said_before_anything_starts(monkeypatch):
                                          r"unfinished run, got int$")]:
         with pytest.raises(TypeError, match=said):
             factory.run(TINY, **kwargs)
+    with pytest.raises(TypeError, match="^allow_spec_change goes with resume"):  # as `factory run` refuses it
+        factory.run(TINY, allow_spec_change=True)
     # what the docs show, and a callable whose signature Python cannot read, pass the checks
     with pytest.raises(AssertionError, match="the run started"):
         factory.run(TINY, on_step=lambda step, metrics: None, stop=threading.Event(), resume="")

@@ -64,6 +64,8 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     continue a killed or stopped run (its id, id prefix or name; "" for the newest unfinished run of this
     spec) from its newest checkpoint."""
     _check_run_arguments(on_step, stop, resume)
+    if allow_spec_change and resume is None:  # (it allows nothing then: the command refuses it too)
+        raise TypeError("allow_spec_change goes with resume: a run to continue under the changed spec")
     if not isinstance(plan, Plan):
         plan = compile_plan(plan, overrides)
     elif overrides:
