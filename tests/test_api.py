@@ -161,6 +161,25 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     assert len(merged) == 2 and not merged[1].exists()
 
 
+def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monkeypatch):
+    """It was said after the model had been found and, for a LoRA checkpoint, merged (minutes for a large
+    model), without what to do."""
+    from factory.commands import api
+    from factory.util import UserError
+
+    monkeypatch.chdir(REPO)
+
+    def found(*args, **kwargs):
+        raise AssertionError("the model was looked for")
+
+    monkeypatch.setattr(api, "_eval_model", found)
+    with pytest.raises(UserError, match=r"^<spec>: data.eval: not set; evaluation scores the spec's eval split: add "
+                                        r"data.eval \(a file or generator of held-out rows\)$"):
+        factory.evaluate(TINY.read_text(), model="a-lora-run", overrides=["data.eval=null"])
+    with pytest.raises(UserError, match=rf"^{TINY}: data.eval: not set"):
+        factory.evaluate(factory.load(TINY, ["data.eval=null"]), model="a-lora-run")
+
+
 def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypatch):
     """`factory eval --model URL` takes only the tokenizer and chat template from `model.path`: a folder
     without weights (a model served elsewhere) is fine there, and a spec error for a run, which loads them."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from factory.compiler.compile import compile_file, compile_spec
+from factory.compiler.errors import SpecErrors
 from factory.compiler.load import SpecInput, SpecSource, load, override_list, source_of
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback
@@ -143,14 +144,26 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template)."""
     overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
+    # a spec with nothing to evaluate is said before the model is found (a LoRA checkpoint's merge takes minutes
+    # for a large model); one with mistakes is compiled below, which says them all, loading's and compiling's
+    if isinstance(spec, Spec) and overrides:
+        raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec")
+    try:
+        loaded = spec if isinstance(spec, Spec) else load_spec(spec, overrides)
+    except SpecErrors:
+        loaded = None
+    if loaded is not None and loaded.data.eval is None:
+        from factory.util import UserError
+
+        where = source_of(loaded).file if source_of(loaded) else "<spec>"
+        raise UserError(f"{where}: data.eval: not set; evaluation scores the spec's eval split: add data.eval "
+                        "(a file or generator of held-out rows)")
     # a LoRA checkpoint is merged into a full model (GBs) in here, removed once evaluated or failed
     with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
         path, step, tags = _eval_model(model, uri, Path(scratch))
         endpoint = path if path is not None and path.startswith(("http://", "https://")) else None
         if endpoint is None and path is not None:
             if isinstance(spec, Spec):
-                if overrides:
-                    raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec")
                 spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
             else:
                 overrides = [*overrides, f"model.path={path}"]
@@ -160,10 +173,6 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
             _check_endpoint(endpoint, joins=plan.driver.resources.ray_address is not None)
         if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
             plan = tracked_model(plan, tags["factory.eval_model"])
-        if plan.spec["data"].get("eval") is None:
-            from factory.util import UserError
-
-            raise UserError(f"{plan.spec_path}: data.eval: not set; evaluation scores the spec's eval split")
         local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
         from factory.runtime.driver import evaluate_only
 
