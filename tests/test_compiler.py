@@ -292,6 +292,22 @@ tools:
         "4 errors in spec.yaml")
 
 
+def test_an_unset_header_variable_is_an_error_before_ray_starts(project, monkeypatch):
+    # The tools stage read it only once Ray and every stage had started: exit 3, "could not be reached".
+    monkeypatch.delenv("RC_NO_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = project.spec(_base(project, "rc_headers") + "tools:\n  web: {url: http://127.0.0.1:8765/mcp, "
+                        "headers_from_env: {Authorization: RC_NO_TOKEN}}\n")
+    said = ("tools.web.headers_from_env.Authorization: {}environment variable RC_NO_TOKEN is not set (its value is "
+            "sent as the Authorization header): set it (export RC_NO_TOKEN=...) or remove the header")
+    assert _errors(path) == f"spec.yaml:10: {said.format('')}\n1 error in spec.yaml"
+    # on a cluster the tools stage reads its node's environment, not this one: a warning
+    spec, plan = compile_file(path, ["resources.ray_address=127.0.0.1:6379"])
+    assert f"spec.yaml:10: {said.format('warning: ')}" in [str(w) for w in plan.warnings]
+    monkeypatch.setenv("RC_NO_TOKEN", "Bearer x")
+    compile_file(path)
+
+
 def test_data_files_and_generators(project):
     project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
     project.module("rc_gen", "def rows(n, seed, level=1):\n    return [{'question': '1+1', 'answer': '2'}]\n\n"

@@ -711,8 +711,10 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
     return order, train, metrics
 
 
-def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing | None) -> dict[str, str]:
-    """Server names, python tools, HTTP URLs, commands; with a listing, every tool the spec names."""
+def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing | None,
+                 joins: bool = False) -> dict[str, str]:
+    """Server names, python tools, HTTP URLs and header variables, commands; with a listing, every tool the
+    spec names. `joins`: the run joins a Ray cluster, whose nodes have environments of their own."""
     code: dict[str, str] = {}
     for name, server in spec.tools.items():
         if "." in name:
@@ -727,6 +729,14 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")
+            for header, var in server.headers_from_env.items():
+                # Read by the tools stage when it connects: unset, the run started Ray and its stages and then
+                # stopped with exit 3 saying the server "could not be reached". On a cluster the tools stage
+                # reads its own node's environment, which this machine cannot see: a warning there.
+                if var not in os.environ:
+                    said = (f"environment variable {var} is not set (its value is sent as the {header} header): "
+                            f"set it (export {var}=...) or remove the header")
+                    (r.warn if joins else r.error)(f"tools.{name}.headers_from_env.{header}", said)
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
             # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)
             # A relative path with a slash is started relative to the spec's folder (tools.connection).
@@ -1106,7 +1116,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     _check_stop_on(spec, r, metrics, train)
-    code = _check_tools(spec, r, set(broken.get("tools", ())), tools)
+    code = _check_tools(spec, r, set(broken.get("tools", ())), tools, joins=ray_address is not None)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)
     check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r)
