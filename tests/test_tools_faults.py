@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from factory.rollout.parse import parse_one
 from factory.schema import StdioServer
 from factory.tools import Resilience, ToolBox
 from factory.types import ToolCall, ToolResult
@@ -167,6 +168,19 @@ async def test_schema_invalid_arguments_never_reach_the_server(box, monkeypatch)
     result = await box.call(call("echo", text=5))
     assert (result.status, result.error_kind) == ("model_error", "bad_arguments")
     assert "5 is not of type 'string'" in result.text
+    assert spy.calls == 0
+
+
+async def test_arguments_json_rpc_cannot_carry_never_reach_the_server(box, monkeypatch):
+    # json.loads takes both from a model's text. A lone surrogate made the SDK's writer fail and drop the
+    # connection: the model's call was a server crash (infra error, retried, the server restarted); NaN went as null.
+    spy = CallCounter(box._backends["faulty"])
+    monkeypatch.setattr(box._backends["faulty"], "call", spy)
+    for raw in ('{"name": "echo", "arguments": {"text": "\\ud800"}}',
+                '{"name": "echo", "arguments": {"text": "x", "delay_s": NaN}}'):
+        result = await box.call(parse_one(raw))
+        assert (result.status, result.error_kind) == ("model_error", "bad_arguments"), result
+    assert "not valid Unicode" in (await box.call(parse_one('{"name": "echo", "arguments": {"\\udfff": 1}}'))).text
     assert spy.calls == 0
 
 

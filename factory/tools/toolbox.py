@@ -17,6 +17,7 @@ only from that loop. All its calls run concurrently, bounded only by each server
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
 import time
@@ -334,6 +335,15 @@ def argument_problem(validator: Any | None, arguments: Any) -> str | None:
     """Why `arguments` do not fit the schema (one readable sentence), or None when they do."""
     if not isinstance(arguments, dict):
         return f"expected a JSON object of arguments, got {type(arguments).__name__}"
+    try:  # what json.loads lets through but JSON-RPC cannot carry
+        json.dumps(arguments, ensure_ascii=False, allow_nan=False).encode()
+    except ValueError as exc:
+        # NaN and Infinity: the SDK would send them as null. A lone surrogate (`"\ud800"`): the SDK's writer
+        # failed to encode it and dropped the connection, so the model's call was taken for a server crash
+        # (an infra error, retried on a restarted server, failing every call in flight on it).
+        what = ("a string that is not valid Unicode (a lone surrogate such as \\ud800)"
+                if isinstance(exc, UnicodeError) else "NaN or Infinity, which JSON has no number for")
+        return f"the arguments hold {what}"
     if validator is None:
         return None
     error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
