@@ -206,6 +206,35 @@ async def test_a_server_that_prints_to_stdout_is_said_to_in_one_line(caplog):
          "server prints its own messages to stderr", None)]
 
 
+# A stdio server written without an MCP library (as a JavaScript one may be) whose tool answers with half an
+# emoji, a lone surrogate escape that Python's json writes and reads but the SDK's parser refuses.
+HALF_EMOJI = """
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    result = {"initialize": {"protocolVersion": msg.get("params", {}).get("protocolVersion"),
+                             "capabilities": {"tools": {}}, "serverInfo": {"name": "half", "version": "1"}},
+              "tools/list": {"tools": [{"name": "snip", "inputSchema": {"type": "object"}}]},
+              "tools/call": {"content": [{"type": "text", "text": "cut: \\ud83d"}]}}.get(msg["method"], {})
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+"""
+
+
+async def test_an_answer_the_sdk_cannot_read_is_said_to_be_one(caplog):
+    """It was said to be a line that is not MCP, with 'a server prints its own messages to stderr': the user
+    looked for a print() while the call timed out for a reason the message did not give."""
+    half = StdioServer(command=sys.executable, args=["-c", HALF_EMOJI], timeout_s=0.5, retries=0)
+    async with ToolBox.from_spec({"half": half}) as box:
+        result = await box.call(ToolCall("snip", {}, raw=""))
+    assert (result.status, result.error_kind) == ("infra_error", "timeout")
+    [said] = [r.getMessage() for r in caplog.records if r.name == "mcp.client.stdio"]
+    assert said.startswith("a tool server sent a JSON-RPC message the MCP SDK cannot read (Invalid JSON: unexpected "
+                           "end of hex escape at line 1 column ")
+    assert said.endswith("cut: \\\\ud83d\"}]}}'; an answer lost this way makes its call time out")
+
+
 async def test_allowed_tools_filters_and_checks():
     async with ToolBox.from_spec({"calc": CALC.model_copy(update={"allowed_tools": ["calculate"]})}) as box:
         assert [s["function"]["name"] for s in box.schemas()] == ["calculate"]

@@ -71,9 +71,17 @@ class _NotJsonRpcInOneLine(logging.Filter):
             exc = record.exc_info[1]
             errors = exc.errors() if hasattr(exc, "errors") else []
             line = errors[0].get("input") if errors else str(exc)
-            record.msg = ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to "
-                          "Factory: %r; a server prints its own messages to stderr")
-            record.args = (str(line)[:200],)
+            if errors and '"jsonrpc"' in str(line):
+                # A server's answer the SDK's parser refuses (a lone surrogate escape, "\ud83d": an emoji a
+                # JavaScript server cut in half, is invalid JSON to it), not a print(): the call it answers
+                # waits for its timeout.
+                record.msg = ("a tool server sent a JSON-RPC message the MCP SDK cannot read (%s): %r; an answer "
+                              "lost this way makes its call time out")
+                record.args = (errors[0].get("msg"), str(line)[:200])
+            else:
+                record.msg = ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to "
+                              "Factory: %r; a server prints its own messages to stderr")
+                record.args = (str(line)[:200],)
             record.exc_info = record.exc_text = None
         return True
 
