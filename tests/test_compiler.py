@@ -308,6 +308,20 @@ def test_an_unset_header_variable_is_an_error_before_ray_starts(project, monkeyp
     compile_file(path)
 
 
+def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it(project):
+    # Servers are started as argument lists, never by a shell: it passed with a warning, and the run stopped at
+    # the tools stage's start (exit 3, a file not found), after Ray and every stage had started.
+    path = project.spec(_base(project, "rc_cmd") + "tools:\n  calc: {command: python -m factory.examples.calculator}\n")
+    assert _errors(path) == (
+        "spec.yaml:10: tools.calc.command: 'python -m factory.examples.calculator' is a program and its arguments: "
+        'give them apart, command: python, args: ["-m", "factory.examples.calculator"]\n1 error in spec.yaml')
+    # a program not found here may be on a cluster's nodes: still a warning
+    spec, plan = compile_file(project.spec(_base(project, "rc_cmd2") + "tools:\n  o: {command: rc-no-such --stdio}\n",
+                                           "b.yaml"))
+    assert [str(w) for w in plan.warnings] == ["b.yaml:10: tools.o.command: warning: command not found on PATH: "
+                                               "rc-no-such --stdio"]
+
+
 def test_data_files_and_generators(project):
     project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
     project.module("rc_gen", "def rows(n, seed, level=1):\n    return [{'question': '1+1', 'answer': '2'}]\n\n"

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import filecmp
 import graphlib
+import json
 import os
 import re
 import shutil
@@ -742,7 +743,14 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             # A relative path with a slash is started relative to the spec's folder (tools.connection).
             where = r.source.base_dir if os.sep in server.command else Path(server.cwd or Path.cwd())
             if shutil.which(server.command) is None and not (where / server.command).is_file():
-                r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
+                program, *words = server.command.split()
+                if words and (program in ("python", "python3") or shutil.which(program)):
+                    # servers are started as argument lists, never by a shell: this failed at the tools stage's
+                    # start, exit 3, as a file not found
+                    r.error(f"tools.{name}.command", f"'{server.command}' is a program and its arguments: give "
+                                                     f"them apart, command: {program}, args: {json.dumps(words)}")
+                else:
+                    r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
         if listing is not None and server.allowed_tools is not None and name in listing:
             have = [t["name"] for t in listing[name]]
             for i, tool in enumerate(server.allowed_tools):
