@@ -39,7 +39,8 @@ def test_code_hashes_are_named_by_module_whatever_the_working_directory(project)
     checkout), so the same spec and code gave another run hash, `factory diff` listed reward code changes
     and `--resume` refused 'rewards changed'."""
     project.file("rewards/__init__.py")
-    project.file("rewards/mine.py", "def count(text: str) -> int:\n    return len(text)\n")
+    project.file("rewards/mine.py", 'def count(text: str) -> int:\n    """Count.\n\n    Args:\n        text: A text.\n    """\n'
+                                    "    return len(text)\n")
     path = project.spec(_base(project, "rc_keys") + "  builtin: {fn: factory.rewards.math:numeric_match}\n"
                         "tools:\n  wc: {function: rewards.mine:count}\n")
     _, plan = compile_file(path)
@@ -320,6 +321,16 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
                                            "b.yaml"))
     assert [str(w) for w in plan.warnings] == ["b.yaml:10: tools.o.command: warning: command not found on PATH: "
                                                "rc-no-such --stdio"]
+
+
+def test_a_python_tool_that_cannot_be_described_is_an_error_before_ray_starts(project):
+    # The ToolBox makes its schema as the tools stage starts: the run stopped there with exit 3.
+    project.module("rc_pytool", "def bare(text):\n    return text\n")
+    path = project.spec(_base(project, "rc_pyt") + "tools:\n  wc: {function: 'rc_pytool:bare'}\n")
+    assert _errors(path) == (
+        "spec.yaml:10: tools.wc.function: cannot describe it to the model: Cannot generate JSON schema for bare "
+        "because it has no docstring! (a python tool needs a type hint on every argument and a docstring with an "
+        "Args: line for each)\n1 error in spec.yaml")
 
 
 def test_data_files_and_generators(project):
@@ -939,7 +950,11 @@ def test_a_change_in_a_project_module_that_a_reward_generator_or_tool_imports_ch
             return [{"question": clean(f" {i}+1? "), "answer": str(i + 1)} for i in range(n)]
 
         def tool(x: str) -> str:
-            '''Echo.'''
+            '''Echo.
+
+            Args:
+                x: What to echo.
+            '''
             return clean(x)
         """)
     spec = base.replace("factory.data:arithmetic", "rc_helped:gen") + (

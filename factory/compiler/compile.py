@@ -724,7 +724,7 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             r.error(f"tools.{name}", f"a tool server name must not contain '{TOOL_QUALIFIER}' (it joins a server's "
                                      f"name and a tool's when two servers offer one tool name): '{name}'")
         if isinstance(server, PythonTool):
-            fn = r.imported(f"tools.{name}.function", server.function)
+            fn = r.imported(f"tools.{name}.function", server.function, check=_tool_schema_problem)
             if fn is not None:
                 code |= source_hashes(fn)
         elif isinstance(server, HttpServer):
@@ -778,6 +778,20 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             if tool not in have:
                 r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have, 'it offers')}")
     return code
+
+
+def _tool_schema_problem(fn: Any) -> str | None:
+    """Why a python tool's schema cannot be made from its type hints and docstring (the ToolBox makes it so,
+    factory.tools.servers.function_schema): found only as the tools stage started, the run stopped with exit 3
+    after Ray and every stage had started."""
+    from transformers.utils import get_json_schema  # lazy, as the ToolBox: only python tools need it (~1 s)
+
+    try:
+        get_json_schema(fn)
+    except Exception as e:  # transformers' own exceptions, and a TypeError for what is no function
+        return (f"cannot describe it to the model: {e} (a python tool needs a type hint on every argument and a "
+                "docstring with an Args: line for each)")
+    return None
 
 
 def shared_tools(offered: Mapping[str, list[str]]) -> list[tuple[str, str]]:
