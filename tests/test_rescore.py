@@ -3,6 +3,7 @@ import pyarrow as pa
 import pytest
 
 from factory.commands.rescore import parse_steps, trajectory_from_record
+from factory.rollout.parse import parse_tool_calls
 from factory.tracking.mlflow_tracker import trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
@@ -23,6 +24,19 @@ def test_a_saved_trajectory_reads_back_whole():
     back = trajectory_from_record(record)
     t.rewards, t.reward, t.reward_details = {}, 0.0, {}  # a rescore starts from the episode, not its old scores
     assert back == t
+
+
+def test_a_call_whose_arguments_hold_a_lone_surrogate_is_saved_and_reads_back_whole():
+    # json.loads reads a model's `"\\ud800"` (half an emoji's escape) as a lone surrogate, which Arrow's UTF-8
+    # strings cannot hold: writing the step's table raised, and the driver with it.
+    (call,) = parse_tool_calls('<tool_call>{"name": "say", "arguments": {"text": "\\ud83d und \u00fc"}}</tool_call>')
+    refused = ToolResult(tool="say", text="no", status="model_error", error_kind="bad_arguments")
+    t = Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                   turns=[Turn(text="x", num_tokens=1, calls=[call], results=[refused])], stop_reason="no_call",
+                   row={}, messages=[{"role": "user", "content": "s\u00fc\u00df"}], completion="x")
+    (record,) = pa.Table.from_pylist(trajectory_records([t], step=1)).to_pylist()
+    assert trajectory_from_record(record).turns == t.turns
+    assert "\u00fc" in record["turns"] and "s\u00fc\u00df" in record["prompt"]  # other text stays as it is
 
 
 def test_steps_syntax():

@@ -188,6 +188,13 @@ def run_name(spec_name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- trajectory table
+def _json_text(value: Any, **kwargs: Any) -> str:
+    """JSON with non-ASCII text as it is, but a lone surrogate as its `\\uXXXX` escape (json.loads reads one back
+    the same): Arrow's strings are UTF-8, which cannot hold one, and json.loads reads a model's tool call
+    arguments `"\\ud83d"` (half an emoji's escape) as one: writing the step's table raised, ending the run."""
+    return json.dumps(value, ensure_ascii=False, **kwargs).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None = None) -> list[dict[str, Any]]:
     """Flat rows for the trajectory table: text, rewards, every tool call with its outcome, and the token
     ids with their loss mask (so the mask can be audited offline)."""
@@ -199,7 +206,7 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
                  for i, turn in enumerate(t.turns) for c, r in zip(turn.calls, turn.results)]
         rows.append({
             "step": step, "prompt_index": t.prompt_index, "sample_index": t.sample_index,
-            "prompt": json.dumps(t.messages, ensure_ascii=False), "completion": t.completion,
+            "prompt": _json_text(t.messages), "completion": t.completion,
             "reward": t.reward, "rewards": json.dumps(t.rewards, sort_keys=True),
             "turn_rewards": json.dumps(t.turn_rewards, sort_keys=True),  # per-turn nodes: a value per turn
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
@@ -208,8 +215,8 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             # What `factory rescore` needs to score it again: the row, the structured turns (whole), and
             # what the reward stage said about each node (judge replies, errors, drops).
             "row": json.dumps(t.row, sort_keys=True, default=str), "truncated": t.truncated,
-            "turns": json.dumps([dataclasses.asdict(turn) for turn in t.turns], ensure_ascii=False),
-            "reward_details": json.dumps(t.reward_details, sort_keys=True, ensure_ascii=False), "dropped": t.dropped,
+            "turns": _json_text([dataclasses.asdict(turn) for turn in t.turns]),
+            "reward_details": _json_text(t.reward_details, sort_keys=True), "dropped": t.dropped,
         })
     return rows
 
