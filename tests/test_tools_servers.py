@@ -2,6 +2,7 @@
 a python tool, and a third-party server from PyPI (mcp-server-time, in its own venv)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -60,6 +61,17 @@ def flaky_divide(a: float, b: float) -> float:
     if b < 0:
         time.sleep(1.0)
     return a / b
+
+
+def command_line(line: str) -> int:
+    """A function that wraps a command line, as tools often are: argparse exits on what it refuses.
+
+    Args:
+        line: The command line, as `--n 3`.
+    """
+    parser = argparse.ArgumentParser(prog="count")
+    parser.add_argument("--n", type=int, required=True)
+    return parser.parse_args(line.split()).n
 
 
 def call(name, arguments, raw=""):
@@ -267,6 +279,16 @@ async def test_sync_python_tool_errors_and_timeouts():
         assert quick.text == "1.5" and quick.latency_s < 0.3  # the blocking call runs in a thread, not the loop
         assert time.perf_counter() - started < 0.9  # the timed-out thread is abandoned, not awaited
         assert box.metrics()["tools/divide/timeouts"] == 1
+
+
+async def test_a_python_tool_that_exits_is_its_own_error_and_the_box_goes_on():
+    # SystemExit is no Exception: it went through the ToolBox, and in the tools stage Ray ended the actor with
+    # it, so one bad call from the model lost the run its tools.
+    async with ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_servers:command_line")}) as box:
+        refused = await box.call(call("count", {"line": "--n many"}))
+        assert (refused.status, refused.error_kind) == ("model_error", "tool_error")
+        assert refused.text == "Error: SystemExit: 2"
+        assert (await box.call(call("count", {"line": "--n 3"}))).text == "3"
 
 
 def test_restart_in_a_new_event_loop_after_close():

@@ -289,7 +289,10 @@ class PythonFunction:
                         )
             except TimeoutError:
                 return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
+                # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
+                # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
+                # its tools stage over one call.
                 return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
         return ToolResult(tool=tool, text=value_text(value)), False
 
