@@ -188,6 +188,11 @@ def test_failures_are_recorded_counted_and_the_run_goes_on():
     trajs, _ = score(spec, [traj("fine")])
     assert trajs[0].reward_details["text"] == {"status": "error", "error": "returned '0.5', not a number"}
     assert trajs[0].rewards["np"] == 0.25
+    # SystemExit is no Exception: it went through the stage, and Ray ended the reward stage's actor with it
+    trajs, m = score(make_spec({"x": {"fn": f"{FNS}:exits"}, "total": {"sum": {"x": 1.0}}}), [traj("fine")])
+    said = "RuntimeError: the function raised SystemExit(2)"
+    assert trajs[0].reward_details["x"] == {"status": "error", "error": said}
+    assert m["rewards/x/errors"] == 1
 
 
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])

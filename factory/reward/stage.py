@@ -156,9 +156,15 @@ class RewardStage(StageActor):
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A reward function's result: awaited if it is async, else run in the thread pool."""
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        except SystemExit as e:
+            # A checker that wraps a command line exits (argparse on what it refuses, sys.exit). SystemExit is no
+            # Exception: asyncio lets it out of the task that runs this, through the event loop, and Ray ended
+            # the reward stage's actor with it; as an error it is the node's missing value, like any raise.
+            raise RuntimeError(f"the function raised SystemExit({e.code!r})") from None
 
 
 FLOAT32_MAX = 3.4028234663852886e38
