@@ -39,6 +39,32 @@ def test_a_call_whose_arguments_hold_a_lone_surrogate_is_saved_and_reads_back_wh
     assert "\u00fc" in record["turns"] and "s\u00fc\u00df" in record["prompt"]  # other text stays as it is
 
 
+def test_a_tool_server_that_cannot_start_is_a_stage_that_did_not_start(monkeypatch):
+    """`factory rescore` (and the agent server) set the tools stage up in their own process: a server that would
+    not start was an internal error (exit 1, "rerun with FACTORY_DEBUG=1"); `factory run` says it as here, exit 3."""
+    import asyncio
+    from pathlib import Path
+
+    import yaml
+
+    import factory
+    from factory.runtime.health import StageStartError
+    from factory.runtime.local import local_stages
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["tools"] = {"calc": {"command": "python", "args": ["-m", "factory.examples.no_such_server"]}}
+
+    async def start():
+        async with local_stages(factory.compile(data), ["tools"]):
+            pass
+
+    with pytest.raises(StageStartError, match=r"(?s)^stage 'tools' did not start: ToolStartError: calc: tool server "
+                                              r"'calc' failed to start: .*No module named factory.examples.no_such"):
+        asyncio.run(start())
+
+
 def test_steps_syntax():
     assert parse_steps("1,3-5, 9") == {1, 3, 4, 5, 9}
     for bad in ("1,,2", "5-3", "x"):

@@ -17,8 +17,9 @@ from typing import Any
 
 from factory.contract import StageActor, peers_of
 from factory.plan import Plan
+from factory.runtime.health import StageStartError
 from factory.types import Placement
-from factory.util import import_object
+from factory.util import UserError, import_object
 
 
 def callees(plan: Plan, caller: str) -> list[str]:
@@ -55,8 +56,15 @@ async def local_stages(plan: Plan, names: Iterable[str],
             settings = s.settings.model_copy(update={"record": False}) if cls.CONTRACT.records_tools else s.settings
             stage = cls(settings)
             stack.push_async_callback(_maybe_await_close, stage)
-            await _maybe_await(stage.setup(Placement(workdir=os.getcwd(),
-                                                     peers=peers_of(calls, name, {**remote, **stages}))))
+            try:
+                await _maybe_await(stage.setup(Placement(workdir=os.getcwd(),
+                                                         peers=peers_of(calls, name, {**remote, **stages}))))
+            except UserError:
+                raise  # bad input (exit 2), as the driver passes it on
+            except Exception as e:
+                # as `factory run` says it (factory.runtime.driver.start_error), exit 3: a tool server that would
+                # not start was an internal error of `factory rescore` (exit 1, "rerun with FACTORY_DEBUG=1")
+                raise StageStartError(f"stage '{name}' did not start: {type(e).__name__}: {e}") from e
             stages[name] = stage
         yield stages
 
