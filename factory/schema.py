@@ -165,7 +165,10 @@ class StdioServer(_ToolCommon):
     args: list[str] = []
     """Its arguments."""
     env: dict[str, str] = {}
-    """Extra environment variables for the server process."""
+    """Environment variables for the server process. It inherits only a few of Factory's (the MCP SDK's safe
+    set: HOME, LOGNAME, PATH, SHELL, TERM, USER), so an API key or `PYTHONPATH` set where `factory` runs does
+    not reach it: pass what it needs here, e.g. `{API_KEY: "${oc.env:API_KEY}"}` (masked as `***` in plans
+    and in MLflow)."""
     cwd: str | None = None
     """Working directory of the server process."""
     replicas: int = Field(1, ge=1)
