@@ -26,6 +26,11 @@ def test_step_line_shows_reward_accuracy_and_time_split():
     assert "tool calls 30 (infra errors 1)" in text and "eval acc 1.00" in text
 
 
+def test_step_0_without_held_out_data_says_no_evaluation_was_made():
+    text = _lines([(0, {})])  # what the driver's evaluation gives without data.eval
+    assert "step    0  no held-out evaluation (no data.eval rows)" in text and "eval reward" not in text
+
+
 def test_a_step_that_trained_nothing_says_why_and_the_summary_warns():
     """A huge reward's non-finite advantages, or every trajectory dropped, ran whole runs that trained nothing
     with only `loss -` on the step lines."""

@@ -73,7 +73,9 @@ class Display:
 
     def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
         acc = f"  eval acc {fmt_number(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
-        if step == 0:  # before training: only the evaluation ran
+        if step == 0 and not m:  # no data.eval: the line of dashes below read as an evaluation that was made
+            line = "step    0  no held-out evaluation (no data.eval rows)"
+        elif step == 0:  # before training: only the evaluation ran
             line = (f"step    0  eval reward {fmt_number(m.get('eval/reward'))}{acc}  tool calls/question "
                     f"{fmt_number(m.get('eval/tool_calls'), '.2f')}")
         else:

@@ -856,7 +856,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
             startup.lap("tracking")
             display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
                             else f"MLflow run {tracker.run_id} resumed from the start") if resume else
-                           f"MLflow run {tracker.run_id}; evaluating at step 0")
+                           f"MLflow run {tracker.run_id}")  # (step 0's line says whether it evaluated)
             result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
             opened.status = result.status
     display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
