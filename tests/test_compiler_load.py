@@ -285,6 +285,11 @@ def test_overrides_set_values_and_unknown_override_keys_are_named(project):
         "<override 3>: rollout.top_k: expected an integer, got 'many'\n"
         "<override 4>: expected KEY=VALUE, got 'oops'\n"
         "3 errors in spec.yaml")
+    # a misspelt name makes a new entry of that setting alone: it asked for a kind as if one were meant
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["rewards.corect.timeout_s=5"])
+    assert report(e) == ("<override 1>: rewards.corect: expected one of the keys: fn, llm_judge, tool, sum, min, max, "
+                         "product, gate, clip, normalize; or did you mean 'correct'?\n1 error in spec.yaml")
 
 
 def test_interpolation_and_env(project, monkeypatch):

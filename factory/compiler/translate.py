@@ -302,7 +302,13 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     fields = list(dict.fromkeys(k for m in distinctive for k in m.model_fields))
     typos = [Problem(node + (k,), unknown_key(k, fields), node) for k in raw
              if k not in fields and nearest(k, fields)]
-    return typos or [Problem(node, f"expected one of the keys: {', '.join(all_distinctive)}", node)]
+    said = f"expected one of the keys: {', '.join(all_distinctive)}"
+    names = value_at(data, node[:-1])  # the node's siblings: `tools`' servers, `rewards`' nodes
+    if raw and isinstance(names, dict) and (near := nearest(str(node[-1]), [k for k in names if k != node[-1]])):
+        # `tools.calcx.timeout_s=3` misspells a name: it makes a new entry of that setting alone, which
+        # asked for a command, url or function as if one were meant
+        said += f"; or did you mean '{near}'?"
+    return typos or [Problem(node, said, node)]
 
 
 def _null_entry(root: type[BaseModel], problem: Problem, data: dict) -> Problem:
