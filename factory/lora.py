@@ -89,6 +89,15 @@ def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
             f"its linear layers: {', '.join(names)}")
 
 
+def targeted(targets: list[str] | str, layers: list[str]) -> frozenset[str]:
+    """The module paths of `layers` that `model.lora.target_modules` adapts, as peft matches them: all of
+    them for `all-linear`, else those whose path is a name or ends in `.name` (so `all-linear` and a list
+    of every linear layer's name adapt the same modules)."""
+    if isinstance(targets, str):
+        return frozenset(layers) if targets == ALL_LINEAR else frozenset()
+    return frozenset(p for p in layers if any(p == t or p.endswith("." + t) for t in targets))
+
+
 def short_names(layers: list[str]) -> list[str]:
     """The distinct last parts of module paths, in first-seen order (q_proj, k_proj, ...)."""
     return list(dict.fromkeys(p.rsplit(".", 1)[-1] for p in layers))

@@ -7,7 +7,7 @@ import torch
 from factory.assets import resolve_model
 from factory.compiler.compile import compile_file
 from factory.compiler.errors import SpecErrors
-from factory.lora import Adapters, merged, short_names, target_problem
+from factory.lora import Adapters, merged, short_names, target_problem, targeted
 from tests.test_compiler_support import base_spec
 
 LAYERS = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj",
@@ -23,6 +23,13 @@ def test_target_problem_matches_names_as_peft_does():
         "its linear layers: q_proj, k_proj, up_proj")
     assert "matches no linear layer" in target_problem(["proj"], LAYERS)  # whole names only
     assert short_names(LAYERS) == ["q_proj", "k_proj", "up_proj"]
+
+
+def test_targeted_is_the_modules_peft_adapts():
+    assert targeted("all-linear", LAYERS) == frozenset(LAYERS)
+    assert targeted(["q_proj", "k_proj", "up_proj"], LAYERS) == frozenset(LAYERS)  # every name: all-linear's
+    assert targeted(["q_proj"], LAYERS) == {LAYERS[0], LAYERS[3]}
+    assert targeted(["proj", "layers.0.self_attn.k_proj"], LAYERS) == {LAYERS[1]}  # whole names, or a path's end
 
 
 def _tiny_spec(project, extra: str) -> str:

@@ -185,6 +185,22 @@ def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allow
     assert "holds full weights, and this spec trains LoRA adapters" in capsys.readouterr().err
 
 
+def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):
+    """`all-linear` and the list of every linear layer's name adapt the same modules of the model, so the
+    checkpoint loads: it was refused for the different words. A list that leaves out one layer is refused."""
+    uri, ckpt = store
+    every = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"  # tiny-qwen3's linear layers
+    spec, lora = compiled(ckpt, "model.lora.r=8")
+    run = fake_run(uri, ckpt, lora, logged=1, checkpoints=(1,), experiment="targets")
+    spec_l, listed = compiled(ckpt, "model.lora.r=8", f"model.lora.target_modules={every}")
+    assert find(listed, run, uri, train=spec_l.train, experiment="targets",
+                allow_spec_change=True).checkpoint == "step_1"
+    spec_s, fewer = compiled(ckpt, "model.lora.r=8", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters \(r 8, target_modules all-linear\).*this spec "
+                                          r"trains LoRA adapters \(r 8, target_modules \['q_proj'"):
+        find(fewer, run, uri, train=spec_s.train, experiment="targets", allow_spec_change=True)
+
+
 def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 

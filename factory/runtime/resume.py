@@ -131,18 +131,40 @@ def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: st
     another rank or set of adapted layers (`--allow-spec-change` allows a changed spec, but a checkpoint's
     weights and optimizer state load only into the shapes they were saved from: the learner failed with an
     internal error in DeepSpeed after Ray and every stage had started, and left the run FAILED)."""
-    def trains(spec: dict[str, Any]) -> str:
-        lora = (spec.get("model") or {}).get("lora")
+    def trains(lora: dict[str, Any] | None) -> str:
         return ("full weights" if lora is None
                 else f"LoRA adapters (r {lora.get('r')}, target_modules {lora.get('target_modules')})")
 
-    then = trains((recorded or {}).get("spec") or {})
-    now = trains(plan.spec)
-    if recorded and then != now:
-        raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds {then}, and this spec trains {now} "
-                          "(model.lora): a checkpoint loads only into what it was saved from; resume without "
-                          f"changing model.lora, or start a new run from its model: `factory export {run_id} "
-                          "--out DIR`, then model.path=DIR")
+    if not recorded:
+        return
+    then = ((recorded.get("spec") or {}).get("model") or {}).get("lora")
+    now = (plan.spec.get("model") or {}).get("lora")
+    if trains(then) == trains(now):
+        return
+    if then and now and then.get("r") == now.get("r") and _same_layers(then.get("target_modules"),
+                                                                      now.get("target_modules"), plan):
+        return
+    raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds {trains(then)}, and this spec trains "
+                      f"{trains(now)} (model.lora): a checkpoint loads only into what it was saved from; resume "
+                      f"without changing model.lora, or start a new run from its model: `factory export {run_id} "
+                      "--out DIR`, then model.path=DIR")
+
+
+def _same_layers(a: list[str] | str | None, b: list[str] | str | None, plan: Any) -> bool:
+    """Whether two `target_modules` adapt the same layers of the plan's model (`all-linear` and the list
+    of its linear layers' names do), read from its config.json; False when the model folder is not on disk
+    or its config does not build (the settings then differ as written)."""
+    from factory.assets import tokenizer_files
+    from factory.lora import linear_layers, targeted
+
+    if a is None or b is None:
+        return False
+    folder = tokenizer_files(plan.stage("rollout").settings.model.path)  # the model folder when on disk
+    try:
+        layers = linear_layers(folder) if folder else None
+    except (OSError, ValueError, KeyError):  # an unreadable config, an architecture transformers lacks
+        return False
+    return bool(layers) and targeted(a, layers) == targeted(b, layers)
 
 
 def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) -> TrackedRun:
