@@ -456,8 +456,14 @@ def test_a_union_of_plain_types_is_one_error_at_its_key(project):
     """`target_modules: list[str] | Literal['all-linear']`: pydantic's member tags leaked into the path
     (`model.lora.target_modules.list[str]`, `...literal['all-linear']`), one error per member."""
     path = project.spec(_base(project, "rw_union"))
-    for value, said in (("all_linear", "model.lora.target_modules: expected a list or 'all-linear', got 'all_linear'"),
-                        ("[q_proj, 3]", "model.lora.target_modules.1: expected a string, got 3")):
+    for value, said in (("all_linear", "model.lora.target_modules: expected a list or 'all-linear', got 'all_linear'; "
+                                       "did you mean 'all-linear'?"),
+                        ("[q_proj, 3]", "model.lora.target_modules.1: expected a string, got 3"),
+                        # one name, or names with commas, meant as a list: the brackets it needs
+                        ("q_proj", "model.lora.target_modules: expected a list or 'all-linear', got 'q_proj'; a list "
+                                   "is written in brackets: [q_proj]"),
+                        ("'q_proj, v_proj'", "model.lora.target_modules: expected a list or 'all-linear', got "
+                                             "'q_proj, v_proj'; a list is written in brackets: [q_proj, v_proj]")):
         with pytest.raises(SpecErrors) as e:
             load_spec(path, [f"model.lora.target_modules={value}"])
         assert report(e) == f"<override 1>: {said}\n1 error in spec.yaml"

@@ -339,8 +339,15 @@ def _one_of(parts: Parts, problems: list[tuple[str, Problem]], value: Any) -> li
     if not all(wanted):
         return [p for _, p in problems]
     first = problems[0][1]
-    return [Problem(parts, f"expected {' or '.join(m[1] for m in wanted if m)}, got {show(value)}",
-                    first.node, first.kind)]
+    said = [m[1] for m in wanted if m]
+    hint = ""
+    if isinstance(value, str) and value:
+        near = nearest(value, [w.strip("'") for w in said if w.startswith("'")])
+        if near:  # `all_linear`
+            hint = f"; did you mean '{near}'?"
+        elif "a list" in said:  # `target_modules: q_proj` (or `q_proj, v_proj`): YAML reads one string
+            hint = f"; a list is written in brackets: [{value}]"
+    return [Problem(parts, f"expected {' or '.join(said)}, got {show(value)}{hint}", first.node, first.kind)]
 
 
 def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -> list[Problem]:
