@@ -175,6 +175,21 @@ def test_values_both_runs_read_from_the_environment_are_a_note():
         "there cannot be seen"]
 
 
+def test_a_setting_one_run_lacks_or_holds_as_null_is_shown_unset():
+    """Turning LoRA on made two rows of nothing ("model.lora: null -> None", "model.lora.alpha: None ->
+    null") and printed the settings it set as "None -> 16"."""
+    from factory.commands.diff import plan_changes, resumed_notes, setting_text
+
+    a = {"spec": {"model": {"lora": None, "tokenizer": None}}}
+    b = {"spec": {"model": {"lora": {"alpha": None, "r": 16}, "tokenizer": "t"}}}
+    assert [(c["key"], setting_text(c["a"]), setting_text(c["b"])) for c in plan_changes(a, b)] == [
+        ("model.lora.r", "(unset)", "16"), ("model.tokenizer", "(unset)", "t")]
+    assert resumed_notes("B", a, [(3, b)]) == [
+        "B was resumed after step 3 under a changed spec (--allow-spec-change): model.lora.r (unset) -> 16, "
+        "model.tokenizer (unset) -> t"]
+    assert plan_changes(b, a)[0]["a"] == "16" and setting_text("16") == "16"
+
+
 def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
     from factory.commands.diff import comparability
 

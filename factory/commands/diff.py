@@ -84,8 +84,10 @@ def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] |
     tool_code, tool_schema, algorithm (a preset that resolved differently under the same spec), version."""
     out: list[dict[str, Any]] = []
     sa, sb = _flat(a.get("spec")), _flat(b.get("spec"))
+    # a key one spec lacks and a null say the same (unset): turning LoRA on changed `model.lora` from null to
+    # absent and `model.lora.alpha` from absent to null, two rows that differed in nothing a user set
     out += [{"kind": "setting", "key": k, "a": sa.get(k), "b": sb.get(k)}
-            for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+            for k in sorted(set(sa) | set(sb)) if setting_text(sa.get(k)) != setting_text(sb.get(k))]
     ha, hb = a.get("hashes", {}), b.get("hashes", {})
     for section, kind in _HASH_KINDS.items():
         fa, fb = _flat(ha.get(section, {})), _flat(hb.get(section, {}))
@@ -106,6 +108,12 @@ def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] |
     if a.get("version") != b.get("version"):
         out.append({"kind": "version", "key": "factory version", "a": a.get("version"), "b": b.get("version")})
     return out
+
+
+def setting_text(value: str | None) -> str:
+    """A flattened spec value as the report shows it: "(unset)" for a key the run's spec lacks (None) or
+    holds as null, which say the same (both were shown as they are stored, "None -> null")."""
+    return "(unset)" if value is None or value == "null" else value
 
 
 def plan_notes(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[str]:
@@ -137,7 +145,8 @@ def resumed_notes(side: str, plan: dict[str, Any], resumed: list[tuple[int, dict
     plan.json are those of its first spec, which the comparison above reads."""
     notes = []
     for step, later in resumed:
-        shown = ", ".join(f"{c['key']} {c['a']} -> {c['b']}" if c["kind"] == "setting" else c["key"]
+        shown = ", ".join(f"{c['key']} {setting_text(c['a'])} -> {setting_text(c['b'])}" if c["kind"] == "setting"
+                          else c["key"]
                           for c in plan_changes(plan, later))
         notes.append(f"{side} was resumed after step {step} under a changed spec (--allow-spec-change): "
                      f"{shown or 'nothing in its plan changed'}")
@@ -422,7 +431,8 @@ def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
             extra = ""
             if c.get("tools"):
                 extra = "; ".join(f"{k}: {', '.join(v)}" for k, v in c["tools"].items() if v)
-            table.add_row(c["kind"], c["key"] + (f"\n({extra})" if extra else ""), _fmt(c["a"]), _fmt(c["b"]))
+            fmt = setting_text if c["kind"] == "setting" else _fmt
+            table.add_row(c["kind"], c["key"] + (f"\n({extra})" if extra else ""), fmt(c["a"]), fmt(c["b"]))
         console.print(table)
     elif report["identical"]:
         console.print(f"defined identically: same spec, templates, reward code, data and tool schemas "
