@@ -156,10 +156,13 @@ def _same_layers(a: list[str] | str | None, b: list[str] | str | None, plan: Any
     or its config does not build (the settings then differ as written)."""
     from factory.assets import tokenizer_files
     from factory.lora import linear_layers, targeted
+    from factory.plan import UpdateSettings
 
     if a is None or b is None:
         return False
-    folder = tokenizer_files(plan.stage("rollout").settings.model.path)  # the model folder when on disk
+    # the model the learner loads the checkpoint into (a hub id already its cached folder)
+    model = next(s.settings.model for s in plan.stages if isinstance(s.settings, UpdateSettings))
+    folder = tokenizer_files(model.path)  # the model folder when on disk
     try:
         layers = linear_layers(folder) if folder else None
     except (OSError, ValueError, KeyError):  # an unreadable config, an architecture transformers lacks
