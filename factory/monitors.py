@@ -210,8 +210,9 @@ def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, 
     kept = [t for t in trajs if t.dropped is None]
     row: Row = {"reward": metrics.get("reward/mean", math.nan),
                 "task": metrics.get(f"rewards/{w.task_node}/mean", math.nan) if w.task_node else math.nan,
-                "length": metrics.get("response_length/mean", math.nan),
-                "tool_calls": metrics.get("tool_calls/mean", math.nan)}
+                "length": metrics.get("response_length/mean", math.nan)}
+    if w.tools:  # without tools the rate is no measurement: tool_call_rate then has no value and is not logged
+        row["tool_calls"] = metrics.get("tool_calls/mean", math.nan)
     if w.weights:
         groups: dict[int, list[dict[str, float | None]]] = {}
         for t in kept:

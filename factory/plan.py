@@ -166,6 +166,9 @@ class WatchSettings(Settings):
     candidates: tuple[str, ...] = ()
     judges: tuple[str, ...]  # judge nodes
     verifier: str | None  # the task node when it is a python function (what judges are checked against)
+    # the spec has `tools`: without, tool calls per trajectory is 0 at every step, and tool_call_rate logged
+    # 1.0 ("no change") of a rate there is none of
+    tools: bool
 
 
 class DriverSettings(Settings):

@@ -66,7 +66,7 @@ def test_step_row_from_trajectories():
                           stop_reason="no_call", row={}, rewards=rewards, reward=c + f)
 
     w = WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
-                      judges=("judge",), verifier="correct", candidates=("fmt",))
+                      judges=("judge",), verifier="correct", candidates=("fmt",), tools=True)
     trajs = [traj(0, 0.0, 1.0, 0.9), traj(0, 0.0, 0.0, 0.8), traj(1, 1.0, 1.0, 0.1), traj(1, 1.0, 0.0, None)]
     dropped = traj(1, 0.0, 1.0, 1.0)
     dropped.dropped = "rewards.judge: missing"  # out of the loss: out of the monitors too
@@ -149,7 +149,8 @@ class _Traj:
 
 def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
-                            judges=(), verifier="correct", candidates=("fmt",)), S, stop_on=("reward_dominance",))
+                            judges=(), verifier="correct", candidates=("fmt",), tools=True), S,
+              stop_on=("reward_dominance",))
     w.evaluated(0, {"eval/accuracy": 0.0})
     batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
     m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
@@ -163,11 +164,24 @@ def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     assert EXIT_MONITOR == 4
 
 
+def test_tool_call_rate_is_not_logged_for_a_spec_without_tools():
+    """No tools: 0 calls per trajectory at every step, and the monitor logged 1.0 ("no change") of a rate
+    there is none of. With tools, the same zeros are a rate that did not change."""
+    def logged(tools: bool) -> dict[str, float]:
+        w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(),
+                                verifier="correct", candidates=(), tools=tools), S)
+        m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 0.0}
+        return [w.observe(step, [], m) for step in (1, 2, 3)][-1]
+
+    assert "monitor/tool_call_rate" not in logged(False) and "monitor/length_drift" in logged(False)
+    assert logged(True)["monitor/tool_call_rate"] == 1.0
+
+
 def test_the_final_evaluation_is_read_at_its_step():
     """The driver evaluates a step after observing its batch: with the default eval_every 0 (evaluations at
     step 0 and the last step only) train_eval_divergence must still read the last one, at the last step."""
     w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier="correct",
-                            candidates=()), S, stop_on=("train_eval_divergence",))
+                            candidates=(), tools=False), S, stop_on=("train_eval_divergence",))
     assert w.evaluated(0, {"eval/accuracy": 0.5}) == {}  # before any step: nothing to read
     for step, reward in ((1, 0.0), (2, 0.2), (3, 0.4)):  # the driver's order: observe, then (at 3) evaluate
         assert "monitor/train_eval_divergence" not in w.observe(step, [], {"reward/mean": reward})
@@ -184,7 +198,7 @@ def test_a_resumed_watch_reads_the_history_an_uninterrupted_one_does():
     warn again of a monitor that fired before the checkpoint."""
     def watch():
         return Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
-                                   judges=(), verifier="correct", candidates=("fmt",)), S)
+                                   judges=(), verifier="correct", candidates=("fmt",), tools=True), S)
 
     batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
     m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}

@@ -1019,7 +1019,8 @@ def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | Non
     return WatchSettings(task_metric=task_metric, task_node=task_node, weights=weights,
                          candidates=tuple(sorted(n for n in weights if not reads_task(n))),
                          judges=tuple(n for n, v in spec.rewards.items() if isinstance(v, JudgeNode)),
-                         verifier=task_node if isinstance(spec.rewards.get(task_node or ""), FnNode) else None)
+                         verifier=task_node if isinstance(spec.rewards.get(task_node or ""), FnNode) else None,
+                         tools=bool(spec.tools))
 
 
 def _check_stop_on(spec: Spec, r: _Report, metrics: Mapping[str, str], train_node: str | None) -> None:
