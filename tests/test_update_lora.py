@@ -118,3 +118,18 @@ def test_export_adapter_of_a_full_weight_run_is_refused(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     assert cli.main(["export", str(tmp_path), "--adapter", "--out", str(tmp_path / "o")]) == 2
     assert "holds full weights (the run trained no LoRA adapters)" in capsys.readouterr().err
+
+
+def test_export_adapter_names_the_base_model_to_load(tmp_path, capsys):
+    """The usage line said `from_pretrained(BASE)`: the base model is the folder the adapter's config names."""
+    import json
+
+    adapter = tmp_path / "step_1" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/tiny-qwen3-v2"}))
+    (adapter / "tokenizer_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    out = tmp_path / "o"
+    assert cli.main(["export", str(tmp_path / "step_1"), "--adapter", "--out", str(out)]) == 0
+    assert (f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('/models/tiny-qwen3-v2'), "
+            f"{str(out)!r})") in capsys.readouterr().out

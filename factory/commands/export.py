@@ -135,11 +135,23 @@ def merge_adapters(adapter: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)
 
 
+def adapter_usage(out: Path) -> str:
+    """How to load an exported adapter folder, with the base model its adapter_config.json names: the folder
+    the learner loaded (a `factory:` asset or a hub id as its folder on disk), which from_pretrained takes as
+    it is; the spec's `model.path` may not be (`factory:tiny-qwen3`)."""
+    import json
+
+    base = json.loads((out / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        return (f"  peft: {out / 'adapter_config.json'} names no base model: load the model the run trained "
+                f"(its model.path), then PeftModel.from_pretrained(model, {str(out)!r})")
+    return f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})"
+
+
 def main(args) -> int:
     source = export(args.run, args.out, args.step, args.uri, adapter=args.adapter)
     if args.adapter:
-        print(f"exported {source} -> {args.out}\n"
-              f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {str(args.out)!r})")
+        print(f"exported {source} -> {args.out}\n{adapter_usage(Path(args.out))}")
         return 0
     merged = " (LoRA adapters merged into the base weights)" if source.name == ADAPTER else ""
     print(f"exported {source} -> {args.out}{merged}\n"
