@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from factory.compiler.errors import SpecErrors
     from factory.runtime.resume import ResumeError
     from factory.tracking.tracker import RunLookupError
+    from factory.util import UserError
 
 __all__ = ["load", "compile", "run", "diff", "runs", "evaluate", "SpecErrors", "RunLookupError", "ResumeError",
-           "__version__"]
+           "UserError", "__version__"]
 
 _API = {"load": "load_spec", "compile": "compile_plan", "run": "run", "diff": "diff", "runs": "runs",
         "evaluate": "evaluate"}
@@ -45,6 +46,10 @@ def __getattr__(name: str) -> Any:
         from factory.tracking.tracker import RunLookupError
 
         return RunLookupError
+    if name == "UserError":
+        from factory.util import UserError
+
+        return UserError
     if name == "__version__":
         from factory.util import version
 

@@ -165,8 +165,10 @@ def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monk
     """It was said after the model had been found and, for a LoRA checkpoint, merged (minutes for a large
     model), without what to do."""
     from factory.commands import api
-    from factory.util import UserError
+    from factory.util import UserError as raised
 
+    UserError = factory.UserError  # what a caller catches: it was not exported from `factory`
+    assert UserError is raised and issubclass(factory.ResumeError, UserError) and "UserError" in dir(factory)
     monkeypatch.chdir(REPO)
 
     def found(*args, **kwargs):
