@@ -74,8 +74,8 @@ class Contract:
     # `tool_listing()`: the tools offered to the model as the started servers list them (hashed into the
     # run's plan).
     lists_tools: bool = False
-    # `take_recording()` / `replay(rows, on_miss)`: the tool calls recorded since the last take, for the
-    # run's tables; a recorded run's calls to answer from (factory.tools.recording).
+    # `take_recording()`: the tool calls recorded since the last take, for the run's tables, and the calls a
+    # replay could not answer (factory.tools.recording); the recording to replay comes in its settings.
     records_tools: bool = False
     # The stage may serve its callers from inside their own process (an I/O stage, no model of its own):
     # `factory rescore` and the agent server then run it there instead of as a Ray actor.
@@ -84,7 +84,7 @@ class Contract:
     FLAGS: ClassVar[dict[str, tuple[str, ...]]] = {
         "world": ("address",), "progress": ("progress",), "state": ("state", "restore"),
         "checkpoint": ("save_checkpoint", "load_checkpoint"), "lists_tools": ("tool_listing",),
-        "records_tools": ("take_recording", "replay")}
+        "records_tools": ("take_recording",)}
 
     def call(self, method: str) -> Call:
         """How `method` is dispatched: as declared in `calls`; a method a flag promises reaches every

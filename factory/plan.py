@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from factory.presets import Algorithm
 from factory.schema import (
@@ -100,10 +100,26 @@ class RolloutSettings(Settings):
         return [self.model.path]
 
 
+class Replayed(BaseModel):
+    """A recorded run's tool calls, which answer this run's (`replay.run`; factory.tools.recording.Replay)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str  # the recorded run, as `replay.run` names it
+    rows: list[dict[str, Any]]  # its tool_calls tables, in order
+    # what its servers offered (its tools.json): with on_miss fail, the tools offered here without a server
+    # started; None: the run saved none
+    listing: dict[str, list[dict[str, Any]]] | None
+    on_miss: str  # replay.on_miss
+
+
 class ToolsSettings(Settings):
     tools: dict[str, ToolSpec]
     base_dir: str
     record: bool = True  # tracking.record_tools: keep every call for the run's tool_calls tables
+    # the recording to answer from, read from the store when the run starts (factory.runtime.replay): not
+    # compiled, so not part of the plan that is shown, hashed and logged
+    replay: Replayed | None = Field(default=None, exclude=True)
 
 
 class RewardSettings(Settings):

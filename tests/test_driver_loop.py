@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 import factory
+from factory.compiler.compile import plan_json
 from factory.contract import Contract
+from factory.plan import Replayed
 from factory.runtime import driver
 from factory.runtime.resume import Resume
 from factory.tools.recording import ReplayMiss
@@ -32,7 +34,7 @@ class World:
     eval_metric: list[float] = field(default_factory=list)  # what each evaluation returns, in turn
     miss_at: int | None = None  # the step whose rollout a replay cannot answer
     rewards: list[float] = field(default_factory=list)  # each step's reward/mean, in turn
-    replayed: list[Any] = field(default_factory=list)  # what the tools stage was told to replay
+    replayed: Any = None  # the recording the tools stage was placed with (its settings' `replay`)
     ended: list[str] = field(default_factory=list)  # the tracked run's end status
     listing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the tools stage's tool_listing
 
@@ -42,9 +44,6 @@ class FakeGroup:
         self.world, self.contract, self.info = world, contract, [{}]
 
     def call(self, method: str, *args: Any) -> Any:
-        if method == "replay":
-            self.world.replayed = list(args)
-            return None
         if method == "take_recording":
             taken = {"rows": [{"origin": o} for o in self.world.made], "misses": self.world.misses}
             self.world.made, self.world.misses = [], []
@@ -87,6 +86,14 @@ class FakeTracker:
 
     def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
         return [{"origin": "eval/0/0/0/0/0/0", "from": run_id}]
+
+    def artifacts(self, run_id: str, folder: str = "") -> list[str]:
+        return ["plan.json", "tools.json"]
+
+    def download(self, run_id: str, path: str, into: Any) -> Path:
+        assert path == "tools.json"
+        (Path(into) / path).write_text('{"calc": [{"name": "calculate", "inputSchema": {"type": "object"}}]}')
+        return Path(into) / path
 
     def start_run(self, plan: Any, *a: Any, **k: Any) -> Any:
         return plan
@@ -218,13 +225,17 @@ def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch)
 
     @contextlib.contextmanager
     def placed(plan: Any, display: Any, startup: Any):
+        world.replayed = plan.stage("tools").settings.replay
         yield fake_groups(world, plan), None
 
     monkeypatch.setattr(driver, "placed", placed)
     monkeypatch.setattr(driver, "evaluate", lambda g, plan, display, step: ({"eval/accuracy": 0.5}, []))
     monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: FakeTracker(world))
     result = driver.evaluate_only(plan, 4)
-    assert world.replayed == [[{"origin": "eval/0/0/0/0/0/0", "from": "old-id"}], "live"]
+    assert world.replayed == Replayed(run="old", rows=[{"origin": "eval/0/0/0/0/0/0", "from": "old-id"}],
+                                      listing={"calc": [{"name": "calculate", "inputSchema": {"type": "object"}}]},
+                                      on_miss="live")
+    assert plan_json(driver.replaying(plan, world.replayed)) == plan_json(plan)  # read at run time: not logged
     assert result.metrics == {"eval/accuracy": 0.5} and world.metrics == {4: {"eval/accuracy": 0.5}}
     assert world.ended == ["FINISHED"]
 

@@ -65,6 +65,55 @@ def test_a_tool_server_that_cannot_start_is_a_stage_that_did_not_start(monkeypat
         asyncio.run(start())
 
 
+def test_a_replayed_rescore_starts_no_tool_server_and_stops_at_a_miss(monkeypatch):
+    """`factory rescore RUN --replay RUN` answers the tool nodes' calls from RUN's recording: its tool server may
+    be down or gone. A call the recording lacks stops the rescore (replay.on_miss: fail), naming the step."""
+    import asyncio
+    import contextlib
+    from pathlib import Path
+
+    import yaml
+
+    import factory
+    import factory.commands.rescore as rescore
+    import factory.runtime.local as local
+    from factory.plan import Replayed
+    from factory.runtime.replay import replaying
+    from factory.tools.recording import ReplayMiss, canonical
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["tools"] = {"calc": {"command": "python", "args": ["-m", "factory.examples.no_such_server"]}}
+    listing = {"calc": [{"name": "calculate", "offered_as": "calculate", "description": "",
+                         "inputSchema": {"type": "object"}}]}
+    row = {"origin": "", "server": "calc", "tool": "calculate", "arguments": canonical({"expression": "2+3"}),
+           "text": "5", "status": "ok", "error_kind": None, "latency_s": 0.1, "source": "live"}
+    plan = replaying(factory.compile(data, ["replay.run=old"]),
+                     Replayed(run="old", rows=[row], listing=listing, on_miss="fail"))
+
+    class Scorer:  # the reward stage, calling the tools stage as a tool node does
+        async def score(self, trajs, *, step=0, attempt=0):
+            got = [await tools.call(ToolCall("calculate", {"expression": e}, raw="")) for e in trajs]
+            return trajs, {"reward/mean": float(sum(r.text == "5" for r in got))}
+
+    @contextlib.asynccontextmanager
+    async def stages(plan, names, remote):
+        nonlocal tools
+        async with real_stages(plan, [n for n in names if n == "tools"], remote) as started:
+            tools = started["tools"]
+            yield {**started, "reward": Scorer()}
+
+    tools, real_stages = None, local.local_stages
+    monkeypatch.setattr(rescore, "scorer", lambda plan: "reward")
+    monkeypatch.setattr(local, "callees", lambda plan, name: ["tools"])
+    monkeypatch.setattr(local, "local_stages", stages)
+    assert asyncio.run(rescore._score_all(plan, {("train", 1): ["2+3"]}, {})) == {("train", 1): {"reward/mean": 1.0}}
+    with pytest.raises(ReplayMiss, match=r"^step 2 evaluation: the recording of run old has no answer for 1 tool "
+                                         r'calls, first calculate\(\{"expression":"1\+1"\}\) at a reward node'):
+        asyncio.run(rescore._score_all(plan, {("eval", 2): ["1+1"]}, {}))
+
+
 def test_steps_syntax():
     assert parse_steps("1,3-5, 9") == {1, 3, 4, 5, 9}
     for bad in ("1,,2", "5-3", "x"):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from factory.schema import PythonTool
+from factory.schema import PythonTool, StdioServer
 from factory.tools.recording import Replay, ToolCache, canonical
-from factory.tools.toolbox import ToolBox
+from factory.tools.toolbox import ToolBox, ToolStartError
 from factory.types import ToolCall
 from tests.tool_servers import drifting
 
@@ -81,6 +81,48 @@ def test_calls_without_an_origin_take_the_recorded_answers_in_order():
     box.replay = Replay(rows, "fail")
     got = asyncio.run(_calls(box, [call("1+1"), call("1+1"), call("1+1")]))
     assert [r.text for r in got[:2]] == ["2 [recorded 1]", "2 [recorded 2]"] and got[2].error_kind == "replay_miss"
+
+
+GONE = {"calc": StdioServer(command=sys.executable, args=["-m", "factory.examples.no_such_server"])}
+CALC_LISTING = {"calc": [{"name": "calculate", "offered_as": "calculate", "description": "Evaluate arithmetic.",
+                          "inputSchema": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                          "required": ["expression"]}}]}
+RECORDED = [{"origin": "train/1/0/0/0/0/0", "server": "calc", "tool": "calculate",
+             "arguments": canonical({"expression": "2+3"}), "text": "5 [recorded]", "status": "ok", "error_kind": None,
+             "latency_s": 0.1, "source": "live"}]
+
+
+def test_a_replay_that_fails_on_a_miss_starts_no_server():
+    """A run whose tool server is down or gone can be replayed: under on_miss fail no call reaches a server, so
+    none is started; the tools are offered as the recorded run listed them, and their schemas still check calls."""
+    box = ToolBox.from_spec(GONE, base_dir=REPO)
+    box.replay = Replay(RECORDED, "fail", CALC_LISTING)
+    got = asyncio.run(_calls(box, [call("2+3", "train/1/0/0/0/0/0"), call("2+3", "train/2/0/0/0/0/0"),
+                                   ToolCall("calculate", {"expr": "1"}, raw="", origin="train/3/0/0/0/0/0")]))
+    assert [(r.text, r.status, r.error_kind) for r in got[:2]] == [
+        ("5 [recorded]", "ok", None),
+        ("Error: the replayed run has no answer for this call to calculate.", "infra_error", "replay_miss")]
+    assert got[2].error_kind == "bad_arguments"
+    assert box.tool_listing() == CALC_LISTING and box.schemas()[0]["function"]["name"] == "calculate"
+    # on_miss live calls the tools for what the recording lacks: the servers are started, and this one cannot be
+    live = ToolBox.from_spec(GONE, base_dir=REPO)
+    live.replay = Replay(RECORDED, "live", CALC_LISTING)
+    with pytest.raises(ToolStartError, match="calc: tool server 'calc' failed to start"):
+        asyncio.run(live.start())
+
+
+def test_a_replay_without_a_server_names_what_the_recording_cannot_offer():
+    added = ToolBox.from_spec({**GONE, "search": StdioServer(command="search-server")}, base_dir=REPO)
+    added.replay = Replay(RECORDED, "fail", CALC_LISTING)
+    with pytest.raises(ToolStartError, match=r"^search: the replayed run had no tool server of this name, so its "
+                                             r"tools are not known without starting it; remove it from the spec, or "
+                                             r"set replay.on_miss=live"):
+        asyncio.run(added.start())
+    narrowed = ToolBox.from_spec({"calc": GONE["calc"].model_copy(update={"allowed_tools": ["solve"]})}, base_dir=REPO)
+    narrowed.replay = Replay(RECORDED, "fail", CALC_LISTING)
+    with pytest.raises(ToolStartError, match=r"^calc: allowed_tools names unknown tool\(s\) \['solve'\]; the "
+                                             r"replayed run's server offered: calculate$"):
+        asyncio.run(narrowed.start())
 
 
 def test_malformed_calls_are_answered_live_not_replayed():

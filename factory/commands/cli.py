@@ -107,6 +107,9 @@ def _export(args: argparse.Namespace) -> int:
 def _rescore(args: argparse.Namespace) -> int:
     from factory.commands.rescore import main as rescore_main
 
+    if args.replay is not None:  # as `factory run --replay`
+        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
+
     return rescore_main(args)
 
 
@@ -284,6 +287,9 @@ def parser() -> argparse.ArgumentParser:
                     help="only these steps, e.g. 1,3-5 (default: all saved)")
     rs.add_argument("--uri", default=None, help="MLflow tracking URI (default: the spec's, $MLFLOW_TRACKING_URI "
                                                 "or sqlite:///mlflow.db)")
+    rs.add_argument("--replay", default=None, metavar="RUN",
+                    help="answer the tool reward nodes' calls from RUN's recorded calls (often RUN itself) instead "
+                         "of starting the tool servers (= replay.run=RUN)")
     rs.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dot-list overrides of the spec")
     rs.set_defaults(func=_rescore)
 

@@ -105,15 +105,26 @@ def scorer(plan: Plan) -> str:
 async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]],
                      placed: dict[str, Any]) -> dict[tuple[str, int], dict]:
     """The plan's scoring stage in this process with the callees that may run inline (tool servers), calling
-    the `placed` ones (local judge models on Ray: stage name -> actor) along the plan's call edges."""
-    from factory.runtime.local import callees, local_stages
+    the `placed` ones (local judge models on Ray: stage name -> actor) along the plan's call edges. Under a
+    replay with `on_miss: fail` a batch whose tool calls the recording could not answer stops the rescore,
+    as it stops a run."""
+    from factory.runtime.local import callees, local_stages, records_tools
+    from factory.runtime.replay import miss_error
 
     name = scorer(plan)
-    here = [c for c in callees(plan, name) if c not in placed] + [name]
-    async with local_stages(plan, here, remote=placed) as stages:
+    inline = [c for c in callees(plan, name) if c not in placed]
+    recorders = [c for c in inline if records_tools(plan, c)]
+    out = {}
+    async with local_stages(plan, [*inline, name], remote=placed) as stages:
         # each batch under its own step: the stage warns once per node and step, naming the step
-        return {(split, step): (await stages[name].score(trajs, step=step))[1]
-                for (split, step), trajs in batches.items()}
+        for (split, step), trajs in batches.items():
+            out[(split, step)] = (await stages[name].score(trajs, step=step))[1]
+            for recorder in recorders:
+                misses = (await stages[recorder].take_recording())["misses"]
+                if misses and plan.driver.replay.on_miss == "fail":
+                    raise miss_error(misses, f"step {step}" + (" evaluation" if split == "eval" else ""),
+                                     plan.driver.replay.run)
+    return out
 
 
 def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
@@ -128,6 +139,9 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     run_id = old.run_id  # as given: an id, an id prefix or a run name
     tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
     batches = _load(tracker, run_id, steps)
+    from factory.runtime.replay import recorded_tool_calls, replaying
+
+    plan = replaying(plan, recorded_tool_calls(store, plan))  # replay.run: the tool nodes' calls answered from it
     notes = []
     per_step = _int(old.params.get("train.prompts_per_step")) * _int(old.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():

@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from factory.contract import Contract, peers_of
-from factory.plan import ClusterSettings, Edge, Plan, Stage, StreamPart
+from factory.plan import ClusterSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, ray_starts_sessions, reap_orphans, sigterm_heard,
                                        sigterm_interrupts, sigterm_restored)
+from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
 from factory.util import import_object
@@ -770,38 +771,13 @@ def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]
     taken right after it: its `tool_calls` table). A replay that could not answer some of them stops the run
     here under `replay.on_miss: fail` (factory.tools.recording), before the step is checked or trained on
     the errors the misses answered."""
-    from factory.tools.recording import ReplayMiss
-
     rows: list[dict[str, Any]] = []
     for group in (x for x in g.values() if x.contract.records_tools):
         taken = group.call("take_recording")
         rows += taken["rows"]
         if taken["misses"] and plan.driver.replay.on_miss == "fail":
-            raise ReplayMiss(f"{made_in}: the recording of run {plan.driver.replay.run} has no answer for "
-                             f"{len(taken['misses'])} tool calls, first {taken['misses'][0]}: this run went "
-                             "elsewhere (a changed spec, model or data); replay.on_miss=live calls the tools instead")
+            raise miss_error(taken["misses"], made_in, plan.driver.replay.run)
     return rows
-
-
-def recorded_tool_calls(tracker: Tracker, plan: Plan) -> list[dict[str, Any]] | None:
-    """The tool calls recorded by the run `replay.run` names (None: no replay). Read before any stage is
-    placed, so that a run that cannot be replayed (none by that name, none recorded) fails in seconds."""
-    from factory.util import UserError
-
-    if not plan.driver.replay.run:
-        return None
-    run = tracker.run(plan.driver.replay.run)
-    rows = tracker.tool_calls(run.run_id)
-    if not rows:
-        raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
-                        "was off, or it made none)")
-    return rows
-
-
-def replay_tools(g: Groups, rows: list[dict[str, Any]], plan: Plan) -> None:
-    """Hand the recorded tool calls (`recorded_tool_calls`) to the stages that record tool calls."""
-    for group in (x for x in g.values() if x.contract.records_tools):
-        group.call("replay", rows, plan.driver.replay.on_miss)
 
 
 def heed(watch: Watch, step: int, display: Any, tracker: Tracker) -> None:
@@ -851,7 +827,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
         placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
         return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement})
 
-    with display, placed(plan, display, startup) as (groups, record):
+    with display, placed(replaying(plan, replayed), display, startup) as (groups, record):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             startup.lap("tracking")
             display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
@@ -943,14 +919,14 @@ class OpenedRun:
 @contextlib.contextmanager
 def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
                start: Callable[[dict[str, Any], dict[str, Any]], Plan],
-               replayed: list[dict[str, Any]] | None) -> Iterator[OpenedRun]:
-    """The tracked run of the placed `groups`, for `factory run` and `factory eval` alike: the tool calls
-    `replayed` (`recorded_tool_calls`, None: no replay) handed to the stages, then `start(tool listing, what
-    each stage resolved)` opens it. It ends with the block: FAILED
+               replayed: Replayed | None) -> Iterator[OpenedRun]:
+    """The tracked run of the placed `groups`, for `factory run` and `factory eval` alike (`replayed`: the
+    recording the stages were placed with, `factory.runtime.replay`; None: no replay): `start(tool listing,
+    what each stage resolved)` opens it. It ends with the block: FAILED
     when it raised, KILLED on Ctrl-C, else the status the block set."""
     from factory.compiler.compile import shared_tools
 
-    d, status = plan.driver, "FAILED"
+    status = "FAILED"
     try:
         listing = next((g.call("tool_listing") for g in groups.values() if g.contract.lists_tools), {})
         for _, said in shared_tools({server: [t["name"] for t in tools] for server, tools in listing.items()}):
@@ -958,9 +934,9 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
         # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
         resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
         if replayed is not None:
-            replay_tools(groups, replayed, plan)
-            display.status(f"tool calls answered from run {d.replay.run}'s recording (replay.on_miss: "
-                           f"{d.replay.on_miss})")
+            alone = replayed.on_miss == "fail" and replayed.listing is not None  # (factory.tools.recording)
+            display.status(f"tool calls answered from run {replayed.run}'s recording (replay.on_miss: "
+                           f"{replayed.on_miss}{'; no tool server started' if alone else ''})")
         opened = OpenedRun(start(listing, resolved))
         yield opened
         status = opened.status
@@ -998,7 +974,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
         return tracker.start_run(plan, listing, {"resolved": resolved},
                                  extra_tags={"factory.kind": "eval", **(tags or {})})
 
-    with display, placed(eval_stages(plan), display, Startup()) as (groups, _):
+    with display, placed(eval_stages(replaying(plan, replayed)), display, Startup()) as (groups, _):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             display.status(f"MLflow run {tracker.run_id}; evaluating")
             metrics, trajs = evaluate(groups, opened.plan, display, step)

@@ -33,6 +33,11 @@ def runs_inline(plan: Plan, name: str) -> bool:
     return import_object(plan.stage(name).cls).CONTRACT.inline
 
 
+def records_tools(plan: Plan, name: str) -> bool:
+    """Whether the stage answers tool calls, and so keeps what a replay could not answer (`take_recording`)."""
+    return import_object(plan.stage(name).cls).CONTRACT.records_tools
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 

@@ -11,7 +11,9 @@ is reached).
   origin (a reward node's) takes the next unused row of the same tool and arguments. A call the recording
   does not hold is a miss: `replay.on_miss: live` calls the tool, `fail` answers an infrastructure error
   (`replay_miss`) and the driver stops the run as soon as the step's rollout (or evaluation) ends, before
-  the step is trained on, naming the first miss.
+  the step is trained on, naming the first miss. Under `fail` no call reaches a server, so none is
+  started: the tools are offered as the recorded run's servers listed them (its `tools.json`), and a run
+  whose server is down or gone can still be replayed.
 - Cache (`tools.<server>.cache: true`): the answers of a deterministic tool, kept across runs in a sqlite
   file, keyed by (server, tool, the tool's schema hash, the arguments). Infrastructure failures are never
   kept.
@@ -67,10 +69,14 @@ class Recorder:
 
 
 class Replay:
-    """A recording's rows, answering calls (see the module doc). `misses` lists what it could not answer."""
+    """A recording's rows, answering calls (see the module doc). `misses` lists what it could not answer.
+    `listing`: server -> the tools the recorded run offered ({name, description, inputSchema}); None: not
+    known (a run that saved none), and the servers must be started to list them."""
 
-    def __init__(self, rows: list[dict[str, Any]], on_miss: str):
+    def __init__(self, rows: list[dict[str, Any]], on_miss: str,
+                 listing: dict[str, list[dict[str, Any]]] | None = None):
         self.on_miss = on_miss
+        self.listing = listing
         self.by_origin = {r["origin"]: r for r in rows if r["origin"]}
         self.in_order: dict[tuple[str, str, str], deque[dict[str, Any]]] = defaultdict(deque)
         for r in rows:
@@ -78,6 +84,11 @@ class Replay:
                 self.in_order[(r["server"], r["tool"], r["arguments"])].append(r)
         self.misses: list[str] = []
         self.served = 0
+
+    def needs_no_server(self) -> bool:
+        """Whether every call is answered from the recording or fails as a miss, and the tools to offer are
+        known without asking the servers: then none is started."""
+        return self.on_miss == "fail" and self.listing is not None
 
     def answer(self, call: ToolCall, server: str, tool: str) -> ToolResult | None:
         """The recorded result of `call`, or None (a miss, noted in `misses`)."""

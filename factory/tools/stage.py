@@ -31,9 +31,13 @@ class ToolsStage(StageActor):
 
         from factory.tools.toolbox import ToolBox
 
+        from factory.tools.recording import Replay
+
         enter_workdir((placement or Placement()).workdir)
         self.box = ToolBox.from_spec(self.settings.tools, base_dir=Path(self.settings.base_dir),
                                      record=self.settings.record)
+        if (replayed := self.settings.replay) is not None:  # before start: a replay may need no server
+            self.box.replay = Replay(replayed.rows, replayed.on_miss, replayed.listing)
         await self.box.start()
         return {"node": node_id(), "tools": [s["function"]["name"] for s in self.box.schemas()]}
 
@@ -56,12 +60,6 @@ class ToolsStage(StageActor):
         if self.box.replay is not None:
             self.box.replay.misses = []
         return {"rows": rows, "misses": misses}
-
-    async def replay(self, rows: list[dict[str, Any]], on_miss: str) -> None:
-        """Answer calls from a recorded run's rows from now on (factory.tools.recording.Replay)."""
-        from factory.tools.recording import Replay
-
-        self.box.replay = Replay(rows, on_miss)
 
     async def server_events(self) -> dict[str, dict[str, int]]:
         """Restarts and circuit opens since the last ask (callers count their own calls)."""

@@ -109,6 +109,10 @@ class ToolBox:
         """
         if self._running:
             return
+        if self.replay is not None and self.replay.needs_no_server():
+            self._offer(recorded_listings(self._specs, self.replay.listing or {}))
+            self._running = True
+            return
         # Fresh backends at each start: their locks and sessions belong to the loop that starts them.
         self._backends = {name: self._make_backend(name, spec) for name, spec in self._specs.items()}
         names = list(self._backends)
@@ -117,9 +121,7 @@ class ToolBox:
         try:
             if failures:
                 raise ToolStartError("; ".join(f"{n}: {e}" for n, e in failures)) from failures[0][1]
-            self._entries = offered_tools(self._listings())
-            self._routes = routes(self._entries)
-            self._validators = {e.offered: compile_validator(e) for e in self._entries}
+            self._offer(self._listings())
         except BaseException:
             await self._close_backends()
             raise
@@ -146,25 +148,21 @@ class ToolBox:
         await self.close()
 
     # -------------------------------------------------------------------------------------- listing
-    def _listings(self) -> dict[str, list[tuple[str, str, dict[str, Any]]]]:
+    def _offer(self, listings: Mapping[str, list[Listed]]) -> None:
+        self._entries = offered_tools(listings)
+        self._routes = routes(self._entries)
+        self._validators = {e.offered: compile_validator(e) for e in self._entries}
+
+    def _listings(self) -> dict[str, list[Listed]]:
         """server -> [(tool, description, inputSchema)] of the allowed tools, checking allowed_tools."""
-        out: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+        out: dict[str, list[Listed]] = {}
         for name, backend in self._backends.items():
             if isinstance(backend, PythonFunction):
                 fn = backend.schema["function"]
                 tools = [(name, fn.get("description") or "", fn["parameters"])]
             else:
                 tools = [(t.name, t.description or "", t.input_schema) for t in backend.tools]
-            allowed = backend.spec.allowed_tools
-            if allowed is not None:
-                missing = sorted(set(allowed) - {t[0] for t in tools})
-                if missing:
-                    have = ", ".join(t[0] for t in tools)
-                    raise ToolStartError(
-                        f"{name}: allowed_tools names unknown tool(s) {missing}; the server has: {have}"
-                    )
-                tools = [t for t in tools if t[0] in allowed]
-            out[name] = tools
+            out[name] = allowed_only(name, tools, backend.spec.allowed_tools, "the server has")
         return out
 
     def schemas(self) -> list[dict[str, Any]]:
@@ -179,7 +177,7 @@ class ToolBox:
 
     def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
         """server -> [{name, offered_as, description, inputSchema}] of the offered tools (for check and the Plan)."""
-        listing: dict[str, list[dict[str, Any]]] = {name: [] for name in self._backends}
+        listing: dict[str, list[dict[str, Any]]] = {name: [] for name in self._specs}
         for e in self._entries:
             listing[e.server].append(
                 {"name": e.tool, "offered_as": e.offered, "description": e.description, "inputSchema": e.input_schema}
@@ -285,6 +283,36 @@ class ToolStartError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ pure helpers
+Listed = tuple[str, str, dict[str, Any]]  # a tool as a server lists it: (name, description, inputSchema)
+
+
+def allowed_only(server: str, tools: list[Listed], allowed: list[str] | None, listed_by: str) -> list[Listed]:
+    """The tools `allowed_tools` keeps (all when it is unset); it must name only tools that are there."""
+    if allowed is None:
+        return tools
+    missing = sorted(set(allowed) - {t[0] for t in tools})
+    if missing:
+        have = ", ".join(t[0] for t in tools)
+        raise ToolStartError(f"{server}: allowed_tools names unknown tool(s) {missing}; {listed_by}: {have}")
+    return [t for t in tools if t[0] in allowed]
+
+
+def recorded_listings(specs: Mapping[str, ToolSpec],
+                      listing: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[Listed]]:
+    """The spec's servers' tools as a recorded run's servers listed them (its `tools.json`, the tools it
+    offered): what a replay that starts no server offers. A server the recording has no listing of (one
+    added since) cannot be offered without starting it."""
+    out: dict[str, list[Listed]] = {}
+    for name, spec in specs.items():
+        if name not in listing:
+            raise ToolStartError(
+                f"{name}: the replayed run had no tool server of this name, so its tools are not known without "
+                "starting it; remove it from the spec, or set replay.on_miss=live to start the servers and call "
+                "the tools for what the recording does not hold")
+        tools = [(t["name"], t.get("description") or "", t["inputSchema"]) for t in listing[name]]
+        out[name] = allowed_only(name, tools, spec.allowed_tools, "the replayed run's server offered")
+    return out
+
 def qualified_name(server: str, tool: str) -> str:
     """The name that always reaches `tool` of `server`, whether or not its bare name is unique."""
     return f"{server}{TOOL_QUALIFIER}{tool}"

@@ -1,0 +1,54 @@
+"""Replay (`replay.run`): the recorded run's tool calls read from the store and handed to the stages that
+answer tool calls, before any is placed (factory.tools.recording says how they answer). `factory run`,
+`factory eval` and `factory rescore` replay alike."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from typing import Any
+
+from factory.plan import Plan, Replayed, ToolsSettings
+from factory.tools.recording import ReplayMiss
+from factory.tracking.tracker import Tracker
+from factory.util import UserError
+
+
+def recorded_tool_calls(tracker: Tracker, plan: Plan) -> Replayed | None:
+    """The tool calls recorded by the run `replay.run` names, and the tools it offered (None: no replay).
+    Read before any stage is placed, so that a run that cannot be replayed (none by that name, none
+    recorded) fails in seconds."""
+    replay = plan.driver.replay
+    if not replay.run:
+        return None
+    run = tracker.run(replay.run)
+    rows = tracker.tool_calls(run.run_id)
+    if not rows:
+        raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
+                        "was off, or it made none)")
+    return Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id), on_miss=replay.on_miss)
+
+
+def _tool_listing(tracker: Tracker, run_id: str) -> dict[str, list[dict[str, Any]]] | None:
+    """The tools the run's servers offered (its `tools.json`); None where it saved none."""
+    if "tools.json" not in tracker.artifacts(run_id):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return json.loads(tracker.download(run_id, "tools.json", tmp).read_text())
+
+
+def replaying(plan: Plan, replayed: Replayed | None) -> Plan:
+    """The plan whose tools stage answers from `replayed` (unchanged when None). Handed to the stage at its
+    construction, not after: under `replay.on_miss: fail` it starts no tool server at all."""
+    if replayed is None:
+        return plan
+    stages = tuple(dataclasses.replace(s, settings=s.settings.model_copy(update={"replay": replayed}))
+                   if isinstance(s.settings, ToolsSettings) else s for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def miss_error(misses: list[str], made_in: str, run: str | None) -> ReplayMiss:
+    """What stops a replay under `replay.on_miss: fail` once the calls made in `made_in` had `misses`."""
+    return ReplayMiss(f"{made_in}: the recording of run {run} has no answer for {len(misses)} tool calls, first "
+                      f"{misses[0]}: this run went elsewhere (a changed spec, model or data); replay.on_miss=live "
+                      "calls the tools instead")
