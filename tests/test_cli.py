@@ -173,7 +173,8 @@ def test_two_servers_with_one_tool_name_are_a_warning_and_a_qualifier_in_a_name_
     assert "tools: calc__calculate); calc2 (stdio: python -m factory.examples.calculator; tools: calc2__calculate)" \
         in captured.out
     assert cli.main(["check", path, "--connect", "tools.calc2.allowed_tools=[]"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "2 servers offer" not in said and "tools.calc2.allowed_tools: warning: an empty list" in said
     assert cli.main(["check", path, "tools.my__calc=" + calc]) == 2
     assert capsys.readouterr().err.startswith("<override 1>: tools.my__calc: a tool server name must not contain '__'")
 

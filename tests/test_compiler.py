@@ -323,6 +323,18 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
                                                "rc-no-such --stdio"]
 
 
+def test_an_empty_allowed_tools_is_a_warning_naming_the_fix(project):
+    # The server was started and offered the model nothing, without a word.
+    path = project.spec(_base(project, "rc_allow") + "tools:\n  calc: {command: python, args: [-m, "
+                        "factory.examples.calculator], allowed_tools: []}\n")
+    assert [str(w) for w in compile_file(path)[1].warnings] == [
+        "spec.yaml:10: tools.calc.allowed_tools: warning: an empty list offers none of the server's tools: remove "
+        "tools.calc, or list the tools to offer (unset: all of them)"]
+    unset = project.spec(_base(project, "rc_allow2") + "tools:\n  calc: {command: python, args: [-m, "
+                         "factory.examples.calculator]}\n", "b.yaml")
+    assert compile_file(unset)[1].warnings == ()
+
+
 def test_a_python_tool_that_cannot_be_described_is_an_error_before_ray_starts(project):
     # The ToolBox makes its schema as the tools stage starts: the run stopped there with exit 3.
     project.module("rc_pytool", "def bare(text):\n    return text\n")

@@ -751,6 +751,10 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                                                      f"them apart, command: {program}, args: {json.dumps(words)}")
                 else:
                     r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
+        if server.allowed_tools == []:
+            # the server is started (a process, a connection) and offers nothing: the model never sees it
+            r.warn(f"tools.{name}.allowed_tools", "an empty list offers none of the server's tools: remove "
+                                                  f"tools.{name}, or list the tools to offer (unset: all of them)")
         if listing is not None and server.allowed_tools is not None and name in listing:
             have = [t["name"] for t in listing[name]]
             for i, tool in enumerate(server.allowed_tools):
