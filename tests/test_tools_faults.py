@@ -105,6 +105,46 @@ async def test_without_retries_in_flight_calls_fail_cleanly_as_crash():
         assert box.metrics()["tool_servers/faulty/restarts"] == 1
 
 
+async def test_a_crash_is_logged_with_the_last_lines_of_the_servers_stderr(caplog):
+    """Why the server died is in its stderr: the log says its last 20 lines, not the whole of it."""
+    async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"retries": 0})}) as box:
+        with caplog.at_level("WARNING", logger="factory.tools.servers"):
+            result = await box.call(call("die_saying", lines=30))
+    assert (result.status, result.error_kind) == ("infra_error", "crash")
+    said = "".join(r.getMessage() for r in caplog.records if "connection lost" in r.getMessage())
+    expected = "\n".join([*(f"stderr line {i}" for i in range(11, 30)), "RuntimeError: the index file is gone"])
+    assert said == f"tool server faulty: connection lost\n--- server stderr (last lines) ---\n{expected}"
+
+
+async def test_a_call_that_fails_with_a_plain_exception_logs_the_servers_stderr(caplog, monkeypatch):
+    """An exception the ToolBox has no class for was logged as its repr alone; what the server said is the clue."""
+    from factory.tools.connection import McpConnection
+
+    async def choke(self, name, arguments):
+        await answer(self, name, arguments)  # the server writes to its stderr
+        raise RuntimeError("the SDK choked")
+
+    answer = McpConnection.call_tool
+    async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"retries": 0})}) as box:
+        monkeypatch.setattr(McpConnection, "call_tool", choke)
+        with caplog.at_level("WARNING", logger="factory.tools.servers"):
+            result = await box.call(call("complain", text="warning: the index is stale"))
+    assert result.text == "Error: the call to complain failed (RuntimeError)."  # the model's stays short
+    assert ("tool server faulty: complain failed: RuntimeError('the SDK choked')\n--- server stderr (last lines) "
+            "---\nwarning: the index is stale") in caplog.text
+
+
+def test_the_stderr_tail_keeps_the_last_lines_within_a_bound():
+    from factory.tools.connection import last_lines
+
+    assert last_lines(b"\n".join(b"line %d" % i for i in range(30)) + b"\n\n") == "\n".join(
+        f"line {i}" for i in range(10, 30))
+    assert last_lines(b"x" * 5000 + b"END") == "x" * 1997 + "END"
+    assert last_lines(b"ine 3\nline 4", cut=True) == "line 4"  # read from inside the file: a piece of a line
+    assert last_lines(b"\xe2\x82 why", cut=True) == "\ufffd why"  # no newline: nothing to drop
+    assert last_lines(b"") == ""
+
+
 async def test_call_past_its_timeout_is_an_infra_timeout_and_blocks_nobody(box):
     before = box.metrics()
     pid = await server_pid(box)

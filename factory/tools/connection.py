@@ -32,6 +32,8 @@ from factory.schema import HttpServer, StdioServer
 log = logging.getLogger(__name__)
 
 CLIENT_INFO = mcp_types.Implementation(name="factory", version="0.1.0")
+# What an error message shows of a server's stderr: its last lines, within a bound (a traceback's end says why)
+STDERR_TAIL_LINES = 20
 STDERR_TAIL_CHARS = 2000
 
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
@@ -233,7 +235,7 @@ class McpConnection:
                 ready.set_exception(exc)
             else:
                 lost = not self._closing.is_set()
-                log.warning("tool server %s: connection ended: %s", self.label, describe(exc))
+                log.warning("tool server %s: connection ended: %s%s", self.label, describe(exc), self.stderr_tail())
         finally:
             self.session = None
             if not ready.done():  # cancelled before it was ready
@@ -257,11 +259,12 @@ class McpConnection:
             # pread, not seek+read: the server shares this file's offset and may still be writing.
             fd = self._stderr.fileno()
             size = os.fstat(fd).st_size
-            data = os.pread(fd, STDERR_TAIL_CHARS, max(0, size - STDERR_TAIL_CHARS))
+            start = max(0, size - 4 * STDERR_TAIL_CHARS)  # (UTF-8: 4 bytes a character at most)
+            data = os.pread(fd, size - start, start)
         except (OSError, ValueError):
             return ""
-        text = data.decode("utf-8", errors="replace").strip()
-        return f"\n--- server stderr (tail) ---\n{text}" if text else ""
+        text = last_lines(data, cut=start > 0)
+        return f"\n--- server stderr (last lines) ---\n{text}" if text else ""
 
     async def close(self, timeout_s: float = 15.0, keep_stderr: bool = False) -> None:
         """Shut the session and its process down (stdin closed, then SIGTERM/SIGKILL by the SDK)."""
@@ -280,6 +283,15 @@ class McpConnection:
     def _close_stderr(self) -> None:
         if self._stderr is not None and not self._stderr.closed:
             self._stderr.close()
+
+
+def last_lines(data: bytes, cut: bool = False, lines: int = STDERR_TAIL_LINES, chars: int = STDERR_TAIL_CHARS) -> str:
+    """The last `lines` lines of a server's stderr `data`, at most `chars` characters (a longer last line
+    keeps its end). `cut`: `data` starts inside the file, so its first line may be a piece of one: dropped."""
+    text = data.decode("utf-8", errors="replace")
+    if cut and "\n" in text:
+        text = text.split("\n", 1)[1]
+    return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
 
 
 def describe(exc: BaseException) -> str:

@@ -170,7 +170,8 @@ class McpServer:
         if isinstance(exc, pydantic.ValidationError):
             log.warning("tool server %s sent a malformed result for %s: %s", self.name, tool, exc)
             return infra_error(tool, "transport", f"Error: tool server {self.name!r} sent a malformed result."), True
-        log.warning("tool server %s: %s failed: %r", self.name, tool, exc)
+        # what the server said last may be why (the result the model sees stays short: no server internals)
+        log.warning("tool server %s: %s failed: %r%s", self.name, tool, exc, connection.stderr_tail())
         return infra_error(tool, "transport", f"Error: the call to {tool} failed ({type(exc).__name__})."), True
 
     def _pick(self) -> _Replica:

@@ -61,6 +61,22 @@ def die() -> str:
 
 
 @server.tool(structured_output=False)
+def die_saying(lines: int) -> str:
+    """Write `lines` numbered lines to stderr, the last one why, then exit mid-call: a crash with a cause."""
+    for i in range(1, lines):
+        print(f"stderr line {i}", file=sys.stderr)
+    print("RuntimeError: the index file is gone", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+@server.tool(structured_output=False)
+def complain(text: str) -> str:
+    """Write `text` to stderr, then answer `text`."""
+    print(text, file=sys.stderr, flush=True)
+    return text
+
+
+@server.tool(structured_output=False)
 def header(name: str, ctx: Context) -> str:
     """The value of HTTP request header `name` ('' over stdio or when absent)."""
     return (ctx.headers or {}).get(name.lower(), "")
