@@ -43,7 +43,9 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     t.prepare()
     assert MlflowClient(uri).get_experiment_by_name("exp") is not None
     Tracker(f"sqlite:///{tmp_path}/no/such/folder/m.db", "exp").prepare()  # an error is left for `start`
-    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc"}, {"plan.json": "{}"})
+    listing = {"s": [{"name": "t", "offered_as": "t", "description": "", "inputSchema": {"type": "object"}}]}
+    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc"},
+                     {"plan.json": "{}", "tools.json": json.dumps(listing)})
     t.log_metrics({"reward/mean": 0.5}, step=1)
     t.log_trajectories([_traj()], step=1)
     calls = [{"origin": f"train/1/0/0/{i}/0/0", "server": "s", "tool": "t", "arguments": "{}", "text": "x" * 5000,
@@ -55,6 +57,15 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     # the recorded tool calls (what --replay serves): whole results, in order
     assert t.artifacts(run_id, "tool_calls") == ["tool_calls/step_00001.parquet", "tool_calls/step_00003.parquet"]
     assert t.tool_calls(run_id) == calls
+    # and the tools its servers offered: a replay under on_miss fail offers them without starting a server
+    from types import SimpleNamespace
+
+    from factory.runtime.replay import recorded_tool_calls
+    from factory.schema import ReplaySpec
+
+    replay = SimpleNamespace(driver=SimpleNamespace(replay=ReplaySpec(run="r", on_miss="fail")))
+    replayed = recorded_tool_calls(t, replay)  # type: ignore[arg-type]
+    assert replayed is not None and replayed.rows == calls and replayed.listing == listing
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.data.params["train.lr"] == "1e-05" and run.data.tags["factory.spec_hash"] == "abc"
