@@ -332,6 +332,23 @@ def test_a_runs_algorithm_params_are_what_its_preset_decided(tmp_path, monkeypat
     assert plan.spec["algorithm"]["clip"] is None  # the plan (and its hash) keep the spec as written
 
 
+def test_tools_json_keeps_each_schemas_keys_in_the_order_the_server_gave_them(tmp_path, monkeypatch):
+    """The chat template writes a schema's keys into the prompt in their order; a replay offers the tools from
+    tools.json: sorted there, the replayed model was prompted with other tokens, sampled otherwise and missed the
+    recording at step 1 (tests/test_tools_recording.py::test_a_replayed_run_repeats_the_recorded_one)."""
+    from factory.compiler.compile import compile_file
+
+    _, plan = compile_file(REPO / "specs/tiny.yaml")
+    monkeypatch.chdir(tmp_path)
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "a": {"type": "string"}}, "required": ["x"]}
+    listing = {"calc": [{"name": "calculate", "offered_as": "calculate", "description": "d", "inputSchema": schema}]}
+    t = Tracker(f"sqlite:///{tmp_path}/m.db", "exp")
+    t.start_run(plan, listing)
+    t.end()
+    saved = json.loads(t.download(t.run_id, "tools.json", tmp_path).read_text())
+    assert json.dumps(saved) == json.dumps(listing)  # the same keys in the same order
+
+
 def test_runs_of_one_spec_started_in_the_same_second_get_names_of_their_own(tmp_path, monkeypatch):
     """Two runs of a spec started in one second were both `tiny-<date>-<time>`: `factory diff NAME` then
     refused the name as ambiguous. The second gets `-2`, the third `-3`, in any experiment of the store."""

@@ -350,9 +350,12 @@ class MlflowTracker:
         name = self._free_name(run_name(shown["name"]))
         # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
         params = {**shown, "algorithm": filled(shown["algorithm"], plan.algorithm), **(extra_params or {})}
+        # tools.json keeps each schema's keys in the order the server gave them, which is the order the chat
+        # template writes them into the prompt: a replay offers the tools from it (factory.tools.recording), and
+        # sorted keys gave its model other prompt tokens, so it sampled otherwise and missed the recording
         self.start(name, params, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
-                    "tools.json": json.dumps(listing, indent=2, sort_keys=True) + "\n", **(extra_artifacts or {})})
+                    "tools.json": json.dumps(listing, indent=2) + "\n", **(extra_artifacts or {})})
         # The run's own checkpoint folder (factory.update.checkpoint.run_folder), read by `factory export RUN`
         # and `--resume`; not recorded when the path came from the environment.
         # (relative to the working directory when the spec's is: the stages run there too, and the summary
