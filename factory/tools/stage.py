@@ -29,9 +29,8 @@ class ToolsStage(StageActor):
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         from pathlib import Path
 
-        from factory.tools.toolbox import ToolBox
-
         from factory.tools.recording import Replay
+        from factory.tools.toolbox import ToolBox
 
         enter_workdir((placement or Placement()).workdir)
         self.box = ToolBox.from_spec(self.settings.tools, base_dir=Path(self.settings.base_dir),

@@ -313,6 +313,7 @@ def recorded_listings(specs: Mapping[str, ToolSpec],
         out[name] = allowed_only(name, tools, spec.allowed_tools, "the replayed run's server offered")
     return out
 
+
 def qualified_name(server: str, tool: str) -> str:
     """The name that always reaches `tool` of `server`, whether or not its bare name is unique."""
     return f"{server}{TOOL_QUALIFIER}{tool}"
