@@ -185,6 +185,28 @@ def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allow
     assert "holds full weights, and this spec trains LoRA adapters" in capsys.readouterr().err
 
 
+def test_the_checkpoint_is_compared_with_the_plan_that_saved_it(store):
+    """A run resumed from its start with LoRA turned on (--allow-spec-change) saves adapters from then on: its
+    next resume with that LoRA spec was refused as "holds full weights" (its first plan's), and the full-weight
+    spec it suggested passed, then failed in DeepSpeed."""
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt = store
+    spec_f, full = compiled(ckpt)
+    spec, lora = compiled(ckpt, "model.lora.r=8")
+    run = fake_run(uri, ckpt, full, logged=1, checkpoints=(1,), experiment="switched")
+    MlflowClient(uri).log_text(run, plan_json(lora), "resumed/step_0/plan.json")  # resumed from the start
+    assert find(lora, run, uri, train=spec.train, experiment="switched",
+                allow_spec_change=True).checkpoint == "step_1"
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters \(r 8, .*this spec trains full weights"):
+        find(full, run, uri, train=spec_f.train, experiment="switched", allow_spec_change=True)
+    # a resume at step 1 saves from step 2 on: step 1's checkpoint is still the first plan's
+    later = fake_run(uri, ckpt / "later", full, logged=1, checkpoints=(1,), experiment="switched")
+    MlflowClient(uri).log_text(later, plan_json(lora), "resumed/step_1/plan.json")
+    with pytest.raises(ResumeError, match=r"holds full weights, and this spec trains LoRA adapters"):
+        find(lora, later, uri, train=spec.train, experiment="switched", allow_spec_change=True)
+
+
 def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):
     """`all-linear` and the list of every linear layer's name adapt the same modules of the model, so the
     checkpoint loads: it was refused for the different words. A list that leaves out one layer is refused."""

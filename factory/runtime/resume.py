@@ -20,6 +20,7 @@ a run with no step left to do.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +115,8 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        _refuse_other_weights(_artifact_json(tracker, run.run_id, "plan.json"), plan, run.run_id,
-                              directory / checkpoint)
+        _refuse_other_weights(_artifact_json(tracker, run.run_id, _plan_saving(tracker, run.run_id, step)), plan,
+                              run.run_id, directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
@@ -124,6 +125,17 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
                   unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)])
+
+
+def _plan_saving(tracker: Tracker, run_id: str, step: int) -> str:
+    """The plan a run ran under when it saved its checkpoint of `step`: that of its newest resume at a step
+    before it (a resume at step N logs `resumed/step_N/plan.json` and saves N + 1 on), else its first. Under
+    --allow-spec-change a resume may have turned LoRA on: its later checkpoints hold adapters, not what the
+    first plan trained."""
+    resumed = [int(m.group(1)) for path in tracker.artifacts(run_id, "resumed")
+               if (m := re.fullmatch(r"resumed/step_(\d+)", path))]
+    before = [n for n in resumed if n < step]
+    return f"resumed/step_{max(before)}/plan.json" if before else "plan.json"
 
 
 def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
