@@ -316,6 +316,19 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
     assert _errors(path) == (
         "spec.yaml:10: tools.calc.command: 'python -m factory.examples.calculator' is a program and its arguments: "
         'give them apart, command: python, args: ["-m", "factory.examples.calculator"]\n1 error in spec.yaml')
+    # the args it already has come after the ones split off; quotes keep a word whole; a relative program is
+    # found from the spec's folder; an empty command is said to be one (it stopped the compiler: a ValueError)
+    (project.root / "serve.sh").write_text("#!/bin/sh\n")
+    with_args = project.spec(_base(project, "rc_cmd3") + "tools:\n  a: {command: 'python -c \"import x\"', "
+                             "args: [--verbose]}\n  b: {command: './serve.sh --port 3'}\n  c: {command: ''}\n",
+                             "c.yaml")
+    assert _errors(with_args) == (
+        "c.yaml:10: tools.a.command: 'python -c \"import x\"' is a program and its arguments: give them apart, "
+        'command: python, args: ["-c", "import x", "--verbose"]\n'
+        "c.yaml:11: tools.b.command: './serve.sh --port 3' is a program and its arguments: give them apart, "
+        'command: ./serve.sh, args: ["--port", "3"]\n'
+        "c.yaml:12: tools.c.command: empty: the program that starts the server (python, npx, uvx, a path)\n"
+        "3 errors in c.yaml")
     # a program not found here may be on a cluster's nodes: still a warning
     spec, plan = compile_file(project.spec(_base(project, "rc_cmd2") + "tools:\n  o: {command: rc-no-such --stdio}\n",
                                            "b.yaml"))

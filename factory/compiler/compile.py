@@ -20,6 +20,7 @@ import graphlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -738,17 +739,19 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                     said = (f"environment variable {var} is not set (its value is sent as the {header} header): "
                             f"set it (export {var}=...) or remove the header")
                     (r.warn if joins else r.error)(f"tools.{name}.headers_from_env.{header}", said)
+        elif isinstance(server, StdioServer) and not server.command.strip():
+            r.error(f"tools.{name}.command", "empty: the program that starts the server (python, npx, uvx, a path)")
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
             # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)
-            # A relative path with a slash is started relative to the spec's folder (tools.connection).
-            where = r.source.base_dir if os.sep in server.command else Path(server.cwd or Path.cwd())
-            if shutil.which(server.command) is None and not (where / server.command).is_file():
-                program, *words = server.command.split()
-                if words and (program in ("python", "python3") or shutil.which(program)):
+            if not _program_found(server.command, r.source.base_dir, server.cwd):
+                words = _shell_words(server.command)
+                if len(words) > 1 and (words[0] in ("python", "python3")
+                                       or _program_found(words[0], r.source.base_dir, server.cwd)):
                     # servers are started as argument lists, never by a shell: this failed at the tools stage's
                     # start, exit 3, as a file not found
                     r.error(f"tools.{name}.command", f"'{server.command}' is a program and its arguments: give "
-                                                     f"them apart, command: {program}, args: {json.dumps(words)}")
+                                                     f"them apart, command: {words[0]}, args: "
+                                                     f"{json.dumps([*words[1:], *server.args])}")
                 else:
                     r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
         if server.allowed_tools == []:
@@ -782,6 +785,22 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             if tool not in have:
                 r.error(path, f"server '{server_name}' has no tool '{tool}'{_close(tool, have, 'it offers')}")
     return code
+
+
+def _program_found(command: str, base_dir: Path, cwd: str | None) -> bool:
+    """Whether a stdio server's command names a program here: on PATH, or a file where it is started from (a
+    relative path with a slash from the spec's folder, factory.tools.connection; a bare name from its cwd)."""
+    where = base_dir if os.sep in command else Path(cwd or Path.cwd())
+    return shutil.which(command) is not None or (where / command).is_file()
+
+
+def _shell_words(command: str) -> list[str]:
+    """A command line's words as a shell would split them (quotes kept together); by spaces where its quotes do
+    not close."""
+    try:
+        return shlex.split(command)
+    except ValueError:
+        return command.split()
 
 
 def _tool_schema_problem(fn: Any) -> str | None:
