@@ -372,3 +372,16 @@ def test_recorded_source_hashes_compare_by_contents_not_by_where_the_source_was_
     assert not same_sources(old, {"factory/rewards/math.py": "aa", "rewards/mine.py": "cc"})
     assert not same_sources(old, {"factory/rewards/math.py": "aa"})
     assert same_sources("x", "x") and not same_sources("x", "y") and not same_sources(None, {"a": "b"})
+
+
+def test_a_refused_resume_shows_a_missing_key_and_a_null_alike_as_unset(tmp_path):
+    """Turning LoRA on was refused with "model.lora: null -> unset, model.lora.alpha: unset -> null" among
+    the changes: two rows of nothing a user set. Missing and null are both unset, as in `factory diff`."""
+    from factory.runtime.resume import spec_keys_changed
+
+    _, plain = compiled(tmp_path)
+    _, lora = compiled(tmp_path, "model.lora.r=16")
+    assert spec_keys_changed(json.loads(plan_json(plain)), lora) == [
+        "model.lora.dropout: (unset) -> 0.0", "model.lora.r: (unset) -> 16",
+        "model.lora.target_modules: (unset) -> all-linear"]
+    assert spec_keys_changed(json.loads(plan_json(lora)), plain)[1] == "model.lora.r: 16 -> (unset)"

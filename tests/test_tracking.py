@@ -189,7 +189,8 @@ def test_values_both_runs_read_from_the_environment_are_a_note():
 def test_a_setting_one_run_lacks_or_holds_as_null_is_shown_unset():
     """Turning LoRA on made two rows of nothing ("model.lora: null -> None", "model.lora.alpha: None ->
     null") and printed the settings it set as "None -> 16"."""
-    from factory.commands.diff import plan_changes, resumed_notes, setting_text
+    from factory.commands.diff import plan_changes, resumed_notes
+    from factory.tracking.mlflow_tracker import setting_text
 
     a = {"spec": {"model": {"lora": None, "tokenizer": None}}}
     b = {"spec": {"model": {"lora": {"alpha": None, "r": 16}, "tokenizer": "t"}}}

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from factory.plan import MASK
-from factory.tracking.mlflow_tracker import flatten
+from factory.tracking.mlflow_tracker import flatten, setting_text
 from factory.tracking.runs import run_kind, run_summary
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
 from factory.util import stdout_console
@@ -108,12 +108,6 @@ def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] |
     if a.get("version") != b.get("version"):
         out.append({"kind": "version", "key": "factory version", "a": a.get("version"), "b": b.get("version")})
     return out
-
-
-def setting_text(value: str | None) -> str:
-    """A flattened spec value as the report shows it: "(unset)" for a key the run's spec lacks (None) or
-    holds as null, which say the same (both were shown as they are stored, "None -> null")."""
-    return "(unset)" if value is None or value == "null" else value
 
 
 def plan_notes(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.compiler.compile import plan_json
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state, verify
 from factory.util import UserError
@@ -212,12 +212,14 @@ def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
 
 def spec_keys_changed(recorded: dict[str, Any], plan: Any) -> list[str]:
     """The spec keys whose values differ between a run's plan.json and this plan, as `key: then -> now`
-    (a refused resume said only "a different spec", and the user had to find which override it was). Keys
-    masked in either (paths from the environment, "***") are left out."""
+    (a refused resume said only "a different spec", and the user had to find which override it was). A key
+    one side lacks and a null are alike "(unset)" (`setting_text`), as in `factory diff`. Keys masked in
+    either (paths from the environment, "***") are left out."""
     then, now = dict(flatten(recorded.get("spec") or {})), dict(flatten(json.loads(plan_json(plan))["spec"]))
     cut = lambda v: v if len(v) <= 60 else v[:57] + "..."  # noqa: E731 -- a list setting is one JSON value
-    return [f"{k}: {cut(then.get(k, 'unset'))} -> {cut(now.get(k, 'unset'))}" for k in sorted(set(then) | set(now))
-            if then.get(k) != now.get(k) and "***" not in (then.get(k), now.get(k))]
+    pairs = {k: (setting_text(then.get(k)), setting_text(now.get(k))) for k in set(then) | set(now)
+             if "***" not in (then.get(k), now.get(k))}
+    return [f"{k}: {cut(a)} -> {cut(b)}" for k, (a, b) in sorted(pairs.items()) if a != b]
 
 
 def same_sources(a: Any, b: Any) -> bool:

@@ -68,6 +68,14 @@ def flatten(d: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix[:-1], value[:_MAX_PARAM]
 
 
+def setting_text(value: str | None) -> str:
+    """A flattened spec value (`flatten`) as a report of changed settings shows it: "(unset)" for a key one
+    spec lacks (None) or holds as null, which say the same. Turning LoRA on changed `model.lora` from null to
+    absent and `model.lora.alpha` from absent to null: compared as stored, two changes of nothing a user set.
+    `factory diff` and a refused `--resume` both compare and show settings through this."""
+    return "(unset)" if value is None or value == "null" else value
+
+
 def git_commit(path: str | Path = ".") -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
