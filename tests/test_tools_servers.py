@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -234,17 +235,23 @@ for line in sys.stdin:
 """
 
 
-async def test_an_answer_the_sdk_cannot_read_is_said_to_be_one(caplog):
+async def test_an_answer_the_sdk_cannot_read_fails_its_call_at_once(caplog):
     """It was said to be a line that is not MCP, with 'a server prints its own messages to stderr': the user
-    looked for a print() while the call timed out for a reason the message did not give."""
-    half = StdioServer(command=sys.executable, args=["-c", HALF_EMOJI], timeout_s=0.5, retries=0)
+    looked for a print() while the call timed out. Then it was said to be an answer, and the call still waited
+    for its whole timeout: the answer's request id can be read, so the call fails when the answer comes."""
+    half = StdioServer(command=sys.executable, args=["-c", HALF_EMOJI], timeout_s=5, retries=0)
     async with ToolBox.from_spec({"half": half}) as box:
+        started = time.perf_counter()
         result = await box.call(ToolCall("snip", {}, raw=""))
-    assert (result.status, result.error_kind) == ("infra_error", "timeout")
+        waited = time.perf_counter() - started
+    assert (result.status, result.error_kind) == ("infra_error", "transport")
+    assert result.text.startswith("Error: tool server 'half' answered with error -32700: its answer is not JSON-RPC "
+                                  "the MCP SDK can read (Invalid JSON: unexpected end of hex escape at line 1 column ")
+    assert waited < 2  # not the 5 s timeout
     [said] = [r.getMessage() for r in caplog.records if r.name == "mcp.client.stdio"]
-    assert said.startswith("a tool server sent a JSON-RPC message the MCP SDK cannot read (Invalid JSON: unexpected "
-                           "end of hex escape at line 1 column ")
-    assert said.endswith("cut: \\\\ud83d\"}]}}'; an answer lost this way makes its call time out")
+    assert re.fullmatch(r"a tool server sent an answer \(to request \d+\) the MCP SDK cannot read \(Invalid JSON: "
+                        r"unexpected end of hex escape at line 1 column \d+\): '.*"
+                        r"cut: \\\\ud83d\"}]}}'; its call fails", said), said
 
 
 async def test_allowed_tools_filters_and_checks():

@@ -9,7 +9,7 @@ import pytest
 from mcp import types as mcp_types
 
 from factory.schema import PythonTool, StdioServer
-from factory.tools.connection import ServerStartError, http_headers, stdio_parameters
+from factory.tools.connection import ServerStartError, http_headers, stdio_parameters, unreadable_answer_id
 from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, backoff_delay
 from factory.tools.results import content_text, truncate_middle, value_text
@@ -222,6 +222,30 @@ def test_http_headers_come_from_the_environment():
     assert http_headers({"Authorization": "TOKEN"}, {"TOKEN": "Bearer x"}) == {"Authorization": "Bearer x"}
     with pytest.raises(ServerStartError, match="TOKEN"):
         http_headers({"Authorization": "TOKEN"}, {})
+
+
+def _refused(line: str) -> Exception:
+    """The error the SDK's parser hands on for a line of a server's stdout."""
+    try:
+        mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+    except ValueError as exc:
+        return exc
+    raise AssertionError(f"the SDK read {line!r}")
+
+
+def test_the_request_an_unreadable_answer_answers_is_read_where_it_can_be():
+    half = '"text": "cut: \\ud83d"'  # a lone surrogate escape: the SDK's parser refuses the whole line
+    assert unreadable_answer_id(_refused('{"jsonrpc": "2.0", "id": 7, "result": {%s}}' % half)) == 7
+    error = '{"jsonrpc": "2.0", "id": "a", "error": {"code": 1, "message": "\\ud83d"}}'
+    assert unreadable_answer_id(_refused(error)) == "a"
+    assert unreadable_answer_id(_refused('{"jsonrpc": "2.0", "id": 7, "result": "not an object"}')) == 7
+    # the server's own request: its id is the server's, not one of ours
+    request = '{"jsonrpc": "2.0", "id": 7, "method": "x", "params": {%s}}' % half
+    assert unreadable_answer_id(_refused(request)) is None
+    assert unreadable_answer_id(_refused('{"jsonrpc": "2.0", "id": true, "result": {%s}}' % half)) is None
+    assert unreadable_answer_id(_refused('{"jsonrpc": "2.0", "result": {%s}}' % half)) is None
+    assert unreadable_answer_id(_refused("hello")) is None  # a print(): no JSON at all
+    assert unreadable_answer_id(ValueError("not the parser's")) is None
 
 
 def word_count(text: str, min_length: int = 1) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -22,10 +23,12 @@ from typing import IO, Any
 
 import anyio
 import httpx2
+import pydantic
 from mcp import types as mcp_types
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.message import SessionMessage
 
 from factory.schema import HttpServer, StdioServer
 
@@ -63,6 +66,36 @@ def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerPar
     return StdioServerParameters(command=command, args=list(spec.args), env=dict(spec.env) or None, cwd=cwd)
 
 
+def unreadable_answer_id(exc: Exception) -> int | str | None:
+    """The request id of a server's answer that the SDK's parser refused (`exc`, the pydantic error it hands
+    on), when one can be read; None for anything else (a line that is no JSON, a request or notification
+    from the server, whose ids are not ours). Python's json reads what that parser refuses for a lone
+    surrogate escape ("\\ud83d", half an emoji), so the answer can be matched to its call."""
+    errors = exc.errors() if isinstance(exc, pydantic.ValidationError) else []
+    raw = errors[0].get("input") if errors else None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    if not isinstance(raw, dict) or "method" in raw or not ("result" in raw or "error" in raw):
+        return None
+    request_id = raw.get("id")
+    # JSON-RPC ids are strings or integers; a bool is an int to Python but no id
+    return request_id if isinstance(request_id, (int, str)) and not isinstance(request_id, bool) else None
+
+
+def unreadable_answer_error(request_id: int | str, exc: Exception) -> SessionMessage:
+    """A JSON-RPC parse error (-32700) answering `request_id` in place of the answer the SDK could not read:
+    its call fails at once instead of waiting for its timeout (the SDK's HTTP transport answers a response
+    it cannot parse the same way; its stdio transport hands the error on and the call waits)."""
+    errors = exc.errors() if isinstance(exc, pydantic.ValidationError) else []
+    why = errors[0].get("msg") if errors else str(exc)
+    error = mcp_types.ErrorData(code=mcp_types.PARSE_ERROR, message=f"its answer is not JSON-RPC the MCP SDK can "
+                                                                    f"read ({why})")
+    return SessionMessage(mcp_types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
+
+
 class _NotJsonRpcInOneLine(logging.Filter):
     """The SDK logs each line of a server's stdout that is not JSON-RPC with its traceback
     (`logger.exception`): a print() in a tool server, or a command that is no MCP server, filled the
@@ -73,10 +106,15 @@ class _NotJsonRpcInOneLine(logging.Filter):
             exc = record.exc_info[1]
             errors = exc.errors() if hasattr(exc, "errors") else []
             line = errors[0].get("input") if errors else str(exc)
-            if errors and '"jsonrpc"' in str(line):
+            if errors and (request_id := unreadable_answer_id(exc)) is not None:
                 # A server's answer the SDK's parser refuses (a lone surrogate escape, "\ud83d": an emoji a
-                # JavaScript server cut in half, is invalid JSON to it), not a print(): the call it answers
-                # waits for its timeout.
+                # JavaScript server cut in half, is invalid JSON to it), not a print(): `_WatchedReadStream`
+                # fails the call it answers.
+                record.msg = ("a tool server sent an answer (to request %r) the MCP SDK cannot read (%s): %r; its "
+                              "call fails")
+                record.args = (request_id, errors[0].get("msg"), str(line)[:200])
+            elif errors and '"jsonrpc"' in str(line):
+                # JSON-RPC whose request id cannot be read: the call it may answer waits for its timeout.
                 record.msg = ("a tool server sent a JSON-RPC message the MCP SDK cannot read (%s): %r; an answer "
                               "lost this way makes its call time out")
                 record.args = (errors[0].get("msg"), str(line)[:200])
@@ -128,6 +166,8 @@ class _WatchedReadStream:
     The SDK's dispatcher fails in-flight requests when the stream ends but has no public hook to
     tell the owner of the session; this wrapper (implementing the SDK's public `ReadStream`
     protocol) is that hook, so a server that dies while idle is restarted before the next call.
+    It also turns an answer the SDK's parser refused into a parse error for its request
+    (`unreadable_answer_error`): the dispatcher only logs such an error, and the call waited.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -136,10 +176,13 @@ class _WatchedReadStream:
 
     async def receive(self) -> Any:
         try:
-            return await self._inner.receive()
+            item = await self._inner.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.ended.set()
             raise
+        if isinstance(item, Exception) and (request_id := unreadable_answer_id(item)) is not None:
+            return unreadable_answer_error(request_id, item)
+        return item
 
     async def aclose(self) -> None:
         await self._inner.aclose()
