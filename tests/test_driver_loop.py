@@ -18,6 +18,7 @@ from factory.plan import Replayed
 from factory.runtime import driver
 from factory.runtime.resume import Resume
 from factory.tools.recording import ReplayMiss
+from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +83,7 @@ class FakeTracker:
         self.world.metrics.setdefault(step, {}).update(m)
 
     def run(self, ref: str) -> Any:
-        return type("Run", (), {"run_id": f"{ref}-id", "name": ref})()
+        return type("Run", (), {"run_id": f"{ref}-id", "name": ref, "tags": {TOOLS_IN_SERVER_ORDER: "true"}})()
 
     def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
         return [{"origin": "eval/0/0/0/0/0/0", "from": run_id}]

@@ -44,7 +44,9 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     assert MlflowClient(uri).get_experiment_by_name("exp") is not None
     Tracker(f"sqlite:///{tmp_path}/no/such/folder/m.db", "exp").prepare()  # an error is left for `start`
     listing = {"s": [{"name": "t", "offered_as": "t", "description": "", "inputSchema": {"type": "object"}}]}
-    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc"},
+    from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
+
+    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc", TOOLS_IN_SERVER_ORDER: "true"},
                      {"plan.json": "{}", "tools.json": json.dumps(listing)})
     t.log_metrics({"reward/mean": 0.5}, step=1)
     t.log_trajectories([_traj()], step=1)
@@ -67,6 +69,10 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     replayed = recorded_tool_calls(t, replay)  # type: ignore[arg-type]
     assert replayed is not None and replayed.rows == calls and replayed.listing == listing
     client = MlflowClient(uri)
+    # a run recorded before tools.json kept its servers' key order: its servers start (its sorted schemas would
+    # prompt the model with other tokens, and the replay miss)
+    client.delete_tag(run_id, TOOLS_IN_SERVER_ORDER)
+    assert recorded_tool_calls(t, replay).listing is None  # type: ignore[arg-type, union-attr]
     run = client.get_run(run_id)
     assert run.data.params["train.lr"] == "1e-05" and run.data.tags["factory.spec_hash"] == "abc"
     assert client.get_metric_history(run_id, "reward/mean")[0].value == 0.5

@@ -10,6 +10,7 @@ from typing import Any
 
 from factory.plan import Plan, Replayed, ToolsSettings
 from factory.tools.recording import ReplayMiss
+from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
 from factory.tracking.tracker import Tracker
 from factory.util import UserError
 
@@ -26,7 +27,11 @@ def recorded_tool_calls(tracker: Tracker, plan: Plan) -> Replayed | None:
     if not rows:
         raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
                         "was off, or it made none)")
-    return Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id), on_miss=replay.on_miss)
+    # A run recorded before tools.json kept its servers' key order has sorted schemas: offered from them, the
+    # prompt would differ and the replay miss where the run's servers, started, replay it (None: they start).
+    ordered = run.tags.get(TOOLS_IN_SERVER_ORDER) == "true"
+    return Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id) if ordered else None,
+                    on_miss=replay.on_miss)
 
 
 def _tool_listing(tracker: Tracker, run_id: str) -> dict[str, list[dict[str, Any]]] | None:

@@ -361,6 +361,7 @@ class MlflowTracker:
         # tools.json keeps each schema's keys in the order the server gave them, which is the order the chat
         # template writes them into the prompt: a replay offers the tools from it (factory.tools.recording), and
         # sorted keys gave its model other prompt tokens, so it sampled otherwise and missed the recording
+        tags[TOOLS_IN_SERVER_ORDER] = "true"  # (older runs' tools.json has sorted keys: factory.runtime.replay)
         self.start(name, params, tags,
                    {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml,
                     "tools.json": json.dumps(listing, indent=2) + "\n", **(extra_artifacts or {})})
@@ -647,6 +648,10 @@ class MlflowTracker:
     def experiment_name(self, experiment_id: str) -> str:
         return self.client.get_experiment(experiment_id).name
 
+
+
+# Set on a run whose tools.json keeps each schema's keys in its server's order (every run since 2026-12-04)
+TOOLS_IN_SERVER_ORDER = "factory.tools_json_ordered"
 
 
 SPOOL = "tracking-spool"  # in the run's own folder
