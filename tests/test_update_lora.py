@@ -131,5 +131,14 @@ def test_export_adapter_names_the_base_model_to_load(tmp_path, capsys):
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     out = tmp_path / "o"
     assert cli.main(["export", str(tmp_path / "step_1"), "--adapter", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
     assert (f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('/models/tiny-qwen3-v2'), "
-            f"{str(out)!r})") in capsys.readouterr().out
+            f"{str(out)!r})") in said
+    # not a folder here (the training machine's model cache): said so, with what to give in its place
+    assert ("  (/models/tiny-qwen3-v2 is where the run's learner found its base model, not a folder here: give the "
+            "same model's folder or hub id in its place)") in said
+    base = tmp_path / "base"
+    base.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    assert cli.main(["export", str(tmp_path / "step_1"), "--adapter", "--out", str(tmp_path / "o2")]) == 0
+    assert "not a folder here" not in capsys.readouterr().out

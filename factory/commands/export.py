@@ -145,7 +145,11 @@ def adapter_usage(out: Path) -> str:
     if not base:
         return (f"  peft: {out / 'adapter_config.json'} names no base model: load the model the run trained "
                 f"(its model.path), then PeftModel.from_pretrained(model, {str(out)!r})")
-    return f"  peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})"
+    load = f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})"
+    if not Path(base).is_dir():  # the training machine's folder (its model cache), or a hub id
+        return (f"  peft: {load}\n  ({base} is where the run's learner found its base model, not a folder here: "
+                "give the same model's folder or hub id in its place)")
+    return f"  peft: {load}"
 
 
 def main(args) -> int:
