@@ -81,6 +81,9 @@ def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(
 
     monkeypatch.setattr(lifecycle, "sigterm_heard", threading.Event())  # (the module's own, whatever ran before)
     monkeypatch.setattr(driver, "sigterm_heard", lifecycle.sigterm_heard)
+    monkeypatch.setattr(lifecycle, "_sigterm_at", float("-inf"))  # (a SIGTERM within ECHO_S would be its echo)
+    monkeypatch.setattr(driver, "ray_in_own_sessions", threading.Event())
+    monkeypatch.setattr(lifecycle, "ray_in_own_sessions", driver.ray_in_own_sessions)
     e = ray.exceptions.ActorUnavailableError("The actor abc is unavailable: RpcError: Socket closed", b"\0" * 16)
     assert isinstance(e, LOST)
     said = lost_error(e)
@@ -89,7 +92,12 @@ def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(
     assert "factory run SPEC --resume" in str(said) and "SIGTERM" not in str(said)
     with pytest.raises(KeyboardInterrupt):  # the driver heard SIGTERM (`timeout` signals the whole group)
         lifecycle._interrupt(15, None)
-    assert "SIGTERM reached Ray's processes as well as the driver" in str(lost_error(e))
+    # Ray's processes in the driver's group (a Ray whose start Factory could not move out of it): plain `timeout`
+    assert "SIGTERM reached Ray's processes as well as the driver (a signal to its whole process group, as plain " \
+           "`timeout` sends" in str(lost_error(e))
+    driver.ray_in_own_sessions.set()  # in sessions of their own: what still reaches them is a job's signal
+    assert "SIGTERM reached Ray's processes as well as the driver (a signal to every process of a job, as SLURM's " \
+           "time limit" in str(lost_error(e))
     coloured = ray.exceptions.ActorUnavailableError("\x1b[36mray::RolloutStage.load_weights()\x1b[39m", b"\0" * 16)
     assert "ray::RolloutStage.load_weights()" in str(lost_error(coloured)) and "\x1b" not in str(lost_error(coloured))
 

@@ -40,8 +40,8 @@ from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
-                                       private_dir, ray_starts_sessions, reap_orphans, sigterm_heard,
-                                       sigterm_interrupts, sigterm_restored)
+                                       private_dir, ray_in_own_sessions, ray_starts_sessions, reap_orphans,
+                                       sigterm_heard, sigterm_interrupts, sigterm_restored)
 from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
@@ -891,9 +891,13 @@ def lost_error(e: BaseException) -> StageLostError:
     """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
     from its newest checkpoint."""
     said = re.sub(r"\x1b\[[0-9;]*m", "", (str(e).strip().splitlines() or [""])[0])[:300]  # Ray colours its names
-    why = ("; SIGTERM reached Ray's processes as well as the driver (a signal to every process of a job, as "
+    why = ("" if not sigterm_heard.is_set() else
+           "; SIGTERM reached Ray's processes as well as the driver (a signal to every process of a job, as "
            "SLURM's time limit or systemd's stop send; a signal to the driver alone, `kill PID`, or to its process "
-           "group, `timeout`, stops it after the step)" if sigterm_heard.is_set() else "")
+           "group, `timeout`, stops it after the step)" if ray_in_own_sessions.is_set() else
+           "; SIGTERM reached Ray's processes as well as the driver (a signal to its whole process group, as plain "
+           "`timeout` sends; `timeout --foreground` or `kill PID` signal the driver alone, which then stops after "
+           "the step)")
     return StageLostError(f"a stage's process or the Ray cluster went away mid-run ({type(e).__name__}: {said})"
                           f"{why}; `factory run SPEC --resume` continues the run from its newest checkpoint, on this "
                           "cluster once it is back or on another")

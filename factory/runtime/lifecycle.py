@@ -196,6 +196,11 @@ def children_ignore_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+# Set once a local Ray was started with its processes in sessions of their own (ray_starts_sessions): a SIGTERM
+# to the driver's process group then no longer reaches them, and the lost-stage message says what still does.
+ray_in_own_sessions = threading.Event()
+
+
 @contextlib.contextmanager
 def ray_starts_sessions() -> Iterator[None]:
     """Each process a local Ray starts inside (GCS, raylet, its agents; the raylet's workers, the stage
@@ -207,7 +212,8 @@ def ray_starts_sessions() -> Iterator[None]:
     outright still takes them along: Ray binds each to its parent's death (PR_SET_PDEATHSIG), sessions
     apart. A signal to every process of a job (SLURM's time limit, systemd's stop: by cgroup) still reaches
     them. Ray 2.60 starts them all through `ray._private.services.ConsolePopen` (a subprocess.Popen),
-    which is swapped for the block's length; a Ray without it starts them as before."""
+    which is swapped for the block's length (ray is pinned; tests/test_lifecycle.py fails should a release
+    move it); a Ray without it starts them as before."""
     from ray._private import services
 
     base = getattr(services, "ConsolePopen", None)
@@ -221,6 +227,7 @@ def ray_starts_sessions() -> Iterator[None]:
             super().__init__(*args, **kwargs)
 
     services.ConsolePopen = OwnSession
+    ray_in_own_sessions.set()
     try:
         yield
     finally:
