@@ -305,6 +305,11 @@ def test_an_unset_header_variable_is_an_error_before_ray_starts(project, monkeyp
     # on a cluster the tools stage reads its node's environment, not this one: a warning
     spec, plan = compile_file(path, ["resources.ray_address=127.0.0.1:6379"])
     assert f"spec.yaml:10: {said.format('warning: ')}" in [str(w) for w in plan.warnings]
+    # a replay under on_miss fail starts no server: a run whose token is gone can still be replayed
+    spec, plan = compile_file(path, ["replay.run=abc"])
+    assert f"spec.yaml:10: {said.format('warning: ')}" in [str(w) for w in plan.warnings]
+    live = ["replay.run=abc", "replay.on_miss=live"]
+    assert _errors(path, live) == f"spec.yaml:10: {said.format('')}\n1 error in spec.yaml"
     monkeypatch.setenv("RC_NO_TOKEN", "Bearer x")
     compile_file(path)
 

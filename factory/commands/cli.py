@@ -289,8 +289,8 @@ def parser() -> argparse.ArgumentParser:
                                                 "or sqlite:///mlflow.db)")
     rs.add_argument("--replay", default=None, metavar="RUN",
                     help="answer the tool reward nodes' calls from RUN's recorded calls (often RUN itself) instead "
-                         "of starting the tool servers (= replay.run=RUN; under replay.on_miss=live they start, for the calls "
-                         "RUN did not make)")
+                         "of starting the tool servers (= replay.run=RUN; under replay.on_miss=live they start, for "
+                         "the calls RUN did not make)")
     rs.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dot-list overrides of the spec")
     rs.set_defaults(func=_rescore)
 

@@ -734,11 +734,13 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             for header, var in server.headers_from_env.items():
                 # Read by the tools stage when it connects: unset, the run started Ray and its stages and then
                 # stopped with exit 3 saying the server "could not be reached". On a cluster the tools stage
-                # reads its own node's environment, which this machine cannot see: a warning there.
+                # reads its own node's environment, which this machine cannot see: a warning there. A replay
+                # under on_miss fail starts no server (a recording of a run before 2026-12-04 does): a warning.
                 if var not in os.environ:
                     said = (f"environment variable {var} is not set (its value is sent as the {header} header): "
                             f"set it (export {var}=...) or remove the header")
-                    (r.warn if joins else r.error)(f"tools.{name}.headers_from_env.{header}", said)
+                    replays = spec.replay.run is not None and spec.replay.on_miss == "fail"
+                    (r.warn if joins or replays else r.error)(f"tools.{name}.headers_from_env.{header}", said)
         elif isinstance(server, StdioServer) and not server.command.strip():
             r.error(f"tools.{name}.command", "empty: the program that starts the server (python, npx, uvx, a path)")
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
