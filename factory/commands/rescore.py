@@ -109,7 +109,7 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
     replay with `on_miss: fail` a batch whose tool calls the recording could not answer stops the rescore,
     as it stops a run."""
     from factory.runtime.local import callees, local_stages, records_tools
-    from factory.runtime.replay import miss_error
+    from factory.runtime.replay import RESCORE_ASKED_ELSEWHERE, miss_error
 
     name = scorer(plan)
     inline = [c for c in callees(plan, name) if c not in placed]
@@ -123,7 +123,7 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
                 misses = (await stages[recorder].take_recording())["misses"]
                 if misses and plan.driver.replay.on_miss == "fail":
                     raise miss_error(misses, f"step {step}" + (" evaluation" if split == "eval" else ""),
-                                     plan.driver.replay.run)
+                                     plan.driver.replay.run, RESCORE_ASKED_ELSEWHERE)
     return out
 
 

@@ -52,8 +52,14 @@ def replaying(plan: Plan, replayed: Replayed | None) -> Plan:
     return dataclasses.replace(plan, stages=stages)
 
 
-def miss_error(misses: list[str], made_in: str, run: str | None) -> ReplayMiss:
+# Why a run's replay misses: its model sampled otherwise. A rescore samples nothing: its trajectories are the
+# recorded run's own, so a miss is a reward node's call that run never made.
+RUN_WENT_ELSEWHERE = "this run went elsewhere (a changed spec, model or data)"
+RESCORE_ASKED_ELSEWHERE = ("the run never made this call (a tool reward node added or changed since it ran, or "
+                           "one whose arguments differ)")
+
+
+def miss_error(misses: list[str], made_in: str, run: str | None, why: str = RUN_WENT_ELSEWHERE) -> ReplayMiss:
     """What stops a replay under `replay.on_miss: fail` once the calls made in `made_in` had `misses`."""
     return ReplayMiss(f"{made_in}: the recording of run {run} has no answer for {len(misses)} tool calls, first "
-                      f"{misses[0]}: this run went elsewhere (a changed spec, model or data); replay.on_miss=live "
-                      "calls the tools instead")
+                      f"{misses[0]}: {why}; replay.on_miss=live calls the tools instead")
