@@ -58,6 +58,15 @@ def test_sigterm_stops_as_ctrl_c_does(no_sigterm_yet):
     assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
+def test_the_display_says_how_long_to_wait_before_a_second_sigterm():
+    """A second SIGTERM within ECHO_S of the first is taken as its echo (plain `timeout`'s two sends): a user
+    told "SIGTERM again stops at once" who sent it again at once saw nothing happen."""
+    from factory.runtime.lifecycle import ECHO_S, stopping_said
+
+    assert stopping_said("SIGTERM").endswith(f"SIGTERM again ({ECHO_S:g} s or more after this one) stops at once")
+    assert stopping_said("Ctrl-C").endswith("; Ctrl-C again stops at once")
+
+
 def test_sigterm_before_the_steps_begin_interrupts(no_sigterm_yet):
     """SIGTERM while the stages start met Ray's handler, which aborted the driver (exit code 134, a C stack
     dump, nothing torn down): after ray.init it raises KeyboardInterrupt, as a second Ctrl-C does."""

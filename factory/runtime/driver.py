@@ -41,7 +41,7 @@ from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, ray_in_own_sessions, ray_starts_sessions, reap_orphans,
-                                       sigterm_heard, sigterm_interrupts, sigterm_restored)
+                                       sigterm_heard, sigterm_interrupts, sigterm_restored, stopping_said)
 from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
@@ -668,9 +668,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done)
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
-    stop = GracefulStop(on_first=lambda what: display.status(f"{what}: stopping after the step in progress (it is "
-                                                             f"logged and checkpointed); {what} again stops at once"),
-                        event=stop_event)
+    stop = GracefulStop(on_first=lambda what: display.status(stopping_said(what)), event=stop_event)
     if stop.requested:  # asked before the first step (in on_step(0), or while the stages started): none runs
         return RunResult(tracker.run_id, before, after, None, stopped=True, last_step=done)
     with stop:

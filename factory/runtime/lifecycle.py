@@ -169,6 +169,13 @@ def _echo() -> bool:
     return now - before < ECHO_S
 
 
+def stopping_said(what: str) -> str:
+    """What the display says when `what` ("Ctrl-C", "SIGTERM") first asks a run to stop. A SIGTERM within
+    ECHO_S of this one is taken as its echo (`_echo`): a user who sends it again at once must wait that long."""
+    again = f"{what} again" + (f" ({ECHO_S:g} s or more after this one)" if what == "SIGTERM" else "")
+    return f"{what}: stopping after the step in progress (it is logged and checkpointed); {again} stops at once"
+
+
 @contextlib.contextmanager
 def sigterm_restored() -> Iterator[None]:
     """SIGTERM's handling as it was before, once the block is done: Ray's handler and `sigterm_interrupts`'
