@@ -55,7 +55,9 @@ def ray_cluster(nodes: list[dict[str, float]], num_cpus: int = 2, timeout_s: flo
     """Start one Ray node per entry of `nodes` (its custom resources), the first as the head; yield the
     cluster's address once every node has joined; stop them all afterwards."""
     temp = tempfile.mkdtemp(prefix="frc-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # tests/conftest.py keeps every local Ray on loopback with this flag at "0", which also makes `ray start
+    # --address` refuse to join a node ("Multi-node Ray clusters are not supported on Windows and OSX")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
     env.pop("RAY_ADDRESS", None)
     address = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
