@@ -24,7 +24,8 @@ def test_a_lora_run_exports_a_merged_model_that_generates_its_last_evaluation(tm
 
     work = project_copy(tmp_path / "lora")
     uri = f"sqlite:///{work}/mlflow.db"
-    out = factory("run", "specs/tiny.yaml", "train.steps=1", "model.lora.r=8", "train.lr=1e-2", "train.eval_size=2",
+    # two steps: step 1 samples the weights read from disk, so the first sync's size is logged at step 2
+    out = factory("run", "specs/tiny.yaml", "train.steps=2", "model.lora.r=8", "train.lr=1e-2", "train.eval_size=2",
                   f"rollout.engine={ENGINE}", "tracking.experiment=lora-run", cwd=work, uri=uri)
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(uri)
@@ -40,7 +41,7 @@ def test_a_lora_run_exports_a_merged_model_that_generates_its_last_evaluation(tm
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     table = Path(client.download_artifacts(run.info.run_id, "eval_trajectories", str(tmp_path)))
     last = pq.read_table(sorted(table.glob("step_*.parquet"))[-1]).to_pylist()
-    assert last and last[0]["step"] == 1
+    assert last and last[0]["step"] == 2
     for row in last:
         # the first model turn: the response tokens up to the first tool/template token (loss mask 0)
         mask = row["loss_mask"]
