@@ -229,6 +229,20 @@ def test_one_sample_a_prompt_needs_an_advantage_without_groups(project):
         compile_file(path, ok)
 
 
+def test_share_prefix_switched_off_by_another_setting_warns(project):
+    """`share_prefix: true` beside gradient checkpointing or LoRA dropout checked ok, and the learner ran every
+    row's prefix itself (`resolved.update.share_prefix: off`)."""
+    path = _spec(project, "st_prefix", "train: {share_prefix: true, gradient_checkpointing: true}\n")
+    assert compile_file(path)[1].warnings == (
+        "spec.yaml:9: train.share_prefix: warning: has no effect with train.gradient_checkpointing: the update "
+        "runs every row's prefix itself",)
+    _, plan = compile_file(path, ["train.gradient_checkpointing=false", "model.lora={r: 4, dropout: 0.1}"])
+    assert plan.warnings == (
+        "spec.yaml:9: train.share_prefix: warning: has no effect with model.lora.dropout 0.1 (the rows would share "
+        "one dropout mask over the prefix): the update runs every row's prefix itself",)
+    assert not compile_file(path, ["train.gradient_checkpointing=false"])[1].warnings  # it applies: no warning
+
+
 def test_a_turn_budget_above_the_trajectory_budget_warns(project):
     """`max_total_tokens: 1` under `max_new_tokens: 32` checked ok and trained 1-token turns."""
     path = _spec(project, "st_budget", "rollout: {max_new_tokens: 32, max_total_tokens: 16}\n")

@@ -163,6 +163,12 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                                    ("train.eval_size", spec.train, "eval_size")):
             if _set(model, field):
                 r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
+    if spec.train.share_prefix and _set(spec.train, "share_prefix"):  # (the learner decides it: Learner.setup)
+        off = ("train.gradient_checkpointing" if spec.train.gradient_checkpointing else
+               f"model.lora.dropout {spec.model.lora.dropout:g} (the rows would share one dropout mask over the prefix)"
+               if spec.model.lora is not None and spec.model.lora.dropout > 0 else None)
+        if off:
+            r.warn("train.share_prefix", f"{unused} with {off}: the update runs every row's prefix itself")
     if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
         r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens ({spec.rollout.max_total_tokens}), "
                                          "which bounds a trajectory's response tokens: no turn can be longer")
