@@ -229,6 +229,17 @@ def test_one_sample_a_prompt_needs_an_advantage_without_groups(project):
         compile_file(path, ok)
 
 
+def test_vllm_settings_that_do_not_apply_warn(project):
+    """`vllm_compile` / `vllm_lora` under the transformers engine, `vllm_lora` without LoRA: checked ok in silence."""
+    path = _spec(project, "st_vllm", "rollout: {engine: hf, vllm_compile: true, vllm_lora: serve}\n")
+    assert compile_file(path)[1].warnings == (
+        "spec.yaml:9: rollout.vllm_compile: warning: has no effect with engine 'hf' (vLLM only)",
+        "spec.yaml:9: rollout.vllm_lora: warning: has no effect with engine 'hf' (vLLM only)")
+    assert compile_file(path, ["rollout.engine=vllm"])[1].warnings == (
+        "spec.yaml:9: rollout.vllm_lora: warning: has no effect without model.lora (there are no adapters to sync)",)
+    assert not compile_file(path, ["rollout.engine=vllm", "model.lora.r=4"])[1].warnings
+
+
 def test_share_prefix_switched_off_by_another_setting_warns(project):
     """`share_prefix: true` beside gradient checkpointing or LoRA dropout checked ok, and the learner ran every
     row's prefix itself (`resolved.update.share_prefix: off`)."""

@@ -172,8 +172,11 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
         r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens ({spec.rollout.max_total_tokens}), "
                                          "which bounds a trajectory's response tokens: no turn can be longer")
-    if spec.rollout.engine == "hf" and _set(spec.rollout, "kv_cache_gb"):
-        r.warn("rollout.kv_cache_gb", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
+    for field in ("kv_cache_gb", "vllm_compile", "vllm_lora"):
+        if spec.rollout.engine == "hf" and _set(spec.rollout, field):
+            r.warn(f"rollout.{field}", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
+    if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
+        r.warn("rollout.vllm_lora", f"{unused} without model.lora (there are no adapters to sync)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
         r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")
     if spec.algorithm.kl.coef == 0:
