@@ -56,6 +56,11 @@ def test_a_step_that_trained_nothing_says_why_and_the_summary_warns():
             "failed on some trajectories (rewards/<node>/errors; the reward stage's warning line says why))"
             ) in out.getvalue()
     assert "warning: none of the 3 steps trained a row" in text
+    out = io.StringIO()  # credit: turn, gamma 0: turn rewards [1] and [1, 0] (means 1, 0.5), turn 0 returns agree
+    with Display(1, console=Console(file=out, width=300, log_path=False), turn_credit=True) as d:
+        d.step(1, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 2.0})
+    assert ("step 1: nothing trained: every row's advantage was 0 (each group's turn returns agreed at every turn "
+            "position that two or more of its trajectories reached)") in out.getvalue()
     out = io.StringIO()
     with Display(2, console=Console(file=out, width=300, log_path=False)) as d:
         d.step(1, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 8.0})

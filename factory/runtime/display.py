@@ -22,7 +22,8 @@ from factory.util import fmt_number, shown_path
 
 class Display:
     def __init__(self, total_steps: int, console: Console | None = None, *, log_every_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, turn_credit: bool = False):
+        self.turn_credit = turn_credit  # algorithm.credit: turn (the advantages compare turn returns, not rewards)
         self.console = console or Console(stderr=True, log_path=False)
         self.total = total_steps
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -85,7 +86,7 @@ class Display:
             line = (f"step {step:>4}  reward {fmt_number(m.get('reward/mean'))}{acc}  turns {fmt_number(m.get('num_turns/mean'), '.2f')}"
                     f"  tool calls {int(m.get('tools/calls', 0))} (infra errors {int(m.get('tools/infra_errors', 0))})"
                     f"  loss {fmt_number(m.get('actor/pg_loss'), '.4f')}  {m.get('timing/step_s', 0):.1f}s ({split})")
-        untrained = step and untrained_why(m)
+        untrained = step and untrained_why(m, turn_credit=self.turn_credit)
         if step:
             self.trained_rows += m.get("actor/trained_rows", 0.0)
             self.steps_shown += 1
@@ -142,8 +143,10 @@ class Display:
             self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
 
 
-def untrained_why(m: dict[str, float]) -> str | None:
-    """Why a training step's update changed no weight (from its metrics), or None when it trained a row."""
+def untrained_why(m: dict[str, float], *, turn_credit: bool = False) -> str | None:
+    """Why a training step's update changed no weight (from its metrics), or None when it trained a row.
+    `turn_credit`: the advantages were per turn (`algorithm.credit: turn`): rewards that differ may still give
+    returns that agree at each turn position (gamma < 1), or differ only where one trajectory of a group went."""
     if m.get("actor/trained_rows", 0.0) > 0 and not m.get("actor/skipped_non_finite"):
         return None
     if m.get("actor/skipped_non_finite"):
@@ -158,5 +161,7 @@ def untrained_why(m: dict[str, float]) -> str | None:
                         and v)
         why = (f"; reward {', '.join(failed)} failed on some trajectories (rewards/<node>/errors; the reward stage's "
                "warning line says why)") if failed else ""
-        return f"every row's advantage was 0 (each group's rewards agreed{why})"
+        agreed = ("each group's turn returns agreed at every turn position that two or more of its trajectories "
+                  "reached" if turn_credit else "each group's rewards agreed")
+        return f"every row's advantage was 0 ({agreed}{why})"
     return None

@@ -811,7 +811,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     startup = Startup(started_at)
     startup.lap("command")
     t_start, d = time.perf_counter(), plan.driver
-    display = Display(d.train.steps)
+    display = Display(d.train.steps, turn_credit=d.turn_gamma is not None)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
