@@ -331,3 +331,14 @@ def test_a_reward_function_past_its_timeout_has_no_value_and_scoring_goes_on():
     assert trajs[0].reward_details["slow"] == {"status": "error", "error": "TimeoutError: took longer than timeout_s "
                                                                              "(0.05 s)"}
     assert m["rewards/slow/errors"] == 2.0 and [t.reward for t in trajs] == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("fn,group", [("group_overflow", True), ("overflow_for_big", False)])
+def test_an_integer_too_large_for_a_float_is_a_non_finite_value(fn, group):
+    """float(10**400) raises OverflowError, which a group reward's values let escape the stage (a traceback
+    that stopped the run); a plain function's was an 'error'."""
+    spec = make_spec({"x": {"fn": f"{FNS}:{fn}", "group": group}, "total": {"sum": {"x": 1.0}}})
+    trajs, m = score(spec, [traj("ok"), traj("big", 0, 1)])
+    assert trajs[1].reward_details["x"] == {"status": "non_finite",
+                                            "error": "the value is not finite: an integer of 401 digits"}
+    assert m["rewards/x/non_finite"] == 1.0 and trajs[0].rewards["x"] == 1.0

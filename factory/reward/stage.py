@@ -193,6 +193,9 @@ def _outcome(value: Any) -> _Outcome:
         if isinstance(value, (str, bytes)):
             raise TypeError
         number = float(value)
+    except OverflowError:  # an int past any float (10**400): not finite, as inf is (it escaped a group's call)
+        digits = len(str(abs(value)))
+        return _Outcome(None, "non_finite", {"error": f"the value is not finite: an integer of {digits} digits"})
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
     return _Outcome(number)
