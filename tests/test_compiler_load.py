@@ -482,3 +482,13 @@ def test_a_null_entry_that_no_base_sets_says_what_null_does(project):
         "child.yaml:4: rewards.nothere: null removes an entry that a base spec (extends) sets, and no base sets "
         "rewards.nothere\n"
         "2 errors in child.yaml")
+
+
+def test_an_alias_inside_what_it_names_is_located_and_other_aliases_load(project):
+    """`tools: &t {x: *t}` made OmegaConf recurse without end: an internal error, exit 1."""
+    base = _base(project, "rw_alias")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec(base + "train: &t\n  steps: 2\n  x: *t\n"))
+    assert report(e) == ("spec.yaml:11: train.x: this alias (*name) names a mapping or list that holds it, so "
+                         "the value would contain itself; copy the values instead\n1 error in spec.yaml")
+    assert load_spec(project.spec(base + "train: {steps: &n 2, prompts_per_step: *n}\n")).train.prompts_per_step == 2

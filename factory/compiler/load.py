@@ -125,20 +125,33 @@ class Loaded:
 
 
 # ------------------------------------------------------------------------------------------ YAML
+class _SelfContaining(Exception):
+    """A YAML alias inside the mapping or list it names (`a: &x {b: *x}`): a value that holds itself."""
+
+    def __init__(self, path: str, line: int):
+        super().__init__(path, line)
+        self.path, self.line = path, line
+
+
 def _line_map(node: yaml.Node | None, prefix: str = "",
-              out: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+              out: dict[str, tuple[int, int]] | None = None, within: frozenset[int] = frozenset()
+              ) -> dict[str, tuple[int, int]]:
     """Dotted path -> (line, column) of its key, for every mapping key and list item of the YAML."""
     out = {} if out is None else out
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        if id(node) in within:
+            raise _SelfContaining(prefix, out.get(prefix, (node.start_mark.line + 1, 0))[0])
+        within = within | {id(node)}
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
             out.setdefault(path, (key.start_mark.line + 1, key.start_mark.column + 1))
-            _line_map(value, path, out)
+            _line_map(value, path, out, within)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             path = f"{prefix}.{i}" if prefix else str(i)
             out.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
-            _line_map(item, path, out)
+            _line_map(item, path, out, within)
     return out
 
 
@@ -319,7 +332,12 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     if not isinstance(root, yaml.MappingNode):  # OmegaConf asserts on a bare scalar
         raise SpecErrors([SpecError(file, root.start_mark.line + 1, "",
                                     "the spec must be a mapping of keys to values")], file)
-    lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
+    try:
+        lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
+    except _SelfContaining as e:  # OmegaConf would recurse without end (an internal error, exit 1)
+        raise SpecErrors([SpecError(file, e.line, e.path, "this alias (*name) names a mapping or list that "
+                                    "holds it, so the value would contain itself; copy the values instead")],
+                         file) from None
     try:
         cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
     except yaml.YAMLError as e:
