@@ -492,3 +492,13 @@ def test_an_alias_inside_what_it_names_is_located_and_other_aliases_load(project
     assert report(e) == ("spec.yaml:11: train.x: this alias (*name) names a mapping or list that holds it, so "
                          "the value would contain itself; copy the values instead\n1 error in spec.yaml")
     assert load_spec(project.spec(base + "train: {steps: &n 2, prompts_per_step: *n}\n")).train.prompts_per_step == 2
+
+
+def test_aliases_of_aliases_that_expand_past_any_spec_are_an_error_not_a_hang(project):
+    """Six levels of nine aliases each (a "billion laughs") read for minutes, growing memory, before."""
+    lol, prev = "lol:\n  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n", "a"
+    for n in "bcdef":
+        lol, prev = lol + f"  {n}: &{n} [{', '.join(['*' + prev] * 9)}]\n", n
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec(_base(project, "rw_lol") + lol))
+    assert "the spec's aliases expand to more than 200,000 values; copy the values instead" in report(e)

@@ -125,12 +125,16 @@ class Loaded:
 
 
 # ------------------------------------------------------------------------------------------ YAML
-class _SelfContaining(Exception):
-    """A YAML alias inside the mapping or list it names (`a: &x {b: *x}`): a value that holds itself."""
+class _AliasTrouble(Exception):
+    """A YAML alias inside the mapping or list it names (`a: &x {b: *x}`), or aliases that expand past any spec."""
 
-    def __init__(self, path: str, line: int):
+    def __init__(self, path: str, line: int, message: str = "this alias (*name) names a mapping or list that holds "
+                 "it, so the value would contain itself; copy the values instead"):
         super().__init__(path, line)
-        self.path, self.line = path, line
+        self.path, self.line, self.message = path, line, message
+
+
+MAX_SPEC_VALUES = 200_000  # aliases of aliases (a "billion laughs") expand past any spec a person writes
 
 
 def _line_map(node: yaml.Node | None, prefix: str = "",
@@ -140,17 +144,23 @@ def _line_map(node: yaml.Node | None, prefix: str = "",
     out = {} if out is None else out
     if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
         if id(node) in within:
-            raise _SelfContaining(prefix, out.get(prefix, (node.start_mark.line + 1, 0))[0])
+            raise _AliasTrouble(prefix, out.get(prefix, (node.start_mark.line + 1, 0))[0])
         within = within | {id(node)}
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
             out.setdefault(path, (key.start_mark.line + 1, key.start_mark.column + 1))
+            if len(out) > MAX_SPEC_VALUES:
+                raise _AliasTrouble(path, out[path][0], f"the spec's aliases expand to more than "
+                                      f"{MAX_SPEC_VALUES:,} values; copy the values instead of nesting aliases")
             _line_map(value, path, out, within)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             path = f"{prefix}.{i}" if prefix else str(i)
             out.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
+            if len(out) > MAX_SPEC_VALUES:
+                raise _AliasTrouble(path, out[path][0], f"the spec's aliases expand to more than "
+                                      f"{MAX_SPEC_VALUES:,} values; copy the values instead of nesting aliases")
             _line_map(item, path, out, within)
     return out
 
@@ -334,10 +344,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
                                     "the spec must be a mapping of keys to values")], file)
     try:
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
-    except _SelfContaining as e:  # OmegaConf would recurse without end (an internal error, exit 1)
-        raise SpecErrors([SpecError(file, e.line, e.path, "this alias (*name) names a mapping or list that "
-                                    "holds it, so the value would contain itself; copy the values instead")],
-                         file) from None
+    except _AliasTrouble as e:  # OmegaConf would recurse without end (an internal error, exit 1)
+        raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
     try:
         cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
     except yaml.YAMLError as e:
