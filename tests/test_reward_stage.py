@@ -340,5 +340,5 @@ def test_an_integer_too_large_for_a_float_is_a_non_finite_value(fn, group):
     spec = make_spec({"x": {"fn": f"{FNS}:{fn}", "group": group}, "total": {"sum": {"x": 1.0}}})
     trajs, m = score(spec, [traj("ok"), traj("big", 0, 1)])
     assert trajs[1].reward_details["x"] == {"status": "non_finite",
-                                            "error": "the value is not finite: an integer of 401 digits"}
+                                            "error": "the value is not finite: an integer of 1,329 bits"}
     assert m["rewards/x/non_finite"] == 1.0 and trajs[0].rewards["x"] == 1.0

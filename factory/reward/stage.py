@@ -194,8 +194,10 @@ def _outcome(value: Any) -> _Outcome:
             raise TypeError
         number = float(value)
     except OverflowError:  # an int past any float (10**400): not finite, as inf is (it escaped a group's call)
-        digits = len(str(abs(value)))
-        return _Outcome(None, "non_finite", {"error": f"the value is not finite: an integer of {digits} digits"})
+        # (its bits, not str(): Python refuses to write an int of over 4,300 digits as text)
+        bits = value.bit_length() if isinstance(value, int) else None
+        said = f"an integer of {bits:,} bits" if bits else f"{type(value).__name__} too large for a float"
+        return _Outcome(None, "non_finite", {"error": f"the value is not finite: {said}"})
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
     return _Outcome(number)
