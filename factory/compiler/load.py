@@ -142,25 +142,23 @@ def _line_map(node: yaml.Node | None, prefix: str = "",
               ) -> dict[str, tuple[int, int]]:
     """Dotted path -> (line, column) of its key, for every mapping key and list item of the YAML."""
     out = {} if out is None else out
+    line = out.get(prefix, (node.start_mark.line + 1, 0))[0] if node is not None else 0
+    if len(out) > MAX_SPEC_VALUES:
+        raise _AliasTrouble(prefix, line, f"the spec's aliases expand to more than {MAX_SPEC_VALUES:,} values; "
+                                          "copy the values instead of nesting aliases")
     if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
         if id(node) in within:
-            raise _AliasTrouble(prefix, out.get(prefix, (node.start_mark.line + 1, 0))[0])
+            raise _AliasTrouble(prefix, line)
         within = within | {id(node)}
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
             out.setdefault(path, (key.start_mark.line + 1, key.start_mark.column + 1))
-            if len(out) > MAX_SPEC_VALUES:
-                raise _AliasTrouble(path, out[path][0], f"the spec's aliases expand to more than "
-                                      f"{MAX_SPEC_VALUES:,} values; copy the values instead of nesting aliases")
             _line_map(value, path, out, within)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             path = f"{prefix}.{i}" if prefix else str(i)
             out.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
-            if len(out) > MAX_SPEC_VALUES:
-                raise _AliasTrouble(path, out[path][0], f"the spec's aliases expand to more than "
-                                      f"{MAX_SPEC_VALUES:,} values; copy the values instead of nesting aliases")
             _line_map(item, path, out, within)
     return out
 
