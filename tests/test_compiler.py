@@ -428,6 +428,21 @@ def one(n, seed):
                              "(data.train.size is 5)",)
 
 
+def test_a_generator_that_raises_on_an_overridden_arg_is_said_at_the_override_with_its_args(project, monkeypatch):
+    """`data.train.args.operands=[2,"x"]` made the generator raise, and the error was put at the spec's
+    `generator:` line, which the user never changed; it is at the override, with the args it was called with."""
+    path = project.spec(_base(project, "rc_gen_args"))
+    assert _errors(path, ['data.train.args.operands=[2,"x"]']) == (
+        "<override 1>: data.train.args.operands: factory.data:arithmetic raised TypeError on its args "
+        "(operands=[2, 'x']): can only concatenate str (not \"int\") to str\n1 error in spec.yaml")
+    # an argument read from the environment is shown as ***, as in printed plans (it may be a secret)
+    project.module("rc_gen_key", "def rows(n, seed, key):\n    raise ValueError('refused')\n")
+    path = project.spec(_base(project, "rc_gen_env").replace(
+        "factory.data:arithmetic, size: 8", "'rc_gen_key:rows', size: 8, args: {key: '${oc.env:RC_GEN_KEY}'}"))
+    monkeypatch.setenv("RC_GEN_KEY", "s3cret")
+    assert "rc_gen_key:rows raised ValueError on its args (key='***'): refused" in _errors(path)
+
+
 def test_a_generator_may_import_its_helpers_when_called_as_in_the_data_stage(project):
     """The data stage's process has its working directory on sys.path for good; `factory check`, which
     calls the generator too, had it there only while importing the generator's module, so a helper

@@ -583,7 +583,19 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             r.error(key, str(e))
             continue
         except (Exception, SystemExit) as e:  # a file that is not what its name says (a corrupt parquet), a generator that raised
-            r.error(key, f"cannot read {source.path or source.generator}: {type(e).__name__}: {e}")
+            if source.generator is None:
+                r.error(key, f"cannot read {source.path}: {type(e).__name__}: {e}")
+                continue
+            # a generator that raised on its args: said at the override that set one (the file's line was
+            # blamed for `data.train.args.operands=[2,"x"]`), with the args it was called with
+            args_key = f"data.{split}.args"
+            overridden = [p for p in r.source.override_paths if p == args_key or p.startswith(args_key + ".")]
+            # (a value read from the environment shown as *** as in printed plans: it may be a secret)
+            args = mask({"args": dict(source.args)}, [p[len(f"data.{split}."):] for p in r.source.env_paths
+                                                      if p == args_key or p.startswith(args_key + ".")])["args"]
+            shown = ", ".join(f"{k}={v!r}" for k, v in args.items()) if isinstance(args, dict) else args
+            r.error(min(overridden, key=r.source.override_paths.__getitem__) if overridden else key,
+                    f"{source.generator} raised {type(e).__name__} on its args ({shown}): {e}")
             continue
         if not rows:
             what = f"{source.path or source.generator} gave no rows"
