@@ -24,7 +24,11 @@ class Display:
     def __init__(self, total_steps: int, console: Console | None = None, *, log_every_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, turn_credit: bool = False):
         self.turn_credit = turn_credit  # algorithm.credit: turn (the advantages compare turn returns, not rewards)
-        self.console = console or Console(stderr=True, log_path=False)
+        if console is None:
+            console = Console(stderr=True, log_path=False)
+            # in a log file a line is one line a grep finds ("MLflow run ... 0.7 min"), not wrapped at 80 columns
+            console.soft_wrap = not console.is_terminal
+        self.console = console
         self.total = total_steps
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -43,13 +47,22 @@ class Display:
     def __exit__(self, *exc: object) -> None:
         self._progress.__exit__(*exc)
 
+    def _log(self, text: str, style: str | None = None, markup: bool = False) -> None:
+        """A timed line: rich's log on a terminal; in a log file one line however long (rich's log wraps
+        at 80 columns there and pads every line with spaces, so a grep for a step's loss missed it)."""
+        if self.console.is_terminal:
+            self._progress.console.log(text, style=style, markup=markup)
+        else:
+            self.console.print(f"{self.console.get_datetime():[%X]} {text}", style=style, markup=False,
+                               highlight=False, soft_wrap=True)
+
     def status(self, text: str) -> None:
         """A one-off line for slow phases (starting Ray, building the model, evaluating)."""
-        self._progress.console.log(text)
+        self._log(text, markup=True)
 
     def warning(self, text: str) -> None:
         """A one-off line the user should read before the run goes on (it does go on)."""
-        self._progress.console.log(text, style="yellow", markup=False)
+        self._log(text, style="yellow")
 
     def progress(self, label: str, done: int, total: int) -> None:
         """Trajectories done out of total in a long phase (called every half second or so while it runs):
@@ -63,7 +76,7 @@ class Display:
         if task is not None:
             self._progress.update(task, completed=done, total=total)
         elif now - last >= self.log_every_s:
-            self._progress.console.log(f"{label}: {done}/{total} trajectories ({now - started:.0f} s)", markup=False)
+            self._log(f"{label}: {done}/{total} trajectories ({now - started:.0f} s)")
             self._phase = (label, task, started, now)
 
     def done(self) -> None:
@@ -91,13 +104,12 @@ class Display:
             self.trained_rows += m.get("actor/trained_rows", 0.0)
             self.steps_shown += 1
         # markup=False: the line holds brackets and user text that rich must not read as markup
-        self._progress.console.log(line, markup=False)
+        self._log(line)
         if untrained:
-            self._progress.console.log(f"step {step}: nothing trained: {untrained}", style="yellow", markup=False)
+            self._log(f"step {step}: nothing trained: {untrained}", style="yellow")
         if too_long := int(m.get("rollout/stop_prompt_too_long", 0)):
-            self._progress.console.log(f"step {step}: {too_long} trajectories' prompts fill the model's context: not "
-                                       "generated from, scored or trained on (shorten those rows)",
-                                       style="yellow", markup=False)
+            self._log(f"step {step}: {too_long} trajectories' prompts fill the model's context: not generated "
+                      "from, scored or trained on (shorten those rows)", style="yellow")
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {fmt_number(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
