@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import re
@@ -190,6 +191,12 @@ def driver_alive(tag: str | None) -> bool | None:
         return False
 
 
+def quiet_exit_flush() -> None:
+    """MLflow's INFO line at exit, "Flushing the async trace logging queue before program exit", printed after
+    the run's summary: its logger at WARNING (its error, if the flush fails, is still said)."""
+    logging.getLogger("mlflow.tracing.export.async_export_queue").setLevel(logging.WARNING)
+
+
 def run_name(spec_name: str) -> str:
     """Unique enough to name a run on the command line (`factory diff NAME_A NAME_B`)."""
     return f"{spec_name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -317,6 +324,7 @@ class MlflowTracker:
         assert self.experiment is not None, "a run is written into an experiment"
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(self.experiment)
+        quiet_exit_flush()
         run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = dict(flatten(params))
@@ -391,6 +399,7 @@ class MlflowTracker:
         mlflow.set_tracking_uri(self.uri)
         before = self.client.get_run(resume.run_id)
         idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before)
+        quiet_exit_flush()
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
