@@ -320,6 +320,8 @@ def test_a_killed_drivers_idle_time_starts_at_its_newest_step():
     assert idle_since(client, killed) == pytest.approx(time.time() - 1_060, abs=1)
     stopped = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=2_000_000, status="KILLED"))
     assert idle_since(client, stopped) == pytest.approx(time.time() - 2_000, abs=1)
+    # resumed by a command that started at 2_030 s: its start-up after that is run time, not idle
+    assert idle_since(client, stopped, now=2_030.0) == pytest.approx(30.0)
 
 
 def test_a_resumed_run_killed_again_is_idle_from_its_newest_step_not_its_earlier_end():

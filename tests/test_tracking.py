@@ -521,3 +521,17 @@ def test_runs_tell_a_dead_driver_and_an_eval_or_rescore_from_a_training_run():
     rescored = run_summary(TrackedRun("r5", "e", "0", "FINISHED", 1.0, 2.0, tags={"factory.rescore_of": "r1"},
                                       params=params))
     assert (ev["kind"], ev["steps"], rescored["kind"], rescored["steps"]) == ("eval", None, "rescore", None)
+
+
+def test_a_runs_duration_counts_from_its_command_start_as_its_summary_does():
+    """The summary counted from `factory run`'s start, `factory runs` from the MLflow run's start 30-60 s
+    later: two durations for one run. A run that records its command's start is counted from it."""
+    from factory.tracking.mlflow_tracker import STARTED_TAG
+    from factory.tracking.runs import run_summary
+    from factory.tracking.tracker import TrackedRun
+
+    assert run_summary(TrackedRun("r", "a", "0", "FINISHED", 160.0, 400.0, tags={STARTED_TAG: "100.0"}))[
+        "duration_s"] == 300.0
+    resumed = TrackedRun("r", "a", "0", "FINISHED", 160.0, 400.0, tags={STARTED_TAG: "100.0", "factory.idle_s": "50"})
+    assert run_summary(resumed)["duration_s"] == 250.0
+    assert run_summary(TrackedRun("r", "a", "0", "FINISHED", 160.0, 400.0))["duration_s"] == 240.0  # an older run

@@ -124,8 +124,9 @@ def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> 
 
 def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
     """The tracked runs, newest first, as `factory runs --json` prints them (status, steps done, final
-    reward, eval metrics, duration...). `uri`: the tracking store (default: $MLFLOW_TRACKING_URI, else
-    sqlite:///mlflow.db)."""
+    reward, eval metrics, duration...; `duration_s` counts from the start of the command or `factory.run` call
+    that opened the run, start-up included, as the run's summary does, less the time a resumed run had no
+    driver). `uri`: the tracking store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
     from factory.tracking.runs import list_runs
 
     return list_runs(experiment, limit=limit, uri=uri)

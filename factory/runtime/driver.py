@@ -806,11 +806,12 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     metrics as they are logged (step 0: the first evaluation); `stop`, set by any thread, ends the run after
     the step in flight as Ctrl-C does (logged, checkpointed, the MLflow run KILLED). Any thread may call it."""
     from factory.runtime.display import Display
+    from factory.tracking.mlflow_tracker import STARTED_TAG
     from factory.tracking.tracker import open_tracker
 
     startup = Startup(started_at)
     startup.lap("command")
-    t_start, d = time.perf_counter(), plan.driver
+    d = plan.driver
     display = Display(d.train.steps, turn_credit=d.turn_gamma is not None)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
@@ -821,9 +822,11 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
         prepared.join()
         if resume:
-            return tracker.resume(resume, plan, listing)
+            return tracker.resume(resume, plan, listing, started=startup.t0)
         placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
-        return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement})
+        # the command's start: `factory runs` counts the run's duration from it, as the summary below does
+        return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement},
+                                 {STARTED_TAG: f"{startup.t0:.3f}"})
 
     with display, placed(replaying(plan, replayed), display, startup) as (groups, record):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
@@ -834,7 +837,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
             result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
             opened.status = result.status
     display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
-                    wall_s=time.perf_counter() - t_start)
+                    wall_s=time.time() - startup.t0)
     return result
 
 

@@ -386,11 +386,13 @@ class MlflowTracker:
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)
         return plan
 
-    def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]]) -> Any:
+    def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]],
+               started: float | None = None) -> Any:
         """Reopen the run `resume` names (MLflow sets it RUNNING again) instead of starting one: params and
         artifacts stay as they were; a spec change that `--allow-spec-change` let through is recorded
         (tag `factory.resumed_spec_hash`, `resumed/step_N/spec.yaml` and `plan.json`). Returns the plan
-        with its tool schemas hashed."""
+        with its tool schemas hashed. `started`: when the resuming command started (epoch seconds): the time
+        with no driver (tag IDLE_TAG) ends there, this session's start-up is run time (default: now)."""
         import mlflow
 
         from factory.compiler.compile import plan_json, with_tool_listing
@@ -398,7 +400,7 @@ class MlflowTracker:
         plan = with_tool_listing(plan, listing)
         mlflow.set_tracking_uri(self.uri)
         before = self.client.get_run(resume.run_id)
-        idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before)
+        idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before, started)
         quiet_exit_flush()
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
@@ -673,17 +675,21 @@ RETRY_S = 10.0  # while the tracking store is down, try it again at most this of
 
 STEPS_TAG = "factory.train_steps"  # a resumed run's train.steps, as its last resume gave them
 IDLE_TAG = "factory.idle_s"  # seconds a resumed run spent with no driver: `factory runs` leaves them out of its duration
+# epoch seconds the command that opened the run started (`factory run`'s start, before its start-up): `factory
+# runs` counts the run's duration from it, as the run's summary does, not from the MLflow run's start 30-60 s later
+STARTED_TAG = "factory.command_started"
 
 
-def idle_since(client: Any, run: Any) -> float:
-    """Seconds from when the run's last driver stopped working to now: its end, or, for a killed driver
-    (no end), its newest step's or start-up's metric (a step cut short by the kill counts as idle). A RUNNING
-    run's end time is an earlier session's (a resumed run killed again): not when its last driver stopped."""
+def idle_since(client: Any, run: Any, now: float | None = None) -> float:
+    """Seconds from when the run's last driver stopped working to `now` (default: now; a resume gives its
+    command's start, its start-up being run time): its end, or, for a killed driver (no end), its newest step's
+    or start-up's metric (a step cut short by the kill counts as idle). A RUNNING run's end time is an earlier
+    session's (a resumed run killed again): not when its last driver stopped."""
     ended = run.info.end_time if run.info.status != "RUNNING" else None
     last = ended or max((m.timestamp for key in (STEP_KEY, "timing/startup_s")
                                      for m in client.get_metric_history(run.info.run_id, key)),
                                     default=run.info.start_time)
-    return max(0.0, time.time() - last / 1000) if last else 0.0
+    return max(0.0, (time.time() if now is None else now) - last / 1000) if last else 0.0
 
 
 def _refused(e: BaseException) -> bool:

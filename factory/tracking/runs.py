@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from factory.tracking.mlflow_tracker import DRIVER_TAG, IDLE_TAG, STEPS_TAG, driver_alive, tracking_uri
+from factory.tracking.mlflow_tracker import (DRIVER_TAG, IDLE_TAG, STARTED_TAG, STEPS_TAG, driver_alive,
+                                             tracking_uri)
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
 from factory.util import fmt_number, missing_store, stdout_console
 
@@ -35,7 +36,9 @@ def run_kind(run: TrackedRun) -> str:
 def run_summary(run: TrackedRun) -> dict[str, Any]:
     """What `factory runs` shows of one run. `driver_alive`: for a RUNNING run, whether its driver is (None:
     it cannot be told from here); a run whose driver was killed stays RUNNING in MLflow, with no end.
-    `duration_s`: start to end, less the time a resumed run had no driver (its tag `factory.idle_s`)."""
+    `duration_s`: from the start of the command that opened the run (tag STARTED_TAG: its start-up
+    included, as the run's summary counts; an older run's MLflow start) to its end, less the time a resumed run
+    had no driver (its tag `factory.idle_s`)."""
     alive = driver_alive(run.tags.get(DRIVER_TAG)) if run.status == "RUNNING" else None
     # A RUNNING run's end time is stale when it has one: a resumed run keeps its last session's end
     if run.status == "RUNNING":
@@ -43,6 +46,7 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
     else:
         end = run.end_time
     kind = run_kind(run)
+    begin = float(run.tags[STARTED_TAG]) if STARTED_TAG in run.tags else run.start_time
     # an eval's or rescore's spec's steps are not its own; a resumed run's are its last resume's
     steps = run.tags.get(STEPS_TAG, run.params.get("train.steps")) if kind == "train" else None
     return {
@@ -58,7 +62,7 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
         "final_reward": _num(run.metrics.get("reward/mean")),
         "eval": {k: _num(v) for k, v in sorted(run.metrics.items()) if k.startswith("eval/")},
         "start_time": run.start_time,
-        "duration_s": end - run.start_time - float(run.tags.get(IDLE_TAG, 0)) if run.start_time and end else None,
+        "duration_s": end - begin - float(run.tags.get(IDLE_TAG, 0)) if begin and end else None,
         "plan_hash": run.tags.get("factory.plan_hash"),
         "monitors": monitors(run),
         "stopped_by": run.tags.get("factory.stopped_by"),

@@ -68,8 +68,10 @@ class Tracker(Protocol):
         schemas hashed."""
         ...
 
-    def resume(self, resume: Any, plan: Plan, listing: dict[str, list[dict[str, Any]]]) -> Plan:
-        """Reopen the run `resume` (factory.runtime.resume.Resume) names instead of starting one."""
+    def resume(self, resume: Any, plan: Plan, listing: dict[str, list[dict[str, Any]]],
+               started: float | None = None) -> Plan:
+        """Reopen the run `resume` (factory.runtime.resume.Resume) names instead of starting one; `started`:
+        when the resuming command started (its start-up is run time, not idle)."""
         ...
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
