@@ -370,6 +370,19 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
     assert "no run with id or name 'a' in sqlite:///mlflow.db" in capsys.readouterr().err
 
 
+def test_a_resume_where_the_store_is_not_leaves_no_store_behind(project, capsys, monkeypatch):
+    """`factory run SPEC --resume [RUN]` from a folder without the run's mlflow.db made an empty store there
+    and said no run had that id (or that the spec had no unfinished run: start it without --resume)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    project.module("cli_resume")
+    path = project.spec(BASE.replace("{mod}", "cli_resume"))
+    missing = "no tracking store at sqlite:///mlflow.db (no file mlflow.db here): runs are in the store"
+    for resume in (["--resume"], ["--resume", "abcdef12"]):
+        assert cli.main(["run", path, *resume]) == 2
+        assert missing in capsys.readouterr().err
+    assert not (project.root / "mlflow.db").exists()
+
+
 def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
     """argparse counted the optional overrides as required ("required: SPEC, KEY=VALUE"); `ui --port 99999`
     met the socket module's OverflowError and `runs --limit 0` MLflow's: internal errors, exit 1."""

@@ -91,7 +91,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     checkpoint folder of a run that recorded none)."""
     from factory.tracking.tracker import open_tracker
 
-    tracker = open_tracker(uri)
+    tracker = open_tracker(uri, read=True)  # a sqlite file not here: said so, not an empty store made
     name = plan.spec["name"]
     run = tracker.run(ref) if ref else _newest_resumable(tracker, plan, experiment, uri)
     tags = run.tags
