@@ -134,6 +134,22 @@ async def test_a_call_that_fails_with_a_plain_exception_logs_the_servers_stderr(
             "---\nwarning: the index is stale") in caplog.text
 
 
+async def test_a_server_that_floods_its_stderr_keeps_a_bounded_file():
+    """A server's stderr went to an unlinked temp file that grew without end: a chatty server (20 MB of
+    logging a call) took 120 MB of /tmp in a 3-step tiny run, invisible to `du`. The file keeps its tail."""
+    from factory.tools.connection import STDERR_KEEP_BYTES
+
+    async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"max_result_chars": 10})}) as box:
+        pid = await server_pid(box)
+        for i in range(12):
+            assert (await box.call(call("complain", text=f"{i:02d}" + "x" * 300_000))).status == "ok"
+        size = os.stat(f"/proc/{pid}/fd/2").st_size
+        assert size <= STDERR_KEEP_BYTES + 300_010, size  # it was 3.6 MB
+        assert (await box.call(call("complain", text="the last words"))).status == "ok"
+        with open(f"/proc/{pid}/fd/2", "rb") as kept:  # what the error messages' tail reads
+            assert kept.read().endswith(b"x" * 1000 + b"\nthe last words\n")
+
+
 def test_the_stderr_tail_keeps_the_last_lines_within_a_bound():
     from factory.tools.connection import last_lines
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +39,9 @@ CLIENT_INFO = mcp_types.Implementation(name="factory", version="0.1.0")
 # What an error message shows of a server's stderr: its last lines, within a bound (a traceback's end says why)
 STDERR_TAIL_LINES = 20
 STDERR_TAIL_CHARS = 2000
+# The server's stderr file is cut back to its tail once past this size, so that a server that logs at every call
+# (its file is unlinked: `du` does not see it) cannot fill the temp folder over a long run.
+STDERR_KEEP_BYTES = 1 << 20
 
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
 TransportFactory = Callable[[IO[bytes]], AbstractAsyncContextManager[Any]]
@@ -257,6 +261,9 @@ class McpConnection:
         lost = False
         # The server's stderr goes to a file of its own (not our terminal): kept for error messages.
         self._stderr = tempfile.TemporaryFile()
+        # Append mode (the flag is the open file's, the server's too): after a cut its writes go to the new end.
+        fd = self._stderr.fileno()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
         try:
             async with self._transport(self._stderr) as (read_stream, write_stream):
                 watched = self._watched = _WatchedReadStream(read_stream)
@@ -292,7 +299,26 @@ class McpConnection:
         session = self.session
         if session is None:
             raise anyio.ClosedResourceError(f"connection to {self.label} is not open")
-        return await session.call_tool(name, arguments)
+        try:
+            return await session.call_tool(name, arguments)
+        finally:
+            self._bound_stderr()
+
+    def _bound_stderr(self) -> None:
+        """Past STDERR_KEEP_BYTES, cut the server's stderr file back to the tail error messages read."""
+        if self._stderr is None or self._stderr.closed:
+            return
+        try:
+            fd = self._stderr.fileno()
+            size = os.fstat(fd).st_size
+            if size <= STDERR_KEEP_BYTES:
+                return
+            keep = 8 * STDERR_TAIL_CHARS
+            tail = os.pread(fd, keep, size - keep)
+            os.ftruncate(fd, 0)
+            os.write(fd, tail)  # appended: lines the server wrote since the truncate come before it (rare)
+        except (OSError, ValueError):
+            pass
 
     def stderr_tail(self) -> str:
         """The last lines the server wrote to stderr, for error messages ('' when there are none)."""
