@@ -265,8 +265,6 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
 def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_resumes_from_it(uri, tmp_path):
     """SIGKILL while the update stage writes a checkpoint: the stage outlives its driver by seconds and
     commits it, unlisted. The run resumed from it, and its checkpoints.json listed steps 1 and 3, not 2."""
-    import tempfile
-
     from mlflow.tracking import MlflowClient
 
     t = Tracker(uri, "e")
@@ -280,7 +278,7 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     resumed.resume(r, plan, {"calc": []})
     resumed.end()
     client = MlflowClient(uri)
-    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", tempfile.mkdtemp())).read_text())
+    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", str(tmp_path))).read_text())
     assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
     # step 3 saved, then found broken (its manifest): resumed from step 2, the list and the tags drop it (the
     # list read [1, 2, 3] and the tags named step 3, passed over, until step 3 was saved again)
@@ -289,7 +287,7 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     again = Tracker(uri, "e")
     again.resume(r, plan, {"calc": []})
     again.end()
-    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", tempfile.mkdtemp())).read_text())
+    listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", str(tmp_path))).read_text())
     assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
 
 
