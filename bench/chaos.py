@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_line  # noqa: E402
+from bench.common import cpu_line, pythonpath  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------- the judge
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tracking = TrackingServer(work, free_port())
     tracking.start()
     overrides = [f"train.steps={args.steps}", "train.checkpoint_every=1", *wild_rewards(work, judge.url)]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.url, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.url, "PYTHONPATH": pythonpath(ROOT)}
     for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # a local Ray of the run's own, default auth
         env.pop(key, None)
 

@@ -83,6 +83,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pythonpath(*first: Path | str) -> str:
+    """PYTHONPATH for a child `factory` process: `first` (the checkout, a project) ahead of the caller's own
+    PYTHONPATH, which is kept: packages installed with `pip --target` must stay importable there."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -144,7 +150,7 @@ def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: floa
     does per step (data, rollout, tools, reward, update, weight sync, logging) and nothing of start-up.
     """
     store = f"sqlite:///{project}/mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": os.pathsep.join([str(ROOT), str(project)])}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": pythonpath(ROOT, project)}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, never a cluster the caller happens to point at
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "factory.commands.cli", "run", "spec.yaml", *overrides], cwd=project,

@@ -9,6 +9,8 @@ with `resources.rollout.num_gpus=0.5 resources.update.num_gpus=0.5`):
   quickstart_bf16  three steps of specs/quickstart.yaml, vLLM in bf16, bf16 autocast update (full weights)
   quickstart_lora  the same with `model.lora.r=16` (adapter-only sync) and TIS
                    (`algorithm.rollout_correction: {kind: tis}`)
+  tiny_hf, tiny_lora_hf  (asked for by name) the tiny spec, without and with LoRA + TIS, on transformers'
+                   engine on CUDA: a GPU machine without vLLM
 
 Read back from each run's MLflow store: where each stage ran and in what dtype (resolved.* params),
 generation tokens/s, step, update and weight-sync times, and the engine/learner log-prob agreement after a
@@ -39,6 +41,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.common import pythonpath  # noqa: E402
 
 # bf16 engine vs bf16-autocast learner: different kernels in a coarse dtype. A missed or half-applied sync
 # moves log-probs by 0.1 and more (see tests/test_rollout_vllm.py); this bound only has to sit below that.
@@ -71,6 +75,15 @@ CHECKS: dict[str, Check] = {
                              (*QUICKSTART, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),
                              {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16"}, lora=True, tis=True),
 }
+DEFAULT = list(CHECKS)
+# The same checks on transformers' engine, for a GPU machine without vLLM (upstream vLLM pins its own torch
+# build): the rollout on CUDA, the bf16-autocast DeepSpeed update, the sync and the log-prob agreement.
+TINY_HF = ("train.steps=3", "rollout.engine=hf", "train.bf16_autocast=true", "train.threads=4")
+CHECKS.update({
+    "tiny_hf": Check("specs/tiny.yaml", TINY_HF, {**ON_CUDA, "rollout.engine": "hf"}),
+    "tiny_lora_hf": Check("specs/tiny.yaml", (*TINY_HF, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),
+                          {**ON_CUDA, "rollout.engine": "hf"}, lora=True, tis=True),
+})
 
 
 def machine() -> dict[str, Any]:
@@ -102,7 +115,7 @@ def run_check(name: str, check: Check, timeout: int) -> dict[str, Any]:
     for folder in ("specs", "prompts"):
         shutil.copytree(ROOT / folder, work / folder)
     uri = f"sqlite:///{work}/mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": pythonpath(ROOT)}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
     try:
@@ -156,8 +169,8 @@ def judge(check: Check, history: dict[str, list[tuple[int, float]]], resolved: d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=list(CHECKS), metavar="NAME",
-                   help=f"run these checks only ({', '.join(CHECKS)})")
+    p.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=DEFAULT, metavar="NAME",
+                   help=f"run these checks only (default: {', '.join(DEFAULT)}; without vLLM: tiny_hf tiny_lora_hf)")
     p.add_argument("--per-run-timeout", type=int, default=170, help="seconds per factory run")
     p.add_argument("--dry-run", action="store_true", help="print each check's command as the JSON line; run nothing")
     return p.parse_args(argv)

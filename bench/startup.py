@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, median, print_json, table
+from bench.common import cpu, cpu_line, median, print_json, pythonpath, table
 
 TARGETS = {"tiny": 40.0, "quickstart": 60.0}
 PHASES = ("command", "models", "ray", "stages", "tracking")
@@ -50,7 +50,7 @@ def start_up(folder: Path, spec: str, timeout_s: float = 900) -> dict[str, float
     from mlflow.tracking import MlflowClient
 
     store = f"sqlite:///{folder}/mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": store, "PYTHONPATH": pythonpath(ROOT)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "factory", "run", f"specs/{spec}.yaml"], cwd=folder, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -88,7 +88,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, factory_run, median, print_json, table, write_project
+from bench.common import cpu, cpu_line, factory_run, median, print_json, pythonpath, table, write_project
 
 MODELS = {"tiny": "bench:tiny-qwen3-calc-pytool", "quickstart": "factory:smollm2-135m-instruct"}
 TARGETS = {"vllm": 0.5, "hf": 0.8}
@@ -381,7 +381,7 @@ def run_trl(a: argparse.Namespace, engine: str, model_path: str, tools: bool, fo
               "bf16": factory["update_autocast"] == "bfloat16",
               "temperature": a.temperature, "repeat_seed": a.repeat_seed}
     (folder / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT), "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
            # vLLM in this process, as Factory's engine runs it in its actor; its KV cache as Factory's
            # (kv_cache_gb: 1.0); its OpenMP threads as Factory gives it; a rendezvous for its one-rank group
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(a.threads),

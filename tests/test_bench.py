@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.agentic import Lockstep, differing
-from bench.common import cpu, judge_targets, print_json, table
+from bench.common import cpu, judge_targets, print_json, pythonpath, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
 from factory.rollout.chat import ChatFormat
@@ -255,3 +256,13 @@ def test_benchmark_runs_and_ends_with_its_json_line(bench, keys, tmp_path):
     assert keys <= set(last) and all(last[k] is not None and last[k] > 0 for k in keys), last
     if script != "vs_trl.py":  # every benchmark but vs_trl (its own verdict line per engine) judges its targets
         assert set(last["met"]) <= set(last["targets"]) and last["met"], last
+
+
+def test_a_child_factory_keeps_the_callers_pythonpath(monkeypatch):
+    # packages installed with `pip --target` (a GPU machine's carried wheels) live only on PYTHONPATH
+
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    assert pythonpath("/repo", Path("/proj")) == os.pathsep.join(["/repo", "/proj", "/opt/site"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert pythonpath("/repo") == "/repo"

@@ -21,6 +21,7 @@ def test_arguments():
     a = parse_args([])
     assert a.only == ["tiny_vllm", "quickstart_bf16", "quickstart_lora"] and not a.dry_run
     assert parse_args(["--only", "quickstart_lora", "--dry-run"]).only == ["quickstart_lora"]
+    assert parse_args(["--only", "tiny_hf", "tiny_lora_hf"]).only == ["tiny_hf", "tiny_lora_hf"]
     with pytest.raises(SystemExit):
         parse_args(["--only", "no_such_check"])
 
@@ -30,7 +31,7 @@ def test_dry_run_prints_each_checks_command_as_the_json_line():
                          timeout=120, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     line = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(line) == {"machine", "checks", "ok", "dry_run"} and set(line["checks"]) == set(CHECKS)
+    assert set(line) == {"machine", "checks", "ok", "dry_run"} and set(line["checks"]) == set(gpu_check.DEFAULT)
     lora = line["checks"]["quickstart_lora"]["command"]
     assert lora[:3] == ["factory", "run", "specs/quickstart.yaml"]
     assert {"model.lora.r=16", "algorithm.rollout_correction.kind=tis", "resources.rollout.num_gpus=0.5"} <= set(lora)
