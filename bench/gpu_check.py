@@ -78,7 +78,10 @@ CHECKS: dict[str, Check] = {
 DEFAULT = list(CHECKS)
 # The same checks on transformers' engine, for a GPU machine without vLLM (upstream vLLM pins its own torch
 # build): the rollout on CUDA, the bf16-autocast DeepSpeed update, the sync and the log-prob agreement.
-TINY_HF = ("train.steps=3", "rollout.engine=hf", "train.bf16_autocast=true", "train.threads=4")
+# More prompts and a gentler lr than the tiny spec's: on the H200 its 2 prompts x 4 at lr 1e-3 left every group of
+# steps 2-3 with equal rewards, so no row was trained after a sync and the agreement went unmeasured (NaN).
+TINY_HF = ("train.steps=4", "train.prompts_per_step=8", "train.lr=2e-4", "rollout.engine=hf",
+           "train.bf16_autocast=true", "train.threads=4")
 CHECKS.update({
     "tiny_hf": Check("specs/tiny.yaml", TINY_HF, {**ON_CUDA, "rollout.engine": "hf"}),
     "tiny_lora_hf": Check("specs/tiny.yaml", (*TINY_HF, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),

@@ -207,7 +207,8 @@ def test_metrics_count_each_kind_and_reset():
 
 
 # ---------------------------------------------------------------------------- transports, schemas
-def test_stdio_parameters_resolve_python_and_relative_paths(tmp_path: Path):
+def test_stdio_parameters_resolve_python_and_relative_paths(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     spec = StdioServer(command="python", args=["-m", "x"], cwd="sub", env={"A": "1"})
     params = stdio_parameters(spec, tmp_path)
     assert params.command == sys.executable
@@ -216,6 +217,16 @@ def test_stdio_parameters_resolve_python_and_relative_paths(tmp_path: Path):
     venv_cmd = stdio_parameters(StdioServer(command=".venvs/srv/bin/srv"), tmp_path).command
     assert venv_cmd == str(tmp_path / ".venvs/srv/bin/srv")
     assert stdio_parameters(StdioServer(command="uvx"), tmp_path).command == "uvx"
+
+
+def test_a_python_server_sees_factorys_pythonpath_and_a_foreign_one_does_not(tmp_path: Path, monkeypatch):
+    # the SDK passes only HOME, PATH, ...: a checkout run from PYTHONPATH (not installed) found no
+    # `factory.examples.calculator` in its own tool server (seen on a GPU machine with carried wheels)
+    monkeypatch.setenv("PYTHONPATH", "/repo:/site")
+    assert stdio_parameters(StdioServer(command="python", args=["-m", "x"]), tmp_path).env == {"PYTHONPATH": "/repo:/site"}
+    own = StdioServer(command="python3", env={"PYTHONPATH": "/mine"})
+    assert stdio_parameters(own, tmp_path).env == {"PYTHONPATH": "/mine"}  # the spec's own wins
+    assert stdio_parameters(StdioServer(command="uvx", args=["srv"]), tmp_path).env is None  # its own venv
 
 
 def test_http_headers_come_from_the_environment():
