@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import stat
 import tempfile
 import threading
@@ -112,6 +113,7 @@ class GracefulStop:
         self.event = event if event is not None else threading.Event()
         self._on_first = on_first  # called with what asked ("Ctrl-C", "SIGTERM") on the first signal (to tell the user)
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None  # (read, write): counts signals heard
 
     @property
     def requested(self) -> bool:
@@ -120,21 +122,52 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGTERM and _echo():
             return
+        # Python runs a handler once for every SIGINT that arrived while the main thread was in C code (Ray's
+        # `get` looks for signals once a second): the wakeup fd holds a byte per signal, so two Ctrl-Cs heard
+        # at once are still two. (SIGTERMs at once are `timeout`'s echo, above.)
+        presses = self._heard().count(signal.SIGINT) if signum == signal.SIGINT else 1
         if self.requested:
             raise KeyboardInterrupt
         self.event.set()
         if self._on_first is not None:
             self._on_first("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+        if presses > 1:
+            raise KeyboardInterrupt
+
+    def _heard(self) -> bytes:
+        """The signal numbers delivered since the last call, one byte each (empty without a wakeup fd)."""
+        if self._wakeup is None:
+            return b""
+        heard = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := self._wakeup[0].recv(256):
+                heard += chunk
+        return heard
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            read, write = socket.socketpair()
+            read.setblocking(False)
+            write.setblocking(False)
+            before = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+            if before != -1:  # someone's own (an asyncio loop's signal handlers): theirs stays, no counting
+                signal.set_wakeup_fd(before)
+                read.close()
+                write.close()
+            else:
+                self._wakeup = (read, write)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():  # None: a handler set outside Python (Ray's)
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            for end in self._wakeup:
+                end.close()
+            self._wakeup = None
 
 
 def sigterm_interrupts() -> None:
