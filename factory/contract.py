@@ -111,24 +111,18 @@ class StageActor:
 
     CONTRACT: ClassVar[Contract] = Contract()
 
+    # A class with a call dispatched `split` also defines two static methods (the compiler checks it):
+    # `split(batch, replicas) -> [args, ...]`, the arguments of each replica's part (at most `replicas` parts),
+    # and `merge(answers) -> answer`, the replicas' answers to their parts joined into the stage's answer.
+
     def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         """Start what the stage needs (load a model, start servers, read data); returns what it reports
-        about itself for the run's placement record (`resolved`: what it chose on its device)."""
-        raise NotImplementedError
+        about itself for the run's placement record (`resolved`: what it chose on its device). The base
+        class starts nothing and reports nothing."""
+        return {}
 
     def close(self) -> None:
         """Stop what setup started. Safe before setup, after a failed setup and twice."""
-
-    # A class with a `split` method implements these two (the compiler checks it).
-    @staticmethod
-    def split(batch: Any, replicas: int) -> list[tuple[Any, ...]]:
-        """The arguments of each replica's part of `batch` (at most `replicas` parts)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def merge(parts: list[Any]) -> Any:
-        """The replicas' answers to their parts, joined into the stage's answer."""
-        raise NotImplementedError
 
 
 def peers_of(edges: Any, caller: str, handles: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,7 +171,7 @@ def _class_problems(stage: Stage, cls: type) -> list[str]:
         if not callable(getattr(cls, method, None)):
             out.append(f"stage {stage.name}: {cls.__name__} declares {method}() but has no such method")
     for name, call in c.calls.items():
-        if call.dispatch == "split" and (cls.split is StageActor.split or cls.merge is StageActor.merge):
+        if call.dispatch == "split" and not all(callable(getattr(cls, m, None)) for m in ("split", "merge")):
             out.append(f"stage {stage.name}: {cls.__name__}.{name} is dispatched `split` but the class has no "
                        "split/merge of its own")
         if call.stream and call.dispatch != "split":

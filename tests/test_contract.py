@@ -178,3 +178,25 @@ def test_no_stage_name_outside_the_compiler(full_plan):
             continue
         found += [f"{path.relative_to(REPO)}:{line}: {text}" for line, text in stage_name_uses(path.read_text(), names)]
     assert found == []
+
+
+def test_a_split_call_needs_the_class_to_split_and_merge():
+    """`split` and `merge` are the class's own (the base has none): a class dispatching `split` without them
+    is a compile-time problem, not an AttributeError in the first step."""
+    from factory.contract import _class_problems
+
+    class Parts(StageActor):
+        CONTRACT = Contract(calls={"score": Call("split")})
+
+        def score(self, batch):
+            return batch
+
+    stage = SimpleNamespace(name="s")
+    assert _class_problems(stage, Parts) == [
+        "stage s: Parts.score is dispatched `split` but the class has no split/merge of its own"]
+    Parts.split = staticmethod(lambda batch, replicas: [(batch,)])
+    assert _class_problems(stage, Parts) == [
+        "stage s: Parts.score is dispatched `split` but the class has no split/merge of its own"]
+    Parts.merge = staticmethod(lambda answers: answers[0])
+    assert _class_problems(stage, Parts) == []
+    assert Parts().setup() == {}  # the base starts nothing
