@@ -164,7 +164,9 @@ class GracefulStop:
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
         if self._wakeup is not None:
-            signal.set_wakeup_fd(-1)
+            now = signal.set_wakeup_fd(-1)
+            if now != self._wakeup[1].fileno():  # set since by another (an asyncio loop's): theirs stays
+                signal.set_wakeup_fd(now)
             for end in self._wakeup:
                 end.close()
             self._wakeup = None
