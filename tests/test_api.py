@@ -148,11 +148,11 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     monkeypatch.setattr(export, "export", lambda src, dst: (Path(dst).mkdir(parents=True), merged.append(Path(dst))))
     tiny = factory.compile(TINY)
     monkeypatch.setattr(api, "compile_plan", lambda spec, overrides, **k: seen.append(list(overrides)) or tiny)
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: (merged[-1].is_dir(), step))
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: (merged[-1].is_dir(), step))
     assert factory.evaluate(TINY, model=step) == (True, 3)  # there while it is evaluated, at the checkpoint's step
     assert seen == [[f"model.path={merged[0]}"]] and not merged[0].exists()
 
-    def fails(plan, step, tags):
+    def fails(plan, step, tags, started_at):
         raise RuntimeError("the engine failed")
 
     monkeypatch.setattr(driver, "evaluate_only", fails)
@@ -197,7 +197,7 @@ def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypa
     shutil.copytree(resolve_model("factory:tiny-qwen3"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(SpecErrors, match="model folder has no weights"):
         factory.compile(TINY, [f"model.path={folder}"])
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags: plan.stage("rollout").settings.endpoint)
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: plan.stage("rollout").settings.endpoint)
     monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
     assert factory.evaluate(TINY, model="http://127.0.0.1:9/v1", overrides=[f"model.path={folder}"]) == (
         "http://127.0.0.1:9/v1")
@@ -301,6 +301,8 @@ def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_the
     experiment = tiny_runs.client.get_experiment_by_name("tiny-eval").experiment_id
     (ev,) = tiny_runs.client.search_runs([experiment], f"tags.`factory.eval_of` = '{run.info.run_id}'")
     assert ev.info.status == "FINISHED" and ev.data.tags["factory.kind"] == "eval"
+    # its duration counts from the command's start (the model found, a LoRA merged), as a training run's does
+    assert float(ev.data.tags["factory.command_started"]) <= ev.info.start_time / 1000
     final = {k: v for k, v in run.data.metrics.items() if k.startswith("eval/")}
     assert final and ev.data.metrics == final
     history = tiny_runs.client.get_metric_history(ev.info.run_id, "eval/reward")

@@ -133,7 +133,7 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
 
 
 def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
-             uri: str | None = None) -> EvalResult:
+             uri: str | None = None, started_at: float | None = None) -> EvalResult:
     """Score a model on the spec's eval split with the spec's reward graph, without training, as a training
     run evaluates (the driver's own evaluation: greedy, the same seeds, `eval/<metric>` the same); logged as
     an MLflow run (tagged `factory.kind=eval`) that `factory.diff` compares with a training run. Returns its
@@ -143,7 +143,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     tracked run (id, id prefix or name, in `uri`): its newest checkpoint, logged at that checkpoint's step,
     so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
     OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
-    engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template)."""
+    engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template).
+    `started_at` (epoch seconds): when the command started, for the run's duration (default now)."""
     overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
     # a spec with nothing to evaluate is said before the model is found (a LoRA checkpoint's merge takes minutes
     # for a large model); one with mistakes is compiled below, which says them all, loading's and compiling's
@@ -177,7 +178,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
         from factory.runtime.driver import evaluate_only
 
-        return evaluate_only(plan, step, tags)
+        return evaluate_only(plan, step, tags, started_at)
 
 
 def _check_endpoint(url: str, joins: bool) -> None:

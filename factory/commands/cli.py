@@ -93,8 +93,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from factory.commands import api
+    from factory.runtime.startup import process_started
 
-    api.evaluate(args.spec, args.model, args.overrides, uri=args.uri)
+    api.evaluate(args.spec, args.model, args.overrides, uri=args.uri, started_at=process_started())
     return 0
 
 

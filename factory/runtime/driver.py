@@ -959,15 +959,18 @@ class EvalResult:
     metrics: dict[str, float]  # eval/<metric>, as a training run logs them at its evaluations
 
 
-def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None) -> EvalResult:
+def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
+                  started_at: float | None = None) -> EvalResult:
     """Score the plan's model on its eval split with its reward graph, without training: the stages the eval
     flow reaches are placed, `evaluate` (the driver's own evaluation, as a training run's step-`step`
     evaluation) runs once, and the metrics and trajectories are logged as an MLflow run of the plan,
-    tagged `factory.kind=eval` and `tags`, which `factory diff` compares with a training run."""
+    tagged `factory.kind=eval` and `tags`, which `factory diff` compares with a training run. `started_at`
+    (epoch seconds): when the command started (its duration counts from it, as a training run's); default now."""
     from factory.runtime.display import Display
+    from factory.tracking.mlflow_tracker import STARTED_TAG
     from factory.tracking.tracker import open_tracker
 
-    d, t_start = plan.driver, time.perf_counter()
+    d, startup = plan.driver, Startup(started_at)
     display = Display(0)
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status
@@ -977,9 +980,9 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
         prepared.join()
         return tracker.start_run(plan, listing, {"resolved": resolved},
-                                 extra_tags={"factory.kind": "eval", **(tags or {})})
+                                 extra_tags={"factory.kind": "eval", STARTED_TAG: f"{startup.t0:.3f}", **(tags or {})})
 
-    with display, placed(eval_stages(replaying(plan, replayed)), display, Startup()) as (groups, _):
+    with display, placed(eval_stages(replaying(plan, replayed)), display, startup) as (groups, _):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             display.status(f"MLflow run {tracker.run_id}; evaluating")
             metrics, trajs = evaluate(groups, opened.plan, display, step)
@@ -988,7 +991,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None)
             tracker.log_metrics(metrics, step=step)
     shown = "  ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
     display.console.print(f"{shown}\nMLflow run {tracker.run_id} in experiment '{d.tracking.experiment}' "
-                          f"({tracker.uri}), {time.perf_counter() - t_start:.0f} s", markup=False)
+                          f"({tracker.uri}), {time.time() - startup.t0:.0f} s", markup=False)
     return EvalResult(tracker.run_id, step, metrics)
 
 
