@@ -95,4 +95,4 @@ def _train(out: Path, base: str, steps: int, batch: int, lr: float, seed: int, t
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "factory_warmup.json").write_text(json.dumps({"base": "tiny-qwen3", "steps": steps, "batch": batch,
-                                                         "lr": lr, "final_loss": float(loss)}))
+                                                         "lr": lr, "final_loss": loss.item()}))
