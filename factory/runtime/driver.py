@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import graphlib
 import json
+import logging
 import math
 import os
 import re
@@ -141,7 +142,8 @@ def _start_ray(cluster: ClusterSettings) -> None:
     # a terminal's Ctrl-C, and any signal to the driver's process group, reaches the driver alone
     with children_ignore_sigint(), ray_starts_sessions():  # (factory.runtime.lifecycle)
         ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
-                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True)
+                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+                 logging_level=logging.WARNING)  # its "Started a local Ray instance." repeats the display's line
 
 
 # --------------------------------------------------------------------------------------- groups

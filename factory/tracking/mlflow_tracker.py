@@ -191,10 +191,17 @@ def driver_alive(tag: str | None) -> bool | None:
         return False
 
 
-def quiet_exit_flush() -> None:
-    """MLflow's INFO line at exit, "Flushing the async trace logging queue before program exit", printed after
-    the run's summary: its logger at WARNING (its error, if the flush fails, is still said)."""
-    logging.getLogger("mlflow.tracing.export.async_export_queue").setLevel(logging.WARNING)
+# MLflow's INFO lines that cut into the display: "Creating initial MLflow database tables..." and "Updating
+# database tables" (a new store), "Experiment with name 'x' does not exist. Creating a new experiment." (the
+# summary names the experiment and its store), and at exit, after the summary, "Flushing the async trace
+# logging queue before program exit". At WARNING their loggers still say what fails.
+CHATTY_LOGGERS = ("mlflow.store.db.utils", "mlflow.tracking.fluent", "mlflow.tracing.export.async_export_queue")
+
+
+def quiet_mlflow() -> None:
+    """MLflow's INFO lines (CHATTY_LOGGERS) left out of the run's display."""
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_name(spec_name: str) -> str:
@@ -313,6 +320,7 @@ class MlflowTracker:
         `start` to meet and report."""
         import mlflow
 
+        quiet_mlflow()
         with contextlib.suppress(Exception):
             mlflow.set_tracking_uri(self.uri)
             if self.experiment is not None:
@@ -324,7 +332,7 @@ class MlflowTracker:
         assert self.experiment is not None, "a run is written into an experiment"
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(self.experiment)
-        quiet_exit_flush()
+        quiet_mlflow()
         run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = dict(flatten(params))
@@ -401,7 +409,7 @@ class MlflowTracker:
         mlflow.set_tracking_uri(self.uri)
         before = self.client.get_run(resume.run_id)
         idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before, started)
-        quiet_exit_flush()
+        quiet_mlflow()
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
