@@ -150,6 +150,20 @@ async def test_a_server_that_floods_its_stderr_keeps_a_bounded_file():
             assert kept.read().endswith(b"x" * 1000 + b"\nthe last words\n")
 
 
+async def test_a_server_that_logs_between_calls_keeps_a_bounded_file(monkeypatch):
+    """The file was cut back only after a call: a server logging while no call came (a heartbeat, a background
+    index) grew it without bound until the next one. It is checked every STDERR_CHECK_S as well."""
+    from factory.tools import connection
+
+    monkeypatch.setattr(connection, "STDERR_CHECK_S", 0.1)
+    async with ToolBox.from_spec({"faulty": FAULTY}) as box:
+        pid = await server_pid(box)
+        assert (await box.call(call("chatter", lines=30, chars=100_000))).status == "ok"  # 3 MB, after the call
+        await asyncio.sleep(1.0)  # no call comes
+        size = os.stat(f"/proc/{pid}/fd/2").st_size
+        assert size <= connection.STDERR_KEEP_BYTES, size
+
+
 def test_the_stderr_tail_keeps_the_last_lines_within_a_bound():
     from factory.tools.connection import last_lines
 

@@ -42,6 +42,7 @@ STDERR_TAIL_CHARS = 2000
 # The server's stderr file is cut back to its tail once past this size, so that a server that logs at every call
 # (its file is unlinked: `du` does not see it) cannot fill the temp folder over a long run.
 STDERR_KEEP_BYTES = 1 << 20
+STDERR_CHECK_S = 5.0  # and between calls, this often (a server may log while no call comes)
 
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
 TransportFactory = Callable[[IO[bytes]], AbstractAsyncContextManager[Any]]
@@ -281,7 +282,7 @@ class McpConnection:
                                            "the command an MCP server on stdio, or the URL its endpoint?") from None
                     self.session = session
                     ready.set_result(None)
-                    await _first_of(self._closing.wait(), watched.ended.wait())
+                    await _first_of(self._closing.wait(), watched.ended.wait(), self._keep_stderr_bounded())
                     lost = not self._closing.is_set()
                     self.lost = lost
         except Exception as exc:  # the server failed to start, or its transport broke while running
@@ -306,6 +307,11 @@ class McpConnection:
         try:
             return await session.call_tool(name, arguments)
         finally:
+            self._bound_stderr()
+
+    async def _keep_stderr_bounded(self) -> None:
+        while True:
+            await asyncio.sleep(STDERR_CHECK_S)
             self._bound_stderr()
 
     def _bound_stderr(self) -> None:

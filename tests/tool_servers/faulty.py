@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -67,6 +69,19 @@ def die_saying(lines: int) -> str:
         print(f"stderr line {i}", file=sys.stderr)
     print("RuntimeError: the index file is gone", file=sys.stderr, flush=True)
     os._exit(3)
+
+
+@server.tool(structured_output=False)
+def chatter(lines: int, chars: int) -> str:
+    """Answer at once, then write `lines` lines of `chars` characters to stderr from a thread (a server that
+    logs between calls)."""
+    def write():
+        time.sleep(0.3)  # after the answer is read
+        for i in range(lines):
+            print(f"{i:06d}" + "y" * chars, file=sys.stderr, flush=True)
+
+    threading.Thread(target=write, daemon=True).start()
+    return "started"
 
 
 @server.tool(structured_output=False)
