@@ -310,9 +310,15 @@ class McpConnection:
             self._bound_stderr()
 
     async def _keep_stderr_bounded(self) -> None:
+        """Never ends by itself: its end would read as the server lost (`_own`). `_bound_stderr` says nothing
+        of the OSErrors it meets; anything else stops the checks, said once."""
         while True:
             await asyncio.sleep(STDERR_CHECK_S)
-            self._bound_stderr()
+            try:
+                self._bound_stderr()
+            except Exception as exc:  # noqa: BLE001 -- the server runs on, only its stderr goes unchecked
+                log.warning("tool server %s: its stderr file is no longer kept short: %s", self.label, describe(exc))
+                await asyncio.Event().wait()
 
     def _bound_stderr(self) -> None:
         """Past STDERR_KEEP_BYTES, cut the server's stderr file back to the tail error messages read."""
