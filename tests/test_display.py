@@ -116,6 +116,11 @@ def test_in_a_log_file_each_line_a_user_greps_is_one_line(capsys, monkeypatch):
     assert ("MLflow run 0123456789abcdef0123456789abcdef in experiment 'tiny' "
             "(sqlite:///a/store/whose/path/is/long/mlflow.db), 0.7 min") in lines
     assert f"final model (HF folder): {long}/step_1/hf" in lines
+    with Display(1) as d:  # a resumed run's: this session's time and the whole run's
+        d.summary(RunResult("abc", {}, {}, None), experiment="tiny", experiment_id="3", uri="sqlite:///m.db",
+                  wall_s=42, run_s=720)
+    assert "MLflow run abc in experiment 'tiny' (sqlite:///m.db), 0.7 min this session, 12.0 min in all" in \
+        capsys.readouterr().err.splitlines()
     assert "see it: factory ui --uri sqlite:///a/store/whose/path/is/long/mlflow.db   (the MLflow UI of this " \
            "store; `factory runs` lists its runs)" in lines
 

@@ -18,6 +18,7 @@ neither the MLflow store nor the logs.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_projec
     when = f"(run 1 killed at {killed['when']})"
     assert f"resuming run {run.info.run_id}" in resumed["err"], resumed["err"][-2000:]
     assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1", when
+    # its summary: this session's time, and the run's over both sessions (as `factory runs` counts it)
+    assert re.search(r"\), \d+\.\d min this session, \d+\.\d min in all\n", resumed["err"]), resumed["err"][-600:]
     # every metric holds each step exactly once, none lost, none logged twice: the steps run 2 logged (it
     # stopped after step STEPS, so its only evaluation was at step 0)
     second = resumed["second"].info.run_id

@@ -113,9 +113,11 @@ class Display:
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {fmt_number(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 
-    def summary(self, result: Any, *, experiment: str, experiment_id: str, uri: str, wall_s: float) -> None:
+    def summary(self, result: Any, *, experiment: str, experiment_id: str, uri: str, wall_s: float,
+                run_s: float | None = None) -> None:
         """The run's end (`result`: factory.runtime.driver.RunResult): its evaluations at step 0 and at the
-        last step evaluated, each under its own step (a stopped run's last evaluation may be step 0's)."""
+        last step evaluated, each under its own step (a stopped run's last evaluation may be step 0's).
+        `wall_s`: this command's time; `run_s`: a resumed run's over all its sessions."""
         run_id, before, after, checkpoint = result.run_id, result.before, result.after, result.checkpoint
         ended = (f"halted after step {result.last_step}" if result.halted else
                  f"stopped after step {result.last_step}" if result.stopped else "finished")
@@ -137,7 +139,8 @@ class Display:
                                "why): the model is the one it started from", style="yellow")
         if not result.after_step and result.last_step:
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
-        self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {wall_s / 60:.1f} min")
+        took = f"{wall_s / 60:.1f} min" + (f" this session, {run_s / 60:.1f} min in all" if run_s is not None else "")
+        self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {took}")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
             self.console.print(f"final adapters (peft folder): {shown_path(Path(checkpoint, 'adapter'))}; merged "
                                f"model: factory export {run_id} --out DIR")

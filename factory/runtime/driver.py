@@ -839,8 +839,19 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
             result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
             opened.status = result.status
     display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
-                    wall_s=time.time() - startup.t0)
+                    wall_s=time.time() - startup.t0, run_s=whole_run_s(tracker) if resume else None)
     return result
+
+
+def whole_run_s(tracker: Tracker) -> float | None:
+    """A resumed run's time over all its sessions, as `factory runs` counts it (less the time it had no
+    driver); None when the store cannot say it now (its records still spooled)."""
+    from factory.tracking.runs import run_summary
+
+    try:
+        return run_summary(tracker.run(tracker.run_id))["duration_s"]
+    except Exception:  # noqa: BLE001 -- the summary says this session's time alone
+        return None
 
 
 def prepare_in_background(tracker: Tracker) -> threading.Thread:
