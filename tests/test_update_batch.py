@@ -284,3 +284,33 @@ def test_deepspeeds_deprecated_collectives_do_not_reach_the_display():
                 collective(torch.zeros(2), torch.zeros(1))
         warnings.warn("another", FutureWarning)
     assert [str(w.message) for w in seen] == ["another"]
+
+
+def test_a_world_of_several_nccl_ranks_is_bound_to_each_ranks_gpu(monkeypatch):
+    """Factory makes the update's process group itself, so it binds the GPU where DeepSpeed's own init would
+    have: each rank's (LOCAL_RANK's) in a world of 2+ NCCL ranks; never a world of one (deepspeed#8248) nor gloo."""
+    from factory.update.engine import bound_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert bound_device("nccl", 2) == torch.device("cuda", 1)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert bound_device("nccl", 4) == torch.device("cuda", 0)
+    assert bound_device("nccl", 1) is None and bound_device("gloo", 4) is None
+
+
+def test_a_single_rank_cuda_update_does_not_warn_of_its_barrier_device():
+    """The first CUDA run printed torch's "barrier(): using the device under current context" from every update
+    process (a world of one, left unbound); the text is torch's own, read from its barrier()."""
+    import inspect
+    import warnings
+
+    from factory.update.engine import quiet_single_rank_barrier
+
+    text = "barrier(): using the device under current context. "
+    assert text in inspect.getsource(torch.distributed.distributed_c10d.barrier)  # torch still says it
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_single_rank_barrier()
+        warnings.warn(text + "You can specify `device_id` in `init_process_group` to mute this warning.", UserWarning)
+        warnings.warn("barrier(): something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["barrier(): something else"]

@@ -67,7 +67,8 @@ def init_process_group() -> None:
         if is_loopback(addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = rendezvous_store(addr, port, rank, world)
-        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                             device_id=bound_device(backend, world))
     elif world == 1:
         # DeepSpeed reads its rank from the environment; what we add is taken away again by
         # release_process_group, so a later library in this process (accelerate, a test) does not take a
@@ -76,9 +77,35 @@ def init_process_group() -> None:
         os.environ.update(own)
         _ENV_SET_BY_US.update(own)
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        if backend == "nccl":
+            quiet_single_rank_barrier()
     skip_shm_op()
     quiet_deprecated_collectives()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)  # adopts an initialised group as it is
+
+
+def bound_device(backend: str, world: int) -> torch.device | None:
+    """The GPU a world's process group is bound to (`device_id` of torch's init_process_group), or None.
+
+    NCCL with 2+ ranks: the rank's own GPU, LOCAL_RANK's (0 under Ray, which shows each rank its GPU alone),
+    as DeepSpeed's own init binds it when it makes the group (we make it ourselves, so we must say it). Bound,
+    NCCL's communicator is made at once, so a broken NCCL fails at start-up rather than at the first
+    collective, and every barrier() runs on that GPU; unbound, torch guesses the device and warns "barrier():
+    using the device under current context" on every rank-0 process. Not in a world of one, which DeepSpeed
+    also leaves unbound (deepspeed#8248: a bound one-rank group builds its sub-groups with ncclCommSplit,
+    which failed on single-GPU machines), nor on gloo, which computes on the CPU."""
+    if backend != "nccl" or world < 2:
+        return None
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def quiet_single_rank_barrier() -> None:
+    """A world of one on CUDA stays unbound (`bound_device`), so torch warns at DeepSpeed's first barrier
+    (a checkpoint's) that it uses "the device under current context". That device is the engine's GPU, the
+    one device of that world (DeepSpeed made LOCAL_RANK's current), so the warning, printed once by every
+    update process, is noise no user can act on. Only that message is silenced."""
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"barrier\(\): using the device under current context")
 
 
 def quiet_deprecated_collectives() -> None:
