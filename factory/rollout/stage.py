@@ -133,7 +133,7 @@ class RolloutStage(StageActor):
 
         from factory.assets import resolve_model
         from factory.rollout.chat import ChatFormat
-        from factory.rollout.engine import make_engine
+        from factory.rollout.engine import gpu_share, make_engine
         from factory.tools.client import ToolsClient
         from factory.util import resolve_file
 
@@ -150,7 +150,7 @@ class RolloutStage(StageActor):
         else:
             self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
                                       stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
-                                      gpus=max(1, int(s.num_gpus)), lora=s.model.lora,
+                                      gpus=max(1, int(s.num_gpus)), gpu_share=gpu_share(s.num_gpus), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
         # the model's context (a served model's is the server's to enforce)
         self.context = None if s.endpoint else _context_tokens(model_path)
