@@ -144,7 +144,8 @@ def cuda_devices() -> tuple[Device, ...]:
 # ------------------------------------------------------------------------------------------ choosing
 def stage_device(num_gpus: float) -> DeviceKind:
     """Where a stage computes: CUDA when it reserved a GPU (Ray then makes one visible to it), else CPU.
-    A stage without a GPU reservation sees no CUDA device under Ray, whatever the machine has."""
+    A stage without a GPU reservation sees no CUDA device under Ray, whatever the machine has (Ray 2.60 needs
+    telling: factory.runtime.driver._STAGE_ENV)."""
     return "cuda" if num_gpus > 0 else "cpu"
 
 

@@ -138,3 +138,23 @@ def test_stages_that_a_local_ray_cannot_hold_together_fail_at_once():
         "and each stage holds its share for the whole run: reserve less (the spec's `resources`), or join a Ray "
         "cluster that has room (resources.ray_address or $RAY_ADDRESS)")
     assert "reserve 0.5 judge_slot in all" in room_problem([stage("judge", {"judge_slot": 0.5})], {"CPU": 2.0})
+
+
+class _Visible:
+    def cuda(self) -> str | None:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_stage_that_reserved_no_gpu_sees_none(local_ray):
+    """Ray 2.60 left an actor with num_gpus=0 every GPU of its machine (CUDA_VISIBLE_DEVICES untouched): on a GPU
+    machine a CPU stage's vLLM computed on a GPU nobody had reserved. Every Ray process of a run starts with
+    the environment the driver gives them (factory.runtime.driver._STAGE_ENV), which hides them again."""
+    import ray
+
+    from factory.runtime.driver import _STAGE_ENV
+
+    actor = ray.remote(_Visible).options(num_cpus=0, num_gpus=0, runtime_env={"env_vars": _STAGE_ENV}).remote()
+    try:
+        assert ray.get(actor.cuda.remote(), timeout=120) == ""
+    finally:
+        ray.kill(actor)

@@ -80,6 +80,12 @@ class RunResult:
 # warnings) out of the run's display.
 _QUIET = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+# What every Ray process of a run starts with: the quiet libraries above, and a stage that reserved no GPU
+# sees none (CUDA_VISIBLE_DEVICES=""), which factory.device.stage_device rests on. Ray 2.60 stopped hiding
+# them by itself (ray#54868): such an actor saw every GPU of its machine, so on a GPU machine a CPU stage's
+# vLLM (upstream's CUDA build, what bin/setup installs there) found CUDA and computed on a GPU nobody had
+# reserved, beside the stages that had, while the run's params said cpu. This switch is Ray's way back.
+_STAGE_ENV = {**_QUIET, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
 
 
 def start_ray(cluster: ClusterSettings) -> None:
@@ -122,7 +128,7 @@ def _start_ray(cluster: ClusterSettings) -> None:
     address = cluster.ray_address
     if address:  # a cluster's own settings (its token, if it has one) decide
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _QUIET})
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _STAGE_ENV})
         return
     check_ray_on_loopback()
     temp = private_dir() / "ray"
@@ -137,7 +143,7 @@ def _start_ray(cluster: ClusterSettings) -> None:
     # The Ray processes inherit this environment: a job-level runtime_env would make every stage actor
     # wait for a worker started for that env (setup_worker.py, through Ray's runtime-env agent) while the
     # workers Ray starts ahead of time for plain tasks sit idle -- two more Python start-ups per run.
-    for key, value in _QUIET.items():
+    for key, value in _STAGE_ENV.items():
         os.environ.setdefault(key, value)
     # a terminal's Ctrl-C, and any signal to the driver's process group, reaches the driver alone
     with children_ignore_sigint(), ray_starts_sessions():  # (factory.runtime.lifecycle)
