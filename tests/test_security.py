@@ -171,6 +171,16 @@ def test_a_world_of_ranks_meets_on_rank_0s_address_alone():
     assert listening == {"127.0.0.1"}
 
 
+def test_a_local_worlds_collectives_listen_on_loopback_too():
+    """gloo's pairs were kept on loopback, but NCCL's bootstrap listens on the machine's first interface that is
+    not loopback unless told: a local run's CUDA update ranks listened on the machine's network."""
+    from factory.update.engine import loopback_sockets
+
+    assert loopback_sockets("127.0.0.1") == loopback_sockets("::1") == {"GLOO_SOCKET_IFNAME": "lo",
+                                                                         "NCCL_SOCKET_IFNAME": "lo"}
+    assert loopback_sockets("10.0.0.7") == {}  # a cluster's nodes meet on their own address
+
+
 def test_the_per_user_folder_is_private_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
     """Ray's session files and the driver records go in `factory-<uid>` in the temp folder: a name anyone
     can predict. Made 0700; one made by another user, or writable by others, is refused."""

@@ -62,10 +62,10 @@ def init_process_group() -> None:
     if world > 1 and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         # Factory's own world (the update stage's replicas, factory.update.stage), not a launcher's: the
         # rendezvous store listens on rank 0's node address alone -- loopback on a local Ray -- where
-        # env:// would listen on every interface, and gloo's pairs use the same interface.
+        # env:// would listen on every interface, and gloo's and NCCL's own sockets stay there too.
         addr, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
-        if is_loopback(addr):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        for key, value in loopback_sockets(addr).items():
+            os.environ.setdefault(key, value)
         store = rendezvous_store(addr, port, rank, world)
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world,
                                              device_id=bound_device(backend, world))
@@ -129,6 +129,14 @@ def skip_shm_op() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def loopback_sockets(addr: str) -> dict[str, str]:
+    """The environment that keeps a world's collective sockets on loopback when it meets there (a local
+    Ray): gloo's pairs and NCCL's bootstrap and socket transport listen on an interface of their own choosing,
+    for NCCL the machine's first one that is not loopback, where nothing else of the run listens (the ranks of
+    one machine talk over NVLink or shared memory anyway). {} for a cluster's address."""
+    return {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"} if is_loopback(addr) else {}
 
 
 def is_loopback(addr: str) -> bool:
