@@ -181,9 +181,17 @@ def resolve_dtype(compute: Compute) -> str:
 
 
 def half_precision_warning(kind: DeviceKind, dtype: str) -> str | None:
-    """The warning for an EXPLICIT bfloat16/float16 setting on a CPU that emulates it; None if fine.
-    (CPUs have no fast float16 matmuls outside AMX-FP16 server parts, so float16 always warns on CPU.)"""
-    if kind != "cpu" or dtype not in ("bfloat16", "float16"):
+    """The warning for an EXPLICIT bfloat16/float16 setting on a device that emulates it; None if fine.
+    (CPUs have no fast float16 matmuls outside AMX-FP16 server parts, so float16 always warns on CPU; GPUs
+    before Ampere have float16 but not bfloat16.)"""
+    if kind == "cuda":
+        device = probe(kind)
+        if dtype != "bfloat16" or device.fast_bf16 or not cuda_devices():
+            return None
+        return (f"bfloat16 on this GPU ({device.name}; {device.why}) is not native (it is from compute capability "
+                "8.0, Ampere, on): vLLM refuses it and torch emulates it slowly; use float16 or float32, or `auto` "
+                "where the setting has it")
+    if dtype not in ("bfloat16", "float16"):
         return None
     device = probe(kind)
     if dtype == "bfloat16" and device.fast_bf16:

@@ -125,6 +125,23 @@ def test_check_warns_about_explicit_bf16_on_a_slow_cpu(project, fake):
     assert compile_file(project.spec(base, "auto.yaml"))[1].warnings == ()  # auto never warns: it falls back
 
 
+def test_check_warns_about_explicit_bf16_on_a_gpu_before_ampere(project, monkeypatch):
+    """A T4 or V100 (compute capability 7.x) has no bf16: vLLM refuses an explicit bfloat16 there (`auto` picks
+    float32), and nothing said so before the run."""
+    t4 = Device("cuda", "Tesla T4", False, "compute capability 7.5")
+    monkeypatch.setattr(device, "cuda_devices", lambda: (t4,))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    base = _base(project, "dev_t4") + "resources:\n  rollout: {num_gpus: 1}\n"
+    assert [str(w) for w in compile_file(project.spec(base + "rollout: {dtype: bfloat16}\n"))[1].warnings] == [
+        "spec.yaml:11: rollout.dtype: warning: bfloat16 on this GPU (Tesla T4; compute capability 7.5) is not "
+        "native (it is from compute capability 8.0, Ampere, on): vLLM refuses it and torch emulates it slowly; use "
+        "float16 or float32, or `auto` where the setting has it"]
+    assert compile_file(project.spec(base + "rollout: {dtype: float16}\n", "f16.yaml"))[1].warnings == ()
+    assert compile_file(project.spec(base, "auto.yaml"))[1].warnings == ()
+    monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),))
+    assert compile_file(project.spec(base + "rollout: {dtype: bfloat16}\n", "a100.yaml"))[1].warnings == ()
+
+
 def test_gpus_asked_on_a_machine_without_cuda_fail_at_check(project, monkeypatch):
     monkeypatch.setattr(device, "cuda_devices", lambda: ())
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
