@@ -122,9 +122,9 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGTERM and _echo():
             return
-        # Python runs a handler once for every SIGINT that arrived while the main thread was in C code (Ray's
-        # `get` looks for signals once a second): the wakeup fd holds a byte per signal, so two Ctrl-Cs heard
-        # at once are still two. (SIGTERMs at once are `timeout`'s echo, above.)
+        # Python runs the handler once for all the SIGINTs that arrived while the main thread was in C code
+        # (Ray's `get` looks for signals once a second): the wakeup fd holds a byte per signal, so two Ctrl-Cs
+        # heard at once are still two. (SIGTERMs at once are `timeout`'s echo, above.)
         presses = self._heard().count(signal.SIGINT) if signum == signal.SIGINT else 1
         if self.requested:
             raise KeyboardInterrupt
