@@ -11,6 +11,8 @@ with `resources.rollout.num_gpus=0.5 resources.update.num_gpus=0.5`):
                    (`algorithm.rollout_correction: {kind: tis}`)
   tiny_hf, tiny_lora_hf  (asked for by name) the tiny spec, without and with LoRA + TIS, on transformers'
                    engine on CUDA: a GPU machine without vLLM
+  tiny_bf16_zero2_hf, tiny_zero3_hf  (by name) the same with bf16 weights (DeepSpeed's bf16 mode) under
+                   ZeRO-2, and with ZeRO-3 (partitioned weights gathered for each sync)
 
 Read back from each run's MLflow store: where each stage ran and in what dtype (resolved.* params),
 generation tokens/s, step, update and weight-sync times, and the engine/learner log-prob agreement after a
@@ -83,6 +85,14 @@ CHECKS: dict[str, Check] = {
     "tiny_hf": Check("specs/tiny.yaml", TINY_HF, {**ON_CUDA, "rollout.engine": "hf"}),
     "tiny_lora_hf": Check("specs/tiny.yaml", (*TINY_HF, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),
                           {**ON_CUDA, "rollout.engine": "hf"}, lora=True, tis=True),
+    # DeepSpeed's own bf16 mixed precision (bf16 weights, fp32 master copy in the optimizer) under ZeRO-2,
+    # instead of fp32 weights under autocast: the other precision path a GPU user picks.
+    "tiny_bf16_zero2_hf": Check("specs/tiny.yaml", (*TINY_HF, "model.dtype=bfloat16", "train.deepspeed.zero_stage=2"),
+                                {"rollout.device": "cuda", "update.device": "cuda", "update.dtype": "bfloat16",
+                                 "update.autocast": "off", "rollout.engine": "hf"}),
+    # ZeRO-3: the parameters are partitioned, so the weight sync has to gather them before sending.
+    "tiny_zero3_hf": Check("specs/tiny.yaml", (*TINY_HF, "train.deepspeed.zero_stage=3"),
+                           {**ON_CUDA, "rollout.engine": "hf"}),
 }
 DEFAULT = ["tiny_vllm", "quickstart_bf16", "quickstart_lora"]  # the vLLM ones; the hf ones are asked for by name
 
