@@ -227,6 +227,10 @@ def test_a_python_server_sees_factorys_pythonpath_and_a_foreign_one_does_not(tmp
     own = StdioServer(command="python3", env={"PYTHONPATH": "/mine"})
     assert stdio_parameters(own, tmp_path).env == {"PYTHONPATH": "/mine"}  # the spec's own wins
     assert stdio_parameters(StdioServer(command="uvx", args=["srv"]), tmp_path).env is None  # its own venv
+    # the interpreter named by its path (bench/agentic.py writes sys.executable into its spec): seen on the GPU
+    # machine, whose tool server found no pydantic from the carried wheels
+    by_path = stdio_parameters(StdioServer(command=sys.executable, args=["srv.py"]), tmp_path)
+    assert by_path.env == {"PYTHONPATH": "/repo:/site"}
 
 
 def test_http_headers_come_from_the_environment():

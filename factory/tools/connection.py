@@ -56,15 +56,17 @@ def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerPar
     """The SDK's launch parameters for a stdio server spec.
 
     `python`/`python3` mean the interpreter running Factory, so a server module sees the same
-    packages whether or not the venv is activated; such a server also gets Factory's PYTHONPATH (a
-    checkout run without installing, packages installed with `pip --target`), which the SDK's default
-    set leaves out. A relative command path with a slash and a relative `cwd` are resolved against
+    packages whether or not the venv is activated; such a server (or one whose command is that
+    interpreter's path, as a program that writes `sys.executable` into a spec does) also gets Factory's
+    PYTHONPATH (a checkout run without installing, packages installed with `pip --target`), which the
+    SDK's default set leaves out. A relative command path with a slash and a relative `cwd` are resolved against
     `base_dir` (the spec's folder). The environment is the SDK's safe default set (HOME, PATH, ...)
     plus `env` from the spec.
     """
     command, env = spec.command, dict(spec.env)
     if command in ("python", "python3"):
         command = sys.executable
+    if command == sys.executable:  # by path, not samefile: another venv's python links to the same binary
         if os.environ.get("PYTHONPATH") and "PYTHONPATH" not in env:
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     elif base_dir is not None and os.sep in command and not os.path.isabs(command):
