@@ -148,7 +148,7 @@ rewards:
   judge: {{llm_judge: judge.jinja, endpoint: '{judge_url}', concurrency: 256, timeout_s: 120}}
   total: {{sum: {{correct: 1.0, judge: 0.1}}}}
 rollout: {{group_size: {a.group_size}, max_turns: {a.max_turns}, max_new_tokens: {a.max_new_tokens},
-          max_total_tokens: 1024, temperature: 1.0}}
+          max_total_tokens: 1024, temperature: 1.0, dtype: {a.dtype}}}
 train: {{prompts_per_step: {a.prompts}, threads: {a.threads}}}
 """)
     spec, plan = compile_file(folder / "spec.yaml")
@@ -373,7 +373,7 @@ def main(a: argparse.Namespace) -> dict:
     print(cpu_line())
     print(f"{a.prompts} prompts x {a.group_size} samples, up to {a.max_turns} turns of {a.max_new_tokens} tokens; "
           f"tool latency {a.tool_latency:g} s; judge latency {a.judge_latency:g} s, capacity {a.judge_capacity}; "
-          f"{a.repeats} repeats alternated; model {a.model}")
+          f"{a.repeats} repeats alternated; model {a.model} in {a.dtype}")
     with tempfile.TemporaryDirectory(prefix="factory-agentic-") as tmp:
         out = asyncio.run(measure(a, Path(tmp)))
     times = out["times"]
@@ -402,6 +402,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool call takes")
     parser.add_argument("--judge-latency", type=float, default=0.5, help="seconds each judge request takes")
     parser.add_argument("--judge-capacity", type=int, default=8, help="judge requests served at once")
+    # float32 by default: seeded sampling builds the same trajectories in every contender only while the
+    # engine's logits do not depend on which requests share a batch. In bf16 they do: on an AVX-512/AMX
+    # Xeon (transformers' engine, bf16) the synchronous-turn loop built 1 of 32 trajectories otherwise.
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="the rollout engine's dtype (rollout.dtype) in every contender")
     parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke test, not a measurement)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the tool server
     parser.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)  # internal: be the judge

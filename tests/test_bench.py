@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agentic import Lockstep, differing
+from bench.agentic import Lockstep, differing, make_spec, parse_args
 from bench.common import cpu, judge_targets, print_json, pythonpath, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
@@ -100,6 +100,15 @@ def test_every_contender_builds_the_same_trajectories_on_a_real_engine():
     # and the check can fail: unseeded, the baseline samples other trajectories
     unseeded = asyncio.run(Lockstep(engine, chat, Calculator(), cfg, prompts, 4).run(False))
     assert differing(ours, unseeded) > 0
+
+
+def test_the_agentic_benchmark_samples_in_float32_unless_told(tmp_path: Path):
+    # in bf16 a batch's logits can depend on its other requests: on an AMX Xeon the synchronous-turn loop
+    # then built 1 of 32 trajectories differently and the benchmark stopped
+    spec, _ = make_spec(parse_args([]), "http://127.0.0.1:9/v1", tmp_path)
+    assert spec.rollout.dtype == "float32"
+    spec, _ = make_spec(parse_args(["--dtype", "auto"]), "http://127.0.0.1:9/v1", tmp_path)
+    assert spec.rollout.dtype == "auto"
 
 
 def test_the_update_profile_sorts_ops_by_whole_names():
