@@ -1,4 +1,5 @@
 import io
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -194,3 +195,12 @@ def test_the_summary_of_a_run_with_its_own_store_ignores_a_refused_environment_s
         d.summary(RunResult("abc", {}, {}, None, last_step=1), experiment="e", experiment_id="3",
                   uri="sqlite:///x.db", wall_s=6)
     assert "see it: factory ui --uri sqlite:///x.db" in out.getvalue()
+
+
+def test_a_status_line_is_printed_as_written_on_a_terminal_too():
+    # a monitor's reason or a path with brackets: read as markup, `[/x]` made rich raise MarkupError
+    out = io.StringIO()
+    with Display(2, console=Console(file=out, width=200, force_terminal=True, log_path=False)) as d:
+        d.status("warning: monitor tool_call_rate fired at step 3: [/calls] rose [bold]2x[/bold]")
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the terminal's colours out
+    assert "[/calls] rose [bold]2x[/bold]" in plain

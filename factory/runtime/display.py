@@ -47,18 +47,20 @@ class Display:
     def __exit__(self, *exc: object) -> None:
         self._progress.__exit__(*exc)
 
-    def _log(self, text: str, style: str | None = None, markup: bool = False) -> None:
+    def _log(self, text: str, style: str | None = None) -> None:
         """A timed line: rich's log on a terminal; in a log file one line however long (rich's log wraps
-        at 80 columns there and pads every line with spaces, so a grep for a step's loss missed it)."""
+        at 80 columns there and pads every line with spaces, so a grep for a step's loss missed it). Never
+        read as markup: lines carry paths, tool names and monitors' reasons, and a `[/...]` in one made
+        rich raise on a terminal (and print the brackets in a log file)."""
         if self.console.is_terminal:
-            self._progress.console.log(text, style=style, markup=markup)
+            self._progress.console.log(text, style=style, markup=False)
         else:
             self.console.print(f"{self.console.get_datetime():[%X]} {text}", style=style, markup=False,
                                highlight=False, soft_wrap=True)
 
     def status(self, text: str) -> None:
         """A one-off line for slow phases (starting Ray, building the model, evaluating)."""
-        self._log(text, markup=True)
+        self._log(text)
 
     def warning(self, text: str) -> None:
         """A one-off line the user should read before the run goes on (it does go on)."""
