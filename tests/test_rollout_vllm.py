@@ -366,3 +366,25 @@ def test_vllm_starts_in_a_process_that_imported_numba():
 
     _llvmlite_answers_vars()
     _rebind_kernels([])  # the scan itself, with nothing to rebind
+
+
+def test_starting_vllm_on_a_cpu_prints_nothing_the_user_must_read():
+    """Every CPU run's display showed torch's "Triton not available" and a FutureWarning per module that
+    vLLM's kernel dispatcher scanned (`torch.distributed.reduce_op` is deprecated) from the rollout actor."""
+    import logging
+    import warnings
+
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    from factory.rollout.engine_vllm import _quiet_vllm_imports
+
+    with warnings.catch_warnings(record=True) as before:
+        warnings.simplefilter("always")
+        _rebind_kernels([])
+    assert any("reduce_op" in str(w.message) for w in before)  # what the scan says unasked (the test can fail)
+    with warnings.catch_warnings(record=True) as after:
+        warnings.simplefilter("always")
+        _quiet_vllm_imports()
+        _rebind_kernels([])
+    assert not [str(w.message) for w in after if "reduce_op" in str(w.message)]
+    assert logging.getLogger("torch._library.triton").getEffectiveLevel() == logging.ERROR

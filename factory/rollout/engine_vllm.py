@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,14 @@ def _llvmlite_answers_vars() -> None:
         table.setdefault("__dict__", {})
 
 
+def _quiet_vllm_imports() -> None:
+    """Silence what importing vLLM prints on every CPU run, none of it the user's to act on: torch's
+    "Triton not available" (no Triton on a CPU) and torch.distributed's deprecation of `reduce_op`, which
+    vLLM's kernel dispatcher touches while it scans modules."""
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+
+
 class VLLMEngine:
     """vLLM behind the `Engine` protocol (see the module docstring)."""
 
@@ -112,6 +121,7 @@ class VLLMEngine:
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines and per-weight dtype warnings would flood the run's display
+        _quiet_vllm_imports()
         threads = threads or torch.get_num_threads()
         if device == "cpu":
             # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set; the rollout's own
@@ -143,6 +153,7 @@ class VLLMEngine:
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: RL samples what the spec says
             skip_tokenizer_init=True,  # ids in, ids out: no detokenizing on the hot path
             disable_log_stats=True,
+            use_tqdm_on_load=False,  # a progress bar for one shard, in the middle of the run's display
             # k GPUs per rollout replica (resources.rollout.num_gpus) split each layer over them; the compiler
             # checked that k divides the attention heads. vLLM then runs a worker process per GPU.
             tensor_parallel_size=tensor_parallel_size,
