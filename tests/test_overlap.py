@@ -127,7 +127,10 @@ def test_carry_streams_along_a_stream_edge_and_calls_whole_batches_otherwise(loc
     edges = [Edge("data", "rollout", "batch", method="generate", fetch="next_batch"),
              Edge("rollout", "reward", "trajectories", method="score", stream="trajectory")]
     trajs, m = carry(g, edges, 4, display=Display(), label="step 1", step=1)
-    assert len(trajs) == 4 * GROUP and min(t.reward for t in trajs) < m["test/ended_at"] - GAP_S / 2
+    # streamed: the first group was scored before the rollout ended (a whole batch would be scored after).
+    # Not by a margin: on 2 loaded cores (CI beside another suite) the first score came 0.12 s before the
+    # end, its group having ended 0.3 s before it.
+    assert len(trajs) == 4 * GROUP and min(t.reward for t in trajs) < m["test/ended_at"]
     assert math.isfinite(m["timing/reward_wall_s"])
 
 
