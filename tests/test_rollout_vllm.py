@@ -376,7 +376,7 @@ def test_starting_vllm_on_a_cpu_prints_nothing_the_user_must_read():
 
     from vllm.triton_utils.dispatcher import _rebind_kernels
 
-    from factory.rollout.engine_vllm import _quiet_vllm_imports
+    from factory.rollout.engine_vllm import _quiet_vllm_start
 
     with warnings.catch_warnings(record=True) as before:
         warnings.simplefilter("always")
@@ -384,7 +384,7 @@ def test_starting_vllm_on_a_cpu_prints_nothing_the_user_must_read():
     assert any("reduce_op" in str(w.message) for w in before)  # what the scan says unasked (the test can fail)
     with warnings.catch_warnings(record=True) as after:
         warnings.simplefilter("always")
-        _quiet_vllm_imports()
+        _quiet_vllm_start()
         _rebind_kernels([])
     assert not [str(w.message) for w in after if "reduce_op" in str(w.message)]
     assert logging.getLogger("torch._library.triton").getEffectiveLevel() == logging.ERROR

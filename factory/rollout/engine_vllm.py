@@ -100,10 +100,11 @@ def _llvmlite_answers_vars() -> None:
         table.setdefault("__dict__", {})
 
 
-def _quiet_vllm_imports() -> None:
-    """Silence what importing vLLM prints on every CPU run, none of it the user's to act on: torch's
+def _quiet_vllm_start() -> None:
+    """Silence what starting vLLM's engine prints on every CPU run, none of it the user's to act on: torch's
     "Triton not available" (no Triton on a CPU) and torch.distributed's deprecation of `reduce_op`, which
-    vLLM's kernel dispatcher touches while it scans modules."""
+    vLLM's kernel dispatcher touches while it scans modules as the engine starts (not on import). Runs at
+    every engine construction; `warnings.filterwarnings` replaces an identical filter, so none pile up."""
     logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
 
@@ -121,7 +122,7 @@ class VLLMEngine:
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines and per-weight dtype warnings would flood the run's display
-        _quiet_vllm_imports()
+        _quiet_vllm_start()
         threads = threads or torch.get_num_threads()
         if device == "cpu":
             # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set; the rollout's own
