@@ -593,6 +593,22 @@ def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
     assert good.non_finite_steps == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_with_inf_or_nan_are_found_whatever_their_sum(dtype):
+    """The check before a weight sync or a checkpoint sums each tensor first: a NaN, an inf, or infs of both
+    signs are found; finite weights whose sum overflows are not taken for non-finite; integer buffers pass."""
+    import math
+
+    from factory.update.learner import NonFiniteUpdate, _check_finite
+
+    big = torch.finfo(dtype).max
+    _check_finite({"w": torch.full((4,), big, dtype=dtype), "steps": torch.tensor([7]), "e": torch.empty(0, dtype=dtype)})
+    assert not math.isfinite(torch.full((4,), big, dtype=dtype).sum())  # the sum overflows: the slow path decided
+    for bad in ([1.0, math.nan], [1.0, math.inf], [math.inf, -math.inf], [-math.inf, 2.0]):
+        with pytest.raises(NonFiniteUpdate, match="hold inf or NaN \\(bad\\)"):
+            _check_finite({"ok": torch.ones(3, dtype=dtype), "bad": torch.tensor(bad, dtype=dtype)})
+
+
 # ------------------------------------------------------------------------ turn credit (algorithm.credit)
 def with_turns(trajs, split):
     """`batch()`'s trajectories (2 model tokens, a 2-token tool response, the rest model tokens) as two turns

@@ -652,8 +652,14 @@ def _rollout_logprobs(trajs: list[Trajectory]) -> Tensor | None:
 
 def _check_finite(weights: dict[str, Tensor]) -> None:
     """Weights with an inf or NaN go nowhere: the updates that could make them are skipped (see `_update`),
-    so one here is a bug or a path we did not foresee, and it must not reach the rollout or a checkpoint."""
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    so one here is a bug or a path we did not foresee, and it must not reach the rollout or a checkpoint.
+
+    Each tensor's sum first: an inf or NaN anywhere makes it non-finite, so a finite sum clears the tensor
+    in one read (SmolLM2's 0.54 GB: 0.02 s, against 0.31 s for `isfinite(...).all()`, which writes a bool
+    per weight: a quarter of a CPU weight sync). Only a non-finite sum -- a real inf/NaN, or finite weights
+    whose sum overflows -- is looked at element by element."""
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not math.isfinite(v.sum())
+           and not bool(torch.isfinite(v).all())]
     if bad:
         raise NonFiniteUpdate(f"the policy's weights hold inf or NaN ({', '.join(bad[:3])}"
                               f"{', ...' if len(bad) > 3 else ''}): not synced to the rollout, not checkpointed")
