@@ -162,3 +162,33 @@ def test_a_padded_masked_call_on_cpu_reads_grouped_keys_and_equals_transformers_
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_attention_on_cpu_under_bf16_autocast_is_computed_in_float32(packed):
+    # bf16 q/k/v (what the projections give under autocast): the attention is the float32 one of the same
+    # values, rounded to bf16 once at the end -- not torch's bf16 kernel (slower on CPU, and coarser). Both
+    # CPU paths: the packed rows after a prefix, and the padded layout's masked call.
+    from factory.update.logprobs import packed_attention
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups = 3
+        is_causal = True
+
+    torch.manual_seed(0)
+    prefix, lengths, heads, groups, dim = 40, [30, 7, 19], 9, 3, 64
+    rows, keys = (1, sum(lengths)) if packed else (3, 30)
+    q = torch.randn(rows, heads, keys, dim).bfloat16().requires_grad_()
+    k = torch.randn(rows, groups, prefix + keys, dim).bfloat16().requires_grad_()
+    v = torch.randn(rows, groups, prefix + keys, dim).bfloat16().requires_grad_()
+    mask = None if packed else torch.ones(rows, 1, keys, prefix + keys, dtype=torch.bool).tril(prefix)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention(Layer(), q, k, v, mask, scaling=dim ** -0.5,
+                                  packed_lengths=lengths if packed else None)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    want, _ = packed_attention(Layer(), q.float(), k.float(), v.float(), mask, scaling=dim ** -0.5,
+                               packed_lengths=lengths if packed else None)
+    want_grads = torch.autograd.grad(want.bfloat16().float().square().sum(), (q, k, v))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)

@@ -51,8 +51,7 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
             # sdpa reads the grouped keys itself, where transformers' wrapper would copy them out to every query
             # head first (repeat_kv) and its backward would fill and sum gradients that size (on the quickstart's
             # short-row micro-batch, about 45% of that attention's time on a real AVX2 Zen 3).
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+            out = _cpu_sdpa(query, key, value, attention_mask, dropout, scaling)
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -75,12 +74,23 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
         if query.device.type == "cpu":
             # torch's sdpa reads grouped keys itself (enable_gqa); with a mask, transformers' wrapper would
             # first copy them out to every query head (repeat_kv): another 20% of this attention on CPU
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=causal, dropout_p=dropout, scale=scaling, enable_gqa=True).transpose(1, 2)
+            out = _cpu_sdpa(q, k, v, causal, dropout, scaling).transpose(1, 2)
         else:  # elsewhere (CUDA) transformers' path, as before: not measured there
             out, _ = sdpa_attention_forward(module, q, k, v, causal, dropout=dropout, scaling=scaling, is_causal=False)
         outs.append(out)
     return torch.cat(outs, 1), None
+
+
+def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, scale: float | None) -> Tensor:
+    """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`), in float32 whatever the inputs'
+    dtype (the output in theirs). Under bf16 autocast the inputs are bf16, and torch's CPU kernel took 1.2-1.25x
+    the float32 time on the quickstart's rows, forward and backward, casts included (AVX512-bf16 Zen 4:
+    docs/performance.md#on-the-avx-512-kind-again-2026-12-04); float32 is also the more exact of the two.
+    CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here."""
+    with torch.autocast("cpu", enabled=False):
+        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                               dropout_p=dropout, scale=scale, enable_gqa=True)
+    return out.to(q.dtype)
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
