@@ -83,9 +83,10 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
 
 def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, scale: float | None) -> Tensor:
     """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`), in float32 whatever the inputs'
-    dtype (the output in theirs). Under bf16 autocast the inputs are bf16, and torch's CPU kernel took 1.2-1.25x
-    the float32 time on the quickstart's rows, forward and backward, casts included (AVX512-bf16 Zen 4:
-    docs/performance.md#on-the-avx-512-kind-again-2026-12-04); float32 is also the more exact of the two.
+    dtype (the output in theirs). Under bf16 autocast the inputs are bf16, and torch's bf16 CPU kernel took
+    1.16-1.2x the time of casting them to float32 and back around the float32 kernel, on the quickstart's rows,
+    forward and backward (AVX512-bf16 Zen 4: docs/performance.md#on-the-avx-512-kind-again-2026-12-04);
+    float32 is also the more exact of the two.
     CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here."""
     with torch.autocast("cpu", enabled=False):
         out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
