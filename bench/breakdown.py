@@ -70,7 +70,6 @@ rollout: {{group_size: {a.group_size}, max_turns: 3, max_new_tokens: {a.max_new_
 train: {{steps: {a.steps}, prompts_per_step: {prompts}, micro_batch: {a.micro_batch}, lr: 1.0e-5, threads: {a.threads},
         checkpoint_dir: ckpt}}
 tracking: {{experiment: breakdown}}
-resources: {{object_store_gb: 0.5}}
 """
 
 

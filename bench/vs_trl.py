@@ -179,7 +179,6 @@ rollout: {{engine: {engine}, group_size: {a.group_size}, max_turns: {2 if tools 
 train: {{steps: {a.steps}, prompts_per_step: {a.prompts}, micro_batch: {a.micro_batch}, lr: 1.0e-6,
         threads: {a.threads}, bf16_autocast: {str(a.bf16).lower()}, checkpoint_dir: ckpt}}
 tracking: {{experiment: vs-trl}}
-resources: {{object_store_gb: 0.5}}
 """
 
 

@@ -768,7 +768,9 @@ class ResourcesSpec(Section):
     ray_address: str | None = None
     """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
     object_store_gb: float = Field(1.0, gt=0)
-    """Object store size of a local Ray."""
+    """Object store size of a local Ray. Every weight sync passes through it (the model's weights in the
+    rollout's dtype; LoRA: the adapters): a sync larger than the store is written outside it, 7-10x
+    slower (docs/performance.md), and the run warns with the size to set."""
     rollout: GroupResources = GroupResources()
     """Per rollout engine replica; `replicas` engines split each step's prompts, and weight sync reaches all."""
     update: GroupResources = GroupResources()

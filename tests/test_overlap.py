@@ -349,14 +349,19 @@ class WeightsHolder(StageActor):
         return self.weights
 
 
-def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(local_ray, small_path):
+def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(local_ray, small_path, monkeypatch):
     """The overlap machinery at 0 (`Updates`: the update and its weights fetched at once, then awaited and
     loaded) gives the real learner's weights and statistics of the loop before it (call the update, then
     `sync_weights`), bit for bit, over two steps. On the tiny Qwen3 with a 5k vocab (small_path): what is
-    compared is the machinery's order of calls, which a 152k-wide lm_head only slows."""
+    compared is the machinery's order of calls, which a 152k-wide lm_head only slows. With an object store
+    (said to be) smaller than a sync, the run is told so once, when the first sync's size is reported."""
     import torch
 
+    from factory.runtime import driver
     from factory.runtime.driver import Updates, sync_weights
+
+    monkeypatch.setattr(driver, "object_store_bytes", lambda: 1e6)  # 1 MB: less than the tiny model's weights
+    said: list[str] = []
     from tests.test_update import batch
     from tests.test_update import make_spec as update_spec
 
@@ -377,7 +382,7 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
     setups = [setup_group(g["update"], {}) for g in (before, after)]
     for g, refs in zip((before, after), setups):
         g["update"].info = ray.get(refs)
-    updates = Updates(after, plan, synced=0)
+    updates = Updates(after, plan, synced=0, warn=said.append)
     try:
         initial = ray.get(before["update"].submit("state_dict"))[0]
         for step in (1, 2):
@@ -389,6 +394,10 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
             assert n == step and new.pop("train/staleness") == 0.0
             same = [k for k in old if not k.startswith(("timing/", "perf/"))]
             assert len(same) > 8 and {k: new[k] for k in same} == {k: old[k] for k in same}
+            # step 2's update reports the sync after step 1: said then, and only then
+            mb = new.get("perf/weight_sync_mb")
+            assert (mb is None) == (step == 1) and len(said) == step - 1
+        assert f"one weight sync is {mb:.0f} MB, more than Ray's object store holds (1 MB)" in said[0]
         a, b = (ray.get(g["rollout"].actors[0].read.remote()) for g in (before, after))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert any(not torch.equal(a[k], initial[k]) for k in a)  # the two steps did train

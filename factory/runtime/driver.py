@@ -623,10 +623,11 @@ class Updates:
     loop drains (a step that evaluates, checkpoints or ends the run). So with 0 the next rollout waits for
     this update (on-policy), with 1 it runs while this update does, with the previous step's weights."""
 
-    def __init__(self, g: Groups, plan: Plan, synced: int):
+    def __init__(self, g: Groups, plan: Plan, synced: int, warn: Callable[[str], None] | None = None):
         self.g, self.plan, self.k = g, plan, plan.driver.train.max_staleness
         self.synced = synced  # the step whose update's weights the rollout holds
         self.pending: deque[_Pending] = deque()
+        self.warn = warn  # once, at the first sync's size: one that Ray's object store cannot hold (store_advice)
 
     def submit(self, step: int, trajs: list[Any], m: dict[str, float], t0: float) -> None:
         trainer = self.plan.flow("data")[-1]
@@ -655,6 +656,11 @@ class Updates:
             else:
                 p.metrics["timing/weight_sync_s"] = synced
             p.metrics.update(stats)
+            if self.warn and "perf/weight_sync_mb" in stats:  # checked once: every sync is the same size
+                said = store_advice(stats["perf/weight_sync_mb"], object_store_bytes(), self.k)
+                if said:
+                    self.warn(said)
+                self.warn = None
             done.append((p.step, p.trajs, p.metrics))
         m = current.metrics
         m["timing/step_s"] = time.perf_counter() - current.t0
@@ -662,6 +668,28 @@ class Updates:
         # tokens the model generated in the step (every sampling round), not tool results or template text
         m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
         return done
+
+
+def store_advice(sync_mb: float, store_bytes: float, staleness: int) -> str | None:
+    """What to say when one weight sync (`sync_mb`, 1e6 bytes) is more than Ray's object store holds
+    (`store_bytes`, the smallest node's): Ray then writes each sync outside the store, to disk-backed memory.
+    Measured on SmolLM2-135M's float32 weights (538 MB; bench/vs_trl.py's run, AMD EPYC Zen 4, 2 cores):
+    `timing/weight_sync_s` 1.1-1.6 s with a 0.5 GiB store, 0.15-0.17 s with 1 GiB; the difference is between
+    the update's answer and the rollout's load, i.e. in Ray's put and get.
+    The advice leaves a quarter spare, per sync in flight (`train.max_staleness` more)."""
+    if sync_mb * 1e6 <= store_bytes:
+        return None
+    need = math.ceil(sync_mb * 1e6 / 2**30 * (1 + staleness) * 1.25 * 2) / 2  # GiB, in halves
+    return (f"one weight sync is {sync_mb:.0f} MB, more than Ray's object store holds ({store_bytes / 1e6:.0f} MB): "
+            "every sync is written outside it, to slower disk-backed memory (538 MB on a 2-core CPU: 1.1-1.6 s a sync "
+            f"instead of 0.15-0.17 s); set resources.object_store_gb: {need:g} or more")
+
+
+def object_store_bytes() -> float:
+    """The smallest object store of the Ray cluster's live nodes (a weight sync is put on the update's node
+    and read on every rollout replica's)."""
+    stores = [n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n.get("Alive")]
+    return min(stores) if stores else math.inf
 
 
 OnStep = Callable[[int, dict[str, float]], None]  # (step, its metrics as logged); step 0: the first evaluation
@@ -673,7 +701,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     d, traces = plan.driver, plan.driver.tracking.log_trajectories
     on_step = on_step or (lambda step, metrics: None)
     done, before, watch = _begin(g, plan, tracker, display, resume, startup or Startup(), on_step)
-    after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done)
+    after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done, warn=display.warning)
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda what: display.status(stopping_said(what)), event=stop_event)
