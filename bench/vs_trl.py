@@ -195,7 +195,10 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
             "gradient_checkpointing": params.get("train.gradient_checkpointing") == "true",
             "periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
-            "trained_rows": run.mean("actor/trained_rows"), "tool_calls": run.mean("tool_calls/mean") * n,
+            "trained_rows": run.mean("actor/trained_rows"),
+            # calls made: without tools none is (a call the model writes anyway is parsed, then ends its
+            # trajectory at max_turns 1), as TRL's side counts none
+            "tool_calls": run.mean("tool_calls/mean") * n if tools else 0.0,
             "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
                                for k in sorted(run.metrics) if k > 0],
             "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts}
