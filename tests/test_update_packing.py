@@ -192,3 +192,16 @@ def test_attention_on_cpu_under_bf16_autocast_is_computed_in_float32(packed):
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_attention_takes_an_additive_mask_in_the_inputs_dtype():
+    # a floating mask (0 where seen, -inf where not) in bf16, as a model building its mask in its own dtype
+    # would pass: the float32 attention reads it as the boolean one, not a dtype error
+    from factory.update.logprobs import _cpu_sdpa
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 9, 5, 64).bfloat16(), torch.randn(2, 3, 8, 64).bfloat16(), torch.randn(2, 3, 8, 64).bfloat16()
+    seen = torch.ones(2, 1, 5, 8, dtype=torch.bool).tril(3)
+    additive = torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).bfloat16()
+    out = _cpu_sdpa(q, k, v, additive, 0.0, None)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, _cpu_sdpa(q, k, v, seen, 0.0, None))

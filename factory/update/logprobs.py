@@ -87,7 +87,10 @@ def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, sca
     1.16-1.2x the time of casting them to float32 and back around the float32 kernel, on the quickstart's rows,
     forward and backward (AVX512-bf16 Zen 4: docs/performance.md#on-the-avx-512-kind-again-2026-12-04);
     float32 is also the more exact of the two.
-    CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here."""
+    CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here.
+    An additive (floating) mask goes to float32 with them: sdpa wants a float mask in the query's dtype."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
     with torch.autocast("cpu", enabled=False):
         out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                                dropout_p=dropout, scale=scale, enable_gqa=True)
