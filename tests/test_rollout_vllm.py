@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,3 +389,14 @@ def test_starting_vllm_on_a_cpu_prints_nothing_the_user_must_read():
         _rebind_kernels([])
     assert not [str(w.message) for w in after if "reduce_op" in str(w.message)]
     assert logging.getLogger("torch._library.triton").getEffectiveLevel() == logging.ERROR
+
+
+def test_closing_the_engine_removes_its_rendezvous_file(vllm):
+    """vLLM's start leaves /tmp/vllm_dist_<uuid> (its torch.distributed FileStore) and never removes it: one
+    file per engine, piling up. The engine's close removes it. (Last in this module: it closes the engine.)"""
+    from factory.rollout.engine_vllm import _rendezvous_file
+
+    path = _rendezvous_file()
+    assert path is not None and Path(path).name.startswith("vllm_dist_") and Path(path).exists()
+    asyncio.run(vllm.close())
+    assert not Path(path).exists()

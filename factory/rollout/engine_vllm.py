@@ -109,6 +109,19 @@ def _quiet_vllm_start() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
 
 
+def _rendezvous_file() -> str | None:
+    """The file of this process's torch.distributed store, when it is a FileStore (vLLM's in-process engine
+    rendezvous through one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.path if isinstance(store, dist.FileStore) else None
+
+
 class VLLMEngine:
     """vLLM behind the `Engine` protocol (see the module docstring)."""
 
@@ -228,7 +241,12 @@ class VLLMEngine:
             raise
 
     async def close(self) -> None:
-        """Nothing outside this process: the engine and its step thread end with the actor."""
+        """The engine and its step thread end with the actor. Outside this process its start left one file,
+        its torch.distributed rendezvous (/tmp/vllm_dist_*, 2.4 kB), which vLLM never removes: one per
+        engine started, piling up in /tmp. Removed here (a world of one never reads it after the start)."""
+        path = _rendezvous_file()
+        if path is not None and Path(path).name.startswith("vllm_dist_"):
+            Path(path).unlink(missing_ok=True)
 
     def load_weights(self, state_dict: dict[str, Any] | Adapters) -> None:
         if isinstance(state_dict, Adapters) and self.lora == "serve":
