@@ -65,11 +65,14 @@ steady steps of all repeats. Each side's work per step is in the table: model to
 `frac_reward_zero_std` says how many groups agreed) and tool calls. Beside the per-step ratio, two
 per-work ratios: seconds per sampled token and per trained row, Factory's over TRL's. Where the time goes:
 each side's update (Factory: `timing/update_s`; TRL: the step less its one generate-and-score call, which
-holds its weight sync, sampling and rewards), and the rest of the step beside it.
+holds its weight sync, sampling and rewards), and the rest of the step beside it. And a floor: Factory's
+update FLOPs a step (`perf/update_flops_per_s` x `timing/update_s`) at the rate of a bare linear layer of
+the model's MLP shapes on this CPU, plus the rest of Factory's step, over TRL's step -- the lowest ratio
+this CPU allows Factory without doing less work (a target under it cannot be met here).
 
 Prints the tables, then as its LAST line JSON: factory_over_trl_vllm and factory_over_trl_hf (median
 Factory step / median TRL step, the worst over the models), the per-work ratios
-(factory_over_trl_<engine>_per_token, _per_row), each model's figures (by_model), tools_comparable and,
+(factory_over_trl_<engine>_per_token, _per_row), each model's figures (by_model, with its floor), tools_comparable and,
 when comparable, factory_over_trl_tools. Targets: vllm <= 0.5, hf <= 0.8, per step and per unit of work.
 """
 from __future__ import annotations
@@ -201,7 +204,9 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
             "tool_calls": run.mean("tool_calls/mean") * n if tools else 0.0,
             "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
                                for k in sorted(run.metrics) if k > 0],
-            "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts}
+            "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts,
+            # the update's useful FLOPs a step (factory/update/flops.py), for the floor `compare` prints
+            "update_flops": run.mean("perf/update_flops_per_s") * run.mean("timing/update_s")}
 
 
 # ----------------------------------------------------------------------------------------------- TRL
@@ -449,11 +454,58 @@ def compare(a: argparse.Namespace, engine: str, model: str, tools: bool, work: P
           + ", trl " + str(sides["trl"][0]["length_by_step"]))
     print(f"per sampled token: {per_token:.3f}; per trained row: {per_row:.3f}; groups whose rewards all agreed: "
           f"factory {work_of['factory']['zero_std_groups']:.2f}, trl {work_of['trl']['zero_std_groups']:.2f}")
+    # How low the ratio could go on this CPU: Factory's update done at the rate of a bare matmul of its shapes
+    hidden, inner = model_widths(model_path)
+    tokens = max(1, round(a.micro_batch * work_of["factory"]["sampled_tokens"] / (a.prompts * a.group_size)))
+    rate = linear_rate(hidden, inner, tokens, a.bf16, a.threads)
+    f_flops = median([run["update_flops"] for run in sides["factory"]])
+    matmul_s, floor = update_floor(f_flops, rate, fs - f_up, ts)
+    print(f"floor: Factory's update computes {f_flops / 1e12:.2f} TFLOP a step; at {rate / 1e9:.0f} GFLOP/s (a "
+          f"{tokens} x {hidden} -> {inner} linear layer's forward and backward alone on this CPU, "
+          f"{'bf16' if a.bf16 else 'float32'}, {a.threads} threads) that is {matmul_s:.2f} s; with the rest of its "
+          f"step ({fs - f_up:.2f} s), factory/trl could not go below {floor:.3f} here")
     return {"ratio": round(ratio, 3), "per_token": round(per_token, 3), "per_row": round(per_row, 3),
+            "floor": round(floor, 3), "update_matmul_s": round(matmul_s, 3),
             "factory_s": round(fs, 3), "trl_s": round(ts, 3),
             "factory_update_s": round(f_up, 3), "trl_update_s": round(t_up, 3),
             "sampling_dtype": {side: runs[0]["sampling_dtype"] for side, runs in sides.items()},
             "work": {side: {k: round(v, 2) for k, v in w.items()} for side, w in work_of.items()}}
+
+
+def model_widths(model_path: str) -> tuple[int, int]:
+    """(hidden size, MLP width) from the model's config.json."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    return int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+
+
+def linear_rate(hidden: int, inner: int, tokens: int, bf16: bool, threads: int, repeats: int = 5) -> float:
+    """FLOP/s of one linear layer's forward and backward (tokens x hidden -> inner, both gradients) with
+    `threads` threads, in float32 (bf16: bf16 tensors), the best of `repeats`: the rate the bulk of an update
+    (its MLP matmuls, at the update's own shapes) runs at on this CPU when nothing else does."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    w = torch.randn(inner, hidden, dtype=dtype, requires_grad=True)
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            y = torch.nn.functional.linear(x, w)
+            y.backward(torch.ones_like(y))
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 6 * tokens * hidden * inner / best
+
+
+def update_floor(update_flops: float, rate: float, factory_rest_s: float, trl_s: float) -> tuple[float, float]:
+    """(seconds the update's FLOPs take at `rate`, the lowest factory/trl ratio that leaves): a step of
+    Factory's can be no shorter than its update's FLOPs at the CPU's matmul rate plus the rest of its step."""
+    matmul_s = update_flops / rate
+    return matmul_s, (matmul_s + factory_rest_s) / trl_s
 
 
 def tool_rates_comparable(factory_calls: float, trl_calls: float) -> bool:

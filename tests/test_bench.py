@@ -173,9 +173,11 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
         return {"periods": periods, "update_s": update_s, "sampled_tokens": 100.0, "trained_rows": 32.0,
                 "tool_calls": 0.0, "zero_std_groups": 0.0, "versions": {"trl": "-"}, "length_by_step": [update_s],
                 "sampling_dtype": "float32", "update_autocast": "off", "gradient_checkpointing": False,
-                "compiled": False}
+                "compiled": False, "update_flops": 2e9}
 
     monkeypatch.setattr(vs_trl, "model_folder", lambda name: "model")
+    monkeypatch.setattr(vs_trl, "model_widths", lambda path: (64, 128))
+    monkeypatch.setattr(vs_trl, "linear_rate", lambda *args: 1e9)  # 2 GFLOP of update: 2 s at the bare rate
     monkeypatch.setattr(vs_trl, "run_factory", lambda *args: side([3.0, 3.0], 1.0))
     monkeypatch.setattr(vs_trl, "run_trl", lambda *args: side([5.0, 5.0], 4.5))
     out = vs_trl.compare(vs_trl.parse_args(["--repeats", "2"]), "hf", "tiny", False, tmp_path)
@@ -184,6 +186,20 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     printed = capsys.readouterr().out
     assert "the rest (generation, rewards, weight sync, the loop): factory 2.00 s, trl 0.50 s" in printed
     assert "mean completion length by step (repeat 0): factory [1.0], trl [4.5]" in printed
+    # the floor: 2 s of update FLOPs at the bare matmul rate + Factory's 2 s of the rest, over TRL's 5 s
+    assert (out["update_matmul_s"], out["floor"]) == (2.0, 0.8)
+    assert "that is 2.00 s; with the rest of its step (2.00 s), factory/trl could not go below 0.800 here" in printed
+
+
+def test_vs_trl_measures_a_bare_linear_layers_rate_and_leaves_the_thread_count_alone():
+    import torch
+
+    from bench.vs_trl import linear_rate, update_floor
+
+    threads = torch.get_num_threads()
+    rate = linear_rate(64, 128, 32, bf16=False, threads=1, repeats=2)
+    assert rate > 1e6 and torch.get_num_threads() == threads
+    assert update_floor(3e9, 1e9, 1.0, 8.0) == (3.0, 0.5)
 
 
 
