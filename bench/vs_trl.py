@@ -206,7 +206,9 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
                                for k in sorted(run.metrics) if k > 0],
             "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts,
             # the update's useful FLOPs a step (factory/update/flops.py), for the floor `compare` prints
-            "update_flops": run.mean("perf/update_flops_per_s") * run.mean("timing/update_s")}
+            "update_flops": median([m["perf/update_flops_per_s"] * m["timing/update_s"]
+                                    for m in (run.metrics[s] for s in run.steady_steps)
+                                    if "perf/update_flops_per_s" in m and "timing/update_s" in m])}
 
 
 # ----------------------------------------------------------------------------------------------- TRL

@@ -191,6 +191,21 @@ def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatc
     assert "that is 2.00 s; with the rest of its step (2.00 s), factory/trl could not go below 0.800 here" in printed
 
 
+def test_vs_trl_reads_the_update_flops_of_each_steady_step(monkeypatch, tmp_path):
+    # rate x time step by step (not the mean rate x the mean time), over the steady steps only
+    import bench.vs_trl as vs_trl
+    from bench.common import FactoryRun
+
+    steps = {1: (9e9, 9.0), 2: (1e9, 2.0), 3: (3e9, 2.0), 4: (2e9, 3.0), 5: (9e9, 9.0)}
+    metrics = {s: {"perf/update_flops_per_s": r, "timing/update_s": t, "response_length/mean": 10.0,
+                   "actor/trained_rows": 32.0, "actor/zero_adv_groups": 0.0} for s, (r, t) in steps.items()}
+    monkeypatch.setattr(vs_trl, "factory_run", lambda folder: FactoryRun(metrics, [1.0, 1.0, 1.0], 10.0))
+    a = vs_trl.parse_args([])
+    a.repeat_seed = 0  # (compare sets it per repeat)
+    f = vs_trl.run_factory(a, "hf", "model", False, tmp_path)
+    assert f["update_flops"] == 6e9  # steps 2-4: 2e9, 6e9, 6e9
+
+
 def test_vs_trl_measures_a_bare_linear_layers_rate_and_leaves_the_thread_count_alone():
     import torch
 
