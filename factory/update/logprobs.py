@@ -81,7 +81,7 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     return torch.cat(outs, 1), None
 
 
-def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, scale: float | None) -> Tensor:
+def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, scale: float | None) -> Tensor:
     """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`), in float32 whatever the inputs'
     dtype (the output in theirs). Under bf16 autocast the inputs are bf16, and torch's bf16 CPU kernel took
     1.16-1.2x the time of casting them to float32 and back around the float32 kernel, on the quickstart's rows,
