@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agentic import Lockstep, differing, make_spec, parse_args
+from bench.agentic import Lockstep, answered, differing, make_spec, parse_args
 from bench.common import cpu, judge_targets, print_json, pythonpath, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
@@ -109,6 +109,22 @@ def test_the_agentic_benchmark_samples_in_float32_unless_told(tmp_path: Path):
     assert spec.rollout.dtype == "float32"
     spec, _ = make_spec(parse_args(["--dtype", "auto"]), "http://127.0.0.1:9/v1", tmp_path)
     assert spec.rollout.dtype == "auto"
+    assert spec.rollout.temperature == 1.0
+    spec, _ = make_spec(parse_args(["--temperature", "0.5"]), "http://127.0.0.1:9/v1", tmp_path)
+    assert spec.rollout.temperature == 0.5
+
+
+def test_the_agentic_benchmark_counts_only_calls_the_tool_answered():
+    # at temperature 1 the tiny model's calls are mostly malformed: Factory refuses them before the server,
+    # and the table says so beside the calls made
+    from factory.tools.results import infra_error, model_error
+    from factory.types import ToolResult
+
+    assert answered(ToolResult(tool="calculate", text="100"))
+    assert answered(model_error("calculate", "tool_error", "Error: division by zero"))
+    for kind in ("unknown_tool", "parse_error", "bad_arguments"):
+        assert not answered(model_error("calculate", kind, "Error"))
+    assert not answered(infra_error("calculate", "circuit_open", "Error"))
 
 
 def test_the_update_profile_sorts_ops_by_whole_names():
