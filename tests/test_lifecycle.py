@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from factory.runtime.lifecycle import GracefulStop, SessionRecord, children_ignore_sigint, reap_orphans
+from factory.runtime.lifecycle import (GracefulStop, SessionRecord, children_ignore_sigint, prune_ray_sessions,
+                                       reap_orphans)
 
 
 def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
@@ -154,6 +155,27 @@ def test_a_killed_drivers_leftovers_are_ended_by_the_next_start(tmp_path):
     assert len(ended) == 1 and ended[0].endswith(f"[{orphan}]")
     assert not _running(orphan)
     assert list(tmp_path.iterdir()) == []  # the record is gone
+
+
+def test_old_ray_sessions_of_ended_drivers_are_removed_and_a_live_ones_kept(tmp_path):
+    """Ray keeps every local session's folder (logs, sockets): 159 runs had left 61 MB. The next start removes
+    those of drivers no longer alive beyond the newest few; a concurrent run's is never touched, nor kept for
+    a pid alive now that started after its session (the number was reused)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, mine = int(done.stdout), os.getpid()  # a driver that ended; one alive (this process)
+    me = psutil.Process().create_time()
+
+    def session(t: float, pid: int) -> str:
+        name = f"session_{time.strftime('%Y-%m-%d_%H-%M-%S', time.localtime(t))}_000001_{pid}"
+        (tmp_path / name / "logs").mkdir(parents=True)
+        return name
+
+    old, reused, older = session(me - 5 * 3600, gone), session(me - 4 * 3600, mine), session(me - 3 * 3600, gone)
+    live, newest = session(me + 1, mine), [session(me + 2, gone), session(me + 3, gone)]
+    (tmp_path / "session_latest").symlink_to(tmp_path / newest[-1])
+    (tmp_path / "session_notes").mkdir()  # not a name Ray gives
+    assert prune_ray_sessions(tmp_path, keep=2) == [old, reused, older]
+    assert {p.name for p in tmp_path.iterdir()} == {live, *newest, "session_latest", "session_notes"}
 
 
 def _running(pid: int) -> bool:

@@ -41,8 +41,9 @@ from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
-                                       private_dir, ray_in_own_sessions, ray_starts_sessions, reap_orphans,
-                                       sigterm_heard, sigterm_interrupts, sigterm_restored, stopping_said)
+                                       private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
+                                       reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
+                                       stopping_said)
 from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
 from factory.types import Placement, Trajectory
@@ -132,6 +133,7 @@ def _start_ray(cluster: ClusterSettings) -> None:
         return
     check_ray_on_loopback()
     temp = private_dir() / "ray"
+    prune_ray_sessions(temp)  # what earlier runs' Ray left there (Ray keeps every session's folder)
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         # Ray read its config (the auth mode, the token) when it was imported: have this process read them

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -315,6 +316,28 @@ class SessionRecord:
         ended = reap_orphans(self.folder, timeout_s, only=self.path, wait_s=timeout_s)
         self.path.unlink(missing_ok=True)
         return ended
+
+
+def prune_ray_sessions(folder: Path, keep: int = 10) -> list[str]:
+    """Remove the local Ray's session folders (`session_<date>_<time>_<usec>_<driver pid>`: logs, sockets,
+    ~0.4-2 MB each) of drivers no longer alive, all but the newest `keep` (a crashed run's logs stay a while
+    for a look). Ray never removes them: 159 runs had left 61 MB here. A session whose driver still runs (a
+    concurrent run: the pid alive and started before the session) is never touched. Returns the names removed."""
+    sessions = sorted(p for p in folder.glob("session_2*") if p.is_dir() and not p.is_symlink())
+    removed = []
+    for path in sessions[:-keep] if keep else sessions:
+        parts = path.name.split("_")  # session, date, time, microseconds, pid
+        try:
+            pid = int(parts[-1])
+            started = time.mktime(time.strptime(f"{parts[1]}_{parts[2]}", "%Y-%m-%d_%H-%M-%S"))
+        except (ValueError, IndexError):
+            continue  # not a name Ray gives: not ours to remove
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if psutil.Process(pid).create_time() <= started + 1:
+                continue  # its driver (or a process as old) is alive
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
 
 
 def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Path | None = None,
