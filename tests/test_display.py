@@ -108,11 +108,12 @@ def test_in_a_log_file_each_line_a_user_greps_is_one_line(capsys, monkeypatch):
     long = "/a/checkpoint/folder/nested/deep/enough/to/pass/eighty/columns/on/its/own"
     with Display(1) as d:  # the default console: stderr, which capsys makes a file
         d.step(1, {"reward/mean": 0.5, "num_turns/mean": 1.0, "tools/calls": 3, "actor/pg_loss": 0.01,
-                   "actor/trained_rows": 4, "timing/step_s": 3.0, "timing/generate_s": 1.0, "timing/reward_s": 0.5})
+                   "actor/grad_norm": 0.25, "actor/trained_rows": 4, "timing/step_s": 3.0, "timing/generate_s": 1.0,
+                   "timing/reward_s": 0.5})
         d.summary(RunResult("0123456789abcdef0123456789abcdef", {}, {}, f"{long}/step_1"), experiment="tiny",
                   experiment_id="3", uri="sqlite:///a/store/whose/path/is/long/mlflow.db", wall_s=42)
     lines = capsys.readouterr().err.splitlines()
-    assert any(line.endswith("loss 0.0100  3.0s (generate 1.0s, reward 0.5s)") and "step    1  reward" in line
+    assert any(line.endswith("rows 4  grad 0.250  3.0s (generate 1.0s, reward 0.5s)") and "step    1  reward" in line
                for line in lines), lines
     assert ("MLflow run 0123456789abcdef0123456789abcdef in experiment 'tiny' "
             "(sqlite:///a/store/whose/path/is/long/mlflow.db), 0.7 min") in lines
