@@ -58,59 +58,21 @@ def test_a_wrong_inner_spec_stops_the_server_with_the_compilers_words(monkeypatc
                         "1 error in specs/multi-agent.yaml\n"), err
 
 
-def test_the_agent_server_replays_a_recorded_run_and_fails_an_episode_at_a_miss(monkeypatch):
+
+def test_the_agent_server_refuses_replay_run_instead_of_ignoring_it(monkeypatch):
     """`--set replay.run=RUN` was compiled and then ignored: the agent called its live tools while its spec said
-    they were answered from RUN's recording."""
+    they were answered from RUN's recording. A recording answers the calls made at the same place of its run
+    (their origin); an `ask` is a new question, so the setting is refused, before anything loads."""
     import argparse
-    import asyncio
-    from types import SimpleNamespace
 
-    from mcp.server.mcpserver.exceptions import ToolError
-
-    import factory.tracking.tracker as tracker_module
     from factory.examples import agent_server
-    from factory.tracking.tracker import RunLookupError
 
-    row = {"origin": "", "server": "calc", "tool": "calculate", "arguments": '{"expression":"2+2"}', "text": "4",
-           "status": "ok", "error_kind": None, "latency_s": 0.1, "source": "live"}
-
-    class Store:
-        def run(self, ref: str):
-            if ref != "old":
-                raise RunLookupError(f"no run with id or name '{ref}'")
-            return SimpleNamespace(run_id="old-id", name="old", tags={})
-
-        def tool_calls(self, run_id: str):
-            return [row]
-
-    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri=None, experiment=None, read=False: Store())
     monkeypatch.chdir(ROOT)
-    agent = agent_server.Agent("specs/tiny.yaml", overrides=("replay.run=old",))
-    agent.compile()
-    assert agent.plan.stage("tools").settings.replay.rows == [row]
-
-    # an episode whose calls the recording lacked is the ask's error under on_miss: fail; under live, its answer
-    class Rollout:
-        async def evaluate(self, table):
-            return SimpleNamespace(trajs=[_traj(Turn(text="<answer>5</answer>", num_tokens=3))])
-
-    class Tools:
-        async def take_recording(self):
-            return {"rows": [], "misses": ['calculate({"expression":"2+3"}) at eval/0/0/0/0/0/0']}
-
-    async def episode(a):
-        a.stage, a._recorders, a._lock = Rollout(), [Tools()], asyncio.Lock()
-        return await a._episode("What is 2 + 3?")
-
-    with pytest.raises(ToolError, match=r'^the recording of run old has no answer for 1 tool calls of this episode, '
-                                        r'the first calculate\(\{"expression":"2\+3"\}\)'):
-        asyncio.run(episode(agent))
-    live = agent_server.Agent("specs/tiny.yaml", overrides=("replay.run=old", "replay.on_miss=live"))
-    live.compile()
-    assert asyncio.run(episode(live)) == "5"
-
-    # a run that is not there stops the server before it answers, naming it
     monkeypatch.setattr(agent_server, "_agent", None)  # _load sets the module's agent: put back after the test
-    args = argparse.Namespace(spec="specs/tiny.yaml", model=None, show_calls=False, overrides=["replay.run=nosuch"])
-    with pytest.raises(SystemExit, match=r"^agent_server: replay.run=nosuch: no run with id or name 'nosuch'$"):
+    args = argparse.Namespace(spec="specs/tiny.yaml", model=None, show_calls=False, overrides=["replay.run=old"])
+    with pytest.raises(SystemExit, match=r"^agent_server: replay.run=old: the agent server answers new questions, "
+                                        r".* remove replay.run \(for answers kept across runs, mark a deterministic "
+                                        r"tool server `cache: true`\)$"):
         agent_server._load(args)
+    agent_server._load(argparse.Namespace(spec="specs/tiny.yaml", model=None, show_calls=False, overrides=[]))
+    assert agent_server._agent.plan.driver.replay.run is None  # without it the agent compiles as before

@@ -159,8 +159,8 @@ def test_a_killed_drivers_leftovers_are_ended_by_the_next_start(tmp_path):
 
 def test_old_ray_sessions_of_ended_drivers_are_removed_and_a_live_ones_kept(tmp_path):
     """Ray keeps every local session's folder (logs, sockets): 159 runs had left 61 MB. The next start removes
-    those of drivers no longer alive beyond the newest few; a concurrent run's is never touched, nor kept for
-    a pid alive now that started after its session (the number was reused)."""
+    those of drivers no longer alive beyond the newest few; a concurrent run's is never touched (even with its
+    name's local time hours off), nor kept for a pid alive now that started a day after it (the number reused)."""
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone, mine = int(done.stdout), os.getpid()  # a driver that ended; one alive (this process)
     me = psutil.Process().create_time()
@@ -170,12 +170,13 @@ def test_old_ray_sessions_of_ended_drivers_are_removed_and_a_live_ones_kept(tmp_
         (tmp_path / name / "logs").mkdir(parents=True)
         return name
 
-    old, reused, older = session(me - 5 * 3600, gone), session(me - 4 * 3600, mine), session(me - 3 * 3600, gone)
+    old, reused, older = session(me - 5 * 3600, gone), session(me - 25 * 3600, mine), session(me - 3 * 3600, gone)
     live, newest = session(me + 1, mine), [session(me + 2, gone), session(me + 3, gone)]
+    west = session(me - 6 * 3600, mine)  # alive, its name's local time 6 h behind ours (its driver's TZ was west)
     (tmp_path / "session_latest").symlink_to(tmp_path / newest[-1])
     (tmp_path / "session_notes").mkdir()  # not a name Ray gives
-    assert prune_ray_sessions(tmp_path, keep=2) == [old, reused, older]
-    assert {p.name for p in tmp_path.iterdir()} == {live, *newest, "session_latest", "session_notes"}
+    assert prune_ray_sessions(tmp_path, keep=2) == [reused, old, older]
+    assert {p.name for p in tmp_path.iterdir()} == {west, live, *newest, "session_latest", "session_notes"}
 
 
 def _running(pid: int) -> bool:

@@ -12,9 +12,8 @@ loop as training) and answers with the text of the agent's `<answer>` tag, or it
 none. With `--show-calls` the answer is preceded by the agent's tool calls and their results, one line
 each (`calc.calculate({"expression": "2+2"}) -> 4`).
 
-`--set replay.run=RUN` answers the agent's tool calls from run RUN's recording (in the store the spec's
-`tracking.uri` names), as `factory run SPEC --replay RUN` does; under `replay.on_miss: fail` (the default)
-an episode that made a call the recording lacks is that `ask`'s error.
+`replay.run` is refused: a recording answers the calls made at the same place of its run, and an `ask` is a
+new question (a deterministic tool server's answers can be kept across runs with `cache: true`).
 
 The server answers `initialize` at once and loads the model and starts the agent's tool servers in the
 background (a client's start-up timeout never waits on a model load); the first `ask` waits for them, and
@@ -58,18 +57,22 @@ class Agent:
         self._started: concurrent.futures.Future[None] | None = None
 
     def compile(self) -> None:
-        """Compile the agent's spec (quick: no weights); SpecErrors if it is wrong."""
+        """Compile the agent's spec (quick: no weights); SpecErrors if it is wrong, UserError for a setting the
+        server cannot honour (replay.run)."""
         from factory.compiler.compile import compile_file
         from factory.data.sources import PromptRenderer
+        from factory.util import UserError
 
         overrides = [*self.overrides, *([f"model.path={self.model}"] if self.model else [])]
         self.spec, self.plan = compile_file(self.spec_path, overrides)
-        if self.plan.driver.replay.run:  # the agent's tool calls answered from that run's recording, as a run's are
-            from factory.runtime.replay import recorded_tool_calls, replaying
-            from factory.tracking.tracker import open_tracker
-
-            store = open_tracker(self.plan.driver.tracking.uri, read=True)  # a missing run: said now, not at `ask`
-            self.plan = replaying(self.plan, recorded_tool_calls(store, self.plan))
+        if self.plan.driver.replay.run:
+            # A replay answers a call from the row recorded at the same place of the same run (ToolCall.origin:
+            # step, prompt, sample, turn); an `ask` is a new question, whose calls were made at no place of
+            # any run, so every one would miss. Said, not ignored.
+            raise UserError(f"replay.run={self.plan.driver.replay.run}: the agent server answers new questions, "
+                            "and a run's recording answers only the calls made at the same place of that run; "
+                            "remove replay.run (for answers kept across runs, mark a deterministic tool server "
+                            "`cache: true`)")
         self.base_dir = Path(self.plan.base_dir)
         self.renderer = PromptRenderer(self.spec.data, self.base_dir)
 
@@ -81,27 +84,21 @@ class Agent:
         self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
 
     async def _start(self) -> None:
-        from factory.runtime.local import callees, local_stages, records_tools
+        from factory.runtime.local import callees, local_stages
 
         # The plan's rollout stage (the one that answers held-out prompts, greedily) and its tool servers, in
         # this process: the rollout calls the tools directly
         name = self.plan.flow("eval")[0].dst
         self._lock = asyncio.Lock()  # on the agent's loop
         self._stages = contextlib.AsyncExitStack()  # closed by _close
-        stages = await self._stages.enter_async_context(local_stages(self.plan, [*callees(self.plan, name), name]))
-        self.stage = stages[name]
-        self._recorders = [stages[c] for c in callees(self.plan, name) if records_tools(self.plan, c)]
+        self.stage = (await self._stages.enter_async_context(
+            local_stages(self.plan, [*callees(self.plan, name), name])))[name]
 
     async def _episode(self, question: str) -> str:
         from factory.data.sources import to_table
 
         async with self._lock:  # one episode at a time: the engine batches within a call, not across
             part = await self.stage.evaluate(to_table(self.renderer, [{"question": question}]))  # greedy, one
-            misses = [m for r in self._recorders for m in (await r.take_recording())["misses"]]
-        replay = self.plan.driver.replay
-        if misses and replay.on_miss == "fail":  # as a replayed run stops: the answer would rest on a made-up error
-            raise ToolError(f"the recording of run {replay.run} has no answer for {len(misses)} tool calls of this "
-                            f"episode, the first {misses[0]}; replay.on_miss=live calls the tools instead")
         return answer_text(part.trajs[0], self.show_calls)
 
     async def ask(self, question: str) -> str:
@@ -183,7 +180,6 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace) -> None:
     from factory.compiler.errors import SpecErrors
-    from factory.tracking.tracker import RunLookupError
     from factory.util import UserError
 
     global _agent
@@ -192,8 +188,8 @@ def _load(args: argparse.Namespace) -> None:
         _agent.compile()
     except SpecErrors as e:
         raise SystemExit(f"agent_server: {e.report()}\nagent_server: the agent's spec is wrong: {e.errors[0]}") from None
-    except (RunLookupError, UserError) as e:  # replay.run naming no run, or one that recorded no tool calls
-        raise SystemExit(f"agent_server: replay.run={_agent.plan.driver.replay.run}: {e}") from None
+    except UserError as e:  # a setting the agent server cannot honour (replay.run)
+        raise SystemExit(f"agent_server: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

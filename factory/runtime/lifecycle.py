@@ -321,8 +321,9 @@ class SessionRecord:
 def prune_ray_sessions(folder: Path, keep: int = 10) -> list[str]:
     """Remove the local Ray's session folders (`session_<date>_<time>_<usec>_<driver pid>`: logs, sockets,
     ~0.4-2 MB each) of drivers no longer alive, all but the newest `keep` (a crashed run's logs stay a while
-    for a look). Ray never removes them: 159 runs had left 61 MB here. A session whose driver still runs (a
-    concurrent run: the pid alive and started before the session) is never touched. Returns the names removed."""
+    for a look). Ray never removes them: 159 runs had left 61 MB here. A session whose driver may still run (a
+    concurrent run: its pid alive, a process started before the session or within a day of it) is never
+    touched. Returns the names removed."""
     sessions = sorted(p for p in folder.glob("session_2*") if p.is_dir() and not p.is_symlink())
     removed = []
     for path in sessions[:-keep] if keep else sessions:
@@ -333,8 +334,11 @@ def prune_ray_sessions(folder: Path, keep: int = 10) -> list[str]:
         except (ValueError, IndexError):
             continue  # not a name Ray gives: not ours to remove
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            if psutil.Process(pid).create_time() <= started + 1:
-                continue  # its driver (or a process as old) is alive
+            # Its driver alive: the pid alive and started before the session. The name's time is local and
+            # the clock may have been stepped (another TZ, the hour repeated at the end of summer time), so a
+            # day's slack: a pid reused within a day only keeps the folder until a later start.
+            if psutil.Process(pid).create_time() <= started + 86400:
+                continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)
     return removed
