@@ -210,12 +210,37 @@ class NoModuleError(RefError):
     """The module itself is not there (not a module that failed while importing)."""
 
 
+def close_modules(name: str) -> list[str]:
+    """Importable modules one typo away from the dotted `name`, in one of its parts: `rewards.tsk` ->
+    `rewards.task`, `factory.reward.format` -> `factory.rewards.format` (`factory.reward` is a package
+    too, so the import fails only at `format`). A top-level part is matched against the working
+    directory's modules and `factory`, not all of site-packages."""
+    import importlib.util
+    import pkgutil
+
+    parts, found = name.split("."), []
+    for i, part in enumerate(parts):
+        try:
+            siblings = ([m.name for m in pkgutil.iter_modules(importlib.import_module(".".join(parts[:i])).__path__)]
+                        if i else [m.name for m in pkgutil.iter_modules([os.getcwd()])] + ["factory"])
+        except (ImportError, AttributeError):  # a parent that is missing, or a module that is not a package
+            break
+        for alt in difflib.get_close_matches(part, siblings, n=3, cutoff=0.75):
+            candidate = ".".join([*parts[:i], alt, *parts[i + 1:]])
+            with contextlib.suppress(Exception):  # finding a candidate imports its parents: they may raise
+                if alt != part and importlib.util.find_spec(candidate) is not None:
+                    found.append(candidate)
+    return found
+
+
 def _import_module(module_name: str, ref: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise NoModuleError(f"cannot import '{ref}': no module named '{e.name}'") from None
+            attr = ref.partition(":")[2]
+            near = "".join(f"; did you mean '{m}:{attr}'?" for m in close_modules(module_name)[:1])
+            raise NoModuleError(f"cannot import '{ref}': no module named '{e.name}'{near}") from None
         raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
     except SyntaxError as e:
         where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name

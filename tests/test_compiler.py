@@ -110,6 +110,29 @@ def test_template_found_next_to_the_spec_and_jinja_errors_reported(project):
         "1 error in conf/spec.yaml")
 
 
+def test_a_module_path_one_typo_away_is_suggested(project):
+    """`factory.reward.format` (the reward *stage's* package exists, so the import fails only at `format`) and
+    a typo in a project's own package said only "no module named"."""
+    import importlib
+
+    project.file("rc_typo_pkg/__init__.py")
+    project.file("rc_typo_pkg/task.py", "def exact(prompt, completion, **row):\n    return 1.0\n")
+    importlib.invalidate_caches()
+    path = project.spec(_base(project, "rc_typo") + """\
+  a: {fn: "rc_typo_pkg.tsk:exact"}
+  b: {fn: "factory.reward.format:called_tool"}
+  c: {fn: "rc_typo_pkgg.task:exact"}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.fn: cannot import 'rc_typo_pkg.tsk:exact': no module named 'rc_typo_pkg.tsk'; "
+        "did you mean 'rc_typo_pkg.task:exact'?\n"
+        "spec.yaml:10: rewards.b.fn: cannot import 'factory.reward.format:called_tool': no module named "
+        "'factory.reward.format'; did you mean 'factory.rewards.format:called_tool'?\n"
+        "spec.yaml:11: rewards.c.fn: cannot import 'rc_typo_pkgg.task:exact': no module named 'rc_typo_pkgg'; "
+        "did you mean 'rc_typo_pkg.task:exact'?\n"
+        "3 errors in spec.yaml")
+
+
 def test_unimportable_reward_functions(project):
     project.module("rc_syntax", "def f(prompt, completion, **row):\n    return (\n")
     project.module("rc_raises", "raise RuntimeError('no GPU here')\n")
