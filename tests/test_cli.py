@@ -188,6 +188,22 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     assert err.endswith("1 error in spec.yaml\n")
 
 
+def test_check_connect_says_which_of_command_and_cwd_is_missing(project, capsys):
+    """Both were the OS's "[Errno 2] No such file or directory: 'pyhton'", which named neither."""
+    project.module("cli_launch")
+    base = BASE.replace("{mod}", "cli_launch")
+    cases = {"{command: pyhton, args: [-m, factory.examples.calculator]}":
+             "command 'pyhton' not found on PATH; did you mean 'python'?",
+             "{command: ./no/server.sh}": f"command '{project.root / 'no/server.sh'}' is not an executable file",
+             "{command: python, args: [-m, factory.examples.calculator], cwd: nowhere}":
+             f"its cwd is not a folder: {project.root / 'nowhere'}"}
+    for server, said in cases.items():
+        path = project.spec(base + f"tools:\n  calc: {server}\n")
+        assert cli.main(["check", path, "--connect"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"spec.yaml:10: tools.calc: server failed to start: FileNotFoundError: {said}\n1 error in spec.yaml\n"
+
+
 def test_check_connect_says_an_http_server_could_not_be_reached(project, capsys):
     """Factory does not start an HTTP server: it said "failed to start", without the URL."""
     import socket

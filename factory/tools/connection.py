@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import fcntl
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -140,12 +142,36 @@ class _NotJsonRpcInOneLine(logging.Filter):
 _NOT_JSON_RPC = _NotJsonRpcInOneLine()
 
 
+# What stdio MCP servers are commonly started with: the "did you mean" of a command that is not found.
+_LAUNCHERS = ("python", "python3", "uv", "uvx", "npx", "node", "docker", "bash", "sh", "deno", "bunx")
+
+
+def launch_problem(params: StdioServerParameters) -> str | None:
+    """Why the server's process cannot be started, before trying: the SDK's own error was only the OS's
+    "[Errno 2] No such file or directory: 'pyhton'", the same words for a missing command and a missing cwd."""
+    if params.cwd is not None and not os.path.isdir(params.cwd):
+        return f"its cwd is not a folder: {params.cwd}"
+    path = (params.env or {}).get("PATH", os.environ.get("PATH", os.defpath))
+    if shutil.which(params.command, path=path) is None:
+        if os.sep in params.command:
+            return f"command {params.command!r} is not an executable file"
+        near = difflib.get_close_matches(params.command, _LAUNCHERS, n=1)
+        return f"command {params.command!r} not found on PATH" + (f"; did you mean {near[0]!r}?" if near else "")
+    return None
+
+
 def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactory:
     """Opens the SDK's stdio client: spawns the server in its own process group, speaks over its pipes."""
     params = stdio_parameters(spec, base_dir)
     logging.getLogger("mcp.client.stdio").addFilter(_NOT_JSON_RPC)  # once: a filter already there is kept
-    # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
-    return lambda errlog: stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
+
+    def transport(errlog: IO[bytes]) -> AbstractAsyncContextManager[Any]:
+        # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
+        if (problem := launch_problem(params)) is not None:
+            raise FileNotFoundError(problem)
+        return stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
+
+    return transport
 
 
 def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
