@@ -119,6 +119,10 @@ def test_dashed_overrides_are_dot_list_overrides(project, capsys):
     out = _factory("check", path, "--train.steps", cwd=project.root)
     assert out.returncode == 2 and out.stderr.endswith(
         "error: unrecognized arguments: --train.steps (an override takes a value: --KEY VALUE or --KEY=VALUE)\n")
+    # a mistyped option of the command is one, not an override without its value
+    with pytest.raises(SystemExit):
+        cli.main(["check", path, "--conect"])
+    assert capsys.readouterr().err.endswith("error: unrecognized arguments: --conect; did you mean --connect?\n")
 
 
 def test_version():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import shlex
 import sys
@@ -347,6 +348,12 @@ def dashed_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
     return out, wrong
 
 
+def _options_of(p: argparse.ArgumentParser, command: str) -> list[str]:
+    """The `--` options of one subcommand (`check`: --connect, ...): what a mistyped flag is compared with."""
+    subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # argparse keeps them there
+    return [o for o in subs.choices[command]._option_string_actions if o.startswith("--")]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     # Overrides may come after options (`plan SPEC --json a=1 b=2`); argparse stops the positional
@@ -355,7 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "overrides"):  # `--train.lr 1e-5` and `--train.lr=1e-5` are `train.lr=1e-5` (spec commands)
         extra, wrong = dashed_overrides(extra)
         if wrong:
-            p.error(f"unrecognized arguments: {' '.join(wrong)} (an override takes a value: --KEY VALUE or --KEY=VALUE)")
+            near = [m for w in wrong for m in difflib.get_close_matches(w, _options_of(p, args.command), n=1)]
+            p.error(f"unrecognized arguments: {' '.join(wrong)}" + (f"; did you mean {', '.join(near)}?" if near else
+                    " (an override takes a value: --KEY VALUE or --KEY=VALUE)"))
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
