@@ -22,7 +22,8 @@ By language:
     expected output (stdout and stderr together). `...` alone on a line matches any number of lines;
     `...` inside a line matches any text. Exit codes are not checked: the output shows the error.
     `run-overrides` and `slow` work as for `bash`.
-- `yaml`: `file=PATH` writes the block there (later blocks use it); `base=SPEC` checks the block's
+- `yaml`: `same-as=FILE` fails unless the block holds what the repository's FILE holds (comments aside);
+    `file=PATH` writes the block there (later blocks use it); `base=SPEC` checks the block's
     top-level sections in place of SPEC's with `factory check` (with `file=PATH` too, that spec is
     written to PATH); a block that is a whole spec (it has `name`, `model`, `data` and `rewards`) is
     checked with `factory check` as it is, unless it is marked `broken` (a page showing mistakes; its
@@ -324,6 +325,9 @@ def run_yaml(block: Block, cwd: Path) -> None:
         if "broken" not in block.attrs:
             raise _fail(block, f"not YAML: {e}") from None
         data = None  # a page showing a YAML mistake
+    if "same-as" in block.attrs:  # a shipped spec shown in full: it must say what the file says
+        if data != yaml.safe_load((REPO / block.attrs["same-as"]).read_text(encoding="utf-8")):
+            raise _fail(block, f"this block is not {block.attrs['same-as']} (their keys or values differ)")
     if "file" in block.attrs and "base" not in block.attrs:
         target = cwd / block.attrs["file"]
         target.parent.mkdir(parents=True, exist_ok=True)
