@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,19 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     err = capsys.readouterr().err
     assert err.startswith("spec.yaml:10: tools.dead: server failed to start: ")
     assert err.endswith("1 error in spec.yaml\n")
+
+
+def test_check_says_its_run_hash_leaves_out_the_tool_schemas_until_connected(project, capsys):
+    """`check` and `check --connect` printed two run hashes for one spec, and the run's was the second."""
+    project.module("cli_hash")
+    path = project.spec(BASE.replace("{mod}", "cli_hash") + "tools:\n  calc: {command: python, args: [-m, "
+                        "factory.examples.calculator]}\n")
+    assert cli.main(["check", path]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "run hash" in x)
+    assert line.endswith(" (tool schemas not included: `check --connect` and a run start the servers and hash them)")
+    assert cli.main(["check", path, "--connect"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "run hash" in x)
+    assert re.fullmatch(r"  run hash   [0-9a-f]{12}", line), line
 
 
 def test_check_connect_says_which_of_command_and_cwd_is_missing(project, capsys):

@@ -76,7 +76,7 @@ def check_summary(plan: Plan) -> str:
         f"  rewards    {rewards} (trains the policy)",
         f"  algorithm  {alg_text}",
         f"  stages     {stage_line(plan)}" + (f"; {gpus:g} GPUs" if gpus else ""),
-        f"  run hash   {plan.hashes['run'][:12]}",
+        f"  run hash   {plan.hashes['run'][:12]}" + _unhashed_tools(plan),
     ]
     return "\n".join(lines)
 
@@ -124,6 +124,14 @@ def _hash_entry(h: Any) -> str:
     return f"{h['path']} {h['sha256']}"
 
 
+def _unhashed_tools(plan: Plan) -> str:
+    """What a hash left out: the tool servers' schemas are known once the servers are started, so the run
+    hash of `check` and `plan` differs from `check --connect`'s and the run's (which hash them)."""
+    if not plan.spec.get("tools") or plan.hashes.get("tools"):
+        return ""
+    return " (tool schemas not included: `check --connect` and a run start the servers and hash them)"
+
+
 def plan_text(plan: Plan) -> str:
     """The resolved spec, the stage graph and the hashes, for reading."""
     out = ["# resolved spec (values read from the environment are shown as ***)", plan.spec_yaml.rstrip(), "",
@@ -142,7 +150,7 @@ def plan_text(plan: Plan) -> str:
     out += ["", "# hashes"]
     for key, value in sorted(plan.hashes.items()):
         if isinstance(value, dict):
-            out.append(f"  {key}:" + ("" if value else " -"))
+            out.append(f"  {key}:" + ("" if value else " -" + (_unhashed_tools(plan) if key == "tools" else "")))
             for name, h in sorted(value.items()):
                 out.append(f"    {name}: {_hash_entry(h)}")
         else:
