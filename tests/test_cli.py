@@ -186,7 +186,9 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     assert cli.main(["check", path, "--connect"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("spec.yaml:10: tools.dead: server failed to start: ")
-    assert err.endswith("1 error in spec.yaml\n")
+    # the SDK says only "Connection closed": that the process ended, silent, is ours to say
+    assert err.endswith("; the server's process ended before the MCP handshake and wrote nothing to stderr (is the "
+                        "command an MCP server speaking on stdio?)\n1 error in spec.yaml\n"), err
 
 
 def test_check_says_its_run_hash_leaves_out_the_tool_schemas_until_connected(project, capsys):

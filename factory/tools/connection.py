@@ -286,7 +286,11 @@ class McpConnection:
         except Exception as exc:
             await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
             what = f"at {self.url} could not be reached" if self.url else "failed to start"
-            message = f"tool server {self.label!r} {what}: {describe(exc)}{self.stderr_tail()}"
+            said = self.stderr_tail()
+            if not said and not self.url and self.stream_ended:  # the SDK's words were only "Connection closed"
+                said = ("; the server's process ended before the MCP handshake and wrote nothing to stderr (is the "
+                        "command an MCP server speaking on stdio?)")
+            message = f"tool server {self.label!r} {what}: {describe(exc)}{said}"
             self._close_stderr()
             raise ServerStartError(message) from exc
 
