@@ -233,6 +233,29 @@ def close_modules(name: str) -> list[str]:
     return found
 
 
+def _as_import_path(ref: str) -> str | None:
+    """What a file path or an all-dots name most likely meant: `rewards/task.py:correct` and
+    `rewards.task.correct` -> `rewards.task:correct` (None when nothing sensible is near)."""
+    if ":" not in ref and ref.endswith(".py"):
+        return None  # a file, no function named
+    module, _, attr = ref.rpartition(":") if ":" in ref else ref.rpartition(".")
+    module = module.removesuffix(".py").replace("/", ".").strip(".")
+    guess = f"{module}:{attr}"
+    return guess if module and attr and _IMPORT_PATH.match(guess) else None
+
+
+def _raised_at(exc: BaseException) -> str:
+    """` (rewards/task.py:3)`: the line of the project's code where an import failed -- the deepest frame
+    in the working directory, else the deepest that is not the import machinery's; '' when none."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    here = str(Path.cwd().resolve()) + os.sep
+    mine = [f for f in frames if str(Path(f.filename).resolve()).startswith(here)]
+    frame = (mine or frames or [None])[-1]
+    return f" ({shown_path(frame.filename)}:{frame.lineno})" if frame is not None else ""
+
+
 def _import_module(module_name: str, ref: str) -> Any:
     try:
         return importlib.import_module(module_name)
@@ -241,12 +264,13 @@ def _import_module(module_name: str, ref: str) -> Any:
             attr = ref.partition(":")[2]
             near = "".join(f"; did you mean '{m}:{attr}'?" for m in close_modules(module_name)[:1])
             raise NoModuleError(f"cannot import '{ref}': no module named '{e.name}'{near}") from None
-        raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}") from None
+        raise RefError(f"cannot import '{ref}': importing '{module_name}' failed: {e}{_raised_at(e)}") from None
     except SyntaxError as e:
         where = f"{shown_path(e.filename)}:{e.lineno}" if e.filename else module_name
         raise RefError(f"cannot import '{ref}': syntax error in {where}: {e.msg}") from None
     except Exception as e:  # the user's module may raise anything while it is imported
-        raise RefError(f"cannot import '{ref}': importing '{module_name}' raised {type(e).__name__}: {e}") from None
+        raise RefError(f"cannot import '{ref}': importing '{module_name}' raised {type(e).__name__}: {e}"
+                       f"{_raised_at(e)}") from None
     except SystemExit as e:  # a script's `sys.exit()` at import: left alone, `factory check` would exit with its code
         raise RefError(f"cannot import '{ref}': '{module_name}' called sys.exit({e.code!r}) while being imported"
                        ) from None
@@ -260,7 +284,9 @@ def import_object(ref: str) -> Any:
     folder is not: the compiler's error says where it is). Every way this can fail is a `RefError`
     saying what."""
     if not _IMPORT_PATH.match(ref):
-        raise RefError(f"expected an import path 'module:function', got '{ref}'")
+        guess = _as_import_path(ref)
+        raise RefError(f"expected an import path 'module:function', got '{ref}'"
+                       + (f"; did you mean '{guess}'?" if guess else ""))
     module_name, _, attr = ref.partition(":")
     if module_name == "__main__":  # here the script or notebook; in a stage's process, Ray's own worker
         raise RefError(f"cannot import '{ref}': '__main__' is the running script or notebook, which the stages' "

@@ -138,6 +138,8 @@ def test_unimportable_reward_functions(project):
     project.module("rc_raises", "raise RuntimeError('no GPU here')\n")
     # SystemExit is no Exception: `factory check` exited 3 (the infrastructure-failure code) saying nothing
     project.module("rc_exits", "import sys\nsys.exit(3)\n")
+    # a dependency the module imports is missing: its line is named (the module itself is there)
+    project.module("rc_dep", "import os\nimport numpyy_nowhere\n")
     path = project.spec(_base(project, "rc_imp") + """\
   a: {fn: rewards_nowhere:f}
   b: {fn: "rc_imp:exactt"}
@@ -145,6 +147,8 @@ def test_unimportable_reward_functions(project):
   d: {fn: "rc_raises:f"}
   e: {fn: not-a-path}
   f: {fn: "rc_exits:f"}
+  g: {fn: "rc_dep:f"}
+  h: {fn: "rewards/task.py:correct"}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.fn: cannot import 'rewards_nowhere:f': no module named 'rewards_nowhere'\n"
@@ -153,10 +157,14 @@ def test_unimportable_reward_functions(project):
         "spec.yaml:11: rewards.c.fn: cannot import 'rc_syntax:f': syntax error in rc_syntax.py:2: '(' was never "
         "closed\n"
         "spec.yaml:12: rewards.d.fn: cannot import 'rc_raises:f': importing 'rc_raises' raised RuntimeError: "
-        "no GPU here\n"
+        "no GPU here (rc_raises.py:1)\n"
         "spec.yaml:13: rewards.e.fn: expected an import path 'module:function', got 'not-a-path'\n"
         "spec.yaml:14: rewards.f.fn: cannot import 'rc_exits:f': 'rc_exits' called sys.exit(3) while being imported\n"
-        "6 errors in spec.yaml")
+        "spec.yaml:15: rewards.g.fn: cannot import 'rc_dep:f': importing 'rc_dep' failed: No module named "
+        "'numpyy_nowhere' (rc_dep.py:2)\n"
+        "spec.yaml:16: rewards.h.fn: expected an import path 'module:function', got 'rewards/task.py:correct'; "
+        "did you mean 'rewards.task:correct'?\n"
+        "8 errors in spec.yaml")
 
 
 def test_a_function_of_the_running_script_is_refused_when_the_spec_compiles(project):
@@ -185,7 +193,8 @@ def test_the_run_from_that_folder_hint_only_for_a_module_not_found(project, monk
     errors = _errors(str(path)).splitlines()
     beside = f" here; it is in {path.parent.as_posix()}/: run factory from that folder"
     assert errors[0].endswith("rewards.correct.fn: cannot import 'rc_far:exact': no module named 'rc_far'" + beside)
-    assert errors[2].endswith("rewards.a.fn: expected an import path 'module:function', got 'rc_far.exact'")
+    assert errors[2].endswith("rewards.a.fn: expected an import path 'module:function', got 'rc_far.exact'; "
+                              "did you mean 'rc_far:exact'?")
 
 
 def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_path_factory):
