@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -475,8 +476,12 @@ def test_the_runs_table_keeps_each_runs_name(monkeypatch, capsys):
                driver_alive=False, steps_done=2, steps=4, final_reward=0.0, start_time=1.0, duration_s=None, monitors={},
                eval={f"eval/{k}": 0.0 for k in ("accuracy", "dropped", "num_turns", "reward", "tool_calls")})
     monkeypatch.setattr(runs, "list_runs", lambda *a, **k: [row])
+    monkeypatch.delenv("COLUMNS", raising=False)
     assert cli.main(["runs"]) == 0
-    assert "tiny-20261203-193414" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tiny-20261203-193414" in out
+    # piped (as capsys is), the table is as wide as its columns need: the last one was cut at 200 columns
+    assert time.strftime("%Y-%m-%d %H:%M", time.localtime(1.0)) in out and "…" not in out, out
 
 
 def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):

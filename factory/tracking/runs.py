@@ -118,7 +118,7 @@ def runs_main(args: Any) -> int:
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
         table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, fmt_number(r["final_reward"]),
                       *(fmt_number(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
-    console = stdout_console(piped_width=200)  # piped or in a log: do not squeeze the table into 80 columns
+    console = stdout_console(piped_width=200, fit=table)  # piped or in a log: every column, whole
     console.print(table)
     return 0
 
