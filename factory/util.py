@@ -169,7 +169,8 @@ def fmt_number(v: float | None, spec: str = ".3f") -> str:
 def stdout_console(piped_width: int | None = None, file: Any = None, fit: Any = None) -> Any:
     """A rich Console for a command's output on stdout (`file`), `piped_width` columns wide when it is not
     a terminal (a log or a pipe: room for wide tables), or as wide as `fit` (a renderable) needs when that is
-    wider, so a piped table keeps every column; $COLUMNS, when set, decides. A reader that leaves early
+    wider, so a piped table keeps every column ($COLUMNS is not asked: a shell or CI that exports 80 would
+    squeeze the table to nothing). A reader that leaves early
     (`factory runs | head`) raises BrokenPipeError, which the command line ends with exit code 0: rich's own
     answer is SystemExit(1)."""
     from rich.console import Console
@@ -180,7 +181,7 @@ def stdout_console(piped_width: int | None = None, file: Any = None, fit: Any = 
             raise BrokenPipeError
 
     console = _Console(file=file)
-    if piped_width is not None and not console.is_terminal and not os.environ.get("COLUMNS"):
+    if piped_width is not None and not console.is_terminal:
         if fit is not None:
             wide = _Console(file=file, width=10_000)
             piped_width = max(piped_width, Measurement.get(wide, wide.options, fit).maximum)

@@ -476,7 +476,7 @@ def test_the_runs_table_keeps_each_runs_name(monkeypatch, capsys):
                driver_alive=False, steps_done=2, steps=4, final_reward=0.0, start_time=1.0, duration_s=None, monitors={},
                eval={f"eval/{k}": 0.0 for k in ("accuracy", "dropped", "num_turns", "reward", "tool_calls")})
     monkeypatch.setattr(runs, "list_runs", lambda *a, **k: [row])
-    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")  # exported by some shells and CI: not what a pipe's width is
     assert cli.main(["runs"]) == 0
     out = capsys.readouterr().out
     assert "tiny-20261203-193414" in out
