@@ -97,6 +97,15 @@ def test_errors_name_the_file_and_line_that_hold_the_value(project):
                           "2 errors in spec.yaml\n")
 
 
+def test_a_project_extending_a_shipped_spec_finds_its_templates(project):
+    """Factory's specs name `prompts/...` from the repository root (specs/ beside prompts/): extended from a
+    project folder, the quickstart failed at its chat template, found neither here nor beside the base."""
+    _, plan = compile_file(project.spec(f"extends: {REPO / 'specs' / 'quickstart.yaml'}\nname: mine\n"))
+    template, prompt = plan.spec["chat_template"], plan.spec["data"]["prompt"]  # relative to the spec's folder
+    assert (project.root / template).resolve() == REPO / "prompts" / "chatml_tools_compact.jinja"
+    assert (project.root / prompt).resolve() == REPO / "prompts" / "arith_fewshot.jinja"
+
+
 def test_a_base_that_is_missing_or_extends_in_a_cycle_is_an_error_at_its_line(project):
     assert _errors(project.spec("name: x\nextends: nowhere.yaml\n")) == (
         "spec.yaml:2: extends: cannot read the base spec nowhere.yaml: No such file or directory\n1 error in spec.yaml")

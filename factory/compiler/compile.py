@@ -1144,8 +1144,13 @@ def _rebased(spec: Spec, source: SpecSource) -> Spec:
                      (("tools", n, "cwd"), server.cwd, Path.is_dir)]
     for parts, value, exists in refs:
         folder = source.folder_of(".".join(parts))
-        if folder is not None and value and not os.path.isabs(value) and exists(folder / value):
-            spec = _with(spec, parts, Path(os.path.relpath(folder / value, source.base_dir)).as_posix())
+        if folder is None or not value or os.path.isabs(value):
+            continue
+        # beside the base, or in its parent: a project's specs/ beside its prompts/ (Factory's own specs name
+        # `prompts/...` from the repository root, so a spec elsewhere extending one found none of its files)
+        found = next((f / value for f in (folder, folder.parent) if exists(f / value)), None)
+        if found is not None:
+            spec = _with(spec, parts, Path(os.path.relpath(found, source.base_dir)).as_posix())
     return spec
 
 
