@@ -408,7 +408,7 @@ def main(a: argparse.Namespace) -> dict:
            "sequential_s": round(median(times["sequential"]), 3), "same_trajectories": True,
            # per trajectory: calls made, and calls the slow tool itself answered (the rest Factory refused at
            # once: the tiny model at temperature 1 writes mostly malformed calls)
-           "tool_calls": round(rows[0][5], 3), "tool_answered": round(rows[0][6], 3)}
+           "tool_calls": round(calls, 3), "tool_answered": round(ok, 3)}
     targets = {"speedup_vs_sequential": (">=", 3.0), "speedup_vs_sync_turns": (">=", 1.3)}
     return {**out, **judge_targets(out, targets, source="issues #14 and #28"), "cpu": cpu()}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import os
 import shlex
 import sys
@@ -21,7 +20,7 @@ from collections.abc import Callable, Sequence
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
 from factory.tracking.tracker import RunLookupError, StoreUnreadable
-from factory.util import UserError, version
+from factory.util import UserError, nearest, version
 
 
 def _user_output_to_stderr() -> contextlib.AbstractContextManager[object]:
@@ -362,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "overrides"):  # `--train.lr 1e-5` and `--train.lr=1e-5` are `train.lr=1e-5` (spec commands)
         extra, wrong = dashed_overrides(extra)
         if wrong:
-            near = [m for w in wrong for m in difflib.get_close_matches(w, _options_of(p, args.command), n=1)]
+            near = [m for w in wrong if (m := nearest(w, _options_of(p, args.command)))]
             p.error(f"unrecognized arguments: {' '.join(wrong)}" + (f"; did you mean {', '.join(near)}?" if near else
                     " (an override takes a value: --KEY VALUE or --KEY=VALUE)"))
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import difflib
 import fcntl
 import json
 import logging
@@ -34,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 
 from factory.schema import HttpServer, StdioServer
+from factory.util import did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,7 @@ def launch_problem(params: StdioServerParameters) -> str | None:
     if shutil.which(params.command, path=path) is None:
         if os.sep in params.command:
             return f"command {params.command!r} is not an executable file"
-        near = difflib.get_close_matches(params.command, _LAUNCHERS, n=1)
-        return f"command {params.command!r} not found on PATH" + (f"; did you mean {near[0]!r}?" if near else "")
+        return f"command {params.command!r} not found on PATH{did_you_mean(params.command, _LAUNCHERS)}"
     return None
 
 
