@@ -293,6 +293,30 @@ def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     assert stats["actor/grad_norm"] > 0
 
 
+def test_zero_3_builds_the_policy_partitioned_and_the_reference_whole(small_path, learners, monkeypatch):
+    """ZeRO-3 loads the policy under zero.Init (each rank builds only its part: a whole float32 copy per
+    rank first is what runs a node out of host memory on a real model), and only the policy: the
+    reference model loaded after it is an ordinary module, and the update with a KL term still runs."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    built: list[bool] = []  # per model loaded: were its parameters DeepSpeed-partitioned as it came back?
+    load = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        model = load(*args, **kwargs)
+        built.append(all(hasattr(p, "ds_id") for p in model.parameters()))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    learner = learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1}},
+                                 train={"deepspeed": {"zero_stage": 3}}))
+    assert built == [True, False] and not is_deepspeed_zero3_enabled()
+    assert learner.step(batch(seed=9))["actor/grad_norm"] > 0
+    learners(make_spec(small_path, train={"deepspeed": {"zero_stage": 2}}))
+    assert built[2:] == [False]
+
+
 def test_gradient_checkpointing_gives_the_same_update(small_path, learners):
     trajs = batch(seed=10)
     base, _ = one_step_delta(learners(make_spec(small_path)), trajs)

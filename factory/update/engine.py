@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -238,6 +239,27 @@ def deepspeed_config(spec: UpdateSettings) -> dict[str, Any]:
         # the offloaded fp32 states is correct, just slower per step.
         cfg["zero_force_ds_cpu_optimizer"] = False
     return _deep_merge(cfg, dict(ds.model_extra or {}))
+
+
+@contextlib.contextmanager
+def partitioned_loading(config: dict[str, Any]) -> Iterator[None]:
+    """Under ZeRO-3, models built inside are partitioned as they are built (DeepSpeed's `zero.Init`, which
+    transformers' `from_pretrained` enters while `HfDeepSpeedConfig` says ZeRO-3): each rank then holds
+    its 1/world of the float32 weights while loading, instead of a whole copy first (a 4B model is 16 GB
+    of host memory per rank, 8 ranks to a node). PEFT gathers a partitioned layer's weight while it adds
+    adapters, by the same signal. transformers reads that signal through a module-level weak reference,
+    unset on the way out: a model loaded afterwards in this process (the reference model, a test's second
+    learner) is a whole copy. Other stages: nothing."""
+    if config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hold = HfDeepSpeedConfig(config)  # noqa: F841 -- registered by its constructor; alive until the finally
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def make_optimizer(spec: UpdateSettings, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

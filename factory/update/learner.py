@@ -78,6 +78,7 @@ from factory.update.engine import (
     init_process_group,
     learning_rate,
     make_optimizer,
+    partitioned_loading,
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
@@ -130,23 +131,24 @@ class Learner:
         self.model_path = resolve_model(self.spec.model.path)
         init_process_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        self.shape = ModelShape.of(model)
-        if self.spec.train.packing != "off":  # packed rows need attention that stays inside each row
-            use_packed_attention(model)
-        self.lora = self.spec.model.lora
-        if self.lora is not None:  # adapters beside the frozen weights: only they require grad
-            from peft import get_peft_model
+        config = deepspeed_config(self.spec)
+        with partitioned_loading(config):  # ZeRO-3: each rank loads its part of the weights, not all of them
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            self.shape = ModelShape.of(model)
+            if self.spec.train.packing != "off":  # packed rows need attention that stays inside each row
+                use_packed_attention(model)
+            self.lora = self.spec.model.lora
+            if self.lora is not None:  # adapters beside the frozen weights: only they require grad
+                from peft import get_peft_model
 
-            from factory.lora import peft_config
+                from factory.lora import peft_config
 
-            model = get_peft_model(model, peft_config(self.lora))
-        if self.spec.train.gradient_checkpointing:
-            # non-reentrant: the variant that works under ZeRO-3's parameter gathering
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                               config=deepspeed_config(self.spec))
+                model = get_peft_model(model, peft_config(self.lora))
+            if self.spec.train.gradient_checkpointing:
+                # non-reentrant: the variant that works under ZeRO-3's parameter gathering
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.optimizer = make_optimizer(self.spec, [p for p in model.parameters() if p.requires_grad])
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
         self.engine.train()
         self.amp = autocast_dtype(self.spec)
         # HF drops the KV cache under gradient checkpointing; ZeRO-3 ranks must run paired forwards; under
