@@ -210,15 +210,23 @@ def test_check_connect_says_which_of_command_and_cwd_is_missing(project, capsys)
     project.module("cli_launch")
     base = BASE.replace("{mod}", "cli_launch")
     cases = {"{command: pyhton, args: [-m, factory.examples.calculator]}":
-             "command 'pyhton' not found on PATH; did you mean 'python'?",
-             "{command: ./no/server.sh}": f"command '{project.root / 'no/server.sh'}' is not an executable file",
+             "command: server cannot start: command 'pyhton' not found on PATH; did you mean 'python'?",
+             "{command: ./no/server.sh}":
+             f"command: server cannot start: command '{project.root / 'no/server.sh'}' is not an executable file",
              "{command: python, args: [-m, factory.examples.calculator], cwd: nowhere}":
-             f"its cwd is not a folder: {project.root / 'nowhere'}"}
+             f"cwd: server cannot start: its cwd is not a folder: {project.root / 'nowhere'}"}
     for server, said in cases.items():
         path = project.spec(base + f"tools:\n  calc: {server}\n")
         assert cli.main(["check", path, "--connect"]) == 2
         err = capsys.readouterr().err
-        assert err == f"spec.yaml:10: tools.calc: server failed to start: FileNotFoundError: {said}\n1 error in spec.yaml\n"
+        assert err.endswith(f"spec.yaml:10: tools.calc.{said}\n1 error in spec.yaml\n"), err
+    # without --connect: a warning for each (on a cluster the server may start on another node)
+    assert cli.main(["check", path]) == 0
+    assert "spec.yaml:10: tools.calc.cwd: warning: not a folder here: nowhere" in capsys.readouterr().err
+    # set by an override: said there, not at the file's server line
+    path = project.spec(base + "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n")
+    assert cli.main(["check", path, "--connect", "tools.calc.command=pyhton"]) == 2
+    assert "<override 1>: tools.calc.command: server cannot start: command 'pyhton'" in capsys.readouterr().err
 
 
 def test_check_connect_says_an_http_server_could_not_be_reached(project, capsys):

@@ -777,7 +777,11 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                             f"set it (export {var}=...) or remove the header")
                     replays = spec.replay.run is not None and spec.replay.on_miss == "fail"
                     (r.warn if joins or replays else r.error)(f"tools.{name}.headers_from_env.{header}", said)
-        elif isinstance(server, StdioServer) and not server.command.strip():
+        if isinstance(server, StdioServer) and server.cwd and not (r.source.base_dir / server.cwd).is_dir():
+            # a warning, as a command not found is: on a cluster the server may start on another node
+            r.warn(f"tools.{name}.cwd", f"not a folder here: {server.cwd} (a relative cwd is from the spec's "
+                                        "folder); the server would not start")
+        if isinstance(server, StdioServer) and not server.command.strip():
             r.error(f"tools.{name}.command", "empty: the program that starts the server (python, npx, uvx, a path)")
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
             # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)

@@ -32,10 +32,19 @@ async def _list_one(name: str, server: Any, source: SpecSource) -> list[dict[str
 
 
 async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
-    names = list(spec.tools)
-    results = await asyncio.gather(*(_list_one(n, spec.tools[n], source) for n in names), return_exceptions=True)
+    from factory.tools.connection import launch_problem, stdio_parameters
+
     listing: dict[str, list[dict[str, Any]]] = {}
     errors: list[SpecError] = []
+    names = []
+    for name, server in spec.tools.items():
+        # said at the field at fault (an override's, when one set it), not started
+        problem = None if isinstance(server, HttpServer) else launch_problem(stdio_parameters(server, source.base_dir))
+        if problem is not None:
+            errors.append(source.error(f"tools.{name}.{problem[0]}", f"server cannot start: {problem[1]}"))
+        else:
+            names.append(name)
+    results = await asyncio.gather(*(_list_one(n, spec.tools[n], source) for n in names), return_exceptions=True)
     for name, result in zip(names, results):
         if isinstance(result, asyncio.TimeoutError):
             errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))

@@ -146,16 +146,17 @@ _NOT_JSON_RPC = _NotJsonRpcInOneLine()
 _LAUNCHERS = ("python", "python3", "uv", "uvx", "npx", "node", "docker", "bash", "sh", "deno", "bunx")
 
 
-def launch_problem(params: StdioServerParameters) -> str | None:
-    """Why the server's process cannot be started, before trying: the SDK's own error was only the OS's
-    "[Errno 2] No such file or directory: 'pyhton'", the same words for a missing command and a missing cwd."""
+def launch_problem(params: StdioServerParameters) -> tuple[str, str] | None:
+    """Why the server's process cannot be started, before trying, as (the spec field at fault: `cwd` or
+    `command`, why): the SDK's own error was only the OS's "[Errno 2] No such file or directory: 'pyhton'",
+    the same words for a missing command and a missing cwd."""
     if params.cwd is not None and not os.path.isdir(params.cwd):
-        return f"its cwd is not a folder: {params.cwd}"
+        return "cwd", f"its cwd is not a folder: {params.cwd}"
     path = (params.env or {}).get("PATH", os.environ.get("PATH", os.defpath))
     if shutil.which(params.command, path=path) is None:
         if os.sep in params.command:
-            return f"command {params.command!r} is not an executable file"
-        return f"command {params.command!r} not found on PATH{did_you_mean(params.command, _LAUNCHERS)}"
+            return "command", f"command {params.command!r} is not an executable file"
+        return "command", f"command {params.command!r} not found on PATH{did_you_mean(params.command, _LAUNCHERS)}"
     return None
 
 
@@ -167,7 +168,7 @@ def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactor
     def transport(errlog: IO[bytes]) -> AbstractAsyncContextManager[Any]:
         # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
         if (problem := launch_problem(params)) is not None:
-            raise FileNotFoundError(problem)
+            raise FileNotFoundError(problem[1])
         return stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
 
     return transport
