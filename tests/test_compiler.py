@@ -48,6 +48,27 @@ def test_code_hashes_are_named_by_module_whatever_the_working_directory(project)
     assert list(plan.hashes["code"]) == ["rewards/mine.py"]
 
 
+def test_a_reward_functions_args_are_checked_against_its_parameters(project):
+    """Factory's reward functions end in `**_` (for the per-turn keywords), which took a misspelled arg and
+    ignored it, and `rel_tol: abc` failed (or scored 0) only at run time. A user's function with `**row`
+    keeps a key that is no typo: it may read it from there."""
+    project.module("rc_args_mine", "def mine(prompt, completion, scale: float = 1.0, **row):\n    return scale\n")
+    path = project.spec(_base(project, "rc_args") + "  builtin: {fn: factory.rewards.math:numeric_match}\n"
+                        "  ok: {fn: factory.rewards.format:tool_call_ok}\n  mine: {fn: 'rc_args_mine:mine'}\n")
+    assert _errors(path, ["rewards.builtin.args.rel_tl=0.1", "rewards.ok.args.strict=true",
+                          "rewards.mine.args.scale=big", "rewards.mine.args.scal=2"]).splitlines() == [
+        "<override 1>: rewards.builtin.args.rel_tl: numeric_match takes no parameter 'rel_tl'; did you mean "
+        "'rel_tol'? (its **kwargs would take it and ignore it)",
+        "<override 2>: rewards.ok.args.strict: tool_call_ok takes no parameter 'strict'; it takes turns, tools (its "
+        "**kwargs would take it and ignore it)",
+        "<override 3>: rewards.mine.args.scale: does not fit mine's scale: float (Input should be a valid number, "
+        "unable to parse string as a number)",
+        "<override 4>: rewards.mine.args.scal: mine takes no parameter 'scal'; did you mean 'scale'? (its **kwargs "
+        "would take it and ignore it)",
+        "4 errors in spec.yaml"]
+    compile_file(path, ["rewards.builtin.args.rel_tol=0.1", "rewards.mine.args.weight=2", "rewards.mine.args.scale=3"])
+
+
 def test_tools_make_a_tools_stage_and_call_edges(project):
     path = project.spec(_base(project, "rc_stage") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
     _, plan = compile_file(path)
@@ -464,9 +485,13 @@ def test_a_generator_that_raises_on_an_overridden_arg_is_said_at_the_override_wi
     """`data.train.args.operands=[2,"x"]` made the generator raise, and the error was put at the spec's
     `generator:` line, which the user never changed; it is at the override, with the args it was called with."""
     path = project.spec(_base(project, "rc_gen_args"))
+    assert _errors(path, ['data.train.args.operands=[0,1]']) == (
+        "<override 1>: data.train.args.operands: factory.data:arithmetic raised IndexError on its args "
+        "(operands=[0, 1]): list index out of range\n1 error in spec.yaml")
+    # a value its annotation refuses is said before the call (the value itself is not shown: it may be a secret)
     assert _errors(path, ['data.train.args.operands=[2,"x"]']) == (
-        "<override 1>: data.train.args.operands: factory.data:arithmetic raised TypeError on its args "
-        "(operands=[2, 'x']): can only concatenate str (not \"int\") to str\n1 error in spec.yaml")
+        "<override 1>: data.train.args.operands: does not fit arithmetic's operands: tuple[int, int] (Input should "
+        "be a valid integer, unable to parse string as an integer)\n1 error in spec.yaml")
     # an argument read from the environment is shown as ***, as in printed plans (it may be a secret)
     project.module("rc_gen_key", "def rows(n, seed, key):\n    raise ValueError('refused')\n")
     path = project.spec(_base(project, "rc_gen_env").replace(

@@ -34,6 +34,7 @@ from factory.compiler.errors import SpecError, SpecErrors
 from factory.compiler.load import SpecInput, SpecSource, load_all, read_config, remember
 from factory.compiler.refs import (
     RefError,
+    args_problems,
     find_file,
     generator_problem,
     hub_snapshot,
@@ -513,6 +514,8 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
                         lambda f: generator_problem(f, source.generator, source.args))
         if fn is None:
             continue
+        for key, problem in args_problems(fn, source.args).items():
+            r.error(f"data.{split}.args.{key}", problem)
         src = source_file(fn)
         hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
@@ -654,6 +657,9 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
                                                                                  node.per == "turn"))
         if fn is None:
             continue
+        own = getattr(fn, "__module__", "").startswith("factory.")  # ours drop what their **_ gets
+        for key, problem in args_problems(fn, node.args, catch_all_ignores=own).items():
+            r.error(f"rewards.{name}.args.{key}", problem)
         fns[name] = fn
         hashes |= source_hashes(fn)  # its module's and its project helpers
     return hashes, fns

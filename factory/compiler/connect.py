@@ -12,7 +12,7 @@ from typing import Any
 
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
-from factory.schema import HttpServer, JudgeNode, Spec
+from factory.schema import HttpServer, JudgeNode, Spec, StdioServer
 from factory.util import run_sync
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
@@ -39,7 +39,7 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
     names = []
     for name, server in spec.tools.items():
         # said at the field at fault (an override's, when one set it), not started
-        problem = None if isinstance(server, HttpServer) else launch_problem(stdio_parameters(server, source.base_dir))
+        problem = launch_problem(stdio_parameters(server, source.base_dir)) if isinstance(server, StdioServer) else None
         if problem is not None:
             errors.append(source.error(f"tools.{name}.{problem[0]}", f"server cannot start: {problem[1]}"))
         else:

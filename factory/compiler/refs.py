@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 # The one import resolver and its error live in factory.util: every stage imports with it too.
-from factory.util import RefError, import_object, resolve_file, shown_path  # noqa: F401
+from factory.util import RefError, did_you_mean, import_object, resolve_file, shown_path  # noqa: F401
 
 
 def source_file(obj: Any) -> Path | None:
@@ -129,6 +129,54 @@ def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group
                              "f(prompt, turn_text, turn=..., index=..., **row)", row_keywords=True)
     return _bind_problem(fn, ref, ("prompt", "completion"), args, "f(prompt, completion, **row)",
                          row_keywords=True)
+
+
+def args_problems(fn: Callable[..., Any], args: dict[str, Any], catch_all_ignores: bool = False) -> dict[str, str]:
+    """What is wrong with the `args` a spec gives a function (each by its key), beyond what binding says:
+    a value that does not fit its parameter's annotation (`rel_tol: abc` for a float: it failed, or scored
+    0, only at run time), and a key that a `**kwargs` catch-all would swallow where it looks like a typo of
+    a parameter (`rel_tl`). `catch_all_ignores`: the catch-all is known to drop what it gets (Factory's
+    own reward functions: theirs is there for the per-turn keywords), so any key not a parameter is one."""
+    import typing
+
+    import pydantic
+
+    try:
+        params = inspect.signature(fn).parameters
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 -- no readable signature or annotations (a builtin, a name not importable)
+        return {}
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    catch_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    problems: dict[str, str] = {}
+    for key, value in args.items():
+        if key not in params:
+            hint = did_you_mean(key, named)
+            if catch_all and (catch_all_ignores or hint):
+                hint = hint or f"; it takes {', '.join(named[2:]) or 'no other'}"
+                problems[key] = f"{ref_name(fn)} takes no parameter '{key}'{hint} (its **kwargs would take it and ignore it)"
+            continue  # without a catch-all, binding says it
+        if key in hints:
+            try:
+                pydantic.TypeAdapter(hints[key]).validate_python(value)
+            except pydantic.ValidationError as e:
+                # (not the value itself: one read from the environment may be a secret)
+                problems[key] = f"does not fit {ref_name(fn)}'s {key}: {_annotation(hints[key])} ({e.errors()[0]['msg']})"
+            except Exception:  # noqa: BLE001 -- an annotation pydantic cannot build a validator for: unchecked
+                pass
+    return problems
+
+
+def ref_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def _annotation(hint: Any) -> str:
+    """`float`, `tuple[int, int]`, `collections.abc.Sequence[str] | None` as written."""
+    import typing
+
+    plain = typing.get_origin(hint) is None and getattr(hint, "__name__", None)
+    return plain or str(hint).replace("typing.", "").replace("collections.abc.", "")
 
 
 def generator_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any]) -> str | None:
