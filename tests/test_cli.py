@@ -455,6 +455,17 @@ def test_eval_of_a_server_that_does_not_answer_exits_2_before_ray_starts(project
     assert not (project.root / "mlflow.db").exists()
 
 
+def test_eval_takes_replay_as_run_and_rescore_do(project, capsys, monkeypatch):
+    """docs/tools.md says `factory eval` replays as `run` does; `--replay` was `run`'s and `rescore`'s only."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project.root}/mlflow.db")
+    project.module("cli_rp")
+    path = project.spec(BASE.replace("{mod}", "cli_rp").replace(
+        "size: 8}\n", "size: 8}\n  eval: {generator: factory.data:arithmetic, size: 2}\n"))
+    assert cli.main(["eval", path, "--replay", "nosuchrun"]) == 2  # looked up as replay.run, before Ray starts
+    assert "no run with id or name 'nosuchrun'" in capsys.readouterr().err
+
+
 LISTING = """
 import factory.tracking.runs as runs
 from factory.commands import cli

@@ -3,7 +3,7 @@
     import factory
     spec = factory.load("specs/tiny.yaml", ["train.steps=2"])   # a path, YAML text or a dict -> the typed Spec
     plan = factory.compile(spec)                                   # -> the Plan (`factory plan`)
-    result = factory.run(plan, on_step=lambda step, m: print(step, m["reward/mean"]))   # `factory run`
+    result = factory.run(plan, on_step=lambda step, m: print(step, m.get("reward/mean")))  # step 0: eval only
     factory.runs(); factory.diff(a, b)                             # `factory runs`, `factory diff --json`
     factory.evaluate("specs/tiny.yaml", model=result.run_id)       # `factory eval`
 

@@ -62,12 +62,17 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_override(args: argparse.Namespace) -> None:
+    """`--replay RUN` is the override `replay.run=RUN`, which the run's plan records."""
+    if args.replay is not None:
+        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
+
+
 def _run(args: argparse.Namespace) -> int:
     from factory.commands import api
     from factory.runtime.startup import process_started
 
-    if args.replay is not None:  # the same as the override, which the run's plan records
-        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
+    _replay_override(args)
     plan = api.compile_plan(args.spec, args.overrides)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
@@ -95,6 +100,7 @@ def _eval(args: argparse.Namespace) -> int:
     from factory.commands import api
     from factory.runtime.startup import process_started
 
+    _replay_override(args)
     api.evaluate(args.spec, args.model, args.overrides, uri=args.uri, started_at=process_started())
     return 0
 
@@ -108,9 +114,7 @@ def _export(args: argparse.Namespace) -> int:
 def _rescore(args: argparse.Namespace) -> int:
     from factory.commands.rescore import main as rescore_main
 
-    if args.replay is not None:  # as `factory run --replay`
-        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
-
+    _replay_override(args)
     return rescore_main(args)
 
 
@@ -253,6 +257,9 @@ def parser() -> argparse.ArgumentParser:
                          "the spec's model")
     ev.add_argument("--uri", default=None, help="MLflow tracking URI where RUN is found (default: "
                                                 "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    ev.add_argument("--replay", default=None, metavar="RUN",
+                    help="answer tool calls from RUN's recorded calls instead of calling the tools, as `run "
+                         "--replay` does (= replay.run=RUN)")
 
     init_help = "create a project folder: a spec, a prompt, a reward function, an MCP tool server and data"
     ini = sub.add_parser("init", help=init_help, description=init_help)
