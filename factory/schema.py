@@ -155,8 +155,8 @@ class _ToolCommon(Section):
     """The server's tools are deterministic: keep their answers across runs (on disk, in
     `$FACTORY_CACHE/tool-cache.sqlite`, default `~/.cache/factory`), keyed by the tool's schema hash and its
     arguments, and answer a call seen before from there. Only answers that came back (`ok` or the tool's
-    own error) are kept, never an infrastructure failure. Each step logs `tool_servers/<server>/cache_hits`
-    and `cache_misses`."""
+    own error) are kept, never an infrastructure failure. Each training step logs
+    `tool_servers/<server>/cache_hits` and `cache_misses` (its rollout's calls)."""
 
 
 class StdioServer(_ToolCommon):

@@ -151,6 +151,10 @@ def test_the_cache_answers_a_second_run_and_keeps_no_infra_error(tmp_path, monke
     merged.add(first._metrics)
     merged.add(second._metrics)
     assert merged.snapshot()["tool_servers/calculate/cache_hits"] == 3.0
+    # what the tools stage tells its callers, taken: a window without calls says 0, not nothing
+    taken = second.server_events()["calculate"]
+    assert (taken["cache_hits"], taken["cache_misses"]) == (2, 0)
+    assert second.server_events() == {"calculate": {"cache_hits": 0, "cache_misses": 0}}
     # another schema is another key; an infrastructure failure is not kept
     cache = ToolCache(tmp_path / "tool-cache.sqlite")
     k = ToolCache.key("calculate", "calculate", {"type": "object"}, {"expression": "2+3"})

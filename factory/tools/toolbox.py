@@ -269,9 +269,16 @@ class ToolBox:
                         self._cache.path if self._cache else "", type(exc).__name__, exc, tool)
 
     def server_events(self) -> dict[str, dict[str, int]]:
-        """Restarts and circuit opens since the last ask, and a fresh count (for the tools stage, whose
+        """Restarts and circuit opens since the last ask (and a cached server's hits and misses, 0 where it
+        had none: a step without them logs 0, not a gap), and a fresh count (for the tools stage, whose
         callers count their calls themselves)."""
-        return self._metrics.take_server_events()
+        events = self._metrics.take_server_events()
+        for name, spec in self._specs.items():
+            if getattr(spec, "cache", False):
+                counts = events.setdefault(name, {})
+                for event in ("cache_hits", "cache_misses"):
+                    counts.setdefault(event, 0)
+        return events
 
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """Per-tool calls, model_errors, infra_errors, timeouts, errors, latency_s_p50/p95, and totals."""
