@@ -281,6 +281,27 @@ def test_settings_that_another_setting_switches_off_warn(project):
         assert not [w for w in plan.warnings if "dual_clip_c" in w], loss
 
 
+def test_vllm_settings_that_engine_auto_made_moot_are_said_at_the_start(project):
+    """`factory check` cannot know what `engine: auto` takes on the machine; the run's start does (the rollout
+    stage's resolved engine), and says so of what the spec wrote for vLLM; `replay.on_miss` without a run."""
+    from types import SimpleNamespace
+
+    from factory.runtime.driver import auto_unused
+
+    path = _spec(project, "st_auto", "rollout: {kv_cache_gb: 4, vllm_compile: true}\nreplay: {on_miss: live}\n")
+    _, plan = compile_file(path)
+    assert plan.warnings == ("spec.yaml:10: replay.on_miss: warning: has no effect without replay.run (no run's tool "
+                             "calls are replayed)",)
+    groups = {s.name: SimpleNamespace(stage=s) for s in plan.stages}
+    took = {"rollout": {"engine": "hf", "engine_reason": "a short run"}, "update": {"device": "cpu"}}
+    assert auto_unused(groups, took) == [
+        f"rollout.{field}: has no effect: engine auto took transformers here (a short run); only vLLM reads it"
+        for field in ("kv_cache_gb", "vllm_compile")]
+    assert auto_unused(groups, {"rollout": {"engine": "vllm"}}) == []
+    _, plan = compile_file(path, ["rollout.engine=hf"])  # said by check instead
+    assert auto_unused({s.name: SimpleNamespace(stage=s) for s in plan.stages}, took) == []
+
+
 def test_generator_settings_on_a_file_are_errors(project):
     project.file("rows.jsonl", '{"question": "1+1?", "answer": "2"}\n')
     base = BASE.replace("train: {generator: factory.data:arithmetic, size: 8}",

@@ -146,6 +146,12 @@ def _set(model: Any, field: str) -> bool:
     return field in model.model_fields_set
 
 
+def vllm_only(rollout: Any) -> list[str]:
+    """The rollout settings the user wrote that only vLLM reads: said when the engine is transformers, by
+    the spec (`factory check`) or by `engine: auto`'s choice on the machine (the run's start)."""
+    return [f for f in ("kv_cache_gb", "vllm_compile", "vllm_lora") if _set(rollout, f)]
+
+
 def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     """Settings that conflict with the source they belong to (errors), and settings that do nothing
     because another setting is off (warnings)."""
@@ -172,9 +178,11 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
         r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens ({spec.rollout.max_total_tokens}), "
                                          "which bounds a trajectory's response tokens: no turn can be longer")
-    for field in ("kv_cache_gb", "vllm_compile", "vllm_lora"):
-        if spec.rollout.engine == "hf" and _set(spec.rollout, field):
+    if spec.rollout.engine == "hf":
+        for field in vllm_only(spec.rollout):
             r.warn(f"rollout.{field}", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
+    if spec.replay.run is None and _set(spec.replay, "on_miss"):
+        r.warn("replay.on_miss", f"{unused} without replay.run (no run's tool calls are replayed)")
     if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
         r.warn("rollout.vllm_lora", f"{unused} without model.lora (there are no adapters to sync)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):

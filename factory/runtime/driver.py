@@ -987,6 +987,8 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
             display.warning(said)  # `factory check --connect` says it too; a run compiles without the listing
         # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
         resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+        for said in auto_unused(groups, resolved):
+            display.warning(said)
         if replayed is not None:
             alone = replayed.on_miss == "fail" and replayed.listing is not None  # (factory.tools.recording)
             display.status(f"tool calls answered from run {replayed.run}'s recording (replay.on_miss: "
@@ -999,6 +1001,21 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
         raise
     finally:
         tracker.end(status)  # never raises by itself; the teardown follows (`placed`)
+
+
+def auto_unused(groups: Groups, resolved: dict[str, Any]) -> list[str]:
+    """The vLLM-only rollout settings a spec wrote that `engine: auto` made moot by taking transformers on
+    this machine (`factory check` cannot know its choice; it says so for an explicit `engine: hf`)."""
+    from factory.compiler.settings import vllm_only
+
+    said = []
+    for name, chose in resolved.items():
+        rollout = getattr(groups[name].stage.settings, "rollout", None)
+        if chose.get("engine") == "hf" and rollout is not None and rollout.engine == "auto":
+            why = chose.get("engine_reason") or chose.get("engine_fallback") or "its rule"
+            said += [f"rollout.{field}: has no effect: engine auto took transformers here ({why}); only vLLM reads it"
+                     for field in vllm_only(rollout)]
+    return said
 
 
 @dataclass
