@@ -136,6 +136,31 @@ def test_normalize_over_group_and_batch():
     assert not reward_stage(per_group).settings.whole_batch
 
 
+def test_a_functions_none_is_said_once_a_run_and_an_error_every_step(caplog):
+    """None is a function's own "no value here" (a per-turn node on a turn without calls): said at its first
+    step, not at every step of the run; an exception is news each step it happens."""
+    import logging
+
+    spec = make_spec({"opinion": {"fn": f"{FNS}:none_for_empty"}, "broken": {"fn": f"{FNS}:boom"},
+                      "total": {"sum": {"opinion": 1.0, "broken": 1.0}}})
+    stage = reward_stage(spec)
+
+    async def go():
+        await stage.setup()
+        try:
+            for step in (1, 2, 3):
+                await stage.score([traj("abc", 0, 0), traj("", 0, 1), traj("boom", 0, 2)], step=step)
+        finally:
+            await stage.close()
+
+    with caplog.at_level(logging.WARNING, logger="factory.reward.stage"):
+        asyncio.run(go())
+    said = [r.getMessage() for r in caplog.records if "no value for" in r.getMessage()]
+    by_node = [m.split(":")[0].removeprefix("reward node ") for m in said]
+    assert (by_node.count("opinion"), by_node.count("broken")) == (1, 3)
+    assert [m.endswith("(nor, in later steps, a None of its function's)") for m in said if "opinion" in m] == [True]
+
+
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
 def test_on_missing(policy):
     from factory.algorithms import resolve

@@ -55,25 +55,30 @@ def test_the_missing_values_warning_counts_a_per_turn_nodes_turns(caplog):
 
 def test_a_failing_node_is_logged_once_per_sampling_round_however_many_calls_score_it(caplog):
     """Streamed trajectory by trajectory, a step is many `score` calls: one line per node and step (and
-    dynamic-sampling attempt), not one per trajectory; `rewards/<node>/missing` counts each call's."""
+    dynamic-sampling attempt), not one per trajectory; `rewards/<node>/missing` counts each call's. A
+    function's own None (call_ok on a turn without calls) is said once a run."""
     import asyncio
 
     from tests.test_reward_stage import reward_stage
 
-    stage = reward_stage(make_spec({"step": {"fn": f"{FNS}:call_ok", "per": "turn"}}))
+    stage = reward_stage(make_spec({"step": {"fn": f"{FNS}:call_ok", "per": "turn"},
+                                    "broken": {"fn": f"{FNS}:boom"},
+                                    "total": {"sum": {"step": 1.0, "broken": 1.0}}}))
 
     async def go():
         await stage.setup()
         try:
             for step, attempt in ((1, 0), (1, 0), (1, 1), (2, 0), (2, 0)):
-                _, m = await stage.score([traj("abc", turns=T0, answer="7")], step=step, attempt=attempt)
-                assert m["rewards/step/missing"] == 1.0
+                _, m = await stage.score([traj("boom", turns=T0, answer="7")], step=step, attempt=attempt)
+                assert m["rewards/step/missing"] == 1.0 and m["rewards/broken/missing"] == 1.0
         finally:
             await stage.close()
 
     asyncio.run(go())
     lines = [r.getMessage() for r in caplog.records if "no value for" in r.getMessage()]
-    assert [ln.split("of step ")[1].split(";")[0] for ln in lines] == ["1", "1", "2"]  # (1, 0), (1, 1), (2, 0)
+    steps = {node: [ln.split("of step ")[1].split(";")[0] for ln in lines if ln.startswith(f"reward node {node}:")]
+             for node in ("step", "broken")}
+    assert steps == {"step": ["1"], "broken": ["1", "1", "2"]}  # broken: (1, 0), (1, 1), (2, 0)
 
 def test_combinators_clip_and_gate_work_per_turn_with_trajectory_inputs_at_every_turn():
     spec = make_spec({

@@ -77,6 +77,7 @@ class RewardStage(StageActor):
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
         self.per_turn = per_turn_nodes(self.nodes)  # a pure function of the nodes the slice holds
         self._warned_round: tuple[int, int] | None = None  # (step, attempt) whose failing nodes were logged
+        self._said_none: set[str] = set()  # nodes whose function's None (its "no value") was said: once a run
         self._warned: set[str] = set()
         self._max_workers = max_workers
         self._base_dir = Path(settings.base_dir)
@@ -140,14 +141,20 @@ class RewardStage(StageActor):
             self._warned_round, self._warned = (step, attempt), set()
         turns = sum(len(t.turns) for t in evaluation.trajs)
         for name, errors in evaluation.failed.items():
-            if name in self._warned:
+            # A function that returns None says "no value here" on purpose (a per-turn node on a turn without
+            # calls): said once a run, where an error or a bad value is said every step it happens.
+            chosen = all(e == NONE_RETURNED for e in errors)
+            if name in self._warned or (chosen and name in self._said_none):
                 continue
             self._warned.add(name)
+            if chosen:
+                self._said_none.add(name)
             per_turn = name in self.per_turn
             log.warning("reward node %s: no value for %d of %d %s (first: %s), in a scoring call of step %d; "
-                        "rewards/%s/missing counts all of the step's, which are not logged again", name,
+                        "rewards/%s/missing counts all of the step's, which are not logged again%s", name,
                         len(errors), turns if per_turn else len(evaluation.trajs),
-                        "trajectories' turns" if per_turn else "trajectories", errors[0], step, name)
+                        "trajectories' turns" if per_turn else "trajectories", errors[0], step, name,
+                        " (nor, in later steps, a None of its function's)" if chosen else "")
 
     async def close(self) -> None:
         await self._sessions.aclose()
@@ -188,7 +195,7 @@ class _Outcome:
 def _outcome(value: Any) -> _Outcome:
     """What a reward function returned, as an outcome."""
     if value is None:
-        return _Outcome(None, "missing", {"error": "returned None"})
+        return _Outcome(None, "missing", {"error": NONE_RETURNED})
     try:  # a number of any kind (numpy's, a 0-d tensor, a bool), but not a string float() would parse
         if isinstance(value, (str, bytes)):
             raise TypeError
@@ -201,6 +208,9 @@ def _outcome(value: Any) -> _Outcome:
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
     return _Outcome(number)
+
+
+NONE_RETURNED = "returned None"
 
 
 def _failed(e: BaseException) -> _Outcome:
