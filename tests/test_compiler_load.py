@@ -408,7 +408,16 @@ def test_yaml_error_says_what_yaml_was_reading(project):
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("name: a\n"), ["train.steps=[1"])
     assert ("<override 1>: train.steps: yaml syntax error: did not find expected ',' or ']' (while parsing a "
-            "flow sequence)") in report(e).splitlines()
+            "flow sequence); the value after '=' is read as YAML: quote it inside (train.steps=\"'...'\") to give "
+            "it as text") in report(e).splitlines()
+    # a list over a mapping (OmegaConf: "Cannot merge incompatible container types"); a value YAML made a mapping
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\ntrain: {steps: 2}\n"), ["train=[1]", "name={a: 1}"])
+    assert [ln for ln in report(e).splitlines() if ln.startswith("<override")] == [
+        "<override 1>: train: a mapping in the spec, which an override cannot replace with a list: set what is "
+        "inside it (train.KEY=VALUE), or write the change in the spec",
+        "<override 2>: name: expected a string, got a mapping; an override's value is read as YAML: quote it "
+        "inside, name=\"'...'\""]
 
 
 def test_a_key_written_one_level_too_deep_says_where_it_goes(project):

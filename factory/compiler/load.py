@@ -110,6 +110,9 @@ class SpecSource:
                 path = p
                 break
         file, line, column = self.locate(path)
+        if file.startswith("<override") and message.startswith("expected a string, got a"):
+            # `parse='score: ('`: the shell's quotes are gone, and YAML reads `a: b` as a mapping
+            message += f"; an override's value is read as YAML: quote it inside, {path}=\"'...'\""
         return SpecError(file, line, path, message, level=level, column=column)  # type: ignore[arg-type]
 
 
@@ -276,8 +279,15 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
             msg = (_omega_message(e) if isinstance(e, OmegaConfBaseException)
-                   else f"yaml syntax error: {_yaml_problem(e)}" if isinstance(e, yaml.YAMLError)
+                   else f"yaml syntax error: {_yaml_problem(e)}; the value after '=' is read as YAML: quote it "
+                        f"inside ({key.strip()}=\"'...'\") to give it as text" if isinstance(e, yaml.YAMLError)
                    else str(e).splitlines()[0])
+            if msg.startswith("Cannot merge incompatible container types"):  # (OmegaConf's words)
+                was = OmegaConf.select(cfg, key.strip(), throw_on_resolution_failure=False)
+                kind = "a mapping" if isinstance(was, DictConfig) else "a list" if isinstance(was, ListConfig) else "a value"
+                msg = (f"{kind} in the spec, which an override cannot replace with "
+                       f"{'a list' if kind != 'a list' else 'a mapping'}: set what is inside it "
+                       f"({key.strip()}.KEY=VALUE), or write the change in the spec")
             errors.append(SpecError(f"<override {n}>", None, key.strip(), msg))
             continue
         paths[key.strip()] = n
