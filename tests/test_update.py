@@ -293,10 +293,11 @@ def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     assert stats["actor/grad_norm"] > 0
 
 
-def test_zero_3_builds_the_policy_partitioned_and_the_reference_whole(small_path, learners, monkeypatch):
+def test_zero_3_builds_the_policy_and_the_reference_partitioned(small_path, learners, monkeypatch):
     """ZeRO-3 loads the policy under zero.Init (each rank builds only its part: a whole float32 copy per
-    rank first is what runs a node out of host memory on a real model), and only the policy: the
-    reference model loaded after it is an ordinary module, and the update with a KL term still runs."""
+    rank first is what runs a node out of host memory on a real model), and the KL term's reference too
+    (a frozen engine of its own); a model loaded afterwards in the process is an ordinary one, and so is a
+    ZeRO-2 learner's reference. The update with the KL term equals the ZeRO-0 one."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -309,12 +310,20 @@ def test_zero_3_builds_the_policy_partitioned_and_the_reference_whole(small_path
         return model
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
-    learner = learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1}},
-                                 train={"deepspeed": {"zero_stage": 3}}))
-    assert built == [True, False] and not is_deepspeed_zero3_enabled()
-    assert learner.step(batch(seed=9))["actor/grad_norm"] > 0
-    learners(make_spec(small_path, train={"deepspeed": {"zero_stage": 2}}))
-    assert built[2:] == [False]
+    trajs = batch(seed=9)
+    first = learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1}}))
+    first.step(trajs)  # the second step is the one whose KL is not 0: the policy has left the reference
+    base, base_stats = one_step_delta(first, trajs)
+    built.clear()
+    learner = learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1}}, train={"deepspeed": {"zero_stage": 3}}))
+    assert built == [True, True] and not is_deepspeed_zero3_enabled()
+    assert all(hasattr(p, "ds_id") and not p.requires_grad for p in learner.ref.parameters())
+    learner.step(trajs)
+    zero, stats = one_step_delta(learner, trajs)
+    assert_same_delta(base, zero)
+    assert base_stats["actor/kl"] > 1e-4 and stats["actor/kl"] == pytest.approx(base_stats["actor/kl"], rel=1e-4)
+    learners(make_spec(small_path, algorithm={"kl": {"coef": 0.1}}, train={"deepspeed": {"zero_stage": 2}}))
+    assert built[2:] == [False, False]
 
 
 def test_gradient_checkpointing_gives_the_same_update(small_path, learners):

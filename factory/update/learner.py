@@ -160,13 +160,33 @@ class Learner:
         if self.alg.needs_reference and self.lora is not None:
             self.ref = AdaptersOff(self.engine.module)  # the base model IS the reference: no second copy
         elif self.alg.needs_reference:  # only then: a second copy of the weights is not free
-            self.ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
-            self.ref.requires_grad_(False).eval().to(self.engine.device)
-            if self.spec.train.packing != "off":
-                use_packed_attention(self.ref)
+            self.ref = self._reference(config)
         # the rollout engine's dtype, by the rule its own stage applies (a learner built outside a plan: float32)
         rollout = self.spec.rollout_compute
         self.sync_dtype = _DTYPES[resolve_dtype(rollout) if rollout is not None else "float32"]
+
+    def _reference(self, config: dict[str, Any]) -> Any:
+        """The frozen reference model for the KL term, in the policy's dtype. Under ZeRO-3 partitioned as the
+        policy is: a DeepSpeed engine without an optimizer, each rank holding its part and gathering a layer
+        at a time in the forward (so every rank runs every reference forward, stand-ins too): a whole copy per
+        rank is the largest fixed item of a rank's memory on a real model (docs/scale.md). Else a whole copy."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        if self.engine.zero_optimization_stage() != 3:
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
+            ref.requires_grad_(False).eval().to(self.engine.device)
+        else:
+            zero = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+            frozen = {**config, "zero_optimization": zero}  # no optimizer: nothing to offload
+            with partitioned_loading(frozen):
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+                model.requires_grad_(False)
+                ref, *_ = deepspeed.initialize(model=model, config=frozen)
+            ref.eval()
+        if self.spec.train.packing != "off":
+            use_packed_attention(ref.module if hasattr(ref, "module") else ref)
+        return ref
 
     def resolved(self) -> dict[str, str]:
         """What this learner computes with, as chosen for its device: the run's params record it."""
@@ -374,10 +394,11 @@ class Learner:
                                                   entropy=True, share_prefix=self.share_prefix)
                     if micro:
                         old[micro, : logp.shape[1]], entropy[micro, : logp.shape[1]] = logp.cpu(), ent.cpu()
-                if ref is not None and micro:
+                if ref is not None:  # a stand-in too: a ZeRO-3 reference's gathers pair up across the ranks
                     logp = response_logprobs(self.ref, mb, amp=self.amp, temperature=temperature,
                                              share_prefix=self.share_prefix)[0]
-                    ref[micro, : logp.shape[1]] = logp.cpu()
+                    if micro:
+                        ref[micro, : logp.shape[1]] = logp.cpu()
         old, ref, entropy = (self._all_sum(x) for x in (old, ref, entropy))
         valid = torch.arange(width) < torch.tensor([len(t.response_ids) for t in sub])[:, None]  # [n, Rmax]
 
@@ -623,8 +644,9 @@ class Learner:
 
     def shutdown(self) -> None:
         """Release the engine and the process group (a later setup() in this process starts afresh)."""
-        if self.engine is not None:
-            self.engine.destroy()
+        for engine in (self.ref, self.engine):  # (a ZeRO-3 reference is an engine too)
+            if hasattr(engine, "destroy"):
+                engine.destroy()
         self.engine = self.ref = None
         release_process_group()
 
