@@ -315,6 +315,20 @@ def test_a_stop_set_in_on_step_ends_the_run_after_that_step_when_nothing_is_in_f
     assert world.submitted == [1, 2][: 1 + staleness] and sorted(world.metrics) == [0, 1, 2][: 2 + staleness]
 
 
+def test_a_stop_asked_at_the_last_step_leaves_a_finished_run(monkeypatch):
+    """A Ctrl-C or SIGTERM that came just as the last step was recorded made a complete run KILLED (exit 130)
+    for good: `--resume` refuses a run that has no step left."""
+    world, stop = World(), threading.Event()
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if step == 3:
+            stop.set()
+
+    result = run_loop(monkeypatch, world, ["train.steps=3"], on_step=on_step, stop_event=stop)
+    assert (result.last_step, result.stopped, result.status) == (3, False, "FINISHED")
+    assert world.submitted == [1, 2, 3] and result.checkpoint is not None
+
+
 @pytest.mark.parametrize("when", ["on_step(0)", "start-up"])
 def test_a_stop_asked_before_the_first_step_runs_no_step(monkeypatch, when):
     """A stop set in on_step(0) (an early stop on the evaluation before training), or by another thread while the

@@ -744,8 +744,10 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 break
     last = step if done < d.train.steps else done  # (a resumed run with no step left never enters the loop)
     checkpoint = checkpoint and str(Path(checkpoint).absolute())  # a fresh run's folder is the spec's, often relative
-    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested, halted=watch.halt,
-                     after_step=after_step, last_step=last)
+    # a stop asked once every step was done stops nothing: the run is complete (FINISHED, exit 0), and a
+    # resume would have no step left to run
+    return RunResult(tracker.run_id, before, after, checkpoint, stopped=stop.requested and last < d.train.steps,
+                     halted=watch.halt, after_step=after_step, last_step=last)
 
 
 def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume | None, startup: Startup,
