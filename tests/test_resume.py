@@ -160,6 +160,24 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert "no run with id or name 'no-such-run'" in capsys.readouterr().err
 
 
+def test_a_run_with_every_step_done_resumes_only_to_send_what_its_driver_could_not(store):
+    """A store down at a run's end left its last records in the spool, and said `--resume` sends them; the
+    resume refused the run ("has done all 4 steps: nothing to resume"): they were never sent."""
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="RUNNING")
+    with pytest.raises(ResumeError, match="has done all 4 steps"):
+        find(plan, run, uri, train=spec.train, experiment="tiny")
+    Spool(ckpt / SPOOL).add("tags", tags={"left": "unsent"})
+    resume = find(plan, run, uri, train=spec.train, experiment="tiny")
+    assert (resume.step, resume.complete, resume.unsent) == (4, True, 1)
+    assert resume.describe() == (f"resuming run {run} (tiny-x) to send the 1 tracking records its driver could not: "
+                                 f"every step is done (its checkpoint {ckpt / 'step_4'})")
+
+
 def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allowed(store, capsys):
     """LoRA turned on or off, or another rank: the checkpoint cannot load into the learner (DeepSpeed's
     internal error once every stage had started, and the run left FAILED), so --resume says so up front."""

@@ -63,6 +63,8 @@ class Resume:
     changed: list[str] = field(default_factory=list)  # what differs from the run's spec (allowed)
     unreadable: list[str] = field(default_factory=list)  # newer checkpoints passed over, and why
     started: list[int] = field(default_factory=list)  # the steps at which earlier sessions logged their start-up
+    unsent: int = 0  # tracking records its driver left unsent (a run with every step done resumes to send them)
+    complete: bool = False  # every step is done: the resume only sends `unsent`
 
     def startup_step(self, steps: int) -> int | None:
         """The step this session logs its start-up times at: the one after the run's last logged step; None
@@ -72,6 +74,9 @@ class Resume:
         return None if first > steps or first in self.started else first
 
     def describe(self) -> str:
+        if self.complete:
+            return (f"resuming run {self.run_id} ({self.run_name}) to send the {self.unsent} tracking records its "
+                    f"driver could not: every step is done (its checkpoint {self.checkpoint_dir / self.checkpoint})")
         # without a checkpoint the run starts over: its step-0 evaluation too (logged once, as every step)
         where = (f"at step {self.step + 1}, from its checkpoint {self.checkpoint_dir / self.checkpoint}"
                  if self.checkpoint else "from the start (no checkpoint it saved is usable)" if self.unreadable
@@ -111,7 +116,10 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     skipped: list[str] = []
     checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
     step = int(state["step"]) if checkpoint else 0
-    if step >= train.steps:
+    unsent = unsent_records(directory)
+    if step >= train.steps and not unsent:
+        # (with records its driver could not send -- the store was down at the end -- the resume sends them and
+        # ends the run: the training loop has no step left to run)
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
@@ -124,7 +132,16 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   state.get("data") if checkpoint else None, state.get("watch") if checkpoint else None,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
-                  unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)])
+                  unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)],
+                  unsent=unsent, complete=step >= train.steps)
+
+
+def unsent_records(directory: Path) -> int:
+    """How many tracking records a run's driver left in its spool (factory.tracking.spool), unsent."""
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    return len(Spool(directory / SPOOL).records) if (directory / SPOOL).is_dir() else 0
 
 
 def _plan_saving(tracker: Tracker, run_id: str, step: int) -> str:
