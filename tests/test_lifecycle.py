@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, children_ignore_sigint, prune_ray_sessions,
-                                       reap_orphans)
+                                       ray_starts_sessions, reap_orphans)
 
 
 def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
@@ -123,6 +123,29 @@ def test_children_started_while_ignoring_keep_ignoring_sigint():
         child.send_signal(signal.SIGINT)
         time.sleep(0.3)
         assert child.poll() is None  # a terminal's Ctrl-C would not have ended it
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_sigint_while_children_start_ignoring_it_themselves_is_heard_after():
+    """With Ray's processes started ignoring SIGINT by themselves (ray_starts_sessions' Popen), the driver is
+    not deaf while Ray starts: a Ctrl-C then was dropped and the run trained on. It is raised once the block
+    is done, as the driver handles SIGINT; the children still ignore it."""
+    from ray._private import services
+
+    script = "import signal, sys, time; print(signal.getsignal(signal.SIGINT), flush=True); time.sleep(30)"
+    with pytest.raises(KeyboardInterrupt):
+        with ray_starts_sessions() as own, children_ignore_sigint(started_ignoring=own):
+            assert own  # (ray is pinned: tests/test_lifecycle.py says so should a release move the hook)
+            child = services.ConsolePopen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # Python runs its handlers here: ours keeps it for later
+            reached = True
+    assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        assert child.stdout.readline().strip() in ("Handlers.SIG_IGN", "1")
+        assert os.getsid(child.pid) == child.pid  # a session of its own
     finally:
         child.kill()
         child.wait()

@@ -148,7 +148,7 @@ def _start_ray(cluster: ClusterSettings) -> None:
     for key, value in _STAGE_ENV.items():
         os.environ.setdefault(key, value)
     # a terminal's Ctrl-C, and any signal to the driver's process group, reaches the driver alone
-    with children_ignore_sigint(), ray_starts_sessions():  # (factory.runtime.lifecycle)
+    with ray_starts_sessions() as own, children_ignore_sigint(started_ignoring=own):  # (factory.runtime.lifecycle)
         ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
                  include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
                  logging_level=logging.WARNING)  # its "Started a local Ray instance." repeats the display's line
@@ -912,7 +912,11 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
     display.status("starting Ray")
     sigterm_heard.clear()  # (this run's: a notebook's earlier run may have heard one)
     with sigterm_restored():  # (Ray's handler, then ours: the run's only)
-        start_ray(plan.driver.resources)
+        try:
+            start_ray(plan.driver.resources)
+        except BaseException:  # a Ctrl-C heard while Ray started (children_ignore_sigint): it stops at once
+            ray.shutdown()
+            raise
         startup.lap("ray")
         record = SessionRecord()
         record.update()

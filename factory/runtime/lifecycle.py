@@ -30,7 +30,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -226,17 +226,34 @@ def sigterm_restored() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
+def children_ignore_sigint(started_ignoring: bool = False) -> Iterator[None]:
     """Processes started inside inherit SIGINT ignored (see the module doc); the caller's own handling is
-    restored at once after. Outside the main thread (tests, embedding) signals cannot be changed: no-op."""
+    restored at once after. `started_ignoring`: the processes are started ignoring it by themselves
+    (`ray_starts_sessions`' Popen), so the caller need not be deaf meanwhile: a SIGINT that comes is kept
+    and raised once the block is done, handled as the caller handles it (a Ctrl-C while a local Ray started
+    was lost, and the run went on). Outside the main thread (tests, embedding) signals cannot be changed:
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    heard: list[int] = []
+    previous = signal.signal(signal.SIGINT, (lambda signum, frame: heard.append(signum)) if started_ignoring
+                             else signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+    if heard:
+        signal.raise_signal(signal.SIGINT)
+
+
+def _ignoring_sigint(then: Callable[[], Any] | None) -> Callable[[], None]:
+    """A Popen `preexec_fn` that makes the child ignore SIGINT (kept across exec), then runs `then`."""
+    def preexec() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if then is not None:
+            then()
+    return preexec
 
 
 # Set once a local Ray was started with its processes in sessions of their own (ray_starts_sessions): a SIGTERM
@@ -245,7 +262,7 @@ ray_in_own_sessions = threading.Event()
 
 
 @contextlib.contextmanager
-def ray_starts_sessions() -> Iterator[None]:
+def ray_starts_sessions() -> Iterator[bool]:
     """Each process a local Ray starts inside (GCS, raylet, its agents; the raylet's workers, the stage
     actors and the MCP servers and engines they start, inherit the raylet's) begins a session of its own, out
     of the driver's process group. A signal to that group then reaches the driver alone: plain `timeout`
@@ -261,18 +278,19 @@ def ray_starts_sessions() -> Iterator[None]:
 
     base = getattr(services, "ConsolePopen", None)
     if base is None:
-        yield
+        yield False
         return
 
     class OwnSession(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("start_new_session", True)
+            kwargs["preexec_fn"] = _ignoring_sigint(kwargs.get("preexec_fn"))  # (Ray passes one of its own)
             super().__init__(*args, **kwargs)
 
     services.ConsolePopen = OwnSession
     ray_in_own_sessions.set()
     try:
-        yield
+        yield True
     finally:
         services.ConsolePopen = base
 
