@@ -82,3 +82,29 @@ def test_a_stage_that_stopped_answering_exits_3_with_its_message_not_as_an_inter
     err = capsys.readouterr().err
     assert "internal error" not in err and err.startswith("factory: stage 'rollout' did not answer generate (step 6)")
     assert "`factory run SPEC --resume` continues the run" in err
+
+
+def test_an_evaluation_says_how_many_trajectories_met_an_infrastructure_failure(monkeypatch):
+    """An evaluation whose every trajectory met an open circuit reported eval/reward and eval/accuracy as the
+    model's, without a word: it has no update to stop, so it counts them (eval/infra_errors) and warns."""
+    from types import SimpleNamespace
+
+    from factory.compiler.compile import compile_file
+    from factory.runtime import driver
+    from factory.types import ToolResult
+
+    _, plan = compile_file(ROOT / "specs" / "tiny.yaml")
+    down = ToolResult(tool="calculate", text="Error: the tool is unavailable", status="infra_error",
+                      error_kind="circuit_open")
+    trajs = [traj("a", 0), traj("b", 1, turns=[Turn(text="<tool_call>", num_tokens=3, results=[down])])]
+    m = {"rewards/correct/mean": 0.0, "reward/mean": 0.2, "reward/dropped": 0.0, "num_turns/mean": 1.5,
+         "tool_calls/mean": 0.5}
+    monkeypatch.setattr(driver, "carry", lambda *args, **kwargs: (trajs, m))
+    said: list[str] = []
+    out, _ = driver.evaluate({}, plan, SimpleNamespace(warning=said.append), step=3)
+    assert out["eval/infra_errors"] == 1.0 and out["eval/reward"] == 0.2
+    assert said == ["step 3 evaluation: 1 of 2 trajectories met an infrastructure failure (first: tool calculate: "
+                    "circuit_open): its eval metrics score them as they ended (eval/infra_errors counts them)"]
+    trajs.pop()
+    assert driver.evaluate({}, plan, SimpleNamespace(warning=said.append), step=4)[0]["eval/infra_errors"] == 0.0
+    assert len(said) == 1

@@ -96,3 +96,34 @@ def test_without_a_tools_stage_every_call_is_an_unknown_tool():
 
     schemas, result = asyncio.run(go())
     assert schemas == [] and (result.status, result.error_kind) == ("model_error", "unknown_tool")
+
+
+def test_server_events_outside_a_training_rollout_are_logged_with_the_next_one(monkeypatch):
+    """A tool server's restarts and circuit opens between batches, or during an evaluation (whose tool
+    metrics are not logged), were taken at the next batch's start and dropped: a run's log said "restarted"
+    twice and MLflow counted 1."""
+    from pathlib import Path
+
+    from factory.compiler.compile import compile_file
+    from factory.data import DataStage
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the spec's prompts/ resolve from the repository root
+    _, plan = compile_file(repo / "specs" / "tiny.yaml", ["rollout.engine=hf", "rollout.max_turns=1"])
+    data = DataStage(plan.stage("data").settings)
+    data.setup()
+    rollout, tools = RolloutStage(plan.stage("rollout").settings), FakeToolsStage()
+
+    async def go():
+        await rollout.setup(Placement(peers={rollout.settings.tool_peer: tools}))
+        try:
+            tools.events = {"calc": {"restarts": 2, "circuit_opens": 0}}  # since the last take
+            await rollout.evaluate(data.next_batch(1))
+            tools.events = {"calc": {"restarts": 0, "circuit_opens": 1}}  # during the evaluation, say
+            return RolloutStage.merge([await rollout.generate(data.next_batch(1))])[1]
+        finally:
+            await rollout.close()
+
+    m = asyncio.run(go())
+    assert (m["tool_servers/calc/restarts"], m["tool_servers/calc/circuit_opens"]) == (2.0, 1.0)

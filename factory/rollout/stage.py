@@ -123,6 +123,9 @@ class RolloutStage(StageActor):
         self.settings = settings
         self.engine: Any = None  # made in setup
         self._done, self._total = 0, 0  # trajectories of the generate call in progress
+        # tool-server events (restarts, circuit opens, cache hits) heard outside a training rollout: between
+        # batches, or in an evaluation, whose tool metrics are not logged; the next training rollout's carry them
+        self._carried = ToolMetrics()
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         placement = placement or Placement()
@@ -202,7 +205,7 @@ class RolloutStage(StageActor):
         clock = BusyClock()
         batches_before = self.engine.batches_run
         t0 = time.perf_counter()
-        await self.tools.take_metrics()  # start this batch's count
+        self._carry(await self.tools.take_metrics())  # start this batch's count; server events are kept
         prompts = from_table(batch)
         self._done, self._total = 0, len(prompts) * group_size
         finished: asyncio.Queue[Trajectory | None] = asyncio.Queue()
@@ -226,8 +229,20 @@ class RolloutStage(StageActor):
             trajs = task.result()  # raises what the rollout raised
         finally:  # a consumer that stops early (or a failure) leaves nothing running
             task.cancel()
+        metrics = await self.tools.take_metrics()
+        if greedy:  # an evaluation: its events go with the next training rollout's
+            self._carry(metrics)
+        else:
+            metrics.add(self._carried)
+            self._carried = ToolMetrics()
         yield RolloutPart(trajs, clock.read(), time.perf_counter() - t0, self.engine.batches_run - batches_before,
-                          await self.tools.take_metrics())
+                          metrics)
+
+    def _carry(self, taken: ToolMetrics) -> None:
+        """Keep the server events of `taken` (not its calls) for the next training rollout's metrics."""
+        for server, events in taken.take_server_events().items():
+            for event, count in events.items():
+                self._carried.server_event(server, event, count)
 
     async def progress(self) -> tuple[int, int, int]:
         """(trajectories done, trajectories asked) of the current `generate` call, and the engine's forward

@@ -39,7 +39,8 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import PlacementError, RayStartError, StageLostError, StageStartError, check_infra
+from factory.runtime.health import (PlacementError, RayStartError, StageLostError, StageStartError, check_infra,
+                                     infra_causes)
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
                                        reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
@@ -502,6 +503,14 @@ def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, 
     out = eval_metrics(m, plan.metrics)  # the training reward's missing-value rule (on_missing)
     out["eval/num_turns"] = m["num_turns/mean"]
     out["eval/tool_calls"] = m["tool_calls/mean"]
+    # trajectories that met a tool or judge failure are scored as the model's answers: say how many, as a
+    # training step does (max_infra_error_rate stops those; an evaluation has no update to protect)
+    causes = [c for t in trajs if (c := infra_causes(t))]
+    out["eval/infra_errors"] = float(len(causes))
+    if causes:
+        display.warning(f"step {step} evaluation: {len(causes)} of {len(trajs)} trajectories met an infrastructure "
+                        f"failure (first: {causes[0][0]}): its eval metrics score them as they ended "
+                        "(eval/infra_errors counts them)")
     return out, trajs
 
 
