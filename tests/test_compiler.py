@@ -69,6 +69,18 @@ def test_a_reward_functions_args_are_checked_against_its_parameters(project):
     compile_file(path, ["rewards.builtin.args.rel_tol=0.1", "rewards.mine.args.weight=2", "rewards.mine.args.scale=3"])
 
 
+def test_a_checkpoint_folder_that_cannot_be_one_is_a_spec_error(project):
+    """`train.checkpoint_dir` naming a file failed after Ray and every stage had started, as an internal error
+    (NotADirectoryError, from the driver's tracking spool), and left a FAILED run behind."""
+    project.file("taken", "a file\n")
+    path = project.spec(_base(project, "rc_ckdir"))
+    for where in ("taken", "taken/runs"):
+        assert _errors(path, [f"train.checkpoint_dir={project.root / where}"]) == (
+            "<override 1>: train.checkpoint_dir: taken is a file, not a folder: name a folder "
+            "for the runs' checkpoints\n1 error in spec.yaml")
+    compile_file(path, [f"train.checkpoint_dir={project.root / 'new' / 'runs'}"])  # made when the run starts
+
+
 def test_tools_make_a_tools_stage_and_call_edges(project):
     path = project.spec(_base(project, "rc_stage") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
     _, plan = compile_file(path)

@@ -108,3 +108,31 @@ def test_an_evaluation_says_how_many_trajectories_met_an_infrastructure_failure(
     trajs.pop()
     assert driver.evaluate({}, plan, SimpleNamespace(warning=said.append), step=4)[0]["eval/infra_errors"] == 0.0
     assert len(said) == 1
+
+
+def test_a_checkpoint_the_disk_could_not_hold_is_said_as_such(tmp_path):
+    """A full disk during a save was "internal error: RuntimeError: [enforce fail at inline_container.cc:672]
+    . unexpected pos 39309248 vs 39309140": neither the disk nor the folder named."""
+    from types import SimpleNamespace
+
+    from factory.runtime import driver
+    from factory.runtime.health import CheckpointWriteError, write_problem
+
+    full = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 39309248 vs 39309140")
+    assert write_problem(full, str(tmp_path)).startswith(f"no space left on the device of {tmp_path} (")
+    assert write_problem(OSError(30, "Read-only file system"), "/ro") == "/ro is on a read-only file system"
+    assert write_problem(ValueError("a bug of ours"), str(tmp_path)) is None
+
+    class Trainer:
+        def call(self, method, *args):
+            if method == "state":
+                return {}
+            raise full
+
+    plan = SimpleNamespace(flow=lambda kind: [SimpleNamespace(src="data", dst="update")])
+    tracker = SimpleNamespace(run_id="r", checkpoint_dir=str(tmp_path))
+    watch = SimpleNamespace(state=lambda: {})
+    with pytest.raises(CheckpointWriteError, match=r"^could not save step 4's checkpoint: no space left on the "
+                                                   r"device of .*; the checkpoints before it are whole: make room, "
+                                                   r"then `factory run SPEC --resume` continues from the newest one$"):
+        driver._save({"data": Trainer(), "update": Trainer()}, plan, tracker, 4, watch)

@@ -193,6 +193,20 @@ class _Report:
 
 
 # ----------------------------------------------------------------------------------------- checks
+def folder_problem(folder: Path) -> str | None:
+    """Why a run could not write in `folder` (made if missing), or None: a part of the path that is a file, or
+    a nearest existing folder it cannot write in (a read-only file system, no permission)."""
+    here = folder
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return f"{shown_path(here)} is a file, not a folder: name a folder for the runs' checkpoints"
+    if not os.access(here, os.W_OK | os.X_OK):
+        return (f"{shown_path(here)} cannot be written here (a read-only file system, or no permission): name a "
+                "folder this user can write in")
+    return None
+
+
 def _check_model(spec: Spec, r: _Report, joins: bool, weights: bool = True) -> None:
     """The model (and tokenizer) must be there, with its weights unless no stage loads them (`weights`
     False: an evaluation whose rollout is an OpenAI-compatible server). A hub id missing from this machine's
@@ -1220,6 +1234,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     check_deepspeed(spec, r)
     check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r)
     _check_resources(spec, r)
+    if problem := folder_problem(Path(spec.train.checkpoint_dir).expanduser()):
+        # the driver writes the run's tracking spool there too: it failed after Ray and the stages had started
+        r.error("train.checkpoint_dir", problem)
     uri = spec.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri and (problem := store_problem(uri)) is not None:  # else found once Ray has started
         r.error("tracking.uri", problem if spec.tracking.uri else f"unset, so $MLFLOW_TRACKING_URI: {problem}")

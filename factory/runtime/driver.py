@@ -39,8 +39,8 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import (PlacementError, RayStartError, StageLostError, StageStartError, check_infra,
-                                     infra_causes)
+from factory.runtime.health import (CheckpointWriteError, PlacementError, RayStartError, StageLostError,
+                                     StageStartError, check_infra, infra_causes, write_problem)
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
                                        reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
@@ -808,7 +808,14 @@ def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch) -> s
     """A checkpoint after `step` (drained: the trainer holds its update, the data source is past its batch),
     with what --resume needs besides the trainer's state: the run, the data source's place, the monitors."""
     state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"), "watch": watch.state()}
-    checkpoint = g[plan.flow("data")[-1].dst].call("save_checkpoint", tracker.checkpoint_dir, step, state)
+    try:
+        checkpoint = g[plan.flow("data")[-1].dst].call("save_checkpoint", tracker.checkpoint_dir, step, state)
+    except Exception as e:  # noqa: BLE001 -- the disk's fault is said as such; anything else as it is
+        if (why := write_problem(e, tracker.checkpoint_dir)) is None:
+            raise
+        raise CheckpointWriteError(f"could not save step {step}'s checkpoint: {why}; the checkpoints before it are "
+                                   "whole: make room, then `factory run SPEC --resume` continues from the newest "
+                                   "one") from None
     tracker.log_checkpoint(step, checkpoint)
     return checkpoint
 

@@ -37,6 +37,30 @@ class StageLostError(InfraFailure):
     error with a remote traceback."""
 
 
+class CheckpointWriteError(InfraFailure):
+    """A checkpoint could not be written (the disk full, a read-only file system): exit 3 naming the folder,
+    the free space and that `--resume` continues from the last checkpoint, not an internal error."""
+
+
+def write_problem(e: BaseException, folder: str) -> str | None:
+    """Why a checkpoint's save failed, in words, when it was the disk; None for anything else. torch's zip
+    writer says a full disk as "[enforce fail at inline_container.cc] . unexpected pos N vs M"."""
+    import shutil
+
+    text = str(e)
+    if "No space left" in text or "unexpected pos" in text or "PytorchStreamWriter failed" in text:
+        try:
+            free = f" ({shutil.disk_usage(folder).free / 2**30:.2f} GiB free there now)"
+        except OSError:
+            free = ""
+        return f"no space left on the device of {folder}{free}"
+    if "Read-only file system" in text:
+        return f"{folder} is on a read-only file system"
+    if "Permission denied" in text:
+        return f"no permission to write in {folder}"
+    return None
+
+
 def infra_causes(t: Any) -> list[str]:
     """What failed from infrastructure in one scored trajectory: each tool whose call failed on our side
     (`tool <name>: <kind>`) and each judge node whose request failed (`judge <node>: <error>`)."""
