@@ -100,6 +100,10 @@ def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(
            "time limit" in str(lost_error(e))
     coloured = ray.exceptions.ActorUnavailableError("\x1b[36mray::RolloutStage.load_weights()\x1b[39m", b"\0" * 16)
     assert "ray::RolloutStage.load_weights()" in str(lost_error(coloured)) and "\x1b" not in str(lost_error(coloured))
+    # a stage whose process ended (a reward function that called os._exit): which stage, from Ray's later lines
+    died = ray.exceptions.ActorUnavailableError("The actor died unexpectedly before finishing this task.\n"
+                                                "\tclass_name: RewardStage\n\tactor_id: 7f", b"\0" * 16)
+    assert "this task. (the RewardStage actor))" in str(lost_error(died))
 
 
 def test_what_a_local_ray_cannot_hold_is_said_before_a_run(project, monkeypatch):

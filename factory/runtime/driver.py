@@ -962,7 +962,10 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptio
 def lost_error(e: BaseException) -> StageLostError:
     """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
     from its newest checkpoint."""
-    said = re.sub(r"\x1b\[[0-9;]*m", "", (str(e).strip().splitlines() or [""])[0])[:300]  # Ray colours its names
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip())  # Ray colours its names
+    said = (text.splitlines() or [""])[0][:300]
+    if (actor := re.search(r"class_name: (\w+)", text)) and actor.group(1) not in said:  # which stage's process
+        said += f" (the {actor.group(1)} actor)"
     why = ("" if not sigterm_heard.is_set() else
            "; SIGTERM reached Ray's processes as well as the driver (a signal to every process of a job, as "
            "SLURM's time limit or systemd's stop send; a signal to the driver alone, `kill PID`, or to its process "
