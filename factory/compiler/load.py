@@ -284,7 +284,8 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                    else str(e).splitlines()[0])
             if msg.startswith("Cannot merge incompatible container types"):  # (OmegaConf's words)
                 was = OmegaConf.select(cfg, key.strip(), throw_on_resolution_failure=False)
-                kind = "a mapping" if isinstance(was, DictConfig) else "a list" if isinstance(was, ListConfig) else "a value"
+                kind = ("a mapping" if isinstance(was, DictConfig) else "a list" if isinstance(was, ListConfig)
+                        else "a value")
                 msg = (f"{kind} in the spec, which an override cannot replace with "
                        f"{'a list' if kind != 'a list' else 'a mapping'}: set what is inside it "
                        f"({key.strip()}.KEY=VALUE), or write the change in the spec")

@@ -143,9 +143,12 @@ def args_problems(fn: Callable[..., Any], args: dict[str, Any], catch_all_ignore
 
     try:
         params = inspect.signature(fn).parameters
-        hints = typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 -- no readable signature or annotations (a builtin, a name not importable)
+    except (TypeError, ValueError):  # no readable signature (a builtin): nothing to check
         return {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 -- an annotation that names what is not importable: the keys are still checked
+        hints = {}
     named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     catch_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     problems: dict[str, str] = {}
@@ -154,14 +157,16 @@ def args_problems(fn: Callable[..., Any], args: dict[str, Any], catch_all_ignore
             hint = did_you_mean(key, named)
             if catch_all and (catch_all_ignores or hint):
                 hint = hint or f"; it takes {', '.join(named[2:]) or 'no other'}"
-                problems[key] = f"{ref_name(fn)} takes no parameter '{key}'{hint} (its **kwargs would take it and ignore it)"
+                problems[key] = (f"{ref_name(fn)} takes no parameter '{key}'{hint} (its **kwargs would take it and "
+                                 "ignore it)")
             continue  # without a catch-all, binding says it
         if key in hints:
             try:
                 pydantic.TypeAdapter(hints[key]).validate_python(value)
             except pydantic.ValidationError as e:
                 # (not the value itself: one read from the environment may be a secret)
-                problems[key] = f"does not fit {ref_name(fn)}'s {key}: {_annotation(hints[key])} ({e.errors()[0]['msg']})"
+                problems[key] = (f"does not fit {ref_name(fn)}'s {key}: {_annotation(hints[key])} "
+                                 f"({e.errors()[0]['msg']})")
             except Exception:  # noqa: BLE001 -- an annotation pydantic cannot build a validator for: unchecked
                 pass
     return problems
