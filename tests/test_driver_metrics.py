@@ -50,3 +50,12 @@ def test_a_per_turn_nodes_turn_mean_is_weighted_by_its_turns():
     b = {"rewards/step/turns/mean": 1.0, "rewards/step/turns": 2.0, "reward/dropped": 0.0}
     m = _merge(a, b, 4, 4)
     assert m["rewards/step/turns/mean"] == pytest.approx((0.5 * 6 + 1.0 * 2) / 8) and m["rewards/step/turns"] == 8.0
+
+
+def test_a_deadline_names_the_step_its_call_was_for_step_0_too():
+    """A reward node that hung in the first evaluation said "did not answer score within 40 s" with no step:
+    step 0 was left out as if it were no step."""
+    from factory.runtime.driver import _doing
+
+    assert [_doing(c) for c in ({"step": 0}, {"step": 3, "attempt": 0}, {"step": 3, "attempt": 1}, {})] == [
+        "step 0", "step 3", "step 3, attempt 1", ""]
