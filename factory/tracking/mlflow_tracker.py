@@ -195,13 +195,21 @@ def driver_alive(tag: str | None) -> bool | None:
 # database tables" (a new store), "Experiment with name 'x' does not exist. Creating a new experiment." (the
 # summary names the experiment and its store), and at exit, after the summary, "Flushing the async trace
 # logging queue before program exit". At WARNING their loggers still say what fails.
-CHATTY_LOGGERS = ("mlflow.store.db.utils", "mlflow.tracking.fluent", "mlflow.tracing.export.async_export_queue")
+CHATTY_LOGGERS = ("mlflow.tracking.fluent", "mlflow.tracing.export.async_export_queue")
+# Loggers that print a traceback for each failure of a store that stopped answering (a sqlite file made
+# unwritable: 60 tracebacks, 2,000 lines for a 4-step run): the database layer's, for an error it then raises to
+# the spool, which keeps the record and says once that the store is down; and the trace exporter's, for a
+# trace it drops (traces are not spooled: docs/reliability.md).
+FAILING_STORE_LOGGERS = ("mlflow.store.db.utils", "mlflow.tracing.export.mlflow_v3")
 
 
 def quiet_mlflow() -> None:
-    """MLflow's INFO lines (CHATTY_LOGGERS) left out of the run's display."""
+    """MLflow's INFO lines (CHATTY_LOGGERS) and its tracebacks of a store that is down (FAILING_STORE_LOGGERS)
+    left out of the run's display."""
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in FAILING_STORE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run_name(spec_name: str) -> str:
@@ -547,7 +555,8 @@ class MlflowTracker:
                 else:
                     if self.down_since is None:
                         self.down_since = time.monotonic()
-                        self._note(f"the tracking store does not answer ({type(e).__name__}: {str(e)[:160]}); "
+                        first = (str(e).strip().splitlines() or [""])[0][:160]  # (not the SQL that follows)
+                        self._note(f"the tracking store does not answer ({type(e).__name__}: {first}); "
                                    f"records wait in {self.spool.folder} and are sent when it does")
                     return False
             self.spool.done(record)
