@@ -283,9 +283,12 @@ def test_trajectory_trace_has_a_span_per_turn_and_tool_call(tmp_path, monkeypatc
     assert trace.info.tags["factory.split"] == "eval" and trace.info.tags["factory.step"] == "2"
     # the queue's "Flushing the async trace logging queue before program exit" came after the run's summary;
     # a new store's "Creating initial MLflow database tables..." and a new experiment's line cut into the display
-    for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils", "mlflow.tracking.fluent"):
+    for name in ("mlflow.tracing.export.async_export_queue", "mlflow.tracking.fluent"):
         chatty = logging.getLogger(name)
         assert not chatty.isEnabledFor(logging.INFO) and chatty.isEnabledFor(logging.WARNING), name
+    # a store that stops answering: a traceback per failure (60 in a 4-step run), which the spool says once
+    for name in ("mlflow.store.db.utils", "mlflow.tracing.export.mlflow_v3"):
+        assert not logging.getLogger(name).isEnabledFor(logging.ERROR), name
     spans = {s.name: s for s in trace.data.spans}
     assert set(spans) == {"trajectory", "turn 0", "turn 1", "calculate"}
     tool = spans["calculate"]
