@@ -509,12 +509,20 @@ def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     from factory.commands import api
 
     def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+        e = KeyboardInterrupt()
+        e.run_id = "ab12cd34"  # the run was recorded (driver.opened_run names it)
+        raise e
 
     monkeypatch.setattr(api, "run", interrupted)
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml")
     assert cli.main(["run", spec, "train.steps=3"]) == 130
     assert f"`factory run {spec} train.steps=3 --resume` continues the run" in capsys.readouterr().err
+    # stopped while Ray or the stages started: no run to resume, and it is not offered
+    monkeypatch.setattr(api, "run", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert cli.main(["run", spec, "train.steps=3"]) == 130
+    assert capsys.readouterr().err == ("factory: stopped during start-up, before the run was recorded: there is "
+                                       "nothing to resume; the same command starts it again\n")
+    monkeypatch.setattr(api, "run", interrupted)
     # a resume of a named run under a changed spec: the same again (a bare --resume would not find it), quoted
     assert cli.main(["run", spec, "train.steps=4", "--resume", "tiny-x", "--allow-spec-change",
                      "tracking.tags={a: b c}"]) == 130

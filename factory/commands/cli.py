@@ -80,7 +80,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,
                          started_at=process_started())
-    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or one before the steps began: stopped at once
+    except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or one before the steps began: stopped at once
+        if args.resume is None and getattr(e, "run_id", None) is None:  # stopped before the run was recorded
+            print("factory: stopped during start-up, before the run was recorded: there is nothing to resume; the "
+                  "same command starts it again", file=sys.stderr)
+            raise
         # as this command ran it, quoted for a shell: its own run when one was named, and a spec change it allowed
         # (a bare --resume takes the newest unfinished run of the spec as first recorded, not this changed one)
         again = shlex.join(["factory", "run", args.spec, *args.overrides, "--resume", *([args.resume] if args.resume

@@ -1022,8 +1022,9 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
         opened = OpenedRun(start(listing, resolved))
         yield opened
         status = opened.status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         status = "KILLED"  # MLflow's word for a run stopped by its user
+        e.run_id = tracker.run_id  # type: ignore[attr-defined]  # (the command says how to resume it, if any)
         raise
     finally:
         tracker.end(status)  # never raises by itself; the teardown follows (`placed`)
