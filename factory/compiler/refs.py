@@ -157,7 +157,7 @@ def args_problems(fn: Callable[..., Any], args: dict[str, Any], catch_all_ignore
             hint = did_you_mean(key, named)
             if catch_all and (catch_all_ignores or hint):
                 hint = hint or f"; it takes {', '.join(named[2:]) or 'no other'}"
-                problems[key] = (f"{ref_name(fn)} takes no parameter '{key}'{hint} (its **kwargs would take it and "
+                problems[key] = (f"{_name(fn)} takes no parameter '{key}'{hint} (its **kwargs would take it and "
                                  "ignore it)")
             continue  # without a catch-all, binding says it
         if key in hints:
@@ -165,14 +165,14 @@ def args_problems(fn: Callable[..., Any], args: dict[str, Any], catch_all_ignore
                 pydantic.TypeAdapter(hints[key]).validate_python(value)
             except pydantic.ValidationError as e:
                 # (not the value itself: one read from the environment may be a secret)
-                problems[key] = (f"does not fit {ref_name(fn)}'s {key}: {_annotation(hints[key])} "
+                problems[key] = (f"does not fit {_name(fn)}'s {key}: {_annotation(hints[key])} "
                                  f"({e.errors()[0]['msg']})")
             except Exception:  # noqa: BLE001 -- an annotation pydantic cannot build a validator for: unchecked
                 pass
     return problems
 
 
-def ref_name(fn: Callable[..., Any]) -> str:
+def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
 
 

@@ -847,8 +847,8 @@ def heed(watch: Watch, step: int, display: Any, tracker: Tracker) -> None:
 def _doing(context: dict[str, Any]) -> str:
     """What a call is for, from the context it carries: "step 3", "step 3, attempt 1", "step 0" (the first
     evaluation: a hang there said no step at all)."""
-    parts = [f"{k} {context[k]}" for k in ("step", "attempt") if context.get(k) or (k == "step" and k in context)]
-    return ", ".join(parts)
+    parts = [f"step {context['step']}"] if "step" in context else []
+    return ", ".join(parts + ([f"attempt {context['attempt']}"] if context.get("attempt") else []))
 
 
 def _due(step: int, every: int, last: int) -> bool:

@@ -174,7 +174,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         if self.engine.zero_optimization_stage() != 3:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
+            ref = model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self._module_dtype())
             ref.requires_grad_(False).eval().to(self.engine.device)
         else:
             zero = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
@@ -185,7 +185,7 @@ class Learner:
                 ref, *_ = deepspeed.initialize(model=model, config=frozen)
             ref.eval()
         if self.spec.train.packing != "off":
-            use_packed_attention(ref.module if hasattr(ref, "module") else ref)
+            use_packed_attention(model)  # the HF module (the engine's, under ZeRO-3)
         return ref
 
     def resolved(self) -> dict[str, str]:
