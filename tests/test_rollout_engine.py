@@ -100,6 +100,20 @@ def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
     assert engine.batches_run - before == 2 and late.ids == early[1].ids
 
 
+def test_an_idle_cuda_engine_hands_its_cached_memory_back(model_path, monkeypatch):
+    """On a GPU the engine empties PyTorch's cache once its queue drains, so a colocated update in another
+    process can have the batches' KV blocks (here: the call, with the device faked and generation stubbed)."""
+    e = HFEngine(model_path, batch_size=8, seed=0)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(e.batches_run))
+    asyncio.run(gather(e, [(p, 2) for p in prompts()]))
+    assert emptied == []  # on the CPU: nothing to hand back
+    e.device = torch.device("cuda")
+    monkeypatch.setattr(e, "_generate_batch", lambda batch: [Generation([1], finished=True) for _ in batch])
+    asyncio.run(gather(e, [(p, 2) for p in prompts()]))
+    assert len(emptied) == 1  # once, after the batch, not per request
+
+
 def test_stop_tokens_end_a_generation(model_path, engine):
     (first,) = asyncio.run(gather(engine, [(prompts()[0], 4)]))
     stopper = HFEngine(model_path, batch_size=8, seed=0, stop_token_ids=[first.ids[2]])

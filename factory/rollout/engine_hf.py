@@ -235,6 +235,12 @@ class HFEngine:
                         if not r.future.done():
                             r.future.set_exception(e)
                     continue
+                if self.device.type == "cuda" and not self._pending:
+                    # Nothing queued: hand the batches' cached blocks (their KV caches) back to the GPU before
+                    # answering. PyTorch's caching allocator keeps them reserved for this process otherwise,
+                    # where a colocated update in another process (DeepSpeed's actor on the same GPU) cannot
+                    # have them.
+                    await loop.run_in_executor(self._executor, torch.cuda.empty_cache)
                 for r, g in zip(batch, results):
                     if not r.future.done():  # the caller may have been cancelled
                         r.future.set_result(g)
