@@ -131,6 +131,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _sigterm_stays_as_it_was():
+    """A test that leaves SIGTERM's handler changed (start_ray sets the driver's; a run restores it) fails here,
+    rather than a later test on the same worker, whose SIGTERM would then raise KeyboardInterrupt."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    after = signal.getsignal(signal.SIGTERM)
+    if after is not before:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+        pytest.fail(f"the test left SIGTERM's handler changed ({after!r}): wrap it in lifecycle.sigterm_restored()")
+
+
+@pytest.fixture(autouse=True)
 def _factory_loggers_stay_enabled():
     """A test that disables Factory's loggers (a library's `logging.config.dictConfig` run in this process
     disables every logger that exists) fails here, not some later test on the same worker that reads a

@@ -87,13 +87,15 @@ def test_tiny_spec_on_two_nodes_two_ranks_equal_one_rank(cluster, monkeypatch):
         sync_weights,
         teardown,
     )
+    from factory.runtime.lifecycle import sigterm_restored
     from factory.update import Learner
 
     monkeypatch.chdir(REPO)  # the stages read prompts/ from the driver's folder
     plans = {zero: compile_file(REPO / "specs" / "tiny.yaml",
                                 [*OVERRIDES, *SHARDING, f"train.deepspeed.zero_stage={zero}"])[1] for zero in (2, 3)}
     plan, display = plans[2], Display(STEPS)
-    start_ray(plan.driver.resources.model_copy(update={"ray_address": cluster}))
+    with sigterm_restored():  # (the driver's SIGTERM handling is a run's, not this test process's)
+        start_ray(plan.driver.resources.model_copy(update={"ray_address": cluster}))
     groups = {}
     try:
         groups = place(plan)

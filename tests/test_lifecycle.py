@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, children_ignore_sigint, prune_ray_sessions,
-                                       ray_starts_sessions, reap_orphans)
+                                       ray_starts_sessions, reap_orphans, sigterm_restored)
 
 
 def test_first_ctrl_c_requests_a_stop_the_second_interrupts():
@@ -261,7 +261,7 @@ def test_a_local_ray_is_refused_when_ray_was_imported_before_the_loopback_flag(m
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
     monkeypatch.setenv(LOOPBACK_FLAG, "0")
-    with pytest.raises(UserError, match=r"ray was imported before Factory could set "
+    with sigterm_restored(), pytest.raises(UserError, match=r"ray was imported before Factory could set "
                                         r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"):
         start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
     monkeypatch.setenv(LOOPBACK_FLAG, "1")
@@ -284,8 +284,9 @@ def test_ray_that_will_not_start_is_an_infrastructure_failure(monkeypatch):
                         "raylet failed to startup or the GCS has become overloaded.\nmore")
 
     monkeypatch.setattr(driver, "_start_ray", timed_out)
-    with pytest.raises(RayStartError, match=r"^could not start a local Ray \(load average [\d.]+ on \d+ cores\): "
-                                            r"Exception: The current node timed out during startup\. .*overloaded\.$"):
+    with sigterm_restored(), pytest.raises(
+            RayStartError, match=r"^could not start a local Ray \(load average [\d.]+ on \d+ cores\): "
+                                 r"Exception: The current node timed out during startup\. .*overloaded\.$"):
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
     assert issubclass(RayStartError, InfraFailure)  # exit 3, as the CLI's other infrastructure failures
 
@@ -293,7 +294,32 @@ def test_ray_that_will_not_start_is_an_infrastructure_failure(monkeypatch):
         raise UserError("ray was imported before Factory could set ...")
 
     monkeypatch.setattr(driver, "_start_ray", ours)
-    with pytest.raises(UserError):  # our own message, as it is
+    with sigterm_restored(), pytest.raises(UserError):  # our own message, as it is
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+
+
+def test_a_sigterm_while_ray_starts_stops_as_a_ctrl_c_does(monkeypatch):
+    """A SIGTERM while Ray started met ray.init's handler (sys.exit(15): exit 15, nothing said) or, before
+    it was set, the default one: now it is a KeyboardInterrupt, which the command says and exits 130 on."""
+    import signal
+
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.runtime.lifecycle import _interrupt
+
+    handlers = []
+
+    def heard_in_init(cluster):
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        raise SystemExit(signal.SIGTERM)  # what ray.init's own handler does
+
+    monkeypatch.setattr(driver, "_start_ray", heard_in_init)
+    with sigterm_restored(), pytest.raises(KeyboardInterrupt):
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+    assert handlers == [_interrupt]  # ours already, before Ray sets its own
+
+    monkeypatch.setattr(driver, "_start_ray", lambda cluster: sys.exit(2))
+    with sigterm_restored(), pytest.raises(SystemExit):  # another exit is not a signal: as it was
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
 
 

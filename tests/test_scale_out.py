@@ -16,20 +16,21 @@ def test_a_join_that_fails_says_how_to_join_a_cluster_with_token_authentication(
     from factory.plan import ClusterSettings
     from factory.runtime import driver
     from factory.runtime.health import RayStartError
+    from factory.runtime.lifecycle import sigterm_restored
 
     def refused(cluster):
         raise ConnectionError("Failed to connect to Ray cluster at 192.0.2.2:1")
 
     monkeypatch.setattr(driver, "_start_ray", refused)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    with pytest.raises(RayStartError, match=r"^could not join the Ray cluster at 127\.0\.0\.1:1: ConnectionError: "
+    with sigterm_restored(), pytest.raises(RayStartError, match=r"^could not join the Ray cluster at 127\.0\.0\.1:1: ConnectionError: "
                                             r"Failed to connect .*; if the cluster uses token authentication .*set "
                                             r"RAY_AUTH_MODE=token"):
         driver.start_ray(ClusterSettings(ray_address="127.0.0.1:1", object_store_gb=1.0))
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # a token was used: nothing to add
-    with pytest.raises(RayStartError, match=r"192\.0\.2\.2:1$"):
+    with sigterm_restored(), pytest.raises(RayStartError, match=r"192\.0\.2\.2:1$"):
         driver.start_ray(ClusterSettings(ray_address="127.0.0.1:1", object_store_gb=1.0))
-    with pytest.raises(RayStartError, match=r"^could not start a local Ray"):  # not a join: nothing to add
+    with sigterm_restored(), pytest.raises(RayStartError, match=r"^could not start a local Ray"):  # not a join: nothing to add
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
 
 

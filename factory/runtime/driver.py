@@ -25,6 +25,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import threading
 import time
 from collections import deque
@@ -96,8 +97,14 @@ def start_ray(cluster: ClusterSettings) -> None:
     from factory.util import UserError
 
     try:
+        sigterm_interrupts()  # a SIGTERM while Ray starts stops the command as a Ctrl-C then does (exit 130) ...
         _start_ray(cluster)
-        sigterm_interrupts()  # Ray's own SIGTERM handler, set just now, aborts the driver
+        sigterm_interrupts()  # ... and after: Ray's own SIGTERM handler, set in ray.init, aborts the driver
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        # ray.init's handler, heard before it returned, exits with the signal's number: exit 15, said nowhere
+        raise KeyboardInterrupt from None
     except (UserError, ValueError, TypeError):  # ours: a mistake to show as it is
         raise
     except Exception as e:  # noqa: BLE001 -- Ray raises a bare Exception for a node that timed out starting
