@@ -410,7 +410,8 @@ class KLSpec(Section):
     coef: float = 0.0
     """KL coefficient to the frozen reference model. 0 = no reference model is loaded."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman's k1, k2, k3)."""
+    """KL estimator (Schulman's k1, k2, k3). As a loss term (`apply: loss`) its gradient counts: k2's is the
+    KL's, k3's a biased one (GRPO's choice), k1's zero in expectation (`factory check` warns)."""
     apply: Literal["loss", "reward"] = "loss"
     """Add KL as a loss term, or subtract it from the reward before advantages."""
 
@@ -527,9 +528,11 @@ class RolloutSpec(Section):
     """Sampling temperature: the policy trained is softmax(logits / temperature), so it must be above 0
     (evaluation is greedy whatever this is)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling: sample from the most likely tokens whose probabilities sum to this (1 = off)."""
+    """Nucleus sampling: sample from the most likely tokens whose probabilities sum to this (1 = off). The
+    learner trains the whole softmax: a spec that takes the rollout's log-probs into the ratio
+    (`algorithm.use_rollout_logprobs`, `train.max_staleness`, `algorithm.rollout_correction`) is refused."""
     top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off; refused with the rollout's log-probs in the ratio, as `top_p` is)."""
     batch_size: int = Field(64, ge=1)
     """Sequences generated together by the engine at most."""
     drop_infra_errors: bool = True

@@ -281,6 +281,36 @@ def test_settings_that_another_setting_switches_off_warn(project):
         assert not [w for w in plan.warnings if "dual_clip_c" in w], loss
 
 
+def test_settings_that_corrupt_the_objective_are_refused_or_said(project):
+    """Three a review found checked ok: an overlong buffer past the budget (every trajectory penalised, an empty one
+    too), k1 as a loss term (its gradient zero in expectation: noise only), and top-p sampling with the rollout's
+    log-probs in the ratio (its log-probs are the truncated distribution's: the ratio starts at the kept mass, and
+    every negative advantage clips at once)."""
+    path = _spec(project, "st_obj", "rollout: {max_new_tokens: 32, max_total_tokens: 64, top_p: 0.9}\n"
+                                    "algorithm: {overlong: {buffer: 65}, use_rollout_logprobs: true}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: rollout.top_p: rollout.top_p 0.9 with algorithm.use_rollout_logprobs: the rollout's log-probs "
+        "are those of the truncated distribution it samples (renormalised over the kept tokens), the learner's those "
+        "of the whole softmax, so their ratio starts below 1 at every token (the kept mass) and the clip cuts the "
+        "gradient of every negative advantage: sample from the whole distribution (top_p: 1, top_k: 0), or take "
+        "pi_old from the learner (remove the settings named)\n"
+        "spec.yaml:10: algorithm.overlong.buffer: 65 is above rollout.max_total_tokens (64), so every trajectory, even "
+        "an empty one, would be penalised: set it to the last stretch of the budget (a quarter of it is usual)\n"
+        "2 errors in spec.yaml")
+    ok = ["algorithm.overlong.buffer=16", "algorithm.use_rollout_logprobs=false"]
+    assert not compile_file(path, ok)[1].warnings  # on-policy, pi_old the learner's own: top-p is fine
+    for sampler in (["train.max_staleness=1"], ["algorithm.rollout_correction={kind: tis}"]):
+        assert "rollout.top_p 0.9 with " in _errors(path, [*ok, *sampler])
+    assert "rollout.top_k 5 with train.max_staleness 1" in _errors(path, [*ok, "rollout.top_p=1", "rollout.top_k=5",
+                                                                         "train.max_staleness=1"])
+    warned = compile_file(path, [*ok, "algorithm.kl={coef: 0.01, estimator: k1}"])[1].warnings
+    assert warned == ("<override 3>: algorithm.kl.estimator: warning: has no effect as a loss term: k1's gradient on "
+                      "the policy's own samples is zero in expectation (that of log pi), so the term adds only noise: "
+                      "use k2 (its gradient is the KL's) or k3 (GRPO's), or kl.apply: reward",)
+    for fine in ("algorithm.kl={coef: 0.01, estimator: k1, apply: reward}", "algorithm.kl={coef: 0.01, estimator: k2}"):
+        assert not compile_file(path, [*ok, fine])[1].warnings
+
+
 def test_vllm_settings_that_engine_auto_made_moot_are_said_at_the_start(project):
     """`factory check` cannot know what `engine: auto` takes on the machine; the run's start does (the rollout
     stage's resolved engine), and says so of what the spec wrote for vLLM; `replay.on_miss` without a run."""

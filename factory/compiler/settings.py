@@ -212,5 +212,31 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     overlong = spec.algorithm.overlong
     if _set(overlong, "penalty") and overlong.buffer == 0:
         r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")
+    if overlong.buffer > spec.rollout.max_total_tokens:  # the ramp would start before the first token
+        r.error("algorithm.overlong.buffer", f"{overlong.buffer} is above rollout.max_total_tokens "
+                                             f"({spec.rollout.max_total_tokens}), so every trajectory, even an empty "
+                                             "one, would be penalised: set it to the last stretch of the budget "
+                                             "(a quarter of it is usual)")
+    kl = spec.algorithm.kl
+    if kl.coef > 0 and kl.estimator == "k1" and kl.apply == "loss":
+        r.warn("algorithm.kl.estimator", f"{unused} as a loss term: k1's gradient on the policy's own samples is "
+                                         "zero in expectation (that of log pi), so the term adds only noise: use "
+                                         "k2 (its gradient is the KL's) or k3 (GRPO's), or kl.apply: reward")
+    truncated = [f"rollout.{f} {getattr(spec.rollout, f):g}" for f, off in (("top_p", 1.0), ("top_k", 0))
+                 if getattr(spec.rollout, f) != off]
+    sampler = [why for why, on in (
+        ("algorithm.use_rollout_logprobs", spec.algorithm.use_rollout_logprobs),
+        (f"train.max_staleness {spec.train.max_staleness}", spec.train.max_staleness > 0),
+        ("algorithm.rollout_correction", spec.algorithm.rollout_correction is not None)) if on]
+    if truncated and sampler:
+        # The engines report the log-prob of the distribution they sample (renormalised over the kept
+        # tokens); the learner computes the whole softmax. Their ratio is the kept mass, below 1, at every
+        # token before any update: negative-advantage tokens clip at once (no gradient), the others shrink.
+        r.error(f"rollout.{truncated[0].split()[0].split('.')[1]}",
+                f"{' and '.join(truncated)} with {' and '.join(sampler)}: the rollout's log-probs are those of "
+                "the truncated distribution it samples (renormalised over the kept tokens), the learner's those of "
+                "the whole softmax, so their ratio starts below 1 at every token (the kept mass) and the clip "
+                "cuts the gradient of every negative advantage: sample from the whole distribution (top_p: 1, "
+                "top_k: 0), or take pi_old from the learner (remove the settings named)")
     if spec.resources.ray_address and _set(spec.resources, "object_store_gb"):
         r.warn("resources.object_store_gb", f"{unused} when joining a Ray cluster (resources.ray_address)")
