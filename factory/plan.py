@@ -196,6 +196,8 @@ class DriverSettings(Settings):
     dynamic_sampling: bool  # the resolved algorithm's: the driver refills the batch
     std_eps: float
     turn_gamma: float | None  # credit: turn -> its gamma (dynamic sampling then judges groups turn by turn); None: trajectory credit
+    overlong_filter: bool  # with drop_infra_errors: which trajectories the update drops, which dynamic sampling
+    drop_infra_errors: bool  # does not count as a group's signal (factory.update.batch.trains)
     tracking: TrackingSpec
     resources: ClusterSettings
     replay: ReplaySpec  # the run whose recorded tool calls answer this one's (replay.run; None: none)

@@ -286,7 +286,8 @@ def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size
         asked.append(n)
         spreads = n - 1 if len(asked) == 1 else 0
         trajs = [SimpleNamespace(prompt_index=p, sample_index=s, reward=float(s if p == spreads else 0),
-                                 num_model_tokens=1, origin=(len(asked), p)) for p in range(n) for s in range(2)]
+                                 num_model_tokens=1, origin=(len(asked), p), infra_error=None, truncated=False,
+                                 dropped=False) for p in range(n) for s in range(2)]
         return trajs, {}
 
     monkeypatch.setattr(driver, "carry", carry)
@@ -296,6 +297,41 @@ def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size
     for t in kept:
         groups.setdefault(t.prompt_index, set()).add(t.origin[:2])
     assert len(groups) == 4 and all(len(origins) == 1 for origins in groups.values())
+
+
+def test_dynamic_sampling_counts_only_the_members_the_update_trains(monkeypatch):
+    """Three right answers and one tool failure scored 0: the group spread, dynamic sampling kept it and did not
+    refill, and the update, which drops the failed trajectory (rollout.drop_infra_errors), trained nothing of it.
+    The same for a trajectory cut by the budget under overlong filtering, and one a drop_sample node dropped."""
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["algorithm.name=dapo", "train.prompts_per_step=2",
+                                                          "rollout.group_size=4", "algorithm.overlong.filter=true"])
+    rounds = []
+
+    def carry(g: Any, edges: Any, n: int, **k: Any) -> tuple[list[Any], dict[str, float]]:
+        # prompt 0: its only 0 is a member the update drops (in turn: an infra error, a cut, a dropped one);
+        # prompt 1: a real spread, besides such a member
+        fault = ["infra_error", "truncated", "dropped"][len(rounds)] if len(rounds) < 3 else None
+        rounds.append(n)
+        trajs = []
+        for p in range(n):
+            for s in range(4):
+                t = SimpleNamespace(prompt_index=p, sample_index=s, reward=1.0 if s else 0.0, num_model_tokens=1,
+                                    infra_error=None, truncated=False, dropped=False, origin=(len(rounds), p))
+                if p == 1:
+                    t.reward = float(s % 2)
+                if s == 0 and fault:
+                    setattr(t, fault, "tool timed out" if fault == "infra_error" else True)
+                trajs.append(t)
+        return trajs, {}
+
+    monkeypatch.setattr(driver, "carry", carry)
+    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    # round 1 keeps prompt 1's group (its spread is in the members that train) and refills prompt 0's, whose only
+    # 0 was the faulty member's; so do rounds 2 and 3 (the other faults); round 4's prompt 0 has no fault
+    assert rounds == [2, 1, 1, 1] and m["rollout/dynamic_sampling_rounds"] == 4
+    assert sorted({t.origin for t in kept}) == [(1, 1), (4, 0)]
+    assert len(kept) == 8  # a kept group keeps all four members: the update drops its own faulty one
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

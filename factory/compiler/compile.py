@@ -1082,6 +1082,7 @@ def driver_settings(spec: Spec, algorithm: Algorithm, metrics: Mapping[str, str]
     return DriverSettings(name=spec.name, train=spec.train, metrics=dict(metrics),
                           dynamic_sampling=algorithm.dynamic_sampling, std_eps=algorithm.std_eps,
                           turn_gamma=algorithm.gamma if algorithm.credit == "turn" else None,
+                          overlong_filter=algorithm.overlong_filter, drop_infra_errors=spec.rollout.drop_infra_errors,
                           tracking=spec.tracking,
                           resources=ClusterSettings(ray_address=ray_address,
                                                     object_store_gb=spec.resources.object_store_gb),

@@ -525,7 +525,7 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
     """One step's scored trajectories: the data flow up to (not into) the trainer. With dynamic sampling
     (DAPO), groups whose rewards all agree carry no signal: they are dropped and more prompts are
     sampled, up to 3 extra rounds."""
-    from factory.update.batch import with_signal  # (torch: imported when a step is collected, not at start-up)
+    from factory.update.batch import trains, with_signal  # (torch: imported when a step is collected, not at start-up)
 
     edges, d = plan.flow("data")[:-1], plan.driver
     want, kept, metrics, seen, generated = d.train.prompts_per_step, [], {}, 0, 0
@@ -539,7 +539,8 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
         generated += sum(t.num_model_tokens for t in trajs)
         if not d.dynamic_sampling:
             return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
-        kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps)) if k]
+        trained = [trains(t, d.overlong_filter, d.drop_infra_errors) for t in trajs]
+        kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps, trained)) if k]
         if len({t.prompt_index for t in kept}) >= want:
             break
     metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)

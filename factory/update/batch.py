@@ -20,8 +20,12 @@ def kept(trajs: list[Trajectory], alg: Algorithm, drop_infra_errors: bool) -> li
     them: their episode says nothing about the policy), nor, with DAPO overlong filtering, those cut by
     the token budget, nor those the reward stage dropped (a `drop_sample` node had no value). Dropped
     ones are still logged and counted, never forwarded."""
-    return [not ((drop_infra_errors and t.infra_error) or (alg.overlong_filter and t.truncated) or t.dropped)
-            for t in trajs]
+    return [trains(t, alg.overlong_filter, drop_infra_errors) for t in trajs]
+
+
+def trains(t: Trajectory, overlong_filter: bool, drop_infra_errors: bool) -> bool:
+    """Whether the update trains `t` (`kept`, one trajectory)."""
+    return not ((drop_infra_errors and t.infra_error) or (overlong_filter and t.truncated) or t.dropped)
 
 
 def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Tensor:
@@ -33,14 +37,24 @@ def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Ten
     return rewards + overlong_penalty(lengths, max_len, alg.overlong_buffer, alg.overlong_penalty).float()
 
 
-def with_signal(trajs: list[Trajectory], turn_gamma: float | None, eps: float) -> list[bool]:
+def with_signal(trajs: list[Trajectory], turn_gamma: float | None, eps: float,
+                trained: Sequence[bool] | None = None) -> list[bool]:
     """Which trajectories dynamic sampling (DAPO) keeps: those of groups whose rewards spread (std >= eps); with
-    `credit: turn` (`turn_gamma` set), those of groups whose turn returns spread at some turn position."""
-    groups = torch.tensor([t.prompt_index for t in trajs])
-    rewards = torch.tensor([float(t.reward) for t in trajs])
+    `credit: turn` (`turn_gamma` set), those of groups whose turn returns spread at some turn position. Only the
+    members the update will train count (`trained`, `kept`'s answer; None: all): a group whose spread came from
+    a member it drops (a tool's infrastructure failure scored 0 beside three right answers) has no signal left
+    for the update, and is refilled. A kept group keeps all its members (the update drops its own)."""
+    counted = [t for t, k in zip(trajs, trained if trained is not None else [True] * len(trajs)) if k]
+    if not counted:
+        return [False] * len(trajs)
+    groups = torch.tensor([t.prompt_index for t in counted])
+    rewards = torch.tensor([float(t.reward) for t in counted])
     if turn_gamma is not None:
-        return turn_dynamic_sampling_keep(turn_rewards(trajs, rewards), groups, turn_gamma, eps).tolist()
-    return dynamic_sampling_keep(rewards, groups, eps).tolist()
+        keep = turn_dynamic_sampling_keep(turn_rewards(counted, rewards), groups, turn_gamma, eps).tolist()
+    else:
+        keep = dynamic_sampling_keep(rewards, groups, eps).tolist()
+    spread = {t.prompt_index for t, k in zip(counted, keep) if k}
+    return [t.prompt_index in spread for t in trajs]
 
 
 def turn_rewards(trajs: list[Trajectory], shaped: Tensor) -> list[Tensor]:
