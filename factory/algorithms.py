@@ -116,7 +116,10 @@ def reinforce_pp_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: 
     batch mean is already 0). Zero-variance groups stay exactly 0."""
     mean, std = _group_stats(rewards, group_ids)
     centred = torch.where(std < eps, 0.0, rewards - mean)
-    return _batch_normalise(centred, eps)
+    scale = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+    # not re-centred on the float batch mean (~1e-8, not 0): that left zero-variance groups' rows a hair off 0,
+    # so the update's zero-advantage skip never saw them
+    return torch.zeros_like(centred) if scale < eps else centred / scale
 
 
 @ADVANTAGES.register("mean_baseline")
