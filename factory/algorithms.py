@@ -478,7 +478,9 @@ def policy_objective(alg: Algorithm, logp: Tensor, old_logp: Tensor, advantages:
         kl_tok = KL_ESTIMATORS[alg.kl_estimator](torch.where(on, logp, 0.0), torch.where(on, ref_logp, 0.0))
         kl = aggregate(kl_tok, mask, **norm)
         loss = loss + alg.kl_coef * kl
-        stats["kl"] = kl.detach()
+        # the stat a token mean whatever the aggregation, as with `apply: reward` (seq_sum_norm's divides by
+        # sequences x budget: a tenth of the per-token KL at a tenth of the budget used, for the same policy)
+        stats["kl"] = token_mean(kl_tok, mask, **norm).detach()
     if entropy is not None:
         # A token mean whatever the loss's aggregation (as TRL), so entropy_coef means the same everywhere.
         ent = token_mean(entropy, mask, **norm)
