@@ -418,7 +418,8 @@ class KLSpec(Section):
 
 class OverlongSpec(Section):
     filter: bool = False
-    """Drop trajectories cut by the token budget from the loss (DAPO overlong filtering)."""
+    """Drop trajectories cut by the token budget from the loss (DAPO overlong filtering): a turn cut by a token
+    limit, or a tool's answer that left no room in the budget to reply."""
     buffer: int = 0
     """Soft overlong penalty: tokens before the budget where a linear penalty starts (0 = off)."""
     penalty: float = Field(1.0, ge=0)

@@ -91,7 +91,7 @@ class Trajectory:
     reward_details: dict[str, dict[str, Any]] = field(default_factory=dict)
     dropped: str | None = None  # why the reward stage took it out of the loss and the means (drop_sample)
     infra_error: bool = False  # some tool call failed for infrastructure reasons
-    truncated: bool = False  # stopped by the token budget in the middle of a turn
+    truncated: bool = False  # stopped by a token limit in a turn, or by the budget between turns (no room to reply)
     sampler_logprobs: list[float] = field(default_factory=list)  # [len(response_ids)]; empty = not recorded
 
     @property

@@ -155,7 +155,8 @@ def test_stop_budget_when_the_tool_delta_does_not_fit(chat):
     delta = len(chat.tool_delta_ids([ToolResult("add", "5")], True))
     cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + delta)  # no room to answer
     traj = run(engine, chat, FakeToolBox(), cfg)
-    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", False, first)
+    # truncated: the model never replied (overlong.filter drops it; it kept this one, its reward a missing answer's)
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, first)
     assert traj.turns[0].results[0].text == "5" and len(engine.requests) == 1
 
 

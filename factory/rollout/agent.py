@@ -132,7 +132,9 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         loss_mask=mask, sampler_logprobs=logprobs, turns=turns, stop_reason=stop, row=row, messages=messages,
         completion=chat.decode(response),
         infra_error=stop == "timeout" or any(r.status == "infra_error" for t in turns for r in t.results),
-        truncated=not finished,  # the last model turn was cut by a token limit (or the clock)
+        # cut by a token limit (or the clock) in a model turn, or by the budget between turns (a tool's answer
+        # left no room to reply): either way the model never gave its last word (DAPO's overlong filter's case)
+        truncated=not finished or stop == "budget",
     )
 
 
