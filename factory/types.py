@@ -100,7 +100,9 @@ class Trajectory:
 
     @property
     def num_model_tokens(self) -> int:
-        return sum(self.loss_mask)
+        """Tokens the model generated (what throughput and length metrics count): its turns' tokens, which the
+        loss mask holds too, except in a timed-out trajectory, whose mask is all 0 (never trained)."""
+        return sum(t.num_tokens for t in self.turns)
 
 
 @dataclass(frozen=True)

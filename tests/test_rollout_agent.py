@@ -280,6 +280,8 @@ def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
     (result,) = t.turns[0].results
     assert (result.status, result.error_kind) == ("infra_error", "episode_timeout")
     assert len(t.turns) == 1 and set(t.loss_mask) == {0} and len(t.loss_mask) == len(t.response_ids) > 0
+    # never trained, yet generated: the throughput and length metrics count its tokens (they counted 0)
+    assert t.num_model_tokens == t.turns[0].num_tokens > 0
 
 
 def test_the_models_context_is_read_from_its_config(tmp_path):
