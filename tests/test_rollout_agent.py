@@ -30,8 +30,9 @@ class ScriptedEngine:
     """Answers turn k of every trajectory with script[k]: (text, ends_with_end_of_turn). The turn is
     the number of generation prompts (`<|im_start|>assistant`) in the request, minus one."""
 
-    def __init__(self, chat, script, delay_s=0.0):
+    def __init__(self, chat, script, delay_s=0.0, logprob_turns=()):
         self.chat, self.script, self.delay_s = chat, script, delay_s
+        self.logprob_turns = set(logprob_turns)  # the turns whose generation reports log-probs (-0.5 each)
         self.requests = []  # (prompt_ids, max_new_tokens)
         self.header = chat.encode("<|im_start|>assistant")
 
@@ -44,7 +45,8 @@ class ScriptedEngine:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         cut = ids[:max_new_tokens]
-        return Generation(cut, finished=ends and len(cut) == len(ids))
+        return Generation(cut, finished=ends and len(cut) == len(ids),
+                          logprobs=[-0.5] * len(cut) if turn in self.logprob_turns else [])
 
     def load_weights(self, state_dict):
         raise NotImplementedError
@@ -141,6 +143,18 @@ def test_stop_max_turns_records_but_does_not_run_the_last_calls(chat):
     assert (traj.stop_reason, len(traj.turns), traj.truncated) == ("max_turns", 2, False)
     assert len(box.calls) == 1 and traj.turns[1].calls and traj.turns[1].results == []
     assert traj.response_ids[-1] == chat.end_of_turn_id and traj.loss_mask[-1] == 1  # no delta after the last turn
+
+
+def test_sampler_logprobs_are_recorded_only_when_every_turn_gave_them(chat):
+    """A turn without log-probs was padded with 0.0 (log-prob 0: certain), which use_rollout_logprobs, staleness
+    and TIS then read as the sampler's; now the trajectory's are unrecorded (empty), which the learner sees."""
+    script = [(call("add", a=2, b=3), True), ("<answer>5</answer>", True)]
+    traj = run(ScriptedEngine(chat, script, logprob_turns={0, 1}), chat, FakeToolBox(), RolloutSpec(max_turns=3))
+    assert len(traj.sampler_logprobs) == len(traj.response_ids)
+    assert [lp for lp, m in zip(traj.sampler_logprobs, traj.loss_mask) if m] == [-0.5] * traj.num_model_tokens
+    assert {lp for lp, m in zip(traj.sampler_logprobs, traj.loss_mask) if not m} == {0.0}  # the tool's delta
+    traj = run(ScriptedEngine(chat, script, logprob_turns={0}), chat, FakeToolBox(), RolloutSpec(max_turns=3))
+    assert traj.sampler_logprobs == [] and len(traj.turns) == 2
 
 
 def test_stop_budget_when_a_turn_is_cut_without_a_call(chat):

@@ -65,7 +65,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     prompt_ids = chat.prompt_ids(messages, toolbox.schemas() or None)
     response: list[int] = []
     mask: list[int] = []
-    logprobs: list[float] = []
+    logprobs: list[float] | None = []  # None once a turn came without them: not recorded (0.0s read as certain)
     turns: list[Turn] = []
     stop: StopReason = "max_turns"
     deadline = time.monotonic() + cfg.episode_timeout_s if cfg.episode_timeout_s else None
@@ -94,7 +94,8 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         generated = time.time()
         response += gen.ids
         mask += [1] * len(gen.ids)
-        logprobs += gen.logprobs if len(gen.logprobs) == len(gen.ids) else [0.0] * len(gen.ids)
+        if logprobs is not None:  # an engine that gave none for a turn leaves the trajectory's unrecorded
+            logprobs = logprobs + gen.logprobs if len(gen.logprobs) == len(gen.ids) else None
         # The stop token is not part of what the model said; parse and log the text before it.
         text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
         calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c
@@ -124,12 +125,12 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             break
         response += delta
         mask += [0] * len(delta)
-        logprobs += [0.0] * len(delta)
+        logprobs = logprobs + [0.0] * len(delta) if logprobs is not None else None
     if stop == "timeout":  # never trained on: dropped with drop_infra_errors, else kept in its group, masked
         mask = [0] * len(mask)
     return Trajectory(
         prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids, response_ids=response,
-        loss_mask=mask, sampler_logprobs=logprobs, turns=turns, stop_reason=stop, row=row, messages=messages,
+        loss_mask=mask, sampler_logprobs=logprobs or [], turns=turns, stop_reason=stop, row=row, messages=messages,
         completion=chat.decode(response),
         infra_error=stop == "timeout" or any(r.status == "infra_error" for t in turns for r in t.results),
         # cut by a token limit (or the clock) in a model turn, or by the budget between turns (a tool's answer
