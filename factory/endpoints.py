@@ -49,7 +49,9 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
             await before_each()
         wait = 0.25 * 2**attempt
         try:
-            resp = await client.request(method, url, json=body)
+            # the client's timeout bounds each read, not the request: a server that trickles its body, a byte
+            # within each read's limit, was read for ever (and the reward stage with it)
+            resp = await asyncio.wait_for(client.request(method, url, json=body), cap_s)
             if resp.status_code == 429 or resp.status_code >= 500:
                 asked = retry_after(resp.headers.get("retry-after"), cap_s)
                 wait = wait if asked is None else asked
@@ -59,8 +61,9 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
                         if resp.status_code in (401, 403) and key_withheld else "")
                 raise EndpointError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
             return resp
-        except (_Retryable, httpx2.TransportError) as e:
-            error = f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e)
+        except (_Retryable, httpx2.TransportError, TimeoutError) as e:
+            error = (f"no whole response within {cap_s:g} s" if isinstance(e, TimeoutError) else
+                     f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e))
             if attempt == retries:
                 raise EndpointError(error) from None
             await asyncio.sleep(wait)

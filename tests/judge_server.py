@@ -5,7 +5,9 @@
 The reply depends on a marker in the last user message: [good] -> "Score: 1", [bad] -> "Score: 0",
 [garble] -> a reply without a score, [json] -> a JSON object, [fail] -> HTTP 500, [flaky] -> HTTP 503 the
 first time, then "Score: 1", [limited] -> HTTP 429 with `Retry-After: 1` the first time, then "Score: 1",
-[nan] / [inf] -> {"score": NaN} / {"score": Infinity} (what Python's json writes and reads). GET /stats ->
+[nan] / [inf] -> {"score": NaN} / {"score": Infinity} (what Python's json writes and reads); hostile ones:
+[huge] -> a score of 400 digits, [parts] -> the content as a list of text parts, [number] -> the content a
+number, [deep] -> a score nested 100000 lists deep, [trickle] -> a body sent a byte every 0.2 s. GET /stats ->
 the requests seen, per marker, the most in flight at once, each request's message roles, when each
 request came (per marker, seconds since the server started) and whether it carried an Authorization.
 """
@@ -23,7 +25,9 @@ STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies
                "auth": []}
 REPLIES = {"good": "The answer is right.\nScore: 1", "bad": "Wrong.\nScore: 0", "garble": "I refuse to grade this.",
            "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1", "limited": "Score: 1",
-           "nan": '{"score": NaN}', "inf": '{"score": Infinity}'}
+           "nan": '{"score": NaN}', "inf": '{"score": Infinity}', "huge": '{"score": 1' + "0" * 400 + "}",
+           "parts": [{"type": "text", "text": '{"score": '}, {"type": "text", "text": "1}"}], "number": 1,
+           "deep": '{"score": ' + "[" * 100_000 + "]" * 100_000 + "}", "trickle": '{"score": 1}'}
 T0 = time.monotonic()
 
 
@@ -70,6 +74,17 @@ class Handler(BaseHTTPRequestHandler):
         # and that must not meet this one still counted (a peak of concurrency + 1 that the client never had).
         with LOCK:
             STATS["inflight"] -= 1
+        if marker == "trickle":  # each read within any read timeout, the whole never
+            data = reply[1].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for byte in data:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.2)
+            return
         self._send(*reply)
 
 

@@ -253,3 +253,21 @@ def test_a_judge_that_replies_nan_or_infinity_gives_no_value(judge_server, tmp_p
     assert trajs[0].reward_details["judge"] == {"status": "non_finite", "reply": '{"score": NaN}',
                                                 "error": "the value is not finite: nan"}
     assert m["rewards/judge/non_finite"] == 2.0 and m["rewards/judge/missing"] == 2.0
+
+
+def test_a_hostile_judge_reply_is_a_failure_of_its_node_not_of_the_run(judge_server, tmp_path):
+    """A score of 400 digits (OverflowError), content parts or a number for content (TypeError), a reply nested
+    past the JSON parser's depth (RecursionError) escaped `score` and ended the run, at the same step again on
+    --resume; a body trickled a byte at a time, each read within httpx's timeout, was read for ever."""
+    url, _ = judge_server
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "json_field": "score", "timeout_s": 1.0,
+                                "retries": 0}})
+    markers = ["huge", "parts", "number", "deep", "trickle"]
+    trajs, _ = _score(spec, [traj(f"ok [{m}]", i) for i, m in enumerate(markers)], tmp_path)
+    got = {m: t.reward_details["judge"] for m, t in zip(markers, trajs)}
+    assert got["huge"]["status"] == "non_finite" and got["huge"]["error"] == "the value is not finite: inf"
+    assert got["parts"]["status"] == "ok" and trajs[1].rewards["judge"] == 1.0  # the parts' text, joined
+    assert got["number"]["status"] == "error" and "its message content is a int, not text" in got["number"]["error"]
+    assert got["deep"] == {"status": "parse_failure", "reply": got["deep"]["reply"], "error": "no JSON object in the reply"}
+    assert got["trickle"]["status"] == "error" and "no whole response within 1 s" in got["trickle"]["error"]

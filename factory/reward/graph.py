@@ -240,7 +240,7 @@ def parse_score(reply: str, node: JudgeNode) -> float:
         found = _JSON_OBJECT.search(reply)
         try:
             obj = json.loads(found.group()) if found else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (a reply nested past the parser's depth)
             obj = None
         if not isinstance(obj, dict):
             raise ValueError("no JSON object in the reply")
@@ -257,7 +257,10 @@ def _number(value: Any) -> float:
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int of 400 digits: out of range, as "1e400" is (the node's non_finite)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and (m := _NUMBER.fullmatch(value.strip())):
         return float(m.group())
     raise ValueError(f"not a number: {str(value)[:40]!r}")

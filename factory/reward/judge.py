@@ -75,8 +75,13 @@ class EndpointSession:
 def _content(resp: Any) -> str:
     try:
         content = resp.json()["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as e:
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
         raise JudgeError(f"not a chat completion: {type(e).__name__}: {resp.text[:200]}") from None
+    if isinstance(content, list):  # content parts (the API's other form): their text, in order
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if content is not None and not isinstance(content, str):
+        raise JudgeError(f"not a chat completion: its message content is a {type(content).__name__}, not text: "
+                         f"{resp.text[:200]}")
     return content or ""  # a reply without text (a refusal, a tool call) parses as nothing
 
 

@@ -408,8 +408,9 @@ class _Evaluation:
             return _failed(e)
         try:
             return _Outcome(parse_score(reply, node), "ok", {"reply": reply})
-        except ValueError as e:
-            return _Outcome(None, "parse_failure", {"reply": reply, "error": str(e)})
+        except Exception as e:  # ValueError says why; anything else a reply can provoke is a parse failure too
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {str(e)[:200]}"
+            return _Outcome(None, "parse_failure", {"reply": reply, "error": why})
 
     async def _tool(self, name: str, node: ToolNode, i: int, k: int | None = None) -> _Outcome:
         from factory.tools.toolbox import qualified_name
