@@ -261,6 +261,10 @@ def test_the_request_an_unreadable_answer_answers_is_read_where_it_can_be():
     assert unreadable_answer_id(_refused('{"jsonrpc": "2.0", "result": {%s}}' % half)) is None
     assert unreadable_answer_id(_refused("hello")) is None  # a print(): no JSON at all
     assert unreadable_answer_id(ValueError("not the parser's")) is None
+    # nested past Python's parser too: its RecursionError, raised in the SDK's receive loop, ended the session
+    # with nothing said, and every later call of that server waited for its timeout
+    deep = '{"jsonrpc": "2.0", "id": 7, "result": {"content": %s}}' % ("[" * 100_000 + "]" * 100_000)
+    assert unreadable_answer_id(_refused(deep)) is None
 
 
 def word_count(text: str, min_length: int = 1) -> int:

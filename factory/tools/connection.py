@@ -89,8 +89,8 @@ def unreadable_answer_id(exc: Exception) -> int | str | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
-        except ValueError:
-            return None
+        except (ValueError, RecursionError):  # (an answer nested past the parser's depth: raised out of the
+            return None                       # SDK's receive loop, it ended the session in silence)
     if not isinstance(raw, dict) or "method" in raw or not ("result" in raw or "error" in raw):
         return None
     request_id = raw.get("id")
