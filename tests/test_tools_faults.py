@@ -281,6 +281,20 @@ async def test_circuit_breaker_stops_hammering_then_probes():
         assert metrics["tool_servers/faulty/restarts"] == 1  # by the probe, not by a restart loop
 
 
+async def test_a_probe_that_ends_without_a_verdict_lets_another_probe_through():
+    """A half-open circuit's probe that was cancelled (an episode's timeout), or that failed in a way counted
+    neither as the server's success nor its failure (a result that breaks its schema), left the probe taken:
+    every later call met the open circuit, for the rest of the run."""
+    resilience = Resilience(breaker_threshold=1, breaker_cooldown_s=0.3)
+    async with ToolBox.from_spec({"faulty": FAULTY}, resilience=resilience) as box:
+        await box.call(call("die"))  # the circuit opens
+        await asyncio.sleep(0.4)
+        with pytest.raises(TimeoutError):  # the probe, cancelled while the server answers slowly
+            await asyncio.wait_for(box.call(call("echo", text="slow", delay_s=5.0)), 1.0)
+        after = await box.call(call("echo", text="next"))  # another probe, not "circuit_open"
+        assert (after.status, after.text) == ("ok", "next")
+
+
 # ------------------------------------------------------------------------- every fault at once
 def fault_plan(index: int) -> list[list[ToolCall]]:
     """Trajectory `index`'s three turns of three calls; every trajectory meets several faults."""

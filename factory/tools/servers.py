@@ -112,10 +112,18 @@ class McpServer:
     async def _attempt(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
         if self._closed:
             return infra_error(tool, "transport", "Error: the tool servers are shut down."), False
+        probe = self._breaker.state == "half_open"  # this call, if allowed, is the one probe
         if not self._breaker.allow():
             # Not retryable: the circuit stays open for seconds, a backoff of 0.1 s would not help.
             text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
             return infra_error(tool, "circuit_open", text), False
+        try:
+            return await self._call(tool, arguments)
+        finally:
+            if probe:  # ended without a verdict (an error of no kind above, a cancellation): let another probe
+                self._breaker.release_probe()  # (after a verdict: nothing left to release)
+
+    async def _call(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
         async with self._slots:
             replica = self._pick()
             try:
@@ -168,6 +176,7 @@ class McpServer:
             replica.lost(connection)
             return infra_error(tool, "crash", f"Error: lost the connection to tool server {self.name!r}."), True
         if isinstance(exc, pydantic.ValidationError):
+            self._breaker.record_success()  # the server answered; it is alive
             log.warning("tool server %s sent a malformed result for %s: %s", self.name, tool, exc)
             return infra_error(tool, "transport", f"Error: tool server {self.name!r} sent a malformed result."), True
         # what the server said last may be why (the result the model sees stays short: no server internals)
