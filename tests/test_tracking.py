@@ -540,3 +540,23 @@ def test_a_runs_duration_counts_from_its_command_start_as_its_summary_does():
     resumed = TrackedRun("r", "a", "0", "FINISHED", 160.0, 400.0, tags={STARTED_TAG: "100.0", "factory.idle_s": "50"})
     assert run_summary(resumed)["duration_s"] == 250.0
     assert run_summary(TrackedRun("r", "a", "0", "FINISHED", 160.0, 400.0))["duration_s"] == 240.0  # an older run
+
+
+def test_a_journal_line_cut_short_loses_no_later_record(tmp_path):
+    """A kill or a full disk in the middle of a journal line: the next session appended its first record to that
+    fragment, the two read as one unreadable line, and that step was never logged (later ones were, so nothing
+    asked for it again). A `sent` written but not yet on disk at a power cut is empty: it read as an error."""
+    from factory.tracking.spool import JOURNAL, SENT, Spool
+
+    spool = Spool(tmp_path)
+    for step in (1, 2):
+        spool.add("metrics", step=step)
+    with open(tmp_path / JOURNAL, "a") as f:
+        f.write('{"kind": "metrics", "seq": 3, "st')  # the cut line: never acknowledged to anyone
+    resumed = Spool(tmp_path)
+    assert [r["step"] for r in resumed.records] == [1, 2]
+    for step in (3, 4):
+        resumed.add("metrics", step=step)
+    assert [(r["seq"], r["step"]) for r in Spool(tmp_path).records] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    (tmp_path / SENT).write_text("")
+    assert Spool(tmp_path).sent == 0 and len(Spool(tmp_path).records) == 4

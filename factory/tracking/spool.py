@@ -21,11 +21,12 @@ class Spool:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.sent = int((self.folder / SENT).read_text()) if (self.folder / SENT).is_file() else 0
+        self.sent = _read_sent(self.folder / SENT)
         self.records: list[dict[str, Any]] = []  # not yet sent, oldest first
         journal = self.folder / JOURNAL
         self.last = self.sent  # numbers go on from the last record ever sent
         if journal.is_file():
+            _cut_torn_line(journal)
             for line in journal.read_text().splitlines():
                 try:
                     record = json.loads(line)
@@ -43,6 +44,8 @@ class Spool:
             keep = self.folder / FILES / str(self.last) / Path(file).name
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(file, keep)
+            _sync(keep)  # on disk before the journal names it: a power cut must not leave a named, empty table
+            _sync(keep.parent)
             record["file"] = str(keep.relative_to(self.folder))
         with open(self.folder / JOURNAL, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -61,8 +64,39 @@ class Spool:
         self.sent = self.records[0]["seq"] - 1 if self.records else max(self.sent, record["seq"])
         tmp = self.folder / f".{SENT}.tmp"
         tmp.write_text(str(self.sent))
+        _sync(tmp)
         os.replace(tmp, self.folder / SENT)
         if "file" in record:
             shutil.rmtree(self.path(record).parent, ignore_errors=True)
         if not self.records:  # all sent: start the journal afresh (it only ever holds what waits)
             (self.folder / JOURNAL).unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """fsync a file, or a folder (its entries)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_sent(path: Path) -> int:
+    """The number of the last record the store acknowledged; 0 when none was, or when the file is not a number
+    (written before its data reached the disk): the records are sent again, and the tracker's resume skips
+    what the store already has (a step's metrics are not logged twice)."""
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _cut_torn_line(journal: Path) -> None:
+    """Drop a last line a kill or a full disk cut short (no newline: never acknowledged to anyone). Left in place,
+    the next record was appended to it and the two read as one unreadable line: that record was lost."""
+    data = journal.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        with open(journal, "r+b") as f:
+            f.truncate(whole)
+            os.fsync(f.fileno())
