@@ -295,6 +295,32 @@ async def test_a_probe_that_ends_without_a_verdict_lets_another_probe_through():
         assert (after.status, after.text) == ("ok", "next")
 
 
+async def test_a_server_that_answers_nothing_is_taken_as_hung_and_restarted():
+    """A server alive with its pipes open that answers nothing (a deadlock): timeouts do not count as failures, so
+    it was never restarted, and every later call of the run timed out. `hung_after` calls in a row unanswered,
+    with no answer between, restart it."""
+    resilience = Resilience(hung_after=2)
+    spec = FAULTY.model_copy(update={"retries": 0})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        first = await box.call(call("pid"))
+        frozen = await box.call(call("freeze", seconds=60))  # blocks the server's only thread
+        stuck = await box.call(call("echo", text="stuck"))  # the second call unanswered: taken as hung
+        assert [(r.status, r.error_kind) for r in (frozen, stuck)] == [("infra_error", "timeout")] * 2
+        again = await box.call(call("pid"))
+        assert again.status == "ok" and again.text != first.text  # another process
+        assert box.metrics()["tool_servers/faulty/restarts"] == 1
+
+
+async def test_slow_calls_between_answers_restart_nothing():
+    resilience = Resilience(hung_after=2)
+    spec = FAULTY.model_copy(update={"retries": 0})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        for _ in range(2):
+            assert (await box.call(call("sleep", seconds=5))).error_kind == "timeout"
+            assert (await box.call(call("echo", text="x"))).text == "x"
+        assert box.metrics().get("tool_servers/faulty/restarts", 0) == 0
+
+
 # ------------------------------------------------------------------------- every fault at once
 def fault_plan(index: int) -> list[list[ToolCall]]:
     """Trajectory `index`'s three turns of three calls; every trajectory meets several faults."""

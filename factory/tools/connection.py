@@ -266,6 +266,7 @@ class McpConnection:
         self.tools: list[mcp_types.Tool] = []
         self.in_flight = 0
         self.lost = False
+        self.unanswered = 0  # calls in a row that timed out with no answer between (McpServer: a hung server)
         self._watched: _WatchedReadStream | None = None
 
     @property

@@ -25,6 +25,9 @@ class Resilience:
     """How long an open circuit answers every call with `circuit_open` before one probe call goes through."""
     start_timeout_s: float = 30.0
     """Time for a server to start and answer `initialize` and `tools/list`."""
+    hung_after: int = 3
+    """Calls in a row that a server left unanswered past their timeout, with no answer to any call between, after
+    which it is taken as hung (alive, its pipes open, answering nothing: a deadlock) and restarted."""
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:

@@ -139,11 +139,20 @@ class McpServer:
                     result = await connection.call_tool(tool, arguments)
             except TimeoutError:
                 self._breaker.release_probe()
+                connection.unanswered += 1
+                if connection.unanswered >= self.resilience.hung_after:
+                    # a timeout says the call was slow; this many in a row, with nothing answered between, say the
+                    # server answers nothing (a deadlock): it would be left so for the rest of the run
+                    log.warning("tool server %s answered none of its last %d calls within timeout_s (%g s): taken "
+                                "as hung, restarted", replica.label, connection.unanswered, self.spec.timeout_s)
+                    replica.lost(connection)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
             except Exception as exc:  # every other failure is classified, never raised
+                connection.unanswered = 0
                 return self._failure(tool, connection, replica, exc)
             finally:
                 connection.in_flight -= 1
+        connection.unanswered = 0
         self._breaker.record_success()
         if result.is_error:
             return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False

@@ -33,6 +33,13 @@ async def sleep(seconds: float) -> str:
 
 
 @server.tool(structured_output=False)
+async def freeze(seconds: float) -> str:
+    """Block the server's event loop: alive, its pipes open, answering nothing (a deadlock) for `seconds`."""
+    time.sleep(seconds)  # (in the loop, not awaited: nothing else runs)
+    return "thawed"
+
+
+@server.tool(structured_output=False)
 def boom(message: str = "kaboom") -> str:
     """Raise, as a buggy tool does; the server turns it into an isError result."""
     raise ValueError(message)
