@@ -209,14 +209,17 @@ def test_a_setting_one_run_lacks_or_holds_as_null_is_shown_unset():
     assert plan_changes(b, a)[0]["a"] == "16" and setting_text("16") == "16"
 
 
-def test_runs_that_differ_in_algorithm_data_or_model_are_flagged():
+def test_runs_that_differ_in_data_or_model_are_flagged():
+    """Another algorithm on the same rows and model (GRPO against DAPO, turn credit against trajectory credit) is
+    what docs/algorithms.md asks users to compare: it was flagged "not comparable: different algorithm"."""
     from factory.commands.diff import comparability
 
     changes = [{"kind": "setting", "key": "algorithm.name"}, {"kind": "data", "key": "data.train.sha256"},
                {"kind": "setting", "key": "model.path"}, {"kind": "setting", "key": "train.lr"}]
-    assert comparability(changes) == ["not comparable: different algorithm (algorithm.name)",
-                                      "not comparable: different data (data.train.sha256)",
+    assert comparability(changes) == ["not comparable: different data (data.train.sha256)",
                                       "not comparable: different model (model.path)"]
+    assert comparability([{"kind": "setting", "key": "algorithm.credit"}, {"kind": "setting", "key": "algorithm.gamma"},
+                          {"kind": "algorithm", "key": "algorithm.loss"}]) == []
     assert comparability([{"kind": "setting", "key": "train.lr"}]) == []
     # another prompt template for the same rows is what such a comparison is for (it said "different data")
     assert comparability([{"kind": "setting", "key": "data.prompt"}, {"kind": "setting", "key": "data.system_prompt"},

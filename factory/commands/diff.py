@@ -4,7 +4,8 @@
    code, data, python-tool code and MCP tool schemas (hashed when the run's servers started; `tools.json`
    says which tools were added, removed or changed). A run without a plan cannot be compared: that is an
    error, never "identical".
-2. A warning when the results are not comparable (different algorithm, data or model).
+2. A warning when the results are not comparable (different data or model; another algorithm on the same rows
+   and model is what such a comparison is for).
 3. Metrics side by side with deltas (B - A): final and best reward, per-node rewards, eval metrics at
    step 0 and at the end, the reward-hacking monitors (final statistic, the step each first fired), mean
    step time and its split, tokens/s.
@@ -31,8 +32,10 @@ from factory.util import stdout_console
 # plan.hashes section -> the kind of change it names
 _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data", "code": "tool_code",
                "tools": "tool_schema"}
-# spec sections whose change makes results not comparable, and how the warning names them
-_NOT_COMPARABLE = {"algorithm": "algorithm", "data": "data", "model": "model"}
+# spec sections whose change makes results not comparable, and how the warning names them (not the algorithm:
+# GRPO against DAPO, or turn credit against trajectory credit, on the same rows and model is the comparison
+# docs/algorithms.md asks for)
+_NOT_COMPARABLE = {"data": "data", "model": "model"}
 # keys of those sections whose change is the experiment itself, not another task or model
 _COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt")
 # tags that describe where a run ran (not part of its plan): shown when they differ
@@ -149,7 +152,7 @@ def resumed_notes(side: str, plan: dict[str, Any], resumed: list[tuple[int, dict
 
 
 def comparability(changes: list[dict[str, Any]]) -> list[str]:
-    """Warnings when the results are not comparable: different algorithm, data or model."""
+    """Warnings when the results are not comparable: different data or model."""
     warnings = []
     for section, what in _NOT_COMPARABLE.items():
         # LoRA trains the same model another way (model.lora.*), and a prompt template asks the same rows
@@ -157,7 +160,7 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
         keys = [c["key"] for c in changes
                 if (c["kind"] == "setting" and c["key"].split(".")[0] == section
                     and not c["key"].startswith(_COMPARABLE_WAYS))
-                or (section == "data" and c["kind"] == "data") or (section == "algorithm" and c["kind"] == "algorithm")]
+                or (section == "data" and c["kind"] == "data")]
         if keys:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
             warnings.append(f"not comparable: different {what} ({shown})")
