@@ -32,6 +32,7 @@ from factory.plan import WatchSettings
 from factory.schema import MonitorName, MonitorsSpec
 
 EXIT_MONITOR = 4  # `factory run`'s exit code when a `train.stop_on` monitor stopped the run
+HALTED_BY_TAG = "factory.stopped_by_monitor"  # the stop_on monitor that stopped a run (a resume reads it)
 
 Row = dict[str, float]  # one step: reward, task, length, tool_calls, share/<node>, disagree/<judge>
 
@@ -245,6 +246,7 @@ class Watch:
     new: list[tuple[str, Reading]] = field(default_factory=list)
     halt: str | None = None
     halted_at: int | None = None  # the step at which `halt` was set
+    halted_by: str | None = None  # the stop_on monitor that set it
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the monitors (their windows reach back over earlier steps): a resumed
@@ -281,6 +283,9 @@ class Watch:
                 self.fired[name] = step
                 self.new.append((name, r))
             if r.fired and name in self.stop_on and self.halt is None:
-                self.halt = f"monitor {name} fired at step {step} (train.stop_on): {r.why}"
-                self.halted_at = step
+                first = self.fired[name]
+                self.halt = (f"monitor {name} fired at step {step} (train.stop_on): {r.why}" if first == step else
+                             f"monitor {name}, which first fired at step {first}, still fires at step {step} "
+                             f"(train.stop_on): {r.why}")
+                self.halted_at, self.halted_by = step, name
         return out

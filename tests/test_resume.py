@@ -178,6 +178,26 @@ def test_a_run_with_every_step_done_resumes_only_to_send_what_its_driver_could_n
                                  f"every step is done (its checkpoint {ckpt / 'step_4'})")
 
 
+def test_a_run_a_stop_on_monitor_stopped_is_refused_until_the_monitor_is_taken_out(store):
+    """Resumed as it was, a run that `train.stop_on` stopped read the same monitor history, trained one more step
+    and stopped again, exit 4 (and said the monitor "fired" at that step, where it had first fired before)."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.monitors import HALTED_BY_TAG
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt, "train.stop_on=[length_drift]")
+    run = fake_run(uri, ckpt, plan, logged=3, checkpoints=(3,), status="FINISHED", experiment="halted")
+    MlflowClient(uri).set_tag(run, "factory.stopped_by", "monitor length_drift fired at step 3 (train.stop_on): why")
+    MlflowClient(uri).set_tag(run, HALTED_BY_TAG, "length_drift")
+    with pytest.raises(ResumeError, match=rf"^run {run} was stopped by monitor length_drift fired at step 3 "
+                                          r"\(train.stop_on\): why\. Resumed, .*take length_drift out of "
+                                          r"train.stop_on .*--allow-spec-change$"):
+        find(plan, run, uri, train=spec.train, experiment="halted")
+    spec, plan = compiled(ckpt)  # taken out
+    assert find(plan, run, uri, train=spec.train, experiment="halted", allow_spec_change=True).step == 3
+
+
 def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allowed(store, capsys):
     """LoRA turned on or off, or another rank: the checkpoint cannot load into the learner (DeepSpeed's
     internal error once every stage had started, and the run left FAILED), so --resume says so up front."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.compiler.compile import plan_json
+from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import complete, read_run_state, verify
@@ -112,6 +113,14 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                           f"spec and overrides give{f' ({shown})' if shown else ''}: resume with the same spec "
                           "and overrides, or pass --allow-spec-change to continue it under the changed one "
                           "(recorded on the run; `factory diff` shows every change afterwards)")
+    halted_by = tags.get(HALTED_BY_TAG)
+    if halted_by and halted_by in train.stop_on:
+        # its checkpoint holds the monitors' history: resumed, the monitor reads it again and stops the run after
+        # one more step (that step trained on, the same exit code)
+        raise ResumeError(f"run {run.run_id} was stopped by {tags.get('factory.stopped_by') or halted_by}. Resumed, it "
+                          f"would read the same history and stop again after its next step: to train on past it, "
+                          f"take {halted_by} out of train.stop_on (the monitor still reports, as monitor/{halted_by}) "
+                          "and pass --allow-spec-change")
     directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
     skipped: list[str] = []
     checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
