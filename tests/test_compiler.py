@@ -404,6 +404,25 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
                                            "b.yaml"))
     assert [str(w) for w in plan.warnings] == ["b.yaml:10: tools.o.command: warning: command not found on PATH: "
                                                "rc-no-such --stdio"]
+    # a path is looked up as a file, not on PATH; one of the example servers bin/install-tool-servers installs
+    spec, plan = compile_file(project.spec(_base(project, "rc_cmd3") + "tools:\n  o: {command: ../.factory/tool-venvs/"
+                                           "x/bin/x}\n  p: {command: ./no-such}\n", "b.yaml"))
+    assert [str(w) for w in plan.warnings] == [
+        "b.yaml:10: tools.o.command: warning: no such program: ../.factory/tool-venvs/x/bin/x: bin/install-tool-servers "
+        "installs the example servers there",
+        "b.yaml:11: tools.p.command: warning: no such program: ./no-such (a relative path is from the spec's folder)"]
+
+
+def test_connect_starts_no_server_for_a_replay_that_starts_none(project):
+    """`check --connect` said a gone server "cannot start", exit 2, where `factory run` replaying a recording under
+    on_miss fail starts no server and ran to the end (docs/tools.md: a run whose server is gone can be replayed)."""
+    path = project.spec(_base(project, "rc_replay") + "tools:\n  o: {command: ./no-such}\n", "b.yaml")
+    _, plan = compile_file(path, ["replay.run=abc"], connect=True)
+    assert plan.warnings[-1] == ("b.yaml:1: replay.on_miss: warning: the tool servers are not started: a run replaying "
+                                 "run abc under on_miss fail starts none, and offers the tools the recorded run's "
+                                 "servers listed")
+    with pytest.raises(SpecErrors, match="tools.o"):  # replaying with live calls for misses: started, as a run does
+        compile_file(path, ["replay.run=abc", "replay.on_miss=live"], connect=True)
 
 
 def test_an_empty_allowed_tools_is_a_warning_naming_the_fix(project):

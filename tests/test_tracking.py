@@ -66,9 +66,21 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     from factory.runtime.replay import recorded_tool_calls
     from factory.schema import ReplaySpec
 
-    replay = SimpleNamespace(driver=SimpleNamespace(replay=ReplaySpec(run="r", on_miss="fail")))
+    replay = SimpleNamespace(driver=SimpleNamespace(replay=ReplaySpec(run="r", on_miss="fail")), stages=())
     replayed = recorded_tool_calls(t, replay)  # type: ignore[arg-type]
     assert replayed is not None and replayed.rows == calls and replayed.listing == listing
+    # a server the recording has no listing of (added since): the spec's fault, said before any stage starts
+    # (the tools stage failed its start, exit 3, once Ray and every stage had started)
+    from factory.plan import ToolsSettings
+    from factory.schema import StdioServer
+    from factory.util import UserError
+
+    servers = {name: StdioServer(command="python") for name in ("s", "units")}
+    added = SimpleNamespace(driver=replay.driver, stages=(SimpleNamespace(settings=ToolsSettings(tools=servers,
+                                                                                               base_dir=".")),))
+    with pytest.raises(UserError, match=rf"^replay: run r \({run_id}\): tools.units: the replayed run had no tool "
+                                        r"server of this name.*set replay.on_miss=live"):
+        recorded_tool_calls(t, added)  # type: ignore[arg-type]
     client = MlflowClient(uri)
     # a run recorded before tools.json kept its servers' key order: its servers start (its sorted schemas would
     # prompt the model with other tokens, and the replay miss)

@@ -814,6 +814,11 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                     r.error(f"tools.{name}.command", f"'{server.command}' is a program and its arguments: give "
                                                      f"them apart, command: {words[0]}, args: "
                                                      f"{json.dumps([*words[1:], *server.args])}")
+                elif os.sep in server.command:  # a path: no PATH lookup was made
+                    fix = (": bin/install-tool-servers installs the example servers there"
+                           if ".factory" in Path(server.command).parts else
+                           " (a relative path is from the spec's folder)")
+                    r.warn(f"tools.{name}.command", f"no such program: {server.command}{fix}")
                 else:
                     r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
         if server.allowed_tools == []:
@@ -1325,6 +1330,13 @@ def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
     from factory.compiler.connect import list_all, probe_judges
 
     silent = tuple(str(w) for w in probe_judges(spec, source))  # warnings: a judge's server is not ours to start
+    if spec.tools and spec.replay.run is not None and spec.replay.on_miss == "fail":
+        # a replayed run starts none: it offers what the recorded run's servers listed (its start checks that the
+        # recording lists every server): one gone since is no error for it, nor here
+        said = source.error("replay.on_miss", "the tool servers are not started: a run replaying run "
+                            f"{spec.replay.run} under on_miss fail starts none, and offers the tools the recorded "
+                            "run's servers listed", level="warning")
+        return dataclasses.replace(plan, warnings=plan.warnings + silent + (str(said),))
     # a base's server is started from beside that base
     listing, errors = list_all(_rebased(spec, source), source) if spec.tools else ({}, [])
     if errors:

@@ -30,8 +30,20 @@ def recorded_tool_calls(tracker: Tracker, plan: Plan) -> Replayed | None:
     # A run recorded before tools.json kept its servers' key order has sorted schemas: offered from them, the
     # prompt would differ and the replay miss where the run's servers, started, replay it (None: they start).
     ordered = run.tags.get(TOOLS_IN_SERVER_ORDER) == "true"
-    return Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id) if ordered else None,
-                    on_miss=replay.on_miss)
+    replayed = Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id) if ordered else None,
+                        on_miss=replay.on_miss)
+    if replayed.needs_no_server():
+        # the tools stage offers what the recording listed: a server it has no listing of (added since) failed
+        # that stage's start, exit 3, once Ray and every stage had started (~30 s); the spec's fault, said now
+        from factory.tools.toolbox import ToolStartError, recorded_listings
+
+        for stage in plan.stages:
+            if isinstance(stage.settings, ToolsSettings):
+                try:
+                    recorded_listings(stage.settings.tools, replayed.listing or {})
+                except ToolStartError as e:
+                    raise UserError(f"replay: run {run.name} ({run.run_id}): tools.{e}") from None
+    return replayed
 
 
 def _tool_listing(tracker: Tracker, run_id: str) -> dict[str, list[dict[str, Any]]] | None:
