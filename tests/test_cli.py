@@ -464,6 +464,10 @@ def test_eval_takes_replay_as_run_and_rescore_do(project, capsys, monkeypatch):
         "size: 8}\n", "size: 8}\n  eval: {generator: factory.data:arithmetic, size: 2}\n"))
     assert cli.main(["eval", path, "--replay", "nosuchrun"]) == 2  # looked up as replay.run, before Ray starts
     assert "no run with id or name 'nosuchrun'" in capsys.readouterr().err
+    # check and plan take it too: it was an override `replay=nosuchrun` ("replay: expected a mapping")
+    assert cli.main(["plan", path, "--replay", "nosuchrun", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["replay"]["run"] == "nosuchrun"
+    assert cli.main(["check", path, "--replay", "nosuchrun"]) == 0
 
 
 LISTING = """

@@ -34,6 +34,7 @@ def _check(args: argparse.Namespace) -> int:
     from factory.commands import api
     from factory.compiler.render import check_summary
 
+    _replay_override(args)
     with _user_output_to_stderr():
         plan = api.compile_plan(args.spec, args.overrides, connect=args.connect)
     for warning in plan.warnings:
@@ -47,6 +48,7 @@ def _plan(args: argparse.Namespace) -> int:
     from factory.compiler.load import source_of
     from factory.compiler.render import dot_text, explain_text, plan_text
 
+    _replay_override(args)
     with _user_output_to_stderr():
         spec, plan = compile_file(args.spec, args.overrides)  # the spec knows its source: who set what
     for warning in plan.warnings:
@@ -244,6 +246,8 @@ def parser() -> argparse.ArgumentParser:
                        help="also start each tool server, list its tools and check the tools the spec names; "
                             "ask each judge endpoint whether it answers")
     plan = spec_command("plan", "print the resolved spec, the stage graph and the hashes that identify a run", _plan)
+    for c in (check, plan):  # as `run --replay` takes it (a user who learned that one tries it here)
+        c.add_argument("--replay", default=None, metavar="RUN", help="as `factory run --replay` (= replay.run=RUN)")
     shown = plan.add_mutually_exclusive_group()  # one view at a time: `--json --dot` printed JSON alone
     shown.add_argument("--json", action="store_true", help="print the plan as stable JSON (what MLflow stores)")
     shown.add_argument("--explain", action="store_true",
