@@ -103,6 +103,17 @@ def test_a_sessions_start_up_is_logged_once_at_its_first_step(store):
     assert again.started == [3] and again.startup_step(4) is None
 
 
+def test_a_changed_source_is_named():
+    """"was trained with a different rewards than ...": which file, the user had to find."""
+    from factory.runtime.resume import sources_changed
+
+    then = {"myrewards/good.py": "a1", "myrewards/util.py": "b2", "old.py": "c3"}
+    now = {"myrewards/good.py": "a9", "myrewards/util.py": "b2", "new.py": "d4"}
+    assert sources_changed(then, now) == ["myrewards/good.py", "new.py", "old.py (gone)"]
+    assert sources_changed({"/abs/path/good.py": "a1"}, {"good": "a1"}) == []  # re-keyed, same contents
+    assert sources_changed("x", "y") == []
+
+
 def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     uri, ckpt = store
     spec, plan = compiled(ckpt)
@@ -115,7 +126,7 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert "no unfinished run of spec 'tiny' with this spec and overrides" in err and run in err, err
     assert "--allow-spec-change" in err
     assert cli.main([*base, "--resume", run, "train.lr=0.5"]) == 2
-    assert ("trained with a different spec than this spec and overrides give (train.lr: 0.001 -> 0.5): resume "
+    assert ("trained with another spec (train.lr: 0.001 -> 0.5) than this spec and overrides give: resume "
             "with the same") in (err := capsys.readouterr().err), repr(err)  # which key: the user need not hunt for the override
     spec2, plan2 = compiled(ckpt, "train.lr=0.5")
     allowed = find(plan2, run, uri, train=spec2.train, experiment="tiny", allow_spec_change=True)

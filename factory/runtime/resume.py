@@ -41,6 +41,7 @@ EVAL_METRIC = "eval/reward"
 STARTUP_METRIC = "timing/startup_s"
 # Inputs whose hash must match for a resume (beside the spec's own): what else defines the training.
 HASHED_INPUTS = ("templates", "rewards", "data", "code")
+INPUT_WORDS = {"templates": "template", "rewards": "reward code", "data": "data", "code": "tool code"}
 
 
 class ResumeError(UserError):
@@ -107,12 +108,19 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
     changed = changes(plan, tracker, run)
     if changed and not allow_spec_change:
-        keys = spec_keys_changed(_artifact_json(tracker, run.run_id, "plan.json") or {}, plan) if "spec" in changed else []
-        shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
-        raise ResumeError(f"run {run.run_id} was trained with a different {', '.join(changed)} than this "
-                          f"spec and overrides give{f' ({shown})' if shown else ''}: resume with the same spec "
-                          "and overrides, or pass --allow-spec-change to continue it under the changed one "
-                          "(recorded on the run; `factory diff` shows every change afterwards)")
+        recorded = _artifact_json(tracker, run.run_id, "plan.json") or {}
+        parts = []
+        for what in changed:
+            if what == "spec":
+                shown = _some(spec_keys_changed(recorded, plan))
+                parts.append(f"spec{f' ({shown})' if shown else ''}")
+            else:  # which files: "a different rewards" left the user to find the edited one
+                files = _some(sources_changed((recorded.get("hashes") or {}).get(what), plan.hashes.get(what)))
+                parts.append(f"{INPUT_WORDS[what]}{f' ({files})' if files else ''}")
+        raise ResumeError(f"run {run.run_id} was trained with another {' and '.join(parts)} than this spec and "
+                          "overrides give: resume with the same spec and overrides, or pass --allow-spec-change "
+                          "to continue it under the changed one (recorded on the run; `factory diff` shows every "
+                          "change afterwards)")
     halted_by = tags.get(HALTED_BY_TAG)
     if halted_by and halted_by in train.stop_on:
         # its checkpoint holds the monitors' history: resumed, the monitor reads it again and stops the run after
@@ -246,6 +254,20 @@ def spec_keys_changed(recorded: dict[str, Any], plan: Any) -> list[str]:
     pairs = {k: (setting_text(then.get(k)), setting_text(now.get(k))) for k in set(then) | set(now)
              if "***" not in (then.get(k), now.get(k))}
     return [f"{k}: {cut(a)} -> {cut(b)}" for k, (a, b) in sorted(pairs.items()) if a != b]
+
+
+def _some(items: list[str], most: int = 6) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def sources_changed(a: Any, b: Any) -> list[str]:
+    """The sources of a {source: sha256} table whose contents differ between a run's record `a` and now `b`:
+    edited or added (`b`'s keys whose hash `a` lacks), and removed (`a`'s whose hash `b` lacks, marked so)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return []
+    then, now = set(map(str, a.values())), set(map(str, b.values()))
+    return ([k for k, v in sorted(b.items()) if str(v) not in then]
+            + [f"{k} (gone)" for k, v in sorted(a.items()) if str(v) not in now and k not in b])
 
 
 def same_sources(a: Any, b: Any) -> bool:
