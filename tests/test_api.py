@@ -180,6 +180,10 @@ def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monk
         factory.evaluate(TINY.read_text(), model="a-lora-run", overrides=["data.eval=null"])
     with pytest.raises(UserError, match=rf"^{TINY}: data.eval: not set"):
         factory.evaluate(factory.load(TINY, ["data.eval=null"]), model="a-lora-run")
+    # with the spec's other mistakes, all at once (it said this one, and the next only once it was fixed)
+    with pytest.raises(factory.SpecErrors) as e:
+        factory.evaluate(TINY, overrides=["data.eval=null", "rewards.correct.fn=nosuch:fn"])
+    assert [err.path for err in e.value.errors] == ["data.eval", "rewards.correct.fn"]
 
 
 def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypatch):

@@ -157,9 +157,16 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     if loaded is not None and loaded.data.eval is None:
         from factory.util import UserError
 
-        where = source_of(loaded).file if source_of(loaded) else "<spec>"
-        raise UserError(f"{where}: data.eval: not set; evaluation scores the spec's eval split: add data.eval "
-                        "(a file or generator of held-out rows)")
+        why = ("not set; evaluation scores the spec's eval split: add data.eval (a file or generator of held-out "
+               "rows)")
+        source = source_of(loaded)
+        try:  # the spec's other mistakes with it, all at once (compiled without the model's weights: seconds)
+            compile_plan(spec, overrides, weights=False)
+        except SpecErrors as e:
+            if source is None:
+                raise
+            raise SpecErrors([*e.errors, source.error("data.eval", why)], e.file) from None
+        raise UserError(f"{source.file if source else '<spec>'}: data.eval: {why}")
     # a LoRA checkpoint is merged into a full model (GBs) in here, removed once evaluated or failed
     with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
         path, step, tags = _eval_model(model, uri, Path(scratch))
