@@ -520,7 +520,7 @@ def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     monkeypatch.setattr(api, "run", interrupted)
     spec = str(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml")
     assert cli.main(["run", spec, "train.steps=3"]) == 130
-    assert f"`factory run {spec} train.steps=3 --resume` continues the run" in capsys.readouterr().err
+    assert f"`factory run {spec} train.steps=3 --resume ab12cd34` continues the run" in capsys.readouterr().err
     # stopped while Ray or the stages started: no run to resume, and it is not offered
     monkeypatch.setattr(api, "run", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
     assert cli.main(["run", spec, "train.steps=3"]) == 130
@@ -530,5 +530,13 @@ def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     # a resume of a named run under a changed spec: the same again (a bare --resume would not find it), quoted
     assert cli.main(["run", spec, "train.steps=4", "--resume", "tiny-x", "--allow-spec-change",
                      "tracking.tags={a: b c}"]) == 130
-    assert (f"`factory run {spec} train.steps=4 'tracking.tags={{a: b c}}' --resume tiny-x --allow-spec-change` "
+    assert (f"`factory run {spec} train.steps=4 'tracking.tags={{a: b c}}' --resume ab12cd34 --allow-spec-change` "
             "continues the run") in capsys.readouterr().err
+    # the first Ctrl-C: a stop after the step, exit 130, said with the command that continues it (it said nothing)
+    from factory.runtime.driver import RunResult
+
+    stopped = RunResult("ab12cd34", {}, {}, "/runs/tiny/step_2", stopped=True, last_step=2)
+    monkeypatch.setattr(api, "run", lambda *args, **kwargs: stopped)
+    assert cli.main(["run", spec, "train.steps=3"]) == 130
+    assert capsys.readouterr().err == (f"factory: stopped after step 2, logged and checkpointed; `factory run {spec} "
+                                       "train.steps=3 --resume ab12cd34` continues the run\n")

@@ -87,10 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             print("factory: stopped during start-up, before the run was recorded: there is nothing to resume; the "
                   "same command starts it again", file=sys.stderr)
             raise
-        # as this command ran it, quoted for a shell: its own run when one was named, and a spec change it allowed
-        # (a bare --resume takes the newest unfinished run of the spec as first recorded, not this changed one)
-        again = shlex.join(["factory", "run", args.spec, *args.overrides, "--resume", *([args.resume] if args.resume
-                            else []), *(["--allow-spec-change"] if args.allow_spec_change else [])])
+        again = _resume_command(args, getattr(e, "run_id", None))
         print(f"factory: stopped at once, the step in flight unsaved; `{again}` continues the run from its newest "
               "checkpoint (once its steps have begun)", file=sys.stderr)
         raise
@@ -99,7 +96,21 @@ def _run(args: argparse.Namespace) -> int:
 
         print(f"factory: stopped: {result.halted}", file=sys.stderr)
         return EXIT_MONITOR
-    return 130 if result.stopped else 0  # 130: the shell's code for a run ended by Ctrl-C
+    if result.stopped:  # 130: the shell's code for a run ended by Ctrl-C
+        done = (f"after step {result.last_step}, logged and checkpointed" if result.checkpoint else
+                "before a checkpoint was saved")
+        print(f"factory: stopped {done}; `{_resume_command(args, result.run_id)}` continues the run", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _resume_command(args: argparse.Namespace, run_id: str | None = None) -> str:
+    """`factory run` as this command ran it, resuming: quoted for a shell, with its own run (`run_id`, or the one it
+    named) and a spec change it allowed (a bare --resume takes the newest unfinished run of the spec as first
+    recorded, not this changed one)."""
+    run = run_id or args.resume
+    return shlex.join(["factory", "run", args.spec, *args.overrides, "--resume", *([run] if run else []),
+                       *(["--allow-spec-change"] if args.allow_spec_change else [])])
 
 
 def _eval(args: argparse.Namespace) -> int:
