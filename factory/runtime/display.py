@@ -141,8 +141,9 @@ class Display:
         else:  # (an empty table with its header alone said nothing)
             self.console.print("no held-out evaluation was made (data.eval is not set, or the run ended before one)")
         if self.steps_shown and not self.trained_rows:
+            # (this session's steps: a resumed run started from its checkpoint, not from the base model)
             self.console.print(f"warning: none of the {self.steps_shown} steps trained a row (the step lines say "
-                               "why): the model is the one it started from", style="yellow")
+                               "why): the weights are those this session started with", style="yellow")
         if not result.after_step and result.last_step:
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
         took = f"{wall_s / 60:.1f} min" + (f" this session, {run_s / 60:.1f} min in all" if run_s is not None else "")
