@@ -43,6 +43,8 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         "<spec>:4: rewards.a.fn: cannot import 'nowhere:f': no module named 'nowhere'\n"
         "<spec>:5: beta: unknown key 'beta'; did you mean 'algorithm.kl.coef'? ('beta' is the TRL name)\n"
         "3 errors in <spec>")
+    with pytest.raises(factory.SpecErrors, match=r"cannot read the spec: .*; YAML text is a string with a line break"):
+        factory.load("name: x")  # one line is a path: the report says how YAML text is told apart
     with pytest.raises(factory.SpecErrors, match=r"<dict>: train.stepz: unknown key 'stepz'"):
         factory.load({**yaml.safe_load(TINY.read_text()), "train": {"stepz": 1}})
     # Python's own mistakes: one string of overrides was one "override" per character; None a raw TypeError

@@ -500,7 +500,10 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
     try:
         text = _file_text(Path(path))
     except ValueError as e:
-        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e}")], file) from None
+        # `factory.load("name: x")`: a string without a line break is a path (YAML text has one)
+        hint = ("; YAML text is a string with a line break (or pass a dict)"
+                if isinstance(path, str) and ": " in path and not Path(path).exists() else "")
+        raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e}{hint}")], file) from None
     return read_text(text, file, Path(path).resolve().parent, overrides, chain=(Path(path).resolve(),))
 
 
