@@ -19,12 +19,13 @@ def _lines(steps):
 def test_step_line_shows_reward_accuracy_and_time_split():
     text = _lines([(0, {"eval/accuracy": 0.25, "eval/reward": 0.5, "eval/tool_calls": 0.75}),
                    (1, {"reward/mean": 0.5, "eval/accuracy": 1.0, "num_turns/mean": 2.0, "tools/calls": 30,
-                        "tools/infra_errors": 1, "actor/pg_loss": 0.0, "timing/step_s": 70.0,
+                        "tools/infra_errors": 1, "tools/model_errors": 4, "actor/pg_loss": 0.0, "timing/step_s": 70.0,
                         "timing/generate_s": 40.0, "timing/tools_only_s": 0.5, "timing/update_s": 29.0})])
     assert "step    0  eval reward 0.500  eval acc 0.25  tool calls/question 0.75" in text
     # the split is in brackets-free parentheses and must survive rich's markup parsing
     assert "70.0s (generate 40.0s, tools only 0.5s, update 29.0s)" in text
-    assert "tool calls 30 (infra errors 1)" in text and "eval acc 1.00" in text
+    # the calls the model got wrong (an unknown tool, arguments that do not parse): 32 of 32 read as delegation
+    assert "tool calls 30 (model errors 4, infra errors 1)" in text and "eval acc 1.00" in text
 
 
 def test_step_0_without_held_out_data_says_no_evaluation_was_made():

@@ -102,7 +102,8 @@ class Display:
             # every step by construction (each group's advantages sum to 0 and the first pass's ratio is 1), so
             # "loss -0.0000" read as "nothing learned" on runs that learned (it stays in MLflow: actor/pg_loss).
             line = (f"step {step:>4}  reward {fmt_number(m.get('reward/mean'))}{acc}  turns {fmt_number(m.get('num_turns/mean'), '.2f')}"
-                    f"  tool calls {int(m.get('tools/calls', 0))} (infra errors {int(m.get('tools/infra_errors', 0))})"
+                    f"  tool calls {int(m.get('tools/calls', 0))} (model errors {int(m.get('tools/model_errors', 0))}, "
+                    f"infra errors {int(m.get('tools/infra_errors', 0))})"
                     f"  rows {int(m.get('actor/trained_rows', 0))}  grad {fmt_number(m.get('actor/grad_norm'), '.3f')}"
                     f"  {m.get('timing/step_s', 0):.1f}s ({split})")
         untrained = step and untrained_why(m, turn_credit=self.turn_credit)
