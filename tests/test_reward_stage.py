@@ -367,3 +367,28 @@ def test_an_integer_too_large_for_a_float_is_a_non_finite_value(fn, group):
     assert trajs[1].reward_details["x"] == {"status": "non_finite",
                                             "error": "the value is not finite: an integer of 1,329 bits"}
     assert m["rewards/x/non_finite"] == 1.0 and trajs[0].rewards["x"] == 1.0
+
+
+def test_a_node_that_fails_on_every_trajectory_of_a_step_is_named_once_a_run():
+    """A reward function raising on every call ran a whole run with one reward-stage line a step, "no value for 1
+    of 1 trajectories" when they are scored one at a time, and read as a model that learned nothing."""
+    from factory.reward.graph import failing_everywhere
+    from factory.runtime.display import Display
+
+    spec = make_spec({"broken": {"fn": f"{FNS}:boom"}, "opinion": {"fn": f"{FNS}:none_for_empty"},
+                      "total": {"sum": {"broken": 1.0, "opinion": 1.0}}})
+    trajs, _ = score(spec, [traj("boom", 0), traj("boom boom", 1), traj("boom!", 2)])
+    assert failing_everywhere(trajs) == ["broken"]
+    assert failing_everywhere(score(spec, [traj("boom"), traj("fine")])[0]) == []  # failed on some only
+    assert failing_everywhere(score(make_spec({"opinion": {"fn": f"{FNS}:none_for_empty"}}),
+                                    [traj(""), traj("")])[0]) == []  # a None everywhere is the function's own choice
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    with Display(3, console=Console(file=out, width=300, log_path=False)) as d:
+        for step in (1, 2):
+            d.step(step, {"reward/mean": 0.0}, failing=("broken", 3))
+    said = [line for line in out.getvalue().splitlines() if "failed on all" in line]
+    assert len(said) == 1 and "step 1: reward node broken failed on all 3 of the step's trajectories" in said[0]

@@ -280,6 +280,17 @@ def statuses(t: Trajectory, name: str) -> list[str]:
     return [detail.get("status", "ok")]
 
 
+FAILED = ("error", "parse_failure", "non_finite")  # the MISSING outcomes that are failures, not a chosen None
+
+
+def failing_everywhere(trajs: list[Trajectory]) -> list[str]:
+    """The reward nodes that failed (raised, did not parse, not finite) on every one of `trajs`: a function that
+    raised on every call ran a whole run with one line a step from the reward stage ("1 of 1" when trajectories
+    are scored one at a time), and read as a model that learns nothing."""
+    names = {name for t in trajs for name in t.reward_details}  # (a node with a value everywhere records nothing)
+    return sorted(name for name in names if all(s in FAILED for t in trajs for s in statuses(t, name)))
+
+
 def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -> dict[str, float]:
     """The metrics of scored trajectories, computed from their records alone (so a step scored in several
     calls, an eval batch and a rescored run all follow one rule):

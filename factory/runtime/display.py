@@ -38,6 +38,7 @@ class Display:
         # The long phase in progress: (label, bar task on a terminal, started, last plain line printed).
         self._phase: tuple[str, object, float, float] | None = None
         self.trained_rows, self.steps_shown = 0.0, 0  # this session's training steps, for the summary
+        self._failing_said: set[str] = set()  # reward nodes said to have failed on a whole step
 
     def __enter__(self) -> Display:
         self._progress.__enter__()
@@ -87,7 +88,10 @@ class Display:
             self._progress.remove_task(self._phase[1])
         self._phase = None
 
-    def step(self, step: int, m: dict[str, float], completed: int | None = None) -> None:
+    def step(self, step: int, m: dict[str, float], completed: int | None = None,
+             failing: tuple[str, int] = ("", 0)) -> None:
+        """Step `step`'s line. `failing`: (the reward nodes that failed on every trajectory of the step, comma-joined;
+        how many trajectories), from `factory.reward.graph.failing_everywhere`."""
         acc = f"  eval acc {fmt_number(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
         if step == 0 and not m:  # no data.eval: the line of dashes below read as an evaluation that was made
             line = "step    0  no held-out evaluation (no data.eval rows)"
@@ -114,6 +118,13 @@ class Display:
         self._log(line)
         if untrained:
             self._log(f"step {step}: nothing trained: {untrained}", style="yellow")
+        nodes, trajectories = failing
+        for node in (n for n in nodes.split(",") if n and n not in self._failing_said):
+            self._failing_said.add(node)  # once a run: the stage's own line says each step's first error
+            self._log(f"step {step}: reward node {node} failed on all {trajectories} of the step's trajectories "
+                      f"(rewards/{node}/errors, /parse_failures, /non_finite): its on_missing scored them all alike, "
+                      "so it said nothing of the policy; the reward stage's line above names the first error",
+                      style="yellow")
         if too_long := int(m.get("rollout/stop_prompt_too_long", 0)):
             self._log(f"step {step}: {too_long} trajectories' prompts fill the model's context: not generated "
                       "from, scored or trained on (shorten those rows)", style="yellow")

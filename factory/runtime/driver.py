@@ -807,8 +807,10 @@ def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: li
     names) -- and both before its checkpoint: a checkpointed step is a logged one."""
     tracker.log_trajectories(trajs, n, traces=traces)  # the table keeps all: `factory rescore` reads it
     tracker.log_tool_calls(tool_calls, n)  # the calls step n made (tracking.record_tools)
+    from factory.reward.graph import failing_everywhere
+
     tracker.log_metrics(m, step=n)
-    display.step(n, m)
+    display.step(n, m, failing=(",".join(failing_everywhere(trajs)), len(trajs)))
     on_step(n, m)
 
 

@@ -32,7 +32,7 @@ def recorded_tool_calls(tracker: Tracker, plan: Plan) -> Replayed | None:
     ordered = run.tags.get(TOOLS_IN_SERVER_ORDER) == "true"
     replayed = Replayed(run=replay.run, rows=rows, listing=_tool_listing(tracker, run.run_id) if ordered else None,
                         on_miss=replay.on_miss)
-    if replayed.needs_no_server():
+    if replayed.on_miss == "fail" and replayed.listing is not None:  # no server started (recording.Replay)
         # the tools stage offers what the recording listed: a server it has no listing of (added since) failed
         # that stage's start, exit 3, once Ray and every stage had started (~30 s); the spec's fault, said now
         from factory.tools.toolbox import ToolStartError, recorded_listings
