@@ -382,3 +382,18 @@ def test_a_sigterm_to_the_drivers_process_group_leaves_its_local_ray_running():
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
+
+
+def test_rays_note_that_a_thread_set_no_sigterm_handler_is_not_shown():
+    """factory.run from a thread (docs/python.md's example) printed Ray's "SIGTERM handler is not set because
+    current thread is not the main thread", which asks nothing of the user; Ray's other warnings stay."""
+    import logging
+
+    from factory.runtime.driver import _no_sigterm_handler_note
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ray._private.worker", logging.WARNING, "worker.py", 1681, msg, (), None)
+
+    assert not _no_sigterm_handler_note(record("SIGTERM handler is not set because current thread is not the main "
+                                               "thread."))
+    assert _no_sigterm_handler_note(record("Failed to connect to the GCS"))

@@ -47,8 +47,15 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     listing = {"s": [{"name": "t", "offered_as": "t", "description": "", "inputSchema": {"type": "object"}}]}
     from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
 
-    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc", TOOLS_IN_SERVER_ORDER: "true"},
+    run_id = t.start("r", {"train": {"lr": 1e-5}}, {"factory.spec_hash": "abc", TOOLS_IN_SERVER_ORDER: "true",
+                                                    "factory.spec_name": "myspec"},
                      {"plan.json": "{}", "tools.json": json.dumps(listing)})
+    # a spec's name is not its runs': the lookup says which runs it made (it said only "no run")
+    from factory.tracking.tracker import RunLookupError
+
+    with pytest.raises(RunLookupError, match=rf"^no run with id or name 'myspec' in .*; spec 'myspec' made 1 run\(s\), "
+                                             rf"newest first: r \({run_id[:8]}\): name one$"):
+        t.run("myspec")
     t.log_metrics({"reward/mean": 0.5}, step=1)
     t.log_trajectories([_traj()], step=1)
     calls = [{"origin": f"train/1/0/0/{i}/0/0", "server": "s", "tool": "t", "arguments": "{}", "text": "x" * 5000,

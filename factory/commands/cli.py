@@ -308,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
                                         "graph (no new rollouts), as a new MLflow run",
                         description="score a finished run's saved trajectories again with another spec's reward "
                                     "graph, without new rollouts; logs a new MLflow run tagged factory.rescore_of")
-    rs.add_argument("run", metavar="RUN", help="MLflow run id of the finished run")
+    rs.add_argument("run", metavar="RUN", help="the finished run (MLflow run id, id prefix of 8+ characters, or name)")
     rs.add_argument("--spec", required=True, metavar="SPEC", help="the spec whose reward graph scores the run")
     rs.add_argument("--steps", default=None, type=_steps, metavar="STEPS",
                     help="only these steps, e.g. 1,3-5 (default: all saved)")

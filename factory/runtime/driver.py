@@ -125,6 +125,10 @@ def auth_hint(cluster: ClusterSettings) -> str:
             "~/.ray/auth_token or $RAY_AUTH_TOKEN")
 
 
+def _no_sigterm_handler_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("SIGTERM handler is not set")
+
+
 def _start_ray(cluster: ClusterSettings) -> None:
     """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
     local Ray of our own.
@@ -134,6 +138,9 @@ def _start_ray(cluster: ClusterSettings) -> None:
     unless RAY_AUTH_MODE says otherwise it requires a token, fresh for each run and known only to this
     driver's environment (inherited by the Ray processes it starts), and keeps its session files in this
     user's private folder (factory.runtime.lifecycle.private_dir: its owner and mode are checked)."""
+    # factory.run from a thread (a notebook's, docs/python.md): ray.init says it set no SIGTERM handler there, which
+    # asks nothing of the user (the run's stop is the caller's `stop` event, and Ctrl-C the main thread's)
+    logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_note)
     address = cluster.ray_address
     if address:  # a cluster's own settings (its token, if it has one) decide
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")

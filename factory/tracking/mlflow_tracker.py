@@ -641,8 +641,13 @@ class MlflowTracker:
             return found[0]
         if not found:
             short = len(ref) < 8 and any(r.run_id.startswith(ref) for r in runs)
+            # a spec's `name` is not its runs' (each run's is NAME-DATE-TIME-ID): say which runs it made
+            of_spec = [f"{r.name} ({r.run_id[:8]})" for r in runs if r.tags.get("factory.spec_name") == ref]
             raise RunLookupError(f"no run with id or name '{ref}' in {self.uri}"
-                                 + ("; an id prefix needs 8 characters or more" if short else ""))
+                                 + ("; an id prefix needs 8 characters or more" if short else "")
+                                 + (f"; spec '{ref}' made {len(of_spec)} run(s), newest first: "
+                                    f"{', '.join(of_spec[:5])}{' ...' if len(of_spec) > 5 else ''}: name one"
+                                    if of_spec else ""))
         ids = ", ".join(r.run_id for r in found[:5])
         raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
 
