@@ -79,9 +79,13 @@ CHECKS: dict[str, Check] = {
                        {**ON_CUDA, "rollout.engine": "vllm"}),
     "quickstart_bf16": Check("specs/quickstart.yaml", QUICKSTART,
                              {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16"}),
+    # on CUDA `vllm_lora: auto` serves the adapters (vLLM's LoRA kernels), and vLLM compiles (CUDA graphs): the
+    # paths no CPU run takes
     "quickstart_lora": Check("specs/quickstart.yaml",
                              (*QUICKSTART, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),
-                             {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16"}, lora=True, tis=True),
+                             {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16",
+                              "rollout.weight_sync": "lora served by vLLM", "rollout.vllm_compiled": "True"},
+                             lora=True, tis=True),
     "tiny_hf": Check("specs/tiny.yaml", TINY_HF, {**ON_CUDA, "rollout.engine": "hf"}),
     "tiny_lora_hf": Check("specs/tiny.yaml", (*TINY_HF, "model.lora.r=16", "algorithm.rollout_correction.kind=tis"),
                           {**ON_CUDA, "rollout.engine": "hf"}, lora=True, tis=True),
@@ -132,8 +136,9 @@ def run_check(name: str, check: Check, timeout: int) -> dict[str, Any]:
     try:
         out = subprocess.run([sys.executable, "-m", "factory.commands.cli", *check.argv()], cwd=work, env=env,
                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout} s"}
+    except subprocess.TimeoutExpired as e:  # what it printed, to diagnose within the device's few minutes
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        return {"ok": False, "error": f"timed out after {timeout} s; the end of its output:\n{tail[-3000:]}"}
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         return {"ok": False, "wall_s": round(wall, 1), "error": out.stderr[-3000:]}

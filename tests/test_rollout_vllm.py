@@ -348,6 +348,8 @@ def test_lora_train_sync_generate_loop_engines_and_learner_agree(vllm, model_pat
                 stats = ray.get(update.step.remote(sample(engine, step, rng)))
                 diffs.append(stats["rollout/logprob_diff_max"])
             assert max(diffs) < AGREE, (engine.weight_sync, diffs)
+            if engine is served:  # loaded in place by the sync alone: a request asking it so reloaded it every step
+                assert served._adapter.lora_int_id == 1 and not served._adapter.load_inplace
             # no sync: the engine samples with the adapters of one step before
             stale = ray.get(update.step.remote(sample(engine, 2, rng)))["rollout/logprob_diff_max"]
             assert stale > 10 * AGREE, (engine.weight_sync, stale)
@@ -400,3 +402,18 @@ def test_closing_the_engine_removes_its_rendezvous_file(vllm):
     assert path is not None and Path(path).name.startswith("vllm_dist_") and Path(path).exists()
     asyncio.run(vllm.close())
     assert not Path(path).exists()
+
+
+def test_a_prefix_cache_vllm_could_not_drop_after_a_sync_is_an_error():
+    """vLLM returns False (its warning hidden at our log level) when blocks are still held: samples sharing a prefix
+    would reuse KV of the old weights, a policy that is neither."""
+    from types import SimpleNamespace
+
+    from factory.rollout.engine_vllm import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # no engine started: the check alone
+    engine.engine = SimpleNamespace(reset_prefix_cache=lambda: False)
+    with pytest.raises(RuntimeError, match="could not drop its prefix cache"):
+        engine._reset_prefix_cache()
+    engine.engine = SimpleNamespace(reset_prefix_cache=lambda: True)
+    engine._reset_prefix_cache()

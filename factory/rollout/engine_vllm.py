@@ -259,10 +259,18 @@ class VLLMEngine:
             # one worker in this process takes an iterator; worker processes (tensor parallel) a list
             items = iter(weights.items()) if self.tensor_parallel_size == 1 else list(weights.items())
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-            self.engine.reset_prefix_cache()  # cached KV belongs to the old weights
+            self._reset_prefix_cache()  # cached KV belongs to the old weights
 
         # On the step thread, like every vLLM call: after the step loop has drained, never inside a step.
         self._executor.submit(reload).result()
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the cached KV of the weights just replaced. vLLM declines (returns False, its warning hidden at our
+        log level) while some blocks are still held: prompts sharing a prefix (a few-shot block) would then reuse
+        KV the old weights computed, and sample from a policy that is neither."""
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM could not drop its prefix cache after a weight sync (blocks still held by "
+                               "requests): the next samples would reuse KV of the old weights")
 
     def _serve(self, adapters: Adapters) -> None:
         """Load `adapters` as vLLM's one LoRA adapter, replacing the last (on the step thread)."""
@@ -278,9 +286,12 @@ class VLLMEngine:
             weakref.finalize(self, shutil.rmtree, self._folder, True)  # gone with the engine
         save_file({k: v.contiguous() for k, v in adapters.tensors.items()}, str(self._folder / "adapter_model.safetensors"))
         (self._folder / "adapter_config.json").write_text(json.dumps(adapters.config))
-        self._adapter = LoRARequest("policy", 1, str(self._folder), load_inplace=True)
-        self.engine.add_lora(self._adapter)
-        self.engine.reset_prefix_cache()  # cached KV belongs to the old adapter
+        # loaded in place once, here; the requests carry the same adapter without `load_inplace`: vLLM's worker
+        # reloads an adapter from disk whenever a step's request asks it in place (LRUCacheWorkerLoRAManager.
+        # add_adapter), which was every engine step, decode steps too (~66 MB a reload for a 4B model at r 16)
+        self.engine.add_lora(LoRARequest("policy", 1, str(self._folder), load_inplace=True))
+        self._adapter = LoRARequest("policy", 1, str(self._folder))
+        self._reset_prefix_cache()  # cached KV belongs to the old adapter
 
     def _merge(self, adapters: Adapters) -> dict[str, torch.Tensor]:
         """The adapted layers' weights W0 + scale B @ A in this engine's dtype, with every other weight of
