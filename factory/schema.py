@@ -681,7 +681,8 @@ class TrainSpec(Section):
     max_non_finite_steps: int = Field(3, ge=0)
     """Stop the run after this many steps in a row whose updates were all skipped because the loss or the
     gradient norm was inf or NaN (each such update is skipped and counted in `actor/skipped_non_finite`;
-    the weights stay finite). 0 = never stop for it."""
+    the weights stay finite). 0 = never stop for it. Under `model.dtype: float16` the overflows of DeepSpeed's
+    loss scale settling (above its floor) are skipped and logged but not counted here."""
     monitors: MonitorsSpec = MonitorsSpec()
     """The reward-hacking monitors' thresholds. Every step logs each monitor as `monitor/<name>` (its
     statistic) and `monitor/<name>/fired` (1 while it fires); the first firing prints a warning line and

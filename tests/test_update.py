@@ -626,6 +626,30 @@ def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
     assert good.non_finite_steps == 0
 
 
+def test_an_fp16_loss_scale_settling_is_not_counted_as_a_broken_step():
+    """DeepSpeed's fp16 loss scale starts at 2^16 and halves at each overflow, skipping that update: counted toward
+    train.max_non_finite_steps, three such warm-up steps stopped a healthy fp16 run. At the scale's floor, or in
+    bf16/fp32 (no scaler), a skip counts as before."""
+    from types import SimpleNamespace
+
+    from factory.update.learner import Learner
+
+    learner = object.__new__(Learner)  # the rule alone (an fp16 DeepSpeed engine needs a GPU)
+
+    def engine(fp16: bool, scale: float) -> SimpleNamespace:
+        scaler = SimpleNamespace(dynamic=True, cur_scale=scale, min_scale=1.0)
+        return SimpleNamespace(fp16_enabled=lambda: fp16, optimizer=SimpleNamespace(loss_scaler=scaler))
+
+    learner.engine = engine(True, 2.0**15)
+    assert learner._loss_scale_settling()
+    learner.engine = engine(True, 1.0)  # at its floor: an overflow now is the run's
+    assert not learner._loss_scale_settling()
+    learner.engine = engine(False, 2.0**15)
+    assert not learner._loss_scale_settling()
+    learner.engine = SimpleNamespace(fp16_enabled=lambda: True, optimizer=object())  # no scaler found: counted
+    assert not learner._loss_scale_settling()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_with_inf_or_nan_are_found_whatever_their_sum(dtype):
     """The check before a weight sync or a checkpoint sums each tensor first: a NaN, an inf, or infs of both

@@ -321,10 +321,21 @@ class Learner:
         if all(n is not None for n in norms) and finite:
             sums["grad_norm"] = sum(finite) * len(norms) / len(finite)  # the mean below is over the applied ones
         sums[SKIPPED] = float(skipped)  # the same on every rank: the gradient norm is global
-        self._count_non_finite(skipped == len(norms))
+        self._count_non_finite(skipped == len(norms) and not self._loss_scale_settling())
         if measured:  # each rank measured its share of the first mini-batch
             before.mismatch = self._all_mismatch(before.mismatch)
         return sums
+
+    def _loss_scale_settling(self) -> bool:
+        """Whether an fp16 update's overflow is DeepSpeed's dynamic loss scale settling (it starts at 2^16 and halves
+        at each overflow, skipping that update) rather than a broken run: so while the scale is above its floor
+        (at the floor DeepSpeed raises by itself). Counted as non-finite, three such warm-up steps stopped a
+        healthy fp16 run (train.max_non_finite_steps)."""
+        if not self.engine.fp16_enabled():
+            return False
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        return (getattr(scaler, "dynamic", False)
+                and getattr(scaler, "cur_scale", 0.0) > getattr(scaler, "min_scale", float("inf")))
 
     def _collate(self, group: list[Trajectory]) -> MicroBatch | PackedBatch:
         """One micro-batch's tensors: packed when `train.packing` says so for its lengths, else right-padded.
