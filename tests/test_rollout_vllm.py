@@ -417,3 +417,17 @@ def test_a_prefix_cache_vllm_could_not_drop_after_a_sync_is_an_error():
         engine._reset_prefix_cache()
     engine.engine = SimpleNamespace(reset_prefix_cache=lambda: True)
     engine._reset_prefix_cache()
+
+
+def test_a_served_adapter_goes_to_memory_only_where_it_fits(tmp_path, monkeypatch):
+    """A container's /dev/shm is 64 MB by default; a 4B model's adapter at r 16 is ~66 MB: its save failed there."""
+    import shutil
+    from collections import namedtuple
+
+    from factory.rollout import engine_vllm
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
+    assert engine_vllm._adapter_dir(10 << 20, tmp_path) == str(tmp_path)  # 10 MB, twice: fits
+    assert engine_vllm._adapter_dir(66 << 20, tmp_path) is None  # the temporary folder instead
+    assert engine_vllm._adapter_dir(1, tmp_path / "absent") is None

@@ -122,6 +122,16 @@ def _rendezvous_file() -> str | None:
     return store.path if isinstance(store, dist.FileStore) else None
 
 
+def _adapter_dir(nbytes: int, shm: Path = Path("/dev/shm")) -> str | None:
+    """Where a served adapter's files go: memory (/dev/shm) when it has room for two of them (the file is rewritten
+    at each sync), else the temporary folder (None): a container's /dev/shm is 64 MB by default, and a 4B model's
+    adapter at r 16 on every linear layer ~66 MB."""
+    try:
+        return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes else None
+    except OSError:
+        return None
+
+
 class VLLMEngine:
     """vLLM behind the `Engine` protocol (see the module docstring)."""
 
@@ -281,8 +291,7 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if self._adapter is None:
-            shm = Path("/dev/shm")
-            self._folder = Path(tempfile.mkdtemp(prefix="factory-lora-", dir=shm if shm.is_dir() else None))
+            self._folder = Path(tempfile.mkdtemp(prefix="factory-lora-", dir=_adapter_dir(adapters.nbytes())))
             weakref.finalize(self, shutil.rmtree, self._folder, True)  # gone with the engine
         save_file({k: v.contiguous() for k, v in adapters.tensors.items()}, str(self._folder / "adapter_model.safetensors"))
         (self._folder / "adapter_config.json").write_text(json.dumps(adapters.config))
