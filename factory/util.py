@@ -407,3 +407,13 @@ def key_may_go_to(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """A file's data, or a folder's entries (a rename or a new file in it), on disk: a power cut after this cannot
+    bring back what was there before."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from factory.util import fsync_path
+
 JOURNAL, SENT, FILES = "journal.jsonl", "sent", "files"
 
 
@@ -44,8 +46,8 @@ class Spool:
             keep = self.folder / FILES / str(self.last) / Path(file).name
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(file, keep)
-            _sync(keep)  # on disk before the journal names it: a power cut must not leave a named, empty table
-            _sync(keep.parent)
+            fsync_path(keep)  # on disk before the journal names it: a power cut must not leave a named, empty table
+            fsync_path(keep.parent)
             record["file"] = str(keep.relative_to(self.folder))
         with open(self.folder / JOURNAL, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -64,21 +66,12 @@ class Spool:
         self.sent = self.records[0]["seq"] - 1 if self.records else max(self.sent, record["seq"])
         tmp = self.folder / f".{SENT}.tmp"
         tmp.write_text(str(self.sent))
-        _sync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, self.folder / SENT)
         if "file" in record:
             shutil.rmtree(self.path(record).parent, ignore_errors=True)
         if not self.records:  # all sent: start the journal afresh (it only ever holds what waits)
             (self.folder / JOURNAL).unlink(missing_ok=True)
-
-
-def _sync(path: Path) -> None:
-    """fsync a file, or a folder (its entries)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_sent(path: Path) -> int:

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from factory.util import fsync_path
+
 LATEST = "latest"
 HF = "hf"  # the Hugging Face folder inside each checkpoint
 ADAPTER = "adapter"  # a LoRA run's checkpoint holds peft's adapter folder instead (with the tokenizer)
@@ -161,15 +163,9 @@ def fsync_tree(folder: str | os.PathLike) -> None:
     """Every file and folder under `folder` (and itself) on disk, before a rename makes it visible."""
     folder = Path(folder)
     for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):  # files before their folders
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif path.is_dir():
-            _fsync_dir(path)
-    _fsync_dir(folder)
+        if path.is_file() or path.is_dir():
+            fsync_path(path)
+    fsync_path(folder)
 
 
 def commit(directory: str | os.PathLike, name: str, keep: int | None = None) -> Path:
@@ -194,7 +190,7 @@ def commit(directory: str | os.PathLike, name: str, keep: int | None = None) -> 
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(directory / staging(directory, name), final)
-    _fsync_dir(directory)
+    fsync_path(directory)  # the rename durable: a power cut after it must not bring the old name back
     write_latest(directory, name)
     prune(directory, keep)
     return final
@@ -231,15 +227,6 @@ def write_run_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
 def read_run_state(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / RUN_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (a power cut after it must not bring the old name back)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:
