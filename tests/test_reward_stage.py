@@ -389,6 +389,6 @@ def test_a_node_that_fails_on_every_trajectory_of_a_step_is_named_once_a_run():
     out = io.StringIO()
     with Display(3, console=Console(file=out, width=300, log_path=False)) as d:
         for step in (1, 2):
-            d.step(step, {"reward/mean": 0.0}, failing=("broken", 3))
+            d.step(step, {"reward/mean": 0.0}, failing=["broken"], trajectories=3)
     said = [line for line in out.getvalue().splitlines() if "failed on all" in line]
     assert len(said) == 1 and "step 1: reward node broken failed on all 3 of the step's trajectories" in said[0]

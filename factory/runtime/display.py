@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +89,9 @@ class Display:
         self._phase = None
 
     def step(self, step: int, m: dict[str, float], completed: int | None = None,
-             failing: tuple[str, int] = ("", 0)) -> None:
-        """Step `step`'s line. `failing`: (the reward nodes that failed on every trajectory of the step, comma-joined;
-        how many trajectories), from `factory.reward.graph.failing_everywhere`."""
+             failing: Sequence[str] = (), trajectories: int = 0) -> None:
+        """Step `step`'s line. `failing`: the reward nodes that failed on every one of the step's `trajectories`
+        (`factory.reward.graph.failing_everywhere`)."""
         acc = f"  eval acc {fmt_number(m.get('eval/accuracy'), '.2f')}" if "eval/accuracy" in m else ""
         if step == 0 and not m:  # no data.eval: the line of dashes below read as an evaluation that was made
             line = "step    0  no held-out evaluation (no data.eval rows)"
@@ -118,8 +118,7 @@ class Display:
         self._log(line)
         if untrained:
             self._log(f"step {step}: nothing trained: {untrained}", style="yellow")
-        nodes, trajectories = failing
-        for node in (n for n in nodes.split(",") if n and n not in self._failing_said):
+        for node in (n for n in failing if n not in self._failing_said):
             self._failing_said.add(node)  # once a run: the stage's own line says each step's first error
             self._log(f"step {step}: reward node {node} failed on all {trajectories} of the step's trajectories "
                       f"(rewards/{node}/errors, /parse_failures, /non_finite): its on_missing scored them all alike, "

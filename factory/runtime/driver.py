@@ -812,12 +812,12 @@ def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: li
     """Step n's record: the tables first, the metrics last -- a step with metrics is a step with its tables (a
     run killed between them computes the step again on --resume, and logs the tables again, under the same
     names) -- and both before its checkpoint: a checkpointed step is a logged one."""
-    tracker.log_trajectories(trajs, n, traces=traces)  # the table keeps all: `factory rescore` reads it
-    tracker.log_tool_calls(tool_calls, n)  # the calls step n made (tracking.record_tools)
     from factory.reward.graph import failing_everywhere
 
+    tracker.log_trajectories(trajs, n, traces=traces)  # the table keeps all: `factory rescore` reads it
+    tracker.log_tool_calls(tool_calls, n)  # the calls step n made (tracking.record_tools)
     tracker.log_metrics(m, step=n)
-    display.step(n, m, failing=(",".join(failing_everywhere(trajs)), len(trajs)))
+    display.step(n, m, failing=failing_everywhere(trajs), trajectories=len(trajs))
     on_step(n, m)
 
 
