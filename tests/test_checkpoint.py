@@ -114,7 +114,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(small_path, 
 
 def test_export_errors_are_clear(tmp_path, capsys):
     assert cli.main(["export", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert "holds no complete checkpoint (no `latest` marker): its run saved no checkpoint there" in capsys.readouterr().err
     assert cli.main(["export", "0123456789abcdef", "--out", str(tmp_path / "o"),
                      "--uri", f"sqlite:///{tmp_path}/mlflow.db"]) == 2
     assert ("'0123456789abcdef' is not a checkpoint folder, and no tracking store at "  # none there: none made

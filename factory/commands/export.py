@@ -64,8 +64,10 @@ def step_folder(root: Path, step: int | None = None) -> Path:
     if step is None and ((root / HF).is_dir() or (root / ADAPTER).is_dir()):
         return root
     name = tag(step) if step is not None else read_latest(root)
-    if name is None:
-        raise ExportError(f"{root} holds no complete checkpoint (no `latest` marker)")
+    if name is None:  # (a run stopped before its first checkpoint, or one whose saves all failed)
+        what = "is not a folder" if not root.is_dir() else "holds no complete checkpoint (no `latest` marker)"
+        raise ExportError(f"{root} {what}: its run saved no checkpoint there (a run saves one at its end, and "
+                          "every train.checkpoint_every steps or checkpoint_every_s seconds)")
     if not (root / name).is_dir():
         have = ", ".join(complete(root)) or "none"
         raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
