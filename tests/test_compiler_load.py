@@ -78,6 +78,15 @@ rollout: {top_k: false}
         "5 errors in spec.yaml")
 
 
+def test_a_null_mapping_says_how_to_drop_a_base_specs_entries(project):
+    """`tools: null` to drop the servers a base spec sets: "expected a mapping, got null" said nothing of how."""
+    path = project.spec(_base(project, "rw_nulltools") + "tools: null\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == ("spec.yaml:9: tools: expected a mapping, got null; to drop what a base spec (extends) sets "
+                         "here, null each of its entries ({NAME: null}); an empty mapping is {}\n1 error in spec.yaml")
+
+
 def test_numbers_out_of_their_range_name_the_bound(project):
     # each of these was accepted once; concurrency 0 hung every call to the server (a semaphore of 0 slots)
     path = project.spec(_base(project, "rw_bounds") + """\

@@ -243,7 +243,10 @@ def message(err: dict[str, Any], where: _Loc) -> str:
         return "missing required key"
     for prefix, expected in _EXPECTED.items():
         if kind in (f"{prefix}_type", f"{prefix}_parsing", f"{prefix}_from_float"):
-            return f"expected {expected}, got {show(value)}"
+            # `tools: null` to drop a base spec's servers: null removes an entry, not a whole mapping
+            none = ("; to drop what a base spec (extends) sets here, null each of its entries ({NAME: null}); an "
+                    "empty mapping is {}") if value is None and prefix == "dict" else ""
+            return f"expected {expected}, got {show(value)}{none}"
     if kind == "finite_number":  # inf and nan, refused (Section's allow_inf_nan)
         return f"expected a finite number, got {show(value)}"
     if kind == "literal_error":
