@@ -207,7 +207,8 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
 
 def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, s: MonitorsSpec,
              total: str) -> Row:
-    """One step of the history from its scored trajectories (those the reward stage kept) and metrics."""
+    """One step of the history from its scored trajectories and metrics: the trajectories the update trains (the
+    driver leaves out an infrastructure failure's and an overlong-filtered one; here, the reward stage's drops)."""
     kept = [t for t in trajs if t.dropped is None]
     row: Row = {"reward": metrics.get("reward/mean", math.nan),
                 "task": metrics.get(f"rewards/{w.task_node}/mean", math.nan) if w.task_node else math.nan,

@@ -105,6 +105,14 @@ class Trajectory:
         return sum(t.num_tokens for t in self.turns)
 
 
+
+def trains(t: Trajectory, overlong_filter: bool, drop_infra_errors: bool) -> bool:
+    """Whether the update trains `t`: not when an infrastructure tool failure hit it (with `drop_infra_errors`: its
+    episode says nothing about the policy), nor, under DAPO's overlong filter, when the token budget cut it, nor
+    when the reward stage dropped it (a `drop_sample` node had no value). What dynamic sampling counts as a
+    group's signal and what the monitors read are these too."""
+    return not ((drop_infra_errors and t.infra_error) or (overlong_filter and t.truncated) or t.dropped)
+
 @dataclass(frozen=True)
 class Placement:
     """What the driver tells one replica of a stage at setup: where it runs and whom it calls."""

@@ -122,7 +122,8 @@ def fake_groups(world: World, plan: Any) -> dict[str, FakeGroup]:
 
 
 def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str],
-             resume: Any = None, **kwargs: Any) -> driver.RunResult:
+             resume: Any = None, batch: list[Any] | None = None, **kwargs: Any) -> driver.RunResult:
+    """The driver's loop over fake stages; each step's rollout gives `batch` (default: no trajectories)."""
     monkeypatch.chdir(REPO)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
 
@@ -130,7 +131,8 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
         world.made += [f"train/{step}/0/0/0/0/0"]
         if step == world.miss_at:
             world.misses.append(f"calculate(...) at train/{step}/0/0/0/0/0")
-        return [], {"rollout/generated_tokens": 0.0, **({"reward/mean": world.rewards.pop(0)} if world.rewards else {})}
+        return list(batch or []), {"rollout/generated_tokens": 0.0,
+                                   **({"reward/mean": world.rewards.pop(0)} if world.rewards else {})}
 
     def evaluate(g: Any, plan: Any, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
         world.made += [f"eval/{step}/0/0/0/0/0"]
@@ -142,6 +144,24 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.setattr(driver, "restore", lambda g, plan, resume: resume.step)
     return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume,
                              **kwargs)
+
+
+def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
+    """Out of the loss, out of the monitors: a trajectory a tool's infrastructure failure hit (drop_infra_errors) or
+    the budget cut (overlong.filter) counted in reward_dominance's variance shares and judge_disagreement; only
+    drop_sample's were left out."""
+    from factory.monitors import Watch
+    from factory.types import Trajectory
+
+    def traj(i: int, **fault: Any) -> Trajectory:
+        return Trajectory(prompt_index=0, sample_index=i, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
+                          stop_reason="no_call", row={}, reward=float(i % 2), **fault)
+
+    batch = [traj(0), traj(1), traj(2, infra_error=True), traj(3, truncated=True), traj(4, dropped="x: missing")]
+    seen = []
+    monkeypatch.setattr(Watch, "observe", lambda self, step, trajs, m: seen.append([t.sample_index for t in trajs]) or {})
+    run_loop(monkeypatch, World(), ["train.steps=1", "algorithm.overlong.filter=true"], batch=batch)
+    assert seen == [[0, 1]]
 
 
 def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from factory.contract import Contract, peers_of
-from factory.plan import ClusterSettings, Edge, Plan, Replayed, Stage, StreamPart
+from factory.plan import ClusterSettings, DriverSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import HALTED_BY_TAG, Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import (CheckpointWriteError, PlacementError, RayStartError, StageLostError,
@@ -48,7 +48,7 @@ from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on
                                        stopping_said)
 from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
-from factory.types import Placement, Trajectory
+from factory.types import Placement, Trajectory, trains
 from factory.util import import_object
 
 if TYPE_CHECKING:
@@ -528,11 +528,16 @@ def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, 
     return out, trajs
 
 
+def _trained(trajs: list[Any], d: DriverSettings) -> list[bool]:
+    """Which of `trajs` the update trains (factory.types.trains)."""
+    return [trains(t, d.overlong_filter, d.drop_infra_errors) for t in trajs]
+
+
 def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
     """One step's scored trajectories: the data flow up to (not into) the trainer. With dynamic sampling
     (DAPO), groups whose rewards all agree carry no signal: they are dropped and more prompts are
     sampled, up to 3 extra rounds."""
-    from factory.update.batch import trains, with_signal  # (torch: imported when a step is collected, not at start-up)
+    from factory.update.batch import with_signal  # (torch: imported when a step is collected, not at start-up)
 
     edges, d = plan.flow("data")[:-1], plan.driver
     want, kept, metrics, seen, generated = d.train.prompts_per_step, [], {}, 0, 0
@@ -546,8 +551,7 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
         generated += sum(t.num_model_tokens for t in trajs)
         if not d.dynamic_sampling:
             return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
-        trained = [trains(t, d.overlong_filter, d.drop_infra_errors) for t in trajs]
-        kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps, trained)) if k]
+        kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps, _trained(trajs, d))) if k]
         if len({t.prompt_index for t in kept}) >= want:
             break
     metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)
@@ -739,7 +743,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
             tool_calls[step] = take_tool_calls(g, plan, f"step {step}")  # a replay miss stops the run here
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
-            m.update(watch.observe(step, trajs, m))           # reward-hacking monitors
+            m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k], m))  # hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             # read once here, and once more below; a stop_on monitor stops after this step
             stopping = stop.requested or watch.halt is not None

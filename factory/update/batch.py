@@ -12,7 +12,7 @@ from torch import Tensor
 
 from factory.algorithms import (Algorithm, dynamic_sampling_keep, minibatches, overlong_penalty,
                                 turn_dynamic_sampling_keep)
-from factory.types import Trajectory
+from factory.types import Trajectory, trains
 
 
 def kept(trajs: list[Trajectory], alg: Algorithm, drop_infra_errors: bool) -> list[bool]:
@@ -21,11 +21,6 @@ def kept(trajs: list[Trajectory], alg: Algorithm, drop_infra_errors: bool) -> li
     the token budget, nor those the reward stage dropped (a `drop_sample` node had no value). Dropped
     ones are still logged and counted, never forwarded."""
     return [trains(t, alg.overlong_filter, drop_infra_errors) for t in trajs]
-
-
-def trains(t: Trajectory, overlong_filter: bool, drop_infra_errors: bool) -> bool:
-    """Whether the update trains `t` (`kept`, one trajectory)."""
-    return not ((drop_infra_errors and t.infra_error) or (overlong_filter and t.truncated) or t.dropped)
 
 
 def shaped_rewards(trajs: list[Trajectory], alg: Algorithm, max_len: int) -> Tensor:
