@@ -127,3 +127,33 @@ def test_server_events_outside_a_training_rollout_are_logged_with_the_next_one(m
 
     m = asyncio.run(go())
     assert (m["tool_servers/calc/restarts"], m["tool_servers/calc/circuit_opens"]) == (2.0, 1.0)
+
+
+def test_the_specs_max_model_len_bounds_the_rollout(monkeypatch):
+    """`rollout.max_model_len` is the rollout's context: recorded in the resolved params, and a prompt that
+    leaves no room under it is not generated from."""
+    from pathlib import Path
+
+    from factory.compiler.compile import compile_file
+    from factory.data import DataStage
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    _, plan = compile_file(repo / "specs" / "tiny.yaml",
+                           ["rollout.engine=hf", "rollout.max_turns=1", "rollout.max_model_len=16"])
+    data = DataStage(plan.stage("data").settings)
+    data.setup()
+    rollout = RolloutStage(plan.stage("rollout").settings)
+
+    async def go():
+        info = await rollout.setup(Placement(peers={rollout.settings.tool_peer: FakeToolsStage()}))
+        try:
+            return info, await rollout.generate(data.next_batch(1))
+        finally:
+            await rollout.close()
+
+    info, part = asyncio.run(go())
+    assert info["resolved"]["max_model_len"] == 16
+    trajs, _ = RolloutStage.merge([part])
+    assert trajs and {t.stop_reason for t in trajs} == {"prompt_too_long"}

@@ -204,6 +204,28 @@ def test_on_cpu_the_engine_runs_eagerly_unless_asked(vllm):
     assert not vllm.compiled and vllm.engine.vllm_config.model_config.enforce_eager
 
 
+def test_a_kv_cache_short_of_the_models_context_runs_the_longest_sequence_it_holds(vllm, model_path):
+    """vLLM refused to start where `kv_cache_gb` could not hold one sequence of the model's whole context
+    (Qwen3-0.6B's 40960 tokens are 4.5 GiB of float32 KV against the default 2), and `auto` then fell back
+    to transformers. Now vLLM fits the length to its cache (the rollout cuts its trajectories there), and
+    keeps the model's context where the cache holds it. (The small engine runs in a process of its own: a
+    second engine in this one would tear down the parallel state the fixture's engine runs in.)"""
+    import subprocess
+    import sys
+
+    assert vllm.max_model_len == 4096  # the fixture's 0.25 GiB holds the tiny model's whole context
+    code = (f"import asyncio; from factory.rollout.engine_vllm import VLLMEngine; from factory.rollout.engine import Sampling\n"
+            f"e = VLLMEngine({model_path!r}, kv_cache_gb=0.002, stop_token_ids=[{IM_END}], threads=1, max_num_seqs=4)\n"
+            f"out = asyncio.run(e.generate({prompts()[0]!r}, max_new_tokens=8, sampling=Sampling(greedy=True)))\n"
+            f"print('RESULT', e.max_model_len, len(out.ids), out.finished)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    _, length, n, finished = lines[0].split()
+    assert 256 <= int(length) < 4096  # 2 MiB at 1 KiB a token (2 layers x 2 KV heads x 32, K and V, float32)
+    assert int(n) == 8 or finished == "True"
+
+
 @pytest.mark.slow
 def test_a_compiled_engine_takes_weights_in_place_like_an_eager_one(model_path, hf):
     """`rollout.vllm_compile: true` on CPU (~20 s of inductor build for this model): the compiled graphs

@@ -71,6 +71,7 @@ class Engine(Protocol):
     weight_sync: str  # how it takes a sync (full weights, LoRA adapters): `resolved.rollout.weight_sync`
     batches_run: int  # batches (hf: `generate` calls; vllm: engine steps) so far, for the rollout's metrics
     forward_steps: int  # forward passes so far: the rollout's heartbeat while no trajectory ends yet
+    max_model_len: int | None  # the longest sequence it runs where it sets one itself (vLLM's, auto-fit), else None
 
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
         """Continue `prompt_ids` by at most `max_new_tokens` tokens."""
@@ -236,7 +237,8 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
                                     threads=threads, tensor_parallel_size=gpus, gpu_share=gpu_share,
                                     lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
                                     lora_rank=lora.r if lora is not None else 0,
-                                    compile=getattr(settings, "vllm_compile", None))  # a judge's: the default
+                                    compile=getattr(settings, "vllm_compile", None),  # a judge's: the default
+                                    max_model_len=getattr(settings, "max_model_len", None))
                 engine.choice_reason = reason
                 return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers

@@ -26,6 +26,7 @@ class EndpointEngine:
     weight_sync = "none (an endpoint: evaluation only)"
     fallback_reason: str | None = None
     choice_reason: str | None = None
+    max_model_len: int | None = None  # the server's to enforce
 
     def __init__(self, url: str, tokenizer: Any, stop_token_ids: Sequence[int], end_of_turn_id: int | None,
                  timeout_s: float = 300.0, retries: int = RETRIES):

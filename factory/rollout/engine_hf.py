@@ -151,6 +151,7 @@ class HFEngine:
         self.batch_size = batch_size
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
+        self.max_model_len: int | None = None  # none of its own: the rollout cuts at the model's context
         cfg, gen_cfg = self.model.config, self.model.generation_config
         self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
         if not self.stop_token_ids:

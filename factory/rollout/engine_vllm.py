@@ -164,7 +164,11 @@ class VLLMEngine:
         self.compiled = compile if compile is not None else device != "cpu"
 
         args = EngineArgs(
-            model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+            # None: the model's context where the KV cache holds one such sequence, else the longest it holds
+            # (-1 is vLLM's auto-fit; it would otherwise refuse to start: Qwen3's 40960 tokens of float32 KV
+            # are 4.5 GiB at 0.6B). Read back below: the rollout cuts its trajectories there.
+            max_model_len=max_model_len or -1,
             enable_prefix_caching=True, **memory_args(device, kv_cache_gb, gpu_share),
             # Whole-prompt prefills on CPU: a prefill split over steps discards a token and rewinds the
             # seeded request's generator, which only CUDA generators can ("CPU Generator does not use
@@ -194,6 +198,7 @@ class VLLMEngine:
         self._adapter = None  # serve: the LoRARequest every request names, once a sync brought one
         _llvmlite_answers_vars()
         self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
+        self.max_model_len: int | None = self.engine.vllm_config.model_config.max_model_len
         self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
         self.fallback_reason: str | None = None
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed its start-up

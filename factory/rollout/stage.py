@@ -38,6 +38,11 @@ def _context_tokens(model_path: str) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def shortest(*limits: int | None) -> int | None:
+    """The smallest of the limits given (None: no limit)."""
+    return min((n for n in limits if n is not None), default=None)
+
+
 class BusyClock:
     """Splits rollout wall time into generate / tools-only / idle by counting what is in flight.
 
@@ -155,12 +160,13 @@ class RolloutStage(StageActor):
                                       stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
                                       gpus=max(1, int(s.num_gpus)), gpu_share=gpu_share(s.num_gpus), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
-        # the model's context (a served model's is the server's to enforce)
-        self.context = None if s.endpoint else _context_tokens(model_path)
+        # the model's context, or the spec's or vLLM's shorter limit (a served model's is the server's to enforce)
+        self.context = None if s.endpoint else shortest(_context_tokens(model_path), s.rollout.max_model_len,
+                                                        self.engine.max_model_len)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
-                    "weight_sync": self.engine.weight_sync}
+                    "weight_sync": self.engine.weight_sync, "max_model_len": self.context}
         if self.engine.name == "vllm":
             resolved["vllm_compiled"] = self.engine.compiled
         if self.engine.fallback_reason:
