@@ -293,6 +293,28 @@ def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     assert stats["actor/grad_norm"] > 0
 
 
+def test_zero_3_gathers_its_weights_a_bucket_at_a_time(small_path, learners, monkeypatch):
+    """A weight sync under ZeRO-3 gathered the whole model at once, on every rank's GPU beside its shards;
+    now GATHER_BYTES at a time. Gathered in buckets of ~3 parameters, the weights are the unsharded model's:
+    every name (the tied head under both), the same values, tied names still one tensor."""
+    import deepspeed
+
+    import factory.update.learner as learner_module
+    from factory.update.learner import buckets
+
+    assert buckets([], 10) == [] and buckets([4, 4, 4, 20, 1, 9, 1], 10) == [[0, 1], [2], [3], [4, 5], [6]]
+    want = learners(make_spec(small_path)).state_dict()
+    monkeypatch.setattr(learner_module, "GATHER_BYTES", 3 * 64 * 128 * 4)  # a few of the small model's matrices
+    learner = learners(make_spec(small_path, train={"deepspeed": {"zero_stage": 3}}))
+    gathers: list[int] = []
+    whole = deepspeed.zero.GatheredParameters
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", lambda ps, **kw: gathers.append(len(ps)) or whole(ps, **kw))
+    got = learner.state_dict()
+    assert len(gathers) > 5 and sum(gathers) == len(list(learner.engine.module.parameters()))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+
+
 def test_zero_3_builds_the_policy_and_the_reference_partitioned(small_path, learners, monkeypatch):
     """ZeRO-3 loads the policy under zero.Init (each rank builds only its part: a whole float32 copy per
     rank first is what runs a node out of host memory on a real model), and the KL term's reference too

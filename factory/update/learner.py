@@ -550,22 +550,39 @@ class Learner:
         `copy=False`, without ZeRO-3, on a CPU and in the module's dtype they are the live tensors: for the
         update actor's answer to a weight sync, which Ray copies into its object store as the call returns,
         before the next update can touch them (one copy of 0.5 GB less per sync for SmolLM2 in float32)."""
-        import deepspeed
-
         module = self.engine.module
-        sharded = self.engine.zero_optimization_stage() == 3
-        gather = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-                  if sharded else contextlib.nullcontext())
-        copies: dict[int, Tensor] = {}  # keep tied tensors tied: one copy per storage
-        with gather:
+        if self.engine.zero_optimization_stage() == 3:
+            weights = self._gathered(module, every_rank or self.rank == 0, dtype)
+            if weights is None:
+                return None
+        else:
             if self.rank != 0 and not every_rank:
                 return None
-            # a gathered ZeRO-3 tensor is freed when the gather ends: that one must be copied
-            weights = {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", dtype=dtype or v.dtype,
-                                                                         copy=copy or sharded))
+            copies: dict[int, Tensor] = {}  # keep tied tensors tied: one copy per storage
+            weights = {k: copies.setdefault(v.data_ptr(), v.detach().to("cpu", dtype=dtype or v.dtype, copy=copy))
                        for k, v in module.state_dict().items()}
         _check_finite(weights)  # never synced to the rollout, nor checkpointed (save_checkpoint gathers here)
         return weights
+
+    @staticmethod
+    def _gathered(module: torch.nn.Module, keep: bool, dtype: torch.dtype | None) -> dict[str, Tensor] | None:
+        """ZeRO-3's full weights on CPU (on the ranks that `keep` them; every rank must call it), gathered
+        GATHER_BYTES of parameters at a time and copied out before the next: the whole model gathered at
+        once sat on every rank's GPU beside its shards (64 GB for a 32B model in bf16)."""
+        import deepspeed
+
+        state = module.state_dict(keep_vars=True)  # the Parameter objects: tied names share one
+        params = list({id(v): v for v in state.values() if hasattr(v, "ds_numel")}.values())
+        copies: dict[int, Tensor] = {}
+        for bucket in buckets([p.ds_numel * p.element_size() for p in params], GATHER_BYTES):
+            chunk = [params[i] for i in bucket]
+            with deepspeed.zero.GatheredParameters(chunk, modifier_rank=None):
+                if keep:  # a gathered tensor is freed when the gather ends: copied
+                    copies.update({id(p): p.detach().to("cpu", dtype=dtype or p.dtype, copy=True) for p in chunk})
+        if not keep:
+            return None
+        return {k: copies[id(v)] if id(v) in copies else v.detach().to("cpu", dtype=dtype or v.dtype, copy=True)
+                for k, v in state.items()}  # buffers are whole on every rank
 
     def adapters(self, every_rank: bool = False, dtype: torch.dtype | None = None) -> Adapters | None:
         """The LoRA adapters (peft's names, as its adapter files hold them) on CPU in `dtype` (default:
@@ -672,6 +689,22 @@ class AdaptersOff:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.module.disable_adapter():
             return self.module(*args, **kwargs)
+
+
+GATHER_BYTES = 1 << 30  # a weight sync's ZeRO-3 gather: parameters gathered together at most (one larger goes alone)
+
+
+def buckets(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of `sizes`, in runs whose sizes sum to at most `limit` (a size over it alone)."""
+    out: list[list[int]] = []
+    total = limit + 1
+    for i, size in enumerate(sizes):
+        if total + size > limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += size
+    return out
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
