@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import statistics
 import time
 from collections import defaultdict
@@ -23,6 +24,8 @@ from factory.plan import RolloutSettings, StreamPart
 from factory.tools.metrics import ToolMetrics
 from factory.types import Placement, ToolCall, ToolResult, Trajectory
 from factory.util import enter_workdir, node_id, set_threads
+
+log = logging.getLogger(__name__)
 
 
 def _context_tokens(model_path: str) -> int | None:
@@ -161,8 +164,13 @@ class RolloutStage(StageActor):
                                       gpus=max(1, int(s.num_gpus)), gpu_share=gpu_share(s.num_gpus), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
         # the model's context, or the spec's or vLLM's shorter limit (a served model's is the server's to enforce)
-        self.context = None if s.endpoint else shortest(_context_tokens(model_path), s.rollout.max_model_len,
+        model_context = _context_tokens(model_path)
+        self.context = None if s.endpoint else shortest(model_context, s.rollout.max_model_len,
                                                         self.engine.max_model_len)
+        if s.rollout.max_model_len is None and self.context is not None and self.context < (model_context or 0):
+            log.warning("rollout: sequences of at most %d tokens (what rollout.kv_cache_gb=%g holds; the model's "
+                        "context is %d): raise kv_cache_gb for longer ones, or set rollout.max_model_len",
+                        self.context, s.rollout.kv_cache_gb, model_context)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
