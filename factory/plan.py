@@ -81,6 +81,7 @@ class DataSettings(Settings):
 class RolloutSettings(Settings):
     model: ModelSpec
     chat_template: str | None
+    chat_template_kwargs: dict[str, Any]
     rollout: RolloutSpec
     compute: Compute  # rollout.dtype on the device resources.rollout.num_gpus gives; auto follows the update's bf16
     num_gpus: float  # resources.rollout.num_gpus

@@ -819,6 +819,11 @@ class Spec(Section):
     """The policy model."""
     chat_template: str | None = None
     """A jinja chat template in prompts/ (Hugging Face format). Unset: the tokenizer's own."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Variables every render of the chat template gets, as `apply_chat_template(**kwargs)` takes them:
+    `{enable_thinking: false}` turns Qwen3's reasoning off (its template writes an empty `<think></think>`
+    into each generation prompt). A saved checkpoint's template does not carry them: pass them when serving
+    it too."""
     data: DataSpec
     """Training and evaluation data."""
     tools: dict[str, ToolSpec] = {}

@@ -148,6 +148,9 @@ def test_shipped_templates_are_prefix_preserving(tokenizer):
     # turns it renders later: the model's first turn is seen differently from the second turn on.
     assert prefix_problem(tokenizer.chat_template, template_kwargs={"enable_thinking": False}).startswith(
         "the chat template is not prefix-preserving across turns: message 2 (assistant)")
+    # ... and that is all that differs (factory check warns of it; compiler tests)
+    assert prefix_problem(tokenizer.chat_template, template_kwargs={"enable_thinking": False}, strict=False) is None
+    assert prefix_problem(COLLAPSING, strict=False) is not None
     for path in (Path(__file__).parent.parent / "prompts").glob("chatml*.jinja"):
         assert prefix_problem(path.read_text()) is None, path.name
 
@@ -234,3 +237,15 @@ def test_factory_check_warns_of_a_template_without_the_tool_list_or_the_system_m
     assert [w.split(": warning: ")[1] for w in plan.warnings] == [
         "the chat template drops the system message: data.system_prompt, and a system message of data.prompt, "
         "would never reach the model"]
+
+
+def test_template_kwargs_reach_every_render_qwen3_without_thinking(tokenizer):
+    """`chat_template_kwargs: {enable_thinking: false}`: every generation prompt, the first and those in the
+    tool deltas, ends with Qwen3's empty reasoning block."""
+    from factory.types import ToolResult
+
+    chat = ChatFormat(tokenizer, template_kwargs={"enable_thinking": False})
+    empty = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert chat.decode(chat.prompt_ids([{"role": "user", "content": "hi"}], None)).endswith(empty)
+    assert chat.decode(chat.tool_delta_ids([ToolResult(tool="t", text="5")], True)).endswith(empty)
+    assert not chat.decode(ChatFormat(tokenizer).prompt_ids([{"role": "user", "content": "hi"}], None)).endswith(empty)

@@ -1151,3 +1151,18 @@ resources: {rollout: {num_gpus: 2}}
         "spec.yaml:9: rewards.judge.local.num_gpus: warning: 2 GPUs reserved, but a local judge's engine computes "
         "on one of them and the rest sit idle; use num_gpus: 1"]
     assert compile_file(path, ["rollout.engine=auto", "rewards.judge.local.num_gpus=1"])[1].warnings == ()
+
+
+def test_qwen3_without_thinking_is_a_warning_of_its_empty_reasoning_blocks(project):
+    """`chat_template_kwargs: {enable_thinking: false}` made Qwen3's template fail the prefix check (an error):
+    its generation prompt holds an empty <think></think> that later renders leave out, which is all that
+    differs. It is said as a warning; the kwargs reach the check (without them: no warning)."""
+    base = _base(project, "rc_nothink") + "tools:\n  calc: {command: python, args: [-m, x]}\n"
+    quiet = [str(w) for w in compile_file(project.spec(base, "a.yaml"))[1].warnings]
+    assert not any("reasoning" in w for w in quiet)
+    _, plan = compile_file(project.spec(base + "chat_template_kwargs: {enable_thinking: false}\n", "b.yaml"))
+    assert [w for w in map(str, plan.warnings) if "reasoning" in w] == [
+        "b.yaml:2: model.path: warning: the chat template writes an empty reasoning block (<think></think>) into "
+        "each generation prompt and leaves it out of earlier turns: turns after the first are trained with those "
+        "blocks in their history, which a server that re-renders the conversation would not show"]
+    assert plan.stage("rollout").settings.chat_template_kwargs == {"enable_thinking": False}

@@ -173,6 +173,7 @@ def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
                  rollout={"engine": "hf"})
     stage = RolloutStage(stage_settings(spec)["rollout"])
     info = asyncio.run(stage.setup())
-    assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want, "weight_sync": "full weights"}
+    assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want, "weight_sync": "full weights",
+                                "max_model_len": 4096}
     assert str(next(stage.engine.model.parameters()).dtype) == f"torch.{want}"
     asyncio.run(stage.close())

@@ -75,6 +75,7 @@ def test_every_step_has_its_metrics(tiny_run):
         "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off",
         "resolved.update.share_prefix": "on", "resolved.update.packing": "auto",
         "resolved.update.weight_sync": "full (float32)", "resolved.rollout.weight_sync": "full weights",
+        "resolved.rollout.max_model_len": "4096",  # the tiny model's context
         # vLLM on CPU runs eagerly unless rollout.vllm_compile says otherwise
         **({"resolved.rollout.vllm_compiled": "false"} if ENGINE == "vllm" else {})}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]

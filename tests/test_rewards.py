@@ -26,6 +26,11 @@ def test_answer_is_read_from_the_model_turns_only():
     assert extract_answer(completion) is None  # without turns: tool responses are cut from the text
     assert extract_answer("", [turn(CALL, "ok"), turn("<answer> 5 </answer>")]) == "5"
     assert numeric_match("q", "", answer="5", turns=[turn(CALL, "ok"), turn("<answer>5</answer>")]) == 1.0
+    # nor one drafted in its reasoning (here turn 2 was cut while thinking: no final answer)
+    drafted = [turn("<think>it is <answer>5</answer>?</think>" + CALL, "ok"), turn("<think>so the answer")]
+    assert extract_answer("", drafted) is None
+    assert extract_answer("<think><answer>5</answer></think>no answer") is None
+    assert extract_answer("", [turn("<think>maybe <answer>4</answer></think><answer>5</answer>")]) == "5"
 
 
 def test_numeric_match():

@@ -56,3 +56,20 @@ def test_unclosed_call_at_the_end_is_malformed():
     assert good.arguments == {"a": 1}
     assert bad.name == "mul" and bad.arguments is None and bad.parse_error.startswith("unclosed <tool_call>")
     assert bad.raw == '\n{"name": "mul", "arguments": {"a"'
+
+
+def test_calls_written_while_thinking_are_not_made():
+    """Qwen3's `<think>` may mention or draft a call: the regex took a mention's `<tool_call>` up to the real
+    call's closing marker, so the real call became one "invalid JSON" call; a drafted call ran beside the
+    real one; a mention alone made the turn a malformed call instead of an answer."""
+    real = '<tool_call>\n{"name": "search", "arguments": {"query": "capital of France"}}\n</tool_call>'
+    mention = "<think>\nI should emit a <tool_call> block with a short query.\n</think>\n\n"
+    assert [(c.name, c.arguments) for c in parse_tool_calls(mention + real)] == [
+        ("search", {"query": "capital of France"})]
+    drafted = '<think>maybe <tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call></think>'
+    assert [c.arguments for c in parse_tool_calls(drafted + real)] == [{"query": "capital of France"}]
+    assert parse_tool_calls("<think>\nI should not use <tool_call> here\n</think>\n\n<answer>5</answer>") == []
+    assert parse_tool_calls("<think>cut while thinking, <tool_call>{") == []  # a block left open
+    assert len(parse_tool_calls("R1's template opened it. <tool_call>{}</tool_call></think>" + real)) == 1
+    # outside reasoning, a stray marker in prose does not swallow the call after it
+    assert [c.arguments for c in parse_tool_calls("I use <tool_call> now: " + real)] == [{"query": "capital of France"}]

@@ -493,17 +493,24 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:
-        for warning in render_problems(template, special, tools=bool(spec.tools)):
+        for warning in render_problems(template, special, spec.chat_template_kwargs, tools=bool(spec.tools)):
             r.warn(path, warning)
     except Exception:  # a template that does not render: prefix_problem (or _check_templates) says why
         pass
     if not spec.tools or spec.rollout.max_turns < 2:
         return
     try:
-        problem = prefix_problem(template, special)
+        problem = prefix_problem(template, special, spec.chat_template_kwargs)
+        empty_reasoning_only = problem is not None and prefix_problem(template, special, spec.chat_template_kwargs,
+                                                                      strict=False) is None
     except Exception as e:  # a template that does not even compile is reported by _check_templates
         problem = None if spec.chat_template else f"the tokenizer's chat template does not compile: {e}"
-    if problem:
+        empty_reasoning_only = False
+    if problem and empty_reasoning_only:  # Qwen3 without thinking: a run trains what it sampled, as sampled
+        r.warn(path, "the chat template writes an empty reasoning block (<think></think>) into each generation "
+                     "prompt and leaves it out of earlier turns: turns after the first are trained with those "
+                     "blocks in their history, which a server that re-renders the conversation would not show")
+    elif problem:
         r.error(path, problem)
 
 
@@ -1016,7 +1023,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
               (), ("batch", "eval_batch")),
         Stage("rollout", f"{replicas}multi-turn generation ({r.engine}), {r.group_size} samples per prompt, "
                          f"up to {r.max_turns} turns", "factory.rollout.stage:RolloutStage",
-              RolloutSettings(model=spec.model, chat_template=spec.chat_template, rollout=r,
+              RolloutSettings(model=spec.model, chat_template=spec.chat_template,
+                              chat_template_kwargs=spec.chat_template_kwargs, rollout=r,
                               compute=_compute(res.rollout.num_gpus, r.dtype, t.bf16_autocast, spec.model.dtype),
                               num_gpus=res.rollout.num_gpus, seed=spec.seed, threads=t.threads, base_dir=base_dir,
                               tool_peer=tool_peer, run_tokens=run_tokens(spec)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from factory.rollout.parse import without_reasoning
 from factory.types import Turn
 
 # The final answer is what the model puts in <answer>...</answer>; without the tag, nothing is graded, so a
@@ -26,10 +27,11 @@ def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str 
 
 
 def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
-    # An answer copied by a tool (or injected by a hostile one) must not count as the model's.
+    # An answer copied by a tool (or injected by a hostile one) must not count as the model's, nor one
+    # drafted in its reasoning (a turn cut while thinking would score its draft).
     if turns is not None:
-        return "\n".join(t.text for t in turns)
-    return re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL)
+        return "\n".join(without_reasoning(t.text) for t in turns)
+    return without_reasoning(re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL))
 
 
 def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn] | None = None,

@@ -8,6 +8,7 @@ as the whole conversation does under `tokenizer.apply_chat_template`.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jinja2
@@ -135,6 +136,9 @@ _PROBE_CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
+_EMPTY_REASONING = re.compile(r"<think>\s*</think>\s*")
+
+
 def _excerpt(text: str, at: int) -> str:
     return repr(text[max(0, at - 40): at + 40])
 
@@ -161,7 +165,7 @@ def render_problems(template: str, special_tokens: dict[str, str] | None = None,
 
 
 def prefix_problem(template: str, special_tokens: dict[str, str] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> str | None:
+                   template_kwargs: dict[str, Any] | None = None, *, strict: bool = True) -> str | None:
     """Why `template` cannot serve the multi-turn loop, or None. Text only (jinja, no tokenizer), so
     `factory check` can ask it without torch.
 
@@ -172,7 +176,10 @@ def prefix_problem(template: str, special_tokens: dict[str, str] | None = None,
     begin with the previous render followed by the model's turn verbatim. A template that rewrites an
     earlier message once later ones follow (drops a reasoning block, moves tool results into the system
     prompt, re-renders the last assistant turn) would train the model on contexts it never sees when the
-    template is used. The answer names the first message whose text changes."""
+    template is used. The answer names the first message whose text changes. Not `strict`: an empty reasoning
+    block (`<think></think>`) the generation prompt holds and the history leaves out is no difference (Qwen3
+    with enable_thinking false: the model's later turns are trained with an empty block before its earlier
+    answers that a re-rendering server would not show)."""
     render = compile_template(template)
     kwargs = {**(special_tokens or {}), **(template_kwargs or {})}
 
@@ -186,7 +193,8 @@ def prefix_problem(template: str, special_tokens: dict[str, str] | None = None,
         for a, b in zip(turns, turns[1:]):
             seen = text(msgs[:a], True) + msgs[a]["content"]  # what the model had written at the end of turn a
             later = text(msgs[:b], True)  # the template's render when turn b is generated
-            if later.startswith(seen):
+            if later.startswith(seen) or not strict and _EMPTY_REASONING.sub("", later).startswith(
+                    _EMPTY_REASONING.sub("", seen)):
                 continue
             at = next((i for i, (x, y) in enumerate(zip(seen, later)) if x != y), min(len(seen), len(later)))
             # the message whose text holds the first difference: the last one whose render ends before it

@@ -16,13 +16,29 @@ import re
 from factory.types import ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+# A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
+_BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_THINK = re.compile(re.escape(THINK_OPEN) + r".*?(?:" + re.escape(THINK_CLOSE) + r"|\Z)", re.DOTALL)
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
+def without_reasoning(text: str) -> str:
+    """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
+    block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
+    in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
+    thinking is not one the model made."""
+    close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
+    if close >= 0 and (open_ < 0 or close < open_):
+        text = text[close + len(THINK_CLOSE):]
+    return _THINK.sub("", text)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """All calls in `text`, in order; an unclosed `<tool_call>` at the end is one malformed call."""
+    """All calls in `text` outside its reasoning (`without_reasoning`), in order; an unclosed `<tool_call>`
+    at the end is one malformed call."""
+    text = without_reasoning(text)
     calls = [parse_one(m.group(1)) for m in _BLOCK.finditer(text)]
     # Whatever follows the last closed block: an opening marker there was never closed (the model ran
     # out of tokens or forgot the marker).
