@@ -103,6 +103,15 @@ def test_end_of_turn_is_im_end(tokenizer, template):
     assert chat.stop_token_ids == [im_end]  # the Qwen3 tokenizer's eos is <|im_end|> too
 
 
+def test_turn_markers_that_are_not_special_tokens_are_said(tokenizer, template):
+    """A template closing turns with text the tokenizer does not hold as one special token (ChatML markers on
+    Llama 3's tokenizer, say) fell back to eos without a word; the rollout now warns with this."""
+    assert ChatFormat(tokenizer, template).end_of_turn_problem() is None
+    other = template.replace("<|im_end|>", "<|turn_end|>")
+    problem = ChatFormat(tokenizer, other).end_of_turn_problem()
+    assert problem.startswith("the chat template closes an assistant turn with '<|turn_end|>")
+
+
 @pytest.mark.parametrize("ended", [True, False], ids=["model-wrote-eot", "turn-cut"])
 def test_tool_delta_splices_into_the_whole_conversation(tokenizer, template, ended):
     """prompt + model ids + delta + model ids == the tokens of the full rendered conversation."""

@@ -73,3 +73,9 @@ def test_calls_written_while_thinking_are_not_made():
     assert len(parse_tool_calls("R1's template opened it. <tool_call>{}</tool_call></think>" + real)) == 1
     # outside reasoning, a stray marker in prose does not swallow the call after it
     assert [c.arguments for c in parse_tool_calls("I use <tool_call> now: " + real)] == [{"query": "capital of France"}]
+
+
+def test_llama_style_parameters_are_the_arguments():
+    """`{"name": "a", "parameters": {...}}` ran with no arguments and no parse error (tool_call_ok credited it)."""
+    (call,) = parse_tool_calls('<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>')
+    assert (call.arguments, call.parse_error) == ({"a": 1}, None)

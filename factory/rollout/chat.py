@@ -93,6 +93,22 @@ class ChatFormat:
         ids = {self.end_of_turn_id, self.tokenizer.eos_token_id}
         return sorted(i for i in ids if i is not None)
 
+    def end_of_turn_problem(self) -> str | None:
+        """Why the model cannot end its turns as the template closes them, or None: the template closes an
+        assistant turn with text that is not one special token of this tokenizer (a ChatML template on a
+        tokenizer without `<|im_end|>`, say), so the model stops on its eos and the context after each turn
+        holds the eos and then that text, which the template never renders."""
+        if self.end_of_turn_text:
+            return None
+        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(messages, add_generation_prompt=False)
+        tail = text[text.index(_SENTINEL) + len(_SENTINEL):].strip()
+        if not tail:
+            return None
+        return (f"the chat template closes an assistant turn with {tail[:30]!r}, which is not one special token "
+                f"of the tokenizer: the model stops on its eos instead, and each turn's context holds the eos and "
+                f"then that text; use a template whose turn markers are the tokenizer's own special tokens")
+
     # -------------------------------------------------------------------------------------- internals
     def _find_end_of_turn(self) -> tuple[str, int | None]:
         """The special token the template writes right after an assistant's content (`<|im_end|>` for

@@ -63,7 +63,8 @@ def parse_one(raw: str) -> ToolCall:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return _malformed(raw, 'missing "name" (a string)')
-    args = obj.get("arguments", {})  # a tool without parameters may be called without "arguments"
+    # a tool without parameters may be called without "arguments"; Llama 3's JSON calls name them "parameters"
+    args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         # Some models (and OpenAI's wire format) give the arguments as a JSON-encoded string.
         try:

@@ -152,6 +152,8 @@ class RolloutStage(StageActor):
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(s.model.tokenizer or model_path))
         template = (resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None)
         self.chat = ChatFormat(tokenizer, template, s.chat_template_kwargs)
+        if problem := self.chat.end_of_turn_problem():
+            log.warning("rollout: %s", problem)
         self.tokenizer = tokenizer
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         if s.endpoint:  # a served model (factory eval --model URL): nothing is loaded here
