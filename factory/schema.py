@@ -527,7 +527,12 @@ class RolloutSpec(Section):
     """Response tokens per trajectory at most (model and tool tokens together)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature: the policy trained is softmax(logits / temperature), so it must be above 0
-    (evaluation is greedy whatever this is)."""
+    (evaluation samples at `eval_temperature`)."""
+    eval_temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of evaluation (held-out metrics, `factory eval`); 0: greedy. A reasoning model
+    such as Qwen3 in thinking mode can loop when decoded greedily (Qwen suggests 0.6, with top_p 0.95): then
+    each held-out prompt is sampled once, seeded by the spec's seed and the step, so an evaluation repeats
+    exactly and runs with the same seed compare. `top_p` and `top_k` apply as in training."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: sample from the most likely tokens whose probabilities sum to this (1 = off). The
     learner trains the whole softmax: a spec that takes the rollout's log-probs into the ratio

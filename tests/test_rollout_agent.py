@@ -265,7 +265,8 @@ def test_trajectories_and_calls_run_concurrently(chat):
 def test_sampling_from_spec():
     cfg = RolloutSpec(temperature=0.7, top_p=0.9, top_k=5)
     assert sampling_from_spec(cfg) == Sampling(0.7, 0.9, 5, False)
-    assert sampling_from_spec(cfg, greedy=True).greedy
+    assert sampling_from_spec(cfg, evaluation=True).greedy  # eval_temperature 0
+    assert sampling_from_spec(RolloutSpec(top_p=0.9, eval_temperature=0.6), evaluation=True) == Sampling(0.6, 0.9, 0, False)
 
 
 def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):

@@ -157,3 +157,36 @@ def test_the_specs_max_model_len_bounds_the_rollout(monkeypatch):
     assert info["resolved"]["max_model_len"] == 16
     trajs, _ = RolloutStage.merge([part])
     assert trajs and {t.stop_reason for t in trajs} == {"prompt_too_long"}
+
+
+def test_evaluation_samples_seeded_at_eval_temperature(monkeypatch):
+    """Evaluation was always greedy (a reasoning model loops so); `rollout.eval_temperature` samples it,
+    seeded: the same step evaluates the same trajectories twice, and not the greedy ones."""
+    from pathlib import Path
+
+    from factory.compiler.compile import compile_file
+    from factory.data import DataStage
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    _, plan = compile_file(repo / "specs" / "tiny.yaml", ["rollout.engine=hf", "rollout.max_turns=1",
+                                                          "rollout.max_new_tokens=24", "rollout.eval_temperature=2.0"])
+    data = DataStage(plan.stage("data").settings)
+    data.setup()
+    rollout = RolloutStage(plan.stage("rollout").settings)
+    batch = data.next_batch(4)
+
+    async def go():
+        await rollout.setup(Placement(peers={rollout.settings.tool_peer: FakeToolsStage()}))
+        try:
+            sampled = [[t.response_ids for t in (await rollout.evaluate(batch, step=3)).trajs] for _ in range(2)]
+            s = rollout.settings
+            rollout.settings = s.model_copy(update={"rollout": s.rollout.model_copy(update={"eval_temperature": 0.0})})
+            greedy = [t.response_ids for t in (await rollout.evaluate(batch, step=3)).trajs]
+            return sampled, greedy
+        finally:
+            await rollout.close()
+
+    (first, again), greedy = asyncio.run(go())
+    assert first == again and first != greedy

@@ -32,9 +32,12 @@ class Tools(Protocol):
     async def call(self, call: ToolCall) -> ToolResult: ...
 
 
-def sampling_from_spec(cfg: RolloutSpec, *, greedy: bool = False) -> Sampling:
-    """The spec's sampling settings (greedy for evaluation)."""
-    return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, greedy=greedy)
+def sampling_from_spec(cfg: RolloutSpec, *, evaluation: bool = False) -> Sampling:
+    """The spec's sampling settings, for training or for evaluation (`eval_temperature`; 0 is greedy)."""
+    if evaluation:
+        return Sampling(temperature=cfg.eval_temperature or 1.0, top_p=cfg.top_p, top_k=cfg.top_k,
+                        greedy=cfg.eval_temperature == 0)
+    return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
 
 async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:

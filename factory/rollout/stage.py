@@ -193,7 +193,7 @@ class RolloutStage(StageActor):
         return await _last(self.generate_parts(batch, first_index, step=step, attempt=attempt))
 
     async def evaluate(self, batch: pa.Table, first_index: int = 0, *, step: int = 0) -> RolloutPart:
-        """One greedy trajectory per held-out prompt."""
+        """One trajectory per held-out prompt: greedy, or sampled at `rollout.eval_temperature`."""
         return await _last(self.evaluate_parts(batch, first_index, step=step))
 
     async def generate_parts(self, batch: pa.Table, first_index: int = 0, *, step: int = 0, attempt: int = 0,
@@ -202,18 +202,19 @@ class RolloutStage(StageActor):
         each part as soon as it is done, in the order they finish -- with `part="trajectory"` each
         trajectory as it ends (a list of one), with "group" each prompt's group once its last sample ends --
         and last the RolloutPart `generate` answers."""
-        async for item in self._run(batch, first_index, self.settings.rollout.group_size, part, greedy=False,
+        async for item in self._run(batch, first_index, self.settings.rollout.group_size, part, evaluation=False,
                                     seed_key=(self.settings.seed, step, attempt), origin=f"train/{step}/{attempt}"):
             yield item
 
     async def evaluate_parts(self, batch: pa.Table, first_index: int = 0, *, step: int = 0,
                              part: StreamPart = "group") -> AsyncIterator[int | list[Trajectory] | RolloutPart]:
         """`evaluate`, streamed as `generate_parts` streams `generate`."""
-        async for item in self._run(batch, first_index, 1, part, greedy=True, seed_key=(self.settings.seed, step, 0),
+        # seeded apart from training's (seed, step, attempt) keys, where evaluation samples
+        async for item in self._run(batch, first_index, 1, part, evaluation=True, seed_key=(self.settings.seed, step, -1),
                                     origin=f"eval/{step}/0"):
             yield item
 
-    async def _run(self, batch: pa.Table, first_index: int, group_size: int, part: StreamPart, *, greedy: bool,
+    async def _run(self, batch: pa.Table, first_index: int, group_size: int, part: StreamPart, *, evaluation: bool,
                    seed_key: tuple[int, ...], origin: str) -> AsyncIterator[int | list[Trajectory] | RolloutPart]:
         from factory.data import from_table
         from factory.rollout.agent import rollout, sampling_from_spec
@@ -227,7 +228,7 @@ class RolloutStage(StageActor):
         finished: asyncio.Queue[Trajectory | None] = asyncio.Queue()
         task = asyncio.ensure_future(rollout(
             _Timed(self.engine, clock, "generate"), self.chat, _Timed(self.tools, clock, "tools"), prompts,
-            group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, greedy=greedy),
+            group_size=group_size, cfg=self.settings.rollout, sampling=sampling_from_spec(self.settings.rollout, evaluation=evaluation),
             on_done=finished.put_nowait, seed_key=seed_key, first_index=first_index, origin=origin,
             context=self.context))
         task.add_done_callback(lambda _: finished.put_nowait(None))  # ended (or failed): wake the reader
@@ -246,7 +247,7 @@ class RolloutStage(StageActor):
         finally:  # a consumer that stops early (or a failure) leaves nothing running
             task.cancel()
         metrics = await self.tools.take_metrics()
-        if greedy:  # an evaluation: its events go with the next training rollout's
+        if evaluation:  # its events go with the next training rollout's
             self._carry(metrics)
         else:
             metrics.add(self._carried)
