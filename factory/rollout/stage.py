@@ -176,7 +176,9 @@ class RolloutStage(StageActor):
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
-                    "weight_sync": self.engine.weight_sync, "max_model_len": self.context}
+                    "weight_sync": self.engine.weight_sync}
+        if self.context is not None:  # (a served model's is the server's)
+            resolved["max_model_len"] = self.context
         if self.engine.name == "vllm":
             resolved["vllm_compiled"] = self.engine.compiled
         if self.engine.fallback_reason:
