@@ -417,3 +417,18 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_THINK = re.compile(re.escape(_THINK_OPEN) + r".*?(?:" + re.escape(_THINK_CLOSE) + r"|\Z)", re.DOTALL)
+
+
+def without_reasoning(text: str) -> str:
+    """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
+    block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
+    in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
+    thinking is not one the model made."""
+    close, open_ = text.find(_THINK_CLOSE), text.find(_THINK_OPEN)
+    if close >= 0 and (open_ < 0 or close < open_):
+        text = text[close + len(_THINK_CLOSE):]
+    return _THINK.sub("", text)

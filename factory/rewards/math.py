@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from factory.rollout.parse import without_reasoning
 from factory.types import Turn
+from factory.util import without_reasoning
 
 # The final answer is what the model puts in <answer>...</answer>; without the tag, nothing is graded, so a
 # model cannot score by rambling numbers.

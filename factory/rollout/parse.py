@@ -14,25 +14,13 @@ import json
 import re
 
 from factory.types import ToolCall
+from factory.util import without_reasoning
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
 _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_THINK = re.compile(re.escape(THINK_OPEN) + r".*?(?:" + re.escape(THINK_CLOSE) + r"|\Z)", re.DOTALL)
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
-
-
-def without_reasoning(text: str) -> str:
-    """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
-    block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
-    in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
-    thinking is not one the model made."""
-    close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
-    if close >= 0 and (open_ < 0 or close < open_):
-        text = text[close + len(THINK_CLOSE):]
-    return _THINK.sub("", text)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
