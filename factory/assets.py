@@ -16,6 +16,7 @@ crashed build never leaves a half-written model behind.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -94,6 +95,21 @@ def resolve_model(path: str) -> str:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def context_tokens(model_path: str | Path) -> int | None:
+    """The model's context in tokens, from its config.json (`max_position_embeddings`, or its `text_config`'s
+    in a multimodal model: what vLLM's `max_model_len` defaults to); None when the config does not say or is
+    not on disk (or not JSON)."""
+    config = Path(model_path) / "config.json"
+    try:
+        fields = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    value = fields.get("max_position_embeddings", (fields.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def package_dir(package: str) -> Path:

@@ -1166,3 +1166,13 @@ def test_qwen3_without_thinking_is_a_warning_of_its_empty_reasoning_blocks(proje
         "each generation prompt and leaves it out of earlier turns: turns after the first are trained with those "
         "blocks in their history, which a server that re-renders the conversation would not show"]
     assert plan.stage("rollout").settings.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_max_model_len_beyond_the_models_context_is_an_error(project):
+    """It passed check, then vLLM refused it once every stage had started (and transformers cut it to the
+    model's context without a word)."""
+    path = project.spec(_base(project, "rc_mml"))
+    assert _errors(path, ["rollout.max_model_len=100000"]) == (
+        "<override 1>: rollout.max_model_len: 100000 tokens is longer than the model's context (4096, its config's "
+        "max_position_embeddings): give at most 4096, or leave it unset for the model's own\n1 error in spec.yaml")
+    compile_file(path, ["rollout.max_model_len=4096"])

@@ -58,6 +58,13 @@ def test_a_step_that_trained_nothing_says_why_and_the_summary_warns():
             "failed on some trajectories (rewards/<node>/errors; the reward stage's warning line says why))"
             ) in out.getvalue()
     assert "warning: none of the 3 steps trained a row" in text
+    out = io.StringIO()
+    with Display(1, console=Console(file=out, width=300, log_path=False)) as d:  # the spec's max_model_len: 20
+        d.context = 20
+        d.step(1, {"actor/trained_rows": 0.0, "actor/dropped": 8.0, "rollout/stop_prompt_too_long": 8.0})
+    assert ("step 1: 8 trajectories' prompts fill the rollout's context of 20 tokens: not generated from, scored or "
+            "trained on (shorten those rows; the context is the model's, or less where rollout.max_model_len or what "
+            "rollout.kv_cache_gb holds sets it)") in out.getvalue()
     out = io.StringIO()  # credit: turn, gamma 0: turn rewards [1] and [1, 0] (means 1, 0.5), turn 0 returns agree
     with Display(1, console=Console(file=out, width=300, log_path=False), turn_credit=True) as d:
         d.step(1, {"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 2.0})

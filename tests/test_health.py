@@ -136,3 +136,24 @@ def test_a_checkpoint_the_disk_could_not_hold_is_said_as_such(tmp_path):
                                                    r"device of .*; the checkpoints before it are whole: make room, "
                                                    r"then `factory run SPEC --resume` continues from the newest one$"):
         driver._save({"data": Trainer(), "update": Trainer()}, plan, tracker, 4, watch)
+
+
+def test_a_stage_exception_ray_could_not_pickle_is_said_by_its_own_text():
+    """vLLM's pydantic errors cannot be pickled: Ray put in a stand-in ("Exception ... isn't serializable:
+    cannot pickle 'ArgsKwargs'"), and that was the run's one line; the cause was 40 lines further up."""
+    import threading
+
+    import ray
+
+    from factory.runtime.driver import start_error
+
+    tb = ("Traceback (most recent call last):\n  File \"stage.py\", line 9, in setup\n    engine = make()\n"
+          "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+          "  Value error, User-specified max_model_len (100000000) is greater than the derived max_model_len\n")
+    lock = threading.Lock()  # cannot be pickled
+    unpicklable = ValueError("held", lock)
+    err = ray.exceptions.RayTaskError("setup", tb, unpicklable, proctitle="t", pid=1, ip="127.0.0.1")
+    assert type(err.cause) is ray.exceptions.RayError  # Ray's stand-in
+    assert str(start_error("rollout", err)) == (
+        "stage 'rollout' did not start: pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+        "ModelConfig Value error, User-specified max_model_len (100000000) is greater than the derived max_model_len")

@@ -300,9 +300,9 @@ def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
 
 
 def test_the_models_context_is_read_from_its_config(tmp_path):
-    from factory.rollout.stage import _context_tokens
-
     import json
+
+    from factory.assets import context_tokens as _context_tokens
 
     for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None),
                          ({"max_position_embeddings": "x"}, None),
@@ -310,3 +310,5 @@ def test_the_models_context_is_read_from_its_config(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(fields))
         assert _context_tokens(str(tmp_path)) == want
     assert _context_tokens(str(tmp_path / "none")) is None
+    (tmp_path / "config.json").write_text("[not json")
+    assert _context_tokens(str(tmp_path)) is None

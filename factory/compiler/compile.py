@@ -289,7 +289,7 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
     LoRA's target modules must name linear layers of the model (a rank above its hidden size is warned of),
     and a rollout replica's GPUs (vLLM's tensor-parallel size) must divide its attention heads."""
-    from factory.assets import tokenizer_files
+    from factory.assets import context_tokens, tokenizer_files
     from factory.lora import linear_layers, model_config, target_problem
 
     k = spec.resources.rollout.num_gpus
@@ -318,6 +318,11 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         r.error("resources.rollout.num_gpus", f"vLLM splits the model's {heads} attention heads over the rollout "
                                               f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
                                               f"of {heads}: one of {', '.join(map(str, divisors))}")
+    context, limit = context_tokens(folder), spec.rollout.max_model_len
+    if limit is not None and context is not None and limit > context:  # vLLM refused it after every stage started
+        r.error("rollout.max_model_len", f"{limit} tokens is longer than the model's context ({context}, its "
+                                         f"config's max_position_embeddings): give at most {context}, or leave it "
+                                         "unset for the model's own")
     width, lora = config.get("hidden_size"), spec.model.lora
     if lora is not None and isinstance(width, int) and lora.r > width:  # every linear layer has it as one side
         r.warn("model.lora.r", f"{lora.r} is above the model's hidden size {width}, which bounds the rank of "

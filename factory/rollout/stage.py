@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.assets import context_tokens
 from factory.contract import Call, Contract, StageActor
 from factory.device import resolve_dtype
 from factory.plan import RolloutSettings, StreamPart
@@ -26,19 +27,6 @@ from factory.types import Placement, ToolCall, ToolResult, Trajectory
 from factory.util import enter_workdir, node_id, set_threads
 
 log = logging.getLogger(__name__)
-
-
-def _context_tokens(model_path: str) -> int | None:
-    """The model's context in tokens, from its config.json (`max_position_embeddings`, or its `text_config`'s
-    in a multimodal model: what vLLM's `max_model_len` defaults to); None when the config does not say."""
-    import json
-
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return None
-    fields = json.loads(config.read_text())
-    value = fields.get("max_position_embeddings", (fields.get("text_config") or {}).get("max_position_embeddings"))
-    return value if isinstance(value, int) and value > 0 else None
 
 
 def shortest(*limits: int | None) -> int | None:
@@ -166,7 +154,7 @@ class RolloutStage(StageActor):
                                       gpus=max(1, int(s.num_gpus)), gpu_share=gpu_share(s.num_gpus), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
         # the model's context, or the spec's or vLLM's shorter limit (a served model's is the server's to enforce)
-        model_context = _context_tokens(model_path)
+        model_context = context_tokens(model_path)
         self.context = None if s.endpoint else shortest(model_context, s.rollout.max_model_len,
                                                         self.engine.max_model_len)
         if s.rollout.max_model_len is None and self.context is not None and self.context < (model_context or 0):

@@ -24,6 +24,7 @@ class Display:
     def __init__(self, total_steps: int, console: Console | None = None, *, log_every_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, turn_credit: bool = False):
         self.turn_credit = turn_credit  # algorithm.credit: turn (the advantages compare turn returns, not rewards)
+        self.context: int | None = None  # the rollout's longest sequence, once its stage says (resolved max_model_len)
         if console is None:
             console = Console(stderr=True, log_path=False)
             # in a log file a line is one line a grep finds ("MLflow run ... 0.7 min"), not wrapped at 80 columns
@@ -125,8 +126,10 @@ class Display:
                       "so it said nothing of the policy; the reward stage's line above names the first error",
                       style="yellow")
         if too_long := int(m.get("rollout/stop_prompt_too_long", 0)):
-            self._log(f"step {step}: {too_long} trajectories' prompts fill the model's context: not generated "
-                      "from, scored or trained on (shorten those rows)", style="yellow")
+            limit = f" of {self.context} tokens" if self.context else ""
+            self._log(f"step {step}: {too_long} trajectories' prompts fill the rollout's context{limit}: not generated "
+                      "from, scored or trained on (shorten those rows; the context is the model's, or less where "
+                      "rollout.max_model_len or what rollout.kv_cache_gb holds sets it)", style="yellow")
         self._progress.update(self._task, completed=step if completed is None else completed,
                               description=f"training (reward {fmt_number(m.get('reward/mean', m.get('eval/reward')), '.2f')})")
 

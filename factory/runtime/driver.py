@@ -410,10 +410,25 @@ def start_error(name: str, e: ray.exceptions.RayError) -> BaseException:
             if len(cause.args) == 1 and isinstance(cause.args[0], str):
                 cause.args = (f"stage '{name}': {cause.args[0]}",)
             return cause
+        if type(cause) is ray.exceptions.RayError and (said := last_exception(e.traceback_str or "")):
+            # the stage's exception could not be pickled (vLLM's pydantic errors hold objects that cannot):
+            # Ray's stand-in says only that; the exception's own text is the remote traceback's last
+            return StageStartError(f"stage '{name}' did not start: {said}")
         return StageStartError(f"stage '{name}' did not start: {type(cause).__name__}: {cause}")
     said = str(e).strip().splitlines()
     return StageStartError(f"stage '{name}' did not start: its process ended ({type(e).__name__}"
                            f"{': ' + said[0] if said else ''}); a model larger than the memory left is a common cause")
+
+
+def last_exception(traceback: str, limit: int = 600) -> str | None:
+    """The last exception of a traceback's text, `Type: message` with the message's indented lines after it
+    joined into one (at most `limit` characters); None when there is none."""
+    lines = traceback.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        if line and not line[0].isspace() and ": " in line and not line.startswith("Traceback"):
+            return " ".join(part.strip() for part in lines[i:] if part.strip())[:limit]
+    return None
 
 
 def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
@@ -1034,6 +1049,7 @@ def opened_run(tracker: Tracker, plan: Plan, groups: Groups, display: Any,
             display.warning(said)  # `factory check --connect` says it too; a run compiles without the listing
         # what each stage chose on its device (engine, dtypes), as its replica 0 reported it
         resolved = {name: g.info[0]["resolved"] for name, g in groups.items() if "resolved" in g.info[0]}
+        display.context = resolved.get("rollout", {}).get("max_model_len")
         for said in auto_unused(groups, resolved):
             display.warning(said)
         if replayed is not None:
