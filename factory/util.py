@@ -133,6 +133,10 @@ def _words(name: str) -> list[str]:
 
 
 
+# What stdio MCP servers are commonly started with: the "did you mean" of a server command that is not found.
+LAUNCHERS = ("python", "python3", "uv", "uvx", "npx", "node", "docker", "bash", "sh", "deno", "bunx")
+
+
 def did_you_mean(name: str, names: Iterable[str]) -> str:
     """"; did you mean 'x'?" for the name a typo most likely meant, else ""."""
     near = nearest(name, names)

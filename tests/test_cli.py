@@ -205,28 +205,30 @@ def test_check_says_its_run_hash_leaves_out_the_tool_schemas_until_connected(pro
     assert re.fullmatch(r"  run hash   [0-9a-f]{12}", line), line
 
 
-def test_check_connect_says_which_of_command_and_cwd_is_missing(project, capsys):
-    """Both were the OS's "[Errno 2] No such file or directory: 'pyhton'", which named neither."""
+def test_check_says_which_of_command_and_cwd_is_missing(project, capsys):
+    """Both were the OS's "[Errno 2] No such file or directory: 'pyhton'", which named neither; and without
+    --connect only warnings, then `factory run` failed at the tools stage's start (exit 3) after Ray came up."""
     project.module("cli_launch")
     base = BASE.replace("{mod}", "cli_launch")
     cases = {"{command: pyhton, args: [-m, factory.examples.calculator]}":
-             "command: server cannot start: command 'pyhton' not found on PATH; did you mean 'python'?",
+             "command: command not found on PATH: pyhton; did you mean 'python'?",
              "{command: ./no/server.sh}":
-             f"command: server cannot start: command '{project.root / 'no/server.sh'}' is not an executable file",
+             "command: no such program: ./no/server.sh (a relative path is from the spec's folder)",
              "{command: python, args: [-m, factory.examples.calculator], cwd: nowhere}":
-             f"cwd: server cannot start: its cwd is not a folder: {project.root / 'nowhere'}"}
+             "cwd: not a folder here: nowhere (a relative cwd is from the spec's folder); the server would not start"}
     for server, said in cases.items():
         path = project.spec(base + f"tools:\n  calc: {server}\n")
-        assert cli.main(["check", path, "--connect"]) == 2
-        err = capsys.readouterr().err
-        assert err.endswith(f"spec.yaml:10: tools.calc.{said}\n1 error in spec.yaml\n"), err
-    # without --connect: a warning for each (on a cluster the server may start on another node)
-    assert cli.main(["check", path]) == 0
+        for connect in ([], ["--connect"]):
+            assert cli.main(["check", path, *connect]) == 2
+            err = capsys.readouterr().err
+            assert err.endswith(f"spec.yaml:10: tools.calc.{said}\n1 error in spec.yaml\n"), err
+    # a run joining a cluster may start the server on another node: a warning there
+    assert cli.main(["check", path, "resources.ray_address=10.0.0.1:6379"]) == 0
     assert "spec.yaml:10: tools.calc.cwd: warning: not a folder here: nowhere" in capsys.readouterr().err
     # set by an override: said there, not at the file's server line
     path = project.spec(base + "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n")
     assert cli.main(["check", path, "--connect", "tools.calc.command=pyhton"]) == 2
-    assert "<override 1>: tools.calc.command: server cannot start: command 'pyhton'" in capsys.readouterr().err
+    assert "<override 1>: tools.calc.command: command not found on PATH: pyhton" in capsys.readouterr().err
 
 
 def test_check_connect_says_an_http_server_could_not_be_reached(project, capsys):

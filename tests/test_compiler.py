@@ -399,18 +399,21 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
         'command: ./serve.sh, args: ["--port", "3"]\n'
         "c.yaml:12: tools.c.command: empty: the program that starts the server (python, npx, uvx, a path)\n"
         "3 errors in c.yaml")
-    # a program not found here may be on a cluster's nodes: still a warning
-    spec, plan = compile_file(project.spec(_base(project, "rc_cmd2") + "tools:\n  o: {command: rc-no-such --stdio}\n",
-                                           "b.yaml"))
+    # a program not found here: an error (the run failed at the tools stage's start, exit 3, after Ray came up)...
+    not_found = project.spec(_base(project, "rc_cmd2") + "tools:\n  o: {command: rc-no-such --stdio}\n", "b.yaml")
+    assert _errors(not_found) == ("b.yaml:10: tools.o.command: command not found on PATH: rc-no-such --stdio\n"
+                                  "1 error in b.yaml")
+    # ... but a run joining a cluster may start it on another node: a warning there
+    spec, plan = compile_file(not_found, ["resources.ray_address=10.0.0.1:6379"])
     assert [str(w) for w in plan.warnings] == ["b.yaml:10: tools.o.command: warning: command not found on PATH: "
                                                "rc-no-such --stdio"]
     # a path is looked up as a file, not on PATH; one of the example servers bin/install-tool-servers installs
-    spec, plan = compile_file(project.spec(_base(project, "rc_cmd3") + "tools:\n  o: {command: ../.factory/tool-venvs/"
-                                           "x/bin/x}\n  p: {command: ./no-such}\n", "b.yaml"))
-    assert [str(w) for w in plan.warnings] == [
-        "b.yaml:10: tools.o.command: warning: no such program: ../.factory/tool-venvs/x/bin/x: bin/install-tool-servers "
-        "installs the example servers there",
-        "b.yaml:11: tools.p.command: warning: no such program: ./no-such (a relative path is from the spec's folder)"]
+    assert _errors(project.spec(_base(project, "rc_cmd3") + "tools:\n  o: {command: ../.factory/tool-venvs/"
+                                "x/bin/x}\n  p: {command: ./no-such}\n", "b.yaml")) == (
+        "b.yaml:10: tools.o.command: no such program: ../.factory/tool-venvs/x/bin/x: bin/install-tool-servers "
+        "installs the example servers there\n"
+        "b.yaml:11: tools.p.command: no such program: ./no-such (a relative path is from the spec's folder)\n"
+        "2 errors in b.yaml")
 
 
 def test_connect_starts_no_server_for_a_replay_that_starts_none(project):

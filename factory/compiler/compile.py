@@ -90,7 +90,7 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import NoModuleError, UserError, resolve_file, store_problem, version
+from factory.util import LAUNCHERS, NoModuleError, UserError, did_you_mean, resolve_file, store_problem, version
 
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
@@ -786,6 +786,11 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     """Server names, python tools, HTTP URLs and header variables, commands; with a listing, every tool the
     spec names. `joins`: the run joins a Ray cluster, whose nodes have environments of their own."""
     code: dict[str, str] = {}
+    # A server this machine cannot start is an error (the run failed at the tools stage's start, exit 3, after
+    # Ray came up), unless the run joins a cluster (a server may start on another node, whose programs and
+    # folders this one cannot see) or replays with on_miss fail (no server is started)
+    replays = spec.replay.run is not None and spec.replay.on_miss == "fail"
+    unstartable = r.warn if joins or replays else r.error
     for name, server in spec.tools.items():
         if "." in name:
             r.error(f"tools.{name}", f"a tool server name must not contain '.': '{name}'")
@@ -807,11 +812,9 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                 if var not in os.environ:
                     said = (f"environment variable {var} is not set (its value is sent as the {header} header): "
                             f"set it (export {var}=...) or remove the header")
-                    replays = spec.replay.run is not None and spec.replay.on_miss == "fail"
-                    (r.warn if joins or replays else r.error)(f"tools.{name}.headers_from_env.{header}", said)
+                    unstartable(f"tools.{name}.headers_from_env.{header}", said)
         if isinstance(server, StdioServer) and server.cwd and not (r.source.base_dir / server.cwd).is_dir():
-            # a warning, as a command not found is: on a cluster the server may start on another node
-            r.warn(f"tools.{name}.cwd", f"not a folder here: {server.cwd} (a relative cwd is from the spec's "
+            unstartable(f"tools.{name}.cwd", f"not a folder here: {server.cwd} (a relative cwd is from the spec's "
                                         "folder); the server would not start")
         if isinstance(server, StdioServer) and not server.command.strip():
             r.error(f"tools.{name}.command", "empty: the program that starts the server (python, npx, uvx, a path)")
@@ -830,9 +833,10 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                     fix = (": bin/install-tool-servers installs the example servers there"
                            if ".factory" in Path(server.command).parts else
                            " (a relative path is from the spec's folder)")
-                    r.warn(f"tools.{name}.command", f"no such program: {server.command}{fix}")
+                    unstartable(f"tools.{name}.command", f"no such program: {server.command}{fix}")
                 else:
-                    r.warn(f"tools.{name}.command", f"command not found on PATH: {server.command}")
+                    unstartable(f"tools.{name}.command", f"command not found on PATH: {server.command}"
+                                                         f"{did_you_mean(server.command, LAUNCHERS)}")
         if server.allowed_tools == []:
             # the server is started (a process, a connection) and offers nothing: the model never sees it
             r.warn(f"tools.{name}.allowed_tools", "an empty list offers none of the server's tools: remove "

@@ -33,7 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 
 from factory.schema import HttpServer, StdioServer
-from factory.util import did_you_mean
+from factory.util import LAUNCHERS, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,6 @@ class _NotJsonRpcInOneLine(logging.Filter):
 _NOT_JSON_RPC = _NotJsonRpcInOneLine()
 
 
-# What stdio MCP servers are commonly started with: the "did you mean" of a command that is not found.
-_LAUNCHERS = ("python", "python3", "uv", "uvx", "npx", "node", "docker", "bash", "sh", "deno", "bunx")
-
-
 def launch_problem(params: StdioServerParameters) -> tuple[str, str] | None:
     """Why the server's process cannot be started, before trying, as (the spec field at fault: `cwd` or
     `command`, why): the SDK's own error was only the OS's "[Errno 2] No such file or directory: 'pyhton'",
@@ -156,7 +152,7 @@ def launch_problem(params: StdioServerParameters) -> tuple[str, str] | None:
     if shutil.which(params.command, path=path) is None:
         if os.sep in params.command:
             return "command", f"command {params.command!r} is not an executable file"
-        return "command", f"command {params.command!r} not found on PATH{did_you_mean(params.command, _LAUNCHERS)}"
+        return "command", f"command {params.command!r} not found on PATH{did_you_mean(params.command, LAUNCHERS)}"
     return None
 
 
