@@ -321,3 +321,32 @@ def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_the
     assert report["warnings"] == [] and "B evaluates the other run's checkpoint" in " ".join(report["notes"])
     rows = {(m["metric"], m["agg"]): m for m in report["metrics"]}
     assert rows[("eval/reward", "final")]["delta"] == 0
+
+
+def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(monkeypatch):
+    """A notebook callback's typo ended a long run FAILED, the step it had just trained unsaved (a resume
+    started over). It stops the run as `stop` does -- after the step, checkpointed -- and is raised then."""
+    import factory.runtime.driver as driver
+    from factory.runtime.driver import RunResult
+
+    heard = []
+
+    def fake_run(plan, found, *, started_at, on_step, stop):  # the driver: steps until `stop` is set
+        for step in range(4):
+            on_step(step, {"reward/mean": 0.5})
+            heard.append(step)
+            if stop.is_set():  # the step in flight ends, saved
+                return RunResult("abc123", {}, {}, f"/runs/tiny/step_{step}", stopped=True, last_step=step)
+        raise AssertionError("not stopped")
+
+    def typo(step, metrics):
+        if step == 2:
+            metrics["reward/maen"]
+
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.chdir(TINY.parent.parent)
+    with pytest.raises(KeyError) as caught:
+        factory.run(TINY, on_step=typo)
+    assert heard == [0, 1, 2]
+    assert caught.value.__notes__ == ["factory.run: on_step raised this at step 2; the run stopped after step 2, "
+                                      "saved: factory.run(..., resume='abc123') continues it"]

@@ -85,7 +85,29 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         print(found.describe(), file=sys.stderr)
     from factory.runtime.driver import run as run_plan
 
-    return run_plan(plan, found, started_at=started_at, on_step=on_step, stop=stop)
+    if on_step is None:
+        return run_plan(plan, found, started_at=started_at, stop=stop)
+    # on_step raising ended the run FAILED with the step it had just trained unsaved: it stops the run as
+    # `stop` does (after the step, saved), and is raised then, saying how to resume
+    raised: list[tuple[int, Exception]] = []
+    stop = stop if stop is not None else threading.Event()
+
+    def heard(step: int, metrics: dict[str, float]) -> None:
+        if not raised:
+            try:
+                on_step(step, metrics)
+            except Exception as e:
+                raised.append((step, e))
+                stop.set()
+
+    result = run_plan(plan, found, started_at=started_at, on_step=heard, stop=stop)
+    if raised:
+        step, e = raised[0]
+        e.add_note(f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
+                   + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
+                      else " with nothing trained"))
+        raise e
+    return result
 
 
 def _check_run_arguments(on_step: Any, stop: Any, resume: Any) -> None:
