@@ -18,12 +18,13 @@ if TYPE_CHECKING:
     from factory.commands.api import diff, evaluate, run, runs
     from factory.commands.api import load_spec as load
     from factory.compiler.errors import SpecErrors
+    from factory.runtime.health import InfraFailure
     from factory.runtime.resume import ResumeError
     from factory.tracking.tracker import RunLookupError
     from factory.util import UserError
 
 __all__ = ["load", "compile", "run", "diff", "runs", "evaluate", "SpecErrors", "RunLookupError", "ResumeError",
-           "UserError", "__version__"]
+           "UserError", "InfraFailure", "__version__"]
 
 _API = {"load": "load_spec", "compile": "compile_plan", "run": "run", "diff": "diff", "runs": "runs",
         "evaluate": "evaluate"}
@@ -46,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from factory.tracking.tracker import RunLookupError
 
         return RunLookupError
+    if name == "InfraFailure":
+        from factory.runtime.health import InfraFailure
+
+        return InfraFailure
     if name == "UserError":
         from factory.util import UserError
 

@@ -255,6 +255,20 @@ def _as_import_path(ref: str) -> str | None:
     return guess if module and attr and _IMPORT_PATH.match(guess) else None
 
 
+def _module_functions(name: str) -> list[str] | None:
+    """The public functions a module `name` defines, when `name` is an importable module's (None otherwise)."""
+    import importlib
+    import inspect
+
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", name):
+        return None
+    try:
+        module = importlib.import_module(name)
+    except Exception:  # not a module (a module's attribute written with dots), or one that fails: said elsewhere
+        return None
+    return [n for n, f in vars(module).items() if inspect.isfunction(f) and f.__module__ == name and not n.startswith("_")]
+
+
 def _raised_at(exc: BaseException) -> str:
     """` (rewards/task.py:3)`: the line of the project's code where an import failed -- the deepest frame
     in the working directory, else the deepest that is not the import machinery's; '' when none."""
@@ -295,6 +309,9 @@ def import_object(ref: str) -> Any:
     folder is not: the compiler's error says where it is). Every way this can fail is a `RefError`
     saying what."""
     if not _IMPORT_PATH.match(ref):
+        if (functions := _module_functions(ref)) is not None:  # `factory.rewards.math`: a module, no function
+            raise RefError(f"'{ref}' is a module: name a function in it, '{ref}:FUNCTION'"
+                           + (f" (it defines {', '.join(functions[:8])})" if functions else ""))
         guess = _as_import_path(ref)
         raise RefError(f"expected an import path 'module:function', got '{ref}'"
                        + (f"; did you mean '{guess}'?" if guess else ""))

@@ -171,6 +171,8 @@ def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monk
 
     UserError = factory.UserError  # what a caller catches: it was not exported from `factory`
     assert UserError is raised and issubclass(factory.ResumeError, UserError) and "UserError" in dir(factory)
+    from factory.runtime.health import StageStartError  # the exit-3 kind a caller catches by a public name too
+    assert issubclass(StageStartError, factory.InfraFailure) and "InfraFailure" in dir(factory)
     monkeypatch.chdir(REPO)
 
     def found(*args, **kwargs):
@@ -350,3 +352,10 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
     assert heard == [0, 1, 2]
     assert caught.value.__notes__ == ["factory.run: on_step raised this at step 2; the run stopped after step 2, "
                                       "saved: factory.run(..., resume='abc123') continues it"]
+
+
+def test_runs_with_no_room_for_a_run_is_a_type_error():
+    """MLflow's own error named its max_results."""
+    for limit in (0, -1, 2.5, True):
+        with pytest.raises(TypeError, match="limit: at least 1 run"):
+            factory.runs(limit=limit)

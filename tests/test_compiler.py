@@ -182,6 +182,7 @@ def test_unimportable_reward_functions(project):
   f: {fn: "rc_exits:f"}
   g: {fn: "rc_dep:f"}
   h: {fn: "rewards/task.py:correct"}
+  i: {fn: factory.rewards.math}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.a.fn: cannot import 'rewards_nowhere:f': no module named 'rewards_nowhere'\n"
@@ -197,7 +198,10 @@ def test_unimportable_reward_functions(project):
         "'numpyy_nowhere' (rc_dep.py:2)\n"
         "spec.yaml:16: rewards.h.fn: expected an import path 'module:function', got 'rewards/task.py:correct'; "
         "did you mean 'rewards.task:correct'?\n"
-        "8 errors in spec.yaml")
+        # a module named without its function: "did you mean 'factory.rewards:math'?" led to another error
+        "spec.yaml:17: rewards.i.fn: 'factory.rewards.math' is a module: name a function in it, "
+        "'factory.rewards.math:FUNCTION' (it defines extract_answer, exact_match, numeric_match)\n"
+        "9 errors in spec.yaml")
 
 
 def test_a_function_of_the_running_script_is_refused_when_the_spec_compiles(project):

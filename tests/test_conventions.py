@@ -124,6 +124,8 @@ def test_dashed_overrides_are_dot_list_overrides(project, capsys):
                      "--rewards.total.sum.fmt", "-1"]) == 0  # a negative value after a dashed key
     spec = capsys.readouterr().out
     assert '"steps": 7' in spec and '"lr": 0.0003' in spec and '"group_size": 2' in spec and '"fmt": -1' in spec
+    # a space before '=' (a quoted shell word) made the key "steps ", blamed on the spec file's train section
+    assert cli.main(["plan", path, "--json", "train.steps =5"]) == 0 and '"steps": 5' in capsys.readouterr().out
     assert cli.dashed_overrides(["--a.b", "1", "--c=2", "d=3", "--e"]) == (["a.b=1", "c=2", "d=3"], ["--e"])
     out = _factory("check", path, "--train.steps", cwd=project.root)
     assert out.returncode == 2 and out.stderr.endswith(

@@ -273,7 +273,7 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                                             f"nothing to remove: {parent} has no '{name}'{hint}"))
                     continue
             else:
-                given = OmegaConf.from_dotlist([item])
+                given = OmegaConf.from_dotlist([f"{key.strip()}={item.partition('=')[2]}"])  # `train.steps =3` too
                 _swap_kind(cfg, given, key.strip())
                 cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
