@@ -91,7 +91,7 @@ def missing_store(uri: str) -> str | None:
     if path.exists():
         return None
     return (f"no tracking store at {uri} (no file {path} here): runs are in the store `factory run` used (its "
-            "tracking.uri, else $MLFLOW_TRACKING_URI, else mlflow.db where it ran); pass it with --uri, or run "
+            "tracking.uri, else $MLFLOW_TRACKING_URI, else mlflow.db where it ran); pass it (--uri; uri= from Python), or run "
             "from that folder")
 
 

@@ -382,7 +382,7 @@ def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
     full = report.pop("_prompts_full")
     if full:
         if not 0 <= prompt < len(full):
-            raise RunLookupError(f"--prompt {prompt}: the runs share {len(full)} prompts (0..{len(full) - 1})")
+            raise RunLookupError(f"prompt {prompt} (--prompt; prompt= from Python): the runs share {len(full)} prompts (0..{len(full) - 1})")
         report["trajectories"] = full[prompt]
     return report, a, b
 
