@@ -1183,3 +1183,10 @@ def test_a_max_model_len_beyond_the_models_context_is_an_error(project):
         "<override 1>: rollout.max_model_len: 100000 tokens is longer than the model's context (4096, its config's "
         "max_position_embeddings): give at most 4096, or leave it unset for the model's own\n1 error in spec.yaml")
     compile_file(path, ["rollout.max_model_len=4096"])
+
+
+def test_a_generator_argument_typo_gets_a_did_you_mean(project):
+    """Reward args had one; a data generator's said only "unexpected keyword argument 'operandz'"."""
+    path = project.spec(_base(project, "rc_genarg").replace("size: 8}", "size: 8, args: {operandz: [2, 2]}}"))
+    assert _errors(path).endswith("got an unexpected keyword argument 'operandz'; did you mean 'operands'?\n"
+                                  "1 error in spec.yaml")

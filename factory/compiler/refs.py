@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -101,7 +102,9 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
     try:
         bound = sig.bind_partial(*positional, **keywords)
     except TypeError as e:
-        return f"{ref}{shown} cannot be called as {shape}: {e}"
+        unexpected = re.search(r"unexpected keyword argument '([^']+)'", str(e))
+        hint = did_you_mean(unexpected.group(1), list(sig.parameters)) if unexpected else ""
+        return f"{ref}{shown} cannot be called as {shape}: {e}{hint}"
     for name, param in sig.parameters.items():
         if name in bound.arguments or param.default is not param.empty:
             continue
