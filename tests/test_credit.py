@@ -114,6 +114,34 @@ def test_targets_by_credit():
     close(got.adv, [[1 / 3, 0, -1 / 2], [1 / 3, 0, 1 / 2], [-2 / 3, 0, 0]])
 
 
+def test_a_kl_in_the_reward_under_turn_credit_is_paid_by_each_turn_for_its_own_tokens():
+    """The whole trajectory's KL penalty was added at every turn: a later turn's return carried the KL of
+    earlier ones, which its tokens cannot change. Each turn's reward now pays its own tokens' KL: with
+    gamma 0 (each turn's own reward) a turn whose tokens match the reference keeps its reward exactly."""
+    from factory.algorithms import KL_ESTIMATORS
+    from factory.update.batch import turn_sums
+
+    # turn 0: tokens 0-1, a tool response (2-3), turn 1: token 4; the second row has one turn
+    trajs = [traj([1, 1, 0, 0, 1], [2, 1], 1.0), traj([1, 1, 0, 0, 1], [2, 1], 0.0), traj([1, 0, 0, 0, 0], [1], 0.5)]
+    mask = torch.tensor([[1.0, 1, 0, 0, 1], [1, 1, 0, 0, 1], [1, 0, 0, 0, 0]])
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.2], [0.5, 0.5, 0.9, 0.9, 0.5], [0.3, 0.5, 0.5, 0.5, 0.5]]))
+    ref = torch.log(torch.full((3, 5), 0.5))  # row 0 differs at turn 1 only, row 1 at tool tokens only, row 2 at turn 0
+    alg = resolve(AlgorithmSpec(name="dr_grpo", credit="turn", gamma=0.0, kl={"coef": 0.1, "apply": "reward"}))
+    kl = KL_ESTIMATORS[alg.kl_estimator](old, ref)
+    sums = turn_sums(trajs, kl * mask)
+    close(sums[0], [0.0, float(kl[0, 4])])
+    close(sums[1], [0.0, 0.0])  # the tool tokens' differences are no turn's
+    close(sums[2], [float(kl[2, 0])])
+    got = targets(trajs, alg, 64, old, ref, mask)
+    close(got.rewards, [1.0 - 0.1 * float(kl[0, 4]), 0.0, 0.5 - 0.1 * float(kl[2, 0])])  # the trajectory's, as before
+    # gamma 0: each turn's advantage from its own reward. Position 0: {1, 0, 0.5 - 0.1 KL}; position 1:
+    # {1 - 0.1 KL, 0}: turn 0 of row 0 keeps its whole reward, turn 1 pays for its token
+    r2 = 0.5 - 0.1 * float(kl[2, 0])
+    mean0, mean1 = (1.0 + 0.0 + r2) / 3, (1.0 - 0.1 * float(kl[0, 4])) / 2
+    close(got.adv[:, [0, 4]], [[1.0 - mean0, 1.0 - 0.1 * float(kl[0, 4]) - mean1], [0.0 - mean0, 0.0 - mean1],
+                               [r2 - mean0, 0.0]])
+
+
 def test_gamma_is_refused_without_turn_credit():
     with pytest.raises(ValueError, match="`gamma` discounts later turns' rewards under `credit: turn`; with credit "
                                          "'trajectory' nothing reads it: set `credit: turn`, or remove `gamma`"):

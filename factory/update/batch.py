@@ -55,9 +55,10 @@ def with_signal(trajs: list[Trajectory], turn_gamma: float | None, eps: float,
 def turn_rewards(trajs: list[Trajectory], shaped: Tensor) -> list[Tensor]:
     """[K_i] per trajectory: the trained reward at each of its model turns, for `credit: turn`. A per-turn
     training node gives its own values (`turn_reward`); a trajectory-level one counts at every turn. What
-    shaping added to the trajectory's reward (`shaped` [N] - reward: the overlong penalty, a KL penalty)
-    counts at every turn too, so a turn's reward is shaped as the trajectory's is (its turn mean moves by
-    exactly that)."""
+    shaping added to the trajectory's reward (`shaped` [N] - reward: the overlong penalty) counts at every
+    turn too, so a turn's reward is shaped as the trajectory's is (its turn mean moves by exactly that). A KL
+    in the reward is not shaping of this kind: each turn pays its own (`turn_sums`, in the learner's
+    `targets`)."""
     # built as shaped_rewards builds the rewards, so the shift is exactly 0 where nothing was added
     shift = shaped - torch.tensor([float(t.reward) for t in trajs], dtype=shaped.dtype)  # [N]
     out = []
@@ -77,6 +78,20 @@ def turn_of_tokens(loss_mask: Sequence[int] | Tensor, turn_tokens: Sequence[int]
     ends = torch.tensor(list(turn_tokens), dtype=torch.long).cumsum(0)  # [K] turn k ends before ends[k]
     turn = torch.searchsorted(ends, ordinal, right=True).clamp(max=max(len(turn_tokens) - 1, 0))  # [R]
     return torch.where(on, turn, -1)
+
+
+def turn_sums(trajs: list[Trajectory], per_token: Tensor) -> list[Tensor]:
+    """[K_i] per trajectory: `per_token` ([N, width], one value per response token) summed over each model
+    turn's tokens (`turn_of_tokens`); tool/template tokens and padding count nowhere."""
+    out = []
+    for t, row in zip(trajs, per_token):
+        sums = torch.zeros(len(t.turns), dtype=per_token.dtype)
+        if t.turns:  # (no model turn: no model token either)
+            turn = turn_of_tokens(t.loss_mask, [x.num_tokens for x in t.turns])[: row.numel()]  # [R]
+            on = turn >= 0
+            sums.index_add_(0, turn[on], row[: len(turn)][on])
+        out.append(sums)
+    return out
 
 
 def token_advantages(trajs: list[Trajectory], turn_adv: list[Tensor], width: int) -> Tensor:

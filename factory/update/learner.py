@@ -62,6 +62,7 @@ from factory.update.batch import (
     kept,
     token_advantages,
     turn_rewards,
+    turn_sums,
     plan,
     shaped_rewards,
     shard,
@@ -804,13 +805,17 @@ def targets(sub: list[Trajectory], alg: Algorithm, max_len: int, old: Tensor | N
             mask: Tensor) -> Targets:
     """Rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages: one per
     row ([n]), or with `credit: turn` one per model turn spread over that turn's tokens ([n, Rmax])."""
-    rewards = shaped_rewards(sub, alg, max_len)  # [n]
+    shaped = rewards = shaped_rewards(sub, alg, max_len)  # [n]
     kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
-    if kl_tokens is not None and alg.kl_apply == "reward":
+    kl_in_reward = kl_tokens is not None and alg.kl_apply == "reward"
+    if kl_in_reward:
         rewards = kl_reward_penalty(rewards, old, ref, mask, coef=alg.kl_coef, estimator=alg.kl_estimator)
     groups = torch.tensor([t.prompt_index for t in sub])  # [n]
     if alg.credit == "turn":
-        per_turn = turn_advantages(turn_rewards(sub, rewards), groups, gamma=alg.gamma, advantage=alg.advantage,
+        per_turn_rewards = turn_rewards(sub, shaped)  # the reward and its shaping at every turn
+        if kl_in_reward:  # each turn pays its own tokens' KL (the whole trajectory's at every turn was variance)
+            per_turn_rewards = [r - alg.kl_coef * k for r, k in zip(per_turn_rewards, turn_sums(sub, kl_tokens * mask))]
+        per_turn = turn_advantages(per_turn_rewards, groups, gamma=alg.gamma, advantage=alg.advantage,
                                    eps=alg.std_eps)  # [K_i] each
         adv = token_advantages(sub, per_turn, mask.shape[1])  # [n, Rmax]
     else:
