@@ -392,3 +392,30 @@ def test_a_node_that_fails_on_every_trajectory_of_a_step_is_named_once_a_run():
             d.step(step, {"reward/mean": 0.0}, failing=["broken"], trajectories=3)
     said = [line for line in out.getvalue().splitlines() if "failed on all" in line]
     assert len(said) == 1 and "step 1: reward node broken failed on all 3 of the step's trajectories" in said[0]
+
+
+def test_scoring_reports_its_progress_while_it_runs():
+    """A slow judge's step showed nothing after the rollout ended, and the driver's deadline took it for a hang
+    if it ran past 5x the longest scoring so far: the stage reports trajectories scored of those given, and
+    every node value settled (a heartbeat before any trajectory is done)."""
+    spec = make_spec({"slow": {"fn": f"{FNS}:slow", "args": {"delay": 0.3}},
+                      "len": {"fn": f"{FNS}:length"}, "total": {"sum": {"slow": 1.0, "len": 1.0}}})
+    stage = reward_stage(spec)
+
+    async def go():
+        await stage.setup()
+        try:
+            first = asyncio.ensure_future(stage.score([traj("ab"), traj("abc", 0, 1)]))
+            await asyncio.sleep(0.15)  # `len` has settled on both, `slow` on none
+            during = await stage.progress()
+            await first
+            after = await stage.progress()
+            await stage.score([traj("a")])  # nothing in flight before it: a new batch's count
+            return during, after, await stage.progress()
+        finally:
+            await stage.close()
+
+    during, after, again = asyncio.run(go())
+    assert during[:2] == (0, 2) and during[2] >= 2
+    assert after[:2] == (2, 2) and after[2] == 4
+    assert again == (1, 1, 6)

@@ -69,7 +69,7 @@ class RewardStage(StageActor):
     when a node reads its group, the whole batch at once when the slice says `whole_batch` (the compiler's
     choice, `Edge.stream`) -- and `await close()`."""
 
-    CONTRACT = Contract(calls={"score": Call("one")})
+    CONTRACT = Contract(calls={"score": Call("one")}, progress=True)
 
     def __init__(self, settings: RewardSettings, *, max_workers: int = 256):
         self.settings = settings
@@ -83,6 +83,9 @@ class RewardStage(StageActor):
         self._base_dir = Path(settings.base_dir)
         self._pool: ThreadPoolExecutor | None = None
         self._sessions = contextlib.AsyncExitStack()  # the judge sessions setup() opens; close() closes them
+        # `progress`: trajectories scored / given since no call was in flight, and node values settled (a
+        # slow judge's step shows it works before any trajectory is done)
+        self._done = self._total = self._settled = 0
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         # In its own actor, so slow or crashing reward code never stalls rollout.
@@ -125,13 +128,24 @@ class RewardStage(StageActor):
         metrics of this call (`reward_metrics`, plus timings). (`step`, `attempt`: the context every stage
         on the plan's data path receives with its batch; scoring does not depend on them.)"""
         t0 = time.perf_counter()
+        if self._done == self._total:  # no call in flight: a new batch's count
+            self._done = self._total = 0
+        self._total += len(trajs)
         evaluation = _Evaluation(self, trajs)
-        await evaluation.run()
+        try:
+            await evaluation.run()
+        finally:
+            self._done += len(trajs)
         self._warn(evaluation, step, attempt)
         metrics = reward_metrics(trajs, self.nodes, self.train_node)
         metrics.update({f"timing/reward_{name}_s": end - start for name, (start, end) in evaluation.spans.items()})
         metrics["timing/reward_s"] = time.perf_counter() - t0
         return trajs, metrics
+
+    async def progress(self) -> tuple[int, int, int]:
+        """(trajectories scored, trajectories given) of the calls in flight, and node values settled so far:
+        the driver's deadline takes a change as a heartbeat, and its display shows the first two."""
+        return self._done, self._total, self._settled
 
     def _warn(self, evaluation: _Evaluation, step: int, attempt: int) -> None:
         """One line per node that had no value somewhere, at most once per sampling round: a step is scored
@@ -313,6 +327,7 @@ class _Evaluation:
         """Record a leaf's outcome (at turn k for a per-turn node) and apply its `on_missing`. A value from outside that is not finite (a
         function's inf or NaN, a judge's `{"score": NaN}`, a tool's "inf") is no value: one such number
         would reach the advantages, then every weight."""
+        self.s._settled += 1
         if out.value is not None and not usable(out.value):
             out = _Outcome(None, "non_finite", {**out.detail, "error": f"the value is not finite: {out.value!r}"
                                                 + ("" if not math.isfinite(out.value) else

@@ -474,31 +474,36 @@ def carry(g: Groups, edges: list[Edge], *args: Any, display: Any, label: str,
     if x is None:  # no held-out data
         return None, metrics
 
-    def progress(done: int, total: int) -> None:
-        display.progress(label, done, total)
+    def shown(stage: str) -> Callable[[int, int], None]:  # the first stage's under the flow's label
+        said = label if stage == edges[0].dst else f"{label}: {stage}"
+        return lambda done, total: display.progress(said, done, total)
 
     todo = list(edges)
     while todo:
         e = todo.pop(0)
         if todo and (part := todo[0].stream):
             into = todo.pop(0)
-            x, m = pipe(g[e.dst], e.method, g[into.dst], into.method, x, part=part, progress=progress, **context)
+            x, m = pipe(g[e.dst], e.method, g[into.dst], into.method, x, part=part, progress=shown(e.dst),
+                        dst_progress=shown(into.dst), **context)
         else:
-            x, m = g[e.dst].call(e.method, x, progress=progress, **context)
+            x, m = g[e.dst].call(e.method, x, progress=shown(e.dst), **context)
         display.done()
         metrics.update(m)
     return x, metrics
 
 
 def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, part: StreamPart,
-         progress: Callable[[int, int], None], **context: Any) -> tuple[list[Any], dict[str, float]]:
+         progress: Callable[[int, int], None], dst_progress: Callable[[int, int], None] | None = None,
+         **context: Any) -> tuple[list[Any], dict[str, float]]:
     """`src.method(x)` streamed into `dst.dst_method`: each part (`part`, the edge's `Edge.stream`: one
     trajectory as soon as it ends, or one prompt's group once its last sample ends) goes to `dst` (its
     replicas in turn; an async actor works on several at once) at once, so `dst`'s work overlaps `src`'s.
     Returns `dst`'s trajectories in `src`'s order (prompt, sample) and the metrics of both: `src`'s
     answer's, and `dst`'s merged over the parts (`_merge`, by trajectory counts), except that
     `timing/<dst>_s` is the time `dst` worked after `src` ended -- the part of its work generation did not
-    hide, which the step waits for -- and `timing/<dst>_wall_s` runs from the first part to the last answer."""
+    hide, which the step waits for -- and `timing/<dst>_wall_s` runs from the first part to the last answer.
+    `progress` shows `src`'s progress while it streams, `dst_progress` `dst`'s while the step waits for it
+    (a stage that declares `progress`)."""
     refs: list[Any] = []
     t_first = 0.0
 
@@ -509,7 +514,7 @@ def pipe(src: Group, method: str, dst: Group, dst_method: str, x: Any, *, part: 
 
     _, metrics = src.stream(method, x, part=part, on_part=send, progress=progress, **context)
     t_src = time.perf_counter()
-    answers = dst.deadlines.get(refs, f"{dst.stage.name}.{dst_method}", _doing(context))
+    answers = dst.deadlines.get(refs, f"{dst.stage.name}.{dst_method}", _doing(context), dst._progress(dst_progress))
     answers = sorted(answers, key=lambda a: (a[0][0].prompt_index, a[0][0].sample_index))  # in (prompt, sample) order
     joined: dict[str, float] = {}
     seen = 0
