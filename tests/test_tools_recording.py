@@ -278,3 +278,29 @@ def test_a_replayed_run_repeats_the_recorded_one(tmp_path):
                for run in (tracker.run(recorded.run_id), tracker.run(replayed.run_id))]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # bit for bit
+
+
+def test_a_cached_answer_belongs_to_the_server_that_gave_it(tmp_path, monkeypatch):
+    """The cache's key was the server's name in the spec: a server started with other arguments, another
+    project's `search`, or the same script after a fix answered from the old answers."""
+    from factory.schema import HttpServer, StdioServer
+    from factory.tools.recording import server_identity
+
+    (tmp_path / "calc.py").write_text("print(1)\n")
+    base = StdioServer(command="python", args=["calc.py"])
+    same = server_identity(base, tmp_path)
+    assert server_identity(StdioServer(command="python", args=["calc.py"]), tmp_path) == same
+    assert server_identity(StdioServer(command="python", args=["calc.py", "--huge"]), tmp_path) != same
+    assert server_identity(StdioServer(command="python", args=["calc.py"], env={"K": "2"}), tmp_path) != same
+    (tmp_path / "calc.py").write_text("print(2)\n")  # a fix to the server's code
+    assert server_identity(base, tmp_path) != same
+    module = StdioServer(command="python", args=["-m", "tests.tool_servers.drifting"])
+    assert server_identity(module, tmp_path) == server_identity(module, REPO)  # the module's file, wherever run from
+    assert server_identity(HttpServer(url="http://a:1/mcp"), None) != server_identity(HttpServer(url="http://b:1/mcp"), None)
+    # a python tool: its module's code is part of it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "rc_tool_v.py").write_text("def f(x: int) -> int:\n    return x\n")
+    tool = PythonTool(function="rc_tool_v:f")
+    before = server_identity(tool, tmp_path)
+    (tmp_path / "rc_tool_v.py").write_text("def f(x: int) -> int:\n    return x + 1\n")
+    assert server_identity(tool, tmp_path) != before

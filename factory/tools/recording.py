@@ -135,6 +135,8 @@ class ToolCache:
 
     @staticmethod
     def key(server: str, tool: str, input_schema: dict[str, Any], arguments: Any) -> str:
+        """`server`: the server's identity (`server_identity`), not its name in the spec: two projects' `search`
+        servers, or one server before and after a fix to its code, must not share answers."""
         return hashlib.sha256(canonical([server, tool, schema_hash(input_schema), arguments]).encode()).hexdigest()
 
     def get(self, key: str) -> ToolResult | None:
@@ -156,3 +158,41 @@ class ToolCache:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+
+def server_identity(spec: Any, base_dir: Path | None) -> str:
+    """What makes a tool server's answers its own, for the cross-run cache: how it is started (a stdio
+    server's command, arguments, folder and environment; an HTTP server's URL; a python tool's function) and
+    the content of its code where a file names it -- a script among the command and arguments, a `-m`
+    module, the python tool's module: a fix to the server's code is a new key. Hashed (the environment may
+    hold secrets)."""
+    from factory.schema import HttpServer, PythonTool
+
+    if isinstance(spec, HttpServer):
+        parts: list[Any] = ["http", spec.url]
+        files: list[str] = []
+    elif isinstance(spec, PythonTool):
+        parts, files = ["python", spec.function], [_module_file(spec.function.partition(":")[0])]
+    else:
+        parts = ["stdio", spec.command, spec.args, spec.cwd, spec.env]
+        folder = (base_dir or Path.cwd()) / (spec.cwd or "")
+        words = [spec.command, *spec.args]
+        files = [str(folder / w) for w in words if (folder / w).is_file()]
+        files += [_module_file(words[i + 1]) for i, w in enumerate(words[:-1]) if w == "-m"]
+    for f in files:
+        try:
+            parts.append(hashlib.sha256(Path(f).read_bytes()).hexdigest() if f else None)
+        except OSError:
+            parts.append(None)
+    return hashlib.sha256(canonical(parts).encode()).hexdigest()
+
+
+def _module_file(module: str) -> str:
+    """The file of an importable module ('' when there is none: not found, a namespace, a builtin)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return ""
+    return found.origin if found is not None and found.origin and Path(found.origin).is_file() else ""

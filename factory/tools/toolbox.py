@@ -34,7 +34,7 @@ import jsonschema.validators
 
 from factory.schema import TOOL_QUALIFIER, PythonTool, ToolSpec
 from factory.tools.metrics import ToolMetrics
-from factory.tools.recording import Recorder, Replay, ToolCache
+from factory.tools.recording import Recorder, Replay, ToolCache, server_identity
 from factory.tools.resilience import Resilience
 from factory.tools.results import infra_error, model_error, truncate_middle
 from factory.tools.servers import McpServer, PythonFunction
@@ -74,6 +74,7 @@ class ToolBox:
         self.replay: Replay | None = None
         self._cache: ToolCache | None = None
         self._cache_warned = False
+        self._identities: dict[str, str] = {}  # server -> its identity in the cache's keys (recording.server_identity)
         self._base_dir = base_dir
         self._resilience = resilience
         self._metrics = ToolMetrics()
@@ -238,7 +239,9 @@ class ToolBox:
         key = None
         if self._specs[entry.server].cache:
             self._cache = self._cache or ToolCache()
-            key = ToolCache.key(entry.server, entry.tool, entry.input_schema, call.arguments)
+            if entry.server not in self._identities:  # once a run: it reads the server's code
+                self._identities[entry.server] = server_identity(self._specs[entry.server], self._base_dir)
+            key = ToolCache.key(self._identities[entry.server], entry.tool, entry.input_schema, call.arguments)
             try:
                 cached = await asyncio.to_thread(self._cache.get, key)
             except (sqlite3.Error, OSError) as exc:
