@@ -153,13 +153,20 @@ class _ToolCommon(Section):
     """Longer results are cut to this size, head and tail kept, with a marker in the middle."""
     cache: bool = False
     """The server's tools are deterministic: keep their answers across runs (on disk, in
-    `$FACTORY_CACHE/tool-cache.sqlite`, default `~/.cache/factory`), keyed by the tool's schema hash and its
-    arguments, and answer a call seen before from there. Only answers that came back (`ok` or the tool's
+    `$FACTORY_CACHE/tool-cache.sqlite`, default `~/.cache/factory`), keyed by the server (how it is started,
+    and its script's or module's code), the tool's schema hash and its arguments, and answer a call seen
+    before from there. Only answers that came back (`ok` or the tool's
     own error) are kept, never an infrastructure failure. Each training step logs
     `tool_servers/<server>/cache_hits` and `cache_misses` (its rollout's calls)."""
 
 
-class StdioServer(_ToolCommon):
+class _Started(_ToolCommon):
+    start_timeout_s: float = Field(30.0, gt=0)
+    """Seconds the server has to start (or be reached) and answer the MCP handshake and its tool list: raise
+    it for a server that downloads itself (`npx`, `uvx`) or loads an index first."""
+
+
+class StdioServer(_Started):
     command: str
     """The program that starts the MCP server (spoken to over stdio)."""
     args: list[str] = []
@@ -176,7 +183,7 @@ class StdioServer(_ToolCommon):
     number of rollout replicas); calls are spread over them."""
 
 
-class HttpServer(_ToolCommon):
+class HttpServer(_Started):
     url: str
     """A streamable-HTTP MCP endpoint."""
     headers_from_env: dict[str, str] = {}

@@ -284,7 +284,9 @@ class McpConnection:
             await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
             what = f"at {self.url} could not be reached" if self.url else "failed to start"
             said = self.stderr_tail()
-            if not said and not self.url and self.stream_ended:  # the SDK's words were only "Connection closed"
+            # the SDK's words were only "Connection closed" (a server past the handshake's timeout did not end
+            # by itself: the timeout ended it)
+            if not said and not self.url and self.stream_ended and not isinstance(leaf(exc), TimeoutError):
                 said = ("; the server's process ended before the MCP handshake and wrote nothing to stderr (is the "
                         "command an MCP server speaking on stdio?)")
             message = f"tool server {self.label!r} {what}: {describe(exc)}{said}"
@@ -408,10 +410,16 @@ def last_lines(data: bytes, cut: bool = False, lines: int = STDERR_TAIL_LINES, c
     return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
 
 
-def describe(exc: BaseException) -> str:
-    """`Type: message` of the first leaf exception: anyio task groups wrap errors in ExceptionGroups."""
+def leaf(exc: BaseException) -> BaseException:
+    """The first leaf exception: anyio task groups wrap errors in ExceptionGroups."""
     while getattr(exc, "exceptions", None):  # duck-typed: BaseExceptionGroup is 3.11+, we support 3.10
         exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message` of the first leaf exception."""
+    exc = leaf(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 

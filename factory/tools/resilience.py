@@ -23,8 +23,6 @@ class Resilience:
     """Consecutive server failures (crash, lost connection, failed start) that open the circuit."""
     breaker_cooldown_s: float = 5.0
     """How long an open circuit answers every call with `circuit_open` before one probe call goes through."""
-    start_timeout_s: float = 30.0
-    """Time for a server to start and answer `initialize` and `tools/list`."""
     hung_after: int = 3
     """Calls in a row that a server left unanswered past their timeout, with no answer to any call between, after
     which it is taken as hung (alive, its pipes open, answering nothing: a deadlock) and restarted."""

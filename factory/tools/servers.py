@@ -238,7 +238,7 @@ class _Replica:
         spec = self.server.spec
         connection = McpConnection(self.label, self.server._transport, self.lost,
                                    url=spec.url if isinstance(spec, HttpServer) else None)
-        await connection.open(self.server.resilience.start_timeout_s)
+        await connection.open(spec.start_timeout_s)
         if self.server._closed:
             await connection.close()
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
