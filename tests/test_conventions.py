@@ -43,6 +43,13 @@ def test_extends_merges_the_overlay_over_its_base(project):
     assert (spec.name, spec.seed, spec.train.steps, spec.train.lr) == ("over", 5, 9, 1e-4)  # train merged key by key
     assert spec.algorithm.clip == (0.1, 0.1)  # a list replaces the base's
     assert "extends" not in plan.spec
+    # a node named near a base's, which nothing reads: a misspelt replacement (the base's node still trains)
+    typo = project.spec("extends: base/base.yaml\nname: t\nrewards:\n  corect: {fn: ext_ok:exact}\n", "t.yaml")
+    assert [str(w) for w in compile_file(typo)[1].warnings] == [
+        "t.yaml:4: rewards.corect: warning: a new node, which nothing reads (it is logged only), beside the base "
+        "spec's 'correct' (base/base.yaml), which it does not replace: to replace that node, name it 'correct'"]
+    new = project.spec("extends: base/base.yaml\nname: n\nrewards:\n  brevity: {fn: ext_ok:fmt}\n", "n.yaml")
+    assert compile_file(new)[1].warnings == ()
 
 
 def test_extends_replaces_a_node_or_source_of_another_kind_and_null_removes_an_entry(project, capsys):
@@ -115,6 +122,9 @@ def test_a_base_that_is_missing_or_extends_in_a_cycle_is_an_error_at_its_line(pr
                                  "1 error in b.yaml")
     assert _errors(project.spec("extends: {a: 1}\nname: c\n", "c.yaml")) == (
         "c.yaml:1: extends: expected a spec file or a list of them\n1 error in c.yaml")
+    # a misspelt `extends` was offered 'seed': the key is read before validation, so it was no candidate
+    assert "d.yaml:1: extend: unknown key 'extend'; did you mean 'extends'?" in _errors(
+        project.spec("extend: a.yaml\nname: d\n", "d.yaml"))
 
 
 # --------------------------------------------------------------------------------- the command line

@@ -778,6 +778,15 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
     if not metrics:  # the driver's rule: `accuracy` is the first python-function node
         first = next((n for n, v in nodes.items() if isinstance(v, FnNode)), None)
         metrics = {"accuracy": first} if first else {}
+    # A spec that extends another replaces a base's node by naming it: a misspelt name added a node that nothing
+    # reads (logged only) beside the base's, which still trained, and check said ok
+    read = {inp for inputs in graph.values() for inp in inputs} | {train} | set(metrics.values())
+    inherited = [n for n in nodes if f"rewards.{n}" in r.source.files]
+    for name in nodes:
+        if name not in read and f"rewards.{name}" not in r.source.files and (near := nearest(name, inherited)):
+            r.warn(f"rewards.{name}", f"a new node, which nothing reads (it is logged only), beside the base spec's "
+                                      f"'{near}' ({r.source.files[f'rewards.{near}']}), which it does not replace: "
+                                      f"to replace that node, name it '{near}'")
     return order, train, metrics
 
 

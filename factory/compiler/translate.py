@@ -229,6 +229,8 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
     if kind == "extra_forbidden":
         valid = list(where.model.model_fields) if where.model is not None else []
+        if len(where.parts) == 1:  # the top level: `extends` is read (and removed) before the spec is validated
+            valid.append("extends")
         key = str(where.parts[-1])
         if key not in PEER_NAMES and not nearest(key, valid):
             # a key of a section above, written one level too deep (`data.train.answer_key`)
