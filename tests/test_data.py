@@ -86,6 +86,7 @@ def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
         '{"prompt": [], "answer": "1"}',                           # no message at all
         '["not", "an", "object"]',
         '{"answer": "5"}',                                         # nothing to prompt with
+        '{"question": "3+3?", "answer": null}',                  # a null ground truth (exact_match scored "None")
     ]
     stage = _stage(tmp_path, "\n".join(rows) + "\n")
     with pytest.raises(DataError) as e:
@@ -98,6 +99,8 @@ def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
         "rows.jsonl:7: expected a non-empty list of chat messages, got an empty list",
         "rows.jsonl:8: expected an object of columns, got list",
         "rows.jsonl:9: a row needs a `prompt` messages column, a `question` column or data.prompt",
+        "rows.jsonl:10: null value in column 'answer' (needed by rewards.correct): give it a value, or leave the row "
+        "out",
     ]
 
 

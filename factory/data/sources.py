@@ -138,6 +138,11 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str],
     missing = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is _ABSENT]
     if missing:
         return f"missing column {', '.join(missing)}"
+    # a null where a reward function needs a value: it was called with None (exact_match then scored the
+    # answer "None" right)
+    null = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is None]
+    if null:
+        return f"null value in column {', '.join(null)}: give it a value, or leave the row out"
     try:
         renderer.messages(row)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
