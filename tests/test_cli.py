@@ -469,7 +469,9 @@ def test_eval_takes_replay_as_run_and_rescore_do(project, capsys, monkeypatch):
     # check and plan take it too: it was an override `replay=nosuchrun` ("replay: expected a mapping")
     assert cli.main(["plan", path, "--replay", "nosuchrun", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["spec"]["replay"]["run"] == "nosuchrun"
-    assert cli.main(["check", path, "--replay", "nosuchrun"]) == 0
+    # and check reads the recording as the run would (a run that recorded nothing passed check, then the run exited 2)
+    assert cli.main(["check", path, "--replay", "nosuchrun"]) == 2
+    assert "no run with id or name 'nosuchrun'" in capsys.readouterr().err
 
 
 LISTING = """

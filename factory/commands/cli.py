@@ -37,6 +37,11 @@ def _check(args: argparse.Namespace) -> int:
     _replay_override(args)
     with _user_output_to_stderr():
         plan = api.compile_plan(args.spec, args.overrides, connect=args.connect)
+        if plan.driver.replay.run:  # the recording a run would replay, read as the run reads it (exit 2 as there)
+            from factory.runtime.replay import recorded_tool_calls
+            from factory.tracking.tracker import open_tracker
+
+            recorded_tool_calls(open_tracker(plan.driver.tracking.uri, read=True), plan)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     print(check_summary(plan))
