@@ -83,6 +83,9 @@ def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
     names = short_names(layers)
     hints = []
     for t in missing:
+        if t.rsplit(".", 1)[-1] == "lm_head":  # a linear layer, but not one of those adapted
+            hints.append(f"{t!r} (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it)")
+            continue
         close = difflib.get_close_matches(t.rsplit(".", 1)[-1], names, n=1, cutoff=0.6)
         hints.append(f"{t!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return (f"{', '.join(hints)} {'matches' if len(missing) == 1 else 'match'} no linear layer of the model; "

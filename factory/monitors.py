@@ -95,7 +95,8 @@ def _flat(h: History, s: MonitorsSpec) -> tuple[bool, str] | None:
     gain = task_gain(h, s.window)
     if gain is None:
         return None
-    return gain < s.min_task_gain, f"the task metric moved {gain:+.3f} (under {s.min_task_gain:g} counts as still)"
+    return gain < s.min_task_gain, (f"the task metric changed by {gain:+.3f} (anything short of a rise of "
+                                    f"{s.min_task_gain:g} counts as no progress)")
 
 
 # ----------------------------------------------------------------------------------- monitors

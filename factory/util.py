@@ -311,7 +311,8 @@ def import_object(ref: str) -> Any:
     if not _IMPORT_PATH.match(ref):
         if (functions := _module_functions(ref)) is not None:  # `factory.rewards.math`: a module, no function
             raise RefError(f"'{ref}' is a module: name a function in it, '{ref}:FUNCTION'"
-                           + (f" (it defines {', '.join(functions[:8])})" if functions else ""))
+                           + (f" (it defines {', '.join(functions[:8])}{', ...' if len(functions) > 8 else ''})"
+                              if functions else ""))
         guess = _as_import_path(ref)
         raise RefError(f"expected an import path 'module:function', got '{ref}'"
                        + (f"; did you mean '{guess}'?" if guess else ""))

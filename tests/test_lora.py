@@ -22,6 +22,9 @@ def test_target_problem_matches_names_as_peft_does():
         "'q_prj' (did you mean 'q_proj'?), 'o_proj' (did you mean 'q_proj'?) match no linear layer of the model; "
         "its linear layers: q_proj, k_proj, up_proj")
     assert "matches no linear layer" in target_problem(["proj"], LAYERS)  # whole names only
+    # the head is a linear layer, not one adapted: "matches no linear layer" read as a wrong name
+    assert target_problem(["lm_head"], LAYERS).startswith(
+        "'lm_head' (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it) matches no")
     assert short_names(LAYERS) == ["q_proj", "k_proj", "up_proj"]
 
 
