@@ -76,6 +76,7 @@ class DataSettings(Settings):
     eval_size: int | None  # evaluate on at most this many eval rows
     required_columns: dict[str, str]  # column -> the reward node that needs it: every row is checked for it
     base_dir: str  # the spec's folder: relative file references fall back to it
+    valued_columns: tuple[str, ...] = ()  # of those, the reward functions' parameters: not null either
 
 
 class RolloutSettings(Settings):

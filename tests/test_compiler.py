@@ -1063,6 +1063,11 @@ def test_a_judge_template_reads_columns_every_row_must_have_and_must_not_print_a
         "1 error in spec.yaml")
     project.file("data/rows.jsonl", rows[0] + "\n" + rows[2].replace("null", '"" ') + "\n")
     compile_file(project.spec(base + judge))
+    # a null the template guards is no problem (only a reward function's parameter must not be null)
+    project.file("data/rows.jsonl", rows[0] + "\n" + rows[2] + "\n")
+    project.file("prompts/guarded.jinja", "Q: {{ prompt }}\n{% if context %}Context: {{ context }}\n{% endif %}"
+                                          "A: {{ completion }}")
+    compile_file(project.spec(base + judge.replace("judge.jinja", "guarded.jinja")))
     # a tool node's arguments are read the same way
     tool = "  score: {tool: calc.check, arguments: {expected: '{{ gold }}', got: '{{ completion }}'}}\n"
     assert "missing column 'gold' (needed by rewards.score.arguments.expected)" in _errors(project.spec(base + tool))

@@ -72,7 +72,8 @@ def test_bad_file_type(tmp_path):
 # ------------------------------------------------------------------------------------- bad rows
 def _stage(tmp_path, text: str, name: str = "rows.jsonl", **spec) -> DataStage:
     (tmp_path / name).write_text(text)
-    return DataStage(_settings(DataSpec(train=DataSource(path=name), **spec), tmp_path, {"answer": "rewards.correct"}))
+    settings = _settings(DataSpec(train=DataSource(path=name), **spec), tmp_path, {"answer": "rewards.correct"})
+    return DataStage(settings.model_copy(update={"valued_columns": ("answer",)}))  # a reward function's parameter
 
 
 def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):

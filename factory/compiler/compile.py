@@ -23,7 +23,7 @@ import re
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -600,7 +600,7 @@ def _reward_templates(spec: Spec, base_dir: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mapping[str, str],
+def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mapping[str, str], valued: Collection[str],
                 templates: Mapping[str, tuple[str, str]]) -> None:
     """The first CHECKED_ROWS rows of each source that `_check_data` found (`data`), read and checked as
     the data stage checks them all before the first step (JSON, the columns the reward graph needs
@@ -659,7 +659,7 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             r.warn(key, f"{source.generator} gave {len(rows)} rows when asked for {min(source.size, limit)} "
                         f"(data.{split}.size is {source.size})")
         try:
-            check_rows(rows, origins, renderer, required, judges)
+            check_rows(rows, origins, renderer, required, judges, valued)
         except UserError as e:  # DataError: the bad rows, each with its file:line (or row)
             r.error(key, str(e))
             continue
@@ -1024,7 +1024,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     weight-sync edge update -> rollout; each stage with its class, replicas, bundle and settings.
     `required`: the data columns the reward functions need (column -> node); `fns`: each function node's
     function, whose signature says whether it takes the turns and which row columns it names."""
-    from factory.reward.graph import row_keywords, takes_turns
+    from factory.reward.graph import required_columns, row_keywords, takes_turns
 
     res, r, t = spec.resources, spec.rollout, spec.train
     replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
@@ -1037,7 +1037,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     stages = [
         Stage("data", "reads rows, renders prompts, serves batches", "factory.data.stage:DataStage",
               DataSettings(data=spec.data, seed=spec.seed, eval_size=t.eval_size,
-                           required_columns=dict(required), base_dir=base_dir),
+                           required_columns=dict(required), base_dir=base_dir,
+                           valued_columns=tuple(required_columns(spec, fns))),  # (factory.reward.graph)
               (), ("batch", "eval_batch")),
         Stage("rollout", f"{replicas}multi-turn generation ({r.engine}), {r.group_size} samples per prompt, "
                          f"up to {r.max_turns} turns", "factory.rollout.stage:RolloutStage",
@@ -1256,8 +1257,9 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     from factory.reward.graph import required_columns, template_columns
 
     reward_templates = _reward_templates(spec, source.base_dir)  # read once: for their columns, then their nulls
-    required = template_columns(spec, reward_templates) | required_columns(spec, fns)  # the functions' first
-    _check_rows(spec, r, data, required, reward_templates)
+    valued = required_columns(spec, fns)  # the functions' parameters: not null either
+    required = template_columns(spec, reward_templates) | valued  # the functions' first
+    _check_rows(spec, r, data, required, tuple(valued), reward_templates)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
     _check_stop_on(spec, r, metrics, train)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,13 +100,15 @@ def _listed(problems: list[str]) -> str:
 
 
 def check_rows(rows: list[Any], origins: list[str], renderer: PromptRenderer,
-               required: Mapping[str, str] | None = None, judges: Mapping[str, jinja2.Template] | None = None) -> None:
+               required: Mapping[str, str] | None = None, judges: Mapping[str, jinja2.Template] | None = None,
+               valued: Collection[str] = ()) -> None:
     """Every row renders to valid chat messages and has the columns the reward functions need; raises
     DataError listing the bad rows. `required`: column -> who needs it (`rewards.correct`); `judges`: the
-    reward graph's templates (node -> one compiled by row_template_env), which must not print a null."""
+    reward graph's templates (node -> one compiled by row_template_env), which must not print a null;
+    `valued`: the required columns a reward function takes as a parameter, which must not be null."""
     rows_with: dict[str, list[str]] = {}  # problem -> the rows that have it (one line for a column missing everywhere)
     for row, where in zip(rows, origins):
-        problem = row_problem(row, renderer, required or {}, judges or {})
+        problem = row_problem(row, renderer, required or {}, judges or {}, valued)
         if problem:
             rows_with.setdefault(problem, []).append(where)
     if rows_with:
@@ -131,16 +133,16 @@ def column(row: dict[str, Any], name: str) -> Any:
 
 
 def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str],
-                judges: Mapping[str, jinja2.Template] | None = None) -> str | None:
-    """Why one row cannot be used, or None. `judges`: see check_rows."""
+                judges: Mapping[str, jinja2.Template] | None = None, valued: Collection[str] = ()) -> str | None:
+    """Why one row cannot be used, or None. `judges`, `valued`: see check_rows."""
     if not isinstance(row, dict):
         return f"expected an object of columns, got {type(row).__name__}"
     missing = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is _ABSENT]
     if missing:
         return f"missing column {', '.join(missing)}"
     # a null where a reward function needs a value: it was called with None (exact_match then scored the
-    # answer "None" right)
-    null = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is None]
+    # answer "None" right). (A template may guard a null column with {% if %}: its render says.)
+    null = [f"'{c}' (needed by {who})" for c, who in required.items() if c in valued and column(row, c) is None]
     if null:
         return f"null value in column {', '.join(null)}: give it a value, or leave the row out"
     try:

@@ -24,6 +24,7 @@ class DataStage(StageActor):
         self._spec, self._seed, self._eval_size = settings.data, settings.seed, settings.eval_size
         self._base_dir = Path(settings.base_dir)
         self._required = dict(settings.required_columns)  # column -> who needs it, checked on every row
+        self._valued = settings.valued_columns  # of those, a reward function's parameters: not null either
         self._rows: list[dict[str, Any]] = []
         self._order: list[int] = []
         self._epoch = 0
@@ -37,14 +38,14 @@ class DataStage(StageActor):
         self._rows, origins = read_source(self._spec.train, seed=self._seed, base_dir=self._base_dir)
         if not self._rows:
             raise DataError("data.train produced no rows")
-        check_rows(self._rows, origins, self._renderer, self._required)
+        check_rows(self._rows, origins, self._renderer, self._required, valued=self._valued)
         self._eval = []
         if self._spec.eval:
             self._eval, origins = read_source(self._spec.eval, seed=self._seed + EVAL_SEED_OFFSET,
                                               base_dir=self._base_dir)
             if self._eval_size is not None:
                 self._eval, origins = self._eval[: self._eval_size], origins[: self._eval_size]
-            check_rows(self._eval, origins, self._renderer, self._required)
+            check_rows(self._eval, origins, self._renderer, self._required, valued=self._valued)
         self._reshuffle()
         return {"node": node_id(), "train_rows": len(self._rows), "eval_rows": len(self._eval)}
 
