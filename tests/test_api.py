@@ -347,9 +347,10 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
 
     monkeypatch.setattr(driver, "run", fake_run)
     monkeypatch.chdir(TINY.parent.parent)
+    theirs = threading.Event()
     with pytest.raises(KeyError) as caught:
-        factory.run(TINY, on_step=typo)
-    assert heard == [0, 1, 2]
+        factory.run(TINY, on_step=typo, stop=theirs)
+    assert heard == [0, 1, 2] and not theirs.is_set()  # the caller's event is theirs to reuse
     assert caught.value.__notes__ == ["factory.run: on_step raised this at step 2; the run stopped after step 2, "
                                       "saved: factory.run(..., resume='abc123') continues it"]
 

@@ -407,6 +407,10 @@ def test_a_command_written_with_its_arguments_is_an_error_saying_how_to_split_it
     not_found = project.spec(_base(project, "rc_cmd2") + "tools:\n  o: {command: rc-no-such --stdio}\n", "b.yaml")
     assert _errors(not_found) == ("b.yaml:10: tools.o.command: command not found on PATH: rc-no-such --stdio\n"
                                   "1 error in b.yaml")
+    # found on the PATH the server's own env gives it, as its start looks it up: no problem
+    project.file("bin2/rc-no-such", "#!/bin/sh\n")
+    (project.root / "bin2" / "rc-no-such").chmod(0o755)
+    compile_file(not_found, [f"tools.o.env={{PATH: {project.root / 'bin2'}}}", "tools.o.command=rc-no-such"])
     # ... but a run joining a cluster may start it on another node: a warning there
     spec, plan = compile_file(not_found, ["resources.ray_address=10.0.0.1:6379"])
     assert [str(w) for w in plan.warnings] == ["b.yaml:10: tools.o.command: warning: command not found on PATH: "

@@ -90,7 +90,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     # on_step raising ended the run FAILED with the step it had just trained unsaved: it stops the run as
     # `stop` does (after the step, saved), and is raised then, saying how to resume
     raised: list[tuple[int, Exception]] = []
-    stop = stop if stop is not None else threading.Event()
+    either = _Either(stop)  # the caller's event is left as it is: theirs to reuse
 
     def heard(step: int, metrics: dict[str, float]) -> None:
         if not raised:
@@ -98,16 +98,34 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
                 on_step(step, metrics)
             except Exception as e:
                 raised.append((step, e))
-                stop.set()
+                either.set()
 
-    result = run_plan(plan, found, started_at=started_at, on_step=heard, stop=stop)
+    result = run_plan(plan, found, started_at=started_at, on_step=heard, stop=either)
     if raised:
         step, e = raised[0]
-        e.add_note(f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
-                   + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
-                      else " with nothing trained"))
+        note = (f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
+                + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
+                   else " with nothing trained"))
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(note)
+        else:
+            print(note, file=sys.stderr)
         raise e
     return result
+
+
+class _Either:
+    """A stop request that is set when the caller's `stop` event is, or by `set()` here (an on_step that
+    raised): as threading.Event to the run, without setting the caller's."""
+
+    def __init__(self, theirs: threading.Event | None):
+        self.theirs, self.mine = theirs, threading.Event()
+
+    def is_set(self) -> bool:
+        return self.mine.is_set() or (self.theirs is not None and self.theirs.is_set())
+
+    def set(self) -> None:
+        self.mine.set()
 
 
 def _check_run_arguments(on_step: Any, stop: Any, resume: Any) -> None:

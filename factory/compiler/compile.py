@@ -829,10 +829,11 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             r.error(f"tools.{name}.command", "empty: the program that starts the server (python, npx, uvx, a path)")
         elif isinstance(server, StdioServer) and server.command not in ("python", "python3"):
             # (the ToolBox runs `python` servers with Factory's own interpreter, whatever PATH says)
-            if not _program_found(server.command, r.source.base_dir, server.cwd):
+            if not _program_found(server.command, r.source.base_dir, server.cwd, server.env.get("PATH")):
                 words = _shell_words(server.command)
                 if len(words) > 1 and (words[0] in ("python", "python3")
-                                       or _program_found(words[0], r.source.base_dir, server.cwd)):
+                                       or _program_found(words[0], r.source.base_dir, server.cwd,
+                                                         server.env.get("PATH"))):
                     # servers are started as argument lists, never by a shell: this failed at the tools stage's
                     # start, exit 3, as a file not found
                     r.error(f"tools.{name}.command", f"'{server.command}' is a program and its arguments: give "
@@ -879,11 +880,12 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
     return code
 
 
-def _program_found(command: str, base_dir: Path, cwd: str | None) -> bool:
-    """Whether a stdio server's command names a program here: on PATH, or a file where it is started from (a
-    relative path with a slash from the spec's folder, factory.tools.connection; a bare name from its cwd)."""
+def _program_found(command: str, base_dir: Path, cwd: str | None, path: str | None = None) -> bool:
+    """Whether a stdio server's command names a program here: on PATH (the server's own `env` PATH where it
+    sets one, as its start looks it up: factory.tools.connection.launch_problem), or a file where it is
+    started from (a relative path with a slash from the spec's folder; a bare name from its cwd)."""
     where = base_dir if os.sep in command else Path(cwd or Path.cwd())
-    return shutil.which(command) is not None or (where / command).is_file()
+    return shutil.which(command, path=path) is not None or (where / command).is_file()
 
 
 def _shell_words(command: str) -> list[str]:
