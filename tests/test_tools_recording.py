@@ -296,6 +296,23 @@ def test_a_cached_answer_belongs_to_the_server_that_gave_it(tmp_path, monkeypatc
     assert server_identity(base, tmp_path) != same
     module = StdioServer(command="python", args=["-m", "tests.tool_servers.drifting"])
     assert server_identity(module, tmp_path) == server_identity(module, REPO)  # the module's file, wherever run from
+    # a `-m` module in the server's own cwd (not on this process's path) is read there; one whose package
+    # raises on import is not known, and the identity is still made
+    (tmp_path / "servers" / "pkg").mkdir(parents=True)
+    (tmp_path / "servers" / "pkg" / "__init__.py").write_text("raise RuntimeError('needs its API key')\n")
+    (tmp_path / "servers" / "pkg" / "srv.py").write_text("v = 1\n")
+    in_cwd = StdioServer(command="python", args=["-m", "pkg.srv"], cwd="servers")
+    before = server_identity(in_cwd, tmp_path)
+    (tmp_path / "servers" / "pkg" / "srv.py").write_text("v = 2\n")
+    assert server_identity(in_cwd, tmp_path) != before
+    monkeypatch.syspath_prepend(str(tmp_path / "servers"))  # found by this process: importing `pkg` raises
+    server_identity(StdioServer(command="python", args=["-m", "pkg.other"]), tmp_path)
+    # a large file among the arguments (an index) counts by its size and time, unread
+    import factory.tools.recording as recording
+
+    monkeypatch.setattr(recording, "_HASHED_BYTES", 4)
+    (tmp_path / "index.bin").write_bytes(b"0123456789")
+    assert recording._file_mark(tmp_path / "index.bin").startswith("10:")
     assert server_identity(HttpServer(url="http://a:1/mcp"), None) != server_identity(HttpServer(url="http://b:1/mcp"), None)
     # a python tool: its module's code is part of it
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -170,29 +170,47 @@ def server_identity(spec: Any, base_dir: Path | None) -> str:
 
     if isinstance(spec, HttpServer):
         parts: list[Any] = ["http", spec.url]
-        files: list[str] = []
+        files: list[Path | None] = []
     elif isinstance(spec, PythonTool):
-        parts, files = ["python", spec.function], [_module_file(spec.function.partition(":")[0])]
+        parts, files = ["python", spec.function], [_module_file(spec.function.partition(":")[0], Path.cwd())]
     else:
         parts = ["stdio", spec.command, spec.args, spec.cwd, spec.env]
         folder = (base_dir or Path.cwd()) / (spec.cwd or "")
         words = [spec.command, *spec.args]
-        files = [str(folder / w) for w in words if (folder / w).is_file()]
-        files += [_module_file(words[i + 1]) for i, w in enumerate(words[:-1]) if w == "-m"]
-    for f in files:
-        try:
-            parts.append(hashlib.sha256(Path(f).read_bytes()).hexdigest() if f else None)
-        except OSError:
-            parts.append(None)
+        files = [folder / w for w in words if (folder / w).is_file()]
+        files += [_module_file(words[i + 1], folder) for i, w in enumerate(words[:-1]) if w == "-m"]
+    parts += [_file_mark(f) for f in files]
     return hashlib.sha256(canonical(parts).encode()).hexdigest()
 
 
-def _module_file(module: str) -> str:
-    """The file of an importable module ('' when there is none: not found, a namespace, a builtin)."""
+_HASHED_BYTES = 4 << 20  # a file above this (a data file or an index among the arguments) counts by size and time
+
+
+def _file_mark(path: Path | None) -> str | None:
+    """A file's content hash; a large one's size and modification time (a multi-GB index among a server's
+    arguments is not read to hash it)."""
+    try:
+        if path is None:
+            return None
+        stat = path.stat()
+        if stat.st_size > _HASHED_BYTES:
+            return f"{stat.st_size}:{stat.st_mtime_ns}"
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _module_file(module: str, folder: Path) -> Path | None:
+    """The file of module `module` as `python -m` would run it from `folder` (the server's cwd, first on its
+    path), else as this process finds it without running it; None when there is none."""
     import importlib.util
 
-    try:
+    base = folder.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__main__.py", base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    try:  # (finding a submodule imports its parents, which may raise anything: then it is not known)
         found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return ""
-    return found.origin if found is not None and found.origin and Path(found.origin).is_file() else ""
+    except Exception:  # noqa: BLE001
+        return None
+    return Path(found.origin) if found is not None and found.origin and Path(found.origin).is_file() else None

@@ -239,10 +239,11 @@ class ToolBox:
         key = None
         if self._specs[entry.server].cache:
             self._cache = self._cache or ToolCache()
-            if entry.server not in self._identities:  # once a run: it reads the server's code
-                self._identities[entry.server] = server_identity(self._specs[entry.server], self._base_dir)
-            key = ToolCache.key(self._identities[entry.server], entry.tool, entry.input_schema, call.arguments)
             try:
+                if entry.server not in self._identities:  # once a run: it reads the server's code (off the loop)
+                    self._identities[entry.server] = await asyncio.to_thread(
+                        server_identity, self._specs[entry.server], self._base_dir)
+                key = ToolCache.key(self._identities[entry.server], entry.tool, entry.input_schema, call.arguments)
                 cached = await asyncio.to_thread(self._cache.get, key)
             except (sqlite3.Error, OSError) as exc:
                 self._cache_failed(exc, entry.offered)
