@@ -609,3 +609,40 @@ def test_a_checkpoint_every_so_many_seconds(tiny_plan, stand_ins):
     assert [n for k, n, *_ in events if k == "checkpoint"] == [1, 2]
     _, events = _run(tiny_plan, stand_ins, staleness=0, steps=2)
     assert [n for k, n, *_ in events if k == "checkpoint"] == [2]
+
+
+class HeldLoop(StageActor):
+    """An async stage whose call holds its event loop (an async reward function calling a blocking client)."""
+
+    CONTRACT = Contract(calls={"hold": Call("one")}, progress=True)
+
+    def __init__(self, settings=None):
+        self.work = 0
+
+    async def hold(self, seconds: float):
+        time.sleep(seconds)  # the loop is held: `progress` cannot answer meanwhile
+        self.work += 1
+
+    async def progress(self):
+        return 0, 0, self.work
+
+
+def test_a_stage_that_cannot_answer_progress_gives_no_heartbeat_and_no_error(local_ray, monkeypatch):
+    """Polling `progress` waited 60 s and raised Ray's GetTimeoutError out of the call's deadline: a held
+    event loop ended the run with a raw Ray error even when the call ended in its budget."""
+    import factory.runtime.driver as driver
+
+    monkeypatch.setattr(driver, "PROGRESS_WAIT_S", 0.2)
+    g = Group(Stage("held", "test", "tests.test_overlap:HeldLoop", None, (), ()), HeldLoop,
+              [ray.remote(HeldLoop).remote()])
+    ray.get(g.actors[0].__ray_ready__.remote())
+    held = g.actors[0].hold.remote(1.5)
+    time.sleep(0.3)  # the hold has the loop
+    t0 = time.monotonic()
+    assert g.progress() == (0, 0, 0) and g.progress() == (0, 0, 0)  # the last counts, no error
+    assert time.monotonic() - t0 < 1.0  # asked once: the second poll waits on the same answer
+    ray.get(held)
+    deadline = time.monotonic() + 10
+    while g.progress() != (0, 0, 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert g.progress() == (0, 0, 1)

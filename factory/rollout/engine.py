@@ -238,7 +238,8 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
                                     lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
                                     lora_rank=lora.r if lora is not None else 0,
                                     compile=getattr(settings, "vllm_compile", None),  # a judge's: the default
-                                    max_model_len=getattr(settings, "max_model_len", None))
+                                    max_model_len=getattr(settings, "max_model_len", None),
+                                    fit_context=hasattr(settings, "max_model_len"))  # a judge's: no
                 engine.choice_reason = reason
                 return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers

@@ -140,7 +140,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
                  threads: int | None = None, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 lora: str | None = None, lora_rank: int = 0, compile: bool | None = None, gpu_share: float = 1.0):
+                 lora: str | None = None, lora_rank: int = 0, compile: bool | None = None, gpu_share: float = 1.0,
+                 fit_context: bool = True):
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -165,10 +166,12 @@ class VLLMEngine:
 
         args = EngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-            # None: the model's context where the KV cache holds one such sequence, else the longest it holds
-            # (-1 is vLLM's auto-fit; it would otherwise refuse to start: Qwen3's 40960 tokens of float32 KV
-            # are 4.5 GiB at 0.6B). Read back below: the rollout cuts its trajectories there.
-            max_model_len=max_model_len or -1,
+            # None: the model's context where the KV cache holds one such sequence, else (`fit_context`) the
+            # longest it holds (-1 is vLLM's auto-fit; it would otherwise refuse to start: Qwen3's 40960 tokens
+            # of float32 KV are 4.5 GiB at 0.6B). Read back below: the rollout cuts its trajectories there. A
+            # local judge does not fit: its prompts hold whole trajectories, which a shorter context would
+            # refuse one by one.
+            max_model_len=max_model_len or (-1 if fit_context else None),
             enable_prefix_caching=True, **memory_args(device, kv_cache_gb, gpu_share),
             # Whole-prompt prefills on CPU: a prefill split over steps discards a token and rewinds the
             # seeded request's generator, which only CUDA generators can ("CPU Generator does not use

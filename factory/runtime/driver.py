@@ -170,6 +170,9 @@ def _start_ray(cluster: ClusterSettings) -> None:
 
 
 # --------------------------------------------------------------------------------------- groups
+PROGRESS_WAIT_S = 5.0  # a replica's answer to `progress` waited for at most this long
+
+
 @dataclass
 class Group:
     """The replicas of one stage, called as one object, each method as the class's CONTRACT declares it
@@ -184,6 +187,9 @@ class Group:
     info: list[dict[str, Any]] = field(default_factory=list)  # what each replica's setup reported
     turn: int = 0  # the replica the next `one` call goes to
     deadlines: Deadlines = field(default_factory=Deadlines)  # every wait on it ends (factory.runtime.deadlines)
+    # `progress`: the replicas' answers asked for and not yet read, and the last counts read
+    _asked: list[Any] | None = None
+    _counts: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def contract(self) -> Contract:
@@ -217,9 +223,17 @@ class Group:
         return self.cls.merge(answers) if dispatch == "split" else answers[0]
 
     def progress(self) -> tuple[int, int, int]:
-        """(done, total, work) summed over the replicas (a stage that declares `progress`)."""
-        counts = ray.get([actor.progress.remote() for actor in self.actors], timeout=60)
-        return tuple(sum(column) for column in zip(*counts))  # type: ignore[return-value]
+        """(done, total, work) summed over the replicas (a stage that declares `progress`). A replica that has
+        not answered within PROGRESS_WAIT_S (its event loop held: an async reward function that blocks it) is
+        asked no more until it does, and the last counts stand: no heartbeat, and no error of its own (the
+        call's deadline decides; a raw GetTimeoutError ended the run)."""
+        if self._asked is None:
+            self._asked = [actor.progress.remote() for actor in self.actors]
+        ready, _ = ray.wait(self._asked, num_returns=len(self._asked), timeout=PROGRESS_WAIT_S)
+        if len(ready) == len(self._asked):
+            counts, self._asked = ray.get(self._asked), None
+            self._counts = tuple(sum(column) for column in zip(*counts))  # type: ignore[assignment]
+        return self._counts
 
     def _progress(self, show: Callable[[int, int], None] | None) -> Callable[[], tuple[int, int, int]] | None:
         """For a stage that declares `progress`: a poll of the replicas' summed (done, total, work), its
