@@ -161,6 +161,8 @@ class _ToolCommon(Section):
 
 
 class _Started(_ToolCommon):
+    """A server Factory starts or connects to (a python tool has no start)."""
+
     start_timeout_s: float = Field(30.0, gt=0)
     """Seconds the server has to start (or be reached) and answer the MCP handshake and its tool list: raise
     it for a server that downloads itself (`npx`, `uvx`) or loads an index first."""

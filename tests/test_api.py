@@ -355,8 +355,8 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
                                       "saved: factory.run(..., resume='abc123') continues it"]
 
 
-def test_runs_with_no_room_for_a_run_is_a_type_error():
+def test_runs_with_no_room_for_a_run_is_a_value_error():
     """MLflow's own error named its max_results."""
     for limit in (0, -1, 2.5, True):
-        with pytest.raises(TypeError, match="limit: at least 1 run"):
+        with pytest.raises(ValueError, match="limit: at least 1 run"):
             factory.runs(limit=limit)

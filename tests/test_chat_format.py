@@ -110,6 +110,9 @@ def test_turn_markers_that_are_not_special_tokens_are_said(tokenizer, template):
     other = template.replace("<|im_end|>", "<|turn_end|>")
     problem = ChatFormat(tokenizer, other).end_of_turn_problem()
     assert problem.startswith("the chat template closes an assistant turn with '<|turn_end|>")
+    # Llama 2's templates close a turn with ' ' + eos: the eos it stops on, no problem
+    llama2 = template.replace("<|im_end|>", " ' + eos_token + '")  # (inside the templates' string literals)
+    assert ChatFormat(tokenizer, llama2).end_of_turn_problem() is None
 
 
 @pytest.mark.parametrize("ended", [True, False], ids=["model-wrote-eot", "turn-cut"])
@@ -258,3 +261,18 @@ def test_template_kwargs_reach_every_render_qwen3_without_thinking(tokenizer):
     assert chat.decode(chat.prompt_ids([{"role": "user", "content": "hi"}], None)).endswith(empty)
     assert chat.decode(chat.tool_delta_ids([ToolResult(tool="t", text="5")], True)).endswith(empty)
     assert not chat.decode(ChatFormat(tokenizer).prompt_ids([{"role": "user", "content": "hi"}], None)).endswith(empty)
+
+
+def test_a_template_that_opens_the_reasoning_block_says_so(tokenizer):
+    """R1's templates end the generation prompt with `<think>`: a turn cut while thinking had neither tag, so
+    its drafted answer or call read as the model's. The turn's text now starts where the reasoning began."""
+    from factory.util import without_reasoning
+
+    r1 = CHATML_TOOLS.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert r1 != CHATML_TOOLS
+    chat = ChatFormat(tokenizer, r1)
+    assert chat.reasoning_opened == "<think>" and ChatFormat(tokenizer, CHATML_TOOLS).reasoning_opened == ""
+    assert ChatFormat(tokenizer).reasoning_opened == ""  # Qwen3: the model opens it
+    cut = "Okay, maybe <answer>41</answer>, let me check"
+    assert without_reasoning(chat.reasoning_opened + cut) == ""
+    assert without_reasoning(chat.reasoning_opened + "so 42.\n</think>\n<answer>42</answer>") == "\n<answer>42</answer>"

@@ -170,7 +170,7 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
     from factory.tracking.runs import list_runs
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:  # MLflow's own error said max_results
-        raise TypeError(f"limit: at least 1 run, got {limit!r}")
+        raise ValueError(f"limit: at least 1 run, got {limit!r}")
     return list_runs(experiment, limit=limit, uri=uri)
 
 

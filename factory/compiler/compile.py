@@ -319,7 +319,10 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
                                               f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
                                               f"of {heads}: one of {', '.join(map(str, divisors))}")
     context, limit = context_tokens(folder), spec.rollout.max_model_len
-    if limit is not None and context is not None and limit > context:  # vLLM refused it after every stage started
+    # vLLM refused it after every stage started; it allows more where the config scales its positions (rope
+    # scaling) or VLLM_ALLOW_LONG_MAX_MODEL_LEN says so: left to it there
+    stretched = config.get("rope_scaling") or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    if limit is not None and context is not None and limit > context and not stretched:
         r.error("rollout.max_model_len", f"{limit} tokens is longer than the model's context ({context}, its "
                                          f"config's max_position_embeddings): give at most {context}, or leave it "
                                          "unset for the model's own")

@@ -99,8 +99,10 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         mask += [1] * len(gen.ids)
         if logprobs is not None:  # an engine that gave none for a turn leaves the trajectory's unrecorded
             logprobs = logprobs + gen.logprobs if len(gen.logprobs) == len(gen.ids) else None
-        # The stop token is not part of what the model said; parse and log the text before it.
-        text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
+        # The stop token is not part of what the model said; parse and log the text before it. A template that
+        # opens the reasoning block in the generation prompt (R1's) left it unopened in the turn's text: a turn cut
+        # while thinking would read as an answer, so the text says where the reasoning began.
+        text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
         calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c
                  for k, c in enumerate(parse_tool_calls(text))]
         turn = Turn(text=text, num_tokens=len(gen.ids), calls=calls, started_at=started,

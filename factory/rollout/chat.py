@@ -46,6 +46,10 @@ class ChatFormat:
         # transformers passes the special tokens (bos_token, eos_token, ...) to the template; so do we.
         self._kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self.end_of_turn_text, self.end_of_turn_id = self._find_end_of_turn()
+        # `<think>` where the generation prompt opens a reasoning block the model then writes in (R1's
+        # templates): the turn's text starts inside it. "" otherwise (Qwen3 lets the model open it).
+        prompt = self.render([{"role": "user", "content": _PROBE_USER}], add_generation_prompt=True).rstrip()
+        self.reasoning_opened = "<think>" if prompt.endswith("<think>") else ""
 
     # ------------------------------------------------------------------------------------- rendering
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool) -> str:
@@ -103,7 +107,7 @@ class ChatFormat:
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
         text = self.render(messages, add_generation_prompt=False)
         tail = text[text.index(_SENTINEL) + len(_SENTINEL):].strip()
-        if not tail:
+        if not tail or tail.startswith(self.tokenizer.eos_token or "\0"):  # (Llama 2's `' ' + eos`: the eos it is)
             return None
         return (f"the chat template closes an assistant turn with {tail[:30]!r}, which is not one special token "
                 f"of the tokenizer: the model stops on its eos instead, and each turn's context holds the eos and "

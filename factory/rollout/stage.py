@@ -158,8 +158,9 @@ class RolloutStage(StageActor):
         self.context = None if s.endpoint else shortest(model_context, s.rollout.max_model_len,
                                                         self.engine.max_model_len)
         if s.rollout.max_model_len is None and self.context is not None and self.context < (model_context or 0):
-            log.warning("rollout: sequences of at most %d tokens (what rollout.kv_cache_gb=%g holds; the model's "
-                        "context is %d): raise kv_cache_gb for longer ones, or set rollout.max_model_len",
+            log.warning("rollout: sequences of at most %d tokens, vLLM's limit here (what rollout.kv_cache_gb=%g holds, "
+                        "or a limit of the model's own config; its context is %d): raise kv_cache_gb for longer "
+                        "ones, or set rollout.max_model_len",
                         self.context, s.rollout.kv_cache_gb, model_context)
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()

@@ -310,7 +310,8 @@ class McpConnection:
                             self.tools = await _list_all_tools(session)
                     except TimeoutError:  # said in words: a bare TimeoutError reads as nothing
                         raise TimeoutError(f"no MCP handshake (initialize, tools/list) within {timeout_s:g} s: is "
-                                           "the command an MCP server on stdio, or the URL its endpoint?") from None
+                                           "the command an MCP server on stdio, or the URL its endpoint? (one that "
+                                           "takes longer to start: raise its start_timeout_s)") from None
                     self.session = session
                     ready.set_result(None)
                     await _first_of(self._closing.wait(), watched.ended.wait(), self._keep_stderr_bounded())
