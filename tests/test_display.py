@@ -4,7 +4,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from factory.runtime.display import Display
+from factory.runtime.display import Display, untrained_why
 from factory.runtime.driver import RunResult
 
 
@@ -58,6 +58,10 @@ def test_a_step_that_trained_nothing_says_why_and_the_summary_warns():
             "failed on some trajectories (rewards/<node>/errors; the reward stage's warning line says why))"
             ) in out.getvalue()
     assert "warning: none of the 3 steps trained a row" in text
+    assert untrained_why({"actor/trained_rows": 0.0, "actor/skipped_zero_adv": 5.0, "actor/dropped": 3.0}) == (
+        "every row's advantage was 0 (each group's rewards agreed; 3 trajectories were dropped before "
+        "(actor/dropped: infra errors, a reward with no value under drop_sample, the overlong filter), which can "
+        "leave a group's others agreeing)")
     out = io.StringIO()
     with Display(1, console=Console(file=out, width=300, log_path=False)) as d:  # the spec's max_model_len: 20
         d.context = 20

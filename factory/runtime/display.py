@@ -197,6 +197,9 @@ def untrained_why(m: dict[str, float], *, turn_credit: bool = False) -> str | No
                         and v)
         why = (f"; reward {', '.join(failed)} failed on some trajectories (rewards/<node>/errors; the reward stage's "
                "warning line says why)") if failed else ""
+        if dropped := int(m.get("actor/dropped", 0)):  # a tool server's crash: the survivors of a group may agree
+            why += (f"; {dropped} trajectories were dropped before (actor/dropped: infra errors, a reward with no "
+                    "value under drop_sample, the overlong filter), which can leave a group's others agreeing")
         agreed = ("each group's turn returns agreed at every turn position that two or more of its trajectories "
                   "reached" if turn_credit else "each group's rewards agreed")
         return f"every row's advantage was 0 ({agreed}{why})"
