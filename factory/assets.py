@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
@@ -106,6 +107,11 @@ def context_tokens(model_path: str | Path) -> int | None:
         fields = json.loads(config.read_text()) if config.is_file() else None
     except (OSError, ValueError):
         return None
+    return config_context(fields)
+
+
+def config_context(fields: Any) -> int | None:
+    """`context_tokens` of a config already read (its dict; None when it does not say)."""
     if not isinstance(fields, dict):
         return None
     value = fields.get("max_position_embeddings", (fields.get("text_config") or {}).get("max_position_embeddings"))

@@ -441,8 +441,8 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-_THINK = re.compile(re.escape(_THINK_OPEN) + r".*?(?:" + re.escape(_THINK_CLOSE) + r"|\Z)", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_THINK = re.compile(re.escape(THINK_OPEN) + r".*?(?:" + re.escape(THINK_CLOSE) + r"|\Z)", re.DOTALL)
 
 
 def without_reasoning(text: str) -> str:
@@ -450,7 +450,7 @@ def without_reasoning(text: str) -> str:
     block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
     in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
     thinking is not one the model made."""
-    close, open_ = text.find(_THINK_CLOSE), text.find(_THINK_OPEN)
+    close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
     if close >= 0 and (open_ < 0 or close < open_):
-        text = text[close + len(_THINK_CLOSE):]
+        text = text[close + len(THINK_CLOSE):]
     return _THINK.sub("", text)

@@ -302,13 +302,13 @@ def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
 def test_the_models_context_is_read_from_its_config(tmp_path):
     import json
 
-    from factory.assets import context_tokens as _context_tokens
+    from factory.assets import context_tokens
 
     for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None),
                          ({"max_position_embeddings": "x"}, None),
                          ({"text_config": {"max_position_embeddings": 8192}}, 8192)):  # a multimodal model's
         (tmp_path / "config.json").write_text(json.dumps(fields))
-        assert _context_tokens(str(tmp_path)) == want
-    assert _context_tokens(str(tmp_path / "none")) is None
+        assert context_tokens(str(tmp_path)) == want
+    assert context_tokens(str(tmp_path / "none")) is None
     (tmp_path / "config.json").write_text("[not json")
-    assert _context_tokens(str(tmp_path)) is None
+    assert context_tokens(str(tmp_path)) is None

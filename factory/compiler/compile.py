@@ -289,7 +289,7 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
     LoRA's target modules must name linear layers of the model (a rank above its hidden size is warned of),
     and a rollout replica's GPUs (vLLM's tensor-parallel size) must divide its attention heads."""
-    from factory.assets import context_tokens, tokenizer_files
+    from factory.assets import config_context, tokenizer_files
     from factory.lora import linear_layers, model_config, target_problem
 
     k = spec.resources.rollout.num_gpus
@@ -318,7 +318,7 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         r.error("resources.rollout.num_gpus", f"vLLM splits the model's {heads} attention heads over the rollout "
                                               f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
                                               f"of {heads}: one of {', '.join(map(str, divisors))}")
-    context, limit = context_tokens(folder), spec.rollout.max_model_len
+    context, limit = config_context(config), spec.rollout.max_model_len
     # vLLM refused it after every stage started; it allows more where the config scales its positions (rope
     # scaling) or VLLM_ALLOW_LONG_MAX_MODEL_LEN says so: left to it there
     stretched = config.get("rope_scaling") or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")

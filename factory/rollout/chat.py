@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 
 from factory.types import ToolResult
-from factory.util import template_env
+from factory.util import THINK_CLOSE, THINK_OPEN, template_env
 
 # Stands in for the model's text when rendering; the template must copy it verbatim (every template we
 # know does: the assistant content is output as is).
@@ -49,7 +49,7 @@ class ChatFormat:
         # `<think>` where the generation prompt opens a reasoning block the model then writes in (R1's
         # templates): the turn's text starts inside it. "" otherwise (Qwen3 lets the model open it).
         prompt = self.render([{"role": "user", "content": _PROBE_USER}], add_generation_prompt=True).rstrip()
-        self.reasoning_opened = "<think>" if prompt.endswith("<think>") else ""
+        self.reasoning_opened = THINK_OPEN if prompt.endswith(THINK_OPEN) else ""
 
     # ------------------------------------------------------------------------------------- rendering
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool) -> str:
@@ -156,7 +156,7 @@ _PROBE_CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
-_EMPTY_REASONING = re.compile(r"<think>\s*</think>\s*")
+_EMPTY_REASONING = re.compile(re.escape(THINK_OPEN) + r"\s*" + re.escape(THINK_CLOSE) + r"\s*")
 
 
 def _excerpt(text: str, at: int) -> str:
