@@ -78,7 +78,7 @@ def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
     missing = [t for t in targets if not any(p == t or p.endswith("." + t) for p in layers)]
     if not missing:
         return None
-    import difflib
+    from factory.presets import did_you_mean
 
     names = short_names(layers)
     hints = []
@@ -86,8 +86,7 @@ def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
         if t.rsplit(".", 1)[-1] == "lm_head":  # a linear layer, but not one of those adapted
             hints.append(f"{t!r} (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it)")
             continue
-        close = difflib.get_close_matches(t.rsplit(".", 1)[-1], names, n=1, cutoff=0.6)
-        hints.append(f"{t!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hints.append(f"{t!r}{did_you_mean(t.rsplit('.', 1)[-1], names)}")
     return (f"{', '.join(hints)} {'matches' if len(missing) == 1 else 'match'} no linear layer of the model; "
             f"its linear layers: {', '.join(names)}")
 

@@ -81,6 +81,21 @@ def test_a_checkpoint_folder_that_cannot_be_one_is_a_spec_error(project):
     compile_file(path, [f"train.checkpoint_dir={project.root / 'new' / 'runs'}"])  # made when the run starts
 
 
+def test_a_checkpoint_folder_root_cannot_write_in_is_a_spec_error(project, monkeypatch):
+    """`os.access` says yes to root for /sys and /proc, where making a folder fails: the check makes one."""
+    import errno
+    import tempfile
+
+    def refused(**kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    path = project.spec(_base(project, "rc_ckroot"))
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    assert _errors(path, [f"train.checkpoint_dir={project.root / 'x' / 'runs'}"]) == (
+        "<override 1>: train.checkpoint_dir: . cannot be written here (Operation not "
+        "permitted): name a folder this user can write in\n1 error in spec.yaml")
+
+
 def test_tools_make_a_tools_stage_and_call_edges(project):
     path = project.spec(_base(project, "rc_stage") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
     _, plan = compile_file(path)

@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,10 @@ def folder_problem(folder: Path) -> str | None:
     if not os.access(here, os.W_OK | os.X_OK):
         return (f"{shown_path(here)} cannot be written here (a read-only file system, or no permission): name a "
                 "folder this user can write in")
+    try:  # os.access says yes to root everywhere, /sys and /proc included: make a folder there to be sure
+        os.rmdir(tempfile.mkdtemp(prefix=".factory-check-", dir=here))
+    except OSError as e:
+        return f"{shown_path(here)} cannot be written here ({e.strerror}): name a folder this user can write in"
     return None
 
 
