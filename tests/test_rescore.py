@@ -115,6 +115,16 @@ def test_a_replayed_rescore_starts_no_tool_server_and_stops_at_a_miss(monkeypatc
         asyncio.run(rescore._score_all(plan, {("eval", 2): ["1+1"]}, {}))
 
 
+def test_a_rescore_of_a_run_that_did_not_finish_says_which_steps_it_had():
+    from factory.commands.rescore import unfinished_note
+
+    assert unfinished_note("FINISHED", "r1", {0, 1}) is None
+    assert unfinished_note("FAILED", "r1", {0, 1, 2}) == "run r1 ended FAILED: the steps it saved were rescored (0, 1, 2)"
+    assert unfinished_note("KILLED", "r1", {1}) == "run r1 was stopped before its last step: the steps it saved were " \
+                                                    "rescored (1)"
+    assert unfinished_note("RUNNING", "r1", {1}).startswith("run r1 is still running, or its driver was killed")
+
+
 def test_steps_syntax():
     assert parse_steps("1,3-5, 9") == {1, 3, 4, 5, 9}
     for bad in ("1,,2", "5-3", "x"):

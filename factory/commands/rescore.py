@@ -143,6 +143,8 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
 
     plan = replaying(plan, recorded_tool_calls(store, plan))  # replay.run: the tool nodes' calls answered from it
     notes = []
+    if note := unfinished_note(old.status, run_id, {step for _, step in batches}):
+        notes.append(note)
     per_step = _int(old.params.get("train.prompts_per_step")) * _int(old.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
         if split == "train" and per_step and len(trajs) < per_step:
@@ -196,6 +198,16 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     tracker.end("FINISHED")
     assert tracker.run_id is not None
     return Rescored(tracker.run_id, run_id, metrics, notes)
+
+
+def unfinished_note(status: str, run_id: str, steps: set[int]) -> str | None:
+    """What a rescore of a run that did not finish should say: only the steps it saved were rescored."""
+    return {"FINISHED": None,
+            "RUNNING": f"run {run_id} is still running, or its driver was killed before it could say it ended: the "
+                       f"steps it had saved were rescored ({_shown(steps)})",
+            "KILLED": f"run {run_id} was stopped before its last step: the steps it saved were rescored "
+                      f"({_shown(steps)})"}.get(status, f"run {run_id} ended {status}: the steps it saved were "
+                                                        f"rescored ({_shown(steps)})")
 
 
 def _int(value: str | None) -> int:
