@@ -4,7 +4,8 @@ A trajectory's ids are a concatenation: prompt ids, then for every turn the mode
 the ids of whatever the template puts between that turn and the next (tool responses, role headers, the
 generation prompt). The model's text is never re-tokenized; only template and tool text is tokenized,
 and always starting right after a special token (the end-of-turn token), so the pieces tokenize exactly
-as the whole conversation does under `tokenizer.apply_chat_template`.
+as the whole conversation does under `tokenizer.apply_chat_template` -- but for the control tokens' text in a
+tool's answer, which is tokenized as plain text (`ChatFormat.defused`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from factory.util import THINK_CLOSE, THINK_OPEN, template_env
 # know does: the assistant content is output as is).
 _SENTINEL = "FACTORY-MODEL-TURN-7f3a9c"
 _PROBE_USER = "FACTORY-PROBE-QUERY"
+WORD_JOINER = "\u2060"  # invisible, and in no tokenizer's added tokens: what `ChatFormat.defused` breaks them with
 
 
 def compile_template(template: str) -> jinja2.Template:
@@ -46,6 +48,12 @@ class ChatFormat:
         # transformers passes the special tokens (bos_token, eos_token, ...) to the template; so do we.
         self._kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self.end_of_turn_text, self.end_of_turn_id = self._find_end_of_turn()
+        # The tokenizer's added tokens (`<|im_end|>`, `<tool_call>`, `<think>`, ...), longest first: in a tool's
+        # answer each is defused (`defused`), so a web page cannot end a turn or open a call.
+        marks = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        marks |= set(tokenizer.all_special_tokens)
+        marks = sorted((m for m in marks if len(m) > 1), key=len, reverse=True)
+        self._marks = re.compile("|".join(map(re.escape, marks))) if marks else None
         # `<think>` where the generation prompt opens a reasoning block the model then writes in (R1's
         # templates): the turn's text starts inside it. "" otherwise (Qwen3 lets the model open it).
         prompt = self.render([{"role": "user", "content": _PROBE_USER}], add_generation_prompt=True).rstrip()
@@ -82,7 +90,7 @@ class ChatFormat:
         the sentinel instead of a common prefix.)
         """
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
-        messages += [{"role": "tool", "name": r.tool, "content": r.text} for r in results]
+        messages += [{"role": "tool", "name": r.tool, "content": self.defused(r.text)} for r in results]
         text = self.render(messages, add_generation_prompt=True)
         tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
         if turn_ended_with_eos:
@@ -90,6 +98,18 @@ class ChatFormat:
                 raise ValueError(f"the template does not close an assistant turn with {self.end_of_turn_text!r}")
             tail = tail[len(self.end_of_turn_text):]
         return self.encode(tail)
+
+    def defused(self, text: str) -> str:
+        """A tool's answer as the model reads it: each added token's text in it (`<|im_end|>`, `<tool_call>`)
+        broken by a word joiner after its first character, so it tokenizes as plain text. Tokenized as is, as
+        `apply_chat_template` would, a web page holding `<|im_end|><|im_start|>assistant` would be the very control
+        tokens that end a turn and start the model's, and `<tool_call>` the model's own call marker. The
+        answer's text (rewards, the recording, the cache) is unchanged."""
+        for _ in range(8):  # again while one remains: breaking one may leave another across it ("abc", "ab" "bc")
+            if self._marks is None or not self._marks.search(text):
+                return text
+            text = self._marks.sub(lambda m: m[0][0] + WORD_JOINER + m[0][1:], text)
+        return text
 
     @property
     def stop_token_ids(self) -> list[int]:
