@@ -311,6 +311,37 @@ async def test_a_server_that_answers_nothing_is_taken_as_hung_and_restarted():
         assert box.metrics()["tool_servers/faulty/restarts"] == 1
 
 
+async def test_a_busy_server_that_answers_one_call_at_a_time_is_not_taken_as_hung():
+    """A burst to a server that serves one call at a time times out its tail while the server answers the head:
+    those timeouts were counted "in a row", and the server was restarted as hung after every burst."""
+    resilience = Resilience(hung_after=2)
+    spec = FAULTY.model_copy(update={"retries": 0})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        first = await box.call(call("pid"))
+        burst = await box.call_many([call("queued", seconds=0.6) for _ in range(5)])  # answered 0.6 s apart
+        assert [r.status for r in burst].count("ok") == 1 and [r.error_kind for r in burst].count("timeout") == 4
+        await asyncio.sleep(2.5)  # the server works through the rest of the burst
+        assert (await box.call(call("pid"))).text == first.text  # the same process
+        assert box.metrics().get("tool_servers/faulty/restarts", 0) == 0
+
+
+async def test_calls_waiting_for_a_slot_fail_fast_once_the_circuit_opens(tmp_path):
+    """Calls let in while the circuit was closed, then queued for a slot, each started the failing server again
+    once the circuit had opened: 16 slots' worth of calls each waited out a start."""
+    from factory.tools.metrics import ToolMetrics
+    from factory.tools.servers import McpServer
+
+    hangs = StdioServer(command="python", args=["-c", "import time; time.sleep(60)"], start_timeout_s=0.5,
+                        timeout_s=1.0, retries=0, concurrency=1)
+    server = McpServer("hangs", hangs, base_dir=None, resilience=Resilience(breaker_threshold=1), metrics=ToolMetrics())
+    started = time.monotonic()  # (not started first: ToolBox would refuse it; the calls start it, and fail)
+    results = await asyncio.gather(*(server.call("x", {}) for _ in range(6)))
+    took = time.monotonic() - started
+    await server.close()
+    assert [r.error_kind for r in results] == ["crash"] + ["circuit_open"] * 5
+    assert took < 5.0  # one start, not six
+
+
 async def test_slow_calls_between_answers_restart_nothing():
     resilience = Resilience(hung_after=2)
     spec = FAULTY.model_copy(update={"retries": 0})

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -262,7 +263,8 @@ class McpConnection:
         self.tools: list[mcp_types.Tool] = []
         self.in_flight = 0
         self.lost = False
-        self.unanswered = 0  # calls in a row that timed out with no answer between (McpServer: a hung server)
+        self.unanswered = 0  # calls in a row that timed out with no answer while they waited (McpServer: hung)
+        self.answered_at = 0.0  # time.monotonic() of the last call the server answered, in any way
         self._watched: _WatchedReadStream | None = None
 
     @property
@@ -367,6 +369,11 @@ class McpConnection:
             os.write(fd, tail)  # appended: lines the server wrote since the truncate come before it (rare)
         except (OSError, ValueError):
             pass
+
+    def answered(self) -> None:
+        """The server answered a call (a result or an error): it is not hung."""
+        self.answered_at = time.monotonic()
+        self.unanswered = 0
 
     def stderr_tail(self) -> str:
         """The last lines the server wrote to stderr, for error messages ('' when there are none)."""

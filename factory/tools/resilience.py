@@ -24,8 +24,9 @@ class Resilience:
     breaker_cooldown_s: float = 5.0
     """How long an open circuit answers every call with `circuit_open` before one probe call goes through."""
     hung_after: int = 3
-    """Calls in a row that a server left unanswered past their timeout, with no answer to any call between, after
-    which it is taken as hung (alive, its pipes open, answering nothing: a deadlock) and restarted."""
+    """Calls in a row that a server left unanswered past their timeout, each with no answer to any call while it
+    waited, after which it is taken as hung (alive, its pipes open, answering nothing: a deadlock) and restarted.
+    A server busy with other calls (one that serves one call at a time) is not: it answers some."""
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: Callable[[], float] = random.random) -> float:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,18 @@ class McpServer:
             text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
             return infra_error(tool, "circuit_open", text), False
         try:
-            return await self._call(tool, arguments)
+            return await self._call(tool, arguments, probe)
         finally:
             if probe:  # ended without a verdict (an error of no kind above, a cancellation): let another probe
                 self._breaker.release_probe()  # (after a verdict: nothing left to release)
 
-    async def _call(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
+    async def _call(self, tool: str, arguments: dict[str, Any], probe: bool) -> tuple[ToolResult, bool]:
         async with self._slots:
+            if not probe and self._breaker.state != "closed":
+                # let in while the circuit was closed, it opened while this call waited for a slot: it fails fast
+                # too (else each slot's worth of waiting calls would start the failing server again)
+                text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
+                return infra_error(tool, "circuit_open", text), False
             replica = self._pick()
             try:
                 connection = await replica.get()
@@ -134,25 +140,26 @@ class McpServer:
                 what = "reached" if isinstance(self.spec, HttpServer) else "started"
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be {what}."), True
             connection.in_flight += 1
+            sent = time.monotonic()
             try:
                 with anyio.fail_after(self.spec.timeout_s):
                     result = await connection.call_tool(tool, arguments)
             except TimeoutError:
-                self._breaker.release_probe()
-                connection.unanswered += 1
+                # A timeout says the call was slow. A server that answered other calls meanwhile is busy, not hung
+                # (one that serves a call at a time times out a burst's tail); this many in a row, each with nothing
+                # answered while it waited, say it answers nothing (a deadlock): it would stay so for the run.
+                connection.unanswered = connection.unanswered + 1 if connection.answered_at < sent else 0
                 if connection.unanswered >= self.resilience.hung_after:
-                    # a timeout says the call was slow; this many in a row, with nothing answered between, say the
-                    # server answers nothing (a deadlock): it would be left so for the rest of the run
                     log.warning("tool server %s answered none of its last %d calls within timeout_s (%g s): taken "
                                 "as hung, restarted", replica.label, connection.unanswered, self.spec.timeout_s)
                     replica.lost(connection)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
             except Exception as exc:  # every other failure is classified, never raised
-                connection.unanswered = 0
+                connection.answered()
                 return self._failure(tool, connection, replica, exc)
             finally:
                 connection.in_flight -= 1
-        connection.unanswered = 0
+        connection.answered()
         self._breaker.record_success()
         if result.is_error:
             return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False
@@ -168,8 +175,7 @@ class McpServer:
             if exc.code == mcp_types.CONNECTION_CLOSED and (connection.stream_ended or exc.message == _SDK_CLOSED):
                 replica.lost(connection)
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
-            if exc.code == mcp_types.REQUEST_TIMEOUT:
-                self._breaker.release_probe()
+            if exc.code == mcp_types.REQUEST_TIMEOUT:  # (no verdict: a probe's is released by _attempt)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out."), True
             if exc.code == mcp_types.INVALID_PARAMS:
                 # The server's own validation refused arguments that passed the inputSchema check.

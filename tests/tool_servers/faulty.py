@@ -32,6 +32,17 @@ async def sleep(seconds: float) -> str:
     return f"slept {seconds}"
 
 
+ONE_AT_A_TIME = threading.Lock()
+
+
+@server.tool(structured_output=False)
+def queued(seconds: float) -> str:
+    """Work `seconds`, one call at a time (a single-threaded index, one GPU, a sandbox): a burst's tail waits."""
+    with ONE_AT_A_TIME:  # (a plain function: the SDK runs it in a worker thread, the loop keeps answering)
+        time.sleep(seconds)
+    return "done"
+
+
 @server.tool(structured_output=False)
 async def freeze(seconds: float) -> str:
     """Block the server's event loop: alive, its pipes open, answering nothing (a deadlock) for `seconds`."""
