@@ -283,19 +283,30 @@ def test_a_replayed_run_repeats_the_recorded_one(tmp_path):
 def test_a_cached_answer_belongs_to_the_server_that_gave_it(tmp_path, monkeypatch):
     """The cache's key was the server's name in the spec: a server started with other arguments, another
     project's `search`, or the same script after a fix answered from the old answers."""
+    import factory.tools.recording as recording
     from factory.schema import HttpServer, StdioServer
     from factory.tools.recording import server_identity
 
     (tmp_path / "calc.py").write_text("print(1)\n")
-    base = StdioServer(command="python", args=["calc.py"])
+    base = StdioServer(command="python", args=["calc.py"], cwd=".")  # (cwd: from the spec's folder, tmp_path)
     same = server_identity(base, tmp_path)
-    assert server_identity(StdioServer(command="python", args=["calc.py"]), tmp_path) == same
-    assert server_identity(StdioServer(command="python", args=["calc.py", "--huge"]), tmp_path) != same
-    assert server_identity(StdioServer(command="python", args=["calc.py"], env={"K": "2"}), tmp_path) != same
+    assert server_identity(StdioServer(command="python", args=["calc.py"], cwd="."), tmp_path) == same
+    assert server_identity(StdioServer(command="python", args=["calc.py", "--huge"], cwd="."), tmp_path) != same
+    assert server_identity(StdioServer(command="python", args=["calc.py"], cwd=".", env={"K": "2"}), tmp_path) != same
     (tmp_path / "calc.py").write_text("print(2)\n")  # a fix to the server's code
     assert server_identity(base, tmp_path) != same
+    # without cwd the server runs in factory's own folder (the project's root), not the spec's (specs/): its
+    # script was looked for in the spec's folder, and a fix to it kept the old answers
+    (tmp_path / "specs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rooted = StdioServer(command="python", args=["calc.py"])
+    before = server_identity(rooted, tmp_path / "specs")
+    (tmp_path / "calc.py").write_text("print(3)\n")
+    assert server_identity(rooted, tmp_path / "specs") != before
     module = StdioServer(command="python", args=["-m", "tests.tool_servers.drifting"])
     assert server_identity(module, tmp_path) == server_identity(module, REPO)  # the module's file, wherever run from
+    # an installed package run with -m: its __main__.py runs, and is what is hashed (not its __init__.py)
+    assert recording._module_file("pip", tmp_path).name == "__main__.py"
     # a `-m` module in the server's own cwd (not on this process's path) is read there; one whose package
     # raises on import is not known, and the identity is still made
     (tmp_path / "servers" / "pkg").mkdir(parents=True)
@@ -308,8 +319,6 @@ def test_a_cached_answer_belongs_to_the_server_that_gave_it(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path / "servers"))  # found by this process: importing `pkg` raises
     server_identity(StdioServer(command="python", args=["-m", "pkg.other"]), tmp_path)
     # a large file among the arguments (an index) counts by its size and time, unread
-    import factory.tools.recording as recording
-
     monkeypatch.setattr(recording, "_HASHED_BYTES", 4)
     (tmp_path / "index.bin").write_bytes(b"0123456789")
     assert recording._file_mark(tmp_path / "index.bin").startswith("10:")

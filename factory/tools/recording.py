@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -174,11 +175,14 @@ def server_identity(spec: Any, base_dir: Path | None) -> str:
     elif isinstance(spec, PythonTool):
         parts, files = ["python", spec.function], [_module_file(spec.function.partition(":")[0], Path.cwd())]
     else:
+        from factory.tools.connection import stdio_parameters
+
         parts = ["stdio", spec.command, spec.args, spec.cwd, spec.env]
-        folder = (base_dir or Path.cwd()) / (spec.cwd or "")
-        words = [spec.command, *spec.args]
-        files = [folder / w for w in words if (folder / w).is_file()]
-        files += [_module_file(words[i + 1], folder) for i, w in enumerate(words[:-1]) if w == "-m"]
+        launch = stdio_parameters(spec, base_dir)  # the files as the started process finds them: its folder is
+        folder = Path(launch.cwd) if launch.cwd else Path.cwd()  # `cwd` (from the spec's folder), else this one
+        files = [Path(launch.command)] if os.sep in spec.command else []  # a script started as the command
+        files += [folder / a for a in spec.args if (folder / a).is_file()]
+        files += [_module_file(spec.args[i + 1], folder) for i, a in enumerate(spec.args[:-1]) if a == "-m"]
     parts += [_file_mark(f) for f in files]
     return hashlib.sha256(canonical(parts).encode()).hexdigest()
 
@@ -213,4 +217,9 @@ def _module_file(module: str, folder: Path) -> Path | None:
         found = importlib.util.find_spec(module)
     except Exception:  # noqa: BLE001
         return None
-    return Path(found.origin) if found is not None and found.origin and Path(found.origin).is_file() else None
+    if found is None or not found.origin:
+        return None
+    origin = Path(found.origin)
+    if found.submodule_search_locations is not None:  # a package: `python -m` runs its __main__.py
+        origin = origin.parent / "__main__.py"
+    return origin if origin.is_file() else None
