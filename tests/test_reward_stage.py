@@ -118,6 +118,19 @@ def test_a_trajectory_whose_prompt_fills_the_context_is_not_scored_and_is_droppe
     assert trajs[0].dropped is None and m["reward/dropped"] == 1.0 and m["reward/mean"] == trajs[0].reward
 
 
+def test_a_member_whose_prompt_fills_the_context_is_not_in_its_group_s_normalize():
+    """A normalize over the group scored the dropped member anyway and counted its value in the mean and spread:
+    the two members below got 1.22 and 0.0 instead of 1 and -1."""
+    import dataclasses
+
+    reward_fns.CALLS.clear()
+    spec = make_spec({"n": {"fn": f"{FNS}:counted", "args": {"name": "norm"}}, "len": {"fn": f"{FNS}:length"},
+                      "both": {"sum": {"len": 1.0, "n": 0.0}}, "total": {"normalize": "both"}})
+    long = dataclasses.replace(traj("", sample_index=2), stop_reason="prompt_too_long")
+    trajs, _ = score(spec, [traj("aaaa", sample_index=0), traj("aa", sample_index=1), long])
+    assert [t.reward for t in trajs] == [1.0, -1.0, 0.0] and reward_fns.CALLS["norm"] == 2
+
+
 def test_normalize_over_group_and_batch():
     spec = make_spec({
         "len": {"fn": f"{FNS}:length"},

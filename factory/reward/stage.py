@@ -314,8 +314,9 @@ class _Evaluation:
                 return None
             return await self.value(node.then, i) if gate_passes(node, condition) else node.otherwise
         if isinstance(node, NormalizeNode):
-            scope = (tuple(self.groups[self.trajs[i].prompt_index]) if node.over == "group"
-                     else tuple(range(len(self.trajs))))
+            # over the members scored: one never generated from is not scored (nor read by the mean and spread)
+            scope = tuple(j for j in (self.groups[self.trajs[i].prompt_index] if node.over == "group"
+                                      else range(len(self.trajs))) if j not in self.dropped)
             return (await self._memo((name, scope), lambda: self._normalized(node, scope)))[i]
         return self._combined(name, node, i, list(await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))))
 
