@@ -23,7 +23,7 @@ from factory.tools.toolbox import (
     offered_tools,
     routes,
 )
-from factory.types import ToolResult
+from factory.types import ToolCall, ToolResult
 from factory.util import import_object
 
 
@@ -130,6 +130,23 @@ def test_invalid_schema_is_not_enforced(caplog):
     assert argument_problem(validator, {"x": "anything"}) is None
     # the warning names the server (it named only the tool, which several servers may have)
     assert "tool server 's': tool 't' has an invalid inputSchema, its arguments are not checked" in caplog.text
+
+
+def test_a_schema_whose_ref_resolves_nowhere_is_not_enforced(caplog):
+    """`{"$ref": "#/$defs/Query"}` without the definition passes check_schema, then raised out of the checker at
+    every call: each call to the tool was an infrastructure crash, its trajectory dropped, the call unrecorded."""
+    from factory.tools.toolbox import ToolEntry
+
+    async def run() -> list:
+        async with ToolBox.from_spec({"t": PythonTool(function="tests.test_tools_units:word_count")}) as box:
+            (name,) = box._validators
+            box._validators[name] = compile_validator(ToolEntry(name, "t", name, "", {
+                "type": "object", "properties": {"text": {"$ref": "#/$defs/Query"}}, "required": ["text"]}))
+            return [await box.call(ToolCall(name, {"text": "two words"}, raw="")) for _ in range(2)]
+
+    results = asyncio.run(run())
+    assert [(r.status, r.text) for r in results] == [("ok", "2")] * 2
+    assert caplog.text.count("inputSchema cannot be applied, its arguments are not checked") == 1  # once
 
 
 # ---------------------------------------------------------------------------------------- breaker
