@@ -120,13 +120,15 @@ def test_server_events_outside_a_training_rollout_are_logged_with_the_next_one(m
         try:
             tools.events = {"calc": {"restarts": 2, "circuit_opens": 0}}  # since the last take
             await rollout.evaluate(data.next_batch(1))
-            tools.events = {"calc": {"restarts": 0, "circuit_opens": 1}}  # during the evaluation, say
+            # during the evaluation, say; its cache hits are its calls', not counted (as every tools/* metric)
+            tools.events = {"calc": {"restarts": 0, "circuit_opens": 1, "cache_hits": 3, "cache_misses": 1}}
             return RolloutStage.merge([await rollout.generate(data.next_batch(1))])[1]
         finally:
             await rollout.close()
 
     m = asyncio.run(go())
     assert (m["tool_servers/calc/restarts"], m["tool_servers/calc/circuit_opens"]) == (2.0, 1.0)
+    assert m.get("tool_servers/calc/cache_hits", 0.0) == 0.0 and m.get("tool_servers/calc/cache_misses", 0.0) == 0.0
 
 
 def test_the_specs_max_model_len_bounds_the_rollout(monkeypatch):

@@ -247,10 +247,13 @@ class RolloutStage(StageActor):
                           metrics)
 
     def _carry(self, taken: ToolMetrics) -> None:
-        """Keep the server events of `taken` (not its calls) for the next training rollout's metrics."""
+        """Keep the server's health events of `taken` (restarts, circuit opens: not its calls, nor the cache's
+        hits and misses, which count a rollout's calls as `tools/*` does) for the next training rollout's
+        metrics."""
         for server, events in taken.take_server_events().items():
             for event, count in events.items():
-                self._carried.server_event(server, event, count)
+                if event in ("restarts", "circuit_opens"):
+                    self._carried.server_event(server, event, count)
 
     async def progress(self) -> tuple[int, int, int]:
         """(trajectories done, trajectories asked) of the current `generate` call, and the engine's forward
