@@ -24,7 +24,7 @@ firing of each (a warning line, once) and whether a `train.stop_on` monitor fire
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -206,16 +206,23 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
     return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
 
 
-def step_row(trajs: Sequence[Any], metrics: dict[str, float], w: WatchSettings, s: MonitorsSpec,
-             total: str) -> Row:
-    """One step of the history from its scored trajectories and metrics: the trajectories the update trains (the
-    driver leaves out an infrastructure failure's and an overlong-filtered one; here, the reward stage's drops)."""
+def _mean(values: Iterable[float | None]) -> float:
+    """The mean of the values there are (None and non-finite ones left out), NaN without any."""
+    known = [float(v) for v in values if v is not None and math.isfinite(v)]
+    return sum(known) / len(known) if known else math.nan
+
+
+def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str) -> Row:
+    """One step of the history from the scored trajectories the update trains (the driver leaves out an
+    infrastructure failure's and an overlong-filtered one; here, the reward stage's drops): not the step's
+    metrics, which count every trajectory -- a tool outage's short episodes would move the length and the
+    call rate. No trajectory trained: every statistic NaN (no value that step)."""
     kept = [t for t in trajs if t.dropped is None]
-    row: Row = {"reward": metrics.get("reward/mean", math.nan),
-                "task": metrics.get(f"rewards/{w.task_node}/mean", math.nan) if w.task_node else math.nan,
-                "length": metrics.get("response_length/mean", math.nan)}
+    row: Row = {"reward": _mean(t.reward for t in kept),
+                "task": _mean(t.rewards.get(w.task_node) for t in kept) if w.task_node else math.nan,
+                "length": _mean(t.num_model_tokens for t in kept)}
     if w.tools:  # without tools the rate is no measurement: tool_call_rate then has no value and is not logged
-        row["tool_calls"] = metrics.get("tool_calls/mean", math.nan)
+        row["tool_calls"] = _mean(t.num_tool_calls for t in kept)
     if w.weights:
         groups: dict[int, list[dict[str, float | None]]] = {}
         for t in kept:
@@ -269,9 +276,9 @@ class Watch:
             self.evals.append((step, metrics[key]))
         return self._read(step) if self.rows else {}
 
-    def observe(self, step: int, trajs: Sequence[Any], metrics: dict[str, float]) -> dict[str, float]:
-        """The step's `monitor/<name>` and `monitor/<name>/fired` metrics."""
-        self.rows.append(step_row(trajs, metrics, self.settings, self.spec, self.total))
+    def observe(self, step: int, trajs: Sequence[Any]) -> dict[str, float]:
+        """The step's `monitor/<name>` and `monitor/<name>/fired` metrics, from the trajectories it trains."""
+        self.rows.append(step_row(trajs, self.settings, self.spec, self.total))
         self.new = []
         return self._read(step)
 

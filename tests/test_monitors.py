@@ -26,7 +26,7 @@ from factory.monitors import (
 )
 from factory.plan import WatchSettings
 from factory.schema import MonitorName, MonitorsSpec
-from factory.types import Trajectory
+from factory.types import ToolCall, Trajectory, Turn
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "monitors"
@@ -59,23 +59,30 @@ def test_variance_shares_are_within_groups_and_empty_without_variance():
     assert variance_shares(flat, {"c": 1.0, "f": 1.0}, "T") == {}
 
 
-def test_step_row_from_trajectories():
-    def traj(p, c, f, judge=None):
-        rewards = {"correct": c, "fmt": f} | ({"judge": judge} if judge is not None else {})
-        return Trajectory(prompt_index=p, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
-                          stop_reason="no_call", row={}, rewards=rewards, reward=c + f)
+def traj(p, c, f, judge=None, tokens=(10,), calls=0):
+    """A scored trajectory of prompt p: task node `correct` c, format node `fmt` f, turns of `tokens` model
+    tokens, the first with `calls` tool calls."""
+    rewards = {"correct": c, "fmt": f} | ({"judge": judge} if judge is not None else {})
+    turns = [Turn(text="", num_tokens=n, calls=[ToolCall("calc", {}, raw="")] * (calls if k == 0 else 0))
+             for k, n in enumerate(tokens)]
+    return Trajectory(prompt_index=p, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=turns,
+                      stop_reason="no_call", row={}, rewards=rewards, reward=c + f)
 
+
+def test_step_row_from_trajectories():
     w = WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
                       judges=("judge",), verifier="correct", candidates=("fmt",), tools=True)
-    trajs = [traj(0, 0.0, 1.0, 0.9), traj(0, 0.0, 0.0, 0.8), traj(1, 1.0, 1.0, 0.1), traj(1, 1.0, 0.0, None)]
-    dropped = traj(1, 0.0, 1.0, 1.0)
+    trajs = [traj(0, 0.0, 1.0, 0.9, (10, 20), calls=2), traj(0, 0.0, 0.0, 0.8, (10,)),
+             traj(1, 1.0, 1.0, 0.1, (30, 10), calls=1), traj(1, 1.0, 0.0, None, (20,), calls=1)]
+    dropped = traj(1, 0.0, 1.0, 1.0, (500,), calls=9)
     dropped.dropped = "rewards.judge: missing"  # out of the loss: out of the monitors too
-    row = step_row([*trajs, dropped], {"reward/mean": 1.0, "rewards/correct/mean": 0.5, "response_length/mean": 20.0,
-                                       "tool_calls/mean": 1.0}, w, S, "total")
+    row = step_row([*trajs, dropped], w, S, "total")
     # correct never varies within a group: all the variance is fmt's (the task node's own share is not kept);
     # the judge passes two wrong answers and fails a right one: 3 of the 3 it scored disagree
-    assert row == {"reward": 1.0, "task": 0.5, "length": 20.0, "tool_calls": 1.0, "share/fmt": 1.0,
+    assert row == {"reward": 1.0, "task": 0.5, "length": 25.0, "tool_calls": 1.0, "share/fmt": 1.0,
                    "disagree/judge": 1.0}
+    nothing = step_row([dropped], w, S, "total")  # no trajectory trained: no value at that step
+    assert all(math.isnan(nothing[k]) for k in ("reward", "task", "length", "tool_calls"))
 
 
 # ---------------------------------------------------------------------------------- the monitors
@@ -142,19 +149,13 @@ def test_recorded_hackable_run_fires_reward_dominance_at_step_3_and_nothing_else
 
 
 # ---------------------------------------------------------------------------------- the run's watch
-class _Traj:
-    def __init__(self, p, rewards, reward):
-        self.prompt_index, self.rewards, self.reward, self.dropped = p, rewards, reward, None
-
-
 def test_watch_warns_once_and_halts_on_a_stop_on_monitor():
     w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
                             judges=(), verifier="correct", candidates=("fmt",), tools=True), S,
               stop_on=("reward_dominance",))
     w.evaluated(0, {"eval/accuracy": 0.0})
-    batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
-    m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
-    out = [w.observe(step, batch, m) for step in (1, 2, 3, 4)]
+    batch = [traj(p, 0.0, f, calls=1) for p in (0, 1) for f in (0.0, 1.0)]
+    out = [w.observe(step, batch) for step in (1, 2, 3, 4)]
     assert out[0] == {} and out[1] == {}
     assert out[2]["monitor/reward_dominance"] == 1.0 and out[2]["monitor/reward_dominance/fired"] == 1.0
     assert out[2]["monitor/length_drift"] == 1.0 and out[2]["monitor/length_drift/fired"] == 0.0
@@ -170,8 +171,7 @@ def test_tool_call_rate_is_not_logged_for_a_spec_without_tools():
     def logged(tools: bool) -> dict[str, float]:
         w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(),
                                 verifier="correct", candidates=(), tools=tools), S)
-        m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 0.0}
-        return [w.observe(step, [], m) for step in (1, 2, 3)][-1]
+        return [w.observe(step, [traj(0, 0.0, 0.5), traj(0, 0.0, 0.5)]) for step in (1, 2, 3)][-1]
 
     assert "monitor/tool_call_rate" not in logged(False) and "monitor/length_drift" in logged(False)
     assert logged(True)["monitor/tool_call_rate"] == 1.0
@@ -184,7 +184,7 @@ def test_the_final_evaluation_is_read_at_its_step():
                             candidates=(), tools=False), S, stop_on=("train_eval_divergence",))
     assert w.evaluated(0, {"eval/accuracy": 0.5}) == {}  # before any step: nothing to read
     for step, reward in ((1, 0.0), (2, 0.2), (3, 0.4)):  # the driver's order: observe, then (at 3) evaluate
-        assert "monitor/train_eval_divergence" not in w.observe(step, [], {"reward/mean": reward})
+        assert "monitor/train_eval_divergence" not in w.observe(step, [traj(0, 0.0, reward)])
     again = w.evaluated(3, {"eval/accuracy": 0.3})
     # the training reward rose 0.3 - 0.1 = 0.2 (>= 0.1) while the held-out metric fell 0.5 -> 0.3 (>= 0.05)
     assert again["monitor/train_eval_divergence"] == pytest.approx(-0.2)
@@ -200,16 +200,15 @@ def test_a_resumed_watch_reads_the_history_an_uninterrupted_one_does():
         return Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={"correct": 1.0, "fmt": 1.0},
                                    judges=(), verifier="correct", candidates=("fmt",), tools=True), S)
 
-    batch = [_Traj(p, {"correct": 0.0, "fmt": f}, f) for p in (0, 1) for f in (0.0, 1.0)]
-    m = {"reward/mean": 0.5, "rewards/correct/mean": 0.0, "response_length/mean": 10.0, "tool_calls/mean": 1.0}
+    batch = [traj(p, 0.0, f, calls=1) for p in (0, 1) for f in (0.0, 1.0)]
     whole, first = watch(), watch()
     for w in (whole, first):
         w.evaluated(0, {"eval/accuracy": 0.0})
         for step in (1, 2, 3):
-            w.observe(step, batch, m)
+            w.observe(step, batch)
     resumed = watch()
     resumed.restore(json.loads(json.dumps(first.state())))  # as a checkpoint's run_state.json holds it
-    assert resumed.observe(4, batch, m) == whole.observe(4, batch, m) != {}
+    assert resumed.observe(4, batch) == whole.observe(4, batch) != {}
     assert resumed.fired == whole.fired == {"reward_dominance": 3} and resumed.new == []
 
 

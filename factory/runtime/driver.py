@@ -777,7 +777,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
             tool_calls[step] = take_tool_calls(g, plan, f"step {step}")  # a replay miss stops the run here
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
-            m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k], m))  # hacking monitors
+            m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k]))  # hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             # read once here, and once more below; a stop_on monitor stops after this step
             stopping = stop.requested or watch.halt is not None
