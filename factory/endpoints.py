@@ -86,5 +86,7 @@ def retry_after(value: str | None, cap_s: float) -> float | None:
             return None
         import datetime
 
+        if when.tzinfo is None:  # "-0000" (RFC 5322's "no zone said"): HTTP dates are in GMT
+            when = when.replace(tzinfo=datetime.timezone.utc)
         seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
     return min(max(seconds, 0.0), cap_s)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import sys
 import urllib.request
@@ -222,6 +223,12 @@ def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
     assert not key_may_go_to("http://10.0.0.5/v1")
     assert retry_after("3", 60) == 3.0 and retry_after("600", 60) == 60 and retry_after(None, 60) is None
     assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 60) == 0.0 and retry_after("soon", 60) is None
+    # a date with no zone said ("-0000") was a naive datetime, and the subtraction raised out of the retry loop
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 -0000", 60) == 0.0
+    from email.utils import format_datetime
+
+    later = format_datetime(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=30))
+    assert 25 <= retry_after(later, 60) <= 30
 
 
 def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):

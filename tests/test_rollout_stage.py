@@ -88,6 +88,18 @@ def test_tools_client_counts_the_callers_calls_and_takes_server_events():
     assert second["tools/calc/calls"] == 0.0  # an offered tool without calls is a 0, not a gap in its chart
 
 
+def test_a_caller_that_never_takes_its_metrics_keeps_none():
+    """The reward stage's client recorded every tool node's call and latency, and nothing ever took them."""
+    async def go():
+        client = ToolsClient(FakeToolsStage(), counted=False)
+        await client.start()
+        for _ in range(3):
+            assert (await client.call(ToolCall("calc", {}, ""))).text == "42"
+        return client._metrics.snapshot()
+
+    assert asyncio.run(go()).get("tools/calls", 0.0) == 0.0
+
+
 def test_without_a_tools_stage_every_call_is_an_unknown_tool():
     async def go():
         client = ToolsClient(None)

@@ -112,7 +112,8 @@ class RewardStage(StageActor):
         from factory.tools.client import ToolsClient
 
         tools = self.settings.tool_peer
-        self._toolbox = ToolsClient(placement.peers[tools] if tools else None)
+        # (uncounted: a tool node's calls are its values, with their failures in rewards/<node>/*)
+        self._toolbox = ToolsClient(placement.peers[tools] if tools else None, counted=False)
         await self._toolbox.start()
         # One session per judge node for the actor's life, shared by concurrent `score` calls (a step's
         # trajectories or groups are scored as they arrive), so a node's `concurrency` bounds all of its

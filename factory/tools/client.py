@@ -27,10 +27,11 @@ async def _invoke(target: Any, method: str, *args: Any) -> Any:
 class ToolsClient:
     """Calls the tools stage; with no tools stage (a spec without tools) every call is an unknown tool."""
 
-    def __init__(self, stage: Any | None):
+    def __init__(self, stage: Any | None, *, counted: bool = True):
         self._stage = stage
         self._schemas: list[dict[str, Any]] = []
         self._metrics = ToolMetrics()
+        self._counted = counted  # False: a caller that never takes its metrics (the reward stage) keeps none
 
     async def start(self) -> None:
         if self._stage is not None:
@@ -48,7 +49,8 @@ class ToolsClient:
         else:
             result = await _invoke(self._stage, "call", call)
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
-        self._metrics.record(None if result.error_kind == "unknown_tool" else result.tool, result)
+        if self._counted:
+            self._metrics.record(None if result.error_kind == "unknown_tool" else result.tool, result)
         return result
 
     async def take_metrics(self) -> ToolMetrics:
