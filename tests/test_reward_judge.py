@@ -278,3 +278,30 @@ def test_a_hostile_judge_reply_is_a_failure_of_its_node_not_of_the_run(judge_ser
     assert got["number"]["status"] == "error" and "its message content is a int, not text" in got["number"]["error"]
     assert got["deep"] == {"status": "parse_failure", "reply": got["deep"]["reply"], "error": "no JSON object in the reply"}
     assert got["trickle"]["status"] == "error" and "no whole response within 1 s" in got["trickle"]["error"]
+
+
+def test_a_local_judge_batch_that_timed_out_is_cancelled_on_its_actor(monkeypatch):
+    """Its requests failed, but the actor went on generating them, and the next batches queued behind that
+    abandoned work and timed out too: a slow step lost the judge's values for the rest of the step."""
+    import types
+
+    import ray
+
+    from factory.reward.judge import JudgeError, LocalSession
+
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+
+    class Complete:
+        @staticmethod
+        def remote(prompts, max_tokens):
+            return asyncio.ensure_future(asyncio.sleep(10))  # stands in for the ObjectRef of a slow batch
+
+    async def go():
+        session = LocalSession(types.SimpleNamespace(concurrency=4, timeout_s=0.2, max_tokens=8),
+                               types.SimpleNamespace(complete=Complete))
+        with pytest.raises(JudgeError, match="TimeoutError"):
+            await session.reply([{"role": "user", "content": "grade"}])
+
+    asyncio.run(go())
+    assert len(cancelled) == 1

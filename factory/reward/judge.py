@@ -10,6 +10,7 @@ failed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from factory.contract import Call, Contract, StageActor
@@ -18,6 +19,8 @@ from factory.plan import JudgeSettings
 from factory.schema import JudgeNode
 from factory.types import Placement
 from factory.util import enter_workdir, node_id
+
+log = logging.getLogger(__name__)
 
 
 class JudgeError(RuntimeError):
@@ -120,6 +123,8 @@ class LocalSession:
                 call = self.actor.complete.remote([p for p, _ in batch], self.node.max_tokens)
                 replies = await asyncio.wait_for(call, self.node.timeout_s)
             except Exception as e:  # the actor died, timed out or raised: these requests failed
+                if isinstance(e, TimeoutError):  # stop its work too: the next batches would queue behind it
+                    _cancel(call)
                 error = JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 for _, future in batch:
                     if not future.done():
@@ -128,6 +133,16 @@ class LocalSession:
             for (_, future), text in zip(batch, replies):
                 if not future.done():
                     future.set_result(text)
+
+
+def _cancel(call: Any) -> None:
+    """Cancel a Ray call that is no longer awaited (its actor's coroutine gets CancelledError); best effort."""
+    import ray
+
+    try:
+        ray.cancel(call)
+    except Exception as e:  # noqa: BLE001 -- already done, or its actor gone: nothing left to stop
+        log.debug("cancelling a timed-out judge call: %r", e)
 
 
 class JudgeModel(StageActor):
