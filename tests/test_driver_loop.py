@@ -19,6 +19,7 @@ from factory.runtime import driver
 from factory.runtime.resume import Resume
 from factory.tools.recording import ReplayMiss
 from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
+from factory.types import Trajectory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,8 +132,12 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
         world.made += [f"train/{step}/0/0/0/0/0"]
         if step == world.miss_at:
             world.misses.append(f"calculate(...) at train/{step}/0/0/0/0/0")
-        return list(batch or []), {"rollout/generated_tokens": 0.0,
-                                   **({"reward/mean": world.rewards.pop(0)} if world.rewards else {})}
+        if not world.rewards:
+            return list(batch or []), {"rollout/generated_tokens": 0.0}
+        reward = world.rewards.pop(0)  # the step's one trajectory's (the monitors read the trajectories)
+        scored = [Trajectory(prompt_index=0, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
+                             stop_reason="no_call", row={}, reward=reward)]
+        return list(batch or scored), {"rollout/generated_tokens": 0.0, "reward/mean": reward}
 
     def evaluate(g: Any, plan: Any, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
         world.made += [f"eval/{step}/0/0/0/0/0"]
@@ -151,7 +156,6 @@ def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
     the budget cut (overlong.filter) counted in reward_dominance's variance shares and judge_disagreement; only
     drop_sample's were left out."""
     from factory.monitors import Watch
-    from factory.types import Trajectory
 
     def traj(i: int, **fault: Any) -> Trajectory:
         return Trajectory(prompt_index=0, sample_index=i, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
@@ -159,7 +163,7 @@ def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
 
     batch = [traj(0), traj(1), traj(2, infra_error=True), traj(3, truncated=True), traj(4, dropped="x: missing")]
     seen = []
-    monkeypatch.setattr(Watch, "observe", lambda self, step, trajs, m: seen.append([t.sample_index for t in trajs]) or {})
+    monkeypatch.setattr(Watch, "observe", lambda self, step, trajs: seen.append([t.sample_index for t in trajs]) or {})
     run_loop(monkeypatch, World(), ["train.steps=1", "algorithm.overlong.filter=true"], batch=batch)
     assert seen == [[0, 1]]
 
