@@ -3,6 +3,7 @@ each `on_missing` policy, the per-step cache, concurrency, and what reward funct
 import asyncio
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,64 @@ def test_a_member_whose_prompt_fills_the_context_is_not_in_its_group_s_normalize
     long = dataclasses.replace(traj("", sample_index=2), stop_reason="prompt_too_long")
     trajs, _ = score(spec, [traj("aaaa", sample_index=0), traj("aa", sample_index=1), long])
     assert [t.reward for t in trajs] == [1.0, -1.0, 0.0] and reward_fns.CALLS["norm"] == 2
+
+
+def test_a_reward_function_that_never_returns_holds_up_its_own_node_only():
+    """A hung function kept its threads of the one shared pool past timeout_s; once they were all taken, every
+    node's calls queued behind them and timed out too (their clock ran while they queued): from the fourth step
+    of a run, no reward had a value and nothing was trained. Now each node has threads of its own, its clock
+    starts with its thread, and a node whose threads are all held by calls that never returned fails at once."""
+    spec = make_spec({"hung": {"fn": f"{FNS}:hangs", "timeout_s": 0.3}, "len": {"fn": f"{FNS}:length", "timeout_s": 0.3},
+                      "total": {"sum": {"len": 1.0, "hung": 0.0}}})
+    stage = RewardStage(stage_settings(spec)["reward"], threads_per_node=4)
+
+    async def steps():
+        await stage.setup()
+        try:
+            out = []
+            for _ in range(3):  # 2 calls of `hung` a step: the third step finds its 4 threads held
+                started = asyncio.get_running_loop().time()
+                trajs, _ = await stage.score([traj("ab", sample_index=0), traj("abcd", sample_index=1)])
+                out.append((trajs, asyncio.get_running_loop().time() - started))
+            return out
+        finally:
+            await stage.close()
+
+    out = asyncio.run(steps())
+    for trajs, _ in out:
+        assert [t.rewards["len"] for t in trajs] == [2.0, 4.0]  # every step: the other node is not held up
+    errors = [[t.reward_details["hung"]["error"] for t in trajs] for trajs, _ in out]
+    assert errors[0] == errors[1] == ["TimeoutError: took longer than timeout_s (0.3 s)"] * 2
+    assert errors[2] == ["RuntimeError: its last 4 calls passed timeout_s and have not returned (a function that "
+                         "never returns: Python cannot stop it), so it is not called again until one does"] * 2
+    assert out[2][1] < 0.3  # at once: its place is held, it is not called
+
+
+@pytest.mark.parametrize("fn, said", [
+    ("interrupts", "RuntimeError: the function raised KeyboardInterrupt('from the reward function')"),
+    ("cancels", "RuntimeError: the function raised CancelledError()"),
+    ("async_exits", "RuntimeError: the function raised SystemExit(3)"),
+])
+def test_what_a_reward_function_raises_of_its_own_is_its_node_s_failure(fn, said):
+    """KeyboardInterrupt in a reward function's thread ended the reward stage's event loop (the run then waited
+    for it for stage_timeout_s, 30 minutes); a CancelledError of its own ended the run as an internal error."""
+    trajs, m = score(make_spec({"x": {"fn": f"{FNS}:{fn}"}, "len": {"fn": f"{FNS}:length"},
+                                "total": {"sum": {"x": 1.0, "len": 1.0}}}), [traj("fine")])
+    assert trajs[0].reward_details["x"] == {"status": "error", "error": said}
+    assert trajs[0].rewards["len"] == 4.0 and m["rewards/x/errors"] == 1.0
+
+
+def test_a_process_scoring_with_a_hung_function_still_exits(tmp_path):
+    """`factory rescore` printed its table and never exited: the interpreter waited for the pool's hung thread."""
+    import subprocess
+
+    code = ("import asyncio, tests.test_reward_stage as t\n"
+            "spec = t.make_spec({'h': {'fn': 'tests.fixtures.reward_fns:hangs', 'timeout_s': 0.2}})\n"
+            "trajs, _ = t.score(spec, [t.traj('x')])\n"
+            "print(trajs[0].reward_details['h']['error'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "took longer than timeout_s" in done.stdout, done.stderr[-2000:]
 
 
 def test_normalize_over_group_and_batch():

@@ -3,7 +3,7 @@
 One `score(trajs)` call computes each (node, trajectory) value -- each (node, trajectory, turn) value for
 a per-turn node -- at most once, on demand, as an asyncio task: the roots (the training node and every node nothing reads) are asked for on every trajectory, and
 each node asks for its inputs. So independent nodes and all trajectories run concurrently -- python
-functions in a thread pool, async functions, judge requests and tool calls on the event loop -- and a
+functions in threads of their node's own, async functions, judge requests and tool calls on the event loop -- and a
 gate asks for its `then` node only where its condition passes. A function, judge or tool without a value
 follows its node's `on_missing`; every failure is recorded in the trajectory and counted, and the run
 goes on (unless the node says `fail`).
@@ -18,7 +18,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from factory.reward.graph import (
     standardize,
     turn_mean,
 )
+from factory.reward.lanes import Lane, awaited
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_object, node_id, resolve_file
@@ -71,7 +71,7 @@ class RewardStage(StageActor):
 
     CONTRACT = Contract(calls={"score": Call("one")}, progress=True)
 
-    def __init__(self, settings: RewardSettings, *, max_workers: int = 256):
+    def __init__(self, settings: RewardSettings, *, threads_per_node: int = 256):
         self.settings = settings
         self.nodes = dict(settings.rewards)
         self.train_node, self.order = settings.train_node, settings.order  # resolved by the compiler
@@ -79,9 +79,8 @@ class RewardStage(StageActor):
         self._warned_round: tuple[int, int] | None = None  # (step, attempt) whose failing nodes were logged
         self._said_none: set[str] = set()  # nodes whose function's None (its "no value") was said: once a run
         self._warned: set[str] = set()
-        self._max_workers = max_workers
+        self._lanes = {name: Lane(name, threads_per_node) for name, node in self.nodes.items() if isinstance(node, FnNode)}
         self._base_dir = Path(settings.base_dir)
-        self._pool: ThreadPoolExecutor | None = None
         self._sessions = contextlib.AsyncExitStack()  # the judge sessions setup() opens; close() closes them
         # `progress`: trajectories scored / given since no call was in flight, and node values settled (a
         # slow judge's step shows it works before any trajectory is done)
@@ -91,7 +90,6 @@ class RewardStage(StageActor):
         # In its own actor, so slow or crashing reward code never stalls rollout.
         placement = placement or Placement()
         enter_workdir(placement.workdir)
-        self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="reward")
         # node -> (function, wants `turns`, which row columns it is passed: takes(column))
         self._fns: dict[str, tuple[Callable[..., Any], bool, Callable[[str], bool]]] = {}
         self._templates: dict[str, Any] = {}  # judge node -> its prompt; tool node -> its argument templates
@@ -173,20 +171,16 @@ class RewardStage(StageActor):
 
     async def close(self) -> None:
         await self._sessions.aclose()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A reward function's result: awaited if it is async, else run in the thread pool."""
-        try:
-            if inspect.iscoroutinefunction(fn):
-                return await fn(*args, **kwargs)
-            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-        except SystemExit as e:
-            # A checker that wraps a command line exits (argparse on what it refuses, sys.exit). SystemExit is no
-            # Exception: asyncio lets it out of the task that runs this, through the event loop, and Ray ended
-            # the reward stage's actor with it; as an error it is the node's missing value, like any raise.
-            raise RuntimeError(f"the function raised SystemExit({e.code!r})") from None
+    async def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Function node `name`'s result, within its `timeout_s`: awaited if it is async, else in a thread of
+        the node's own (factory.reward.lanes: a hung function holds up its own node only). Whatever it raises is
+        an Exception, the node's failure (SystemExit from a checker that wraps a command line, say, which would
+        end the stage's event loop)."""
+        limit, call = self.nodes[name].timeout_s, functools.partial(fn, *args, **kwargs)
+        if inspect.iscoroutinefunction(fn):
+            return await awaited(call, limit)
+        return await self._lanes[name].run(call, limit)
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -378,17 +372,9 @@ class _Evaluation:
         if k is not None:
             kwargs, completion = {**kwargs, "turn": t.turns[k], "index": k}, t.turns[k].text
         try:
-            return _outcome(await self._in_time(name, self.s.call(fn, prompt_text(t.messages), completion, **kwargs)))
+            return _outcome(await self.s.call(name, fn, prompt_text(t.messages), completion, **kwargs))
         except Exception as e:  # a user's reward function may raise anything
             return _failed(e)
-
-    async def _in_time(self, name: str, work: Awaitable[Any]) -> Any:
-        """`work` within the node's `timeout_s` (TimeoutError, said in words, past it)."""
-        limit = self.s.nodes[name].timeout_s
-        try:
-            return await (work if limit is None else asyncio.wait_for(work, limit))
-        except TimeoutError:
-            raise TimeoutError(f"took longer than timeout_s ({limit:g} s)") from None
 
     async def _group_fn(self, name: str, pid: int) -> dict[int, _Outcome]:
         fn, wants_turns, _ = self.s._fns[name]
@@ -396,9 +382,8 @@ class _Evaluation:
         group = [self.trajs[i] for i in members]
         kwargs = {"turns": [t.turns for t in group]} if wants_turns else {}
         try:
-            values = await self._in_time(name, self.s.call(fn, [prompt_text(t.messages) for t in group],
-                                                           [t.completion for t in group], [t.row for t in group],
-                                                           **kwargs))
+            values = await self.s.call(name, fn, [prompt_text(t.messages) for t in group],
+                                       [t.completion for t in group], [t.row for t in group], **kwargs)
             if len(values) != len(group):
                 raise ValueError(f"group reward returned {len(values)} values for {len(group)} completions")
         except Exception as e:

@@ -71,7 +71,11 @@ class Deadlines:
         why = (f"{FACTOR:g} x its longest call so far, {seen:.1f} s" if seen is not None and budget < self.limit_s
                else "train.stage_timeout_s")
         state = f"; its last progress: {beat}" if beat is not None else ""
+        # what stalls a scoring call: not the engine (a CPU-bound function stops the stage's own clocks)
+        causes = ("a reward function that holds the CPU without letting go of Python's lock -- a runaway regular "
+                  "expression, a loop in C code -- stops the stage's clocks, so its node's timeout_s cannot fire"
+                  if method == "score" else "a hung tool server, a stalled engine")
         raise StageTimeout(f"stage '{stage}' did not answer {method}{f' ({doing})' if doing else ''} within "
                            f"{budget:.0f} s ({why}); waited {waited:.0f} s{state}. The run stops: look at that "
-                           "stage's log above (a hung tool server, a stalled engine); `factory run SPEC --resume` "
-                           "continues the run from its newest checkpoint")
+                           f"stage's log above ({causes}); `factory run SPEC --resume` continues the run from its "
+                           "newest checkpoint")

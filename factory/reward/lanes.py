@@ -1,0 +1,127 @@
+"""Reward functions run off the event loop, each node in threads of its own, within its `timeout_s`.
+
+Python cannot stop a thread. A function that never returns keeps its thread past its node's `timeout_s`:
+in one shared pool such threads used up the pool, and every node's calls then waited in its queue until they
+too timed out, their clock having run while they queued -- one hung function took every reward with it. Here
+a node's calls run in threads of its own `Lane` (daemon threads: a process that ends does not wait for a hung
+one), the clock starts when a call's thread does, and a call that times out keeps its place in the lane until
+its thread ends: a hung function holds up its own node only, whose later calls fail at once once every place
+is held by one that never returned.
+
+Whatever the function raises is its failure, as an Exception the stage records: KeyboardInterrupt,
+SystemExit (argparse, sys.exit) and CancelledError (`.result()` of a cancelled future) included, which would
+otherwise end the call's task, the stage's event loop, or the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+
+class Lane:
+    """At most `size` calls of one node's function at once, each in a thread of its own; `stuck`: those past
+    their timeout whose thread still runs (each keeps its place)."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self.running = self.stuck = 0
+        self._waiting: list[asyncio.Future] = []  # calls waiting for a place (all on the loop that runs them)
+
+    async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
+        """`fn()`'s result, in a new thread once a place is free; TimeoutError past `timeout_s` of its run."""
+        loop = asyncio.get_running_loop()
+        await self._place(loop)  # (the time spent waiting for a place is not the function's)
+        done = loop.create_future()
+        late = False
+
+        def ended() -> None:  # on the loop, when the thread ends: its place is free again
+            self.running -= 1
+            if late:
+                self.stuck -= 1
+            self._wake()
+
+        def work() -> None:
+            try:
+                outcome: tuple[bool, Any] = (True, fn())
+            except Exception as e:  # noqa: BLE001 -- the function's own failure, handed to the caller
+                outcome = (False, e)
+            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: not the stage's to end
+                outcome = (False, RuntimeError(f"the function raised {type(e).__name__}({_args(e)})"))
+            try:
+                loop.call_soon_threadsafe(_settle, done, outcome, ended)
+            except RuntimeError:  # the loop is closed (the stage ended while this ran): nothing waits
+                pass
+
+        try:
+            threading.Thread(target=work, name=f"reward-{self.name}", daemon=True).start()
+        except BaseException:
+            self.running -= 1
+            self._wake()
+            raise
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except TimeoutError:
+            late = True
+            self.stuck += 1
+            self._wake()  # those waiting for a place may now find every place held for good
+            raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
+
+    async def _place(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            if self.stuck >= self.size:
+                raise RuntimeError(f"its last {self.size} calls passed timeout_s and have not returned (a function "
+                                   "that never returns: Python cannot stop it), so it is not called again until one does")
+            if self.running < self.size:
+                self.running += 1
+                return
+            waiter = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+
+    def _wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _settle(done: asyncio.Future, outcome: tuple[bool, Any], ended: Callable[[], None]) -> None:
+    ended()
+    if done.cancelled():  # the caller stopped waiting (its scoring call ended)
+        return
+    ok, value = outcome
+    if ok:
+        done.set_result(value)
+    else:
+        done.set_exception(value)
+
+
+def _args(e: BaseException) -> str:
+    return ", ".join(repr(a) for a in e.args)
+
+
+async def awaited(fn: Callable[..., Any], timeout_s: float | None) -> Any:
+    """An async reward function's result within `timeout_s` (cancelled past it), run in the caller's task (a
+    task of its own would hand a SystemExit to the event loop, which ends with it); what it raises of its own
+    that is not an Exception (a CancelledError of its own, not this call's) is a RuntimeError saying so."""
+    try:
+        with anyio.move_on_after(timeout_s) as scope:
+            return await fn()
+    except asyncio.CancelledError as e:
+        current = asyncio.current_task()
+        cancelling = getattr(current, "cancelling", None)  # (Python 3.11+; before, any is taken as this call's)
+        if cancelling is None or cancelling():  # this call was cancelled: that is not the function's
+            raise
+        raise RuntimeError(f"the function raised CancelledError({_args(e)})") from None
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise RuntimeError(f"the function raised {type(e).__name__}({_args(e)})") from None
+    assert scope.cancelled_caught
+    raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)")
