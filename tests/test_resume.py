@@ -17,7 +17,7 @@ from factory.compiler.compile import compile_file, plan_json
 from factory.runtime.resume import Resume, ResumeError, find
 from factory.tracking.mlflow_tracker import DRIVER_TAG
 from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
-from factory.update.checkpoint import write_run_state
+from factory.update.checkpoint import write_manifest, write_run_state
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = str(REPO / "specs" / "tiny.yaml")
@@ -56,6 +56,7 @@ def fake_run(uri: str, ckpt: Path, plan, *, logged: int, checkpoints: tuple[int,
         folder = ckpt / f"step_{step}"
         folder.mkdir(parents=True)
         write_run_state(folder, {"step": step, "run_id": t.run_id, "data": {"epoch": 0, "cursor": 2 * step}})
+        write_manifest(folder)
         t.log_checkpoint(step, str(folder))
     t.end("FINISHED" if status == "FINISHED" else "FAILED")
     client = MlflowClient(uri)
@@ -386,8 +387,6 @@ def test_a_resumed_run_killed_again_is_idle_from_its_newest_step_not_its_earlier
 def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):
     """A file of the newest checkpoint cut short (a disk that lost its tail): --resume falls back to the
     run's previous checkpoint and says which it passed over and why."""
-    from factory.update.checkpoint import write_manifest
-
     uri, ckpt = store
     spec, plan = compiled(ckpt)
     exp = {"experiment": "verified"}
@@ -409,6 +408,26 @@ def test_resume_passes_over_a_checkpoint_whose_files_are_not_as_saved(store):
     r = find(plan, None, uri, train=spec.train, **exp)
     assert r.checkpoint is None and len(r.unreadable) == 2
     assert "from the start (no checkpoint it saved is usable)" in r.describe()
+
+
+def test_resume_passes_over_a_checkpoint_whose_run_state_or_manifest_is_damaged(store):
+    """A run_state.json cut short failed --resume as an internal error (JSONDecodeError); one deleted left the
+    checkpoint passed over without a word; a checkpoint whose manifest was deleted was trusted unchecked, and
+    its weights file cut short failed the resume as an internal error once Ray had started."""
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    exp = {"experiment": "damaged"}
+    run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(1, 2, 3, 4), **exp)
+    state = (ckpt / "step_4" / "run_state.json").read_text()
+    (ckpt / "step_4" / "run_state.json").write_text(state[:40])
+    (ckpt / "step_3" / "run_state.json").unlink()
+    (ckpt / "step_2" / "manifest.json").unlink()
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert (r.run_id, r.checkpoint, r.step) == (run, "step_1", 1)
+    assert [u.split(":")[0] for u in r.unreadable] == ["step_4", "step_3", "step_2"]
+    assert "its run_state.json is unreadable (" in r.unreadable[0] and r.unreadable[1] == "step_3: it has no run_state.json"
+    assert r.unreadable[2] == (f"step_2: {ckpt}/step_2/manifest.json is missing (every checkpoint is saved with it): "
+                               "its files cannot be checked")
 
 
 def test_recorded_source_hashes_compare_by_contents_not_by_where_the_source_was_found():

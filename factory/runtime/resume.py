@@ -30,7 +30,7 @@ from factory.compiler.compile import plan_json
 from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
-from factory.update.checkpoint import complete, read_run_state, verify
+from factory.update.checkpoint import RUN_STATE, complete, read_run_state, verify
 from factory.util import UserError
 
 # Logged once per training step, after the step's update (what "the run logged step N" means).
@@ -287,7 +287,16 @@ def newest_checkpoint(directory: Path, run_id: str,
     (`verify`), and its run state; (None, {}) when there is none. A newer one that fails the check is
     passed over, and `skipped` hears why."""
     for name in reversed(complete(directory)):
-        state = read_run_state(directory / name)
+        try:
+            state = read_run_state(directory / name)
+        except (OSError, ValueError) as e:  # cut short, say: whose it is cannot be told, but this is its folder
+            if skipped is not None:
+                skipped.append(f"{name}: its {RUN_STATE} is unreadable ({e})")
+            continue
+        if not state:
+            if skipped is not None:
+                skipped.append(f"{name}: it has no {RUN_STATE}")
+            continue
         if state.get("run_id") != run_id:
             continue
         problem = verify(directory / name)

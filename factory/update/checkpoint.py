@@ -137,12 +137,15 @@ def write_manifest(folder: str | os.PathLike) -> None:
 
 def verify(folder: str | os.PathLike) -> str | None:
     """Why a committed checkpoint cannot be trusted (a file missing, cut short or changed since it was
-    saved), or None when every file matches its manifest. A checkpoint saved before manifests existed
-    has none: it is taken as it is."""
+    saved, its manifest gone), or None when every file matches its manifest. Every checkpoint is saved with
+    one, before it is committed: one without it was damaged since (it was taken as it was, and a weights
+    file cut short failed the resume as an internal error)."""
     folder = Path(folder)
     path = folder / MANIFEST
+    if not folder.is_dir():
+        return f"{folder} is missing"
     if not path.is_file():
-        return None if folder.is_dir() else f"{folder} is missing"
+        return f"{path} is missing (every checkpoint is saved with it): its files cannot be checked"
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
