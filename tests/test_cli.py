@@ -472,6 +472,10 @@ def test_eval_takes_replay_as_run_and_rescore_do(project, capsys, monkeypatch):
     # and check reads the recording as the run would (a run that recorded nothing passed check, then the run exited 2)
     assert cli.main(["check", path, "--replay", "nosuchrun"]) == 2
     assert "no run with id or name 'nosuchrun'" in capsys.readouterr().err
+    # a run id's prefix as `factory runs` prints it, all digits or digits and one e, is a run, not a number
+    for prefix in ("31785009", "12345e67"):
+        assert cli.main(["plan", path, "--replay", prefix, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["spec"]["replay"]["run"] == prefix
 
 
 LISTING = """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -71,8 +72,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _replay_override(args: argparse.Namespace) -> None:
     """`--replay RUN` is the override `replay.run=RUN`, which the run's plan records."""
-    if args.replay is not None:
-        args.overrides = [*args.overrides, f"replay.run={args.replay}"]
+    if args.replay is not None:  # quoted: an override's value is YAML, which reads a prefix such as 31785009 as a number
+        args.overrides = [*args.overrides, f"replay.run={json.dumps(args.replay)}"]
 
 
 def _run(args: argparse.Namespace) -> int:

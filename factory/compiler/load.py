@@ -110,8 +110,9 @@ class SpecSource:
                 path = p
                 break
         file, line, column = self.locate(path)
-        if file.startswith("<override") and message.startswith("expected a string, got a"):
-            # `parse='score: ('`: the shell's quotes are gone, and YAML reads `a: b` as a mapping
+        if file.startswith("<override") and message.startswith("expected a string, got"):
+            # `parse='score: ('`: the shell's quotes are gone, and YAML reads `a: b` as a mapping, `31785009` (a
+            # run id's prefix) as a number
             message += f"; an override's value is read as YAML: quote it inside, {path}=\"'...'\""
         return SpecError(file, line, path, message, level=level, column=column)  # type: ignore[arg-type]
 
