@@ -39,6 +39,8 @@ class World:
     replayed: Any = None  # the recording the tools stage was placed with (its settings' `replay`)
     ended: list[str] = field(default_factory=list)  # the tracked run's end status
     listing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the tools stage's tool_listing
+    saved: list[tuple[int, Any]] = field(default_factory=list)  # (step, the data's place) of each checkpoint
+    drawn: int = 0  # the steps' batches drawn (collected)
 
 
 class FakeGroup:
@@ -50,7 +52,11 @@ class FakeGroup:
             taken = {"rows": [{"origin": o} for o in self.world.made], "misses": self.world.misses}
             self.world.made, self.world.misses = [], []
             return taken
-        return {"state": {}, "save_checkpoint": "step_x", "tool_listing": self.world.listing}[method]
+        if method == "save_checkpoint":
+            self.world.saved.append((args[1], args[2]["data"]))
+        if method == "state":  # the data source's place: the batches drawn
+            return {"drawn": self.world.drawn}
+        return {"save_checkpoint": "step_x", "tool_listing": self.world.listing}[method]
 
 
 class FakeUpdates:
@@ -130,6 +136,7 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
 
     def collect(g: Any, plan: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
         world.made += [f"train/{step}/0/0/0/0/0"]
+        world.drawn += 1
         if step == world.miss_at:
             world.misses.append(f"calculate(...) at train/{step}/0/0/0/0/0")
         if not world.rewards:
@@ -220,11 +227,30 @@ def test_each_steps_tool_calls_table_holds_the_calls_that_step_made(monkeypatch,
 
 def test_a_replay_miss_stops_the_run_before_the_step_is_trained_on(monkeypatch):
     """Under replay.on_miss: fail, the step whose rollout missed is never handed to the trainer, and the error
-    names that step (not the step logged when the miss was taken)."""
-    world = World(miss_at=2)
-    with pytest.raises(ReplayMiss, match=r"^step 2: the recording of run old has no answer for 1 tool calls"):
-        run_loop(monkeypatch, world, ["train.steps=3", "train.max_staleness=1", "replay.run=old"])
-    assert world.submitted == [1]
+    names that step (not the step logged when the miss was taken). The steps before it are kept: they were
+    lost (not logged, no checkpoint, the run FAILED with nothing to resume or export)."""
+    world = World(miss_at=3)
+    with pytest.raises(ReplayMiss, match=r"^step 3: the recording of run old has no answer for 1 tool call, first "
+                                         r".*; steps 1-2 are logged and checkpointed$"):
+        run_loop(monkeypatch, world, ["train.steps=4", "train.max_staleness=1", "replay.run=old"])
+    assert world.submitted == [1, 2] and sorted(world.metrics) == [0, 1, 2]
+    assert world.saved == [(2, {"drawn": 2})]  # the data where it was before step 3 drew its batch
+
+
+def test_a_replay_past_the_recording_s_last_step_says_so():
+    """A run replayed for more steps than its recording made calls at missed with "this run went elsewhere (a
+    changed spec, model or data)": it had not, it went on."""
+    from factory.plan import ToolsSettings
+    from factory.runtime.replay import beyond_recording, recorded_through
+
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"])
+    rows = [{"origin": "eval/0/0/0/0/0/0"}, {"origin": "train/1/0/0/0/0/0"}, {"origin": "train/2/3/1/0/0/0"}]
+    assert recorded_through(plan) is None  # not replaying yet
+    replayed = driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))
+    assert recorded_through(replayed) == 2 and any(isinstance(s.settings, ToolsSettings) for s in plan.stages)
+    assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps "
+                                             "(train.steps=2 replays it all; replay.on_miss=live calls the tools once "
+                                             "the recording has no answer)")
 
 
 def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(monkeypatch):

@@ -110,7 +110,7 @@ def test_a_replayed_rescore_starts_no_tool_server_and_stops_at_a_miss(monkeypatc
     monkeypatch.setattr(local, "local_stages", stages)
     assert asyncio.run(rescore._score_all(plan, {("train", 1): ["2+3"]}, {})) == {("train", 1): {"reward/mean": 1.0}}
     with pytest.raises(ReplayMiss, match=r"^step 2 evaluation: the recording of run old has no answer for 1 tool "
-                                         r'calls, first calculate\(\{"expression":"1\+1"\}\) at a reward node'
+                                         r'call, first calculate\(\{"expression":"1\+1"\}\) at a reward node'
                                          r'.*: the run never made this call \(a tool reward node added'):
         asyncio.run(rescore._score_all(plan, {("eval", 2): ["1+1"]}, {}))
 

@@ -46,8 +46,9 @@ from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
                                        reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
                                        stopping_said)
-from factory.runtime.replay import miss_error, recorded_tool_calls, replaying
+from factory.runtime.replay import beyond_recording, miss_error, recorded_through, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
+from factory.tools.recording import ReplayMiss
 from factory.types import Placement, Trajectory, trains
 from factory.util import import_object
 
@@ -771,11 +772,22 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     stop = GracefulStop(on_first=lambda what: display.status(stopping_said(what)), event=stop_event)
     if stop.requested:  # asked before the first step (in on_step(0), or while the stages started): none runs
         return RunResult(tracker.run_id, before, after, None, stopped=True, last_step=done)
+    saved_step = done  # the step of the newest checkpoint (a resumed run's: the one it resumed from)
+    replays = bool(d.replay.run) and d.replay.on_miss == "fail"
     with stop:
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
+            drawn_from = g[plan.flow("data")[0].src].call("state") if replays else None  # the data before this step
             trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
-            tool_calls[step] = take_tool_calls(g, plan, f"step {step}")  # a replay miss stops the run here
+            try:
+                tool_calls[step] = take_tool_calls(g, plan, f"step {step}", step)  # a replay miss stops the run here
+            except ReplayMiss as miss:  # the steps before it are kept: logged and saved, the data where it was before it
+                for n, trajs_n, m_n in updates.finish(drain=True):
+                    _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
+                if saved_step < step - 1:
+                    _save(g, plan, tracker, step - 1, watch, data=drawn_from)
+                kept = f"; steps 1-{step - 1} are logged and checkpointed" if step > 1 else ""
+                raise ReplayMiss(f"{miss}{kept}") from None
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k]))  # hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
@@ -800,7 +812,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 stopping = saving = True
             heed(watch, step, display, tracker)
             if saving:  # drained: the trainer holds this step's update, the data source is past its batch
-                checkpoint, saved_at = _save(g, plan, tracker, step, watch), time.monotonic()
+                checkpoint, saved_at, saved_step = _save(g, plan, tracker, step, watch), time.monotonic(), step
             record.update()  # what this run has started, for the next run to end should this one be killed
             if stopping:
                 break
@@ -859,10 +871,12 @@ def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: li
     on_step(n, m)
 
 
-def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch) -> str:
+def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch, data: dict[str, Any] | None = None) -> str:
     """A checkpoint after `step` (drained: the trainer holds its update, the data source is past its batch),
-    with what --resume needs besides the trainer's state: the run, the data source's place, the monitors."""
-    state = {"run_id": tracker.run_id, "data": g[plan.flow("data")[0].src].call("state"), "watch": watch.state()}
+    with what --resume needs besides the trainer's state: the run, the data source's place (`data`: the one
+    given, where it drew a later step's batch since), the monitors."""
+    data = data if data is not None else g[plan.flow("data")[0].src].call("state")
+    state = {"run_id": tracker.run_id, "data": data, "watch": watch.state()}
     try:
         checkpoint = g[plan.flow("data")[-1].dst].call("save_checkpoint", tracker.checkpoint_dir, step, state)
     except Exception as e:  # noqa: BLE001 -- the disk's fault is said as such; anything else as it is
@@ -875,17 +889,20 @@ def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch) -> s
     return checkpoint
 
 
-def take_tool_calls(g: Groups, plan: Plan, made_in: str) -> list[dict[str, Any]]:
+def take_tool_calls(g: Groups, plan: Plan, made_in: str, step: int | None = None) -> list[dict[str, Any]]:
     """The tool calls recorded since the last take (the rows of the rollout or evaluation `made_in` names,
     taken right after it: its `tool_calls` table). A replay that could not answer some of them stops the run
     here under `replay.on_miss: fail` (factory.tools.recording), before the step is checked or trained on
-    the errors the misses answered."""
+    the errors the misses answered; `step`: the training step whose rollout made them."""
     rows: list[dict[str, Any]] = []
     for group in (x for x in g.values() if x.contract.records_tools):
         taken = group.call("take_recording")
         rows += taken["rows"]
         if taken["misses"] and plan.driver.replay.on_miss == "fail":
-            raise miss_error(taken["misses"], made_in, plan.driver.replay.run)
+            run, last = plan.driver.replay.run, recorded_through(plan)
+            if step is not None and last is not None and step > last:  # the run did not go elsewhere: it went on
+                raise miss_error(taken["misses"], made_in, run, beyond_recording(run, last, plan.driver.train.steps))
+            raise miss_error(taken["misses"], made_in, run)
     return rows
 
 

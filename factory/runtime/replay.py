@@ -71,7 +71,25 @@ RESCORE_ASKED_ELSEWHERE = ("the run never made this call (a tool reward node add
                            "one whose arguments differ)")
 
 
+def recorded_through(plan: Plan) -> int | None:
+    """The last training step at which the replayed run made a tool call (None: no replay, or it made none
+    while training): a run that trains longer misses at the step after, having gone nowhere else."""
+    for stage in plan.stages:
+        replayed = getattr(stage.settings, "replay", None)
+        if isinstance(replayed, Replayed):
+            origins = (str(r.get("origin", "")).split("/") for r in replayed.rows)
+            return max((int(o[1]) for o in origins if o[0] == "train" and len(o) > 1 and o[1].isdigit()), default=None)
+    return None
+
+
+def beyond_recording(run: str | None, last: int, steps: int) -> str:
+    """Why a replay misses at a step after the recording's last (`last`)."""
+    return (f"run {run} made its last tool call at step {last}, and this run trains {steps} steps (train.steps={last} "
+            "replays it all; replay.on_miss=live calls the tools once the recording has no answer)")
+
+
 def miss_error(misses: list[str], made_in: str, run: str | None, why: str = RUN_WENT_ELSEWHERE) -> ReplayMiss:
     """What stops a replay under `replay.on_miss: fail` once the calls made in `made_in` had `misses`."""
-    return ReplayMiss(f"{made_in}: the recording of run {run} has no answer for {len(misses)} tool calls, first "
+    calls = "1 tool call" if len(misses) == 1 else f"{len(misses)} tool calls"
+    return ReplayMiss(f"{made_in}: the recording of run {run} has no answer for {calls}, first "
                       f"{misses[0]}: {why}; replay.on_miss=live calls the tools instead")
