@@ -277,7 +277,10 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 
     t = Tracker(uri, "e")
-    run_id = t.start("r", {}, {}, {})
+    # stopped by a stop_on monitor once, say: resumed with the monitor taken out, it goes on (and `factory runs`
+    # showed a FINISHED run "stopped by" it)
+    run_id = t.start("r", {}, {"factory.stopped_by": "monitor x fired", "factory.stopped_by_monitor": "x",
+                               "factory.monitor.x": "1"}, {})
     for step in (0, 1, 2):
         t.log_metrics({"m": float(step)}, step=step)
     t.log_checkpoint(1, str(tmp_path / "step_1"))
@@ -302,6 +305,8 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1"
     assert run.data.tags["factory.resumed_from_step"] == "1"
+    assert "factory.stopped_by" not in run.data.tags and "factory.stopped_by_monitor" not in run.data.tags
+    assert run.data.tags["factory.monitor.x"] == "1"  # when it fired stays
     assert 0.4 <= float(run.data.tags["factory.idle_s"]) < 30
     from factory.tracking.runs import run_summary
 

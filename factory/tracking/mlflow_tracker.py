@@ -438,6 +438,11 @@ class MlflowTracker:
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
                          "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}",
                          STEPS_TAG: str(plan.driver.train.steps)})
+        from factory.monitors import HALTED_BY_TAG
+
+        for tag in ("factory.stopped_by", HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run
+            if tag in before.data.tags:  # that then finished showed FINISHED "stopped by" a monitor); the
+                self.client.delete_tag(resume.run_id, tag)  # `factory.monitor.<name>` tags keep when each fired
         if resume.changed:
             mlflow.set_tag("factory.resumed_spec_hash", plan.hashes["spec"])
             mlflow.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
