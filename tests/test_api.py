@@ -360,3 +360,13 @@ def test_runs_with_no_room_for_a_run_is_a_value_error():
     for limit in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="limit: at least 1 run"):
             factory.runs(limit=limit)
+
+
+def test_runs_of_a_store_that_is_not_there_says_so(tmp_path, monkeypatch):
+    """factory.runs(uri=...) of a mistyped store path returned [], as if it held no run (the CLI's table said
+    why; Python said nothing)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(factory.RunLookupError, match=r"^no tracking store at sqlite:////nonexistent/x.db"):
+        factory.runs(uri="sqlite:////nonexistent/x.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert factory.runs() == [] and not (tmp_path / "mlflow.db").exists()  # the default, not made yet: no runs
