@@ -81,6 +81,15 @@ def test_a_checkpoint_folder_that_cannot_be_one_is_a_spec_error(project):
     compile_file(path, [f"train.checkpoint_dir={project.root / 'new' / 'runs'}"])  # made when the run starts
 
 
+def test_a_flat_key_of_a_section_s_section_suggests_the_dotted_one(project):
+    """`algorithm.kl_coef` (as `factory plan` lists the resolved algorithm) suggested 'kl', which failed next."""
+    path = project.spec(_base(project, "rc_flat"))
+    assert _errors(path, ["algorithm.kl_coef=0.01", "algorithm.overlong_filter=true"]) == (
+        "<override 1>: algorithm.kl_coef: unknown key 'kl_coef'; did you mean 'kl.coef'?\n"
+        "<override 2>: algorithm.overlong_filter: unknown key 'overlong_filter'; did you mean 'overlong.filter'?\n"
+        "2 errors in spec.yaml")
+
+
 def test_a_checkpoint_folder_root_cannot_write_in_is_a_spec_error(project, monkeypatch):
     """`os.access` says yes to root for /sys and /proc, where making a folder fails: the check makes one."""
     import errno

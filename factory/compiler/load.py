@@ -110,7 +110,8 @@ class SpecSource:
                 path = p
                 break
         file, line, column = self.locate(path)
-        if file.startswith("<override") and message.startswith("expected a string, got"):
+        if file.startswith("<override") and (message.startswith("expected a string, got a")
+                                             or message.startswith("expected a string, got") and path in self.override_paths):
             # `parse='score: ('`: the shell's quotes are gone, and YAML reads `a: b` as a mapping, `31785009` (a
             # run id's prefix) as a number
             message += f"; an override's value is read as YAML: quote it inside, {path}=\"'...'\""

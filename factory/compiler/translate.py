@@ -206,6 +206,19 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+def nested_key(key: str, model: Any) -> str | None:
+    """`section.key` for a key written flat (`kl_coef`) that is a key of one of `model`'s sections (`kl: {coef}`),
+    else None."""
+    for name, info in model.model_fields.items():
+        rest = key.removeprefix(f"{name}_")
+        if rest == key:
+            continue
+        for kind in (info.annotation, *get_args(info.annotation)):
+            if isinstance(kind, type) and issubclass(kind, BaseModel) and rest in kind.model_fields:
+                return f"{name}.{rest}"
+    return None
+
+
 def unknown_key(key: str, valid: list[str]) -> str:
     if key in PEER_NAMES:
         ours, whose = PEER_NAMES[key]
@@ -232,6 +245,8 @@ def message(err: dict[str, Any], where: _Loc) -> str:
         if len(where.parts) == 1:  # the top level: `extends` is read (and removed) before the spec is validated
             valid.append("extends")
         key = str(where.parts[-1])
+        if where.model is not None and (dotted := nested_key(key, where.model)):  # `kl_coef` as `factory plan`
+            return f"unknown key '{key}'; did you mean '{dotted}'?"              # lists it: `kl.coef`
         if key not in PEER_NAMES and not nearest(key, valid):
             # a key of a section above, written one level too deep (`data.train.answer_key`)
             for path, model in reversed(where.models[:-1]):
