@@ -70,6 +70,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(user_projec
     run, client = resumed["run"], resumed["client"]
     when = f"(run 1 killed at {killed['when']})"
     assert f"resuming run {run.info.run_id}" in resumed["err"], resumed["err"][-2000:]
+    assert "\x1b[" not in resumed["err"]  # written to a pipe: Ray's stage lines without terminal colour codes
     assert run.info.status == "FINISHED" and run.data.tags["factory.resumes"] == "1", when
     # its summary: this session's time, and the run's over both sessions (as `factory runs` counts it)
     assert re.search(r"\), \d+\.\d min this session, \d+\.\d min in all\n", resumed["err"]), resumed["err"][-600:]

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -97,6 +98,8 @@ def start_ray(cluster: ClusterSettings) -> None:
     an address nothing answers on) as a RayStartError, exit 3, naming Ray's reason: not an internal error."""
     from factory.util import UserError
 
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # the stages' lines Ray prints here, into a log file:
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no terminal colour codes around their prefixes
     try:
         sigterm_interrupts()  # a SIGTERM while Ray starts stops the command as a Ctrl-C then does (exit 130) ...
         _start_ray(cluster)
