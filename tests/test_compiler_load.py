@@ -87,6 +87,14 @@ def test_a_null_mapping_says_how_to_drop_a_base_specs_entries(project):
                          "here, null each of its entries ({NAME: null}); an empty mapping is {}\n1 error in spec.yaml")
 
 
+def test_an_empty_mapping_override_empties_the_section(project):
+    """`tools={}` was merged into the spec's tools, changing nothing, in silence (and `tools=null`'s error
+    says an empty mapping is {})."""
+    path = project.spec(_base(project, "rw_emptytools") + "tools:\n  calc: {command: python, args: [-m, x]}\n")
+    assert set(load_spec(path).tools) == {"calc"}
+    assert load_spec(path, ["tools={}"]).tools == {}
+
+
 def test_numbers_out_of_their_range_name_the_bound(project):
     # each of these was accepted once; concurrency 0 hung every call to the server (a semaphore of 0 slots)
     path = project.spec(_base(project, "rw_bounds") + """\

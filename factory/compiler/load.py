@@ -276,6 +276,13 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                     continue
             else:
                 given = OmegaConf.from_dotlist([f"{key.strip()}={item.partition('=')[2]}"])  # `train.steps =3` too
+                value = OmegaConf.select(given, key.strip())
+                if isinstance(value, DictConfig) and not value and isinstance(
+                        OmegaConf.select(cfg, key.strip(), throw_on_resolution_failure=False), DictConfig):
+                    # `tools={}`: empties it (merged, an empty mapping changed nothing, in silence)
+                    OmegaConf.update(cfg, key.strip(), {}, merge=False)
+                    paths[key.strip()] = n
+                    continue
                 _swap_kind(cfg, given, key.strip())
                 cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
