@@ -453,9 +453,13 @@ def test_connect_starts_no_server_for_a_replay_that_starts_none(project):
     on_miss fail starts no server and ran to the end (docs/tools.md: a run whose server is gone can be replayed)."""
     path = project.spec(_base(project, "rc_replay") + "tools:\n  o: {command: ./no-such}\n", "b.yaml")
     _, plan = compile_file(path, ["replay.run=abc"], connect=True)
-    assert plan.warnings[-1] == ("b.yaml:1: replay.on_miss: warning: the tool servers are not started: a run replaying "
+    # at the override that set the replay (it was at "b.yaml:1: replay.on_miss", a key the spec does not write)
+    assert plan.warnings[-1] == ("<override 1>: replay.run: warning: the tool servers are not started: a run replaying "
                                  "run abc under on_miss fail starts none, and offers the tools the recorded run's "
                                  "servers listed")
+    from factory.compiler.render import plan_text
+
+    assert "(tool schemas not included: a run replaying them hashes those its recording lists)" in plan_text(plan)
     with pytest.raises(SpecErrors, match="tools.o"):  # replaying with live calls for misses: started, as a run does
         compile_file(path, ["replay.run=abc", "replay.on_miss=live"], connect=True)
 

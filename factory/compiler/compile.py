@@ -1371,7 +1371,7 @@ def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
     if spec.tools and spec.replay.run is not None and spec.replay.on_miss == "fail":
         # a replayed run starts none: it offers what the recorded run's servers listed (its start checks that the
         # recording lists every server): one gone since is no error for it, nor here
-        said = source.error("replay.on_miss", "the tool servers are not started: a run replaying run "
+        said = source.error("replay.run", "the tool servers are not started: a run replaying run "
                             f"{spec.replay.run} under on_miss fail starts none, and offers the tools the recorded "
                             "run's servers listed", level="warning")
         return dataclasses.replace(plan, warnings=plan.warnings + silent + (str(said),))

@@ -129,6 +129,9 @@ def _unhashed_tools(plan: Plan) -> str:
     hash of `check` and `plan` differs from `check --connect`'s and the run's (which hash them)."""
     if not plan.spec.get("tools") or plan.hashes.get("tools"):
         return ""
+    replay = plan.spec.get("replay") or {}
+    if replay.get("run") and replay.get("on_miss") == "fail":  # no server is started: the recording's are offered
+        return " (tool schemas not included: a run replaying them hashes those its recording lists)"
     return " (tool schemas not included: `check --connect` and a run start the servers and hash them)"
 
 
