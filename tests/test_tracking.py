@@ -582,3 +582,23 @@ def test_a_journal_line_cut_short_loses_no_later_record(tmp_path):
     assert [(r["seq"], r["step"]) for r in Spool(tmp_path).records] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     (tmp_path / SENT).write_text("")
     assert Spool(tmp_path).sent == 0 and len(Spool(tmp_path).records) == 4
+
+
+def test_records_that_wait_for_a_store_that_lost_the_run_are_not_promised_to_resume(tmp_path):
+    """The store's sqlite file deleted mid-run: the end said `--resume RUN` sends the records that waited, and
+    that command answered "no run with id ..."."""
+    import os
+
+    db = tmp_path / "t.db"
+    t = Tracker(f"sqlite:///{db}", "e")
+    t.start("r", {}, {}, {})
+    t.open_spool(tmp_path / "spool")
+    notes: list[str] = []
+    t._note = notes.append
+    t.log_metrics({"m": 1.0}, step=1)
+    os.remove(db)
+    t.log_metrics({"m": 2.0}, step=2)
+    t.end()
+    (said,) = [n for n in notes if "could not be sent" in n]
+    assert f"no longer holds run {t.run_id}" in said and "--resume cannot find the run" in said
+    assert "sends them" not in said

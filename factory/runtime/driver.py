@@ -1042,6 +1042,9 @@ def lost_error(e: BaseException) -> StageLostError:
     said = (text.splitlines() or [""])[0][:300]
     if (actor := re.search(r"class_name: (\w+)", text)) and actor.group(1) not in said:  # which stage's process
         said += f" (the {actor.group(1)} actor)"
+    if "RewardStage" in text:  # the process that runs the spec's own reward code: what ends one there, likely
+        said += ("; a reward function runs in that process: one that ends it (os._exit, a crash in C code, memory "
+                 "past the machine's) ends it again when the step is scored again")
     why = ("" if not sigterm_heard.is_set() else
            "; SIGTERM reached Ray's processes as well as the driver (a signal to every process of a job, as "
            "SLURM's time limit or systemd's stop send; a signal to the driver alone, `kill PID`, or to its process "

@@ -570,6 +570,19 @@ class MlflowTracker:
             self.down_since = None
         return True
 
+    def _run_gone(self) -> bool:
+        """Whether the store lost the run (not: it does not answer): its sqlite file is gone, or it answers that
+        it has no such run."""
+        from factory.util import missing_store
+
+        if missing_store(self.uri) is not None:  # (the driver's open connection still reads the deleted file)
+            return True
+        try:
+            self.client.get_run(self.run_id)
+        except Exception as e:  # noqa: BLE001
+            return getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST"
+        return False
+
     def _send(self, record: dict[str, Any], file: Any) -> None:
         from mlflow.entities import Metric, RunTag
 
@@ -609,8 +622,13 @@ class MlflowTracker:
         except Exception:  # noqa: BLE001
             pass
         if not self.flush(force=True):
-            self._note(f"{len(self.spool.records)} tracking records could not be sent: they wait in "
-                       f"{self.spool.folder}; `factory run SPEC --resume {self.run_id}` sends them")
+            waiting = f"{len(self.spool.records)} tracking records could not be sent: they wait in {self.spool.folder}"
+            if self._run_gone():  # (a sqlite file deleted mid-run: a new, empty one answers): --resume finds no run
+                self._note(f"{waiting}; the tracking store {self.uri} no longer holds run {self.run_id} (its database "
+                           "deleted or replaced while the run ran): they cannot be sent there, and --resume cannot find "
+                           "the run")
+            else:
+                self._note(f"{waiting}; `factory run SPEC --resume {self.run_id}` sends them")
         try:
             mlflow.end_run(status=status)
         except Exception as e:  # noqa: BLE001 -- the store is down: its status stays RUNNING, resumable
