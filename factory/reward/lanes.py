@@ -64,7 +64,7 @@ class Lane:
             raise
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # (one class from Python 3.11 on; two before)
             late = True
             self.stuck += 1
             self._wake()  # those waiting for a place may now find every place held for good
