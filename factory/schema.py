@@ -250,7 +250,8 @@ class FnNode(_Leaf):
     timeout_s: float | None = Field(60.0, gt=0)
     """Seconds a call may take (None = no limit); past it the call has no value (an error, `on_missing`
     applies) and scoring goes on. An async function is cancelled; a plain one's thread cannot be stopped
-    in Python and runs on to its end, holding one of the stage's 256 worker threads meanwhile."""
+    in Python and runs on to its end, holding one of its node's 256 places meanwhile (other nodes have their
+    own): once all 256 are held so, the node's calls fail at once until one returns."""
 
     @model_validator(mode="after")
     def _per_group(self) -> FnNode:

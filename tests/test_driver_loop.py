@@ -248,9 +248,9 @@ def test_a_replay_past_the_recording_s_last_step_says_so():
     assert recorded_through(plan) is None  # not replaying yet
     replayed = driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))
     assert recorded_through(replayed) == 2 and any(isinstance(s.settings, ToolsSettings) for s in plan.stages)
-    assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps "
-                                             "(train.steps=2 replays it all; replay.on_miss=live calls the tools once "
-                                             "the recording has no answer)")
+    assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps: "
+                                             "it went on past what was recorded (replay.on_miss=live calls the tools "
+                                             "once the recording has no answer)")
 
 
 def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(monkeypatch):

@@ -431,8 +431,18 @@ def test_resume_passes_over_a_checkpoint_whose_run_state_or_manifest_is_damaged(
     assert (r.run_id, r.checkpoint, r.step) == (run, "step_1", 1)
     assert [u.split(":")[0] for u in r.unreadable] == ["step_4", "step_3", "step_2"]
     assert "its run_state.json is unreadable (" in r.unreadable[0] and r.unreadable[1] == "step_3: it has no run_state.json"
-    assert r.unreadable[2] == (f"step_2: {ckpt}/step_2/manifest.json is missing (every checkpoint is saved with it): "
-                               "its files cannot be checked")
+    assert r.unreadable[2] == (f"step_2: {ckpt}/step_2/manifest.json is missing, where the run's other checkpoints "
+                               "have theirs: its files cannot be checked")
+    # a run saved before manifests existed: none has one, each is taken as it is
+    import shutil
+
+    shutil.rmtree(ckpt / "step_4")
+    for step in (1, 2, 3):
+        (ckpt / f"step_{step}" / "manifest.json").unlink(missing_ok=True)
+    (ckpt / "step_3" / "run_state.json").write_text(state.replace('"step": 4', '"step": 3').replace('"cursor": 8',
+                                                                                                  '"cursor": 6'))
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert (r.checkpoint, r.unreadable) == ("step_3", [])
 
 
 def test_recorded_source_hashes_compare_by_contents_not_by_where_the_source_was_found():

@@ -123,7 +123,7 @@ class LocalSession:
                 call = self.actor.complete.remote([p for p, _ in batch], self.node.max_tokens)
                 replies = await asyncio.wait_for(call, self.node.timeout_s)
             except Exception as e:  # the actor died, timed out or raised: these requests failed
-                if isinstance(e, TimeoutError):  # stop its work too: the next batches would queue behind it
+                if isinstance(e, (TimeoutError, asyncio.TimeoutError)):  # stop its work: later batches queue behind it
                     _cancel(call)
                 error = JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 for _, future in batch:

@@ -64,11 +64,14 @@ class Lane:
             raise
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):  # (one class from Python 3.11 on; two before)
-            late = True
-            self.stuck += 1
-            self._wake()  # those waiting for a place may now find every place held for good
-            raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
+        except BaseException as e:  # past its timeout, or this call cancelled (a `fail` node ended the scoring)
+            if not done.done():  # its thread runs on, holding its place until it ends
+                late = True
+                self.stuck += 1
+                self._wake()  # those waiting for a place may now find every place held for good
+            if isinstance(e, (TimeoutError, asyncio.TimeoutError)):  # (one class from Python 3.11 on; two before)
+                raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
+            raise
 
     async def _place(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:

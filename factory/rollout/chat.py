@@ -52,7 +52,9 @@ class ChatFormat:
         # answer each is defused (`defused`), so a web page cannot end a turn or open a call.
         marks = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         marks |= set(tokenizer.all_special_tokens)
-        marks = sorted((m for m in marks if len(m) > 1), key=len, reverse=True)
+        # markup only: some tokenizers add plain text as tokens (runs of spaces for code), which is no control token
+        marks = sorted((m for m in marks if len(m) > 1 and any(not (c.isalnum() or c.isspace()) for c in m)),
+                       key=len, reverse=True)
         self._marks = re.compile("|".join(map(re.escape, marks))) if marks else None
         # `<think>` where the generation prompt opens a reasoning block the model then writes in (R1's
         # templates): the turn's text starts inside it. "" otherwise (Qwen3 lets the model open it).

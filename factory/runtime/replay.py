@@ -83,9 +83,9 @@ def recorded_through(plan: Plan) -> int | None:
 
 
 def beyond_recording(run: str | None, last: int, steps: int) -> str:
-    """Why a replay misses at a step after the recording's last (`last`)."""
-    return (f"run {run} made its last tool call at step {last}, and this run trains {steps} steps (train.steps={last} "
-            "replays it all; replay.on_miss=live calls the tools once the recording has no answer)")
+    """Why a replay misses at a step after the last at which the recording made a tool call (`last`)."""
+    return (f"run {run} made its last tool call at step {last}, and this run trains {steps} steps: it went on past "
+            "what was recorded (replay.on_miss=live calls the tools once the recording has no answer)")
 
 
 def miss_error(misses: list[str], made_in: str, run: str | None, why: str = RUN_WENT_ELSEWHERE) -> ReplayMiss:

@@ -30,7 +30,7 @@ from factory.compiler.compile import plan_json
 from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
-from factory.update.checkpoint import RUN_STATE, complete, read_run_state, verify
+from factory.update.checkpoint import MANIFEST, RUN_STATE, complete, read_run_state, verify
 from factory.util import UserError
 
 # Logged once per training step, after the step's update (what "the run logged step N" means).
@@ -286,7 +286,9 @@ def newest_checkpoint(directory: Path, run_id: str,
     runs saved before each run had its own folder shared one) whose files are as they were saved
     (`verify`), and its run state; (None, {}) when there is none. A newer one that fails the check is
     passed over, and `skipped` hears why."""
-    for name in reversed(complete(directory)):
+    names = complete(directory)
+    manifested = any((directory / name / MANIFEST).is_file() for name in names)  # (a run saved before: none has)
+    for name in reversed(names):
         try:
             state = read_run_state(directory / name)
         except (OSError, ValueError) as e:  # cut short, say: whose it is cannot be told, but this is its folder
@@ -299,7 +301,7 @@ def newest_checkpoint(directory: Path, run_id: str,
             continue
         if state.get("run_id") != run_id:
             continue
-        problem = verify(directory / name)
+        problem = verify(directory / name, manifested)
         if problem is None:
             return name, state
         if skipped is not None:

@@ -135,17 +135,18 @@ def write_manifest(folder: str | os.PathLike) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
-def verify(folder: str | os.PathLike) -> str | None:
+def verify(folder: str | os.PathLike, manifested: bool = False) -> str | None:
     """Why a committed checkpoint cannot be trusted (a file missing, cut short or changed since it was
-    saved, its manifest gone), or None when every file matches its manifest. Every checkpoint is saved with
-    one, before it is committed: one without it was damaged since (it was taken as it was, and a weights
-    file cut short failed the resume as an internal error)."""
+    saved), or None when every file matches its manifest. One saved before manifests existed (2026-12-01)
+    has none, and is taken as it is; but where the run's other checkpoints have one (`manifested`), its own
+    was lost since (taken as it was, a weights file cut short failed the resume as an internal error)."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not folder.is_dir():
         return f"{folder} is missing"
     if not path.is_file():
-        return f"{path} is missing (every checkpoint is saved with it): its files cannot be checked"
+        return (f"{path} is missing, where the run's other checkpoints have theirs: its files cannot be checked"
+                if manifested else None)
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
