@@ -365,3 +365,12 @@ def test_calculator_reward_node_replaced_by_a_mapping_or_list_is_located(tmp_pat
     assert cli.main(["check", str(spec)]) == 2
     err = capsys.readouterr().err
     assert f"{spec}:{lineno}: {message}" in err and "internal error" not in err
+
+
+def test_monitor_settings_for_what_the_spec_lacks_are_said(project):
+    """`train.monitors.pass_at` without a judge node, `tool_call_ratio` without tools: accepted in silence."""
+    path = _spec(project, "st_mon", "train: {monitors: {pass_at: 0.7, disagreement: 0.5, tool_call_ratio: 2}}\n")
+    _, plan = compile_file(path, ["tools={}"])
+    said = [w.split("warning: ")[1] for w in plan.warnings]
+    assert said == ["has no effect without a judge node (judge_disagreement reads one)"] * 2 + [
+        "has no effect without tools (tool_call_rate is not computed)"]

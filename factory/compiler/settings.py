@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
 from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES
-from factory.schema import DeepSpeedSpec, Spec
+from factory.schema import DeepSpeedSpec, JudgeNode, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
 # lookups of the real reader and compares). Any other top-level key is ignored by DeepSpeed.
@@ -185,6 +185,13 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
         r.warn("replay.on_miss", f"{unused} without replay.run (no run's tool calls are replayed)")
     if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
         r.warn("rollout.vllm_lora", f"{unused} without model.lora (there are no adapters to sync)")
+    monitors = spec.train.monitors
+    if not any(isinstance(node, JudgeNode) for node in spec.rewards.values()):
+        for field in ("disagreement", "pass_at"):  # judge_disagreement compares a judge node with the verifier
+            if _set(monitors, field):
+                r.warn(f"train.monitors.{field}", f"{unused} without a judge node (judge_disagreement reads one)")
+    if not spec.tools and _set(monitors, "tool_call_ratio"):
+        r.warn("train.monitors.tool_call_ratio", f"{unused} without tools (tool_call_rate is not computed)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
         r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")
     if spec.algorithm.kl.coef == 0:
