@@ -323,6 +323,9 @@ def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_the
     assert report["warnings"] == [] and "B evaluates the other run's checkpoint" in " ".join(report["notes"])
     rows = {(m["metric"], m["agg"]): m for m in report["metrics"]}
     assert rows[("eval/reward", "final")]["delta"] == 0
+    # a prompt past those both runs saw: an index out of range from Python (it was RunLookupError: "no such run")
+    with pytest.raises(IndexError, match=r"^prompt 99 \(--prompt; prompt= from Python\): the runs share \d+ prompts"):
+        factory.diff(run.info.run_id, ev.info.run_id, prompt=99, uri=tiny_runs.uri)
 
 
 def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(monkeypatch):

@@ -372,6 +372,11 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
     }
 
 
+class NoSuchPrompt(RunLookupError, IndexError):
+    """`prompt` is past the prompts the two runs share: an index out of range from Python (IndexError), a
+    refused argument (exit 2) on the command line."""
+
+
 def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
               ) -> tuple[dict[str, Any], RunRecord, RunRecord]:
     """Two tracked runs (id, id prefix or name) compared (`compare`), with the trajectories of the
@@ -382,7 +387,8 @@ def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
     full = report.pop("_prompts_full")
     if full:
         if not 0 <= prompt < len(full):
-            raise RunLookupError(f"prompt {prompt} (--prompt; prompt= from Python): the runs share {len(full)} prompts (0..{len(full) - 1})")
+            raise NoSuchPrompt(f"prompt {prompt} (--prompt; prompt= from Python): the runs share {len(full)} prompts "
+                               f"(0..{len(full) - 1})")
         report["trajectories"] = full[prompt]
     return report, a, b
 
