@@ -74,7 +74,10 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     deadline = time.monotonic() + cfg.episode_timeout_s if cfg.episode_timeout_s else None
 
     async def in_time(work: Any) -> Any:  # TimeoutError past the episode's deadline (the work is cancelled)
-        return await (work if deadline is None else asyncio.wait_for(work, max(deadline - time.monotonic(), 0.0)))
+        try:
+            return await (work if deadline is None else asyncio.wait_for(work, max(deadline - time.monotonic(), 0.0)))
+        except asyncio.TimeoutError as e:  # (TimeoutError itself from Python 3.11 on; its own class before)
+            raise TimeoutError from e
 
     finished = True  # whether the last model turn ended by itself (not cut by a token limit or the clock)
     if context is not None and len(prompt_ids) >= context:
