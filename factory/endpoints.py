@@ -14,7 +14,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from factory.util import key_may_go_to
+from factory.util import TIMEOUTS, key_may_go_to
 
 
 class EndpointError(RuntimeError):
@@ -61,8 +61,8 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
                         if resp.status_code in (401, 403) and key_withheld else "")
                 raise EndpointError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
             return resp
-        except (_Retryable, httpx2.TransportError, TimeoutError, asyncio.TimeoutError) as e:  # (one class from 3.11)
-            error = (f"no whole response within {cap_s:g} s" if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else
+        except (_Retryable, httpx2.TransportError, *TIMEOUTS) as e:
+            error = (f"no whole response within {cap_s:g} s" if isinstance(e, TIMEOUTS) else
                      f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e))
             if attempt == retries:
                 raise EndpointError(error) from None

@@ -2,6 +2,7 @@
 factory."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import difflib
 import importlib
@@ -131,6 +132,10 @@ def nearest(key: str, valid: Iterable[str]) -> str | None:
 def _words(name: str) -> list[str]:
     return [w for w in re.split(r"[_\-.]+", name.lower()) if w]
 
+
+
+# What asyncio.wait_for raises past its deadline: TimeoutError from Python 3.11 on, a class of its own before.
+TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 
 
 # What stdio MCP servers are commonly started with: the "did you mean" of a server command that is not found.

@@ -18,7 +18,7 @@ from factory.endpoints import EndpointError, open_client, request
 from factory.plan import JudgeSettings
 from factory.schema import JudgeNode
 from factory.types import Placement
-from factory.util import enter_workdir, node_id
+from factory.util import TIMEOUTS, enter_workdir, node_id
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class LocalSession:
                 call = self.actor.complete.remote([p for p, _ in batch], self.node.max_tokens)
                 replies = await asyncio.wait_for(call, self.node.timeout_s)
             except Exception as e:  # the actor died, timed out or raised: these requests failed
-                if isinstance(e, (TimeoutError, asyncio.TimeoutError)):  # stop its work: later batches queue behind it
+                if isinstance(e, TIMEOUTS):  # stop its work too: later batches would queue behind it
                     _cancel(call)
                 error = JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 for _, future in batch:

@@ -21,6 +21,8 @@ from typing import Any
 
 import anyio
 
+from factory.util import TIMEOUTS
+
 
 class Lane:
     """At most `size` calls of one node's function at once, each in a thread of its own; `stuck`: those past
@@ -69,7 +71,7 @@ class Lane:
                 late = True
                 self.stuck += 1
                 self._wake()  # those waiting for a place may now find every place held for good
-            if isinstance(e, (TimeoutError, asyncio.TimeoutError)):  # (one class from Python 3.11 on; two before)
+            if isinstance(e, TIMEOUTS):
                 raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
             raise
 

@@ -22,6 +22,7 @@ from factory.rollout.engine import Engine, Sampling, request_seed
 from factory.rollout.parse import parse_tool_calls
 from factory.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
+from factory.util import TIMEOUTS
 
 
 class Tools(Protocol):
@@ -76,7 +77,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
     async def in_time(work: Any) -> Any:  # TimeoutError past the episode's deadline (the work is cancelled)
         try:
             return await (work if deadline is None else asyncio.wait_for(work, max(deadline - time.monotonic(), 0.0)))
-        except asyncio.TimeoutError as e:  # (TimeoutError itself from Python 3.11 on; its own class before)
+        except TIMEOUTS as e:  # (asyncio's own class before Python 3.11)
             raise TimeoutError from e
 
     finished = True  # whether the last model turn ended by itself (not cut by a token limit or the clock)

@@ -785,12 +785,10 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             try:
                 tool_calls[step] = take_tool_calls(g, plan, f"step {step}", step)  # a replay miss stops the run here
             except ReplayMiss as miss:  # the steps before it are kept: logged and saved, the data where it was before it
-                for n, trajs_n, m_n in updates.finish(drain=True):
-                    _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
-                if saved_step < step - 1:
-                    _save(g, plan, tracker, step - 1, watch, data=drawn_from)
-                kept = f"; steps 1-{step - 1} are logged and checkpointed" if step > 1 else ""
-                raise ReplayMiss(f"{miss}{kept}") from None
+                keep_before(step, miss, updates, lambda n, t, m_n: _log_step(tracker, display, on_step, n, t,
+                                                                          tool_calls.pop(n), m_n, traces),
+                            None if saved_step == step - 1 else lambda: _save(g, plan, tracker, step - 1, watch,
+                                                                                 data=drawn_from))
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
             m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k]))  # hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
@@ -872,6 +870,19 @@ def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: li
     tracker.log_metrics(m, step=n)
     display.step(n, m, failing=failing_everywhere(trajs), trajectories=len(trajs))
     on_step(n, m)
+
+
+def keep_before(step: int, miss: ReplayMiss, updates: Any, log: Callable[[int, list[Trajectory], dict[str, float]], None],
+                save: Callable[[], Any] | None) -> None:
+    """A replay that missed at `step`'s rollout stops the run before that step trains; the steps before it are
+    kept: the updates in flight finished and logged (`log`), the last one saved (`save`, None when it is), and
+    the miss raised again saying so (they were lost: no checkpoint, nothing to resume or export)."""
+    for n, trajs, m in updates.finish(drain=True):
+        log(n, trajs, m)
+    if save is not None and step > 1:
+        save()
+    kept = f"; steps 1-{step - 1} are logged and checkpointed" if step > 1 else ""
+    raise ReplayMiss(f"{miss}{kept}") from None
 
 
 def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch, data: dict[str, Any] | None = None) -> str:

@@ -116,8 +116,7 @@ class McpServer:
         probe = self._breaker.state == "half_open"  # this call, if allowed, is the one probe
         if not self._breaker.allow():
             # Not retryable: the circuit stays open for seconds, a backoff of 0.1 s would not help.
-            text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
-            return infra_error(tool, "circuit_open", text), False
+            return self._circuit_open(tool), False
         try:
             return await self._call(tool, arguments, probe)
         finally:
@@ -129,8 +128,7 @@ class McpServer:
             if not probe and self._breaker.state != "closed":
                 # let in while the circuit was closed, it opened while this call waited for a slot: it fails fast
                 # too (else each slot's worth of waiting calls would start the failing server again)
-                text = f"Error: tool server {self.name!r} is failing; calls are paused for a few seconds."
-                return infra_error(tool, "circuit_open", text), False
+                return self._circuit_open(tool), False
             replica = self._pick()
             try:
                 connection = await replica.get()
@@ -164,6 +162,10 @@ class McpServer:
         if result.is_error:
             return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False
         return ToolResult(tool=tool, text=content_text(result)), False
+
+    def _circuit_open(self, tool: str) -> ToolResult:
+        return infra_error(tool, "circuit_open", f"Error: tool server {self.name!r} is failing; calls are paused "
+                                                 "for a few seconds.")
 
     def _failure(
         self, tool: str, connection: McpConnection, replica: _Replica, exc: Exception
