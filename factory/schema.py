@@ -251,7 +251,17 @@ class FnNode(_Leaf):
     """Seconds a call may take (None = no limit); past it the call has no value (an error, `on_missing`
     applies) and scoring goes on. An async function is cancelled; a plain one's thread cannot be stopped
     in Python and runs on to its end, holding one of its node's 256 places meanwhile (other nodes have their
-    own): once all 256 are held so, the node's calls fail at once until one returns."""
+    own): once all 256 are held so, the node's calls fail at once until one returns. Under `processes`, the
+    call's worker process is ended instead."""
+    processes: int = Field(0, ge=0)
+    """Run the function in this many worker processes of the node's own instead of threads (0, the default:
+    threads). For a CPU-bound function that holds the GIL (sympy's simplification, a checker written in
+    Python), whose calls threads can only take in turn: 2 processes score about twice as fast on 2 free
+    cores (`bench/rewards.py`). The function must be importable by its path in a new process (a
+    module-level function) and its `args` picklable (the compiler checks both); each process is started at
+    the node's first call and imports the function's module then. A call past `timeout_s` ends its process,
+    which a thread cannot be made to do. The processes' CPUs are not in `resources.reward.num_cpus`: reserve
+    them there on a shared cluster. Not for an async function, which already runs concurrently."""
 
     @model_validator(mode="after")
     def _per_group(self) -> FnNode:

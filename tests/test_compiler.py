@@ -311,6 +311,42 @@ def group_turns(prompts, completions, rows, turns):
         "4 errors in spec.yaml")
 
 
+def test_a_function_in_processes_must_pickle_and_not_be_async(project):
+    project.module("rc_proc", """\
+import functools
+
+def plain(prompt, completion, **row):
+    return 0.0
+
+async def waits(prompt, completion, **row):
+    return 0.0
+
+lam = lambda prompt, completion, **row: 0.0
+
+def _wrap(fn):
+    def inner(*a, **k):
+        return fn(*a, **k)
+    return inner
+
+wrapped = _wrap(plain)
+""")
+    path = project.spec(_base(project, "rc_procbase") + """\
+  a: {fn: "rc_proc:plain", processes: 2}
+  b: {fn: "rc_proc:waits", processes: 2}
+  c: {fn: "rc_proc:lam", processes: 2}
+  d: {fn: "rc_proc:wrapped", processes: 1}
+""")
+    errors = _errors(path).splitlines()
+    assert errors[0] == ("spec.yaml:10: rewards.b.processes: rc_proc:waits is an async function, which already runs "
+                         "concurrently on the reward stage's event loop: remove `processes` (it is for plain "
+                         "functions that hold the GIL)")
+    assert errors[1].startswith("spec.yaml:11: rewards.c.processes: rc_proc:lam cannot be sent to a worker process "
+                                "(PicklingError: ")
+    assert errors[2].startswith("spec.yaml:12: rewards.d.processes: rc_proc:wrapped cannot be sent to a worker "
+                                "process (")
+    assert errors[1].endswith("or remove `processes`") and errors[3:] == ["3 errors in spec.yaml"]
+
+
 def test_reward_graph_cycle_is_shown_and_located(project):
     path = project.spec(_base(project, "rc_cycle") + """\
   a: {sum: {b: 1.0}}

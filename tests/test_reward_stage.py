@@ -2,6 +2,7 @@
 each `on_missing` policy, the per-step cache, concurrency, and what reward functions receive."""
 import asyncio
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -209,6 +210,38 @@ def test_a_process_scoring_with_a_hung_function_still_exits(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0 and "took longer than timeout_s" in done.stdout, done.stderr[-2000:]
+
+
+def test_processes_run_a_node_s_calls_at_once_and_end_what_hangs_or_dies(tmp_path):
+    """`processes: 2`: calls of a function that holds the GIL ran one at a time in threads. Here 2 calls wait for
+    each other's process (the value is the number of processes seen: 2.0 only if both ran at once); a call past
+    timeout_s ends its process, a process that dies fails its call only, and the node scores on after both."""
+    spec = make_spec({"meet": {"fn": f"{FNS}:meets", "args": {"folder": str(tmp_path)}, "processes": 2},
+                      "hang": {"fn": f"{FNS}:hangs", "processes": 1, "timeout_s": 1.0},
+                      "die": {"fn": f"{FNS}:dies", "processes": 1},
+                      "own": {"fn": f"{FNS}:own_timeout", "processes": 1},
+                      "exit": {"fn": f"{FNS}:exits", "processes": 1},
+                      "total": {"sum": {"meet": 1.0, "hang": 0.0, "die": 0.0, "own": 0.0, "exit": 0.0}}})
+    stage = reward_stage(spec)
+
+    async def go():
+        await stage.setup()
+        try:
+            first, _ = await stage.score([traj("a"), traj("b", 0, 1)])
+            pids = sorted(int(p.name) for p in tmp_path.iterdir())
+            return first, pids, stage._lanes["hang"]._pool.active
+        finally:
+            await stage.close()
+
+    trajs, pids, active = asyncio.run(go())
+    assert [t.rewards["meet"] for t in trajs] == [2.0, 2.0] and len(pids) == 2
+    assert os.getpid() not in pids
+    details = trajs[0].reward_details
+    assert details["hang"]["error"] == "TimeoutError: took longer than timeout_s (1 s); its process was ended"
+    assert details["die"]["error"].startswith("RuntimeError: its worker process ended during the call (exit code 7")
+    assert details["own"]["error"] == "TimeoutError: the checker's own deadline"  # the function's, not the lane's
+    assert details["exit"]["error"] == "RuntimeError: the function raised SystemExit(2)"
+    assert active  # the pools went on past the hung and the dead call
 
 
 def test_normalize_over_group_and_batch():

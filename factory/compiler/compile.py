@@ -16,7 +16,9 @@ import contextlib
 import copy
 import dataclasses
 import filecmp
+import functools
 import graphlib
+import inspect
 import json
 import os
 import re
@@ -694,9 +696,28 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
         own = getattr(fn, "__module__", "").startswith("factory.")  # ours drop what their **_ gets
         for key, problem in args_problems(fn, node.args, catch_all_ignores=own).items():
             r.error(f"rewards.{name}.args.{key}", problem)
+        if node.processes and (problem := _process_problem(fn, node)):
+            r.error(f"rewards.{name}.processes", problem)
         fns[name] = fn
         hashes |= source_hashes(fn)  # its module's and its project helpers
     return hashes, fns
+
+
+def _process_problem(fn: Callable[..., Any], node: FnNode) -> str | None:
+    """Why a function node's function cannot run in worker processes (`processes`), or None: each call is
+    pickled there, the function by its import path and its `args` by value."""
+    import pickle
+
+    if inspect.iscoroutinefunction(fn):
+        return (f"{node.fn} is an async function, which already runs concurrently on the reward stage's event "
+                "loop: remove `processes` (it is for plain functions that hold the GIL)")
+    try:
+        pickle.dumps(functools.partial(fn, **node.args))
+    except Exception as e:  # noqa: BLE001 -- pickle raises PicklingError, AttributeError, TypeError alike
+        return (f"{node.fn} cannot be sent to a worker process ({type(e).__name__}: {e}): use a function defined "
+                "at its module's top level (not a lambda, a nested function or one a decorator replaced without "
+                "functools.wraps) and `args` of plain values, or remove `processes`")
+    return None
 
 
 def _check_judges(spec: Spec, r: _Report, joins: bool) -> None:

@@ -8,6 +8,9 @@ one), the clock starts when a call's thread does, and a call that times out keep
 its thread ends: a hung function holds up its own node only, whose later calls fail at once once every place
 is held by one that never returned.
 
+A node with `processes: N` runs its calls in N worker processes of its own instead (`Processes`): a
+CPU-bound function that holds the GIL then runs N at once, and a call past its timeout ends with its process.
+
 Whatever the function raises is its failure, as an Exception the stage records: KeyboardInterrupt,
 SystemExit (argparse, sys.exit) and CancelledError (`.result()` of a cancelled future) included, which would
 otherwise end the call's task, the stage's event loop, or the run.
@@ -15,6 +18,7 @@ otherwise end the call's task, the stage's event loop, or the run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +100,52 @@ class Lane:
         for waiter in waiting:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+class Processes:
+    """A node's calls in `size` worker processes of its own (pebble's pool, started at the first call): threads
+    of one process take turns at a function that holds the GIL (sympy, a checker written in Python), processes
+    do not. A call past its `timeout_s`, or whose caller was cancelled, ends its worker process (the pool
+    starts another), which no thread can be made to do; a process that dies (a segfault, `os._exit`) fails its
+    call only. The function and what it is passed are pickled: the compiler checks the function can be."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self._pool: Any = None
+
+    async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
+        """`fn()`'s result from a worker process; TimeoutError past `timeout_s` of its run there."""
+        if self._pool is None:
+            import multiprocessing
+
+            from pebble import ProcessPool
+
+            # spawn, not fork: a fork would copy this process's threads' locks (Ray's, the event loop's) mid-use
+            self._pool = ProcessPool(max_workers=self.size, context=multiprocessing.get_context("spawn"))
+        future = self._pool.schedule(fn, timeout=timeout_s)  # (pebble's clock starts when a worker takes it)
+        try:
+            return await asyncio.wrap_future(future)  # (a cancelled await cancels `future`: its worker ends)
+        except Exception as e:
+            from pebble import ProcessExpired
+            from pebble.common.types import RemoteTraceback
+
+            if isinstance(e.__cause__, RemoteTraceback):  # the function's own
+                raise
+            # pebble's TimeoutError("Task timeout", limit): the worker was ended. (asyncio copies a TimeoutError
+            # into one of its own, without its cause: the function's own TimeoutError is told by its text.)
+            if isinstance(e, (*TIMEOUTS, concurrent.futures.TimeoutError)) and e.args[:1] == ("Task timeout",):
+                raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s); its process was ended") from None
+            if isinstance(e, ProcessExpired):
+                raise RuntimeError(f"its worker process ended during the call (exit code {e.exitcode}: a crash "
+                                   "in native code, os._exit or a signal)") from None
+            raise
+        except (SystemExit, KeyboardInterrupt) as e:  # raised in the worker and handed back: the function's
+            raise RuntimeError(f"the function raised {type(e).__name__}({_args(e)})") from None
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()  # (ends running calls' workers too)
+            await asyncio.to_thread(self._pool.join, 10)
 
 
 def _settle(done: asyncio.Future, outcome: tuple[bool, Any], ended: Callable[[], None]) -> None:

@@ -40,7 +40,7 @@ from factory.reward.graph import (
     standardize,
     turn_mean,
 )
-from factory.reward.lanes import Lane, awaited
+from factory.reward.lanes import Lane, Processes, awaited
 from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_object, node_id, resolve_file
@@ -79,7 +79,8 @@ class RewardStage(StageActor):
         self._warned_round: tuple[int, int] | None = None  # (step, attempt) whose failing nodes were logged
         self._said_none: set[str] = set()  # nodes whose function's None (its "no value") was said: once a run
         self._warned: set[str] = set()
-        self._lanes = {name: Lane(name, threads_per_node) for name, node in self.nodes.items() if isinstance(node, FnNode)}
+        self._lanes = {name: Processes(name, node.processes) if node.processes else Lane(name, threads_per_node)
+                       for name, node in self.nodes.items() if isinstance(node, FnNode)}
         self._base_dir = Path(settings.base_dir)
         self._sessions = contextlib.AsyncExitStack()  # the judge sessions setup() opens; close() closes them
         # `progress`: trajectories scored / given since no call was in flight, and node values settled (a
@@ -171,12 +172,15 @@ class RewardStage(StageActor):
 
     async def close(self) -> None:
         await self._sessions.aclose()
+        for lane in self._lanes.values():
+            if isinstance(lane, Processes):
+                await lane.close()
 
     async def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Function node `name`'s result, within its `timeout_s`: awaited if it is async, else in a thread of
-        the node's own (factory.reward.lanes: a hung function holds up its own node only). Whatever it raises is
-        an Exception, the node's failure (SystemExit from a checker that wraps a command line, say, which would
-        end the stage's event loop)."""
+        the node's own, or in one of its worker processes (factory.reward.lanes: a hung function holds up its
+        own node only). Whatever it raises is an Exception, the node's failure (SystemExit from a checker that
+        wraps a command line, say, which would end the stage's event loop)."""
         limit, call = self.nodes[name].timeout_s, functools.partial(fn, *args, **kwargs)
         if inspect.iscoroutinefunction(fn):
             return await awaited(call, limit)

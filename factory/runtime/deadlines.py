@@ -73,7 +73,8 @@ class Deadlines:
         state = f"; its last progress: {beat}" if beat is not None else ""
         # what stalls a scoring call: not the engine (a CPU-bound function stops the stage's own clocks)
         causes = ("a reward function that holds the CPU without letting go of Python's lock -- a runaway regular "
-                  "expression, a loop in C code -- stops the stage's clocks, so its node's timeout_s cannot fire"
+                  "expression, a loop in C code -- stops the stage's clocks, so its node's timeout_s cannot fire: "
+                  "give its node `processes: 1` or more, where a call past timeout_s ends its process"
                   if method == "score" else "a hung tool server, a stalled engine")
         raise StageTimeout(f"stage '{stage}' did not answer {method}{f' ({doing})' if doing else ''} within "
                            f"{budget:.0f} s ({why}); waited {waited:.0f} s{state}. The run stops: look at that "
