@@ -62,7 +62,7 @@ def _run() -> dict[str, Any]:
 
     commit = git("rev-parse", "--short=10", "HEAD") or None
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    return {"commit": commit, "dirty": dirty, "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")}
+    return {"commit": commit, "dirty": dirty, "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
 
 
 def cpu_line() -> str:

@@ -131,8 +131,6 @@ class Adapters:
 def merged(base: dict[str, torch.Tensor], adapters: Adapters, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """`{module}.weight` = W + scale * B @ A for every adapted module, computed in float32 from `base`
     (the module weights as loaded, before any adapter) and cast to `dtype` (default: W's)."""
-    import torch
-
     out = {}
     for module, (a, b) in adapters.pairs().items():
         w = base[f"{module}.weight"]

@@ -70,9 +70,10 @@ def monitor(name: str) -> Callable[[Monitor], Monitor]:
 
 
 # ------------------------------------------------------------------------------------ windows
-def _mean(values: Sequence[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else math.nan
+def _mean(values: Iterable[float | None]) -> float:
+    """The mean of the values there are (None and non-finite ones left out), NaN without any."""
+    known = [float(v) for v in values if v is not None and math.isfinite(v)]
+    return sum(known) / len(known) if known else math.nan
 
 
 def windows(h: History, key: str, w: int) -> tuple[float, float] | None:
@@ -204,12 +205,6 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
             mv = sum(v) / len(v)
             cov[node] += w * sum((a - mv) * (b - mt) for a, b in zip(v, t)) / len(t)
     return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
-
-
-def _mean(values: Iterable[float | None]) -> float:
-    """The mean of the values there are (None and non-finite ones left out), NaN without any."""
-    known = [float(v) for v in values if v is not None and math.isfinite(v)]
-    return sum(known) / len(known) if known else math.nan
 
 
 def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str) -> Row:

@@ -452,7 +452,7 @@ def test_eval_of_a_server_that_does_not_answer_exits_2_before_ray_starts(project
     url = f"http://127.0.0.1:{free_port()}/v1"
     assert cli.main(["eval", path, "--model", url]) == 2
     assert capsys.readouterr().err == (
-        f"factory: --model {url}: no answer within 10 s (ConnectError: All connection attempts failed): is the "
+        f"factory: model {url}: no answer within 10 s (ConnectError: All connection attempts failed): is the "
         "server up, and the URL its OpenAI-compatible base (ending in /v1)?\n")
     assert not (project.root / "mlflow.db").exists()
 

@@ -23,6 +23,9 @@ def test_puzzle_answers_by_hand():
     class Fixed(random.Random):
         """randint returns the values queued, in order."""
 
+        def __new__(cls, *values):  # (Python 3.10's Random.__new__ takes one seed at most)
+            return super().__new__(cls)
+
         def __init__(self, *values):
             super().__init__(0)
             self.values = list(values)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from bench.gpu_check import CHECKS, Check, judge, parse_args
+from bench.gpu_check import Check, judge, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = {"rollout.device": "cuda", "update.device": "cuda", "update.autocast": "bfloat16", "rollout.engine": "vllm",

@@ -19,6 +19,7 @@ from factory.rollout.parse import parse_one
 from factory.schema import StdioServer
 from factory.tools import Resilience, ToolBox
 from factory.types import ToolCall, ToolResult
+from factory.util import TIMEOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = StdioServer(
@@ -289,7 +290,7 @@ async def test_a_probe_that_ends_without_a_verdict_lets_another_probe_through():
     async with ToolBox.from_spec({"faulty": FAULTY}, resilience=resilience) as box:
         await box.call(call("die"))  # the circuit opens
         await asyncio.sleep(0.4)
-        with pytest.raises(TimeoutError):  # the probe, cancelled while the server answers slowly
+        with pytest.raises(TIMEOUTS):  # the probe, cancelled while the server answers slowly
             await asyncio.wait_for(box.call(call("echo", text="slow", delay_s=5.0)), 1.0)
         after = await box.call(call("echo", text="next"))  # another probe, not "circuit_open"
         assert (after.status, after.text) == ("ok", "next")

@@ -5,7 +5,6 @@ import pytest
 
 from factory.reward import MissingReward
 from factory.reward.graph import per_turn_nodes, required_columns, turn_mean
-from factory.schema import Spec
 from factory.types import ToolCall, ToolResult, Turn
 from tests.fixtures import reward_fns
 from tests.test_reward_stage import make_spec, score, traj

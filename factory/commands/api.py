@@ -74,8 +74,6 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
     found = None
     if resume is not None:
-        import sys
-
         from factory.runtime.resume import find
         from factory.tracking.mlflow_tracker import tracking_uri
 
@@ -244,7 +242,7 @@ def _check_endpoint(url: str, joins: bool) -> None:
     why = unreachable(url)
     if why is None:
         return
-    said = (f"--model {url}: no answer within {JUDGE_PROBE_S:.0f} s ({why}): is the server up, and the URL its "
+    said = (f"model {url}: no answer within {JUDGE_PROBE_S:.0f} s ({why}): is the server up, and the URL its "
             "OpenAI-compatible base (ending in /v1)?")
     if not joins:
         raise UserError(said)
@@ -273,7 +271,7 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
         try:
             merge_adapters(local, merged)
         except ExportError as e:
-            raise ExportError(f"--model {ref}: {e}") from None
+            raise ExportError(f"model {ref}: {e}") from None
         return str(merged), 0, {"factory.eval_model": str(local.resolve())}
     tags = {}
     if not local.is_dir():  # a tracked run: its own checkpoint folder
@@ -296,7 +294,7 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
     try:
         return str(hf_folder(folder).resolve()), step, tags
     except ExportError as e:
-        raise ExportError(f"--model {ref}: {e}") from None
+        raise ExportError(f"model {ref}: {e}") from None
 
 
 def tracked_model(plan: Plan, source: str) -> Plan:
