@@ -32,13 +32,15 @@ By language:
 - `python`: `file=PATH` writes the block there; otherwise it runs with this environment's python in the
     working folder and must exit 0. `slow` works as for `bash` (the default suite compiles it).
 - `json`: must parse (a `.jsonl` file: line by line); `file=PATH` writes it.
-- any language: `file=PATH` writes the block; `skip="why"` leaves it alone.
+- any language: `file=PATH` writes the block; `skip="why"` leaves it alone; `needs=MODULE`: skipped where
+    MODULE is not installed (`needs=vllm`: Python 3.10, `FACTORY_NO_VLLM=1`).
 A block the harness would not execute is an error: every command and snippet in the docs runs.
 Relative links and images of a page must exist.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -367,6 +369,8 @@ def run_python(block: Block, cwd: Path, timeout: float) -> None:
 def run_block(block: Block, cwd: Path, timeout: float = 600, slow: bool = False) -> subprocess.Popen[str] | None:
     """Run one block; a server started with `background=` is returned (the caller stops it). A block
     marked `slow` runs only when `slow` is true; otherwise its shell syntax is checked."""
+    if (module := block.attrs.get("needs")) and importlib.util.find_spec(module) is None:
+        block.attrs["skip"] = f"{module} is not installed here"
     for attr in ("skip", "slow"):
         if attr in block.attrs and not block.attrs[attr].strip():
             raise _fail(block, f'{attr} needs a reason: {attr}="why this block cannot run here"')

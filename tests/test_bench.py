@@ -238,7 +238,7 @@ def test_vs_trl_gives_trls_vllm_factorys_sampling_dtype_and_kv_blocks(monkeypatc
     # TRL leaves vLLM's dtype "auto", which samples a float32 model in bfloat16 on x86 CPUs
     import types
 
-    import trl.generation.vllm_generation as generation
+    generation = pytest.importorskip("trl.generation.vllm_generation", reason="TRL needs Python 3.11+")
 
     import bench.vs_trl as vs_trl
     from factory.rollout.engine_vllm import CPU_BLOCK_SIZE

@@ -1,5 +1,6 @@
 """HFEngine on the built-in tiny-qwen3 (random weights, real Qwen3 tokenizer), plus its pure helpers."""
 import asyncio
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,8 @@ def test_a_replicas_gpus_are_vllms_tensor_parallel_size(cuda_vllm_args):
     assert cuda_vllm_args["tensor_parallel_size"] == 4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (Python 3.10, "
+                    "FACTORY_NO_VLLM=1)")
 def test_a_replica_sharing_its_gpu_asks_vllm_for_its_share_only(cuda_vllm_args):
     """vLLM on CUDA will not start unless gpu_memory_utilization of the whole GPU is free (its default 0.9, even
     with kv_cache_memory_bytes given): rollout 0.5 beside update 0.5 failed once the update held a tenth of the

@@ -3,6 +3,7 @@ keys, settings that depend on another one say so, and a broken reward node is a 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import typing
 from pathlib import Path
@@ -229,6 +230,8 @@ def test_one_sample_a_prompt_needs_an_advantage_without_groups(project):
         compile_file(path, ok)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (Python 3.10, "
+                    "FACTORY_NO_VLLM=1)")
 def test_vllm_settings_that_do_not_apply_warn(project):
     """`vllm_compile` / `vllm_lora` under the transformers engine, `vllm_lora` without LoRA: checked ok in silence."""
     path = _spec(project, "st_vllm", "rollout: {engine: hf, vllm_compile: true, vllm_lora: serve}\n")
