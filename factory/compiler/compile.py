@@ -1094,7 +1094,10 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                   Edge("tools", "rollout", "tool_results", "call")]
     stream = reward_stream(spec.rewards)
     whole_batch = stream is None
-    stages.append(Stage("reward", "evaluates the reward graph per trajectory", "factory.reward.stage:RewardStage",
+    pools = "; ".join(f"{n} in {node.processes} worker process{'es' if node.processes > 1 else ''} of its own"
+                      for n, node in spec.rewards.items() if isinstance(node, FnNode) and node.processes)
+    stages.append(Stage("reward", "evaluates the reward graph per trajectory" + (f"; {pools}" if pools else ""),
+                        "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
                                        base_dir=base_dir, whole_batch=whole_batch,
                                        takes_turns=tuple(n for n, fn in fns.items() if takes_turns(fn)),
