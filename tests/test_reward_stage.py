@@ -244,6 +244,37 @@ def test_processes_run_a_node_s_calls_at_once_and_end_what_hangs_or_dies(tmp_pat
     assert active  # the pools went on past the hung and the dead call
 
 
+def test_what_a_worker_process_cannot_hand_back_is_its_call_s_failure_and_a_dead_pool_is_replaced():
+    """Under `processes`, an exception that does not unpickle broke pebble's whole pool (every later call of the
+    node failed), a result that does not pickle killed the worker (said as a crash), a CancelledError of the
+    function's ended the whole scoring call; and once its idle workers were killed, the node failed for good."""
+    import psutil
+
+    spec = make_spec({"m": {"fn": f"{FNS}:misbehaves", "processes": 1}, "total": {"sum": {"m": 1.0}}})
+    stage = reward_stage(spec)
+
+    async def go():
+        await stage.setup()
+        try:
+            first, _ = await stage.score([traj(c, 0, i) for i, c in enumerate(["two", "lambda", "cancelled", "ab"])])
+            for worker in psutil.Process().children():  # its idle worker, as the OOM killer would
+                if "spawn_main" in " ".join(worker.cmdline()):
+                    worker.kill()
+            await asyncio.sleep(0.5)
+            second, _ = await stage.score([traj("abc")])
+            return first, second
+        finally:
+            await stage.close()
+
+    first, second = asyncio.run(go())
+    errors = [t.reward_details.get("m", {}).get("error") for t in first]
+    assert errors[0] == ("RuntimeError: the TwoArgs it raised (bad answer) cannot be sent back from its worker "
+                         "process: TypeError: TwoArgs.__init__() missing 1 required positional argument: 'b'")
+    assert errors[1].startswith("RuntimeError: its result cannot be sent back from its worker process: ")
+    assert errors[2] == "CancelledError: " and first[3].rewards["m"] == 2.0  # as in a thread
+    assert second[0].rewards["m"] == 3.0  # a new pool
+
+
 def test_normalize_over_group_and_batch():
     spec = make_spec({
         "len": {"fn": f"{FNS}:length"},

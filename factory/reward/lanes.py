@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +30,8 @@ from typing import Any
 import anyio
 
 from factory.util import TIMEOUTS
+
+log = logging.getLogger(__name__)
 
 
 class Lane:
@@ -107,45 +113,128 @@ class Processes:
     of one process take turns at a function that holds the GIL (sympy, a checker written in Python), processes
     do not. A call past its `timeout_s`, or whose caller was cancelled, ends its worker process (the pool
     starts another), which no thread can be made to do; a process that dies (a segfault, `os._exit`) fails its
-    call only. The function and what it is passed are pickled: the compiler checks the function can be."""
+    call only, and a pool that pebble finds broken (every worker gone) is replaced at the next call. Each call
+    comes back as plain data (`_in_worker`): whatever the function raises or returns that cannot be sent back
+    is its failure, said as text, never the pool's. The function and its arguments are pickled: the compiler
+    checks the function and its `args` can be."""
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
         self._pool: Any = None
+        self._calls: set[concurrent.futures.Future] = set()  # in flight: failed by close(), which stops them
+        self._closing = False
 
-    async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
-        """`fn()`'s result from a worker process; TimeoutError past `timeout_s` of its run there."""
+    def _started(self) -> Any:
+        if self._pool is not None and not self._pool.active:  # broken: its workers died idle, say
+            old, self._pool = self._pool, None
+            old.stop()
+            threading.Thread(target=old.join, name=f"reward-{self.name}-old-pool", daemon=True).start()
         if self._pool is None:
             import multiprocessing
 
             from pebble import ProcessPool
 
             # spawn, not fork: a fork would copy this process's threads' locks (Ray's, the event loop's) mid-use
-            self._pool = ProcessPool(max_workers=self.size, context=multiprocessing.get_context("spawn"))
-        future = self._pool.schedule(fn, timeout=timeout_s)  # (pebble's clock starts when a worker takes it)
-        try:
-            return await asyncio.wrap_future(future)  # (a cancelled await cancels `future`: its worker ends)
-        except Exception as e:
-            from pebble import ProcessExpired
-            from pebble.common.types import RemoteTraceback
+            self._pool = ProcessPool(max_workers=self.size, context=multiprocessing.get_context("spawn"),
+                                     initializer=_worker_start, initargs=(os.getpid(),))
+        return self._pool
 
-            if isinstance(e.__cause__, RemoteTraceback):  # the function's own
-                raise
-            # pebble's TimeoutError("Task timeout", limit): the worker was ended. (asyncio copies a TimeoutError
-            # into one of its own, without its cause: the function's own TimeoutError is told by its text.)
-            if isinstance(e, (*TIMEOUTS, concurrent.futures.TimeoutError)) and e.args[:1] == ("Task timeout",):
-                raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s); its process was ended") from None
-            if isinstance(e, ProcessExpired):
-                raise RuntimeError(f"its worker process ended during the call (exit code {e.exitcode}: a crash "
-                                   "in native code, os._exit or a signal)") from None
+    async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
+        """`fn()`'s result from a worker process; TimeoutError past `timeout_s` of its run there."""
+        from pebble import ProcessExpired
+
+        # (pebble's clock starts when a worker takes the call)
+        future = self._started().schedule(_in_worker, args=(fn,), timeout=timeout_s)
+        self._calls.add(future)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settled(f: concurrent.futures.Future) -> None:  # in pebble's thread
+            self._calls.discard(f)
+            try:
+                loop.call_soon_threadsafe(_copy, f, done)
+            except RuntimeError:  # the loop is closed: nothing waits
+                pass
+
+        future.add_done_callback(settled)
+        try:
+            ok, value = await done
+        except asyncio.CancelledError:  # this call was cancelled (a `fail` node ended the scoring): end its worker
+            future.cancel()
             raise
-        except (SystemExit, KeyboardInterrupt) as e:  # raised in the worker and handed back: the function's
-            raise RuntimeError(f"the function raised {type(e).__name__}({_args(e)})") from None
+        except (*TIMEOUTS, concurrent.futures.TimeoutError):  # pebble's: the call ran past timeout_s
+            raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s); its process was ended") from None
+        except ProcessExpired as e:
+            raise RuntimeError(f"its worker process ended during the call (exit code {e.exitcode}: a crash in "
+                               "native code, os._exit or a signal)") from None
+        except Exception as e:  # pebble's BrokenProcessPool: stopped by close(), or broken (a new one next call)
+            if self._closing:
+                raise RuntimeError("the reward stage closed during the call") from None
+            raise RuntimeError(f"its worker pool broke during the call ({type(e).__name__}: {e}); the node's next "
+                               "call starts a new one") from None
+        if ok:
+            return value
+        raise value
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.stop()  # (ends running calls' workers too)
-            await asyncio.to_thread(self._pool.join, 10)
+        if self._pool is None:
+            return
+        self._closing = True
+        self._pool.stop()  # (ends running calls' workers too)
+        try:  # (pebble stops a worker that ignores SIGTERM 3 s later, one after another: not forever)
+            await asyncio.wait_for(asyncio.to_thread(self._pool.join), 30)
+        except TIMEOUTS:
+            log.warning("reward node %s: its worker processes did not stop within 30 s", self.name)
+        for call in list(self._calls):  # pebble leaves some unsettled: their callers would wait for ever
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                call.set_exception(RuntimeError("the reward stage closed during the call"))
+
+
+def _copy(source: concurrent.futures.Future, done: asyncio.Future) -> None:
+    """`source`'s outcome into `done` (on the loop), unless its caller stopped waiting."""
+    if done.cancelled():
+        return
+    if source.cancelled():  # not by this call's caller (that cancels `done` first): the pool's stop
+        done.set_exception(RuntimeError("the reward stage closed during the call"))
+    elif (error := source.exception()) is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(source.result())
+
+
+def _in_worker(call: Callable[[], Any]) -> tuple[bool, Any]:
+    """In the worker: (True, the value) or (False, the exception to raise in the stage), checked to pickle. What
+    the function raises goes back as a value, not through pebble: an exception that does not unpickle broke the
+    whole pool there, and asyncio turns a CancelledError or TimeoutError of the function's into its own."""
+    import pickle
+
+    try:
+        outcome: tuple[bool, Any] = (True, call())
+    except Exception as e:  # noqa: BLE001 -- the function's own failure, for the stage to record
+        outcome = (False, e)
+    except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt, CancelledError: its failure too
+        outcome = (False, RuntimeError(f"the function raised {type(e).__name__}({_args(e)})"))
+    try:
+        pickle.loads(pickle.dumps(outcome))
+    except Exception as e:  # noqa: BLE001 -- a value or exception of a class made inside the function, a lambda
+        ok, value = outcome
+        what = "its result" if ok else f"the {type(value).__name__} it raised ({value})"
+        outcome = (False, RuntimeError(f"{what} cannot be sent back from its worker process: "
+                                       f"{type(e).__name__}: {e}"))
+    return outcome
+
+
+def _worker_start(parent: int) -> None:
+    """Each worker as it starts: it is killed when the process that started it dies (a stage's process ended by
+    SIGKILL or the OOM killer would leave a worker computing for ever), Linux's PR_SET_PDEATHSIG."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that
+        os._exit(1)
 
 
 def _settle(done: asyncio.Future, outcome: tuple[bool, Any], ended: Callable[[], None]) -> None:
