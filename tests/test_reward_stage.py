@@ -164,6 +164,21 @@ def test_a_reward_function_that_never_returns_holds_up_its_own_node_only():
     assert out[2][1] < 0.3  # at once: its place is held, it is not called
 
 
+def test_a_node_s_threads_are_reused_so_what_a_function_keeps_per_thread_lasts():
+    """A thread per call (since the lanes) made a function's `threading.local` state (a client, a parser that is
+    not thread-safe) again at every call; the shared pool before reused its threads."""
+    stage = reward_stage(make_spec({"n": {"fn": f"{FNS}:calls_in_this_thread"}, "total": {"sum": {"n": 1.0}}}))
+
+    async def go():
+        await stage.setup()
+        try:
+            return [(await stage.score([traj("a")]))[0][0].rewards["n"] for _ in range(3)]
+        finally:
+            await stage.close()
+
+    assert asyncio.run(go()) == [1.0, 2.0, 3.0]
+
+
 def test_a_hung_call_whose_caller_was_cancelled_keeps_its_place_as_stuck():
     """A scoring call that a `fail` node ended cancels its pending values: a hung function's thread runs on, and
     its place was neither free nor counted as stuck, so a later call waited for a place with no time limit."""

@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -35,25 +36,31 @@ log = logging.getLogger(__name__)
 
 
 class Lane:
-    """At most `size` calls of one node's function at once, each in a thread of its own; `stuck`: those past
-    their timeout whose thread still runs (each keeps its place)."""
+    """At most `size` calls of one node's function at once, each in a thread of the lane's own; `stuck`: those
+    past their timeout whose thread still runs (each keeps its place). A thread whose call returned waits for
+    the node's next call (what a function keeps per thread, `threading.local`, lasts); one that never returns
+    is never handed another."""
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
         self.running = self.stuck = 0
         self._waiting: list[asyncio.Future] = []  # calls waiting for a place (all on the loop that runs them)
+        self._idle: list[queue.SimpleQueue] = []  # the inboxes of threads waiting for a call
 
     async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
-        """`fn()`'s result, in a new thread once a place is free; TimeoutError past `timeout_s` of its run."""
+        """`fn()`'s result, in one of the lane's threads once a place is free; TimeoutError past `timeout_s` of
+        its run."""
         loop = asyncio.get_running_loop()
         await self._place(loop)  # (the time spent waiting for a place is not the function's)
         done = loop.create_future()
         late = False
+        inbox = self._idle.pop() if self._idle else None
 
-        def ended() -> None:  # on the loop, when the thread ends: its place is free again
+        def ended() -> None:  # on the loop, when the thread's call ends: its place is free again
             self.running -= 1
             if late:
                 self.stuck -= 1
+            self._idle.append(inbox)  # (its thread takes the next call from it)
             self._wake()
 
         def work() -> None:
@@ -69,7 +76,10 @@ class Lane:
                 pass
 
         try:
-            threading.Thread(target=work, name=f"reward-{self.name}", daemon=True).start()
+            if inbox is None:
+                inbox = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(inbox,), name=f"reward-{self.name}", daemon=True).start()
+            inbox.put(work)
         except BaseException:
             self.running -= 1
             self._wake()
@@ -188,6 +198,13 @@ class Processes:
         for call in list(self._calls):  # pebble leaves some unsettled: their callers would wait for ever
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 call.set_exception(RuntimeError("the reward stage closed during the call"))
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    """A lane's thread: each call handed to it, one after another (daemon: a process that ends does not wait
+    for one that never returned)."""
+    while True:
+        inbox.get()()
 
 
 def _copy(source: concurrent.futures.Future, done: asyncio.Future) -> None:
