@@ -4,7 +4,7 @@ Python cannot stop a thread. A function that never returns keeps its thread past
 in one shared pool such threads used up the pool, and every node's calls then waited in its queue until they
 too timed out, their clock having run while they queued -- one hung function took every reward with it. Here
 a node's calls run in threads of its own `Lane` (daemon threads: a process that ends does not wait for a hung
-one), the clock starts when a call's thread does, and a call that times out keeps its place in the lane until
+one), the clock starts when a thread takes the call, and a call that times out keeps its place in the lane until
 its thread ends: a hung function holds up its own node only, whose later calls fail at once once every place
 is held by one that never returned.
 
