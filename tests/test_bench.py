@@ -294,6 +294,18 @@ def test_vs_trl_gives_trl_bf16_only_where_factorys_update_took_it(monkeypatch, t
     vs_trl.run_trl(a, "hf", "model", False, tmp_path, {"sampling_dtype": "float32", "update_autocast": autocast})
     assert json.loads((tmp_path / "config.json").read_text())["bf16"] is bf16
 
+def test_the_reward_benchmark_runs_small_and_ends_with_its_json_line():
+    """bench/rewards.py, which the README's processes figure comes from, at a small size (about 3 s)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rewards.py"), "--trajectories", "8",
+                          "--latency", "0.01", "--work", "0.005"], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = {"parallel_ratio", "parallel_ratio_async", "processes_ratio", "processes_first_call_s"}
+    assert keys <= set(last) and all(last[k] > 0 for k in keys), last
+    assert last["processes"] == os.cpu_count()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
     ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns", "same_trajectories"}),
