@@ -32,6 +32,7 @@ from factory.plan import WatchSettings
 from factory.schema import MonitorName, MonitorsSpec
 
 EXIT_MONITOR = 4  # `factory run`'s exit code when a `train.stop_on` monitor stopped the run
+STOPPED_BY_TAG = "factory.stopped_by"  # why a stop_on monitor stopped the run, in words (`factory runs`)
 HALTED_BY_TAG = "factory.stopped_by_monitor"  # the stop_on monitor that stopped a run (a resume reads it)
 
 Row = dict[str, float]  # one step: reward, task, length, tool_calls, share/<node>, disagree/<judge>

@@ -64,12 +64,7 @@ class Lane:
             self._wake()
 
         def work() -> None:
-            try:
-                outcome: tuple[bool, Any] = (True, fn())
-            except Exception as e:  # noqa: BLE001 -- the function's own failure, handed to the caller
-                outcome = (False, e)
-            except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt: not the stage's to end
-                outcome = (False, RuntimeError(f"the function raised {type(e).__name__}({_args(e)})"))
+            outcome = _outcome(fn)
             try:
                 loop.call_soon_threadsafe(_settle, done, outcome, ended)
             except RuntimeError:  # the loop is closed (the stage ended while this ran): nothing waits
@@ -94,6 +89,9 @@ class Lane:
             if isinstance(e, TIMEOUTS):
                 raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
             raise
+
+    async def close(self) -> None:
+        """Nothing to stop: its threads are daemons (one that never returns cannot be stopped anyway)."""
 
     async def _place(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
@@ -219,18 +217,24 @@ def _copy(source: concurrent.futures.Future, done: asyncio.Future) -> None:
         done.set_result(source.result())
 
 
+def _outcome(call: Callable[[], Any]) -> tuple[bool, Any]:
+    """(True, `call()`) or (False, the exception the stage is to raise): whatever the function raises is its
+    failure, SystemExit, KeyboardInterrupt and CancelledError (not the stage's to end) as a RuntimeError."""
+    try:
+        return True, call()
+    except Exception as e:  # noqa: BLE001 -- the function's own failure, handed to the caller
+        return False, e
+    except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt, CancelledError
+        return False, RuntimeError(f"the function raised {type(e).__name__}({_args(e)})")
+
+
 def _in_worker(call: Callable[[], Any]) -> tuple[bool, Any]:
     """In the worker: (True, the value) or (False, the exception to raise in the stage), checked to pickle. What
     the function raises goes back as a value, not through pebble: an exception that does not unpickle broke the
     whole pool there, and asyncio turns a CancelledError or TimeoutError of the function's into its own."""
     import pickle
 
-    try:
-        outcome: tuple[bool, Any] = (True, call())
-    except Exception as e:  # noqa: BLE001 -- the function's own failure, for the stage to record
-        outcome = (False, e)
-    except BaseException as e:  # noqa: BLE001 -- SystemExit, KeyboardInterrupt, CancelledError: its failure too
-        outcome = (False, RuntimeError(f"the function raised {type(e).__name__}({_args(e)})"))
+    outcome = _outcome(call)
     try:
         pickle.loads(pickle.dumps(outcome))
     except Exception as e:  # noqa: BLE001 -- a value or exception of a class made inside the function, a lambda

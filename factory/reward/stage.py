@@ -171,9 +171,10 @@ class RewardStage(StageActor):
                         " (nor, in later steps, a None of its function's)" if chosen else "")
 
     async def close(self) -> None:
-        await self._sessions.aclose()
-        for lane in self._lanes.values():
-            if isinstance(lane, Processes):
+        try:
+            await self._sessions.aclose()
+        finally:  # (a judge session that fails to close leaves no worker process behind)
+            for lane in self._lanes.values():
                 await lane.close()
 
     async def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

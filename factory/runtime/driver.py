@@ -39,7 +39,7 @@ import ray
 
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, DriverSettings, Edge, Plan, Replayed, Stage, StreamPart
-from factory.monitors import HALTED_BY_TAG, Watch
+from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG, Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import (CheckpointWriteError, PlacementError, RayStartError, StageLostError,
                                      StageStartError, check_infra, infra_causes, write_problem)
@@ -927,7 +927,7 @@ def heed(watch: Watch, step: int, display: Any, tracker: Tracker) -> None:
         display.status(f"warning: monitor {name} fired at step {step}: {reading.why}")
         tracker.log_tags({f"factory.monitor.{name}": str(step)})
     if watch.halted_at == step:
-        tracker.log_tags({"factory.stopped_by": watch.halt[:5000], HALTED_BY_TAG: watch.halted_by})
+        tracker.log_tags({STOPPED_BY_TAG: watch.halt[:5000], HALTED_BY_TAG: watch.halted_by})
 
 
 def _doing(context: dict[str, Any]) -> str:

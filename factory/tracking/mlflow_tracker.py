@@ -438,9 +438,9 @@ class MlflowTracker:
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
                          "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}",
                          STEPS_TAG: str(plan.driver.train.steps)})
-        from factory.monitors import HALTED_BY_TAG
+        from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG
 
-        for tag in ("factory.stopped_by", HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run
+        for tag in (STOPPED_BY_TAG, HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run
             if tag in before.data.tags:  # that then finished showed FINISHED "stopped by" a monitor); the
                 self.client.delete_tag(resume.run_id, tag)  # `factory.monitor.<name>` tags keep when each fired
         if resume.changed:

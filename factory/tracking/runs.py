@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from factory.monitors import STOPPED_BY_TAG
 from factory.tracking.mlflow_tracker import (DRIVER_TAG, IDLE_TAG, STARTED_TAG, STEPS_TAG, driver_alive,
                                              tracking_uri)
 from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
@@ -65,7 +66,7 @@ def run_summary(run: TrackedRun) -> dict[str, Any]:
         "duration_s": end - begin - float(run.tags.get(IDLE_TAG, 0)) if begin and end else None,
         "plan_hash": run.tags.get("factory.plan_hash"),
         "monitors": monitors(run),
-        "stopped_by": run.tags.get("factory.stopped_by"),
+        "stopped_by": run.tags.get(STOPPED_BY_TAG),
     }
 
 
