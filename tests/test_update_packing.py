@@ -79,6 +79,34 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(model, prefix):
         torch.testing.assert_close(packed[2][k], g, atol=1e-5, rtol=1e-5, msg=k)
 
 
+@pytest.mark.parametrize("prefix", [0, 20])
+def test_packed_rows_keep_a_sliding_window(prefix):
+    """A sliding-window model (a tiny Mistral, window 8, rows of 6-20 response tokens): packed rows see what
+    padded rows see, the window included (a packed call has no mask to carry it; before, every token saw
+    its whole row: log-probs off by 0.23)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=5000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8, max_position_embeddings=256)
+    m = MistralForCausalLM(config)
+    use_packed_attention(m)
+    system = [7 + i for i in range(prefix)]
+    trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=23, groups=2)]
+    shared = shared_prefix(trajs) if prefix else 0
+
+    def run(mb):
+        m.zero_grad()
+        logp, _ = response_logprobs(m, mb, amp=None, share_prefix=bool(prefix))
+        (logp * mb.mask).sum().backward()
+        return (logp * mb.mask).detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
+
+    padded, packed = run(collate(trajs)), run(collate_packed(trajs, shared))
+    torch.testing.assert_close(packed[0], padded[0], atol=1e-5, rtol=0)
+    for k, g in padded[1].items():
+        torch.testing.assert_close(packed[1][k], g, atol=1e-5, rtol=1e-5, msg=k)
+
+
 def test_a_packed_update_is_the_padded_update(small_path, learners):  # noqa: F811
     """The learner with packing on moves the weights as with it off: plain, with the shared prefix, with the
     zero-advantage skip (its rows are never packed), under ZeRO-2."""

@@ -63,14 +63,22 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     key_prefix, *keys = key.split([prefix, *packed_lengths], 2)
     value_prefix, *values = value.split([prefix, *packed_lengths], 2)
     outs = []
+    # A sliding-window layer (Mistral, Phi-3, Gemma's local layers) passes its window: a padded call's mask
+    # carries it, a packed call has no mask, so the band is built here (the model's own rule: a query sees
+    # the keys less than `window` positions before it)
+    window = kwargs.get("sliding_window")
     for q, k, v, n in zip(queries, keys, values, packed_lengths):
-        if not prefix:
+        if not prefix and window is None:
             out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
             outs.append(out)  # [1, n, H, D]
             continue
-        k, v = torch.cat([key_prefix, k], 2), torch.cat([value_prefix, v], 2)
+        if prefix:
+            k, v = torch.cat([key_prefix, k], 2), torch.cat([value_prefix, v], 2)
         # causal within the row, everything of the prefix visible: row token i sees keys 0 .. prefix + i
-        causal = torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)[None, None]
+        causal = torch.ones(n, prefix + n, dtype=torch.bool, device=query.device).tril(prefix)
+        if window is not None:  # ... and none `window` or more positions before it
+            causal = causal.triu(prefix - window + 1)
+        causal = causal[None, None]
         if query.device.type == "cpu":
             # torch's sdpa reads grouped keys itself (enable_gqa); with a mask, transformers' wrapper would
             # first copy them out to every query head (repeat_kv): another 20% of this attention on CPU
