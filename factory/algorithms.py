@@ -315,11 +315,18 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+K3_MAX = 10.0  # per token; verl's bound on its low-variance KL
+
+
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """r - 1 - log r: unbiased, low variance, >= 0 (GRPO's and TRL's choice)."""
-    d = ref_logp - logp
-    return torch.expm1(d) - d
+    """r - 1 - log r: unbiased, low variance, >= 0 (GRPO's and TRL's choice). Bounded at `K3_MAX` per token
+    (log r at +-20 first, so exp stays finite), as verl bounds it: r grows as e^(log r), so one sampled token
+    far less likely under the policy than under the reference (a gap of 20 nats: 1.6e5) would outweigh the
+    whole mini-batch's policy gradient, and past 88 nats float32's exp overflows and the step is skipped as
+    non-finite. A token at the bound gets no KL gradient."""
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return (torch.expm1(d) - d).clamp(max=K3_MAX)
 
 
 def kl_reward_penalty(rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *, coef: float,

@@ -11,6 +11,7 @@ from factory import algorithms as A
 from factory.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
+    K3_MAX,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     PRESETS,
@@ -279,6 +280,17 @@ def test_kl_estimators():
     close(KL_ESTIMATORS["k1"](logp, ref), [[1.0, -1.0]])  # -log r
     close(KL_ESTIMATORS["k2"](logp, ref), [[0.5, 0.5]])  # (log r)^2 / 2
     close(KL_ESTIMATORS["k3"](logp, ref), [[1 / E, E - 2]])  # r - 1 - log r: e^-1 - 1 + 1, e - 1 - 1
+
+
+def test_k3_is_bounded_so_one_unlikely_token_cannot_swamp_the_step():
+    # a token 20 nats (and 100: float32's exp overflows past 88) less likely under the policy than under the
+    # reference: unbounded, k3 is 4.9e8 and inf; bounded at K3_MAX, with no gradient there, where a small gap
+    # keeps its value and its gradient (r - 1)
+    logp = t([[-20.0, -100.0, -1.0]]).requires_grad_()
+    k3 = KL_ESTIMATORS["k3"](logp, t([[0.0, 0.0, 0.0]]))
+    close(k3.detach(), [[K3_MAX, K3_MAX, E - 2]])
+    k3.sum().backward()
+    close(logp.grad, [[0.0, 0.0, -(E - 1)]])
 
 
 def test_kl_reward_penalty_sums_over_model_tokens():
