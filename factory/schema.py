@@ -679,12 +679,19 @@ class TrainSpec(Section):
     """Keep one activation per layer and recompute the rest in backward: activations shrink ~20x for ~30%
     more update compute. What lets long responses of multi-billion-parameter models fit a GPU
     (docs/scale.md sizes it)."""
+    disable_dropout: bool = True
+    """Turn the base model's dropout off in the update (TRL's option of that name). The engine samples without
+    dropout, so with it on the ratio's log-probs and the gradient are of a noised function: the first
+    ratio of a step is not 1, the KL to an identical reference is above 0, and a shared prefix cannot be
+    run once (below). Most current LLMs have none; `false` keeps a model's own. LoRA's dropout is
+    `model.lora.dropout`'s. The run's params record it (`resolved.update.dropout`)."""
     share_prefix: bool = True
     """Run the tokens that every sequence of a micro-batch starts with (a system prompt, few-shot turns) once
     per micro-batch in the update, not once per sequence. Exact: the same loss and gradients (the prefix's
     keys and values carry gradient back). For the quickstart ~2.5x fewer update FLOPs. Not used under
-    gradient checkpointing, nor ZeRO-3 over several ranks (their forward passes must pair up), nor for a
-    model with dropout (the rows would share one dropout mask over the prefix); the run's params record
+    gradient checkpointing, nor ZeRO-3 over several ranks (their forward passes must pair up), nor under
+    dropout (`disable_dropout: false` on a model that has some, or LoRA's: the rows would share one dropout
+    mask over the prefix); the run's params record
     whether it was (`resolved.update.share_prefix`: on, off, or `off (dropout)`)."""
     packing: Literal["auto", "on", "off"] = "auto"
     """Sequence packing in the update: a micro-batch's rows laid end to end in one row (each with its own

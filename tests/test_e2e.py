@@ -73,7 +73,7 @@ def test_every_step_has_its_metrics(tiny_run):
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {
         "resolved.rollout.engine": ENGINE, "resolved.rollout.device": "cpu", "resolved.rollout.dtype": "float32",
         "resolved.update.device": "cpu", "resolved.update.dtype": "float32", "resolved.update.autocast": "off",
-        "resolved.update.share_prefix": "on", "resolved.update.packing": "auto",
+        "resolved.update.share_prefix": "on", "resolved.update.packing": "auto", "resolved.update.dropout": "off",
         "resolved.update.weight_sync": "full (float32)", "resolved.rollout.weight_sync": "full weights",
         "resolved.rollout.max_model_len": "4096",  # the tiny model's context
         # vLLM on CPU runs eagerly unless rollout.vllm_compile says otherwise

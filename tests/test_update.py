@@ -422,11 +422,35 @@ def test_a_model_with_dropout_does_not_share_the_prefix(small_path, dropout_path
     trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=16)]
     deltas = []
     for share in (False, True):
-        learner = learners(make_spec(dropout_path, train={"share_prefix": share}))
+        learner = learners(make_spec(dropout_path, train={"share_prefix": share, "disable_dropout": False}))
         assert learner.resolved()["share_prefix"] == ("off (dropout)" if share else "off")
+        assert learner.resolved()["dropout"] == "on (config.attention_dropout=0.1)"
         torch.manual_seed(0)
         deltas.append(one_step_delta(learner, trajs)[0])
     assert_same_delta(*deltas, tol=0)
+
+
+def test_dropout_is_off_by_default_so_the_update_is_of_the_function_that_sampled(small_path, dropout_path, learners):
+    """`train.disable_dropout` (the default): the model's attention dropout 0.1 is off in the update, so
+    the step is the same whatever the random state, it is the update of the same model without dropout,
+    and the prefix is shared again. With dropout kept, two random states give two updates."""
+    system = [7 + i for i in range(20)]
+    trajs = [replace(t, prompt_ids=system + t.prompt_ids) for t in batch(seed=16)]
+    deltas = []
+    for seed in (0, 1):
+        learner = learners(make_spec(dropout_path))
+        assert learner.resolved()["dropout"] == "off (disabled)" and learner.resolved()["share_prefix"] == "on"
+        torch.manual_seed(seed)
+        deltas.append(one_step_delta(learner, trajs)[0])
+    assert_same_delta(*deltas)
+    assert_same_delta(deltas[0], one_step_delta(learners(make_spec(small_path)), trajs)[0])
+    kept = []
+    for seed in (0, 1):
+        learner = learners(make_spec(dropout_path, train={"disable_dropout": False, "share_prefix": False}))
+        torch.manual_seed(seed)
+        kept.append(one_step_delta(learner, trajs)[0])
+    with pytest.raises(AssertionError):
+        assert_same_delta(*kept)
 
 
 def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, learners, monkeypatch):

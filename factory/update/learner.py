@@ -83,7 +83,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import active_dropout, response_logprobs, use_packed_attention
+from factory.update.logprobs import active_dropout, disable_dropout, response_logprobs, use_packed_attention
 from factory.util import UserError
 
 
@@ -138,6 +138,8 @@ class Learner:
             self.shape = ModelShape.of(model)
             if self.spec.train.packing != "off":  # packed rows need attention that stays inside each row
                 use_packed_attention(model)
+            # the engine sampled without dropout: the ratio's log-probs and the gradient are of that function
+            self.dropped_out = disable_dropout(model) if self.spec.train.disable_dropout else []
             self.lora = self.spec.model.lora
             if self.lora is not None:  # adapters beside the frozen weights: only they require grad
                 from peft import get_peft_model
@@ -197,6 +199,8 @@ class Learner:
                 "share_prefix": "on" if self.share_prefix else "off (dropout)" if self.dropout and
                                 self.spec.train.share_prefix else "off",
                 "packing": self.spec.train.packing,
+                "dropout": f"on ({', '.join(self.dropout)})" if self.dropout else "off (disabled)" if self.dropped_out
+                else "off",
                 "weight_sync": f"adapters ({str(self.sync_dtype).removeprefix('torch.')})" if self.lora is not None
                 else f"full ({str(self.sync_dtype).removeprefix('torch.')})"}
 

@@ -115,6 +115,30 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(PACKED_ATTENTION)
 
 
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Turn off the base model's dropout (`train.disable_dropout`, TRL's option of that name) and say what was
+    on: nn.Dropout modules, the config's rates, and the rates modules copied from it when built (Hugging
+    Face attention keeps `attention_dropout` as a float and applies it functionally). Call it before adapters
+    are added: LoRA's own dropout is `model.lora.dropout`'s to set."""
+    found = active_dropout(model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if _is_rate(key, value):
+                setattr(module, key, 0.0)
+    config = getattr(model, "config", None)
+    for key, value in (config.to_dict() if config is not None else {}).items():
+        if _is_rate(key, value):
+            setattr(config, key, 0.0)
+    return found
+
+
+def _is_rate(key: str, value: object) -> bool:
+    return (("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value > 0)
+
+
 def active_dropout(model: torch.nn.Module) -> list[str]:
     """Where `model` drops out in training mode: nn.Dropout modules with p > 0 and config rates above 0
     (`attention_dropout`, `hidden_dropout`, `resid_pdrop`, ...: Hugging Face attention applies its rate
@@ -125,8 +149,7 @@ def active_dropout(model: torch.nn.Module) -> list[str]:
              if isinstance(m, torch.nn.Dropout) and m.p > 0]
     config = getattr(model, "config", None)
     for key, value in (config.to_dict() if config is not None else {}).items():
-        if (("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and not isinstance(value, bool)
-                and value > 0):
+        if _is_rate(key, value):
             found.append(f"config.{key}={value}")
     return found
 
