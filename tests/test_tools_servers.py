@@ -348,6 +348,24 @@ async def test_http_server_gone_is_an_infra_error(http_server):
     assert result.status == "infra_error" and result.error_kind in ("crash", "transport")
 
 
+
+async def test_a_restarted_http_server_gets_a_new_session():
+    """An HTTP server that restarts no longer knows the session: it answers every call on it 404 "Session not
+    found". That is a lost connection, not an answer: a new session is started, and the calls go on."""
+    port = free_port()
+    command = [sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)]
+    url = f"http://127.0.0.1:{port}/mcp"
+    with run_http_server(command, port, cwd=ROOT) as first:
+        async with ToolBox.from_spec({"web": HttpServer(url=url, timeout_s=5, retries=1)}) as box:
+            assert (await box.call(call("echo", {"text": "up"}))).text == "up"
+            first.terminate()
+            first.wait(timeout=10)
+            with run_http_server(command, port, cwd=ROOT):  # the same server again: our session is unknown to it
+                results = [await box.call(call("echo", {"text": f"again {i}"})) for i in range(3)]
+            assert [r.text for r in results] == ["again 0", "again 1", "again 2"]
+            assert box.server_events()["web"]["restarts"] == 1
+
+
 # ------------------------------------------------------------------------ third-party from PyPI
 @pytest.mark.skipif(
     not TIME_SERVER.exists(), reason="mcp-server-time is not installed: run bin/install-tool-servers (CI does)"

@@ -44,6 +44,14 @@ _SDK_CLOSED = "Connection closed"
 _CONNECTION_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
 
 
+
+def _session_gone(exc: MCPError) -> bool:
+    """An HTTP server's answer that it has no session of ours (it restarted, or ended the session): HTTP 404
+    on a session id, which the SDK says as INVALID_REQUEST, "Session not found" in the server's body or
+    "Session terminated" where there is no body."""
+    return exc.code == mcp_types.INVALID_REQUEST and "session" in exc.message.lower()
+
+
 async def with_retries(
     attempt: Callable[[], Awaitable[tuple[ToolResult, bool]]], retries: int, resilience: Resilience
 ) -> ToolResult:
@@ -177,6 +185,11 @@ class McpServer:
             if exc.code == mcp_types.CONNECTION_CLOSED and (connection.stream_ended or exc.message == _SDK_CLOSED):
                 replica.lost(connection)
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
+            if isinstance(self.spec, HttpServer) and _session_gone(exc):
+                # The server restarted (or dropped our session): its answer to every call on the old session is
+                # this, so a new session is the only way on (the MCP spec: the client starts one)
+                replica.lost(connection)
+                return infra_error(tool, "crash", f"Error: tool server {self.name!r} lost the session."), True
             if exc.code == mcp_types.REQUEST_TIMEOUT:  # (no verdict: a probe's is released by _attempt)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out."), True
             if exc.code == mcp_types.INVALID_PARAMS:
