@@ -113,6 +113,22 @@ def test_a_project_extending_a_shipped_spec_finds_its_templates(project):
     assert (project.root / prompt).resolve() == REPO / "prompts" / "arith_fewshot.jinja"
 
 
+def test_a_spec_that_only_extends_another_compiles_to_the_same_plan(project, monkeypatch):
+    """specs/ beside prompts/, the files named from the working directory (Factory's own layout): a spec that
+    is only `extends: tiny.yaml` names, hashes and diffs its files as tiny.yaml does (its prompt was
+    rewritten `../prompts/arith.jinja`: `factory diff` called two runs of the same work different)."""
+    import shutil
+
+    shutil.copytree(REPO / "prompts", project.root / "prompts")
+    project.file("specs/tiny.yaml", (REPO / "specs" / "tiny.yaml").read_text())
+    project.file("specs/same.yaml", "extends: tiny.yaml\n")
+    monkeypatch.chdir(project.root)
+    _, base = compile_file("specs/tiny.yaml")
+    _, same = compile_file("specs/same.yaml")
+    assert same.spec["data"]["prompt"] == base.spec["data"]["prompt"] == "prompts/arith.jinja"
+    assert same.hashes == base.hashes
+
+
 def test_a_base_that_is_missing_or_extends_in_a_cycle_is_an_error_at_its_line(project):
     assert _errors(project.spec("name: x\nextends: nowhere.yaml\n")) == (
         "spec.yaml:2: extends: cannot read the base spec nowhere.yaml: No such file or directory\n1 error in spec.yaml")

@@ -1240,7 +1240,9 @@ def _rebased(spec: Spec, source: SpecSource) -> Spec:
         # beside the base, or in its parent: a project's specs/ beside its prompts/ (Factory's own specs name
         # `prompts/...` from the repository root, so a spec elsewhere extending one found none of its files)
         found = next((f / value for f in (folder, folder.parent) if exists(f / value)), None)
-        if found is not None:
+        # the same file named from the working directory (found there first): the value stays as written, so
+        # a run of the base and a run of a spec extending it name, hash and diff the file alike
+        if found is not None and not (Path(value).exists() and Path(value).resolve() == found.resolve()):
             spec = _with(spec, parts, Path(os.path.relpath(found, source.base_dir)).as_posix())
     return spec
 
