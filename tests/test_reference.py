@@ -111,6 +111,20 @@ def test_schema_rejects_a_misspelt_key():
     assert [e.split(":")[0] for e in _errors(typo)] == ["rewards.correct"]
 
 
+def test_schema_takes_a_spec_that_extends_another_as_an_overlay():
+    """A spec with `extends` leaves required keys to its base, names a node by the keys it changes and removes
+    entries with null, as the loader takes it (each was refused: an editor underlined a valid spec); its
+    misspelt keys are still refused."""
+    overlay = {"extends": "quickstart.yaml", "model": {"lora": {"r": 8}},
+               "rewards": {"correct": {"processes": 2}, "well_formed": None, "total": {"sum": {"well_formed": None}}},
+               "tools": {"calc": {"timeout_s": 10}}, "metrics": {"accuracy": None}}
+    assert _errors(overlay) == []
+    assert _errors({**overlay, "train": {"lr_rate": 1}}) == [
+        "train: Additional properties are not allowed ('lr_rate' was unexpected)"]
+    assert [e.split(":")[0] for e in _errors({**overlay, "rewards": {"correct": {"fn_": "x"}}})] == ["rewards.correct"]
+    assert _errors({"name": "x"})  # without `extends`, the required keys are required
+
+
 def test_schema_knows_registry_names_and_docstrings():
     schema = reference.json_schema()
     algorithm = schema["definitions"]["AlgorithmSpec"]["properties"]

@@ -126,14 +126,38 @@ def json_schema() -> dict[str, Any]:
         "definitions": defs,
     }
     schema = _draft7(schema)
-    # `extends` is read by the loader, not a setting (factory.compiler.load): a spec that extends another
-    # may leave the required keys to its base.
+    # `extends` is read by the loader, not a setting (factory.compiler.load)
     schema["properties"] = {"extends": {
         "description": "A spec (or a list of specs, merged in order) this one is merged over, relative to this "
                        "file's folder: a mapping merges key by key, any other value replaces the base's.",
         "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}, **schema["properties"]}
-    schema["anyOf"] = [{"required": ["extends"]}, {"required": schema.pop("required")}]
-    return schema
+    # A spec that extends another is an overlay: it may leave any required key to its base, name a node by the
+    # keys it changes (`rewards.correct: {processes: 2}`), and remove an entry of a named mapping with null.
+    # So it is checked against a partial copy of the schema; any other spec against the whole one.
+    definitions = schema.pop("definitions")
+    top = {k: schema.pop(k) for k in ("type", "properties", "additionalProperties", "required")}
+    definitions = {**definitions, "Spec": top,
+                   **{PARTIAL + name: _partial(d) for name, d in {**definitions, "Spec": top}.items()}}
+    return {**schema, "if": {"required": ["extends"]}, "then": {"$ref": f"#/definitions/{PARTIAL}Spec"},
+            "else": {"$ref": "#/definitions/Spec"}, "definitions": definitions}
+
+
+PARTIAL = "Partial"
+
+
+def _partial(node: Any) -> Any:
+    """`node` as an overlay may write it: no key required, references to the partial definitions, and each
+    entry of a mapping by name (`additionalProperties`) may be null (the entry removed)."""
+    if isinstance(node, list):
+        return [_partial(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _partial(v) for k, v in node.items() if k != "required"}
+    if isinstance(out.get("$ref"), str):
+        out["$ref"] = out["$ref"].replace("#/definitions/", f"#/definitions/{PARTIAL}")
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = {"anyOf": [out["additionalProperties"], {"type": "null"}]}
+    return out
 
 
 def json_schema_text() -> str:
