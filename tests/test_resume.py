@@ -171,6 +171,13 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert cli.main([*base, "--resume", "no-such-run"]) == 2
     assert "no run with id or name 'no-such-run'" in capsys.readouterr().err
 
+    # a run whose checkpoint folder is gone (moved, a disk not mounted): it restarted from step 0 without a word
+    gone = fake_run(uri, ckpt / "moved", plan, logged=3, checkpoints=(2,))
+    (ckpt / "moved").rename(ckpt / "moved-away")
+    assert cli.main([*base, "--resume", gone]) == 2
+    assert (f"run {gone} saved a checkpoint at step 2 in {ckpt / 'moved'}, which does not exist: put that folder "
+            "back") in capsys.readouterr().err
+
 
 def test_a_run_with_every_step_done_resumes_only_to_send_what_its_driver_could_not(store):
     """A store down at a run's end left its last records in the spool, and said `--resume` sends them; the

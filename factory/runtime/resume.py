@@ -132,6 +132,13 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
     skipped: list[str] = []
     checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
+    saved = tags.get("factory.checkpoint_step")
+    if not checkpoint and saved and not skipped:
+        # the folder moved, a scratch disk not mounted, another machine: starting over would throw the run's
+        # steps away without a word, and log steps again that its history already holds
+        there = "does not exist" if not directory.is_dir() else "holds none of its checkpoints"
+        raise ResumeError(f"run {run.run_id} saved a checkpoint at step {saved} in {directory}, which {there}: put "
+                          "that folder back (or mount it) and resume again; to train from the start, start a new run")
     step = int(state["step"]) if checkpoint else 0
     unsent = unsent_records(directory)
     if step >= train.steps and not unsent:
