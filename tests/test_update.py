@@ -662,14 +662,19 @@ def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
     delta, stats = one_step_delta(learner, trajs)
     assert stats["actor/skipped_non_finite"] == 1 and stats["actor/updates"] == 0 and "actor/grad_norm" not in stats
     assert all(float(v.abs().max()) == 0 for v in delta.values())
-    with pytest.raises(NonFiniteUpdate, match="3 steps in a row had a non-finite loss or gradient norm"):
+    with pytest.raises(NonFiniteUpdate, match="3 steps in a row had a non-finite loss or gradient norm .* the "
+                                              "weights are still those of step 0\\."):
         learner.step(trajs)
     assert all(bool(torch.isfinite(v).all()) for v in learner.state_dict().values())
-    # a good step resets the count
+    # a good step resets the count; the message names the last good step (it said step -1 above, 0 here)
     good = learners(spec)
     good.step(trajs)
     good.step(_with_sampler_logprobs(good, batch(seed=23)))
     assert good.non_finite_steps == 0
+    good.step(trajs)
+    good.step(trajs)
+    with pytest.raises(NonFiniteUpdate, match="the weights are still those of step 2\\."):
+        good.step(trajs)
 
 
 def test_an_fp16_loss_scale_settling_is_not_counted_as_a_broken_step():

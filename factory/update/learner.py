@@ -351,19 +351,20 @@ class Learner:
 
     def _skipped(self, stats: dict[str, float], what: str) -> dict[str, float]:
         """A step that updates nothing because its `what` are not finite; counted, and the LR schedule kept."""
-        self.steps_done += 1
         self._count_non_finite(True, what)
+        self.steps_done += 1
         return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 1.0}
 
     def _count_non_finite(self, whole_step: bool, what: str = "loss or gradient norm") -> None:
         """Steps in a row that skipped every update for a non-finite value: `train.max_non_finite_steps` of
-        them stop the run (the weights stay those of the last good step, as do the checkpoints)."""
+        them stop the run (the weights stay those of the last good step, as do the checkpoints). Called before
+        this step is counted in `steps_done`."""
         self.non_finite_steps = self.non_finite_steps + 1 if whole_step else 0
         limit = self.spec.train.max_non_finite_steps
         if limit and self.non_finite_steps >= limit:
             raise NonFiniteUpdate(
                 f"{self.non_finite_steps} steps in a row had a non-finite {what} (inf or NaN), and their updates "
-                f"were skipped: the weights are still those of step {self.steps_done - self.non_finite_steps}. "
+                f"were skipped: the weights are still those of step {self.steps_done + 1 - self.non_finite_steps}. "
                 "Look at actor/skipped_non_finite and the rewards' non_finite counts; a lower train.lr or "
                 "train.optimizer.grad_clip usually helps (train.max_non_finite_steps: 0 goes on regardless)")
 
