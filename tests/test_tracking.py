@@ -602,3 +602,36 @@ def test_records_that_wait_for_a_store_that_lost_the_run_are_not_promised_to_res
     (said,) = [n for n in notes if "could not be sent" in n]
     assert f"no longer holds run {t.run_id}" in said and "--resume cannot find the run" in said
     assert "sends them" not in said
+
+
+def test_a_disk_that_cannot_hold_the_spool_does_not_stop_the_run(tmp_path, monkeypatch):
+    """The run's folder full (or read-only) mid-run: the spool's write raised out of the tracker and the run
+    ended as an internal error (exit 1), where tracking never stops a run. Now the record goes straight to the
+    store, after what waits, said once; lost only when the store does not take it either."""
+    import errno
+
+    from factory.tracking.spool import Spool
+
+    db = tmp_path / "t.db"
+    t = Tracker(f"sqlite:///{db}", "e")
+    t.start("r", {}, {}, {})
+    t.open_spool(tmp_path / "spool")
+    notes: list[str] = []
+    t._note = notes.append
+    t.log_metrics({"m": 1.0}, step=1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Spool, "add", full)
+    t.log_metrics({"m": 2.0}, step=2)
+    t.log_tags({"after": "full"})
+    assert [m.value for m in t.client.get_metric_history(t.run_id, "m")] == [1.0, 2.0]
+    assert t.client.get_run(t.run_id).data.tags["after"] == "full"
+    assert notes == [f"{tmp_path / 'spool'} cannot be written (No space left on device): records are sent to the "
+                     "store without being kept on disk first"]
+    import os
+
+    os.remove(db)  # the store gone too: the record is lost, and said to be
+    t.log_metrics({"m": 3.0}, step=3)
+    assert "a metrics record was lost" in notes[-1]

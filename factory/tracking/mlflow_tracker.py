@@ -312,6 +312,7 @@ class MlflowTracker:
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
         self.spool: Any = None  # factory.tracking.spool.Spool, once the run has a folder (open_spool)
+        self._said_unspooled = False  # the spool folder could not be written: said once
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
         self._tried = 0.0
         self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
@@ -538,8 +539,29 @@ class MlflowTracker:
         if self.spool is None:  # before open_spool (a rescore, a test): straight to the store
             self._send({"kind": kind, **fields}, file)
             return
-        self.spool.add(kind, file, **fields)
+        try:
+            self.spool.add(kind, file, **fields)
+        except OSError as e:
+            self._unspooled({"kind": kind, **fields}, file, e)
+            return
         self.flush()
+
+    def _unspooled(self, record: dict[str, Any], file: Any, error: OSError) -> None:
+        """A record the run's folder cannot hold (its disk full, or read-only): the run goes on -- tracking never
+        stops it; a checkpoint that disk cannot hold does, saying so -- and the record is sent straight to the
+        store, after what waits in the spool, so it keeps its place. Lost only when the store is down too."""
+        if not self._said_unspooled:
+            self._said_unspooled = True
+            self._note(f"{self.spool.folder} cannot be written ({error.strerror or error}): records are sent to the "
+                       "store without being kept on disk first")
+        if self.flush(force=True):
+            try:
+                self._send(record, file)
+                return
+            except Exception as e:  # noqa: BLE001 -- as in flush
+                error = e
+        self._note(f"a {record['kind']} record was lost: {self.spool.folder} cannot hold it and the store did not take "
+                   f"it ({str(error)[:200]})")
 
     def flush(self, force: bool = False) -> bool:
         """Send what waits in the spool, oldest first, until the store fails to answer; True when nothing

@@ -8,6 +8,7 @@ driver killed with records unsent leaves them here, and `--resume` sends them be
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -64,14 +65,18 @@ class Spool:
         self.records.remove(record)
         # every record up to `sent` is done: the oldest still waiting bounds it
         self.sent = self.records[0]["seq"] - 1 if self.records else max(self.sent, record["seq"])
-        tmp = self.folder / f".{SENT}.tmp"
-        tmp.write_text(str(self.sent))
-        fsync_path(tmp)
-        os.replace(tmp, self.folder / SENT)
+        try:
+            tmp = self.folder / f".{SENT}.tmp"
+            tmp.write_text(str(self.sent))
+            fsync_path(tmp)
+            os.replace(tmp, self.folder / SENT)
+        except OSError:  # a full or read-only disk: sent all the same; a later driver may send it again (a step's
+            pass  # metrics it holds already are not: Tracker.open_spool), which is better than stopping the run
         if "file" in record:
             shutil.rmtree(self.path(record).parent, ignore_errors=True)
         if not self.records:  # all sent: start the journal afresh (it only ever holds what waits)
-            (self.folder / JOURNAL).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a read-only disk: its records are sent, as above)
+                (self.folder / JOURNAL).unlink(missing_ok=True)
 
 
 def _read_sent(path: Path) -> int:
