@@ -475,3 +475,28 @@ def test_a_refused_resume_shows_a_missing_key_and_a_null_alike_as_unset(tmp_path
         "model.lora.dropout: (unset) -> 0.0", "model.lora.r: (unset) -> 16",
         "model.lora.target_modules: (unset) -> all-linear"]
     assert spec_keys_changed(json.loads(plan_json(lora)), plain)[1] == "model.lora.r: 16 -> (unset)"
+
+
+def test_a_checkpoint_is_not_resumed_into_a_model_of_other_shapes(tmp_path):
+    """`--allow-spec-change model.path=...` to a model of another architecture: the learner failed to load the
+    checkpoint with an internal error after Ray and every stage had started. Refused before, with the shapes;
+    a model of the same shapes (another copy, a fine-tune) is taken."""
+    from types import SimpleNamespace
+
+    from factory.runtime.resume import ResumeError, _refuse_other_model
+
+    def model(folder: str, **config) -> Path:
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text(json.dumps(
+            {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, **config}))
+        return tmp_path / folder
+
+    checkpoint = tmp_path / "ckpt" / "step_2"
+    model("ckpt/step_2/hf")
+    recorded = {"spec": {"model": {"path": "models/first"}}}
+    same, other = model("same"), model("other", architectures=["LlamaForCausalLM"], num_hidden_layers=30)
+    _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(same)}}), "r1", checkpoint)
+    with pytest.raises(ResumeError, match=r"run r1's checkpoint .*step_2 holds a model of other shapes than model.path "
+                                          r".*other \(architectures \['Qwen3ForCausalLM'\] -> \['LlamaForCausalLM'\], "
+                                          r"num_hidden_layers 2 -> 30\).*resume with model.path=models/first"):
+        _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(other)}}), "r1", checkpoint)

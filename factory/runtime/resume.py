@@ -147,8 +147,9 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        _refuse_other_weights(_artifact_json(tracker, run.run_id, _plan_saving(tracker, run.run_id, step)), plan,
-                              run.run_id, directory / checkpoint)
+        recorded = _artifact_json(tracker, run.run_id, _plan_saving(tracker, run.run_id, step))
+        _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
+        _refuse_other_model(recorded, plan, run.run_id, directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
@@ -201,6 +202,35 @@ def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: st
                       f"{trains(now)} (model.lora): a checkpoint loads only into what it was saved from; resume "
                       f"without changing model.lora, or start a new run from its model: `factory export {run_id} "
                       "--out DIR`, then model.path=DIR")
+
+
+SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def _refuse_other_model(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
+    """ResumeError when `--allow-spec-change` gave another model.path whose shapes are not the checkpoint's
+    (its Hugging Face folder's config): its weights load only into the architecture they were saved from (the
+    learner failed with an internal error after Ray and every stage had started, the run left FAILED)."""
+    from factory.assets import resolve_model
+    from factory.update.checkpoint import HF
+
+    then = ((recorded or {}).get("spec") or {}).get("model") or {}
+    now = plan.spec.get("model") or {}
+    saved = checkpoint / HF / "config.json"
+    if then.get("path") == now.get("path") or not saved.is_file():  # (a LoRA checkpoint holds adapters: above)
+        return
+    try:
+        current = Path(resolve_model(now["path"])) / "config.json"
+        a, b = json.loads(saved.read_text()), json.loads(current.read_text())
+    except (OSError, ValueError):  # a hub id not on disk yet, say: the learner's load says what it finds
+        return
+    differ = [k for k in SHAPE_KEYS if a.get(k) != b.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in differ[:4])
+        raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds a model of other shapes than model.path "
+                          f"{now['path']} ({shown}): a checkpoint loads only into the model it was saved from; "
+                          f"resume with model.path={then.get('path')}, or start a new run")
 
 
 def _same_layers(a: list[str] | str | None, b: list[str] | str | None, plan: Any) -> bool:
