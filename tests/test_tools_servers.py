@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +63,25 @@ def flaky_divide(a: float, b: float) -> float:
     if b < 0:
         time.sleep(1.0)
     return a / b
+
+
+RUNNING = {"now": 0, "peak": 0}
+RUNNING_LOCK = threading.Lock()
+
+
+def one_at_a_time(seconds: float) -> str:
+    """Sleep in a blocking way, counting how many of these run at once.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    with RUNNING_LOCK:
+        RUNNING["now"] += 1
+        RUNNING["peak"] = max(RUNNING["peak"], RUNNING["now"])
+    time.sleep(seconds)
+    with RUNNING_LOCK:
+        RUNNING["now"] -= 1
+    return "slept"
 
 
 def command_line(line: str) -> int:
@@ -287,6 +307,20 @@ async def test_sync_python_tool_errors_and_timeouts():
         assert quick.text == "1.5" and quick.latency_s < 0.3  # the blocking call runs in a thread, not the loop
         assert time.perf_counter() - started < 0.9  # the timed-out thread is abandoned, not awaited
         assert box.metrics()["tools/divide/timeouts"] == 1
+
+
+async def test_a_timed_out_sync_python_tool_holds_its_slot_until_its_thread_ends():
+    # A thread cannot be stopped: with its slot given back at the deadline, the next call (or the retry) ran
+    # beside the abandoned one, past `concurrency` (a 1.5 s function at timeout 0.5 ran 3 at once).
+    RUNNING["peak"] = 0
+    spec = PythonTool(function="tests.test_tools_servers:one_at_a_time", timeout_s=0.2, retries=0, concurrency=1)
+    async with ToolBox.from_spec({"nap": spec}) as box:
+        slow, quick = await asyncio.gather(box.call(call("nap", {"seconds": 0.6})),
+                                           box.call(call("nap", {"seconds": 0.01})))
+    assert (slow.status, slow.error_kind) == ("infra_error", "timeout")
+    assert slow.latency_s < 0.45  # answered at its deadline, not when its thread ends
+    assert quick.text == "slept" and quick.latency_s > 0.55  # it waited for the slow one's thread
+    assert RUNNING["peak"] == 1
 
 
 async def test_a_python_tool_that_exits_is_its_own_error_and_the_box_goes_on():

@@ -293,8 +293,9 @@ class _Replica:
 
 class PythonFunction:
     """A plain python function called in-process. Sync functions run in a worker thread so a slow one
-    never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end).
-    An exception from the function is the tool's own error (model_error), like an MCP tool's isError.
+    never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end, and
+    holds its slot under `concurrency` until then). An exception from the function is the tool's own error
+    (model_error), like an MCP tool's isError.
     """
 
     def __init__(self, name: str, spec: PythonTool, *, resilience: Resilience) -> None:
@@ -318,22 +319,33 @@ class PythonFunction:
     async def _attempt(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
         fn = self.fn
         assert fn is not None, "PythonFunction.start() was not called"
-        async with self._slots:
-            try:
-                with anyio.fail_after(self.spec.timeout_s):
-                    if inspect.iscoroutinefunction(fn):
-                        value = await fn(**arguments)
-                    else:
-                        value = await anyio.to_thread.run_sync(
-                            functools.partial(fn, **arguments), abandon_on_cancel=True
-                        )
-            except TimeoutError:
-                return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
-            except (Exception, SystemExit) as exc:
-                # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
-                # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
-                # its tools stage over one call.
-                return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
+        is_async = inspect.iscoroutinefunction(fn)
+        await self._slots.acquire()
+        # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
+        # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
+        # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
+        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
+        work.add_done_callback(lambda _: self._slots.release())
+        try:
+            with anyio.fail_after(self.spec.timeout_s):
+                # an async function is cancelled with the wait; a sync one's thread is only no longer waited for
+                return await (work if is_async else asyncio.shield(work))
+        except TimeoutError:
+            return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+
+    @staticmethod
+    async def _run(tool: str, fn: Callable[..., Any], arguments: dict[str, Any],
+                   is_async: bool) -> tuple[ToolResult, bool]:
+        try:
+            if is_async:
+                value = await fn(**arguments)
+            else:  # abandon_on_cancel: only the loop's shutdown cancels this (the caller waits through a shield)
+                value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True)
+        except (Exception, SystemExit) as exc:
+            # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
+            # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
+            # its tools stage over one call (raised out of this task, it would stop the event loop).
+            return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
         return ToolResult(tool=tool, text=value_text(value)), False
 
 
