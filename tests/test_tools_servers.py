@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from factory.rollout.parse import parse_tool_calls
 from factory.schema import HttpServer, PythonTool, StdioServer
 from factory.tools import ToolBox, ToolStartError
 from factory.types import ToolCall
@@ -141,6 +142,17 @@ async def test_unparsable_json_is_a_parse_error(box):
     result = await box.call(ToolCall("calculate", None, raw='{"expression": "1+', parse_error="unterminated string"))
     assert (result.status, result.error_kind) == ("model_error", "parse_error")
     assert "unterminated string" in result.text
+
+
+async def test_a_call_whose_name_could_not_be_read_is_a_parse_error(box):
+    # The unknown-tool check came first: these were answered "unknown tool '?'" and counted as unknown_tool.
+    single_quoted = "<tool_call>{'name': 'count', 'arguments': {'text': 'a b'}}</tool_call>"
+    for text, why in [(single_quoted, "invalid JSON: Expecting property name enclosed in double quotes"),
+                      ('<tool_call>["count", {"text": "a b"}]</tool_call>', "expected a JSON object, got list")]:
+        [parsed] = parse_tool_calls(text)
+        result = await box.call(parsed)
+        assert (result.status, result.error_kind) == ("model_error", "parse_error")
+        assert result.text.startswith(f"Error: the tool call could not be read: {why}")
 
 
 async def test_unknown_tool_lists_the_real_ones(box):

@@ -208,6 +208,10 @@ class ToolBox:
     async def _dispatch(self, call: ToolCall, entry: ToolEntry | None) -> ToolResult:
         if not self._running:
             return infra_error(call.name, "transport", "Error: the tools are not running.")
+        if entry is None and call.parse_error is not None:
+            # Its JSON did not parse, so its name is a guess or '?': the model is told why the call could not be
+            # read, not that it named no tool
+            return model_error(call.name, "parse_error", f"Error: the tool call could not be read: {call.parse_error}.")
         if entry is None:
             available = ", ".join(e.offered for e in self._entries)
             text = f"Error: unknown tool {call.name!r}. Available tools: {available}."
