@@ -58,6 +58,18 @@ def test_unclosed_call_at_the_end_is_malformed():
     assert bad.raw == '\n{"name": "mul", "arguments": {"a"'
 
 
+def test_unclosed_call_before_a_closed_one_is_malformed():
+    """A block holds no opening marker, so the closed block's match began at the second marker: the first
+    call was dropped without a result or an error."""
+    text = '<tool_call>{"name": "a", "arguments": {"x": 1}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    bad, good = parse_tool_calls(text)
+    assert bad.name == "a" and bad.arguments is None and bad.parse_error.startswith("unclosed <tool_call>")
+    assert bad.raw == '{"name": "a", "arguments": {"x": 1}}\n'
+    assert (good.name, good.arguments, good.parse_error) == ("b", {}, None)
+    # the marker in prose, with no `{` after it, is still no call
+    assert [c.name for c in parse_tool_calls("I will use <tool_call> blocks.\n" + text)] == ["a", "b"]
+
+
 def test_calls_written_while_thinking_are_not_made():
     """Qwen3's `<think>` may mention or draft a call: the regex took a mention's `<tool_call>` up to the real
     call's closing marker, so the real call became one "invalid JSON" call; a drafted call ran beside the

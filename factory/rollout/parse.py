@@ -19,22 +19,39 @@ from factory.util import without_reasoning
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
 _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
+# An opening marker that a call's JSON follows: before a closed block, one the model never closed.
+_UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """All calls in `text` outside its reasoning (`without_reasoning`), in order; an unclosed `<tool_call>`
-    at the end is one malformed call."""
+    """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
+    malformed call: an opening marker followed by `{` before a closed block, and any opening marker after
+    the last one (a mention of the marker in prose, with no `{` after it, is not a call)."""
     text = without_reasoning(text)
-    calls = [parse_one(m.group(1)) for m in _BLOCK.finditer(text)]
+    calls: list[ToolCall] = []
+    last_end = 0
+    for m in _BLOCK.finditer(text):
+        calls += _unclosed(text[last_end:m.start()])
+        calls.append(parse_one(m.group(1)))
+        last_end = m.end()
     # Whatever follows the last closed block: an opening marker there was never closed (the model ran
     # out of tokens or forgot the marker).
-    last_end = max((m.end() for m in _BLOCK.finditer(text)), default=0)
     tail = text[last_end:]
     if OPEN in tail:
         raw = tail[tail.index(OPEN) + len(OPEN):]
         calls.append(_malformed(raw, f"unclosed {OPEN}: no {CLOSE} after it"))
+    return calls
+
+
+def _unclosed(gap: str) -> list[ToolCall]:
+    """The calls opened in the text between two closed blocks and never closed (a block holds no opening
+    marker, so the later block's match starts after them); each one's text runs to the next marker."""
+    calls = []
+    for m in _UNCLOSED.finditer(gap):
+        end = gap.find(OPEN, m.end())
+        calls.append(_malformed(gap[m.end():end if end >= 0 else None], f"unclosed {OPEN}: no {CLOSE} after it"))
     return calls
 
 
