@@ -450,12 +450,14 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _THINK = re.compile(re.escape(THINK_OPEN) + r".*?(?:" + re.escape(THINK_CLOSE) + r"|\Z)", re.DOTALL)
 
 
-def without_reasoning(text: str) -> str:
+def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
     block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
     in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
-    thinking is not one the model made."""
+    thinking is not one the model made. `opened_before=False`: the text says itself where its reasoning began
+    (the agent loop starts each turn's text with the `<think>` its prompt opened), so a leading `</think>`
+    (one in a call's argument) drops nothing before it."""
     close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
-    if close >= 0 and (open_ < 0 or close < open_):
+    if opened_before and close >= 0 and (open_ < 0 or close < open_):
         text = text[close + len(THINK_CLOSE):]
     return _THINK.sub("", text)

@@ -82,9 +82,19 @@ def test_calls_written_while_thinking_are_not_made():
     assert [c.arguments for c in parse_tool_calls(drafted + real)] == [{"query": "capital of France"}]
     assert parse_tool_calls("<think>\nI should not use <tool_call> here\n</think>\n\n<answer>5</answer>") == []
     assert parse_tool_calls("<think>cut while thinking, <tool_call>{") == []  # a block left open
-    assert len(parse_tool_calls("R1's template opened it. <tool_call>{}</tool_call></think>" + real)) == 1
+    # R1's template opened it in the prompt: the agent loop writes that `<think>` at the start of the turn's text
+    assert len(parse_tool_calls("<think>R1's template opened it. <tool_call>{}</tool_call></think>" + real)) == 1
     # outside reasoning, a stray marker in prose does not swallow the call after it
     assert [c.arguments for c in parse_tool_calls("I use <tool_call> now: " + real)] == [{"query": "capital of France"}]
+
+
+def test_a_closing_think_in_an_argument_drops_no_call():
+    """without_reasoning took a `</think>` with none before it for the end of reasoning the prompt opened, and
+    dropped all before it: here both calls (the agent loop writes that `<think>` into the text itself)."""
+    first = '<tool_call>{"name": "echo", "arguments": {"s": "x"}}</tool_call>'
+    second = '<tool_call>{"name": "echo", "arguments": {"s": "close with </think>"}}</tool_call>'
+    calls = parse_tool_calls(f"ok {first} {second}")
+    assert [(c.arguments, c.parse_error) for c in calls] == [({"s": "x"}, None), ({"s": "close with </think>"}, None)]
 
 
 def test_llama_style_parameters_are_the_arguments():

@@ -26,10 +26,13 @@ _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
-    malformed call: an opening marker followed by `{` before a closed block, and any opening marker after
-    the last one (a mention of the marker in prose, with no `{` after it, is not a call)."""
-    text = without_reasoning(text)
+    """All calls in `text` (a turn's text, which begins with any `<think>` its prompt opened) outside its
+    reasoning (`without_reasoning`), in order. A call never closed is one malformed call: an opening marker
+    followed by `{` before a closed block, and any opening marker after the last one (a mention of the
+    marker in prose, with no `{` after it, is not a call)."""
+    # The agent loop wrote the `<think>` the prompt opened (ChatFormat.reasoning_opened) into the text: a
+    # `</think>` with none before it is the model's own text (in an argument), and drops no call before it.
+    text = without_reasoning(text, opened_before=False)
     calls: list[ToolCall] = []
     last_end = 0
     for m in _BLOCK.finditer(text):
