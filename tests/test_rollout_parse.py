@@ -97,6 +97,19 @@ def test_a_closing_think_in_an_argument_drops_no_call():
     assert [(c.arguments, c.parse_error) for c in calls] == [({"s": "x"}, None), ({"s": "close with </think>"}, None)]
 
 
+def test_markers_inside_an_arguments_string_do_not_end_the_call():
+    """The block ended at the first `</tool_call>`, one inside an argument too: the call was "invalid JSON"."""
+    second = '<tool_call>{"name": "echo", "arguments": {"s": "d"}}</tool_call>'
+    text = '<tool_call>{"name": "echo", "arguments": {"s": "a </tool_call> b <tool_call> c"}}</tool_call>\n' + second
+    calls = parse_tool_calls(text)
+    assert [(c.arguments, c.parse_error) for c in calls] == [({"s": "a </tool_call> b <tool_call> c"}, None),
+                                                             ({"s": "d"}, None)]
+    assert calls[0].raw == '{"name": "echo", "arguments": {"s": "a </tool_call> b <tool_call> c"}}'
+    # JSON that does not read still ends at the first closing marker
+    bad, good = parse_tool_calls('<tool_call>{"name": "echo", "arguments": {"s": 1,}}</tool_call>' + second)
+    assert bad.parse_error.startswith("invalid JSON") and good.arguments == {"s": "d"}
+
+
 def test_llama_style_parameters_are_the_arguments():
     """`{"name": "a", "parameters": {...}}` ran with no arguments and no parse error (tool_call_ok credited it)."""
     (call,) = parse_tool_calls('<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>')

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 from factory.types import ToolCall
 from factory.util import without_reasoning
@@ -19,6 +20,10 @@ from factory.util import without_reasoning
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
 _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
+# A block whose JSON reads to its end ends at the closing marker after it, even with one inside a string.
+_DECODER = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(CLOSE))
 # An opening marker that a call's JSON follows: before a closed block, one the model never closed.
 _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
@@ -35,10 +40,10 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     text = without_reasoning(text, opened_before=False)
     calls: list[ToolCall] = []
     last_end = 0
-    for m in _BLOCK.finditer(text):
-        calls += _unclosed(text[last_end:m.start()])
-        calls.append(parse_one(m.group(1)))
-        last_end = m.end()
+    for start, end, raw in _blocks(text):
+        calls += _unclosed(text[last_end:start])
+        calls.append(parse_one(raw))
+        last_end = end
     # Whatever follows the last closed block: an opening marker there was never closed (the model ran
     # out of tokens or forgot the marker).
     tail = text[last_end:]
@@ -46,6 +51,35 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         raw = tail[tail.index(OPEN) + len(OPEN):]
         calls.append(_malformed(raw, f"unclosed {OPEN}: no {CLOSE} after it"))
     return calls
+
+
+def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """Each closed block, in order: (start, end, the text between its markers). A block's JSON is read first,
+    so a marker inside one of its strings (an argument that quotes `</tool_call>`) does not end it; a block
+    whose JSON does not read ends at the first closing marker (holding no opening one, as `_BLOCK` says)."""
+    pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        body = start + len(OPEN)
+        end = _json_block_end(text, body)
+        if end is None:
+            m = _BLOCK.match(text, start)
+            if m is None:  # never closed: left to _unclosed or the tail
+                pos = body
+                continue
+            end = m.end()
+        yield start, end, text[body:end - len(CLOSE)]
+        pos = end
+
+
+def _json_block_end(text: str, body: int) -> int | None:
+    """Where the closing marker ends that follows the JSON value at `body` (after whitespace); None when
+    no value reads there or no closing marker follows it."""
+    try:
+        _, value_end = _DECODER.raw_decode(text, _JSON_SPACE.match(text, body).end())
+    except (ValueError, RecursionError):
+        return None
+    m = _CLOSING.match(text, value_end)
+    return m.end() if m else None
 
 
 def _unclosed(gap: str) -> list[ToolCall]:
