@@ -55,6 +55,34 @@ def test_record_then_replay_answers_what_was_recorded_without_calling_the_tool()
     assert {r["source"] for r in replayed.recorder.take()} == {"replay"}  # a replayed run records too
 
 
+async def nap(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    await asyncio.sleep(seconds)
+    return "rested"
+
+
+def test_a_call_the_episodes_deadline_cancels_is_recorded():
+    """Cancelled after it reached the tool, the call left no row, though every call that reaches a tool is
+    recorded (docs/tools.md); it is recorded as the agent loop answers it."""
+    box = ToolBox.from_spec({"nap": PythonTool(function="tests.test_tools_recording:nap")}, record=True)
+
+    async def cut_short() -> None:
+        async with box:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(box.call(ToolCall("nap", {"seconds": 5.0}, raw="", origin="train/1/0/0/0/0/0")),
+                                       0.2)
+
+    asyncio.run(cut_short())
+    (row,) = box.recorder.take()
+    assert (row["origin"], row["tool"], row["status"], row["error_kind"], row["source"]) == (
+        "train/1/0/0/0/0/0", "nap", "infra_error", "episode_timeout", "live")
+    assert row["text"] == "Error: the episode ran out of time." and 0.15 < row["latency_s"] < 1.0
+
+
 def test_a_miss_fails_the_call_or_goes_live():
     rows = [{"origin": "train/1/0/0/0/0/0", "server": "calculate", "tool": "calculate",
              "arguments": canonical({"expression": "2+3"}), "text": "5 [recorded]", "status": "ok",

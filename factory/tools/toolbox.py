@@ -237,7 +237,15 @@ class ToolBox:
         elif self.replay is not None and self.replay.on_miss == "fail":
             return infra_error(name, "replay_miss", f"Error: the replayed run has no answer for this call to {name}.")
         else:
-            result, source = await self._cached_or_live(call, entry)
+            try:
+                result, source = await self._cached_or_live(call, entry)
+            except asyncio.CancelledError:
+                # The episode's deadline (rollout.episode_timeout_s) cancelled it: recorded as the agent loop
+                # answers it, since it reached the tool (whose side effects may have happened)
+                if self.recorder is not None:
+                    timed_out = infra_error(name, "episode_timeout", "Error: the episode ran out of time.")
+                    self.recorder.add(call, entry.server, entry.tool, timed_out, time.perf_counter() - started, "live")
+                raise
         if self.recorder is not None:
             self.recorder.add(call, entry.server, entry.tool, result, time.perf_counter() - started, source)
         return result
