@@ -141,6 +141,10 @@ def test_a_base_that_is_missing_or_extends_in_a_cycle_is_an_error_at_its_line(pr
     # a misspelt `extends` was offered 'seed': the key is read before validation, so it was no candidate
     assert "d.yaml:1: extend: unknown key 'extend'; did you mean 'extends'?" in _errors(
         project.spec("extend: a.yaml\nname: d\n", "d.yaml"))
+    # given as an override it was "unknown key 'extends'; did you mean 'extends'?"
+    assert _errors(project.spec(base_spec(project, "ext"), "e.yaml"), ["extends=a.yaml"]) == (
+        "<override 1>: extends: `extends` is read from the spec file only: write it in the file, or make a spec "
+        "that extends this one\n1 error in e.yaml")
 
 
 # --------------------------------------------------------------------------------- the command line

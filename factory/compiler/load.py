@@ -261,6 +261,11 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             errors.append(SpecError(f"<override {n}>", None, "", "expected KEY=VALUE with a dotted key such as "
                                     f"train.lr, got '{item}': a part between dots is empty"))
             continue
+        if key.strip().split(".")[0] == "extends":  # read from the file before overrides apply; validated, it
+            # was "unknown key 'extends'; did you mean 'extends'?"
+            errors.append(SpecError(f"<override {n}>", None, "extends", "`extends` is read from the spec file "
+                                    "only: write it in the file, or make a spec that extends this one"))
+            continue
         try:
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
                 # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base); a misspelt one removed
