@@ -437,6 +437,22 @@ def test_yaml_error_says_what_yaml_was_reading(project):
         "inside, name=\"'...'\""]
 
 
+def test_an_override_cannot_set_a_list_element_by_index(project):
+    """OmegaConf reads the index as a mapping's key: merged over the list it was refused as "a value in the
+    spec, which an override cannot replace with a list: set what is inside it"; `name[0]` made `name` a mapping,
+    reported at the spec file's line."""
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\ntrain: {steps: 2}\ntools:\n  calc: {command: python, args: [-m, x]}\n"),
+                  ["tools.calc.args.1=y", "tools.calc.args[1]=y", "name[0]=x"])
+    assert [ln for ln in report(e).splitlines() if ln.startswith("<override")] == [
+        "<override 1>: tools.calc.args.1: an override cannot set a list's element by index: give the whole list "
+        "(tools.calc.args=[...])",
+        "<override 2>: tools.calc.args[1]: an override cannot set a list's element by index: give the whole list "
+        "(tools.calc.args=[...])",
+        "<override 3>: name[0]: an override cannot set a list's element by index, and name is no list here: set it "
+        "whole (name=...)"]
+
+
 def test_a_key_written_one_level_too_deep_says_where_it_goes(project):
     """`data.train.answer_key` listed data.train's keys (path, generator, args, size); the key is data's."""
     path = project.spec(_base(project, "rw_deep"))

@@ -266,6 +266,9 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             errors.append(SpecError(f"<override {n}>", None, "extends", "`extends` is read from the spec file "
                                     "only: write it in the file, or make a spec that extends this one"))
             continue
+        if indexed := _list_index(cfg, key.strip()):
+            errors.append(SpecError(f"<override {n}>", None, key.strip(), indexed))
+            continue
         try:
             if _is_null(item.partition("=")[2]) and names_an_entry(Spec, tuple(key.strip().split("."))):
                 # `rewards.total.sum.fmt=null`: that weight goes (see _fit_base); a misspelt one removed
@@ -307,6 +310,23 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             continue
         paths[key.strip()] = n
     return cfg, paths
+
+
+def _list_index(cfg: DictConfig, key: str) -> str | None:
+    """Why an override cannot set `key`, a list's element by index (`tools.calc.args.1`, `args[1]`); None for
+    any other key. OmegaConf reads the index as a mapping's key: merged over the list it was refused as "a value
+    in the spec, which an override cannot replace with a list", and `name[0]` over a string made it a mapping,
+    reported at the spec file's line."""
+    parts = key.replace("[", ".").replace("]", "").split(".")
+    for i in range(1, len(parts)):
+        above = ".".join(parts[:i])
+        if isinstance(OmegaConf.select(cfg, above, throw_on_resolution_failure=False), ListConfig):
+            return f"an override cannot set a list's element by index: give the whole list ({above}=[...])"
+    if "[" in key:
+        above = key.partition("[")[0]
+        return (f"an override cannot set a list's element by index, and {above} is no list here: set it whole "
+                f"({above}=...)")
+    return None
 
 
 def _resolve(node: Any, path: str, source: SpecSource, errors: list[SpecError]) -> Any:
