@@ -184,7 +184,8 @@ def test_an_error_about_what_an_override_set_is_located_at_the_override(project)
     assert report(e).startswith("<override 1>: algorithm.gamma: `gamma` discounts later turns' rewards")
     with pytest.raises(SpecErrors) as e:  # a node only the overrides wrote
         load_spec(path, ["rewards.b.fn=x:y", "rewards.b.gate=correct"])
-    assert report(e).startswith("<override 1>: rewards.b: expected exactly one of the keys")
+    assert report(e).startswith("<override 2>: rewards.b.gate: rewards.b has `fn` already, and `gate` would make it "
+                                "hold two kinds: to change its kind, replace it whole: 'rewards.b={gate: ...}'")
 
 
 def test_name_must_make_a_folder_name(project):
@@ -401,6 +402,16 @@ def test_a_tool_server_given_another_kind_replaces_it(project):
     project.spec("extends: spec.yaml\ntools:\n  calc: {url: 'http://127.0.0.1:9/mcp'}\n", "child.yaml")
     assert load_spec(project.root / "child.yaml").tools["calc"].url == "http://127.0.0.1:9/mcp"
     assert load_spec(path, ["tools.calc={timeout_s: 9}"]).tools["calc"].args == ["-m", "x"]  # same kind: merged
+    # one key of another kind merged into the server, which held both: "spec.yaml:N: tools.calc: expected exactly
+    # one of the keys: command, url, function; found command, url", at the file's line, with no way out
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["tools.calc.url=http://127.0.0.1:9/mcp", "data.train.path=data/train.jsonl"])
+    assert report(e) == (
+        "<override 1>: tools.calc.url: tools.calc has `command` already, and `url` would make it hold two "
+        "kinds: to change its kind, replace it whole: 'tools.calc={url: ...}'\n"
+        "<override 2>: data.train.path: data.train has `generator` already, and `path` would make it hold two "
+        "kinds: to change its kind, replace it whole: 'data.train={path: ...}'\n"
+        "2 errors in spec.yaml")
 
 
 def test_yaml_error_says_what_yaml_was_reading(project):

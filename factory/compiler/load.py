@@ -291,7 +291,9 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                     OmegaConf.update(cfg, key.strip(), {}, merge=False)
                     paths[key.strip()] = n
                     continue
-                _swap_kind(cfg, given, key.strip())
+                if two_kinds := _swap_kind(cfg, given, key.strip()):
+                    errors.append(SpecError(f"<override {n}>", None, key.strip(), two_kinds))
+                    continue
                 cfg = OmegaConf.merge(cfg, given)
         except (OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
             # TypeError: OmegaConf refuses to merge a list onto a mapping (`rewards.total.sum=[1]`)
@@ -493,13 +495,23 @@ def _kind_swaps(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
             and kind(a, keys) != kind(b, keys)]
 
 
-def _swap_kind(cfg: DictConfig, given: DictConfig, key: str) -> None:
+def _swap_kind(cfg: DictConfig, given: DictConfig, key: str) -> str | None:
     """An override that gives a whole reward node or data source another kind (`rewards.total={fn: ...}`
     over a sum, `data.train={generator: ...}` over a file) replaces it, as `extends` does (_fit_base); merged
-    key by key it held both and was refused. (One key of it, `rewards.b.gate=...`, merges as it always did.)"""
-    mine = OmegaConf.to_container(given, resolve=False)
-    if key in _kind_swaps(OmegaConf.to_container(cfg, resolve=False), mine):
-        _drop(cfg, key)
+    key by key it held both and was refused. Returns why an override of one key of another kind
+    (`tools.calc.url=...` over a command, `rewards.b.gate=...` over an fn) is refused: merged, the node held both,
+    refused at the spec file's line, which held no mistake, with no way out said."""
+    theirs, mine = OmegaConf.to_container(cfg, resolve=False), OmegaConf.to_container(given, resolve=False)
+    for path in _kind_swaps(theirs, mine):
+        if key == path:
+            _drop(cfg, key)
+        elif key.startswith(path + "."):
+            kinds = (*_NODE_KINDS, *_SERVER_KINDS, *_SOURCE_KINDS)
+            old = next(k for k in kinds if k in value_at(theirs, path))
+            new = next(k for k in kinds if k in value_at(mine, path))
+            return (f"{path} has `{old}` already, and `{new}` would make it hold two kinds: to change its kind, "
+                    f"replace it whole: '{path}={{{new}: ...}}'")
+    return None
 
 
 def _is_null(text: str) -> bool:
