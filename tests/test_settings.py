@@ -264,6 +264,11 @@ def test_a_turn_budget_above_the_trajectory_budget_warns(project):
     assert plan.warnings == (
         "spec.yaml:9: rollout.max_new_tokens: warning: has no effect above rollout.max_total_tokens (16), which "
         "bounds a trajectory's response tokens: no turn can be longer",)
+    # max_new_tokens the default: the warning was at rollout.max_new_tokens, located at the spec's first line
+    path = _spec(project, "st_budget_default", "")
+    assert compile_file(path, ["rollout.max_total_tokens=8"])[1].warnings == (
+        "<override 1>: rollout.max_total_tokens: warning: below rollout.max_new_tokens (128, the default), which then "
+        "has no effect: this bounds a trajectory's response tokens, so no turn can be longer",)
 
 
 def test_settings_that_another_setting_switches_off_warn(project):

@@ -176,8 +176,14 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
         if off:
             r.warn("train.share_prefix", f"{unused} with {off}: the update runs every row's prefix itself")
     if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
-        r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens ({spec.rollout.max_total_tokens}), "
-                                         "which bounds a trajectory's response tokens: no turn can be longer")
+        if _set(spec.rollout, "max_new_tokens"):
+            r.warn("rollout.max_new_tokens", f"{unused} above rollout.max_total_tokens "
+                                             f"({spec.rollout.max_total_tokens}), which bounds a trajectory's response "
+                                             "tokens: no turn can be longer")
+        else:  # the default: at max_new_tokens it was located at the spec's first line, which holds no rollout
+            r.warn("rollout.max_total_tokens", f"below rollout.max_new_tokens ({spec.rollout.max_new_tokens}, the "
+                                               "default), which then has no effect: this bounds a trajectory's "
+                                               "response tokens, so no turn can be longer")
     if spec.rollout.engine == "hf":
         for field in vllm_only(spec.rollout):
             r.warn(f"rollout.{field}", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
