@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,32 @@ def test_factory_ui_serves_the_configured_store(tmp_path):
         assert proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 30
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/health", timeout=5)
+
+
+def test_factory_ui_stopped_by_sigterm_stops_its_server(tmp_path):
+    """`kill PID` (systemd's stop, a job's time limit) ended `factory ui` at once and left its `mlflow server`
+    running on the port. The server here is a stand-in that writes its pid and sleeps (a real one takes ~10 s to
+    start; the test above stops one with Ctrl-C)."""
+    from tests.servers import free_port
+
+    server = "import os, time; open('server.pid', 'w').write(str(os.getpid())); time.sleep(120)"
+    code = ("import sys; from factory.tracking import runs; from factory.commands.cli import main; "
+            f"runs.server_command = lambda uri, host, port: ([sys.executable, '-c', {server!r}], None); "
+            "runs.wait_until_up = lambda url, proc: None; sys.exit(main(['ui', '--port', sys.argv[1]]))")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(free_port())], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().startswith("MLflow UI: ")
+        pid_file = tmp_path / "server.pid"
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by `factory ui`
+        os.kill(pid, 0)

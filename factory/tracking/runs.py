@@ -9,10 +9,12 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,11 @@ def _port_free(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) != 0
 
 
+def _exit(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one (plain `timeout` signals us, then our group) would cut
+    raise SystemExit(128 + signum)          # the server's stop short; 143: the shell's code for a SIGTERM'd process
+
+
 def ui_main(args: Any) -> int:
     uri = tracking_uri(args.uri)
     if uri.startswith(("http://", "https://")):
@@ -166,6 +173,10 @@ def ui_main(args: Any) -> int:
     url = f"http://{args.host}:{args.port}"
     # The server's log goes to a file (a pipe nobody reads would fill and stall it); shown if it fails.
     log = tempfile.TemporaryFile(mode="w+")
+    # SIGTERM (`kill PID`, systemd's stop) ended this process at once and left the server running on the port:
+    # it now exits through the `finally` that stops the server, as Ctrl-C does
+    main = threading.current_thread() is threading.main_thread()  # (elsewhere signals cannot be changed)
+    previous = signal.signal(signal.SIGTERM, _exit) if main else None
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         print(f"starting the MLflow UI on {uri} ...", file=sys.stderr, flush=True)
@@ -186,4 +197,6 @@ def ui_main(args: Any) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
