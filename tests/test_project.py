@@ -66,6 +66,13 @@ def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
     assert "next:\n  factory check spec.yaml --connect" in capsys.readouterr().out
     assert cli.main(["init", str(tmp_path / "bad name")]) == 2
     assert "is not a usable project name" in capsys.readouterr().err
+    # Path("") is ".": an empty name (an unset $NAME) scaffolded into the current folder
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert cli.main(["init", ""]) == 2 and not any(empty.iterdir())
+    assert capsys.readouterr().err == ("factory init: the project's name is empty: give the folder to create (factory "
+                                       "init my-agent), or '.' for this folder\n")
 
 
 def test_scaffold_reward_reads_the_models_answer():

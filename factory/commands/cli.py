@@ -181,6 +181,10 @@ def _init(args: argparse.Namespace) -> int:
 
     from factory.commands.init import DESCRIPTIONS, InitError, create
 
+    if not args.name.strip():  # Path("") is ".": `factory init ""` (an unset $NAME) scaffolded into this folder
+        print("factory init: the project's name is empty: give the folder to create (factory init my-agent), or '.' "
+              "for this folder", file=sys.stderr)
+        return EXIT_SPEC_ERROR
     target = Path(args.name)
     try:
         name, written = create(target)
