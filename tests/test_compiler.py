@@ -311,6 +311,27 @@ def group_turns(prompts, completions, rows, turns):
         "4 errors in spec.yaml")
 
 
+def test_a_reward_function_that_yields_is_refused(project):
+    """A generator's call gives a generator, not a score: it checked ok and scored nothing at run time."""
+    project.module("rc_yield", """\
+def scores(prompt, completion, **row):
+    yield 1.0
+
+async def ascores(prompt, completion, **row):
+    yield 1.0
+""")
+    path = project.spec(_base(project, "rc_yieldbase") + """\
+  a: {fn: "rc_yield:scores"}
+  b: {fn: "rc_yield:ascores"}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.fn: rc_yield:scores is a generator function (it has `yield`), whose call gives no "
+        "score: `return` the score\n"
+        "spec.yaml:10: rewards.b.fn: rc_yield:ascores is an async generator function (it has `yield`), whose call "
+        "gives no score: `return` the score\n"
+        "2 errors in spec.yaml")
+
+
 def test_a_function_in_processes_must_pickle_and_not_be_async(project):
     project.module("rc_proc", """\
 import functools

@@ -121,6 +121,9 @@ def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group
     """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
     completions, rows)` (as the reward stage calls them), plus the node's `args` by keyword, and `turns`
     when it declares it; a per-turn one also `turn` and `index` by keyword."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):  # its call gives a generator: no score
+        kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a generator"
+        return f"{ref} is {kind} function (it has `yield`), whose call gives no score: `return` the score"
     if group:
         from factory.reward.graph import takes_turns
 
