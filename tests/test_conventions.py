@@ -160,6 +160,12 @@ def test_dashed_overrides_are_dot_list_overrides(project, capsys):
     out = _factory("check", path, "--train.steps", cwd=project.root)
     assert out.returncode == 2 and out.stderr.endswith(
         "error: unrecognized arguments: --train.steps (an override takes a value: --KEY VALUE or --KEY=VALUE)\n")
+    # before the spec, argparse took the value for the spec and the key had "no value", though it had one
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", "--train.steps", "3", path])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: unrecognized arguments: --train.steps (overrides go after the spec, written KEY=VALUE: factory check "
+        "SPEC train.steps=3)\n")
     # a mistyped option of the command is one, not an override without its value
     with pytest.raises(SystemExit):
         cli.main(["check", path, "--conect"])

@@ -398,8 +398,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra, wrong = dashed_overrides(extra)
         if wrong:
             near = [m for w in wrong if (m := nearest(w, _options_of(p, args.command)))]
-            p.error(f"unrecognized arguments: {' '.join(wrong)}" + (f"; did you mean {', '.join(near)}?" if near else
-                    " (an override takes a value: --KEY VALUE or --KEY=VALUE)"))
+            # `check --train.steps 3 SPEC`: argparse took the 3 for the spec, and the key had "no value"
+            words = list(sys.argv[1:] if argv is None else argv)
+            at = words.index(wrong[0])
+            given = at + 1 < len(words) and not words[at + 1].startswith("-")
+            first = "RUN" if args.command == "rescore" else "SPEC"
+            p.error(f"unrecognized arguments: {' '.join(wrong)}" + (
+                f"; did you mean {', '.join(near)}?" if near else
+                f" (overrides go after the {first.lower()}, written KEY=VALUE: factory {args.command} {first} "
+                f"{wrong[0][2:]}={words[at + 1]})" if given else
+                " (an override takes a value: --KEY VALUE or --KEY=VALUE)"))
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
