@@ -61,6 +61,8 @@ class FakeToolsStage:
         return [{"type": "function", "function": {"name": "calc", "description": "", "parameters": {}}}]
 
     async def call(self, call: ToolCall) -> ToolResult:
+        if call.parse_error is not None:  # as the ToolBox answers a call that could not be read
+            return ToolResult(tool=call.name, text="no", status="model_error", error_kind="parse_error")
         if call.name != "calc":
             return ToolResult(tool=call.name, text="no", status="model_error", error_kind="unknown_tool")
         return ToolResult(tool="calc", text="42", latency_s=123.0)
@@ -77,12 +79,14 @@ def test_tools_client_counts_the_callers_calls_and_takes_server_events():
         assert [s["function"]["name"] for s in client.schemas()] == ["calc"]
         ok = await client.call(ToolCall("calc", {}, ""))
         await client.call(ToolCall("nope", {}, ""))
+        await client.call(ToolCall("?", None, "", parse_error="invalid JSON"))  # counted, under no tool
         assert ok.text == "42" and ok.latency_s < 1.0  # the wait the caller saw, not the stage's number
         first, second = (await client.take_metrics()).snapshot(), (await client.take_metrics()).snapshot()
         return first, second
 
     first, second = asyncio.run(go())
-    assert first["tools/calls"] == 2.0 and first["tools/calc/calls"] == 1.0 and "tools/nope/calls" not in first
+    assert first["tools/calls"] == 3.0 and first["tools/calc/calls"] == 1.0 and "tools/nope/calls" not in first
+    assert not [k for k in first if "?" in k]  # a name the tracking store refuses (it dropped the whole step's)
     assert first["tool_servers/calc/restarts"] == 2.0
     assert second["tools/calls"] == 0.0 and "tool_servers/calc/restarts" not in second
     assert second["tools/calc/calls"] == 0.0  # an offered tool without calls is a 0, not a gap in its chart

@@ -635,3 +635,14 @@ def test_a_disk_that_cannot_hold_the_spool_does_not_stop_the_run(tmp_path, monke
     os.remove(db)  # the store gone too: the record is lost, and said to be
     t.log_metrics({"m": 3.0}, step=3)
     assert "a metrics record was lost" in notes[-1]
+
+
+def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
+    """One name MLflow refuses ('?' from a tool call that could not be read, a tool server's `web?search`) lost
+    the whole record: every metric of the step."""
+    t = Tracker(f"sqlite:///{tmp_path / 't.db'}", "e")
+    t.start("r", {}, {}, {})
+    t.open_spool(tmp_path / "spool")
+    t.log_metrics({"tools/?/calls": 1.0, "tools/web?search/calls": 2.0, "reward/mean": 0.5}, step=1)
+    metrics = t.client.get_run(t.run_id).data.metrics
+    assert metrics == {"tools/_/calls": 1.0, "tools/web_search/calls": 2.0, "reward/mean": 0.5}

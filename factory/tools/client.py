@@ -49,8 +49,9 @@ class ToolsClient:
         else:
             result = await _invoke(self._stage, "call", call)
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
-        if self._counted:
-            self._metrics.record(None if result.error_kind == "unknown_tool" else result.tool, result)
+        if self._counted:  # under its tool when it reached one (a call that could not be read has none: '?')
+            offered = any(t["function"]["name"] == result.tool for t in self._schemas)
+            self._metrics.record(result.tool if offered and result.error_kind != "unknown_tool" else None, result)
         return result
 
     async def take_metrics(self) -> ToolMetrics:

@@ -157,6 +157,16 @@ def environment_tags() -> dict[str, str]:
     return {**tags, **{k: v for k, v in commits.items() if v}}
 
 
+_NOT_IN_A_METRIC_NAME = re.compile(r"[^\w./\- :]")
+
+
+def metric_name(name: str) -> str:
+    """`name` as MLflow takes it (word characters, `.`, `/`, `-`, space, `:`), the rest as `_`. Names come from
+    tool servers and spec keys; the store refuses a whole record for one name it does not take, so one tool
+    named `web?search` cost every metric of every step."""
+    return _NOT_IN_A_METRIC_NAME.sub("_", name)
+
+
 def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
     """The tags a run starts with: what identifies it, what it ran on, and the spec's own `tracking.tags`."""
     return {"factory.spec_name": spec_name, "factory.spec_hash": hashes["spec"], "factory.plan_hash": hashes["run"],
@@ -472,7 +482,7 @@ class MlflowTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if step <= self.logged:
             return
-        self._record("metrics", step=step, values={k: float(v) for k, v in metrics.items()})
+        self._record("metrics", step=step, values={metric_name(k): float(v) for k, v in metrics.items()})
 
     def log_trajectories(self, trajs: list[Trajectory], step: int, *, split: str = "train",
                          traces: int | None = None) -> None:
