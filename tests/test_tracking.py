@@ -635,6 +635,7 @@ def test_a_disk_that_cannot_hold_the_spool_does_not_stop_the_run(tmp_path, monke
     os.remove(db)  # the store gone too: the record is lost, and said to be
     t.log_metrics({"m": 3.0}, step=3)
     assert "a metrics record was lost" in notes[-1]
+    t.end()  # (the fluent run ended: the next test of this worker starts its own)
 
 
 def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
@@ -644,5 +645,6 @@ def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
     t.start("r", {}, {}, {})
     t.open_spool(tmp_path / "spool")
     t.log_metrics({"tools/?/calls": 1.0, "tools/web?search/calls": 2.0, "reward/mean": 0.5}, step=1)
+    t.end()
     metrics = t.client.get_run(t.run_id).data.metrics
     assert metrics == {"tools/_/calls": 1.0, "tools/web_search/calls": 2.0, "reward/mean": 0.5}
