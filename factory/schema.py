@@ -300,11 +300,12 @@ class JudgeNode(_Leaf):
     """The model name sent to `endpoint`."""
     local: LocalJudge | None = None
     """A judge model that Factory runs itself, as its own Ray actor."""
-    parse: str = r"(?i)score\s*[:=]\s*([0-9.]+)"
+    parse: str = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
     """A regex searched in the reply; its first group (or whole match) is the score. A reply it does not
-    match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record."""
+    match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record. The
+    judge's reasoning (`<think>...</think>`, a block left open) is left out first: a draft verdict is not one."""
     json_field: str | None = None
-    """Read the score from this field of a JSON object in the reply instead of `parse`."""
+    """Read the score from this field of the first JSON object in the reply that has it, instead of `parse`."""
     max_tokens: int = Field(256, ge=1)
     """New tokens of the judge's reply at most."""
     concurrency: int = Field(16, ge=1)

@@ -126,6 +126,29 @@ def test_judge_messages_reads_a_message_list_or_wraps_text():
         judge_messages('[{"role": "judge", "content": "hi"}]')
 
 
+def test_a_judge_reply_is_read_as_written_after_its_reasoning():
+    """The default `parse` took the full stop after "Score: 1." and refused the reply (0 under on_missing:
+    zero); a thinking judge's draft verdict was read before its last word, and a reply cut off while
+    thinking as a verdict; `json_field` took the first `{` to the last `}`, so a reply with two objects, or
+    braces in its prose, held none."""
+    from factory.reward.graph import parse_score
+    from factory.schema import JudgeNode
+
+    node = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1")
+    assert [parse_score(r, node) for r in ("Score: 1.", "score: 0.8.", "Score = 1.0.", "score: -1")] == [1.0, 0.8, 1.0, -1.0]
+    strict = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", parse=r"score\s*:\s*([01])")
+    assert parse_score("<think>I would write score: 1, but Lyon is not Paris.</think> score: 0", strict) == 0.0
+    with pytest.raises(ValueError, match="does not match"):
+        parse_score("<think>score: 1, but let me che", strict)  # cut off while thinking: no verdict
+    fielded = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", json_field="score")
+    assert parse_score('ok {"note": "x"} then {"score": 1} and {"score": 0}', fielded) == 1.0
+    assert parse_score('a set {1, 2} in prose, then {"score": ".5"}', fielded) == 0.5
+    with pytest.raises(ValueError, match="has no field 'score'"):
+        parse_score('{"note": 1}', fielded)
+    with pytest.raises(ValueError, match="no JSON object"):
+        parse_score("{not json}", fielded)
+
+
 def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",

@@ -30,7 +30,7 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
-from factory.util import UserError, import_object, template_env
+from factory.util import UserError, import_object, template_env, without_reasoning
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 # A leaf's outcomes that leave it without a value (its `on_missing` applies): counted in `/missing`.
@@ -229,28 +229,41 @@ def standardize(values: list[float | None]) -> list[float | None]:
 
 
 # ------------------------------------------------------------------------------------ judge replies
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_JSON_OBJECT = re.compile(r"\{.*\}", re.DOTALL)
+_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # (`1.`, `.5`: numbers as written)
 
 
 def parse_score(reply: str, node: JudgeNode) -> float:
     """The score in a judge's reply, by the node's regex (first group, else the whole match) or JSON field;
-    raises ValueError saying why a reply does not parse."""
+    raises ValueError saying why a reply does not parse. Read after the judge's reasoning is left out: a
+    thinking judge drafts verdicts before its last word, and a reply cut off while thinking has none."""
+    reply = without_reasoning(reply)
     if node.json_field is not None:
-        found = _JSON_OBJECT.search(reply)
-        try:
-            obj = json.loads(found.group()) if found else None
-        except (json.JSONDecodeError, RecursionError):  # (a reply nested past the parser's depth)
-            obj = None
-        if not isinstance(obj, dict):
+        objects = list(_json_objects(reply))
+        if not objects:
             raise ValueError("no JSON object in the reply")
-        if node.json_field not in obj:
+        found = next((o for o in objects if node.json_field in o), None)
+        if found is None:
             raise ValueError(f"the reply's JSON has no field '{node.json_field}'")
-        return _number(obj[node.json_field])
+        return _number(found[node.json_field])
     found = re.search(node.parse, reply)
     if found is None:
         raise ValueError("the reply does not match `parse`")
     return _number(found.group(1) if found.groups() else found.group())
+
+
+def _json_objects(text: str):
+    """Each JSON object in `text`, in order, read from each `{` where one starts (not the first `{` to the
+    last `}`: a reply with two objects, or braces in its prose, held none)."""
+    decoder, start = json.JSONDecoder(), text.find("{")
+    while start >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except (json.JSONDecodeError, RecursionError):  # (a reply nested past the parser's depth)
+            start = text.find("{", start + 1)
+            continue
+        if isinstance(obj, dict):
+            yield obj
+        start = text.find("{", end)
 
 
 def _number(value: Any) -> float:
