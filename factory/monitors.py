@@ -208,6 +208,13 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
     return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
 
 
+def _valued(t: Any, node: str) -> bool:
+    """Whether reward node `node` gave trajectory t a value of its own (each turn's, for a per-turn node): not
+    a failure's or a skipped gate's stand-in."""
+    detail = t.reward_details.get(node, {})
+    return all(d.get("status", "ok") == "ok" for d in detail.get("turns", [detail]))
+
+
 def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str) -> Row:
     """One step of the history from the scored trajectories the update trains (the driver leaves out an
     infrastructure failure's and an overlong-filtered one; here, the reward stage's drops): not the step's
@@ -227,7 +234,10 @@ def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str
         row.update({f"share/{n}": v for n, v in shares.items() if n in w.candidates})
     if w.verifier:
         for judge in w.judges:
-            pairs = [(t.rewards.get(judge), t.rewards.get(w.verifier)) for t in kept]
+            # only where both gave a value of their own: a judge that failed or did not parse holds
+            # on_missing's stand-in (0 under `zero`), and an outage read as disagreement stopped the run
+            pairs = [(t.rewards.get(judge), t.rewards.get(w.verifier)) for t in kept
+                     if _valued(t, judge) and _valued(t, w.verifier)]
             pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
             if pairs:
                 row[f"disagree/{judge}"] = sum((a >= s.pass_at) != (b >= s.pass_at) for a, b in pairs) / len(pairs)

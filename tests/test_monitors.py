@@ -81,6 +81,14 @@ def test_step_row_from_trajectories():
     # the judge passes two wrong answers and fails a right one: 3 of the 3 it scored disagree
     assert row == {"reward": 1.0, "task": 0.5, "length": 25.0, "tool_calls": 1.0, "share/fmt": 1.0,
                    "disagree/judge": 1.0}
+    # a judge that gave no score (its endpoint down, a reply that did not parse) holds on_missing's 0.0: not a
+    # verdict, so not a disagreement (an outage read as one stopped the run under stop_on, exit 4)
+    failed = [traj(0, 1.0, 1.0, 0.0) for _ in range(3)]
+    for t, status in zip(failed, ("error", "parse_failure", "missing")):
+        t.reward_details["judge"] = {"status": status}
+    agreeing = traj(0, 1.0, 1.0, 0.9)
+    assert step_row([*failed, agreeing], w, S, "total")["disagree/judge"] == 0.0
+    assert "disagree/judge" not in step_row(failed, w, S, "total")
     nothing = step_row([dropped], w, S, "total")  # no trajectory trained: no value at that step
     assert all(math.isnan(nothing[k]) for k in ("reward", "task", "length", "tool_calls"))
 
