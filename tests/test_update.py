@@ -767,3 +767,17 @@ def test_train_per_group_under_turn_credit_keeps_the_samples_whose_turns_differ(
     b, stats = one_step_delta(learners(make_spec(small_path, algorithm={**turn, "train_per_group": 2})), trajs)
     assert stats["actor/down_sampled"] == 6 and stats["actor/trained_rows"] == 6
     assert_same_delta(a, b)
+
+
+def test_lora_adapters_start_from_the_specs_seed(small_path, learners):
+    """peft draws lora_A from torch's random stream, unseeded: two LoRA runs of one spec and seed started from
+    different adapters (their samples parted from step 2 on), and a resumed run had no uninterrupted twin."""
+    spec = make_spec(small_path, model={"path": small_path, "lora": {"r": 4}})
+    torch.manual_seed(1)
+    first = {k: v.clone() for k, v in learners(spec).engine.module.named_parameters() if "lora_A" in k}
+    torch.manual_seed(2)
+    second = dict(learners(spec).engine.module.named_parameters())
+    assert first and all(torch.equal(second[k], v) for k, v in first.items())
+    other = dict(learners(make_spec(small_path, seed=7, model={"path": small_path, "lora": {"r": 4}}))
+                 .engine.module.named_parameters())
+    assert not all(torch.equal(other[k], v) for k, v in first.items())
