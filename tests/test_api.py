@@ -4,6 +4,8 @@ another thread after the step in flight; `factory eval` of a finished run giving
 evaluation, and `factory diff` comparing the two."""
 from __future__ import annotations
 
+import json
+
 import queue
 import sys
 import threading
@@ -153,7 +155,7 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     monkeypatch.setattr(api, "compile_plan", lambda spec, overrides, **k: seen.append(list(overrides)) or tiny)
     monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: (merged[-1].is_dir(), step))
     assert factory.evaluate(TINY, model=step) == (True, 3)  # there while it is evaluated, at the checkpoint's step
-    assert seen == [[f"model.path={merged[0]}"]] and not merged[0].exists()
+    assert seen == [[f"model.path={json.dumps(str(merged[0]))}"]] and not merged[0].exists()
 
     def fails(plan, step, tags, started_at):
         raise RuntimeError("the engine failed")
@@ -162,6 +164,27 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     with pytest.raises(RuntimeError, match="the engine failed"):
         factory.evaluate(TINY, model=step)
     assert len(merged) == 2 and not merged[1].exists()
+
+
+def test_eval_of_a_model_folder_whose_path_yaml_would_misread_takes_it_whole(tmp_path, monkeypatch):
+    """The folder's path went into an override unquoted, read as YAML: `exp #2` was cut at ` #` (a comment),
+    and `a: b` became a mapping ("<override 3>: model.path: model folder not found: .../exp")."""
+    import factory.commands.api as api
+
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "exp #2: x"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    seen = []
+
+    def compiled(spec, overrides, **k):
+        seen.append(list(overrides))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(api, "compile_plan", compiled)
+    with pytest.raises(RuntimeError, match="stop here"):
+        factory.evaluate(TINY, model=folder)
+    assert factory.load(TINY, seen[0]).model.path == str(folder.resolve())
 
 
 def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monkeypatch):

@@ -13,6 +13,7 @@ cannot be found raises `RunLookupError`. `run` works from any thread and from a 
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -220,7 +221,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
             if isinstance(spec, Spec):
                 spec = spec.model_copy(update={"model": spec.model.model_copy(update={"path": path})})
             else:
-                overrides = [*overrides, f"model.path={path}"]
+                # quoted: an override's value is read as YAML, where ` #` starts a comment and `: ` a mapping
+                overrides = [*overrides, f"model.path={json.dumps(path)}"]
         plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
