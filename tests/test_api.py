@@ -5,7 +5,6 @@ evaluation, and `factory diff` comparing the two."""
 from __future__ import annotations
 
 import json
-
 import queue
 import sys
 import threading
