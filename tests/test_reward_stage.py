@@ -133,6 +133,25 @@ def test_a_member_whose_prompt_fills_the_context_is_not_in_its_group_s_normalize
     assert [t.reward for t in trajs] == [1.0, -1.0, 0.0] and reward_fns.CALLS["norm"] == 2
 
 
+def test_a_group_s_normalize_uses_one_population_whatever_finishes_first():
+    """A normalize over the group read its population (the members not dropped) when each member first asked
+    for it, while a slower drop_sample node was still to drop "d": "a" (asked at once) was standardised over
+    1, 2, 3, 10 and "b", "c" (asked after the drop) over 1, 2, 3. Now every member is standardised over the
+    members scored, "d" included: its input has a value, and only the input's own missing values are left out."""
+    spec = make_spec({
+        "x": {"fn": f"{FNS}:none_late_for_d", "on_missing": "drop_sample"},
+        "ok": {"fn": f"{FNS}:passes_late_for_b_c"},
+        "len": {"fn": f"{FNS}:length"},
+        "z": {"normalize": "len"},
+        "gated": {"gate": "ok", "then": "z"},
+        "total": {"sum": {"x": 1.0, "gated": 1.0}},
+    })
+    trajs, _ = score(spec, [traj(c * n, sample_index=k) for k, (c, n) in enumerate(zip("abcd", [1, 2, 3, 10]))])
+    mean, std = 4.0, math.sqrt((9 + 4 + 1 + 36) / 4)  # lengths 1, 2, 3, 10
+    assert [t.rewards["z"] for t in trajs[:3]] == pytest.approx([(n - mean) / std for n in (1, 2, 3)])
+    assert [t.dropped is not None for t in trajs] == [False, False, False, True]
+
+
 def test_a_reward_function_that_never_returns_holds_up_its_own_node_only():
     """A hung function kept its threads of the one shared pool past timeout_s; once they were all taken, every
     node's calls queued behind them and timed out too (their clock ran while they queued): from the fourth step

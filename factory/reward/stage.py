@@ -248,9 +248,12 @@ class _Evaluation:
             if t.stop_reason == "prompt_too_long":  # never generated from (its prompt fills the context): no
                 # scoring (a judge would be sent the whole prompt), out of the loss and the means
                 self.dropped[i] = "its prompt fills the model's context: nothing was generated"
+        # fixed before any node runs, so what reads it (a normalize's population) cannot depend on which of
+        # this call's drops happened to land first
+        self.scored = tuple(i for i in range(len(trajs)) if i not in self.dropped)
 
     async def run(self) -> None:
-        scored = [i for i in range(len(self.trajs)) if i not in self.dropped]
+        scored = self.scored
         try:
             await asyncio.gather(*(self.value(n, i) if n not in self.s.per_turn else self.turn_value(n, i, k)
                                    for n in roots(self.s.nodes, self.s.train_node)
@@ -314,9 +317,12 @@ class _Evaluation:
                 return None
             return await self.value(node.then, i) if gate_passes(node, condition) else node.otherwise
         if isinstance(node, NormalizeNode):
-            # over the members scored: one never generated from is not scored (nor read by the mean and spread)
-            scope = tuple(j for j in (self.groups[self.trajs[i].prompt_index] if node.over == "group"
-                                      else range(len(self.trajs))) if j not in self.dropped)
+            # Over the members scored (one never generated from is not, nor read by the mean and spread), fixed
+            # when scoring began: `self.dropped` grows as drop_sample nodes finish, so a population read from it
+            # would differ between members that asked before and after a slow node's drop. A member whose input
+            # has no value is left out by `standardize`; one dropped by another node still counts.
+            members = self.groups[self.trajs[i].prompt_index] if node.over == "group" else range(len(self.trajs))
+            scope = tuple(j for j in members if j in self.scored)
             return (await self._memo((name, scope), lambda: self._normalized(node, scope)))[i]
         return self._combined(name, node, i, list(await asyncio.gather(*(self.value(n, i) for n in node_inputs(node)))))
 
