@@ -299,6 +299,36 @@ def test_a_tool_that_sleeps_60_s_ends_the_episode_at_its_timeout(chat):
     assert t.num_model_tokens == t.turns[0].num_tokens > 0
 
 
+def test_replaying_an_episode_its_deadline_cut_ends_it_where_the_recording_did(chat):
+    """The recorded answer to a call the deadline cut (episode_timeout) was served as an ordinary tool result:
+    the replayed episode carried on to its next turn, whose call the recording never saw (stop no_call after 3
+    turns and a miss, where the run stopped on timeout after 1). Now it ends there as the deadline did."""
+    from factory.schema import PythonTool
+    from factory.tools import ToolBox
+    from factory.tools.recording import Replay
+
+    tools = {"nap": PythonTool(function="tests.test_tools_recording:nap")}
+    script = [(call("nap", seconds=5.0), True), (call("nap", seconds=1.0), True), ("<answer>1</answer>", True)]
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=512, episode_timeout_s=0.3)
+
+    async def episode(box):
+        async with box:
+            return await run_trajectory(ScriptedEngine(chat, script), chat, box, messages=PROMPT, row={},
+                                        prompt_index=0, sample_index=0, cfg=cfg, sampling=GREEDY,
+                                        origin="train/1/0/0/0")
+
+    live_box = ToolBox.from_spec(tools, record=True)
+    live = asyncio.run(episode(live_box))
+    replay_box = ToolBox.from_spec(tools)
+    replay_box.replay = Replay(live_box.recorder.take(), "fail")
+    replayed = asyncio.run(episode(replay_box))
+    assert (replayed.stop_reason, len(replayed.turns), replay_box.replay.misses) == ("timeout", 1, [])
+    assert [(r.status, r.error_kind, r.text) for r in replayed.turns[0].results] == [
+        (r.status, r.error_kind, r.text) for r in live.turns[0].results]
+    assert (replayed.response_ids, replayed.loss_mask, replayed.infra_error, replayed.truncated) == (
+        live.response_ids, live.loss_mask, live.infra_error, live.truncated)
+
+
 def test_the_models_context_is_read_from_its_config(tmp_path):
     import json
 

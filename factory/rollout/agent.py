@@ -119,6 +119,11 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             break  # nothing would read the responses: the calls are recorded, not run
         try:
             turn.results = list(await in_time(asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls))))
+            if any(r.error_kind == "episode_timeout" for r in turn.results):
+                # A replay's answer (a live call cut by the deadline is cancelled, never answered): the recorded
+                # episode's deadline cut this turn, so this one ends here as it did, or it would go on to turns
+                # the recording never saw
+                raise TimeoutError
         except TimeoutError:
             turn.results = [ToolResult(tool=c.name, text="Error: the episode ran out of time.", status="infra_error",
                                        error_kind="episode_timeout") for c in turn.calls]
