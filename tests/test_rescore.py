@@ -172,3 +172,33 @@ def test_each_batch_is_scored_under_its_own_step(monkeypatch):
     monkeypatch.setattr(local, "local_stages", stages)
     out = asyncio.run(rescore._score_all(None, {("train", 2): [1, 2], ("eval", 4): [1]}, {}))
     assert seen == [(2, 2), (1, 4)] and out == {("train", 2): {"reward/mean": 2.0}, ("eval", 4): {"reward/mean": 4.0}}
+
+
+def test_a_rescore_of_a_run_with_dynamic_sampling_says_its_tables_hold_the_kept_groups_only(tmp_path, monkeypatch):
+    """Under dynamic sampling a step's table holds only the groups kept for training, while its reward/mean covers
+    every sampling round: a rescore with the run's own graph printed a change that was not there, unexplained."""
+    from pathlib import Path
+
+    from factory.commands.rescore import rescore
+    from factory.compiler.compile import compile_file
+    from factory.tracking.tracker import open_tracker
+
+    spec, plan = compile_file(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml", weights=False)
+    monkeypatch.chdir(tmp_path)  # (where a tracker keeps what it has not sent yet)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1], turns=[],
+                   stop_reason="no_call", row={"answer": "3"}, messages=[{"role": "user", "content": "1 + 2"}],
+                   completion="<answer>3</answer>")
+    runs = {}
+    for name, rounds in (("plain", {}), ("dapo", {"rollout/dynamic_sampling_rounds": 2.0})):
+        old = open_tracker(uri, "t")
+        old.start(name, {}, {}, {})
+        old.log_metrics({"reward/mean": 0.5, **rounds}, step=1)
+        old.log_trajectories([t], 1)
+        old.end()
+        runs[name] = old.run_id
+    assert rescore(runs["plain"], spec, plan, uri=uri).notes == []
+    assert rescore(runs["dapo"], spec, plan, uri=uri).notes == [
+        f"run {runs['dapo']} used dynamic sampling: its step tables hold only the groups kept for training, while "
+        "its reward/mean covers every sampling round, so 'before' and 'after' are means over different "
+        "trajectories (for a 'before' over the same ones, rescore it with its own spec)"]

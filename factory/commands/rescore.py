@@ -145,6 +145,10 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     notes = []
     if note := unfinished_note(old.status, run_id, {step for _, step in batches}):
         notes.append(note)
+    # (the driver's `collect` logs this metric at every step of a run with dynamic sampling, and only there)
+    trained = any(split == "train" for split, _ in batches)
+    if trained and store.metric_history(run_id, "rollout/dynamic_sampling_rounds"):
+        notes.append(kept_groups_note(run_id))
     per_step = _int(old.params.get("train.prompts_per_step")) * _int(old.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
         if split == "train" and per_step and len(trajs) < per_step:
@@ -208,6 +212,15 @@ def unfinished_note(status: str, run_id: str, steps: set[int]) -> str | None:
             "KILLED": f"run {run_id} was stopped before its last step: the steps it saved were rescored "
                       f"({_shown(steps)})"}.get(status, f"run {run_id} ended {status}: the steps it saved were "
                                                         f"rescored ({_shown(steps)})")
+
+
+def kept_groups_note(run_id: str) -> str:
+    """What a rescore of a run with dynamic sampling should say: its step tables hold the groups kept for training
+    only (the driver's `collect` saves no others), while its logged reward/mean is over every sampling round, so
+    even the run's own graph would print a change that is not there."""
+    return (f"run {run_id} used dynamic sampling: its step tables hold only the groups kept for training, while its "
+            "reward/mean covers every sampling round, so 'before' and 'after' are means over different trajectories "
+            "(for a 'before' over the same ones, rescore it with its own spec)")
 
 
 def _int(value: str | None) -> int:
