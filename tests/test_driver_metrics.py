@@ -59,3 +59,37 @@ def test_a_deadline_names_the_step_its_call_was_for_step_0_too():
 
     assert [_doing(c) for c in ({"step": 0}, {"step": 3, "attempt": 0}, {"step": 3, "attempt": 1}, {})] == [
         "step 0", "step 3", "step 3, attempt 1", ""]
+
+
+def test_an_update_run_behind_the_rollout_keeps_a_deadline_of_its_own_length(monkeypatch):
+    """max_staleness 1: a 150 s update ran behind a 200 s rollout, so its wait took ~0 s, and that ~0 s set
+    the next deadline to the 120 s floor: a step that waits for its update in full (an evaluation, a checkpoint,
+    the last step) then stopped a healthy run with "did not answer ... within 120 s". Counted from when the
+    update was asked for (`since`), it keeps its length. (A clock and a Ray stand-in; the reviewer's script.)"""
+    from types import SimpleNamespace
+
+    import factory.runtime.deadlines as dl
+
+    clock = [0.0]
+
+    class Ref:
+        def __init__(self, ready_at: float):
+            self.ready_at = ready_at
+
+    def wait(refs, num_returns=1, timeout=None, fetch_local=True):
+        if sum(r.ready_at <= clock[0] for r in refs) < num_returns:
+            clock[0] += timeout
+        ready = [r for r in refs if r.ready_at <= clock[0]]
+        return ready, [r for r in refs if r not in ready]
+
+    monkeypatch.setattr(dl, "ray", SimpleNamespace(wait=wait, get=lambda refs: [{} for _ in refs]))
+    monkeypatch.setattr(dl, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    deadlines = dl.Deadlines(1800.0)
+    for step in range(1, 4):  # each update submitted, then the next step's 200 s rollout, then its wait
+        submitted = clock[0]
+        ref = Ref(submitted + 150.0)
+        clock[0] += 200.0
+        deadlines.get([ref], "update.step", f"step {step}", since=submitted)
+    assert deadlines.budget("update.step") >= 5 * 150.0
+    submitted = clock[0]  # a draining step: its update waited for in full, right away
+    deadlines.get([Ref(submitted + 150.0)], "update.step", "step 4", since=submitted)

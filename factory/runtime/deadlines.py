@@ -43,11 +43,14 @@ class Deadlines:
         self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
 
     def get(self, refs: list[Any], kind: str, doing: str = "",
-            progress: Callable[[], Any] | None = None) -> list[Any]:
+            progress: Callable[[], Any] | None = None, since: float | None = None) -> list[Any]:
         """`ray.get(refs)` within the deadline of `kind` ("stage.method"). `progress()`, when given, is
         polled every POLL_S; a change of its value is a heartbeat (the clock starts again) and its last
-        value goes in the message."""
-        start = last_beat = time.monotonic()
+        value goes in the message. `since` (time.monotonic()): when the call was made, where that was before
+        this wait (an update run behind the next rollout): the clock and the call's recorded length start
+        there, not at the wait (whose length, ~0 for an update done meanwhile, set a 120 s deadline that the
+        next full wait on a longer update then broke)."""
+        start = last_beat = time.monotonic() if since is None else since
         budget, beat, pending = self.budget(kind), None, list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S, fetch_local=False)

@@ -681,6 +681,7 @@ class _Pending:
     t0: float  # when the step's rollout began
     update: list[Any]  # every rank's ObjectRef of the update's stats
     weights: list[tuple[Edge, list[Any]]]  # the weights right after it (fetch_weights)
+    submitted: float = 0.0  # time.monotonic() when the update was asked for: its deadline counts from there
 
 
 class Updates:
@@ -703,7 +704,7 @@ class Updates:
         if self.k:  # what this step waits for, added up in `finish`
             m["timing/update_s"] = m["timing/weight_sync_s"] = 0.0
         update = self.g[trainer.dst].submit(trainer.method, trajs)
-        self.pending.append(_Pending(step, trajs, m, t0, update, fetch_weights(self.g, self.plan)))
+        self.pending.append(_Pending(step, trajs, m, t0, update, fetch_weights(self.g, self.plan), time.monotonic()))
 
     def finish(self, drain: bool) -> list[tuple[int, list[Any], dict[str, float]]]:
         """The steps that finish now, oldest first: (step, trajectories, complete metrics)."""
@@ -714,7 +715,8 @@ class Updates:
             p = self.pending.popleft()
             t0 = time.perf_counter()
             trainer = self.plan.flow("data")[-1]
-            stats = self.g[trainer.dst].deadlines.get(p.update, f"{trainer.dst}.{trainer.method}", f"step {p.step}")[0]
+            stats = self.g[trainer.dst].deadlines.get(p.update, f"{trainer.dst}.{trainer.method}", f"step {p.step}",
+                                                      since=p.submitted)[0]
             waited, synced = time.perf_counter() - t0, load_weights(self.g, p.weights)
             self.synced = p.step
             if self.k:  # the update ran behind the next rollout: a step counts the part it waited for
