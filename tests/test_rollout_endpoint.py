@@ -71,6 +71,11 @@ async def test_ids_in_ids_out_and_the_stop_put_back(server):
     out = await engine.generate([3], max_new_tokens=3, sampling=Sampling(temperature=0.7, seed=11))
     assert (out.ids, out.finished) == ([120, 121, 122], False)  # the text, tokenized here
     assert (SEEN[1]["temperature"], SEEN[1]["seed"]) == (0.7, 11)
+    # every setting a server would otherwise take from the model's generation_config.json (vLLM's default:
+    # Qwen3's top_k 20 and top_p 0.95, a repetition penalty) is sent as the local engines sample, greedy too
+    neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0}
+    assert all({k: body[k] for k in neutral} == neutral for body in SEEN)
     with pytest.raises(RuntimeError, match="takes no weights"):
         engine.load_weights({})
 
@@ -106,3 +111,29 @@ def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):
     plan = with_endpoint(factory.compile("specs/tiny.yaml"), "http://127.0.0.1:8000/v1")
     (rollout,) = [s.settings for s in plan.stages if isinstance(s.settings, RolloutSettings)]
     assert rollout.endpoint == "http://127.0.0.1:8000/v1"
+    # its stage stops on the chat's and the model's eos ids, as a local engine does (it had the chat's alone)
+    import asyncio
+
+    from factory.assets import resolve_model
+    from factory.rollout.engine import model_eos
+    from factory.rollout.stage import RolloutStage
+
+    stage = RolloutStage(rollout.model_copy(update={"tool_peer": None}))  # (its calls are not made here)
+    asyncio.run(stage.setup())
+    assert stage.engine.stop_token_ids == sorted({*stage.chat.stop_token_ids, *model_eos(resolve_model(rollout.model.path))})
+    assert len(stage.engine.stop_token_ids) > len(stage.chat.stop_token_ids)
+
+
+def test_the_endpoint_stops_on_the_models_eos_as_the_local_engines_do(tmp_path):
+    """It was given the chat's stop ids alone: a turn that ended at the model's eos (<|endoftext|> beside
+    Qwen's <|im_end|>) got a second stop token put after it, and the eos stayed in the text the reward reads."""
+    from factory.rollout.engine import model_eos
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151645}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    stops = sorted({151645, *model_eos(tmp_path)})
+    assert stops == [151643, 151645]
+    engine = EndpointEngine("http://127.0.0.1:1/v1", Tokenizer(), stop_token_ids=stops, end_of_turn_id=151645)
+    out = engine.answer({"finish_reason": "stop", "logprobs": {"tokens": ["token_id:9707", "token_id:151643"],
+                                                              "token_logprobs": [-0.5, -0.1]}}, 8)
+    assert (out.ids, out.finished) == ([9707, 151643], True)

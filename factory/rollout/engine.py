@@ -26,9 +26,12 @@ cumulative probability sits exactly on the drawn number can flip).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -93,6 +96,19 @@ def request_seed(*key: int) -> int:
     request of a run its own stream, the same in a resumed run as in the uninterrupted one."""
     digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def model_eos(model_path: str | os.PathLike) -> list[int]:
+    """The model's eos ids (its config and generation config), which every engine stops on beside the chat's
+    own stop ids: an engine that reads no tokenizer or config itself (vLLM without one, a served model's
+    request) would not."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        f = Path(model_path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return ids
 
 
 def cut_at_stop(ids: Sequence[int], stop_ids: Iterable[int], limit: int,

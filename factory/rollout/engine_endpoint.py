@@ -63,6 +63,11 @@ class EndpointEngine:
         body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 1,
                                 "return_tokens_as_token_ids": True, "skip_special_tokens": False,
                                 "stop_token_ids": self.stop_token_ids}
+        # Every setting the server would otherwise fill from the model's generation_config.json (vLLM's default
+        # `--generation-config auto`: Qwen3 ships top_k 20, top_p 0.95; Qwen2.5 a repetition penalty), as the
+        # local engines leave those out: the same spec then scores the same policy on any engine
+        body.update(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                    frequency_penalty=0.0)
         if sampling.greedy:
             body["temperature"] = 0.0
         else:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from factory.lora import Adapters
-from factory.rollout.engine import Generation, Sampling
+from factory.rollout.engine import Generation, Sampling, model_eos
 
 _TIED_HEAD, _EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class VLLMEngine:
         _llvmlite_answers_vars()
         self.engine = self._executor.submit(LLMEngine.from_engine_args, args).result()
         self.max_model_len: int | None = self.engine.vllm_config.model_config.max_model_len
-        self.stop_token_ids = sorted({*stop_token_ids, *self._model_eos(model_path)})
+        self.stop_token_ids = sorted({*stop_token_ids, *model_eos(model_path)})  # (no tokenizer loaded: vLLM would not)
         self.fallback_reason: str | None = None
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed its start-up
         self.batches_run = 0  # engine steps (each one forward over the running batch)
@@ -212,21 +212,6 @@ class VLLMEngine:
         self._aborts: list[str] = []
         self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._running = False
-
-    @staticmethod
-    def _model_eos(model_path: str) -> list[int]:
-        """The model's eos ids (config and generation config): with no tokenizer loaded, vLLM does not
-        stop on them by itself."""
-        import json
-        from pathlib import Path
-
-        ids: list[int] = []
-        for name in ("config.json", "generation_config.json"):
-            f = Path(model_path) / name
-            if f.is_file():
-                eos = json.loads(f.read_text()).get("eos_token_id")
-                ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return ids
 
     # ------------------------------------------------------------------------------------ Engine API
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:

@@ -132,7 +132,7 @@ class RolloutStage(StageActor):
 
         from factory.assets import resolve_model
         from factory.rollout.chat import ChatFormat
-        from factory.rollout.engine import gpu_share, make_engine
+        from factory.rollout.engine import gpu_share, make_engine, model_eos
         from factory.tools.client import ToolsClient
         from factory.util import resolve_file
 
@@ -147,7 +147,10 @@ class RolloutStage(StageActor):
         if s.endpoint:  # a served model (factory eval --model URL): nothing is loaded here
             from factory.rollout.engine_endpoint import EndpointEngine
 
-            self.engine = EndpointEngine(s.endpoint, tokenizer, self.chat.stop_token_ids, self.chat.end_of_turn_id)
+            # the local engines' stop set (the chat's and the model's eos): with the chat's alone a turn that
+            # ended at the model's eos got a second stop token, and the eos stayed in the text the reward reads
+            stops = sorted({*self.chat.stop_token_ids, *model_eos(model_path)})
+            self.engine = EndpointEngine(s.endpoint, tokenizer, stops, self.chat.end_of_turn_id)
         else:
             self.engine = make_engine(s.rollout, model_path, device=device, dtype=dtype, seed=s.seed,
                                       stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
