@@ -584,11 +584,8 @@ def test_a_journal_line_cut_short_loses_no_later_record(tmp_path):
     assert Spool(tmp_path).sent == 0 and len(Spool(tmp_path).records) == 4
 
 
-def test_records_that_wait_for_a_store_that_lost_the_run_are_not_promised_to_resume(tmp_path):
-    """The store's sqlite file deleted mid-run: the end said `--resume RUN` sends the records that waited, and
-    that command answered "no run with id ..."."""
-    import os
-
+def _spooled_run(tmp_path: Path) -> tuple[Tracker, Path, list[str]]:
+    """A run on a sqlite store with its spool, step 1 logged: (its tracker, the store's file, its notes)."""
     db = tmp_path / "t.db"
     t = Tracker(f"sqlite:///{db}", "e")
     t.start("r", {}, {}, {})
@@ -596,6 +593,15 @@ def test_records_that_wait_for_a_store_that_lost_the_run_are_not_promised_to_res
     notes: list[str] = []
     t._note = notes.append
     t.log_metrics({"m": 1.0}, step=1)
+    return t, db, notes
+
+
+def test_records_that_wait_for_a_store_that_lost_the_run_are_not_promised_to_resume(tmp_path):
+    """The store's sqlite file deleted mid-run: the end said `--resume RUN` sends the records that waited, and
+    that command answered "no run with id ..."."""
+    import os
+
+    t, db, notes = _spooled_run(tmp_path)
     os.remove(db)
     t.log_metrics({"m": 2.0}, step=2)
     t.end()
@@ -612,13 +618,7 @@ def test_a_disk_that_cannot_hold_the_spool_does_not_stop_the_run(tmp_path, monke
 
     from factory.tracking.spool import Spool
 
-    db = tmp_path / "t.db"
-    t = Tracker(f"sqlite:///{db}", "e")
-    t.start("r", {}, {}, {})
-    t.open_spool(tmp_path / "spool")
-    notes: list[str] = []
-    t._note = notes.append
-    t.log_metrics({"m": 1.0}, step=1)
+    t, db, notes = _spooled_run(tmp_path)
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
