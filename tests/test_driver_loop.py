@@ -35,6 +35,7 @@ class World:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     eval_metric: list[float] = field(default_factory=list)  # what each evaluation returns, in turn
     miss_at: int | None = None  # the step whose rollout a replay cannot answer
+    eval_miss_at: int | None = None  # the step whose evaluation a replay cannot answer
     rewards: list[float] = field(default_factory=list)  # each step's reward/mean, in turn
     replayed: Any = None  # the recording the tools stage was placed with (its settings' `replay`)
     ended: list[str] = field(default_factory=list)  # the tracked run's end status
@@ -148,6 +149,8 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
 
     def evaluate(g: Any, plan: Any, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
         world.made += [f"eval/{step}/0/0/0/0/0"]
+        if step == world.eval_miss_at:
+            world.misses.append(f"calculate(...) at eval/{step}/0/0/0/0/0")
         return {"eval/accuracy": world.eval_metric.pop(0) if world.eval_metric else 0.5}, []
 
     monkeypatch.setattr(driver, "collect", collect)
@@ -235,6 +238,19 @@ def test_a_replay_miss_stops_the_run_before_the_step_is_trained_on(monkeypatch):
         run_loop(monkeypatch, world, ["train.steps=4", "train.max_staleness=1", "replay.run=old"])
     assert world.submitted == [1, 2] and sorted(world.metrics) == [0, 1, 2]
     assert world.saved == [(2, {"drawn": 2})]  # the data where it was before step 3 drew its batch
+
+
+def test_a_replay_miss_in_a_steps_evaluation_keeps_the_step(monkeypatch):
+    """A miss in step 2's evaluation: step 2 trained as recorded, but it was neither logged nor saved (the run
+    ended with steps 1-2's work lost past step 1). It is logged (without the evaluation that went elsewhere)
+    and saved, and the miss says so."""
+    world = World(eval_miss_at=2)
+    with pytest.raises(ReplayMiss, match=r"^step 2 evaluation: the recording of run old has no answer for 1 tool "
+                                         r"call.*; steps 1-2 are logged and checkpointed$"):
+        run_loop(monkeypatch, world, ["train.steps=4", "train.max_staleness=1", "train.eval_every=2",
+                                      "replay.run=old"])
+    assert world.submitted == [1, 2] and sorted(world.metrics) == [0, 1, 2]
+    assert "eval/accuracy" not in world.metrics[2] and [s for s, _ in world.saved] == [2]
 
 
 def test_a_replay_past_the_recording_s_last_step_says_so():

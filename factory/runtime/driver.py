@@ -803,7 +803,14 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                 for n, trajs_n, m_n in updates.finish(drain=drain):  # its weights -> every rollout replica
                     if n == step and evaluating:
                         (after, eval_trajs), after_step = evaluate(g, plan, display, step), step
-                        tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
+                        try:
+                            tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
+                        except ReplayMiss as miss:  # the step itself trained as recorded: kept (logged without
+                            # its evaluation, saved), as a miss in a rollout keeps the steps before it
+                            _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
+                            if saved_step != step:
+                                _save(g, plan, tracker, step, watch)
+                            raise ReplayMiss(f"{miss}; steps 1-{step} are logged and checkpointed") from None
                         m_n.update(after)
                         m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
                         tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
