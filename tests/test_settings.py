@@ -271,6 +271,16 @@ def test_a_turn_budget_above_the_trajectory_budget_warns(project):
         "has no effect: this bounds a trajectory's response tokens, so no turn can be longer",)
 
 
+def test_more_mini_batches_than_trajectories_warns(project):
+    """`algorithm.mini_batches: 100` over 8 trajectories a step checked ok and made 8 optimizer steps (the update
+    caps it at the rows)."""
+    path = _spec(project, "st_minib", "")
+    assert compile_file(path, ["algorithm.mini_batches=100", "train.prompts_per_step=2", "rollout.group_size=4"])[1].warnings == (
+        "<override 1>: algorithm.mini_batches: warning: above the 8 trajectories a step trains "
+        "(train.prompts_per_step x rollout.group_size): a step makes at most 8 optimizer steps, one a trajectory",)
+    assert compile_file(path, ["algorithm.mini_batches=8", "train.prompts_per_step=2", "rollout.group_size=4"])[1].warnings == ()
+
+
 def test_settings_that_another_setting_switches_off_warn(project):
     path = _spec(project, "st_dep", "rollout: {engine: hf, kv_cache_gb: 4}\ntrain: {optimizer: {name: sgd, betas: [0.9, 0.95]}}\n"
                                     "algorithm: {kl: {estimator: k1}, loss: cispo, dual_clip_c: 3, overlong: {penalty: 0.5}}\n")
