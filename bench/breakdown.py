@@ -105,9 +105,10 @@ def update_flops(run) -> float | None:
 
 def split_rows(run, label: str) -> tuple[list, float, float]:
     """The split of each steady step, the median share of `other` and the median share of the weight sync."""
-    steps = run.steady_steps
     rows, fractions, syncs = [], [], []
-    for step, period in zip(steps, run.periods):
+    # by step: a step with no record before it has no period, and zipping the lists put later steps beside the
+    # wrong periods
+    for step, period in run.period_of.items():
         m = run.metrics[step]
         parts = [m.get(k, 0.0) for k in PARTS.values()]
         other = period - sum(parts)
@@ -158,6 +159,7 @@ def main(a: argparse.Namespace) -> dict:
     trained = [f for f in map(update_flops, runs.values()) if f]
     if not trained:
         print("no steady step trained a row (every group's rewards agreed): no update FLOP/s to report")
+    # pooled over the scales' runs (the table shows each; the overhead and sync fractions are the 1x run's)
     update_ratio = median(trained) / matmul if trained else None
     out = {"overhead_fraction": overhead, "weight_sync_fraction": sync, "scaling_2x": ratios.get(2),
            "update_flops_over_matmul": update_ratio}

@@ -118,6 +118,7 @@ class FactoryRun:
     run_id: str = ""
     stderr: str = field(repr=False, default="")
     params: dict[str, str] = field(default_factory=dict)  # the run's MLflow params (the spec, `resolved.*`)
+    period_of: dict[int, float] = field(default_factory=dict)  # the same by step (a step with no record before it: none)
 
     def mean(self, key: str, steps: Sequence[int] | None = None) -> float:
         steps = steps or self.steady_steps
@@ -173,7 +174,8 @@ def factory_run(project: Path, overrides: Sequence[str] = (), *, timeout_s: floa
             if key == "timing/step_s":
                 stamps[m.step] = m.timestamp
     result = FactoryRun(metrics, [], wall, store, run.info.run_id, out.stderr, dict(run.data.params))
-    result.periods = [(stamps[s] - stamps[s - 1]) / 1000 for s in result.steady_steps if s - 1 in stamps]
+    result.period_of = {s: (stamps[s] - stamps[s - 1]) / 1000 for s in result.steady_steps if s - 1 in stamps}
+    result.periods = list(result.period_of.values())
     return result
 
 

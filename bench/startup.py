@@ -118,10 +118,11 @@ def main(a: argparse.Namespace) -> dict:
                 print(f"engine: {runs[0]['engine']} ({runs[0]['engine_reason']})")
             value = median([r["timing/startup_s"] for r in runs])
             out[f"{spec}_startup_s"] = round(value, 1)
-            if spec in TARGETS:
-                out[f"{spec}_target_met"] = value <= TARGETS[spec]
-                print(f"median {value:.1f} s; target <= {TARGETS[spec]:.0f} s: "
-                      f"{'met' if value <= TARGETS[spec] else 'NOT met'}")
+            if spec in TARGETS:  # the targets are for 2 cores: elsewhere the time is printed, not judged
+                met = value <= TARGETS[spec] if os.cpu_count() == 2 else None
+                out[f"{spec}_target_met"] = met
+                print(f"median {value:.1f} s; target <= {TARGETS[spec]:.0f} s (on 2 cores): "
+                      f"{ {True: 'met', False: 'NOT met', None: f'not judged on {os.cpu_count()} cores'}[met]}")
     return {**out, "cpu": cpu()}
 
 

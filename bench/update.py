@@ -157,11 +157,12 @@ def main(a: argparse.Namespace) -> dict:
     print(table(["op", "s", "share"], [(k[:40], v, v / wall) for k, v in other_ops[:10]], first=42))
     ratio = median(ratios)
     # #28's target is for the float32 update (an AVX2 CPU); on a bf16 CPU the ratio is printed, not judged
+    # (judged on an emulated AVX2 too, where MKL's float32 paths are the AVX-512 CPU's: the JSON's cpu says so)
     targets = {"update_flops_over_matmul": (">=", 0.5)} if dtype == "float32" else {}
     return {**judge_targets({"update_flops_over_matmul": round(ratio, 3)}, targets, source="issue #28, float32"),
             "update_flops_over_matmul": round(ratio, 3),
             "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
-            "matmul_gflops": round(median([r[4] for r in rows]), 1), "update_dtype": dtype,
+            "matmul_gflops": round(median([r[4] for r in rows[1:] or rows]), 1), "update_dtype": dtype,
             "profile_shares": {k: round(v, 3) for k, v in shares.items()},
             "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, "cpu": cpu()}
 

@@ -91,7 +91,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
-from bench.common import cpu, cpu_line, factory_run, median, print_json, pythonpath, table, write_project
+from bench.common import (cpu, cpu_line, factory_run, judge_targets, median, print_json, pythonpath, table,
+                          write_project)
 
 MODELS = {"tiny": "bench:tiny-qwen3-calc-pytool", "quickstart": "factory:smollm2-135m-instruct"}
 TARGETS = {"vllm": 0.5, "hf": 0.8}
@@ -537,7 +538,9 @@ def main(a: argparse.Namespace) -> dict:
             f_calls, t_calls = tools["work"]["factory"]["tool_calls"], tools["work"]["trl"]["tool_calls"]
             comparable = tool_rates_comparable(f_calls, t_calls)
             out["tools_comparable"] = comparable
-            out["tools"] = tools
+            # TRL's completion length counts the tool's reply tokens too (its tool mask is not logged), Factory's
+            # the sampled ones: not the same tokens, so no per-token ratio
+            out["tools"] = {**tools, "per_token": None}
             if comparable:
                 out["factory_over_trl_tools"] = tools["ratio"]
             else:
@@ -549,7 +552,10 @@ def main(a: argparse.Namespace) -> dict:
               f"{out[f'factory_over_trl_{engine}_per_token']:.3f} per token, "
               f"{out[f'factory_over_trl_{engine}_per_row']:.3f} per row (worst over the models); target "
               f"<= {TARGETS[engine]}: {'met' if held else 'NOT met'}")
-    return {**out, "cpu": cpu()}
+    # the JSON says the verdicts too, as every other benchmark's does
+    verdicts = judge_targets(out, {f"factory_over_trl_{engine}{k}": ("<=", TARGETS[engine]) for engine in a.engines
+                                   for k in ("", "_per_token", "_per_row")}, source="issue #28")
+    return {**out, **verdicts, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -174,6 +174,18 @@ def test_breakdown_reads_the_update_flops_only_of_steps_that_trained_a_row():
     assert update_flops(run((4, 1e9), (0, 0.0), (0, 0.0))) is None
 
 
+def test_breakdown_splits_each_step_by_its_own_period():
+    """Periods exist only for steps whose previous step was recorded; zipped with the steps, one missing record
+    put every later step beside the wrong period (and the overhead fraction with it)."""
+    from bench.breakdown import PARTS, split_rows
+    from bench.common import FactoryRun
+
+    metrics = {s: {PARTS["update"]: 1.0} for s in range(6)}
+    run = FactoryRun(metrics=metrics, periods=[2.0, 4.0], wall_s=0.0, period_of={2: 2.0, 4: 4.0})  # step 3: none
+    rows, other, _ = split_rows(run, "1x")
+    assert [(r[0], r[1]) for r in rows] == [("1x step 2", 2.0), ("1x step 4", 4.0)] and other == 0.625
+
+
 def test_vs_trl_compares_with_the_tool_only_at_close_call_rates():
     from bench.vs_trl import tool_rates_comparable
 
