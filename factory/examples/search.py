@@ -28,10 +28,13 @@ The questions: `questions(n, seed, split)` makes trivia questions whose answer i
 uncategorised article). A form is dropped when the answer appears in the question, when the first sentence does not open on the
 article's own subject or its predicate is under five words ("a Chinese writer"), when the description is
 shared by several articles or is under three words (both too ambiguous), when parentheses do not pair, or when the same question is asked of another article
-(or repeats the article's other form). Articles are split 90/10 into train/test by a SHA-256 of the title, so evaluation questions
-never come from an article seen in training. Rows are `{question, answer, title, form}`; the order is a
-seeded shuffle of the split's questions, so a shorter list is a prefix of a longer one. When `n` exceeds
-the split's questions (15,675 train, 1,771 test) the list goes on with a fresh shuffle of them.
+(or repeats the article's other form). Articles are split 90/10 into train and held out by a SHA-256 of the
+title, so evaluation questions never come from an article trained on (the search index holds every article);
+the held-out ones are dealt into `validation` and `test` by a draw of their own (`SPLIT_SEED`: see
+`held_out_splits`). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
+questions (`draw_seed` fixes it across run seeds), so a shorter list is a prefix of a longer one. When `n`
+exceeds the split's questions (15,675 train, 891 validation, 880 test) the list goes on with a fresh shuffle
+of them.
 """
 from __future__ import annotations
 
