@@ -648,3 +648,24 @@ def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
     t.end()
     metrics = t.client.get_run(t.run_id).data.metrics
     assert metrics == {"tools/_/calls": 1.0, "tools/web_search/calls": 2.0, "reward/mean": 0.5}
+
+
+def test_a_spool_line_whose_flush_failed_is_taken_back(tmp_path, monkeypatch):
+    """A full disk can fail the journal's fsync after its line landed: the tracker then sends the record itself,
+    and a later driver found the line and sent it again."""
+    import errno
+
+    from factory.tracking import spool as spool_module
+    from factory.tracking.spool import Spool
+
+    spool = Spool(tmp_path / "spool")
+    spool.add("tags", tags={"a": "1"})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spool_module.os, "fsync", full)
+    with pytest.raises(OSError):
+        spool.add("tags", tags={"b": "2"})
+    monkeypatch.undo()
+    assert [r["tags"] for r in Spool(tmp_path / "spool").records] == [{"a": "1"}]

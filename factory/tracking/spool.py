@@ -50,10 +50,19 @@ class Spool:
             fsync_path(keep)  # on disk before the journal names it: a power cut must not leave a named, empty table
             fsync_path(keep.parent)
             record["file"] = str(keep.relative_to(self.folder))
-        with open(self.folder / JOURNAL, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        journal = self.folder / JOURNAL
+        before = journal.stat().st_size if journal.exists() else 0
+        try:
+            with open(journal, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            # (a full disk: the line may have landed before its flush failed; the caller sends the record
+            # itself, so a later driver must not find it here and send it again)
+            with contextlib.suppress(OSError):
+                os.truncate(journal, before)
+            raise
         self.records.append(record)
         return record
 
