@@ -166,6 +166,10 @@ def test_dashed_overrides_are_dot_list_overrides(project, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.endswith(
         "error: unrecognized arguments: --train.steps (overrides go after the spec, written KEY=VALUE: factory check "
         "SPEC train.steps=3)\n")
+    with pytest.raises(SystemExit):  # before the spec without its value: no value, not the spec as the value
+        cli.main(["check", "--train.steps", path])
+    assert capsys.readouterr().err.endswith(
+        "error: unrecognized arguments: --train.steps (an override takes a value: --KEY VALUE or --KEY=VALUE)\n")
     # a mistyped option of the command is one, not an override without its value
     with pytest.raises(SystemExit):
         cli.main(["check", path, "--conect"])

@@ -93,8 +93,10 @@ def test_a_closing_think_in_an_argument_drops_no_call():
     dropped all before it: here both calls (the agent loop writes that `<think>` into the text itself)."""
     first = '<tool_call>{"name": "echo", "arguments": {"s": "x"}}</tool_call>'
     second = '<tool_call>{"name": "echo", "arguments": {"s": "close with </think>"}}</tool_call>'
-    calls = parse_tool_calls(f"ok {first} {second}")
+    calls = parse_tool_calls(f"ok {first} {second}", opened_before=False)  # as the agent loop reads a turn
     assert [(c.arguments, c.parse_error) for c in calls] == [({"s": "x"}, None), ({"s": "close with </think>"}, None)]
+    # a completion as a reward reads it (its prompt may have opened the reasoning): before `</think>`, reasoning
+    assert parse_tool_calls(f"drafting {first}</think> answer") == []
 
 
 def test_markers_inside_an_arguments_string_do_not_end_the_call():

@@ -401,7 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # `check --train.steps 3 SPEC`: argparse took the 3 for the spec, and the key had "no value"
             words = list(sys.argv[1:] if argv is None else argv)
             at = words.index(wrong[0])
-            given = at + 1 < len(words) and not words[at + 1].startswith("-")
+            # (argparse took the word after the key for the spec: the value was given, and a word is left after
+            # it; `--train.steps SPEC` alone is a key without its value)
+            spec_word = getattr(args, "spec", None) or getattr(args, "run", None)
+            given = (at + 2 < len(words) and words[at + 1] == spec_word
+                     and not words[at + 2].startswith("-"))
             first = "RUN" if args.command == "rescore" else "SPEC"
             p.error(f"unrecognized arguments: {' '.join(wrong)}" + (
                 f"; did you mean {', '.join(near)}?" if near else

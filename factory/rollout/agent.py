@@ -108,7 +108,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         # while thinking would read as an answer, so the text says where the reasoning began.
         text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
         calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c
-                 for k, c in enumerate(parse_tool_calls(text))]
+                 for k, c in enumerate(parse_tool_calls(text, opened_before=False))]
         turn = Turn(text=text, num_tokens=len(gen.ids), calls=calls, started_at=started,
                     generated_at=generated, ended_at=generated)
         turns.append(turn)

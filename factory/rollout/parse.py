@@ -30,14 +30,14 @@ _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """All calls in `text` (a turn's text, which begins with any `<think>` its prompt opened) outside its
-    reasoning (`without_reasoning`), in order. A call never closed is one malformed call: an opening marker
-    followed by `{` before a closed block, and any opening marker after the last one (a mention of the
-    marker in prose, with no `{` after it, is not a call)."""
-    # The agent loop wrote the `<think>` the prompt opened (ChatFormat.reasoning_opened) into the text: a
-    # `</think>` with none before it is the model's own text (in an argument), and drops no call before it.
-    text = without_reasoning(text, opened_before=False)
+def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
+    """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
+    malformed call: an opening marker followed by `{` before a closed block, and any opening marker after the
+    last one (a mention of the marker in prose, with no `{` after it, is not a call). `opened_before=False`:
+    the text begins with any `<think>` its prompt opened (the agent loop writes ChatFormat.reasoning_opened
+    into each turn's text), so a `</think>` with none before it is the model's own (in an argument) and drops
+    no call before it; True (a completion as a reward reads it): all before a leading `</think>` is reasoning."""
+    text = without_reasoning(text, opened_before=opened_before)
     calls: list[ToolCall] = []
     last_end = 0
     for start, end, raw in _blocks(text):

@@ -148,8 +148,8 @@ class Learner:
 
                 # from the spec's seed, as everything random in a run is: peft draws lora_A from torch's stream,
                 # so two runs of one spec started from different adapters and parted from step 2 on
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.spec.seed)
+                with torch.random.fork_rng(devices=[]):  # (the CPU's stream only: peft builds them on the CPU)
+                    torch.random.default_generator.manual_seed(self.spec.seed)
                     model = get_peft_model(model, peft_config(self.lora))
             if self.spec.train.gradient_checkpointing:
                 # non-reentrant: the variant that works under ZeRO-3's parameter gathering
