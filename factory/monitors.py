@@ -208,13 +208,6 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
     return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
 
 
-def _valued(t: Any, node: str) -> bool:
-    """Whether reward node `node` gave trajectory t a value of its own (each turn's, for a per-turn node): not
-    a failure's or a skipped gate's stand-in."""
-    detail = t.reward_details.get(node, {})
-    return all(d.get("status", "ok") == "ok" for d in detail.get("turns", [detail]))
-
-
 def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str) -> Row:
     """One step of the history from the scored trajectories the update trains (the driver leaves out an
     infrastructure failure's and an overlong-filtered one; here, the reward stage's drops): not the step's
@@ -237,7 +230,7 @@ def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str
             # only where both gave a value of their own: a judge that failed or did not parse holds
             # on_missing's stand-in (0 under `zero`), and an outage read as disagreement stopped the run
             pairs = [(t.rewards.get(judge), t.rewards.get(w.verifier)) for t in kept
-                     if _valued(t, judge) and _valued(t, w.verifier)]
+                     if all(s == "ok" for s in (*t.statuses(judge), *t.statuses(w.verifier)))]
             pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
             if pairs:
                 row[f"disagree/{judge}"] = sum((a >= s.pass_at) != (b >= s.pass_at) for a, b in pairs) / len(pairs)

@@ -98,6 +98,14 @@ class Trajectory:
     def num_tool_calls(self) -> int:
         return sum(len(t.calls) for t in self.turns)
 
+    def statuses(self, node: str) -> list[str]:
+        """What happened to reward node `node` here: one status per turn for a per-turn node whose details say
+        turn by turn, else one (`ok` when nothing was recorded)."""
+        detail = self.reward_details.get(node, {})
+        if "turns" in detail:
+            return [d.get("status", "ok") for d in detail["turns"]]
+        return [detail.get("status", "ok")]
+
     @property
     def num_model_tokens(self) -> int:
         """Tokens the model generated (what throughput and length metrics count): its turns' tokens, which the

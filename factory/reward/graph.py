@@ -284,15 +284,6 @@ def _mean(values: list[float]) -> float:
     return math.fsum(values) / len(values) if values else float("nan")
 
 
-def statuses(t: Trajectory, name: str) -> list[str]:
-    """What happened to node `name` on trajectory t: one status per turn for a per-turn node whose details
-    say turn by turn, else one (`ok` when nothing was recorded)."""
-    detail = t.reward_details.get(name, {})
-    if "turns" in detail:
-        return [d.get("status", "ok") for d in detail["turns"]]
-    return [detail.get("status", "ok")]
-
-
 FAILED = ("error", "parse_failure", "non_finite")  # the MISSING outcomes that are failures, not a chosen None
 
 
@@ -301,7 +292,7 @@ def failing_everywhere(trajs: list[Trajectory]) -> list[str]:
     raised on every call ran a whole run with one line a step from the reward stage ("1 of 1" when trajectories
     are scored one at a time), and read as a model that learns nothing."""
     names = {name for t in trajs for name in t.reward_details}  # (a node with a value everywhere records nothing)
-    return sorted(name for name in names if all(s in FAILED for t in trajs for s in statuses(t, name)))
+    return sorted(name for name in names if all(s in FAILED for t in trajs for s in t.statuses(name)))
 
 
 def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -> dict[str, float]:
@@ -323,7 +314,7 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     out: dict[str, float] = {}
     for name, node in nodes.items():
         out[f"rewards/{name}/mean"] = _mean([v for t in kept if (v := t.rewards.get(name)) is not None])
-        status = [s for t in trajs for s in statuses(t, name)]
+        status = [s for t in trajs for s in t.statuses(name)]
         if name in t_nodes:  # the count first: a step scored in several calls weighs each call's mean by it
             values = [v for t in kept for v in t.turn_rewards.get(name, ()) if v is not None]
             out[f"rewards/{name}/turns"] = float(len(values))

@@ -30,12 +30,14 @@ class ToolsClient:
     def __init__(self, stage: Any | None, *, counted: bool = True):
         self._stage = stage
         self._schemas: list[dict[str, Any]] = []
+        self._offered: frozenset[str] = frozenset()  # the tools' names, as offered to the model
         self._metrics = ToolMetrics()
         self._counted = counted  # False: a caller that never takes its metrics (the reward stage) keeps none
 
     async def start(self) -> None:
         if self._stage is not None:
             self._schemas = await _invoke(self._stage, "schemas")
+        self._offered = frozenset(t["function"]["name"] for t in self._schemas)
 
     def schemas(self) -> list[dict[str, Any]]:
         return self._schemas
@@ -50,14 +52,14 @@ class ToolsClient:
             result = await _invoke(self._stage, "call", call)
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
         if self._counted:  # under its tool when it reached one (a call that could not be read has none: '?')
-            offered = any(t["function"]["name"] == result.tool for t in self._schemas)
-            self._metrics.record(result.tool if offered and result.error_kind != "unknown_tool" else None, result)
+            offered = result.tool in self._offered and result.error_kind != "unknown_tool"
+            self._metrics.record(result.tool if offered else None, result)
         return result
 
     async def take_metrics(self) -> ToolMetrics:
         """This caller's calls since the last take, with the servers' restarts and circuit opens."""
         taken, self._metrics = self._metrics, ToolMetrics()
-        taken.offered(t["function"]["name"] for t in self._schemas)
+        taken.offered(self._offered)
         if self._stage is not None:
             for server, events in (await _invoke(self._stage, "server_events")).items():
                 for event, count in events.items():
