@@ -219,12 +219,12 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if keep is not None and keep >= spec.rollout.group_size:
         r.error("algorithm.train_per_group", f"{keep} is not below rollout.group_size ({spec.rollout.group_size}), "
                                              "so every sample would train anyway: lower it or remove it")
-    rows = spec.train.prompts_per_step * (keep if keep is not None and keep < spec.rollout.group_size
-                                          else spec.rollout.group_size)
+    per_group, of = ((keep, "algorithm.train_per_group") if keep is not None and keep < spec.rollout.group_size
+                     else (spec.rollout.group_size, "rollout.group_size"))
+    rows = spec.train.prompts_per_step * per_group
     if spec.algorithm.mini_batches > rows:  # (the update caps it at the rows: factory.update.batch.plan)
         r.warn("algorithm.mini_batches", f"above the {rows} trajectories a step trains (train.prompts_per_step x "
-                                         f"{'algorithm.train_per_group' if keep is not None else 'rollout.group_size'}"
-                                         f"): a step makes at most {rows} optimizer steps, one a trajectory")
+                                         f"{of}): a step makes at most {rows} optimizer steps, one a trajectory")
     if spec.algorithm.credit == "turn" and spec.rollout.max_turns == 1:
         r.warn("algorithm.credit", f"{unused} with rollout.max_turns 1: each trajectory's one model turn gets the "
                                    "advantage credit 'trajectory' gives it (raise max_turns for turns to compare)")
