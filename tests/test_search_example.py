@@ -106,25 +106,48 @@ def test_generator_is_deterministic_and_prefix_stable():
     assert generator_problem(S.questions, "factory.examples.search:questions", {"split": "test"}) is None
 
 
-def test_splits_are_disjoint_by_article_train_validation_test_about_ninety_five_five():
+def test_splits_are_disjoint_by_article_train_validation_test_about_eighty_five_ten_five():
     titles = {split: {r["title"] for r in S.split_questions(split)} for split in S.SPLITS}
     train, validation, test = titles["train"], titles["validation"], titles["test"]
     assert train and validation and test
     assert not train & validation and not train & test and not validation & test
     total = len(train) + len(validation) + len(test)
-    assert 0.04 < len(validation) / total < 0.06 and 0.04 < len(test) / total < 0.06
+    assert 0.09 < len(validation) / total < 0.12 and 0.045 < len(test) / total < 0.06
     assert all(S.split_of(t) == "test" for t in test) and all(S.split_of(t) == "validation" for t in validation)
     with pytest.raises(ValueError, match="split must be one of"):
         list(S.questions(1, split="heldout"))
 
 
-def test_no_test_question_chose_a_setting():
-    """The held-out questions that earlier settings were chosen on (seeds 7-9's evaluations, drawn from all
-    held-out questions before they were split) are validation questions: the test split is clean."""
-    tuned = S._tuned_on_titles()
-    assert len(tuned) > 100  # 3 x 64 questions, some articles twice
-    assert tuned <= {r["title"] for r in S.split_questions("validation")}
-    assert not tuned & {r["title"] for r in S.split_questions("test")}
+def test_an_answer_string_stays_on_one_side():
+    """Jupiter (god) and Jupiter the planet both answer "Jupiter": dealt by article, one could train while
+    the other was asked on a held-out split. Dealt by the normalised answer, no answer is on two sides."""
+    keys = {split: {S.answer_key(r["title"]) for r in S.split_questions(split)} for split in S.SPLITS}
+    assert not keys["train"] & keys["validation"] and not keys["train"] & keys["test"]
+    assert not keys["validation"] & keys["test"]
+    splits = S.article_splits()
+    assert S.answer_key("Jupiter (god)") == S.answer_key("Jupiter") and splits["Jupiter (god)"] == splits["Jupiter"]
+
+
+def test_the_test_slice_is_new_and_every_tuned_on_article_is_validation():
+    """Settings were chosen on the first held-out slice (both halves it was once split into): all of it is
+    validation, and the test slice holds none of it."""
+    splits = S.article_splits()
+    first_slice = {t for t in splits if S.held_out(t)}
+    assert len(first_slice) > 900
+    assert all(splits[t] == "validation" for t in first_slice)
+    assert not first_slice & {r["title"] for r in S.split_questions("test")}
+
+
+def test_a_question_that_holds_its_normalised_answer_is_dropped():
+    """The raw text check let this through ("the nutcracker" is not in it), but exact match normalises the
+    article away, so answering "Nutcracker", a word of the question, scored."""
+    question = "What is an 1892 two-act classical ballet set in a child's imagination featuring a Nutcracker doll?"
+    assert "the nutcracker" not in question.lower() and S.gives_away("The Nutcracker", question)
+    assert S.gives_away("Bronze", "What are bronzes made of?")
+    assert not S.gives_away("Corvidae", "What is the family of birds that contains the crows and nutcrackers?")
+    a = article("The Nutcracker", "The Nutcracker, Op. 71, is an 1892 two-act classical ballet by Pyotr Ilyich "
+                "Tchaikovsky, set in a child's imagination featuring a Nutcracker doll.", "1892 ballet by Tchaikovsky")
+    assert [r["form"] for r in S.article_questions(a, {a["description"].lower(): 1})] == ["description"]
 
 
 def test_draw_seed_gives_every_run_seed_the_same_held_out_questions():
@@ -137,7 +160,7 @@ def test_no_question_gives_its_answer_away_or_has_two_answers():
     rows = S.split_questions("train") + S.split_questions("validation") + S.split_questions("test")
     assert len({r["question"].lower() for r in rows}) == len(rows)
     for row in rows:
-        assert row["answer"].lower() not in row["question"].lower()
+        assert not S.gives_away(row["answer"], row["question"])
         assert row["question"].endswith("?") and row["question"].count("(") == row["question"].count(")")
 
 

