@@ -447,17 +447,47 @@ def fsync_path(path: str | os.PathLike) -> None:
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_THINK = re.compile(re.escape(THINK_OPEN) + r".*?(?:" + re.escape(THINK_CLOSE) + r"|\Z)", re.DOTALL)
+# The Hermes / Qwen tool-call markers (factory.rollout.parse reads the calls): here because a call's JSON may
+# quote a reasoning marker, and reasoning is cut before the calls are read.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_JSON_DECODER = json.JSONDecoder()
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_TOOL_CALL_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(TOOL_CALL_CLOSE))
+
+
+def tool_call_end(text: str, start: int) -> int | None:
+    """Where the tool-call block opening at `start` ends when the JSON value after its marker reads and a
+    closing marker follows it (any marker inside the JSON's strings is the call's); None otherwise."""
+    body = start + len(TOOL_CALL_OPEN)
+    try:
+        _, value_end = _JSON_DECODER.raw_decode(text, _JSON_SPACE.match(text, body).end())
+    except (ValueError, RecursionError):
+        return None
+    m = _TOOL_CALL_CLOSING.match(text, value_end)
+    return m.end() if m else None
 
 
 def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
     block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
     in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
-    thinking is not one the model made. `opened_before=False`: the text says itself where its reasoning began
-    (the agent loop starts each turn's text with the `<think>` its prompt opened), so a leading `</think>`
-    (one in a call's argument) drops nothing before it."""
+    thinking is not one the model made; a `<think>` quoted inside a tool call's JSON (a search for the
+    word) opens nothing: a call block whose JSON reads to its closing marker is kept whole.
+    `opened_before=False`: the text says itself where its reasoning began (the agent loop starts each turn's
+    text with the `<think>` its prompt opened), so a leading `</think>` (one in a call's argument) drops
+    nothing before it."""
     close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
     if opened_before and close >= 0 and (open_ < 0 or close < open_):
         text = text[close + len(THINK_CLOSE):]
-    return _THINK.sub("", text)
+    kept, pos = [], 0
+    while (think := text.find(THINK_OPEN, pos)) >= 0:
+        call = text.find(TOOL_CALL_OPEN, pos)
+        if 0 <= call < think and (end := tool_call_end(text, call)) is not None:
+            kept.append(text[pos:end])  # the call, with whatever its strings quote
+            pos = end
+            continue
+        kept.append(text[pos:think])
+        stop = text.find(THINK_CLOSE, think + len(THINK_OPEN))
+        pos = len(text) if stop < 0 else stop + len(THINK_CLOSE)
+    kept.append(text[pos:])
+    return "".join(kept)

@@ -1,6 +1,7 @@
 """Tool-call parsing in the Hermes/Qwen `<tool_call>{json}</tool_call>` format."""
 from factory.rollout.parse import parse_tool_calls
 from factory.types import ToolCall
+from factory.util import without_reasoning
 
 
 def test_one_good_call():
@@ -97,6 +98,21 @@ def test_a_closing_think_in_an_argument_drops_no_call():
     assert [(c.arguments, c.parse_error) for c in calls] == [({"s": "x"}, None), ({"s": "close with </think>"}, None)]
     # a completion as a reward reads it (its prompt may have opened the reasoning): before `</think>`, reasoning
     assert parse_tool_calls(f"drafting {first}</think> answer") == []
+
+
+def test_an_opening_think_in_an_argument_opens_no_reasoning():
+    """without_reasoning took a `<think>` quoted in a call's argument for reasoning left open and cut the rest
+    of the turn: the call became an unclosed one, and a reward lost the answer after it."""
+    call = '<tool_call>{"name": "search", "arguments": {"query": "what does <think> mean in Qwen3"}}</tool_call>'
+    calls = parse_tool_calls(f"{call}\n{call}", opened_before=False)
+    assert [(c.arguments, c.parse_error) for c in calls] == [({"query": "what does <think> mean in Qwen3"}, None)] * 2
+    assert without_reasoning(f"{call} <answer>tags</answer>").endswith("<answer>tags</answer>")
+    # reasoning before and after the call is still reasoning, and a call drafted inside it is still no call
+    text = f"<think>first {call}</think>{call}<think>then</think> done"
+    assert without_reasoning(text) == f"{call} done"
+    assert len(parse_tool_calls(text)) == 1
+    # a block whose JSON does not read is no shelter: its `<think>` opens reasoning, as before
+    assert without_reasoning('<tool_call>{"name": "s", <think> x</tool_call> y') == '<tool_call>{"name": "s", '
 
 
 def test_markers_inside_an_arguments_string_do_not_end_the_call():

@@ -15,15 +15,12 @@ import re
 from collections.abc import Iterator
 
 from factory.types import ToolCall
-from factory.util import without_reasoning
+from factory.util import TOOL_CALL_CLOSE as CLOSE
+from factory.util import TOOL_CALL_OPEN as OPEN
+from factory.util import tool_call_end, without_reasoning
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
 _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
-# A block whose JSON reads to its end ends at the closing marker after it, even with one inside a string.
-_DECODER = json.JSONDecoder()
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(CLOSE))
 # An opening marker that a call's JSON follows: before a closed block, one the model never closed.
 _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
@@ -60,7 +57,7 @@ def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
     pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
         body = start + len(OPEN)
-        end = _json_block_end(text, body)
+        end = tool_call_end(text, start)
         if end is None:
             m = _BLOCK.match(text, start)
             if m is None:  # never closed: left to _unclosed or the tail
@@ -69,17 +66,6 @@ def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
             end = m.end()
         yield start, end, text[body:end - len(CLOSE)]
         pos = end
-
-
-def _json_block_end(text: str, body: int) -> int | None:
-    """Where the closing marker ends that follows the JSON value at `body` (after whitespace); None when
-    no value reads there or no closing marker follows it."""
-    try:
-        _, value_end = _DECODER.raw_decode(text, _JSON_SPACE.match(text, body).end())
-    except (ValueError, RecursionError):
-        return None
-    m = _CLOSING.match(text, value_end)
-    return m.end() if m else None
 
 
 def _unclosed(gap: str) -> list[ToolCall]:
