@@ -455,24 +455,43 @@ _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _TOOL_CALL_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(TOOL_CALL_CLOSE))
 
 
-def tool_call_end(text: str, start: int) -> int | None:
-    """Where the tool-call block opening at `start` ends when the JSON value after its marker reads and a
-    closing marker follows it (any marker inside the JSON's strings is the call's); None otherwise."""
-    body = start + len(TOOL_CALL_OPEN)
+def _call_json_end(text: str, start: int) -> int | None:
+    """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there."""
+    body = _JSON_SPACE.match(text, start + len(TOOL_CALL_OPEN)).end()
+    if not text.startswith("{", body):  # no call's object (and a failed decode costs time up to its position)
+        return None
     try:
-        _, value_end = _JSON_DECODER.raw_decode(text, _JSON_SPACE.match(text, body).end())
+        return _JSON_DECODER.raw_decode(text, body)[1]
     except (ValueError, RecursionError):
         return None
-    m = _TOOL_CALL_CLOSING.match(text, value_end)
+
+
+def tool_call_end(text: str, start: int) -> int | None:
+    """Where the tool-call block ends whose `<tool_call>` marker begins at `start`, when the JSON object after
+    the marker reads and a closing marker follows it (any marker inside the JSON's strings is the call's);
+    None otherwise."""
+    value_end = _call_json_end(text, start)
+    m = None if value_end is None else _TOOL_CALL_CLOSING.match(text, value_end)
     return m.end() if m else None
+
+
+def _whole_call_end(text: str, start: int) -> int | None:
+    """`tool_call_end`, or the end of the text when the call's JSON reads and only whitespace follows it (a
+    turn that stopped before its closing marker): a call that reasoning cannot have opened inside."""
+    end = tool_call_end(text, start)
+    if end is None and (value_end := _call_json_end(text, start)) is not None and not text[value_end:].strip():
+        end = len(text)
+    return end
 
 
 def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
     block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
     in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
-    thinking is not one the model made; a `<think>` quoted inside a tool call's JSON (a search for the
-    word) opens nothing: a call block whose JSON reads to its closing marker is kept whole.
+    thinking is not one the model made. A `<think>` quoted in a tool call's JSON (a search for the word) opens
+    nothing: a call block whose JSON object reads to its closing marker (or to the end of the text) is kept
+    whole, whatever markers came before it. A `</think>` inside a call drafted while thinking still ends the
+    reasoning there, as the token does for the model.
     `opened_before=False`: the text says itself where its reasoning began (the agent loop starts each turn's
     text with the `<think>` its prompt opened), so a leading `</think>` (one in a call's argument) drops
     nothing before it."""
@@ -480,14 +499,23 @@ def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     if opened_before and close >= 0 and (open_ < 0 or close < open_):
         text = text[close + len(THINK_CLOSE):]
     kept, pos = [], 0
-    while (think := text.find(THINK_OPEN, pos)) >= 0:
-        call = text.find(TOOL_CALL_OPEN, pos)
-        if 0 <= call < think and (end := tool_call_end(text, call)) is not None:
+    # Each marker's next position is searched for again only once the scan has passed it: linear in the text.
+    think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
+    while think >= 0:
+        if 0 <= call < think:
+            end = _whole_call_end(text, call)
+            if end is None:  # prose, or a call that does not read: the `<think>` may still be reasoning
+                call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN))
+                continue
             kept.append(text[pos:end])  # the call, with whatever its strings quote
             pos = end
-            continue
-        kept.append(text[pos:think])
-        stop = text.find(THINK_CLOSE, think + len(THINK_OPEN))
-        pos = len(text) if stop < 0 else stop + len(THINK_CLOSE)
+        else:
+            kept.append(text[pos:think])
+            stop = text.find(THINK_CLOSE, think + len(THINK_OPEN))
+            pos = len(text) if stop < 0 else stop + len(THINK_CLOSE)
+        if think < pos:
+            think = text.find(THINK_OPEN, pos)
+        if 0 <= call < pos:
+            call = text.find(TOOL_CALL_OPEN, pos)
     kept.append(text[pos:])
     return "".join(kept)

@@ -31,6 +31,10 @@ def test_answer_is_read_from_the_model_turns_only():
     assert extract_answer("", drafted) is None
     assert extract_answer("<think><answer>5</answer></think>no answer") is None
     assert extract_answer("", [turn("<think>maybe <answer>4</answer></think><answer>5</answer>")]) == "5"
+    # a turn's text starts with any `<think>` its prompt opened, so a `</think>` in a call's argument is the
+    # call's, as the agent loop read it: the answer before it was dropped as reasoning
+    quoting = '<answer>5</answer><tool_call>{"name": "s", "arguments": {"q": "</think>"}}</tool_call>'
+    assert extract_answer("", [Turn(text=quoting, num_tokens=9)]) == "5"
 
 
 def test_numeric_match():

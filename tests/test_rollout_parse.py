@@ -113,6 +113,13 @@ def test_an_opening_think_in_an_argument_opens_no_reasoning():
     assert len(parse_tool_calls(text)) == 1
     # a block whose JSON does not read is no shelter: its `<think>` opens reasoning, as before
     assert without_reasoning('<tool_call>{"name": "s", <think> x</tool_call> y') == '<tool_call>{"name": "s", '
+    # nor is the first marker the only one looked at: prose or a broken block before the call
+    for before in ("Use <tool_call> like so. ", '<tool_call>{"name": "s"} junk</tool_call>'):
+        assert without_reasoning(f"{before}{call} <answer>7</answer>") == f"{before}{call} <answer>7</answer>"
+    # a call that reads but stopped before its closing marker is an unclosed call, not reasoning
+    cut = '<tool_call>{"name": "search", "arguments": {"query": "<think>"}}\n'
+    assert without_reasoning(cut) == cut
+    assert parse_tool_calls(cut, opened_before=False)[0].parse_error.startswith("unclosed <tool_call>")
 
 
 def test_markers_inside_an_arguments_string_do_not_end_the_call():

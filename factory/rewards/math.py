@@ -29,8 +29,8 @@ def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str 
 def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
     # An answer copied by a tool (or injected by a hostile one) must not count as the model's, nor one
     # drafted in its reasoning (a turn cut while thinking would score its draft).
-    if turns is not None:
-        return "\n".join(without_reasoning(t.text) for t in turns)
+    if turns is not None:  # each turn's text starts with any `<think>` its prompt opened (the agent loop's)
+        return "\n".join(without_reasoning(t.text, opened_before=False) for t in turns)
     return without_reasoning(re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL))
 
 
