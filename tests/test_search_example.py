@@ -3,6 +3,7 @@ article, and the MCP search server over stdio (through the ToolBox) and streamab
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from factory.compiler.refs import generator_problem
 from factory.examples import search as S
+from factory.rewards.qa import normalize_answer
 from factory.schema import HttpServer, StdioServer
 from factory.tools import ToolBox
 from factory.types import ToolCall
@@ -160,8 +162,21 @@ def test_no_question_gives_its_answer_away_or_has_two_answers():
     rows = S.split_questions("train") + S.split_questions("validation") + S.split_questions("test")
     assert len({r["question"].lower() for r in rows}) == len(rows)
     for row in rows:
-        assert not S.gives_away(row["answer"], row["question"])
         assert row["question"].endswith("?") and row["question"].count("(") == row["question"].count(")")
+    # Checked apart from the filter: the normalised answer is not even a part of a word of the normalised
+    # question. One training question is ("... new princes?" -> The Prince: "prince" scores); a filter that
+    # dropped it would reorder every training draw of the measured recipe, so it stays, said here.
+    copied = [r["answer"] for r in rows if normalize_answer(r["answer"]) in normalize_answer(r["question"])]
+    assert copied == ["The Prince"] and S.split_of("The Prince") == "train"
+
+
+def test_the_frozen_splits_do_not_move():
+    """The test split was frozen (2026-12-05) before any run evaluated on it, and reported once: a change to
+    the question rules, the normalisation or the draw that moves it must be seen, not made in passing."""
+    splits = S.article_splits()
+    test = "\n".join(sorted(t for t, split in splits.items() if split == "test"))
+    assert hashlib.sha256(test.encode()).hexdigest() == "82d1a62c39e0ef0092252ae4461fe8bc514cae16557760a4359aea29942df740"
+    assert [len(S.split_questions(split)) for split in S.SPLITS] == [14_729, 1_794, 920]
 
 
 def test_more_rows_than_questions_go_round_again():

@@ -36,7 +36,7 @@ The splits are dealt by answer string, so one answer never stands on two sides (
 the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles
 by a SHA-256 of the title; settings were chosen on those questions, so they may be used again for choosing,
 never for reporting); `test` is a second slice drawn from the other answers with a seed of its own
-(`TEST_SEED`), half the first slice's size, frozen on 2026-12-05 before any run evaluated on it; `train`
+(`TEST_SEED`), half as many articles as validation, frozen on 2026-12-05 before any run evaluated on it; `train`
 is the rest. Evaluation questions never come from an article trained on (the search index holds every
 article). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
 questions (`draw_seed` fixes it across run seeds), so a shorter list is a prefix of a longer one. When `n`
@@ -233,7 +233,8 @@ def article_splits() -> dict[str, str]:
       test half, and both halves informed the recipe), so they may choose settings again but never report.
     test: answers drawn from the others by a shuffle with TEST_SEED until the slice holds half as many
       articles as validation. These articles were training articles before 2026-12-05 (each run trains from
-      the base model, so no run carried them into another); no setting was chosen on their questions.
+      the base model, so no run carried them into another); no setting was chosen on an evaluation of
+      their questions (they were in the training pool of the runs that chose settings).
     train: the rest."""
     groups: dict[str, list[str]] = {}
     for article in load_corpus():
