@@ -241,8 +241,10 @@ class Lockstep:
                 t.response_ids += gen.ids
                 t.loss_mask += [1] * len(gen.ids)
                 t.truncated = not gen.finished
-                text = chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-                t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=parse_tool_calls(text)))
+                # the turn's text and calls as the agent loop makes them (factory/rollout/agent.py)
+                text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
+                calls = parse_tool_calls(text, opened_before=False)
+                t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=calls))
                 if not t.turns[-1].calls:
                     t.stop_reason = "no_call" if gen.finished else "budget"
                 elif turn_no < cfg.max_turns - 1:

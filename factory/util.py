@@ -453,17 +453,28 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _JSON_DECODER = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _TOOL_CALL_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(TOOL_CALL_CLOSE))
+_JSON_WINDOW = 4096  # characters of a call's JSON read at first (see _call_json_end)
 
 
 def _call_json_end(text: str, start: int) -> int | None:
     """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there."""
     body = _JSON_SPACE.match(text, start + len(TOOL_CALL_OPEN)).end()
-    if not text.startswith("{", body):  # no call's object (and a failed decode costs time up to its position)
+    if not text.startswith("{", body):  # no call's object
         return None
-    try:
-        return _JSON_DECODER.raw_decode(text, body)[1]
-    except (ValueError, RecursionError):
-        return None
+    # Read in a window that grows only while the text may go on past it: a failed read counts the lines
+    # before where it failed, so read in the whole text each broken call cost time up to where it stands.
+    window = _JSON_WINDOW
+    while True:
+        chunk = text[body:body + window]
+        try:
+            return body + _JSON_DECODER.raw_decode(chunk)[1]
+        except RecursionError:
+            return None
+        except json.JSONDecodeError as e:
+            cut_short = e.msg.startswith("Unterminated string") or e.pos >= len(chunk) - 8  # (`fals|e`, `\u1|2`)
+            if body + window >= len(text) or not cut_short:
+                return None
+            window *= 4
 
 
 def tool_call_end(text: str, start: int) -> int | None:
@@ -478,10 +489,23 @@ def tool_call_end(text: str, start: int) -> int | None:
 def _whole_call_end(text: str, start: int) -> int | None:
     """`tool_call_end`, or the end of the text when the call's JSON reads and only whitespace follows it (a
     turn that stopped before its closing marker): a call that reasoning cannot have opened inside."""
-    end = tool_call_end(text, start)
-    if end is None and (value_end := _call_json_end(text, start)) is not None and not text[value_end:].strip():
-        end = len(text)
-    return end
+    value_end = _call_json_end(text, start)
+    if value_end is None:
+        return None
+    if m := _TOOL_CALL_CLOSING.match(text, value_end):
+        return m.end()
+    return len(text) if _JSON_SPACE.match(text, value_end).end() == len(text) else None
+
+
+def _first_opener(text: str) -> int:
+    """Where the first `<think>` stands that no call quotes (see `without_reasoning`); -1 where none does."""
+    think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
+    while 0 <= call < think:
+        end = _whole_call_end(text, call)
+        if end is not None and end > think:  # quoted in the call
+            think = text.find(THINK_OPEN, end)
+        call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN) if end is None else end)
+    return think
 
 
 def without_reasoning(text: str, *, opened_before: bool = True) -> str:
@@ -495,11 +519,11 @@ def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     `opened_before=False`: the text says itself where its reasoning began (the agent loop starts each turn's
     text with the `<think>` its prompt opened), so a leading `</think>` (one in a call's argument) drops
     nothing before it."""
-    close, open_ = text.find(THINK_CLOSE), text.find(THINK_OPEN)
-    if opened_before and close >= 0 and (open_ < 0 or close < open_):
+    close = text.find(THINK_CLOSE)
+    if opened_before and close >= 0 and not 0 <= _first_opener(text) < close:
         text = text[close + len(THINK_CLOSE):]
     kept, pos = [], 0
-    # Each marker's next position is searched for again only once the scan has passed it: linear in the text.
+    # Each marker's next position is searched for again only once the scan has passed it (not at every step).
     think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
     while think >= 0:
         if 0 <= call < think:

@@ -116,6 +116,12 @@ def test_an_opening_think_in_an_argument_opens_no_reasoning():
     # nor is the first marker the only one looked at: prose or a broken block before the call
     for before in ("Use <tool_call> like so. ", '<tool_call>{"name": "s"} junk</tool_call>'):
         assert without_reasoning(f"{before}{call} <answer>7</answer>") == f"{before}{call} <answer>7</answer>"
+    # inside reasoning the prompt opened (R1's), a quoted `<think>` is no opener: the drafted call is dropped
+    r1 = f'draft <answer>4</answer> {call}</think><answer>5</answer>'
+    assert without_reasoning(r1) == "<answer>5</answer>" and parse_tool_calls(r1) == []
+    # a call longer than the first window its JSON is read in (4096 characters) is still read whole
+    long = call.replace("what does", "x" * 9000)
+    assert parse_tool_calls(long + " <think>a</think>", opened_before=False)[0].arguments["query"].startswith("xxx")
     # a call that reads but stopped before its closing marker is an unclosed call, not reasoning
     cut = '<tool_call>{"name": "search", "arguments": {"query": "<think>"}}\n'
     assert without_reasoning(cut) == cut

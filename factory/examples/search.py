@@ -25,12 +25,13 @@ The questions: `questions(n, seed, split)` makes trivia questions whose answer i
     copper, commonly with about 12-12.5% tin ...?" -> "Bronze";
   - description: the article's short description, e.g. "Who was the English theologian (1328-1384)?".
 "Who" is asked of people (the corpus's People topic, and a person noun heading the description of an
-uncategorised article). A form is dropped when the answer appears in the question, when the first sentence does not open on the
-article's own subject or its predicate is under five words ("a Chinese writer"), when the description is
-shared by several articles or is under three words (both too ambiguous), when parentheses do not pair, or when the same question is asked of another article
-(or repeats the article's other form), or when the answer, normalised as the reward normalises it (SQuAD: no case,
-punctuation or articles), stands as words in the normalised question ("What is an 1892 ... ballet ... featuring a Nutcracker
-doll?" -> The Nutcracker is dropped: copying a word of the question would score).
+uncategorised article). A form is dropped when the answer appears in the question, when the first sentence
+does not open on the article's own subject or its predicate is under five words ("a Chinese writer"), when the
+description is shared by several articles or is under three words (both too ambiguous), when parentheses do
+not pair, or when the same question is asked of another article (or repeats the article's other form), or when
+the answer, normalised as the reward normalises it (SQuAD: no case, punctuation or articles), stands as words
+in the normalised question ("What is an 1892 ... ballet ... featuring a Nutcracker doll?" -> The Nutcracker is
+dropped: copying a word of the question would score).
 
 The splits are dealt by answer string, so one answer never stands on two sides (Jupiter the god and Jupiter
 the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles

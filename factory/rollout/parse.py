@@ -51,7 +51,7 @@ def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]
 
 
 def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
-    """Each closed block, in order: (start, end, the text between its markers). A block's JSON is read first,
+    """Each closed block, in order: (start, end, the text between its markers). A block's JSON object is read first,
     so a marker inside one of its strings (an argument that quotes `</tool_call>`) does not end it; a block
     whose JSON does not read ends at the first closing marker (holding no opening one, as `_BLOCK` says)."""
     pos = 0
