@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 
 VOLATILE = {"PWD", "OLDPWD", "SHLVL", "_"}  # what bash itself sets per command
 PRELOAD = ("factory.commands.cli", "factory.commands.api", "factory.compiler.compile")
+PARENT_CHECK_S = 1.0  # how often the server looks whether the process that started it is still there
 
 
 def _env_key(env: dict[str, str]) -> dict[str, str]:
@@ -42,17 +44,28 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], fds: list[int]) -> None
 
 
 def serve(path: str) -> None:
-    """Listen at `path` until killed; per request a forked waiter, which forks the worker and reports its
-    pid, then its exit status. Nothing here starts a thread: a forked copy has the imports and nothing else."""
+    """Listen at `path` until killed, or until the process that started it is gone (a test session killed
+    hard never reaches its `finally`: the server, and any command it forked, would outlive it); per request
+    a forked waiter, which forks the worker and reports its pid, then its exit status. Nothing here starts a
+    thread: a forked copy has the imports and nothing else."""
+    parent = os.getppid()
     for name in PRELOAD:
         __import__(name)
     own = _env_key(dict(os.environ))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
     listener.listen(64)
+    listener.settimeout(PARENT_CHECK_S)  # (an accepted connection still blocks: the default timeout is None)
     os.rename(path + ".new", path)  # the path appears once it accepts
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # orphaned: end, with every command still running from here
+                if os.getpgrp() == os.getpid():  # (its own group, as fork_server starts it; never a shell's)
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                os._exit(0)
+            continue
         _reap()
         msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         request = json.loads(msg)

@@ -137,3 +137,43 @@ def test_every_test_a_page_cites_exists():
     missing = [c for c in cited if not (REPO / c[1]).is_file()
                or not re.search(rf"^(async )?def {c[2]}\b", (REPO / c[1]).read_text(), re.M)]
     assert len(cited) > 20 and not missing, missing  # (56 citations when this was written)
+
+
+def test_the_fork_server_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    """A test session killed hard never reaches fork_server's `finally`: the server outlived it (with any
+    command it had forked) until found by hand. It now looks for its parent every PARENT_CHECK_S."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests import docfork
+
+    sock = tmp_path / "socket"
+    starter = subprocess.Popen(  # stands for the test session: starts the server as fork_server does, then waits
+        [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, sys.argv[1], "
+         "sys.argv[2]], start_new_session=True); print(p.pid, flush=True); time.sleep(600)", docfork.__file__,
+         str(sock)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    server = int(starter.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not sock.exists():  # serving: past its imports
+        assert time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.05)
+
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{server}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait()
+        deadline = time.monotonic() + 10 * docfork.PARENT_CHECK_S
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(), "the fork server outlived the process that started it"
+    finally:
+        if alive():
+            os.kill(server, signal.SIGKILL)
