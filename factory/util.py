@@ -477,35 +477,38 @@ def _call_json_end(text: str, start: int) -> int | None:
             window *= 4
 
 
-def tool_call_end(text: str, start: int) -> int | None:
+def tool_call_end(text: str, start: int, *, or_text_end: bool = False) -> int | None:
     """Where the tool-call block ends whose `<tool_call>` marker begins at `start`, when the JSON object after
     the marker reads and a closing marker follows it (any marker inside the JSON's strings is the call's);
-    None otherwise."""
-    value_end = _call_json_end(text, start)
-    m = None if value_end is None else _TOOL_CALL_CLOSING.match(text, value_end)
-    return m.end() if m else None
-
-
-def _whole_call_end(text: str, start: int) -> int | None:
-    """`tool_call_end`, or the end of the text when the call's JSON reads and only whitespace follows it (a
-    turn that stopped before its closing marker): a call that reasoning cannot have opened inside."""
+    None otherwise. `or_text_end`: also the end of the text when only whitespace follows the JSON (a turn
+    that stopped before its closing marker)."""
     value_end = _call_json_end(text, start)
     if value_end is None:
         return None
     if m := _TOOL_CALL_CLOSING.match(text, value_end):
         return m.end()
-    return len(text) if _JSON_SPACE.match(text, value_end).end() == len(text) else None
+    return len(text) if or_text_end and _JSON_SPACE.match(text, value_end).end() == len(text) else None
 
 
-def _first_opener(text: str) -> int:
-    """Where the first `<think>` stands that no call quotes (see `without_reasoning`); -1 where none does."""
+def _reasoning_spans(text: str) -> Iterator[tuple[int, int]]:
+    """Each reasoning block, in order: (start, end) from a `<think>` that no call quotes to past its `</think>`
+    (or to the end of the text). A call block that reads (see `without_reasoning`) is stepped over whole."""
+    # Each marker's next position is searched for again only once the scan has passed it (not at every step).
     think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
-    while 0 <= call < think:
-        end = _whole_call_end(text, call)
-        if end is not None and end > think:  # quoted in the call
-            think = text.find(THINK_OPEN, end)
-        call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN) if end is None else end)
-    return think
+    while think >= 0:
+        if 0 <= call < think:
+            pos = tool_call_end(text, call, or_text_end=True)
+            if pos is None:  # prose, or a call that does not read: the `<think>` may still be reasoning
+                call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN))
+                continue
+        else:
+            stop = text.find(THINK_CLOSE, think + len(THINK_OPEN))
+            pos = len(text) if stop < 0 else stop + len(THINK_CLOSE)
+            yield think, pos
+        if think < pos:
+            think = text.find(THINK_OPEN, pos)
+        if 0 <= call < pos:
+            call = text.find(TOOL_CALL_OPEN, pos)
 
 
 def without_reasoning(text: str, *, opened_before: bool = True) -> str:
@@ -520,26 +523,11 @@ def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     text with the `<think>` its prompt opened), so a leading `</think>` (one in a call's argument) drops
     nothing before it."""
     close = text.find(THINK_CLOSE)
-    if opened_before and close >= 0 and not 0 <= _first_opener(text) < close:
+    if opened_before and close >= 0 and not 0 <= next(_reasoning_spans(text), (-1, -1))[0] < close:
         text = text[close + len(THINK_CLOSE):]
     kept, pos = [], 0
-    # Each marker's next position is searched for again only once the scan has passed it (not at every step).
-    think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
-    while think >= 0:
-        if 0 <= call < think:
-            end = _whole_call_end(text, call)
-            if end is None:  # prose, or a call that does not read: the `<think>` may still be reasoning
-                call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN))
-                continue
-            kept.append(text[pos:end])  # the call, with whatever its strings quote
-            pos = end
-        else:
-            kept.append(text[pos:think])
-            stop = text.find(THINK_CLOSE, think + len(THINK_OPEN))
-            pos = len(text) if stop < 0 else stop + len(THINK_CLOSE)
-        if think < pos:
-            think = text.find(THINK_OPEN, pos)
-        if 0 <= call < pos:
-            call = text.find(TOOL_CALL_OPEN, pos)
+    for start, end in _reasoning_spans(text):
+        kept.append(text[pos:start])
+        pos = end
     kept.append(text[pos:])
     return "".join(kept)

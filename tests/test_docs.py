@@ -1,11 +1,16 @@
 """Every command and snippet in the docs runs (tests/docblocks.py says how each kind of block is run)."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests import docblocks
+from tests import docblocks, docfork
 from tests.docblocks import REPO, Block, check_links, parse, run_block, workdir
 
 PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
@@ -142,14 +147,6 @@ def test_every_test_a_page_cites_exists():
 def test_the_fork_server_ends_when_the_process_that_started_it_is_killed(tmp_path):
     """A test session killed hard never reaches fork_server's `finally`: the server outlived it (with any
     command it had forked) until found by hand. It now looks for its parent every PARENT_CHECK_S."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests import docfork
-
     sock = tmp_path / "socket"
     starter = subprocess.Popen(  # stands for the test session: starts the server as fork_server does, then waits
         [sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, sys.argv[1], "

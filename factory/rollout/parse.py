@@ -51,9 +51,10 @@ def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]
 
 
 def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
-    """Each closed block, in order: (start, end, the text between its markers). A block's JSON object is read first,
-    so a marker inside one of its strings (an argument that quotes `</tool_call>`) does not end it; a block
-    whose JSON does not read ends at the first closing marker (holding no opening one, as `_BLOCK` says)."""
+    """Each closed block, in order: (start, end, the text between its markers). A block's JSON object is read
+    first, so a marker inside one of its strings (an argument that quotes `</tool_call>`) does not end it; a
+    block whose JSON object does not read ends at the first closing marker (holding no opening one, as
+    `_BLOCK` says)."""
     pos = 0
     while (start := text.find(OPEN, pos)) >= 0:
         body = start + len(OPEN)
