@@ -36,9 +36,11 @@ dropped: copying a word of the question would score).
 The splits are dealt by answer string, so one answer never stands on two sides (Jupiter the god and Jupiter
 the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles
 by a SHA-256 of the title; settings were chosen on those questions, so they may be used again for choosing,
-never for reporting); `test` is a second slice drawn from the other answers with a seed of its own
-(`TEST_SEED`), half as many articles as validation, frozen on 2026-12-05 before any run evaluated on it; `train`
-is the rest. Evaluation questions never come from an article trained on (the search index holds every
+never for reporting); `retired_test` is the first test slice, drawn from the other answers with a seed of its
+own (`RETIRED_TEST_SEED`), half as many articles as validation, reported once on 2026-12-05 and retired (it
+may choose settings now, as validation does); `test` is a second slice of that size drawn from the answers
+left with another seed (`TEST_SEED`), frozen on 2026-12-05 before any run evaluated on it; `train` is the
+rest. Evaluation questions never come from an article trained on (the search index holds every
 article). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
 questions (`draw_seed` fixes it across run seeds), so a shorter list is a prefix of a longer one. When `n`
 exceeds the split's questions the list goes on with a fresh shuffle of them.
@@ -75,9 +77,11 @@ MAX_TOP_K = 10
 # What the index is made of; change it when the tokenization or the indexed text changes (cache key).
 INDEX_RECIPE = "title. description. extract; stopwords=en; stemmer=english; v1"
 HELD_OUT_PERCENT = 10  # the first held-out slice, by a hash of the title: validation (see `article_splits`)
-SPLITS = ("train", "validation", "test")
-# The test slice's own draw (not any run's seed, nor the seed of the draw that split the first slice before).
-TEST_SEED = 20261205
+SPLITS = ("train", "validation", "retired_test", "test")
+# Each test slice's own draw (not any run's seed, nor the seed of the draw that split the first slice before),
+# from the answers the slices before it left: the first, reported once and retired; then the current one.
+RETIRED_TEST_SEED = 20261205
+TEST_SEED = 2026120502
 
 # --------------------------------------------------------------------------------------------- corpus
 def corpus_path() -> Path:
@@ -215,8 +219,8 @@ def held_out(title: str) -> bool:
 
 
 def split_of(title: str) -> str:
-    """'train' (~85% of the articles), 'validation' (~10%: for choosing settings) or 'test' (~5%: for
-    reporting once); see `article_splits`."""
+    """'train' (~80% of the articles), 'validation' (~10%: for choosing settings), 'retired_test' (~5%: a
+    test slice reported once, now for choosing) or 'test' (~5%: for reporting once); see `article_splits`."""
     return article_splits().get(title, "train")
 
 
@@ -232,26 +236,37 @@ def article_splits() -> dict[str, str]:
     validation: every answer given by an article of the first held-out slice (`held_out`). Its questions
       were evaluated on while choosing settings (before 2026-12-05 they were split into a validation and a
       test half, and both halves informed the recipe), so they may choose settings again but never report.
-    test: answers drawn from the others by a shuffle with TEST_SEED until the slice holds half as many
-      articles as validation. These articles were training articles before 2026-12-05 (each run trains from
-      the base model, so no run carried them into another); no setting was chosen on an evaluation of
-      their questions (they were in the training pool of the runs that chose settings).
+    retired_test: answers drawn from the others by a shuffle with RETIRED_TEST_SEED until the slice holds
+      half as many articles as validation. Frozen and reported once on 2026-12-05 (the recipe missed its
+      target there), then retired: like validation, it may choose settings, never report again.
+    test: a slice of the same size drawn the same way, with TEST_SEED, from the answers the two before left.
+      Training articles until it was frozen (2026-12-05; each run trains from the base model, so no run
+      carried them into another), and no setting was chosen on an evaluation of its questions.
     train: the rest."""
     groups: dict[str, list[str]] = {}
     for article in load_corpus():
         groups.setdefault(answer_key(article["title"]), []).append(article["title"])
     validation = {key for key, titles in groups.items() if any(held_out(t) for t in titles)}
-    rest = sorted(set(groups) - validation)
-    random.Random(TEST_SEED).shuffle(rest)
-    test: set[str] = set()
-    wanted, taken = sum(len(groups[key]) for key in validation) // 2, 0
-    for key in rest:
-        if taken >= wanted:
+    size = sum(len(groups[key]) for key in validation) // 2
+    retired = _draw_slice(groups, set(groups) - validation, RETIRED_TEST_SEED, size)
+    test = _draw_slice(groups, set(groups) - validation - retired, TEST_SEED, size)
+    name = {**{key: "validation" for key in validation}, **{key: "retired_test" for key in retired},
+            **{key: "test" for key in test}}
+    return {title: name.get(key, "train") for key, titles in groups.items() for title in titles}
+
+
+def _draw_slice(groups: dict[str, list[str]], keys: set[str], seed: int, articles: int) -> set[str]:
+    """Answer keys taken in a seeded shuffle of `keys` until their articles number `articles` or more."""
+    order = sorted(keys)
+    random.Random(seed).shuffle(order)
+    taken: set[str] = set()
+    count = 0
+    for key in order:
+        if count >= articles:
             break
-        test.add(key)
-        taken += len(groups[key])
-    return {title: "validation" if key in validation else "test" if key in test else "train"
-            for key, titles in groups.items() for title in titles}
+        taken.add(key)
+        count += len(groups[key])
+    return taken
 
 
 def answer_of(title: str) -> str:
