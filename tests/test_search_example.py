@@ -195,7 +195,8 @@ def test_more_rows_than_questions_go_round_again():
 
 # ------------------------------------------------------------------------------------------ retrieval
 def test_the_answer_article_is_retrieved_for_most_questions(index):
-    """Measured: the answer's article is in the top 3 for 98.5-99% of test questions (91-95% at top 1)."""
+    """Measured (2026-12-05, 300 questions a split): the answer's article is in the top 3 for 98.7-99.0% of the
+    test, retired_test and validation questions, in the top 1 for 94.0-95.3%."""
     rows = list(S.questions(300, seed=0, split="test"))
     titles = [a["title"] for a in S.load_corpus()]
     hits = sum(r["title"] in {titles[i] for i in index.top(r["question"], 3)} for r in rows)
