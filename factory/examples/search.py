@@ -34,16 +34,17 @@ in the normalised question ("What is an 1892 ... ballet ... featuring a Nutcrack
 dropped: copying a word of the question would score).
 
 The splits are dealt by answer string, so one answer never stands on two sides (Jupiter the god and Jupiter
-the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles
-by a SHA-256 of the title; settings were chosen on those questions, so they may be used again for choosing,
-never for reporting); `retired_test` is the first test slice drawn from the other answers, with a seed of its
-own (`RETIRED_TEST_SEED`; the docs' second test split, the first having been a half of validation's slice), half as many articles as validation, reported once on 2026-12-05 and retired (it
-may choose settings now, as validation does); `test` is a second slice of that size drawn from the answers
-left with another seed (`TEST_SEED`), frozen on 2026-12-05 before any run evaluated on it; `train` is the
-rest. Evaluation questions never come from an article trained on (the search index holds every
-article). Rows are `{question, answer, title, form}`; the order is a seeded shuffle of the split's
-questions (`draw_seed` fixes it across run seeds), so a shorter list is a prefix of a longer one. When `n`
-exceeds the split's questions the list goes on with a fresh shuffle of them.
+the planet share a split): `validation` holds every answer of the first held-out slice (10% of the articles by
+a SHA-256 of the title; settings were chosen on those questions, so they may be used again for choosing, never
+for reporting); `retired_test` is the first test slice drawn from the other answers, with a seed of its own
+(`RETIRED_TEST_SEED`; the docs' second test split, the first having been a half of validation's slice), half
+as many articles as validation, reported once on 2026-12-05 and retired (it may choose settings now, as
+validation does); `test` is a second slice of that size drawn from the answers left with another seed
+(`TEST_SEED`), frozen on 2026-12-05 before any run evaluated on it; `train` is the rest. Evaluation questions
+never come from an article trained on (the search index holds every article). Rows are `{question, answer,
+title, form}`; the order is a seeded shuffle of the split's questions (`draw_seed` fixes it across run seeds),
+so a shorter list is a prefix of a longer one. When `n` exceeds the split's questions the list goes on with a
+fresh shuffle of them.
 """
 from __future__ import annotations
 
