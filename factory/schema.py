@@ -303,7 +303,8 @@ class JudgeNode(_Leaf):
     parse: str = r"(?i)score\s*[:=]\s*(-?(?:\d+(?:\.\d+)?|\.\d+))"
     """A regex searched in the reply; its first group (or whole match) is the score. A reply it does not
     match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record. The
-    judge's reasoning (`<think>...</think>`, a block left open) is left out first: a draft verdict is not one."""
+    judge's reasoning (`<think>...</think>`, a block left open) is left out first: a draft verdict is not one
+    (a `<think>` left open after the reply's own words is read as a quote when the reply needs it to parse)."""
     json_field: str | None = None
     """Read the score from this field of the first JSON object in the reply that has it, instead of `parse`."""
     max_tokens: int = Field(256, ge=1)

@@ -141,9 +141,14 @@ def test_a_judge_reply_is_read_as_written_after_its_reasoning():
     assert parse_score("<think>I would write score: 1, but Lyon is not Paris.</think> score: 0", strict) == 0.0
     with pytest.raises(ValueError, match="does not match"):
         parse_score("<think>score: 1, but let me che", strict)  # cut off while thinking: no verdict
+    with pytest.raises(ValueError, match="does not match"):  # the same after a closed block
+        parse_score("<think>ok</think> <think>score: 1, but let me che", strict)
+    # a `<think>` the judge quotes after its own words opens nothing (it dropped the rest, the verdict too)
+    assert parse_score("The answer wraps it in <think> tags, score: 1", strict) == 1.0
     fielded = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", json_field="score")
     assert parse_score('ok {"note": "x"} then {"score": 1} and {"score": 0}', fielded) == 1.0
     assert parse_score('a set {1, 2} in prose, then {"score": ".5"}', fielded) == 0.5
+    assert parse_score('<think>fine</think>{"reason": "it wrote <think> tags", "score": 1}', fielded) == 1.0
     with pytest.raises(ValueError, match="has no field 'score'"):
         parse_score('{"note": 1}', fielded)
     with pytest.raises(ValueError, match="no JSON object"):

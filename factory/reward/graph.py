@@ -30,7 +30,7 @@ from factory.schema import (
     ToolNode,
 )
 from factory.types import Trajectory
-from factory.util import UserError, import_object, template_env, without_reasoning
+from factory.util import THINK_CLOSE, THINK_OPEN, UserError, import_object, template_env, without_reasoning
 
 LEAVES = (FnNode, JudgeNode, ToolNode)
 # A leaf's outcomes that leave it without a value (its `on_missing` applies): counted in `/missing`.
@@ -235,8 +235,19 @@ _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # (`1.`, `.5`: 
 def parse_score(reply: str, node: JudgeNode) -> float:
     """The score in a judge's reply, by the node's regex (first group, else the whole match) or JSON field;
     raises ValueError saying why a reply does not parse. Read after the judge's reasoning is left out: a
-    thinking judge drafts verdicts before its last word, and a reply cut off while thinking has none."""
-    reply = without_reasoning(reply)
+    thinking judge drafts verdicts before its last word, and a reply cut off while thinking has none. A
+    `<think>` left open after the reply's own words is the judge quoting the marker (`{"reason": "it wrote
+    <think> tags", "score": 1}`), not reasoning: where the reply does not parse without it, it is read as text."""
+    try:
+        return _read_score(without_reasoning(reply), node)
+    except ValueError:
+        head, opener, tail = reply.rpartition(THINK_OPEN)
+        if not opener or THINK_CLOSE in tail or not without_reasoning(head).strip():
+            raise  # no `<think>` left open, or one that opened the reply: cut off while thinking
+        return _read_score(without_reasoning(head) + opener + tail, node)
+
+
+def _read_score(reply: str, node: JudgeNode) -> float:
     if node.json_field is not None:
         objects = list(_json_objects(reply))
         if not objects:
