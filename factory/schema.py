@@ -758,7 +758,8 @@ class TrainSpec(Section):
     (with `algorithm.rollout_correction`: the learner's pass before the update, TIS then correcting for
     the stale sampler, AReaL's decoupled objective), so several epochs or mini-batches work as usual.
     Steps that evaluate or checkpoint, and the last, wait for their update: the step after them is
-    on-policy, as is the first step of a resumed run. `train/staleness` logs each step's lag."""
+    on-policy, as is the first step of a resumed run. `train/staleness` logs each step's lag; a step that
+    lagged logs its sampler/learner log-prob gap, drift included, as `rollout/stale_logprob_diff_*`."""
 
 
 # ------------------------------------------------------------------------------------ tracking, Ray

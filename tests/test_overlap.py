@@ -222,7 +222,7 @@ class FakeUpdate(Fresh, StageActor):
         time.sleep(UPDATE_S)
         self.version += 1
         _log().add.remote("updated", self.version)
-        return {"timing/update_s": UPDATE_S, "actor/version": float(self.version)}
+        return {"timing/update_s": UPDATE_S, "actor/version": float(self.version), "rollout/logprob_diff_mean": 0.01}
 
     def state_dict(self):
         return {"version": self.version}
@@ -304,6 +304,7 @@ def test_max_staleness_0_runs_each_rollout_after_the_previous_update_and_its_wei
                      ("rollout", 3), ("update", 3), ("load", 3)]
     assert [metrics[s]["train/staleness"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
     assert [metrics[s]["actor/version"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert all("rollout/logprob_diff_mean" in metrics[s] for s in (1, 2, 3))
     for m in (metrics[s] for s in (1, 2, 3)):  # the update's own time, as today
         assert m["timing/update_s"] == UPDATE_S and m["timing/overhead_s"] > -0.05
 
@@ -317,6 +318,9 @@ def test_max_staleness_1_overlaps_the_next_rollout_with_the_update(tiny_plan, st
     assert rollouts[3] > updated[2]
     assert [metrics[s]["train/staleness"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
     assert [metrics[s]["actor/version"] for s in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]  # each step its own update
+    # the learner/sampler gap of a step that sampled with older weights holds the policy's drift: named apart
+    assert [sorted(k for k in metrics[s] if "logprob_diff" in k) for s in (1, 2)] == [
+        ["rollout/logprob_diff_mean"], ["rollout/stale_logprob_diff_mean"]]
     # weights reach the rollout in order, each before the rollout that needs it
     loads = [(e[1], e[-1]) for e in events if e[0] == "load"]
     assert [n for n, _ in loads] == [1, 2, 3, 4] and loads[0][1] < rollouts[3] and loads[2][1] > rollouts[4]
@@ -491,6 +495,7 @@ def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_pa
         return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
 
     assert history("train/staleness") == [0.0, 1.0, 1.0, 1.0]  # the last step waits for its update, not its rollout
+    assert len(history("rollout/logprob_diff_mean")) == 1 and len(history("rollout/stale_logprob_diff_mean")) == 3
     assert len(history("timing/update_busy_s")) == 4 and len(history("actor/pg_loss")) == 4
     assert (work / "runs" / "tiny" / "newest" / "step_4" / "hf" / "model.safetensors").exists()
 

@@ -725,7 +725,7 @@ class Updates:
                 current.metrics["timing/weight_sync_s"] += synced
             else:
                 p.metrics["timing/weight_sync_s"] = synced
-            p.metrics.update(stats)
+            p.metrics.update(stale_named(stats, p.metrics["train/staleness"]))
             if self.warn and "perf/weight_sync_mb" in stats:  # checked once: every sync is the same size
                 said = store_advice(stats["perf/weight_sync_mb"], object_store_bytes(), self.k)
                 if said:
@@ -738,6 +738,15 @@ class Updates:
         # tokens the model generated in the step (every sampling round), not tool results or template text
         m["perf/tokens_per_s"] = m["rollout/generated_tokens"] / m["timing/step_s"]
         return done
+
+
+def stale_named(stats: dict[str, float], lag: float) -> dict[str, float]:
+    """A step's update statistics, with the rollout/learner log-prob gap renamed `rollout/stale_logprob_diff_*`
+    where the weights that sampled were `lag` > 0 updates behind the learner's: that gap is the policy's drift
+    over those updates as well as the engine's mismatch, which `rollout/logprob_diff_*` alone measures."""
+    if not lag:
+        return stats
+    return {k.replace("rollout/logprob_diff_", "rollout/stale_logprob_diff_"): v for k, v in stats.items()}
 
 
 def store_advice(sync_mb: float, store_bytes: float, staleness: int) -> str | None:
