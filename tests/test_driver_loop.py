@@ -42,6 +42,9 @@ class World:
     listing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the tools stage's tool_listing
     saved: list[tuple[int, Any]] = field(default_factory=list)  # (step, the data's place) of each checkpoint
     drawn: int = 0  # the steps' batches drawn (collected)
+    texts: list[str] = field(default_factory=list)  # the names of the text artifacts logged, in order
+    tags: dict[str, str] = field(default_factory=dict)  # the tags logged
+    restore_error: str | None = None  # a resumed run's checkpoint fails to load, saying this
 
 
 class FakeGroup:
@@ -110,10 +113,15 @@ class FakeTracker:
     def end(self, status: str) -> None:
         self.world.ended.append(status)
 
+    def log_text(self, text: str, name: str) -> None:
+        self.world.texts.append(name)
+
+    def log_tags(self, tags: dict[str, str]) -> None:
+        self.world.tags.update(tags)
+
     def log_trajectories(self, *a: Any, **k: Any) -> None: ...
     def prepare(self) -> None: ...
     def log_checkpoint(self, *a: Any) -> None: ...
-    def log_tags(self, *a: Any) -> None: ...
 
 
 class Quiet:
@@ -156,7 +164,12 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.setattr(driver, "collect", collect)
     monkeypatch.setattr(driver, "evaluate", evaluate)
     monkeypatch.setattr(driver, "Updates", lambda g, plan, synced, warn=None: FakeUpdates(world, g, plan, synced))
-    monkeypatch.setattr(driver, "restore", lambda g, plan, resume: resume.step)
+    def restore(g: Any, plan: Any, resume: Resume) -> int:
+        if world.restore_error:
+            raise RuntimeError(world.restore_error)
+        return resume.step
+
+    monkeypatch.setattr(driver, "restore", restore)
     return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume,
                              **kwargs)
 
@@ -201,6 +214,26 @@ def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):
 def resumed_at(step: int, logged: int, before: dict[str, float] | None = None) -> Resume:
     """A run resumed from its step-`step` checkpoint with metrics through step `logged` (restore is faked)."""
     return Resume("r" * 32, "tiny-x", Path("checkpoints"), f"step_{step}", step, logged, None, before=before or {})
+
+
+def test_a_spec_change_is_recorded_on_the_run_once_its_checkpoint_has_loaded(monkeypatch):
+    """`--resume --allow-spec-change`: the changed spec goes on the run (tag, `resumed/step_N/`) after the
+    checkpoint loads. It was written when the run reopened, so a load that failed left a record of a spec that
+    never ran, which `factory diff` and later resumes then read."""
+    import dataclasses
+
+    changed = dataclasses.replace(resumed_at(step=1, logged=1), changed=["train.steps"])
+    loaded = World()
+    run_loop(monkeypatch, loaded, ["train.steps=3"], resume=changed)
+    assert loaded.texts == ["resumed/step_1/spec.yaml", "resumed/step_1/plan.json"]
+    assert set(loaded.tags) == {"factory.resumed_spec_hash"}
+    failed = World(restore_error="the checkpoint does not load")
+    with pytest.raises(RuntimeError, match="does not load"):
+        run_loop(monkeypatch, failed, ["train.steps=3"], resume=changed)
+    assert failed.texts == [] and failed.tags == {}
+    same = World()
+    run_loop(monkeypatch, same, ["train.steps=3"], resume=resumed_at(step=1, logged=1))
+    assert same.texts == [] and same.tags == {}
 
 
 def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):

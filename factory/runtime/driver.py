@@ -851,6 +851,10 @@ def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume
     d, done = plan.driver, 0
     if resume:
         done = restore(g, plan, resume)
+        if resume.changed:
+            from factory.runtime.resume import record_spec_change
+
+            record_spec_change(tracker, resume, plan)
         startup.lap("restore")
     # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
     # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).

@@ -169,6 +169,16 @@ def unsent_records(directory: Path) -> int:
     return len(Spool(directory / SPOOL).records) if (directory / SPOOL).is_dir() else 0
 
 
+def record_spec_change(tracker: Tracker, resume: Resume, plan: Any) -> None:
+    """Record on the run the spec that `--allow-spec-change` let a resume continue under (tag
+    `factory.resumed_spec_hash`; `resumed/step_N/spec.yaml` and `plan.json`, which `factory diff` and the
+    checkpoints saved from step N + 1 on are read with). Called once the checkpoint has loaded: a resume that
+    fails there leaves no record of a spec that never ran."""
+    tracker.log_tags({"factory.resumed_spec_hash": plan.hashes["spec"]})
+    tracker.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
+    tracker.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
+
+
 def _plan_saving(tracker: Tracker, run_id: str, step: int) -> str:
     """The plan a run ran under when it saved its checkpoint of `step`: that of its newest resume at a step
     before it (a resume at step N logs `resumed/step_N/plan.json` and saves N + 1 on), else its first. Under

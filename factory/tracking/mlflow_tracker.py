@@ -416,13 +416,13 @@ class MlflowTracker:
     def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]],
                started: float | None = None) -> Any:
         """Reopen the run `resume` names (MLflow sets it RUNNING again) instead of starting one: params and
-        artifacts stay as they were; a spec change that `--allow-spec-change` let through is recorded
-        (tag `factory.resumed_spec_hash`, `resumed/step_N/spec.yaml` and `plan.json`). Returns the plan
-        with its tool schemas hashed. `started`: when the resuming command started (epoch seconds): the time
+        artifacts stay as they were (a spec change that `--allow-spec-change` let through is recorded once
+        the checkpoint has loaded: factory.runtime.resume.record_spec_change). Returns the plan with its tool
+        schemas hashed. `started`: when the resuming command started (epoch seconds): the time
         with no driver (tag IDLE_TAG) ends there, this session's start-up is run time (default: now)."""
         import mlflow
 
-        from factory.compiler.compile import plan_json, with_tool_listing
+        from factory.compiler.compile import with_tool_listing
 
         plan = with_tool_listing(plan, listing)
         mlflow.set_tracking_uri(self.uri)
@@ -454,10 +454,6 @@ class MlflowTracker:
         for tag in (STOPPED_BY_TAG, HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run
             if tag in before.data.tags:  # that then finished showed FINISHED "stopped by" a monitor); the
                 self.client.delete_tag(resume.run_id, tag)  # `factory.monitor.<name>` tags keep when each fired
-        if resume.changed:
-            mlflow.set_tag("factory.resumed_spec_hash", plan.hashes["spec"])
-            mlflow.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
-            mlflow.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
         return plan
 
     # ------------------------------------------------------------------------ records, through the spool
