@@ -56,16 +56,19 @@ class Reading:
 
 Monitor = Callable[[History, MonitorsSpec], "Reading | None"]
 MONITORS: dict[str, Monitor] = {}
+READS: dict[str, tuple[str, ...]] = {}  # monitor -> the `train.monitors` settings it reads (`factory check` warns
+# about one set where every monitor that reads it can never speak)
 
 
-def monitor(name: str) -> Callable[[Monitor], Monitor]:
-    """Register a monitor under `name` (one of schema.MonitorName); a second one of that name is refused."""
+def monitor(name: str, reads: tuple[str, ...] = ()) -> Callable[[Monitor], Monitor]:
+    """Register a monitor under `name` (one of schema.MonitorName) that reads the `train.monitors` settings
+    `reads` besides `window`, which every monitor reads; a second one of that name is refused."""
     def add(fn: Monitor) -> Monitor:
         if name in MONITORS:
             raise ValueError(f"monitor {name!r} is registered twice")
         if name not in get_args(MonitorName):
             raise ValueError(f"monitor {name!r} is not in factory.schema.MonitorName (train.stop_on names it)")
-        MONITORS[name] = fn
+        MONITORS[name], READS[name] = fn, ("window", *reads)
         return fn
     return add
 
@@ -102,7 +105,7 @@ def _flat(h: History, s: MonitorsSpec) -> tuple[bool, str] | None:
 
 
 # ----------------------------------------------------------------------------------- monitors
-@monitor("reward_dominance")
+@monitor("reward_dominance", reads=("dominance", "min_task_gain"))
 def reward_dominance(h: History, s: MonitorsSpec) -> Reading | None:
     """The largest recent share of within-group variance carried by one non-task node (`share/<node>`)."""
     if len(h.rows) < s.window + 1:
@@ -133,20 +136,20 @@ def _ratio_monitor(h: History, s: MonitorsSpec, key: str, what: str, ratio: floa
                    f"x{value:.2f} (threshold x{ratio:g}), and {flat[1]}")
 
 
-@monitor("length_drift")
+@monitor("length_drift", reads=("length_ratio", "min_task_gain"))
 def length_drift(h: History, s: MonitorsSpec) -> Reading | None:
     """Recent mean response length (model tokens) over the first steps'."""
     return _ratio_monitor(h, s, "length", "the mean response length", s.length_ratio, both_ways=True)
 
 
-@monitor("tool_call_rate")
+@monitor("tool_call_rate", reads=("tool_call_ratio", "min_task_gain"))
 def tool_call_rate(h: History, s: MonitorsSpec) -> Reading | None:
     """Recent tool calls per trajectory over the first steps'."""
     return _ratio_monitor(h, s, "tool_calls", "tool calls per trajectory", s.tool_call_ratio, both_ways=False,
                           min_rise=0.5)
 
 
-@monitor("judge_disagreement")
+@monitor("judge_disagreement", reads=("disagreement", "pass_at"))
 def judge_disagreement(h: History, s: MonitorsSpec) -> Reading | None:
     """The largest recent share of trajectories on which one judge and the verifier disagree."""
     if len(h.rows) < s.window + 1:  # as every monitor: from step window + 1 on
@@ -164,7 +167,7 @@ def judge_disagreement(h: History, s: MonitorsSpec) -> Reading | None:
                    f"trajectories (threshold {s.disagreement:.0%}, pass at {s.pass_at:g})")
 
 
-@monitor("train_eval_divergence")
+@monitor("train_eval_divergence", reads=("train_rise", "eval_fall"))
 def train_eval_divergence(h: History, s: MonitorsSpec) -> Reading | None:
     """The held-out metric's change from step 0 to the newest evaluation (fires when it fell while the
     training reward rose)."""

@@ -316,7 +316,7 @@ class JudgeNode(_Leaf):
     retries: int = Field(1, ge=0)
     """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff, or
     after the time the server's `Retry-After` asks (at most `timeout_s`); a reply that does not parse is
-    not retried."""
+    not retried. An endpoint's only (refused with `local`)."""
     rpm: float | None = Field(None, gt=0)
     """Requests per minute sent to `endpoint` at most (a hosted API's rate limit; None = no limit)."""
     tpm: float | None = Field(None, gt=0)
@@ -332,6 +332,9 @@ class JudgeNode(_Leaf):
             raise ValueError("`model` names the endpoint's model; a local judge's model is `local.path`")
         if self.local is not None and (self.rpm or self.tpm):
             raise ValueError("`rpm` and `tpm` limit an endpoint's requests; a local judge has none")
+        if self.local is not None and "retries" in self.model_fields_set:
+            raise ValueError("`retries` retries an endpoint's failed requests; a local judge's batches are not "
+                             "retried (a failed one is each trajectory's error, as `on_missing` says)")
         if self.json_field is not None and "parse" in self.model_fields_set:
             raise ValueError("give `parse` (a regex) or `json_field`, not both")
         return self

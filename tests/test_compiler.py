@@ -864,6 +864,7 @@ def test_new_node_settings_are_validated(project):
   n: {normalize: correct, over: step}
   j: {llm_judge: prompts/judge.jinja, endpoint: "http://127.0.0.1:1/v1", json_field: score, parse: "(\\\\d)"}
   k: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3"}, model: big}
+  l: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3"}, retries: 3}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.c1: give `lower`, `upper` or both\n"
@@ -873,7 +874,9 @@ def test_new_node_settings_are_validated(project):
         "spec.yaml:13: rewards.n.over: expected 'group' or 'batch', got 'step'\n"
         "spec.yaml:14: rewards.j: give `parse` (a regex) or `json_field`, not both\n"
         "spec.yaml:15: rewards.k: `model` names the endpoint's model; a local judge's model is `local.path`\n"
-        "7 errors in spec.yaml")
+        "spec.yaml:16: rewards.l: `retries` retries an endpoint's failed requests; a local judge's batches are not "
+        "retried (a failed one is each trajectory's error, as `on_missing` says)\n"
+        "8 errors in spec.yaml")
 
 
 def test_judge_endpoints_models_and_patterns_are_checked(project):

@@ -17,6 +17,7 @@ import pytest
 from factory.monitors import (
     EXIT_MONITOR,
     MONITORS,
+    READS,
     History,
     Watch,
     monitor,
@@ -100,6 +101,27 @@ def test_the_registry_is_the_schemas_list_and_refuses_a_duplicate():
         monitor("length_drift")(lambda h, s: None)
     with pytest.raises(ValueError, match="not in factory.schema.MonitorName"):
         monitor("no_such_monitor")(lambda h, s: None)
+
+
+def test_each_monitor_reads_the_settings_it_declares():
+    """`factory check` says a `train.monitors` setting has no effect where every monitor that READS it can never
+    speak: so READS must be what each monitor reads (a recording of its reads, on a history where all speak)."""
+    class Recorded:
+        def __init__(self):
+            self.read: set[str] = set()
+
+        def __getattr__(self, name):
+            self.read.add(name)
+            return getattr(S, name)
+
+    h = History(rows(task=[0.2, 0.2, 0.2], length=[20.0, 22.0, 66.0], tool_calls=[0.5, 0.5, 4.5],
+                     reward=[0.2, 0.3, 0.6], **{"share/fmt": [1.0, 0.95, 0.9], "disagree/judge": [0.1, 0.4, 0.5]}),
+                evals=[(0, 0.5), (3, 0.3)])
+    for name, fn in MONITORS.items():
+        s = Recorded()
+        assert fn(h, s) is not None, name
+        assert s.read == set(READS[name]), name
+    assert set().union(*READS.values()) == set(MonitorsSpec.model_fields)  # each setting has a reader
 
 
 def test_nothing_speaks_before_step_window_plus_one():

@@ -164,6 +164,12 @@ def test_deepspeed_keys_factory_does_not_apply_or_deepspeed_removed_are_errors(p
     assert lines[4].endswith("curriculum_learning: DeepSpeed 0.19 has removed this feature (it refuses the key "
                              "when the engine starts)")
     assert lines[6] == "6 errors in spec.yaml"
+    path = _spec(project, "st_ds_na2", "train:\n  deepspeed: {disable_allgather: true, vocabulary_size: 151936}\n")
+    assert _errors(path).splitlines()[:2] == [  # read by DeepSpeed's config, used by nothing (0.19.8's source)
+        "spec.yaml:10: train.deepspeed.disable_allgather: not applied by Factory's update: DeepSpeed 0.19 reads it "
+        "into its config and uses it nowhere",
+        "spec.yaml:10: train.deepspeed.vocabulary_size: not applied by Factory's update: DeepSpeed only logs a note "
+        "when it is not a multiple of 8; the vocabulary is the model's own (its config.json)"]
 
 
 def test_removed_deepspeed_keys_are_the_ones_deepspeed_refuses():
@@ -294,8 +300,8 @@ def test_settings_that_another_setting_switches_off_warn(project):
         ("spec.yaml:11: algorithm.overlong.penalty: warning: has no effect while algorithm.overlong.buffer is 0 "
          "(no soft penalty)"),
     )
-    for loss in ("ppo_clip", "gspo", "dual_clip"):  # they apply it: no warning
-        _, plan = compile_file(path, [f"algorithm.loss={loss}"])
+    for loss in ("ppo_clip", "gspo", "dual_clip"):  # they apply it (past one on-policy update): no warning
+        _, plan = compile_file(path, [f"algorithm.loss={loss}", "algorithm.mini_batches=2"])
         assert not [w for w in plan.warnings if "dual_clip_c" in w], loss
 
 
@@ -385,10 +391,67 @@ def test_calculator_reward_node_replaced_by_a_mapping_or_list_is_located(tmp_pat
     assert f"{spec}:{lineno}: {message}" in err and "internal error" not in err
 
 
-def test_monitor_settings_for_what_the_spec_lacks_are_said(project):
-    """`train.monitors.pass_at` without a judge node, `tool_call_ratio` without tools: accepted in silence."""
-    path = _spec(project, "st_mon", "train: {monitors: {pass_at: 0.7, disagreement: 0.5, tool_call_ratio: 2}}\n")
-    _, plan = compile_file(path, ["tools={}"])
-    said = [w.split("warning: ")[1] for w in plan.warnings]
-    assert said == ["has no effect without a judge node (judge_disagreement reads one)"] * 2 + [
-        "has no effect without tools (tool_call_rate is not computed)"]
+def test_monitor_settings_that_no_monitor_can_read_here_are_said(project):
+    """A `train.monitors` setting is read only by its monitors (factory.monitors.READS): where each of them can
+    never speak in the spec, setting it did nothing, in silence (`dominance` with a training node that is not a
+    sum, `train_rise` without data.eval, any of them when the run ends before the first window is over)."""
+    path = _spec(project, "st_mon", "metrics: {accuracy: correct}\ntrain: {steps: 10, monitors: {pass_at: 0.7, "
+                                    "disagreement: 0.5, tool_call_ratio: 2, dominance: 0.5, length_ratio: 3, "
+                                    "train_rise: 0.5}}\n")
+    _, plan = compile_file(path, ["reward=correct"])
+    said = [w.split(": warning: ") for w in plan.warnings]
+    never = "has no effect: monitor {} can never speak here: {}"
+    assert [(where.split(": ")[1], what) for where, what in said] == [
+        ("train.monitors.dominance", never.format("reward_dominance", "the training reward 'correct' is not a `sum` "
+                                                  "(the monitor weighs the shares of its inputs)")),
+        ("train.monitors.tool_call_ratio", never.format("tool_call_rate", "the spec has no `tools`")),
+        *[(f"train.monitors.{f}", never.format("judge_disagreement", "there is no judge node in `rewards` to check "
+                                                                     "against the verifier"))
+          for f in ("disagreement", "pass_at")],
+        ("train.monitors.train_rise", never.format("train_eval_divergence",
+                                                   "there is no held-out metric without data.eval")),
+    ]  # (length_ratio: length_drift can speak)
+    _, plan = compile_file(path, ["train.steps=2", "train.monitors.window=2", "train.monitors.pass_at=0.5"])
+    assert plan.warnings[0].endswith(
+        "train.monitors.window: warning: has no effect: the monitors that read it (reward_dominance, length_drift, "
+        "tool_call_rate, judge_disagreement, train_eval_divergence) can never speak here: train.steps 2 ends before "
+        "step 3, the first a monitor speaks at (train.monitors.window + 1)")  # (said once, for all of them)
+    assert compile_file(path, ["train.monitors={}"])[1].warnings == ()
+
+def _said(path: str, overrides: list[str]) -> dict[str, str]:
+    """The compiled spec's warnings: setting -> what was said."""
+    warnings = compile_file(path, overrides)[1].warnings
+    return dict(w.split(": ", 1)[1].split(": warning: ") for w in warnings)
+
+
+def test_settings_nothing_reads_in_this_spec_are_said(project, monkeypatch):
+    """Accepted in silence before (a review of every field, 2026-12-06): each is read only where the spec has
+    something it lacks here, or another setting decides instead."""
+    path = _spec(project, "st_more", "metrics: {accuracy: correct, fmt: fmt}\ntrain: {steps: 4}\n")
+    said = _said(path, ["rollout.eval_temperature=0.6", "tracking.record_tools=false", "resources.tools.num_cpus=64",
+                        "resources.rollout.strategy=STRICT_SPREAD", "resources.rollout.replicas=2",
+                        "train.share_prefix=true", "train.deepspeed.zero_stage=3", "resources.update.replicas=2",
+                        "algorithm.clip=[0.1,0.1]", "algorithm.dual_clip_c=2"])
+    assert said == {
+        "rollout.eval_temperature": "has no effect without data.eval (there is nothing to evaluate)",
+        "metrics.fmt": "has no effect without data.eval: a metric after the first is a held-out one only",
+        "train.share_prefix": "has no effect with train.deepspeed.zero_stage 3 over 2 ranks (resources.update."
+                              "replicas: their forwards must pair up): the update runs every row's prefix itself",
+        "resources.tools": "has no effect without tools (there is no tools stage to place)",
+        "tracking.record_tools": "has no effect without tools (there are no tool calls to record)",
+        "resources.rollout.strategy": "has no effect while the stage reserves nothing (num_cpus, num_gpus and custom "
+                                      "all 0): its replicas get no placement group to spread; reserve what a "
+                                      "replica needs",
+        **{f"algorithm.{f}": "has no effect while each step makes one on-policy update (algorithm.epochs 1, "
+                             "mini_batches 1, no train.max_staleness): pi_old is the policy being updated, so every "
+                             "ratio is 1 and nothing is clipped; clipping acts with more mini-batches or epochs, "
+                             "staleness or algorithm.use_rollout_logprobs" for f in ("clip", "dual_clip_c")},
+    }  # (resources.tools.num_cpus 64 was counted for a tools stage the plan does not have: "would wait at placement")
+    assert "resources.tools" in _said(path, ["resources.tools.num_gpus=1"])  # (was an error: "1 GPU reserved but
+    # this machine has no CUDA device", for a stage the plan does not have)
+    for moot in (["algorithm.mini_batches=2"], ["algorithm.epochs=2"], ["train.max_staleness=1"],
+                 ["algorithm.use_rollout_logprobs=true"]):  # the ratio moves: clipping acts
+        assert not {k for k in _said(path, ["algorithm.clip=[0.1,0.1]", *moot]) if k.startswith("algorithm.clip")}
+    assert "train.bf16_autocast" in _said(path, ["model.dtype=bfloat16", "train.bf16_autocast=false"])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined through the environment
+    assert "resources.object_store_gb" in _said(path, ["resources.object_store_gb=4"])

@@ -58,6 +58,7 @@ from factory.compiler.settings import check_deepspeed, check_dependent
 from factory.compiler.translate import nearest
 from factory.contract import ContractError
 from factory.contract import check as check_contracts
+from factory.monitors import READS as MONITOR_READS
 from factory.plan import (
     MASK,
     ClusterSettings,
@@ -385,7 +386,7 @@ def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
     res = spec.resources
     # every replica on this machine
     reservations = [(f"resources.{name}", getattr(res, name).num_gpus * getattr(getattr(res, name), "replicas", 1))
-                    for name in ("rollout", "update", "reward", "tools")]
+                    for name in _stage_groups(spec)]
     reservations += [(f"rewards.{name}.local", node.local.num_gpus) for name, node in spec.rewards.items()
                      if isinstance(node, JudgeNode) and node.local is not None]  # a local judge's own actor
     for path, want in reservations:
@@ -408,6 +409,11 @@ def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
             r.warn(f"rewards.{name}.local.dtype", warning)
 
 
+def _stage_groups(spec: Spec) -> tuple[str, ...]:
+    """The `resources` sections of the stages the plan has (a spec without tools has no tools stage)."""
+    return ("rollout", "update", "reward", "tools") if spec.tools else ("rollout", "update", "reward")
+
+
 def _check_local_room(spec: Spec, r: _Report, gpus: int) -> None:
     """What a local Ray (one node: this machine's CPUs and CUDA devices, no custom resources) can never hold
     is said before it starts, not found at placement (or after 10 minutes' wait there): custom resources,
@@ -416,7 +422,7 @@ def _check_local_room(spec: Spec, r: _Report, gpus: int) -> None:
     a cluster, on a laptop, is legitimate."""
     res = spec.resources
     stages = [(f"resources.{name}", getattr(res, name), getattr(getattr(res, name), "replicas", 1))
-              for name in ("rollout", "update", "reward", "tools")]
+              for name in _stage_groups(spec)]
     stages += [(f"rewards.{name}.local", node.local, 1) for name, node in spec.rewards.items()
                if isinstance(node, JudgeNode) and node.local is not None]
     join = "join a Ray cluster that has it (resources.ray_address or $RAY_ADDRESS)"
@@ -424,7 +430,7 @@ def _check_local_room(spec: Spec, r: _Report, gpus: int) -> None:
         for key in getattr(want, "custom", {}) or {}:
             r.warn(f"{path}.custom", f"custom resource {key!r} exists only on a Ray cluster's nodes started with "
                                       f"`ray start --resources`; a local Ray has none: {join}, or remove it")
-        if getattr(want, "strategy", "PACK") == "STRICT_SPREAD" and replicas > 1:
+        if getattr(want, "strategy", "PACK") == "STRICT_SPREAD" and replicas > 1 and _bundle(want):
             r.warn(f"{path}.strategy", f"STRICT_SPREAD puts each of the {replicas} replicas on its own node; a local "
                                         f"Ray is one node: use PACK or SPREAD, or {join.replace(' that has it', '')}")
     cpus = os.cpu_count() or 1
@@ -1175,36 +1181,51 @@ def watch_settings(spec: Spec, metrics: Mapping[str, str], train_node: str | Non
                          tools=bool(spec.tools))
 
 
-def _check_stop_on(spec: Spec, r: _Report, metrics: Mapping[str, str], train_node: str | None) -> None:
-    """A `train.stop_on` monitor that can never fire in this spec (factory.monitors: what each one reads) is a
-    setting nothing reads: refused, saying why."""
-    if not spec.train.stop_on or train_node is None:  # no training node: the reward graph's errors say why
+def _never_fires(spec: Spec, w: WatchSettings, name: str, train_node: str) -> tuple[str, str] | None:
+    """Why monitor `name` (factory.monitors) can never speak in this spec, and what would let it (or "");
+    None when it can."""
+    window = spec.train.monitors.window
+    if spec.train.steps < window + 1:
+        return (f"train.steps {spec.train.steps} ends before step {window + 1}, the first a monitor speaks at "
+                "(train.monitors.window + 1)", "run more steps or shorten the window")
+    if w.task_node is None and name != "judge_disagreement":
+        return "there is no task metric to compare with", "name a reward node in `metrics`"
+    if name == "judge_disagreement" and not w.judges:
+        return "there is no judge node in `rewards` to check against the verifier", "add one"
+    if name == "judge_disagreement" and w.verifier is None:
+        return ("the task node (the first `metrics` entry) is not a python function to check the judges against",
+                "name one in `metrics`")
+    if name == "reward_dominance" and not w.weights:
+        return f"the training reward '{train_node}' is not a `sum` (the monitor weighs the shares of its inputs)", ""
+    if name == "reward_dominance" and not w.candidates:
+        return f"every input of the sum '{train_node}' reads the task node '{w.task_node}'", ""
+    if name == "tool_call_rate" and not spec.tools:
+        return "the spec has no `tools`", ""
+    if name == "train_eval_divergence" and spec.data.eval is None:
+        return "there is no held-out metric without data.eval", "add data.eval"
+    return None
+
+
+def _check_monitors(spec: Spec, r: _Report, metrics: Mapping[str, str], train_node: str | None) -> None:
+    """A `train.stop_on` monitor that can never speak in this spec is refused, saying why; a `train.monitors`
+    setting the user wrote that only such monitors read is said (a warning: an override such as
+    `data.eval=null` for a quick run may switch them off)."""
+    if train_node is None:  # no training node: the reward graph's errors say why
         return
     w = watch_settings(spec, metrics, train_node)
-    window = spec.train.monitors.window
     for i, name in enumerate(spec.train.stop_on):
-        why, fix = None, ""
-        if spec.train.steps < window + 1:
-            why, fix = (f"train.steps {spec.train.steps} ends before step {window + 1}, the first a monitor speaks "
-                        "at (train.monitors.window + 1)", "run more steps or shorten the window")
-        elif w.task_node is None and name != "judge_disagreement":
-            why, fix = "there is no task metric to compare with", "name a reward node in `metrics`"
-        elif name == "judge_disagreement" and not w.judges:
-            why, fix = "there is no judge node in `rewards` to check against the verifier", "add one"
-        elif name == "judge_disagreement" and w.verifier is None:
-            why = "the task node (the first `metrics` entry) is not a python function to check the judges against"
-            fix = "name one in `metrics`"
-        elif name == "reward_dominance" and not w.weights:
-            why = f"the training reward '{train_node}' is not a `sum` (the monitor weighs the shares of its inputs)"
-        elif name == "reward_dominance" and not w.candidates:
-            why = f"every input of the sum '{train_node}' reads the task node '{w.task_node}'"
-        elif name == "tool_call_rate" and not spec.tools:
-            why = "the spec has no `tools`"
-        elif name == "train_eval_divergence" and spec.data.eval is None:
-            why, fix = "there is no held-out metric without data.eval", "add data.eval"
-        if why is not None:
+        if never := _never_fires(spec, w, name, train_node):
+            why, fix = never
             r.error(f"train.stop_on.{i}", f"monitor '{name}' can never fire: {why}: "
                                           f"{fix + ', or ' if fix else ''}remove it from stop_on")
+    written = spec.train.monitors.model_fields_set
+    for field in (f for f in type(spec.train.monitors).model_fields if f in written):
+        readers = [name for name, reads in MONITOR_READS.items() if field in reads]
+        whys = [never[0] for name in readers if (never := _never_fires(spec, w, name, train_node))]
+        if readers and len(whys) == len(readers):
+            who = f"monitor {readers[0]}" if len(readers) == 1 else f"the monitors that read it ({', '.join(readers)})"
+            r.warn(f"train.monitors.{field}", f"has no effect: {who} can never speak here: "
+                                              f"{'; '.join(dict.fromkeys(whys))}")
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -1298,7 +1319,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_rows(spec, r, data, required, tuple(valued), reward_templates)
     _check_judges(spec, r, joins=ray_address is not None)
     order, train, metrics = _check_reward_graph(spec, r, set(broken.get("rewards", ())))
-    _check_stop_on(spec, r, metrics, train)
+    _check_monitors(spec, r, metrics, train)
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools, joins=ray_address is not None)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)

@@ -17,6 +17,7 @@ The schema forbids unknown keys, but three kinds of setting can still be accepte
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
@@ -93,6 +94,9 @@ NOT_APPLIED = {
                 "data-parallel over the update's replicas (with ZeRO: train.deepspeed.zero_stage)",
     "dataloader_drop_last": _DATA,
     "data_efficiency": _DATA,
+    "disable_allgather": "DeepSpeed 0.19 reads it into its config and uses it nowhere",
+    "vocabulary_size": "DeepSpeed only logs a note when it is not a multiple of 8; the vocabulary is the model's "
+                       "own (its config.json)",
 }
 # Top-level keys DeepSpeed 0.19 has removed: its config reader raises on them (runtime/config.py,
 # _REMOVED_TOP_LEVEL_CONFIG_KEYS) only when the update stage starts.
@@ -164,15 +168,21 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                 r.error(f"data.{split}.{field}", f"'{field}' applies to a generator; every row of the file "
                                                  f"{source.path} is used")
     unused = "has no effect"
-    if spec.data.eval is None:  # (not `metrics`: its first entry is the task the monitors read on the training batch)
+    if spec.data.eval is None:
         for path, model, field in (("train.eval_every", spec.train, "eval_every"),
-                                   ("train.eval_size", spec.train, "eval_size")):
+                                   ("train.eval_size", spec.train, "eval_size"),
+                                   ("rollout.eval_temperature", spec.rollout, "eval_temperature")):
             if _set(model, field):
                 r.warn(path, f"{unused} without data.eval (there is nothing to evaluate)")
+        for name in list(spec.metrics)[1:]:  # (the first is also the task the monitors read on the training batch)
+            r.warn(f"metrics.{name}", f"{unused} without data.eval: a metric after the first is a held-out one only")
     if spec.train.share_prefix and _set(spec.train, "share_prefix"):  # (the learner decides it: Learner.setup)
+        ranks = spec.resources.update.replicas
         off = ("train.gradient_checkpointing" if spec.train.gradient_checkpointing else
                f"model.lora.dropout {spec.model.lora.dropout:g} (the rows would share one dropout mask over the prefix)"
-               if spec.model.lora is not None and spec.model.lora.dropout > 0 else None)
+               if spec.model.lora is not None and spec.model.lora.dropout > 0 else
+               f"train.deepspeed.zero_stage 3 over {ranks} ranks (resources.update.replicas: their forwards must pair "
+               "up)" if spec.train.deepspeed.zero_stage == 3 and ranks > 1 else None)
         if off:
             r.warn("train.share_prefix", f"{unused} with {off}: the update runs every row's prefix itself")
     if spec.rollout.max_new_tokens > spec.rollout.max_total_tokens:  # `max_total_tokens: 1` trained 1-token turns
@@ -187,17 +197,25 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if spec.rollout.engine == "hf":
         for field in vllm_only(spec.rollout):
             r.warn(f"rollout.{field}", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")
+    if not spec.tools:
+        if spec.resources.tools.model_fields_set:
+            r.warn("resources.tools", f"{unused} without tools (there is no tools stage to place)")
+        if _set(spec.tracking, "record_tools"):
+            r.warn("tracking.record_tools", f"{unused} without tools (there are no tool calls to record)")
+    for name in ("rollout", "update"):
+        group = getattr(spec.resources, name)
+        if _set(group, "strategy") and not (group.num_cpus or group.num_gpus or group.custom):
+            r.warn(f"resources.{name}.strategy", f"{unused} while the stage reserves nothing (num_cpus, num_gpus and "
+                                                 "custom all 0): its replicas get no placement group to spread; "
+                                                 "reserve what a replica needs")
+    if _set(spec.train, "bf16_autocast") and spec.model.dtype != "float32":  # (autocast is for float32 weights)
+        r.warn("train.bf16_autocast", f"{unused} with model.dtype {spec.model.dtype}: the update computes in the "
+                                      "weights' own dtype (DeepSpeed's mode for it), and the rollout's `auto` "
+                                      "follows the weights")
     if spec.replay.run is None and _set(spec.replay, "on_miss"):
         r.warn("replay.on_miss", f"{unused} without replay.run (no run's tool calls are replayed)")
     if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
         r.warn("rollout.vllm_lora", f"{unused} without model.lora (there are no adapters to sync)")
-    monitors = spec.train.monitors
-    if not any(isinstance(node, JudgeNode) for node in spec.rewards.values()):
-        for field in ("disagreement", "pass_at"):  # judge_disagreement compares a judge node with the verifier
-            if _set(monitors, field):
-                r.warn(f"train.monitors.{field}", f"{unused} without a judge node (judge_disagreement reads one)")
-    if not spec.tools and _set(monitors, "tool_call_ratio"):
-        r.warn("train.monitors.tool_call_ratio", f"{unused} without tools (tool_call_rate is not computed)")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
         r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")
     if spec.algorithm.kl.coef == 0:
@@ -225,6 +243,16 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
     if spec.algorithm.mini_batches > rows:  # (the update caps it at the rows: factory.update.batch.plan)
         r.warn("algorithm.mini_batches", f"above the {rows} trajectories a step trains (train.prompts_per_step x "
                                          f"{of}): a step makes at most {rows} optimizer steps, one a trajectory")
+    a = spec.algorithm
+    if a.epochs * min(a.mini_batches, rows) == 1 and not spec.train.max_staleness and not a.use_rollout_logprobs:
+        # pi_old is then the policy being updated (factory.update.learner.pi_old_source): every ratio is 1
+        clipping = [f for f in ("clip", "dual_clip_c") if _set(a, f)
+                    and (f == "clip" or algorithm.get("loss") in DUAL_CLIP_LOSSES)]  # (else said above)
+        for field in clipping:
+            r.warn(f"algorithm.{field}", f"{unused} while each step makes one on-policy update (algorithm.epochs 1, "
+                                         "mini_batches 1, no train.max_staleness): pi_old is the policy being "
+                                         "updated, so every ratio is 1 and nothing is clipped; clipping acts with "
+                                         "more mini-batches or epochs, staleness or algorithm.use_rollout_logprobs")
     if spec.algorithm.credit == "turn" and spec.rollout.max_turns == 1:
         r.warn("algorithm.credit", f"{unused} with rollout.max_turns 1: each trajectory's one model turn gets the "
                                    "advantage credit 'trajectory' gives it (raise max_turns for turns to compare)")
@@ -257,5 +285,6 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                 "the whole softmax, so their ratio starts below 1 at every token (the kept mass) and the clip "
                 "cuts the gradient of every negative advantage: sample from the whole distribution (top_p: 1, "
                 "top_k: 0), or take pi_old from the learner (remove the settings named)")
-    if spec.resources.ray_address and _set(spec.resources, "object_store_gb"):
-        r.warn("resources.object_store_gb", f"{unused} when joining a Ray cluster (resources.ray_address)")
+    if (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")) and _set(spec.resources, "object_store_gb"):
+        r.warn("resources.object_store_gb", f"{unused} when joining a Ray cluster (resources.ray_address or "
+                                            "$RAY_ADDRESS): its nodes' stores were sized when they started")
