@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
 from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES
-from factory.schema import DeepSpeedSpec, JudgeNode, Spec
+from factory.schema import DeepSpeedSpec, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
 # lookups of the real reader and compares). Any other top-level key is ignored by DeepSpeed.
