@@ -242,7 +242,10 @@ def test_uniform_is_a_pure_function_of_seed_and_position():
 def test_request_seeds_differ_by_every_part_of_the_key():
     from factory.rollout.engine import request_seed
 
-    keys = [(0, 1, 0, p, s, t) for p in range(3) for s in range(3) for t in range(3)] + [(1, 1, 0, 0, 0, 0)]
+    # (seed, step, attempt, prompt, sample, turn): each part varied, every other held (the same step and
+    # attempt everywhere let a request_seed without them pass: every step and retry would sample alike)
+    keys = [(seed, step, attempt, p, s, t) for seed in range(2) for step in range(2) for attempt in range(2)
+            for p in range(3) for s in range(3) for t in range(3)]
     seeds = [request_seed(*k) for k in keys]
     assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**63 for x in seeds)
     assert request_seed(7, 2, 0, 1, 1, 0) == request_seed(7, 2, 0, 1, 1, 0)

@@ -129,7 +129,8 @@ async def test_tool_error_is_a_model_error(box):
     assert "division by zero" in result.text
 
 
-async def test_schema_invalid_arguments_never_reach_the_server(box):
+async def test_schema_invalid_arguments_are_a_model_error_said_with_the_schemas_words(box):
+    # (that they never reach the server: tests/test_tools_faults.py, whose spy counts the backend's calls)
     before = box.metrics().get("tools/calculate/calls", 0)  # 0 when no earlier test called it
     result = await box.call(call("calculate", {"expr": "1+1"}))
     assert (result.status, result.error_kind) == ("model_error", "bad_arguments")

@@ -130,7 +130,7 @@ def test_steps_change_weights_and_lower_the_loss_on_a_fixed_batch(model_path, le
 
 
 def test_micro_batching_is_exact(small_path, learners):
-    """Micro-batch 1 and 4 (and several mini-batches and epochs) give the same update as one pass."""
+    """Micro-batch 1 and 4 give the same update as one pass (several mini-batches and epochs: below)."""
     trajs = batch(seed=1)
     deltas = {}
     for micro in (1, 4, 12):
@@ -159,6 +159,27 @@ def test_a_token_budget_cuts_micro_batches_shorter_and_the_update_stays_exact(sm
     totals = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     assert all(len(m) * max(totals[i] for i in m) <= 64 for m in micros)
     assert_same_delta(whole, budgeted)
+
+
+def test_each_mini_batch_and_epoch_is_a_step_of_its_own_normalised_by_its_own_rows(small_path, learners):
+    """With a small lr the second optimizer step starts where the first left, to first order, so two
+    mini-batches of 6 rows (each loss normalised by its own rows) move the weights twice as far as one pass over
+    all 12, and so do two epochs. Normalising each mini-batch by the whole batch's totals halved every step: the
+    micro-batching test, which compares micro-batch sizes under one normaliser, passed with it."""
+    def dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return sum(float((a[k].double() * b[k].double()).sum()) for k in a)
+
+    trajs = batch(seed=1)  # 12 rows
+    small = {"lr": 1e-4, "micro_batch": 4}
+    one, _ = one_step_delta(learners(make_spec(small_path, train=small)), trajs)
+    assert dot(one, one) > 0
+    for split in ({"mini_batches": 2}, {"epochs": 2}):
+        two, stats = one_step_delta(learners(make_spec(small_path, algorithm=split, train=small)), trajs)
+        assert stats["actor/updates"] == 2
+        # the update as a whole (per weight, a norm's ~1e-7 step is a few float32 ulps of its 1.0): measured
+        # 1.99987 and 1.99996 of the one-pass step along it; halved by the whole-batch normaliser: ~1.0
+        assert dot(two, one) / dot(one, one) == pytest.approx(2.0, abs=0.01), split
+        assert dot(two, one) / (dot(two, two) * dot(one, one)) ** 0.5 > 0.9999, split  # and in its direction
 
 
 def test_mini_batches_and_epochs_take_several_steps_from_the_same_old_logprobs(small_path, learners):
@@ -475,6 +496,7 @@ def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, 
     for a, b in zip(full, skipped):
         assert_same_delta(a, b)
     assert [s["actor/skipped_zero_adv"] for s in skipped_stats] == [4, 8]
+    assert [s["actor/zero_adv_groups"] for s in skipped_stats] == [1, 2]  # the groups whose rewards all agree
     assert [s["actor/skipped_zero_adv"] for s in full_stats] == [0, 0]
     assert skipped_stats[0]["actor/pg_loss"] == pytest.approx(full_stats[0]["actor/pg_loss"], abs=1e-6)
     assert skipped_stats[0]["actor/entropy"] > 5  # a token mean over the rows that ran, not diluted

@@ -92,7 +92,7 @@ class Engine(Protocol):
 
 
 def request_seed(*key: int) -> int:
-    """A 63-bit seed from a tuple of ints: (spec seed, step, prompt index, sample index, turn) gives every
+    """A 63-bit seed from a tuple of ints: (spec seed, step, attempt, prompt index, sample index, turn) gives every
     request of a run its own stream, the same in a resumed run as in the uninterrupted one."""
     digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
