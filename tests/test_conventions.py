@@ -37,7 +37,7 @@ def _factory(*args: str, cwd: Path, **env_vars: str) -> subprocess.CompletedProc
 # ------------------------------------------------------------------------------------------- extends
 def test_extends_merges_the_overlay_over_its_base(project):
     project.file("base/base.yaml", base_spec(project, "ext_ok") + "train: {steps: 4, lr: 1.0e-4}\n"
-                                   "algorithm: {clip: [0.2, 0.28]}\n")
+                                   "algorithm: {clip: [0.2, 0.28], mini_batches: 2}\n")
     path = project.spec("extends: base/base.yaml\nname: over\ntrain: {steps: 9}\nalgorithm: {clip: [0.1, 0.1]}\n")
     spec, plan = compile_file(path, ["seed=5"])
     assert (spec.name, spec.seed, spec.train.steps, spec.train.lr) == ("over", 5, 9, 1e-4)  # train merged key by key

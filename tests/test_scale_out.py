@@ -114,10 +114,10 @@ def test_what_a_local_ray_cannot_hold_is_said_before_a_run(project, monkeypatch)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     path = _spec(project, "sw_room", "resources:\n  rollout: {replicas: 2, num_cpus: 1, strategy: STRICT_SPREAD}\n"
-                                     "  update: {num_cpus: 1}\n  tools: {custom: {node_b: 1}}\n")
+                                     "  update: {num_cpus: 1}\n  reward: {custom: {node_b: 1}}\n")
     _, plan = compile_file(path)
     said = "\n".join(plan.warnings)
-    assert "resources.tools.custom: warning: custom resource 'node_b' exists only on a Ray cluster" in said
+    assert "resources.reward.custom: warning: custom resource 'node_b' exists only on a Ray cluster" in said
     assert "resources.rollout.strategy: warning: STRICT_SPREAD puts each of the 2 replicas on its own node" in said
     assert ("resources.update.num_cpus: warning: the stages reserve 3 CPUs in all (resources.rollout.num_cpus 2, "
             "resources.update.num_cpus 1, replicas counted) but a local Ray has 2") in said
