@@ -501,7 +501,7 @@ class AlgorithmSpec(Section):
     std_eps: float = 1e-6
     """Groups whose reward std is below this get advantage 0."""
     rollout_correction: RolloutCorrectionSpec | None = None
-    """Correct for the rollout/learner mismatch (`rollout/logprob_diff_mean` measures it every step):
+    """Correct for the rollout/learner mismatch (`rollout/logprob_diff_mean` measures it every on-policy step):
     `{kind: tis, cap: 2.0}`. Unset: no correction."""
     use_rollout_logprobs: bool = False
     """Take pi_old, the PPO ratio's denominator, from the rollout engine's log-probs instead of the

@@ -262,6 +262,14 @@ def test_the_checkpoint_is_compared_with_the_plan_that_saved_it(store):
     MlflowClient(uri).log_text(later, plan_json(lora), "resumed/step_1/plan.json")
     with pytest.raises(ResumeError, match=r"holds full weights, and this spec trains LoRA adapters"):
         find(lora, later, uri, train=spec.train, experiment="switched", allow_spec_change=True)
+    # the record of that resume still in the run's spool (the store was down when it was made): read from there
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    spooled = fake_run(uri, ckpt / "spooled", full, logged=1, checkpoints=(1,), experiment="switched")
+    Spool(ckpt / "spooled" / SPOOL).add("text", text=plan_json(lora), name="resumed/step_0/plan.json")
+    assert find(lora, spooled, uri, train=spec.train, experiment="switched",
+                allow_spec_change=True).checkpoint == "step_1"
 
 
 def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):

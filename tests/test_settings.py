@@ -411,11 +411,19 @@ def test_monitor_settings_that_no_monitor_can_read_here_are_said(project):
         ("train.monitors.train_rise", never.format("train_eval_divergence",
                                                    "there is no held-out metric without data.eval")),
     ]  # (length_ratio: length_drift can speak)
-    _, plan = compile_file(path, ["train.steps=2", "train.monitors.window=2", "train.monitors.pass_at=0.5"])
-    assert plan.warnings[0].endswith(
-        "train.monitors.window: warning: has no effect: the monitors that read it (reward_dominance, length_drift, "
-        "tool_call_rate, judge_disagreement, train_eval_divergence) can never speak here: train.steps 2 ends before "
-        "step 3, the first a monitor speaks at (train.monitors.window + 1)")  # (said once, for all of them)
+    short = project.spec(BASE.replace("{mod}", "st_mon") + "metrics: {accuracy: correct}\ntrain: {steps: 2, "
+                         "monitors: {length_ratio: 3, min_task_gain: 0.1}}\n", "short.yaml")
+    _, plan = compile_file(short)
+    assert [w.split(": ", 1)[1] for w in plan.warnings] == [  # (the window's reason said once, for its readers)
+        "train.monitors.min_task_gain: warning: has no effect: the monitors that read it (reward_dominance, "
+        "length_drift, tool_call_rate) can never speak here: train.steps 2 ends before step 3, the first a monitor "
+        "speaks at (train.monitors.window + 1)",
+        "train.monitors.length_ratio: warning: has no effect: monitor length_drift can never speak here: train.steps 2 "
+        "ends before step 3, the first a monitor speaks at (train.monitors.window + 1)"]
+    # a window the run is too short for is what silences the monitors: said as that, not as "no effect"
+    assert compile_file(short, ["train.steps=4", "train.monitors.window=5"])[1].warnings[0].endswith(
+        "train.monitors.window: warning: 5 leaves no monitor a step to speak at: train.steps 4 ends before step 6 "
+        "(window + 1, the first they speak at): shorten it or run more steps")
     assert compile_file(path, ["train.monitors={}"])[1].warnings == ()
 
 def _said(path: str, overrides: list[str]) -> dict[str, str]:
@@ -445,13 +453,20 @@ def test_settings_nothing_reads_in_this_spec_are_said(project, monkeypatch):
         **{f"algorithm.{f}": "has no effect while each step makes one on-policy update (algorithm.epochs 1, "
                              "mini_batches 1, no train.max_staleness): pi_old is the policy being updated, so every "
                              "ratio is 1 and nothing is clipped; clipping acts with more mini-batches or epochs, "
-                             "staleness or algorithm.use_rollout_logprobs" for f in ("clip", "dual_clip_c")},
+                             "staleness, algorithm.use_rollout_logprobs, or KL in the reward under dropout"
+           for f in ("clip", "dual_clip_c")},
     }  # (resources.tools.num_cpus 64 was counted for a tools stage the plan does not have: "would wait at placement")
     assert "resources.tools" in _said(path, ["resources.tools.num_gpus=1"])  # (was an error: "1 GPU reserved but
     # this machine has no CUDA device", for a stage the plan does not have)
     for moot in (["algorithm.mini_batches=2"], ["algorithm.epochs=2"], ["train.max_staleness=1"],
-                 ["algorithm.use_rollout_logprobs=true"]):  # the ratio moves: clipping acts
+                 ["algorithm.use_rollout_logprobs=true"],  # the ratio moves: clipping acts (with KL in the
+                 ["algorithm.kl.coef=0.1", "algorithm.kl.apply=reward"]):  # reward, pi_old's own pass under dropout)
         assert not {k for k in _said(path, ["algorithm.clip=[0.1,0.1]", *moot]) if k.startswith("algorithm.clip")}
     assert "train.bf16_autocast" in _said(path, ["model.dtype=bfloat16", "train.bf16_autocast=false"])
+    assert "train.bf16_autocast" not in _said(path, ["model.dtype=float16", "train.bf16_autocast=false"])  # (it
+    # picks the rollout's `auto`: bfloat16 or float16/float32)
+    assert _said(path, ["resources.update.strategy=SPREAD", "resources.update.num_cpus=1"])[
+        "resources.update.strategy"] == "has no effect with one replica (resources.update.replicas 1): a strategy " \
+                                        "spreads several"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined through the environment
     assert "resources.object_store_gb" in _said(path, ["resources.object_store_gb=4"])

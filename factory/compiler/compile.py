@@ -1218,7 +1218,12 @@ def _check_monitors(spec: Spec, r: _Report, metrics: Mapping[str, str], train_no
             why, fix = never
             r.error(f"train.stop_on.{i}", f"monitor '{name}' can never fire: {why}: "
                                           f"{fix + ', or ' if fix else ''}remove it from stop_on")
-    written = spec.train.monitors.model_fields_set
+    written, window = spec.train.monitors.model_fields_set, spec.train.monitors.window
+    if "window" in written and spec.train.steps < window + 1:  # the window itself silences them: said as such
+        r.warn("train.monitors.window", f"{window} leaves no monitor a step to speak at: train.steps "
+                                        f"{spec.train.steps} ends before step {window + 1} (window + 1, the first "
+                                        "they speak at): shorten it or run more steps")
+        written = written - {"window"}
     for field in (f for f in type(spec.train.monitors).model_fields if f in written):
         readers = [name for name, reads in MONITOR_READS.items() if field in reads]
         whys = [never[0] for name in readers if (never := _never_fires(spec, w, name, train_node))]

@@ -208,10 +208,13 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
             r.warn(f"resources.{name}.strategy", f"{unused} while the stage reserves nothing (num_cpus, num_gpus and "
                                                  "custom all 0): its replicas get no placement group to spread; "
                                                  "reserve what a replica needs")
-    if _set(spec.train, "bf16_autocast") and spec.model.dtype != "float32":  # (autocast is for float32 weights)
-        r.warn("train.bf16_autocast", f"{unused} with model.dtype {spec.model.dtype}: the update computes in the "
-                                      "weights' own dtype (DeepSpeed's mode for it), and the rollout's `auto` "
-                                      "follows the weights")
+        elif _set(group, "strategy") and group.replicas == 1:
+            r.warn(f"resources.{name}.strategy", f"{unused} with one replica (resources.{name}.replicas 1): a "
+                                                 "strategy spreads several")
+    if _set(spec.train, "bf16_autocast") and spec.model.dtype == "bfloat16":  # (float16 weights: it still moves
+        # the rollout's `auto` to bfloat16, factory.device.auto_dtype)
+        r.warn("train.bf16_autocast", f"{unused} with model.dtype bfloat16: the update computes in the weights' own "
+                                      "dtype (DeepSpeed's bf16 mode), and the rollout's `auto` follows the weights")
     if spec.replay.run is None and _set(spec.replay, "on_miss"):
         r.warn("replay.on_miss", f"{unused} without replay.run (no run's tool calls are replayed)")
     if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
@@ -244,15 +247,19 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
         r.warn("algorithm.mini_batches", f"above the {rows} trajectories a step trains (train.prompts_per_step x "
                                          f"{of}): a step makes at most {rows} optimizer steps, one a trajectory")
     a = spec.algorithm
-    if a.epochs * min(a.mini_batches, rows) == 1 and not spec.train.max_staleness and not a.use_rollout_logprobs:
-        # pi_old is then the policy being updated (factory.update.learner.pi_old_source): every ratio is 1
+    kl_in_reward = a.kl.coef > 0 and algorithm.get("kl_apply") == "reward"  # (a pass of its own for pi_old, whose
+    # dropout mask is not the update's: with dropout the first ratio is not 1)
+    if (a.epochs * min(a.mini_batches, rows) == 1 and not spec.train.max_staleness and not a.use_rollout_logprobs
+            and not kl_in_reward):
+        # pi_old is then the update pass's own, detached (factory.update.learner.pi_old_source): every ratio is 1
         clipping = [f for f in ("clip", "dual_clip_c") if _set(a, f)
                     and (f == "clip" or algorithm.get("loss") in DUAL_CLIP_LOSSES)]  # (else said above)
         for field in clipping:
             r.warn(f"algorithm.{field}", f"{unused} while each step makes one on-policy update (algorithm.epochs 1, "
                                          "mini_batches 1, no train.max_staleness): pi_old is the policy being "
                                          "updated, so every ratio is 1 and nothing is clipped; clipping acts with "
-                                         "more mini-batches or epochs, staleness or algorithm.use_rollout_logprobs")
+                                         "more mini-batches or epochs, staleness, algorithm.use_rollout_logprobs, or "
+                                         "KL in the reward under dropout")
     if spec.algorithm.credit == "turn" and spec.rollout.max_turns == 1:
         r.warn("algorithm.credit", f"{unused} with rollout.max_turns 1: each trajectory's one model turn gets the "
                                    "advantage credit 'trajectory' gives it (raise max_turns for turns to compare)")

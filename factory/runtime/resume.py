@@ -147,7 +147,9 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        recorded = _artifact_json(tracker, run.run_id, _plan_saving(tracker, run.run_id, step))
+        texts = unsent_texts(directory)  # a resume's spec record the store has not had yet (it was down)
+        saving = _plan_saving(tracker, run.run_id, step, texts)
+        recorded = json.loads(texts[saving]) if saving in texts else _artifact_json(tracker, run.run_id, saving)
         _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
         _refuse_other_model(recorded, plan, run.run_id, directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
@@ -169,6 +171,16 @@ def unsent_records(directory: Path) -> int:
     return len(Spool(directory / SPOOL).records) if (directory / SPOOL).is_dir() else 0
 
 
+def unsent_texts(directory: Path) -> dict[str, str]:
+    """The text artifacts (name -> text) a run's driver left unsent in its spool, the newest of each name."""
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    if not (directory / SPOOL).is_dir():
+        return {}
+    return {r["name"]: r["text"] for r in Spool(directory / SPOOL).records if r["kind"] == "text"}
+
+
 def record_spec_change(tracker: Tracker, resume: Resume, plan: Any) -> None:
     """Record on the run the spec that `--allow-spec-change` let a resume continue under (tag
     `factory.resumed_spec_hash`; `resumed/step_N/spec.yaml` and `plan.json`, which `factory diff` and the
@@ -179,13 +191,15 @@ def record_spec_change(tracker: Tracker, resume: Resume, plan: Any) -> None:
     tracker.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
 
 
-def _plan_saving(tracker: Tracker, run_id: str, step: int) -> str:
+def _plan_saving(tracker: Tracker, run_id: str, step: int, unsent: dict[str, str]) -> str:
     """The plan a run ran under when it saved its checkpoint of `step`: that of its newest resume at a step
     before it (a resume at step N logs `resumed/step_N/plan.json` and saves N + 1 on), else its first. Under
     --allow-spec-change a resume may have turned LoRA on: its later checkpoints hold adapters, not what the
-    first plan trained."""
+    first plan trained. `unsent`: the run's text records still in its spool, which hold such a record while
+    the store was down."""
     resumed = [int(m.group(1)) for path in tracker.artifacts(run_id, "resumed")
                if (m := re.fullmatch(r"resumed/step_(\d+)", path))]
+    resumed += [int(m.group(1)) for name in unsent if (m := re.fullmatch(r"resumed/step_(\d+)/plan\.json", name))]
     before = [n for n in resumed if n < step]
     return f"resumed/step_{max(before)}/plan.json" if before else "plan.json"
 
