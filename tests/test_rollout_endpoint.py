@@ -124,6 +124,18 @@ def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):
     assert len(stage.engine.stop_token_ids) > len(stage.chat.stop_token_ids)
 
 
+def test_a_served_model_says_which_settings_of_the_spec_only_a_local_engine_reads(monkeypatch):
+    from pathlib import Path
+
+    import factory
+    from factory.commands.api import served_elsewhere
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    spec = factory.load("specs/tiny.yaml", ["rollout.kv_cache_gb=4", "rollout.dtype=bfloat16", "model.lora.r=8"])
+    assert served_elsewhere(spec) == ["rollout.dtype", "rollout.kv_cache_gb", "model.lora"]
+    assert served_elsewhere(factory.load("specs/tiny.yaml")) == []  # (the sampling settings are sent: not moot)
+
+
 def test_the_endpoint_stops_on_the_models_eos_as_the_local_engines_do(tmp_path):
     """It was given the chat's stop ids alone: a turn that ended at the model's eos (<|endoftext|> beside
     Qwen's <|im_end|>) got a second stop token put after it, and the eos stayed in the text the reward reads."""

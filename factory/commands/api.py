@@ -224,8 +224,13 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
                 # quoted: an override's value is read as YAML, where ` #` starts a comment and `: ` a mapping
                 overrides = [*overrides, f"model.path={json.dumps(path)}"]
         plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
+        for warning in plan.warnings:  # (`factory run` prints them, and `factory check`; eval said none)
+            print(warning, file=sys.stderr)
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
+            if moot := served_elsewhere(loaded):
+                print(f"warning: {', '.join(moot)}: no effect with a served model ({endpoint} generates with its "
+                      "own engine and weights)", file=sys.stderr)
             _check_endpoint(endpoint, joins=plan.driver.resources.ray_address is not None)
         if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
             plan = tracked_model(plan, tags["factory.eval_model"])
@@ -314,6 +319,15 @@ def tracked_model(plan: Plan, source: str) -> Plan:
     hashes["run"] = sha256_json(hashes)
     return dataclasses.replace(plan, spec=spec, hashes=hashes, spec_yaml=yaml.safe_dump(
         spec, sort_keys=True, allow_unicode=True, default_flow_style=False))
+
+
+def served_elsewhere(spec: Spec | None) -> list[str]:
+    """The settings the spec writes that only a local engine reads: moot when a served model generates."""
+    if spec is None:
+        return []
+    engine = ("engine", "dtype", "batch_size", "kv_cache_gb", "max_model_len", "vllm_compile", "vllm_lora")
+    return ([f"rollout.{f}" for f in engine if f in spec.rollout.model_fields_set] +
+            [f"model.{f}" for f in ("dtype", "lora") if f in spec.model.model_fields_set])
 
 
 def with_endpoint(plan: Plan, url: str) -> Plan:
