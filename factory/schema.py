@@ -175,9 +175,9 @@ class StdioServer(_Started):
     """Its arguments."""
     env: dict[str, str] = {}
     """Environment variables for the server process. It inherits only a few of Factory's (the MCP SDK's safe
-    set: HOME, LOGNAME, PATH, SHELL, TERM, USER), so an API key or `PYTHONPATH` set where `factory` runs does
-    not reach it: pass what it needs here, e.g. `{API_KEY: "${oc.env:API_KEY}"}` (masked as `***` in plans
-    and in MLflow)."""
+    set: HOME, LOGNAME, PATH, SHELL, TERM, USER), so an API key set where `factory` runs does not reach it
+    (nor `PYTHONPATH`, but for a server started with `python` or Factory's own interpreter, which gets it):
+    pass what it needs here, e.g. `{API_KEY: "${oc.env:API_KEY}"}` (masked as `***` in plans and in MLflow)."""
     cwd: str | None = None
     """Working directory of the server process."""
     replicas: int = Field(1, ge=1)
