@@ -213,6 +213,26 @@ def test_eval_of_a_spec_without_eval_data_says_so_before_the_model_is_found(monk
     assert [err.path for err in e.value.errors] == ["data.eval", "rewards.correct.fn"]
 
 
+def test_run_and_evaluate_print_the_plans_warnings_as_the_commands_do(monkeypatch, capsys):
+    """`factory.run` and `factory.evaluate` of a spec (not a Plan) said none of `factory check`'s warnings."""
+    import factory.compiler.connect as connect
+    import factory.runtime.driver as driver
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(driver, "run", lambda plan, found, **kwargs: "ran")
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: "evaluated")
+    monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
+    moot = ["rollout.engine=hf", "rollout.kv_cache_gb=4"]
+    assert factory.run(TINY, moot) == "ran"
+    said = "rollout.kv_cache_gb: warning: has no effect with engine 'hf' (vLLM only)\n"
+    assert capsys.readouterr().err.endswith(said)
+    assert factory.run(factory.compile(TINY, moot)) == "ran" and capsys.readouterr().err == ""  # (the caller has them)
+    assert factory.evaluate(TINY, model="http://127.0.0.1:9/v1", overrides=moot) == "evaluated"
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        f"<override 2>: {said.strip()}", "warning: rollout.engine, rollout.kv_cache_gb: no effect with a served "
+                                         "model (http://127.0.0.1:9/v1 generates with its own engine and weights)"]
+
+
 def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypatch):
     """`factory eval --model URL` takes only the tokenizer and chat template from `model.path`: a folder
     without weights (a model served elsewhere) is fine there, and a spec error for a run, which loads them."""

@@ -70,6 +70,8 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         raise TypeError("allow_spec_change goes with resume: a run to continue under the changed spec")
     if not isinstance(plan, Plan):
         plan = compile_plan(plan, overrides)
+        for warning in plan.warnings:  # (a Plan passed in was compiled by the caller, who has them: `factory run`)
+            print(warning, file=sys.stderr)
     elif overrides:
         raise TypeError("overrides go with a spec, not with a compiled Plan")
     local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
