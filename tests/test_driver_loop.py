@@ -234,6 +234,10 @@ def test_a_spec_change_is_recorded_on_the_run_once_its_checkpoint_has_loaded(mon
     same = World()
     run_loop(monkeypatch, same, ["train.steps=3"], resume=resumed_at(step=1, logged=1))
     assert same.texts == [] and same.tags == {}
+    sends = World()  # every step done: the resume only sends what its driver could not, and trains nothing
+    run_loop(monkeypatch, sends, ["train.steps=3"], resume=dataclasses.replace(resumed_at(step=3, logged=3),
+                                                                              changed=["train.lr"], complete=True))
+    assert sends.texts == [] and sends.tags == {}
 
 
 def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):

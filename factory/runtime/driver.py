@@ -851,7 +851,7 @@ def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume
     d, done = plan.driver, 0
     if resume:
         done = restore(g, plan, resume)
-        if resume.changed:
+        if resume.changed and not resume.complete:  # (a resume that only sends records runs no step under it)
             from factory.runtime.resume import record_spec_change
 
             record_spec_change(tracker, resume, plan)
