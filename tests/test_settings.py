@@ -164,6 +164,11 @@ def test_deepspeed_keys_factory_does_not_apply_or_deepspeed_removed_are_errors(p
     assert lines[4].endswith("curriculum_learning: DeepSpeed 0.19 has removed this feature (it refuses the key "
                              "when the engine starts)")
     assert lines[6] == "6 errors in spec.yaml"
+    path = _spec(project, "st_ds_op", "train:\n  deepspeed: {zero_stage: 2, zero_optimization: {offload_param: "
+                                      "{device: cpu}}}\n")
+    assert _errors(path).splitlines()[0] == ("spec.yaml:10: train.deepspeed.zero_optimization.offload_param: "
+                                             "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3")
+    assert compile_file(path, ["train.deepspeed.zero_stage=3"])  # (ZeRO-3 reads it)
     path = _spec(project, "st_ds_na2", "train:\n  deepspeed: {disable_allgather: true, vocabulary_size: 151936}\n")
     assert _errors(path).splitlines()[:2] == [  # read by DeepSpeed's config, used by nothing (0.19.8's source)
         "spec.yaml:10: train.deepspeed.disable_allgather: not applied by Factory's update: DeepSpeed 0.19 reads it "

@@ -140,6 +140,9 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
                     r.error(f"{path}.{sub}", f"Factory sets this DeepSpeed key from the spec: {OWNED_ZERO_KEYS[sub]}")
                 elif sub not in ZERO_KEYS:
                     r.error(f"{path}.{sub}", _unknown(str(sub), ZERO_KEYS, "zero_optimization"))
+                elif sub in ("offload_param", "cpu_offload_param") and spec.train.deepspeed.zero_stage != 3:
+                    # (DeepSpeed 0.19.8 hands it to ZeRO-3's optimizer only; stages 1 and 2 never read it)
+                    r.error(f"{path}.{sub}", "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3")
     ds = spec.train.deepspeed
     if ds.offload_optimizer and ds.zero_stage == 0:
         r.error("train.deepspeed.offload_optimizer", "optimizer offload needs ZeRO: set zero_stage to 1, 2 or 3")
