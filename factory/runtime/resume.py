@@ -140,14 +140,16 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} saved a checkpoint at step {saved} in {directory}, which {there}: put "
                           "that folder back (or mount it) and resume again; to train from the start, start a new run")
     step = int(state["step"]) if checkpoint else 0
-    unsent = unsent_records(directory)
+    spooled = unsent_records(directory)
+    unsent = len(spooled)
     if step >= train.steps and not unsent:
         # (with records its driver could not send -- the store was down at the end -- the resume sends them and
         # ends the run: the training loop has no step left to run)
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        texts = unsent_texts(directory)  # a resume's spec record the store has not had yet (it was down)
+        # a resume's spec record the store has not had yet (it was down), the newest of each name
+        texts = {r["name"]: r["text"] for r in spooled if r["kind"] == "text"}
         saving = _plan_saving(tracker, run.run_id, step, texts)
         recorded = json.loads(texts[saving]) if saving in texts else _artifact_json(tracker, run.run_id, saving)
         _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
@@ -163,22 +165,12 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   unsent=unsent, complete=step >= train.steps)
 
 
-def unsent_records(directory: Path) -> int:
-    """How many tracking records a run's driver left in its spool (factory.tracking.spool), unsent."""
+def unsent_records(directory: Path) -> list[dict[str, Any]]:
+    """The tracking records a run's driver left in its spool (factory.tracking.spool), unsent, oldest first."""
     from factory.tracking.mlflow_tracker import SPOOL
     from factory.tracking.spool import Spool
 
-    return len(Spool(directory / SPOOL).records) if (directory / SPOOL).is_dir() else 0
-
-
-def unsent_texts(directory: Path) -> dict[str, str]:
-    """The text artifacts (name -> text) a run's driver left unsent in its spool, the newest of each name."""
-    from factory.tracking.mlflow_tracker import SPOOL
-    from factory.tracking.spool import Spool
-
-    if not (directory / SPOOL).is_dir():
-        return {}
-    return {r["name"]: r["text"] for r in Spool(directory / SPOOL).records if r["kind"] == "text"}
+    return Spool(directory / SPOOL).records if (directory / SPOOL).is_dir() else []
 
 
 def record_spec_change(tracker: Tracker, resume: Resume, plan: Any) -> None:
