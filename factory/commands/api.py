@@ -39,6 +39,13 @@ def load_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> Spec:
     return load(spec, overrides)[0]
 
 
+def say_warnings(plan: Plan) -> None:
+    """The plan's warnings (settings that do nothing here), on stderr: every command and call that compiles a
+    spec says them."""
+    for warning in plan.warnings:
+        print(warning, file=sys.stderr)
+
+
 def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, connect: bool = False,
                  weights: bool = True) -> Plan:
     """The Plan of a spec (a Spec from `load`, a path, a YAML text or a dict): every reference resolved,
@@ -70,8 +77,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         raise TypeError("allow_spec_change goes with resume: a run to continue under the changed spec")
     if not isinstance(plan, Plan):
         plan = compile_plan(plan, overrides)
-        for warning in plan.warnings:  # (a Plan passed in was compiled by the caller, who has them: `factory run`)
-            print(warning, file=sys.stderr)
+        say_warnings(plan)  # (a Plan passed in was compiled by the caller, who has them: `factory run`)
     elif overrides:
         raise TypeError("overrides go with a spec, not with a compiled Plan")
     local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
@@ -226,8 +232,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
                 # quoted: an override's value is read as YAML, where ` #` starts a comment and `: ` a mapping
                 overrides = [*overrides, f"model.path={json.dumps(path)}"]
         plan = compile_plan(spec, overrides, weights=endpoint is None)  # a server's model: only its tokenizer here
-        for warning in plan.warnings:  # (`factory run` prints them, and `factory check`; eval said none)
-            print(warning, file=sys.stderr)
+        say_warnings(plan)
         if endpoint is not None:
             plan = with_endpoint(plan, endpoint)
             if moot := served_elsewhere(loaded):

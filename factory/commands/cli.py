@@ -43,13 +43,13 @@ def _check(args: argparse.Namespace) -> int:
             from factory.tracking.tracker import open_tracker
 
             recorded_tool_calls(open_tracker(plan.driver.tracking.uri, read=True), plan)
-    for warning in plan.warnings:
-        print(warning, file=sys.stderr)
+    api.say_warnings(plan)
     print(check_summary(plan))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from factory.commands import api
     from factory.compiler.compile import compile_file, plan_json
     from factory.compiler.load import source_of
     from factory.compiler.render import dot_text, explain_text, plan_text
@@ -57,8 +57,7 @@ def _plan(args: argparse.Namespace) -> int:
     _replay_override(args)
     with _user_output_to_stderr():
         spec, plan = compile_file(args.spec, args.overrides)  # the spec knows its source: who set what
-    for warning in plan.warnings:
-        print(warning, file=sys.stderr)
+    api.say_warnings(plan)
     if args.json:
         sys.stdout.write(plan_json(plan))
     elif args.dot:
@@ -82,8 +81,7 @@ def _run(args: argparse.Namespace) -> int:
 
     _replay_override(args)
     plan = api.compile_plan(args.spec, args.overrides)
-    for warning in plan.warnings:
-        print(warning, file=sys.stderr)
+    api.say_warnings(plan)
     # the time to first step counts from this process's start: the imports and the compile too
     try:
         result = api.run(plan, resume=args.resume, allow_spec_change=args.allow_spec_change,

@@ -1328,7 +1328,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools, joins=ray_address is not None)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)
-    check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r)
+    check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r, joins=ray_address is not None)
     _check_resources(spec, r)
     if problem := folder_problem(Path(spec.train.checkpoint_dir).expanduser()):
         # the driver writes the run's tracking spool there too: it failed after Ray and the stages had started

@@ -17,7 +17,6 @@ The schema forbids unknown keys, but three kinds of setting can still be accepte
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
@@ -159,9 +158,9 @@ def vllm_only(rollout: Any) -> list[str]:
     return [f for f in ("kv_cache_gb", "vllm_compile", "vllm_lora") if _set(rollout, f)]
 
 
-def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
+def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: bool = False) -> None:
     """Settings that conflict with the source they belong to (errors), and settings that do nothing
-    because another setting is off (warnings)."""
+    because another setting is off (warnings). `joins`: the run joins a Ray cluster (compile.cluster_address)."""
     for split in ("train", "eval"):
         source = getattr(spec.data, split)
         if source is None or source.path is None:
@@ -295,6 +294,6 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report) -> None:
                 "the whole softmax, so their ratio starts below 1 at every token (the kept mass) and the clip "
                 "cuts the gradient of every negative advantage: sample from the whole distribution (top_p: 1, "
                 "top_k: 0), or take pi_old from the learner (remove the settings named)")
-    if (spec.resources.ray_address or os.environ.get("RAY_ADDRESS")) and _set(spec.resources, "object_store_gb"):
+    if joins and _set(spec.resources, "object_store_gb"):
         r.warn("resources.object_store_gb", f"{unused} when joining a Ray cluster (resources.ray_address or "
                                             "$RAY_ADDRESS): its nodes' stores were sized when they started")

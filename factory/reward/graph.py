@@ -242,9 +242,10 @@ def parse_score(reply: str, node: JudgeNode) -> float:
         return _read_score(without_reasoning(reply), node)
     except ValueError:
         head, opener, tail = reply.rpartition(THINK_OPEN)
-        if not opener or THINK_CLOSE in tail or not without_reasoning(head).strip():
+        words = without_reasoning(head)
+        if not opener or THINK_CLOSE in tail or not words.strip():
             raise  # no `<think>` left open, or one that opened the reply: cut off while thinking
-        return _read_score(without_reasoning(head) + opener + tail, node)
+        return _read_score(words + opener + tail, node)
 
 
 def _read_score(reply: str, node: JudgeNode) -> float:
