@@ -104,6 +104,33 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class PiOld:
+    """Where a step's pi_old (the sampling policy's log-probs, the ratio's denominator) comes from."""
+
+    from_rollout: bool  # the rollout engine's recorded log-probs
+    own_pass: bool  # a no-grad pass of its own before the update (else: the update pass's own, detached)
+
+
+def pi_old_source(rollout_logprobs: bool, corrected: bool, *, stale: bool, updates: int, kl_in_reward: bool,
+                  recorded: bool = True) -> PiOld:
+    """With a single optimizer update (`updates` = epochs x mini-batches = 1) the sampling policy IS the
+    current one: its log-probs are the update pass's own, detached, and a separate pass would only repeat
+    that forward (25% of the step) -- unless a KL-in-reward needs them before the advantages exist.
+    With use_rollout_logprobs (`rollout_logprobs`) the engine's log-probs are pi_old and no pass is needed
+    either. With stale rollouts (train.max_staleness > 0) the current weights are not the sampling ones: no
+    shortcut; pi_old is the engine's log-probs, or, under a rollout correction (`corrected`), the pass's (TIS
+    then weighs each token by pi_old / pi_rollout, which carries the staleness). `recorded`: the rollout
+    recorded log-probs for every trajectory. Torch-free, so that `factory check` (clipping that can never
+    act, factory.compiler.settings) reads the same rule as the learner."""
+    from_rollout = rollout_logprobs or (stale and not corrected)
+    if from_rollout and not recorded:
+        raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
+                         "is the rollout's log-probs, but the rollout recorded no log-probs")
+    on_policy = updates == 1 and not stale and not kl_in_reward
+    return PiOld(from_rollout=from_rollout, own_pass=not (on_policy or from_rollout))
+
+
 def resolve(spec: Any) -> Algorithm:
     """Preset `spec.name` filled in, then every field the spec sets explicitly on top (a field counts as
     set when it is in pydantic's model_fields_set, or not None for the preset-filled ones). Raises

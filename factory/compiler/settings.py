@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
-from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES
+from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES, pi_old_source
 from factory.schema import DeepSpeedSpec, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
@@ -251,9 +251,12 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: 
     a = spec.algorithm
     kl_in_reward = a.kl.coef > 0 and algorithm.get("kl_apply") == "reward"  # (a pass of its own for pi_old, whose
     # dropout mask is not the update's: with dropout the first ratio is not 1)
-    if (a.epochs * min(a.mini_batches, rows) == 1 and not spec.train.max_staleness and not a.use_rollout_logprobs
-            and not kl_in_reward):
-        # pi_old is then the update pass's own, detached (factory.update.learner.pi_old_source): every ratio is 1
+    pi_old = pi_old_source(bool(algorithm.get("use_rollout_logprobs", a.use_rollout_logprobs)),
+                           algorithm.get("rollout_correction", a.rollout_correction) is not None,
+                           stale=spec.train.max_staleness > 0, updates=a.epochs * min(a.mini_batches, rows),
+                           kl_in_reward=kl_in_reward)
+    if not (pi_old.own_pass or pi_old.from_rollout):
+        # pi_old is then the update pass's own, detached: every ratio is 1
         clipping = [f for f in ("clip", "dual_clip_c") if _set(a, f)
                     and (f == "clip" or algorithm.get("loss") in DUAL_CLIP_LOSSES)]  # (else said above)
         for field in clipping:

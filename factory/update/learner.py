@@ -52,6 +52,7 @@ from factory.algorithms import (
 from factory.device import resolve_dtype
 from factory.lora import Adapters
 from factory.plan import UpdateSettings
+from factory.presets import pi_old_source
 from factory.types import Trajectory
 from factory.update.batch import (
     MicroBatch,
@@ -296,7 +297,8 @@ class Learner:
         a pass runs over the first epoch's exact micro-batches (this rank's), so the first mini-batch
         sees ratio 1 bit for bit."""
         sampler = _rollout_logprobs(sub)  # [n, Rmax] the sampler's, or None when the engine gave none
-        source = pi_old_source(self.alg, stale=self.spec.train.max_staleness > 0, updates=len(schedule),
+        source = pi_old_source(self.alg.use_rollout_logprobs, self.alg.rollout_correction is not None,
+                               stale=self.spec.train.max_staleness > 0, updates=len(schedule),
                                kl_in_reward=self.ref is not None and self.alg.kl_apply == "reward",
                                recorded=sampler is not None)
         old, ref, entropy = self._logprobs_before_update(sub, first_epoch, policy=source.own_pass)
@@ -762,31 +764,6 @@ def _zero_groups(adv: Tensor, groups: Tensor) -> int:
 
 
 # ------------------------------------------------------------------ the step's decisions, as pure functions
-@dataclass(frozen=True)
-class PiOld:
-    """Where a step's pi_old (the sampling policy's log-probs, the ratio's denominator) comes from."""
-
-    from_rollout: bool  # the rollout engine's recorded log-probs
-    own_pass: bool  # a no-grad pass of its own before the update (else: the update pass's own, detached)
-
-
-def pi_old_source(alg: Algorithm, *, stale: bool, updates: int, kl_in_reward: bool, recorded: bool) -> PiOld:
-    """With a single optimizer update (`updates` = epochs x mini-batches = 1) the sampling policy IS the
-    current one: its log-probs are the update pass's own, detached, and a separate pass would only repeat
-    that forward (25% of the step) -- unless a KL-in-reward needs them before the advantages exist.
-    With use_rollout_logprobs the engine's log-probs are pi_old and no pass is needed either.
-    With stale rollouts (train.max_staleness > 0) the current weights are not the sampling ones: no
-    shortcut; pi_old is the engine's log-probs, or, under a rollout correction, the pass's (TIS then
-    weighs each token by pi_old / pi_rollout, which carries the staleness). `recorded`: the rollout
-    recorded log-probs for every trajectory."""
-    from_rollout = alg.use_rollout_logprobs or (stale and alg.rollout_correction is None)
-    if from_rollout and not recorded:
-        raise ValueError(f"{'train.max_staleness' if stale else 'algorithm.use_rollout_logprobs'}: pi_old "
-                         "is the rollout's log-probs, but the rollout recorded no log-probs")
-    on_policy = updates == 1 and not stale and not kl_in_reward
-    return PiOld(from_rollout=from_rollout, own_pass=not (on_policy or from_rollout))
-
-
 @dataclass
 class BeforeUpdate:
     """What a step knows before its first optimizer step: [n, Rmax] tensors over the kept rows."""
