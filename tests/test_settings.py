@@ -177,6 +177,55 @@ def test_deepspeed_keys_factory_does_not_apply_or_deepspeed_removed_are_errors(p
         "when it is not a multiple of 8; the vocabulary is the model's own (its config.json)"]
 
 
+def test_zero_keys_deepspeed_refuses_or_never_reads_at_the_specs_stage(project, capsys):
+    """zero_optimization keys were all accepted at every ZeRO stage. Traced in DeepSpeed 0.19.8 with Factory's
+    engine (a torch optimizer, float32/bf16/fp16 weights): some fail the update when it starts or at its first
+    backward at stage 0 (errors now), some are read by nothing Factory calls (errors), and the rest act only in
+    the ZeRO optimizers, so below their stage they do nothing (warnings: a ZeRO spec run at stage 0 is fine)."""
+    path = _spec(project, "st_ds_z0", "train:\n  deepspeed:\n    zero_optimization: {overlap_comm: true, "
+                                      "compute_grad_norm: false, offload_optimizer: {device: cpu}, zenflow: "
+                                      "{topk_ratio: 0.1}, allgather_partitions: true, pipeline_loading_checkpoint: "
+                                      "true}\n")
+    lines = _errors(path).splitlines()
+    key = "spec.yaml:11: train.deepspeed.zero_optimization."
+    assert lines[0].startswith(f"{key}overlap_comm: DeepSpeed refuses overlap_comm below ZeRO-2")
+    assert lines[1].startswith(f"{key}compute_grad_norm: DeepSpeed takes compute_grad_norm: false with ZeRO stage 1")
+    assert lines[2].startswith(f"{key}offload_optimizer: optimizer offload needs ZeRO")
+    assert lines[3].startswith(f"{key}zenflow: ZenFlow runs inside DeepSpeed's ZeRO optimizers")
+    assert lines[4] == (f"{key}allgather_partitions: not applied by Factory's update: DeepSpeed 0.19 reads it into "
+                        "its config and uses it nowhere")
+    assert lines[5].startswith(f"{key}pipeline_loading_checkpoint: DeepSpeed loads checkpoints that way at ZeRO-3")
+    assert lines[6] == "6 errors in spec.yaml"
+    # at ZeRO-2 DeepSpeed takes the first four (offload_optimizer: {device: none} never offloads, at any stage)
+    assert _errors(path, ["train.deepspeed.zero_stage=2"]).splitlines()[:2] == lines[4:6]
+    ok = _spec(project, "st_ds_z0w", "train:\n  deepspeed:\n    zero_optimization: {reduce_bucket_size: 5, "
+                                    "sub_group_size: 10, offload_optimizer: {device: none}}\n")
+    for stage, warned in [(0, ["reduce_bucket_size", "sub_group_size"]), (2, ["sub_group_size"]), (3, [])]:
+        assert cli.main(["check", ok, f"train.deepspeed.zero_stage={stage}"]) == 0
+        said = [line for line in capsys.readouterr().err.splitlines() if "zero_optimization." in line]
+        assert [line.split("zero_optimization.")[1].split(":")[0] for line in said] == warned, stage
+        assert all(f"has no effect at train.deepspeed.zero_stage {stage}: DeepSpeed reads it only in its ZeRO "
+                   in line for line in said)
+
+
+def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refusal_agrees():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from factory.compiler.settings import ZERO_FROM_STAGE, ZERO_NOT_APPLIED, _zero_problem
+
+    assert set(ZERO_FROM_STAGE) | set(ZERO_NOT_APPLIED) <= ZERO_KEYS
+    assert not set(ZERO_FROM_STAGE) & set(ZERO_NOT_APPLIED)
+    for stage in (0, 1, 2, 3):  # DeepSpeed's own validator: refused where Factory says so, taken elsewhere
+        refused = _zero_problem("compute_grad_norm", False, stage) is not None
+        try:
+            DeepSpeedZeroConfig(stage=stage, compute_grad_norm=False)
+        except ValueError:
+            assert refused, stage
+        else:
+            assert not refused, stage
+
+
 def test_removed_deepspeed_keys_are_the_ones_deepspeed_refuses():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS

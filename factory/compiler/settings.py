@@ -79,6 +79,34 @@ OWNED_KEYS = {
     "torch_autocast": "set train.bf16_autocast",
 }
 OWNED_ZERO_KEYS = {"stage": "set train.deepspeed.zero_stage"}
+# zero_optimization keys DeepSpeed 0.19.8 reads only in its ZeRO optimizers of this stage and above (traced with
+# Factory's configurations at stage 0: float32, bf16 and fp16 weights, a torch optimizer always given): below it
+# they do nothing. A warning, not an error: a spec tuned for ZeRO, overridden to stage 0 for a quick run, is fine.
+ZERO_FROM_STAGE = {
+    **dict.fromkeys(("allgather_bucket_size", "reduce_bucket_size", "contiguous_gradients", "reduce_scatter",
+                     "use_multi_rank_bucket_allreduce", "round_robin_gradients", "parameter_alignment",
+                     "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights", "legacy_stage1"), 1),
+    **dict.fromkeys(("sub_group_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+                     "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+                     "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters",
+                     "max_reuse_distance", "stage3_max_reuse_distance", "module_granularity_threshold",
+                     "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+                     "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+                     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                     "zero_quantized_gradients", "log_trace_cache_warnings", "enable_sanity_checks",
+                     "save_muon_momentum_buffer_in_memory", "memory_efficient_linear", "override_module_apply",
+                     "leaf_module"), 3),
+}
+_SAVE_16BIT = "it acts only in DeepSpeed's engine.save_16bit_model, which Factory does not call (its checkpoints " \
+              "hold the model as a Hugging Face folder at every stage)"
+ZERO_NOT_APPLIED = {
+    "allgather_partitions": "DeepSpeed 0.19 reads it into its config and uses it nowhere",
+    "cpu_offload_use_pin_memory": "deprecated, and DeepSpeed 0.19 only warns about it: set pin_memory inside "
+                                  "offload_optimizer or offload_param",
+    "gather_16bit_weights_on_model_save": _SAVE_16BIT,
+    "stage3_gather_16bit_weights_on_model_save": _SAVE_16BIT,
+    "stage3_gather_fp16_weights_on_model_save": _SAVE_16BIT,
+}
 
 # DeepSpeed keys that do something only through a part of DeepSpeed Factory's update never uses: accepted,
 # they would do nothing. Each says why and what to use instead.
@@ -134,17 +162,49 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
             if not isinstance(value, dict):
                 r.error(path, f"expected a mapping, got {show(value)}")
                 continue
-            for sub in value:
+            for sub, v in value.items():
                 if sub in OWNED_ZERO_KEYS:
                     r.error(f"{path}.{sub}", f"Factory sets this DeepSpeed key from the spec: {OWNED_ZERO_KEYS[sub]}")
                 elif sub not in ZERO_KEYS:
                     r.error(f"{path}.{sub}", _unknown(str(sub), ZERO_KEYS, "zero_optimization"))
-                elif sub in ("offload_param", "cpu_offload_param") and spec.train.deepspeed.zero_stage != 3:
-                    # (DeepSpeed 0.19.8 hands it to ZeRO-3's optimizer only; stages 1 and 2 never read it)
-                    r.error(f"{path}.{sub}", "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3")
+                elif sub in ZERO_NOT_APPLIED:
+                    r.error(f"{path}.{sub}", f"not applied by Factory's update: {ZERO_NOT_APPLIED[sub]}")
+                elif problem := _zero_problem(str(sub), v, spec.train.deepspeed.zero_stage):
+                    r.error(f"{path}.{sub}", problem)
+                elif ZERO_FROM_STAGE.get(sub, 0) > spec.train.deepspeed.zero_stage:
+                    n = ZERO_FROM_STAGE[sub]
+                    r.warn(f"{path}.{sub}", f"has no effect at train.deepspeed.zero_stage "
+                                            f"{spec.train.deepspeed.zero_stage}: DeepSpeed reads it only in its ZeRO "
+                                            f"{'optimizers' if n == 1 else 'stage 3'}")
     ds = spec.train.deepspeed
     if ds.offload_optimizer and ds.zero_stage == 0:
         r.error("train.deepspeed.offload_optimizer", "optimizer offload needs ZeRO: set zero_stage to 1, 2 or 3")
+
+
+def _zero_problem(key: str, value: Any, stage: int) -> str | None:
+    """What DeepSpeed 0.19.8 would refuse, or fail on, in `zero_optimization.<key>: value` at ZeRO `stage`
+    with Factory's engine: said by `factory check` rather than when the update starts (or first steps)."""
+    if key in ("offload_param", "cpu_offload_param") and stage != 3:
+        # (DeepSpeed hands it to ZeRO-3's optimizer only; stages 1 and 2 never read it)
+        return "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3"
+    offloads = (value is True if key == "cpu_offload"
+                else isinstance(value, dict) and value.get("device", "none") != "none" if key == "offload_optimizer"
+                else False)
+    if offloads and stage == 0:
+        return ("optimizer offload needs ZeRO (DeepSpeed refuses it without): set train.deepspeed.zero_stage to 1, 2 "
+                "or 3 (train.deepspeed.offload_optimizer offloads to the CPU)")
+    if key == "overlap_comm" and value is True and stage < 2:
+        return ("DeepSpeed refuses overlap_comm below ZeRO-2 where Factory accumulates each mini-batch's gradients "
+                "itself (managed_gradient_accumulation false): set train.deepspeed.zero_stage to 2 or 3, or remove it")
+    if key == "compute_grad_norm" and value is False and stage not in (1, 2):
+        return "DeepSpeed takes compute_grad_norm: false with ZeRO stage 1 or 2 only (it refuses the config otherwise)"
+    if key == "zenflow" and value and stage == 0:
+        return ("ZenFlow runs inside DeepSpeed's ZeRO optimizers: without ZeRO the first backward fails; set "
+                "train.deepspeed.zero_stage to 1, 2 or 3")
+    if key == "pipeline_loading_checkpoint" and value is True and stage != 3:
+        return ("DeepSpeed loads checkpoints that way at ZeRO-3 only (below it a resume fails, or it does nothing): "
+                "set train.deepspeed.zero_stage to 3, or remove it")
+    return None
 
 
 def _set(model: Any, field: str) -> bool:
