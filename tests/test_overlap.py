@@ -426,6 +426,9 @@ def test_teardown_closes_every_stage_the_update_included(tiny_plan, local_ray):
     log = ray.remote(Log).options(name="teardown-log").remote()
     try:
         groups = {s.name: Group(s, Closes, [ray.remote(Closes).remote(s.name)]) for s in tiny_plan.stages}
+        # started first, as a run's stages are before its teardown: teardown's 30 s are for the closes, and five
+        # workers starting on a loaded 2-core machine took longer (none had closed: a CI failure, AVX2-emulated)
+        ray.get([a.__ray_ready__.remote() for g in groups.values() for a in g.actors])
         teardown(groups)
         closed = [event[1] for event in ray.get(log.read.remote())]
         assert sorted(closed) == sorted(s.name for s in tiny_plan.stages)
