@@ -100,6 +100,50 @@ def targeted(targets: list[str] | str, layers: list[str]) -> frozenset[str]:
     return frozenset(p for p in layers if any(p == t or p.endswith("." + t) for t in targets))
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # in a peft adapter folder, beside adapter_config.json
+
+
+def adapter_misfit(folder: Path, spec: LoraSpec | None, base: str | Path) -> str | None:
+    """Why the peft adapter folder `folder` (a LoRA checkpoint's `adapter/`, `export --adapter`'s output) can
+    not be added beside the base model folder `base` by a rollout built for `spec` (a spec's `model.lora`), as
+    a run's weight syncs add its adapters; None when it can: the same rank, alpha and adapted modules, and,
+    where the adapters' own base model is a folder here, that folder."""
+    if spec is None:
+        return "the spec sets no model.lora"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        return f"no {ADAPTER_WEIGHTS} in {folder}"
+    options = [k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)]
+    if config.get("peft_type") != "LORA" or options:
+        return f"peft options a run's rollout never sets ({', '.join(options) or config.get('peft_type')})"
+    own_alpha = float(config.get("lora_alpha") or 0)
+    if (config.get("r"), own_alpha) != (spec.r, alpha(spec)):
+        return (f"rank {config.get('r')} and alpha {own_alpha:g}, where the spec's model.lora has {spec.r} and "
+                f"{alpha(spec):g}")
+    own = config.get("base_model_name_or_path")
+    if own and Path(own).is_dir() and Path(own).resolve() != Path(base).resolve():
+        return f"their base model {own} is not the spec's model ({base})"
+    layers = linear_layers(base)
+    if layers is not None:
+        from safetensors import safe_open
+
+        with safe_open(str(folder / ADAPTER_WEIGHTS), "pt") as f:
+            modules = {k.removeprefix(PEFT_PREFIX).rpartition(".lora_")[0] for k in f.keys()}
+        if modules != set(targeted(spec.target_modules, layers)):
+            return "they adapt other modules than the spec's model.lora.target_modules"
+    return None
+
+
+def read_adapters(folder: Path, scale_by: float, dtype: torch.dtype | None = None) -> Adapters:
+    """A peft adapter folder as a weight sync carries it: the tensors (cast to `dtype`, the engine's, as the
+    learner casts before it sends), the scale they are added with (`scale_by`), and the folder's config."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    return Adapters({k: v.to(dtype) if dtype is not None else v for k, v in tensors.items()}, scale_by,
+                    config=json.loads((folder / "adapter_config.json").read_text()))
+
+
 def short_names(layers: list[str]) -> list[str]:
     """The distinct last parts of module paths, in first-seen order (q_proj, k_proj, ...)."""
     return list(dict.fromkeys(p.rsplit(".", 1)[-1] for p in layers))

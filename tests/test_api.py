@@ -152,11 +152,11 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     monkeypatch.setattr(export, "export", lambda src, dst: (Path(dst).mkdir(parents=True), merged.append(Path(dst))))
     tiny = factory.compile(TINY)
     monkeypatch.setattr(api, "compile_plan", lambda spec, overrides, **k: seen.append(list(overrides)) or tiny)
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: (merged[-1].is_dir(), step))
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: (merged[-1].is_dir(), step))
     assert factory.evaluate(TINY, model=step) == (True, 3)  # there while it is evaluated, at the checkpoint's step
     assert seen == [[f"model.path={json.dumps(str(merged[0]))}"]] and not merged[0].exists()
 
-    def fails(plan, step, tags, started_at):
+    def fails(plan, step, tags, started_at, **k):
         raise RuntimeError("the engine failed")
 
     monkeypatch.setattr(driver, "evaluate_only", fails)
@@ -220,7 +220,7 @@ def test_run_and_evaluate_print_the_plans_warnings_as_the_commands_do(monkeypatc
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(driver, "run", lambda plan, found, **kwargs: "ran")
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: "evaluated")
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: "evaluated")
     monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
     moot = ["rollout.engine=hf", "rollout.kv_cache_gb=4"]
     assert factory.run(TINY, moot) == "ran"
@@ -248,7 +248,7 @@ def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypa
     shutil.copytree(resolve_model("factory:tiny-qwen3"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(SpecErrors, match="model folder has no weights"):
         factory.compile(TINY, [f"model.path={folder}"])
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: plan.stage("rollout").settings.endpoint)
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: plan.stage("rollout").settings.endpoint)
     monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
     assert factory.evaluate(TINY, model="http://127.0.0.1:9/v1", overrides=[f"model.path={folder}"]) == (
         "http://127.0.0.1:9/v1")

@@ -238,7 +238,7 @@ def test_factory_evaluate_keeps_its_local_ray_on_loopback(monkeypatch):
     seen = []
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.delenv(LOOPBACK_FLAG, raising=False)
-    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at: seen.append(os.environ.get(LOOPBACK_FLAG)))
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: seen.append(os.environ.get(LOOPBACK_FLAG)))
     factory.evaluate("specs/tiny.yaml")
     assert seen == ["0"]
     # a spec that joins a cluster leaves the cluster's own network settings alone

@@ -1,6 +1,8 @@
 """LoRA (model.lora): the spec, `factory check`'s target-module check, the adapter tensors a sync carries."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -129,8 +131,8 @@ def test_eval_takes_a_peft_adapter_folder_merged_into_its_base(tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "adapter")
     (tmp_path / "scratch").mkdir()
-    folder, step, tags = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch")
-    assert (step, tags["factory.eval_model"]) == (0, str((tmp_path / "adapter").resolve()))
+    folder, step, tags, adapters = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch")
+    assert (step, tags["factory.eval_model"], adapters) == (0, str((tmp_path / "adapter").resolve()), None)
     assert AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers == model.config.num_hidden_layers
 
 
@@ -148,3 +150,74 @@ def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_remo
     (tmp_path / "scratch").symlink_to(resolve_model("factory:tiny-qwen3"))  # another scratch folder, same model
     _, again = compile_file(_tiny_spec(project, ""), [f"model.path={tmp_path / 'scratch'}"])
     assert shown.hashes == tracked_model(again, "/runs/x/step_3").hashes != plan.hashes
+
+
+def _adapter_folder(folder, base: str, r: int = 2, targets=("q_proj",)):
+    """A peft adapter folder for `base`, as a LoRA run's checkpoint holds one, with B not 0 (peft starts B at
+    0: adapters that change nothing would let a test pass that never added them)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return model
+
+
+def test_eval_adds_the_adapters_the_specs_lora_fits_beside_its_model_and_merges_others(tmp_path, capsys):
+    """`factory eval --model` of LoRA adapters merged them into a full model (GBs for a large one), which a
+    bf16 rollout rounds otherwise than the run's own evaluation did (adapters beside the base): adapters the
+    spec's model.lora fits are now added beside the spec's model, as the run's weight syncs added them."""
+    from factory.commands.api import _eval_model
+    from factory.schema import Spec
+
+    base = resolve_model("factory:tiny-qwen3")
+    _adapter_folder(tmp_path / "adapter", base)
+    (tmp_path / "scratch").mkdir()
+
+    def spec(lora):
+        return Spec.model_validate({"name": "t", "model": {"path": base, "lora": lora},
+                                    "data": {"train": {"generator": "factory.data:arithmetic"}},
+                                    "rewards": {"r": {"fn": "factory.rewards.math:numeric_match"}}})
+
+    fits = spec({"r": 2, "target_modules": ["q_proj"]})
+    assert _eval_model(tmp_path / "adapter", None, tmp_path / "scratch", fits) == (
+        None, 0, {"factory.eval_model": str((tmp_path / "adapter").resolve())}, str((tmp_path / "adapter").resolve()))
+    assert not any((tmp_path / "scratch").iterdir()) and "note:" not in capsys.readouterr().err  # nothing merged
+    for lora, why in [({"r": 4, "target_modules": ["q_proj"]}, "rank 2 and alpha 4, where the spec's model.lora has "
+                                                               "4 and 8"),
+                      ({"r": 2, "alpha": 2, "target_modules": ["q_proj"]}, "where the spec's model.lora has 2 and 2"),
+                      ({"r": 2}, "they adapt other modules than the spec's model.lora.target_modules")]:
+        folder, _, _, adapters = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch", spec(lora))
+        assert adapters is None and folder == str(tmp_path / "scratch" / "model"), lora
+        assert why in capsys.readouterr().err, lora
+        shutil.rmtree(folder)
+    other = resolve_model("factory:tiny-qwen3-calc")  # another model whose shapes fit: its adapters' base is here
+    assert _eval_model(tmp_path / "adapter", None, tmp_path / "scratch", spec({"r": 2, "target_modules": ["q_proj"]})
+                       .model_copy(update={"model": fits.model.model_copy(update={"path": other})}))[3] is None
+    assert "is not the spec's model" in capsys.readouterr().err
+
+
+def test_adapters_read_from_a_checkpoint_compute_as_the_peft_model_does(tmp_path):
+    """What `factory eval` adds to the rollout engine (RolloutStage.load_adapters): the folder's adapters, in the
+    engine's dtype, at the spec's scale: the engine's model then computes peft's own model's logits."""
+    from factory.lora import read_adapters, scale
+    from factory.rollout.engine_hf import HFEngine
+    from factory.schema import LoraSpec
+
+    base = resolve_model("factory:tiny-qwen3")
+    peft_model = _adapter_folder(tmp_path / "adapter", base).eval()
+    lora = LoraSpec(r=2, target_modules=["q_proj"])
+    engine = HFEngine(base, lora=lora)
+    ids = torch.tensor([list(range(5, 25))])
+    with torch.no_grad():
+        want, before = peft_model(ids).logits, engine.model(ids).logits
+        engine.load_weights(read_adapters(tmp_path / "adapter", scale(lora), dtype=torch.float32))
+        got = engine.model(ids).logits
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(before, want, atol=1e-2)

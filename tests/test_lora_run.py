@@ -14,9 +14,10 @@ import pytest
 from tests.tracked_runs import ENGINE, factory, project_copy
 
 
-# Slow (~40-60 s on a 2-core AMD EPYC Zen 4): the default suite has its parts -- the sync's adapters and the
-# engines' agreement after it (test_rollout_vllm), the adapters' checkpoint, resume and merged export
-# (test_update_lora) -- and a real run of every other path; this is the whole LoRA run once more.
+# Slow (~40-60 s on a 2-core AMD EPYC Zen 4, then ~30 s of `factory eval`): the default suite has its parts --
+# the sync's adapters and the engines' agreement after it (test_rollout_vllm), the adapters' checkpoint, resume
+# and merged export (test_update_lora), adapters read from a checkpoint (test_lora) -- and a real run of every
+# other path; this is the whole LoRA run once more.
 @pytest.mark.slow
 def test_a_lora_run_exports_a_merged_model_that_generates_its_last_evaluation(tmp_path):
     from mlflow.tracking import MlflowClient
@@ -53,3 +54,15 @@ def test_a_lora_run_exports_a_merged_model_that_generates_its_last_evaluation(tm
     adapter = tmp_path / "adapter"
     assert factory("export", run.info.run_id, "--adapter", "--out", str(adapter), cwd=work, uri=uri).returncode == 0
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+
+    # `factory eval` of the run adds its adapters beside the spec's model, as its weight syncs did: the run's
+    # final evaluation again, metric for metric (merged into the base instead, a bf16 rollout rounded the sum
+    # otherwise and greedy tokens differed), and nothing merged
+    ev = factory("eval", "specs/tiny.yaml", "--model", run.info.run_id, "train.steps=2", "model.lora.r=8",
+                 "train.lr=1e-2", "train.eval_size=2", f"rollout.engine={ENGINE}", "tracking.experiment=lora-eval",
+                 cwd=work, uri=uri)
+    assert ev.returncode == 0 and "merged" not in ev.stderr, ev.stderr[-4000:]
+    (evaluated,) = client.search_runs([client.get_experiment_by_name("lora-eval").experiment_id])
+    final = {k: v for k, v in run.data.metrics.items() if k.startswith("eval/")}
+    assert final and evaluated.data.metrics == final
+    assert evaluated.data.params["model.path"] == params["model.path"]  # the base, with the run's model.lora

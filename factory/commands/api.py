@@ -198,6 +198,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
     OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template).
+    LoRA adapters (a LoRA run's checkpoint, a peft folder) are added beside the spec's model, as the run's
+    weight syncs added them, when the spec's `model.lora` fits them; otherwise merged into their base first.
     `started_at` (epoch seconds): when the command started, for the run's duration (default now)."""
     overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
     # a spec with nothing to evaluate is said before the model is found (a LoRA checkpoint's merge takes minutes
@@ -221,9 +223,10 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
                 raise
             raise SpecErrors([*e.errors, source.error("data.eval", why)], e.file) from None
         raise UserError(f"{source.file if source else '<spec>'}: data.eval: {why}")
-    # a LoRA checkpoint is merged into a full model (GBs) in here, removed once evaluated or failed
+    # a LoRA checkpoint whose adapters the spec's model.lora cannot add is merged into a full model (GBs) in
+    # here, removed once evaluated or failed
     with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
-        path, step, tags = _eval_model(model, uri, Path(scratch))
+        path, step, tags, adapters = _eval_model(model, uri, Path(scratch), loaded)
         endpoint = path if path is not None and path.startswith(("http://", "https://")) else None
         if endpoint is None and path is not None:
             if isinstance(spec, Spec):
@@ -244,7 +247,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
         from factory.runtime.driver import evaluate_only
 
-        return evaluate_only(plan, step, tags, started_at)
+        return evaluate_only(plan, step, tags, started_at, adapters=adapters)
 
 
 def _check_endpoint(url: str, joins: bool) -> None:
@@ -263,30 +266,52 @@ def _check_endpoint(url: str, joins: bool) -> None:
     print(f"warning: {said}", file=sys.stderr)
 
 
-def _eval_model(model: str | os.PathLike | None, uri: str | None,
-                scratch: Path) -> tuple[str | None, int, dict[str, str]]:
-    """(the Hugging Face folder to load, the step to log at, the eval run's tags) for `evaluate`'s `model`;
-    a LoRA checkpoint's merged model is written under `scratch`, which the caller removes."""
+def _eval_model(model: str | os.PathLike | None, uri: str | None, scratch: Path,
+                spec: Spec | None = None) -> tuple[str | None, int, dict[str, str], str | None]:
+    """(the Hugging Face folder to load, the step to log at, the eval run's tags, LoRA adapters to add) for
+    `evaluate`'s `model`. LoRA adapters (a checkpoint's, a peft folder) that `spec`'s `model.lora` fits
+    (factory.lora.adapter_misfit) are added beside the spec's own model (the folder to load: None), as the
+    run's weight syncs added them, so the evaluation samples as the run's did; others are merged into their
+    base model under `scratch`, which the caller removes."""
     from factory.commands.export import ExportError, checkpoint_dir, export, hf_folder, step_folder
     from factory.update.checkpoint import ADAPTER
 
+    def beside(folder: Path) -> str | None:
+        """`folder`'s adapters added by the spec's rollout (None: merge them; the reason said)."""
+        from factory.assets import resolve_model
+        from factory.compiler.compile import with_cached_models
+        from factory.lora import adapter_misfit
+
+        if spec is None or spec.model.lora is None:
+            return None
+        try:
+            why = adapter_misfit(folder, spec.model.lora, resolve_model(with_cached_models(spec).model.path))
+        except Exception as e:  # noqa: BLE001 (the model not found here: compiling says it; a bad config)
+            why = f"{type(e).__name__}: {e}"
+        if why is None:
+            return str(folder.resolve())
+        print(f"note: {folder}: evaluated merged into its base model ({why})", file=sys.stderr)
+        return None
+
     if model is None:
-        return None, 0, {}
+        return None, 0, {}, None
     ref = str(model)
     if ref.startswith(("http://", "https://")):  # an OpenAI-compatible server (its base URL, .../v1)
-        return ref, 0, {"factory.eval_model": ref}
+        return ref, 0, {"factory.eval_model": ref}, None
     local = Path(ref).expanduser()
     if (local / "config.json").is_file():  # a Hugging Face folder
-        return str(local.resolve()), 0, {"factory.eval_model": str(local.resolve())}
+        return str(local.resolve()), 0, {"factory.eval_model": str(local.resolve())}, None
     if (local / "adapter_config.json").is_file():  # a peft folder (`export --adapter`, a checkpoint's adapter/)
         from factory.commands.export import merge_adapters
 
+        if (added := beside(local)) is not None:
+            return None, 0, {"factory.eval_model": added}, added
         merged = scratch / "model"
         try:
             merge_adapters(local, merged)
         except ExportError as e:
             raise ExportError(f"model {ref}: {e}") from None
-        return str(merged), 0, {"factory.eval_model": str(local.resolve())}
+        return str(merged), 0, {"factory.eval_model": str(local.resolve())}, None
     tags = {}
     if not local.is_dir():  # a tracked run: its own checkpoint folder
         from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker
@@ -301,12 +326,14 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None,
     folder = step_folder(local)
     step = int(folder.name.removeprefix("step_")) if folder.name.startswith("step_") else 0
     tags["factory.eval_model"] = str(folder.resolve())
-    if (folder / ADAPTER).is_dir():  # LoRA adapters: merged into the base weights, as `factory export` does
+    if (folder / ADAPTER).is_dir():  # LoRA adapters: beside the spec's model, else merged as `factory export` does
+        if (added := beside(folder / ADAPTER)) is not None:
+            return None, step, tags, added
         merged = scratch / "model"
         export(str(folder), merged)
-        return str(merged), step, tags
+        return str(merged), step, tags, None
     try:
-        return str(hf_folder(folder).resolve()), step, tags
+        return str(hf_folder(folder).resolve()), step, tags, None
     except ExportError as e:
         raise ExportError(f"model {ref}: {e}") from None
 

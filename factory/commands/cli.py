@@ -279,7 +279,8 @@ def parser() -> argparse.ArgumentParser:
                               "MLflow run that `factory diff` compares with a training run", _eval)
     ev.add_argument("--model", default=None, metavar="RUN|DIR|URL",
                     help="a tracked run (its newest checkpoint, logged at its step), a checkpoint folder, a Hugging "
-                         "Face folder, a peft adapter folder (merged into its base), or an OpenAI-compatible "
+                         "Face folder, a peft adapter folder (LoRA: added beside the spec's model when its model.lora "
+                         "fits them, else merged into their base), or an OpenAI-compatible "
                          "server's base URL (http://HOST:PORT/v1; the spec's model gives the tokenizer); default: "
                          "the spec's model")
     ev.add_argument("--uri", default=None, help="MLflow tracking URI where RUN is found (default: "

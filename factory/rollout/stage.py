@@ -109,15 +109,16 @@ class RolloutStage(StageActor):
     cuts with `split` (contiguous prompts, one part per replica) and answer parts that `merge` joins; each
     has a streamed form (`generate_parts`, `evaluate_parts`) that yields each trajectory as it ends, or each
     prompt's group once its last sample ends, as the stream edge says (`Edge.stream`), then the answer.
-    `load_weights` (and close) reaches every replica."""
+    `load_weights`, `load_adapters` (and close) reach every replica."""
 
     CONTRACT = Contract(calls={"generate": Call("split", stream="generate_parts"),
                                "evaluate": Call("split", stream="evaluate_parts"),
-                               "load_weights": Call("all")}, progress=True)
+                               "load_weights": Call("all"), "load_adapters": Call("all")}, progress=True)
 
     def __init__(self, settings: RolloutSettings):
         self.settings = settings
         self.engine: Any = None  # made in setup
+        self.dtype = "float32"  # the engine's, resolved in setup
         self._done, self._total = 0, 0  # trajectories of the generate call in progress
         # tool-server events (restarts, circuit opens, cache hits) heard outside a training rollout: between
         # batches, or in an evaluation, whose tool metrics are not logged; the next training rollout's carry them
@@ -144,6 +145,7 @@ class RolloutStage(StageActor):
             log.warning("rollout: %s", problem)
         self.tokenizer = tokenizer
         device, dtype = s.compute.device, resolve_dtype(s.compute)
+        self.dtype = dtype
         if s.endpoint:  # a served model (factory eval --model URL): nothing is loaded here
             from factory.rollout.engine_endpoint import EndpointEngine
 
@@ -305,6 +307,17 @@ class RolloutStage(StageActor):
         t0 = time.perf_counter()
         self.engine.load_weights(state_dict)
         return time.perf_counter() - t0
+
+    def load_adapters(self, folder: str) -> float:
+        """A LoRA checkpoint's adapters (a peft folder) into the engine as the run's weight syncs brought them: in
+        the engine's dtype, which the learner casts to before it sends, with the spec's scale (`factory eval`
+        of a LoRA run, which then samples as the run's own evaluation did)."""
+        import torch
+
+        from factory.lora import read_adapters, scale
+
+        return self.load_weights(read_adapters(Path(folder), scale(self.settings.model.lora),
+                                               dtype=getattr(torch, self.dtype)))
 
     async def close(self) -> None:
         """The engine's close (an endpoint's HTTP client); the tool servers belong to the tools stage."""

@@ -1165,12 +1165,14 @@ class EvalResult:
 
 
 def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
-                  started_at: float | None = None) -> EvalResult:
+                  started_at: float | None = None, adapters: str | None = None) -> EvalResult:
     """Score the plan's model on its eval split with its reward graph, without training: the stages the eval
     flow reaches are placed, `evaluate` (the driver's own evaluation, as a training run's step-`step`
     evaluation) runs once, and the metrics and trajectories are logged as an MLflow run of the plan,
     tagged `factory.kind=eval` and `tags`, which `factory diff` compares with a training run. `started_at`
-    (epoch seconds): when the command started (its duration counts from it, as a training run's); default now."""
+    (epoch seconds): when the command started (its duration counts from it, as a training run's); default now.
+    `adapters`: a LoRA checkpoint's peft folder, which every stage the run's weights sync to (its rollout) adds
+    beside the plan's model before evaluating, as the run's syncs did."""
     from factory.runtime.display import Display
     from factory.tracking.mlflow_tracker import STARTED_TAG
     from factory.tracking.tracker import open_tracker
@@ -1189,6 +1191,10 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
 
     with display, placed(eval_stages(replaying(plan, replayed)), display, startup) as (groups, _):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
+            if adapters is not None:
+                for e in plan.edges:
+                    if e.kind == "weight_sync":
+                        groups[e.dst].call("load_adapters", adapters)
             display.status(f"MLflow run {tracker.run_id}; evaluating")
             metrics, trajs = evaluate(groups, opened.plan, display, step)
             tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
