@@ -21,7 +21,8 @@ def _plan(tmp_path: Path, smi: str | None, root: Path = ROOT, **env: str) -> sub
         (fake / "nvidia-smi").chmod(0o755)
     # the real PATH without any nvidia-smi of this machine's
     path = [str(fake)] + [p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists()]
-    clean = {k: v for k, v in os.environ.items() if k not in ("FACTORY_NO_VLLM", "FACTORY_CPU")}
+    # (PYTHON: a user's `PYTHON=python3.10 bin/test` chose every plan's Python, and the test of that choice failed)
+    clean = {k: v for k, v in os.environ.items() if k not in ("FACTORY_NO_VLLM", "FACTORY_CPU", "PYTHON")}
     return subprocess.run(["bash", str(root / "bin/setup"), "--dry-run"], capture_output=True, text=True,
                           env={**clean, "PATH": ":".join(path), **env}, timeout=60)
 
