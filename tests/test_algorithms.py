@@ -173,6 +173,42 @@ def test_ppo_clip_asymmetric_bounds():
     close(logp.grad[:, 1], [0.0, 0.0, 0.0, 0.0])
 
 
+def test_clip_fractions_count_only_the_tokens_whose_gradient_the_clip_removes():
+    """Rows 1 and 3 above sit outside the clip range on the side PPO's min leaves unclipped (r = e with A < 0,
+    r = 1/e with A > 0): both keep their gradient, so neither clip fraction counts them. With rows 0 and 2 (the
+    clipped ones) beside them the fractions are symmetric, and a clip_frac_low that counted A > 0 instead of
+    A < 0 still read 1/4."""
+    rows = [1, 3]
+    _, stats = POLICY_LOSSES["ppo_clip"](t(LOGP)[rows], t(OLD)[rows], t(ADV)[rows], t(MASK)[rows], clip_low=0.2,
+                                         clip_high=0.28, dual_clip_c=None)
+    close(stats["clip_frac_low"], 0.0)
+    close(stats["clip_frac_high"], 0.0)
+
+
+def test_approx_kl_is_kl_of_old_to_new():
+    """k3 of KL(pi_old || pi) from tokens sampled by pi_old: r - 1 - log r, r = pi/pi_old. Rows 0 and 1 have
+    log r = +1: e - 2 = 0.71828 (KL(pi || pi_old)'s k3, 1/r - 1 + log r, would read 1/e = 0.36788; the four
+    rows above mix log r = +1 and -1 evenly, where the two directions sum alike)."""
+    rows = [0, 1]
+    for name in ("ppo_clip", "cispo"):
+        _, stats = POLICY_LOSSES[name](t(LOGP)[rows], t(OLD)[rows], t(ADV)[rows], t(MASK)[rows], clip_low=0.2,
+                                       clip_high=0.28, dual_clip_c=None)
+        close(stats["approx_kl"], E - 2)
+
+
+def test_a_huge_log_ratio_is_clamped_so_loss_and_gradient_stay_finite():
+    """A token 100 nats likelier under the policy than under pi_old (a stale or mismatched old log-prob): in
+    float32 exp(100) is inf. Clamped at log ratio 20: A = +1 is clipped at 1.2 with no gradient, A = -1 (no
+    dual clip) costs e^20 and, beyond the clamp, no gradient either. Unclamped, A = -1's loss is inf and
+    A = +1's gradient 0 * inf = nan, and the step is lost."""
+    logp = torch.zeros(2, 1).requires_grad_()
+    loss, _ = POLICY_LOSSES["ppo_clip"](logp, torch.full((2, 1), -100.0), torch.tensor([1.0, -1.0]),
+                                        torch.ones(2, 1), clip_low=0.2, clip_high=0.2, dual_clip_c=None)
+    torch.testing.assert_close(loss[:, 0], torch.tensor([-1.2, math.exp(20.0)]))
+    loss.sum().backward()
+    assert torch.equal(logp.grad, torch.zeros(2, 1))
+
+
 def test_dual_clip_caps_negative_advantage_loss():
     # row 0: r = e^2 = 7.389, A = -1: PPO loss 7.389 -> capped at c*|A| = 3 (no gradient)
     # row 1: r = e = 2.718,   A = -1: 2.718 < 3 -> unchanged
@@ -241,6 +277,32 @@ def test_cispo_clips_the_weight_not_the_gradient():
     close(stats["clip_frac_high"], 0.5)
     loss.sum().backward()
     close(logp.grad, [[-2.56, -2.0]])
+
+
+def test_gspo_sequence_ratio_is_the_mean_over_the_model_tokens_not_the_padded_width():
+    # log ratios (0.1, 0.1, pad): mean over the 2 model tokens 0.1 -> s = e^0.1 = 1.10517 < 1.2, A = +1: every
+    # token -s (a mean over the padded width 3, 0.2/3, would give e^0.0667 = 1.06894: the sequence's ratio
+    # would depend on how long the micro-batch's longest row is).
+    loss, _ = POLICY_LOSSES["gspo"](t([[0.1, 0.1, 0.0]]), torch.zeros(1, 3, dtype=torch.float64), t([1.0]),
+                                    t([[1, 1, 0]]), clip_low=0.2, clip_high=0.2, dual_clip_c=None)
+    close(loss[:, :2], [[-math.exp(0.1), -math.exp(0.1)]])
+    # row 0 of the test above: log ratios (0.2, 0.4), token-level k3 = mean(e^x - 1 - x), not the sequence's
+    # e^0.3 - 1 - 0.3 on each token
+    _, stats = POLICY_LOSSES["gspo"](t([[0.2, 0.4]]), torch.zeros(1, 2, dtype=torch.float64), t([1.0]),
+                                     t([[1, 1]]), clip_low=0.2, clip_high=0.2, dual_clip_c=None)
+    close(stats["approx_kl"], (math.expm1(0.2) - 0.2 + math.expm1(0.4) - 0.4) / 2)
+
+
+def test_cispo_lower_bound_applies_when_clip_low_is_below_1():
+    # clip_low 0.2 (not the paper's 1, which means no lower bound): log ratio -1 -> r = 1/e = 0.368, weight
+    # clamped up to 0.8; A = 1, logp -1: loss = -0.8 * 1 * -1 = 0.8, gradient -0.8 (unclamped: 0.368)
+    logp = t([[-1.0]]).requires_grad_()
+    loss, stats = POLICY_LOSSES["cispo"](logp, t([[0.0]]), t([1.0]), t([[1]]), clip_low=0.2, clip_high=0.28,
+                                         dual_clip_c=None)
+    close(loss, [[0.8]])
+    close(stats["clip_frac_low"], 1.0)
+    loss.sum().backward()
+    close(logp.grad, [[-0.8]])
 
 
 # ---------------------------------------------------------------------------------------- aggregations
@@ -375,6 +437,25 @@ def test_policy_objective_adds_kl_and_subtracts_entropy():
     close(stats["pg_loss"], pg)
     close(stats["kl"], 0.5)
     close(stats["entropy"], 2.5)
+
+
+def test_policy_objective_kl_takes_the_loss_aggregation_and_entropy_and_the_kl_stat_a_token_mean():
+    """With grpo's seq_mean_token_mean and rows of 2 and 1 tokens the aggregations differ (the test above
+    uses token_mean, where they agree). On-policy with A = 0, so only KL and entropy count:
+      KL (k1 = logp - ref) per token (1, 3 | 5): seq_mean_token_mean (2 + 5) / 2 = 3.5 in the loss, as the
+      policy loss is aggregated (verl); the stat its token mean 9 / 3 = 3.
+      entropy (2, 4 | 9): token mean 15 / 3 = 5 whatever the aggregation (seq mean would be 6).
+    loss = 0.1 * 3.5 - 0.01 * 5 = 0.30."""
+    alg = resolve(AlgorithmSpec(name="grpo", kl=KLSpec(coef=0.1, estimator="k1", apply="loss"), entropy_coef=0.01))
+    assert alg.aggregation == "seq_mean_token_mean"
+    logp, mask = t([[-1.0, -2.0], [-0.5, 0.0]]), t([[1, 1], [1, 0]])
+    ref = logp - t([[1.0, 3.0], [5.0, 7.0]])
+    ent = t([[2.0, 4.0], [9.0, 100.0]])
+    loss, stats = policy_objective(alg, logp, logp, t([0.0, 0.0]), mask, ref_logp=ref, entropy=ent,
+                                   num_tokens=3.0, num_seqs=2.0, max_len=2)
+    close(loss, 0.1 * 3.5 - 0.01 * 5)
+    close(stats["kl"], 3.0)
+    close(stats["entropy"], 5.0)
 
 
 def test_policy_objective_stats_are_micro_batch_shares():

@@ -160,6 +160,18 @@ def test_dynamic_sampling_under_turn_credit_keeps_groups_whose_turns_differ():
     assert turn_dynamic_sampling_keep(rewards, groups, 1.0, 1e-6).tolist() == [True, True, False, False, False, False]
 
 
+def test_dynamic_sampling_under_turn_credit_compares_returns_at_the_same_position_only():
+    """Group 0's trajectories are the same [1, 0] twice: at each position the returns agree (gamma 1: 0.5 at
+    turn 0, 0 at turn 1), so every turn's advantage is 0 and the group is dropped, though its returns differ
+    from one position to the next; group 1 ([1, 0] and [0, 0]) differs at turn 0 and is kept."""
+    from factory.algorithms import turn_dynamic_sampling_keep
+
+    rewards = [torch.tensor(x) for x in ([1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0])]
+    groups = torch.tensor([0, 0, 1, 1])
+    assert all(not a.any() for a in turn_advantages(rewards[:2], groups[:2], gamma=1.0, advantage="grpo", eps=1e-6))
+    assert turn_dynamic_sampling_keep(rewards, groups, 1.0, 1e-6).tolist() == [False, False, True, True]
+
+
 def test_down_sampling_under_turn_credit_keeps_the_samples_whose_turns_differ():
     from factory.algorithms import max_turn_variance_keep, max_variance_keep
 

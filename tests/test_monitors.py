@@ -94,6 +94,14 @@ def test_step_row_from_trajectories():
     assert all(math.isnan(nothing[k]) for k in ("reward", "task", "length", "tool_calls"))
 
 
+def test_a_score_at_pass_at_is_a_pass():
+    # pass_at 0.5: a judge's 0.5 passes, as the verifier's 1.0 does: they agree; 0.49 fails: they disagree
+    w = WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=("judge",), verifier="correct",
+                      candidates=(), tools=False)
+    assert step_row([traj(0, 1.0, 0.0, 0.5)], w, S, "total")["disagree/judge"] == 0.0
+    assert step_row([traj(0, 1.0, 0.0, 0.49)], w, S, "total")["disagree/judge"] == 1.0
+
+
 # ---------------------------------------------------------------------------------- the monitors
 def test_the_registry_is_the_schemas_list_and_refuses_a_duplicate():
     assert set(MONITORS) == set(get_args(MonitorName))
@@ -152,10 +160,30 @@ def test_nothing_speaks_before_step_window_plus_one():
     ("tool_call_rate", dict(task=[0.1, 0.3, 0.6], tool_calls=[0.5, 0.5, 4.5]), False),
     ("judge_disagreement", dict(**{"disagree/judge": [0.1, 0.4, 0.5]}), True),
     ("judge_disagreement", dict(**{"disagree/judge": [0.1, 0.1, 0.2]}), False),
+    # exactly the threshold factor counts: 20 -> 40 is x2
+    ("length_drift", dict(task=[0.2, 0.2, 0.2, 0.2], length=[20.0, 20.0, 40.0, 40.0]), True),
+    # a task that falls is no progress either (only a rise of min_task_gain is): the lengths doubled while
+    # accuracy went 0.6 -> 0.1
+    ("length_drift", dict(task=[0.6, 0.6, 0.1, 0.1], length=[20.0, 20.0, 50.0, 50.0]), True),
+    # from no calls at all to 3 a trajectory, task flat: the ratio is infinite (a policy that learned to spam
+    # a tool it never used is the case this monitor is for)
+    ("tool_call_rate", dict(task=[0.3, 0.3, 0.3, 0.3], tool_calls=[0.0, 0.0, 3.0, 3.0]), True),
+    # fewer calls is not a sign of hacking: tool_call_rate looks one way only (length_drift both)
+    ("tool_call_rate", dict(task=[0.3, 0.3, 0.3, 0.3], tool_calls=[4.0, 4.0, 0.5, 0.5]), False),
 ])
 def test_each_monitor_on_histories(name, series, fires):
     reading = MONITORS[name](History(rows(**series)), S)
     assert reading is not None and reading.fired is fires, reading
+
+
+def test_the_largest_share_and_the_worst_judge_are_the_ones_read():
+    """Two rival nodes (or two judges): the monitor reads the one that dominates (disagrees) most, and names it."""
+    r = MONITORS["reward_dominance"](History(rows(task=[0.0, 0.0, 0.0], **{"share/fmt": [0.9, 0.9, 0.9],
+                                                                          "share/len": [0.1, 0.1, 0.1]})), S)
+    assert r.fired and r.value == pytest.approx(0.9) and "reward node 'fmt'" in r.why
+    r = MONITORS["judge_disagreement"](History(rows(**{"disagree/a": [0.5, 0.5, 0.5], "disagree/b": [0.0, 0.0, 0.0]})),
+                                       S)
+    assert r.fired and r.value == 0.5 and "judge 'a'" in r.why
 
 
 def test_train_eval_divergence():
@@ -220,6 +248,16 @@ def test_the_final_evaluation_is_read_at_its_step():
     assert again["monitor/train_eval_divergence"] == pytest.approx(-0.2)
     assert again["monitor/train_eval_divergence/fired"] == 1.0
     assert w.halted_at == 3 and [name for name, _ in w.new] == ["train_eval_divergence"]
+
+
+def test_an_evaluation_without_a_value_is_not_the_baseline():
+    """An evaluation whose metric is NaN (every eval trajectory dropped) holds no value: kept as step 0's, it
+    made train_eval_divergence NaN, and silent, for the rest of the run."""
+    w = Watch(WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier="correct",
+                            candidates=(), tools=False), S)
+    w.evaluated(0, {"eval/accuracy": math.nan})
+    w.evaluated(2, {"eval/accuracy": 0.5})
+    assert w.evals == [(2, 0.5)]
 
 
 def test_a_resumed_watch_reads_the_history_an_uninterrupted_one_does():

@@ -155,6 +155,24 @@ def test_a_judge_reply_is_read_as_written_after_its_reasoning():
         parse_score("{not json}", fielded)
 
 
+def test_a_judge_score_is_a_whole_number_and_reasoning_closed_after_the_words_stays_out():
+    """A field's string must be a number as a whole: "7/10" or "1 (of 5)" is not the score 7 or 1 on the
+    node's scale but a parse failure. A `<think>` block closed after the judge's words is reasoning (only one
+    left open is a quoted marker): a verdict drafted inside it is not read. Objects are read from the top
+    level: one nested in an object without the field is not the reply's verdict."""
+    from factory.reward.graph import parse_score
+    from factory.schema import JudgeNode
+
+    fielded = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", json_field="score")
+    for reply in ('{"score": "7/10"}', '{"score": "1 (of 5)"}'):
+        with pytest.raises(ValueError, match="not a number"):
+            parse_score(reply, fielded)
+    assert parse_score('{"draft": {"score": 1}} final: {"score": 0}', fielded) == 0.0
+    strict = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", parse=r"score\s*:\s*([01])")
+    with pytest.raises(ValueError, match="does not match"):
+        parse_score("No verdict yet. <think>score: 1</think>", strict)
+
+
 def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",

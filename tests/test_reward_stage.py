@@ -72,6 +72,17 @@ def test_sum_min_max_product_and_clip():
     assert m["rewards/len/missing"] == 0.0 and "rewards/total/missing" not in m  # combinators cannot miss
 
 
+def test_a_clip_bound_of_zero_is_a_bound():
+    """`lower: 0` / `upper: 0` are bounds like any other (a falsy 0 read as "no bound" would let a negative
+    reward through a `clip: x, lower: 0`)."""
+    from factory.reward.graph import combine
+    from factory.schema import ClipNode
+
+    assert combine(ClipNode(clip="x", lower=0.0), [-3.0]) == 0.0
+    assert combine(ClipNode(clip="x", upper=0.0), [2.0]) == 0.0
+    assert combine(ClipNode(clip="x", lower=-1.0, upper=0.0), [0.5]) == 0.0
+
+
 def test_gate_evaluates_then_only_where_the_condition_passes():
     reward_fns.CALLS.clear()
     spec = make_spec({
@@ -325,6 +336,56 @@ def test_normalize_over_group_and_batch():
     assert reward_stage(spec).settings.whole_batch  # decided by the compiler: one `score` call per step
     per_group = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"normalize": "len"}})
     assert not reward_stage(per_group).settings.whole_batch
+
+
+def test_standardize_leaves_missing_values_in_place():
+    # 1, None, 3: mean 2, population std 1 -> -1, None, 1 (each value stays at its trajectory's position)
+    from factory.reward.graph import standardize
+
+    assert standardize([1.0, None, 3.0]) == [-1.0, None, 1.0]
+    assert standardize([None, 2.0, 2.0]) == [None, 0.0, 0.0]
+
+
+def test_a_reward_function_s_prompt_is_the_last_user_message():
+    """A few-shot prompt (system, an example exchange, then the task): `prompt` is the task as posed, not the
+    system message nor the example's question."""
+    from factory.reward.graph import prompt_text
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1 + 1?"},
+                {"role": "assistant", "content": "2"}, {"role": "user", "content": "2 + 3?"}]
+    assert prompt_text(messages) == "2 + 3?"
+    assert prompt_text([{"role": "system", "content": "be brief"}]) == ""
+
+
+def _scored(rewards=None, reward=0.0, dropped=None, details=None, turn_rewards=None):
+    t = traj("x")
+    t.rewards, t.reward, t.dropped = rewards or {}, reward, dropped
+    t.reward_details, t.turn_rewards = details or {}, turn_rewards or {}
+    return t
+
+
+def test_reward_metrics_leave_dropped_trajectories_out_of_values_and_turn_means():
+    """A drop_sample trajectory is out of every mean and of the counts that weigh a mean across calls:
+    `/values` (a gated node's) and a per-turn node's `/turns` and `/turns/mean`."""
+    from factory.reward.graph import eval_metrics, reward_metrics
+
+    nodes = make_spec({"ok": {"fn": f"{FNS}:starts_with_ok"}, "costly": {"fn": f"{FNS}:length"},
+                       "total": {"gate": "ok", "then": "costly"}}).rewards
+    trajs = [_scored({"ok": 1.0, "costly": 2.0, "total": 2.0}, 2.0),
+             _scored({"ok": 0.0, "costly": None, "total": 0.0}, 0.0, details={"costly": {"status": "skipped"}}),
+             _scored({"ok": 1.0, "costly": 4.0, "total": None}, 0.0, dropped="rewards.x: missing")]
+    m = reward_metrics(trajs, nodes, "total")
+    # costly has a value on 1 kept trajectory (the dropped one's 4 is out): mean 2 over 1 value
+    assert (m["rewards/costly/values"], m["rewards/costly/mean"], m["rewards/costly/skipped"]) == (1.0, 2.0, 1.0)
+    assert (m["reward/mean"], m["reward/dropped"]) == (1.0, 1.0)  # (2 + 0) / 2 kept; one dropped
+    assert eval_metrics(m, {"acc": "costly"}) == {"eval/acc": 2.0, "eval/reward": 1.0, "eval/dropped": 1.0}
+
+    nodes = make_spec({"step": {"fn": f"{FNS}:length", "per": "turn"}, "total": {"sum": {"step": 1.0}}}).rewards
+    trajs = [_scored({"step": 0.5, "total": 0.5}, 0.5, turn_rewards={"step": [1.0, 0.0, None]}),
+             _scored({"step": 5.0, "total": None}, 0.0, dropped="rewards.x: missing", turn_rewards={"step": [5.0]})]
+    m = reward_metrics(trajs, nodes, "total")
+    # the kept trajectory's 2 turns with a value: 1, 0 -> mean 0.5 (the dropped one's 5 is out)
+    assert (m["rewards/step/turns"], m["rewards/step/turns/mean"], m["rewards/step/mean"]) == (2.0, 0.5, 0.5)
 
 
 def test_a_functions_none_is_said_once_a_run_and_an_error_every_step(caplog):

@@ -145,3 +145,23 @@ def test_llama_style_parameters_are_the_arguments():
     """`{"name": "a", "parameters": {...}}` ran with no arguments and no parse error (tool_call_ok credited it)."""
     (call,) = parse_tool_calls('<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>')
     assert (call.arguments, call.parse_error) == ({"a": 1}, None)
+
+
+def test_an_empty_arguments_string_is_no_arguments_and_an_empty_name_no_name():
+    """OpenAI's wire format gives a tool without parameters `"arguments": ""`: that is `{}`, not a JSON error the
+    model is told about. A name of "" names no tool: a malformed call (a reward crediting well-formed calls
+    must not count it)."""
+    (call,) = parse_tool_calls('<tool_call>{"name": "now", "arguments": ""}</tool_call>')
+    assert (call.name, call.arguments, call.parse_error) == ("now", {}, None)
+    (call,) = parse_tool_calls('<tool_call>{"name": "", "arguments": {}}</tool_call>')
+    assert call.arguments is None and 'missing "name"' in call.parse_error
+
+
+def test_each_unclosed_call_before_a_closed_one_has_its_own_text():
+    # two calls never closed, then a closed one: each unclosed call's raw runs to the next marker only
+    text = ('<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {}}\n'
+            '<tool_call>{"name": "c", "arguments": {}}</tool_call>')
+    a, b, c = parse_tool_calls(text)
+    assert (a.name, a.raw) == ("a", '{"name": "a", "arguments": {}}\n')
+    assert (b.name, b.raw, b.parse_error.startswith("unclosed")) == ("b", '{"name": "b", "arguments": {}}\n', True)
+    assert (c.name, c.arguments) == ("c", {})
