@@ -165,3 +165,16 @@ def test_each_unclosed_call_before_a_closed_one_has_its_own_text():
     assert (a.name, a.raw) == ("a", '{"name": "a", "arguments": {}}\n')
     assert (b.name, b.raw, b.parse_error.startswith("unclosed")) == ("b", '{"name": "b", "arguments": {}}\n', True)
     assert (c.name, c.arguments) == ("c", {})
+
+
+
+def test_unclosed_calls_after_the_last_closed_one_are_read_as_between_blocks():
+    # two calls never closed at the end of a turn were one malformed call (named "a", its raw text holding both)
+    # where the same two before a closed block are two; a marker cut off at the end is still one call
+    text = 'ok <tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {"x": 1'
+    a, b = parse_tool_calls(text)
+    assert (a.name, a.raw) == ("a", '{"name": "a", "arguments": {}}\n')
+    assert (b.name, b.raw) == ("b", '{"name": "b", "arguments": {"x": 1')
+    assert a.parse_error == b.parse_error == "unclosed <tool_call>: no </tool_call> after it"
+    (cut,) = parse_tool_calls('I will call <tool_call> now\n<tool_call>')  # no JSON after either: the first
+    assert (cut.name, cut.raw, cut.arguments) == ("?", " now\n<tool_call>", None)

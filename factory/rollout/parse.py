@@ -29,8 +29,9 @@ _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
     """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
-    malformed call: an opening marker followed by `{` before a closed block, and any opening marker after the
-    last one (a mention of the marker in prose, with no `{` after it, is not a call). `opened_before=False`:
+    malformed call: each opening marker followed by `{` and no closing one, its text running to the next
+    marker (a mention of the marker in prose, with no `{` after it, is not a call), or, after the last closed
+    block where no marker has a `{` after it, the first marker there (a turn cut off right after it). `opened_before=False`:
     the text begins with any `<think>` its prompt opened (the agent loop writes ChatFormat.reasoning_opened
     into each turn's text), so a `</think>` with none before it is the model's own (in an argument) and drops
     no call before it; True (a completion as a reward reads it): all before a leading `</think>` is reasoning."""
@@ -42,11 +43,12 @@ def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]
         calls.append(parse_one(raw))
         last_end = end
     # Whatever follows the last closed block: an opening marker there was never closed (the model ran
-    # out of tokens or forgot the marker).
+    # out of tokens or forgot the marker). Each one a call's JSON follows is a call, as between blocks (two
+    # such calls were one, its text holding both); else the first marker, with whatever it was cut to.
     tail = text[last_end:]
     if OPEN in tail:
-        raw = tail[tail.index(OPEN) + len(OPEN):]
-        calls.append(_malformed(raw, f"unclosed {OPEN}: no {CLOSE} after it"))
+        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):],
+                                                f"unclosed {OPEN}: no {CLOSE} after it")]
     return calls
 
 
