@@ -27,7 +27,8 @@ def test_target_problem_matches_names_as_peft_does():
         "'lm_head' (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it) matches no")
     assert short_names(LAYERS) == ["q_proj", "k_proj", "up_proj"]
     # what peft would refuse, or match nothing with, once every stage has started: said by the check
-    assert target_problem([], LAYERS).startswith("no module named: give at least one (the model's linear layers: q_proj")
+    assert target_problem([], LAYERS).startswith(
+        "no module named: give at least one (the model's linear layers: q_proj")
     assert target_problem("q_proj", LAYERS) == "'q_proj': give a list of module names or 'all-linear'"
 
 
@@ -45,7 +46,8 @@ def test_the_linear_layers_are_every_adapted_layer_but_the_output_head():
 
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj"]
-    assert linear_layers(resolve_model("factory:tiny-qwen3")) == [f"model.layers.{i}.{n}" for i in (0, 1) for n in names]
+    want = [f"model.layers.{i}.{n}" for i in (0, 1) for n in names]
+    assert linear_layers(resolve_model("factory:tiny-qwen3")) == want
 
 
 def test_the_spec_gives_peft_its_rank_alpha_dropout_and_targets():
