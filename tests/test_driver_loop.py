@@ -189,6 +189,9 @@ def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
     monkeypatch.setattr(Watch, "observe", lambda self, step, trajs: seen.append([t.sample_index for t in trajs]) or {})
     run_loop(monkeypatch, World(), ["train.steps=1", "algorithm.overlong.filter=true"], batch=batch)
     assert seen == [[0, 1]]
+    # without overlong filtering the cut trajectory trains, and is read (the two settings are not one)
+    run_loop(monkeypatch, World(), ["train.steps=1"], batch=batch)
+    assert seen[1] == [0, 1, 3]
 
 
 def test_a_run_warns_when_two_servers_offer_one_tool_name(monkeypatch):
@@ -250,6 +253,7 @@ def test_each_session_logs_its_start_up_at_the_first_step_it_logs(monkeypatch):
     resume = resumed_at(step=1, logged=2, before={"eval/accuracy": 0.5})
     run_loop(monkeypatch, resumed, ["train.steps=4"], resume=resume)
     assert [s for s, m in resumed.metrics.items() if "timing/startup_s" in m] == [3]
+    assert 0 not in resumed.metrics and 0 not in resumed.tables  # its step-0 evaluation is the run's: not again
     done = World()  # nothing left to do: no start-up logged past the run's last step
     run_loop(monkeypatch, done, ["train.steps=2"], resume=resumed_at(step=2, logged=2))
     assert not any("timing/startup_s" in m for m in done.metrics.values())
@@ -313,6 +317,7 @@ def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(mo
     world = World(eval_metric=[0.5, 0.3], rewards=[0.0, 0.2, 0.4])
     result = run_loop(monkeypatch, world, ["train.steps=3", "train.stop_on=[train_eval_divergence]"])
     assert world.metrics[3]["monitor/train_eval_divergence/fired"] == 1.0
+    assert world.tags["factory.monitor.train_eval_divergence"] == "3"  # `factory runs` shows when it fired
     assert result.halted.startswith("monitor train_eval_divergence fired at step 3") and result.checkpoint == str(Path.cwd() / "step_x")  # absolute
 
 
@@ -497,3 +502,84 @@ def test_store_advice_speaks_only_for_a_sync_the_store_cannot_hold():
     assert store_advice(538.06, 0.5 * 2**30, staleness=1).endswith("object_store_gb: 1.5 or more")
     assert store_advice(538.06, 2**30, staleness=0) is None
     assert store_advice(538.06, 538.06e6, staleness=0) is None  # exactly full still fits
+
+
+def test_a_resumed_run_takes_up_the_monitors_history_its_checkpoint_saved(monkeypatch):
+    """The monitors' history (the step-0 evaluation, readings so far) is in the checkpoint: a resume that did not
+    restore it started every monitor over, its baselines from nothing."""
+    import dataclasses
+
+    from factory.monitors import Watch
+
+    restored = []
+    monkeypatch.setattr(Watch, "restore", lambda self, state: restored.append(state))
+    run_loop(monkeypatch, World(), ["train.steps=3"],
+             resume=dataclasses.replace(resumed_at(step=1, logged=1), watch={"saved": "history"}))
+    assert restored == [{"saved": "history"}]
+
+
+def test_a_stop_asked_during_a_steps_rollout_saves_that_step(monkeypatch):
+    """A Ctrl-C (or a stop_on monitor) heard before the step is recorded: the step trains, is logged and is
+    checkpointed before the run ends, whatever train.checkpoint_every says -- else its update was lost."""
+    stop = threading.Event()
+    monkeypatch.setattr(driver, "check_infra", lambda trajs, limit, step: stop.set() if step == 2 else 0.0)
+    world = World()
+    result = run_loop(monkeypatch, world, ["train.steps=4", "train.checkpoint_every=100"], stop_event=stop)
+    assert (result.last_step, result.stopped) == (2, True) and [s for s, _ in world.saved] == [2]
+
+
+def test_a_replay_that_goes_live_on_a_miss_does_not_stop_the_run(monkeypatch):
+    """replay.on_miss: live answers what the recording lacks from the live tool: a miss is no error."""
+    world = World(miss_at=2)
+    result = run_loop(monkeypatch, world, ["train.steps=3", "replay.run=old", "replay.on_miss=live"])
+    assert result.last_step == 3 and world.submitted == [1, 2, 3] and world.tables[2] == ["train/2/0/0/0/0/0"]
+
+
+def test_each_refill_round_of_dynamic_sampling_is_its_own_groups(monkeypatch):
+    """3 prompts wanted, one group with a spread a round: round 0 keeps its prompt 1, round 1 (2 prompts asked)
+    its prompt 0, round 2 (1 asked) its prompt 0. Each is its own group (renumbered by 3 a round: 1, 3, 6), the
+    step's tokens are every round's, and its metrics are weighted over every round's trajectories."""
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["algorithm.name=dapo", "train.prompts_per_step=3",
+                                                          "rollout.group_size=2"])
+    asked = []
+
+    def carry(g: Any, edges: Any, n: int, **k: Any) -> tuple[list[Any], dict[str, float]]:
+        asked.append(n)
+        spreads = 1 if len(asked) == 1 else 0
+        trajs = [SimpleNamespace(prompt_index=p, sample_index=s, reward=float(s if p == spreads else 0),
+                                 num_model_tokens=10, origin=len(asked), infra_error=None, truncated=False,
+                                 dropped=False) for p in range(n) for s in range(2)]
+        return trajs, {"num_turns/mean": float(len(asked))}
+
+    monkeypatch.setattr(driver, "carry", carry)
+    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    assert asked == [3, 2, 1]
+    assert sorted({(t.prompt_index, t.origin) for t in kept}) == [(1, 1), (3, 2), (6, 3)]
+    assert m["rollout/generated_tokens"] == 10.0 * 2 * (3 + 2 + 1)
+    assert m["num_turns/mean"] == pytest.approx((1 * 6 + 2 * 4 + 3 * 2) / 12)
+
+
+def test_an_evaluation_counts_the_trajectories_an_infrastructure_failure_hit(monkeypatch):
+    """They are scored as they ended (an evaluation has no update to protect), and eval/infra_errors says how
+    many: without it an evaluation's drop from a tool server gone down reads as the model's."""
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", [])
+    failed = SimpleNamespace(turns=[SimpleNamespace(results=[SimpleNamespace(tool="calculate", status="infra_error",
+                                                                             error_kind="timeout")])],
+                             reward_details={})
+    fine = SimpleNamespace(turns=[], reward_details={})
+    said = []
+
+    class Display(Quiet):
+        def warning(self, text: str) -> None:
+            said.append(text)
+
+    metrics = {"rewards/correct/mean": 0.5, "reward/mean": 0.5, "reward/dropped": 0.0, "num_turns/mean": 1.5,
+               "tool_calls/mean": 2.0}
+    monkeypatch.setattr(driver, "carry", lambda g, edges, **k: ([fine, failed, fine], metrics))
+    out, trajs = driver.evaluate({}, plan, Display(), 4)
+    assert out == {"eval/accuracy": 0.5, "eval/reward": 0.5, "eval/dropped": 0.0, "eval/num_turns": 1.5,
+                   "eval/tool_calls": 2.0, "eval/infra_errors": 1.0} and len(trajs) == 3
+    assert len(said) == 1 and said[0].startswith("step 4 evaluation: 1 of 3 trajectories met an infrastructure "
+                                                 "failure (first: tool calculate: timeout)")

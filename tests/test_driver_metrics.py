@@ -93,3 +93,21 @@ def test_an_update_run_behind_the_rollout_keeps_a_deadline_of_its_own_length(mon
     assert deadlines.budget("update.step") >= 5 * 150.0
     submitted = clock[0]  # a draining step: its update waited for in full, right away
     deadlines.get([Ref(submitted + 150.0)], "update.step", "step 4", since=submitted)
+
+
+def test_a_first_round_without_a_value_weighs_nothing_either():
+    """The other order of test_rounds_merge_into_the_whole_batchs_metrics' NaN: the first round (or streamed
+    part) had no value for a node, the second has: the step's mean is the second's, not NaN."""
+    m = _merge({"rewards/correct/mean": math.nan, "reward/dropped": 0.0},
+               {"rewards/correct/mean": 0.75, "reward/dropped": 0.0}, 4, 4)
+    assert m["rewards/correct/mean"] == 0.75
+
+
+def test_the_logprob_gap_is_named_stale_only_when_the_sampling_weights_were_behind():
+    """rollout/logprob_diff_* measures the engine's mismatch; sampled with weights `lag` updates behind the
+    learner's, the gap holds the policy's drift too and is logged as rollout/stale_logprob_diff_*."""
+    from factory.runtime.driver import stale_named
+
+    stats = {"rollout/logprob_diff_mean": 0.01, "actor/loss": 0.5}
+    assert stale_named(stats, 0.0) == stats
+    assert stale_named(stats, 1.0) == {"rollout/stale_logprob_diff_mean": 0.01, "actor/loss": 0.5}

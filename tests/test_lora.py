@@ -28,6 +28,10 @@ def test_target_problem_matches_names_as_peft_does():
     assert target_problem(["lm_head"], LAYERS).startswith(
         "'lm_head' (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it) matches no")
     assert short_names(LAYERS) == ["q_proj", "k_proj", "up_proj"]
+    # what peft would refuse, or match nothing with, once every stage has started: said by the check
+    assert target_problem([], LAYERS).startswith(
+        "no module named: give at least one (the model's linear layers: q_proj")
+    assert target_problem("q_proj", LAYERS) == "'q_proj': give a list of module names or 'all-linear'"
 
 
 def test_targeted_is_the_modules_peft_adapts():
@@ -35,6 +39,30 @@ def test_targeted_is_the_modules_peft_adapts():
     assert targeted(["q_proj", "k_proj", "up_proj"], LAYERS) == frozenset(LAYERS)  # every name: all-linear's
     assert targeted(["q_proj"], LAYERS) == {LAYERS[0], LAYERS[3]}
     assert targeted(["proj", "layers.0.self_attn.k_proj"], LAYERS) == {LAYERS[1]}  # whole names, or a path's end
+
+
+def test_the_linear_layers_are_every_adapted_layer_but_the_output_head():
+    """What `all-linear` adapts and the check matches names against, read on the meta device: never the head
+    (vLLM's LoRA layers do not take it; listed, `target_modules: [lm_head]` passed the check and failed the run)."""
+    from factory.lora import linear_layers
+
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]
+    want = [f"model.layers.{i}.{n}" for i in (0, 1) for n in names]
+    assert linear_layers(resolve_model("factory:tiny-qwen3")) == want
+
+
+def test_the_spec_gives_peft_its_rank_alpha_dropout_and_targets():
+    """alpha / r is the adapters' scale in the learner (peft's lora_alpha) and in what a sync carries (`scale`);
+    unset, alpha is 2 r."""
+    from factory.lora import peft_config, scale
+    from factory.schema import LoraSpec
+
+    spec = LoraSpec(r=8, alpha=4, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    c = peft_config(spec)
+    assert (c.r, c.lora_alpha, c.lora_dropout, c.target_modules) == (8, 4.0, 0.1, {"q_proj", "v_proj"})
+    assert scale(spec) == 0.5 and scale(LoraSpec(r=8)) == 2.0 and peft_config(LoraSpec(r=8)).lora_alpha == 16.0
+    assert peft_config(LoraSpec(r=8)).target_modules == "all-linear"
 
 
 def _tiny_spec(project, extra: str) -> str:
@@ -92,6 +120,13 @@ def test_merged_adds_the_scaled_product_to_the_base_weight():
     assert torch.equal(out["m.q.weight"], torch.tensor([[2.0, 2.0], [1.0, 4.0]]))
     assert ad.nbytes() == 4 * (2 + 2)
     assert merged({"m.q.weight": w}, ad, torch.bfloat16)["m.q.weight"].dtype == torch.bfloat16
+    # a bf16 model: computed in float32 and cast once, W's dtype kept. W = -1, B @ A = 1 + 2^-8: in bf16 the
+    # product rounds to 1 (8 significant bits) and the merged weight to 0, where it is 2^-8
+    w16 = torch.tensor([[-1.0]], dtype=torch.bfloat16)
+    a16, b16 = torch.tensor([[1.0], [1.0]], dtype=torch.bfloat16), torch.tensor([[1.0, 2 ** -8]], dtype=torch.bfloat16)
+    low = Adapters({"base_model.model.m.lora_A.weight": a16, "base_model.model.m.lora_B.weight": b16}, scale=1.0)
+    out16 = merged({"m.weight": w16}, low)["m.weight"]
+    assert out16.dtype == torch.bfloat16 and out16.item() == 2 ** -8
 
 
 def test_diff_shows_lora_settings_and_still_compares_the_runs():

@@ -55,7 +55,8 @@ def fake_run(uri: str, ckpt: Path, plan, *, logged: int, checkpoints: tuple[int,
     for step in checkpoints:
         folder = ckpt / f"step_{step}"
         folder.mkdir(parents=True)
-        write_run_state(folder, {"step": step, "run_id": t.run_id, "data": {"epoch": 0, "cursor": 2 * step}})
+        write_run_state(folder, {"step": step, "run_id": t.run_id, "data": {"epoch": 0, "cursor": 2 * step},
+                                 "watch": {"seen": step}})
         write_manifest(folder)
         t.log_checkpoint(step, str(folder))
     t.end("FINISHED" if status == "FINISHED" else "FAILED")
@@ -79,6 +80,7 @@ def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(sto
     # step_2 in the shared folder is the older run's: this run continues from its own step_1
     assert (r.run_id, r.checkpoint, r.step, r.logged) == (mine, "step_1", 1, 2)
     assert r.data == {"epoch": 0, "cursor": 2} and r.before == {"eval/reward": 0.25} and r.changed == []
+    assert r.watch == {"seen": 1}  # the monitors' history at that checkpoint (lost, a monitor starts over)
     assert [c["step"] for c in r.checkpoints] == [1]
     assert "at step 2" in r.describe() and "step 2 is computed again, not logged twice" in r.describe()
     # no checkpoint: it starts over, its step-0 evaluation included ("at step 1, from the start" read as both)
@@ -267,9 +269,14 @@ def test_the_checkpoint_is_compared_with_the_plan_that_saved_it(store):
     from factory.tracking.spool import Spool
 
     spooled = fake_run(uri, ckpt / "spooled", full, logged=1, checkpoints=(1,), experiment="switched")
+    # two resumes at step 0 while the store was down: the newer one's plan saved step 1
+    Spool(ckpt / "spooled" / SPOOL).add("text", text=plan_json(full), name="resumed/step_0/plan.json")
     Spool(ckpt / "spooled" / SPOOL).add("text", text=plan_json(lora), name="resumed/step_0/plan.json")
     assert find(lora, spooled, uri, train=spec.train, experiment="switched",
                 allow_spec_change=True).checkpoint == "step_1"
+    # (passing alone, that says nothing: a plan not found is no refusal) the spooled plan is the one compared
+    with pytest.raises(ResumeError, match=r"holds LoRA adapters \(r 8, .*this spec trains full weights"):
+        find(full, spooled, uri, train=spec_f.train, experiment="switched", allow_spec_change=True)
 
 
 def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):
@@ -508,3 +515,52 @@ def test_a_checkpoint_is_not_resumed_into_a_model_of_other_shapes(tmp_path):
                                           r".*other \(architectures \['Qwen3ForCausalLM'\] -> \['LlamaForCausalLM'\], "
                                           r"num_hidden_layers 2 -> 30\).*resume with model.path=models/first"):
         _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(other)}}), "r1", checkpoint)
+
+
+def test_what_a_resume_reads_from_the_runs_history():
+    """The helpers `find` reads the run with, each on a hand-made history: the step this session logs its
+    start-up at, the plan that saved a checkpoint, the last logged step, the step-0 evaluation, what changed."""
+    from factory.runtime.resume import _plan_saving, changes, logged_step, same_sources, step0_eval
+
+    # logged through step 3 of 4: this session's start-up goes at step 4, the run's last (not dropped)
+    assert Resume("r", "n", Path("c"), "step_3", 3, 3, None).startup_step(4) == 4
+    # the checkpoint of step 4 was saved under the newest resume before it (at step 2, not 0; step 5 came after)
+    resumes = SimpleNamespace(artifacts=lambda run_id, folder: ["resumed/step_0", "resumed/step_2", "resumed/step_5"])
+    assert _plan_saving(resumes, "r", 4, {}) == "resumed/step_2/plan.json"
+    assert _plan_saving(resumes, "r", 4, {"resumed/step_3/plan.json": "{}"}) == "resumed/step_3/plan.json"  # spooled
+    assert _plan_saving(resumes, "r", 0, {}) == "plan.json"
+    # only the step-0 evaluation logged: step 0 is logged (a resume must not log it again); nothing at all: -1
+    history = {"timing/step_s": [], "eval/reward": [(0, 0.25), (2, 0.75)], "eval/length": [(2, 9.0)]}
+    tracker = SimpleNamespace(metric_history=lambda run_id, key: history[key])
+    run = SimpleNamespace(run_id="r", metrics={"eval/reward": 0.75, "eval/length": 9.0, "reward/mean": 0.5})
+    assert logged_step(tracker, run) == 0
+    assert logged_step(SimpleNamespace(metric_history=lambda run_id, key: []), run) == -1
+    # the summary's "before": the step-0 values, not the newest evaluation's
+    assert step0_eval(tracker, run) == {"eval/reward": 0.25}
+    # another reward file's contents is a change that refuses the resume (as another spec is)
+    recorded = {"hashes": {"spec": "s", "templates": "t", "rewards": {"r.py": "a"}, "data": "d", "code": {}}}
+
+    def download(run_id, path, into):
+        (Path(into) / path).write_text(json.dumps(recorded))
+        return Path(into) / path
+
+    store = SimpleNamespace(download=download)
+    same = SimpleNamespace(run_id="r", tags={"factory.spec_hash": "s"})
+    plan = SimpleNamespace(hashes={"spec": "s", "templates": "t", "rewards": {"r.py": "b"}, "data": "d", "code": {}})
+    assert changes(plan, store, same) == ["rewards"]
+    plan.hashes.update(rewards={"rewards/r.py": "a"}, data="d2")  # re-keyed, same contents: no change
+    assert changes(plan, store, same) == ["data"]
+    # two files of one content, one of them gone, is a change
+    assert not same_sources({"a.py": "h", "b.py": "h"}, {"a.py": "h"})
+
+
+def test_a_run_of_another_spec_is_refused_even_with_a_changed_spec_allowed(store):
+    """--allow-spec-change lets a run continue under a changed spec, not another spec's run take over."""
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run = fake_run(uri, ckpt, plan, logged=1, checkpoints=(1,), experiment="named")
+    MlflowClient(uri).set_tag(run, "factory.spec_name", "other")
+    with pytest.raises(ResumeError, match=f"^run {run} is not a run of spec 'tiny' \\(it ran 'other'\\)$"):
+        find(plan, run, uri, train=spec.train, experiment="named", allow_spec_change=True)

@@ -358,3 +358,72 @@ def test_a_cached_answer_belongs_to_the_server_that_gave_it(tmp_path, monkeypatc
     before = server_identity(tool, tmp_path)
     (tmp_path / "rc_tool_v.py").write_text("def f(x: int) -> int:\n    return x + 1\n")
     assert server_identity(tool, tmp_path) != before
+
+
+def test_a_replayed_answer_is_the_recorded_one_whole_matched_by_server_tool_and_arguments():
+    """A replay gives back what the tool said, failures included: a recorded tool error replayed as `ok` (or
+    without its kind) changes the episode's rewards and the tool metrics, and the replayed run is no longer the
+    recorded one. The arguments match as canonical JSON (the model may write the keys in another order); the
+    server must match too (a tool of the same name on another server is another tool)."""
+    from factory.types import ToolResult
+
+    row = {"origin": "train/1/0/0/0/0/0", "server": "calc", "tool": "calculate",
+           "arguments": canonical({"a": 1, "b": 2}), "text": "Error: division by zero", "status": "model_error",
+           "error_kind": "tool_error", "latency_s": 0.1, "source": "live"}
+    replay = Replay([row, {**row, "origin": ""}], "fail")
+    assert replay.answer(ToolCall("calculate", {"b": 2, "a": 1}, raw="", origin="train/1/0/0/0/0/0"), "calc",
+                         "calculate") == ToolResult("calculate", "Error: division by zero", "model_error", "tool_error")
+    # a reward node's call (no origin), its keys in yet another order
+    assert replay.answer(ToolCall("calculate", {"b": 2, "a": 1}, raw=""), "calc", "calculate") == \
+        ToolResult("calculate", "Error: division by zero", "model_error", "tool_error")
+    assert replay.answer(ToolCall("calculate", {"a": 1, "b": 2}, raw="", origin="train/1/0/0/0/0/0"), "other",
+                         "calculate") is None
+    assert replay.misses == ['calculate({"a":1,"b":2}) at train/1/0/0/0/0/0']
+
+
+def test_the_cache_key_is_server_tool_schema_and_arguments_and_an_answer_comes_back_whole(tmp_path):
+    """A cached answer answers exactly this call: another server identity (another project's `search`), another
+    schema (the tool's parameters changed), another tool or other arguments is another key; the order of the
+    arguments' keys is not. A kept tool error comes back with its status and kind (read back as `ok` without a
+    kind, it would be counted and trained as a success)."""
+    from factory.types import ToolResult
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    k = ToolCache.key("srv-1", "calculate", schema, {"a": 1, "b": 2})
+    assert ToolCache.key("srv-1", "calculate", dict(reversed(schema.items())), {"b": 2, "a": 1}) == k
+    others = [ToolCache.key("srv-2", "calculate", schema, {"a": 1, "b": 2}),
+              ToolCache.key("srv-1", "solve", schema, {"a": 1, "b": 2}),
+              ToolCache.key("srv-1", "calculate", {"type": "object"}, {"a": 1, "b": 2}),
+              ToolCache.key("srv-1", "calculate", schema, {"a": 1, "b": 3})]
+    assert len({k, *others}) == 5
+    cache = ToolCache(tmp_path / "tool-cache.sqlite")
+    cache.put(k, ToolResult("calculate", "Error: division by zero", "model_error", "tool_error"))
+    got = cache.get(k)
+    assert (got.text, got.status, got.error_kind) == ("Error: division by zero", "model_error", "tool_error")
+    assert all(cache.get(o) is None for o in others)
+    cache.close()
+
+
+def test_a_server_identity_holds_its_folder_its_started_script_and_a_packages_main(tmp_path):
+    """More of what makes a server's answers its own (test_a_cached_answer_belongs_to_the_server_that_gave_it):
+    the folder it runs in (the same script in two folders reads two folders' data), a script started as the
+    command itself (`./srv.py`: a fix to it is a new key), and a package in its cwd run with `-m` (what runs is
+    its __main__.py, not its __init__.py)."""
+    from factory.tools.recording import server_identity
+
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "srv.py").write_text("print(open('data.txt').read())\n")
+    assert server_identity(StdioServer(command="python", args=["srv.py"], cwd="a"), tmp_path) != \
+        server_identity(StdioServer(command="python", args=["srv.py"], cwd="b"), tmp_path)
+    script = StdioServer(command="./a/srv.py")
+    before = server_identity(script, tmp_path)
+    (tmp_path / "a" / "srv.py").write_text("print('fixed')\n")
+    assert server_identity(script, tmp_path) != before
+    (tmp_path / "srvpkg").mkdir()
+    (tmp_path / "srvpkg" / "__init__.py").write_text("")
+    (tmp_path / "srvpkg" / "__main__.py").write_text("v = 1\n")
+    package = StdioServer(command="python", args=["-m", "srvpkg"], cwd=".")
+    before = server_identity(package, tmp_path)
+    (tmp_path / "srvpkg" / "__main__.py").write_text("v = 2\n")
+    assert server_identity(package, tmp_path) != before

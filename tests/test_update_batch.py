@@ -99,6 +99,32 @@ def test_a_token_budget_counts_a_shared_prefix_once_as_the_update_runs_it():
         assert once + len(group) * (max(totals[i] for i in micro) - once) <= 60
 
 
+def test_a_budget_of_trajectories_counts_prompt_and_response_and_a_shared_prefix_only_when_shared():
+    """TokenBudget.of, as the learner makes it: each row's prompt + response tokens; the common prefix counted
+    once only when the learner runs it once (train.share_prefix), else in every row -- a budget that counted it
+    once while the update runs it in every row lets a micro-batch past micro_batch_tokens (out of memory)."""
+    system = list(range(100, 120))  # 20 common tokens
+    trajs = [traj(system + [1], [3] * 9), traj(system + [2], [3] * 9)]  # 21 + 9 = 30 tokens each
+    assert TokenBudget.of(None, trajs, share_prefix=True) is None
+    shared, padded = TokenBudget.of(40, trajs, share_prefix=True), TokenBudget.of(40, trajs, share_prefix=False)
+    assert shared.totals == padded.totals == [30, 30] and (shared.common(0, 1), padded.common(0, 1)) == (20, 0)
+    assert cut([0, 1], 8, shared) == [[0, 1]]  # 20 + 2 x 10 = 40
+    assert cut([0, 1], 8, padded) == [[0], [1]]  # 2 x 30 = 60 > 40
+
+
+def test_padding_stats_by_hand():
+    """actor/padding_frac and actor/packed_frac over a step's micro-batches (lengths 10 and 5: 5 pads of 20
+    slots; a lone 8: none): 5 of 28 slots are padding; under auto the first is packed (25% > 10%), the lone row
+    never is; off packs none."""
+    from factory.update.batch import padding_stats
+
+    assert padding_stats([[10, 5], [8]], "auto") == pytest.approx({"actor/padding_frac": 5 / 28,
+                                                                    "actor/packed_frac": 0.5})
+    assert padding_stats([[10, 5], [8]], "off")["actor/packed_frac"] == 0.0
+    assert padding_stats([[10, 9]], "on")["actor/packed_frac"] == 1.0 and padding_stats([], "on") == {
+        "actor/padding_frac": 0.0, "actor/packed_frac": 0.0}
+
+
 def test_common_prefix_is_the_first_place_two_rows_differ():
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -143,6 +169,13 @@ def test_without_zero_advantage_drops_those_rows_and_recuts_full_micro_batches()
     # shard deals what is left; an empty mini-batch gives every rank no micro-batch (the learner runs a
     # weight-0 stand-in there, so the optimizer still steps on zero gradients)
     assert shard([[[0, 3], [4]], []], rank=1, world=2, micro_batch=2) == [[[3]], []]
+    # turn credit: [N, T] advantages, 0 on tool/template tokens and padding; a row with any nonzero token trains
+    per_token = torch.tensor([[0.0, 0.0, 0.5], [0.0, 0.0, 0.0], [-1.0, 0.0, 0.0]])
+    assert without_zero_advantage([[[0, 1], [2]]], per_token, micro_batch=2) == [[[0, 2]]]
+    # the rows left are re-cut within the token budget too (30-token rows, 60 tokens: two a micro-batch), not
+    # by the row cap alone: a micro-batch past micro_batch_tokens runs out of memory
+    left = without_zero_advantage([[[0, 1], [2, 3]]], torch.tensor([1.0, 0.0, 1.0, 1.0]), 4, budget(60, [30] * 4))
+    assert left == [[[0, 2], [3]]]
 
 
 def test_collate_window_targets_are_the_response_tokens():
