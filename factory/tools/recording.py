@@ -84,7 +84,6 @@ class Replay:
             if not r["origin"]:
                 self.in_order[(r["server"], r["tool"], r["arguments"])].append(r)
         self.misses: list[str] = []
-        self.served = 0
 
     def needs_no_server(self) -> bool:
         """Whether every call is answered from the recording or fails as a miss, and the tools to offer are
@@ -104,7 +103,6 @@ class Replay:
         if row is None:
             self.misses.append(f"{tool}({args[:200]}) at {call.origin or 'a reward node'}")
             return None
-        self.served += 1
         return ToolResult(tool=tool, text=row["text"], status=row["status"], error_kind=row["error_kind"])
 
 
