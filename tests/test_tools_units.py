@@ -193,6 +193,30 @@ def test_breaker_released_probe_lets_another_through():
     assert breaker.allow()
 
 
+def test_a_recovered_breaker_counts_to_its_threshold_again():
+    """After a probe succeeded the breaker is as new: it opens on the threshold's failure, not on the next one (a
+    probe flag left set made the first failure after a recovery open it)."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=3, cooldown_s=5.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+    clock.now = 5.0
+    assert breaker.allow()  # the probe
+    breaker.record_success()
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+
+
+def test_failures_while_open_do_not_reopen_the_circuit():
+    """A failure reported while the circuit is already open (another replica's calls in flight when it opened) is no
+    new opening: it does not count as one in `circuit_opens`, nor push the probe a full cooldown away."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=2, cooldown_s=5.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(2)] == [False, True]  # opened at 0
+    clock.now = 3.0
+    assert not breaker.record_failure() and breaker.state == "open"
+    clock.now = 5.0
+    assert breaker.state == "half_open" and breaker.allow()  # 5 s after it opened, not after the late failure
+
+
 def test_backoff_doubles_caps_and_jitters_within_half():
     assert backoff_delay(0, 0.1, 2.0, rng=lambda: 1.0) == pytest.approx(0.1)
     assert backoff_delay(3, 0.1, 2.0, rng=lambda: 1.0) == pytest.approx(0.8)
