@@ -45,6 +45,12 @@ def test_truncate_limit_smaller_than_marker_keeps_head_only():
     assert truncate_middle("abcdefghijklmnopqrstuvwxyz" * 10, 8) == "abcdefgh"
 
 
+def test_truncate_keeps_a_text_of_exactly_the_limit_whole():
+    # (at "hello", 5 a text cut wrongly comes back the same, its head alone; at 100 the cut puts a marker in it)
+    assert truncate_middle("x" * 100, 100) == "x" * 100
+    assert truncate_middle("x" * 101, 100) == "x" * 35 + "\n...[32 characters omitted]...\n" + "x" * 34
+
+
 # ------------------------------------------------------------------------------------ result text
 def test_content_text_joins_blocks_and_names_non_text():
     result = mcp_types.CallToolResult(
@@ -60,11 +66,31 @@ def test_content_text_joins_blocks_and_names_non_text():
 def test_content_text_falls_back_to_structured_content():
     result = mcp_types.CallToolResult(content=[], structured_content={"value": 3})
     assert content_text(result) == '{"value": 3}'
+    # non-ASCII as it is, not as \u escapes the model would read (and pay tokens for)
+    assert content_text(mcp_types.CallToolResult(content=[], structured_content={"city": "Zürich"})) == \
+        '{"city": "Zürich"}'
+    # only a fallback: a result with content shows its content (FastMCP sends both), not the JSON
+    both = mcp_types.CallToolResult(content=[mcp_types.TextContent(type="text", text="3")], structured_content={"value": 3})
+    assert content_text(both) == "3"
+
+
+def test_content_text_shows_an_embedded_resources_text_and_names_the_rest():
+    result = mcp_types.CallToolResult(content=[
+        mcp_types.EmbeddedResource(type="resource", resource=mcp_types.TextResourceContents(uri="file:///a.txt",
+                                                                                           text="inside")),
+        mcp_types.EmbeddedResource(type="resource", resource=mcp_types.BlobResourceContents(uri="file:///b.bin",
+                                                                                           blob="QUJD")),
+        mcp_types.ResourceLink(type="resource_link", uri="file:///c", name="c"),
+        mcp_types.AudioContent(type="audio", data="QUJDRA==", mime_type="audio/wav"),
+    ])
+    assert content_text(result) == ("inside\n[resource: file:///b.bin]\n[resource link: file:///c]\n"
+                                    "[audio: audio/wav, 8 base64 characters]")
 
 
 def test_value_text():
     assert value_text("x") == "x"
     assert value_text({"a": [1, 2]}) == '{"a": [1, 2]}'
+    assert value_text({"city": "Zürich"}) == '{"city": "Zürich"}'  # not "Z\\u00fcrich"
 
 
 # ----------------------------------------------------------------------------------------- naming
