@@ -176,6 +176,14 @@ def test_the_stderr_tail_keeps_the_last_lines_within_a_bound():
     assert last_lines(b"") == ""
 
 
+async def test_starting_a_running_box_again_keeps_its_servers(box):
+    """start() on a running box is a no-op: new servers in its place would leave the old ones running, unowned (the
+    rollout stage starts its box once a step)."""
+    pid = await server_pid(box)
+    await box.start()
+    assert await server_pid(box) == pid
+
+
 async def test_call_past_its_timeout_is_an_infra_timeout_and_blocks_nobody(box):
     before = box.metrics()
     pid = await server_pid(box)

@@ -16,6 +16,7 @@ from factory.tools.results import content_text, truncate_middle, value_text
 from factory.tools.servers import function_schema
 from factory.tools.toolbox import (
     ToolBox,
+    allowed_only,
     ToolEntry,
     ToolStartError,
     argument_problem,
@@ -114,6 +115,23 @@ def test_routes_accept_offered_and_qualified_names():
     table = routes(entries)
     assert table["calculate"] is table["calc__calculate"]
     assert "now" not in table
+
+
+def test_an_offered_name_wins_over_a_qualified_one_that_equals_it():
+    """Server a's tool `b__c` is offered bare (unique); server b's tool `c` is also reachable as `b__c`: a call of
+    the name the model was shown goes to the tool it was shown (a's), not to b's."""
+    schema = {"type": "object"}
+    table = routes(offered_tools({"a": [("b__c", "", schema)], "b": [("c", "", schema)]}))
+    assert (table["b__c"].server, table["b__c"].tool) == ("a", "b__c")
+    assert (table["c"].server, table["c"].tool) == ("b", "c")
+
+
+def test_allowed_tools_keeps_only_the_tools_it_names():
+    """`allowed_tools` is how a spec keeps a server's other tools (a `delete`, a `shell`) from the model: they are
+    neither offered nor routed. (The calculator server of the tools tests has one tool: keeping all passed.)"""
+    tools = [("read", "", {}), ("delete", "", {}), ("list", "", {})]
+    assert allowed_only("fs", tools, ["list", "read"], "the server has") == [("read", "", {}), ("list", "", {})]
+    assert allowed_only("fs", tools, None, "the server has") == tools
 
 
 def test_server_name_with_separator_is_rejected():
@@ -389,3 +407,54 @@ def test_from_spec_has_no_side_effects_and_start_names_the_failure():
     with pytest.raises(ToolStartError,
                        match="gone: cannot import 'no_such_module_xyz:fn': no module named 'no_such_module_xyz'"):
         asyncio.run(box.start())
+
+
+class FakeBackend:
+    """A started server's stand-in: answers `<tool> answered`, or raises (a bug of ours below the ToolBox)."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+
+    async def call(self, tool, arguments):
+        if self.fails:
+            raise RuntimeError("a bug")
+        return ToolResult(tool, f"{tool} answered")
+
+    async def close(self) -> None:
+        pass
+
+
+def _fake_box(listings: dict[str, list[str]], fails: bool = False) -> ToolBox:
+    """A running ToolBox over fake backends: server -> its tool names."""
+    box = ToolBox.from_spec({name: PythonTool(function="tests.test_tools_units:word_count") for name in listings})
+    box._backends = {name: FakeBackend(fails) for name in listings}
+    box._offer({name: [(tool, "", {"type": "object"}) for tool in tools] for name, tools in listings.items()})
+    box._running = True
+    return box
+
+
+def test_a_clashing_tools_answer_and_listing_carry_the_name_it_is_offered_as():
+    """Two servers with a tool `now`: each is offered, answered and listed as `<server>__now` (the server itself knows
+    it as `now`, the name its answer came back with), so the model's tool message and the per-tool metrics say which."""
+    box = _fake_box({"calc": ["now"], "time": ["now", "convert"]})
+    results = asyncio.run(box.call_many([ToolCall("time__now", {}, raw=""), ToolCall("convert", {}, raw="")]))
+    assert [(r.status, r.tool, r.text) for r in results] == [("ok", "time__now", "now answered"),
+                                                            ("ok", "convert", "convert answered")]
+    assert box.metrics()["tools/time__now/calls"] == 1
+    assert box.tool_listing()["time"] == [
+        {"name": "now", "offered_as": "time__now", "description": "", "inputSchema": {"type": "object"}},
+        {"name": "convert", "offered_as": "convert", "description": "", "inputSchema": {"type": "object"}}]
+
+
+def test_a_backend_that_raises_is_an_infra_error_not_the_models():
+    """A bug of ours below the ToolBox must not train the model away from a tool it called correctly."""
+    result = asyncio.run(_fake_box({"calc": ["add"]}, fails=True).call(ToolCall("add", {}, raw="")))
+    assert (result.status, result.error_kind, result.text) == (
+        "infra_error", "transport", "Error: the call to add failed (RuntimeError).")
+
+
+def test_a_box_that_is_not_running_answers_infra_errors():
+    """Not started (or closed): every call is ours to answer for, not the model's "unknown tool"."""
+    box = ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_units:word_count")})
+    result = asyncio.run(box.call(ToolCall("count", {"text": "a b"}, raw="")))
+    assert (result.status, result.error_kind) == ("infra_error", "transport")
