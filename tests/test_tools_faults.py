@@ -210,6 +210,24 @@ async def test_tool_that_raises_is_a_model_error(box):
     assert delta(before, after, "tools/boom/infra_errors") == 0
 
 
+async def test_a_tools_own_error_is_not_retried(box, monkeypatch):
+    """isError is the tool's answer (model_error): sent once, though the server allows a retry (retries: 1); a retried
+    one repeated the tool's side effects and waited through a backoff for the same answer."""
+    from factory.tools.connection import McpConnection
+
+    sent = []
+    answer = McpConnection.call_tool
+
+    async def counted(self, name, arguments):
+        sent.append(name)
+        return await answer(self, name, arguments)
+
+    monkeypatch.setattr(McpConnection, "call_tool", counted)
+    result = await box.call(call("boom", message="broken"))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert sent == ["boom"]
+
+
 async def test_json_rpc_error_keeps_the_servers_message_in_the_result_and_the_log(box, caplog):
     with caplog.at_level("WARNING", logger="factory.tools.servers"):
         result = await box.call(call("rpc_error", message="quota exhausted for key 7", code=-32000))

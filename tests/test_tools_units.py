@@ -458,3 +458,31 @@ def test_a_box_that_is_not_running_answers_infra_errors():
     box = ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_units:word_count")})
     result = asyncio.run(box.call(ToolCall("count", {"text": "a b"}, raw="")))
     assert (result.status, result.error_kind) == ("infra_error", "transport")
+
+
+RAISED = []
+
+
+def always_raises(text: str) -> str:
+    """Refuse every text, counting the calls.
+
+    Args:
+        text: Anything.
+    """
+    RAISED.append(text)
+    raise ValueError(f"no {text}")
+
+
+def test_a_python_tool_that_raises_is_called_once_whatever_its_retries():
+    """The tool's own error is the model's to read, not an infrastructure failure to retry: a retried one ran the
+    function (and its side effects) retries + 1 times, and the caller waited through the backoffs."""
+    RAISED.clear()
+
+    async def run() -> ToolResult:
+        spec = PythonTool(function="tests.test_tools_units:always_raises", retries=2)
+        async with ToolBox.from_spec({"refuse": spec}) as box:
+            return await box.call(ToolCall("refuse", {"text": "x"}, raw=""))
+
+    result = asyncio.run(run())
+    assert (result.status, result.error_kind, result.text) == ("model_error", "tool_error", "Error: ValueError: no x")
+    assert RAISED == ["x"]
