@@ -389,3 +389,41 @@ def test_a_stalled_generation_ends_the_episode_at_its_timeout(chat):
     first = len(chat.encode(call("add", a=2, b=3))) + 1
     assert len(traj.response_ids) == first + len(chat.tool_delta_ids([ToolResult("add", "5")], True))
     assert traj.loss_mask == [0] * len(traj.response_ids)
+
+
+def test_a_last_turn_cut_with_a_call_in_it_is_truncated(chat):
+    """max_turns: the last turn made a complete call, then was cut by max_new_tokens: the model never gave its last
+    word (truncated, as DAPO's overlong filter reads it), though the stop reason is max_turns."""
+    n = len(chat.encode(call("add", a=2, b=3))) + 3
+    cfg = RolloutSpec(max_turns=1, max_new_tokens=n, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(call("add", a=2, b=3) + " and then I keep talking for a while", True)]), chat,
+               FakeToolBox(), cfg)
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids), len(traj.turns[0].calls)) == (
+        "max_turns", True, n, 1)
+
+
+def test_a_call_drafted_in_a_reasoning_block_the_prompt_opened_is_not_run(tokenizer):
+    """R1's templates open `<think>` in the generation prompt: the turn's text starts inside the reasoning, so a call
+    the model drafted while thinking (its turn cut before `</think>`) is no call. Without the opened `<think>` in front
+    the loop ran it."""
+    from pathlib import Path
+
+    chatml = (Path(__file__).parent.parent / "prompts" / "chatml_tools.jinja").read_text()
+    r1 = ChatFormat(tokenizer, chatml.replace("{{- '<|im_start|>assistant\\n' }}",
+                                              "{{- '<|im_start|>assistant\\n<think>\\n' }}"))
+    assert r1.reasoning_opened == "<think>"
+    box = FakeToolBox()
+    drafted = "Maybe " + call("add", a=2, b=3) + " would do; let me think about it some more and more"
+    traj = run(ScriptedEngine(r1, [(drafted, False)]), r1, box)
+    assert (traj.stop_reason, box.calls, traj.turns[0].calls) == ("budget", [], [])
+    assert traj.turns[0].text.startswith("<think>Maybe <tool_call>")
+
+
+def test_a_close_think_tag_in_a_calls_argument_drops_no_call(chat):
+    """Qwen3 lets the model open its reasoning itself: a `</think>` with no `<think>` before it is the model's text (here
+    in an argument), not the end of reasoning the prompt began; the call before and around it is made."""
+    box = FakeToolBox()
+    turn = call("add", a=2, b=3, note="</think>")
+    traj = run(ScriptedEngine(chat, [(turn, True), ("5", True)]), chat, box)
+    assert [(c.name, c.arguments) for c in box.calls] == [("add", {"a": 2, "b": 3, "note": "</think>"})]
+    assert traj.stop_reason == "no_call" and [r.text for r in traj.turns[0].results] == ["5"]
