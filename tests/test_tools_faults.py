@@ -176,6 +176,14 @@ def test_the_stderr_tail_keeps_the_last_lines_within_a_bound():
     assert last_lines(b"") == ""
 
 
+async def test_starting_a_running_box_again_keeps_its_servers(box):
+    """start() on a running box is a no-op: new servers in its place would leave the old ones running, unowned (the
+    rollout stage starts its box once a step)."""
+    pid = await server_pid(box)
+    await box.start()
+    assert await server_pid(box) == pid
+
+
 async def test_call_past_its_timeout_is_an_infra_timeout_and_blocks_nobody(box):
     before = box.metrics()
     pid = await server_pid(box)
@@ -200,6 +208,24 @@ async def test_tool_that_raises_is_a_model_error(box):
     after = box.metrics()
     assert delta(before, after, "tools/boom/model_errors") == 1
     assert delta(before, after, "tools/boom/infra_errors") == 0
+
+
+async def test_a_tools_own_error_is_not_retried(box, monkeypatch):
+    """isError is the tool's answer (model_error): sent once, though the server allows a retry (retries: 1); a retried
+    one repeated the tool's side effects and waited through a backoff for the same answer."""
+    from factory.tools.connection import McpConnection
+
+    sent = []
+    answer = McpConnection.call_tool
+
+    async def counted(self, name, arguments):
+        sent.append(name)
+        return await answer(self, name, arguments)
+
+    monkeypatch.setattr(McpConnection, "call_tool", counted)
+    result = await box.call(call("boom", message="broken"))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert sent == ["boom"]
 
 
 async def test_json_rpc_error_keeps_the_servers_message_in_the_result_and_the_log(box, caplog):

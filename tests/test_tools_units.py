@@ -16,6 +16,7 @@ from factory.tools.results import content_text, truncate_middle, value_text
 from factory.tools.servers import function_schema
 from factory.tools.toolbox import (
     ToolBox,
+    allowed_only,
     ToolEntry,
     ToolStartError,
     argument_problem,
@@ -45,6 +46,12 @@ def test_truncate_limit_smaller_than_marker_keeps_head_only():
     assert truncate_middle("abcdefghijklmnopqrstuvwxyz" * 10, 8) == "abcdefgh"
 
 
+def test_truncate_keeps_a_text_of_exactly_the_limit_whole():
+    # (at "hello", 5 a text cut wrongly comes back the same, its head alone; at 100 the cut puts a marker in it)
+    assert truncate_middle("x" * 100, 100) == "x" * 100
+    assert truncate_middle("x" * 101, 100) == "x" * 35 + "\n...[32 characters omitted]...\n" + "x" * 34
+
+
 # ------------------------------------------------------------------------------------ result text
 def test_content_text_joins_blocks_and_names_non_text():
     result = mcp_types.CallToolResult(
@@ -60,11 +67,31 @@ def test_content_text_joins_blocks_and_names_non_text():
 def test_content_text_falls_back_to_structured_content():
     result = mcp_types.CallToolResult(content=[], structured_content={"value": 3})
     assert content_text(result) == '{"value": 3}'
+    # non-ASCII as it is, not as \u escapes the model would read (and pay tokens for)
+    assert content_text(mcp_types.CallToolResult(content=[], structured_content={"city": "Zürich"})) == \
+        '{"city": "Zürich"}'
+    # only a fallback: a result with content shows its content (FastMCP sends both), not the JSON
+    both = mcp_types.CallToolResult(content=[mcp_types.TextContent(type="text", text="3")], structured_content={"value": 3})
+    assert content_text(both) == "3"
+
+
+def test_content_text_shows_an_embedded_resources_text_and_names_the_rest():
+    result = mcp_types.CallToolResult(content=[
+        mcp_types.EmbeddedResource(type="resource", resource=mcp_types.TextResourceContents(uri="file:///a.txt",
+                                                                                           text="inside")),
+        mcp_types.EmbeddedResource(type="resource", resource=mcp_types.BlobResourceContents(uri="file:///b.bin",
+                                                                                           blob="QUJD")),
+        mcp_types.ResourceLink(type="resource_link", uri="file:///c", name="c"),
+        mcp_types.AudioContent(type="audio", data="QUJDRA==", mime_type="audio/wav"),
+    ])
+    assert content_text(result) == ("inside\n[resource: file:///b.bin]\n[resource link: file:///c]\n"
+                                    "[audio: audio/wav, 8 base64 characters]")
 
 
 def test_value_text():
     assert value_text("x") == "x"
     assert value_text({"a": [1, 2]}) == '{"a": [1, 2]}'
+    assert value_text({"city": "Zürich"}) == '{"city": "Zürich"}'  # not "Z\\u00fcrich"
 
 
 # ----------------------------------------------------------------------------------------- naming
@@ -88,6 +115,23 @@ def test_routes_accept_offered_and_qualified_names():
     table = routes(entries)
     assert table["calculate"] is table["calc__calculate"]
     assert "now" not in table
+
+
+def test_an_offered_name_wins_over_a_qualified_one_that_equals_it():
+    """Server a's tool `b__c` is offered bare (unique); server b's tool `c` is also reachable as `b__c`: a call of
+    the name the model was shown goes to the tool it was shown (a's), not to b's."""
+    schema = {"type": "object"}
+    table = routes(offered_tools({"a": [("b__c", "", schema)], "b": [("c", "", schema)]}))
+    assert (table["b__c"].server, table["b__c"].tool) == ("a", "b__c")
+    assert (table["c"].server, table["c"].tool) == ("b", "c")
+
+
+def test_allowed_tools_keeps_only_the_tools_it_names():
+    """`allowed_tools` is how a spec keeps a server's other tools (a `delete`, a `shell`) from the model: they are
+    neither offered nor routed. (The calculator server of the tools tests has one tool: keeping all passed.)"""
+    tools = [("read", "", {}), ("delete", "", {}), ("list", "", {})]
+    assert allowed_only("fs", tools, ["list", "read"], "the server has") == [("read", "", {}), ("list", "", {})]
+    assert allowed_only("fs", tools, None, "the server has") == tools
 
 
 def test_server_name_with_separator_is_rejected():
@@ -191,6 +235,30 @@ def test_breaker_released_probe_lets_another_through():
     assert breaker.allow() and not breaker.allow()
     breaker.release_probe()
     assert breaker.allow()
+
+
+def test_a_recovered_breaker_counts_to_its_threshold_again():
+    """After a probe succeeded the breaker is as new: it opens on the threshold's failure, not on the next one (a
+    probe flag left set made the first failure after a recovery open it)."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=3, cooldown_s=5.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+    clock.now = 5.0
+    assert breaker.allow()  # the probe
+    breaker.record_success()
+    assert [breaker.record_failure() for _ in range(3)] == [False, False, True]
+
+
+def test_failures_while_open_do_not_reopen_the_circuit():
+    """A failure reported while the circuit is already open (another replica's calls in flight when it opened) is no
+    new opening: it does not count as one in `circuit_opens`, nor push the probe a full cooldown away."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=2, cooldown_s=5.0, clock=clock)
+    assert [breaker.record_failure() for _ in range(2)] == [False, True]  # opened at 0
+    clock.now = 3.0
+    assert not breaker.record_failure() and breaker.state == "open"
+    clock.now = 5.0
+    assert breaker.state == "half_open" and breaker.allow()  # 5 s after it opened, not after the late failure
 
 
 def test_backoff_doubles_caps_and_jitters_within_half():
@@ -339,3 +407,82 @@ def test_from_spec_has_no_side_effects_and_start_names_the_failure():
     with pytest.raises(ToolStartError,
                        match="gone: cannot import 'no_such_module_xyz:fn': no module named 'no_such_module_xyz'"):
         asyncio.run(box.start())
+
+
+class FakeBackend:
+    """A started server's stand-in: answers `<tool> answered`, or raises (a bug of ours below the ToolBox)."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+
+    async def call(self, tool, arguments):
+        if self.fails:
+            raise RuntimeError("a bug")
+        return ToolResult(tool, f"{tool} answered")
+
+    async def close(self) -> None:
+        pass
+
+
+def _fake_box(listings: dict[str, list[str]], fails: bool = False) -> ToolBox:
+    """A running ToolBox over fake backends: server -> its tool names."""
+    box = ToolBox.from_spec({name: PythonTool(function="tests.test_tools_units:word_count") for name in listings})
+    box._backends = {name: FakeBackend(fails) for name in listings}
+    box._offer({name: [(tool, "", {"type": "object"}) for tool in tools] for name, tools in listings.items()})
+    box._running = True
+    return box
+
+
+def test_a_clashing_tools_answer_and_listing_carry_the_name_it_is_offered_as():
+    """Two servers with a tool `now`: each is offered, answered and listed as `<server>__now` (the server itself knows
+    it as `now`, the name its answer came back with), so the model's tool message and the per-tool metrics say which."""
+    box = _fake_box({"calc": ["now"], "time": ["now", "convert"]})
+    results = asyncio.run(box.call_many([ToolCall("time__now", {}, raw=""), ToolCall("convert", {}, raw="")]))
+    assert [(r.status, r.tool, r.text) for r in results] == [("ok", "time__now", "now answered"),
+                                                            ("ok", "convert", "convert answered")]
+    assert box.metrics()["tools/time__now/calls"] == 1
+    assert box.tool_listing()["time"] == [
+        {"name": "now", "offered_as": "time__now", "description": "", "inputSchema": {"type": "object"}},
+        {"name": "convert", "offered_as": "convert", "description": "", "inputSchema": {"type": "object"}}]
+
+
+def test_a_backend_that_raises_is_an_infra_error_not_the_models():
+    """A bug of ours below the ToolBox must not train the model away from a tool it called correctly."""
+    result = asyncio.run(_fake_box({"calc": ["add"]}, fails=True).call(ToolCall("add", {}, raw="")))
+    assert (result.status, result.error_kind, result.text) == (
+        "infra_error", "transport", "Error: the call to add failed (RuntimeError).")
+
+
+def test_a_box_that_is_not_running_answers_infra_errors():
+    """Not started (or closed): every call is ours to answer for, not the model's "unknown tool"."""
+    box = ToolBox.from_spec({"count": PythonTool(function="tests.test_tools_units:word_count")})
+    result = asyncio.run(box.call(ToolCall("count", {"text": "a b"}, raw="")))
+    assert (result.status, result.error_kind) == ("infra_error", "transport")
+
+
+RAISED = []
+
+
+def always_raises(text: str) -> str:
+    """Refuse every text, counting the calls.
+
+    Args:
+        text: Anything.
+    """
+    RAISED.append(text)
+    raise ValueError(f"no {text}")
+
+
+def test_a_python_tool_that_raises_is_called_once_whatever_its_retries():
+    """The tool's own error is the model's to read, not an infrastructure failure to retry: a retried one ran the
+    function (and its side effects) retries + 1 times, and the caller waited through the backoffs."""
+    RAISED.clear()
+
+    async def run() -> ToolResult:
+        spec = PythonTool(function="tests.test_tools_units:always_raises", retries=2)
+        async with ToolBox.from_spec({"refuse": spec}) as box:
+            return await box.call(ToolCall("refuse", {"text": "x"}, raw=""))
+
+    result = asyncio.run(run())
+    assert (result.status, result.error_kind, result.text) == ("model_error", "tool_error", "Error: ValueError: no x")
+    assert RAISED == ["x"]
