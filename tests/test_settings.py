@@ -216,6 +216,10 @@ def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refus
 
     assert set(ZERO_FROM_STAGE) | set(ZERO_NOT_APPLIED) <= ZERO_KEYS
     assert not set(ZERO_FROM_STAGE) & set(ZERO_NOT_APPLIED)
+    # the deprecated spelling offloads too; an offload to device "none" is none
+    said = _zero_problem("cpu_offload", True, 0)
+    assert said is not None and said == _zero_problem("offload_optimizer", {"device": "nvme"}, 0)
+    assert not _zero_problem("cpu_offload", True, 1) and not _zero_problem("offload_optimizer", {"device": "none"}, 0)
     for stage in (0, 1, 2, 3):  # DeepSpeed's own validator: refused where Factory says so, taken elsewhere
         refused = _zero_problem("compute_grad_norm", False, stage) is not None
         try:

@@ -187,9 +187,8 @@ def _zero_problem(key: str, value: Any, stage: int) -> str | None:
     if key in ("offload_param", "cpu_offload_param") and stage != 3:
         # (DeepSpeed hands it to ZeRO-3's optimizer only; stages 1 and 2 never read it)
         return "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3"
-    offloads = (value is True if key == "cpu_offload"
-                else isinstance(value, dict) and value.get("device", "none") != "none" if key == "offload_optimizer"
-                else False)
+    offloads = ((key == "cpu_offload" and value is True)  # (the deprecated spelling of a CPU offload_optimizer)
+                or (key == "offload_optimizer" and isinstance(value, dict) and value.get("device", "none") != "none"))
     if offloads and stage == 0:
         return ("optimizer offload needs ZeRO (DeepSpeed refuses it without): set train.deepspeed.zero_stage to 1, 2 "
                 "or 3 (train.deepspeed.offload_optimizer offloads to the CPU)")
