@@ -206,6 +206,16 @@ def test_zero_keys_deepspeed_refuses_or_never_reads_at_the_specs_stage(project, 
         assert [line.split("zero_optimization.")[1].split(":")[0] for line in said] == warned, stage
         assert all(f"has no effect at train.deepspeed.zero_stage {stage}: DeepSpeed reads it only in its ZeRO "
                    in line for line in said)
+    # a Hugging Face Trainer config's "auto", which DeepSpeed's config models drop (its default applies)
+    auto = "train.deepspeed.zero_optimization.reduce_bucket_size"
+    assert cli.main(["check", ok, "train.deepspeed.zero_stage=2", f"{auto}=auto"]) == 0
+    assert (f"{auto}: warning: 'auto' is filled in by Hugging Face's Trainer, not by DeepSpeed, which drops it, so "
+            "its default applies") in capsys.readouterr().err
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size="auto").reduce_bucket_size == \
+        DeepSpeedZeroConfig(stage=2).reduce_bucket_size
 
 
 def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refusal_agrees():

@@ -169,6 +169,9 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
                     r.error(f"{path}.{sub}", _unknown(str(sub), ZERO_KEYS, "zero_optimization"))
                 elif sub in ZERO_NOT_APPLIED:
                     r.error(f"{path}.{sub}", f"not applied by Factory's update: {ZERO_NOT_APPLIED[sub]}")
+                elif v == "auto":  # (Hugging Face's DeepSpeed config templates are full of them)
+                    r.warn(f"{path}.{sub}", "'auto' is filled in by Hugging Face's Trainer, not by DeepSpeed, which "
+                                            "drops it, so its default applies: give a value, or remove the key")
                 elif problem := _zero_problem(str(sub), v, spec.train.deepspeed.zero_stage):
                     r.error(f"{path}.{sub}", problem)
                 elif ZERO_FROM_STAGE.get(sub, 0) > spec.train.deepspeed.zero_stage:
