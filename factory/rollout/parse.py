@@ -25,16 +25,18 @@ _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" +
 _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
+_NEVER_CLOSED = f"unclosed {OPEN}: no {CLOSE} after it"
 
 
 def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
     """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
     malformed call: each opening marker followed by `{` and no closing one, its text running to the next
     marker (a mention of the marker in prose, with no `{` after it, is not a call), or, after the last closed
-    block where no marker has a `{` after it, the first marker there (a turn cut off right after it). `opened_before=False`:
-    the text begins with any `<think>` its prompt opened (the agent loop writes ChatFormat.reasoning_opened
-    into each turn's text), so a `</think>` with none before it is the model's own (in an argument) and drops
-    no call before it; True (a completion as a reward reads it): all before a leading `</think>` is reasoning."""
+    block where no marker has a `{` after it, the first marker there (a turn cut off right after it).
+    `opened_before=False`: the text begins with any `<think>` its prompt opened (the agent loop writes
+    ChatFormat.reasoning_opened into each turn's text), so a `</think>` with none before it is the model's own
+    (in an argument) and drops no call before it; True (a completion as a reward reads it): all before a
+    leading `</think>` is reasoning."""
     text = without_reasoning(text, opened_before=opened_before)
     calls: list[ToolCall] = []
     last_end = 0
@@ -47,8 +49,7 @@ def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]
     # such calls were one, its text holding both); else the first marker, with whatever it was cut to.
     tail = text[last_end:]
     if OPEN in tail:
-        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):],
-                                                f"unclosed {OPEN}: no {CLOSE} after it")]
+        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):], _NEVER_CLOSED)]
     return calls
 
 
@@ -77,7 +78,7 @@ def _unclosed(gap: str) -> list[ToolCall]:
     calls = []
     for m in _UNCLOSED.finditer(gap):
         end = gap.find(OPEN, m.end())
-        calls.append(_malformed(gap[m.end():end if end >= 0 else None], f"unclosed {OPEN}: no {CLOSE} after it"))
+        calls.append(_malformed(gap[m.end():end if end >= 0 else None], _NEVER_CLOSED))
     return calls
 
 
