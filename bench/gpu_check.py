@@ -6,7 +6,8 @@ Checks (each one `factory run` in a throwaway project folder, one GPU shared by 
 with `resources.rollout.num_gpus=0.5 resources.update.num_gpus=0.5`):
 
   tiny_vllm        specs/tiny.yaml on vLLM CUDA, the update on CUDA under bf16 autocast
-  quickstart_bf16  three steps of specs/quickstart.yaml, vLLM in bf16, bf16 autocast update (full weights)
+  quickstart_bf16  three steps of specs/quickstart.yaml, vLLM in bf16, bf16 autocast update (full weights),
+                   vLLM asleep during each update (`rollout.vllm_sleep`)
   quickstart_lora  the same with `model.lora.r=16` (adapter-only sync) and TIS
                    (`algorithm.rollout_correction: {kind: tis}`)
   tiny_hf, tiny_lora_hf  (asked for by name) the tiny spec, without and with LoRA + TIS, on transformers'
@@ -77,8 +78,11 @@ CHECKS: dict[str, Check] = {
     "tiny_vllm": Check("specs/tiny.yaml", ("train.steps=3", "rollout.engine=vllm", "train.bf16_autocast=true",
                                            "train.threads=4", "rollout.kv_cache_gb=2"),
                        {**ON_CUDA, "rollout.engine": "vllm"}),
-    "quickstart_bf16": Check("specs/quickstart.yaml", QUICKSTART,
-                             {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16"}),
+    # vLLM asleep during each update (rollout.vllm_sleep): the log-prob agreement after a sync shows the weights
+    # it woke with are the new ones
+    "quickstart_bf16": Check("specs/quickstart.yaml", (*QUICKSTART, "rollout.vllm_sleep=true"),
+                             {**ON_CUDA, "rollout.engine": "vllm", "rollout.dtype": "bfloat16",
+                              "rollout.vllm_sleep": "True"}),
     # on CUDA `vllm_lora: auto` serves the adapters (vLLM's LoRA kernels), and vLLM compiles (CUDA graphs): the
     # paths no CPU run takes
     "quickstart_lora": Check("specs/quickstart.yaml",

@@ -592,6 +592,15 @@ class RolloutSpec(Section):
     2-core real AVX2 Zen 3, 20 s more for the 10M tiny model (generation then 17-20% faster) and 70-75 s
     more for SmolLM2-135M (10% faster; docs/engines.md). true compiles on CPU too (a long CPU run); false
     runs eagerly on CUDA too. The run's params say which ran (`resolved.rollout.vllm_compiled`)."""
+    vllm_sleep: bool = False
+    """Whether the vLLM engine gives its GPU memory back while the update runs (vLLM's sleep mode): after
+    each step's rollout it copies its weights to CPU memory and drops its KV cache; at the weight sync it
+    takes the weights back, loads the new ones, then takes its KV cache back. For a rollout that shares its
+    GPU with the update (`resources.rollout.num_gpus: 0.5` beside `resources.update.num_gpus: 0.5`): the
+    update's peak (activations, gathered ZeRO-3 weights) may then use vLLM's share too; the update's own
+    weights and optimizer state stay resident. Costs a copy of the weights to CPU memory and back each step.
+    Needs vLLM on a GPU (on a CPU vLLM has no sleep mode) and `train.max_staleness: 0` (otherwise the next
+    rollout runs during the update)."""
     vllm_lora: Literal["auto", "merge", "serve"] = "auto"
     """How the vLLM engine takes a LoRA run's adapters (`model.lora`) at each sync: `merge` them into its
     weights (W0 + alpha/r B @ A for the adapted layers, from a float32 copy of those layers' W0 in CPU

@@ -208,3 +208,43 @@ def test_evaluation_samples_seeded_at_eval_temperature(monkeypatch):
 
     (first, again), greedy = asyncio.run(go())
     assert first == again and first != greedy
+
+
+def test_vllm_sleeps_after_a_training_rollout_only(monkeypatch):
+    """`rollout.vllm_sleep`: the engine gives its GPU memory back once a step's rollout is done (the update comes
+    next), not after an evaluation (a rollout or the run's end comes next). Setup decides it for vLLM only
+    (`engine: auto` may take transformers); this one's engine stands in for vLLM."""
+    from pathlib import Path
+
+    from factory.compiler.compile import compile_file
+    from factory.data import DataStage
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    _, plan = compile_file(repo / "specs" / "tiny.yaml", ["rollout.engine=hf", "rollout.max_turns=1",
+                                                          "rollout.max_new_tokens=4"])
+    data = DataStage(plan.stage("data").settings)
+    data.setup()
+    s = plan.stage("rollout").settings
+    rollout = RolloutStage(s.model_copy(update={"rollout": s.rollout.model_copy(update={"vllm_sleep": True})}))
+    slept = []
+
+    async def go():
+        info = await rollout.setup(Placement(peers={rollout.settings.tool_peer: FakeToolsStage()}))
+        try:
+            assert not rollout.sleeps and "vllm_sleep" not in info["resolved"]  # transformers: nothing to sleep
+            rollout.sleeps = True
+
+            async def sleep():
+                slept.append(rollout._done)  # every trajectory of the rollout done by then
+
+            rollout.engine.sleep = sleep
+            await rollout.evaluate(data.next_batch(1))
+            assert slept == []
+            await rollout.generate(data.next_batch(1))
+        finally:
+            await rollout.close()
+
+    asyncio.run(go())
+    assert slept == [rollout.settings.rollout.group_size]

@@ -453,3 +453,33 @@ def test_a_served_adapter_goes_to_memory_only_where_it_fits(tmp_path, monkeypatc
     assert engine_vllm._adapter_dir(10 << 20, tmp_path) == str(tmp_path)  # 10 MB, twice: fits
     assert engine_vllm._adapter_dir(66 << 20, tmp_path) is None  # the temporary folder instead
     assert engine_vllm._adapter_dir(1, tmp_path / "absent") is None
+
+
+def test_a_sleeping_engine_wakes_for_a_sync_or_a_generation_and_samples_as_before(vllm, hf, monkeypatch):
+    """`rollout.vllm_sleep`: after a training rollout vLLM sleeps (level 1: on a GPU its weights go to CPU memory and
+    its KV cache is dropped; on this CPU vLLM's worker keeps its memory, but its scheduler pauses as on a GPU, so a
+    request sent to a sleeping engine would wait forever). A weight sync wakes the weights, loads the new ones,
+    then wakes the KV cache, each once (CUDA's allocator maps a tag's memory again on every wake naming it); a
+    generation before the sync (an evaluation) wakes it whole."""
+    both_load(vllm, hf, context_weights(hf))
+    requests = [(p, 8) for p in prompts()]
+    before = asyncio.run(gather(vllm, requests))
+    want = [o.ids for o in before]
+    woke = []
+    wake_up = vllm.engine.wake_up
+    monkeypatch.setattr(vllm.engine, "wake_up", lambda tags=None: woke.append(tags) or wake_up(tags))
+    for _ in range(2):  # asleep twice: one sleep
+        asyncio.run(vllm.sleep())
+    assert vllm.engine.is_sleeping() and vllm.asleep == {"weights", "kv_cache"}
+    assert [o.ids for o in asyncio.run(gather(vllm, requests))] == want
+    assert woke == [["weights", "kv_cache"]] and not vllm.engine.is_sleeping() and not vllm.asleep
+    woke.clear()
+    asyncio.run(vllm.sleep())
+    both_load(vllm, hf, {k: v * 0.5 if "embed" in k else v for k, v in context_weights(hf).items()})
+    assert woke == [["weights"], ["kv_cache"]] and not vllm.engine.is_sleeping()
+    after = asyncio.run(gather(vllm, requests))
+    assert [o.ids for o in after] == [o.ids for o in asyncio.run(gather(hf, requests))]
+    for p, o, b in zip(prompts(), after, before):  # the new weights', not the old ones'
+        assert o.logprobs == pytest.approx(forward_logprobs(hf.model, p, o.ids), abs=1e-4) != b.logprobs
+    vllm.load_weights(context_weights(hf))  # awake: a sync wakes nothing
+    assert len(woke) == 2

@@ -317,6 +317,25 @@ def test_vllm_settings_that_do_not_apply_warn(project):
     assert not compile_file(path, ["rollout.engine=vllm", "model.lora.r=4"])[1].warnings
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (Python 3.10, "
+                    "FACTORY_NO_VLLM=1)")
+def test_vllm_sleep_needs_a_gpu_rollout_and_no_staleness(project):
+    """`rollout.vllm_sleep` frees vLLM's GPU memory during the update: on a CPU vLLM refuses sleep mode (when the
+    rollout starts), and with max_staleness the next rollout would wake it during the update."""
+    path = _spec(project, "st_sleep", "rollout: {engine: vllm, vllm_sleep: true}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: rollout.vllm_sleep: vLLM's sleep mode gives back GPU memory, and this rollout runs on the CPU "
+        "(vLLM refuses sleep mode there): remove it, or give the rollout a GPU (resources.rollout.num_gpus)\n"
+        "1 error in spec.yaml")
+    gpus = ["resources.rollout.num_gpus=0.5", "resources.update.num_gpus=0.5"]  # (this machine has none: errors too)
+    assert "rollout.vllm_sleep" not in _errors(path, gpus)
+    assert ("rollout.vllm_sleep: with train.max_staleness 1 the next rollout runs while the update does, so vLLM "
+            "would wake during the update: set max_staleness to 0, or remove vllm_sleep") in _errors(
+                path, [*gpus, "train.max_staleness=1"])
+    assert compile_file(path, ["rollout.engine=hf"])[1].warnings == (
+        "spec.yaml:9: rollout.vllm_sleep: warning: has no effect with engine 'hf' (vLLM only)",)
+
+
 def test_share_prefix_switched_off_by_another_setting_warns(project):
     """`share_prefix: true` beside gradient checkpointing or LoRA dropout checked ok, and the learner ran every
     row's prefix itself (`resolved.update.share_prefix: off`)."""

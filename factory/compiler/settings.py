@@ -217,7 +217,7 @@ def _set(model: Any, field: str) -> bool:
 def vllm_only(rollout: Any) -> list[str]:
     """The rollout settings the user wrote that only vLLM reads: said when the engine is transformers, by
     the spec (`factory check`) or by `engine: auto`'s choice on the machine (the run's start)."""
-    return [f for f in ("kv_cache_gb", "vllm_compile", "vllm_lora") if _set(rollout, f)]
+    return [f for f in ("kv_cache_gb", "vllm_compile", "vllm_lora", "vllm_sleep") if _set(rollout, f)]
 
 
 def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: bool = False) -> None:
@@ -258,6 +258,15 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: 
             r.warn("rollout.max_total_tokens", f"below rollout.max_new_tokens ({spec.rollout.max_new_tokens}, the "
                                                "default), which then has no effect: this bounds a trajectory's "
                                                "response tokens, so no turn can be longer")
+    if spec.rollout.vllm_sleep and spec.rollout.engine != "hf":
+        if spec.resources.rollout.num_gpus == 0:
+            r.error("rollout.vllm_sleep", "vLLM's sleep mode gives back GPU memory, and this rollout runs on the CPU "
+                                          "(vLLM refuses sleep mode there): remove it, or give the rollout a GPU "
+                                          "(resources.rollout.num_gpus)")
+        elif spec.train.max_staleness > 0:
+            r.error("rollout.vllm_sleep", f"with train.max_staleness {spec.train.max_staleness} the next rollout runs "
+                                          "while the update does, so vLLM would wake during the update: set "
+                                          "max_staleness to 0, or remove vllm_sleep")
     if spec.rollout.engine == "hf":
         for field in vllm_only(spec.rollout):
             r.warn(f"rollout.{field}", f"{unused} with engine '{spec.rollout.engine}' (vLLM only)")

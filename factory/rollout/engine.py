@@ -255,7 +255,8 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
                                     lora_rank=lora.r if lora is not None else 0,
                                     compile=getattr(settings, "vllm_compile", None),  # a judge's: the default
                                     max_model_len=getattr(settings, "max_model_len", None),
-                                    fit_context=hasattr(settings, "max_model_len"))  # a judge's: no
+                                    fit_context=hasattr(settings, "max_model_len"),  # a judge's: no
+                                    sleeps=getattr(settings, "vllm_sleep", False))  # a judge's: no
                 engine.choice_reason = reason
                 return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers

@@ -141,7 +141,7 @@ class VLLMEngine:
                  stop_token_ids: Sequence[int] = (), max_num_seqs: int = 64, kv_cache_gb: float = 2.0,
                  threads: int | None = None, max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  lora: str | None = None, lora_rank: int = 0, compile: bool | None = None, gpu_share: float = 1.0,
-                 fit_context: bool = True):
+                 fit_context: bool = True, sleeps: bool = False):
         # Read by vLLM when the engine is made: keep the engine core in this process (a weight sync is then
         # a copy, and nothing is forked from a Ray worker).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -191,6 +191,9 @@ class VLLMEngine:
             # serve: vLLM's LoRA layers, sized for one adapter of the run's rank (vLLM takes ranks from a list)
             **({"enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(lora_rank)} if lora == "serve" else {}),
             **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}),
+            # `rollout.vllm_sleep` (CUDA's memory allocator; vLLM refuses sleep mode on a CPU, where its worker's
+            # sleep and wake are no-ops: `sleep` below still runs vLLM's own pause and resume there)
+            enable_sleep_mode=sleeps and device != "cpu",
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.model_path, self.dtype = model_path, dtype
@@ -212,6 +215,7 @@ class VLLMEngine:
         self._aborts: list[str] = []
         self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._running = False
+        self.asleep: set[str] = set()  # what `sleep` gave back and is not taken back yet (on the step thread only)
 
     # ------------------------------------------------------------------------------------ Engine API
     async def generate(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling) -> Generation:
@@ -259,13 +263,36 @@ class VLLMEngine:
         if _TIED_HEAD not in weights and _EMBEDDINGS in weights:
             weights[_TIED_HEAD] = weights[_EMBEDDINGS]  # see the module docstring: vLLM needs the head named
         def reload() -> None:
+            # asleep: the weights come back first and the KV cache after the new ones are in, so the GPU never
+            # holds the cache and a sync's transient copies at once (as TRL and verl wake)
+            self._wake(("weights",))
             # one worker in this process takes an iterator; worker processes (tensor parallel) a list
             items = iter(weights.items()) if self.tensor_parallel_size == 1 else list(weights.items())
             self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self._wake()
             self._reset_prefix_cache()  # cached KV belongs to the old weights
 
         # On the step thread, like every vLLM call: after the step loop has drained, never inside a step.
         self._executor.submit(reload).result()
+
+    async def sleep(self) -> None:
+        """Give the GPU memory back until the next weight sync or generation (`rollout.vllm_sleep`): the
+        weights to CPU memory, the KV cache dropped (vLLM's sleep level 1). Called once a rollout is done: a
+        request still running would be aborted."""
+        await asyncio.wrap_future(self._executor.submit(self._sleep))  # after the step loop has drained
+
+    def _sleep(self) -> None:
+        if not self.asleep:
+            self.engine.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}  # (vLLM's sleep tags)
+
+    def _wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """On the step thread: take back those of `tags` that `sleep` gave and are still given (each once: CUDA's
+        allocator maps a tag's memory again on every wake that names it); with the last, vLLM's scheduler
+        resumes."""
+        if due := [t for t in tags if t in self.asleep]:
+            self.engine.wake_up(due)
+            self.asleep -= set(due)
 
     def _reset_prefix_cache(self) -> None:
         """Drop the cached KV of the weights just replaced. vLLM declines (returns False, its warning hidden at our
@@ -283,6 +310,7 @@ class VLLMEngine:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
+        self._wake()
         if self._adapter is None:
             self._folder = Path(tempfile.mkdtemp(prefix="factory-lora-", dir=_adapter_dir(adapters.nbytes())))
             weakref.finalize(self, shutil.rmtree, self._folder, True)  # gone with the engine
@@ -325,6 +353,7 @@ class VLLMEngine:
         (Before, such an error ended the thread with `_running` still set: every later request waited
         forever.)"""
         try:
+            self._wake()  # a generation after `sleep` (an evaluation before the next sync) wakes the engine first
             while True:
                 with self._lock:
                     incoming, self._incoming = self._incoming, []

@@ -119,6 +119,7 @@ class RolloutStage(StageActor):
         self.settings = settings
         self.engine: Any = None  # made in setup
         self.dtype = "float32"  # the engine's, resolved in setup
+        self.sleeps = False  # vLLM sleeps after each training rollout (rollout.vllm_sleep), decided in setup
         self._done, self._total = 0, 0  # trajectories of the generate call in progress
         # tool-server events (restarts, circuit opens, cache hits) heard outside a training rollout: between
         # batches, or in an evaluation, whose tool metrics are not logged; the next training rollout's carry them
@@ -175,6 +176,10 @@ class RolloutStage(StageActor):
             resolved["max_model_len"] = self.context
         if self.engine.name == "vllm":
             resolved["vllm_compiled"] = self.engine.compiled
+        # (vLLM only: `engine: auto` may have taken transformers, which the run's start says)
+        self.sleeps = s.rollout.vllm_sleep and self.engine.name == "vllm"
+        if self.sleeps:
+            resolved["vllm_sleep"] = True
         if self.engine.fallback_reason:
             resolved["engine_fallback"] = self.engine.fallback_reason
         if self.engine.choice_reason:  # `auto` weighed vLLM's start-up against its saving
@@ -242,6 +247,8 @@ class RolloutStage(StageActor):
             trajs = task.result()  # raises what the rollout raised
         finally:  # a consumer that stops early (or a failure) leaves nothing running
             task.cancel()
+        if not evaluation and self.sleeps:  # the update comes next: its GPU gets vLLM's memory until the weight sync
+            await self.engine.sleep()
         metrics = await self.tools.take_metrics()
         if evaluation:  # its events go with the next training rollout's
             self._carry(metrics)
