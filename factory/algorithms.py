@@ -322,9 +322,9 @@ K3_MAX = 10.0  # per token; verl's bound on its low-variance KL
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """r - 1 - log r: unbiased, low variance, >= 0 (GRPO's and TRL's choice). Bounded at `K3_MAX` per token
     (log r at +-20 first, so exp stays finite), as verl bounds it: r grows as e^(log r), so one sampled token
-    far less likely under the policy than under the reference (a gap of 20 nats: 1.6e5) would outweigh the
-    whole mini-batch's policy gradient, and past 88 nats float32's exp overflows and the step is skipped as
-    non-finite. A token at the bound gets no KL gradient."""
+    far less likely under the policy than under the reference (a gap of 20 nats: e^20 - 1 - 20 = 4.9e8) would
+    outweigh the whole mini-batch's policy gradient, and past 88 nats float32's exp overflows and the step is
+    skipped as non-finite. A token at the bound gets no KL gradient."""
     d = (ref_logp - logp).clamp(-20.0, 20.0)
     return (torch.expm1(d) - d).clamp(max=K3_MAX)
 

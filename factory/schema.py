@@ -582,10 +582,11 @@ class RolloutSpec(Section):
     max_model_len: int | None = Field(None, ge=16)
     """The longest sequence the rollout runs, prompt and response together, in tokens. None: the model's
     context (its config's `max_position_embeddings`), or with vLLM the longest that `kv_cache_gb` holds where
-    that is less (vLLM's auto-fit: Qwen3's 40960-token context needs 4.5 GiB of float32 KV cache at 0.6B,
-    more than the default 2). A prompt that leaves no room is not generated from (`prompt_too_long`) and a
-    turn is cut where it ends. Setting it also frees vLLM's CPU step budget, which is sized to it. The
-    run's params record what ran (`resolved.rollout.max_model_len`)."""
+    that is less (vLLM's auto-fit: Qwen3-0.6B's 40960-token context needs 8.75 GiB of float32 KV cache, 224
+    KiB a token: K and V x 28 layers x 8 KV heads x 128 x 4 bytes; 4.4 GiB in bfloat16; either is more than
+    the default 2). A prompt that leaves no room is not generated from (`prompt_too_long`) and a turn is cut
+    where it ends. Setting it also frees vLLM's CPU step budget, which is sized to it. The run's params
+    record what ran (`resolved.rollout.max_model_len`)."""
     vllm_compile: bool | None = None
     """Whether the vLLM engine compiles its model (torch.compile; on CUDA with CUDA graphs) or runs it
     eagerly. None: compiled on CUDA, eager on CPU, where compiling adds start-up for a modest gain: on a

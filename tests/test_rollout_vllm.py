@@ -206,7 +206,7 @@ def test_on_cpu_the_engine_runs_eagerly_unless_asked(vllm):
 
 def test_a_kv_cache_short_of_the_models_context_runs_the_longest_sequence_it_holds(vllm, model_path):
     """vLLM refused to start where `kv_cache_gb` could not hold one sequence of the model's whole context
-    (Qwen3-0.6B's 40960 tokens are 4.5 GiB of float32 KV against the default 2), and `auto` then fell back
+    (Qwen3-0.6B's 40960 tokens are 8.75 GiB of float32 KV against the default 2), and `auto` then fell back
     to transformers. Now vLLM fits the length to its cache (the rollout cuts its trajectories there), and
     keeps the model's context where the cache holds it. (The small engine runs in a process of its own: a
     second engine in this one would tear down the parallel state the fixture's engine runs in.)"""

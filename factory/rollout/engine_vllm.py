@@ -167,10 +167,10 @@ class VLLMEngine:
         args = EngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
             # None: the model's context where the KV cache holds one such sequence, else (`fit_context`) the
-            # longest it holds (-1 is vLLM's auto-fit; it would otherwise refuse to start: Qwen3's 40960 tokens
-            # of float32 KV are 4.5 GiB at 0.6B). Read back below: the rollout cuts its trajectories there. A
-            # local judge does not fit: its prompts hold whole trajectories, which a shorter context would
-            # refuse one by one.
+            # longest it holds (-1 is vLLM's auto-fit; it would otherwise refuse to start: Qwen3-0.6B's 40960
+            # tokens of float32 KV are 8.75 GiB, 224 KiB a token). Read back below: the rollout cuts its
+            # trajectories there. A local judge does not fit: its prompts hold whole trajectories, which a
+            # shorter context would refuse one by one.
             max_model_len=max_model_len or (-1 if fit_context else None),
             enable_prefix_caching=True, **memory_args(device, kv_cache_gb, gpu_share),
             # Whole-prompt prefills on CPU: a prefill split over steps discards a token and rewinds the
