@@ -10,6 +10,7 @@ then, not sooner. Any other 4xx is our request's fault: retrying cannot help.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -72,7 +73,7 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
 
 def retry_after(value: str | None, cap_s: float) -> float | None:
     """Seconds a `Retry-After` header asks to wait (a number of seconds or an HTTP date), at most
-    `cap_s`; None when absent or unreadable."""
+    `cap_s`; None when absent or unreadable, as is a count of seconds that is not finite or is negative."""
     if not value:
         return None
     try:
@@ -89,4 +90,9 @@ def retry_after(value: str | None, cap_s: float) -> float | None:
         if when.tzinfo is None:  # "-0000" (RFC 5322's "no zone said"): HTTP dates are in GMT
             when = when.replace(tzinfo=datetime.timezone.utc)
         seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    else:
+        # "nan" passed min() and max() as nan, and asyncio.sleep(nan) held the request (and its node's
+        # semaphore) far past timeout_s; a negative count is no wait either (a past date is: retry now)
+        if not math.isfinite(seconds) or seconds < 0:
+            return None
     return min(max(seconds, 0.0), cap_s)

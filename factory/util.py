@@ -138,6 +138,56 @@ def _words(name: str) -> list[str]:
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 
 
+class AllStuck(Exception):
+    """Every place of a `Places` is held by work that its caller stopped waiting for and that has not ended."""
+
+
+class Places:
+    """At most `size` pieces of work at once, for work Python cannot stop (a function in a thread): one whose
+    caller stopped waiting (past its timeout, or cancelled) keeps its place until it ends, counted in `stuck`,
+    so what comes next never runs beside it past `size`. Once every place is stuck, `take` raises AllStuck at
+    once: a wait for a place would be a wait for a function that may never return. For one event loop."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.running = self.stuck = 0
+        self._waiting: list[asyncio.Future] = []  # takers waiting for a place
+
+    async def take(self) -> None:
+        """A place, once one is free (cancelling the wait takes none); AllStuck when every place is stuck."""
+        while True:
+            if self.stuck >= self.size:
+                raise AllStuck(f"all {self.size} places are held by work past its caller's wait")
+            if self.running < self.size:
+                self.running += 1
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter  # woken at every change, then looks again (a woken taker that was cancelled takes none)
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+
+    def abandon(self) -> None:
+        """The work in a taken place runs on though its caller stopped waiting: stuck until it ends."""
+        self.stuck += 1
+        self._wake()  # those waiting may now find every place stuck
+
+    def leave(self, stuck: bool = False) -> None:
+        """The work in a taken place ended (`stuck`: it had been abandoned); its place is free again."""
+        self.running -= 1
+        if stuck:
+            self.stuck -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 # What stdio MCP servers are commonly started with: the "did you mean" of a server command that is not found.
 LAUNCHERS = ("python", "python3", "uv", "uvx", "npx", "node", "docker", "bash", "sh", "deno", "bunx")
 

@@ -44,6 +44,19 @@ def test_commit_prune_and_latest(tmp_path):
     assert (tmp_path / "step_5" / "weights").read_text() == "again" and ckpt.read_latest(tmp_path) == "step_5"
 
 
+def test_a_save_starts_by_removing_what_failed_saves_of_other_steps_left(tmp_path):
+    """A save that failed on a full disk left `.incomplete-step_2/` (GBs); after the user made room and resumed,
+    the save of step 3 removed only its own step's staging folder, kept the old one, and could fill the disk
+    again (only a commit swept leftovers)."""
+    _fake(tmp_path, 1)
+    ckpt.commit(tmp_path, "step_1")
+    (ckpt.clear_staging(tmp_path, "step_2") / "mp_rank_00_model_states.pt").write_bytes(b"half")  # the failed save
+    (tmp_path / ckpt.staging(tmp_path, "step_2.old")).mkdir()  # a step folder moved aside by an interrupted commit
+    staged = ckpt.clear_staging(tmp_path, "step_3")
+    assert sorted(os.listdir(tmp_path)) == [".incomplete-step_3", "latest", "step_1"] and not os.listdir(staged)
+    assert ckpt.read_latest(tmp_path) == "step_1" and (tmp_path / "step_1" / "weights").read_text() == "1"
+
+
 def test_keep_never_deletes_what_latest_names(tmp_path):
     for step in (7, 8):
         _fake(tmp_path, step)

@@ -260,7 +260,6 @@ def test_a_judge_waits_as_retry_after_asks_and_keeps_to_its_rpm(judge_server, tm
 
 
 def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
-    from factory.endpoints import retry_after
     from factory.util import key_may_go_to
 
     assert key_may_go_to("https://api.example.com/v1/chat/completions")
@@ -268,14 +267,25 @@ def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
     assert key_may_go_to("http://[::1]:8000/v1/chat/completions") and key_may_go_to("http://localhost/v1")
     assert not key_may_go_to("http://judge.internal:8000/v1/chat/completions")
     assert not key_may_go_to("http://10.0.0.5/v1")
+
+
+def test_retry_after_is_seconds_or_a_date_within_the_cap_and_what_is_no_wait_is_ignored():
+    from email.utils import format_datetime
+
+    from factory.endpoints import retry_after
+
     assert retry_after("3", 60) == 3.0 and retry_after("600", 60) == 60 and retry_after(None, 60) is None
     assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 60) == 0.0 and retry_after("soon", 60) is None
     # a date with no zone said ("-0000") was a naive datetime, and the subtraction raised out of the retry loop
     assert retry_after("Wed, 21 Oct 2015 07:28:00 -0000", 60) == 0.0
-    from email.utils import format_datetime
-
     later = format_datetime(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=30))
     assert 25 <= retry_after(later, 60) <= 30
+    assert retry_after("Fri, 31 Dec 9999 23:59:59 GMT", 60) == 60
+    # "nan" was nan (min and max pass it through), and asyncio.sleep(nan) held the request, and the node's
+    # semaphore, far past timeout_s; an infinite or negative count of seconds is no wait a server can ask for
+    for bad in ("nan", "NaN", "inf", "-inf", "Infinity", "1e400", "-1", "-0.5"):
+        assert retry_after(bad, 60) is None, bad
+    assert retry_after("0", 60) == 0.0 and retry_after("1.5", 60) == 1.5
 
 
 def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):

@@ -223,7 +223,7 @@ def test_a_hung_call_whose_caller_was_cancelled_keeps_its_place_as_stuck():
         await asyncio.gather(*calls, return_exceptions=True)
         with pytest.raises(RuntimeError, match="its last 2 calls passed timeout_s and have not returned"):
             await asyncio.wait_for(lane.run(lambda: 1.0, 0.3), 2.0)  # at once: not a wait for a place
-        return lane.running, lane.stuck
+        return lane.places.running, lane.places.stuck
 
     assert asyncio.run(go()) == (2, 2)
 

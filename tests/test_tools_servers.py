@@ -85,6 +85,15 @@ def one_at_a_time(seconds: float) -> str:
     return "slept"
 
 
+HUNG = threading.Event()  # set at the end of the test that hangs on it: its threads end then
+
+
+def hangs() -> str:
+    """A function that does not return until its test lets it (a deadlocked one never would)."""
+    HUNG.wait()
+    return "returned"
+
+
 def command_line(line: str) -> int:
     """A function that wraps a command line, as tools often are: argparse exits on what it refuses.
 
@@ -330,10 +339,38 @@ async def test_a_timed_out_sync_python_tool_holds_its_slot_until_its_thread_ends
     async with ToolBox.from_spec({"nap": spec}) as box:
         slow, quick = await asyncio.gather(box.call(call("nap", {"seconds": 0.6})),
                                            box.call(call("nap", {"seconds": 0.01})))
-    assert (slow.status, slow.error_kind) == ("infra_error", "timeout")
-    assert slow.latency_s < 0.45  # answered at its deadline, not when its thread ends
-    assert quick.text == "slept" and quick.latency_s > 0.55  # it waited for the slow one's thread
+        assert (slow.status, slow.error_kind) == ("infra_error", "timeout")
+        assert slow.latency_s < 0.45  # answered at its deadline, not when its thread ends
+        assert quick.error_kind == "timeout"  # its wait for the slow one's slot is part of its own timeout
+        await asyncio.sleep(0.6)  # the slow one's thread ends (0.6 s after it started)
+        assert (await box.call(call("nap", {"seconds": 0.01}))).text == "slept"
     assert RUNNING["peak"] == 1
+
+
+async def test_python_tool_calls_time_out_once_every_slot_is_held_by_a_hung_one():
+    """Each call waited for a slot before its timeout started: once `concurrency` calls hung (their threads
+    hold their slots), every later call waited for ever. Now its wait is part of its timeout, and once every slot
+    is held by a call past its timeout the next one is answered at once; when one returns, calls run again."""
+    HUNG.clear()
+    spec = PythonTool(function="tests.test_tools_servers:hangs", timeout_s=0.2, retries=0, concurrency=2)
+    try:
+        async with ToolBox.from_spec({"hang": spec}) as box:
+            first = [asyncio.ensure_future(box.call(call("hang", {}))) for _ in range(2)]
+            await asyncio.sleep(0.05)  # both hold their slots
+            waiting = await asyncio.wait_for(box.call(call("hang", {})), 2.0)  # before: for ever
+            assert (waiting.status, waiting.error_kind) == ("infra_error", "timeout")
+            assert waiting.latency_s < 0.45  # its own timeout, its wait for a slot included
+            for hung in await asyncio.gather(*first):
+                assert (hung.status, hung.error_kind) == ("infra_error", "timeout")
+            later = await asyncio.wait_for(box.call(call("hang", {})), 2.0)
+            assert (later.status, later.error_kind, later.text) == ("infra_error", "timeout",
+                                                                   "Error: hang timed out after 0.2 s.")
+            assert later.latency_s < 0.1  # at once: every slot is held by a call that never returned
+            HUNG.set()  # the hung functions return, giving their slots back
+            await asyncio.sleep(0.1)
+            assert (await box.call(call("hang", {}))).text == "returned"
+    finally:
+        HUNG.set()
 
 
 async def test_a_python_tool_that_exits_is_its_own_error_and_the_box_goes_on():

@@ -30,38 +30,39 @@ from typing import Any
 
 import anyio
 
-from factory.util import TIMEOUTS
+from factory.util import TIMEOUTS, AllStuck, Places
 
 log = logging.getLogger(__name__)
 
 
 class Lane:
-    """At most `size` calls of one node's function at once, each in a thread of the lane's own; `stuck`: those
-    past their timeout whose thread still runs (each keeps its place). A thread whose call returned waits for
-    the node's next call (what a function keeps per thread, `threading.local`, lasts); one that never returns
+    """At most `size` calls of one node's function at once, each in a thread of the lane's own; `places.stuck`:
+    those past their timeout whose thread still runs (each keeps its place). A thread whose call returned waits
+    for the node's next call (what a function keeps per thread, `threading.local`, lasts); one that never returns
     is never handed another."""
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
-        self.running = self.stuck = 0
-        self._waiting: list[asyncio.Future] = []  # calls waiting for a place (all on the loop that runs them)
+        self.places = Places(size)  # (all on the loop that runs the calls)
         self._idle: list[queue.SimpleQueue] = []  # the inboxes of threads waiting for a call
 
     async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
         """`fn()`'s result, in one of the lane's threads once a place is free; TimeoutError past `timeout_s` of
         its run."""
         loop = asyncio.get_running_loop()
-        await self._place(loop)  # (the time spent waiting for a place is not the function's)
+        try:
+            await self.places.take()  # (the time spent waiting for a place is not the function's)
+        except AllStuck:
+            raise RuntimeError(f"its last {self.size} calls passed timeout_s and have not returned (a function "
+                               "that never returns: Python cannot stop it), so it is not called again until one "
+                               "does") from None
         done = loop.create_future()
         late = False
         inbox = self._idle.pop() if self._idle else None
 
         def ended() -> None:  # on the loop, when the thread's call ends: its place is free again
-            self.running -= 1
-            if late:
-                self.stuck -= 1
             self._idle.append(inbox)  # (its thread takes the next call from it)
-            self._wake()
+            self.places.leave(stuck=late)
 
         def work() -> None:
             outcome = _outcome(fn)
@@ -76,44 +77,20 @@ class Lane:
                 threading.Thread(target=_serve, args=(inbox,), name=f"reward-{self.name}", daemon=True).start()
             inbox.put(work)
         except BaseException:
-            self.running -= 1
-            self._wake()
+            self.places.leave()
             raise
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout_s)
         except BaseException as e:  # past its timeout, or this call cancelled (a `fail` node ended the scoring)
             if not done.done():  # its thread runs on, holding its place until it ends
                 late = True
-                self.stuck += 1
-                self._wake()  # those waiting for a place may now find every place held for good
+                self.places.abandon()
             if isinstance(e, TIMEOUTS):
                 raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
             raise
 
     async def close(self) -> None:
         """Nothing to stop: its threads are daemons (one that never returns cannot be stopped anyway)."""
-
-    async def _place(self, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
-            if self.stuck >= self.size:
-                raise RuntimeError(f"its last {self.size} calls passed timeout_s and have not returned (a function "
-                                   "that never returns: Python cannot stop it), so it is not called again until one does")
-            if self.running < self.size:
-                self.running += 1
-                return
-            waiter = loop.create_future()
-            self._waiting.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiting:
-                    self._waiting.remove(waiter)
-
-    def _wake(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 class Processes:

@@ -34,7 +34,7 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
 from factory.tools.results import content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
-from factory.util import import_object
+from factory.util import AllStuck, Places, import_object
 
 log = logging.getLogger(__name__)
 
@@ -294,15 +294,16 @@ class _Replica:
 class PythonFunction:
     """A plain python function called in-process. Sync functions run in a worker thread so a slow one
     never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end, and
-    holds its slot under `concurrency` until then). An exception from the function is the tool's own error
-    (model_error), like an MCP tool's isError.
+    holds its slot under `concurrency` until then). A call's wait for a slot is part of its timeout, and once
+    every slot is held by an abandoned call the next ones time out at once, until one of those returns. An
+    exception from the function is the tool's own error (model_error), like an MCP tool's isError.
     """
 
     def __init__(self, name: str, spec: PythonTool, *, resilience: Resilience) -> None:
         self.name = name
         self.spec = spec
         self.resilience = resilience
-        self._slots = asyncio.Semaphore(spec.concurrency)
+        self._slots = Places(spec.concurrency)
         self.fn: Callable[..., Any] | None = None
         self.schema: dict[str, Any] = {}
 
@@ -320,18 +321,29 @@ class PythonFunction:
         fn = self.fn
         assert fn is not None, "PythonFunction.start() was not called"
         is_async = inspect.iscoroutinefunction(fn)
-        await self._slots.acquire()
-        # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
-        # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
-        # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
-        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
-        work.add_done_callback(lambda _: self._slots.release())
+        work: asyncio.Future | None = None
+        abandoned = False
         try:
+            # The wait for a slot is part of the call's time: behind `concurrency` hung calls it was for ever.
             with anyio.fail_after(self.spec.timeout_s):
+                await self._slots.take()
+                # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
+                # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
+                # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
+                work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
+                work.add_done_callback(lambda _: self._slots.leave(stuck=abandoned))
                 # an async function is cancelled with the wait; a sync one's thread is only no longer waited for
                 return await (work if is_async else asyncio.shield(work))
-        except TimeoutError:
+        except (TimeoutError, AllStuck):  # AllStuck: every slot is held by a call that timed out and runs on
             return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+        finally:
+            if work is not None and not work.done():  # past its timeout (or its caller cancelled): it runs on
+                abandoned = True
+                self._slots.abandon()
+                if self._slots.stuck == self._slots.size:
+                    log.warning("python tool %s: all %d of its slots are held by calls past timeout_s whose function "
+                                "has not returned (Python cannot stop a thread): its calls time out at once until "
+                                "one returns", self.name, self._slots.size)
 
     @staticmethod
     async def _run(tool: str, fn: Callable[..., Any], arguments: dict[str, Any],

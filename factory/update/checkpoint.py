@@ -20,7 +20,8 @@ Layout of a run's folder:
                                   and the tokenizer; the DeepSpeed files hold the adapters and their optimizer
                                   state only (the frozen weights are the model folder's)
       step_<M>/ ...
-      .incomplete-step_<K>/       a save in progress, or one that a crash interrupted (removed by the next save)
+      .incomplete-step_<K>/       a save in progress, or one that failed or was interrupted (removed when the
+                                  next save starts)
 
 A save writes everything into `.incomplete-step_<N>/`, writes the manifest, fsyncs every file and folder
 in it, renames that folder to `step_<N>/` (one atomic rename on POSIX), fsyncs the parent, then rewrites
@@ -82,11 +83,23 @@ def write_latest(directory: str | os.PathLike, name: str) -> None:
 
 
 def clear_staging(directory: str | os.PathLike, name: str) -> Path:
-    """An empty `.incomplete-<name>/` (whatever an interrupted save of the same step left is removed)."""
+    """An empty `.incomplete-<name>/`, the only staging folder left: whatever earlier saves that failed or were
+    interrupted left, at any step, is removed first. A save that failed on a full disk left GBs there, and the
+    resumed run's next save (another step) kept them and could fill the disk again; nothing reads them (a
+    resume reads committed `step_<N>/` folders only, `complete`)."""
+    _sweep_staging(directory)
     path = Path(directory) / staging(directory, name)
-    shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def _sweep_staging(directory: str | os.PathLike) -> list[str]:
+    """Remove every `.incomplete-*` of `directory`; returns their names."""
+    directory = Path(directory)
+    names = [e.name for e in directory.iterdir() if e.name.startswith(INCOMPLETE)] if directory.is_dir() else []
+    for name in names:
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return names
 
 
 def readable(folder: str | os.PathLike) -> None:
@@ -217,10 +230,9 @@ def prune(directory: str | os.PathLike, keep: int | None) -> list[str]:
     latest = read_latest(directory)
     names = complete(directory)
     doomed = [n for n in names[: max(len(names) - keep, 0)] if n != latest] if keep else []
-    doomed += [e.name for e in directory.iterdir() if e.name.startswith(INCOMPLETE)]
     for name in doomed:
         shutil.rmtree(directory / name, ignore_errors=True)
-    return doomed
+    return doomed + _sweep_staging(directory)
 
 
 def write_run_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
