@@ -499,6 +499,58 @@ def test_records_wait_in_the_spool_while_the_server_is_down_and_each_step_is_log
     cable.down()
 
 
+def test_a_store_that_hangs_holds_the_run_a_probe_per_retry_not_a_timeout_per_record(tracking_server, tmp_path,
+                                                                                      monkeypatch):
+    """A store that accepts connections and never answers (a network partition, a proxy whose backend is gone)
+    held each send for MLflow's timeout, twice (2 x 30 s), and stamped before the send, the retry clock was
+    past RETRY_S when the next record came: each record tried again, ~60 s a record, 2-5 records a step.
+    Now the store is tried once when it stops answering, then at most a short probe (PROBE_S) per RETRY_S
+    until it answers, and the spool is sent, in order. Scaled down: a request's timeout 1 s, RETRY_S 0.5 s,
+    PROBE_S 0.2 s."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    import factory.tracking.mlflow_tracker as mt
+    from tests.servers import Unpluggable
+
+    monkeypatch.setattr(mt, "RETRY_S", 0.5)
+    monkeypatch.setattr(mt, "PROBE_S", 0.2)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cable = Unpluggable(int(tracking_server.rsplit(":", 1)[1]))
+    try:
+        notes: list[str] = []
+        t = Tracker(f"http://127.0.0.1:{cable.port}", "hang")
+        t.start("hang", {}, {}, {})
+        t.notify = notes.append
+        t.open_spool(tmp_path / "spool")
+        t.log_metrics({"timing/step_s": 1.0}, step=1)
+        cable.hang()
+        held = []
+        for n in (2, 3):
+            for record in (lambda: t.log_trajectories([_traj()], n, traces=0),
+                           lambda: t.log_metrics({"timing/step_s": 1.0}, step=n)):
+                t0 = time.monotonic()
+                record()
+                held.append(time.monotonic() - t0)
+            time.sleep(mt.RETRY_S)  # the next step's first record tries the store again
+        # the first record waits out one request (1 s); each later one a probe at most (0.2 s), never a request
+        assert held[0] < 1.8 and max(held[1:]) < 0.7, held
+        assert len(t.spool.records) == 4 and "does not answer" in notes[0], notes
+        cable.up()
+        time.sleep(mt.RETRY_S)
+        t.log_metrics({"timing/step_s": 1.0}, step=5)
+        assert t.spool.records == [] and "answers again" in notes[-1], notes
+        t.end("FINISHED")
+        client = MlflowClient(tracking_server)
+        assert [m.step for m in client.get_metric_history(t.run_id, "timing/step_s")] == [1, 2, 3, 5]
+        tables = [f.path for f in client.list_artifacts(t.run_id, "trajectories")]
+        assert tables == [f"trajectories/step_{n:05d}.parquet" for n in (2, 3)]
+    finally:
+        cable.down()
+
+
 def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):
     """The store is gone at the end of the run: `end` tells where the unsent records are and returns, so the
     driver's teardown (tool servers, Ray) always runs after it."""
