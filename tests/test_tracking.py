@@ -542,9 +542,21 @@ def test_a_store_that_hangs_holds_the_run_a_probe_per_retry_not_a_timeout_per_re
         time.sleep(mt.RETRY_S)
         t.log_metrics({"timing/step_s": 1.0}, step=5)
         assert t.spool.records == [] and "answers again" in notes[-1], notes
+        # it hangs again at the end: the end waits two probes and the request marking the run ended (1 s), not
+        # also a read of the run (1 s more), and says where the record left waits; `--resume` sends it
+        cable.hang()
+        t.log_metrics({"timing/step_s": 1.0}, step=6)
+        t0 = time.monotonic()
         t.end("FINISHED")
+        ended = time.monotonic() - t0
+        assert ended < 1.9 and any("could not be sent" in n and "--resume" in n for n in notes), (ended, notes)
+        cable.up()
+        resumed = Tracker(t.uri, "hang")
+        resumed.run_id, resumed.logged = t.run_id, 5
+        resumed.open_spool(tmp_path / "spool")
+        assert resumed.spool.records == []
         client = MlflowClient(tracking_server)
-        assert [m.step for m in client.get_metric_history(t.run_id, "timing/step_s")] == [1, 2, 3, 5]
+        assert [m.step for m in client.get_metric_history(t.run_id, "timing/step_s")] == [1, 2, 3, 5, 6]
         tables = [f.path for f in client.list_artifacts(t.run_id, "trajectories")]
         assert tables == [f"trajectories/step_{n:05d}.parquet" for n in (2, 3)]
     finally:

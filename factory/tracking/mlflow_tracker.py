@@ -614,6 +614,10 @@ class MlflowTracker:
 
         if missing_store(self.uri) is not None:  # (the driver's open connection still reads the deleted file)
             return True
+        # (a store that does not answer cannot say it lost the run: asked, one that hangs held the end for a
+        # request's timeout, twice)
+        if not store_answers(self.uri, self.run_id, PROBE_S):
+            return False
         try:
             self.client.get_run(self.run_id)
         except Exception as e:  # noqa: BLE001
