@@ -563,6 +563,26 @@ def test_a_store_that_hangs_holds_the_run_a_probe_per_retry_not_a_timeout_per_re
         cable.down()
 
 
+def test_the_probe_tells_a_store_that_answers_from_one_that_refuses_or_hangs(tracking_server, tmp_path):
+    """`store_answers`, the probe sent before the spool while the store is down: any answer counts (a
+    server that does not know the run answers 404), a refused connection or a socket that never answers do
+    not, the latter within about its timeout; a store that is not HTTP is simply tried."""
+    import time
+
+    from factory.tracking.mlflow_tracker import store_answers
+    from tests.servers import free_port
+
+    assert store_answers(tracking_server, "0" * 32, 0.5)
+    assert not store_answers(f"http://127.0.0.1:{free_port()}", "0" * 32, 0.5)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)  # the kernel completes the connection; nothing ever reads or answers it
+        t0 = time.monotonic()
+        assert not store_answers(f"http://127.0.0.1:{hole.getsockname()[1]}", "0" * 32, 0.2)
+        assert time.monotonic() - t0 < 0.6
+    assert store_answers(f"sqlite:///{tmp_path}/gone/m.db", "0" * 32, 0.2)
+
+
 def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):
     """The store is gone at the end of the run: `end` tells where the unsent records are and returns, so the
     driver's teardown (tool servers, Ray) always runs after it."""
