@@ -39,18 +39,29 @@ def http_server(argv: list[str], port: int, *, cwd: Path, env: dict[str, str] | 
 class Unpluggable:
     """A TCP forwarder on 127.0.0.1 in front of `target_port`, whose cable can be pulled: `down()` closes
     its listening socket and every connection through it (a client then meets "connection refused", as
-    from a server that died), `up()` listens again on the same port."""
+    from a server that died), `up()` listens again on the same port. `hang()` keeps accepting connections
+    and never answers them (a network partition, a proxy whose backend is gone, a wedged server): a client
+    waits out its timeout; `up()` forwards again."""
 
     def __init__(self, target_port: int):
         import threading
 
         self.target, self.port = target_port, free_port()
         self._lock, self._conns, self._server = threading.Lock(), [], None
+        self.hanging = False
         self.up()
+
+    def hang(self) -> None:
+        self.hanging = True
+        self._cut()  # (a client's pooled connection, still forwarded, would go on answering)
 
     def up(self) -> None:
         import threading
 
+        if self.hanging:  # listening still: forward again
+            self.hanging = False
+            self._cut()
+            return
         self._server = socket.socket()
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._server.bind(("127.0.0.1", self.port))
@@ -61,6 +72,11 @@ class Unpluggable:
         with contextlib.suppress(OSError):  # wakes the accepting thread (a close alone would leave it listening)
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
+        self.hanging = False
+        self._cut()
+
+    def _cut(self) -> None:
+        """Close every connection accepted so far."""
         with self._lock:
             for c in self._conns:
                 with contextlib.suppress(OSError):
@@ -76,6 +92,10 @@ class Unpluggable:
                 client, _ = server.accept()
             except OSError:  # closed by down()
                 return
+            if self.hanging:  # held open, never read nor answered
+                with self._lock:
+                    self._conns.append(client)
+                continue
             upstream = socket.create_connection(("127.0.0.1", self.target))
             with self._lock:
                 self._conns += [client, upstream]

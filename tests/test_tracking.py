@@ -499,6 +499,90 @@ def test_records_wait_in_the_spool_while_the_server_is_down_and_each_step_is_log
     cable.down()
 
 
+def test_a_store_that_hangs_holds_the_run_a_probe_per_retry_not_a_timeout_per_record(tracking_server, tmp_path,
+                                                                                      monkeypatch):
+    """A store that accepts connections and never answers (a network partition, a proxy whose backend is gone)
+    held each send for MLflow's timeout, twice (2 x 30 s), and stamped before the send, the retry clock was
+    past RETRY_S when the next record came: each record tried again, ~60 s a record, 2-5 records a step.
+    Now the store is tried once when it stops answering, then at most a short probe (PROBE_S) per RETRY_S
+    until it answers, and the spool is sent, in order. Scaled down: a request's timeout 1 s, RETRY_S 0.5 s,
+    PROBE_S 0.2 s."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    import factory.tracking.mlflow_tracker as mt
+    from tests.servers import Unpluggable
+
+    monkeypatch.setattr(mt, "RETRY_S", 0.5)
+    monkeypatch.setattr(mt, "PROBE_S", 0.2)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cable = Unpluggable(int(tracking_server.rsplit(":", 1)[1]))
+    try:
+        notes: list[str] = []
+        t = Tracker(f"http://127.0.0.1:{cable.port}", "hang")
+        t.start("hang", {}, {}, {})
+        t.notify = notes.append
+        t.open_spool(tmp_path / "spool")
+        t.log_metrics({"timing/step_s": 1.0}, step=1)
+        cable.hang()
+        held = []
+        for n in (2, 3):
+            for record in (lambda: t.log_trajectories([_traj()], n, traces=0),
+                           lambda: t.log_metrics({"timing/step_s": 1.0}, step=n)):
+                t0 = time.monotonic()
+                record()
+                held.append(time.monotonic() - t0)
+            time.sleep(mt.RETRY_S)  # the next step's first record tries the store again
+        # the first record waits out one request (1 s); each later one a probe at most (0.2 s), never a request
+        assert held[0] < 1.8 and max(held[1:]) < 0.7, held
+        assert len(t.spool.records) == 4 and "does not answer" in notes[0], notes
+        cable.up()
+        time.sleep(mt.RETRY_S)
+        t.log_metrics({"timing/step_s": 1.0}, step=5)
+        assert t.spool.records == [] and "answers again" in notes[-1], notes
+        # it hangs again at the end: the end waits two probes and the request marking the run ended (1 s), not
+        # also a read of the run (1 s more), and says where the record left waits; `--resume` sends it
+        cable.hang()
+        t.log_metrics({"timing/step_s": 1.0}, step=6)
+        t0 = time.monotonic()
+        t.end("FINISHED")
+        ended = time.monotonic() - t0
+        assert ended < 1.9 and any("could not be sent" in n and "--resume" in n for n in notes), (ended, notes)
+        cable.up()
+        resumed = Tracker(t.uri, "hang")
+        resumed.run_id, resumed.logged = t.run_id, 5
+        resumed.open_spool(tmp_path / "spool")
+        assert resumed.spool.records == []
+        client = MlflowClient(tracking_server)
+        assert [m.step for m in client.get_metric_history(t.run_id, "timing/step_s")] == [1, 2, 3, 5, 6]
+        tables = [f.path for f in client.list_artifacts(t.run_id, "trajectories")]
+        assert tables == [f"trajectories/step_{n:05d}.parquet" for n in (2, 3)]
+    finally:
+        cable.down()
+
+
+def test_the_probe_tells_a_store_that_answers_from_one_that_refuses_or_hangs(tracking_server, tmp_path):
+    """`store_answers`, the probe sent before the spool while the store is down: any answer counts (a
+    server that does not know the run answers 404), a refused connection or a socket that never answers do
+    not, the latter within about its timeout; a store that is not HTTP is simply tried."""
+    import time
+
+    from factory.tracking.mlflow_tracker import store_answers
+    from tests.servers import free_port
+
+    assert store_answers(tracking_server, "0" * 32, 0.5)
+    assert not store_answers(f"http://127.0.0.1:{free_port()}", "0" * 32, 0.5)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)  # the kernel completes the connection; nothing ever reads or answers it
+        t0 = time.monotonic()
+        assert not store_answers(f"http://127.0.0.1:{hole.getsockname()[1]}", "0" * 32, 0.2)
+        assert time.monotonic() - t0 < 0.6
+    assert store_answers(f"sqlite:///{tmp_path}/gone/m.db", "0" * 32, 0.2)
+
+
 def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):
     """The store is gone at the end of the run: `end` tells where the unsent records are and returns, so the
     driver's teardown (tool servers, Ray) always runs after it."""

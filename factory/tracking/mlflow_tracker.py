@@ -571,13 +571,19 @@ class MlflowTracker:
 
     def flush(self, force: bool = False) -> bool:
         """Send what waits in the spool, oldest first, until the store fails to answer; True when nothing
-        waits. While the store is down it is tried again after RETRY_S (every record would otherwise pay
-        for a failed connection), or at once with `force`."""
+        waits. While the store is down it is tried again RETRY_S after the last try ended (every record would
+        otherwise pay for a failed connection), or at once with `force`, and only once it answers a probe."""
         if self.spool is None:
             return True
-        if self.down_since is not None and not force and time.monotonic() - self._tried < RETRY_S:
-            return not self.spool.records
-        self._tried = time.monotonic()
+        if self.down_since is not None:
+            if not force and time.monotonic() - self._tried < RETRY_S:
+                return not self.spool.records
+            # A store that accepts connections and never answers (a network partition, a proxy whose backend is
+            # gone) holds a send for MLflow's whole timeout, twice (2 x 30 s): a short probe first costs the run
+            # PROBE_S per RETRY_S instead, and the spool is sent once the store answers it.
+            if not store_answers(self.uri, self.run_id, PROBE_S):
+                self._tried = time.monotonic()
+                return False
         while self.spool.records:
             record = self.spool.records[0]
             try:
@@ -591,6 +597,9 @@ class MlflowTracker:
                         first = (str(e).strip().splitlines() or [""])[0][:160]  # (not the SQL that follows)
                         self._note(f"the tracking store does not answer ({type(e).__name__}: {first}); "
                                    f"records wait in {self.spool.folder} and are sent when it does")
+                    # stamped after the try, which may have taken minutes: stamped before it, the next record
+                    # found RETRY_S gone already and tried again (a store that hangs held the run per record)
+                    self._tried = time.monotonic()
                     return False
             self.spool.done(record)
         if self.down_since is not None:
@@ -605,6 +614,10 @@ class MlflowTracker:
 
         if missing_store(self.uri) is not None:  # (the driver's open connection still reads the deleted file)
             return True
+        # (a store that does not answer cannot say it lost the run: asked, one that hangs held the end for a
+        # request's timeout, twice)
+        if not store_answers(self.uri, self.run_id, PROBE_S):
+            return False
         try:
             self.client.get_run(self.run_id)
         except Exception as e:  # noqa: BLE001
@@ -744,6 +757,26 @@ TOOL_CALLS = pa.schema([("origin", pa.string()), ("server", pa.string()), ("tool
                         ("error_kind", pa.string()), ("latency_s", pa.float64()), ("source", pa.string())])
 STEP_KEY = "timing/step_s"  # the metric every training step logs (factory.runtime.resume.STEP_METRIC)
 RETRY_S = 10.0  # while the tracking store is down, try it again at most this often
+PROBE_S = 2.0  # how long a tracking store that is down has to answer the probe before the spool is sent to it
+
+
+def store_answers(uri: str, run_id: str | None, timeout_s: float) -> bool:
+    """Whether an HTTP tracking store gives any answer (any status: an error, a proxy's 502, a refusal of our
+    credentials) within about `timeout_s` to a read of this run, through MLflow's own transport (its
+    credentials, TLS settings and proxies). A read of the run, not `/health`: a server whose database
+    hangs answers `/health` and holds every request that writes the run. A store of another kind (a
+    sqlite file) fails fast by itself: True, it is simply tried."""
+    if not uri.startswith(("http://", "https://")):
+        return True
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        http_request(get_default_host_creds(uri), "/api/2.0/mlflow/runs/get", "GET", max_retries=0,
+                     timeout=timeout_s, raise_on_status=False, params={"run_id": run_id or ""})
+    except Exception:  # noqa: BLE001 -- refused, reset, timed out: MLflow wraps each its own way
+        return False
+    return True
 
 
 STEPS_TAG = "factory.train_steps"  # a resumed run's train.steps, as its last resume gave them
