@@ -294,9 +294,9 @@ class _Replica:
 class PythonFunction:
     """A plain python function called in-process. Sync functions run in a worker thread so a slow one
     never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end, and
-    holds its slot under `concurrency` until then). A call's wait for a slot is part of its timeout, and once
-    every slot is held by an abandoned call the next ones time out at once, until one of those returns. An
-    exception from the function is the tool's own error (model_error), like an MCP tool's isError.
+    holds its slot under `concurrency` until then). Once every slot is held by an abandoned call, the next
+    calls time out at once, until one of those returns. An exception from the function is the tool's own
+    error (model_error), like an MCP tool's isError.
     """
 
     def __init__(self, name: str, spec: PythonTool, *, resilience: Resilience) -> None:
@@ -321,23 +321,28 @@ class PythonFunction:
         fn = self.fn
         assert fn is not None, "PythonFunction.start() was not called"
         is_async = inspect.iscoroutinefunction(fn)
-        work: asyncio.Future | None = None
-        abandoned = False
+        timed_out = infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
         try:
-            # The wait for a slot is part of the call's time: behind `concurrency` hung calls it was for ever.
+            # A wait for a slot is not the function's time (nor a reward lane's, nor an MCP server's call's): behind
+            # calls that run, it ends when one returns or passes its own timeout. Behind `concurrency` calls past
+            # their timeout (functions that may never return) it was for ever; it ends at once now (AllStuck).
+            await self._slots.take()
+        except AllStuck:
+            return timed_out
+        abandoned = False
+        # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
+        # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
+        # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
+        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
+        work.add_done_callback(lambda _: self._slots.leave(stuck=abandoned))
+        try:
             with anyio.fail_after(self.spec.timeout_s):
-                await self._slots.take()
-                # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
-                # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
-                # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
-                work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
-                work.add_done_callback(lambda _: self._slots.leave(stuck=abandoned))
                 # an async function is cancelled with the wait; a sync one's thread is only no longer waited for
                 return await (work if is_async else asyncio.shield(work))
-        except (TimeoutError, AllStuck):  # AllStuck: every slot is held by a call that timed out and runs on
-            return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+        except TimeoutError:
+            return timed_out
         finally:
-            if work is not None and not work.done():  # past its timeout (or its caller cancelled): it runs on
+            if not work.done():  # past its timeout (or its caller cancelled): it runs on
                 abandoned = True
                 self._slots.abandon()
                 if self._slots.stuck == self._slots.size:
