@@ -256,7 +256,10 @@ def test_a_judge_waits_as_retry_after_asks_and_keeps_to_its_rpm(judge_server, tm
     trajs, m = _score(spec, [traj("ok [good]", i) for i in range(6)], tmp_path)
     assert [t.reward for t in trajs] == [1.0] * 6
     times = stats()["times"]["good"]
-    assert len(times) == 6 and max(times) - min(times) >= 1.9, times  # without rpm: all 6 within 0.1 s
+    # paced 0, 0, 0.5, 1.0, 1.5, 2.0 s; without rpm all 6 arrive within 0.1 s. Measured at the server, a stall of the
+    # scoring process after the first sends (a loaded 2-core CI machine: the first 4 arrived together, 1.0 s late)
+    # can only bunch the early ones later, so the bound leaves a second for it
+    assert len(times) == 6 and max(times) - min(times) >= 0.9, times
 
 
 def test_the_api_key_goes_only_to_https_or_loopback(monkeypatch):
