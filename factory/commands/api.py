@@ -359,8 +359,9 @@ def served_elsewhere(spec: Spec | None) -> list[str]:
     """The settings the spec writes that only a local engine reads: moot when a served model generates."""
     if spec is None:
         return []
-    engine = ("engine", "dtype", "batch_size", "kv_cache_gb", "max_model_len", "vllm_compile", "vllm_lora",
-              "vllm_sleep")
+    from factory.compiler.settings import VLLM_ONLY
+
+    engine = ("engine", "dtype", "batch_size", "max_model_len", *VLLM_ONLY)
     return ([f"rollout.{f}" for f in engine if f in spec.rollout.model_fields_set] +
             [f"model.{f}" for f in ("dtype", "lora") if f in spec.model.model_fields_set])
 

@@ -214,10 +214,13 @@ def _set(model: Any, field: str) -> bool:
     return field in model.model_fields_set
 
 
+VLLM_ONLY = ("kv_cache_gb", "vllm_compile", "vllm_lora", "vllm_sleep")  # the rollout settings only vLLM reads
+
+
 def vllm_only(rollout: Any) -> list[str]:
     """The rollout settings the user wrote that only vLLM reads: said when the engine is transformers, by
     the spec (`factory check`) or by `engine: auto`'s choice on the machine (the run's start)."""
-    return [f for f in ("kv_cache_gb", "vllm_compile", "vllm_lora", "vllm_sleep") if _set(rollout, f)]
+    return [f for f in VLLM_ONLY if _set(rollout, f)]
 
 
 def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: bool = False) -> None:

@@ -321,14 +321,16 @@ class PythonFunction:
         fn = self.fn
         assert fn is not None, "PythonFunction.start() was not called"
         is_async = inspect.iscoroutinefunction(fn)
-        timed_out = infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+        def timed_out() -> tuple[ToolResult, bool]:
+            return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
+
         try:
             # A wait for a slot is not the function's time (nor a reward lane's, nor an MCP server's call's): behind
             # calls that run, it ends when one returns or passes its own timeout. Behind `concurrency` calls past
             # their timeout (functions that may never return) it was for ever; it ends at once now (AllStuck).
             await self._slots.take()
         except AllStuck:
-            return timed_out
+            return timed_out()
         abandoned = False
         # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
         # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
@@ -340,7 +342,7 @@ class PythonFunction:
                 # an async function is cancelled with the wait; a sync one's thread is only no longer waited for
                 return await (work if is_async else asyncio.shield(work))
         except TimeoutError:
-            return timed_out
+            return timed_out()
         finally:
             if not work.done():  # past its timeout (or its caller cancelled): it runs on
                 abandoned = True
