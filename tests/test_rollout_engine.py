@@ -165,6 +165,40 @@ def test_load_weights_checks_keys_and_changes_outputs(model_path):
         e.load_weights({k: v for k, v in sd.items() if k != "model.norm.weight"})
 
 
+def test_weight_loads_and_batches_run_on_the_engines_one_thread(model_path, monkeypatch):
+    """A second thread running torch ops gives the process a second OpenMP team, which made generation ~25%
+    slower from the first weight sync on (HFEngine.__init__): loads must run where the batches run."""
+    import threading
+
+    e = HFEngine(model_path, batch_size=8, seed=0)
+    threads = []
+    e.model.register_forward_pre_hook(lambda *_: threads.append(("forward", threading.get_ident())))
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: (threads.append(("copy", threading.get_ident())),
+                                                                    copy(t, *a, **k))[1])
+    e.load_weights({k: v.clone() for k, v in e.model.state_dict().items()})
+    asyncio.run(gather(e, [(prompts()[0], 3)]))
+    worker = e._executor.submit(threading.get_ident).result()
+    assert {"copy", "forward"} <= {what for what, _ in threads}
+    assert {ident for _, ident in threads} == {worker} != {threading.get_ident()}
+
+
+def test_grouped_kv_heads_under_a_mask_sample_as_transformers_sdpa_does(model_path, engine):
+    """The CPU engine hands tiny-qwen3's 2 KV heads (for 4 query heads) to SDPA as they are: a left-padded batch
+    must sample the same tokens with the same log-probs as transformers' own sdpa, which repeats them."""
+    from factory.rollout.engine_hf import GQA_SDPA
+
+    assert engine.model.config._attn_implementation == GQA_SDPA
+    theirs = HFEngine(model_path, batch_size=8, seed=0)
+    theirs.model.set_attn_implementation("sdpa")
+    theirs.load_weights(engine.model.state_dict())
+    for sampling in (GREEDY, Sampling(temperature=1.0, seed=3)):
+        ours, ref = (asyncio.run(gather(e, [(p, 8) for p in prompts()], sampling)) for e in (engine, theirs))
+        assert [o.ids for o in ours] == [r.ids for r in ref]
+        assert torch.allclose(torch.tensor(sum((o.logprobs for o in ours), [])),
+                              torch.tensor(sum((r.logprobs for r in ref), [])), atol=1e-5)
+
+
 def test_bf16_weights_generate(model_path):
     e = HFEngine(model_path, dtype="bfloat16", batch_size=8, seed=0)
     outs = asyncio.run(gather(e, [(p, 3) for p in prompts()]))

@@ -14,7 +14,6 @@ request samples to the batch it landed in, and would leave us to recompute the l
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,6 +106,38 @@ class SeededSampler:
         return torch.searchsorted(cdf, target)[:, 0].clamp(max=logp.shape[1] - 1)
 
 
+GQA_SDPA = "factory_gqa_sdpa"
+
+
+def gqa_sdpa_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                       attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' `sdpa` attention, except that under a mask (a left-padded batch) a model's grouped key/value
+    heads go to torch's SDPA as they are (`enable_gqa`): transformers first copies them out to every query head
+    (`repeat_kv`: the whole KV cache, in every layer, at every decoding step) because CUDA's kernels take
+    grouped heads only without a mask. On CPU torch takes them either way, with the same results to the bit;
+    sampling SmolLM2-135M (9 query heads over 3) took 8.0 s instead of 9.1 (docs/performance.md)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) <= 1
+            or any(kwargs.get(k) is not None for k in ("position_bias", "cache")) or kwargs.get("output_attentions")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_gqa_sdpa() -> str:
+    """`gqa_sdpa_attention` under its name in transformers' attention registries (it takes sdpa's masks)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+    return GQA_SDPA
+
+
 def _as_list(x: Any) -> list[int]:
     if x is None:
         return []
@@ -134,20 +165,19 @@ class HFEngine:
 
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", batch_size: int = 64, seed: int = 0,
                  device: str = "cpu", stop_token_ids: Sequence[int] = (), lora: LoraSpec | None = None):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
         self.device = torch.device(device)
+        # One worker thread runs every torch operation of this engine: batches never overlap a weight load,
+        # and the process has one OpenMP thread team. libgomp counts every team's threads; once they outnumber
+        # the cores (a second thread running one parallel op, such as a weight load's copy, is enough) it
+        # cuts its workers' spin-wait to ~100 polls, and every op of a decoding step then wakes them from
+        # sleep: generation ran ~25% slower, on 1.55 of 2 cores, from the first weight sync on
+        # (docs/performance.md, "One thread for torch").
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
         torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
-        self.weight_sync = "full weights"  # what the run's resolved params say
-        if lora is not None:
-            # the learner's adapters, through peft: a sync sets A and B (B starts at 0: the base model)
-            from peft import get_peft_model
-
-            from factory.lora import peft_config
-
-            self.model = get_peft_model(self.model, peft_config(lora)).eval()
-            self.weight_sync = "lora adapters (peft)"
+        self.model = self._executor.submit(self._load_model, model_path, torch_dtype, lora).result()
+        self.weight_sync = "lora adapters (peft)" if lora is not None else "full weights"  # for the resolved params
         self.batch_size = batch_size
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
@@ -163,9 +193,6 @@ class HFEngine:
         # distribution the spec names (the learner's ratios assume it), so those saved defaults go.
         self.model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
-        # One worker thread: batches never overlap, and the lock keeps weight loads out of a running batch.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
-        self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -189,27 +216,43 @@ class HFEngine:
             self._worker.cancel()
 
     def load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
-        """Copy the learner's weights in place. Keys missing from `state_dict` are accepted only when
-        they share storage with a key that is present (tied embeddings / lm_head). LoRA: the adapters
-        replace peft's, every one of them."""
+        """Copy the learner's weights in place, on the engine's thread, after the batch it runs. Keys missing
+        from `state_dict` are accepted only when they share storage with a key that is present (tied
+        embeddings / lm_head). LoRA: the adapters replace peft's, every one of them."""
+        self._executor.submit(self._load_weights, state_dict).result()
+
+    def _load_model(self, model_path: str, torch_dtype: torch.dtype, lora: LoraSpec | None) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        if self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(register_gqa_sdpa())
+        if lora is None:
+            return model
+        # the learner's adapters, through peft: a sync sets A and B (B starts at 0: the base model)
+        from peft import get_peft_model
+
+        from factory.lora import peft_config
+
+        return get_peft_model(model, peft_config(lora)).eval()
+
+    def _load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
         if isinstance(state_dict, Adapters):
             from peft import set_peft_model_state_dict
 
-            with self._lock:
-                result = set_peft_model_state_dict(self.model, state_dict.tensors)
-                if result.unexpected_keys or any("lora_" in k for k in result.missing_keys):
-                    raise KeyError(f"adapters that do not fit this model: {sorted(result.unexpected_keys)[:5]} "
-                                   f"unexpected, {[k for k in result.missing_keys if 'lora_' in k][:5]} missing")
+            result = set_peft_model_state_dict(self.model, state_dict.tensors)
+            if result.unexpected_keys or any("lora_" in k for k in result.missing_keys):
+                raise KeyError(f"adapters that do not fit this model: {sorted(result.unexpected_keys)[:5]} "
+                               f"unexpected, {[k for k in result.missing_keys if 'lora_' in k][:5]} missing")
             return
-        with self._lock:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected:
-                raise KeyError(f"weights the rollout model does not have: {sorted(unexpected)[:5]}")
-            by_key = dict(self.model.state_dict(keep_vars=True))
-            loaded = {by_key[k].data_ptr() for k in state_dict if k in by_key}
-            untied = [k for k in missing if by_key[k].data_ptr() not in loaded]
-            if untied:
-                raise KeyError(f"weights missing from the update: {sorted(untied)[:5]}")
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected:
+            raise KeyError(f"weights the rollout model does not have: {sorted(unexpected)[:5]}")
+        by_key = dict(self.model.state_dict(keep_vars=True))
+        loaded = {by_key[k].data_ptr() for k in state_dict if k in by_key}
+        untied = [k for k in missing if by_key[k].data_ptr() not in loaded]
+        if untied:
+            raise KeyError(f"weights missing from the update: {sorted(untied)[:5]}")
 
     # ------------------------------------------------------------------------------------- batching
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
@@ -279,7 +322,7 @@ class HFEngine:
         # Greedy decoding over the sampler's scores: the sampler has already chosen each token.
         config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in batch),
                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=config, logits_processor=LogitsProcessorList([sampler]))
         self.batches_run += 1
