@@ -184,11 +184,12 @@ def test_weight_loads_and_batches_run_on_the_engines_one_thread(model_path, monk
 
 
 def test_grouped_kv_heads_under_a_mask_sample_as_transformers_sdpa_does(model_path, engine):
-    """The CPU engine hands tiny-qwen3's 2 KV heads (for 4 query heads) to SDPA as they are: a left-padded batch
-    must sample the same tokens with the same log-probs as transformers' own sdpa, which repeats them."""
-    from factory.rollout.engine_hf import GQA_SDPA
+    """The CPU engine hands tiny-qwen3's 2 KV heads (for 4 query heads) to SDPA as they are (the learner's
+    attention): a left-padded batch must sample the same tokens with the same log-probs as transformers' own
+    sdpa, which repeats them."""
+    from factory.update.logprobs import PACKED_ATTENTION
 
-    assert engine.model.config._attn_implementation == GQA_SDPA
+    assert engine.model.config._attn_implementation == PACKED_ATTENTION
     theirs = HFEngine(model_path, batch_size=8, seed=0)
     theirs.model.set_attn_implementation("sdpa")
     theirs.load_weights(engine.model.state_dict())

@@ -106,38 +106,6 @@ class SeededSampler:
         return torch.searchsorted(cdf, target)[:, 0].clamp(max=logp.shape[1] - 1)
 
 
-GQA_SDPA = "factory_gqa_sdpa"
-
-
-def gqa_sdpa_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                       attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                       **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' `sdpa` attention, except that under a mask (a left-padded batch) a model's grouped key/value
-    heads go to torch's SDPA as they are (`enable_gqa`): transformers first copies them out to every query head
-    (`repeat_kv`: the whole KV cache, in every layer, at every decoding step) because CUDA's kernels take
-    grouped heads only without a mask. On CPU torch takes them either way, with the same results to the bit;
-    sampling SmolLM2-135M (9 query heads over 3) took 8.0 s instead of 9.1 (docs/performance.md)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) <= 1
-            or any(kwargs.get(k) is not None for k in ("position_bias", "cache")) or kwargs.get("output_attentions")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_gqa_sdpa() -> str:
-    """`gqa_sdpa_attention` under its name in transformers' attention registries (it takes sdpa's masks)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
-    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
-    return GQA_SDPA
-
-
 def _as_list(x: Any) -> list[int]:
     if x is None:
         return []
@@ -226,7 +194,14 @@ class HFEngine:
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         if self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(register_gqa_sdpa())
+            # the learner's attention, which under a mask (a left-padded batch) hands a model's grouped key/value
+            # heads to torch's SDPA as they are; transformers' sdpa copies them out to every query head first
+            # (the whole KV cache, in every layer, at every decoding step) because CUDA's kernels take grouped
+            # heads only without a mask. The same samples; SmolLM2-135M (9 query heads over 3) sampled the
+            # bench's batch in 7.6-8.0 s instead of 9.0-9.2 (docs/performance.md, "Grouped KV heads")
+            from factory.update.logprobs import use_packed_attention
+
+            use_packed_attention(model)
         if lora is None:
             return model
         # the learner's adapters, through peft: a sync sets A and B (B starts at 0: the base model)
