@@ -187,7 +187,7 @@ def test_grouped_kv_heads_under_a_mask_sample_as_transformers_sdpa_does(model_pa
     """The CPU engine hands tiny-qwen3's 2 KV heads (for 4 query heads) to SDPA as they are (the learner's
     attention): a left-padded batch must sample the same tokens with the same log-probs as transformers' own
     sdpa, which repeats them."""
-    from factory.update.logprobs import PACKED_ATTENTION
+    from factory.attention import PACKED_ATTENTION
 
     assert engine.model.config._attn_implementation == PACKED_ATTENTION
     theirs = HFEngine(model_path, batch_size=8, seed=0)

@@ -10,7 +10,8 @@ import torch
 
 from factory.types import Trajectory
 from factory.update.batch import collate, collate_packed, padding_fraction, shared_prefix, should_pack
-from factory.update.logprobs import response_logprobs, use_packed_attention
+from factory.attention import use_packed_attention
+from factory.update.logprobs import response_logprobs
 from tests.test_update import (  # noqa: F401  (fixtures)
     assert_same_delta,
     batch,
@@ -130,7 +131,7 @@ def test_packed_attention_after_a_prefix_is_plain_attention_row_by_row_with_grou
     # Reference: each row's attention written out by hand, keys repeated per head, prefix all visible.
     import torch.nn.functional as F
 
-    from factory.update.logprobs import packed_attention
+    from factory.attention import packed_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups = 3
@@ -164,7 +165,7 @@ def test_a_padded_masked_call_on_cpu_reads_grouped_keys_and_equals_transformers_
     # keys must give transformers' sdpa (keys copied out to every query head) to 1e-5, outputs and gradients.
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from factory.update.logprobs import packed_attention
+    from factory.attention import packed_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups = 3
@@ -197,7 +198,7 @@ def test_attention_on_cpu_under_bf16_autocast_is_computed_in_float32(packed):
     # bf16 q/k/v (what the projections give under autocast): the attention is the float32 one of the same
     # values, rounded to bf16 once at the end -- not torch's bf16 kernel (slower on CPU, and coarser). Both
     # CPU paths: the packed rows after a prefix, and the padded layout's masked call.
-    from factory.update.logprobs import packed_attention
+    from factory.attention import packed_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups = 3
@@ -225,7 +226,7 @@ def test_attention_on_cpu_under_bf16_autocast_is_computed_in_float32(packed):
 def test_cpu_attention_takes_an_additive_mask_in_the_inputs_dtype():
     # a floating mask (0 where seen, -inf where not) in bf16, as a model building its mask in its own dtype
     # would pass: the float32 attention reads it as the boolean one, not a dtype error
-    from factory.update.logprobs import _cpu_sdpa
+    from factory.attention import _cpu_sdpa
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 9, 5, 64).bfloat16(), torch.randn(2, 3, 8, 64).bfloat16(), torch.randn(2, 3, 8, 64).bfloat16()

@@ -199,7 +199,7 @@ class HFEngine:
             # (the whole KV cache, in every layer, at every decoding step) because CUDA's kernels take grouped
             # heads only without a mask. The same samples; SmolLM2-135M (9 query heads over 3) sampled the
             # bench's batch in 7.6-8.0 s instead of 9.0-9.2 (docs/performance.md, "Grouped KV heads")
-            from factory.update.logprobs import use_packed_attention
+            from factory.attention import use_packed_attention
 
             use_packed_attention(model)
         if lora is None:

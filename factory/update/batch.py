@@ -336,7 +336,7 @@ def should_pack(mode: str, lengths: list[int]) -> bool:
 class PackedBatch:
     """A micro-batch's rows laid end to end in one row: no padding. Each row keeps its own positions
     (0.., or prefix.. after a shared prefix) and attends only to itself and the shared prefix
-    (factory.update.logprobs.packed_attention reads `lengths`).
+    (factory.attention.packed_attention reads `lengths`).
 
     `prefix` [1, P] is the rows' common prefix, run once before the packed row (P = `shared`, 0: none);
     `keep` [K] are the packed positions whose logits predict a response token (every row's, in order),

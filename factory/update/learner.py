@@ -84,7 +84,8 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import active_dropout, disable_dropout, response_logprobs, use_packed_attention
+from factory.attention import use_packed_attention
+from factory.update.logprobs import active_dropout, disable_dropout, response_logprobs
 from factory.util import UserError
 
 
