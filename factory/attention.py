@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 PACKED_ATTENTION = "factory_packed"
 
 

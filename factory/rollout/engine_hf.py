@@ -194,11 +194,9 @@ class HFEngine:
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         if self.device.type == "cpu" and model.config._attn_implementation == "sdpa":
-            # the learner's attention, which under a mask (a left-padded batch) hands a model's grouped key/value
-            # heads to torch's SDPA as they are; transformers' sdpa copies them out to every query head first
-            # (the whole KV cache, in every layer, at every decoding step) because CUDA's kernels take grouped
-            # heads only without a mask. The same samples; SmolLM2-135M (9 query heads over 3) sampled the
-            # bench's batch in 7.6-8.0 s instead of 9.0-9.2 (docs/performance.md, "Grouped KV heads")
+            # the learner's attention (factory.attention): a left-padded batch's grouped KV heads without
+            # transformers' copy of the whole KV cache per layer per step; the same samples, SmolLM2-135M's
+            # batch in 7.6-8.0 s instead of 9.0-9.2 (docs/performance.md, "Grouped KV heads")
             from factory.attention import use_packed_attention
 
             use_packed_attention(model)

@@ -49,6 +49,7 @@ from factory.algorithms import (
     truncated_is_weights,
     turn_advantages,
 )
+from factory.attention import use_packed_attention
 from factory.device import resolve_dtype
 from factory.lora import Adapters
 from factory.plan import UpdateSettings
@@ -84,7 +85,6 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.attention import use_packed_attention
 from factory.update.logprobs import active_dropout, disable_dropout, response_logprobs
 from factory.util import UserError
 
