@@ -239,20 +239,31 @@ def test_eval_adds_the_adapters_the_specs_lora_fits_beside_its_model_and_merges_
     assert "is not the spec's model" in capsys.readouterr().err
 
 
-def test_adapters_read_from_a_checkpoint_compute_as_the_peft_model_does(tmp_path):
+def test_adapters_read_from_a_checkpoint_compute_as_the_peft_model_does(tmp_path, monkeypatch):
     """What `factory eval` adds to the rollout engine (RolloutStage.load_adapters): the folder's adapters, in the
-    engine's dtype, at the spec's scale: the engine's model then computes peft's own model's logits."""
-    from factory.lora import read_adapters, scale
+    engine's dtype, at the spec's scale: the engine's model then computes peft's own model's logits. They are read
+    and cast on a thread that ends with the read, not the actor's own (a second OpenMP team that lived on would
+    slow the engine's generation: docs/performance.md, "One thread for torch")."""
+    import threading
+    from types import SimpleNamespace
+
+    import factory.lora
     from factory.rollout.engine_hf import HFEngine
+    from factory.rollout.stage import RolloutStage
     from factory.schema import LoraSpec
 
     base = resolve_model("factory:tiny-qwen3")
     peft_model = _adapter_folder(tmp_path / "adapter", base).eval()
     lora = LoraSpec(r=2, target_modules=["q_proj"])
-    engine = HFEngine(base, lora=lora)
+    stage = RolloutStage(SimpleNamespace(model=SimpleNamespace(lora=lora)))  # load_adapters reads model.lora only
+    stage.engine = HFEngine(base, lora=lora)
+    readers, read = [], factory.lora.read_adapters
+    monkeypatch.setattr(factory.lora, "read_adapters", lambda *a, **k: readers.append(threading.current_thread())
+                        or read(*a, **k))
     ids = torch.tensor([list(range(5, 25))])
     with torch.no_grad():
-        want, before = peft_model(ids).logits, engine.model(ids).logits
-        engine.load_weights(read_adapters(tmp_path / "adapter", scale(lora), dtype=torch.float32))
-        got = engine.model(ids).logits
+        want, before = peft_model(ids).logits, stage.engine.model(ids).logits
+        stage.load_adapters(str(tmp_path / "adapter"))
+        got = stage.engine.model(ids).logits
     assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(before, want, atol=1e-2)
+    assert len(readers) == 1 and readers[0] is not threading.current_thread() and not readers[0].is_alive()

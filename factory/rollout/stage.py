@@ -319,12 +319,20 @@ class RolloutStage(StageActor):
         """A LoRA checkpoint's adapters (a peft folder) into the engine as the run's weight syncs brought them: in
         the engine's dtype, which the learner casts to before it sends, with the spec's scale (`factory eval`
         of a LoRA run, which then samples as the run's own evaluation did)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import torch
 
         from factory.lora import read_adapters, scale
 
-        return self.load_weights(read_adapters(Path(folder), scale(self.settings.model.lora),
-                                               dtype=getattr(torch, self.dtype)))
+        # The cast is a parallel torch op: on this (the actor's event-loop) thread it would start a second
+        # OpenMP team that lives as long as the actor, and libgomp then throttles the engine's team's
+        # spin-wait: the transformers engine generated ~25% slower ever after (docs/performance.md, "One
+        # thread for torch"). A thread that ends takes its team with it.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-adapters") as reader:
+            adapters = reader.submit(read_adapters, Path(folder), scale(self.settings.model.lora),
+                                     dtype=getattr(torch, self.dtype)).result()
+        return self.load_weights(adapters)
 
     async def close(self) -> None:
         """The engine's close (an endpoint's HTTP client); the tool servers belong to the tools stage."""
