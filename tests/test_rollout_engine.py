@@ -377,12 +377,12 @@ def test_a_vllm_built_for_the_other_device_is_not_started(model_path, monkeypatc
 
 def test_auto_takes_vllm_on_a_cpu_only_where_its_start_up_pays_off():
     """The measured rule (factory.rollout.engine): the tiny spec's ~1.5k tokens of a 10M model are not
-    worth vLLM's ~10 s start-up; the quickstart's ~41k tokens of a 135M model are, many times over."""
+    worth vLLM's ~5.5 s longer start-up; the quickstart's ~41k tokens of a 135M model are, many times over."""
     from factory.rollout.engine import auto_prefers_vllm
 
     small, why = auto_prefers_vllm(1536, 9_800_000)
-    assert not small and why == ("at most 1536 tokens x 9.8M parameters: vLLM would save ~3 s of generation, less "
-                                 "than its ~10 s longer start-up")
+    assert not small and why == ("at most 1536 tokens x 9.8M parameters: vLLM would save ~1 s of generation, less "
+                                 "than its ~5.5 s longer start-up")
     assert auto_prefers_vllm(41_472, 134_500_000)[0]
     assert not auto_prefers_vllm(5_000, 10_000_000)[0] and auto_prefers_vllm(60_000, 10_000_000)[0]
 

@@ -166,15 +166,18 @@ def vllm_lora_mode(setting: str, device: str) -> str:
     return setting if setting != "auto" else ("serve" if device == "cuda" else "merge")
 
 
-# `engine: auto` on a CPU: vLLM only where its start-up costs less than it saves over the run. Measured on
-# AMD EPYC (Zen 5, 2 cores; bench/engines.py, 2026-12-01): vLLM's engine starts in 10.3-10.8 s (importing
-# vllm alone 6 s) against well under a second for transformers' (whose imports the rollout pays anyway);
-# on a step's rollout it sampled 400 vs 240 tokens/s for the 10M tiny Qwen3 and 88-198 vs 25-29 for the
-# 135M SmolLM2, which saves 1.7e-10 and 2.0e-10 s per sampled token per parameter. Taking the lower saving
-# and ~10 s of start-up, vLLM pays off once tokens x parameters exceeds about 6e10: the tiny spec (~1.5k
-# tokens x 10M) is faster on transformers, the quickstart (~41k tokens x 135M) on vLLM.
-VLLM_EXTRA_START_S = 10.0
-SAVED_S_PER_TOKEN_PARAM = 1.7e-10
+# `engine: auto` on a CPU: vLLM only where its start-up costs less than it saves over the run. Measured with
+# bench/engines.py (each engine in a process of its own, as in a run's rollout actor) on an Intel Xeon with AMX
+# (family 6 model 167, 2 cores; 2026-12-06): vLLM's rollout stage started in 8.2-9.0 s against 3.5-4.6 s for
+# transformers' (4.0-5.5 s more); a step's rollout saved 1.37e-10 s per sampled token per parameter for the
+# 10M tiny Qwen3 in float32 (490 vs 295 tokens/s), 1.5e-10 for the 135M SmolLM2 in float32 (126 vs 36) and
+# 6.0e-11 in bf16 (189 vs 75). With the smallest saving and the largest start-up, vLLM pays off once tokens x
+# parameters exceeds about 9e10: the tiny spec (~1.5k tokens x 10M) is faster on transformers, the quickstart
+# (~41k tokens x 135M) on vLLM. (The previous figures, 10 s and 1.7e-10 on a Zen 5 on 2026-12-01, ran
+# transformers in the process that also ran vLLM, a second OpenMP team: docs/performance.md, "One thread for
+# torch".)
+VLLM_EXTRA_START_S = 5.5
+SAVED_S_PER_TOKEN_PARAM = 6.0e-11
 
 
 def auto_prefers_vllm(run_tokens: int, params: int) -> tuple[bool, str]:
@@ -184,7 +187,7 @@ def auto_prefers_vllm(run_tokens: int, params: int) -> tuple[bool, str]:
     verdict = "more" if saved > VLLM_EXTRA_START_S else "less"
     return saved > VLLM_EXTRA_START_S, (
         f"at most {run_tokens} tokens x {params / 1e6:.1f}M parameters: vLLM would save ~{saved:.0f} s of "
-        f"generation, {verdict} than its ~{VLLM_EXTRA_START_S:.0f} s longer start-up")
+        f"generation, {verdict} than its ~{VLLM_EXTRA_START_S:g} s longer start-up")
 
 
 def model_params(model_path: str) -> int:
