@@ -174,8 +174,8 @@ def vllm_lora_mode(setting: str, device: str) -> str:
 # 6.0e-11 in bf16 (189 vs 75). With the smallest saving and the largest start-up, vLLM pays off once tokens x
 # parameters exceeds about 9e10: the tiny spec (~1.5k tokens x 10M) is faster on transformers, the quickstart
 # (~41k tokens x 135M) on vLLM. (The previous figures, 10 s and 1.7e-10 on a Zen 5 on 2026-12-01, ran
-# transformers in the process that also ran vLLM, a second OpenMP team: docs/performance.md, "One thread for
-# torch".)
+# transformers in the process that also ran vLLM, a second OpenMP team: 25.5 s against 22.6 s a quickstart
+# step in float32 here; docs/engines.md.)
 VLLM_EXTRA_START_S = 5.5
 SAVED_S_PER_TOKEN_PARAM = 6.0e-11
 
