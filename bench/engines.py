@@ -7,8 +7,9 @@ loop, the quickstart's chat template and few-shot prompt, real calls to the calc
 same prompt batches with the same per-request seeds, in the dtype `rollout.dtype: auto` picks on this CPU.
 Each engine runs in a process of its own, as in a run's rollout actor, one after the other: transformers,
 then vLLM. (In one process the two engines' threads each had an OpenMP team of their own, and libgomp, once
-its teams' threads outnumber the cores, wakes every idle worker from sleep at every operation: the
-transformers engine generated ~25% slower there than alone; docs/performance.md, "One thread for torch".)
+its teams' threads outnumber the cores, wakes every idle worker from sleep at every operation: this bench's
+quickstart steps on transformers took 25.5 s there against 22.6 s alone, float32 on the AMX Xeon;
+docs/performance.md, "One thread for torch", and docs/engines.md.)
 Each process starts its engine (timed: the start-up that `engine: auto` weighs), runs one warm-up step's
 rollout, then `--rounds` training steps' rollouts (train.prompts_per_step x rollout.group_size, sampled);
 `--eval N` adds the greedy evaluation of N held-out questions.
