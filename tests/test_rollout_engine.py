@@ -200,6 +200,36 @@ def test_grouped_kv_heads_under_a_mask_sample_as_transformers_sdpa_does(model_pa
                               torch.tensor(sum((r.logprobs for r in ref), [])), atol=1e-5)
 
 
+def test_a_prompt_repeated_in_a_batch_runs_once_and_its_copies_sample_as_before(engine, monkeypatch):
+    """A training rollout's first turn is group_size requests of each prompt: where that saves enough prefill
+    (`prefill_once_min`, tokens x parameters), the batch runs each distinct prompt once (but its last token),
+    its keys and values repeated for the copies; every copy, with its own seed, samples the tokens and log-probs
+    it sampled when each ran its whole prompt."""
+    rows = [p for _ in range(2) for p in prompts()]  # 4 distinct prompts of different lengths, interleaved
+    samplings = [Sampling(temperature=1.0, seed=i) for i in range(len(rows))]
+    width = max(len(p) for p in rows)
+    embedded: list[tuple[int, ...]] = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: embedded.append(tuple(i[0].shape)))
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, max_new_tokens=8, sampling=s)
+                                      for p, s in zip(rows, samplings)))
+
+    try:
+        each = asyncio.run(run())  # 4 x ~15 tokens of a 10M model saved: not worth a forward call of its own
+        assert embedded[0] == (8, width)
+        monkeypatch.setattr(engine, "prefill_once_min", 0)
+        embedded.clear()
+        once = asyncio.run(run())
+        assert embedded[:2] == [(4, width - 1), (8, 1)]  # the distinct prompts, then every row's last token
+    finally:
+        hook.remove()
+    assert [o.ids for o in once] == [o.ids for o in each] and once[0].ids != once[4].ids  # (own seeds)
+    assert torch.allclose(torch.tensor(sum((o.logprobs for o in once), [])),
+                          torch.tensor(sum((o.logprobs for o in each), [])), atol=1e-5)
+
+
 def test_bf16_weights_generate(model_path):
     e = HFEngine(model_path, dtype="bfloat16", batch_size=8, seed=0)
     outs = asyncio.run(gather(e, [(p, 3) for p in prompts()]))

@@ -170,14 +170,14 @@ def vllm_lora_mode(setting: str, device: str) -> str:
 # bench/engines.py (each engine in a process of its own, as in a run's rollout actor) on an Intel Xeon with AMX
 # (family 6 model 167, 2 cores; 2026-12-06): vLLM's rollout stage started in 8.2-9.0 s against 3.5-4.6 s for
 # transformers' (4.0-5.5 s more); a step's rollout saved 1.37e-10 s per sampled token per parameter for the
-# 10M tiny Qwen3 in float32 (490 vs 295 tokens/s), 1.5e-10 for the 135M SmolLM2 in float32 (126 vs 36) and
-# 6.0e-11 in bf16 (189 vs 75). With the smallest saving and the largest start-up, vLLM pays off once tokens x
-# parameters exceeds about 9e10: the tiny spec (~1.5k tokens x 10M) is faster on transformers, the quickstart
-# (~41k tokens x 135M) on vLLM. (The previous figures, 10 s and 1.7e-10 on a Zen 5 on 2026-12-01, ran
+# 10M tiny Qwen3 in float32 (490 vs 295 tokens/s), 8.3e-11 for the 135M SmolLM2 in float32 (126 vs 52) and
+# 4.0e-11 in bf16 (189 vs 93; transformers running each repeated prompt once: HFEngine._prefill_once). With
+# the smallest saving and the largest start-up, vLLM pays off once tokens x parameters exceeds about 1.4e11:
+# the tiny spec (~1.5k tokens x 10M) is faster on transformers, the quickstart (~41k tokens x 135M) on vLLM. (The previous figures, 10 s and 1.7e-10 on a Zen 5 on 2026-12-01, ran
 # transformers in the process that also ran vLLM, a second OpenMP team: 25.5 s against 22.6 s a quickstart
 # step in float32 here; docs/engines.md.)
 VLLM_EXTRA_START_S = 5.5
-SAVED_S_PER_TOKEN_PARAM = 6.0e-11
+SAVED_S_PER_TOKEN_PARAM = 4.0e-11
 
 
 def auto_prefers_vllm(run_tokens: int, params: int) -> tuple[bool, str]:
