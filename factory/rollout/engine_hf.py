@@ -152,7 +152,7 @@ class HFEngine:
         self.params = sum(p.numel() for p in self.model.parameters())
         # a batch's repeated prompts run once when that saves this much prefill (tokens x parameters), see
         # _prefill_once: ~0.1 TFLOP, a few tenths of a second on 2 CPU cores; below it the extra forward call
-        # cost more than it saved (the tiny spec: 0.45-0.52 s a batch either way, its steps ~10% slower)
+        # costs more than it saves (the tiny spec's ~1e10: its steps took ~10% longer with it)
         self.prefill_once_min = 5e10
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
@@ -298,7 +298,8 @@ class HFEngine:
         instead of 22.0-26.4 on the AMX Xeon, bench/engines.py). `generate` then runs the last token."""
         rows = [tuple(row) for row in ids.tolist()]
         distinct = list(dict.fromkeys(rows))
-        if (len(rows) - len(distinct)) * (ids.shape[1] - 1) * self.params < max(self.prefill_once_min, 1):
+        saved = (len(rows) - len(distinct)) * (ids.shape[1] - 1) * self.params  # prefill tokens x parameters
+        if not saved or saved < self.prefill_once_min:
             return None
         where = {row: i for i, row in enumerate(distinct)}
         pick = torch.tensor([rows.index(row) for row in distinct])
