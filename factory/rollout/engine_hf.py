@@ -152,7 +152,7 @@ class HFEngine:
         self.params = sum(p.numel() for p in self.model.parameters())
         # a batch's repeated prompts run once when that saves this much prefill (tokens x parameters), see
         # _prefill_once: ~0.1 TFLOP, a few tenths of a second on 2 CPU cores; below it the extra forward call
-        # costs more than it saves (the tiny spec's ~1e10: its steps took ~10% longer with it)
+        # costs more than it saves (the tiny spec's ~1e10: its steps took 9-18% longer with it)
         self.prefill_once_min = 5e10
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
