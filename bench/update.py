@@ -17,12 +17,26 @@ optimizer), which says what limits the ratio.
 Prints tables, then as its LAST line JSON: update_flops_over_matmul (median over the steps after the
 first), the GFLOP/s of both, and the profile's shares. Target (#28) for the float32 update
 (an AVX2 CPU): >= 0.5, printed with a verdict; bench/breakdown.py's >= 0.3 (#14) is over whole runs.
+
+The process runs with the memory allocator `factory run` starts the spec's update with (`train.allocator`:
+on a Linux CPU, mimalloc preloaded; the bench starts itself again with that environment), or the one
+`--allocator` names.
+
+    python bench/update.py --compare-allocators [--repeats 2] [--steps 5]
+
+runs the bench (without the profile) in a child process per allocator, the system's and mimalloc, one
+after the other, `--repeats` times, and prints each one's steps (seconds and minor page faults) and, as its
+LAST line JSON, `mimalloc_over_system`: the median step time with mimalloc over the system's (steps after
+each child's first).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,19 +150,27 @@ def main(a: argparse.Namespace) -> dict:
                   f"responses {min(len(t.response_ids) for t in trajs)}-{max(len(t.response_ids) for t in trajs)} "
                   f"tokens; micro-batch {settings.train.micro_batch}, shared prefix {resolved['share_prefix']}, "
                   f"update in {dtype}, {a.threads} threads")
+            print(f"allocator: {resolved['allocator']}")
             rows, ratios = [], []
             for step in range(1, a.steps + 1):
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 stats = learner.step(trajs)
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 matmul = matmul_flops_per_s(dtype, a.threads)
                 flops = stats["perf/update_flops_per_s"]
                 rows.append((f"step {step}", stats["timing/update_step_s"], stats["actor/trained_rows"],
-                             flops / 1e9, matmul / 1e9, flops / matmul))
+                             flops / 1e9, matmul / 1e9, flops / matmul, faults))
                 if step > 1 or a.steps == 1:
                     ratios.append(flops / matmul)
-            print(table(["", "update s", "rows", "GFLOP/s", "matmul GFLOP/s", "ratio"], rows, first=10, width=14))
-            parts, other_ops = profile_step(learner, trajs)
+            print(table(["", "update s", "rows", "GFLOP/s", "matmul GFLOP/s", "ratio", "page faults"], rows,
+                        first=10, width=14))
+            parts, other_ops = profile_step(learner, trajs) if a.profile else ({"wall_s": 0.0}, [])
         finally:
             learner.shutdown()
+    steps = {"allocator": resolved["allocator"], "step_s": [round(r[1], 3) for r in rows],
+             "page_faults": [r[6] for r in rows]}
+    if not a.profile:
+        return {**steps, "cpu": cpu()}
     wall = parts.pop("wall_s")
     print(f"\none step under torch.profiler ({wall:.2f} s; self CPU time by part, scaled to the wall time)")
     shares = {k: v / wall for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
@@ -164,7 +186,49 @@ def main(a: argparse.Namespace) -> dict:
             "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
             "matmul_gflops": round(median([r[4] for r in rows[1:] or rows]), 1), "update_dtype": dtype,
             "profile_shares": {k: round(v, 3) for k, v in shares.items()},
-            "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, "cpu": cpu()}
+            "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, **steps, "cpu": cpu()}
+
+
+def with_allocator(a: argparse.Namespace) -> None:
+    """Start this bench again with the environment `factory run` starts the spec's update with for
+    `--allocator` (the plan's update stage's), unless this process already runs that allocator."""
+    from factory.allocator import running_allocator
+    from factory.compiler.compile import compile_file
+
+    _, plan = compile_file(a.spec, [f"train.allocator={a.allocator}"])
+    env = plan.stage(plan.flow("data")[-1].dst).env
+    if running_allocator() == ("mimalloc" if env else "system"):
+        return
+    if os.environ.get("FACTORY_BENCH_RESTARTED"):
+        raise SystemExit(f"bench/update.py: started again with {env or 'no preload'}, and still runs "
+                         f"{running_allocator()}'s allocator")
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**base, **env, "FACTORY_BENCH_RESTARTED": "1"})
+
+
+def compare_allocators(a: argparse.Namespace) -> dict:
+    """The bench without its profile in a child per allocator, alternated `a.repeats` times."""
+    print(cpu_line())
+    runs: dict[str, list[dict]] = {"system": [], "mimalloc": []}
+    for repeat in range(1, a.repeats + 1):
+        for name in runs:
+            print(f"repeat {repeat}: {name}", flush=True)
+            out = subprocess.run([sys.executable, __file__, "--spec", a.spec, "--steps", str(a.steps), "--threads",
+                                  str(a.threads), "--allocator", name, "--no-profile"],
+                                 capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows, medians = [], {}
+    for name, done in runs.items():
+        later = [s for r in done for s in r["step_s"][1:]]
+        faults = [f for r in done for f in r["page_faults"][1:]]
+        medians[name] = median(later)
+        rows.append((name, done[0]["allocator"], median([r["step_s"][0] for r in done]), medians[name],
+                     f"{median(faults):,.0f}"))
+    print(table(["asked", "ran", "first step s", "later steps s", "page faults"], rows, first=10, width=14))
+    ratio = medians["mimalloc"] / medians["system"]
+    print(f"mimalloc / system, median step after the first: {ratio:.3f}")
+    return {"mimalloc_over_system": round(ratio, 3), "runs": runs, "cpu": cpu()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -173,6 +237,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (the first warms up)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="the tiny spec, 2 steps (a smoke test)")
+    parser.add_argument("--allocator", choices=("auto", "system", "mimalloc"), default="auto",
+                        help="the update's allocator (train.allocator; auto: as `factory run` starts it)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="no profiled step")
+    parser.add_argument("--compare-allocators", action="store_true",
+                        help="the system's allocator and mimalloc, each in a child process, alternated")
+    parser.add_argument("--repeats", type=int, default=2, help="with --compare-allocators: runs of each")
     a = parser.parse_args(argv)
     if a.quick:
         a.spec, a.steps = str(ROOT / "specs" / "tiny.yaml"), 2
@@ -180,4 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    print_json(main(parse_args()))
+    args = parse_args()
+    if args.compare_allocators:
+        print_json(compare_allocators(args))
+    else:
+        with_allocator(args)
+        print_json(main(args))

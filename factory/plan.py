@@ -224,6 +224,7 @@ class Stage:
     replicas: int = 1
     resources: dict[str, float] = field(default_factory=dict)  # one replica's Ray bundle: CPU, GPU, custom
     strategy: str = "PACK"  # how the replicas' placement group spreads over nodes
+    env: dict[str, str] = field(default_factory=dict)  # environment its replicas' processes start with
 
 
 EdgeKind = Literal["data", "eval", "call", "weight_sync"]

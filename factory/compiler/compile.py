@@ -979,7 +979,10 @@ def _resolve_algorithm(spec: Spec, r: _Report) -> Algorithm | None:
 def _check_resources(spec: Spec, r: _Report) -> None:
     """What the placement cannot honour: a DeepSpeed rank owns at most one GPU and does not share it
     (NCCL refuses two ranks on one device), and data parallelism over several ranks goes through a ZeRO
-    optimizer (stage 0 would leave the gradient norm unreduced)."""
+    optimizer (stage 0 would leave the gradient norm unreduced). An allocator asked for by name must be
+    there to preload."""
+    from factory.allocator import mimalloc_missing
+
     update = spec.resources.update
     if update.num_gpus > 1:
         r.error("resources.update.num_gpus", f"a DeepSpeed rank uses at most one GPU, got {update.num_gpus:g}: "
@@ -991,6 +994,8 @@ def _check_resources(spec: Spec, r: _Report) -> None:
     if update.replicas > 1 and spec.train.deepspeed.zero_stage == 0:
         r.error("resources.update.replicas", f"{update.replicas} DeepSpeed ranks need ZeRO stage 1, 2 or 3: "
                                              "set train.deepspeed.zero_stage (1 shards only the optimizer states)")
+    if spec.train.allocator == "mimalloc" and (missing := mimalloc_missing()):
+        r.error("train.allocator", f"{missing}: use allocator: auto (mimalloc where it can be preloaded) or system")
     rollout, prompts = spec.resources.rollout, spec.train.prompts_per_step
     if rollout.replicas > prompts:  # the replicas share a step's prompts, each prompt's group on one of them
         r.warn("resources.rollout.replicas", f"{rollout.replicas} rollout replicas share train.prompts_per_step "
@@ -1061,6 +1066,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     weight-sync edge update -> rollout; each stage with its class, replicas, bundle and settings.
     `required`: the data columns the reward functions need (column -> node); `fns`: each function node's
     function, whose signature says whether it takes the turns and which row columns it names."""
+    from factory.allocator import allocator_env
+    from factory.device import stage_device
     from factory.reward.graph import required_columns, row_keywords, takes_turns
 
     res, r, t = spec.resources, spec.rollout, spec.train
@@ -1138,7 +1145,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                                        rollout_compute=_compute(res.rollout.num_gpus, r.dtype, t.bf16_autocast,
                                                                 spec.model.dtype)),
                         ("scored_trajectories",), ("weights", "stats"),
-                        res.update.replicas, _bundle(res.update), res.update.strategy))
+                        res.update.replicas, _bundle(res.update), res.update.strategy,
+                        allocator_env(t.allocator, stage_device(res.update.num_gpus))))
     edges += [Edge("reward", "update", "scored_trajectories", "data", method="step"),
               Edge("update", "rollout", "weights", "weight_sync", method="load_weights", fetch="state_dict")]
     return tuple(stages), tuple(edges)

@@ -143,6 +143,8 @@ def plan_text(plan: Plan) -> str:
         out.append(f"  {st.name:8} {st.does}")
         out.append(f"  {'':8} {st.cls}{_replicas(st)}; {_bundle(st)}")
         out.append(f"  {'':8} in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}")
+        if st.env:
+            out.append(f"  {'':8} starts with: {' '.join(f'{k}={v}' for k, v in st.env.items())}")
     out += ["", "# edges (the methods the driver calls; a call edge's source calls it itself)"]
     out += [f"  {edge_text(e)}" for e in plan.edges]
     out += ["", "# reward graph",

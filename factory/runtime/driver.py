@@ -364,6 +364,8 @@ def start_group(stage: Stage) -> Group:
                                    "resources": custom}
         if pg is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        if stage.env:  # (a worker started for it: this environment must be there when its process starts)
+            options["runtime_env"] = {"env_vars": stage.env}
         actors.append(ray.remote(cls).options(**options).remote(stage.settings))
     return Group(stage, cls, actors, pg)
 

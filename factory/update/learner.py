@@ -49,6 +49,7 @@ from factory.algorithms import (
     truncated_is_weights,
     turn_advantages,
 )
+from factory.allocator import running_allocator
 from factory.attention import use_packed_attention
 from factory.device import resolve_dtype
 from factory.lora import Adapters
@@ -205,6 +206,7 @@ class Learner:
                 "share_prefix": "on" if self.share_prefix else "off (dropout)" if self.dropout and
                                 self.spec.train.share_prefix else "off",
                 "packing": self.spec.train.packing,
+                "allocator": running_allocator(),
                 "dropout": f"on ({', '.join(self.dropout)})" if self.dropout else "off (disabled)" if self.dropped_out
                 else "off",
                 "weight_sync": f"adapters ({str(self.sync_dtype).removeprefix('torch.')})" if self.lora is not None
