@@ -93,10 +93,15 @@ def _row(x: dict) -> str:
 
 
 def in_own_process(name: str, args: argparse.Namespace) -> dict:
-    """`run_engine(name)` in a child process (its lines shown as they come); its answer is its last line."""
+    """`run_engine(name)` in a child process (its lines shown as they come), started with the environment
+    `factory run` starts the spec's rollout stage with (its memory allocator, `train.allocator`); its answer is
+    its last line."""
+    from factory.compiler.compile import compile_file
+
     cmd = [sys.executable, __file__, "--spec", args.spec, "--rounds", str(args.rounds), "--eval", str(args.eval),
            "--engine-worker", name]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+    env = compile_file(args.spec, [f"rollout.engine={name}"])[1].stage("rollout").env
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env}) as proc:
         last = ""
         for line in proc.stdout:
             if last:

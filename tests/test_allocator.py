@@ -44,7 +44,8 @@ print(json.dumps({"faults": rounds, "rss_mb": rss_mb, "allocator": running_alloc
 
 
 def _rounds(env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", ROUNDS], env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MIMALLOC_")}
+    out = subprocess.run([sys.executable, "-c", ROUNDS], env={**plain, **env, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -62,9 +63,10 @@ def test_a_process_started_with_the_env_reuses_what_it_frees():
     assert mimalloc["rss_mb"] < system["rss_mb"] + 128 + 64, (mimalloc, system)  # one tensor's pages kept, not four
 
 
-def test_the_update_stage_starts_with_the_allocator_the_spec_resolves_to(monkeypatch):
+def test_the_computing_stages_start_with_the_allocator_the_spec_resolves_to(monkeypatch):
     def update_env(*overrides: str) -> dict[str, str]:
         _, plan = compile_file(str(REPO / "specs" / "tiny.yaml"), list(overrides))
+        assert plan.stage("rollout").env == plan.stage("update").env  # both compute on the CPU here
         return plan.stage("update").env
 
     assert update_env("train.allocator=system") == {}

@@ -166,6 +166,7 @@ def test_gpus_asked_on_a_machine_without_cuda_fail_at_check(project, monkeypatch
 def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
     import asyncio
 
+    from factory.allocator import running_allocator
     from factory.rollout.stage import RolloutStage
 
     fake(probe)
@@ -174,6 +175,6 @@ def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
     stage = RolloutStage(stage_settings(spec)["rollout"])
     info = asyncio.run(stage.setup())
     assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": want, "weight_sync": "full weights",
-                                "max_model_len": 4096}
+                                "max_model_len": 4096, "allocator": running_allocator()}  # (this process's)
     assert str(next(stage.engine.model.parameters()).dtype) == f"torch.{want}"
     asyncio.run(stage.close())

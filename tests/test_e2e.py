@@ -15,6 +15,7 @@ from factory.allocator import mimalloc_missing
 from tests.tracked_runs import ENGINE, STEPS
 
 REPO = Path(__file__).resolve().parents[1]
+ALLOCATOR = "system" if mimalloc_missing() else "mimalloc"
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,9 @@ def test_every_step_has_its_metrics(tiny_run):
         "resolved.update.share_prefix": "on", "resolved.update.packing": "auto", "resolved.update.dropout": "off",
         "resolved.update.weight_sync": "full (float32)", "resolved.rollout.weight_sync": "full weights",
         "resolved.rollout.max_model_len": "4096",  # the tiny model's context
-        # the update's process runs with the allocator the plan started it with (Linux x86-64: mimalloc)
-        "resolved.update.allocator": "system" if mimalloc_missing() else "mimalloc",
+        # the update's and the rollout's processes run with the allocator the plan started them with (Linux
+        # x86-64: mimalloc)
+        "resolved.update.allocator": ALLOCATOR, "resolved.rollout.allocator": ALLOCATOR,
         # vLLM on CPU runs eagerly unless rollout.vllm_compile says otherwise
         **({"resolved.rollout.vllm_compiled": "false"} if ENGINE == "vllm" else {})}
     assert run.data.tags["factory.spec_hash"] and run.data.tags["factory.source_commit"]

@@ -1093,7 +1093,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                               tool_peer=tool_peer, run_tokens=run_tokens(spec)),
               ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
               ("trajectories",) + (("tool_calls",) if spec.tools else ()),
-              res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy),
+              res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy,
+              allocator_env(t.allocator, stage_device(res.rollout.num_gpus))),
     ]
     edges = [Edge("data", "rollout", "batch", "data", method="generate", fetch="next_batch"),
              Edge("data", "rollout", "eval_batch", "eval", method="evaluate", fetch="eval_batch")]

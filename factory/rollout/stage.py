@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from factory.allocator import running_allocator
 from factory.assets import context_tokens
 from factory.contract import Call, Contract, StageActor
 from factory.device import resolve_dtype
@@ -171,7 +172,7 @@ class RolloutStage(StageActor):
         self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
         await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
-                    "weight_sync": self.engine.weight_sync}
+                    "weight_sync": self.engine.weight_sync, "allocator": running_allocator()}
         if self.context is not None:  # (a served model's is the server's)
             resolved["max_model_len"] = self.context
         if self.engine.name == "vllm":
