@@ -36,8 +36,14 @@ same work. The contenders alternate (factory, sync, sequential, factory, ...) `-
 same prompts, after one unmeasured warm-up round each; the step time is rollout + reward until every
 trajectory is scored. Medians.
 
+The judge server notes when each request arrives; for each contender's step the table gives its judge floor
+(`judge_floor`): the earliest a judge of that capacity and latency could answer the last of the requests
+sent at those times. No schedule of the judge beats it, so a step at its floor is bound by when its
+trajectories ended, not by how it sends them to the judge.
+
 Prints a table, then as its LAST line JSON: speedup_vs_sequential and speedup_vs_sync_turns (the baseline's
-median step time / Factory's), same_trajectories, and tool_calls and tool_answered (per trajectory).
+median step time / Factory's), same_trajectories, tool_calls and tool_answered (per trajectory),
+factory_judge_floor_s and speedup_vs_sync_turns_at_floor (the synchronous turns' step over Factory's floor).
 Targets: >= 3 and >= 1.3.
 """
 from __future__ import annotations
@@ -46,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import json
 import statistics
 import subprocess
@@ -96,15 +103,25 @@ def serve_judge(latency_s: float, capacity: int) -> None:
     fixed latency, serving at most `capacity` requests at a time (the rest queue, as at a real server).
     Prints its port, then serves until killed."""
     slots = threading.Semaphore(capacity)
+    arrivals: list[float] = []  # wall-clock times requests came in, until the next GET /arrivals
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            arrivals.append(time.time())
             with slots:
                 time.sleep(latency_s)
             body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "score: 1"}}]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # the arrival times since the last GET (the bench's, between steps)
+            body = json.dumps(arrivals[:]).encode()
+            arrivals.clear()
+            self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -121,6 +138,25 @@ def serve_judge(latency_s: float, capacity: int) -> None:
     server = Server(("127.0.0.1", 0), Handler)
     print(server.server_address[1], flush=True)
     server.serve_forever()
+
+
+def judge_arrivals(url: str) -> list[float]:
+    """The wall-clock times the judge server received requests since the last call."""
+    from urllib.request import urlopen
+
+    with urlopen(url.removesuffix("/v1") + "/arrivals", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def judge_floor(arrivals: list[float], latency_s: float, capacity: int) -> float:
+    """When a judge serving `capacity` requests at once, each for `latency_s`, ends the last of requests
+    arriving at `arrivals` (seconds), if it never idles while one waits. With requests of one length no
+    schedule of the judge ends them sooner: what a step that sends them at those times cannot beat."""
+    free = [0.0] * capacity  # when each of the judge's slots is next free
+    for t in sorted(arrivals):
+        start = max(t, heapq.heappop(free))
+        heapq.heappush(free, start + latency_s)
+    return max(free)
 
 
 @contextlib.contextmanager
@@ -343,19 +379,24 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
                      "sync turns": lambda: sync_turns_step(rollout, reward, prompts, a.group_size),
                      "sequential": lambda: sequential_step(rollout, reward, prompts, a.group_size)}
             times: dict[str, list[float]] = {k: [] for k in steps}
+            floors: dict[str, list[float]] = {k: [] for k in steps}
             shapes: dict[str, list] = {k: [] for k in steps}
             reference = None
+            judge_arrivals(judge_url)  # none yet; from here on, each step's own
             for round_no in range(a.repeats + 1):  # round 0 warms every contender up (first-call costs)
                 for name, step in steps.items():
-                    t0 = time.perf_counter()
+                    t0, wall0 = time.perf_counter(), time.time()
                     trajs = await step()
                     elapsed = time.perf_counter() - t0
+                    floor = judge_floor([t - wall0 for t in judge_arrivals(judge_url)], a.judge_latency,
+                                        a.judge_capacity)
                     reference = reference or trajs
                     if (n := differing(reference, trajs)):
                         raise SystemExit(f"{name} built {n} of {len(trajs)} trajectories other than factory's: "
                                          "the contenders would not do the same work")
                     if round_no:
                         times[name].append(elapsed)
+                        floors[name].append(floor)
                         shapes[name].append(trajs)
         finally:
             await rollout.close()
@@ -363,7 +404,7 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
             await tools.close()
             teardown(groups)
             ray.shutdown()
-    return {"times": times, "shapes": shapes}
+    return {"times": times, "floors": floors, "shapes": shapes}
 
 
 def answered(result) -> bool:
@@ -391,23 +432,33 @@ def main(a: argparse.Namespace) -> dict:
           f"{a.repeats} repeats alternated; model {a.model} in {a.dtype}")
     with tempfile.TemporaryDirectory(prefix="factory-agentic-") as tmp:
         out = asyncio.run(measure(a, Path(tmp)))
-    times = out["times"]
+    times, floors = out["times"], out["floors"]
     rows = []
     for name, ts in times.items():
         shape = [describe(trajs) for trajs in out["shapes"][name]]
-        rows.append((name, median(ts), min(ts), max(ts), *(statistics.fmean(s[i] for s in shape) for i in range(5))))
-    print(table(["contender", "median s", "min s", "max s", "turns", "tool calls", "tool ok", "model tok", "turns sd"],
-                rows, first=14))
+        rows.append((name, median(ts), min(ts), max(ts), median(floors[name]),
+                     *(statistics.fmean(s[i] for s in shape) for i in range(5))))
+    print(table(["contender", "median s", "min s", "max s", "judge floor s", "turns", "tool calls", "tool ok",
+                 "model tok", "turns sd"], rows, first=14))
     print(f"same trajectories, token for token, in every contender and repeat: yes ({len(out['shapes']['factory'][0])} "
           "per step)")
-    calls, ok = rows[0][5], rows[0][6]
+    calls, ok = rows[0][6], rows[0][7]
     print(f"the slow tool answered {ok:.2f} of {calls:.2f} calls per trajectory; Factory refused the rest at once "
           "(malformed: an unknown tool, arguments not JSON or not the tool's schema)")
-    factory = median(times["factory"])
+    factory, floor = median(times["factory"]), median(floors["factory"])
+    print(f"judge floor: the earliest a judge serving {a.judge_capacity} requests at a time for {a.judge_latency:g} s "
+          "each could answer the last of a contender's requests, sent when they were (from the step's start). "
+          f"Factory's step ended {factory - floor:.3f} s after its floor; a step ending at that floor would be "
+          f"{median(times['sync turns']) / floor:.3f}x the synchronous turns': past it, only trajectories that end "
+          "sooner make the step shorter")
     out = {"speedup_vs_sequential": round(median(times["sequential"]) / factory, 3),
            "speedup_vs_sync_turns": round(median(times["sync turns"]) / factory, 3),
            "factory_s": round(factory, 3), "sync_turns_s": round(median(times["sync turns"]), 3),
            "sequential_s": round(median(times["sequential"]), 3), "same_trajectories": True,
+           # the judge's floor for the times Factory's step sent its requests (judge_floor), and the speedup over
+           # the synchronous turns a step ending at that floor would have
+           "factory_judge_floor_s": round(floor, 3),
+           "speedup_vs_sync_turns_at_floor": round(median(times["sync turns"]) / floor, 3),
            # per trajectory: calls made, and calls the slow tool itself answered (the rest Factory refused at
            # once: the tiny model at temperature 1 writes mostly malformed calls)
            "tool_calls": round(calls, 3), "tool_answered": round(ok, 3)}

@@ -721,15 +721,15 @@ class TrainSpec(Section):
     CPU with AVX512-bf16 or AMX); elsewhere the update runs in float32. The run's params record what was
     chosen (`resolved.update.autocast`)."""
     allocator: Literal["auto", "mimalloc", "system"] = "auto"
-    """The memory allocator of the update's and the rollout's processes on the CPU. The update allocates and
-    frees tensors of 100 MB and more many times a step (logits, their log-softmax, gradients), and glibc maps
-    each afresh from the kernel: ~1 million page faults a step on the quickstart. `mimalloc` (the
+    """The memory allocator of the update's, the rollout's and local judges' processes on the CPU. The update
+    allocates and frees tensors of 100 MB and more many times a step (logits, their log-softmax, gradients),
+    and glibc maps each afresh from the kernel: ~1 million page faults a step on the quickstart. `mimalloc` (the
     `cmeel-mimalloc` package, preloaded into those processes, keeping what it has freed for reuse) made the
     quickstart's update steps 14% faster in float32 and 19% in bf16 autocast, and the transformers engine's
     rollouts ~7% (vLLM's the same either way); the processes then hold their peak memory between steps.
     `auto`: mimalloc for a stage on the CPU under Linux where the package is installed (Factory installs it
     on Linux x86-64), else the system's. The run's params record what each process runs with
-    (`resolved.update.allocator`, `resolved.rollout.allocator`)."""
+    (`resolved.update.allocator`, `resolved.rollout.allocator`, `resolved.judge.NAME.allocator`)."""
     deepspeed: DeepSpeedSpec = DeepSpeedSpec()
     """DeepSpeed settings; other keys are passed through to the DeepSpeed config (`factory check` refuses keys
     Factory sets from the spec, keys Factory's update does not apply, such as `compile` or `pipeline`, and

@@ -69,6 +69,11 @@ def test_the_computing_stages_start_with_the_allocator_the_spec_resolves_to(monk
         assert plan.stage("rollout").env == plan.stage("update").env  # both compute on the CPU here
         return plan.stage("update").env
 
+    # a local judge's model computes on the CPU too: its stage starts as the others do
+    _, plan = compile_file(str(REPO / "specs" / "deepsearch-cpu-judge.yaml"))
+    judges = [s for s in plan.stages if s.name.startswith("judge.")]
+    assert judges and all(s.env == plan.stage("update").env for s in judges)
+
     assert update_env("train.allocator=system") == {}
     if mimalloc_missing() is None:
         env = update_env()

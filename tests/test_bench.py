@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agentic import Lockstep, answered, differing, make_spec, parse_args
+from bench.agentic import Lockstep, answered, differing, judge_floor, make_spec, parse_args
 from bench.common import cpu, judge_targets, print_json, pythonpath, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
@@ -125,6 +125,17 @@ def test_the_agentic_benchmark_counts_only_calls_the_tool_answered():
     for kind in ("unknown_tool", "parse_error", "bad_arguments"):
         assert not answered(model_error("calculate", kind, "Error"))
     assert not answered(infra_error("calculate", "circuit_open", "Error"))
+
+
+def test_the_judge_floor_is_when_a_never_idle_judge_ends_the_last_request():
+    # 32 requests at once, 8 at a time for 0.5 s: four rounds
+    assert judge_floor([0.0] * 32, 0.5, 8) == pytest.approx(2.0)
+    # one early request does not start the rounds: the other 31 arrive together later, and take four more
+    assert judge_floor([0.08] + [0.67] * 31, 0.5, 8) == pytest.approx(2.67)
+    # requests that arrive while the judge is busy wait for a slot; one arriving late starts when it arrives
+    assert judge_floor([0.0, 0.1, 0.2], 1.0, 2) == pytest.approx(2.0)
+    assert judge_floor([0.0, 0.1, 5.0], 1.0, 2) == pytest.approx(6.0)
+    assert judge_floor([3.0, 0.0], 1.0, 1) == pytest.approx(4.0)  # in arrival order, whatever the list's
 
 
 def test_the_update_profile_sorts_ops_by_whole_names():
@@ -320,7 +331,7 @@ def test_the_reward_benchmark_runs_small_and_ends_with_its_json_line():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bench, keys", [
-    ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns", "same_trajectories"}),
+    ("agentic.py", {"speedup_vs_sequential", "speedup_vs_sync_turns", "same_trajectories", "factory_judge_floor_s"}),
     ("breakdown.py", {"overhead_fraction", "scaling_2x", "update_flops_over_matmul", "weight_sync_fraction"}),
     ("lora.py", {"sync_bytes", "update_rss", "step_time", "update_time"}),
     ("packing.py", {"packed_over_padded", "packed_over_padded_uniform"}),

@@ -210,7 +210,13 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
     settings = stage_settings(spec, tmp_path)
     judge = ray.remote(JudgeModel).options(num_cpus=0).remote(settings["judge.judge"])
     try:
-        ray.get(judge.setup.remote())
+        info = ray.get(judge.setup.remote())
+        # what the run's params record for the stage (resolved.judge.judge.*); placed here without the plan's
+        # environment, its process runs the allocator this one does (Ray's workers inherit it)
+        from factory.allocator import running_allocator
+
+        assert info["resolved"] == {"engine": "hf", "device": "cpu", "dtype": "float32",
+                                    "allocator": running_allocator()}
         trajs, m = _score(spec, trajs, tmp_path, {settings["reward"].judge_peers["judge"]: judge})  # by its role
     finally:
         ray.kill(judge)

@@ -1131,7 +1131,8 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                                           engine=EngineSettings(engine=local.engine,
                                                                 batch_size=spec.rewards[name].concurrency,
                                                                 kv_cache_gb=JUDGE_KV_CACHE_GB)),
-                            ("judge_prompts",), ("judge_replies",), 1, _bundle(local)))
+                            ("judge_prompts",), ("judge_replies",), 1, _bundle(local),
+                            env=allocator_env(t.allocator, stage_device(local.num_gpus))))
         edges += [Edge("reward", judge, "judge_prompts", "call", method="complete", role=role),
                   Edge(judge, "reward", "judge_replies", "call")]
     if spec.tools and tool_nodes:

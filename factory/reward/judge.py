@@ -175,7 +175,11 @@ class JudgeModel(StageActor):
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.engine, path, device=device, dtype=dtype, seed=self.seed,
                                   stop_token_ids=self.chat.stop_token_ids, gpu_share=gpu_share(s.judge.num_gpus))
-        return {"node": node_id(), "model": path}
+        from factory.allocator import running_allocator
+
+        return {"node": node_id(), "model": path,
+                "resolved": {"engine": self.engine.name, "device": device, "dtype": dtype,
+                             "allocator": running_allocator()}}
 
     async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str]:
         from factory.rollout.engine import Sampling
