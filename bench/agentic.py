@@ -446,6 +446,8 @@ def main(a: argparse.Namespace) -> dict:
     print(f"the slow tool answered {ok:.2f} of {calls:.2f} calls per trajectory; Factory refused the rest at once "
           "(malformed: an unknown tool, arguments not JSON or not the tool's schema)")
     factory, floor = median(times["factory"]), median(floors["factory"])
+    if not floor:  # no request reached the judge: nothing bounded the step from there
+        raise SystemExit("bench/agentic.py: the judge received no request during Factory's steps")
     print(f"judge floor: the earliest a judge serving {a.judge_capacity} requests at a time for {a.judge_latency:g} s "
           "each could answer the last of a contender's requests, sent when they were (from the step's start). "
           f"Factory's step ended {factory - floor:.3f} s after its floor; a step ending at that floor would be "
