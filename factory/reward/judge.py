@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
+from factory.allocator import running_allocator
 from factory.contract import Call, Contract, StageActor
 from factory.endpoints import EndpointError, open_client, request
 from factory.plan import JudgeSettings
@@ -175,8 +176,6 @@ class JudgeModel(StageActor):
         device, dtype = s.compute.device, resolve_dtype(s.compute)
         self.engine = make_engine(s.engine, path, device=device, dtype=dtype, seed=self.seed,
                                   stop_token_ids=self.chat.stop_token_ids, gpu_share=gpu_share(s.judge.num_gpus))
-        from factory.allocator import running_allocator
-
         return {"node": node_id(), "model": path,
                 "resolved": {"engine": self.engine.name, "device": device, "dtype": dtype,
                              "allocator": running_allocator()}}
