@@ -1,4 +1,5 @@
-"""The memory allocator of the update's and the rollout's processes on the CPU (`train.allocator`).
+"""The memory allocator of the computing stages' processes on the CPU: the update's, the rollout's and local
+judges' (`train.allocator`).
 
 The float32 update allocates and frees tensors of 100 MB and more many times a step (the logits of the kept
 positions, their log-softmax, their gradients). glibc serves every allocation above its mmap threshold (at
@@ -8,11 +9,12 @@ step (docs/performance.md, "The update's page faults"). mimalloc, preloaded into
 told never to give memory back (`MIMALLOC_PURGE_DELAY=-1`), reuses those pages: the process holds its peak
 between steps, which the next step needs again anyway. Its transparent huge pages are left off: on a kernel
 that defragments for them (THP `madvise`), the first step spent 44 s in the kernel. The rollout's processes
-get it too: the transformers engine's rollouts ran ~7% faster under it, vLLM's the same.
+get it too (the transformers engine's rollouts ran ~7% faster under it, vLLM's the same), and so do local
+judge models' (they generate as the rollout does).
 
 The process must start with the library preloaded (LD_PRELOAD), so the compiler decides it and the driver
-starts those stages' actors with that environment (`Stage.env`); the learner and the rollout stage report
-what their processes run with, read from their own mappings.
+starts those stages' actors with that environment (`Stage.env`); the learner, the rollout stage and a local
+judge report what their processes run with, read from their own mappings.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def mimalloc_missing() -> str | None:
 
 
 def allocator_env(setting: str, device: DeviceKind) -> dict[str, str]:
-    """The environment a computing stage's processes (the update's, the rollout's) start with for
+    """The environment a computing stage's processes (the update's, the rollout's, a local judge's) start with for
     `train.allocator` = `setting` on `device`: mimalloc preloaded, or nothing (the system's allocator). `auto`
     takes mimalloc on the CPU where it can (on CUDA the large tensors are the GPU's)."""
     if setting == "system" or (setting == "auto" and (device != "cpu" or mimalloc_missing() is not None)):

@@ -1071,6 +1071,10 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     from factory.reward.graph import required_columns, row_keywords, takes_turns
 
     res, r, t = spec.resources, spec.rollout, spec.train
+
+    def process_env(num_gpus: float) -> dict[str, str]:  # a computing stage's: train.allocator on its device
+        return allocator_env(t.allocator, stage_device(num_gpus))
+
     replicas = f"{res.rollout.replicas} engine replicas share each step's prompts; " if res.rollout.replicas > 1 else ""
     ranks = f" over {res.update.replicas} ranks" if res.update.replicas > 1 else ""
     tool_nodes = any(isinstance(n, ToolNode) for n in spec.rewards.values())
@@ -1094,7 +1098,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
               ("batch", "eval_batch", "weights") + (("tool_results",) if spec.tools else ()),
               ("trajectories",) + (("tool_calls",) if spec.tools else ()),
               res.rollout.replicas, _bundle(res.rollout), res.rollout.strategy,
-              allocator_env(t.allocator, stage_device(res.rollout.num_gpus))),
+              process_env(res.rollout.num_gpus)),
     ]
     edges = [Edge("data", "rollout", "batch", "data", method="generate", fetch="next_batch"),
              Edge("data", "rollout", "eval_batch", "eval", method="evaluate", fetch="eval_batch")]
@@ -1132,7 +1136,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                                                                 batch_size=spec.rewards[name].concurrency,
                                                                 kv_cache_gb=JUDGE_KV_CACHE_GB)),
                             ("judge_prompts",), ("judge_replies",), 1, _bundle(local),
-                            env=allocator_env(t.allocator, stage_device(local.num_gpus))))
+                            env=process_env(local.num_gpus)))
         edges += [Edge("reward", judge, "judge_prompts", "call", method="complete", role=role),
                   Edge(judge, "reward", "judge_replies", "call")]
     if spec.tools and tool_nodes:
@@ -1148,7 +1152,7 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
                                                                 spec.model.dtype)),
                         ("scored_trajectories",), ("weights", "stats"),
                         res.update.replicas, _bundle(res.update), res.update.strategy,
-                        allocator_env(t.allocator, stage_device(res.update.num_gpus))))
+                        process_env(res.update.num_gpus)))
     edges += [Edge("reward", "update", "scored_trajectories", "data", method="step"),
               Edge("update", "rollout", "weights", "weight_sync", method="load_weights", fetch="state_dict")]
     return tuple(stages), tuple(edges)
