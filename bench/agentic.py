@@ -2,7 +2,7 @@
 three ways on the same components.
 
     python bench/agentic.py [--repeats 3] [--prompts 4] [--group-size 8] [--tool-latency 0.2]
-                            [--judge-latency 0.5] [--judge-capacity 8] [--quick]
+                            [--judge-latency 0.5] [--judge-capacity 8] [--engine auto|vllm|hf] [--quick]
 
 The same pieces serve every contender: Factory's rollout stage (its engine with the model, the chat
 template, its ToolBox talking to a real stdio MCP server whose `calculate` tool answers after
@@ -28,9 +28,9 @@ every trajectory then takes the same two turns).
   sequential   each turn, generate for every live trajectory as one batch, then each tool call one by
                one; then each trajectory's reward one by one.
 
-The baselines run the same stages in this process (their engine is another instance of the same model
-in the same dtype). Every request is seeded exactly as Factory's rollout seeds it -- from (spec seed, step,
-attempt, prompt, sample, turn) -- so the three contenders build the same trajectories token for token:
+The baselines run the same stages in this process (their engine is another instance of Factory's: the
+same model, dtype and engine, `--engine`, by default `auto`, Factory's choice for this spec on this machine). Every request is seeded exactly as Factory's rollout seeds it -- from (spec seed, step, attempt,
+prompt, sample, turn) -- so the three contenders build the same trajectories token for token:
 the benchmark checks that on every repeat (and stops if any trajectory differs), so the times compare the
 same work. The contenders alternate (factory, sync, sequential, factory, ...) `--repeats` times on the
 same prompts, after one unmeasured warm-up round each; the step time is rollout + reward until every
@@ -189,7 +189,7 @@ rewards:
   judge: {{llm_judge: judge.jinja, endpoint: '{judge_url}', concurrency: 256, timeout_s: 120}}
   total: {{sum: {{correct: 1.0, judge: 0.1}}}}
 rollout: {{group_size: {a.group_size}, max_turns: {a.max_turns}, max_new_tokens: {a.max_new_tokens},
-          max_total_tokens: 1024, temperature: {a.temperature}, dtype: {a.dtype}}}
+          max_total_tokens: 1024, temperature: {a.temperature}, dtype: {a.dtype}, engine: {a.engine}}}
 train: {{prompts_per_step: {a.prompts}, threads: {a.threads}}}
 """)
     spec, plan = compile_file(folder / "spec.yaml")
@@ -404,7 +404,7 @@ async def measure(a: argparse.Namespace, folder: Path) -> dict:
             await tools.close()
             teardown(groups)
             ray.shutdown()
-    return {"times": times, "floors": floors, "shapes": shapes}
+    return {"times": times, "floors": floors, "shapes": shapes, "engine": rollout.engine.name}
 
 
 def answered(result) -> bool:
@@ -432,7 +432,8 @@ def main(a: argparse.Namespace) -> dict:
           f"{a.repeats} repeats alternated; model {a.model} in {a.dtype}")
     with tempfile.TemporaryDirectory(prefix="factory-agentic-") as tmp:
         out = asyncio.run(measure(a, Path(tmp)))
-    times, floors = out["times"], out["floors"]
+    times, floors, engine = out["times"], out["floors"], out["engine"]
+    print(f"rollout engine: {engine} (rollout.engine {a.engine}), the same in every contender")
     rows = []
     for name, ts in times.items():
         shape = [describe(trajs) for trajs in out["shapes"][name]]
@@ -463,7 +464,7 @@ def main(a: argparse.Namespace) -> dict:
            "speedup_vs_sync_turns_at_floor": round(median(times["sync turns"]) / floor, 3),
            # per trajectory: calls made, and calls the slow tool itself answered (the rest Factory refused at
            # once: the tiny model at temperature 1 writes mostly malformed calls)
-           "tool_calls": round(calls, 3), "tool_answered": round(ok, 3)}
+           "tool_calls": round(calls, 3), "tool_answered": round(ok, 3), "engine": engine}
     targets = {"speedup_vs_sequential": (">=", 3.0), "speedup_vs_sync_turns": (">=", 1.3)}
     return {**out, **judge_targets(out, targets, source="issues #14 and #28"), "cpu": cpu()}
 
@@ -484,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Xeon (transformers' engine, bf16) the synchronous-turn loop built 1 of 32 trajectories otherwise.
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="the rollout engine's dtype (rollout.dtype) in every contender")
+    parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
+                        help="the rollout engine (rollout.engine) in every contender")
     parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke test, not a measurement)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal: be the tool server
     parser.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)  # internal: be the judge

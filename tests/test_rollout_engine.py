@@ -65,6 +65,34 @@ def test_concurrent_requests_share_one_batch_and_keep_their_limits(engine):
     assert [len(o.ids) for o in outs] == limits and not any(o.finished for o in outs)
 
 
+def test_each_request_is_answered_at_the_step_its_turn_ends_with_what_the_batch_end_gives(model_path, engine):
+    """A batch decodes until its longest row ends; a request whose turn ended earlier (its own limit, or a stop
+    token) is answered at that step, so its tool call or reward runs meanwhile. The answer is what the batch's
+    end computes for it. The last rows are answered after `generate` returns (the batch is over then)."""
+    from factory.rollout.engine_hf import _Request
+
+    stopper = HFEngine(model_path, batch_size=8, seed=0, stop_token_ids=[])
+    stopper.load_weights(engine.model.state_dict())
+    (alone,) = asyncio.run(gather(stopper, [(prompts()[2], 6)]))
+    stopper.stop_token_ids = sorted({*stopper.stop_token_ids, alone.ids[3]})  # request 2 stops at its 4th token
+
+    class Loop:  # stands in for the requests' event loop: notes the decoding step each answer is sent at
+        def __init__(self):
+            self.sent: list[tuple[int, str, Generation]] = []
+
+        def call_soon_threadsafe(self, settle, future, generation):
+            self.sent.append((stopper.forward_steps - steps, future, generation))
+
+    loop, steps = Loop(), stopper.forward_steps
+    limits = [12, 5, 12, 1]
+    batch = [_Request(p, n, GREEDY, future=f"request {i}") for i, (p, n) in enumerate(zip(prompts(), limits))]
+    results = stopper._generate_batch(batch, loop)
+    assert loop.sent == [(1, "request 3", results[3]), (4, "request 2", results[2]), (5, "request 1", results[1])]
+    assert [len(g.ids) for g in results] == [12, 5, 4, 1]
+    assert (results[2].ids, results[2].finished) == (alone.ids[:4], True)
+    assert stopper.forward_steps - steps == 12  # request 0 decoded on to its own limit: answered at the end
+
+
 def test_batched_left_padded_greedy_equals_one_at_a_time(engine):
     batched = asyncio.run(gather(engine, [(p, 10) for p in prompts()]))
 
@@ -110,7 +138,7 @@ def test_an_idle_cuda_engine_hands_its_cached_memory_back(model_path, monkeypatc
     asyncio.run(gather(e, [(p, 2) for p in prompts()]))
     assert emptied == []  # on the CPU: nothing to hand back
     e.device = torch.device("cuda")
-    monkeypatch.setattr(e, "_generate_batch", lambda batch: [Generation([1], finished=True) for _ in batch])
+    monkeypatch.setattr(e, "_generate_batch", lambda batch, loop=None: [Generation([1], finished=True) for _ in batch])
     asyncio.run(gather(e, [(p, 2) for p in prompts()]))
     assert len(emptied) == 1  # once, after the batch, not per request
 

@@ -6,6 +6,8 @@ runs in a worker thread, so the event loop keeps serving tool calls while the mo
 arriving while a batch runs waits for the next batch (continuous batching is what the vLLM engine adds).
 A prompt that comes several times in a batch (a group's samples) runs once, its keys and values repeated for
 its copies, where that saves enough prefill (`_prefill_once`: prefix caching, within a batch).
+A request is answered at the decoding step its turn ends (a stop token, or its own token limit), not when the
+batch's longest row ends: its trajectory's tool call, or its reward, then runs while the batch decodes on.
 
 Sampling is done by `SeededSampler`, a logits processor handed to a greedy `generate`: for every row it
 draws the token by inverse-CDF from log_softmax(logits / T) (after top-k/top-p) with a uniform number
@@ -16,6 +18,7 @@ request samples to the batch it landed in, and would leave us to recompute the l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,6 +79,7 @@ class SeededSampler:
         if not sampling.greedy and sampling.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(sampling.top_p))
         self.logprobs: list[Tensor] = []  # per step: [B]
+        self.tokens: list[Tensor] = []  # per step: [B], the chosen ids
         self.on_step: Callable[[], None] | None = None  # called after each step (the engine counts them)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
@@ -90,6 +94,7 @@ class SeededSampler:
             logp = torch.log_softmax(logits, dim=-1)  # [B, V]
             chosen = self._draw(logp, input_ids.shape[1] - self.prompt_width)
         self.logprobs.append(logp.gather(1, chosen[:, None])[:, 0].cpu())
+        self.tokens.append(chosen.cpu())
         if self.on_step is not None:
             self.on_step()
         out = torch.full_like(scores, float("-inf"))
@@ -253,7 +258,7 @@ class HFEngine:
             while self._pending:
                 batch = self._take_batch()
                 try:
-                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
+                    results = await loop.run_in_executor(self._executor, self._generate_batch, batch, loop)
                 except Exception as e:  # an engine failure fails the requests of this batch, not the loop
                     for r in batch:
                         if not r.future.done():
@@ -266,8 +271,10 @@ class HFEngine:
                     # have them.
                     await loop.run_in_executor(self._executor, torch.cuda.empty_cache)
                 for r, g in zip(batch, results):
-                    if not r.future.done():  # the caller may have been cancelled
+                    if not r.future.done():  # answered early (_answer_ended), or the caller was cancelled
                         r.future.set_result(g)
+                if self._pending:  # next turns that came while this batch ran, and those on their way
+                    await self._gather_requests()
 
     async def _gather_requests(self) -> None:
         """Wait briefly for more requests before cutting a batch. After a tool round the trajectories'
@@ -313,15 +320,45 @@ class HFEngine:
         cache.reorder_cache(torch.tensor([slot[row] for row in rows], device=self.device))
         return cache
 
-    def _stepped(self) -> None:
-        self.forward_steps += 1
+    def _answer_ended(self, batch: list[_Request], sampler: SeededSampler,
+                      loop: asyncio.AbstractEventLoop | None) -> Callable[[], None]:
+        """The sampler's per-step hook: count the step, and answer each request whose turn ended at it (its
+        stop token, or its own `max_new_tokens`) with what the batch's end would give it (`cut_at_stop` of its
+        tokens so far). A batch decodes until its longest row ends; a trajectory whose turn ended early
+        meanwhile runs its tool call or gets its reward, and its next turn waits in the queue for the next
+        batch, instead of idling until the longest row ends."""
+        stops, answered = set(self.stop_token_ids), [False] * len(batch)
 
-    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
+        def settle(future: asyncio.Future, generation: Generation) -> None:
+            if not future.done():  # the caller may have been cancelled
+                future.set_result(generation)
+
+        def stepped() -> None:
+            self.forward_steps += 1
+            if loop is None:
+                return
+            n = len(sampler.tokens)
+            ended = [i for i, (r, tok) in enumerate(zip(batch, sampler.tokens[-1].tolist()))
+                     if not answered[i] and (tok in stops or n >= r.max_new_tokens)]
+            if sum(answered) + len(ended) == len(batch):
+                return  # the batch's last rows: answered when `generate` has returned, so the batch is over then
+            for i in ended:
+                answered[i] = True
+                row = cut_at_stop([int(t[i]) for t in sampler.tokens], stops, batch[i].max_new_tokens,
+                                  [float(lp[i]) for lp in sampler.logprobs])
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for this answer
+                    loop.call_soon_threadsafe(settle, batch[i].future, row)
+
+        return stepped
+
+    def _generate_batch(self, batch: list[_Request], loop: asyncio.AbstractEventLoop | None = None) -> list[Generation]:
+        """One `generate` over `batch`: each request's Generation. With `loop` (the requests' event loop), each
+        request is also answered there as soon as its turn ends (_answer_ended)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
         sampler = SeededSampler(batch[0].sampling, [r.sampling.seed for r in batch], ids.shape[1], self.generator)
-        sampler.on_step = self._stepped
+        sampler.on_step = self._answer_ended(batch, sampler, loop)
         # Greedy decoding over the sampler's scores: the sampler has already chosen each token.
         config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_new_tokens for r in batch),
                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
