@@ -234,18 +234,8 @@ def test_a_prompt_repeated_in_a_batch_runs_once_and_its_copies_sample_as_before(
     its keys and values repeated for the copies; every copy, with its own seed, samples the tokens and log-probs
     it sampled when each ran its whole prompt."""
     rows = [p for _ in range(2) for p in prompts()]  # 4 distinct prompts of different lengths, interleaved
-    each, whole_calls, shared_calls = whole_then_shared(engine, monkeypatch, rows)
-    width = max(len(p) for p in rows)
-    assert whole_calls[0] == (8, width)  # 4 x ~15 tokens of a 10M model saved: not worth a forward call of its own
-    assert shared_calls[:2] == [(4, width - 1), (8, 1)]  # the distinct prompts, then every row's last token
-    assert each[0].ids != each[4].ids  # (own seeds)
-
-
-def whole_then_shared(engine, monkeypatch, rows: list[list[int]]) -> tuple[list[Generation], list, list]:
-    """`rows` sampled (8 tokens, each its own seed) as the engine batches them by default, then with whatever
-    they start with alike run once (`prefill_once_min` 0): checks that every row sampled the same tokens and
-    log-probs both times, and returns the first results and each time's embedding calls (their input shapes)."""
     samplings = [Sampling(temperature=1.0, seed=i) for i in range(len(rows))]
+    width = max(len(p) for p in rows)
     embedded: list[tuple[int, ...]] = []
     hook = engine.model.get_input_embeddings().register_forward_hook(
         lambda m, i, o: embedded.append(tuple(i[0].shape)))
@@ -255,16 +245,17 @@ def whole_then_shared(engine, monkeypatch, rows: list[list[int]]) -> tuple[list[
                                       for p, s in zip(rows, samplings)))
 
     try:
-        whole, whole_calls = asyncio.run(run()), list(embedded)
+        each = asyncio.run(run())  # 4 x ~15 tokens of a 10M model saved: not worth a forward call of its own
+        assert embedded[0] == (8, width)
         monkeypatch.setattr(engine, "prefill_once_min", 0)
         embedded.clear()
-        shared = asyncio.run(run())
+        once = asyncio.run(run())
+        assert embedded[:2] == [(4, width - 1), (8, 1)]  # the distinct prompts, then every row's last token
     finally:
         hook.remove()
-    assert [o.ids for o in shared] == [o.ids for o in whole]
-    assert torch.allclose(torch.tensor(sum((o.logprobs for o in shared), [])),
-                          torch.tensor(sum((o.logprobs for o in whole), [])), atol=1e-5)
-    return whole, whole_calls, embedded
+    assert [o.ids for o in once] == [o.ids for o in each] and once[0].ids != once[4].ids  # (own seeds)
+    assert torch.allclose(torch.tensor(sum((o.logprobs for o in once), [])),
+                          torch.tensor(sum((o.logprobs for o in each), [])), atol=1e-5)
 
 
 def test_shared_prefixes_are_what_each_run_of_alike_rows_starts_with():
@@ -296,10 +287,28 @@ def test_later_turns_run_their_shared_prompt_once_and_sample_as_before(engine, m
     out), and every row samples the tokens and log-probs it samples when the batch runs each row whole."""
     few_shot = [p for q in prompts() for p in q]  # ~50 tokens every row starts with
     rows = [few_shot + q + t for q in prompts()[:2] for t in ([11, 12], [13], [14, 15, 16, 17])]
-    _, whole_calls, shared_calls = whole_then_shared(engine, monkeypatch, rows)
-    assert whole_calls[0] == (6, max(map(len, rows)))  # a 10M model's ~300 tokens saved: each row whole
+    samplings = [Sampling(temperature=1.0, seed=i) for i in range(len(rows))]
+    embedded: list[tuple[int, ...]] = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, o: embedded.append(tuple(i[0].shape)))
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, max_new_tokens=8, sampling=s)
+                                      for p, s in zip(rows, samplings)))
+
+    try:
+        whole = asyncio.run(run())  # a 10M model's ~300 tokens saved: under prefill_once_min, each row whole
+        assert embedded[0] == (6, max(map(len, rows)))
+        monkeypatch.setattr(engine, "prefill_once_min", 0)
+        embedded.clear()
+        shared = asyncio.run(run())
+    finally:
+        hook.remove()
     (n,) = set(shared_prefixes(rows))  # one run: every row starts with the few-shot turns and a prompt's opening
-    assert n >= len(few_shot) and shared_calls[:2] == [(1, n), (6, max(len(r) for r in rows) - n)]
+    assert n >= len(few_shot) and embedded[:2] == [(1, n), (6, max(len(r) for r in rows) - n)]
+    assert [o.ids for o in shared] == [o.ids for o in whole]
+    assert torch.allclose(torch.tensor(sum((o.logprobs for o in shared), [])),
+                          torch.tensor(sum((o.logprobs for o in whole), [])), atol=1e-5)
 
 
 def test_bf16_weights_generate(model_path):
