@@ -8,7 +8,7 @@ import torch
 
 from factory.assets import resolve_model
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
-from factory.rollout.engine_hf import HFEngine, left_pad, shared_prefixes, sliding_window
+from factory.rollout.engine_hf import HFEngine, left_pad
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -256,59 +256,6 @@ def test_a_prompt_repeated_in_a_batch_runs_once_and_its_copies_sample_as_before(
     assert [o.ids for o in once] == [o.ids for o in each] and once[0].ids != once[4].ids  # (own seeds)
     assert torch.allclose(torch.tensor(sum((o.logprobs for o in once), [])),
                           torch.tensor(sum((o.logprobs for o in each), [])), atol=1e-5)
-
-
-def test_shared_prefixes_are_what_each_run_of_alike_rows_starts_with():
-    a, b = list(range(100, 140)), list(range(200, 250))  # two prompts of 40 and 50 tokens
-    rows = [a + [1, 2], b + [7], a + [3], b, b, a + [1, 2, 9], [5, 6, 7], [5, 6, 8], a[:20] + [4]]
-    assert shared_prefixes(rows) == [40, 49, 40, 49, 49, 40, 0, 0, 0]
-    # the same prompt twice shares all but its last token, however short; rows alike in fewer than
-    # `least` tokens share none, and a row never shares its own last token
-    assert shared_prefixes([[5, 6, 7], [5, 6, 7], [5, 6, 8]]) == [2, 2, 0]
-    assert shared_prefixes([a[:31] + [1], a[:31] + [2]]) == [0, 0]
-    assert shared_prefixes([a[:32] + [1], a[:32] + [2]]) == [32, 32]
-    assert shared_prefixes([a, a + [1]]) == [39, 39] and shared_prefixes([a]) == [0] and shared_prefixes([]) == []
-
-
-def test_a_sliding_window_is_read_from_the_config_as_transformers_applies_it():
-    """A window counts columns, so the engine lays out a shared prefix only where the batch cannot reach it."""
-    from types import SimpleNamespace as Config
-
-    assert sliding_window(Config(sliding_window=4096)) == 4096  # Mistral's: every layer
-    assert sliding_window(Config(sliding_window=4096, use_sliding_window=False)) is None  # Qwen2/3's switch
-    assert sliding_window(Config(sliding_window=512, layer_types=["sliding_attention", "full_attention"])) == 512
-    assert sliding_window(Config(sliding_window=512, layer_types=["full_attention"] * 2)) is None
-    assert sliding_window(Config()) is None and sliding_window(Config(sliding_window=None)) is None
-
-
-def test_later_turns_run_their_shared_prompt_once_and_sample_as_before(engine, monkeypatch):
-    """A later turn repeats the whole conversation, the prompt's few-shot turns included: rows that start alike
-    run that prefix once (right-padded to the longest, then their own rests left-padded; the mask leaves the pads
-    out), and every row samples the tokens and log-probs it samples when the batch runs each row whole."""
-    few_shot = [p for q in prompts() for p in q]  # ~50 tokens every row starts with
-    rows = [few_shot + q + t for q in prompts()[:2] for t in ([11, 12], [13], [14, 15, 16, 17])]
-    samplings = [Sampling(temperature=1.0, seed=i) for i in range(len(rows))]
-    embedded: list[tuple[int, ...]] = []
-    hook = engine.model.get_input_embeddings().register_forward_hook(
-        lambda m, i, o: embedded.append(tuple(i[0].shape)))
-
-    async def run():
-        return await asyncio.gather(*(engine.generate(p, max_new_tokens=8, sampling=s)
-                                      for p, s in zip(rows, samplings)))
-
-    try:
-        whole = asyncio.run(run())  # a 10M model's ~300 tokens saved: under prefill_once_min, each row whole
-        assert embedded[0] == (6, max(map(len, rows)))
-        monkeypatch.setattr(engine, "prefill_once_min", 0)
-        embedded.clear()
-        shared = asyncio.run(run())
-    finally:
-        hook.remove()
-    (n,) = set(shared_prefixes(rows))  # one run: every row starts with the few-shot turns and a prompt's opening
-    assert n >= len(few_shot) and embedded[:2] == [(1, n), (6, max(len(r) for r in rows) - n)]
-    assert [o.ids for o in shared] == [o.ids for o in whole]
-    assert torch.allclose(torch.tensor(sum((o.logprobs for o in shared), [])),
-                          torch.tensor(sum((o.logprobs for o in whole), [])), atol=1e-5)
 
 
 def test_bf16_weights_generate(model_path):

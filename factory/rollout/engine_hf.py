@@ -4,9 +4,8 @@ and the sampled tokens' log-probs.
 Requests waiting at a given moment become one batch (left-padded, one `model.generate` per batch) that
 runs in a worker thread, so the event loop keeps serving tool calls while the model computes. A request
 arriving while a batch runs waits for the next batch (continuous batching is what the vLLM engine adds).
-Rows that start alike (a group's samples of a prompt; every later turn of their trajectories, which repeats
-the prompt's few-shot turns) run that prefix once, its keys and values repeated for each row, where that saves
-enough prefill (`_prefill_once`: prefix caching, within a batch).
+A prompt that comes several times in a batch (a group's samples) runs once, its keys and values repeated for
+its copies, where that saves enough prefill (`_prefill_once`: prefix caching, within a batch).
 A request is answered at the decoding step its turn ends (a stop token, or its own token limit), not when the
 batch's longest row ends: its trajectory's tool call, or its reward, then runs while the batch decodes on.
 
@@ -48,49 +47,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Ten
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
     return ids, mask
-
-
-def shared_prefixes(prompts: Sequence[Sequence[int]], least: int = 32) -> list[int]:
-    """For each row, how many of its first tokens it runs as a prefix shared with other rows (0: none).
-
-    Rows sorted by their tokens fall into runs whose neighbours share at least `least` tokens (or are the same
-    prompt); a run's rows share what all of them start with, and each keeps at least its last token to run
-    itself (`generate` needs one). `least` keeps a handful of common tokens (a chat template's opening) from
-    tying rows that share nothing else into one run."""
-    def common(a: Sequence[int], b: Sequence[int]) -> int:
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
-
-    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
-    runs: list[list[int]] = []
-    for i in order:
-        prev = runs[-1][-1] if runs else None
-        if prev is not None and (prompts[i] == prompts[prev] or common(prompts[prev], prompts[i]) >= least):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    shares = [0] * len(prompts)
-    for run in runs:
-        if len(run) > 1:
-            n = min(common(prompts[run[0]], prompts[run[-1]]), *(len(prompts[i]) - 1 for i in run))
-            for i in run:
-                shares[i] = max(n, 0)
-    return shares
-
-
-def sliding_window(config: Any) -> int | None:
-    """The attention window of a model whose layers (some or all) see only the last N positions; None if none."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or []
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    if types and "sliding_attention" not in types:  # a window in the config that no layer uses
-        return None
-    return int(window)
 
 
 def uniform(seed: int, position: int) -> float:
@@ -203,7 +159,6 @@ class HFEngine:
         # _prefill_once: ~0.1 TFLOP, a few tenths of a second on 2 CPU cores; below it the extra forward call
         # costs more than it saves (the tiny spec's ~1e10: its steps took 9-18% longer with it)
         self.prefill_once_min = 5e10
-        self.window = sliding_window(self.model.config)  # see _prefill_once
         self.fallback_reason: str | None = None  # set by make_engine when `auto` could not use vLLM
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
         self.max_model_len: int | None = None  # none of its own: the rollout cuts at the model's context
@@ -342,43 +297,28 @@ class HFEngine:
         self._pending = [r for r in self._pending if id(r) not in taken]
         return batch
 
-    def _prefill_once(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, Any]:
-        """The batch's ids and attention mask for `generate`, and the cache it continues from (None: none).
-
-        Rows that start alike (`shared_prefixes`) have that prefix's keys and values computed once and repeated
-        for each row; `generate` then runs each row's rest. A training rollout's first turn is `group_size`
-        requests of each prompt, and every later turn of a trajectory repeats its whole conversation so far,
-        the prompt's few-shot turns included: without this every row ran all of it (the quickstart's ~280
-        tokens of few-shot turns, 8 times over in a first turn; its float32 rollout steps took 15.4-18.3 s
-        instead of 22.0-26.4 on the AMX Xeon, bench/engines.py). A row is laid out as its prefix, right-padded
-        to the longest prefix, then its rest, left-padded: the mask leaves the pads out and `generate` numbers
-        positions by the mask, so each token has the position and sees the tokens it has in a left-padded
-        batch. Where the saving is under `prefill_once_min` (tokens x parameters): a plain left-padded batch. So
-        too where a sliding attention window could be reached: a window counts columns, and the pads between a
-        row's prefix and its rest would take the place of tokens it should see."""
-        shares = shared_prefixes(prompts)
-        prefixes = sorted({tuple(p[:n]) for p, n in zip(prompts, shares) if n})
-        saved = (sum(shares) - sum(map(len, prefixes))) * self.params  # prefill tokens x parameters
-        rest = max(len(p) - n for p, n in zip(prompts, shares))
-        columns = max(map(len, prefixes), default=0) + rest + max_new_tokens
-        if not prefixes or saved < self.prefill_once_min or columns > (self.window or columns):
-            ids, mask = left_pad(prompts, self.pad_token_id)
-            return ids, mask, None
-        width = max(len(q) for q in prefixes)
-        rests = [p[n:] for p, n in zip(prompts, shares)]
-        u_ids = torch.full((len(prefixes), width), self.pad_token_id, dtype=torch.long)
-        u_mask = torch.zeros((len(prefixes), width), dtype=torch.long)
-        for k, q in enumerate(prefixes):
-            u_ids[k, :len(q)], u_mask[k, :len(q)] = torch.tensor(q), 1
-        rest_ids, rest_mask = left_pad(rests, self.pad_token_id)
-        slot = {q: k for k, q in enumerate(prefixes)}  # a row that shares nothing takes slot 0, all of it masked
-        rows = torch.tensor([slot.get(tuple(p[:n]), 0) for p, n in zip(prompts, shares)])
-        head_mask = u_mask[rows] * torch.tensor([[n > 0] for n in shares], dtype=torch.long)
-        positions = torch.arange(width).expand(len(prefixes), width)  # right-padded: its tokens from 0
-        cache = self.model(input_ids=u_ids.to(self.device), attention_mask=u_mask.to(self.device),
-                           position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1).past_key_values
-        cache.reorder_cache(rows.to(self.device))
-        return torch.cat([u_ids[rows], rest_ids], 1), torch.cat([head_mask, rest_mask], 1), cache
+    def _prefill_once(self, ids: Tensor, mask: Tensor) -> Any:
+        """The keys and values of a left-padded batch's prompts but their last token, computed once for each
+        distinct prompt and repeated for its copies; None where none repeats. A training rollout's first turn
+        is `group_size` requests of each prompt: without this every copy ran the whole prompt (the
+        quickstart's ~280 tokens of few-shot turns, 8 times over; its float32 rollout steps took 15.4-18.3 s
+        instead of 22.0-26.4 on the AMX Xeon, bench/engines.py). `generate` then runs the last token."""
+        rows = [tuple(row) for row in ids.tolist()]
+        first: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its first row, in order of appearance
+        for i, row in enumerate(rows):
+            first.setdefault(row, i)
+        saved = (len(rows) - len(first)) * (ids.shape[1] - 1) * self.params  # prefill tokens x parameters
+        if not saved or saved < self.prefill_once_min:
+            return None
+        pick = torch.tensor(list(first.values()))
+        u_ids, u_mask = ids[pick, :-1].to(self.device), mask[pick, :-1].to(self.device)
+        # the positions generate gives a left-padded row (transformers' _prepare_position_ids_for_generation)
+        positions = (u_mask.cumsum(-1) - 1).masked_fill(u_mask == 0, 0)
+        cache = self.model(input_ids=u_ids, attention_mask=u_mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1).past_key_values
+        slot = {row: k for k, row in enumerate(first)}  # the cache row of each distinct prompt
+        cache.reorder_cache(torch.tensor([slot[row] for row in rows], device=self.device))
+        return cache
 
     def _answer_ended(self, batch: list[_Request], sampler: SeededSampler,
                       loop: asyncio.AbstractEventLoop | None) -> Callable[[], None]:
@@ -416,8 +356,7 @@ class HFEngine:
         request is also answered there as soon as its turn ends (_answer_ended)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
-        with torch.inference_mode():
-            ids, mask, cache = self._prefill_once([r.prompt_ids for r in batch], max(r.max_new_tokens for r in batch))
+        ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
         sampler = SeededSampler(batch[0].sampling, [r.sampling.seed for r in batch], ids.shape[1], self.generator)
         sampler.on_step = self._answer_ended(batch, sampler, loop)
         # Greedy decoding over the sampler's scores: the sampler has already chosen each token.
@@ -425,7 +364,7 @@ class HFEngine:
                                   eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      past_key_values=cache, generation_config=config,
+                                      past_key_values=self._prefill_once(ids, mask), generation_config=config,
                                       logits_processor=LogitsProcessorList([sampler]))
         self.batches_run += 1
         new = out[:, ids.shape[1]:].tolist()  # [B, T_new]
