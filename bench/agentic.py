@@ -29,7 +29,8 @@ every trajectory then takes the same two turns).
                one; then each trajectory's reward one by one.
 
 The baselines run the same stages in this process (their engine is another instance of Factory's: the
-same model, dtype and engine, `--engine`, by default `auto`, Factory's choice for this spec on this machine). Every request is seeded exactly as Factory's rollout seeds it -- from (spec seed, step, attempt,
+same model, dtype and engine, `--engine`, by default `auto`, Factory's choice for this spec on this
+machine). Every request is seeded exactly as Factory's rollout seeds it -- from (spec seed, step, attempt,
 prompt, sample, turn) -- so the three contenders build the same trajectories token for token:
 the benchmark checks that on every repeat (and stops if any trajectory differs), so the times compare the
 same work. The contenders alternate (factory, sync, sequential, factory, ...) `--repeats` times on the
