@@ -68,7 +68,8 @@ def test_concurrent_requests_share_one_batch_and_keep_their_limits(engine):
 def test_each_request_is_answered_at_the_step_its_turn_ends_with_what_the_batch_end_gives(model_path, engine):
     """A batch decodes until its longest row ends; a request whose turn ended earlier (its own limit, or a stop
     token) is answered at that step, so its tool call or reward runs meanwhile. The answer is what the batch's
-    end computes for it. The last rows are answered after `generate` returns (the batch is over then)."""
+    end computes for it. The last rows are answered after `generate` returns (the batch is over then), and the
+    batch ends with its last row still decoding: a row past its own limit does not keep it going."""
     from factory.rollout.engine_hf import _Request
 
     stopper = HFEngine(model_path, batch_size=8, seed=0, stop_token_ids=[])
@@ -81,16 +82,67 @@ def test_each_request_is_answered_at_the_step_its_turn_ends_with_what_the_batch_
             self.sent: list[tuple[int, str, Generation]] = []
 
         def call_soon_threadsafe(self, settle, future, generation):
-            self.sent.append((stopper.forward_steps - steps, future, generation))
+            self.sent.append((stopper.forward_steps - steps, names[future], generation))
+
+    futures = asyncio.new_event_loop()  # real futures (the engine asks whether their callers still wait), never run
+    names: dict = {}
+
+    def requests(limits: dict[int, int]) -> list[_Request]:
+        batch = [_Request(prompts()[i], n, GREEDY, futures.create_future()) for i, n in limits.items()]
+        names.update({r.future: f"request {i}" for i, r in zip(limits, batch)})
+        return batch
 
     loop, steps = Loop(), stopper.forward_steps
-    limits = [12, 5, 12, 1]
-    batch = [_Request(p, n, GREEDY, future=f"request {i}") for i, (p, n) in enumerate(zip(prompts(), limits))]
-    results = stopper._generate_batch(batch, loop)
+    results = stopper._generate_batch(requests({0: 12, 1: 5, 2: 12, 3: 1}), loop)
     assert loop.sent == [(1, "request 3", results[3]), (4, "request 2", results[2]), (5, "request 1", results[1])]
     assert [len(g.ids) for g in results] == [12, 5, 4, 1]
     assert (results[2].ids, results[2].finished) == (alone.ids[:4], True)
     assert stopper.forward_steps - steps == 12  # request 0 decoded on to its own limit: answered at the end
+
+    # the largest limit is request 2's, but it stops at its 4th token: the batch is over then, not at step 40
+    loop, steps = Loop(), stopper.forward_steps
+    results = stopper._generate_batch(requests({2: 40, 1: 2}), loop)
+    assert stopper.forward_steps - steps == 4 and [len(g.ids) for g in results] == [4, 2]
+    assert loop.sent == [(2, "request 1", results[1])] and results[0].ids == alone.ids[:4]
+    futures.close()
+
+
+def test_a_request_is_answered_while_its_batch_still_decodes(engine):
+    """On a real event loop: the 1-token request's caller has its answer while the 150-token row's batch
+    is still running (the batch's count has not moved yet)."""
+    async def run():
+        before, seen = engine.batches_run, {}
+        long = asyncio.create_task(engine.generate(prompts()[0], max_new_tokens=150, sampling=GREEDY))
+        short = asyncio.create_task(engine.generate(prompts()[1], max_new_tokens=1, sampling=GREEDY))
+        short.add_done_callback(lambda _: seen.setdefault("batches", engine.batches_run - before))
+        return await asyncio.wait_for(asyncio.gather(long, short), 60), seen
+
+    (long, short), seen = asyncio.run(run())
+    assert len(short.ids) == 1 and len(long.ids) == 150 and seen == {"batches": 0}
+
+
+def test_requests_nobody_waits_for_are_not_decoded(engine):
+    """A cancelled caller's request (an episode's timeout, a stage stopped) is dropped from the queue, and a
+    batch whose callers all left ends at its next step, so neither delays the requests still wanted."""
+    async def run():
+        steps = engine.forward_steps
+        queued = [asyncio.create_task(engine.generate(p, max_new_tokens=200, sampling=GREEDY)) for p in prompts()]
+        while engine.forward_steps == steps:  # that batch is decoding now
+            await asyncio.sleep(0.002)
+        for t in queued:
+            t.cancel()
+        waiting = [asyncio.create_task(engine.generate(p, max_new_tokens=200, sampling=GREEDY)) for p in prompts()]
+        await asyncio.sleep(0)  # queued behind the running batch
+        for t in waiting:
+            t.cancel()
+        wanted = await asyncio.wait_for(engine.generate(prompts()[2], max_new_tokens=3, sampling=GREEDY), 60)
+        return engine.forward_steps - steps, wanted
+
+    before = engine.batches_run
+    steps, wanted = asyncio.run(run())
+    assert len(wanted.ids) == 3
+    assert engine.batches_run - before == 2  # the cancelled batch, cut short, then the wanted request alone
+    assert steps < 100  # not the cancelled batch's 200 steps, nor the waiting ones'
 
 
 def test_batched_left_padded_greedy_equals_one_at_a_time(engine):
@@ -119,8 +171,10 @@ def test_batches_split_by_size_and_by_sampling(engine):
 
 def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
     async def early_and_late():
+        steps = engine.forward_steps
         early = [asyncio.create_task(engine.generate(p, max_new_tokens=40, sampling=GREEDY)) for p in prompts()]
-        await asyncio.sleep(engine.max_batch_wait_s + 0.05)  # the first batch is running in the worker thread by now
+        while engine.forward_steps == steps:  # the first batch is decoding in the worker thread now
+            await asyncio.sleep(0.002)
         late = await asyncio.wait_for(engine.generate(prompts()[1], max_new_tokens=40, sampling=GREEDY), 30)
         return await asyncio.gather(*early), late
 

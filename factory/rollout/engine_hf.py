@@ -8,6 +8,8 @@ A prompt that comes several times in a batch (a group's samples) runs once, its 
 its copies, where that saves enough prefill (`_prefill_once`: prefix caching, within a batch).
 A request is answered at the decoding step its turn ends (a stop token, or its own token limit), not when the
 batch's longest row ends: its trajectory's tool call, or its reward, then runs while the batch decodes on.
+A batch ends with the last row still wanted: each row stops at its own token limit, and a request whose
+caller was cancelled is dropped from the queue, or from the batch at the next step (`_rows_done`).
 
 Sampling is done by `SeededSampler`, a logits processor handed to a greedy `generate`: for every row it
 draws the token by inverse-CDF from log_softmax(logits / T) (after top-k/top-p) with a uniform number
@@ -126,6 +128,27 @@ class _Request:
     sampling: Sampling
     future: asyncio.Future = field(repr=False)
 
+    @property
+    def abandoned(self) -> bool:
+        """Nobody waits for the answer: the caller was cancelled (an episode's timeout, a stage stopped)."""
+        return self.future.cancelled()
+
+
+def _rows_done(batch: list[_Request], width: int, closing: Callable[[], bool]) -> Any:
+    """`generate`'s per-row stop (a transformers StoppingCriteria): a row is done at its own request's
+    `max_new_tokens` -- `generate` itself knows only the batch's largest -- or once nobody waits for it, so a
+    batch ends with its last row still wanted. Without it a batch mixing limits (a later turn's limit is what
+    is left of `max_total_tokens`) decoded every row to the largest one, and its last rows were answered
+    only then."""
+    from transformers import StoppingCriteria
+
+    class RowsDone(StoppingCriteria):
+        def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+            n, stop = input_ids.shape[1] - width, closing()
+            return torch.tensor([stop or n >= r.max_new_tokens or r.abandoned for r in batch], device=input_ids.device)
+
+    return RowsDone()
+
 
 class HFEngine:
     """transformers `generate`, batched across concurrent requests.
@@ -176,6 +199,7 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        self._closing = False  # close() was called: a batch in flight ends at its next step
         self.batches_run = 0  # for tests and metrics: how many model.generate calls were made
         self.forward_steps = 0  # decoding steps over all batches: the rollout's heartbeat (RolloutStage.progress)
         self.batch_window_s, self.max_batch_wait_s = 0.02, 0.25
@@ -191,9 +215,15 @@ class HFEngine:
         return await request.future
 
     async def close(self) -> None:
-        """The batching task stopped; the model is memory of this process, freed with it."""
+        """Stop batching: a batch in flight ends at its next decoding step, and every request not answered
+        yet is cancelled (its caller sees CancelledError instead of waiting forever). The model is memory of
+        this process, freed with it."""
+        self._closing = True
         if self._worker is not None:
             self._worker.cancel()
+        for r in self._pending:
+            r.future.cancel()
+        self._pending = []
 
     def load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
         """Copy the learner's weights in place, on the engine's thread, after the batch it runs. Keys missing
@@ -243,7 +273,7 @@ class HFEngine:
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
         # The worker belongs to the running loop; a new loop (a new asyncio.run) gets a new worker.
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._wakeup = asyncio.Event()
+            self._wakeup, self._closing = asyncio.Event(), False
             self._worker = loop.create_task(self._serve(), name="hf-engine-batcher")
         assert self._wakeup is not None
         return self._wakeup
@@ -257,8 +287,14 @@ class HFEngine:
             await self._gather_requests()
             while self._pending:
                 batch = self._take_batch()
+                if not batch:
+                    continue
                 try:
                     results = await loop.run_in_executor(self._executor, self._generate_batch, batch, loop)
+                except asyncio.CancelledError:  # close(), or the loop's end: nobody will answer these requests
+                    for r in batch:
+                        r.future.cancel()
+                    raise
                 except Exception as e:  # an engine failure fails the requests of this batch, not the loop
                     for r in batch:
                         if not r.future.done():
@@ -290,7 +326,12 @@ class HFEngine:
             await asyncio.sleep(self.batch_window_s)
 
     def _take_batch(self) -> list[_Request]:
-        """Up to batch_size pending requests that share the first one's sampling settings, oldest first."""
+        """Up to batch_size pending requests that share the first one's sampling settings, oldest first. A request
+        nobody waits for any more (`abandoned`) is dropped, not run: a stage's cancelled requests would
+        otherwise fill the next batches ahead of live ones."""
+        self._pending = [r for r in self._pending if not r.future.done()]
+        if not self._pending:
+            return []
         shared = self._pending[0].sampling.shared()
         batch = [r for r in self._pending if r.sampling.shared() == shared][: self.batch_size]
         taken = {id(r) for r in batch}
@@ -338,6 +379,9 @@ class HFEngine:
             if loop is None:
                 return
             n = len(sampler.tokens)
+            for i, r in enumerate(batch):
+                if not answered[i] and r.abandoned:  # nobody to answer; the row is done for `generate` too
+                    answered[i] = True
             ended = [i for i, (r, tok) in enumerate(zip(batch, sampler.tokens[-1].tolist()))
                      if not answered[i] and (tok in stops or n >= r.max_new_tokens)]
             if sum(answered) + len(ended) == len(batch):
@@ -354,7 +398,7 @@ class HFEngine:
     def _generate_batch(self, batch: list[_Request], loop: asyncio.AbstractEventLoop | None = None) -> list[Generation]:
         """One `generate` over `batch`: each request's Generation. With `loop` (the requests' event loop), each
         request is also answered there as soon as its turn ends (_answer_ended)."""
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         ids, mask = left_pad([r.prompt_ids for r in batch], self.pad_token_id)
         sampler = SeededSampler(batch[0].sampling, [r.sampling.seed for r in batch], ids.shape[1], self.generator)
@@ -365,7 +409,9 @@ class HFEngine:
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       past_key_values=self._prefill_once(ids, mask), generation_config=config,
-                                      logits_processor=LogitsProcessorList([sampler]))
+                                      logits_processor=LogitsProcessorList([sampler]),
+                                      stopping_criteria=StoppingCriteriaList([_rows_done(batch, ids.shape[1],
+                                                                                         lambda: self._closing)]))
         self.batches_run += 1
         new = out[:, ids.shape[1]:].tolist()  # [B, T_new]
         logprobs = torch.stack(sampler.logprobs, dim=1).tolist() if sampler.logprobs else [[] for _ in batch]  # [B, T]
