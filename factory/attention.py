@@ -66,16 +66,22 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
 
 def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, scale: float | None) -> Tensor:
     """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`), in float32 whatever the inputs'
-    dtype (the output in theirs). Under bf16 autocast the inputs are bf16, and torch's bf16 CPU kernel took
-    1.16-1.2x the time of casting them to float32 and back around the float32 kernel, on the quickstart's rows,
-    forward and backward (AVX512-bf16 Zen 4: docs/performance.md#on-the-avx-512-kind-again-2026-12-04);
-    float32 is also the more exact of the two.
+    dtype (the output in theirs), except a decoding step (one query a row). Under bf16 autocast the inputs are
+    bf16, and torch's bf16 CPU kernel took 1.16-1.2x the time of casting them to float32 and back around the
+    float32 kernel, on the quickstart's rows, forward and backward (AVX512-bf16 Zen 4:
+    docs/performance.md#on-the-avx-512-kind-again-2026-12-04; about even on the AMX Xeon); float32 is also the
+    more exact of the two. A decoding step reads a whole KV cache for one query a row, so there the cast -- a
+    float32 copy of the cache, per layer, per step -- cost more than the attention: SmolLM2-135M's 32 rows of
+    ~350-450 tokens took 9.4 ms a layer cast against 2.9-3.6 ms in bf16, and the transformers engine's first
+    turn ran 101-104 tokens/s against 65-73 (bf16, the AMX Xeon, 2026-12-06; docs/performance.md, "Decoding
+    attention in the engine's dtype").
     CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here.
-    An additive (floating) mask goes to float32 with them: sdpa wants a float mask in the query's dtype."""
+    An additive (floating) mask goes to the computing dtype with them: sdpa wants a float mask in the query's."""
+    dtype = q.dtype if q.shape[2] == 1 else torch.float32
     if mask is not None and mask.dtype != torch.bool:
-        mask = mask.float()
+        mask = mask.to(dtype)
     with torch.autocast("cpu", enabled=False):
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+        out = torch.nn.functional.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
                                                                dropout_p=dropout, scale=scale, enable_gqa=True)
     return out.to(q.dtype)
 

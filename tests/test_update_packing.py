@@ -234,3 +234,21 @@ def test_cpu_attention_takes_an_additive_mask_in_the_inputs_dtype():
     additive = torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).bfloat16()
     out = _cpu_sdpa(q, k, v, additive, 0.0, None)
     assert out.dtype == torch.bfloat16 and torch.equal(out, _cpu_sdpa(q, k, v, seen, 0.0, None))
+
+
+def test_cpu_attention_decodes_in_the_inputs_dtype():
+    # a decoding step (one query a row, the rollout engine's): bf16 stays bf16, as a float32 copy of the whole KV
+    # cache per layer per step cost more than the attention; more queries a row (prefill, the update) in float32
+    from factory.attention import _cpu_sdpa
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 40, 64).bfloat16(), torch.randn(2, 3, 40, 64).bfloat16()
+    for queries in (1, 5):
+        q = torch.randn(2, 9, queries, 64).bfloat16()
+        mask = torch.ones(2, 1, queries, 40, dtype=torch.bool)
+        mask[0, ..., :7] = False  # a left-padded row
+        native = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        exact = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).bfloat16()
+        assert not torch.equal(native, exact)  # the two differ on these inputs: the check below can tell them apart
+        assert torch.equal(_cpu_sdpa(q, k, v, mask, 0.0, None), native if queries == 1 else exact)
