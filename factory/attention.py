@@ -65,19 +65,21 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
 
 
 def _cpu_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, scale: float | None) -> Tensor:
-    """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`), in float32 whatever the inputs'
-    dtype (the output in theirs), except a decoding step (one query a row). Under bf16 autocast the inputs are
-    bf16, and torch's bf16 CPU kernel took 1.16-1.2x the time of casting them to float32 and back around the
-    float32 kernel, on the quickstart's rows, forward and backward (AVX512-bf16 Zen 4:
+    """torch's sdpa on CPU with a mask, on the grouped keys (`enable_gqa`): in float32 whatever the inputs' dtype
+    (the output in theirs) where gradients may follow -- the update, and its no-grad passes, whose log-probs must be
+    the update's own bit for bit -- and in the inputs' dtype in inference mode (the rollout engine and local
+    judges: `generate` under torch.inference_mode). Under bf16 autocast the update's inputs are bf16, and torch's
+    bf16 CPU kernel took 1.16-1.2x the time of casting them to float32 and back around the float32 kernel, on the
+    quickstart's rows, forward and backward (AVX512-bf16 Zen 4:
     docs/performance.md#on-the-avx-512-kind-again-2026-12-04; about even on the AMX Xeon); float32 is also the
-    more exact of the two. A decoding step reads a whole KV cache for one query a row, so there the cast -- a
-    float32 copy of the cache, per layer, per step -- cost more than the attention: SmolLM2-135M's 32 rows of
-    ~350-450 tokens took 9.4 ms a layer cast against 2.9-3.6 ms in bf16, and the transformers engine's first
-    turn ran 101-104 tokens/s against 65-73 (bf16, the AMX Xeon, 2026-12-06; docs/performance.md, "Decoding
-    attention in the engine's dtype").
+    more exact of the two. Forward only it is the other way: a decoding step reads a whole KV cache for one query
+    a row, so the cast -- a float32 copy of the cache, per layer, per step -- cost more than the attention
+    (SmolLM2-135M, 32 rows of ~350-450 keys: 9.4 ms a layer cast against 2.9-3.6 ms in bf16), and a prefill of
+    32 rows of 300 tokens took 72 ms a layer cast against 21 ms (bf16, the AMX Xeon, 2026-12-06;
+    docs/performance.md, "The rollout engine's attention in its own dtype").
     CPU autocast lists sdpa among its bf16 ops: it would cast the float32 inputs back, so it is off here.
     An additive (floating) mask goes to the computing dtype with them: sdpa wants a float mask in the query's."""
-    dtype = q.dtype if q.shape[2] == 1 else torch.float32
+    dtype = q.dtype if torch.is_inference_mode_enabled() else torch.float32
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     with torch.autocast("cpu", enabled=False):

@@ -236,9 +236,9 @@ def test_cpu_attention_takes_an_additive_mask_in_the_inputs_dtype():
     assert out.dtype == torch.bfloat16 and torch.equal(out, _cpu_sdpa(q, k, v, seen, 0.0, None))
 
 
-def test_cpu_attention_decodes_in_the_inputs_dtype():
-    # a decoding step (one query a row, the rollout engine's): bf16 stays bf16, as a float32 copy of the whole KV
-    # cache per layer per step cost more than the attention; more queries a row (prefill, the update) in float32
+def test_cpu_attention_runs_in_the_inputs_dtype_in_inference_mode_only():
+    # the rollout engine (generate under inference mode): bf16 stays bf16, where a float32 copy of the whole KV cache
+    # per layer per step cost more than the attention; elsewhere (the update, its no-grad passes) float32
     from factory.attention import _cpu_sdpa
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -250,5 +250,8 @@ def test_cpu_attention_decodes_in_the_inputs_dtype():
         mask[0, ..., :7] = False  # a left-padded row
         native = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
         exact = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True).bfloat16()
-        assert not torch.equal(native, exact)  # the two differ on these inputs: the check below can tell them apart
-        assert torch.equal(_cpu_sdpa(q, k, v, mask, 0.0, None), native if queries == 1 else exact)
+        assert not torch.equal(native, exact)  # the two differ on these inputs: the checks below can tell them apart
+        with torch.inference_mode():
+            assert torch.equal(_cpu_sdpa(q, k, v, mask, 0.0, None), native)
+        with torch.no_grad():
+            assert torch.equal(_cpu_sdpa(q, k, v, mask, 0.0, None), exact)
