@@ -56,6 +56,15 @@ async def gather(engine, requests, sampling=GREEDY):
     return await asyncio.gather(*(engine.generate(p, max_new_tokens=n, sampling=sampling) for p, n in requests))
 
 
+async def decoding(engine, steps: int, timeout_s: float = 60) -> None:
+    """Until the engine has decoded a step past `steps` (a batch is running), failing rather than hanging."""
+    async def moved():
+        while engine.forward_steps == steps:
+            await asyncio.sleep(0.002)
+
+    await asyncio.wait_for(moved(), timeout_s)
+
+
 def test_concurrent_requests_share_one_batch_and_keep_their_limits(engine):
     before, steps = engine.batches_run, engine.forward_steps
     limits = [12, 5, 12, 1]
@@ -127,8 +136,7 @@ def test_requests_nobody_waits_for_are_not_decoded(engine):
     async def run():
         steps = engine.forward_steps
         queued = [asyncio.create_task(engine.generate(p, max_new_tokens=200, sampling=GREEDY)) for p in prompts()]
-        while engine.forward_steps == steps:  # that batch is decoding now
-            await asyncio.sleep(0.002)
+        await decoding(engine, steps)
         for t in queued:
             t.cancel()
         waiting = [asyncio.create_task(engine.generate(p, max_new_tokens=200, sampling=GREEDY)) for p in prompts()]
@@ -173,8 +181,7 @@ def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
     async def early_and_late():
         steps = engine.forward_steps
         early = [asyncio.create_task(engine.generate(p, max_new_tokens=40, sampling=GREEDY)) for p in prompts()]
-        while engine.forward_steps == steps:  # the first batch is decoding in the worker thread now
-            await asyncio.sleep(0.002)
+        await decoding(engine, steps)  # the first batch is decoding in the worker thread now
         late = await asyncio.wait_for(engine.generate(prompts()[1], max_new_tokens=40, sampling=GREEDY), 30)
         return await asyncio.gather(*early), late
 
