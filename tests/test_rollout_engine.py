@@ -203,6 +203,13 @@ def test_an_idle_cuda_engine_hands_its_cached_memory_back(model_path, monkeypatc
     asyncio.run(gather(e, [(p, 2) for p in prompts()]))
     assert len(emptied) == 1  # once, after the batch, not per request
 
+    def fails():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", fails)  # a failing hand-back: the answers still reach their callers
+    outs = asyncio.run(asyncio.wait_for(gather(e, [(p, 2) for p in prompts()]), 30))
+    assert [o.ids for o in outs] == [[1]] * 4
+
 
 def test_stop_tokens_end_a_generation(model_path, engine):
     (first,) = asyncio.run(gather(engine, [(prompts()[0], 4)]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from factory.rollout.engine import Generation, Sampling, cut_at_stop
 
 if TYPE_CHECKING:
     from factory.schema import LoraSpec
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
@@ -305,7 +308,11 @@ class HFEngine:
                     # answering. PyTorch's caching allocator keeps them reserved for this process otherwise,
                     # where a colocated update in another process (DeepSpeed's actor on the same GPU) cannot
                     # have them.
-                    await loop.run_in_executor(self._executor, torch.cuda.empty_cache)
+                    try:
+                        await loop.run_in_executor(self._executor, torch.cuda.empty_cache)
+                    except Exception as e:  # the batch's answers are good: its callers get them all the same
+                        log.warning("torch.cuda.empty_cache after a batch failed (%s): its cached blocks stay "
+                                    "reserved to this process", e)
                 for r, g in zip(batch, results):
                     if not r.future.done():  # answered early (_answer_ended), or the caller was cancelled
                         r.future.set_result(g)
