@@ -336,7 +336,7 @@ class HFEngine:
         """Up to batch_size pending requests that share the first one's sampling settings, oldest first. A request
         nobody waits for any more (`abandoned`) is dropped, not run: a stage's cancelled requests would
         otherwise fill the next batches ahead of live ones."""
-        self._pending = [r for r in self._pending if not r.future.done()]
+        self._pending = [r for r in self._pending if not r.abandoned]
         if not self._pending:
             return []
         shared = self._pending[0].sampling.shared()
