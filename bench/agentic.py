@@ -1,20 +1,25 @@
 """Benchmark: one agentic step -- multi-turn rollout with a slow tool, then a slow LLM judge -- scheduled
 three ways on the same components.
 
-    python bench/agentic.py [--repeats 3] [--prompts 4] [--group-size 8] [--tool-latency 0.2]
-                            [--judge-latency 0.5] [--judge-capacity 8] [--engine auto|vllm|hf] [--quick]
+    python bench/agentic.py [--repeats 3] [--prompts 4] [--group-size 8] [--tool-latency 0.4]
+                            [--tool-latency-sigma 0.62] [--temperature 0.5] [--judge-latency 0.5]
+                            [--judge-capacity 8] [--engine auto|vllm|hf] [--quick]
 
 The same pieces serve every contender: Factory's rollout stage (its engine with the model, the chat
-template, its ToolBox talking to a real stdio MCP server whose `calculate` tool answers after
-`--tool-latency` seconds) and Factory's reward stage (`correct`: a python function; `judge`: an LLM-judge
-node calling a real OpenAI-compatible HTTP endpoint, served by a process of its own, that answers after
-`--judge-latency` seconds and serves at most `--judge-capacity` requests at once, like a judge server's
-batch limit). The model is the tiny Qwen3 warmed up on the calculator exchange: it calls the tool on its
-own, and sampled at temperature 1 its turns and turn lengths differ from trajectory to trajectory. At
-temperature 1 most of its calls are malformed (an unknown tool name, arguments that are not JSON), which
-Factory answers with an error at once, without the tool: the table's "tool ok" column counts the calls the
-slow tool itself answered (about 1 in 28 at the defaults on the Zen 4; `--temperature 0.5`: 28 of 32, and
-every trajectory then takes the same two turns).
+template, its ToolBox talking to a real stdio MCP server whose `calculate` tool answers like a remote API:
+each call after its own latency, log-normal around `--tool-latency` with `--tool-latency-sigma`, drawn
+from a hash of the call's arguments so that the same call waits the same in every contender) and Factory's
+reward stage (`correct`: a python function; `judge`: an LLM-judge node calling a real OpenAI-compatible
+HTTP endpoint, served by a process of its own, that answers after `--judge-latency` seconds and serves at
+most `--judge-capacity` requests at once, like a judge server's batch limit). The defaults' tool
+latencies, median 0.4 s and sigma 0.62 (p95 = 2.77 x the median), are the shape web-search APIs list
+(Serper 400 ms p50 / 1.1 s p95, Tavily 0.8 / 2.2 s, in scavio.dev's 2026 table); `--tool-latency-sigma 0`
+makes every call take the median. The model is the tiny Qwen3 warmed up on the calculator exchange: it
+calls the tool on its own. At the default temperature, 0.5, its calls reach the tool (7 in 8 on the Xeon;
+each trajectory calls once, then answers); at `--temperature 1` its turns and turn lengths differ more,
+but most of its calls are malformed (an unknown tool name, arguments that are not JSON), which Factory
+answers with an error at once, without the tool: the table's "tool ok" column counts the calls the slow
+tool itself answered (about 1 in 28 then).
 
   factory      what `factory run` does in a step: the plan's tools, rollout and reward stages as Ray
                actors (driver.place), the batch carried along the plan's data edges by the driver's own
@@ -53,8 +58,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -75,9 +82,17 @@ from bench.common import cpu, cpu_line, judge_targets, median, print_json, table
 
 
 # ------------------------------------------------------------------------------------------ the tool
-def serve(latency_s: float) -> None:
+def tool_latency(expression: str, median_s: float, sigma: float) -> float:
+    """How long the slow tool takes for `expression`: log-normal around `median_s` (sigma 0: always
+    `median_s`), drawn from a hash of the call's arguments, so that every contender -- which makes the same
+    calls, token for token -- waits the same for each call, whatever order the calls arrive in."""
+    u = (int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big") + 0.5) / 2**64
+    return median_s * math.exp(sigma * statistics.NormalDist().inv_cdf(u))
+
+
+def serve(latency_s: float, sigma: float) -> None:
     """The benchmark's MCP server: the calculator's `calculate` tool (same name, description and argument,
-    so the warmed-up model calls it), answering after `latency_s` seconds like a remote API."""
+    so the warmed-up model calls it), answering after `tool_latency` seconds like a remote API."""
     import anyio
     from mcp.server.mcpserver import MCPServer
 
@@ -89,7 +104,7 @@ def serve(latency_s: float) -> None:
                  structured_output=False)
     async def calculate(expression: Annotated[str, Field(description="The arithmetic expression to evaluate.")]) -> str:
         # (module-level Annotated and Field: the SDK evaluates these annotations in this module's globals)
-        await anyio.sleep(latency_s)
+        await anyio.sleep(tool_latency(expression, latency_s, sigma))
         try:
             return format_number(evaluate(expression))
         except ValueError as exc:
@@ -183,7 +198,8 @@ seed: 0
 model: {{path: {a.model}}}
 data: {{train: {{generator: factory.data:arithmetic, size: 256, args: {{operands: [2, 2], digits: [1, 2]}}}}}}
 tools:
-  calc: {{command: {sys.executable}, args: [{Path(__file__).resolve()}, --serve, --latency, '{a.tool_latency}'],
+  calc: {{command: {sys.executable}, args: [{Path(__file__).resolve()}, --serve, --latency, '{a.tool_latency}', --sigma,
+                '{a.tool_latency_sigma}'],
           concurrency: 256, timeout_s: 30}}
 rewards:
   correct: {{fn: factory.rewards.math:numeric_match}}
@@ -429,7 +445,8 @@ def main(a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.threads)
     print(cpu_line())
     print(f"{a.prompts} prompts x {a.group_size} samples, up to {a.max_turns} turns of {a.max_new_tokens} tokens; "
-          f"tool latency {a.tool_latency:g} s; judge latency {a.judge_latency:g} s, capacity {a.judge_capacity}; "
+          f"tool latency {a.tool_latency:g} s median, sigma {a.tool_latency_sigma:g}; "
+          f"judge latency {a.judge_latency:g} s, capacity {a.judge_capacity}; "
           f"{a.repeats} repeats alternated; model {a.model} in {a.dtype}")
     with tempfile.TemporaryDirectory(prefix="factory-agentic-") as tmp:
         out = asyncio.run(measure(a, Path(tmp)))
@@ -464,7 +481,7 @@ def main(a: argparse.Namespace) -> dict:
            "factory_judge_floor_s": round(floor, 3),
            "speedup_vs_sync_turns_at_floor": round(median(times["sync turns"]) / floor, 3),
            # per trajectory: calls made, and calls the slow tool itself answered (the rest Factory refused at
-           # once: the tiny model at temperature 1 writes mostly malformed calls)
+           # once: the tiny model's malformed calls, most of them at temperature 1)
            "tool_calls": round(calls, 3), "tool_answered": round(ok, 3), "engine": engine}
     targets = {"speedup_vs_sequential": (">=", 3.0), "speedup_vs_sync_turns": (">=", 1.3)}
     return {**out, **judge_targets(out, targets, source="issues #14 and #28"), "cpu": cpu()}
@@ -475,12 +492,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     workload_arguments(parser, "factory:tiny-qwen3-calc")
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool call takes")
+    parser.add_argument("--tool-latency", type=float, default=0.4, help="median seconds a tool call takes")
+    parser.add_argument("--tool-latency-sigma", type=float, default=0.62, help="spread of tool latencies: sigma of "
+                        "their log-normal (p95 = median x exp(1.645 sigma)); 0: every call takes --tool-latency")
     parser.add_argument("--judge-latency", type=float, default=0.5, help="seconds each judge request takes")
     parser.add_argument("--judge-capacity", type=int, default=8, help="judge requests served at once")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="sampling temperature (rollout.temperature); the tiny model's calls are mostly "
-                             "malformed at 1.0 and reach the tool at 0.5")
+    parser.add_argument("--temperature", type=float, default=0.5,
+                        help="sampling temperature (rollout.temperature); the tiny model's calls reach the tool "
+                             "at 0.5 and are mostly malformed at 1.0")
     # float32 by default: seeded sampling builds the same trajectories in every contender only while the
     # engine's logits do not depend on which requests share a batch. In bf16 they do: on an AVX-512/AMX
     # Xeon (transformers' engine, bf16) the synchronous-turn loop built 1 of 32 trajectories otherwise.
@@ -493,6 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)  # internal: be the judge
     parser.add_argument("--latency", type=float, default=0.2, help=argparse.SUPPRESS)
     parser.add_argument("--capacity", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--sigma", type=float, default=0.0, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
     if a.quick:
         a.repeats, a.prompts, a.group_size, a.max_new_tokens = 1, 2, 2, 16
@@ -503,7 +523,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.serve:
-        serve(arguments.latency)
+        serve(arguments.latency, arguments.sigma)
     elif arguments.serve_judge:
         serve_judge(arguments.latency, arguments.capacity)
     else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agentic import Lockstep, answered, differing, judge_floor, make_spec, parse_args
+from bench.agentic import Lockstep, answered, differing, judge_floor, make_spec, parse_args, tool_latency
 from bench.common import cpu, judge_targets, print_json, pythonpath, table
 from bench.update import names_op
 from factory.rollout.agent import rollout, sampling_from_spec
@@ -109,9 +109,19 @@ def test_the_agentic_benchmark_samples_in_float32_unless_told(tmp_path: Path):
     assert spec.rollout.dtype == "float32"
     spec, _ = make_spec(parse_args(["--dtype", "auto"]), "http://127.0.0.1:9/v1", tmp_path)
     assert spec.rollout.dtype == "auto"
+    assert spec.rollout.temperature == 0.5  # where the tiny model's calls reach the tool
+    spec, _ = make_spec(parse_args(["--temperature", "1"]), "http://127.0.0.1:9/v1", tmp_path)
     assert spec.rollout.temperature == 1.0
-    spec, _ = make_spec(parse_args(["--temperature", "0.5"]), "http://127.0.0.1:9/v1", tmp_path)
-    assert spec.rollout.temperature == 0.5
+
+
+def test_the_agentic_benchmarks_tool_latency_is_the_calls_own():
+    # every contender makes the same calls in another order: a call's latency must depend on the call alone
+    assert tool_latency("2 + 3", 0.4, 0.62) == tool_latency("2 + 3", 0.4, 0.62) != tool_latency("2 + 4", 0.4, 0.62)
+    assert tool_latency("2 + 3", 0.4, 0.0) == 0.4
+    # log-normal around the median: half below it, p95 / p50 = exp(1.645 sigma) (2.77 at 0.62)
+    draws = sorted(tool_latency(str(i), 0.4, 0.62) for i in range(4000))
+    assert draws[2000] == pytest.approx(0.4, rel=0.05)
+    assert draws[3800] / draws[2000] == pytest.approx(2.77, rel=0.1)
 
 
 def test_the_agentic_benchmark_counts_only_calls_the_tool_answered():
