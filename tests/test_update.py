@@ -699,6 +699,26 @@ def test_non_finite_values_never_reach_the_weights(small_path, learners, stage):
         good.step(trajs)
 
 
+def test_the_run_of_non_finite_steps_survives_a_resume(small_path, learners, tmp_path):
+    """The count of non-finite steps in a row is checkpointed: a run killed after its first such step and
+    resumed stops at the second, as the uninterrupted run does (it restarted at 0, and never stopped)."""
+    import math
+
+    from factory.update.learner import NonFiniteUpdate
+
+    spec = make_spec(small_path, train={"max_non_finite_steps": 2})
+    trajs = batch(seed=24)
+    trajs[0] = Trajectory(**{**trajs[0].__dict__, "reward": math.nan})
+    killed = learners(spec)
+    killed.step(trajs)
+    assert killed.non_finite_steps == 1
+    killed.save_checkpoint(str(tmp_path), 1)
+    resumed = learners(spec)
+    assert resumed.load_checkpoint(str(tmp_path)) == 1 and resumed.non_finite_steps == 1
+    with pytest.raises(NonFiniteUpdate, match="2 steps in a row .* the weights are still those of step 0\\."):
+        resumed.step(trajs)
+
+
 def test_an_fp16_loss_scale_settling_is_not_counted_as_a_broken_step():
     """DeepSpeed's fp16 loss scale starts at 2^16 and halves at each overflow, skipping that update: counted toward
     train.max_non_finite_steps, three such warm-up steps stopped a healthy fp16 run. At the scale's floor, or in

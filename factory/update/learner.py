@@ -623,9 +623,9 @@ class Learner:
         return Adapters(tensors, scale(self.lora), version=self.steps_done, config=config)
 
     def save_checkpoint(self, directory: str, step: int, state: dict[str, Any] | None = None) -> str:
-        """Save `<dir>/step_<step>/`: DeepSpeed model + optimizer + {step, rng}, `state` (the driver's:
-        data position, run id; JSON) and an `hf/` folder that transformers loads, with the run's chat
-        template. Written under a staging name and committed by one rename (factory.update.checkpoint), so
+        """Save `<dir>/step_<step>/`: DeepSpeed model + optimizer + {step, rng, non-finite run}, `state`
+        (the driver's: data position, run id; JSON) and an `hf/` folder that transformers loads, with the
+        run's chat template. Written under a staging name and committed by one rename (factory.update.checkpoint), so
         a crash at any point leaves `latest` naming a complete checkpoint; then only the newest
         `train.keep_checkpoints` are kept. Every rank must call it. Returns the step folder."""
         import deepspeed.comm as dist
@@ -638,7 +638,11 @@ class Learner:
         # With LoRA the frozen weights are the model folder's: the checkpoint holds the adapters and their
         # optimizer state only.
         with _tied_frozen_left_out(self.engine) if self.lora is not None else contextlib.nullcontext():
-            self.engine.save_checkpoint(directory, tag=staged, client_state={"step": step, "rng": ckpt.rng_state()},
+            # the run of non-finite steps too: a run killed mid-run would otherwise get train.max_non_finite_steps
+            # more such steps in a row after each resume, and never stop
+            self.engine.save_checkpoint(directory, tag=staged,
+                                        client_state={"step": step, "rng": ckpt.rng_state(),
+                                                      "non_finite": self.non_finite_steps},
                                         save_latest=False, exclude_frozen_parameters=self.lora is not None)
         weights = self.adapters() if self.lora is not None else self.weights()
         if dist.get_rank() == 0:
@@ -673,7 +677,7 @@ class Learner:
 
     def load_checkpoint(self, directory: str, name: str | None = None) -> int | None:
         """Resume from checkpoint `name` (`step_<N>`; default: the one `<dir>/latest` names): weights,
-        optimizer state, step and RNG. None when there is none."""
+        optimizer state, step, RNG and the run of non-finite steps. None when there is none."""
         name = name or ckpt.read_latest(directory)
         if name is None:
             return None
@@ -683,6 +687,7 @@ class Learner:
             raise FileNotFoundError(f"{directory}/latest names {name!r} but DeepSpeed could not load it")
         ckpt.set_rng_state(client["rng"])
         self.steps_done = int(client["step"])
+        self.non_finite_steps = int(client.get("non_finite", 0))  # checkpoints saved before it was kept lack it
         return self.steps_done
 
     def shutdown(self) -> None:
