@@ -279,6 +279,37 @@ def test_the_checkpoint_is_compared_with_the_plan_that_saved_it(store):
         find(full, spooled, uri, train=spec_f.train, experiment="switched", allow_spec_change=True)
 
 
+def test_a_spec_change_is_judged_against_the_spec_the_checkpoint_was_trained_under(store):
+    """A run of spec A resumed at step 1 under B (--allow-spec-change), its step_3 trained under B: resumed again
+    with A and no flag, it was accepted and not recorded (compared with the run's first plan), and with B refused;
+    nor was it found for B without a run named."""
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt = store
+    spec_a, a = compiled(ckpt)
+    spec_b, b = compiled(ckpt, "train.lr=0.5")
+    run = fake_run(uri, ckpt, a, logged=3, checkpoints=(1, 3), experiment="revert")
+    MlflowClient(uri).set_tag(run, "factory.resumed_spec_hash", b.hashes["spec"])  # as record_spec_change leaves it
+    MlflowClient(uri).log_text(run, plan_json(b), "resumed/step_1/plan.json")
+    with pytest.raises(ResumeError, match=rf"^run {run} was trained with another spec \(train.lr: 0.5 -> 0.001\) "
+                                          r"than this spec and overrides give \(since a resume that changed it: its "
+                                          r"artifact resumed/step_1/spec.yaml\): resume with the same spec"):
+        find(a, run, uri, train=spec_a.train, experiment="revert")
+    back = find(a, run, uri, train=spec_a.train, experiment="revert", allow_spec_change=True)
+    assert (back.checkpoint, back.changed) == ("step_3", ["spec"])  # recorded (record_spec_change) as a change
+    assert find(b, run, uri, train=spec_b.train, experiment="revert").changed == []
+    # found by the spec it now trains under, not its first
+    assert find(b, None, uri, train=spec_b.train, experiment="revert").run_id == run
+    with pytest.raises(ResumeError, match=f"no unfinished run of spec 'tiny' with this spec .*{run} "):
+        find(a, None, uri, train=spec_a.train, experiment="revert")
+    # a checkpoint saved before that resume (step_1: it was killed before step_2's) is still A's
+    early = fake_run(uri, ckpt / "early", a, logged=2, checkpoints=(1,), experiment="revert-early")
+    MlflowClient(uri).log_text(early, plan_json(b), "resumed/step_1/plan.json")
+    assert find(a, early, uri, train=spec_a.train, experiment="revert-early").changed == []
+    assert find(b, early, uri, train=spec_b.train, experiment="revert-early", allow_spec_change=True).changed == [
+        "spec"]
+
+
 def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):
     """`all-linear` and the list of every linear layer's name adapt the same modules of the model, so the
     checkpoint loads: it was refused for the different words. A list that leaves out one layer is refused."""
@@ -539,17 +570,13 @@ def test_what_a_resume_reads_from_the_runs_history():
     assert step0_eval(tracker, run) == {"eval/reward": 0.25}
     # another reward file's contents is a change that refuses the resume (as another spec is)
     recorded = {"hashes": {"spec": "s", "templates": "t", "rewards": {"r.py": "a"}, "data": "d", "code": {}}}
-
-    def download(run_id, path, into):
-        (Path(into) / path).write_text(json.dumps(recorded))
-        return Path(into) / path
-
-    store = SimpleNamespace(download=download)
-    same = SimpleNamespace(run_id="r", tags={"factory.spec_hash": "s"})
     plan = SimpleNamespace(hashes={"spec": "s", "templates": "t", "rewards": {"r.py": "b"}, "data": "d", "code": {}})
-    assert changes(plan, store, same) == ["rewards"]
+    assert changes(plan, recorded, "s") == ["rewards"]
     plan.hashes.update(rewards={"rewards/r.py": "a"}, data="d2")  # re-keyed, same contents: no change
-    assert changes(plan, store, same) == ["data"]
+    assert changes(plan, recorded, "s") == ["data"]
+    # the spec hash is the record's (the plan that saved the checkpoint); a run without one compares its tag's
+    assert changes(plan, {"hashes": {**recorded["hashes"], "spec": "b"}}, "s") == ["spec", "data"]
+    assert changes(plan, None, "s") == [] and changes(plan, None, "b") == ["spec"]
     # two files of one content, one of them gone, is a change
     assert not same_sources({"a.py": "h", "b.py": "h"}, {"a.py": "h"})
 

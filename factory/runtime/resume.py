@@ -106,21 +106,37 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} is not a run of spec '{name}' "
                           f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
     _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
-    changed = changes(plan, tracker, run)
+    directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
+    skipped: list[str] = []
+    checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
+    step = int(state["step"]) if checkpoint else 0
+    spooled = unsent_records(directory)
+    # a resume's spec record the store has not had yet (it was down), the newest of each name
+    texts = {r["name"]: r["text"] for r in spooled if r["kind"] == "text"}
+    # Compared with the plan the checkpoint was trained under, not the run's first: after a resume under a changed
+    # spec B, going back to the first spec A is a change (step N was trained under B), and B is none. A run with no
+    # checkpoint starts over: compared with the plan its newest start from step 0 ran under.
+    saving = _plan_saving(tracker, run.run_id, step if checkpoint else 1, texts)
+    recorded = json.loads(texts[saving]) if saving in texts else _artifact_json(tracker, run.run_id, saving)
+    first = saving == "plan.json"
+    changed = changes(plan, recorded, tags.get("factory.spec_hash" if first else "factory.resumed_spec_hash"))
     if changed and not allow_spec_change:
-        recorded = _artifact_json(tracker, run.run_id, "plan.json") or {}
         parts = []
         for what in changed:
             if what == "spec":
-                shown = _some(spec_keys_changed(recorded, plan))
+                shown = _some(spec_keys_changed(recorded or {}, plan))
                 parts.append(f"spec{f' ({shown})' if shown else ''}")
             else:  # which files: "a different rewards" left the user to find the edited one
-                files = _some(sources_changed((recorded.get("hashes") or {}).get(what), plan.hashes.get(what)))
+                files = _some(sources_changed(((recorded or {}).get("hashes") or {}).get(what),
+                                              plan.hashes.get(what)))
                 parts.append(f"{INPUT_WORDS[what]}{f' ({files})' if files else ''}")
+        # which spec: that of a resume under a changed one, not the run's first (the user may not have it at hand)
+        folder = saving.rsplit("/", 1)[0]
+        since = "" if first else f" (since a resume that changed it: its artifact {folder}/spec.yaml)"
         raise ResumeError(f"run {run.run_id} was trained with another {' and '.join(parts)} than this spec and "
-                          "overrides give: resume with the same spec and overrides, or pass --allow-spec-change "
-                          "to continue it under the changed one (recorded on the run; `factory diff` shows every "
-                          "change afterwards)")
+                          f"overrides give{since}: resume with the same spec and overrides, or pass "
+                          "--allow-spec-change to continue it under the changed one (recorded on the run; `factory "
+                          "diff` shows every change afterwards)")
     halted_by = tags.get(HALTED_BY_TAG)
     if halted_by and halted_by in train.stop_on:
         # its checkpoint holds the monitors' history: resumed, the monitor reads it again and stops the run after
@@ -129,9 +145,6 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                           f"would read the same history and stop again after its next step: to train on past it, "
                           f"take {halted_by} out of train.stop_on (the monitor still reports, as monitor/{halted_by}) "
                           "and pass --allow-spec-change")
-    directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
-    skipped: list[str] = []
-    checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
     saved = tags.get("factory.checkpoint_step")
     if not checkpoint and saved and not skipped:
         # the folder moved, a scratch disk not mounted, another machine: starting over would throw the run's
@@ -139,8 +152,6 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         there = "does not exist" if not directory.is_dir() else "holds none of its checkpoints"
         raise ResumeError(f"run {run.run_id} saved a checkpoint at step {saved} in {directory}, which {there}: put "
                           "that folder back (or mount it) and resume again; to train from the start, start a new run")
-    step = int(state["step"]) if checkpoint else 0
-    spooled = unsent_records(directory)
     unsent = len(spooled)
     if step >= train.steps and not unsent:
         # (with records its driver could not send -- the store was down at the end -- the resume sends them and
@@ -148,10 +159,6 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        # a resume's spec record the store has not had yet (it was down), the newest of each name
-        texts = {r["name"]: r["text"] for r in spooled if r["kind"] == "text"}
-        saving = _plan_saving(tracker, run.run_id, step, texts)
-        recorded = json.loads(texts[saving]) if saving in texts else _artifact_json(tracker, run.run_id, saving)
         _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
         _refuse_other_model(recorded, plan, run.run_id, directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
@@ -276,7 +283,9 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
     except RunLookupError:  # no such experiment: no run to resume
         runs = []
     unfinished = [r for r in runs if r.status != "FINISHED"]
-    same = [r for r in unfinished if r.tags.get("factory.spec_hash") == plan.hashes["spec"]]
+    # the spec a run now trains under: that of its newest resume under a changed spec, else its first
+    same = [r for r in unfinished
+            if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) == plan.hashes["spec"]]
     if same:
         return same[0]
     others = "; ".join(f"{r.run_id} ({r.name}, {r.status})" for r in unfinished[:5])
@@ -287,13 +296,14 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
                          ": start it without --resume"))
 
 
-def changes(plan: Any, tracker: Tracker, run: TrackedRun) -> list[str]:
-    """What of this plan differs from the one the run was trained with: "spec" and the names of
-    HASHED_INPUTS (from the run's plan.json; runs without one compare the spec hash alone)."""
-    out = [] if run.tags.get("factory.spec_hash") == plan.hashes["spec"] else ["spec"]
-    recorded = (_artifact_json(tracker, run.run_id, "plan.json") or {}).get("hashes")
-    if recorded:
-        out += [k for k in HASHED_INPUTS if not same_sources(recorded.get(k), plan.hashes.get(k))]
+def changes(plan: Any, recorded: dict[str, Any] | None, spec_hash: str | None) -> list[str]:
+    """What of this plan differs from `recorded`, the plan the resumed checkpoint was trained under (its
+    plan.json, `_plan_saving`): "spec" and the names of HASHED_INPUTS. Without that record (a run started
+    before plan.json was logged) the spec hash its tag holds, `spec_hash`, is compared alone."""
+    hashes = (recorded or {}).get("hashes") or {}
+    out = [] if hashes.get("spec", spec_hash) == plan.hashes["spec"] else ["spec"]
+    if hashes:
+        out += [k for k in HASHED_INPUTS if not same_sources(hashes.get(k), plan.hashes.get(k))]
     return out
 
 
