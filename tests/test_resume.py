@@ -370,6 +370,34 @@ def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
                                             - float(run.data.tags["factory.idle_s"]), abs=1e-3)
 
 
+def test_a_recomputed_steps_traces_are_not_in_the_run_twice(uri, tmp_path):
+    """A step logs its tables and traces before its metrics: a driver killed between the two left step 2's traces,
+    and the resume that computes step 2 again logged them a second time (its table is replaced: the same name)."""
+    import mlflow
+
+    from tests.test_tracking import _traj
+
+    t = Tracker(uri, "traces")
+    run_id = t.start("r", {}, {}, {})
+    t.log_trajectories([_traj()], 1, traces=1)
+    t.log_metrics({"timing/step_s": 1.0}, step=1)
+    t.log_trajectories([_traj()], 2, split="eval", traces=1)  # another split's: not this step's to replace
+    t.log_trajectories([_traj(), _traj()], 2, traces=2)  # ... killed here, before step 2's metrics
+    t.end("FAILED")
+    r = SimpleNamespace(run_id=run_id, step=1, logged=1, changed=[], checkpoint_dir=tmp_path / "ckpt",
+                        checkpoint="step_1", checkpoints=[])
+    _, plan = compiled(tmp_path / "ckpt")
+    again = Tracker(uri, "traces")
+    again.resume(r, plan, {"calc": []})
+    again.log_trajectories([_traj(), _traj()], 2, traces=2)  # step 2 computed again
+    again.log_metrics({"timing/step_s": 1.0}, step=2)
+    again.log_trajectories([_traj()], 3, traces=1)
+    again.end()
+    found = mlflow.search_traces(locations=[again.experiment_id], run_id=run_id, return_type="list")
+    assert sorted((x.info.tags["factory.step"], x.info.tags["factory.split"]) for x in found) == [
+        ("1", "train"), ("2", "eval"), ("2", "train"), ("2", "train"), ("3", "train")]
+
+
 def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_resumes_from_it(uri, tmp_path):
     """SIGKILL while the update stage writes a checkpoint: the stage outlives its driver by seconds and
     commits it, unlisted. The run resumed from it, and its checkpoints.json listed steps 1 and 3, not 2."""

@@ -886,7 +886,8 @@ def _log_step(tracker: Tracker, display: Any, on_step: OnStep, n: int, trajs: li
               tool_calls: list[dict[str, Any]], m: dict[str, float], traces: Any) -> None:
     """Step n's record: the tables first, the metrics last -- a step with metrics is a step with its tables (a
     run killed between them computes the step again on --resume, and logs the tables again, under the same
-    names) -- and both before its checkpoint: a checkpointed step is a logged one."""
+    names, and its traces again once the resumed tracker deleted the killed driver's: MlflowTracker.
+    _delete_traces) -- and both before its checkpoint: a checkpointed step is a logged one."""
     from factory.reward.graph import failing_everywhere
 
     tracker.log_trajectories(trajs, n, traces=traces)  # the table keeps all: `factory rescore` reads it

@@ -321,6 +321,9 @@ class MlflowTracker:
         # The last step the run already holds metrics of: a resumed run computes the steps after its
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
+        # The step after `logged` when this session resumed the run: its killed driver may have logged that step's
+        # traces and been killed before its metrics (`log_trajectories`). None: a run this session started.
+        self.recomputed: int | None = None
         self.spool: Any = None  # factory.tracking.spool.Spool, once the run has a folder (open_spool)
         self._said_unspooled = False  # the spool folder could not be written: said once
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
@@ -438,6 +441,7 @@ class MlflowTracker:
         self.checkpoints = [c for c in resume.checkpoints if c["step"] <= resume.step]
         self.logged = resume.logged
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
+        self.recomputed = self.logged + 1  # (after the spool: the steps it sent count as logged)
         if resume.checkpoint and (all(c["step"] != resume.step for c in self.checkpoints)
                                   or len(self.checkpoints) < len(resume.checkpoints)):
             # unlisted: the update stage committed it after its driver was killed (it outlives it by seconds);
@@ -495,10 +499,27 @@ class MlflowTracker:
             self._record("artifact", file=path, artifact_path=folder)
         if self.down_since is None:
             try:
+                if step == self.recomputed:
+                    self._delete_traces(step, split)
                 for t in trajs[:traces]:
                     log_trace(self.client, self.run_id, t, step=step, split=split)
             except Exception as e:  # noqa: BLE001 -- a view of the table, never worth the run
                 self._note(f"traces of step {step} not logged: {type(e).__name__}: {str(e)[:200]}")
+
+    def _delete_traces(self, step: int, split: str) -> None:
+        """Delete the run's traces of `step` and `split`: a step is logged tables and traces first, metrics last (a
+        step with metrics has its tables), so a driver killed between the two left traces of a step that a resume
+        computes again. Its table is replaced (the same name); a trace is a new object each time, and was in the run
+        twice. Deleted, not skipped: the killed driver may have sent some of them only."""
+        where = f"tags.`factory.step` = '{step}' AND tags.`factory.split` = '{split}'"
+        # (no flush of this process's trace queue: a killed driver's traces are in the store, or lost, and it takes
+        # a second or two)
+        while True:  # a page at a time, each search after the last page's deletion (no page token to go stale)
+            found = self.client.search_traces(locations=[self.experiment_id], run_id=self.run_id, filter_string=where,
+                                              max_results=500, include_spans=False)
+            if not found or not self.client.delete_traces(self.experiment_id,
+                                                          trace_ids=[t.info.trace_id for t in found]):
+                return
 
     def log_tool_calls(self, rows: list[dict[str, Any]], step: int) -> None:
         """`tool_calls/step_NNNNN.parquet`: the calls recorded since the last table (spooled, as the
