@@ -14,7 +14,7 @@ import pytest
 
 from factory.commands import cli
 from factory.compiler.compile import compile_file, plan_json
-from factory.runtime.resume import Resume, ResumeError, find
+from factory.runtime.resume import Resume, ResumeError, find, spooled_steps
 from factory.tracking.mlflow_tracker import DRIVER_TAG
 from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
 from factory.update.checkpoint import write_manifest, write_run_state
@@ -104,6 +104,34 @@ def test_a_sessions_start_up_is_logged_once_at_its_first_step(store):
     MlflowClient(uri).set_tag(run_id, DRIVER_TAG, GONE)
     again = find(plan, run_id, uri, train=spec.train, experiment="startup")
     assert again.started == [3] and again.startup_step(4) is None
+
+
+def test_a_start_up_still_in_the_spool_counts_as_logged(store):
+    """The store was down when a session logged: its start-up times (and steps) waited in the spool, and the
+    resume read the store alone. A start-up spooled at step 3 was logged there a second time (the spool sends it
+    first); a step 3 spooled put this session's start-up at 3, which the tracker then dropped (logged)."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run_id = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), experiment="spooled-startup")
+    Spool(ckpt / SPOOL).add("metrics", step=3, values={"timing/startup_s": 40.0})  # killed in step 3, store down
+    r = find(plan, run_id, uri, train=spec.train, experiment="spooled-startup")
+    assert (r.logged, r.started, r.startup_step(4)) == (2, [3], None)
+    t = Tracker(uri, "spooled-startup")
+    t.resume(r, plan, {"calc": []})  # sends the spool
+    t.end("KILLED")
+    MlflowClient(uri).set_tag(run_id, DRIVER_TAG, GONE)
+    assert [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "timing/startup_s")] == [(3, 40.0)]
+    # its step 3 spooled too: logged, and this session's start-up goes at step 4
+    Spool(ckpt / SPOOL).add("metrics", step=3, values={"timing/step_s": 1.0})
+    later = find(plan, run_id, uri, train=spec.train, experiment="spooled-startup")
+    assert (later.logged, later.startup_step(4)) == (3, 4)
+    assert spooled_steps([{"kind": "text"}, {"kind": "metrics", "step": 0, "values": {"eval/reward": 1.0}}],
+                         "eval/reward") == [0]
 
 
 def test_a_changed_source_is_named():

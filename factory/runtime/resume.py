@@ -164,12 +164,23 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
-    return Resume(run.run_id, run.name, directory, checkpoint, step, logged_step(tracker, run),
+    # What the run logged is what its store holds and what its spool will send (the store was down): the tracker
+    # sends the spool first, so a start-up counted from the store alone was logged again at the same step, or dropped
+    # (at a step the spool's own step metrics then made logged).
+    logged = max(logged_step(tracker, run), *spooled_steps(spooled, STEP_METRIC),
+                 0 if 0 in spooled_steps(spooled, EVAL_METRIC) else -1)
+    started = [s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)]
+    return Resume(run.run_id, run.name, directory, checkpoint, step, logged,
                   state.get("data") if checkpoint else None, state.get("watch") if checkpoint else None,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
-                  unreadable=skipped, started=[s for s, _ in tracker.metric_history(run.run_id, STARTUP_METRIC)],
+                  unreadable=skipped, started=sorted({*started, *spooled_steps(spooled, STARTUP_METRIC)}),
                   unsent=unsent, complete=step >= train.steps)
+
+
+def spooled_steps(records: list[dict[str, Any]], metric: str) -> list[int]:
+    """The steps at which the spool's `records` (`unsent_records`) log `metric`."""
+    return [r["step"] for r in records if r["kind"] == "metrics" and metric in r["values"]]
 
 
 def unsent_records(directory: Path) -> list[dict[str, Any]]:
