@@ -375,6 +375,30 @@ async def test_python_tool_calls_time_out_once_every_slot_is_held_by_a_hung_one(
         HUNG.set()
 
 
+async def test_hung_calls_of_one_python_tool_leave_threads_for_the_others():
+    """Sync python tools ran on anyio's one limiter of 40 threads per loop: 40 hung calls of one tool (threads
+    that run on past their timeout) left an unrelated tool none, and its calls timed out waiting for one."""
+    HUNG.clear()
+    specs = {"hang": PythonTool(function="tests.test_tools_servers:hangs", timeout_s=0.2, retries=0, concurrency=40),
+             "count": PythonTool(function="tests.test_tools_servers:count_words", timeout_s=1.0, retries=0)}
+    try:
+        async with ToolBox.from_spec(specs) as box:
+            hung = await box.call_many([call("hang", {}) for _ in range(40)])
+            assert {r.error_kind for r in hung} == {"timeout"}
+            counted = await box.call(call("count", {"text": "two words"}))
+            assert (counted.status, counted.text) == ("ok", "2")  # before: timed out after 1 s, no thread free
+    finally:
+        HUNG.set()
+
+
+async def test_a_python_tool_runs_as_many_threads_as_its_concurrency_past_forty():
+    # its 41st call waited for one of anyio's 40 threads while its timeout ran: timed out at 0.3 + 0.3 s
+    spec = PythonTool(function="tests.test_tools_servers:one_at_a_time", timeout_s=0.5, retries=0, concurrency=41)
+    async with ToolBox.from_spec({"nap": spec}) as box:
+        results = await box.call_many([call("nap", {"seconds": 0.3}) for _ in range(41)])
+    assert [r.text for r in results] == ["slept"] * 41
+
+
 async def test_a_python_tool_that_exits_is_its_own_error_and_the_box_goes_on():
     # SystemExit is no Exception: it went through the ToolBox, and in the tools stage Ray ended the actor with
     # it, so one bad call from the model lost the run its tools.

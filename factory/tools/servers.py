@@ -304,6 +304,10 @@ class PythonFunction:
         self.spec = spec
         self.resilience = resilience
         self._slots = Places(spec.concurrency)
+        # Its own threads: on anyio's default limiter (40 threads, shared by every sync tool of the loop) the
+        # hung calls of one tool, whose threads run on past their timeout, left another tool none, and calls past
+        # the 40th of one tool waited for a thread while their timeout ran. `_slots` bounds the threads in use.
+        self._threads = anyio.CapacityLimiter(spec.concurrency)
         self.fn: Callable[..., Any] | None = None
         self.schema: dict[str, Any] = {}
 
@@ -335,7 +339,7 @@ class PythonFunction:
         # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
         # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
         # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
-        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async))
+        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async, self._threads))
         work.add_done_callback(lambda _: self._slots.leave(stuck=abandoned))
         try:
             with anyio.fail_after(self.spec.timeout_s):
@@ -353,13 +357,14 @@ class PythonFunction:
                                 "one returns", self.name, self._slots.size)
 
     @staticmethod
-    async def _run(tool: str, fn: Callable[..., Any], arguments: dict[str, Any],
-                   is_async: bool) -> tuple[ToolResult, bool]:
+    async def _run(tool: str, fn: Callable[..., Any], arguments: dict[str, Any], is_async: bool,
+                   threads: anyio.CapacityLimiter) -> tuple[ToolResult, bool]:
         try:
             if is_async:
                 value = await fn(**arguments)
             else:  # abandon_on_cancel: only the loop's shutdown cancels this (the caller waits through a shield)
-                value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True)
+                value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True,
+                                                       limiter=threads)
         except (Exception, SystemExit) as exc:
             # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
             # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
