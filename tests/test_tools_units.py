@@ -193,6 +193,34 @@ def test_a_schema_whose_ref_resolves_nowhere_is_not_enforced(caplog):
     assert caplog.text.count("inputSchema cannot be applied, its arguments are not checked") == 1  # once
 
 
+def test_one_call_nested_too_deep_for_a_recursive_schema_leaves_the_check_on(caplog):
+    """A tree-shaped inputSchema is checked by recursion, level by level: one call nested 400 deep ran out of stack,
+    was taken for a schema that cannot be applied, and switched the tool's check off for the rest of the run."""
+    tree = {"type": "object", "properties": {"text": {"$ref": "#/$defs/tree"}}, "required": ["text"],
+            "$defs": {"tree": {"type": "array", "items": {"$ref": "#/$defs/tree"}}}}
+    deep: list = []
+    for _ in range(400):
+        deep = [deep]
+
+    async def run() -> list:
+        async with ToolBox.from_spec({"t": PythonTool(function="tests.test_tools_units:word_count")}) as box:
+            (name,) = box._validators
+            box._validators[name] = compile_validator(ToolEntry(name, "t", name, "", tree))
+            results = [await box.call(ToolCall(name, arguments, raw="")) for arguments in
+                       ({"text": deep}, {"text": "a string, not a tree"})]
+            # a schema that recurses without end runs out of stack at any depth: still its own fault, not enforced
+            box._validators[name] = compile_validator(ToolEntry(name, "t", name, "", {"$ref": "#"}))
+            return results + [await box.call(ToolCall(name, {"text": "two words"}, raw=""))]
+
+    nested, flat, endless = asyncio.run(run())
+    assert (nested.status, nested.error_kind, nested.text) == (
+        "model_error", "bad_arguments", "Error: invalid arguments for t: nested too deeply (more than 64 levels).")
+    assert (flat.error_kind, flat.text) == ("bad_arguments", "Error: invalid arguments for t: 'a string, not a tree' "
+                                                             "is not of type 'array' (at text)")
+    assert (endless.status, endless.text) == ("ok", "2")
+    assert caplog.text.count("inputSchema cannot be applied, its arguments are not checked") == 1  # the endless one
+
+
 # ---------------------------------------------------------------------------------------- breaker
 class FakeClock:
     def __init__(self) -> None:

@@ -224,6 +224,12 @@ class ToolBox:
             problem = argument_problem(self._validators[name], call.arguments)
         except Exception as exc:  # noqa: BLE001 -- a schema check_schema passes that cannot be applied: a `$ref` to
             # nothing or to a remote document, a recursion without end. Not enforced from now on, as an invalid one.
+            if isinstance(exc, RecursionError) and nesting_depth(call.arguments) > MAX_ARGUMENT_DEPTH:
+                # This call's fault, not the schema's: the check recurses once per level of a recursive schema (a
+                # tree), and a call nested a few hundred deep ran out of stack. Taken for the schema's, it switched the
+                # check off for the rest of the run, letting every later invalid call through to the server.
+                return model_error(name, "bad_arguments", f"Error: invalid arguments for {name}: nested too deeply "
+                                                          f"(more than {MAX_ARGUMENT_DEPTH} levels).")
             log.warning("tool server %r: tool %r's inputSchema cannot be applied, its arguments are not checked (the "
                         "server judges them): %s: %s", entry.server, entry.tool, type(exc).__name__, exc)
             self._validators[name] = None
@@ -388,6 +394,22 @@ def compile_validator(entry: ToolEntry) -> Any | None:
                     "server judges them): %s", entry.server, entry.tool, exc.message)
         return None
     return cls(entry.input_schema)
+
+
+# Arguments nested deeper than this that exhaust the stack in the schema check are the call's fault (a schema's
+# endless recursion exhausts it at any depth). No tool's arguments need so many levels.
+MAX_ARGUMENT_DEPTH = 64
+
+
+def nesting_depth(value: Any) -> int:
+    """How many levels of lists and dicts `value` nests (without recursion: it measures what recursion cannot)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def argument_problem(validator: Any | None, arguments: Any) -> str | None:
