@@ -219,6 +219,24 @@ async def test_close_leaves_no_process_and_is_idempotent():
     assert result.status == "infra_error"
 
 
+async def test_a_call_waiting_for_a_slot_during_close_starts_no_server():
+    """The call waiting behind the one in flight got its slot when close() ended that one, found the server dead
+    and started a fresh process: after close() had returned, and left running."""
+    faulty = StdioServer(command="python", args=["tests/tool_servers/faulty.py"], cwd=str(ROOT), timeout_s=10,
+                         concurrency=1, retries=1)
+    before = set(_children(os.getpid()))  # (the module's calculator may be running)
+    box = ToolBox.from_spec({"f": faulty})
+    await box.start()
+    calls = [asyncio.ensure_future(box.call(call("sleep", {"seconds": 5}))) for _ in range(3)]
+    await asyncio.sleep(0.3)  # the first is in flight, the others wait for its slot
+    await box.close()
+    started_after_close = set(_children(os.getpid())) - before
+    results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert not started_after_close and not set(_children(os.getpid())) - before
+    assert [r.status for r in results] == ["infra_error"] * 3
+    assert results[1].text == results[2].text == "Error: the tool servers are shut down."
+
+
 async def test_replicas_share_the_calls():
     async with ToolBox.from_spec({"calc": CALC.model_copy(update={"replicas": 2})}) as box:
         replicas = box._backends["calc"]._replicas

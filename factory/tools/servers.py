@@ -133,6 +133,8 @@ class McpServer:
 
     async def _call(self, tool: str, arguments: dict[str, Any], probe: bool) -> tuple[ToolResult, bool]:
         async with self._slots:
+            if self._closed:  # closed while this call waited for a slot: starting a server now would outlive close()
+                return infra_error(tool, "transport", "Error: the tool servers are shut down."), False
             if not probe and self._breaker.state != "closed":
                 # let in while the circuit was closed, it opened while this call waited for a slot: it fails fast
                 # too (else each slot's worth of waiting calls would start the failing server again)
@@ -246,9 +248,12 @@ class _Replica:
         return await self.get()
 
     async def get(self) -> McpConnection:
-        """A live connection, starting one if needed; concurrent callers share one start."""
+        """A live connection, starting one if needed; concurrent callers share one start. None is started once the
+        server is closed (ServerStartError): close() has returned, or is waiting for the starts under way only."""
         if self.connection is not None and self.connection.alive:
             return self.connection
+        if self.server._closed:
+            raise ServerStartError(f"tool server {self.label!r} is shut down")
         if self._starting is None or self._starting.done():
             self._starting = asyncio.ensure_future(self._open())
             self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
