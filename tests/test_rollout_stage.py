@@ -92,6 +92,24 @@ def test_tools_client_counts_the_callers_calls_and_takes_server_events():
     assert second["tools/calc/calls"] == 0.0  # an offered tool without calls is a 0, not a gap in its chart
 
 
+def test_a_call_whose_hop_to_the_tools_stage_fails_is_answered_and_counted():
+    """A dead tools actor's call raised out of ToolsClient: agent.call_tool answered it as an infra_error crash,
+    and tools/calls and tools/infra_errors never counted it."""
+    class DeadToolsStage(FakeToolsStage):
+        async def call(self, call: ToolCall) -> ToolResult:
+            raise RuntimeError("The actor died unexpectedly before finishing this task.")  # as Ray's RayActorError
+
+    async def go():
+        client = ToolsClient(DeadToolsStage())
+        await client.start()
+        return await client.call(ToolCall("calc", {}, "")), (await client.take_metrics()).snapshot()
+
+    result, metrics = asyncio.run(go())
+    assert (result.tool, result.status, result.error_kind, result.text) == (
+        "calc", "infra_error", "crash", "Error: the tool call failed (RuntimeError).")
+    assert (metrics["tools/calls"], metrics["tools/infra_errors"], metrics["tools/calc/infra_errors"]) == (1, 1, 1)
+
+
 def test_a_caller_that_never_takes_its_metrics_keeps_none():
     """The reward stage's client recorded every tool node's call and latency, and nothing ever took them."""
     async def go():

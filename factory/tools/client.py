@@ -7,12 +7,15 @@ waited), so each rollout replica reports its own calls and the driver adds them 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from typing import Any
 
 from factory.tools.metrics import ToolMetrics
-from factory.tools.results import model_error
+from factory.tools.results import infra_error, model_error
 from factory.types import ToolCall, ToolResult
+
+log = logging.getLogger(__name__)
 
 
 async def _invoke(target: Any, method: str, *args: Any) -> Any:
@@ -49,7 +52,14 @@ class ToolsClient:
             result = model_error(call.name, "unknown_tool",
                                  f"Error: unknown tool {call.name!r}. No tools are available.")
         else:
-            result = await _invoke(self._stage, "call", call)
+            try:
+                result = await _invoke(self._stage, "call", call)
+            except Exception as exc:
+                # The hop failed (the tools actor died, Ray raised), not the tool. Answered here as agent.call_tool
+                # would answer it, so that it is counted: raised, the trajectory held an infra_error crash that
+                # tools/calls and tools/infra_errors never saw (they undercounted the failures they exist to show).
+                log.warning("tool call %s could not reach the tools stage: %s: %s", call.name, type(exc).__name__, exc)
+                result = infra_error(call.name, "crash", f"Error: the tool call failed ({type(exc).__name__}).")
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
         if self._counted:  # under its tool when it reached one (a call that could not be read has none: '?')
             offered = result.tool in self._offered and result.error_kind != "unknown_tool"
