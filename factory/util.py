@@ -138,6 +138,15 @@ def _words(name: str) -> list[str]:
 TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
 
 
+def being_cancelled() -> bool:
+    """Whether the running task is being cancelled: a CancelledError it catches then ends a call that was
+    cancelled (a timeout, an episode's deadline), else the called code raised it of its own (a library that
+    cancelled an inner task it awaited), which is that code's failure. Before Python 3.11 (no
+    Task.cancelling) every CancelledError is taken as a cancellation."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
+
+
 class AllStuck(Exception):
     """Every place of a `Places` is held by work that its caller stopped waiting for and that has not ended."""
 

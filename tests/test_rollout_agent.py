@@ -68,6 +68,8 @@ class FakeToolBox:
         self.calls.append(c)
         if c.name == "boom":
             raise RuntimeError("bug")
+        if c.name == "cancels":  # a CancelledError of its own (an inner task cancelled), not the episode's deadline
+            raise asyncio.CancelledError("inner")
         if c.name not in ("add", "mul", "slow", "flaky"):
             return ToolResult(c.name, f"Error: unknown tool {c.name!r}.", "model_error", "unknown_tool")
         if c.arguments is None:
@@ -243,6 +245,17 @@ def test_a_toolbox_exception_is_an_infra_error_not_a_crash(chat):
     (result,) = traj.turns[0].results
     assert (result.status, result.error_kind) == ("infra_error", "crash") and traj.infra_error
     assert traj.stop_reason == "no_call"
+
+
+def test_a_cancelled_error_the_toolbox_raises_of_its_own_is_an_infra_error_not_the_end_of_the_rollout(chat):
+    """It went through call_tool and the turn's gather: the trajectory, and the whole rollout's gather, died."""
+    engine = ScriptedEngine(chat, [(call("cancels", a=1, b=1) + call("add", a=1, b=2), True), ("sorry", True)])
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=128, max_total_tokens=1024)
+    (traj,) = asyncio.run(rollout(engine, chat, FakeToolBox(), [(PROMPT, {})], group_size=1, cfg=cfg,
+                                  sampling=GREEDY))
+    assert [(r.status, r.error_kind, r.text) for r in traj.turns[0].results] == [
+        ("infra_error", "crash", "Error: the tool call failed (CancelledError)."), ("ok", None, "3")]
+    assert traj.stop_reason == "no_call" and traj.infra_error
 
 
 def test_infra_error_flag_comes_from_tool_results(chat):

@@ -54,6 +54,18 @@ async def slow_double(x: int) -> int:
     return 2 * x
 
 
+async def cancels_itself(x: int) -> int:
+    """An async function whose inner task is cancelled (by a library it calls): it raises CancelledError though
+    no one cancelled its call.
+
+    Args:
+        x: Anything.
+    """
+    inner = asyncio.ensure_future(asyncio.sleep(10))
+    inner.cancel()
+    return await inner
+
+
 def flaky_divide(a: float, b: float) -> float:
     """Divide two numbers (a blocking, sync function).
 
@@ -330,6 +342,19 @@ async def test_async_python_tool_calls_overlap():
         elapsed = time.perf_counter() - started
     assert [r.text for r in results] == [str(2 * i) for i in range(10)]
     assert elapsed < 1.0  # ten 0.2 s calls: 2 s one at a time
+
+
+async def test_a_cancelled_error_a_python_tool_raises_of_its_own_is_its_error_and_its_timeout_still_cuts_it():
+    """An async tool's own CancelledError (an inner task cancelled) went out of ToolBox.call and the agent loop,
+    recorded as the episode's deadline, and ended the whole rollout."""
+    tools = {"cancels": PythonTool(function="tests.test_tools_servers:cancels_itself", retries=0),
+             "double": PythonTool(function="tests.test_tools_servers:slow_double", timeout_s=0.05, retries=0)}
+    async with ToolBox.from_spec(tools, record=True) as box:
+        own = await box.call(call("cancels", {"x": 1}))
+        assert (own.status, own.error_kind, own.text) == ("model_error", "tool_error", "Error: CancelledError: ")
+        assert [(r["status"], r["error_kind"]) for r in box.recorder.rows] == [("model_error", "tool_error")]
+        cut = await box.call(call("double", {"x": 1}))  # its timeout cancels it: still a timeout, not its error
+        assert (cut.status, cut.error_kind) == ("infra_error", "timeout")
 
 
 async def test_sync_python_tool_errors_and_timeouts():

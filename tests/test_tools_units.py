@@ -440,19 +440,19 @@ def test_from_spec_has_no_side_effects_and_start_names_the_failure():
 class FakeBackend:
     """A started server's stand-in: answers `<tool> answered`, or raises (a bug of ours below the ToolBox)."""
 
-    def __init__(self, fails: bool = False) -> None:
+    def __init__(self, fails: bool | BaseException = False) -> None:
         self.fails = fails
 
     async def call(self, tool, arguments):
         if self.fails:
-            raise RuntimeError("a bug")
+            raise self.fails if isinstance(self.fails, BaseException) else RuntimeError("a bug")
         return ToolResult(tool, f"{tool} answered")
 
     async def close(self) -> None:
         pass
 
 
-def _fake_box(listings: dict[str, list[str]], fails: bool = False) -> ToolBox:
+def _fake_box(listings: dict[str, list[str]], fails: bool | BaseException = False) -> ToolBox:
     """A running ToolBox over fake backends: server -> its tool names."""
     box = ToolBox.from_spec({name: PythonTool(function="tests.test_tools_units:word_count") for name in listings})
     box._backends = {name: FakeBackend(fails) for name in listings}
@@ -479,6 +479,23 @@ def test_a_backend_that_raises_is_an_infra_error_not_the_models():
     result = asyncio.run(_fake_box({"calc": ["add"]}, fails=True).call(ToolCall("add", {}, raw="")))
     assert (result.status, result.error_kind, result.text) == (
         "infra_error", "transport", "Error: the call to add failed (RuntimeError).")
+
+
+def test_a_cancelled_error_a_backend_raises_of_its_own_is_an_infra_error_and_a_cancelled_call_still_raises():
+    """A CancelledError raised below the ToolBox, with no one cancelling the call, went through it as if the
+    episode's deadline had cut the call, and ended the whole rollout."""
+    box = _fake_box({"calc": ["add"]}, fails=asyncio.CancelledError("an inner task of the client"))
+    result = asyncio.run(box.call(ToolCall("add", {}, raw="")))
+    assert (result.status, result.error_kind, result.text) == (
+        "infra_error", "transport", "Error: the call to add failed (CancelledError).")
+
+    async def cancelled() -> None:  # the deadline's cancellation of the call is raised on, as before
+        slow = _fake_box({"calc": ["add"]})
+        slow._backends["calc"].call = lambda tool, arguments: asyncio.sleep(10)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(slow.call(ToolCall("add", {}, raw="")), 0.05)
+
+    asyncio.run(cancelled())
 
 
 def test_a_box_that_is_not_running_answers_infra_errors():

@@ -22,7 +22,7 @@ from factory.rollout.engine import Engine, Sampling, request_seed
 from factory.rollout.parse import parse_tool_calls
 from factory.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
-from factory.util import TIMEOUTS
+from factory.util import TIMEOUTS, being_cancelled
 
 
 class Tools(Protocol):
@@ -45,10 +45,12 @@ async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
     """Run one parsed call. Malformed calls go to the toolbox too: it answers them (parse_error,
     unknown_tool) with an error the model reads, and counts them in its per-tool metrics. The toolbox
     never raises; if it does anyway (a bug), the call is recorded as an infrastructure error instead of
-    ending the whole rollout."""
+    ending the whole rollout: a CancelledError too, unless this call was cancelled (the episode's deadline)."""
     try:
         return await toolbox.call(call)
-    except Exception as e:
+    except (Exception, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError) and being_cancelled():
+            raise
         return ToolResult(tool=call.name, text=f"Error: the tool call failed ({type(e).__name__}).",
                           status="infra_error", error_kind="crash")
 

@@ -34,7 +34,7 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
 from factory.tools.results import content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
-from factory.util import AllStuck, Places, import_object
+from factory.util import AllStuck, Places, being_cancelled, import_object
 
 log = logging.getLogger(__name__)
 
@@ -370,10 +370,15 @@ class PythonFunction:
             else:  # abandon_on_cancel: only the loop's shutdown cancels this (the caller waits through a shield)
                 value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True,
                                                        limiter=threads)
-        except (Exception, SystemExit) as exc:
+        except (Exception, SystemExit, asyncio.CancelledError) as exc:
             # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
             # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
             # its tools stage over one call (raised out of this task, it would stop the event loop).
+            # A CancelledError of the function's own (an inner task it awaited was cancelled) too: raised, it
+            # was taken for the episode's deadline and ended the whole rollout. This call's own cancellation
+            # (its timeout, its caller's deadline, the loop's shutdown) is raised on.
+            if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                raise
             return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
         return ToolResult(tool=tool, text=value_text(value)), False
 

@@ -39,6 +39,7 @@ from factory.tools.resilience import Resilience
 from factory.tools.results import infra_error, model_error, truncate_middle
 from factory.tools.servers import McpServer, PythonFunction
 from factory.types import ToolCall, ToolResult
+from factory.util import being_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,11 @@ class ToolBox:
                 return cached, "cache"
         try:
             result = await self._backends[entry.server].call(entry.tool, call.arguments)
-        except Exception as exc:  # a bug of ours must not end a rollout: count it as infrastructure
+        except (Exception, asyncio.CancelledError) as exc:  # a bug of ours must not end a rollout: count it as
+            # infrastructure; a CancelledError too, unless the call was cancelled (the episode's deadline: _dispatch
+            # records it so): one raised by a server's client code ended the whole rollout as if its deadline passed
+            if isinstance(exc, asyncio.CancelledError) and being_cancelled():
+                raise
             log.exception("tool call %s failed unexpectedly", entry.offered)
             return infra_error(entry.offered, "transport",
                                f"Error: the call to {entry.offered} failed ({type(exc).__name__})."), "live"
