@@ -110,6 +110,37 @@ def test_a_call_whose_hop_to_the_tools_stage_fails_is_answered_and_counted():
     assert (metrics["tools/calls"], metrics["tools/infra_errors"], metrics["tools/calc/infra_errors"]) == (1, 1, 1)
 
 
+def test_a_call_its_caller_stops_waiting_for_is_cancelled_in_the_tools_actor_too(monkeypatch):
+    """Over Ray the episode's deadline cancelled only the caller's wait: the actor's call ran on and was recorded
+    `ok` where the trajectory holds `episode_timeout`. With a real actor (slow):
+    tests/test_tools_recording.py::test_a_call_the_episode_deadline_cuts_over_ray_is_recorded_as_cut."""
+    import ray
+
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+
+    class Method:  # an actor method: `.remote()` gives the ref the caller awaits (here a future of this loop)
+        def __init__(self, fn):
+            self.fn, self.refs = fn, []
+
+        def remote(self, *args):
+            self.refs.append(asyncio.ensure_future(self.fn(*args)))
+            return self.refs[-1]
+
+    class Actor:
+        schemas = Method(FakeToolsStage().schemas)
+        call = Method(lambda c: asyncio.sleep(10))
+
+    async def go():
+        client = ToolsClient(Actor())
+        await client.start()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.call(ToolCall("calc", {}, "")), 0.05)
+
+    asyncio.run(go())
+    assert len(Actor.call.refs) == 1 and cancelled == Actor.call.refs  # the call's ref; `schemas` ended by itself
+
+
 def test_a_caller_that_never_takes_its_metrics_keeps_none():
     """The reward stage's client recorded every tool node's call and latency, and nothing ever took them."""
     async def go():

@@ -427,3 +427,49 @@ def test_a_server_identity_holds_its_folder_its_started_script_and_a_packages_ma
     before = server_identity(package, tmp_path)
     (tmp_path / "srvpkg" / "__main__.py").write_text("v = 2\n")
     assert server_identity(package, tmp_path) != before
+
+
+@pytest.mark.slow  # 28 s: starting Ray (16 s) and an actor that imports the ToolBox (10 s)
+def test_a_call_the_episode_deadline_cuts_over_ray_is_recorded_as_cut(local_ray):
+    """Over Ray (how the rollout reaches the tools stage) the deadline cancelled only the caller's wait: the actor's
+    call ran on and was recorded `ok`, where the trajectory holds `episode_timeout` and an in-process call is
+    recorded so. A replay answered it `ok` at once and the replayed episode went on into turns never recorded."""
+    import ray
+
+    from factory.tools.client import ToolsClient
+
+    @ray.remote
+    class Tools:  # what the tools stage does: an async actor whose call is its ToolBox's
+        async def start(self) -> None:
+            self.box = ToolBox.from_spec({"nap": PythonTool(function="tests.test_tools_recording:nap")}, record=True)
+            await self.box.start()
+
+        async def schemas(self) -> list:
+            return self.box.schemas()
+
+        async def call(self, c: ToolCall):
+            return await self.box.call(c)
+
+        async def rows(self) -> list:
+            return self.box.recorder.take()
+
+    async def go() -> list:
+        actor = Tools.remote()
+        try:
+            await actor.start.remote()
+            client = ToolsClient(actor)
+            await client.start()
+            cut = ToolCall("nap", {"seconds": 1.0}, raw="", origin="train/0/0/0/0/0/0")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.call(cut), 0.3)  # as the agent loop's deadline cancels a call
+            for _ in range(40):  # the recording is written when the actor's call ends (cancelled at once, or at 1 s)
+                if rows := await actor.rows.remote():
+                    return rows
+                await asyncio.sleep(0.05)
+            return []
+        finally:
+            ray.kill(actor)
+
+    rows = asyncio.run(go())
+    assert [(r["origin"], r["status"], r["error_kind"]) for r in rows] == [
+        ("train/0/0/0/0/0/0", "infra_error", "episode_timeout")]

@@ -6,6 +6,7 @@ waited), so each rollout replica reports its own calls and the driver adds them 
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -22,7 +23,21 @@ async def _invoke(target: Any, method: str, *args: Any) -> Any:
     """`target.method(*args)` on a Ray actor handle (awaiting its ObjectRef) or on a local object."""
     fn = getattr(target, method)
     if hasattr(fn, "remote"):
-        return await fn.remote(*args)
+        ref = fn.remote(*args)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            # The caller stopped waiting (the episode's deadline): the actor's task is cancelled too (an async actor's
+            # coroutine receives it), as an in-process call's is. Left to run, the tools stage recorded the call's
+            # late answer (`ok`) where the trajectory holds `episode_timeout`, and a replay of that recording
+            # answered it and went on into turns the recorded episode never had.
+            import ray  # (here: a caller with a local tools stage needs no Ray)
+
+            try:
+                ray.cancel(ref)
+            except Exception as exc:  # noqa: BLE001 -- the cancellation goes on whatever Ray says
+                log.warning("could not cancel the tools stage's %s: %s: %s", method, type(exc).__name__, exc)
+            raise
     out = fn(*args)
     return await out if inspect.isawaitable(out) else out
 
