@@ -124,7 +124,9 @@ class DataSpec(Section):
     train: DataSource
     """Where training prompts come from."""
     eval: DataSource | None = None
-    """Held-out prompts, evaluated greedily at step 0, every `train.eval_every` steps and at the end."""
+    """Held-out prompts, evaluated greedily at step 0, every `train.eval_every` steps and at the end. Held out
+    of training: a `train` row whose prompt (its chat messages) an eval row also has is dropped from training,
+    and the data stage says how many; a `train` split with no row left is an error."""
     prompt: str | None = None
     """A jinja template in prompts/ that turns a row into chat messages (it renders a JSON list of
     messages, or plain text used as the user message). Unset: the row's `prompt` messages are used."""

@@ -584,6 +584,21 @@ def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(projec
         "<override 1>: data.train.path: data/empty.jsonl gave no rows\n1 error in spec.yaml")
 
 
+def test_a_training_split_whose_every_prompt_is_held_out_for_eval_is_an_error(project):
+    """The data stage drops the training rows whose prompt the eval split has: when that is every one, `factory
+    check` says so at data.train, as it says an empty training split, before Ray and the stages start."""
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n')
+    project.file("data/eval.jsonl", '{"question": "2+2", "answer": "4"}\n{"question": "1+1", "answer": "2"}\n')
+    path = project.spec(_base(project, "rc_held").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: data/train.jsonl}\n  eval: {path: data/eval.jsonl}\n"))
+    assert _errors(path) == (
+        "spec.yaml:4: data.train.path: each of its 2 rows has a prompt that data.eval also has, and eval prompts are "
+        "held out of training: no training rows are left\n1 error in spec.yaml")
+    project.file("data/eval.jsonl", '{"question": "2+2", "answer": "4"}\n')
+    assert compile_file(path)[1].warnings == ()  # one training row is left: the data stage drops the other
+
+
 def test_a_generator_gives_size_rows_at_most_and_fewer_is_a_warning(project):
     """`size` is how many rows are drawn: an endless generator hung `factory check` (and the data stage),
     one that yields more gave them all, and one that yields fewer was shown as `(64 rows)` without a word."""

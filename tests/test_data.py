@@ -54,7 +54,8 @@ def test_jsonl_and_epoch_wrap(tmp_path):
     path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(3)))
     stage = DataStage(_settings(DataSpec(train=DataSource(path=str(path))), tmp_path, seed=1))
     info = stage.setup()  # "node": None outside Ray, the driver's node when an earlier test left Ray up in-process
-    assert info["train_rows"] == 3 and info["eval_rows"] == 0 and set(info) == {"node", "train_rows", "eval_rows"}
+    assert info["train_rows"] == 3 and info["eval_rows"] == 0 and set(info) == {"node", "train_rows", "eval_rows",
+                                                                                 "train_rows_dropped"}
     seen = [row["answer"] for _, row in from_table(stage.next_batch(6))]
     assert sorted(seen[:3]) == ["0", "1", "2"] and sorted(seen[3:]) == ["0", "1", "2"]
     state = stage.state()
@@ -150,6 +151,30 @@ def test_eval_rows_are_checked_too(tmp_path):
     spec = DataSpec(train=DataSource(path="ok.jsonl"), eval=DataSource(generator=f"{__name__}:bad_generator"))
     with pytest.raises(DataError, match=r"^tests.test_data:bad_generator row 2: column 'question' must be a string"):
         DataStage(_settings(spec, tmp_path)).setup()
+
+
+def test_eval_prompts_are_held_out_of_training(tmp_path, caplog):
+    """The eval split's generator only had another seed: 25 of the 64 eval prompts of specs/multi-agent.yaml were
+    training prompts too. A training row whose prompt (its rendered messages) an eval row has is dropped, against
+    the whole eval split (what trains does not depend on train.eval_size); the eval split stays as it is."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n"
+                                                  for i in range(5)))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"question": q, "answer": "x"}) + "\n"
+                                                 for q in ("q9", "q3", "q1")))
+    spec = DataSpec(train=DataSource(path="train.jsonl"), eval=DataSource(path="eval.jsonl"))
+    stage = DataStage(_settings(spec, tmp_path).model_copy(update={"eval_size": 1}))
+    with caplog.at_level("WARNING", logger="factory.data.stage"):
+        info = stage.setup()
+    assert (info["train_rows"], info["eval_rows"], info["train_rows_dropped"]) == (3, 1, 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 training rows dropped: their prompt is in the eval split (data.eval is held out of training)"]
+    assert sorted(m[-1]["content"] for m, _ in from_table(stage.next_batch(3))) == ["q0", "q2", "q4"]
+    assert [m[-1]["content"] for m, _ in from_table(stage.eval_batch())] == ["q9"]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(6)))
+    with pytest.raises(DataError) as e:
+        DataStage(_settings(spec, tmp_path)).setup()
+    assert str(e.value) == ("data.train: each of its 5 rows has a prompt that data.eval also has, and eval prompts "
+                            "are held out of training: no training rows are left")
 
 
 def bad_generator(n: int, seed: int = 0):

@@ -622,10 +622,18 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
     the data stage checks them all before the first step (JSON, the columns the reward graph needs
     (`required`), the prompt rendered), and with no null printed into the reward graph's templates: a bad row
     is found here, at the source's key, not after Ray and every stage have started. An empty training split
-    is an error, an empty eval split a warning (no held-out evaluation)."""
+    is an error, an empty eval split a warning (no held-out evaluation); so is a training split whose every
+    prompt the eval split has (the data stage drops those rows: held_out), where every training row was read."""
     import jinja2
 
-    from factory.data.sources import EVAL_SEED_OFFSET, PromptRenderer, check_rows, read_source, row_template_env
+    from factory.data.sources import (
+        EVAL_SEED_OFFSET,
+        PromptRenderer,
+        check_rows,
+        held_out,
+        read_source,
+        row_template_env,
+    )
 
     if any(e.path in ("data.prompt", "data.system_prompt") for e in r.errors):
         return  # a template _check_templates refused (one that includes another compiles, and fails every row)
@@ -637,6 +645,7 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
     for where, (_, text) in templates.items():  # the reward graph's (_reward_templates)
         with contextlib.suppress(jinja2.TemplateError):  # said at its key
             judges[where] = env.from_string(text)
+    checked: dict[str, list[Any]] = {}  # split -> its rows read, when every one of them is fine
     for split, seed in (("train", spec.seed), ("eval", spec.seed + EVAL_SEED_OFFSET)):
         if split not in data or any(e.path.startswith(f"data.{split}") for e in r.errors):
             continue  # not found, or its generator cannot be called as it would be: already said
@@ -686,6 +695,16 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             more = f" and {len(unused) - 1} more rows" if len(unused) > 1 else ""
             r.warn("data.system_prompt", f"not used for {unused[0]}{more} of data.{split}: their messages already "
                                          f"begin with a system message, which is kept")
+        checked[split] = rows
+    train, held = checked.get("train"), checked.get("eval")
+    # every training row read (a generator's size, or a file shorter than the limit): else a row past the limit
+    # may be one the eval split lacks
+    complete = train is not None and (spec.data.train.size <= CHECKED_ROWS if spec.data.train.generator is not None
+                                      else len(train) < CHECKED_ROWS)
+    if complete and held is not None and not held_out(train, held, renderer):
+        r.error("data.train.path" if spec.data.train.path is not None else "data.train.generator",
+                f"each of its {len(train)} rows has a prompt that data.eval also has, and eval prompts are held "
+                f"out of training: no training rows are left")
 
 
 def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str, Callable[..., Any]]]:

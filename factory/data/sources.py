@@ -21,7 +21,9 @@ from factory.util import UserError, import_object, importable, resolve_file, tem
 
 
 # --------------------------------------------------------------------------------------------- loading
-# Eval rows come from another seed stream (seed + this) so generated eval questions differ from training ones.
+# Eval rows come from another seed stream (seed + this) so generated eval questions differ from training ones;
+# a small generator's question space still repeats across seeds, so held_out also drops the training rows that
+# an eval row's prompt matches.
 EVAL_SEED_OFFSET = 1_000_003
 
 class DataError(UserError, ValueError):
@@ -84,6 +86,23 @@ def _starts_with(path: Path, char: str) -> bool:
             if chunk.strip():
                 return chunk.lstrip()[0] == char
     return False
+
+
+def prompt_key(renderer: PromptRenderer, row: Any) -> str | None:
+    """What identifies a row's prompt: the chat messages the model reads for it (None for a row that cannot
+    render them: check_rows says why where that row is used)."""
+    if not isinstance(row, dict):
+        return None
+    try:
+        return json.dumps(renderer.messages(row), sort_keys=True)
+    except (ValueError, TypeError, jinja2.TemplateError):
+        return None
+
+
+def held_out(rows: list[dict[str, Any]], eval_rows: list[Any], renderer: PromptRenderer) -> list[dict[str, Any]]:
+    """The training rows whose prompt no eval row has: the eval split is held out of training."""
+    held = {prompt_key(renderer, r) for r in eval_rows} - {None}
+    return [row for row in rows if prompt_key(renderer, row) not in held]
 
 
 def load_rows(source: DataSource, *, seed: int, base_dir: Path | None = None) -> list[dict[str, Any]]:

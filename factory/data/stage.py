@@ -1,6 +1,7 @@
 """The data-prep stage: a seeded, epoch-shuffled stream of training batches and a fixed eval batch."""
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -8,10 +9,20 @@ from typing import Any
 import pyarrow as pa
 
 from factory.contract import Call, Contract, StageActor
-from factory.data.sources import EVAL_SEED_OFFSET, DataError, PromptRenderer, check_rows, read_source, to_table
+from factory.data.sources import (
+    EVAL_SEED_OFFSET,
+    DataError,
+    PromptRenderer,
+    check_rows,
+    held_out,
+    read_source,
+    to_table,
+)
 from factory.plan import DataSettings
 from factory.types import Placement
 from factory.util import enter_workdir, node_id
+
+log = logging.getLogger(__name__)
 
 
 class DataStage(StageActor):
@@ -39,15 +50,27 @@ class DataStage(StageActor):
         if not self._rows:
             raise DataError("data.train produced no rows")
         check_rows(self._rows, origins, self._renderer, self._required, valued=self._valued)
-        self._eval = []
+        self._eval, dropped = [], 0
         if self._spec.eval:
             self._eval, origins = read_source(self._spec.eval, seed=self._seed + EVAL_SEED_OFFSET,
                                               base_dir=self._base_dir)
+            # Held out against the whole split, not only eval_size's first rows: which rows train does not
+            # depend on how many are evaluated (a `factory eval` of the run may evaluate them all).
+            kept = held_out(self._rows, self._eval, self._renderer)
             if self._eval_size is not None:
                 self._eval, origins = self._eval[: self._eval_size], origins[: self._eval_size]
             check_rows(self._eval, origins, self._renderer, self._required, valued=self._valued)
+            if not kept:
+                raise DataError(f"data.train: each of its {len(self._rows)} rows has a prompt that data.eval also "
+                                f"has, and eval prompts are held out of training: no training rows are left")
+            dropped = len(self._rows) - len(kept)
+            if dropped:
+                log.warning("%d training rows dropped: their prompt is in the eval split (data.eval is held out "
+                            "of training)", dropped)
+            self._rows = kept
         self._reshuffle()
-        return {"node": node_id(), "train_rows": len(self._rows), "eval_rows": len(self._eval)}
+        return {"node": node_id(), "train_rows": len(self._rows), "eval_rows": len(self._eval),
+                "train_rows_dropped": dropped}
 
     def _reshuffle(self) -> None:
         self._order = list(range(len(self._rows)))
