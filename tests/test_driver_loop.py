@@ -490,6 +490,24 @@ def test_a_stop_asked_before_the_first_step_runs_no_step(monkeypatch, when):
     assert world.submitted == [] and sorted(world.metrics) == [0]  # step 0's evaluation, logged
 
 
+def test_a_resumed_run_that_saves_nothing_returns_the_checkpoint_it_resumed_from(monkeypatch):
+    """RunResult.checkpoint is the newest checkpoint's folder, fresh or resumed run alike: a resumed session
+    stopped before its first step, or one with every step already done, returned None (it saved none itself)."""
+    import dataclasses
+
+    resumed_from = str(Path.cwd() / "checkpoints" / "step_1")  # absolute, as a fresh run's
+    stop = threading.Event()
+    stop.set()
+    world = World()
+    result = run_loop(monkeypatch, world, ["train.steps=3"], resume=resumed_at(step=1, logged=1), stop_event=stop)
+    assert (result.last_step, result.stopped, result.checkpoint, world.saved) == (1, True, resumed_from, [])
+    complete = dataclasses.replace(resumed_at(step=1, logged=1), complete=True)
+    result = run_loop(monkeypatch, World(), ["train.steps=1"], resume=complete)
+    assert (result.last_step, result.stopped, result.checkpoint) == (1, False, resumed_from)
+    result = run_loop(monkeypatch, World(), ["train.steps=2"], resume=resumed_at(step=1, logged=1))
+    assert result.checkpoint == str(Path.cwd() / "step_x")  # one it saved itself is newer
+
+
 def test_store_advice_speaks_only_for_a_sync_the_store_cannot_hold():
     """SmolLM2-135M's 538 MB of float32 weights against a 0.5 GiB store (the case measured: ~1 s a sync
     outside the store, ~0.1 s inside a 1 GiB one): the advice names a size with a quarter spare per sync in

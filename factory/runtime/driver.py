@@ -782,12 +782,14 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
     d, traces = plan.driver, plan.driver.tracking.log_trajectories
     on_step = on_step or (lambda step, metrics: None)
     done, before, watch = _begin(g, plan, tracker, display, resume, startup or Startup(), on_step)
-    after, after_step, checkpoint, updates = before, 0, None, Updates(g, plan, synced=done, warn=display.warning)
+    after, after_step, updates = before, 0, Updates(g, plan, synced=done, warn=display.warning)
+    # the newest checkpoint: a resumed run's is the one it resumed from until it saves one (it may save none)
+    checkpoint = str((resume.checkpoint_dir / resume.checkpoint).absolute()) if resume and resume.checkpoint else None
     tool_calls: dict[int, list[dict[str, Any]]] = {}  # step -> the tool calls its rollout and evaluation made
     saved_at = time.monotonic()  # train.checkpoint_every_s counts from here
     stop = GracefulStop(on_first=lambda what: display.status(stopping_said(what)), event=stop_event)
     if stop.requested:  # asked before the first step (in on_step(0), or while the stages started): none runs
-        return RunResult(tracker.run_id, before, after, None, stopped=True, last_step=done)
+        return RunResult(tracker.run_id, before, after, checkpoint, stopped=True, last_step=done)
     saved_step = done  # the step of the newest checkpoint (a resumed run's: the one it resumed from)
     replays = bool(d.replay.run) and d.replay.on_miss == "fail"
     with stop:
