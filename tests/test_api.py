@@ -405,6 +405,40 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
         assert note in capsys.readouterr().err
 
 
+def test_on_step_raising_at_the_last_step_says_the_run_finished(monkeypatch):
+    """Raised at the last step, on_step stops nothing: the run ends FINISHED with every step done. The note said
+    `resume=` continues it, which a resume then refused (nothing to resume). The driver's loop over the fakes of
+    tests/test_driver_loop.py (no Ray); a raise mid-run still stops the run KILLED, saved, resumable."""
+    import factory.runtime.driver as driver
+    from tests import test_driver_loop as loop
+
+    results = []
+
+    def fake_run(plan, found, *, started_at, on_step, stop):
+        steps = plan.driver.train.steps
+        results.append(loop.run_loop(monkeypatch, loop.World(), [f"train.steps={steps}"], on_step=on_step,
+                                     stop_event=stop))
+        return results[-1]
+
+    def raise_at(at):
+        def on_step(step, metrics):
+            if step == at:
+                raise ValueError("my callback")
+        return on_step
+
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.chdir(REPO)
+    checkpoint = str(REPO / "step_x")  # the fakes' checkpoint folder
+    for steps, at, status, note in [
+        (2, 2, "FINISHED", f"the run had finished every step (all 2, FINISHED), the last saved in {checkpoint}"),
+        (3, 2, "KILLED", "the run stopped after step 2, saved: factory.run(..., resume='r') continues it")]:
+        with pytest.raises(ValueError) as caught:
+            factory.run(factory.compile(TINY, [f"train.steps={steps}"]), on_step=raise_at(at))
+        assert (results[-1].status, results[-1].last_step) == (status, 2)
+        if sys.version_info >= (3, 11):
+            assert caught.value.__notes__ == [f"factory.run: on_step raised this at step 2; {note}"]
+
+
 def test_runs_with_no_room_for_a_run_is_a_value_error():
     """MLflow's own error named its max_results."""
     for limit in (0, -1, 2.5, True):

@@ -110,9 +110,14 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     result = run_plan(plan, found, started_at=started_at, on_step=heard, stop=either)
     if raised:
         step, e = raised[0]
-        note = (f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
-                + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
-                   else " with nothing trained"))
+        if result.status == "FINISHED":  # raised at the last step: there was no step left to stop, nor to resume
+            note = (f"factory.run: on_step raised this at step {step}; the run had finished every step (all "
+                    f"{result.last_step}, FINISHED)"
+                    + (f", the last saved in {result.checkpoint}" if result.checkpoint else ""))
+        else:
+            note = (f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
+                    + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
+                       else " with nothing trained"))
         if hasattr(e, "add_note"):  # Python 3.11+
             e.add_note(note)
         else:
