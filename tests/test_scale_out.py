@@ -34,6 +34,36 @@ def test_a_join_that_fails_says_how_to_join_a_cluster_with_token_authentication(
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
 
 
+def test_the_auth_variables_a_run_set_are_put_back_when_its_ray_stops(monkeypatch, tmp_path):
+    """RAY_AUTH_MODE/RAY_AUTH_TOKEN, set for a local Ray (a fresh token) or a cluster join (auth off), stayed in
+    the process's environment: in one notebook a local run after a cluster join started its Ray with no token,
+    two local runs shared one, and a join after a local run sent that run's token. ray.init is a recorder here."""
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    seen = []
+    monkeypatch.setattr(driver.ray, "init", lambda *a, **k: seen.append((os.environ.get("RAY_AUTH_MODE"),
+                                                                         os.environ.get("RAY_AUTH_TOKEN"))))
+    monkeypatch.setattr(driver.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(driver, "check_ray_on_loopback", lambda: None)
+    monkeypatch.setattr(driver, "private_dir", lambda: tmp_path)
+    local = ClusterSettings(ray_address=None, object_store_gb=1.0)
+    cluster = ClusterSettings(ray_address="ray://192.0.2.2:10001", object_store_gb=1.0)
+    for settings in (cluster, local, local, cluster):
+        driver._start_ray(settings)
+        driver.stop_ray()
+        assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ  # as before the run
+    modes, tokens = zip(*seen)
+    assert modes == ("disabled", "token", "token", "disabled")
+    assert tokens[0] is None and tokens[3] is None and tokens[1] and tokens[2] and tokens[1] != tokens[2]
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's own: used, and left as it is
+    driver._start_ray(local)
+    driver.stop_ray()
+    assert seen[-1] == ("disabled", None) and os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
 def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monkeypatch):
     """It said 'internal error: RuntimeError' and exited 1."""
     import ray

@@ -164,8 +164,6 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         from factory.runtime.lifecycle import local_ray_on_loopback
 
         local_ray_on_loopback(plan.driver.resources.ray_address)  # before ray is imported
-        import ray
-
         from factory.runtime.driver import place, start_ray
 
         start_ray(plan.driver.resources)
@@ -175,10 +173,10 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         scored = asyncio.run(_score_all(plan, batches, {name: g.actors[0] for name, g in groups.items()}))
     finally:
         if judges:
-            from factory.runtime.driver import teardown
+            from factory.runtime.driver import stop_ray, teardown
 
             teardown(groups)
-            ray.shutdown()
+            stop_ray()
 
     metrics: dict[tuple[str, int], dict[str, float]] = {}
     for (split, step), m in scored.items():

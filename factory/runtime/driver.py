@@ -133,6 +133,53 @@ def _no_sigterm_handler_note(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("SIGTERM handler is not set")
 
 
+# The Ray auth variables _start_ray set in this process's environment: key -> (what was there before, None when
+# unset; the value set). stop_ray puts them back, so that a later run in the same process (a notebook's, a script
+# calling factory.run twice) starts its local Ray with a fresh token, and a cluster join sends none of ours.
+_AUTH_SET: dict[str, tuple[str | None, str]] = {}
+
+
+def _set_auth_env(**values: str) -> None:
+    for key, value in values.items():
+        _AUTH_SET[key] = (_AUTH_SET[key][0] if key in _AUTH_SET else os.environ.get(key), value)
+        os.environ[key] = value
+    _reload_ray_auth()
+
+
+def _reload_ray_auth() -> None:
+    """Ray read its config (the auth mode, the token) when it was imported: have this process read them again,
+    as ray's own token set-up does, or its GCS client would knock with the environment's old token (or none)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _restore_auth_env() -> None:
+    """The auth variables _start_ray set back as they were (each only while it still holds the value set)."""
+    changed = False
+    for key, (before, value) in _AUTH_SET.items():
+        if os.environ.get(key) != value:
+            continue  # changed since by someone else: theirs
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+        changed = True
+    _AUTH_SET.clear()
+    if changed:
+        _reload_ray_auth()
+
+
+def stop_ray() -> None:
+    """ray.shutdown, and the auth variables the run's _start_ray set in this process's environment back as they
+    were."""
+    try:
+        ray.shutdown()
+    finally:
+        _restore_auth_env()
+
+
 def _start_ray(cluster: ClusterSettings) -> None:
     """Join the cluster the compiler chose (resources.ray_address, else $RAY_ADDRESS), else start a small
     local Ray of our own.
@@ -145,22 +192,18 @@ def _start_ray(cluster: ClusterSettings) -> None:
     # factory.run from a thread (a notebook's, docs/python.md): ray.init says it set no SIGTERM handler there, which
     # asks nothing of the user (the run's stop is the caller's `stop` event, and Ctrl-C the main thread's)
     logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_note)
+    _restore_auth_env()  # an earlier run's, should it have ended without stop_ray
     address = cluster.ray_address
     if address:  # a cluster's own settings (its token, if it has one) decide
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if "RAY_AUTH_MODE" not in os.environ:
+            _set_auth_env(RAY_AUTH_MODE="disabled")
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": _STAGE_ENV})
         return
     check_ray_on_loopback()
     temp = private_dir() / "ray"
     prune_ray_sessions(temp)  # what earlier runs' Ray left there (Ray keeps every session's folder)
     if "RAY_AUTH_MODE" not in os.environ:
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        # Ray read its config (the auth mode, the token) when it was imported: have this process read them
-        # again, as ray's own token set-up does, or its GCS client would knock without the token.
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        _set_auth_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     # The Ray processes inherit this environment: a job-level runtime_env would make every stage actor
     # wait for a worker started for that env (setup_worker.py, through Ray's runtime-env agent) while the
     # workers Ray starts ahead of time for plain tasks sit idle -- two more Python start-ups per run.
@@ -1045,7 +1088,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
         try:
             start_ray(plan.driver.resources)
         except BaseException:  # a Ctrl-C heard while Ray started (children_ignore_sigint): it stops at once
-            ray.shutdown()
+            stop_ray()
             raise
         startup.lap("ray")
         record = SessionRecord()
@@ -1063,7 +1106,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
                 raise lost_error(e) from e
         finally:
             teardown(groups)
-            ray.shutdown()
+            stop_ray()
             record.close()
 
 
