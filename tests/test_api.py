@@ -5,6 +5,7 @@ evaluation, and `factory diff` comparing the two."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
 import threading
@@ -437,6 +438,31 @@ def test_on_step_raising_at_the_last_step_says_the_run_finished(monkeypatch):
         assert (results[-1].status, results[-1].last_step) == (status, 2)
         if sys.version_info >= (3, 11):
             assert caught.value.__notes__ == [f"factory.run: on_step raised this at step 2; {note}"]
+
+
+def test_run_and_evaluate_refuse_at_once_where_the_caller_has_an_mlflow_run_active(monkeypatch, tmp_path):
+    """A notebook's own `mlflow.start_run()` left open: factory.run failed after ~40 s, Ray and every stage
+    started, at the tracker's start_run ("Run with UUID ... is already active"). Said before anything starts."""
+    import mlflow
+
+    import factory.runtime.driver as driver
+
+    monkeypatch.setattr(driver, "run", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.chdir(REPO)
+    before = os.environ.get("MLFLOW_TRACKING_URI")  # (set_tracking_uri mirrors itself there)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mine.db")
+    try:
+        with mlflow.start_run() as mine:
+            for call, what in [(lambda: factory.run(TINY), "factory.run"),
+                               (lambda: factory.evaluate(TINY), "factory.evaluate")]:
+                with pytest.raises(RuntimeError) as e:
+                    call()
+                assert str(e.value) == (
+                    f"{what}: an MLflow run of yours is active in this thread (run {mine.info.run_id}), and Factory "
+                    f"records its own run in its own store: end yours first (mlflow.end_run()), or call {what} "
+                    "outside its `with mlflow.start_run():` block")
+    finally:
+        mlflow.set_tracking_uri(before)  # (None: unset, as MLflow's own _use_tracking_uri puts one back)
 
 
 def test_runs_with_no_room_for_a_run_is_a_value_error():

@@ -73,6 +73,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     continue a killed or stopped run (its id, id prefix or name; "" for the newest unfinished run of this
     spec) from its newest checkpoint."""
     _check_run_arguments(on_step, stop, resume)
+    _check_no_mlflow_run("factory.run")
     if allow_spec_change and resume is None:  # (it allows nothing then: the command refuses it too)
         raise TypeError("allow_spec_change goes with resume: a run to continue under the changed spec")
     if not isinstance(plan, Plan):
@@ -138,6 +139,22 @@ class _Either:
 
     def set(self) -> None:
         self.mine.set()
+
+
+def _check_no_mlflow_run(what: str) -> None:
+    """Refuse, before anything starts, to run where the caller has an MLflow run active in this thread (a
+    notebook's `mlflow.start_run()`): the tracker writes its run with MLflow's fluent API, which holds one active
+    run per thread, and failed at its start_run once Ray and every stage had started (~40 s). Refused rather
+    than nested: a nested run would be the child of a run in another store (the spec's `tracking.uri`), and
+    setting the caller's run aside would reach into MLflow's private run stack."""
+    if "mlflow" not in sys.modules:  # never imported: no run of the caller's can be active
+        return
+    import mlflow
+
+    if (active := mlflow.active_run()) is not None:
+        raise RuntimeError(f"{what}: an MLflow run of yours is active in this thread (run {active.info.run_id}), and "
+                           f"Factory records its own run in its own store: end yours first (mlflow.end_run()), or "
+                           f"call {what} outside its `with mlflow.start_run():` block")
 
 
 def _check_run_arguments(on_step: Any, stop: Any, resume: Any) -> None:
@@ -206,6 +223,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     LoRA adapters (a LoRA run's checkpoint, a peft folder) are added beside the spec's model, as the run's
     weight syncs added them, when the spec's `model.lora` fits them; otherwise merged into their base first.
     `started_at` (epoch seconds): when the command started, for the run's duration (default now)."""
+    _check_no_mlflow_run("factory.evaluate")
     overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
     # a spec with nothing to evaluate is said before the model is found (a LoRA checkpoint's merge takes minutes
     # for a large model); one with mistakes is compiled below, which says them all, loading's and compiling's
