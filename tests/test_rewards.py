@@ -45,6 +45,14 @@ def test_numeric_match():
     assert numeric_match("q", "<answer>x</answer>", answer="7") == 0.0
 
 
+def test_numeric_match_reads_a_leading_dot_and_a_ground_truth_with_separators():
+    assert numeric_match("q", "<answer>.5</answer>", answer="0.5") == 1.0  # was read as 5
+    assert numeric_match("q", "<answer>.5</answer>", answer="5") == 0.0
+    assert numeric_match("q", "<answer>-.25</answer>", answer="-0.25") == 1.0
+    assert numeric_match("q", "<answer>1,234</answer>", answer="1,234") == 1.0  # the target's commas too
+    assert numeric_match("q", "<answer>1234</answer>", answer=1234.0) == 1.0
+
+
 def test_exact_match_ignores_case_and_space():
     assert exact_match("q", "<answer> Paris </answer>", answer="paris") == 1.0
     assert exact_match("q", "<answer>Lyon</answer>", answer="paris") == 0.0

@@ -17,7 +17,7 @@ from factory.util import without_reasoning
 # The final answer is what the model puts in <answer>...</answer>; without the tag, nothing is graded, so a
 # model cannot score by rambling numbers.
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # ".5" is 0.5, not 5
 
 
 def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str | None:
@@ -43,7 +43,10 @@ def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn]
 
 def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6,
                   turns: Sequence[Turn] | None = None, **_: object) -> float:
-    """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol."""
+    """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol.
+
+    Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
+    """
     got = extract_answer(completion, turns)
     if got is None:
         return 0.0
@@ -51,7 +54,7 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     if found is None:
         return 0.0
     try:
-        value, target = float(found.group()), float(answer)
+        value, target = float(found.group()), float(str(answer).replace(",", ""))
     except ValueError:
         return 0.0
     return float(abs(value - target) <= rel_tol * max(1.0, abs(target)))
