@@ -299,7 +299,8 @@ class JudgeNode(_Leaf):
     sent only to an https URL or one on loopback (127.0.0.1, ::1, localhost), never over plain http to
     another host. Give `endpoint` or `local`."""
     model: str | None = None
-    """The model name sent to `endpoint`."""
+    """The model name sent to `endpoint`. Unset: the request names no model, which a server serving one
+    (vLLM, SGLang) answers with that one; a server of several needs it."""
     local: LocalJudge | None = None
     """A judge model that Factory runs itself, as its own Ray actor."""
     parse: str = r"(?i)score\s*[:=]\s*(-?(?:\d+(?:\.\d+)?|\.\d+))"

@@ -58,7 +58,7 @@ class Handler(BaseHTTPRequestHandler):
             seen = STATS["by_marker"][marker] = STATS["by_marker"].get(marker, 0) + 1
             STATS["inflight"] += 1
             STATS["peak"] = max(STATS["peak"], STATS["inflight"])
-            STATS["bodies"].append({k: body[k] for k in ("model", "temperature", "max_tokens")})
+            STATS["bodies"].append({k: body[k] for k in ("model", "temperature", "max_tokens") if k in body})
             STATS["roles"].append([m["role"] for m in body["messages"]])
             STATS["times"].setdefault(marker, []).append(time.monotonic() - T0)
             STATS["auth"].append("Authorization" in self.headers)

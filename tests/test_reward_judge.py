@@ -71,8 +71,10 @@ def test_endpoint_judge_behind_a_gate_counts_every_failure(judge_server, tmp_pat
     # the gated judge: 6 trajectories + 1 retry of [fail] + 1 retry of [flaky]; the JSON judge: 7 + 2 retries
     assert seen["by_marker"] == {"good": 3, "bad": 2, "garble": 2, "fail": 4, "flaky": 3, "json": 2}
     assert 2 <= seen["peak"] <= 4  # two judge nodes, each with at most `concurrency: 2` requests in flight
-    body = next(b for b in seen["bodies"] if b["model"] == "grader")
+    body = next(b for b in seen["bodies"] if b.get("model") == "grader")
     assert body == {"model": "grader", "temperature": 0.0, "max_tokens": 32}
+    # the JSON judge names no model: the body has none (not "default", which vLLM answers 404)
+    assert {"temperature": 0.0, "max_tokens": 256} in seen["bodies"]
 
 
 def test_a_judge_nodes_concurrency_bounds_concurrent_score_calls(judge_server, tmp_path):

@@ -56,8 +56,9 @@ class EndpointSession:
         await self._client.aclose()
 
     async def reply(self, messages: list[dict[str, str]]) -> str:
-        body = {"model": self.node.model or "default", "temperature": 0.0, "max_tokens": self.node.max_tokens,
-                "messages": messages}
+        body: dict[str, Any] = {"temperature": 0.0, "max_tokens": self.node.max_tokens, "messages": messages}
+        if self.node.model:  # unset: no name at all, which a server of one model answers (vLLM 404s "default")
+            body["model"] = self.node.model
         async with self._slots:
             try:
                 resp = await request(self._client, "POST", self.url, body=body, retries=self.node.retries,
