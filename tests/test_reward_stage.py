@@ -548,6 +548,17 @@ def test_a_function_gets_only_the_row_columns_it_names():
     assert m["rewards/plain/errors"] == m["rewards/named/errors"] == m["rewards/all/errors"] == 0.0
 
 
+def test_a_group_reward_gets_only_the_members_scored():
+    """A member never generated from (its prompt fills the context) was passed to the group function, whose
+    ranks then counted its empty completion: the two below got 2 and 1 instead of 1 and 0."""
+    import dataclasses
+
+    spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True}, "total": {"sum": {"rank": 1.0}}})
+    long = dataclasses.replace(traj("", sample_index=2), stop_reason="prompt_too_long")
+    trajs, _ = score(spec, [traj("aaaa", sample_index=0), traj("aa", sample_index=1), long])
+    assert [t.rewards["rank"] for t in trajs] == [1.0, 0.0, None] and trajs[2].reward == 0.0
+
+
 def test_group_reward_gets_each_group():
     call = Turn(text="", num_tokens=1, calls=[ToolCall(name="add", arguments={}, raw="")])
     spec = make_spec({"rank": {"fn": f"{FNS}:group_rank", "group": True},

@@ -389,7 +389,8 @@ class _Evaluation:
 
     async def _group_fn(self, name: str, pid: int) -> dict[int, _Outcome]:
         fn, wants_turns, _ = self.s._fns[name]
-        members = self.groups[pid]
+        # the members scored, as a normalize's population: one never generated from has no completion to rank
+        members = [i for i in self.groups[pid] if i in self.scored]
         group = [self.trajs[i] for i in members]
         kwargs = {"turns": [t.turns for t in group]} if wants_turns else {}
         try:
