@@ -632,6 +632,15 @@ def test_an_integer_too_large_for_a_float_is_a_non_finite_value(fn, group):
     assert m["rewards/x/non_finite"] == 1.0 and trajs[0].rewards["x"] == 1.0
 
 
+def test_a_group_value_whose_float_raises_is_that_member_s_failure_not_the_run_s():
+    """float() of a group reward's value raising RuntimeError (not TypeError/ValueError) escaped score()."""
+    spec = make_spec({"g": {"fn": f"{FNS}:group_lazy", "group": True}, "total": {"sum": {"g": 1.0}}})
+    trajs, m = score(spec, [traj("lazy"), traj("ok", 0, 1)])
+    assert trajs[0].reward_details["g"] == {"status": "error",
+                                            "error": "RuntimeError: lazy score could not be evaluated"}
+    assert m["rewards/g/errors"] == 1.0 and trajs[1].rewards["g"] == 1.0
+
+
 def test_a_node_that_fails_on_every_trajectory_of_a_step_is_named_once_a_run():
     """A reward function raising on every call ran a whole run with one reward-stage line a step, "no value for 1
     of 1 trajectories" when they are scored one at a time, and read as a model that learned nothing."""

@@ -221,6 +221,8 @@ def _outcome(value: Any) -> _Outcome:
         return _Outcome(None, "non_finite", {"error": f"the value is not finite: {said}"})
     except (TypeError, ValueError):
         return _Outcome(None, "error", {"error": f"returned {str(value)[:40]!r}, not a number"})
+    except Exception as e:  # a value whose float() raises of its own (a lazily evaluated score): its failure
+        return _failed(e)
     return _Outcome(number)
 
 
@@ -398,9 +400,9 @@ class _Evaluation:
                                        [t.completion for t in group], [t.row for t in group], **kwargs)
             if len(values) != len(group):
                 raise ValueError(f"group reward returned {len(values)} values for {len(group)} completions")
+            return {i: _outcome(v) for i, v in zip(members, values)}  # (iterating them may raise too)
         except Exception as e:
             return {i: _failed(e) for i in members}
-        return {i: _outcome(v) for i, v in zip(members, values)}
 
     def _context(self, i: int, k: int | None) -> dict[str, Any]:
         """What a judge's template and a tool's arguments are rendered with: the row, `prompt`, `completion`
