@@ -621,6 +621,16 @@ def test_a_reward_function_past_its_timeout_has_no_value_and_scoring_goes_on():
     assert m["rewards/slow/errors"] == 2.0 and [t.reward for t in trajs] == [2.0, 3.0]
 
 
+@pytest.mark.parametrize("timeout_s", [60, None])
+def test_a_function_s_own_timeouterror_is_not_said_to_be_past_timeout_s(timeout_s):
+    """A TimeoutError the function raised at once (socket.timeout) was said to be "took longer than timeout_s";
+    with timeout_s null, writing that message raised TypeError."""
+    spec = make_spec({"own": {"fn": f"{FNS}:own_timeout", "timeout_s": timeout_s}, "total": {"sum": {"own": 1.0}}})
+    trajs, m = score(spec, [traj("a")])
+    assert trajs[0].reward_details["own"] == {"status": "error", "error": "TimeoutError: the checker's own deadline"}
+    assert m["rewards/own/errors"] == 1.0
+
+
 @pytest.mark.parametrize("fn,group", [("group_overflow", True), ("overflow_for_big", False)])
 def test_an_integer_too_large_for_a_float_is_a_non_finite_value(fn, group):
     """float(10**400) raises OverflowError, which a group reward's values let escape the stage (a traceback

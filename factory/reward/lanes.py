@@ -82,9 +82,10 @@ class Lane:
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout_s)
         except BaseException as e:  # past its timeout, or this call cancelled (a `fail` node ended the scoring)
-            if not done.done():  # its thread runs on, holding its place until it ends
-                late = True
-                self.places.abandon()
+            if done.done():  # what the function raised of its own (a socket.timeout too): not the wait's
+                raise
+            late = True  # its thread runs on, holding its place until it ends
+            self.places.abandon()
             if isinstance(e, TIMEOUTS):
                 raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
             raise
