@@ -98,13 +98,16 @@ class Trajectory:
     def num_tool_calls(self) -> int:
         return sum(len(t.calls) for t in self.turns)
 
-    def statuses(self, node: str) -> list[str]:
-        """What happened to reward node `node` here: one status per turn for a per-turn node whose details say
-        turn by turn, else one (`ok` when nothing was recorded)."""
+    def node_details(self, node: str) -> list[dict[str, Any]]:
+        """Reward node `node`'s details here: one per turn for a per-turn node whose details say turn by turn,
+        else one (`{}` when nothing was recorded)."""
         detail = self.reward_details.get(node, {})
-        if "turns" in detail:
-            return [d.get("status", "ok") for d in detail["turns"]]
-        return [detail.get("status", "ok")]
+        return detail["turns"] if "turns" in detail else [detail]
+
+    def statuses(self, node: str) -> list[str]:
+        """What happened to reward node `node` here: one status per `node_details` entry (`ok` when nothing was
+        recorded)."""
+        return [d.get("status", "ok") for d in self.node_details(node)]
 
     @property
     def num_model_tokens(self) -> int:

@@ -117,6 +117,9 @@ def test_a_judge_template_may_render_chat_messages(judge_server, tmp_path):
     assert sorted(stats()["roles"]) == [["system", "user", "assistant", "user"]] * 2 + [["user"]]
     assert m["rewards/broken/errors"] == 2.0 and stats()["requests"] == 3
     assert trajs[0].reward_details["broken"]["error"].startswith("judge template: ValueError: rendered invalid JSON")
+    # `/calls` counts the requests sent: the two templates that did not render sent none (it said 2 and 2)
+    assert (m["rewards/judge/calls"], m["rewards/broken/calls"], m["rewards/null/calls"]) == (2.0, 0.0, 1.0)
+    assert trajs[0].reward_details["broken"]["sent"] is False
 
 
 def test_judge_messages_reads_a_message_list_or_wraps_text():

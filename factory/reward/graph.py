@@ -314,9 +314,9 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     `rewards/<node>/mean` over kept trajectories where the node has a value (a per-turn node's value: the
     mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
     `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
-    inf or NaN, taken as none); for judges `/calls` (requests
-    made); for nodes a gate may leave out `/skipped` (not evaluated) and `/values` (the kept trajectories
-    its mean is over); `reward/mean` over kept trajectories;
+    inf or NaN, taken as none); for judges `/calls` (requests made: not where a gate skipped it, nor where
+    its template did not render); for nodes a gate may leave out `/skipped` (not evaluated) and `/values` (the
+    kept trajectories its mean is over); `reward/mean` over kept trajectories;
     `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
     its `/turns/mean` is the mean over every turn of the kept trajectories that has a value, `/turns` how
     many such turns there are."""
@@ -337,7 +337,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
             out[f"rewards/{name}/errors"] = float(status.count("error"))
             out[f"rewards/{name}/parse_failures"] = float(status.count("parse_failure"))
         if isinstance(node, JudgeNode):
-            out[f"rewards/{name}/calls"] = float(sum(s != "skipped" for s in status))
+            out[f"rewards/{name}/calls"] = float(sum(d.get("status") != "skipped" and d.get("sent", True)
+                                                     for t in trajs for d in t.node_details(name)))
         if name in gated:
             out[f"rewards/{name}/skipped"] = float(status.count("skipped"))
             # what its mean is over (a gate may leave it out of some kept trajectories): a step scored in

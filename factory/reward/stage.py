@@ -417,7 +417,8 @@ class _Evaluation:
         try:
             messages = messages_from_text(self.s._templates[name].render(self._context(i, k)))
         except Exception as e:  # a template that reads a column the row lacks, or renders a broken message list
-            return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}"})
+            # (`sent: false`: no request was made, which `rewards/<node>/calls` does not count)
+            return _Outcome(None, "error", {"error": f"judge template: {type(e).__name__}: {e}", "sent": False})
         try:
             reply = await self.s._judges[name].reply(messages)
         except Exception as e:
