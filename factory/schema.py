@@ -303,7 +303,7 @@ class JudgeNode(_Leaf):
     (vLLM, SGLang) answers with that one; a server of several needs it."""
     local: LocalJudge | None = None
     """A judge model that Factory runs itself, as its own Ray actor."""
-    parse: str = r"(?i)score\s*[:=]\s*(-?(?:\d+(?:\.\d+)?|\.\d+))"
+    parse: str = r"(?i)score[*_\s]*[:=][*_\s]*(-?(?:\d+(?:\.\d+)?|\.\d+))"
     """A regex searched in the reply; its first group (or whole match) is the score. A reply it does not
     match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record. The
     judge's reasoning (`<think>...</think>`, a block left open) is left out first: a draft verdict is not one

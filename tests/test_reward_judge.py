@@ -142,6 +142,8 @@ def test_a_judge_reply_is_read_as_written_after_its_reasoning():
     node = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1")
     assert [parse_score(r, node) for r in ("Score: 1.", "score: 0.8.", "Score = 1.0.", "score: -1", "Score: .5")] == [
         1.0, 0.8, 1.0, -1.0, 0.5]
+    # markdown bold, as chat models write a verdict (each was a parse failure)
+    assert [parse_score(r, node) for r in ("Right.\n**Score:** 1", "**Score**: 0", "__score__ = .5")] == [1.0, 0.0, 0.5]
     strict = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1", parse=r"score\s*:\s*([01])")
     assert parse_score("<think>I would write score: 1, but Lyon is not Paris.</think> score: 0", strict) == 0.0
     with pytest.raises(ValueError, match="does not match"):
