@@ -24,6 +24,7 @@ from pydantic import (
 # A project's name (`factory init NAME`): a folder and a spec's name, so nothing a shell must quote.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 NAME_RULE = "use letters, digits, '-', '_' and '.', starting with a letter or digit"
+FLOAT32_MAX = 3.4028234663852886e38  # the largest reward the update (advantages in float32) can hold
 # A spec's name becomes one folder (`runs/${name}`): no separator, no control character, no leading '.'
 # (`..`) or '-'. Sweep names such as `qwen-lr=1e-5` or `a+b@2` stay usable.
 SPEC_NAME = r"^[^./\\\x00-\x1f-][^/\\\x00-\x1f]*$"
@@ -389,7 +390,15 @@ class GateNode(Section):
     threshold: float = 1.0
     """The condition passes where its value is at least this."""
     otherwise: float = 0.0
-    """This node's value where the condition does not pass (`then` is not evaluated there)."""
+    """This node's value where the condition does not pass (`then` is not evaluated there); within float32's
+    range, the dtype the update computes advantages in."""
+
+    @field_validator("otherwise")
+    @classmethod
+    def _a_float32(cls, v: float) -> float:
+        if abs(v) > FLOAT32_MAX:  # it would be an infinite reward in the update
+            raise ValueError(f"{v:g} is beyond float32's range (+-{FLOAT32_MAX:.4g}), the update's dtype")
+        return v
 
     def inputs(self) -> list[tuple[str, str]]:
         return [(self.gate, "gate"), (self.then, "then")]

@@ -880,6 +880,7 @@ def test_new_node_settings_are_validated(project):
   j: {llm_judge: prompts/judge.jinja, endpoint: "http://127.0.0.1:1/v1", json_field: score, parse: "(\\\\d)"}
   k: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3"}, model: big}
   l: {llm_judge: prompts/judge.jinja, local: {path: "factory:tiny-qwen3"}, retries: 3}
+  g: {gate: correct, then: correct, otherwise: 1e39}
 """)
     assert _errors(path) == (
         "spec.yaml:9: rewards.c1: give `lower`, `upper` or both\n"
@@ -891,7 +892,9 @@ def test_new_node_settings_are_validated(project):
         "spec.yaml:15: rewards.k: `model` names the endpoint's model; a local judge's model is `local.path`\n"
         "spec.yaml:16: rewards.l: `retries` retries an endpoint's failed requests; a local judge's batches are not "
         "retried (a failed one is each trajectory's error, as `on_missing` says)\n"
-        "8 errors in spec.yaml")
+        # a gate's `otherwise` past float32 was an infinite reward in the update
+        "spec.yaml:17: rewards.g.otherwise: 1e+39 is beyond float32's range (+-3.403e+38), the update's dtype\n"
+        "9 errors in spec.yaml")
 
 
 def test_judge_endpoints_models_and_patterns_are_checked(project):

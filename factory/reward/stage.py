@@ -41,7 +41,7 @@ from factory.reward.graph import (
     turn_mean,
 )
 from factory.reward.lanes import Lane, Processes, awaited
-from factory.schema import FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
+from factory.schema import FLOAT32_MAX, FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
 from factory.util import enter_workdir, import_object, node_id, resolve_file
 
@@ -186,9 +186,6 @@ class RewardStage(StageActor):
         if inspect.iscoroutinefunction(fn):
             return await awaited(call, limit)
         return await self._lanes[name].run(call, limit)
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def usable(value: float) -> bool:
