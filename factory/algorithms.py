@@ -246,7 +246,10 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_cli
     """GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t log(pi/pi_old)), clipped.
     Written per token with the paper's stop-gradient trick (GSPO-token, as verl): log s_i,t =
     sg[log s_i] + logp_t - sg[logp_t] has the value log s_i on every token and the gradient of logp_t,
-    so with seq_mean_token_mean it equals TRL's importance_sampling_level="sequence" in value and grad."""
+    so with seq_mean_token_mean it equals TRL's importance_sampling_level="sequence" in value and grad.
+    With a rollout correction (TIS) the weight multiplies each token's term, as for every loss here: the
+    gradient is then s_i A mean_t(w_t d logp_t), where TRL's sequence level gives (mean_t w_t) s_i A
+    mean_t(d logp_t) -- the same value, another gradient (a review's check, 2026-12-07)."""
     lr = _log_ratio(logp, old_logp, mask)  # [N, T]
     m = mask.to(lr.dtype)
     seq_lr = (lr * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [N]
