@@ -275,7 +275,7 @@ class Lockstep:
         from factory.rollout.agent import call_tool
         from factory.rollout.engine import request_seed
         from factory.rollout.parse import parse_tool_calls
-        from factory.types import Turn
+        from factory.types import ToolResult, Turn
 
         chat, cfg, engine = self.chat, self.cfg, self.engine
         seeds = {id(t): seed for t, seed in zip(self.trajs, self.seeds)}
@@ -300,8 +300,13 @@ class Lockstep:
                 t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=calls))
                 if not t.turns[-1].calls:
                     t.stop_reason = "no_call" if gen.finished else "budget"
-                elif turn_no < cfg.max_turns - 1:
-                    calling.append((t, gen))
+                elif turn_no < cfg.max_turns - 1:  # (the last turn's calls are recorded, not run)
+                    ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
+                    shortest = chat.tool_delta_ids([ToolResult(c.name, "") for c in calls], ended_with_eot)
+                    if len(t.response_ids) + len(shortest) >= cfg.max_total_tokens:  # not even empty answers fit
+                        t.stop_reason, t.truncated = "budget", True
+                    else:
+                        calling.append((t, gen))
             calls = [c for t, _ in calling for c in t.turns[-1].calls]
             if one_by_one:
                 results = [await call_tool(self.toolbox, c) for c in calls]
@@ -313,7 +318,7 @@ class Lockstep:
                 turn.results, results = results[: len(turn.calls)], results[len(turn.calls):]
                 delta = chat.tool_delta_ids(turn.results, gen.finished and gen.ids[-1] == chat.end_of_turn_id)
                 if len(t.response_ids) + len(delta) >= cfg.max_total_tokens:
-                    t.stop_reason = "budget"
+                    t.stop_reason, t.truncated = "budget", True
                     continue
                 t.response_ids += delta
                 t.loss_mask += [0] * len(delta)

@@ -46,6 +46,27 @@ def test_lockstep_baselines_build_the_agent_loops_trajectories(tokenizer, script
     assert [_record(t) for t in theirs] == [_record(t) for t in ours]
 
 
+@pytest.mark.parametrize("room", [0, 1])
+def test_lockstep_baselines_leave_unrun_the_calls_no_answer_could_fit(tokenizer, room):  # noqa: F811
+    """As the agent loop: a turn that leaves no room for even empty answers ends (budget) with its calls not run
+    (room 0); with room for one token more they run (here their answer does not fit: budget, after the call)."""
+    from factory.types import ToolResult
+
+    chat = ChatFormat(tokenizer)
+    script = [(call("flaky", a=1, b=1), True), ("20", True)]
+    first = len(chat.encode(call("flaky", a=1, b=1))) + 1
+    shortest = len(chat.tool_delta_ids([ToolResult("flaky", "")], True))
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + shortest + room)
+    prompts = [(PROMPT, {"answer": "20"})]
+    ours = asyncio.run(rollout(ScriptedEngine(chat, script), chat, FakeToolBox(), prompts, group_size=1, cfg=cfg,
+                               sampling=sampling_from_spec(cfg)))
+    for one_by_one in (False, True):
+        lockstep = Lockstep(ScriptedEngine(chat, script), chat, FakeToolBox(), cfg, prompts, 1)
+        theirs = asyncio.run(lockstep.run(one_by_one))
+        assert [_record(t) for t in theirs] == [_record(t) for t in ours]
+    assert (ours[0].stop_reason, ours[0].truncated, ours[0].infra_error) == ("budget", True, room == 1)
+
+
 class Calculator:
     """The calculator's `calculate`, in-process (the real MCP server is bench/agentic.py's own)."""
 

@@ -181,6 +181,27 @@ def test_stop_budget_when_the_tool_delta_does_not_fit(chat):
         assert traj.turns[0].results[0].text == "5" and len(engine.requests) == 1
 
 
+def test_calls_whose_answers_could_not_fit_even_empty_are_not_run(chat):
+    """A turn that leaves no room for even empty answers ends the episode (budget) before its calls run: they ran,
+    their results thrown away by the budget, and a failing one (flaky: an infra_error) marked the trajectory, dropped
+    under drop_infra_errors, though the model never read it. By the budget, or by the model's context."""
+    first = len(chat.encode(call("flaky", a=1, b=2))) + 1
+    shortest = len(chat.tool_delta_ids([ToolResult("flaky", "")], True))
+    prompt = len(chat.prompt_ids(PROMPT, TOOLS))
+    by_budget = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + shortest)
+    for cfg, context in ((by_budget, None), (None, prompt + first + shortest)):
+        box = FakeToolBox()
+        engine = ScriptedEngine(chat, [(call("flaky", a=1, b=2), True), ("20", True)])
+        traj = run(engine, chat, box, cfg, context=context)
+        assert (traj.stop_reason, traj.truncated, traj.infra_error, len(traj.response_ids)) == (
+            "budget", True, False, first), context
+        assert box.calls == [] and traj.turns[0].results == [] and len(traj.turns[0].calls) == 1
+    box = FakeToolBox()  # one token more: an answer could fit, so the call runs
+    run(ScriptedEngine(chat, [(call("flaky", a=1, b=2), True), ("20", True)]), chat, box,
+        RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=first + shortest + 1))
+    assert len(box.calls) == 1
+
+
 def test_turn_limits_shrink_to_the_remaining_budget(chat):
     engine = ScriptedEngine(chat, [(call("add", a=2, b=3), True), ("The answer is twenty, I believe.", True)])
     first = len(chat.encode(call("add", a=2, b=3))) + 1

@@ -44,9 +44,9 @@ def chain_step(prompt: str, completion: str, turn: Turn, index: int, expression:
                turns: Sequence[Turn] = (), **_: object) -> float:
     """1.0 when this turn is a right step of the reference chain (see the module), else 0.0. `completion`
     is this turn's text; `turns` every turn of the episode (the earlier ones say what was already reached).
-    A turn whose calls were not run (the episode's last turn) or failed is not a step. `expression` and
-    `answer` are data columns without a default: a dataset that lacks one is refused before step 1, instead
-    of every turn scoring 0."""
+    A turn whose calls were not run (the episode's last turn, or one that left no room for their answers) or
+    failed is not a step. `expression` and `answer` are data columns without a default: a dataset that lacks
+    one is refused before step 1, instead of every turn scoring 0."""
     if not turn.calls:
         return numeric_match(prompt, completion, answer, turns=[turn])
     if len(turn.results) != len(turn.calls) or any(r.status != "ok" for r in turn.results):

@@ -17,7 +17,8 @@ def tool_call_ok(prompt: str, completion: str, *, turns: Sequence[Turn], tools: 
     """1.0 when the model made at least one call and every call is well formed: its JSON parsed (a `name`
     and object `arguments`, no `parse_error`) and it names a tool the servers offer; 0.0 otherwise. The
     tool's answer says which names exist (an `unknown_tool` result); a call the rollout did not run (one
-    in the last turn) is checked against `tools`, the tool names, when the spec passes them as an arg."""
+    in the last turn, or in a turn that left no room for its answer) is checked against `tools`, the tool
+    names, when the spec passes them as an arg."""
     calls = [c for t in turns for c in t.calls]
     unknown = any(r.error_kind == "unknown_tool" for t in turns for r in t.results)
     misnamed = tools is not None and any(c.name not in tools for c in calls)

@@ -119,6 +119,14 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             break
         if turn_no == cfg.max_turns - 1:
             break  # nothing would read the responses: the calls are recorded, not run
+        ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
+        room = min(cfg.max_total_tokens, context - len(prompt_ids) if context is not None else cfg.max_total_tokens)
+        # Not even the shortest answers (empty ones) would fit: the budget ends the episode whatever the calls say,
+        # so they are recorded, not run (a result nobody reads must not mark the trajectory an infra_error)
+        shortest = chat.tool_delta_ids([ToolResult(tool=c.name, text="") for c in turn.calls], ended_with_eot)
+        if len(response) + len(shortest) >= room:
+            stop = "budget"
+            break
         try:
             turn.results = list(await in_time(asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls))))
             if any(r.error_kind == "episode_timeout" for r in turn.results):
@@ -133,9 +141,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             stop = "timeout"
             break
         turn.ended_at = time.time()
-        ended_with_eot = gen.finished and gen.ids[-1] == chat.end_of_turn_id
         delta = chat.tool_delta_ids(turn.results, turn_ended_with_eos=ended_with_eot)
-        room = min(cfg.max_total_tokens, context - len(prompt_ids) if context is not None else cfg.max_total_tokens)
         if len(response) + len(delta) >= room:  # no room left for the model to answer (the budget or the context)
             stop = "budget"
             break
