@@ -274,7 +274,7 @@ class Lockstep:
         runs out of turns or tokens."""
         from factory.rollout.agent import call_tool
         from factory.rollout.engine import request_seed
-        from factory.rollout.parse import parse_tool_calls
+        from factory.rollout.parse import NEVER_CLOSED, parse_tool_calls
         from factory.types import ToolResult, Turn
 
         chat, cfg, engine = self.chat, self.cfg, self.engine
@@ -297,6 +297,8 @@ class Lockstep:
                 # the turn's text and calls as the agent loop makes them (factory/rollout/agent.py)
                 text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
                 calls = parse_tool_calls(text, opened_before=False)
+                if not gen.finished and calls and calls[-1].parse_error == NEVER_CLOSED:
+                    calls = calls[:-1]  # a call the token limit cut: dropped
                 t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=calls))
                 if not t.turns[-1].calls:
                     t.stop_reason = "no_call" if gen.finished else "budget"

@@ -33,12 +33,14 @@ def _record(t):
     [(call("add", a=2, b=3), True), (call("mul", a=5, b=4) + call("add", a=1, b=1), True), ("<answer>20</answer>", True)],
     [(call("add", a=2, b=3), True), ("<answer>5, I think, or maybe 20</answer>", False)],  # cut by the budget
     [(call("flaky", a=1, b=1), True), (call("add", a=1, b=1), True), (call("add", a=2, b=2), True)],  # max_turns
+    # cut inside a call: dropped, not answered as the model's malformed call; a complete call before it runs
+    [(call("add", a=2, b=3) + call("mul", a=5, b=4)[:30], False), (call("mul", a=5, b=4)[:30], False)],
 ])
 def test_lockstep_baselines_build_the_agent_loops_trajectories(tokenizer, script, one_by_one):  # noqa: F811
     """bench/agentic.py's sequential and synchronous-turn loops produce, turn by turn and token by token,
     the trajectories of Factory's own agent loop (only the schedule differs)."""
     chat = ChatFormat(tokenizer)
-    cfg = RolloutSpec(max_turns=3, max_new_tokens=64 if script[-1][1] else 8, max_total_tokens=512)
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=512)  # (a turn scripted False is cut)
     prompts = [(PROMPT, {"answer": "20"}), (PROMPT[1:], {"answer": "20"})]
     ours = asyncio.run(rollout(ScriptedEngine(chat, script), chat, FakeToolBox(), prompts, group_size=2, cfg=cfg,
                                sampling=sampling_from_spec(cfg)))

@@ -252,13 +252,32 @@ def test_a_cut_turn_with_a_complete_call_continues_and_the_end_of_turn_is_templa
 def test_malformed_and_unknown_calls_are_answered_as_errors_and_the_loop_goes_on(chat):
     bad = '<tool_call>{"name": "add", "arguments": {"a": 2,,}}</tool_call>\n' + call("divide", a=1, b=2)
     box = FakeToolBox()
-    traj = run(ScriptedEngine(chat, [(bad, True), ("<tool_call>{\"name\": \"add\"", False), ("ok", True)]), chat, box)
+    # the second turn's call is never closed, though the model ended its turn: its own malformed call, answered
+    traj = run(ScriptedEngine(chat, [(bad, True), ("<tool_call>{\"name\": \"add\"", True), ("ok", True)]), chat, box)
     first, second, third = traj.turns
     assert [c.parse_error is not None for c in first.calls] == [True, False]
     assert [r.error_kind for r in first.results] == ["parse_error", "unknown_tool"]
     assert second.calls[0].parse_error.startswith("unclosed") and second.results[0].error_kind == "parse_error"
     assert traj.stop_reason == "no_call" and len(traj.turns) == 3 and not traj.infra_error
     assert "Error: unknown tool 'divide'." in traj.completion  # the model reads its errors
+
+
+def test_a_call_the_token_limit_cut_is_dropped_not_answered_as_the_models_malformed_call(chat):
+    """max_new_tokens cut the turn inside its call's JSON: the stub was answered "unclosed <tool_call>" (an error the
+    model did not make) and the episode went on, not truncated (DAPO's overlong filter kept it). The stub is dropped:
+    alone, the turn is a cut one (budget, truncated); after a complete call, that call runs and the episode goes on."""
+    add, mul = call("add", a=2, b=3), call("mul", a=5, b=4)
+    box = FakeToolBox()
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=12, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(add, True), ("5", True)]), chat, box, cfg)
+    assert (traj.stop_reason, traj.truncated, len(traj.turns), traj.turns[0].calls, box.calls) == (
+        "budget", True, 1, [], [])
+    assert len(traj.response_ids) == 12 and traj.turns[0].text == chat.decode(chat.encode(add)[:12])
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=len(chat.encode(add)) + 12, max_total_tokens=1024)
+    traj = run(ScriptedEngine(chat, [(add + mul, True), ("20", True)]), chat, box, cfg)
+    assert [c.name for c in traj.turns[0].calls] == [c.name for c in box.calls] == ["add"]
+    assert [r.text for r in traj.turns[0].results] == ["5"]
+    assert (traj.stop_reason, traj.truncated, len(traj.turns)) == ("no_call", False, 2)
 
 
 def test_a_toolbox_exception_is_an_infra_error_not_a_crash(chat):

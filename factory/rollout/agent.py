@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from factory.rollout.chat import ChatFormat
 from factory.rollout.engine import Engine, Sampling, request_seed
-from factory.rollout.parse import parse_tool_calls
+from factory.rollout.parse import NEVER_CLOSED, parse_tool_calls
 from factory.schema import RolloutSpec
 from factory.types import StopReason, ToolCall, ToolResult, Trajectory, Turn
 from factory.util import TIMEOUTS, being_cancelled
@@ -109,8 +109,12 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         # opens the reasoning block in the generation prompt (R1's) left it unopened in the turn's text: a turn cut
         # while thinking would read as an answer, so the text says where the reasoning began.
         text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-        calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c
-                 for k, c in enumerate(parse_tool_calls(text, opened_before=False))]
+        parsed = parse_tool_calls(text, opened_before=False)
+        if not gen.finished and parsed and parsed[-1].parse_error == NEVER_CLOSED:
+            # the token limit cut the turn inside its last call: answered as a malformed call, it would blame the
+            # model for the limit's cut; it is dropped, and with no call left the turn is a cut one (budget)
+            parsed = parsed[:-1]
+        calls = [replace(c, origin=f"{origin}/{turn_no}/{k}") if origin else c for k, c in enumerate(parsed)]
         turn = Turn(text=text, num_tokens=len(gen.ids), calls=calls, started_at=started,
                     generated_at=generated, ended_at=generated)
         turns.append(turn)

@@ -25,7 +25,9 @@ _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" +
 _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
-_NEVER_CLOSED = f"unclosed {OPEN}: no {CLOSE} after it"
+# The error of a call never closed; the agent loop drops a trailing one from a turn a token limit cut (the limit cut
+# it, not the model).
+NEVER_CLOSED = f"unclosed {OPEN}: no {CLOSE} after it"
 
 
 def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
@@ -49,7 +51,7 @@ def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]
     # such calls were one, its text holding both); else the first marker, with whatever it was cut to.
     tail = text[last_end:]
     if OPEN in tail:
-        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):], _NEVER_CLOSED)]
+        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):], NEVER_CLOSED)]
     return calls
 
 
@@ -78,7 +80,7 @@ def _unclosed(gap: str) -> list[ToolCall]:
     calls = []
     for m in _UNCLOSED.finditer(gap):
         end = gap.find(OPEN, m.end())
-        calls.append(_malformed(gap[m.end():end if end >= 0 else None], _NEVER_CLOSED))
+        calls.append(_malformed(gap[m.end():end if end >= 0 else None], NEVER_CLOSED))
     return calls
 
 
