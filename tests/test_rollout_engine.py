@@ -190,6 +190,31 @@ def test_a_request_arriving_during_a_batch_is_served_by_the_next(engine):
     assert engine.batches_run - before == 2 and late.ids == early[1].ids
 
 
+def test_a_batch_holds_only_requests_that_fit_the_models_context_together(tmp_path, monkeypatch):
+    """A batch decodes every row to (longest prompt + largest limit): two requests that each fit a GPT-2 of 64
+    positions (learned ones) overflowed it together, and the batch failed with an IndexError. The one that does not
+    fit with the first waits for the next batch; a later one that fits joins the first (oldest first otherwise)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, vocab_size=100, eos_token_id=99,
+                               bos_token_id=99)).save_pretrained(tmp_path)
+    e = HFEngine(str(tmp_path), batch_size=8, seed=0, stop_token_ids=[99])
+    assert e.context == 64
+    requests = [([5] * 60, 4), ([5] * 2, 40), ([6] * 3, 4)]  # each fits: prompt + limit <= 64
+    sizes, take = [], e._take_batch
+
+    def counted():
+        batch = take()
+        sizes.append(len(batch))
+        return batch
+
+    monkeypatch.setattr(e, "_take_batch", counted)
+    outs = asyncio.run(gather(e, requests))
+    assert sizes == [2, 1] and e.batches_run == 2
+    assert [len(o.ids) <= n for o, (_, n) in zip(outs, requests)] == [True] * 3
+
+
 def test_an_idle_cuda_engine_hands_its_cached_memory_back(model_path, monkeypatch):
     """On a GPU the engine empties PyTorch's cache once its queue drains, so a colocated update in another
     process can have the batches' KV blocks (here: the call, with the device faked and generation stubbed)."""

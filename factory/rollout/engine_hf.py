@@ -118,6 +118,16 @@ class SeededSampler:
         return torch.searchsorted(cdf, target)[:, 0].clamp(max=logp.shape[1] - 1)
 
 
+def _config_context(config: Any) -> int | None:
+    """The model's context in positions from its loaded config (`max_position_embeddings`, which transformers
+    maps to GPT-2's `n_positions`; or its `text_config`'s); None when it does not say."""
+    for c in (config, getattr(config, "text_config", None)):
+        value = getattr(c, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _as_list(x: Any) -> list[int]:
     if x is None:
         return []
@@ -159,7 +169,8 @@ class HFEngine:
     Stop tokens: the model's eos ids (config and generation config) plus `stop_token_ids` (pass
     `ChatFormat.stop_token_ids`, which holds the tokenizer's eos and the template's end-of-turn token).
     Requests in one batch share their sampling settings except the seed; their `max_new_tokens` may
-    differ: the batch generates to the largest and each result is cut to its own limit.
+    differ: the batch generates to the largest and each result is cut to its own limit. Its longest prompt and
+    largest limit fit the model's context together (`context`, from its config; see _take_batch).
     """
 
     name = "hf"
@@ -189,6 +200,8 @@ class HFEngine:
         self.choice_reason: str | None = None  # set by make_engine when `auto` weighed vLLM's start-up
         self.max_model_len: int | None = None  # none of its own: the rollout cuts at the model's context
         cfg, gen_cfg = self.model.config, self.model.generation_config
+        # the positions a batch may reach: every row decodes as long as the batch's largest limit (see _take_batch)
+        self.context = _config_context(cfg)
         self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
         if not self.stop_token_ids:
             raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
@@ -335,12 +348,26 @@ class HFEngine:
     def _take_batch(self) -> list[_Request]:
         """Up to batch_size pending requests that share the first one's sampling settings, oldest first. A request
         nobody waits for any more (`abandoned`) is dropped, not run: a stage's cancelled requests would
-        otherwise fill the next batches ahead of live ones."""
+        otherwise fill the next batches ahead of live ones. A batch decodes every row to (longest prompt + largest
+        limit) positions: a request joins only while that stays within the model's context, else it waits for a
+        later batch (requests that each fit it overflowed it together: an IndexError in a model with learned
+        positions, GPT-2's, and wasted steps past the context in the others)."""
         self._pending = [r for r in self._pending if not r.abandoned]
         if not self._pending:
             return []
         shared = self._pending[0].sampling.shared()
-        batch = [r for r in self._pending if r.sampling.shared() == shared][: self.batch_size]
+        batch: list[_Request] = []
+        prompt = limit = 0
+        for r in self._pending:
+            if len(batch) == self.batch_size:
+                break
+            if r.sampling.shared() != shared:
+                continue
+            wider, longer = max(prompt, len(r.prompt_ids)), max(limit, r.max_new_tokens)
+            if batch and self.context is not None and wider + longer > self.context:
+                continue  # (the first request always runs: alone, it is what it asked for)
+            batch.append(r)
+            prompt, limit = wider, longer
         taken = {id(r) for r in batch}
         self._pending = [r for r in self._pending if id(r) not in taken]
         return batch
