@@ -168,6 +168,20 @@ def test_a_run_that_has_not_finished_is_compared_with_a_warning():
     assert report["identical"] and compare(done, done, history_a, history_a)["warnings"] == []
 
 
+def test_a_recorded_tool_answer_with_a_lone_surrogate_is_logged_as_its_escape(tmp_path, monkeypatch):
+    # a python tool's os.fsdecode of a file name that is not UTF-8: writing the table raised, in the driver's
+    # _log_step, ending the run
+    monkeypatch.chdir(tmp_path)
+    t = Tracker(f"sqlite:///{tmp_path}/m.db", "exp")
+    t.prepare()
+    run_id = t.start("r", {}, {}, {"plan.json": "{}"})
+    row = {"origin": "train/1/0/0/0/0/0", "server": "s", "tool": "ls", "arguments": '{"folder":"\udcff"}',
+           "text": "report_\udcff.txt", "status": "ok", "error_kind": None, "latency_s": 0.5, "source": "live"}
+    t.log_tool_calls([row], 1)
+    t.end()
+    assert t.tool_calls(run_id) == [{**row, "arguments": '{"folder":"\\udcff"}', "text": "report_\\udcff.txt"}]
+
+
 def test_a_run_resumed_under_a_changed_spec_is_not_identical(tmp_path, monkeypatch):
     """A run resumed with `--allow-spec-change train.steps=3` keeps its first spec's params and plan.json:
     `factory diff` of it and a run of that first spec said "defined identically"."""

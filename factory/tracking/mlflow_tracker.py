@@ -235,6 +235,11 @@ def _json_text(value: Any, **kwargs: Any) -> str:
     return json.dumps(value, ensure_ascii=False, **kwargs).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _escaped(text: str | None) -> str | None:
+    """`text` with each lone surrogate as its `\\uXXXX` escape: what UTF-8 (an Arrow string) can hold."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None = None) -> list[dict[str, Any]]:
     """Flat rows for the trajectory table: text, rewards, every tool call with its outcome, and the token
     ids with their loss mask (so the mask can be audited offline)."""
@@ -528,6 +533,10 @@ class MlflowTracker:
             return
         from factory.tools.recording import COLUMNS
 
+        # a tool's answer may hold a lone surrogate (a python tool's os.fsdecode of a file name that is not UTF-8),
+        # which an Arrow string cannot: kept as its `\\uXXXX` escape, as the trajectory table keeps it (`_json_text`),
+        # and a replay serves that escape
+        rows = [{**r, "text": _escaped(r["text"]), "arguments": _escaped(r["arguments"])} for r in rows]
         table = pa.Table.from_pylist(rows, schema=TOOL_CALLS)
         assert table.column_names == list(COLUMNS)
         with tempfile.TemporaryDirectory() as tmp:
