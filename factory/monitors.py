@@ -211,11 +211,15 @@ def variance_shares(groups: Sequence[Sequence[dict[str, float | None]]], weights
     return {} if var < 1e-12 else {node: c / var for node, c in cov.items()}
 
 
-def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str) -> Row:
-    """One step of the history from the scored trajectories the update trains (the driver leaves out an
+def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str,
+             signal: Sequence[Any] | None = None) -> Row:
+    """One step of the history from the scored trajectories the update would train (the driver leaves out an
     infrastructure failure's and an overlong-filtered one; here, the reward stage's drops): not the step's
     metrics, which count every trajectory -- a tool outage's short episodes would move the length and the
-    call rate. No trajectory trained: every statistic NaN (no value that step)."""
+    call rate. Under dynamic sampling `trajs` are every sampling round's and `signal` the groups kept for
+    their spread of rewards (the batch trained): the task, reward, length and call rate are read on all of them
+    (the kept groups leave out each prompt solved in every sample: a run learning its task read as flat), the
+    variance shares on the kept groups. No trajectory trained: every statistic NaN (no value that step)."""
     kept = [t for t in trajs if t.dropped is None]
     row: Row = {"reward": _mean(t.reward for t in kept),
                 "task": _mean(t.rewards.get(w.task_node) for t in kept) if w.task_node else math.nan,
@@ -224,7 +228,7 @@ def step_row(trajs: Sequence[Any], w: WatchSettings, s: MonitorsSpec, total: str
         row["tool_calls"] = _mean(t.num_tool_calls for t in kept)
     if w.weights:
         groups: dict[int, list[dict[str, float | None]]] = {}
-        for t in kept:
+        for t in kept if signal is None else [t for t in signal if t.dropped is None]:
             groups.setdefault(t.prompt_index, []).append({**t.rewards, total: t.reward})
         shares = variance_shares(list(groups.values()), w.weights, total)
         row.update({f"share/{n}": v for n, v in shares.items() if n in w.candidates})
@@ -278,9 +282,10 @@ class Watch:
             self.evals.append((step, metrics[key]))
         return self._read(step) if self.rows else {}
 
-    def observe(self, step: int, trajs: Sequence[Any]) -> dict[str, float]:
-        """The step's `monitor/<name>` and `monitor/<name>/fired` metrics, from the trajectories it trains."""
-        self.rows.append(step_row(trajs, self.settings, self.spec, self.total))
+    def observe(self, step: int, trajs: Sequence[Any], signal: Sequence[Any] | None = None) -> dict[str, float]:
+        """The step's `monitor/<name>` and `monitor/<name>/fired` metrics, from the trajectories it would train
+        (under dynamic sampling every round's, with `signal` the groups it keeps: see step_row)."""
+        self.rows.append(step_row(trajs, self.settings, self.spec, self.total, signal))
         self.new = []
         return self._read(step)
 

@@ -110,7 +110,7 @@ def test_tiny_spec_on_two_nodes_two_ranks_equal_one_rank(cluster, monkeypatch):
             calls = 0.0
             try:
                 for step in range(STEPS):
-                    trajs, m = collect(groups, plan, display, step)  # both engine replicas; tool calls on node_b
+                    trajs, m, _ = collect(groups, plan, display, step)  # both engine replicas; tool calls on node_b
                     assert len(trajs) == 10
                     calls += m["tools/calls"]
                     a, b = one.step(trajs), groups["update"].call("step", trajs)

@@ -143,17 +143,17 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     monkeypatch.chdir(REPO)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
 
-    def collect(g: Any, plan: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
+    def collect(g: Any, plan: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float], list[Any]]:
         world.made += [f"train/{step}/0/0/0/0/0"]
         world.drawn += 1
         if step == world.miss_at:
             world.misses.append(f"calculate(...) at train/{step}/0/0/0/0/0")
         if not world.rewards:
-            return list(batch or []), {"rollout/generated_tokens": 0.0}
+            return list(batch or []), {"rollout/generated_tokens": 0.0}, list(batch or [])
         reward = world.rewards.pop(0)  # the step's one trajectory's (the monitors read the trajectories)
         scored = [Trajectory(prompt_index=0, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[], turns=[],
                              stop_reason="no_call", row={}, reward=reward)]
-        return list(batch or scored), {"rollout/generated_tokens": 0.0, "reward/mean": reward}
+        return list(batch or scored), {"rollout/generated_tokens": 0.0, "reward/mean": reward}, list(batch or scored)
 
     def evaluate(g: Any, plan: Any, display: Any, step: int) -> tuple[dict[str, float], list[Any]]:
         world.made += [f"eval/{step}/0/0/0/0/0"]
@@ -186,7 +186,8 @@ def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
 
     batch = [traj(0), traj(1), traj(2, infra_error=True), traj(3, truncated=True), traj(4, dropped="x: missing")]
     seen = []
-    monkeypatch.setattr(Watch, "observe", lambda self, step, trajs: seen.append([t.sample_index for t in trajs]) or {})
+    monkeypatch.setattr(Watch, "observe",
+                        lambda self, step, trajs, signal: seen.append([t.sample_index for t in trajs]) or {})
     run_loop(monkeypatch, World(), ["train.steps=1", "algorithm.overlong.filter=true"], batch=batch)
     assert seen == [[0, 1]]
     # without overlong filtering the cut trajectory trains, and is read (the two settings are not one)
@@ -399,12 +400,46 @@ def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size
         return trajs, {}
 
     monkeypatch.setattr(driver, "carry", carry)
-    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    kept, m, _ = driver.collect({}, plan, Quiet(), step=1)
     assert asked == [want, want - 1, want - 2, want - 3] and m["rollout/dynamic_sampling_rounds"] == 4
     groups: dict[int, set] = {}
     for t in kept:
         groups.setdefault(t.prompt_index, set()).add(t.origin[:2])
     assert len(groups) == 4 and all(len(origins) == 1 for origins in groups.values())
+
+
+def test_dynamic_sampling_monitors_read_the_task_over_every_sampled_trajectory(monkeypatch):
+    """Accuracy rising 0.25 -> 0.75 by solving the easy half in every sample: the kept groups (a spread of rewards)
+    leave those prompts out, so a monitor reading them saw a flat task (task_stalled) and longer answers in it."""
+    from factory.monitors import Watch
+    from factory.plan import WatchSettings
+    from factory.schema import MonitorsSpec
+    from factory.types import Turn
+
+    d = SimpleNamespace(train=SimpleNamespace(prompts_per_step=8), dynamic_sampling=True, turn_gamma=None,
+                        std_eps=1e-6, overlong_filter=False, drop_infra_errors=True)
+    plan = SimpleNamespace(driver=d, flow=lambda name: [None, None])
+    at = {"step": 0, "next": 0}
+
+    def carry(g: Any, edges: Any, n: int, **k: Any) -> tuple[list[Any], dict[str, float]]:
+        right = [0, 0, 0, 0, 1, 2, 3, 2] if at["step"] <= 2 else [4, 4, 4, 4, 1, 2, 3, 2]  # of 4 samples
+        out = []
+        for p in range(n):
+            c, at["next"] = right[at["next"] % 8], at["next"] + 1
+            out += [Trajectory(prompt_index=p, sample_index=s, prompt_ids=[], response_ids=[], loss_mask=[],
+                               turns=[Turn(text="", num_tokens=100 if at["step"] <= 2 else 250)], stop_reason="no_call",
+                               row={}, rewards={"correct": float(s < c)}, reward=float(s < c)) for s in range(4)]
+        return out, {}
+
+    monkeypatch.setattr(driver, "carry", carry)
+    w = WatchSettings(task_metric="accuracy", task_node="correct", weights={}, judges=(), verifier=None, tools=False)
+    watch = Watch(w, MonitorsSpec(), stop_on=("task_stalled", "length_drift"))
+    for step in range(1, 6):
+        at["step"] = step
+        kept, _, sampled = driver.collect(None, plan, Quiet(), step)
+        watch.observe(step, driver._trainable(sampled, d), driver._trainable(kept, d))  # as the driver's loop does
+    assert [round(r["task"], 2) for r in watch.rows] == [0.25, 0.25, 0.75, 0.75, 0.75]
+    assert watch.halt is None
 
 
 def test_dynamic_sampling_counts_only_the_members_the_update_trains(monkeypatch):
@@ -434,7 +469,7 @@ def test_dynamic_sampling_counts_only_the_members_the_update_trains(monkeypatch)
         return trajs, {}
 
     monkeypatch.setattr(driver, "carry", carry)
-    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    kept, m, _ = driver.collect({}, plan, Quiet(), step=1)
     # round 1 keeps prompt 1's group (its spread is in the members that train) and refills prompt 0's, whose only
     # 0 was the faulty member's; so do rounds 2 and 3 (the other faults); round 4's prompt 0 has no fault
     assert rounds == [2, 1, 1, 1] and m["rollout/dynamic_sampling_rounds"] == 4
@@ -571,7 +606,7 @@ def test_each_refill_round_of_dynamic_sampling_is_its_own_groups(monkeypatch):
         return trajs, {"num_turns/mean": float(len(asked))}
 
     monkeypatch.setattr(driver, "carry", carry)
-    kept, m = driver.collect({}, plan, Quiet(), step=1)
+    kept, m, _ = driver.collect({}, plan, Quiet(), step=1)
     assert asked == [3, 2, 1]
     assert sorted({(t.prompt_index, t.origin) for t in kept}) == [(1, 1), (3, 2), (6, 3)]
     assert m["rollout/generated_tokens"] == 10.0 * 2 * (3 + 2 + 1)

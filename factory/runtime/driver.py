@@ -616,14 +616,21 @@ def _trained(trajs: list[Any], d: DriverSettings) -> list[bool]:
     return [trains(t, d.overlong_filter, d.drop_infra_errors) for t in trajs]
 
 
-def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], dict[str, float]]:
+def _trainable(trajs: list[Any], d: DriverSettings) -> list[Any]:
+    """Those of `trajs` the update would train (factory.types.trains)."""
+    return [t for t, k in zip(trajs, _trained(trajs, d)) if k]
+
+
+def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], dict[str, float], list[Any]]:
     """One step's scored trajectories: the data flow up to (not into) the trainer. With dynamic sampling
     (DAPO), groups whose rewards all agree carry no signal: they are dropped and more prompts are
-    sampled, up to 3 extra rounds."""
+    sampled, up to 3 extra rounds. Returns the batch to train, the step's metrics, and every trajectory its
+    sampling rounds made (the batch itself without dynamic sampling): the monitors read the task on those, not
+    on the kept groups only, which leave out every prompt the policy solves in each sample."""
     from factory.update.batch import with_signal  # (torch: imported when a step is collected, not at start-up)
 
     edges, d = plan.flow("data")[:-1], plan.driver
-    want, kept, metrics, seen, generated = d.train.prompts_per_step, [], {}, 0, 0
+    want, kept, sampled, metrics, seen, generated = d.train.prompts_per_step, [], [], {}, 0, 0
     for attempt in range(4 if d.dynamic_sampling else 1):
         trajs, m = carry(g, edges, want - len({t.prompt_index for t in kept}) if attempt else want, display=display,
                          label=f"step {step} rollout", step=step, attempt=attempt)
@@ -633,13 +640,14 @@ def collect(g: Groups, plan: Plan, display: Any, step: int) -> tuple[list[Any], 
         seen += len(trajs)
         generated += sum(t.num_model_tokens for t in trajs)
         if not d.dynamic_sampling:
-            return trajs, {**metrics, "rollout/generated_tokens": float(generated)}
+            return trajs, {**metrics, "rollout/generated_tokens": float(generated)}, trajs
+        sampled += trajs
         kept += [t for t, k in zip(trajs, with_signal(trajs, d.turn_gamma, d.std_eps, _trained(trajs, d))) if k]
         if len({t.prompt_index for t in kept}) >= want:
             break
     metrics["rollout/dynamic_sampling_rounds"] = float(attempt + 1)
     metrics["rollout/dynamic_sampling_kept"] = float(len(kept))  # the trained batch; the means are over all rounds
-    return kept or trajs, {**metrics, "rollout/generated_tokens": float(generated)}
+    return kept or trajs, {**metrics, "rollout/generated_tokens": float(generated)}, sampled
 
 
 def _merge(a: dict[str, float], b: dict[str, float], na: int, nb: int) -> dict[str, float]:
@@ -839,7 +847,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
         for step in range(done + 1, d.train.steps + 1):
             t0 = time.perf_counter()
             drawn_from = g[plan.flow("data")[0].src].call("state") if replays else None  # the data before this step
-            trajs, m = collect(g, plan, display, step)        # data -> rollout (<-> tools) -> reward
+            trajs, m, sampled = collect(g, plan, display, step)  # data -> rollout (<-> tools) -> reward
             try:
                 tool_calls[step] = take_tool_calls(g, plan, f"step {step}", step)  # a replay miss stops the run here
             except ReplayMiss as miss:  # the steps before it are kept: logged and saved, the data where it was before it
@@ -848,7 +856,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                             None if saved_step == step - 1 else lambda: _save(g, plan, tracker, step - 1, watch,
                                                                                  data=drawn_from))
             m["train/infra_failed_share"] = check_infra(trajs, d.train.max_infra_error_rate, step)
-            m.update(watch.observe(step, [t for t, k in zip(trajs, _trained(trajs, d)) if k]))  # hacking monitors
+            m.update(watch.observe(step, _trainable(sampled, d), _trainable(trajs, d)))  # hacking monitors
             updates.submit(step, trajs, m, t0)                # advantages + DeepSpeed update, then its weights
             # read once here, and once more below; a stop_on monitor stops after this step
             stopping = stop.requested or watch.halt is not None
