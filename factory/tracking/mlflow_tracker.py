@@ -232,7 +232,7 @@ def _json_text(value: Any, **kwargs: Any) -> str:
     """JSON with non-ASCII text as it is, but a lone surrogate as its `\\uXXXX` escape (json.loads reads one back
     the same): Arrow's strings are UTF-8, which cannot hold one, and json.loads reads a model's tool call
     arguments `"\\ud83d"` (half an emoji's escape) as one: writing the step's table raised, ending the run."""
-    return json.dumps(value, ensure_ascii=False, **kwargs).encode("utf-8", "backslashreplace").decode("utf-8")
+    return _escaped(json.dumps(value, ensure_ascii=False, **kwargs))
 
 
 def _escaped(text: str | None) -> str | None:
