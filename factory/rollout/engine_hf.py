@@ -120,7 +120,8 @@ class SeededSampler:
 
 def _config_context(config: Any) -> int | None:
     """The model's context in positions from its loaded config (`max_position_embeddings`, which transformers
-    maps to GPT-2's `n_positions`; or its `text_config`'s); None when it does not say."""
+    maps to GPT-2's `n_positions`; or its `text_config`'s); None when it does not say. Not
+    factory.assets.config_context: that reads config.json's keys, where a GPT-2 writes `n_positions` only."""
     for c in (config, getattr(config, "text_config", None)):
         value = getattr(c, "max_position_embeddings", None)
         if isinstance(value, int) and value > 0:
