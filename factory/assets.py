@@ -99,9 +99,8 @@ def resolve_model(path: str) -> str:
 
 
 def context_tokens(model_path: str | Path) -> int | None:
-    """The model's context in tokens, from its config.json (`max_position_embeddings`, or its `text_config`'s
-    in a multimodal model: what vLLM's `max_model_len` defaults to); None when the config does not say or is
-    not on disk (or not JSON)."""
+    """The model's context in tokens, from its config.json (see `config_context`); None when the config does
+    not say or is not on disk (or not JSON)."""
     config = Path(model_path) / "config.json"
     try:
         fields = json.loads(config.read_text()) if config.is_file() else None
@@ -110,12 +109,23 @@ def context_tokens(model_path: str | Path) -> int | None:
     return config_context(fields)
 
 
+# The keys a config.json may give its context under, by model family: the ones vLLM reads for its default
+# `max_model_len`, which takes the smallest present. A GPT-2 writes `n_positions` only, an MPT `max_seq_len`.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
 def config_context(fields: Any) -> int | None:
-    """`context_tokens` of a config already read (its dict; None when it does not say)."""
+    """The model's context from a config already read (its dict, or its `text_config`'s in a multimodal model):
+    the smallest of `CONTEXT_KEYS` present, as vLLM defaults `max_model_len` to; None when it does not say."""
     if not isinstance(fields, dict):
         return None
-    value = fields.get("max_position_embeddings", (fields.get("text_config") or {}).get("max_position_embeddings"))
-    return value if isinstance(value, int) and value > 0 else None
+    for part in (fields, fields.get("text_config")):
+        if isinstance(part, dict):
+            values = [v for v in map(part.get, CONTEXT_KEYS) if isinstance(v, int) and v > 0]
+            if values:
+                return min(values)
+    return None
 
 
 def package_dir(package: str) -> Path:

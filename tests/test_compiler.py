@@ -1295,8 +1295,8 @@ def test_a_max_model_len_beyond_the_models_context_is_an_error(project):
     model's context without a word)."""
     path = project.spec(_base(project, "rc_mml"))
     assert _errors(path, ["rollout.max_model_len=100000"]) == (
-        "<override 1>: rollout.max_model_len: 100000 tokens is longer than the model's context (4096, its config's "
-        "max_position_embeddings): give at most 4096, or leave it unset for the model's own\n1 error in spec.yaml")
+        "<override 1>: rollout.max_model_len: 100000 tokens is longer than the model's context (4096, from its "
+        "config.json): give at most 4096, or leave it unset for the model's own\n1 error in spec.yaml")
     compile_file(path, ["rollout.max_model_len=4096"])
 
 

@@ -394,7 +394,9 @@ def test_the_models_context_is_read_from_its_config(tmp_path):
 
     for fields, want in (({"max_position_embeddings": 4096}, 4096), ({}, None),
                          ({"max_position_embeddings": "x"}, None),
-                         ({"text_config": {"max_position_embeddings": 8192}}, 8192)):  # a multimodal model's
+                         ({"text_config": {"max_position_embeddings": 8192}}, 8192),  # a multimodal model's
+                         ({"n_positions": 1024, "n_ctx": 1024}, 1024),  # a GPT-2's: vLLM read it, the stage did not
+                         ({"max_position_embeddings": 4096, "seq_length": 2048}, 2048)):  # the smallest, as vLLM
         (tmp_path / "config.json").write_text(json.dumps(fields))
         assert context_tokens(str(tmp_path)) == want
     assert context_tokens(str(tmp_path / "none")) is None

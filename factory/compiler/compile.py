@@ -331,9 +331,9 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     # scaling) or VLLM_ALLOW_LONG_MAX_MODEL_LEN says so: left to it there
     stretched = config.get("rope_scaling") or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
     if limit is not None and context is not None and limit > context and not stretched:
-        r.error("rollout.max_model_len", f"{limit} tokens is longer than the model's context ({context}, its "
-                                         f"config's max_position_embeddings): give at most {context}, or leave it "
-                                         "unset for the model's own")
+        r.error("rollout.max_model_len", f"{limit} tokens is longer than the model's context ({context}, from its "
+                                         f"config.json): give at most {context}, or leave it unset for the model's "
+                                         "own")
     width, lora = config.get("hidden_size"), spec.model.lora
     if lora is not None and isinstance(width, int) and lora.r > width:  # every linear layer has it as one side
         r.warn("model.lora.r", f"{lora.r} is above the model's hidden size {width}, which bounds the rank of "

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from factory.assets import config_context
 from factory.lora import Adapters
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
 
@@ -118,17 +119,6 @@ class SeededSampler:
         return torch.searchsorted(cdf, target)[:, 0].clamp(max=logp.shape[1] - 1)
 
 
-def _config_context(config: Any) -> int | None:
-    """The model's context in positions from its loaded config (`max_position_embeddings`, which transformers
-    maps to GPT-2's `n_positions`; or its `text_config`'s); None when it does not say. Not
-    factory.assets.config_context: that reads config.json's keys, where a GPT-2 writes `n_positions` only."""
-    for c in (config, getattr(config, "text_config", None)):
-        value = getattr(c, "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _as_list(x: Any) -> list[int]:
     if x is None:
         return []
@@ -202,7 +192,7 @@ class HFEngine:
         self.max_model_len: int | None = None  # none of its own: the rollout cuts at the model's context
         cfg, gen_cfg = self.model.config, self.model.generation_config
         # the positions a batch may reach: every row decodes as long as the batch's largest limit (see _take_batch)
-        self.context = _config_context(cfg)
+        self.context = config_context(cfg.to_dict())  # the loaded config: what config.json said
         self.stop_token_ids = sorted({*_as_list(cfg.eos_token_id), *_as_list(gen_cfg.eos_token_id), *stop_token_ids})
         if not self.stop_token_ids:
             raise ValueError(f"{model_path}: no eos token in the model config; pass stop_token_ids")
