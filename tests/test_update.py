@@ -2,6 +2,7 @@
 tokenizer. Each learner starts in about a second (no DeepSpeed op is compiled: factory.update.engine)."""
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -472,6 +473,32 @@ def test_dropout_is_off_by_default_so_the_update_is_of_the_function_that_sampled
         kept.append(one_step_delta(learner, trajs)[0])
     with pytest.raises(AssertionError):
         assert_same_delta(*kept)
+
+
+def test_a_checkpoint_keeps_the_models_dropout_rates_in_its_config(dropout_path, model_path, learners, tmp_path):
+    """`train.disable_dropout` zeroes the config's rates in memory; the checkpoint's (and so the export's)
+    config.json still says the model's own attention_dropout 0.1, and the run goes on without dropout."""
+    learner = learners(make_spec(dropout_path, model={"tokenizer": model_path}))
+    learner.step(batch(seed=1))
+    out = Path(learner.save_checkpoint(str(tmp_path), 1))
+    assert json.loads((out / "hf" / "config.json").read_text())["attention_dropout"] == 0.1
+    assert learner.engine.module.config.attention_dropout == 0.0 and learner.resolved()["dropout"] == "off (disabled)"
+
+
+def test_a_lora_runs_kl_reference_is_the_base_model_without_dropout(dropout_path, model_path, learners):
+    """The LoRA reference is the policy's own module with its adapters off, which the engine keeps in
+    training mode: under `train.disable_dropout: false` it would be dropout-noised, changing from call to
+    call, where a full-weight run's reference copy is in eval mode."""
+    trajs = batch(seed=2)
+    micro = [[list(range(len(trajs)))]]  # one micro-batch of every row
+    train, kl = {"disable_dropout": False, "share_prefix": False}, {"kl": {"coef": 0.1}}
+    full = learners(make_spec(dropout_path, model={"tokenizer": model_path}, algorithm=kl, train=train))
+    base = full._logprobs_before_update(trajs, micro, policy=False)[1]
+    lora = learners(make_spec(dropout_path, model={"tokenizer": model_path, "lora": {"r": 4}}, algorithm=kl,
+                              train=train))
+    for _ in range(2):
+        torch.testing.assert_close(lora._logprobs_before_update(trajs, micro, policy=False)[1], base, atol=1e-5, rtol=0)
+    assert lora.engine.module.training  # given back in training mode
 
 
 def test_zero_advantage_rows_are_skipped_and_the_update_is_the_same(small_path, learners, monkeypatch):

@@ -86,7 +86,7 @@ from factory.update.engine import (
     release_process_group,
 )
 from factory.update.flops import ModelShape, forward_flops
-from factory.update.logprobs import active_dropout, disable_dropout, response_logprobs
+from factory.update.logprobs import active_dropout, config_rates, disable_dropout, rates_as_built, response_logprobs
 from factory.util import UserError
 
 
@@ -142,6 +142,7 @@ class Learner:
             if self.spec.train.packing != "off":  # packed rows need attention that stays inside each row
                 use_packed_attention(model)
             # the engine sampled without dropout: the ratio's log-probs and the gradient are of that function
+            self.config_rates = config_rates(model)  # what the saved config.json keeps (the export's model)
             self.dropped_out = disable_dropout(model) if self.spec.train.disable_dropout else []
             self.lora = self.spec.model.lora
             if self.lora is not None:  # adapters beside the frozen weights: only they require grad
@@ -651,7 +652,8 @@ class Learner:
                 self.engine.module.save_pretrained(folder / ckpt.ADAPTER, state_dict=weights.tensors)
                 self._tokenizer().save_pretrained(folder / ckpt.ADAPTER)
             else:
-                self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
+                with rates_as_built(self.engine.module.config, self.config_rates):
+                    self.engine.module.save_pretrained(folder / ckpt.HF, state_dict=weights)
                 self._tokenizer().save_pretrained(folder / ckpt.HF)
             ckpt.readable(folder / (ckpt.ADAPTER if self.lora is not None else ckpt.HF))  # a model to serve
             ckpt.write_run_state(folder, {"step": step, **(state or {})})
@@ -707,8 +709,15 @@ class AdaptersOff:
         self.module = module  # not a submodule of anything: .eval()/.requires_grad_ on us never reach it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.module.disable_adapter():
-            return self.module(*args, **kwargs)
+        # the engine keeps the policy in training mode: under `train.disable_dropout: false` the base model's
+        # dropout would noise the reference (a full-weight run's copy is in eval mode); called under no_grad
+        training = self.module.training
+        self.module.eval()
+        try:
+            with self.module.disable_adapter():
+                return self.module(*args, **kwargs)
+        finally:
+            self.module.train(training)
 
 
 GATHER_BYTES = 1 << 30  # a weight sync's ZeRO-3 gather: parameters gathered together at most (one larger goes alone)

@@ -26,6 +26,10 @@ temperature other than 1, log_softmax(logits) would be another policy than the o
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -50,6 +54,27 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
         if _is_rate(key, value):
             setattr(config, key, 0.0)
     return found
+
+
+def config_rates(model: torch.nn.Module) -> dict[str, float]:
+    """The dropout rates above 0 in the model's config, as loaded (before `disable_dropout` zeroes them)."""
+    config = getattr(model, "config", None)
+    return {k: v for k, v in (config.to_dict() if config is not None else {}).items() if _is_rate(k, v)}
+
+
+@contextlib.contextmanager
+def rates_as_built(config: Any, rates: dict[str, float]) -> Iterator[None]:
+    """The config with the model's own dropout rates while a checkpoint's config.json is written, zeroed again
+    after: the exported folder is the model as trained, and training it again gets the dropout it was built
+    with (`train.disable_dropout` is this run's choice, not the model's)."""
+    now = {k: getattr(config, k) for k in rates}
+    for k, v in rates.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in now.items():
+            setattr(config, k, v)
 
 
 def _is_rate(key: str, value: object) -> bool:
