@@ -21,8 +21,10 @@ class ToolCall:
     arguments: dict[str, Any] | None  # None when the call's JSON could not be parsed
     raw: str  # the text between the call markers, as the model wrote it
     parse_error: str | None = None
-    # Where in the run the call was made, "<split>/<step>/<attempt>/<prompt>/<sample>/<turn>/<k>" (the
-    # rollout sets it; "" for a reward node's call): the key a replay serves the recorded answer by.
+    # Where in the run the call was made: the key a replay serves the recorded answer by. The rollout's calls:
+    # "<split>/<step>/<attempt>/<prompt>/<sample>/<turn>/<k>"; a tool reward node's: "reward/<split>/<step>/
+    # <attempt>/<prompt>/<sample>/<node>[/<turn>]" (factory.tools.recording.reward_origin); "" when the place is
+    # not known (a trajectory read back from a table saved before trajectories kept theirs).
     origin: str = ""
 
 
@@ -93,6 +95,11 @@ class Trajectory:
     infra_error: bool = False  # some tool call failed for infrastructure reasons
     truncated: bool = False  # stopped by a token limit in a turn, or by the budget between turns (no room to reply)
     sampler_logprobs: list[float] = field(default_factory=list)  # [len(response_ids)]; empty = not recorded
+    # Where in the run the episode was made, "<split>/<step>/<attempt>/<prompt>/<sample>" (the rollout sets it; ""
+    # when not known): its reward nodes' tool calls are named by it, so that a rescore's replay finds the answers
+    # recorded for this very trajectory. Kept as it was made: dynamic sampling renumbers `prompt_index` after
+    # scoring (each round's from 0, then shifted to keep groups apart), which this does not follow.
+    origin: str = ""
 
     @property
     def num_tool_calls(self) -> int:

@@ -302,10 +302,14 @@ def test_a_replay_past_the_recording_s_last_step_says_so():
     from factory.runtime.replay import beyond_recording, recorded_through
 
     plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"])
-    rows = [{"origin": "eval/0/0/0/0/0/0"}, {"origin": "train/1/0/0/0/0/0"}, {"origin": "train/2/3/1/0/0/0"}]
+    rows = [{"origin": "eval/0/0/0/0/0/0"}, {"origin": "train/1/0/0/0/0/0"}, {"origin": "train/2/3/1/0/0/0"},
+            {"origin": "reward/eval/4/0/0/0/graded"}]
     assert recorded_through(plan) is None  # not replaying yet
     replayed = driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))
     assert recorded_through(replayed) == 2 and any(isinstance(s.settings, ToolsSettings) for s in plan.stages)
+    # a tool reward node's call at a training step is a call the run made at that step too
+    rows.append({"origin": "reward/train/3/0/1/0/graded"})
+    assert recorded_through(driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))) == 3
     assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps: "
                                              "it went on past what was recorded (replay.on_miss=live calls the tools "
                                              "once the recording has no answer)")

@@ -18,12 +18,15 @@ def test_a_saved_trajectory_reads_back_whole():
                                calls=[ToolCall(name="?", arguments=None, raw="{", parse_error="invalid JSON")])],
                    stop_reason="max_turns", row={"answer": "3", "question": "1 + 2", "level": 2},
                    messages=[{"role": "user", "content": "1 + 2"}], completion="...", rewards={"a": 1.0, "b": None},
-                   reward=1.0, reward_details={"b": {"status": "skipped"}}, infra_error=True, truncated=True)
+                   reward=1.0, reward_details={"b": {"status": "skipped"}}, infra_error=True, truncated=True,
+                   origin="train/4/0/3/1")
     # through a parquet table and back, as MLflow stores it
     (record,) = pa.Table.from_pylist(trajectory_records([t], step=4)).to_pylist()
     back = trajectory_from_record(record)
     t.rewards, t.reward, t.reward_details = {}, 0.0, {}  # a rescore starts from the episode, not its old scores
     assert back == t
+    # a table saved before trajectories kept their place: not known (their reward calls replay in order)
+    assert trajectory_from_record({k: v for k, v in record.items() if k != "origin"}).origin == ""
 
 
 def test_a_call_whose_arguments_hold_a_lone_surrogate_is_saved_and_reads_back_whole():
@@ -202,3 +205,87 @@ def test_a_rescore_of_a_run_with_dynamic_sampling_says_its_tables_hold_the_kept_
         f"run {runs['dapo']} used dynamic sampling: its step tables hold only the groups kept for training, while "
         "its reward/mean covers every sampling round, so 'before' and 'after' are means over different "
         "trajectories (for a 'before' over the same ones, rescore it with its own spec)"]
+
+
+def _graded(root, overrides=()):
+    """tiny.yaml with one tool reward node, whose python tool grades otherwise at every call (a sampled LLM
+    grader's way): a grade a replay gives back can only be the one recorded for that call."""
+    import yaml
+
+    from factory.compiler.compile import compile_file
+
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    data["tools"] = {"grade": {"function": "tests.fixtures.reward_fns:drifting_grade"}}
+    data["rewards"] = {"graded": {"tool": "grade.grade", "arguments": {"text": "{{ answer }}"}}}
+    data["metrics"] = {"accuracy": "graded"}
+    return compile_file(data, list(overrides), weights=False)
+
+
+def _episodes(split, step, samples):
+    """A step's trajectories as the rollout made them: each knows its place in the run (Trajectory.origin). All ask
+    the grader the same question, so only where they were made tells their grades apart."""
+    out = []
+    for s in range(samples):
+        t = Trajectory(prompt_index=0, sample_index=s, prompt_ids=[1], response_ids=[2], loss_mask=[1], turns=[],
+                       stop_reason="no_call", row={"answer": "3"}, messages=[{"role": "user", "content": "1 + 2"}],
+                       completion="3")
+        t.origin = f"{split}/{step}/0/0/{s}"
+        out.append(t)
+    return out
+
+
+async def _run_scoring(plan, tracker):
+    """A run's scoring, as its driver orders it: step 1's training batch, step 1's evaluation, then step 3's, each
+    step's recorded reward calls in its tool_calls table and its trajectories in its tables; what each batch was
+    graded, by (split, step)."""
+    from factory.reward import RewardStage
+    from factory.tools.stage import ToolsStage
+    from factory.types import Placement
+
+    settings = plan.stage("reward").settings
+    tools, reward = ToolsStage(plan.stage("tools").settings), RewardStage(settings)  # recording (record_tools)
+    await tools.setup()
+    await reward.setup(Placement(peers={settings.tool_peer: tools}))
+    graded = {}
+    try:
+        for step in (1, 3):
+            for split, samples in (("train", 2), ("eval", 1)):
+                trajs, _ = await reward.score(_episodes(split, step, samples), step=step)
+                graded[(split, step)] = [t.rewards["graded"] for t in trajs]
+                tracker.log_trajectories(trajs, step, split=split)
+            tracker.log_tool_calls((await tools.take_recording())["rows"], step)
+    finally:
+        await reward.close()
+        await tools.close()
+    return graded
+
+
+def test_a_replayed_rescore_gives_each_trajectory_the_grades_recorded_for_it(tmp_path, monkeypatch):
+    """`factory rescore RUN --replay RUN` answers a tool reward node's calls by where the run made them. Answered
+    from one queue per tool and arguments over the whole recording, a rescore of step 3 alone got step 1's grades,
+    and a full rescore, which scores a step's evaluation before its training batch (the run did the reverse),
+    swapped the two."""
+    import asyncio
+    from pathlib import Path
+
+    from factory.commands.rescore import rescore
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    spec, plan = _graded(root)
+    monkeypatch.chdir(tmp_path)  # (where a tracker keeps what it has not sent yet)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = open_tracker(uri, "t")
+    run.start("graded", {}, {}, {})
+    graded = asyncio.run(_run_scoring(plan, run))
+    run.end()
+    assert len({g for grades in graded.values() for g in grades}) == 6  # the grader never repeats itself
+    spec, plan = _graded(root, [f"replay.run={run.run_id}"])  # replay.on_miss: fail (a miss stops the rescore)
+    recorded = {(split, step): sum(grades) / len(grades) for (split, step), grades in graded.items()}
+    for steps, batches in (({3}, [("eval", 3), ("train", 3)]), (None, [("eval", 1), ("train", 1), ("eval", 3),
+                                                                       ("train", 3)])):
+        rescored = rescore(run.run_id, spec, plan, uri=uri, steps=steps)
+        assert list(rescored.metrics) == batches  # in the order it scored them: each step's evaluation first
+        assert {key: m["rewards/graded/mean" if key[0] == "train" else "eval/accuracy"]
+                for key, m in rescored.metrics.items()} == {key: recorded[key] for key in batches}

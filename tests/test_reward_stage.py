@@ -606,6 +606,48 @@ def test_tool_node_calls_a_python_tool_and_an_mcp_tool():
     asyncio.run(go())
 
 
+def test_a_tool_nodes_call_is_named_by_its_trajectory_s_place_in_the_run_and_the_node():
+    """What a replay answers a tool node's call by (ToolCall.origin): the trajectory's place (Trajectory.origin,
+    its sampling round included: dynamic sampling renumbers prompts after scoring), the node (two nodes asking
+    the same question keep their own answers) and the turn for a per-turn node. Without it every reward call was
+    answered from one queue per tool and arguments over the whole recording: a rescore of step 3 alone got step
+    1's answers. A trajectory whose place is not known (read back from an older table) calls without one."""
+    spec = make_spec({"a": {"tool": "grade", "arguments": {"text": "{{ answer }}"}},
+                      "b": {"tool": "grade", "arguments": {"text": "{{ answer }}"}},
+                      "each": {"tool": "grade", "arguments": {"text": "{{ completion }}"}, "per": "turn"},
+                      "total": {"sum": {"a": 1.0, "b": 1.0, "each": 1.0}}},
+                     tools={"grade": {"function": f"{FNS}:length_score"}})
+
+    class Tools:  # the tools stage, as the reward stage calls it: what it was asked
+        def __init__(self):
+            self.origins = []
+
+        def schemas(self):
+            return []
+
+        def call(self, call):
+            self.origins.append(call.origin)
+            return ToolResult(call.name, "1.0")
+
+    settings = stage_settings(spec)["reward"]
+    stage, tools = RewardStage(settings), Tools()
+    turns = [Turn(text="x", num_tokens=1), Turn(text="y", num_tokens=1)]
+    trajs = [traj("xy", 0, s, turns) for s in (0, 1, 2)]
+    trajs[0].origin, trajs[1].origin = "train/3/1/0/0", "train/3/1/0/1"
+
+    async def go():
+        await stage.setup(Placement(peers={settings.tool_peer: tools}))
+        try:
+            return await stage.score(trajs, step=3, attempt=1)
+        finally:
+            await stage.close()
+
+    scored, _ = asyncio.run(go())
+    assert [t.reward for t in scored] == [3.0, 3.0, 3.0]
+    assert sorted(tools.origins) == [""] * 4 + [f"reward/train/3/1/0/{s}/{node}" for s in (0, 1)
+                                                for node in ("a", "b", "each/0", "each/1")]
+
+
 def test_a_reward_function_past_its_timeout_has_no_value_and_scoring_goes_on():
     """`timeout_s` on a function node: a call that hangs (0.2 s here against 0.05) is an error, counted, and
     the other nodes and trajectories are scored as usual."""

@@ -408,7 +408,8 @@ def test_every_request_is_seeded_by_its_prompt_sample_and_turn_and_calls_are_nam
     """The seed of turn t of sample s of prompt p is request_seed(request_seed(*seed_key, p, s), t), p counted from
     first_index: a seed without the sample gave every trajectory of a GRPO group the same tokens (zero advantage,
     nothing learned), one without the turn repeated the first turn's stream, an unseeded request made a resumed run
-    sample otherwise. Call k of turn t is `<origin>/<p>/<s>/<t>/<k>`: the key a replay answers it by."""
+    sample otherwise. Call k of turn t is `<origin>/<p>/<s>/<t>/<k>`: the key a replay answers it by; the episode is
+    `<origin>/<p>/<s>`, which its reward nodes' calls are named by."""
     from factory.rollout.engine import request_seed
 
     two = call("add", a=2, b=3) + "\n" + call("mul", a=5, b=4)
@@ -422,6 +423,8 @@ def test_every_request_is_seeded_by_its_prompt_sample_and_turn_and_calls_are_nam
     assert len(engine.seeds) == len(want) == 12 and set(engine.seeds) == want
     assert [[c.origin for turn in t.turns for c in turn.calls] for t in trajs] == [
         [f"train/3/0/{p}/{s}/0/0", f"train/3/0/{p}/{s}/0/1", f"train/3/0/{p}/{s}/1/0"] for p in (5, 6) for s in (0, 1)]
+    # the episode keeps its place: its tool reward nodes' calls are named by it (factory.tools.recording)
+    assert [t.origin for t in trajs] == [f"train/3/0/{p}/{s}" for p in (5, 6) for s in (0, 1)]
 
 
 def test_a_stalled_generation_ends_the_episode_at_its_timeout(chat):

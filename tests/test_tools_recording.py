@@ -111,6 +111,36 @@ def test_calls_without_an_origin_take_the_recorded_answers_in_order():
     assert [r.text for r in got[:2]] == ["2 [recorded 1]", "2 [recorded 2]"] and got[2].error_kind == "replay_miss"
 
 
+def test_a_reward_call_is_answered_by_its_origin_and_from_an_older_recording_in_order():
+    """A tool reward node's call carries its place (factory.tools.recording.reward_origin) and gets the answer
+    recorded there, whichever steps are replayed and in whatever order. A recording made before reward calls had
+    origins holds them with none: they still answer reward calls in order, as they did then, so that run stays
+    rescorable; a rollout's call never takes one of them."""
+    def row(origin, text):
+        return {"origin": origin, "server": "grade", "tool": "grade", "arguments": canonical({"text": "3"}),
+                "text": text, "status": "ok", "error_kind": None, "latency_s": 0.0, "source": "live"}
+
+    def ask(replay, origin):
+        answer = replay.answer(ToolCall("grade", {"text": "3"}, raw="", origin=origin), "grade", "grade")
+        return answer and answer.text
+
+    step = {n: f"reward/train/{n}/0/0/0/graded" for n in (1, 3)}  # (reward_origin's, checked below)
+    replay = Replay([row(step[1], "step 1's"), row(step[3], "step 3's")], "fail")
+    assert [ask(replay, step[3]), ask(replay, step[1])] == ["step 3's", "step 1's"]
+    assert ask(replay, "reward/eval/3/0/0/0/graded") is None  # not recorded: a miss, not another's answer
+    old = Replay([row("", "first"), row("", "second")], "fail")
+    assert ask(old, "train/1/0/0/0/0/0") is None
+    assert [ask(old, step[3]), ask(old, step[1]), ask(old, step[1])] == ["first", "second", None]
+    assert old.misses == ['grade({"text":"3"}) at train/1/0/0/0/0/0',
+                          'grade({"text":"3"}) at reward/train/1/0/0/0/graded']
+
+    from factory.tools.recording import reward_origin
+
+    assert reward_origin("train/1/0/0/0", "graded") == step[1]
+    assert reward_origin("eval/3/0/2/0", "each", 4) == "reward/eval/3/0/2/0/each/4"  # a per-turn node's, at turn 4
+    assert reward_origin("", "graded") == ""  # a trajectory whose place is not known (an older table's)
+
+
 GONE = {"calc": StdioServer(command=sys.executable, args=["-m", "factory.examples.no_such_server"])}
 CALC_LISTING = {"calc": [{"name": "calculate", "offered_as": "calculate", "description": "Evaluate arithmetic.",
                           "inputSchema": {"type": "object", "properties": {"expression": {"type": "string"}},

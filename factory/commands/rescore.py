@@ -49,7 +49,9 @@ def trajectory_from_record(r: dict[str, Any]) -> Trajectory:
                       response_ids=list(r["response_ids"]), loss_mask=list(r["loss_mask"]), turns=turns,
                       sampler_logprobs=list(r.get("sampler_logprobs") or []),
                       stop_reason=r["stop_reason"], row=json.loads(r["row"]), messages=json.loads(r["prompt"]),
-                      completion=r["completion"], infra_error=r["infra_error"], truncated=r["truncated"])
+                      completion=r["completion"], infra_error=r["infra_error"], truncated=r["truncated"],
+                      # (none in a table saved before trajectories kept it: their reward calls replay in order)
+                      origin=r.get("origin") or "")
 
 
 def parse_steps(text: str) -> set[int]:

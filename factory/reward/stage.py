@@ -427,6 +427,7 @@ class _Evaluation:
             return _Outcome(None, "parse_failure", {"reply": reply, "error": why})
 
     async def _tool(self, name: str, node: ToolNode, i: int, k: int | None = None) -> _Outcome:
+        from factory.tools.recording import reward_origin
         from factory.tools.toolbox import qualified_name
 
         ctx = self._context(i, k)
@@ -435,8 +436,11 @@ class _Evaluation:
             arguments = {k: template.render(ctx) for k, template in self.s._templates[name].items()}
         except Exception as e:  # a template that reads a column the row lacks
             return _Outcome(None, "error", {"error": f"tool arguments: {type(e).__name__}: {e}"})
-        # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key)
-        call = ToolCall(name=qualified_name(server, tool) if tool else server, raw="", arguments=arguments)
+        # `server.tool` names one tool of an MCP server; a bare name is a python tool (named by its key). Named
+        # by its trajectory's place in the run, the node and the turn, as a rollout's call is by its episode's:
+        # what a replay answers it by, whichever steps are scored and in whatever order (a rescore's)
+        call = ToolCall(name=qualified_name(server, tool) if tool else server, raw="", arguments=arguments,
+                        origin=reward_origin(self.trajs[i].origin, name, k))
         try:
             result = await self.s._toolbox.call(call)
         except Exception as e:

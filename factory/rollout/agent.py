@@ -61,8 +61,8 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
                          context: int | None = None) -> Trajectory:
     """One episode: the model's turns and the tool responses between them, as ids with a loss mask and
     the sampler's log-prob of every model token. With `seed`, turn k samples with its own seed derived
-    from (seed, k). `origin` names the episode in the run: call k of turn t is `<origin>/<t>/<k>`
-    (ToolCall.origin, what a replay finds its recorded answer by). `context`: the model's context in
+    from (seed, k). `origin` names the episode in the run (Trajectory.origin): call k of turn t is
+    `<origin>/<t>/<k>` (ToolCall.origin, what a replay finds its recorded answer by). `context`: the model's context in
     tokens (None: not known), which the prompt and the response must fit together: a prompt that leaves
     no room is not generated from (stop reason `prompt_too_long`; the reward stage drops it), a turn is cut
     where the context ends, and tool results that would not fit end the episode (an engine given more either
@@ -161,7 +161,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         infra_error=stop == "timeout" or any(r.status == "infra_error" for t in turns for r in t.results),
         # cut by a token limit (or the clock) in a model turn, or by the budget between turns (a tool's answer
         # left no room to reply): either way the model never gave its last word (DAPO's overlong filter's case)
-        truncated=not finished or stop == "budget",
+        truncated=not finished or stop == "budget", origin=origin,
     )
 
 

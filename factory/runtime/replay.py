@@ -9,7 +9,7 @@ import tempfile
 from typing import Any
 
 from factory.plan import Plan, Replayed, ToolsSettings
-from factory.tools.recording import ReplayMiss
+from factory.tools.recording import REWARD, ReplayMiss
 from factory.tracking.mlflow_tracker import TOOLS_IN_SERVER_ORDER
 from factory.tracking.tracker import Tracker
 from factory.util import UserError
@@ -67,17 +67,18 @@ def replaying(plan: Plan, replayed: Replayed | None) -> Plan:
 # Why a run's replay misses: its model sampled otherwise. A rescore samples nothing: its trajectories are the
 # recorded run's own, so a miss is a reward node's call that run never made.
 RUN_WENT_ELSEWHERE = "this run went elsewhere (a changed spec, model or data)"
-RESCORE_ASKED_ELSEWHERE = ("the run never made this call (a tool reward node added or changed since it ran, or "
-                           "one whose arguments differ)")
+RESCORE_ASKED_ELSEWHERE = ("the run never made this call (a tool reward node added, renamed or changed since it ran, "
+                           "or one whose arguments differ)")
 
 
 def recorded_through(plan: Plan) -> int | None:
-    """The last training step at which the replayed run made a tool call (None: no replay, or it made none
-    while training): a run that trains longer misses at the step after, having gone nowhere else."""
+    """The last training step at which the replayed run made a tool call, in its rollout or in a tool reward
+    node (None: no replay, or it made none while training): a run that trains longer misses at the step after,
+    having gone nowhere else."""
     for stage in plan.stages:
         replayed = getattr(stage.settings, "replay", None)
         if isinstance(replayed, Replayed):
-            origins = (str(r.get("origin", "")).split("/") for r in replayed.rows)
+            origins = (str(r.get("origin", "")).removeprefix(REWARD).split("/") for r in replayed.rows)
             return max((int(o[1]) for o in origins if o[0] == "train" and len(o) > 1 and o[1].isdigit()), default=None)
     return None
 

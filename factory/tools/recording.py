@@ -6,14 +6,18 @@ is reached).
   in the run it was made (ToolCall.origin), the server, the tool, the arguments, the whole result, its
   status, error kind and latency. The driver takes the rows right after each step's rollout and evaluation
   and logs them as that step's `tool_calls/step_NNNNN.parquet` table.
-- Replay (`replay.run`, `factory run SPEC --replay RUN`): a recorded run's rows answer this run's calls.
-  A call is matched by its origin and must name the same tool with the same arguments; a call without an
-  origin (a reward node's) takes the next unused row of the same tool and arguments. A call the recording
-  does not hold is a miss: `replay.on_miss: live` calls the tool, `fail` answers an infrastructure error
-  (`replay_miss`) and the driver stops the run as soon as the step's rollout (or evaluation) ends, before
-  the step is trained on, naming the first miss. Under `fail` no call reaches a server, so none is
-  started: the tools are offered as the recorded run's servers listed them (its `tools.json`), and a run
-  whose server is down or gone can still be replayed.
+- Replay (`replay.run`, `factory run SPEC --replay RUN`, `factory rescore RUN --replay RUN`): a recorded
+  run's rows answer this run's calls. A call is matched by its origin and must name the same tool with the
+  same arguments: a rollout's call by its episode's place and its turn, a tool reward node's by its
+  trajectory's place and the node (`reward_origin`), so a rescore of some steps, or of a step's evaluation
+  before its training batch, gets the answers recorded for those very trajectories. A recording made before
+  reward calls had origins holds them with none: a reward call then takes the next unused origin-less row of
+  the same tool and arguments, as every reward call did then (a call without an origin, from a trajectory
+  read back from a table of that time, too). A call the recording does not hold is a miss: `replay.on_miss:
+  live` calls the tool, `fail` answers an infrastructure error (`replay_miss`) and the driver stops the run
+  as soon as the step's rollout (or evaluation) ends, before the step is trained on, naming the first miss.
+  Under `fail` no call reaches a server, so none is started: the tools are offered as the recorded run's
+  servers listed them (its `tools.json`), and a run whose server is down or gone can still be replayed.
 - Cache (`tools.<server>.cache: true`): the answers of a deterministic tool, kept across runs in a sqlite
   file, keyed by (server, tool, the tool's schema hash, the arguments). Infrastructure failures are never
   kept.
@@ -69,6 +73,20 @@ class Recorder:
         return rows
 
 
+REWARD = "reward/"  # the prefix of a tool reward node's origin
+
+
+def reward_origin(episode: str, node: str, turn: int | None = None) -> str:
+    """The origin of reward node `node`'s tool call on the trajectory made at `episode` (Trajectory.origin), at
+    `turn` for a per-turn node: `reward/<split>/<step>/<attempt>/<prompt>/<sample>/<node>[/<turn>]`. A tool node
+    makes one call per trajectory (per turn when per-turn), and a trajectory is scored once in a run, so it is
+    unique there; it names the node, not its tool and arguments, so two nodes asking the same question keep
+    their own answers. "" where the episode's place is not known: the call then replays in order."""
+    if not episode:
+        return ""
+    return f"{REWARD}{episode}/{node}" + ("" if turn is None else f"/{turn}")
+
+
 class Replay:
     """A recording's rows, answering calls (see the module doc). `misses` lists what it could not answer.
     `listing`: server -> the tools the recorded run offered ({name, description, inputSchema}); None: not
@@ -97,13 +115,22 @@ class Replay:
             row = self.by_origin.get(call.origin)
             if row is not None and (row["server"], row["tool"], row["arguments"]) != (server, tool, args):
                 row = None
+            elif row is None and call.origin.startswith(REWARD):
+                # A recording made before reward calls had origins holds them with none, in the order they
+                # were made: they answer in order, as every reward call was answered then, so that a run of
+                # that time stays rescorable. A newer recording holds no such rows: a miss.
+                row = self._next(server, tool, args)
         else:
-            queue = self.in_order.get((server, tool, args))
-            row = queue.popleft() if queue else None
+            row = self._next(server, tool, args)
         if row is None:
             self.misses.append(f"{tool}({args[:200]}) at {call.origin or 'a reward node'}")
             return None
         return ToolResult(tool=tool, text=row["text"], status=row["status"], error_kind=row["error_kind"])
+
+    def _next(self, server: str, tool: str, args: str) -> dict[str, Any] | None:
+        """The next unused origin-less row of this tool and arguments (None: none left)."""
+        queue = self.in_order.get((server, tool, args))
+        return queue.popleft() if queue else None
 
 
 def cache_path() -> Path:

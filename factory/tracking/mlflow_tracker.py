@@ -257,11 +257,13 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
             "infra_error": t.infra_error, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
             "loss_mask": t.loss_mask, "sampler_logprobs": t.sampler_logprobs,
-            # What `factory rescore` needs to score it again: the row, the structured turns (whole), and
-            # what the reward stage said about each node (judge replies, errors, drops).
+            # What `factory rescore` needs to score it again: the row, the structured turns (whole), what the
+            # reward stage said about each node (judge replies, errors, drops), and where the episode was made
+            # (its tool reward nodes' calls are named by it: a replay finds their recorded answers by it).
             "row": json.dumps(t.row, sort_keys=True, default=str), "truncated": t.truncated,
             "turns": _json_text([dataclasses.asdict(turn) for turn in t.turns]),
             "reward_details": _json_text(t.reward_details, sort_keys=True), "dropped": t.dropped,
+            "origin": t.origin,
         })
     return rows
 
