@@ -277,7 +277,8 @@ class Plan:
     version: str  # factory's version
     tools: dict[str, list[str]] = field(default_factory=dict)  # server -> offered tools (when connected)
     warnings: tuple[str, ...] = field(default=(), compare=False)  # shown by `factory check`, not hashed
-    masked: tuple[str, ...] = field(default=(), compare=False, repr=False)  # spec paths read from the env
+    # where the spec's values were read from the env, key by key (a key may hold a '.': a tag `team.token`)
+    masked: tuple[tuple[str | int, ...], ...] = field(default=(), compare=False, repr=False)
 
     def stage(self, name: str) -> Stage:
         """The stage named `name`: for tests and notebooks, which know the plan they built."""
@@ -286,10 +287,10 @@ class Plan:
                 return s
         raise KeyError(f"the plan has no stage {name!r}")
 
-    def from_env(self, path: str) -> bool:
-        """Whether the spec's value at dotted `path` (or a section holding it) came from the environment:
-        every view shows it as "***", and nothing derived from it (a tag, a param) may show it either."""
-        return any(path == m or path.startswith(m + ".") for m in self.masked)
+    def from_env(self, *keys: str | int) -> bool:
+        """Whether the spec's value at `keys` (`"train", "checkpoint_dir"`), or a section holding it, came from the
+        environment: every view shows it as "***", and nothing derived from it (a tag, a param) may show it either."""
+        return any(keys[:len(m)] == m for m in self.masked)
 
     def sliced(self, kind: type[S]) -> S:
         """The one stage slice of type `kind`: the reward graph's (RewardSettings), the trainer's

@@ -320,7 +320,7 @@ tracking:
     spec, source = load(path)
     assert spec.tracking.uri == "http://secret-host:5000"
     assert spec.tracking.experiment == "demo-exp"
-    assert source.env_paths == {"tracking.uri"}
+    assert source.env_paths == {("tracking", "uri")}
 
 
 def test_env_derived_through_another_interpolation(project, monkeypatch):
@@ -330,7 +330,23 @@ tracking:
   tags: {token: "${oc.env:FACTORY_TEST_TOKEN}", copy: "${tracking.tags.token}", plain: x}
 """)
     _, source = load(path)
-    assert source.env_paths == {"tracking.tags.token", "tracking.tags.copy"}
+    assert source.env_paths == {("tracking", "tags", "token"), ("tracking", "tags", "copy")}
+
+
+def test_env_derived_through_relative_and_resolver_interpolations_under_dotted_keys(project, monkeypatch):
+    """A key may hold a '.' (a tag `team.token`), and a value may copy an env-derived one through a relative
+    interpolation or a resolver: each is found, as a tuple of keys. Dotted paths never found `team.token`, and
+    only absolute `${a.b}` references were followed."""
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", "t0k3n")
+    path = project.spec(_base(project, "rw_env3") + """\
+tracking:
+  tags: {"team.token": "${oc.env:FACTORY_TEST_TOKEN}", auth: "Bearer ${.a}", up: "${..experiment}",
+         picked: "${oc.select:tracking.tags.a,none}", a: "${ oc.env:FACTORY_TEST_TOKEN}", plain: x}
+  experiment: "${oc.env:FACTORY_TEST_TOKEN,x}-exp"
+""")
+    _, source = load(path)
+    assert source.env_paths == {("tracking", "tags", key) for key in ("team.token", "auth", "up", "picked", "a")} | {
+        ("tracking", "experiment")}
 
 
 def test_unresolvable_interpolations_are_all_reported_at_their_lines(project, monkeypatch):

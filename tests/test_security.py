@@ -91,6 +91,33 @@ def test_env_values_are_masked_in_everything_a_run_records(project, monkeypatch)
     assert plan.spec["tools"]["calc"]["env"] == {"TOKEN": "***"}
 
 
+def test_env_values_under_dotted_keys_and_copied_by_relative_interpolations_are_masked(project, monkeypatch):
+    """A tag `team.token`, a generator's argument `max.operand`, a value copied through `${.KEY}` or
+    `${oc.select:...}`: each `***` (the dotted paths of old never found a key holding a '.', and only absolute
+    `${a.b}` copies were followed)."""
+    monkeypatch.setenv("FACTORY_T_TOKEN", "tok-s3cret")
+    monkeypatch.setenv("FACTORY_T_MAX", "917")
+    project.file("gen.py", "def g(n, seed, **kw):\n    return [{'question': '1+1', 'answer': '2'}] * n\n")
+    path = project.spec("""\
+        name: demo
+        model: {path: "factory:tiny-qwen3"}
+        data: {train: {generator: gen:g, size: 8, args: {"max.operand": "${oc.env:FACTORY_T_MAX}"}}}
+        tools:
+          calc: {command: python, args: [-m, factory.examples.calculator],
+                 env: {TOKEN: "${oc.env:FACTORY_T_TOKEN}", AUTH: "Bearer ${.TOKEN}"}}
+        rewards:
+          correct: {fn: "factory.rewards.math:exact_match"}
+        tracking: {tags: {"team.token": "${oc.env:FACTORY_T_TOKEN}", owner: "${oc.select:tools.calc.env.TOKEN}"}}
+        """)
+    spec, plan = compile_file(path)
+    assert spec.tools["calc"].env["AUTH"] == "Bearer tok-s3cret"  # the run gets them
+    shown = plan_json(plan) + plan.spec_yaml
+    assert "s3cret" not in shown and "917" not in shown
+    assert plan.spec["tracking"]["tags"] == {"team.token": "***", "owner": "***"}
+    assert plan.spec["tools"]["calc"]["env"] == {"TOKEN": "***", "AUTH": "***"}
+    assert plan.spec["data"]["train"]["args"] == {"max.operand": "***"}
+
+
 def _shell_calls(tree: ast.AST) -> list[int]:
     """Lines that start a shell: os.system/os.popen, asyncio's *_shell, subprocess with shell=True."""
     lines = []

@@ -13,7 +13,6 @@ real values is returned next to the Plan, never inside it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import filecmp
 import functools
@@ -34,7 +33,7 @@ import yaml
 from pydantic import BaseModel
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.load import SpecInput, SpecSource, load_all, read_config, remember
+from factory.compiler.load import Keys, SpecInput, SpecSource, load_all, read_config, remember, replaced
 from factory.compiler.refs import (
     RefError,
     args_problems,
@@ -132,26 +131,10 @@ def _sorted(obj: Any) -> Any:
     return obj
 
 
-def mask(data: dict[str, Any], paths: Iterable[str]) -> dict[str, Any]:
-    """A copy with the value at each dotted path replaced by "***" (paths that do not exist are skipped)."""
-    out = copy.deepcopy(data)
-    for path in paths:
-        parts = path.split(".")
-        target: Any = out
-        for p in parts[:-1]:
-            if isinstance(target, dict) and p in target:
-                target = target[p]
-            elif isinstance(target, list) and p.isdigit() and int(p) < len(target):
-                target = target[int(p)]
-            else:
-                target = None
-                break
-        last = parts[-1]
-        if isinstance(target, dict) and last in target:
-            target[last] = MASK
-        elif isinstance(target, list) and last.isdigit() and int(last) < len(target):
-            target[int(last)] = MASK
-    return out
+def mask(data: dict[str, Any], paths: Iterable[Keys]) -> dict[str, Any]:
+    """A copy with the value at each path (a tuple of keys) replaced by "***" (paths that do not exist are
+    skipped)."""
+    return replaced(data, paths, MASK)
 
 
 class _Report:
@@ -537,6 +520,8 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
 
 def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
     hashes: dict[str, Any] = {}
+    # the hashes name the path and args as the plan shows them: a value read from the environment is ***
+    shown = mask(spec.data.model_dump(mode="json"), [p[1:] for p in r.source.env_paths if p[0] == "data"])
     for split in ("train", "eval"):
         source = getattr(spec.data, split)
         if source is None:
@@ -550,7 +535,7 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             elif found.suffix not in (".parquet", ".jsonl", ".json"):
                 r.error(f"data.{split}.path", f"data files must be .parquet, .jsonl or .json, got {source.path}")
             else:
-                hashes[split] = {"path": source.path, "sha256": sha256_file(found)}
+                hashes[split] = {"path": shown[split]["path"], "sha256": sha256_file(found)}
             continue
         fn = r.imported(f"data.{split}.generator", source.generator,
                         lambda f: generator_problem(f, source.generator, source.args))
@@ -559,7 +544,7 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         for key, problem in args_problems(fn, source.args).items():
             r.error(f"data.{split}.args.{key}", problem)
         src = source_file(fn)
-        hashes[split] = {"generator": source.generator, "args": _plain(source.args), "size": source.size,
+        hashes[split] = {"generator": source.generator, "args": shown[split]["args"], "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
         if helpers := {k: sha256_file(f) for k, f in helper_sources(fn).items()}:  # (absent: a hash as before)
             hashes[split]["helpers_sha256"] = helpers
@@ -667,8 +652,8 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             args_key = f"data.{split}.args"
             overridden = [p for p in r.source.override_paths if p == args_key or p.startswith(args_key + ".")]
             # (a value read from the environment shown as *** as in printed plans: it may be a secret)
-            args = mask({"args": dict(source.args)}, [p[len(f"data.{split}."):] for p in r.source.env_paths
-                                                      if p == args_key or p.startswith(args_key + ".")])["args"]
+            args = mask({"args": dict(source.args)}, [p[2:] for p in r.source.env_paths
+                                                      if p[:3] == ("data", split, "args")])["args"]
             shown = ", ".join(f"{k}={v!r}" for k, v in args.items()) if isinstance(args, dict) else args
             r.error(min(overridden, key=r.source.override_paths.__getitem__) if overridden else key,
                     f"{source.generator} raised {type(e).__name__} on its args ({shown}): {e}")
@@ -1402,7 +1387,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         warnings=tuple(str(w) for w in r.warnings),
         # $RAY_ADDRESS came from the environment as a `${oc.env:...}` value would: shown masked
         masked=tuple(sorted({*source.env_paths, *(() if spec.resources.ray_address or ray_address is None
-                                                  else ("resources.ray_address",))})),
+                                                  else (("resources", "ray_address"),))}, key=str)),
     )
     if problems := check_contracts(plan):  # Factory's own stage classes disagree with its stage graph
         raise ContractError(problems)

@@ -55,7 +55,7 @@ class SpecSource:
     lines: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()
     override_paths: Mapping[str, int] = field(default_factory=dict)  # dotted path -> override number
-    env_paths: frozenset[str] = frozenset()  # dotted paths whose value came from ${oc.env:...}
+    env_paths: frozenset[Keys] = frozenset()  # where a value came from ${oc.env:...} (`env_paths`)
     files: Mapping[str, str] = field(default_factory=dict)  # dotted path -> the base spec (`extends`) that set it
     folders: Mapping[str, Path] = field(default_factory=dict)  # dotted path -> that base spec's folder (absolute)
 
@@ -216,36 +216,75 @@ def _omega_message(e: OmegaConfBaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ env-derived values
-_REF = re.compile(r"\$\{([^}]*)\}")
+Keys = tuple[str | int, ...]  # a value's place in the spec, key by key: a key may hold a '.' (a tag `team.token`)
+
+# What `${oc.env:...}` gives in the probe copy of a spec (`env_paths`): plain letters, so that any resolver
+# or interpolation that carries the environment's value on (`Bearer ${.API_KEY}`, `${oc.select:...}`,
+# `${oc.decode:...}`) carries the mark on too.
+ENV_MARK = "FACTORYENVMARK7c41d9"
+_ENV_PROBE = "factory_env_probe"
+_ENV_CALL = re.compile(r"\$\{(\s*)oc\.env(\s*):")
 
 
-def _leaves(data: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+def _probing(data: Any) -> Any:
+    """`data` with every `${oc.env:...}` made `${factory_env_probe:...}`."""
     if isinstance(data, dict):
-        for k, v in data.items():
-            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
-    else:
-        yield prefix, data
+        return {k: _probing(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_probing(v) for v in data]
+    return _ENV_CALL.sub(rf"${{\1{_ENV_PROBE}\2:", data) if isinstance(data, str) else data
 
 
-def env_paths(raw: dict, seed: Iterable[str] = ()) -> frozenset[str]:
-    """Paths whose value came from `${oc.env:...}`, directly or through interpolating such a value (or one
-    of the `seed` paths, already known to be env-derived)."""
-    strings = {p: v for p, v in _leaves(raw) if isinstance(v, str) and "${" in v}
-    found = {p for p, v in strings.items() if "oc.env" in v} | set(seed)
-    grew = True
-    while grew:
-        grew = False
-        for p, v in strings.items():
-            if p in found:
-                continue
-            refs = [r for r in _REF.findall(v) if ":" not in r]
-            if any(r == q or q.startswith(r + ".") for r in refs for q in found):
-                found.add(p)
-                grew = True
-    return frozenset(found)
+def _env_mark(*_: Any) -> str:
+    return ENV_MARK
+
+
+def _marked(node: DictConfig | ListConfig, at: Keys) -> Iterable[Keys]:
+    keys: Iterable[str | int] = node if isinstance(node, DictConfig) else range(len(node))
+    for key in keys:
+        try:
+            value = node[key]  # type: ignore[index]
+        except OmegaConfBaseException:
+            # unresolvable in the probe: either reported already (an unset variable) or resolved only from the
+            # environment's own text (`${oc.decode:${oc.env:N}}` of a mapping): masked, never shown by mistake
+            yield (*at, key)
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            yield from _marked(value, (*at, key))
+        elif isinstance(value, str) and ENV_MARK in value:
+            yield (*at, key)
+
+
+def env_paths(cfg: DictConfig) -> frozenset[Keys]:
+    """The places whose value came from `${oc.env:...}`, directly or through any interpolation of such a
+    value (absolute `${a.b}`, relative `${.a}` and `${..a}`, `${oc.select:...}`, nested): a copy of the config
+    is resolved with every `${oc.env:...}` giving ENV_MARK, and every value that holds it is one. Matching the
+    interpolations' text instead missed the relative ones and every resolver."""
+    if not OmegaConf.has_resolver(_ENV_PROBE):  # registered when first needed: importing Factory changes nothing
+        try:
+            OmegaConf.register_resolver(_ENV_PROBE, _env_mark, annotation_validation="off")  # OmegaConf 2.4's name
+        except TypeError:  # 2.3: register_resolver is the legacy API, without that keyword
+            OmegaConf.register_new_resolver(_ENV_PROBE, _env_mark)
+    probe = OmegaConf.create(_probing(OmegaConf.to_container(cfg, resolve=False)))
+    return frozenset(_marked(probe, ()))
+
+
+def replaced(data: Any, paths: Iterable[Keys], value: Any) -> Any:
+    """A copy of `data` with the value at each of `paths` replaced by `value` (paths that do not exist are
+    skipped; a key read as a number from YAML is a string in a model's dump)."""
+    out = copy.deepcopy(data)
+    for path in paths:
+        target: Any = out
+        for i, key in enumerate(path):
+            if isinstance(target, dict) and (key in target or str(key) in target):
+                key = key if key in target else str(key)
+            elif not (isinstance(target, list) and isinstance(key, int) and 0 <= key < len(target)):
+                break
+            if i == len(path) - 1:
+                target[key] = value
+            else:
+                target = target[key]
+    return out
 
 
 # ------------------------------------------------------------------------------------ OmegaConf
@@ -606,9 +645,8 @@ def read_text(text: str, file: str, base_dir: Path, overrides: Iterable[str] = (
     cfg, lines, files, folders = _compose(file, text, base_dir, chain)
     errors: list[SpecError] = []
     cfg, override_paths = _apply_overrides(cfg, overrides, errors)
-    raw = OmegaConf.to_container(cfg, resolve=False)
     source = SpecSource(file, base_dir, text, lines if located else {}, overrides, override_paths,
-                        env_paths(raw), files if located else {}, folders)  # type: ignore[arg-type]
+                        env_paths(cfg), files if located else {}, folders)  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
     return data, source, errors
 
@@ -674,19 +712,38 @@ def _default_templates(model: BaseModel, prefix: Parts = ()) -> list[tuple[Parts
     return out
 
 
-def _with_default_interpolations(spec: Spec, data: dict) -> Spec:
-    """Resolve interpolating defaults against the user's values, so the plan shows what will be used."""
+def _default_values(spec: Spec, data: dict) -> dict[Parts, Any]:
+    """Each interpolating default of `spec` resolved against `data`, the user's resolved values."""
     templates = _default_templates(spec)
     if not templates:
-        return spec
+        return {}
     data = copy.deepcopy(data)
-    cfg = OmegaConf.create(data)
     for parts, template in templates:
-        OmegaConf.update(cfg, dotted(parts), template, force_add=True)
         target = data
         for p in parts[:-1]:
             target = target.setdefault(p, {})
-        target[parts[-1]] = OmegaConf.select(cfg, dotted(parts))
+        target[parts[-1]] = template
+    cfg = OmegaConf.create(data)
+    out = {}
+    for parts, _ in templates:
+        node: Any = cfg
+        for p in parts:
+            node = node[p]
+        out[parts] = node
+    return out
+
+
+def _with_default_interpolations(spec: Spec, data: dict) -> Spec:
+    """Resolve interpolating defaults against the user's values, so the plan shows what will be used."""
+    values = _default_values(spec, data)
+    if not values:
+        return spec
+    data = copy.deepcopy(data)
+    for parts, value in values.items():
+        target = data
+        for p in parts[:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = value
     return Spec.model_validate(data)
 
 
@@ -719,24 +776,11 @@ def load_all(spec: SpecInput, overrides: Iterable[str] = ()) -> Loaded:
         return loaded
     # A default that interpolates an env-derived value (`checkpoint_dir: runs/${name}` with a name from
     # ${oc.env:...}) is env-derived too: mask it wherever the spec is shown.
-    defaults = {dotted(parts): template for parts, template in _default_templates(spec)}
-    if defaults:
-        derived = env_paths(_nested(defaults), seed=source.env_paths) - source.env_paths
-        if derived:
-            loaded.source = dataclasses.replace(source, env_paths=source.env_paths | derived)
+    derived = {parts for parts, value in _default_values(spec, replaced(data, source.env_paths, ENV_MARK)).items()
+               if isinstance(value, str) and ENV_MARK in value}
+    if derived:
+        loaded.source = dataclasses.replace(source, env_paths=source.env_paths | derived)
     return loaded
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    """{"a.b": 1} -> {"a": {"b": 1}}."""
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        target = out
-        *parents, last = path.split(".")
-        for p in parents:
-            target = target.setdefault(p, {})
-        target[last] = value
-    return out
 
 
 def remember(spec: Spec, source: SpecSource) -> Spec:

@@ -415,7 +415,7 @@ class MlflowTracker:
         # (relative to the working directory when the spec's is: the stages run there too, and the summary
         # shows it so; the tag is absolute, for `factory export` from anywhere)
         self.checkpoint_dir = str(run_folder(plan.driver.train.checkpoint_dir, name, self.run_id))
-        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
+        self.record_checkpoints = not plan.from_env("train", "checkpoint_dir")
         if self.record_checkpoints:
             import mlflow
 
@@ -441,7 +441,7 @@ class MlflowTracker:
         quiet_mlflow()
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
-        self.record_checkpoints = not plan.from_env("train.checkpoint_dir")
+        self.record_checkpoints = not plan.from_env("train", "checkpoint_dir")
         self.checkpoint_dir = str(resume.checkpoint_dir)  # a resumed run keeps its folder, wherever it is resumed from
         # one listed past the checkpoint resumed from failed its check (resume.newest_checkpoint passed it
         # over): this session computes and saves those steps again
