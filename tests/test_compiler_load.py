@@ -323,6 +323,19 @@ tracking:
     assert source.env_paths == {("tracking", "uri")}
 
 
+def test_a_resolved_value_holding_dollar_brace_is_not_interpolated_again(project, monkeypatch):
+    """An env var's value `pa${ss`, a literal the spec escaped (`\\${HOME}`): resolved once, as text. Filling the
+    default `checkpoint_dir: runs/${name}` read the resolved values as interpolations again, and refused the spec
+    with "spec.yaml:1: cannot resolve a default: ..." (a line the user never wrote, and part of the secret)."""
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", "pa${ss")
+    path = project.spec(_base(project, "rw_dollar").replace("name: demo", "name: 'run-\\${HOME}'") + """\
+tracking: {tags: {token: "${oc.env:FACTORY_TEST_TOKEN}", text: 'a\\${x}'}}
+""")
+    spec, source = load(path)
+    assert spec.name == "run-${HOME}" and spec.train.checkpoint_dir == "runs/run-${HOME}"
+    assert spec.tracking.tags == {"token": "pa${ss", "text": "a${x}"}
+
+
 def test_env_derived_through_another_interpolation(project, monkeypatch):
     monkeypatch.setenv("FACTORY_TEST_TOKEN", "t0k3n")
     path = project.spec(_base(project, "rw_env2") + """\

@@ -712,12 +712,23 @@ def _default_templates(model: BaseModel, prefix: Parts = ()) -> list[tuple[Parts
     return out
 
 
+def _escaped(data: Any) -> Any:
+    """`data` (resolved values) as OmegaConf reads back the same text: `${` (an env var's `pa${ss`, a literal
+    the spec escaped as `\\${...}`) escaped, and the backslashes before one doubled."""
+    if isinstance(data, dict):
+        return {k: _escaped(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_escaped(v) for v in data]
+    return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", data) if isinstance(data, str) else data
+
+
 def _default_values(spec: Spec, data: dict) -> dict[Parts, Any]:
-    """Each interpolating default of `spec` resolved against `data`, the user's resolved values."""
+    """Each interpolating default of `spec` resolved against `data`, the user's resolved values. These are
+    escaped first: resolved already, a value holding `${` was interpolated a second time."""
     templates = _default_templates(spec)
     if not templates:
         return {}
-    data = copy.deepcopy(data)
+    data = _escaped(data)
     for parts, template in templates:
         target = data
         for p in parts[:-1]:
