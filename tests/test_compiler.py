@@ -1223,6 +1223,37 @@ def test_a_change_in_a_project_module_that_a_reward_generator_or_tool_imports_ch
     assert [k for k in again["rewards"] if again["rewards"][k] != hashes["rewards"][k]] == ["rc_util_norm.py"]
 
 
+def test_a_callable_object_reward_or_generator_is_hashed_by_the_module_that_makes_it(project):
+    """A reward that is a module-level `functools.partial` or an instance with `__call__`, a generator that is
+    one: inspect cannot place such an object (getsourcefile raises TypeError), so it went unhashed ({} as for a
+    builtin, `source_sha256: None`) and a change to it read as "identical" to `factory diff` and `--resume`. The
+    module the import path names is hashed, with its project helpers (the partial's function's module)."""
+    base = _base(project, "rc_objects")
+    project.module("rc_objects_impl", "def score(prompt, completion, tol=0.0, **row):\n    return 1.0\n")
+    source = """\
+        import functools
+        import rc_objects_impl
+
+        class Rows:
+            def __call__(self, n, seed):
+                return [{"question": "1+1", "answer": "2"}] * n
+
+        partial = functools.partial(rc_objects_impl.score, tol=0.1)
+        rows = Rows()
+        """
+    project.module("rc_objects", source)
+    rewards = base[base.index("rewards:"):]
+    spec = project.spec(base.replace("factory.data:arithmetic", "rc_objects:rows").replace(
+        rewards, "rewards:\n  correct: {fn: \"rc_objects:partial\"}\n"))
+    hashes = compile_file(spec)[1].hashes
+    assert sorted(hashes["rewards"]) == ["rc_objects.py", "rc_objects_impl.py"]
+    assert hashes["data"]["train"]["source_sha256"] and hashes["data"]["train"]["helpers_sha256"]
+    project.module("rc_objects", source.replace("tol=0.1", "tol=0.2"))
+    again = compile_file(spec)[1].hashes
+    assert [k for k in again["rewards"] if again["rewards"][k] != hashes["rewards"][k]] == ["rc_objects.py"]
+    assert again["data"]["train"]["source_sha256"] != hashes["data"]["train"]["source_sha256"]
+
+
 def test_an_explicit_vllm_built_for_the_other_device_is_an_error(project, monkeypatch):
     """On a GPU machine bin/setup installs upstream vllm, which runs on GPUs only: a rollout that reserved no
     GPU failed inside vLLM's start-up; `factory check` now says so at the engine's line."""

@@ -543,10 +543,11 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             continue
         for key, problem in args_problems(fn, source.args).items():
             r.error(f"data.{split}.args.{key}", problem)
-        src = source_file(fn)
+        src = source_file(fn, source.generator)
         hashes[split] = {"generator": source.generator, "args": shown[split]["args"], "size": source.size,
                          "seed": spec.seed, "source_sha256": sha256_file(src) if src else None}
-        if helpers := {k: sha256_file(f) for k, f in helper_sources(fn).items()}:  # (absent: a hash as before)
+        helpers = {k: sha256_file(f) for k, f in helper_sources(fn, source.generator).items()}
+        if helpers:  # (absent: a hash as before)
             hashes[split]["helpers_sha256"] = helpers
     return hashes
 
@@ -709,7 +710,7 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
         if node.processes and (problem := _process_problem(fn, node)):
             r.error(f"rewards.{name}.processes", problem)
         fns[name] = fn
-        hashes |= source_hashes(fn)  # its module's and its project helpers
+        hashes |= source_hashes(fn, node.fn)  # its module's and its project helpers
     return hashes, fns
 
 
@@ -848,7 +849,7 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
         if isinstance(server, PythonTool):
             fn = r.imported(f"tools.{name}.function", server.function, check=_tool_schema_problem)
             if fn is not None:
-                code |= source_hashes(fn)
+                code |= source_hashes(fn, server.function)
         elif isinstance(server, HttpServer):
             if not server.url.startswith(("http://", "https://")):
                 r.error(f"tools.{name}.url", f"expected an http(s) URL, got '{server.url}'")

@@ -19,10 +19,21 @@ from typing import Any
 from factory.util import RefError, did_you_mean, import_object, resolve_file, shown_path  # noqa: F401
 
 
-def source_file(obj: Any) -> Path | None:
-    """The python file that defines `obj` (None for builtins and C extensions)."""
+def _code_of(obj: Any, ref: str) -> Any:
+    """What `obj`, imported as `ref` (module:attr), is hashed by: a function or class itself (its own file,
+    wherever `ref` imports it from); a callable object (a module-level `functools.partial`, an instance with
+    `__call__`), which inspect cannot place, by the module `ref` names, where it is made and configured (its
+    function's or class's project module is among that module's helpers)."""
+    obj = inspect.unwrap(obj)
+    if inspect.isroutine(obj) or inspect.isclass(obj):
+        return obj
+    return sys.modules.get(ref.partition(":")[0], obj)
+
+
+def source_file(obj: Any, ref: str) -> Path | None:
+    """The python file that defines `obj`, imported as `ref` (`_code_of`); None for builtins and C extensions."""
     try:
-        found = inspect.getsourcefile(inspect.unwrap(obj))
+        found = inspect.getsourcefile(_code_of(obj, ref))
     except TypeError:
         return None
     return Path(found) if found and Path(found).is_file() else None
@@ -50,13 +61,13 @@ def _installed_roots() -> tuple[Path, ...]:
     return tuple(Path(p).resolve() for p in {*paths, own} if p)
 
 
-def helper_sources(obj: Any) -> dict[str, Path]:
-    """The project modules that `obj`'s module imports, directly or through one another (a reward function's
-    helpers in rewards/util.py): source_key -> file. A module counts when its file lies outside the Python
-    installation and Factory (`_installed_roots`); what is imported is what the module's globals hold (a
-    module, or a function or class from one), so a helper's change changes the plan's hashes as the
-    function's own does (`factory diff`, `--resume`)."""
-    root = inspect.getmodule(inspect.unwrap(obj))
+def helper_sources(obj: Any, ref: str) -> dict[str, Path]:
+    """The project modules that the module of `obj` (imported as `ref`: `_code_of`) imports, directly or
+    through one another (a reward function's helpers in rewards/util.py): source_key -> file. A module counts
+    when its file lies outside the Python installation and Factory (`_installed_roots`); what is imported is
+    what the module's globals hold (a module, or a function or class from one), so a helper's change changes
+    the plan's hashes as the function's own does (`factory diff`, `--resume`)."""
+    root = inspect.getmodule(_code_of(obj, ref))
     if root is None:
         return {}
     installed, seen, todo, out = _installed_roots(), {root.__name__}, [root], {}
@@ -78,13 +89,14 @@ def helper_sources(obj: Any) -> dict[str, Path]:
     return dict(sorted(out.items()))
 
 
-def source_hashes(obj: Any) -> dict[str, str]:
-    """sha256 of `obj`'s source file and of its project helpers' (`helper_sources`), by source_key; {} for a
-    builtin."""
-    own = source_file(obj)
+def source_hashes(obj: Any, ref: str) -> dict[str, str]:
+    """sha256 of the source file of `obj`, imported as `ref` (`_code_of`), and of its project helpers'
+    (`helper_sources`), by source_key; {} for a builtin."""
+    own = source_file(obj, ref)
     if own is None:
         return {}
-    return {source_key(obj, own): sha256_file(own)} | {k: sha256_file(f) for k, f in helper_sources(obj).items()}
+    return ({source_key(_code_of(obj, ref), own): sha256_file(own)}
+            | {k: sha256_file(f) for k, f in helper_sources(obj, ref).items()})
 
 
 # ------------------------------------------------------------------------------------- signatures
