@@ -393,6 +393,28 @@ def test_malformed_interpolation_is_reported_at_its_line(project):
     assert report(e).splitlines()[0].startswith("spec.yaml:9: tracking.experiment: ")
 
 
+def test_every_malformed_interpolation_is_reported_with_the_other_mistakes(project):
+    """OmegaConf refused the whole spec at its first malformed `${...}`: one error shown of four. Each is found by
+    OmegaConf's grammar at its line, an anchor's at each place it is used, and the rest of the spec is checked."""
+    path = project.spec(_base(project, "rw_grammars") + """\
+train: {lr_rate: 3, checkpoint_dir: &dir "${x", steps: many}
+tools:
+  calc: {command: python, args: [-m, "${oc.env:A", "${name}"], timeout_s: soon}
+tracking: {experiment: '${name', uri: *dir}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:9: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
+        "spec.yaml:9: train.checkpoint_dir: no viable alternative at input '${x'\n"
+        "spec.yaml:9: train.steps: expected an integer, got 'many'\n"
+        "spec.yaml:11: tools.calc.args.1: missing BRACE_CLOSE at '<EOF>'\n"
+        "spec.yaml:11: tools.calc.timeout_s: expected a number, got 'soon'\n"
+        "spec.yaml:12: tracking.experiment: no viable alternative at input '${name'\n"
+        "spec.yaml:12: tracking.uri: no viable alternative at input '${x'\n"
+        "7 errors in spec.yaml")
+
+
 def test_load_all_repairs_so_the_compiler_can_go_on(project):
     path = project.spec(_base(project, "rw_repair") + """\
   broken: {fnn: x}

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, ListConfig, OmegaConf, grammar_parser
+from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
@@ -166,6 +166,32 @@ def _line_map(node: yaml.Node | None, prefix: str = "",
             out.setdefault(path, (item.start_mark.line + 1, item.start_mark.column + 1))
             _line_map(item, path, out, within)
     return out
+
+
+def _malformed(node: yaml.Node, at: Keys = ()) -> Iterable[tuple[Keys, yaml.ScalarNode, str]]:
+    """Each value whose `${...}` OmegaConf's grammar refuses (`${name`), with where and why. OmegaConf.create
+    refuses a whole spec at the first one, which hid every other mistake of the spec."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield from _malformed(value, (*at, key.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _malformed(item, (*at, i))
+    elif isinstance(node, yaml.ScalarNode) and "${" in node.value:
+        try:
+            grammar_parser.parse(node.value)
+        except GrammarParseError as e:
+            yield at, node, _omega_message(e)
+
+
+def _blanked(text: str, nodes: Iterable[yaml.ScalarNode]) -> str:
+    """`text` with the values of `nodes` made '' (anchors, tags and every other value kept), for OmegaConf to
+    read the rest; the text is re-emitted, so its lines are the original's only up to the first of them."""
+    starts = {n.start_mark.index for n in nodes}
+    events = [yaml.ScalarEvent(e.anchor, e.tag, (False, True), "", style="'")
+              if isinstance(e, yaml.ScalarEvent) and e.start_mark.index in starts else e
+              for e in yaml.parse(text, Loader=yaml.SafeLoader)]
+    return yaml.emit(events, allow_unicode=True)
 
 
 def _yaml_problem(e: yaml.YAMLError, at: int | None = None) -> str:
@@ -412,11 +438,14 @@ def _file_text(path: Path) -> str:
 
 
 def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
-             ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str], dict[str, Path]]:
+             ) -> tuple[DictConfig, dict[str, tuple[int, int]], dict[str, str], dict[str, Path],
+                        list[tuple[Keys, SpecError]]]:
     """One spec text as a DictConfig (interpolations unresolved), with the line of every dotted path and,
-    for paths a base file set, that file and its folder. `extends: BASE` (or a list of bases, merged in order) names
-    specs, relative to this one's folder, that this one is merged over: a mapping merges key by key, any
-    other value (a list too) replaces the base's. Errors that leave nothing to merge are raised."""
+    for paths a base file set, that file and its folder; and each malformed `${...}` (this file's and its
+    bases'), with its error: its value is '' in the DictConfig, and left out once resolved (`read_text`).
+    `extends: BASE` (or a list of bases, merged in order) names specs, relative to this one's folder, that this
+    one is merged over: a mapping merges key by key, any other value (a list too) replaces the base's. Errors
+    that leave nothing to merge are raised."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -430,8 +459,11 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
     except _AliasTrouble as e:  # OmegaConf would recurse without end (an internal error, exit 1)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
+    malformed = [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
+                 for keys, _, message in _malformed(root)]
     try:
-        cfg = OmegaConf.create(text)  # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
+        # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
+        cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in _malformed(root)]) if malformed else text)
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
@@ -440,7 +472,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     if not isinstance(cfg, DictConfig):
         raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
     if "extends" not in cfg:
-        return cfg, lines, {}, {}
+        return cfg, lines, {}, {}, malformed
     names = OmegaConf.to_container(cfg, resolve=False)["extends"]  # as written: never interpolated
     del cfg["extends"]
     at = lines.get("extends", lines[""])[0]
@@ -460,7 +492,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         except ValueError as e:
             raise SpecErrors([SpecError(file, at, "extends", f"cannot read the base spec {shown}: {e}")],
                              file) from None
-        b_cfg, b_lines, b_files, b_folders = _compose(shown, base_text, base.parent, (*chain, base))
+        b_cfg, b_lines, b_files, b_folders, b_malformed = _compose(shown, base_text, base.parent, (*chain, base))
+        malformed += b_malformed
         merged = OmegaConf.merge(merged, b_cfg)
         merged_lines.update(b_lines)
         files.update({p: b_files.get(p, shown) for p in b_lines})
@@ -488,7 +521,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         folders.pop(p, None)
     merged_lines.update(lines)
     merged_lines.pop("extends", None)
-    return cfg, merged_lines, files, folders
+    return cfg, merged_lines, files, folders, malformed
 
 
 # The keys that make a reward node one kind or another (fn, llm_judge, tool, sum, ...), and a data source.
@@ -642,12 +675,18 @@ def read_text(text: str, file: str, base_dir: Path, overrides: Iterable[str] = (
     relative references (and `extends`) start from; `located=False` for a text nobody wrote (a spec
     given as a dict): its errors name the dotted path without a line."""
     overrides = tuple(overrides)
-    cfg, lines, files, folders = _compose(file, text, base_dir, chain)
-    errors: list[SpecError] = []
+    cfg, lines, files, folders, malformed = _compose(file, text, base_dir, chain)
+    errors = [error if located else dataclasses.replace(error, line=None) for _, error in malformed]
     cfg, override_paths = _apply_overrides(cfg, overrides, errors)
     source = SpecSource(file, base_dir, text, lines if located else {}, overrides, override_paths,
                         env_paths(cfg), files if located else {}, folders)  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
+    # reported: left out as a value that failed to resolve is (a list's item None, keeping the others' places)
+    for keys, _ in malformed:
+        if isinstance(keys[-1], int):
+            data = replaced(data, [keys], None)
+        else:
+            _delete(data, keys)
     return data, source, errors
 
 
@@ -774,6 +813,8 @@ def load_all(spec: SpecInput, overrides: Iterable[str] = ()) -> Loaded:
 
         def repeats(p: Problem) -> bool:
             path = dotted(p.parts)
+            if p.parts and isinstance(p.parts[-1], int) and path in failed:  # a list's item: None, its place kept
+                return True
             return p.kind in ("missing", "") and any(f == path or f.startswith(path + ".") for f in failed)
 
         shown = [p for p in problems if not repeats(p)]
