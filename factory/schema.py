@@ -641,7 +641,9 @@ class DeepSpeedSpec(Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage."""
     offload_optimizer: bool = False
-    """ZeRO-Offload the optimizer states to CPU."""
+    """ZeRO-Offload the optimizer states to CPU (Factory sets `zero_optimization.offload_optimizer: {device: cpu}`,
+    and torch's optimizer steps on the offloaded states). A `zero_optimization.offload_optimizer` or `cpu_offload`
+    given beside it is an error: the offload is set in one place."""
 
 
 MonitorName = Literal["reward_dominance", "length_drift", "tool_call_rate", "judge_disagreement",

@@ -141,6 +141,20 @@ def test_deepspeed_keys_are_checked_with_a_suggestion(project):
         "6 errors in spec.yaml")
 
 
+def test_the_optimizer_offload_is_set_in_one_place(project):
+    """`offload_optimizer: true` beside a `zero_optimization.offload_optimizer` (or `cpu_offload`): the extra keys
+    were merged over Factory's `{device: cpu}`, so `{device: none}` turned the offload the spec asked for off, in
+    silence."""
+    path = _spec(project, "st_ds_off", "train:\n  deepspeed:\n    zero_stage: 2\n    offload_optimizer: true\n    "
+                                       "zero_optimization: {offload_optimizer: {device: none}, cpu_offload: true}\n")
+    message = ("train.deepspeed.offload_optimizer: true sets the optimizer offload ({device: cpu}) too: set it in "
+               "one place (remove this key, or set train.deepspeed.offload_optimizer to false)")
+    assert _errors(path) == (
+        f"spec.yaml:13: train.deepspeed.zero_optimization.offload_optimizer: {message}\n"
+        f"spec.yaml:13: train.deepspeed.zero_optimization.cpu_offload: {message}\n"
+        "2 errors in spec.yaml")
+
+
 def test_deepspeed_keys_factory_does_not_apply_or_deepspeed_removed_are_errors(project):
     """Keys DeepSpeed reads but that act only through parts of DeepSpeed Factory's update does not use
     (its data loader, a PipelineModule, engine.compile(), deepspeed.checkpointing) were accepted and did

@@ -165,6 +165,11 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
             for sub, v in value.items():
                 if sub in OWNED_ZERO_KEYS:
                     r.error(f"{path}.{sub}", f"Factory sets this DeepSpeed key from the spec: {OWNED_ZERO_KEYS[sub]}")
+                elif sub in ("offload_optimizer", "cpu_offload") and spec.train.deepspeed.offload_optimizer:
+                    # merged over Factory's {device: cpu}, this one won, in silence: `{device: none}` offloaded nothing
+                    r.error(f"{path}.{sub}", "train.deepspeed.offload_optimizer: true sets the optimizer offload "
+                                             "({device: cpu}) too: set it in one place (remove this key, or set "
+                                             "train.deepspeed.offload_optimizer to false)")
                 elif sub not in ZERO_KEYS:
                     r.error(f"{path}.{sub}", _unknown(str(sub), ZERO_KEYS, "zero_optimization"))
                 elif sub in ZERO_NOT_APPLIED:
