@@ -598,6 +598,22 @@ def test_an_alias_inside_what_it_names_is_located_and_other_aliases_load(project
     assert load_spec(project.spec(base + "train: {steps: &n 2, prompts_per_step: *n}\n")).train.prompts_per_step == 2
 
 
+def test_values_nested_past_any_spec_are_an_error_at_their_line(project):
+    """A generator's args 40 mappings deep made OmegaConf recurse past Python's limit, and `[[[...` 5000 deep
+    PyYAML: "internal error: RecursionError", exit 1, with pages of OmegaConf's `full_key: ...` lines."""
+    base = _base(project, "rw_deep")
+    deep = base.replace("size: 8}", "size: 8,\n    args: {x: " + "{a: " * 40 + "1" + "}" * 40 + "}}")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec(deep))
+    assert report(e) == (f"spec.yaml:5: data.train.args.x{'.a' * 28}: values nested more than 32 mappings or lists "
+                         "deep: no spec needs that many; flatten them\n1 error in spec.yaml")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec(base + "seed: " + "[" * 5000 + "]" * 5000 + "\n"))
+    assert report(e) == ("spec.yaml: values nested far more than 32 mappings or lists deep: no spec needs that many; "
+                         "flatten them\n1 error in spec.yaml")
+    assert load_spec(project.spec(base.replace("size: 8}", "size: 8, args: {x: " + "[" * 25 + "]" * 25 + "}}")))
+
+
 def test_aliases_of_aliases_that_expand_past_any_spec_are_an_error_not_a_hang(project):
     """Six levels of nine aliases each (a "billion laughs") read for minutes, growing memory, before."""
     lol, prev = "lol:\n  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n", "a"

@@ -130,8 +130,9 @@ class Loaded:
 
 
 # ------------------------------------------------------------------------------------------ YAML
-class _AliasTrouble(Exception):
-    """A YAML alias inside the mapping or list it names (`a: &x {b: *x}`), or aliases that expand past any spec."""
+class _ShapeTrouble(Exception):
+    """A YAML tree OmegaConf cannot take without an internal error: an alias inside the mapping or list it names
+    (`a: &x {b: *x}`), aliases that expand past any spec, values nested past any spec (MAX_SPEC_DEPTH)."""
 
     def __init__(self, path: str, line: int, message: str = "this alias (*name) names a mapping or list that holds "
                  "it, so the value would contain itself; copy the values instead"):
@@ -140,21 +141,30 @@ class _AliasTrouble(Exception):
 
 
 MAX_SPEC_VALUES = 200_000  # aliases of aliases (a "billion laughs") expand past any spec a person writes
+# Mappings and lists inside one another: the schema's deepest key is 5 levels down
+# (train.deepspeed.zero_optimization.offload_optimizer.device), and a generator's or reward's args add a few.
+# OmegaConf recurses ~10 frames a level, so Python's 1000 frames ran out near 75 levels ("internal error:
+# RecursionError", exit 1); 32 leaves room for any real spec and for a caller's own deep stack (a notebook, a test).
+MAX_SPEC_DEPTH = 32
 
 
 def _line_map(node: yaml.Node | None, prefix: str = "",
-              out: dict[str, tuple[int, int]] | None = None, within: frozenset[int] = frozenset()
+              out: dict[str, tuple[int, int]] | None = None, within: tuple[int, ...] = ()
               ) -> dict[str, tuple[int, int]]:
-    """Dotted path -> (line, column) of its key, for every mapping key and list item of the YAML."""
+    """Dotted path -> (line, column) of its key, for every mapping key and list item of the YAML. `within`:
+    the mappings and lists that hold `node`."""
     out = {} if out is None else out
     line = out.get(prefix, (node.start_mark.line + 1, 0))[0] if node is not None else 0
     if len(out) > MAX_SPEC_VALUES:
-        raise _AliasTrouble(prefix, line, f"the spec's aliases expand to more than {MAX_SPEC_VALUES:,} values; "
+        raise _ShapeTrouble(prefix, line, f"the spec's aliases expand to more than {MAX_SPEC_VALUES:,} values; "
                                           "copy the values instead of nesting aliases")
     if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
         if id(node) in within:
-            raise _AliasTrouble(prefix, line)
-        within = within | {id(node)}
+            raise _ShapeTrouble(prefix, line)
+        if len(within) == MAX_SPEC_DEPTH:
+            raise _ShapeTrouble(prefix, line, f"values nested more than {MAX_SPEC_DEPTH} mappings or lists deep: no "
+                                              "spec needs that many; flatten them")
+        within = (*within, id(node))
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             path = f"{prefix}.{key.value}" if prefix else str(key.value)
@@ -446,10 +456,14 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     `extends: BASE` (or a list of bases, merged in order) names specs, relative to this one's folder, that this
     one is merged over: a mapping merges key by key, any other value (a list too) replaces the base's. Errors
     that leave nothing to merge are raised."""
+    too_deep = SpecError(file, None, "", f"values nested far more than {MAX_SPEC_DEPTH} mappings or lists deep: no "
+                                         "spec needs that many; flatten them")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
+    except RecursionError:  # PyYAML recurses a few frames a level: `[[[...` thousands deep (_line_map sees less)
+        raise SpecErrors([too_deep], file) from None
     if root is None:
         raise SpecErrors([SpecError(file, 1, "", "the spec is empty")], file)
     if not isinstance(root, yaml.MappingNode):  # OmegaConf asserts on a bare scalar
@@ -457,7 +471,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
                                     "the spec must be a mapping of keys to values")], file)
     try:
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
-    except _AliasTrouble as e:  # OmegaConf would recurse without end (an internal error, exit 1)
+    except _ShapeTrouble as e:  # OmegaConf would recurse without end, or past Python's limit (an internal error)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
     malformed = [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
                  for keys, _, message in _malformed(root)]
@@ -469,6 +483,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
         key = getattr(e, "full_key", "") or ""
         raise SpecErrors([SpecError(file, lines.get(key, lines[""])[0], key, _omega_message(e))], file) from None
+    except RecursionError:  # past MAX_SPEC_DEPTH it is refused above: here only under a caller's very deep stack
+        raise SpecErrors([too_deep], file) from None
     if not isinstance(cfg, DictConfig):
         raise SpecErrors([SpecError(file, 1, "", "the spec must be a mapping of keys to values")], file)
     if "extends" not in cfg:
