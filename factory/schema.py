@@ -110,9 +110,9 @@ class DataSource(Section):
     """A python generator by import path `module:function`, called as `function(n=..., seed=..., **args)`
     and returning an iterable of row dicts."""
     args: dict[str, Any] = {}
-    """Keyword arguments for `generator`."""
+    """Keyword arguments for `generator` (an error with `path`)."""
     size: int = Field(256, ge=1)
-    """How many rows to draw from `generator` (ignored for files)."""
+    """How many rows to draw from `generator`. A file's rows are all used: `size` with `path` is an error."""
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSource:

@@ -466,6 +466,12 @@ def test_generator_settings_on_a_file_are_errors(project):
         "spec.yaml:4: data.train.size: 'size' applies to a generator; every row of the file rows.jsonl is used\n"
         "spec.yaml:4: data.train.args: 'args' applies to a generator; every row of the file rows.jsonl is used\n"
         "2 errors in spec.yaml")
+    # as their documentation says (`size` was "ignored for files": docs/reference/spec.md, the JSON Schema's hover
+    # text, `factory plan --explain`)
+    from factory.schema import DataSource
+
+    assert DataSource.model_fields["size"].description.endswith("`size` with `path` is an error.")
+    assert DataSource.model_fields["args"].description.endswith("(an error with `path`).")
 
 
 @pytest.mark.parametrize("total, message", [
