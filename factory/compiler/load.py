@@ -30,6 +30,7 @@ from factory.schema import RewardNode, Spec, ToolSpec
 from factory.util import shown_path
 
 _REPAIR_ROUNDS = 6  # each round drops one level of broken keys; the schema is 4 levels deep
+Keys = tuple[str | int, ...]  # a value's place in the spec, key by key: a key may hold a '.' (a tag `team.token`)
 
 
 def dotted(parts: Iterable[str | int]) -> str:
@@ -252,8 +253,6 @@ def _omega_message(e: OmegaConfBaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ env-derived values
-Keys = tuple[str | int, ...]  # a value's place in the spec, key by key: a key may hold a '.' (a tag `team.token`)
-
 # What `${oc.env:...}` gives in the probe copy of a spec (`env_paths`): plain letters, so that any resolver
 # or interpolation that carries the environment's value on (`Bearer ${.API_KEY}`, `${oc.select:...}`,
 # `${oc.decode:...}`) carries the mark on too.
