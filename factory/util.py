@@ -429,16 +429,34 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' AssistantTracker marks the assistant's text with it
+    (for return_assistant_tokens_mask; TRL's assistant-only loss, NeMo's Llama 3.1 tool templates) and otherwise
+    renders the body as is. Factory never asks for that mask, so the block is its body, and such a template
+    renders as apply_chat_template renders it rather than failing on an unknown tag."""
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Any) -> str:
+        return caller()
+
+
 def template_env(kind: Literal["prompt", "chat"] = "prompt") -> jinja2.Environment:
     """The one sandboxed jinja environment factory, for every template a spec names.
 
     prompt: the user's templates (data.prompt, data.system_prompt, judge prompts, tool-node arguments):
     a column the row lacks is an error (StrictUndefined), not an empty string. chat: a Hugging Face chat
     template, compiled as transformers does so the output is byte-identical to
-    `tokenizer.apply_chat_template` (loop controls, `raise_exception`, `strftime_now`, undefined is
-    empty)."""
+    `tokenizer.apply_chat_template` (loop controls, `{% generation %}` blocks, `raise_exception`,
+    `strftime_now`, undefined is empty)."""
     if kind == "chat":
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, _Generation])
         env.filters["tojson"] = _chat_tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now

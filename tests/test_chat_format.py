@@ -138,6 +138,25 @@ def test_tool_delta_splices_into_the_whole_conversation(tokenizer, template, end
     assert delta[0] == (chat.encode("\n")[0] if ended else eot)
 
 
+def test_a_template_with_generation_blocks_renders_as_transformers_does(tokenizer, tmp_path):
+    """transformers' `{% generation %}...{% endgeneration %}` (marking the assistant's text: tokenizers saved after
+    TRL's assistant-only-loss SFT, NeMo's Llama 3.1 tool templates) was an unknown tag to Factory's chat environment:
+    ChatFormat and prefix_problem raised TemplateSyntaxError, and `factory check` refused the template."""
+    from factory.compiler.refs import template_problem
+    from factory.rollout.chat import prefix_problem
+
+    marked = CHATML_TOOLS.replace("{{- '\\n' + message.content }}",
+                                  "{{- '\\n' }}{% generation %}{{- message.content }}{% endgeneration %}")
+    assert marked != CHATML_TOOLS
+    messages = CONVERSATIONS["multi-turn tool loop"]
+    expected = tokenizer.apply_chat_template(messages, tools=TOOLS, chat_template=marked, tokenize=False)
+    assert ChatFormat(tokenizer, marked).render(messages, TOOLS, add_generation_prompt=False) == expected
+    assert expected == ChatFormat(tokenizer, CHATML_TOOLS).render(messages, TOOLS, add_generation_prompt=False)
+    assert prefix_problem(marked) is None
+    (tmp_path / "marked.jinja").write_text(marked)
+    assert template_problem(tmp_path / "marked.jinja", chat_template=True) is None
+
+
 def test_template_kwargs_reach_the_template(tokenizer):
     chat = ChatFormat(tokenizer, template_kwargs={"enable_thinking": False})
     text = chat.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)

@@ -225,7 +225,7 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
     from factory.util import template_env
 
     # Hugging Face chat templates may use loop controls and the `generation` tag (transformers adds
-    # both): the chat environment has the controls, and an unknown `generation` tag passes below.
+    # both): the chat environment has both.
     env = template_env("chat" if chat_template else "prompt")
     try:
         text = path.read_text(encoding="utf-8")
@@ -237,8 +237,6 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
             return (f"{shown_path(path)} names another template ({which}) by include, import or extends: a "
                     f"template is read alone, without the files it names; write that template's text into this one")
     except jinja2.TemplateSyntaxError as e:
-        if chat_template and "generation" in e.message:
-            return None
         return f"template syntax error in {shown_path(path)}:{e.lineno}: {e.message}"
     except (OSError, UnicodeDecodeError) as e:
         return f"cannot read {shown_path(path)}: {e}"
