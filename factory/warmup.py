@@ -33,7 +33,7 @@ def warmup_sequences(tokenizer, n: int, seed: int, tools: list[dict] | None = No
     from factory.examples.calculator import evaluate, format_number
     from factory.rollout.chat import ChatFormat
 
-    chat = ChatFormat(tokenizer)
+    chat = ChatFormat(tokenizer, tools=True)
     tools = tools or calculator_schema()
     eot = [chat.end_of_turn_id]
     out = []

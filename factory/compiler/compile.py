@@ -466,7 +466,7 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     tool list (with tools), or drops the system message (with tools or data.system_prompt), is a warning
     (factory.rollout.chat.render_problems)."""
     from factory.assets import tokenizer_files
-    from factory.rollout.chat import prefix_problem, render_problems
+    from factory.rollout.chat import named_template, prefix_problem, render_problems
 
     if not spec.tools and not spec.data.system_prompt:
         return
@@ -475,8 +475,7 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     model_key = "model.tokenizer" if spec.model.tokenizer else "model.path"
     try:
         config = json_object(config_file) if config_file and config_file.is_file() else {}
-        own = folder / "chat_template.jinja" if folder else None
-        own_template = own.read_text(encoding="utf-8") if own and own.is_file() else None
+        own_template = _own_chat_template(folder, config) if folder else None
     except ValueError:  # reported by _check_tokenizer_config
         return
     if spec.chat_template:
@@ -488,12 +487,15 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
         except (OSError, ValueError):
             return  # reported by _check_templates
     else:
-        template = own_template if own_template is not None else config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template, path = own_template, model_key
+        if isinstance(template, dict):  # named templates: the one the rollout renders with (as transformers picks)
+            try:
+                template = named_template(template, tools=bool(spec.tools))
+            except ValueError as e:
+                r.error(path, str(e))
+                return
         if not isinstance(template, str):
             return  # not on disk before the first run (or the tokenizer has none: the rollout says so)
-        path = model_key
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:
@@ -516,6 +518,21 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
                      "blocks in their history, which a server that re-renders the conversation would not show")
     elif problem:
         r.error(path, problem)
+
+
+def _own_chat_template(folder: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
+    """A tokenizer folder's chat template as transformers loads it into `tokenizer.chat_template`: the text, or
+    named templates by name, from chat_template.jinja (`default`) and additional_chat_templates/NAME.jinja, which
+    replace tokenizer_config.json's `chat_template` (a text, or a list of {name, template})."""
+    files = {"default": folder / "chat_template.jinja"}
+    if (folder / "additional_chat_templates").is_dir():
+        files |= {f.name.removesuffix(".jinja"): f for f in (folder / "additional_chat_templates").glob("*.jinja")}
+    named = {name: f.read_text(encoding="utf-8") for name, f in files.items() if f.is_file()}
+    if not named:
+        named = config.get("chat_template")
+        if isinstance(named, list):
+            named = {t.get("name"): t.get("template") for t in named if isinstance(t, dict)}
+    return named["default"] if isinstance(named, dict) and list(named) == ["default"] else named
 
 
 def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:

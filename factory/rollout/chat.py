@@ -24,6 +24,18 @@ _PROBE_USER = "FACTORY-PROBE-QUERY"
 WORD_JOINER = "\u2060"  # invisible, and in no tokenizer's added tokens: what `ChatFormat.defused` breaks them with
 
 
+def named_template(templates: dict[str, str], tools: bool) -> str:
+    """Of a tokenizer's named chat templates (`tokenizer.chat_template` a dict: Hermes 2 Pro's and Command R's
+    `default` and `tool_use`), the one `apply_chat_template` renders (`tokenizer.get_chat_template`): `tool_use`
+    when the prompts list tools, else `default`."""
+    if tools and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise ValueError(f"the tokenizer has several chat templates ({', '.join(sorted(templates))}) and none is named "
+                     f"`default`{'' if tools else ' (without tools)'}; set `chat_template` in the spec")
+
+
 def compile_template(template: str) -> jinja2.Template:
     """Compile a chat template the way transformers does, so the output is byte-identical to
     `tokenizer.apply_chat_template` (the chat kind of factory.util.template_env)."""
@@ -34,12 +46,16 @@ class ChatFormat:
     """Renders prompts and tool-response deltas with a HF jinja chat template, identical to
     tokenizer.apply_chat_template.
 
-    `template=None` uses the tokenizer's own. `template_kwargs` are passed to every render (for example
-    `{"enable_thinking": False}` for Qwen3).
+    `template=None` uses the tokenizer's own; of its named templates, the one `apply_chat_template` picks for
+    prompts with `tools` or without (`named_template`), chosen once so that prompts and tool deltas render with the
+    same. `template_kwargs` are passed to every render (for example `{"enable_thinking": False}` for Qwen3).
     """
 
-    def __init__(self, tokenizer: Any, template: str | None = None, template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: Any, template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 *, tools: bool = False):
         template = template if template is not None else tokenizer.chat_template
+        if isinstance(template, dict):
+            template = named_template(template, tools)
         if not template:
             raise ValueError("the tokenizer has no chat template; set `chat_template` in the spec")
         self.tokenizer = tokenizer

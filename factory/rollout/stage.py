@@ -142,7 +142,7 @@ class RolloutStage(StageActor):
         model_path = resolve_model(s.model.path)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(s.model.tokenizer or model_path))
         template = (resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None)
-        self.chat = ChatFormat(tokenizer, template, s.chat_template_kwargs)
+        self.chat = ChatFormat(tokenizer, template, s.chat_template_kwargs, tools=s.tool_peer is not None)
         if problem := self.chat.end_of_turn_problem():
             log.warning("rollout: %s", problem)
         self.tokenizer = tokenizer
