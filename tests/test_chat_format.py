@@ -116,6 +116,28 @@ def test_turn_markers_that_are_not_special_tokens_are_said(tokenizer, template):
     assert ChatFormat(tokenizer, llama2).end_of_turn_problem() is None
 
 
+def test_a_turn_closed_by_a_space_and_eos_gets_the_models_eos_once(tokenizer, template):
+    """Llama 2's templates close a turn with ' ' + eos: the end of turn's text was "" (the tail starts with a space),
+    so after a turn the model ended on its eos the delta wrote the template's " <eos>" again, and the context held
+    `</tool_call><|im_end|> <|im_end|>`, which no render has. The model's eos stands for the space and the eos."""
+    llama2 = template.replace("<|im_end|>", " ' + eos_token + '")
+    chat = ChatFormat(tokenizer, llama2)
+    eos = tokenizer.eos_token_id
+    assert (chat.end_of_turn_text, chat.end_of_turn_id) == (" <|im_end|>", eos)
+    prompt = [{"role": "user", "content": "What is 2+3?"}]
+    turn = chat.encode(CALL) + [eos]
+    delta = chat.tool_delta_ids([ToolResult(tool="calculate", text="5")], turn_ended_with_eos=True)
+    whole = prompt + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"}]
+    expected = list(tokenizer.apply_chat_template(whole, tools=TOOLS, chat_template=llama2, tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
+    after = expected.index(eos, len(chat.prompt_ids(prompt, TOOLS))) + 1  # what follows the model's first turn
+    context = turn + delta
+    assert context[:context.index(tokenizer.convert_tokens_to_ids("<|im_start|>"))].count(eos) == 1
+    assert delta == expected[after:]
+    # a turn cut short wrote no eos: the template's " <eos>" is appended whole
+    assert chat.decode(chat.tool_delta_ids([ToolResult(tool="calculate", text="5")], False)).startswith(" <|im_end|>")
+
+
 @pytest.mark.parametrize("ended", [True, False], ids=["model-wrote-eot", "turn-cut"])
 def test_tool_delta_splices_into_the_whole_conversation(tokenizer, template, ended):
     """prompt + model ids + delta + model ids == the tokens of the full rendered conversation."""

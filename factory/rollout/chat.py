@@ -155,7 +155,9 @@ class ChatFormat:
     def _find_end_of_turn(self) -> tuple[str, int | None]:
         """The special token the template writes right after an assistant's content (`<|im_end|>` for
         ChatML), which is what the model emits to end its turn. Falls back to the tokenizer's eos when
-        the template closes turns with plain text."""
+        the template closes turns with plain text; its text is then what the template writes up to and with
+        the eos (Llama 2's `' ' + eos_token`: the eos the model stops on stands for all of it), or "" when the
+        template writes no eos there."""
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
         text = self.render(messages, add_generation_prompt=False)
         tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
@@ -165,9 +167,11 @@ class ChatFormat:
             token = self.tokenizer.convert_ids_to_tokens(ids[0])
             if tail.startswith(token):
                 return token, ids[0]
-        # The model still stops on eos; the text the template writes after a turn is then appended whole.
+        # The model still stops on eos; the text the template writes after a turn is then appended whole, but
+        # for an eos it writes first, after spaces at most: that one the model wrote.
         eos = self.tokenizer.eos_token or ""
-        return (eos if eos and tail.startswith(eos) else ""), self.tokenizer.eos_token_id
+        spaces = len(tail) - len(tail.lstrip())
+        return (tail[:spaces + len(eos)] if eos and tail[spaces:].startswith(eos) else ""), self.tokenizer.eos_token_id
 
 
 # ----------------------------------------------------------------------------- prefix preservation
