@@ -394,6 +394,44 @@ def other_tokenizer():
     return tok
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A transformers-5 LlamaTokenizer built in place (Metaspace with prepend_scheme "first", its default
+    legacy=False, byte fallback; Llama 2's and Mistral's layout) with ChatML's turn markers as special tokens, as
+    a model of that family fine-tuned on ChatML has: the first piece of a text gets a "▁" before it."""
+    from tokenizers import AddedToken
+    from transformers import LlamaTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "a", "e", "i", "k", "l", "o", "s", "t", "▁a", "▁t"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = LlamaTokenizer(vocab=vocab, merges=[("▁", "a"), ("▁", "t")], legacy=False)
+    tok.add_special_tokens({"eos_token": "<|im_end|>",
+                            "additional_special_tokens": [AddedToken("<|im_start|>", special=True, normalized=False)]})
+    return tok
+
+
+@pytest.mark.parametrize("closing", ["<|im_end|>", " ' + eos_token + '"], ids=["chatml", "space-eos"])
+def test_a_tool_delta_has_no_dummy_prefix_of_its_own(sentencepiece_tokenizer, closing):
+    """tool_delta_ids tokenized the template's tail alone, and a SentencePiece tokenizer (Metaspace, prepend_scheme
+    "first") put a "▁" before it that the whole conversation's tokens do not have there: every tool delta began with a
+    spurious token. It is tokenized after the token the model ended on now, as the conversation is."""
+    tok = sentencepiece_tokenizer
+    template = CHATML_TOOLS.replace("<|im_end|>", closing)
+    chat = ChatFormat(tok, template)
+    assert tok.convert_ids_to_tokens(chat.encode("\nok")) == ["▁", "<0x0A>", "o", "k"]  # (alone, it does)
+    prompt = [{"role": "user", "content": "hi"}]
+    whole = prompt + [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "ok"},
+                      {"role": "tool", "content": "at last"}]
+    ids = list(tok.apply_chat_template(whole, tools=TOOLS, chat_template=template, tokenize=True,
+                                       add_generation_prompt=True, return_dict=False))
+    start = len(chat.prompt_ids(prompt, TOOLS))
+    assert chat.prompt_ids(prompt, TOOLS) == ids[:start]
+    model_end = ids.index(chat.end_of_turn_id, start)  # the model's turn is ids[start:model_end + 1]
+    results = [ToolResult(tool="calculate", text="ok"), ToolResult(tool="calculate", text="at last")]
+    assert chat.tool_delta_ids(results, turn_ended_with_eos=True) == ids[model_end + 1:]
+
+
 def test_the_tokenizers_eos_ends_a_turn_too(other_tokenizer):
     """A model that stops on its eos rather than <|im_end|> would otherwise generate on to max_new_tokens."""
     chat = ChatFormat(other_tokenizer)

@@ -64,6 +64,8 @@ class ChatFormat:
         # transformers passes the special tokens (bos_token, eos_token, ...) to the template; so do we.
         self._kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self.end_of_turn_text, self.end_of_turn_id = self._find_end_of_turn()
+        # the text of the token a model's turn ends on, which a tool delta is tokenized after (tool_delta_ids)
+        self._end_token = "" if self.end_of_turn_id is None else tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
         # The tokenizer's added tokens (`<|im_end|>`, `<tool_call>`, `<think>`, ...), longest first: in a tool's
         # answer each is defused (`defused`), so a web page cannot end a turn or open a call.
         marks = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
@@ -115,6 +117,11 @@ class ChatFormat:
             if not tail.startswith(self.end_of_turn_text):
                 raise ValueError(f"the template does not close an assistant turn with {self.end_of_turn_text!r}")
             tail = tail[len(self.end_of_turn_text):]
+            # tokenized after the token the model ended on, as in the whole conversation: alone, a SentencePiece
+            # tokenizer (Metaspace, prepend_scheme "first": Llama 2's, Mistral's) starts it with a "▁" it has not
+            ids = self.encode(self._end_token + tail)
+            if ids[:1] == [self.end_of_turn_id]:
+                return ids[1:]
         return self.encode(tail)
 
     def defused(self, text: str) -> str:
