@@ -156,3 +156,26 @@ def test_every_file_is_on_disk_before_the_commit_names_it(tmp_path, monkeypatch)
     with open(tmp_path / "step_1" / "hf" / "model.safetensors", "r+b") as f:
         f.truncate(50)
     assert ckpt.verify(tmp_path / "step_1").endswith("holds 50 bytes, 100 were saved")
+
+
+def _hf_checkpoint(directory: Path, step: int) -> Path:
+    """A committed checkpoint holding a (fake) Hugging Face folder, with its manifest."""
+    staged = ckpt.clear_staging(directory, ckpt.tag(step)) / "hf"
+    staged.mkdir()
+    (staged / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (staged / "tokenizer_config.json").write_text("{}")
+    (staged / "model.safetensors").write_bytes(b"w" * 4096)
+    return ckpt.commit(directory, ckpt.tag(step))
+
+
+def test_export_refuses_a_checkpoint_not_as_saved_however_it_is_named(tmp_path, capsys):
+    """A weights file cut short after the save (a disk filled, an interrupted copy) is refused whether RUN is
+    the run's checkpoint folder or one step's folder (this one was copied out as it was)."""
+    step = _hf_checkpoint(tmp_path / "ckpt", 3)
+    with open(step / "hf" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    said = f"{step} is not as it was saved: {step}/hf/model.safetensors holds 100 bytes, 4096 were saved"
+    for run in (tmp_path / "ckpt", step):
+        assert cli.main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

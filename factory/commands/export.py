@@ -60,29 +60,32 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
 
 def step_folder(root: Path, step: int | None = None) -> Path:
     """The folder of step N (default: the one `latest` names) under a checkpoint directory, or a step
-    folder given directly: whichever holds `hf/` or (a LoRA run's) `adapter/`."""
+    folder given directly: whichever holds `hf/` or (a LoRA run's) `adapter/`, its files as they were saved."""
     if step is None and ((root / HF).is_dir() or (root / ADAPTER).is_dir()):
-        return root
-    name = tag(step) if step is not None else read_latest(root)
-    if name is None:  # (a run stopped before its first checkpoint, or one whose saves all failed)
-        what = "is not a folder" if not root.is_dir() else "holds no complete checkpoint (no `latest` marker)"
-        raise ExportError(f"{root} {what}: its run saved no checkpoint there (a run saves one at its end, and "
-                          "every train.checkpoint_every steps or checkpoint_every_s seconds)")
-    if not (root / name).is_dir():
-        have = ", ".join(complete(root)) or "none"
-        raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
-    if (problem := verify(root / name)) is not None:
-        raise ExportError(f"{root / name} is not as it was saved: {problem}")
-    return root / name
-
-
-def hf_folder(root: Path, step: int | None = None) -> Path:
-    """The whole `hf/` folder of step N (see step_folder)."""
-    folder = step_folder(root, step) / HF
-    if (folder.parent / ADAPTER).is_dir() and not folder.is_dir():
-        raise ExportError(f"{folder.parent} is a LoRA checkpoint (adapter/, no hf/): export merges it")
-    _whole(folder, REQUIRED, "a whole Hugging Face folder")
+        folder = root
+    else:
+        name = tag(step) if step is not None else read_latest(root)
+        if name is None:  # (a run stopped before its first checkpoint, or one whose saves all failed)
+            what = "is not a folder" if not root.is_dir() else "holds no complete checkpoint (no `latest` marker)"
+            raise ExportError(f"{root} {what}: its run saved no checkpoint there (a run saves one at its end, "
+                              "and every train.checkpoint_every steps or checkpoint_every_s seconds)")
+        if not (root / name).is_dir():
+            have = ", ".join(complete(root)) or "none"
+            raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
+        folder = root / name
+    # a step's folder given directly too: a weights file cut short (a disk filled, an interrupted copy) is
+    # not a model
+    if (problem := verify(folder)) is not None:
+        raise ExportError(f"{folder} is not as it was saved: {problem}")
     return folder
+
+
+def hf_folder(folder: Path) -> Path:
+    """The whole `hf/` folder of a step's folder (step_folder's)."""
+    if (folder / ADAPTER).is_dir() and not (folder / HF).is_dir():
+        raise ExportError(f"{folder} is a LoRA checkpoint (adapter/, no hf/): export merges it")
+    _whole(folder / HF, REQUIRED, "a whole Hugging Face folder")
+    return folder / HF
 
 
 def _whole(folder: Path, required: tuple[str, ...], what: str) -> None:
