@@ -100,6 +100,37 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     assert pq.read_table(local).to_pylist()[0]["tool_calls"][0]["name"] == "calculate"
 
 
+def test_a_run_leaves_the_default_store_of_later_runs_as_it_was(tmp_path, monkeypatch):
+    """MLflow's set_tracking_uri also sets $MLFLOW_TRACKING_URI: after factory.run of a spec with its own
+    `tracking.uri`, a later spec without one, and factory.runs() with no uri, used that spec's store in the
+    same Python process, not ./mlflow.db. MLflow's own calls still go to the run's store (docs/python.md)."""
+    import os
+
+    import mlflow
+
+    import factory
+    from factory.tracking.mlflow_tracker import tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    a = f"sqlite:///{tmp_path}/a.db"
+    try:
+        t = Tracker(a, "a")
+        t.prepare()
+        t.start("a-run", {}, {}, {"plan.json": "{}"})
+        t.end()
+        assert tracking_uri(None) == "sqlite:///mlflow.db" and "MLFLOW_EXPERIMENT_ID" not in os.environ
+        assert factory.runs() == [] and not (tmp_path / "mlflow.db").exists()
+        assert mlflow.get_tracking_uri() == a
+        mine = f"sqlite:///{tmp_path}/mine.db"  # one the caller set is kept as it was
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", mine)
+        Tracker(f"sqlite:///{tmp_path}/b.db", "b").prepare()
+        assert tracking_uri(None) == mine and mlflow.get_tracking_uri() == f"sqlite:///{tmp_path}/b.db"
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
 def test_busy_clock_splits_wall_time(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("factory.rollout.stage.time.perf_counter", lambda: now[0])

@@ -59,6 +59,28 @@ def tracking_uri(spec_uri: str | None) -> str:
     return uri
 
 
+def use_store(uri: str, experiment: str | None = None) -> None:
+    """MLflow's fluent API (its global tracking URI and active experiment) at `uri` and `experiment`, without
+    the environment variables mlflow.set_tracking_uri and set_experiment also set "so that subprocess can
+    inherit it": $MLFLOW_TRACKING_URI set by one spec's `tracking.uri` made every later run of the Python
+    process without one (`tracking_uri(None)`), and factory.runs()/diff()/evaluate() with no uri, use that
+    spec's store instead of ./mlflow.db. Factory's processes are told their store by the plan, not the
+    environment."""
+    import mlflow
+
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    try:
+        mlflow.set_tracking_uri(uri)
+        if experiment is not None:
+            mlflow.set_experiment(experiment)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def flatten(d: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
     """`{"a": {"b": 1}}` -> ("a.b", "1"); lists stay whole (as JSON) so a param is one setting."""
     if isinstance(d, dict):
@@ -347,20 +369,15 @@ class MlflowTracker:
         """Open the store and this tracker's experiment ahead of `start`: a new sqlite store creates its
         tables first (~1-2 s), which `factory run` does while its stages start. A failure here is left for
         `start` to meet and report."""
-        import mlflow
-
         quiet_mlflow()
         with contextlib.suppress(Exception):
-            mlflow.set_tracking_uri(self.uri)
-            if self.experiment is not None:
-                mlflow.set_experiment(self.experiment)
+            use_store(self.uri, self.experiment)
 
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         import mlflow
 
         assert self.experiment is not None, "a run is written into an experiment"
-        mlflow.set_tracking_uri(self.uri)
-        mlflow.set_experiment(self.experiment)
+        use_store(self.uri, self.experiment)
         quiet_mlflow()
         run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
@@ -435,7 +452,7 @@ class MlflowTracker:
         from factory.compiler.compile import with_tool_listing
 
         plan = with_tool_listing(plan, listing)
-        mlflow.set_tracking_uri(self.uri)
+        use_store(self.uri)
         before = self.client.get_run(resume.run_id)
         idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before, started)
         quiet_mlflow()
