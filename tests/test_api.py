@@ -272,6 +272,39 @@ def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch)
         factory.evaluate(TINY, model="nope")
 
 
+def test_eval_of_a_run_finds_it_in_the_specs_own_store(tmp_path, monkeypatch):
+    """`factory eval SPEC --model RUN` looked RUN up in $MLFLOW_TRACKING_URI or ./mlflow.db, not in the spec's
+    `tracking.uri`, where the spec's runs and the eval run itself are written (and rescore and --resume look):
+    `factory.evaluate(spec, model=result.run_id)` failed with "no tracking store at sqlite:///mlflow.db"."""
+    from mlflow.tracking import MlflowClient
+
+    import factory.commands.api as api
+    from factory.update.checkpoint import commit, staging
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = f"sqlite:///{tmp_path}/store.db"
+    ckpt = tmp_path / "runs" / "tiny-run"
+    hf = ckpt / staging(ckpt, "step_00002") / "hf"
+    hf.mkdir(parents=True)
+    for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
+        (hf / name).write_text("{}")
+    commit(ckpt, "step_00002")
+    client = MlflowClient(store)  # (not MLflow's fluent API, whose active experiment would outlive the test)
+    run_id = client.create_run(client.create_experiment("tiny"), run_name="tiny-run",
+                               tags={"factory.checkpoint_dir": str(ckpt)}).info.run_id
+    seen = []
+
+    def compiled(spec, overrides, **k):
+        seen.append(list(overrides))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(api, "compile_plan", compiled)
+    with pytest.raises(RuntimeError, match="stop here"):
+        factory.evaluate(TINY, model=run_id[:8], overrides=[f"tracking.uri={store}"])
+    assert seen == [[f"tracking.uri={store}", f"model.path={json.dumps(str(ckpt / 'step_00002' / 'hf'))}"]]
+
+
 def test_evaluate_checks_its_server_from_a_running_event_loop_too():
     """A notebook cell runs in an event loop: `factory.evaluate(model="http://...")` met asyncio.run's
     "cannot be called from a running event loop" in its server check, before it could say the server is down."""

@@ -216,9 +216,10 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     `run_id`, the `step` it is logged at and the `metrics`.
 
     `model`: None (the spec's model), a Hugging Face folder, a checkpoint folder (a run's, or one step's), a
-    tracked run (id, id prefix or name, in `uri`): its newest checkpoint, logged at that checkpoint's step,
-    so that the eval run's metrics stand beside the run's final evaluation; or the base URL of an
-    OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
+    tracked run (id, id prefix or name, in `uri`: default the spec's `tracking.uri`, where the eval run is
+    written, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db): its newest checkpoint, logged at that
+    checkpoint's step, so that the eval run's metrics stand beside the run's final evaluation; or the base
+    URL of an OpenAI-compatible server (`http://127.0.0.1:8000/v1`: vLLM, SGLang) that generates in place of a local
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template).
     LoRA adapters (a LoRA run's checkpoint, a peft folder) are added beside the spec's model, as the run's
     weight syncs added them, when the spec's `model.lora` fits them; otherwise merged into their base first.
@@ -248,6 +249,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         raise UserError(f"{source.file if source else '<spec>'}: data.eval: {why}")
     # a LoRA checkpoint whose adapters the spec's model.lora cannot add is merged into a full model (GBs) in
     # here, removed once evaluated or failed
+    if uri is None and loaded is not None:  # a run is looked for where the spec's runs (and this eval's) are written
+        uri = loaded.tracking.uri
     with tempfile.TemporaryDirectory(prefix="factory-eval-") as scratch:
         path, step, tags, adapters = _eval_model(model, uri, Path(scratch), loaded)
         endpoint = path if path is not None and path.startswith(("http://", "https://")) else None

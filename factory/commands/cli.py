@@ -283,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                          "fits them, else merged into their base), or an OpenAI-compatible "
                          "server's base URL (http://HOST:PORT/v1; the spec's model gives the tokenizer); default: "
                          "the spec's model")
-    ev.add_argument("--uri", default=None, help="MLflow tracking URI where RUN is found (default: "
+    ev.add_argument("--uri", default=None, help="MLflow tracking URI where RUN is found (default: the spec's, "
                                                 "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     ev.add_argument("--replay", default=None, metavar="RUN",
                     help="answer tool calls from RUN's recorded calls instead of calling the tools, as `run "
