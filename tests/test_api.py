@@ -395,7 +395,9 @@ def test_eval_of_a_finished_run_gives_its_final_evaluation_and_diff_compares_the
     diff = factory_cli("diff", run.info.run_id, ev.info.run_id, "--json", cwd=tiny_runs.work_a, uri=tiny_runs.uri)
     assert diff.returncode == 0, diff.stderr[-3000:]
     report = json.loads(diff.stdout)
-    assert [c["key"] for c in report["changes"] if c["kind"] == "setting"] == ["model.path", "tracking.experiment"]
+    assert [c["key"] for c in report["changes"] if c["kind"] == "setting"] == ["tracking.experiment"]
+    (model,) = [c for c in report["changes"] if c["kind"] == "model"]  # the run's checkpoint, evaluated
+    assert model["b"] == ev.data.tags["factory.eval_model"] and model["b"].endswith(f"step_{STEPS}")
     # the eval's model is the run's checkpoint: no "not comparable: different model", a note instead
     assert report["warnings"] == [] and "B evaluates the other run's checkpoint" in " ".join(report["notes"])
     rows = {(m["metric"], m["agg"]): m for m in report["metrics"]}

@@ -175,10 +175,36 @@ def test_diff_of_a_training_run_and_its_evaluation_leaves_out_what_training_alon
     trained = record("a", {}, {"model": {"path": "base"}, "train": {"lr": 5e-4, "steps": 3}})
     evaluated = record("b", {"factory.kind": "eval"}, {"model": {"path": "ckpt"}, "train": {"lr": 1e-3, "steps": 2}})
     report = compare(trained, evaluated, {}, {})
-    assert [c["key"] for c in report["changes"]] == ["model.path"]
+    assert report["changes"] == [{"kind": "model", "key": "evaluated model", "a": "base", "b": "ckpt"}]
     assert report["notes"] == ["B is an eval run: settings it does not read (train.*, algorithm.*) are not compared"]
     both = compare(trained, record("c", {}, {"model": {"path": "base"}, "train": {"lr": 1e-3, "steps": 3}}), {}, {})
     assert [c["key"] for c in both["changes"]] == ["train.lr"] and both["notes"] == []
+
+
+def test_evals_of_one_spec_that_scored_different_models_differ(tmp_path):
+    """`factory eval SPEC --model URL` (a served model) or `--model RUN` of a LoRA run (its adapters added beside
+    the spec's model) leave model.path as the spec has it; the model is in the tag factory.eval_model, which
+    diff did not read: against an eval of the spec's own model, "no change" and no warning."""
+    from factory.commands.diff import RunRecord, compare
+    from factory.tracking.tracker import TrackedRun
+
+    def record(run_id, tags):
+        tags = {"factory.kind": "eval", **tags}
+        return RunRecord(TrackedRun(run_id, run_id, "0", "FINISHED", 1.0, 2.0, tags=tags),
+                         {"spec": {"model": {"path": "factory:tiny-qwen3"}}}, None)
+
+    base = record("a", {})
+    served = record("b", {"factory.eval_model": "http://127.0.0.1:8000/v1"})
+    report = compare(base, served, {}, {})
+    assert report["changes"] == [{"kind": "model", "key": "evaluated model", "a": "factory:tiny-qwen3",
+                                  "b": "http://127.0.0.1:8000/v1"}]
+    assert report["warnings"] == ["not comparable: different model (evaluated model)"]
+    assert compare(served, served, {}, {})["changes"] == []
+    # an evaluation of the other run's checkpoint: its model is that run's, not another (no warning)
+    trained = RunRecord(TrackedRun("t", "t", "0", "FINISHED", 1.0, 2.0, tags={}),
+                        {"spec": {"model": {"path": "factory:tiny-qwen3"}}}, None)
+    of_trained = record("c", {"factory.eval_model": "/ckpt/step_00004", "factory.eval_of": "t"})
+    assert compare(trained, of_trained, {}, {})["warnings"] == []
 
 
 def test_a_run_that_has_not_finished_is_compared_with_a_warning():

@@ -151,6 +151,12 @@ def resumed_notes(side: str, plan: dict[str, Any], resumed: list[tuple[int, dict
     return notes
 
 
+def evaluated_model(r: RunRecord) -> str | None:
+    """The model a run evaluated: an eval run's `--model` (the tag factory.eval_model: a checkpoint's folder,
+    a Hugging Face or adapter folder, a server's URL), else its spec's model.path."""
+    return r.run.tags.get("factory.eval_model") or r.plan.get("spec", {}).get("model", {}).get("path")
+
+
 def comparability(changes: list[dict[str, Any]]) -> list[str]:
     """Warnings when the results are not comparable: different data or model."""
     warnings = []
@@ -160,7 +166,7 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
         keys = [c["key"] for c in changes
                 if (c["kind"] == "setting" and c["key"].split(".")[0] == section
                     and not c["key"].startswith(_COMPARABLE_WAYS))
-                or (section == "data" and c["kind"] == "data")]
+                or c["kind"] == section]  # (a data file's sha256; an eval run's model)
         if keys:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
             warnings.append(f"not comparable: different {what} ({shown})")
@@ -350,6 +356,14 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
         notes.append(" and ".join(f"{side} is {'an' if kind == 'eval' else 'a'} {kind} run"
                                   for side, kind in kinds.items() if kind != "train")
                      + f": settings it does not read ({', '.join(p + '*' for p in TRAINING_ONLY)}) are not compared")
+    if "eval" in kinds.values():
+        # an evaluation's model is the one `factory eval --model` gave it, which its model.path does not always
+        # name (a server's URL, a LoRA run's adapters added beside the spec's model): two evals of one spec
+        # that scored different models were "identical" but for their metrics
+        models = [evaluated_model(r) for r in (a, b)]
+        changes = [c for c in changes if c["key"] != "model.path"]
+        if models[0] != models[1]:
+            changes.insert(0, {"kind": "model", "key": "evaluated model", "a": models[0], "b": models[1]})
     warnings = comparability(changes)
     if a.run.tags.get("factory.eval_of") == b.run.run_id or b.run.tags.get("factory.eval_of") == a.run.run_id:
         # an evaluation of the other run's checkpoint: its model is that run's, whatever its model.path says
