@@ -404,6 +404,38 @@ def test_a_too_short_id_prefix_says_how_long_one_must_be(tmp_path):
         t.run("zzzz")
 
 
+def test_a_run_older_than_the_newest_1000_is_found_by_name_and_id_prefix(tmp_path):
+    """A name or id prefix was looked for among the newest 1000 runs of the store only: in a team's store or
+    after a sweep, `factory diff/export/eval --model/rescore/--resume` of an older run that `factory runs` listed
+    said "no run with id or name"."""
+    import sqlite3
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.tracker import RunLookupError, open_tracker
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sweep")
+    old = client.create_run(exp, run_name="tiny-20261130-211818", start_time=1_000).info.run_id
+    newer = client.create_run(exp, run_name="tiny-sweep", start_time=2_000).info.run_id
+    # 1000 more runs, newer, as copies of one row of the runs table (the client takes ~15 s to make them)
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        columns = [row[1] for row in db.execute("PRAGMA table_info(runs)")]
+        copied = ", ".join("?" if c in ("run_uuid", "name", "start_time") else c for c in columns)
+        db.executemany(f"INSERT INTO runs ({', '.join(columns)}) SELECT {copied} FROM runs WHERE run_uuid = ?",
+                       [tuple({"run_uuid": uuid.uuid4().hex, "name": f"tiny-sweep-{i}", "start_time": 3_000 + i}[c]
+                              for c in columns if c in ("run_uuid", "name", "start_time")) + (newer,)
+                        for i in range(1000)])
+    tracker = open_tracker(uri, read=True)
+    assert old not in {r.run_id for r in tracker.runs()}  # (the newest 1000)
+    assert tracker.run("tiny-20261130-211818").run_id == old
+    assert tracker.run(old[:8]).run_id == old
+    with pytest.raises(RunLookupError, match=f"no run with id or name '{old[:4]}' .*; an id prefix needs 8 "):
+        tracker.run(old[:4])
+
+
 def test_checkpoints_are_logged_as_tags_and_a_list(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

@@ -746,23 +746,37 @@ class MlflowTracker:
             return _tracked(self.client.get_run(ref))
         except MlflowException:
             pass
-        runs = self.runs()
-        by_name = [r for r in runs if r.name == ref]
-        by_prefix = [r for r in runs if len(ref) >= 8 and r.run_id.startswith(ref)]
-        found = by_name or by_prefix
+        # every run of the store, not the newest 1000 (self.runs()): an older run's name or id prefix, which
+        # `factory runs` listed, was "no run" in a team's store or after a sweep. Names are asked of the store;
+        # a prefix is looked for page by page (MLflow's filter cannot match a part of a run id).
+        ids = [e.experiment_id for e in self.client.search_experiments()]
+        named = [r for r in self._every(ids, _equals("attributes.run_name", ref)) if r.info.run_name == ref]
+        prefixed = [] if named else [r for r in self._every(ids) if r.info.run_id.startswith(ref)]
+        found = named or (prefixed if len(ref) >= 8 else [])
         if len(found) == 1:
-            return found[0]
+            return _tracked(found[0])
         if not found:
-            short = len(ref) < 8 and any(r.run_id.startswith(ref) for r in runs)
+            short = len(ref) < 8 and bool(prefixed)
             # a spec's `name` is not its runs' (each run's is NAME-DATE-TIME-ID): say which runs it made
-            of_spec = [f"{r.name} ({r.run_id[:8]})" for r in runs if r.tags.get("factory.spec_name") == ref]
+            of_spec = [f"{r.name} ({r.run_id[:8]})" for r in self.runs(spec_name=ref)]
             raise RunLookupError(f"no run with id or name '{ref}' in {self.uri}"
                                  + ("; an id prefix needs 8 characters or more" if short else "")
                                  + (f"; spec '{ref}' made {len(of_spec)} run(s), newest first: "
                                     f"{', '.join(of_spec[:5])}{' ...' if len(of_spec) > 5 else ''}: name one"
                                     if of_spec else ""))
-        ids = ", ".join(r.run_id for r in found[:5])
+        ids = ", ".join(r.info.run_id for r in found[:5])
         raise RunLookupError(f"'{ref}' names {len(found)} runs ({ids}); give a run id")
+
+    def _every(self, experiment_ids: list[str], where: str = "") -> Iterator[Any]:
+        """Every run of these experiments that `where` (an MLflow filter) keeps, newest first, page by page."""
+        token = None
+        while experiment_ids:
+            page = self.client.search_runs(experiment_ids, filter_string=where, max_results=1000,
+                                           order_by=["attributes.start_time DESC"], page_token=token)
+            yield from page
+            token = page.token
+            if not token:
+                return
 
     def runs(self, experiment: str | None = None, *, spec_name: str | None = None,
              max_results: int = 1000) -> list[TrackedRun]:
@@ -776,10 +790,11 @@ class MlflowTracker:
             ids = [e.experiment_id for e in self.client.search_experiments()]
         if not ids:
             return []
-        where = f"tags.`factory.spec_name` = '{spec_name}'" if spec_name is not None else ""
+        where = _equals("tags.`factory.spec_name`", spec_name) if spec_name is not None else ""
         found = self.client.search_runs(ids, filter_string=where, max_results=max_results,
                                         order_by=["attributes.start_time DESC"])
-        return [_tracked(r) for r in found]
+        return [_tracked(r) for r in found
+                if spec_name is None or r.data.tags.get("factory.spec_name") == spec_name]  # (`where` may be "")
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
@@ -854,6 +869,14 @@ def _refused(e: BaseException) -> bool:
 
     code = e.get_http_status_code() if isinstance(e, MlflowException) else None
     return code is not None and 400 <= code < 500
+
+
+def _equals(key: str, value: str) -> str:
+    """The MLflow filter `key = value`, quoted as the value allows; one holding both quotes cannot be written
+    there: no filter (""), and the caller compares each run itself."""
+    if "'" not in value:
+        return f"{key} = '{value}'"
+    return f'{key} = "{value}"' if '"' not in value else ""
 
 
 def _tracked(run: Any) -> TrackedRun:
