@@ -179,3 +179,15 @@ def test_export_refuses_a_checkpoint_not_as_saved_however_it_is_named(tmp_path, 
         assert cli.main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
         assert said in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
+
+
+def test_export_into_the_empty_working_directory(tmp_path, monkeypatch):
+    """`--out .` is an empty folder too: its staging folder was named from Path('.').name, which is empty
+    ("internal error: ValueError"); and the folder is filled, not removed and made again under the shell."""
+    _hf_checkpoint(tmp_path / "ckpt", 3)
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path / "model")
+    here = os.stat(".").st_ino
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--out", "."]) == 0
+    assert sorted(p.name for p in Path.cwd().iterdir()) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+    assert os.stat(".").st_ino == here and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model"]

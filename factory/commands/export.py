@@ -101,7 +101,7 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
     """Write the run's checkpoint (step N, default the newest) to `out`: a Hugging Face folder (a LoRA run's
     adapters merged into the base weights), or with `adapter` a LoRA run's peft adapter folder."""
     folder = step_folder(checkpoint_dir(run, uri), step)
-    out = Path(out)
+    out = Path(out).resolve()  # (`--out .` has no name to make the staging folder's name of)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not empty: choose a new folder (nothing is overwritten)")
     lora = (folder / ADAPTER).is_dir()
@@ -117,9 +117,12 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
     else:
         shutil.copytree(source, staging)
     readable(staging)  # a checkpoint saved before readable() was: its model.safetensors 0600, as transformers writes it
-    if out.exists():
-        out.rmdir()  # the empty folder the user made
-    os.replace(staging, out)
+    if out.exists():  # the empty folder the user made, perhaps their working directory: filled, not replaced
+        for item in staging.iterdir():
+            os.replace(item, out / item.name)
+        staging.rmdir()
+    else:
+        os.replace(staging, out)
     return source
 
 
