@@ -75,6 +75,18 @@ def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
                                        "init my-agent), or '.' for this folder\n")
 
 
+@pytest.mark.parametrize("name", ["2024", "on", "null", "1.0", "0x10"])
+def test_init_of_a_name_yaml_reads_as_another_type_writes_it_as_a_string(tmp_path, name):
+    """`name: 2024` (or `on`, `null`, `1.0`) is an int, a bool, null or a float: the spec `factory init` had just
+    made failed `factory check` with "name: expected a string"."""
+    import factory
+
+    create(tmp_path / name)
+    spec = factory.load(tmp_path / name / "spec.yaml")
+    assert spec.name == name and spec.tracking.experiment == name
+    assert f'\nname: "{name}"\n' in (tmp_path / name / "spec.yaml").read_text()
+
+
 def test_scaffold_reward_reads_the_models_answer():
     spec = importlib.util.spec_from_file_location("scaffold_task", SCAFFOLD / "rewards" / "task.py")
     module = importlib.util.module_from_spec(spec)

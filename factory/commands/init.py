@@ -46,9 +46,23 @@ def project_files(name: str) -> dict[str, str]:
         if path.is_dir() or "__pycache__" in path.parts:
             continue
         rel = path.relative_to(SCAFFOLD).as_posix()
-        files[_RENAMED.get(rel, rel)] = path.read_text(encoding="utf-8").replace(PLACEHOLDER, name)
+        text = path.read_text(encoding="utf-8")
+        if rel.endswith(".yaml"):  # where it is a value (`name: PROJECT_NAME`), a YAML string
+            text = text.replace(f": {PLACEHOLDER}", f": {yaml_string(name)}")
+        files[_RENAMED.get(rel, rel)] = text.replace(PLACEHOLDER, name)
     files[SCHEMA_NAME] = json_schema_text()
     return files
+
+
+def yaml_string(name: str) -> str:
+    """`name` as a YAML value that reads back as that string: plain where it does (`my-agent`), else quoted.
+    Read plain, `2024`, `on`, `null` and `1.0` are an int, a bool, null and a float: a spec that failed
+    `factory check` ("name: expected a string") in the project just made."""
+    import json
+
+    import yaml
+
+    return name if yaml.safe_load(name) == name else json.dumps(name)
 
 
 def create(target: Path) -> tuple[str, list[str]]:
