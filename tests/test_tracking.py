@@ -316,6 +316,31 @@ def test_runs_that_differ_in_data_or_model_are_flagged():
                           {"kind": "template", "key": "templates.prompts/arith.jinja"}]) == []
 
 
+def test_the_same_data_file_named_another_way_is_comparable():
+    """`./data/train.jsonl` for `data/train.jsonl` (or the file moved), its rows the same: "not comparable:
+    different data (data.train.path, data.train.path)", the key twice (the spec's and the plan hash's). A file is
+    judged by its sha256; a generator by its fields, each said once."""
+    from factory.commands.diff import comparability, plan_changes
+
+    def plan(path, sha):
+        return {"spec": {"data": {"train": {"path": path}}},
+                "hashes": {"data": {"train": {"path": path, "sha256": sha}}}}
+
+    moved = plan_changes(plan("data/train.jsonl", "d1"), plan("./data/train.jsonl", "d1"))
+    assert moved == [{"kind": "setting", "key": "data.train.path", "a": "data/train.jsonl", "b": "./data/train.jsonl"}]
+    assert comparability(moved) == []
+    other = plan_changes(plan("data/train.jsonl", "d1"), plan("data/train.jsonl", "d2"))
+    assert comparability(other) == ["not comparable: different data (data.train.sha256)"]
+
+    def generated(n):
+        train = {"generator": "tasks:rows", "args": {"n": n}}
+        return {"spec": {"data": {"train": train}}, "hashes": {"data": {"train": {**train, "source_sha256": "s"}}}}
+
+    changes = plan_changes(generated(1), generated(2))
+    assert changes == [{"kind": "setting", "key": "data.train.args.n", "a": "1", "b": "2"}]
+    assert comparability(changes) == ["not comparable: different data (data.train.args.n)"]
+
+
 def test_metric_rows_final_best_mean_and_deltas():
     from factory.commands.diff import metric_rows
 

@@ -38,6 +38,9 @@ _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data"
 _NOT_COMPARABLE = {"data": "data", "model": "model"}
 # keys of those sections whose change is the experiment itself, not another task or model
 _COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt")
+# a data file is judged by its rows (plan.hashes.data's sha256: a `data` change), not by the name it is given
+# (`./data/train.jsonl` for `data/train.jsonl`, the file moved)
+_JUDGED_BY_CONTENT = ("data.train.path", "data.eval.path")
 # tags that describe where a run ran (not part of its plan): shown when they differ
 _ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit")
 
@@ -92,12 +95,14 @@ def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] |
     out += [{"kind": "setting", "key": k, "a": sa.get(k), "b": sb.get(k)}
             for k in sorted(set(sa) | set(sb)) if setting_text(sa.get(k)) != setting_text(sb.get(k))]
     ha, hb = a.get("hashes", {}), b.get("hashes", {})
+    settings = {c["key"] for c in out}
     for section, kind in _HASH_KINDS.items():
         fa, fb = _flat(ha.get(section, {})), _flat(hb.get(section, {}))
         if section == "tools" and (not fa or not fb):
             continue  # not recorded for one run: reported as a note, not as a change
         for k in sorted(set(fa) | set(fb)):
-            if fa.get(k) == fb.get(k):
+            # (a data file's path, a generator's name and args are in the hash as the spec gives them: one row)
+            if fa.get(k) == fb.get(k) or f"{section}.{k}" in settings:
                 continue
             change = {"kind": kind, "key": f"{section}.{k}", "a": fa.get(k), "b": fb.get(k)}
             if kind == "tool_schema" and tools_a is not None and tools_b is not None:
@@ -165,7 +170,7 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
         # another way (data.prompt, data.system_prompt; as the chat template does): comparing the two is the point
         keys = [c["key"] for c in changes
                 if (c["kind"] == "setting" and c["key"].split(".")[0] == section
-                    and not c["key"].startswith(_COMPARABLE_WAYS))
+                    and not c["key"].startswith(_COMPARABLE_WAYS) and c["key"] not in _JUDGED_BY_CONTENT)
                 or c["kind"] == section]  # (a data file's sha256; an eval run's model)
         if keys:
             shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
