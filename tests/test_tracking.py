@@ -372,6 +372,30 @@ def test_common_prompts_pair_the_last_step_of_each_run():
     assert prompts[1]["a_reward_mean"] == 0.5 and prompts[1]["b_reward_mean"] == 0.25
 
 
+def test_common_prompts_pair_the_same_rows_under_another_prompt_template():
+    """Runs that differ in data.system_prompt (or data.prompt) on the same rows, what diff is for, rendered no
+    prompt alike: "no prompt was seen by both runs". They are paired by the data row each trajectory records;
+    by the rendered prompt where the rows do not tell the prompts apart (a `prompt` column alone)."""
+    from factory.commands.diff import common_prompts
+
+    def row(system, q, answer, reward):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        return {"split": "eval", "step": 2, "sample_index": 0, "prompt": json.dumps(messages),
+                "row": json.dumps({"answer": answer, "question": q}), "reward": reward, "rewards": "{}",
+                "completion": f"{system}:{q}", "tool_calls": []}
+
+    a = [row("You are a calculator.", "What is 8 - 3?", "5", 0.0), row("You are a calculator.", "2 + 2?", "4", 1.0)]
+    b = [row("Think step by step.", "2 + 2?", "4", 1.0), row("Think step by step.", "What is 8 - 3?", "5", 1.0)]
+    prompts = common_prompts(a, b)
+    assert [(p["prompt"], p["a_reward_mean"], p["b_reward_mean"]) for p in prompts] == [
+        ("What is 8 - 3?", 0.0, 1.0), ("2 + 2?", 1.0, 1.0)]
+    assert prompts[0]["b"][0]["completion"] == "Think step by step.:What is 8 - 3?"
+    # rows that are only their answer (the prompt messages a column `row` leaves out): one row, two prompts
+    same = [{**r, "row": json.dumps({"answer": "5"})}
+            for r in (row("s", "3 + 2?", "5", 0.0), row("s", "9 - 4?", "5", 1.0))]
+    assert [p["prompt"] for p in common_prompts(same, same)] == ["3 + 2?", "9 - 4?"]
+
+
 def test_environment_tags_name_versions_cpu_and_gpu():
     from factory.tracking.mlflow_tracker import environment_tags
 

@@ -9,7 +9,7 @@
 3. Metrics side by side with deltas (B - A): final and best reward, per-node rewards, eval metrics at
    step 0 and at the end, the reward-hacking monitors (final statistic, the step each first fired), mean
    step time and its split, tokens/s.
-4. For prompts both runs saw (same split), their trajectories side by side.
+4. For prompts both runs saw (same split and data row, however rendered), their trajectories side by side.
 
 The pure functions (`plan_changes`, `comparability`, `metric_rows`, `common_prompts`) take plain data;
 `compare` reads MLflow and returns the whole report as a JSON-ready dict (what `--json` prints).
@@ -290,27 +290,40 @@ def _trajectory_view(row: dict[str, Any]) -> dict[str, Any]:
 
 def common_prompts(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Prompts both runs saw in the same split (eval first), each with both runs' trajectories of the last
-    step in which they saw it."""
-    def latest(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-        by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    step in which they saw it (the prompt shown is A's). A prompt is its data row, as each trajectory records
+    it (`row`), however it was rendered: runs that differ in data.prompt or data.system_prompt, what diff is
+    for, had no rendered prompt in common. Runs recorded without rows, or whose rows do not tell their prompts
+    apart (a `prompt` column alone: `row` leaves it out), are paired by the rendered prompt."""
+    def names_its_prompt(rows: list[dict[str, Any]]) -> bool:
+        prompts: dict[tuple[str, str], set[str]] = {}
         for r in rows:
-            by.setdefault((r["split"], r["prompt"]), []).append(r)
+            if not r.get("row"):
+                return False
+            prompts.setdefault((r["split"], r["row"]), set()).add(r["prompt"])
+        return all(len(p) == 1 for p in prompts.values())
+
+    by = "row" if names_its_prompt(rows_a) and names_its_prompt(rows_b) else "prompt"
+
+    def latest(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            groups.setdefault((r["split"], r[by]), []).append(r)
         out = {}
-        for key, group in by.items():
+        for key, group in groups.items():
             last = max(r["step"] for r in group)
             out[key] = sorted((r for r in group if r["step"] == last), key=lambda r: r.get("sample_index") or 0)
         return out
 
     la, lb = latest(rows_a), latest(rows_b)
-    order = list(dict.fromkeys((r["split"], r["prompt"]) for r in rows_a))
+    order = list(dict.fromkeys((r["split"], r[by]) for r in rows_a))
     keys = [k for k in order if k in lb]
     keys.sort(key=lambda k: k[0] != "eval")  # stable: eval prompts first, each split in A's order
     out = []
-    for i, (split, prompt) in enumerate(keys):
-        a, b = [_trajectory_view(r) for r in la[(split, prompt)]], [_trajectory_view(r) for r in lb[(split, prompt)]]
+    for i, key in enumerate(keys):
+        a, b = [_trajectory_view(r) for r in la[key]], [_trajectory_view(r) for r in lb[key]]
         mean = lambda ts: sum(t["reward"] for t in ts) / len(ts) if ts else None  # noqa: E731
-        out.append({"index": i, "split": split, "prompt": _prompt_text(prompt), "a_reward_mean": mean(a),
-                    "b_reward_mean": mean(b), "a": a, "b": b})
+        out.append({"index": i, "split": key[0], "prompt": _prompt_text(la[key][0]["prompt"]),
+                    "a_reward_mean": mean(a), "b_reward_mean": mean(b), "a": a, "b": b})
     return out
 
 
