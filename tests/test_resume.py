@@ -41,14 +41,14 @@ def compiled(ckpt: Path, *overrides: str):
 
 
 def fake_run(uri: str, ckpt: Path, plan, *, logged: int, checkpoints: tuple[int, ...] = (), status: str = "RUNNING",
-             driver: str = GONE, experiment: str = "tiny") -> str:
+             driver: str = GONE, experiment: str = "tiny", tags: dict[str, str] | None = None) -> str:
     """A run as `factory run` leaves it: tags, plan.json, metrics through step `logged`, checkpoints whose
     run_state names it; status RUNNING is what a SIGKILLed driver leaves."""
     from mlflow.tracking import MlflowClient
 
     t = Tracker(uri, experiment)
     t.start("tiny-x", {}, {"factory.spec_name": "tiny", "factory.spec_hash": plan.hashes["spec"],
-                           "factory.checkpoint_dir": str(ckpt)}, {"plan.json": plan_json(plan)})
+                           "factory.checkpoint_dir": str(ckpt), **(tags or {})}, {"plan.json": plan_json(plan)})
     t.log_metrics({"eval/reward": 0.25}, step=0)
     for step in range(1, logged + 1):
         t.log_metrics({"timing/step_s": 1.0, "reward/mean": step / 10}, step=step)
@@ -88,6 +88,20 @@ def test_picks_the_newest_unfinished_run_of_this_spec_and_its_own_checkpoint(sto
     assert fresh.describe() == ("resuming run r (n) from the start (it saved no checkpoint); steps 0-1 are computed "
                                 "again, not logged twice")
     assert find(plan, older, uri, train=spec.train, **exp).checkpoint == "step_2"  # named explicitly (id)
+
+
+def test_a_bare_resume_passes_over_a_newer_eval_or_rescore_run_of_the_spec(store):
+    """A `factory eval` (tag factory.kind) or `factory rescore` run (tag factory.rescore_of) carries the spec's
+    name and hash; one failed or stopped after the training run was killed was picked, and trained from step 0
+    in it, passing over the killed run and its checkpoints."""
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    exp = {"experiment": "not-eval"}
+    killed = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), status="KILLED", **exp)
+    fake_run(uri, ckpt, plan, logged=0, status="FAILED", tags={"factory.kind": "eval"}, **exp)
+    fake_run(uri, ckpt, plan, logged=0, status="KILLED", tags={"factory.rescore_of": killed}, **exp)
+    r = find(plan, None, uri, train=spec.train, **exp)
+    assert (r.run_id, r.checkpoint) == (killed, "step_2")
 
 
 def test_a_sessions_start_up_is_logged_once_at_its_first_step(store):

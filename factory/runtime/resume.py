@@ -29,6 +29,7 @@ from typing import Any
 from factory.compiler.compile import plan_json
 from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
+from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import MANIFEST, RUN_STATE, complete, read_run_state, verify
 from factory.util import UserError
@@ -93,9 +94,9 @@ class Resume:
 
 def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
          allow_spec_change: bool = False) -> Resume:
-    """The run to resume: `ref` (a run id, id prefix or name), else the newest unfinished run of this plan's
-    spec (same spec name and hash) in `experiment`. `train`: the spec's train settings (steps, and the
-    checkpoint folder of a run that recorded none)."""
+    """The run to resume: `ref` (a run id, id prefix or name), else the newest unfinished training run of this
+    plan's spec (same spec name and hash; not an eval or rescore run) in `experiment`. `train`: the spec's
+    train settings (steps, and the checkpoint folder of a run that recorded none)."""
     from factory.tracking.tracker import open_tracker
 
     tracker = open_tracker(uri, read=True)  # a sqlite file not here: said so, not an empty store made
@@ -293,7 +294,9 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
         runs = tracker.runs(experiment, spec_name=name, max_results=200)
     except RunLookupError:  # no such experiment: no run to resume
         runs = []
-    unfinished = [r for r in runs if r.status != "FINISHED"]
+    # a `factory eval` or `factory rescore` run carries the spec's name and hash too but trains nothing: one
+    # stopped after the training run was killed would be picked, and trained from step 0 without its checkpoints
+    unfinished = [r for r in runs if r.status != "FINISHED" and run_kind(r) == "train"]
     # the spec a run now trains under: that of its newest resume under a changed spec, else its first
     same = [r for r in unfinished
             if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) == plan.hashes["spec"]]
