@@ -226,6 +226,13 @@ def version() -> str:
         return "unknown"
 
 
+def escaped(text: str | None) -> str | None:
+    """`text` with each lone surrogate as its `\\uXXXX` escape: what UTF-8 (an Arrow string, a tokenizer's input,
+    sqlite) can hold. A python tool's os.fsdecode of a file name that is not UTF-8 holds one, and json.loads reads
+    a model's `"\\ud83d"` (half an emoji's escape) as one. Other text is left as it is."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def fmt_number(v: float | None, spec: str = ".3f") -> str:
     """A metric in a line or table: '-' when there is none (or NaN); `spec`, except a value of 1e6 or more
     in size, with 4 significant digits (a runaway reward's 1e308 filled a terminal line with digits)."""

@@ -1,6 +1,7 @@
 """The multi-turn agent loop with a scripted engine and an in-test toolbox (milliseconds per test),
 on the real Qwen3 tokenizer and chat template."""
 import asyncio
+import os
 import time
 
 import pytest
@@ -385,6 +386,45 @@ def test_replaying_an_episode_its_deadline_cut_ends_it_where_the_recording_did(c
         (r.status, r.error_kind, r.text) for r in live.turns[0].results]
     assert (replayed.response_ids, replayed.loss_mask, replayed.infra_error, replayed.truncated) == (
         live.response_ids, live.loss_mask, live.infra_error, live.truncated)
+
+
+def list_folder(folder: str) -> str:
+    """The folder's one file, whose name is not UTF-8: os.fsdecode (as os.listdir of a str path) gives it a lone
+    surrogate.
+
+    Args:
+        folder: The folder to list; "gone" fails, naming the file.
+    """
+    name = os.fsdecode(b"caf\xe9.txt")
+    if folder == "gone":
+        raise ValueError(f"cannot open {name}")
+    return name
+
+
+def test_a_tool_answer_holding_a_lone_surrogate_is_read_as_its_escape(chat):
+    """A python tool's answer or error holding a lone surrogate (os.fsdecode of a file name that is not UTF-8),
+    and a tool name json.loads read from the model's `"\\ud83d"`: the tokenizer refused it (TypeError) and the
+    episode failed. Each is its `\\udce9` escape (as docs/tools.md says), the same in the recording."""
+    from factory.schema import PythonTool
+    from factory.tools import ToolBox
+
+    script = [(call("ls", folder="."), True), (call("ls", folder="gone"), True), (call("\ud83d"), True),
+              ("<answer>1</answer>", True)]
+    box = ToolBox.from_spec({"ls": PythonTool(function="tests.test_rollout_agent:list_folder")}, record=True)
+
+    async def episode():
+        async with box:
+            return await run_trajectory(ScriptedEngine(chat, script), chat, box, messages=PROMPT, row={},
+                                        prompt_index=0, sample_index=0, sampling=GREEDY,
+                                        cfg=RolloutSpec(max_turns=4, max_new_tokens=64, max_total_tokens=1024))
+
+    t = asyncio.run(episode())
+    assert [(r.tool, r.text) for turn in t.turns for r in turn.results] == [
+        ("ls", "caf\\udce9.txt"), ("ls", "Error: ValueError: cannot open caf\\udce9.txt"),
+        ("\\ud83d", "Error: unknown tool '\\ud83d'. Available tools: ls.")]
+    assert (t.stop_reason, t.infra_error) == ("no_call", False)
+    assert "caf\\udce9.txt" in chat.tokenizer.decode(t.response_ids)
+    assert [r["text"] for r in box.recorder.take()] == [r.text for r in t.turns[0].results + t.turns[1].results]
 
 
 def test_the_models_context_is_read_from_its_config(tmp_path):

@@ -1,6 +1,7 @@
 import json
 import logging
 import socket
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -237,6 +238,26 @@ def test_a_recorded_tool_answer_with_a_lone_surrogate_is_logged_as_its_escape(tm
     t.log_tool_calls([row], 1)
     t.end()
     assert t.tool_calls(run_id) == [{**row, "arguments": '{"folder":"\\udcff"}', "text": "report_\\udcff.txt"}]
+
+
+def test_a_trajectory_whose_calls_hold_a_lone_surrogate_is_logged_as_its_escape(tmp_path, monkeypatch):
+    # a call's name json.loads read from the model's `"\\ud83d"` (and a parse error quoting it), a tool's answer
+    # from a Tools that did not escape it: the tool_calls column was written as it was, Arrow raised in the
+    # driver's _log_step and the run ended
+    monkeypatch.chdir(tmp_path)
+    t = Tracker(f"sqlite:///{tmp_path}/m.db", "exp")
+    t.prepare()
+    run_id = t.start("r", {}, {}, {"plan.json": "{}"})
+    traj = _traj()
+    traj.turns[0].calls = [ToolCall("\ud83d", None, raw="", parse_error="unknown name '\ud83d'")]
+    traj.turns[0].results = [ToolResult("\ud83d", "caf\udce9.txt")]
+    t.log_trajectories([traj], step=1, traces=0)
+    t.end()
+    with tempfile.TemporaryDirectory() as tmp:
+        (row,) = pq.read_table(t.download(run_id, "trajectories/step_00001.parquet", tmp)).to_pylist()
+    (call,) = row["tool_calls"]
+    assert (call["name"], call["parse_error"], call["tool"], call["result"]) == (
+        "\\ud83d", "unknown name '\\ud83d'", "\\ud83d", "caf\\udce9.txt")
 
 
 def test_a_run_resumed_under_a_changed_spec_is_not_identical(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from factory.tools.connection import (
 )
 from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
-from factory.tools.results import content_text, infra_error, model_error, value_text
+from factory.tools.results import answer, content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
 from factory.util import AllStuck, Places, being_cancelled, import_object
 
@@ -171,7 +171,7 @@ class McpServer:
         self._breaker.record_success()
         if result.is_error:
             return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False
-        return ToolResult(tool=tool, text=content_text(result)), False
+        return answer(tool, content_text(result)), False
 
     def _circuit_open(self, tool: str) -> ToolResult:
         return infra_error(tool, "circuit_open", f"Error: tool server {self.name!r} is failing; calls are paused "
@@ -380,7 +380,7 @@ class PythonFunction:
             if isinstance(exc, asyncio.CancelledError) and being_cancelled():
                 raise
             return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
-        return ToolResult(tool=tool, text=value_text(value)), False
+        return answer(tool, value_text(value)), False
 
 
 def function_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:

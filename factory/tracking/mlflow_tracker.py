@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
 from factory.update.checkpoint import run_folder
-from factory.util import UserError, store_problem
+from factory.util import UserError, escaped, store_problem
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
@@ -254,12 +254,7 @@ def _json_text(value: Any, **kwargs: Any) -> str:
     """JSON with non-ASCII text as it is, but a lone surrogate as its `\\uXXXX` escape (json.loads reads one back
     the same): Arrow's strings are UTF-8, which cannot hold one, and json.loads reads a model's tool call
     arguments `"\\ud83d"` (half an emoji's escape) as one: writing the step's table raised, ending the run."""
-    return _escaped(json.dumps(value, ensure_ascii=False, **kwargs))
-
-
-def _escaped(text: str | None) -> str | None:
-    """`text` with each lone surrogate as its `\\uXXXX` escape: what UTF-8 (an Arrow string) can hold."""
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return escaped(json.dumps(value, ensure_ascii=False, **kwargs))
 
 
 def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None = None) -> list[dict[str, Any]]:
@@ -267,13 +262,16 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
     ids with their loss mask (so the mask can be audited offline)."""
     rows = []
     for t in trajs:
-        calls = [{"turn": i, "name": c.name, "arguments": json.dumps(c.arguments, sort_keys=True),
-                  "parse_error": c.parse_error, "status": r.status, "error_kind": r.error_kind,
-                  "latency_s": r.latency_s, "tool": r.tool, "result": r.text[:2000]}
+        # every text column escaped, as `_json_text` does: Arrow's strings cannot hold a lone surrogate, and writing
+        # the table ended the run. A call's name is what json.loads read from the model's `"\\ud83d"`, a parse error
+        # may quote it; the toolbox escapes its answers (factory.tools.results), another Tools may not.
+        calls = [{"turn": i, "name": escaped(c.name), "arguments": json.dumps(c.arguments, sort_keys=True),
+                  "parse_error": escaped(c.parse_error), "status": r.status, "error_kind": r.error_kind,
+                  "latency_s": r.latency_s, "tool": escaped(r.tool), "result": escaped(r.text[:2000])}
                  for i, turn in enumerate(t.turns) for c, r in zip(turn.calls, turn.results)]
         rows.append({
             "step": step, "prompt_index": t.prompt_index, "sample_index": t.sample_index,
-            "prompt": _json_text(t.messages), "completion": t.completion,
+            "prompt": _json_text(t.messages), "completion": escaped(t.completion),
             "reward": t.reward, "rewards": json.dumps(t.rewards, sort_keys=True),
             "turn_rewards": json.dumps(t.turn_rewards, sort_keys=True),  # per-turn nodes: a value per turn
             "num_turns": len(t.turns), "tool_calls": calls, "stop_reason": t.stop_reason,
@@ -555,7 +553,7 @@ class MlflowTracker:
         # a tool's answer may hold a lone surrogate (a python tool's os.fsdecode of a file name that is not UTF-8),
         # which an Arrow string cannot: kept as its `\\uXXXX` escape, as the trajectory table keeps it (`_json_text`),
         # and a replay serves that escape
-        rows = [{**r, "text": _escaped(r["text"]), "arguments": _escaped(r["arguments"])} for r in rows]
+        rows = [{**r, "text": escaped(r["text"]), "arguments": escaped(r["arguments"])} for r in rows]
         table = pa.Table.from_pylist(rows, schema=TOOL_CALLS)
         assert table.column_names == list(COLUMNS)
         with tempfile.TemporaryDirectory() as tmp:
