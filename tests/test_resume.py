@@ -368,6 +368,37 @@ def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused
         find(fewer, run, uri, train=spec_s.train, experiment="targets", allow_spec_change=True)
 
 
+def test_a_killed_drivers_idle_time_counts_the_steps_that_waited_in_its_spool(store):
+    """The store down when the driver was killed: its last work (a resumed session's start-up, logged at the step it
+    then did) waited in the spool. The resume read the idle time before sending it, and sent it stamped with that
+    moment: the idle time ran from an older step, and `factory runs` under-reported the run's duration."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.mlflow_tracker import SPOOL, idle_since
+    from factory.tracking.spool import Spool
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run_id = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), experiment="spooled-idle")
+    logged = time.time() + 100  # 100 s after step 2: its record waited in the spool, the store down
+    Spool(ckpt / SPOOL).add("metrics", step=3, values={"timing/startup_s": 30.0}, time_ms=int(logged * 1000))
+    t = Tracker(uri, "spooled-idle")
+    t.resume(find(plan, run_id, uri, train=spec.train, experiment="spooled-idle"), plan, {"calc": []},
+             started=logged + 10)
+    t.end("KILLED")
+    run = MlflowClient(uri).get_run(run_id)
+    assert float(run.data.tags["factory.idle_s"]) == pytest.approx(10.0, abs=0.2)
+    (startup,) = MlflowClient(uri).get_metric_history(run_id, "timing/startup_s")
+    assert (startup.step, startup.timestamp) == (3, int(logged * 1000))
+    # a step still waiting (the store failed again as the resume sent it) counts at the time it was logged
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: [SimpleNamespace(timestamp=1_000_000)])
+    killed = SimpleNamespace(info=SimpleNamespace(run_id="r", start_time=900_000, end_time=None, status="RUNNING"))
+    waiting = [{"kind": "metrics", "step": 4, "values": {"timing/step_s": 1.0}, "time_ms": 1_200_000},
+               {"kind": "metrics", "step": 4, "values": {"reward/mean": 1.0}, "time_ms": 1_250_000},  # not a step's
+               {"kind": "tags", "tags": {}, "time_ms": 1_300_000}]
+    assert idle_since(client, killed, now=1_230.0, waiting=waiting) == pytest.approx(30.0)
+
+
 def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 

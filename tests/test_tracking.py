@@ -895,6 +895,36 @@ def test_a_disk_that_cannot_hold_the_spool_does_not_stop_the_run(tmp_path, monke
     t.end()  # (the fluent run ended: the next test of this worker starts its own)
 
 
+def test_a_spooled_step_is_logged_once_at_the_time_it_was_logged(tmp_path):
+    """A step's metrics and its `factory.step` tag went as two requests: a store failing between them had the
+    record sent again whole, and the step was twice in the metric history. And each metric was stamped when sent:
+    after an outage every step that waited carried the moment the store came back."""
+    import time
+
+    t, _, _ = _spooled_run(tmp_path)
+    real, sent = t.client.log_batch, []
+
+    def took_it_then_failed(run_id, metrics=(), params=(), tags=(), synchronous=None):
+        real(run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous)
+        sent.append(tags)
+        if len(sent) == 1:  # it took the batch, and the connection dropped before its answer
+            raise ConnectionError("store went away")
+
+    t.client.log_batch = took_it_then_failed
+    logged = time.time()
+    t.log_metrics({"timing/step_s": 1.0, "reward/mean": 0.5}, step=2)
+    assert len(t.spool.records) == 1  # waits in the spool
+    time.sleep(1.5)  # the outage
+    assert t.flush(force=True)  # sent again whole: the store keeps the same metric (value, step, time) once
+    t.client.log_batch = real
+    t.end()
+    assert [[tag.key for tag in tags] for tags in sent] == [["factory.step"], ["factory.step"]]  # one request a try
+    history = t.client.get_metric_history(t.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(2, 0.5)]
+    assert history[0].timestamp / 1000 == pytest.approx(logged, abs=0.5)
+    assert t.client.get_run(t.run_id).data.tags["factory.step"] == "2"
+
+
 def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
     """One name MLflow refuses ('?' from a tool call that could not be read, a tool server's `web?search`) lost
     the whole record: every metric of the step."""

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -452,7 +452,6 @@ class MlflowTracker:
         plan = with_tool_listing(plan, listing)
         use_store(self.uri)
         before = self.client.get_run(resume.run_id)
-        idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before, started)
         quiet_mlflow()
         run = mlflow.start_run(run_id=resume.run_id)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
@@ -464,6 +463,9 @@ class MlflowTracker:
         self.logged = resume.logged
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
         self.recomputed = self.logged + 1  # (after the spool: the steps it sent count as logged)
+        # (after the spool too: the killed driver's last steps may have waited there, the store down; read before,
+        # its idle time ran from an older step, and `factory runs` under-reported the run's duration)
+        idle = float(before.data.tags.get(IDLE_TAG, 0)) + idle_since(self.client, before, started, self.spool.records)
         if resume.checkpoint and (all(c["step"] != resume.step for c in self.checkpoints)
                                   or len(self.checkpoints) < len(resume.checkpoints)):
             # unlisted: the update stage committed it after its driver was killed (it outlives it by seconds);
@@ -589,6 +591,9 @@ class MlflowTracker:
         self._record("tags", tags=tags)
 
     def _record(self, kind: str, file: Any = None, **fields: Any) -> None:
+        # when it was logged, which its metrics carry: stamped when sent, every step that waited out an outage in
+        # the spool carried the moment the store came back (MLflow's time axis; a resumed run's idle time)
+        fields["time_ms"] = int(time.time() * 1000)
         if self.spool is None:  # before open_spool (a rescore, a test): straight to the store
             self._send({"kind": kind, **fields}, file)
             return
@@ -677,14 +682,18 @@ class MlflowTracker:
         client = self.client
         kind = record["kind"]
         if kind == "metrics":
-            now = int(time.time() * 1000)
-            metrics = [Metric(k, v, now, record["step"]) for k, v in record["values"].items()]
-            for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-                client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
+            at = record.get("time_ms") or int(time.time() * 1000)  # (a record a driver of before time_ms spooled)
+            metrics = [Metric(k, v, at, record["step"]) for k, v in record["values"].items()]
             # steps done, for `factory runs` (and a crashed run): a training step's record, or the step-0
             # evaluation's; not a resumed session's start-up times, logged ahead at the step it will do next
-            if STEP_KEY in record["values"] or record["step"] == 0:
-                client.log_batch(self.run_id, tags=[RunTag("factory.step", str(record["step"]))], synchronous=True)
+            done = STEP_KEY in record["values"] or record["step"] == 0
+            tags = [RunTag("factory.step", str(record["step"]))] if done else []
+            # The tag goes in the request with the (last) metrics: sent after them, a store failing between the two
+            # had the record sent again whole, the step logged twice. A record sent again (a store that failed
+            # after taking a batch) logs the same metrics, value and time, which the store keeps once.
+            for i in range(0, max(len(metrics), 1), 999):  # MLflow's limit: 1000 metrics and tags a request
+                last = i + 999 >= len(metrics)
+                client.log_batch(self.run_id, metrics=metrics[i:i + 999], tags=tags if last else [], synchronous=True)
         elif kind == "artifact":
             client.log_artifact(self.run_id, str(file), record["artifact_path"])
         elif kind == "tags":
@@ -848,15 +857,18 @@ IDLE_TAG = "factory.idle_s"  # seconds a resumed run spent with no driver: `fact
 STARTED_TAG = "factory.command_started"
 
 
-def idle_since(client: Any, run: Any, now: float | None = None) -> float:
+def idle_since(client: Any, run: Any, now: float | None = None, waiting: Iterable[dict[str, Any]] = ()) -> float:
     """Seconds from when the run's last driver stopped working to `now` (default: now; a resume gives its
     command's start, its start-up being run time): its end, or, for a killed driver (no end), its newest step's
-    or start-up's metric (a step cut short by the kill counts as idle). A RUNNING run's end time is an earlier
-    session's (a resumed run killed again): not when its last driver stopped."""
+    or start-up's metric (a step cut short by the kill counts as idle), in the store or among the spool's records
+    still `waiting` (the store down, the time each was logged). A RUNNING run's end time is an earlier session's
+    (a resumed run killed again): not when its last driver stopped."""
+    keys = (STEP_KEY, "timing/startup_s")
     ended = run.info.end_time if run.info.status != "RUNNING" else None
-    last = ended or max((m.timestamp for key in (STEP_KEY, "timing/startup_s")
-                                     for m in client.get_metric_history(run.info.run_id, key)),
-                                    default=run.info.start_time)
+    spooled = [r["time_ms"] for r in waiting if r["kind"] == "metrics" and "time_ms" in r
+               and any(k in r["values"] for k in keys)]
+    last = ended or max([m.timestamp for key in keys for m in client.get_metric_history(run.info.run_id, key)]
+                        + spooled, default=run.info.start_time)
     return max(0.0, (time.time() if now is None else now) - last / 1000) if last else 0.0
 
 
