@@ -368,6 +368,28 @@ def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused
         find(fewer, run, uri, train=spec_s.train, experiment="targets", allow_spec_change=True)
 
 
+def test_a_step_that_waited_in_the_spool_is_sent_by_the_resume(store):
+    """A driver killed with a step unsent (the store down): `find` counts it as logged (its start-up goes after
+    it), and the tracker, given that, took it for sent and dropped it from the spool: the step was never logged."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.mlflow_tracker import SPOOL
+    from factory.tracking.spool import Spool
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    run_id = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), experiment="spooled-step")
+    Spool(ckpt / SPOOL).add("metrics", step=3, values={"timing/step_s": 1.0, "reward/mean": 0.3})
+    r = find(plan, run_id, uri, train=spec.train, experiment="spooled-step")
+    t = Tracker(uri, "spooled-step")
+    t.resume(r, plan, {"calc": []})
+    assert (r.logged, t.logged, t.spool.records) == (3, 3, [])
+    t.log_metrics({"timing/step_s": 2.0, "reward/mean": 0.9}, step=3)  # computed again: not logged twice
+    t.end("KILLED")
+    assert [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "reward/mean")] == [
+        (1, 0.1), (2, 0.2), (3, 0.3)]
+
+
 def test_a_killed_drivers_idle_time_counts_the_steps_that_waited_in_its_spool(store):
     """The store down when the driver was killed: its last work (a resumed session's start-up, logged at the step it
     then did) waited in the spool. The resume read the idle time before sending it, and sent it stamped with that

@@ -460,8 +460,12 @@ class MlflowTracker:
         # one listed past the checkpoint resumed from failed its check (resume.newest_checkpoint passed it
         # over): this session computes and saves those steps again
         self.checkpoints = [c for c in resume.checkpoints if c["step"] <= resume.step]
-        self.logged = resume.logged
+        # open_spool passes over a spooled step the store holds (sent, the driver killed before the spool noted it),
+        # judged by the store's steps: resume.logged counts the spool's own steps too, which were then taken for
+        # sent and never logged
+        self.logged = max((m.step for m in self.client.get_metric_history(resume.run_id, STEP_KEY)), default=-1)
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
+        self.logged = max(self.logged, resume.logged)
         self.recomputed = self.logged + 1  # (after the spool: the steps it sent count as logged)
         # (after the spool too: the killed driver's last steps may have waited there, the store down; read before,
         # its idle time ran from an older step, and `factory runs` under-reported the run's duration)
