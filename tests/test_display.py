@@ -172,6 +172,21 @@ def test_long_phase_shows_a_live_bar_on_a_terminal():
     assert "step 0 evaluation" in out.getvalue() and "17/64" in out.getvalue()
 
 
+def test_the_eta_is_shown_when_a_step_takes_a_minute():
+    """rich's speed, and so the ETA, came from the last 30 s of updates: with steps of 30 s or more that held one
+    step at most, and the bar read `eta -:--:--` for every real model's run."""
+    now = [1000.0]
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, get_time=lambda: now[0], log_path=False)
+    with Display(10, console=console) as display:
+        for step in (1, 2, 3):
+            now[0] += 60.0
+            display.step(step, {"timing/step_s": 60.0, "reward/mean": 0.5})
+        assert display._progress.tasks[0].time_remaining == 420  # 7 steps of 60 s left
+        display._progress.refresh()
+    assert "0:07:00" in out.getvalue()
+
+
 def test_startup_line_and_metrics_add_up_to_the_time_to_first_request():
     """timing/startup_s runs from the command's start to the first rollout request; its phases (and the
     'other' left between them) add up to it, and each stage's ready time is shown inside `stages`."""

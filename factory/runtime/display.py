@@ -17,7 +17,7 @@ from rich.table import Table
 
 from factory.util import fmt_number, shown_path
 
-
+SPEED_WINDOW_S = 24 * 3600.0  # the progress bars' speed (and ETA) from the updates of the last day
 
 
 class Display:
@@ -31,9 +31,11 @@ class Display:
             console.soft_wrap = not console.is_terminal
         self.console = console
         self.total = total_steps
+        # The ETA from the whole session's pace (rich's last 1000 updates), not rich's default last 30 s: a step of
+        # 30 s or more left one update in that window, no speed, and the bar read `eta -:--:--` for a real model's run
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                  console=self.console, transient=True)
+                                  console=self.console, transient=True, speed_estimate_period=SPEED_WINDOW_S)
         self._task = None
         self.log_every_s, self._clock = log_every_s, clock
         # The long phase in progress: (label, bar task on a terminal, started, last plain line printed).
