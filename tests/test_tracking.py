@@ -1,3 +1,4 @@
+import hashlib
 import json
 import logging
 import socket
@@ -923,6 +924,27 @@ def test_a_spooled_step_is_logged_once_at_the_time_it_was_logged(tmp_path):
     assert [(m.step, m.value) for m in history] == [(2, 0.5)]
     assert history[0].timestamp / 1000 == pytest.approx(logged, abs=0.5)
     assert t.client.get_run(t.run_id).data.tags["factory.step"] == "2"
+
+
+def test_a_spec_key_the_store_refuses_as_a_name_is_written_as_it_takes_it(tmp_path):
+    """A `metrics` entry named `pass@1` compiled, and the run's start raised MlflowException (Invalid value
+    "metrics.pass@1"); so did a tracking.tags key with `=` and a key over 250 characters. Distinct keys stay
+    distinct."""
+    long = "k" * 300
+    t = Tracker(f"sqlite:///{tmp_path / 't.db'}", "e")
+    t.start("r", {"metrics": {"pass@1": "correct", "pass_1": "other", "ok": "x"}, "rewards": {long: {"w": 1}}},
+            {"team=a": "1", "a//b": "2", "..": "3"}, {})
+    t.end()
+    run = t.client.get_run(t.run_id)
+    hashed = "metrics.pass_1-" + hashlib.sha256(b"metrics.pass@1").hexdigest()[:8]
+    assert run.data.params == {"metrics.pass_1": "other", hashed: "correct", "metrics.ok": "x",
+                               f"rewards.{long}.w"[:250]: "1"}
+    assert {k: v for k, v in run.data.tags.items() if not k.startswith(("factory.", "mlflow."))} == {
+        "team_a": "1", "a__b": "2", "__": "3"}
+    from factory.tracking.mlflow_tracker import mlflow_keys
+
+    assert mlflow_keys(["a.b", "a/b", "a@b", "a#b"]) == {
+        "a.b": "a.b", "a/b": "a/b", "a#b": "a_b", "a@b": "a_b-" + hashlib.sha256(b"a@b").hexdigest()[:8]}
 
 
 def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import platform
+import posixpath
 import re
 import shutil
 import subprocess
@@ -187,6 +189,38 @@ def metric_name(name: str) -> str:
     tool servers and spec keys; the store refuses a whole record for one name it does not take, so one tool
     named `web?search` cost every metric of every step."""
     return _NOT_IN_A_METRIC_NAME.sub("_", name)
+
+
+_MAX_KEY = 250  # the longest param or tag name MLflow takes
+
+
+def mlflow_keys(keys: Iterable[str]) -> dict[str, str]:
+    """Each key -> itself as MLflow takes it as a param or tag name: `metric_name`'s characters, no path that
+    resolves to another name (`a//b`, `./a`: its `/` and `.` as `_`), at most 250 characters. A spec key it refuses
+    (a `metrics` entry named `pass@1`, a `tracking.tags` key with `=`) raised out of the run's start. A key that
+    then names what another key is, or became, ends in a hash of its own, so distinct keys stay distinct; plan.json
+    keeps the spec's own names (`factory diff`)."""
+    keys = list(keys)
+    out = {k: k for k in keys if _taken_as_is(k)}
+    names = set(out)
+    for key in sorted(set(keys) - set(out)):
+        name = metric_name(key)[:_MAX_KEY]
+        if not _taken_as_is(name):
+            name = name.replace("/", "_").replace(".", "_") or "_"
+        if name in names:
+            tail = "-" + hashlib.sha256(key.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+            name = name[:_MAX_KEY - len(tail)] + tail
+        names.add(name)
+        out[key] = name
+    return out
+
+
+def _taken_as_is(name: str) -> bool:
+    """Whether MLflow takes `name` as a param or tag name (mlflow.utils.validation: its characters, a path that
+    resolves to itself, its length)."""
+    norm = posixpath.normpath(name)
+    return (metric_name(name) == name and len(name) <= _MAX_KEY and norm == name and norm != "."
+            and not norm.startswith(("..", "/")))
 
 
 def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
@@ -377,9 +411,13 @@ class MlflowTracker:
         assert self.experiment is not None, "a run is written into an experiment"
         use_store(self.uri, self.experiment)
         quiet_mlflow()
-        run = mlflow.start_run(run_name=run_name, tags={**tags, DRIVER_TAG: driver_tag()})
+        named = mlflow_keys(tags)  # (a tracking.tags key MLflow refuses as a name: written as it takes it)
+        run = mlflow.start_run(run_name=run_name, tags={**{named[k]: v for k, v in tags.items()},
+                                                        DRIVER_TAG: driver_tag()})
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         items = dict(flatten(params))
+        named = mlflow_keys(items)  # (a spec key MLflow refuses as a param name: `metrics.pass@1`)
+        items = {named[k]: v for k, v in items.items()}
         keys = list(items)
         for i in range(0, len(keys), 100):  # MLflow caps one batch at 100 params
             mlflow.log_params({k: items[k] for k in keys[i:i + 100]})
