@@ -654,10 +654,8 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             continue  # not found, or its generator cannot be called as it would be: already said
         source = getattr(spec.data, split)
         key = f"data.{split}.path" if source.path is not None else f"data.{split}.generator"
-        limit = CHECKED_ROWS if split == "train" or spec.train.eval_size is None else min(spec.train.eval_size,
-                                                                                          CHECKED_ROWS)
         try:
-            rows, origins = read_source(source, seed=seed, base_dir=r.source.base_dir, limit=limit)
+            rows, origins = read_source(source, seed=seed, base_dir=r.source.base_dir, limit=CHECKED_ROWS)
         except UserError as e:  # DataError: bad JSON, each line with its file:line
             r.error(key, str(e))
             continue
@@ -683,18 +681,22 @@ def _check_rows(spec: Spec, r: _Report, data: Mapping[str, Any], required: Mappi
             else:
                 r.warn(key, f"{what}: the run has no held-out evaluation")
             continue
-        if source.generator is not None and len(rows) < min(source.size, limit):
-            r.warn(key, f"{source.generator} gave {len(rows)} rows when asked for {min(source.size, limit)} "
+        if source.generator is not None and len(rows) < min(source.size, CHECKED_ROWS):
+            r.warn(key, f"{source.generator} gave {len(rows)} rows when asked for {min(source.size, CHECKED_ROWS)} "
                         f"(data.{split}.size is {source.size})")
+        # Every eval row read holds training rows out (below), as the data stage holds them out against the whole
+        # split; only the first eval_size are evaluated, and checked there. Reading eval_size rows alone, a training
+        # split the rest held out passed the check and the run failed in the data stage.
+        used = slice(None) if split == "train" or spec.train.eval_size is None else slice(spec.train.eval_size)
         try:
-            check_rows(rows, origins, renderer, required, judges, valued)
+            check_rows(rows[used], origins[used], renderer, required, judges, valued)
         except UserError as e:  # DataError: the bad rows, each with its file:line (or row)
             r.error(key, str(e))
             continue
         except (Exception, SystemExit) as e:  # the prompt template failed on a row in a way row_problem does not expect
             r.error("data.prompt", f"the template failed on {key}'s rows: {type(e).__name__}: {e}")
             continue
-        if unused := [where for row, where in zip(rows, origins) if renderer.system_unused(row)]:
+        if unused := [where for row, where in zip(rows[used], origins[used]) if renderer.system_unused(row)]:
             more = f" and {len(unused) - 1} more rows" if len(unused) > 1 else ""
             r.warn("data.system_prompt", f"not used for {unused[0]}{more} of data.{split}: their messages already "
                                          f"begin with a system message, which is kept")
