@@ -2,6 +2,7 @@
 and the MCP server over stdio through the ToolBox."""
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -92,6 +93,28 @@ async def test_cannot_signal_the_server_or_lift_its_limits():
 
 async def test_huge_allocation_is_a_memory_error():
     assert blocked(await run("x = bytearray(4 * 2**30)"), "MemoryError")
+
+
+async def test_no_memory_outside_the_address_space_limit():
+    # --memory-mb is RLIMIT_AS: a memfd's pages are not in it (55 memfds of 16 MB held 880 MB under a 256 MB
+    # limit), nor SysV segments and queues, which even outlive the program. Each call is refused; one the
+    # kernel allowed is undone at once, so that the test leaves nothing behind where it fails.
+    code = ("import ctypes, fcntl, os\nlibc = ctypes.CDLL(None, use_errno=True)\ngot = {}\n"
+            "def tried(name, result, undo):\n"
+            "    got[name] = ctypes.get_errno() if result == -1 else 0\n"
+            "    if result != -1: undo(result)\n"
+            "try:\n    os.close(os.memfd_create('m')); got['memfd_create'] = 0\n"
+            "except OSError as e:\n    got['memfd_create'] = e.errno\n"
+            "tried('shmget', libc.shmget(0, 4096, 0o1600), lambda i: libc.shmctl(i, 0, None))\n"  # 0: IPC_RMID
+            "tried('msgget', libc.msgget(0, 0o1600), lambda i: libc.msgctl(i, 0, None))\n"
+            "tried('mq_open', libc.mq_open(b'/factory-sandbox-test', os.O_CREAT | os.O_RDWR, 0o600, None),\n"
+            "      lambda q: (os.close(q), libc.mq_unlink(b'/factory-sandbox-test')))\n"
+            "r, w = os.pipe()\ntry:\n    fcntl.fcntl(r, fcntl.F_SETPIPE_SZ, 1 << 20); got['F_SETPIPE_SZ'] = 0\n"
+            "except OSError as e:\n    got['F_SETPIPE_SZ'] = e.errno\nprint(got)")
+    result = await run(code)
+    assert result["exit_code"] == 0, result
+    assert eval(result["stdout"]) == dict.fromkeys(["memfd_create", "shmget", "msgget", "mq_open", "F_SETPIPE_SZ"],
+                                                   errno.EPERM)
 
 
 async def test_infinite_loop_is_killed_by_the_cpu_limit():

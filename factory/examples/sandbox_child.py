@@ -15,7 +15,9 @@ none of them can be lifted afterwards:
      the sandbox (ABI 6+);
   4. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
      sockets, no ptrace, no namespace or mount changes, signals only to itself (kill, tkill, tgkill,
-     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely).
+     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely), no
+     memory outside the address-space limit (memfd_create, SysV shared memory and message queues,
+     POSIX message queues; pipes stay at their default size).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ _FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 <<
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 _PR_SET_NO_NEW_PRIVS = 38
+_F_SETPIPE_SZ = 1031
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -144,8 +147,15 @@ def apply_seccomp(seccomp: Any) -> None:
                  "process_vm_writev", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "bpf",
                  "perf_event_open", "keyctl", "add_key", "request_key", "userfaultfd", "io_uring_setup",
                  "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "personality", "kexec_load", "init_module",
-                 "finit_module", "reboot", "swapon", "setrlimit", "prlimit64"):
+                 "finit_module", "reboot", "swapon", "setrlimit", "prlimit64",
+                 # Memory the kernel holds outside the address space that RLIMIT_AS caps: a memfd's pages (no
+                 # path, so not Landlock's), SysV segments and queues (which outlive the program) and POSIX
+                 # queues. Files in the folder are the disk quota's.
+                 "memfd_create", "shmget", "msgget", "mq_open"):
         f.add_rule(deny, name)
+    # A pipe grown to 1 MB (F_SETPIPE_SZ) is kernel memory too; 64 KB each, 64 descriptors at most, is
+    # little. The command is an unsigned int: only the argument's low 32 bits count.
+    f.add_rule(deny, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, _F_SETPIPE_SZ))
     f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))  # a new process, not a thread
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")  # its flags sit in memory; ENOSYS: libc falls back to clone
     # Every system call that sends a signal, aimed anywhere but this process (its first argument is a
