@@ -15,9 +15,10 @@ none of them can be lifted afterwards:
      the sandbox (ABI 6+);
   4. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
      sockets, no ptrace, no namespace or mount changes, signals only to itself (kill, tkill, tgkill,
-     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely), no
-     memory outside the address-space limit (memfd_create, SysV shared memory and message queues,
-     POSIX message queues; pipes stay at their default size).
+     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely; no
+     descriptor may name a process to signal when it is ready: fcntl F_SETOWN, F_SETOWN_EX, F_SETSIG,
+     ioctl FIOSETOWN, SIOCSPGRP), no memory outside the address-space limit (memfd_create, SysV shared
+     memory and message queues, POSIX message queues; pipes stay at their default size).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ _FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 <<
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 _PR_SET_NO_NEW_PRIVS = 38
-_F_SETPIPE_SZ = 1031
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX, _F_SETPIPE_SZ = 8, 10, 15, 1031
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -163,6 +165,13 @@ def apply_seccomp(seccomp: Any) -> None:
     me = os.getpid()
     for name in ("kill", "tgkill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"):
         f.add_rule(deny, name, seccomp.Arg(0, seccomp.NE, me))
+    # And the kernel's own signals for I/O: the owner a descriptor names (fcntl F_SETOWN / F_SETOWN_EX,
+    # ioctl FIOSETOWN / SIOCSPGRP) gets SIGIO, or any signal F_SETSIG picks (SIGKILL included), when it is
+    # ready, whoever the owner is among the user's processes. Commands are unsigned ints: low 32 bits only.
+    for cmd in (_F_SETOWN, _F_SETOWN_EX, _F_SETSIG):
+        f.add_rule(deny, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, cmd))
+    for request in (_FIOSETOWN, _SIOCSPGRP):
+        f.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, request))
     f.load()  # sets no_new_privs first
 
 
