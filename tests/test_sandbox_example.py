@@ -2,8 +2,13 @@
 and the MCP server over stdio through the ToolBox."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -262,3 +267,55 @@ def test_the_seccomp_filter_alone_refuses_a_descriptor_that_would_signal_another
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert (list(answers), got) == ([errno_.EPERM] * 6, [])
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie has ended: whoever adopted it reaps it when it will
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_program_dies_with_its_server(how, tmp_path):
+    # The child leads its own session (a kill of the server's group misses it) and only the server timed it: a
+    # server stopped by SIGTERM (the MCP client's shutdown) or SIGKILL (the OOM killer) left it sleeping for
+    # ever. Now the kernel kills it with the server either way, and on SIGTERM the server deletes its folder.
+    server = subprocess.Popen([sys.executable, "-m", "factory.examples.sandbox", "--timeout-s", "60"], cwd=ROOT,
+                              env={**os.environ, "TMPDIR": str(tmp_path)}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+        for message in [{"id": 1, "method": "initialize", "params": hello}, {"method": "notifications/initialized"},
+                        {"id": 2, "method": "tools/call",
+                         "params": {"name": "run_python", "arguments": {"code": "import time; time.sleep(600)"}}}]:
+            server.stdin.write((json.dumps({"jsonrpc": "2.0", **message}) + "\n").encode())
+            server.stdin.flush()
+        deadline = time.monotonic() + 30
+        while not children and time.monotonic() < deadline:
+            time.sleep(0.1)
+            children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == server.pid]
+        assert children and list(tmp_path.glob("factory-sandbox-*"))
+        time.sleep(1.0)  # past its lockdown: the program sleeps
+        server.send_signal(how)
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, children))
+        if how == signal.SIGTERM:
+            assert server.returncode == -signal.SIGTERM and not list(tmp_path.glob("factory-sandbox-*"))
+    finally:
+        for pid in children:  # this test's own processes, should they have outlived the server
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if server.poll() is None:
+            server.kill()
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

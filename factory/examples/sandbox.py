@@ -11,7 +11,9 @@ namespaces where the kernel allows them (the folder becomes a private tmpfs of `
 seccomp (no exec, no fork, no sockets, signals only to itself). The server adds a wall-clock limit: a
 program still running after `--timeout-s` (pipes closed or not) is killed with its whole process group,
 and so is one whose files outgrow `--disk-mb` where the kernel could not enforce it. The folder is
-deleted after each call.
+deleted after each call. No program outlives the server: the kernel kills the child when the server
+dies, however it dies, and a server stopped by SIGTERM first kills the calls under way and deletes
+their folders.
 
 Linux only; Landlock (kernel 5.13+, enabled in the LSM list) and libseccomp are required: where either
 is missing every call answers that the code cannot be run safely, and nothing runs.
@@ -47,9 +49,14 @@ class Limits:
     output_chars: int = 4000  # stdout and stderr are each cut to this in the answer
 
 
+# The calls under way, folder -> the child's pid (None while it starts): what a SIGTERM ends (_on_sigterm).
+_running: dict[str, int | None] = {}
+
+
 async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
     """Run `code` in the sandbox: {exit_code, stdout, stderr, timed_out, sandboxed}."""
     workdir = tempfile.mkdtemp(prefix="factory-sandbox-")
+    _running[workdir] = None
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8")  # a small local file: no need for a thread
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
@@ -59,8 +66,9 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
         # its set-up code from the installed package, then forgets it.
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-m", "factory.examples.sandbox_child", json.dumps(asdict(limits)),
-            cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            str(os.getpid()), cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        _running[workdir] = proc.pid
         cap = limits.output_chars * 4 + 1024  # bytes: a flood of output is not read into memory
 
         out, err = bytearray(), bytearray()  # what was read, kept when the program is killed
@@ -89,7 +97,21 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
                 "stdout": _cut(bytes(out).decode("utf-8", "replace"), limits.output_chars),
                 "stderr": _cut(bytes(err).decode("utf-8", "replace"), limits.output_chars)}
     finally:
+        _running.pop(workdir, None)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """A server stopped by SIGTERM (the MCP client's shutdown after stdin closes, Ray's teardown) would
+    die without running a `finally`: the calls under way are killed with their process groups (the
+    children lead their own sessions, out of reach of a kill of the server's group) and their folders
+    deleted, then the server dies of the signal as it would have."""
+    for workdir, pid in list(_running.items()):
+        if pid is not None:
+            _kill_group(pid)
+        shutil.rmtree(workdir, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 async def _read_capped(stream: asyncio.StreamReader | None, cap: int, kept: bytearray) -> None:
@@ -188,6 +210,7 @@ def _configure(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
     serve(server, __doc__, argv, before=_configure, options=_options)
 
 

@@ -1,7 +1,7 @@
 """The child side of the Python sandbox (`factory.examples.sandbox`): lock this process down, then run
 the untrusted program `main.py` of the working directory as `__main__`.
 
-    python -I -m factory.examples.sandbox_child LIMITS_JSON
+    python -I -m factory.examples.sandbox_child LIMITS_JSON SERVER_PID
 
 Every restriction is a kernel mechanism applied to this process before the untrusted code starts, and
 none of them can be lifted afterwards:
@@ -10,15 +10,18 @@ none of them can be lifted afterwards:
      network interface but a loopback that is down, and the working directory becomes a private tmpfs
      of `disk_mb` (and at most 4096 files), so the program's files in all can never exceed its quota
      (the server checks the folder's size itself where the namespace is not allowed);
-  3. Landlock: reads only under the Python installation and system library folders, writes only in
+  3. the kernel kills this process when the server dies, however it dies (PR_SET_PDEATHSIG): the
+     server's wall-clock limit ends with it, and so does the program;
+  4. Landlock: reads only under the Python installation and system library folders, writes only in
      the working directory, no TCP bind/connect (ABI 4+), no signals or abstract UNIX sockets out of
      the sandbox (ABI 6+);
-  4. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
+  5. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
      sockets, no ptrace, no namespace or mount changes, signals only to itself (kill, tkill, tgkill,
      rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely; no
      descriptor may name a process to signal when it is ready: fcntl F_SETOWN, F_SETOWN_EX, F_SETSIG,
-     ioctl FIOSETOWN, SIOCSPGRP), no memory outside the address-space limit (memfd_create, SysV shared
-     memory and message queues, POSIX message queues; pipes stay at their default size).
+     ioctl FIOSETOWN, SIOCSPGRP), no undoing 3. (prctl PR_SET_PDEATHSIG), no memory outside the
+     address-space limit (memfd_create, SysV shared memory and message queues, POSIX message queues;
+     pipes stay at their default size).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import errno
 import json
 import os
 import resource
+import signal
 import sys
 from typing import Any
 
@@ -44,7 +48,7 @@ _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 
 _FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 _F_SETOWN, _F_SETSIG, _F_SETOWN_EX, _F_SETPIPE_SZ = 8, 10, 15, 1031
 _FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 
@@ -76,6 +80,17 @@ def set_limits(limits: dict[str, int]) -> None:
     for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_mb"] << 20),
                         ("RLIMIT_FSIZE", limits["file_mb"] << 20), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def die_with(server_pid: int) -> None:
+    """SIGKILL this process when the server dies, by SIGKILL or the OOM killer too (no handler of its runs
+    then). The kernel signals at the end of the thread that started us: the server's event loop, which
+    lives as long as the server."""
+    if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    if os.getppid() != server_pid:  # it died before the prctl: we were given to another parent
+        raise OSError(errno.ESRCH, "the server is gone")
 
 
 def private_namespaces(workdir: str, disk_mb: int) -> bool:
@@ -172,6 +187,8 @@ def apply_seccomp(seccomp: Any) -> None:
         f.add_rule(deny, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, cmd))
     for request in (_FIOSETOWN, _SIOCSPGRP):
         f.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, request))
+    # The program dies with the server (die_with): it may not take that back.
+    f.add_rule(deny, "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, 0xFFFFFFFF, _PR_SET_PDEATHSIG))
     f.load()  # sets no_new_privs first
 
 
@@ -184,7 +201,7 @@ def read_roots() -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    limits = json.loads(argv[0])
+    limits, server_pid = json.loads(argv[0]), int(argv[1])
     workdir = os.getcwd()
     with open("main.py", encoding="utf-8") as f:
         code = f.read()
@@ -195,6 +212,7 @@ def main(argv: list[str]) -> None:
         if private_namespaces(workdir, limits["disk_mb"]):
             with open("main.py", "w", encoding="utf-8") as f:  # into the private folder: tracebacks show lines
                 f.write(code)
+        die_with(server_pid)  # after unshare: a change of credentials may clear it
         apply_landlock(workdir, read_roots())
         apply_seccomp(pyseccomp)
     except Exception as e:  # noqa: BLE001 -- fail closed: never run the program half-sandboxed
