@@ -130,6 +130,19 @@ async def test_infinite_loop_is_killed_by_the_cpu_limit():
     assert describe(result, limits) == "killed by signal SIGKILL (CPU time limit)"
 
 
+async def test_a_program_killed_by_a_real_time_signal_gets_an_answer():
+    # Signal 40 has no name in signal.Signals: describe() raised ValueError, and the call was a tool error.
+    result = await run("import os; os.kill(os.getpid(), 40)")
+    assert result["exit_code"] == -40 and describe(result, FAST) == "killed by signal 40"
+
+
+async def test_a_program_exiting_97_ran_sandboxed():
+    # 97 is the child's exit code when it cannot lock down; the program may exit with it too, and its answer
+    # was "the code was not run". The child's word now comes on a pipe of its own, before the program starts.
+    result = await run("print('I ran'); raise SystemExit(97)")
+    assert result["sandboxed"] and describe(result, FAST) == "exit code 97\nstdout:\nI ran"
+
+
 async def test_sleeping_program_is_killed_at_the_wall_clock_limit():
     t0 = time.monotonic()
     result = await run("import time; time.sleep(60)", Limits(timeout_s=1.0))

@@ -36,7 +36,6 @@ from mcp.server.mcpserver import MCPServer
 from pydantic import Field
 
 from factory.examples import serve
-from factory.examples.sandbox_child import EXIT_NOT_SANDBOXED
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,7 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
     """Run `code` in the sandbox: {exit_code, stdout, stderr, timed_out, sandboxed}."""
     workdir = tempfile.mkdtemp(prefix="factory-sandbox-")
     _running[workdir] = None
+    ready, ready_w = os.pipe()  # the child says on it that it is locked down (sandbox_child.main)
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8")  # a small local file: no need for a thread
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
@@ -64,10 +64,14 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
                "OPENBLAS_NUM_THREADS": "1"}
         # -I: no user site, no PYTHON* variables, no working directory on sys.path. The child imports
         # its set-up code from the installed package, then forgets it.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-m", "factory.examples.sandbox_child", json.dumps(asdict(limits)),
-            str(os.getpid()), cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-m", "factory.examples.sandbox_child", json.dumps(asdict(limits)),
+                str(os.getpid()), str(ready_w), pass_fds=(ready_w,), cwd=workdir, env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)
+        finally:
+            os.close(ready_w)  # the child's copy is the only one: its end is the pipe's end
         _running[workdir] = proc.pid
         cap = limits.output_chars * 4 + 1024  # bytes: a flood of output is not read into memory
 
@@ -93,10 +97,11 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
             if proc.returncode is None:
                 await proc.wait()
         return {"exit_code": proc.returncode, "timed_out": timed_out, "over_quota": over_quota,
-                "sandboxed": proc.returncode != EXIT_NOT_SANDBOXED,
+                "sandboxed": _locked_down(ready),
                 "stdout": _cut(bytes(out).decode("utf-8", "replace"), limits.output_chars),
                 "stderr": _cut(bytes(err).decode("utf-8", "replace"), limits.output_chars)}
     finally:
+        os.close(ready)
         _running.pop(workdir, None)
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -112,6 +117,15 @@ def _on_sigterm(signum: int, frame: object) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _locked_down(ready: int) -> bool:
+    """Whether the child wrote its byte: read once it has ended, so the pipe holds all it will ever hold."""
+    os.set_blocking(ready, False)
+    try:
+        return os.read(ready, 1) == b"1"
+    except BlockingIOError:
+        return False
 
 
 async def _read_capped(stream: asyncio.StreamReader | None, cap: int, kept: bytearray) -> None:
@@ -158,7 +172,10 @@ def _cut(text: str, limit: int) -> str:
 def describe(result: dict[str, object], limits: Limits) -> str:
     """The answer the model reads."""
     if not result["sandboxed"]:
-        return "Error: the code was not run: " + str(result["stderr"]).strip()
+        why = str(result["stderr"]).strip() or (
+            f"the sandbox was not set up within {limits.timeout_s:g} s" if result["timed_out"]
+            else f"the sandbox ended with exit code {result['exit_code']} before it was set up")
+        return "Error: the code was not run: " + why
     if result["timed_out"]:
         head = f"killed: the program ran longer than {limits.timeout_s:g} s"
     elif result.get("over_quota"):
@@ -167,7 +184,11 @@ def describe(result: dict[str, object], limits: Limits) -> str:
         sig = -result["exit_code"]
         why = {signal.SIGKILL: " (CPU time limit)", signal.SIGXCPU: " (CPU time limit)",
                signal.SIGXFSZ: " (file size limit)"}.get(sig, "")
-        head = f"killed by signal {signal.Signals(sig).name}{why}"
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:  # a real-time signal (SIGRTMIN + n) has no name of its own
+            name = str(sig)
+        head = f"killed by signal {name}{why}"
     else:
         head = f"exit code {result['exit_code']}"
     parts = [head]

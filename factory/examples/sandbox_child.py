@@ -1,7 +1,7 @@
 """The child side of the Python sandbox (`factory.examples.sandbox`): lock this process down, then run
 the untrusted program `main.py` of the working directory as `__main__`.
 
-    python -I -m factory.examples.sandbox_child LIMITS_JSON SERVER_PID
+    python -I -m factory.examples.sandbox_child LIMITS_JSON SERVER_PID READY_FD
 
 Every restriction is a kernel mechanism applied to this process before the untrusted code starts, and
 none of them can be lifted afterwards:
@@ -23,6 +23,8 @@ none of them can be lifted afterwards:
      address-space limit (memfd_create, SysV shared memory and message queues, POSIX message queues;
      pipes stay at their default size).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
+Locked down, it writes one byte on READY_FD and closes it before the program starts: the server's only
+evidence that the program ran sandboxed, since the exit code is the program's to choose.
 """
 from __future__ import annotations
 
@@ -201,7 +203,7 @@ def read_roots() -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    limits, server_pid = json.loads(argv[0]), int(argv[1])
+    limits, server_pid, ready_fd = json.loads(argv[0]), int(argv[1]), int(argv[2])
     workdir = os.getcwd()
     with open("main.py", encoding="utf-8") as f:
         code = f.read()
@@ -215,6 +217,8 @@ def main(argv: list[str]) -> None:
         die_with(server_pid)  # after unshare: a change of credentials may clear it
         apply_landlock(workdir, read_roots())
         apply_seccomp(pyseccomp)
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     except Exception as e:  # noqa: BLE001 -- fail closed: never run the program half-sandboxed
         print(f"sandbox: cannot isolate the program: {e}", file=sys.stderr)
         os._exit(EXIT_NOT_SANDBOXED)
