@@ -53,6 +53,18 @@ def test_numeric_match_reads_a_leading_dot_and_a_ground_truth_with_separators():
     assert numeric_match("q", "<answer>1234</answer>", answer=1234.0) == 1.0
 
 
+def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
+    # As floats, 10**400 and "inf" were inf, and |x - inf| <= 1e-6 * inf held: every number scored 1.0.
+    big = 10 ** 400
+    assert numeric_match("q", "<answer>1</answer>", answer=str(big)) == 0.0
+    assert numeric_match("q", f"<answer>{big}</answer>", answer=str(big)) == 1.0
+    assert numeric_match("q", f"<answer>{big + 10 ** 380}</answer>", answer=str(big)) == 1.0  # 1e-20 off: in
+    assert numeric_match("q", f"<answer>{big + 10 ** 395}</answer>", answer=str(big)) == 0.0  # 1e-5 off: out
+    for truth in ("inf", "-inf", "nan", float("inf")):
+        assert numeric_match("q", "<answer>5</answer>", answer=truth) == 0.0
+    assert numeric_match("q", "<answer>1e999999999999999999999</answer>", answer="1") == 0.0  # past decimal's too
+
+
 def test_exact_match_ignores_case_and_space():
     assert exact_match("q", "<answer> Paris </answer>", answer="paris") == 1.0
     assert exact_match("q", "<answer>Lyon</answer>", answer="paris") == 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal
 
 from factory.types import Turn
 from factory.util import without_reasoning
@@ -18,6 +19,9 @@ from factory.util import without_reasoning
 # model cannot score by rambling numbers.
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # ".5" is 0.5, not 5
+# Numbers are compared as decimals, exactly as written: a float turns a ground truth past 1.8e308 (200!)
+# into inf, and `|x - inf| <= rel_tol * inf` held for every x. Exponents as wide as decimal allows.
+_EXACT = Context(prec=60, Emax=MAX_EMAX, Emin=MIN_EMIN)
 
 
 def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str | None:
@@ -46,6 +50,7 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol.
 
     Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
+    A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing.
     """
     got = extract_answer(completion, turns)
     if got is None:
@@ -53,8 +58,11 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     found = _NUMBER.search(got.replace(",", ""))
     if found is None:
         return 0.0
-    try:
-        value, target = float(found.group()), float(str(answer).replace(",", ""))
-    except ValueError:
+    try:  # ValueError: an int too long for str(); ArithmeticError: not a number, or past decimal's range
+        value, target = Decimal(found.group()), Decimal(str(answer).replace(",", ""))
+        if not target.is_finite():
+            return 0.0
+        gap = _EXACT.abs(_EXACT.subtract(value, target))
+        return float(gap <= _EXACT.multiply(Decimal(str(rel_tol)), max(Decimal(1), abs(target))))
+    except (ValueError, ArithmeticError):
         return 0.0
-    return float(abs(value - target) <= rel_tol * max(1.0, abs(target)))
