@@ -144,7 +144,8 @@ def test_chain_step_checks_each_turn_on_its_own():
 
 
 @pytest.mark.parametrize("fn", ["factory.rewards.math:numeric_match", "factory.rewards.math:exact_match",
-                                "factory.rewards.qa:exact_match"])
+                                "factory.rewards.qa:exact_match", "factory.rewards.qa:f1",
+                                "factory.rewards.qa:near_miss"])
 def test_the_builtin_answer_checkers_require_the_answer_column(fn, project):
     """Data without the ground-truth column is refused before step 1 (the data stage checks every row), not
     scored 0 on every sample by a default `answer=""`."""

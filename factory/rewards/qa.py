@@ -48,7 +48,7 @@ def token_f1(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def f1(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+def f1(prompt: str, completion: str, answer: str | list[str], turns: Sequence[Turn] | None = None,
        **_: object) -> float:
     """Token F1 of the <answer> text against the best ground truth (no tag: 0.0): partial credit for
     'Mercury planet' against 'Mercury'."""
@@ -64,7 +64,7 @@ def answered(prompt: str, completion: str, turns: Sequence[Turn] | None = None, 
     return float(extract_answer(completion, turns) is not None)
 
 
-def near_miss(prompt: str, completion: str, answer: str | list[str] = "", turns: Sequence[Turn] | None = None,
+def near_miss(prompt: str, completion: str, answer: str | list[str], turns: Sequence[Turn] | None = None,
               **_: object) -> float:
     """1.0 when the <answer> is not an exact match but shares words with a ground truth ('Srinivasa
     Ramanujan Iyengar' for 'Srinivasa Ramanujan'): the answers an equivalence judge is for. As a gate it
