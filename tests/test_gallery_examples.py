@@ -95,3 +95,9 @@ def test_near_miss_is_a_rejected_answer_that_shares_words():
     assert qa.near_miss("", "<answer>The Ramanujan</answer>", answer=["Hardy", "Ramanujan"]) == 0.0  # exact
     assert qa.near_miss("", "<answer>Venus</answer>", answer="Mercury") == 0.0  # no word in common
     assert qa.near_miss("", "Ramanujan", answer="Ramanujan") == 0.0  # no answer tag
+
+
+def test_an_empty_list_of_accepted_answers_scores_0_in_every_qa_checker():
+    # f1 took max() of no scores and raised (near_miss through it): the reward stage counted an error per sample.
+    for fn in (qa.exact_match, qa.f1, qa.near_miss):
+        assert fn("", "<answer>Paris</answer>", answer=[]) == 0.0

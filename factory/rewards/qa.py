@@ -55,7 +55,7 @@ def f1(prompt: str, completion: str, answer: str | list[str], turns: Sequence[Tu
     got = extract_answer(completion, turns)
     if got is None:
         return 0.0
-    return max(token_f1(got, a) for a in _answers(answer))
+    return max((token_f1(got, a) for a in _answers(answer)), default=0.0)  # no accepted answer: nothing matches
 
 
 def answered(prompt: str, completion: str, turns: Sequence[Turn] | None = None, **_: object) -> float:
