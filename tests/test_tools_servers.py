@@ -150,6 +150,14 @@ async def test_tool_error_is_a_model_error(box):
     assert "division by zero" in result.text
 
 
+@pytest.mark.parametrize("expression", ["1e309", "1e309 - 1e309", "-1e999 * 0", "1" + "0" * 400])
+async def test_calculator_refuses_what_is_no_finite_number(box, expression):
+    # Literals were never checked and nan passes `abs(x) > 1e300`: these answered inf, nan, nan and 400 digits.
+    result = await box.call(call("calculate", {"expression": expression}))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert "result too large or not a real number" in result.text
+
+
 async def test_schema_invalid_arguments_are_a_model_error_said_with_the_schemas_words(box):
     # (that they never reach the server: tests/test_tools_faults.py, whose spy counts the backend's calls)
     before = box.metrics().get("tools/calculate/calls", 0)  # 0 when no earlier test called it

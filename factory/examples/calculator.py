@@ -3,7 +3,8 @@
 Run it as `python -m factory.examples.calculator` (stdio, the default) or with
 `--http --port N` for streamable HTTP on 127.0.0.1. Expressions are evaluated by walking
 Python's AST over a whitelist of nodes (numbers, + - * / // % **, unary +/-, parentheses), never
-with eval: the model writes the expression, so it is untrusted input.
+with eval: the model writes the expression, so it is untrusted input. Every number, written or computed,
+is a finite real of at most MAX_MAGNITUDE: the tool never answers inf or nan.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def evaluate(expression: str) -> int | float:
 
 def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _real(node.value)  # a literal too: 1e309 is read as inf
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -62,10 +63,17 @@ def _eval(node: ast.AST) -> int | float:
             raise ValueError("division by zero") from None
         except OverflowError:
             raise ValueError("result too large") from None
-        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
-            raise ValueError("result too large or not a real number")
-        return value
+        return _real(value)
     raise ValueError(f"unsupported element: {ast.dump(node)[:60]}")
+
+
+def _real(value: int | float | complex) -> int | float:
+    # nan passes any `abs(x) > bound` test, so finiteness is checked on its own; an int is always finite
+    # (and too large for math.isfinite past 1e308: the bound is checked first).
+    if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE or (isinstance(value, float)
+                                                                     and not math.isfinite(value)):
+        raise ValueError("result too large or not a real number")
+    return value
 
 
 def format_number(value: float) -> str:
