@@ -2,7 +2,9 @@
 used over stdio as another agent's tool; the inner agent's own tool calls really happen."""
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,27 @@ async def test_the_inner_agent_calls_its_own_tools_behind_ask():
     assert result.status == "ok", result.text
     # A line per inner call, answered by the real calculator server (a number, or its error message).
     assert re.match(r'calculate\(\{"expression": ".*"\}\) -> \S', result.text), result.text
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_while_the_agent_loads_gets_a_clean_end(monkeypatch):
+    # What `factory check specs/multi-agent.yaml --connect` does: handshake, tools/list, gone before the model is
+    # loaded. close() cancelled the load and awaited it: asyncio's CancelledError (a BaseException, not
+    # concurrent.futures') escaped the lifespan, and the server exited 1 with a traceback.
+    from factory.examples.agent_server import Agent
+
+    loading = threading.Event()
+
+    async def load_for_ever(self):
+        loading.set()
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(Agent, "_start", load_for_ever)
+    agent = Agent("specs/tiny.yaml")
+    agent.begin()
+    assert await asyncio.to_thread(loading.wait, 10)
+    await agent.close()
+    assert agent._started.cancelled() and not agent._thread.is_alive()
 
 
 def test_a_wrong_inner_spec_stops_the_server_with_the_compilers_words(monkeypatch, capsys):

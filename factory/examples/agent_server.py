@@ -111,12 +111,15 @@ class Agent:
     async def close(self) -> None:
         if self._started is None or self._loop is None or self._thread is None:
             return
-        self._started.cancel()  # a load still under way stops at its next await
+        # A load still under way stops at its next await. Its future is not awaited then: that would raise
+        # asyncio's CancelledError, which no `except Exception` stops (the lifespan ended in a traceback).
+        cancelled = self._started.cancel()
         try:
-            await asyncio.wrap_future(self._started)
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), self._loop))
-        except (Exception, concurrent.futures.CancelledError):
-            pass  # the load failed (its calls said why) or was cancelled: nothing of it to close
+            if not cancelled:
+                await asyncio.wrap_future(self._started)
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), self._loop))
+        except Exception:
+            pass  # the load failed (its calls said why): nothing of it to close
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             await asyncio.to_thread(self._thread.join, 30)
