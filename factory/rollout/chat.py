@@ -119,9 +119,10 @@ class ChatFormat:
             tail = tail[len(self.end_of_turn_text):]
             # tokenized after the token the model ended on, as in the whole conversation: alone, a SentencePiece
             # tokenizer (Metaspace, prepend_scheme "first": Llama 2's, Mistral's) starts it with a "▁" it has not
-            ids = self.encode(self._end_token + tail)
-            if ids[:1] == [self.end_of_turn_id]:
-                return ids[1:]
+            if self._end_token:
+                ids = self.encode(self._end_token + tail)
+                if ids[:1] == [self.end_of_turn_id]:
+                    return ids[1:]
         return self.encode(tail)
 
     def defused(self, text: str) -> str:

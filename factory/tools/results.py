@@ -74,20 +74,20 @@ def value_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def answer(tool: str, text: str) -> ToolResult:
-    """A tool's answer. Every ToolResult the tools build is made here, by `model_error` or by `infra_error`: each
-    keeps a lone surrogate in its text or tool name as its `\\udcff` escape (`escaped`): a python tool's
-    os.fsdecode of a file name that is not UTF-8 holds one, as does a tool name json.loads read from the model's
-    `"\\ud83d"`. The tokenizer refuses one (the episode failed), as do the cache's sqlite and the run's tables, so
-    the model, the recording, the cache and a replay all hold the same escaped text."""
-    return ToolResult(tool=escaped(tool), text=escaped(text))
+def answer(tool: str, text: str, status: str = "ok", error_kind: str | None = None) -> ToolResult:
+    """A tool's answer. Every ToolResult the tools build is made here (or by `model_error` or `infra_error`,
+    through here): each keeps a lone surrogate in its text or tool name as its `\\udcff` escape (`escaped`): a
+    python tool's os.fsdecode of a file name that is not UTF-8 holds one, as does a tool name json.loads read from
+    the model's `"\\ud83d"`. The tokenizer refuses one (the episode failed), as do the cache's sqlite and the run's
+    tables, so the model, the recording, the cache and a replay all hold the same escaped text."""
+    return ToolResult(tool=escaped(tool), text=escaped(text), status=status, error_kind=error_kind)
 
 
 def model_error(tool: str, kind: str, text: str) -> ToolResult:
     """A failure the model caused; its text is what the model reads and learns from."""
-    return ToolResult(tool=escaped(tool), text=escaped(text), status="model_error", error_kind=kind)
+    return answer(tool, text, "model_error", kind)
 
 
 def infra_error(tool: str, kind: str, text: str) -> ToolResult:
     """A failure of ours; the model still sees the text, the spec decides if the trajectory trains."""
-    return ToolResult(tool=escaped(tool), text=escaped(text), status="infra_error", error_kind=kind)
+    return answer(tool, text, "infra_error", kind)

@@ -49,10 +49,8 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
         for key, value in list(vars(module).items()):
             if _is_rate(key, value):
                 setattr(module, key, 0.0)
-    config = getattr(model, "config", None)
-    for key, value in (config.to_dict() if config is not None else {}).items():
-        if _is_rate(key, value):
-            setattr(config, key, 0.0)
+    for key in config_rates(model):
+        setattr(model.config, key, 0.0)
     return found
 
 
