@@ -166,22 +166,28 @@ def test_eval_of_a_lora_checkpoint_removes_the_merged_model_after(tmp_path, monk
     assert len(merged) == 2 and not merged[1].exists()
 
 
-def test_eval_of_a_model_folder_whose_path_yaml_would_misread_takes_it_whole(tmp_path, monkeypatch):
-    """The folder's path went into an override unquoted, read as YAML: `exp #2` was cut at ` #` (a comment),
-    and `a: b` became a mapping ("<override 3>: model.path: model folder not found: .../exp")."""
+def _overrides_compiled(monkeypatch) -> list[list[str]]:
+    """The overrides each compile of evaluate() is handed; the compile then stops the call ("stop here")."""
     import factory.commands.api as api
 
-    monkeypatch.chdir(REPO)
-    folder = tmp_path / "exp #2: x"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    seen = []
+    seen: list[list[str]] = []
 
     def compiled(spec, overrides, **k):
         seen.append(list(overrides))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(api, "compile_plan", compiled)
+    return seen
+
+
+def test_eval_of_a_model_folder_whose_path_yaml_would_misread_takes_it_whole(tmp_path, monkeypatch):
+    """The folder's path went into an override unquoted, read as YAML: `exp #2` was cut at ` #` (a comment),
+    and `a: b` became a mapping ("<override 3>: model.path: model folder not found: .../exp")."""
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "exp #2: x"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    seen = _overrides_compiled(monkeypatch)
     with pytest.raises(RuntimeError, match="stop here"):
         factory.evaluate(TINY, model=folder)
     assert factory.load(TINY, seen[0]).model.path == str(folder.resolve())
@@ -278,7 +284,6 @@ def test_eval_of_a_run_finds_it_in_the_specs_own_store(tmp_path, monkeypatch):
     `factory.evaluate(spec, model=result.run_id)` failed with "no tracking store at sqlite:///mlflow.db"."""
     from mlflow.tracking import MlflowClient
 
-    import factory.commands.api as api
     from factory.update.checkpoint import commit, staging
 
     monkeypatch.chdir(tmp_path)
@@ -293,13 +298,7 @@ def test_eval_of_a_run_finds_it_in_the_specs_own_store(tmp_path, monkeypatch):
     client = MlflowClient(store)  # (not MLflow's fluent API, whose active experiment would outlive the test)
     run_id = client.create_run(client.create_experiment("tiny"), run_name="tiny-run",
                                tags={"factory.checkpoint_dir": str(ckpt)}).info.run_id
-    seen = []
-
-    def compiled(spec, overrides, **k):
-        seen.append(list(overrides))
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(api, "compile_plan", compiled)
+    seen = _overrides_compiled(monkeypatch)
     with pytest.raises(RuntimeError, match="stop here"):
         factory.evaluate(TINY, model=run_id[:8], overrides=[f"tracking.uri={store}"])
     assert seen == [[f"tracking.uri={store}", f"model.path={json.dumps(str(ckpt / 'step_00002' / 'hf'))}"]]

@@ -592,14 +592,12 @@ def test_a_training_split_whose_every_prompt_is_held_out_for_eval_is_an_error(pr
     path = project.spec(_base(project, "rc_held").replace(
         "  train: {generator: factory.data:arithmetic, size: 8}\n",
         "  train: {path: data/train.jsonl}\n  eval: {path: data/eval.jsonl}\n"))
-    assert _errors(path) == (
-        "spec.yaml:4: data.train.path: each of its 2 rows has a prompt that data.eval also has, and eval prompts are "
-        "held out of training: no training rows are left\n1 error in spec.yaml")
+    none_left = ("spec.yaml:4: data.train.path: each of its 2 rows has a prompt that data.eval also has, and eval "
+                 "prompts are held out of training: no training rows are left\n1 error in spec.yaml")
+    assert _errors(path) == none_left
     # every eval row holds training rows out, not only the train.eval_size evaluated (the check read those alone,
     # and the run failed in the data stage); a row past them, never evaluated, is not checked there nor here
-    assert _errors(path, ["train.eval_size=1"]) == (
-        "spec.yaml:4: data.train.path: each of its 2 rows has a prompt that data.eval also has, and eval prompts are "
-        "held out of training: no training rows are left\n1 error in spec.yaml")
+    assert _errors(path, ["train.eval_size=1"]) == none_left
     project.file("data/eval.jsonl", '{"question": "2+2", "answer": "4"}\n{"q": "3+3"}\n')
     assert compile_file(path, ["train.eval_size=1"])[1].warnings == ()
     project.file("data/eval.jsonl", '{"question": "2+2", "answer": "4"}\n')

@@ -201,8 +201,6 @@ def test_the_seccomp_filter_alone_refuses_every_signal_syscall_aimed_at_another_
 
     import pyseccomp
 
-    from factory.examples.sandbox_child import apply_seccomp
-
     libc = ctypes.CDLL(None, use_errno=True)
     names = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
     nr = {n: pyseccomp.resolve_syscall(pyseccomp.system_arch(), n) for n in names}
@@ -215,21 +213,10 @@ def test_the_seccomp_filter_alone_refuses_every_signal_syscall_aimed_at_another_
         return 0 if libc.syscall(nr[name], *args) == 0 else ctypes.get_errno()
 
     parent = os.getpid()
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            apply_seccomp(pyseccomp)
-            answers = [send(n, parent) for n in names] + [send("kill", os.getpid())]
-            os.write(write, bytes(answers))
-        finally:
-            os._exit(0)
-    os.close(write)
-    answers = os.read(read, 64)
-    os.waitpid(child, 0)
+    answers = _under_seccomp_alone(lambda: [send(n, parent) for n in names] + [send("kill", os.getpid())])
     # rt_sigqueueinfo to another process with si_code 0 would be refused by the kernel anyway (EPERM too),
     # so it is the filter's answer only where the kernel allows it; the other four reach the parent today.
-    assert list(answers) == [errno_.EPERM] * len(names) + [0]
+    assert answers == [errno_.EPERM] * len(names) + [0]
 
 
 def test_the_seccomp_filter_alone_refuses_a_descriptor_that_would_signal_another_process():
@@ -243,43 +230,55 @@ def test_the_seccomp_filter_alone_refuses_a_descriptor_that_would_signal_another
 
     import pyseccomp
 
-    from factory.examples.sandbox_child import apply_seccomp
-
     libc = ctypes.CDLL(None, use_errno=True)
     nr_fcntl = pyseccomp.resolve_syscall(pyseccomp.system_arch(), "fcntl")
     got: list[int] = []
     old = signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
     parent = os.getpid()
-    read, write = os.pipe()
+
+    def errno_of(result: int) -> int:
+        return ctypes.get_errno() if result == -1 else 0
+
+    def probe() -> list[int]:
+        r, w = os.pipe()
+        owner = ctypes.c_int(parent)
+        answers = [errno_of(libc.fcntl(r, 8, parent)),  # F_SETOWN
+                   errno_of(libc.fcntl(r, 15, ctypes.byref((ctypes.c_int * 2)(1, parent)))),  # F_SETOWN_EX
+                   errno_of(libc.fcntl(r, 10, int(signal.SIGUSR1))),  # F_SETSIG
+                   errno_of(libc.syscall(nr_fcntl, r, ctypes.c_ulong((1 << 32) | 8), parent)),
+                   errno_of(libc.ioctl(r, 0x8901, ctypes.byref(owner))),  # FIOSETOWN
+                   errno_of(libc.ioctl(r, 0x8902, ctypes.byref(owner)))]  # SIOCSPGRP
+        fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
+        os.write(w, b"x")  # the signal, had an owner been set
+        return answers
+
     try:
-        child = os.fork()
-        if child == 0:
-            try:
-                apply_seccomp(pyseccomp)
-                r, w = os.pipe()
-
-                def errno_of(result: int) -> int:
-                    return ctypes.get_errno() if result == -1 else 0
-
-                owner = ctypes.c_int(parent)
-                answers = [errno_of(libc.fcntl(r, 8, parent)),  # F_SETOWN
-                           errno_of(libc.fcntl(r, 15, ctypes.byref((ctypes.c_int * 2)(1, parent)))),  # F_SETOWN_EX
-                           errno_of(libc.fcntl(r, 10, int(signal.SIGUSR1))),  # F_SETSIG
-                           errno_of(libc.syscall(nr_fcntl, r, ctypes.c_ulong((1 << 32) | 8), parent)),
-                           errno_of(libc.ioctl(r, 0x8901, ctypes.byref(owner))),  # FIOSETOWN
-                           errno_of(libc.ioctl(r, 0x8902, ctypes.byref(owner)))]  # SIOCSPGRP
-                fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_ASYNC)
-                os.write(w, b"x")  # the signal, had an owner been set
-                os.write(write, bytes(answers))
-            finally:
-                os._exit(0)
-        os.close(write)
-        answers = os.read(read, 64)
-        os.waitpid(child, 0)
+        answers = _under_seccomp_alone(probe)
         time.sleep(0.2)  # a signal sent would have arrived
     finally:
         signal.signal(signal.SIGUSR1, old)
-    assert (list(answers), got) == ([errno_.EPERM] * 6, [])
+    assert (answers, got) == ([errno_.EPERM] * 6, [])
+
+
+def _under_seccomp_alone(probe) -> list[int]:
+    """What `probe` returns (small ints: errnos) in a forked child that has applied only the seccomp filter."""
+    import pyseccomp
+
+    from factory.examples.sandbox_child import apply_seccomp
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            apply_seccomp(pyseccomp)
+            os.write(write, bytes(probe()))
+        finally:
+            os._exit(0)
+    os.close(write)
+    answers = os.read(read, 64)
+    os.waitpid(child, 0)
+    os.close(read)
+    return list(answers)
 
 
 def _alive(pid: int) -> bool:

@@ -472,11 +472,12 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
     except _ShapeTrouble as e:  # OmegaConf would recurse without end, or past Python's limit (an internal error)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
+    found = list(_malformed(root))
     malformed = [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
-                 for keys, _, message in _malformed(root)]
+                 for keys, _, message in found]
     try:
         # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
-        cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in _malformed(root)]) if malformed else text)
+        cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in found]) if found else text)
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
@@ -697,10 +698,11 @@ def read_text(text: str, file: str, base_dir: Path, overrides: Iterable[str] = (
                         env_paths(cfg), files if located else {}, folders)  # type: ignore[arg-type]
     data = _resolve(cfg, "", source, errors)
     # reported: left out as a value that failed to resolve is (a list's item None, keeping the others' places)
+    items = [keys for keys, _ in malformed if isinstance(keys[-1], int)]
+    if items:  # (one copy for them all; none on a spec without such mistakes)
+        data = replaced(data, items, None)
     for keys, _ in malformed:
-        if isinstance(keys[-1], int):
-            data = replaced(data, [keys], None)
-        else:
+        if not isinstance(keys[-1], int):
             _delete(data, keys)
     return data, source, errors
 
