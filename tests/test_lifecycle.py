@@ -209,6 +209,40 @@ def _running(pid: int) -> bool:
         return False
 
 
+# A parent that never collects its child: the child exits and stays a zombie while the parent lives, as a dead
+# driver's orphans do under a PID 1 that collects late (a Ray agent, seconds) or never (some containers).
+UNCOLLECTING = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "pass"])
+print(child.pid, flush=True)
+subprocess._active = []  # (so Python's own clean-up never collects it either)
+del child
+time.sleep(120)
+"""
+
+
+def test_a_dead_drivers_process_that_is_a_zombie_is_not_waited_for(tmp_path):
+    """A zombie has ended: the next start neither signals it nor waits out its timeout for it (it waited the
+    whole 5 s before every run that followed a killed vLLM run: Ray's agents, zombies of PID 1 by then)."""
+    parent = subprocess.Popen([sys.executable, "-c", UNCOLLECTING], stdout=subprocess.PIPE, text=True)
+    try:
+        zombie = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while zombie.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert zombie.status() == psutil.STATUS_ZOMBIE
+        dead = {"pid": 999_999_999, "started": 0.0, "name": "python"}
+        record = {"driver": dead, "children": [{"pid": zombie.pid, "started": zombie.create_time(), "name": "agent"}]}
+        (tmp_path / "1.json").write_text(json.dumps(record))
+        started = time.monotonic()
+        assert reap_orphans(tmp_path, timeout_s=60.0) == []  # nothing left running to end
+        assert time.monotonic() - started < 30  # (the old wait: all 60 s, then a SIGKILL to the dead)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_a_record_never_names_a_process_by_pid_alone(tmp_path):
     """A recorded pid that now belongs to another process (pid reuse) is left alone."""
     record = SessionRecord(tmp_path)

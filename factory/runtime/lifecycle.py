@@ -304,9 +304,29 @@ def _identity(proc: psutil.Process) -> dict[str, Any]:
 def _alive(entry: dict[str, Any]) -> psutil.Process | None:
     try:
         proc = psutil.Process(entry["pid"])
-        return proc if abs(proc.create_time() - entry["started"]) < 0.01 else None
+        return proc if abs(proc.create_time() - entry["started"]) < 0.01 and _running(proc) else None
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not ended: a zombie has exited, its parent not yet having collected it. A dead driver's processes are
+    orphans whose parent is PID 1, which collects them late or, in some containers, never (here a Ray agent
+    stayed a zombie for seconds), so waiting on the pid alone waited out the whole timeout on the dead."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to `timeout_s` for `procs` to end (exit or turn zombie); the ones still running after."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # psutil's wait collects our own children's exit; a zombie of another parent counts as ended
+        _, left = psutil.wait_procs(procs, timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+        procs = [p for p in left if _running(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
 
 
 class SessionRecord:
@@ -380,7 +400,7 @@ def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Pa
         if only is None and _alive(record["driver"]) is not None:
             continue  # another run is going on: its processes are its own
         if wait_s:
-            psutil.wait_procs([p for e in record["children"] if (p := _alive(e)) is not None], timeout=wait_s)
+            _wait_ended([p for e in record["children"] if (p := _alive(e)) is not None], wait_s)
         for entry in record["children"]:
             proc = _alive(entry)
             if proc is not None:
@@ -389,8 +409,7 @@ def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Pa
                     ended.append(proc)
                     labels.append(f"{entry['name']}[{entry['pid']}]")
         path.unlink(missing_ok=True)
-    _, stubborn = psutil.wait_procs(ended, timeout=timeout_s)
-    for proc in stubborn:
+    for proc in _wait_ended(ended, timeout_s):
         with contextlib.suppress(psutil.Error):
             proc.kill()
     return labels
