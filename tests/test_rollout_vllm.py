@@ -264,6 +264,71 @@ def test_a_cancelled_request_is_aborted(vllm):
     assert not vllm.engine.has_unfinished_requests()
 
 
+async def drained(engine) -> None:
+    """Wait until the step loop has exited (the executor has one thread: this runs after it)."""
+    await asyncio.wrap_future(engine._executor.submit(lambda: None))
+
+
+def test_a_request_cancelled_before_the_step_loop_took_it_is_never_decoded(vllm):
+    """A request queued while the step thread is inside a step, then cancelled (an episode's deadline) before
+    the next step takes it. The step loop sent its aborts before adding what was queued, so this abort reached
+    vLLM before the request did (a no-op), and the request was then added and decoded to its max_new_tokens
+    for nobody, holding a batch slot and delaying the weight sync."""
+    import threading
+
+    async def run():
+        gate = threading.Event()
+        vllm._executor.submit(gate.wait)  # stands in for the step thread being inside a step
+        task = asyncio.create_task(vllm.generate(prompts()[0], max_new_tokens=64, sampling=Sampling(seed=1)))
+        await asyncio.sleep(0.05)  # generate() has queued its request
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        before = vllm.batches_run
+        gate.set()
+        await drained(vllm)
+        return vllm.batches_run - before
+
+    assert asyncio.run(run()) == 0
+    assert not vllm.engine.has_unfinished_requests() and not vllm._incoming
+
+
+def test_a_request_queued_while_a_step_failed_is_failed_and_never_decoded(vllm, monkeypatch):
+    """An engine step that raises fails every waiting request, those queued during that step too; they stayed
+    queued, and the step loop then added and decoded them for callers that had their error already."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    real = vllm.engine.step
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] > 1:
+            return real()
+        entered.set()
+        release.wait()
+        raise RuntimeError("engine step failed")
+
+    monkeypatch.setattr(vllm.engine, "step", broken)
+
+    async def run():
+        first = asyncio.create_task(vllm.generate(prompts()[0], max_new_tokens=64, sampling=GREEDY))
+        await asyncio.to_thread(entered.wait)  # the first request's step is under way
+        second = asyncio.create_task(vllm.generate(prompts()[1], max_new_tokens=64, sampling=GREEDY))
+        await asyncio.sleep(0.05)  # queued while that step runs
+        release.set()
+        for task in (first, second):
+            with pytest.raises(RuntimeError, match="engine step failed"):
+                await task
+        before = vllm.batches_run
+        await drained(vllm)
+        return vllm.batches_run - before
+
+    assert asyncio.run(run()) == 0
+    assert not vllm.engine.has_unfinished_requests() and not vllm._incoming
+
+
 def test_train_sync_generate_loop_engine_and_learner_agree(vllm, model_path, local_ray):
     """The RL loop in miniature, with the learner in its own Ray actor as `factory run` places it: sample
     with vLLM, train one step on those samples, sync the weights into vLLM in place, sample again.

@@ -243,7 +243,10 @@ class VLLMEngine:
             return await future
         except asyncio.CancelledError:
             with self._lock:
-                self._aborts.append(rid)
+                queued = len(self._incoming)
+                self._incoming = [r for r in self._incoming if r[0] != rid]
+                if len(self._incoming) == queued:  # the step loop took it: vLLM has it (or will at this step)
+                    self._aborts.append(rid)
                 self._waiting.pop(rid, None)
             raise
 
@@ -379,7 +382,10 @@ class VLLMEngine:
 
         if aborts:
             self.engine.abort_request(aborts)
+        dropped = set(aborts)  # (generate takes a cancelled request out of the queue; this is in case it did not)
         for rid, prompt, params in incoming:
+            if rid in dropped:  # its abort above came before it was added, and did nothing
+                continue
             try:
                 request = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=prompt)])[0]
                 self.engine.add_request(rid, request, params, lora_request=self._adapter)
@@ -421,6 +427,10 @@ class VLLMEngine:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             rids = list(self._waiting)
+            failed = set(rids)
+            # those queued since the step began fail here too: left queued, they would be added and decoded
+            # for callers that already have this error
+            self._incoming = [r for r in self._incoming if r[0] not in failed]
         try:
             self.engine.abort_request(rids)
         except Exception as e:  # already broken; the requests fail below either way
