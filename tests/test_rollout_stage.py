@@ -226,6 +226,33 @@ def test_the_specs_max_model_len_bounds_the_rollout(monkeypatch):
     assert trajs and {t.stop_reason for t in trajs} == {"prompt_too_long"}
 
 
+def test_a_max_model_len_beyond_the_models_config_is_the_rollouts_context(monkeypatch):
+    """The compiler lets `rollout.max_model_len` exceed the config's context where the model may run longer
+    (rope scaling, or VLLM_ALLOW_LONG_MAX_MODEL_LEN), and the engine runs at it; the rollout still cut every
+    trajectory at the config's context, and the run's params recorded that."""
+    from pathlib import Path
+
+    from factory.assets import context_tokens, resolve_model
+    from factory.compiler.compile import compile_file
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    _, plan = compile_file(repo / "specs" / "tiny.yaml", ["rollout.engine=hf", "rollout.max_model_len=8192"])
+    rollout = RolloutStage(plan.stage("rollout").settings)
+    assert context_tokens(resolve_model(rollout.settings.model.path)) == 4096
+
+    async def go():
+        try:
+            return await rollout.setup(Placement(peers={rollout.settings.tool_peer: FakeToolsStage()}))
+        finally:
+            await rollout.close()
+
+    info = asyncio.run(go())
+    assert rollout.context == 8192 and info["resolved"]["max_model_len"] == 8192
+
+
 def test_evaluation_samples_seeded_at_eval_temperature(monkeypatch):
     """Evaluation was always greedy (a reasoning model loops so); `rollout.eval_temperature` samples it,
     seeded: the same step evaluates the same trajectories twice, and not the greedy ones."""

@@ -160,9 +160,11 @@ class RolloutStage(StageActor):
                                       stop_token_ids=self.chat.stop_token_ids, threads=s.threads,
                                       gpus=max(1, int(s.num_gpus)), gpu_share=gpu_share(s.num_gpus), lora=s.model.lora,
                                       run_tokens=s.run_tokens)
-        # the model's context, or the spec's or vLLM's shorter limit (a served model's is the server's to enforce)
+        # the spec's limit, else the model's context; or vLLM's where shorter (a served model's is the server's to
+        # enforce). The spec's may exceed the config's where the compiler let it (rope scaling,
+        # VLLM_ALLOW_LONG_MAX_MODEL_LEN): the engine runs that long, so the rollout does too
         model_context = context_tokens(model_path)
-        self.context = None if s.endpoint else shortest(model_context, s.rollout.max_model_len,
+        self.context = None if s.endpoint else shortest(s.rollout.max_model_len or model_context,
                                                         self.engine.max_model_len)
         if s.rollout.max_model_len is None and self.context is not None and self.context < (model_context or 0):
             log.warning("rollout: sequences of at most %d tokens, vLLM's limit here (what rollout.kv_cache_gb=%g holds, "
