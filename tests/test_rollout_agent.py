@@ -299,6 +299,42 @@ def test_a_cancelled_error_the_toolbox_raises_of_its_own_is_an_infra_error_not_t
     assert traj.stop_reason == "no_call" and traj.infra_error
 
 
+def test_a_failed_trajectory_ends_the_others_before_the_rollout_raises(chat):
+    """One request fails (an engine error): the rollout raises it, and the other trajectories are cancelled and
+    have ended by then. With a plain gather they went on generating and calling tools after the rollout (and
+    the stage's generate) had raised."""
+
+    class FirstFails:
+        def __init__(self):
+            self.calls = self.cancelled = self.running = 0
+
+        async def generate(self, prompt_ids, *, max_new_tokens, sampling):
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.01)  # the others are waiting by now
+                raise RuntimeError("one request failed")
+            self.running += 1
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.running -= 1
+            return Generation(chat.encode("done") + [chat.end_of_turn_id], True)
+
+    engine = FirstFails()
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=64, max_total_tokens=1024)
+    prompts = [([{"role": "user", "content": f"q{i}"}], {}) for i in range(4)]
+
+    async def go():
+        with pytest.raises(RuntimeError, match="one request failed"):
+            await rollout(engine, chat, FakeToolBox(), prompts, group_size=2, cfg=cfg, sampling=GREEDY)
+        return engine.cancelled, engine.running
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == (7, 0)
+
+
 def test_infra_error_flag_comes_from_tool_results(chat):
     traj = run(ScriptedEngine(chat, [(call("flaky", a=1, b=1), True), ("sorry", True)]), chat, FakeToolBox())
     assert traj.infra_error

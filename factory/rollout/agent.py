@@ -186,6 +186,15 @@ async def rollout(engine: Engine, chat: ChatFormat, toolbox: Tools, prompts: lis
             on_done(t)
         return t
 
-    return list(await asyncio.gather(*(one(messages, row, p, s)
-                                       for p, (messages, row) in enumerate(prompts, start=first_index)
-                                       for s in range(group_size))))
+    tasks = [asyncio.ensure_future(one(messages, row, p, s))
+             for p, (messages, row) in enumerate(prompts, start=first_index) for s in range(group_size)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        # one failed (or the rollout was cancelled): the others end before this raises. gather leaves them
+        # running on a failure, generating and calling tools for a rollout its caller has given up on.
+        # (Not asyncio.TaskGroup: Python 3.10 is supported.)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
