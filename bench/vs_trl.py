@@ -62,7 +62,9 @@ Step time = wall time between the ends of consecutive steps (Factory: MLflow rec
 on_step_end), skipping the first step and the last (it also saves the final checkpoint). Medians over all
 steady steps of all repeats. Each side's work per step is in the table: model tokens sampled, rows trained
 (Factory: `actor/trained_rows`, rows with a zero advantage are skipped; TRL computes every row, and its
-`frac_reward_zero_std` says how many groups agreed) and tool calls. Beside the per-step ratio, two
+`frac_reward_zero_std` says how many groups agreed) and tool calls run (Factory: `tools/calls`, those sent
+to its tools, not a last turn's calls, which are written and not run; TRL: `tools/call_frequency`, those its
+loop ran). Beside the per-step ratio, two
 per-work ratios: seconds per sampled token and per trained row, Factory's over TRL's. Where the time goes:
 each side's update (Factory: `timing/update_s`; TRL: the step less its one generate-and-score call, which
 holds its weight sync, sampling and rewards), and the rest of the step beside it. And a floor: Factory's
@@ -200,9 +202,11 @@ def run_factory(a: argparse.Namespace, engine: str, model_path: str, tools: bool
             "periods": run.periods, "update_s": run.mean("timing/update_s"),
             "sampled_tokens": run.mean("response_length/mean") * n,
             "trained_rows": run.mean("actor/trained_rows"),
-            # calls made: without tools none is (a call the model writes anyway is parsed, then ends its
-            # trajectory at max_turns 1), as TRL's side counts none
-            "tool_calls": run.mean("tool_calls/mean") * n if tools else 0.0,
+            # calls run, as TRL's `tools/call_frequency` counts them: `tools/calls` is the step's calls the rollout
+            # sent to the tools stage (`tool_calls/mean` counts every call written, the last turn's too, which
+            # are recorded, not run). Without tools none is (a call written anyway ends its trajectory at
+            # max_turns 1), as TRL's side counts none
+            "tool_calls": run.mean("tools/calls") if tools else 0.0,
             "length_by_step": [round(run.metrics[k].get("response_length/mean", float("nan")), 1)
                                for k in sorted(run.metrics) if k > 0],
             "zero_std_groups": run.mean("actor/zero_adv_groups") / a.prompts,

@@ -238,6 +238,43 @@ def test_vs_trl_compares_with_the_tool_only_at_close_call_rates():
     assert not tool_rates_comparable(31.0, 2.3) and not tool_rates_comparable(0.0, 0.0)
 
 
+def test_vs_trl_counts_the_tool_calls_factory_ran_as_trls_side_does(monkeypatch, tmp_path, tokenizer):  # noqa: F811
+    """TRL's `tools/call_frequency` counts the calls its loop ran; Factory's side was read from `tool_calls/mean`,
+    every call the model wrote, the last turn's too (recorded, not run): with calls in both of vs_trl's two turns
+    Factory reported 2 calls a trajectory where 1 ran. The metrics here are the rollout stage's own."""
+    import bench.vs_trl as vs_trl
+    from bench.common import FactoryRun
+    from factory.rollout.agent import run_trajectory
+    from factory.rollout.stage import RolloutPart, RolloutStage
+    from factory.tools.client import ToolsClient
+
+    class Stage(FakeToolBox):  # the tools stage as ToolsClient calls it, counting on the rollout's side
+        def server_events(self):
+            return {}
+
+    a = vs_trl.parse_args(["--prompts", "1", "--group-size", "1", "--micro-batch", "1", "--completion-tokens", "256"])
+    a.repeat_seed = 0  # (compare sets it per repeat)
+    cfg = RolloutSpec(max_turns=2, max_new_tokens=256, max_total_tokens=256)  # factory_spec's, with --tools
+    chat, stage = ChatFormat(tokenizer), Stage()
+
+    async def step():
+        tools = ToolsClient(stage)
+        await tools.start()
+        script = [(call("add", a=2, b=3), True), (call("add", a=5, b=0), True)]  # a call in each turn
+        t = await run_trajectory(ScriptedEngine(chat, script), chat, tools, messages=PROMPT, row={"answer": "5"},
+                                 prompt_index=0, sample_index=0, cfg=cfg, sampling=sampling_from_spec(cfg))
+        part = RolloutPart([t], {"generate": 0.0, "tools": 0.0}, 0.0, 1, await tools.take_metrics())
+        return RolloutStage.merge([part])[1]
+
+    rollout_metrics = asyncio.run(step())
+    assert len(stage.calls) == 1 and rollout_metrics["tool_calls/mean"] == 2.0  # written: 2, ran: 1
+    update = {"actor/trained_rows": 1.0, "actor/zero_adv_groups": 0.0, "perf/update_flops_per_s": 1e9,
+              "timing/update_s": 1.0}
+    metrics = {s: {**rollout_metrics, **update} for s in range(1, 5)}
+    monkeypatch.setattr(vs_trl, "factory_run", lambda folder: FactoryRun(metrics, [1.0, 1.0], 10.0))
+    assert vs_trl.run_factory(a, "hf", "model", True, tmp_path)["tool_calls"] == 1.0
+
+
 def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatch, tmp_path, capsys):
     import bench.vs_trl as vs_trl
 
