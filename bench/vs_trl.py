@@ -74,8 +74,10 @@ this CPU allows Factory without doing less work (a target under it cannot be met
 
 Prints the tables, then as its LAST line JSON: factory_over_trl_vllm and factory_over_trl_hf (median
 Factory step / median TRL step, the worst over the models), the per-work ratios
-(factory_over_trl_<engine>_per_token, _per_row), each model's figures (by_model, with its floor), tools_comparable and,
-when comparable, factory_over_trl_tools. Targets: vllm <= 0.5, hf <= 0.8, per step and per unit of work.
+(factory_over_trl_<engine>_per_token, _per_row), each model's figures (by_model, with its floor), tools_comparable
+(null without --tools), with --tools the tool pair's figures (tools: its ratios null when not comparable, its work
+always) and, when comparable, factory_over_trl_tools. Targets: vllm <= 0.5, hf <= 0.8, per step and per unit of
+work.
 """
 from __future__ import annotations
 
@@ -526,7 +528,7 @@ def main(a: argparse.Namespace) -> dict:
     print(f"temperature {a.temperature}; P={a.prompts} prompts x G={a.group_size} per step, completion budget "
           f"{a.completion_tokens} tokens, micro-batch {a.micro_batch}, {a.threads} threads, "
           f"{'bf16 autocast' if a.bf16 else 'float32'}; {a.steps} steps per run, {a.repeats} repeats alternated")
-    out: dict = {"by_model": {}}
+    out: dict = {"by_model": {}, "tools_comparable": None}  # None: no tool comparison was run (no --tools)
     with tempfile.TemporaryDirectory(prefix="factory-vs-trl-") as tmp:
         for engine in a.engines:
             results = {}
@@ -543,11 +545,13 @@ def main(a: argparse.Namespace) -> dict:
             comparable = tool_rates_comparable(f_calls, t_calls)
             out["tools_comparable"] = comparable
             # TRL's completion length counts the tool's reply tokens too (its tool mask is not logged), Factory's
-            # the sampled ones: not the same tokens, so no per-token ratio
+            # the sampled ones: not the same tokens, so no per-token ratio; and no ratio at all where the two
+            # sides' calls (round trips, turns to generate) differ: only the work that says so
             out["tools"] = {**tools, "per_token": None}
             if comparable:
                 out["factory_over_trl_tools"] = tools["ratio"]
             else:
+                out["tools"].update(ratio=None, per_row=None, floor=None)
                 print(f"with the tool: not comparable (tool calls per step: factory {f_calls:.1f}, trl {t_calls:.1f}: "
                       f"not within {TOOL_RATE_SPREAD:g}x); no ratio")
     for engine in a.engines:

@@ -275,6 +275,39 @@ def test_vs_trl_counts_the_tool_calls_factory_ran_as_trls_side_does(monkeypatch,
     assert vs_trl.run_factory(a, "hf", "model", True, tmp_path)["tool_calls"] == 1.0
 
 
+def _vs_trl_json(monkeypatch, argv, f_calls, t_calls):
+    """vs_trl's main() over stubbed pairs (`compare`): the JSON it assembles."""
+    import bench.vs_trl as vs_trl
+
+    def compare(a, engine, model, tools, work):
+        calls = {"factory": f_calls, "trl": t_calls} if tools else {"factory": 0.0, "trl": 0.0}
+        return {"ratio": 0.4, "per_token": 0.4, "per_row": 0.4, "floor": 0.3, "update_matmul_s": 1.0,
+                "factory_s": 1.0, "trl_s": 2.5, "factory_update_s": 0.5, "trl_update_s": 1.5,
+                "work": {side: {"sampled_tokens": 100.0, "trained_rows": 32.0, "tool_calls": calls[side],
+                                "zero_std_groups": 0.0} for side in calls}}
+
+    monkeypatch.setattr(vs_trl, "compare", compare)
+    return vs_trl.main(vs_trl.parse_args(["--engines", "hf", "--models", "tiny", *argv]))
+
+
+def test_vs_trl_says_in_its_json_whether_the_tool_comparison_held_even_without_one(monkeypatch):
+    out = _vs_trl_json(monkeypatch, [], 0.0, 0.0)
+    assert out["tools_comparable"] is None and "tools" not in out and "factory_over_trl_tools" not in out
+
+
+def test_vs_trl_gives_a_tool_comparison_that_is_not_comparable_no_ratio(monkeypatch):
+    """Not comparable: the docstring's "sets no ratio" held for factory_over_trl_tools, but the `tools` object still
+    carried ratio, per_row and floor."""
+    out = _vs_trl_json(monkeypatch, ["--tools"], 31.0, 2.3)
+    assert out["tools_comparable"] is False and "factory_over_trl_tools" not in out
+    assert {k: out["tools"][k] for k in ("ratio", "per_token", "per_row", "floor")} == dict.fromkeys(
+        ("ratio", "per_token", "per_row", "floor"))
+    assert out["tools"]["work"]["factory"]["tool_calls"] == 31.0  # its work stays, to say why
+    held = _vs_trl_json(monkeypatch, ["--tools"], 30.0, 31.0)
+    assert held["tools_comparable"] is True and held["factory_over_trl_tools"] == 0.4
+    assert (held["tools"]["ratio"], held["tools"]["per_row"], held["tools"]["per_token"]) == (0.4, 0.4, None)
+
+
 def test_vs_trl_reports_each_sides_update_beside_the_rest_of_its_step(monkeypatch, tmp_path, capsys):
     import bench.vs_trl as vs_trl
 
