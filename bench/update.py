@@ -15,8 +15,8 @@ what the rest takes (attention, the log-softmax over the vocabulary, norms and a
 optimizer), which says what limits the ratio.
 
 Prints tables, then as its LAST line JSON: update_flops_over_matmul (median over the steps after the
-first), the GFLOP/s of both, and the profile's shares. Target (#28) for the float32 update
-(an AVX2 CPU): >= 0.5, printed with a verdict; bench/breakdown.py's >= 0.3 (#14) is over whole runs.
+first), the GFLOP/s of both, and the profile's shares (`--no-profile`: all but the shares). Target (#28) for
+the float32 update (an AVX2 CPU): >= 0.5, printed with a verdict; bench/breakdown.py's >= 0.3 (#14) is over whole runs.
 
 The process runs with the memory allocator `factory run` starts the spec's update with (`train.allocator`:
 on a Linux CPU, mimalloc preloaded; the bench starts itself again with that environment), or the one
@@ -169,24 +169,26 @@ def main(a: argparse.Namespace) -> dict:
             learner.shutdown()
     steps = {"allocator": resolved["allocator"], "step_s": [round(r[1], 3) for r in rows],
              "page_faults": [r[6] for r in rows]}
-    if not a.profile:
-        return {**steps, "cpu": cpu()}
-    wall = parts.pop("wall_s")
-    print(f"\none step under torch.profiler ({wall:.2f} s; self CPU time by part, scaled to the wall time)")
-    shares = {k: v / wall for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
-    print(table(["part", "s", "share"], [(k, parts[k], shares[k]) for k in shares], first=22))
-    print("\nwhat `other` is made of (its 10 largest ops)")
-    print(table(["op", "s", "share"], [(k[:40], v, v / wall) for k, v in other_ops[:10]], first=42))
-    ratio = median(ratios)
+    # what the steps measured, with or without the profiled step (which plays no part in it)
+    measured = {"update_flops_over_matmul": round(median(ratios), 3),
+                "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
+                "matmul_gflops": round(median([r[4] for r in rows[1:] or rows]), 1), "update_dtype": dtype}
+    profiled = {}
+    if a.profile:
+        wall = parts.pop("wall_s")
+        print(f"\none step under torch.profiler ({wall:.2f} s; self CPU time by part, scaled to the wall time)")
+        shares = {k: v / wall for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+        print(table(["part", "s", "share"], [(k, parts[k], shares[k]) for k in shares], first=22))
+        print("\nwhat `other` is made of (its 10 largest ops)")
+        print(table(["op", "s", "share"], [(k[:40], v, v / wall) for k, v in other_ops[:10]], first=42))
+        profiled = {"profile_shares": {k: round(v, 3) for k, v in shares.items()},
+                    "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}}
     # #28's target is for the float32 update (an AVX2 CPU); on a bf16 CPU the ratio is printed, not judged
     # (judged on an emulated AVX2 too, where MKL's float32 paths are the AVX-512 CPU's: the JSON's cpu says so)
     targets = {"update_flops_over_matmul": (">=", 0.5)} if dtype == "float32" else {}
-    return {**judge_targets({"update_flops_over_matmul": round(ratio, 3)}, targets, source="issue #28, float32"),
-            "update_flops_over_matmul": round(ratio, 3),
-            "update_gflops": round(median([r[3] for r in rows[1:] or rows]), 1),
-            "matmul_gflops": round(median([r[4] for r in rows[1:] or rows]), 1), "update_dtype": dtype,
-            "profile_shares": {k: round(v, 3) for k, v in shares.items()},
-            "other_top_ops": {k: round(v / wall, 3) for k, v in other_ops[:5]}, **steps, "cpu": cpu()}
+    verdicts = judge_targets({"update_flops_over_matmul": measured["update_flops_over_matmul"]}, targets,
+                             source="issue #28, float32")
+    return {**verdicts, **measured, **profiled, **steps, "cpu": cpu()}
 
 
 def with_allocator(a: argparse.Namespace) -> None:

@@ -179,6 +179,54 @@ def test_the_update_profile_sorts_ops_by_whole_names():
     assert not names_op("aten::mul", "aten::mm")
 
 
+def test_the_update_bench_reports_its_ratio_and_verdict_without_the_profile_too(monkeypatch):
+    """`--no-profile` returned early with the step times alone: update_flops_over_matmul, both GFLOP/s and
+    #28's verdict were dropped, although the profiled step plays no part in them. The batch, the learner and
+    the matmul are stand-ins: steps at 60 GFLOP/s beside a 100 GFLOP/s matmul."""
+    import types
+
+    import bench.update as update
+    import factory.update
+
+    class Learner:
+        def __init__(self, settings):
+            pass
+
+        def setup(self):
+            pass
+
+        def resolved(self):
+            return {"autocast": "off", "dtype": "float32", "share_prefix": "on", "allocator": "system"}
+
+        def step(self, trajs):
+            return {"perf/update_flops_per_s": 60e9, "timing/update_step_s": 1.0, "actor/trained_rows": 4.0}
+
+        def shutdown(self):
+            pass
+
+    train = types.SimpleNamespace(micro_batch=8)
+    train.model_copy = lambda update: train
+    settings = types.SimpleNamespace(train=train, model_copy=lambda update: settings)
+    plan = types.SimpleNamespace(flow=lambda name: [types.SimpleNamespace(dst="update")],
+                                 stage=lambda name: types.SimpleNamespace(settings=settings))
+    trajs = [types.SimpleNamespace(prompt_ids=[1] * 10, response_ids=[2] * 5) for _ in range(4)]
+
+    async def batch(spec):
+        return plan, trajs
+
+    monkeypatch.setattr(update, "rollout_batch", batch)
+    monkeypatch.setattr(update, "matmul_flops_per_s", lambda dtype, threads: 100e9)
+    monkeypatch.setattr(factory.update, "Learner", Learner, raising=False)
+    monkeypatch.setattr(update, "profile_step", lambda learner, trajs: ({"wall_s": 1.0, "matmul": 0.75}, []))
+    measured = {"update_flops_over_matmul": 0.6, "update_gflops": 60.0, "matmul_gflops": 100.0,
+                "update_dtype": "float32", "targets": {"update_flops_over_matmul": ">= 0.5"},
+                "met": {"update_flops_over_matmul": True}}
+    for argv in ([], ["--no-profile"]):
+        out = update.main(update.parse_args(["--steps", "3", "--threads", "1", *argv]))
+        assert {k: out.get(k) for k in measured} == measured, argv
+        assert ("profile_shares" in out) == (argv == [])
+
+
 def test_table_keeps_a_header_as_wide_as_its_column_apart_from_the_next():
     lines = table(["", "update", "weight sync", "other"], [("1x", 8.6, 2.2, 0.3)], first=4, width=11).splitlines()
     assert lines[0].split() == ["update", "weight", "sync", "other"]  # not "updateweight"
