@@ -254,8 +254,11 @@ class FnNode(_Leaf):
     """Seconds a call may take (None = no limit); past it the call has no value (an error, `on_missing`
     applies) and scoring goes on. An async function is cancelled; a plain one's thread cannot be stopped
     in Python and runs on to its end, holding one of its node's 256 places meanwhile (other nodes have their
-    own): once all 256 are held so, the node's calls fail at once until one returns. Under `processes`, the
-    call's worker process is ended instead."""
+    own): once all 256 are held so, the node's calls fail at once until one returns. In threads this bounds
+    only a function that releases the GIL (I/O, sleeps, C code that lets go of it): one that holds it (CPU
+    work in Python, a regular expression over the model's output) stops the whole stage, its clocks
+    included, until it ends; such work belongs under `processes`, where the call's worker process is ended
+    instead."""
     processes: int = Field(0, ge=0)
     """Run the function in this many worker processes of the node's own instead of threads (0, the default:
     threads). For a CPU-bound function that holds the GIL (sympy's simplification, a checker written in

@@ -1,4 +1,5 @@
 """Factory's built-in reward functions (factory.rewards), on turns parsed by the rollout's own parser."""
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,27 @@ def test_answer_is_read_from_the_model_turns_only():
     # call's, as the agent loop read it: the answer before it was dropped as reasoning
     quoting = '<answer>5</answer><tool_call>{"name": "s", "arguments": {"q": "</think>"}}</tool_call>'
     assert extract_answer("", [Turn(text=quoting, num_tokens=9)]) == "5"
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("<answer>1</answer><answer>2</answer>", "2"),  # the last tag
+    ("<answer> a <answer> b </answer>", "a <answer> b"),  # an opener inside a tag is its text
+    ("<ANSWER>x</Answer>", "x"),
+    ("<answer>1</answer><answer>2", "1"),  # a tag never closed is no answer
+    ("</answer><answer>\n 3 \n</answer> trailing </answer>", "3"),
+    ("<answer>  </answer>", ""),
+    ("<tool_response><answer>1</answer></tool_response><answer>2</answer><tool_response><answer>3</answer>", "3"),
+])
+def test_the_answer_is_the_last_closed_tag_s_text(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+@pytest.mark.parametrize("completion", ["<answer>" + " " * 20000, "<answer>" * 20000, "<tool_response>" * 20000])
+def test_an_answer_tag_never_closed_is_read_in_linear_time(completion):
+    # A regex that backtracked took minutes on these, holding the GIL: a thread's `timeout_s` cannot stop that.
+    start = time.perf_counter()
+    assert extract_answer(completion) is None
+    assert time.perf_counter() - start < 2
 
 
 def test_numeric_match():

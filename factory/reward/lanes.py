@@ -6,7 +6,10 @@ too timed out, their clock having run while they queued -- one hung function too
 a node's calls run in threads of its own `Lane` (daemon threads: a process that ends does not wait for a hung
 one), the clock starts when a thread takes the call, and a call that times out keeps its place in the lane until
 its thread ends: a hung function holds up its own node only, whose later calls fail at once once every place
-is held by one that never returned.
+is held by one that never returned. That holds for a function that lets go of the GIL (I/O, sleeps, C code that
+releases it): one that holds it (a loop in Python, a regular expression running away on the model's output)
+stops every thread of the process, the event loop and its clocks included, until it ends, and no timeout fires
+meanwhile. Such a function belongs under `processes`.
 
 A node with `processes: N` runs its calls in N worker processes of its own instead (`Processes`): a
 CPU-bound function that holds the GIL then runs N at once, and a call past its timeout ends with its process.

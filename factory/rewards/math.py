@@ -16,8 +16,11 @@ from factory.types import Turn
 from factory.util import without_reasoning
 
 # The final answer is what the model puts in <answer>...</answer>; without the tag, nothing is graded, so a
-# model cannot score by rambling numbers.
-_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
+# model cannot score by rambling numbers. Tags are found as markers and paired by `_closed` in one pass: a
+# regex spanning a tag (`<answer>\s*(.*?)\s*</answer>`) backtracked for minutes over a tag never closed,
+# holding the GIL, which a thread's `timeout_s` cannot stop.
+_ANSWER = re.compile(r"<(/?)answer>", re.IGNORECASE)
+_TOOL_RESPONSE = re.compile(r"<(/?)tool_response>")
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # ".5" is 0.5, not 5
 # Numbers are compared as decimals, exactly as written: a float turns a ground truth past 1.8e308 (200!)
 # into inf, and `|x - inf| <= rel_tol * inf` held for every x. Exponents as wide as decimal allows.
@@ -26,8 +29,23 @@ _EXACT = Context(prec=60, Emax=MAX_EMAX, Emin=MIN_EMIN)
 
 def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str | None:
     """The text of the last <answer> tag in the model's own text (tool responses never count)."""
-    found = _ANSWER.findall(_model_text(completion, turns))
+    text = _model_text(completion, turns)
+    found = [text[inner:close] for _, inner, close, _ in _closed(_ANSWER, text)]
     return found[-1].strip() if found else None
+
+
+def _closed(marker: re.Pattern[str], text: str) -> list[tuple[int, int, int, int]]:
+    """Each block from an opening marker to the first closing one after it, as `<x>(.*?)</x>` finds them in
+    turn: (start, its text's start, its text's end, end). An opener inside a block is its text; one never
+    closed opens nothing. `marker` matches either, its group 1 "/" for a closer."""
+    blocks, opened = [], None
+    for m in marker.finditer(text):
+        if not m.group(1):
+            opened = m if opened is None else opened
+        elif opened is not None:
+            blocks.append((opened.start(), opened.end(), m.start(), m.end()))
+            opened = None
+    return blocks
 
 
 def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
@@ -35,7 +53,11 @@ def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
     # drafted in its reasoning (a turn cut while thinking would score its draft).
     if turns is not None:  # each turn's text starts with any `<think>` its prompt opened (the agent loop's)
         return "\n".join(without_reasoning(t.text, opened_before=False) for t in turns)
-    return without_reasoning(re.sub(r"<tool_response>.*?</tool_response>", "", completion, flags=re.DOTALL))
+    kept, pos = [], 0
+    for start, _, _, end in _closed(_TOOL_RESPONSE, completion):
+        kept.append(completion[pos:start])
+        pos = end
+    return without_reasoning("".join(kept) + completion[pos:])
 
 
 def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn] | None = None,
