@@ -406,6 +406,15 @@ def import_object(ref: str) -> Any:
     return obj
 
 
+def is_async(fn: Any) -> bool:
+    """Whether calling `fn` makes a coroutine, as far as can be told before calling it: an async function, or an
+    object whose `__call__` is one (which `inspect.iscoroutinefunction` does not look at). An async function
+    behind a plain decorator is not seen here: its caller awaits what it returns."""
+    import inspect
+
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
 def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:
     """A file named in the spec: relative to the working directory first, then to the spec's folder."""
     p = Path(path)

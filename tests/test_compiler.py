@@ -350,12 +350,19 @@ def _wrap(fn):
     return inner
 
 wrapped = _wrap(plain)
+
+class Scorer:
+    async def __call__(self, prompt, completion, **row):
+        return 0.0
+
+scorer = Scorer()
 """)
     path = project.spec(_base(project, "rc_procbase") + """\
   a: {fn: "rc_proc:plain", processes: 2}
   b: {fn: "rc_proc:waits", processes: 2}
   c: {fn: "rc_proc:lam", processes: 2}
   d: {fn: "rc_proc:wrapped", processes: 1}
+  e: {fn: "rc_proc:scorer", processes: 1}
 """)
     errors = _errors(path).splitlines()
     assert errors[0] == ("spec.yaml:10: rewards.b.processes: rc_proc:waits is an async function, which already runs "
@@ -365,7 +372,8 @@ wrapped = _wrap(plain)
                                 "(PicklingError: ")
     assert errors[2].startswith("spec.yaml:12: rewards.d.processes: rc_proc:wrapped cannot be sent to a worker "
                                 "process (")
-    assert errors[1].endswith("or remove `processes`") and errors[3:] == ["3 errors in spec.yaml"]
+    assert errors[3].startswith("spec.yaml:13: rewards.e.processes: rc_proc:scorer is an async function")
+    assert errors[1].endswith("or remove `processes`") and errors[4:] == ["4 errors in spec.yaml"]
 
 
 def test_reward_graph_cycle_is_shown_and_located(project):

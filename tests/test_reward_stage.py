@@ -667,6 +667,19 @@ def test_a_reward_function_past_its_timeout_has_no_value_and_scoring_goes_on():
     assert m["rewards/slow/errors"] == 2.0 and [t.reward for t in trajs] == [2.0, 3.0]
 
 
+@pytest.mark.parametrize("fn", ["async_scorer", "decorated_async"])
+def test_an_async_function_inspect_does_not_see_is_awaited_within_its_timeout(fn):
+    """An object with an async `__call__`, or an async function under a plain decorator, is no coroutine function
+    to `inspect`: run in a thread, its call handed back a coroutine, never awaited, and every value was an error
+    ("returned '<coroutine ...>', not a number")."""
+    spec = make_spec({"a": {"fn": f"{FNS}:{fn}"}, "slow": {"fn": f"{FNS}:{fn}", "args": {"delay": 5}, "timeout_s": 0.1},
+                      "total": {"sum": {"a": 1.0, "slow": 1.0}}})
+    trajs, m = score(spec, [traj("x")])
+    assert trajs[0].rewards["a"] == 1.0, trajs[0].reward_details
+    assert trajs[0].reward_details["slow"] == {"status": "error",
+                                               "error": "TimeoutError: took longer than timeout_s (0.1 s)"}
+
+
 @pytest.mark.parametrize("timeout_s", [60, None])
 def test_a_function_s_own_timeouterror_is_not_said_to_be_past_timeout_s(timeout_s):
     """A TimeoutError the function raised at once (socket.timeout) was said to be "took longer than timeout_s";

@@ -17,7 +17,6 @@ import dataclasses
 import filecmp
 import functools
 import graphlib
-import inspect
 import json
 import os
 import re
@@ -93,7 +92,16 @@ from factory.schema import (
     SumNode,
     ToolNode,
 )
-from factory.util import LAUNCHERS, NoModuleError, UserError, did_you_mean, resolve_file, store_problem, version
+from factory.util import (
+    LAUNCHERS,
+    NoModuleError,
+    UserError,
+    did_you_mean,
+    is_async,
+    resolve_file,
+    store_problem,
+    version,
+)
 
 ToolListing = Mapping[str, list[dict[str, Any]]]  # server -> [{name, description, inputSchema}]
 
@@ -738,7 +746,7 @@ def _process_problem(fn: Callable[..., Any], node: FnNode) -> str | None:
     pickled there, the function by its import path and its `args` by value."""
     import pickle
 
-    if inspect.iscoroutinefunction(fn):
+    if is_async(fn):
         return (f"{node.fn} is an async function, which already runs concurrently on the reward stage's event "
                 "loop: remove `processes` (it is for plain functions that hold the GIL)")
     try:

@@ -43,7 +43,7 @@ from factory.reward.graph import (
 from factory.reward.lanes import Lane, Processes, awaited
 from factory.schema import FLOAT32_MAX, FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
-from factory.util import enter_workdir, import_object, node_id, resolve_file
+from factory.util import enter_workdir, import_object, is_async, node_id, resolve_file
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,12 @@ class RewardStage(StageActor):
         own node only). Whatever it raises is an Exception, the node's failure (SystemExit from a checker that
         wraps a command line, say, which would end the stage's event loop)."""
         limit, call = self.nodes[name].timeout_s, functools.partial(fn, *args, **kwargs)
-        if inspect.iscoroutinefunction(fn):
+        if is_async(fn):
             return await awaited(call, limit)
-        return await self._lanes[name].run(call, limit)
+        value = await self._lanes[name].run(call, limit)
+        if inspect.isawaitable(value):  # an async function behind a plain decorator: its coroutine, made at once
+            return await awaited(lambda: value, limit)
+        return value
 
 
 def usable(value: float) -> bool:
