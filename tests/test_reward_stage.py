@@ -10,8 +10,8 @@ import pytest
 
 from factory.compiler.compile import stage_settings
 from factory.reward import MissingReward, RewardStage
-from factory.reward.graph import NonFiniteReward
-from factory.schema import Spec
+from factory.reward.graph import NonFiniteReward, combine
+from factory.schema import Spec, SumNode
 from factory.types import Placement, ToolCall, ToolResult, Trajectory, Turn
 from tests.fixtures import reward_fns
 
@@ -505,13 +505,24 @@ def test_a_value_too_large_for_float32_is_no_value():
     assert m["rewards/big/non_finite"] == 1.0 and trajs[1].rewards["total"] == 3.0  # on_missing: zero
 
 
-@pytest.mark.parametrize("weight, shown", [(1e308, "inf"), (1e300, r"2e\+300")])
-def test_a_combinator_that_overflows_is_a_located_failure(weight, shown):
-    spec = make_spec({"len": {"fn": f"{FNS}:length"}, "total": {"sum": {"len": weight}}})
+@pytest.mark.parametrize("weights, completion, shown", [
+    ({"len": 1e308}, "ab", "inf"), ({"len": 1e300}, "ab", r"2e\+300"),
+    # math.fsum raised its own OverflowError (1e308 + 1e308) and ValueError (inf + -inf), past the stage
+    ({"a": 1e308, "b": 1e308}, "x", "inf"), ({"a": 1e308, "b": -1e308}, "ab", "nan"),
+    ({"a": 1e308, "b": 1e308, "c": -1e308}, "x", r"1e\+308"),  # a partial sum overflowed, the whole did not
+])
+def test_a_combinator_that_overflows_is_a_located_failure(weights, completion, shown):
+    spec = make_spec({**{name: {"fn": f"{FNS}:length"} for name in weights}, "total": {"sum": weights}})
+    inputs = ", ".join(f"'{name}': {len(completion)}.0" for name in weights)
     with pytest.raises(NonFiniteReward, match=rf"reward node 'total' is {shown} for trajectory 0.0 from finite "
-                                              r"inputs \{'len': 2.0\}: its weights or its inputs' sizes overflow "
+                                              rf"inputs \{{{inputs}\}}: its weights or its inputs' sizes overflow "
                                               r"a float32"):
-        score(spec, [traj("ab")])
+        score(spec, [traj(completion)])
+
+
+def test_a_sum_whose_partial_sums_overflow_is_its_exact_value():
+    weights = {"a": 1e308, "b": 1e308, "c": -1e308, "d": -1e308, "e": 1.0}
+    assert combine(SumNode(sum=weights), [1.0] * 5) == 1.0
 
 
 def test_independent_nodes_and_trajectories_run_concurrently():

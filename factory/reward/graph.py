@@ -14,6 +14,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import Any
 
 from factory.schema import (
@@ -200,7 +201,7 @@ def prompt_text(messages: list[dict[str, Any]]) -> str:
 def combine(node: Any, values: list[float]) -> float:
     """A sum, min, max, product or clip node's value from its inputs' values (in `node.inputs()` order)."""
     if isinstance(node, SumNode):
-        return math.fsum(w * v for w, v in zip(node.sum.values(), values))
+        return _sum([w * v for w, v in zip(node.sum.values(), values)])
     if isinstance(node, ProductNode):
         return math.prod(values)
     if isinstance(node, MinNode):
@@ -212,6 +213,24 @@ def combine(node: Any, values: list[float]) -> float:
         upper = math.inf if node.upper is None else node.upper
         return min(max(values[0], lower), upper)
     raise TypeError(f"not a combinator: {type(node).__name__}")
+
+
+def _sum(terms: list[float]) -> float:
+    """The exact sum, rounded once; inf or nan where it is no finite float, for the caller to report with its
+    node and trajectory (math.fsum raises instead: ValueError for inf + -inf, OverflowError once a partial
+    sum is past float range, which the whole may not be: 1e308 + 1e308 - 1e308)."""
+    try:
+        return math.fsum(terms)
+    except ValueError:
+        return math.nan
+    except OverflowError:
+        if not all(map(math.isfinite, terms)):
+            return sum(terms)  # the infinities decide it: inf, -inf, or nan for both
+        exact = sum(map(Fraction, terms))  # (floats are exact as fractions)
+        try:
+            return float(exact)
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
 
 
 def gate_passes(node: GateNode, condition: float) -> bool:
