@@ -228,6 +228,25 @@ def test_a_hung_call_whose_caller_was_cancelled_keeps_its_place_as_stuck():
     assert asyncio.run(go()) == (2, 2)
 
 
+def test_a_value_that_lands_as_its_wait_times_out_is_the_call_s_value(monkeypatch):
+    """The function's value landing between the wait's timeout and its handling was lost: the call raised
+    "TimeoutError: " (the wait's, with no message) though its thread had returned and freed its place."""
+    from factory.reward.lanes import Lane
+
+    async def times_out_as_it_lands(waited, timeout):
+        await waited  # (the value is in)
+        raise TimeoutError
+
+    async def go():
+        lane = Lane("x", 1)
+        with monkeypatch.context() as m:
+            m.setattr(asyncio, "wait_for", times_out_as_it_lands)
+            value = await lane.run(lambda: 1.0, 5.0)
+        return value, lane.places.running, lane.places.stuck
+
+    assert asyncio.run(go()) == (1.0, 0, 0)
+
+
 @pytest.mark.parametrize("fn, said", [
     ("interrupts", "RuntimeError: the function raised KeyboardInterrupt('from the reward function')"),
     pytest.param("cancels", "RuntimeError: the function raised CancelledError()",

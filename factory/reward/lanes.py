@@ -86,6 +86,8 @@ class Lane:
             return await asyncio.wait_for(asyncio.shield(done), timeout_s)
         except BaseException as e:  # past its timeout, or this call cancelled (a `fail` node ended the scoring)
             if done.done():  # what the function raised of its own (a socket.timeout too): not the wait's
+                if isinstance(e, TIMEOUTS):  # or its outcome landed as the wait timed out: the call's, not lost
+                    return done.result()
                 raise
             late = True  # its thread runs on, holding its place until it ends
             self.places.abandon()
