@@ -92,6 +92,50 @@ def test_the_python_it_takes(tmp_path):
     assert not (repo / ".venv").exists()
 
 
+def _checkout(tmp_path: Path) -> Path:
+    """A copy of what bin/setup reads, to run it for real where it cannot touch this checkout's .venv."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    (repo / "bin").mkdir(parents=True)
+    for name in ("bin/setup", "bin/uv-options", "bin/install-tool-servers", "constraints.txt",
+                 "constraints-cuda.txt", "pyproject.toml"):
+        shutil.copy(ROOT / name, repo / name)
+    return repo
+
+
+def _offline() -> dict[str, str]:
+    """This environment without pip's configuration or any index: an install fails at once, downloads nothing."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIP_", "FACTORY_", "PYTHON", "UV_")) and k != "VIRTUAL_ENV"}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "FACTORY_NO_UV": "1", "FACTORY_CPU": "1"}
+
+
+def test_a_venv_without_pip_is_repaired_or_named_with_the_way_out(tmp_path):
+    """A .venv with a Python but no pip: Debian/Ubuntu's `python3 -m venv` without python3-venv stops there, as
+    does a Ctrl-C while bin/setup makes it. ensurepip puts pip back; where ensurepip is missing too (Debian's
+    venv, faked here by a stand-in module that fails as Debian's does), bin/setup says how to start again."""
+    repo = _checkout(tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(repo / ".venv")], check=True, timeout=120)
+    debian = tmp_path / "debian"
+    (debian / "ensurepip").mkdir(parents=True)
+    (debian / "ensurepip" / "__init__.py").write_text("")
+    (debian / "ensurepip" / "__main__.py").write_text(
+        "import sys\nsys.exit('ensurepip is disabled in Debian/Ubuntu for the system python.')\n")
+    out = subprocess.run(["bash", "bin/setup"], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**_offline(), "PYTHONPATH": str(debian)})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "ensurepip is disabled" in out.stderr
+    assert ("bin/setup: .venv has no pip, and ensurepip could not install it (above): rm -rf .venv and run "
+            "bin/setup again (Debian/Ubuntu: apt-get install python3-venv first)") in out.stderr
+    # with ensurepip there, pip is put back and set-up goes on (to torch, which this offline copy cannot get)
+    out = subprocess.run(["bash", "bin/setup"], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env=_offline())
+    assert "No module named pip" not in out.stdout + out.stderr, out.stderr
+    assert "bin/setup: torch==2.13.0 ... " in out.stdout, out.stdout + out.stderr
+    assert subprocess.run([str(repo / ".venv/bin/python"), "-m", "pip", "--version"]).returncode == 0
+
+
 def test_vllm_pin_agrees_with_the_cpu_torch_pin():
     """vllm 0.32.0 requires torch==2.13.0, the version constraints.txt holds for the CPU build: one torch
     for both machines (a vllm bump must move both files)."""
