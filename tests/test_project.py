@@ -75,10 +75,11 @@ def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
                                        "init my-agent), or '.' for this folder\n")
 
 
-@pytest.mark.parametrize("name", ["2024", "on", "null", "1.0", "0x10"])
+@pytest.mark.parametrize("name", ["2024", "on", "null", "1.0", "0x10", "1e5", "7E3", "12e-3"])
 def test_init_of_a_name_yaml_reads_as_another_type_writes_it_as_a_string(tmp_path, name):
     """`name: 2024` (or `on`, `null`, `1.0`) is an int, a bool, null or a float: the spec `factory init` had just
-    made failed `factory check` with "name: expected a string"."""
+    made failed `factory check` with "name: expected a string". `1e5` is a string to PyYAML, a float to the
+    OmegaConf loader that reads specs."""
     import factory
 
     create(tmp_path / name)

@@ -57,12 +57,16 @@ def project_files(name: str) -> dict[str, str]:
 def yaml_string(name: str) -> str:
     """`name` as a YAML value that reads back as that string: plain where it does (`my-agent`), else quoted.
     Read plain, `2024`, `on`, `null` and `1.0` are an int, a bool, null and a float: a spec that failed
-    `factory check` ("name: expected a string") in the project just made."""
+    `factory check` ("name: expected a string") in the project just made. Plain only where both readers take
+    it as written: OmegaConf's, which reads specs (`1e5` is a float to it, a string to PyYAML), and PyYAML's
+    (`2024-01-01` is a date to it, a string to OmegaConf), as other tools read the file."""
     import json
 
     import yaml
+    from omegaconf import OmegaConf
 
-    return name if yaml.safe_load(name) == name else json.dumps(name)
+    plain = yaml.safe_load(name) == name and OmegaConf.create(f"name: {name}").name == name
+    return name if plain else json.dumps(name)
 
 
 def create(target: Path) -> tuple[str, list[str]]:
