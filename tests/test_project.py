@@ -88,6 +88,16 @@ def test_init_of_a_name_yaml_reads_as_another_type_writes_it_as_a_string(tmp_pat
     assert f'\nname: "{name}"\n' in (tmp_path / name / "spec.yaml").read_text()
 
 
+def test_init_where_it_cannot_write_says_so(tmp_path, capsys):
+    """A folder that cannot be made (its parent is a file; /proc) is the user's to fix: exit 2 and why, not
+    `factory: internal error: NotADirectoryError` (exit 1, "a bug in Factory")."""
+    (tmp_path / "a-file").write_text("x")
+    assert cli.main(["init", str(tmp_path / "a-file" / "demo")]) == 2
+    assert capsys.readouterr().err == f"factory init: cannot write {tmp_path / 'a-file' / 'demo'}: Not a directory\n"
+    assert cli.main(["init", "/proc/factory-demo"]) == 2
+    assert capsys.readouterr().err.startswith("factory init: cannot write /proc/factory-demo")
+
+
 def test_scaffold_reward_reads_the_models_answer():
     spec = importlib.util.spec_from_file_location("scaffold_task", SCAFFOLD / "rewards" / "task.py")
     module = importlib.util.module_from_spec(spec)

@@ -75,15 +75,18 @@ def create(target: Path) -> tuple[str, list[str]]:
     name = target.resolve().name
     if not NAME.fullmatch(name):  # the name becomes the spec's `name`, held to the same rule
         raise InitError(f"'{name}' is not a usable project name: {NAME_RULE}")
-    if target.exists() and not target.is_dir():
-        raise InitError(f"{target} exists and is not a folder")
     files = project_files(name)
-    clashes = [rel for rel in files if (target / rel).exists()]
-    if clashes:
-        raise InitError(f"{target} already has {', '.join(clashes)}; factory init never overwrites files: "
-                        "choose a new name or an empty folder")
-    for rel, text in files.items():
-        path = target / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+    try:
+        if target.exists() and not target.is_dir():
+            raise InitError(f"{target} exists and is not a folder")
+        clashes = [rel for rel in files if (target / rel).exists()]
+        if clashes:
+            raise InitError(f"{target} already has {', '.join(clashes)}; factory init never overwrites files: "
+                            "choose a new name or an empty folder")
+        for rel, text in files.items():
+            path = target / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    except OSError as e:  # a parent that is a file, no permission, a read-only or full disk: the user's to fix
+        raise InitError(f"cannot write {e.filename or target}: {e.strerror or e}") from e
     return name, list(files)
