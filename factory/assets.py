@@ -11,7 +11,7 @@ made from files that PyPI packages ship:
 `resolve_model("factory:NAME")` builds a folder once under `$FACTORY_CACHE/models/` (default
 `~/.cache/factory`) and returns its path; any other path is returned unchanged. Building happens in a
 temporary folder renamed into place at the end, under a file lock, so two processes never race and a
-crashed build never leaves a half-written model behind.
+crashed build never leaves a half-written model behind (one killed midway, by the next build of it).
 """
 from __future__ import annotations
 
@@ -88,7 +88,13 @@ def resolve_model(path: str) -> str:
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not target.is_dir():  # another process may have built it while we waited for the lock
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+            # A build killed midway (SIGTERM: bin/setup stops its build so when a later step fails) never
+            # reached its `finally`; with the lock held, a temporary folder of this target is a dead build's.
+            # Named after the target: `.tiny-qwen3-v2.*` is never the `.tiny-qwen3-calc-v2.*` being built
+            # around this very call (tiny-qwen3-calc's recipe resolves tiny-qwen3).
+            for left in models.glob(f".{target.name}.*"):
+                shutil.rmtree(left, ignore_errors=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=models))
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by users of a machine
             try:
                 _BUILDERS[name](tmp)

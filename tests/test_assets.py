@@ -115,3 +115,45 @@ def test_smollm2_recipe():
     ids = torch.tensor([chat.prompt_ids(messages, None)])
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_a_build_killed_midway_is_cleared_by_the_next(cache, counting_builder):
+    """A build ended by SIGTERM (bin/setup stops its model build so when a later step fails) never reaches its
+    `finally`: its temporary folder stayed in the cache for good (SmolLM2: up to 538 MB). The next build, once
+    it holds the lock that the dead one held, removes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", """
+import time
+from pathlib import Path
+from factory import assets
+def slow(out: Path) -> None:
+    (out / "model.safetensors").write_bytes(b"x" * 1000)  # a half-written model
+    time.sleep(60)
+assets._BUILDERS["tiny-qwen3"] = slow
+assets.resolve_model("factory:tiny-qwen3")
+"""], env={**os.environ, "FACTORY_CACHE": str(cache)})
+    try:
+        deadline = time.monotonic() + 60
+        while not list((cache / "models").glob(".tiny-qwen3-*/model.safetensors")):
+            assert time.monotonic() < deadline and child.poll() is None, "the stand-in build never started"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=30)
+    assert resolve_model("factory:tiny-qwen3") == str(cache / "models" / "tiny-qwen3-v2")
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["tiny-qwen3-v2", "tiny-qwen3-v2.lock"]
+
+
+def test_a_build_clears_only_its_own_leftovers(cache, counting_builder, monkeypatch):
+    """tiny-qwen3-calc is built from tiny-qwen3, inside its own build: tiny-qwen3's clearing must leave the calc
+    build's temporary folder (whose name starts as tiny-qwen3's do) alone."""
+    def calc(out: Path) -> None:
+        resolve_model("factory:tiny-qwen3")
+        (out / "config.json").write_text("{}")  # (its folder still there)
+
+    monkeypatch.setitem(assets._BUILDERS, "tiny-qwen3-calc", calc)
+    assert Path(resolve_model("factory:tiny-qwen3-calc"), "config.json").is_file()
