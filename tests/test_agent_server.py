@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ def test_answer_is_the_last_answer_tag_with_calls_listed_first():
     assert answer_text(traj) == "4"
     assert answer_text(traj, show_calls=True) == 'calculate({"expression": "2+2"}) -> 4\n4'
     assert answer_text(_traj(Turn(text=" no tag ", num_tokens=2))) == "no tag"  # no tag: the last turn's text
+    # an <answer> never closed: the last turn's text, read in linear time (a regex spanning the tag backtracked
+    # for minutes over it, in the server's one event loop)
+    open_tag = "<answer>" + " " * 20000
+    started = time.perf_counter()
+    assert answer_text(_traj(Turn(text=open_tag, num_tokens=2))) == "<answer>"
+    assert time.perf_counter() - started < 2
 
 
 @pytest.mark.anyio

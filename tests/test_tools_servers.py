@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import sys
@@ -350,6 +351,32 @@ async def test_async_python_tool_calls_overlap():
         elapsed = time.perf_counter() - started
     assert [r.text for r in results] == [str(2 * i) for i in range(10)]
     assert elapsed < 1.0  # ten 0.2 s calls: 2 s one at a time
+
+
+def _logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # a plain decorator: what it returns is the coroutine
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_logged
+async def decorated_double(x: int) -> int:
+    """Double a number, behind a decorator.
+
+    Args:
+        x: The number to double.
+    """
+    await asyncio.sleep(0.01)
+    return 2 * x
+
+
+async def test_an_async_python_tool_behind_a_plain_decorator_is_awaited():
+    """inspect does not see an async function behind a plain decorator: each call answered '<coroutine object
+    ...>' (never awaited) instead of its value."""
+    async with ToolBox.from_spec({"double": PythonTool(function="tests.test_tools_servers:decorated_double")}) as box:
+        (result,) = await box.call_many([call("double", {"x": 21})])
+    assert result.text == "42", result.text
 
 
 async def test_a_cancelled_error_a_python_tool_raises_of_its_own_is_its_error_and_its_timeout_still_cuts_it():

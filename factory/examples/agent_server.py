@@ -26,7 +26,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import re
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,8 +36,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
 from factory.examples import serve
-
-_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
+from factory.rewards.math import extract_answer
 
 
 class Agent:
@@ -138,8 +136,10 @@ def answer_text(traj: Any, show_calls: bool = False) -> str:
             for call, result in zip(turn.calls, turn.results):
                 args = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else call.raw
                 lines.append(f"{result.tool}({args}) -> {' '.join(result.text.split())[:200]}")
-    said = [m.group(1).strip() for t in traj.turns for m in _ANSWER.finditer(t.text)]
-    final = said[-1] if said else (traj.turns[-1].text.strip() if traj.turns else "")
+    # (the rewards' reading of an answer: linear in the text, where a regex spanning the tag backtracked for
+    # minutes over an <answer> never closed)
+    said = extract_answer("", traj.turns)
+    final = said if said is not None else (traj.turns[-1].text.strip() if traj.turns else "")
     lines.append(final)
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
 from factory.tools.results import answer, content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
-from factory.util import AllStuck, Places, being_cancelled, import_object
+from factory.util import AllStuck, Places, being_cancelled, import_object, is_async as is_async_fn
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class PythonFunction:
     async def _attempt(self, tool: str, arguments: dict[str, Any]) -> tuple[ToolResult, bool]:
         fn = self.fn
         assert fn is not None, "PythonFunction.start() was not called"
-        is_async = inspect.iscoroutinefunction(fn)
+        is_async = is_async_fn(fn)  # (an object with an async __call__ too)
         def timed_out() -> tuple[ToolResult, bool]:
             return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
 
@@ -370,6 +370,8 @@ class PythonFunction:
             else:  # abandon_on_cancel: only the loop's shutdown cancels this (the caller waits through a shield)
                 value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True,
                                                        limiter=threads)
+                if inspect.isawaitable(value):  # an async function behind a plain decorator: seen by what it returns
+                    value = await value
         except (Exception, SystemExit, asyncio.CancelledError) as exc:
             # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
             # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
