@@ -157,9 +157,9 @@ DRIVER = """
 import subprocess, sys, time
 from pathlib import Path
 from factory.runtime.lifecycle import SessionRecord
+record = SessionRecord(Path(sys.argv[1]))  # (made first: what it started before is not the run's)
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"], start_new_session=True)
-record = SessionRecord(Path(sys.argv[1]))
 record.update()
 print(child.pid, flush=True)
 time.sleep(120)
@@ -259,6 +259,49 @@ def test_a_record_never_names_a_process_by_pid_alone(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.fixture
+def placed_without_ray(tmp_path, monkeypatch):
+    """`driver.placed` with what it would start stubbed out (Ray, the stages, their teardown) and its records in
+    a private temp folder; everything else real (reap_orphans, the SessionRecord and its close). Yields the
+    calls made to the stubs, and the arguments `placed` takes."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from factory.runtime import driver
+    from factory.runtime.startup import Startup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls: list[str] = []
+    monkeypatch.setattr(driver, "build_models", lambda plan, status: None)
+    monkeypatch.setattr(driver, "start_ray", lambda cluster: calls.append("start_ray"))
+    monkeypatch.setattr(driver, "place", lambda plan, *a, **k: {})
+    monkeypatch.setattr(driver, "teardown", lambda groups: calls.append("teardown"))
+    monkeypatch.setattr(driver, "stop_ray", lambda: calls.append("stop_ray"))
+    plan = SimpleNamespace(stages=(), driver=SimpleNamespace(resources=None,
+                                                             train=SimpleNamespace(stage_timeout_s=60)))
+    yield calls, (plan, SimpleNamespace(status=lambda said: None), Startup())
+
+
+def test_a_run_leaves_the_callers_own_processes_alone(placed_without_ray):
+    """factory.run / factory.evaluate from a script or notebook that started a process of its own before (an
+    `mlflow server` for tracking.uri, a `vllm serve` judge endpoint): the run's record named it with Ray's, so
+    the run's end waited 10 s for it, then ended it (and a killed run's next start would have too)."""
+    from factory.runtime import driver
+
+    _, args = placed_without_ray
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        with driver.placed(*args) as (_, record):
+            ours = subprocess.Popen([sys.executable, "-c", "pass"])  # one the run started (as Ray's are)
+            record.update()
+            assert [c["pid"] for c in json.loads(record.path.read_text())["children"]] == [ours.pid]
+            ours.wait()
+        assert mine.poll() is None
+    finally:
+        mine.kill()
+        mine.wait()
 
 
 # ------------------------------------------------------------------------------- a local Ray on loopback

@@ -1092,6 +1092,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
     startup.lap("models")
     display.status("starting Ray")
     sigterm_heard.clear()  # (this run's: a notebook's earlier run may have heard one)
+    record = SessionRecord()  # (before Ray: the processes the caller runs already are not the run's)
     with sigterm_restored():  # (Ray's handler, then ours: the run's only)
         try:
             start_ray(plan.driver.resources)
@@ -1099,7 +1100,6 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
             stop_ray()
             raise
         startup.lap("ray")
-        record = SessionRecord()
         record.update()
         groups: Groups = {}
         try:

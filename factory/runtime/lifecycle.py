@@ -329,18 +329,30 @@ def _wait_ended(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Pr
             return procs
 
 
+def _key(proc: psutil.Process) -> tuple[int, float]:
+    return proc.pid, proc.create_time()
+
+
 class SessionRecord:
-    """The session file of one driver: itself and every process it started, kept current."""
+    """The session file of one driver: itself and every process it started, kept current. Made before the
+    run starts anything (Ray): the driver's children then are the caller's own (a notebook's `mlflow server`
+    or `vllm serve`), which the run's end, or the next run's start after a killed one, must not end; they and
+    theirs are left out of the record."""
 
     def __init__(self, folder: Path | None = None):
         self.folder = folder or sessions_dir()
         self.me = psutil.Process()
         self.path = self.folder / f"{self.me.pid}.json"
+        self.callers: set[tuple[int, float]] = set()
+        for proc in self.me.children():
+            with contextlib.suppress(psutil.Error):  # (one that ended meanwhile is no one's)
+                self.callers.add(_key(proc))
 
     def update(self) -> None:
-        """Write (or rewrite) the record with the driver's descendants as they are now."""
+        """Write (or rewrite) the record with the driver's descendants as they are now, the caller's apart."""
         try:
-            children = [_identity(p) for p in self.me.children(recursive=True)]
+            children = [_identity(q) for p in self.me.children() if _key(p) not in self.callers
+                        for q in (p, *p.children(recursive=True))]
         except psutil.Error:
             return  # a child ended while we listed: the next update will catch up
         self.folder.mkdir(parents=True, exist_ok=True)
