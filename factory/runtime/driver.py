@@ -1112,10 +1112,14 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
                 yield groups, record
             except LOST as e:
                 raise lost_error(e) from e
-        finally:
-            teardown(groups)
-            stop_ray()
-            record.close()
+        finally:  # (nested: a Ctrl-C in teardown's wait of up to 30 s still shuts Ray down and drops the record)
+            try:
+                teardown(groups)
+            finally:
+                try:
+                    stop_ray()
+                finally:
+                    record.close()
 
 
 # What Ray raises when a stage's process, its node or the cluster itself went away (a replica killed or out
