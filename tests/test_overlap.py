@@ -480,6 +480,68 @@ def test_a_stage_that_cannot_start_stops_the_run_with_one_line_naming_it(tiny_pl
         place(plan("dies"))
 
 
+class HalfStarts(StageActor):
+    """A stage stand-in of two replicas: replica 0's setup fails at once (its GPU out of memory), replica 1's
+    goes on for a minute (a model still loading, or a world's rank waiting in a collective for rank 0)."""
+
+    def __init__(self, settings):
+        pass
+
+    async def setup(self, placement=None):  # (async: teardown's close is answered while replica 1 waits)
+        if placement.rank == 0:
+            raise RuntimeError("replica 0: CUDA out of memory")
+        await asyncio.sleep(60)
+        return {}
+
+
+class SlowerSecond(StageActor):
+    """Replica 0 is set up at once, replica 1 after `settings` seconds (engines load at different speeds)."""
+
+    def __init__(self, settings):
+        self.seconds = settings
+
+    def setup(self, placement=None):
+        if placement.rank == 1:
+            time.sleep(self.seconds)
+        return {}
+
+
+def _two_replicas(plan, cls: str, settings=None):
+    import dataclasses
+
+    stage = Stage("update", "test", f"tests.test_overlap:{cls}", settings, (), (), replicas=2)
+    return dataclasses.replace(plan, stages=(stage,), edges=())
+
+
+def test_a_replica_whose_setup_failed_fails_the_start_at_once_with_its_error(tiny_plan, local_ray):
+    """place waited for every replica of a stage before it looked at any: one whose setup had failed was only
+    reported once the others were done, and a world's other ranks wait for it until the stage's timeout, so
+    the user saw a StageTimeout, never the error."""
+    from factory.runtime.deadlines import Deadlines
+    from factory.runtime.driver import place
+    from factory.runtime.health import StageStartError
+
+    with pytest.raises(StageStartError, match=r"^stage 'update' did not start: RuntimeError: replica 0: CUDA out "
+                                              r"of memory$"):
+        place(_two_replicas(tiny_plan, "HalfStarts"), deadlines=Deadlines(limit_s=30))
+
+
+def test_place_does_not_spin_while_one_replica_is_still_setting_up(tiny_plan, local_ray, monkeypatch):
+    """place waited again on the replicas already set up, which returns at once: 85814 ray.wait calls in
+    4.9 s, a core busy while an engine loaded."""
+    from factory.runtime.deadlines import POLL_S
+    from factory.runtime.driver import place
+
+    waits = []
+    real = ray.wait
+    monkeypatch.setattr(ray, "wait", lambda *a, **k: (waits.append(1), real(*a, **k))[1])
+    t0 = time.monotonic()
+    groups = place(_two_replicas(tiny_plan, "SlowerSecond", 2.0))
+    took = time.monotonic() - t0
+    teardown(groups)
+    assert len(waits) <= 2 * took / POLL_S + 10, (len(waits), took)  # a poll every POLL_S, and one when answered
+
+
 @pytest.mark.slow
 def test_a_tiny_run_with_max_staleness_1_completes_and_logs_its_staleness(tmp_path):
     """The whole stack (Ray, the calculator MCP server, DeepSpeed, MLflow) at max_staleness 1: ~3 min here."""

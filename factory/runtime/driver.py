@@ -435,20 +435,29 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
         # A stage's setup starts as soon as the stages it calls are ready, not when every stage of the
         # previous wave is: the rollout's engine does not wait for the update's DeepSpeed start.
         pending: dict[str, tuple[list[Any], float]] = {}  # stage -> its replicas' setup refs, when they began
+        unanswered: dict[Any, str] = {}  # setup ref -> its stage, until it answers
+        answers: dict[Any, Any] = {}  # setup ref -> what its replica reported, until its stage is ready
         while order.is_active():
             for name in order.get_ready():
                 pending[name] = setup_group(groups[name], peers_of(calls, name, handles)), time.monotonic()
-            ray.wait([r for refs, _ in pending.values() for r in refs], num_returns=1, timeout=POLL_S)
+                unanswered.update(dict.fromkeys(pending[name][0], name))
+            # Only the unanswered are waited on (an answered ref returns at once: the loop spun), and each is
+            # fetched as it answers: a failed setup fails the start now, not once its stage's other replicas
+            # are done (a world's other ranks wait for it until the stage's timeout: a StageTimeout, no error)
+            if ray.wait(list(unanswered), num_returns=1, timeout=POLL_S)[0]:
+                for ref in ray.wait(list(unanswered), num_returns=len(unanswered), timeout=0)[0]:
+                    name = unanswered.pop(ref)
+                    try:
+                        answers[ref] = ray.get(ref)
+                    except ray.exceptions.RayError as e:  # it raised, or its process died (out of memory, a crash)
+                        raise start_error(name, e) from None
             for name, (refs, began) in list(pending.items()):
                 kind, d = f"{name}.setup", groups[name].deadlines
-                if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                if any(ref in unanswered for ref in refs):
                     if time.monotonic() - began > d.budget(kind):
                         d.fail(kind, "starting", time.monotonic() - began, d.budget(kind))
                     continue
-                try:
-                    groups[name].info = d.get(refs, kind, "starting")  # done: a failed setup raises here
-                except ray.exceptions.RayError as e:  # it raised, or its process died (out of memory, a crash)
-                    raise start_error(name, e) from None
+                groups[name].info = [answers.pop(ref) for ref in refs]
                 d.took(kind, time.monotonic() - began)
                 del pending[name]
                 ready(name, time.perf_counter() - t0)
