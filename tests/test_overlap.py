@@ -506,6 +506,23 @@ class SlowerSecond(StageActor):
         return {}
 
 
+class WorldRank0Fails(StageActor):
+    """A torch.distributed world (the update stage) whose rank 0 process ends (the OOM killer, a native crash)
+    before it answers `address`, or (settings "hangs") never answers."""
+
+    CONTRACT = Contract(world=True)
+
+    def __init__(self, settings):
+        self.hangs = settings == "hangs"
+
+    async def address(self):  # (async: teardown's close is answered while it hangs)
+        import os
+
+        if self.hangs:
+            await asyncio.sleep(60)
+        os._exit(9)
+
+
 def _two_replicas(plan, cls: str, settings=None):
     import dataclasses
 
@@ -540,6 +557,21 @@ def test_place_does_not_spin_while_one_replica_is_still_setting_up(tiny_plan, lo
     took = time.monotonic() - t0
     teardown(groups)
     assert len(waits) <= 2 * took / POLL_S + 10, (len(waits), took)  # a poll every POLL_S, and one when answered
+
+
+def test_a_world_whose_rank_0_gave_no_address_is_a_stage_start_error(tiny_plan, local_ray, monkeypatch):
+    """`factory run` exits 3 with StageStartError for a stage whose process ended during setup; a world stage's
+    rank 0 ending before `address` answered, or never answering, escaped place as Ray's own error (exit 1,
+    "internal error")."""
+    from factory.runtime import driver
+    from factory.runtime.health import StageStartError
+
+    with pytest.raises(StageStartError, match=r"^stage 'update' did not start: its process ended \(ActorDiedError"):
+        driver.place(_two_replicas(tiny_plan, "WorldRank0Fails"))
+    monkeypatch.setattr(driver, "ADDRESS_TIMEOUT_S", 1)
+    with pytest.raises(StageStartError, match=r"^stage 'update' did not start: its rank 0 gave no address for its "
+                                              r"torch.distributed world within 1 s$"):
+        driver.place(_two_replicas(tiny_plan, "WorldRank0Fails", "hangs"))
 
 
 @pytest.mark.slow

@@ -439,7 +439,10 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
         answers: dict[Any, Any] = {}  # setup ref -> what its replica reported, until its stage is ready
         while order.is_active():
             for name in order.get_ready():
-                pending[name] = setup_group(groups[name], peers_of(calls, name, handles)), time.monotonic()
+                try:
+                    pending[name] = setup_group(groups[name], peers_of(calls, name, handles)), time.monotonic()
+                except ray.exceptions.RayError as e:  # a world's rank 0 died (or raised) before it gave its address
+                    raise start_error(name, e) from None
                 unanswered.update(dict.fromkeys(pending[name][0], name))
             # Only the unanswered are waited on (an answered ref returns at once: the loop spun), and each is
             # fetched as it answers: a failed setup fails the start now, not once its stage's other replicas
@@ -503,11 +506,20 @@ def last_exception(traceback: str, limit: int = 600) -> str | None:
     return None
 
 
+ADDRESS_TIMEOUT_S = 300  # a world's rank 0 gives the address its ranks meet at within this long
+
+
 def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
     """Start every replica's setup (ObjectRefs of what each reports), telling it its rank and peers (role ->
     handle)."""
     workdir, world = os.getcwd(), len(g.actors)
-    addr, port = ray.get(g.actors[0].address.remote(), timeout=300) if g.contract.world and world > 1 else ("", 0)
+    addr, port = "", 0
+    if g.contract.world and world > 1:
+        try:
+            addr, port = ray.get(g.actors[0].address.remote(), timeout=ADDRESS_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:  # (its process may well be alive: not start_error's message)
+            raise StageStartError(f"stage '{g.stage.name}' did not start: its rank 0 gave no address for its "
+                                  f"torch.distributed world within {ADDRESS_TIMEOUT_S} s") from None
     return [actor.setup.remote(Placement(workdir, rank, world, addr, port, peers))
             for rank, actor in enumerate(g.actors)]
 
