@@ -254,6 +254,35 @@ def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
         sum(t.reward_details["judge"]["status"] == "parse_failure" for t in trajs))
 
 
+def test_a_local_judge_models_close_closes_its_engine(tmp_path, monkeypatch):
+    """JudgeModel had no close of its own: its engine was never closed, and a vLLM judge left its rendezvous
+    file (/tmp/vllm_dist_*) behind every run. Its close is safe before setup and twice, as every stage's."""
+    from factory.reward.judge import JudgeModel
+    from factory.rollout import engine as engines
+
+    closes = []
+
+    class Engine:
+        name = "fake"
+
+        async def close(self):
+            closes.append(1)
+
+    monkeypatch.setattr(engines, "make_engine", lambda *a, **k: Engine())
+    (tmp_path / "judge.jinja").write_text("Is {{ completion }} right? Score: ")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "parse": r"(\d+)",
+                                "local": {"path": "factory:tiny-qwen3-calc"}}})
+    judge = JudgeModel(stage_settings(spec, tmp_path)["judge.judge"])
+
+    async def go():
+        await judge.close()  # before setup: nothing to close
+        await judge.setup(Placement(workdir=str(tmp_path)))
+        await judge.close()
+
+    asyncio.run(go())
+    assert closes == [1]
+
+
 def test_a_judge_waits_as_retry_after_asks_and_keeps_to_its_rpm(judge_server, tmp_path):
     """A 429 with `Retry-After: 1` is retried a second later, not after the 0.25 s backoff; `rpm: 120` sends
     6 requests at no more than 2 a second (a bucket of one second's worth: two at once, then one per 0.5 s)."""

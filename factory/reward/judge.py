@@ -159,6 +159,7 @@ class JudgeModel(StageActor):
     def __init__(self, settings: JudgeSettings):
         self.settings = settings
         self.cfg, self.seed = settings.judge, settings.seed
+        self.engine: Any = None  # setup's
 
     async def setup(self, placement: Placement | None = None) -> dict[str, Any]:
         from transformers import AutoTokenizer
@@ -190,3 +191,9 @@ class JudgeModel(StageActor):
         gens = await asyncio.gather(*(self.engine.generate(x, max_new_tokens=max_tokens, sampling=greedy)
                                       for x in ids))
         return [self.tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
+
+    async def close(self) -> None:
+        """The engine's close: vLLM's removes its rendezvous file (/tmp/vllm_dist_*), left behind otherwise
+        (teardown then kills the actor: no destructor runs). Every engine's close may run twice."""
+        if self.engine is not None:
+            await self.engine.close()
