@@ -56,8 +56,16 @@ def linear_layers(folder: str | Path) -> list[str] | None:
     """Module paths of the model's linear layers other than the output head (what `all-linear` targets),
     from its config alone: the model is built on the meta device (no weights read, no memory). None when
     the folder has no config."""
+    layers = _layouts(folder)
+    return None if layers is None else list(layers)
+
+
+def _layouts(folder: str | Path) -> dict[str, bool] | None:
+    """`linear_layers`, each with whether its weight is stored [in, out]: transformers' Conv1D (GPT-2 and its
+    family), which peft adapts as a linear layer (`fan_in_fan_out`) and `all-linear` includes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
     if model_config(folder) is None:
         return None
@@ -65,7 +73,8 @@ def linear_layers(folder: str | Path) -> list[str] | None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return {name: isinstance(m, Conv1D) for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
 
 
 def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
@@ -174,10 +183,13 @@ class Adapters:
 
 def merged(base: dict[str, torch.Tensor], adapters: Adapters, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """`{module}.weight` = W + scale * B @ A for every adapted module, computed in float32 from `base`
-    (the module weights as loaded, before any adapter) and cast to `dtype` (default: W's)."""
+    (the module weights as loaded, before any adapter) and cast to `dtype` (default: W's). Adapters whose
+    config says `fan_in_fan_out` (peft's, for transformers' Conv1D layers: W stored [in, out]) add the
+    transpose, as peft merges them."""
     out = {}
+    stored_in_out = bool(adapters.config.get("fan_in_fan_out"))
     for module, (a, b) in adapters.pairs().items():
         w = base[f"{module}.weight"]
         delta = (b.float() @ a.float()) * adapters.scale  # [out, in]
-        out[f"{module}.weight"] = (w.float() + delta).to(dtype or w.dtype)
+        out[f"{module}.weight"] = (w.float() + (delta.T if stored_in_out else delta)).to(dtype or w.dtype)
     return out

@@ -267,3 +267,47 @@ def test_adapters_read_from_a_checkpoint_compute_as_the_peft_model_does(tmp_path
         got = stage.engine.model(ids).logits
     assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(before, want, atol=1e-2)
     assert len(readers) == 1 and readers[0] is not threading.current_thread() and not readers[0].is_alive()
+
+
+def _tiny_gpt2(folder):
+    """A one-layer GPT-2 (transformers' Conv1D layers: each weight stored [in, out], the transpose of a Linear's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def test_the_merge_of_a_conv1d_models_adapters_is_peft_s(tmp_path):
+    """vLLM's merge (rollout.vllm_lora: merge) of GPT-2's adapters added B @ A [out, in] to weights stored [in, out]:
+    the square attn.c_proj took the transposed update (the rollout sampled another policy than the learner trained),
+    c_attn [64, 192] failed the first sync with a shape error. peft sets fan_in_fan_out for Conv1D and merges
+    (B @ A)^T; so does the merge now. The check lists Conv1D layers as linear ones (it listed none for GPT-2)."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from factory.lora import linear_layers, peft_config, scale
+    from factory.rollout.engine_vllm import VLLMEngine
+    from factory.schema import LoraSpec
+
+    folder = _tiny_gpt2(tmp_path / "tiny-gpt2")
+    assert linear_layers(folder) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
+                                     "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
+    spec = LoraSpec(r=2)  # all-linear
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), peft_config(spec))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)
+    # as the learner sends them (Learner.adapters): the tensors and peft's config, which says fan_in_fan_out
+    config = model.peft_config["default"].to_dict()
+    assert config["fan_in_fan_out"]
+    adapters = Adapters(dict(get_peft_model_state_dict(model)), scale(spec), config=config)
+    engine = object.__new__(VLLMEngine)  # the fields _merge reads: no vLLM started
+    engine.model_path, engine.dtype, engine._base = str(folder), "float32", {}
+    weights = engine._merge(adapters)
+    want = model.merge_and_unload().state_dict()  # peft's merge, as the weights are stored
+    for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        key = f"transformer.h.0.{layer}.weight"
+        torch.testing.assert_close(weights[key], want[key], msg=key)
