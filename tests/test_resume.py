@@ -671,6 +671,36 @@ def test_a_checkpoint_is_not_resumed_into_a_model_of_other_shapes(tmp_path):
         _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(other)}}), "r1", checkpoint)
 
 
+def test_a_lora_checkpoint_is_not_resumed_into_a_model_of_other_shapes(tmp_path):
+    """The same with a LoRA run's checkpoint, which holds adapter/ (naming its base model) and no hf/: nothing
+    compared the model, and the learner failed inside DeepSpeed once every stage had started."""
+    from types import SimpleNamespace
+
+    from factory.runtime.resume import ResumeError, _refuse_other_model
+
+    def model(folder: str, **config) -> Path:
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text(json.dumps(
+            {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, **config}))
+        return tmp_path / folder
+
+    first, same, other = model("first"), model("same"), model("other", hidden_size=128)
+    checkpoint = tmp_path / "ckpt" / "step_2"
+    (checkpoint / "adapter").mkdir(parents=True)
+    named = {"peft_type": "LORA", "r": 8, "base_model_name_or_path": str(first)}
+    (checkpoint / "adapter" / "adapter_config.json").write_text(json.dumps(named))
+    recorded = {"spec": {"model": {"path": "models/first"}}}  # (not on disk here: the adapters' base is read)
+    _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(same)}}), "r1", checkpoint)
+    with pytest.raises(ResumeError, match=r"run r1's checkpoint .*step_2 holds a model of other shapes than model.path "
+                                          r".*other \(hidden_size 64 -> 128\)"):
+        _refuse_other_model(recorded, SimpleNamespace(spec={"model": {"path": str(other)}}), "r1", checkpoint)
+    # adapters naming a base that is not on disk (a relative path, another machine's): the spec's model.path
+    (checkpoint / "adapter" / "adapter_config.json").write_text(json.dumps({**named, "base_model_name_or_path": "x"}))
+    with pytest.raises(ResumeError, match=r"hidden_size 64 -> 128"):
+        _refuse_other_model({"spec": {"model": {"path": str(first)}}},
+                            SimpleNamespace(spec={"model": {"path": str(other)}}), "r1", checkpoint)
+
+
 def test_what_a_resume_reads_from_the_runs_history():
     """The helpers `find` reads the run with, each on a hand-made history: the step this session logs its
     start-up at, the plan that saved a checkpoint, the last logged step, the step-0 evaluation, what changed."""

@@ -245,20 +245,27 @@ SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
 
 def _refuse_other_model(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
     """ResumeError when `--allow-spec-change` gave another model.path whose shapes are not the checkpoint's
-    (its Hugging Face folder's config): its weights load only into the architecture they were saved from (the
-    learner failed with an internal error after Ray and every stage had started, the run left FAILED)."""
+    (its Hugging Face folder's config; a LoRA checkpoint's, which holds adapters and no hf/: that of the base
+    model its adapters name, else of the recorded model.path): its weights load only into the architecture
+    they were saved from (the learner failed with an internal error after Ray and every stage had started,
+    the run left FAILED)."""
     from factory.assets import resolve_model
-    from factory.update.checkpoint import HF
+    from factory.update.checkpoint import ADAPTER, HF
 
     then = ((recorded or {}).get("spec") or {}).get("model") or {}
     now = plan.spec.get("model") or {}
-    saved = checkpoint / HF / "config.json"
-    if then.get("path") == now.get("path") or not saved.is_file():  # (a LoRA checkpoint holds adapters: above)
+    if then.get("path") == now.get("path"):
         return
+    saved = checkpoint / HF / "config.json"
     try:
+        adapters = checkpoint / ADAPTER / "adapter_config.json"
+        if not saved.is_file() and adapters.is_file():
+            named = json.loads(adapters.read_text()).get("base_model_name_or_path")
+            base = named if named and (Path(named) / "config.json").is_file() else resolve_model(then["path"])
+            saved = Path(base) / "config.json"
         current = Path(resolve_model(now["path"])) / "config.json"
         a, b = json.loads(saved.read_text()), json.loads(current.read_text())
-    except (OSError, ValueError):  # a hub id not on disk yet, say: the learner's load says what it finds
+    except (OSError, ValueError, KeyError):  # a hub id not on disk yet, say: the learner's load says what it finds
         return
     differ = [k for k in SHAPE_KEYS if a.get(k) != b.get(k)]
     if differ:
