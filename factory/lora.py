@@ -122,7 +122,10 @@ def adapter_misfit(folder: Path, spec: LoraSpec | None, base: str | Path) -> str
     config = json.loads((folder / "adapter_config.json").read_text())
     if not (folder / ADAPTER_WEIGHTS).is_file():
         return f"no {ADAPTER_WEIGHTS} in {folder}"
-    options = [k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)]
+    layouts = _layouts(base)
+    # a run's own: peft sets fan_in_fan_out where the adapted layers are Conv1D (their weights stored [in, out])
+    conv1d = any(layouts[m] for m in targeted(spec.target_modules, list(layouts))) if layouts else None
+    options = _options_set(config, conv1d)
     if config.get("peft_type") != "LORA" or options:
         return f"peft options a run's rollout never sets ({', '.join(options) or config.get('peft_type')})"
     own_alpha = float(config.get("lora_alpha") or 0)
@@ -132,7 +135,7 @@ def adapter_misfit(folder: Path, spec: LoraSpec | None, base: str | Path) -> str
     own = config.get("base_model_name_or_path")
     if own and Path(own).is_dir() and Path(own).resolve() != Path(base).resolve():
         return f"their base model {own} is not the spec's model ({base})"
-    layers = linear_layers(base)
+    layers = None if layouts is None else list(layouts)
     if layers is not None:
         from safetensors import safe_open
 
@@ -141,6 +144,33 @@ def adapter_misfit(folder: Path, spec: LoraSpec | None, base: str | Path) -> str
         if modules != set(targeted(spec.target_modules, layers)):
             return "they adapt other modules than the spec's model.lora.target_modules"
     return None
+
+
+# peft's adapter_config.json fields that `adapter_misfit` checks itself (rank, alpha, the adapted modules, the base
+# model), that act in training only (dropout; init_lora_weights: below), or that say nothing of the adapters
+_CHECKED_OR_INERT = frozenset({"r", "lora_alpha", "target_modules", "base_model_name_or_path", "lora_dropout",
+                               "task_type", "peft_type", "auto_mapping", "peft_version", "revision", "inference_mode",
+                               "megatron_core", "qalora_group_size"})  # (the last two: read only with another option)
+
+
+def _options_set(config: dict[str, Any], conv1d: bool | None) -> list[str]:
+    """The fields of a peft adapter config set otherwise than a run's learner sets them (peft's defaults, and
+    fan_in_fan_out when `conv1d`; None: not known), in the config's order: a bias, DoRA, a rank per layer, ...,
+    which a rollout would add otherwise than peft does (a merge of W + scale B @ A would drop them)."""
+    from peft import LoraConfig
+
+    defaults = LoraConfig().to_dict()
+    if conv1d is not None:
+        defaults["fan_in_fan_out"] = conv1d
+
+    def differs(key: str, value: Any) -> bool:
+        if key in _CHECKED_OR_INERT or (key == "fan_in_fan_out" and conv1d is None):
+            return False
+        if key == "init_lora_weights":  # how A and B started; pissa, loftq, olora, ... also changed W itself
+            return value not in (True, False, "gaussian")
+        return value != defaults[key] if key in defaults else bool(value)  # (newer than this peft: set unless empty)
+
+    return [k for k, v in config.items() if differs(k, v)]
 
 
 def read_adapters(folder: Path, scale_by: float, dtype: torch.dtype | None = None) -> Adapters:
@@ -176,8 +206,11 @@ class Adapters:
         out: dict[str, tuple[Any, Any]] = {}
         for name, t in self.tensors.items():
             module, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+            if kind not in ("A.weight", "B.weight"):  # a bias, DoRA's magnitude, a saved module: not B @ A
+                raise ValueError(f"{name}: a tensor other than a LoRA A or B weight (peft options a run never sets); "
+                                 "these adapters are not W + scale B @ A")
             a, b = out.get(module, (None, None))
-            out[module] = (t, b) if kind.startswith("A") else (a, t)
+            out[module] = (t, b) if kind == "A.weight" else (a, t)
         return out  # type: ignore[return-value]
 
 

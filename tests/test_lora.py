@@ -311,3 +311,46 @@ def test_the_merge_of_a_conv1d_models_adapters_is_peft_s(tmp_path):
     for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
         key = f"transformer.h.0.{layer}.weight"
         torch.testing.assert_close(weights[key], want[key], msg=key)
+
+
+def test_adapters_with_peft_options_a_run_never_sets_do_not_fit(tmp_path):
+    """`factory eval --model` took an adapter trained with `lora_bias=True` (or fan_in_fan_out on a Linear model,
+    use_qalora, layer_replication, ...) as fitting the spec's model.lora, and vLLM's merge then read its lora_B.bias
+    as B (or dropped it): another model evaluated. Such adapters are now merged by peft instead, and a merge of
+    tensors other than lora_A / lora_B weights is refused. A GPT-2 adapter that Factory trains (fan_in_fan_out, which
+    peft sets for Conv1D layers) still fits."""
+    import json
+
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from factory.lora import adapter_misfit, peft_config
+    from factory.schema import LoraSpec
+
+    base = resolve_model("factory:tiny-qwen3")
+    spec = LoraSpec(r=2, target_modules=["q_proj"])
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], lora_bias=True))
+    model.save_pretrained(tmp_path / "biased")
+    assert adapter_misfit(tmp_path / "biased", spec, base) == "peft options a run's rollout never sets (lora_bias)"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.lora_B\.bias: a tensor other than"):
+        Adapters(dict(get_peft_model_state_dict(model)), 2.0).pairs()  # (what vLLM's merge reads: B, or the bias?)
+
+    _adapter_folder(tmp_path / "plain", base)
+    assert adapter_misfit(tmp_path / "plain", spec, base) is None
+    config = json.loads((tmp_path / "plain" / "adapter_config.json").read_text())
+    for option, value in [("fan_in_fan_out", True), ("use_qalora", True), ("layer_replication", [[0, 2]]),
+                          ("target_parameters", ["mlp.experts.gate_up_proj"]), ("alora_invocation_tokens", [5]),
+                          ("init_lora_weights", "pissa"), ("modules_to_save", ["lm_head"]), ("bias", "all")]:
+        (tmp_path / "plain" / "adapter_config.json").write_text(json.dumps({**config, option: value}))
+        assert adapter_misfit(tmp_path / "plain", spec, base) == f"peft options a run's rollout never sets ({option})"
+    for harmless in [("init_lora_weights", "gaussian"), ("inference_mode", True), ("lora_dropout", 0.1),
+                     ("peft_version", "0.99.0")]:
+        (tmp_path / "plain" / "adapter_config.json").write_text(json.dumps({**config, harmless[0]: harmless[1]}))
+        assert adapter_misfit(tmp_path / "plain", spec, base) is None, harmless
+
+    gpt2 = _tiny_gpt2(tmp_path / "tiny-gpt2")
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(gpt2), peft_config(LoraSpec(r=2)))  # as the learner
+    trained.save_pretrained(tmp_path / "gpt2-adapter")
+    assert adapter_misfit(tmp_path / "gpt2-adapter", LoraSpec(r=2), gpt2) is None
