@@ -354,3 +354,32 @@ def test_adapters_with_peft_options_a_run_never_sets_do_not_fit(tmp_path):
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(gpt2), peft_config(LoraSpec(r=2)))  # as the learner
     trained.save_pretrained(tmp_path / "gpt2-adapter")
     assert adapter_misfit(tmp_path / "gpt2-adapter", LoraSpec(r=2), gpt2) is None
+
+
+def test_the_merge_reads_the_base_weights_of_a_model_saved_as_pytorch_model_bin(tmp_path):
+    """A model folder with pytorch_model.bin (which the compiler takes, and vLLM and the learner load): vLLM's merge
+    read W0 from *.safetensors only, and the run's first sync failed with a bare KeyError."""
+    from transformers import AutoModelForCausalLM
+
+    from factory.compiler.refs import model_problem
+    from factory.rollout.engine_vllm import VLLMEngine
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("factory:tiny-qwen3"), dtype=torch.float32)
+    folder = tmp_path / "bin-model"
+    model.save_pretrained(folder)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+               folder / "pytorch_model.bin")
+    assert model_problem(str(folder)) == (None, None)
+    w = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    a, b = torch.ones(2, w.shape[1]), torch.ones(w.shape[0], 2)
+    adapters = Adapters({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+                         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}, scale=2.0)
+    engine = object.__new__(VLLMEngine)  # the fields _merge reads: no vLLM started
+    engine.model_path, engine.dtype, engine._base = str(folder), "float32", {}
+    weights = engine._merge(adapters)
+    torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], w + 2.0 * b @ a)
+    # the fused qkv layer is reloaded whole: k and v, unadapted, go as loaded
+    torch.testing.assert_close(weights["model.layers.0.self_attn.k_proj.weight"],
+                               model.state_dict()["model.layers.0.self_attn.k_proj.weight"])

@@ -41,7 +41,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -329,17 +329,12 @@ class VLLMEngine:
     def _merge(self, adapters: Adapters) -> dict[str, torch.Tensor]:
         """The adapted layers' weights W0 + scale B @ A in this engine's dtype, with every other weight of
         the same parent module (see the module docstring: vLLM reloads a fused layer whole)."""
-        from safetensors import safe_open
-
         from factory.lora import merged
 
         parents = {module.rsplit(".", 1)[0] for module in adapters.pairs()}
         if not parents <= {k.rsplit(".", 2)[0] for k in self._base}:  # first sync: read W0 once
-            for f in sorted(Path(self.model_path).glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as st:
-                    for key in st.keys():
-                        if key.endswith(".weight") and key.rsplit(".", 2)[0] in parents:
-                            self._base[key] = st.get_tensor(key).float()
+            self._base.update(_read_weights(Path(self.model_path), lambda key: key.endswith(".weight")
+                                            and key.rsplit(".", 2)[0] in parents))
         dtype = getattr(torch, self.dtype)
         weights = merged(self._base, adapters, dtype)
         for key, w in self._base.items():
@@ -437,6 +432,24 @@ class VLLMEngine:
             log.warning("vLLM: aborting after an engine error failed too: %s", e)
         for rid in rids:
             self._deliver(rid, error)
+
+
+def _read_weights(folder: Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors of a model folder whose names `wanted(name)` takes, in float32: from its *.safetensors, else
+    its pytorch_model*.bin shards (which the compiler takes too: refs.has_weights; vLLM and transformers load
+    them), memory-mapped so that only those tensors are read."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    if files := sorted(folder.glob("*.safetensors")):
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                out.update({key: st.get_tensor(key).float() for key in st.keys() if wanted(key)})
+        return out
+    for f in sorted(folder.glob("pytorch_model*.bin")):
+        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        out.update({key: t.float() for key, t in state.items() if wanted(key)})
+    return out
 
 
 def _lora_rank(r: int) -> int:
