@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 ALL_LINEAR = "all-linear"
 # peft saves an adapter's tensors under these names: base_model.model.<module path>.lora_A.weight
 PEFT_PREFIX = "base_model.model."
+# the largest rank vLLM serves adapters of (its LoRAConfig.max_lora_rank: 1, 8, 16, ..., 320, 512); above it a
+# vLLM rollout merges them (factory.rollout.engine.vllm_lora_mode)
+VLLM_MAX_LORA_RANK = 512
 
 
 def scale(spec: LoraSpec) -> float:

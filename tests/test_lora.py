@@ -144,13 +144,24 @@ def test_diff_shows_lora_settings_and_still_compares_the_runs():
     assert comparability(plan_changes(a, {"spec": {"model": {"path": "other", "lora": None}}})) != []
 
 
-def test_how_vllm_takes_adapters_by_device_and_the_rank_it_sizes_for():
+def test_how_vllm_takes_adapters_by_device_and_the_rank_it_sizes_for(project):
+    """vLLM serves adapters of rank at most 512 (its max_lora_rank): `auto` on CUDA picked serve for r 1024, and
+    the rollout failed to start after Ray had; auto now merges them, saying why, and an explicit serve is refused."""
     from factory.rollout.engine import vllm_lora_mode
     from factory.rollout.engine_vllm import _lora_rank
 
-    assert vllm_lora_mode("auto", "cpu") == "merge" and vllm_lora_mode("auto", "cuda") == "serve"
-    assert vllm_lora_mode("serve", "cpu") == "serve" and vllm_lora_mode("merge", "cuda") == "merge"
+    assert vllm_lora_mode("auto", "cpu", 16) == ("merge", None)
+    assert vllm_lora_mode("auto", "cuda", 16) == ("serve", None)
+    assert vllm_lora_mode("serve", "cpu", 16) == ("serve", None)
+    assert vllm_lora_mode("merge", "cuda", 16) == ("merge", None)
+    assert vllm_lora_mode("auto", "cuda", 512) == ("serve", None)
+    assert vllm_lora_mode("auto", "cuda", 1024) == ("merge", "rank 1024: vLLM serves adapters of rank at most 512")
     assert [_lora_rank(r) for r in (1, 8, 9, 16, 33, 512)] == [8, 8, 16, 16, 64, 512]
+    with pytest.raises(SpecErrors) as e:
+        compile_file(_tiny_spec(project, ""), ["model.lora.r=1024", "rollout.vllm_lora=serve"])
+    assert ("rollout.vllm_lora: vLLM serves adapters of rank at most 512, and model.lora.r is 1024: use merge (or "
+            "auto, which merges them), or a rank of at most 512") in e.value.report()
+    compile_file(_tiny_spec(project, ""), ["model.lora.r=1024"])  # auto: merged
 
 
 def test_eval_takes_a_peft_adapter_folder_merged_into_its_base(tmp_path):

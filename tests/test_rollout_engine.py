@@ -461,6 +461,7 @@ def cuda_vllm_args(monkeypatch) -> dict:
     class Recorder:
         def __init__(self, model_path, **kwargs):
             seen.update(kwargs)
+            self.weight_sync = f"lora {kwargs['lora']}"
 
     monkeypatch.setattr(engine_mod, "vllm_installed", lambda: True)
     monkeypatch.setattr(engine_mod, "vllm_build", lambda: "cuda")
@@ -476,6 +477,21 @@ def test_a_replicas_gpus_are_vllms_tensor_parallel_size(cuda_vllm_args):
 
     engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0, gpus=4)
     assert cuda_vllm_args["tensor_parallel_size"] == 4
+
+
+def test_auto_merges_adapters_of_a_rank_vllm_does_not_serve_and_says_why(cuda_vllm_args):
+    """model.lora.r 1024 on CUDA: `auto` served them, and vLLM (max_lora_rank at most 512) failed the rollout's
+    start after Ray had. They are merged, and the run's resolved.rollout.weight_sync says why."""
+    import factory.rollout.engine as engine_mod
+    from factory.schema import LoraSpec, RolloutSpec
+
+    engine = engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0,
+                                    lora=LoraSpec(r=1024))
+    assert (cuda_vllm_args["lora"], cuda_vllm_args["lora_rank"]) == ("merge", 1024)
+    assert engine.weight_sync == "lora merge (rank 1024: vLLM serves adapters of rank at most 512)"
+    engine = engine_mod.make_engine(RolloutSpec(engine="vllm"), "/m", device="cuda", dtype="bfloat16", seed=0,
+                                    lora=LoraSpec(r=512))
+    assert cuda_vllm_args["lora"] == "serve" and engine.weight_sync == "lora serve"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (Python 3.10, "

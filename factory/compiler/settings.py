@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from factory.compiler.translate import nearest, show
+from factory.lora import VLLM_MAX_LORA_RANK
 from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES, pi_old_source
 from factory.schema import DeepSpeedSpec, Spec
 
@@ -300,6 +301,11 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: 
         r.warn("replay.on_miss", f"{unused} without replay.run (no run's tool calls are replayed)")
     if spec.rollout.engine != "hf" and spec.model.lora is None and _set(spec.rollout, "vllm_lora"):
         r.warn("rollout.vllm_lora", f"{unused} without model.lora (there are no adapters to sync)")
+    elif (spec.rollout.engine != "hf" and spec.rollout.vllm_lora == "serve" and spec.model.lora is not None
+          and spec.model.lora.r > VLLM_MAX_LORA_RANK):  # (vLLM's LoRAConfig refuses it once Ray has started)
+        r.error("rollout.vllm_lora", f"vLLM serves adapters of rank at most {VLLM_MAX_LORA_RANK}, and model.lora.r "
+                                     f"is {spec.model.lora.r}: use merge (or auto, which merges them), or a rank of "
+                                     f"at most {VLLM_MAX_LORA_RANK}")
     if spec.train.optimizer.name != "adamw" and _set(spec.train.optimizer, "betas"):
         r.warn("train.optimizer.betas", f"{unused} with optimizer '{spec.train.optimizer.name}' (AdamW only)")
     if spec.algorithm.kl.coef == 0:

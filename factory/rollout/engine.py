@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from factory.lora import VLLM_MAX_LORA_RANK
+
 if TYPE_CHECKING:
     from factory.lora import Adapters
     from factory.plan import EngineSettings
@@ -161,9 +163,15 @@ def vllm_misfit(device: str) -> str | None:
     return f"the installed vLLM is {have}, and this stage computes on {where}"
 
 
-def vllm_lora_mode(setting: str, device: str) -> str:
-    """`rollout.vllm_lora` on `device`: auto merges on CPU and serves on CUDA (see the setting)."""
-    return setting if setting != "auto" else ("serve" if device == "cuda" else "merge")
+def vllm_lora_mode(setting: str, device: str, rank: int) -> tuple[str, str | None]:
+    """`rollout.vllm_lora` on `device` for adapters of rank `rank`: auto merges on CPU and serves on CUDA (see
+    the setting), and merges adapters vLLM can not serve (the compiler refuses an explicit serve of those).
+    With why, where it is not the device's choice (for `resolved.rollout.weight_sync`)."""
+    if setting != "auto":
+        return setting, None
+    if rank > VLLM_MAX_LORA_RANK:
+        return "merge", f"rank {rank}: vLLM serves adapters of rank at most {VLLM_MAX_LORA_RANK}"
+    return ("serve" if device == "cuda" else "merge"), None
 
 
 # `engine: auto` on a CPU: vLLM only where its start-up costs less than it saves over the run. Measured with
@@ -250,17 +258,19 @@ def make_engine(settings: RolloutSpec | EngineSettings, model_path: str, *, devi
         else:
             from factory.rollout.engine_vllm import VLLMEngine
 
+            mode, why = vllm_lora_mode(settings.vllm_lora, device, lora.r) if lora is not None else (None, None)
             try:
                 engine = VLLMEngine(model_path, device=device, dtype=dtype, seed=seed, stop_token_ids=stop_token_ids,
                                     max_num_seqs=settings.batch_size, kv_cache_gb=settings.kv_cache_gb,
                                     threads=threads, tensor_parallel_size=gpus, gpu_share=gpu_share,
-                                    lora=vllm_lora_mode(settings.vllm_lora, device) if lora is not None else None,
-                                    lora_rank=lora.r if lora is not None else 0,
+                                    lora=mode, lora_rank=lora.r if lora is not None else 0,
                                     compile=getattr(settings, "vllm_compile", None),  # a judge's: the default
                                     max_model_len=getattr(settings, "max_model_len", None),
                                     fit_context=hasattr(settings, "max_model_len"),  # a judge's: no
                                     sleeps=getattr(settings, "vllm_sleep", False))  # a judge's: no
                 engine.choice_reason = reason
+                if why:
+                    engine.weight_sync += f" ({why})"
                 return engine
             except Exception as e:  # auto: any reason vLLM cannot serve this model here means transformers
                 if choice == "vllm":
