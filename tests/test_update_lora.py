@@ -114,6 +114,27 @@ def test_checkpoint_holds_adapters_and_optimizer_resumes_and_exports(small_path,
         torch.testing.assert_close(loaded(input_ids=ids).logits, policy, atol=1e-5, rtol=1e-5)
 
 
+def test_a_checkpoint_names_its_base_model_wherever_it_is_exported_from(small_path, model_path, learners,  # noqa: F811
+                                                                        tmp_path, monkeypatch):
+    """A run from a project whose model.path is relative (`models/base`, which the compiler keeps as written): peft
+    wrote that path into the checkpoint's adapter/adapter_config.json, and `factory export` (or `factory eval
+    --model`) from any other directory could not find the base model. The learner names it by its absolute path."""
+    import json
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(small_path, project / "models" / "base")
+    monkeypatch.chdir(project)
+    learner = learners(make_spec("models/base", model={"path": "models/base", "tokenizer": model_path, "lora": LORA},
+                                 train={"lr": 1e-2, "optimizer": {"name": "adamw"}}))
+    learner.step(batch(seed=1))
+    learner.save_checkpoint(str(project / "runs"), 1)
+    named = json.loads((project / "runs" / "step_1" / "adapter" / "adapter_config.json").read_text())
+    assert named["base_model_name_or_path"] == str(project / "models" / "base")
+    monkeypatch.chdir(tmp_path)  # later, elsewhere
+    assert cli.main(["export", str(project / "runs"), "--out", str(tmp_path / "merged")]) == 0
+
+
 def test_export_adapter_of_a_full_weight_run_is_refused(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     assert cli.main(["export", str(tmp_path), "--adapter", "--out", str(tmp_path / "o")]) == 2

@@ -133,6 +133,8 @@ class Learner:
         if self.spec.train.threads:
             torch.set_num_threads(self.spec.train.threads)
         self.model_path = resolve_model(self.spec.model.path)
+        if os.path.isdir(self.model_path):  # a folder by its absolute path: the name a LoRA checkpoint's adapter
+            self.model_path = os.path.abspath(self.model_path)  # config keeps, read from wherever it is exported
         init_process_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         config = deepspeed_config(self.spec)
