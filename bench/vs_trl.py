@@ -72,7 +72,8 @@ update FLOPs a step (`perf/update_flops_per_s` x `timing/update_s`) at the rate 
 the model's MLP shapes on this CPU, plus the shorter of the two sides' rests of step, over TRL's step --
 the lowest ratio this CPU allows Factory without doing less work, given a rest of step that one side
 already achieves here (a target under it cannot be met here; one above it is missed by Factory's own
-update efficiency or rest, not by the hardware). Both of its parts are printed.
+update efficiency or rest, or by its sampling more tokens than TRL did, not by the hardware). Both of its
+parts are printed.
 
 Prints the tables, then as its LAST line JSON: factory_over_trl_vllm and factory_over_trl_hf (median
 Factory step / median TRL step, the worst over the models), the per-work ratios

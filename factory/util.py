@@ -412,7 +412,8 @@ def is_async(fn: Any) -> bool:
     behind a plain decorator is not seen here: its caller awaits what it returns."""
     import inspect
 
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or (not isinstance(fn, type)  # (calling a class makes an instance)
+                                               and inspect.iscoroutinefunction(getattr(fn, "__call__", None)))
 
 
 def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:

@@ -243,6 +243,20 @@ def test_a_dead_drivers_process_that_is_a_zombie_is_not_waited_for(tmp_path):
         parent.wait()
 
 
+def test_a_runs_end_collects_its_own_children_that_ended(tmp_path):
+    """The driver's own children that have exited (zombies) are collected by its record's close, as before the
+    zombie rule: a notebook's driver lives on, and would keep them."""
+    record = SessionRecord(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    record.update()
+    child.stdin.close()  # it ends, uncollected
+    deadline = time.monotonic() + 30
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert record.close(timeout_s=5.0) == []
+    assert not psutil.pid_exists(child.pid)  # collected, not left a zombie
+
+
 def test_a_record_never_names_a_process_by_pid_alone(tmp_path):
     """A recorded pid that now belongs to another process (pid reuse) is left alone."""
     record = SessionRecord(tmp_path)

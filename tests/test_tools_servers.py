@@ -371,6 +371,29 @@ async def decorated_double(x: int) -> int:
     return 2 * x
 
 
+@_logged
+async def decorated_nap(seconds: float) -> float:
+    """Sleep, behind a decorator.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+async def test_a_decorated_async_python_tool_past_its_timeout_is_stopped_and_gives_its_slot_back():
+    """Its coroutine ran on past timeout_s (the wait is shielded, for a thread's sake) and held the tool's only
+    slot: the next call failed at once."""
+    spec = PythonTool(function="tests.test_tools_servers:decorated_nap", timeout_s=0.3, retries=0, concurrency=1)
+    async with ToolBox.from_spec({"nap": spec}) as box:
+        (late,) = await box.call_many([call("nap", {"seconds": 30})])
+        await asyncio.sleep(0.2)
+        (quick,) = await box.call_many([call("nap", {"seconds": 0})])
+    assert "timed out" in late.text
+    assert quick.text == "0", quick.text
+
+
 async def test_an_async_python_tool_behind_a_plain_decorator_is_awaited():
     """inspect does not see an async function behind a plain decorator: each call answered '<coroutine object
     ...>' (never awaited) instead of its value."""

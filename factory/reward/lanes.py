@@ -256,10 +256,11 @@ def _args(e: BaseException) -> str:
     return ", ".join(repr(a) for a in e.args)
 
 
-async def awaited(fn: Callable[..., Any], timeout_s: float | None) -> Any:
+async def awaited(fn: Callable[..., Any], timeout_s: float | None, said: float | None = None) -> Any:
     """An async reward function's result within `timeout_s` (cancelled past it), run in the caller's task (a
     task of its own would hand a SystemExit to the event loop, which ends with it); what it raises of its own
-    that is not an Exception (a CancelledError of its own, not this call's) is a RuntimeError saying so."""
+    that is not an Exception (a CancelledError of its own, not this call's) is a RuntimeError saying so.
+    `said`: the timeout_s its error names, where `timeout_s` is what was left of it."""
     try:
         with anyio.move_on_after(timeout_s) as scope:
             return await fn()
@@ -272,4 +273,4 @@ async def awaited(fn: Callable[..., Any], timeout_s: float | None) -> Any:
     except (SystemExit, KeyboardInterrupt) as e:
         raise RuntimeError(f"the function raised {type(e).__name__}({_args(e)})") from None
     assert scope.cancelled_caught
-    raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)")
+    raise TimeoutError(f"took longer than timeout_s ({said or timeout_s:g} s)")

@@ -185,9 +185,12 @@ class RewardStage(StageActor):
         limit, call = self.nodes[name].timeout_s, functools.partial(fn, *args, **kwargs)
         if is_async(fn):
             return await awaited(call, limit)
+        started = time.monotonic()
         value = await self._lanes[name].run(call, limit)
         if inspect.isawaitable(value):  # an async function behind a plain decorator: its coroutine, made at once
-            return await awaited(lambda: value, limit)
+            # (one timeout_s, all told)
+            left = None if limit is None else max(0.0, limit - (time.monotonic() - started))
+            return await awaited(lambda: value, left, said=limit)
         return value
 
 

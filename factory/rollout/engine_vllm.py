@@ -447,7 +447,10 @@ def _read_weights(folder: Path, wanted: Callable[[str], bool]) -> dict[str, torc
                 out.update({key: st.get_tensor(key).float() for key in st.keys() if wanted(key)})
         return out
     for f in sorted(folder.glob("pytorch_model*.bin")):
-        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # torch's legacy (pre-zipfile) format, of some early hub models: not mappable
+            state = torch.load(f, map_location="cpu", weights_only=True)
         out.update({key: t.float() for key, t in state.items() if wanted(key)})
     return out
 

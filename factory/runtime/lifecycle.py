@@ -302,9 +302,15 @@ def _identity(proc: psutil.Process) -> dict[str, Any]:
 
 
 def _alive(entry: dict[str, Any]) -> psutil.Process | None:
+    proc = _same(entry)
+    return proc if proc is not None and _running(proc) else None
+
+
+def _same(entry: dict[str, Any]) -> psutil.Process | None:
+    """The recorded process, if its pid still names it (a zombie too)."""
     try:
         proc = psutil.Process(entry["pid"])
-        return proc if abs(proc.create_time() - entry["started"]) < 0.01 and _running(proc) else None
+        return proc if abs(proc.create_time() - entry["started"]) < 0.01 else None
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
 
@@ -412,7 +418,8 @@ def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Pa
         if only is None and _alive(record["driver"]) is not None:
             continue  # another run is going on: its processes are its own
         if wait_s:
-            _wait_ended([p for e in record["children"] if (p := _alive(e)) is not None], wait_s)
+            # (zombies too: psutil's wait collects those that are the driver's own, which it would keep otherwise)
+            _wait_ended([p for e in record["children"] if (p := _same(e)) is not None], wait_s)
         for entry in record["children"]:
             proc = _alive(entry)
             if proc is not None:

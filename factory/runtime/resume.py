@@ -256,16 +256,18 @@ def _refuse_other_model(recorded: dict[str, Any] | None, plan: Any, run_id: str,
     now = plan.spec.get("model") or {}
     if then.get("path") == now.get("path"):
         return
-    saved = checkpoint / HF / "config.json"
+    saved, adapters = checkpoint / HF / "config.json", checkpoint / ADAPTER / "adapter_config.json"
+    if not saved.is_file() and not adapters.is_file():
+        return  # nothing saved to compare (and no model to resolve, a factory: one built, for nothing)
     try:
-        adapters = checkpoint / ADAPTER / "adapter_config.json"
         if not saved.is_file() and adapters.is_file():
             named = json.loads(adapters.read_text()).get("base_model_name_or_path")
             base = named if named and (Path(named) / "config.json").is_file() else resolve_model(then["path"])
             saved = Path(base) / "config.json"
         current = Path(resolve_model(now["path"])) / "config.json"
         a, b = json.loads(saved.read_text()), json.loads(current.read_text())
-    except (OSError, ValueError, KeyError):  # a hub id not on disk yet, say: the learner's load says what it finds
+    except (OSError, ValueError, KeyError, AttributeError):  # a hub id not on disk yet, say (the learner's load says
+        # what it finds), or a config that is no JSON object
         return
     differ = [k for k in SHAPE_KEYS if a.get(k) != b.get(k)]
     if differ:

@@ -344,7 +344,8 @@ class PythonFunction:
         # The slot is given back when the function ends, not when the wait for it does: a thread cannot be
         # stopped, so a timed-out sync call's thread runs on, and the retry or the next call must not run
         # beside it past `concurrency` (a tool that is not thread-safe, or a backend it must not flood).
-        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async, self._threads))
+        deadline = time.monotonic() + self.spec.timeout_s
+        work = asyncio.ensure_future(self._run(tool, fn, arguments, is_async, self._threads, deadline))
         work.add_done_callback(lambda _: self._slots.leave(stuck=abandoned))
         try:
             with anyio.fail_after(self.spec.timeout_s):
@@ -363,7 +364,7 @@ class PythonFunction:
 
     @staticmethod
     async def _run(tool: str, fn: Callable[..., Any], arguments: dict[str, Any], is_async: bool,
-                   threads: anyio.CapacityLimiter) -> tuple[ToolResult, bool]:
+                   threads: anyio.CapacityLimiter, deadline: float) -> tuple[ToolResult, bool]:
         try:
             if is_async:
                 value = await fn(**arguments)
@@ -371,7 +372,10 @@ class PythonFunction:
                 value = await anyio.to_thread.run_sync(functools.partial(fn, **arguments), abandon_on_cancel=True,
                                                        limiter=threads)
                 if inspect.isawaitable(value):  # an async function behind a plain decorator: seen by what it returns
-                    value = await value
+                    # (the caller's wait is shielded, for a thread; a coroutine can be stopped, so it is, at the
+                    # call's deadline, and gives its slot back)
+                    with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                        value = await value
         except (Exception, SystemExit, asyncio.CancelledError) as exc:
             # SystemExit too: a function that wraps a command line (argparse on arguments it refuses, a
             # sys.exit) raised it through the tools stage, and Ray ended that actor with it: the run lost
