@@ -269,6 +269,7 @@ def test_a_local_judge_models_close_closes_its_engine(tmp_path, monkeypatch):
             closes.append(1)
 
     monkeypatch.setattr(engines, "make_engine", lambda *a, **k: Engine())
+    monkeypatch.chdir(tmp_path)  # (setup enters its workdir, as a stage process does: put back after the test)
     (tmp_path / "judge.jinja").write_text("Is {{ completion }} right? Score: ")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "parse": r"(\d+)",
                                 "local": {"path": "factory:tiny-qwen3-calc"}}})

@@ -428,7 +428,9 @@ def reap_orphans(folder: Path | None = None, timeout_s: float = 5.0, *, only: Pa
                     ended.append(proc)
                     labels.append(f"{entry['name']}[{entry['pid']}]")
         path.unlink(missing_ok=True)
-    for proc in _wait_ended(ended, timeout_s):
+    stubborn = _wait_ended(ended, timeout_s)
+    for proc in stubborn:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+    _wait_ended(stubborn, 5.0)  # (a SIGKILL is delivered, not done, when kill returns: gone before this does)
     return labels
