@@ -121,6 +121,18 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 
 
+def bin_weights(path: Path) -> dict[str, Any]:
+    """A `pytorch_model*.bin` shard's tensors (the compiler takes such folders: vLLM and transformers load them),
+    memory-mapped: a tensor's data is read only when used. torch's legacy (pre-zipfile) format, of some early hub
+    models, cannot be mapped: read whole."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def config_context(fields: Any) -> int | None:
     """The model's context from a config already read (its dict, or its `text_config`'s in a multimodal model):
     the smallest of `CONTEXT_KEYS` present, as vLLM defaults `max_model_len` to; None when it does not say."""

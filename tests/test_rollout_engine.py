@@ -554,14 +554,22 @@ def test_auto_takes_vllm_on_a_cpu_only_where_its_start_up_pays_off():
     assert not auto_prefers_vllm(5_000, 10_000_000)[0] and auto_prefers_vllm(60_000, 10_000_000)[0]
 
 
-def test_model_params_reads_the_safetensors_headers(model_path):
+def test_model_params_reads_the_safetensors_headers_or_the_bin_shards(model_path, tmp_path):
+    """A folder saved as pytorch_model.bin (which the compiler takes) counted 0 parameters: `auto` chose its
+    engine by "0.0M parameters"."""
     from transformers import AutoModelForCausalLM
 
     from factory.rollout.engine import model_params
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     stored = {id(p) for p in model.parameters()}  # tied lm_head: stored once
-    assert model_params(model_path) == sum(p.numel() for p in model.parameters() if id(p) in stored)
+    expected = sum(p.numel() for p in model.parameters() if id(p) in stored)
+    assert model_params(model_path) == expected
+    model.save_pretrained(tmp_path)  # (transformers 5 writes safetensors only: the .bin as an older one wrote it)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, tmp_path / "pytorch_model.bin")
+    assert model_params(str(tmp_path)) == expected
 
 
 def test_run_tokens_bounds_every_rollout_and_evaluation():

@@ -199,18 +199,24 @@ def auto_prefers_vllm(run_tokens: int, params: int) -> tuple[bool, str]:
 
 
 def model_params(model_path: str) -> int:
-    """Parameters of a Hugging Face folder's safetensors, from their headers (nothing is loaded)."""
+    """Parameters of a Hugging Face folder's safetensors, from their headers (nothing is loaded); else of its
+    pytorch_model*.bin shards, memory-mapped (a .bin model counted 0, and `auto` chose by "0.0M parameters")."""
     import json
     import math
     import struct
     from pathlib import Path
 
-    total = 0
-    for f in Path(model_path).glob("*.safetensors"):
+    from factory.assets import bin_weights
+
+    total, files = 0, sorted(Path(model_path).glob("*.safetensors"))
+    for f in files:
         with f.open("rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
         total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    if not files:
+        shards = sorted(Path(model_path).glob("pytorch_model*.bin"))
+        total = sum(t.numel() for f in shards for t in bin_weights(f).values())
     return total
 
 

@@ -440,6 +440,8 @@ def _read_weights(folder: Path, wanted: Callable[[str], bool]) -> dict[str, torc
     them), memory-mapped so that only those tensors are read."""
     from safetensors import safe_open
 
+    from factory.assets import bin_weights
+
     out: dict[str, torch.Tensor] = {}
     if files := sorted(folder.glob("*.safetensors")):
         for f in files:
@@ -447,10 +449,7 @@ def _read_weights(folder: Path, wanted: Callable[[str], bool]) -> dict[str, torc
                 out.update({key: st.get_tensor(key).float() for key in st.keys() if wanted(key)})
         return out
     for f in sorted(folder.glob("pytorch_model*.bin")):
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # torch's legacy (pre-zipfile) format, of some early hub models: not mappable
-            state = torch.load(f, map_location="cpu", weights_only=True)
+        state = bin_weights(f)
         out.update({key: t.float() for key, t in state.items() if wanted(key)})
     return out
 
