@@ -416,6 +416,37 @@ def is_async(fn: Any) -> bool:
                                                and inspect.iscoroutinefunction(getattr(fn, "__call__", None)))
 
 
+def as_function(fn: Any) -> Any:
+    """`fn` as a function that transformers' `get_json_schema` can describe: that reads the type hints of
+    functions only, and took an object with `__call__` or a functools.partial for "not a module, class,
+    method, or function". Such a one becomes a stand-in with its signature (`inspect.signature`: an
+    object's `__call__`'s less self; a partial's function's less what it binds, keywords too: the model
+    is not to set them) and the type hints and docstring of the function that runs (a `__call__` without
+    a docstring: its class's). The stand-in is only read, never called."""
+    import functools
+    import inspect
+    import typing
+
+    if inspect.isroutine(fn) or isinstance(fn, type):
+        return fn
+    inner, bound = fn, set()
+    while isinstance(inner, functools.partial):
+        inner, bound = inner.func, bound | set(inner.keywords)
+    runs = inner if inspect.isroutine(inner) else type(inner).__call__
+    signature = inspect.signature(fn)
+    signature = signature.replace(parameters=[p for p in signature.parameters.values() if p.name not in bound])
+    hints = typing.get_type_hints(runs)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a stand-in read for its schema only: call the tool itself")
+
+    stand_in.__signature__ = signature  # type: ignore[attr-defined]
+    stand_in.__annotations__ = {k: v for k, v in hints.items() if k in signature.parameters or k == "return"}
+    stand_in.__doc__ = inspect.getdoc(runs) or (None if runs is inner else inspect.getdoc(type(inner)))
+    stand_in.__name__ = runs.__qualname__
+    return stand_in
+
+
 def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:
     """A file named in the spec: relative to the working directory first, then to the spec's folder."""
     p = Path(path)

@@ -551,6 +551,19 @@ def test_a_python_tool_that_cannot_be_described_is_an_error_before_ray_starts(pr
         "Args: line for each)\n1 error in spec.yaml")
 
 
+def test_a_python_tool_that_is_a_callable_object_or_a_partial_compiles(project):
+    # transformers reads the type hints of functions only: both were "not a module, class, method, or function"
+    project.module("rc_pytool_obj", "import functools\n\nclass Echo:\n    def __call__(self, text: str) -> str:\n"
+                                    "        \"\"\"Echo.\n\n        Args:\n            text: What to echo.\n"
+                                    "        \"\"\"\n        return text\n\necho = Echo()\n"
+                                    "def say(prefix: str, text: str) -> str:\n    \"\"\"Say.\n\n    Args:\n"
+                                    "        prefix: Put first.\n        text: What to say.\n    \"\"\"\n"
+                                    "    return prefix + text\n\nsay_hi = functools.partial(say, 'hi ')\n")
+    path = project.spec(_base(project, "rc_pyobj") + "tools:\n  echo: {function: 'rc_pytool_obj:echo'}\n"
+                        "  hi: {function: 'rc_pytool_obj:say_hi'}\n")
+    assert compile_file(path)[1].warnings == ()
+
+
 def test_data_files_and_generators(project):
     project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
     project.module("rc_gen", "def rows(n, seed, level=1):\n    return [{'question': '1+1', 'answer': '2'}]\n\n"

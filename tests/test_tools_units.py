@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from pathlib import Path
 
@@ -407,6 +408,55 @@ def test_function_schema_from_hints_and_docstring():
             },
         },
     }
+
+
+class WordCounter:
+    """Counts words, each worth `weight`."""
+
+    def __init__(self, weight: int) -> None:
+        self.weight = weight
+
+    def __call__(self, text: str, min_length: int = 1) -> int:
+        """Count the words of a text.
+
+        Args:
+            text: The text to count words in.
+            min_length: Only words at least this long count.
+        """
+        return self.weight * word_count(text, min_length)
+
+
+def weighted_count(weight: int, text: str, min_length: int = 1, *, skip: str = "") -> int:
+    """Count the words of a text.
+
+    Args:
+        weight: What each word is worth.
+        text: The text to count words in.
+        min_length: Only words at least this long count.
+        skip: A word not counted.
+    """
+    return weight * word_count(" ".join(w for w in text.split() if w != skip), min_length)
+
+
+count_twice = WordCounter(2)
+count_thrice = functools.partial(weighted_count, 3, skip="the")
+
+
+@pytest.mark.parametrize("ref", ["count_twice", "count_thrice"])
+def test_a_callable_object_or_partial_is_described_by_what_calling_it_takes(ref):
+    """A python tool that is an instance with `__call__`, or a functools.partial, failed as the tools stage
+    started: transformers reads the type hints of functions only ("... is not a module, class, method, or
+    function"). Its schema is now its `__call__`'s (without self), or the partial's function's without the
+    arguments it binds; and it is called as the model asks."""
+    assert function_schema(globals()[ref], "count") == function_schema(word_count, "count")
+
+    async def run() -> ToolResult:
+        async with ToolBox.from_spec({"count": PythonTool(function=f"tests.test_tools_units:{ref}")}) as box:
+            assert box.schemas() == [function_schema(word_count, "count")]
+            return await box.call(ToolCall("count", {"text": "the cat sat", "min_length": 3}, raw=""))
+
+    result = asyncio.run(run())
+    assert (result.status, result.text) == ("ok", "6")  # 3 words, 2 each; or "the" skipped, 2 words 3 each
 
 
 def test_load_function_by_import_path():

@@ -96,6 +96,7 @@ from factory.util import (
     LAUNCHERS,
     NoModuleError,
     UserError,
+    as_function,
     did_you_mean,
     is_async,
     resolve_file,
@@ -971,7 +972,7 @@ def _tool_schema_problem(fn: Any) -> str | None:
     from transformers.utils import get_json_schema  # lazy, as the ToolBox: only python tools need it (~1 s)
 
     try:
-        get_json_schema(fn)
+        get_json_schema(as_function(fn))
     except Exception as e:  # transformers' own exceptions, and a TypeError for what is no function
         return (f"cannot describe it to the model: {e} (a python tool needs a type hint on every argument and a "
                 "docstring with an Args: line for each)")

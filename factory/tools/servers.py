@@ -34,7 +34,7 @@ from factory.tools.metrics import ToolMetrics
 from factory.tools.resilience import CircuitBreaker, Resilience, backoff_delay
 from factory.tools.results import answer, content_text, infra_error, model_error, value_text
 from factory.types import ToolResult
-from factory.util import AllStuck, Places, being_cancelled, import_object, is_async as is_async_fn
+from factory.util import AllStuck, Places, as_function, being_cancelled, import_object, is_async as is_async_fn
 
 log = logging.getLogger(__name__)
 
@@ -394,11 +394,12 @@ def function_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:
 
     Uses transformers' `get_json_schema` (what `apply_chat_template(tools=[fn])` and TRL use), so
     a function documents itself the same way everywhere: every argument needs a type hint and an
-    `Args:` line. The tool's name is its key in the spec, not the function's name.
+    `Args:` line. The tool's name is its key in the spec, not the function's name. An object with
+    `__call__`, or a functools.partial, is described by what calling it takes (factory.util.as_function).
     """
     from transformers.utils import get_json_schema  # lazy: transformers is heavy and only python tools need it
 
-    schema = get_json_schema(fn)
+    schema = get_json_schema(as_function(fn))
     schema["function"]["name"] = name
     schema["function"].pop("return", None)
     return schema
