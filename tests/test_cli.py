@@ -181,6 +181,15 @@ def test_two_servers_with_one_tool_name_are_a_warning_and_a_qualifier_in_a_name_
     assert capsys.readouterr().err.startswith("<override 1>: tools.my__calc: a tool server name must not contain '__'")
 
 
+def test_an_override_nested_past_pythons_limit_is_a_spec_error(project, capsys):
+    # it was "internal error: RecursionError", exit 1
+    project.module("cli_deep")
+    path = project.spec(BASE.replace("{mod}", "cli_deep"))
+    assert cli.main(["check", path, "seed=" + "[" * 5000 + "]" * 5000]) == 2
+    assert capsys.readouterr().err == ("<override 1>: seed: values nested far more than 32 mappings or lists deep: "
+                                       "no spec needs that many; flatten them\n1 error in spec.yaml\n")
+
+
 def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
     project.module("cli_dead")
     path = project.spec(BASE.replace("{mod}", "cli_dead") + "tools:\n  dead: {command: python, args: [-c, 'pass']}\n")

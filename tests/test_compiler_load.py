@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from factory.compiler.errors import SpecErrors
 from factory.compiler.load import load, load_all, load_spec
@@ -612,6 +613,33 @@ def test_values_nested_past_any_spec_are_an_error_at_their_line(project):
     assert report(e) == ("spec.yaml: values nested far more than 32 mappings or lists deep: no spec needs that many; "
                          "flatten them\n1 error in spec.yaml")
     assert load_spec(project.spec(base.replace("size: 8}", "size: 8, args: {x: " + "[" * 25 + "]" * 25 + "}}")))
+
+
+def test_overrides_and_dict_specs_nested_past_any_spec_are_a_spec_error(project):
+    """The YAML file's depth limit did not hold for an override or a spec given as a dict: nested past Python's
+    limit (a value `[[[...` or a key `a.a.a...` thousands deep, a dict built by code), they raised RecursionError
+    out of OmegaConf or PyYAML; a few hundred deep, an override too."""
+    text = _base(project, "rw_deep_o").replace("size: 8}", "size: 8, args: {}}")
+    for override, path in [("data.train.args.x=" + "{a: " * 200 + "1" + "}" * 200, "data.train.args.x" + ".a" * 28),
+                           ("seed=" + "[" * 5000 + "]" * 5000, None),
+                           ("data.train.args." + ".".join(["a"] * 1200) + "=1", "data.train.args" + ".a" * 29)]:
+        with pytest.raises(SpecErrors) as e:
+            load_spec(text, [override])
+        assert report(e) == ((f"<override 1>: {path}: values nested more than 32 mappings or lists deep: no spec "
+                              "needs that many; flatten them" if path else
+                              "<override 1>: seed: values nested far more than 32 mappings or lists deep: no spec "
+                              "needs that many; flatten them") + "\n1 error in <spec>")
+    # 32 deep in all, as in a file: taken
+    assert load_spec(text, ["data.train.args.x=" + "{a: " * 28 + "1" + "}" * 28]).data.train.args["x"]
+    deep: dict = {"a": 1}
+    for _ in range(5000):
+        deep = {"a": deep}
+    spec = yaml.safe_load(text)
+    spec["data"]["train"]["args"] = {"x": deep}
+    with pytest.raises(SpecErrors) as e:
+        load_spec(spec)
+    assert report(e) == ("<dict>: values nested far more than 32 mappings or lists deep: no spec needs that many; "
+                         "flatten them\n1 error in <dict>")
 
 
 def test_aliases_of_aliases_that_expand_past_any_spec_are_an_error_not_a_hang(project):

@@ -147,6 +147,8 @@ MAX_SPEC_VALUES = 200_000  # aliases of aliases (a "billion laughs") expand past
 # OmegaConf recurses ~10 frames a level, so Python's 1000 frames ran out near 75 levels ("internal error:
 # RecursionError", exit 1); 32 leaves room for any real spec and for a caller's own deep stack (a notebook, a test).
 MAX_SPEC_DEPTH = 32
+_FAR_TOO_DEEP = (f"values nested far more than {MAX_SPEC_DEPTH} mappings or lists deep: no spec needs that many; "
+                 "flatten them")
 
 
 def _line_map(node: yaml.Node | None, prefix: str = "",
@@ -340,6 +342,9 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             errors.append(SpecError(f"<override {n}>", None, "extends", "`extends` is read from the spec file "
                                     "only: write it in the file, or make a spec that extends this one"))
             continue
+        if shape := _override_shape(key.strip(), item.partition("=")[2]):
+            errors.append(SpecError(f"<override {n}>", None, *shape))
+            continue
         if indexed := _list_index(cfg, key.strip()):
             errors.append(SpecError(f"<override {n}>", None, key.strip(), indexed))
             continue
@@ -386,6 +391,26 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
             continue
         paths[key.strip()] = n
     return cfg, paths
+
+
+def _override_shape(key: str, value: str) -> tuple[str, str] | None:
+    """(where, why) an override is refused as a spec file would be (_line_map): nested past MAX_SPEC_DEPTH, by
+    its dotted key and its value together, or its value an alias of what holds it, or aliases that expand past any
+    spec. OmegaConf recursed past Python's limit on such a one ("internal error: RecursionError")."""
+    parts = key.split(".")
+    if len(parts) > MAX_SPEC_DEPTH:  # each part of the key is a mapping the value sits in
+        return (".".join(parts[:MAX_SPEC_DEPTH]), f"values nested more than {MAX_SPEC_DEPTH} mappings or lists "
+                "deep: no spec needs that many; flatten them")
+    try:
+        node = yaml.compose(value, Loader=yaml.SafeLoader)
+        _line_map(node, key, within=(0,) * len(parts))  # (the key's mappings: no node has id 0)
+    except yaml.YAMLError:
+        return None  # said as OmegaConf reads the value
+    except RecursionError:  # PyYAML recurses a few frames a level, as in _compose
+        return key, _FAR_TOO_DEEP
+    except _ShapeTrouble as e:
+        return e.path, e.message
+    return None
 
 
 def _list_index(cfg: DictConfig, key: str) -> str | None:
@@ -455,8 +480,7 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     `extends: BASE` (or a list of bases, merged in order) names specs, relative to this one's folder, that this
     one is merged over: a mapping merges key by key, any other value (a list too) replaces the base's. Errors
     that leave nothing to merge are raised."""
-    too_deep = SpecError(file, None, "", f"values nested far more than {MAX_SPEC_DEPTH} mappings or lists deep: no "
-                                         "spec needs that many; flatten them")
+    too_deep = SpecError(file, None, "", _FAR_TOO_DEEP)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -670,6 +694,8 @@ def read_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> tuple[dict, Spe
             text = yaml.safe_dump(_plain_dict(spec), sort_keys=False, allow_unicode=True)
         except yaml.YAMLError as e:
             raise SpecErrors([SpecError("<dict>", None, "", f"not plain data: {e}")], "<dict>") from None
+        except RecursionError:  # both recurse a level at a time; less deep, _compose refuses it past MAX_SPEC_DEPTH
+            raise SpecErrors([SpecError("<dict>", None, "", _FAR_TOO_DEEP)], "<dict>") from None
         return read_text(text, "<dict>", Path.cwd(), overrides, located=False)
     if isinstance(spec, str) and "\n" in spec:
         return read_text(spec, "<spec>", Path.cwd(), overrides)
