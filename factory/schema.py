@@ -894,8 +894,8 @@ class Spec(Section):
     """The policy model."""
     chat_template: str | None = None
     """A jinja chat template in prompts/ (Hugging Face format). Unset: the tokenizer's own; of named ones
-    (Hermes 2 Pro's, Command R's), `tool_use` when the spec has tools, else `default`, as apply_chat_template
-    picks."""
+    (Hermes 2 Pro's, Command R's), `tool_use` when the tool servers list tools, else `default`, as
+    apply_chat_template picks."""
     chat_template_kwargs: dict[str, Any] = {}
     """Variables every render of the chat template gets, as `apply_chat_template(**kwargs)` takes them:
     `{enable_thinking: false}` turns Qwen3's reasoning off (its template writes an empty `<think></think>`

@@ -196,6 +196,46 @@ def test_server_events_outside_a_training_rollout_are_logged_with_the_next_one(m
     assert m.get("tool_servers/calc/cache_hits", 0.0) == 0.0 and m.get("tool_servers/calc/cache_misses", 0.0) == 0.0
 
 
+class NoToolsStage(FakeToolsStage):
+    """A tools stage whose servers list no tools (an MCP server offering none, allowed_tools matching none)."""
+
+    async def schemas(self):
+        return []
+
+
+def test_named_templates_are_chosen_by_the_tools_listed_at_run_time(monkeypatch, tmp_path):
+    """Of a tokenizer's named chat templates the rollout rendered with `tool_use` whenever the spec had tool
+    servers, also where they listed no tools: its prompts are rendered without tools (`tools=None`), for which
+    apply_chat_template picks `default`."""
+    import shutil
+    from pathlib import Path
+
+    from factory.assets import resolve_model
+    from factory.compiler.compile import compile_file
+    from factory.types import Placement
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    own = Path(resolve_model("factory:tiny-qwen3"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the default: Qwen3's
+        shutil.copy(own / name, tmp_path / name)
+    (tmp_path / "additional_chat_templates").mkdir()
+    tool_use = (repo / "prompts" / "chatml_tools.jinja").read_text()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    _, plan = compile_file(repo / "specs" / "tiny.yaml", ["rollout.engine=hf", f"model.tokenizer={tmp_path}"])
+
+    async def chosen(tools: FakeToolsStage) -> str:
+        rollout = RolloutStage(plan.stage("rollout").settings)
+        try:
+            await rollout.setup(Placement(peers={rollout.settings.tool_peer: tools}))
+            return rollout.chat.template_text
+        finally:
+            await rollout.close()
+
+    assert asyncio.run(chosen(FakeToolsStage())) == tool_use
+    assert asyncio.run(chosen(NoToolsStage())) == (own / "chat_template.jinja").read_text()
+
+
 def test_the_specs_max_model_len_bounds_the_rollout(monkeypatch):
     """`rollout.max_model_len` is the rollout's context: recorded in the resolved params, and a prompt that
     leaves no room under it is not generated from."""

@@ -142,7 +142,11 @@ class RolloutStage(StageActor):
         model_path = resolve_model(s.model.path)
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(s.model.tokenizer or model_path))
         template = (resolve_file(s.chat_template, Path(s.base_dir)).read_text() if s.chat_template else None)
-        self.chat = ChatFormat(tokenizer, template, s.chat_template_kwargs, tools=s.tool_peer is not None)
+        self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
+        await self.tools.start()
+        # by the tools the servers list, which the prompts are rendered with (none: `tools=None`, for which
+        # apply_chat_template picks a tokenizer's `default` template, not `tool_use`), not by the spec's servers
+        self.chat = ChatFormat(tokenizer, template, s.chat_template_kwargs, tools=bool(self.tools.schemas()))
         if problem := self.chat.end_of_turn_problem():
             log.warning("rollout: %s", problem)
         self.tokenizer = tokenizer
@@ -171,8 +175,6 @@ class RolloutStage(StageActor):
                         "or a limit of the model's own config; its context is %d): raise kv_cache_gb for longer "
                         "ones, or set rollout.max_model_len",
                         self.context, s.rollout.kv_cache_gb, model_context)
-        self.tools = ToolsClient(placement.peers[s.tool_peer] if s.tool_peer else None)
-        await self.tools.start()
         resolved = {"engine": self.engine.name, "device": device, "dtype": dtype,
                     "weight_sync": self.engine.weight_sync, "allocator": running_allocator()}
         if self.context is not None:  # (a served model's is the server's)
