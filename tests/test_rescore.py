@@ -289,3 +289,48 @@ def test_a_replayed_rescore_gives_each_trajectory_the_grades_recorded_for_it(tmp
         assert list(rescored.metrics) == batches  # in the order it scored them: each step's evaluation first
         assert {key: m["rewards/graded/mean" if key[0] == "train" else "eval/accuracy"]
                 for key, m in rescored.metrics.items()} == {key: recorded[key] for key in batches}
+
+
+def test_a_rescore_with_a_local_judge_places_it_as_a_run_does_recorded_and_torn_down(tmp_path, monkeypatch):
+    """A rescore whose graph calls a local judge model starts a Ray of its own: it wrote no session record (so
+    the next `factory run` could not end what a killed rescore left), and a failure after Ray started and before
+    its `try` left Ray up. It goes through `placed`, as `factory run` and `factory eval` do."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import factory.commands.rescore as rescore
+    from factory.compiler.compile import compile_file
+    from factory.runtime import driver
+    from factory.runtime.lifecycle import LOOPBACK_FLAG
+    from factory.tracking.tracker import open_tracker
+
+    spec, plan = compile_file(Path(__file__).resolve().parents[1] / "specs" / "deepsearch-cpu-judge.yaml",
+                              weights=False)
+    monkeypatch.chdir(tmp_path)  # (where a tracker keeps what it has not sent yet)
+    monkeypatch.setenv(LOOPBACK_FLAG, "0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the session records' folder)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("judged", {}, {}, {})
+    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                                     turns=[], stop_reason="no_call", row={}, messages=[], completion="x")], 1)
+    old.end()
+    calls: list[str] = []
+    monkeypatch.setattr(driver, "build_models", lambda plan, status: None)
+    monkeypatch.setattr(driver, "start_ray", lambda cluster: calls.append("start_ray"))
+    monkeypatch.setattr(driver, "place", lambda plan, *a, **k: calls.append(f"place {[s.name for s in plan.stages]}")
+                        or {})
+    monkeypatch.setattr(driver, "teardown", lambda groups: calls.append("teardown"))
+    monkeypatch.setattr(driver, "stop_ray", lambda: calls.append("stop_ray"))
+    drivers = tmp_path / f"factory-{os.getuid()}" / "drivers"
+
+    async def scoring(plan, batches, placed):
+        assert (drivers / f"{os.getpid()}.json").exists()  # what reap_orphans reads, should this process be killed
+        raise RuntimeError("the judge failed")
+
+    monkeypatch.setattr(rescore, "_score_all", scoring)
+    with pytest.raises(RuntimeError, match="the judge failed"):
+        rescore.rescore(old.run_id, spec, plan, uri=uri)
+    assert calls == ["start_ray", "place ['judge.judge']", "teardown", "stop_ray"]
+    assert list(drivers.glob("*.json")) == []

@@ -10,6 +10,7 @@ trajectory tables hold the re-scored trajectories, so it can be compared (`facto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -161,24 +162,20 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
 
     # a local judge model is a stage of its own: placed on Ray as `factory run` places it
     judges = [plan.stage(n) for n in callees(plan, scorer(plan)) if not runs_inline(plan, n)]
-    groups: dict[str, Any] = {}
+    placing: contextlib.AbstractContextManager = contextlib.nullcontext(({}, None))
     if judges:
         from factory.runtime.lifecycle import local_ray_on_loopback
 
         local_ray_on_loopback(plan.driver.resources.ray_address)  # before ray is imported
-        from factory.runtime.driver import place, start_ray
+        from factory.runtime.display import Display
+        from factory.runtime.driver import placed
+        from factory.runtime.startup import Startup
 
-        start_ray(plan.driver.resources)
-    try:
-        if judges:
-            groups = place(dataclasses.replace(plan, stages=tuple(judges), edges=()))
+        # as a run places its stages: what a killed run left ended first, a session record kept while Ray is up
+        # (for the next run to end what a killed rescore leaves), everything torn down whatever happens
+        placing = placed(dataclasses.replace(plan, stages=tuple(judges), edges=()), Display(0), Startup())
+    with placing as (groups, _):
         scored = asyncio.run(_score_all(plan, batches, {name: g.actors[0] for name, g in groups.items()}))
-    finally:
-        if judges:
-            from factory.runtime.driver import stop_ray, teardown
-
-            teardown(groups)
-            stop_ray()
 
     metrics: dict[tuple[str, int], dict[str, float]] = {}
     for (split, step), m in scored.items():
