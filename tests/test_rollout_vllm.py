@@ -553,3 +553,48 @@ def test_a_sleeping_engine_wakes_for_a_sync_or_a_generation_and_samples_as_befor
         assert o.logprobs == pytest.approx(forward_logprobs(hf.model, p, o.ids), abs=1e-4) != b.logprobs
     vllm.load_weights(context_weights(hf))  # awake: a sync wakes nothing
     assert len(woke) == 2
+
+
+def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down():
+    """close() removed the rendezvous file only: a request in flight kept the step thread stepping, and vLLM's
+    engine (its executor and workers, its scheduler, the process group) stayed up until the process ended. Now
+    what was in flight is cancelled, the step thread stops, vLLM shuts down on it, once however often close runs."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from factory.rollout.engine_vllm import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # no vLLM started: the step thread, and an engine that never finishes
+    engine._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step")
+    engine._lock, engine._closed, engine.asleep = threading.Lock(), False, set()
+    engine._incoming, engine._aborts, engine._waiting, engine._running = [], [], {}, False
+    live, shut, stepped_on = {"0"}, [], []
+    engine.engine = SimpleNamespace(has_unfinished_requests=lambda: bool(live),
+                                    abort_request=lambda rids: live.difference_update(rids),
+                                    engine_core=SimpleNamespace(shutdown=lambda timeout=None: shut.append(
+                                        threading.current_thread())))
+    engine._step = lambda incoming, aborts: stepped_on.append(threading.current_thread()) or time.sleep(0.01) or []
+
+    async def close_in_flight():
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        with engine._lock:
+            engine._waiting["0"], engine._running = (answer, loop), True
+        engine._executor.submit(engine._step_loop)
+        while not stepped_on:  # decoding
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(engine.close(), 10)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(answer, 5)  # (a timeout: left waiting)
+        await asyncio.wait_for(engine.close(), 10)  # a stage's close may run twice
+
+    try:
+        asyncio.run(close_in_flight())
+        step_thread = stepped_on[0]
+        step_thread.join(timeout=5)
+        assert shut == [step_thread] and not step_thread.is_alive()
+    finally:
+        live.clear()  # (the loop ends, should close not have ended it)
+        engine._executor.shutdown(wait=True)

@@ -33,6 +33,7 @@ is the KV cache's size on either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -64,6 +65,9 @@ _set_num_threads = torch.set_num_threads
 CPU_BLOCK_SIZE = 32
 # vLLM's default gpu_memory_utilization: the part of a whole GPU it wants free when it starts.
 GPU_MEMORY_UTILIZATION = 0.9
+# How long close() waits for the step in flight and vLLM's shutdown: under the 30 s the driver's teardown waits
+# for every stage's close before it kills the actors.
+CLOSE_TIMEOUT_S = 20.0
 
 
 def memory_args(device: str, kv_cache_gb: float, gpu_share: float = 1.0) -> dict[str, Any]:
@@ -215,6 +219,7 @@ class VLLMEngine:
         self._aborts: list[str] = []
         self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._running = False
+        self._closed = False  # close() was called: the step loop ends, vLLM is shut down
         self.asleep: set[str] = set()  # what `sleep` gave back and is not taken back yet (on the step thread only)
 
     # ------------------------------------------------------------------------------------ Engine API
@@ -251,12 +256,32 @@ class VLLMEngine:
             raise
 
     async def close(self) -> None:
-        """The engine and its step thread end with the actor. Outside this process its start left one file,
-        its torch.distributed rendezvous (/tmp/vllm_dist_*, 2.4 kB), which vLLM never removes: one per
-        engine started, piling up in /tmp. Removed here (a world of one never reads it after the start)."""
-        path = _rendezvous_file()
-        if path is not None and Path(path).name.startswith("vllm_dist_"):
-            Path(path).unlink(missing_ok=True)
+        """Stop serving, as HFEngine's close does: every request not answered yet is cancelled (its caller sees
+        CancelledError), the step loop ends after the step in flight, and vLLM shuts down on the step thread
+        (its executor and workers, its scheduler, this process's torch.distributed state), which then ends; a
+        step or shutdown that outlasts CLOSE_TIMEOUT_S is left to the actor's end. Outside this process its
+        start left one file, its torch.distributed rendezvous (/tmp/vllm_dist_*, 2.4 kB), which vLLM never
+        removes: one per engine started, piling up in /tmp. Removed here (a world of one never reads it
+        after the start). A stage's close may run twice: the second does nothing."""
+        path = _rendezvous_file()  # (before the shutdown, which ends the process group that names it)
+        with self._lock:
+            first, self._closed = not self._closed, True
+            waiting, self._waiting, self._incoming = list(self._waiting.values()), {}, []
+        for future, loop in waiting:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits for it
+                loop.call_soon_threadsafe(future.cancel)
+        try:
+            if first:
+                # queued behind the step loop, which sees _closed and returns: vLLM is never shut down mid-step
+                shutdown = self._executor.submit(self.engine.engine_core.shutdown)
+                self._executor.shutdown(wait=False)  # its thread ends once the shutdown ran
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(shutdown), CLOSE_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    log.warning("vLLM did not shut down within %g s: it ends with the actor", CLOSE_TIMEOUT_S)
+        finally:
+            if path is not None and Path(path).name.startswith("vllm_dist_"):
+                Path(path).unlink(missing_ok=True)
 
     def load_weights(self, state_dict: dict[str, Any] | Adapters) -> None:
         if isinstance(state_dict, Adapters) and self.lora == "serve":
@@ -354,6 +379,9 @@ class VLLMEngine:
             self._wake()  # a generation after `sleep` (an evaluation before the next sync) wakes the engine first
             while True:
                 with self._lock:
+                    if self._closed:  # close(): its requests were cancelled, vLLM's shutdown comes next here
+                        self._running = False
+                        return
                     incoming, self._incoming = self._incoming, []
                     aborts, self._aborts = self._aborts, []
                     if not incoming and not aborts and not self.engine.has_unfinished_requests():
