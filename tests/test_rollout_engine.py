@@ -583,3 +583,25 @@ def test_run_tokens_bounds_every_rollout_and_evaluation():
     assert tokens("train.eval_every=1") == (2 * 2 * 4 + 3 * 4) * 64  # steps 0, 1, 2
     assert tokens("rollout.max_total_tokens=40") == (2 * 2 * 4 + 2 * 4) * 40
     assert tokens("data.eval=null") == 2 * 2 * 4 * 64
+
+
+def test_closing_the_engine_ends_its_thread(model_path):
+    """close() stopped batching and cancelled what waited, but left the engine's worker thread (its executor)
+    running, idle for the life of the process: one more thread for every engine closed. It ends now, without
+    waiting for the batch in flight (which stops at its next step), and a second close does nothing more."""
+    import threading
+
+    e = HFEngine(model_path, batch_size=8, seed=0)
+    worker = e._executor.submit(threading.current_thread).result()
+
+    async def close_while_decoding():
+        request = asyncio.create_task(e.generate(prompts()[0], max_new_tokens=200, sampling=GREEDY))
+        await decoding(e, 0)
+        await e.close()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(request, 10)
+        await e.close()
+
+    asyncio.run(close_while_decoding())
+    worker.join(timeout=10)
+    assert not worker.is_alive()

@@ -223,14 +223,16 @@ class HFEngine:
 
     async def close(self) -> None:
         """Stop batching: a batch in flight ends at its next decoding step, and every request not answered
-        yet is cancelled (its caller sees CancelledError instead of waiting forever). The model is memory of
-        this process, freed with it."""
+        yet is cancelled (its caller sees CancelledError instead of waiting forever). The worker thread ends
+        after that step (not waited for here: the event loop goes on); work queued behind it is cancelled. The
+        model is memory of this process, freed with it. A stage's close may run twice: the second does nothing."""
         self._closing = True
         if self._worker is not None:
             self._worker.cancel()
         for r in self._pending:
             r.future.cancel()
         self._pending = []
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def load_weights(self, state_dict: dict[str, Tensor] | Adapters) -> None:
         """Copy the learner's weights in place, on the engine's thread, after the batch it runs. Keys missing
