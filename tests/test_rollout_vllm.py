@@ -484,17 +484,6 @@ def test_starting_vllm_on_a_cpu_prints_nothing_the_user_must_read():
     assert logging.getLogger("torch._library.triton").getEffectiveLevel() == logging.ERROR
 
 
-def test_closing_the_engine_removes_its_rendezvous_file(vllm):
-    """vLLM's start leaves /tmp/vllm_dist_<uuid> (its torch.distributed FileStore) and never removes it: one
-    file per engine, piling up. The engine's close removes it. (Last in this module: it closes the engine.)"""
-    from factory.rollout.engine_vllm import _rendezvous_file
-
-    path = _rendezvous_file()
-    assert path is not None and Path(path).name.startswith("vllm_dist_") and Path(path).exists()
-    asyncio.run(vllm.close())
-    assert not Path(path).exists()
-
-
 def test_a_prefix_cache_vllm_could_not_drop_after_a_sync_is_an_error():
     """vLLM returns False (its warning hidden at our log level) when blocks are still held: samples sharing a prefix
     would reuse KV of the old weights, a policy that is neither."""
@@ -555,7 +544,7 @@ def test_a_sleeping_engine_wakes_for_a_sync_or_a_generation_and_samples_as_befor
     assert len(woke) == 2
 
 
-def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down():
+def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down(monkeypatch):
     """close() removed the rendezvous file only: a request in flight kept the step thread stepping, and vLLM's
     engine (its executor and workers, its scheduler, the process group) stayed up until the process ended. Now
     what was in flight is cancelled, the step thread stops, vLLM shuts down on it, once however often close runs."""
@@ -564,8 +553,11 @@ def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down():
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
+    from factory.rollout import engine_vllm
     from factory.rollout.engine_vllm import VLLMEngine
 
+    # this process's rendezvous file is the module's real engine's (its close test reads it): not this fake's
+    monkeypatch.setattr(engine_vllm, "_rendezvous_file", lambda: None)
     engine = object.__new__(VLLMEngine)  # no vLLM started: the step thread, and an engine that never finishes
     engine._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step")
     engine._lock, engine._closed, engine.asleep = threading.Lock(), False, set()
@@ -598,3 +590,14 @@ def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down():
     finally:
         live.clear()  # (the loop ends, should close not have ended it)
         engine._executor.shutdown(wait=True)
+
+
+def test_closing_the_engine_removes_its_rendezvous_file(vllm):
+    """vLLM's start leaves /tmp/vllm_dist_<uuid> (its torch.distributed FileStore) and never removes it: one
+    file per engine, piling up. The engine's close removes it. (Last in this module: it closes the engine.)"""
+    from factory.rollout.engine_vllm import _rendezvous_file
+
+    path = _rendezvous_file()
+    assert path is not None and Path(path).name.startswith("vllm_dist_") and Path(path).exists()
+    asyncio.run(vllm.close())
+    assert not Path(path).exists()
