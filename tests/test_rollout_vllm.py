@@ -562,6 +562,7 @@ def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down(monkeypatc
     engine._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-step")
     engine._lock, engine._closed, engine.asleep = threading.Lock(), False, set()
     engine._incoming, engine._aborts, engine._waiting, engine._running = [], [], {}, False
+    engine.stop_token_ids, engine._ids = [], iter(range(1, 100))
     live, shut, stepped_on = {"0"}, [], []
     engine.engine = SimpleNamespace(has_unfinished_requests=lambda: bool(live),
                                     abort_request=lambda rids: live.difference_update(rids),
@@ -581,6 +582,9 @@ def test_closing_the_engine_stops_its_step_thread_and_shuts_vllm_down(monkeypatc
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(answer, 5)  # (a timeout: left waiting)
         await asyncio.wait_for(engine.close(), 10)  # a stage's close may run twice
+        with pytest.raises(RuntimeError, match="closed"):  # not left waiting for a step thread that is gone
+            await asyncio.wait_for(engine.generate([1, 2], max_new_tokens=4, sampling=GREEDY), 5)
+        assert not engine._waiting and not engine._incoming
 
     try:
         asyncio.run(close_in_flight())

@@ -239,6 +239,8 @@ class VLLMEngine:
         future = loop.create_future()
         rid = str(next(self._ids))
         with self._lock:
+            if self._closed:  # (its step thread is gone: the request would wait in _waiting for ever)
+                raise RuntimeError("the vLLM engine is closed")
             self._incoming.append((rid, list(prompt_ids), params))
             self._waiting[rid] = (future, loop)
             start, self._running = not self._running, True
