@@ -35,6 +35,7 @@ By language:
 - any language: `file=PATH` writes the block; `skip="why"` leaves it alone; `needs=MODULE`: skipped where
     MODULE is not installed (`needs=vllm`: Python 3.10, `FACTORY_NO_VLLM=1`).
 A block the harness would not execute is an error: every command and snippet in the docs runs.
+A block ends where GitHub ends it, at a line of nothing but its fence; a fence with text after it is an error.
 Relative links and images of a page must exist.
 """
 from __future__ import annotations
@@ -100,6 +101,23 @@ def _checked_later(page: Page) -> None:
                 block.attrs["checked-later"] = ""
 
 
+def _closing(path: Path, lines: list[str], i: int, fence: str) -> int:
+    """The index of the line that closes the block opened at `i` with `fence` (len(lines) if none does).
+
+    As CommonMark (GitHub) has it: a line of nothing but the fence's character, at least as many of it. A
+    shorter fence is the block's text (a page showing a block inside a longer fence); one with text after
+    it is too, on GitHub, so the block would run on over the headings below it: such a line is refused."""
+    for j in range(i + 1, len(lines)):
+        m = _FENCE.match(lines[j])
+        if m and m.group("fence")[0] == fence[0] and len(m.group("fence")) >= len(fence):
+            if m.group("info").strip():
+                raise DocError(f"{path.relative_to(REPO).as_posix()}:{j + 1}: a fence with text after it closes "
+                               f"no block on GitHub (the block of line {i + 1} runs on): put the text on a line "
+                               "of its own")
+            return j
+    return len(lines)
+
+
 def parse(path: Path) -> Page:
     page = Page(path)
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -116,10 +134,8 @@ def parse(path: Path) -> Page:
         for token in shlex.split(rest):
             key, sep, value = token.partition("=")
             attrs[key] = value if sep else ""
-        body, j = [], i + 1
-        while j < len(lines) and not lines[j].strip().startswith(fence):
-            body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
-            j += 1
+        j = _closing(path, lines, i, fence)
+        body = [line[indent:] if line[:indent].strip() == "" else line for line in lines[i + 1:j]]
         page.blocks.append(Block(path, i + 1, lang.lower(), attrs, "\n".join(body) + "\n"))
         i = j + 1
     _checked_later(page)
@@ -416,12 +432,13 @@ def anchors(path: Path) -> set[str]:
     """GitHub's anchors of a markdown file's headings."""
     from factory.commands.reference import anchor
 
-    found, fenced = set(), False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if _FENCE.match(line):
-            fenced = not fenced
-        elif not fenced and line.startswith("#"):
-            found.add(anchor(line.lstrip("#").strip()))
+    found, lines, i = set(), path.read_text(encoding="utf-8").splitlines(), 0
+    while i < len(lines):
+        if m := _FENCE.match(lines[i]):
+            i = _closing(path, lines, i, m.group("fence"))
+        elif lines[i].startswith("#"):
+            found.add(anchor(lines[i].lstrip("#").strip()))
+        i += 1
     return found
 
 

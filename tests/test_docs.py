@@ -16,7 +16,14 @@ from tests.docblocks import REPO, Block, check_links, parse, run_block, workdir
 PAGES = sorted([*(REPO / "docs").rglob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
 
 
-SLOW_PAGES = [p for p in PAGES if any("slow" in b.attrs for b in parse(p).blocks)]
+def _has_slow_blocks(path: Path) -> bool:
+    try:
+        return any("slow" in b.attrs for b in parse(path).blocks)
+    except docblocks.DocError:  # a page the harness refuses fails its own test_page, not the collection
+        return False
+
+
+SLOW_PAGES = [p for p in PAGES if _has_slow_blocks(p)]
 
 
 def _run_page(path: Path, cwd: Path, slow: bool) -> None:
@@ -64,6 +71,38 @@ def test_harness_parses_info_strings(tmp_path):
     (block,) = _page(tmp_path, '# t\n\n```bash run-overrides="train.steps=1 a.b=2" skip="no GPU"\nx\n```\n')
     assert (block.lang, block.attrs, block.text, block.line) == (
         "bash", {"run-overrides": "train.steps=1 a.b=2", "skip": "no GPU"}, "x\n", 3)
+
+
+def test_harness_closes_a_block_where_github_does(tmp_path):
+    """Only a line of nothing but the opening fence's character, at least as many, closes a block
+    (CommonMark, which GitHub renders): a shorter fence inside is the block's text."""
+    (block,) = _page(tmp_path, "````markdown\n```bash\nx\n```\n````\n")
+    assert (block.lang, block.text) == ("markdown", "```bash\nx\n```\n")
+
+
+def test_a_fence_with_text_after_it_inside_a_block_is_refused(tmp_path):
+    # GitHub takes "``` text" as more of the block, which then runs on over the headings below it
+    with pytest.raises(docblocks.DocError, match=r"docs/.harness-test.md:3: .*closes no block on GitHub"):
+        _page(tmp_path, "```yaml\na: 1\n``` The text after it.\n\n## A heading\n\n```yaml\nb: 2\n```\n")
+
+
+def test_anchors_skip_headings_in_blocks_as_github_does():
+    page = REPO / "docs" / ".harness-test.md"
+    page.write_text("````markdown\n```\n# inside\n````\n\n# outside\n")
+    try:
+        assert docblocks.anchors(page) == {"outside"}
+    finally:
+        page.unlink()
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_harness_runs_the_blocks_github_shows(path):
+    """The harness's blocks are those that GitHub renders (markdown-it-py, rich's markdown parser, is CommonMark)."""
+    from markdown_it import MarkdownIt
+
+    fences = [t.map[0] + 1 for t in MarkdownIt("commonmark").parse(path.read_text(encoding="utf-8"))
+              if t.type == "fence"]
+    assert [b.line for b in parse(path).blocks] == fences
 
 
 def test_harness_appends_overrides_to_factory_run_only():
