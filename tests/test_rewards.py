@@ -87,6 +87,20 @@ def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     assert numeric_match("q", "<answer>1e999999999999999999999</answer>", answer="1") == 0.0  # past decimal's too
 
 
+def test_numeric_match_tolerance_is_relative_as_math_isclose():
+    # It was absolute below a ground truth of 1 (rel_tol * max(1, |truth|)): a wrong sign, or 0 for 5e-7, scored 1.0.
+    assert numeric_match("q", "<answer>-0.004</answer>", answer="0.005", rel_tol=0.01) == 0.0
+    assert numeric_match("q", "<answer>0</answer>", answer="0.0000005") == 0.0
+    assert numeric_match("q", "<answer>0.00499</answer>", answer="0.005", rel_tol=0.01) == 1.0
+    assert numeric_match("q", "<answer>101</answer>", answer="100", rel_tol=0.01) == 1.0  # of the larger, as isclose
+    assert numeric_match("q", "<answer>102</answer>", answer="100", rel_tol=0.01) == 0.0
+    assert numeric_match("q", "<answer>0</answer>", answer="0") == 1.0
+    # abs_tol: a floor of the user's choosing, for ground truths near 0
+    assert numeric_match("q", "<answer>-0.004</answer>", answer="0.005", rel_tol=0.01, abs_tol=0.01) == 1.0
+    assert numeric_match("q", "<answer>0.0001</answer>", answer="0", abs_tol=1e-3) == 1.0
+    assert numeric_match("q", "<answer>0.0001</answer>", answer="0") == 0.0
+
+
 def test_exact_match_ignores_case_and_space():
     assert exact_match("q", "<answer> Paris </answer>", answer="paris") == 1.0
     assert exact_match("q", "<answer>Lyon</answer>", answer="paris") == 0.0

@@ -67,10 +67,13 @@ def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn]
     return float(got is not None and got.strip().lower() == str(answer).strip().lower())
 
 
-def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6,
+def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6, abs_tol: float = 0.0,
                   turns: Sequence[Turn] | None = None, **_: object) -> float:
-    """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol.
+    """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol, a relative
+    tolerance, or within abs_tol, an absolute one (as math.isclose).
 
+    rel_tol is a share of the larger of the two numbers in magnitude; abs_tol is 0 by default, so only 0
+    matches a ground truth of 0: set it where answers near 0 should count (abs_tol: 1e-9, say).
     Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing.
     """
@@ -85,6 +88,7 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
         if not target.is_finite():
             return 0.0
         gap = _EXACT.abs(_EXACT.subtract(value, target))
-        return float(gap <= _EXACT.multiply(Decimal(str(rel_tol)), max(Decimal(1), abs(target))))
+        larger = max(_EXACT.abs(value), _EXACT.abs(target))
+        return float(gap <= max(_EXACT.multiply(Decimal(str(rel_tol)), larger), Decimal(str(abs_tol))))
     except (ValueError, ArithmeticError):
         return 0.0
