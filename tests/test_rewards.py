@@ -104,6 +104,10 @@ def test_numeric_match_tolerance_is_relative_as_math_isclose():
 def test_exact_match_ignores_case_and_space():
     assert exact_match("q", "<answer> Paris </answer>", answer="paris") == 1.0
     assert exact_match("q", "<answer>Lyon</answer>", answer="paris") == 0.0
+    # runs of whitespace inside count as one space (only the ends were stripped)
+    assert exact_match("q", "<answer>New  York</answer>", answer="new york") == 1.0
+    assert exact_match("q", "<answer>new\n\tyork</answer>", answer=" New   York ") == 1.0
+    assert exact_match("q", "<answer>newyork</answer>", answer="new york") == 0.0
 
 
 def test_tool_call_format_comes_from_the_parsed_calls():

@@ -62,9 +62,14 @@ def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
 
 def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn] | None = None,
                 **_: object) -> float:
-    """1.0 when the <answer> text equals the ground truth (whitespace- and case-insensitive), else 0.0."""
+    """1.0 when the <answer> text equals the ground truth (whitespace- and case-insensitive: runs of whitespace
+    count as one space), else 0.0."""
     got = extract_answer(completion, turns)
-    return float(got is not None and got.strip().lower() == str(answer).strip().lower())
+    return float(got is not None and _folded(got) == _folded(str(answer)))
+
+
+def _folded(text: str) -> str:
+    return " ".join(text.split()).lower()
 
 
 def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6, abs_tol: float = 0.0,
