@@ -202,16 +202,39 @@ def _bash(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess
                           timeout=timeout, check=False)
 
 
+def _comment_start(line: str) -> int:
+    """Where a shell comment starts in `line`, len(line) if none: bash's rule, a `#` outside quotes that
+    begins a word (shlex's `comments=True` also cuts `a=b#c`, which bash reads as one word)."""
+    quote, k = "", 0
+    while k < len(line):
+        c = line[k]
+        if quote:
+            if c == quote:
+                quote = ""
+            elif c == "\\" and quote == '"':
+                k += 1
+        elif c == "\\":
+            k += 1
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (k == 0 or line[k - 1] in " \t;&|()"):
+            return k
+        k += 1
+    return len(line)
+
+
 def _with_overrides(script: str, overrides: str) -> str:
-    """`factory run SPEC ...` -> `factory run SPEC ... OVERRIDES`, at the end of each such command."""
+    """`factory run SPEC ...` -> `factory run SPEC ... OVERRIDES`, at the end of each such command (before a
+    comment after it: in the comment, they would be no part of the command)."""
     out = []
     for line in script.splitlines():
-        parts = re.split(r"(&&|\|\||;|\|)", line)
+        cut = _comment_start(line)
+        parts = re.split(r"(&&|\|\||;|\|)", line[:cut])
         for k, part in enumerate(parts):
             if re.search(r"(^|\s)factory run\s", part):
                 body = part.rstrip()
                 parts[k] = f"{body} {overrides}" + part[len(body):]
-        out.append("".join(parts))
+        out.append("".join(parts) + line[cut:])
     return "\n".join(out)
 
 

@@ -106,10 +106,15 @@ def test_the_harness_runs_the_blocks_github_shows(path):
 
 
 def test_harness_appends_overrides_to_factory_run_only():
-    script = "factory check s.yaml && factory run s.yaml a=1 | tee log\nfactory run t.yaml  # c"
+    script = ("factory check s.yaml && factory run s.yaml a=1 | tee log\nfactory run t.yaml  # c; factory run u\n"
+              "factory run 'x#y.yaml' a=b#c")
     assert docblocks._with_overrides(script, "train.steps=1") == (
         "factory check s.yaml && factory run s.yaml a=1 train.steps=1 | tee log\n"
-        "factory run t.yaml  # c train.steps=1")
+        "factory run t.yaml train.steps=1  # c; factory run u\n"  # before the comment, never in it
+        "factory run 'x#y.yaml' a=b#c train.steps=1")  # a # in quotes or inside a word starts no comment
+    script = docblocks._with_overrides("echo factory run t.yaml  # five steps", "train.steps=1")
+    assert subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout == \
+        "factory run t.yaml train.steps=1\n"
 
 
 def test_console_output_matching():
