@@ -63,15 +63,22 @@ KL_ESTIMATORS = Registry("KL estimator")
 
 # ---------------------------------------------------------------------------------------- advantages
 def _group_stats(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sample mean and unbiased std of its group (groups need not be contiguous). A group of one
-    has std 0: it carries no comparison, so it counts as zero-variance."""
+    """Per-sample mean and unbiased std of its group (groups need not be contiguous), in float64. A group
+    of one has std 0: it carries no comparison, so it counts as zero-variance.
+
+    float64 because the rewards come in float32: there the mean of eight 10.1s is one ulp off 10.1, every
+    deviation is that ulp and their std (~1e-6) passes std_eps, so a group whose rewards all agree looked
+    spread and grpo divided the rounding error by itself (+-0.93 each). In float64 the sum of identical float32
+    values is exact, so is their mean, and any other rounding is far below std_eps. The estimators cast their
+    advantages back to the rewards' dtype."""
+    x = rewards.double()  # [N]
     _, inv = torch.unique(group_ids, return_inverse=True)  # [N] dense group index
     k = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, torch.ones_like(rewards))  # [G]
-    mean = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, rewards) / count  # [G]
-    sq = torch.zeros(k, dtype=rewards.dtype).index_add_(0, inv, (rewards - mean[inv]) ** 2)  # [G]
+    count = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, torch.ones_like(x))  # [G]
+    mean = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, x) / count  # [G]
+    sq = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, (x - mean[inv]) ** 2)  # [G]
     std = (sq / (count - 1).clamp(min=1)).sqrt()  # [G] Bessel-corrected, as torch.std / TRL / verl
-    return mean[inv], std[inv]  # [N], [N]
+    return mean[inv], std[inv]  # [N], [N] float64
 
 
 @ADVANTAGES.register("grpo")
@@ -80,14 +87,14 @@ def grpo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
     would turn float noise into large advantages that Adam then amplifies."""
     mean, std = _group_stats(rewards, group_ids)
     flat = std < eps
-    return torch.where(flat, 0.0, (rewards - mean) / torch.where(flat, 1.0, std))
+    return torch.where(flat, 0.0, (rewards.double() - mean) / torch.where(flat, 1.0, std)).to(rewards.dtype)
 
 
 @ADVANTAGES.register("dr_grpo")
 def dr_grpo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
     """r - group mean, no std scaling (Dr.GRPO: the std divides easy and hard prompts unequally)."""
     mean, std = _group_stats(rewards, group_ids)
-    return torch.where(std < eps, 0.0, rewards - mean)
+    return torch.where(std < eps, 0.0, rewards.double() - mean).to(rewards.dtype)
 
 
 @ADVANTAGES.register("rloo")
@@ -95,13 +102,15 @@ def rloo_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
     """r_i - mean of the OTHER samples of the group = G/(G-1) * (r_i - group mean) (Ahmadian et al.)."""
     mean, std = _group_stats(rewards, group_ids)
     _, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    g = count[inv].to(rewards.dtype)  # [N] size of each sample's group
-    return torch.where(std < eps, 0.0, (rewards - mean) * g / (g - 1).clamp(min=1))
+    g = count[inv].double()  # [N] size of each sample's group
+    return torch.where(std < eps, 0.0, (rewards.double() - mean) * g / (g - 1).clamp(min=1)).to(rewards.dtype)
 
 
 def _batch_normalise(x: Tensor, eps: float) -> Tensor:
-    std = x.std() if x.numel() > 1 else x.new_zeros(())
-    return torch.zeros_like(x) if std < eps else (x - x.mean()) / std
+    """(x - mean) / std over the whole batch, 0 when it agrees; in float64 as `_group_stats`, cast back."""
+    d = x.double()
+    std = d.std() if d.numel() > 1 else d.new_zeros(())
+    return torch.zeros_like(x) if std < eps else ((d - d.mean()) / std).to(x.dtype)
 
 
 @ADVANTAGES.register("reinforce_pp")
@@ -115,20 +124,21 @@ def reinforce_pp_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: 
     """REINFORCE++-baseline: subtract the group mean, then divide by the batch std of the result (its
     batch mean is already 0). Zero-variance groups stay exactly 0."""
     mean, std = _group_stats(rewards, group_ids)
-    centred = torch.where(std < eps, 0.0, rewards - mean)
+    centred = torch.where(std < eps, 0.0, rewards.double() - mean)  # [N] float64
     scale = centred.std() if centred.numel() > 1 else centred.new_zeros(())
     # not re-centred on the float batch mean (~1e-8, not 0): that left zero-variance groups' rows a hair off 0,
     # so the update's zero-advantage skip never saw them
-    return torch.zeros_like(centred) if scale < eps else centred / scale
+    return torch.zeros_like(rewards) if scale < eps else (centred / scale).to(rewards.dtype)
 
 
 @ADVANTAGES.register("mean_baseline")
 def mean_baseline_advantage(rewards: Tensor, group_ids: Tensor, *, eps: float) -> Tensor:
     """r - batch mean: plain REINFORCE with a mean baseline, for group_size 1 (the group-mean variant
-    is `dr_grpo`). Zero when the whole batch agrees."""
-    if rewards.numel() < 2 or rewards.std() < eps:
+    is `dr_grpo`). Zero when the whole batch agrees (float64, as `_group_stats`)."""
+    x = rewards.double()
+    if x.numel() < 2 or x.std() < eps:
         return torch.zeros_like(rewards)
-    return rewards - rewards.mean()
+    return (x - x.mean()).to(rewards.dtype)
 
 
 # ----------------------------------------------------------------------------------- turn credit
@@ -139,13 +149,15 @@ def discounted_turn_returns(rewards: Tensor, gamma: float) -> Tensor:
     The discounted return of RL (Sutton & Barto, ch. 3), divided by the sum of its weights: a turn's
     reward here is a rate that the reward graph defines per turn (a trajectory-level node counts at every
     turn), so the return keeps its scale whatever the number of turns left. gamma = 1: the mean of this
-    and later turns (G_0 is the trajectory's reward, the mean over its turns); gamma = 0: r_k alone."""
-    out = torch.empty_like(rewards)  # [K]
+    and later turns (G_0 is the trajectory's reward, the mean over its turns); gamma = 0: r_k alone.
+    Summed in float64 and cast back: in float32 the returns of a trajectory scoring 10 at every turn came out an
+    ulp or two apart, which group standardisation then amplified as it did for `_group_stats`."""
+    out = torch.empty(rewards.shape, dtype=torch.float64)  # [K]
     num = den = 0.0
-    for k in range(rewards.numel() - 1, -1, -1):  # K is a handful of turns: a plain backward scan
-        num, den = rewards[k] + gamma * num, 1.0 + gamma * den
+    for k, r in reversed(list(enumerate(rewards.double().tolist()))):  # a handful of turns: a plain backward scan
+        num, den = r + gamma * num, 1.0 + gamma * den
         out[k] = num / den
-    return out
+    return out.to(rewards.dtype)
 
 
 def turn_advantages(turn_rewards: list[Tensor], group_ids: Tensor, *, gamma: float, advantage: str,

@@ -131,6 +131,19 @@ def test_every_group_advantage_leaves_a_zero_variance_group_exactly_zero():
             assert ADVANTAGES[name](rewards, groups, eps=1e-6)[:4].eq(0).all(), name
 
 
+@pytest.mark.parametrize("reward", [8.1, 10.1, 20.3, 12.7])
+def test_a_group_of_equal_float32_rewards_gets_exactly_zero_advantage(reward):
+    """Rewards reach the estimators in float32 (update/batch.py). The float32 mean of eight 10.1s is one ulp off
+    10.1, so every deviation is that ulp, their Bessel std (~1e-6) passed std_eps 1e-6 and grpo divided the
+    rounding error by itself: every sample got +-0.93, and dynamic sampling kept the group as signal."""
+    for size in (6, 8, 16):
+        rewards, groups = torch.full((size,), reward), torch.zeros(size, dtype=torch.long)
+        for name in ADVANTAGES.names():
+            adv = ADVANTAGES[name](rewards, groups, eps=1e-6)
+            assert adv.dtype == torch.float32 and adv.eq(0).all(), (name, size, adv.tolist())
+        assert not dynamic_sampling_keep(rewards, groups, 1e-6).any(), size
+
+
 def test_reinforce_pp_baseline_group_centred_then_batch_std():
     # group-centred = (-1, -1, 1, 1, 0, 0), batch mean 0, std = sqrt(4 / 5): 1/sqrt(0.8) = 1.1180;
     # the flat group stays exactly 0.

@@ -160,6 +160,34 @@ def test_dynamic_sampling_under_turn_credit_keeps_groups_whose_turns_differ():
     assert turn_dynamic_sampling_keep(rewards, groups, 1.0, 1e-6).tolist() == [True, True, False, False, False, False]
 
 
+def test_turn_credit_gives_zero_advantage_to_a_group_whose_rewards_all_agree():
+    """Every trajectory of the group scored 10 at every turn (a trajectory-level node), over 1 to 6 turns, gamma 0.8.
+    Each turn return is 10, but the float32 backward scan left it an ulp or two off, and grpo turned that rounding
+    into advantages up to 1.79; dynamic sampling kept the group. The same with 10.1 and gamma 1."""
+    from factory.algorithms import turn_dynamic_sampling_keep
+
+    groups = torch.zeros(6, dtype=torch.long)
+    for value, gamma in ((10.0, 0.8), (10.1, 1.0), (10.1, 0.8)):
+        rewards = [torch.full((k,), value) for k in range(1, 7)]
+        for name in ADVANTAGES.names():
+            adv = turn_advantages(rewards, groups, gamma=gamma, advantage=name, eps=1e-6)
+            assert all(a.dtype == torch.float32 and a.eq(0).all() for a in adv), (name, value, gamma, adv)
+        assert not turn_dynamic_sampling_keep(rewards, groups, gamma, 1e-6).any(), (value, gamma)
+
+
+def test_the_update_skips_a_group_whose_float32_rewards_all_agree():
+    """Through the learner: 8 samples of one prompt all scored 10.1 (say `sum: {correct: 10, format: 0.1}`).
+    targets() gave every row +-0.935, the zero-advantage skip ran all 8 rows and the step counted no
+    zero-advantage group."""
+    from factory.update.batch import without_zero_advantage
+    from factory.update.learner import _zero_groups
+
+    trajs = [traj([1, 1], [2], 10.1) for _ in range(8)]
+    got = targets(trajs, resolve(AlgorithmSpec(name="grpo")), 64, None, None, torch.ones(8, 2))
+    assert without_zero_advantage([[list(range(8))]], got.adv, 8) == [[]], got.adv.tolist()
+    assert _zero_groups(got.adv, got.groups) == 1
+
+
 def test_dynamic_sampling_under_turn_credit_compares_returns_at_the_same_position_only():
     """Group 0's trajectories are the same [1, 0] twice: at each position the returns agree (gamma 1: 0.5 at
     turn 0, 0 at turn 1), so every turn's advantage is 0 and the group is dropped, though its returns differ
