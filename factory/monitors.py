@@ -12,7 +12,8 @@ learning the reward rather than the task (verl#7004: today people catch it by re
 
 The task metric is the first `metrics` entry: its node's mean over the training batch (`rewards/<node>/
 mean`) and its held-out value (`eval/<name>`). "Does not move" compares the recent window (the last
-`train.monitors.window` steps) with the run's first `window` steps (`task_gain`).
+`train.monitors.window` steps) with the run's first `window` steps (`task_gain`), both counted over the steps
+that have a value (`windows`).
 
 Each monitor is a pure function of the run's history -- one `Row` of floats per step (`step_row` makes it
 from the step's trajectories and metrics) plus the evaluations -- and the thresholds; it returns a Reading
@@ -81,12 +82,14 @@ def _mean(values: Iterable[float | None]) -> float:
 
 
 def windows(h: History, key: str, w: int) -> tuple[float, float] | None:
-    """(mean of `key` over the first `w` steps, over the last `w`), or None before step w + 1 or when a
-    side has no value."""
-    if len(h.rows) < w + 1:
+    """(mean of `key` over the first `w` steps that have a value for it, over the last `w` such steps), or
+    None before the (w + 1)th of them. Steps without a value (step_row's NaN: no trajectory trained, say a
+    tool outage) are left out: as the run's first `w` rows, they made a NaN baseline that kept every
+    window monitor silent for the rest of the run."""
+    known = [float(v) for r in h.rows if (v := r.get(key)) is not None and math.isfinite(v)]
+    if len(known) < w + 1:
         return None
-    first, last = (_mean([r.get(key, math.nan) for r in part]) for part in (h.rows[:w], h.rows[-w:]))
-    return None if math.isnan(first) or math.isnan(last) else (first, last)
+    return _mean(known[:w]), _mean(known[-w:])
 
 
 def task_gain(h: History, w: int) -> float | None:

@@ -655,7 +655,8 @@ MonitorName = Literal["reward_dominance", "length_drift", "tool_call_rate", "jud
 
 class MonitorsSpec(Section):
     """Thresholds of the reward-hacking monitors (factory.monitors: what each one computes). Each step's
-    recent window (the last `window` steps) is compared with the run's first `window` steps."""
+    recent window (the last `window` steps) is compared with the run's first `window` steps; a step where no
+    trajectory trained has no value and is not counted."""
 
     window: int = Field(2, ge=1)
     """Steps averaged on each side of a comparison; a monitor speaks from step `window` + 1 on."""

@@ -176,6 +176,24 @@ def test_each_monitor_on_histories(name, series, fires):
     assert reading is not None and reading.fired is fires, reading
 
 
+def test_steps_without_a_value_are_not_the_baseline():
+    """Steps 1-2 trained nothing (a tool outage: step_row gives every statistic NaN). The baseline was the run's
+    first `window` rows whatever they held, so it stayed NaN and every window monitor was silent for the whole
+    run, however the policy drifted; it is the first `window` steps that have a value."""
+    empty = {"reward": math.nan, "task": math.nan, "length": math.nan, "tool_calls": math.nan}
+    healthy = [{"reward": 0.2, "task": 0.2, "length": 20.0, "tool_calls": 0.5}] * 2
+    hacked = [{"reward": 0.9, "task": 0.2, "length": 90.0, "tool_calls": 4.5, "share/fmt": 1.0}] * 10
+    h = History([empty, empty, *healthy, *hacked], evals=[(0, 0.5), (12, 0.2)])
+    for name in ("reward_dominance", "length_drift", "tool_call_rate", "train_eval_divergence"):
+        reading = MONITORS[name](h, S)
+        assert reading is not None and reading.fired, (name, reading)
+    r = MONITORS["length_drift"](h, S)
+    assert r.value == pytest.approx(90.0 / 20.0) and "went from 20 (first 2 steps) to 90 (last 2)" in r.why
+    # as from step window + 1 in a run without gaps, it speaks from the (window + 1)th step with a value
+    assert MONITORS["length_drift"](History([empty, *healthy, empty, empty]), S) is None
+    assert MONITORS["length_drift"](History([empty, *healthy, empty, hacked[0]]), S).value == pytest.approx(55 / 20)
+
+
 def test_the_largest_share_and_the_worst_judge_are_the_ones_read():
     """Two rival nodes (or two judges): the monitor reads the one that dominates (disagrees) most, and names it."""
     r = MONITORS["reward_dominance"](History(rows(task=[0.0, 0.0, 0.0], **{"share/fmt": [0.9, 0.9, 0.9],
