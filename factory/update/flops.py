@@ -9,6 +9,7 @@ show up as a lower FLOP/s, which is what the number is for.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 class ModelShape:
     """What the count needs from a causal LM."""
 
-    body_params: int  # weights of the matrices every token passes through (embeddings and lm_head excluded)
+    body_params: int  # weights of the matrices a token passes through (embeddings and lm_head excluded)
     layers: int
     attention_dim: int  # query heads x head size
     hidden: int
@@ -27,14 +28,32 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
+        """The body is every 2-D weight (Linear, GPT-2's Conv1D, a MoE router) outside an embedding table (a
+        lookup: the input's, GPT-2's positions wpe) and the output head, plus each layer's experts. transformers
+        stores those as 3-D stacks [E, out, in] (mlp.experts.gate_up_proj), of which a token goes through
+        `num_experts_per_tok`: they count that share of E."""
         cfg = model.config
-        # ZeRO-3 partitions parameters (numel() is then 0 on this rank); ds_numel keeps the full size.
         head = model.get_output_embeddings()
         skip = {id(model.get_input_embeddings().weight), id(head.weight) if head is not None else None}
-        body = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) == 2
-                   and id(p) not in skip)
+        top_k = getattr(cfg, "num_experts_per_tok", None)
+        names = ("num_local_experts", "num_experts", "n_routed_experts")  # E as Mixtral, Qwen3-MoE, DeepSeek name it
+        experts = next((n for k in names if (n := getattr(cfg, k, None))), None)
+        body = 0.0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                continue
+            for name, p in module.named_parameters(recurse=False):
+                # ZeRO-3 partitions parameters (numel() is then 0 on this rank); ds_shape keeps the full shape.
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                if id(p) in skip or name.endswith("bias"):  # a bias (GPT-OSS's experts' are [E, out]) is no matmul
+                    continue
+                if len(shape) == 2:
+                    body += math.prod(shape)
+                elif len(shape) == 3 and top_k and shape[0] == experts:
+                    body += math.prod(shape) * top_k / experts
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(body, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, cfg.hidden_size, cfg.vocab_size)
+        return cls(round(body), cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, cfg.hidden_size,
+                   cfg.vocab_size)
 
 
 def forward_flops(shape: ModelShape, lengths: Sequence[tuple[int, int]], shared: int = 0) -> float:
