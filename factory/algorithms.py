@@ -377,23 +377,34 @@ def max_variance_keep(rewards: Tensor, group_ids: Tensor, m: int) -> Tensor:
     """BoolTensor[N]: m samples of each group, those whose rewards have the largest variance (PODS
     max-variance down-sampling, Xu et al. 2025). Among m of a group's sorted rewards the variance is
     largest for some k best together with the m - k worst (their lemma), so m + 1 candidates are tried.
-    Ties keep the earlier sample, and among equal variances the smaller k: the choice is deterministic,
-    the same on every rank. A group of m or fewer keeps all of its samples."""
+    Ties keep the earlier sample, and among equal variances the subset first in lexicographic order of batch
+    positions, as `max_turn_variance_keep` chooses: on one-turn trajectories both keep the same samples (for
+    m >= 2, as train_per_group has it; of one sample none spreads, and this keeps an extreme), and
+    the choice is deterministic, the same on every rank. A group of m or fewer keeps all of its samples."""
     keep = torch.zeros(rewards.shape, dtype=torch.bool)
     for g in group_ids.unique():
         members = (group_ids == g).nonzero().flatten()  # [G] in batch order
         if len(members) <= m:
             keep[members] = True
             continue
-        order = members[torch.sort(rewards[members].double(), stable=True).indices]  # [G] worst first
-        best, best_var = None, -1.0
+        values = rewards[members].double()  # [G]
+        ranked = values.sort().values  # [G] worst first
+        candidates = []
         for k in range(m + 1):  # the k best and the m - k worst
-            chosen = torch.cat([order[: m - k], order[len(order) - k:]])
-            var = float(rewards[chosen].double().var(unbiased=False))
-            if var > best_var + 1e-12:
-                best, best_var = chosen, var
-        keep[best] = True
+            chosen = torch.cat([ranked[: m - k], ranked[len(ranked) - k:]])  # [m] their values
+            candidates.append((float(chosen.var(unbiased=False)), _earliest_with(values, chosen)))
+        most = max(var for var, _ in candidates)
+        keep[members[min(pos for var, pos in candidates if var >= most - 1e-12)]] = True
     return keep
+
+
+def _earliest_with(values: Tensor, chosen: Tensor) -> list[int]:
+    """The positions in `values` [G] of the values `chosen` [m], each taken by the earliest position holding
+    it that is not taken yet (sorted): of the subsets with those values, the first in lexicographic order."""
+    taken = torch.zeros(values.shape, dtype=torch.bool)
+    for v in chosen.tolist():
+        taken[int(((values == v) & ~taken).nonzero()[0])] = True
+    return taken.nonzero().flatten().tolist()
 
 
 # Above this many subsets of one group `max_turn_variance_keep` stops trying them all: C(16, 8) = 12870, so

@@ -392,6 +392,35 @@ def test_max_variance_keep_takes_the_extremes_of_each_group():
     assert got == [0, 1, 2, 6, 8, 9, 10, 11, 12, 13]
 
 
+def test_max_variance_keep_ties_keep_the_earlier_sample():
+    """m = 2 of (1, 1, 0, 0, 0): one 1 and one 0, the earlier of each (samples 0 and 2). The best were taken from
+    the top of an ascending sort, so the later 1 (sample 1) was kept, against the docstring, and against
+    max_turn_variance_keep, which keeps samples 0 and 2 of the same one-turn trajectories."""
+    from factory.algorithms import max_turn_variance_keep
+
+    rewards, groups = t([1.0, 1.0, 0.0, 0.0, 0.0]), torch.zeros(5, dtype=torch.long)
+    assert max_variance_keep(rewards, groups, 2).tolist() == [True, False, True, False, False]
+    assert max_turn_variance_keep([r.reshape(1) for r in rewards], groups, 2, 1.0).tolist() == [
+        True, False, True, False, False]
+    # ties among the best and the worst at once, interleaved: 3 of (0, 2, 2, 0, 0, 2) are the first 2, then 0 and 2
+    assert max_variance_keep(t([0.0, 2.0, 2.0, 0.0, 0.0, 2.0]), torch.zeros(6, dtype=torch.long), 3).tolist() == [
+        True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_max_variance_keep_chooses_as_the_turn_search_on_one_turn_trajectories(seed):
+    """Rewards of 0, 1, 2 (ties everywhere): the m + 1 candidates choose the subset max_turn_variance_keep's
+    search over every subset chooses, so `credit: turn` and `credit: trajectory` train the same samples."""
+    from factory.algorithms import max_turn_variance_keep
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 3, (7,), generator=gen).double()
+    groups = torch.zeros(7, dtype=torch.long)
+    for m in range(2, 7):
+        by_turn = max_turn_variance_keep([r.reshape(1) for r in rewards], groups, m, 1.0)
+        assert torch.equal(max_variance_keep(rewards, groups, m), by_turn), (rewards.tolist(), m)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_max_variance_keep_finds_the_most_spread_subset(seed):
     """Against every subset of size m, on rewards with ties and without: no subset spreads more."""
