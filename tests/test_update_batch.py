@@ -10,7 +10,7 @@ from factory.algorithms import resolve
 from factory.schema import AlgorithmSpec
 from factory.types import Trajectory
 from factory.update.batch import (MIN_SHARED_PREFIX, TokenBudget, collate, common_prefix, cut, kept, plan, run_once,
-                                  shaped_rewards, shard, shared_prefix, without_zero_advantage)
+                                  shaped_rewards, shard, shared_prefix, sort_keys, without_zero_advantage)
 from factory.update.logprobs import response_logprobs
 
 
@@ -50,6 +50,21 @@ def test_plan_covers_each_sample_once_per_epoch_in_sorted_micro_batches():
     assert sched == plan(7, lengths, 2, 2, 3, seed=11)  # seeded
     assert sched[:2] != sched[2:4] or sched[2:4] != sched[4:6]  # reshuffled per epoch
     assert len(plan(2, lengths[:2], mini_batches=4, micro_batch=1, epochs=1, seed=0)) == 2  # capped at n
+
+
+def test_with_a_shared_prefix_rows_of_one_prompt_are_cut_together():
+    """Two prompts of one length, 4 samples each, their response lengths interleaved: sorted by lengths alone the
+    micro-batches mixed the prompts and shared only the system prompt; by sort_keys each is one prompt's group."""
+    system = list(range(100, 120))
+    a, b = system + [1, 2, 3, 4, 5, 6], system + [7, 8, 9, 10, 11, 12]
+    trajs = [traj(a if k % 2 == 0 else b, [0] * (3 + k), group=k % 2) for k in range(8)]
+    old = plan(8, [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs], 1, 4, 1, seed=0)
+    assert [shared_prefix([trajs[i] for i in micro]) for micro in old[0]] == [20, 20]  # the system prompt only
+    new = plan(8, sort_keys(trajs, share_prefix=True), 1, 4, 1, seed=0)
+    assert [shared_prefix([trajs[i] for i in micro]) for micro in new[0]] == [25, 25]  # all but a prompt's last
+    assert [sorted({trajs[i].prompt_index for i in micro}) for micro in new[0]] == [[0], [1]]
+    assert [[len(trajs[i].response_ids) for i in micro] for micro in new[0]] == [[3, 5, 7, 9], [4, 6, 8, 10]]
+    assert sort_keys(trajs, share_prefix=False) == [(26, (), 26 + 3 + k) for k in range(8)]  # lengths only
 
 
 def budget(limit: int, totals: list[int], prompts: list[list[int]] = ()) -> TokenBudget:

@@ -186,13 +186,25 @@ def cut(rows: list[int], micro_batch: int, budget: TokenBudget | None = None) ->
     return out + [current] if current else out
 
 
-def plan(num: int, lengths: list[tuple[int, int]], mini_batches: int, micro_batch: int, epochs: int,
+def sort_keys(trajs: Sequence[Trajectory], share_prefix: bool) -> list[tuple]:
+    """Each row's place in a mini-batch's order (`plan`): (prompt length, total length), and with
+    `share_prefix` the prompt's ids between the two, so that rows of one prompt (a group) sit together and a
+    micro-batch of them runs their whole prompt once. By lengths alone, prompts of one length mixed by total
+    length and a micro-batch shared only their common start (a system prompt): on bench/vs_trl.py's
+    quickstart batch (4 prompts of 39-41 tokens x 8, micro-batches of 8) two of its four micro-batches shared
+    30 tokens instead of a whole prompt."""
+    return [(len(t.prompt_ids), tuple(t.prompt_ids) if share_prefix else (), len(t.prompt_ids) + len(t.response_ids))
+            for t in trajs]
+
+
+def plan(num: int, lengths: Sequence[tuple], mini_batches: int, micro_batch: int, epochs: int,
          seed: int, budget: TokenBudget | None = None) -> list[list[list[int]]]:
     """The update schedule of one training step: for each epoch x mini-batch, its micro-batches as lists
     of positions in range(num).
 
     Mini-batches are a seeded random partition (factory.algorithms.minibatches, reshuffled per epoch);
-    inside one, samples are sorted by (prompt length, total length) before being cut into micro-batches
+    inside one, samples are sorted by `lengths` (`sort_keys`: prompt length, [prompt,] total length) before being
+    cut into micro-batches
     (`cut`: `micro_batch` rows, and within the token `budget` when given), so each right-padded
     micro-batch wastes little on padding and the logits window (see `collate`) stays short. The order
     inside a mini-batch does not change its gradient: the loss is normalised by the mini-batch's totals.

@@ -74,6 +74,7 @@ from factory.update.batch import (
     run_once,
     shared_prefix,
     should_pack,
+    sort_keys,
     without_zero_advantage,
 )
 from factory.update.engine import (
@@ -230,7 +231,7 @@ class Learner:
             return {**stats, "actor/tokens": 0.0, "actor/updates": 0.0, "actor/skipped_non_finite": 0.0,
                     "actor/trained_rows": 0.0}
 
-        lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in sub]
+        lengths = sort_keys(sub, self.share_prefix)
         budget = TokenBudget.of(self.spec.train.micro_batch_tokens, sub, self.share_prefix)
         schedule = plan(len(sub), lengths, alg.mini_batches, micro_batch, alg.epochs,
                         seed=self.spec.seed * 100_003 + self.steps_done * 101, budget=budget)
@@ -393,7 +394,7 @@ class Learner:
     def logprobs(self, trajs: list[Trajectory]) -> Tensor:
         """[N, max response length] log-probs of every response token under the current policy (no
         grad; zeros past each response). For evaluation and tests; step() uses the same code path."""
-        lengths = [(len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)) for t in trajs]
+        lengths = sort_keys(trajs, self.share_prefix)
         train = self.spec.train
         budget = TokenBudget.of(train.micro_batch_tokens, trajs, self.share_prefix)
         schedule = plan(len(trajs), lengths, 1, train.micro_batch, 1, 0, budget=budget)
