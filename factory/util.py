@@ -600,6 +600,8 @@ def _call_json_end(text: str, start: int) -> int | None:
             if body + window >= len(text) or not cut_short:
                 return None
             window *= 4
+        except ValueError:  # an integer past int()'s digit limit (a plain ValueError): the call's parse says so
+            return None
 
 
 def tool_call_end(text: str, start: int, *, or_text_end: bool = False) -> int | None:

@@ -103,9 +103,9 @@ def mutate(text: str, rng: random.Random) -> str:
         return text.replace(CLOSE, OPEN, 1) if rng.random() < 0.5 else text.replace(OPEN, OPEN + OPEN, 1)
     if kind == 5:  # quotes the way some models write them
         return text.replace('"', "'")
-    if kind == 6:  # deep nesting (json's recursion limit) or a huge payload
-        depth = rng.choice([50, 5_000, 200_000])
-        return f'{OPEN}{{"name": "f", "arguments": {{"x": {"[" * depth}1{"]" * depth}}}}}{CLOSE}'
+    if kind == 6:  # deep nesting (json's recursion limit), a huge payload, or more digits than int() converts
+        value = rng.choice([f'{"[" * depth}1{"]" * depth}' for depth in (50, 5_000, 200_000)] + ["1" * 5_000])
+        return f'{OPEN}{{"name": "f", "arguments": {{"x": {value}}}}}{CLOSE}'
     return text[:i] + "".join(rng.choice(NOISE) for _ in range(rng.randrange(1, 6))) + text[i:]
 
 

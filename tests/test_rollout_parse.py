@@ -1,5 +1,5 @@
 """Tool-call parsing in the Hermes/Qwen `<tool_call>{json}</tool_call>` format."""
-from factory.rollout.parse import parse_tool_calls
+from factory.rollout.parse import NEVER_CLOSED, parse_tool_calls
 from factory.types import ToolCall
 from factory.util import without_reasoning
 
@@ -178,3 +178,19 @@ def test_unclosed_calls_after_the_last_closed_one_are_read_as_between_blocks():
     assert a.parse_error == b.parse_error == "unclosed <tool_call>: no </tool_call> after it"
     (cut,) = parse_tool_calls('I will call <tool_call> now\n<tool_call>')  # no JSON after either: the first
     assert (cut.name, cut.raw, cut.arguments) == ("?", " now\n<tool_call>", None)
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_malformed_call_not_an_exception():
+    """Since Python 3.11 json raises a plain ValueError (not JSONDecodeError) on an integer of more than 4300
+    digits, a degenerate `1111...` loop in an argument: it came out of the parser and failed the rollout."""
+    big = "1" * 4301
+    closed = '<tool_call>\n{"name": "add", "arguments": {"a": ' + big + '}}\n</tool_call>'
+    (call,) = parse_tool_calls(closed, opened_before=False)
+    assert call.name == "add" and call.arguments is None
+    assert call.parse_error.startswith("invalid JSON: Exceeds the limit (4300 digits)")
+    (call,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": ' + big + '}"}</tool_call>')
+    assert call.name == "add" and call.parse_error.startswith('"arguments" string is not JSON: Exceeds the limit')
+    (call,) = parse_tool_calls(closed[:-len("</tool_call>")], opened_before=False)  # cut before its closing marker
+    assert call.parse_error == NEVER_CLOSED
+    # reasoning is still found after such a call
+    assert without_reasoning(closed + "<think>x</think> done") == closed + " done"

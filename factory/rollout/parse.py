@@ -88,10 +88,10 @@ def parse_one(raw: str) -> ToolCall:
     """One call from the text between the markers: a JSON object with `name` and `arguments`."""
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return _malformed(raw, f"invalid JSON: {e}")
     except RecursionError:  # a model can nest `[[[[...` deeper than the decoder's recursion limit
         return _malformed(raw, "invalid JSON: nested too deeply")
+    except ValueError as e:  # a JSONDecodeError, or an integer of more digits than int() converts (a plain one)
+        return _malformed(raw, f"invalid JSON: {e}")
     if not isinstance(obj, dict):
         return _malformed(raw, f"expected a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -103,10 +103,10 @@ def parse_one(raw: str) -> ToolCall:
         # Some models (and OpenAI's wire format) give the arguments as a JSON-encoded string.
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return ToolCall(name=name, arguments=None, raw=raw, parse_error=f'"arguments" string is not JSON: {e}')
         except RecursionError:
             return ToolCall(name=name, arguments=None, raw=raw, parse_error='"arguments" string is nested too deeply')
+        except ValueError as e:  # (as above)
+            return ToolCall(name=name, arguments=None, raw=raw, parse_error=f'"arguments" string is not JSON: {e}')
     if not isinstance(args, dict):
         return ToolCall(name=name, arguments=None, raw=raw,
                         parse_error=f'"arguments" must be a JSON object, got {type(args).__name__}')
