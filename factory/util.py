@@ -578,11 +578,13 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _JSON_DECODER = json.JSONDecoder()
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _TOOL_CALL_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(TOOL_CALL_CLOSE))
-_JSON_WINDOW = 4096  # characters of a call's JSON read at first (see _call_json_end)
+_JSON_WINDOW = 4096  # characters of a call's JSON read at first (see call_json_end)
 
 
-def _call_json_end(text: str, start: int) -> int | None:
-    """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there."""
+def call_json_end(text: str, start: int) -> int | None:
+    """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there; the end of
+    the text when the object reads up to a string that the text ends in (a call cut inside an argument: any marker
+    after the string's opening quote is quoted in it, not a call of its own or a call's end)."""
     body = _JSON_SPACE.match(text, start + len(TOOL_CALL_OPEN)).end()
     if not text.startswith("{", body):  # no call's object
         return None
@@ -596,8 +598,12 @@ def _call_json_end(text: str, start: int) -> int | None:
         except RecursionError:
             return None
         except json.JSONDecodeError as e:
-            cut_short = e.msg.startswith("Unterminated string") or e.pos >= len(chunk) - 8  # (`fals|e`, `\u1|2`)
-            if body + window >= len(text) or not cut_short:
+            # the decoder seeks a string's closing quote to the end of what it reads (which may end in a `\u12`)
+            in_string = e.msg.startswith("Unterminated string") or (
+                e.msg.startswith("Invalid \\uXXXX escape") and e.pos + 5 > len(chunk))
+            if body + window >= len(text):
+                return len(text) if in_string else None
+            if not (in_string or e.pos >= len(chunk) - 8):  # (cut short by the window: `fals|e`, `12|3`)
                 return None
             window *= 4
         except ValueError:  # an integer past int()'s digit limit (a plain ValueError): the call's parse says so
@@ -607,9 +613,9 @@ def _call_json_end(text: str, start: int) -> int | None:
 def tool_call_end(text: str, start: int, *, or_text_end: bool = False) -> int | None:
     """Where the tool-call block ends whose `<tool_call>` marker begins at `start`, when the JSON object after
     the marker reads and a closing marker follows it (any marker inside the JSON's strings is the call's);
-    None otherwise. `or_text_end`: also the end of the text when only whitespace follows the JSON (a turn
-    that stopped before its closing marker)."""
-    value_end = _call_json_end(text, start)
+    None otherwise. `or_text_end`: also the end of the text when only whitespace follows the JSON, or the text
+    ends inside one of its strings (a turn that stopped before its closing marker)."""
+    value_end = call_json_end(text, start)
     if value_end is None:
         return None
     if m := _TOOL_CALL_CLOSING.match(text, value_end):

@@ -281,6 +281,19 @@ def test_a_call_the_token_limit_cut_is_dropped_not_answered_as_the_models_malfor
     assert (traj.stop_reason, traj.truncated, len(traj.turns)) == ("no_call", False, 2)
 
 
+def test_a_cut_call_quoting_the_call_markers_is_dropped_whole(chat):
+    """The cut call's argument quoted `<tool_call>{...` (it read as two unclosed calls, only the last dropped) or, cut
+    after its object, `</tool_call>` (it read as a closed call with invalid JSON): the limit's cut was answered to
+    the model as its malformed call and the episode went on, not truncated."""
+    for cut in ('<tool_call>\n{"name": "add", "arguments": {"note": "a call looks like <tool_call>{\\"name\\": \\"mul',
+                '<tool_call>\n{"name": "add", "arguments": {"note": "end it with </tool_call>", "a": 1, "b": 2}}\n'):
+        box = FakeToolBox()
+        cfg = RolloutSpec(max_turns=3, max_new_tokens=len(chat.encode(cut)), max_total_tokens=1024)
+        traj = run(ScriptedEngine(chat, [(cut + "\n</tool_call>", True), ("5", True)]), chat, box, cfg)
+        assert (traj.stop_reason, traj.truncated, len(traj.turns), traj.turns[0].calls, box.calls) == (
+            "budget", True, 1, [], [])
+
+
 def test_a_toolbox_exception_is_an_infra_error_not_a_crash(chat):
     traj = run(ScriptedEngine(chat, [(call("boom", a=1, b=1), True), ("sorry", True)]), chat, FakeToolBox())
     (result,) = traj.turns[0].results

@@ -194,3 +194,30 @@ def test_an_integer_past_pythons_digit_limit_is_a_malformed_call_not_an_exceptio
     assert call.parse_error == NEVER_CLOSED
     # reasoning is still found after such a call
     assert without_reasoning(closed + "<think>x</think> done") == closed + " done"
+
+
+def test_a_call_cut_inside_an_argument_that_quotes_the_markers_is_one_never_closed_call():
+    """A turn cut inside a call whose argument quotes `<tool_call>{...` read as two unclosed calls (the agent loop
+    drops only the last, so the first -- the same cut call -- was answered as the model's malformed call); one
+    quoting a whole block read that quoted block as a closed "invalid JSON" call."""
+    head = '<tool_call>\n{"name": "write_file", "arguments": {"text": "A call looks like '
+    for quoted in ('<tool_call>{\\"name\\": \\"add', '<tool_call>{\\"name\\": \\"add\\"}</tool_call> and',
+                   '<tool_call> caf\\u00'):  # (cut inside a `\uXXXX` escape)
+        (call,) = parse_tool_calls(head + quoted, opened_before=False)
+        assert (call.name, call.parse_error, call.raw) == ("write_file", NEVER_CLOSED, (head + quoted)[11:])
+    # a string the model left open in a call it closed, before a later call, still ends at the first closing marker
+    bad, good = parse_tool_calls('<tool_call>{"name": "a", "arguments": {"x": "oops}}</tool_call>\n'
+                                 '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert bad.parse_error.startswith("invalid JSON: ") and (good.name, good.arguments) == ("b", {})
+
+
+def test_a_call_cut_before_its_closing_marker_whose_argument_quotes_it_is_never_closed():
+    """The object read whole but the turn stopped before its closing marker: the `</tool_call>` quoted in an
+    argument ended a "closed" block whose JSON was then invalid -- the model's error, not the limit's cut."""
+    text = '<tool_call>\n{"name": "write_file", "arguments": {"text": "end a call with </tool_call>"}}\n'
+    (call,) = parse_tool_calls(text, opened_before=False)
+    assert (call.name, call.parse_error, call.raw) == ("write_file", NEVER_CLOSED, text[11:])
+    # with text between the object and a closing marker, the model closed the call: its error, to that marker
+    text = '<tool_call>{"name": "w", "arguments": {"t": "</tool_call>"}} oops</tool_call>'
+    (call,) = parse_tool_calls(text)
+    assert call.parse_error.startswith("invalid JSON: Extra data") and call.raw == text[11:-12]

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 from factory.types import ToolCall
 from factory.util import TOOL_CALL_CLOSE as CLOSE
 from factory.util import TOOL_CALL_OPEN as OPEN
-from factory.util import tool_call_end, without_reasoning
+from factory.util import call_json_end, without_reasoning
 
 # A block holds no other opening marker: `<tool_call>` written in prose before a real call must not swallow it.
 _BLOCK = re.compile(re.escape(OPEN) + r"((?:(?!" + re.escape(OPEN) + r").)*?)" + re.escape(CLOSE), re.DOTALL)
-# An opening marker that a call's JSON follows: before a closed block, one the model never closed.
+# The closing marker after a call's JSON object, by the same rule (what lies between is the model's error).
+_CLOSING = re.compile(r"(?:(?!" + re.escape(OPEN) + r").)*?" + re.escape(CLOSE), re.DOTALL)
+# An opening marker that a call's JSON follows, where the JSON does not read: a call the model never closed.
 _UNCLOSED = re.compile(re.escape(OPEN) + r"(?=\s*\{)")
 # Best effort for the name of a call whose JSON is broken, so its error is attributed to the right tool.
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
@@ -31,57 +32,47 @@ NEVER_CLOSED = f"unclosed {OPEN}: no {CLOSE} after it"
 
 
 def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
-    """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call never closed is one
-    malformed call: each opening marker followed by `{` and no closing one, its text running to the next
-    marker (a mention of the marker in prose, with no `{` after it, is not a call), or, after the last closed
-    block where no marker has a `{` after it, the first marker there (a turn cut off right after it).
+    """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call ends at the first closing
+    marker after its JSON object where that reads (a marker inside the object's strings is the call's), else at
+    the first after its opening marker; no other opening marker comes before it. A call never closed is one
+    malformed call: each opening marker followed by `{` and no closing one, its text running to the next marker
+    after its object, or to the end of the text where the text ends inside one of the object's strings (a turn cut
+    inside an argument: the markers after are quoted in it); a mention of the marker in prose, with no `{` after
+    it, is not a call. After the last closed call, where no marker has a `{` after it, the first marker there is
+    one too (a turn cut off right after it).
     `opened_before=False`: the text begins with any `<think>` its prompt opened (the agent loop writes
     ChatFormat.reasoning_opened into each turn's text), so a `</think>` with none before it is the model's own
     (in an argument) and drops no call before it; True (a completion as a reward reads it): all before a
     leading `</think>` is reasoning."""
     text = without_reasoning(text, opened_before=opened_before)
     calls: list[ToolCall] = []
-    last_end = 0
-    for start, end, raw in _blocks(text):
-        calls += _unclosed(text[last_end:start])
-        calls.append(parse_one(raw))
-        last_end = end
-    # Whatever follows the last closed block: an opening marker there was never closed (the model ran
-    # out of tokens or forgot the marker). Each one a call's JSON follows is a call, as between blocks (two
-    # such calls were one, its text holding both); else the first marker, with whatever it was cut to.
-    tail = text[last_end:]
-    if OPEN in tail:
-        calls += _unclosed(tail) or [_malformed(tail[tail.index(OPEN) + len(OPEN):], NEVER_CLOSED)]
-    return calls
-
-
-def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
-    """Each closed block, in order: (start, end, the text between its markers). A block's JSON object is read
-    first, so a marker inside one of its strings (an argument that quotes `</tool_call>`) does not end it; a
-    block whose JSON object does not read ends at the first closing marker (holding no opening one, as
-    `_BLOCK` says)."""
-    pos = 0
+    pos = tail = 0  # tail: where the text after the last closed call begins
     while (start := text.find(OPEN, pos)) >= 0:
-        body = start + len(OPEN)
-        end = tool_call_end(text, start)
-        if end is None:
-            m = _BLOCK.match(text, start)
-            if m is None:  # never closed: left to _unclosed or the tail
-                pos = body
-                continue
-            end = m.end()
-        yield start, end, text[body:end - len(CLOSE)]
-        pos = end
-
-
-def _unclosed(gap: str) -> list[ToolCall]:
-    """The calls opened in the text between two closed blocks and never closed (a block holds no opening
-    marker, so the later block's match starts after them); each one's text runs to the next marker."""
-    calls = []
-    for m in _UNCLOSED.finditer(gap):
-        end = gap.find(OPEN, m.end())
-        calls.append(_malformed(gap[m.end():end if end >= 0 else None], NEVER_CLOSED))
+        body = pos = start + len(OPEN)
+        if (end := call_json_end(text, start)) is not None:
+            if closing := _CLOSING.match(text, end):
+                calls.append(parse_one(text[body:closing.end() - len(CLOSE)]))
+                pos = tail = closing.end()
+            else:  # the turn stopped after the object, or inside one of its strings, before the closing marker
+                calls.append(_never_closed(text, body, end))
+                pos = end
+        elif block := _BLOCK.match(text, start):
+            calls.append(parse_one(block.group(1)))
+            pos = tail = block.end()
+        elif _UNCLOSED.match(text, start):
+            calls.append(_never_closed(text, body, body))
+    # No call opened after the last closed one (only an unclosed call has NEVER_CLOSED) but a marker there: the
+    # model ran out of tokens right after it (or forgot the call's JSON).
+    if (not calls or calls[-1].parse_error != NEVER_CLOSED) and (first := text.find(OPEN, tail)) >= 0:
+        calls.append(_malformed(text[first + len(OPEN):], NEVER_CLOSED))
     return calls
+
+
+def _never_closed(text: str, body: int, after: int) -> ToolCall:
+    """The call whose text begins at `body` and was never closed: its text runs to the next marker from `after`
+    (the end of its object, where that reads)."""
+    end = text.find(OPEN, after)
+    return _malformed(text[body:end if end >= 0 else len(text)], NEVER_CLOSED)
 
 
 def parse_one(raw: str) -> ToolCall:
