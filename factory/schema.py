@@ -884,6 +884,10 @@ class ReplaySpec(Section):
 
 
 # ---------------------------------------------------------------------------------------------- spec
+# The variables factory.rollout.chat gives each render of the chat template itself (as transformers does).
+_RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class Spec(Section):
     name: str = Field(json_schema_extra={"pattern": SPEC_NAME})
     """Run name; also names the checkpoint folder (`runs/NAME`): no '/' or '\\', no control character,
@@ -900,7 +904,8 @@ class Spec(Section):
     chat_template_kwargs: dict[str, Any] = {}
     """Variables every render of the chat template gets, as `apply_chat_template(**kwargs)` takes them:
     `{enable_thinking: false}` turns Qwen3's reasoning off (its template writes an empty `<think></think>`
-    into each generation prompt). A saved checkpoint's template does not carry them: pass them when serving
+    into each generation prompt). Not `messages`, `tools`, `documents` or `add_generation_prompt` (the rollout
+    sets them for each render). A saved checkpoint's template does not carry them: pass them when serving
     it too."""
     data: DataSpec
     """Training and evaluation data."""
@@ -931,6 +936,15 @@ class Spec(Section):
     # Where `factory.load` read this spec (the compiler's SpecSource: its file, lines and overrides), so that
     # compiling it later still names file:line; None for a spec built in code. Not a setting.
     _source: Any = PrivateAttr(None)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_set_per_render(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        # the chat format passes these itself: the render would fail with "multiple values for keyword argument"
+        if clash := sorted(kwargs.keys() & _RENDER_ARGUMENTS):
+            raise ValueError(f"'{clash[0]}' is set by the rollout for each render (the conversation, its tools, "
+                             "whether a generation prompt follows); not a chat_template_kwargs key")
+        return kwargs
 
     @field_validator("name")
     @classmethod

@@ -1347,6 +1347,16 @@ def test_qwen3_without_thinking_is_a_warning_of_its_empty_reasoning_blocks(proje
     assert plan.stage("rollout").settings.chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_chat_template_kwargs_the_rollout_passes_itself_are_refused(project):
+    """`{add_generation_prompt: true}` (apply_chat_template takes it) passed check, then the rollout's setup died with
+    a bare TypeError: the chat format passes messages, tools, documents and add_generation_prompt itself."""
+    path = project.spec(_base(project, "rc_kwclash") + "chat_template_kwargs: {add_generation_prompt: true}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: chat_template_kwargs: 'add_generation_prompt' is set by the rollout for each render (the "
+        "conversation, its tools, whether a generation prompt follows); not a chat_template_kwargs key\n"
+        "1 error in spec.yaml")
+
+
 def test_a_max_model_len_beyond_the_models_context_is_an_error(project):
     """It passed check, then vLLM refused it once every stage had started (and transformers cut it to the
     model's context without a word)."""
