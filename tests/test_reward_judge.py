@@ -158,6 +158,8 @@ def test_a_judge_reply_is_read_as_written_after_its_reasoning():
     assert parse_score('<think>fine</think>{"reason": "it wrote <think> tags", "score": 1}', fielded) == 1.0
     with pytest.raises(ValueError, match="has no field 'score'"):
         parse_score('{"note": 1}', fielded)
+    # an integer past Python's 4300 digits raised ValueError out of the reader: the object after it went unread
+    assert parse_score('{"note": ' + "9" * 5000 + '} then {"score": 1}', fielded) == 1.0
     with pytest.raises(ValueError, match="no JSON object"):
         parse_score("{not json}", fielded)
 

@@ -289,7 +289,9 @@ def _json_objects(text: str):
     while start >= 0:
         try:
             obj, end = decoder.raw_decode(text, start)
-        except (json.JSONDecodeError, RecursionError):  # (a reply nested past the parser's depth)
+        # JSONDecodeError is a ValueError, as is an integer past Python's 4300 digits (not a JSONDecodeError): an
+        # object that holds one is skipped, the next read; RecursionError: a reply nested past the parser's depth
+        except (ValueError, RecursionError):
             start = text.find("{", start + 1)
             continue
         if isinstance(obj, dict):
