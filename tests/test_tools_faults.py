@@ -369,6 +369,25 @@ async def test_calls_waiting_for_a_slot_fail_fast_once_the_circuit_opens(tmp_pat
     assert took < 5.0  # one start, not six
 
 
+async def test_one_failed_start_shared_by_the_waiting_calls_is_one_failure():
+    """A start that failed was counted once per call that waited on it: three calls in flight and one failed
+    restart opened the circuit (threshold 3), where a failed start is one server failure."""
+    from factory.tools.metrics import ToolMetrics
+    from factory.tools.servers import McpServer
+
+    dies = StdioServer(command="python", args=["-c", "import sys; sys.exit(1)"], start_timeout_s=5.0, timeout_s=5.0,
+                       retries=0, concurrency=3)  # its start fails: no MCP handshake
+    metrics = ToolMetrics()
+    server = McpServer("dies", dies, base_dir=None, resilience=Resilience(breaker_threshold=3), metrics=metrics)
+    try:
+        results = await asyncio.gather(*(server.call("x", {}) for _ in range(3)))  # the three share one start
+    finally:
+        await server.close()
+    assert [r.error_kind for r in results] == ["crash"] * 3
+    assert (server._breaker.state, server._breaker._failures) == ("closed", 1)
+    assert metrics.snapshot().get("tool_servers/dies/circuit_opens", 0) == 0
+
+
 async def test_slow_calls_between_answers_restart_nothing():
     resilience = Resilience(hung_after=2)
     spec = FAULTY.model_copy(update={"retries": 0})

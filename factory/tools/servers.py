@@ -142,8 +142,7 @@ class McpServer:
             replica = self._pick()
             try:
                 connection = await replica.get()
-            except ServerStartError as exc:
-                self._breaker_failure()
+            except ServerStartError as exc:  # (counted by the start, once: every caller that waited on it is here)
                 log.warning("%s", exc)
                 what = "reached" if isinstance(self.spec, HttpServer) else "started"
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be {what}."), True
@@ -264,7 +263,13 @@ class _Replica:
         spec = self.server.spec
         connection = McpConnection(self.label, self.server._transport, self.lost,
                                    url=spec.url if isinstance(spec, HttpServer) else None)
-        await connection.open(spec.start_timeout_s)
+        try:
+            await connection.open(spec.start_timeout_s)
+        except ServerStartError:
+            # One server failure however many calls wait on this start: counted by each of them, three calls in
+            # flight and one failed restart opened the circuit (threshold 3)
+            self.server._breaker_failure()
+            raise
         if self.server._closed:
             await connection.close()
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
