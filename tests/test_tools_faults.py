@@ -308,6 +308,27 @@ async def test_circuit_breaker_stops_hammering_then_probes():
         assert metrics["tool_servers/faulty/restarts"] == 1  # by the probe, not by a restart loop
 
 
+async def test_a_replica_lost_while_the_circuit_opened_is_restarted_once_it_closes():
+    """With `replicas: 2`, a replica whose crash opened the circuit was never restarted: lost() restarts none while
+    the circuit is open, the half-open probe went to the live replica (calls go to live ones), its answer closed
+    the circuit, and the server ran on one process for the rest of the run."""
+    resilience = Resilience(breaker_threshold=1, breaker_cooldown_s=0.3)
+    spec = FAULTY.model_copy(update={"retries": 0, "replicas": 2})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        replicas = box._backends["faulty"]._replicas
+        assert (await box.call(call("die"))).error_kind == "crash"  # one replica dies; the circuit opens
+        await asyncio.sleep(0.4)
+        probe = await box.call(call("echo", text="probe"))  # the probe, on the live replica: the circuit closes
+        assert probe.text == "probe"
+        for _ in range(100):  # the restart runs in the background
+            if all(r.connection is not None and r.connection.alive for r in replicas):
+                break
+            await asyncio.sleep(0.1)
+        pids = {r.text for r in await box.call_many([call("pid") for _ in range(4)])}
+        assert len(pids) == 2, pids  # two processes serve the calls again
+        assert box.metrics()["tool_servers/faulty/restarts"] == 1
+
+
 async def test_a_probe_that_ends_without_a_verdict_lets_another_probe_through():
     """A half-open circuit's probe that was cancelled (an episode's timeout), or that failed in a way counted
     neither as the server's success nor its failure (a result that breaks its schema), left the probe taken:

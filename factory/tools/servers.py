@@ -71,9 +71,9 @@ class McpServer:
     """An MCP server as a managed resource: `replicas` stdio processes, or one HTTP session.
 
     Calls go to the live replica with the fewest calls in flight; at most `concurrency` calls are in
-    flight over all replicas. A replica whose connection ends is restarted at once (unless the
-    circuit is open); calls that were in flight on it fail with `crash` and are retried on the new
-    process. Retried calls are sent again: set `retries: 0` for tools with side effects.
+    flight over all replicas. A replica whose connection ends is restarted at once (while the
+    circuit is open: once it closes again); calls that were in flight on it fail with `crash` and
+    are retried on the new process. Retried calls are sent again: set `retries: 0` for tools with side effects.
     """
 
     def __init__(
@@ -167,7 +167,7 @@ class McpServer:
             finally:
                 connection.in_flight -= 1
         connection.answered()
-        self._breaker.record_success()
+        self._breaker_success()
         if result.is_error:
             return model_error(tool, "tool_error", content_text(result) or f"Error: {tool} failed."), False
         return answer(tool, content_text(result)), False
@@ -195,10 +195,10 @@ class McpServer:
                 return infra_error(tool, "timeout", f"Error: {tool} timed out."), True
             if exc.code == mcp_types.INVALID_PARAMS:
                 # The server's own validation refused arguments that passed the inputSchema check.
-                self._breaker.record_success()
+                self._breaker_success()
                 log.info("tool server %s refused the arguments of %s: %s", self.name, tool, exc.message)
                 return model_error(tool, "bad_arguments", f"Error: invalid arguments for {tool}: {exc.message}"), False
-            self._breaker.record_success()  # the server answered; it is alive
+            self._breaker_success()  # the server answered; it is alive
             # The server's own words are the only clue to what went wrong: keep them in the result and the log.
             log.warning("tool server %s answered %s with JSON-RPC error %s: %s", self.name, tool, exc.code, exc.message)
             text = f"Error: tool server {self.name!r} answered with error {exc.code}: {exc.message}"
@@ -207,7 +207,7 @@ class McpServer:
             replica.lost(connection)
             return infra_error(tool, "crash", f"Error: lost the connection to tool server {self.name!r}."), True
         if isinstance(exc, pydantic.ValidationError):
-            self._breaker.record_success()  # the server answered; it is alive
+            self._breaker_success()  # the server answered; it is alive
             log.warning("tool server %s sent a malformed result for %s: %s", self.name, tool, exc)
             return infra_error(tool, "transport", f"Error: tool server {self.name!r} sent a malformed result."), True
         # what the server said last may be why (the result the model sees stays short: no server internals)
@@ -219,6 +219,16 @@ class McpServer:
         live = [r for r in self._replicas if r.connection is not None and r.connection.alive]
         pool = live or self._replicas
         return min(pool, key=lambda r: r.connection.in_flight if r.connection is not None else 0)
+
+    def _breaker_success(self) -> None:
+        closes = self._breaker.state != "closed"
+        self._breaker.record_success()
+        if closes and not self._closed:
+            # A replica lost while the circuit was open was left down (lost() restarts none then), and calls go to the
+            # live replicas: with `replicas` >= 2 it stayed down for the run once the probe, on a live one, succeeded.
+            for replica in self._replicas:
+                if replica.down:
+                    self._spawn(replica.get())
 
     def _breaker_failure(self) -> None:
         if self._breaker.record_failure():
@@ -245,6 +255,12 @@ class _Replica:
 
     async def start(self) -> McpConnection:
         return await self.get()
+
+    @property
+    def down(self) -> bool:
+        """No live connection, and no start under way."""
+        live = self.connection is not None and self.connection.alive
+        return not live and (self._starting is None or self._starting.done())
 
     async def get(self) -> McpConnection:
         """A live connection, starting one if needed; concurrent callers share one start. None is started once the
@@ -281,7 +297,8 @@ class _Replica:
         return connection
 
     def lost(self, connection: McpConnection) -> None:
-        """The connection ended under us: count one failure, close it, restart unless the circuit is open."""
+        """The connection ended under us: count one failure, close it, restart unless the circuit is open (then
+        McpServer._breaker_success restarts it once the circuit closes)."""
         if connection is not self.connection:
             return  # already handled (many in-flight calls fail for one crash)
         self.connection = None
