@@ -83,6 +83,28 @@ def test_a_call_the_episodes_deadline_cancels_is_recorded():
     assert row["text"] == "Error: the episode ran out of time." and 0.15 < row["latency_s"] < 1.0
 
 
+def test_a_call_the_episodes_deadline_cuts_is_counted_in_the_tools_metrics():
+    """The tools stage's client counted the calls that came back, and one the deadline cancels comes back with
+    nothing: a tool whose calls all outlast the episode's deadline was in no tools/* metric (they exist to show it)."""
+    from factory.rollout.agent import call_tool
+    from factory.tools.client import ToolsClient
+
+    box = ToolBox.from_spec({"nap": PythonTool(function="tests.test_tools_recording:nap")})
+
+    async def cut_short() -> dict:
+        async with box:
+            client = ToolsClient(box)  # a tools stage in process, as tests hand it
+            await client.start()
+            cut = ToolCall("nap", {"seconds": 5.0}, raw="", origin="train/1/0/0/0/0/0")
+            with pytest.raises(asyncio.TimeoutError):  # what run_trajectory's in_time does at the deadline
+                await asyncio.wait_for(asyncio.gather(call_tool(client, cut)), 0.2)
+            return (await client.take_metrics()).snapshot()
+
+    taken = asyncio.run(cut_short())
+    assert (taken["tools/nap/calls"], taken["tools/nap/infra_errors"], taken["tools/infra_errors"]) == (1, 1, 1)
+    assert 0.15 < taken["tools/nap/latency_s_p50"] < 1.0
+
+
 def test_a_miss_fails_the_call_or_goes_live():
     rows = [{"origin": "train/1/0/0/0/0/0", "server": "calculate", "tool": "calculate",
              "arguments": canonical({"expression": "2+3"}), "text": "5 [recorded]", "status": "ok",

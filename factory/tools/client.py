@@ -69,17 +69,25 @@ class ToolsClient:
         else:
             try:
                 result = await _invoke(self._stage, "call", call)
+            except asyncio.CancelledError:
+                # The episode's deadline cut the call: counted as the agent loop answers it, else a tool whose calls
+                # all outlast the deadline was in no tools/* metric
+                self._count(infra_error(call.name, "episode_timeout", "Error: the episode ran out of time."), started)
+                raise
             except Exception as exc:
                 # The hop failed (the tools actor died, Ray raised), not the tool. Answered here as agent.call_tool
                 # would answer it, so that it is counted: raised, the trajectory held an infra_error crash that
                 # tools/calls and tools/infra_errors never saw (they undercounted the failures they exist to show).
                 log.warning("tool call %s could not reach the tools stage: %s: %s", call.name, type(exc).__name__, exc)
                 result = infra_error(call.name, "crash", f"Error: the tool call failed ({type(exc).__name__}).")
+        self._count(result, started)
+        return result
+
+    def _count(self, result: ToolResult, started: float) -> None:
         result.latency_s = time.perf_counter() - started  # what the caller waited, the hop included
         if self._counted:  # under its tool when it reached one (a call that could not be read has none: '?')
             offered = result.tool in self._offered and result.error_kind != "unknown_tool"
             self._metrics.record(result.tool if offered else None, result)
-        return result
 
     async def take_metrics(self) -> ToolMetrics:
         """This caller's calls since the last take, with the servers' restarts and circuit opens."""
