@@ -409,6 +409,29 @@ async def test_one_failed_start_shared_by_the_waiting_calls_is_one_failure():
     assert metrics.snapshot().get("tool_servers/dies/circuit_opens", 0) == 0
 
 
+async def test_close_stops_a_start_under_way_without_waiting_out_its_start_timeout():
+    """close() waited for a start under way to run to its start_timeout_s: `factory check --connect`, which cuts a
+    start short so that it always returns, and a run's teardown during a hung restart waited that long."""
+    import psutil
+
+    marker = "hangs at its start"
+    hangs = StdioServer(command="python", args=["-c", f"import time; time.sleep(60)  # {marker}"], start_timeout_s=30.0)
+    box = ToolBox.from_spec({"hangs": hangs})
+    with pytest.raises(TIMEOUTS):
+        await asyncio.wait_for(box.start(), 0.5)  # as factory check --connect bounds the listing
+    started = time.monotonic()
+    await box.close()
+    assert time.monotonic() - started < 10.0  # the SDK's stop of the process (~2 s), not the start's 30 s
+
+    def ours(process: psutil.Process) -> bool:
+        try:
+            return marker in " ".join(process.cmdline())
+        except psutil.Error:  # ended meanwhile
+            return False
+
+    assert [p for p in psutil.Process().children(recursive=True) if ours(p)] == []  # its process is stopped
+
+
 async def test_slow_calls_between_answers_restart_nothing():
     resilience = Resilience(hung_after=2)
     spec = FAULTY.model_copy(update={"retries": 0})

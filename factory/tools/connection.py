@@ -282,6 +282,14 @@ class McpConnection:
         self._owner = asyncio.create_task(self._own(ready, timeout_s), name=f"mcp:{self.label}")
         try:
             await ready
+        except asyncio.CancelledError:
+            # Cut short (a server's close() during its start): the owner would run on to the handshake's timeout,
+            # and past a handshake hold the process with nothing left to close it. It is stopped with the start
+            # (the SDK's stop of the process is shielded from the cancellation: it still ends the process).
+            self._owner.cancel()
+            await asyncio.wait({self._owner})
+            self._close_stderr()
+            raise
         except Exception as exc:
             await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
             what = f"at {self.url} could not be reached" if self.url else "failed to start"

@@ -286,6 +286,11 @@ class _Replica:
             # flight and one failed restart opened the circuit (threshold 3)
             self.server._breaker_failure()
             raise
+        except asyncio.CancelledError:
+            if not self.server._closed:
+                raise  # (the event loop's shutdown)
+            # by close(): the calls that wait on this start fail as for any start the server's close cut short
+            raise ServerStartError(f"tool server {self.label!r} was shut down while starting") from None
         if self.server._closed:
             await connection.close()
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
@@ -312,7 +317,10 @@ class _Replica:
 
     async def close(self) -> None:
         if self._starting is not None and not self._starting.done():
-            await asyncio.gather(self._starting, return_exceptions=True)
+            # Stopped, not waited for: a start that hangs ran to its start_timeout_s first (`factory check --connect`,
+            # which cuts a start short so that it always returns, and a run's teardown during a restart waited it out)
+            self._starting.cancel()
+            await asyncio.wait({self._starting})
         if self.connection is not None:
             connection, self.connection = self.connection, None
             await connection.close()
