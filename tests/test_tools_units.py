@@ -127,6 +127,17 @@ def test_an_offered_name_wins_over_a_qualified_one_that_equals_it():
     assert (table["c"].server, table["c"].tool) == ("b", "c")
 
 
+def test_two_tools_offered_under_one_name_are_refused():
+    """Servers a and c both have a tool b (offered `a__b` and `c__b`) and server x has a tool named `a__b`: two tools
+    were offered to the model under one name, and a's b was reachable by none (`a__b` went to x's)."""
+    schema = {"type": "object"}
+    with pytest.raises(ToolStartError) as raised:
+        offered_tools({"a": [("b", "", schema)], "c": [("b", "", schema)], "x": [("a__b", "", schema)]})
+    assert str(raised.value) == (
+        "tools a.b and x.a__b would both be offered to the model as 'a__b' (a tool's name is `server__tool` when "
+        "another server has a tool of that name too): rename one, or leave one out with allowed_tools")
+
+
 def test_allowed_tools_keeps_only_the_tools_it_names():
     """`allowed_tools` is how a spec keeps a server's other tools (a `delete`, a `shell`) from the model: they are
     neither offered nor routed. (The calculator server of the tools tests has one tool: keeping all passed.)"""

@@ -361,9 +361,12 @@ def qualified_name(server: str, tool: str) -> str:
 
 
 def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]]) -> list[ToolEntry]:
-    """Name each tool for the model: its own name when unique across servers, else `server__tool`."""
+    """Name each tool for the model: its own name when unique across servers, else `server__tool`.
+
+    ToolStartError when two tools would be offered under one name (a tool whose own name has `__` in it can
+    equal another's `server__tool`): the model could not tell them apart, and one would be reachable by no name."""
     counts = Counter(tool for tools in listings.values() for tool, _, _ in tools)
-    return [
+    entries = [
         ToolEntry(
             offered=tool if counts[tool] == 1 else qualified_name(server, tool),
             server=server,
@@ -374,6 +377,15 @@ def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]])
         for server, tools in listings.items()
         for tool, description, schema in tools
     ]
+    first: dict[str, ToolEntry] = {}
+    for entry in entries:
+        other = first.setdefault(entry.offered, entry)
+        if other is not entry:
+            raise ToolStartError(
+                f"tools {other.server}.{other.tool} and {entry.server}.{entry.tool} would both be offered to the model "
+                f"as {entry.offered!r} (a tool's name is `server{TOOL_QUALIFIER}tool` when another server has a tool "
+                "of that name too): rename one, or leave one out with allowed_tools")
+    return entries
 
 
 def routes(entries: Iterable[ToolEntry]) -> dict[str, ToolEntry]:
