@@ -421,6 +421,39 @@ def test_a_killed_drivers_idle_time_counts_the_steps_that_waited_in_its_spool(st
     assert idle_since(client, killed, now=1_230.0, waiting=waiting) == pytest.approx(30.0)
 
 
+def _saved(folder: Path, step: int, run_id: str) -> None:
+    """What Learner.save_checkpoint leaves, as far as resume reads it (run_state.json + manifest)."""
+    folder.mkdir(parents=True)
+    write_run_state(folder, {"step": step, "run_id": run_id, "data": {"epoch": 0, "cursor": 2 * step}, "watch": None})
+    write_manifest(folder)
+
+
+def test_a_run_whose_checkpoint_dir_came_from_the_environment_resumes_from_its_own_folder(store, monkeypatch):
+    """train.checkpoint_dir from ${oc.env:...} is masked, so no factory.checkpoint_dir tag names the run's folder:
+    the resume looked for step_N/ in the root folder, found none (they are in <root>/<run name>-<id8>/) and trained
+    the run over from step 0, saying only "it saved no checkpoint". A run saved before each run had a folder of its
+    own (its checkpoints in the root) still resumes from there."""
+    from mlflow.tracking import MlflowClient
+
+    uri, ckpt = store
+    monkeypatch.setenv("FACTORY_TEST_CKPT", str(ckpt))
+    spec, plan = compile_file(SPEC, ["train.checkpoint_dir=${oc.env:FACTORY_TEST_CKPT}", "train.steps=4"])
+    t = Tracker(uri, "envdir")
+    t.start_run(plan, {})
+    assert "factory.checkpoint_dir" not in t.client.get_run(t.run_id).data.tags  # the path is not recorded
+    _saved(Path(t.checkpoint_dir) / "step_2", 2, t.run_id)
+    t.end("FAILED")
+    MlflowClient(uri).set_tag(t.run_id, DRIVER_TAG, GONE)
+    r = find(plan, t.run_id, uri, train=spec.train, experiment="envdir")
+    assert (r.checkpoint_dir, r.checkpoint, r.step) == (Path(t.checkpoint_dir), "step_2", 2), r.describe()
+
+    old = fake_run(uri, ckpt, plan, logged=1, experiment="envdir")  # (fake_run's tag taken off below)
+    _saved(ckpt / "step_1", 1, old)
+    MlflowClient(uri).delete_tag(old, "factory.checkpoint_dir")
+    r = find(plan, old, uri, train=spec.train, experiment="envdir")
+    assert (r.checkpoint_dir, r.checkpoint) == (ckpt, "step_1"), r.describe()
+
+
 def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -31,7 +31,7 @@ from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
-from factory.update.checkpoint import MANIFEST, RUN_STATE, complete, read_run_state, verify
+from factory.update.checkpoint import MANIFEST, RUN_STATE, complete, read_run_state, run_folder, verify
 from factory.util import UserError
 
 # Logged once per training step, after the step's update (what "the run logged step N" means).
@@ -107,7 +107,8 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} is not a run of spec '{name}' "
                           f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
     _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
-    directory = Path(tags.get("factory.checkpoint_dir") or train.checkpoint_dir)
+    directory = Path(tags["factory.checkpoint_dir"]) if "factory.checkpoint_dir" in tags else unrecorded_folder(
+        Path(train.checkpoint_dir), run)
     skipped: list[str] = []
     checkpoint, state = newest_checkpoint(directory, run.run_id, skipped)
     step = int(state["step"]) if checkpoint else 0
@@ -177,6 +178,14 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
                   unreadable=skipped, started=sorted({*started, *spooled_steps(spooled, STARTUP_METRIC)}),
                   unsent=unsent, complete=step >= train.steps)
+
+
+def unrecorded_folder(root: Path, run: TrackedRun) -> Path:
+    """The checkpoint folder of a run that recorded none (its train.checkpoint_dir, or the spec name its default
+    holds, came from the environment and is masked): its own under this spec's `root` (`run_folder`, named after
+    the MLflow run), else `root` itself for a run saved before each run had one, whose checkpoints are there."""
+    own = run_folder(root, run.name, run.run_id)
+    return root if not own.is_dir() and newest_checkpoint(root, run.run_id)[0] else own
 
 
 def spooled_steps(records: list[dict[str, Any]], metric: str) -> list[int]:
