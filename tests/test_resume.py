@@ -352,6 +352,53 @@ def test_a_spec_change_is_judged_against_the_spec_the_checkpoint_was_trained_und
         "spec"]
 
 
+def test_a_resume_under_the_first_spec_after_an_abandoned_changed_one_is_judged_against_what_trained(store):
+    """Run of spec A, checkpoint step_1. Resumed at step 1 under B (--allow-spec-change, recorded as
+    resumed/step_1), killed before it saved; resumed at step 1 under A again (no change against step_1: nothing
+    was recorded), which trained and saved step_3. The next resume under A took the stale record (B) for step_3's
+    plan and refused it, and a bare resume under A did not find the run; B, which trained nothing kept, passed."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.runtime.resume import record_spec_change
+
+    uri, ckpt = store
+    spec_a, a = compiled(ckpt)
+    spec_b, b = compiled(ckpt, "train.lr=0.5")
+    exp = {"experiment": "abandoned"}
+    run = fake_run(uri, ckpt, a, logged=1, checkpoints=(1,), **exp)
+
+    def session(plan, spec, **allow):
+        """A resume as the driver makes it, up to its first step: the run reopened, then (_begin) its spec
+        recorded as record_spec_change decides."""
+        r = find(plan, run, uri, train=spec.train, **exp, **allow)
+        t = Tracker(uri, exp["experiment"])
+        t.resume(r, plan, {})
+        record_spec_change(t, r, plan)
+        return r, t
+
+    r, t = session(b, spec_b, allow_spec_change=True)
+    assert (r.checkpoint, r.changed) == ("step_1", ["spec"])
+    t.end("FAILED")  # killed before it saved
+    MlflowClient(uri).set_tag(run, DRIVER_TAG, GONE)
+    r, t = session(a, spec_a)
+    assert (r.checkpoint, r.changed) == ("step_1", [])
+    for step in (2, 3):
+        t.log_metrics({"timing/step_s": 1.0}, step=step)
+    _saved(ckpt / "step_3", 3, run)  # steps 2-3 trained under A
+    t.log_checkpoint(3, str(ckpt / "step_3"))
+    t.end("FAILED")
+    MlflowClient(uri).set_tag(run, DRIVER_TAG, GONE)
+
+    r, t = session(a, spec_a)
+    assert (r.checkpoint, r.changed) == ("step_3", [])
+    assert t.artifacts(run, "resumed") == ["resumed/step_1"]  # nothing to record: no change, no stale record
+    t.end("FAILED")
+    MlflowClient(uri).set_tag(run, DRIVER_TAG, GONE)
+    assert find(a, None, uri, train=spec_a.train, **exp).run_id == run  # found by the spec it trains under
+    with pytest.raises(ResumeError, match=r"trained with another spec \(train.lr: 0.001 -> 0.5\)"):
+        find(b, run, uri, train=spec_b.train, **exp)
+
+
 def test_target_modules_that_adapt_the_same_layers_resume_and_others_are_refused(store):
     """`all-linear` and the list of every linear layer's name adapt the same modules of the model, so the
     checkpoint loads: it was refused for the different words. A list that leaves out one layer is refused."""

@@ -927,10 +927,9 @@ def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume
     d, done = plan.driver, 0
     if resume:
         done = restore(g, plan, resume)
-        if resume.changed and not resume.complete:  # (a resume that only sends records runs no step under it)
-            from factory.runtime.resume import record_spec_change
+        from factory.runtime.resume import record_spec_change
 
-            record_spec_change(tracker, resume, plan)
+        record_spec_change(tracker, resume, plan)
         startup.lap("restore")
     # The first rollout request goes out next (the evaluation's, or step 1's): logged now, whatever follows,
     # at the first step this session logs (step 0; a resumed one's, the step after the run's last logged).

@@ -68,6 +68,8 @@ class Resume:
     started: list[int] = field(default_factory=list)  # the steps at which earlier sessions logged their start-up
     unsent: int = 0  # tracking records its driver left unsent (a run with every step done resumes to send them)
     complete: bool = False  # every step is done: the resume only sends `unsent`
+    # an earlier resume at this step, killed before it saved, recorded another plan, which this one replaces
+    replaces: bool = False
 
     def startup_step(self, steps: int) -> int | None:
         """The step this session logs its start-up times at: the one after the run's last logged step; None
@@ -119,9 +121,15 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     # spec B, going back to the first spec A is a change (step N was trained under B), and B is none. A run with no
     # checkpoint starts over: compared with the plan its newest start from step 0 ran under.
     saving = _plan_saving(tracker, run.run_id, step if checkpoint else 1, texts)
-    recorded = json.loads(texts[saving]) if saving in texts else _artifact_json(tracker, run.run_id, saving)
+    recorded = _recorded_plan(tracker, run.run_id, saving, texts)
     first = saving == "plan.json"
     changed = changes(plan, recorded, tags.get("factory.spec_hash" if first else "factory.resumed_spec_hash"))
+    # The checkpoints this session saves are judged with the record of a resume at this very step where one is
+    # (`_plan_saving` of the next step): one under another spec that saved nothing (killed) left its record, and
+    # this session, no change against the checkpoint, must replace it: its own checkpoints were judged against that.
+    later = _plan_saving(tracker, run.run_id, (step if checkpoint else 0) + 1, texts)
+    replaces = later != saving and bool(changes(plan, _recorded_plan(tracker, run.run_id, later, texts),
+                                                tags.get("factory.resumed_spec_hash")))
     if changed and not allow_spec_change:
         parts = []
         for what in changed:
@@ -177,7 +185,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
                   before=step0_eval(tracker, run),
                   checkpoints=_artifact_json(tracker, run.run_id, "checkpoints.json") or [], changed=changed,
                   unreadable=skipped, started=sorted({*started, *spooled_steps(spooled, STARTUP_METRIC)}),
-                  unsent=unsent, complete=step >= train.steps)
+                  unsent=unsent, complete=step >= train.steps, replaces=replaces)
 
 
 def unrecorded_folder(root: Path, run: TrackedRun) -> Path:
@@ -204,8 +212,11 @@ def unsent_records(directory: Path) -> list[dict[str, Any]]:
 def record_spec_change(tracker: Tracker, resume: Resume, plan: Any) -> None:
     """Record on the run the spec that `--allow-spec-change` let a resume continue under (tag
     `factory.resumed_spec_hash`; `resumed/step_N/spec.yaml` and `plan.json`, which `factory diff` and the
-    checkpoints saved from step N + 1 on are read with). Called once the checkpoint has loaded: a resume that
-    fails there leaves no record of a spec that never ran."""
+    checkpoints saved from step N + 1 on are read with), when it is not the one those checkpoints would be read
+    with (`Resume.changed`, `Resume.replaces`). Called by every resume once the checkpoint has loaded: a resume
+    that fails there leaves no record of a spec that never ran."""
+    if not (resume.changed or resume.replaces) or resume.complete:  # (one that only sends records trains nothing)
+        return
     tracker.log_tags({"factory.resumed_spec_hash": plan.hashes["spec"]})
     tracker.log_text(plan.spec_yaml, f"resumed/step_{resume.step}/spec.yaml")
     tracker.log_text(plan_json(plan), f"resumed/step_{resume.step}/plan.json")
@@ -222,6 +233,11 @@ def _plan_saving(tracker: Tracker, run_id: str, step: int, unsent: dict[str, str
     resumed += [int(m.group(1)) for name in unsent if (m := re.fullmatch(r"resumed/step_(\d+)/plan\.json", name))]
     before = [n for n in resumed if n < step]
     return f"resumed/step_{max(before)}/plan.json" if before else "plan.json"
+
+
+def _recorded_plan(tracker: Tracker, run_id: str, path: str, unsent: dict[str, str]) -> dict[str, Any] | None:
+    """A plan the run recorded (`_plan_saving`'s path), from its spool's text records where it waits there."""
+    return json.loads(unsent[path]) if path in unsent else _artifact_json(tracker, run_id, path)
 
 
 def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
