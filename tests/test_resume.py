@@ -501,6 +501,45 @@ def test_a_run_whose_checkpoint_dir_came_from_the_environment_resumes_from_its_o
     assert (r.checkpoint_dir, r.checkpoint) == (ckpt, "step_1"), r.describe()
 
 
+def test_a_run_this_process_ended_can_be_resumed_from_another_process(store, monkeypatch):
+    """The DRIVER_TAG a run is opened or claimed with was never cleared: a run driven by a process that lives on (a
+    notebook kernel's `factory.run(..., stop=ev)`, a service) and ended was refused to `factory run --resume` from
+    any other process, "held by a live driver", although nothing drove it. Nor was a claim released when the
+    resume failed before the run reopened (Ray did not start, say)."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    import factory
+    import factory.runtime.driver
+
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    t = Tracker(uri, "kernel")
+    t.start_run(plan, {})  # this process is the notebook kernel
+    t.log_metrics({"eval/reward": 0.25}, step=0)
+    t.log_metrics({"timing/step_s": 1.0}, step=1)
+    _saved(Path(t.checkpoint_dir) / "step_1", 1, t.run_id)
+    t.log_checkpoint(1, str(Path(t.checkpoint_dir) / "step_1"))
+    t.end("KILLED")  # stopped by its `stop` event: the run is over, this process lives on
+    assert DRIVER_TAG not in MlflowClient(uri).get_run(t.run_id).data.tags
+
+    code = (f"from factory.compiler.compile import compile_file\nfrom factory.runtime.resume import find\n"
+            f"spec, plan = compile_file({SPEC!r}, ['train.checkpoint_dir={ckpt}', 'train.steps=4'])\n"
+            f"print(find(plan, {t.run_id!r}, {uri!r}, train=spec.train, experiment='kernel').describe())\n")
+    other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0 and "at step 2" in other.stdout, other.stderr[-800:]  # the terminal's --resume
+
+    def no_ray(*args, **kwargs):
+        raise RuntimeError("Ray did not start")
+
+    monkeypatch.setattr(factory.runtime.driver, "run", no_ray)
+    with pytest.raises(RuntimeError, match="Ray did not start"):
+        factory.run(plan, resume=t.run_id)  # claimed (find), then failed before the run reopened
+    assert DRIVER_TAG not in MlflowClient(uri).get_run(t.run_id).data.tags
+
+
 def test_a_resumed_tracker_logs_no_step_twice(uri, tmp_path):
     from mlflow.tracking import MlflowClient
 

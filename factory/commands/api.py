@@ -91,6 +91,26 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         found = find(plan, resume or None, tracking_uri(d.tracking.uri), train=d.train,
                      experiment=d.tracking.experiment, allow_spec_change=allow_spec_change)
         print(found.describe(), file=sys.stderr)
+    try:
+        return _run_plan(plan, found, on_step, stop, started_at)
+    finally:
+        # its claim (find), where the run never reopened: the tracker's end() released one that did
+        if found is not None:
+            _release(plan, found.run_id)
+
+
+def _release(plan: Plan, run_id: str) -> None:
+    from factory.tracking.tracker import open_tracker
+
+    try:
+        open_tracker(plan.driver.tracking.uri).release(run_id)
+    except Exception as e:  # noqa: BLE001 -- the store is down: what the run raised, or returned, matters more
+        print(f"factory.run: run {run_id} could not be released ({type(e).__name__}: {str(e)[:200]}): another "
+              "process resumes it once this one has exited", file=sys.stderr)
+
+
+def _run_plan(plan: Plan, found: Any, on_step: OnStep | None, stop: threading.Event | None,
+              started_at: float | None) -> RunResult:
     from factory.runtime.driver import run as run_plan
 
     if on_step is None:

@@ -750,8 +750,9 @@ class MlflowTracker:
             self.notify(text)
 
     def end(self, status: str = "FINISHED") -> None:
-        """Send what waits (a last try), then mark the run ended. Never raises: the run's teardown comes
-        after it. What could not be sent stays in the spool, and the message says where."""
+        """Send what waits (a last try), then mark the run ended and take this driver's tag off it (`release`:
+        this process may live on, a notebook kernel). Never raises: the run's teardown comes after it. What
+        could not be sent stays in the spool, and the message says where."""
         import mlflow
 
         if self.run_id is None:
@@ -772,6 +773,12 @@ class MlflowTracker:
             mlflow.end_run(status=status)
         except Exception as e:  # noqa: BLE001 -- the store is down: its status stays RUNNING, resumable
             self._note(f"the run could not be marked {status} in the tracking store: {type(e).__name__}: {str(e)[:200]}")
+            return
+        try:
+            self.release(self.run_id)
+        except Exception as e:  # noqa: BLE001 -- the store went down in between
+            self._note(f"the run's driver tag could not be taken off ({type(e).__name__}: {str(e)[:200]}): another "
+                       f"process resumes run {self.run_id} once this one has exited")
 
 
     # ---------------------------------------------------------------------------- runs read back
@@ -787,6 +794,10 @@ class MlflowTracker:
     def claim(self, run_id: str) -> str:
         self.client.set_tag(run_id, DRIVER_TAG, driver_tag())
         return self.client.get_run(run_id).data.tags.get(DRIVER_TAG, "")
+
+    def release(self, run_id: str) -> None:
+        if self.client.get_run(run_id).data.tags.get(DRIVER_TAG) == driver_tag():  # (not another's that took it)
+            self.client.delete_tag(run_id, DRIVER_TAG)
 
     def run(self, ref: str) -> TrackedRun:
         from mlflow.exceptions import MlflowException

@@ -98,6 +98,12 @@ class Tracker(Protocol):
         claimed at once and the other wrote last)."""
         ...
 
+    def release(self, run_id: str) -> None:
+        """Take this driver's DRIVER_TAG off run `run_id` (`claim`, or the run opened), once it no longer drives
+        it: a process that lives on (a notebook kernel, a service calling factory.run) held the run against
+        every other's `--resume` while it lived. Another driver's tag is left as it is."""
+        ...
+
     def run(self, ref: str) -> TrackedRun:
         """The run `ref` names: a run id, a unique id prefix (8+ characters) or a unique run name;
         RunLookupError when there is none or several."""
