@@ -104,6 +104,22 @@ def test_a_bare_resume_passes_over_a_newer_eval_or_rescore_run_of_the_spec(store
     assert (r.run_id, r.checkpoint) == (killed, "step_2")
 
 
+def test_an_eval_or_rescore_run_named_to_resume_is_refused(store):
+    """`factory eval` and `factory rescore` open runs with the spec's name and hash (`factory runs` lists them
+    beside the training runs, with the same `tiny-<time>` names): a bare resume passes them over, but one named
+    in `--resume` was accepted "from the start (it saved no checkpoint)", and the driver trained steps 1..N in it."""
+    uri, ckpt = store
+    spec, plan = compiled(ckpt)
+    exp = {"experiment": "named-eval"}
+    trained = fake_run(uri, ckpt, plan, logged=2, checkpoints=(2,), status="KILLED", **exp)
+    evaluated = fake_run(uri, ckpt / "e", plan, logged=0, status="FINISHED", tags={"factory.kind": "eval"}, **exp)
+    rescored = fake_run(uri, ckpt / "r", plan, logged=0, status="KILLED", tags={"factory.rescore_of": trained}, **exp)
+    for run, kind in ((evaluated, "eval"), (rescored, "rescore")):
+        with pytest.raises(ResumeError, match=rf"^run {run} is a `factory {kind}` run: it trained nothing to resume; "
+                                              r"resume the training run \(`factory runs` lists it"):
+            find(plan, run, uri, train=spec.train, **exp)
+
+
 def test_a_sessions_start_up_is_logged_once_at_its_first_step(store):
     """A resume killed in its first step left its start-up times at that step; the next resume logged its own
     there too: timing/startup_s held two values at step 3."""

@@ -96,9 +96,9 @@ class Resume:
 
 def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
          allow_spec_change: bool = False) -> Resume:
-    """The run to resume: `ref` (a run id, id prefix or name), else the newest unfinished training run of this
-    plan's spec (same spec name and hash; not an eval or rescore run) in `experiment`. `train`: the spec's
-    train settings (steps, and the checkpoint folder of a run that recorded none)."""
+    """The run to resume: `ref` (a training run's id, id prefix or name), else the newest unfinished training run
+    of this plan's spec (same spec name and hash; not an eval or rescore run) in `experiment`. `train`: the
+    spec's train settings (steps, and the checkpoint folder of a run that recorded none)."""
     from factory.tracking.tracker import open_tracker
 
     tracker = open_tracker(uri, read=True)  # a sqlite file not here: said so, not an empty store made
@@ -108,6 +108,10 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     if tags.get("factory.spec_name") != name:
         raise ResumeError(f"run {run.run_id} is not a run of spec '{name}' "
                           f"(it ran '{tags.get('factory.spec_name', 'no Factory spec')}')")
+    if (kind := run_kind(run)) != "train":  # named (a bare resume passes it over): the driver trained inside it
+        of = tags.get("factory.rescore_of")
+        raise ResumeError(f"run {run.run_id} is a `factory {kind}` run: it trained nothing to resume; resume the "
+                          f"training run (`factory runs` lists it{f'; this run rescored {of}' if of else ''})")
     _refuse_if_driven(run.run_id, tags.get(DRIVER_TAG))
     directory = Path(tags["factory.checkpoint_dir"]) if "factory.checkpoint_dir" in tags else unrecorded_folder(
         Path(train.checkpoint_dir), run)
