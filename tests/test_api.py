@@ -440,6 +440,39 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
         assert note in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("with_on_step", [True, False])
+def test_ctrl_c_stops_the_run_but_leaves_the_callers_stop_event_unset(monkeypatch, with_on_step):
+    """Ctrl-C ("interrupt kernel") during factory.run(..., stop=ev) set the caller's own Event when no on_step
+    was given (the driver's stop request was that Event), so their next factory.run(..., stop=ev), or the
+    resume= it suggests, stopped before step 1. The driver's real loop over tests/test_driver_loop.py's fakes."""
+    import os
+    import signal
+    import time
+
+    import factory.runtime.driver as driver
+    from tests import test_driver_loop as loop
+
+    assert threading.current_thread() is threading.main_thread()  # (a notebook kernel runs cells here)
+
+    def ctrl_c_at_step_1(trajs, rate, step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        return 0.0
+
+    def fake_run(plan, found, *, started_at, stop, on_step=None):  # driver.run -> its real train_loop
+        monkeypatch.setattr(driver, "check_infra", ctrl_c_at_step_1)
+        return loop.run_loop(monkeypatch, loop.World(), ["train.steps=3"], on_step=on_step, stop_event=stop)
+
+    monkeypatch.setattr(driver, "run", fake_run)
+    monkeypatch.chdir(REPO)
+    theirs = threading.Event()
+    kwargs = {"on_step": lambda step, metrics: None} if with_on_step else {}
+    result = factory.run(factory.compile(TINY, ["train.steps=3"]), stop=theirs, **kwargs)
+    assert (result.status, result.last_step) == ("KILLED", 1)
+    assert not theirs.is_set()  # theirs to reuse
+
+
 def test_on_step_raising_at_the_last_step_says_the_run_finished(monkeypatch):
     """Raised at the last step, on_step stops nothing: the run ends FINISHED with every step done. The note said
     `resume=` continues it, which a resume then refused (nothing to resume). The driver's loop over the fakes of

@@ -113,12 +113,14 @@ def _run_plan(plan: Plan, found: Any, on_step: OnStep | None, stop: threading.Ev
               started_at: float | None) -> RunResult:
     from factory.runtime.driver import run as run_plan
 
+    # The run's stop request, which Ctrl-C sets too: the caller's event is left as it is, theirs to reuse (set,
+    # their next run with it stopped before step 1)
+    either = _Either(stop)
     if on_step is None:
-        return run_plan(plan, found, started_at=started_at, stop=stop)
+        return run_plan(plan, found, started_at=started_at, stop=either)
     # on_step raising ended the run FAILED with the step it had just trained unsaved: it stops the run as
     # `stop` does (after the step, saved), and is raised then, saying how to resume
     raised: list[tuple[int, Exception]] = []
-    either = _Either(stop)  # the caller's event is left as it is: theirs to reuse
 
     def heard(step: int, metrics: dict[str, float]) -> None:
         if not raised:
@@ -148,8 +150,8 @@ def _run_plan(plan: Plan, found: Any, on_step: OnStep | None, stop: threading.Ev
 
 
 class _Either:
-    """A stop request that is set when the caller's `stop` event is, or by `set()` here (an on_step that
-    raised): as threading.Event to the run, without setting the caller's."""
+    """A stop request that is set when the caller's `stop` event is, or by `set()` here (Ctrl-C, an on_step
+    that raised): as threading.Event to the run, without setting the caller's."""
 
     def __init__(self, theirs: threading.Event | None):
         self.theirs, self.mine = theirs, threading.Event()
