@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from factory.types import Placement
 from factory.util import import_object
@@ -171,6 +171,9 @@ def _class_problems(stage: Stage, cls: type) -> list[str]:
         if not callable(getattr(cls, method, None)):
             out.append(f"stage {stage.name}: {cls.__name__} declares {method}() but has no such method")
     for name, call in c.calls.items():
+        if call.dispatch not in get_args(Dispatch):  # (the driver sent one it does not know to every replica)
+            out.append(f"stage {stage.name}: {cls.__name__}.{name} is dispatched {call.dispatch!r}, which is none of "
+                       f"{', '.join(map(repr, get_args(Dispatch)))} (factory.contract.Call)")
         if call.dispatch == "split" and not all(callable(getattr(cls, m, None)) for m in ("split", "merge")):
             out.append(f"stage {stage.name}: {cls.__name__}.{name} is dispatched `split` but the class has no "
                        "split/merge of its own")

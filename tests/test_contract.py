@@ -180,6 +180,20 @@ def test_no_stage_name_outside_the_compiler(full_plan):
     assert found == []
 
 
+def test_an_unknown_dispatch_is_a_compile_time_problem():
+    """A misspelt `Call.dispatch` compiled clean, and the driver sent a value it does not know to every replica."""
+    from factory.contract import _class_problems
+
+    class Typo(StageActor):
+        CONTRACT = Contract(calls={"score": Call("One")})
+
+        def score(self, batch):
+            return batch
+
+    assert _class_problems(SimpleNamespace(name="s"), Typo) == [
+        "stage s: Typo.score is dispatched 'One', which is none of 'one', 'split', 'all' (factory.contract.Call)"]
+
+
 def test_a_split_call_needs_the_class_to_split_and_merge():
     """`split` and `merge` are the class's own (the base has none): a class dispatching `split` without them
     is a compile-time problem, not an AttributeError in the first step."""
