@@ -161,7 +161,7 @@ def test_reference_lists_the_builtin_reward_functions():
     assert {"factory.rewards.math:numeric_match", "factory.rewards.format:tool_call_ok"} <= set(refs)
     assert not [ref for ref in refs if ref.endswith(":extract_answer")]  # a helper, not a reward
     page = reference.markdown()
-    assert ("| `factory.rewards.math:numeric_match` | `rel_tol=1e-06`, `abs_tol=0.0` | 1.0 when the first number in "
+    assert ("| `factory.rewards.math:numeric_match` | `rel_tol=1e-09`, `abs_tol=0.0` | 1.0 when the first number in "
             "the &lt;answer>") \
         in page  # `<answer>` outside code would be an HTML tag to a markdown renderer: escaped
     for ref in refs:

@@ -97,6 +97,11 @@ def test_numeric_match_tolerance_is_relative_as_math_isclose():
     assert numeric_match("q", "<answer>0</answer>", answer="0") == 1.0
     # abs_tol: a floor of the user's choosing, for ground truths near 0
     assert numeric_match("q", "<answer>-0.004</answer>", answer="0.005", rel_tol=0.01, abs_tol=0.01) == 1.0
+    # the default rel_tol was 1e-6: a quickstart answer of ~4.7e8 (3 operands of 3 digits) off by 400 scored 1.0
+    assert numeric_match("q", "<answer>470000400</answer>", answer="470000000") == 0.0
+    assert numeric_match("q", "<answer>470000001</answer>", answer="470000000") == 0.0
+    assert numeric_match("q", "<answer>470000000</answer>", answer="470000000") == 1.0
+    assert numeric_match("q", "<answer>0.30000000000000004</answer>", answer="0.3") == 1.0  # float noise still counts
     assert numeric_match("q", "<answer>0.0001</answer>", answer="0", abs_tol=1e-3) == 1.0
     assert numeric_match("q", "<answer>0.0001</answer>", answer="0") == 0.0
 

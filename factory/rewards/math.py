@@ -72,13 +72,15 @@ def _folded(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-6, abs_tol: float = 0.0,
+def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: float = 1e-9, abs_tol: float = 0.0,
                   turns: Sequence[Turn] | None = None, **_: object) -> float:
     """1.0 when the first number in the <answer> tag equals the numeric ground truth within rel_tol, a relative
     tolerance, or within abs_tol, an absolute one (as math.isclose).
 
-    rel_tol is a share of the larger of the two numbers in magnitude; abs_tol is 0 by default, so only 0
-    matches a ground truth of 0: set it where answers near 0 should count (abs_tol: 1e-9, say).
+    rel_tol is a share of the larger of the two numbers in magnitude, 1e-9 by default (math.isclose's): a whole
+    number below a billion must be exact (1e-6 let the quickstart's answers of up to ~5e8 be off by hundreds);
+    abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
+    (abs_tol: 1e-9, say).
     Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing.
     """
