@@ -138,6 +138,16 @@ def test_two_tools_offered_under_one_name_are_refused():
         "another server has a tool of that name too): rename one, or leave one out with allowed_tools")
 
 
+def test_a_tool_a_server_lists_twice_is_offered_once_with_a_warning(caplog):
+    """The name-clash refusal took a server that lists one tool twice (its own bug, or a repeated page) for two tools,
+    and told the user to rename one: no rename or allowed_tools could part them, and such a server used to start."""
+    schema = {"type": "object"}
+    with caplog.at_level("WARNING", logger="factory.tools.toolbox"):
+        entries = offered_tools({"s": [("t", "first", schema), ("u", "", schema), ("t", "again", schema)]})
+    assert [(e.offered, e.description) for e in entries] == [("t", "first"), ("u", "")]
+    assert "tool server s lists t more than once: offered once, as first listed" in caplog.text
+
+
 def test_allowed_tools_keeps_only_the_tools_it_names():
     """`allowed_tools` is how a spec keeps a server's other tools (a `delete`, a `shell`) from the model: they are
     neither offered nor routed. (The calculator server of the tools tests has one tool: keeping all passed.)"""

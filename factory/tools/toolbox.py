@@ -364,7 +364,10 @@ def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]])
     """Name each tool for the model: its own name when unique across servers, else `server__tool`.
 
     ToolStartError when two tools would be offered under one name (a tool whose own name has `__` in it can
-    equal another's `server__tool`): the model could not tell them apart, and one would be reachable by no name."""
+    equal another's `server__tool`): the model could not tell them apart, and one would be reachable by no name.
+    A server that lists one tool twice (a server's bug, a repeated page of its listing) is offered it once, its first
+    listing, with a warning: no rename could part the two, and `allowed_tools` names both or neither."""
+    listings = {server: _listed_once(server, tools) for server, tools in listings.items()}
     counts = Counter(tool for tools in listings.values() for tool, _, _ in tools)
     entries = [
         ToolEntry(
@@ -386,6 +389,16 @@ def offered_tools(listings: Mapping[str, list[tuple[str, str, dict[str, Any]]]])
                 f"as {entry.offered!r} (a tool's name is `server{TOOL_QUALIFIER}tool` when another server has a tool "
                 "of that name too): rename one, or leave one out with allowed_tools")
     return entries
+
+
+def _listed_once(server: str, tools: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """`tools` with each name's first listing only (see offered_tools), a warning naming those listed again."""
+    seen: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for listed in tools:
+        seen.setdefault(listed[0], listed)
+    if again := sorted(name for name, n in Counter(tool for tool, _, _ in tools).items() if n > 1):
+        log.warning("tool server %s lists %s more than once: offered once, as first listed", server, ", ".join(again))
+    return list(seen.values())
 
 
 def routes(entries: Iterable[ToolEntry]) -> dict[str, ToolEntry]:
