@@ -113,6 +113,9 @@ class FakeTracker:
     def end(self, status: str) -> None:
         self.world.ended.append(status)
 
+    def released(self) -> None:
+        self.world.ended.append("released")
+
     def log_text(self, text: str, name: str) -> None:
         self.world.texts.append(name)
 

@@ -539,6 +539,9 @@ def test_a_run_this_process_ended_can_be_resumed_from_another_process(store, mon
     _saved(Path(t.checkpoint_dir) / "step_1", 1, t.run_id)
     t.log_checkpoint(1, str(Path(t.checkpoint_dir) / "step_1"))
     t.end("KILLED")  # stopped by its `stop` event: the run is over, this process lives on
+    # held until the teardown is done (the stages may still hold their devices): the driver releases it after
+    assert MlflowClient(uri).get_run(t.run_id).data.tags.get(DRIVER_TAG)
+    t.released()
     assert DRIVER_TAG not in MlflowClient(uri).get_run(t.run_id).data.tags
 
     code = (f"from factory.compiler.compile import compile_file\nfrom factory.runtime.resume import find\n"

@@ -1069,14 +1069,19 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
         return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement},
                                  {STARTED_TAG: f"{startup.t0:.3f}"})
 
-    with display, placed(replaying(plan, replayed), display, startup) as (groups, record):
-        with opened_run(tracker, plan, groups, display, start, replayed) as opened:
-            startup.lap("tracking")
-            display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
-                            else f"MLflow run {tracker.run_id} resumed from the start") if resume else
-                           f"MLflow run {tracker.run_id}")  # (step 0's line says whether it evaluated)
-            result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
-            opened.status = result.status
+    try:
+        with display, placed(replaying(plan, replayed), display, startup) as (groups, record):
+            with opened_run(tracker, plan, groups, display, start, replayed) as opened:
+                startup.lap("tracking")
+                display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
+                                else f"MLflow run {tracker.run_id} resumed from the start") if resume else
+                               f"MLflow run {tracker.run_id}")  # (step 0's line says whether it evaluated)
+                result = train_loop(groups, opened.plan, tracker, display, record, resume, startup, on_step, stop)
+                opened.status = result.status
+    finally:
+        # the stages torn down and Ray stopped (`placed`): only now may another process's --resume take the run (a
+        # process that lives on, a notebook kernel, held it against every other while it lived)
+        tracker.released()
     display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
                     wall_s=time.time() - startup.t0, run_s=whole_run_s(tracker) if resume else None)
     return result

@@ -750,9 +750,10 @@ class MlflowTracker:
             self.notify(text)
 
     def end(self, status: str = "FINISHED") -> None:
-        """Send what waits (a last try), then mark the run ended and take this driver's tag off it (`release`:
-        this process may live on, a notebook kernel). Never raises: the run's teardown comes after it. What
-        could not be sent stays in the spool, and the message says where."""
+        """Send what waits (a last try), then mark the run ended. Never raises: the run's teardown comes after
+        it. What could not be sent stays in the spool, and the message says where. The driver's tag stays on the
+        run until its teardown is done (the driver `release`s it then): another process's `--resume` would
+        otherwise start the run's stages while this one's still held their devices."""
         import mlflow
 
         if self.run_id is None:
@@ -773,10 +774,14 @@ class MlflowTracker:
             mlflow.end_run(status=status)
         except Exception as e:  # noqa: BLE001 -- the store is down: its status stays RUNNING, resumable
             self._note(f"the run could not be marked {status} in the tracking store: {type(e).__name__}: {str(e)[:200]}")
+
+    def released(self) -> None:
+        """`release` the run this tracker opened, once its teardown is done; never raises (a store down: said)."""
+        if self.run_id is None:
             return
         try:
             self.release(self.run_id)
-        except Exception as e:  # noqa: BLE001 -- the store went down in between
+        except Exception as e:  # noqa: BLE001 -- the store is down
             self._note(f"the run's driver tag could not be taken off ({type(e).__name__}: {str(e)[:200]}): another "
                        f"process resumes run {self.run_id} once this one has exited")
 

@@ -91,6 +91,10 @@ class Tracker(Protocol):
 
     def end(self, status: str = "FINISHED") -> None: ...
 
+    def released(self) -> None:
+        """`release` the run this tracker opened, after the run's teardown; never raises."""
+        ...
+
     # ---- reading runs back
     def claim(self, run_id: str) -> str:
         """Mark run `run_id` as this driver's (its DRIVER_TAG), before any stage starts, so that another
