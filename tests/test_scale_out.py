@@ -121,6 +121,9 @@ def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(
     assert isinstance(said, InfraFailure)
     assert str(said).startswith("a stage's process or the Ray cluster went away mid-run (ActorUnavailableError: ")
     assert "factory run SPEC --resume" in str(said) and "SIGTERM" not in str(said)
+    # an evaluation or a rescore cannot be resumed: its loss says to run it again (it said --resume)
+    again = str(lost_error(e, "`factory rescore` again rescores the run"))
+    assert again.endswith("; `factory rescore` again rescores the run, on this cluster once it is back or on another")
     with pytest.raises(KeyboardInterrupt):  # the driver heard SIGTERM (`timeout` signals the whole group)
         lifecycle._interrupt(15, None)
     # Ray's processes in the driver's group (a Ray whose start Factory could not move out of it): plain `timeout`

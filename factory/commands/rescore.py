@@ -173,7 +173,8 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
 
         # as a run places its stages: what a killed run left ended first, a session record kept while Ray is up
         # (for the next run to end what a killed rescore leaves), everything torn down whatever happens
-        placing = placed(dataclasses.replace(plan, stages=tuple(judges), edges=()), Display(0), Startup())
+        placing = placed(dataclasses.replace(plan, stages=tuple(judges), edges=()), Display(0), Startup(),
+                         again="`factory rescore` again rescores the run")
     with placing as (groups, _):
         scored = asyncio.run(_score_all(plan, batches, {name: g.actors[0] for name, g in groups.items()}))
 

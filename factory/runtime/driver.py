@@ -1106,10 +1106,16 @@ def prepare_in_background(tracker: Tracker) -> threading.Thread:
     return thread
 
 
+# How a run lost mid-way is taken up (lost_error); an evaluation's or a rescore's loss says to run it again
+RESUME_SAID = "`factory run SPEC --resume` continues the run from its newest checkpoint"
+
+
 @contextlib.contextmanager
-def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups, SessionRecord]]:
+def placed(plan: Plan, display: Any, startup: Startup, *,
+           again: str = RESUME_SAID) -> Iterator[tuple[Groups, SessionRecord]]:
     """The plan's stages placed on Ray (a Ray of our own, or the cluster's), set up and ready; whatever
-    happens inside, every stage is closed, Ray shut down and this driver's session record dropped after."""
+    happens inside, every stage is closed, Ray shut down and this driver's session record dropped after. A stage
+    lost meanwhile is a StageLostError (`lost_error`) that ends with `again`: how the user takes the work up."""
     ended = reap_orphans()
     if ended:
         display.status(f"ended what a killed run left behind: {', '.join(ended)}")
@@ -1136,7 +1142,7 @@ def placed(plan: Plan, display: Any, startup: Startup) -> Iterator[tuple[Groups,
             try:
                 yield groups, record
             except LOST as e:
-                raise lost_error(e) from e
+                raise lost_error(e, again) from e
         finally:  # (nested: a Ctrl-C in teardown's wait of up to 30 s still shuts Ray down and drops the record)
             try:
                 teardown(groups)
@@ -1153,9 +1159,9 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptio
         ray.exceptions.WorkerCrashedError, ray.exceptions.LocalRayletDiedError, ray.exceptions.RaySystemError)
 
 
-def lost_error(e: BaseException) -> StageLostError:
-    """`e` (one of LOST) as one line: what went away, and that `factory run SPEC --resume` continues the run
-    from its newest checkpoint."""
+def lost_error(e: BaseException, again: str = RESUME_SAID) -> StageLostError:
+    """`e` (one of LOST) as one line: what went away, and `again`: how the work is taken up (a run's: that
+    `factory run SPEC --resume` continues it from its newest checkpoint; an evaluation or a rescore: run again)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip())  # Ray colours its names
     said = (text.splitlines() or [""])[0][:300]
     if (actor := re.search(r"class_name: (\w+)", text)) and actor.group(1) not in said:  # which stage's process
@@ -1171,8 +1177,7 @@ def lost_error(e: BaseException) -> StageLostError:
            "`timeout` sends; `timeout --foreground` or `kill PID` signal the driver alone, which then stops after "
            "the step)")
     return StageLostError(f"a stage's process or the Ray cluster went away mid-run ({type(e).__name__}: {said})"
-                          f"{why}; `factory run SPEC --resume` continues the run from its newest checkpoint, on this "
-                          "cluster once it is back or on another")
+                          f"{why}; {again}, on this cluster once it is back or on another")
 
 
 def eval_stages(plan: Plan) -> Plan:
@@ -1274,7 +1279,8 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
         return tracker.start_run(plan, listing, {"resolved": resolved},
                                  extra_tags={"factory.kind": "eval", STARTED_TAG: f"{startup.t0:.3f}", **(tags or {})})
 
-    with display, placed(eval_stages(replaying(plan, replayed)), display, startup) as (groups, _):
+    with display, placed(eval_stages(replaying(plan, replayed)), display, startup,
+                         again="`factory eval` again evaluates it") as (groups, _):
         with opened_run(tracker, plan, groups, display, start, replayed) as opened:
             if adapters is not None:
                 for e in plan.edges:
