@@ -296,7 +296,7 @@ class Lockstep:
                 t.truncated = not gen.finished
                 # the turn's text and calls as the agent loop makes them (factory/rollout/agent.py)
                 text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-                calls = parse_tool_calls(text, opened_before=False)
+                calls = parse_tool_calls(text, opened_before=False, cut=not gen.finished)
                 if not gen.finished and calls and calls[-1].parse_error == NEVER_CLOSED:
                     calls = calls[:-1]  # a call the token limit cut: dropped
                 t.turns.append(Turn(text=text, num_tokens=len(gen.ids), calls=calls))

@@ -581,10 +581,11 @@ _TOOL_CALL_CLOSING = re.compile(r"[ \t\n\r]*" + re.escape(TOOL_CALL_CLOSE))
 _JSON_WINDOW = 4096  # characters of a call's JSON read at first (see call_json_end)
 
 
-def call_json_end(text: str, start: int) -> int | None:
-    """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there; the end of
-    the text when the object reads up to a string that the text ends in (a call cut inside an argument: any marker
-    after the string's opening quote is quoted in it, not a call of its own or a call's end)."""
+def call_json_end(text: str, start: int, *, cut: bool = False) -> int | None:
+    """Where the JSON object after the `<tool_call>` marker at `start` ends; None when none reads there. `cut`: the
+    token limit cut the text, so where the object reads up to a string that the text ends in, the end of the text
+    (a call cut inside an argument: any marker after the string's opening quote is quoted in it, not a call of its
+    own or a call's end); a finished text that ends inside a string is the model's unclosed quote, so None."""
     body = _JSON_SPACE.match(text, start + len(TOOL_CALL_OPEN)).end()
     if not text.startswith("{", body):  # no call's object
         return None
@@ -602,7 +603,7 @@ def call_json_end(text: str, start: int) -> int | None:
             in_string = e.msg.startswith("Unterminated string") or (
                 e.msg.startswith("Invalid \\uXXXX escape") and e.pos + 5 > len(chunk))
             if body + window >= len(text):
-                return len(text) if in_string else None
+                return len(text) if in_string and cut else None
             if not (in_string or e.pos >= len(chunk) - 8):  # (cut short by the window: `fals|e`, `12|3`)
                 return None
             window *= 4
@@ -610,12 +611,12 @@ def call_json_end(text: str, start: int) -> int | None:
             return None
 
 
-def tool_call_end(text: str, start: int, *, or_text_end: bool = False) -> int | None:
+def tool_call_end(text: str, start: int, *, or_text_end: bool = False, cut: bool = False) -> int | None:
     """Where the tool-call block ends whose `<tool_call>` marker begins at `start`, when the JSON object after
     the marker reads and a closing marker follows it (any marker inside the JSON's strings is the call's);
-    None otherwise. `or_text_end`: also the end of the text when only whitespace follows the JSON, or the text
-    ends inside one of its strings (a turn that stopped before its closing marker)."""
-    value_end = call_json_end(text, start)
+    None otherwise. `or_text_end`: also the end of the text when only whitespace follows the JSON, or, where the
+    token limit `cut` the text, it ends inside one of its strings (a turn that stopped before its closing marker)."""
+    value_end = call_json_end(text, start, cut=cut)
     if value_end is None:
         return None
     if m := _TOOL_CALL_CLOSING.match(text, value_end):
@@ -623,14 +624,14 @@ def tool_call_end(text: str, start: int, *, or_text_end: bool = False) -> int | 
     return len(text) if or_text_end and _JSON_SPACE.match(text, value_end).end() == len(text) else None
 
 
-def _reasoning_spans(text: str) -> Iterator[tuple[int, int]]:
+def _reasoning_spans(text: str, cut: bool = False) -> Iterator[tuple[int, int]]:
     """Each reasoning block, in order: (start, end) from a `<think>` that no call quotes to past its `</think>`
     (or to the end of the text). A call block that reads (see `without_reasoning`) is stepped over whole."""
     # Each marker's next position is searched for again only once the scan has passed it (not at every step).
     think, call = text.find(THINK_OPEN), text.find(TOOL_CALL_OPEN)
     while think >= 0:
         if 0 <= call < think:
-            pos = tool_call_end(text, call, or_text_end=True)
+            pos = tool_call_end(text, call, or_text_end=True, cut=cut)
             if pos is None:  # prose, or a call that does not read: the `<think>` may still be reasoning
                 call = text.find(TOOL_CALL_OPEN, call + len(TOOL_CALL_OPEN))
                 continue
@@ -644,7 +645,7 @@ def _reasoning_spans(text: str) -> Iterator[tuple[int, int]]:
             call = text.find(TOOL_CALL_OPEN, pos)
 
 
-def without_reasoning(text: str, *, opened_before: bool = True) -> str:
+def without_reasoning(text: str, *, opened_before: bool = True, cut: bool = False) -> str:
     """`text` without the model's reasoning (Qwen3, R1 and QwQ write it in <think>...</think>): every closed
     block, a block left open (a turn cut while thinking) to the end, and, where the template opened the block
     in the generation prompt (R1's), all before a leading `</think>`. A call or an answer drafted while
@@ -654,12 +655,13 @@ def without_reasoning(text: str, *, opened_before: bool = True) -> str:
     reasoning there, as the token does for the model.
     `opened_before=False`: the text says itself where its reasoning began (the agent loop starts each turn's
     text with the `<think>` its prompt opened), so a leading `</think>` (one in a call's argument) drops
-    nothing before it."""
+    nothing before it. `cut`: the token limit cut the text (see `call_json_end`): a call it ends inside a string of
+    is kept whole."""
     close = text.find(THINK_CLOSE)
-    if opened_before and close >= 0 and not 0 <= next(_reasoning_spans(text), (-1, -1))[0] < close:
+    if opened_before and close >= 0 and not 0 <= next(_reasoning_spans(text, cut), (-1, -1))[0] < close:
         text = text[close + len(THINK_CLOSE):]
     kept, pos = [], 0
-    for start, end in _reasoning_spans(text):
+    for start, end in _reasoning_spans(text, cut):
         kept.append(text[pos:start])
         pos = end
     kept.append(text[pos:])

@@ -35,6 +35,8 @@ def _record(t):
     [(call("flaky", a=1, b=1), True), (call("add", a=1, b=1), True), (call("add", a=2, b=2), True)],  # max_turns
     # cut inside a call: dropped, not answered as the model's malformed call; a complete call before it runs
     [(call("add", a=2, b=3) + call("mul", a=5, b=4)[:30], False), (call("mul", a=5, b=4)[:30], False)],
+    # a finished turn ending inside a call's string (a quote left out): the model's invalid JSON, answered
+    [('<tool_call>{"name": "add", "arguments": {"a": "2}}</tool_call>', True), ("<answer>20</answer>", True)],
 ])
 def test_lockstep_baselines_build_the_agent_loops_trajectories(tokenizer, script, one_by_one):  # noqa: F811
     """bench/agentic.py's sequential and synchronous-turn loops produce, turn by turn and token by token,

@@ -294,6 +294,18 @@ def test_a_cut_call_quoting_the_call_markers_is_dropped_whole(chat):
             "budget", True, 1, [], [])
 
 
+def test_a_finished_call_with_an_open_quote_is_answered_as_invalid_json(chat):
+    """A turn that the model ended (not the token limit) inside a call's string, having left out a quote and closed
+    the call: it read as a cut call, was answered "no </tool_call> after it" (there is one) and kept as such."""
+    box = FakeToolBox()
+    text = '<tool_call>{"name": "add", "arguments": {"a": "1}}</tool_call>'
+    traj = run(ScriptedEngine(chat, [(text, True), ("5", True)]), chat, box)
+    (bad,) = traj.turns[0].calls
+    assert bad.parse_error.startswith("invalid JSON: Unterminated string")
+    assert [r.error_kind for r in traj.turns[0].results] == ["parse_error"]
+    assert (traj.stop_reason, traj.truncated, len(traj.turns)) == ("no_call", False, 2)
+
+
 def test_a_toolbox_exception_is_an_infra_error_not_a_crash(chat):
     traj = run(ScriptedEngine(chat, [(call("boom", a=1, b=1), True), ("sorry", True)]), chat, FakeToolBox())
     (result,) = traj.turns[0].results

@@ -203,7 +203,7 @@ def test_a_call_cut_inside_an_argument_that_quotes_the_markers_is_one_never_clos
     head = '<tool_call>\n{"name": "write_file", "arguments": {"text": "A call looks like '
     for quoted in ('<tool_call>{\\"name\\": \\"add', '<tool_call>{\\"name\\": \\"add\\"}</tool_call> and',
                    '<tool_call> caf\\u00'):  # (cut inside a `\uXXXX` escape)
-        (call,) = parse_tool_calls(head + quoted, opened_before=False)
+        (call,) = parse_tool_calls(head + quoted, opened_before=False, cut=True)
         assert (call.name, call.parse_error, call.raw) == ("write_file", NEVER_CLOSED, (head + quoted)[11:])
     # a string the model left open in a call it closed, before a later call, still ends at the first closing marker
     bad, good = parse_tool_calls('<tool_call>{"name": "a", "arguments": {"x": "oops}}</tool_call>\n'
@@ -221,3 +221,19 @@ def test_a_call_cut_before_its_closing_marker_whose_argument_quotes_it_is_never_
     text = '<tool_call>{"name": "w", "arguments": {"t": "</tool_call>"}} oops</tool_call>'
     (call,) = parse_tool_calls(text)
     assert call.parse_error.startswith("invalid JSON: Extra data") and call.raw == text[11:-12]
+
+
+def test_a_finished_call_left_with_an_open_string_is_invalid_json_and_only_a_cut_one_never_closed():
+    """A turn that ends inside a call's string was read as cut by the token limit whether it was or not: a model that
+    left out a quote, closed the call and stopped was told "no </tool_call> after it" (there is one), not that its
+    JSON is invalid. Only the caller knows whether the turn was cut."""
+    text = '<tool_call>{"name": "a", "arguments": {"x": "1}}</tool_call>'
+    (call,) = parse_tool_calls(text, opened_before=False)
+    assert (call.name, call.raw) == ("a", text[11:-12])
+    assert call.parse_error.startswith("invalid JSON: Unterminated string")
+    (call,) = parse_tool_calls(text, opened_before=False, cut=True)
+    assert (call.name, call.parse_error, call.raw) == ("a", NEVER_CLOSED, text[11:])
+    (call,) = parse_tool_calls(text + "<think>x", opened_before=False, cut=True)  # quoted in the cut string
+    assert call.raw == text[11:] + "<think>x"
+    # a reward reads a finished completion: a `<think>` after the open quote is reasoning, as before
+    assert without_reasoning(text + "<think>x</think> done") == text + " done"

@@ -109,7 +109,7 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
         # opens the reasoning block in the generation prompt (R1's) left it unopened in the turn's text: a turn cut
         # while thinking would read as an answer, so the text says where the reasoning began.
         text = chat.reasoning_opened + chat.decode(gen.ids[:-1] if gen.finished else gen.ids)
-        parsed = parse_tool_calls(text, opened_before=False)
+        parsed = parse_tool_calls(text, opened_before=False, cut=not gen.finished)
         if not gen.finished and parsed and parsed[-1].parse_error == NEVER_CLOSED:
             # the token limit cut the turn inside its last call: answered as a malformed call, it would blame the
             # model for the limit's cut; it is dropped, and with no call left the turn is a cut one (budget)

@@ -31,25 +31,27 @@ _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 NEVER_CLOSED = f"unclosed {OPEN}: no {CLOSE} after it"
 
 
-def parse_tool_calls(text: str, *, opened_before: bool = True) -> list[ToolCall]:
+def parse_tool_calls(text: str, *, opened_before: bool = True, cut: bool = False) -> list[ToolCall]:
     """All calls in `text` outside its reasoning (`without_reasoning`), in order. A call ends at the first closing
     marker after its JSON object where that reads (a marker inside the object's strings is the call's), else at
     the first after its opening marker; no other opening marker comes before it. A call never closed is one
     malformed call: each opening marker followed by `{` and no closing one, its text running to the next marker
-    after its object, or to the end of the text where the text ends inside one of the object's strings (a turn cut
-    inside an argument: the markers after are quoted in it); a mention of the marker in prose, with no `{` after
-    it, is not a call. After the last closed call, where no marker has a `{` after it, the first marker there is
-    one too (a turn cut off right after it).
+    after its object, or, where the token limit `cut` the text, to the end of the text where it ends inside one of
+    the object's strings (a turn cut inside an argument: the markers after are quoted in it; in a finished turn the
+    string is the model's unclosed quote, and the call runs to the first closing marker); a mention of the marker
+    in prose, with no `{` after it, is not a call. After the last closed call, where no marker has a `{` after it,
+    the first marker there is one too (a turn cut off right after it).
     `opened_before=False`: the text begins with any `<think>` its prompt opened (the agent loop writes
     ChatFormat.reasoning_opened into each turn's text), so a `</think>` with none before it is the model's own
     (in an argument) and drops no call before it; True (a completion as a reward reads it): all before a
-    leading `</think>` is reasoning."""
-    text = without_reasoning(text, opened_before=opened_before)
+    leading `</think>` is reasoning. `cut`: the token limit cut the text (the agent loop's unfinished turn); False
+    for a finished turn and for a completion as a reward reads it."""
+    text = without_reasoning(text, opened_before=opened_before, cut=cut)
     calls: list[ToolCall] = []
     pos = tail = 0  # tail: where the text after the last closed call begins
     while (start := text.find(OPEN, pos)) >= 0:
         body = pos = start + len(OPEN)
-        if (end := call_json_end(text, start)) is not None:
+        if (end := call_json_end(text, start, cut=cut)) is not None:
             if closing := _CLOSING.match(text, end):
                 calls.append(parse_one(text[body:closing.end() - len(CLOSE)]))
                 pos = tail = closing.end()
