@@ -341,7 +341,7 @@ def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old", "replay.on_miss=live"])
 
     @contextlib.contextmanager
-    def placed(plan: Any, display: Any, startup: Any):
+    def placed(plan: Any, display: Any, startup: Any, **_: Any):
         world.replayed = plan.stage("tools").settings.replay
         yield fake_groups(world, plan), None
 
