@@ -94,7 +94,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     try:
         return _run_plan(plan, found, on_step, stop, started_at)
     finally:
-        # its claim (find), where the run never reopened: the tracker's end() released one that did
+        # its claim (find), where the run never reopened: the driver released one that did, after its teardown
         if found is not None:
             _release(plan, found.run_id)
 
