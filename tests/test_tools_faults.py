@@ -503,3 +503,36 @@ async def test_rollout_through_every_fault_loses_nothing(box):
     model_errors = sum(n for (status, _), n in outcomes.items() if status == "model_error")
     assert delta(before, after, "tools/model_errors") == model_errors
     assert delta(before, after, "tool_servers/faulty/restarts") == 1
+
+
+async def test_close_in_the_tick_a_start_completes_fails_the_waiting_calls_as_shut_down(monkeypatch):
+    """A close() in the loop tick in which a start's handshake completed cancelled that start while it closed the
+    connection it had just opened: the calls waiting on it got a bare CancelledError, not "shut down"."""
+    from factory.tools import servers
+    from factory.tools.connection import ServerStartError
+    from factory.tools.metrics import ToolMetrics
+
+    started, handshake, closed = asyncio.Event(), asyncio.Event(), []
+
+    class Connection:  # opens when the test says so; its close takes a moment, as the SDK's stop of a process does
+        def __init__(self, *args, **kwargs) -> None:
+            self.alive = True
+
+        async def open(self, timeout_s: float) -> None:
+            started.set()
+            await handshake.wait()
+
+        async def close(self) -> None:
+            await asyncio.sleep(0.05)
+            closed.append(self)
+
+    monkeypatch.setattr(servers, "McpConnection", Connection)
+    server = servers.McpServer("late", FAULTY, base_dir=None, resilience=Resilience(), metrics=ToolMetrics())
+    waiting = asyncio.ensure_future(server._replicas[0].get())
+    await started.wait()  # the start is under way, waiting for its handshake
+    closing = asyncio.ensure_future(server.close())  # runs first in the next tick: the server is closed ...
+    handshake.set()  # ... then the start's handshake completes and it finds the server closed
+    await closing
+    with pytest.raises(ServerStartError, match="shut down"):
+        await waiting
+    assert len(closed) == 1  # the connection it opened is closed, before close() returned

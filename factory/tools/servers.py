@@ -292,7 +292,13 @@ class _Replica:
             # by close(): the calls that wait on this start fail as for any start the server's close cut short
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting") from None
         if self.server._closed:
-            await connection.close()
+            # close() cancels a start it finds under way, this one too if it came in the tick the handshake
+            # completed: the connection is closed whole all the same, and the waiting calls told "shut down"
+            closing = asyncio.ensure_future(connection.close())
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                await closing
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
         self._starts += 1
         if self._starts > 1:
