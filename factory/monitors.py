@@ -135,8 +135,8 @@ def _ratio_monitor(h: History, s: MonitorsSpec, key: str, what: str, ratio: floa
     value = last / first if first > 0 else (math.inf if last > 0 else 1.0)
     drifted = value >= ratio and last - first >= min_rise or (both_ways and value <= 1 / ratio)
     return Reading(value, drifted and flat[0],
-                   f"{what} went from {first:.3g} (first {s.window} steps) to {last:.3g} (last {s.window}), "
-                   f"x{value:.2f} (threshold x{ratio:g}), and {flat[1]}")
+                   f"{what} went from {first:.3g} (first {s.window} steps with a value) to {last:.3g} "
+                   f"(last {s.window}), x{value:.2f} (threshold x{ratio:g}), and {flat[1]}")
 
 
 @monitor("length_drift", reads=("length_ratio", "min_task_gain"))

@@ -188,7 +188,7 @@ def test_steps_without_a_value_are_not_the_baseline():
         reading = MONITORS[name](h, S)
         assert reading is not None and reading.fired, (name, reading)
     r = MONITORS["length_drift"](h, S)
-    assert r.value == pytest.approx(90.0 / 20.0) and "went from 20 (first 2 steps) to 90 (last 2)" in r.why
+    assert r.value == pytest.approx(90.0 / 20.0) and "went from 20 (first 2 steps with a value) to 90 (last 2)" in r.why
     # as from step window + 1 in a run without gaps, it speaks from the (window + 1)th step with a value
     assert MONITORS["length_drift"](History([empty, *healthy, empty, empty]), S) is None
     assert MONITORS["length_drift"](History([empty, *healthy, empty, hacked[0]]), S).value == pytest.approx(55 / 20)
