@@ -203,15 +203,16 @@ def test_zero_keys_deepspeed_refuses_or_never_reads_at_the_specs_stage(project, 
     lines = _errors(path).splitlines()
     key = "spec.yaml:11: train.deepspeed.zero_optimization."
     assert lines[0].startswith(f"{key}overlap_comm: DeepSpeed refuses overlap_comm below ZeRO-2")
-    assert lines[1].startswith(f"{key}compute_grad_norm: DeepSpeed takes compute_grad_norm: false with ZeRO stage 1")
+    assert lines[1].startswith(f"{key}compute_grad_norm: Factory's non-finite guard needs DeepSpeed's gradient norm")
     assert lines[2].startswith(f"{key}offload_optimizer: optimizer offload needs ZeRO")
     assert lines[3].startswith(f"{key}zenflow: ZenFlow runs inside DeepSpeed's ZeRO optimizers")
     assert lines[4] == (f"{key}allgather_partitions: not applied by Factory's update: DeepSpeed 0.19 reads it into "
                         "its config and uses it nowhere")
     assert lines[5].startswith(f"{key}pipeline_loading_checkpoint: DeepSpeed loads checkpoints that way at ZeRO-3")
     assert lines[6] == "6 errors in spec.yaml"
-    # at ZeRO-2 DeepSpeed takes the first four (offload_optimizer: {device: none} never offloads, at any stage)
-    assert _errors(path, ["train.deepspeed.zero_stage=2"]).splitlines()[:2] == lines[4:6]
+    # at ZeRO-2 DeepSpeed takes the first four (offload_optimizer: {device: none} never offloads, at any stage), and
+    # Factory refuses compute_grad_norm: false at every stage
+    assert _errors(path, ["train.deepspeed.zero_stage=2"]).splitlines()[:3] == lines[1:2] + lines[4:6]
     ok = _spec(project, "st_ds_z0w", "train:\n  deepspeed:\n    zero_optimization: {reduce_bucket_size: 5, "
                                     "sub_group_size: 10, offload_optimizer: {device: none}}\n")
     for stage, warned in [(0, ["reduce_bucket_size", "sub_group_size"]), (2, ["sub_group_size"]), (3, [])]:
@@ -232,6 +233,21 @@ def test_zero_keys_deepspeed_refuses_or_never_reads_at_the_specs_stage(project, 
         DeepSpeedZeroConfig(stage=2).reduce_bucket_size
 
 
+def test_turning_off_deepspeeds_gradient_norm_is_refused_for_the_non_finite_guard(project):
+    """`zero_optimization.compute_grad_norm: false` was accepted at ZeRO 1 and 2, where DeepSpeed then computes no
+    gradient norm and (in float32 and bfloat16) checks no overflow: an update with a NaN gradient was applied,
+    uncounted, while the learner relies on ZeRO to skip it (learner.py `_update`)."""
+    path = _spec(project, "st_ds_gn", "train:\n  deepspeed:\n    zero_stage: 2\n"
+                                      "    zero_optimization: {compute_grad_norm: false}\n")
+    said = ("spec.yaml:12: train.deepspeed.zero_optimization.compute_grad_norm: Factory's non-finite guard needs "
+            "DeepSpeed's gradient norm: without it ZeRO 1 and 2 apply an update whose gradient is inf or NaN (in "
+            "float32 and bfloat16) instead of skipping it, and DeepSpeed refuses it at stages 0 and 3: remove it\n"
+            "1 error in spec.yaml")
+    for stage in (0, 1, 2, 3):
+        assert _errors(path, [f"train.deepspeed.zero_stage={stage}"]) == said, stage
+    assert compile_file(path, ["train.deepspeed.zero_optimization.compute_grad_norm=true"])
+
+
 def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refusal_agrees():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -244,14 +260,14 @@ def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refus
     said = _zero_problem("cpu_offload", True, 0)
     assert said is not None and said == _zero_problem("offload_optimizer", {"device": "nvme"}, 0)
     assert not _zero_problem("cpu_offload", True, 1) and not _zero_problem("offload_optimizer", {"device": "none"}, 0)
-    for stage in (0, 1, 2, 3):  # DeepSpeed's own validator: refused where Factory says so, taken elsewhere
-        refused = _zero_problem("compute_grad_norm", False, stage) is not None
+    for stage in (0, 1, 2, 3):  # refused by Factory at every stage, by DeepSpeed's own validator where it says so
+        assert "DeepSpeed refuses it at stages 0 and 3" in _zero_problem("compute_grad_norm", False, stage)
         try:
             DeepSpeedZeroConfig(stage=stage, compute_grad_norm=False)
         except ValueError:
-            assert refused, stage
+            assert stage in (0, 3), stage
         else:
-            assert not refused, stage
+            assert stage in (1, 2), stage
 
 
 def test_removed_deepspeed_keys_are_the_ones_deepspeed_refuses():

@@ -204,8 +204,11 @@ def _zero_problem(key: str, value: Any, stage: int) -> str | None:
     if key == "overlap_comm" and value is True and stage < 2:
         return ("DeepSpeed refuses overlap_comm below ZeRO-2 where Factory accumulates each mini-batch's gradients "
                 "itself (managed_gradient_accumulation false): set train.deepspeed.zero_stage to 2 or 3, or remove it")
-    if key == "compute_grad_norm" and value is False and stage not in (1, 2):
-        return "DeepSpeed takes compute_grad_norm: false with ZeRO stage 1 or 2 only (it refuses the config otherwise)"
+    if key == "compute_grad_norm" and value is False:
+        # (ZeRO 1/2 check a float32 or bf16 gradient for inf/NaN only through the norm; the learner relies on it)
+        return ("Factory's non-finite guard needs DeepSpeed's gradient norm: without it ZeRO 1 and 2 apply an update "
+                "whose gradient is inf or NaN (in float32 and bfloat16) instead of skipping it, and DeepSpeed refuses "
+                "it at stages 0 and 3: remove it")
     if key == "zenflow" and value and stage == 0:
         return ("ZenFlow runs inside DeepSpeed's ZeRO optimizers: without ZeRO the first backward fails; set "
                 "train.deepspeed.zero_stage to 1, 2 or 3")
