@@ -141,6 +141,21 @@ def test_deepspeed_keys_are_checked_with_a_suggestion(project):
         "6 errors in spec.yaml")
 
 
+def test_the_gradients_reduction_over_the_ranks_is_factorys(project):
+    """`gradient_allreduce_op: sum` passed check, and over 2 ranks every update was twice the mini-batch's: the
+    learner scales each rank's loss by the world size because DeepSpeed averages the gradients (its default)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.constants import GRADIENT_ALLREDUCE_OP_DEFAULT
+
+    assert GRADIENT_ALLREDUCE_OP_DEFAULT == "mean"  # what the learner's scaling is for
+    path = _spec(project, "st_ds_sum", "train:\n  deepspeed:\n    zero_stage: 2\n    gradient_allreduce_op: sum\n")
+    assert _errors(path) == (
+        "spec.yaml:12: train.deepspeed.gradient_allreduce_op: Factory sets this DeepSpeed key from the spec: the "
+        "update scales each rank's loss by the number of ranks because DeepSpeed averages the gradients over them "
+        "(its default, mean): another reduction would scale every update (sum: by the number of ranks)\n"
+        "1 error in spec.yaml")
+
+
 def test_the_optimizer_offload_is_set_in_one_place(project):
     """`offload_optimizer: true` beside a `zero_optimization.offload_optimizer` (or `cpu_offload`): the extra keys
     were merged over Factory's `{device: cpu}`, so `{device: none}` turned the offload the spec asked for off, in

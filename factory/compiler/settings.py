@@ -78,6 +78,10 @@ OWNED_KEYS = {
     "fp16": "set model.dtype",
     "amp": "set model.dtype (or train.bf16_autocast)",
     "torch_autocast": "set train.bf16_autocast",
+    # (factory.update.learner `_update`; left at DeepSpeed's default)
+    "gradient_allreduce_op": "the update scales each rank's loss by the number of ranks because DeepSpeed averages "
+                             "the gradients over them (its default, mean): another reduction would scale every "
+                             "update (sum: by the number of ranks)",
 }
 OWNED_ZERO_KEYS = {"stage": "set train.deepspeed.zero_stage"}
 # zero_optimization keys DeepSpeed 0.19.8 reads only in its ZeRO optimizers of this stage and above (traced with
