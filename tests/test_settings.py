@@ -156,6 +156,37 @@ def test_the_gradients_reduction_over_the_ranks_is_factorys(project):
         "1 error in spec.yaml")
 
 
+def test_deepspeed_keys_that_fail_the_update_start_or_every_resume_are_refused(project):
+    """Keys that passed check, then failed the update stage as it started (ZeRO-2 refuses a pre-divided gradient;
+    DeepSpeed refuses Factory's torch optimizer with an offload that train.deepspeed.offload_optimizer did not
+    set up) or failed every resume (Factory's checkpoints are never in DeepSpeed's universal format)."""
+    path = _spec(project, "st_ds_start", "train:\n  deepspeed:\n    zero_stage: 2\n    prescale_gradients: true\n"
+                                         "    gradient_predivide_factor: 2.0\n    checkpoint: {load_universal: true}\n"
+                                         "    zero_optimization: {offload_optimizer: {device: cpu}, "
+                                         "cpu_offload: true}\n")
+    scale = ("Factory sets this DeepSpeed key from the spec: the update owns the gradient's scale over the ranks (it "
+             "scales each rank's loss for DeepSpeed's plain mean); DeepSpeed's ZeRO 2 and 3 refuse it when the update "
+             "starts, and below them it only reorders the same mean")
+    offload = ("use train.deepspeed.offload_optimizer: true (an offload to the CPU, on which torch's optimizer steps; "
+               "alone, this key fails the update's start: DeepSpeed refuses a torch optimizer with ZeRO-Offload)")
+    assert _errors(path) == (
+        f"spec.yaml:12: train.deepspeed.prescale_gradients: {scale}\n"
+        f"spec.yaml:13: train.deepspeed.gradient_predivide_factor: {scale}\n"
+        "spec.yaml:14: train.deepspeed.checkpoint.load_universal: Factory's checkpoints are never in DeepSpeed's "
+        "universal format, so every resume would fail: remove it\n"
+        f"spec.yaml:15: train.deepspeed.zero_optimization.offload_optimizer: {offload}\n"
+        f"spec.yaml:15: train.deepspeed.zero_optimization.cpu_offload: {offload}\n"
+        "5 errors in spec.yaml")
+    # at stage 0 the offload needs ZeRO first; what is not an offload, or not universal, passes
+    assert _errors(path, ["train.deepspeed.zero_stage=0"]).splitlines()[3] == (
+        f"spec.yaml:15: train.deepspeed.zero_optimization.offload_optimizer: {offload}, with "
+        "train.deepspeed.zero_stage 1, 2 or 3 (DeepSpeed refuses an offload without ZeRO)")
+    ok = _spec(project, "st_ds_start_ok", "train:\n  deepspeed:\n    zero_stage: 2\n    checkpoint: {load_universal: "
+                                          "false, tag_validation: Warn}\n    zero_optimization: {offload_optimizer: "
+                                          "{device: none}, cpu_offload: false}\n")
+    assert compile_file(ok)
+
+
 def test_the_optimizer_offload_is_set_in_one_place(project):
     """`offload_optimizer: true` beside a `zero_optimization.offload_optimizer` (or `cpu_offload`): the extra keys
     were merged over Factory's `{device: cpu}`, so `{device: none}` turned the offload the spec asked for off, in
@@ -219,15 +250,17 @@ def test_zero_keys_deepspeed_refuses_or_never_reads_at_the_specs_stage(project, 
     key = "spec.yaml:11: train.deepspeed.zero_optimization."
     assert lines[0].startswith(f"{key}overlap_comm: DeepSpeed refuses overlap_comm below ZeRO-2")
     assert lines[1].startswith(f"{key}compute_grad_norm: Factory's non-finite guard needs DeepSpeed's gradient norm")
-    assert lines[2].startswith(f"{key}offload_optimizer: optimizer offload needs ZeRO")
+    assert lines[2].startswith(f"{key}offload_optimizer: use train.deepspeed.offload_optimizer: true") and \
+        lines[2].endswith("with train.deepspeed.zero_stage 1, 2 or 3 (DeepSpeed refuses an offload without ZeRO)")
     assert lines[3].startswith(f"{key}zenflow: ZenFlow runs inside DeepSpeed's ZeRO optimizers")
     assert lines[4] == (f"{key}allgather_partitions: not applied by Factory's update: DeepSpeed 0.19 reads it into "
                         "its config and uses it nowhere")
     assert lines[5].startswith(f"{key}pipeline_loading_checkpoint: DeepSpeed loads checkpoints that way at ZeRO-3")
     assert lines[6] == "6 errors in spec.yaml"
     # at ZeRO-2 DeepSpeed takes the first four (offload_optimizer: {device: none} never offloads, at any stage), and
-    # Factory refuses compute_grad_norm: false at every stage
-    assert _errors(path, ["train.deepspeed.zero_stage=2"]).splitlines()[:3] == lines[1:2] + lines[4:6]
+    # Factory refuses compute_grad_norm: false at every stage and an offload it did not set up
+    at2 = _errors(path, ["train.deepspeed.zero_stage=2"]).splitlines()
+    assert at2[:2] == lines[1:2] + [lines[2].split(", with train.deepspeed.zero_stage")[0]] and at2[2:4] == lines[4:6]
     ok = _spec(project, "st_ds_z0w", "train:\n  deepspeed:\n    zero_optimization: {reduce_bucket_size: 5, "
                                     "sub_group_size: 10, offload_optimizer: {device: none}}\n")
     for stage, warned in [(0, ["reduce_bucket_size", "sub_group_size"]), (2, ["sub_group_size"]), (3, [])]:
@@ -274,7 +307,7 @@ def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refus
     # the deprecated spelling offloads too; an offload to device "none" is none
     said = _zero_problem("cpu_offload", True, 0)
     assert said is not None and said == _zero_problem("offload_optimizer", {"device": "nvme"}, 0)
-    assert not _zero_problem("cpu_offload", True, 1) and not _zero_problem("offload_optimizer", {"device": "none"}, 0)
+    assert not _zero_problem("cpu_offload", False, 1) and not _zero_problem("offload_optimizer", {"device": "none"}, 0)
     for stage in (0, 1, 2, 3):  # refused by Factory at every stage, by DeepSpeed's own validator where it says so
         assert "DeepSpeed refuses it at stages 0 and 3" in _zero_problem("compute_grad_norm", False, stage)
         try:

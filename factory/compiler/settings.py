@@ -62,6 +62,10 @@ ZERO_KEYS = frozenset({
     "zero_quantized_nontrainable_weights", "zero_quantized_weights",
 })
 
+# (DeepSpeed's pre-division of the gradients over the ranks: numerics of the mean the learner's loss scaling assumes)
+_SCALE = ("the update owns the gradient's scale over the ranks (it scales each rank's loss for DeepSpeed's plain "
+          "mean); DeepSpeed's ZeRO 2 and 3 refuse it when the update starts, and below them it only reorders the "
+          "same mean")
 # DeepSpeed keys that Factory derives from the spec (factory.update.engine.deepspeed_config): setting
 # them under `train.deepspeed` would fight the spec's own setting, so the error names that setting.
 OWNED_KEYS = {
@@ -78,6 +82,8 @@ OWNED_KEYS = {
     "fp16": "set model.dtype",
     "amp": "set model.dtype (or train.bf16_autocast)",
     "torch_autocast": "set train.bf16_autocast",
+    "prescale_gradients": _SCALE,
+    "gradient_predivide_factor": _SCALE,
     # (factory.update.learner `_update`; left at DeepSpeed's default)
     "gradient_allreduce_op": "the update scales each rank's loss by the number of ranks because DeepSpeed averages "
                              "the gradients over them (its default, mean): another reduction would scale every "
@@ -163,6 +169,10 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
         elif key not in DEEPSPEED_KEYS:
             # Factory's own keys first: `zero_stagee` most likely meant `zero_stage`.
             r.error(path, _unknown(key, set(DeepSpeedSpec.model_fields) | DEEPSPEED_KEYS, "the top level"))
+        elif key == "checkpoint" and isinstance(value, dict) and value.get("load_universal"):
+            # (DeepSpeed then looks for ds_to_universal's layout, which no Factory checkpoint has)
+            r.error(f"{path}.load_universal", "Factory's checkpoints are never in DeepSpeed's universal format, so "
+                                              "every resume would fail: remove it")
         elif key == "zero_optimization":
             if not isinstance(value, dict):
                 r.error(path, f"expected a mapping, got {show(value)}")
@@ -202,9 +212,12 @@ def _zero_problem(key: str, value: Any, stage: int) -> str | None:
         return "parameter offload needs ZeRO-3: set train.deepspeed.zero_stage to 3"
     offloads = ((key == "cpu_offload" and value is True)  # (the deprecated spelling of a CPU offload_optimizer)
                 or (key == "offload_optimizer" and isinstance(value, dict) and value.get("device", "none") != "none"))
-    if offloads and stage == 0:
-        return ("optimizer offload needs ZeRO (DeepSpeed refuses it without): set train.deepspeed.zero_stage to 1, 2 "
-                "or 3 (train.deepspeed.offload_optimizer offloads to the CPU)")
+    if offloads:  # (check_deepspeed says so first beside train.deepspeed.offload_optimizer: true)
+        # Factory's setting also lets its torch optimizer step on the offloaded states (zero_force_ds_cpu_optimizer)
+        use = ("use train.deepspeed.offload_optimizer: true (an offload to the CPU, on which torch's optimizer steps; "
+               "alone, this key fails the update's start: DeepSpeed refuses a torch optimizer with ZeRO-Offload)")
+        return f"{use}, with train.deepspeed.zero_stage 1, 2 or 3 (DeepSpeed refuses an offload without ZeRO)" \
+            if stage == 0 else use
     if key == "overlap_comm" and value is True and stage < 2:
         return ("DeepSpeed refuses overlap_comm below ZeRO-2 where Factory accumulates each mini-batch's gradients "
                 "itself (managed_gradient_accumulation false): set train.deepspeed.zero_stage to 2 or 3, or remove it")
