@@ -296,6 +296,23 @@ def test_turning_off_deepspeeds_gradient_norm_is_refused_for_the_non_finite_guar
     assert compile_file(path, ["train.deepspeed.zero_optimization.compute_grad_norm=true"])
 
 
+def test_float16_weights_need_zero(project):
+    """`model.dtype: float16` at ZeRO stage 0 (the default) passed check, and every update was 2^16 too small: there
+    DeepSpeed 0.19.8 wraps the optimizer in its FP16_UnfusedOptimizer, whose step divides the gradients by the
+    dynamic loss scale (2^16 at the start), while engine.backward scales the loss only for the ZeRO optimizers;
+    train.optimizer.grad_clip, compared with the divided norm, never acted either."""
+    f16 = BASE.replace('{path: "factory:tiny-qwen3"}', '{path: "factory:tiny-qwen3", dtype: float16}')
+    path = _spec(project, "st_f16", base=f16)
+    assert _errors(path) == (
+        "spec.yaml:2: model.dtype: float16 weights need DeepSpeed's ZeRO loss scaling (at zero_stage 0 DeepSpeed "
+        "leaves the loss unscaled but divides each update by its loss scale, 2^16 at the start): set "
+        "train.deepspeed.zero_stage: 1, or use bfloat16\n"
+        "1 error in spec.yaml")
+    for stage in (1, 2, 3):
+        assert compile_file(path, [f"train.deepspeed.zero_stage={stage}"])
+    assert compile_file(path, ["model.dtype=bfloat16"])
+
+
 def test_the_zero_keys_factory_refuses_by_stage_are_deepspeeds_and_its_own_refusal_agrees():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -634,7 +651,8 @@ def test_settings_nothing_reads_in_this_spec_are_said(project, monkeypatch):
                  ["algorithm.kl.coef=0.1", "algorithm.kl.apply=reward"]):  # reward, pi_old's own pass under dropout)
         assert not {k for k in _said(path, ["algorithm.clip=[0.1,0.1]", *moot]) if k.startswith("algorithm.clip")}
     assert "train.bf16_autocast" in _said(path, ["model.dtype=bfloat16", "train.bf16_autocast=false"])
-    assert "train.bf16_autocast" not in _said(path, ["model.dtype=float16", "train.bf16_autocast=false"])  # (it
+    assert "train.bf16_autocast" not in _said(path, ["model.dtype=float16", "train.deepspeed.zero_stage=1",
+                                                     "train.bf16_autocast=false"])  # (it
     # picks the rollout's `auto`: bfloat16 or float16/float32)
     assert _said(path, ["resources.update.strategy=SPREAD", "resources.update.num_cpus=1"])[
         "resources.update.strategy"] == "has no effect with one replica (resources.update.replicas 1): a strategy " \

@@ -202,6 +202,12 @@ def check_deepspeed(spec: Spec, r: Report) -> None:
     ds = spec.train.deepspeed
     if ds.offload_optimizer and ds.zero_stage == 0:
         r.error("train.deepspeed.offload_optimizer", "optimizer offload needs ZeRO: set zero_stage to 1, 2 or 3")
+    if spec.model.dtype == "float16" and ds.zero_stage == 0:
+        # DeepSpeed 0.19.8's stage-0 fp16 wrapper (FP16_UnfusedOptimizer) unscales gradients that its engine.backward
+        # never scaled (it scales the loss for the ZeRO optimizers only): every update, and the clip's norm, 2^-16
+        r.error("model.dtype", "float16 weights need DeepSpeed's ZeRO loss scaling (at zero_stage 0 DeepSpeed leaves "
+                               "the loss unscaled but divides each update by its loss scale, 2^16 at the start): set "
+                               "train.deepspeed.zero_stage: 1, or use bfloat16")
 
 
 def _zero_problem(key: str, value: Any, stage: int) -> str | None:
