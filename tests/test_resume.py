@@ -302,6 +302,25 @@ def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allow
     assert "holds full weights, and this spec trains LoRA adapters" in capsys.readouterr().err
 
 
+def test_a_checkpoint_is_not_resumed_under_another_optimizer(store):
+    """`--allow-spec-change train.optimizer.name=adamw` on an SGD run's checkpoint: torch loaded SGD's state into
+    AdamW, and the first step failed with KeyError 'betas' after Ray and every stage had started. The optimizer's
+    settings may change (the learner applies the spec's after loading); its kind may not."""
+    uri, ckpt = store
+    _, sgd = compiled(ckpt, "train.optimizer.name=sgd")
+    run = fake_run(uri, ckpt, sgd, logged=1, checkpoints=(1,), experiment="optim")
+    spec, adamw = compiled(ckpt)
+    with pytest.raises(ResumeError, match=rf"^run {run}'s checkpoint .*step_1 holds the state of optimizer 'sgd', and "
+                                          r"this spec trains with 'adamw' \(train.optimizer.name\): .*resume with "
+                                          r"train.optimizer.name=sgd, or start a new run from its model: `factory "
+                                          rf"export {run} --out DIR`, then model.path=DIR$"):
+        find(adamw, run, uri, train=spec.train, experiment="optim", allow_spec_change=True)
+    spec_d, decay = compiled(ckpt, "train.optimizer.name=sgd", "train.optimizer.weight_decay=0.1",
+                             "train.optimizer.grad_clip=0.5")
+    assert find(decay, run, uri, train=spec_d.train, experiment="optim",
+                allow_spec_change=True).checkpoint == "step_1"
+
+
 def test_the_checkpoint_is_compared_with_the_plan_that_saved_it(store):
     """A run resumed from its start with LoRA turned on (--allow-spec-change) saves adapters from then on: its
     next resume with that LoRA spec was refused as "holds full weights" (its first plan's), and the full-weight

@@ -306,6 +306,27 @@ def test_checkpoint_resume_restores_weights_optimizer_and_step(model_path, small
         torch.testing.assert_close(v, after_a[k], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resumed_run_trains_with_its_specs_optimizer_settings(small_path, learners, tmp_path, stage):
+    """Resumed under changed train.optimizer settings (`--allow-spec-change`, recorded as applied), the run trained
+    with the checkpoint's: torch's load_state_dict keeps the saved param groups' weight_decay and betas, and at ZeRO
+    1/2 DeepSpeed restores the saved clip_grad. The Adam moments still come from the checkpoint."""
+    old = {"name": "adamw", "weight_decay": 0.0, "betas": (0.9, 0.999), "grad_clip": 1.0}
+    new = {"name": "adamw", "weight_decay": 0.1, "betas": (0.8, 0.95), "grad_clip": 0.5}
+    first = learners(make_spec(small_path, train={"lr": 1e-3, "optimizer": old, "deepspeed": {"zero_stage": stage}}))
+    first.step(batch(seed=0))
+    first.save_checkpoint(str(tmp_path), 1)
+    moments = [first.optimizer.state[p]["exp_avg"].clone() for p in first.optimizer.param_groups[0]["params"]]
+    resumed = learners(make_spec(small_path, train={"lr": 1e-3, "optimizer": new, "deepspeed": {"zero_stage": stage}}))
+    assert resumed.load_checkpoint(str(tmp_path)) == 1
+    for group in resumed.optimizer.param_groups:
+        assert (group["weight_decay"], tuple(group["betas"])) == (0.1, (0.8, 0.95))
+    assert getattr(resumed.engine.optimizer, "clip_grad", 0.5) == 0.5 and resumed.engine.gradient_clipping() == 0.5
+    assert stage == 0 or resumed.engine.optimizer.clip_grad == 0.5  # (ZeRO's optimizer clips with its own copy)
+    for p, saved in zip(resumed.optimizer.param_groups[0]["params"], moments):
+        torch.testing.assert_close(resumed.optimizer.state[p]["exp_avg"], saved, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_give_the_stage_0_update(small_path, learners, stage):
     trajs = batch(seed=9)

@@ -175,6 +175,7 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
     if checkpoint:
         _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
         _refuse_other_model(recorded, plan, run.run_id, directory / checkpoint)
+        _refuse_other_optimizer(recorded, plan, run.run_id, directory / checkpoint)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
@@ -266,6 +267,22 @@ def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: st
                       f"{trains(now)} (model.lora): a checkpoint loads only into what it was saved from; resume "
                       f"without changing model.lora, or start a new run from its model: `factory export {run_id} "
                       "--out DIR`, then model.path=DIR")
+
+
+def _refuse_other_optimizer(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
+    """ResumeError when `--allow-spec-change` gave another train.optimizer.name: the checkpoint's optimizer state is
+    that of the optimizer it was saved from (torch loaded SGD's into AdamW, and the first step failed with KeyError
+    'betas' after Ray and every stage had started). Its settings may change: the learner applies the spec's."""
+    def name(spec: dict[str, Any] | None) -> Any:
+        return (((spec or {}).get("train") or {}).get("optimizer") or {}).get("name")
+
+    then, now = name((recorded or {}).get("spec")), name(plan.spec)
+    if then is None or then == now:  # (nothing recorded to compare with)
+        return
+    raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds the state of optimizer '{then}', and this spec "
+                      f"trains with '{now}' (train.optimizer.name): its optimizer state is the saved optimizer's own; "
+                      f"resume with train.optimizer.name={then}, or start a new run from its model: `factory export "
+                      f"{run_id} --out DIR`, then model.path=DIR")
 
 
 SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

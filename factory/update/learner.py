@@ -686,10 +686,18 @@ class Learner:
         name = name or ckpt.read_latest(directory)
         if name is None:
             return None
+        # The spec's optimizer settings, as the fresh optimizer holds them: torch's load_state_dict keeps the saved
+        # param groups' (weight_decay, betas, ...), and DeepSpeed's ZeRO and bf16 wrappers the saved clip_grad, so a
+        # resume under changed train.optimizer settings (--allow-spec-change) trained with the old ones.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         # LoRA checkpoints hold no frozen weights: those stay as loaded from the model folder
         path, client = self.engine.load_checkpoint(directory, tag=name, load_module_strict=self.lora is None)
         if path is None:
             raise FileNotFoundError(f"{directory}/latest names {name!r} but DeepSpeed could not load it")
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = self.spec.train.optimizer.grad_clip
         ckpt.set_rng_state(client["rng"])
         self.steps_done = int(client["step"])
         self.non_finite_steps = int(client.get("non_finite", 0))  # checkpoints saved before it was kept lack it
