@@ -80,6 +80,25 @@ def test_check_locates_a_target_module_the_model_lacks(project):
     assert plan.spec["model"]["lora"] == {"alpha": None, "dropout": 0.0, "r": 8, "target_modules": "all-linear"}
 
 
+def test_check_of_target_modules_says_a_model_it_cannot_build_at_its_path(project):
+    """Checking the target names builds the model on the meta device: a mistyped built-in model was built anyway
+    (resolve_model's ValueError), and a config.json transformers does not know raised from the build; both were an
+    internal error (exit 1) where the model's path is the spec's mistake."""
+    spec = base_spec(project, "lora_bad").replace('"factory:tiny-qwen3"', '"factory:tiny-qwen"')
+    with pytest.raises(SpecErrors) as e:
+        compile_file(project.spec(spec), ["model.lora.target_modules=[q_proj]"])
+    assert "model.path: unknown built-in model 'factory:tiny-qwen'" in e.value.report()
+    assert "did you mean 'factory:tiny-qwen3'" in e.value.report()
+    project.file("models/mine/config.json", '{"model_type": "no_such_architecture", "hidden_size": 64}')
+    project.file("models/mine/model.safetensors")
+    spec = base_spec(project, "lora_bad").replace('"factory:tiny-qwen3"', "models/mine")
+    with pytest.raises(SpecErrors) as e:
+        compile_file(project.spec(spec), ["model.lora.target_modules=[q_proj]"])
+    assert e.value.report().startswith(
+        "spec.yaml:2: model.path: transformers cannot build this model to check model.lora.target_modules against "
+        "its layers (ValueError: The checkpoint you are trying to load has model type `no_such_architecture`")
+
+
 def test_check_warns_of_a_rank_above_the_hidden_size(project, capsys):
     """r 128 on tiny-qwen3 (hidden size 64) checked ok in silence: adapters larger than the weights they adapt,
     with no rank to learn that r 64 lacks."""

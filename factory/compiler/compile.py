@@ -307,6 +307,8 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     if config is None and lora_names and spec.model.path.startswith("factory:"):
         from factory.assets import resolve_model
 
+        if any(e.path == "model.path" for e in r.errors):  # a built-in name mistyped: said there, nothing to build
+            return
         # a built-in model not built yet: build it now (what the run would do first) to check the names
         folder = Path(resolve_model(spec.model.path))
         config = model_config(folder)
@@ -332,7 +334,14 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
                                "every adapted layer's update: the rank beyond it adds parameters (the adapters then "
                                f"outnumber the weights they adapt) and nothing they can learn; use r <= {width}")
     if lora_names:
-        layers = linear_layers(folder)
+        try:
+            layers = linear_layers(folder)
+        except Exception as e:  # noqa: BLE001 -- whatever transformers raises building it, the learner would too
+            reason = (str(e).splitlines() or [""])[0]
+            r.error("model.path", "transformers cannot build this model to check model.lora.target_modules against "
+                                  f"its layers ({type(e).__name__}: {reason}); a model_type newer than the installed "
+                                  "transformers, or one that needs trust_remote_code, cannot be trained here")
+            return
         problem = target_problem(spec.model.lora.target_modules, layers) if layers else None
         if problem:
             r.error("model.lora.target_modules", problem)
