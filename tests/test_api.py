@@ -261,6 +261,21 @@ def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypa
         "http://127.0.0.1:9/v1")
 
 
+def test_compile_with_connect_keeps_weights_false(tmp_path, monkeypatch):
+    """A spec with tools is compiled again once its servers listed their tools: that second compile dropped
+    `weights=False`, so `factory.compile(spec, connect=True, weights=False)` refused the folder without weights."""
+    import shutil
+
+    from factory.assets import resolve_model
+
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "tokenizer-only"
+    shutil.copytree(resolve_model("factory:tiny-qwen3"), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    overrides = [f"model.path={folder}"]
+    assert factory.compile(TINY, overrides, connect=True, weights=False).hashes["tools"]
+    assert factory.compile(factory.load(TINY, overrides), connect=True, weights=False).hashes["tools"]
+
+
 def test_eval_of_a_model_folder_that_is_not_there_says_so(tmp_path, monkeypatch):
     """`--model ./path` that does not exist is not only "no run with that name": the user meant a folder."""
     import factory.tracking.tracker as tracker_module

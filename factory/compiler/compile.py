@@ -1466,13 +1466,13 @@ def compile_spec(spec: Spec, source: SpecSource | str | os.PathLike, *,
     plan, errors = _compile(spec, src, None, tools, weights)
     if errors or plan is None:
         raise SpecErrors(errors, src.file)
-    return _connected(spec, src, plan) if connect and tools is None else plan
+    return _connected(spec, src, plan, weights) if connect and tools is None else plan
 
 
-def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
+def _connected(spec: Spec, source: SpecSource, plan: Plan, weights: bool) -> Plan:
     """`plan` compiled again with the listing of every tool server of `spec`, each started to list its tools
     (`--connect`); raises `SpecErrors` for a server that does not start or a tool it does not have; a
-    judge endpoint that does not answer is a warning."""
+    judge endpoint that does not answer is a warning. `weights`: as the first compile was given it."""
     from factory.compiler.connect import list_all, probe_judges
 
     silent = tuple(str(w) for w in probe_judges(spec, source))  # warnings: a judge's server is not ours to start
@@ -1488,7 +1488,7 @@ def _connected(spec: Spec, source: SpecSource, plan: Plan) -> Plan:
     if errors:
         raise SpecErrors(errors, source.file)
     if spec.tools:
-        plan, errors = _compile(spec, source, None, listing)
+        plan, errors = _compile(spec, source, None, listing, weights)
         if errors or plan is None:
             raise SpecErrors(errors, source.file)
     return dataclasses.replace(plan, warnings=plan.warnings + silent)
@@ -1511,7 +1511,7 @@ def compile_file(path: SpecInput, overrides: Iterable[str] = (), *,
     if errors or loaded.spec is None or plan is None:
         raise SpecErrors(errors, loaded.source.file)
     if connect:
-        plan = _connected(loaded.spec, loaded.source, plan)
+        plan = _connected(loaded.spec, loaded.source, plan, weights)
     return remember(loaded.spec, loaded.source), plan
 
 
