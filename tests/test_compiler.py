@@ -1209,6 +1209,32 @@ def test_a_judge_template_reads_columns_every_row_must_have_and_must_not_print_a
     assert "missing column 'gold' (needed by rewards.score.arguments.expected)" in _errors(project.spec(base + tool))
 
 
+def test_a_tool_node_s_argument_that_does_not_compile_is_an_error_at_its_key(project):
+    """A tool node's arguments are jinja, compiled by the reward stage once Ray and every stage have started: a
+    syntax error, an unknown filter, or another template named by include (no file is beside an argument) passed
+    check, whose look at them for columns left the error to be "said at its key", where nothing said it (and an
+    unknown filter in a judge's template, said at its key, crashed that look)."""
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    node = "  score: {tool: calc.calculate, arguments: {expression: '%s', note: '{{ completion }}'}}\n"
+    base = _base(project, "rc_tool_args")
+    assert _errors(project.spec(base + node % "{{ completion | trim" + tools)) == (
+        "spec.yaml:9: rewards.score.arguments.expression: template syntax error at line 1: unexpected end of "
+        "template, expected 'end of print statement'.\n1 error in spec.yaml")
+    assert _errors(project.spec(base + node % "{{ completion | nosuch }}" + tools)).startswith(
+        "spec.yaml:9: rewards.score.arguments.expression: template syntax error at line 1: No filter named 'nosuch'.")
+    assert _errors(project.spec(base + node % "{% include \"x.jinja\" %}" + tools)).startswith(
+        "spec.yaml:9: rewards.score.arguments.expression: the template names another template ('x.jinja') by "
+        "include, import or extends: a template is read alone, without the files it names; write that template's "
+        "text into this one")
+    compile_file(project.spec(base + node % "{{ completion | trim }}" + tools))
+    # a judge's template with an unknown filter: the look for its columns compiled it, and raised
+    project.file("prompts/judge.jinja", "{{ completion | nosuch }}")
+    judge = "  score: {llm_judge: prompts/judge.jinja, endpoint: 'http://127.0.0.1:1/v1'}\n"
+    assert _errors(project.spec(base + judge)).startswith(
+        "spec.yaml:9: rewards.score.llm_judge: template syntax error in prompts/judge.jinja:1: No filter named "
+        "'nosuch'.")
+
+
 def test_a_change_in_a_project_module_that_a_reward_generator_or_tool_imports_changes_the_hashes(project):
     """Only the function's own file was hashed: a change to the helpers it imports (rewards/util.py) left the
     run hash, `factory diff` and `--resume` unaware. Modules of the Python installation and Factory's own

@@ -51,6 +51,7 @@ from factory.compiler.refs import (
     source_file,
     source_hashes,
     template_problem,
+    text_problem,
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
 from factory.compiler.translate import nearest
@@ -475,6 +476,20 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
             r.error(path, problem)
         hashes[name] = sha256_file(found)
     return hashes
+
+
+def _check_argument_templates(spec: Spec, r: _Report) -> None:
+    """A tool node's arguments, jinja compiled by the reward stage's setup with its environment once Ray and
+    every stage have started: one that does not compile is said here, at its key (their columns are
+    checked with the rows: _check_rows)."""
+    from factory.data.sources import row_template_env
+
+    env = row_template_env()
+    for name, node in spec.rewards.items():
+        if isinstance(node, ToolNode):
+            for key, text in node.arguments.items():
+                if problem := text_problem(env, text):
+                    r.error(f"rewards.{name}.arguments.{key}", problem)
 
 
 def _check_chat_template(spec: Spec, r: _Report) -> None:
@@ -1369,6 +1384,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     _check_model(spec, r, joins=ray_address is not None, weights=weights)
     _check_devices(spec, r, joins=ray_address is not None)
     templates = _check_templates(spec, r)
+    _check_argument_templates(spec, r)
     _check_chat_template(spec, r)
     data = _check_data(spec, r)
     rewards, fns = _check_reward_fns(spec, r)

@@ -13,7 +13,10 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jinja2
 
 # The one import resolver and its error live in factory.util: every stage imports with it too.
 from factory.util import RefError, did_you_mean, import_object, resolve_file, shown_path  # noqa: F401
@@ -216,12 +219,7 @@ def find_file(path: str, base_dir: Path) -> Path | None:
 
 
 def template_problem(path: Path, chat_template: bool = False) -> str | None:
-    """A jinja syntax error in a template, as `file:line: message`: compiled, not only parsed, so that an
-    unknown filter or test (`{{ x | nosuch }}`, which jinja finds when it compiles) is found here, not when
-    the run's stage first loads the template."""
-    import jinja2
-    import jinja2.meta
-
+    """A jinja syntax error in a template file, as `file:line: message` (text_problem)."""
     from factory.util import template_env
 
     # Hugging Face chat templates may use loop controls and the `generation` tag (transformers adds
@@ -229,17 +227,28 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
     env = template_env("chat" if chat_template else "prompt")
     try:
         text = path.read_text(encoding="utf-8")
-        env.from_string(text)  # TemplateAssertionError is a TemplateSyntaxError
-        # a template is read alone (and hashed alone): another one it names is not found when it renders
-        named = list(jinja2.meta.find_referenced_templates(env.parse(text)))
-        if named:
-            which = ", ".join(repr(n) if n else "one named by a variable" for n in named)
-            return (f"{shown_path(path)} names another template ({which}) by include, import or extends: a "
-                    f"template is read alone, without the files it names; write that template's text into this one")
-    except jinja2.TemplateSyntaxError as e:
-        return f"template syntax error in {shown_path(path)}:{e.lineno}: {e.message}"
     except (OSError, UnicodeDecodeError) as e:
         return f"cannot read {shown_path(path)}: {e}"
+    return text_problem(env, text, shown_path(path))
+
+
+def text_problem(env: jinja2.Environment, text: str, name: str | None = None) -> str | None:
+    """Why `env` cannot render the template `text` (the file `name`, or text of the spec's own): a syntax error,
+    compiled, not only parsed, so that an unknown filter or test (`{{ x | nosuch }}`, which jinja finds when it
+    compiles) is found here, not when the run's stage first loads the template; or another template it names."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        env.from_string(text)  # TemplateAssertionError is a TemplateSyntaxError
+        named = list(jinja2.meta.find_referenced_templates(env.parse(text)))
+    except jinja2.TemplateSyntaxError as e:
+        where = f"in {name}:{e.lineno}" if name else f"at line {e.lineno}"
+        return f"template syntax error {where}: {e.message}"
+    if named:  # a template is read alone (and hashed alone): another one it names is not found when it renders
+        which = ", ".join(repr(n) if n else "one named by a variable" for n in named)
+        return (f"{name or 'the template'} names another template ({which}) by include, import or extends: a "
+                f"template is read alone, without the files it names; write that template's text into this one")
     return None
 
 

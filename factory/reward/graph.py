@@ -125,11 +125,12 @@ def template_columns(spec: Spec, texts: Mapping[str, tuple[str, str]]) -> dict[s
         own = _TRAJECTORY_NAMES | (_TURN_NAMES if spec.rewards[name].per == "turn" else frozenset())
         try:
             ast = env.parse(text)
+            read = jinja2.meta.find_undeclared_variables(ast)  # compiles it: an unknown filter is found here
         except jinja2.TemplateSyntaxError:  # the compiler says so at the template's key
             continue
         optional = {t.node.name for t in ast.find_all(nodes.Test)
                     if t.name in ("defined", "undefined") and isinstance(t.node, nodes.Name)}
-        for v in sorted(jinja2.meta.find_undeclared_variables(ast) - own - optional - set(env.globals)):
+        for v in sorted(read - own - optional - set(env.globals)):
             needed.setdefault(spec.data.answer_key if v == "answer" else v, f"rewards.{where}")
     return needed
 
