@@ -201,6 +201,21 @@ def test_check_connect_reports_a_server_that_does_not_start(project, capsys):
                         "command an MCP server speaking on stdio?)\n1 error in spec.yaml\n"), err
 
 
+def test_check_connect_gives_a_server_its_own_start_timeout(project, capsys, monkeypatch):
+    """`start_timeout_s` is raised for a server that downloads itself or loads an index first: `check --connect`
+    cut every start at its own 60 s whatever the server was given, and said "did not start within 60 s" (exit 2)
+    of a server the run would wait for. Scaled down: 1.5 s for 60 s, a server that takes 3 s of its 30."""
+    import factory.compiler.connect as connect
+
+    monkeypatch.setattr(connect, "LIST_TIMEOUT_S", 1.5)
+    project.module("cli_slow")
+    project.file("slow_server.py", "import runpy, time\ntime.sleep(3)  # loads an index first\n"
+                                   "runpy.run_module('factory.examples.calculator', run_name='__main__')\n")
+    path = project.spec(BASE.replace("{mod}", "cli_slow")
+                        + "tools:\n  calc: {command: python, args: [slow_server.py], start_timeout_s: 30}\n")
+    assert cli.main(["check", path, "--connect"]) == 0, capsys.readouterr().err
+
+
 def test_check_says_its_run_hash_leaves_out_the_tool_schemas_until_connected(project, capsys):
     """`check` and `check --connect` printed two run hashes for one spec, and the run's was the second."""
     project.module("cli_hash")

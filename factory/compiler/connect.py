@@ -16,8 +16,16 @@ from factory.schema import HttpServer, JudgeNode, Spec, StdioServer
 from factory.util import run_sync
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
-# whole listing so that `check` always returns.
+# whole listing so that `check` always returns: at least LIST_TIMEOUT_S, and a server's own start_timeout_s
+# with START_MARGIN_S to spare (its process launched and its own timeout said, before this one cuts it short).
 LIST_TIMEOUT_S = 60.0
+START_MARGIN_S = 10.0
+
+
+def _list_timeout_s(server: Any) -> float:
+    """How long `check --connect` gives `server` to start and list its tools: as long as a run waits, and more."""
+    own = server.start_timeout_s if isinstance(server, (StdioServer, HttpServer)) else 0.0  # a python tool: none
+    return max(LIST_TIMEOUT_S, own + START_MARGIN_S)
 
 
 async def _list_one(name: str, server: Any, source: SpecSource) -> list[dict[str, Any]]:
@@ -25,7 +33,7 @@ async def _list_one(name: str, server: Any, source: SpecSource) -> list[dict[str
 
     box = ToolBox.from_spec({name: server.model_copy(update={"allowed_tools": None})}, base_dir=source.base_dir)
     try:
-        await asyncio.wait_for(box.start(), LIST_TIMEOUT_S)
+        await asyncio.wait_for(box.start(), _list_timeout_s(server))
         return box.tool_listing()[name]
     finally:
         await box.close()
@@ -47,7 +55,8 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
     results = await asyncio.gather(*(_list_one(n, spec.tools[n], source) for n in names), return_exceptions=True)
     for name, result in zip(names, results):
         if isinstance(result, asyncio.TimeoutError):
-            errors.append(source.error(f"tools.{name}", f"server did not start within {LIST_TIMEOUT_S:.0f} s"))
+            bound = _list_timeout_s(spec.tools[name])
+            errors.append(source.error(f"tools.{name}", f"server did not start within {bound:.0f} s"))
         elif isinstance(result, Exception):
             lines = str(result).splitlines() or [type(result).__name__]
             # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY" (an HTTP server's "at URL could
