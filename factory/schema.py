@@ -6,11 +6,13 @@ at its line, not a silently ignored setting.
 """
 from __future__ import annotations
 
+import math
 import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -277,6 +279,21 @@ class FnNode(_Leaf):
         return self
 
 
+# What Ray refuses, only once a run has started it or places a stage (its ray_option_utils and services):
+# an amount of a resource in finer steps than it counts, and an object store smaller than it starts.
+RAY_RESOURCE_STEP = 1e-4
+RAY_MIN_OBJECT_STORE_BYTES = 75 * 2**20  # ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES
+
+
+def _ray_counts(amount: float) -> float:
+    if 0 < amount < RAY_RESOURCE_STEP:
+        raise ValueError(f"{amount} is finer than Ray counts resources ({RAY_RESOURCE_STEP:g})")
+    return amount
+
+
+_RAY_COUNTS = AfterValidator(_ray_counts)
+
+
 class LocalJudge(Section):
     path: str
     """The judge model: a Hugging Face folder, a cached hub id or a built-in `factory:NAME` asset. Factory
@@ -287,9 +304,9 @@ class LocalJudge(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The judge's weights' dtype. auto: bfloat16 where the judge's device computes it natively (CUDA,
     CPUs with AVX512-bf16/AMX), else float32."""
-    num_cpus: float = Field(0, ge=0)
+    num_cpus: Annotated[float, _RAY_COUNTS] = Field(0, ge=0)
     """CPUs reserved for the judge's actor."""
-    num_gpus: float = Field(0, ge=0)
+    num_gpus: Annotated[float, _RAY_COUNTS] = Field(0, ge=0)
     """GPUs reserved for the judge's actor (the hf engine uses CUDA when this is > 0)."""
 
 
@@ -822,9 +839,9 @@ class TrackingSpec(Section):
 
 
 class StageResources(Section):
-    num_cpus: float = Field(0, ge=0)
+    num_cpus: Annotated[float, _RAY_COUNTS] = Field(0, ge=0)
     """CPUs reserved for each replica of this stage (Ray's `num_cpus`)."""
-    num_gpus: float = Field(0, ge=0)
+    num_gpus: Annotated[float, _RAY_COUNTS] = Field(0, ge=0)
     """GPUs reserved for each replica (Ray's `num_gpus`; Ray sets CUDA_VISIBLE_DEVICES to them)."""
     custom: dict[str, Annotated[float, Field(ge=0), _NOT_A_BOOL]] = {}
     """Ray custom resources each replica needs: `{node_b: 1}` places it on a node started with
@@ -838,8 +855,10 @@ class StageResources(Section):
         for name, amount in custom.items():
             if name in ("CPU", "GPU"):
                 raise ValueError(f"'{name}' is not a custom resource: set num_{name.lower()}s instead")
-            if 0 < amount < 1e-4:
-                raise ValueError(f"{name}: {amount} is finer than Ray counts resources (0.0001)")
+            try:
+                _ray_counts(amount)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         return custom
 
 
@@ -856,9 +875,9 @@ class ResourcesSpec(Section):
     ray_address: str | None = None
     """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
     object_store_gb: float = Field(1.0, gt=0)
-    """Object store size of a local Ray. Every weight sync passes through it (the model's weights in the
-    rollout's dtype; LoRA: the adapters): a sync larger than the store is written outside it, 7-10x
-    slower (docs/performance.md), and the run warns with the size to set."""
+    """Object store size of a local Ray, at least 75 MiB (0.0733 GB: Ray's smallest). Every weight sync passes
+    through it (the model's weights in the rollout's dtype; LoRA: the adapters): a sync larger than the store
+    is written outside it, 7-10x slower (docs/performance.md), and the run warns with the size to set."""
     rollout: GroupResources = GroupResources()
     """Per rollout engine replica; `replicas` engines split each step's prompts, and weight sync reaches all."""
     update: GroupResources = GroupResources()
@@ -868,6 +887,16 @@ class ResourcesSpec(Section):
     tools: StageResources = StageResources()
     """Resources of the tools actor, which runs every tool server once for the whole cluster and
     serves every rollout replica and the reward stage."""
+
+    @field_validator("object_store_gb")
+    @classmethod
+    def _ray_starts(cls, gb: float) -> float:
+        # the driver's ray.init(object_store_memory=int(gb * 2**30)) refused it, after the check
+        if 0 < gb * 2**30 < RAY_MIN_OBJECT_STORE_BYTES:
+            least = math.ceil(RAY_MIN_OBJECT_STORE_BYTES / 2**30 * 1e4) / 1e4  # rounded up: a size Ray takes
+            raise ValueError(f"{gb:g} GB is below the smallest object store Ray starts (75 MiB): give at least "
+                             f"{least:g}")
+        return gb
 
 
 class ReplaySpec(Section):

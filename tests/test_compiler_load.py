@@ -177,6 +177,25 @@ def test_custom_resources_are_what_ray_takes(project):
     assert load_spec(project.spec(_base(project, "rw_custom") + "resources: {rollout: {custom: {b: 0.5}}}\n"))
 
 
+def test_cpu_gpu_amounts_and_an_object_store_ray_refuses_are_spec_errors(project):
+    """Ray refuses a local object store under 75 MiB when `factory run` starts it, and a CPU or GPU amount finer
+    than 0.0001 when it places the stage, as it does such a custom one: all passed check, and failed the run."""
+    judge = "  judge: {llm_judge: prompts/judge.jinja, local: {path: 'factory:tiny-qwen3', num_gpus: 0.00005}}\n"
+    path = project.spec(_base(project, "rw_ray") + judge + "resources: {object_store_gb: 0.05, "
+                        "rollout: {num_cpus: 0.00001}, reward: {num_gpus: 0.00009}}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:9: rewards.judge.local.num_gpus: 5e-05 is finer than Ray counts resources (0.0001)\n"
+        "spec.yaml:10: resources.object_store_gb: 0.05 GB is below the smallest object store Ray starts (75 MiB): "
+        "give at least 0.0733\n"
+        "spec.yaml:10: resources.rollout.num_cpus: 1e-05 is finer than Ray counts resources (0.0001)\n"
+        "spec.yaml:10: resources.reward.num_gpus: 9e-05 is finer than Ray counts resources (0.0001)\n"
+        "4 errors in spec.yaml")
+    assert load_spec(project.spec(_base(project, "rw_ray") + judge.replace("0.00005", "0.0001") + "resources: "
+                                  "{object_store_gb: 0.0733, rollout: {num_cpus: 0.0001}, reward: {num_gpus: 0}}\n"))
+
+
 def test_an_error_about_what_an_override_set_is_located_at_the_override(project):
     """Located at the section's line in the file, which did not hold the mistake."""
     path = project.spec(_base(project, "rw_ovr") + "algorithm: {name: grpo}\n")
