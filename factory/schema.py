@@ -31,6 +31,8 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest reward the update (advantages
 # (`..`) or '-'. Sweep names such as `qwen-lr=1e-5` or `a+b@2` stay usable.
 SPEC_NAME = r"^[^./\\\x00-\x1f-][^/\\\x00-\x1f]*$"
 SPEC_NAME_RULE = "one folder's name: no '/' or '\\', no control character, not starting with '.' or '-'"
+# A file name is at most 255 bytes (NAME_MAX); a run's folder is NAME-<date>-<time>-<run id prefix>: room for it
+SPEC_NAME_BYTES = 200
 
 
 def _bool_for_a_number(value: Any, ann: Any) -> str | None:
@@ -918,9 +920,9 @@ _RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation
 
 
 class Spec(Section):
-    name: str = Field(json_schema_extra={"pattern": SPEC_NAME})
+    name: str = Field(json_schema_extra={"pattern": SPEC_NAME, "maxLength": SPEC_NAME_BYTES})
     """Run name; also names the checkpoint folder (`runs/NAME`): no '/' or '\\', no control character,
-    not starting with '.' or '-'."""
+    not starting with '.' or '-', at most 200 bytes (UTF-8)."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed for data order, sampling and initialisation: 0 to 2^32 - 1 (numpy's range, which vLLM seeds
     from it)."""
@@ -982,4 +984,8 @@ class Spec(Section):
         if not re.fullmatch(SPEC_NAME, name):
             raise ValueError(f"'{name}' is not a usable name (it names the checkpoint folder, runs/NAME): "
                              f"{SPEC_NAME_RULE}")
+        if (size := len(name.encode("utf-8", "surrogatepass"))) > SPEC_NAME_BYTES:
+            raise ValueError(f"{size} bytes: it names the checkpoint folder (runs/NAME) and the run's own folder in "
+                             "it (NAME-<date>-<run id>), which a file system holds to 255 bytes: give at most "
+                             f"{SPEC_NAME_BYTES}")
         return name

@@ -267,6 +267,49 @@ def test_a_name_no_file_can_have_is_a_located_error(project, monkeypatch, tmp_pa
     assert "rewards.a.fn: cannot import 'xxx" in _errors(str(path))
 
 
+def test_a_path_the_os_cannot_look_up_is_a_located_error(project):
+    """A model path, tokenizer, checkpoint folder, tool cwd or command longer than a file name can be (an inline
+    text where a file is named), or `~user/...` for a user this machine lacks (`~models/x` meant as `~/models/x`):
+    pathlib raised, and check ended in an internal error (exit 1)."""
+    long, nobody = "x" * 300, "~factory_no_such_user"
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    path = project.spec(_base(project, "rc_names") + tools)
+    too_long = "not a file name here: a part of it is 300 bytes, more than a file name can be (255)"
+    home = (f"not a file name here: {nobody} is the home folder of a user 'factory_no_such_user', whom this "
+            "machine does not have (your own is ~/)")
+    cases = {f"model.path={long}": f"model.path: {too_long}",
+             f"model.path={nobody}/qwen": f"model.path: {home}",
+             f"model.tokenizer={long}": f"model.tokenizer: {too_long}",
+             f"train.checkpoint_dir={nobody}/runs": f"train.checkpoint_dir: {home}",
+             f"train.checkpoint_dir=runs/{long}": f"train.checkpoint_dir: {too_long}",
+             f"tools.calc.cwd={long}": f"tools.calc.cwd: {too_long}",
+             f"tools.calc.command={long}": f"tools.calc.command: {too_long}"}
+    for override, said in cases.items():
+        assert f"<override 1>: {said}\n" in _errors(path, [override]), override
+    # the spec's name is the default checkpoint folder's, and the run's folder adds its run id to it
+    project.file("runs/.keep")
+    assert _errors(path, ["name=" + "x" * 201]).startswith(
+        "<override 1>: name: 201 bytes: it names the checkpoint folder (runs/NAME) and the run's own folder in it "
+        "(NAME-<date>-<run id>), which a file system holds to 255 bytes: give at most 200\n")
+    compile_file(path, ["name=" + "x" * 200])
+
+
+def test_a_base_spec_or_a_one_line_text_the_os_cannot_look_up_is_a_spec_error(project):
+    """`extends: ~user/base.yaml` for a user this machine lacks, and `factory.load(text)` of one line of YAML too
+    long for a file name (the hint that looks for the file): pathlib raised."""
+    path = project.spec("extends: ~factory_no_such_user/base.yaml\n")
+    with pytest.raises(SpecErrors) as e:
+        load(path)
+    assert report(e) == (
+        "spec.yaml:1: extends: not a file name here: ~factory_no_such_user is the home folder of a user "
+        "'factory_no_such_user', whom this machine does not have (your own is ~/)\n1 error in spec.yaml")
+    text = "{name: demo, model: {path: 'factory:tiny-qwen3'}, data: {train: {generator: " + "x" * 300 + "}}}"
+    with pytest.raises(SpecErrors) as e:
+        load(text)
+    assert report(e).endswith(": cannot read the spec: File name too long; YAML text is a string with a line break "
+                              "(or pass a dict)\n1 error in " + text)
+
+
 def test_reward_signatures(project):
     project.module("rc_sig", """\
 def one_arg(completion):

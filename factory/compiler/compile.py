@@ -43,6 +43,7 @@ from factory.compiler.refs import (
     is_hub_id,
     json_object,
     model_problem,
+    name_problem,
     reward_problem,
     sha256_file,
     sha256_json,
@@ -914,7 +915,9 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                     said = (f"environment variable {var} is not set (its value is sent as the {header} header): "
                             f"set it (export {var}=...) or remove the header")
                     unstartable(f"tools.{name}.headers_from_env.{header}", said)
-        if isinstance(server, StdioServer) and server.cwd and not (r.source.base_dir / server.cwd).is_dir():
+        if isinstance(server, StdioServer) and server.cwd and (problem := name_problem(server.cwd, home=False)):
+            unstartable(f"tools.{name}.cwd", problem)
+        elif isinstance(server, StdioServer) and server.cwd and not (r.source.base_dir / server.cwd).is_dir():
             unstartable(f"tools.{name}.cwd", f"not a folder here: {server.cwd} (a relative cwd is from the spec's "
                                         "folder); the server would not start")
         if isinstance(server, StdioServer) and not server.command.strip():
@@ -931,6 +934,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
                     r.error(f"tools.{name}.command", f"'{server.command}' is a program and its arguments: give "
                                                      f"them apart, command: {words[0]}, args: "
                                                      f"{json.dumps([*words[1:], *server.args])}")
+                elif problem := name_problem(server.command, home=False):
+                    unstartable(f"tools.{name}.command", problem)
                 elif os.sep in server.command:  # a path: no PATH lookup was made
                     fix = (": bin/install-tool-servers installs the example servers there"
                            if ".factory" in Path(server.command).parts else
@@ -977,7 +982,8 @@ def _program_found(command: str, base_dir: Path, cwd: str | None, path: str | No
     sets one, as its start looks it up: factory.tools.connection.launch_problem), or a file where it is
     started from (a relative path with a slash from the spec's folder; a bare name from its cwd)."""
     where = base_dir if os.sep in command else Path(cwd or Path.cwd())
-    return shutil.which(command, path=path) is not None or (where / command).is_file()
+    # (os.path: False, not OSError, for a name no file can have: the check says so at the key)
+    return shutil.which(command, path=path) is not None or os.path.isfile(where / command)
 
 
 def _shell_words(command: str) -> list[str]:
@@ -1349,7 +1355,8 @@ def _models_beside(spec: Spec, base_dir: Path) -> Spec:
     directory lacks and the spec's folder holds taken from there, as data files and templates are (a spec in
     a project folder naming `models/x` was looked up in the working directory only, then as a hub id)."""
     def beside(path: str | None) -> str | None:
-        if path is None or path.startswith("factory:") or os.path.isabs(path) or Path(path).expanduser().exists():
+        if (path is None or path.startswith("factory:") or os.path.isabs(path) or name_problem(path)
+                or Path(path).expanduser().exists()):
             return path
         folder = Path(base_dir) / path
         return shown_path(folder) if folder.is_dir() else path
@@ -1402,7 +1409,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     check_deepspeed(spec, r)
     check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r, joins=ray_address is not None)
     _check_resources(spec, r)
-    if problem := folder_problem(Path(spec.train.checkpoint_dir).expanduser()):
+    checkpoints = spec.train.checkpoint_dir
+    if problem := name_problem(checkpoints) or folder_problem(Path(checkpoints).expanduser()):
         # the driver writes the run's tracking spool there too: it failed after Ray and the stages had started
         r.error("train.checkpoint_dir", problem)
     uri = spec.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")

@@ -25,6 +25,7 @@ from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
+from factory.compiler.refs import name_problem
 from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, nearest, translate, value_at
 from factory.schema import RewardNode, Spec, ToolSpec
 from factory.util import shown_path
@@ -522,6 +523,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         raise SpecErrors([SpecError(file, at, "extends", "expected a spec file or a list of them")], file)
     merged, merged_lines, files, folders = OmegaConf.create({}), {}, {}, {}
     for name in names:
+        if problem := name_problem(name):
+            raise SpecErrors([SpecError(file, at, "extends", problem)], file)
         base = (base_dir / Path(name).expanduser()).resolve()
         shown = shown_path(base)
         if base in chain:
@@ -660,7 +663,7 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
     except ValueError as e:
         # `factory.load("name: x")`: a string without a line break is a path (YAML text has one)
         hint = ("; YAML text is a string with a line break (or pass a dict)"
-                if isinstance(path, str) and ": " in path and not Path(path).exists() else "")
+                if isinstance(path, str) and ": " in path and not os.path.exists(path) else "")
         raise SpecErrors([SpecError(file, None, "", f"cannot read the spec: {e}{hint}")], file) from None
     return read_text(text, file, Path(path).resolve().parent, overrides, chain=(Path(path).resolve(),))
 

@@ -9,6 +9,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -261,10 +262,33 @@ def _known_assets() -> dict[str, str] | None:
     return KNOWN_ASSETS
 
 
+NAME_MAX = 255  # bytes of one file or folder name (Linux, macOS): the file systems Factory runs on
+
+
+def name_problem(path: str, home: bool = True) -> str | None:
+    """Why the OS cannot look `path` up as a file name here, or None: a part longer than its file system allows
+    (an inline text where a file is named), or with `home` (a path read with `~` as the home folder)
+    `~user/...` for a user this machine does not have (`~models/x` meant as `~/models/x`). pathlib raises for
+    both where it answers False for a name that is merely not there."""
+    # the file system says so only where the folders above the long part are there (runs/ before a first run)
+    longest = max((len(os.fsencode(part)) for part in Path(path).parts), default=0)
+    if longest > NAME_MAX:
+        return f"not a file name here: a part of it is {longest} bytes, more than a file name can be ({NAME_MAX})"
+    try:
+        (Path(path).expanduser() if home else Path(path)).exists()
+    except RuntimeError:  # expanduser: no such user
+        user = path[1:].partition("/")[0]
+        return (f"not a file name here: ~{user} is the home folder of a user {user!r}, whom this machine does not "
+                "have (your own is ~/)")
+    except OSError as e:  # ENAMETOOLONG
+        return f"not a file name here: {e.strerror or e}"
+    return None
+
+
 def is_hub_id(path: str) -> bool:
     """Whether a model path names a Hugging Face hub repository (`org/name` or `name`) rather than a local
     folder or a built-in `factory:` asset."""
-    if path.startswith(("factory:", ".", "/", "~")) or path.count("/") > 1:
+    if path.startswith(("factory:", ".", "/", "~")) or path.count("/") > 1 or name_problem(path):
         return False
     return not Path(path).expanduser().exists()
 
@@ -325,6 +349,8 @@ def model_problem(path: str, required_file: str = "config.json", weights: bool =
         close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
         hint = f"did you mean 'factory:{close[0]}'? " if close else ""
         return f"unknown built-in model '{path}'; {hint}known: {', '.join('factory:' + k for k in sorted(known))}", None
+    if problem := name_problem(path):
+        return problem, None
     local = Path(path).expanduser()
     if local.is_dir():
         if required_file and not (local / required_file).is_file():
