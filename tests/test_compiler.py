@@ -861,6 +861,31 @@ def test_plan_json_is_byte_stable_and_masks_env_values(project, monkeypatch):
     assert list(data) == sorted(data)
 
 
+def test_a_mapping_list_or_null_from_the_environment_is_masked_leaf_by_leaf(project, monkeypatch, capsys):
+    """A value read whole from the environment was shown as one "***", and the views that read it as the mapping,
+    list or null it is crashed: `factory plan` on a generator's args (`"***".items()`), `factory check`'s summary
+    of an eval split switched off (`"***".get`). Its leaves are masked now; a null, nothing read, is shown."""
+    from factory.commands import cli
+
+    monkeypatch.setenv("FACTORY_TEST_ARGS", "{operands: [2, 2], digits: [1, 2]}")
+    monkeypatch.delenv("FACTORY_TEST_EVAL", raising=False)
+    path = project.spec(_base(project, "rc_envtree").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8, args: '${oc.decode:${oc.env:FACTORY_TEST_ARGS}}'}\n"
+        "  eval: ${oc.env:FACTORY_TEST_EVAL,null}\n"))
+    spec, plan = compile_file(path)
+    assert spec.data.train.args == {"operands": [2, 2], "digits": [1, 2]} and spec.data.eval is None
+    hidden = {"operands": ["***", "***"], "digits": ["***", "***"]}
+    assert plan.spec["data"]["train"]["args"] == hidden and plan.spec["data"]["eval"] is None
+    assert plan.hashes["data"]["train"]["args"] == hidden
+    assert json.loads(plan_json(plan))["spec"]["data"]["train"]["args"] == hidden
+    assert cli.main(["check", path]) == 0
+    assert "  data       train: generator factory.data:arithmetic (8 rows)\n" in capsys.readouterr().out
+    assert cli.main(["plan", path]) == 0
+    assert "factory.data:arithmetic size=8 seed=0 digits=['***', '***'] operands=['***', '***']" in (
+        capsys.readouterr().out)
+
+
 def test_env_value_does_not_change_the_spec_hash(project, monkeypatch):
     path = project.spec(_base(project, "rc_envhash") + "tracking: {uri: '${oc.env:FACTORY_TEST_URI2}'}\n")
     monkeypatch.setenv("FACTORY_TEST_URI2", "http://a:1")

@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.load import Keys, SpecInput, SpecSource, load_all, read_config, remember, replaced
+from factory.compiler.load import Keys, SpecInput, SpecSource, load_all, read_config, remember, transformed
 from factory.compiler.refs import (
     RefError,
     args_problems,
@@ -143,9 +143,19 @@ def _sorted(obj: Any) -> Any:
 
 
 def mask(data: dict[str, Any], paths: Iterable[Keys]) -> dict[str, Any]:
-    """A copy with the value at each path (a tuple of keys) replaced by "***" (paths that do not exist are
-    skipped)."""
-    return replaced(data, paths, MASK)
+    """A copy with the value at each path (a tuple of keys) shown as "***" (paths that do not exist are
+    skipped): a mapping or list read whole from the environment keeps its shape, each leaf "***", as every
+    view reads it as what it is (a data source's keys, a generator's args); a null is nothing read (an unset
+    `${oc.env:X,null}`) and stays null."""
+    return transformed(data, paths, _hidden)
+
+
+def _hidden(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _hidden(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hidden(v) for v in value]
+    return None if value is None else MASK
 
 
 class _Report:

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,6 +310,11 @@ def env_paths(cfg: DictConfig) -> frozenset[Keys]:
 def replaced(data: Any, paths: Iterable[Keys], value: Any) -> Any:
     """A copy of `data` with the value at each of `paths` replaced by `value` (paths that do not exist are
     skipped; a key read as a number from YAML is a string in a model's dump)."""
+    return transformed(data, paths, lambda _: value)
+
+
+def transformed(data: Any, paths: Iterable[Keys], fn: Callable[[Any], Any]) -> Any:
+    """`replaced`, the value at each of `paths` replaced by `fn(value)`."""
     out = copy.deepcopy(data)
     for path in paths:
         target: Any = out
@@ -319,7 +324,7 @@ def replaced(data: Any, paths: Iterable[Keys], value: Any) -> Any:
             elif not (isinstance(target, list) and isinstance(key, int) and 0 <= key < len(target)):
                 break
             if i == len(path) - 1:
-                target[key] = value
+                target[key] = fn(target[key])
             else:
                 target = target[key]
     return out
