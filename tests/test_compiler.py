@@ -1200,6 +1200,22 @@ def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkey
         "2 errors in conf/spec.yaml")
 
 
+def test_a_data_path_naming_a_big_folder_looks_at_a_bounded_part_of_it(project, monkeypatch):
+    """The hint listing a folder's data files walked the whole tree first (a home folder, a dataset cache of
+    millions of files held the check for minutes): the walk stops after DATA_HINT_SCAN entries."""
+    import factory.compiler.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "DATA_HINT_SCAN", 2)
+    for n in range(5):
+        project.file(f"data/big/part-{n}.jsonl", "")
+    path = project.spec(_base(project, "rc_big").replace("  train: {generator: factory.data:arithmetic, size: 8}\n",
+                                                         "  train: {path: data/big}\n"))
+    said = _errors(path)
+    assert said.startswith("spec.yaml:4: data.train.path: data/big is a folder; name one .jsonl or .parquet file "
+                           "(it holds data/big/part-"), said
+    assert said.count("data/big/part-") == 2, said
+
+
 def test_a_file_in_the_working_directory_that_shadows_the_specs_own_is_a_warning(project):
     """The working directory is looked in first: its own data/train.jsonl silently replaced the one beside
     the spec."""

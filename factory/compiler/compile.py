@@ -17,6 +17,7 @@ import dataclasses
 import filecmp
 import functools
 import graphlib
+import itertools
 import json
 import os
 import re
@@ -613,6 +614,11 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
     return hashes
 
 
+# Entries of a folder named as a data file that are looked at for the hint naming its data files: a home
+# folder or a dataset cache holds millions, and walking them all held the check for minutes
+DATA_HINT_SCAN = 10_000
+
+
 def _missing_data(path: str, base_dir: Path) -> str:
     """Why a data file is not there: a URL, a folder (a Hugging Face dataset saved or downloaded), or not found
     where the spec's files are looked for."""
@@ -620,7 +626,8 @@ def _missing_data(path: str, base_dir: Path) -> str:
         return (f"data files are read from disk, not downloaded: {path} is a URL; download it and name the "
                 f".jsonl or .parquet file")
     if (folder := resolve_file(path, base_dir)).is_dir():
-        inside = sorted(shown_path(f) for f in folder.rglob("*") if f.suffix in (".jsonl", ".parquet"))[:3]
+        scanned = itertools.islice(folder.rglob("*"), DATA_HINT_SCAN)
+        inside = sorted(shown_path(f) for f in scanned if f.suffix in (".jsonl", ".parquet"))[:3]
         return (f"{path} is a folder; name one .jsonl or .parquet file"
                 + (f" (it holds {', '.join(inside)})" if inside else ""))
     return f"data file not found: {path}{'' if os.path.isabs(path) else _looked_in(base_dir)}"
