@@ -4,6 +4,7 @@ here are real: a judge endpoint nobody listens on, a tool server killed whose re
 check reads the trajectories they leave. (A real run that stops this way: tests/test_chaos.py, slow.)"""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from factory.compiler.compile import stage_settings
+from factory.reward import RewardStage
 from factory.runtime.health import EXIT_INFRA, InfraFailure, check_infra
 from factory.schema import StdioServer
 from factory.tools import ToolBox
@@ -157,3 +160,59 @@ def test_a_stage_exception_ray_could_not_pickle_is_said_by_its_own_text():
     assert str(start_error("rollout", err)) == (
         "stage 'rollout' did not start: pydantic_core._pydantic_core.ValidationError: 1 validation error for "
         "ModelConfig Value error, User-specified max_model_len (100000000) is greater than the derived max_model_len")
+
+
+def test_a_tool_reward_node_whose_server_is_down_counts():
+    """A reward node that calls a tool whose server is down: its calls failed from infrastructure as surely as
+    a rollout's, and the step would train on `on_missing`'s zeros."""
+    from factory.types import ToolResult
+    from tests.test_reward_stage import FNS
+
+    class DownTools:
+        """The tools stage with its server down, answering every call as ToolBox does then."""
+
+        def schemas(self):
+            return []
+
+        def call(self, call):
+            return ToolResult(call.name, "Error: the tool is unavailable", status="infra_error",
+                              error_kind="circuit_open")
+
+    spec = make_spec({"graded": {"tool": "grade", "arguments": {"text": "{{ completion }}"}}},
+                     tools={"grade": {"function": f"{FNS}:length_score"}})
+    settings = stage_settings(spec)["reward"]
+    trajs, _ = _score(spec, [traj("x", i) for i in range(4)], ".", peers={settings.tool_peer: DownTools()})
+    assert trajs[0].reward_details["graded"]["error"].startswith("tool grade: circuit_open")
+    with pytest.raises(InfraFailure, match=r"step 1: 4 of 4 trajectories failed from infrastructure \(100%.*"
+                                           r"\): tool grade: circuit_open \(4\)\."):
+        check_infra(trajs, 0.5, step=1)
+
+
+def test_a_per_turn_judge_that_fails_after_the_first_turn_counts(tmp_path):
+    """A per-turn judge answered turn 0 and failed (after its retries) on turn 1: the node's summary says turn 0's
+    "ok", yet the trajectory met a judge that answered nothing."""
+    from factory.reward.judge import JudgeError
+
+    class DownAfterTurn0:
+        async def reply(self, messages):
+            if "second" in str(messages):
+                raise JudgeError("ConnectError: all connection attempts failed")
+            return "Score: 1"
+
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"j": {"llm_judge": "judge.jinja", "endpoint": "http://127.0.0.1:9/v1", "per": "turn"}})
+    stage = RewardStage(stage_settings(spec, tmp_path)["reward"])
+    turns = [Turn(text="first", num_tokens=1), Turn(text="second", num_tokens=1)]
+
+    async def go():
+        await stage.setup()
+        stage._judges["j"] = DownAfterTurn0()
+        try:
+            return await stage.score([traj("first second", i, turns=turns) for i in range(4)])
+        finally:
+            await stage.close()
+
+    trajs, _ = asyncio.run(go())
+    assert trajs[0].reward_details["j"]["status"] == "ok"  # the first turn's
+    with pytest.raises(InfraFailure, match=r"4 of 4 trajectories failed from infrastructure .*: judge j: ConnectError"):
+        check_infra(trajs, 0.5, step=1)

@@ -452,7 +452,10 @@ class _Evaluation:
         except Exception as e:
             return _failed(e)
         if result.status != "ok":
-            return _Outcome(None, "error", {"error": f"tool {node.tool}: {result.error_kind}: {result.text[:200]}"})
+            detail = {"error": f"tool {node.tool}: {result.error_kind}: {result.text[:200]}"}
+            if result.status == "infra_error":  # its server failed, not the tool: train.max_infra_error_rate counts it
+                detail["infra"] = f"tool {node.tool}: {result.error_kind}"
+            return _Outcome(None, "error", detail)
         try:
             return _Outcome(float(result.text.strip()))
         except ValueError:

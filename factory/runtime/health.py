@@ -63,11 +63,15 @@ def write_problem(e: BaseException, folder: str) -> str | None:
 
 def infra_causes(t: Any) -> list[str]:
     """What failed from infrastructure in one scored trajectory: each tool whose call failed on our side
-    (`tool <name>: <kind>`) and each judge node whose request failed (`judge <node>: <error>`)."""
+    (`tool <name>: <kind>`), the rollout's or a reward node's, and each judge node whose request failed
+    (`judge <node>: <error>`). A per-turn node's summary is its first turn's: every turn is read."""
     causes = [f"tool {r.tool}: {r.error_kind}" for turn in t.turns for r in turn.results if r.status == "infra_error"]
-    causes += [f"judge {node}: {d['error'].removeprefix('JudgeError: ')[:120]}"
-               for node, d in t.reward_details.items()
-               if d.get("status") == "error" and str(d.get("error", "")).startswith("JudgeError")]
+    for node, summary in t.reward_details.items():
+        for d in summary.get("turns", [summary]):
+            if "infra" in d:
+                causes.append(d["infra"])
+            elif d.get("status") == "error" and str(d.get("error", "")).startswith("JudgeError"):
+                causes.append(f"judge {node}: {d['error'].removeprefix('JudgeError: ')[:120]}")
     return causes
 
 
