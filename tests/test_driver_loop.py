@@ -145,6 +145,13 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
     """The driver's loop over fake stages; each step's rollout gives `batch` (default: no trajectories)."""
     monkeypatch.chdir(REPO)
     plan = factory.compile(REPO / "specs" / "tiny.yaml", overrides)
+    fake_steps(monkeypatch, world, batch)
+    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume,
+                             **kwargs)
+
+
+def fake_steps(monkeypatch: pytest.MonkeyPatch, world: World, batch: list[Any] | None = None) -> None:
+    """The driver's steps (rollout, evaluation, update, restore) as fakes that tell `world`."""
 
     def collect(g: Any, plan: Any, display: Any, step: int) -> tuple[list[Any], dict[str, float], list[Any]]:
         world.made += [f"train/{step}/0/0/0/0/0"]
@@ -173,8 +180,6 @@ def run_loop(monkeypatch: pytest.MonkeyPatch, world: World, overrides: list[str]
         return resume.step
 
     monkeypatch.setattr(driver, "restore", restore)
-    return driver.train_loop(fake_groups(world, plan), plan, FakeTracker(world), Quiet(), Quiet(), resume=resume,
-                             **kwargs)
 
 
 def test_the_monitors_read_the_trajectories_the_update_trains(monkeypatch):
@@ -316,6 +321,33 @@ def test_a_replay_past_the_recording_s_last_step_says_so():
     assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps: "
                                              "it went on past what was recorded (replay.on_miss=live calls the tools "
                                              "once the recording has no answer)")
+
+
+def test_a_replayed_run_that_trains_past_its_recording_says_so(monkeypatch):
+    """`factory run` with replay.run: the loop got the plan before its recording was placed in it, so a miss
+    at the step after the recording's last said "this run went elsewhere" even though it had only gone on."""
+    import contextlib
+
+    import factory.tracking.tracker as tracker_module
+
+    class Recorded(FakeTracker):
+        def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+            return [{"origin": f"train/{step}/0/0/0/0/0"} for step in (1, 2)]
+
+    @contextlib.contextmanager
+    def placed(plan: Any, display: Any, startup: Any, **_: Any):
+        yield fake_groups(world, plan), Quiet()
+
+    world = World(miss_at=3)
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old", "train.steps=4"])
+    fake_steps(monkeypatch, world)
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(driver, "placement_record", lambda groups: {})
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: Recorded(world))
+    with pytest.raises(ReplayMiss, match=r"step 3: .*run old made its last tool call at step 2, and this "
+                                         r"run trains 4 steps: it went on past what was recorded"):
+        driver.run(plan)
 
 
 def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(monkeypatch):

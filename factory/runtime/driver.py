@@ -1058,6 +1058,9 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
     replayed = recorded_tool_calls(tracker, plan)  # before the store is prepared in a thread, and anything placed
+    # the stages and the loop both get the plan with its recording (the loop reads how far it went: replay is
+    # no part of the plan hash, nor of the plan logged)
+    plan = replaying(plan, replayed)
     prepared = prepare_in_background(tracker)
 
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
@@ -1070,7 +1073,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
                                  {STARTED_TAG: f"{startup.t0:.3f}"})
 
     try:
-        with display, placed(replaying(plan, replayed), display, startup) as (groups, record):
+        with display, placed(plan, display, startup) as (groups, record):
             with opened_run(tracker, plan, groups, display, start, replayed) as opened:
                 startup.lap("tracking")
                 display.status((f"MLflow run {tracker.run_id} resumed at step {resume.step + 1}" if resume.checkpoint
