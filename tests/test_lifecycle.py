@@ -337,6 +337,24 @@ def test_a_ctrl_c_during_teardown_still_shuts_ray_down_and_drops_the_record(plac
     assert list((tmp_path / f"factory-{os.getuid()}" / "drivers").glob("*.json")) == []
 
 
+@pytest.mark.parametrize("again", [None, "`factory eval` again evaluates it"])
+def test_a_stage_that_hangs_says_how_its_work_is_taken_up(placed_without_ray, monkeypatch, again):
+    """A stage that hung in `factory eval` or a rescore (its setup, a call) said "`factory run SPEC --resume`
+    continues the run", which neither can: the deadline says what `placed` was told, as a lost stage does."""
+    from factory.runtime import driver
+    from factory.runtime.deadlines import StageTimeout
+
+    _, args = placed_without_ray
+
+    def place(plan, status, deadlines, ready):  # a setup that never answers
+        deadlines.fail("rollout.setup", "starting", 61.0, deadlines.budget("rollout.setup"))
+
+    monkeypatch.setattr(driver, "place", place)
+    with pytest.raises(StageTimeout) as e, driver.placed(*args, **({"again": again} if again else {})):
+        pass
+    assert str(e.value).endswith(f"; {again or driver.RESUME_SAID}"), str(e.value)
+
+
 # ------------------------------------------------------------------------------- a local Ray on loopback
 def test_factory_evaluate_keeps_its_local_ray_on_loopback(monkeypatch):
     """`factory eval` (factory.evaluate) starts a local Ray as `factory run` does: the loopback flag must be

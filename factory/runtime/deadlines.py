@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from factory.runtime.health import InfraFailure
+from factory.runtime.health import RESUME_SAID, InfraFailure
 
 FACTOR = 5.0  # a call may take this many times the longest call of its kind so far ...
 FLOOR_S = 120.0  # ... but never less than this (steps vary: eval steps, longer answers, a busy machine)
@@ -34,6 +34,7 @@ class StageTimeout(InfraFailure):
 class Deadlines:
     limit_s: float = 1800.0  # train.stage_timeout_s: the first call of a kind, and the cap of every deadline
     longest: dict[str, float] = field(default_factory=dict)  # kind -> the longest call of it so far (s)
+    again: str = RESUME_SAID  # how the work is taken up after a stage hung (an evaluation's: run it again)
 
     def budget(self, kind: str) -> float:
         seen = self.longest.get(kind)
@@ -81,5 +82,4 @@ class Deadlines:
                   if method == "score" else "a hung tool server, a stalled engine")
         raise StageTimeout(f"stage '{stage}' did not answer {method}{f' ({doing})' if doing else ''} within "
                            f"{budget:.0f} s ({why}); waited {waited:.0f} s{state}. The run stops: look at that "
-                           f"stage's log above ({causes}); `factory run SPEC --resume` continues the run from its "
-                           "newest checkpoint")
+                           f"stage's log above ({causes}); {self.again}")

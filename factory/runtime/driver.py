@@ -41,8 +41,8 @@ from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, DriverSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG, Watch
 from factory.runtime.deadlines import POLL_S, Deadlines
-from factory.runtime.health import (CheckpointWriteError, PlacementError, RayStartError, StageLostError,
-                                     StageStartError, check_infra, infra_causes, write_problem)
+from factory.runtime.health import (RESUME_SAID, CheckpointWriteError, PlacementError, RayStartError,
+                                     StageLostError, StageStartError, check_infra, infra_causes, write_problem)
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
                                        reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
@@ -1109,8 +1109,6 @@ def prepare_in_background(tracker: Tracker) -> threading.Thread:
     return thread
 
 
-# How a run lost mid-way is taken up (lost_error); an evaluation's or a rescore's loss says to run it again
-RESUME_SAID = "`factory run SPEC --resume` continues the run from its newest checkpoint"
 
 
 @contextlib.contextmanager
@@ -1118,7 +1116,8 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
            again: str = RESUME_SAID) -> Iterator[tuple[Groups, SessionRecord]]:
     """The plan's stages placed on Ray (a Ray of our own, or the cluster's), set up and ready; whatever
     happens inside, every stage is closed, Ray shut down and this driver's session record dropped after. A stage
-    lost meanwhile is a StageLostError (`lost_error`) that ends with `again`: how the user takes the work up."""
+    lost meanwhile is a StageLostError (`lost_error`), one that hangs a StageTimeout, each ending with `again`: how
+    the user takes the work up."""
     ended = reap_orphans()
     if ended:
         display.status(f"ended what a killed run left behind: {', '.join(ended)}")
@@ -1139,7 +1138,8 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
         try:
             stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
             display.status(f"starting the stages: {stages}")
-            groups = place(plan, display.status, Deadlines(plan.driver.train.stage_timeout_s), startup.stage_ready)
+            deadlines = Deadlines(plan.driver.train.stage_timeout_s, again=again)
+            groups = place(plan, display.status, deadlines, startup.stage_ready)
             startup.lap("stages")
             record.update()
             try:

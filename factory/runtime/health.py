@@ -11,6 +11,9 @@ from typing import Any
 
 EXIT_INFRA = 3  # `factory run`'s exit code when a step had too many infrastructure failures, or a stage hung
 
+# How a run whose stage was lost or hung is taken up (an evaluation's or a rescore's: run it again)
+RESUME_SAID = "`factory run SPEC --resume` continues the run from its newest checkpoint"
+
 
 class InfraFailure(RuntimeError):
     """A step whose share of trajectories failed from infrastructure is above `train.max_infra_error_rate`."""
