@@ -7,8 +7,9 @@ float32 (measured: 1.2 vs 70.8 GFLOP/s on an AVX2-only AMD EPYC; 2.3 vs 90 on an
 AVX2 emulated), which turned a 42 s evaluation into minutes of silence.
 
 - CPU: the `avx512_bf16` / `amx_bf16` flags of /proc/cpuinfo, and oneDNN's own cap
-  `ONEDNN_MAX_CPU_ISA` (set below AVX512_CORE_BF16, oneDNN will not use those instructions even where
-  the CPU has them; `ONEDNN_MAX_CPU_ISA=AVX2` is how we emulate an AVX2-only machine). On the machines
+  `ONEDNN_MAX_CPU_ISA`, else its older name `DNNL_MAX_CPU_ISA` (set below AVX512_CORE_BF16, oneDNN will
+  not use those instructions even where the CPU has them; `ONEDNN_MAX_CPU_ISA=AVX2` is how we emulate an
+  AVX2-only machine). On the machines
   we measured this agrees with torch's `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, both ways.
 - `FACTORY_FAKE_CPU=avx2|avx512_bf16|amx_bf16` fakes the CPU's answer (tests, docs and CI on the other
   kind of machine); see `fake_cpu`.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -59,8 +61,18 @@ def _cpuinfo() -> str:
         return ""
 
 
-def cpu_from(cpuinfo: str, onednn_max_isa: str | None) -> Device:
-    """The CPU described by a /proc/cpuinfo text and oneDNN's ISA cap (pure: tests feed it by hand)."""
+def isa_cap(environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """oneDNN's ISA cap in `environ`, as (the variable, its value; None: no cap): ONEDNN_MAX_CPU_ISA, else its
+    older name DNNL_MAX_CPU_ISA, which oneDNN still reads (an empty one counts as unset, as oneDNN's does)."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if environ.get(name):
+            return name, environ[name]
+    return "ONEDNN_MAX_CPU_ISA", None
+
+
+def cpu_from(cpuinfo: str, onednn_max_isa: str | None, cap_name: str = "ONEDNN_MAX_CPU_ISA") -> Device:
+    """The CPU described by a /proc/cpuinfo text and oneDNN's ISA cap, read from `cap_name` (pure: tests feed
+    it by hand)."""
     flags: set[str] = set()
     name = "unknown CPU"
     for line in cpuinfo.splitlines():
@@ -75,7 +87,7 @@ def cpu_from(cpuinfo: str, onednn_max_isa: str | None) -> Device:
         return Device("cpu", name, False, "no avx512_bf16/amx_bf16 in /proc/cpuinfo")
     cap = (onednn_max_isa or "").strip().upper()
     if cap and cap not in _BF16_ISAS:
-        return Device("cpu", name, False, f"ONEDNN_MAX_CPU_ISA={cap} hides {'/'.join(native)}")
+        return Device("cpu", name, False, f"{cap_name}={cap} hides {'/'.join(native)}")
     return Device("cpu", name, True, "/".join(native))
 
 
@@ -98,7 +110,8 @@ def fake_cpu(real: Device, kind: str) -> Device:
 
 def real_cpu() -> Device:
     """This machine's CPU as oneDNN will use it, whatever $FACTORY_FAKE_CPU says."""
-    return cpu_from(_cpuinfo(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    name, cap = isa_cap(os.environ)
+    return cpu_from(_cpuinfo(), cap, name)
 
 
 @functools.cache

@@ -29,6 +29,19 @@ def test_cpu_flags_and_the_onednn_cap():
     assert not cpu_from("", None).fast_bf16  # no /proc/cpuinfo: assume the slow case
 
 
+def test_the_older_name_of_the_onednn_cap_is_read_too(monkeypatch):
+    """oneDNN reads its cap as ONEDNN_MAX_CPU_ISA, else as the older DNNL_MAX_CPU_ISA: with the older one set,
+    oneDNN emulated bf16 while `auto` still chose it."""
+    monkeypatch.setattr(device, "_cpuinfo", lambda: ZEN4)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert device.real_cpu() == Device("cpu", "AMD EPYC", False, "DNNL_MAX_CPU_ISA=AVX2 hides avx512_bf16")
+    # the newer name first, as oneDNN reads them (an empty one is not set)
+    assert device.isa_cap({"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}) == ("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert device.isa_cap({"ONEDNN_MAX_CPU_ISA": "", "DNNL_MAX_CPU_ISA": "AVX2"}) == ("DNNL_MAX_CPU_ISA", "AVX2")
+    assert device.isa_cap({}) == ("ONEDNN_MAX_CPU_ISA", None)
+
+
 def test_probe_agrees_with_torch_here():
     torch = pytest.importorskip("torch")
     assert device.real_cpu().fast_bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
