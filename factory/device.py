@@ -9,8 +9,10 @@ AVX2 emulated), which turned a 42 s evaluation into minutes of silence.
 - CPU: the `avx512_bf16` / `amx_bf16` flags of /proc/cpuinfo, and oneDNN's own cap
   `ONEDNN_MAX_CPU_ISA`, else its older name `DNNL_MAX_CPU_ISA` (set below AVX512_CORE_BF16, oneDNN will
   not use those instructions even where the CPU has them; `ONEDNN_MAX_CPU_ISA=AVX2` is how we emulate an
-  AVX2-only machine). On the machines
-  we measured this agrees with torch's `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, both ways.
+  AVX2-only machine). torch's `torch.ops.mkldnn._is_mkldnn_bf16_supported()` agrees where the flags decide
+  (bf16 instructions: both yes; no AVX512: both no), not in between: it says whether oneDNN computes bf16 at
+  all, and on AVX512 without bf16 (or capped at AVX512_CORE) oneDNN emulates it, slowly (measured 8.4 vs 20.8
+  GFLOP/s in float32), where it says yes and this says no.
 - `FACTORY_FAKE_CPU=avx2|avx512_bf16|amx_bf16` fakes the CPU's answer (tests, docs and CI on the other
   kind of machine); see `fake_cpu`.
 - CUDA: the driver library (libcuda) through ctypes: device count and compute capability; bf16 is
