@@ -944,7 +944,8 @@ class Spec(Section):
     """Tool servers by name: MCP over stdio (`command`), MCP over streamable HTTP (`url`), or a python
     function (`function`)."""
     rewards: dict[str, RewardNode]
-    """The reward graph: named nodes; functions, judges, tools and combinators of other nodes."""
+    """The reward graph: named nodes (a name holds no `/`); functions, judges, tools and combinators of other
+    nodes."""
     reward: str | None = None
     """The node whose value trains the policy. Unset: the only node, or the one named `total`."""
     metrics: dict[str, str] = {}

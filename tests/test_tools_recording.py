@@ -525,3 +525,37 @@ def test_a_call_the_episode_deadline_cuts_over_ray_is_recorded_as_cut(local_ray)
     rows = asyncio.run(go())
     assert [(r["origin"], r["status"], r["error_kind"]) for r in rows] == [
         ("train/0/0/0/0/0/0", "infra_error", "episode_timeout")]
+
+
+def test_a_call_whose_arguments_hold_a_lone_surrogate_is_answered_alike_live_and_replayed():
+    """json.loads reads a model's `"\\ud83d"` (half an emoji's escape) as a lone surrogate, which the tool_calls
+    table holds only as its escape (MlflowTracker.log_tool_calls): a recorded row could never match the raw
+    arguments of the call again. None is written: the call is refused (bad_arguments) before it is replayed or
+    recorded, in the recorded run and its replay alike."""
+    import json
+
+    made = ToolCall("calculate", json.loads('{"expression": "1+1 \\ud83d"}'), raw="", origin="train/1/0/0/0/0/0")
+    box = ToolBox.from_spec(TOOL, base_dir=REPO, record=True)
+    (live,) = asyncio.run(_calls(box, [made]))
+    assert (live.status, live.error_kind) == ("model_error", "bad_arguments") and box.recorder.take() == []
+    replayed = ToolBox.from_spec(TOOL, base_dir=REPO, record=True)
+    replayed.replay = Replay([], "fail")
+    (again,) = asyncio.run(_calls(replayed, [made]))
+    assert (again.text, again.error_kind) == (live.text, "bad_arguments") and replayed.replay.misses == []
+
+
+def test_a_reward_node_name_holds_no_slash(project):
+    """A per-turn tool node's call at turn 1 is named (its origin) `reward/<episode>/check/1`: a node named
+    `check/1` had that name too, and a replay of the run that made both answered one of them only."""
+    from factory.compiler.compile import compile_file
+    from factory.compiler.errors import SpecErrors
+    from factory.tools.recording import reward_origin
+    from tests.test_compiler_support import base_spec, report
+
+    assert reward_origin("train/1/0/0/0", "check", 1) == reward_origin("train/1/0/0/0", "check/1")
+    path = project.spec(base_spec(project, "rec_slash") + '  "check/1": {fn: "rec_slash:exact"}\n')
+    with pytest.raises(SpecErrors) as e:
+        compile_file(path)
+    assert report(e) == ("spec.yaml:9: rewards.check/1: a reward node's name holds no '/', which separates the "
+                         "parts of its metrics' names (rewards/<node>/...) and of its tool calls' origins\n"
+                         "1 error in spec.yaml")

@@ -845,6 +845,9 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
     graph: dict[str, list[str]] = {}
     where: dict[tuple[str, str], str] = {}  # (node, input) -> dotted path of the reference
     for name, node in nodes.items():
+        if "/" in name:  # node "a/1" and per-turn node "a" at turn 1 would share metrics and a replay's answers
+            r.error(f"rewards.{name}", "a reward node's name holds no '/', which separates the parts of its metrics' "
+                                       "names (rewards/<node>/...) and of its tool calls' origins")
         graph[name] = []
         for inp, sub in node.inputs():
             path = f"rewards.{name}.{sub}"
