@@ -906,8 +906,9 @@ class ReplaySpec(Section):
     """A tracked run (id, id prefix or name) whose recorded tool calls (`tracking.record_tools`) answer this
     run's: a call made at the same place in the run (split, step, prompt, sample, turn, call) with the same
     tool and arguments gets the recorded result, and the tool is not called. `factory run SPEC --replay RUN`
-    sets it; `factory eval` replays the same way. A reward node's calls are matched by tool and arguments,
-    in order."""
+    sets it; `factory eval` replays the same way. A tool reward node's calls are matched so too, by their
+    trajectory's place and the node (from a recording made before reward calls had a place: by tool and
+    arguments, in order)."""
     on_miss: Literal["fail", "live"] = "fail"
     """A call the recording does not hold (the run went elsewhere). fail: the run stops as soon as that
     step's rollout (or evaluation) ends, before the step is trained on (exit code 2), naming the first call

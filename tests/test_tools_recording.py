@@ -161,6 +161,10 @@ def test_a_reward_call_is_answered_by_its_origin_and_from_an_older_recording_in_
     assert reward_origin("train/1/0/0/0", "graded") == step[1]
     assert reward_origin("eval/3/0/2/0", "each", 4) == "reward/eval/3/0/2/0/each/4"  # a per-turn node's, at turn 4
     assert reward_origin("", "graded") == ""  # a trajectory whose place is not known (an older table's)
+    # and the spec reference says so (it said "by tool and arguments, in order", the older recordings' way)
+    from factory.schema import ReplaySpec
+
+    assert "by their trajectory's place and the node" in " ".join(ReplaySpec.model_fields["run"].description.split())
 
 
 GONE = {"calc": StdioServer(command=sys.executable, args=["-m", "factory.examples.no_such_server"])}
