@@ -449,6 +449,50 @@ def test_replaying_an_episode_its_deadline_cut_ends_it_where_the_recording_did(c
         live.response_ids, live.loss_mask, live.infra_error, live.truncated)
 
 
+def test_calls_the_deadline_cut_before_they_were_sent_are_recorded_not_run(chat, monkeypatch):
+    """The turn ended at the deadline (or the event loop, busy with other episodes, came back to this one after
+    it): the calls were cancelled before any reached the tools, so the recording held no row where the trajectory
+    holds `episode_timeout`, and a replay of the run, not late there, missed them. Now each is sent marked so:
+    recorded as cut, never run."""
+    from factory.rollout import agent
+    from factory.schema import PythonTool
+    from factory.tools import ToolBox
+    from factory.tools.recording import Replay
+    from tests.tool_servers import drifting
+
+    tools = {"calculate": PythonTool(function="tests.tool_servers.drifting:answer")}
+    script = [(call("calculate", expression="1+1") + call("calculate", expression="2+2"), True),
+              ("<answer>2</answer>", True)]
+    cfg = RolloutSpec(max_turns=3, max_new_tokens=128, max_total_tokens=512, episode_timeout_s=0.2)
+    parse = agent.parse_tool_calls
+
+    def late(*args, **kwargs):  # the loop comes back to this episode 0.3 s after its turn ended
+        time.sleep(0.3)
+        return parse(*args, **kwargs)
+
+    async def episode(box):
+        async with box:
+            return await run_trajectory(ScriptedEngine(chat, script), chat, box, messages=PROMPT, row={},
+                                        prompt_index=0, sample_index=0, cfg=cfg, sampling=GREEDY,
+                                        origin="train/1/0/0/0")
+
+    before = drifting.calls_so_far()
+    live_box = ToolBox.from_spec(tools, record=True)
+    with monkeypatch.context() as m:
+        m.setattr(agent, "parse_tool_calls", late)
+        live = asyncio.run(episode(live_box))
+    assert live.stop_reason == "timeout" and drifting.calls_so_far() == before  # never run
+    rows = live_box.recorder.take()
+    assert [(r["origin"], r["status"], r["error_kind"], r["text"]) for r in rows] == [
+        (f"train/1/0/0/0/0/{k}", "infra_error", "episode_timeout", "Error: the episode ran out of time.")
+        for k in (0, 1)]
+    replay_box = ToolBox.from_spec(tools)
+    replay_box.replay = Replay(rows, "fail")
+    replayed = asyncio.run(episode(replay_box))  # not late there: answered from the recording, it ends there too
+    assert (replayed.stop_reason, len(replayed.turns), replay_box.replay.misses) == ("timeout", 1, [])
+    assert drifting.calls_so_far() == before
+
+
 def list_folder(folder: str) -> str:
     """The folder's one file, whose name is not UTF-8: os.fsdecode (as os.listdir of a str path) gives it a lone
     surrogate.

@@ -30,7 +30,7 @@ class Tools(Protocol):
 
     def schemas(self) -> list[dict]: ...
 
-    async def call(self, call: ToolCall) -> ToolResult: ...
+    async def call(self, call: ToolCall, expired: bool = False) -> ToolResult: ...
 
 
 def sampling_from_spec(cfg: RolloutSpec, *, evaluation: bool = False) -> Sampling:
@@ -41,18 +41,34 @@ def sampling_from_spec(cfg: RolloutSpec, *, evaluation: bool = False) -> Samplin
     return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
 
-async def call_tool(toolbox: Tools, call: ToolCall) -> ToolResult:
+async def call_tool(toolbox: Tools, call: ToolCall, expired: bool = False) -> ToolResult:
     """Run one parsed call. Malformed calls go to the toolbox too: it answers them (parse_error,
     unknown_tool) with an error the model reads, and counts them in its per-tool metrics. The toolbox
     never raises; if it does anyway (a bug), the call is recorded as an infrastructure error instead of
-    ending the whole rollout: a CancelledError too, unless this call was cancelled (the episode's deadline)."""
+    ending the whole rollout: a CancelledError too, unless this call was cancelled (the episode's deadline).
+    `expired`: the episode's deadline passed before the call was sent; the toolbox records it so, never runs it."""
     try:
-        return await toolbox.call(call)
+        return await (toolbox.call(call, expired=True) if expired else toolbox.call(call))
     except (Exception, asyncio.CancelledError) as e:
         if isinstance(e, asyncio.CancelledError) and being_cancelled():
             raise
         return ToolResult(tool=call.name, text=f"Error: the tool call failed ({type(e).__name__}).",
                           status="infra_error", error_kind="crash")
+
+
+EXPIRED_WAIT_S = 5.0  # how long an episode past its deadline waits for the tools to record its unsent calls
+
+
+async def send_expired(toolbox: Tools, calls: list[ToolCall]) -> None:
+    """Calls the episode's deadline passed before they were sent (the turn ended at it, or the event loop, busy
+    with other episodes, came back to this one after it): cancelled then, none would reach the tools, and the
+    recording would hold no row where the trajectory holds `episode_timeout` (a replay of the run, not late there,
+    missed them, or called the tools and went on into turns this episode never had). Each is sent marked expired:
+    recorded as cut, never run."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*(call_tool(toolbox, c, expired=True) for c in calls)), EXPIRED_WAIT_S)
+    except TIMEOUTS:  # a tools stage that does not answer at once: the episode ends anyway, unrecorded
+        pass
 
 
 async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, messages: list[dict[str, Any]],
@@ -132,6 +148,9 @@ async def run_trajectory(engine: Engine, chat: ChatFormat, toolbox: Tools, *, me
             stop = "budget"
             break
         try:
+            if deadline is not None and time.monotonic() >= deadline:
+                await send_expired(toolbox, turn.calls)
+                raise TimeoutError
             turn.results = list(await in_time(asyncio.gather(*(call_tool(toolbox, c) for c in turn.calls))))
             if any(r.error_kind == "episode_timeout" for r in turn.results):
                 # A replay's answer (a live call cut by the deadline is cancelled, never answered): the recorded

@@ -82,10 +82,10 @@ class _Timed:
         finally:
             self._clock.exit(self._kind)
 
-    async def call(self, call: ToolCall) -> ToolResult:
+    async def call(self, call: ToolCall, expired: bool = False) -> ToolResult:
         self._clock.enter(self._kind)
         try:
-            return await self._inner.call(call)
+            return await (self._inner.call(call, expired=True) if expired else self._inner.call(call))
         finally:
             self._clock.exit(self._kind)
 

@@ -60,15 +60,16 @@ class ToolsClient:
     def schemas(self) -> list[dict[str, Any]]:
         return self._schemas
 
-    async def call(self, call: ToolCall) -> ToolResult:
-        """One call, answered by the tools stage (never raises for tool problems: see ToolBox.call)."""
+    async def call(self, call: ToolCall, expired: bool = False) -> ToolResult:
+        """One call, answered by the tools stage (never raises for tool problems: see ToolBox.call; `expired`
+        too)."""
         started = time.perf_counter()
         if self._stage is None:
             result = model_error(call.name, "unknown_tool",
                                  f"Error: unknown tool {call.name!r}. No tools are available.")
         else:
             try:
-                result = await _invoke(self._stage, "call", call)
+                result = await _invoke(self._stage, "call", *((call, True) if expired else (call,)))
             except asyncio.CancelledError:
                 # The episode's deadline cut the call: counted as the agent loop answers it, else a tool whose calls
                 # all outlast the deadline was in no tools/* metric

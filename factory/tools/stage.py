@@ -43,8 +43,8 @@ class ToolsStage(StageActor):
     async def schemas(self) -> list[dict[str, Any]]:
         return self.box.schemas()
 
-    async def call(self, call: ToolCall) -> ToolResult:
-        return await self.box.call(call)
+    async def call(self, call: ToolCall, expired: bool = False) -> ToolResult:
+        return await self.box.call(call, expired)
 
     async def tool_listing(self) -> dict[str, list[dict[str, Any]]]:
         """server -> [{name, offered_as, description, inputSchema}] of the tools offered to the model, as the

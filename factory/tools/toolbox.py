@@ -187,14 +187,16 @@ class ToolBox:
         return listing
 
     # ---------------------------------------------------------------------------------------- calls
-    async def call(self, call: ToolCall) -> ToolResult:
+    async def call(self, call: ToolCall, expired: bool = False) -> ToolResult:
         """Run one call from the model. Never raises for tool or server problems: every failure is a
         ToolResult with status model_error/infra_error and an error_kind; text is cut to the server's
         `max_result_chars`; latency_s is the whole time the caller waited (queueing and retries included).
+        `expired`: the episode's deadline passed before the call was sent (factory.rollout.agent.send_expired):
+        answered and recorded as a call the deadline cut, and neither run nor replayed.
         """
         started = time.perf_counter()
         entry = self._routes.get(call.name)
-        result = await self._dispatch(call, entry)
+        result = await self._dispatch(call, entry, expired)
         if entry is not None:
             result.text = truncate_middle(result.text, self._specs[entry.server].max_result_chars)
             result.tool = entry.offered
@@ -206,7 +208,7 @@ class ToolBox:
         """The calls of one turn, run concurrently; results in the order of the calls."""
         return list(await asyncio.gather(*(self.call(c) for c in calls)))
 
-    async def _dispatch(self, call: ToolCall, entry: ToolEntry | None) -> ToolResult:
+    async def _dispatch(self, call: ToolCall, entry: ToolEntry | None, expired: bool = False) -> ToolResult:
         if not self._running:
             return infra_error(call.name, "transport", "Error: the tools are not running.")
         if entry is None and call.parse_error is not None:
@@ -237,6 +239,11 @@ class ToolBox:
             problem = argument_problem(None, call.arguments)
         if problem is not None:
             return model_error(name, "bad_arguments", f"Error: invalid arguments for {name}: {problem}")
+        if expired:  # recorded as one the deadline cancelled while it ran is
+            timed_out = infra_error(name, "episode_timeout", "Error: the episode ran out of time.")
+            if self.recorder is not None:
+                self.recorder.add(call, entry.server, entry.tool, timed_out, 0.0, "live")
+            return timed_out
         started, source = time.perf_counter(), "live"
         result = self.replay.answer(call, entry.server, entry.tool) if self.replay is not None else None
         if result is not None:
