@@ -164,7 +164,8 @@ class UpdateSettings(Settings):
 
     def models(self) -> list[str]:
         return [self.model.path]
-    # the rollout's Compute: each weight sync is cast to the dtype its engine holds (resolve_dtype)
+    # the rollout's Compute: each weight sync is cast to the dtype its engine holds (resolve_dtype), guessed from
+    # it at setup until the driver says what the rollout resolved on its own device (driver.agree_sync_dtypes)
     rollout_compute: Compute | None = None
 
 

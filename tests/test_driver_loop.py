@@ -350,6 +350,25 @@ def test_a_replayed_run_that_trains_past_its_recording_says_so(monkeypatch):
         driver.run(plan)
 
 
+def test_the_update_syncs_in_the_dtype_the_rollout_resolved(monkeypatch):
+    """The learner guessed the engine's dtype on its own device (an update on the CPU beside a GPU rollout:
+    float32 to a bf16 engine); once the stages are placed it is told what the rollout resolved on its own."""
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml")
+    asked = []
+
+    class Group(SimpleNamespace):
+        def call(self, method: str, *args: Any) -> Any:
+            asked.append((self.name, method, *args))
+            return {"weight_sync": f"full ({args[0]})"}
+
+    groups = {s.name: Group(name=s.name, info=[{"resolved": {"dtype": "bfloat16"}}] if s.name == "rollout" else
+                            [{"resolved": {"weight_sync": "full (float32)"}}, {}]) for s in plan.stages}
+    driver.agree_sync_dtypes(plan, groups)
+    assert asked == [("update", "use_sync_dtype", "bfloat16")]
+    assert groups["update"].info[0]["resolved"] == {"weight_sync": "full (bfloat16)"}  # what the run's params say
+
+
 def test_a_stop_on_monitor_reads_the_final_evaluation_and_stops_the_run_there(monkeypatch):
     """eval_every 0 (the default): evaluations at step 0 and the last step. train_eval_divergence speaks at the
     last step, once its evaluation is in, and its stop_on is heeded: the step is logged with the reading and

@@ -243,6 +243,19 @@ def test_train_per_group_trains_the_chosen_samples_as_if_only_they_were_sampled(
     assert_same_delta(a, b)
 
 
+def test_a_sync_is_sent_in_the_dtype_the_rollout_resolved_on_its_own_device(small_path, learners, monkeypatch):
+    """An update on the CPU beside a rollout on a GPU: the learner ran the rollout's `auto` rule on its own process,
+    where Ray hides every GPU (float32), while the engine on its Ampere+ GPU holds bfloat16: every sync went in
+    float32, twice the bytes, and resolved.update.weight_sync said so. The driver hands it the rollout's dtype."""
+    from factory import device
+
+    monkeypatch.setattr(device, "cuda_devices", lambda: ())  # the update actor's view: no GPU
+    learner = learners(make_spec(small_path, resources={"rollout": {"num_gpus": 1}, "update": {"num_gpus": 0}}))
+    assert learner.resolved()["weight_sync"] == "full (float32)"  # its own guess, before the driver says
+    assert learner.use_sync_dtype("bfloat16")["weight_sync"] == "full (bfloat16)"
+    assert {t.dtype for t in learner.state_dict().values()} == {torch.bfloat16}
+
+
 def test_weight_sync_size_is_logged_once_a_sync_brought_the_weights(small_path, learners):
     """Step 1 samples the weights loaded from disk: it logged perf/weight_sync_mb 0.0, which halved its mean
     over a 2-step run."""

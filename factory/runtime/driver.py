@@ -466,10 +466,22 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
                 ready(name, time.perf_counter() - t0)
                 status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
                 order.done(name)
+        agree_sync_dtypes(plan, groups)
     except BaseException:
         teardown(groups)
         raise
     return groups
+
+
+def agree_sync_dtypes(plan: Plan, groups: Groups) -> None:
+    """Each weight sync sent in the dtype its destination's engine holds, as that stage resolved it on its own
+    device (its setup's report): the source guessed it on its own device, which may not be the destination's (an
+    update on the CPU beside a GPU rollout sent float32 to a bf16 engine). What the source then resolves replaces
+    its setup's report, which the run's params record."""
+    for e in plan.edges:
+        dtype = groups[e.dst].info[0].get("resolved", {}).get("dtype") if e.kind == "weight_sync" else None
+        if dtype is not None:
+            groups[e.src].info[0]["resolved"] = groups[e.src].call("use_sync_dtype", dtype)
 
 
 def start_error(name: str, e: ray.exceptions.RayError) -> BaseException:

@@ -175,7 +175,8 @@ class Learner:
             self.ref = AdaptersOff(self.engine.module)  # the base model IS the reference: no second copy
         elif self.alg.needs_reference:  # only then: a second copy of the weights is not free
             self.ref = self._reference(config)
-        # the rollout engine's dtype, by the rule its own stage applies (a learner built outside a plan: float32)
+        # the rollout engine's dtype, by the rule its own stage applies (a learner built outside a plan: float32):
+        # a guess where this device is not the rollout's, which the driver corrects once both are placed
         rollout = self.spec.rollout_compute
         self.sync_dtype = _DTYPES[resolve_dtype(rollout) if rollout is not None else "float32"]
 
@@ -215,6 +216,13 @@ class Learner:
                 else "off",
                 "weight_sync": f"adapters ({str(self.sync_dtype).removeprefix('torch.')})" if self.lora is not None
                 else f"full ({str(self.sync_dtype).removeprefix('torch.')})"}
+
+    def use_sync_dtype(self, dtype: str) -> dict[str, str]:
+        """Send weights in `dtype` from now on: the rollout engine's, as its stage resolved it on its own device.
+        Guessed here on the update's device, an update on the CPU beside a GPU rollout (Ray hides the GPUs from a
+        stage that reserves none) sent float32 to a bf16 engine: twice the bytes. Returns `resolved()`."""
+        self.sync_dtype = _DTYPES[dtype]
+        return self.resolved()
 
     def _module_dtype(self) -> torch.dtype:
         return next(self.engine.module.parameters()).dtype

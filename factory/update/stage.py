@@ -22,7 +22,8 @@ class UpdateStage(StageActor):
     batch and trains on its shard) and rank 0's answer is the group's."""
 
     # every call reaches every rank: each rank trains on its shard and all take part in the collectives
-    CONTRACT = Contract(calls={"step": Call("all"), "state_dict": Call("all")}, world=True, checkpoint=True)
+    CONTRACT = Contract(calls={"step": Call("all"), "state_dict": Call("all"), "use_sync_dtype": Call("all")},
+                        world=True, checkpoint=True)
 
     def __init__(self, settings: UpdateSettings):
         self.settings = settings
@@ -62,6 +63,11 @@ class UpdateStage(StageActor):
         stats = self.learner.step(trajs)
         stats["timing/update_s"] = time.perf_counter() - t0
         return stats
+
+    def use_sync_dtype(self, dtype: str) -> dict[str, str]:
+        """Weight syncs in `dtype`, what the rollout engine holds (factory.runtime.driver.agree_sync_dtypes); every
+        rank (each casts its part under ZeRO-3). Returns what the learner now resolves."""
+        return self.learner.use_sync_dtype(dtype)
 
     def state_dict(self, every_rank: bool = False) -> dict[str, Any] | None:
         """What a weight sync sends, on rank 0 (every rank takes part in gathering it under ZeRO-3): the
