@@ -757,6 +757,100 @@ def test_the_probe_tells_a_store_that_answers_from_one_that_refuses_or_hangs(tra
     assert store_answers(f"sqlite:///{tmp_path}/gone/m.db", "0" * 32, 0.2)
 
 
+class _Gate:
+    """A tracking server that answers every request with `status` (and an MLflow error body), or takes it (200)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        gate = self
+        self.status = 200
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                codes = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "REQUEST_LIMIT_EXCEEDED",
+                         400: "INVALID_PARAMETER_VALUE"}
+                body = json.dumps({"error_code": codes[gate.status], "message": "Token expired"}
+                                  if gate.status != 200 else {}).encode()
+                self.send_response(gate.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status", [401, 403, 429])
+def test_records_wait_while_the_store_refuses_our_credentials(tmp_path, monkeypatch, status):
+    """A token that expired mid-run, an auth proxy's 401/403, a rate limit: the store's answer says nothing about
+    the record, and every record was dropped as "refused", for good. They wait in the spool (the store counted as
+    down, the note says it refuses our credentials), and are sent once it takes them. A record the store refuses
+    as wrong (400: INVALID_PARAMETER_VALUE) is still dropped: sent again it is refused again."""
+    import factory.tracking.mlflow_tracker as mt
+
+    monkeypatch.setattr(mt, "RETRY_S", 0.0)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # (a 429 is retried by MLflow itself)
+    gate = _Gate()
+    try:
+        t = Tracker(gate.uri, "e")
+        notes: list[str] = []
+        t.notify = notes.append
+        t.run_id = "0" * 32  # a run opened before the token expired
+        t.open_spool(tmp_path / "spool")
+        gate.status = status
+        t.log_metrics({"reward/mean": 0.5, "timing/step_s": 1.0}, step=7)
+        t.log_tags({"factory.checkpoint_step": "7"})
+        assert len(t.spool.records) == 2 and not any("dropped" in n for n in notes), notes
+        assert ("refuses our credentials" in notes[0]) == (status != 429), notes
+        gate.status = 200  # the token renewed
+        t.log_metrics({"reward/mean": 0.6, "timing/step_s": 1.0}, step=8)
+        assert t.spool.records == [] and "answers again" in notes[-1], notes
+        gate.status = 400
+        t.log_metrics({"reward/mean": 0.7, "timing/step_s": 1.0}, step=9)
+        assert t.spool.records == [] and "refused and dropped" in notes[-1], notes
+    finally:
+        gate.close()
+
+
+def test_a_refusal_is_told_from_a_store_that_does_not_take_our_request():
+    """`_refusal`: what the store's answer says of the record. Wrong (dropped): a bad value, no such run, a body too
+    large (an artifact upload through a proxy, a requests error); not about the record (it waits): our credentials
+    refused, a rate limit, a server error."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    from factory.tracking.mlflow_tracker import _refusal
+
+    def http_error(status):
+        response = requests.Response()
+        response.status_code = status
+        return requests.HTTPError(f"{status} Client Error", response=response)
+
+    assert _refusal(RestException({"error_code": "INVALID_PARAMETER_VALUE", "message": "bad name"})) == "record"
+    assert _refusal(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no run"})) == "record"
+    assert _refusal(http_error(413)) == "record"
+    assert _refusal(RestException({"error_code": "UNAUTHENTICATED", "message": "expired"})) == "credentials"
+    assert _refusal(RestException({"error_code": "PERMISSION_DENIED", "message": "no"})) == "credentials"
+    assert _refusal(http_error(407)) == "credentials"
+    assert _refusal(RestException({"error_code": "REQUEST_LIMIT_EXCEEDED", "message": "slow down"})) is None
+    assert _refusal(http_error(408)) is None and _refusal(http_error(502)) is None
+    assert _refusal(MlflowException("down")) is None and _refusal(ConnectionError("refused")) is None
+
+
 def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):
     """The store is gone at the end of the run: `end` tells where the unsent records are and returns, so the
     driver's teardown (tool servers, Ray) always runs after it."""

@@ -683,14 +683,16 @@ class MlflowTracker:
             try:
                 self._send(record, self.spool.path(record) if "file" in record else None)
             except Exception as e:  # noqa: BLE001 -- MLflow and its transport raise many kinds
-                if _refused(e):  # the store answered that this record is wrong: sending it again cannot help
+                refusal = _refusal(e)
+                if refusal == "record":  # the store answered that this record is wrong: sending it again cannot help
                     self._note(f"a {record['kind']} record was refused and dropped: {str(e)[:300]}")
-                else:
+                else:  # (credentials refused: the record waits, as for a store that is down, until they pass)
                     if self.down_since is None:
                         self.down_since = time.monotonic()
                         first = (str(e).strip().splitlines() or [""])[0][:160]  # (not the SQL that follows)
-                        self._note(f"the tracking store does not answer ({type(e).__name__}: {first}); "
-                                   f"records wait in {self.spool.folder} and are sent when it does")
+                        how = ("refuses our credentials" if refusal == "credentials" else "does not answer")
+                        self._note(f"the tracking store {how} ({type(e).__name__}: {first}); "
+                                   f"records wait in {self.spool.folder} and are sent when it takes them")
                     # stamped after the try, which may have taken minutes: stamped before it, the next record
                     # found RETRY_S gone already and tried again (a store that hangs held the run per record)
                     self._tried = time.monotonic()
@@ -930,13 +932,29 @@ def idle_since(client: Any, run: Any, now: float | None = None, waiting: Iterabl
     return max(0.0, (time.time() if now is None else now) - last / 1000) if last else 0.0
 
 
-def _refused(e: BaseException) -> bool:
-    """Whether the store answered and refused the request (HTTP 4xx: a bad value), as opposed to not
-    answering (connection refused or reset, a timeout, HTTP 5xx)."""
+# HTTP statuses that say nothing about the record: our credentials refused (a token that expired mid-run, an auth
+# proxy's), a proxy's timeout, a rate limit. Sent again once they pass, the record is taken.
+_CREDENTIALS = (401, 403, 407)
+_NOT_THE_RECORD = (*_CREDENTIALS, 408, 429)
+
+
+def _refusal(e: BaseException) -> str | None:
+    """What the store's answer to a send says: "record" when it refused the record (any other HTTP 4xx: a bad
+    value, no such run, a body too large), "credentials" when it refused our credentials, None when it did not
+    answer or its answer says nothing about the record (connection refused or reset, a timeout, a rate limit,
+    HTTP 5xx). Read from MLflow's error code (a REST call) or the HTTP status (an artifact upload: requests)."""
+    import requests
     from mlflow.exceptions import MlflowException
 
-    code = e.get_http_status_code() if isinstance(e, MlflowException) else None
-    return code is not None and 400 <= code < 500
+    if isinstance(e, MlflowException):
+        status = e.get_http_status_code()
+    elif isinstance(e, requests.HTTPError) and e.response is not None:
+        status = e.response.status_code
+    else:
+        return None
+    if status in _CREDENTIALS:
+        return "credentials"
+    return "record" if 400 <= status < 500 and status not in _NOT_THE_RECORD else None
 
 
 def _equals(key: str, value: str) -> str:
