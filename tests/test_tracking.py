@@ -1053,6 +1053,30 @@ def test_a_metric_name_the_store_refuses_is_written_as_it_takes_it(tmp_path):
     assert metrics == {"tools/_/calls": 1.0, "tools/web_search/calls": 2.0, "reward/mean": 0.5}
 
 
+def test_a_metric_name_the_store_refuses_as_a_path_or_for_its_length_is_written_as_it_takes_it(tmp_path):
+    """MLflow also refuses a metric name that is not a normal path (`a/`, `a//b`, `./a`, `a/../b`) or is over 250
+    characters, and with it the whole record: a `metrics:` entry `pass@1/` (eval/pass_1/) or a reward node `fmt/`
+    (rewards/fmt//mean) lost every metric of every step. Each name is written as a param name would be, the same
+    at every step, and one that becomes another's name keeps its own."""
+    t = Tracker(f"sqlite:///{tmp_path / 't.db'}", "e")
+    t.start("r", {}, {}, {})
+    notes: list[str] = []
+    t.notify = notes.append
+    t.open_spool(tmp_path / "spool")
+    names = {"eval/pass@1/": 1.0, "rewards/fmt//mean": 2.0, "./a": 3.0, "a/../b": 4.0, "x" * 300: 5.0,
+             "reward/mean": 0.5}
+    for step in (1, 2):
+        t.log_metrics(names, step=step)
+    t.log_metrics({"eval_pass_1_": 6.0}, step=3)  # the name `eval/pass@1/` took: a key of its own now
+    t.end()
+    metrics = t.client.get_run(t.run_id).data.metrics
+    assert not notes and len(metrics) == 7, (metrics, notes)
+    assert {k: v for k, v in metrics.items() if k != "eval_pass_1_"} == {
+        "rewards_fmt__mean": 2.0, "__a": 3.0, "a____b": 4.0, "x" * 250: 5.0, "reward/mean": 0.5,
+        next(k for k in metrics if k.startswith("eval_pass_1_-")): 6.0}
+    assert [m.step for m in t.client.get_metric_history(t.run_id, "eval_pass_1_")] == [1, 2]
+
+
 def test_a_spool_line_whose_flush_failed_is_taken_back(tmp_path, monkeypatch):
     """A full disk can fail the journal's fsync after its line landed: the tracker then sends the record itself,
     and a later driver found the line and sent it again."""

@@ -194,15 +194,15 @@ def metric_name(name: str) -> str:
 _MAX_KEY = 250  # the longest param or tag name MLflow takes
 
 
-def mlflow_keys(keys: Iterable[str]) -> dict[str, str]:
-    """Each key -> itself as MLflow takes it as a param or tag name: `metric_name`'s characters, no path that
-    resolves to another name (`a//b`, `./a`: its `/` and `.` as `_`), at most 250 characters. A spec key it refuses
-    (a `metrics` entry named `pass@1`, a `tracking.tags` key with `=`) raised out of the run's start. A key that
-    then names what another key is, or became, ends in a hash of its own, so distinct keys stay distinct; plan.json
-    keeps the spec's own names (`factory diff`)."""
-    keys = list(keys)
-    out = {k: k for k in keys if _taken_as_is(k)}
-    names = set(out)
+def mlflow_keys(keys: Iterable[str], taken: Iterable[str] = ()) -> dict[str, str]:
+    """Each key -> itself as MLflow takes it as a param, tag or metric name: `metric_name`'s characters, no path
+    that resolves to another name (`a//b`, `./a`: its `/` and `.` as `_`), at most 250 characters. A spec key it
+    refuses (a `metrics` entry named `pass@1`, a `tracking.tags` key with `=`) raised out of the run's start. A key
+    that then names what another key is, or became, or one of the names `taken` by other keys already, ends in a
+    hash of its own, so distinct keys stay distinct; plan.json keeps the spec's own names (`factory diff`)."""
+    keys, taken = list(keys), set(taken)
+    out = {k: k for k in keys if _taken_as_is(k) and k not in taken}
+    names = set(out) | taken
     for key in sorted(set(keys) - set(out)):
         name = metric_name(key)[:_MAX_KEY]
         if not _taken_as_is(name):
@@ -382,6 +382,7 @@ class MlflowTracker:
         # The last step the run already holds metrics of: a resumed run computes the steps after its
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
+        self._metric_keys: dict[str, str] = {}  # each metric key -> its name in the store (`_metric_names`)
         # The step after `logged` when this session resumed the run: its killed driver may have logged that step's
         # traces and been killed before its metrics (`log_trajectories`). None: a run this session started.
         self.recomputed: int | None = None
@@ -548,7 +549,16 @@ class MlflowTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if step <= self.logged:
             return
-        self._record("metrics", step=step, values={metric_name(k): float(v) for k, v in metrics.items()})
+        named = self._metric_names(metrics)
+        self._record("metrics", step=step, values={named[k]: float(v) for k, v in metrics.items()})
+
+    def _metric_names(self, keys: Iterable[str]) -> dict[str, str]:
+        """Each metric key -> its name in the store (`mlflow_keys`): MLflow refuses a whole record for one name it
+        does not take, every metric of the step, at every step. Named once, as it first came, so a key keeps its
+        name at every step whatever other keys come with it, and a later key never takes an earlier one's."""
+        if new := [k for k in keys if k not in self._metric_keys]:
+            self._metric_keys.update(mlflow_keys(new, taken=self._metric_keys.values()))
+        return self._metric_keys
 
     def log_trajectories(self, trajs: list[Trajectory], step: int, *, split: str = "train",
                          traces: int | None = None) -> None:
