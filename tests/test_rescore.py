@@ -207,6 +207,42 @@ def test_a_rescore_of_a_run_with_dynamic_sampling_says_its_tables_hold_the_kept_
         "trajectories (for a 'before' over the same ones, rescore it with its own spec)"]
 
 
+def test_a_rescore_says_why_a_run_is_not_found_and_names_each_of_its_runs_apart(tmp_path, monkeypatch):
+    """A run named as `factory diff` takes it: a lookup that failed was said as "no run 'X'" whatever the tracker
+    said (a name two runs share, an id prefix too short). And every rescore of a spec was named `SPEC-rescore`, so
+    the second made that name ambiguous: rescoring a rescore by its name could not work."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from factory.commands.rescore import RescoreError, rescore
+    from factory.compiler.compile import compile_file
+    from factory.tracking.tracker import open_tracker
+
+    spec, plan = compile_file(Path(__file__).resolve().parents[1] / "specs" / "tiny.yaml", weights=False)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e")
+    twice = [client.create_run(exp, run_name="twice").info.run_id for _ in range(2)]
+    with pytest.raises(RescoreError, match=r"^'twice' names 2 runs \(.*; give a run id$") as said:
+        rescore("twice", spec, plan, uri=uri)
+    assert all(run_id in str(said.value) for run_id in twice)
+    with pytest.raises(RescoreError, match="an id prefix needs 8 characters or more"):
+        rescore(twice[0][:4], spec, plan, uri=uri)
+
+    old = open_tracker(uri, "t")
+    old.start("old", {}, {}, {})
+    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                                     turns=[], stop_reason="no_call", row={"answer": "3"},
+                                     messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
+    old.end()
+    store = open_tracker(uri, read=True)
+    names = [store.run(rescore(old.run_id, spec, plan, uri=uri).run_id).name for _ in range(2)]
+    assert names[0] != names[1] and all(n.startswith(f"{spec.name}-rescore-") for n in names), names
+    assert [store.run(n).name for n in names] == names  # each name finds its own rescore
+
+
 def _graded(root, overrides=()):
     """tiny.yaml with one tool reward node, whose python tool grades otherwise at every call (a sampled LLM
     grader's way): a grade a replay gives back can only be the one recorded for that call."""

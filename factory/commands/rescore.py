@@ -137,8 +137,8 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     store = open_tracker(uri, read=True)
     try:
         old = store.run(run_id)
-    except RunLookupError:
-        raise RescoreError(f"no run '{run_id}' in {uri}") from None
+    except RunLookupError as e:  # the tracker's words: no such run, a name two runs share, a prefix too short
+        raise RescoreError(str(e)) from None
     run_id = old.run_id  # as given: an id, an id prefix or a run name
     tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
     batches = _load(tracker, run_id, steps)
@@ -183,13 +183,15 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         metrics[(split, step)] = (m if split == "train" else eval_metrics(m, plan.metrics))
 
     from factory.compiler.compile import plan_json
-    from factory.tracking.mlflow_tracker import run_tags
+    from factory.tracking.mlflow_tracker import run_name, run_tags
 
     # what identifies a run, as `factory run` tags it (spec name and hash, plan hash, what it ran on), and
     # what this one rescored
     tags = {**run_tags(plan.hashes, spec.name, spec.tracking.tags), "factory.rescore_of": run_id,
             "factory.rescored_steps": _shown({s for _, s in batches})}
-    tracker.start(f"{spec.name}-rescore", plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+    # named apart as a run is (`factory rescore NAME` of a rescore: a name two runs share names neither)
+    name = tracker.free_name(run_name(f"{spec.name}-rescore"))
+    tracker.start(name, plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
     try:
         for (split, step), trajs in batches.items():
             tracker.log_metrics(metrics[(split, step)], step=step)

@@ -426,7 +426,7 @@ class MlflowTracker:
             mlflow.log_text(text, name)
         return self.run_id
 
-    def _free_name(self, name: str) -> str:
+    def free_name(self, name: str) -> str:
         """`name`, or `name-2`, `-3`... when a run in the store has it already: two runs of one spec started in
         the same second got one name, and `factory diff NAME` then asked for an id. A store that cannot be
         asked leaves the name as it is (its start says why, or the spool takes the run)."""
@@ -454,7 +454,7 @@ class MlflowTracker:
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
-        name = self._free_name(run_name(shown["name"]))
+        name = self.free_name(run_name(shown["name"]))
         # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
         params = {**shown, "algorithm": filled(shown["algorithm"], plan.algorithm), **(extra_params or {})}
         # tools.json keeps each schema's keys in the order the server gave them, which is the order the chat

@@ -57,6 +57,10 @@ class Tracker(Protocol):
         """Open the store ahead of `start` (safe in a thread of its own; failures are left for `start`)."""
         ...
 
+    def free_name(self, name: str) -> str:
+        """`name`, or `name-2`, `-3`... when a run in the store has it already (a name to `start` a run with)."""
+        ...
+
     def start(self, run_name: str, params: dict[str, Any], tags: dict[str, str], artifacts: dict[str, str]) -> str:
         """Open a new run with its params (flattened), tags and text artifacts; returns its id."""
         ...
