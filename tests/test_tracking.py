@@ -178,7 +178,8 @@ def test_diff_of_a_training_run_and_its_evaluation_leaves_out_what_training_alon
     evaluated = record("b", {"factory.kind": "eval"}, {"model": {"path": "ckpt"}, "train": {"lr": 1e-3, "steps": 2}})
     report = compare(trained, evaluated, {}, {})
     assert report["changes"] == [{"kind": "model", "key": "evaluated model", "a": "base", "b": "ckpt"}]
-    assert report["notes"] == ["B is an eval run: settings it does not read (train.*, algorithm.*) are not compared"]
+    assert report["notes"] == ["B is an eval run: settings it does not read (train.*, algorithm.*, data.train.*) are "
+                               "not compared"]
     both = compare(trained, record("c", {}, {"model": {"path": "base"}, "train": {"lr": 1e-3, "steps": 3}}), {}, {})
     assert [c["key"] for c in both["changes"]] == ["train.lr"] and both["notes"] == []
 
@@ -336,6 +337,34 @@ def test_runs_that_differ_in_data_or_model_are_flagged():
     # another prompt template for the same rows is what such a comparison is for (it said "different data")
     assert comparability([{"kind": "setting", "key": "data.prompt"}, {"kind": "setting", "key": "data.system_prompt"},
                           {"kind": "template", "key": "templates.prompts/arith.jinja"}]) == []
+
+
+def test_evaluations_of_the_same_eval_rows_and_the_same_rows_in_another_order_are_comparable():
+    """An evaluation reads data.eval only: two evals (or rescores) whose specs' data.train differed (its path, its
+    rows' sha256) were "not comparable: different data" though they scored the very same rows. And data.shuffle
+    orders the same rows another way: "different data" too. A training run's data.train change still is one."""
+    from factory.commands.diff import RunRecord, compare, comparability, plan_changes
+    from factory.tracking.tracker import TrackedRun
+
+    def record(run_id, tags, train_sha):
+        spec = {"model": {"path": "m"}, "data": {"train": {"path": f"{train_sha}.jsonl"}, "eval": {"path": "e.jsonl"}}}
+        hashes = {"data": {"train": {"path": f"{train_sha}.jsonl", "sha256": train_sha},
+                           "eval": {"path": "e.jsonl", "sha256": "e1"}}}
+        return RunRecord(TrackedRun(run_id, run_id, "0", "FINISHED", 1.0, 2.0, tags=tags),
+                         {"spec": spec, "hashes": hashes}, None)
+
+    for tags in ({"factory.kind": "eval"}, {"factory.rescore_of": "r"}):
+        report = compare(record("a", tags, "t1"), record("b", tags, "t2"), {}, {})
+        assert report["warnings"] == [] and report["changes"] == [], report
+        assert "data.train.*" in report["notes"][0]
+    report = compare(record("a", {}, "t1"), record("b", {}, "t2"), {}, {})
+    assert report["warnings"] == ["not comparable: different data (data.train.sha256)"], report
+
+    def plan(shuffle):
+        return {"spec": {"data": {"train": {"path": "t.jsonl"}, "shuffle": shuffle}},
+                "hashes": {"data": {"train": {"sha256": "d"}}}}
+
+    assert comparability(plan_changes(plan(True), plan(False))) == []
 
 
 def test_the_same_data_file_named_another_way_is_comparable():

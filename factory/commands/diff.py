@@ -37,7 +37,7 @@ _HASH_KINDS = {"templates": "template", "rewards": "reward_code", "data": "data"
 # docs/algorithms.md asks for)
 _NOT_COMPARABLE = {"data": "data", "model": "model"}
 # keys of those sections whose change is the experiment itself, not another task or model
-_COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt")
+_COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt", "data.shuffle")
 # a data file is judged by its rows (plan.hashes.data's sha256: a `data` change), not by the name it is given
 # (`./data/train.jsonl` for `data/train.jsonl`, the file moved)
 _JUDGED_BY_CONTENT = ("data.train.path", "data.eval.path")
@@ -80,7 +80,9 @@ def tool_changes(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None)
 
 
 # What only training reads: left out when a side is an evaluation or a rescoring run (`factory eval`, `rescore`).
-TRAINING_ONLY = ("train.", "algorithm.")
+# (an evaluation reads data.eval's rows, a rescoring the run's saved ones: two evals of the same eval rows whose
+# specs named other training files were "not comparable: different data")
+TRAINING_ONLY = ("train.", "algorithm.", "data.train.")
 
 
 def plan_changes(a: dict[str, Any], b: dict[str, Any], tools_a: dict[str, Any] | None = None,
@@ -166,8 +168,9 @@ def comparability(changes: list[dict[str, Any]]) -> list[str]:
     """Warnings when the results are not comparable: different data or model."""
     warnings = []
     for section, what in _NOT_COMPARABLE.items():
-        # LoRA trains the same model another way (model.lora.*), and a prompt template asks the same rows
-        # another way (data.prompt, data.system_prompt; as the chat template does): comparing the two is the point
+        # LoRA trains the same model another way (model.lora.*), a prompt template asks the same rows another way
+        # (data.prompt, data.system_prompt; as the chat template does), data.shuffle gives the same rows in another
+        # order: comparing the two is the point
         keys = [c["key"] for c in changes
                 if (c["kind"] == "setting" and c["key"].split(".")[0] == section
                     and not c["key"].startswith(_COMPARABLE_WAYS) and c["key"] not in _JUDGED_BY_CONTENT)
