@@ -26,6 +26,36 @@ class UserError(Exception):
     and exits with code 2, as for a spec error."""
 
 
+# While Factory writes a run to an HTTP tracking store (and while a `factory` command runs): fail fast and let the
+# run's spool wait, rather than block the run in MLflow's own retries (7 with backoff: minutes per request while a
+# server is down). Never set for good: the process may be a user's notebook, whose own MLflow calls keep MLflow's.
+MLFLOW_FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def put_back(saved: dict[str, str | None]) -> None:
+    """Each environment variable as `saved` holds it (None: unset)."""
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str], *, keep_set: bool = False) -> Iterator[None]:
+    """`values` in os.environ while the block runs (with `keep_set`, one the user set already stays as they set
+    it), then each variable put back as it was: MLflow reads its settings from the environment only."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if not (keep_set and name in os.environ):
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        put_back(saved)
+
+
 def store_problem(uri: str) -> str | None:
     """Why MLflow would refuse `uri` as the tracking store, or None. A path (`mlflow.db`, `./mlruns`) is
     MLflow's file store, which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE is set: the run failed

@@ -133,6 +133,31 @@ def test_a_run_leaves_the_default_store_of_later_runs_as_it_was(tmp_path, monkey
         mlflow.set_tracking_uri(None)
 
 
+
+def test_a_tracker_sets_mlflows_http_settings_only_while_it_writes_a_run(tracking_server, tmp_path, monkeypatch):
+    """A tracker of an HTTP store set MLflow's HTTP settings (1 retry, 30 s) for the whole process when it was
+    built, and every read builds one (`factory.runs(uri=...)`, `diff`, `export`): a notebook's own MLflow calls
+    then retried once, not 7 times with backoff. A download set the artifact progress bar off for good. They are
+    set while a run is written (start to end), a setting the user gave kept, and then put back as they were."""
+    import os
+
+    import mlflow.environment_variables as ev
+
+    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+             "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")  # the user's own: kept throughout
+    t = Tracker(tracking_server, "env")  # what open_tracker(uri, read=True) builds for `factory.runs()`
+    assert {n: os.environ.get(n) for n in names} == {**dict.fromkeys(names), "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    t.start("env", {}, {}, {"a.txt": "a"})
+    assert ev.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 1 and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+    t.end()
+    t.released()
+    assert t.download(t.run_id, "a.txt", tmp_path).read_text() == "a"
+    assert {n: os.environ.get(n) for n in names} == {**dict.fromkeys(names), "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    assert ev.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 7  # MLflow's own, for the user's calls
+
 def test_busy_clock_splits_wall_time(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("factory.rollout.stage.time.perf_counter", lambda: now[0])

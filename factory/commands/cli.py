@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
 from factory.tracking.tracker import RunLookupError, StoreUnreadable
-from factory.util import UserError, nearest, version
+from factory.util import MLFLOW_FAIL_FAST, UserError, environ, nearest, version
 
 
 def _user_output_to_stderr() -> contextlib.AbstractContextManager[object]:
@@ -421,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.func(args)
+        with environ(MLFLOW_FAIL_FAST, keep_set=True):  # (the command's own process: a store that is down said soon)
+            return args.func(args)
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
         return EXIT_SPEC_ERROR

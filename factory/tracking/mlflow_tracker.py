@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
 from factory.update.checkpoint import run_folder
-from factory.util import UserError, escaped, store_problem
+from factory.util import MLFLOW_FAIL_FAST, UserError, environ, escaped, put_back, store_problem
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
@@ -76,11 +76,7 @@ def use_store(uri: str, experiment: str | None = None) -> None:
         if experiment is not None:
             mlflow.set_experiment(experiment)
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        put_back(saved)
 
 
 def flatten(d: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -391,17 +387,27 @@ class MlflowTracker:
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
         self._tried = 0.0
         self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
-        if uri.startswith(("http://", "https://")):
-            # Fail fast and let the spool wait, rather than block the run in MLflow's own retries (7 with
-            # backoff: minutes per request while a server is down).
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        # MLFLOW_FAIL_FAST in the environment from the first write of a run (`prepare`, `start`, `resume`) to its
+        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process
+        self._writing: contextlib.ExitStack | None = None
+
+    def _fail_fast(self) -> None:
+        """MLFLOW_FAIL_FAST in force (an HTTP store's) until `_settled`; the user's own settings kept."""
+        if self._writing is None and self.uri.startswith(("http://", "https://")):
+            self._writing = contextlib.ExitStack()
+            self._writing.enter_context(environ(MLFLOW_FAIL_FAST, keep_set=True))
+
+    def _settled(self) -> None:
+        """MLflow's settings put back as they were before the run was written."""
+        if self._writing is not None:
+            self._writing.close()
+            self._writing = None
 
     def prepare(self) -> None:
         """Open the store and this tracker's experiment ahead of `start`: a new sqlite store creates its
         tables first (~1-2 s), which `factory run` does while its stages start. A failure here is left for
         `start` to meet and report."""
+        self._fail_fast()
         quiet_mlflow()
         with contextlib.suppress(Exception):
             use_store(self.uri, self.experiment)
@@ -410,6 +416,7 @@ class MlflowTracker:
         import mlflow
 
         assert self.experiment is not None, "a run is written into an experiment"
+        self._fail_fast()
         use_store(self.uri, self.experiment)
         quiet_mlflow()
         named = mlflow_keys(tags)  # (a tracking.tags key MLflow refuses as a name: written as it takes it)
@@ -489,6 +496,7 @@ class MlflowTracker:
         from factory.compiler.compile import with_tool_listing
 
         plan = with_tool_listing(plan, listing)
+        self._fail_fast()
         use_store(self.uri)
         before = self.client.get_run(resume.run_id)
         quiet_mlflow()
@@ -769,6 +777,7 @@ class MlflowTracker:
         import mlflow
 
         if self.run_id is None:
+            self._settled()
             return
         try:
             mlflow.flush_trace_async_logging()  # traces are exported in the background
@@ -786,16 +795,21 @@ class MlflowTracker:
             mlflow.end_run(status=status)
         except Exception as e:  # noqa: BLE001 -- the store is down: its status stays RUNNING, resumable
             self._note(f"the run could not be marked {status} in the tracking store: {type(e).__name__}: {str(e)[:200]}")
+        self._settled()
 
     def released(self) -> None:
         """`release` the run this tracker opened, once its teardown is done; never raises (a store down: said)."""
         if self.run_id is None:
+            self._settled()  # (a run that never started: what `prepare` set is put back)
             return
+        self._fail_fast()  # (a store down at the teardown: said at once, not after MLflow's minutes of retries)
         try:
             self.release(self.run_id)
         except Exception as e:  # noqa: BLE001 -- the store is down
             self._note(f"the run's driver tag could not be taken off ({type(e).__name__}: {str(e)[:200]}): another "
                        f"process resumes run {self.run_id} once this one has exited")
+        finally:
+            self._settled()
 
 
     # ---------------------------------------------------------------------------- runs read back
@@ -880,8 +894,8 @@ class MlflowTracker:
         return [f.path for f in self.client.list_artifacts(run_id, folder or None)]
 
     def download(self, run_id: str, path: str, into: str | Path) -> Path:
-        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no download bar in our output
-        return Path(self.client.download_artifacts(run_id, path, str(into)))
+        with environ({"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):  # no download bar in our output
+            return Path(self.client.download_artifacts(run_id, path, str(into)))
 
     def experiment_name(self, experiment_id: str) -> str:
         return self.client.get_experiment(experiment_id).name
