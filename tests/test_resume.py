@@ -679,6 +679,43 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
 
 
+def test_a_resumed_session_records_what_it_ran_on_and_diff_compares_the_newest(uri, tmp_path, monkeypatch):
+    """A run resumed on other code or another machine kept its first session's environment only (versions, commits,
+    CPU, GPU, what each stage resolved): `factory diff` said the whole run ran where its first steps did. Each
+    resumed session records its own (`factory.resumed.N.*`); diff compares each run's newest session, and says
+    what changed between a run's sessions."""
+    from factory.commands.diff import RunRecord, compare, environment_changes
+    from factory.tracking import mlflow_tracker as mt
+
+    def on(commit, gpu):
+        monkeypatch.setattr(mt, "git_commit", lambda path=".": commit)
+        monkeypatch.setattr(mt, "gpu_kind", lambda: gpu)
+
+    on("aaaa", "none")
+    first = Tracker(uri, "sessions")
+    run_id = first.start("r", {"resolved": {"rollout": {"dtype": "bfloat16"}}}, mt.environment_tags(), {})
+    first.log_metrics({"timing/step_s": 1.0}, step=1)
+    first.end("KILLED")
+    on("bbbb", "1 x NVIDIA H100 80GB HBM3")
+    r = SimpleNamespace(run_id=run_id, step=1, logged=1, changed=[], checkpoint_dir=tmp_path / "ckpt",
+                        checkpoint="step_1", checkpoints=[])
+    _, plan = compiled(tmp_path / "ckpt")
+    resumed = Tracker(uri, "sessions")
+    resumed.resume(r, plan, {"calc": []}, resolved={"rollout": {"dtype": "float32"}})
+    resumed.end()
+    fresh = Tracker(uri, "sessions")  # a run made wholly where the resumed one's later steps ran
+    fresh_id = fresh.start("f", {"resolved": {"rollout": {"dtype": "float32"}}}, mt.environment_tags(), {})
+    fresh.end()
+
+    a, b = fresh.run(run_id), fresh.run(fresh_id)
+    assert environment_changes(a, b) == []
+    report = compare(RunRecord(a, {}, None), RunRecord(b, {}, None), {}, {})
+    assert report["environment"] == [] and report["identical"]
+    assert report["notes"] == [
+        "A was resumed after step 1 where it ran otherwise: factory.git_commit aaaa -> bbbb, factory.gpu none -> "
+        "1 x NVIDIA H100 80GB HBM3, factory.source_commit aaaa -> bbbb, resolved.rollout.dtype bfloat16 -> float32"]
+
+
 def test_steps_done_are_those_with_a_step_metric_not_a_resumed_sessions_start_up(uri):
     """A resumed session logs its start-up times at the step it does next: the run's `factory.step` tag
     (steps done, what `factory runs` shows) said that step was done before it was (3/4 with 2 done, for a

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
 from factory.plan import MASK
-from factory.tracking.mlflow_tracker import flatten, setting_text
+from factory.tracking.mlflow_tracker import SESSION_TAG, flatten, setting_text
 from factory.tracking.runs import run_kind, run_summary
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
 from factory.util import stdout_console
@@ -43,6 +44,7 @@ _COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt", "data.shu
 _JUDGED_BY_CONTENT = ("data.train.path", "data.eval.path")
 # tags that describe where a run ran (not part of its plan): shown when they differ
 _ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit")
+_SESSION = re.compile(r"factory\.resumed\.(\d+)\.")  # the tags of a resumed session's environment (SESSION_TAG)
 
 
 class NoPlanError(RunLookupError):
@@ -202,15 +204,44 @@ def progress(runs: dict[str, TrackedRun], histories: dict[str, dict[str, list[tu
     return out
 
 
+def sessions(run: TrackedRun) -> list[tuple[int | None, dict[str, str]]]:
+    """Where and how each session of the run ran, oldest first, as (the step it resumed after, None for the
+    first; versions, CPU, GPU, commits and what each stage chose on its device: `resolved.*`). The run's own tags
+    and params are its first session's; each resumed one is tagged `factory.resumed.N.*`
+    (factory.tracking.mlflow_tracker.session_tags; a run resumed before they were has none)."""
+    def environment(values: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in values.items() if k.startswith((*_ENVIRONMENT, "resolved."))}
+
+    out: list[tuple[int | None, dict[str, str]]] = [(None, environment({**run.tags, **run.params}))]
+    numbers = sorted({int(m[1]) for k in run.tags if (m := _SESSION.match(k))})
+    for n in numbers:
+        prefix = SESSION_TAG.format(n=n)
+        tags = {k[len(prefix):]: v for k, v in run.tags.items() if k.startswith(prefix)}
+        after = tags.get("after_step")
+        out.append((int(after) if after and after.isdigit() else None, environment(tags)))
+    return out
+
+
 def environment_changes(run_a: TrackedRun, run_b: TrackedRun) -> list[dict[str, Any]]:
     """Where and how the runs ran, when it differs: versions, CPU, GPU, commits (tags) and what each stage
-    chose on its device (`resolved.*` params: engine, device, dtypes)."""
-    def of(run: TrackedRun) -> dict[str, str]:
-        return {**{k: v for k, v in run.tags.items() if k.startswith(_ENVIRONMENT)},
-                **{k: v for k, v in run.params.items() if k.startswith("resolved.")}}
-
-    a, b = of(run_a), of(run_b)
+    chose on its device (`resolved.*` params: engine, device, dtypes), of each run's newest session (`sessions`):
+    the steps a resumed run ended with ran there."""
+    a, b = sessions(run_a)[-1][1], sessions(run_b)[-1][1]
     return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def session_notes(side: str, run: TrackedRun) -> list[str]:
+    """What changed in where and how a run ran when it was resumed (`sessions`), each time it did."""
+    notes = []
+    said = sessions(run)
+    for (_, before), (step, after) in zip(said, said[1:]):
+        changed = [f"{k} {before.get(k) or '(none)'} -> {after.get(k) or '(none)'}"
+                   for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+        if changed:
+            when = f"after step {step}" if step is not None else "later"
+            shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+            notes.append(f"{side} was resumed {when} where it ran otherwise: {shown}")
+    return notes
 
 
 # ----------------------------------------------------------------------------------------- metrics
@@ -397,7 +428,8 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
         "a": _side(a), "b": _side(b),
         "identical": not changes and not notes,
         "changes": changes,
-        "notes": notes,
+        # (where a run ran is not part of its plan: not a reason to call two runs defined otherwise)
+        "notes": notes + session_notes("A", a.run) + session_notes("B", b.run),
         "warnings": warnings,
         "environment": environment_changes(a.run, b.run),
         "metrics": metric_rows(history_a, history_b),

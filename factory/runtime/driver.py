@@ -1078,7 +1078,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
         prepared.join()
         if resume:
-            return tracker.resume(resume, plan, listing, started=startup.t0)
+            return tracker.resume(resume, plan, listing, started=startup.t0, resolved=resolved)
         placement = json.dumps(placement_record(groups), indent=2, sort_keys=True, default=str) + "\n"
         # the command's start: `factory runs` counts the run's duration from it, as the summary below does
         return tracker.start_run(plan, listing, {"resolved": resolved}, {"placement.json": placement},

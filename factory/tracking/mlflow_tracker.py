@@ -219,6 +219,20 @@ def _taken_as_is(name: str) -> bool:
             and not norm.startswith(("..", "/")))
 
 
+SESSION_TAG = "factory.resumed.{n}."  # before what the run's Nth resumed session ran on (`session_tags`)
+
+
+def session_tags(n: int, after_step: int, resolved: dict[str, Any]) -> dict[str, str]:
+    """What the run's `n`th resumed session, which resumed after `after_step`, runs on, as tags: each environment
+    tag and `resolved.*` param a run starts with, named `factory.resumed.N.<its name>`, and
+    `factory.resumed.N.after_step`. A run resumed on another commit or machine kept its first session's alone, and
+    `factory diff` said its later steps ran there (factory.commands.diff.sessions reads these back)."""
+    prefix = SESSION_TAG.format(n=n)
+    env = {**environment_tags(), **dict(flatten({"resolved": resolved})), "after_step": str(after_step)}
+    named = mlflow_keys(prefix + k for k in env)
+    return {named[prefix + k]: v for k, v in env.items()}
+
+
 def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
     """The tags a run starts with: what identifies it, what it ran on, and the spec's own `tracking.tags`."""
     return {"factory.spec_name": spec_name, "factory.spec_hash": hashes["spec"], "factory.plan_hash": hashes["run"],
@@ -485,12 +499,14 @@ class MlflowTracker:
         return plan
 
     def resume(self, resume: Any, plan: Any, listing: dict[str, list[dict[str, Any]]],
-               started: float | None = None) -> Any:
+               started: float | None = None, resolved: dict[str, Any] | None = None) -> Any:
         """Reopen the run `resume` names (MLflow sets it RUNNING again) instead of starting one: params and
         artifacts stay as they were (a spec change that `--allow-spec-change` let through is recorded once
         the checkpoint has loaded: factory.runtime.resume.record_spec_change). Returns the plan with its tool
         schemas hashed. `started`: when the resuming command started (epoch seconds): the time
-        with no driver (tag IDLE_TAG) ends there, this session's start-up is run time (default: now)."""
+        with no driver (tag IDLE_TAG) ends there, this session's start-up is run time (default: now). What this
+        session runs on (`environment_tags`, and what each stage `resolved` on its device) is tagged as
+        session N's (`session_tags`): the run's own tags and params are its first session's."""
         import mlflow
 
         from factory.compiler.compile import with_tool_listing
@@ -527,7 +543,7 @@ class MlflowTracker:
         # `--allow-spec-change train.steps=N` changed (`factory runs` showed 3/2)
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
                          "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}",
-                         STEPS_TAG: str(plan.driver.train.steps)})
+                         STEPS_TAG: str(plan.driver.train.steps), **session_tags(count, resume.step, resolved or {})})
         from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG
 
         for tag in (STOPPED_BY_TAG, HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run

@@ -73,9 +73,10 @@ class Tracker(Protocol):
         ...
 
     def resume(self, resume: Any, plan: Plan, listing: dict[str, list[dict[str, Any]]],
-               started: float | None = None) -> Plan:
+               started: float | None = None, resolved: dict[str, Any] | None = None) -> Plan:
         """Reopen the run `resume` (factory.runtime.resume.Resume) names instead of starting one; `started`:
-        when the resuming command started (its start-up is run time, not idle)."""
+        when the resuming command started (its start-up is run time, not idle); `resolved`: what each stage chose
+        on its device in this session (recorded with what the session runs on)."""
         ...
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
