@@ -64,6 +64,28 @@ def test_jsonl_and_epoch_wrap(tmp_path):
     assert from_table(stage.next_batch(2)) == nxt  # a resumed run sees the same data
 
 
+def _worked_call(question: str, args) -> dict:
+    """A row in the OpenAI/verl multi-turn layout: a worked tool call, then the question."""
+    call = {"type": "function", "function": {"name": "tool", "arguments": args}}
+    return {"prompt": [{"role": "user", "content": "How many a in banana?"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": "3"}, {"role": "user", "content": question}], "answer": "1"}
+
+
+@pytest.mark.parametrize("second", [{"expression": "1 + 2"}, {"word": "one"}, json.dumps({"word": 1})],
+                         ids=["other-keys", "int-vs-str", "dict-vs-json-string"])
+def test_a_batch_hands_each_row_its_own_messages(tmp_path, second):
+    """The batch table carried messages as one pyarrow struct type inferred over the batch: every message got
+    every key another had (`tool_calls: None`), every call's arguments every other call's names (as null), ints
+    became floats, and values of two types (1 and "one") raised ArrowInvalid mid-run."""
+    rows = [_worked_call("q1", {"word": 1, "letter": "a"}), _worked_call("q2", second)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(train=DataSource(path="rows.jsonl"), shuffle=False)
+    stage = DataStage(_settings(spec, tmp_path, {"answer": "rewards.x"}))
+    stage.setup()
+    assert [m for m, _ in from_table(stage.next_batch(2))] == [r["prompt"] for r in rows]
+
+
 def test_bad_file_type(tmp_path):
     (tmp_path / "d.csv").write_text("a")
     with pytest.raises(ValueError, match="must be .parquet, .jsonl or .json"):

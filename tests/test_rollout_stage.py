@@ -3,11 +3,13 @@ tools client against a tools stage it calls (in-process here; a Ray actor in a r
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 
 import pyarrow as pa
 import pytest
 
+from factory.data import from_table
 from factory.rollout.stage import RolloutPart, RolloutStage
 from factory.tools.client import ToolsClient
 from factory.tools.metrics import ToolMetrics
@@ -15,9 +17,10 @@ from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 
 def test_split_gives_contiguous_prompts_and_their_first_number():
-    batch = pa.table({"messages": [[{"role": "user", "content": str(i)}] for i in range(5)], "row": ["{}"] * 5})
+    batch = pa.table({"messages": [json.dumps([{"role": "user", "content": str(i)}]) for i in range(5)],
+                      "row": ["{}"] * 5})
     parts = RolloutStage.split(batch, 2)
-    assert [(p.column("messages").to_pylist()[0][0]["content"], p.num_rows, first) for p, first in parts] == [
+    assert [(from_table(p)[0][0][0]["content"], p.num_rows, first) for p, first in parts] == [
         ("0", 2, 0), ("2", 3, 2)]
     assert [first for _, first in RolloutStage.split(batch, 8)] == [0, 1, 2, 3, 4]  # no empty part
     assert RolloutStage.split(batch, 1)[0][0].num_rows == 5

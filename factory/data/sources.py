@@ -297,14 +297,16 @@ class PromptRenderer:
 
 
 def to_table(renderer: PromptRenderer, rows: list[dict[str, Any]]) -> pa.Table:
-    """A batch table: `messages` plus the row's fields (as a JSON column, so heterogeneous rows fit)."""
+    """A batch table: each row's `messages` and its fields, both as JSON text. (A nested pyarrow column infers
+    one struct type over the batch: every message would gain every key any message has, every tool call's
+    arguments every other call's names, as null, and values of two types in one place would not convert.)"""
     return pa.table({
-        "messages": [renderer.messages(r) for r in rows],
+        "messages": [json.dumps(renderer.messages(r), default=str) for r in rows],
         "row": [json.dumps(renderer.row_fields(r), sort_keys=True, default=str) for r in rows],
     })
 
 
 def from_table(table: pa.Table) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
     """(messages, row) pairs from a batch table."""
-    return [(m, json.loads(r)) for m, r in zip(table.column("messages").to_pylist(),
-                                                table.column("row").to_pylist())]
+    return [(json.loads(m), json.loads(r)) for m, r in zip(table.column("messages").to_pylist(),
+                                                            table.column("row").to_pylist())]
