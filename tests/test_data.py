@@ -128,6 +128,18 @@ def test_bad_rows_fail_at_data_preparation_naming_file_and_line(tmp_path):
     ]
 
 
+def test_a_lone_surrogate_is_a_row_problem_named_by_line(tmp_path):
+    """JSON allows `\\ud800` (scraped text has them), and json.loads makes a str that UTF-8 cannot encode: the
+    row passed the check, then a batch (or the tokenizer) raised UnicodeEncodeError mid-run."""
+    stage = _stage(tmp_path, '{"question": "ok?", "answer": "1"}\n{"question": "bad \\ud800 text", "answer": "2"}\n'
+                             '{"question": "ok?", "answer": "3", "meta": {"\\udc80": 1}}\n')
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value).splitlines() == [
+        "rows.jsonl:2: text that is not valid Unicode (a lone surrogate) in column 'question'",
+        "rows.jsonl:3: text that is not valid Unicode (a lone surrogate) in column 'meta'"]
+
+
 def test_invalid_json_lines_are_named(tmp_path):
     stage = _stage(tmp_path, '{"question": "q", "answer": "1"}\n{"question": "q",\n')
     with pytest.raises(DataError, match=r"^rows.jsonl:2: invalid JSON: Expecting property name"):

@@ -156,6 +156,9 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str],
     """Why one row cannot be used, or None. `judges`, `valued`: see check_rows."""
     if not isinstance(row, dict):
         return f"expected an object of columns, got {type(row).__name__}"
+    if unencodable := [c for c, value in row.items() if not _utf8(c) or not _utf8(value)]:
+        # repr escapes the surrogate: the message naming the column must itself print
+        return f"text that is not valid Unicode (a lone surrogate) in column {unencodable[0]!r}"
     missing = [f"'{c}' (needed by {who})" for c, who in required.items() if column(row, c) is _ABSENT]
     if missing:
         return f"missing column {', '.join(missing)}"
@@ -178,6 +181,16 @@ def row_problem(row: Any, renderer: PromptRenderer, required: Mapping[str, str],
         except Exception:  # noqa: BLE001 (see above)
             pass
     return None
+
+
+def _utf8(value: Any) -> bool:
+    """Whether every text in `value` encodes as UTF-8. JSON allows a lone surrogate (`\\ud800`) and json.loads
+    keeps it in a str that nothing downstream (a batch, the tokenizer, a log) can encode."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
