@@ -480,10 +480,19 @@ def as_function(fn: Any) -> Any:
 def resolve_file(path: str | os.PathLike, base_dir: Path | None = None) -> Path:
     """A file named in the spec: relative to the working directory first, then to the spec's folder."""
     p = Path(path)
-    if p.is_absolute() or p.exists() or base_dir is None:
+    if p.is_absolute() or _exists(p) or base_dir is None:
         return p
     alt = Path(base_dir) / p
-    return alt if alt.exists() else p
+    return alt if _exists(alt) else p
+
+
+def _exists(path: Path) -> bool:
+    """Whether something is at `path`; not when it lies in a folder this user may not look into (where Python
+    3.11 raises PermissionError): the path is then returned as written, and reading it says why."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------- templates

@@ -648,6 +648,56 @@ def test_data_rows_are_checked_before_a_run_as_the_data_stage_checks_them(projec
         "<override 1>: data.train.path: data/empty.jsonl gave no rows\n1 error in spec.yaml")
 
 
+def _lock(monkeypatch, files=(), folders=()):
+    """`files` unreadable and `folders` not to be looked into, as another user's 0600 file or 0700 folder meets
+    an ordinary user (tests may run as root, whom no mode stops): opening such a file, or looking up anything
+    inside such a folder, raises PermissionError."""
+    import builtins
+    import errno
+    import io
+    import os
+
+    files, folders = {Path(f).absolute() for f in files}, {Path(f).absolute() for f in folders}
+    real_stat, real_open = Path.stat, builtins.open
+
+    def denied(path, opened: bool) -> bool:
+        p = Path(os.path.abspath(path))
+        return (opened and p in files) or any(f in p.parents for f in folders)
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    def stat(self, **kwargs):
+        return refuse(self) if denied(self, opened=False) else real_stat(self, **kwargs)
+
+    def open_(file, *args, **kwargs):
+        return refuse(file) if isinstance(file, (str, os.PathLike)) and denied(file, True) else real_open(
+            file, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+
+
+@pytest.mark.parametrize("files, folders, key", [
+    (["data/train.jsonl"], [], "spec.yaml:4: data.train.path: cannot read data/train.jsonl"),
+    ([], ["data"], "spec.yaml:4: data.train.path: cannot read data/train.jsonl"),
+    (["prompts/p.jinja"], [], "spec.yaml:5: data.prompt: cannot read prompts/p.jinja"),
+    ([], ["prompts"], "spec.yaml:5: data.prompt: cannot read prompts/p.jinja"),
+], ids=["data-file", "data-folder", "template", "template-folder"])
+def test_a_file_the_user_cannot_read_is_a_spec_error(project, monkeypatch, files, folders, key):
+    """A shared data file or template another user made 0600 (or a folder one cannot enter) raised
+    PermissionError from the compiler's hashing or its lookup: "internal error" (exit 1, a bug in Factory)."""
+    project.file("data/train.jsonl", '{"question": "1+1", "answer": "2"}\n')
+    project.file("prompts/p.jinja", "{{ question }}")
+    path = project.spec(_base(project, "rc_locked").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: data/train.jsonl}\n  prompt: prompts/p.jinja\n"))
+    compile_file(path)
+    _lock(monkeypatch, files, folders)
+    assert _errors(path) == f"{key}: Permission denied\n1 error in spec.yaml"
+
+
 def test_a_training_split_whose_every_prompt_is_held_out_for_eval_is_an_error(project):
     """The data stage drops the training rows whose prompt the eval split has: when that is every one, `factory
     check` says so at data.train, as it says an empty training split, before Ray and the stages start."""

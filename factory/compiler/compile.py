@@ -484,9 +484,10 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
             continue
         _warn_shadowed(r, path, name)
         problem = template_problem(found, chat_template=chat)
-        if problem:
+        if problem:  # (one that cannot be read cannot be hashed: no plan is made anyway)
             r.error(path, problem)
-        hashes[name] = sha256_file(found)
+        else:
+            hashes[name] = sha256_file(found)
     return hashes
 
 
@@ -597,7 +598,10 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
             elif found.suffix not in (".parquet", ".jsonl", ".json"):
                 r.error(f"data.{split}.path", f"data files must be .parquet, .jsonl or .json, got {source.path}")
             else:
-                hashes[split] = {"path": shown[split]["path"], "sha256": sha256_file(found)}
+                try:
+                    hashes[split] = {"path": shown[split]["path"], "sha256": sha256_file(found)}
+                except OSError as e:  # another user's file (or folder) this user may not read
+                    r.error(f"data.{split}.path", f"cannot read {source.path}: {e.strerror or e}")
             continue
         fn = r.imported(f"data.{split}.generator", source.generator,
                         lambda f: generator_problem(f, source.generator, source.args))
@@ -637,8 +641,11 @@ def _warn_shadowed(r: _Report, path: str, name: str) -> None:
     """A relative file the spec names is looked for in the working directory first: say so when the spec's
     folder holds another file of that name (a project's own data/train.jsonl silently replaced the spec's)."""
     here, beside = Path(name), Path(r.source.base_dir) / name
-    if (here.is_absolute() or not here.is_file() or not beside.is_file() or here.resolve() == beside.resolve()
-            or filecmp.cmp(here, beside, shallow=False)):  # (in chunks: a data file may be large)
+    try:
+        if (here.is_absolute() or not here.is_file() or not beside.is_file() or here.resolve() == beside.resolve()
+                or filecmp.cmp(here, beside, shallow=False)):  # (in chunks: a data file may be large)
+            return
+    except OSError:  # one this user may not read: reading it says so
         return
     r.warn(path, f"{name} is read from the working directory ({shown_path(here.resolve())}), not from beside the "
                  f"spec ({shown_path(beside)}), which differs; to read that one, name it {shown_path(beside)}")

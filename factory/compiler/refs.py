@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -216,7 +217,12 @@ def generator_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any]) ->
 def find_file(path: str, base_dir: Path) -> Path | None:
     """A file the spec names: relative to the working directory, then to the spec's folder."""
     p = resolve_file(path, base_dir)
-    return p if p.is_file() else None
+    try:
+        return p if stat.S_ISREG(p.stat().st_mode) else None
+    except PermissionError:  # in a folder this user may not look into: reading it says so, where "not found" misleads
+        return p
+    except (OSError, ValueError):
+        return None
 
 
 def template_problem(path: Path, chat_template: bool = False) -> str | None:
@@ -228,7 +234,9 @@ def template_problem(path: Path, chat_template: bool = False) -> str | None:
     env = template_env("chat" if chat_template else "prompt")
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
+        return f"cannot read {shown_path(path)}: {e.strerror or e}"
+    except UnicodeDecodeError as e:
         return f"cannot read {shown_path(path)}: {e}"
     return text_problem(env, text, shown_path(path))
 
