@@ -698,6 +698,26 @@ def test_a_file_the_user_cannot_read_is_a_spec_error(project, monkeypatch, files
     assert _errors(path) == f"{key}: Permission denied\n1 error in spec.yaml"
 
 
+def test_a_data_file_or_template_under_home_may_be_named_with_a_tilde(project, monkeypatch, tmp_path_factory):
+    """`~` was expanded in model.path, extends and train.checkpoint_dir, but a data file or a template named so
+    was "not found", although it was there."""
+    home = tmp_path_factory.mktemp("home")
+    (home / "rows.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    (home / "p.jinja").write_text("Solve: {{ question }}")
+    monkeypatch.setenv("HOME", str(home))
+    path = project.spec(_base(project, "rc_tilde").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {path: ~/rows.jsonl}\n  prompt: ~/p.jinja\n"))
+    _, plan = compile_file(path)
+    assert plan.hashes["data"]["train"]["path"] == "~/rows.jsonl" and list(plan.hashes["templates"]) == ["~/p.jinja"]
+    from factory.data import PromptRenderer, load_rows
+    from factory.schema import DataSource, DataSpec
+
+    data = DataSpec(train=DataSource(path="~/rows.jsonl"), prompt="~/p.jinja")
+    (row,) = load_rows(data.train, seed=0)
+    assert PromptRenderer(data).messages(row) == [{"role": "user", "content": "Solve: 1+1"}]
+
+
 def test_a_training_split_whose_every_prompt_is_held_out_for_eval_is_an_error(project):
     """The data stage drops the training rows whose prompt the eval split has: when that is every one, `factory
     check` says so at data.train, as it says an empty training split, before Ray and the stages start."""

@@ -479,7 +479,7 @@ def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     for path, name, chat in _templates(spec):
         found = find_file(name, r.source.base_dir)
         if found is None:
-            where = "" if os.path.isabs(name) else _looked_in(r.source.base_dir)
+            where = "" if os.path.isabs(os.path.expanduser(name)) else _looked_in(r.source.base_dir)
             r.error(path, f"template file not found: {name}{where}")
             continue
         _warn_shadowed(r, path, name)
@@ -634,7 +634,7 @@ def _missing_data(path: str, base_dir: Path) -> str:
         inside = sorted(shown_path(f) for f in scanned if f.suffix in (".jsonl", ".parquet"))[:3]
         return (f"{path} is a folder; name one .jsonl or .parquet file"
                 + (f" (it holds {', '.join(inside)})" if inside else ""))
-    return f"data file not found: {path}{'' if os.path.isabs(path) else _looked_in(base_dir)}"
+    return f"data file not found: {path}{'' if os.path.isabs(os.path.expanduser(path)) else _looked_in(base_dir)}"
 
 
 def _warn_shadowed(r: _Report, path: str, name: str) -> None:
