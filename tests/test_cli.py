@@ -464,6 +464,23 @@ def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
         assert capsys.readouterr().err.endswith(said)
 
 
+def test_ui_host_may_be_an_ipv6_address_and_a_typo_is_the_users_error(capsys, monkeypatch, tmp_path):
+    """`factory ui --host ::1` (an IPv6 address) or a mistyped host met socket.gaierror in the check that the port
+    is free: "internal error" (exit 1, a bug in Factory)."""
+    import socket
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["ui", "--host", "::1", "--port", str(port)]) == 2
+        assert capsys.readouterr().err == f"factory ui: error: port {port} on ::1 is in use; pick another with --port\n"
+    assert cli.main(["ui", "--host", "nosuchhost.invalid", "--port", str(port)]) == 2
+    assert re.fullmatch(r"factory ui: error: --host nosuchhost.invalid: no such host or address \(.+\)\n",
+                        capsys.readouterr().err)
+
+
 def test_eval_of_a_server_that_does_not_answer_exits_2_before_ray_starts(project, capsys, monkeypatch):
     """`factory eval --model http://...` of a server that is down started Ray and the stages, and the
     engine's requests retried it for minutes."""

@@ -153,8 +153,14 @@ def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> N
 
 
 def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex((host, port)) != 0
+    """Whether nothing answers on host:port, an IPv4 or IPv6 address or a name; RunLookupError (the user's to
+    fix) when `host` names no address."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise RunLookupError(f"--host {host}: no such host or address ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as s:
+        return s.connect_ex(address) != 0
 
 
 def _exit(signum: int, frame: Any) -> None:
@@ -170,7 +176,7 @@ def ui_main(args: Any) -> int:
     if not _port_free(args.host, args.port):
         raise RunLookupError(f"port {args.port} on {args.host} is in use; pick another with --port")
     argv, env = server_command(uri, args.host, args.port)
-    url = f"http://{args.host}:{args.port}"
+    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # (an IPv6 address in [])
     # The server's log goes to a file (a pipe nobody reads would fill and stall it); shown if it fails.
     log = tempfile.TemporaryFile(mode="w+")
     # SIGTERM (`kill PID`, systemd's stop) ended this process at once and left the server running on the port:
