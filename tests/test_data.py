@@ -25,6 +25,24 @@ def test_arithmetic_answers_are_exact_and_seeded():
         assert int(r["answer"]) == eval(r["expression"])
 
 
+def test_arithmetic_refuses_ops_whose_answers_are_not_integers(project):
+    """`ops` took any characters: "/" gave answers such as '0.0411...', "//" was read one character at a time
+    (true division), and `factory check` said ok to both."""
+    for ops in ("+-*/", "//", ""):
+        with pytest.raises(ValueError) as e:
+            next(iter(arithmetic(5, seed=0, ops=ops)))
+        assert str(e.value) == f"ops takes + - * (integer answers), got {ops!r}"
+    assert {r["expression"].split()[1] for r in arithmetic(20, seed=0, ops="*")} == {"*"}
+    from factory.compiler.compile import compile_file
+    from factory.compiler.errors import SpecErrors
+    from tests.test_compiler_support import base_spec, report
+
+    with pytest.raises(SpecErrors) as e:
+        compile_file(project.spec(base_spec(project, "data_ops")), ["data.train.args.ops=+/"])
+    assert report(e) == ("<override 1>: data.train.args.ops: factory.data:arithmetic raised ValueError on its args "
+                         "(ops='+/'): ops takes + - * (integer answers), got '+/'\n1 error in spec.yaml")
+
+
 def test_templates_render_messages(tmp_path):
     (tmp_path / "p.jinja").write_text("Solve: {{ question }}")
     (tmp_path / "s.jinja").write_text("You are helpful.")

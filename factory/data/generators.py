@@ -11,7 +11,10 @@ def arithmetic(n: int, seed: int = 0, operands: tuple[int, int] = (2, 3), digits
     """Integer arithmetic questions such as `47 * 83 - 215`, with the exact answer.
 
     2-3 operands of 2-3 digits: a 135M model cannot do these in its head, so reward needs the calculator.
+    `ops`: the operators drawn from, some of `+-*` (division would give answers that are not integers).
     """
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"ops takes + - * (integer answers), got {ops!r}")
     rng = random.Random(seed)
     for _ in range(n):
         k = rng.randint(*operands)
