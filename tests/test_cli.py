@@ -464,6 +464,17 @@ def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
         assert capsys.readouterr().err.endswith(said)
 
 
+def test_a_dashed_override_before_the_run_of_rescore_says_where_overrides_go(capsys):
+    """`rescore --rollout.group_size 4 RUN --spec S`: argparse took the 4 for the run; the hint compared the word
+    after the key with the --spec option instead of the run, and said "an override takes a value"."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rescore", "--rollout.group_size", "4", "abc12345", "--spec", "s.yaml"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "factory: error: unrecognized arguments: --rollout.group_size (overrides go after the run, written "
+        "KEY=VALUE: factory rescore RUN rollout.group_size=4)\n")
+
+
 def test_ui_host_may_be_an_ipv6_address_and_a_typo_is_the_users_error(capsys, monkeypatch, tmp_path):
     """`factory ui --host ::1` (an IPv6 address) or a mistyped host met socket.gaierror in the check that the port
     is free: "internal error" (exit 1, a bug in Factory)."""

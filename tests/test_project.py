@@ -57,6 +57,17 @@ def test_init_never_overwrites(tmp_path, capsys):
     assert not (demo / "rewards").exists()
 
 
+def test_init_prints_a_next_line_the_shell_runs(tmp_path, monkeypatch, capsys):
+    """The `next:` line after `factory init "My Projects/demo"` was `cd My Projects/demo && ...`: pasted, cd
+    failed (too many arguments)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["init", "My Projects/demo"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == "  cd 'My Projects/demo' && factory check spec.yaml --connect && factory run spec.yaml train.steps=1"
+    cd = line.split(" && ")[0]
+    assert _shell(f"{cd} && pwd", tmp_path, timeout=10).stdout == f"{tmp_path / 'My Projects' / 'demo'}\n"
+
+
 def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
     here = tmp_path / "my-agent"
     here.mkdir()

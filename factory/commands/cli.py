@@ -193,7 +193,7 @@ def _init(args: argparse.Namespace) -> int:
     shown = [f for f in DESCRIPTIONS if f in written] + [f for f in written if f not in DESCRIPTIONS]
     for rel in shown:
         print(f"  {rel:20} {DESCRIPTIONS.get(rel, '')}".rstrip())
-    cd = f"cd {target.as_posix()} && " if target.resolve() != Path.cwd().resolve() else ""
+    cd = f"cd {shlex.quote(target.as_posix())} && " if target.resolve() != Path.cwd().resolve() else ""
     print(f"next:\n  {cd}factory check spec.yaml --connect && factory run spec.yaml train.steps=1")
     return 0
 
@@ -402,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             at = words.index(wrong[0])
             # (argparse took the word after the key for the spec: the value was given, and a word is left after
             # it; `--train.steps SPEC` alone is a key without its value)
-            spec_word = getattr(args, "spec", None) or getattr(args, "run", None)
+            spec_word = args.run if args.command == "rescore" else args.spec  # (rescore's --spec is an option)
             given = (at + 2 < len(words) and words[at + 1] == spec_word
                      and not words[at + 2].startswith("-"))
             first = "RUN" if args.command == "rescore" else "SPEC"
