@@ -104,9 +104,28 @@ def test_init_where_it_cannot_write_says_so(tmp_path, capsys):
     `factory: internal error: NotADirectoryError` (exit 1, "a bug in Factory")."""
     (tmp_path / "a-file").write_text("x")
     assert cli.main(["init", str(tmp_path / "a-file" / "demo")]) == 2
-    assert capsys.readouterr().err == f"factory init: cannot write {tmp_path / 'a-file' / 'demo'}: Not a directory\n"
+    assert capsys.readouterr().err == (f"factory init: {tmp_path / 'a-file'} is a file, where the project needs a "
+                                       "folder: move it aside, or choose another name\n")
     assert cli.main(["init", "/proc/factory-demo"]) == 2
     assert capsys.readouterr().err.startswith("factory init: cannot write /proc/factory-demo")
+
+
+def test_init_finds_a_file_where_a_folder_goes_before_it_writes_anything(tmp_path, monkeypatch, capsys):
+    """`demo/tools` a file: init wrote half the project before making tools/ failed ("cannot write demo/tools:
+    File exists"), and a second init refused the half it had left. A link that loops was an internal error."""
+    monkeypatch.chdir(tmp_path)
+    Path("demo").mkdir()
+    Path("demo/tools").write_text("notes\n")
+    Path("dangling").symlink_to(tmp_path / "nowhere" / "place")
+    Path("loop").symlink_to("loop")
+    for name, said in (("demo", "demo/tools is a file"), ("dangling/demo", "dangling is a link to nothing")):
+        assert cli.main(["init", name]) == 2
+        assert capsys.readouterr().err == (f"factory init: {said}, where the project needs a folder: move it aside, "
+                                           "or choose another name\n")
+    assert sorted(p.as_posix() for p in Path("demo").rglob("*")) == ["demo/tools"]
+    assert not (tmp_path / "nowhere").exists()
+    assert cli.main(["init", "loop/demo"]) == 2
+    assert capsys.readouterr().err.startswith("factory init: cannot follow loop/demo: ")
 
 
 def test_scaffold_reward_reads_the_models_answer():

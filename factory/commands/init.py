@@ -8,6 +8,7 @@ Schema is written next to the spec, so an editor completes and checks it with no
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from factory.schema import NAME, NAME_RULE
@@ -71,14 +72,24 @@ def yaml_string(name: str) -> str:
 
 def create(target: Path) -> tuple[str, list[str]]:
     """Write a new project into `target` (created if missing); (its name, the files written).
-    Refuses to overwrite anything: an existing file is an error that names it."""
-    name = target.resolve().name
+    Refuses to overwrite anything: an existing file is an error that names it; so is one where a folder goes,
+    found before anything is written (half a project, which a second init then refused, was left behind)."""
+    try:
+        name = target.resolve().name
+    except (OSError, RuntimeError) as e:  # a link that loops (RuntimeError before Python 3.13)
+        raise InitError(f"cannot follow {target}: {getattr(e, 'strerror', None) or e}") from None
     if not NAME.fullmatch(name):  # the name becomes the spec's `name`, held to the same rule
         raise InitError(f"'{name}' is not a usable project name: {NAME_RULE}")
     files = project_files(name)
     try:
         if target.exists() and not target.is_dir():
             raise InitError(f"{target} exists and is not a folder")
+        # every folder a file goes in (the target's own parents too), shallowest first
+        for folder in sorted({f for rel in files for f in (target / rel).parents}, key=lambda f: len(f.parts)):
+            if os.path.lexists(folder) and not folder.is_dir():
+                kind = "a file" if folder.exists() else "a link to nothing"
+                raise InitError(f"{folder} is {kind}, where the project needs a folder: move it aside, or choose "
+                                "another name")
         clashes = [rel for rel in files if (target / rel).exists()]
         if clashes:
             raise InitError(f"{target} already has {', '.join(clashes)}; factory init never overwrites files: "
