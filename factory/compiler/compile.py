@@ -590,6 +590,9 @@ def _check_data(spec: Spec, r: _Report) -> dict[str, Any]:
         if source is None:
             continue
         if source.path is not None:
+            if problem := name_problem(source.path):  # (an inline text where a file is named)
+                r.error(f"data.{split}.path", problem)
+                continue
             found = find_file(source.path, r.source.base_dir)
             if found is not None:
                 _warn_shadowed(r, f"data.{split}.path", source.path)

@@ -6,6 +6,7 @@ ImportError or SyntaxError escape: the compiler reports it at the line of the ke
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import inspect
 import json
@@ -288,8 +289,8 @@ def name_problem(path: str, home: bool = True) -> str | None:
         user = path[1:].partition("/")[0]
         return (f"not a file name here: ~{user} is the home folder of a user {user!r}, whom this machine does not "
                 "have (your own is ~/)")
-    except OSError as e:  # ENAMETOOLONG
-        return f"not a file name here: {e.strerror or e}"
+    except OSError as e:  # ENAMETOOLONG; another error (EACCES) is the lookup's to say, which names the file
+        return f"not a file name here: {e.strerror or e}" if e.errno == errno.ENAMETOOLONG else None
     return None
 
 
