@@ -284,7 +284,7 @@ def test_a_path_the_os_cannot_look_up_is_a_located_error(project):
              f"train.checkpoint_dir=runs/{long}": f"train.checkpoint_dir: {too_long}",
              f"tools.calc.cwd={long}": f"tools.calc.cwd: {too_long}",
              f"tools.calc.command={long}": f"tools.calc.command: {too_long}",
-             f"data.train={{path: {long}.jsonl}}": f"data.train.path: not a file name here: a part of it is 306 bytes, "
+             f"data.train={{path: {long}.jsonl}}": "data.train.path: not a file name here: a part of it is 306 bytes, "
                                               "more than a file name can be (255)"}
     for override, said in cases.items():
         assert f"<override 1>: {said}\n" in _errors(path, [override]), override

@@ -368,7 +368,7 @@ def test_evaluations_of_the_same_eval_rows_and_the_same_rows_in_another_order_ar
     """An evaluation reads data.eval only: two evals (or rescores) whose specs' data.train differed (its path, its
     rows' sha256) were "not comparable: different data" though they scored the very same rows. And data.shuffle
     orders the same rows another way: "different data" too. A training run's data.train change still is one."""
-    from factory.commands.diff import RunRecord, compare, comparability, plan_changes
+    from factory.commands.diff import RunRecord, comparability, compare, plan_changes
     from factory.tracking.tracker import TrackedRun
 
     def record(run_id, tags, train_sha):
