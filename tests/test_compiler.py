@@ -720,6 +720,19 @@ def test_a_data_file_or_template_under_home_may_be_named_with_a_tilde(project, m
     assert PromptRenderer(data).messages(row) == [{"role": "user", "content": "Solve: 1+1"}]
 
 
+def test_a_template_under_the_home_of_a_user_the_machine_lacks_is_a_located_error(project):
+    """Once `~` was expanded in templates, `~nosuchuser/p.jinja` (pathlib raises RuntimeError for a user the
+    machine lacks) crashed check with an internal error where it had said "not found" at its key."""
+    path = project.spec(_base(project, "rc_tilde_user") + "chat_template: ~factory_no_such_user/c.jinja\n")
+    said = _errors(path, ["data.prompt=~factory_no_such_user/p.jinja"])
+    assert "<override 1>: data.prompt: not a file name here: ~factory_no_such_user is the home folder" in said
+    assert "chat_template: not a file name here: ~factory_no_such_user is the home folder" in said
+    from factory.util import resolve_file
+
+    # the stages look templates up too (PromptRenderer, the judge's): the name as written, whose reading says why
+    assert resolve_file("~factory_no_such_user/p.jinja") == Path("~factory_no_such_user/p.jinja")
+
+
 def test_a_training_split_whose_every_prompt_is_held_out_for_eval_is_an_error(project):
     """The data stage drops the training rows whose prompt the eval split has: when that is every one, `factory
     check` says so at data.train, as it says an empty training split, before Ray and the stages start."""

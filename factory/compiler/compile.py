@@ -477,6 +477,9 @@ def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
 def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     hashes: dict[str, str] = {}
     for path, name, chat in _templates(spec):
+        if problem := name_problem(name):  # (an inline text where a file is named, `~user/` for no such user)
+            r.error(path, problem)
+            continue
         found = find_file(name, r.source.base_dir)
         if found is None:
             where = "" if os.path.isabs(os.path.expanduser(name)) else _looked_in(r.source.base_dir)
