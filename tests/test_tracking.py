@@ -158,6 +158,41 @@ def test_a_tracker_sets_mlflows_http_settings_only_while_it_writes_a_run(trackin
     assert {n: os.environ.get(n) for n in names} == {**dict.fromkeys(names), "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
     assert ev.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 7  # MLflow's own, for the user's calls
 
+
+def test_an_evaluation_whose_stages_fail_to_start_puts_mlflows_http_settings_back(monkeypatch):
+    """`factory.evaluate` had no `released()` after it, as a run has: an evaluation whose stages failed to start
+    (a model that does not fit, a tool server that will not start), after its store was prepared (which sets
+    them), left MLflow's HTTP settings changed for the rest of a notebook's process."""
+    import contextlib
+    import os
+
+    import factory
+    from factory.runtime import driver
+
+    names = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["tracking.uri=http://127.0.0.1:9"], weights=False)
+    real = driver.prepare_in_background
+
+    def prepare(tracker):  # the store's preparing over (it cannot be reached) before the stages fail
+        thread = real(tracker)
+        thread.join()
+        return thread
+
+    @contextlib.contextmanager
+    def placed(*_, **__):
+        raise RuntimeError("stage 'rollout' did not start")
+        yield
+
+    monkeypatch.setattr(driver, "prepare_in_background", prepare)
+    monkeypatch.setattr(driver, "placed", placed)
+    with pytest.raises(RuntimeError, match="did not start"):
+        driver.evaluate_only(plan)
+    assert {n: os.environ.get(n) for n in names} == dict.fromkeys(names)
+
+
 def test_busy_clock_splits_wall_time(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("factory.rollout.stage.time.perf_counter", lambda: now[0])

@@ -1294,18 +1294,23 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
         return tracker.start_run(plan, listing, {"resolved": resolved},
                                  extra_tags={"factory.kind": "eval", STARTED_TAG: f"{startup.t0:.3f}", **(tags or {})})
 
-    with display, placed(eval_stages(replaying(plan, replayed)), display, startup,
-                         again="`factory eval` again evaluates it") as (groups, _):
-        with opened_run(tracker, plan, groups, display, start, replayed) as opened:
-            if adapters is not None:
-                for e in plan.edges:
-                    if e.kind == "weight_sync":
-                        groups[e.dst].call("load_adapters", adapters)
-            display.status(f"MLflow run {tracker.run_id}; evaluating")
-            metrics, trajs = evaluate(groups, opened.plan, display, step)
-            tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
-            tracker.log_tool_calls(take_tool_calls(groups, opened.plan, f"step {step} evaluation"), step)
-            tracker.log_metrics(metrics, step=step)
+    try:
+        with display, placed(eval_stages(replaying(plan, replayed)), display, startup,
+                             again="`factory eval` again evaluates it") as (groups, _):
+            with opened_run(tracker, plan, groups, display, start, replayed) as opened:
+                if adapters is not None:
+                    for e in plan.edges:
+                        if e.kind == "weight_sync":
+                            groups[e.dst].call("load_adapters", adapters)
+                display.status(f"MLflow run {tracker.run_id}; evaluating")
+                metrics, trajs = evaluate(groups, opened.plan, display, step)
+                tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
+                tracker.log_tool_calls(take_tool_calls(groups, opened.plan, f"step {step} evaluation"), step)
+                tracker.log_metrics(metrics, step=step)
+    finally:
+        # as after a run: what preparing the store set (MLflow's fail-fast HTTP settings) put back, also where the
+        # stages never started and no run was opened to end
+        tracker.released()
     shown = "  ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
     display.console.print(f"{shown}\nMLflow run {tracker.run_id} in experiment '{d.tracking.experiment}' "
                           f"({tracker.uri}), {time.time() - startup.t0:.0f} s", markup=False)
