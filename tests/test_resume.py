@@ -716,6 +716,27 @@ def test_a_resumed_session_records_what_it_ran_on_and_diff_compares_the_newest(u
         "1 x NVIDIA H100 80GB HBM3, factory.source_commit aaaa -> bbbb, resolved.rollout.dtype bfloat16 -> float32"]
 
 
+def test_a_metric_key_keeps_its_store_name_in_a_resumed_session(uri, tmp_path):
+    """Keys MLflow refuses are named as they first come to a tracker, and a resumed session's tracker started
+    empty: two keys that meet under one name (`x@1` and `x_1`), first come at different steps, swapped names at the
+    resume, and the store's series `x_1` held one key's values before it and the other's after."""
+    first = Tracker(uri, "names")
+    run_id = first.start("r", {}, {}, {})
+    first.log_metrics({"x@1": 1.0}, step=1)  # an eval-only key first
+    first.log_metrics({"x_1": 2.0, "x@1": 3.0}, step=2)  # then a training key that is the name it took
+    first.end("KILLED")
+    r = SimpleNamespace(run_id=run_id, step=2, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
+                        checkpoint="step_2", checkpoints=[])
+    _, plan = compiled(tmp_path / "ckpt")
+    resumed = Tracker(uri, "names")
+    resumed.resume(r, plan, {"calc": []})
+    resumed.log_metrics({"x_1": 4.0, "x@1": 5.0}, step=3)  # both at once
+    resumed.end()
+    history = {k: [m.value for m in resumed.client.get_metric_history(run_id, k)]
+               for k in resumed.client.get_run(run_id).data.metrics}
+    assert history == {"x_1": [1.0, 3.0, 5.0], next(k for k in history if k.startswith("x_1-")): [2.0, 4.0]}
+
+
 def test_steps_done_are_those_with_a_step_metric_not_a_resumed_sessions_start_up(uri):
     """A resumed session logs its start-up times at the step it does next: the run's `factory.step` tag
     (steps done, what `factory runs` shows) said that step was done before it was (3/4 with 2 done, for a

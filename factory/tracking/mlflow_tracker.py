@@ -200,15 +200,23 @@ def mlflow_keys(keys: Iterable[str], taken: Iterable[str] = ()) -> dict[str, str
     out = {k: k for k in keys if _taken_as_is(k) and k not in taken}
     names = set(out) | taken
     for key in sorted(set(keys) - set(out)):
-        name = metric_name(key)[:_MAX_KEY]
-        if not _taken_as_is(name):
-            name = name.replace("/", "_").replace(".", "_") or "_"
-        if name in names:
-            tail = "-" + hashlib.sha256(key.encode("utf-8", "backslashreplace")).hexdigest()[:8]
-            name = name[:_MAX_KEY - len(tail)] + tail
+        name = _plain_name(key)
+        name = _hashed_name(key) if name in names else name
         names.add(name)
         out[key] = name
     return out
+
+
+def _plain_name(key: str) -> str:
+    """`key` as MLflow takes it, before `mlflow_keys` tells it from other keys."""
+    name = metric_name(key)[:_MAX_KEY]
+    return name if _taken_as_is(name) else name.replace("/", "_").replace(".", "_") or "_"
+
+
+def _hashed_name(key: str) -> str:
+    """`_plain_name(key)` ending in a hash of `key`: the name of a key whose plain name another key has."""
+    tail = "-" + hashlib.sha256(key.encode("utf-8", "backslashreplace")).hexdigest()[:8]
+    return _plain_name(key)[:_MAX_KEY - len(tail)] + tail
 
 
 def _taken_as_is(name: str) -> bool:
@@ -393,6 +401,7 @@ class MlflowTracker:
         # checkpoint again, and they are not logged twice (factory.runtime.resume).
         self.logged = -1
         self._metric_keys: dict[str, str] = {}  # each metric key -> its name in the store (`_metric_names`)
+        self._stored_names: set[str] = set()  # a resumed run's metric names before this session (`_metric_names`)
         # The step after `logged` when this session resumed the run: its killed driver may have logged that step's
         # traces and been killed before its metrics (`log_trajectories`). None: a run this session started.
         self.recomputed: int | None = None
@@ -529,6 +538,8 @@ class MlflowTracker:
         self.logged = max((m.step for m in self.client.get_metric_history(resume.run_id, STEP_KEY)), default=-1)
         self.open_spool(Path(self.checkpoint_dir) / SPOOL)  # sends what the killed driver left unsent
         self.logged = max(self.logged, resume.logged)
+        self._stored_names = set(before.data.metrics).union(
+            *(r["values"] for r in self.spool.records if r["kind"] == "metrics"))
         self.recomputed = self.logged + 1  # (after the spool: the steps it sent count as logged)
         # (after the spool too: the killed driver's last steps may have waited there, the store down; read before,
         # its idle time ran from an older step, and `factory runs` under-reported the run's duration)
@@ -581,6 +592,10 @@ class MlflowTracker:
         does not take, every metric of the step, at every step. Named once, as it first came, so a key keeps its
         name at every step whatever other keys come with it, and a later key never takes an earlier one's."""
         if new := [k for k in keys if k not in self._metric_keys]:
+            # a resumed run's key that an earlier session named with its hash keeps that name (this tracker starts
+            # empty: two keys of one plain name, first come at other steps, swapped names at the resume)
+            self._metric_keys.update({k: _hashed_name(k) for k in new if _hashed_name(k) in self._stored_names})
+            new = [k for k in new if k not in self._metric_keys]
             self._metric_keys.update(mlflow_keys(new, taken=self._metric_keys.values()))
         return self._metric_keys
 
