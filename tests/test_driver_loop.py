@@ -405,7 +405,7 @@ def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch)
                                       on_miss="live")
     assert plan_json(driver.replaying(plan, world.replayed)) == plan_json(plan)  # read at run time: not logged
     assert result.metrics == {"eval/accuracy": 0.5} and world.metrics == {4: {"eval/accuracy": 0.5}}
-    assert world.ended == ["FINISHED"]
+    assert world.ended == ["FINISHED", "released"]  # and what preparing the store set put back, as after a run
 
 
 @pytest.mark.parametrize("command", ["run", "eval"])
