@@ -40,6 +40,18 @@ def compiled(ckpt: Path, *overrides: str):
     return compile_file(SPEC, [f"train.checkpoint_dir={ckpt}", "train.steps=4", *overrides])
 
 
+def resumed_tracker(uri: str, experiment: str, run_id: str, ckpt: Path, step: int, *, logged: int | None = None,
+                    checkpoints: list | None = None, **resume: object) -> Tracker:
+    """A tracker that resumed `run_id` after `step` (what factory.runtime.resume.find returns, as far as the tracker
+    reads it: logged through `logged`, default `step`), for the tracker's own resume tests."""
+    r = SimpleNamespace(run_id=run_id, step=step, logged=step if logged is None else logged, changed=[],
+                        checkpoint_dir=ckpt, checkpoint=f"step_{step}", checkpoints=checkpoints or [])
+    _, plan = compiled(ckpt)
+    tracker = Tracker(uri, experiment)
+    tracker.resume(r, plan, {"calc": []}, **resume)
+    return tracker
+
+
 def fake_run(uri: str, ckpt: Path, plan, *, logged: int, checkpoints: tuple[int, ...] = (), status: str = "RUNNING",
              driver: str = GONE, experiment: str = "tiny", tags: dict[str, str] | None = None) -> str:
     """A run as `factory run` leaves it: tags, plan.json, metrics through step `logged`, checkpoints whose
@@ -636,11 +648,7 @@ def test_a_recomputed_steps_traces_are_not_in_the_run_twice(uri, tmp_path):
     t.log_trajectories([_traj()], 2, split="eval", traces=1)  # another split's: not this step's to replace
     t.log_trajectories([_traj(), _traj()], 2, traces=2)  # ... killed here, before step 2's metrics
     t.end("FAILED")
-    r = SimpleNamespace(run_id=run_id, step=1, logged=1, changed=[], checkpoint_dir=tmp_path / "ckpt",
-                        checkpoint="step_1", checkpoints=[])
-    _, plan = compiled(tmp_path / "ckpt")
-    again = Tracker(uri, "traces")
-    again.resume(r, plan, {"calc": []})
+    again = resumed_tracker(uri, "traces", run_id, tmp_path / "ckpt", 1)
     again.log_trajectories([_traj(), _traj()], 2, traces=2)  # step 2 computed again
     again.log_metrics({"timing/step_s": 1.0}, step=2)
     again.log_trajectories([_traj()], 3, traces=1)
@@ -659,11 +667,7 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     run_id = t.start("r", {}, {}, {})
     t.log_checkpoint(1, str(tmp_path / "ckpt" / "step_1"))
     t.end("FAILED")
-    r = SimpleNamespace(run_id=run_id, step=2, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
-                        checkpoint="step_2", checkpoints=list(t.checkpoints))
-    _, plan = compiled(tmp_path / "ckpt")
-    resumed = Tracker(uri, "e")
-    resumed.resume(r, plan, {"calc": []})
+    resumed = resumed_tracker(uri, "e", run_id, tmp_path / "ckpt", 2, checkpoints=list(t.checkpoints))
     resumed.end()
     client = MlflowClient(uri)
     listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", str(tmp_path))).read_text())
@@ -671,9 +675,7 @@ def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_res
     # step 3 saved, then found broken (its manifest): resumed from step 2, the list and the tags drop it (the
     # list read [1, 2, 3] and the tags named step 3, passed over, until step 3 was saved again)
     resumed.log_checkpoint(3, str(tmp_path / "ckpt" / "step_3"))
-    r.checkpoints, r.logged = list(resumed.checkpoints), 3
-    again = Tracker(uri, "e")
-    again.resume(r, plan, {"calc": []})
+    again = resumed_tracker(uri, "e", run_id, tmp_path / "ckpt", 2, logged=3, checkpoints=list(resumed.checkpoints))
     again.end()
     listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", str(tmp_path))).read_text())
     assert [c["step"] for c in listed] == [1, 2] and client.get_run(run_id).data.tags["factory.checkpoint_step"] == "2"
@@ -697,11 +699,8 @@ def test_a_resumed_session_records_what_it_ran_on_and_diff_compares_the_newest(u
     first.log_metrics({"timing/step_s": 1.0}, step=1)
     first.end("KILLED")
     on("bbbb", "1 x NVIDIA H100 80GB HBM3")
-    r = SimpleNamespace(run_id=run_id, step=1, logged=1, changed=[], checkpoint_dir=tmp_path / "ckpt",
-                        checkpoint="step_1", checkpoints=[])
-    _, plan = compiled(tmp_path / "ckpt")
-    resumed = Tracker(uri, "sessions")
-    resumed.resume(r, plan, {"calc": []}, resolved={"rollout": {"dtype": "float32"}})
+    resumed = resumed_tracker(uri, "sessions", run_id, tmp_path / "ckpt", 1,
+                              resolved={"rollout": {"dtype": "float32"}})
     resumed.end()
     fresh = Tracker(uri, "sessions")  # a run made wholly where the resumed one's later steps ran
     fresh_id = fresh.start("f", {"resolved": {"rollout": {"dtype": "float32"}}}, mt.environment_tags(), {})
@@ -725,11 +724,7 @@ def test_a_metric_key_keeps_its_store_name_in_a_resumed_session(uri, tmp_path):
     first.log_metrics({"x@1": 1.0}, step=1)  # an eval-only key first
     first.log_metrics({"x_1": 2.0, "x@1": 3.0}, step=2)  # then a training key that is the name it took
     first.end("KILLED")
-    r = SimpleNamespace(run_id=run_id, step=2, logged=2, changed=[], checkpoint_dir=tmp_path / "ckpt",
-                        checkpoint="step_2", checkpoints=[])
-    _, plan = compiled(tmp_path / "ckpt")
-    resumed = Tracker(uri, "names")
-    resumed.resume(r, plan, {"calc": []})
+    resumed = resumed_tracker(uri, "names", run_id, tmp_path / "ckpt", 2)
     resumed.log_metrics({"x_1": 4.0, "x@1": 5.0}, step=3)  # both at once
     resumed.end()
     history = {k: [m.value for m in resumed.client.get_metric_history(run_id, k)]

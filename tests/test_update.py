@@ -334,8 +334,8 @@ def test_a_resumed_run_trains_with_its_specs_optimizer_settings(small_path, lear
     assert resumed.load_checkpoint(str(tmp_path)) == 1
     for group in resumed.optimizer.param_groups:
         assert (group["weight_decay"], tuple(group["betas"])) == (0.1, (0.8, 0.95))
-    assert getattr(resumed.engine.optimizer, "clip_grad", 0.5) == 0.5 and resumed.engine.gradient_clipping() == 0.5
-    assert stage == 0 or resumed.engine.optimizer.clip_grad == 0.5  # (ZeRO's optimizer clips with its own copy)
+    # ZeRO's optimizer clips with its own copy, which loading restored; stage 0's engine clips by its config
+    assert resumed.engine.optimizer.clip_grad == 0.5 if stage else resumed.engine.gradient_clipping() == 0.5
     for p, saved in zip(resumed.optimizer.param_groups[0]["params"], moments):
         torch.testing.assert_close(resumed.optimizer.state[p]["exp_avg"], saved, atol=0, rtol=0)
 
