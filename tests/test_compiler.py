@@ -782,8 +782,8 @@ def test_a_generator_that_raises_on_an_overridden_arg_is_said_at_the_override_wi
     `generator:` line, which the user never changed; it is at the override, with the args it was called with."""
     path = project.spec(_base(project, "rc_gen_args"))
     assert _errors(path, ['data.train.args.operands=[0,1]']) == (
-        "<override 1>: data.train.args.operands: factory.data:arithmetic raised IndexError on its args "
-        "(operands=[0, 1]): list index out of range\n1 error in spec.yaml")
+        "<override 1>: data.train.args.operands: factory.data:arithmetic raised ValueError on its args "
+        "(operands=[0, 1]): operands takes [low, high] with 1 <= low <= high, got [0, 1]\n1 error in spec.yaml")
     # a value its annotation refuses is said before the call (the value itself is not shown: it may be a secret)
     assert _errors(path, ['data.train.args.operands=[2,"x"]']) == (
         "<override 1>: data.train.args.operands: does not fit arithmetic's operands: tuple[int, int] (Input should "

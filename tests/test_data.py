@@ -43,6 +43,20 @@ def test_arithmetic_refuses_ops_whose_answers_are_not_integers(project):
                          "(ops='+/'): ops takes + - * (integer answers), got '+/'\n1 error in spec.yaml")
 
 
+def test_arithmetic_says_which_operand_or_digit_range_it_cannot_draw_from():
+    """`operands: [0, 1]` raised IndexError (no first term) and `digits: [3, 2]` or `[0, 2]` randint's "empty
+    range" or a 0.1 lower bound: `factory check` showed "list index out of range" at the key. Each now says what
+    the range must be."""
+    for args, said in ((dict(operands=(0, 1)), "operands takes [low, high] with 1 <= low <= high, got [0, 1]"),
+                       (dict(operands=(3, 2)), "operands takes [low, high] with 1 <= low <= high, got [3, 2]"),
+                       (dict(digits=(0, 2)), "digits takes [low, high] with 1 <= low <= high, got [0, 2]"),
+                       (dict(digits=(3, 2)), "digits takes [low, high] with 1 <= low <= high, got [3, 2]")):
+        with pytest.raises(ValueError) as e:
+            next(iter(arithmetic(5, seed=0, **args)))
+        assert str(e.value) == said
+    assert [r["expression"] for r in arithmetic(3, seed=0, operands=(1, 1), digits=(1, 1))][0].isdigit()
+
+
 def test_templates_render_messages(tmp_path):
     (tmp_path / "p.jinja").write_text("Solve: {{ question }}")
     (tmp_path / "s.jinja").write_text("You are helpful.")

@@ -15,6 +15,9 @@ def arithmetic(n: int, seed: int = 0, operands: tuple[int, int] = (2, 3), digits
     """
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"ops takes + - * (integer answers), got {ops!r}")
+    for name, (low, high) in (("operands", operands), ("digits", digits)):
+        if not 1 <= low <= high:  # (0 operands has no first term; 0 digits no smallest number)
+            raise ValueError(f"{name} takes [low, high] with 1 <= low <= high, got {[low, high]}")
     rng = random.Random(seed)
     for _ in range(n):
         k = rng.randint(*operands)
