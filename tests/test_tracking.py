@@ -364,6 +364,14 @@ def test_values_both_runs_read_from_the_environment_are_a_note():
     assert plan_notes(a, b, ("A", "B")) == [
         "rewards.judge.endpoint: read from the environment in both runs and not recorded (***), so a difference "
         "there cannot be seen"]
+    # a list is one setting (flatten keeps it whole): an env value inside one, a server's `--key ***` argument or
+    # a masked leaf in a list of mappings, hid a difference there with no note
+    tools = {"tools": {"search": {"args": ["--key", "***"], "env": [{"k": "***"}], "cwd": ["plain"]}}}
+    a = b = {"spec": tools, "hashes": {"tools": {"search": "h"}}}
+    assert plan_changes(a, b) == []
+    assert plan_notes(a, b, ("A", "B")) == [
+        "tools.search.args, tools.search.env: read from the environment in both runs and not recorded (***), so a "
+        "difference there cannot be seen"]
 
 
 def test_a_setting_one_run_lacks_or_holds_as_null_is_shown_unset():

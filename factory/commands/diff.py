@@ -138,10 +138,14 @@ def plan_notes(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> 
 
 
 def _masked(d: Any, prefix: str = "") -> Iterator[str]:
-    """The dotted paths of a plan's spec whose value was read from the environment (shown as ***)."""
+    """The dotted paths of a plan's spec whose value was read from the environment (shown as ***). A list is
+    one setting (`flatten` keeps it whole), so one holding a masked value anywhere is named as a whole."""
     if isinstance(d, dict):
         for k, v in d.items():
             yield from _masked(v, f"{prefix}{k}.")
+    elif isinstance(d, list):
+        if any(True for item in d for _ in _masked(item)):
+            yield prefix.rstrip(".")
     elif d == MASK:
         yield prefix.rstrip(".")
 
