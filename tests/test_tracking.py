@@ -946,6 +946,21 @@ def test_a_refusal_is_told_from_a_store_that_does_not_take_our_request():
     assert _refusal(RestException({"error_code": "REQUEST_LIMIT_EXCEEDED", "message": "slow down"})) is None
     assert _refusal(http_error(408)) is None and _refusal(http_error(502)) is None
     assert _refusal(MlflowException("down")) is None and _refusal(ConnectionError("refused")) is None
+    # a REST call answered by a proxy's HTML page: MLflow maps a status it has no error code for (407, 413) to
+    # INTERNAL_ERROR, i.e. 500, so a too-large record waited for ever and refused proxy credentials read as "down"
+    from mlflow.utils.rest_utils import verify_rest_response
+
+    def proxy_page(status):
+        response = requests.Response()
+        response.status_code, response._content = status, b"<html><body>nginx</body></html>"
+        try:
+            verify_rest_response(response, "/api/2.0/mlflow/runs/log-batch")
+        except MlflowException as e:
+            return e
+        raise AssertionError(f"MLflow took HTTP {status}")
+
+    assert _refusal(proxy_page(413)) == "record" and _refusal(proxy_page(407)) == "credentials"
+    assert _refusal(proxy_page(403)) == "credentials" and _refusal(proxy_page(502)) is None
 
 
 def test_end_never_raises_and_says_where_the_records_wait(tmp_path, monkeypatch):

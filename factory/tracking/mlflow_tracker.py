@@ -990,6 +990,7 @@ def idle_since(client: Any, run: Any, now: float | None = None, waiting: Iterabl
 # HTTP statuses that say nothing about the record: our credentials refused (a token that expired mid-run, an auth
 # proxy's), a proxy's timeout, a rate limit. Sent again once they pass, the record is taken.
 _CREDENTIALS = (401, 403, 407)
+_NON_JSON_STATUS = re.compile(r"^API request to endpoint \S+ failed with error code (\d{3}) != \d{3}\. Response body")
 _NOT_THE_RECORD = (*_CREDENTIALS, 408, 429)
 
 
@@ -1002,7 +1003,10 @@ def _refusal(e: BaseException) -> str | None:
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException):
-        status = e.get_http_status_code()
+        # an answer that is not MLflow's JSON (a proxy's page) carries an error code only for the statuses MLflow
+        # knows: 407 or 413 became INTERNAL_ERROR (500). Its message still says the status (rest_utils).
+        said = _NON_JSON_STATUS.search(str(e.message))
+        status = int(said.group(1)) if said else e.get_http_status_code()
     elif isinstance(e, requests.HTTPError) and e.response is not None:
         status = e.response.status_code
     else:
