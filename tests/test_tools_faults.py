@@ -329,6 +329,33 @@ async def test_a_replica_lost_while_the_circuit_opened_is_restarted_once_it_clos
         assert box.metrics()["tool_servers/faulty/restarts"] == 1
 
 
+async def test_a_replica_whose_restart_failed_is_started_again_while_others_serve(tmp_path):
+    """With `replicas: 2`, a lost replica whose restart failed (two server failures, under the threshold of 3: the
+    circuit stays closed) stayed down for the run: calls went to the live replica, and nothing started it again.
+    It is tried again, at most once a `breaker_cooldown_s`, when a call succeeds on another replica."""
+    refuse = tmp_path / "refuse"
+    resilience = Resilience(breaker_cooldown_s=0.3)
+    spec = FAULTY.model_copy(update={"retries": 0, "replicas": 2, "env": {"FAULTY_NO_START": str(refuse)}})
+    async with ToolBox.from_spec({"faulty": spec}, resilience=resilience) as box:
+        replicas = box._backends["faulty"]._replicas
+        refuse.touch()  # from here, a start fails
+        assert (await box.call(call("die"))).error_kind == "crash"
+        for _ in range(50):  # its restart, in the background, fails
+            if any(r.down and r._starting.exception() for r in replicas):  # (down: no start under way)
+                break
+            await asyncio.sleep(0.1)
+        assert sum(r.down for r in replicas) == 1
+        refuse.unlink()
+        for _ in range(50):  # calls on the live replica; the down one is tried again once its pause is over
+            assert (await box.call(call("echo", text="x"))).text == "x"
+            if all(r.connection is not None and r.connection.alive for r in replicas):
+                break
+            await asyncio.sleep(0.1)
+        pids = {r.text for r in await box.call_many([call("pid") for _ in range(4)])}
+        assert len(pids) == 2, pids  # two processes serve the calls again
+        assert box._backends["faulty"]._breaker.state == "closed"
+
+
 async def test_a_probe_that_ends_without_a_verdict_lets_another_probe_through():
     """A half-open circuit's probe that was cancelled (an episode's timeout), or that failed in a way counted
     neither as the server's success nor its failure (a result that breaks its schema), left the probe taken:

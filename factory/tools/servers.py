@@ -223,12 +223,15 @@ class McpServer:
     def _breaker_success(self) -> None:
         closes = self._breaker.state != "closed"
         self._breaker.record_success()
-        if closes and not self._closed:
-            # A replica lost while the circuit was open was left down (lost() restarts none then), and calls go to the
-            # live replicas: with `replicas` >= 2 it stayed down for the run once the probe, on a live one, succeeded.
-            for replica in self._replicas:
-                if replica.down:
-                    self._spawn(replica.get())
+        if self._closed:
+            return
+        # Calls go to the live replicas, so nothing else starts a down one when `replicas` >= 2: one lost while the
+        # circuit was open (lost() restarts none then) starts when it closes, one whose restart failed once its
+        # pause (breaker_cooldown_s) is over; both had stayed down for the run.
+        now = time.monotonic()
+        for replica in self._replicas:
+            if replica.down and (closes or now >= replica.retry_at):
+                self._spawn(replica.get())
 
     def _breaker_failure(self) -> None:
         if self._breaker.record_failure():
@@ -252,6 +255,7 @@ class _Replica:
         self.connection: McpConnection | None = None
         self._starting: asyncio.Future[McpConnection] | None = None
         self._starts = 0
+        self.retry_at = 0.0  # (monotonic) after a failed start: when another replica's success may start it again
 
     async def start(self) -> McpConnection:
         return await self.get()
@@ -284,6 +288,7 @@ class _Replica:
         except ServerStartError:
             # One server failure however many calls wait on this start: counted by each of them, three calls in
             # flight and one failed restart opened the circuit (threshold 3)
+            self.retry_at = time.monotonic() + self.server.resilience.breaker_cooldown_s
             self.server._breaker_failure()
             raise
         except asyncio.CancelledError:

@@ -116,6 +116,8 @@ def header(name: str, ctx: Context) -> str:
 
 
 if __name__ == "__main__":
+    if os.path.exists(os.environ.get("FAULTY_NO_START", "")):  # a start that fails while the test holds this file
+        sys.exit("faulty: refusing to start")
     if len(sys.argv) == 3 and sys.argv[1] == "--http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
     else:
