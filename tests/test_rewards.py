@@ -145,12 +145,23 @@ def test_tools_succeeded_reads_result_status():
     assert tools_succeeded("q", "", turns=[turn("<answer>5</answer>")]) is None
 
 
-def test_reference_chain_is_the_value_of_each_prefix():
-    from factory.rewards.chain import reference_chain
+def test_reference_chain_is_the_value_of_each_operation_in_the_order_it_is_computed():
+    from factory.rewards.chain import chain_step, reference_chain
+    from factory.types import ToolCall
 
     assert reference_chain("7 + 12 - 5 + 33") == [19, 14, 47]
-    assert reference_chain("2 + 3 * 4") == [5, 14]  # each prefix with the usual precedence
+    assert reference_chain("2 + 3 * 4") == [12, 14]  # 3 * 4 first: 2 + 3 = 5 is no step of it
+    assert reference_chain("12 + 34 * 5") == [170, 182]
     assert reference_chain("8") == []
+
+    def call(value):
+        return Turn(text="<tool_call>", num_tokens=1, calls=[ToolCall("calculate", {}, "")],
+                    results=[ToolResult(tool="calculate", text=value, status="ok")])
+
+    row = {"expression": "12 + 34 * 5", "answer": "182"}
+    right, precedence_error = [call("170"), call("182")], [call("46"), call("182")]
+    assert chain_step("q", "", right[0], 0, turns=right, **row) == 1.0
+    assert chain_step("q", "", precedence_error[0], 0, turns=precedence_error, **row) == 0.0
 
 
 def test_chain_steps_columns_are_required_of_the_data(monkeypatch):

@@ -1,10 +1,12 @@
 """Per-turn rewards for multi-step arithmetic: every model turn checked on its own (`per: turn` nodes).
 
-The reference chain of a question such as `7 + 12 - 5 + 33` is the value of each of its prefixes: 19, 14,
-47. A turn that calls the calculator is right when every call came back with a value of that chain and at
-least one of them is new (a turn that repeats an earlier turn's result earns nothing, so a model cannot
-farm the reward by calling the same thing again); the turn that answers is right when its <answer> is the
-final value. A model may take the steps one by one or several at once: any value of the chain is progress.
+The reference chain of a question is the value of each of its operations in the order they are computed
+(precedence first): `7 + 12 - 5 + 33` -> 19, 14, 47; `12 + 34 * 5` -> 170, 182 (12 + 34, the classic
+precedence mistake, is no step of it). A turn that calls the calculator is right when every call came back
+with a value of that chain and at least one of them is new (a turn that repeats an earlier turn's result
+earns nothing, so a model cannot farm the reward by calling the same thing again); the turn that answers is
+right when its <answer> is the final value. A model may take the steps one by one or several at once: any
+value of the chain is progress.
 """
 from __future__ import annotations
 
@@ -18,19 +20,22 @@ from factory.types import Turn
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
-def _value(node: ast.AST) -> int:
+def _value(node: ast.AST, steps: list[int]) -> int:
+    """The node's value; each operation's value is appended to `steps` once both operands are known."""
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_value(node.left), _value(node.right))
+        steps.append(_OPS[type(node.op)](_value(node.left, steps), _value(node.right, steps)))
+        return steps[-1]
     raise ValueError(f"not an integer + - * expression: {ast.dump(node)[:60]}")
 
 
 def reference_chain(expression: str) -> list[int]:
-    """The values of the expression's prefixes of 2, 3, ... operands (`factory.data:arithmetic`'s format:
-    operands and operators separated by spaces), each with the usual precedence: `7 + 12 - 5` -> [19, 14]."""
-    parts = expression.split()
-    return [_value(ast.parse(" ".join(parts[: k + 1]), mode="eval").body) for k in range(2, len(parts), 2)]
+    """The value of each operation of an integer + - * expression, in the order it is computed (the parse
+    tree's operations in post-order, so with the usual precedence): `2 + 3 * 4` -> [12, 14]."""
+    steps: list[int] = []
+    _value(ast.parse(expression, mode="eval").body, steps)
+    return steps
 
 
 def _number(text: str) -> float | None:
