@@ -38,6 +38,15 @@ def test_answer_is_read_from_the_model_turns_only():
     assert extract_answer("", [Turn(text=quoting, num_tokens=9)]) == "5"
 
 
+def test_an_answer_tag_is_closed_within_its_own_turn():
+    # turn 1 opened a tag and went on with a call: the next turn's `</answer>` does not close it
+    opened = turn("<answer>Let me check 7 + 12 first " + CALL, "ok")
+    assert extract_answer("", [opened, turn("<answer>19</answer>")]) == "19"
+    assert numeric_match("q", "", answer="19", turns=[opened, turn("<answer>19</answer>")]) == 1.0
+    assert extract_answer("", [turn("<answer>19</answer>"), opened]) == "19"  # the last closed one
+    assert extract_answer("", [opened, turn("19</answer>")]) is None
+
+
 @pytest.mark.parametrize("completion, expected", [
     ("<answer>1</answer><answer>2</answer>", "2"),  # the last tag
     ("<answer> a <answer> b </answer>", "a <answer> b"),  # an opener inside a tag is its text

@@ -28,9 +28,10 @@ _EXACT = Context(prec=60, Emax=MAX_EMAX, Emin=MIN_EMIN)
 
 
 def extract_answer(completion: str, turns: Sequence[Turn] | None = None) -> str | None:
-    """The text of the last <answer> tag in the model's own text (tool responses never count)."""
-    text = _model_text(completion, turns)
-    found = [text[inner:close] for _, inner, close, _ in _closed(_ANSWER, text)]
+    """The text of the last <answer> tag in the model's own text (tool responses never count). Given the
+    turns, a tag is closed within its turn: one left open by a turn that went on with a call is no answer."""
+    found = [text[inner:close] for text in _model_texts(completion, turns)
+             for _, inner, close, _ in _closed(_ANSWER, text)]
     return found[-1].strip() if found else None
 
 
@@ -48,16 +49,16 @@ def _closed(marker: re.Pattern[str], text: str) -> list[tuple[int, int, int, int
     return blocks
 
 
-def _model_text(completion: str, turns: Sequence[Turn] | None) -> str:
+def _model_texts(completion: str, turns: Sequence[Turn] | None) -> list[str]:
     # An answer copied by a tool (or injected by a hostile one) must not count as the model's, nor one
     # drafted in its reasoning (a turn cut while thinking would score its draft).
     if turns is not None:  # each turn's text starts with any `<think>` its prompt opened (the agent loop's)
-        return "\n".join(without_reasoning(t.text, opened_before=False) for t in turns)
+        return [without_reasoning(t.text, opened_before=False) for t in turns]
     kept, pos = [], 0
     for start, _, _, end in _closed(_TOOL_RESPONSE, completion):
         kept.append(completion[pos:start])
         pos = end
-    return without_reasoning("".join(kept) + completion[pos:])
+    return [without_reasoning("".join(kept) + completion[pos:])]
 
 
 def exact_match(prompt: str, completion: str, answer: str, turns: Sequence[Turn] | None = None,
