@@ -96,6 +96,17 @@ def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     assert numeric_match("q", "<answer>1e999999999999999999999</answer>", answer="1") == 0.0  # past decimal's too
 
 
+@pytest.mark.parametrize("truth", ["1/2", r"\frac{1}{2}", "$18", "Natalia sold 48/2 = 24 clips. #### 72", "",
+                                   None, ["72"]])
+def test_numeric_match_raises_on_a_ground_truth_that_is_not_a_number(truth):
+    """A dataset whose answers need converting must show as errors (`rewards/<node>/errors`, logged each
+    step), not score 0.0 on every sample as if the model were wrong."""
+    with pytest.raises(ValueError, match="is not a number"):
+        numeric_match("q", "<answer>72</answer>", answer=truth)
+    with pytest.raises(ValueError, match="is not a number"):  # whatever the model wrote
+        numeric_match("q", "no tag", answer=truth)
+
+
 def test_numeric_match_tolerance_is_relative_as_math_isclose():
     # It was absolute below a ground truth of 1 (rel_tol * max(1, |truth|)): a wrong sign, or 0 for 5e-7, scored 1.0.
     assert numeric_match("q", "<answer>-0.004</answer>", answer="0.005", rel_tol=0.01) == 0.0

@@ -83,20 +83,30 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
     (abs_tol: 1e-9, say).
     Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
-    A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing.
+    A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing. One that
+    is no decimal number at all ("1/2", "$18", GSM8K's "... #### 72") raises ValueError, whatever the model
+    wrote: the data needs converting, which 0.0 on every sample would hide.
     """
+    target = _ground_truth(answer)
     got = extract_answer(completion, turns)
-    if got is None:
+    if got is None or not target.is_finite():
         return 0.0
     found = _NUMBER.search(got.replace(",", ""))
     if found is None:
         return 0.0
-    try:  # ValueError: an int too long for str(); ArithmeticError: not a number, or past decimal's range
-        value, target = Decimal(found.group()), Decimal(str(answer).replace(",", ""))
-        if not target.is_finite():
-            return 0.0
+    try:  # ArithmeticError: a number past decimal's range
+        value = Decimal(found.group())
         gap = _EXACT.abs(_EXACT.subtract(value, target))
         larger = max(_EXACT.abs(value), _EXACT.abs(target))
         return float(gap <= max(_EXACT.multiply(Decimal(str(rel_tol)), larger), Decimal(str(abs_tol))))
-    except (ValueError, ArithmeticError):
+    except ArithmeticError:
         return 0.0
+
+
+def _ground_truth(answer: object) -> Decimal:
+    # An int as itself: str() refuses one of more than 4300 digits.
+    text = answer if type(answer) is int else str(answer).replace(",", "")
+    try:
+        return Decimal(text)
+    except ArithmeticError:  # decimal.InvalidOperation: not a decimal number
+        raise ValueError(f"ground truth {answer!r} is not a number") from None
