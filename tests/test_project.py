@@ -137,6 +137,9 @@ def test_scaffold_reward_reads_the_models_answer():
     assert correct("q", "The answer is <answer> 3 times</answer>", answer=3) == 1.0
     assert correct("q", "<answer>4</answer>", answer=3) == 0.0
     assert correct("q", "3", answer=3) == 0.0  # no tag, no credit
+    for minus in "-\u2212\ufe63\uff0d":  # a typeset minus is a sign, not nothing
+        said = f"<answer>{minus}3</answer>"
+        assert (correct("q", said, answer=3), correct("q", said, answer=-3)) == (0.0, 1.0)
     # With turns, only the model's own text counts: a tool result that says <answer>3</answer> does not.
     turns = [Turn(text='<tool_call>{"name": "count_letter"}</tool_call>', num_tokens=5,
                   calls=[ToolCall(name="count_letter", arguments={}, raw="")])]

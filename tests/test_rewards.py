@@ -96,6 +96,14 @@ def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     assert numeric_match("q", "<answer>1e999999999999999999999</answer>", answer="1") == 0.0  # past decimal's too
 
 
+@pytest.mark.parametrize("minus", ["-", "\u2212", "\ufe63", "\uff0d"])  # ASCII, typeset, small, full-width
+def test_numeric_match_reads_a_typeset_minus_as_a_sign(minus):
+    assert numeric_match("q", f"<answer>{minus}7</answer>", answer="-7") == 1.0
+    assert numeric_match("q", f"<answer>{minus}7</answer>", answer="7") == 0.0
+    assert numeric_match("q", f"<answer>2e{minus}3</answer>", answer="0.002") == 1.0
+    assert numeric_match("q", "<answer>-7</answer>", answer=f"{minus}7") == 1.0  # in the ground truth too
+
+
 @pytest.mark.parametrize("truth", ["1/2", r"\frac{1}{2}", "$18", "Natalia sold 48/2 = 24 clips. #### 72", "",
                                    None, ["72"]])
 def test_numeric_match_raises_on_a_ground_truth_that_is_not_a_number(truth):

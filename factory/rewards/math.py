@@ -22,6 +22,9 @@ from factory.util import without_reasoning
 _ANSWER = re.compile(r"<(/?)answer>", re.IGNORECASE)
 _TOOL_RESPONSE = re.compile(r"<(/?)tool_response>")
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # ".5" is 0.5, not 5
+# Models trained on typeset math write the minus sign U+2212 (or its small and full-width forms): read as "-",
+# not dropped, or "−7" would score as 7.
+_MINUS = str.maketrans("\u2212\ufe63\uff0d", "---")
 # Numbers are compared as decimals, exactly as written: a float turns a ground truth past 1.8e308 (200!)
 # into inf, and `|x - inf| <= rel_tol * inf` held for every x. Exponents as wide as decimal allows.
 _EXACT = Context(prec=60, Emax=MAX_EMAX, Emin=MIN_EMIN)
@@ -91,7 +94,7 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     got = extract_answer(completion, turns)
     if got is None or not target.is_finite():
         return 0.0
-    found = _NUMBER.search(got.replace(",", ""))
+    found = _NUMBER.search(got.translate(_MINUS).replace(",", ""))
     if found is None:
         return 0.0
     try:  # ArithmeticError: a number past decimal's range
@@ -105,7 +108,7 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
 
 def _ground_truth(answer: object) -> Decimal:
     # An int as itself: str() refuses one of more than 4300 digits.
-    text = answer if type(answer) is int else str(answer).replace(",", "")
+    text = answer if type(answer) is int else str(answer).translate(_MINUS).replace(",", "")
     try:
         return Decimal(text)
     except ArithmeticError:  # decimal.InvalidOperation: not a decimal number

@@ -12,9 +12,12 @@ import re
 
 from factory.rewards.math import extract_answer
 
+# Models trained on typeset math write the minus sign U+2212 (or its small and full-width forms): read as "-".
+_MINUS = str.maketrans("\u2212\ufe63\uff0d", "---")
+
 
 def correct(prompt: str, completion: str, answer: int, turns=None, **row) -> float:
     """1.0 when the last <answer> the model wrote holds the right count, else 0.0."""
     got = extract_answer(completion, turns)  # reads the model's own text, never a tool's
-    number = re.search(r"-?\d+", got or "")
+    number = re.search(r"-?\d+", (got or "").translate(_MINUS))
     return float(number is not None and int(number.group()) == int(answer))
