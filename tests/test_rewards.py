@@ -84,6 +84,22 @@ def test_numeric_match_reads_a_leading_dot_and_a_ground_truth_with_separators():
     assert numeric_match("q", "<answer>1234</answer>", answer=1234.0) == 1.0
 
 
+@pytest.mark.parametrize("said, truth, expected", [
+    ("1,234", "1234", 1.0), ("1,234,567.5", "1234567.5", 1.0),  # thousands separators are dropped
+    ("3,4", "34", 0.0), ("3,4", "3", 1.0), ("12,5", "125", 0.0), ("1,2345", "12345", 0.0),  # other commas are not
+    ("1, 2, 3", "1", 1.0), ("1,2,3", "123", 0.0),
+    ("1/2", "0.5", 1.0), ("1/2", "1", 0.0), ("-3 / 4 of it", "-0.75", 1.0), ("1/3", "0.333333333333", 1.0),
+    (r"\frac{1}{2}", "0.5", 1.0), (r"\frac{1}{2}", "1", 0.0), (r"-\dfrac{3}{4}", "-0.75", 1.0), ("1/0", "1", 0.0),
+    ("2^{10}", "2", 0.0), ("2^{10}", "1024", 0.0), ("2 ^ 10", "2", 0.0), (r"2 \times 10^3", "2", 0.0),
+    ("3 * 4", "3", 0.0), ("2**10", "2", 0.0), ("3\u00d74", "3", 0.0),  # an expression is no answer
+    ("3 * -4", "3", 0.0), ("3*(4)", "3", 0.0), ("2 \\cdot 5", "2", 0.0),
+    ("**42**", "42", 1.0), ("**42**.", "42", 1.0), ("**42** - the total", "42", 1.0),  # bold: no operand follows
+    ("42 * the units", "42", 1.0),
+])
+def test_numeric_match_reads_separators_fractions_and_refuses_expressions(said, truth, expected):
+    assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected
+
+
 def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     # As floats, 10**400 and "inf" were inf, and |x - inf| <= 1e-6 * inf held: every number scored 1.0.
     big = 10 ** 400

@@ -21,7 +21,16 @@ from factory.util import without_reasoning
 # holding the GIL, which a thread's `timeout_s` cannot stop.
 _ANSWER = re.compile(r"<(/?)answer>", re.IGNORECASE)
 _TOOL_RESPONSE = re.compile(r"<(/?)tool_response>")
-_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # ".5" is 0.5, not 5
+_NUM = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # ".5" is 0.5, not 5
+# The first number: `\frac{a}{b}` (`-\frac`, `\dfrac`, `\tfrac` too), `a/b` or `a`, and whether an operator
+# follows it (`2^{10}`, `2 \times 10^3`, `3 * 4`: an expression, not its first number; a `*` with no operand
+# after it is markdown's bold, as in `**42**`).
+_FIRST_NUMBER = re.compile(
+    rf"(?P<sign>-?)\\[dt]?frac\{{\s*(?P<num>{_NUM})\s*\}}\{{\s*(?P<den>{_NUM})\s*\}}"
+    rf"|(?P<a>{_NUM})(?:\s*/\s*(?P<b>{_NUM}))?"
+)
+_OPERATOR_AFTER = re.compile(r"\s*(?:\^|\\times|\\cdot|\u00d7|\*{1,2}\s*(?:-?\.?\d|\())")
+_SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234 and 1,234,567; not 3,4 nor 1,2345
 # Models trained on typeset math write the minus sign U+2212 (or its small and full-width forms): read as "-",
 # not dropped, or "−7" would score as 7.
 _MINUS = str.maketrans("\u2212\ufe63\uff0d", "---")
@@ -85,7 +94,11 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     number below a billion must be exact (1e-6 let the quickstart's answers of up to ~5e8 be off by hundreds);
     abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
     (abs_tol: 1e-9, say).
-    Thousands separators are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234.
+    The number read is the first of the tag: `1/2` and `\\frac{1}{2}` are read as fractions (0.5), and one that
+    an operator follows (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`) scores 0.0: that is an
+    expression, not its first number (markdown's bold `**42**` is 42). Thousands separators (a comma before
+    each group of 3 digits) are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234;
+    any other comma ends the number ("3,4" is 3).
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing. One that
     is no decimal number at all ("1/2", "$18", GSM8K's "... #### 72") raises ValueError, whatever the model
     wrote: the data needs converting, which 0.0 on every sample would hide.
@@ -94,11 +107,10 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     got = extract_answer(completion, turns)
     if got is None or not target.is_finite():
         return 0.0
-    found = _NUMBER.search(got.translate(_MINUS).replace(",", ""))
-    if found is None:
-        return 0.0
-    try:  # ArithmeticError: a number past decimal's range
-        value = Decimal(found.group())
+    try:  # ArithmeticError: a number past decimal's range, or a fraction of 0
+        value = _first_number(got)
+        if value is None:
+            return 0.0
         gap = _EXACT.abs(_EXACT.subtract(value, target))
         larger = max(_EXACT.abs(value), _EXACT.abs(target))
         return float(gap <= max(_EXACT.multiply(Decimal(str(rel_tol)), larger), Decimal(str(abs_tol))))
@@ -106,9 +118,23 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
         return 0.0
 
 
+def _first_number(text: str) -> Decimal | None:
+    """The first number of `text` (None if none, or if it starts an expression: see _FIRST_NUMBER)."""
+    text = _SEPARATOR.sub("", text.translate(_MINUS))
+    found = _FIRST_NUMBER.search(text)
+    if found is None or _OPERATOR_AFTER.match(text, found.end()):
+        return None
+    if found["num"] is not None:
+        value = _EXACT.divide(Decimal(found["num"]), Decimal(found["den"]))
+        return _EXACT.minus(value) if found["sign"] else value
+    if found["b"] is not None:
+        return _EXACT.divide(Decimal(found["a"]), Decimal(found["b"]))
+    return Decimal(found["a"])
+
+
 def _ground_truth(answer: object) -> Decimal:
     # An int as itself: str() refuses one of more than 4300 digits.
-    text = answer if type(answer) is int else str(answer).translate(_MINUS).replace(",", "")
+    text = answer if type(answer) is int else _SEPARATOR.sub("", str(answer).translate(_MINUS))
     try:
         return Decimal(text)
     except ArithmeticError:  # decimal.InvalidOperation: not a decimal number
