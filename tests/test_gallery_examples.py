@@ -97,6 +97,18 @@ def test_near_miss_is_a_rejected_answer_that_shares_words():
     assert qa.near_miss("", "Ramanujan", answer="Ramanujan") == 0.0  # no answer tag
 
 
+def test_a_ground_truth_that_squad_normalises_to_nothing_keeps_its_articles_and_punctuation():
+    # "A" (a multiple-choice letter), "The", "?" were normalised to "": an empty tag matched them, the answer not.
+    for truth, right, wrong in (("A", "a.", "the"), ("The", "THE", "a"), ("?", "?", "!")):
+        assert qa.exact_match("", f"<answer>{right}</answer>", answer=truth) == 1.0
+        assert qa.f1("", f"<answer>{right}</answer>", answer=truth) == 1.0
+        for said in ("", wrong):
+            assert qa.exact_match("", f"<answer>{said}</answer>", answer=truth) == 0.0
+            assert qa.f1("", f"<answer>{said}</answer>", answer=truth) == 0.0
+    assert qa.f1("", "<answer>option A</answer>", answer="A") == pytest.approx(2 / 3)
+    assert qa.exact_match("", "<answer>the Bronze</answer>", answer=["A", "Bronze"]) == 1.0  # each truth on its own
+
+
 def test_an_empty_list_of_accepted_answers_scores_0_in_every_qa_checker():
     # f1 took max() of no scores and raised (near_miss through it): the reward stage counted an error per sample.
     for fn in (qa.exact_match, qa.f1, qa.near_miss):

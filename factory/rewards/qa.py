@@ -2,7 +2,8 @@
 
 The answer is the text of the model's last <answer></answer> tag in its own turns (never a tool's text); both it and
 the ground truth are normalised the way SQuAD and Search-R1 score them (lower case, punctuation and the
-articles a/an/the dropped, whitespace collapsed), so "The Bronze." matches "Bronze".
+articles a/an/the dropped, whitespace collapsed), so "The Bronze." matches "Bronze"; a ground truth that this
+leaves empty ("A", "The") keeps its articles (and then its punctuation), so that "" does not match it.
 """
 from __future__ import annotations
 
@@ -20,8 +21,26 @@ _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 def normalize_answer(text: str) -> str:
     """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = str(text).lower().translate(_PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+    return " ".join(_ARTICLES.sub(" ", _without_punctuation(text)).split())
+
+
+def _without_punctuation(text: str) -> str:
+    return _folded(str(text).translate(_PUNCTUATION))
+
+
+def _folded(text: str) -> str:
+    return " ".join(str(text).lower().split())
+
+
+def _comparable(prediction: str, truth: str) -> tuple[str, str]:
+    """Both texts normalised SQuAD's way, or, where that leaves nothing of the truth ("A", a multiple-choice
+    letter; "The"; "?"), with its articles and then its punctuation kept: else an empty answer matched it and
+    the right one did not."""
+    for normalise in (normalize_answer, _without_punctuation, _folded):
+        gold = normalise(truth)
+        if gold:
+            break
+    return normalise(prediction), gold
 
 
 def _answers(answer: str | list[str]) -> list[str]:
@@ -35,12 +54,13 @@ def exact_match(prompt: str, completion: str, answer: str | list[str], turns: Se
     got = extract_answer(completion, turns)
     if got is None:
         return 0.0
-    return float(any(normalize_answer(got) == normalize_answer(a) for a in _answers(answer)))
+    pairs = (_comparable(got, a) for a in _answers(answer))
+    return float(any(said == truth for said, truth in pairs))
 
 
 def token_f1(prediction: str, truth: str) -> float:
-    """SQuAD's token F1 of two normalised strings."""
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    """SQuAD's token F1 of two normalised strings (a truth that normalises to nothing: see `_comparable`)."""
+    pred, gold = (text.split() for text in _comparable(prediction, truth))
     common = sum((Counter(pred) & Counter(gold)).values())
     if common == 0:
         return 0.0
