@@ -57,6 +57,24 @@ def test_page_with_its_slow_blocks(path, tmp_path):
     _run_page(path, workdir(tmp_path), slow=True)
 
 
+def test_the_readme_s_own_reward_requires_the_answer_column(project):
+    """A reward whose `answer` has a default (`answer=""`) does not make the data stage require the column:
+    data without it scored 0 on every sample. The README's example is what users copy."""
+    from factory.compiler.load import load_spec
+    from factory.reward.graph import required_columns
+
+    block = next(b for b in parse(REPO / "README.md").blocks if b.attrs.get("file") == "rewards/math.py")
+    namespace: dict = {}
+    exec(block.text, namespace)
+    spec = load_spec(project.spec("""\
+        name: x
+        model: {path: "factory:tiny-qwen3"}
+        data: {train: {generator: factory.data:arithmetic}, answer_key: gold}
+        rewards: {mine: {fn: "rewards.math:short_and_right"}}
+        """))
+    assert required_columns(spec, {"mine": namespace["short_and_right"]}) == {"gold": "rewards.mine"}
+
+
 # ------------------------------------------------------------------------------ the harness itself
 def _page(tmp_path: Path, text: str) -> list[Block]:
     path = REPO / "docs" / ".harness-test.md"  # under REPO so that messages name it as a page
