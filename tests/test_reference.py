@@ -164,6 +164,7 @@ def test_reference_lists_the_builtin_reward_functions():
     assert ("| `factory.rewards.math:numeric_match` | `rel_tol=1e-09`, `abs_tol=0.0` | 1.0 when the first number in "
             "the &lt;answer>") \
         in page  # `<answer>` outside code would be an HTML tag to a markdown renderer: escaped
+    assert "| `factory.rewards.format:tool_call_ok` | `tools=None` |" in page  # a keyword-only arg too
     for ref in refs:
         assert f"| `{ref}` |" in page
 

@@ -324,7 +324,7 @@ def _registries() -> list[str]:
     for ref, fn in builtin_rewards():
         params = inspect.signature(fn).parameters.values()
         extra = [f"`{p.name}={p.default!r}`" for p in params if p.default is not p.empty
-                 and p.name not in ("answer", "turns") and p.kind is p.POSITIONAL_OR_KEYWORD]
+                 and p.name not in ("answer", "turns") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         out.append(f"| `{ref}` | {', '.join(extra)} | {_cell(paragraphs(fn.__doc__).split(chr(10))[0])} |")
     return out
 
