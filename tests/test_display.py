@@ -232,3 +232,24 @@ def test_a_status_line_is_printed_as_written_on_a_terminal_too():
         d.status("warning: monitor tool_call_rate fired at step 3: [/calls] rose [bold]2x[/bold]")
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the terminal's colours out
     assert "[/calls] rose [bold]2x[/bold]" in plain
+
+
+def test_the_summary_prints_the_experiment_store_and_checkpoint_as_written(tmp_path):
+    """User text read as rich markup: an experiment named `lr[/2] sweep` raised MarkupError at the summary of a
+    run that had trained every step, `[ablation] grpo` printed as ` grpo`, `runs[v2]/step_1` as `runs/step_1`."""
+    def summary(experiment, uri, checkpoint):
+        out = io.StringIO()
+        Display(1, console=Console(file=out, width=300, log_path=False)).summary(
+            RunResult("abc", {}, {}, checkpoint, last_step=1), experiment=experiment, experiment_id="3", uri=uri,
+            wall_s=6)
+        return out.getvalue()
+
+    text = summary("lr[/2] sweep", "sqlite:///m[/x].db", str(tmp_path / "runs[v2]" / "step_1"))
+    assert "experiment 'lr[/2] sweep' (sqlite:///m[/x].db)" in text
+    assert f"final model (HF folder): {tmp_path}/runs[v2]/step_1/hf\n" in text
+    assert "see it: factory ui --uri sqlite:///m[/x].db" in text
+    (tmp_path / "runs[v2]" / "step_1" / "adapter").mkdir(parents=True)
+    text = summary("[ablation] grpo", "http://mlflow[/a]:5000", str(tmp_path / "runs[v2]" / "step_1"))
+    assert "experiment '[ablation] grpo' (http://mlflow[/a]:5000)" in text
+    assert f"final adapters (peft folder): {tmp_path}/runs[v2]/step_1/adapter;" in text
+    assert "see it: http://mlflow[/a]:5000/#/experiments/3/runs/abc" in text

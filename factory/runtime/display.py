@@ -141,6 +141,12 @@ class Display:
         last step evaluated, each under its own step (a stopped run's last evaluation may be step 0's).
         `wall_s`: this command's time; `run_s`: a resumed run's over all its sessions."""
         run_id, before, after, checkpoint = result.run_id, result.before, result.after, result.checkpoint
+
+        def say(text: str) -> None:
+            # never markup (as in _log): the experiment's name, the store's URI and the checkpoint's path are the
+            # user's, and a `[/2]` in one made rich raise after the run had finished (`[v2]` vanished)
+            self.console.print(text, markup=False, highlight=False)
+
         ended = (f"halted after step {result.last_step}" if result.halted else
                  f"stopped after step {result.last_step}" if result.stopped else "finished")
         self.console.print(f"Factory run {ended}", style="bold")  # not the table's title: rich wraps it to the table
@@ -163,14 +169,14 @@ class Display:
         if not result.after_step and result.last_step:
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
         took = f"{wall_s / 60:.1f} min" + (f" this session, {run_s / 60:.1f} min in all" if run_s is not None else "")
-        self.console.print(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {took}")
+        say(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {took}")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
-            self.console.print(f"final adapters (peft folder): {shown_path(Path(checkpoint, 'adapter'))}; merged "
-                               f"model: factory export {run_id} --out DIR")
+            say(f"final adapters (peft folder): {shown_path(Path(checkpoint, 'adapter'))}; merged "
+                f"model: factory export {run_id} --out DIR")
         elif checkpoint:
-            self.console.print(f"final model (HF folder): {shown_path(Path(checkpoint, 'hf'))}")
+            say(f"final model (HF folder): {shown_path(Path(checkpoint, 'hf'))}")
         if uri.startswith(("http://", "https://")):
-            self.console.print(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
+            say(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
             from factory.tracking.mlflow_tracker import DEFAULT_URI
 
@@ -178,7 +184,7 @@ class Display:
             # beside the spec's own tracking.uri must not fail a run at its summary)
             ui = ("factory ui" if uri == (os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
                   else f"factory ui --uri {uri}")
-            self.console.print(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
+            say(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
 
 
 def untrained_why(m: dict[str, float], *, turn_credit: bool = False) -> str | None:
