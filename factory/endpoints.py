@@ -4,8 +4,8 @@ LLM judge (factory.reward.judge) and the endpoint engine of `factory eval --mode
 
 `OPENAI_API_KEY` goes only where nobody between can read it: an https endpoint, or one on this machine's
 loopback (factory.util.key_may_go_to). A request that fails for a reason that may pass (HTTP 429, a 5xx, a
-transport error) is retried with backoff; a 429 or 503 that says when to come back (`Retry-After`) is retried
-then, not sooner. Any other 4xx is our request's fault: retrying cannot help.
+transport error, a body that does not decode) is retried with backoff; a 429 or 503 that says when to come back
+(`Retry-After`) is retried then, not sooner. Any other 4xx is our request's fault: retrying cannot help.
 """
 from __future__ import annotations
 
@@ -62,9 +62,11 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
                         if resp.status_code in (401, 403) and key_withheld else "")
                 raise EndpointError(f"HTTP {resp.status_code}: {resp.text[:200]}{hint}")
             return resp
-        except (_Retryable, httpx2.TransportError, *TIMEOUTS) as e:
+        # RequestError, not only TransportError: a body marked gzip that is not (DecodingError) or a redirect loop
+        # escaped as it was, not an EndpointError (a judge's then no JudgeError, and health missed the cause)
+        except (_Retryable, httpx2.RequestError, *TIMEOUTS) as e:
             error = (f"no whole response within {cap_s:g} s" if isinstance(e, TIMEOUTS) else
-                     f"{type(e).__name__}: {e}" if isinstance(e, httpx2.TransportError) else str(e))
+                     f"{type(e).__name__}: {e}" if isinstance(e, httpx2.RequestError) else str(e))
             if attempt == retries:
                 raise EndpointError(error) from None
             await asyncio.sleep(wait)
@@ -83,7 +85,7 @@ def retry_after(value: str | None, cap_s: float) -> float | None:
 
         try:
             when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # Overflow: a year past what a C int holds
             return None
         import datetime
 

@@ -5,9 +5,11 @@
 The reply depends on a marker in the last user message: [good] -> "Score: 1", [bad] -> "Score: 0",
 [garble] -> a reply without a score, [json] -> a JSON object, [fail] -> HTTP 500, [flaky] -> HTTP 503 the
 first time, then "Score: 1", [limited] -> HTTP 429 with `Retry-After: 1` the first time, then "Score: 1",
+[farday] -> HTTP 503 with a `Retry-After` date past any datetime the first time, then "Score: 1",
 [nan] / [inf] -> {"score": NaN} / {"score": Infinity} (what Python's json writes and reads); hostile ones:
 [huge] -> a score of 400 digits, [parts] -> the content as a list of text parts, [number] -> the content a
-number, [deep] -> a score nested 100000 lists deep, [trickle] -> a body sent a byte every 0.2 s. GET /stats ->
+number, [deep] -> a score nested 100000 lists deep, [trickle] -> a body sent a byte every 0.2 s, [gzip] -> a
+body marked `Content-Encoding: gzip` that is not. GET /stats ->
 the requests seen, per marker, the most in flight at once, each request's message roles, when each
 request came (per marker, seconds since the server started) and whether it carried an Authorization.
 """
@@ -25,6 +27,7 @@ STATS: dict = {"requests": 0, "by_marker": {}, "inflight": 0, "peak": 0, "bodies
                "auth": []}
 REPLIES = {"good": "The answer is right.\nScore: 1", "bad": "Wrong.\nScore: 0", "garble": "I refuse to grade this.",
            "json": '{"score": 0.5, "why": "partly right"}', "flaky": "Score: 1", "limited": "Score: 1",
+           "farday": "Score: 1",
            "nan": '{"score": NaN}', "inf": '{"score": Infinity}', "huge": '{"score": 1' + "0" * 400 + "}",
            "parts": [{"type": "text", "text": '{"score": '}, {"type": "text", "text": "1}"}], "number": 1,
            "deep": '{"score": ' + "[" * 100_000 + "]" * 100_000 + "}", "trickle": '{"score": 1}'}
@@ -67,6 +70,10 @@ class Handler(BaseHTTPRequestHandler):
             reply = (500 if marker == "fail" else 503, '{"error": "judge down"}', None)
         elif marker == "limited" and seen == 1:
             reply = (429, '{"error": "slow down"}', {"Retry-After": "1"})
+        elif marker == "farday" and seen == 1:  # a year past datetime's: parsedate_to_datetime overflows
+            reply = (503, '{"error": "down"}', {"Retry-After": "1 Jan 9999999999 00:00 GMT"})
+        elif marker == "gzip":  # as a misconfigured proxy sends
+            reply = (200, '{"choices": []}', {"Content-Encoding": "gzip"})
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": REPLIES.get(marker, "")}}
             reply = (200, json.dumps({"choices": [choice]}), None)

@@ -334,6 +334,22 @@ def test_retry_after_is_seconds_or_a_date_within_the_cap_and_what_is_no_wait_is_
     for bad in ("nan", "NaN", "inf", "-inf", "Infinity", "1e400", "-1", "-0.5"):
         assert retry_after(bad, 60) is None, bad
     assert retry_after("0", 60) == 0.0 and retry_after("1.5", 60) == 1.5
+    # a year past datetime's raised OverflowError (not ValueError) out of the retry loop
+    assert retry_after("1 Jan 9999999999 00:00 GMT", 60) is None
+
+
+def test_a_reply_that_does_not_decode_is_a_judge_failure_and_an_unreadable_retry_after_is_retried(judge_server,
+                                                                                                  tmp_path):
+    """A body marked gzip that is not (httpx2's DecodingError, a RequestError but no TransportError) and a 503
+    whose Retry-After date overflowed escaped the request as they were: no retry, and not a JudgeError, so
+    health's infra causes missed them."""
+    url, stats = judge_server
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "retries": 1}})
+    trajs, m = _score(spec, [traj("ok [gzip]", 0), traj("ok [farday]", 1)], tmp_path)
+    assert trajs[0].reward_details["judge"]["error"].startswith("JudgeError: DecodingError"), trajs[0].reward_details
+    assert trajs[1].rewards["judge"] == 1.0 and m["rewards/judge/errors"] == 1.0
+    assert stats()["by_marker"] == {"gzip": 2, "farday": 2}  # each retried once
 
 
 def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):
