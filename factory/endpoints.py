@@ -41,14 +41,16 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
                   cap_s: float, key_withheld: bool = False,
                   before_each: Callable[[], Awaitable[None]] | None = None) -> Any:
     """The response to `method url` (with `body` as JSON), retried up to `retries` times as the module doc
-    says, waiting 0.25 s, 0.5 s, 1 s... or what `Retry-After` asks (at most `cap_s`); `before_each` is awaited
+    says, waiting 0.25 s, 0.5 s, 1 s... or what `Retry-After` asks (each at most `cap_s`); `before_each` is awaited
     before every attempt (a rate limit). Raises EndpointError."""
     import httpx2
 
     for attempt in range(retries + 1):
         if before_each is not None:
             await before_each()
-        wait = 0.25 * 2**attempt
+        # at most cap_s: uncapped, `retries: 14` slept 2048 s before its last try, holding the caller's slot
+        # (a judge node's) far past any deadline that counts on timeout_s
+        wait = min(0.25 * 2**attempt, cap_s)
         try:
             # the client's timeout bounds each read, not the request: a server that trickles its body, a byte
             # within each read's limit, was read for ever (and the reward stage with it)

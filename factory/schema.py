@@ -340,9 +340,9 @@ class JudgeNode(_Leaf):
     timeout_s: float = Field(60.0, gt=0)
     """Per-request timeout in seconds (a local judge: per batch)."""
     retries: int = Field(1, ge=0)
-    """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff, or
-    after the time the server's `Retry-After` asks (at most `timeout_s`); a reply that does not parse is
-    not retried. An endpoint's only (refused with `local`)."""
+    """Retries of a failed endpoint request (connection error, timeout, HTTP 429 or 5xx), with backoff (0.25 s,
+    0.5 s, 1 s...) or after the time the server's `Retry-After` asks, each wait at most `timeout_s`; a reply
+    that does not parse is not retried. An endpoint's only (refused with `local`)."""
     rpm: float | None = Field(None, gt=0)
     """Requests per minute sent to `endpoint` at most (a hosted API's rate limit; None = no limit)."""
     tpm: float | None = Field(None, gt=0)

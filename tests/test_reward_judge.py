@@ -352,6 +352,28 @@ def test_a_reply_that_does_not_decode_is_a_judge_failure_and_an_unreadable_retry
     assert stats()["by_marker"] == {"gzip": 2, "farday": 2}  # each retried once
 
 
+def test_the_backoff_between_retries_waits_at_most_timeout_s(monkeypatch):
+    """`retries: 14` slept 0.25 s, 0.5 s, ... 2048 s (over an hour in all for a 60 s timeout), holding the judge
+    node's slot until the reward stage's deadline called the step hung."""
+    from types import SimpleNamespace
+
+    from factory import endpoints
+
+    waits = []
+
+    async def sleep(s):
+        waits.append(s)
+
+    class Failing:  # every request a 500
+        async def request(self, method, url, json=None):
+            return SimpleNamespace(status_code=500, headers={}, text="down")
+
+    monkeypatch.setattr(endpoints.asyncio, "sleep", sleep)
+    with pytest.raises(endpoints.EndpointError, match="^HTTP 500: down$"):
+        asyncio.run(endpoints.request(Failing(), "POST", "http://127.0.0.1:1/v1", body={}, retries=14, cap_s=60))
+    assert waits == [0.25, 0.5, 1, 2, 4, 8, 16, 32] + [60] * 6
+
+
 def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):
     """Sent over http to a non-loopback host, the key would cross the network in clear text. The request
     goes to a host that does not resolve: what matters is the header the session built."""
