@@ -601,6 +601,28 @@ def test_a_resumed_run_that_saves_nothing_returns_the_checkpoint_it_resumed_from
     assert result.checkpoint == str(Path.cwd() / "step_x")  # one it saved itself is newer
 
 
+def test_the_summary_of_a_resume_that_only_sent_records_says_the_final_evaluation_is_an_earlier_sessions(
+        monkeypatch):
+    """`--resume` of a run that had done every step but not sent all its records (Resume.complete): the summary
+    said "Factory run finished" and, below it, that the run "stopped before its next" evaluation."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from factory.runtime.display import Display
+
+    complete = dataclasses.replace(resumed_at(step=3, logged=3, before={"eval/accuracy": 0.5}), complete=True)
+    result = run_loop(monkeypatch, World(), ["train.steps=3"], resume=complete)
+    out = io.StringIO()
+    Display(3, console=Console(file=out, width=200, log_path=False)).summary(
+        result, experiment="e", experiment_id="3", uri="sqlite:///m.db", wall_s=6)
+    text = out.getvalue()
+    assert "Factory run finished" in text and "stopped before" not in text, text
+    assert ("every step was done before this session: the evaluation after step 3 is an earlier session's (in the "
+            "MLflow run)") in text
+
+
 def test_store_advice_speaks_only_for_a_sync_the_store_cannot_hold():
     """SmolLM2-135M's 538 MB of float32 weights against a 0.5 GiB store (the case measured: ~1 s a sync
     outside the store, ~0.1 s inside a 1 GiB one): the advice names a size with a quarter spare per sync in

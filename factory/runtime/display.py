@@ -166,8 +166,13 @@ class Display:
             # (this session's steps: a resumed run started from its checkpoint, not from the base model)
             self.console.print(f"warning: none of the {self.steps_shown} steps trained a row (the step lines say "
                                "why): the weights are those this session started with", style="yellow")
-        if not result.after_step and result.last_step:
+        if not result.after_step and result.last_step and (result.stopped or result.halted):
             self.console.print("no evaluation after step 0: the run stopped before its next (train.eval_every)")
+        elif not result.after_step and result.last_step and before:
+            # a --resume of a run with every step done (Resume.complete) only sends what its driver could not:
+            # it runs no step and so no evaluation; the run's last step made its own
+            self.console.print(f"every step was done before this session: the evaluation after step "
+                               f"{result.last_step} is an earlier session's (in the MLflow run)")
         took = f"{wall_s / 60:.1f} min" + (f" this session, {run_s / 60:.1f} min in all" if run_s is not None else "")
         say(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {took}")
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
