@@ -337,6 +337,27 @@ def test_a_ctrl_c_during_teardown_still_shuts_ray_down_and_drops_the_record(plac
     assert list((tmp_path / f"factory-{os.getuid()}" / "drivers").glob("*.json")) == []
 
 
+def test_ending_what_a_killed_run_left_is_timed_as_starting_ray_not_as_building_models(placed_without_ray,
+                                                                                       monkeypatch):
+    """`placed` ended a killed run's processes (up to 10 s: its Ray among them) before it built the models and
+    lapped "models": timing/startup/models_s, "building built-in models (first use only)", held the reaping."""
+    from factory.runtime import driver
+    from factory.runtime.startup import Startup
+
+    _, (plan, display, _) = placed_without_ray
+    now = [0.0]  # the start-up's clock: each fake advances it by the seconds it takes
+
+    def took(seconds, result=None):
+        return lambda *a: (now.__setitem__(0, now[0] + seconds), result)[1]
+
+    monkeypatch.setattr(driver, "reap_orphans", took(8.0, ["raylet[123]"]))
+    monkeypatch.setattr(driver, "build_models", took(3.0))
+    startup = Startup(0.0, clock=lambda: now[0])
+    with driver.placed(plan, display, startup):
+        pass
+    assert startup.phases == {"models": 3.0, "ray": 8.0, "stages": 0.0}
+
+
 @pytest.mark.parametrize("again", [None, "`factory eval` again evaluates it"])
 def test_a_stage_that_hangs_says_how_its_work_is_taken_up(placed_without_ray, monkeypatch, again):
     """A stage that hung in `factory eval` or a rescore (its setup, a call) said "`factory run SPEC --resume`
