@@ -240,6 +240,37 @@ def test_run_and_evaluate_print_the_plans_warnings_as_the_commands_do(monkeypatc
                                          "model (http://127.0.0.1:9/v1 generates with its own engine and weights)"]
 
 
+def test_run_and_evaluate_count_their_own_compile_in_the_start_up(monkeypatch):
+    """`factory.run(SPEC)` and `factory.evaluate(SPEC)` compile the spec (and `resume=` looks the run up) before
+    the driver starts: with no `started_at` the driver's clock began after that, and the run's duration_s
+    and timing/startup_s left the compile out (docs/python.md: "from the start of the ... factory.run call")."""
+    import time
+
+    import factory.compiler.connect as connect
+    import factory.runtime.driver as driver
+    from factory.commands import api
+
+    monkeypatch.chdir(REPO)
+    compiled_at, started = [], []
+    compile_plan = api.compile_plan
+
+    def timed(*a, **k):
+        compiled_at.append(time.time())
+        return compile_plan(*a, **k)
+
+    monkeypatch.setattr(api, "compile_plan", timed)
+    monkeypatch.setattr(driver, "run", lambda plan, found, started_at, **k: started.append(started_at))
+    monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: started.append(started_at))
+    monkeypatch.setattr(connect, "unreachable", lambda url: None)  # as if a server answered there
+    factory.run(TINY)
+    factory.evaluate(TINY, model="http://127.0.0.1:9/v1")
+    assert len(compiled_at) == 2 and None not in started, started
+    assert started[0] <= compiled_at[0] and started[1] <= compiled_at[1], (started, compiled_at)
+    factory.run(TINY, started_at=12.5)  # the command's start (its process's), as `factory run` passes it
+    factory.evaluate(TINY, model="http://127.0.0.1:9/v1", started_at=12.5)
+    assert started[2:] == [12.5, 12.5]
+
+
 def test_eval_through_a_server_needs_no_weights_in_model_path(tmp_path, monkeypatch):
     """`factory eval --model URL` takes only the tokenizer and chat template from `model.path`: a folder
     without weights (a model served elsewhere) is fine there, and a spec error for a run, which loads them."""

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,10 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     they are logged (step 0: the evaluation before training). `stop`: set it from any thread to end the run
     after the step in flight (logged and checkpointed; the MLflow run KILLED), as Ctrl-C does. `resume`:
     continue a killed or stopped run (its id, id prefix or name; "" for the newest unfinished run of this
-    spec) from its newest checkpoint."""
+    spec) from its newest checkpoint. `started_at` (epoch seconds): when the command started, for the run's
+    duration and start-up times (default: this call's start)."""
+    # now, not the driver's start: compiling the spec and looking the run up below are the run's start-up too
+    started_at = time.time() if started_at is None else started_at
     _check_run_arguments(on_step, stop, resume)
     _check_no_mlflow_run("factory.run")
     if allow_spec_change and resume is None:  # (it allows nothing then: the command refuses it too)
@@ -245,7 +249,9 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     engine (factory.rollout.engine_endpoint; the spec's model still gives the tokenizer and chat template).
     LoRA adapters (a LoRA run's checkpoint, a peft folder) are added beside the spec's model, as the run's
     weight syncs added them, when the spec's `model.lora` fits them; otherwise merged into their base first.
-    `started_at` (epoch seconds): when the command started, for the run's duration (default now)."""
+    `started_at` (epoch seconds): when the command started, for the run's duration (default: this call's start)."""
+    # now, not the driver's start: finding the model and compiling the spec below are the run's start-up too
+    started_at = time.time() if started_at is None else started_at
     _check_no_mlflow_run("factory.evaluate")
     overrides = override_list(overrides)  # (before one string or a dict is spread into a list below)
     # a spec with nothing to evaluate is said before the model is found (a LoRA checkpoint's merge takes minutes
