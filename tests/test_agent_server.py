@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,45 @@ async def test_the_inner_agent_calls_its_own_tools_behind_ask():
     assert result.status == "ok", result.text
     # A line per inner call, answered by the real calculator server (a number, or its error message).
     assert re.match(r'calculate\(\{"expression": ".*"\}\) -> \S', result.text), result.text
+
+
+@pytest.mark.anyio
+async def test_a_failed_load_is_an_infra_error_that_says_why():
+    # The agent's own calculator cannot start, so its load fails (before any model is read). That is the
+    # server's failure, not the asking model's: a plain exception reached the client as the model's
+    # "Error executing tool ask" (trained on, never retried, kept by `cache: true`), its reason lost.
+    server = StdioServer(command=sys.executable, cwd=str(ROOT), timeout_s=60, retries=0,
+                         args=["-m", "factory.examples.agent_server", "specs/tiny.yaml", "--set", "rollout.engine=hf",
+                               "--set", "tools.calc.args=[-c, raise SystemExit(1)]"])
+    async with ToolBox.from_spec({"agent": server}, base_dir=ROOT) as box:
+        result = await box.call(ToolCall("ask", {"question": "What is 12 + 30?"}, raw=""))
+    assert (result.status, result.error_kind) == ("infra_error", "transport"), result
+    assert "the agent could not be loaded: " in result.text and "did not start" in result.text, result.text
+
+
+@pytest.mark.anyio
+async def test_a_crashed_episode_is_a_server_error_that_says_why(monkeypatch):
+    from mcp.shared.exceptions import MCPError
+    from mcp.types import INTERNAL_ERROR
+
+    from factory.examples.agent_server import Agent
+
+    async def loaded(self):
+        pass
+
+    async def crash(self, question):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Agent, "_start", loaded)
+    monkeypatch.setattr(Agent, "_episode", crash)
+    agent = Agent("specs/tiny.yaml")
+    agent.begin()
+    try:
+        with pytest.raises(MCPError, match="the agent's episode failed: .*illegal memory access") as failed:
+            await agent.ask("What is 12 + 30?")
+    finally:
+        await agent.close()
+    assert failed.value.code == INTERNAL_ERROR
 
 
 @pytest.mark.anyio

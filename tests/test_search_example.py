@@ -3,22 +3,29 @@ article, and the MCP search server over stdio (through the ToolBox) and streamab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
+import json
 import re
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
+from mcp.types import INTERNAL_ERROR
 
 from factory.compiler.refs import generator_problem
 from factory.examples import search as S
 from factory.rewards.qa import normalize_answer
 from factory.schema import HttpServer, StdioServer
 from factory.tools import ToolBox
-from factory.types import ToolCall
+from factory.types import ToolCall, ToolResult
 from tests.servers import free_port, http_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,38 +271,79 @@ def test_retriever_hits_become_numbered_passages():
     assert S.retriever_passages([]) == ""
 
 
-def test_search_goes_to_the_retriever_over_http(monkeypatch):
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    seen = []
-
-    class Retriever(BaseHTTPRequestHandler):  # the retrieval server's HTTP contract, with canned hits
+@contextlib.contextmanager
+def canned_retriever(port: int = 0, status: int = 200, seen: list | None = None) -> Iterator[int]:
+    """Search-R1's retrieval server's HTTP contract on 127.0.0.1 (`port`, else a free one, yielded): answers
+    RETRIEVED's first `topk` hits, or only `status` when that is not 200; the requests go to `seen`."""
+    class Retriever(BaseHTTPRequestHandler):
         def do_POST(self):
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            body = json.dumps({"result": [RETRIEVED[: seen[-1]["topk"]]]}).encode()
-            self.send_response(200)
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if seen is not None:
+                seen.append(request)
+            body = json.dumps({"result": [RETRIEVED[: request["topk"]]]}).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(body)
+            if status == 200:
+                self.wfile.write(body)
 
         def log_message(self, *args):
             pass
 
-    httpd = HTTPServer(("127.0.0.1", 0), Retriever)
+    httpd = HTTPServer(("127.0.0.1", port), Retriever)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        monkeypatch.setattr(S, "_index", None)
-        S._start(S.argparse.Namespace(passage_chars=20, retriever_url=f"http://127.0.0.1:{httpd.server_port}/retrieve"))
-        assert S._index is None  # no local index is built for a remote retriever
-        text = asyncio.run(S.search("copper alloy", 1))
+        yield httpd.server_port
     finally:
         httpd.shutdown()
-        monkeypatch.setattr(S, "_retriever_url", None)
-        monkeypatch.setattr(S, "_passage_chars", S.PASSAGE_CHARS)
+        httpd.server_close()
+
+
+def test_search_goes_to_the_retriever_over_http(monkeypatch):
+    seen = []
+    with canned_retriever(seen=seen) as port:
+        try:
+            monkeypatch.setattr(S, "_index", None)
+            S._start(S.argparse.Namespace(passage_chars=20, retriever_url=f"http://127.0.0.1:{port}/retrieve"))
+            assert S._index is None  # no local index is built for a remote retriever
+            text = asyncio.run(S.search("copper alloy", 1))
+        finally:
+            monkeypatch.setattr(S, "_retriever_url", None)
+            monkeypatch.setattr(S, "_passage_chars", S.PASSAGE_CHARS)
     assert seen == [{"queries": ["copper alloy"], "topk": 1, "return_scores": True}]
     assert text == "Doc 1 (Title: Bronze)\nBronze is an alloy ..."
+
+
+def test_a_retriever_that_fails_is_a_server_error_that_says_why():
+    """A retriever down or failing is no fault of the model's query: a JSON-RPC error (ToolBox: infra_error),
+    not a ToolError (the model's)."""
+    with canned_retriever(status=503) as port:
+        with pytest.raises(MCPError, match="answered HTTP 503") as failed:
+            asyncio.run(S.retrieve(f"http://127.0.0.1:{port}/retrieve", "copper alloy", 1))
+    assert failed.value.code == INTERNAL_ERROR
+    with pytest.raises(MCPError, match="could not be reached") as failed:  # nothing listens there now
+        asyncio.run(S.retrieve(f"http://127.0.0.1:{port}/retrieve", "copper alloy", 1))
+    assert failed.value.code == INTERNAL_ERROR
+
+
+def test_a_retriever_outage_is_an_infra_error_and_not_cached(monkeypatch, tmp_path):
+    """Through the ToolBox, as a run sees it: the outage is infra_error with its reason (retried, never trained
+    on, counted by max_infra_error_rate) and `cache: true` does not keep it: the next run gets the answer."""
+    monkeypatch.setenv("FACTORY_CACHE", str(tmp_path))
+    port = free_port()  # nothing listens yet: the retriever is down
+
+    async def ask() -> ToolResult:
+        spec = StdioServer(command=sys.executable, cwd=str(ROOT), timeout_s=15, cache=True,
+                           args=["-m", "factory.examples.search", "--retriever-url", f"http://127.0.0.1:{port}/retrieve"])
+        async with ToolBox.from_spec({"search": spec}, base_dir=ROOT) as box:
+            return await box.call(ToolCall("search", {"query": "copper alloy", "top_k": 1}, raw=""))
+
+    down = asyncio.run(ask())
+    assert (down.status, down.error_kind) == ("infra_error", "transport"), down
+    assert "could not be reached" in down.text
+    with canned_retriever(port):
+        up = asyncio.run(ask())
+    assert (up.status, up.text) == ("ok", "Doc 1 (Title: Bronze)\nBronze is an alloy consisting primarily of copper.")
 
 
 # ------------------------------------------------------------------------------------------ server

@@ -33,6 +33,8 @@ from typing import Annotated, Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
+from mcp.types import INTERNAL_ERROR
 from pydantic import Field
 
 from factory.examples import serve
@@ -102,9 +104,18 @@ class Agent:
     async def ask(self, question: str) -> str:
         """The agent's answer; the first call waits for the load (a failed load is its error)."""
         assert self._started is not None and self._loop is not None, "begin() first"
-        # shield: a call that times out while the model loads must not cancel the load
-        await asyncio.shield(asyncio.wrap_future(self._started))
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._episode(question), self._loop))
+        # Both failures are this server's, not the asking model's: a JSON-RPC error, which Factory's ToolBox takes
+        # as infra_error (retried, not trained on, not cached) with its reason. Any other exception would reach
+        # the client as the model's "Error executing tool ask", its reason kept on the server.
+        try:
+            # shield: a call that times out while the model loads must not cancel the load
+            await asyncio.shield(asyncio.wrap_future(self._started))
+        except Exception as exc:
+            raise MCPError(INTERNAL_ERROR, f"the agent could not be loaded: {exc}") from exc
+        try:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._episode(question), self._loop))
+        except Exception as exc:
+            raise MCPError(INTERNAL_ERROR, f"the agent's episode failed: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         if self._started is None or self._loop is None or self._thread is None:

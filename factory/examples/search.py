@@ -66,6 +66,8 @@ from typing import Annotated, Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
+from mcp.types import INTERNAL_ERROR
 from pydantic import Field
 
 from factory.examples import serve
@@ -431,11 +433,21 @@ async def retrieve(url: str, query: str, top_k: int, passage_chars: int = PASSAG
     the e5 retriever over the 2018 Wikipedia dump, docs/gallery/deepsearch.md) for one query's passages."""
     import httpx2
 
-    async with httpx2.AsyncClient(timeout=30.0) as client:
-        response = await client.post(url, json={"queries": [query], "topk": top_k, "return_scores": True})
+    # The retriever's failures are this server's, not the model's query: a JSON-RPC error, which Factory's
+    # ToolBox takes as infra_error (retried, not trained on, not cached). Any other exception would reach the
+    # model as "Error executing tool search", its reason kept on the server.
+    try:
+        async with httpx2.AsyncClient(timeout=30.0) as client:
+            response = await client.post(url, json={"queries": [query], "topk": top_k, "return_scores": True})
+    except httpx2.HTTPError as exc:  # refused, timed out, reset
+        raise MCPError(INTERNAL_ERROR, f"the retriever at {url} could not be reached: {exc!r}") from exc
     if response.status_code != 200:
-        raise RuntimeError(f"the retriever at {url} answered HTTP {response.status_code}")
-    return retriever_passages(response.json()["result"][0], passage_chars)
+        raise MCPError(INTERNAL_ERROR, f"the retriever at {url} answered HTTP {response.status_code}")
+    try:
+        hits = response.json()["result"][0]
+    except (ValueError, LookupError, TypeError) as exc:
+        raise MCPError(INTERNAL_ERROR, f"the retriever at {url} answered no Search-R1 result: {exc!r}") from exc
+    return retriever_passages(hits, passage_chars)
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
