@@ -102,18 +102,25 @@ async def test_a_client_that_leaves_while_the_agent_loads_gets_a_clean_end(monke
     # concurrent.futures') escaped the lifespan, and the server exited 1 with a traceback.
     from factory.examples.agent_server import Agent
 
-    loading = threading.Event()
+    loading, unwound = threading.Event(), threading.Event()
 
-    async def load_for_ever(self):
-        loading.set()
-        await asyncio.sleep(3600)
+    async def load_for_ever(self):  # stands for local_stages(...), whose exit closes the servers it started
+        try:
+            loading.set()
+            time.sleep(0.5)  # a blocking part (weights read on the agent's loop): close() comes meanwhile
+            await asyncio.sleep(3600)
+        finally:
+            unwound.set()
 
     monkeypatch.setattr(Agent, "_start", load_for_ever)
     agent = Agent("specs/tiny.yaml")
     agent.begin()
     assert await asyncio.to_thread(loading.wait, 10)
     await agent.close()
-    assert agent._started.cancelled() and not agent._thread.is_alive()
+    assert agent._load.cancelled() and not agent._thread.is_alive()
+    # The load unwound before the loop stopped: stopped in the iteration that delivered the cancellation, the
+    # loop left the load pending for ever, its clean-up never run ("Task was destroyed but it is pending!").
+    assert unwound.is_set()
 
 
 def test_a_wrong_inner_spec_stops_the_server_with_the_compilers_words(monkeypatch, capsys):

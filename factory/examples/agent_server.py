@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import threading
@@ -54,7 +53,7 @@ class Agent:
         self.spec_path, self.model, self.show_calls, self.overrides = spec_path, model, show_calls, overrides
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._started: concurrent.futures.Future[None] | None = None
+        self._load: asyncio.Task[None] | None = None  # on the agent's loop
 
     def compile(self) -> None:
         """Compile the agent's spec (quick: no weights); SpecErrors if it is wrong, UserError for a setting the
@@ -79,9 +78,9 @@ class Agent:
     def begin(self) -> None:
         """Start the agent's loop and load the agent on it; returns without waiting for the load."""
         self._loop = asyncio.new_event_loop()
+        self._load = self._loop.create_task(self._start())  # (runs once the loop does; a Task, for close to await)
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent", daemon=True)
         self._thread.start()
-        self._started = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
 
     async def _start(self) -> None:
         from factory.runtime.local import callees, local_stages
@@ -103,13 +102,12 @@ class Agent:
 
     async def ask(self, question: str) -> str:
         """The agent's answer; the first call waits for the load (a failed load is its error)."""
-        assert self._started is not None and self._loop is not None, "begin() first"
+        assert self._load is not None and self._loop is not None, "begin() first"
         # Both failures are this server's, not the asking model's: a JSON-RPC error, which Factory's ToolBox takes
         # as infra_error (retried, not trained on, not cached) with its reason. Any other exception would reach
         # the client as the model's "Error executing tool ask", its reason kept on the server.
         try:
-            # shield: a call that times out while the model loads must not cancel the load
-            await asyncio.shield(asyncio.wrap_future(self._started))
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._loaded(), self._loop))
         except Exception as exc:
             raise MCPError(INTERNAL_ERROR, f"the agent could not be loaded: {exc}") from exc
         try:
@@ -117,22 +115,32 @@ class Agent:
         except Exception as exc:
             raise MCPError(INTERNAL_ERROR, f"the agent's episode failed: {type(exc).__name__}: {exc}") from exc
 
-    async def close(self) -> None:
-        if self._started is None or self._loop is None or self._thread is None:
-            return
-        # A load still under way stops at its next await. Its future is not awaited then: that would raise
-        # asyncio's CancelledError, which no `except Exception` stops (the lifespan ended in a traceback).
-        cancelled = self._started.cancel()
-        try:
-            if not cancelled:
-                await asyncio.wrap_future(self._started)
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), self._loop))
-        except Exception:
-            pass  # the load failed (its calls said why): nothing of it to close
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            await asyncio.to_thread(self._thread.join, 30)
+    async def _loaded(self) -> None:
+        # shield: a call that times out while the model loads must not cancel the load
+        await asyncio.shield(self._load)
 
+    async def close(self) -> None:
+        if self._load is None or self._loop is None or self._thread is None:
+            return
+        # The shutdown runs on the agent's loop, which it stops last. Stopped from here just after the load's
+        # cancellation was sent, the loop ended in the iteration that delivered it: the load never unwound
+        # (the tool servers and engine it had started were left open).
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    async def _shutdown(self) -> None:
+        """On the agent's loop: a load still under way is cancelled and unwinds (at its next await: it closes what
+        it had started); a finished load is closed; then the loop stops."""
+        self._load.cancel()  # (nothing, once it ended)
+        try:
+            await self._load
+            await self._close()
+        # A cancelled load has unwound; one that failed has nothing to close (its calls said why). Neither may
+        # escape: asyncio's CancelledError is no Exception, and would end the lifespan in a traceback.
+        except (asyncio.CancelledError, Exception):
+            pass
+        finally:
+            self._loop.stop()
 
     async def _close(self) -> None:
         await self._stages.aclose()
