@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import inspect
 import os
 import re
 import sys
@@ -157,6 +158,29 @@ async def test_calculator_refuses_what_is_no_finite_number(box, expression):
     result = await box.call(call("calculate", {"expression": expression}))
     assert (result.status, result.error_kind) == ("model_error", "tool_error")
     assert "result too large or not a real number" in result.text
+
+
+async def test_a_deeply_nested_expression_is_a_model_error_that_says_so(box):
+    # 999 characters, within the length bound: the evaluator's recursion ran out (RecursionError), and the model
+    # read only "Error executing tool calculate" while the server logged a traceback.
+    result = await box.call(call("calculate", {"expression": "-" * 998 + "1"}))
+    assert (result.status, result.error_kind) == ("model_error", "tool_error")
+    assert "expression nested deeper than 500 levels" in result.text
+
+
+def test_the_nesting_bound_admits_every_chain_of_operations_within_the_length_bound():
+    from factory.examples.calculator import MAX_DEPTH, MAX_EXPRESSION_CHARS, evaluate
+
+    assert evaluate("+1" * (MAX_EXPRESSION_CHARS // 2 - 1) + "+1") == MAX_EXPRESSION_CHARS // 2  # 499 levels deep
+    assert evaluate("-" * MAX_DEPTH + "1") == 1
+    with pytest.raises(ValueError, match="expression nested deeper than 500 levels"):
+        evaluate("-" * (MAX_DEPTH + 1) + "1")
+
+    def from_a_deep_stack(depth):  # 50 frames short of the limit: ast.parse runs out while it builds the tree
+        return from_a_deep_stack(depth - 1) if depth else evaluate("-" * 400 + "1")
+
+    with pytest.raises(ValueError, match="^expression nested too deeply$"):
+        from_a_deep_stack(sys.getrecursionlimit() - len(inspect.stack(0)) - 50)
 
 
 async def test_schema_invalid_arguments_are_a_model_error_said_with_the_schemas_words(box):

@@ -35,6 +35,10 @@ _UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.
 MAX_EXPRESSION_CHARS = 1000
 MAX_EXPONENT = 1000
 MAX_MAGNITUDE = 1e300
+# Nesting levels, checked as the tree is walked: a recursion that ran out of stack raised RecursionError (the
+# model read "Error executing tool calculate"), at a depth that moved with the caller's stack. Half the length
+# bound admits every chain of binary operations that fits in it (`1+1+...`); only long unary chains are refused.
+MAX_DEPTH = MAX_EXPRESSION_CHARS // 2
 
 
 def evaluate(expression: str) -> int | float:
@@ -45,16 +49,20 @@ def evaluate(expression: str) -> int | float:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
-    return _eval(tree.body)
+    except RecursionError:  # building a deep tree where the caller's stack is deep already
+        raise ValueError("expression nested too deeply") from None
+    return _eval(tree.body, 0)
 
 
-def _eval(node: ast.AST) -> int | float:
+def _eval(node: ast.AST, depth: int) -> int | float:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"expression nested deeper than {MAX_DEPTH} levels")
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return _real(node.value)  # a literal too: 1e309 is read as inf
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        return _UNARY[type(node.op)](_eval(node.operand, depth + 1))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _eval(node.left), _eval(node.right)
+        left, right = _eval(node.left, depth + 1), _eval(node.right, depth + 1)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent larger than {MAX_EXPONENT}")
         try:
