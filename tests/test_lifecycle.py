@@ -350,12 +350,14 @@ def test_ending_what_a_killed_run_left_is_timed_as_starting_ray_not_as_building_
     def took(seconds, result=None):
         return lambda *a: (now.__setitem__(0, now[0] + seconds), result)[1]
 
-    monkeypatch.setattr(driver, "reap_orphans", took(8.0, ["raylet[123]"]))
-    monkeypatch.setattr(driver, "build_models", took(3.0))
+    order = []
+    monkeypatch.setattr(driver, "reap_orphans", lambda: (order.append("reap"), took(8.0, ["raylet[123]"])())[1])
+    monkeypatch.setattr(driver, "build_models", lambda *a: (order.append("build"), took(3.0)())[1])
     startup = Startup(0.0, clock=lambda: now[0])
     with driver.placed(plan, display, startup):
         pass
     assert startup.phases == {"models": 3.0, "ray": 8.0, "stages": 0.0}
+    assert order == ["reap", "build"]  # a model build does not share the machine with the killed run's engines
 
 
 @pytest.mark.parametrize("again", [None, "`factory eval` again evaluates it"])

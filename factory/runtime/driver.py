@@ -1130,13 +1130,14 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
     happens inside, every stage is closed, Ray shut down and this driver's session record dropped after. A stage
     lost meanwhile is a StageLostError (`lost_error`), one that hangs a StageTimeout, each ending with `again`: how
     the user takes the work up."""
-    build_models(plan, display.status)
-    startup.lap("models")
-    # timed as the `ray` phase: what a killed run left is its Ray above all, and ending it (up to 10 s) is no
-    # model building
+    # First, so that a model build does not share the machine with a killed run's engines; timed as the `ray`
+    # phase (what a killed run left is its Ray above all, and ending it, up to 10 s, is no model building)
     ended = reap_orphans()
     if ended:
         display.status(f"ended what a killed run left behind: {', '.join(ended)}")
+    startup.lap("ray")
+    build_models(plan, display.status)
+    startup.lap("models")
     display.status("starting Ray")
     sigterm_heard.clear()  # (this run's: a notebook's earlier run may have heard one)
     record = SessionRecord()  # (before Ray: the processes the caller runs already are not the run's)

@@ -18,7 +18,7 @@ import time
 # The phases, in order (each runs from the end of the one before):
 #   command   process start -> the driver: Python, imports, loading and compiling the spec
 #   models    building built-in models into the cache (first use only)
-#   ray       ending what a killed run left behind (its Ray), then starting (or joining) Ray
+#   ray       ending what a killed run left behind (its Ray: before the models), and starting (or joining) Ray
 #   stages    starting every stage's actors and their setup (engines, tool servers, DeepSpeed)
 #   tracking  the MLflow run: params, plan and tool listings logged
 #   restore   a resumed run's checkpoint loaded and its weights synced
