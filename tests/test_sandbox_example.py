@@ -3,6 +3,7 @@ and the MCP server over stdio through the ToolBox."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -260,17 +261,105 @@ def test_the_seccomp_filter_alone_refuses_a_descriptor_that_would_signal_another
     assert (answers, got) == ([errno_.EPERM] * 6, [])
 
 
-def _under_seccomp_alone(probe) -> list[int]:
-    """What `probe` returns (small ints: errnos) in a forked child that has applied only the seccomp filter."""
+def test_the_seccomp_filter_alone_refuses_device_nodes_and_port_io(tmp_path):
+    # A program that holds CAP_MKNOD (root where the kernel refused the user namespace) made a node of the
+    # host's root disk, or of /dev/kmsg, in its own folder and read it past Landlock; CAP_SYS_RAWIO gives it
+    # the I/O ports. Raw syscalls (glibc's mknod is mknodat): both calls, a char and a block node, each refused;
+    # a FIFO is not a device and stays allowed, as do iopl/ioperm asking for no more than the process has.
+    import ctypes
+    import stat
+
     import pyseccomp
 
-    from factory.examples.sandbox_child import apply_seccomp
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = {n: pyseccomp.resolve_syscall(pyseccomp.system_arch(), n) for n in ("mknod", "mknodat", "iopl", "ioperm")}
+    if min(nr.values()) < 0:
+        pytest.skip("mknod, iopl and ioperm are x86 system calls")
 
+    def errno_of(*args) -> int:
+        ctypes.set_errno(0)
+        return 0 if libc.syscall(*(ctypes.c_long(a) if isinstance(a, int) else a for a in args)) == 0 \
+            else ctypes.get_errno()
+
+    def probe() -> list[int]:
+        at = ctypes.c_long(-100)  # AT_FDCWD
+        null, loop = os.makedev(1, 3), os.makedev(7, 0)
+        return [errno_of(nr["mknod"], bytes(tmp_path / "c1"), stat.S_IFCHR | 0o600, null),
+                errno_of(nr["mknod"], bytes(tmp_path / "b1"), stat.S_IFBLK | 0o600, loop),
+                errno_of(nr["mknodat"], at, bytes(tmp_path / "c2"), stat.S_IFCHR | 0o600, null),
+                errno_of(nr["mknodat"], at, bytes(tmp_path / "b2"), stat.S_IFBLK | 0o600, loop),
+                errno_of(nr["iopl"], 0), errno_of(nr["ioperm"], 0x80, 1, 0),
+                errno_of(nr["mknodat"], at, bytes(tmp_path / "fifo"), stat.S_IFIFO | 0o600, 0)]
+
+    assert _under_seccomp_alone(probe) == [errno.EPERM] * 6 + [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_landlock_alone_refuses_device_nodes_in_the_programs_folder(tmp_path):
+    # The folder's rule held every right, MAKE_CHAR and MAKE_BLOCK too: only a missing capability stood
+    # between the program and a device node. Here root (where it runs as root) keeps its capabilities, so
+    # Landlock's answer (EACCES) is the only one; a FIFO and a file are still the program's to make.
+    import stat
+
+    from factory.examples.sandbox_child import apply_landlock
+
+    def probe() -> list[int]:
+        answers = []
+        for name, mode, dev in (("c", stat.S_IFCHR, os.makedev(1, 3)), ("b", stat.S_IFBLK, os.makedev(7, 0)),
+                                ("fifo", stat.S_IFIFO, 0), ("file", stat.S_IFREG, 0)):
+            try:
+                os.mknod(tmp_path / name, mode | 0o600, dev)
+                answers.append(0)
+            except OSError as e:
+                answers.append(e.errno)
+        return answers
+
+    def landlocked() -> list[int]:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: Landlock asks for it without CAP_SYS_ADMIN
+        apply_landlock(str(tmp_path), [])
+        return probe()
+
+    assert _in_child(landlocked) == [errno.EACCES, errno.EACCES, 0, 0]
+
+
+def test_root_without_a_user_namespace_keeps_no_capability(tmp_path):
+    # Where the kernel refuses the child's user namespace (user.max_user_namespaces=0, a container's seccomp
+    # profile) a server run as root handed the program all of root's capabilities: it made a node of /dev/kmsg
+    # in its folder and read the kernel log. The child (this tree's, the namespace forced off) now drops them.
+    if os.geteuid() != 0:
+        pytest.skip("the capabilities at stake are root's")
+    program = ("import ctypes, os, stat\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()\n"
+               "assert libc.capget(header, data) == 0\nprint('capabilities', list(data))\n"
+               "try:\n    os.mknod('kmsg', stat.S_IFCHR | 0o600, os.makedev(1, 11))\n"
+               "    print('made', os.read(os.open('kmsg', os.O_RDONLY | os.O_NONBLOCK), 8192)[:40])\n"
+               "except PermissionError:\n    print('refused')\n")
+    (tmp_path / "main.py").write_text(program)
+    child = (f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nimport factory.examples.sandbox_child as c\n"
+             "c.private_namespaces = lambda workdir, disk_mb: False  # as where unshare(CLONE_NEWUSER) is refused\n"
+             "c.main(sys.argv[1:])\n")
+    ready, ready_w = os.pipe()
+    try:
+        limits = json.dumps(dataclasses.asdict(FAST))
+        proc = subprocess.run([sys.executable, "-I", "-c", child, limits, str(os.getpid()), str(ready_w)],
+                              pass_fds=(ready_w,), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        os.close(ready_w)
+        sandboxed = os.read(ready, 1) == b"1"
+    finally:
+        os.close(ready)
+    assert sandboxed and proc.stdout == "capabilities [0, 0, 0, 0, 0, 0]\nrefused\n", (proc.stdout, proc.stderr)
+    assert not (tmp_path / "kmsg").exists()
+
+
+def _in_child(probe) -> list[int]:
+    """What `probe` returns (small ints: errnos) in a forked child."""
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
         try:
-            apply_seccomp(pyseccomp)
             os.write(write, bytes(probe()))
         finally:
             os._exit(0)
@@ -279,6 +368,19 @@ def _under_seccomp_alone(probe) -> list[int]:
     os.waitpid(child, 0)
     os.close(read)
     return list(answers)
+
+
+def _under_seccomp_alone(probe) -> list[int]:
+    """What `probe` returns (small ints: errnos) in a forked child that has applied only the seccomp filter."""
+    import pyseccomp
+
+    from factory.examples.sandbox_child import apply_seccomp
+
+    def filtered() -> list[int]:
+        apply_seccomp(pyseccomp)
+        return probe()
+
+    return _in_child(filtered)
 
 
 def _alive(pid: int) -> bool:

@@ -6,9 +6,10 @@ One tool, `run_python(code)`: the code runs as `main.py` in a fresh temporary fo
 process of its own session, with the standard library only, and the tool answers with its exit code,
 stdout and stderr (each cut to `--output-chars`). The child locks itself down with kernel mechanisms
 before the code starts (see `factory.examples.sandbox_child`): resource limits, network and mount
-namespaces where the kernel allows them (the folder becomes a private tmpfs of `--disk-mb`), Landlock
-(reads limited to the Python installation and system libraries, writes to the temporary folder) and
-seccomp (no exec, no fork, no sockets, signals only to itself). The server adds a wall-clock limit: a
+namespaces where the kernel allows them (the folder becomes a private tmpfs of `--disk-mb`), no
+capabilities (a root server's too), Landlock (reads limited to the Python installation and system
+libraries, writes to the temporary folder) and seccomp (no exec, no fork, no sockets, no device nodes,
+signals only to itself). The server adds a wall-clock limit: a
 program still running after `--timeout-s` (pipes closed or not) is killed with its whole process group,
 and so is one whose files outgrow `--disk-mb` where the kernel could not enforce it. The folder is
 deleted after each call. No program outlives the server: the kernel kills the child when the server

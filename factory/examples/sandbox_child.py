@@ -10,18 +10,20 @@ none of them can be lifted afterwards:
      network interface but a loopback that is down, and the working directory becomes a private tmpfs
      of `disk_mb` (and at most 4096 files), so the program's files in all can never exceed its quota
      (the server checks the folder's size itself where the namespace is not allowed);
-  3. the kernel kills this process when the server dies, however it dies (PR_SET_PDEATHSIG): the
+  3. no capabilities, in the namespace or out of it (a server run as root where the kernel refuses the
+     namespace would hand the program all of root's), and no_new_privs: no exec could grant any back;
+  4. the kernel kills this process when the server dies, however it dies (PR_SET_PDEATHSIG): the
      server's wall-clock limit ends with it, and so does the program;
-  4. Landlock: reads only under the Python installation and system library folders, writes only in
-     the working directory, no TCP bind/connect (ABI 4+), no signals or abstract UNIX sockets out of
-     the sandbox (ABI 6+);
-  5. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
-     sockets, no ptrace, no namespace or mount changes, signals only to itself (kill, tkill, tgkill,
-     rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are refused; pidfd signals entirely; no
-     descriptor may name a process to signal when it is ready: fcntl F_SETOWN, F_SETOWN_EX, F_SETSIG,
-     ioctl FIOSETOWN, SIOCSPGRP), no undoing 3. (prctl PR_SET_PDEATHSIG), no memory outside the
-     address-space limit (memfd_create, SysV shared memory and message queues, POSIX message queues;
-     pipes stay at their default size).
+  5. Landlock: reads only under the Python installation and system library folders, writes only in
+     the working directory (no device nodes there), no TCP bind/connect (ABI 4+), no signals or
+     abstract UNIX sockets out of the sandbox (ABI 6+);
+  6. seccomp (libseccomp): no execve (no shell, no subprocess), no fork (threads are allowed), no
+     sockets, no ptrace, no namespace or mount changes, no device nodes (mknod), no I/O ports, signals
+     only to itself (kill, tkill, tgkill, rt_sigqueueinfo and rt_tgsigqueueinfo aimed elsewhere are
+     refused; pidfd signals entirely; no descriptor may name a process to signal when it is ready:
+     fcntl F_SETOWN, F_SETOWN_EX, F_SETSIG, ioctl FIOSETOWN, SIOCSPGRP), no undoing 4. (prctl
+     PR_SET_PDEATHSIG), no memory outside the address-space limit (memfd_create, SysV shared memory
+     and message queues, POSIX message queues; pipes stay at their default size).
 Landlock and seccomp are required: without them the child refuses to run anything (exit code 97).
 Locked down, it writes one byte on READY_FD and closes it before the program starts: the server's only
 evidence that the program ran sandboxed, since the exit code is the program's to choose.
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import json
 import os
 import resource
 import signal
+import stat
 import sys
 from typing import Any
 
@@ -47,10 +51,13 @@ _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
 _LL_CREATE_VERSION = 1
 _LL_RULE_PATH_BENEATH = 1
 _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_MAKE_CHAR, _FS_MAKE_BLOCK = 1 << 6, 1 << 11
 _FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 1, 24, 38
+_CAP_VERSION_3 = 0x20080522  # linux/capability.h: two 32-bit words per set
+_S_IFMT = 0o170000  # a mode's file-type bits (stat.S_IFMT is a function)
 _F_SETOWN, _F_SETSIG, _F_SETOWN_EX, _F_SETPIPE_SZ = 8, 10, 15, 1031
 _FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 
@@ -82,6 +89,30 @@ def set_limits(limits: dict[str, int]) -> None:
     for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_mb"] << 20),
                         ("RLIMIT_FSIZE", limits["file_mb"] << 20), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def drop_capabilities() -> None:
+    """Give up every capability for good, then set no_new_privs. Root where the kernel refuses the user
+    namespace would otherwise hand the program all of root's: CAP_MKNOD (a device node of the host's disk
+    or /dev/kmsg in its own folder, read past Landlock), CAP_DAC_OVERRIDE, CAP_SYS_RAWIO...; in the
+    namespace the program would hold them over the files its ids own. Dropping them keeps root's server
+    usable where failing closed would refuse every call (root in a container, whose seccomp profile refuses
+    the namespace, is the common case). no_new_privs: an exec grants nothing back (seccomp refuses exec
+    anyway), and Landlock requires it of a process without CAP_SYS_ADMIN."""
+    # The bounding set (what an exec could grant) where we may change it (CAP_SETPCAP); without that, no
+    # capability is in reach of an exec once no_new_privs is set. EINVAL: past the kernel's last capability.
+    for cap in itertools.count():
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            code = ctypes.get_errno()
+            if code in (errno.EINVAL, errno.EPERM):
+                break
+            raise OSError(code, os.strerror(code))
+    # Effective, permitted and inheritable, all empty (the ambient set goes with them). This thread's: the
+    # program's threads start later and inherit it.
+    header, empty = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0), (ctypes.c_uint32 * 6)()
+    if _libc.capset(header, empty) != 0 or _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot drop capabilities: {os.strerror(code)}")
 
 
 def die_with(server_pid: int) -> None:
@@ -137,7 +168,9 @@ def apply_landlock(workdir: str, read_roots: list[str]) -> int:
     ruleset = _syscall(_LL_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     try:
         read = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
-        for path, access in [*((p, read) for p in read_roots), (workdir, fs_all)]:
+        # Everything in its folder but device nodes: one of the host's disk would be a way past every rule.
+        write = fs_all & ~(_FS_MAKE_CHAR | _FS_MAKE_BLOCK)
+        for path, access in [*((p, read) for p in read_roots), (workdir, write)]:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
@@ -171,6 +204,13 @@ def apply_seccomp(seccomp: Any) -> None:
                  # path, so not Landlock's), SysV segments and queues (which outlive the program) and POSIX
                  # queues. Files in the folder are the disk quota's.
                  "memfd_create", "shmget", "msgget", "mq_open"):
+        f.add_rule(deny, name)
+    # Device nodes (the mode's file type: S_IFCHR, S_IFBLK), which would name the host's disk or memory
+    # past Landlock, and the I/O ports; files, FIFOs and sockets stay the program's to make.
+    for file_type in (stat.S_IFCHR, stat.S_IFBLK):
+        f.add_rule(deny, "mknod", seccomp.Arg(1, seccomp.MASKED_EQ, _S_IFMT, file_type))
+        f.add_rule(deny, "mknodat", seccomp.Arg(2, seccomp.MASKED_EQ, _S_IFMT, file_type))
+    for name in ("iopl", "ioperm"):
         f.add_rule(deny, name)
     # A pipe grown to 1 MB (F_SETPIPE_SZ) is kernel memory too; 64 KB each, 64 descriptors at most, is
     # little. The command is an unsigned int: only the argument's low 32 bits count.
@@ -214,6 +254,7 @@ def main(argv: list[str]) -> None:
         if private_namespaces(workdir, limits["disk_mb"]):
             with open("main.py", "w", encoding="utf-8") as f:  # into the private folder: tracebacks show lines
                 f.write(code)
+        drop_capabilities()  # after the namespace's mount, which needs CAP_SYS_ADMIN in it
         die_with(server_pid)  # after unshare: a change of credentials may clear it
         apply_landlock(workdir, read_roots())
         apply_seccomp(pyseccomp)
