@@ -17,7 +17,7 @@ dies, however it dies, and a server stopped by SIGTERM first kills the calls und
 their folders.
 
 Linux only; Landlock (kernel 5.13+, enabled in the LSM list) and libseccomp are required: where either
-is missing every call answers that the code cannot be run safely, and nothing runs.
+is missing nothing runs, and every call fails with a JSON-RPC error that says why.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
+from mcp.shared.exceptions import MCPError
+from mcp.types import INTERNAL_ERROR
 from pydantic import Field
 
 from factory.examples import serve
@@ -171,12 +173,14 @@ def _cut(text: str, limit: int) -> str:
 
 
 def describe(result: dict[str, object], limits: Limits) -> str:
-    """The answer the model reads."""
+    """The answer the model reads. Raises MCPError where the code was not run: the failure is the sandbox's,
+    not the program's, so it goes back as a JSON-RPC error, which a client files as an infrastructure failure
+    (Factory's ToolBox: infra_error, retried, never cached) rather than as an answer to train on."""
     if not result["sandboxed"]:
         why = str(result["stderr"]).strip() or (
             f"the sandbox was not set up within {limits.timeout_s:g} s" if result["timed_out"]
             else f"the sandbox ended with exit code {result['exit_code']} before it was set up")
-        return "Error: the code was not run: " + why
+        raise MCPError(INTERNAL_ERROR, "the code was not run: " + why)
     if result["timed_out"]:
         head = f"killed: the program ran longer than {limits.timeout_s:g} s"
     elif result.get("over_quota"):
