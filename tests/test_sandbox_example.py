@@ -369,6 +369,48 @@ def test_root_without_a_user_namespace_keeps_no_capability(tmp_path):
     assert not (tmp_path / "kmsg").exists()
 
 
+def test_a_folder_the_program_made_unreadable_still_counts_and_is_deleted(tmp_path):
+    # Where the child has no private tmpfs the server measures the folder itself: a program that made a folder
+    # 0o300 (still writable by its owner) filled it unseen (os.walk skipped it silently), and the folder then
+    # outlived the call (rmtree with ignore_errors left it). A server that is not root is bound by those modes:
+    # here a forked child without capabilities. A symlink out of the folder is never followed.
+    import math
+    import stat
+
+    from factory.examples.sandbox import _folder_bytes, _remove
+    from factory.examples.sandbox_child import drop_capabilities
+
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    for folder in (work / "hidden", work / "listed" / "shut", work / "kept", outside):
+        folder.mkdir(parents=True)
+    (work / "hidden" / "f").write_bytes(b"x" * 2**20)
+    (work / "listed" / "shut" / "f").write_bytes(b"x")
+    (work / "kept" / "f").write_bytes(b"x")
+    (work / "out").symlink_to(outside)
+    os.chmod(work / "hidden", 0o300)  # writable, not readable: its files cannot be listed
+    os.chmod(work / "listed", 0o600)  # listed, not searchable: its entries cannot be looked at
+    os.chmod(work / "kept", 0o500)    # not writable: its file cannot be deleted
+    os.chmod(outside, 0o500)
+
+    def probe() -> list[int]:
+        drop_capabilities()  # as a server that is not root
+        sizes = []
+        for hidden, listed in ((0o300, 0o700), (0o700, 0o600), (0o700, 0o700)):
+            os.chmod(work / "hidden", hidden)
+            os.chmod(work / "listed", listed)
+            sizes.append(_folder_bytes(str(work)))
+        os.chmod(work / "hidden", 0o300)
+        os.chmod(work / "listed", 0o600)
+        _remove(str(work))
+        return [sizes[0] == math.inf, sizes[1] == math.inf, sizes[2] == 2**20 + 2, work.exists(),
+                stat.S_IMODE(outside.stat().st_mode) == 0o500]
+
+    try:
+        assert _in_child(probe) == [True, True, True, False, True]
+    finally:
+        os.chmod(outside, 0o700)
+
+
 def _in_child(probe) -> list[int]:
     """What `probe` returns (small ints: errnos) in a forked child."""
     read, write = os.pipe()

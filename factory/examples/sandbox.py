@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -106,7 +109,7 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
     finally:
         os.close(ready)
         _running.pop(workdir, None)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove(workdir)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -117,7 +120,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     for workdir, pid in list(_running.items()):
         if pid is not None:
             _kill_group(pid)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove(workdir)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
@@ -145,19 +148,43 @@ async def _watch_disk(workdir: str, quota: int) -> None:
     the quota there, this check (every 0.1 s) is the fallback."""
     while True:
         await asyncio.sleep(0.1)
-        if _folder_bytes(workdir) > quota:
+        if await asyncio.to_thread(_folder_bytes, workdir) > quota:  # a large tree takes a while to walk
             return
 
 
-def _folder_bytes(path: str) -> int:
+def _folder_bytes(path: str) -> float:
+    """The bytes of the files under `path`; infinite where a part of it cannot be read: a folder the program
+    made unreadable (0o300: its owner may still write in it) would hide its files from the count. A file or
+    folder deleted while it is walked is no error."""
+    def unless_gone(error: OSError) -> None:
+        if not isinstance(error, FileNotFoundError):
+            raise error
+
     total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
+    try:
+        for root, _, files in os.walk(path, onerror=unless_gone):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+    except OSError:
+        return math.inf
     return total
+
+
+def _remove(path: str) -> None:
+    """Delete a call's folder whatever modes the program left in it: rmtree cannot empty a folder it may not
+    read or write, and left it behind. Each folder is made the owner's to list and empty first, from the top
+    down. The program is dead by now (or SIGKILLed: it makes no more system calls), so the tree holds still
+    under this walk and lstat tells a folder from a symlink, which is never followed out of the tree."""
+    folders = [path]
+    while folders:
+        folder = folders.pop()
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(folder).st_mode):
+                os.chmod(folder, stat.S_IRWXU)
+                with os.scandir(folder) as entries:
+                    folders += [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_group(pid: int) -> None:
