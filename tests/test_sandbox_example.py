@@ -158,6 +158,24 @@ async def test_output_is_cut_and_the_folder_removed():
     assert workdir.startswith("/") and not os.path.exists(workdir)
 
 
+async def test_a_call_that_cannot_write_its_program_leaks_no_descriptor():
+    # The write end of the child's ready pipe was closed only around the child's start: a call whose main.py
+    # could not be written (the disk full: ENOSPC; here EFBIG from a 1-byte file-size limit, which Python
+    # raises rather than dying of SIGXFSZ) kept it open for good, one descriptor per call until EMFILE.
+    import resource
+
+    before = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1, hard))
+    try:
+        for _ in range(5):
+            with pytest.raises(OSError, match="File too large"):
+                await run("print(6 * 7)")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 async def test_the_mcp_server_answers_over_stdio():
     server = StdioServer(command="python", args=["-m", "factory.examples.sandbox", "--timeout-s", "5"],
                          cwd=str(ROOT), timeout_s=20)

@@ -62,9 +62,12 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
     """Run `code` in the sandbox: {exit_code, stdout, stderr, timed_out, sandboxed}."""
     workdir = tempfile.mkdtemp(prefix="factory-sandbox-")
     _running[workdir] = None
-    ready, ready_w = os.pipe()  # the child says on it that it is locked down (sandbox_child.main)
+    ready = None
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8")  # a small local file: no need for a thread
+        # The child says on it that it is locked down (sandbox_child.main). Made after the write, which may fail
+        # (the disk full): the finally below closes only the read end.
+        ready, ready_w = os.pipe()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1"}
@@ -107,7 +110,8 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
                 "stdout": _cut(bytes(out).decode("utf-8", "replace"), limits.output_chars),
                 "stderr": _cut(bytes(err).decode("utf-8", "replace"), limits.output_chars)}
     finally:
-        os.close(ready)
+        if ready is not None:
+            os.close(ready)
         _running.pop(workdir, None)
         _remove(workdir)
 
