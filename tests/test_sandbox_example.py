@@ -154,7 +154,7 @@ async def test_sleeping_program_is_killed_at_the_wall_clock_limit():
 async def test_output_is_cut_and_the_folder_removed():
     result = await run("import os; print(os.getcwd()); print('x' * 10**6)", Limits(output_chars=100))
     workdir = result["stdout"].splitlines()[0]
-    assert "more characters cut" in result["stdout"] and len(result["stdout"]) < 200
+    assert "more bytes cut" in result["stdout"] and len(result["stdout"]) < 200
     assert workdir.startswith("/") and not os.path.exists(workdir)
 
 
@@ -174,6 +174,25 @@ async def test_a_call_that_cannot_write_its_program_leaks_no_descriptor():
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_the_cut_marker_counts_all_that_the_program_printed():
+    # The server keeps output_chars * 4 + 1024 bytes of a stream and counted the cut from those: "1324 more
+    # characters cut" for a program that printed 1,000,001. Now the bytes printed past those shown (2 for "é").
+    code = "import sys\nprint('x' * 10**6)\nprint('\u00e9' * 10**5, file=sys.stderr)"
+    result = await run(code, Limits(timeout_s=15.0, output_chars=100))
+    assert result["stdout"] == "x" * 100 + f"\n... [{10**6 + 1 - 100} more bytes cut]"
+    assert result["stderr"] == "\u00e9" * 100 + f"\n... [{2 * 10**5 + 1 - 200} more bytes cut]"
+
+
+def test_a_cut_is_at_least_what_was_read_when_the_program_was_killed_before_its_end():
+    from factory.examples.sandbox import _cut
+
+    assert _cut(b"abcdef", 6, 4, read_to_end=True) == "abcd\n... [2 more bytes cut]"
+    assert _cut(b"abcdef", 10**6, 4, read_to_end=False) == "abcd\n... [at least 999996 more bytes cut]"
+    assert _cut(b"abcd", 4, 4, read_to_end=False) == "abcd"
+    # Bytes that are not UTF-8 are counted as printed: 3 shown as U+FFFD, 2 cut.
+    assert _cut(b"\xff\xfe\xfd\xfc\xfb", 5, 3, read_to_end=True) == "\ufffd" * 3 + "\n... [2 more bytes cut]"
 
 
 async def test_the_mcp_server_answers_over_stdio():

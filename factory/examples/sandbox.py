@@ -32,7 +32,7 @@ import signal
 import stat
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -84,7 +84,7 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
         _running[workdir] = proc.pid
         cap = limits.output_chars * 4 + 1024  # bytes: a flood of output is not read into memory
 
-        out, err = bytearray(), bytearray()  # what was read, kept when the program is killed
+        out, err = _Captured(), _Captured()  # what was read, kept when the program is killed
 
         async def finish() -> None:
             # The deadline covers the process's end too: a program that closes its pipes and sleeps on
@@ -99,6 +99,7 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
             done, _ = await asyncio.wait({finishing, watch}, timeout=limits.timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             timed_out, over_quota = not done, watch in done
+            read_to_end = finishing in done
         finally:
             watch.cancel()
             _kill_group(proc.pid)
@@ -107,8 +108,8 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
                 await proc.wait()
         return {"exit_code": proc.returncode, "timed_out": timed_out, "over_quota": over_quota,
                 "sandboxed": _locked_down(ready),
-                "stdout": _cut(bytes(out).decode("utf-8", "replace"), limits.output_chars),
-                "stderr": _cut(bytes(err).decode("utf-8", "replace"), limits.output_chars)}
+                "stdout": _cut(bytes(out.kept), out.total, limits.output_chars, read_to_end),
+                "stderr": _cut(bytes(err.kept), err.total, limits.output_chars, read_to_end)}
     finally:
         if ready is not None:
             os.close(ready)
@@ -138,12 +139,20 @@ def _locked_down(ready: int) -> bool:
         return False
 
 
-async def _read_capped(stream: asyncio.StreamReader | None, cap: int, kept: bytearray) -> None:
-    """Read a stream to its end into `kept`, keeping at most `cap` bytes (the rest is drained so the
-    child never blocks on a full pipe)."""
+@dataclass
+class _Captured:
+    """What one of the program's streams gave: its first bytes, up to the server's cap, and how many in all."""
+    kept: bytearray = field(default_factory=bytearray)
+    total: int = 0
+
+
+async def _read_capped(stream: asyncio.StreamReader | None, cap: int, into: _Captured) -> None:
+    """Read a stream to its end, keeping at most `cap` bytes and counting them all (the rest is drained so
+    the child never blocks on a full pipe)."""
     while stream is not None and (chunk := await stream.read(65536)):
-        if len(kept) < cap:
-            kept += chunk[: cap - len(kept)]
+        into.total += len(chunk)
+        if len(into.kept) < cap:
+            into.kept += chunk[: cap - len(into.kept)]
 
 
 async def _watch_disk(workdir: str, quota: int) -> None:
@@ -199,8 +208,16 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more characters cut]"
+def _cut(kept: bytes, total: int, limit: int, read_to_end: bool) -> str:
+    """The output as text, cut to `limit` characters. The cut is counted in bytes, of all that the program
+    printed (`total`), not of the `kept` bytes only: "at least" where it was killed before its output was
+    read to the end."""
+    text = kept.decode("utf-8", "surrogateescape")  # a character per byte that is not UTF-8: bytes shown known
+    if len(text) <= limit and total == len(kept):
+        return kept.decode("utf-8", "replace")
+    shown = text[:limit].encode("utf-8", "surrogateescape")
+    bound = "" if read_to_end else "at least "
+    return f"{shown.decode('utf-8', 'replace')}\n... [{bound}{total - len(shown)} more bytes cut]"
 
 
 def describe(result: dict[str, object], limits: Limits) -> str:
