@@ -370,3 +370,36 @@ def test_a_rescore_with_a_local_judge_places_it_as_a_run_does_recorded_and_torn_
         rescore.rescore(old.run_id, spec, plan, uri=uri)
     assert calls == ["start_ray", "place ['judge.judge']", "teardown", "stop_ray"]
     assert list(drivers.glob("*.json")) == []
+
+
+def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypatch):
+    """A spec name or tracking tag read from the environment is recorded as `***` by `factory run`: a rescore built
+    its run name and tags from the runnable spec's real values, so they landed in MLflow in clear."""
+    from pathlib import Path
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from factory.commands.rescore import rescore
+    from factory.compiler.compile import compile_file
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("FACTORY_T_NAME", "name-s3cret")
+    monkeypatch.setenv("FACTORY_T_TOKEN", "tok-s3cret")
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    data["name"] = "${oc.env:FACTORY_T_NAME}"
+    data["tracking"]["tags"] = {"owner": "${oc.env:FACTORY_T_TOKEN}"}
+    spec, plan = compile_file(data, weights=False)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("old", {}, {}, {})
+    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                                     turns=[], stop_reason="no_call", row={"answer": "3"},
+                                     messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
+    old.end()
+    new = MlflowClient(uri).get_run(rescore(old.run_id, spec, plan, uri=uri).run_id)
+    assert new.info.run_name.startswith("***-rescore-") and new.data.tags["owner"] == "***"
+    assert [k for k, v in {"name": new.info.run_name, **new.data.tags}.items() if "s3cret" in v] == []

@@ -186,12 +186,14 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
     from factory.tracking.mlflow_tracker import run_name, run_tags
 
     # what identifies a run, as `factory run` tags it (spec name and hash, plan hash, what it ran on), and
-    # what this one rescored
-    tags = {**run_tags(plan.hashes, spec.name, spec.tracking.tags), "factory.rescore_of": run_id,
+    # what this one rescored; from the plan's view of the spec, as a run's, where values read from the
+    # environment are masked (they never reach the store)
+    shown = plan.spec
+    tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), "factory.rescore_of": run_id,
             "factory.rescored_steps": _shown({s for _, s in batches})}
     # named apart as a run is (`factory rescore NAME` of a rescore: a name two runs share names neither)
-    name = tracker.free_name(run_name(f"{spec.name}-rescore"))
-    tracker.start(name, plan.spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+    name = tracker.free_name(run_name(f"{shown['name']}-rescore"))
+    tracker.start(name, shown, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
     try:
         for (split, step), trajs in batches.items():
             tracker.log_metrics(metrics[(split, step)], step=step)
