@@ -191,3 +191,21 @@ def test_export_into_the_empty_working_directory(tmp_path, monkeypatch):
     assert cli.main(["export", str(tmp_path / "ckpt"), "--out", "."]) == 0
     assert sorted(p.name for p in Path.cwd().iterdir()) == ["config.json", "model.safetensors", "tokenizer_config.json"]
     assert os.stat(".").st_ino == here and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model"]
+
+
+def test_export_refuses_a_checkpoint_that_lost_its_manifest_where_the_others_have_theirs(tmp_path, capsys):
+    """A checkpoint without manifest.json was taken as one saved before manifests existed even where its run's
+    other checkpoints have theirs, so weights cut short were exported as a model (exit 0); `--resume` refuses it.
+    Whether RUN is the run's folder or the step's folder, the run's folder is asked."""
+    _hf_checkpoint(tmp_path / "ckpt", 1)
+    step = _hf_checkpoint(tmp_path / "ckpt", 3)
+    (step / ckpt.MANIFEST).unlink()
+    with open(step / "hf" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    said = f"{step} is not as it was saved: {step / ckpt.MANIFEST} is missing, where the run's other checkpoints"
+    for run in (tmp_path / "ckpt", step):
+        assert cli.main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "ckpt" / "step_1" / ckpt.MANIFEST).unlink()  # a run saved before manifests: none has one
+    assert cli.main(["export", str(step), "--out", str(tmp_path / "out")]) == 0

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from factory.update.checkpoint import ADAPTER, HF, complete, read_latest, readable, tag, verify
+from factory.update.checkpoint import ADAPTER, HF, MANIFEST, complete, read_latest, readable, tag, verify
 from factory.util import UserError
 
 CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's own checkpoint folder, absolute (set by the tracker)
@@ -74,8 +74,11 @@ def step_folder(root: Path, step: int | None = None) -> Path:
             raise ExportError(f"{root} has no checkpoint {name}; complete checkpoints: {have}")
         folder = root / name
     # a step's folder given directly too: a weights file cut short (a disk filled, an interrupted copy) is
-    # not a model
-    if (problem := verify(folder)) is not None:
+    # not a model. One with no manifest was saved before manifests existed, unless the run's other checkpoints
+    # (in its folder, the step's parent) have theirs: then its own was lost, and its files cannot be checked
+    run = folder.parent
+    manifested = any((run / name / MANIFEST).is_file() for name in complete(run))
+    if (problem := verify(folder, manifested)) is not None:
         raise ExportError(f"{folder} is not as it was saved: {problem}")
     return folder
 
