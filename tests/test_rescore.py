@@ -403,3 +403,41 @@ def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypa
     new = MlflowClient(uri).get_run(rescore(old.run_id, spec, plan, uri=uri).run_id)
     assert new.info.run_name.startswith("***-rescore-") and new.data.tags["owner"] == "***"
     assert [k for k, v in {"name": new.info.run_name, **new.data.tags}.items() if "s3cret" in v] == []
+
+
+def test_before_is_the_runs_own_value_of_a_metric_stored_under_another_name(tmp_path, monkeypatch, capsys):
+    """A `metrics` entry whose name MLflow refuses (`pass@1`) is stored as `eval/pass_1`: "before" looked it up under
+    the spec's name, found nothing and printed "-" as if the run had never logged it."""
+    from pathlib import Path
+
+    import yaml
+
+    from factory.commands import cli
+    from factory.tracking.mlflow_tracker import _hashed_name, stored_metric_name
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    data["metrics"] = {"pass@1": "correct"}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("old", {}, {}, {})
+    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                                     turns=[], stop_reason="no_call", row={"answer": "3"},
+                                     messages=[{"role": "user", "content": "1 + 2"}], completion="<answer>7</answer>")],
+                         0, split="eval")
+    old.log_metrics({"eval/pass@1": 0.25, "eval/reward": 0.25}, step=0)  # as the run logs them
+    old.end()
+    assert cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri]) == 0
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if "eval/pass@1" in ln]
+    assert "0.2500" in line, out
+    # a key whose plain name another key of the run had first is stored with a hash of its own
+    assert stored_metric_name("eval/pass@1", {"eval/pass_1", "eval/reward"}) == "eval/pass_1"
+    hashed = _hashed_name("eval/pass@1")
+    assert stored_metric_name("eval/pass@1", {"eval/pass_1", hashed}) == hashed
+    assert stored_metric_name("eval/reward", {"eval/reward"}) == "eval/reward"

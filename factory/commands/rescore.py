@@ -238,7 +238,7 @@ def main(args: Any) -> int:
     from rich.table import Table
 
     from factory.compiler.compile import compile_file
-    from factory.tracking.mlflow_tracker import tracking_uri
+    from factory.tracking.mlflow_tracker import stored_metric_name, tracking_uri
     from factory.tracking.tracker import open_tracker
 
     spec, plan = compile_file(args.spec, args.overrides)
@@ -249,9 +249,11 @@ def main(args: Any) -> int:
     table = Table(title=f"run {args.run} rescored with {args.spec}")
     for column in ("step", "metric", "before", "after"):
         table.add_column(column, justify="right" if column != "metric" else "left")
+    # (a metric name MLflow refuses, `eval/pass@1`, is stored under another: the old run's is looked up)
+    stored = tracker.run(result.rescore_of).metrics
     for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
-            before = _history(tracker, result.rescore_of, key, step)
+            before = _history(tracker, result.rescore_of, stored_metric_name(key, stored), step)
             table.add_row(str(step), key, "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
     console.print(table)
     for note in result.notes:

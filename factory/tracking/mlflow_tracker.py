@@ -219,6 +219,13 @@ def _hashed_name(key: str) -> str:
     return _plain_name(key)[:_MAX_KEY - len(tail)] + tail
 
 
+def stored_metric_name(key: str, stored: Iterable[str]) -> str:
+    """The name a run's tracker stored metric `key` under, given the run's metric names `stored`: as `mlflow_keys`
+    names it alone, or that name ending in a hash of `key` where another key of the run had that name first."""
+    hashed = _hashed_name(key)
+    return hashed if hashed in set(stored) else mlflow_keys([key])[key]
+
+
 def _taken_as_is(name: str) -> bool:
     """Whether MLflow takes `name` as a param or tag name (mlflow.utils.validation: its characters, a path that
     resolves to itself, its length)."""
