@@ -567,6 +567,22 @@ def test_the_runs_table_keeps_each_runs_name(monkeypatch, capsys):
     assert time.strftime("%Y-%m-%d %H:%M", time.localtime(1.0)) in out and "…" not in out, out
 
 
+def test_the_runs_table_shows_names_with_brackets_as_they_are(monkeypatch, capsys):
+    """Names went to rich as markup: `grid[lr=1e-5]` was listed as `grid` (not the name `factory diff` takes),
+    and a name holding `[/judge]` made the listing an internal error."""
+    import factory.tracking.runs as runs
+
+    rows = [dict(run_id=f"{i}123456789abcdef" * 2, name=f"{spec}-20261207-101010", spec=spec, kind="train",
+                 status="FINISHED", driver_alive=None, steps_done=2, steps=2, final_reward=0.5, start_time=1.0,
+                 duration_s=60.0, monitors={}, eval={"eval/pass[1]": 0.5})
+            for i, spec in enumerate(("grid[lr=1e-5]", "abl[/judge]"))]
+    monkeypatch.setattr(runs, "list_runs", lambda *a, **k: rows)
+    assert cli.main(["runs"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("grid[lr=1e-5]-20261207-101010", "abl[/judge]-20261207-101010",
+                                        "eval/pass[1]")), out
+
+
 def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     """A second Ctrl-C ended `factory run` with exit code 130 and not a word: the step in flight is lost, and
     the user is not told that --resume continues the run."""

@@ -441,3 +441,31 @@ def test_before_is_the_runs_own_value_of_a_metric_stored_under_another_name(tmp_
     hashed = _hashed_name("eval/pass@1")
     assert stored_metric_name("eval/pass@1", {"eval/pass_1", hashed}) == hashed
     assert stored_metric_name("eval/reward", {"eval/reward"}) == "eval/reward"
+
+
+def test_a_rescore_of_a_run_whose_name_holds_brackets_says_it_as_it_is(tmp_path, monkeypatch, capsys):
+    """The run's name (RUN as given) went to rich as markup: `[/judge]` in it made the rescore an internal error
+    after its new run was logged."""
+    from pathlib import Path
+
+    import yaml
+
+    from factory.commands import cli
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("abl[/judge]", {}, {}, {})
+    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                                     turns=[], stop_reason="no_call", row={"answer": "3"},
+                                     messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
+    old.end()
+    assert cli.main(["rescore", "abl[/judge]", "--spec", str(spec), "--uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert "run abl[/judge] rescored with" in out and "(factory.rescore_of = abl[/judge])" in out, out

@@ -236,6 +236,7 @@ def _int(value: str | None) -> int:
 def main(args: Any) -> int:
     """`factory rescore`: compile the new spec, rescore, print old -> new per step."""
     from rich.table import Table
+    from rich.text import Text
 
     from factory.compiler.compile import compile_file
     from factory.tracking.mlflow_tracker import stored_metric_name, tracking_uri
@@ -246,7 +247,8 @@ def main(args: Any) -> int:
     result = rescore(args.run, spec, plan, uri=uri, steps=args.steps)
     tracker = open_tracker(uri)
     console = stdout_console()
-    table = Table(title=f"run {args.run} rescored with {args.spec}")
+    # names and paths as they are, never as rich markup (a run named `abl[/judge]`)
+    table = Table(title=Text(f"run {args.run} rescored with {args.spec}"))
     for column in ("step", "metric", "before", "after"):
         table.add_column(column, justify="right" if column != "metric" else "left")
     # (a metric name MLflow refuses, `eval/pass@1`, is stored under another: the old run's is looked up)
@@ -254,11 +256,11 @@ def main(args: Any) -> int:
     for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
             before = _history(tracker, result.rescore_of, stored_metric_name(key, stored), step)
-            table.add_row(str(step), key, "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
+            table.add_row(str(step), Text(key), "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
     console.print(table)
     for note in result.notes:
-        console.print(f"note: {note}")
-    console.print(f"MLflow run {result.run_id} (factory.rescore_of = {args.run}) in {uri}")
+        console.print(f"note: {note}", markup=False)
+    console.print(f"MLflow run {result.run_id} (factory.rescore_of = {args.run}) in {uri}", markup=False)
     return 0
 
 

@@ -93,6 +93,7 @@ def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | Non
 
 def runs_main(args: Any) -> int:
     from rich.table import Table
+    from rich.text import Text
 
     rows = list_runs(args.experiment, limit=args.limit, uri=args.uri)
     if args.json:
@@ -105,12 +106,13 @@ def runs_main(args: Any) -> int:
         print(f"no runs in {uri}{where}" if missing is None else f"no runs: {missing}")
         return 0
     eval_keys = sorted({k for r in rows for k in r["eval"]})
-    table = Table(title=f"runs in {tracking_uri(args.uri)}")
+    # every name as it is, never as rich markup (`grid[lr=1e-5]`: a spec name may hold brackets)
+    table = Table(title=Text(f"runs in {tracking_uri(args.uri)}"))
     for col in ("run id", "name", "spec", "status", "steps", "reward", *eval_keys, "monitors fired", "duration",
                 "started"):
         numeric = col in ("steps", "reward", "duration") or col in eval_keys
         # the name may wrap, but never to nothing (as it did beside a long status): `factory diff` takes it
-        table.add_column(col, justify="right" if numeric else "left", no_wrap=col != "name",
+        table.add_column(Text(col), justify="right" if numeric else "left", no_wrap=col != "name",
                          min_width=min(max(len(r["name"]) for r in rows), 24) if col == "name" else None)
     for r in rows:
         steps = (f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
@@ -119,8 +121,9 @@ def runs_main(args: Any) -> int:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
-        table.add_row(r["run_id"][:8], r["name"], r["spec"], status, steps, fmt_number(r["final_reward"]),
-                      *(fmt_number(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
+        cells = (r["run_id"][:8], r["name"], r["spec"], status, steps, fmt_number(r["final_reward"]),
+                 *(fmt_number(r["eval"].get(k)) for k in eval_keys), fired or "-", dur, started)
+        table.add_row(*map(Text, cells))
     console = stdout_console(piped_width=200, fit=table)  # piped or in a log: every column, whole
     console.print(table)
     return 0
