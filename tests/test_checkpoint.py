@@ -209,3 +209,43 @@ def test_export_refuses_a_checkpoint_that_lost_its_manifest_where_the_others_hav
         assert not (tmp_path / "out").exists()
     (tmp_path / "ckpt" / "step_1" / ckpt.MANIFEST).unlink()  # a run saved before manifests: none has one
     assert cli.main(["export", str(step), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_an_export_that_cannot_be_written_says_why_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """A copy that failed part way (a full disk, a step pruned by its run while it was copied, an --out under a
+    file) was an internal error and left the partial staging folder `.NAME.exporting` (GBs) beside --out."""
+    import errno
+    import shutil
+
+    step = _hf_checkpoint(tmp_path / "ckpt", 3)
+    (tmp_path / "exports").mkdir()
+    out = tmp_path / "exports" / "model"
+    real_copy2, real_copytree = shutil.copy2, shutil.copytree
+
+    def full_disk(src, dst, **kw):
+        real_copy2(src, dst, **kw)
+        if str(src).endswith(".safetensors"):  # the weights partly written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst, **kw: real_copytree(src, dst, copy_function=full_disk))
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {out}: " in err and "No space left on device" in err, err
+    assert list((tmp_path / "exports").iterdir()) == []
+
+    def pruned(src, dst, **kw):
+        real_copytree(src, dst, **kw)
+        shutil.rmtree(step)  # the run committed step 4 and pruned step 3 (train.keep_checkpoints: 1)
+        raise shutil.Error([(str(src / "model.safetensors"), str(dst / "model.safetensors"), "[Errno 2] gone")])
+
+    monkeypatch.setattr(shutil, "copytree", pruned)
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--out", str(out)]) == 2
+    assert (f"{step}: the checkpoint was removed while it was copied (pruned by its run?): export again"
+            in capsys.readouterr().err)
+    assert list((tmp_path / "exports").iterdir()) == []
+
+    monkeypatch.setattr(shutil, "copytree", real_copytree)
+    step = _hf_checkpoint(tmp_path / "ckpt", 3)
+    (tmp_path / "a-file").write_text("x")
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a-file" / "model")]) == 2
+    assert f"cannot write {tmp_path / 'a-file' / 'model'}: Not a directory" in capsys.readouterr().err

@@ -115,18 +115,35 @@ def export(run: str, out: str | os.PathLike, step: int | None = None, uri: str |
         _whole(source, ("adapter_config.json", "tokenizer_config.json"), "a whole adapter folder")
     staging = out.with_name(f".{out.name}.exporting")
     shutil.rmtree(staging, ignore_errors=True)
-    if lora and not adapter:
-        merge_adapters(source, staging)
-    else:
-        shutil.copytree(source, staging)
-    readable(staging)  # a checkpoint saved before readable() was: its model.safetensors 0600, as transformers writes it
-    if out.exists():  # the empty folder the user made, perhaps their working directory: filled, not replaced
-        for item in staging.iterdir():
-            os.replace(item, out / item.name)
-        staging.rmdir()
-    else:
-        os.replace(staging, out)
+    try:
+        if lora and not adapter:
+            merge_adapters(source, staging)
+        else:
+            shutil.copytree(source, staging)
+        readable(staging)  # one saved before readable() was: its model.safetensors 0600, as transformers writes it
+        if out.exists():  # the empty folder the user made, perhaps their working directory: filled, not replaced
+            for item in staging.iterdir():
+                os.replace(item, out / item.name)
+            staging.rmdir()
+        else:
+            os.replace(staging, out)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)  # a part copy is GBs, on a disk that may be full
+        if not isinstance(e, OSError):
+            raise
+        if not folder.is_dir():  # (the run's train.keep_checkpoints deleted it as a newer one was committed)
+            raise ExportError(f"{folder}: the checkpoint was removed while it was copied (pruned by its run?): "
+                              "export again") from e
+        raise ExportError(f"cannot write {out}: {_failure(e)}") from e
     return source
+
+
+def _failure(e: OSError) -> str:
+    """Why a copy failed, in the system's words: shutil.copytree gathers each file's error as text, and says
+    the first here."""
+    if isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list) and e.args[0]:
+        return e.args[0][0][2]
+    return f"{e.strerror} ({e.filename})" if e.strerror and e.filename else str(e)
 
 
 def merge_adapters(adapter: Path, out: Path) -> None:
