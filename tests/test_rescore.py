@@ -469,3 +469,36 @@ def test_a_rescore_of_a_run_whose_name_holds_brackets_says_it_as_it_is(tmp_path,
     assert cli.main(["rescore", "abl[/judge]", "--spec", str(spec), "--uri", uri]) == 0
     out = capsys.readouterr().out
     assert "run abl[/judge] rescored with" in out and "(factory.rescore_of = abl[/judge])" in out, out
+
+
+def test_a_step_table_cut_short_is_passed_over_with_a_note(tmp_path, monkeypatch, capsys):
+    """A step's table cut short (its driver killed while the table was copied into the store) made the rescore an
+    internal error (ArrowInvalid): the steps the run had saved whole are rescored, and the note names the other."""
+    from pathlib import Path
+
+    import yaml
+
+    from factory.commands import cli
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("killed", {}, {}, {})
+    for step in (1, 2):
+        old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2],
+                                         loss_mask=[1], turns=[], stop_reason="no_call", row={"answer": "3"},
+                                         messages=[{"role": "user", "content": "1 + 2"}], completion="3")], step)
+    old.end("KILLED")  # (stopped while step 2's table was being copied)
+    (table,) = [p for p in tmp_path.rglob("step_00002.parquet") if "trajectories" in p.parts]
+    table.write_bytes(table.read_bytes()[:40])
+    assert cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (as wrapped to the terminal's width)
+    assert (f"note: run {old.run_id}'s table of step 2 (trajectories/step_00002.parquet) cannot be read, cut short "
+            "or damaged: that step was not rescored (") in out, out
+    assert "the steps it saved were rescored (1)" in out and "│ 1 │ reward/mean" in out and "│ 2 │" not in out, out

@@ -74,7 +74,11 @@ def _saved(tracker: Tracker, run_id: str, folder: str) -> dict[int, str]:
     return {int(m[1]): path for path in tracker.artifacts(run_id, folder) if (m := _STEP_FILE.search(path))}
 
 
-def _load(tracker: Tracker, run_id: str, steps: set[int] | None) -> dict[tuple[str, int], list[Trajectory]]:
+def _load(tracker: Tracker, run_id: str, steps: set[int] | None,
+          notes: list[str]) -> dict[tuple[str, int], list[Trajectory]]:
+    """The run's saved trajectories by (split, step); a table that cannot be read is passed over, and `notes`
+    hears which."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     found = {(split, step): path for split, folder in SPLITS.items()
@@ -87,11 +91,18 @@ def _load(tracker: Tracker, run_id: str, steps: set[int] | None) -> dict[tuple[s
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for key, path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] != "eval")):
-            table = pq.read_table(tracker.download(run_id, path, tmp))
+            try:
+                table = pq.read_table(tracker.download(run_id, path, tmp))
+            except (pa.ArrowInvalid, OSError) as e:  # a driver killed while it copied the table into the store
+                notes.append(f"run {run_id}'s table of step {key[1]} ({path}) cannot be read, cut short or "
+                             f"damaged: that step was not rescored ({e})")
+                continue
             if "turns" not in table.column_names:
                 raise RescoreError(f"run {run_id} saved its trajectories without their data rows and turns (it "
                                    "was made before `factory rescore` existed): it cannot be rescored")
             out[key] = [trajectory_from_record(r) for r in table.to_pylist()]
+    if not out:
+        raise RescoreError(f"none of run {run_id}'s saved trajectory tables can be read: " + "; ".join(notes))
     return out
 
 
@@ -141,11 +152,11 @@ def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | 
         raise RescoreError(str(e)) from None
     run_id = old.run_id  # as given: an id, an id prefix or a run name
     tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
-    batches = _load(tracker, run_id, steps)
+    notes: list[str] = []
+    batches = _load(tracker, run_id, steps, notes)
     from factory.runtime.replay import recorded_tool_calls, replaying
 
     plan = replaying(plan, recorded_tool_calls(store, plan))  # replay.run: the tool nodes' calls answered from it
-    notes = []
     if note := unfinished_note(old.status, run_id, {step for _, step in batches}):
         notes.append(note)
     # (the driver's `collect` logs this metric at every step of a run with dynamic sampling, and only there)
