@@ -249,3 +249,26 @@ def test_an_export_that_cannot_be_written_says_why_and_leaves_nothing_behind(tmp
     (tmp_path / "a-file").write_text("x")
     assert cli.main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a-file" / "model")]) == 2
     assert f"cannot write {tmp_path / 'a-file' / 'model'}: Not a directory" in capsys.readouterr().err
+
+
+def test_export_of_train_checkpoint_dir_takes_its_newest_runs_checkpoint(tmp_path, capsys):
+    """`factory export --help` offers train.checkpoint_dir as RUN, but that folder holds the runs' own folders and
+    `newest`, no `latest`: export said untruly "its run saved no checkpoint there". And the `vllm serve` line it
+    printed did not quote --out, so pasted it gave vllm two arguments."""
+    import shlex
+
+    checkpoint_dir = tmp_path / "runs" / "tiny"
+    first, second = (checkpoint_dir / f"tiny-2026120{i}-101010-0123abcd" for i in (1, 2))
+    _hf_checkpoint(first, 2)
+    step = _hf_checkpoint(second, 3)
+    ckpt.point_newest(second)
+    out = tmp_path / "my model"
+    assert cli.main(["export", str(checkpoint_dir), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"exported {step / 'hf'} -> {out}" in said, said
+    (line,) = [ln for ln in said.splitlines() if "vllm serve" in ln]
+    assert shlex.split(line.split("vLLM:", 1)[1]) == ["vllm", "serve", str(out)], line
+    (checkpoint_dir / ckpt.NEWEST).unlink()  # (a folder of runs saved before `newest` was)
+    assert cli.main(["export", str(checkpoint_dir), "--out", str(tmp_path / "o")]) == 2
+    assert (f"{checkpoint_dir} holds the checkpoint folders of runs, not one run's checkpoints: give one of "
+            f"{first.name}, {second.name}") in capsys.readouterr().err

@@ -305,7 +305,8 @@ def parser() -> argparse.ArgumentParser:
                        description="copy a run's checkpoint out as a Hugging Face folder: safetensors, tokenizer and "
                                    "the run's chat template; loads with transformers and serves with vLLM")
     e.add_argument("run", metavar="RUN", help="a run (MLflow run id, id prefix of 8+ characters, or name), or a "
-                                              "checkpoint folder (train.checkpoint_dir)")
+                                              "folder: a run's checkpoints, one step's, or train.checkpoint_dir "
+                                              "(its newest run's)")
     e.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest)")
     e.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
     e.add_argument("--adapter", action="store_true",

@@ -14,17 +14,29 @@ model's weights (peft's `merge_and_unload`) and writes the same kind of folder a
 serves with `--enable-lora`).
 
 RUN is an MLflow run id (the run's tags name its own checkpoint folder, so runs of one spec never export
-each other's weights) or a path: a run's checkpoint folder (holding `latest` and `step_<N>/`) or one
-step's folder. A checkpoint whose files differ from its manifest (factory.update.checkpoint.verify) is
-refused.
+each other's weights) or a path: a run's checkpoint folder (holding `latest` and `step_<N>/`), one
+step's folder, or train.checkpoint_dir (the runs' folders, and `newest`: the run that saved last). A
+checkpoint whose files differ from its manifest (factory.update.checkpoint.verify) is refused.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 
-from factory.update.checkpoint import ADAPTER, HF, MANIFEST, complete, read_latest, readable, tag, verify
+from factory.update.checkpoint import (
+    ADAPTER,
+    HF,
+    LATEST,
+    MANIFEST,
+    NEWEST,
+    complete,
+    read_latest,
+    readable,
+    tag,
+    verify,
+)
 from factory.util import UserError
 
 CHECKPOINT_DIR_TAG = "factory.checkpoint_dir"  # the run's own checkpoint folder, absolute (set by the tracker)
@@ -59,12 +71,18 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
 
 
 def step_folder(root: Path, step: int | None = None) -> Path:
-    """The folder of step N (default: the one `latest` names) under a checkpoint directory, or a step
-    folder given directly: whichever holds `hf/` or (a LoRA run's) `adapter/`, its files as they were saved."""
+    """The folder of step N (default: the one `latest` names) under a run's checkpoint directory (under
+    train.checkpoint_dir, the one its `newest` names), or a step folder given directly: whichever holds `hf/` or
+    (a LoRA run's) `adapter/`, its files as they were saved."""
     if step is None and ((root / HF).is_dir() or (root / ADAPTER).is_dir()):
         folder = root
     else:
+        if read_latest(root) is None and (root / NEWEST).is_dir():  # train.checkpoint_dir: its newest run's
+            root = (root / NEWEST).resolve()
         name = tag(step) if step is not None else read_latest(root)
+        if name is None and (runs := sorted(p.parent.name for p in root.glob(f"*/{LATEST}"))):
+            raise ExportError(f"{root} holds the checkpoint folders of runs, not one run's checkpoints: give one of "
+                              + ", ".join(runs))
         if name is None:  # (a run stopped before its first checkpoint, or one whose saves all failed)
             what = "is not a folder" if not root.is_dir() else "holds no complete checkpoint (no `latest` marker)"
             raise ExportError(f"{root} {what}: its run saved no checkpoint there (a run saves one at its end, "
@@ -188,5 +206,5 @@ def main(args) -> int:
     merged = " (LoRA adapters merged into the base weights)" if source.name == ADAPTER else ""
     print(f"exported {source} -> {args.out}{merged}\n"
           f"  transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})\n"
-          f"  vLLM:         vllm serve {args.out}")
+          f"  vLLM:         vllm serve {shlex.quote(str(args.out))}")  # (pasted into a shell: `--out "my model"`)
     return 0
