@@ -464,6 +464,23 @@ def test_command_line_mistakes_exit_2_saying_what_is_missing(capsys):
         assert capsys.readouterr().err.endswith(said)
 
 
+def test_a_runs_limit_above_what_the_store_lists_is_a_command_line_error(capsys):
+    """MLflow lists at most 50000 runs a search: `runs --limit 60000` was its MlflowException, an internal error."""
+    from mlflow.store.tracking import SEARCH_MAX_RESULTS_THRESHOLD
+
+    from factory.commands import api
+    from factory.tracking.tracker import MAX_RUNS
+
+    assert MAX_RUNS == SEARCH_MAX_RESULTS_THRESHOLD
+    with pytest.raises(SystemExit) as e:
+        cli.main(["runs", "--limit", "60000"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "factory runs: error: argument --limit: at most 50000 (the most runs a store lists at once), got 60000\n")
+    with pytest.raises(ValueError, match="^limit: at most 50000 runs, got 60000$"):
+        api.runs(limit=60000)
+
+
 def test_a_dashed_override_before_the_run_of_rescore_says_where_overrides_go(capsys):
     """`rescore --rollout.group_size 4 RUN --spec S`: argparse took the 4 for the run; the hint compared the word
     after the key with the --spec option instead of the run, and said "an override takes a value"."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
-from factory.tracking.tracker import RunLookupError, StoreUnreadable
+from factory.tracking.tracker import MAX_RUNS, RunLookupError, StoreUnreadable
 from factory.util import MLFLOW_FAIL_FAST, UserError, environ, nearest, version
 
 
@@ -217,6 +217,13 @@ def _positive(text: str) -> int:
     return n
 
 
+def _runs_limit(text: str) -> int:
+    n = _positive(text)
+    if n > MAX_RUNS:  # else the store's refusal, an internal error
+        raise argparse.ArgumentTypeError(f"at most {MAX_RUNS} (the most runs a store lists at once), got {n}")
+    return n
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -337,7 +344,7 @@ def parser() -> argparse.ArgumentParser:
                                    "metrics, the reward-hacking monitors that fired, spec name, duration")
     r.add_argument("--experiment", default=None, help="only this MLflow experiment (default: all)")
     r.add_argument("--json", action="store_true", help="print the runs as JSON")
-    r.add_argument("--limit", type=_positive, default=100, help="at most this many runs (default: 100)")
+    r.add_argument("--limit", type=_runs_limit, default=100, help="at most this many runs (default: 100)")
     r.add_argument("--uri", default=None, help=uri_help)
     r.set_defaults(func=_runs)
 

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from factory.types import Trajectory
 
 
+MAX_RUNS = 50_000  # the most runs one search lists (MLflow's SEARCH_MAX_RESULTS_THRESHOLD: it refuses more)
+
+
 class RunLookupError(Exception):
     """A run named on the command line does not exist, is ambiguous, or cannot be compared."""
 
