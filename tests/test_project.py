@@ -86,6 +86,19 @@ def test_init_here_and_bad_names(tmp_path, monkeypatch, capsys):
                                        "init my-agent), or '.' for this folder\n")
 
 
+def test_init_refuses_a_name_its_spec_cannot_hold(tmp_path, capsys):
+    """A folder name of 201-255 characters was made into a project whose own spec failed `factory check` (a spec's
+    name is at most 200 bytes: it names the checkpoint folders)."""
+    import factory
+
+    assert cli.main(["init", str(tmp_path / ("a" * 201))]) == 2
+    assert capsys.readouterr().err == ("factory init: a project's name is at most 200 characters (it is its spec's "
+                                       "name, which names its runs' checkpoint folders), this one has 201\n")
+    assert not (tmp_path / ("a" * 201)).exists()
+    create(tmp_path / ("a" * 200))
+    assert factory.load(tmp_path / ("a" * 200) / "spec.yaml").name == "a" * 200
+
+
 @pytest.mark.parametrize("name", ["2024", "on", "null", "1.0", "0x10", "1e5", "7E3", "12e-3"])
 def test_init_of_a_name_yaml_reads_as_another_type_writes_it_as_a_string(tmp_path, name):
     """`name: 2024` (or `on`, `null`, `1.0`) is an int, a bool, null or a float: the spec `factory init` had just

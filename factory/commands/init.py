@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from factory.schema import NAME, NAME_RULE
+from factory.schema import NAME, NAME_RULE, SPEC_NAME_BYTES
 
 SCAFFOLD = Path(__file__).resolve().parents[1] / "scaffold"
 PLACEHOLDER = "PROJECT_NAME"
@@ -80,6 +80,9 @@ def create(target: Path) -> tuple[str, list[str]]:
         raise InitError(f"cannot follow {target}: {getattr(e, 'strerror', None) or e}") from None
     if not NAME.fullmatch(name):  # the name becomes the spec's `name`, held to the same rule
         raise InitError(f"'{name}' is not a usable project name: {NAME_RULE}")
+    if len(name) > SPEC_NAME_BYTES:  # (NAME's characters are ASCII: one byte each)
+        raise InitError(f"a project's name is at most {SPEC_NAME_BYTES} characters (it is its spec's name, which "
+                        f"names its runs' checkpoint folders), this one has {len(name)}")
     files = project_files(name)
     try:
         if target.exists() and not target.is_dir():
