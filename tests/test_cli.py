@@ -600,6 +600,20 @@ def test_the_runs_table_shows_names_with_brackets_as_they_are(monkeypatch, capsy
                                         "eval/pass[1]")), out
 
 
+def test_a_killed_rescore_or_eval_is_not_offered_a_resume(monkeypatch, capsys):
+    """A rescore or eval killed outright stays RUNNING with its dead driver's tag: the table said "(driver gone:
+    --resume)", which `factory run --resume` then refuses (it trained nothing to resume)."""
+    import factory.tracking.runs as runs
+
+    rows = [dict(run_id=f"{i}123456789abcdef" * 2, name=f"tiny-{kind}", spec="tiny", kind=kind, status="RUNNING",
+                 driver_alive=False, steps_done=None, steps=2, final_reward=None, start_time=1.0, duration_s=None,
+                 monitors={}, eval={}) for i, kind in enumerate(("train", "rescore", "eval"))]
+    monkeypatch.setattr(runs, "list_runs", lambda *a, **k: rows)
+    assert cli.main(["runs"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("RUNNING (driver gone: --resume)") == 1 and out.count("RUNNING (driver gone)") == 2, out
+
+
 def test_a_run_stopped_at_once_says_how_to_continue_it(monkeypatch, capsys):
     """A second Ctrl-C ended `factory run` with exit code 130 and not a word: the step in flight is lost, and
     the user is not told that --resume continues the run."""

@@ -117,7 +117,9 @@ def runs_main(args: Any) -> int:
     for r in rows:
         steps = (f"{r['steps_done'] if r['steps_done'] is not None else '-'}/{r['steps'] if r['steps'] else '?'}"
                  if r["kind"] == "train" else r["kind"])
-        status = f"{r['status']} (driver gone: --resume)" if r["driver_alive"] is False else r["status"]
+        # (a rescore or eval trained nothing: `--resume` refuses it)
+        gone = " (driver gone: --resume)" if r["kind"] == "train" else " (driver gone)"
+        status = r["status"] + gone if r["driver_alive"] is False else r["status"]
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["start_time"])) if r["start_time"] else "-"
         dur = f"{r['duration_s'] / 60:.1f} min" if r["duration_s"] is not None else "-"
         fired = ", ".join(f"{n} (step {m['fired_at']})" for n, m in r["monitors"].items() if m["fired_at"] is not None)
