@@ -272,3 +272,19 @@ def test_export_of_train_checkpoint_dir_takes_its_newest_runs_checkpoint(tmp_pat
     assert cli.main(["export", str(checkpoint_dir), "--out", str(tmp_path / "o")]) == 2
     assert (f"{checkpoint_dir} holds the checkpoint folders of runs, not one run's checkpoints: give one of "
             f"{first.name}, {second.name}") in capsys.readouterr().err
+
+
+def test_export_of_a_full_checkpoint_imports_no_torch(tmp_path):
+    """It is a copy (export.py's docstring), yet factory.update.checkpoint imported torch at its top (for the RNG
+    state alone): seconds and GBs of memory for a copy."""
+    import subprocess
+    import sys
+
+    _hf_checkpoint(tmp_path / "ckpt", 3)
+    code = ("import sys; from factory.commands.cli import main; "
+            f"rc = main(['export', {str(tmp_path / 'ckpt')!r}, '--out', {str(tmp_path / 'out')!r}]); "
+            "print('torch' in sys.modules); sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"

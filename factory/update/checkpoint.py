@@ -41,8 +41,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from factory.util import fsync_path
 
 LATEST = "latest"
@@ -248,6 +246,8 @@ def read_run_state(folder: str | os.PathLike) -> dict[str, Any]:
 def rng_state() -> dict[str, Any]:
     """Every RNG the update stage draws from (torch CPU/CUDA, python's random); tensors and plain
     python values only, so DeepSpeed's torch.load reads it back."""
+    import torch  # (here: `factory export` reads this module's layout and copies, with no torch)
+
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -255,6 +255,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
