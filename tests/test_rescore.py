@@ -200,8 +200,8 @@ def test_a_rescore_of_a_run_with_dynamic_sampling_says_its_tables_hold_the_kept_
         old.log_trajectories([t], 1)
         old.end()
         runs[name] = old.run_id
-    assert rescore(runs["plain"], spec, plan, uri=uri).notes == []
-    assert rescore(runs["dapo"], spec, plan, uri=uri).notes == [
+    assert rescore(runs["plain"], plan, uri=uri).notes == []
+    assert rescore(runs["dapo"], plan, uri=uri).notes == [
         f"run {runs['dapo']} used dynamic sampling: its step tables hold only the groups kept for training, while "
         "its reward/mean covers every sampling round, so 'before' and 'after' are means over different "
         "trajectories (for a 'before' over the same ones, rescore it with its own spec)"]
@@ -226,10 +226,10 @@ def test_a_rescore_says_why_a_run_is_not_found_and_names_each_of_its_runs_apart(
     exp = client.create_experiment("e")
     twice = [client.create_run(exp, run_name="twice").info.run_id for _ in range(2)]
     with pytest.raises(RescoreError, match=r"^'twice' names 2 runs \(.*; give a run id$") as said:
-        rescore("twice", spec, plan, uri=uri)
+        rescore("twice", plan, uri=uri)
     assert all(run_id in str(said.value) for run_id in twice)
     with pytest.raises(RescoreError, match="an id prefix needs 8 characters or more"):
-        rescore(twice[0][:4], spec, plan, uri=uri)
+        rescore(twice[0][:4], plan, uri=uri)
 
     old = open_tracker(uri, "t")
     old.start("old", {}, {}, {})
@@ -238,7 +238,7 @@ def test_a_rescore_says_why_a_run_is_not_found_and_names_each_of_its_runs_apart(
                                      messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
     old.end()
     store = open_tracker(uri, read=True)
-    names = [store.run(rescore(old.run_id, spec, plan, uri=uri).run_id).name for _ in range(2)]
+    names = [store.run(rescore(old.run_id, plan, uri=uri).run_id).name for _ in range(2)]
     assert names[0] != names[1] and all(n.startswith(f"{spec.name}-rescore-") for n in names), names
     assert [store.run(n).name for n in names] == names  # each name finds its own rescore
 
@@ -321,7 +321,7 @@ def test_a_replayed_rescore_gives_each_trajectory_the_grades_recorded_for_it(tmp
     recorded = {(split, step): sum(grades) / len(grades) for (split, step), grades in graded.items()}
     for steps, batches in (({3}, [("eval", 3), ("train", 3)]), (None, [("eval", 1), ("train", 1), ("eval", 3),
                                                                        ("train", 3)])):
-        rescored = rescore(run.run_id, spec, plan, uri=uri, steps=steps)
+        rescored = rescore(run.run_id, plan, uri=uri, steps=steps)
         assert list(rescored.metrics) == batches  # in the order it scored them: each step's evaluation first
         assert {key: m["rewards/graded/mean" if key[0] == "train" else "eval/accuracy"]
                 for key, m in rescored.metrics.items()} == {key: recorded[key] for key in batches}
@@ -367,7 +367,7 @@ def test_a_rescore_with_a_local_judge_places_it_as_a_run_does_recorded_and_torn_
 
     monkeypatch.setattr(rescore, "_score_all", scoring)
     with pytest.raises(RuntimeError, match="the judge failed"):
-        rescore.rescore(old.run_id, spec, plan, uri=uri)
+        rescore.rescore(old.run_id, plan, uri=uri)
     assert calls == ["start_ray", "place ['judge.judge']", "teardown", "stop_ray"]
     assert list(drivers.glob("*.json")) == []
 
@@ -400,7 +400,7 @@ def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypa
                                      turns=[], stop_reason="no_call", row={"answer": "3"},
                                      messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
     old.end()
-    new = MlflowClient(uri).get_run(rescore(old.run_id, spec, plan, uri=uri).run_id)
+    new = MlflowClient(uri).get_run(rescore(old.run_id, plan, uri=uri).run_id)
     assert new.info.run_name.startswith("***-rescore-") and new.data.tags["owner"] == "***"
     assert [k for k, v in {"name": new.info.run_name, **new.data.tags}.items() if "s3cret" in v] == []
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from factory.plan import Plan
 from factory.reward.graph import eval_metrics
-from factory.schema import Spec
 from factory.tracking.tracker import Tracker
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 from factory.util import UserError, stdout_console
@@ -141,8 +140,8 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
     return out
 
 
-def rescore(run_id: str, spec: Spec, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
-    """Score run `run_id`'s saved trajectories with `spec`'s reward graph and log a new MLflow run."""
+def rescore(run_id: str, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
+    """Score run `run_id`'s saved trajectories with `plan`'s reward graph and log a new MLflow run."""
     from factory.tracking.tracker import RunLookupError, open_tracker
 
     store = open_tracker(uri, read=True)
@@ -255,7 +254,7 @@ def main(args: Any) -> int:
 
     spec, plan = compile_file(args.spec, args.overrides)
     uri = args.uri or tracking_uri(spec.tracking.uri)
-    result = rescore(args.run, spec, plan, uri=uri, steps=args.steps)
+    result = rescore(args.run, plan, uri=uri, steps=args.steps)
     tracker = open_tracker(uri)
     console = stdout_console()
     # names and paths as they are, never as rich markup (a run named `abl[/judge]`)
