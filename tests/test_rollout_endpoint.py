@@ -69,7 +69,8 @@ async def test_ids_in_ids_out_and_the_stop_put_back(server):
     assert (out.ids, out.finished, out.logprobs) == ([7, 8, 99], True, [-0.5, -0.25, 0.0])
     assert SEEN[0]["prompt"] == [1, 5, 6] and SEEN[0]["model"] == "served-model" and SEEN[0]["temperature"] == 0.0
     out = await engine.generate([3], max_new_tokens=3, sampling=Sampling(temperature=0.7, seed=11))
-    assert (out.ids, out.finished) == ([120, 121, 122], False)  # the text, tokenized here
+    # the text, tokenized here: no log-probs (0.0 each had said every token was certain, and were recorded)
+    assert (out.ids, out.finished, out.logprobs) == ([120, 121, 122], False, [])
     assert (SEEN[1]["temperature"], SEEN[1]["seed"]) == (0.7, 11)
     # every setting a server would otherwise take from the model's generation_config.json (vLLM's default:
     # Qwen3's top_k 20 and top_p 0.95, a repetition penalty) is sent as the local engines sample, greedy too
@@ -100,17 +101,47 @@ async def test_a_busy_server_is_retried_the_stop_tokens_sent_and_the_client_clos
     await few.close()
 
 
-def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):
+@pytest.mark.anyio
+@pytest.mark.parametrize("listing", [b'{"data": []}', b'{"object": "list"}', b"<html>proxy</html>"])
+async def test_a_server_that_lists_no_model_is_an_endpoint_error_naming_it(listing):
+    """A `/models` answer with no model (a proxy with none configured) or not JSON was a bare IndexError or
+    JSONDecodeError, naming neither the server nor the cause."""
+    class Listing(Handler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(listing)))
+            self.end_headers()
+            self.wfile.write(listing)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    engine = EndpointEngine(url, Tokenizer(), stop_token_ids=[2], end_of_turn_id=None)
+    try:
+        for _ in range(2):  # and again: not a half-started engine that sends model None
+            with pytest.raises(EndpointError, match=f"^{url}/models lists no model"):
+                await engine.generate([1], max_new_tokens=3, sampling=Sampling(greedy=True))
+    finally:
+        await engine.close()
+        httpd.shutdown()
+
+
+def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch, server):
+    """Its rollout stage evaluates through the server. It had only been set up here: the stage's evaluation
+    read the engine's `batches_run` and its progress `forward_steps`, which the endpoint engine lacked, so
+    `factory eval --model URL` failed on its first prompt (AttributeError)."""
     from pathlib import Path
+
+    import pyarrow as pa
 
     import factory
     from factory.commands.api import with_endpoint
     from factory.plan import RolloutSettings
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    plan = with_endpoint(factory.compile("specs/tiny.yaml"), "http://127.0.0.1:8000/v1")
+    plan = with_endpoint(factory.compile("specs/tiny.yaml"), server)
     (rollout,) = [s.settings for s in plan.stages if isinstance(s.settings, RolloutSettings)]
-    assert rollout.endpoint == "http://127.0.0.1:8000/v1"
+    assert rollout.endpoint == server
     # its stage stops on the chat's and the model's eos ids, as a local engine does (it had the chat's alone)
     import asyncio
 
@@ -119,9 +150,22 @@ def test_an_evaluation_plan_generates_through_the_endpoint(monkeypatch):
     from factory.rollout.stage import RolloutStage
 
     stage = RolloutStage(rollout.model_copy(update={"tool_peer": None}))  # (its calls are not made here)
-    asyncio.run(stage.setup())
+    batch = pa.table({"messages": [json.dumps([{"role": "user", "content": "2+2?"}])], "row": [json.dumps({})]})
+
+    async def evaluate():
+        await stage.setup()
+        try:
+            return await stage.evaluate(batch), await stage.progress()
+        finally:
+            await stage.close()
+
+    SEEN.clear()
+    part, progress = asyncio.run(evaluate())
     assert stage.engine.stop_token_ids == sorted({*stage.chat.stop_token_ids, *model_eos(resolve_model(rollout.model.path))})
     assert len(stage.engine.stop_token_ids) > len(stage.chat.stop_token_ids)
+    (traj,) = part.trajs
+    assert len(SEEN) == 1 and traj.turns[0].text == "xyz" and traj.sampler_logprobs == []  # (text: tokenized here)
+    assert stage.engine.batches_run == 1 and stage.engine.forward_steps == len(traj.response_ids)
 
 
 def test_a_served_model_says_which_settings_of_the_spec_only_a_local_engine_reads(monkeypatch):

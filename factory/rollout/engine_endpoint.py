@@ -14,11 +14,20 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from factory.endpoints import open_client, request
+from factory.endpoints import EndpointError, open_client, request
 from factory.rollout.engine import Generation, Sampling, cut_at_stop
 
 _TOKEN_ID = "token_id:"  # vLLM's form of a token in `logprobs.tokens` with return_tokens_as_token_ids
 RETRIES = 4  # a request failed for a reason that may pass (429, 5xx, transport) is tried again: 3.75 s of backoff
+
+
+def served_model(url: str, listed: Any) -> str:
+    """The first model a server's `/models` answer lists (an EndpointError naming the server if none)."""
+    try:
+        return str(listed.json()["data"][0]["id"])
+    except (ValueError, LookupError, TypeError, AttributeError):  # not JSON, no data, an empty list, no id
+        raise EndpointError(f"{url} lists no model: {listed.text[:200]!r} (the server's /models must name the model "
+                            "it serves)") from None
 
 
 class EndpointEngine:
@@ -39,16 +48,20 @@ class EndpointEngine:
         self._key_withheld = False
         self._model: str | None = None
         self._lock: asyncio.Lock | None = None
+        # the stage's metrics and heartbeat (the Engine protocol): requests answered, and tokens generated,
+        # each one a forward of the server's
+        self.batches_run = 0
+        self.forward_steps = 0
 
     async def _start(self) -> tuple[Any, str]:
         """The HTTP client and the served model's name (the server's first, from /models), made once."""
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
-            if self._client is None:
-                self._client, self._key_withheld = open_client(self.url, self.timeout_s)
-                listed = await self._send("GET", f"{self.url}/models")
-                self._model = listed.json()["data"][0]["id"]
-        return self._client, self._model  # type: ignore[return-value]
+            if self._model is None:
+                if self._client is None:
+                    self._client, self._key_withheld = open_client(self.url, self.timeout_s)
+                self._model = served_model(f"{self.url}/models", await self._send("GET", f"{self.url}/models"))
+        return self._client, self._model
 
     async def _send(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
         """One request, retried as a judge's are (factory.endpoints): a busy server (429, 503) or a dropped
@@ -77,7 +90,10 @@ class EndpointEngine:
             if sampling.seed is not None:
                 body["seed"] = sampling.seed
         reply = await self._send("POST", f"{self.url}/completions", body)
-        return self.answer(reply.json()["choices"][0], max_new_tokens)
+        out = self.answer(reply.json()["choices"][0], max_new_tokens)
+        self.batches_run += 1
+        self.forward_steps += len(out.ids)
+        return out
 
     def answer(self, choice: dict[str, Any], limit: int) -> Generation:
         """One completion choice as the turn's ids and log-probs (see the module doc)."""
@@ -85,13 +101,16 @@ class EndpointEngine:
         tokens = logprobs.get("tokens") or []
         if tokens and all(isinstance(t, str) and t.startswith(_TOKEN_ID) for t in tokens):
             ids = [int(t[len(_TOKEN_ID):]) for t in tokens]
-            lps = [float(x) if x is not None else 0.0 for x in logprobs.get("token_logprobs") or [0.0] * len(ids)]
+            given = logprobs.get("token_logprobs") or []
+            lps = [float(x) for x in given] if len(given) == len(ids) and None not in given else []
         else:
             ids = self.tokenizer.encode(choice.get("text") or "", add_special_tokens=False)
-            lps = [0.0] * len(ids)  # not the sampler's: the text was tokenized here
+            # none: the text was tokenized here, so these are not the sampler's tokens (0.0 each said every token
+            # was certain, and the agent loop recorded them as the sampler's)
+            lps = []
         if choice.get("finish_reason") == "stop" and not set(ids[-1:]) & set(self.stop_token_ids):
             stop = self.end_of_turn_id if self.end_of_turn_id is not None else self.stop_token_ids[0]
-            ids, lps = [*ids, stop], [*lps, 0.0]
+            ids, lps = [*ids, stop], [*lps, 0.0] if lps else []
         return cut_at_stop(ids, self.stop_token_ids, limit + 1, lps)
 
     def load_weights(self, state_dict: Any) -> None:
