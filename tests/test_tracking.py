@@ -159,6 +159,29 @@ def test_a_tracker_sets_mlflows_http_settings_only_while_it_writes_a_run(trackin
     assert ev.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 7  # MLflow's own, for the user's calls
 
 
+def test_a_tracker_dropped_while_writing_leaves_later_settings_alone(monkeypatch):
+    """The settings were held by a generator context manager: a tracker dropped without `end` (a test's, a
+    notebook's after an exception) put them back when the garbage collector finalised it, at any later moment,
+    popping a value set meanwhile (seen: a CI test's MLFLOW_HTTP_REQUEST_TIMEOUT=1 gone, its `end` then waited out
+    MLflow's 120 s default). Only `end` and `released` put them back now."""
+    import gc
+    import os
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    t = Tracker("http://127.0.0.1:9", "dropped")
+    t._fail_fast()  # as `prepare` or `start` does
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")  # set by someone else while it writes
+    del t
+    gc.collect()
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "1"
+    t = Tracker("http://127.0.0.1:9", "ended")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT")
+    t._fail_fast()
+    t.released()  # (no run: what was set is put back)
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
 def test_an_evaluation_whose_stages_fail_to_start_puts_mlflows_http_settings_back(monkeypatch):
     """`factory.evaluate` had no `released()` after it, as a run has: an evaluation whose stages failed to start
     (a model that does not fit, a tool server that will not start), after its store was prepared (which sets

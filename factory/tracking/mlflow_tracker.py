@@ -418,20 +418,24 @@ class MlflowTracker:
         self._tried = 0.0
         self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
         # MLFLOW_FAIL_FAST in the environment from the first write of a run (`prepare`, `start`, `resume`) to its
-        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process
-        self._writing: contextlib.ExitStack | None = None
+        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process. What
+        # they were before (None: not writing). A plain dict, put back by `_settled` alone: held by a generator
+        # context manager, they were put back whenever the garbage collector finalised a tracker dropped without
+        # `end`, popping a value set since.
+        self._unset: dict[str, str | None] | None = None
 
     def _fail_fast(self) -> None:
         """MLFLOW_FAIL_FAST in force (an HTTP store's) until `_settled`; the user's own settings kept."""
-        if self._writing is None and self.uri.startswith(("http://", "https://")):
-            self._writing = contextlib.ExitStack()
-            self._writing.enter_context(environ(MLFLOW_FAIL_FAST, keep_set=True))
+        if self._unset is None and self.uri.startswith(("http://", "https://")):
+            self._unset = {name: os.environ.get(name) for name in MLFLOW_FAIL_FAST}
+            for name, value in MLFLOW_FAIL_FAST.items():
+                os.environ.setdefault(name, value)
 
     def _settled(self) -> None:
         """MLflow's settings put back as they were before the run was written."""
-        if self._writing is not None:
-            self._writing.close()
-            self._writing = None
+        if self._unset is not None:
+            unset, self._unset = self._unset, None
+            put_back(unset)
 
     def prepare(self) -> None:
         """Open the store and this tracker's experiment ahead of `start`: a new sqlite store creates its
