@@ -207,18 +207,22 @@ async def test_the_mcp_server_answers_over_stdio():
 
 
 async def test_code_that_was_not_run_is_an_infra_error_not_the_models_answer(monkeypatch, tmp_path):
-    # "The code was not run" (the sandbox not set up in time: a loaded machine, here a 1 ms limit that no
-    # Python start meets; no Landlock or libseccomp) came back as an ok answer: trained on as the model's
-    # output and cached by `cache: true`. It is now a JSON-RPC error, which the ToolBox files as infra_error
-    # (retried, never cached), its reason kept.
+    # "The code was not run" (the sandbox not set up in time: a loaded machine; no Landlock or libseccomp) came
+    # back as an ok answer: trained on as the model's output and cached by `cache: true`. It is now a JSON-RPC
+    # error, which the ToolBox files as infra_error (retried, never cached), its reason kept. (The server's child
+    # is never set up here: a 1 ms limit raced, and now and then the program ran and was killed.)
     monkeypatch.setenv("FACTORY_CACHE", str(tmp_path))
-    server = StdioServer(command="python", args=["-m", "factory.examples.sandbox", "--timeout-s", "0.001"],
+    server = StdioServer(command="python", args=["tests/tool_servers/unsandboxed.py", "--timeout-s", "0.001"],
                          cwd=str(ROOT), timeout_s=20, retries=0, cache=True)
     async with ToolBox.from_spec({"py": server}, base_dir=ROOT) as box:
         results = [await box.call(ToolCall("run_python", {"code": "print(1)"}, raw="")) for _ in range(2)]
     for result in results:  # the second call went to the server again: nothing was cached
         assert (result.status, result.error_kind) == ("infra_error", "transport"), result
         assert "the code was not run: the sandbox was not set up within 0.001 s" in result.text, result.text
+    from mcp.shared.exceptions import MCPError
+
+    with pytest.raises(MCPError, match="^the code was not run: the sandbox ended with exit code 1 before it was set"):
+        describe({"sandboxed": False, "timed_out": False, "exit_code": 1, "stdout": "", "stderr": ""}, Limits())
 
 
 async def test_a_program_that_closes_its_pipes_is_still_killed_at_the_wall_clock_limit():
