@@ -95,6 +95,11 @@ def test_numeric_match_reads_a_leading_dot_and_a_ground_truth_with_separators():
     ("3 * -4", "3", 0.0), ("3*(4)", "3", 0.0), ("2 \\cdot 5", "2", 0.0),
     ("**42**", "42", 1.0), ("**42**.", "42", 1.0), ("**42** - the total", "42", 1.0),  # bold: no operand follows
     ("42 * the units", "42", 1.0),
+    # bold's closing `**` before a parenthetical or a new line is no multiplication (it read `**42** (x)` as 42 * (x))
+    ("**42** (the total)", "42", 1.0), ("**42**\n\n2 boxes of 21", "42", 1.0), ("*42* (forty-two)", "42", 1.0),
+    ("3 *\n4", "3", 1.0), ("3\n* 4 boxes", "3", 1.0),  # nor a `*` across a line break (a list item)
+    (r"\frac12", "0.5", 1.0), (r"\frac {1}{2}", "0.5", 1.0), (r"\frac{3}4", "0.75", 1.0),  # LaTeX's shorthand
+    (r"\frac12", "12", 0.0),
 ])
 def test_numeric_match_reads_separators_fractions_and_refuses_expressions(said, truth, expected):
     assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected

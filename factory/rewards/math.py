@@ -22,14 +22,20 @@ from factory.util import without_reasoning
 _ANSWER = re.compile(r"<(/?)answer>", re.IGNORECASE)
 _TOOL_RESPONSE = re.compile(r"<(/?)tool_response>")
 _NUM = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # ".5" is 0.5, not 5
-# The first number: `\frac{a}{b}` (`-\frac`, `\dfrac`, `\tfrac` too), `a/b` or `a`, and whether an operator
-# follows it (`2^{10}`, `2 \times 10^3`, `3 * 4`: an expression, not its first number; a `*` with no operand
-# after it is markdown's bold, as in `**42**`).
+# The first number: `\frac{a}{b}` (`-\frac`, `\dfrac`, `\tfrac` too; LaTeX's `\frac12`, a single digit without
+# braces, as well), `a/b` or `a`, and whether an operator follows it on its line (`2^{10}`, `2 \times 10^3`,
+# `3 * 4`, `2**10`: an expression, not its first number). A `*` is multiplication only with its operand right
+# after it, or with spaces on its left: markdown's bold and italic close with one before any text, as in
+# `**42** (the total)`, and a line break ends the expression (`42\n* note` is a list item).
+_NUM_ARG = rf"\{{\s*(?P<num>{_NUM})\s*\}}|(?P<num_digit>\d)"
+_DEN_ARG = rf"\{{\s*(?P<den>{_NUM})\s*\}}|(?P<den_digit>\d)"
 _FIRST_NUMBER = re.compile(
-    rf"(?P<sign>-?)\\[dt]?frac\{{\s*(?P<num>{_NUM})\s*\}}\{{\s*(?P<den>{_NUM})\s*\}}"
+    rf"(?P<sign>-?)\\[dt]?frac\s*(?:{_NUM_ARG})\s*(?:{_DEN_ARG})"
     rf"|(?P<a>{_NUM})(?:\s*/\s*(?P<b>{_NUM}))?"
 )
-_OPERATOR_AFTER = re.compile(r"\s*(?:\^|\\times|\\cdot|\u00d7|\*{1,2}\s*(?:-?\.?\d|\())")
+_OPERAND = r"(?:-?\.?\d|\()"
+_OPERATOR_AFTER = re.compile(
+    rf"[^\S\r\n]*(?:\^|\\times|\\cdot|\u00d7)|[^\S\r\n]+\*{{1,2}}[^\S\r\n]*{_OPERAND}|\*{{1,2}}{_OPERAND}")
 _SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234 and 1,234,567; not 3,4 nor 1,2345
 # Models trained on typeset math write the minus sign U+2212 (or its small and full-width forms): read as "-",
 # not dropped, or "−7" would score as 7.
@@ -94,11 +100,11 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     number below a billion must be exact (1e-6 let the quickstart's answers of up to ~5e8 be off by hundreds);
     abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
     (abs_tol: 1e-9, say).
-    The number read is the first of the tag: `1/2` and `\\frac{1}{2}` are read as fractions (0.5), and one that
-    an operator follows (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`) scores 0.0: that is an
-    expression, not its first number (markdown's bold `**42**` is 42). Thousands separators (a comma before
-    each group of 3 digits) are dropped from both sides, so "1,234" matches a ground truth of "1,234" or 1234;
-    any other comma ends the number ("3,4" is 3).
+    The number read is the first of the tag: `1/2`, `\\frac{1}{2}` and `\\frac12` are read as fractions (0.5),
+    and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`)
+    scores 0.0: that is an expression, not its first number (markdown's bold `**42**` is 42, `**42** (x)` too).
+    Thousands separators (a comma before each group of 3 digits) are dropped from both sides, so "1,234" matches
+    a ground truth of "1,234" or 1234; any other comma ends the number ("3,4" is 3).
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing. One that
     is no decimal number at all ("1/2", "$18", GSM8K's "... #### 72") raises ValueError, whatever the model
     wrote: the data needs converting, which 0.0 on every sample would hide.
@@ -124,8 +130,9 @@ def _first_number(text: str) -> Decimal | None:
     found = _FIRST_NUMBER.search(text)
     if found is None or _OPERATOR_AFTER.match(text, found.end()):
         return None
-    if found["num"] is not None:
-        value = _EXACT.divide(Decimal(found["num"]), Decimal(found["den"]))
+    if found["num"] is not None or found["num_digit"] is not None:
+        num, den = found["num"] or found["num_digit"], found["den"] or found["den_digit"]
+        value = _EXACT.divide(Decimal(num), Decimal(den))
         return _EXACT.minus(value) if found["sign"] else value
     if found["b"] is not None:
         return _EXACT.divide(Decimal(found["a"]), Decimal(found["b"]))
