@@ -499,6 +499,48 @@ def test_a_step_table_cut_short_is_passed_over_with_a_note(tmp_path, monkeypatch
     table.write_bytes(table.read_bytes()[:40])
     assert cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri]) == 0
     out = " ".join(capsys.readouterr().out.split())  # (as wrapped to the terminal's width)
-    assert (f"note: run {old.run_id}'s table of step 2 (trajectories/step_00002.parquet) cannot be read, cut short "
-            "or damaged: that step was not rescored (") in out, out
+    assert (f"note: run {old.run_id}'s train table of step 2 (trajectories/step_00002.parquet) cannot be read, cut "
+            "short or damaged: that step was not rescored (") in out, out
     assert "the steps it saved were rescored (1)" in out and "│ 1 │ reward/mean" in out and "│ 2 │" not in out, out
+
+
+def test_a_store_that_fails_a_download_stops_the_rescore_and_calls_no_table_damaged(tmp_path, monkeypatch, capsys):
+    """The download was inside the guard for a table cut short: a store down for a moment (requests'
+    ConnectionError is an OSError) dropped that step from the new run under a note calling the run's table
+    damaged, and the rescore ended 0. A store error stops the rescore, as before, with nothing logged."""
+    from pathlib import Path
+
+    import requests
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from factory.commands import cli
+    from factory.tracking.mlflow_tracker import MlflowTracker
+    from factory.tracking.tracker import open_tracker
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start("whole", {}, {}, {})
+    for step in (1, 2):
+        old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2],
+                                         loss_mask=[1], turns=[], stop_reason="no_call", row={"answer": "3"},
+                                         messages=[{"role": "user", "content": "1 + 2"}], completion="3")], step)
+    old.end()
+    real = MlflowTracker.download
+
+    def flaky(self, run_id, path, into):
+        if path.endswith("step_00002.parquet"):
+            raise requests.ConnectionError("Max retries exceeded with url: /api/2.0/mlflow-artifacts/...")
+        return real(self, run_id, path, into)
+
+    monkeypatch.setattr(MlflowTracker, "download", flaky)
+    rc = cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri])
+    out, err = capsys.readouterr()
+    assert rc != 0 and "Max retries exceeded" in err and "cut short or damaged" not in out, (rc, out, err)
+    assert [r.info.run_name for r in MlflowClient(uri).search_runs([old.experiment_id])] == ["whole"]

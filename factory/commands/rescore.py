@@ -89,17 +89,20 @@ def _load(tracker: Tracker, run_id: str, steps: set[int] | None,
         raise RescoreError(f"run {run_id} saved no trajectories at steps {_shown(absent)}")
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for key, path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] != "eval")):
+        for (split, step), path in sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0] != "eval")):
+            # A store that fails the download (requests' errors are OSErrors) stops the rescore: the table
+            # may be whole, and passing its step over would log a run short of it.
+            local = tracker.download(run_id, path, tmp)
             try:
-                table = pq.read_table(tracker.download(run_id, path, tmp))
+                table = pq.read_table(local)
             except (pa.ArrowInvalid, OSError) as e:  # a driver killed while it copied the table into the store
-                notes.append(f"run {run_id}'s table of step {key[1]} ({path}) cannot be read, cut short or "
+                notes.append(f"run {run_id}'s {split} table of step {step} ({path}) cannot be read, cut short or "
                              f"damaged: that step was not rescored ({e})")
                 continue
             if "turns" not in table.column_names:
                 raise RescoreError(f"run {run_id} saved its trajectories without their data rows and turns (it "
                                    "was made before `factory rescore` existed): it cannot be rescored")
-            out[key] = [trajectory_from_record(r) for r in table.to_pylist()]
+            out[split, step] = [trajectory_from_record(r) for r in table.to_pylist()]
     if not out:
         raise RescoreError(f"none of run {run_id}'s saved trajectory tables can be read: " + "; ".join(notes))
     return out
