@@ -251,6 +251,33 @@ def test_an_export_that_cannot_be_written_says_why_and_leaves_nothing_behind(tmp
     assert f"cannot write {tmp_path / 'a-file' / 'model'}: Not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("base_files", [{"config.json": json.dumps({"model_type": "qwen3"})}, {}],
+                         ids=["config-without-weights", "empty-folder"])
+def test_a_lora_export_whose_base_model_cannot_be_loaded_says_so(tmp_path, capsys, base_files):
+    """The merge loads the base model the adapters name; its failure (a cache folder cut short: an OSError) was
+    said as "cannot write OUT", of a folder that is writable, and an empty base folder's ValueError ("Unrecognized
+    model") was an internal error."""
+    base = tmp_path / "base"
+    base.mkdir()
+    for name, text in base_files.items():
+        (base / name).write_text(text)
+    staged = ckpt.clear_staging(tmp_path / "ckpt", ckpt.tag(1)) / "adapter"
+    staged.mkdir()
+    (staged / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": 2,
+        "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    (staged / "tokenizer_config.json").write_text("{}")
+    (staged / "adapter_model.safetensors").write_bytes(b"w" * 64)
+    step = ckpt.commit(tmp_path / "ckpt", ckpt.tag(1))
+    (tmp_path / "exports").mkdir()
+    out = tmp_path / "exports" / "model"
+    assert cli.main(["export", str(tmp_path / "ckpt"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"factory: {step / 'adapter'}: its base model {base} cannot be loaded: " in err, err
+    assert "cannot write" not in err, err
+    assert list((tmp_path / "exports").iterdir()) == []
+
+
 def test_export_of_train_checkpoint_dir_takes_its_newest_runs_checkpoint(tmp_path, capsys):
     """`factory export --help` offers train.checkpoint_dir as RUN, but that folder holds the runs' own folders and
     `newest`, no `latest`: export said untruly "its run saved no checkpoint there". And the `vllm serve` line it

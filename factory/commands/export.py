@@ -175,7 +175,10 @@ def merge_adapters(adapter: Path, out: Path) -> None:
     if not base_path or not Path(base_path).is_dir():
         raise ExportError(f"{adapter}: the base model {base_path!r} it adapts is not on disk here; "
                           "export --adapter copies the adapters alone")
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    try:  # its own failure, not the out folder's (an OSError): a cache folder cut short, or one that is empty
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{adapter}: its base model {base_path} cannot be loaded: {e}") from e
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)
