@@ -272,15 +272,17 @@ def test_retriever_hits_become_numbered_passages():
 
 
 @contextlib.contextmanager
-def canned_retriever(port: int = 0, status: int = 200, seen: list | None = None) -> Iterator[int]:
+def canned_retriever(port: int = 0, status: int = 200, seen: list | None = None,
+                     answer: object = None) -> Iterator[int]:
     """Search-R1's retrieval server's HTTP contract on 127.0.0.1 (`port`, else a free one, yielded): answers
-    RETRIEVED's first `topk` hits, or only `status` when that is not 200; the requests go to `seen`."""
+    RETRIEVED's first `topk` hits (or `answer`, when given), or only `status` when that is not 200; the requests
+    go to `seen`."""
     class Retriever(BaseHTTPRequestHandler):
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if seen is not None:
                 seen.append(request)
-            body = json.dumps({"result": [RETRIEVED[: request["topk"]]]}).encode()
+            body = json.dumps(answer if answer is not None else {"result": [RETRIEVED[: request["topk"]]]}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
@@ -323,6 +325,17 @@ def test_a_retriever_that_fails_is_a_server_error_that_says_why():
     assert failed.value.code == INTERNAL_ERROR
     with pytest.raises(MCPError, match="could not be reached") as failed:  # nothing listens there now
         asyncio.run(S.retrieve(f"http://127.0.0.1:{port}/retrieve", "copper alloy", 1))
+    assert failed.value.code == INTERNAL_ERROR
+
+
+@pytest.mark.parametrize("answer", [{"result": [None]}, {"result": [["Bronze\nan alloy"]]}, {"result": ["x"]},
+                                    {"result": [{"hit": 1}]}, {"result": [[{"document": "Bronze"}]]}])
+def test_a_retriever_answer_not_in_search_r1s_shape_is_a_server_error(answer):
+    """Only `result[0]` was guarded: hits of another shape (null, a list of texts, a text) raised TypeError or
+    AttributeError as the passages were made, which reached the model as its own error, trained on and cached."""
+    with canned_retriever(answer=answer) as port:
+        with pytest.raises(MCPError, match="answered no Search-R1 hits") as failed:
+            asyncio.run(S.retrieve(f"http://127.0.0.1:{port}/retrieve", "copper alloy", 1))
     assert failed.value.code == INTERNAL_ERROR
 
 

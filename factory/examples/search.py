@@ -447,7 +447,17 @@ async def retrieve(url: str, query: str, top_k: int, passage_chars: int = PASSAG
         hits = response.json()["result"][0]
     except (ValueError, LookupError, TypeError) as exc:
         raise MCPError(INTERNAL_ERROR, f"the retriever at {url} answered no Search-R1 result: {exc!r}") from exc
+    if not _search_r1_hits(hits):
+        raise MCPError(INTERNAL_ERROR, f"the retriever at {url} answered no Search-R1 hits (a list of objects, "
+                                       f"each with its document): {str(hits)[:200]}")
     return retriever_passages(hits, passage_chars)
+
+
+def _search_r1_hits(hits: object) -> bool:
+    """Whether `hits` is what retriever_passages reads: a list of hits, each an object whose `document` (or
+    the hit itself) is one."""
+    return isinstance(hits, list) and all(
+        isinstance(hit, dict) and isinstance(hit.get("document") or hit, dict) for hit in hits)
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
