@@ -49,8 +49,9 @@ async def request(client: Any, method: str, url: str, *, body: dict[str, Any] | 
         if before_each is not None:
             await before_each()
         # at most cap_s: uncapped, `retries: 14` slept 2048 s before its last try, holding the caller's slot
-        # (a judge node's) far past any deadline that counts on timeout_s
-        wait = min(0.25 * 2**attempt, cap_s)
+        # (a judge node's) far past any deadline that counts on timeout_s. The doubling stops at 2**1000 s, past
+        # any cap: `retries` has no bound, and 2**1024 is past a float's range (OverflowError, no EndpointError).
+        wait = min(0.25 * 2 ** min(attempt, 1000), cap_s)
         try:
             # the client's timeout bounds each read, not the request: a server that trickles its body, a byte
             # within each read's limit, was read for ever (and the reward stage with it)

@@ -374,6 +374,28 @@ def test_the_backoff_between_retries_waits_at_most_timeout_s(monkeypatch):
     assert waits == [0.25, 0.5, 1, 2, 4, 8, 16, 32] + [60] * 6
 
 
+def test_a_thousand_retries_and_more_end_in_an_endpoint_error(monkeypatch):
+    """`retries` has no upper bound, and the wait was 0.25 * 2**attempt before its cap: at attempt 1024 that
+    float overflowed, and an OverflowError escaped in place of the EndpointError."""
+    from types import SimpleNamespace
+
+    from factory import endpoints
+
+    waits = []
+
+    async def sleep(s):
+        waits.append(s)
+
+    class Failing:  # every request a 500
+        async def request(self, method, url, json=None):
+            return SimpleNamespace(status_code=500, headers={}, text="down")
+
+    monkeypatch.setattr(endpoints.asyncio, "sleep", sleep)
+    with pytest.raises(endpoints.EndpointError, match="^HTTP 500: down$"):
+        asyncio.run(endpoints.request(Failing(), "POST", "http://127.0.0.1:1/v1", body={}, retries=1100, cap_s=60))
+    assert len(waits) == 1100 and waits[-300:] == [60] * 300
+
+
 def test_the_api_key_is_withheld_from_a_plain_http_endpoint_elsewhere(monkeypatch, tmp_path):
     """Sent over http to a non-loopback host, the key would cross the network in clear text. The request
     goes to a host that does not resolve: what matters is the header the session built."""
