@@ -372,33 +372,58 @@ def test_a_rescore_with_a_local_judge_places_it_as_a_run_does_recorded_and_torn_
     assert list(drivers.glob("*.json")) == []
 
 
-def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypatch):
-    """A spec name or tracking tag read from the environment is recorded as `***` by `factory run`: a rescore built
-    its run name and tags from the runnable spec's real values, so they landed in MLflow in clear."""
+def _tiny_spec() -> dict:
+    """specs/tiny.yaml as data, its prompt template named by an absolute path (the spec goes elsewhere)."""
     from pathlib import Path
 
     import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
+    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    return data
+
+
+def _spec_file(tmp_path, data: dict):
+    import yaml
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return spec
+
+
+def _started_run(tmp_path, monkeypatch, name: str, steps=(1,), completion: str = "3", split: str = "train"):
+    """A run in a sqlite store under tmp_path, started and holding one trajectory at each of `steps`; the caller
+    logs more and ends it. Returns (the store's uri, its tracker)."""
+    from factory.tracking.tracker import open_tracker
+
+    monkeypatch.chdir(tmp_path)  # (where a tracker keeps what it has not sent yet)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    old = open_tracker(uri, "t")
+    old.start(name, {}, {}, {})
+    for step in steps:
+        old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2],
+                                         loss_mask=[1], turns=[], stop_reason="no_call", row={"answer": "3"},
+                                         messages=[{"role": "user", "content": "1 + 2"}], completion=completion)],
+                             step, split=split)
+    return uri, old
+
+
+def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypatch):
+    """A spec name or tracking tag read from the environment is recorded as `***` by `factory run`: a rescore built
+    its run name and tags from the runnable spec's real values, so they landed in MLflow in clear."""
     from mlflow.tracking import MlflowClient
 
     from factory.commands.rescore import rescore
     from factory.compiler.compile import compile_file
-    from factory.tracking.tracker import open_tracker
 
-    root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("FACTORY_T_NAME", "name-s3cret")
     monkeypatch.setenv("FACTORY_T_TOKEN", "tok-s3cret")
-    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
-    data["data"]["prompt"] = str(root / data["data"]["prompt"])
+    data = _tiny_spec()
     data["name"] = "${oc.env:FACTORY_T_NAME}"
     data["tracking"]["tags"] = {"owner": "${oc.env:FACTORY_T_TOKEN}"}
     spec, plan = compile_file(data, weights=False)
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    old = open_tracker(uri, "t")
-    old.start("old", {}, {}, {})
-    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                                     turns=[], stop_reason="no_call", row={"answer": "3"},
-                                     messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
+    uri, old = _started_run(tmp_path, monkeypatch, "old")
     old.end()
     new = MlflowClient(uri).get_run(rescore(old.run_id, plan, uri=uri).run_id)
     assert new.info.run_name.startswith("***-rescore-") and new.data.tags["owner"] == "***"
@@ -408,28 +433,11 @@ def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypa
 def test_before_is_the_runs_own_value_of_a_metric_stored_under_another_name(tmp_path, monkeypatch, capsys):
     """A `metrics` entry whose name MLflow refuses (`pass@1`) is stored as `eval/pass_1`: "before" looked it up under
     the spec's name, found nothing and printed "-" as if the run had never logged it."""
-    from pathlib import Path
-
-    import yaml
-
     from factory.commands import cli
     from factory.tracking.mlflow_tracker import _hashed_name, stored_metric_name
-    from factory.tracking.tracker import open_tracker
 
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
-    data["data"]["prompt"] = str(root / data["data"]["prompt"])
-    data["metrics"] = {"pass@1": "correct"}
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    old = open_tracker(uri, "t")
-    old.start("old", {}, {}, {})
-    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                                     turns=[], stop_reason="no_call", row={"answer": "3"},
-                                     messages=[{"role": "user", "content": "1 + 2"}], completion="<answer>7</answer>")],
-                         0, split="eval")
+    spec = _spec_file(tmp_path, {**_tiny_spec(), "metrics": {"pass@1": "correct"}})
+    uri, old = _started_run(tmp_path, monkeypatch, "old", steps=(0,), completion="<answer>7</answer>", split="eval")
     old.log_metrics({"eval/pass@1": 0.25, "eval/reward": 0.25}, step=0)  # as the run logs them
     old.end()
     assert cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri]) == 0
@@ -446,25 +454,10 @@ def test_before_is_the_runs_own_value_of_a_metric_stored_under_another_name(tmp_
 def test_a_rescore_of_a_run_whose_name_holds_brackets_says_it_as_it_is(tmp_path, monkeypatch, capsys):
     """The run's name (RUN as given) went to rich as markup: `[/judge]` in it made the rescore an internal error
     after its new run was logged."""
-    from pathlib import Path
-
-    import yaml
-
     from factory.commands import cli
-    from factory.tracking.tracker import open_tracker
 
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
-    data["data"]["prompt"] = str(root / data["data"]["prompt"])
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    old = open_tracker(uri, "t")
-    old.start("abl[/judge]", {}, {}, {})
-    old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                                     turns=[], stop_reason="no_call", row={"answer": "3"},
-                                     messages=[{"role": "user", "content": "1 + 2"}], completion="3")], 1)
+    spec = _spec_file(tmp_path, _tiny_spec())
+    uri, old = _started_run(tmp_path, monkeypatch, "abl[/judge]")
     old.end()
     assert cli.main(["rescore", "abl[/judge]", "--spec", str(spec), "--uri", uri]) == 0
     out = capsys.readouterr().out
@@ -474,26 +467,10 @@ def test_a_rescore_of_a_run_whose_name_holds_brackets_says_it_as_it_is(tmp_path,
 def test_a_step_table_cut_short_is_passed_over_with_a_note(tmp_path, monkeypatch, capsys):
     """A step's table cut short (its driver killed while the table was copied into the store) made the rescore an
     internal error (ArrowInvalid): the steps the run had saved whole are rescored, and the note names the other."""
-    from pathlib import Path
-
-    import yaml
-
     from factory.commands import cli
-    from factory.tracking.tracker import open_tracker
 
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
-    data["data"]["prompt"] = str(root / data["data"]["prompt"])
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    old = open_tracker(uri, "t")
-    old.start("killed", {}, {}, {})
-    for step in (1, 2):
-        old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2],
-                                         loss_mask=[1], turns=[], stop_reason="no_call", row={"answer": "3"},
-                                         messages=[{"role": "user", "content": "1 + 2"}], completion="3")], step)
+    spec = _spec_file(tmp_path, _tiny_spec())
+    uri, old = _started_run(tmp_path, monkeypatch, "killed", steps=(1, 2))
     old.end("KILLED")  # (stopped while step 2's table was being copied)
     (table,) = [p for p in tmp_path.rglob("step_00002.parquet") if "trajectories" in p.parts]
     table.write_bytes(table.read_bytes()[:40])
@@ -508,29 +485,14 @@ def test_a_store_that_fails_a_download_stops_the_rescore_and_calls_no_table_dama
     """The download was inside the guard for a table cut short: a store down for a moment (requests'
     ConnectionError is an OSError) dropped that step from the new run under a note calling the run's table
     damaged, and the rescore ended 0. A store error stops the rescore, as before, with nothing logged."""
-    from pathlib import Path
-
     import requests
-    import yaml
     from mlflow.tracking import MlflowClient
 
     from factory.commands import cli
     from factory.tracking.mlflow_tracker import MlflowTracker
-    from factory.tracking.tracker import open_tracker
 
-    root = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((root / "specs" / "tiny.yaml").read_text())
-    data["data"]["prompt"] = str(root / data["data"]["prompt"])
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(data))
-    monkeypatch.chdir(tmp_path)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    old = open_tracker(uri, "t")
-    old.start("whole", {}, {}, {})
-    for step in (1, 2):
-        old.log_trajectories([Trajectory(prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2],
-                                         loss_mask=[1], turns=[], stop_reason="no_call", row={"answer": "3"},
-                                         messages=[{"role": "user", "content": "1 + 2"}], completion="3")], step)
+    spec = _spec_file(tmp_path, _tiny_spec())
+    uri, old = _started_run(tmp_path, monkeypatch, "whole", steps=(1, 2))
     old.end()
     real = MlflowTracker.download
 

@@ -352,47 +352,36 @@ def test_a_reply_that_does_not_decode_is_a_judge_failure_and_an_unreadable_retry
     assert stats()["by_marker"] == {"gzip": 2, "farday": 2}  # each retried once
 
 
+def _backoff(monkeypatch, retries: int, cap_s: float) -> list[float]:
+    """The waits of `endpoints.request` between tries of a server that answers every request 500, to its end in
+    the EndpointError."""
+    from types import SimpleNamespace
+
+    from factory import endpoints
+
+    waits = []
+
+    async def sleep(s):
+        waits.append(s)
+
+    class Failing:
+        async def request(self, method, url, json=None):
+            return SimpleNamespace(status_code=500, headers={}, text="down")
+
+    monkeypatch.setattr(endpoints.asyncio, "sleep", sleep)
+    with pytest.raises(endpoints.EndpointError, match="^HTTP 500: down$"):
+        asyncio.run(endpoints.request(Failing(), "POST", "http://127.0.0.1:1/v1", body={}, retries=retries,
+                                      cap_s=cap_s))
+    return waits
+
+
 def test_the_backoff_between_retries_waits_at_most_timeout_s(monkeypatch):
     """`retries: 14` slept 0.25 s, 0.5 s, ... 2048 s (over an hour in all for a 60 s timeout), holding the judge
-    node's slot until the reward stage's deadline called the step hung."""
-    from types import SimpleNamespace
-
-    from factory import endpoints
-
-    waits = []
-
-    async def sleep(s):
-        waits.append(s)
-
-    class Failing:  # every request a 500
-        async def request(self, method, url, json=None):
-            return SimpleNamespace(status_code=500, headers={}, text="down")
-
-    monkeypatch.setattr(endpoints.asyncio, "sleep", sleep)
-    with pytest.raises(endpoints.EndpointError, match="^HTTP 500: down$"):
-        asyncio.run(endpoints.request(Failing(), "POST", "http://127.0.0.1:1/v1", body={}, retries=14, cap_s=60))
-    assert waits == [0.25, 0.5, 1, 2, 4, 8, 16, 32] + [60] * 6
-
-
-def test_a_thousand_retries_and_more_end_in_an_endpoint_error(monkeypatch):
-    """`retries` has no upper bound, and the wait was 0.25 * 2**attempt before its cap: at attempt 1024 that
-    float overflowed, and an OverflowError escaped in place of the EndpointError."""
-    from types import SimpleNamespace
-
-    from factory import endpoints
-
-    waits = []
-
-    async def sleep(s):
-        waits.append(s)
-
-    class Failing:  # every request a 500
-        async def request(self, method, url, json=None):
-            return SimpleNamespace(status_code=500, headers={}, text="down")
-
-    monkeypatch.setattr(endpoints.asyncio, "sleep", sleep)
-    with pytest.raises(endpoints.EndpointError, match="^HTTP 500: down$"):
-        asyncio.run(endpoints.request(Failing(), "POST", "http://127.0.0.1:1/v1", body={}, retries=1100, cap_s=60))
+    node's slot until the reward stage's deadline called the step hung. And `retries` has no upper bound: at
+    attempt 1024, 0.25 * 2**attempt overflowed a float before its cap, an OverflowError in place of the
+    EndpointError."""
+    assert _backoff(monkeypatch, 14, 60) == [0.25, 0.5, 1, 2, 4, 8, 16, 32] + [60] * 6
+    waits = _backoff(monkeypatch, 1100, 60)
     assert len(waits) == 1100 and waits[-300:] == [60] * 300
 
 
