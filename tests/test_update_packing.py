@@ -126,6 +126,21 @@ def test_a_packed_update_is_the_padded_update(small_path, learners):  # noqa: F8
     assert stats["actor/skipped_zero_adv"] == 4
 
 
+def test_a_micro_batch_of_empty_responses_is_not_packed(small_path, learners):  # noqa: F811
+    """A group whose episodes all timed out in the first generate has no response tokens
+    (`rollout.drop_infra_errors: false` keeps it): packed, its micro-batch had nothing to gather and the
+    log-probs raised IndexError; the learner now takes the padded layout, where such rows are all-0 mask."""
+    empty = [_traj([5, 6, 7, 8], []) for _ in range(2)]
+    with pytest.raises(ValueError, match="no response token"):
+        collate_packed(empty)
+    trajs = batch(seed=24, groups=2) + [replace(t, prompt_index=2, sample_index=s, reward=float(s % 2))
+                                        for s, t in enumerate(empty * 2)]
+    base, _ = one_step_delta(learners(make_spec(small_path, train={"packing": "off"})), trajs)
+    learner = learners(make_spec(small_path, train={"packing": "on"}))
+    packed_delta, _ = one_step_delta(learner, trajs)
+    assert_same_delta(base, packed_delta)
+
+
 def test_packed_attention_after_a_prefix_is_plain_attention_row_by_row_with_grouped_keys():
     # 9 query heads over 3 key heads, as SmolLM2: the CPU path lets sdpa read the grouped keys itself.
     # Reference: each row's attention written out by hand, keys repeated per head, prefix all visible.

@@ -378,6 +378,8 @@ def collate_packed(trajs: list[Trajectory], shared: int = 0) -> PackedBatch:
         raise ValueError("a trajectory has an empty prompt: its first response token has no context")
     if shared > min(prompts) - 1:
         raise ValueError(f"a shared prefix of {shared} tokens would swallow the token before a response")
+    if not any(t.response_ids for t in trajs):
+        raise ValueError("no response token to pack: the rows' log-probs would gather from nothing")
     ids, pos, lengths, keep, targets, firsts = [], [], [], [], [], []
     offset = found = 0
     for t, p in zip(trajs, prompts):

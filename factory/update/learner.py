@@ -366,7 +366,11 @@ class Learner:
     def _collate(self, group: list[Trajectory]) -> MicroBatch | PackedBatch:
         """One micro-batch's tensors: packed when `train.packing` says so for its lengths, else right-padded.
         Packed rows leave out the prefix they share when it is run once (`share_prefix`)."""
-        if not should_pack(self.spec.train.packing, [len(t.prompt_ids) + len(t.response_ids) for t in group]):
+        # Rows with no response at all (a group whose first generate timed out, kept by
+        # `rollout.drop_infra_errors: false`) have nothing to pack; the padded layout gives them an all-0 mask
+        # and still runs the model, so the loss keeps its graph and every ZeRO-3 rank its forward.
+        if (not any(t.response_ids for t in group)
+                or not should_pack(self.spec.train.packing, [len(t.prompt_ids) + len(t.response_ids) for t in group])):
             return collate(group)
         return collate_packed(group, run_once(len(group), shared_prefix(group)) if self.share_prefix else 0)
 
