@@ -201,7 +201,8 @@ def _turn_cells(turn_rewards: list[Tensor], group_ids: Tensor,
 
 # ------------------------------------------------------------------------------------ policy losses
 def _per_token(advantages: Tensor) -> Tensor:
-    """[N, 1]: one advantage per sequence, broadcast over its tokens; or [N, T] as given (turn credit)."""
+    """[N, 1]: one advantage per sequence, broadcast over its tokens; or [N, T] as given (turn credit,
+    `kl_to_come_advantage`)."""
     return advantages[:, None] if advantages.dim() == 1 else advantages
 
 
@@ -346,11 +347,40 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 def kl_reward_penalty(rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, *, coef: float,
                       estimator: str = "k1") -> Tensor:
-    """rewards - coef * sum_t KL_t over the model's tokens, for kl_apply == "reward" (InstructGPT,
-    REINFORCE++): the penalty then flows through the advantage, not the loss. Computed without grad."""
+    """rewards - coef * sum_t KL_t over the model's tokens, for kl_apply == "reward" (InstructGPT): the
+    penalty then flows through the advantage, not the loss; one number per row. The REINFORCE++ advantages
+    (KL_TO_COME) take the per-token form instead (`kl_to_come_advantage`). Computed without grad."""
     with torch.no_grad():
         kl = _masked(KL_ESTIMATORS[estimator](logp, ref_logp), mask).sum(-1)  # [N]
     return rewards - coef * kl
+
+
+# The advantages whose KL in the reward is REINFORCE++'s per-token form (`kl_to_come_advantage`), not a row's sum.
+KL_TO_COME = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+
+
+def kl_to_come_advantage(rewards: Tensor, group_ids: Tensor, kl: Tensor, mask: Tensor, *, coef: float,
+                         baseline: bool, eps: float) -> Tensor:
+    """[N, T] advantages of REINFORCE++ with its KL in the reward (Hu 2025; OpenRLHF's get_cumulative_returns,
+    gamma 1): token t's return is r - coef * sum_{i>=t} KL_i, the KL still to come (a token cannot change the
+    KL of the tokens before it, so charging it that was noise), then normalised over the batch's model tokens:
+    (x - mean) / std. With `baseline` (REINFORCE++-baseline) the group mean comes off r first and the result is
+    divided by the std only, not re-centred, as `reinforce_pp_baseline_advantage`. Tokens off `mask` add no KL,
+    count in no statistic and get 0; 0 everywhere when the returns agree (std < eps). Without grad."""
+    with torch.no_grad():
+        m = mask.bool()  # [N, T]
+        r = rewards.double()  # [N]
+        if baseline:
+            mean, std = _group_stats(rewards, group_ids)
+            r = torch.where(std < eps, 0.0, r - mean)
+        to_come = _masked(kl.double(), m).flip(-1).cumsum(-1).flip(-1)  # [N, T] sum_{i>=t} KL_i
+        returns = r[:, None] - coef * to_come  # [N, T]
+        x = returns[m]  # [K] the model tokens'
+        scale = x.std() if x.numel() > 1 else x.new_zeros(())
+        if scale < eps:
+            return torch.zeros(kl.shape, dtype=rewards.dtype, device=kl.device)
+        centre = 0.0 if baseline else x.mean()
+        return _masked((returns - centre) / scale, m).to(rewards.dtype)
 
 
 # -------------------------------------------------------------------------------------- DAPO extras

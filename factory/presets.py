@@ -94,7 +94,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "clip_low": 1.0, "clip_high": 4.0},
     # RLOO: leave-one-out baseline; PPO-clip only matters when epochs/mini-batches go off-policy.
     "rloo": {**_PPO, "advantage": "rloo", "aggregation": "token_mean"},
-    # REINFORCE++: batch-normalised reward, token mean; its KL belongs in the reward (k1), as the paper.
+    # REINFORCE++: batch-normalised reward, token mean; its KL goes in the reward (k1), per token as the paper:
+    # each token pays the KL still to come, normalised over the batch's tokens (algorithms.kl_to_come_advantage).
     "reinforce_pp": {**_PPO, "advantage": "reinforce_pp", "aggregation": "token_mean",
                      "kl_apply": "reward", "kl_estimator": "k1"},
     "reinforce_pp_baseline": {**_PPO, "advantage": "reinforce_pp_baseline", "aggregation": "token_mean",

@@ -19,6 +19,7 @@ from factory.algorithms import (
     dynamic_sampling_keep,
     max_variance_keep,
     kl_reward_penalty,
+    kl_to_come_advantage,
     minibatches,
     overlong_penalty,
     policy_objective,
@@ -374,6 +375,55 @@ def test_kl_reward_penalty_sums_over_model_tokens():
     logp, ref = t([[0.0, -1.0], [0.0, -5.0]]), t([[-1.0, 0.0], [0.0, 0.0]])
     got = kl_reward_penalty(t([1.0, 2.0]), logp, ref, t([[1, 1], [1, 0]]), coef=0.1, estimator="k3")
     close(got, [1 - 0.1 * (1 / E + E - 2), 2.0])
+
+
+def test_reinforce_pp_kl_in_the_reward_is_the_kl_still_to_come_at_each_token():
+    """REINFORCE++ (Hu 2025; OpenRLHF get_cumulative_returns): token t's return is r - coef * sum_{i>=t} KL_i,
+    then normalised over the batch's model tokens. k1 KL [1, 0, -1] and [0, 0, 0], rewards 1 and 0, coef 0.5:
+    KL to come [0, -1, -1] -> row 0's returns 1 - 0.5 * [0, -1, -1] = [1, 1.5, 1.5]; row 1's [0, 0, 0].
+    Mean over the 6 tokens 4/6 = 2/3; unbiased std sqrt((1/9 + 2 * 25/36 + 3 * 4/9) / 5) = sqrt(17/30) = 0.7528.
+    (Before, every token of row 0 paid the whole row's KL, 0: one advantage per row.)"""
+    kl = t([[1.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    mask = t([[1, 1, 1], [1, 1, 1]])
+    got = kl_to_come_advantage(t([1.0, 0.0]), torch.tensor([0, 1]), kl, mask, coef=0.5, baseline=False, eps=1e-6)
+    s = math.sqrt(17 / 30)
+    close(got, [[(1 - 2 / 3) / s, (1.5 - 2 / 3) / s, (1.5 - 2 / 3) / s], [-(2 / 3) / s] * 3])
+    # a masked token (a tool token, or padding) adds no KL, counts in no statistic and gets advantage 0:
+    # row 0's first token masked -> returns [_, 1.5, 1.5], row 1 [0, 0, 0]; mean 3/5 = 0.6, std
+    # sqrt((2 * 0.81 + 3 * 0.36) / 4) = sqrt(0.675)
+    big = t([[99.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    got = kl_to_come_advantage(t([1.0, 0.0]), torch.tensor([0, 1]), big, t([[0, 1, 1], [1, 1, 1]]), coef=0.5,
+                               baseline=False, eps=1e-6)
+    s = math.sqrt(0.675)
+    close(got, [[0.0, 0.9 / s, 0.9 / s], [-0.6 / s] * 3])
+    # reinforce_pp_baseline: the group mean comes off the reward first (rewards 1, 0 in one group -> 0.5, -0.5),
+    # then the KL to come, then the batch std over the model tokens without re-centring (as its row-level form):
+    # returns [0.5, 1, 1] and [-0.5] * 3, mean 1/6, the same deviations as above: std sqrt(17/30)
+    got = kl_to_come_advantage(t([1.0, 0.0]), torch.tensor([0, 0]), kl, mask, coef=0.5, baseline=True, eps=1e-6)
+    s = math.sqrt(17 / 30)
+    close(got, [[0.5 / s, 1 / s, 1 / s], [-0.5 / s] * 3])
+    # no spread anywhere: all zero
+    close(kl_to_come_advantage(t([1.0, 1.0]), torch.tensor([0, 1]), kl * 0, mask, coef=0.5, baseline=False,
+                               eps=1e-6), [[0.0] * 3] * 2)
+
+
+def test_the_reinforce_pp_presets_give_per_token_advantages_when_kl_goes_in_the_reward():
+    """The learner's targets, with the numbers above: the presets put k1 KL in the reward, to come per token."""
+    from factory.types import Trajectory, Turn
+    from factory.update.learner import targets
+
+    def traj(i, reward):
+        return Trajectory(prompt_index=i, sample_index=0, prompt_ids=[1, 2], response_ids=[3, 4, 5],
+                          loss_mask=[1, 1, 1], turns=[Turn("x", 3)], stop_reason="no_call", row={}, reward=reward)
+
+    old, ref = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, -1.0]]), torch.full((2, 3), -1.0)  # k1: [1, 0, -1]
+    s = math.sqrt(17 / 30)
+    for name, second_group, want in (("reinforce_pp", 1, [[1 / 3, 5 / 6, 5 / 6], [-2 / 3] * 3]),
+                                     ("reinforce_pp_baseline", 0, [[0.5, 1.0, 1.0], [-0.5] * 3])):
+        alg = resolve(AlgorithmSpec(name=name, kl={"coef": 0.5}))
+        assert alg.kl_apply == "reward" and alg.kl_estimator == "k1"
+        got = targets([traj(0, 1.0), traj(second_group, 0.0)], alg, 100, old, ref, torch.ones(2, 3)).adv
+        close(got, t(want, torch.float32) / s, atol=1e-6)
 
 
 # -------------------------------------------------------------------------------------- DAPO extras

@@ -40,8 +40,10 @@ import factory.update.checkpoint as ckpt
 from factory.algorithms import (
     ADVANTAGES,
     KL_ESTIMATORS,
+    KL_TO_COME,
     Algorithm,
     kl_reward_penalty,
+    kl_to_come_advantage,
     max_turn_variance_keep,
     max_variance_keep,
     policy_objective,
@@ -520,7 +522,7 @@ class Learner:
         if alg.rollout_correction == "tis" and sampler is not None:
             weights = truncated_is_weights(old_logp, sampler, mb.mask, alg.rollout_correction_cap)
         ref = before.ref[micro, :r].to(dev) if before.ref is not None and alg.kl_apply == "loss" else None
-        rows = adv[micro] if adv.dim() == 1 else adv[micro, :r]  # [B] or, with turn credit, [B, r]
+        rows = adv[micro] if adv.dim() == 1 else adv[micro, :r]  # [B], or [B, r] (turn credit, KL to come)
         return policy_objective(alg, logp, old_logp, rows.to(dev), mb.mask, ref_logp=ref, entropy=ent,
                                 is_weights=weights, **totals)
 
@@ -830,7 +832,8 @@ class Targets:
 def targets(sub: list[Trajectory], alg: Algorithm, max_len: int, old: Tensor | None, ref: Tensor | None,
             mask: Tensor) -> Targets:
     """Rewards (+ overlong penalty, + KL penalty when KL goes in the reward) -> group advantages: one per
-    row ([n]), or with `credit: turn` one per model turn spread over that turn's tokens ([n, Rmax])."""
+    row ([n]), or with `credit: turn` one per model turn spread over that turn's tokens ([n, Rmax]), or for
+    REINFORCE++ with KL in the reward one per model token, each paying the KL still to come ([n, Rmax])."""
     shaped = rewards = shaped_rewards(sub, alg, max_len)  # [n]
     kl_tokens = KL_ESTIMATORS[alg.kl_estimator](old, ref) if ref is not None and old is not None else None
     kl_in_reward = kl_tokens is not None and alg.kl_apply == "reward"
@@ -844,6 +847,9 @@ def targets(sub: list[Trajectory], alg: Algorithm, max_len: int, old: Tensor | N
         per_turn = turn_advantages(per_turn_rewards, groups, gamma=alg.gamma, advantage=alg.advantage,
                                    eps=alg.std_eps)  # [K_i] each
         adv = token_advantages(sub, per_turn, mask.shape[1])  # [n, Rmax]
+    elif kl_in_reward and alg.advantage in KL_TO_COME:  # REINFORCE++: each token pays the KL still to come
+        adv = kl_to_come_advantage(shaped, groups, kl_tokens, mask, coef=alg.kl_coef,
+                                   baseline=alg.advantage == "reinforce_pp_baseline", eps=alg.std_eps)  # [n, Rmax]
     else:
         adv = ADVANTAGES[alg.advantage](rewards, groups, eps=alg.std_eps)  # [n]
     return Targets(rewards=rewards, groups=groups, adv=adv, kl_tokens=kl_tokens)
@@ -906,7 +912,7 @@ def step_stats(sums: dict[str, float], schedule: list[list[list[int]]], update_p
         "actor/trained_rows": float(len(computed)),
         "actor/trained_tokens": float(mask[computed].sum()) if computed else 0.0,
         "actor/skipped_zero_adv": float(len(adv) - len(computed)),  # rows the update did not run
-        # per row; with turn credit per model token (each carries its turn's)
+        # per row; per model token where advantages are per token (turn credit, REINFORCE++'s KL to come)
         "actor/advantage_abs_mean": float(adv.abs().mean()) if adv.dim() == 1
         else float((adv.abs() * mask).sum()) / max(tokens, 1.0),
         "actor/reward_shaped_mean": float(target.rewards.mean()),
