@@ -434,6 +434,46 @@ def test_a_hostile_judge_reply_is_a_failure_of_its_node_not_of_the_run(judge_ser
     assert got["trickle"]["status"] == "error" and "no whole response within 1 s" in got["trickle"]["error"]
 
 
+def test_one_prompt_the_local_judge_refuses_fails_only_its_own_request():
+    """The engine refuses one prompt (past the model's context, a template that rejects its row): every prompt
+    batched with it failed too, and under on_missing: zero each trained as 0."""
+    import types
+
+    from factory.reward.judge import JudgeError, JudgeModel, LocalSession
+
+    class Engine:  # as engine_vllm fails one request whose prompt is past the model's context
+        async def generate(self, ids, max_new_tokens, sampling):
+            if len(ids) > 10:
+                raise ValueError("prompt longer than the model's context")
+            return types.SimpleNamespace(ids=[1])
+
+    def prompt_ids(messages, tools):
+        if messages[0]["content"] == "bad row":
+            raise TypeError("the template rejects this row")
+        return [0] * len(messages[0]["content"])
+
+    judge = JudgeModel.__new__(JudgeModel)  # (no model: the engine and chat format stubbed)
+    judge.engine = Engine()
+    judge.chat = types.SimpleNamespace(prompt_ids=prompt_ids)
+    judge.tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens: "Score: 1")
+
+    class Complete:  # the actor's call, in this process
+        @staticmethod
+        def remote(prompts, max_tokens):
+            return asyncio.ensure_future(judge.complete(prompts, max_tokens))
+
+    async def go():
+        session = LocalSession(types.SimpleNamespace(concurrency=8, timeout_s=5, max_tokens=8),
+                               types.SimpleNamespace(complete=Complete))
+        return await asyncio.gather(*(session.reply([{"role": "user", "content": c}])
+                                      for c in ["ok", "x" * 50, "fine", "bad row"]), return_exceptions=True)
+
+    out = asyncio.run(go())
+    assert out[0] == out[2] == "Score: 1", out
+    assert isinstance(out[1], JudgeError) and "ValueError: prompt longer" in str(out[1]), out
+    assert isinstance(out[3], JudgeError) and "TypeError: the template rejects" in str(out[3]), out
+
+
 def test_a_local_judge_batch_that_timed_out_is_cancelled_on_its_actor(monkeypatch):
     """Its requests failed, but the actor went on generating them, and the next batches queued behind that
     abandoned work and timed out too: a slow step lost the judge's values for the rest of the step."""

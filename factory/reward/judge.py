@@ -127,14 +127,21 @@ class LocalSession:
             except Exception as e:  # the actor died, timed out or raised: these requests failed
                 if isinstance(e, TIMEOUTS):  # stop its work too: later batches would queue behind it
                     _cancel(call)
-                error = JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                error = _judge_error(e)
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
-            for (_, future), text in zip(batch, replies):
+            for (_, future), reply in zip(batch, replies):  # a prompt the judge refused fails only its request
                 if not future.done():
-                    future.set_result(text)
+                    if isinstance(reply, BaseException):
+                        future.set_exception(reply)
+                    else:
+                        future.set_result(reply)
+
+
+def _judge_error(e: BaseException) -> JudgeError:
+    return JudgeError(f"local judge: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def _cancel(call: Any) -> None:
@@ -182,15 +189,23 @@ class JudgeModel(StageActor):
                 "resolved": {"engine": self.engine.name, "device": device, "dtype": dtype,
                              "allocator": running_allocator()}}
 
-    async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str]:
+    async def complete(self, prompts: list[list[dict[str, str]]], max_tokens: int) -> list[str | JudgeError]:
+        """Each prompt's reply, or the JudgeError of a prompt the template or engine refused (one past the
+        model's context): that prompt fails alone, not every prompt batched with it."""
         from factory.rollout.engine import Sampling
 
         greedy = Sampling(greedy=True)
-        ids = [self.chat.prompt_ids(messages, None) for messages in prompts]
+
+        async def one(messages: list[dict[str, str]]) -> str | JudgeError:
+            try:
+                ids = self.chat.prompt_ids(messages, None)
+                gen = await self.engine.generate(ids, max_new_tokens=max_tokens, sampling=greedy)
+                return self.tokenizer.decode(gen.ids, skip_special_tokens=True)
+            except Exception as e:  # noqa: BLE001 -- its own request's error, returned for its caller
+                return _judge_error(e)
+
         # All at once: the engine batches concurrent requests into one generate call.
-        gens = await asyncio.gather(*(self.engine.generate(x, max_new_tokens=max_tokens, sampling=greedy)
-                                      for x in ids))
-        return [self.tokenizer.decode(g.ids, skip_special_tokens=True) for g in gens]
+        return list(await asyncio.gather(*(one(m) for m in prompts)))
 
     async def close(self) -> None:
         """The engine's close: vLLM's removes its rendezvous file (/tmp/vllm_dist_*), left behind otherwise
