@@ -137,6 +137,36 @@ def test_a_trajectory_without_turns_has_no_per_turn_value():
     assert turn_mean([None, 1.0, 2.0]) == 1.5 and turn_mean([]) is None
 
 
+def test_trajectories_without_turns_leave_a_per_turn_node_s_counts_and_streamed_mean_right(tmp_path):
+    """A trajectory with no turns (prompt_too_long, an episode timed out in its first turn): a per-turn judge
+    never asked counted a call, and a step scored in parts weighed each part's mean over every kept trajectory,
+    those without a value too, so the streamed mean was not the whole batch's."""
+    import dataclasses
+
+    from factory.runtime.driver import _merge
+    from tests.servers import free_port
+    from tests.test_reward_judge import _score
+
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
+                                "retries": 0, "per": "turn"}})
+    empty = [dataclasses.replace(traj("", turns=[]), stop_reason="prompt_too_long"),
+             dataclasses.replace(traj("", 1, turns=[]), stop_reason="timeout")]
+    _, m = _score(spec, empty, tmp_path)
+    assert m["rewards/judge/calls"] == 0.0  # no request was made
+
+    spec = make_spec({"step": {"fn": f"{FNS}:turn_index", "per": "turn"}})
+    a = [dataclasses.replace(traj("", 0, turns=[]), stop_reason="timeout"),
+         traj("x", 1, turns=[turn("a"), turn("b")])]
+    b = [traj("y", 2, turns=[turn("c")])]
+    _, whole = score(spec, [dataclasses.replace(t) for t in a + b])
+    _, ma = score(spec, a)
+    _, mb = score(spec, b)
+    assert whole["rewards/step/mean"] == pytest.approx(0.25)  # (0 + 1) / 2 and 0: over the two with turns
+    assert _merge(ma, mb, len(a), len(b))["rewards/step/mean"] == pytest.approx(0.25)
+    assert whole["rewards/step/values"] == 2.0
+
+
 def test_trajectory_level_nodes_are_unchanged():
     trajs, _ = score(make_spec({"len": {"fn": f"{FNS}:length"}}), [traj("abc", turns=T0)])
     assert trajs[0].rewards == {"len": 3.0} and trajs[0].turn_rewards == {} and trajs[0].turn_reward == []

@@ -337,8 +337,8 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
     `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
     inf or NaN, taken as none); for judges `/calls` (requests made: not where a gate skipped it, nor where
-    its template did not render); for nodes a gate may leave out `/skipped` (not evaluated) and `/values` (the
-    kept trajectories its mean is over); `reward/mean` over kept trajectories;
+    its template did not render); for nodes a gate may leave out `/skipped` (not evaluated), and for those and
+    per-turn nodes `/values` (the kept trajectories its mean is over); `reward/mean` over kept trajectories;
     `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
     its `/turns/mean` is the mean over every turn of the kept trajectories that has a value, `/turns` how
     many such turns there are."""
@@ -359,12 +359,14 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
             out[f"rewards/{name}/errors"] = float(status.count("error"))
             out[f"rewards/{name}/parse_failures"] = float(status.count("parse_failure"))
         if isinstance(node, JudgeNode):
-            out[f"rewards/{name}/calls"] = float(sum(d.get("status") != "skipped" and d.get("sent", True)
+            # every request records a status; a trajectory without turns records none (`{}`): nothing asked
+            out[f"rewards/{name}/calls"] = float(sum(d.get("status") not in (None, "skipped") and d.get("sent", True)
                                                      for t in trajs for d in t.node_details(name)))
         if name in gated:
             out[f"rewards/{name}/skipped"] = float(status.count("skipped"))
-            # what its mean is over (a gate may leave it out of some kept trajectories): a step scored in
-            # several calls weighs each call's mean by it
+        if name in gated or name in t_nodes:
+            # what its mean is over (a gate may leave it out of some kept trajectories, a per-turn node has no
+            # value on one without turns): a step scored in several calls weighs each call's mean by it
             out[f"rewards/{name}/values"] = float(sum(t.rewards.get(name) is not None for t in kept))
     out["reward/mean"] = _mean([t.reward for t in kept])
     out["reward/dropped"] = float(len(trajs) - len(kept))
