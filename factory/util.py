@@ -203,7 +203,11 @@ class Places:
             waiter = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
             try:
-                await waiter  # woken at every change, then looks again (a woken taker that was cancelled takes none)
+                await waiter  # woken, then looks again
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled: it takes none, the next may
+                    self._wake_one()
+                raise
             finally:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
@@ -211,20 +215,24 @@ class Places:
     def abandon(self) -> None:
         """The work in a taken place runs on though its caller stopped waiting: stuck until it ends."""
         self.stuck += 1
-        self._wake()  # those waiting may now find every place stuck
+        # every waiter, each of which may now find every place stuck
+        for waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def leave(self, stuck: bool = False) -> None:
         """The work in a taken place ended (`stuck`: it had been abandoned); its place is free again."""
         self.running -= 1
         if stuck:
             self.stuck -= 1
-        self._wake()
+        # one place is free: one waiter, the longest waiting (waking all made each place left cost every waiter a
+        # look, quadratic in those queued)
+        self._wake_one()
 
-    def _wake(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _wake_one(self) -> None:
+        waiter = next((w for w in self._waiting if not w.done()), None)
+        if waiter is not None:
+            waiter.set_result(None)
 
 
 # What stdio MCP servers are commonly started with: the "did you mean" of a server command that is not found.
