@@ -263,6 +263,18 @@ def test_a_place_left_wakes_one_waiter_and_a_stuck_one_wakes_them_all():
     assert [type(e) for e in asyncio.run(passed_on())] == [AllStuck] * 3
 
 
+def test_a_closed_stage_s_lanes_end_their_idle_threads():
+    """Close did nothing and each lane thread waited for a next call for the life of the process: every stage
+    made (tests, bench/, a notebook, one after another) left its threads behind, 48 after three."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(2):
+        score(make_spec({"n": {"fn": f"{FNS}:length"}, "total": {"sum": {"n": 1.0}}}),
+              [traj("a" * i, i) for i in range(8)])
+    assert not [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("reward-")]
+
+
 def test_a_hung_call_whose_caller_was_cancelled_keeps_its_place_as_stuck():
     """A scoring call that a `fail` node ended cancels its pending values: a hung function's thread runs on, and
     its place was neither free nor counted as stuck, so a later call waited for a place with no time limit."""

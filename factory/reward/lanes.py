@@ -48,6 +48,8 @@ class Lane:
         self.name, self.size = name, size
         self.places = Places(size)  # (all on the loop that runs the calls)
         self._idle: list[queue.SimpleQueue] = []  # the inboxes of threads waiting for a call
+        self._threads: dict[queue.SimpleQueue, threading.Thread] = {}  # each inbox's thread
+        self._closed = False
 
     async def run(self, fn: Callable[..., Any], timeout_s: float | None) -> Any:
         """`fn()`'s result, in one of the lane's threads once a place is free; TimeoutError past `timeout_s` of
@@ -64,20 +66,26 @@ class Lane:
         inbox = self._idle.pop() if self._idle else None
 
         def ended() -> None:  # on the loop, when the thread's call ends: its place is free again
-            self._idle.append(inbox)  # (its thread takes the next call from it)
+            if self._closed:  # (a call that outlived close: its thread ends now)
+                inbox.put(None)
+                self._threads.pop(inbox, None)
+            else:
+                self._idle.append(inbox)  # (its thread takes the next call from it)
             self.places.leave(stuck=late)
 
         def work() -> None:
             outcome = _outcome(fn)
             try:
                 loop.call_soon_threadsafe(_settle, done, outcome, ended)
-            except RuntimeError:  # the loop is closed (the stage ended while this ran): nothing waits
-                pass
+            except RuntimeError:  # the loop is closed (the stage ended while this ran): nothing waits, nor calls
+                inbox.put(None)
 
         try:
             if inbox is None:
                 inbox = queue.SimpleQueue()
-                threading.Thread(target=_serve, args=(inbox,), name=f"reward-{self.name}", daemon=True).start()
+                thread = threading.Thread(target=_serve, args=(inbox,), name=f"reward-{self.name}", daemon=True)
+                thread.start()
+                self._threads[inbox] = thread
             inbox.put(work)
         except BaseException:
             self.places.leave()
@@ -96,7 +104,15 @@ class Lane:
             raise
 
     async def close(self) -> None:
-        """Nothing to stop: its threads are daemons (one that never returns cannot be stopped anyway)."""
+        """Ends its idle threads (each waited for a next call for the life of the process: every stage made
+        left its threads behind); one whose call runs on ends when that call does, and one that never returns
+        stays (Python cannot stop it; a daemon, it does not keep the process alive)."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+        for inbox in idle:  # (at once: each only reads the None and returns)
+            self._threads.pop(inbox).join(1.0)
 
 
 class Processes:
@@ -182,10 +198,11 @@ class Processes:
 
 
 def _serve(inbox: queue.SimpleQueue) -> None:
-    """A lane's thread: each call handed to it, one after another (daemon: a process that ends does not wait
-    for one that never returned)."""
-    while True:
-        inbox.get()()
+    """A lane's thread: each call handed to it, one after another, until None (its lane closed) (daemon: a
+    process that ends does not wait for one that never returned)."""
+    while (work := inbox.get()) is not None:
+        work()
+        del work  # (held while it waits, it would keep the call's future, and all it refers to, alive)
 
 
 def _copy(source: concurrent.futures.Future, done: asyncio.Future) -> None:
