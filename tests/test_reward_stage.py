@@ -313,6 +313,35 @@ def test_a_value_that_lands_as_its_wait_times_out_is_the_call_s_value(monkeypatc
     assert asyncio.run(go()) == (1.0, 0, 0)
 
 
+def test_a_call_past_its_timeout_that_raises_later_logs_nothing(caplog):
+    """Its error was set on a future nobody awaited any more: asyncio logged "Future exception was never
+    retrieved", with the traceback, at ERROR for each such call."""
+    import gc
+    import logging
+    import time
+
+    from factory.reward.lanes import Lane
+
+    def late_failure():
+        time.sleep(0.3)
+        raise ValueError("after its timeout")
+
+    async def go():
+        lane = Lane("x", 2)
+        with pytest.raises(TimeoutError):
+            await lane.run(late_failure, 0.05)
+        for _ in range(100):  # its thread ends, its outcome lands, its place is free
+            if lane.places.running == 0:
+                break
+            await asyncio.sleep(0.05)
+        return lane.places.running, lane.places.stuck
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        assert asyncio.run(go()) == (0, 0)
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 @pytest.mark.parametrize("fn, said", [
     ("interrupts", "RuntimeError: the function raised KeyboardInterrupt('from the reward function')"),
     pytest.param("cancels", "RuntimeError: the function raised CancelledError()",

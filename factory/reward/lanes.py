@@ -99,6 +99,9 @@ class Lane:
                 raise
             late = True  # its thread runs on, holding its place until it ends
             self.places.abandon()
+            # nobody awaits its outcome now: _settle leaves it unset (an error set there asyncio would log, at
+            # ERROR, as never retrieved)
+            done.cancel()
             if isinstance(e, TIMEOUTS):
                 raise TimeoutError(f"took longer than timeout_s ({timeout_s:g} s)") from None
             raise
@@ -260,7 +263,7 @@ def _worker_start(parent: int) -> None:
 
 def _settle(done: asyncio.Future, outcome: tuple[bool, Any], ended: Callable[[], None]) -> None:
     ended()
-    if done.cancelled():  # the caller stopped waiting (its scoring call ended)
+    if done.cancelled():  # the caller stopped waiting (past its timeout, or its scoring call ended)
         return
     ok, value = outcome
     if ok:
