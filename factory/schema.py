@@ -545,7 +545,8 @@ class AlgorithmSpec(Section):
     clip bounds (verl's rollout-correction bypass mode; slime's --use-rollout-logprobs)."""
     credit: Literal["trajectory", "turn"] = "trajectory"
     """Who gets the credit. trajectory: one advantage per trajectory, on all of its model tokens (from the
-    trained reward; a per-turn training node's is the mean over its turns). turn: one advantage per model
+    trained reward; a per-turn training node's is the mean over its turns; REINFORCE++ with its KL in the
+    reward: one per model token, each paying the KL still to come). turn: one advantage per model
     turn, on that turn's tokens: each turn's return (the discounted mean of the trained node's values from
     that turn on, see `gamma`) standardised by `advantage` among the group's trajectories at the same turn
     position (factory.algorithms.turn_advantages; docs/algorithms.md#turn-level-credit). A trajectory-level
