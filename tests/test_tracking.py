@@ -167,7 +167,10 @@ def test_a_tracker_dropped_while_writing_leaves_later_settings_alone(monkeypatch
     import gc
     import os
 
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    from factory.util import MLFLOW_FAIL_FAST
+
+    for name in MLFLOW_FAIL_FAST:  # (monkeypatch puts back all three: the dropped tracker leaves them set)
+        monkeypatch.delenv(name, raising=False)
     t = Tracker("http://127.0.0.1:9", "dropped")
     t._fail_fast()  # as `prepare` or `start` does
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"

@@ -418,10 +418,10 @@ class MlflowTracker:
         self._tried = 0.0
         self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
         # MLFLOW_FAIL_FAST in the environment from the first write of a run (`prepare`, `start`, `resume`) to its
-        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process. What
-        # they were before (None: not writing). A plain dict, put back by `_settled` alone: held by a generator
-        # context manager, they were put back whenever the garbage collector finalised a tracker dropped without
-        # `end`, popping a value set since.
+        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process (one
+        # dropped without either leaves them set). What they were before (None: not writing). A plain dict, put
+        # back by `_settled` alone: held by a generator context manager, they were put back whenever the garbage
+        # collector finalised a tracker dropped without `end`, popping a value set since.
         self._unset: dict[str, str | None] | None = None
 
     def _fail_fast(self) -> None:
