@@ -3,9 +3,11 @@ factory."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import difflib
 import importlib
+import itertools
 import json
 import math
 import os
@@ -190,18 +192,23 @@ class Places:
     def __init__(self, size: int):
         self.size = size
         self.running = self.stuck = 0
-        self._waiting: list[asyncio.Future] = []  # takers waiting for a place
+        # takers waiting for a place, in the order they first came (ticket, future): one woken whose place a
+        # newcomer took first (take looks before it queues) waits again in its own turn, not behind later ones
+        self._waiting: list[tuple[int, asyncio.Future]] = []
+        self._tickets = itertools.count()
 
     async def take(self) -> None:
         """A place, once one is free (cancelling the wait takes none); AllStuck when every place is stuck."""
+        ticket = None
         while True:
             if self.stuck >= self.size:
                 raise AllStuck(f"all {self.size} places are held by work past its caller's wait")
             if self.running < self.size:
                 self.running += 1
                 return
+            ticket = next(self._tickets) if ticket is None else ticket
             waiter = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
+            bisect.insort(self._waiting, (ticket, waiter), key=lambda entry: entry[0])
             try:
                 await waiter  # woken, then looks again
             except asyncio.CancelledError:
@@ -209,14 +216,13 @@ class Places:
                     self._wake_one()
                 raise
             finally:
-                if waiter in self._waiting:
-                    self._waiting.remove(waiter)
+                self._waiting.remove((ticket, waiter))
 
     def abandon(self) -> None:
         """The work in a taken place runs on though its caller stopped waiting: stuck until it ends."""
         self.stuck += 1
         # every waiter, each of which may now find every place stuck
-        for waiter in self._waiting:
+        for _, waiter in self._waiting:
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -230,7 +236,7 @@ class Places:
         self._wake_one()
 
     def _wake_one(self) -> None:
-        waiter = next((w for w in self._waiting if not w.done()), None)
+        waiter = next((w for _, w in self._waiting if not w.done()), None)
         if waiter is not None:
             waiter.set_result(None)
 

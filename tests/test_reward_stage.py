@@ -239,6 +239,40 @@ def test_a_place_left_wakes_one_waiter_and_a_stuck_one_wakes_them_all():
         loop.close()
     assert places.running == 0 and waits[0] <= 2 * n, waits[0]
 
+    async def in_turn():  # a woken waiter that a newcomer beat to the place keeps its turn (it went to the back)
+        places, order = Places(1), []
+        await places.take()
+
+        async def taker(name):
+            await places.take()
+            order.append(name)
+            await asyncio.sleep(0)
+            places.leave()
+
+        first = asyncio.ensure_future(taker("first"))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(taker("second"))
+        await asyncio.sleep(0)
+        newcomer = asyncio.ensure_future(taker("newcomer"))  # ready to run: it looks before "first" wakes
+        places.leave()
+        await asyncio.gather(first, second, newcomer)
+        assert order == ["newcomer", "first", "second"], order
+        # and after an abandon woke every waiter, they still wait in the order they came
+        places, order = Places(2), []
+        await places.take(), await places.take()
+        takers = []
+        for name in "abc":
+            takers.append(asyncio.ensure_future(taker(name)))
+            await asyncio.sleep(0)
+        places.abandon()
+        await asyncio.sleep(0)
+        places.leave(stuck=True)
+        places.leave()
+        await asyncio.gather(*takers)
+        assert order == ["a", "b", "c"], order
+
+    asyncio.run(in_turn())
+
     async def passed_on():  # a woken taker that was cancelled passes its wake-up on: the place is not left idle
         await places.take()
         await places.take()
