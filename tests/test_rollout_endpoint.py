@@ -102,7 +102,8 @@ async def test_a_busy_server_is_retried_the_stop_tokens_sent_and_the_client_clos
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("listing", [b'{"data": []}', b'{"object": "list"}', b"<html>proxy</html>"])
+@pytest.mark.parametrize("listing", [b'{"data": []}', b'{"object": "list"}', b"<html>proxy</html>",
+                                     b'{"data": [{"id": null}]}', b'{"data": [{"id": ""}]}'])
 async def test_a_server_that_lists_no_model_is_an_endpoint_error_naming_it(listing):
     """A `/models` answer with no model (a proxy with none configured) or not JSON was a bare IndexError or
     JSONDecodeError, naming neither the server nor the cause."""

@@ -24,9 +24,12 @@ RETRIES = 4  # a request failed for a reason that may pass (429, 5xx, transport)
 def served_model(url: str, listed: Any) -> str:
     """The first model a server's `/models` answer lists (an EndpointError naming the server if none)."""
     try:
-        return str(listed.json()["data"][0]["id"])
+        model = listed.json()["data"][0]["id"]
+        if isinstance(model, str) and model:
+            return model
     except (ValueError, LookupError, TypeError, AttributeError):  # not JSON, no data, an empty list, no id
-        raise EndpointError(f"{url} lists no model: {listed.text[:200]!r} (the server's /models must name the model "
+        pass
+    raise EndpointError(f"{url} lists no model: {listed.text[:200]!r} (the server's /models must name the model "
                             "it serves)") from None
 
 
