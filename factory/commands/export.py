@@ -29,9 +29,9 @@ from factory.update.checkpoint import (
     ADAPTER,
     HF,
     LATEST,
-    MANIFEST,
     NEWEST,
     complete,
+    manifested,
     read_latest,
     readable,
     tag,
@@ -94,9 +94,7 @@ def step_folder(root: Path, step: int | None = None) -> Path:
     # a step's folder given directly too: a weights file cut short (a disk filled, an interrupted copy) is
     # not a model. One with no manifest was saved before manifests existed, unless the run's other checkpoints
     # (in its folder, the step's parent) have theirs: then its own was lost, and its files cannot be checked
-    run = folder.parent
-    manifested = any((run / name / MANIFEST).is_file() for name in complete(run))
-    if (problem := verify(folder, manifested)) is not None:
+    if (problem := verify(folder, manifested(folder.parent))) is not None:
         raise ExportError(f"{folder} is not as it was saved: {problem}")
     return folder
 

@@ -31,7 +31,7 @@ from factory.monitors import HALTED_BY_TAG
 from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
 from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
-from factory.update.checkpoint import MANIFEST, RUN_STATE, complete, read_run_state, run_folder, verify
+from factory.update.checkpoint import RUN_STATE, complete, manifested, read_run_state, run_folder, verify
 from factory.util import UserError
 
 # Logged once per training step, after the step's update (what "the run logged step N" means).
@@ -419,7 +419,7 @@ def newest_checkpoint(directory: Path, run_id: str,
     (`verify`), and its run state; (None, {}) when there is none. A newer one that fails the check is
     passed over, and `skipped` hears why."""
     names = complete(directory)
-    manifested = any((directory / name / MANIFEST).is_file() for name in names)  # (a run saved before: none has)
+    kept = manifested(directory, names)  # (a run saved before manifests: none has)
     for name in reversed(names):
         try:
             state = read_run_state(directory / name)
@@ -433,7 +433,7 @@ def newest_checkpoint(directory: Path, run_id: str,
             continue
         if state.get("run_id") != run_id:
             continue
-        problem = verify(directory / name, manifested)
+        problem = verify(directory / name, kept)
         if problem is None:
             return name, state
         if skipped is not None:

@@ -211,6 +211,13 @@ def commit(directory: str | os.PathLike, name: str, keep: int | None = None) -> 
     return final
 
 
+def manifested(directory: str | os.PathLike, names: list[str] | None = None) -> bool:
+    """Whether a run's checkpoints (`names` in `directory`, default its `complete` ones) keep manifests: then one
+    without its own lost it (`verify`'s `manifested`); a run saved before manifests existed has none."""
+    names = complete(directory) if names is None else names
+    return any((Path(directory) / name / MANIFEST).is_file() for name in names)
+
+
 def complete(directory: str | os.PathLike) -> list[str]:
     """The committed checkpoints of a directory, oldest first."""
     found = []
