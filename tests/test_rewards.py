@@ -105,6 +105,17 @@ def test_numeric_match_reads_separators_fractions_and_refuses_expressions(said, 
     assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected
 
 
+@pytest.mark.parametrize("said, truth", [
+    (r"\frac123", "0.5"), (r"\frac123", "1.5"), (r"\frac{1}{2}3", "0.5"), (r"\frac12 3", "0.5"),
+    (r"\frac1{2}3", "0.5"), (r"-\frac12.5", "-0.5"),
+])
+def test_numeric_match_refuses_a_latex_fraction_with_a_number_after_it(said, truth):
+    # TeX takes one digit as `\frac`'s argument, so `\frac123` is `\frac{1}{2}3`, a half then a 3 (spaces
+    # between them are ignored in math mode): an expression, not its first number (it was read as 0.5)
+    assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == 0.0
+    assert numeric_match("q", r"<answer>\frac12.</answer>", answer="0.5") == 1.0  # a full stop is no number
+
+
 def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     # As floats, 10**400 and "inf" were inf, and |x - inf| <= 1e-6 * inf held: every number scored 1.0.
     big = 10 ** 400

@@ -36,6 +36,9 @@ _FIRST_NUMBER = re.compile(
 _OPERAND = r"(?:-?\.?\d|\()"
 _OPERATOR_AFTER = re.compile(
     rf"[^\S\r\n]*(?:\^|\\times|\\cdot|\u00d7)|[^\S\r\n]+\*{{1,2}}[^\S\r\n]*{_OPERAND}|\*{{1,2}}{_OPERAND}")
+# TeX takes a single digit as `\frac`'s argument: `\frac123` is `\frac{1}{2}3`, a half then a 3, and so is
+# `\frac{1}{2} 3` (math mode ignores spaces): a number right after a fraction makes it an expression.
+_DIGIT_AFTER = re.compile(r"[^\S\r\n]*\.?\d")
 _SEPARATOR = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # 1,234 and 1,234,567; not 3,4 nor 1,2345
 # Models trained on typeset math write the minus sign U+2212 (or its small and full-width forms): read as "-",
 # not dropped, or "−7" would score as 7.
@@ -101,8 +104,9 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
     (abs_tol: 1e-9, say).
     The number read is the first of the tag: `1/2`, `\\frac{1}{2}` and `\\frac12` are read as fractions (0.5),
-    and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`)
-    scores 0.0: that is an expression, not its first number (markdown's bold `**42**` is 42, `**42** (x)` too).
+    and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`), or a
+    fraction a digit follows (`\\frac123` is TeX's `\\frac{1}{2}3`), scores 0.0: that is an expression, not its
+    first number (markdown's bold `**42**` is 42, `**42** (x)` too).
     Thousands separators (a comma before each group of 3 digits) are dropped from both sides, so "1,234" matches
     a ground truth of "1,234" or 1234; any other comma ends the number ("3,4" is 3).
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing. One that
@@ -131,6 +135,8 @@ def _first_number(text: str) -> Decimal | None:
     if found is None or _OPERATOR_AFTER.match(text, found.end()):
         return None
     if found["num"] is not None or found["num_digit"] is not None:
+        if _DIGIT_AFTER.match(text, found.end()):
+            return None
         num, den = found["num"] or found["num_digit"], found["den"] or found["den_digit"]
         value = _EXACT.divide(Decimal(num), Decimal(den))
         return _EXACT.minus(value) if found["sign"] else value
