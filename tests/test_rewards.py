@@ -116,6 +116,18 @@ def test_numeric_match_refuses_a_latex_fraction_with_a_number_after_it(said, tru
     assert numeric_match("q", r"<answer>\frac12.</answer>", answer="0.5") == 1.0  # a full stop is no number
 
 
+@pytest.mark.parametrize("said, truth, expected", [
+    ("3* 4", "3", 0.0), ("3** 4", "3", 0.0), ("the total is 3* 4", "3", 0.0), ("3* (4)", "3", 0.0),
+    ("* 3* 4", "3", 0.0), ("*Note:* 3* 4", "3", 0.0),  # a bullet's `*`, or an emphasis already closed
+    # a `*` with no space on its left and one on its right closes an emphasis opened before it on its line
+    ("**42** 7 boxes", "42", 1.0), ("**The total: 42** (7 boxes)", "42", 1.0), ("*Total 42* 7 boxes", "42", 1.0),
+    ("3* apples", "3", 1.0),
+])
+def test_numeric_match_reads_a_star_with_a_space_on_its_right_as_multiplication(said, truth, expected):
+    # `3* 4` was read as 3: a `*` counted only with its operand right after it or spaces on its left
+    assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected
+
+
 def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     # As floats, 10**400 and "inf" were inf, and |x - inf| <= 1e-6 * inf held: every number scored 1.0.
     big = 10 ** 400

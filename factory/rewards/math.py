@@ -24,9 +24,9 @@ _TOOL_RESPONSE = re.compile(r"<(/?)tool_response>")
 _NUM = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # ".5" is 0.5, not 5
 # The first number: `\frac{a}{b}` (`-\frac`, `\dfrac`, `\tfrac` too; LaTeX's `\frac12`, a single digit without
 # braces, as well), `a/b` or `a`, and whether an operator follows it on its line (`2^{10}`, `2 \times 10^3`,
-# `3 * 4`, `2**10`: an expression, not its first number). A `*` is multiplication only with its operand right
-# after it, or with spaces on its left: markdown's bold and italic close with one before any text, as in
-# `**42** (the total)`, and a line break ends the expression (`42\n* note` is a list item).
+# `3 * 4`, `2**10`: an expression, not its first number). A `*` is multiplication only with its operand after
+# it: markdown's bold and italic close with one before any text, as in `**42** (the total)` (`42 * the units` is
+# no product either), and a line break ends the expression (`42\n* note` is a list item).
 _NUM_ARG = rf"\{{\s*(?P<num>{_NUM})\s*\}}|(?P<num_digit>\d)"
 _DEN_ARG = rf"\{{\s*(?P<den>{_NUM})\s*\}}|(?P<den_digit>\d)"
 _FIRST_NUMBER = re.compile(
@@ -36,6 +36,10 @@ _FIRST_NUMBER = re.compile(
 _OPERAND = r"(?:-?\.?\d|\()"
 _OPERATOR_AFTER = re.compile(
     rf"[^\S\r\n]*(?:\^|\\times|\\cdot|\u00d7)|[^\S\r\n]+\*{{1,2}}[^\S\r\n]*{_OPERAND}|\*{{1,2}}{_OPERAND}")
+# With spaces on its right alone (`3* 4`), a `*` is how an emphasis closes (`**42** (x)`, `**The total: 42** 7
+# boxes`): multiplication only where no emphasis is open before the number on its line.
+_STAR_THEN_SPACE = re.compile(rf"\*{{1,2}}[^\S\r\n]+{_OPERAND}")
+_STAR_RUN = re.compile(r"\*+")
 # TeX takes a single digit as `\frac`'s argument: `\frac123` is `\frac{1}{2}3`, a half then a 3, and so is
 # `\frac{1}{2} 3` (math mode ignores spaces): a number right after a fraction makes it an expression.
 _DIGIT_AFTER = re.compile(r"[^\S\r\n]*\.?\d")
@@ -132,7 +136,8 @@ def _first_number(text: str) -> Decimal | None:
     """The first number of `text` (None if none, or if it starts an expression: see _FIRST_NUMBER)."""
     text = _SEPARATOR.sub("", text.translate(_MINUS))
     found = _FIRST_NUMBER.search(text)
-    if found is None or _OPERATOR_AFTER.match(text, found.end()):
+    if found is None or _OPERATOR_AFTER.match(text, found.end()) or (
+            _STAR_THEN_SPACE.match(text, found.end()) and not _emphasis_open(text, found.start())):
         return None
     if found["num"] is not None or found["num_digit"] is not None:
         if _DIGIT_AFTER.match(text, found.end()):
@@ -143,6 +148,15 @@ def _first_number(text: str) -> Decimal | None:
     if found["b"] is not None:
         return _EXACT.divide(Decimal(found["a"]), Decimal(found["b"]))
     return Decimal(found["a"])
+
+
+def _emphasis_open(text: str, start: int) -> bool:
+    """Whether a markdown emphasis is open at `start`: an odd number of `*` runs before it on its line, counting
+    only those that touch text (one with spaces on both sides is a bullet or a multiplication, as `* 3* 4`)."""
+    line = text[max(text.rfind("\n", 0, start), text.rfind("\r", 0, start)) + 1:start + 1]  # start's char ends it
+    touching = [run for run in _STAR_RUN.finditer(line)
+                if (run.start() > 0 and not line[run.start() - 1].isspace()) or not line[run.end()].isspace()]
+    return len(touching) % 2 == 1
 
 
 def _ground_truth(answer: object) -> Decimal:
