@@ -128,6 +128,19 @@ def test_numeric_match_reads_a_star_with_a_space_on_its_right_as_multiplication(
     assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected
 
 
+@pytest.mark.parametrize("said, truth, expected", [
+    ("3 + 4", "3", 0.0), ("3+4", "3", 0.0), ("3 -4", "3", 0.0), ("3 - 4", "3", 0.0), ("3-4", "3", 0.0),
+    ("3 - -4", "3", 0.0), ("3 + (4)", "3", 0.0), ("3 - .5", "3", 0.0), ("1/2 + 1", "0.5", 0.0),
+    (r"\frac12 - 1", "0.5", 0.0), ("1/2/3", "0.5", 0.0), (r"\frac{1}{2} / 3", "0.5", 0.0),
+    # as a `*`, a sign with no operand after it on its line is no expression: prose's dash, a list item
+    ("-3", "-3", 1.0), ("3-", "3", 1.0), ("3 +", "3", 1.0), ("42 - that is my answer", "42", 1.0),
+    ("42 -- done", "42", 1.0), ("3\n- 4 boxes", "3", 1.0), ("3 -\n4", "3", 1.0), ("42-fold", "42", 1.0),
+])
+def test_numeric_match_refuses_a_sum_or_difference(said, truth, expected):
+    # `3 + 4` and `3 -4` were read as 3, `1/2/3` as 0.5: only `^`, `\times`, `\cdot`, `×` and `*` counted
+    assert numeric_match("q", f"<answer>{said}</answer>", answer=truth) == expected
+
+
 def test_numeric_match_compares_a_ground_truth_past_float_range_exactly():
     # As floats, 10**400 and "inf" were inf, and |x - inf| <= 1e-6 * inf held: every number scored 1.0.
     big = 10 ** 400

@@ -34,8 +34,11 @@ _FIRST_NUMBER = re.compile(
     rf"|(?P<a>{_NUM})(?:\s*/\s*(?P<b>{_NUM}))?"
 )
 _OPERAND = r"(?:-?\.?\d|\()"
+# `+`, `-` and a `/` after a fraction (`1/2/3`) are operators only with an operand after them on the line, as a `*`:
+# `42 - that is my answer` and `3-` are the number (a dash in prose), `3 -4` and `3-4` an expression.
 _OPERATOR_AFTER = re.compile(
-    rf"[^\S\r\n]*(?:\^|\\times|\\cdot|\u00d7)|[^\S\r\n]+\*{{1,2}}[^\S\r\n]*{_OPERAND}|\*{{1,2}}{_OPERAND}")
+    rf"[^\S\r\n]*(?:\^|\\times|\\cdot|\u00d7)|[^\S\r\n]+\*{{1,2}}[^\S\r\n]*{_OPERAND}|\*{{1,2}}{_OPERAND}"
+    rf"|[^\S\r\n]*[-+/][^\S\r\n]*{_OPERAND}")
 # With spaces on its right alone (`3* 4`), a `*` is how an emphasis closes (`**42** (x)`, `**The total: 42** 7
 # boxes`): multiplication only where no emphasis is open before the number on its line.
 _STAR_THEN_SPACE = re.compile(rf"\*{{1,2}}[^\S\r\n]+{_OPERAND}")
@@ -108,7 +111,8 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     abs_tol is 0 by default, so only 0 matches a ground truth of 0: set it where answers near 0 should count
     (abs_tol: 1e-9, say).
     The number read is the first of the tag: `1/2`, `\\frac{1}{2}` and `\\frac12` are read as fractions (0.5),
-    and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`), or a
+    and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`,
+    `3 + 4`, `3 -4`, `1/2/3`; a `*`, `+`, `-` or `/` only with a number or "(" after it: `42 - the total` is 42), or a
     fraction a digit follows (`\\frac123` is TeX's `\\frac{1}{2}3`), scores 0.0: that is an expression, not its
     first number (markdown's bold `**42**` is 42, `**42** (x)` too).
     Thousands separators (a comma before each group of 3 digits) are dropped from both sides, so "1,234" matches
