@@ -243,10 +243,35 @@ async def test_the_files_of_one_call_share_a_disk_quota():
     result = await run(code, Limits(timeout_s=10.0, file_mb=4, disk_mb=8))
     assert result["sandboxed"] and not result["timed_out"], result
     if result.get("over_quota"):  # no private tmpfs here: the server measured the folder and stopped it
-        assert describe(result, Limits(disk_mb=8)) == "killed: the program's files took more than 8 MB"
+        assert describe(result, Limits(disk_mb=8)).startswith("killed: the program's files took more than 8 MB")
     else:  # the kernel refused the write past the quota
         written, total_mb = map(int, result["stdout"].split())
         assert written < 8 and total_mb <= 8 and "No space left on device" in result["stderr"], result
+
+
+async def test_the_fallback_quota_stops_a_program_of_many_empty_files_too(tmp_path):
+    # The private tmpfs holds at most MAX_FILES inodes; where the child could not make it, the server measured
+    # the folder's bytes only: a program that made 200,000 empty files was never stopped. The folder may now
+    # hold MAX_FILES entries (files, folders, links) in all, the tmpfs's number. (The tmpfs path is taken on
+    # machines that allow unprivileged namespaces, so the server's watch is run here on a folder of its own.)
+    import asyncio
+
+    from factory.examples.sandbox import _folder_usage, _watch_disk
+    from factory.examples.sandbox_child import MAX_FILES
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "folder")
+    (tmp_path / "data").write_bytes(b"x" * 10)
+    for i in range(MAX_FILES - 3):
+        (tmp_path / "folder" / f"f{i}").touch()
+    assert _folder_usage(str(tmp_path)) == (10, MAX_FILES)
+    with pytest.raises(TimeoutError):  # at the limit, under the byte quota: it runs on
+        await asyncio.wait_for(_watch_disk(str(tmp_path), 2**20), 0.5)
+    (tmp_path / "folder" / "one-more").touch()
+    await asyncio.wait_for(_watch_disk(str(tmp_path), 2**20), 10)  # past it: stopped
+    assert describe({"sandboxed": True, "timed_out": False, "over_quota": True, "exit_code": -9, "stdout": "",
+                     "stderr": ""}, Limits(disk_mb=8)) == (
+        f"killed: the program's files took more than 8 MB or numbered more than {MAX_FILES}")
 
 
 def test_the_seccomp_filter_alone_refuses_every_signal_syscall_aimed_at_another_process():
@@ -418,7 +443,7 @@ def test_a_folder_the_program_made_unreadable_still_counts_and_is_deleted(tmp_pa
     import math
     import stat
 
-    from factory.examples.sandbox import _folder_bytes, _remove
+    from factory.examples.sandbox import _folder_usage, _remove
     from factory.examples.sandbox_child import drop_capabilities
 
     work, outside = tmp_path / "work", tmp_path / "outside"
@@ -439,11 +464,12 @@ def test_a_folder_the_program_made_unreadable_still_counts_and_is_deleted(tmp_pa
         for hidden, listed in ((0o300, 0o700), (0o700, 0o600), (0o700, 0o700)):
             os.chmod(work / "hidden", hidden)
             os.chmod(work / "listed", listed)
-            sizes.append(_folder_bytes(str(work)))
+            sizes.append(_folder_usage(str(work)))
         os.chmod(work / "hidden", 0o300)
         os.chmod(work / "listed", 0o600)
         _remove(str(work))
-        return [sizes[0] == math.inf, sizes[1] == math.inf, sizes[2] == 2**20 + 2, work.exists(),
+        # 8 entries: hidden, hidden/f, listed, listed/shut, listed/shut/f, kept, kept/f and the link out
+        return [sizes[0] == (math.inf,) * 2, sizes[1] == (math.inf,) * 2, sizes[2] == (2**20 + 2, 8), work.exists(),
                 stat.S_IMODE(outside.stat().st_mode) == 0o500]
 
     try:

@@ -11,10 +11,10 @@ capabilities (a root server's too), Landlock (reads limited to the Python instal
 libraries, writes to the temporary folder) and seccomp (no exec, no fork, no sockets, no device nodes,
 signals only to itself). The server adds a wall-clock limit: a
 program still running after `--timeout-s` (pipes closed or not) is killed with its whole process group,
-and so is one whose files outgrow `--disk-mb` where the kernel could not enforce it. The folder is
-deleted after each call. No program outlives the server: the kernel kills the child when the server
-dies, however it dies, and a server stopped by SIGTERM first kills the calls under way and deletes
-their folders.
+and so is one whose files outgrow `--disk-mb` (or the tmpfs's file count) where the kernel could not
+enforce it. The folder is deleted after each call. No program outlives the server: the kernel kills the
+child when the server dies, however it dies, and a server stopped by SIGTERM first kills the calls under
+way and deletes their folders.
 
 Linux only; Landlock (kernel 5.13+, enabled in the LSM list) and libseccomp are required: where either
 is missing nothing runs, and every call fails with a JSON-RPC error that says why.
@@ -42,6 +42,7 @@ from mcp.types import INTERNAL_ERROR
 from pydantic import Field
 
 from factory.examples import serve
+from factory.examples.sandbox_child import MAX_FILES
 
 
 @dataclass(frozen=True)
@@ -156,32 +157,36 @@ async def _read_capped(stream: asyncio.StreamReader | None, cap: int, into: _Cap
 
 
 async def _watch_disk(workdir: str, quota: int) -> None:
-    """Returns when the files in `workdir` hold more than `quota` bytes. Only where the child could not
-    make its private tmpfs (no unprivileged namespaces) does the host folder fill: the kernel enforces
-    the quota there, this check (every 0.1 s) is the fallback."""
+    """Returns when the files in `workdir` hold more than `quota` bytes or are more than MAX_FILES (the
+    private tmpfs's inodes: many empty files fill a disk's inode table, not its bytes). Only where the
+    child could not make its private tmpfs (no unprivileged namespaces) does the host folder fill: the
+    kernel enforces both limits there, this check (every 0.1 s) is the fallback."""
     while True:
         await asyncio.sleep(0.1)
-        if await asyncio.to_thread(_folder_bytes, workdir) > quota:  # a large tree takes a while to walk
+        size, entries = await asyncio.to_thread(_folder_usage, workdir)  # a large tree takes a while to walk
+        if size > quota or entries > MAX_FILES:
             return
 
 
-def _folder_bytes(path: str) -> float:
-    """The bytes of the files under `path`; infinite where a part of it cannot be read: a folder the program
-    made unreadable (0o300: its owner may still write in it) would hide its files from the count. A file or
-    folder deleted while it is walked is no error."""
+def _folder_usage(path: str) -> tuple[float, float]:
+    """The bytes of the files under `path` and how many entries (files, folders, links) it holds; both
+    infinite where a part of it cannot be read: a folder the program made unreadable (0o300: its owner may
+    still write in it) would hide its files from the count. A file or folder deleted while it is walked is
+    no error."""
     def unless_gone(error: OSError) -> None:
         if not isinstance(error, FileNotFoundError):
             raise error
 
-    total = 0
+    total = entries = 0
     try:
-        for root, _, files in os.walk(path, onerror=unless_gone):
+        for root, folders, files in os.walk(path, onerror=unless_gone):
+            entries += len(folders) + len(files)
             for name in files:
                 with contextlib.suppress(FileNotFoundError):
                     total += os.lstat(os.path.join(root, name)).st_size
     except OSError:
-        return math.inf
-    return total
+        return math.inf, math.inf
+    return total, entries
 
 
 def _remove(path: str) -> None:
@@ -232,7 +237,7 @@ def describe(result: dict[str, object], limits: Limits) -> str:
     if result["timed_out"]:
         head = f"killed: the program ran longer than {limits.timeout_s:g} s"
     elif result.get("over_quota"):
-        head = f"killed: the program's files took more than {limits.disk_mb} MB"
+        head = f"killed: the program's files took more than {limits.disk_mb} MB or numbered more than {MAX_FILES}"
     elif isinstance(result["exit_code"], int) and result["exit_code"] < 0:
         sig = -result["exit_code"]
         why = {signal.SIGKILL: " (CPU time limit)", signal.SIGXCPU: " (CPU time limit)",

@@ -8,8 +8,8 @@ none of them can be lifted afterwards:
   1. resource limits (setrlimit): CPU seconds, address space, file size, open files, no core dumps;
   2. a new user, network and mount namespace (unshare) when the kernel allows it unprivileged: no
      network interface but a loopback that is down, and the working directory becomes a private tmpfs
-     of `disk_mb` (and at most 4096 files), so the program's files in all can never exceed its quota
-     (the server checks the folder's size itself where the namespace is not allowed);
+     of `disk_mb` (and at most MAX_FILES files), so the program's files in all can never exceed its quota
+     (the server checks the folder's size and file count itself where the namespace is not allowed);
   3. no capabilities, in the namespace or out of it (a server run as root where the kernel refuses the
      namespace would hand the program all of root's), and no_new_privs: no exec could grant any back;
   4. the kernel kills this process when the server dies, however it dies (PR_SET_PDEATHSIG): the
@@ -44,7 +44,9 @@ from typing import Any
 EXIT_NOT_SANDBOXED = 97
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS, CLONE_THREAD = 0x10000000, 0x40000000, 0x00020000, 0x00010000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
-MAX_FILES = 4096  # inodes of the private folder: many empty files fill a disk's inode table, not its bytes
+# Inodes of the private folder: many empty files fill a disk's inode table, not its bytes. The server
+# allows the host folder as many entries where there is no private folder (sandbox._watch_disk).
+MAX_FILES = 4096
 
 # Landlock (linux/landlock.h): syscall numbers are the same on every architecture (444-446).
 _LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
