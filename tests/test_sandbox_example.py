@@ -158,6 +158,69 @@ async def test_output_is_cut_and_the_folder_removed():
     assert workdir.startswith("/") and not os.path.exists(workdir)
 
 
+async def test_a_calls_folder_is_deleted_off_the_event_loop(monkeypatch):
+    # The delete of a call's folder (seconds for a large tree) ran on the event loop: every other call of the
+    # server waited for it. Here the delete waits until the loop has run another task, which on the loop it
+    # could never see: it gave up after 10 s.
+    import asyncio
+    import threading
+
+    from factory.examples import sandbox
+
+    deleting, loop_ran, seen = threading.Event(), threading.Event(), []
+    remove = sandbox._remove
+
+    def slow_remove(path: str) -> None:
+        deleting.set()
+        seen.append(loop_ran.wait(10))
+        remove(path)
+
+    monkeypatch.setattr(sandbox, "_remove", slow_remove)
+
+    async def another_call() -> None:
+        while not deleting.is_set():
+            await asyncio.sleep(0.01)
+        loop_ran.set()
+
+    result, _ = await asyncio.gather(run("import os; print(os.getcwd())"), another_call())
+    assert seen == [True] and result["exit_code"] == 0 and not os.path.exists(result["stdout"].strip())
+
+
+def test_a_cancelled_call_still_deletes_its_folder(tmp_path):
+    # The delete runs in the loop's thread pool; a call cancelled while its delete waits there for a thread
+    # (anyio cancels again at each await of a cancelled scope) must not drop it: the folder would outlive the
+    # call. One thread, kept busy: the delete is queued when the call is cancelled.
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from factory.examples.sandbox import _delete, _running
+
+    folder = tmp_path / "call"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "f").write_text("x")
+
+    async def main() -> bool:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        free = threading.Event()
+        busy = asyncio.ensure_future(asyncio.to_thread(free.wait))
+        call = asyncio.ensure_future(_delete(str(folder)))
+        await asyncio.sleep(0)  # both have started: the thread waits on `free`, the delete behind it
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        queued = folder.exists() and str(folder) in _running
+        free.set()
+        await busy
+        for _ in range(1000):  # the folder is the server's (a SIGTERM deletes it too) until it is gone
+            if str(folder) not in _running:
+                break
+            await asyncio.sleep(0.01)
+        return queued
+
+    assert asyncio.run(main()) and not folder.exists()
+
+
 async def test_a_call_that_cannot_write_its_program_leaks_no_descriptor():
     # The write end of the child's ready pipe was closed only around the child's start: a call whose main.py
     # could not be written (the disk full: ENOSPC; here EFBIG from a 1-byte file-size limit, which Python

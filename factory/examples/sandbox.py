@@ -114,8 +114,19 @@ async def run_sandboxed(code: str, limits: Limits) -> dict[str, object]:
     finally:
         if ready is not None:
             os.close(ready)
-        _running.pop(workdir, None)
-        _remove(workdir)
+        await _delete(workdir)
+
+
+async def _delete(workdir: str) -> None:
+    """Delete a call's folder in a thread: a large tree takes seconds, which on the event loop every other
+    call of the server would wait out. Shielded: a cancelled call (anyio cancels again at each await of a
+    cancelled scope) still deletes it, where a delete still queued for a thread would have been dropped.
+    The folder stays in `_running` until it is gone, so that a SIGTERM meanwhile deletes it too; its
+    program's group was killed already (no pid: a reaped one may be another process's by now)."""
+    _running[workdir] = None
+    deleting = asyncio.ensure_future(asyncio.to_thread(_remove, workdir))
+    deleting.add_done_callback(lambda _: _running.pop(workdir, None))
+    await asyncio.shield(deleting)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
