@@ -133,11 +133,24 @@ def test_padding_stats_by_hand():
     never is; off packs none."""
     from factory.update.batch import padding_stats
 
-    assert padding_stats([[10, 5], [8]], "auto") == pytest.approx({"actor/padding_frac": 5 / 28,
-                                                                    "actor/packed_frac": 0.5})
-    assert padding_stats([[10, 5], [8]], "off")["actor/packed_frac"] == 0.0
-    assert padding_stats([[10, 9]], "on")["actor/packed_frac"] == 1.0 and padding_stats([], "on") == {
+    def rows(*lengths: int) -> list[Trajectory]:  # each a 1-token response after its prompt
+        return [traj([1] * (n - 1), [2]) for n in lengths]
+
+    assert padding_stats([rows(10, 5), rows(8)], "auto") == pytest.approx({"actor/padding_frac": 5 / 28,
+                                                                           "actor/packed_frac": 0.5})
+    assert padding_stats([rows(10, 5), rows(8)], "off")["actor/packed_frac"] == 0.0
+    assert padding_stats([rows(10, 9)], "on")["actor/packed_frac"] == 1.0 and padding_stats([], "on") == {
         "actor/padding_frac": 0.0, "actor/packed_frac": 0.0}
+
+
+def test_packed_frac_counts_only_the_micro_batches_collated_packed():
+    """A micro-batch whose rows all have empty responses (a group whose first generate timed out) has nothing
+    to pack: the learner collates it padded, yet under `packing: on` actor/packed_frac counted it packed."""
+    from factory.update.batch import packs, padding_stats
+
+    empty, answered = [traj([1, 2, 3], []), traj([4, 5], [])], [traj([1, 2, 3], [6]), traj([4, 5], [7, 8])]
+    assert not packs("on", empty) and packs("on", answered) and not packs("off", answered)
+    assert padding_stats([empty, answered], "on")["actor/packed_frac"] == 0.5
 
 
 def test_common_prefix_is_the_first_place_two_rows_differ():

@@ -129,7 +129,8 @@ def test_a_packed_update_is_the_padded_update(small_path, learners):  # noqa: F8
 def test_a_micro_batch_of_empty_responses_is_not_packed(small_path, learners):  # noqa: F811
     """A group whose episodes all timed out in the first generate has no response tokens
     (`rollout.drop_infra_errors: false` keeps it): packed, its micro-batch had nothing to gather and the
-    log-probs raised IndexError; the learner now takes the padded layout, where such rows are all-0 mask."""
+    log-probs raised IndexError; the learner now takes the padded layout, where such rows are all-0 mask (and
+    actor/packed_frac, which counted it packed, counts it padded)."""
     empty = [_traj([5, 6, 7, 8], []) for _ in range(2)]
     with pytest.raises(ValueError, match="no response token"):
         collate_packed(empty)
@@ -137,8 +138,9 @@ def test_a_micro_batch_of_empty_responses_is_not_packed(small_path, learners):  
                                         for s, t in enumerate(empty * 2)]
     base, _ = one_step_delta(learners(make_spec(small_path, train={"packing": "off"})), trajs)
     learner = learners(make_spec(small_path, train={"packing": "on"}))
-    packed_delta, _ = one_step_delta(learner, trajs)
+    packed_delta, stats = one_step_delta(learner, trajs)
     assert_same_delta(base, packed_delta)
+    assert 0 < stats["actor/packed_frac"] < 1  # the all-empty micro-batch was padded, and is counted so
 
 
 def test_packed_attention_after_a_prefix_is_plain_attention_row_by_row_with_grouped_keys():

@@ -327,13 +327,23 @@ def padding_fraction(lengths: list[int]) -> float:
     return 1.0 - sum(lengths) / (len(lengths) * max(max(lengths), 1)) if lengths else 0.0
 
 
-def padding_stats(micro_lengths: list[list[int]], mode: str) -> dict[str, float]:
+def padding_stats(micro_batches: list[list[Trajectory]], mode: str) -> dict[str, float]:
     """actor/padding_frac: the share of the padded layout's tokens that are padding, over a step's
-    micro-batches (each a list of sequence lengths); actor/packed_frac: the share of them packed."""
+    micro-batches; actor/packed_frac: the share of them packed (`packs`)."""
+    micro_lengths = [[len(t.prompt_ids) + len(t.response_ids) for t in micro] for micro in micro_batches]
     padded = sum(len(ls) * max(ls) for ls in micro_lengths)
     return {"actor/padding_frac": 1.0 - sum(map(sum, micro_lengths)) / padded if padded else 0.0,
-            "actor/packed_frac": (sum(should_pack(mode, ls) for ls in micro_lengths) / len(micro_lengths)
-                                  if micro_lengths else 0.0)}
+            "actor/packed_frac": (sum(packs(mode, micro) for micro in micro_batches) / len(micro_batches)
+                                  if micro_batches else 0.0)}
+
+
+def packs(mode: str, trajs: list[Trajectory]) -> bool:
+    """Whether the learner collates a micro-batch of `trajs` packed: `train.packing` says so for its lengths
+    and some row has a response. Rows with no response at all (a group whose first generate timed out, kept
+    by `rollout.drop_infra_errors: false`) have nothing to pack; the padded layout gives them an all-0 mask
+    and still runs the model, so the loss keeps its graph and every ZeRO-3 rank its forward."""
+    return (any(t.response_ids for t in trajs)
+            and should_pack(mode, [len(t.prompt_ids) + len(t.response_ids) for t in trajs]))
 
 
 def should_pack(mode: str, lengths: list[int]) -> bool:

@@ -72,10 +72,10 @@ from factory.update.batch import (
     shaped_rewards,
     shard,
     shards,
+    packs,
     padding_stats,
     run_once,
     shared_prefix,
-    should_pack,
     sort_keys,
     without_zero_advantage,
 )
@@ -272,8 +272,7 @@ class Learner:
         def ran(sched: list[list[list[int]]]) -> list[list[int]]:  # every rank's micro-batches of `sched`
             return [m for part in shards(sched, self.world, micro_batch, budget) for mbs in part for m in mbs if m]
 
-        stats.update(padding_stats([[len(sub[i].prompt_ids) + len(sub[i].response_ids) for i in micro]
-                                    for micro in ran(update_plan)], self.spec.train.packing))
+        stats.update(padding_stats([[sub[i] for i in micro] for micro in ran(update_plan)], self.spec.train.packing))
         # the largest rank's, as the FLOP/s below are the world's: the ranks' memory is what runs out
         stats["perf/update_max_rss_gb"] = self._all_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
         if self.sync_bytes:  # the sync that brought the weights this step sampled with (step 1's came from disk)
@@ -366,13 +365,9 @@ class Learner:
                 and getattr(scaler, "cur_scale", 0.0) > getattr(scaler, "min_scale", float("inf")))
 
     def _collate(self, group: list[Trajectory]) -> MicroBatch | PackedBatch:
-        """One micro-batch's tensors: packed when `train.packing` says so for its lengths, else right-padded.
-        Packed rows leave out the prefix they share when it is run once (`share_prefix`)."""
-        # Rows with no response at all (a group whose first generate timed out, kept by
-        # `rollout.drop_infra_errors: false`) have nothing to pack; the padded layout gives them an all-0 mask
-        # and still runs the model, so the loss keeps its graph and every ZeRO-3 rank its forward.
-        if (not any(t.response_ids for t in group)
-                or not should_pack(self.spec.train.packing, [len(t.prompt_ids) + len(t.response_ids) for t in group])):
+        """One micro-batch's tensors: packed where `packs` says so (actor/packed_frac counts the same), else
+        right-padded. Packed rows leave out the prefix they share when it is run once (`share_prefix`)."""
+        if not packs(self.spec.train.packing, group):
             return collate(group)
         return collate_packed(group, run_once(len(group), shared_prefix(group)) if self.share_prefix else 0)
 
