@@ -278,6 +278,44 @@ def test_a_lora_export_whose_base_model_cannot_be_loaded_says_so(tmp_path, capsy
     assert list((tmp_path / "exports").iterdir()) == []
 
 
+def test_a_lora_export_whose_adapters_do_not_load_into_their_base_says_so(tmp_path, capsys):
+    """Adapters whose weights file is not safetensors (saved so: the manifest agrees), or that were trained on a
+    model of other shapes than the base they name, were an internal error (exit 1: SafetensorError, peft's
+    RuntimeError "size mismatch"): the adapter folder, the cause and what to do, exit 2, no staging folder left."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from factory.assets import resolve_model
+    from tests.test_lora import _adapter_folder
+
+    base = resolve_model("factory:tiny-qwen3")
+    config = AutoConfig.from_pretrained(base)
+    config.hidden_size, config.head_dim = 32, 16  # a model of the same kind, other shapes
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "narrow")
+
+    def checkpoint(name, damage):
+        staged = ckpt.clear_staging(tmp_path / name, ckpt.tag(1)) / "adapter"
+        _adapter_folder(staged, base)
+        damage(staged)
+        return ckpt.commit(tmp_path / name, ckpt.tag(1)) / "adapter"
+
+    def other_base(adapter):
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        (adapter / "adapter_config.json").write_text(json.dumps({**config,
+                                                                 "base_model_name_or_path": str(tmp_path / "narrow")}))
+
+    (tmp_path / "exports").mkdir()
+    for name, damage, cause, base_named in [
+            ("corrupt", lambda a: (a / "adapter_model.safetensors").write_bytes(b"w" * 64), "header too large", base),
+            ("shapes", other_base, "size mismatch for base_model.model.model.layers.0.self_attn.q_proj.lora_A",
+             tmp_path / "narrow")]:
+        adapter = checkpoint(name, damage)
+        assert cli.main(["export", str(tmp_path / name), "--out", str(tmp_path / "exports" / "model")]) == 2, name
+        err = capsys.readouterr().err
+        assert f"factory: {adapter}: its adapters cannot be merged into the base model {base_named}: " in err, err
+        assert cause in err and "export another step (--step N), or --adapter" in err, err
+        assert "internal error" not in err and list((tmp_path / "exports").iterdir()) == [], name
+
+
 def test_export_of_train_checkpoint_dir_takes_its_newest_runs_checkpoint(tmp_path, capsys):
     """`factory export --help` offers train.checkpoint_dir as RUN, but that folder holds the runs' own folders and
     `newest`, no `latest`: export said untruly "its run saved no checkpoint there". And the `vllm serve` line it

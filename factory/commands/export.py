@@ -167,6 +167,7 @@ def merge_adapters(adapter: Path, out: Path) -> None:
     as the learner trained), saved with the adapter folder's tokenizer and chat template."""
     import torch
     from peft import PeftConfig, PeftModel
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_path = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
@@ -177,7 +178,14 @@ def merge_adapters(adapter: Path, out: Path) -> None:
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ExportError(f"{adapter}: its base model {base_path} cannot be loaded: {e}") from e
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    try:  # the adapters' own failure: a weights file that is not safetensors, adapters of a model of other shapes
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        # (peft's size mismatch is a line per tensor: its heading and the first say what)
+        cause = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]).rstrip(".")
+        raise ExportError(f"{adapter}: its adapters cannot be merged into the base model {base_path}: {cause}. They "
+                          "were saved damaged, or trained on another model than that one: export another step "
+                          "(--step N), or --adapter to copy the adapters as they are") from e
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)
 
