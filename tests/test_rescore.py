@@ -484,8 +484,11 @@ def test_a_step_table_cut_short_is_passed_over_with_a_note(tmp_path, monkeypatch
 def test_a_store_that_fails_a_download_stops_the_rescore_and_calls_no_table_damaged(tmp_path, monkeypatch, capsys):
     """The download was inside the guard for a table cut short: a store down for a moment (requests'
     ConnectionError is an OSError) dropped that step from the new run under a note calling the run's table
-    damaged, and the rescore ended 0. A store error stops the rescore, as before, with nothing logged."""
+    damaged, and the rescore ended 0. A store error stops the rescore, as before, with nothing logged; and, as a
+    store that does not answer when the command opens it, with exit 3 and the store named (it was exit 1, an
+    internal error): a store that goes down after it answered, at a download or at a listing of the run's tables."""
     import requests
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from factory.commands import cli
@@ -494,15 +497,24 @@ def test_a_store_that_fails_a_download_stops_the_rescore_and_calls_no_table_dama
     spec = _spec_file(tmp_path, _tiny_spec())
     uri, old = _started_run(tmp_path, monkeypatch, "whole", steps=(1, 2))
     old.end()
-    real = MlflowTracker.download
+    real_download, real_artifacts = MlflowTracker.download, MlflowTracker.artifacts
 
     def flaky(self, run_id, path, into):
         if path.endswith("step_00002.parquet"):
             raise requests.ConnectionError("Max retries exceeded with url: /api/2.0/mlflow-artifacts/...")
-        return real(self, run_id, path, into)
+        return real_download(self, run_id, path, into)
 
-    monkeypatch.setattr(MlflowTracker, "download", flaky)
-    rc = cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri])
-    out, err = capsys.readouterr()
-    assert rc != 0 and "Max retries exceeded" in err and "cut short or damaged" not in out, (rc, out, err)
-    assert [r.info.run_name for r in MlflowClient(uri).search_runs([old.experiment_id])] == ["whole"]
+    def down(self, run_id, folder=""):  # MLflow's words for a REST call to a server that is gone
+        raise MlflowException("API request to http://127.0.0.1:5000/api/2.0/mlflow/artifacts/list failed with "
+                              "exception HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded")
+
+    for patch in [("download", flaky), ("artifacts", down)]:
+        monkeypatch.setattr(MlflowTracker, *patch)
+        rc = cli.main(["rescore", old.run_id, "--spec", str(spec), "--uri", uri])
+        out, err = capsys.readouterr()
+        assert rc == 3 and f"factory rescore: error: the tracking store {uri} could not be read (" in err, (rc, err)
+        assert "Max retries exceeded" in err and "internal error" not in err, err
+        assert "cut short or damaged" not in out, out
+        assert [r.info.run_name for r in MlflowClient(uri).search_runs([old.experiment_id])] == ["whole"]
+        monkeypatch.setattr(MlflowTracker, "download", real_download)
+        monkeypatch.setattr(MlflowTracker, "artifacts", real_artifacts)

@@ -145,25 +145,26 @@ async def _score_all(plan: Plan, batches: dict[tuple[str, int], list[Trajectory]
 
 def rescore(run_id: str, plan: Plan, *, uri: str, steps: set[int] | None = None) -> Rescored:
     """Score run `run_id`'s saved trajectories with `plan`'s reward graph and log a new MLflow run."""
-    from factory.tracking.tracker import RunLookupError, open_tracker
+    from factory.runtime.replay import recorded_tool_calls, replaying
+    from factory.tracking.tracker import RunLookupError, open_tracker, reading
 
     store = open_tracker(uri, read=True)
-    try:
-        old = store.run(run_id)
-    except RunLookupError as e:  # the tracker's words: no such run, a name two runs share, a prefix too short
-        raise RescoreError(str(e)) from None
-    run_id = old.run_id  # as given: an id, an id prefix or a run name
-    tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
-    notes: list[str] = []
-    batches = _load(tracker, run_id, steps, notes)
-    from factory.runtime.replay import recorded_tool_calls, replaying
-
-    plan = replaying(plan, recorded_tool_calls(store, plan))  # replay.run: the tool nodes' calls answered from it
+    with reading(uri):  # (a store that goes down after it answered: exit 3, as one down from the start)
+        try:
+            old = store.run(run_id)
+        except RunLookupError as e:  # the tracker's words: no such run, a name two runs share, a prefix too short
+            raise RescoreError(str(e)) from None
+        run_id = old.run_id  # as given: an id, an id prefix or a run name
+        tracker = open_tracker(uri, store.experiment_name(old.experiment_id))  # the new run goes beside the old
+        notes: list[str] = []
+        batches = _load(tracker, run_id, steps, notes)
+        plan = replaying(plan, recorded_tool_calls(store, plan))  # replay.run: the tool nodes' calls answered from it
+        # (the driver's `collect` logs this metric at every step of a run with dynamic sampling, and only there)
+        trained = any(split == "train" for split, _ in batches)
+        dynamic = trained and store.metric_history(run_id, "rollout/dynamic_sampling_rounds")
     if note := unfinished_note(old.status, run_id, {step for _, step in batches}):
         notes.append(note)
-    # (the driver's `collect` logs this metric at every step of a run with dynamic sampling, and only there)
-    trained = any(split == "train" for split, _ in batches)
-    if trained and store.metric_history(run_id, "rollout/dynamic_sampling_rounds"):
+    if dynamic:
         notes.append(kept_groups_note(run_id))
     per_step = _int(old.params.get("train.prompts_per_step")) * _int(old.params.get("rollout.group_size"))
     for (split, step), trajs in batches.items():
@@ -253,7 +254,7 @@ def main(args: Any) -> int:
 
     from factory.compiler.compile import compile_file
     from factory.tracking.mlflow_tracker import stored_metric_name, tracking_uri
-    from factory.tracking.tracker import open_tracker
+    from factory.tracking.tracker import open_tracker, reading
 
     spec, plan = compile_file(args.spec, args.overrides)
     uri = args.uri or tracking_uri(spec.tracking.uri)
@@ -264,12 +265,13 @@ def main(args: Any) -> int:
     table = Table(title=Text(f"run {args.run} rescored with {args.spec}"))
     for column in ("step", "metric", "before", "after"):
         table.add_column(column, justify="right" if column != "metric" else "left")
-    # (a metric name MLflow refuses, `eval/pass@1`, is stored under another: the old run's is looked up)
-    stored = tracker.run(result.rescore_of).metrics
-    for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
-            before = _history(tracker, result.rescore_of, stored_metric_name(key, stored), step)
-            table.add_row(str(step), Text(key), "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
+    with reading(uri):
+        # (a metric name MLflow refuses, `eval/pass@1`, is stored under another: the old run's is looked up)
+        stored = tracker.run(result.rescore_of).metrics
+        for (split, step), m in sorted(result.metrics.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            for key in (["reward/mean"] if split == "train" else [k for k in m if k.startswith("eval/")]):
+                before = _history(tracker, result.rescore_of, stored_metric_name(key, stored), step)
+                table.add_row(str(step), Text(key), "-" if before is None else f"{before:.4f}", f"{m[key]:.4f}")
     console.print(table)
     for note in result.notes:
         console.print(f"note: {note}", markup=False)

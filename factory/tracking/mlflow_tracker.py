@@ -1027,6 +1027,15 @@ def _refusal(e: BaseException) -> str | None:
     return "record" if 400 <= status < 500 and status not in _NOT_THE_RECORD else None
 
 
+def store_failed(e: BaseException) -> bool:
+    """Whether a read's error is the store's failure (no answer, a server error, our credentials refused), not its
+    answer about what was read (a run or an artifact it does not have: any other HTTP 4xx) nor anything else."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(e, (MlflowException, requests.RequestException)) and _refusal(e) != "record"
+
+
 def _equals(key: str, value: str) -> str:
     """The MLflow filter `key = value`, quoted as the value allows; one holding both quotes cannot be written
     there: no filter (""), and the caller compares each run itself."""

@@ -8,6 +8,8 @@ client.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -162,7 +164,27 @@ def open_tracker(uri: str | None = None, experiment: str | None = None, *, read:
         try:
             tracker.client.search_experiments(max_results=1)
         except Exception as e:  # noqa: BLE001 -- MLflow's, the HTTP client's or the database driver's
-            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise StoreUnreadable(f"the tracking store {uri} could not be read ({type(e).__name__}: {said[:300]})"
-                                  + (": is the server up?" if uri.startswith(("http://", "https://")) else ""))
+            raise unreadable(uri, e)
     return tracker
+
+
+def unreadable(uri: str, e: BaseException) -> StoreUnreadable:
+    """The store at `uri` failed a read with `e`, said in its own words."""
+    said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return StoreUnreadable(f"the tracking store {uri} could not be read ({type(e).__name__}: {said[:300]})"
+                           + (": is the server up?" if uri.startswith(("http://", "https://")) else ""))
+
+
+@contextlib.contextmanager
+def reading(uri: str) -> Iterator[None]:
+    """Reads of a store that answered open_tracker, which may go down while a command reads it (a server
+    stopped, its artifact store gone): the store's failure is StoreUnreadable, as it is when open_tracker asks
+    (exit 3); an answer about what was read (no such artifact) and any other error pass as they are."""
+    from factory.tracking.mlflow_tracker import store_failed
+
+    try:
+        yield
+    except Exception as e:
+        if not store_failed(e):
+            raise
+        raise unreadable(uri, e) from e
