@@ -350,6 +350,48 @@ def test_a_replayed_run_that_trains_past_its_recording_says_so(monkeypatch):
         driver.run(plan)
 
 
+def test_opening_the_store_and_reading_the_replayed_run_is_a_start_up_phase_of_its_own(monkeypatch):
+    """What runs between the `command` lap and the stages' placing -- the tracking store opened, the run that
+    replay.run names read from it (a slow store, a fresh sqlite store's tables made) -- went to the next lap,
+    placed()'s `ray` (before that, `models`): neither starts Ray nor builds a model. It is the `store` phase."""
+    import contextlib
+
+    import factory.tracking.tracker as tracker_module
+    from factory.runtime.startup import Startup
+
+    now = [100.0]  # the start-up's clock: the replay lookup advances it by what it takes
+
+    class Recorded(FakeTracker):
+        experiment_id = "0"
+
+        def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+            now[0] += 5.0
+            return super().tool_calls(run_id)
+
+    at_placing = {}
+
+    @contextlib.contextmanager
+    def placed(plan: Any, display: Any, startup: Any, **_: Any):
+        at_placing.update(startup.phases)
+        now[0] += 2.0
+        startup.lap("ray")  # (placed's first lap, after ending what a killed run left)
+        yield fake_groups(world, plan), Quiet()
+
+    world = World()
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old", "replay.on_miss=live", "train.steps=1"])
+    fake_steps(monkeypatch, world)
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(driver, "placement_record", lambda groups: {})
+    monkeypatch.setattr(driver, "Startup", lambda started_at: Startup(started_at, clock=lambda: now[0]))
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: Recorded(world))
+    driver.run(plan)
+    assert at_placing == {"command": 0.0, "store": 5.0}
+    startup = {k: v for k, v in world.metrics[0].items() if k.startswith("timing/startup")}
+    assert startup == {"timing/startup_s": 7.0, "timing/startup/command_s": 0.0, "timing/startup/store_s": 5.0,
+                       "timing/startup/ray_s": 2.0, "timing/startup/tracking_s": 0.0}
+
+
 def test_the_update_syncs_in_the_dtype_the_rollout_resolved(monkeypatch):
     """The learner guessed the engine's dtype on its own device (an update on the CPU beside a GPU rollout:
     float32 to a bf16 engine); once the stages are placed it is told what the rollout resolved on its own."""

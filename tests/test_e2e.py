@@ -69,7 +69,7 @@ def test_every_step_has_its_metrics(tiny_run):
     assert {p.step for points in startup.values() for p in points} == {0}
     total = startup.pop("timing/startup_s")[0].value
     phases = {k: v[0].value for k, v in startup.items() if "/stage_" not in k}
-    assert set(phases) == {f"timing/startup/{p}_s" for p in ("command", "models", "ray", "stages", "tracking")}
+    assert set(phases) == {f"timing/startup/{p}_s" for p in ("command", "store", "models", "ray", "stages", "tracking")}
     assert 0 < sum(phases.values()) <= total
     # what the stages chose on their device (tiny.yaml trains in float32: no bf16 anywhere)
     assert {k: v for k, v in run.data.params.items() if k.startswith("resolved.")} == {

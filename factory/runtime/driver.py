@@ -1074,6 +1074,7 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     # no part of the plan hash, nor of the plan logged)
     plan = replaying(plan, replayed)
     prepared = prepare_in_background(tracker)
+    startup.lap("store")  # (left for placed()'s first lap, it was counted as starting Ray)
 
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
         prepared.join()
