@@ -437,6 +437,29 @@ def test_commands_that_read_runs_leave_no_store_behind_and_refuse_a_scheme_mlflo
     assert "no run with id or name 'a' in sqlite:///mlflow.db" in capsys.readouterr().err
 
 
+def test_a_store_that_goes_down_while_diff_reads_it_is_exit_3_naming_it(project, capsys, monkeypatch):
+    """`factory diff A B` asked the store once (open_tracker) and then read both runs, their histories and their
+    tables: a store that went down after that first answer was an internal error (exit 1); it is exit 3 and the
+    store's words, as a store down from the start (rescore's reads do the same)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.mlflow_tracker import MlflowTracker
+
+    uri = f"sqlite:///{project.root / 'mlflow.db'}"  # (absolute: MLflow keeps one engine per URI in a process)
+    MlflowClient(uri).search_experiments()  # a store that answers the probe
+
+    def down(self, ref):  # MLflow's words for a REST call to a server that is gone
+        raise MlflowException("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/search failed with "
+                              "exception HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded")
+
+    monkeypatch.setattr(MlflowTracker, "run", down)
+    rc, err = cli.main(["diff", "a", "b", "--uri", uri]), capsys.readouterr().err
+    assert rc == 3, err
+    assert (f"factory diff: error: the tracking store {uri} could not be read (MlflowException: " in err
+            and "internal error" not in err), err
+
+
 def test_a_resume_where_the_store_is_not_leaves_no_store_behind(project, capsys, monkeypatch):
     """`factory run SPEC --resume [RUN]` from a folder without the run's mlflow.db made an empty store there
     and said no run had that id (or that the spec had no unfinished run: start it without --resume)."""

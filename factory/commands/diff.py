@@ -27,7 +27,7 @@ from typing import Any
 from factory.plan import MASK
 from factory.tracking.mlflow_tracker import SESSION_TAG, flatten, setting_text
 from factory.tracking.runs import run_kind, run_summary
-from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker
+from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker, open_tracker, reading
 from factory.util import stdout_console
 
 # plan.hashes section -> the kind of change it names
@@ -453,8 +453,10 @@ def diff_runs(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None
     """Two tracked runs (id, id prefix or name) compared (`compare`), with the trajectories of the
     `prompt`-th prompt both saw; and the two runs."""
     tracker = open_tracker(uri, read=True)
-    a, b = load(tracker, run_a), load(tracker, run_b)
-    report = compare(a, b, _histories(tracker, a.run), _histories(tracker, b.run))
+    with reading(tracker.uri):  # (a store that goes down after it answered: exit 3, as one down from the start)
+        a, b = load(tracker, run_a), load(tracker, run_b)
+        histories = _histories(tracker, a.run), _histories(tracker, b.run)
+    report = compare(a, b, *histories)
     full = report.pop("_prompts_full")
     if full:
         if not 0 <= prompt < len(full):
