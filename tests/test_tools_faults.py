@@ -513,7 +513,8 @@ async def test_rollout_through_every_fault_loses_nothing(box):
     plans = [fault_plan(i) for i in range(16)]
     started = time.perf_counter()
     *results, _ = await asyncio.gather(*(run_trajectory(box, p) for p in plans), kill_when_busy(box, pid, 0.2))
-    assert time.perf_counter() - started < 8.0  # nothing hangs
+    # nothing hangs: the hung call sleeps 30 s; the bound leaves room for a loaded 2-core CI (8.3 s seen at load 9)
+    assert time.perf_counter() - started < 20.0
     outcomes: Counter[tuple[str, str | None]] = Counter()
     for plan, trajectory in zip(plans, results):
         assert [len(turn) for turn in trajectory] == [3, 3, 3]  # no call silently lost
