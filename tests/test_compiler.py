@@ -1567,3 +1567,32 @@ def test_a_generator_argument_typo_gets_a_did_you_mean(project):
     path = project.spec(_base(project, "rc_genarg").replace("size: 8}", "size: 8, args: {operandz: [2, 2]}}"))
     assert _errors(path).endswith("got an unexpected keyword argument 'operandz'; did you mean 'operands'?\n"
                                   "1 error in spec.yaml")
+
+
+def test_a_node_with_an_unknown_key_is_still_checked_and_still_defined(project):
+    """A reward node or tool server with an unknown key was dropped whole by the repair: its other mistakes
+    went unreported (a second run of check found them) and a reference's typo of its name was told
+    "defined: ..." without it. Only the unknown key is dropped now; a node dropped whole is still a name."""
+    path = project.spec(_base(project, "rc_keytypo").replace('correct: {fn: "rc_keytypo:exact"}',
+                                                             'correct: {fn: "rc_keytypo:exakt", on_mising: fail}')
+                        .replace("{correct: 1.0", "{corect: 1.0") + """\
+  judge: {llm_judge: prompts/j.jinja, model: m}
+  both: {max: [judg]}
+  via: {tool: wb.search}
+tools:
+  calc: {command: pythonn, timeout: 5}
+  web: {url: [a]}
+""")
+    assert _errors(path) == (
+        "spec.yaml:6: rewards.correct.fn: cannot import 'rc_keytypo:exakt': 'rc_keytypo' has no attribute "
+        "'exakt'; did you mean 'exact'?\n"
+        "spec.yaml:6: rewards.correct.on_mising: unknown key 'on_mising'; did you mean 'on_missing'?\n"
+        "spec.yaml:8: rewards.total.sum.corect: undefined reward node 'corect'; did you mean 'correct'?\n"
+        "spec.yaml:9: rewards.judge: give exactly one of `endpoint` (an OpenAI-compatible server) or `local` (a model "
+        "Factory runs)\n"
+        "spec.yaml:10: rewards.both.max.0: undefined reward node 'judg'; did you mean 'judge'?\n"
+        "spec.yaml:11: rewards.via.tool: undefined tool server 'wb'; did you mean 'web'?\n"
+        "spec.yaml:13: tools.calc.command: command not found on PATH: pythonn; did you mean 'python'?\n"
+        "spec.yaml:13: tools.calc.timeout: unknown key 'timeout'; did you mean 'timeout_s'?\n"
+        "spec.yaml:14: tools.web.url: expected a string, got a list\n"
+        "9 errors in spec.yaml")

@@ -855,6 +855,7 @@ def _check_per_turn(nodes: dict[str, Any], r: _Report) -> None:
 def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[str], str | None, dict[str, str]]:
     """Undefined inputs, cycles, the training node and metrics; returns (order, training node, metrics)."""
     nodes = spec.rewards
+    defined = [*nodes, *sorted(broken)]  # a node dropped for its own errors is still a name a typo may mean
     graph: dict[str, list[str]] = {}
     where: dict[tuple[str, str], str] = {}  # (node, input) -> dotted path of the reference
     for name, node in nodes.items():
@@ -868,7 +869,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
                 graph[name].append(inp)
                 where.setdefault((name, inp), path)
             elif inp not in broken:
-                r.error(path, f"undefined reward node '{inp}'{_close(inp, nodes)}")
+                r.error(path, f"undefined reward node '{inp}'{_close(inp, defined)}")
     order: list[str] = []
     try:
         order = list(graphlib.TopologicalSorter(graph).static_order())
@@ -887,7 +888,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
         if spec.reward in nodes:
             train = spec.reward
         elif spec.reward not in broken:
-            r.error("reward", f"undefined reward node '{spec.reward}'{_close(spec.reward, nodes)}")
+            r.error("reward", f"undefined reward node '{spec.reward}'{_close(spec.reward, defined)}")
     elif not nodes and not broken:  # a node that failed validation is reported already
         r.error("rewards", "no reward nodes: define at least one")
     elif len(nodes) == 1:
@@ -899,7 +900,7 @@ def _check_reward_graph(spec: Spec, r: _Report, broken: set[str]) -> tuple[list[
                            "trains the policy")
     for metric, node_name in spec.metrics.items():
         if node_name not in nodes and node_name not in broken:
-            r.error(f"metrics.{metric}", f"undefined reward node '{node_name}'{_close(node_name, nodes)}")
+            r.error(f"metrics.{metric}", f"undefined reward node '{node_name}'{_close(node_name, defined)}")
     metrics = dict(spec.metrics)
     if not metrics:  # the driver's rule: `accuracy` is the first python-function node
         first = next((n for n, v in nodes.items() if isinstance(v, FnNode)), None)
@@ -1001,7 +1002,8 @@ def _check_tools(spec: Spec, r: _Report, broken: set[str], listing: ToolListing 
             r.error(path, f"expected 'server.tool', got '{node.tool}'")
         elif server_name not in spec.tools:
             if server_name not in broken:
-                r.error(path, f"undefined tool server '{server_name}'{_close(server_name, spec.tools)}")
+                said = _close(server_name, [*spec.tools, *sorted(broken)])  # a dropped server is still a name
+                r.error(path, f"undefined tool server '{server_name}'{said}")
         elif listing is not None and server_name in listing:
             offered = spec.tools[server_name].allowed_tools
             have = [t["name"] for t in listing[server_name] if offered is None or t["name"] in offered]

@@ -5,8 +5,9 @@ dotted path to its line; overrides are located as `<override N>`. Every problem 
 syntax, unresolvable interpolations, unknown keys, wrong types) and raised together as `SpecErrors`.
 
 When validation fails, the loader also *repairs* a copy of the spec (drops the offending keys so their
-defaults apply, drops broken reward/tool nodes) so that the compiler can still report reference errors
-(missing templates, bad imports, cycles) in the same run: one spec with five mistakes shows all five.
+defaults apply, drops broken reward/tool nodes, but of a node with an unknown key only that key) so that the
+compiler can still report reference errors (missing templates, bad imports, cycles) in the same run: one spec
+with five mistakes shows all five.
 """
 from __future__ import annotations
 
@@ -772,7 +773,9 @@ def _repair(data: dict, problems: list[Problem], broken: dict[str, set[str]]) ->
                 target = p.parts[:-1]
             if not target:
                 return None
-            if target[0] in broken and len(target) >= 2:
+            if p.kind == "extra_forbidden":
+                target = p.parts  # an unknown key alone: the rest of its node is still checked by the compiler
+            elif target[0] in broken and len(target) >= 2:
                 target = target[:2]  # a broken reward/tool node is dropped whole
                 broken[str(target[0])].add(str(target[1]))
             if not _delete(data, target) and missing:

@@ -25,7 +25,8 @@ Parts = tuple[str | int, ...]
 @dataclass(frozen=True)
 class Problem:
     """One translated error. `node` is the path of the union node (a tool server or a reward node) the
-    error lies in, if any: the loader drops such a node as a whole when it repairs a spec."""
+    error lies in, if any: the loader drops such a node as a whole when it repairs a spec (for an unknown key, the
+    key alone)."""
 
     parts: Parts
     message: str
