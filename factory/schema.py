@@ -918,7 +918,7 @@ class ReplaySpec(Section):
 
 # ---------------------------------------------------------------------------------------------- spec
 # The variables factory.rollout.chat gives each render of the chat template itself (as transformers does).
-_RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class Spec(Section):
@@ -938,8 +938,8 @@ class Spec(Section):
     """Variables every render of the chat template gets, as `apply_chat_template(**kwargs)` takes them:
     `{enable_thinking: false}` turns Qwen3's reasoning off (its template writes an empty `<think></think>`
     into each generation prompt). Not `messages`, `tools`, `documents` or `add_generation_prompt` (the rollout
-    sets them for each render). A saved checkpoint's template does not carry them: pass them when serving
-    it too."""
+    sets them for each render), nor a name the template never reads (it would be ignored). A saved checkpoint's
+    template does not carry them: pass them when serving it too."""
     data: DataSpec
     """Training and evaluation data."""
     tools: dict[str, ToolSpec] = {}
@@ -975,7 +975,7 @@ class Spec(Section):
     @classmethod
     def _not_set_per_render(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         # the chat format passes these itself: the render would fail with "multiple values for keyword argument"
-        if clash := sorted(kwargs.keys() & _RENDER_ARGUMENTS):
+        if clash := sorted(kwargs.keys() & RENDER_ARGUMENTS):
             raise ValueError(f"'{clash[0]}' is set by the rollout for each render (the conversation, its tools, "
                              "whether a generation prompt follows); not a chat_template_kwargs key")
         return kwargs

@@ -1596,3 +1596,23 @@ tools:
         "spec.yaml:13: tools.calc.timeout: unknown key 'timeout'; did you mean 'timeout_s'?\n"
         "spec.yaml:14: tools.web.url: expected a string, got a list\n"
         "9 errors in spec.yaml")
+
+
+def test_a_chat_template_kwarg_the_template_never_reads_is_an_error(project):
+    """`{enable_thinkng: false}` was passed to every render and ignored by Qwen3's template, which reads
+    `enable_thinking`: the run thought at length, in silence. A key is checked against the variables the template
+    the rollout renders with reads; one that does not parse is not judged (its own error says why)."""
+    base = _base(project, "rc_kwread")
+    path = project.spec(base + "chat_template_kwargs: {enable_thinkng: false, enable_thinking: false}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: chat_template_kwargs.enable_thinkng: the chat template (the tokenizer's own) never reads "
+        "'enable_thinkng', so every render would ignore it; did you mean 'enable_thinking'?\n1 error in spec.yaml")
+    project.file("prompts/mine.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}{{ house_style }}")
+    mine = base + "chat_template: prompts/mine.jinja\n"
+    assert _errors(project.spec(mine + "chat_template_kwargs: {tone: dry}\n", "b.yaml")) == (
+        "b.yaml:10: chat_template_kwargs.tone: the chat template (prompts/mine.jinja) never reads 'tone', so every "
+        "render would ignore it; it reads house_style\n1 error in b.yaml")
+    compile_file(project.spec(mine + "chat_template_kwargs: {house_style: dry}\n", "c.yaml"))
+    project.file("prompts/broken.jinja", "{% for m in messages %}{{ m.content }}")
+    broken = base + "chat_template: prompts/broken.jinja\nchat_template_kwargs: {tone: dry}\n"
+    assert "tone" not in _errors(project.spec(broken, "d.yaml"))

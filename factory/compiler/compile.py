@@ -81,6 +81,7 @@ from factory.plan import (
 )
 from factory.presets import Algorithm, resolve
 from factory.schema import (
+    RENDER_ARGUMENTS,
     TOOL_QUALIFIER,
     FnNode,
     HttpServer,
@@ -508,17 +509,12 @@ def _check_argument_templates(spec: Spec, r: _Report) -> None:
                     r.error(f"rewards.{name}.arguments.{key}", problem)
 
 
-def _check_chat_template(spec: Spec, r: _Report) -> None:
-    """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
-    the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
-    template or the tokenizer's own, without loading a tokenizer. A template that never shows the model the
-    tool list (with tools), or drops the system message (with tools or data.system_prompt), is a warning
-    (factory.rollout.chat.render_problems)."""
+def _chat_template(spec: Spec, r: _Report) -> tuple[str | dict[str, str] | None, str, dict[str, Any]]:
+    """The chat template the rollout renders with: the text of the spec's `chat_template`, else the tokenizer's
+    own (a text, or named texts); the key that names it; the tokenizer's config. The template is None where it
+    is not on disk before the first run or cannot be read (_check_templates, _check_tokenizer_config say why)."""
     from factory.assets import tokenizer_files
-    from factory.rollout.chat import named_template, prefix_problem, render_problems
 
-    if not spec.tools and not spec.data.system_prompt:
-        return
     folder = tokenizer_files(spec.model.tokenizer or spec.model.path)
     config_file = folder / "tokenizer_config.json" if folder else None
     model_key = "model.tokenizer" if spec.model.tokenizer else "model.path"
@@ -526,25 +522,62 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
         config = json_object(config_file) if config_file and config_file.is_file() else {}
         own_template = _own_chat_template(folder, config) if folder else None
     except ValueError:  # reported by _check_tokenizer_config
+        return None, model_key, {}
+    if not spec.chat_template:
+        return own_template, model_key, config
+    found = find_file(spec.chat_template, r.source.base_dir)
+    try:
+        return (found.read_text(encoding="utf-8") if found else None), "chat_template", config
+    except (OSError, ValueError):
+        return None, "chat_template", config
+
+
+def _check_template_kwargs(spec: Spec, r: _Report, template: str | dict[str, str] | None) -> None:
+    """A chat_template_kwargs key the chat template never reads is passed to every render and ignored, in
+    silence (`enable_thinkng: false` left Qwen3 thinking). Not judged where the reads cannot be told
+    (template_variables); of named templates, a key one of them reads is kept."""
+    from factory.rollout.chat import template_variables
+
+    if not spec.chat_template_kwargs or not template:
         return
-    if spec.chat_template:
-        found = find_file(spec.chat_template, r.source.base_dir)
-        if found is None:
-            return  # reported by _check_templates
+    read: set[str] = set()
+    for text in template.values() if isinstance(template, dict) else [template]:
+        names = template_variables(text) if isinstance(text, str) else None
+        if names is None:
+            return
+        read |= names
+    which = spec.chat_template or "the tokenizer's own"
+    offered = sorted(read - RENDER_ARGUMENTS)
+    for key in spec.chat_template_kwargs:
+        if key not in read:
+            hint = did_you_mean(key, offered) or (f"; it reads {', '.join(offered)}" if offered else
+                                                  "; it reads no variable but those the rollout sets")
+            r.error(f"chat_template_kwargs.{key}", f"the chat template ({which}) never reads '{key}', so every "
+                                                   f"render would ignore it{hint}")
+
+
+def _check_chat_template(spec: Spec, r: _Report) -> None:
+    """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
+    the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
+    template or the tokenizer's own, without loading a tokenizer. A template that never shows the model the
+    tool list (with tools), or drops the system message (with tools or data.system_prompt), is a warning
+    (factory.rollout.chat.render_problems). A chat_template_kwargs key it never reads is an error."""
+    from factory.rollout.chat import named_template, prefix_problem, render_problems
+
+    if not spec.tools and not spec.data.system_prompt and not spec.chat_template_kwargs:
+        return
+    template, path, config = _chat_template(spec, r)
+    _check_template_kwargs(spec, r, template)
+    if not spec.tools and not spec.data.system_prompt:
+        return
+    if isinstance(template, dict):  # named templates: the one the rollout renders with (as transformers picks)
         try:
-            template, path = found.read_text(encoding="utf-8"), "chat_template"
-        except (OSError, ValueError):
-            return  # reported by _check_templates
-    else:
-        template, path = own_template, model_key
-        if isinstance(template, dict):  # named templates: the one the rollout renders with (as transformers picks)
-            try:
-                template = named_template(template, tools=bool(spec.tools))
-            except ValueError as e:
-                r.error(path, str(e))
-                return
-        if not isinstance(template, str):
-            return  # not on disk before the first run (or the tokenizer has none: the rollout says so)
+            template = named_template(template, tools=bool(spec.tools))
+        except ValueError as e:
+            r.error(path, str(e))
+            return
+    if not isinstance(template, str):
+        return  # not on disk before the first run (or the tokenizer has none: the rollout says so)
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:

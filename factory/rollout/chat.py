@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import jinja2
+import jinja2.meta
 
 from factory.types import ToolResult
 from factory.util import THINK_CLOSE, THINK_OPEN, template_env
@@ -34,6 +35,15 @@ def named_template(templates: dict[str, str], tools: bool) -> str:
         return templates["default"]
     raise ValueError(f"the tokenizer has several chat templates ({', '.join(sorted(templates))}) and none is named "
                      f"`default`{'' if tools else ' (without tools)'}; set `chat_template` in the spec")
+
+
+def template_variables(template: str) -> set[str] | None:
+    """The names a chat template reads from its render's arguments (jinja2.meta), or None for a template that
+    does not parse. (One that includes another cannot render here: no loader; factory check refuses it.)"""
+    try:
+        return jinja2.meta.find_undeclared_variables(template_env("chat").parse(template))
+    except jinja2.TemplateSyntaxError:
+        return None
 
 
 def compile_template(template: str) -> jinja2.Template:
