@@ -25,6 +25,7 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -154,6 +155,25 @@ def cuda_devices() -> tuple[Device, ...]:
         cc = f"compute capability {major.value}.{minor.value}"
         out.append(Device("cuda", name.value.decode(errors="replace") or f"cuda:{i}", major.value >= 8, cc))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------- memory
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory.max")  # v1, v2 ("max")
+
+
+def system_memory() -> int:
+    """This machine's memory in bytes as a local Ray sizes its node (ray._common.utils.get_system_memory, which
+    `import ray`, a second and more, would reach): the physical memory, or a container's cgroup limit if lower."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    for limit in _CGROUP_LIMITS:
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        return min(total, int(text)) if text.isdigit() else total
+    return total
 
 
 # ------------------------------------------------------------------------------------------ choosing

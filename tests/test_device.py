@@ -209,3 +209,11 @@ def test_the_rollout_stage_reports_the_dtype_it_chose(fake, probe, want):
                                 "max_model_len": 4096, "allocator": running_allocator()}  # (this process's)
     assert str(next(stage.engine.model.parameters()).dtype) == f"torch.{want}"
     asyncio.run(stage.close())
+
+
+def test_system_memory_is_the_figure_a_local_ray_sizes_its_node_by():
+    """factory check refuses an object store above it (ray.init refused one at the run's start): it must be
+    Ray's own figure, the cgroup limit where a container has a lower one, without importing Ray in check."""
+    from ray._common.utils import get_system_memory
+
+    assert device.system_memory() == get_system_memory()

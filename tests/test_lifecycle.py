@@ -449,6 +449,40 @@ def test_ray_that_will_not_start_is_an_infrastructure_failure(monkeypatch):
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
 
 
+def test_an_object_store_ray_has_no_room_for_is_said_with_the_setting(monkeypatch, tmp_path):
+    """ray.init's ValueError for an object store that leaves its tasks too little memory (Ray's words alone, no
+    spec key) was an internal error; check refuses one above the machine's memory, but memory in use may leave
+    less: the run says which setting to lower."""
+    import ray
+
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.util import UserError
+
+    said = ("After taking into account object store and redis memory usage, the amount of memory on this node "
+            "available for tasks and actors (-3.2 GB) is less than -13% of total.")
+
+    def refuses(**kwargs):
+        raise ValueError(said)
+
+    for key, value in {**driver._STAGE_ENV, "RAY_AUTH_MODE": "disabled"}.items():  # (set by _start_ray)
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(driver, "private_dir", lambda: tmp_path)
+    monkeypatch.setattr(ray, "init", refuses)
+    with sigterm_restored(), pytest.raises(UserError, match=r"^a local Ray would not start with "
+                                                            r"resources\.object_store_gb 20 \([\d.e+]+ GB of this "
+                                                            r"machine's memory is free now\): lower it \(1 is usual\) "
+                                                            r"or free memory\. Ray said: After taking into account"):
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=20.0))
+
+    def other(**kwargs):
+        raise ValueError("some other mistake")
+
+    monkeypatch.setattr(ray, "init", other)
+    with sigterm_restored(), pytest.raises(ValueError, match="^some other mistake$"):
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+
+
 def test_a_sigterm_while_ray_starts_stops_as_a_ctrl_c_does(monkeypatch):
     """A SIGTERM while Ray started met ray.init's handler (sys.exit(15): exit 15, nothing said) or, before
     it was set, the default one: now it is a KeyboardInterrupt, which the command says and exits 130 on."""

@@ -659,3 +659,20 @@ def test_settings_nothing_reads_in_this_spec_are_said(project, monkeypatch):
                                         "spreads several"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster joined through the environment
     assert "resources.object_store_gb" in _said(path, ["resources.object_store_gb=4"])
+
+
+def test_an_object_store_larger_than_this_machine_is_refused_unless_a_cluster_is_joined(project, monkeypatch):
+    """`object_store_gb: 5000` passed check, then `factory run` died in ray.init as an internal error (Ray's
+    "After taking into account object store and redis memory usage ...", no spec key). A cluster's nodes were
+    sized when they started: there the setting is unused (a warning), whatever this machine has."""
+    from factory import device
+
+    monkeypatch.setattr(device, "system_memory", lambda: 8 * 2**30)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = _spec(project, "st_store", "resources: {object_store_gb: 5000}\n")
+    assert _errors(path) == (
+        "spec.yaml:9: resources.object_store_gb: 5000 GB is more than this machine's memory (8 GB), so a local "
+        "Ray would not start: give less (Ray keeps the rest for its tasks and actors; 1 is usual), or join a Ray "
+        "cluster that has it (resources.ray_address or $RAY_ADDRESS)\n1 error in spec.yaml")
+    compile_file(path, ["resources.object_store_gb=7.5"])
+    assert "resources.object_store_gb" in _said(path, ["resources.ray_address=10.0.0.1:6379"])

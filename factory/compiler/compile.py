@@ -392,13 +392,21 @@ def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: flo
 
 
 def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
-    """GPUs a stage reserves must exist, and an explicit half-precision dtype the stage's device only
-    emulates gets a warning. Skipped when joining a Ray cluster: its stages run on other machines."""
+    """GPUs a stage reserves must exist, a local Ray's object store must fit in the machine's memory, and an
+    explicit half-precision dtype the stage's device only emulates gets a warning. Skipped when joining a Ray
+    cluster: its stages run on other machines."""
+    from factory import device
     from factory.device import cuda_devices, half_precision_warning, stage_device
 
     if joins:
         return
     res = spec.resources
+    memory = device.system_memory()
+    if res.object_store_gb * 2**30 > memory:  # ray.init refused it as the run started: an internal error
+        r.error("resources.object_store_gb", f"{res.object_store_gb:g} GB is more than this machine's memory "
+                                             f"({memory / 2**30:.3g} GB), so a local Ray would not start: give less "
+                                             "(Ray keeps the rest for its tasks and actors; 1 is usual), or join a "
+                                             "Ray cluster that has it (resources.ray_address or $RAY_ADDRESS)")
     # every replica on this machine
     reservations = [(f"resources.{name}", getattr(res, name).num_gpus * getattr(getattr(res, name), "replicas", 1))
                     for name in _stage_groups(spec)]

@@ -51,7 +51,7 @@ from factory.runtime.replay import beyond_recording, miss_error, recorded_throug
 from factory.runtime.startup import Startup
 from factory.tools.recording import ReplayMiss
 from factory.types import Placement, Trajectory, trains
-from factory.util import import_object
+from factory.util import UserError, import_object
 
 if TYPE_CHECKING:
     from factory.runtime.resume import Resume
@@ -96,8 +96,6 @@ _STAGE_ENV = {**_QUIET, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
 def start_ray(cluster: ClusterSettings) -> None:
     """`_start_ray`, with a failure of Ray itself (a node that timed out starting on an overloaded machine,
     an address nothing answers on) as a RayStartError, exit 3, naming Ray's reason: not an internal error."""
-    from factory.util import UserError
-
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # the stages' lines Ray prints here, into a log file:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no terminal colour codes around their prefixes
     try:
@@ -211,9 +209,24 @@ def _start_ray(cluster: ClusterSettings) -> None:
         os.environ.setdefault(key, value)
     # a terminal's Ctrl-C, and any signal to the driver's process group, reaches the driver alone
     with ray_starts_sessions() as own, children_ignore_sigint(started_ignoring=own):  # (factory.runtime.lifecycle)
-        ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
-                 include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
-                 logging_level=logging.WARNING)  # its "Started a local Ray instance." repeats the display's line
+        try:
+            ray.init(num_cpus=os.cpu_count(), object_store_memory=int(cluster.object_store_gb * 2**30),
+                     include_dashboard=False, _temp_dir=str(temp), log_to_driver=True,
+                     logging_level=logging.WARNING)  # its "Started a local Ray instance." repeats the display's line
+        except ValueError as e:
+            if "object store" not in str(e):
+                raise
+            raise UserError(store_too_large(cluster.object_store_gb, str(e))) from None
+
+
+def store_too_large(gb: float, said: str) -> str:
+    """Ray's refusal of an object store that leaves its tasks and actors too little of the memory free now (factory
+    check refuses one above the machine's memory; memory in use since may leave less), with the setting to change."""
+    import psutil
+
+    free = psutil.virtual_memory().available / 2**30
+    return (f"a local Ray would not start with resources.object_store_gb {gb:g} ({free:.3g} GB of this machine's "
+            f"memory is free now): lower it (1 is usual) or free memory. Ray said: {said}")
 
 
 # --------------------------------------------------------------------------------------- groups
