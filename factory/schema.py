@@ -825,8 +825,8 @@ class TrainSpec(Section):
 
 # ------------------------------------------------------------------------------------ tracking, Ray
 class TrackingSpec(Section):
-    experiment: str = "factory"
-    """MLflow experiment name."""
+    experiment: str = Field("factory", min_length=1, max_length=500)  # MLflow refused others at the run's start
+    """MLflow experiment name, 1 to 500 characters (MLflow's limits)."""
     uri: str | None = None
     """MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, else `sqlite:///mlflow.db` in the working directory."""
     tags: dict[str, str] = {}

@@ -1616,3 +1616,16 @@ def test_a_chat_template_kwarg_the_template_never_reads_is_an_error(project):
     project.file("prompts/broken.jinja", "{% for m in messages %}{{ m.content }}")
     broken = base + "chat_template: prompts/broken.jinja\nchat_template_kwargs: {tone: dry}\n"
     assert "tone" not in _errors(project.spec(broken, "d.yaml"))
+
+
+def test_an_experiment_name_mlflow_refuses_is_a_spec_error(project, monkeypatch):
+    """`tracking.experiment: ''` (or `${oc.env:EXP,}` with EXP unset) passed check; the run started Ray and every
+    stage, then died as an internal error: MlflowException "Invalid experiment name: ''". So did a name past
+    MLflow's 500 characters."""
+    monkeypatch.delenv("R77_EXP", raising=False)
+    path = project.spec(_base(project, "rc_exp") + "tracking: {experiment: '${oc.env:R77_EXP,\"\"}'}\n")
+    assert _errors(path) == ("spec.yaml:9: tracking.experiment: is empty: expected at least 1 character\n"
+                             "1 error in spec.yaml")
+    assert _errors(path, [f"tracking.experiment={'x' * 501}"]) == (
+        "<override 1>: tracking.experiment: expected at most 500 characters, got 501\n1 error in spec.yaml")
+    compile_file(path, [f"tracking.experiment={'x' * 500}"])

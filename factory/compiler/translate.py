@@ -277,6 +277,12 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     if kind == "too_short" and get_origin(where.container) is not tuple and not ctx.get("actual_length"):
         n = ctx.get("min_length", 1)  # an empty `sum: {}` or `min: []`, which scored every trajectory 0
         return f"is empty: expected at least {n} item{'s' if n != 1 else ''}"
+    if kind == "string_too_short":  # (pydantic's "String should have at least 1 character")
+        n = ctx.get("min_length", 1)
+        return (f"is empty: expected at least {n} character{'s' if n != 1 else ''}" if not value else
+                f"expected at least {n} characters, got {len(value)}")
+    if kind == "string_too_long":
+        return f"expected at most {ctx['max_length']} characters, got {len(value)}"
     if kind == "too_long" and get_origin(where.container) is tuple:
         return f"expected a list of {len(get_args(where.container))} items"
     text = err["msg"].removeprefix("Value error, ")
