@@ -1629,3 +1629,33 @@ def test_an_experiment_name_mlflow_refuses_is_a_spec_error(project, monkeypatch)
     assert _errors(path, [f"tracking.experiment={'x' * 501}"]) == (
         "<override 1>: tracking.experiment: expected at most 500 characters, got 501\n1 error in spec.yaml")
     compile_file(path, [f"tracking.experiment={'x' * 500}"])
+
+
+def test_a_template_key_given_the_text_itself_or_a_bare_name_says_it_names_a_file(project):
+    """`system_prompt: be brief`, a judge's prompt written inline and `chat_template: chatml` were each told only
+    "template file not found: be brief": these keys name jinja files, which nothing said, and no template is
+    built in by name (a file of prompts/ close to it is suggested)."""
+    project.file("prompts/chatml_tools.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    base = _base(project, "rc_inline").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  system_prompt: be brief\n")
+    path = project.spec(base + "  judge: {llm_judge: \"Rate {{ completion }} from 0 to 1, where 1 means correct\", "
+                               "endpoint: 'http://127.0.0.1:9/v1', model: m}\nchat_template: chatml\n")
+    assert _errors(path) == (
+        "spec.yaml:5: data.system_prompt: template file not found: be brief; this key names a jinja file "
+        "(prompts/NAME.jinja), not the text itself: put the text in a file (prompts/system.jinja) and name that\n"
+        "spec.yaml:10: rewards.judge.llm_judge: template file not found: Rate {{ completion }} from 0 to 1, where...; "
+        "this key names a jinja file (prompts/NAME.jinja), not the text itself: put the text in a file "
+        "(prompts/judge.jinja) and name that\n"
+        "spec.yaml:11: chat_template: template file not found: chatml; this key names a jinja file "
+        "(prompts/NAME.jinja), and no template is built in by name: did you mean prompts/chatml_tools.jinja? "
+        "(unset, the tokenizer's own is used)\n"
+        "3 errors in spec.yaml")
+    assert _errors(path, ["chat_template=mine"]).splitlines()[2] == (
+        "<override 1>: chat_template: template file not found: mine; this key names a jinja file (prompts/NAME.jinja), "
+        "and no template is built in by name (unset, the tokenizer's own is used)")
+    long = "You are a careful assistant who answers with a number only. " * 5  # past a file name's 255 bytes
+    assert _errors(path, [f"data.system_prompt={long}"]).splitlines()[2] == (
+        "<override 1>: data.system_prompt: template file not found: You are a careful assistant who answers ...; this "
+        "key names a jinja file (prompts/NAME.jinja), not the text itself: put the text in a file "
+        "(prompts/system.jinja) and name that")

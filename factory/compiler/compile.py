@@ -483,16 +483,53 @@ def _templates(spec: Spec) -> list[tuple[str, str, bool]]:
     return out
 
 
+# The file a template key's text belongs in, by the key's last part: what "put the text in a file" suggests
+_TEMPLATE_FILES = {"system_prompt": "system", "prompt": "prompt", "llm_judge": "judge", "chat_template": "chat"}
+
+
+def _template_not_found(path: str, name: str, base_dir: Path) -> str:
+    """Why a template key's value names no file. These keys take a file's name, never the text: the text itself
+    (`system_prompt: be brief`, a judge's prompt written inline) was told only "template file not found", and so
+    was a bare name such as `chatml` (no template is built in by name; a file of prompts/ close to it may be
+    the one meant)."""
+    where = "" if os.path.isabs(os.path.expanduser(name)) else _looked_in(base_dir)
+    lines = name.splitlines() or [""]
+    shown = name if len(lines) == 1 and len(name) <= 40 else lines[0][:40] + "..."
+    said = f"template file not found: {shown}{where}; this key names a jinja file (prompts/NAME.jinja)"
+    if _inline_text(name):
+        stem = _TEMPLATE_FILES[path.rpartition(".")[2]]
+        return f"{said}, not the text itself: put the text in a file (prompts/{stem}.jinja) and name that"
+    if _file_like(name):
+        return f"template file not found: {shown}{where}"  # a file's name: the file is not there
+    stems = sorted({f.stem for folder in (Path.cwd(), base_dir) for f in (folder / "prompts").glob("*.jinja")})
+    near = nearest(name, stems)
+    said += f", and no template is built in by name{f': did you mean prompts/{near}.jinja?' if near else ''}"
+    return said + (" (unset, the tokenizer's own is used)" if path == "chat_template" else "")
+
+
+def _file_like(name: str) -> bool:
+    """Whether `name` reads as a file's name: a folder in it, or a suffix (`.jinja`; not `. Answer in ...`)."""
+    suffix = Path(name).suffix
+    return "/" in name or os.sep in name or bool(suffix) and not any(c.isspace() for c in suffix)
+
+
+def _inline_text(name: str) -> bool:
+    """Whether a template key's value is evidently the text itself: jinja, several lines, or words that do not
+    read as a file's name (`be brief`)."""
+    return ("{{" in name or "{%" in name or len(name.splitlines()) > 1
+            or not _file_like(name) and any(c.isspace() for c in name.strip()))
+
+
 def _check_templates(spec: Spec, r: _Report) -> dict[str, str]:
     hashes: dict[str, str] = {}
     for path, name, chat in _templates(spec):
-        if problem := name_problem(name):  # (an inline text where a file is named, `~user/` for no such user)
+        problem = name_problem(name)  # (a long inline text where a file is named, `~user/` for no such user)
+        if problem and not _inline_text(name):
             r.error(path, problem)
             continue
-        found = find_file(name, r.source.base_dir)
+        found = None if problem else find_file(name, r.source.base_dir)
         if found is None:
-            where = "" if os.path.isabs(os.path.expanduser(name)) else _looked_in(r.source.base_dir)
-            r.error(path, f"template file not found: {name}{where}")
+            r.error(path, _template_not_found(path, name, r.source.base_dir))
             continue
         _warn_shadowed(r, path, name)
         problem = template_problem(found, chat_template=chat)
