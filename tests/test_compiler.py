@@ -1659,3 +1659,38 @@ def test_a_template_key_given_the_text_itself_or_a_bare_name_says_it_names_a_fil
         "<override 1>: data.system_prompt: template file not found: You are a careful assistant who answers ...; this "
         "key names a jinja file (prompts/NAME.jinja), not the text itself: put the text in a file "
         "(prompts/system.jinja) and name that")
+
+
+def test_group_true_on_a_function_of_one_sample_is_refused(project):
+    """`group: true` on numeric_match bound (prompts, completions, rows) to (prompt, completion, answer): check
+    said ok, every call raised at run time and the node scored 0 all run. A function whose first parameters are
+    annotated `str` takes one sample: refused. Not from their names (a group reward is declared, never guessed)."""
+    project.module("rc_grp", """\
+from __future__ import annotations
+
+
+def one(prompt: str, completion: str, **row) -> float:
+    return 0.0
+
+
+def typed_group(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    return [0.0] * len(completions)
+
+
+def named_alike(prompt, completion, rows):
+    return [0.0] * len(completion)
+""")
+    path = project.spec(_base(project, "rc_grpbase") + """\
+  a: {fn: "rc_grp:one", group: true}
+  b: {fn: factory.rewards.math:numeric_match, group: true}
+  c: {fn: "rc_grp:typed_group", group: true}
+  d: {fn: "rc_grp:named_alike", group: true}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.a.fn: rc_grp:one scores one sample (its prompt: str), but `group: true` calls it once "
+        "per group as f(prompts, completions, rows), with lists: every call would fail and the node score 0; drop "
+        "`group: true`, or write a group function (docs/rewards.md)\n"
+        "spec.yaml:10: rewards.b.fn: factory.rewards.math:numeric_match scores one sample (its prompt: str), but "
+        "`group: true` calls it once per group as f(prompts, completions, rows), with lists: every call would fail "
+        "and the node score 0; drop `group: true`, or write a group function (docs/rewards.md)\n"
+        "2 errors in spec.yaml")

@@ -134,6 +134,24 @@ def _bind_problem(fn: Callable[..., Any], ref: str, positional: tuple[str, ...],
     return None
 
 
+def _one_sample_parameter(fn: Callable[..., Any]) -> str | None:
+    """Of the parameters a group call passes the prompts and the completions (the first two positional ones), the
+    first annotated `str`: the function evidently scores one sample (numeric_match's `prompt: str`), where a group
+    function takes lists. Its annotations decide, never its names (a group reward is declared, not guessed)."""
+    import typing
+
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    except (TypeError, ValueError):  # no readable signature (a builtin): nothing to tell
+        return None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 -- an annotation naming what is not importable: read as written
+        hints = {}
+    return next((p.name for p in params if hints.get(p.name, p.annotation) in (str, "str")), None)
+
+
 def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool,
                    per_turn: bool = False) -> str | None:
     """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
@@ -145,6 +163,10 @@ def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group
     if group:
         from factory.reward.graph import takes_turns
 
+        if one := _one_sample_parameter(fn):
+            return (f"{ref} scores one sample (its {one}: str), but `group: true` calls it once per group as "
+                    "f(prompts, completions, rows), with lists: every call would fail and the node score 0; drop "
+                    "`group: true`, or write a group function (docs/rewards.md)")
         turns = {"turns": []} if takes_turns(fn) else {}
         return _bind_problem(fn, ref, ("prompts", "completions", "rows"), {**turns, **args},
                              "f(prompts, completions, rows)", row_keywords=False)
