@@ -7,12 +7,14 @@ and checks that every trajectory finishes and every fault lands in its counter.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from factory.rollout.parse import parse_one
@@ -104,6 +106,45 @@ async def test_without_retries_in_flight_calls_fail_cleanly_as_crash():
         assert metrics["tools/echo/infra_errors"] == 8 and metrics["tools/echo/timeouts"] == 0
         assert (await box.call(call("echo", text="back"))).text == "back"
         assert box.metrics()["tool_servers/faulty/restarts"] == 1
+
+
+async def helper_of(box: ToolBox) -> psutil.Process:
+    """A helper process the server starts in its process group (as a browser- or kernel-backed server does)."""
+    result = await box.call(call("spawn_helper"))
+    assert result.status == "ok", result
+    return psutil.Process(int(result.text))
+
+
+async def ended(proc: psutil.Process, deadline_s: float = 10.0) -> bool:
+    """Whether `proc` ends (exits, or is a zombie its new parent has yet to collect) within `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_a_servers_helpers_end_with_it_after_a_crash_and_after_the_close():
+    """The SDK signals a server's process group only when the server has not exited 2 s after its stdin closed: a
+    server that crashed, or that exits when its stdin closes, left its helpers running (a helper on a fixed port
+    then made every restart fail). Its group is ended after the SDK's shutdown, on every path."""
+    helpers = []
+    try:
+        async with ToolBox.from_spec({"faulty": FAULTY.model_copy(update={"retries": 0})}) as box:
+            helpers.append(await helper_of(box))
+            assert (await box.call(call("die"))).error_kind == "crash"
+            assert await ended(helpers[0])  # the lost server's group is ended before its restart
+            helpers.append(await helper_of(box))  # on the restarted server
+            assert helpers[1].is_running()
+        assert await ended(helpers[1])  # the server exits by itself when its stdin closes
+    finally:
+        for proc in helpers:  # (what a failing run of this test leaked)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 async def test_a_crash_is_logged_with_the_last_lines_of_the_servers_stderr(caplog):

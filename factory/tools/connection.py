@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from typing import IO, Any
 
 import anyio
 import httpx2
+import psutil
 import pydantic
 from mcp import types as mcp_types
 from mcp.client.session import ClientSession
@@ -46,6 +48,10 @@ STDERR_TAIL_CHARS = 2000
 # (its file is unlinked: `du` does not see it) cannot fill the temp folder over a long run.
 STDERR_KEEP_BYTES = 1 << 20
 STDERR_CHECK_S = 5.0  # and between calls, this often (a server may log while no call comes)
+# What is left of a stdio server's process group (its helpers) after the SDK's shutdown gets this long after SIGTERM
+# before SIGKILL (the SDK's own grace), checked this often.
+GROUP_GRACE_S = 2.0
+GROUP_POLL_S = 0.05
 
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
 TransportFactory = Callable[[IO[bytes]], AbstractAsyncContextManager[Any]]
@@ -166,9 +172,90 @@ def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactor
         # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
         if (problem := launch_problem(params)) is not None:
             raise FileNotFoundError(problem[1])
-        return stdio_client(params, errlog=errlog)  # type: ignore[arg-type]
+        return _ending_its_group(stdio_client(params, errlog=errlog))  # type: ignore[arg-type]
 
     return transport
+
+
+@contextlib.asynccontextmanager
+async def _ending_its_group(client: AbstractAsyncContextManager[Any]) -> AsyncIterator[Any]:
+    """The SDK's `stdio_client`, then what is left of the server's process group ended. A server's helpers (a
+    browser, a kernel) are in its group, which the SDK signals only when the server has not exited 2 s after its
+    stdin closed: a server that crashed, or that exits when its stdin closes, left them running, unowned (one
+    holding a port made every restart of its server fail)."""
+    server: tuple[int, psutil.Process | None] | None = None
+    try:
+        async with client as streams:
+            server = spawned_process(client)
+            yield streams
+    finally:
+        if server is not None:
+            await end_group(*server)
+
+
+def spawned_process(client: AbstractAsyncContextManager[Any]) -> tuple[int, psutil.Process | None] | None:
+    """The process that the SDK's `stdio_client` (entered) started, as (pid, its handle: None when it has ended
+    already), or None when it cannot be read. The SDK keeps its process object to itself, as the local `process`
+    of the generator behind its context manager (a release that renames it leaves the group to the SDK alone:
+    tests/test_tools_faults.py's helper test then fails)."""
+    frame = getattr(getattr(client, "gen", None), "ag_frame", None)
+    pid = getattr(frame.f_locals.get("process") if frame is not None else None, "pid", None)
+    if not isinstance(pid, int):
+        return None
+    try:
+        return pid, psutil.Process(pid)
+    except psutil.Error:
+        return pid, None
+
+
+def signal_group(pgid: int, leader: psutil.Process | None, sig: int) -> bool:
+    """Send `sig` to process group `pgid`, that of the server `leader` (the SDK starts a server in a new session:
+    its pid is its group's id), while the group is still that server's; whether there was a group to signal.
+    The pid of a server that has ended is not given to a new process while its group has members; once it has
+    been, a group of that id is another process's, left alone."""
+    if not (leader is not None and leader.is_running()) and psutil.pid_exists(pgid):
+        return False  # (is_running: the same process, its start time checked, or its zombie)
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # some members cannot be signalled (macOS says so of a zombie): the group may still be there
+    return True
+
+
+async def end_group(pgid: int, leader: psutil.Process | None, grace_s: float = GROUP_GRACE_S) -> None:
+    """SIGTERM what is left of the server's process group, SIGKILL what is still there after `grace_s` (or at once
+    when cancelled). A group already gone, the usual case, costs no wait."""
+    if not signal_group(pgid, leader, signal.SIGTERM):
+        return
+    try:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(GROUP_POLL_S)
+            if not group_running(pgid):
+                return
+    finally:
+        signal_group(pgid, leader, signal.SIGKILL)  # (not sent to a group that is gone)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that has not ended. A zombie has, yet keeps its group there to
+    signal: an orphan's exit is collected by PID 1, late, or in some containers never, so the group's mere
+    presence held every close for the whole grace."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue  # (ended meanwhile)
+    return False
 
 
 def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
@@ -399,7 +486,8 @@ class McpConnection:
         return f"\n--- server stderr (last lines) ---\n{text}" if text else ""
 
     async def close(self, timeout_s: float = 15.0, keep_stderr: bool = False) -> None:
-        """Shut the session and its process down (stdin closed, then SIGTERM/SIGKILL by the SDK)."""
+        """Shut the session and its process down (stdin closed, then SIGTERM/SIGKILL by the SDK; then its process
+        group, for a stdio server: `_ending_its_group`)."""
         self._closing.set()
         owner = self._owner
         if owner is not None and not owner.done():

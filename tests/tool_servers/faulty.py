@@ -6,6 +6,7 @@ Each tool is one fault; `pid` lets a test kill the process; `header` shows what 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -72,6 +73,15 @@ def huge(chars: int) -> str:
 def pid() -> int:
     """This server's process id, so a test can kill it."""
     return os.getpid()
+
+
+@server.tool(structured_output=False)
+def spawn_helper() -> int:
+    """Start a helper process that outlives this server unless ended (a browser, a kernel); its pid. Like such
+    helpers, it never reads the server's stdin, so it does not end when the client closes it."""
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL)
+    return helper.pid
 
 
 @server.tool(structured_output=False)
