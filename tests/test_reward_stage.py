@@ -565,6 +565,21 @@ def test_a_functions_none_is_said_once_a_run_and_an_error_every_step(caplog):
     assert [m.endswith("(nor, in later steps, a None of its function's)") for m in said if "opinion" in m] == [True]
 
 
+def test_a_missing_value_whose_error_holds_a_lone_surrogate_is_said_as_its_escape(caplog):
+    """A drop_sample node's error quoting a file name that is not UTF-8: the stage's warning could not be written
+    to a UTF-8 stream (logging printed its own traceback in its place)."""
+    import logging
+
+    spec = make_spec({"has_file": {"fn": f"{FNS}:output_file", "on_missing": "drop_sample"},
+                      "total": {"sum": {"has_file": 1.0}}})
+    with caplog.at_level(logging.WARNING, logger="factory.reward.stage"):
+        (t,), m = score(spec, [traj("r\udce9sultat.txt")])
+    assert m["reward/dropped"] == 1.0
+    assert t.dropped == "rewards.has_file: error: FileNotFoundError: no output file r\udce9sultat.txt"
+    (said,) = [r.getMessage() for r in caplog.records if "no value for" in r.getMessage()]
+    assert "(first: FileNotFoundError: no output file r\\udce9sultat.txt)" in said.encode("utf-8").decode()
+
+
 @pytest.mark.parametrize("policy", ["zero", "drop_sample", "fail"])
 def test_on_missing(policy):
     from factory.algorithms import resolve

@@ -348,6 +348,23 @@ def test_a_trajectory_whose_calls_hold_a_lone_surrogate_is_logged_as_its_escape(
         "\\ud83d", "unknown name '\\ud83d'", "\\ud83d", "caf\\udce9.txt")
 
 
+def test_a_dropped_trajectory_whose_reason_holds_a_lone_surrogate_is_logged_as_its_escape(tmp_path, monkeypatch):
+    # a drop_sample node's error quoting a file name that is not UTF-8 (os.fsdecode), or a tool name json.loads read
+    # from the model's `"\\ud83d"`: the `dropped` column was written as it was, Arrow raised in the driver's
+    # _log_step and the run ended ("internal error: UnicodeEncodeError")
+    monkeypatch.chdir(tmp_path)
+    t = Tracker(f"sqlite:///{tmp_path}/m.db", "exp")
+    t.prepare()
+    run_id = t.start("r", {}, {}, {"plan.json": "{}"})
+    traj = _traj()
+    traj.dropped = "rewards.has_file: error: FileNotFoundError: no output file r\udce9sultat.txt"
+    t.log_trajectories([traj], step=1, traces=0)
+    t.end()
+    with tempfile.TemporaryDirectory() as tmp:
+        (row,) = pq.read_table(t.download(run_id, "trajectories/step_00001.parquet", tmp)).to_pylist()
+    assert row["dropped"] == "rewards.has_file: error: FileNotFoundError: no output file r\\udce9sultat.txt"
+
+
 def test_a_run_resumed_under_a_changed_spec_is_not_identical(tmp_path, monkeypatch):
     """A run resumed with `--allow-spec-change train.steps=3` keeps its first spec's params and plan.json:
     `factory diff` of it and a run of that first spec said "defined identically"."""

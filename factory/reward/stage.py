@@ -43,7 +43,7 @@ from factory.reward.graph import (
 from factory.reward.lanes import Lane, Processes, awaited
 from factory.schema import FLOAT32_MAX, FnNode, GateNode, JudgeNode, NormalizeNode, ToolNode
 from factory.types import Placement, ToolCall, Trajectory
-from factory.util import enter_workdir, import_object, is_async, node_id, resolve_file
+from factory.util import enter_workdir, escaped, import_object, is_async, node_id, resolve_file
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,12 @@ class RewardStage(StageActor):
             if chosen:
                 self._said_none.add(name)
             per_turn = name in self.per_turn
+            # (escaped: an error may quote a file name that is not UTF-8, or a tool name json.loads read from the
+            # model's "\\ud83d": a lone surrogate, which a UTF-8 stream cannot write)
             log.warning("reward node %s: no value for %d of %d %s (first: %s), in a scoring call of step %d; "
                         "rewards/%s/missing counts all of the step's, which are not logged again%s", name,
                         len(errors), turns if per_turn else len(evaluation.trajs),
-                        "trajectories' turns" if per_turn else "trajectories", errors[0], step, name,
+                        "trajectories' turns" if per_turn else "trajectories", escaped(errors[0]), step, name,
                         " (nor, in later steps, a None of its function's)" if chosen else "")
 
     async def close(self) -> None:

@@ -341,7 +341,7 @@ def trajectory_records(trajs: list[Trajectory], step: int, tokenizer: Any | None
             # (its tool reward nodes' calls are named by it: a replay finds their recorded answers by it).
             "row": json.dumps(t.row, sort_keys=True, default=str), "truncated": t.truncated,
             "turns": _json_text([dataclasses.asdict(turn) for turn in t.turns]),
-            "reward_details": _json_text(t.reward_details, sort_keys=True), "dropped": t.dropped,
+            "reward_details": _json_text(t.reward_details, sort_keys=True), "dropped": escaped(t.dropped),
             "origin": t.origin,
         })
     return rows
