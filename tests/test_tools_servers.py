@@ -439,6 +439,37 @@ async def test_a_cancelled_error_a_python_tool_raises_of_its_own_is_its_error_an
         assert (cut.status, cut.error_kind) == ("infra_error", "timeout")
 
 
+def pairs(n: int) -> dict:
+    """Counts keyed by (a, b) pairs: JSON has no such keys.
+
+    Args:
+        n: How many pairs.
+    """
+    return {(i, i + 1): i for i in range(n)}
+
+
+def cycle() -> list:
+    """A list that holds itself: JSON cannot write it."""
+    loop: list = []
+    loop.append(loop)
+    return loop
+
+
+async def test_a_python_tool_whose_value_cannot_be_written_as_text_is_its_own_error():
+    """json.dumps raised out of the call (a dict keyed by tuples, a cycle, an int past Python's 4300 digits): the
+    tool's own bug was logged with a traceback as Factory's and filed as an infra error ("transport"), which drops
+    the trajectory and counts toward train.max_infra_error_rate."""
+    tools = {"pairs": PythonTool(function="tests.test_tools_servers:pairs"),
+             "cycle": PythonTool(function="tests.test_tools_servers:cycle")}
+    async with ToolBox.from_spec(tools) as box:
+        keyed, looped, fine = await box.call_many([call("pairs", {"n": 2}), call("cycle", {}), call("pairs", {"n": 0})])
+    assert [(r.status, r.error_kind) for r in (keyed, looped)] == [("model_error", "tool_error")] * 2
+    assert keyed.text == ("Error: its result cannot be written as text: TypeError: keys must be str, int, float, "
+                          "bool or None, not tuple")
+    assert looped.text == "Error: its result cannot be written as text: ValueError: Circular reference detected"
+    assert (fine.status, fine.text) == ("ok", "{}")
+
+
 async def test_sync_python_tool_errors_and_timeouts():
     spec = PythonTool(function="tests.test_tools_servers:flaky_divide", timeout_s=0.3, retries=0)
     async with ToolBox.from_spec({"divide": spec}) as box:

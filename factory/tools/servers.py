@@ -341,8 +341,8 @@ class PythonFunction:
     """A plain python function called in-process. Sync functions run in a worker thread so a slow one
     never blocks the event loop; a sync call that times out is abandoned (its thread runs to its end, and
     holds its slot under `concurrency` until then). Once every slot is held by an abandoned call, the next
-    calls time out at once, until one of those returns. An exception from the function is the tool's own
-    error (model_error), like an MCP tool's isError.
+    calls time out at once, until one of those returns. An exception from the function, or a value that JSON cannot
+    write, is the tool's own error (model_error), like an MCP tool's isError.
     """
 
     def __init__(self, name: str, spec: PythonTool, *, resilience: Resilience) -> None:
@@ -427,7 +427,13 @@ class PythonFunction:
             if isinstance(exc, asyncio.CancelledError) and being_cancelled():
                 raise
             return model_error(tool, "tool_error", f"Error: {type(exc).__name__}: {exc}"), False
-        return answer(tool, value_text(value)), False
+        try:
+            text = value_text(value)
+        except Exception as exc:  # noqa: BLE001 -- a value JSON cannot hold (a dict keyed by tuples, a cycle, an int
+            # past Python's 4300 digits, an object whose str() raises) is the tool's own bug, not an outage of ours
+            return model_error(tool, "tool_error", f"Error: its result cannot be written as text: "
+                                                   f"{type(exc).__name__}: {exc}"), False
+        return answer(tool, text), False
 
 
 def function_schema(fn: Callable[..., Any], name: str) -> dict[str, Any]:
