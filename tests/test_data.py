@@ -337,6 +337,22 @@ def test_a_json_array_file_and_a_byte_order_mark(tmp_path):
     assert read_source(DataSource(path="bom.jsonl"), seed=0, base_dir=tmp_path)[0] == [{"question": "a"}]
 
 
+def test_a_byte_that_is_not_utf8_is_named_by_its_line_and_column(tmp_path):
+    """The decoder's own message named a position in its read buffer ("byte 0xe9 in position 3496" of line 2001, at
+    byte 101800 of the file): the file's line and column of each such byte are said, as for invalid JSON."""
+    from factory.data.sources import read_source
+
+    good = b'{"question": "1 + 1?", "answer": "2"}\n' * 2000
+    (tmp_path / "late.jsonl").write_bytes(good + b'{"question": "caf\xe9?"}\r\n{"q": "ok"}\n{"\xff": 1}\n')
+    with pytest.raises(DataError) as e:
+        read_source(DataSource(path="late.jsonl"), seed=0, base_dir=tmp_path)
+    assert str(e.value) == ("late.jsonl:2001: not UTF-8 (byte 0xe9 at column 18)\n"
+                            "late.jsonl:2003: not UTF-8 (byte 0xff at column 3)")
+    (tmp_path / "rows.json").write_bytes(b'\xef\xbb\xbf[\n  {"question": "a"},\n  {"question": "\xc3\xa9t\xe9"}\n]\n')
+    with pytest.raises(DataError, match=r"^rows.json:3: not UTF-8 \(byte 0xe9 at column 19\)$"):
+        read_source(DataSource(path="rows.json"), seed=0, base_dir=tmp_path)
+
+
 def test_check_warns_when_data_system_prompt_is_not_used(project):
     """A data.prompt that renders its own system message kept it, and data.system_prompt was dropped
     without a word."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,19 +54,26 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
             rows = rows.to_pylist() if rows is not None else []
         return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
     if path.suffix == ".json" and _starts_with(path, "["):  # one JSON array of rows (not JSON Lines)
+        text = path.read_text(encoding="utf-8-sig", errors="surrogateescape")
+        if (bad := not_utf8(text)) is not None:
+            raise DataError(f"{source.path}:{bad[0]}: {bad[1]}")
         try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))
+            rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{source.path}:{e.lineno}: invalid JSON: {e}") from None
         rows = rows if limit is None else rows[:limit]
         return rows, [f"{source.path} row {i + 1}" for i in range(len(rows))]
     if path.suffix in (".jsonl", ".json"):
         rows, origins, problems = [], [], []
-        # utf-8-sig: a byte-order mark (Windows tools write one) is not part of the first row's JSON
-        with open(path, encoding="utf-8-sig") as f:
+        # utf-8-sig: a byte-order mark (Windows tools write one) is not part of the first row's JSON;
+        # surrogateescape: a byte that is not UTF-8 is said at its line (`not_utf8`)
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
             for number, line in enumerate(f, 1):
                 if limit is not None and len(rows) + len(problems) >= limit:
                     break
+                if (bad := not_utf8(line)) is not None:
+                    problems.append(f"{source.path}:{number}: {bad[1]}")
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -77,6 +85,22 @@ def read_source(source: DataSource, *, seed: int, base_dir: Path | None = None, 
             raise DataError(_listed(problems))
         return rows, origins
     raise DataError(f"{source.path}: data files must be .parquet, .jsonl or .json")
+
+
+# What a byte that is not UTF-8 becomes when read with errors="surrogateescape"; text that is UTF-8 never holds one
+# (JSON's `\udce9` escape is six ASCII characters until json.loads reads it)
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def not_utf8(text: str) -> tuple[int, str] | None:
+    """Where `text`, a data file's (or one of its lines) read with errors="surrogateescape", holds a byte that is not
+    UTF-8: (its line, counted from 1; `not UTF-8 (byte 0xe9 at column 18)`), or None. The decoder's own error named
+    a position in its read buffer ("position 3496", of a byte on line 2001)."""
+    if (match := _ESCAPED_BYTE.search(text)) is None:
+        return None
+    at = match.start()
+    column = at - text.rfind("\n", 0, at)  # (from 1: rfind is -1 on the first line)
+    return text.count("\n", 0, at) + 1, f"not UTF-8 (byte 0x{ord(match.group()) - 0xDC00:02x} at column {column})"
 
 
 def _starts_with(path: Path, char: str) -> bool:
