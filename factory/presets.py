@@ -5,16 +5,16 @@ functions live in factory/algorithms.py; NAMES lists their registry names, and a
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
+from factory.spelling import nearest
+
 
 def did_you_mean(name: str, names: Any) -> str:
-    """" (did you mean 'x'?)" for a registry name close to `name`, else "" (difflib alone: this module sits
-    beside factory.util, whose `nearest` the spec's keys get, in the bottom layer, and imports no sibling)."""
-    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    """" (did you mean 'x'?)" for a registry name close to `name`, else ""."""
+    near = nearest(name, names)
+    return f" (did you mean '{near}'?)" if near else ""
 
 
 class UnknownNameError(KeyError):

@@ -22,6 +22,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from factory.spelling import nearest
+
 
 class UserError(Exception):
     """Bad input found while running (data rows, ...): the CLI prints the message alone, no traceback,
@@ -141,29 +143,6 @@ def run_sync(coro: Any) -> Any:
         return asyncio.run(coro)
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
-
-
-# ------------------------------------------------------------------------------------- names
-def nearest(key: str, valid: Iterable[str]) -> str | None:
-    """The valid name a typo most likely meant: a close spelling (difflib), else the one name that
-    starts the typo or that the typo starts (`lr_rate` -> `lr`, `calculator` -> `calc`), which difflib
-    alone finds too different."""
-    valid = list(valid)
-    words = set(_words(key))  # every word of it in one name (`get_time` -> `get_current_time`, which difflib
-    if len(words) > 1:        # ranks below `convert_time`: fewer letters in common, more of them in place)
-        holding = [v for v in valid if words <= set(_words(v))]
-        if len(holding) == 1:
-            return holding[0]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    head = [v for v in valid if min(len(v), len(key)) >= 2 and (key.startswith(v) or v.startswith(key))]
-    return head[0] if len(head) == 1 else None
-
-
-def _words(name: str) -> list[str]:
-    return [w for w in re.split(r"[_\-.]+", name.lower()) if w]
-
 
 
 # What asyncio.wait_for raises past its deadline: TimeoutError from Python 3.11 on, a class of its own before.

@@ -624,7 +624,8 @@ def test_resolve_names_the_bad_value_and_lists_known_names():
                               "mean_baseline, reinforce_pp, reinforce_pp_baseline, rloo")
     with pytest.raises(KeyError) as err:
         resolve(AlgorithmSpec(loss="ppo"))
-    assert str(err.value) == "algorithm.loss: unknown policy loss 'ppo'; known: cispo, dual_clip, gspo, ppo_clip"
+    assert str(err.value) == ("algorithm.loss: unknown policy loss 'ppo' (did you mean 'ppo_clip'?); known: cispo, "
+                              "dual_clip, gspo, ppo_clip")
     with pytest.raises(KeyError, match="algorithm.advantage: unknown advantage 'gae'"):
         resolve(AlgorithmSpec(advantage="gae"))
     # Rewards, generators and tools are named by import path; an advantage written that way is told why not

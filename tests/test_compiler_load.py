@@ -24,6 +24,20 @@ def test_nearest_prefers_the_one_name_holding_every_word():
     assert nearest("stpes", ["steps", "seed"]) == "steps" and nearest("lr_rate", ["lr", "warmup_steps"]) == "lr"
 
 
+def test_nearest_prefers_the_name_with_the_typos_own_letters():
+    """Swapped letters are the commonest slip: difflib ranked `gspo` with `grpo` for `gpro` (0.75 each, a tie
+    it breaks by reverse alphabetical order) and a dropped or changed letter above a swap (`reward` 0.92,
+    `rewards` 0.86), so the name meant lost to a name one letter off."""
+    from factory.compiler.translate import nearest
+    from factory.presets import PRESETS, did_you_mean
+
+    assert nearest("gpro", ["grpo", "gspo"]) == nearest("rgpo", ["gspo", "grpo"]) == "grpo"
+    assert nearest("rewarsd", ["reward", "rewards"]) == "rewards"
+    assert nearest("to_pk", ["top_p", "top_k"]) == "top_k"
+    assert nearest("eval_temp", ["eval_every", "eval_temperature"]) == "eval_temperature"  # not the fewest edits
+    assert did_you_mean("gpro", PRESETS) == " (did you mean 'grpo'?)"  # the algorithm's name: the same ranking
+
+
 def test_misspelled_key_suggests_the_nearest(project):
     path = project.spec(_base(project, "rw_typo") + "train:\n  lr_rate: 1.0e-5\n  stpes: 3\n")
     with pytest.raises(SpecErrors) as e:
