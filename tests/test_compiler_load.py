@@ -533,6 +533,20 @@ def test_yaml_error_says_what_yaml_was_reading(project):
         "inside, name=\"'...'\""]
 
 
+def test_a_tab_says_to_use_spaces(project):
+    """PyYAML's "found character '\\t' that cannot start any token" alone did not say what to do, and a tab
+    before a comment (YAML 1.2 takes it) is refused with the same words."""
+    for text, line, column in (("name: a\nmodel:\n\tpath: x\n", 3, 0), ("name: a\nseed: 1\t# one\n", 2, 7)):
+        with pytest.raises(SpecErrors) as e:
+            load_spec(project.spec(text))
+        assert report(e) == (
+            f"spec.yaml:{line}: yaml syntax error: found character '\\t' that cannot start any token; YAML indents "
+            "with spaces, not tabs (a tab before a comment too): replace the tab with spaces\n"
+            f"  {line} | {text.splitlines()[line - 1]}\n"
+            f"    | {' ' * column}^\n"
+            "1 error in spec.yaml")
+
+
 def test_an_override_cannot_set_a_list_element_by_index(project):
     """OmegaConf reads the index as a mapping's key: merged over the list it was refused as "a value in the
     spec, which an override cannot replace with a list: set what is inside it"; `name[0]` made `name` a mapping,

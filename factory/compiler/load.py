@@ -215,6 +215,8 @@ def _yaml_problem(e: yaml.YAMLError, at: int | None = None) -> str:
     a quote opened 30 lines up was never closed. `at`: the 0-based line the error is shown at (None: an
     override, which has no lines)."""
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if "'\\t'" in problem:  # PyYAML refuses a tab anywhere outside quotes (YAML 1.2 takes one before a comment)
+        problem += "; YAML indents with spaces, not tabs (a tab before a comment too): replace the tab with spaces"
     context, mark = getattr(e, "context", None), getattr(e, "context_mark", None)
     if not context or isinstance(e, yaml.constructor.ConstructorError):  # "while constructing a mapping"
         return problem
