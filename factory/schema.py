@@ -59,6 +59,18 @@ Number = Annotated[float, _NOT_A_BOOL]
 _Beta = Annotated[float, Field(ge=0, lt=1), _NOT_A_BOOL]
 
 
+def _on_off(value: Any) -> Any:
+    # YAML 1.1 (PyYAML's and OmegaConf's reading, of a file and of `KEY=VALUE` alike) reads an unquoted on/off
+    # or yes/no as true/false: `packing: on`, as one writes it, was refused as "got true"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# A switch with a third setting, `auto`, so not a bool.
+OnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
+
+
 class Section(BaseModel):
     # allow_inf_nan=False: `lr: .inf` (or `lr=inf` on the command line) would train on NaNs
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
@@ -746,7 +758,7 @@ class TrainSpec(Section):
     dropout (`disable_dropout: false` on a model that has some, or LoRA's: the rows would share one dropout
     mask over the prefix); the run's params record
     whether it was (`resolved.update.share_prefix`: on, off, or `off (dropout)`)."""
-    packing: Literal["auto", "on", "off"] = "auto"
+    packing: OnOff = "auto"
     """Sequence packing in the update: a micro-batch's rows laid end to end in one row (each with its own
     positions; attention never crosses rows) instead of right-padded to the longest, so no token of compute
     is padding. Exact: the same log-probs and gradients as padded rows (tests/test_update_packing.py).

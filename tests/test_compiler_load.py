@@ -93,6 +93,18 @@ rollout: {top_k: false}
         "5 errors in spec.yaml")
 
 
+def test_packing_on_and_off_unquoted_are_the_words(project):
+    """YAML 1.1 (PyYAML, OmegaConf) reads an unquoted on/off as true/false: `packing: on`, as the docs write
+    it, was refused with "expected 'auto', 'on' or 'off', got true", and `train.packing=on` too."""
+    path = project.spec(_base(project, "rw_packing") + "train: {packing: on}\n")
+    assert load_spec(path).train.packing == "on"
+    assert load_spec(path, ["train.packing=off"]).train.packing == "off"
+    assert load_spec(path, ["train.packing=yes"]).train.packing == "on"  # YAML 1.1's true too
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.packing=of"])
+    assert report(e).splitlines()[0] == "<override 1>: train.packing: expected 'auto', 'on' or 'off', got 'of'"
+
+
 def test_a_null_mapping_says_how_to_drop_a_base_specs_entries(project):
     """`tools: null` to drop the servers a base spec sets: "expected a mapping, got null" said nothing of how."""
     path = project.spec(_base(project, "rw_nulltools") + "tools: null\n")
