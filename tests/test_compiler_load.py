@@ -93,6 +93,44 @@ rollout: {top_k: false}
         "5 errors in spec.yaml")
 
 
+def test_a_plain_value_where_a_section_goes_says_the_mapping_to_write(project):
+    """`model: NAME`, `algorithm: grpo`, a sum's nodes as a list: "expected a mapping, got 'grpo'" said no fix.
+    The key is the section's one required key, else its first; a value that key does not take gets none."""
+    path = project.spec("""\
+name: demo
+model: factory:tiny-qwen3
+data:
+  train: data/train.jsonl
+rewards:
+  correct: {fn: "{mod}:exact"}
+  total: {sum: [correct, fmt]}
+algorithm: grpo
+train: {deepspeed: ds_config.json}
+""".replace("{mod}", project.module("rw_plain")))
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == (
+        "spec.yaml:2: model: expected a mapping, got 'factory:tiny-qwen3'; write `model: {path: factory:tiny-qwen3}`\n"
+        "spec.yaml:4: data.train: expected a mapping, got 'data/train.jsonl'; write `train: {path: data/train.jsonl}`\n"
+        "spec.yaml:7: rewards.total.sum: expected a mapping, got a list; write `sum: {correct: 1.0, fmt: 1.0}`\n"
+        "spec.yaml:8: algorithm: expected a mapping, got 'grpo'; write `algorithm: {name: grpo}`\n"
+        "spec.yaml:9: train.deepspeed: expected a mapping, got 'ds_config.json'\n"
+        "5 errors in spec.yaml")
+    lists = _base(project, "rw_lists").replace("rewards:", "rewards: [factory.rewards.math:numeric_match, "
+                                                "factory.rewards.format:tool_call_ok]\nold:")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec(lists + "metrics: [correct]\n"))
+    assert report(e).splitlines()[:3] == [
+        "spec.yaml:5: rewards: expected a mapping, got a list; write `rewards: {numeric_match: {fn: "
+        "factory.rewards.math:numeric_match}, tool_call_ok: {fn: factory.rewards.format:tool_call_ok}}`",
+        "spec.yaml:6: old: unknown key 'old'; expected one of: name, seed, model, chat_template, chat_template_kwargs, "
+        "data, tools, rewards, reward, metrics, algorithm, rollout, train, tracking, replay, resources, extends",
+        "spec.yaml:10: metrics: expected a mapping, got a list; write `metrics: {correct: correct}`"]
+    with pytest.raises(SpecErrors) as e:  # `a: b` names no function: nothing evident to write
+        load_spec(project.spec(lists.replace("tool_call_ok]", "tool_call_ok, 'a: b']")))
+    assert report(e).splitlines()[0] == "spec.yaml:5: rewards: expected a mapping, got a list"
+
+
 def test_packing_on_and_off_unquoted_are_the_words(project):
     """YAML 1.1 (PyYAML, OmegaConf) reads an unquoted on/off as true/false: `packing: on`, as the docs write
     it, was refused with "expected 'auto', 'on' or 'off', got true", and `train.packing=on` too."""

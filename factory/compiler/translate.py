@@ -15,7 +15,8 @@ import types
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel
+import yaml
+from pydantic import BaseModel, ValidationError
 
 from factory.util import nearest  # noqa: F401 -- the compiler's modules take it from here
 
@@ -74,6 +75,7 @@ class _Loc:
     tried: str | None = None  # the member of a union of plain types pydantic tried (`list[str]`)
     tried_at: Parts = ()  # that union's path
     models: list[tuple[Parts, type[BaseModel]]] = dataclasses.field(default_factory=list)  # (path, model) passed
+    ann: Any = None  # the annotation of the value the last part names (None where the schema has none)
 
 
 def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
@@ -113,11 +115,76 @@ def walk(root: type[BaseModel], loc: tuple[Any, ...]) -> _Loc:
         else:
             ann = None
         out.parts.append(item)
+    out.ann = ann
     return out
 
 
 def required_keys(model: type[BaseModel]) -> list[str]:
     return [name for name, f in model.model_fields.items() if f.is_required()]
+
+
+def natural_key(model: type[BaseModel]) -> str | None:
+    """The key a plain value most likely stands for where `model`, a section, belongs: its one required key
+    (`model: NAME` -> `model.path`), or, with none required, its first (`algorithm.name`, `data.train.path`)."""
+    required = required_keys(model)
+    if len(required) == 1:
+        return required[0]
+    return next(iter(model.model_fields), None) if not required else None
+
+
+def _as_key(model: type[BaseModel], value: Any) -> dict[str, Any] | None:
+    """`{key: value}` with `model`'s natural key, where that key takes `value`; else None."""
+    key = natural_key(model)
+    if key is None or value is None or isinstance(value, (dict, list)):
+        return None
+    try:
+        model.model_validate({key: value})
+    except ValidationError as e:
+        if any(err["loc"][:1] == (key,) for err in e.errors()):
+            return None
+    return {key: value}
+
+
+def mapping_meant(value: Any, ann: Any) -> dict[str, Any] | None:
+    """The mapping a plain value or a list most likely meant where the schema wants a mapping (`ann`): a
+    section's natural key (`{path: factory:tiny-qwen3-calc}`), a sum's weights given as a list of its nodes
+    (`{a: 1.0, b: 1.0}`), a mapping of named nodes given as a list of their functions (`{fn: mod:f}` each, named
+    by the function, the union's first kind); None where nothing evident."""
+    ann = _strip(ann)
+    if _is_model(ann):
+        return _as_key(ann, value)
+    if get_origin(ann) is not dict or not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(v, str) and v for v in value) or len(set(value)) != len(value):
+        return None
+    inner = _strip(get_args(ann)[1])
+    if inner in (float, int):  # a sum's weights
+        return {v: inner(1) for v in value}
+    if inner is str:  # metrics: {name: node}
+        return {v: v for v in value}
+    member = next((m for m in (*_union_members(inner), inner) if _is_model(m)), None)
+    names = [re.split(r"[:.]", v)[-1] for v in value]  # `mod:fn` -> `fn`
+    if member is None or not all(n.isidentifier() for n in names) or len(set(names)) != len(names):
+        return None
+    entries = {n: _as_key(member, v) for n, v in zip(names, value)}
+    return entries if all(entries.values()) else None
+
+
+def flow(data: dict[str, Any]) -> str:
+    """`data` as one line of YAML, each string unquoted where YAML reads it back the same
+    (`{path: factory:tiny-qwen3-calc}`, which PyYAML's own dump quotes)."""
+    def plain(value: Any) -> str:
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {plain(v)}" for k, v in value.items()) + "}"
+        return value if isinstance(value, str) else yaml.safe_dump(value).removesuffix("...\n").strip()
+
+    text = plain(data)
+    try:
+        if yaml.safe_load(text) == data:
+            return text
+    except yaml.YAMLError:
+        pass
+    return yaml.safe_dump(data, default_flow_style=True, width=2**16).strip()
 
 
 def kind_keys(ann: Any) -> tuple[str, ...]:
@@ -262,9 +329,11 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     for prefix, expected in _EXPECTED.items():
         if kind in (f"{prefix}_type", f"{prefix}_parsing", f"{prefix}_from_float"):
             # `tools: null` to drop a base spec's servers: null removes an entry, not a whole mapping
-            none = ("; to drop what a base spec (extends) sets here, null each of its entries ({NAME: null}); an "
+            hint = ("; to drop what a base spec (extends) sets here, null each of its entries ({NAME: null}); an "
                     "empty mapping is {}") if value is None and prefix == "dict" else ""
-            return f"expected {expected}, got {show(value)}{none}"
+            if expected == "a mapping" and where.parts and (meant := mapping_meant(value, where.ann)):
+                hint = f"; write `{where.parts[-1]}: {flow(meant)}`"  # `model: NAME` for `model: {path: NAME}`
+            return f"expected {expected}, got {show(value)}{hint}"
     if kind == "finite_number":  # inf and nan, refused (Section's allow_inf_nan)
         return f"expected a finite number, got {show(value)}"
     if kind == "literal_error":
