@@ -496,6 +496,22 @@ tools:
         "4 errors in spec.yaml")
 
 
+def test_a_value_read_from_the_environment_is_not_printed_in_a_compile_error(project, monkeypatch):
+    """Plans show a value read from the environment as ***, but "expected an http(s) URL, got 'hunter2...'"
+    printed it: a private URL or token, in a terminal or a CI log."""
+    monkeypatch.setenv("RC_SECRET_URL", "hunter2.example.org/mcp?token=x1")
+    project.file("prompts/judge.jinja", "Grade {{ completion }}")
+    path = project.spec(_base(project, "rc_secret") + """\
+  j: {llm_judge: prompts/judge.jinja, endpoint: '${oc.env:RC_SECRET_URL}'}
+tools:
+  web: {url: '${oc.env:RC_SECRET_URL}'}
+""")
+    assert _errors(path) == (
+        "spec.yaml:9: rewards.j.endpoint: expected an http(s) URL, got '***'\n"
+        "spec.yaml:11: tools.web.url: expected an http(s) URL, got '***'\n"
+        "2 errors in spec.yaml")
+
+
 def test_an_unset_header_variable_is_an_error_before_ray_starts(project, monkeypatch):
     # The tools stage read it only once Ray and every stage had started: exit 3, "could not be reached".
     monkeypatch.delenv("RC_NO_TOKEN", raising=False)

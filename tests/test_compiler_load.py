@@ -407,6 +407,30 @@ tracking:
     assert source.env_paths == {("tracking", "uri")}
 
 
+def test_a_value_read_from_the_environment_is_never_printed_in_an_error(project, monkeypatch):
+    """Plans show a value read from the environment as ***, but "expected an integer, got 'hunter2...'" printed
+    it: a token in a terminal, a CI log, a bug report. Each way a loader's message shows a value is here."""
+    monkeypatch.setenv("RW_SECRET", "hunter2/token-Xy")
+    path = project.spec(_base(project, "rw_secret").replace("name: demo", "name: ${oc.env:RW_SECRET}") + """\
+train: {steps: '${oc.env:RW_SECRET}', stop_on: ['${oc.env:RW_SECRET}']}
+algorithm: '${oc.env:RW_SECRET}'
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["rewards.fmt=${oc.env:RW_SECRET}", "model.lora.target_modules=${oc.env:RW_SECRET}"])
+    assert report(e) == (
+        "spec.yaml:1: name: '***' is not a usable name (it names the checkpoint folder, runs/NAME): one folder's "
+        "name: no '/' or '\\', no control character, not starting with '.' or '-'\n"
+        "spec.yaml:9: train.steps: expected an integer, got ***\n"
+        "spec.yaml:9: train.stop_on.0: expected 'reward_dominance', 'length_drift', 'tool_call_rate', "
+        "'judge_disagreement' or 'train_eval_divergence', got ***\n"
+        "spec.yaml:10: algorithm: expected a mapping, got ***\n"  # no `{name: ...}` to write
+        "<override 1>: rewards.fmt: expected a mapping with one of the keys: fn, llm_judge, tool, sum, min, max, "
+        "product, gate, clip, normalize, got ***\n"
+        "<override 2>: model.lora.target_modules: expected a list or 'all-linear', got ***; a list is written in "
+        "brackets: [***]\n"
+        "6 errors in spec.yaml")
+
+
 def test_a_resolved_value_holding_dollar_brace_is_not_interpolated_again(project, monkeypatch):
     """An env var's value `pa${ss`, a literal the spec escaped (`\\${HOME}`): resolved once, as text. Filling the
     default `checkpoint_dir: runs/${name}` read the resolved values as interpolations again, and refused the spec

@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel
 
 from factory.compiler.errors import SpecError, SpecErrors
-from factory.compiler.load import Keys, SpecInput, SpecSource, load_all, read_config, remember, transformed
+from factory.compiler.load import Keys, SpecInput, SpecSource, load_all, read_config, remember
 from factory.compiler.refs import (
     RefError,
     args_problems,
@@ -56,7 +56,7 @@ from factory.compiler.refs import (
     text_problem,
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
-from factory.compiler.translate import nearest
+from factory.compiler.translate import nearest, scrub, touches, transformed, value_at
 from factory.contract import ContractError
 from factory.contract import check as check_contracts
 from factory.monitors import READS as MONITOR_READS
@@ -163,16 +163,26 @@ def _hidden(value: Any) -> Any:
 class _Report:
     """Collects errors and warnings at dotted paths of one source."""
 
-    def __init__(self, source: SpecSource):
+    def __init__(self, source: SpecSource, spec: Spec | None = None):
         self.source = source
         self.errors: list[SpecError] = []
         self.warnings: list[SpecError] = []
+        # each value read from the environment, by its dotted path: a message about it must not print it
+        dump = spec.model_dump(mode="json") if spec is not None and source.env_paths else {}
+        self._secrets = {".".join(map(str, keys)): value_at(dump, keys) for keys in source.env_paths}
+
+    def _said(self, path: str, message: str) -> str:
+        """`message` with each value read from the environment at, in or over `path` written `***`."""
+        for where, value in self._secrets.items():
+            if touches(tuple(path.split(".")), [tuple(where.split("."))]):
+                message = scrub(message, value)
+        return message
 
     def error(self, path: str, message: str) -> None:
-        self.errors.append(self.source.error(path, message))
+        self.errors.append(self.source.error(path, self._said(path, message)))
 
     def warn(self, path: str, message: str) -> None:
-        self.warnings.append(self.source.error(path, message, level="warning"))
+        self.warnings.append(self.source.error(path, self._said(path, message), level="warning"))
 
     def imported(self, path: str, ref: str, check: Callable[[Any], str | None] | None = None) -> Any | None:
         """The object `ref` (module:attr) names, or None with the import error reported at `path`; a
@@ -1499,7 +1509,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     spec = _rebased(spec, source)
     shown = _sorted(mask(spec.model_dump(mode="json"), source.env_paths))
     spec = _models_beside(spec, source.base_dir)  # checked and run where found; shown and hashed as written
-    r = _Report(source)
+    r = _Report(source, spec)
     ray_address = cluster_address(spec)  # decided here, once: the driver joins it (or starts a Ray of its own)
     _check_model(spec, r, joins=ray_address is not None, weights=weights)
     _check_devices(spec, r, joins=ray_address is not None)

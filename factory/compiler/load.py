@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,16 @@ from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
 from factory.compiler.refs import name_problem
-from factory.compiler.translate import Parts, Problem, kind_keys, names_an_entry, nearest, translate, value_at
+from factory.compiler.translate import (
+    Parts,
+    Problem,
+    kind_keys,
+    names_an_entry,
+    nearest,
+    replaced,
+    translate,
+    value_at,
+)
 from factory.schema import RewardNode, Spec, ToolSpec
 from factory.util import shown_path
 
@@ -308,29 +317,6 @@ def env_paths(cfg: DictConfig) -> frozenset[Keys]:
             OmegaConf.register_new_resolver(_ENV_PROBE, _env_mark)
     probe = OmegaConf.create(_probing(OmegaConf.to_container(cfg, resolve=False)))
     return frozenset(_marked(probe, ()))
-
-
-def replaced(data: Any, paths: Iterable[Keys], value: Any) -> Any:
-    """A copy of `data` with the value at each of `paths` replaced by `value` (paths that do not exist are
-    skipped; a key read as a number from YAML is a string in a model's dump)."""
-    return transformed(data, paths, lambda _: value)
-
-
-def transformed(data: Any, paths: Iterable[Keys], fn: Callable[[Any], Any]) -> Any:
-    """`replaced`, the value at each of `paths` replaced by `fn(value)`."""
-    out = copy.deepcopy(data)
-    for path in paths:
-        target: Any = out
-        for i, key in enumerate(path):
-            if isinstance(target, dict) and (key in target or str(key) in target):
-                key = key if key in target else str(key)
-            elif not (isinstance(target, list) and isinstance(key, int) and 0 <= key < len(target)):
-                break
-            if i == len(path) - 1:
-                target[key] = fn(target[key])
-            else:
-                target = target[key]
-    return out
 
 
 # ------------------------------------------------------------------------------------ OmegaConf
@@ -862,7 +848,7 @@ def load_all(spec: SpecInput, overrides: Iterable[str] = ()) -> Loaded:
     try:
         spec = Spec.model_validate(data)
     except ValidationError as e:
-        problems = translate(Spec, e.errors(), data)
+        problems = translate(Spec, e.errors(), data, source.env_paths)
         # A value whose interpolation failed was left out of `data`; it is already reported, so a
         # "missing required key" for it (or "a node needs one of the keys" for its node) only repeats it.
         failed = [err.path for err in errors]

@@ -9,15 +9,18 @@ present: `command`, `url`, `function`; `fn`, `llm_judge`, `tool`, `sum`, ...), a
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import types
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from factory.plan import MASK
 from factory.util import nearest  # noqa: F401 -- the compiler's modules take it from here
 
 Parts = tuple[str | int, ...]
@@ -150,6 +153,8 @@ def mapping_meant(value: Any, ann: Any) -> dict[str, Any] | None:
     section's natural key (`{path: factory:tiny-qwen3-calc}`), a sum's weights given as a list of its nodes
     (`{a: 1.0, b: 1.0}`), a mapping of named nodes given as a list of their functions (`{fn: mod:f}` each, named
     by the function, the union's first kind); None where nothing evident."""
+    if any(isinstance(v, Secret) for v in _leaves(value)):
+        return None  # read from the environment: a mapping holding it would print it
     ann = _strip(ann)
     if _is_model(ann):
         return _as_key(ann, value)
@@ -216,6 +221,8 @@ def names_an_entry(root: type[BaseModel], parts: Parts) -> bool:
 # ------------------------------------------------------------------------------------- messages
 def show(value: Any) -> str:
     """A value as the user wrote it in YAML, short."""
+    if isinstance(value, Secret):
+        return MASK
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -378,6 +385,80 @@ def value_at(data: Any, parts: Parts | str) -> Any:
     return data
 
 
+def replaced(data: Any, paths: Iterable[Parts], value: Any) -> Any:
+    """A copy of `data` with the value at each of `paths` replaced by `value` (paths that do not exist are
+    skipped; a key read as a number from YAML is a string in a model's dump)."""
+    return transformed(data, paths, lambda _: value)
+
+
+def transformed(data: Any, paths: Iterable[Parts], fn: Callable[[Any], Any]) -> Any:
+    """`replaced`, the value at each of `paths` replaced by `fn(value)`."""
+    out = copy.deepcopy(data)
+    for path in paths:
+        target: Any = out
+        for i, key in enumerate(path):
+            if isinstance(target, dict) and (key in target or str(key) in target):
+                key = key if key in target else str(key)
+            elif not (isinstance(target, list) and isinstance(key, int) and 0 <= key < len(target)):
+                break
+            if i == len(path) - 1:
+                target[key] = fn(target[key])
+            else:
+                target = target[key]
+    return out
+
+
+class Secret(str):
+    """A value read from the environment (`${oc.env:...}`: a token, a private URL) as an error shows it:
+    `***`, as plans do."""
+
+    def __new__(cls) -> Secret:
+        return super().__new__(cls, MASK)
+
+
+def hidden(value: Any) -> Any:
+    """`value` with each of its leaves a `Secret` (its shape kept: "got a list" still says what it is); a null
+    is nothing read and stays null."""
+    if isinstance(value, dict):
+        return {k: hidden(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [hidden(v) for v in value]
+    return None if value is None else Secret()
+
+
+def touches(parts: Parts, paths: Iterable[Parts]) -> bool:
+    """Whether the value at `parts` is, or is in, or holds one of `paths` (keys compared as text)."""
+    at = tuple(map(str, parts))
+    return any(at[:len(p)] == p or p[:len(at)] == at for p in (tuple(map(str, p)) for p in paths))
+
+
+def _leaves(value: Any) -> Iterable[Any]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+    elif value is not None and not isinstance(value, bool) and str(value):
+        yield value
+
+
+def scrub(message: str, value: Any) -> str:
+    """`message` with each leaf of `value` (read from the environment) written `***`, whole (not inside a
+    longer word: a value `1` leaves `>= 10` alone) or cut as `show` cuts it."""
+    for leaf in sorted({str(v) for v in _leaves(value)}, key=len, reverse=True):
+        for text in (leaf, f"{leaf[:40]}..."):
+            message = re.sub(rf"(?<!\w){re.escape(text)}(?!\w)", MASK, message)
+    return message
+
+
+def _without_value(err: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic error whose value was read from the environment, with that value hidden: `show` writes it
+    `***`, and a validator's own words (`'{name}' is not a usable name`) lose it too."""
+    value = err.get("input")
+    return {**err, "input": hidden(value), "msg": scrub(err["msg"], value)}
+
+
 def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict, _Loc]],
                    data: dict) -> list[Problem]:
     """Errors inside one union node: keep those of the member the user meant, else say what makes a node."""
@@ -446,14 +527,20 @@ def _one_of(parts: Parts, problems: list[tuple[str, Problem]], value: Any) -> li
     return [Problem(parts, f"expected {' or '.join(said)}, got {show(value)}{hint}", first.node, first.kind)]
 
 
-def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict) -> list[Problem]:
-    """All pydantic errors of one validation as problems at dotted paths (in the errors' order)."""
+def translate(root: type[BaseModel], errors: list[dict[str, Any]], data: dict,
+              secret: Collection[Parts] = ()) -> list[Problem]:
+    """All pydantic errors of one validation as problems at dotted paths (in the errors' order). `secret`: the
+    paths whose values were read from the environment (`env_paths`): no message shows them (`***`)."""
+    if secret:
+        data = transformed(data, secret, hidden)
     plain: list[Problem] = []
     by_node: dict[Parts, list[tuple[dict, _Loc]]] = {}
     members: dict[Parts, tuple[type, ...]] = {}
     tried: dict[Parts, list[tuple[str, Problem]]] = {}
     for err in errors:
         where = walk(root, tuple(err["loc"]))
+        if secret and touches(where.parts, secret):
+            err = _without_value(err)
         if where.node is None and where.tried is not None:
             tried.setdefault(where.tried_at, []).append((where.tried, _problem(err, where)))
         elif where.node is None:
