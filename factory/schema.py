@@ -820,8 +820,8 @@ class TrainSpec(Section):
     """Evaluate every N steps (0 = only at step 0 and the end)."""
     eval_size: int | None = Field(None, ge=1)
     """Evaluate on at most this many eval rows (None = all)."""
-    threads: int | None = Field(None, ge=1)
-    """torch threads per stage process (None = all cores)."""
+    threads: int | None = Field(None, ge=1, le=4096)
+    """torch threads per stage process (None = all cores), at most 4096."""
     max_staleness: int = Field(0, ge=0)
     """How many updates the weights that sample a step may lag behind the weights it trains (off-policy
     overlap, as verl's one-step off-policy and AReaL offer). 0: on-policy; each rollout waits for the

@@ -196,6 +196,15 @@ resources: {object_store_gb: 0}
         "19 errors in spec.yaml")
 
 
+def test_threads_past_any_machine_are_refused(project):
+    """`threads: 99999999999999999999` passed check and overflowed torch.set_num_threads (a C int) in each stage."""
+    path = project.spec(_base(project, "rw_threads"))
+    assert load_spec(path, ["train.threads=4096"]).train.threads == 4096
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.threads=99999999999999999999"])
+    assert report(e) == "<override 1>: train.threads: must be <= 4096, got 99999999999999999999\n1 error in spec.yaml"
+
+
 def test_numbers_out_of_range_in_model_data_judge_and_algorithm(project):
     text = _base(project, "rw_bounds2").replace('"factory:tiny-qwen3"}', '"factory:tiny-qwen3", lora: {alpha: 0}}')
     path = project.spec(text.replace("size: 8}", "size: 0}") + """\
