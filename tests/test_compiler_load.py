@@ -485,13 +485,19 @@ def test_unresolvable_interpolations_are_all_reported_at_their_lines(project, mo
 tracking:
   uri: ${oc.env:FACTORY_TEST_MISSING}
   experiment: ${nowhere.key}
+  tags: {a: '${oc.evn:HOME}', b: '${nope:x}'}
 """)
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
+    # (OmegaConf's words alone said no way out)
     assert report(e) == (
-        "spec.yaml:10: tracking.uri: environment variable 'FACTORY_TEST_MISSING' not found\n"
+        "spec.yaml:10: tracking.uri: environment variable 'FACTORY_TEST_MISSING' not found; set it, or give a "
+        "default after a comma: ${oc.env:FACTORY_TEST_MISSING,DEFAULT}\n"
         "spec.yaml:11: tracking.experiment: interpolation key 'nowhere.key' not found\n"
-        "2 errors in spec.yaml")
+        "spec.yaml:12: tracking.tags.a: unsupported interpolation type oc.evn; did you mean 'oc.env'?\n"
+        "spec.yaml:12: tracking.tags.b: unsupported interpolation type nope; `${...}` names another value of the "
+        "spec (`${name}`) or a resolver: oc.env, oc.select, oc.decode, oc.create, oc.dict.keys, oc.dict.values\n"
+        "4 errors in spec.yaml")
 
 
 def test_failed_interpolation_is_reported_once(project, monkeypatch):
@@ -499,7 +505,8 @@ def test_failed_interpolation_is_reported_once(project, monkeypatch):
     path = project.spec(_base(project, "rw_once") + "  extra: {fn: '${oc.env:FACTORY_TEST_NO_FN}'}\n")
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
-    assert report(e) == ("spec.yaml:9: rewards.extra.fn: environment variable 'FACTORY_TEST_NO_FN' not found\n"
+    assert report(e) == ("spec.yaml:9: rewards.extra.fn: environment variable 'FACTORY_TEST_NO_FN' not found; set "
+                         "it, or give a default after a comma: ${oc.env:FACTORY_TEST_NO_FN,DEFAULT}\n"
                          "1 error in spec.yaml")
 
 
@@ -507,7 +514,9 @@ def test_malformed_interpolation_is_reported_at_its_line(project):
     path = project.spec(_base(project, "rw_grammar") + "tracking: {experiment: '${name'}\n")
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
-    assert report(e).splitlines()[0].startswith("spec.yaml:9: tracking.experiment: ")
+    assert report(e).splitlines()[0] == (
+        "spec.yaml:9: tracking.experiment: no viable alternative at input '${name'; an interpolation is `${key}` or "
+        "`${resolver:args}`, closed by `}`; a literal `${` is written `\\${`")
 
 
 def test_every_malformed_interpolation_is_reported_with_the_other_mistakes(project):
@@ -521,14 +530,15 @@ tracking: {experiment: '${name', uri: *dir}
 """)
     with pytest.raises(SpecErrors) as e:
         load_spec(path)
+    fix = "; an interpolation is `${key}` or `${resolver:args}`, closed by `}`; a literal `${` is written `\\${`"
     assert report(e) == (
         "spec.yaml:9: train.lr_rate: unknown key 'lr_rate'; did you mean 'lr'?\n"
-        "spec.yaml:9: train.checkpoint_dir: no viable alternative at input '${x'\n"
+        f"spec.yaml:9: train.checkpoint_dir: no viable alternative at input '${{x'{fix}\n"
         "spec.yaml:9: train.steps: expected an integer, got 'many'\n"
-        "spec.yaml:11: tools.calc.args.1: missing BRACE_CLOSE at '<EOF>'\n"
+        f"spec.yaml:11: tools.calc.args.1: missing BRACE_CLOSE at '<EOF>'{fix}\n"
         "spec.yaml:11: tools.calc.timeout_s: expected a number, got 'soon'\n"
-        "spec.yaml:12: tracking.experiment: no viable alternative at input '${name'\n"
-        "spec.yaml:12: tracking.uri: no viable alternative at input '${x'\n"
+        f"spec.yaml:12: tracking.experiment: no viable alternative at input '${{name'{fix}\n"
+        f"spec.yaml:12: tracking.uri: no viable alternative at input '${{x'{fix}\n"
         "7 errors in spec.yaml")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, grammar_parser
-from omegaconf.errors import GrammarParseError, OmegaConfBaseException
+from omegaconf.errors import GrammarParseError, OmegaConfBaseException, UnsupportedInterpolationType
 from pydantic import BaseModel, ValidationError
 
 from factory.compiler.errors import SpecError, SpecErrors
@@ -264,7 +264,27 @@ def _omega_message(e: OmegaConfBaseException) -> str:
         text = text.split(": ", 1)[-1].strip('"')
     if text.startswith("Missing mandatory value"):
         return "missing value (???)"
-    return text[:1].lower() + text[1:]
+    text = text[:1].lower() + text[1:]
+    return text + _omega_fix(e, text)
+
+
+# The resolvers OmegaConf registers itself (a spec cannot register one).
+_RESOLVERS = ("oc.env", "oc.select", "oc.decode", "oc.create", "oc.dict.keys", "oc.dict.values")
+
+
+def _omega_fix(e: OmegaConfBaseException, text: str) -> str:
+    """What to do about an interpolation OmegaConf cannot resolve, where its words alone do not say."""
+    if isinstance(e, GrammarParseError) or isinstance(e.__cause__, GrammarParseError):  # `${name`
+        return ("; an interpolation is `${key}` or `${resolver:args}`, closed by `}`; a literal `${` is written "
+                "`\\${`")
+    if isinstance(e, UnsupportedInterpolationType) and (name := re.search(r"type (\S+)", text)):  # `${nope:x}`
+        known = [r for r in _RESOLVERS if OmegaConf.has_resolver(r)]
+        near = nearest(name[1], known)
+        return (f"; did you mean '{near}'?" if near else
+                f"; `${{...}}` names another value of the spec (`${{name}}`) or a resolver: {', '.join(known)}")
+    if var := re.fullmatch(r"environment variable '(.+)' not found", text):  # `${oc.env:TOKEN}`, unset
+        return f"; set it, or give a default after a comma: ${{oc.env:{var[1]},DEFAULT}}"
+    return ""
 
 
 # ------------------------------------------------------------------------------ env-derived values
