@@ -396,6 +396,10 @@ def test_overrides_set_values_and_unknown_override_keys_are_named(project):
         "<override 3>: rollout.top_k: expected an integer, got 'many'\n"
         "<override 4>: expected KEY=VALUE, got 'oops'\n"
         "3 errors in spec.yaml")
+    with pytest.raises(SpecErrors) as e:  # `factory check a.yaml b.yaml`
+        load_spec(path, ["other.yaml"])
+    assert report(e) == ("<override 1>: expected KEY=VALUE, got 'other.yaml' (a spec file? one spec at a time: "
+                         "overrides after it are KEY=VALUE)\n1 error in spec.yaml")
     # a misspelt name makes a new entry of that setting alone: it asked for a kind as if one were meant
     with pytest.raises(SpecErrors) as e:
         load_spec(path, ["rewards.corect.timeout_s=5"])

@@ -346,7 +346,10 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
     for n, item in enumerate(overrides, 1):
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
-            errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'"))
+            # `factory check a.yaml b.yaml`: a second spec, read as an override
+            second = (" (a spec file? one spec at a time: overrides after it are KEY=VALUE)"
+                      if not eq and item.endswith((".yaml", ".yml")) else "")
+            errors.append(SpecError(f"<override {n}>", None, "", f"expected KEY=VALUE, got '{item}'{second}"))
             continue
         if "" in key.strip().split("."):  # `.train.steps=3`, `train..steps=3`: OmegaConf makes a key ''
             errors.append(SpecError(f"<override {n}>", None, "", "expected KEY=VALUE with a dotted key such as "
