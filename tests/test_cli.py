@@ -52,6 +52,19 @@ def test_spec_errors_exit_2_without_traceback(project):
     assert "Traceback" not in out.stderr
 
 
+def test_a_set_flag_before_an_override_says_overrides_stand_alone(project, capsys):
+    """`--set train.steps=3` (Hydra's and other tools' way) was the override `set=train.steps=3`: "unknown key
+    'set'", with the spec's top-level keys listed."""
+    project.module("cli_set")
+    path = project.spec(BASE.replace("{mod}", "cli_set"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", path, "--set", "train.steps=3"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        "error: unrecognized arguments: --set (an override is KEY=VALUE by itself, with no --set before it: factory "
+        "check SPEC train.steps=3)\n")
+    assert cli.main(["check", path, "--name", "a=b"]) == 0  # a key of the spec whose value holds '='
+
+
 def test_check_prints_a_summary_and_exits_0(project, capsys):
     project.module("cli_ok")
     path = project.spec(BASE.replace("{mod}", "cli_ok"))

@@ -390,6 +390,18 @@ def dashed_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
     return out, wrong
 
 
+def _override_flag(extra: list[str]) -> tuple[str, str] | None:
+    """(`--set`, `train.steps=3`) where a flag that is no key of the spec comes before an override (Hydra's
+    and other tools' `--set`, `--override`, `--cfg-options`); None where there is none."""
+    for flag, item in zip(extra, extra[1:]):
+        if flag.startswith("--") and "=" not in flag and "=" in item and not item.startswith("-"):
+            from factory.schema import Spec  # (only here: `factory --help` imports no pydantic)
+
+            if flag[2:].split(".")[0] not in Spec.model_fields:
+                return flag, item
+    return None
+
+
 def _options_of(p: argparse.ArgumentParser, command: str) -> list[str]:
     """The `--` options of one subcommand (`check`: --connect, ...): what a mistyped flag is compared with."""
     subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # argparse keeps them there
@@ -402,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # list at the first option, so the rest arrive as extras.
     args, extra = p.parse_known_args(argv)
     if hasattr(args, "overrides"):  # `--train.lr 1e-5` and `--train.lr=1e-5` are `train.lr=1e-5` (spec commands)
+        if flag := _override_flag(extra):  # `--set train.steps=3`: read as the override `set=train.steps=3`
+            first = "RUN" if args.command == "rescore" else "SPEC"
+            p.error(f"unrecognized arguments: {flag[0]} (an override is KEY=VALUE by itself, with no {flag[0]} before "
+                    f"it: factory {args.command} {first} {flag[1]})")
         extra, wrong = dashed_overrides(extra)
         if wrong:
             near = [m for w in wrong if (m := nearest(w, _options_of(p, args.command)))]
