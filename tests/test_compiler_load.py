@@ -699,6 +699,12 @@ def test_an_override_is_blamed_for_what_it_wrote(project):
         "<override 3>: expected KEY=VALUE with a dotted key such as train.lr, got 'train..lr=1': a part between "
         "dots is empty\n"
         "3 errors in spec.yaml")
+    # a key holding a '.', escaped (the tag `team.x`), was blamed on the file's tracking section
+    path = project.spec(_base(project, "rw_blame") + "tracking: {tags: {team: a}}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["tracking.tags.team\\.x=1"])
+    assert report(e) == ("<override 1>: tracking.tags.team.x: expected a string, got 1; an override's value is read "
+                         "as YAML: quote it inside, tracking.tags.team\\.x=\"'...'\"\n1 error in spec.yaml")
 
 
 def test_a_union_of_plain_types_is_one_error_at_its_key(project):

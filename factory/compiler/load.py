@@ -126,7 +126,9 @@ class SpecSource:
                                              or message.startswith("expected a string, got") and path in self.override_paths):
             # `parse='score: ('`: the shell's quotes are gone, and YAML reads `a: b` as a mapping, `31785009` (a
             # run id's prefix) as a number
-            message += f"; an override's value is read as YAML: quote it inside, {path}=\"'...'\""
+            key = (self.overrides[self.override_paths[path] - 1].partition("=")[0].strip()  # `team\\.x` as written
+                   if path in self.override_paths else path)
+            message += f"; an override's value is read as YAML: quote it inside, {key}=\"'...'\""
         return SpecError(file, line, path, message, level=level, column=column)  # type: ignore[arg-type]
 
 
@@ -386,7 +388,7 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                         OmegaConf.select(cfg, key.strip(), throw_on_resolution_failure=False), DictConfig):
                     # `tools={}`: empties it (merged, an empty mapping changed nothing, in silence)
                     OmegaConf.update(cfg, key.strip(), {}, merge=False)
-                    paths[key.strip()] = n
+                    paths[_override_path(key.strip())] = n
                     continue
                 if two_kinds := _swap_kind(cfg, given, key.strip()):
                     errors.append(SpecError(f"<override {n}>", None, key.strip(), two_kinds))
@@ -407,8 +409,22 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                        f"({key.strip()}.KEY=VALUE), or write the change in the spec")
             errors.append(SpecError(f"<override {n}>", None, key.strip(), msg))
             continue
-        paths[key.strip()] = n
+        paths[_override_path(key.strip())] = n
     return cfg, paths
+
+
+def _override_path(key: str) -> str:
+    """The dotted path an override's KEY sets, as OmegaConf reads the key: `tracking.tags.team\\.x` sets the tag
+    `team.x`, at `tracking.tags.team.x` (dotted as the spec file's lines are), where its errors are located."""
+    try:
+        node: Any = OmegaConf.to_container(OmegaConf.from_dotlist([f"{key}=0"]))
+    except OmegaConfBaseException:
+        return key
+    parts = []
+    while isinstance(node, dict) and len(node) == 1:
+        ((name, node),) = node.items()
+        parts.append(name)
+    return dotted(parts)
 
 
 def _override_shape(key: str, value: str) -> tuple[str, str] | None:
