@@ -355,6 +355,18 @@ def test_duplicate_key_is_a_yaml_error_at_the_second_one(project):
     assert report(e).splitlines()[0] == "spec.yaml:2: yaml syntax error: found duplicate key name"
 
 
+def test_a_key_yaml_reads_as_null_or_a_boolean_is_located_at_its_line(project):
+    """`~: 0` was OmegaConf's "incompatible key type 'NoneType'" at the spec's first line, no path; `on: x` a tag
+    was "expected a string, got true" at `tracking.tags.1.[key]`."""
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\nseed: 0\n~: 0\ntracking:\n  tags: {on: call, team: x}\n"))
+    assert report(e) == (
+        "spec.yaml:3: ~: YAML reads the key `~` as null, not as a name: quote it ('~'), or write the key meant\n"
+        "spec.yaml:5: tracking.tags.on: YAML reads the key `on` as true, not as a name: quote it ('on'), or write "
+        "the key meant\n"
+        "2 errors in spec.yaml")
+
+
 def test_empty_and_non_mapping_specs(project):
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("", "empty.yaml"))

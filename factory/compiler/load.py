@@ -34,6 +34,7 @@ from factory.compiler.translate import (
     names_an_entry,
     nearest,
     replaced,
+    show,
     translate,
     value_at,
 )
@@ -208,6 +209,23 @@ def _malformed(node: yaml.Node, at: Keys = ()) -> Iterable[tuple[Keys, yaml.Scal
             grammar_parser.parse(node.value)
         except GrammarParseError as e:
             yield at, node, _omega_message(e)
+
+
+_NOT_NAMES = ("tag:yaml.org,2002:null", "tag:yaml.org,2002:bool")  # what YAML 1.1 reads `~`, `on`, `yes` as
+
+
+def _not_names(node: yaml.Node, at: Keys = ()) -> Iterable[tuple[Keys, yaml.ScalarNode]]:
+    """Each mapping key that YAML 1.1 reads as null or a boolean (`~:`, `null:`, `on:`, `yes:`), not as a name:
+    OmegaConf refused a null one as "incompatible key type 'NoneType'" at the spec's first line, and pydantic a
+    boolean one as "expected a string, got true" at a path of its own (`tracking.tags.1.[key]`)."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag in _NOT_NAMES:
+                yield (*at, key.value), key
+            yield from _not_names(value, (*at, key.value))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _not_names(item, (*at, i))
 
 
 def _blanked(text: str, nodes: Iterable[yaml.ScalarNode]) -> str:
@@ -530,6 +548,11 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
     except _ShapeTrouble as e:  # OmegaConf would recurse without end, or past Python's limit (an internal error)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
+    if odd := {dotted(keys): key for keys, key in _not_names(root)}:  # (an alias's keys are met once a use)
+        raise SpecErrors([SpecError(file, key.start_mark.line + 1, path, f"YAML reads the key `{key.value}` as "
+                                    f"{show(yaml.safe_load(key.value))}, not as a name: quote it "
+                                    f"('{key.value}'), or write the key meant", column=key.start_mark.column + 1)
+                          for path, key in odd.items()], file)
     found = list(_malformed(root))
     malformed = [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
                  for keys, _, message in found]
