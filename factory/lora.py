@@ -98,7 +98,8 @@ def target_problem(targets: list[str] | str, layers: list[str]) -> str | None:
         if t.rsplit(".", 1)[-1] == "lm_head":  # a linear layer, but not one of those adapted
             hints.append(f"{t!r} (the output head, which Factory does not adapt: vLLM's LoRA layers do not take it)")
             continue
-        hints.append(f"{t!r}{did_you_mean(t.rsplit('.', 1)[-1], names)}")
+        # (not a name the list holds already: `[q_proj, qkv_proj]` -> q_proj was no help)
+        hints.append(f"{t!r}{did_you_mean(t.rsplit('.', 1)[-1], [n for n in names if n not in targets])}")
     return (f"{', '.join(hints)} {'matches' if len(missing) == 1 else 'match'} no linear layer of the model; "
             f"its linear layers: {', '.join(names)}")
 

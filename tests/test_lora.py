@@ -73,7 +73,7 @@ def _tiny_spec(project, extra: str) -> str:
 def test_check_locates_a_target_module_the_model_lacks(project):
     with pytest.raises(SpecErrors) as e:
         compile_file(_tiny_spec(project, ""), ["model.lora.target_modules=[q_proj,qkv_proj]"])
-    assert ("model.lora.target_modules: 'qkv_proj' (did you mean 'q_proj'?) matches no linear layer of the model; "
+    assert ("model.lora.target_modules: 'qkv_proj' (did you mean 'k_proj'?) matches no linear layer of the model; "
             "its linear layers: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj") in e.value.report()
     spec, plan = compile_file(_tiny_spec(project, ""), ["model.lora.r=8"])  # `model.lora.r=N` alone turns it on
     assert spec.model.lora.r == 8 and spec.model.lora.target_modules == "all-linear"
