@@ -418,12 +418,12 @@ class Secret(str):
 
 def hidden(value: Any) -> Any:
     """`value` with each of its leaves a `Secret` (its shape kept: "got a list" still says what it is); a null
-    is nothing read and stays null."""
+    or an empty string is nothing read, kept as it is (an unset `${oc.env:EXP,""}` "is empty", not 3 characters)."""
     if isinstance(value, dict):
         return {k: hidden(v) for k, v in value.items()}
     if isinstance(value, list):
         return [hidden(v) for v in value]
-    return None if value is None else Secret()
+    return value if value is None or value == "" else Secret()
 
 
 def touches(parts: Parts, paths: Iterable[Parts]) -> bool:
