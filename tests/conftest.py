@@ -56,11 +56,13 @@ def small_path(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray():
-    """One small Ray in this process for every test that places stage actors itself (test_overlap,
-    test_update_ranks, test_reward_judge, test_rollout_vllm): starting Ray costs seconds, so they share one.
-    Each test kills the actors it starts. Stand-in stages some of them place live in tests/ (PYTHONPATH)."""
+    """One small Ray in this process for the tests of a module that place stage actors themselves (test_overlap,
+    test_update_ranks, test_reward_judge, test_rollout_vllm): starting Ray costs seconds, so they share one. Shut
+    down with the module: factory.run and factory.evaluate refuse to start where a Ray is up already (the next
+    test file on this worker may call them). Each test kills the actors it starts. Stand-in stages some of them
+    place live in tests/ (PYTHONPATH)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -578,6 +578,74 @@ def test_run_and_evaluate_refuse_at_once_where_the_caller_has_an_mlflow_run_acti
         mlflow.set_tracking_uri(before)  # (None: unset, as MLflow's own _use_tracking_uri puts one back)
 
 
+def test_a_second_run_in_this_process_is_refused_at_once_and_the_first_goes_on(monkeypatch):
+    """docs/python.md's "train in the background and keep working": a second factory.run (or evaluate) while the
+    first still ran failed to start its Ray ("ray.init twice") and, on its way out, shut the first run's Ray down.
+    Refused now before anything is compiled or started; one after the other, runs still go."""
+    import factory.runtime.driver as driver
+    from factory.commands import api
+
+    monkeypatch.chdir(REPO)
+    inside, release = threading.Event(), threading.Event()
+
+    def first(plan, found, **kwargs):
+        inside.set()
+        assert release.wait(60)
+        return "ran"
+
+    monkeypatch.setattr(driver, "run", first)
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("result", factory.run(TINY)))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        compiled = []
+        monkeypatch.setattr(api, "compile_plan", lambda *a, **k: compiled.append(a))
+        for call, what in [(lambda: factory.run(TINY), "factory.run"),
+                           (lambda: factory.evaluate(TINY, model="http://127.0.0.1:9/v1"), "factory.evaluate")]:
+            with pytest.raises(factory.UserError) as e:
+                call()
+            assert str(e.value) == (
+                f"{what}: another factory.run or factory.evaluate is still running in this process: each starts a "
+                "Ray of its own, and a process holds one Ray at a time: wait for it to end (its `stop` event ends "
+                "it after the step in flight), or start this one in a process of its own (`factory run SPEC`, a "
+                "subprocess)")
+        assert compiled == []  # refused before anything was done
+    finally:
+        release.set()
+        thread.join(60)
+    assert out == {"result": "ran"}
+    monkeypatch.undo()
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(driver, "run", lambda plan, found, **kwargs: "ran")
+    assert factory.run(TINY) == factory.run(TINY) == "ran"  # one after the other: each its own Ray
+
+
+def test_run_and_evaluate_refuse_at_once_where_a_ray_is_already_up(monkeypatch):
+    """The caller's own `ray.init()` (or a library's) before factory.run: the run's ray.init failed, and its
+    clean-up shut the caller's Ray down. `ray` is not imported just to ask."""
+    import types
+
+    import factory.runtime.driver as driver
+    from factory.runtime.lifecycle import refuse_a_ray_up
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(driver, "run", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr(driver, "evaluate_only", lambda *a, **k: pytest.fail("the evaluation started"))
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: True))
+    for call, what in [(lambda: factory.run(TINY), "factory.run"),
+                       (lambda: factory.evaluate(TINY, model="http://127.0.0.1:9/v1"), "factory.evaluate")]:
+        with pytest.raises(factory.UserError) as e:
+            call()
+        assert str(e.value) == (
+            f"{what}: a Ray is already up in this process (your own ray.init(), or another library's): a run starts "
+            "a Ray of its own, and a process holds one Ray at a time: ray.shutdown() yours first, or start the run "
+            "in a process of its own (`factory run SPEC`, a subprocess)")
+    monkeypatch.delitem(sys.modules, "ray")
+    refuse_a_ray_up("factory.run")
+    assert "ray" not in sys.modules
+
+
 def test_runs_with_no_room_for_a_run_is_a_value_error():
     """MLflow's own error named its max_results."""
     for limit in (0, -1, 2.5, True):

@@ -337,6 +337,19 @@ def test_a_ctrl_c_during_teardown_still_shuts_ray_down_and_drops_the_record(plac
     assert list((tmp_path / f"factory-{os.getuid()}" / "drivers").glob("*.json")) == []
 
 
+def test_a_ray_already_up_is_refused_and_left_alone(placed_without_ray, monkeypatch):
+    """A Ray up in this process before the run placed its stages (the caller's ray.init(), another run's): the
+    run's ray.init failed, and `placed` then shut that Ray down under its owner. Refused before anything starts."""
+    from factory.runtime import driver
+    from factory.util import UserError
+
+    calls, args = placed_without_ray
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: True)
+    with pytest.raises(UserError, match=r"^the run: a Ray is already up in this process"), driver.placed(*args):
+        pass
+    assert calls == []  # neither started nor stopped
+
+
 def test_ending_what_a_killed_run_left_is_timed_as_starting_ray_not_as_building_models(placed_without_ray,
                                                                                        monkeypatch):
     """`placed` ended a killed run's processes (up to 10 s: its Ray among them) before it built the models and

@@ -13,13 +13,14 @@ cannot be found raises `RunLookupError`. `run` works from any thread and from a 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,9 @@ from factory.compiler.compile import compile_file, compile_spec
 from factory.compiler.errors import SpecErrors
 from factory.compiler.load import SpecInput, SpecSource, load, override_list, source_of
 from factory.plan import Plan
-from factory.runtime.lifecycle import local_ray_on_loopback
+from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
+from factory.util import UserError
 
 if TYPE_CHECKING:
     from factory.runtime.driver import EvalResult, OnStep, RunResult
@@ -62,6 +64,28 @@ def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, conne
     return compile_file(spec, overrides, connect=connect, weights=weights)[1]
 
 
+# One run in this process at a time: each starts a Ray of its own (ray.init), and a process holds one Ray; a second
+# run's start failed ("ray.init twice") and its clean-up shut the first run's Ray down under it.
+_RUNNING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _alone(what: str) -> Iterator[None]:
+    """`what` (factory.run, factory.evaluate) refused at once, before anything is done, where another run of this
+    process is still going on (a notebook's in a thread) or a Ray is up here already (`refuse_a_ray_up`)."""
+    if not _RUNNING.acquire(blocking=False):
+        raise UserError(f"{what}: another factory.run or factory.evaluate is still running in this process: each "
+                        "starts a Ray of its own, and a process holds one Ray at a time: wait for it to end (its "
+                        "`stop` event ends it after the step in flight), or start this one in a process of its own "
+                        "(`factory run SPEC`, a subprocess)")
+    try:
+        refuse_a_ray_up(what)
+        yield
+    finally:
+        _RUNNING.release()
+
+
+@_alone("factory.run")
 def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step: OnStep | None = None,
         stop: threading.Event | None = None, resume: str | None = None, allow_spec_change: bool = False,
         started_at: float | None = None) -> RunResult:
@@ -236,6 +260,7 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
     return list_runs(experiment, limit=limit, uri=uri)
 
 
+@_alone("factory.evaluate")
 def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
              uri: str | None = None, started_at: float | None = None) -> EvalResult:
     """Score a model on the spec's eval split with the spec's reward graph, without training, as a training
@@ -265,8 +290,6 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     except SpecErrors:
         loaded = None
     if loaded is not None and loaded.data.eval is None:
-        from factory.util import UserError
-
         why = ("not set; evaluation scores the spec's eval split: add data.eval (a file or generator of held-out "
                "rows)")
         source = source_of(loaded)
@@ -310,7 +333,6 @@ def _check_endpoint(url: str, joins: bool) -> None:
     """A server that does not answer is said before Ray starts: the engine's requests retried it for minutes.
     On a cluster (`joins`) only a warning, as the server may answer only on the cluster's network."""
     from factory.compiler.connect import JUDGE_PROBE_S, unreachable
-    from factory.util import UserError
 
     why = unreachable(url)
     if why is None:

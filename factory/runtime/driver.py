@@ -45,8 +45,8 @@ from factory.runtime.health import (RESUME_SAID, CheckpointWriteError, Placement
                                      StageLostError, StageStartError, check_infra, infra_causes, write_problem)
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on_loopback, children_ignore_sigint,
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
-                                       reap_orphans, sigterm_heard, sigterm_interrupts, sigterm_restored,
-                                       stopping_said)
+                                       reap_orphans, refuse_a_ray_up, sigterm_heard, sigterm_interrupts,
+                                       sigterm_restored, stopping_said)
 from factory.runtime.replay import beyond_recording, miss_error, recorded_through, recorded_tool_calls, replaying
 from factory.runtime.startup import Startup
 from factory.tools.recording import ReplayMiss
@@ -1144,6 +1144,7 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
     happens inside, every stage is closed, Ray shut down and this driver's session record dropped after. A stage
     lost meanwhile is a StageLostError (`lost_error`), one that hangs a StageTimeout, each ending with `again`: how
     the user takes the work up."""
+    refuse_a_ray_up("the run")  # (not ours: never shut down below)
     # First, so that a model build does not share the machine with a killed run's engines; timed as the `ray`
     # phase (what a killed run left is its Ray above all, and ending it, up to 10 s, is no model building)
     ended = reap_orphans()
@@ -1159,7 +1160,7 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
         try:
             start_ray(plan.driver.resources)
         except BaseException:  # a Ctrl-C heard while Ray started (children_ignore_sigint): it stops at once
-            stop_ray()
+            stop_ray()  # (ours, partly started: a Ray up before was refused above)
             raise
         startup.lap("ray")
         record.update()

@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -91,6 +92,18 @@ def check_ray_on_loopback() -> None:
         raise UserError(f"ray was imported before Factory could set {LOOPBACK_FLAG}=0, so a local Ray would listen "
                         "on every network interface: set it in the environment before Python starts (or before "
                         "`import ray`), or call factory.run / factory.evaluate before importing ray")
+
+
+def refuse_a_ray_up(what: str) -> None:
+    """Refuse to start a run where a Ray is up in this process already (the caller's own `ray.init()`, another
+    library's): a process holds one Ray, so the run's ray.init failed, and its clean-up then shut that Ray down
+    under its owner. Asked of `ray` only where it was imported: importing it here would come before
+    `local_ray_on_loopback`."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        raise UserError(f"{what}: a Ray is already up in this process (your own ray.init(), or another library's): a "
+                        "run starts a Ray of its own, and a process holds one Ray at a time: ray.shutdown() yours "
+                        "first, or start the run in a process of its own (`factory run SPEC`, a subprocess)")
 
 
 def sessions_dir() -> Path:
