@@ -661,3 +661,51 @@ def test_runs_of_a_store_that_is_not_there_says_so(tmp_path, monkeypatch):
         factory.runs(uri="sqlite:////nonexistent/x.db")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert factory.runs() == [] and not (tmp_path / "mlflow.db").exists()  # the default, not made yet: no runs
+
+
+def test_reads_of_a_store_that_does_not_answer_fail_fast(monkeypatch):
+    """`factory runs --uri http://...` of a store that does not answer says so in seconds (cli.main: MLflow's
+    fail-fast settings); factory.runs, factory.diff, evaluate(model=RUN) and run(resume=...) waited out MLflow's
+    default retries: 250 s. The settings are in force around those reads only: a user's own are kept."""
+    import time
+
+    import factory.commands.diff as diff
+    import factory.runtime.resume as resume
+    import factory.tracking.tracker as tracker
+    from factory.util import MLFLOW_FAIL_FAST
+    from tests.servers import free_port
+
+    monkeypatch.chdir(REPO)
+    for name in MLFLOW_FAIL_FAST:
+        monkeypatch.delenv(name, raising=False)
+    dead = f"http://127.0.0.1:{free_port()}/"
+    out: dict = {}
+
+    def runs():
+        started = time.time()
+        with pytest.raises(tracker.StoreUnreadable, match=f"^the tracking store {dead} could not be read"):
+            factory.runs(uri=dead)
+        out["s"] = time.time() - started
+
+    asked = threading.Thread(target=runs, daemon=True)  # (a daemon: never waited for 4 minutes, should it fail)
+    asked.start()
+    asked.join(60)
+    assert out.get("s", 999) < 30, "factory.runs waited out MLflow's retries"
+    # each other read, as it reads: MLflow's settings then (a spy), and after
+    seen = []
+
+    def read(*args, **kwargs):
+        seen.append({name: os.environ.get(name) for name in MLFLOW_FAIL_FAST})
+        raise tracker.StoreUnreadable("down")
+
+    monkeypatch.setattr(diff, "diff_runs", read)
+    monkeypatch.setattr(resume, "find", read)
+    monkeypatch.setattr(tracker, "open_tracker", read)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")  # the user's own: kept
+    for call in (lambda: factory.diff("a" * 8, "b" * 8, uri=dead), lambda: factory.run(TINY, resume="a" * 8),
+                 lambda: factory.evaluate(TINY, model="a" * 8, uri=dead)):
+        with pytest.raises(tracker.StoreUnreadable):
+            call()
+    assert seen == [{**MLFLOW_FAIL_FAST, "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}] * 3
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+    assert not {"MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"} & set(os.environ)

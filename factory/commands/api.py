@@ -30,7 +30,7 @@ from factory.compiler.load import SpecInput, SpecSource, load, override_list, so
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
-from factory.util import UserError
+from factory.util import MLFLOW_FAIL_FAST, UserError, environ
 
 if TYPE_CHECKING:
     from factory.runtime.driver import EvalResult, OnStep, RunResult
@@ -40,6 +40,13 @@ def load_spec(spec: SpecInput, overrides: Iterable[str] = ()) -> Spec:
     """The typed, validated spec: `spec` is a path, a YAML text (a string with a line break) or a dict;
     `overrides` are dot-lists (`train.lr=1e-5`). Raises `SpecErrors` listing every problem."""
     return load(spec, overrides)[0]
+
+
+def _store_read() -> contextlib.AbstractContextManager[None]:
+    """MLflow's fail-fast settings around a read of the tracking store, as the command has them (cli.main): a store
+    that does not answer said in seconds, not after MLflow's retries (minutes). Only around the read: the caller's
+    own MLflow calls keep MLflow's settings, and settings of the caller's own are kept."""
+    return environ(MLFLOW_FAIL_FAST, keep_set=True)
 
 
 def say_warnings(plan: Plan) -> None:
@@ -116,8 +123,9 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         from factory.tracking.mlflow_tracker import tracking_uri
 
         d = plan.driver
-        found = find(plan, resume or None, tracking_uri(d.tracking.uri), train=d.train,
-                     experiment=d.tracking.experiment, allow_spec_change=allow_spec_change)
+        with _store_read():
+            found = find(plan, resume or None, tracking_uri(d.tracking.uri), train=d.train,
+                         experiment=d.tracking.experiment, allow_spec_change=allow_spec_change)
         print(found.describe(), file=sys.stderr)
     try:
         return _run_plan(plan, found, on_step, stop, started_at)
@@ -131,7 +139,8 @@ def _release(plan: Plan, run_id: str) -> None:
     from factory.tracking.tracker import open_tracker
 
     try:
-        open_tracker(plan.driver.tracking.uri).release(run_id)
+        with _store_read():
+            open_tracker(plan.driver.tracking.uri).release(run_id)
     except Exception as e:  # noqa: BLE001 -- the store is down: what the run raised, or returned, matters more
         print(f"factory.run: run {run_id} could not be released ({type(e).__name__}: {str(e)[:200]}): another "
               "process resumes it once this one has exited", file=sys.stderr)
@@ -238,7 +247,8 @@ def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> 
     `metrics` side by side, and the `trajectories` of the `prompt`-th prompt both saw."""
     from factory.commands.diff import diff_runs
 
-    return diff_runs(run_a, run_b, prompt=prompt, uri=uri)[0]
+    with _store_read():
+        return diff_runs(run_a, run_b, prompt=prompt, uri=uri)[0]
 
 
 def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
@@ -257,7 +267,8 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
         raise ValueError(f"limit: at most {MAX_RUNS} runs, got {limit}")
     if uri is not None and (missing := missing_store(tracking_uri(uri))) is not None:
         raise RunLookupError(missing)  # a store named that is not there: not "no runs" (the default's may be new)
-    return list_runs(experiment, limit=limit, uri=uri)
+    with _store_read():
+        return list_runs(experiment, limit=limit, uri=uri)
 
 
 @_alone("factory.evaluate")
@@ -394,13 +405,14 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None, scratch: Path,
     if not local.is_dir():  # a tracked run: its own checkpoint folder
         from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker
 
-        try:
-            run_id = open_tracker(uri, read=True).run(ref).run_id
-        except RunLookupError as e:
-            if not isinstance(e, StoreUnreadable) and ("/" in ref or ref.startswith(".")):  # meant as a folder
-                raise RunLookupError(f"no model folder {ref}, and {e}") from None
-            raise
-        local, tags = checkpoint_dir(run_id, uri), {"factory.eval_of": run_id}
+        with _store_read():
+            try:
+                run_id = open_tracker(uri, read=True).run(ref).run_id
+            except RunLookupError as e:
+                if not isinstance(e, StoreUnreadable) and ("/" in ref or ref.startswith(".")):  # meant as a folder
+                    raise RunLookupError(f"no model folder {ref}, and {e}") from None
+                raise
+            local, tags = checkpoint_dir(run_id, uri), {"factory.eval_of": run_id}
     folder = step_folder(local)
     step = int(folder.name.removeprefix("step_")) if folder.name.startswith("step_") else 0
     tags["factory.eval_model"] = str(folder.resolve())
