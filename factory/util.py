@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +58,36 @@ def environ(values: dict[str, str], *, keep_set: bool = False) -> Iterator[None]
         yield
     finally:
         put_back(saved)
+
+
+class EnvChanges:
+    """What some code (a run's start) set in os.environ, recorded as it set it (`recording`), to be put back later
+    (`put_back`): each variable only while it still holds the value that code gave it, as one changed since is
+    someone else's (the caller's, setting it while a run went on in a thread). Only the variables `watched` names
+    are recorded: other threads of the process change others meanwhile (while a run's Ray starts, its tracker sets
+    MLflow's and puts them back), which are not that code's to put back."""
+
+    def __init__(self, watched: Callable[[str], bool]) -> None:
+        self.watched = watched
+        self.made: dict[str, tuple[str | None, str | None]] = {}  # name -> (before, None: unset; the value set)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Every variable the block adds, changes or removes recorded (its first `before` kept)."""
+        before = dict(os.environ)
+        try:
+            yield
+        finally:
+            for name in filter(self.watched, before.keys() | os.environ.keys()):
+                if (now := os.environ.get(name)) != before.get(name):
+                    self.made[name] = (self.made[name][0] if name in self.made else before.get(name), now)
+
+    def put_back(self) -> set[str]:
+        """The variables recorded as they were before, where they still hold the value set; the names put back."""
+        back = {name: was for name, (was, value) in self.made.items() if os.environ.get(name) == value}
+        self.made.clear()
+        put_back(back)
+        return set(back)
 
 
 def store_problem(uri: str) -> str | None:

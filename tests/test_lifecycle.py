@@ -403,10 +403,12 @@ def test_factory_evaluate_keeps_its_local_ray_on_loopback(monkeypatch):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.delenv(LOOPBACK_FLAG, raising=False)
     monkeypatch.setattr(driver, "evaluate_only", lambda plan, step, tags, started_at, **k: seen.append(os.environ.get(LOOPBACK_FLAG)))
+    monkeypatch.setattr(driver, "run", lambda plan, found, **k: seen.append(os.environ.get(LOOPBACK_FLAG)))
     factory.evaluate("specs/tiny.yaml")
-    assert seen == ["0"]
+    factory.run("specs/tiny.yaml")
+    assert seen == ["0", "0"]
+    assert LOOPBACK_FLAG not in os.environ  # put back once each returned: a Ray the caller starts later is theirs
     # a spec that joins a cluster leaves the cluster's own network settings alone
-    monkeypatch.delenv(LOOPBACK_FLAG)
     factory.evaluate("specs/tiny.yaml", overrides=["resources.ray_address=ray://10.0.0.1:10001"])
     assert seen[-1] is None
 

@@ -64,6 +64,41 @@ def test_the_auth_variables_a_run_set_are_put_back_when_its_ray_stops(monkeypatc
     assert seen[-1] == ("disabled", None) and os.environ["RAY_AUTH_MODE"] == "disabled"
 
 
+def test_what_starting_a_runs_ray_set_in_the_environment_is_put_back_when_it_stops(monkeypatch, tmp_path):
+    """After factory.run returned, the caller's process kept what starting the run's Ray had set: ray.init's
+    PYTHONBREAKPOINT hook (`breakpoint()` then asked for debugpy and returned: no pdb) and the stages' quiet
+    settings (TRANSFORMERS_VERBOSITY=error, ...). One set since by someone else is theirs, left as it is; one the
+    user had set before was never changed. ray.init sets here what the real one sets, while another thread of the
+    run's puts MLflow's variable back (its tracker preparing the store): not Ray's to put back again."""
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.runtime.lifecycle import sigterm_restored
+
+    def init(*args, **kwargs):
+        os.environ["PYTHONBREAKPOINT"] = "ray.util.rpdb._driver_set_trace"
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        del os.environ["MLFLOW_EXPERIMENT_ID"]  # (the tracker's use_store, in its thread, putting it back)
+
+    monkeypatch.setattr(driver.ray, "init", init)
+    monkeypatch.setattr(driver.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(driver, "check_ray_on_loopback", lambda: None)
+    monkeypatch.setattr(driver, "private_dir", lambda: tmp_path)
+    for key in ("PYTHONBREAKPOINT", "RAY_USAGE_STATS_ENABLED", "RAY_COLOR_PREFIX", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                *driver._STAGE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the user's own
+    before = dict(os.environ)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "1")  # set, for a moment, by the tracker's use_store
+    with sigterm_restored():
+        driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
+    assert os.environ["PYTHONBREAKPOINT"] == "ray.util.rpdb._driver_set_trace"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false" and os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0"  # the caller's, set while the run went on
+    driver.stop_ray()
+    assert os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS") == "0"
+    assert dict(os.environ) == before
+
+
 def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monkeypatch):
     """It said 'internal error: RuntimeError' and exited 1."""
     import ray

@@ -30,7 +30,7 @@ from factory.compiler.load import SpecInput, SpecSource, load, override_list, so
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
-from factory.util import MLFLOW_FAIL_FAST, UserError, environ
+from factory.util import MLFLOW_FAIL_FAST, EnvChanges, UserError, environ
 
 if TYPE_CHECKING:
     from factory.runtime.driver import EvalResult, OnStep, RunResult
@@ -74,12 +74,16 @@ def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, conne
 # One run in this process at a time: each starts a Ray of its own (ray.init), and a process holds one Ray; a second
 # run's start failed ("ray.init twice") and its clean-up shut the first run's Ray down under it.
 _RUNNING = threading.Lock()
+# What the run being made set in this process's environment before its driver started Ray (the loopback flag, what
+# importing ray sets), put back when it returns, as the driver's stop_ray puts back what starting Ray set.
+_SET_HERE = EnvChanges(lambda name: name.startswith("RAY_"))
 
 
 @contextlib.contextmanager
 def _alone(what: str) -> Iterator[None]:
     """`what` (factory.run, factory.evaluate) refused at once, before anything is done, where another run of this
-    process is still going on (a notebook's in a thread) or a Ray is up here already (`refuse_a_ray_up`)."""
+    process is still going on (a notebook's in a thread) or a Ray is up here already (`refuse_a_ray_up`); once it
+    returns, what it recorded in `_SET_HERE` put back."""
     if not _RUNNING.acquire(blocking=False):
         raise UserError(f"{what}: another factory.run or factory.evaluate is still running in this process: each "
                         "starts a Ray of its own, and a process holds one Ray at a time: wait for it to end (its "
@@ -89,7 +93,10 @@ def _alone(what: str) -> Iterator[None]:
         refuse_a_ray_up(what)
         yield
     finally:
-        _RUNNING.release()
+        try:
+            _SET_HERE.put_back()
+        finally:
+            _RUNNING.release()
 
 
 @_alone("factory.run")
@@ -116,7 +123,9 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         say_warnings(plan)  # (a Plan passed in was compiled by the caller, who has them: `factory run`)
     elif overrides:
         raise TypeError("overrides go with a spec, not with a compiled Plan")
-    local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+    with _SET_HERE.recording():
+        local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+        from factory.runtime import driver  # noqa: F401 -- (importing ray sets RAY_CLIENT_MODE)
     found = None
     if resume is not None:
         from factory.runtime.resume import find
@@ -334,8 +343,9 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
             _check_endpoint(endpoint, joins=plan.driver.resources.ray_address is not None)
         if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
             plan = tracked_model(plan, tags["factory.eval_model"])
-        local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
-        from factory.runtime.driver import evaluate_only
+        with _SET_HERE.recording():
+            local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+            from factory.runtime.driver import evaluate_only
 
         return evaluate_only(plan, step, tags, started_at, adapters=adapters)
 

@@ -51,7 +51,7 @@ from factory.runtime.replay import beyond_recording, miss_error, recorded_throug
 from factory.runtime.startup import Startup
 from factory.tools.recording import ReplayMiss
 from factory.types import Placement, Trajectory, trains
-from factory.util import UserError, import_object
+from factory.util import EnvChanges, UserError, import_object
 
 if TYPE_CHECKING:
     from factory.runtime.resume import Resume
@@ -96,8 +96,6 @@ _STAGE_ENV = {**_QUIET, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
 def start_ray(cluster: ClusterSettings) -> None:
     """`_start_ray`, with a failure of Ray itself (a node that timed out starting on an overloaded machine,
     an address nothing answers on) as a RayStartError, exit 3, naming Ray's reason: not an internal error."""
-    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # the stages' lines Ray prints here, into a log file:
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no terminal colour codes around their prefixes
     try:
         sigterm_interrupts()  # a SIGTERM while Ray starts stops the command as a Ctrl-C then does (exit 130) ...
         _start_ray(cluster)
@@ -131,16 +129,17 @@ def _no_sigterm_handler_note(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("SIGTERM handler is not set")
 
 
-# The Ray auth variables _start_ray set in this process's environment: key -> (what was there before, None when
-# unset; the value set). stop_ray puts them back, so that a later run in the same process (a notebook's, a script
-# calling factory.run twice) starts its local Ray with a fresh token, and a cluster join sends none of ours.
-_AUTH_SET: dict[str, tuple[str | None, str]] = {}
+# What _start_ray set in this process's environment, ray.init's own settings with ours (the auth variables, the
+# stages' quiet settings, ray.init's PYTHONBREAKPOINT hook). stop_ray puts them back: a later run in the same
+# process (a notebook's, a script calling factory.run twice) starts its local Ray with a fresh token and a cluster
+# join sends none of ours, and the caller's process is left as it was (its `breakpoint()` opened no pdb). Ray's
+# names and ours alone: the run's tracker sets and puts back MLflow's in another thread meanwhile.
+_RAY_ENV = EnvChanges(lambda name: name.startswith("RAY_") or name in ("PYTHONBREAKPOINT", *_STAGE_ENV))
+_AUTH = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
 
 
 def _set_auth_env(**values: str) -> None:
-    for key, value in values.items():
-        _AUTH_SET[key] = (_AUTH_SET[key][0] if key in _AUTH_SET else os.environ.get(key), value)
-        os.environ[key] = value
+    os.environ.update(values)
     _reload_ray_auth()
 
 
@@ -153,29 +152,18 @@ def _reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def _restore_auth_env() -> None:
-    """The auth variables _start_ray set back as they were (each only while it still holds the value set)."""
-    changed = False
-    for key, (before, value) in _AUTH_SET.items():
-        if os.environ.get(key) != value:
-            continue  # changed since by someone else: theirs
-        if before is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = before
-        changed = True
-    _AUTH_SET.clear()
-    if changed:
+def _restore_ray_env() -> None:
+    """What _start_ray set back as it was (each variable only while it still holds the value set)."""
+    if _RAY_ENV.put_back() & _AUTH:
         _reload_ray_auth()
 
 
 def stop_ray() -> None:
-    """ray.shutdown, and the auth variables the run's _start_ray set in this process's environment back as they
-    were."""
+    """ray.shutdown, and what the run's _start_ray set in this process's environment back as it was."""
     try:
         ray.shutdown()
     finally:
-        _restore_auth_env()
+        _restore_ray_env()
 
 
 def _start_ray(cluster: ClusterSettings) -> None:
@@ -190,7 +178,14 @@ def _start_ray(cluster: ClusterSettings) -> None:
     # factory.run from a thread (a notebook's, docs/python.md): ray.init says it set no SIGTERM handler there, which
     # asks nothing of the user (the run's stop is the caller's `stop` event, and Ctrl-C the main thread's)
     logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_note)
-    _restore_auth_env()  # an earlier run's, should it have ended without stop_ray
+    _restore_ray_env()  # an earlier run's, should it have ended without stop_ray
+    with _RAY_ENV.recording():
+        _init_ray(cluster)
+
+
+def _init_ray(cluster: ClusterSettings) -> None:
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # the stages' lines Ray prints here, into a log file:
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no terminal colour codes around their prefixes
     address = cluster.ray_address
     if address:  # a cluster's own settings (its token, if it has one) decide
         if "RAY_AUTH_MODE" not in os.environ:
