@@ -36,6 +36,26 @@ def test_a_spec_loads_from_a_path_a_yaml_text_or_a_dict(monkeypatch):
     assert factory.compile(specs[0]).hashes == factory.compile(str(TINY), ["train.steps=3"]).hashes
 
 
+def test_a_loaded_spec_changed_in_place_is_checked_again_when_compiled(monkeypatch):
+    """factory.load gives a frozen Spec, but its dicts and lists can still be changed in place: a notebook's
+    `spec.rewards["fmt"] = {...}` was taken unchecked, and factory.compile(spec) failed with an internal
+    AttributeError ('dict' object has no attribute 'inputs'). Compiled, the Spec is validated again: a mistake
+    is a SpecErrors as loading reports it, a good change is compiled as the spec now reads."""
+    monkeypatch.chdir(REPO)
+    spec = factory.load(TINY)
+    spec.rewards["fmt"] = {"fn": 3}
+    spec.rewards["total"].sum["fmt"] = 0.5
+    with pytest.raises(factory.SpecErrors) as e:
+        factory.compile(spec)
+    at = TINY.read_text().splitlines().index("rewards:") + 1  # (the place nearest to it that the file has)
+    assert e.value.report() == f"{TINY}:{at}: rewards.fmt.fn: expected a string, got 3\n1 error in {TINY}"
+    spec.rewards["fmt"] = {"fn": "factory.rewards.format:called_tool"}
+    plan = factory.compile(spec)
+    assert plan.spec["rewards"]["fmt"]["fn"] == "factory.rewards.format:called_tool"
+    assert plan.hashes == factory.compile(TINY, ["rewards.fmt.fn=factory.rewards.format:called_tool",
+                                                 "rewards.total.sum.fmt=0.5"]).hashes
+
+
 def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(factory.SpecErrors) as e:

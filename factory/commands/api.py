@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from factory.compiler.compile import compile_file, compile_spec
 from factory.compiler.errors import SpecErrors
-from factory.compiler.load import SpecInput, SpecSource, load, override_list, source_of
+from factory.compiler.load import SpecInput, SpecSource, checked_again, load, override_list, source_of
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
@@ -67,6 +67,7 @@ def compile_plan(spec: Spec | SpecInput, overrides: Iterable[str] = (), *, conne
             raise TypeError("overrides go with a path, YAML text or dict, not with a loaded Spec: "
                             "factory.load(spec, overrides) first")
         source = source_of(spec) or SpecSource("<spec>", Path.cwd(), "")  # a Spec built in code
+        spec = checked_again(spec, source)  # (its dicts and lists may have been changed in place since)
         return compile_spec(spec, source, connect=connect, weights=weights)  # this Spec as it is: its servers too
     return compile_file(spec, overrides, connect=connect, weights=weights)[1]
 

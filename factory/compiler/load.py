@@ -945,6 +945,18 @@ def remember(spec: Spec, source: SpecSource) -> Spec:
     return spec
 
 
+def checked_again(spec: Spec, source: SpecSource) -> Spec:
+    """`spec` validated again (knowing `source`), as loading validated it: a Spec is frozen, but its dicts and lists
+    are not, and what a caller put in them (`spec.rewards["x"] = {...}`) went to the compiler unchecked (an
+    internal AttributeError). Raises `SpecErrors`, as loading does."""
+    data = spec.model_dump(exclude_unset=True, warnings=False)  # (what was set, so that defaults stay unset)
+    try:
+        again = Spec.model_validate(data)
+    except ValidationError as e:
+        raise SpecErrors(_problem_errors(translate(Spec, e.errors(), data), source), source.file) from None
+    return remember(again, source)
+
+
 def source_of(spec: Spec) -> SpecSource | None:
     """Where a loaded spec was read (file, lines, overrides); None for a spec built in code."""
     return spec._source
