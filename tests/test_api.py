@@ -94,6 +94,20 @@ def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path)
         factory.load(TINY, ["trian.steps=3"])
 
 
+async def _async_on_step(step, metrics):  # (called, it only makes a coroutine)
+    print(step)
+
+
+def test_python_mistakes_in_load_and_diff_are_said_as_such(monkeypatch):
+    """`factory.load(spec, None)` (a notebook's "no overrides") raised "'NoneType' object is not iterable", and
+    `factory.diff(a, b, prompt="1")` a bare TypeError from deep inside."""
+    monkeypatch.chdir(REPO)
+    assert factory.load(TINY, None) == factory.load(TINY)  # None: no overrides
+    with pytest.raises(TypeError, match=r"^prompt: which prompt's trajectories to show \(an int: 0 for the first "
+                                        r"prompt both runs saw\), got str$"):
+        factory.diff("a" * 8, "b" * 8, prompt="1")
+
+
 def test_a_runs_python_mistakes_are_said_before_anything_starts(monkeypatch):
     """A callback that is not one, or takes other arguments, a stop that is not an Event, a run named by a
     number: each failed only when first used, after Ray and every stage had started (30-60 s), as a bare
@@ -107,6 +121,9 @@ def test_a_runs_python_mistakes_are_said_before_anything_starts(monkeypatch):
     for kwargs, said in [({"on_step": "print"}, r"^on_step: a function called as on_step\(step, metrics\), got str$"),
                          ({"on_step": lambda metrics: None},
                           r"^on_step: called as on_step\(step, metrics\), but it takes \(metrics\)$"),
+                         ({"on_step": _async_on_step},
+                          r"^on_step: a plain function \(def\), got an async one: factory.run calls it and never "
+                          r"awaits it, so it would never run"),
                          ({"stop": True}, r"^stop: a threading.Event \(set it to stop the run\), got bool$"),
                          ({"resume": 3}, r"^resume: a run's id, id prefix or name, or \"\" for the newest "
                                          r"unfinished run, got int$")]:

@@ -235,6 +235,11 @@ def _check_run_arguments(on_step: Any, stop: Any, resume: Any) -> None:
 
         if not callable(on_step):
             raise TypeError(f"on_step: a function called as on_step(step, metrics), got {type(on_step).__name__}")
+        if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f)
+               for f in (on_step, getattr(on_step, "__call__", None))):
+            raise TypeError("on_step: a plain function (def), got an async one: factory.run calls it and never awaits "
+                            "it, so it would never run; pass a plain def (asyncio.run_coroutine_threadsafe in it hands "
+                            "each step to your event loop)")
         try:
             signature = inspect.signature(on_step)
         except ValueError:  # a callable whose signature cannot be read (some builtins): taken as it is
@@ -257,6 +262,9 @@ def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> 
     `metrics` side by side, and the `trajectories` of the `prompt`-th prompt both saw."""
     from factory.commands.diff import diff_runs
 
+    if isinstance(prompt, bool) or not isinstance(prompt, int):  # (a str met a bare TypeError deep inside)
+        raise TypeError(f"prompt: which prompt's trajectories to show (an int: 0 for the first prompt both runs saw), "
+                        f"got {type(prompt).__name__}")
     with _store_read():
         return diff_runs(run_a, run_b, prompt=prompt, uri=uri)[0]
 

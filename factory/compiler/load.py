@@ -727,8 +727,10 @@ def read_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> tuple
 SpecInput = str | os.PathLike | Mapping  # a spec file's path, a spec's YAML text, or the spec as a dict
 
 
-def override_list(overrides: Iterable[str]) -> tuple[str, ...]:
-    """The dot-list overrides as a tuple; TypeError for a Python mistake, said as such."""
+def override_list(overrides: Iterable[str] | None) -> tuple[str, ...]:
+    """The dot-list overrides as a tuple (None: none); TypeError for a Python mistake, said as such."""
+    if overrides is None:  # (a notebook's "no overrides")
+        return ()
     if isinstance(overrides, (str, bytes)):  # iterated, one string gave an "override" per character
         raise TypeError(f"overrides: a list of 'KEY=VALUE' strings, got one string: [{overrides!r}]?")
     if isinstance(overrides, Mapping):  # iterated, a dict gave its keys alone: "expected KEY=VALUE, got 'train.steps'"
