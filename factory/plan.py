@@ -113,6 +113,9 @@ class Replayed(BaseModel):
     # started; None: the run saved none
     listing: dict[str, list[dict[str, Any]]] | None
     on_miss: str  # replay.on_miss
+    # how far the run got (factory.runtime.replay): a miss past it is this run going on, not going elsewhere
+    trained: int  # the steps it trained
+    evaluated: list[int]  # the steps it evaluated at
 
 
 class ToolsSettings(Settings):

@@ -303,24 +303,50 @@ def test_a_replay_miss_in_a_steps_evaluation_keeps_the_step(monkeypatch):
     assert "eval/accuracy" not in world.metrics[2] and [s for s, _ in world.saved] == [2]
 
 
-def test_a_replay_past_the_recording_s_last_step_says_so():
-    """A run replayed for more steps than its recording made calls at missed with "this run went elsewhere (a
-    changed spec, model or data)": it had not, it went on."""
+def test_a_replay_miss_says_whether_the_recorded_run_got_that_far():
+    """A replay that misses where the recorded run never got -- a step past those it trained, an evaluation at a
+    step it did not evaluate -- says so; elsewhere this run went elsewhere. It read the last training step whose
+    recording held a call: a recorded run whose last step made only malformed calls (no rows) had "gone on past
+    what was recorded" at a step it trained, and an evaluation it never made "went elsewhere"."""
     from factory.plan import ToolsSettings
-    from factory.runtime.replay import beyond_recording, recorded_through
+    from factory.runtime.replay import RUN_WENT_ELSEWHERE, replayed_in, why_missed
 
     plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"])
-    rows = [{"origin": "eval/0/0/0/0/0/0"}, {"origin": "train/1/0/0/0/0/0"}, {"origin": "train/2/3/1/0/0/0"},
+    assert replayed_in(plan) is None  # not replaying yet
+    recorded = Replayed(run="old", rows=[], listing=None, on_miss="fail", trained=3, evaluated=[0, 2])
+    assert replayed_in(driver.replaying(plan, recorded)) == recorded
+    assert any(isinstance(s.settings, ToolsSettings) for s in plan.stages)
+    assert why_missed(recorded, 3, steps=4) == RUN_WENT_ELSEWHERE  # it trained step 3: this run went elsewhere
+    assert why_missed(recorded, 4, steps=5) == ("run old trained 3 steps, and this run trains 5: it went on past "
+                                                "what was recorded")
+    assert why_missed(recorded, 2, steps=4, evaluation=True) == RUN_WENT_ELSEWHERE
+    assert why_missed(recorded, 3, steps=4, evaluation=True) == ("run old made no evaluation at step 3 (it evaluated "
+                                                                 "at steps 0, 2)")
+    once = recorded.model_copy(update={"trained": 1, "evaluated": [0]})
+    assert why_missed(once, 2, steps=2) == ("run old trained 1 step, and this run trains 2: it went on past what was "
+                                            "recorded")
+    assert why_missed(once, 1, steps=2, evaluation=True) == ("run old made no evaluation at step 1 (it evaluated at "
+                                                             "step 0)")
+    never = recorded.model_copy(update={"trained": 0, "evaluated": []})
+    assert why_missed(never, 4, steps=4, evaluation=True) == "run old made no evaluation at step 4 (it made none)"
+    assert why_missed(never, 1, steps=1) == ("run old trained no steps, and this run trains 1: it went on past what "
+                                             "was recorded")
+    assert why_missed(None, 9, steps=9) == RUN_WENT_ELSEWHERE
+
+
+def test_the_recorded_run_s_steps_are_its_step_tag_its_rows_and_its_evaluations_tables():
+    """What the recorded run trained: its factory.step tag (the last step it logged), or a later step whose
+    rollout made a call (recorded before that step was logged); what it evaluated: its eval_trajectories tables
+    and the evaluations' calls (an evaluation whose calls were all malformed recorded none)."""
+    from factory.runtime.replay import evaluated_steps, trained_steps
+
+    rows = [{"origin": "eval/0/0/0/0/0/0"}, {"origin": "train/1/0/0/0/0/0"}, {"origin": "reward/train/3/0/1/0/graded"},
             {"origin": "reward/eval/4/0/0/0/graded"}]
-    assert recorded_through(plan) is None  # not replaying yet
-    replayed = driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))
-    assert recorded_through(replayed) == 2 and any(isinstance(s.settings, ToolsSettings) for s in plan.stages)
-    # a tool reward node's call at a training step is a call the run made at that step too
-    rows.append({"origin": "reward/train/3/0/1/0/graded"})
-    assert recorded_through(driver.replaying(plan, Replayed(run="old", rows=rows, listing=None, on_miss="fail"))) == 3
-    assert beyond_recording("old", 2, 4) == ("run old made its last tool call at step 2, and this run trains 4 steps: "
-                                             "it went on past what was recorded (replay.on_miss=live calls the tools "
-                                             "once the recording has no answer)")
+    assert trained_steps({"factory.step": "2"}, rows[:2]) == 2  # step 2 made only malformed calls
+    assert trained_steps({"factory.step": "2"}, rows) == 3  # a tool reward node's call at step 3 is step 3's
+    assert trained_steps({}, []) == 0
+    tables = ["eval_trajectories/step_00000.parquet", "eval_trajectories/step_00006.parquet", "eval_trajectories/x"]
+    assert evaluated_steps(tables, rows) == [0, 4, 6]
 
 
 def test_a_replayed_run_that_trains_past_its_recording_says_so(monkeypatch):
@@ -345,9 +371,70 @@ def test_a_replayed_run_that_trains_past_its_recording_says_so(monkeypatch):
     monkeypatch.setattr(driver, "placed", placed)
     monkeypatch.setattr(driver, "placement_record", lambda groups: {})
     monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: Recorded(world))
-    with pytest.raises(ReplayMiss, match=r"step 3: .*run old made its last tool call at step 2, and this "
-                                         r"run trains 4 steps: it went on past what was recorded"):
+    with pytest.raises(ReplayMiss, match=r"step 3: .*: run old trained 2 steps, and this run trains 4: it went on "
+                                         r"past what was recorded; replay.on_miss=live calls the tools instead;"):
         driver.run(plan)
+
+
+def test_a_replay_missing_at_a_step_the_recorded_run_trained_says_the_run_went_elsewhere(monkeypatch):
+    """The recorded run trained 2 steps, but its step 2 made only malformed calls (none recorded): replayed with
+    another lr, the miss at step 2 was told "it went on past what was recorded", the on_miss=live hint twice,
+    and "steps 1-1 are logged"."""
+    import contextlib
+
+    import factory.tracking.tracker as tracker_module
+
+    class Recorded(FakeTracker):
+        def run(self, ref: str) -> Any:
+            return type("Run", (), {"run_id": f"{ref}-id", "name": ref,
+                                    "tags": {TOOLS_IN_SERVER_ORDER: "true", "factory.step": "2"}})()
+
+        def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+            return [{"origin": "train/1/0/0/0/0/0"}]
+
+    @contextlib.contextmanager
+    def placed(plan: Any, display: Any, startup: Any, **_: Any):
+        yield fake_groups(world, plan), Quiet()
+
+    world = World(miss_at=2)
+    monkeypatch.chdir(REPO)
+    plan = factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old", "train.steps=2", "train.lr=1e-4"])
+    fake_steps(monkeypatch, world)
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(driver, "placement_record", lambda groups: {})
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: Recorded(world))
+    with pytest.raises(ReplayMiss) as e:
+        driver.run(plan)
+    assert str(e.value) == ("step 2: the recording of run old has no answer for 1 tool call, first calculate(...) at "
+                            "train/2/0/0/0/0/0: this run went elsewhere (a changed spec, model or data); "
+                            "replay.on_miss=live calls the tools instead; step 1 is logged and checkpointed")
+
+
+def test_factory_eval_replaying_a_step_the_recorded_run_never_evaluated_says_so(monkeypatch):
+    """`factory eval --model RUN --replay RUN` at a step RUN never evaluated: every call missed, and the miss said
+    "this run went elsewhere (a changed spec, model or data)" though nothing had changed."""
+    import contextlib
+
+    import factory.tracking.tracker as tracker_module
+
+    class Recorded(FakeTracker):
+        def tool_calls(self, run_id: str) -> list[dict[str, Any]]:
+            return [{"origin": f"{split}/{n}/0/0/0/0/0"} for split, n in (("eval", 0), ("train", 1), ("train", 2))]
+
+    @contextlib.contextmanager
+    def placed(plan: Any, display: Any, startup: Any, **_: Any):
+        yield fake_groups(world, plan), None
+
+    world = World(eval_miss_at=2)
+    monkeypatch.chdir(REPO)
+    fake_steps(monkeypatch, world)
+    monkeypatch.setattr(driver, "placed", placed)
+    monkeypatch.setattr(tracker_module, "open_tracker", lambda uri, experiment: Recorded(world))
+    with pytest.raises(ReplayMiss, match=r"^step 2 evaluation: the recording of run old has no answer for 1 tool call, "
+                                         r"first calculate\(\.\.\.\) at eval/2/0/0/0/0/0: run old made no evaluation "
+                                         r"at step 2 \(it evaluated at step 0\); replay.on_miss=live calls the tools "
+                                         r"instead$"):
+        driver.evaluate_only(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"]), 2)
 
 
 def test_opening_the_store_and_reading_the_replayed_run_is_a_start_up_phase_of_its_own(monkeypatch):
@@ -444,7 +531,7 @@ def test_factory_eval_replays_the_recorded_tool_calls_as_a_run_does(monkeypatch)
     result = driver.evaluate_only(plan, 4)
     assert world.replayed == Replayed(run="old", rows=[{"origin": "eval/0/0/0/0/0/0", "from": "old-id"}],
                                       listing={"calc": [{"name": "calculate", "inputSchema": {"type": "object"}}]},
-                                      on_miss="live")
+                                      on_miss="live", trained=0, evaluated=[0])
     assert plan_json(driver.replaying(plan, world.replayed)) == plan_json(plan)  # read at run time: not logged
     assert result.metrics == {"eval/accuracy": 0.5} and world.metrics == {4: {"eval/accuracy": 0.5}}
     assert world.ended == ["FINISHED", "released"]  # and what preparing the store set put back, as after a run

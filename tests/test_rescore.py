@@ -93,7 +93,7 @@ def test_a_replayed_rescore_starts_no_tool_server_and_stops_at_a_miss(monkeypatc
     row = {"origin": "", "server": "calc", "tool": "calculate", "arguments": canonical({"expression": "2+3"}),
            "text": "5", "status": "ok", "error_kind": None, "latency_s": 0.1, "source": "live"}
     plan = replaying(factory.compile(data, ["replay.run=old"]),
-                     Replayed(run="old", rows=[row], listing=listing, on_miss="fail"))
+                     Replayed(run="old", rows=[row], listing=listing, on_miss="fail", trained=1, evaluated=[]))
 
     class Scorer:  # the reward stage, calling the tools stage as a tool node does
         async def score(self, trajs, *, step=0, attempt=0):

@@ -12,7 +12,7 @@ from factory import device
 
 from factory.rollout.stage import BusyClock
 from factory.tracking.mlflow_tracker import MlflowTracker as Tracker
-from factory.tracking.mlflow_tracker import flatten, trajectory_records
+from factory.tracking.mlflow_tracker import STEP_KEY, flatten, trajectory_records
 from factory.types import ToolCall, ToolResult, Trajectory, Turn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +58,10 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     with pytest.raises(RunLookupError, match=rf"^no run with id or name 'myspec' in .*; spec 'myspec' made 1 run\(s\), "
                                              rf"newest first: r \({run_id[:8]}\): name one$"):
         t.run("myspec")
-    t.log_metrics({"reward/mean": 0.5}, step=1)
+    t.log_metrics({"reward/mean": 0.5, STEP_KEY: 1.0}, step=1)
+    t.log_metrics({"reward/mean": 0.5, STEP_KEY: 1.0}, step=2)  # its step 2 made only malformed calls: none kept
     t.log_trajectories([_traj()], step=1)
+    t.log_trajectories([_traj()], step=2, split="eval")
     calls = [{"origin": f"train/1/0/0/{i}/0/0", "server": "s", "tool": "t", "arguments": "{}", "text": "x" * 5000,
               "status": "ok", "error_kind": None, "latency_s": 0.5, "source": "live"} for i in range(3)]
     t.log_tool_calls(calls[:2], 1)
@@ -78,6 +80,8 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     replay = SimpleNamespace(driver=SimpleNamespace(replay=ReplaySpec(run="r", on_miss="fail")), stages=())
     replayed = recorded_tool_calls(t, replay)  # type: ignore[arg-type]
     assert replayed is not None and replayed.rows == calls and replayed.listing == listing
+    # how far it got: a replay missing past it went on, not elsewhere (its step tag, its evaluations' tables)
+    assert replayed.trained == 2 and replayed.evaluated == [2]  # (every call kept has step 1's origin)
     # a server the recording has no listing of (added since): the spec's fault, said before any stage starts
     # (the tools stage failed its start, exit 3, once Ray and every stage had started)
     from factory.plan import ToolsSettings
@@ -97,7 +101,7 @@ def test_mlflow_run_roundtrip(tmp_path, monkeypatch):
     assert recorded_tool_calls(t, replay).listing is None  # type: ignore[arg-type, union-attr]
     run = client.get_run(run_id)
     assert run.data.params["train.lr"] == "1e-05" and run.data.tags["factory.spec_hash"] == "abc"
-    assert client.get_metric_history(run_id, "reward/mean")[0].value == 0.5
+    assert [m.value for m in client.get_metric_history(run_id, "reward/mean")] == [0.5, 0.5]
     local = client.download_artifacts(run_id, "trajectories/step_00001.parquet", str(tmp_path))
     assert pq.read_table(local).to_pylist()[0]["tool_calls"][0]["name"] == "calculate"
 

@@ -47,7 +47,7 @@ from factory.runtime.lifecycle import (GracefulStop, SessionRecord, check_ray_on
                                        private_dir, prune_ray_sessions, ray_in_own_sessions, ray_starts_sessions,
                                        reap_orphans, refuse_a_ray_up, sigterm_heard, sigterm_interrupts,
                                        sigterm_restored, stopping_said)
-from factory.runtime.replay import beyond_recording, miss_error, recorded_through, recorded_tool_calls, replaying
+from factory.runtime.replay import miss_error, recorded_tool_calls, replayed_in, replaying, why_missed
 from factory.runtime.startup import Startup
 from factory.tools.recording import ReplayMiss
 from factory.types import Placement, Trajectory, trains
@@ -890,7 +890,7 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
             drawn_from = g[plan.flow("data")[0].src].call("state") if replays else None  # the data before this step
             trajs, m, sampled = collect(g, plan, display, step)  # data -> rollout (<-> tools) -> reward
             try:
-                tool_calls[step] = take_tool_calls(g, plan, f"step {step}", step)  # a replay miss stops the run here
+                tool_calls[step] = take_tool_calls(g, plan, step)  # a replay miss stops the run here
             except ReplayMiss as miss:  # the steps before it are kept: logged and saved, the data where it was before it
                 keep_before(step, miss, updates, lambda n, t, m_n: _log_step(tracker, display, on_step, n, t,
                                                                           tool_calls.pop(n), m_n, traces),
@@ -909,13 +909,13 @@ def train_loop(g: Groups, plan: Plan, tracker: Tracker, display: Any, record: Se
                     if n == step and evaluating:
                         (after, eval_trajs), after_step = evaluate(g, plan, display, step), step
                         try:
-                            tool_calls[n] += take_tool_calls(g, plan, f"step {step} evaluation")
+                            tool_calls[n] += take_tool_calls(g, plan, step, evaluation=True)
                         except ReplayMiss as miss:  # the step itself trained as recorded: kept (logged without
                             # its evaluation, saved), as a miss in a rollout keeps the steps before it
                             _log_step(tracker, display, on_step, n, trajs_n, tool_calls.pop(n), m_n, traces)
                             if saved_step != step:
                                 _save(g, plan, tracker, step, watch)
-                            raise ReplayMiss(f"{miss}; steps 1-{step} are logged and checkpointed") from None
+                            raise ReplayMiss(f"{miss}; {_kept(step)}") from None
                         m_n.update(after)
                         m_n.update(watch.evaluated(step, after))  # the monitors again, with this evaluation
                         tracker.log_trajectories(eval_trajs, step, split="eval", traces=traces)
@@ -963,7 +963,7 @@ def _begin(g: Groups, plan: Plan, tracker: Tracker, display: Any, resume: Resume
     else:
         before, eval_trajs = evaluate(g, plan, display, 0)
         tracker.log_trajectories(eval_trajs, 0, split="eval", traces=d.tracking.log_trajectories)
-        tracker.log_tool_calls(take_tool_calls(g, plan, "step 0 evaluation"), 0)
+        tracker.log_tool_calls(take_tool_calls(g, plan, 0, evaluation=True), 0)
         tracker.log_metrics(before, step=0)
         display.step(0, before, completed=0)
         on_step(0, before)
@@ -999,8 +999,12 @@ def keep_before(step: int, miss: ReplayMiss, updates: Any, log: Callable[[int, l
         log(n, trajs, m)
     if save is not None and step > 1:
         save()
-    kept = f"; steps 1-{step - 1} are logged and checkpointed" if step > 1 else ""
-    raise ReplayMiss(f"{miss}{kept}") from None
+    raise ReplayMiss(f"{miss}; {_kept(step - 1)}" if step > 1 else str(miss)) from None
+
+
+def _kept(last: int) -> str:
+    """What a replay miss after step `last` kept."""
+    return f"{'step 1 is' if last == 1 else f'steps 1-{last} are'} logged and checkpointed"
 
 
 def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch, data: dict[str, Any] | None = None) -> str:
@@ -1021,20 +1025,19 @@ def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch, data
     return checkpoint
 
 
-def take_tool_calls(g: Groups, plan: Plan, made_in: str, step: int | None = None) -> list[dict[str, Any]]:
-    """The tool calls recorded since the last take (the rows of the rollout or evaluation `made_in` names,
-    taken right after it: its `tool_calls` table). A replay that could not answer some of them stops the run
-    here under `replay.on_miss: fail` (factory.tools.recording), before the step is checked or trained on
-    the errors the misses answered; `step`: the training step whose rollout made them."""
+def take_tool_calls(g: Groups, plan: Plan, step: int, *, evaluation: bool = False) -> list[dict[str, Any]]:
+    """The tool calls recorded since the last take (the rows of `step`'s rollout, or of its evaluation, taken
+    right after it: its `tool_calls` table). A replay that could not answer some of them stops the run here
+    under `replay.on_miss: fail` (factory.tools.recording), before the step is checked or trained on the
+    errors the misses answered."""
     rows: list[dict[str, Any]] = []
     for group in (x for x in g.values() if x.contract.records_tools):
         taken = group.call("take_recording")
         rows += taken["rows"]
         if taken["misses"] and plan.driver.replay.on_miss == "fail":
-            run, last = plan.driver.replay.run, recorded_through(plan)
-            if step is not None and last is not None and step > last:  # the run did not go elsewhere: it went on
-                raise miss_error(taken["misses"], made_in, run, beyond_recording(run, last, plan.driver.train.steps))
-            raise miss_error(taken["misses"], made_in, run)
+            why = why_missed(replayed_in(plan), step, steps=plan.driver.train.steps, evaluation=evaluation)
+            raise miss_error(taken["misses"], f"step {step}" + (" evaluation" if evaluation else ""),
+                             plan.driver.replay.run, why)
     return rows
 
 
@@ -1300,6 +1303,8 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status
     replayed = recorded_tool_calls(tracker, plan)  # before the store is prepared in a thread, and anything placed
+    # the recording in the plan the evaluation reads too, not only in its stages': a miss says how far it got
+    plan = replaying(plan, replayed)
     prepared = prepare_in_background(tracker)
 
     def start(listing: dict[str, Any], resolved: dict[str, Any]) -> Plan:
@@ -1308,7 +1313,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
                                  extra_tags={"factory.kind": "eval", STARTED_TAG: f"{startup.t0:.3f}", **(tags or {})})
 
     try:
-        with display, placed(eval_stages(replaying(plan, replayed)), display, startup,
+        with display, placed(eval_stages(plan), display, startup,
                              again="`factory eval` again evaluates it") as (groups, _):
             with opened_run(tracker, plan, groups, display, start, replayed) as opened:
                 if adapters is not None:
@@ -1318,7 +1323,7 @@ def evaluate_only(plan: Plan, step: int = 0, tags: dict[str, str] | None = None,
                 display.status(f"MLflow run {tracker.run_id}; evaluating")
                 metrics, trajs = evaluate(groups, opened.plan, display, step)
                 tracker.log_trajectories(trajs, step, split="eval", traces=d.tracking.log_trajectories)
-                tracker.log_tool_calls(take_tool_calls(groups, opened.plan, f"step {step} evaluation"), step)
+                tracker.log_tool_calls(take_tool_calls(groups, opened.plan, step, evaluation=True), step)
                 tracker.log_metrics(metrics, step=step)
     finally:
         # as after a run: what preparing the store set (MLflow's fail-fast HTTP settings) put back, also where the
