@@ -485,6 +485,16 @@ def test_settings_that_another_setting_switches_off_warn(project):
     for loss in ("ppo_clip", "gspo", "dual_clip"):  # they apply it (past one on-policy update): no warning
         _, plan = compile_file(path, [f"algorithm.loss={loss}", "algorithm.mini_batches=2"])
         assert not [w for w in plan.warnings if "dual_clip_c" in w], loss
+    # gamma discounts the turns' values in a turn's return: with a trajectory-level training node every turn's value
+    # is the trajectory's reward, and a discounted mean of equal values is that value whatever gamma is
+    turn = ["algorithm.credit=turn", "algorithm.gamma=0.5"]
+    assert [w for w in compile_file(path, turn)[1].warnings if "gamma" in w] == [
+        "<override 2>: algorithm.gamma: warning: has no effect while the training node 'total' is trajectory-level "
+        "and no KL is in the reward: every turn's value is the trajectory's reward, and a discounted mean of equal "
+        "values is that value (a per-turn training node, `per: turn`, or algorithm.kl.apply: reward gives each turn "
+        "a value of its own)"]
+    for own in ("rewards.fmt.per=turn", "algorithm.kl={coef: 0.01, apply: reward}"):  # the turns' values differ
+        assert not [w for w in compile_file(path, [*turn, own])[1].warnings if "gamma" in w], own
 
 
 def test_settings_that_corrupt_the_objective_are_refused_or_said(project):

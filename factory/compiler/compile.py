@@ -1530,7 +1530,8 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     code = _check_tools(spec, r, set(broken.get("tools", ())), tools, joins=ray_address is not None)
     algorithm = _resolve_algorithm(spec, r)
     check_deepspeed(spec, r)
-    check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r, joins=ray_address is not None)
+    check_dependent(spec, _plain(algorithm) if algorithm is not None else {}, r, train_node=train,
+                    joins=ray_address is not None)
     _check_resources(spec, r)
     checkpoints = spec.train.checkpoint_dir
     if problem := name_problem(checkpoints) or folder_problem(Path(checkpoints).expanduser()):

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from factory.compiler.translate import nearest, show
 from factory.lora import VLLM_MAX_LORA_RANK
 from factory.presets import DUAL_CLIP_LOSSES, GROUP_ADVANTAGES, pi_old_source
+from factory.reward.graph import per_turn_nodes
 from factory.schema import DeepSpeedSpec, Spec
 
 # Every top-level key DeepSpeed 0.19.8's `DeepSpeedConfig` reads (tests/test_settings.py records the
@@ -255,9 +256,11 @@ def vllm_only(rollout: Any) -> list[str]:
     return [f for f in VLLM_ONLY if _set(rollout, f)]
 
 
-def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: bool = False) -> None:
+def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, train_node: str | None,
+                    joins: bool = False) -> None:
     """Settings that conflict with the source they belong to (errors), and settings that do nothing
-    because another setting is off (warnings). `joins`: the run joins a Ray cluster (compile.cluster_address)."""
+    because another setting is off (warnings). `train_node`: the reward node that trains the policy (None: the
+    reward graph's errors say why there is none); `joins`: the run joins a Ray cluster (compile.cluster_address)."""
     for split in ("train", "eval"):
         source = getattr(spec.data, split)
         if source is None or source.path is None:
@@ -379,6 +382,12 @@ def check_dependent(spec: Spec, algorithm: dict[str, Any], r: Report, *, joins: 
     if spec.algorithm.credit == "turn" and spec.rollout.max_turns == 1:
         r.warn("algorithm.credit", f"{unused} with rollout.max_turns 1: each trajectory's one model turn gets the "
                                    "advantage credit 'trajectory' gives it (raise max_turns for turns to compare)")
+    elif a.credit == "turn" and _set(a, "gamma") and train_node is not None and not kl_in_reward and (
+            train_node not in per_turn_nodes(spec.rewards)):  # (factory.update.batch.turn_rewards)
+        r.warn("algorithm.gamma", f"{unused} while the training node '{train_node}' is trajectory-level and no KL "
+                                  "is in the reward: every turn's value is the trajectory's reward, and a discounted "
+                                  "mean of equal values is that value (a per-turn training node, `per: turn`, or "
+                                  "algorithm.kl.apply: reward gives each turn a value of its own)")
     overlong = spec.algorithm.overlong
     if _set(overlong, "penalty") and overlong.buffer == 0:
         r.warn("algorithm.overlong.penalty", f"{unused} while algorithm.overlong.buffer is 0 (no soft penalty)")
