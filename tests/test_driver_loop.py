@@ -565,6 +565,14 @@ def test_a_replay_of_a_run_that_is_not_there_fails_before_anything_is_placed(mon
         go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=nosuchrun"]))
     with pytest.raises(UserError, match=r"replay: run old \(old-id\) recorded no tool calls"):
         go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"]))
+    # a `factory rescore` run records none by design: the run it rescored is the one to replay (it was told its
+    # tracking.record_tools was off, or it made none)
+    rescored = {TOOLS_IN_SERVER_ORDER: "true", "factory.rescore_of": "abc123"}
+    monkeypatch.setattr(NoSuchRun, "run", lambda self, ref: SimpleNamespace(run_id=f"{ref}-id", name=ref,
+                                                                            tags=rescored))
+    with pytest.raises(UserError, match=r"^replay: run old \(old-id\) is a `factory rescore` of run abc123, which "
+                                        r"records no tool calls of its own: replay run abc123$"):
+        go(factory.compile(REPO / "specs" / "tiny.yaml", ["replay.run=old"]))
 
 
 def test_dynamic_sampling_keeps_each_rounds_groups_apart_whatever_the_batch_size(monkeypatch):

@@ -26,6 +26,9 @@ def recorded_tool_calls(tracker: Tracker, plan: Plan) -> Replayed | None:
     run = tracker.run(replay.run)
     rows = tracker.tool_calls(run.run_id)
     if not rows:
+        if of := run.tags.get("factory.rescore_of"):  # (factory.commands.rescore: it scores, it rolls nothing out)
+            raise UserError(f"replay: run {run.name} ({run.run_id}) is a `factory rescore` of run {of}, which "
+                            f"records no tool calls of its own: replay run {of}")
         raise UserError(f"replay: run {run.name} ({run.run_id}) recorded no tool calls (its tracking.record_tools "
                         "was off, or it made none)")
     # A run recorded before tools.json kept its servers' key order has sorted schemas: offered from them, the
