@@ -132,6 +132,10 @@ def test_numeric_match_reads_a_star_with_a_space_on_its_right_as_multiplication(
     ("3 + 4", "3", 0.0), ("3+4", "3", 0.0), ("3 -4", "3", 0.0), ("3 - 4", "3", 0.0), ("3-4", "3", 0.0),
     ("3 - -4", "3", 0.0), ("3 + (4)", "3", 0.0), ("3 - .5", "3", 0.0), ("1/2 + 1", "0.5", 0.0),
     (r"\frac12 - 1", "0.5", 0.0), ("1/2/3", "0.5", 0.0), (r"\frac{1}{2} / 3", "0.5", 0.0),
+    # an operand that is a LaTeX command (a fraction, a root, a constant) makes an expression too
+    (r"1 + \frac{1}{2}", "1", 0.0), (r"\frac{1}{2} + \frac{1}{3}", "0.5", 0.0), (r"3 - \sqrt{2}", "3", 0.0),
+    (r"2 + \pi", "2", 0.0), (r"1/2 - \frac{1}{4}", "0.5", 0.0), (r"3 * \frac{1}{2}", "3", 0.0),
+    (r"42 - \text{the total}", "42", 1.0),  # words typeset as text after a dash: prose, as `42 - the total`
     # as a `*`, a sign with no operand after it on its line is no expression: prose's dash, a list item
     ("-3", "-3", 1.0), ("3-", "3", 1.0), ("3 +", "3", 1.0), ("42 - that is my answer", "42", 1.0),
     ("42 -- done", "42", 1.0), ("3\n- 4 boxes", "3", 1.0), ("3 -\n4", "3", 1.0), ("42-fold", "42", 1.0),

@@ -33,7 +33,9 @@ _FIRST_NUMBER = re.compile(
     rf"(?P<sign>-?)\\[dt]?frac\s*(?:{_NUM_ARG})\s*(?:{_DEN_ARG})"
     rf"|(?P<a>{_NUM})(?:\s*/\s*(?P<b>{_NUM}))?"
 )
-_OPERAND = r"(?:-?\.?\d|\()"
+# An operand: a number, a parenthesis, or a LaTeX command (`\frac{1}{2}`, `\sqrt{2}`, `\pi`) but `\text`, which
+# typesets words (`42 - \text{the total}` is prose, as `42 - the total`).
+_OPERAND = r"(?:-?\.?\d|\(|\\(?!text\b)[a-zA-Z]+)"
 # `+`, `-` and a `/` after a fraction (`1/2/3`) are operators only with an operand after them on the line, as a `*`:
 # `42 - that is my answer` and `3-` are the number (a dash in prose), `3 -4` and `3-4` an expression.
 _OPERATOR_AFTER = re.compile(
@@ -112,9 +114,9 @@ def numeric_match(prompt: str, completion: str, answer: str | float, rel_tol: fl
     (abs_tol: 1e-9, say).
     The number read is the first of the tag: `1/2`, `\\frac{1}{2}` and `\\frac12` are read as fractions (0.5),
     and one that an operator follows on its line (`2^{10}`, `2 \\times 10^3`, `2 \\cdot 5`, `3 * 4`, `3 × 4`,
-    `3 + 4`, `3 -4`, `1/2/3`; a `*`, `+`, `-` or `/` only with a number or "(" after it: `42 - the total` is 42), or a
-    fraction a digit follows (`\\frac123` is TeX's `\\frac{1}{2}3`), scores 0.0: that is an expression, not its
-    first number (markdown's bold `**42**` is 42, `**42** (x)` too).
+    `3 + 4`, `3 -4`, `1/2/3`, `1 + \\frac{1}{2}`; a `*`, `+`, `-` or `/` only with a number, "(" or a LaTeX command
+    after it: `42 - the total` is 42), or a fraction a digit follows (`\\frac123` is TeX's `\\frac{1}{2}3`), scores
+    0.0: that is an expression, not its first number (markdown's bold `**42**` is 42, `**42** (x)` too).
     Thousands separators (a comma before each group of 3 digits) are dropped from both sides, so "1,234" matches
     a ground truth of "1,234" or 1234; any other comma ends the number ("3,4" is 3).
     A ground truth of any size counts; one that is no finite number ("inf", "nan") matches nothing. One that
