@@ -456,6 +456,17 @@ algorithm: '${oc.env:RW_SECRET}'
         "6 errors in spec.yaml")
 
 
+def test_a_length_read_from_the_environment_is_said_as_its_own(project, monkeypatch):
+    """The mask `***` stood for the value in a length message too: a 501-character experiment read from the
+    environment was "expected at most 500 characters, got 3"."""
+    monkeypatch.setenv("RW_EXP", "x" * 501)
+    path = project.spec(_base(project, "rw_len") + "tracking: {experiment: '${oc.env:RW_EXP}'}\n")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    assert report(e) == ("spec.yaml:9: tracking.experiment: expected at most 500 characters, got 501\n"
+                         "1 error in spec.yaml")
+
+
 def test_a_resolved_value_holding_dollar_brace_is_not_interpolated_again(project, monkeypatch):
     """An env var's value `pa${ss`, a literal the spec escaped (`\\${HOME}`): resolved once, as text. Filling the
     default `checkpoint_dir: runs/${name}` read the resolved values as interpolations again, and refused the spec

@@ -356,9 +356,9 @@ def message(err: dict[str, Any], where: _Loc) -> str:
     if kind == "string_too_short":  # (pydantic's "String should have at least 1 character")
         n = ctx.get("min_length", 1)
         return (f"is empty: expected at least {n} character{'s' if n != 1 else ''}" if not value else
-                f"expected at least {n} characters, got {len(value)}")
+                f"expected at least {n} characters, got {_length(value)}")
     if kind == "string_too_long":
-        return f"expected at most {ctx['max_length']} characters, got {len(value)}"
+        return f"expected at most {ctx['max_length']} characters, got {_length(value)}"
     if kind == "too_long" and get_origin(where.container) is tuple:
         return f"expected a list of {len(get_args(where.container))} items"
     text = err["msg"].removeprefix("Value error, ")
@@ -410,10 +410,19 @@ def transformed(data: Any, paths: Iterable[Parts], fn: Callable[[Any], Any]) -> 
 
 class Secret(str):
     """A value read from the environment (`${oc.env:...}`: a token, a private URL) as an error shows it:
-    `***`, as plans do."""
+    `***`, as plans do; its length is kept, for a message about the length."""
 
-    def __new__(cls) -> Secret:
-        return super().__new__(cls, MASK)
+    length: int
+
+    def __new__(cls, length: int) -> Secret:
+        secret = super().__new__(cls, MASK)
+        secret.length = length
+        return secret
+
+
+def _length(value: str) -> int:
+    """The characters of `value`, of the value a Secret hides too (not its mask's 3)."""
+    return value.length if isinstance(value, Secret) else len(value)
 
 
 def hidden(value: Any) -> Any:
@@ -423,7 +432,7 @@ def hidden(value: Any) -> Any:
         return {k: hidden(v) for k, v in value.items()}
     if isinstance(value, list):
         return [hidden(v) for v in value]
-    return value if value is None or value == "" else Secret()
+    return value if value is None or value == "" else Secret(len(str(value)))
 
 
 def touches(parts: Parts, paths: Iterable[Parts]) -> bool:
