@@ -512,6 +512,23 @@ tools:
         "2 errors in spec.yaml")
 
 
+def test_a_value_read_from_the_environment_is_not_printed_by_another_keys_message_nor_cut(project, monkeypatch):
+    """Two messages printed a value read from the environment: a multi-line `system_prompt` cut to its first line
+    ("template file not found: Codename ORCHID...."), and the chat template's file named in an error at a
+    `chat_template_kwargs` key (a path that does not touch `chat_template`)."""
+    template = project.file("prompts/orchid_internal.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    monkeypatch.setenv("RC_PROMPT", "Codename ORCHID.\nAnswer in one line.")
+    monkeypatch.setenv("RC_TEMPLATE", str(template))
+    path = project.spec(_base(project, "rc_cut").replace(
+        "  train: {generator: factory.data:arithmetic, size: 8}\n",
+        "  train: {generator: factory.data:arithmetic, size: 8}\n  system_prompt: '${oc.env:RC_PROMPT}'\n")
+        + "chat_template: '${oc.env:RC_TEMPLATE}'\nchat_template_kwargs: {enable_thinkng: false}\n")
+    said = _errors(path)
+    assert "data.system_prompt: template file not found: ***" in said, said
+    assert "chat_template_kwargs.enable_thinkng: the chat template (***) never reads" in said, said
+    assert "ORCHID" not in said and "orchid_internal" not in said, said
+
+
 def test_an_unset_header_variable_is_an_error_before_ray_starts(project, monkeypatch):
     # The tools stage read it only once Ray and every stage had started: exit 3, "could not be reached".
     monkeypatch.delenv("RC_NO_TOKEN", raising=False)

@@ -172,10 +172,14 @@ class _Report:
         self._secrets = {".".join(map(str, keys)): value_at(dump, keys) for keys in source.env_paths}
 
     def _said(self, path: str, message: str) -> str:
-        """`message` with each value read from the environment at, in or over `path` written `***`."""
+        """`message` with each value read from the environment at, in or over `path` written `***`, and any other
+        such value of 4 characters or more wherever it stands (a message at one key may name another's value: the
+        chat template a `chat_template_kwargs` key is not read by; a shorter one, a `1`, would mask unrelated words)."""
         for where, value in self._secrets.items():
             if touches(tuple(path.split(".")), [tuple(where.split("."))]):
                 message = scrub(message, value)
+            else:
+                message = scrub(message, value, shortest=4)
         return message
 
     def error(self, path: str, message: str) -> None:

@@ -452,11 +452,15 @@ def _leaves(value: Any) -> Iterable[Any]:
         yield value
 
 
-def scrub(message: str, value: Any) -> str:
-    """`message` with each leaf of `value` (read from the environment) written `***`, whole (not inside a
-    longer word: a value `1` leaves `>= 10` alone) or cut as `show` cuts it."""
+def scrub(message: str, value: Any, shortest: int = 1) -> str:
+    """`message` with each leaf of `value` (read from the environment) of `shortest` characters or more written
+    `***`, whole (not inside a longer word: a value `1` leaves `>= 10` alone) or cut as messages cut it (its first
+    40 characters, or its first line's, then "...")."""
     for leaf in sorted({str(v) for v in _leaves(value)}, key=len, reverse=True):
-        for text in (leaf, f"{leaf[:40]}..."):
+        if len(leaf) < shortest:
+            continue
+        first = leaf.splitlines()[0][:40]
+        for text in (leaf, f"{leaf[:40]}...", *([f"{first}..."] if first.strip() else [])):
             message = re.sub(rf"(?<!\w){re.escape(text)}(?!\w)", MASK, message)
     return message
 
