@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 
 from bench.common import cpu, cpu_line, median, print_json, pythonpath, table
+from factory.runtime.startup import PHASES as RUN_PHASES
 
 TARGETS = {"tiny": 40.0, "quickstart": 60.0}
-PHASES = ("command", "models", "ray", "stages", "tracking")
+# The run's start-up phases (its display and metrics list them), but `restore`: a fresh run restores nothing
+PHASES = tuple(p for p in RUN_PHASES if p != "restore")
 
 
 def project(folder: Path) -> Path:
