@@ -100,12 +100,22 @@ async def _async_on_step(step, metrics):  # (called, it only makes a coroutine)
 
 def test_python_mistakes_in_load_and_diff_are_said_as_such(monkeypatch):
     """`factory.load(spec, None)` (a notebook's "no overrides") raised "'NoneType' object is not iterable", and
-    `factory.diff(a, b, prompt="1")` a bare TypeError from deep inside."""
+    `factory.diff(a, b, prompt="1")` a bare TypeError from deep inside. A numpy integer (`np.argmax(...)`)
+    indexes the prompts as an int does, so it is taken; a float or a bool is not an index."""
+    import numpy as np
+
+    from factory.commands import diff as diff_module
+
     monkeypatch.chdir(REPO)
     assert factory.load(TINY, None) == factory.load(TINY)  # None: no overrides
-    with pytest.raises(TypeError, match=r"^prompt: which prompt's trajectories to show \(an int: 0 for the first "
-                                        r"prompt both runs saw\), got str$"):
-        factory.diff("a" * 8, "b" * 8, prompt="1")
+    for prompt, said in [("1", "str"), (1.0, "float"), (True, "bool")]:
+        with pytest.raises(TypeError, match=r"^prompt: which prompt's trajectories to show \(an int: 0 for the "
+                                            rf"first prompt both runs saw\), got {said}$"):
+            factory.diff("a" * 8, "b" * 8, prompt=prompt)
+    seen = []
+    monkeypatch.setattr(diff_module, "diff_runs", lambda a, b, prompt, uri: (seen.append(prompt), None, None))
+    factory.diff("a" * 8, "b" * 8, prompt=np.int64(1))
+    assert seen == [1] and type(seen[0]) is int
 
 
 def test_a_runs_python_mistakes_are_said_before_anything_starts(monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import sys
 import tempfile
@@ -262,9 +263,14 @@ def diff(run_a: str, run_b: str, *, prompt: int = 0, uri: str | None = None) -> 
     `metrics` side by side, and the `trajectories` of the `prompt`-th prompt both saw."""
     from factory.commands.diff import diff_runs
 
-    if isinstance(prompt, bool) or not isinstance(prompt, int):  # (a str met a bare TypeError deep inside)
-        raise TypeError(f"prompt: which prompt's trajectories to show (an int: 0 for the first prompt both runs saw), "
-                        f"got {type(prompt).__name__}")
+    said = (f"prompt: which prompt's trajectories to show (an int: 0 for the first prompt both runs saw), "
+            f"got {type(prompt).__name__}")
+    if isinstance(prompt, bool):  # an index to Python, but never a prompt's number
+        raise TypeError(said)
+    try:  # (a str met a bare TypeError deep inside); operator.index also takes numpy's integers, as a list does
+        prompt = operator.index(prompt)
+    except TypeError:
+        raise TypeError(said) from None
     with _store_read():
         return diff_runs(run_a, run_b, prompt=prompt, uri=uri)[0]
 
