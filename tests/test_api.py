@@ -56,6 +56,30 @@ def test_a_loaded_spec_changed_in_place_is_checked_again_when_compiled(monkeypat
                                                  "rewards.total.sum.fmt=0.5"]).hashes
 
 
+def test_a_default_dict_changed_in_place_is_compiled_and_checked(monkeypatch):
+    """A dict the spec file left at its default is not "set" in pydantic's eyes, so validating the Spec again from
+    what was set dropped a change made to it in place: `spec.tracking.tags["team"] = "nlp"` and
+    `spec.chat_template_kwargs["enable_thinking"] = False` compiled as if never made, and a bad value put there
+    was never checked. What was left unset and unchanged stays unset."""
+    from factory.compiler.load import checked_again, source_of
+
+    monkeypatch.chdir(REPO)
+    spec = factory.load(TINY)
+    again = checked_again(spec, source_of(spec))
+    assert again == spec and again.model_fields_set == spec.model_fields_set
+    assert again.tracking.model_fields_set == spec.tracking.model_fields_set == {"experiment", "log_trajectories"}
+    spec.tracking.tags["team"] = 5  # tags: dict[str, str]
+    with pytest.raises(factory.SpecErrors, match=r"tracking\.tags\.team: "):
+        factory.compile(spec)
+    spec.tracking.tags["team"] = "nlp"
+    spec.chat_template_kwargs["enable_thinking"] = False
+    plan = factory.compile(spec)
+    assert plan.spec["tracking"]["tags"] == {"team": "nlp"}
+    assert plan.spec["chat_template_kwargs"] == {"enable_thinking": False}
+    assert plan.hashes == factory.compile(TINY, ["tracking.tags.team=nlp",
+                                                 "chat_template_kwargs.enable_thinking=false"]).hashes
+
+
 def test_spec_errors_are_raised_together_with_their_place(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(factory.SpecErrors) as e:

@@ -947,11 +947,32 @@ def remember(spec: Spec, source: SpecSource) -> Spec:
     return spec
 
 
+def _mark_changed_as_set(value: Any) -> None:
+    """Every model in `value` (through dicts, lists and tuples) with each field left unset that no longer holds its
+    default marked set. A dict or list left at its default is each model's own copy, which a caller may change in
+    place (`spec.tracking.tags["team"] = "nlp"`) without making it "set", so `model_dump(exclude_unset=True)` would
+    drop the change. Only changed fields are marked: validators read `model_fields_set`. Changes `value`: a copy."""
+    if isinstance(value, BaseModel):
+        for name, info in type(value).model_fields.items():
+            current = getattr(value, name)
+            _mark_changed_as_set(current)
+            if name not in value.model_fields_set and current != info.get_default(call_default_factory=True):
+                value.model_fields_set.add(name)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _mark_changed_as_set(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _mark_changed_as_set(item)
+
+
 def checked_again(spec: Spec, source: SpecSource) -> Spec:
     """`spec` validated again (knowing `source`), as loading validated it: a Spec is frozen, but its dicts and lists
     are not, and what a caller put in them (`spec.rewards["x"] = {...}`) went to the compiler unchecked (an
     internal AttributeError). Raises `SpecErrors`, as loading does."""
-    data = spec.model_dump(exclude_unset=True, warnings=False)  # (what was set, so that defaults stay unset)
+    marked = spec.model_copy(deep=True)  # (marked below; the caller's Spec is left as it is)
+    _mark_changed_as_set(marked)
+    data = marked.model_dump(exclude_unset=True, warnings=False)  # (what was set, so that defaults stay unset)
     try:
         again = Spec.model_validate(data)
     except ValidationError as e:
