@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +36,48 @@ class UserError(Exception):
 # server is down). Never set for good: the process may be a user's notebook, whose own MLflow calls keep MLflow's.
 MLFLOW_FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+class SharedEnviron:
+    """Environment variables that several holders in a process (a run's tracker in a thread, a read of the store in
+    the caller's) need in force at once: set by the first `hold` (a variable the user set already stays as they set
+    it), put back by the last `let_go`, each only while it still holds the value set (one changed since is someone
+    else's). Each holder saving and putting back its own copy undid the other's: a read during a run left the run
+    without them, and the run's end put them back set for good."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self._lock = threading.RLock()  # (re-entered by a holder dropped, and let go, by the garbage collector)
+        self._holders = 0
+        self._set: list[str] = []  # the variables the first hold set
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._set = [name for name in self.values if name not in os.environ]
+                for name in self._set:
+                    os.environ[name] = self.values[name]
+            self._holders += 1
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                for name in self._set:
+                    if os.environ.get(name) == self.values[name]:
+                        del os.environ[name]
+                self._set = []
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.let_go()
+
+
+FAIL_FAST = SharedEnviron(MLFLOW_FAIL_FAST)  # the process's one holder of MLflow's fail-fast settings
 
 
 def put_back(saved: dict[str, str | None]) -> None:

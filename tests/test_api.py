@@ -734,6 +734,37 @@ def test_runs_of_a_store_that_is_not_there_says_so(tmp_path, monkeypatch):
     assert factory.runs() == [] and not (tmp_path / "mlflow.db").exists()  # the default, not made yet: no runs
 
 
+def test_a_store_read_beside_a_run_in_a_thread_leaves_mlflows_settings_to_the_run(monkeypatch, tmp_path):
+    """A read (factory.runs) and a run in another thread (its tracker) each saved MLflow's fail-fast settings and
+    put back what they had saved, whatever the other had done since: a read during a run left the run writing
+    without them (MLflow's minutes of retries), and the run's end put them back set in the user's process for
+    good. Held together, they are in force while either holds them and put back when both have let go."""
+    from factory.tracking import runs as runs_module
+    from factory.tracking.mlflow_tracker import MlflowTracker
+    from factory.util import MLFLOW_FAIL_FAST
+
+    monkeypatch.chdir(tmp_path)
+    for name in MLFLOW_FAIL_FAST:
+        monkeypatch.delenv(name, raising=False)
+
+    def settings() -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in MLFLOW_FAIL_FAST}
+
+    unset = dict.fromkeys(MLFLOW_FAIL_FAST)
+    tracker = MlflowTracker("http://127.0.0.1:9", "exp")  # the background run's (an HTTP store)
+    # the run starts writing during the read, then ends; then it starts before a read and ends during it
+    for during_read, read_done, after in [(tracker._fail_fast, MLFLOW_FAIL_FAST, tracker._settled),
+                                          (tracker._settled, unset, None)]:
+        monkeypatch.setattr(runs_module, "list_runs", lambda *a, **k: during_read() or [])
+        if after is None:
+            tracker._fail_fast()
+        factory.runs()
+        assert settings() == read_done
+        if after is not None:
+            after()
+        assert settings() == unset
+
+
 def test_reads_of_a_store_that_does_not_answer_fail_fast(monkeypatch):
     """`factory runs --uri http://...` of a store that does not answer says so in seconds (cli.main: MLflow's
     fail-fast settings); factory.runs, factory.diff, evaluate(model=RUN) and run(resume=...) waited out MLflow's

@@ -31,7 +31,7 @@ from factory.compiler.load import SpecInput, SpecSource, checked_again, load, ov
 from factory.plan import Plan
 from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
-from factory.util import MLFLOW_FAIL_FAST, EnvChanges, UserError, environ
+from factory.util import FAIL_FAST, EnvChanges, UserError
 
 if TYPE_CHECKING:
     from factory.runtime.driver import EvalResult, OnStep, RunResult
@@ -47,7 +47,7 @@ def _store_read() -> contextlib.AbstractContextManager[None]:
     """MLflow's fail-fast settings around a read of the tracking store, as the command has them (cli.main): a store
     that does not answer said in seconds, not after MLflow's retries (minutes). Only around the read: the caller's
     own MLflow calls keep MLflow's settings, and settings of the caller's own are kept."""
-    return environ(MLFLOW_FAIL_FAST, keep_set=True)
+    return FAIL_FAST.held()  # (held with a run's tracker in another thread, which needs them as long as it writes)
 
 
 def say_warnings(plan: Plan) -> None:

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import pyarrow.parquet as pq
 from factory.tracking.tracker import RunLookupError, TrackedRun
 from factory.types import Trajectory
 from factory.update.checkpoint import run_folder
-from factory.util import MLFLOW_FAIL_FAST, UserError, environ, escaped, put_back, store_problem
+from factory.util import FAIL_FAST, UserError, environ, escaped, put_back, store_problem
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow refuses param values above this many characters.
@@ -418,24 +419,23 @@ class MlflowTracker:
         self._tried = 0.0
         self.notify: Any = None  # called with a line for the user (the display's status) when sending stalls or resumes
         # MLFLOW_FAIL_FAST in the environment from the first write of a run (`prepare`, `start`, `resume`) to its
-        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process (one
-        # dropped without either leaves them set). What they were before (None: not writing). A plain dict, put
-        # back by `_settled` alone: held by a generator context manager, they were put back whenever the garbage
-        # collector finalised a tracker dropped without `end`, popping a value set since.
-        self._unset: dict[str, str | None] | None = None
+        # `end` (or `released`), and only then: a tracker is built to read runs too, in a user's process. Held with
+        # the process's other holders (util.FAIL_FAST: a read of the store in the caller's thread during a run);
+        # a tracker dropped without either lets go when collected, which puts back only what still holds the
+        # value set. The hold's finalizer (None: not writing).
+        self._holding: weakref.finalize | None = None
 
     def _fail_fast(self) -> None:
         """MLFLOW_FAIL_FAST in force (an HTTP store's) until `_settled`; the user's own settings kept."""
-        if self._unset is None and self.uri.startswith(("http://", "https://")):
-            self._unset = {name: os.environ.get(name) for name in MLFLOW_FAIL_FAST}
-            for name, value in MLFLOW_FAIL_FAST.items():
-                os.environ.setdefault(name, value)
+        if self._holding is None and self.uri.startswith(("http://", "https://")):
+            FAIL_FAST.hold()
+            self._holding = weakref.finalize(self, FAIL_FAST.let_go)
 
     def _settled(self) -> None:
-        """MLflow's settings put back as they were before the run was written."""
-        if self._unset is not None:
-            unset, self._unset = self._unset, None
-            put_back(unset)
+        """MLflow's settings put back as they were before the run was written (once no one else holds them)."""
+        if self._holding is not None:
+            holding, self._holding = self._holding, None
+            holding()  # (a finalizer runs once: not again when the tracker is collected)
 
     def prepare(self) -> None:
         """Open the store and this tracker's experiment ahead of `start`: a new sqlite store creates its
