@@ -90,13 +90,11 @@ def put_back(saved: dict[str, str | None]) -> None:
 
 
 @contextlib.contextmanager
-def environ(values: dict[str, str], *, keep_set: bool = False) -> Iterator[None]:
-    """`values` in os.environ while the block runs (with `keep_set`, one the user set already stays as they set
-    it), then each variable put back as it was: MLflow reads its settings from the environment only."""
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs, then each variable put back as it was: MLflow reads its
+    settings from the environment only."""
     saved = {name: os.environ.get(name) for name in values}
-    for name, value in values.items():
-        if not (keep_set and name in os.environ):
-            os.environ[name] = value
+    os.environ.update(values)
     try:
         yield
     finally:

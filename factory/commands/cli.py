@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from factory.compiler.errors import EXIT_INTERNAL_ERROR, EXIT_SPEC_ERROR, SpecErrors
 from factory.runtime.health import EXIT_INFRA, InfraFailure
 from factory.tracking.tracker import MAX_RUNS, RunLookupError, StoreUnreadable
-from factory.util import MLFLOW_FAIL_FAST, UserError, environ, nearest, version
+from factory.util import FAIL_FAST, UserError, nearest, version
 
 
 def _user_output_to_stderr() -> contextlib.AbstractContextManager[object]:
@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        with environ(MLFLOW_FAIL_FAST, keep_set=True):  # (the command's own process: a store that is down said soon)
+        with FAIL_FAST.held():  # (the command's own process: a store that is down said soon)
             return args.func(args)
     except SpecErrors as e:
         print(e.report(), file=sys.stderr)
