@@ -5,7 +5,6 @@ ImportError or SyntaxError escape: the compiler reports it at the line of the ke
 """
 from __future__ import annotations
 
-import difflib
 import errno
 import hashlib
 import inspect
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import jinja2
+
+from factory.spelling import nearest
 
 # The one import resolver and its error live in factory.util: every stage imports with it too.
 from factory.util import RefError, did_you_mean, import_object, resolve_file, shown_path  # noqa: F401
@@ -377,8 +378,8 @@ def model_problem(path: str, required_file: str = "config.json", weights: bool =
         known = _known_assets()
         if known is None or name in known:
             return None, None
-        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-        hint = f"did you mean 'factory:{close[0]}'? " if close else ""
+        close = nearest(name, sorted(known))  # (the one ranking every "did you mean" uses: factory/spelling.py)
+        hint = f"did you mean 'factory:{close}'? " if close else ""
         return f"unknown built-in model '{path}'; {hint}known: {', '.join('factory:' + k for k in sorted(known))}", None
     if problem := name_problem(path):
         return problem, None
