@@ -56,7 +56,7 @@ from factory.compiler.refs import (
     text_problem,
 )
 from factory.compiler.settings import check_deepspeed, check_dependent
-from factory.compiler.translate import nearest, scrub, touches, transformed, value_at
+from factory.compiler.translate import each_leaf, nearest, scrub, touches, transformed, value_at
 from factory.contract import ContractError
 from factory.contract import check as check_contracts
 from factory.monitors import READS as MONITOR_READS
@@ -149,15 +149,7 @@ def mask(data: dict[str, Any], paths: Iterable[Keys]) -> dict[str, Any]:
     skipped): a mapping or list read whole from the environment keeps its shape, each leaf "***", as every
     view reads it as what it is (a data source's keys, a generator's args); a null is nothing read (an unset
     `${oc.env:X,null}`) and stays null."""
-    return transformed(data, paths, _hidden)
-
-
-def _hidden(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _hidden(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_hidden(v) for v in value]
-    return None if value is None else MASK
+    return transformed(data, paths, lambda value: each_leaf(value, lambda _: MASK))
 
 
 class _Report:

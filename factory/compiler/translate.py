@@ -425,14 +425,20 @@ def _length(value: str) -> int:
     return value.length if isinstance(value, Secret) else len(value)
 
 
+def each_leaf(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """`value` with each of its leaves (through dicts and lists) `fn(leaf)`, its shape kept; a null is nothing
+    read from the environment and stays null. How plans mask a value (compile.mask) and errors hide one."""
+    if isinstance(value, dict):
+        return {k: each_leaf(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [each_leaf(v, fn) for v in value]
+    return None if value is None else fn(value)
+
+
 def hidden(value: Any) -> Any:
     """`value` with each of its leaves a `Secret` (its shape kept: "got a list" still says what it is); a null
     or an empty string is nothing read, kept as it is (an unset `${oc.env:EXP,""}` "is empty", not 3 characters)."""
-    if isinstance(value, dict):
-        return {k: hidden(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [hidden(v) for v in value]
-    return value if value is None or value == "" else Secret(len(str(value)))
+    return each_leaf(value, lambda leaf: leaf if leaf == "" else Secret(len(str(leaf))))
 
 
 def touches(parts: Parts, paths: Iterable[Parts]) -> bool:
