@@ -131,6 +131,38 @@ train: {deepspeed: ds_config.json}
     assert report(e).splitlines()[0] == "spec.yaml:5: rewards: expected a mapping, got a list"
 
 
+def test_a_plain_value_for_a_reward_node_or_tool_server_says_the_node_to_write(project):
+    """`correct: mod:fn` for a reward node, a command line or a URL for a tool server: "expected a mapping with one
+    of the keys: fn, llm_judge, ..." named the keys but not which one the value meant."""
+    path = project.spec(_base(project, "rw_nodes").replace("rewards:", "rewards:\n  plain: factory.rewards.math:"
+                                                           "numeric_match\n  three: 3\nold_rewards:") + """\
+tools:
+  calc: sh -c 'my_calc --port 1'
+  web: https://example.com/mcp
+  fn: my_tools:lookup
+  shell: sh
+  dotted: my.server
+metrics: {}
+""")
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path)
+    keys = "fn, llm_judge, tool, sum, min, max, product, gate, clip, normalize"
+    assert [line for line in report(e).splitlines() if "expected a mapping with" in line] == [
+        f"spec.yaml:6: rewards.plain: expected a mapping with one of the keys: {keys}, got "
+        "'factory.rewards.math:numeric_match'; write `plain: {fn: factory.rewards.math:numeric_match}`",
+        f"spec.yaml:7: rewards.three: expected a mapping with one of the keys: {keys}, got 3",
+        "spec.yaml:13: tools.calc: expected a mapping with one of the keys: command, url, function, "
+        "got 'sh -c 'my_calc --port 1''; write `calc: {command: sh, args: [-c, my_calc --port 1]}`",
+        "spec.yaml:14: tools.web: expected a mapping with one of the keys: command, url, function, got "
+        "'https://example.com/mcp'; write `web: {url: https://example.com/mcp}`",
+        "spec.yaml:15: tools.fn: expected a mapping with one of the keys: command, url, function, got "
+        "'my_tools:lookup'; write `fn: {function: my_tools:lookup}`",
+        "spec.yaml:16: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
+        "write `shell: {command: sh}`",
+        "spec.yaml:17: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
+        "'my.server'"]
+
+
 def test_packing_on_and_off_unquoted_are_the_words(project):
     """YAML 1.1 (PyYAML, OmegaConf) reads an unquoted on/off as true/false: `packing: on`, as the docs write
     it, was refused with "expected 'auto', 'on' or 'off', got true", and `train.packing=on` too."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
+import shlex
+import shutil
 import types
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -175,12 +178,46 @@ def mapping_meant(value: Any, ann: Any) -> dict[str, Any] | None:
     return entries if all(entries.values()) else None
 
 
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
+
+
+def node_meant(value: Any, members: tuple[type, ...]) -> dict[str, Any] | None:
+    """The node a plain string most likely meant where a union of sections goes (a reward node, a tool server):
+    a URL the member keyed `url`, `mod:fn` the one keyed `function` (a python tool), else an import path the one
+    keyed `fn` (a reward function), a command line of a program found the one keyed `command`, split as a shell
+    would; None where nothing evident."""
+    if not isinstance(value, str) or isinstance(value, Secret) or not value.strip():
+        return None  # (read from the environment: a mapping holding it would print it)
+    by_key = {natural_key(m): m for m in members if _is_model(m)}
+    if _URL.match(value):
+        key = "url"
+    elif ":" in value and _IMPORT_PATH.fullmatch(value):
+        key = "function" if "function" in by_key else "fn"
+    elif "fn" in by_key and _IMPORT_PATH.fullmatch(value):
+        key = "fn"
+    elif "command" in by_key:
+        try:
+            words = shlex.split(value)
+        except ValueError:  # an unclosed quote
+            return None
+        # a program it can start (`just a string` is no command line; `my.server` a module, or a function?)
+        if not words or not (shutil.which(words[0]) or os.sep in words[0]):
+            return None
+        return {"command": words[0], "args": words[1:]} if len(words) > 1 else {"command": words[0]}
+    else:
+        return None
+    return _as_key(by_key[key], value) if key in by_key else None
+
+
 def flow(data: dict[str, Any]) -> str:
     """`data` as one line of YAML, each string unquoted where YAML reads it back the same
     (`{path: factory:tiny-qwen3-calc}`, which PyYAML's own dump quotes)."""
     def plain(value: Any) -> str:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{k}: {plain(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + ", ".join(map(plain, value)) + "]"
         return value if isinstance(value, str) else yaml.safe_dump(value).removesuffix("...\n").strip()
 
     text = plain(data)
@@ -189,7 +226,7 @@ def flow(data: dict[str, Any]) -> str:
             return text
     except yaml.YAMLError:
         pass
-    return yaml.safe_dump(data, default_flow_style=True, width=2**16).strip()
+    return yaml.safe_dump(data, default_flow_style=True, width=2**16, sort_keys=False).strip()
 
 
 def kind_keys(ann: Any) -> tuple[str, ...]:
@@ -485,8 +522,10 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     distinctive = {m: required_keys(m) for m in members if _is_model(m)}
     all_distinctive = [k for keys in distinctive.values() for k in keys[:1]]
     if not isinstance(raw, dict):
+        meant = node_meant(raw, members)
+        hint = f"; write `{node[-1]}: {flow(meant)}`" if node and meant else ""
         return [Problem(node, f"expected a mapping with one of the keys: {', '.join(all_distinctive)}, "
-                              f"got {show(raw)}", node)]
+                              f"got {show(raw)}{hint}", node)]
     present = [m for m, keys in distinctive.items() if keys and keys[0] in raw]
     if len(present) == 1:
         tag = present[0].__name__
