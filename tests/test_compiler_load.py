@@ -389,14 +389,21 @@ def test_duplicate_key_is_a_yaml_error_at_the_second_one(project):
 
 def test_a_key_yaml_reads_as_null_or_a_boolean_is_located_at_its_line(project):
     """`~: 0` was OmegaConf's "incompatible key type 'NoneType'" at the spec's first line, no path; `on: x` a tag
-    was "expected a string, got true" at `tracking.tags.1.[key]`."""
+    was "expected a string, got true" at `tracking.tags.1.[key]`. Such a key is reported with the spec's other
+    mistakes (it stopped the load, and hid them)."""
     with pytest.raises(SpecErrors) as e:
-        load_spec(project.spec("name: a\nseed: 0\n~: 0\ntracking:\n  tags: {on: call, team: x}\n"))
+        load_spec(project.spec(_base(project, "rw_oddkeys") + "~: 0\ntracking:\n  tags: {on: call, team: x}\n"
+                                                               "train: {stpes: 3}\n"))
     assert report(e) == (
-        "spec.yaml:3: ~: YAML reads the key `~` as null, not as a name: quote it ('~'), or write the key meant\n"
-        "spec.yaml:5: tracking.tags.on: YAML reads the key `on` as true, not as a name: quote it ('on'), or write "
+        "spec.yaml:9: ~: YAML reads the key `~` as null, not as a name: quote it ('~'), or write the key meant\n"
+        "spec.yaml:11: tracking.tags.on: YAML reads the key `on` as true, not as a name: quote it ('on'), or write "
         "the key meant\n"
-        "2 errors in spec.yaml")
+        "spec.yaml:12: train.stpes: unknown key 'stpes'; did you mean 'steps'?\n"
+        "3 errors in spec.yaml")
+    path = project.spec(_base(project, "rw_oddkeys2") + "tracking:\n  tags: {yes: 1, team: x}\n")
+    with pytest.raises(SpecErrors) as e:  # (an override cannot slip past it)
+        load_spec(path, ["tracking.tags.team=y"])
+    assert report(e).splitlines()[0].startswith("spec.yaml:10: tracking.tags.yes: YAML reads the key `yes` as true")
 
 
 def test_empty_and_non_mapping_specs(project):

@@ -228,12 +228,14 @@ def _not_names(node: yaml.Node, at: Keys = ()) -> Iterable[tuple[Keys, yaml.Scal
             yield from _not_names(item, (*at, i))
 
 
-def _blanked(text: str, nodes: Iterable[yaml.ScalarNode]) -> str:
-    """`text` with the values of `nodes` made '' (anchors, tags and every other value kept), for OmegaConf to
-    read the rest; the text is re-emitted, so its lines are the original's only up to the first of them."""
-    starts = {n.start_mark.index for n in nodes}
-    events = [yaml.ScalarEvent(e.anchor, e.tag, (False, True), "", style="'")
-              if isinstance(e, yaml.ScalarEvent) and e.start_mark.index in starts else e
+def _blanked(text: str, nodes: Iterable[yaml.ScalarNode], keys: Iterable[yaml.ScalarNode] = ()) -> str:
+    """`text` with the values of `nodes` made '' and `keys` quoted, read as text (anchors, tags and every other
+    value kept), for OmegaConf to read the rest; the text is re-emitted, so its lines are the original's only up
+    to the first of them."""
+    blank, quote = {n.start_mark.index for n in nodes}, {k.start_mark.index for k in keys}
+    events = [yaml.ScalarEvent(e.anchor, e.tag, (False, True), "" if e.start_mark.index in blank else e.value,
+                               style="'")
+              if isinstance(e, yaml.ScalarEvent) and e.start_mark.index in blank | quote else e
               for e in yaml.parse(text, Loader=yaml.SafeLoader)]
     return yaml.emit(events, allow_unicode=True)
 
@@ -548,17 +550,20 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
     except _ShapeTrouble as e:  # OmegaConf would recurse without end, or past Python's limit (an internal error)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
-    if odd := {dotted(keys): key for keys, key in _not_names(root)}:  # (an alias's keys are met once a use)
-        raise SpecErrors([SpecError(file, key.start_mark.line + 1, path, f"YAML reads the key `{key.value}` as "
-                                    f"{show(yaml.safe_load(key.value))}, not as a name: quote it "
-                                    f"('{key.value}'), or write the key meant", column=key.start_mark.column + 1)
-                          for path, key in odd.items()], file)
+    # A key YAML reads as null or a boolean is read as its text (quoted), reported, and left out with its value as
+    # a malformed `${...}` is, so that the spec's other mistakes are reported with it
+    odd = {dotted(keys): (keys, key) for keys, key in _not_names(root)}  # (an alias's keys are met once a use)
+    malformed = [(keys, SpecError(file, key.start_mark.line + 1, path, f"YAML reads the key `{key.value}` as "
+                                  f"{show(yaml.safe_load(key.value))}, not as a name: quote it ('{key.value}'), or "
+                                  f"write the key meant", column=key.start_mark.column + 1))
+                 for path, (keys, key) in odd.items()]
     found = list(_malformed(root))
-    malformed = [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
-                 for keys, _, message in found]
+    malformed += [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
+                  for keys, _, message in found]
     try:
         # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
-        cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in found]) if found else text)
+        cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in found], [key for _, key in odd.values()])
+                               if found or odd else text)
     except yaml.YAMLError as e:
         raise SpecErrors([_yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
