@@ -34,6 +34,39 @@ def test_a_join_that_fails_says_how_to_join_a_cluster_with_token_authentication(
         driver.start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
 
 
+def test_joining_an_address_nothing_answers_on_fails_at_once_not_after_ray_s_retries(monkeypatch):
+    """`resources.ray_address` (or $RAY_ADDRESS) naming a port nothing listens on: ray.init (2.60) retried its GCS
+    client 20 times, each ~40 s (a 5 s connect, a 5 s pubsub connect, a 30 s wait for the cluster id), printing
+    its own warnings: a typo in the address held `factory run` ~14 minutes. The address is tried first."""
+    import time
+
+    import ray
+
+    from factory.plan import ClusterSettings
+    from factory.runtime import driver
+    from factory.runtime.health import RayStartError
+    from factory.runtime.lifecycle import sigterm_restored
+    from tests.servers import free_port
+
+    def init(**kwargs):
+        raise AssertionError("ray.init was reached")
+
+    monkeypatch.setattr(ray, "init", init)
+    port = free_port()
+    t0 = time.monotonic()
+    with sigterm_restored(), pytest.raises(RayStartError) as e:
+        driver.start_ray(ClusterSettings(ray_address=f"127.0.0.1:{port}", object_store_gb=1.0))
+    assert time.monotonic() - t0 < 5
+    assert str(e.value) == (f"could not join the Ray cluster at 127.0.0.1:{port}: nothing answers there (connection "
+                            "refused): start its head (`ray start --head --port=PORT`) or correct the address "
+                            "(resources.ray_address, else $RAY_ADDRESS)")
+    with sigterm_restored(), pytest.raises(RayStartError, match=r"at no-such-host\.invalid:6379: .*cannot be resolved"):
+        driver.start_ray(ClusterSettings(ray_address="no-such-host.invalid:6379", object_store_gb=1.0))
+    for address in ("auto", "ray://127.0.0.1:10001"):  # Ray's own forms: it reads a file, or is a Ray Client
+        with sigterm_restored(), pytest.raises(RayStartError, match="ray.init was reached"):
+            driver.start_ray(ClusterSettings(ray_address=address, object_store_gb=1.0))
+
+
 def test_the_auth_variables_a_run_set_are_put_back_when_its_ray_stops(monkeypatch, tmp_path):
     """RAY_AUTH_MODE/RAY_AUTH_TOKEN, set for a local Ray (a fresh token) or a cluster join (auth off), stayed in
     the process's environment: in one notebook a local run after a cluster join started its Ray with no token,

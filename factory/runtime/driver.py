@@ -105,7 +105,7 @@ def start_ray(cluster: ClusterSettings) -> None:
             raise
         # ray.init's handler, heard before it returned, exits with the signal's number: exit 15, said nowhere
         raise KeyboardInterrupt from None
-    except (UserError, ValueError, TypeError):  # ours: a mistake to show as it is
+    except (UserError, ValueError, TypeError, RayStartError):  # ours: a mistake to show as it is
         raise
     except Exception as e:  # noqa: BLE001 -- Ray raises a bare Exception for a node that timed out starting
         where = (f"join the Ray cluster at {cluster.ray_address}" if cluster.ray_address else
@@ -187,6 +187,8 @@ def _init_ray(cluster: ClusterSettings) -> None:
     if not (sys.stdout.isatty() and sys.stderr.isatty()):  # the stages' lines Ray prints here, into a log file:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no terminal colour codes around their prefixes
     address = cluster.ray_address
+    if address and (problem := unreachable(address)):
+        raise RayStartError(f"could not join the Ray cluster at {address}: {problem}")
     if address:  # a cluster's own settings (its token, if it has one) decide
         if "RAY_AUTH_MODE" not in os.environ:
             _set_auth_env(RAY_AUTH_MODE="disabled")
@@ -212,6 +214,40 @@ def _init_ray(cluster: ClusterSettings) -> None:
             if "object store" not in str(e):
                 raise
             raise UserError(store_too_large(cluster.object_store_gb, str(e))) from None
+
+
+JOIN_PROBE_S = 10.0  # how long a cluster's head has to accept a connection before joining it is given up
+
+
+def unreachable(address: str, timeout_s: float = JOIN_PROBE_S) -> str | None:
+    """Why nothing answers at a cluster's `HOST:PORT`, tried with one TCP connection; None when something does, or
+    for Ray's other forms (`auto`, `ray://...`). ray.init retries an address nothing answers on 20 times, ~40 s
+    each, printing its own warnings: a typo in the address held the run ~14 minutes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if "://" in address:
+        return None
+    try:
+        parts = urlsplit(f"//{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number: Ray's to refuse
+        return None
+    if not host or port is None:
+        return None
+    fix = ("start its head (`ray start --head --port=PORT`) or correct the address (resources.ray_address, else "
+           "$RAY_ADDRESS)")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except socket.gaierror:
+        return f"the host {host} cannot be resolved: correct the address (resources.ray_address, else $RAY_ADDRESS)"
+    except ConnectionRefusedError:
+        return f"nothing answers there (connection refused): {fix}"
+    except TimeoutError:  # a firewall that drops the connection, a host that is off
+        return f"nothing answers there (no answer within {timeout_s:g} s): {fix}"
+    except OSError as e:  # no route to the host, the network down
+        return f"nothing answers there ({e.strerror or e}): {fix}"
+    return None
 
 
 def store_too_large(gb: float, said: str) -> str:
