@@ -473,6 +473,30 @@ def test_a_store_that_goes_down_while_diff_reads_it_is_exit_3_naming_it(project,
             and "internal error" not in err), err
 
 
+def test_a_store_that_goes_down_while_runs_or_export_reads_it_is_exit_3_naming_it(project, capsys, monkeypatch):
+    """As diff's: `factory runs` and `factory export RUN` asked the store once (open_tracker) and then listed or
+    read the runs: a store gone after that answer was an internal error (exit 1)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from factory.tracking.mlflow_tracker import MlflowTracker
+
+    uri = f"sqlite:///{project.root / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # a store that answers the probe
+
+    def down(self, *args, **kwargs):
+        raise MlflowException("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/search failed with "
+                              "exception HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded")
+
+    monkeypatch.setattr(MlflowTracker, "runs", down)
+    monkeypatch.setattr(MlflowTracker, "run", down)
+    for command in (["runs", "--uri", uri], ["export", "a1b2c3d4", "--out", str(project.root / "out"), "--uri", uri]):
+        rc, err = cli.main(command), capsys.readouterr().err
+        assert rc == 3, (command, err)
+        assert (f"factory {command[0]}: error: the tracking store {uri} could not be read (MlflowException: " in err
+                and "internal error" not in err), err
+
+
 def test_a_resume_where_the_store_is_not_leaves_no_store_behind(project, capsys, monkeypatch):
     """`factory run SPEC --resume [RUN]` from a folder without the run's mlflow.db made an empty store there
     and said no run had that id (or that the spec had no unfinished run: start it without --resume)."""

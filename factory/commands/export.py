@@ -54,10 +54,12 @@ def checkpoint_dir(run: str, uri: str | None = None) -> Path:
     path = Path(run).expanduser()
     if path.is_dir():
         return path
-    from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker
+    from factory.tracking.tracker import RunLookupError, StoreUnreadable, open_tracker, reading
 
     try:
-        tags = open_tracker(uri, read=True).run(run).tags
+        tracker = open_tracker(uri, read=True)
+        with reading(tracker.uri):  # (a store that goes down after it answered: exit 3, as one down from the start)
+            tags = tracker.run(run).tags
     except StoreUnreadable:  # the store could not be read: infrastructure (exit 3), as it is
         raise
     except RunLookupError as e:  # none by that id, prefix or name, or several: its own words say which

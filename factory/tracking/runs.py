@@ -22,7 +22,7 @@ from typing import Any
 from factory.monitors import STOPPED_BY_TAG
 from factory.tracking.mlflow_tracker import (DRIVER_TAG, IDLE_TAG, STARTED_TAG, STEPS_TAG, driver_alive,
                                              tracking_uri)
-from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker
+from factory.tracking.tracker import RunLookupError, TrackedRun, open_tracker, reading
 from factory.util import fmt_number, missing_store, stdout_console
 
 
@@ -88,7 +88,9 @@ def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | Non
     (`factory runs`, factory.runs)."""
     if missing_store(tracking_uri(uri)) is not None:  # none yet: not an empty store made here
         return []
-    return [run_summary(r) for r in open_tracker(uri, read=True).runs(experiment, max_results=limit)]
+    tracker = open_tracker(uri, read=True)
+    with reading(tracker.uri):  # (a store that goes down after it answered: exit 3, as one down from the start)
+        return [run_summary(r) for r in tracker.runs(experiment, max_results=limit)]
 
 
 def runs_main(args: Any) -> int:
