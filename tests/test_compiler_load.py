@@ -135,7 +135,7 @@ def test_a_plain_value_for_a_reward_node_or_tool_server_says_the_node_to_write(p
     """`correct: mod:fn` for a reward node, a command line or a URL for a tool server: "expected a mapping with one
     of the keys: fn, llm_judge, ..." named the keys but not which one the value meant."""
     path = project.spec(_base(project, "rw_nodes").replace("rewards:", "rewards:\n  plain: factory.rewards.math:"
-                                                           "numeric_match\n  three: 3\nold_rewards:") + """\
+                                                           "numeric_match\n  three: 3\n  word: plain\nold_rewards:") + """\
 tools:
   calc: sh -c 'my_calc --port 1'
   web: https://example.com/mcp
@@ -151,15 +151,16 @@ metrics: {}
         f"spec.yaml:6: rewards.plain: expected a mapping with one of the keys: {keys}, got "
         "'factory.rewards.math:numeric_match'; write `plain: {fn: factory.rewards.math:numeric_match}`",
         f"spec.yaml:7: rewards.three: expected a mapping with one of the keys: {keys}, got 3",
-        "spec.yaml:13: tools.calc: expected a mapping with one of the keys: command, url, function, "
+        f"spec.yaml:8: rewards.word: expected a mapping with one of the keys: {keys}, got 'plain'",
+        "spec.yaml:14: tools.calc: expected a mapping with one of the keys: command, url, function, "
         "got 'sh -c 'my_calc --port 1''; write `calc: {command: sh, args: [-c, my_calc --port 1]}`",
-        "spec.yaml:14: tools.web: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:15: tools.web: expected a mapping with one of the keys: command, url, function, got "
         "'https://example.com/mcp'; write `web: {url: https://example.com/mcp}`",
-        "spec.yaml:15: tools.fn: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:16: tools.fn: expected a mapping with one of the keys: command, url, function, got "
         "'my_tools:lookup'; write `fn: {function: my_tools:lookup}`",
-        "spec.yaml:16: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
+        "spec.yaml:17: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
         "write `shell: {command: sh}`",
-        "spec.yaml:17: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:18: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
         "'my.server'"]
 
 
@@ -354,9 +355,9 @@ tools:
         "clip, normalize\n"
         "spec.yaml:12: rewards.both: expected exactly one of the keys: fn, llm_judge, tool, sum, min, max, "
         "product, gate, clip, normalize; found fn, sum\n"
-        "spec.yaml:14: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
-        "spec.yaml:15: tools.web.timeout_s: expected a number, got 'soon'\n"
-        "spec.yaml:16: tools.text: expected a mapping with one of the keys: command, url, function, "
+        "spec.yaml:15: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
+        "spec.yaml:16: tools.web.timeout_s: expected a number, got 'soon'\n"
+        "spec.yaml:17: tools.text: expected a mapping with one of the keys: command, url, function, "
         "got 'just a string'\n"
         "7 errors in spec.yaml")
 

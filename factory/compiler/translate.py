@@ -194,7 +194,7 @@ def node_meant(value: Any, members: tuple[type, ...]) -> dict[str, Any] | None:
         key = "url"
     elif ":" in value and _IMPORT_PATH.fullmatch(value):
         key = "function" if "function" in by_key else "fn"
-    elif "fn" in by_key and _IMPORT_PATH.fullmatch(value):
+    elif "fn" in by_key and "." in value and _IMPORT_PATH.fullmatch(value):  # (a bare word: another node's name?)
         key = "fn"
     elif "command" in by_key:
         try:
