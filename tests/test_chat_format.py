@@ -340,6 +340,32 @@ def test_factory_check_warns_of_a_template_without_the_tool_list_or_the_system_m
         "would never reach the model"]
 
 
+def test_a_template_that_drops_the_conversation_is_refused():
+    """A misspelt loop (`for message in mesages`: an undefined name renders as nothing under Hugging Face's rules)
+    rendered no message: the prompt was the assistant header alone, and the question never reached the model. Nothing
+    said so (one turn, or no tools), or the check blamed prefix preservation. A dropped user, assistant or tool
+    message is now said, as one error naming the roles."""
+    from factory.commands.init import SCAFFOLD
+    from factory.rollout.chat import RenderProblem, render_problems
+
+    scaffold = (SCAFFOLD / "prompts/chat.jinja").read_text()
+    assert render_problems(scaffold) == render_problems(scaffold, tools=False) == []
+    typo = scaffold.replace("{%- for message in messages %}", "{%- for message in mesages %}", 1)
+    assert render_problems(typo) == [RenderProblem(
+        "the chat template renders no user, assistant or tool message: the model would never see the question, its "
+        "own earlier turns nor what its tools answered (a name the template misspells renders as nothing: `mesages` "
+        "for `messages`, say)", fatal=True)]
+    assert [p.sentence.split(":")[0] for p in render_problems(typo, tools=False, system=False)] == [
+        "the chat template renders no user or assistant message"]
+    # a template without a branch for tool messages: the rest of the conversation is there
+    no_tool = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+               "{% endif %}{% endfor %}{% for t in tools or [] %}{{ t.function.name }}{% endfor %}")
+    assert [p.sentence for p in render_problems(no_tool)] == [
+        "the chat template renders no tool message: the model would never see what its tools answered; use a template "
+        "that renders every role (prompts/chatml_tools.jinja)"]
+    assert render_problems(no_tool, tools=False) == []
+
+
 def test_template_kwargs_reach_every_render_qwen3_without_thinking(tokenizer):
     """`chat_template_kwargs: {enable_thinking: false}`: every generation prompt, the first and those in the
     tool deltas, ends with Qwen3's empty reasoning block."""

@@ -1297,6 +1297,28 @@ def test_a_tokenizer_without_a_chat_template_needs_chat_template(project):
     compile_file(project.spec(base.replace("factory:tiny-qwen3", "models/own"), "c.yaml"))
 
 
+def test_a_chat_template_that_drops_the_users_message_is_an_error_of_check(project):
+    """A misspelt loop in the scaffold's chat template (`for message in mesages`) rendered no message: each prompt
+    was the assistant header alone. `factory check` said ok without tools (or with one turn), and with tools and two
+    turns called the template "not prefix-preserving ... message 2 (assistant)", pointing away from the typo."""
+    from factory.commands.init import SCAFFOLD
+
+    typo = (SCAFFOLD / "prompts/chat.jinja").read_text().replace("for message in messages", "for message in mesages")
+    project.file("prompts/chat.jinja", typo)
+    base = _base(project, "rc_dropped") + "chat_template: prompts/chat.jinja\n"
+    assert _errors(project.spec(base)) == (
+        "spec.yaml:9: chat_template: the chat template renders no user or assistant message: the model would never "
+        "see the question nor its own earlier turns (a name the template misspells renders as nothing: `mesages` for "
+        "`messages`, say)\n1 error in spec.yaml")
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    for turns in (1, 2):
+        said = _errors(project.spec(base + tools + f"rollout: {{max_turns: {turns}}}\n", f"t{turns}.yaml"))
+        assert said == (f"t{turns}.yaml:9: chat_template: the chat template renders no user, assistant or tool message: "
+                        "the model would never see the question, its own earlier turns nor what its tools answered (a "
+                        "name the template misspells renders as nothing: `mesages` for `messages`, say)\n"
+                        f"1 error in t{turns}.yaml"), said
+
+
 def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkeypatch):
     """`data file not found` for a folder that is there (a Hugging Face dataset), for a URL, and for a file
     looked for in two places without saying which."""

@@ -608,19 +608,16 @@ def _check_template_kwargs(spec: Spec, r: _Report, template: str | dict[str, str
 
 
 def _check_chat_template(spec: Spec, r: _Report) -> None:
-    """With tools and more than one turn, the chat template must be prefix-preserving across turns (what
-    the multi-turn loop relies on; factory.rollout.chat.prefix_problem), checked on the text of the spec's
-    template or the tokenizer's own, without loading a tokenizer. A template that never shows the model the
-    tool list (with tools), or drops the system message (with tools or data.system_prompt), is a warning
-    (factory.rollout.chat.render_problems). A chat_template_kwargs key it never reads is an error."""
+    """Checked on the text of the spec's chat template or the tokenizer's own, without loading a tokenizer
+    (factory.rollout.chat.render_problems, prefix_problem): a template that renders no user message (or none of
+    the model's, or with tools no tool result) is an error, said before any other of the template's; one that
+    never shows the model the tool list (with tools), or drops the system message (with tools or
+    data.system_prompt), is a warning. With tools and more than one turn, it must be prefix-preserving across
+    turns (what the multi-turn loop relies on). A chat_template_kwargs key it never reads is an error."""
     from factory.rollout.chat import named_template, prefix_problem, render_problems
 
-    if not spec.tools and not spec.data.system_prompt and not spec.chat_template_kwargs:
-        return
     template, path, config = _chat_template(spec, r)
     _check_template_kwargs(spec, r, template)
-    if not spec.tools and not spec.data.system_prompt:
-        return
     if isinstance(template, dict):  # named templates: the one the rollout renders with (as transformers picks)
         try:
             template = named_template(template, tools=bool(spec.tools))
@@ -632,11 +629,14 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
     special = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:
-        for warning in render_problems(template, special, spec.chat_template_kwargs, tools=bool(spec.tools)):
-            r.warn(path, warning)
+        problems = render_problems(template, special, spec.chat_template_kwargs, tools=bool(spec.tools),
+                                   system=bool(spec.tools or spec.data.system_prompt))
     except Exception:  # a template that does not render: prefix_problem (or _check_templates) says why
-        pass
-    if not spec.tools or spec.rollout.max_turns < 2:
+        problems = []
+    for problem in problems:
+        (r.error if problem.fatal else r.warn)(path, problem.sentence)
+    # (a template that drops messages is also not prefix-preserving: that would only hide why)
+    if not spec.tools or spec.rollout.max_turns < 2 or any(p.fatal for p in problems):
         return
     try:
         problem = prefix_problem(template, special, spec.chat_template_kwargs)

@@ -10,7 +10,7 @@ tool's answer, which is tokenized as plain text (`ChatFormat.defused`).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.meta
@@ -223,24 +223,58 @@ def _excerpt(text: str, at: int) -> str:
     return repr(text[max(0, at - 40): at + 40])
 
 
+class RenderProblem(NamedTuple):
+    """What a chat template leaves out, as a sentence; `fatal` where no run could train with it."""
+    sentence: str
+    fatal: bool = False
+
+
+# What the model would never see when a template renders no message of a role.
+_UNSEEN = {"user": "the question", "assistant": "its own earlier turns", "tool": "what its tools answered"}
+
+
+def _listed(words: list[str], last: str) -> str:
+    return ", ".join(words[:-1]) + f" {last} " + words[-1] if len(words) > 1 else words[0]
+
+
 def render_problems(template: str, special_tokens: dict[str, str] | None = None,
-                    template_kwargs: dict[str, Any] | None = None, *, tools: bool = True) -> list[str]:
-    """What a chat template leaves out of a prompt (with `tools`: one with tools), each as a sentence: the
-    tool list (a template written for chat alone renders `messages` and ignores `tools`, so the model is
-    never told which tools exist or how to call them) and the system message (data.system_prompt would
-    never reach the model). Text only, as prefix_problem; jinja errors propagate."""
+                    template_kwargs: dict[str, Any] | None = None, *, tools: bool = True,
+                    system: bool = True) -> list[RenderProblem]:
+    """What a chat template leaves out of a prompt (with `tools`: one with tools; with `system`: one that may hold
+    a system message). Fatal, and first: a role whose messages it never renders, the user's (a loop over a
+    misspelt `messages` renders nothing, an undefined name being empty, and the prompt is the generation prompt
+    alone), the model's, with tools the tool results'. Warnings: the tool list (a template written for chat alone
+    renders `messages` and ignores `tools`, so the model is never told which tools exist or how to call them)
+    and the system message (data.system_prompt would never reach the model). Text only, as prefix_problem;
+    jinja errors propagate, but for the whole conversation's (prefix_problem says why that does not render)."""
     render = compile_template(template)
-    messages = _PROBE_CONVERSATION[:2]  # the system message and the user's
+    kwargs = {**(special_tokens or {}), **(template_kwargs or {})}
+    messages = _PROBE_CONVERSATION[:2] if system else _PROBE_CONVERSATION[1:2]  # (the system message,) the user's
     text = render.render(messages=messages, tools=_PROBE_TOOLS if tools else None, documents=None,
-                         add_generation_prompt=True, **{**(special_tokens or {}), **(template_kwargs or {})})
+                         add_generation_prompt=True, **kwargs)
+    later = _PROBE_CONVERSATION[2:] if tools else _PROBE_CONVERSATION[-1:]  # the model's turns (and tool results)
+    try:
+        whole = render.render(messages=messages + later, tools=_PROBE_TOOLS if tools else None, documents=None,
+                              add_generation_prompt=False, **kwargs)
+    except jinja2.TemplateError:
+        whole = None
+    rendered = {"user"} if _PROBE_USER in text else set()
+    rendered |= {m["role"] for m in later if whole is None or m["content"] in whole}
+    dropped = [role for role in _UNSEEN if role not in rendered and (role != "tool" or tools)]
     out = []
+    if dropped:
+        hint = (" (a name the template misspells renders as nothing: `mesages` for `messages`, say)"
+                if "user" in dropped else "; use a template that renders every role (prompts/chatml_tools.jinja)")
+        out.append(RenderProblem(f"the chat template renders no {_listed(dropped, 'or')} message: the model would "
+                                 f"never see {_listed([_UNSEEN[r] for r in dropped], 'nor')}{hint}", fatal=True))
     tool = _PROBE_TOOLS[0]["function"]
     if tools and tool["name"] not in text and tool["description"] not in text:
-        out.append("the chat template does not render the tool list (`tools`): the model is never told which "
-                   "tools exist nor how to call them; use a template that lists them (prompts/chatml_tools.jinja)")
-    if messages[0]["content"] not in text:
-        out.append("the chat template drops the system message: data.system_prompt, and a system message of "
-                   "data.prompt, would never reach the model")
+        out.append(RenderProblem(
+            "the chat template does not render the tool list (`tools`): the model is never told which tools exist "
+            "nor how to call them; use a template that lists them (prompts/chatml_tools.jinja)"))
+    if system and messages[0]["content"] not in text:
+        out.append(RenderProblem("the chat template drops the system message: data.system_prompt, and a system "
+                                 "message of data.prompt, would never reach the model"))
     return out
 
 
