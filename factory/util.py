@@ -569,7 +569,15 @@ def _exists(path: Path) -> bool:
 # (transformers registers a plain json.dumps for the same reason). A prompt's `tojson(indent)` takes
 # jinja's argument order; a chat template's takes transformers' (ensure_ascii first), as HF renders it.
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, default=_undefined_or_not_json)
+
+
+def _undefined_or_not_json(value: Any) -> Any:
+    """A prompt's undefined name (a column the row lacks, or misspelt) raises its own UndefinedError, which names
+    it, as `{{ name }}` does; json.dumps would say only "Object of type StrictUndefined is not JSON serializable"."""
+    if isinstance(value, jinja2.Undefined):
+        value._fail_with_undefined_error()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _chat_tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

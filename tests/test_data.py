@@ -186,6 +186,18 @@ def test_prompt_template_reading_a_missing_column_names_the_row(tmp_path):
     assert str(e.value) == "rows.jsonl:2: data.prompt needs a column this row does not have: 'expression' is undefined"
 
 
+def test_a_missing_column_read_through_tojson_is_named(tmp_path):
+    """The scaffold's prompt reads `{{ question | tojson }}`: a row without the column (or a misspelt name) said
+    "Object of type StrictUndefined is not JSON serializable", naming no column. Inside a value, too."""
+    (tmp_path / "p.jinja").write_text('[{"role": "user", "content": {{ questoin | tojson }}}]')
+    (tmp_path / "q.jinja").write_text('[{"role": "user", "content": {{ ({"q": question} | tojson) | tojson }}}]')
+    for template, name in (("p.jinja", "questoin"), ("q.jinja", "question")):
+        stage = _stage(tmp_path, '{"answer": "3"}\n', prompt=template)
+        with pytest.raises(DataError) as e:
+            stage.setup()
+        assert str(e.value) == f"rows.jsonl:1: data.prompt needs a column this row does not have: '{name}' is undefined"
+
+
 def test_a_prompt_template_that_renders_nothing_names_the_row(tmp_path):
     """An empty template (or one whose `{% if %}` fails for a row) gave the model an empty message, in silence."""
     (tmp_path / "p.jinja").write_text("{% if expression %}Solve {{ expression }}{% endif %}\n")
