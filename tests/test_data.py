@@ -186,6 +186,25 @@ def test_prompt_template_reading_a_missing_column_names_the_row(tmp_path):
     assert str(e.value) == "rows.jsonl:2: data.prompt needs a column this row does not have: 'expression' is undefined"
 
 
+def test_a_prompt_template_that_renders_invalid_json_is_one_error_naming_it(tmp_path):
+    """A trailing comma in a prompt template's message list was one error per `(char N)` offset (rows of
+    different lengths: ~11 lines for the scaffold's data), none naming the template or showing the text at fault."""
+    (tmp_path / "p.jinja").write_text('[\n  {"role": "user", "content": {{ question | tojson }}},\n]\n')
+    stage = _stage(tmp_path, '{"question": "1+1?", "answer": "2"}\n{"question": "12+34?", "answer": "46"}\n',
+                   prompt="p.jinja")
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value) == ("rows.jsonl:1 and 1 more rows: data.prompt (p.jinja) rendered invalid JSON: Expecting "
+                            "value at line 3, column 1 of the rendered text: ']'")
+    # a list on one line: the line from the mistake on
+    (tmp_path / "p.jinja").write_text('[{"role": "system", "content": "Answer in one word, ' + 'please, ' * 8 + '"},'
+                                      ' {"role": "user", "content": {{ question | tojson }}},]')
+    with pytest.raises(DataError) as e:
+        stage.setup()
+    assert str(e.value) == ("rows.jsonl:1: data.prompt (p.jinja) rendered invalid JSON: Expecting value at line 1, "
+                            "column 157 of the rendered text: '...]'\nrows.jsonl:2: data.prompt (p.jinja) rendered "
+                            "invalid JSON: Expecting value at line 1, column 159 of the rendered text: '...]'")
+
 def test_a_missing_column_read_through_tojson_is_named(tmp_path):
     """The scaffold's prompt reads `{{ question | tojson }}`: a row without the column (or a misspelt name) said
     "Object of type StrictUndefined is not JSON serializable", naming no column. Inside a value, too."""
@@ -205,7 +224,7 @@ def test_a_prompt_template_that_renders_nothing_names_the_row(tmp_path):
                    prompt="p.jinja")
     with pytest.raises(DataError) as e:
         stage.setup()
-    assert str(e.value) == "rows.jsonl:2: data.prompt rendered no text: the user's message would be empty"
+    assert str(e.value) == "rows.jsonl:2: data.prompt (p.jinja) rendered no text: the user's message would be empty"
 
 
 def test_parquet_rows_and_many_problems(tmp_path):

@@ -228,9 +228,20 @@ def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
     try:
         messages = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what} rendered invalid JSON: {e}".lstrip()) from None
+        raise ValueError(f"{what} rendered invalid JSON: {_json_mistake(e)}".lstrip()) from None
     check_messages(messages)
     return messages
+
+
+def _json_mistake(e: json.JSONDecodeError) -> str:
+    """The decoder's complaint with the rendered line it stops at (a line of the template's output, not of the
+    template), and without its `(char N)`: rows of different lengths stop at different offsets of one mistake,
+    and would be listed as as many problems."""
+    lines = e.doc.splitlines()
+    line = lines[e.lineno - 1] if e.lineno <= len(lines) else ""
+    if len(line) > 80:  # a whole list on one line: from the mistake on (what precedes it is likely the row's)
+        line = "..." + line[e.colno - 1:e.colno + 59] + ("..." if len(line) > e.colno + 59 else "")
+    return f"{e.msg} at line {e.lineno}, column {e.colno} of the rendered text: {line.strip()!r}"
 
 
 def check_messages(messages: Any) -> None:
@@ -284,6 +295,7 @@ class PromptRenderer:
         self._system = (env.from_string(resolve_file(spec.system_prompt, base_dir).read_text())
                         if spec.system_prompt else None)
         self._answer_key = spec.answer_key
+        self._prompt_file = spec.prompt
 
     def system_unused(self, row: dict[str, Any]) -> bool:
         """Whether data.system_prompt is set but not used for this row: its messages (data.prompt's, or its
@@ -302,7 +314,8 @@ class PromptRenderer:
         """The row's messages before data.system_prompt."""
         if self._prompt is not None:
             # a template may render a whole JSON message list, or just the user's text
-            messages = messages_from_text(self._render(self._prompt, row, "data.prompt"), "data.prompt")
+            messages = messages_from_text(self._render(self._prompt, row, "data.prompt"),
+                                          f"data.prompt ({self._prompt_file})")
         elif isinstance(row.get("prompt"), list):
             messages = [dict(m) if isinstance(m, dict) else m for m in row["prompt"]]
         elif isinstance(row.get("question", row.get("prompt")), str):
