@@ -294,6 +294,41 @@ def test_check_connect_says_why_a_server_died(project, capsys):
                         f"{sys.executable}: No module named factory.examples.calculater\n1 error in spec.yaml\n")
 
 
+def test_check_connect_says_where_a_python_server_failed(project, capsys):
+    """A mistake in the user's own server was said by its last line alone (`SyntaxError: expected ':'`), without
+    the file and line Python printed above it; a log that wraps its lines gave a fragment (`teral_error`)."""
+    project.module("cli_broken")
+    project.file("tools/broken.py", "import sys\n\ndef count(word: str) -> int\n    return len(word)\n")
+    project.file("tools/raises.py", "import json\n\nPLAN = json.loads('{')\n")
+    for name, said in (("broken", "tools/broken.py:3: SyntaxError: expected ':'"),
+                       ("raises", "tools/raises.py:3: json.decoder.JSONDecodeError: Expecting property name enclosed "
+                                  "in double quotes: line 1 column 2 (char 1)")):
+        path = project.spec(BASE.replace("{mod}", "cli_broken") + f"tools:\n  {name}: {{command: python, args: "
+                            f"[tools/{name}.py]}}\n", f"{name}.yaml")
+        assert cli.main(["check", path, "--connect"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith(f"; the server's last words: {said}\n1 error in {name}.yaml\n"), err
+
+
+def test_a_servers_last_words_are_its_error_not_a_fragment_of_it():
+    from factory.compiler.connect import last_words
+
+    wrapped = """\
+                             │ ❱ 410 │   │   return self.validat │
+                             ╰───────────────────────────────────╯
+                             ValidationError: 1 validation error
+                             for ListToolsResult
+                             tools.0.inputSchema.type
+                               Input should be 'object'
+                             [type=literal_error,
+                             input_value='string', input_type=str]"""
+    assert last_words(wrapped.splitlines()) == (
+        "ValidationError: 1 validation error for ListToolsResult tools.0.inputSchema.type Input should be 'object' "
+        "[type=literal_error, input_value='string', input_type=str]")
+    assert last_words(["starting", "", "warming up", "listening on stdio", "killed: out of memory"]) == (
+        "warming up / listening on stdio / killed: out of memory")
+
+
 def test_check_connect_asks_each_judge_endpoint_whether_it_is_there(project, capsys):
     """An unreachable judge checked ok without a word: a run with it scored no trajectory (under drop_sample,
     dropped all)."""

@@ -8,12 +8,14 @@ missing, with a suggestion, instead of the server refusing to start.
 from __future__ import annotations
 
 import asyncio
+import re
+import sysconfig
 from typing import Any
 
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
 from factory.schema import HttpServer, JudgeNode, Spec, StdioServer
-from factory.util import run_sync
+from factory.util import run_sync, shown_path
 
 # Starting a server includes its handshake; tools already have their own start timeout, this bounds the
 # whole listing so that `check` always returns: at least LIST_TIMEOUT_S, and a server's own start_timeout_s
@@ -64,9 +66,9 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
             http = isinstance(spec.tools[name], HttpServer)
             text = lines[0].rpartition("could not be reached: " if http else "failed to start: ")[2]
             # "Connection closed" says little; the last line the server printed usually says why.
-            said = [line for line in lines[1:] if line.strip() and not line.startswith("--- server stderr")]
-            if said:
-                text += f"; the server's last words: {said[-1].strip()}"
+            said = [line for line in lines[1:] if not line.startswith("--- server stderr")]
+            if words := last_words(said):
+                text += f"; the server's last words: {words}"
             what = f"server at {spec.tools[name].url} could not be reached" if http else "server failed to start"
             errors.append(source.error(f"tools.{name}", f"{what}: {text}"))
         elif isinstance(result, BaseException):
@@ -74,6 +76,32 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
         else:
             listing[name] = result
     return listing, errors
+
+
+# A Python exception's line (`NameError: ...`, `json.decoder.JSONDecodeError: ...`), and a traceback's frame.
+_RAISED = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?::|$)")
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+)')
+_WORDS_CHARS = 300
+
+
+def last_words(lines: list[str]) -> str:
+    """What a dying server's last lines of stderr say went wrong, on one line ('' for none). A Python error: its
+    exception line and the lines after it (a log that wraps a long message), after the traceback's last frame in
+    the server's own code as `path:N` (else its last frame). Otherwise its last three lines."""
+    said = [line.strip() for line in lines if line.strip()]
+    raised = next((i for i in range(len(said) - 1, -1, -1) if _RAISED.match(said[i])), None)
+    if raised is None:
+        return " / ".join(said[-3:])[-_WORDS_CHARS:]
+    words = " ".join(said[raised:])[:_WORDS_CHARS]
+    frames = [(m[1], m[2]) for line in said[:raised] if (m := _FRAME.match(line))]
+    own = [(path, n) for path, n in frames if not _library(path)] or frames
+    return f"{shown_path(own[-1][0])}:{own[-1][1]}: {words}" if own else words
+
+
+def _library(path: str) -> bool:
+    """Whether a traceback's file is Python's or an installed package's, not the server's own code."""
+    return (path.startswith("<") or "site-packages" in path or "dist-packages" in path
+            or path.startswith(sysconfig.get_paths()["stdlib"]))
 
 
 def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
