@@ -1749,3 +1749,24 @@ def named_alike(prompt, completion, rows):
         "`group: true` calls it once per group as f(prompts, completions, rows), with lists: every call would fail "
         "and the node score 0; drop `group: true`, or write a group function (docs/rewards.md)\n"
         "2 errors in spec.yaml")
+
+
+def test_group_true_on_a_function_named_for_one_sample_is_a_warning(project):
+    """`ok(prompt, completion, answer, turns, **row)` with `group: true` bound (prompts, completions, rows) to
+    (prompt, completion, answer): check said ok, and every call failed. Its names are no proof (a group function
+    may name its lists in the singular: named_alike above), so a warning, which plural names quiet."""
+    project.module("rc_grpnames", """\
+def ok(prompt, completion, answer, turns, **row):
+    return float(answer in completion)
+
+
+def group(prompts, completions, rows):
+    return [0.0] * len(completions)
+""")
+    base = _base(project, "rc_grpnamesbase")
+    _, plan = compile_file(project.spec(base + '  a: {fn: "rc_grpnames:ok", group: true}\n'
+                                               '  b: {fn: "rc_grpnames:group", group: true}\n'))
+    assert plan.warnings == (
+        "spec.yaml:9: rewards.a.fn: warning: rc_grpnames:ok takes `prompt` and `completion`, named for one sample, "
+        "but `group: true` calls it once per group as f(prompts, completions, rows), with lists: if it scores one "
+        "sample, drop `group: true`; if it scores a group, name them `prompts` and `completions`",)

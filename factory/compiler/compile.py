@@ -39,6 +39,7 @@ from factory.compiler.refs import (
     args_problems,
     find_file,
     generator_problem,
+    group_names_warning,
     hub_snapshot,
     import_object,
     is_hub_id,
@@ -871,6 +872,8 @@ def _check_reward_fns(spec: Spec, r: _Report) -> tuple[dict[str, str], dict[str,
                                                                                  node.per == "turn"))
         if fn is None:
             continue
+        if node.group and (warning := group_names_warning(fn, node.fn)):
+            r.warn(f"rewards.{name}.fn", warning)
         own = getattr(fn, "__module__", "").startswith("factory.")  # ours drop what their **_ gets
         for key, problem in args_problems(fn, node.args, catch_all_ignores=own).items():
             r.error(f"rewards.{name}.args.{key}", problem)

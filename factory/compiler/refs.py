@@ -153,6 +153,24 @@ def _one_sample_parameter(fn: Callable[..., Any]) -> str | None:
     return next((p.name for p in params if hints.get(p.name, p.annotation) in (str, "str")), None)
 
 
+def group_names_warning(fn: Callable[..., Any], ref: str) -> str | None:
+    """A warning for a `group: true` function whose first parameters are named `prompt` or `completion`, as one
+    sample's are (`ok(prompt, completion, answer, **row)`): called with the group's lists, it would fail every call
+    or score nonsense. A warning only: a group function may name its lists so (a group reward is declared)."""
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    except (TypeError, ValueError):  # no readable signature (a builtin): nothing to tell
+        return None
+    singular = [f"`{n}`" for n in names if n in ("prompt", "completion")]
+    if not singular:
+        return None
+    return (f"{ref} takes {' and '.join(singular)}, named for one sample, but `group: true` calls it once per group "
+            f"as f(prompts, completions, rows), with lists: if it scores one sample, drop `group: true`; if it "
+            f"scores a group, name {'them' if len(singular) > 1 else 'it'} "
+            f"{' and '.join(n[:-1] + 's`' for n in singular)}")
+
+
 def reward_problem(fn: Callable[..., Any], ref: str, args: dict[str, Any], group: bool,
                    per_turn: bool = False) -> str | None:
     """A reward function must take `(prompt, completion, **row)`; a group reward `(prompts,
