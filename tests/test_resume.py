@@ -236,8 +236,8 @@ def test_refusals_are_exit_2_with_what_to_do(store, capsys):
     assert find(plan, run, uri, train=spec.train, experiment="tiny").run_id == run
     assert json.loads(client.get_run(run).data.tags[DRIVER_TAG])["pid"] == Process().pid
 
-    # a run that did all its steps
-    done = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="KILLED")
+    # a run that did all its steps and ended (one that never ended is resumed to end it)
+    done = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="FINISHED")
     with pytest.raises(ResumeError, match="has done all 4 steps"):
         find(plan, done, uri, train=spec.train, experiment="tiny")
     assert cli.main([*base, "--resume", "no-such-run"]) == 2
@@ -259,7 +259,7 @@ def test_a_run_with_every_step_done_resumes_only_to_send_what_its_driver_could_n
 
     uri, ckpt = store
     spec, plan = compiled(ckpt)
-    run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="RUNNING")
+    run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="FINISHED")
     with pytest.raises(ResumeError, match="has done all 4 steps"):
         find(plan, run, uri, train=spec.train, experiment="tiny")
     Spool(ckpt / SPOOL).add("tags", tags={"left": "unsent"})
@@ -267,6 +267,41 @@ def test_a_run_with_every_step_done_resumes_only_to_send_what_its_driver_could_n
     assert (resume.step, resume.complete, resume.unsent) == (4, True, 1)
     assert resume.describe() == (f"resuming run {run} (tiny-x) to send the 1 tracking records its driver could not: "
                                  f"every step is done (its checkpoint {ckpt / 'step_4'})")
+
+
+def test_a_run_killed_after_its_last_checkpoint_resumes_to_be_marked_finished_without_ray(store, monkeypatch, capsys):
+    """A driver SIGKILLed after its last step's checkpoint, every record sent, before it marked the run ended (its
+    end waits for the trace export): `--resume` refused the run ("has done all 4 steps: nothing to resume"), which
+    stayed RUNNING for good, and every bare `--resume` of the spec picked it before any older killed run."""
+    from mlflow.tracking import MlflowClient
+
+    import factory.runtime.driver as driver
+
+    uri, ckpt = store
+    exp = "all-done"
+    spec, plan = compiled(ckpt, f"tracking.experiment={exp}")
+    run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="RUNNING", experiment=exp)
+    resume = find(plan, None, uri, train=spec.train, experiment=exp)  # the newest unfinished run: this one
+    assert (resume.run_id, resume.step, resume.complete, resume.unsent) == (run, 4, True, 0)
+    assert resume.describe() == (f"resuming run {run} (tiny-x) to mark it FINISHED, which its driver could not: "
+                                 f"every step is done (its checkpoint {ckpt / 'step_4'})")
+    MlflowClient(uri).set_tag(run, DRIVER_TAG, GONE)  # (find claimed it)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("a resume with no step to run started Ray and the stages")
+
+    monkeypatch.setattr(driver, "placed", no_ray)
+    base = ["run", SPEC, f"train.checkpoint_dir={ckpt}", "train.steps=4", f"tracking.experiment={exp}"]
+    assert cli.main([*base, "--resume"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert f"run {run} had done every step: no stage started (nothing to train); it ends FINISHED" in out.err, out.err
+    done = MlflowClient(uri).get_run(run)
+    assert done.info.status == "FINISHED" and DRIVER_TAG not in done.data.tags
+    # ended, it is no longer picked; named, it is refused: there is nothing left to do
+    assert cli.main([*base, "--resume"]) == 2
+    assert "no unfinished run of spec 'tiny'" in capsys.readouterr().err
+    with pytest.raises(ResumeError, match=f"run {run} has done all 4 steps .*: nothing to resume"):
+        find(plan, run, uri, train=spec.train, experiment=exp)
 
 
 def test_a_run_a_stop_on_monitor_stopped_is_refused_until_the_monitor_is_taken_out(store):

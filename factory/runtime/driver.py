@@ -1116,6 +1116,8 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
     tracker = open_tracker(d.tracking.uri, d.tracking.experiment)
     tracker.notify = display.status  # hears when the store stops and starts answering (the spool)
     uri = tracker.uri
+    if resume and resume.complete:
+        return end_done(plan, resume, tracker, display, startup)
     replayed = recorded_tool_calls(tracker, plan)  # before the store is prepared in a thread, and anything placed
     # the stages and the loop both get the plan with its recording (the loop reads how far it went: replay is
     # no part of the plan hash, nor of the plan logged)
@@ -1147,6 +1149,28 @@ def run(plan: Plan, resume: Resume | None = None, started_at: float | None = Non
         tracker.released()
     display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=uri,
                     wall_s=time.time() - startup.t0, run_s=whole_run_s(tracker) if resume else None)
+    return result
+
+
+def end_done(plan: Plan, resume: Resume, tracker: Tracker, display: Any, startup: Startup) -> RunResult:
+    """A resume of a run whose every step is done (`Resume.complete`: its driver killed after its last checkpoint,
+    before it ended the run, or with records it could not send): what waits in its spool is sent and the run is
+    marked FINISHED. No stage is placed: Ray and every stage started (30-60 s, and the run's devices) only to
+    train nothing."""
+    status = "FAILED"  # (the reopen raised: the store refused, say)
+    try:
+        tracker.resume(resume, plan, {}, started=startup.t0)  # sends what waits in the spool
+        display.status(f"run {tracker.run_id} had done every step: no stage started (nothing to train); it ends "
+                       "FINISHED")  # (the end says so where the store does not take it)
+        status = "FINISHED"
+    finally:
+        tracker.end(status)  # never raises by itself
+        tracker.released()
+    checkpoint = str((resume.checkpoint_dir / resume.checkpoint).absolute()) if resume.checkpoint else None
+    result = RunResult(tracker.run_id, resume.before, resume.before, checkpoint, last_step=resume.step)
+    d = plan.driver
+    display.summary(result, experiment=d.tracking.experiment, experiment_id=tracker.experiment_id, uri=tracker.uri,
+                    wall_s=time.time() - startup.t0, run_s=whole_run_s(tracker))
     return result
 
 

@@ -15,7 +15,9 @@ log them a second time (`Tracker.logged`).
 Refused, with exit code 2 and what to do: a run of a different spec (its spec hash, prompt or chat
 templates, reward code or data differ) unless `--allow-spec-change` (the change is then recorded on the
 run: tag `factory.resumed_spec_hash`, artifacts `resumed/step_N/`); a run still going on in a live driver;
-a run with no step left to do.
+a run with no step left to do that has ended (FINISHED). One with every step done that never ended (its driver
+killed after its last checkpoint) is resumed only to send what its driver left unsent and mark it FINISHED,
+with no stage started (factory.runtime.driver.end_done).
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class Resume:
     unreadable: list[str] = field(default_factory=list)  # newer checkpoints passed over, and why
     started: list[int] = field(default_factory=list)  # the steps at which earlier sessions logged their start-up
     unsent: int = 0  # tracking records its driver left unsent (a run with every step done resumes to send them)
-    complete: bool = False  # every step is done: the resume only sends `unsent`
+    complete: bool = False  # every step is done: the resume only sends `unsent` and ends the run, starting no stage
     # an earlier resume at this step, killed before it saved, recorded another plan, which this one replaces
     replaces: bool = False
 
@@ -80,8 +82,10 @@ class Resume:
 
     def describe(self) -> str:
         if self.complete:
-            return (f"resuming run {self.run_id} ({self.run_name}) to send the {self.unsent} tracking records its "
-                    f"driver could not: every step is done (its checkpoint {self.checkpoint_dir / self.checkpoint})")
+            sends = (f"to send the {self.unsent} tracking records its driver could not" if self.unsent
+                     else "to mark it FINISHED, which its driver could not")
+            return (f"resuming run {self.run_id} ({self.run_name}) {sends}: every step is done (its checkpoint "
+                    f"{self.checkpoint_dir / self.checkpoint})")
         # without a checkpoint the run starts over: its step-0 evaluation too (logged once, as every step)
         where = (f"at step {self.step + 1}, from its checkpoint {self.checkpoint_dir / self.checkpoint}"
                  if self.checkpoint else "from the start (no checkpoint it saved is usable)" if self.unreadable
@@ -167,9 +171,11 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} saved a checkpoint at step {saved} in {directory}, which {there}: put "
                           "that folder back (or mount it) and resume again; to train from the start, start a new run")
     unsent = len(spooled)
-    if step >= train.steps and not unsent:
-        # (with records its driver could not send -- the store was down at the end -- the resume sends them and
-        # ends the run: the training loop has no step left to run)
+    if step >= train.steps and not unsent and run.status == "FINISHED":
+        # Not ended, a run with every step done is resumed to end it: with records its driver could not send (the
+        # store was down at the end), which the resume sends; or with none, its driver killed after its last
+        # checkpoint, before it marked the run ended (its end waits for the trace export). Left so, it stayed
+        # RUNNING for good, and a bare --resume of the spec picked it before any older killed run.
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
