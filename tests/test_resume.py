@@ -693,6 +693,45 @@ def test_a_recomputed_steps_traces_are_not_in_the_run_twice(uri, tmp_path):
         ("1", "train"), ("2", "eval"), ("2", "train"), ("2", "train"), ("3", "train")]
 
 
+def test_a_checkpointed_step_has_all_its_traces_though_its_driver_is_killed_as_it_saves(uri):
+    """Traces went to MLflow's background export queue, flushed only at the run's end, while the step's metrics
+    were sent at once: a driver SIGKILLed after a step's metrics lost some of its traces for good (a resume takes
+    the step as logged and never traces it again), the store up all along (6 of 8 in a real run). They are in the
+    store before the step's checkpoint is written: from it on, no resume computes the step again."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    code = """import os, sys
+from types import SimpleNamespace
+from factory.compiler.compile import compile_file
+from factory.runtime.driver import _save
+from factory.tracking.mlflow_tracker import MlflowTracker
+from tests.test_tracking import _traj
+
+class Killed:  # the update stage: the driver is SIGKILLed as it writes the checkpoint (no end, no exit handlers)
+    def call(self, method, *args):
+        os._exit(9)
+
+_, plan = compile_file(sys.argv[1])
+t = MlflowTracker(sys.argv[2], "traces-killed")
+print(t.start("r", {}, {}, {}), flush=True)
+t.log_trajectories([_traj() for _ in range(8)], 1, traces=8)
+t.log_metrics({"timing/step_s": 1.0}, step=1)
+_save({plan.flow("data")[-1].dst: Killed()}, plan, t, 1, SimpleNamespace(state=dict), data={})
+"""
+    child = subprocess.run([sys.executable, "-c", code, SPEC, uri], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 9, child.stderr[-2000:]
+    run_id = child.stdout.split()[-1]
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(run_id, "timing/step_s")] == [1]
+    found = client.search_traces(locations=[client.get_run(run_id).info.experiment_id], run_id=run_id,
+                                 max_results=100, include_spans=False)
+    assert len(found) == 8
+
+
 def test_a_checkpoint_committed_after_its_driver_died_is_listed_when_the_run_resumes_from_it(uri, tmp_path):
     """SIGKILL while the update stage writes a checkpoint: the stage outlives its driver by seconds and
     commits it, unlisted. The run resumed from it, and its checkpoints.json listed steps 1 and 3, not 2."""

@@ -1049,6 +1049,7 @@ def _save(g: Groups, plan: Plan, tracker: Tracker, step: int, watch: Watch, data
     given, where it drew a later step's batch since), the monitors."""
     data = data if data is not None else g[plan.flow("data")[0].src].call("state")
     state = {"run_id": tracker.run_id, "data": data, "watch": watch.state()}
+    tracker.flush_traces()  # a checkpointed step is never computed again: its traces go in before it is written
     try:
         checkpoint = g[plan.flow("data")[-1].dst].call("save_checkpoint", tracker.checkpoint_dir, step, state)
     except Exception as e:  # noqa: BLE001 -- the disk's fault is said as such; anything else as it is

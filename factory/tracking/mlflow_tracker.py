@@ -413,6 +413,7 @@ class MlflowTracker:
         # The step after `logged` when this session resumed the run: its killed driver may have logged that step's
         # traces and been killed before its metrics (`log_trajectories`). None: a run this session started.
         self.recomputed: int | None = None
+        self._traces_waiting = False  # traces logged since the last `flush_traces`
         self.spool: Any = None  # factory.tracking.spool.Spool, once the run has a folder (open_spool)
         self._said_unspooled = False  # the spool folder could not be written: said once
         self.down_since: float | None = None  # when the store stopped answering (None: it answers)
@@ -614,7 +615,8 @@ class MlflowTracker:
                          traces: int | None = None) -> None:
         """The step's table (`trajectories/` or `eval_trajectories/step_NNNNN.parquet`) and a trace for each
         of the first `traces` trajectories (all when None). The table is spooled (it is what `factory
-        rescore` reads); traces are sent only while the store answers."""
+        rescore` reads); traces are sent only while the store answers, by MLflow in the background
+        (`flush_traces`)."""
         if not trajs or step <= self.logged:
             return
         table = pa.Table.from_pylist(trajectory_records(trajs, step))
@@ -628,9 +630,27 @@ class MlflowTracker:
                 if step == self.recomputed:
                     self._delete_traces(step, split)
                 for t in trajs[:traces]:
+                    self._traces_waiting = True
                     log_trace(self.client, self.run_id, t, step=step, split=split)
             except Exception as e:  # noqa: BLE001 -- a view of the table, never worth the run
                 self._note(f"traces of step {step} not logged: {type(e).__name__}: {str(e)[:200]}")
+
+    def flush_traces(self) -> None:
+        """Wait until the traces logged so far are in the store. MLflow exports them from a queue in the
+        background, a second or so behind, and a driver SIGKILLed meanwhile lost what it held for good once the
+        step's metrics were in (a resume never logs a logged step again). Called before each checkpoint is
+        written: a checkpointed step, which no resume computes again, has all its traces. Not after every step:
+        each flush costs about a second however few traces wait (MLflow stops and restarts its export threads,
+        which poll at 1 s), on a tiny spec's 1-6 s steps. Never raises."""
+        if not self._traces_waiting:
+            return
+        import mlflow
+
+        self._traces_waiting = False
+        try:
+            mlflow.flush_trace_async_logging()
+        except Exception:  # noqa: BLE001 -- a view of the tables, never worth the run (MLflow logs its own failures)
+            pass
 
     def _delete_traces(self, step: int, split: str) -> None:
         """Delete the run's traces of `step` and `split`: a step is logged tables and traces first, metrics last (a
@@ -821,10 +841,7 @@ class MlflowTracker:
         if self.run_id is None:
             self._settled()
             return
-        try:
-            mlflow.flush_trace_async_logging()  # traces are exported in the background
-        except Exception:  # noqa: BLE001
-            pass
+        self.flush_traces()
         if not self.flush(force=True):
             waiting = f"{len(self.spool.records)} tracking records could not be sent: they wait in {self.spool.folder}"
             if self._run_gone():  # (a sqlite file deleted mid-run: a new, empty one answers): --resume finds no run

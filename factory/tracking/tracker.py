@@ -91,6 +91,10 @@ class Tracker(Protocol):
 
     def log_checkpoint(self, step: int, path: str) -> None: ...
 
+    def flush_traces(self) -> None:
+        """Wait until the traces logged so far are in the store (before a checkpoint is written); never raises."""
+        ...
+
     def log_tool_calls(self, rows: list[dict[str, Any]], step: int) -> None:
         """The tool calls recorded since the last table (factory.tools.recording) as the step's table."""
         ...
