@@ -297,6 +297,9 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_be_marked_finished_wi
     assert f"run {run} had done every step: no stage started (nothing to train); it ends FINISHED" in out.err, out.err
     done = MlflowClient(uri).get_run(run)
     assert done.info.status == "FINISHED" and DRIVER_TAG not in done.data.tags
+    # no stage ran in that session: it records no environment of its own, which `factory diff` would have read as
+    # the run's newest (every `resolved.*` setting of its stages "-", and "resumed where it ran otherwise")
+    assert not [k for k in done.data.tags if k.startswith("factory.resumed.")], done.data.tags
     # ended, it is no longer picked; named, it is refused: there is nothing left to do
     assert cli.main([*base, "--resume"]) == 2
     assert "no unfinished run of spec 'tiny'" in capsys.readouterr().err

@@ -527,7 +527,8 @@ class MlflowTracker:
         schemas hashed. `started`: when the resuming command started (epoch seconds): the time
         with no driver (tag IDLE_TAG) ends there, this session's start-up is run time (default: now). What this
         session runs on (`environment_tags`, and what each stage `resolved` on its device) is tagged as
-        session N's (`session_tags`): the run's own tags and params are its first session's."""
+        session N's (`session_tags`): the run's own tags and params are its first session's; `resolved` None: no
+        stage runs in this session (factory.runtime.driver.end_done), which records none."""
         import mlflow
 
         from factory.compiler.compile import with_tool_listing
@@ -566,7 +567,10 @@ class MlflowTracker:
         # `--allow-spec-change train.steps=N` changed (`factory runs` showed 3/2)
         mlflow.set_tags({DRIVER_TAG: driver_tag(), "factory.resumes": str(count),
                          "factory.resumed_from_step": str(resume.step), IDLE_TAG: f"{idle:.1f}",
-                         STEPS_TAG: str(plan.driver.train.steps), **session_tags(count, resume.step, resolved or {})})
+                         STEPS_TAG: str(plan.driver.train.steps),
+                         # (None: no stage ran, the run only ended: a session of its own would be its newest, with
+                         # none of the `resolved.*` its stages chose, read by `factory diff` as where it ran last)
+                         **(session_tags(count, resume.step, resolved) if resolved is not None else {})})
         from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG
 
         for tag in (STOPPED_BY_TAG, HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run

@@ -81,7 +81,7 @@ class Tracker(Protocol):
                started: float | None = None, resolved: dict[str, Any] | None = None) -> Plan:
         """Reopen the run `resume` (factory.runtime.resume.Resume) names instead of starting one; `started`:
         when the resuming command started (its start-up is run time, not idle); `resolved`: what each stage chose
-        on its device in this session (recorded with what the session runs on)."""
+        on its device in this session (recorded with what the session runs on; None: no stage runs, nothing is)."""
         ...
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
