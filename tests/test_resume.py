@@ -307,6 +307,44 @@ def test_a_run_killed_after_its_last_checkpoint_resumes_to_be_marked_finished_wi
         find(plan, run, uri, train=spec.train, experiment=exp)
 
 
+def test_a_resume_that_only_ends_the_run_still_ends_what_its_killed_driver_left(store, monkeypatch, tmp_path, capsys):
+    """The resume above skips placing the stages, and so placed()'s first act, ending what a killed driver left
+    (its Ray, engines, tool servers): that driver, SIGKILLed after its last checkpoint, is the very case, and what
+    it left outlived the `factory run --resume` (docs/reliability.md: nothing outlives the next `factory run`)."""
+    import subprocess
+    import sys
+
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    import factory.runtime.driver as driver
+    import factory.runtime.lifecycle as lifecycle
+    from tests.test_lifecycle import DRIVER, _running
+
+    sessions = tmp_path / "drivers"
+    sessions.mkdir()
+    monkeypatch.setattr(lifecycle, "sessions_dir", lambda: sessions)
+    killed = subprocess.Popen([sys.executable, "-c", DRIVER, str(sessions)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    orphan = int(killed.stdout.readline())
+    killed.kill()
+    killed.wait()
+    try:
+        uri, ckpt = store
+        exp = "all-done-reap"
+        spec, plan = compiled(ckpt, f"tracking.experiment={exp}")
+        run = fake_run(uri, ckpt, plan, logged=4, checkpoints=(4,), status="RUNNING", experiment=exp)
+        MlflowClient(uri).set_tag(run, DRIVER_TAG, GONE)
+        monkeypatch.setattr(driver, "placed", lambda *a, **k: (_ for _ in ()).throw(AssertionError("placed")))
+        base = ["run", SPEC, f"train.checkpoint_dir={ckpt}", "train.steps=4", f"tracking.experiment={exp}"]
+        assert cli.main([*base, "--resume"]) == 0, capsys.readouterr().err
+        assert not _running(orphan), "the killed driver's process outlived `factory run --resume`"
+        assert "ended what a killed run left behind" in capsys.readouterr().err
+    finally:
+        if _running(orphan):
+            psutil.Process(orphan).kill()
+
+
 def test_a_run_a_stop_on_monitor_stopped_is_refused_until_the_monitor_is_taken_out(store):
     """Resumed as it was, a run that `train.stop_on` stopped read the same monitor history, trained one more step
     and stopped again, exit 4 (and said the monitor "fired" at that step, where it had first fired before)."""

@@ -1158,6 +1158,7 @@ def end_done(plan: Plan, resume: Resume, tracker: Tracker, display: Any, startup
     before it ended the run, or with records it could not send): what waits in its spool is sent and the run is
     marked FINISHED. No stage is placed: Ray and every stage started (30-60 s, and the run's devices) only to
     train nothing."""
+    end_leftovers(display)  # (its driver, SIGKILLed after the last checkpoint, is the very case)
     status = "FAILED"  # (the reopen raised: the store refused, say)
     try:
         tracker.resume(resume, plan, {}, started=startup.t0)  # sends what waits in the spool
@@ -1197,6 +1198,13 @@ def prepare_in_background(tracker: Tracker) -> threading.Thread:
 
 
 @contextlib.contextmanager
+def end_leftovers(display: Any) -> None:
+    """End what killed drivers left (their Ray, engines, tool servers), saying so: every `factory run` does,
+    first (docs/reliability.md)."""
+    if ended := reap_orphans():
+        display.status(f"ended what a killed run left behind: {', '.join(ended)}")
+
+
 def placed(plan: Plan, display: Any, startup: Startup, *,
            again: str = RESUME_SAID) -> Iterator[tuple[Groups, SessionRecord]]:
     """The plan's stages placed on Ray (a Ray of our own, or the cluster's), set up and ready; whatever
@@ -1206,9 +1214,7 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
     refuse_a_ray_up("the run")  # (not ours: never shut down below)
     # First, so that a model build does not share the machine with a killed run's engines; timed as the `ray`
     # phase (what a killed run left is its Ray above all, and ending it, up to 10 s, is no model building)
-    ended = reap_orphans()
-    if ended:
-        display.status(f"ended what a killed run left behind: {', '.join(ended)}")
+    end_leftovers(display)
     startup.lap("ray")
     build_models(plan, display.status)
     startup.lap("models")
