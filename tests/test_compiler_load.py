@@ -355,9 +355,9 @@ tools:
         "clip, normalize\n"
         "spec.yaml:12: rewards.both: expected exactly one of the keys: fn, llm_judge, tool, sum, min, max, "
         "product, gate, clip, normalize; found fn, sum\n"
-        "spec.yaml:15: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
-        "spec.yaml:16: tools.web.timeout_s: expected a number, got 'soon'\n"
-        "spec.yaml:17: tools.text: expected a mapping with one of the keys: command, url, function, "
+        "spec.yaml:14: tools.calc.comand: unknown key 'comand'; did you mean 'command'?\n"
+        "spec.yaml:15: tools.web.timeout_s: expected a number, got 'soon'\n"
+        "spec.yaml:16: tools.text: expected a mapping with one of the keys: command, url, function, "
         "got 'just a string'\n"
         "7 errors in spec.yaml")
 
