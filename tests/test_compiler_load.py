@@ -405,6 +405,17 @@ def test_a_key_yaml_reads_as_null_or_a_boolean_is_located_at_its_line(project):
     with pytest.raises(SpecErrors) as e:  # (an override cannot slip past it)
         load_spec(path, ["tracking.tags.team=y"])
     assert report(e).splitlines()[0].startswith("spec.yaml:10: tracking.tags.yes: YAML reads the key `yes` as true")
+    # a duplicate key after one: at its own line (the text OmegaConf read kept the spec's lines), with it
+    with pytest.raises(SpecErrors) as e:
+        load_spec(project.spec("name: a\ntracking:\n  tags: {on: call}\n# a comment\n\nx: '${foo'\n\n"
+                               "seed: 0\nseed: 1\n"))
+    assert report(e).splitlines()[:4] == [
+        "spec.yaml:3: tracking.tags.on: YAML reads the key `on` as true, not as a name: quote it ('on'), or write the "
+        "key meant",
+        "spec.yaml:6: x: no viable alternative at input '${foo'; an interpolation is `${key}` or `${resolver:args}`, "
+        "closed by `}`; a literal `${` is written `\\${`",
+        "spec.yaml:9: yaml syntax error: found duplicate key seed",
+        "  9 | seed: 1"], report(e)
 
 
 def test_empty_and_non_mapping_specs(project):

@@ -229,15 +229,19 @@ def _not_names(node: yaml.Node, at: Keys = ()) -> Iterable[tuple[Keys, yaml.Scal
 
 
 def _blanked(text: str, nodes: Iterable[yaml.ScalarNode], keys: Iterable[yaml.ScalarNode] = ()) -> str:
-    """`text` with the values of `nodes` made '' and `keys` quoted, read as text (anchors, tags and every other
-    value kept), for OmegaConf to read the rest; the text is re-emitted, so its lines are the original's only up
-    to the first of them."""
-    blank, quote = {n.start_mark.index for n in nodes}, {k.start_mark.index for k in keys}
-    events = [yaml.ScalarEvent(e.anchor, e.tag, (False, True), "" if e.start_mark.index in blank else e.value,
-                               style="'")
-              if isinstance(e, yaml.ScalarEvent) and e.start_mark.index in blank | quote else e
-              for e in yaml.parse(text, Loader=yaml.SafeLoader)]
-    return yaml.emit(events, allow_unicode=True)
+    """`text` with the values of `nodes` made '' and `keys` quoted, read as text, for OmegaConf to read the rest:
+    each written over its own scalar in the text (anchors, tags, comments and every other value kept), padded with
+    the line breaks it spanned, so that every line stays where it was: OmegaConf's own errors (a duplicate key) point
+    at the user's lines."""
+    scalars = {t.end_mark.index: t for t in yaml.scan(text, Loader=yaml.SafeLoader) if isinstance(t, yaml.ScalarToken)}
+    # (a node an alias uses is met at each use: written over once)
+    edits = {n.end_mark.index: "''" for n in nodes} | {k.end_mark.index: "'" + k.value.replace("'", "''") + "'"
+                                                        for k in keys}
+    for at, new in sorted(edits.items(), reverse=True):
+        token = scalars[at]  # (the node's own marks take in its anchor and tag)
+        start, end = token.start_mark.index, token.end_mark.index
+        text = text[:start] + new + "\n" * text.count("\n", start, end) + text[end:]
+    return text
 
 
 def _yaml_problem(e: yaml.YAMLError, at: int | None = None) -> str:
@@ -564,8 +568,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         # OmegaConf's own YAML reading: `1e-5` is a float, duplicates refused
         cfg = OmegaConf.create(_blanked(text, [node for _, node, _ in found], [key for _, key in odd.values()])
                                if found or odd else text)
-    except yaml.YAMLError as e:
-        raise SpecErrors([_yaml_error(e, file, text)], file) from None
+    except yaml.YAMLError as e:  # (a duplicate key) with the keys and values left out, found before it
+        raise SpecErrors([*(error for _, error in malformed), _yaml_error(e, file, text)], file) from None
     except OmegaConfBaseException as e:  # a malformed ${...} is refused when the config is created
         key = getattr(e, "full_key", "") or ""
         raise SpecErrors([SpecError(file, lines.get(key, lines[""])[0], key, _omega_message(e))], file) from None
