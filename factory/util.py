@@ -409,7 +409,7 @@ def close_modules(name: str) -> list[str]:
     return found
 
 
-def _as_import_path(ref: str) -> str | None:
+def import_path_meant(ref: str) -> str | None:
     """What a file path or an all-dots name most likely meant: `rewards/task.py:correct` and
     `rewards.task.correct` -> `rewards.task:correct` (None when nothing sensible is near)."""
     if ":" not in ref and ref.endswith(".py"):
@@ -478,7 +478,7 @@ def import_object(ref: str) -> Any:
             raise RefError(f"'{ref}' is a module: name a function in it, '{ref}:FUNCTION'"
                            + (f" (it defines {', '.join(functions[:8])}{', ...' if len(functions) > 8 else ''})"
                               if functions else ""))
-        guess = _as_import_path(ref)
+        guess = import_path_meant(ref)
         raise RefError(f"expected an import path 'module:function', got '{ref}'"
                        + (f"; did you mean '{guess}'?" if guess else ""))
     module_name, _, attr = ref.partition(":")

@@ -135,7 +135,9 @@ def test_a_plain_value_for_a_reward_node_or_tool_server_says_the_node_to_write(p
     """`correct: mod:fn` for a reward node, a command line or a URL for a tool server: "expected a mapping with one
     of the keys: fn, llm_judge, ..." named the keys but not which one the value meant."""
     path = project.spec(_base(project, "rw_nodes").replace("rewards:", "rewards:\n  plain: factory.rewards.math:"
-                                                           "numeric_match\n  three: 3\n  word: plain\nold_rewards:") + """\
+                                                           "numeric_match\n  three: 3\n  word: plain\n"
+                                                           "  dots: factory.rewards.math.numeric_match\n"
+                                                           "  served: web.lookup\nold_rewards:") + """\
 tools:
   calc: sh -c 'my_calc --port 1'
   web: https://example.com/mcp
@@ -152,15 +154,20 @@ metrics: {}
         "'factory.rewards.math:numeric_match'; write `plain: {fn: factory.rewards.math:numeric_match}`",
         f"spec.yaml:7: rewards.three: expected a mapping with one of the keys: {keys}, got 3",
         f"spec.yaml:8: rewards.word: expected a mapping with one of the keys: {keys}, got 'plain'",
-        "spec.yaml:14: tools.calc: expected a mapping with one of the keys: command, url, function, "
+        # (an import path as the compiler takes it; a tool of one of the spec's servers)
+        f"spec.yaml:9: rewards.dots: expected a mapping with one of the keys: {keys}, got "
+        "'factory.rewards.math.numeric_match'; write `dots: {fn: factory.rewards.math:numeric_match}`",
+        f"spec.yaml:10: rewards.served: expected a mapping with one of the keys: {keys}, got 'web.lookup'; write "
+        "`served: {tool: web.lookup}`",
+        "spec.yaml:16: tools.calc: expected a mapping with one of the keys: command, url, function, "
         "got 'sh -c 'my_calc --port 1''; write `calc: {command: sh, args: [-c, my_calc --port 1]}`",
-        "spec.yaml:15: tools.web: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:17: tools.web: expected a mapping with one of the keys: command, url, function, got "
         "'https://example.com/mcp'; write `web: {url: https://example.com/mcp}`",
-        "spec.yaml:16: tools.fn: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:18: tools.fn: expected a mapping with one of the keys: command, url, function, got "
         "'my_tools:lookup'; write `fn: {function: my_tools:lookup}`",
-        "spec.yaml:17: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
+        "spec.yaml:19: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
         "write `shell: {command: sh}`",
-        "spec.yaml:18: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:20: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
         "'my.server'"]
 
 

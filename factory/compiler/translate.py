@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from factory.plan import MASK
-from factory.util import nearest  # noqa: F401 -- the compiler's modules take it from here
+from factory.util import import_path_meant, nearest  # noqa: F401 -- the compiler's modules take nearest from here
 
 Parts = tuple[str | int, ...]
 
@@ -182,10 +182,11 @@ _URL = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
 
 
-def node_meant(value: Any, members: tuple[type, ...]) -> dict[str, Any] | None:
+def node_meant(value: Any, members: tuple[type, ...], servers: Collection[str] = ()) -> dict[str, Any] | None:
     """The node a plain string most likely meant where a union of sections goes (a reward node, a tool server):
-    a URL the member keyed `url`, `mod:fn` the one keyed `function` (a python tool), else an import path the one
-    keyed `fn` (a reward function), a command line of a program found the one keyed `command`, split as a shell
+    a URL the member keyed `url`, `mod:fn` the one keyed `function` (a python tool), `server.tool` of one of the
+    spec's `servers` the one keyed `tool`, else an import path the one keyed `fn` (a reward function, written as
+    the compiler takes it: `mod:fn`), a command line of a program found the one keyed `command`, split as a shell
     would; None where nothing evident."""
     if not isinstance(value, str) or isinstance(value, Secret) or not value.strip():
         return None  # (read from the environment: a mapping holding it would print it)
@@ -194,8 +195,10 @@ def node_meant(value: Any, members: tuple[type, ...]) -> dict[str, Any] | None:
         key = "url"
     elif ":" in value and _IMPORT_PATH.fullmatch(value):
         key = "function" if "function" in by_key else "fn"
+    elif "tool" in by_key and value.partition(".")[0] in servers:
+        key = "tool"
     elif "fn" in by_key and "." in value and _IMPORT_PATH.fullmatch(value):  # (a bare word: another node's name?)
-        key = "fn"
+        key, value = "fn", import_path_meant(value) or value
     elif "command" in by_key:
         try:
             words = shlex.split(value)
@@ -522,7 +525,8 @@ def _node_problems(node: Parts, members: tuple[type, ...], errs: list[tuple[dict
     distinctive = {m: required_keys(m) for m in members if _is_model(m)}
     all_distinctive = [k for keys in distinctive.values() for k in keys[:1]]
     if not isinstance(raw, dict):
-        meant = node_meant(raw, members)
+        servers = data.get("tools") if isinstance(data, dict) and isinstance(data.get("tools"), dict) else {}
+        meant = node_meant(raw, members, servers)
         hint = f"; write `{node[-1]}: {flow(meant)}`" if node and meant else ""
         return [Problem(node, f"expected a mapping with one of the keys: {', '.join(all_distinctive)}, "
                               f"got {show(raw)}{hint}", node)]
