@@ -300,6 +300,38 @@ def test_evals_of_one_spec_that_scored_different_models_differ(tmp_path):
     assert compare(trained, of_trained, {}, {})["warnings"] == []
 
 
+def test_two_evaluations_of_one_spec_and_model_are_identical(capsys):
+    """Two `factory eval SPEC` runs of one model (and a run and its evaluation) changed nothing, both recorded
+    their tool schemas: the informational notes (an eval run's unread settings, an evaluation of the other run's
+    checkpoint) made them "not identical", and the text report said neither what differs nor "defined
+    identically". Only a note that hides a difference (tool schemas not recorded, a resume under a changed spec)
+    does."""
+    from factory.commands.diff import RunRecord, compare, render
+    from factory.tracking.tracker import TrackedRun
+
+    def record(run_id, tags, hashes=None, resumed=()):
+        plan = {"spec": {"model": {"path": "factory:tiny-qwen3"}, "tools": {"calc": {}}},
+                "hashes": {"run": "abcdef0123456789", "tools": {"calc": "h"}} if hashes is None else hashes}
+        return RunRecord(TrackedRun(run_id, run_id, "0", "FINISHED", 1.0, 2.0, tags=tags), plan, None,
+                         resumed=list(resumed))
+
+    a, b = record("a", {"factory.kind": "eval"}), record("b", {"factory.kind": "eval"})
+    report = compare(a, b, {}, {})
+    assert report["changes"] == [] and report["notes"] == [
+        "A is an eval run and B is an eval run: settings it does not read (train.*, algorithm.*, data.train.*) are "
+        "not compared"]
+    assert report["identical"]
+    render({**report, "trajectories": None}, a, b)
+    assert "defined identically" in capsys.readouterr().out
+    of_a = record("c", {"factory.kind": "eval", "factory.eval_of": "t"})
+    assert compare(record("t", {}), of_a, {}, {})["identical"]
+    # what hides a difference still blocks it
+    unhashed = record("d", {"factory.kind": "eval"}, hashes={"run": "abcdef0123456789"})
+    assert not compare(a, unhashed, {}, {})["identical"]
+    resumed = record("e", {"factory.kind": "eval"}, resumed=[(2, a.plan)])
+    assert not compare(a, resumed, {}, {})["identical"]
+
+
 def test_a_run_that_has_not_finished_is_compared_with_a_warning():
     """`factory diff` of a finished run and one still running (or stopped, or failed) put their "final"
     values side by side with nothing said: B's eval "final" was its step-0 evaluation, against A's step 4."""

@@ -403,8 +403,11 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
             history_b: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
     """The whole report as plain data (see the README for an example)."""
     changes = plan_changes(a.plan, b.plan, a.tools, b.tools)
-    notes = plan_notes(a.plan, b.plan, ("A", "B"))
-    notes += resumed_notes("A", a.plan, a.resumed) + resumed_notes("B", b.plan, b.resumed)
+    # the notes that hide a difference (tool schemas not recorded, values masked, a resume under another spec):
+    # with one, the runs are not known to be identical; the notes below only say what was left out and why
+    blocking = plan_notes(a.plan, b.plan, ("A", "B"))
+    blocking += resumed_notes("A", a.plan, a.resumed) + resumed_notes("B", b.plan, b.resumed)
+    notes = list(blocking)
     kinds = {side: run_kind(r.run) for side, r in (("A", a), ("B", b))}
     if {"eval", "rescore"} & set(kinds.values()):
         # an evaluation or a rescoring trains nothing: its spec's training settings were never read
@@ -430,7 +433,7 @@ def compare(a: RunRecord, b: RunRecord, history_a: dict[str, list[tuple[int, flo
     prompts = common_prompts(a.trajectories, b.trajectories)
     return {
         "a": _side(a), "b": _side(b),
-        "identical": not changes and not notes,
+        "identical": not changes and not blocking,
         "changes": changes,
         # (where a run ran is not part of its plan: not a reason to call two runs defined otherwise)
         "notes": notes + session_notes("A", a.run) + session_notes("B", b.run),
@@ -511,8 +514,11 @@ def render(report: dict[str, Any], a: RunRecord, b: RunRecord) -> None:
             table.add_row(c["kind"], c["key"] + (f"\n({extra})" if extra else ""), fmt(c["a"]), fmt(c["b"]))
         console.print(table)
     elif report["identical"]:
+        # (an eval or rescore run's plan hash covers the training settings it does not read: two such runs may
+        # be defined identically in all they read and yet hash otherwise)
+        hashes = dict.fromkeys(str(report[side]["plan_hash"])[:12] for side in ("a", "b"))
         console.print(f"defined identically: same spec, templates, reward code, data and tool schemas "
-                      f"(plan {report['a']['plan_hash'][:12]})")
+                      f"(plan{'s' if len(hashes) > 1 else ''} {' and '.join(hashes)})")
     if report["environment"]:
         env = Table(title="where and how they ran (not part of the plan)")
         for col in ("tag", "A", "B"):
