@@ -792,6 +792,31 @@ def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
         {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]
 
 
+def test_environment_leaves_out_the_stages_an_eval_or_rescore_run_never_ran():
+    """`factory diff TRAIN RESCORE` listed every resolved.rollout.* and resolved.update.* param of the training run
+    as "X -> -" under where and how they ran: a rescore runs neither stage, an eval no update stage. Against such
+    a run only what both resolved is compared; what both ran on still is."""
+    from factory.commands.diff import environment_changes
+    from factory.tracking.tracker import TrackedRun
+
+    def run(tags, params):
+        return TrackedRun("r", "r", "0", "FINISHED", None, None, tags=tags, params=params)
+
+    resolved = {"resolved.rollout.engine": "hf", "resolved.rollout.dtype": "float32",
+                "resolved.update.device": "cpu", "resolved.update.dtype": "float32"}
+    trained = run({"factory.version.torch": "2.13.0"}, resolved)
+    rescored = run({"factory.version.torch": "2.13.0", "factory.rescore_of": "r"}, {})
+    evaluated = run({"factory.version.torch": "2.14.0", "factory.kind": "eval"},
+                    {"resolved.rollout.engine": "hf", "resolved.rollout.dtype": "bfloat16"})
+    assert environment_changes(trained, rescored) == []
+    assert environment_changes(evaluated, trained) == [
+        {"key": "factory.version.torch", "a": "2.14.0", "b": "2.13.0"},
+        {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]
+    # two training runs: a stage one of them did not resolve is a difference
+    assert environment_changes(trained, run({"factory.version.torch": "2.13.0"}, {})) == [
+        {"key": k, "a": v, "b": None} for k, v in sorted(resolved.items())]
+
+
 def test_records_wait_in_the_spool_while_the_server_is_down_and_each_step_is_logged_once(tracking_server, tmp_path,
                                                                                         monkeypatch):
     """A real `mlflow server` behind a forwarder whose cable is pulled after step 1 and put back before step

@@ -229,9 +229,13 @@ def sessions(run: TrackedRun) -> list[tuple[int | None, dict[str, str]]]:
 def environment_changes(run_a: TrackedRun, run_b: TrackedRun) -> list[dict[str, Any]]:
     """Where and how the runs ran, when it differs: versions, CPU, GPU, commits (tags) and what each stage
     chose on its device (`resolved.*` params: engine, device, dtypes), of each run's newest session (`sessions`):
-    the steps a resumed run ended with ran there."""
+    the steps a resumed run ended with ran there. Against an eval run (no update stage) or a rescore (neither
+    stage) only the stages both resolved are compared: one the other never ran is no difference in where it ran."""
     a, b = sessions(run_a)[-1][1], sessions(run_b)[-1][1]
-    return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    keys = set(a) | set(b)
+    if {"eval", "rescore"} & {run_kind(run_a), run_kind(run_b)}:
+        keys = {k for k in keys if not k.startswith("resolved.") or (k in a and k in b)}
+    return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(keys) if a.get(k) != b.get(k)]
 
 
 def session_notes(side: str, run: TrackedRun) -> list[str]:
