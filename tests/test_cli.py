@@ -532,6 +532,23 @@ def test_a_store_that_goes_down_while_runs_or_export_reads_it_is_exit_3_naming_i
                 and "internal error" not in err), err
 
 
+def test_runs_with_a_uri_whose_store_is_not_there_exits_2(tmp_path, capsys, monkeypatch):
+    """`factory runs --uri sqlite:///typo.db` exited 0 (`--json` printed []), where factory.runs(uri=...) raised
+    RunLookupError and `factory diff --uri` exited 2. A store named that is not there is the user's to fix; the
+    default's, not made yet, is "no runs"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/typo.db"
+    for json_flag in ([], ["--json"]):
+        assert cli.main(["runs", "--uri", uri, *json_flag]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith(f"factory runs: error: no tracking store at {uri} (no file ")
+    assert cli.main(["runs"]) == 0
+    assert capsys.readouterr().out.startswith("no runs: no tracking store at sqlite:///mlflow.db")
+    assert cli.main(["runs", "--json"]) == 0 and capsys.readouterr().out == "[]\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_resume_where_the_store_is_not_leaves_no_store_behind(project, capsys, monkeypatch):
     """`factory run SPEC --resume [RUN]` from a folder without the run's mlflow.db made an empty store there
     and said no run had that id (or that the spec had no unfinished run: start it without --resume)."""

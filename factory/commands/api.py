@@ -280,17 +280,13 @@ def runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = N
     reward, eval metrics, duration...; `duration_s` counts from the start of the command or `factory.run` call
     that opened the run, start-up included, as the run's summary does, less the time a resumed run had no
     driver). `uri`: the tracking store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."""
-    from factory.tracking.mlflow_tracker import tracking_uri
     from factory.tracking.runs import list_runs
-    from factory.tracking.tracker import MAX_RUNS, RunLookupError
-    from factory.util import missing_store
+    from factory.tracking.tracker import MAX_RUNS
 
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:  # MLflow's own error said max_results
         raise ValueError(f"limit: at least 1 run, got {limit!r}")
     if limit > MAX_RUNS:
         raise ValueError(f"limit: at most {MAX_RUNS} runs, got {limit}")
-    if uri is not None and (missing := missing_store(tracking_uri(uri))) is not None:
-        raise RunLookupError(missing)  # a store named that is not there: not "no runs" (the default's may be new)
     with _store_read():
         return list_runs(experiment, limit=limit, uri=uri)
 

@@ -85,8 +85,11 @@ def monitors(run: TrackedRun) -> dict[str, dict[str, Any]]:
 
 def list_runs(experiment: str | None = None, *, limit: int = 100, uri: str | None = None) -> list[dict[str, Any]]:
     """`run_summary` of the tracked runs, newest first: of one experiment (by name), else of all
-    (`factory runs`, factory.runs)."""
-    if missing_store(tracking_uri(uri)) is not None:  # none yet: not an empty store made here
+    (`factory runs`, factory.runs). RunLookupError when `uri` names a sqlite store that is not there (a typo is
+    not "no runs"); the default's, not made yet, has none."""
+    if (missing := missing_store(tracking_uri(uri))) is not None:  # none yet: not an empty store made here
+        if uri is not None:
+            raise RunLookupError(missing)
         return []
     tracker = open_tracker(uri, read=True)
     with reading(tracker.uri):  # (a store that goes down after it answered: exit 3, as one down from the start)
