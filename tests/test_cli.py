@@ -549,6 +549,24 @@ def test_runs_with_a_uri_whose_store_is_not_there_exits_2(tmp_path, capsys, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ui_where_the_store_is_not_refuses_and_makes_none(tmp_path, capsys, monkeypatch):
+    """`factory ui` in a folder without mlflow.db (or --uri naming a sqlite file that is not there) served an
+    empty UI and left a new empty store behind, where `factory runs` and `diff` said there was none."""
+    from factory.tracking import runs
+
+    def started(*a, **k):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(runs, "server_command", started)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    typo = f"sqlite:///{tmp_path}/typo.db"
+    for uri, argv in (("sqlite:///mlflow.db", []), (typo, ["--uri", typo])):
+        assert cli.main(["ui", *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"factory ui: error: no tracking store at {uri} (no file ")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_resume_where_the_store_is_not_leaves_no_store_behind(project, capsys, monkeypatch):
     """`factory run SPEC --resume [RUN]` from a folder without the run's mlflow.db made an empty store there
     and said no run had that id (or that the spec had no unfinished run: start it without --resume)."""
@@ -610,6 +628,7 @@ def test_ui_host_may_be_an_ipv6_address_and_a_typo_is_the_users_error(capsys, mo
     import socket
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    (tmp_path / "mlflow.db").touch()  # a store that is there (one that is not is refused first)
     with socket.socket(socket.AF_INET6) as taken:
         taken.bind(("::1", 0))
         taken.listen()

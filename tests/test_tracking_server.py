@@ -339,6 +339,7 @@ def test_factory_ui_stopped_by_sigterm_stops_its_server(tmp_path):
             f"runs.server_command = lambda uri, host, port: ([sys.executable, '-c', {server!r}], None); "
             "runs.wait_until_up = lambda url, proc: None; sys.exit(main(['ui', '--port', sys.argv[1]]))")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO)}
+    (tmp_path / "mlflow.db").touch()  # a store that is there (one that is not is refused first)
     proc = subprocess.Popen([sys.executable, "-c", code, str(free_port())], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -183,6 +183,8 @@ def ui_main(args: Any) -> int:
     if uri.startswith(("http://", "https://")):
         print(f"the tracking store is a server already: open {uri}")
         return 0
+    if (missing := missing_store(uri)) is not None:  # the server would make an empty store and show no run
+        raise RunLookupError(missing)
     if not _port_free(args.host, args.port):
         raise RunLookupError(f"port {args.port} on {args.host} is in use; pick another with --port")
     argv, env = server_command(uri, args.host, args.port)
