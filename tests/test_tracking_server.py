@@ -328,14 +328,18 @@ def test_factory_ui_serves_the_configured_store(tmp_path):
         requests.get(f"{url}/health", timeout=5)
 
 
-def test_factory_ui_stopped_by_sigterm_stops_its_server(tmp_path):
-    """`kill PID` (systemd's stop, a job's time limit) ended `factory ui` at once and left its `mlflow server`
-    running on the port. The server here is a stand-in that writes its pid and sleeps (a real one takes ~10 s to
-    start; the test above stops one with Ctrl-C)."""
+@pytest.mark.parametrize("signum, nohup", [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGHUP, True)],
+                         ids=["SIGTERM", "SIGHUP", "SIGHUP-under-nohup"])
+def test_factory_ui_stopped_by_sigterm_or_sighup_stops_its_server(tmp_path, signum, nohup):
+    """`kill PID` (systemd's stop, a job's time limit) or SIGHUP (the terminal closed, an ssh session gone) ended
+    `factory ui` at once and left its `mlflow server` running on the port. The server here is a stand-in that
+    writes its pid and sleeps (a real one takes ~10 s to start; the test above stops one with Ctrl-C). Under
+    `nohup` (SIGHUP ignored) a hangup leaves it serving, as asked, and SIGTERM still stops both."""
     from tests.servers import free_port
 
     server = "import os, time; open('server.pid', 'w').write(str(os.getpid())); time.sleep(120)"
-    code = ("import sys; from factory.tracking import runs; from factory.commands.cli import main; "
+    code = (("import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); " if nohup else "")
+            + "import sys; from factory.tracking import runs; from factory.commands.cli import main; "
             f"runs.server_command = lambda uri, host, port: ([sys.executable, '-c', {server!r}], None); "
             "runs.wait_until_up = lambda url, proc: None; sys.exit(main(['ui', '--port', sys.argv[1]]))")
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(REPO)}
@@ -350,8 +354,13 @@ def test_factory_ui_stopped_by_sigterm_stops_its_server(tmp_path):
                 break
             time.sleep(0.05)
         pid = int(pid_file.read_text())
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        proc.send_signal(signum)
+        if nohup:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
+            signum = signal.SIGTERM
+            proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 128 + signum
     finally:
         proc.kill()
     with pytest.raises(ProcessLookupError):  # stopped and reaped by `factory ui`

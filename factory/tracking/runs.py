@@ -191,10 +191,13 @@ def ui_main(args: Any) -> int:
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"  # (an IPv6 address in [])
     # The server's log goes to a file (a pipe nobody reads would fill and stall it); shown if it fails.
     log = tempfile.TemporaryFile(mode="w+")
-    # SIGTERM (`kill PID`, systemd's stop) ended this process at once and left the server running on the port:
-    # it now exits through the `finally` that stops the server, as Ctrl-C does
+    # SIGTERM (`kill PID`, systemd's stop) or SIGHUP (the terminal closed) ended this process at once and left the
+    # server running on the port: it now exits through the `finally` that stops the server, as Ctrl-C does
     main = threading.current_thread() is threading.main_thread()  # (elsewhere signals cannot be changed)
-    previous = signal.signal(signal.SIGTERM, _exit) if main else None
+    # (one ignored is left so: `nohup factory ui &` keeps serving after the terminal closes; Windows has no HUP)
+    stops = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None))
+             if s is not None and signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, _exit) for s in stops} if main else {}
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         print(f"starting the MLflow UI on {uri} ...", file=sys.stderr, flush=True)
@@ -215,6 +218,6 @@ def ui_main(args: Any) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
