@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from factory.presets import Algorithm
+from factory.presets import Algorithm, filled
 from factory.schema import (
     DataSpec,
     LocalJudge,
@@ -322,6 +322,13 @@ class Plan:
     @property
     def algorithm(self) -> Algorithm:
         return self.sliced(UpdateSettings).algorithm
+
+    @property
+    def filled_spec(self) -> dict[str, Any]:
+        """`spec` with its `algorithm` section as the run uses it: the preset's choices in place of the nulls it
+        left to them (factory.presets.filled). What a run and its rescore record as params, and `factory explain`
+        shows: the spec's nulls made a run and its rescore of one spec differ in MLflow's compare view."""
+        return {**self.spec, "algorithm": filled(self.spec["algorithm"], self.algorithm)}
 
     @property
     def metrics(self) -> dict[str, str]:

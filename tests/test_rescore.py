@@ -430,6 +430,27 @@ def test_a_rescore_records_no_value_read_from_the_environment(tmp_path, monkeypa
     assert [k for k, v in {"name": new.info.run_name, **new.data.tags}.items() if "s3cret" in v] == []
 
 
+def test_a_rescore_records_the_algorithm_as_its_preset_resolved_it(tmp_path, monkeypatch):
+    """`factory run` records algorithm.* params as the preset resolved them (grpo, ppo_clip, ...); a rescore of the
+    same spec recorded the spec's nulls, so MLflow's compare view showed a run and its rescore differing in five
+    algorithm settings that were the same."""
+    from mlflow.tracking import MlflowClient
+
+    from factory.commands.rescore import rescore
+    from factory.compiler.compile import compile_file
+
+    spec, plan = compile_file(_tiny_spec(), weights=False)
+    assert plan.spec["algorithm"]["advantage"] is None  # left to the preset
+    uri, old = _started_run(tmp_path, monkeypatch, "old")
+    old.end()
+    params = MlflowClient(uri).get_run(rescore(old.run_id, plan, uri=uri).run_id).data.params
+    assert {k: params[k] for k in ("algorithm.name", "algorithm.advantage", "algorithm.loss", "algorithm.aggregation",
+                                   "algorithm.clip", "algorithm.dynamic_sampling", "algorithm.kl.estimator")} == {
+        "algorithm.name": "grpo", "algorithm.advantage": "grpo", "algorithm.loss": "ppo_clip",
+        "algorithm.aggregation": "seq_mean_token_mean", "algorithm.clip": "[0.2, 0.2]",
+        "algorithm.dynamic_sampling": "false", "algorithm.kl.estimator": "k3"}
+
+
 def test_before_is_the_runs_own_value_of_a_metric_stored_under_another_name(tmp_path, monkeypatch, capsys):
     """A `metrics` entry whose name MLflow refuses (`pass@1`) is stored as `eval/pass_1`: "before" looked it up under
     the spec's name, found nothing and printed "-" as if the run had never logged it."""

@@ -207,7 +207,8 @@ def rescore(run_id: str, plan: Plan, *, uri: str, steps: set[int] | None = None)
             "factory.rescored_steps": _shown({s for _, s in batches})}
     # named apart as a run is (`factory rescore NAME` of a rescore: a name two runs share names neither)
     name = tracker.free_name(run_name(f"{shown['name']}-rescore"))
-    tracker.start(name, shown, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
+    # (the algorithm's params as a run records them: the preset's choices, not the nulls it filled in)
+    tracker.start(name, plan.filled_spec, tags, {"plan.json": plan_json(plan), "spec.yaml": plan.spec_yaml})
     try:
         for (split, step), trajs in batches.items():
             tracker.log_metrics(metrics[(split, step)], step=step)

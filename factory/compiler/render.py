@@ -183,10 +183,9 @@ def explain_text(plan: Plan, spec: BaseModel, origin: Callable[[str], str] | Non
     `origin` (factory.compiler.load.SpecSource.origin), where its value was set: the file and line (a
     base spec's, with `extends`), the override, or `default`."""
     from factory.compiler.translate import value_at
-    from factory.presets import filled
 
     out = []
-    shown = {**plan.spec, "algorithm": filled(plan.spec["algorithm"], plan.algorithm)}
+    shown = plan.filled_spec
     for path, doc, value in _explained(spec, shown):
         out += [f"# {line}" for line in textwrap.wrap(doc, 100)]
         where = origin(path) if origin is not None else None

@@ -491,14 +491,13 @@ class MlflowTracker:
         from the plan, where values taken from the environment are masked. Returns the plan with its tool
         schemas hashed."""
         from factory.compiler.compile import plan_json, with_tool_listing
-        from factory.presets import filled
 
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
         tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
         name = self.free_name(run_name(shown["name"]))
         # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
-        params = {**shown, "algorithm": filled(shown["algorithm"], plan.algorithm), **(extra_params or {})}
+        params = {**plan.filled_spec, **(extra_params or {})}
         # tools.json keeps each schema's keys in the order the server gave them, which is the order the chat
         # template writes them into the prompt: a replay offers the tools from it (factory.tools.recording), and
         # sorted keys gave its model other prompt tokens, so it sampled otherwise and missed the recording
