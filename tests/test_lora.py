@@ -119,14 +119,54 @@ def test_rollout_gpus_must_divide_the_attention_heads(project):
     path = _tiny_spec(project, "resources:\n  rollout: {num_gpus: 3}\n")
     with pytest.raises(SpecErrors) as e:
         compile_file(path)
-    assert ("spec.yaml:10: resources.rollout.num_gpus: vLLM splits the model's 4 attention heads over the rollout "
-            "replica's 3 GPUs (tensor_parallel_size), which needs a divisor of 4: one of 1, 2, 4") in e.value.report()
+    assert ("spec.yaml:10: resources.rollout.num_gpus: vLLM splits the model over the rollout replica's 3 GPUs "
+            "(tensor_parallel_size), and 3 does not divide its 4 attention heads: give one of 1, 2, 4"
+            ) in e.value.report()
     with pytest.raises(SpecErrors) as e:
         compile_file(_tiny_spec(project, "resources:\n  rollout: {num_gpus: 1.5}\n"))
     assert "resources.rollout.num_gpus: 1.5 GPUs: more than one GPU per rollout replica" in e.value.report()
     with pytest.raises(SpecErrors) as e:  # 2 divides 4: only the missing CUDA devices are wrong here
         compile_file(_tiny_spec(project, "resources:\n  rollout: {num_gpus: 2}\n"))
-    assert "attention heads" not in e.value.report()
+    assert "tensor_parallel_size" not in e.value.report()
+
+
+def test_tensor_parallel_sizes_are_those_vllm_splits_every_layer_over():
+    """vLLM divides the attention heads, the KV heads (or, when there are fewer than GPUs, holds each on a whole
+    number of them) and the MLP's width over tensor_parallel_size GPUs (QKVParallelLinear, the MLP's column- and
+    row-parallel layers). Llama-3.2-3B: 24 heads, 8 KV heads, width 8192; 3, 6 and 12 divide the heads but not
+    the KV heads (vLLM: "8 is not divisible by 3"), and 24 does not divide the width."""
+    from factory.rollout.engine import tensor_parallel_misfit, tensor_parallel_sizes
+
+    llama = {"num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192}
+    assert tensor_parallel_sizes(llama) == [1, 2, 4, 8]
+    assert tensor_parallel_misfit(llama, 3) == "3 does not divide its 8 KV heads"
+    assert tensor_parallel_misfit(llama, 12) == "12 is not a multiple of its 8 KV heads"
+    assert tensor_parallel_misfit(llama, 5) == "5 does not divide its 24 attention heads"
+    assert tensor_parallel_misfit(llama, 24) == "24 does not divide its MLP width 8192"
+    # 2 KV heads: 4 GPUs hold each on two of them
+    assert tensor_parallel_sizes({"num_attention_heads": 16, "num_key_value_heads": 2}) == [1, 2, 4, 8, 16]
+    # no num_key_value_heads: one KV head per attention head (transformers' default)
+    assert tensor_parallel_sizes({"num_attention_heads": 12, "intermediate_size": 3072}) == [1, 2, 3, 4, 6, 12]
+    assert tensor_parallel_sizes({"hidden_size": 64}) is None  # heads not named: nothing to say
+    assert tensor_parallel_misfit({"hidden_size": 64}, 3) is None
+
+
+def test_rollout_gpus_must_split_the_kv_heads_too(project):
+    """Llama-3.2-3B's head layout (24 heads, 8 KV heads): 3 GPUs divide the heads, so the check took them, and
+    suggested 3, 6 and 12 for 5 GPUs; vLLM refused each as it built the model, once every stage had started."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(resolve_model("factory:tiny-qwen3")) / "config.json").read_text())
+    config.update(num_attention_heads=24, num_key_value_heads=8)  # its MLP width: 128
+    project.file("models/llama-heads/config.json", json.dumps(config))
+    project.file("models/llama-heads/model.safetensors")
+    spec = base_spec(project, "tp_kv").replace('"factory:tiny-qwen3"', '"models/llama-heads"')
+    for k, why in ((3, "3 does not divide its 8 KV heads"), (5, "5 does not divide its 24 attention heads")):
+        with pytest.raises(SpecErrors) as e:
+            compile_file(project.spec(spec + f"resources:\n  rollout: {{num_gpus: {k}}}\n"))
+        assert (f"resources.rollout.num_gpus: vLLM splits the model over the rollout replica's {k} GPUs "
+                f"(tensor_parallel_size), and {why}: give one of 1, 2, 4, 8") in e.value.report()
 
 
 def test_merged_adds_the_scaled_product_to_the_base_weight():

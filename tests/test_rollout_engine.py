@@ -471,7 +471,7 @@ def cuda_vllm_args(monkeypatch) -> dict:
 
 def test_a_replicas_gpus_are_vllms_tensor_parallel_size(cuda_vllm_args):
     """resources.rollout.num_gpus: k reaches vLLM as tensor_parallel_size=k (the stage passes
-    max(1, int(num_gpus)) as `gpus`; the compiler checked that k divides the attention heads)."""
+    max(1, int(num_gpus)) as `gpus`; the compiler checked that vLLM can split the model over k)."""
     import factory.rollout.engine as engine_mod
     from factory.schema import RolloutSpec
 

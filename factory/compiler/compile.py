@@ -309,9 +309,10 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     """What depends on the model's architecture, read from its config.json without loading weights (skipped
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
     LoRA's target modules must name linear layers of the model (a rank above its hidden size is warned of),
-    and a rollout replica's GPUs (vLLM's tensor-parallel size) must divide its attention heads."""
+    and a rollout replica's GPUs (vLLM's tensor-parallel size) must split its layers (`tensor_parallel_misfit`)."""
     from factory.assets import config_context, tokenizer_files
     from factory.lora import linear_layers, model_config, target_problem
+    from factory.rollout.engine import tensor_parallel_misfit, tensor_parallel_sizes
 
     k = spec.resources.rollout.num_gpus
     if k > 1 and k != int(k):
@@ -335,12 +336,10 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         config = model_config(folder)
     if config is None:
         return
-    heads = config.get("num_attention_heads")
-    if k > 1 and k == int(k) and isinstance(heads, int) and heads % int(k):
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        r.error("resources.rollout.num_gpus", f"vLLM splits the model's {heads} attention heads over the rollout "
-                                              f"replica's {int(k)} GPUs (tensor_parallel_size), which needs a divisor "
-                                              f"of {heads}: one of {', '.join(map(str, divisors))}")
+    if k > 1 and k == int(k) and (misfit := tensor_parallel_misfit(config, int(k))):
+        sizes = ", ".join(map(str, tensor_parallel_sizes(config)))
+        r.error("resources.rollout.num_gpus", f"vLLM splits the model over the rollout replica's {int(k)} GPUs "
+                                              f"(tensor_parallel_size), and {misfit}: give one of {sizes}")
     context, limit = config_context(config), spec.rollout.max_model_len
     # vLLM refused it after every stage started; it allows more where the config scales its positions (rope
     # scaling) or VLLM_ALLOW_LONG_MAX_MODEL_LEN says so: left to it there

@@ -163,6 +163,36 @@ def vllm_misfit(device: str) -> str | None:
     return f"the installed vLLM is {have}, and this stage computes on {where}"
 
 
+def tensor_parallel_misfit(config: dict[str, Any], k: int) -> str | None:
+    """Why vLLM cannot split a model with this config.json over k GPUs (tensor_parallel_size), or None. Each
+    layer is split over them (vllm/model_executor/layers/linear.py): QKVParallelLinear divides the attention
+    heads and the KV heads, or, with fewer KV heads than GPUs, holds each KV head on k / kv of them; the MLP's
+    column- and row-parallel layers divide its width. None too where the config does not name its heads."""
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    kv = config.get("num_key_value_heads") or heads  # transformers' default: a KV head per attention head
+    width = config.get("intermediate_size")
+    if heads % k:
+        return f"{k} does not divide its {heads} attention heads"
+    if isinstance(kv, int) and k > kv and k % kv:
+        return f"{k} is not a multiple of its {kv} KV heads"
+    if isinstance(kv, int) and k <= kv and kv % k:
+        return f"{k} does not divide its {kv} KV heads"
+    if isinstance(width, int) and width % k:
+        return f"{k} does not divide its MLP width {width}"
+    return None
+
+
+def tensor_parallel_sizes(config: dict[str, Any]) -> list[int] | None:
+    """The GPU counts vLLM can split a model with this config.json over (`tensor_parallel_misfit` says none
+    against them); None where the config does not name its attention heads."""
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    return [k for k in range(1, heads + 1) if tensor_parallel_misfit(config, k) is None]
+
+
 def vllm_lora_mode(setting: str, device: str, rank: int) -> tuple[str, str | None]:
     """`rollout.vllm_lora` on `device` for adapters of rank `rank`: auto merges on CPU and serves on CUDA (see
     the setting), and merges adapters vLLM can not serve (the compiler refuses an explicit serve of those).

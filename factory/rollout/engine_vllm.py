@@ -190,7 +190,8 @@ class VLLMEngine:
             disable_log_stats=True,
             use_tqdm_on_load=False,  # a progress bar for one shard, in the middle of the run's display
             # k GPUs per rollout replica (resources.rollout.num_gpus) split each layer over them; the compiler
-            # checked that k divides the attention heads. vLLM then runs a worker process per GPU.
+            # checked that the model's heads and MLP split over k (tensor_parallel_misfit). vLLM then runs a
+            # worker process per GPU.
             tensor_parallel_size=tensor_parallel_size,
             # serve: vLLM's LoRA layers, sized for one adapter of the run's rank (vLLM takes ranks from a list)
             **({"enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(lora_rank)} if lora == "serve" else {}),
