@@ -274,7 +274,7 @@ def test_factory_check_checks_the_named_template_the_rollout_renders_with(projec
     `factory check` checked its `default` one: a broken `tool_use` passed, a broken `default` was refused."""
     from factory.compiler.compile import compile_file
     from factory.compiler.errors import SpecErrors
-    from tests.test_compiler_support import base_spec
+    from tests.test_compiler_support import MODEL_CONFIG, base_spec
 
     def named(default: str, tool_use: str) -> None:
         if layout == "tokenizer_config.json":
@@ -285,7 +285,7 @@ def test_factory_check_checks_the_named_template_the_rollout_renders_with(projec
             project.file("models/named/chat_template.jinja", default)
             project.file("models/named/additional_chat_templates/tool_use.jinja", tool_use)
 
-    project.file("models/named/config.json", "{}")
+    project.file("models/named/config.json", MODEL_CONFIG)
     project.file("models/named/model.safetensors")
     tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
     spec = base_spec(project, "ct_named").replace("factory:tiny-qwen3", "models/named") + tools

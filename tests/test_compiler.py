@@ -9,7 +9,7 @@ import pytest
 from factory.compiler.compile import compile_file, compile_spec, plan_json
 from factory.compiler.errors import SpecErrors
 from factory.compiler.load import load
-from tests.test_compiler_support import BASE, report
+from tests.test_compiler_support import BASE, MODEL_CONFIG, report
 from tests.test_compiler_support import base_spec as _base
 
 
@@ -846,11 +846,11 @@ def test_a_generator_may_import_its_helpers_when_called_as_in_the_data_stage(pro
 
 def test_model_paths(project):
     project.file("models/empty/README", "no config here")
-    project.file("models/ok/config.json", "{}")
+    project.file("models/ok/config.json", MODEL_CONFIG)
     project.file("models/ok/model.safetensors")
-    project.file("models/sharded/config.json", "{}")
+    project.file("models/sharded/config.json", MODEL_CONFIG)
     project.file("models/sharded/pytorch_model-00001-of-00002.bin")
-    project.file("models/no_weights/config.json", "{}")
+    project.file("models/no_weights/config.json", MODEL_CONFIG)
     project.file("models/no_weights/tokenizer.json", "{}")
     base = _base(project, "rc_model")
     assert _errors(project.spec(base.replace("factory:tiny-qwen3", "factory:tiny-qwen"), "a.yaml")) == (
@@ -896,10 +896,10 @@ def test_a_model_folder_whose_json_does_not_parse(project):
     # json.loads escaped as an internal error (exit 1): transformers could not load such a folder either
     project.file("models/bad/config.json", "{not json")
     project.file("models/list/config.json", "[]")
-    project.file("models/tok/config.json", "{}")
+    project.file("models/tok/config.json", MODEL_CONFIG)
     project.file("models/tok/model.safetensors")
     project.file("models/tok/tokenizer_config.json", "{bad")
-    project.file("models/tpl/config.json", "{}")
+    project.file("models/tpl/config.json", MODEL_CONFIG)
     project.file("models/tpl/model.safetensors")
     (project.root / "models/tpl/chat_template.jinja").write_bytes(b"{{ r\xe9sum\xe9 }}")  # Latin-1, not UTF-8
     base = _base(project, "rc_model_json")  # no tools: the tokenizer's files are checked whatever the spec uses
@@ -1283,7 +1283,7 @@ def test_a_tokenizer_without_a_chat_template_needs_chat_template(project):
     """The rollout refused it ("the tokenizer has no chat template") only once every stage had started,
     minutes after `factory check` said ok."""
     for name in ("none", "own"):
-        project.file(f"models/{name}/config.json", "{}")
+        project.file(f"models/{name}/config.json", MODEL_CONFIG)
         project.file(f"models/{name}/model.safetensors")
         project.file(f"models/{name}/tokenizer_config.json", '{"eos_token": "<|im_end|>"}')
     project.file("models/own/chat_template.jinja", "{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -1392,14 +1392,14 @@ def test_a_relative_model_folder_beside_the_spec_is_found_there(project):
     """`model.path: models/x` in conf/spec.yaml was looked for in the working directory only, then taken as a
     hub id ("not in the local Hugging Face cache"), while data files and templates are looked for beside the
     spec too. The plan shows the path as written; the stages get the folder found."""
-    project.file("conf/models/ok/config.json", "{}")
+    project.file("conf/models/ok/config.json", MODEL_CONFIG)
     project.file("conf/models/ok/model.safetensors")
     base = _base(project, "rc_model_beside")
     project.spec(base.replace('"factory:tiny-qwen3"', '"models/ok", tokenizer: models/ok'), "conf/spec.yaml")
     plan = compile_file("conf/spec.yaml")[1]
     assert plan.spec["model"]["path"] == "models/ok"
     assert {m for s in plan.stages for m in s.settings.models()} == {"conf/models/ok"}
-    project.file("models/ok/config.json", "{}")  # the working directory's own is taken first, as for data files
+    project.file("models/ok/config.json", MODEL_CONFIG)  # the working directory's own is taken first, as for data files
     project.file("models/ok/model.safetensors")
     assert {m for s in compile_file("conf/spec.yaml")[1].stages for m in s.settings.models()} == {"models/ok"}
 
@@ -1770,3 +1770,38 @@ def group(prompts, completions, rows):
         "spec.yaml:9: rewards.a.fn: warning: rc_grpnames:ok takes `prompt` and `completion`, named for one sample, "
         "but `group: true` calls it once per group as f(prompts, completions, rows), with lists: if it scores one "
         "sample, drop `group: true`; if it scores a group, name them `prompts` and `completions`",)
+
+
+def test_a_model_transformers_cannot_build_is_refused_with_or_without_lora(project):
+    """The model was built on the meta device only to check a list of LoRA target modules: with `all-linear`, or no
+    LoRA, a model_type the installed transformers does not know checked ok and the run failed at start-up (exit
+    3, ~30 s in), when the update stage built it."""
+    project.file("models/mine/config.json", '{"model_type": "no_such_architecture", "hidden_size": 64}')
+    project.file("models/mine/model.safetensors")
+    path = project.spec(_base(project, "rc_mtype").replace('"factory:tiny-qwen3"', "models/mine"))
+    for overrides in ([], ["model.lora.r=8"]):
+        assert _errors(path, overrides).startswith(
+            "spec.yaml:2: model.path: transformers cannot build this model (ValueError: The checkpoint you are "
+            "trying to load has model type `no_such_architecture`")
+
+
+def test_a_cpu_vllm_kv_cache_larger_than_this_machine_is_refused(project, monkeypatch):
+    """`rollout.kv_cache_gb: 100` on a machine of 8 GB checked ok; vLLM then refused it as the rollout stage started
+    (exit 3), naming its own --kv-cache-memory-bytes and VLLM_CPU_KVCACHE_SPACE, not the spec's key. On a CPU the
+    cache is in the machine's memory, once per replica; a cluster's nodes are other machines."""
+    from factory import device
+
+    monkeypatch.setattr(device, "system_memory", lambda: 8 * 2**30)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = project.spec(_base(project, "rc_kv") + "rollout: {engine: vllm, kv_cache_gb: 100}\n")
+    said = ("rollout.kv_cache_gb: {} of vLLM KV cache is more than this machine's memory (8 GB), where a rollout on "
+            "the CPU keeps it: give less (2 is the default), or join a Ray cluster that has it (resources.ray_address "
+            "or $RAY_ADDRESS)")
+    assert "spec.yaml:9: " + said.format("100 GB") in _errors(path)
+    assert "<override 1>: " + said.format("2 rollout replicas x 5 GB") in _errors(
+        path, ["rollout.kv_cache_gb=5", "resources.rollout.replicas=2"])
+    for fine in (["rollout.kv_cache_gb=3"], ["rollout.engine=hf"], ["resources.ray_address=10.0.0.1:6379"]):
+        try:
+            compile_file(path, fine)
+        except SpecErrors as e:  # (whatever else this machine lacks for it)
+            assert "rollout.kv_cache_gb" not in e.report()

@@ -22,6 +22,11 @@ rewards:
   total: {sum: {correct: 1.0, fmt: 0.1}}
 """
 
+# A config.json for a model folder a test writes (its weights never read): one transformers knows and builds on
+# the meta device, as `factory check` does, in milliseconds
+MODEL_CONFIG = ('{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, '
+                '"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}')
+
 REWARDS = """\
 def exact(prompt, completion, answer="", **row):
     return float(answer in completion)

@@ -95,8 +95,8 @@ def test_check_of_target_modules_says_a_model_it_cannot_build_at_its_path(projec
     with pytest.raises(SpecErrors) as e:
         compile_file(project.spec(spec), ["model.lora.target_modules=[q_proj]"])
     assert e.value.report().startswith(
-        "spec.yaml:2: model.path: transformers cannot build this model to check model.lora.target_modules against "
-        "its layers (ValueError: The checkpoint you are trying to load has model type `no_such_architecture`")
+        "spec.yaml:2: model.path: transformers cannot build this model (ValueError: The checkpoint you are trying "
+        "to load has model type `no_such_architecture`")
 
 
 def test_check_warns_of_a_rank_above_the_hidden_size(project, capsys):

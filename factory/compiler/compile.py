@@ -308,7 +308,8 @@ def with_cached_models(spec: Spec) -> Spec:
 def _check_model_shape(spec: Spec, r: _Report) -> None:
     """What depends on the model's architecture, read from its config.json without loading weights (skipped
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
-    LoRA's target modules must name linear layers of the model (a rank above its hidden size is warned of),
+    transformers must build it (on the meta device), LoRA's target modules must name linear layers of the
+    model (a rank above its hidden size is warned of),
     and a rollout replica's GPUs (vLLM's tensor-parallel size) must split its layers (`tensor_parallel_misfit`)."""
     from factory.assets import config_context, tokenizer_files
     from factory.lora import linear_layers, model_config, target_problem
@@ -353,18 +354,23 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
         r.warn("model.lora.r", f"{lora.r} is above the model's hidden size {width}, which bounds the rank of "
                                "every adapted layer's update: the rank beyond it adds parameters (the adapters then "
                                f"outnumber the weights they adapt) and nothing they can learn; use r <= {width}")
-    if lora_names:
-        try:
-            layers = linear_layers(folder)
-        except Exception as e:  # noqa: BLE001 -- whatever transformers raises building it, the learner would too
-            reason = (str(e).splitlines() or [""])[0]
-            r.error("model.path", "transformers cannot build this model to check model.lora.target_modules against "
-                                  f"its layers ({type(e).__name__}: {reason}); a model_type newer than the installed "
-                                  "transformers, or one that needs trust_remote_code, cannot be trained here")
-            return
-        problem = target_problem(spec.model.lora.target_modules, layers) if layers else None
-        if problem:
-            r.error("model.lora.target_modules", problem)
+    # built on the meta device (its config alone: no weights read, no memory), with or without LoRA: a model
+    # transformers cannot build otherwise failed the run as the update stage started. Factory's own models
+    # were written by this transformers: not built unless LoRA names layers, so that checking them imports
+    # no torch (seconds of a check that otherwise takes about one)
+    if not lora_names and spec.model.path.startswith("factory:"):
+        return
+    try:
+        layers = linear_layers(folder)
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises building it, the learner would too
+        reason = (str(e).splitlines() or [""])[0]
+        r.error("model.path", f"transformers cannot build this model ({type(e).__name__}: {reason}); a model_type "
+                              "newer than the installed transformers, or one that needs trust_remote_code, cannot be "
+                              "trained here")
+        return
+    problem = target_problem(spec.model.lora.target_modules, layers) if lora_names and layers else None
+    if problem:
+        r.error("model.lora.target_modules", problem)
 
 
 def _check_gpus_used(engine: str, num_gpus: float, gpus_path: str, r: _Report, tensor_parallel: bool) -> None:
@@ -398,9 +404,9 @@ def _check_engine(path: str, engine: str, r: _Report, joins: bool, num_gpus: flo
 
 
 def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
-    """GPUs a stage reserves must exist, a local Ray's object store must fit in the machine's memory, and an
-    explicit half-precision dtype the stage's device only emulates gets a warning. Skipped when joining a Ray
-    cluster: its stages run on other machines."""
+    """GPUs a stage reserves must exist, a local Ray's object store and a CPU vLLM rollout's KV cache must fit in
+    the machine's memory, and an explicit half-precision dtype the stage's device only emulates gets a warning.
+    Skipped when joining a Ray cluster: its stages run on other machines."""
     from factory import device
     from factory.device import cuda_devices, half_precision_warning, stage_device
 
@@ -413,6 +419,16 @@ def _check_devices(spec: Spec, r: _Report, joins: bool) -> None:
                                              f"({memory / 2**30:.3g} GB), so a local Ray would not start: give less "
                                              "(Ray keeps the rest for its tasks and actors; 1 is usual), or join a "
                                              "Ray cluster that has it (resources.ray_address or $RAY_ADDRESS)")
+    kv, replicas = spec.rollout.kv_cache_gb, res.rollout.replicas
+    # vLLM refused it as the rollout stage started (exit 3), naming its own --kv-cache-memory-bytes; on a CPU
+    # each replica's cache is in this machine's memory
+    if spec.rollout.engine == "vllm" and stage_device(res.rollout.num_gpus) == "cpu" and kv * replicas * 2**30 > memory:
+        what = f"{replicas} rollout replicas x {kv:g} GB" if replicas > 1 else f"{kv:g} GB"
+        default = type(spec.rollout).model_fields["kv_cache_gb"].default
+        r.error("rollout.kv_cache_gb", f"{what} of vLLM KV cache is more than this machine's memory "
+                                       f"({memory / 2**30:.3g} GB), where a rollout on the CPU keeps it: give less "
+                                       f"({default:g} is the default), or join a Ray cluster that has it "
+                                       "(resources.ray_address or $RAY_ADDRESS)")
     # every replica on this machine
     reservations = [(f"resources.{name}", getattr(res, name).num_gpus * getattr(getattr(res, name), "replicas", 1))
                     for name in _stage_groups(spec)]
