@@ -1,6 +1,6 @@
 """The CUDA check (bin/gpu-check): what a GPU machine must do, as real `factory run`s, in at most 10 minutes.
 
-    python bench/gpu_check.py [--only NAME ...] [--per-run-timeout 170] [--dry-run]
+    python bench/gpu_check.py [--only NAME ...] [--per-run-timeout 170] [--budget 560] [--dry-run]
 
 Checks (each one `factory run` in a throwaway project folder, one GPU shared by the rollout and the update
 with `resources.rollout.num_gpus=0.5 resources.update.num_gpus=0.5`):
@@ -22,8 +22,11 @@ sync). A check is ok when every stage ran where and how it was asked, the run en
 within AGREE_MEAN on average, and (LoRA) the sync carried adapters and TIS weighed the loss.
 
 Prints a line per check, then as its LAST line one JSON object: {"machine", "checks": {name: {...}},
-"ok"}. `--dry-run` prints the same JSON shape with each check's command instead of running it (what the
-tests check on a CPU). Exits 1 when a check failed or there is no CUDA device.
+"ok"}. The checks share a budget (--budget, under bin/gpu-check's `timeout 590`): each run gets at most what
+is left of it, a check with too little left is not run (`not_run` says so), and a SIGTERM (what `timeout`
+sends) ends the script with the line of what finished. `--dry-run` prints the same JSON shape with each
+check's command instead of running it (what the tests check on a CPU). Exits 1 when a check failed or
+there is no CUDA device.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,16 +44,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import pythonpath  # noqa: E402
+from factory.runtime.lifecycle import sigterm_restored  # noqa: E402
 
 # bf16 engine vs bf16-autocast learner: different kernels in a coarse dtype. A missed or half-applied sync
 # moves log-probs by 0.1 and more (see tests/test_rollout_vllm.py); this bound only has to sit below that.
 AGREE_MEAN = 0.05
+# seconds kept from a run's share of the budget: reading its MLflow store back, then printing
+READ_BACK_S = 20
+# a run given less cannot start Ray, the stages and the engine, let alone take a step: not started
+MIN_RUN_S = 60
 ONE_GPU = ["resources.rollout.num_gpus=0.5", "resources.update.num_gpus=0.5", "tracking.experiment=gpu-check"]
 
 
@@ -194,29 +203,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=DEFAULT, metavar="NAME",
                    help=f"run these checks only (default: {', '.join(DEFAULT)}; without vLLM: tiny_hf tiny_lora_hf)")
     p.add_argument("--per-run-timeout", type=int, default=170, help="seconds per factory run")
+    p.add_argument("--budget", type=int, default=560,
+                   help="seconds for all the checks (bin/gpu-check's `timeout 590`, less the time to start and print)")
     p.add_argument("--dry-run", action="store_true", help="print each check's command as the JSON line; run nothing")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Stopped(Exception):
+    """A SIGTERM: bin/gpu-check's `timeout` ran out."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    # `timeout` signals this process, then its whole group: the second must not cut the line being printed
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Stopped  # (subprocess.run kills the run in flight as this passes through it)
+
+
+def main(argv: list[str] | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+    start = clock()
     args = parse_args(argv)
     if args.dry_run:
         checks = {n: {"command": ["factory", *CHECKS[n].argv()], "expect": CHECKS[n].expect} for n in args.only}
         print(json.dumps({"machine": None, "checks": checks, "ok": None, "dry_run": True}))
         return 0
-    info = machine()
-    if not info["cuda_available"]:
-        print("no CUDA device visible: this check needs an NVIDIA GPU", file=sys.stderr)
-        print(json.dumps({"machine": info, "checks": {}, "ok": False}))
-        return 1
-    results = {}
-    for name in args.only:
-        r = results[name] = run_check(name, CHECKS[name], args.per_run_timeout)
-        shown = {k: r[k] for k in ("wall_s", "generate_tokens_per_s", "step_s", "update_s", "weight_sync_s",
-                                   "logprob_diff_mean") if k in r}
-        print(f"{name:16} {'ok' if r['ok'] else 'FAILED'} {shown}", flush=True)
-        if not r["ok"]:
-            print(f"{name}: {r['error']}", file=sys.stderr, flush=True)
+    with sigterm_restored():  # (main is called in-process by the tests)
+        signal.signal(signal.SIGTERM, _stop)  # killed without the JSON line, the checks that finished were lost
+        return _run_checks(args, start, clock)
+
+
+def _run_checks(args: argparse.Namespace, start: float, clock: Callable[[], float]) -> int:
+    results: dict[str, dict[str, Any]] = {}
+    info: dict[str, Any] | None = None
+    try:
+        info = machine()
+        if not info["cuda_available"]:
+            print("no CUDA device visible: this check needs an NVIDIA GPU", file=sys.stderr)
+            print(json.dumps({"machine": info, "checks": {}, "ok": False}))
+            return 1
+        for name in args.only:
+            left = args.budget - (clock() - start) - READ_BACK_S
+            if left < MIN_RUN_S:
+                results[name] = {"ok": False, "not_run": f"{left + READ_BACK_S:.0f} s of the {args.budget} s "
+                                                         f"budget were left (a run needs {MIN_RUN_S} s)"}
+                print(f"{name:16} not run: {results[name]['not_run']}", flush=True)
+                continue
+            results[name] = {"ok": False, "error": "stopped (SIGTERM) while it ran"}  # until it returns
+            r = results[name] = run_check(name, CHECKS[name], int(min(args.per_run_timeout, left)))
+            shown = {k: r[k] for k in ("wall_s", "generate_tokens_per_s", "step_s", "update_s", "weight_sync_s",
+                                       "logprob_diff_mean") if k in r}
+            print(f"{name:16} {'ok' if r['ok'] else 'FAILED'} {shown}", flush=True)
+            if not r["ok"]:
+                print(f"{name}: {r['error']}", file=sys.stderr, flush=True)
+    except _Stopped:
+        for name in args.only:
+            results.setdefault(name, {"ok": False, "not_run": "stopped (SIGTERM) before it ran"})
     ok = all(r["ok"] for r in results.values())
     print(json.dumps({"machine": info, "checks": results, "ok": ok}, default=str))
     return 0 if ok else 1

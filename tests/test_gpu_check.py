@@ -3,6 +3,7 @@ JSON line it ends with (the GPU runs themselves need a GPU: docs/engines.md says
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,46 @@ def test_without_cuda_it_says_so_and_still_ends_with_its_json_line(capsys, monke
     assert "needs an NVIDIA GPU" in out.err
     assert json.loads(out.out.strip().splitlines()[-1]) == {"machine": {"cuda_available": False, "gpus": []},
                                                             "checks": {}, "ok": False}
+
+
+def test_each_run_gets_what_is_left_of_the_budget_and_the_rest_are_not_run(capsys, monkeypatch):
+    """Each run had its 170 s whatever was left: 4 checks (docs/engines.md's command without vLLM) could take 680 s,
+    and bin/gpu-check's `timeout 590` killed the script before its JSON line. A run now gets at most what is left of
+    the budget (less the time to read it back), and a check with too little left is not run, said in the line."""
+    now = [0.0]
+    given = {}
+
+    def run_check(name, check, timeout):
+        given[name] = timeout
+        now[0] += {"tiny_hf": 170, "tiny_lora_hf": 170}.get(name, timeout)  # the third runs into its timeout
+        return {"ok": True, "wall_s": 1.0}
+
+    monkeypatch.setattr(gpu_check, "machine", lambda: {"cuda_available": True})
+    monkeypatch.setattr(gpu_check, "run_check", run_check)
+    names = ["tiny_hf", "tiny_lora_hf", "tiny_bf16_zero2_hf", "tiny_zero3_hf"]
+    assert (gpu_check.READ_BACK_S, gpu_check.MIN_RUN_S) == (20, 60)
+    assert gpu_check.main(["--only", *names, "--budget", "500"], clock=lambda: now[0]) == 1
+    assert given == {"tiny_hf": 170, "tiny_lora_hf": 170, "tiny_bf16_zero2_hf": 500 - 340 - 20}
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["ok"] is False and line["checks"]["tiny_bf16_zero2_hf"]["ok"] is True
+    assert line["checks"]["tiny_zero3_hf"] == {  # 480 s gone
+        "ok": False, "not_run": "20 s of the 500 s budget were left (a run needs 60 s)"}
+    # the default budget is bin/gpu-check's limit less the time to start and print
+    limit = int(re.search(r"timeout (\d+)", (ROOT / "bin/gpu-check").read_text()).group(1))
+    assert parse_args([]).budget + gpu_check.READ_BACK_S <= limit
+
+
+def test_stopped_by_sigterm_it_prints_the_json_line_of_what_finished():
+    """`timeout` sends SIGTERM: the script died without its line, and the checks that had finished were lost.
+    (The exit status is `timeout`'s own, 124.)"""
+    code = ("import sys, time; from bench import gpu_check as g; g.machine = lambda: {'cuda_available': True}; "
+            "g.run_check = lambda name, check, timeout: "
+            "(time.sleep(0.2 if name == 'tiny_hf' else 60), {'ok': True})[1]; "
+            "sys.exit(g.main(['--only', 'tiny_hf', 'tiny_lora_hf', 'tiny_zero3_hf']))")
+    out = subprocess.run(["timeout", "4", sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["checks"] == {"tiny_hf": {"ok": True},
+                              "tiny_lora_hf": {"ok": False, "error": "stopped (SIGTERM) while it ran"},
+                              "tiny_zero3_hf": {"ok": False, "not_run": "stopped (SIGTERM) before it ran"}}
+    assert line["ok"] is False
