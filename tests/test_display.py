@@ -139,6 +139,27 @@ def test_in_a_log_file_each_line_a_user_greps_is_one_line(capsys, monkeypatch):
            "store; `factory runs` lists its runs)" in lines
 
 
+def test_a_lora_runs_export_hint_names_its_store_as_the_ui_hint_does(tmp_path, monkeypatch):
+    """`merged model: factory export RUN --out DIR` left out the --uri that the "see it:" line beside it gives for a
+    store other than the default: pasted, it looked in ./mlflow.db and did not find the run."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "step_4" / "adapter").mkdir(parents=True)
+
+    def summary(uri: str) -> str:
+        out = io.StringIO()
+        Display(1, console=Console(file=out, width=300)).summary(
+            RunResult("abc", {}, {}, str(tmp_path / "step_4")), experiment="e", experiment_id="3", uri=uri, wall_s=6)
+        return out.getvalue()
+
+    assert "merged model: factory export abc --out DIR --uri sqlite:///elsewhere.db\n" in summary(
+        "sqlite:///elsewhere.db")
+    assert "merged model: factory export abc --out DIR --uri http://127.0.0.1:5000/\n" in summary(
+        "http://127.0.0.1:5000/")
+    assert "merged model: factory export abc --out DIR\n" in summary("sqlite:///mlflow.db")  # the default store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")  # what export reads without --uri
+    assert "merged model: factory export abc --out DIR\n" in summary("sqlite:///elsewhere.db")
+
+
 def test_summary_links_a_tracking_server_run():
     out = io.StringIO()
     Display(1, console=Console(file=out, width=200)).summary(

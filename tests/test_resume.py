@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -365,7 +366,7 @@ def test_a_run_a_stop_on_monitor_stopped_is_refused_until_the_monitor_is_taken_o
     assert find(plan, run, uri, train=spec.train, experiment="halted", allow_spec_change=True).step == 3
 
 
-def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allowed(store, capsys):
+def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allowed(store, capsys, monkeypatch):
     """LoRA turned on or off, or another rank: the checkpoint cannot load into the learner (DeepSpeed's
     internal error once every stage had started, and the run left FAILED), so --resume says so up front."""
     uri, ckpt = store
@@ -376,6 +377,10 @@ def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allow
                                           r"trains LoRA adapters \(r 8, target_modules all-linear\) \(model.lora\)"
                                           rf".*`factory export {run} --out DIR`, then model.path=DIR$"):
         find(lora, run, uri, train=spec.train, experiment="lora", allow_spec_change=True)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the store is then not the one `factory export` reads by default
+    with pytest.raises(ResumeError, match=rf"`factory export {run} --out DIR --uri {re.escape(uri)}`, then "):
+        find(lora, run, uri, train=spec.train, experiment="lora", allow_spec_change=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     adapters = fake_run(uri, ckpt / "a", lora, logged=1, checkpoints=(1,), experiment="lora")
     spec16, r16 = compiled(ckpt / "a", "model.lora.r=16")
     with pytest.raises(ResumeError, match=r"holds LoRA adapters \(r 8, .*this spec trains LoRA adapters \(r 16,"):
@@ -390,7 +395,7 @@ def test_a_checkpoint_of_other_tensors_is_refused_even_with_a_changed_spec_allow
     assert "holds full weights, and this spec trains LoRA adapters" in capsys.readouterr().err
 
 
-def test_a_checkpoint_is_not_resumed_under_another_optimizer(store):
+def test_a_checkpoint_is_not_resumed_under_another_optimizer(store, monkeypatch):
     """`--allow-spec-change train.optimizer.name=adamw` on an SGD run's checkpoint: torch loaded SGD's state into
     AdamW, and the first step failed with KeyError 'betas' after Ray and every stage had started. The optimizer's
     settings may change (the learner applies the spec's after loading); its kind may not."""
@@ -403,6 +408,10 @@ def test_a_checkpoint_is_not_resumed_under_another_optimizer(store):
                                           r"train.optimizer.name=sgd, or start a new run from its model: `factory "
                                           rf"export {run} --out DIR`, then model.path=DIR$"):
         find(adamw, run, uri, train=spec.train, experiment="optim", allow_spec_change=True)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the store is then not the one `factory export` reads by default
+    with pytest.raises(ResumeError, match=rf"`factory export {run} --out DIR --uri {re.escape(uri)}`, then "):
+        find(adamw, run, uri, train=spec.train, experiment="optim", allow_spec_change=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     spec_d, decay = compiled(ckpt, "train.optimizer.name=sgd", "train.optimizer.weight_decay=0.1",
                              "train.optimizer.grad_clip=0.5")
     assert find(decay, run, uri, train=spec_d.train, experiment="optim",

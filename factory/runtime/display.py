@@ -5,7 +5,6 @@ phase (the step-0 evaluation, a step's rollout) prints its trajectories done/tot
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -175,21 +174,17 @@ class Display:
                                f"{result.last_step} is an earlier session's (in the MLflow run)")
         took = f"{wall_s / 60:.1f} min" + (f" this session, {run_s / 60:.1f} min in all" if run_s is not None else "")
         say(f"MLflow run {run_id} in experiment '{experiment}' ({uri}), {took}")
+        from factory.tracking.mlflow_tracker import uri_option
+
         if checkpoint and Path(checkpoint, "adapter").is_dir():  # a LoRA run's: `factory export` merges it
             say(f"final adapters (peft folder): {shown_path(Path(checkpoint, 'adapter'))}; merged "
-                f"model: factory export {run_id} --out DIR")
+                f"model: factory export {run_id} --out DIR{uri_option(uri)}")
         elif checkpoint:
             say(f"final model (HF folder): {shown_path(Path(checkpoint, 'hf'))}")
         if uri.startswith(("http://", "https://")):
             say(f"see it: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}")
         else:
-            from factory.tracking.mlflow_tracker import DEFAULT_URI
-
-            # (the store `factory ui` opens with no --uri; read, not validated: a refused $MLFLOW_TRACKING_URI
-            # beside the spec's own tracking.uri must not fail a run at its summary)
-            ui = ("factory ui" if uri == (os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI)
-                  else f"factory ui --uri {uri}")
-            say(f"see it: {ui}   (the MLflow UI of this store; `factory runs` lists its runs)")
+            say(f"see it: factory ui{uri_option(uri)}   (the MLflow UI of this store; `factory runs` lists its runs)")
 
 
 def untrained_why(m: dict[str, float], *, turn_credit: bool = False) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from factory.compiler.compile import plan_json
 from factory.monitors import HALTED_BY_TAG
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text
+from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text, uri_option
 from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import RUN_STATE, complete, manifested, read_run_state, run_folder, verify
@@ -179,9 +179,9 @@ def find(plan: Any, ref: str | None, uri: str, *, train: Any, experiment: str,
         raise ResumeError(f"run {run.run_id} has done all {train.steps} steps (its checkpoint "
                           f"{directory / checkpoint}): nothing to resume")
     if checkpoint:
-        _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint)
+        _refuse_other_weights(recorded, plan, run.run_id, directory / checkpoint, uri)
         _refuse_other_model(recorded, plan, run.run_id, directory / checkpoint)
-        _refuse_other_optimizer(recorded, plan, run.run_id, directory / checkpoint)
+        _refuse_other_optimizer(recorded, plan, run.run_id, directory / checkpoint, uri)
     # Claimed now, not when the run reopens after Ray and every stage have started (30-60 s): a second
     # `--resume` in that time took the run too, and both drivers logged its steps (whatever its status).
     _refuse_if_driven(run.run_id, tracker.claim(run.run_id))
@@ -251,7 +251,8 @@ def _recorded_plan(tracker: Tracker, run_id: str, path: str, unsent: dict[str, s
     return json.loads(unsent[path]) if path in unsent else _artifact_json(tracker, run_id, path)
 
 
-def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
+def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path,
+                          uri: str) -> None:
     """ResumeError when the checkpoint holds other tensors than this plan trains: LoRA turned on or off, or
     another rank or set of adapted layers (`--allow-spec-change` allows a changed spec, but a checkpoint's
     weights and optimizer state load only into the shapes they were saved from: the learner failed with an
@@ -272,10 +273,11 @@ def _refuse_other_weights(recorded: dict[str, Any] | None, plan: Any, run_id: st
     raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds {trains(then)}, and this spec trains "
                       f"{trains(now)} (model.lora): a checkpoint loads only into what it was saved from; resume "
                       f"without changing model.lora, or start a new run from its model: `factory export {run_id} "
-                      "--out DIR`, then model.path=DIR")
+                      f"--out DIR{uri_option(uri)}`, then model.path=DIR")
 
 
-def _refuse_other_optimizer(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path) -> None:
+def _refuse_other_optimizer(recorded: dict[str, Any] | None, plan: Any, run_id: str, checkpoint: Path,
+                            uri: str) -> None:
     """ResumeError when `--allow-spec-change` gave another train.optimizer.name: the checkpoint's optimizer state is
     that of the optimizer it was saved from (torch loaded SGD's into AdamW, and the first step failed with KeyError
     'betas' after Ray and every stage had started). Its settings may change: the learner applies the spec's."""
@@ -288,7 +290,7 @@ def _refuse_other_optimizer(recorded: dict[str, Any] | None, plan: Any, run_id: 
     raise ResumeError(f"run {run_id}'s checkpoint {checkpoint} holds the state of optimizer '{then}', and this spec "
                       f"trains with '{now}' (train.optimizer.name): its optimizer state is the saved optimizer's own; "
                       f"resume with train.optimizer.name={then}, or start a new run from its model: `factory export "
-                      f"{run_id} --out DIR`, then model.path=DIR")
+                      f"{run_id} --out DIR{uri_option(uri)}`, then model.path=DIR")
 
 
 SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
