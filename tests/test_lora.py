@@ -298,7 +298,10 @@ def test_eval_adds_the_adapters_the_specs_lora_fits_beside_its_model_and_merges_
     for lora, why in [({"r": 4, "target_modules": ["q_proj"]}, "rank 2 and alpha 4, where the spec's model.lora has "
                                                                "4 and 8"),
                       ({"r": 2, "alpha": 2, "target_modules": ["q_proj"]}, "where the spec's model.lora has 2 and 2"),
-                      ({"r": 2}, "they adapt other modules than the spec's model.lora.target_modules")]:
+                      ({"r": 2}, "they adapt other modules than the spec's model.lora.target_modules"),
+                      # (docs/lora.md says a note says why: without model.lora none was printed)
+                      (None, "note: " + str(tmp_path / "adapter") + ": evaluated merged into its base model (the "
+                             "spec has no model.lora to add them with)")]:
         folder, _, _, adapters = _eval_model(tmp_path / "adapter", None, tmp_path / "scratch", spec(lora))
         assert adapters is None and folder == str(tmp_path / "scratch" / "model"), lora
         assert why in capsys.readouterr().err, lora

@@ -392,7 +392,11 @@ def _eval_model(model: str | os.PathLike | None, uri: str | None, scratch: Path,
         from factory.compiler.compile import with_cached_models
         from factory.lora import adapter_misfit
 
-        if spec is None or spec.model.lora is None:
+        if spec is None:
+            return None
+        if spec.model.lora is None:
+            print(f"note: {folder}: evaluated merged into its base model (the spec has no model.lora to add them "
+                  "with)", file=sys.stderr)
             return None
         try:
             why = adapter_misfit(folder, spec.model.lora, resolve_model(with_cached_models(spec).model.path))

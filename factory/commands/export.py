@@ -5,13 +5,13 @@ run's chat template, generation config), written at save time from the full weig
 ranks' shards under ZeRO-3, so it is the same for every ZeRO stage. Export finds the run's checkpoint,
 checks that the folder is whole, and copies it to DIR atomically (a staging folder renamed into place): the
 result loads with `AutoModelForCausalLM.from_pretrained(DIR)` and serves with `vllm serve DIR`, and
-`tokenizer.apply_chat_template` formats chats as the run did. No torch is imported: it is a copy.
+`tokenizer.apply_chat_template` formats chats as the run did. It is a copy: no torch is imported.
 
 A LoRA run (`model.lora`) checkpoints peft's adapter folder instead (`step_<N>/adapter/`: the adapters,
 a config naming the base model's folder, the tokenizer). Export then merges the adapters into the base
-model's weights (peft's `merge_and_unload`) and writes the same kind of folder a full run gives; with
-`--adapter` it copies the adapter folder, which `PeftModel.from_pretrained(base, DIR)` loads (and vLLM
-serves with `--enable-lora`).
+model's weights (peft's `merge_and_unload`: torch, and the base model loaded in memory) and writes the
+same kind of folder a full run gives; with `--adapter` it copies the adapter folder (no torch), which
+`PeftModel.from_pretrained(base, DIR)` loads (and vLLM serves with `--enable-lora`).
 
 RUN is an MLflow run id (the run's tags name its own checkpoint folder, so runs of one spec never export
 each other's weights) or a path: a run's checkpoint folder (holding `latest` and `step_<N>/`), one
