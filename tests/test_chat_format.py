@@ -352,18 +352,33 @@ def test_a_template_that_drops_the_conversation_is_refused():
     assert render_problems(scaffold) == render_problems(scaffold, tools=False) == []
     typo = scaffold.replace("{%- for message in messages %}", "{%- for message in mesages %}", 1)
     assert render_problems(typo) == [RenderProblem(
-        "the chat template renders no user, assistant or tool message: the model would never see the question, its "
-        "own earlier turns nor what its tools answered (a name the template misspells renders as nothing: `mesages` "
-        "for `messages`, say)", fatal=True)]
-    assert [p.sentence.split(":")[0] for p in render_problems(typo, tools=False, system=False)] == [
-        "the chat template renders no user or assistant message"]
+        "the chat template renders no user, assistant or tool message: the model would never see the question nor "
+        "what its tools answered, and the rollout, which appends to a model's turn what the template renders after "
+        "one (the tool results, the next generation prompt), could not find that (a name the template misspells "
+        "renders as nothing: `mesages` for `messages`, say)", fatal=True)]
+    # one turn, or no tools: a model's turn is never rendered (kept as sampled), nor are tool results
+    for one_turn in (render_problems(typo, tools=False, system=False), render_problems(typo, turns=False)):
+        assert [p.sentence.split(":")[0] for p in one_turn if p.fatal] == ["the chat template renders no user message"]
     # a template without a branch for tool messages: the rest of the conversation is there
     no_tool = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                "{% endif %}{% endfor %}{% for t in tools or [] %}{{ t.function.name }}{% endfor %}")
     assert [p.sentence for p in render_problems(no_tool)] == [
         "the chat template renders no tool message: the model would never see what its tools answered; use a template "
         "that renders every role (prompts/chatml_tools.jinja)"]
-    assert render_problems(no_tool, tools=False) == []
+    assert render_problems(no_tool, tools=False) == render_problems(no_tool, turns=False) == []
+
+
+def test_a_single_turn_template_that_renders_no_model_turn_ends_turns_on_eos(tokenizer):
+    """A base model's `Question: ...\nAnswer:` template renders no assistant message: the rollout failed to start
+    (`ValueError: substring not found`, looking for the end of a model's turn in a render that holds none). Its
+    single turn is sampled and kept as is, never rendered, so it ends on the tokenizer's eos."""
+    qa = ("{% for m in messages %}{% if m.role == 'user' %}Question: {{ m.content }}\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}Answer:{% endif %}")
+    chat = ChatFormat(tokenizer, qa)
+    assert (chat.end_of_turn_text, chat.end_of_turn_id) == ("", tokenizer.eos_token_id)
+    assert chat.stop_token_ids == [tokenizer.eos_token_id]
+    assert chat.end_of_turn_problem() is None
+    assert chat.render([{"role": "user", "content": "1+1?"}], add_generation_prompt=True) == "Question: 1+1?\nAnswer:"
 
 
 def test_template_kwargs_reach_every_render_qwen3_without_thinking(tokenizer):

@@ -1306,17 +1306,50 @@ def test_a_chat_template_that_drops_the_users_message_is_an_error_of_check(proje
     typo = (SCAFFOLD / "prompts/chat.jinja").read_text().replace("for message in messages", "for message in mesages")
     project.file("prompts/chat.jinja", typo)
     base = _base(project, "rc_dropped") + "chat_template: prompts/chat.jinja\n"
+    hint = "(a name the template misspells renders as nothing: `mesages` for `messages`, say)"
     assert _errors(project.spec(base)) == (
-        "spec.yaml:9: chat_template: the chat template renders no user or assistant message: the model would never "
-        "see the question nor its own earlier turns (a name the template misspells renders as nothing: `mesages` for "
-        "`messages`, say)\n1 error in spec.yaml")
+        f"spec.yaml:9: chat_template: the chat template renders no user message: the model would never see the "
+        f"question {hint}\n1 error in spec.yaml")
     tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
-    for turns in (1, 2):
-        said = _errors(project.spec(base + tools + f"rollout: {{max_turns: {turns}}}\n", f"t{turns}.yaml"))
-        assert said == (f"t{turns}.yaml:9: chat_template: the chat template renders no user, assistant or tool message: "
-                        "the model would never see the question, its own earlier turns nor what its tools answered (a "
-                        "name the template misspells renders as nothing: `mesages` for `messages`, say)\n"
-                        f"1 error in t{turns}.yaml"), said
+    said = _errors(project.spec(base + tools + "rollout: {max_turns: 1}\n", "t1.yaml"))
+    assert said == (f"t1.yaml:9: chat_template: the chat template renders no user message: the model would never see "
+                    f"the question {hint}\n1 error in t1.yaml"), said
+    said = _errors(project.spec(base + tools + "rollout: {max_turns: 2}\n", "t2.yaml"))
+    assert said == ("t2.yaml:9: chat_template: the chat template renders no user, assistant or tool message: the model "
+                    "would never see the question nor what its tools answered, and the rollout, which appends to a "
+                    "model's turn what the template renders after one (the tool results, the next generation prompt), "
+                    f"could not find that {hint}\n1 error in t2.yaml"), said
+
+
+def test_a_single_turn_chat_template_that_renders_no_model_turn_passes_check(project):
+    """A spec without tools whose chat template renders the system and user messages and the generation prompt only
+    (`Question: ...\nAnswer:`, GRPO on a base model) was refused: "renders no assistant message: the model would
+    never see its own earlier turns". There are none: a model's turn is kept as sampled, never rendered. So with
+    tools at one turn, where tool results are never rendered. With tools and two turns the rollout appends what the
+    template renders after a model's turn, so there a dropped assistant or tool message is an error; few-shot
+    answers of data.prompt the template would drop are a warning."""
+    project.file("prompts/qa.jinja", "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n\n"
+                                     "{% elif m.role == 'user' %}Question: {{ m.content }}\n{% endif %}{% endfor %}"
+                                     "{% if add_generation_prompt %}Answer:{% endif %}")
+    base = _base(project, "rc_single_turn") + "chat_template: prompts/qa.jinja\n"
+    assert compile_file(project.spec(base))[1].warnings == ()
+    tools = "tools:\n  calc: {command: python, args: [-m, factory.examples.calculator]}\n"
+    _, plan = compile_file(project.spec(base + tools + "rollout: {max_turns: 1}\n", "t1.yaml"))
+    assert [w.split(": warning: ")[1] for w in plan.warnings] == [
+        "the chat template does not render the tool list (`tools`): the model is never told which tools exist nor how "
+        "to call them; use a template that lists them (prompts/chatml_tools.jinja)"]
+    said = _errors(project.spec(base + tools + "rollout: {max_turns: 2}\n", "t2.yaml"))
+    assert said == (
+        "t2.yaml:9: chat_template: the chat template renders no assistant or tool message: the model would never see "
+        "what its tools answered, and the rollout, which appends to a model's turn what the template renders after "
+        "one (the tool results, the next generation prompt), could not find that; use a template that renders every "
+        "role (prompts/chatml_tools.jinja)\n1 error in t2.yaml"), said
+    project.file("prompts/few_shot.jinja", '[{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": '
+                                           '"2"}, {"role": "user", "content": {{ question | tojson }}}]')
+    _, plan = compile_file(project.spec(base.replace("data:\n", "data:\n  prompt: prompts/few_shot.jinja\n"), "f.yaml"))
+    assert [w.split(": warning: ")[1] for w in plan.warnings] == [
+        "the chat template renders no assistant message: the answers of data.prompt's few-shot turns would never "
+        "reach the model"]
 
 
 def test_a_data_path_that_is_a_folder_a_url_or_elsewhere_says_so(project, monkeypatch):

@@ -623,13 +623,24 @@ def _check_template_kwargs(spec: Spec, r: _Report, template: str | dict[str, str
                                                    f"render would ignore it{hint}")
 
 
+def _names_assistant(name: str | None, base_dir: Path) -> bool:
+    """Whether a data.prompt template may render assistant messages (few-shot turns): its text names the role."""
+    found = find_file(name, base_dir) if name else None
+    try:
+        return found is not None and "assistant" in found.read_text()
+    except (OSError, UnicodeDecodeError):  # (_check_templates says why it cannot be read)
+        return False
+
+
 def _check_chat_template(spec: Spec, r: _Report) -> None:
     """Checked on the text of the spec's chat template or the tokenizer's own, without loading a tokenizer
-    (factory.rollout.chat.render_problems, prefix_problem): a template that renders no user message (or none of
-    the model's, or with tools no tool result) is an error, said before any other of the template's; one that
-    never shows the model the tool list (with tools), or drops the system message (with tools or
-    data.system_prompt), is a warning. With tools and more than one turn, it must be prefix-preserving across
-    turns (what the multi-turn loop relies on). A chat_template_kwargs key it never reads is an error."""
+    (factory.rollout.chat.render_problems, prefix_problem): a template that renders no user message (or, with
+    tools and more than one turn, where the rollout renders what follows a model's turn, none of the model's or no
+    tool result) is an error, said before any other of the template's; one that never shows the model the tool
+    list (with tools), drops the system message (with tools or data.system_prompt), or drops the assistant turns
+    data.prompt's text names (few-shot answers), is a warning. With tools and more than one turn, it must be
+    prefix-preserving across turns (what the multi-turn loop relies on). A chat_template_kwargs key it never reads
+    is an error."""
     from factory.rollout.chat import named_template, prefix_problem, render_problems
 
     template, path, config = _chat_template(spec, r)
@@ -646,7 +657,8 @@ def _check_chat_template(spec: Spec, r: _Report) -> None:
                if k.endswith("_token") and isinstance(v, (str, dict))}
     try:
         problems = render_problems(template, special, spec.chat_template_kwargs, tools=bool(spec.tools),
-                                   system=bool(spec.tools or spec.data.system_prompt))
+                                   turns=spec.rollout.max_turns > 1, system=bool(spec.tools or spec.data.system_prompt),
+                                   few_shot=_names_assistant(spec.data.prompt, r.source.base_dir))
     except Exception:  # a template that does not render: prefix_problem (or _check_templates) says why
         problems = []
     for problem in problems:

@@ -160,9 +160,7 @@ class ChatFormat:
         holds the eos and then that text, which the template never renders."""
         if self.end_of_turn_text:
             return None
-        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
-        text = self.render(messages, add_generation_prompt=False)
-        tail = text[text.index(_SENTINEL) + len(_SENTINEL):].strip()
+        tail = (self._after_model_turn() or "").strip()
         if not tail or tail.startswith(self.tokenizer.eos_token or "\0"):  # (Llama 2's `' ' + eos`: the eos it is)
             return None
         return (f"the chat template closes an assistant turn with {tail[:30]!r}, which is not one special token "
@@ -170,15 +168,21 @@ class ChatFormat:
                 f"then that text; use a template whose turn markers are the tokenizer's own special tokens")
 
     # -------------------------------------------------------------------------------------- internals
+    def _after_model_turn(self) -> str | None:
+        """What the template writes after an assistant message's content, or None where it renders none: a
+        single-turn template (a base model's `Question: ...\\nAnswer:`), whose one turn is sampled and kept as is,
+        never rendered, and ends on the eos (with tools and more turns `factory check` refuses such a template)."""
+        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(messages, add_generation_prompt=False)
+        return text[text.index(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else None
+
     def _find_end_of_turn(self) -> tuple[str, int | None]:
         """The special token the template writes right after an assistant's content (`<|im_end|>` for
         ChatML), which is what the model emits to end its turn. Falls back to the tokenizer's eos when
         the template closes turns with plain text; its text is then what the template writes up to and with
         the eos (Llama 2's `' ' + eos_token`: the eos the model stops on stands for all of it), or "" when the
-        template writes no eos there."""
-        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
-        text = self.render(messages, add_generation_prompt=False)
-        tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        template writes no eos there (or renders no assistant message: _after_model_turn)."""
+        tail = self._after_model_turn() or ""
         ids = self.encode(tail)
         special = set(self.tokenizer.all_special_ids) | set(getattr(self.tokenizer, "added_tokens_decoder", {}))
         if ids and ids[0] in special:
@@ -230,7 +234,7 @@ class RenderProblem(NamedTuple):
 
 
 # What the model would never see when a template renders no message of a role.
-_UNSEEN = {"user": "the question", "assistant": "its own earlier turns", "tool": "what its tools answered"}
+_UNSEEN = {"user": "the question", "tool": "what its tools answered"}
 
 
 def _listed(words: list[str], last: str) -> str:
@@ -238,17 +242,23 @@ def _listed(words: list[str], last: str) -> str:
 
 
 def render_problems(template: str, special_tokens: dict[str, str] | None = None,
-                    template_kwargs: dict[str, Any] | None = None, *, tools: bool = True,
-                    system: bool = True) -> list[RenderProblem]:
-    """What a chat template leaves out of a prompt (with `tools`: one with tools; with `system`: one that may hold
-    a system message). Fatal, and first: a role whose messages it never renders, the user's (a loop over a
-    misspelt `messages` renders nothing, an undefined name being empty, and the prompt is the generation prompt
-    alone), the model's, with tools the tool results'. Warnings: the tool list (a template written for chat alone
-    renders `messages` and ignores `tools`, so the model is never told which tools exist or how to call them)
-    and the system message (data.system_prompt would never reach the model). Text only, as prefix_problem;
-    jinja errors propagate, but for the whole conversation's (prefix_problem says why that does not render)."""
+                    template_kwargs: dict[str, Any] | None = None, *, tools: bool = True, turns: bool = True,
+                    system: bool = True, few_shot: bool = False) -> list[RenderProblem]:
+    """What a chat template leaves out of a prompt (with `tools`: one with tools; with `turns` too: of a rollout
+    of more than one turn; with `system`: one that may hold a system message; with `few_shot`: one that may hold
+    assistant messages). Fatal, and first: a role whose messages it never renders that the rollout renders, the
+    user's (a loop over a misspelt `messages` renders nothing, an undefined name being empty, and the prompt is
+    the generation prompt alone), and with tools and turns the tool results' and the model's (the text appended
+    after a model's turn is what the template renders after one: ChatFormat.tool_delta_ids). Elsewhere a model's
+    turn is kept as sampled, never rendered, so a template without assistant messages (a base model's
+    `Question: ...\\nAnswer:`) is sound, but for few-shot answers it would drop (a warning). Warnings too: the
+    tool list (a template written for chat alone renders `messages` and ignores `tools`, so the model is never
+    told which tools exist or how to call them) and the system message (data.system_prompt would never reach the
+    model). Text only, as prefix_problem; jinja errors propagate, but for the whole conversation's (prefix_problem
+    says why that does not render)."""
     render = compile_template(template)
     kwargs = {**(special_tokens or {}), **(template_kwargs or {})}
+    turns = turns and tools
     messages = _PROBE_CONVERSATION[:2] if system else _PROBE_CONVERSATION[1:2]  # (the system message,) the user's
     text = render.render(messages=messages, tools=_PROBE_TOOLS if tools else None, documents=None,
                          add_generation_prompt=True, **kwargs)
@@ -260,13 +270,21 @@ def render_problems(template: str, special_tokens: dict[str, str] | None = None,
         whole = None
     rendered = {"user"} if _PROBE_USER in text else set()
     rendered |= {m["role"] for m in later if whole is None or m["content"] in whole}
-    dropped = [role for role in _UNSEEN if role not in rendered and (role != "tool" or tools)]
+    dropped = [role for role in ("user", "assistant", "tool") if role not in rendered and (role == "user" or turns)]
     out = []
     if dropped:
+        unseen = [_UNSEEN[role] for role in dropped if role in _UNSEEN]
+        said = [f"the model would never see {_listed(unseen, 'nor')}"] if unseen else []
+        if "assistant" in dropped:
+            said.append("the rollout, which appends to a model's turn what the template renders after one (the tool "
+                        "results, the next generation prompt), could not find that")
         hint = (" (a name the template misspells renders as nothing: `mesages` for `messages`, say)"
                 if "user" in dropped else "; use a template that renders every role (prompts/chatml_tools.jinja)")
-        out.append(RenderProblem(f"the chat template renders no {_listed(dropped, 'or')} message: the model would "
-                                 f"never see {_listed([_UNSEEN[r] for r in dropped], 'nor')}{hint}", fatal=True))
+        out.append(RenderProblem(f"the chat template renders no {_listed(dropped, 'or')} message: "
+                                 f"{', and '.join(said)}{hint}", fatal=True))
+    elif few_shot and "assistant" not in rendered:
+        out.append(RenderProblem("the chat template renders no assistant message: the answers of data.prompt's "
+                                 "few-shot turns would never reach the model"))
     tool = _PROBE_TOOLS[0]["function"]
     if tools and tool["name"] not in text and tool["description"] not in text:
         out.append(RenderProblem(
