@@ -195,15 +195,29 @@ def test_a_prompt_template_that_renders_invalid_json_is_one_error_naming_it(tmp_
     with pytest.raises(DataError) as e:
         stage.setup()
     assert str(e.value) == ("rows.jsonl:1 and 1 more rows: data.prompt (p.jinja) rendered invalid JSON: Expecting "
-                            "value at line 3, column 1 of the rendered text: ']'")
-    # a list on one line: the line from the mistake on
+                            "value at line 3 of the rendered text, at ']'")
+    # a list on one line: the text from the mistake on (the column is where each row's question ends)
     (tmp_path / "p.jinja").write_text('[{"role": "system", "content": "Answer in one word, ' + 'please, ' * 8 + '"},'
                                       ' {"role": "user", "content": {{ question | tojson }}},]')
     with pytest.raises(DataError) as e:
         stage.setup()
-    assert str(e.value) == ("rows.jsonl:1: data.prompt (p.jinja) rendered invalid JSON: Expecting value at line 1, "
-                            "column 157 of the rendered text: '...]'\nrows.jsonl:2: data.prompt (p.jinja) rendered "
-                            "invalid JSON: Expecting value at line 1, column 159 of the rendered text: '...]'")
+    assert str(e.value) == ("rows.jsonl:1 and 1 more rows: data.prompt (p.jinja) rendered invalid JSON: Expecting "
+                            "value at line 1 of the rendered text, at ']'")
+
+
+def test_a_column_printed_without_tojson_is_one_error_quoting_the_template(tmp_path):
+    """The commonest JSON mistake, `"content": {{ question }}` without `| tojson`, was one error a row: the rendered
+    line quoted held each row's question ("... and 20 more"). The text before the value is the template's."""
+    (tmp_path / "p.jinja").write_text('[\n  {"role": "user", "content": {{ question }}}\n]\n')
+    said = ("data.prompt (p.jinja) rendered invalid JSON: COMPLAINT at line 2 of the rendered text, in the value "
+            "after " + repr('{"role": "user", "content":'))
+    for question, complaint in (("What is {i}+{i}?", "Expecting value"),  # stopped where the value starts
+                                ("{i}+{i}?", "Expecting ',' delimiter")):  # stopped after the number `7` of `7+7?`
+        rows = "".join(f'{{"question": "{question.format(i=i)}", "answer": "{2 * i}"}}\n' for i in range(30))
+        with pytest.raises(DataError) as e:
+            _stage(tmp_path, rows, prompt="p.jinja").setup()
+        assert str(e.value) == "rows.jsonl:1 and 29 more rows: " + said.replace("COMPLAINT", complaint)
+
 
 def test_a_missing_column_read_through_tojson_is_named(tmp_path):
     """The scaffold's prompt reads `{{ question | tojson }}`: a row without the column (or a misspelt name) said

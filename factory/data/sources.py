@@ -234,14 +234,22 @@ def messages_from_text(text: str, what: str = "") -> list[dict[str, str]]:
 
 
 def _json_mistake(e: json.JSONDecodeError) -> str:
-    """The decoder's complaint with the rendered line it stops at (a line of the template's output, not of the
-    template), and without its `(char N)`: rows of different lengths stop at different offsets of one mistake,
-    and would be listed as as many problems."""
+    """The decoder's complaint with the text of the rendered line (a line of the template's output, not of the
+    template) at the mistake: the template's text where it can tell, so that one mistake of the template is one
+    problem for all its rows. Without the decoder's `(char N)` nor column, which move with the lengths of the row's
+    values before the mistake. At a bracket, a brace, a comma or a colon the mistake is the template's own text,
+    quoted from there on (`,]`: a trailing comma). Anywhere else it is most likely in a row's value (printed bare,
+    `{{ question }}` without `| tojson`, or a quote inside quotes), where the decoder stops at the value's start
+    (`What`) or after a part of it that parses (`12` of `12+34?`): the text up to that value, the template's, is
+    quoted instead."""
     lines = e.doc.splitlines()
     line = lines[e.lineno - 1] if e.lineno <= len(lines) else ""
-    if len(line) > 80:  # a whole list on one line: from the mistake on (what precedes it is likely the row's)
-        line = "..." + line[e.colno - 1:e.colno + 59] + ("..." if len(line) > e.colno + 59 else "")
-    return f"{e.msg} at line {e.lineno}, column {e.colno} of the rendered text: {line.strip()!r}"
+    before, at = line[:e.colno - 1].lstrip(), line[e.colno - 1:]
+    where = f"{e.msg} at line {e.lineno} of the rendered text"
+    if at and at[0] in "[]{},:" or not before:
+        return f"{where}, at {at[:40] + ('...' if len(at) > 40 else '')!r}"
+    before = before[:max(map(before.rfind, "[{,:")) + 1] or before  # up to where the value starts
+    return f"{where}, in the value after {('...' if len(before) > 40 else '') + before[-40:]!r}"
 
 
 def check_messages(messages: Any) -> None:
