@@ -327,6 +327,31 @@ def test_a_servers_last_words_are_its_error_not_a_fragment_of_it():
         "[type=literal_error, input_value='string', input_type=str]")
     assert last_words(["starting", "", "warming up", "listening on stdio", "killed: out of memory"]) == (
         "warming up / listening on stdio / killed: out of memory")
+    # An anyio server (the MCP SDK's stdio_server, FastMCP) dying in its task group: an ExceptionGroup, each line in
+    # a box's margin (`|`, `+-`), was said by the box's last three lines, with no file:line of the server's own code
+    lib = "/venv/lib/python3.11/site-packages/anyio"
+    group = f"""\
+  + Exception Group Traceback (most recent call last):
+  |   File "/srv/eg_server.py", line 12, in <module>
+  |     anyio.run(main)
+  |   File "{lib}/_core/_eventloop.py", line 83, in run
+  |     return async_backend.run(func, args, {{}}, backend_options)
+  |            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  |   File "/srv/eg_server.py", line 5, in main
+  |     async with anyio.create_task_group() as tg:
+  |   File "{lib}/_backends/_asyncio.py", line 871, in __aexit__
+  |     raise BaseExceptionGroup(
+  | ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)
+  +-+---------------- 1 ----------------
+    | Traceback (most recent call last):
+    |   File "{lib}/_core/_tasks.py", line 327, in _run_coro
+    |     retval = await self._coro
+    |              ^^^^^^^^^^^^^^^^
+    |   File "/srv/eg_server.py", line 10, in boom
+    |     raise ValueError("the index file is missing")
+    | ValueError: the index file is missing
+    +------------------------------------"""
+    assert last_words(group.splitlines()) == "/srv/eg_server.py:10: ValueError: the index file is missing"
 
 
 def test_check_connect_asks_each_judge_endpoint_whether_it_is_there(project, capsys):

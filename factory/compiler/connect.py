@@ -81,14 +81,22 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
 # A Python exception's line (`NameError: ...`, `json.decoder.JSONDecodeError: ...`), and a traceback's frame.
 _RAISED = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?::|$)")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+)')
+# An exception group's traceback (Python 3.11's, for anyio's task groups: FastMCP, the MCP SDK's stdio servers) is
+# drawn in a box: its rules (`+-+---- 1 ----`, `+------`) and the margin (`| `, `+ `) of every other line.
+_BOX_RULE = re.compile(r"\+-[-+.\d\s]*")
+_BOX_MARGIN = re.compile(r"\A[|+]\s?")
 _WORDS_CHARS = 300
 
 
 def last_words(lines: list[str]) -> str:
     """What a dying server's last lines of stderr say went wrong, on one line ('' for none). A Python error: its
-    exception line and the lines after it (a log that wraps a long message), after the traceback's last frame in
-    the server's own code as `path:N` (else its last frame). Otherwise its last three lines."""
+    last exception line (in an exception group, its last sub-exception's) and the lines after it (a log that
+    wraps a long message), after the traceback's last frame in the server's own code as `path:N` (else its last
+    frame). Otherwise its last three lines."""
     said = [line.strip() for line in lines if line.strip()]
+    if any(line.startswith("+ Exception Group Traceback") for line in said):
+        said = [_BOX_MARGIN.sub("", line).strip() for line in said if not _BOX_RULE.fullmatch(line)]
+        said = [line for line in said if line]
     raised = next((i for i in range(len(said) - 1, -1, -1) if _RAISED.match(said[i])), None)
     if raised is None:
         return " / ".join(said[-3:])[-_WORDS_CHARS:]
