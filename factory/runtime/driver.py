@@ -1195,9 +1195,6 @@ def prepare_in_background(tracker: Tracker) -> threading.Thread:
     return thread
 
 
-
-
-@contextlib.contextmanager
 def end_leftovers(display: Any) -> None:
     """End what killed drivers left (their Ray, engines, tool servers), saying so: every `factory run` does,
     first (docs/reliability.md)."""
@@ -1205,6 +1202,7 @@ def end_leftovers(display: Any) -> None:
         display.status(f"ended what a killed run left behind: {', '.join(ended)}")
 
 
+@contextlib.contextmanager
 def placed(plan: Plan, display: Any, startup: Startup, *,
            again: str = RESUME_SAID) -> Iterator[tuple[Groups, SessionRecord]]:
     """The plan's stages placed on Ray (a Ray of our own, or the cluster's), set up and ready; whatever
