@@ -412,6 +412,14 @@ def test_a_key_yaml_reads_as_null_or_a_boolean_is_located_at_its_line(project):
     with pytest.raises(SpecErrors) as e:  # (an override cannot slip past it)
         load_spec(path, ["tracking.tags.team=y"])
     assert report(e).splitlines()[0].startswith("spec.yaml:10: tracking.tags.yes: YAML reads the key `yes` as true")
+    for text in ("name: x\n? \n: 1\nseed: y\n", "name: x\n!!null : 1\nseed: y\n"):  # an empty key: YAML's null too
+        with pytest.raises(SpecErrors) as e:
+            load_spec(project.spec(text))
+        assert "spec.yaml:1: model: missing required key" in report(e)  # (the spec's line, not the empty key's)
+        assert [line for line in report(e).splitlines() if "empty key" in line or "seed" in line] == [
+            "spec.yaml:2: YAML reads an empty key as null, not as a name: write the key meant",
+            "spec.yaml:4: seed: expected an integer, got 'y'" if "?" in text else
+            "spec.yaml:3: seed: expected an integer, got 'y'"], report(e)
     # a duplicate key after one: at its own line (the text OmegaConf read kept the spec's lines), with it
     with pytest.raises(SpecErrors) as e:
         load_spec(project.spec("name: a\ntracking:\n  tags: {on: call}\n# a comment\n\nx: '${foo'\n\n"

@@ -235,11 +235,15 @@ def _blanked(text: str, nodes: Iterable[yaml.ScalarNode], keys: Iterable[yaml.Sc
     at the user's lines."""
     scalars = {t.end_mark.index: t for t in yaml.scan(text, Loader=yaml.SafeLoader) if isinstance(t, yaml.ScalarToken)}
     # (a node an alias uses is met at each use: written over once)
-    edits = {n.end_mark.index: "''" for n in nodes} | {k.end_mark.index: "'" + k.value.replace("'", "''") + "'"
-                                                        for k in keys}
-    for at, new in sorted(edits.items(), reverse=True):
-        token = scalars[at]  # (the node's own marks take in its anchor and tag)
+    edits = {n.end_mark.index: (n, "''") for n in nodes} | {k.end_mark.index: (k, "'" + k.value.replace("'", "''") + "'")
+                                                             for k in keys}
+    for at, (node, new) in sorted(edits.items(), key=lambda edit: edit[0], reverse=True):
+        # the scalar itself (the node's own marks take in its anchor and tag); an empty key (`? `, `!!null :`)
+        # has none: what its node spans is written over
+        token = scalars.get(at, node)
         start, end = token.start_mark.index, token.end_mark.index
+        if start == end:  # (`? `'s empty key is marked right after the `?`, which wants a space after it)
+            new = f" {new}"
         text = text[:start] + new + "\n" * text.count("\n", start, end) + text[end:]
     return text
 
@@ -551,7 +555,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
         raise SpecErrors([SpecError(file, root.start_mark.line + 1, "",
                                     "the spec must be a mapping of keys to values")], file)
     try:
-        lines = {"": (root.start_mark.line + 1, root.start_mark.column + 1), **_line_map(root)}
+        # (the spec's own line last: an empty key's dotted path is "" too)
+        lines = {**_line_map(root), "": (root.start_mark.line + 1, root.start_mark.column + 1)}
     except _ShapeTrouble as e:  # OmegaConf would recurse without end, or past Python's limit (an internal error)
         raise SpecErrors([SpecError(file, e.line, e.path, e.message)], file) from None
     # A key YAML reads as null or a boolean is read as its text (quoted), reported, and left out with its value as
@@ -559,7 +564,8 @@ def _compose(file: str, text: str, base_dir: Path, chain: tuple[Path, ...] = ()
     odd = {dotted(keys): (keys, key) for keys, key in _not_names(root)}  # (an alias's keys are met once a use)
     malformed = [(keys, SpecError(file, key.start_mark.line + 1, path, f"YAML reads the key `{key.value}` as "
                                   f"{show(yaml.safe_load(key.value))}, not as a name: quote it ('{key.value}'), or "
-                                  f"write the key meant", column=key.start_mark.column + 1))
+                                  f"write the key meant" if key.value else "YAML reads an empty key as null, not as a "
+                                  "name: write the key meant", column=key.start_mark.column + 1))
                  for path, (keys, key) in odd.items()]
     found = list(_malformed(root))
     malformed += [(keys, SpecError(file, lines[dotted(keys)][0], dotted(keys), message, column=lines[dotted(keys)][1]))
