@@ -235,8 +235,8 @@ def _blanked(text: str, nodes: Iterable[yaml.ScalarNode], keys: Iterable[yaml.Sc
     at the user's lines."""
     scalars = {t.end_mark.index: t for t in yaml.scan(text, Loader=yaml.SafeLoader) if isinstance(t, yaml.ScalarToken)}
     # (a node an alias uses is met at each use: written over once)
-    edits = {n.end_mark.index: (n, "''") for n in nodes} | {k.end_mark.index: (k, "'" + k.value.replace("'", "''") + "'")
-                                                             for k in keys}
+    edits = {n.end_mark.index: (n, "''") for n in nodes}
+    edits |= {k.end_mark.index: (k, "'" + k.value.replace("'", "''") + "'") for k in keys}
     for at, (node, new) in sorted(edits.items(), key=lambda edit: edit[0], reverse=True):
         # the scalar itself (the node's own marks take in its anchor and tag); an empty key (`? `, `!!null :`)
         # has none: what its node spans is written over
