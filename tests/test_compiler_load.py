@@ -137,7 +137,7 @@ def test_a_plain_value_for_a_reward_node_or_tool_server_says_the_node_to_write(p
     path = project.spec(_base(project, "rw_nodes").replace("rewards:", "rewards:\n  plain: factory.rewards.math:"
                                                            "numeric_match\n  three: 3\n  word: plain\n"
                                                            "  dots: factory.rewards.math.numeric_match\n"
-                                                           "  served: web.lookup\nold_rewards:") + """\
+                                                           "  served: web.lookup\n  server: web\nold_rewards:") + """\
 tools:
   calc: sh -c 'my_calc --port 1'
   web: https://example.com/mcp
@@ -159,15 +159,16 @@ metrics: {}
         "'factory.rewards.math.numeric_match'; write `dots: {fn: factory.rewards.math:numeric_match}`",
         f"spec.yaml:10: rewards.served: expected a mapping with one of the keys: {keys}, got 'web.lookup'; write "
         "`served: {tool: web.lookup}`",
-        "spec.yaml:16: tools.calc: expected a mapping with one of the keys: command, url, function, "
+        f"spec.yaml:11: rewards.server: expected a mapping with one of the keys: {keys}, got 'web'",  # (no tool named)
+        "spec.yaml:17: tools.calc: expected a mapping with one of the keys: command, url, function, "
         "got 'sh -c 'my_calc --port 1''; write `calc: {command: sh, args: [-c, my_calc --port 1]}`",
-        "spec.yaml:17: tools.web: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:18: tools.web: expected a mapping with one of the keys: command, url, function, got "
         "'https://example.com/mcp'; write `web: {url: https://example.com/mcp}`",
-        "spec.yaml:18: tools.fn: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:19: tools.fn: expected a mapping with one of the keys: command, url, function, got "
         "'my_tools:lookup'; write `fn: {function: my_tools:lookup}`",
-        "spec.yaml:19: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
+        "spec.yaml:20: tools.shell: expected a mapping with one of the keys: command, url, function, got 'sh'; "
         "write `shell: {command: sh}`",
-        "spec.yaml:20: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
+        "spec.yaml:21: tools.dotted: expected a mapping with one of the keys: command, url, function, got "
         "'my.server'"]
 
 

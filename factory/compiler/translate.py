@@ -195,7 +195,7 @@ def node_meant(value: Any, members: tuple[type, ...], servers: Collection[str] =
         key = "url"
     elif ":" in value and _IMPORT_PATH.fullmatch(value):
         key = "function" if "function" in by_key else "fn"
-    elif "tool" in by_key and value.partition(".")[0] in servers:
+    elif "tool" in by_key and (parts := value.partition("."))[2] and parts[0] in servers:  # (`server.tool`)
         key = "tool"
     elif "fn" in by_key and "." in value and _IMPORT_PATH.fullmatch(value):  # (a bare word: another node's name?)
         key, value = "fn", import_path_meant(value) or value
