@@ -156,6 +156,9 @@ def test_a_lora_runs_export_hint_names_its_store_as_the_ui_hint_does(tmp_path, m
     assert "merged model: factory export abc --out DIR --uri http://127.0.0.1:5000/\n" in summary(
         "http://127.0.0.1:5000/")
     assert "merged model: factory export abc --out DIR\n" in summary("sqlite:///mlflow.db")  # the default store
+    # a store path with a space, quoted for the shell (pasted, it was two arguments)
+    assert "merged model: factory export abc --out DIR --uri 'sqlite:////tmp/my runs/m.db'\n" in summary(
+        "sqlite:////tmp/my runs/m.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")  # what export reads without --uri
     assert "merged model: factory export abc --out DIR\n" in summary("sqlite:///elsewhere.db")
 
@@ -271,7 +274,7 @@ def test_the_summary_prints_the_experiment_store_and_checkpoint_as_written(tmp_p
     text = summary("lr[/2] sweep", "sqlite:///m[/x].db", str(tmp_path / "runs[v2]" / "step_1"))
     assert "experiment 'lr[/2] sweep' (sqlite:///m[/x].db)" in text
     assert f"final model (HF folder): {tmp_path}/runs[v2]/step_1/hf\n" in text
-    assert "see it: factory ui --uri sqlite:///m[/x].db" in text
+    assert "see it: factory ui --uri 'sqlite:///m[/x].db'" in text
     (tmp_path / "runs[v2]" / "step_1" / "adapter").mkdir(parents=True)
     text = summary("[ablation] grpo", "http://mlflow[/a]:5000", str(tmp_path / "runs[v2]" / "step_1"))
     assert "experiment '[ablation] grpo' (http://mlflow[/a]:5000)" in text

@@ -54,10 +54,13 @@ VERSIONED = ("factory-rl", "torch", "transformers", "deepspeed", "vllm", "mcp", 
 
 
 def uri_option(uri: str) -> str:
-    """` --uri URI` for a command Factory prints to read the store at `uri` (`factory ui`, `factory export`), or
-    "" where that command finds it without one ($MLFLOW_TRACKING_URI, else DEFAULT_URI). Read, not validated:
-    a refused $MLFLOW_TRACKING_URI beside a spec's own tracking.uri must not fail what prints it."""
-    return "" if uri == (os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI) else f" --uri {uri}"
+    """` --uri URI`, quoted for a shell, for a command Factory prints to read the store at `uri` (`factory ui`,
+    `factory export`), or "" where that command finds it without one ($MLFLOW_TRACKING_URI, else DEFAULT_URI).
+    Read, not validated: a refused $MLFLOW_TRACKING_URI beside a spec's own tracking.uri must not fail what prints
+    it."""
+    import shlex
+
+    return "" if uri == (os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI) else f" --uri {shlex.quote(uri)}"
 
 
 def tracking_uri(spec_uri: str | None) -> str:
