@@ -12,6 +12,9 @@ torch, transformers and peft are imported inside the functions that need them.
 """
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +64,37 @@ def linear_layers(folder: str | Path) -> list[str] | None:
     the folder has no config."""
     layers = _layouts(folder)
     return None if layers is None else list(layers)
+
+
+def ships_causal_lm(config: dict[str, Any]) -> bool:
+    """Whether the installed transformers builds this config's model from its own classes: no remote code
+    (`auto_map`) and a model_type its AutoModelForCausalLM has a class for. Told without importing
+    transformers (which imports torch: seconds); False where it cannot be told that way."""
+    types = _causal_lm_model_types()
+    return "auto_map" not in config and types is not None and config.get("model_type") in types
+
+
+@functools.cache
+def _causal_lm_model_types() -> frozenset[str] | None:
+    """The model_types in the installed transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, a literal in its
+    models/auto/modeling_auto.py, read from that source; None where transformers is not installed or keeps
+    the mapping elsewhere."""
+    found = importlib.util.find_spec("transformers")  # finds the package without running its __init__
+    if found is None or not found.submodule_search_locations:
+        return None
+    source = Path(found.submodule_search_locations[0]) / "models" / "auto" / "modeling_auto.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.value.args
+                and [getattr(t, "id", None) for t in node.targets] == ["MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"]):
+            try:
+                return frozenset(model_type for model_type, _ in ast.literal_eval(node.value.args[0]))
+            except (ValueError, TypeError, SyntaxError):
+                return None
+    return None
 
 
 def _layouts(folder: str | Path) -> dict[str, bool] | None:

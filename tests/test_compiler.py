@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -1816,6 +1819,22 @@ def test_a_model_transformers_cannot_build_is_refused_with_or_without_lora(proje
         assert _errors(path, overrides).startswith(
             "spec.yaml:2: model.path: transformers cannot build this model (ValueError: The checkpoint you are "
             "trying to load has model type `no_such_architecture`")
+
+
+def test_checking_a_local_model_folder_does_not_import_torch(project):
+    """A model that is a local folder (or a cached hub id) was built on the meta device by every check, with or
+    without LoRA: torch and transformers imported, a check of about a second took seven. Without LoRA target
+    modules to check, it is built only where transformers could fail to: a model_type the installed transformers
+    has no causal LM for, or remote code (`auto_map`)."""
+    project.file("models/mine/config.json", MODEL_CONFIG)
+    project.file("models/mine/model.safetensors")
+    path = project.spec(_base(project, "rc_mtorch").replace('"factory:tiny-qwen3"', "models/mine"))
+    code = (f"import sys; from factory.compiler.compile import compile_file; compile_file({path!r}); "
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # this tree's factory
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"
 
 
 def test_a_cpu_vllm_kv_cache_larger_than_this_machine_is_refused(project, monkeypatch):

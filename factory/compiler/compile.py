@@ -308,11 +308,12 @@ def with_cached_models(spec: Spec) -> Spec:
 def _check_model_shape(spec: Spec, r: _Report) -> None:
     """What depends on the model's architecture, read from its config.json without loading weights (skipped
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
-    transformers must build it (on the meta device), LoRA's target modules must name linear layers of the
+    transformers must build it (on the meta device, unless no LoRA names are to be matched and it ships the
+    model's class: `ships_causal_lm`), LoRA's target modules must name linear layers of the
     model (a rank above its hidden size is warned of),
     and a rollout replica's GPUs (vLLM's tensor-parallel size) must split its layers (`tensor_parallel_misfit`)."""
     from factory.assets import config_context, tokenizer_files
-    from factory.lora import linear_layers, model_config, target_problem
+    from factory.lora import linear_layers, model_config, ships_causal_lm, target_problem
     from factory.rollout.engine import tensor_parallel_misfit, tensor_parallel_sizes
 
     k = spec.resources.rollout.num_gpus
@@ -355,10 +356,10 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
                                "every adapted layer's update: the rank beyond it adds parameters (the adapters then "
                                f"outnumber the weights they adapt) and nothing they can learn; use r <= {width}")
     # built on the meta device (its config alone: no weights read, no memory), with or without LoRA: a model
-    # transformers cannot build otherwise failed the run as the update stage started. Factory's own models
-    # were written by this transformers: not built unless LoRA names layers, so that checking them imports
-    # no torch (seconds of a check that otherwise takes about one)
-    if not lora_names and spec.model.path.startswith("factory:"):
+    # transformers cannot build otherwise failed the run as the update stage started. Without LoRA names to
+    # match, not built where transformers ships a causal LM for its model_type and no remote code is needed
+    # (it then builds), so that checking it imports no torch (seconds of a check that otherwise takes about one)
+    if not lora_names and ships_causal_lm(config):
         return
     try:
         layers = linear_layers(folder)
