@@ -210,13 +210,26 @@ def test_a_column_printed_without_tojson_is_one_error_quoting_the_template(tmp_p
     line quoted held each row's question ("... and 20 more"). The text before the value is the template's."""
     (tmp_path / "p.jinja").write_text('[\n  {"role": "user", "content": {{ question }}}\n]\n')
     said = ("data.prompt (p.jinja) rendered invalid JSON: COMPLAINT at line 2 of the rendered text, in the value "
-            "after " + repr('{"role": "user", "content":'))
+            "after " + repr(', "content":'))
     for question, complaint in (("What is {i}+{i}?", "Expecting value"),  # stopped where the value starts
                                 ("{i}+{i}?", "Expecting ',' delimiter")):  # stopped after the number `7` of `7+7?`
         rows = "".join(f'{{"question": "{question.format(i=i)}", "answer": "{2 * i}"}}\n' for i in range(30))
         with pytest.raises(DataError) as e:
             _stage(tmp_path, rows, prompt="p.jinja").setup()
         assert str(e.value) == "rows.jsonl:1 and 29 more rows: " + said.replace("COMPLAINT", complaint)
+
+
+def test_a_value_through_tojson_before_the_mistake_is_not_quoted(tmp_path):
+    """With a row's value through `tojson` earlier on the line, the quote (the last 40 characters before the value,
+    cut at the last `[{,:`, even one inside that value) held each row's question: one error a row again. Quoted
+    now from the last bracket or comma outside a JSON string: the key and its colon, the template's text."""
+    (tmp_path / "p.jinja").write_text('[{"role": "user", "content": {{ q | tojson }}, "name": {{ who }}}]')
+    rows = "".join(f'{{"q": "{q}", "who": "{who}", "answer": "1"}}\n' for q, who in (
+        ("What is 12+34?", "ann"), ("Add 5 and 7, then double it", "bob"), ('Say \\"a, b\\": c', "cy")))
+    with pytest.raises(DataError) as e:
+        _stage(tmp_path, rows, prompt="p.jinja").setup()
+    assert str(e.value) == ("rows.jsonl:1 and 2 more rows: data.prompt (p.jinja) rendered invalid JSON: Expecting "
+                            "value at line 1 of the rendered text, in the value after ', \"name\":'")
 
 
 def test_a_missing_column_read_through_tojson_is_named(tmp_path):

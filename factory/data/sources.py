@@ -240,16 +240,39 @@ def _json_mistake(e: json.JSONDecodeError) -> str:
     values before the mistake. At a bracket, a brace, a comma or a colon the mistake is the template's own text,
     quoted from there on (`,]`: a trailing comma). Anywhere else it is most likely in a row's value (printed bare,
     `{{ question }}` without `| tojson`, or a quote inside quotes), where the decoder stops at the value's start
-    (`What`) or after a part of it that parses (`12` of `12+34?`): the text up to that value, the template's, is
-    quoted instead."""
+    (`What`) or after a part of it that parses (`12` of `12+34?`): the template's text up to that value (its key,
+    from the comma or bracket before it) is quoted instead."""
     lines = e.doc.splitlines()
     line = lines[e.lineno - 1] if e.lineno <= len(lines) else ""
     before, at = line[:e.colno - 1].lstrip(), line[e.colno - 1:]
     where = f"{e.msg} at line {e.lineno} of the rendered text"
     if at and at[0] in "[]{},:" or not before:
         return f"{where}, at {at[:40] + ('...' if len(at) > 40 else '')!r}"
-    before = before[:max(map(before.rfind, "[{,:")) + 1] or before  # up to where the value starts
+    before = _template_text_before(before)
     return f"{where}, in the value after {('...' if len(before) > 40 else '') + before[-40:]!r}"
+
+
+def _template_text_before(text: str) -> str:
+    """The end of `text` (a rendered line up to a value the decoder stopped in) that is the template's own text:
+    from the last bracket, brace or comma outside a JSON string to where the value starts (the last of them or
+    a colon outside one), a key and its colon at most. A string before it may be a row's value printed through
+    `tojson` (or hold a comma of it), different in every row; all of `text` where it has no such character."""
+    start = end = -1
+    inside = escaped = False
+    for i, c in enumerate(text):
+        if escaped:  # the character after a backslash in a string: an escaped quote does not end it
+            escaped = False
+        elif inside and c == "\\":
+            escaped = True
+        elif c == '"':
+            inside = not inside
+        elif inside:
+            continue
+        elif c in "[{,":
+            start = end = i
+        elif c == ":":
+            end = i
+    return text[max(start, 0):end + 1] if end >= 0 else text
 
 
 def check_messages(messages: Any) -> None:
