@@ -133,7 +133,7 @@ def test_a_checkpoint_the_disk_could_not_hold_is_said_as_such(tmp_path):
             raise full
 
     plan = SimpleNamespace(flow=lambda kind: [SimpleNamespace(src="data", dst="update")])
-    tracker = SimpleNamespace(run_id="r", checkpoint_dir=str(tmp_path))
+    tracker = SimpleNamespace(run_id="r", checkpoint_dir=str(tmp_path), flush_traces=lambda: None)
     watch = SimpleNamespace(state=lambda: {})
     with pytest.raises(CheckpointWriteError, match=r"^could not save step 4's checkpoint: no space left on the "
                                                    r"device of .*; the checkpoints before it are whole: make room, "
