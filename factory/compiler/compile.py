@@ -309,9 +309,9 @@ def _check_model_shape(spec: Spec, r: _Report) -> None:
     """What depends on the model's architecture, read from its config.json without loading weights (skipped
     while the model is not on disk: a `factory:` asset before its first build, a hub id not cached):
     transformers must build it (on the meta device, unless no LoRA names are to be matched and it ships the
-    model's class: `ships_causal_lm`), LoRA's target modules must name linear layers of the
-    model (a rank above its hidden size is warned of),
-    and a rollout replica's GPUs (vLLM's tensor-parallel size) must split its layers (`tensor_parallel_misfit`)."""
+    model's class: `ships_causal_lm`), LoRA's target modules must name linear layers of the model (a rank above its
+    hidden size is warned of), and a rollout replica's GPUs (vLLM's tensor-parallel size) must split its layers
+    (`tensor_parallel_misfit`)."""
     from factory.assets import config_context, tokenizer_files
     from factory.lora import linear_layers, model_config, ships_causal_lm, target_problem
     from factory.rollout.engine import tensor_parallel_misfit, tensor_parallel_sizes
