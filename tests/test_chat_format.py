@@ -381,6 +381,17 @@ def test_a_single_turn_template_that_renders_no_model_turn_ends_turns_on_eos(tok
     assert chat.render([{"role": "user", "content": "1+1?"}], add_generation_prompt=True) == "Question: 1+1?\nAnswer:"
 
 
+def test_a_template_that_renders_no_model_turn_says_so_when_a_tool_answer_follows(tokenizer):
+    """Such a template with a tool call (a tokenizer not on disk when `factory check` ran, so its template went unread) failed deep in the
+    rollout with `ValueError: substring not found`; it names what is wrong and what to use."""
+    from factory.types import ToolResult
+
+    qa = ("{% for m in messages %}{% if m.role == 'user' %}Question: {{ m.content }}\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}Answer:{% endif %}")
+    with pytest.raises(ValueError, match="renders no assistant message.*prompts/chatml_tools.jinja"):
+        ChatFormat(tokenizer, qa).tool_delta_ids([ToolResult(tool="t", text="5")], True)
+
+
 def test_template_kwargs_reach_every_render_qwen3_without_thinking(tokenizer):
     """`chat_template_kwargs: {enable_thinking: false}`: every generation prompt, the first and those in the
     tool deltas, ends with Qwen3's empty reasoning block."""

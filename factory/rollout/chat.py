@@ -122,6 +122,9 @@ class ChatFormat:
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
         messages += [{"role": "tool", "name": r.tool, "content": self.defused(r.text)} for r in results]
         text = self.render(messages, add_generation_prompt=True)
+        if _SENTINEL not in text:  # (`factory check` refuses it with tools, but cannot read a tokenizer not yet on disk)
+            raise ValueError("the chat template renders no assistant message, so a tool's answer cannot follow the "
+                             "model's turn; use a template that renders every role (prompts/chatml_tools.jinja)")
         tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
         if turn_ended_with_eos:
             if not tail.startswith(self.end_of_turn_text):
