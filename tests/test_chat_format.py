@@ -382,8 +382,8 @@ def test_a_single_turn_template_that_renders_no_model_turn_ends_turns_on_eos(tok
 
 
 def test_a_template_that_renders_no_model_turn_says_so_when_a_tool_answer_follows(tokenizer):
-    """Such a template with a tool call (a tokenizer not on disk when `factory check` ran, so its template went unread) failed deep in the
-    rollout with `ValueError: substring not found`; it names what is wrong and what to use."""
+    """Such a template with a tool call (its tokenizer not on disk when `factory check` ran, so unread there) failed
+    deep in the rollout with `ValueError: substring not found`; it names what is wrong and what to use."""
     from factory.types import ToolResult
 
     qa = ("{% for m in messages %}{% if m.role == 'user' %}Question: {{ m.content }}\n{% endif %}{% endfor %}"

@@ -122,7 +122,8 @@ class ChatFormat:
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _SENTINEL}]
         messages += [{"role": "tool", "name": r.tool, "content": self.defused(r.text)} for r in results]
         text = self.render(messages, add_generation_prompt=True)
-        if _SENTINEL not in text:  # (`factory check` refuses it with tools, but cannot read a tokenizer not yet on disk)
+        # (`factory check` refuses such a template with tools, but cannot read a tokenizer not yet on disk)
+        if _SENTINEL not in text:
             raise ValueError("the chat template renders no assistant message, so a tool's answer cannot follow the "
                              "model's turn; use a template that renders every role (prompts/chatml_tools.jinja)")
         tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
