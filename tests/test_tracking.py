@@ -223,6 +223,23 @@ def test_an_evaluation_whose_stages_fail_to_start_puts_mlflows_http_settings_bac
     assert {n: os.environ.get(n) for n in names} == dict.fromkeys(names)
 
 
+def test_each_kind_of_file_a_run_reads_has_a_hash_tag_of_its_own(monkeypatch):
+    """MLflow's compare view showed a changed reward file, template or data only as another plan hash; each kind
+    has a tag of its own, changed only by its own files, and none where the run reads none of that kind."""
+    from factory.tracking import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "environment_tags", dict)
+    hashes = {"spec": "s", "run": "r", "code": {}, "rewards": {"rewards/task.py": "aa"},
+              "templates": {"prompts/task.jinja": "bb"}, "data": {"train": {"path": "d.jsonl", "sha256": "cc"}},
+              "tools": {"letters": "dd"}}
+    tags = mlflow_tracker.run_tags(hashes, "demo", {"team": "x"})
+    assert sorted(k for k in tags if k.startswith("factory.hash.")) == [
+        "factory.hash.data", "factory.hash.rewards", "factory.hash.templates", "factory.hash.tools"]  # no code read
+    changed = mlflow_tracker.run_tags({**hashes, "rewards": {"rewards/task.py": "ab"}}, "demo", {"team": "x"})
+    assert {k for k in tags if tags[k] != changed[k]} == {"factory.hash.rewards"}
+    assert len(tags["factory.hash.rewards"]) == 12 and tags["team"] == "x"
+
+
 def test_busy_clock_splits_wall_time(monkeypatch):
     now = [0.0]
     monkeypatch.setattr("factory.rollout.stage.time.perf_counter", lambda: now[0])

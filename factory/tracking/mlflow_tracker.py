@@ -259,10 +259,20 @@ def session_tags(n: int, after_step: int, resolved: dict[str, Any]) -> dict[str,
     return {named[prefix + k]: v for k, v in env.items()}
 
 
+# The files a run reads beside its spec, each kind hashed as a tag of its own (`run_tags`)
+HASHED_INPUTS = ("code", "data", "rewards", "templates", "tools")
+
+
 def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
-    """The tags a run starts with: what identifies it, what it ran on, and the spec's own `tracking.tags`."""
+    """The tags a run starts with: what identifies it, what it ran on, and the spec's own `tracking.tags`. Each kind
+    of file the run reads (reward code, templates, data, tool schemas, code they import) has a short hash of its own,
+    `factory.hash.<kind>`: MLflow's compare view then shows which of them two runs differ in, where the plan hash
+    alone only said that something did (`factory diff` names the files)."""
+    from factory.compiler.refs import sha256_json
+
+    inputs = {f"factory.hash.{kind}": sha256_json(hashes[kind])[:12] for kind in HASHED_INPUTS if hashes.get(kind)}
     return {"factory.spec_name": spec_name, "factory.spec_hash": hashes["spec"], "factory.plan_hash": hashes["run"],
-            **environment_tags(), **extra}
+            **inputs, **environment_tags(), **extra}
 
 
 def driver_tag() -> str:
