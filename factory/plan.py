@@ -327,8 +327,12 @@ class Plan:
     def filled_spec(self) -> dict[str, Any]:
         """`spec` with its `algorithm` section as the run uses it: the preset's choices in place of the nulls it
         left to them (factory.presets.filled). What a run and its rescore record as params, and `factory explain`
-        shows: the spec's nulls made a run and its rescore of one spec differ in MLflow's compare view."""
-        return {**self.spec, "algorithm": filled(self.spec["algorithm"], self.algorithm)}
+        shows: the spec's nulls made a run and its rescore of one spec differ in MLflow's compare view. A value the
+        spec read from the environment stays "***" (the preset's fill wrote it out: `dual_clip_c: 3.0`)."""
+        from factory.compiler.compile import mask  # (the compiler imports this module)
+
+        return mask({**self.spec, "algorithm": filled(self.spec["algorithm"], self.algorithm)},
+                    [keys for keys in self.masked if keys[0] == "algorithm"])
 
     @property
     def metrics(self) -> dict[str, str]:

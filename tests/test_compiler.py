@@ -515,6 +515,21 @@ tools:
         "2 errors in spec.yaml")
 
 
+def test_an_algorithm_value_read_from_the_environment_stays_masked_where_the_preset_fills_the_rest(project,
+                                                                                                 monkeypatch):
+    """`filled_spec` (a run's and a rescore's params, `factory plan --explain`) put the preset's choices in the
+    algorithm section, and with them the values the spec read from the environment: `dual_clip_c: 3.0` where the
+    spec shows `***`."""
+    monkeypatch.setenv("RC_DUAL_CLIP", "3.0")
+    monkeypatch.setenv("RC_KL_APPLY", "reward")
+    path = project.spec(_base(project, "rc_alg_env") + "algorithm: {name: grpo, dual_clip_c: '${oc.env:RC_DUAL_CLIP}',"
+                        " kl: {coef: 0.1, apply: '${oc.env:RC_KL_APPLY}'}}\n")
+    _, plan = compile_file(path)
+    algorithm = plan.filled_spec["algorithm"]
+    assert (algorithm["dual_clip_c"], algorithm["kl"]["apply"]) == ("***", "***")
+    assert (algorithm["clip"], algorithm["loss"], algorithm["kl"]["coef"]) == ([0.2, 0.2], "ppo_clip", 0.1)  # filled
+
+
 def test_a_value_read_from_the_environment_is_not_printed_by_another_keys_message_nor_cut(project, monkeypatch):
     """Two messages printed a value read from the environment: a multi-line `system_prompt` cut to its first line
     ("template file not found: Codename ORCHID...."), and the chat template's file named in an error at a
