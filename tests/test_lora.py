@@ -148,6 +148,14 @@ def test_tensor_parallel_sizes_are_those_vllm_splits_every_layer_over():
     # no num_key_value_heads: one KV head per attention head (transformers' default)
     assert tensor_parallel_sizes({"num_attention_heads": 12, "intermediate_size": 3072}) == [1, 2, 3, 4, 6, 12]
     assert tensor_parallel_sizes({"hidden_size": 64}) is None  # heads not named: nothing to say
+    # a mixture of experts: vLLM's FusedMoE splits each expert's width as well as the dense MLP's
+    moe = {"num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144, "moe_intermediate_size": 20}
+    assert tensor_parallel_sizes(moe) == [1, 2, 4]
+    assert tensor_parallel_misfit(moe, 8) == "8 does not divide its experts' MLP width 20"
+    # Falcon names its KV heads num_kv_heads (new decoder architecture)
+    falcon = {"model_type": "falcon", "num_attention_heads": 96, "num_kv_heads": 8, "new_decoder_architecture": True}
+    assert tensor_parallel_misfit(falcon, 12) == "12 is not a multiple of its 8 KV heads"
+    assert tensor_parallel_sizes(falcon) == [1, 2, 4, 8, 16, 24, 32, 48, 96]
     assert tensor_parallel_misfit({"hidden_size": 64}, 3) is None
 
 

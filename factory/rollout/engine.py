@@ -167,21 +167,36 @@ def tensor_parallel_misfit(config: dict[str, Any], k: int) -> str | None:
     """Why vLLM cannot split a model with this config.json over k GPUs (tensor_parallel_size), or None. Each
     layer is split over them (vllm/model_executor/layers/linear.py): QKVParallelLinear divides the attention
     heads and the KV heads, or, with fewer KV heads than GPUs, holds each KV head on k / kv of them; the MLP's
-    column- and row-parallel layers divide its width. None too where the config does not name its heads."""
+    column- and row-parallel layers divide its width, and a mixture of experts' FusedMoE each expert's
+    (layers/fused_moe/config.py asserts it) and its shared expert's MLP. None too where the config does not name
+    its heads."""
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
-    kv = config.get("num_key_value_heads") or heads  # transformers' default: a KV head per attention head
-    width = config.get("intermediate_size")
+    kv = _kv_heads(config, heads)
     if heads % k:
         return f"{k} does not divide its {heads} attention heads"
     if isinstance(kv, int) and k > kv and k % kv:
         return f"{k} is not a multiple of its {kv} KV heads"
     if isinstance(kv, int) and k <= kv and kv % k:
         return f"{k} does not divide its {kv} KV heads"
-    if isinstance(width, int) and width % k:
-        return f"{k} does not divide its MLP width {width}"
+    for key, what in (("intermediate_size", "MLP width"), ("moe_intermediate_size", "experts' MLP width"),
+                      ("shared_expert_intermediate_size", "shared expert's MLP width")):
+        width = config.get(key)
+        if isinstance(width, int) and width > 0 and width % k:
+            return f"{k} does not divide its {what} {width}"
     return None
+
+
+def _kv_heads(config: dict[str, Any], heads: int) -> Any:
+    """The KV heads of a model's config.json as vLLM counts them: Falcon names them `num_kv_heads` (with its new
+    decoder architecture; else one, multi-query, or one per head: vllm/model_executor/models/falcon.py), other
+    models `num_key_value_heads`, whose default in transformers is one per attention head."""
+    if config.get("model_type") == "falcon":
+        if config.get("new_decoder_architecture"):
+            return config.get("num_kv_heads") or heads
+        return 1 if config.get("multi_query", True) else heads  # (FalconConfig's default is multi-query)
+    return config.get("num_key_value_heads") or heads
 
 
 def tensor_parallel_sizes(config: dict[str, Any]) -> list[int] | None:
