@@ -611,7 +611,24 @@ async def test_http_server_gone_is_an_infra_error(http_server):
         proc.terminate()
         proc.wait(timeout=10)
         result = await box.call(call("echo", {"text": "down"}))
-    assert result.status == "infra_error" and result.error_kind in ("crash", "transport")
+    assert result.status == "infra_error" and result.error_kind == "crash"
+
+
+async def test_an_http_server_killed_during_a_call_is_a_crash():
+    """The SDK says a response stream that ends with no answer as JSON-RPC error -32000 "SSE stream ended without a
+    response": it was taken for the server's own answer (kind `transport`, the circuit told the server was alive,
+    the dead session kept)."""
+    port = free_port()
+    with run_http_server([sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)], port, cwd=ROOT) as proc:
+        spec = HttpServer(url=f"http://127.0.0.1:{port}/mcp", timeout_s=10, retries=0)
+        async with ToolBox.from_spec({"web": spec}) as box:
+            in_flight = asyncio.ensure_future(box.call(call("sleep", {"seconds": 5})))
+            await asyncio.sleep(0.5)
+            proc.kill()
+            proc.wait(timeout=10)
+            result = await in_flight
+            assert box._backends["web"]._replicas[0].connection is None  # taken as lost: a new session is opened
+    assert result.status == "infra_error" and result.error_kind == "crash", result
 
 
 

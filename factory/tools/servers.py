@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # The message of the error the SDK raises itself when the transport closes under a request.
 _SDK_CLOSED = "Connection closed"
+# How the SDK's streamable-HTTP client begins the error (-32000) it makes up for a call whose response stream ended
+# or broke with no answer: "SSE stream ended without a response", "SSE stream failed: ...", "SSE stream ended and
+# reconnection attempts were exhausted" (a server killed during the call).
+_SDK_HTTP_STREAM_LOST = "SSE stream "
 # Stream errors: the connection under the session is gone (process died, pipe closed, HTTP broke).
 _CONNECTION_ERRORS = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream, OSError)
 
@@ -182,8 +186,12 @@ class McpServer:
         """Classify an exception from tools/call into a ToolResult and whether to retry it."""
         if isinstance(exc, MCPError):
             # The SDK reports a closed transport as error -32000, a code servers may use for their own
-            # errors too ("implementation-defined server error"); only a real close is a crash.
-            if exc.code == mcp_types.CONNECTION_CLOSED and (connection.stream_ended or exc.message == _SDK_CLOSED):
+            # errors too ("implementation-defined server error"); only a real close is a crash (over HTTP, the
+            # call's own response stream lost: the session's streams stay open while the server is gone).
+            if exc.code == mcp_types.CONNECTION_CLOSED and (
+                connection.stream_ended or exc.message == _SDK_CLOSED
+                or (isinstance(self.spec, HttpServer) and exc.message.startswith(_SDK_HTTP_STREAM_LOST))
+            ):
                 replica.lost(connection)
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
             if isinstance(self.spec, HttpServer) and _session_gone(exc):
