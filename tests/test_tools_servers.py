@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import inspect
+import logging
 import os
 import re
 import sys
@@ -630,6 +631,24 @@ async def test_an_http_server_killed_during_a_call_is_a_crash():
             assert box._backends["web"]._replicas[0].connection is None  # taken as lost: a new session is opened
     assert result.status == "infra_error" and result.error_kind == "crash", result
 
+
+
+async def test_answers_to_a_dropped_http_session_log_no_traceback(caplog):
+    """A session taken as hung is dropped with calls in flight; their answers, or the server's end of their streams,
+    then meet the session's closed read stream, which the SDK logged as "Error parsing SSE message" with a 14-line
+    BrokenResourceError traceback: nothing failed to parse, and the user saw it in the middle of the run."""
+    caplog.set_level(logging.DEBUG, logger="mcp.client.streamable_http")
+    port = free_port()
+    with run_http_server([sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)], port, cwd=ROOT):
+        spec = HttpServer(url=f"http://127.0.0.1:{port}/mcp", timeout_s=0.5, retries=0)
+        async with ToolBox.from_spec({"web": spec}) as box:
+            first = [asyncio.ensure_future(box.call(call("sleep", {"seconds": 1.2}))) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            results = await asyncio.gather(*first, box.call(call("sleep", {"seconds": 1.2})))  # in flight at the drop
+            assert [r.error_kind for r in results[:3]] == ["timeout"] * 3  # taken as hung: the session is dropped
+            await asyncio.sleep(1.5)  # the late answers arrive
+    said = [r for r in caplog.records if r.name == "mcp.client.streamable_http" and r.levelno > logging.DEBUG]
+    assert not [r for r in said if r.exc_info or "SSE message" in r.getMessage()], [r.getMessage() for r in said]
 
 
 async def test_a_restarted_http_server_gets_a_new_session():

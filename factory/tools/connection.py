@@ -116,37 +116,63 @@ def unreadable_answer_error(request_id: int | str, exc: Exception) -> SessionMes
     return SessionMessage(mcp_types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
 
-class _NotJsonRpcInOneLine(logging.Filter):
-    """The SDK logs each line of a server's stdout that is not JSON-RPC with its traceback
-    (`logger.exception`): a print() in a tool server, or a command that is no MCP server, filled the
-    terminal with pydantic's traceback. One line instead: the line, and where a server's own output goes."""
+def _not_json_rpc(record: logging.LogRecord, exc: BaseException) -> bool:
+    """The SDK's stdio client logs each line of a server's stdout that is not JSON-RPC with its traceback: a print()
+    in a tool server, or a command that is no MCP server, filled the terminal with pydantic's traceback. One line
+    instead: the line, and where a server's own output goes."""
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    line = errors[0].get("input") if errors else str(exc)
+    if errors and (request_id := unreadable_answer_id(exc)) is not None:
+        # A server's answer the SDK's parser refuses (a lone surrogate escape, "\ud83d": an emoji a
+        # JavaScript server cut in half, is invalid JSON to it), not a print(): `_WatchedReadStream`
+        # fails the call it answers.
+        record.msg = ("a tool server sent an answer (to request %r) the MCP SDK cannot read (%s): %r; its "
+                      "call fails")
+        record.args = (request_id, errors[0].get("msg"), str(line)[:200])
+    elif errors and '"jsonrpc"' in str(line):
+        # JSON-RPC whose request id cannot be read: the call it may answer waits for its timeout.
+        record.msg = ("a tool server sent a JSON-RPC message the MCP SDK cannot read (%s): %r; an answer "
+                      "lost this way makes its call time out")
+        record.args = (errors[0].get("msg"), str(line)[:200])
+    else:
+        record.msg = ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to "
+                      "Factory: %r; a server prints its own messages to stderr")
+        record.args = (str(line)[:200],)
+    return True
+
+
+def _late_on_a_dropped_session(record: logging.LogRecord, exc: BaseException) -> bool:
+    """The SDK's streamable-HTTP client logs "Error parsing SSE message" with its traceback when what came on a
+    call's response stream (its answer, or the stream's end) finds the session's read stream closed: the session
+    was dropped (taken as hung, or closed) while the call was in flight. Nothing failed to parse, and nothing is
+    wrong now: the call had its result already. One debug line (a real parse error keeps the SDK's words)."""
+    if not isinstance(exc, (anyio.BrokenResourceError, anyio.ClosedResourceError)):
+        return False
+    record.msg = "a tool server's answer came after its HTTP session was dropped: not read (%s)"
+    record.args = (type(exc).__name__,)
+    # (a filter runs before the handlers' levels are checked: at DEBUG, a terminal's WARNING handler drops it)
+    record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+    return True
+
+
+class _SdkTracebackInOneLine(logging.Filter):
+    """Some records the MCP SDK logs with a traceback (`logger.exception`) say in one line, by their message:
+    the traceback is the SDK's, of no use to the user, and many lines long each time."""
+
+    # the message the SDK logs -> what rewrites its record (whether it did: a record it leaves keeps its traceback)
+    ONE_LINE: dict[str, Callable[[logging.LogRecord, BaseException], bool]] = {
+        "Failed to parse JSONRPC message from server": _not_json_rpc,  # (mcp.client.stdio)
+        "Error parsing SSE message": _late_on_a_dropped_session,  # (mcp.client.streamable_http)
+    }
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.msg == "Failed to parse JSONRPC message from server":
-            exc = record.exc_info[1]
-            errors = exc.errors() if hasattr(exc, "errors") else []
-            line = errors[0].get("input") if errors else str(exc)
-            if errors and (request_id := unreadable_answer_id(exc)) is not None:
-                # A server's answer the SDK's parser refuses (a lone surrogate escape, "\ud83d": an emoji a
-                # JavaScript server cut in half, is invalid JSON to it), not a print(): `_WatchedReadStream`
-                # fails the call it answers.
-                record.msg = ("a tool server sent an answer (to request %r) the MCP SDK cannot read (%s): %r; its "
-                              "call fails")
-                record.args = (request_id, errors[0].get("msg"), str(line)[:200])
-            elif errors and '"jsonrpc"' in str(line):
-                # JSON-RPC whose request id cannot be read: the call it may answer waits for its timeout.
-                record.msg = ("a tool server sent a JSON-RPC message the MCP SDK cannot read (%s): %r; an answer "
-                              "lost this way makes its call time out")
-                record.args = (errors[0].get("msg"), str(line)[:200])
-            else:
-                record.msg = ("a tool server wrote a line that is not MCP (JSON-RPC) to stdout, its channel to "
-                              "Factory: %r; a server prints its own messages to stderr")
-                record.args = (str(line)[:200],)
+        rewrite = self.ONE_LINE.get(record.msg) if record.exc_info and isinstance(record.msg, str) else None
+        if rewrite is not None and rewrite(record, record.exc_info[1]):
             record.exc_info = record.exc_text = None
         return True
 
 
-_NOT_JSON_RPC = _NotJsonRpcInOneLine()
+_IN_ONE_LINE = _SdkTracebackInOneLine()
 
 
 def launch_problem(params: StdioServerParameters) -> tuple[str, str] | None:
@@ -166,7 +192,7 @@ def launch_problem(params: StdioServerParameters) -> tuple[str, str] | None:
 def stdio_transport(spec: StdioServer, base_dir: Path | None) -> TransportFactory:
     """Opens the SDK's stdio client: spawns the server in its own process group, speaks over its pipes."""
     params = stdio_parameters(spec, base_dir)
-    logging.getLogger("mcp.client.stdio").addFilter(_NOT_JSON_RPC)  # once: a filter already there is kept
+    logging.getLogger("mcp.client.stdio").addFilter(_IN_ONE_LINE)  # once: a filter already there is kept
 
     def transport(errlog: IO[bytes]) -> AbstractAsyncContextManager[Any]:
         # errlog is a binary temp file: the SDK only hands it to the subprocess as its stderr (needs a fileno).
@@ -268,6 +294,8 @@ def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]
 
 def http_transport(spec: HttpServer) -> TransportFactory:
     """Opens the SDK's streamable-HTTP client with the spec's headers; the server runs elsewhere."""
+    logging.getLogger("mcp.client.streamable_http").addFilter(_IN_ONE_LINE)
+
     @contextlib.asynccontextmanager
     async def open_http(_errlog: IO[bytes]) -> AsyncIterator[Any]:
         headers = http_headers(spec.headers_from_env, os.environ)  # read at each (re)connect: tokens rotate
