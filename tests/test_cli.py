@@ -282,6 +282,25 @@ def test_check_connect_says_an_http_server_could_not_be_reached(project, capsys)
     assert err.startswith(f"spec.yaml:10: tools.web: server at http://127.0.0.1:{port}/mcp could not be reached: "), err
 
 
+def test_check_connect_says_an_http_server_refused_the_token(project, capsys, monkeypatch):
+    """A token refused was said "could not be reached: MCPError: Server returned an error response": no status, and
+    the server had been reached."""
+    from tests.servers import free_port, http_server
+
+    project.module("cli_http_token")
+    port = free_port()
+    monkeypatch.setenv("CLI_TOKEN", "Bearer wrong")
+    url = f"http://127.0.0.1:{port}/mcp"
+    path = project.spec(BASE.replace("{mod}", "cli_http_token")
+                        + f"tools:\n  web: {{url: '{url}', headers_from_env: {{Authorization: CLI_TOKEN}}}}\n")
+    argv = [sys.executable, str(REPO / "tests/tool_servers/faulty.py"), "--http", str(port), "--token", "Bearer right"]
+    with http_server(argv, port, cwd=REPO):
+        assert cli.main(["check", path, "--connect"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"spec.yaml:10: tools.web: server at {url} was reached, but refused: it answered HTTP 401 "
+                          "Unauthorized: check the header(s) headers_from_env sets ($CLI_TOKEN)\n"), err
+
+
 def test_check_connect_says_why_a_server_died(project, capsys):
     """The server's last line of stderr, not just the SDK's "Connection closed"."""
     project.module("cli_typo")

@@ -19,6 +19,7 @@ import pytest
 from factory.rollout.parse import parse_tool_calls
 from factory.schema import HttpServer, PythonTool, StdioServer
 from factory.tools import ToolBox, ToolStartError
+from factory.tools.connection import refusal
 from factory.types import ToolCall
 from tests.servers import free_port
 from tests.servers import http_server as run_http_server
@@ -666,6 +667,60 @@ async def test_a_restarted_http_server_gets_a_new_session():
                 results = [await box.call(call("echo", {"text": f"again {i}"})) for i in range(3)]
             assert [r.text for r in results] == ["again 0", "again 1", "again 2"]
             assert box.server_events()["web"]["restarts"] == 1
+
+
+def token_server(port: int, token: str):
+    """The faulty test server over streamable HTTP, answering HTTP 401 to a request without `token`."""
+    argv = [sys.executable, "tests/tool_servers/faulty.py", "--http", str(port), "--token", token]
+    return run_http_server(argv, port, cwd=ROOT)
+
+
+@pytest.mark.parametrize("token,path,said", [
+    ("Bearer wrong", "/mcp", "HTTP 401 Unauthorized: check the header(s) headers_from_env sets ($FACTORY_TEST_TOKEN)"),
+    ("Bearer test", "/", "HTTP 404 Not Found: no MCP endpoint at this path (an MCPServer serves /mcp)"),
+])
+async def test_an_http_server_that_refuses_the_session_is_said_with_its_status(monkeypatch, token, path, said):
+    """A token refused (HTTP 401), or a path with no MCP endpoint (404), was said "could not be reached: MCPError:
+    Server returned an error response" ("Not Found"): no status, and the server had been reached; the guide then
+    told the user to start it."""
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", token)
+    port = free_port()
+    with token_server(port, "Bearer test"):
+        url = f"http://127.0.0.1:{port}{path}"
+        spec = HttpServer(url=url, headers_from_env={"Authorization": "FACTORY_TEST_TOKEN"})
+        with pytest.raises(ToolStartError) as failed:
+            async with ToolBox.from_spec({"web": spec}):
+                pass
+    assert str(failed.value) == f"web: tool server 'web' at {url} was reached, but refused: it answered {said}"
+
+
+async def test_a_token_refused_during_a_run_is_said_with_its_status(monkeypatch):
+    """The token no longer accepted (the server restarted with another, or it expired): every call was "answered
+    with error -32603: Server returned an error response", the SDK's words for any HTTP error status."""
+    monkeypatch.setenv("FACTORY_TEST_TOKEN", "Bearer old")
+    port = free_port()
+    spec = HttpServer(url=f"http://127.0.0.1:{port}/mcp", headers_from_env={"Authorization": "FACTORY_TEST_TOKEN"},
+                      retries=0)
+    with token_server(port, "Bearer old") as first:
+        async with ToolBox.from_spec({"web": spec}) as box:
+            assert (await box.call(call("echo", {"text": "up"}))).text == "up"
+            first.terminate()
+            first.wait(timeout=10)
+            with token_server(port, "Bearer new"):
+                refused = await box.call(call("echo", {"text": "refused"}))
+    assert refused.status == "infra_error"
+    assert refused.text == ("Error: tool server 'web' refused the call: it answered HTTP 401 Unauthorized: check the "
+                            "header(s) headers_from_env sets ($FACTORY_TEST_TOKEN)")
+
+
+@pytest.mark.parametrize("status,headers,said", [
+    (403, {}, "it answered HTTP 403 Forbidden: it wants credentials, which headers_from_env sends (none is set)"),
+    (401, {"Authorization": "A", "X-Key": "B"}, "it answered HTTP 401 Unauthorized: check the header(s) "
+                                                 "headers_from_env sets ($A, $B)"),
+    (503, {"Authorization": "A"}, "it answered HTTP 503 Service Unavailable"),
+])
+def test_an_http_refusal_says_what_to_check(status, headers, said):
+    assert refusal(status, headers) == said
 
 
 # ------------------------------------------------------------------------ third-party from PyPI

@@ -42,7 +42,7 @@ async def _list_one(name: str, server: Any, source: SpecSource) -> list[dict[str
 
 
 async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, Any]]], list[SpecError]]:
-    from factory.tools.connection import launch_problem, stdio_parameters
+    from factory.tools.connection import REFUSED, UNREACHED, launch_problem, stdio_parameters
 
     listing: dict[str, list[dict[str, Any]]] = {}
     errors: list[SpecError] = []
@@ -62,14 +62,15 @@ async def _list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict
         elif isinstance(result, Exception):
             lines = str(result).splitlines() or [type(result).__name__]
             # ToolStartError says "NAME: tool server 'NAME' failed to start: WHY" (an HTTP server's "at URL could
-            # not be reached: WHY"); the location says NAME.
+            # not be reached: WHY", or "at URL was reached, but refused: WHY"); the location says NAME.
             http = isinstance(spec.tools[name], HttpServer)
-            text = lines[0].rpartition("could not be reached: " if http else "failed to start: ")[2]
+            happened = (REFUSED if f" {REFUSED}: " in lines[0] else UNREACHED) if http else "failed to start"
+            text = lines[0].rpartition(f"{happened}: ")[2]
             # "Connection closed" says little; the last line the server printed usually says why.
             said = [line for line in lines[1:] if not line.startswith("--- server stderr")]
             if words := last_words(said):
                 text += f"; the server's last words: {words}"
-            what = f"server at {spec.tools[name].url} could not be reached" if http else "server failed to start"
+            what = f"server at {spec.tools[name].url} {happened}" if http else "server failed to start"
             errors.append(source.error(f"tools.{name}", f"{what}: {text}"))
         elif isinstance(result, BaseException):
             raise result  # KeyboardInterrupt and friends are not spec errors

@@ -33,6 +33,7 @@ from mcp import types as mcp_types
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
 from factory.schema import HttpServer, StdioServer
@@ -56,9 +57,22 @@ GROUP_POLL_S = 0.05
 # A transport, opened fresh for every (re)start: (stderr file) -> context manager of the stream pair.
 TransportFactory = Callable[[IO[bytes]], AbstractAsyncContextManager[Any]]
 
+# How a start error says what became of an HTTP server (`factory check --connect` reads the reason after it).
+UNREACHED = "could not be reached"
+REFUSED = "was reached, but refused"
+# The errors the MCP SDK's streamable-HTTP client makes up for a request that the server answered with an HTTP error
+# status and no JSON-RPC error of its own (any status but 404; 404 before a session): neither says the status.
+SDK_HTTP_STATUS_ERRORS = frozenset({(mcp_types.INTERNAL_ERROR, "Server returned an error response"),
+                                    (mcp_types.METHOD_NOT_FOUND, "Not Found")})
+
 
 class ServerStartError(RuntimeError):
-    """A server could not be started or did not answer initialize/tools/list in time."""
+    """A server could not be started or did not answer initialize/tools/list in time; `refused`: an HTTP server
+    answered, with an HTTP error status."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def stdio_parameters(spec: StdioServer, base_dir: Path | None) -> StdioServerParameters:
@@ -292,8 +306,48 @@ def http_headers(headers_from_env: Mapping[str, str], environ: Mapping[str, str]
     return {header: environ[var] for header, var in headers_from_env.items()}
 
 
-def http_transport(spec: HttpServer) -> TransportFactory:
-    """Opens the SDK's streamable-HTTP client with the spec's headers; the server runs elsewhere."""
+def refusal(status: int, headers_from_env: Mapping[str, str]) -> str:
+    """How an HTTP server refused a request, by the status it answered, with what to check."""
+    said = f"it answered HTTP {status} {httpx2.codes.get_reason_phrase(status)}".rstrip()
+    if status in (401, 403):
+        if not headers_from_env:
+            return f"{said}: it wants credentials, which headers_from_env sends (none is set)"
+        names = ", ".join(f"${var}" for var in headers_from_env.values())
+        return f"{said}: check the header(s) headers_from_env sets ({names})"
+    if status == 404:  # (the SDK says a 404 once there is a session as that session gone: the server restarted)
+        return f"{said}: no MCP endpoint at this path (an MCPServer serves /mcp)"
+    return said
+
+
+class HttpRefusals:
+    """The last HTTP error status (>= 400) that an HTTP server answered one of our requests with, seen by a response
+    hook on the client the SDK's transport uses: the error the SDK makes up for it says no status ("Server returned
+    an error response": a token refused was said as a server that could not be reached, or that answered a JSON-RPC
+    error)."""
+
+    def __init__(self, headers_from_env: Mapping[str, str]) -> None:
+        self.headers_from_env = headers_from_env
+        self.status: int | None = None
+
+    async def seen(self, response: httpx2.Response) -> None:
+        # POSTs only (they carry the requests): a server may answer the optional GET stream 405, and the DELETE that
+        # ends a session says nothing of a call.
+        if response.request.method == "POST" and response.status_code >= 400:
+            self.status = response.status_code
+
+    def said(self, exc: BaseException) -> str | None:
+        """How the server refused the request that failed with `exc`; None unless `exc` is the SDK's stand-in for an
+        HTTP error status (a server's own JSON-RPC error keeps its words)."""
+        exc = leaf(exc)
+        stand_in = isinstance(exc, MCPError) and (exc.code, exc.message) in SDK_HTTP_STATUS_ERRORS
+        if self.status is None or not stand_in:
+            return None
+        return refusal(self.status, self.headers_from_env)
+
+
+def http_transport(spec: HttpServer, refusals: HttpRefusals) -> TransportFactory:
+    """Opens the SDK's streamable-HTTP client with the spec's headers; the server runs elsewhere. `refusals` hears the
+    HTTP error statuses of the session last opened."""
     logging.getLogger("mcp.client.streamable_http").addFilter(_IN_ONE_LINE)
 
     @contextlib.asynccontextmanager
@@ -302,7 +356,9 @@ def http_transport(spec: HttpServer) -> TransportFactory:
         # The SDK's own defaults: 30 s to connect/write, a long read because a server may hold an
         # event stream open. Per-call timeouts are ours, above this layer.
         timeout = httpx2.Timeout(30.0, read=300.0)
-        async with httpx2.AsyncClient(headers=headers, timeout=timeout) as client:
+        refusals.status = None  # (a new session: one refused before is not this one's)
+        async with httpx2.AsyncClient(headers=headers, timeout=timeout,
+                                      event_hooks={"response": [refusals.seen]}) as client:
             async with streamable_http_client(spec.url, http_client=client) as streams:
                 yield streams
 
@@ -366,9 +422,10 @@ class McpConnection:
     """
 
     def __init__(self, label: str, transport: TransportFactory, on_lost: Callable[[McpConnection], None],
-                 url: str | None = None) -> None:
+                 url: str | None = None, refusals: HttpRefusals | None = None) -> None:
         self.label = label
         self.url = url  # an HTTP server's: it runs elsewhere, so it is reached, not started
+        self._refusals = refusals  # (an HTTP server's)
         self._transport = transport
         self._on_lost = on_lost
         self._closing = asyncio.Event()
@@ -407,16 +464,17 @@ class McpConnection:
             raise
         except Exception as exc:
             await self.close(keep_stderr=True)  # the process has ended: its stderr is complete
-            what = f"at {self.url} could not be reached" if self.url else "failed to start"
+            refused = self.refused(exc)
+            what = f"at {self.url} {REFUSED if refused else UNREACHED}" if self.url else "failed to start"
             said = self.stderr_tail()
             # the SDK's words were only "Connection closed" (a server past the handshake's timeout did not end
             # by itself: the timeout ended it)
             if not said and not self.url and self.stream_ended and not isinstance(leaf(exc), TimeoutError):
                 said = ("; the server's process ended before the MCP handshake and wrote nothing to stderr (is the "
                         "command an MCP server speaking on stdio?)")
-            message = f"tool server {self.label!r} {what}: {describe(exc)}{said}"
+            message = f"tool server {self.label!r} {what}: {refused or describe(exc)}{said}"
             self._close_stderr()
-            raise ServerStartError(message) from exc
+            raise ServerStartError(message, refused=refused is not None) from exc
 
     async def _own(self, ready: asyncio.Future[None], timeout_s: float) -> None:
         lost = False
@@ -492,6 +550,11 @@ class McpConnection:
             os.write(fd, tail)  # appended: lines the server wrote since the truncate come before it (rare)
         except (OSError, ValueError):
             pass
+
+    def refused(self, exc: BaseException) -> str | None:
+        """How an HTTP server refused the request that failed with `exc` (its HTTP status, what to check); None when
+        it did not, or for a stdio server."""
+        return self._refusals.said(exc) if self._refusals is not None else None
 
     def answered(self) -> None:
         """The server answered a call (a result or an error): it is not hung."""

@@ -24,6 +24,7 @@ from mcp.shared.exceptions import MCPError
 
 from factory.schema import HttpServer, PythonTool, StdioServer
 from factory.tools.connection import (
+    HttpRefusals,
     McpConnection,
     ServerStartError,
     TransportFactory,
@@ -93,8 +94,10 @@ class McpServer:
         self.spec = spec
         self.resilience = resilience
         self._metrics = metrics
+        # an HTTP server's error statuses, said in its errors (one session at a time: its only replica's)
+        self.refusals = HttpRefusals(spec.headers_from_env) if isinstance(spec, HttpServer) else None
         self._transport: TransportFactory = (
-            stdio_transport(spec, base_dir) if isinstance(spec, StdioServer) else http_transport(spec)
+            stdio_transport(spec, base_dir) if self.refusals is None else http_transport(spec, self.refusals)
         )
         count = spec.replicas if isinstance(spec, StdioServer) else 1
         self._replicas = [_Replica(self, index) for index in range(count)]
@@ -148,8 +151,9 @@ class McpServer:
                 connection = await replica.get()
             except ServerStartError as exc:  # (counted by the start, once: every caller that waited on it is here)
                 log.warning("%s", exc)
-                what = "reached" if isinstance(self.spec, HttpServer) else "started"
-                return infra_error(tool, "crash", f"Error: tool server {self.name!r} could not be {what}."), True
+                what = "be reached" if isinstance(self.spec, HttpServer) else "be started"
+                what = "was reached, but refused the session" if exc.refused else f"could not {what}"
+                return infra_error(tool, "crash", f"Error: tool server {self.name!r} {what}."), True
             connection.in_flight += 1
             sent = time.monotonic()
             try:
@@ -199,6 +203,13 @@ class McpServer:
                 # this, so a new session is the only way on (the MCP spec: the client starts one)
                 replica.lost(connection)
                 return infra_error(tool, "crash", f"Error: tool server {self.name!r} lost the session."), True
+            if (refused := connection.refused(exc)) is not None:
+                # An HTTP error status (a token refused), which the SDK says only as "Server returned an error
+                # response": the server answered; it is alive.
+                self._breaker_success()
+                log.warning("tool server %s refused %s: %s", self.name, tool, refused)
+                text = f"Error: tool server {self.name!r} refused the call: {refused}"
+                return infra_error(tool, "transport", text), True
             if exc.code == mcp_types.REQUEST_TIMEOUT:  # (no verdict: a probe's is released by _attempt)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out."), True
             if exc.code == mcp_types.INVALID_PARAMS:
@@ -290,7 +301,8 @@ class _Replica:
     async def _open(self) -> McpConnection:
         spec = self.server.spec
         connection = McpConnection(self.label, self.server._transport, self.lost,
-                                   url=spec.url if isinstance(spec, HttpServer) else None)
+                                   url=spec.url if isinstance(spec, HttpServer) else None,
+                                   refusals=self.server.refusals)
         try:
             await connection.open(spec.start_timeout_s)
         except ServerStartError:

@@ -1,6 +1,7 @@
 """An MCP server whose tools fail in every way the ToolBox must survive.
 
-Run: `python tests/tool_servers/faulty.py` (stdio) or `... --http PORT` (streamable HTTP on 127.0.0.1).
+Run: `python tests/tool_servers/faulty.py` (stdio) or `... --http PORT` (streamable HTTP on 127.0.0.1); with
+`--http PORT --token TOKEN` it answers HTTP 401 to a request whose Authorization header is not TOKEN.
 Each tool is one fault; `pid` lets a test kill the process; `header` shows what HTTP headers arrived.
 """
 from __future__ import annotations
@@ -125,10 +126,27 @@ def header(name: str, ctx: Context) -> str:
     return (ctx.headers or {}).get(name.lower(), "")
 
 
+def serve_with_token(port: int, token: str) -> None:
+    """Streamable HTTP behind a check of the Authorization header, as a server that wants a token is."""
+    import uvicorn
+    from starlette.responses import PlainTextResponse
+
+    app = server.streamable_http_app(host="127.0.0.1")
+
+    async def checked(scope, receive, send):
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization", b"").decode() != token:
+            return await PlainTextResponse("unauthorized", status_code=401)(scope, receive, send)
+        return await app(scope, receive, send)
+
+    uvicorn.run(checked, host="127.0.0.1", port=port, log_level="critical")
+
+
 if __name__ == "__main__":
     if os.path.exists(os.environ.get("FAULTY_NO_START", "")):  # a start that fails while the test holds this file
         sys.exit("faulty: refusing to start")
-    if len(sys.argv) == 3 and sys.argv[1] == "--http":
+    if len(sys.argv) == 5 and sys.argv[1] == "--http" and sys.argv[3] == "--token":
+        serve_with_token(int(sys.argv[2]), sys.argv[4])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
     else:
         server.run("stdio")
