@@ -631,6 +631,7 @@ async def test_an_http_server_killed_during_a_call_is_a_crash():
             result = await in_flight
             assert box._backends["web"]._replicas[0].connection is None  # taken as lost: a new session is opened
     assert result.status == "infra_error" and result.error_kind == "crash", result
+    assert result.text == "Error: the session with tool server 'web' ended during the call."
 
 
 
@@ -667,6 +668,24 @@ async def test_a_restarted_http_server_gets_a_new_session():
                 results = [await box.call(call("echo", {"text": f"again {i}"})) for i in range(3)]
             assert [r.text for r in results] == ["again 0", "again 1", "again 2"]
             assert box.server_events()["web"]["restarts"] == 1
+
+
+async def test_an_http_server_taken_as_hung_is_said_to_get_a_new_session(caplog):
+    """Factory cannot restart a server it reaches by URL, only open a new session: the log said "taken as hung,
+    restarted" and "tool server web restarted". (Its count keeps the metric's name: `tool_servers/web/restarts`.)"""
+    port = free_port()
+    with run_http_server([sys.executable, "tests/tool_servers/faulty.py", "--http", str(port)], port, cwd=ROOT):
+        spec = HttpServer(url=f"http://127.0.0.1:{port}/mcp", timeout_s=0.5, retries=0)
+        async with ToolBox.from_spec({"web": spec}) as box:
+            hung = await box.call_many([call("sleep", {"seconds": 1}) for _ in range(3)])
+            assert [r.error_kind for r in hung] == ["timeout"] * 3
+            assert (await box.call(call("echo", {"text": "again"}))).text == "again"
+            assert box.metrics()["tool_servers/web/restarts"] == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "factory.tools.servers"]
+    assert ("tool server web answered none of its last 3 calls within timeout_s (0.5 s): taken as hung, its session "
+            "dropped for a new one") in said
+    assert "tool server web: a new session opened" in said
+    assert not [m for m in said if "restart" in m], said
 
 
 def token_server(port: int, token: str):

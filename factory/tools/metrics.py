@@ -2,8 +2,9 @@
 
 Names: `tools/<tool>/calls`, `.../model_errors`, `.../infra_errors`, `.../timeouts`, `.../errors` (both kinds),
 `.../latency_s_p50`, `.../latency_s_p95`; totals `tools/calls`, `tools/model_errors`,
-`tools/infra_errors`, `tools/timeouts`; per server `tool_servers/<server>/restarts` and
-`tool_servers/<server>/circuit_opens` (and `cache_hits`, `cache_misses` for a server marked `cache: true`).
+`tools/infra_errors`, `tools/timeouts`; per server `tool_servers/<server>/restarts` (an HTTP server's: the new
+sessions opened after its first, as Factory cannot restart it) and `tool_servers/<server>/circuit_opens` (and
+`cache_hits`, `cache_misses` for a server marked `cache: true`).
 A call to a name that is no tool (the model made it up) is counted in the totals only, so a model cannot
 grow the metric set without bound.
 """

@@ -165,8 +165,10 @@ class McpServer:
                 # answered while it waited, say it answers nothing (a deadlock): it would stay so for the run.
                 connection.unanswered = connection.unanswered + 1 if connection.answered_at < sent else 0
                 if connection.unanswered >= self.resilience.hung_after:
+                    # (Factory cannot restart a server it reaches by URL: it opens a new session)
+                    what = "its session dropped for a new one" if isinstance(self.spec, HttpServer) else "restarted"
                     log.warning("tool server %s answered none of its last %d calls within timeout_s (%g s): taken "
-                                "as hung, restarted", replica.label, connection.unanswered, self.spec.timeout_s)
+                                "as hung, %s", replica.label, connection.unanswered, self.spec.timeout_s, what)
                     replica.lost(connection)
                 return infra_error(tool, "timeout", f"Error: {tool} timed out after {self.spec.timeout_s:g} s."), True
             except Exception as exc:  # every other failure is classified, never raised
@@ -197,7 +199,11 @@ class McpServer:
                 or (isinstance(self.spec, HttpServer) and exc.message.startswith(_SDK_HTTP_STREAM_LOST))
             ):
                 replica.lost(connection)
-                return infra_error(tool, "crash", f"Error: tool server {self.name!r} stopped during the call."), True
+                if isinstance(self.spec, HttpServer):  # (it may run on: only the session is known to be gone)
+                    text = f"Error: the session with tool server {self.name!r} ended during the call."
+                else:
+                    text = f"Error: tool server {self.name!r} stopped during the call."
+                return infra_error(tool, "crash", text), True
             if isinstance(self.spec, HttpServer) and _session_gone(exc):
                 # The server restarted (or dropped our session): its answer to every call on the old session is
                 # this, so a new session is the only way on (the MCP spec: the client starts one)
@@ -326,9 +332,12 @@ class _Replica:
                 await closing
             raise ServerStartError(f"tool server {self.label!r} was shut down while starting")
         self._starts += 1
-        if self._starts > 1:
+        if self._starts > 1:  # (an HTTP server's new session counts as a restart: the metric keeps its one name)
             self.server._metrics.server_event(self.server.name, "restarts")
-            log.warning("tool server %s restarted", self.label)
+            if isinstance(spec, HttpServer):
+                log.warning("tool server %s: a new session opened", self.label)
+            else:
+                log.warning("tool server %s restarted", self.label)
         self.connection = connection
         return connection
 
