@@ -717,6 +717,57 @@ def test_run_and_evaluate_refuse_at_once_where_a_ray_is_already_up(monkeypatch):
     assert "ray" not in sys.modules
 
 
+IMPORTED_FIRST = '''
+import sys
+
+import ray  # a notebook's imports cell, before any factory.run: Ray reads the loopback flag here
+
+import factory
+import factory.runtime.driver as driver
+
+driver.run = driver.evaluate_only = lambda *a, **k: sys.exit("a run started")
+for call in (lambda: factory.run(sys.argv[1]), lambda: factory.evaluate(sys.argv[1], model="http://127.0.0.1:9/v1")):
+    try:
+        call()
+    except factory.UserError as e:
+        print(e)
+ray.is_initialized = lambda: True  # as after the caller's own ray.init(), which would start a Ray seconds long
+try:
+    factory.run(sys.argv[1])
+except factory.UserError as e:
+    print(e)
+'''
+
+
+def test_a_run_where_ray_was_imported_first_is_refused_at_once_saying_what_helps():
+    """A notebook that imported ray before its first factory.run: Ray had read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    at import, so a local Ray would listen on every interface, and the run was refused 1.5 s in (its leftovers
+    ended, its models built), saying to import ray later. With the caller's own Ray up it said "ray.shutdown()
+    yours first", after which the next run was refused all the same. A real `import ray` in a process of its
+    own (the suite's sets the flag first, conftest.py); the driver is stopped there before it starts anything."""
+    import subprocess
+
+    from factory.runtime.lifecycle import LOOPBACK_FLAG
+
+    env = {k: v for k, v in os.environ.items() if k != LOOPBACK_FLAG}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", IMPORTED_FIRST, str(TINY)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout.splitlines()
+    why = ("ray was imported in this process before Factory could set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and Ray "
+           "reads it once, at import: a local Ray started here would listen on every network interface")
+    fix = ("set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray (in the environment, or in os.environ above "
+           "the `import ray`), or start the run in a process of its own (`factory run SPEC`, a subprocess)")
+    assert said == [
+        f"factory.run: {why}: {fix}",
+        f"factory.evaluate: {why}: {fix}",
+        "factory.run: a Ray is already up in this process (your own ray.init(), or another library's): a run starts "
+        f"a Ray of its own, and a process holds one Ray at a time; ray.shutdown() yours would not be enough for a "
+        f"local Ray: {why}: "
+        f"{fix}"]
+
+
 def test_runs_with_no_room_for_a_run_is_a_value_error():
     """MLflow's own error named its max_results."""
     for limit in (0, -1, 2.5, True):

@@ -427,8 +427,8 @@ def test_a_local_ray_is_refused_when_ray_was_imported_before_the_loopback_flag(m
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached"))
     monkeypatch.setenv(LOOPBACK_FLAG, "0")
-    with sigterm_restored(), pytest.raises(UserError, match=r"ray was imported before Factory could set "
-                                        r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"):
+    with sigterm_restored(), pytest.raises(UserError, match=r"the run: ray was imported in this process before Factory "
+                                        r"could set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and Ray reads it once"):
         start_ray(ClusterSettings(ray_address=None, object_store_gb=1.0))
     monkeypatch.setenv(LOOPBACK_FLAG, "1")
     check_ray_on_loopback()  # asked for by the user: no error

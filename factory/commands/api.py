@@ -25,11 +25,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from factory.compiler.compile import compile_file, compile_spec
+from factory.compiler.compile import cluster_address, compile_file, compile_spec
 from factory.compiler.errors import SpecErrors
 from factory.compiler.load import SpecInput, SpecSource, checked_again, load, override_list, source_of
 from factory.plan import Plan
-from factory.runtime.lifecycle import local_ray_on_loopback, refuse_a_ray_up
+from factory.runtime.lifecycle import check_ray_on_loopback, local_ray_on_loopback, refuse_a_ray_up
 from factory.schema import Spec
 from factory.util import FAIL_FAST, EnvChanges, UserError
 
@@ -85,7 +85,8 @@ _SET_HERE = EnvChanges(lambda name: name.startswith("RAY_"))
 def _alone(what: str) -> Iterator[None]:
     """`what` (factory.run, factory.evaluate) refused at once, before anything is done, where another run of this
     process is still going on (a notebook's in a thread) or a Ray is up here already (`refuse_a_ray_up`); once it
-    returns, what it recorded in `_SET_HERE` put back."""
+    returns, what it recorded in `_SET_HERE` put back. (One whose local Ray would listen on every interface, ray
+    imported too early, is refused as soon as the spec says it starts one: `local_ray_on_loopback`.)"""
     if not _RUNNING.acquire(blocking=False):
         raise UserError(f"{what}: another factory.run or factory.evaluate is still running in this process: each "
                         "starts a Ray of its own, and a process holds one Ray at a time: wait for it to end (its "
@@ -126,7 +127,7 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
     elif overrides:
         raise TypeError("overrides go with a spec, not with a compiled Plan")
     with _SET_HERE.recording():
-        local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+        local_ray_on_loopback(plan.driver.resources.ray_address, "factory.run")  # before the driver imports ray
         from factory.runtime import driver  # noqa: F401 -- (importing ray sets RAY_CLIENT_MODE)
     found = None
     if resume is not None:
@@ -320,6 +321,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         loaded = spec if isinstance(spec, Spec) else load_spec(spec, overrides)
     except SpecErrors:
         loaded = None
+    if loaded is not None and not cluster_address(loaded):  # before the model is found and its server asked
+        check_ray_on_loopback("factory.evaluate")  # (local_ray_on_loopback below, for a spec with mistakes)
     if loaded is not None and loaded.data.eval is None:
         why = ("not set; evaluation scores the spec's eval split: add data.eval (a file or generator of held-out "
                "rows)")
@@ -355,7 +358,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
         if path is not None and Path(path).is_relative_to(scratch):  # LoRA adapters merged into a scratch copy
             plan = tracked_model(plan, tags["factory.eval_model"])
         with _SET_HERE.recording():
-            local_ray_on_loopback(plan.driver.resources.ray_address)  # before the driver imports ray
+            local_ray_on_loopback(plan.driver.resources.ray_address, "factory.evaluate")  # before the driver imports it
             from factory.runtime.driver import evaluate_only
 
         return evaluate_only(plan, step, tags, started_at, adapters=adapters)

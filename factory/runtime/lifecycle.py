@@ -70,40 +70,60 @@ def private_dir() -> Path:
 
 # Ray binds a local cluster's gRPC servers to every interface and advertises the machine's address unless
 # this is "0" (then it takes 127.0.0.1 as the node address and binds that alone). Ray reads it once, when
-# `ray` is first imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER).
+# `ray` is first imported (ray._private.ray_constants.ENABLE_RAY_CLUSTER, which ray.init's node address
+# comes from: services.get_node_ip_address; ray.init's own `_node_ip_address="127.0.0.1"` is resolved to
+# the machine's address the same way): set after the import, the Ray that ray.init starts still listens on
+# every interface, although its processes inherit the "0".
 LOOPBACK_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+IMPORTED_TOO_EARLY = (f"ray was imported in this process before Factory could set {LOOPBACK_FLAG}=0, and Ray reads "
+                      "it once, at import: a local Ray started here would listen on every network interface: set "
+                      f"{LOOPBACK_FLAG}=0 before importing ray (in the environment, or in os.environ above the "
+                      "`import ray`), or start the run in a process of its own (`factory run SPEC`, a subprocess)")
 
 
-def local_ray_on_loopback(ray_address: str | None) -> None:
+def local_ray_on_loopback(ray_address: str | None, what: str = "the run") -> None:
     """Before `ray` is imported: a local Ray of our own (no `ray_address`) will listen on loopback only.
-    Every entry point that may start one (factory.run, factory.evaluate, rescore) calls it first;
-    factory.runtime.driver.start_ray checks that it came in time."""
+    Every entry point that may start one (factory.run, factory.evaluate, rescore) calls it first, and so
+    refuses `what` at once where ray was imported too early for that (`check_ray_on_loopback`);
+    factory.runtime.driver.start_ray checks again."""
     if not ray_address:
         os.environ.setdefault(LOOPBACK_FLAG, "0")
+        check_ray_on_loopback(what)
 
 
-def check_ray_on_loopback() -> None:
-    """Refuse to start a local Ray that would listen on every interface: `ray` was imported (in a notebook,
-    by other code) before `local_ray_on_loopback` set the flag. A user's own `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`
-    is theirs to choose."""
+def ray_read_the_flag_too_early() -> bool:
+    """`ray` was imported in this process while the loopback flag was unset, so a local Ray started here
+    would listen on every interface whatever the environment says now. A user's own
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1` is theirs to choose. Not imported: nothing read yet."""
+    if "ray" not in sys.modules:
+        return False
     from ray._private import ray_constants
 
-    if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get(LOOPBACK_FLAG, "0") == "0":
-        raise UserError(f"ray was imported before Factory could set {LOOPBACK_FLAG}=0, so a local Ray would listen "
-                        "on every network interface: set it in the environment before Python starts (or before "
-                        "`import ray`), or call factory.run / factory.evaluate before importing ray")
+    return ray_constants.ENABLE_RAY_CLUSTER and os.environ.get(LOOPBACK_FLAG, "0") == "0"
+
+
+def check_ray_on_loopback(what: str = "the run") -> None:
+    """Refuse to start a local Ray that would listen on every interface: `ray` was imported (in a notebook's
+    imports cell, by other code) before `local_ray_on_loopback` set the flag. Only setting it before the
+    import, or a process of its own, helps."""
+    if ray_read_the_flag_too_early():
+        raise UserError(f"{what}: {IMPORTED_TOO_EARLY}")
 
 
 def refuse_a_ray_up(what: str) -> None:
     """Refuse to start a run where a Ray is up in this process already (the caller's own `ray.init()`, another
     library's): a process holds one Ray, so the run's ray.init failed, and its clean-up then shut that Ray down
-    under its owner. Asked of `ray` only where it was imported: importing it here would come before
-    `local_ray_on_loopback`."""
+    under its owner. Their ray.shutdown() helps only where ray was imported with the loopback flag set
+    (`check_ray_on_loopback`), else the advice is what does. Asked of `ray` only where it was imported:
+    importing it here would come before `local_ray_on_loopback`."""
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        raise UserError(f"{what}: a Ray is already up in this process (your own ray.init(), or another library's): a "
-                        "run starts a Ray of its own, and a process holds one Ray at a time: ray.shutdown() yours "
-                        "first, or start the run in a process of its own (`factory run SPEC`, a subprocess)")
+        up = (f"{what}: a Ray is already up in this process (your own ray.init(), or another library's): a run "
+              "starts a Ray of its own, and a process holds one Ray at a time")
+        if ray_read_the_flag_too_early():
+            raise UserError(f"{up}; ray.shutdown() yours would not be enough for a local Ray: {IMPORTED_TOO_EARLY}")
+        raise UserError(f"{up}: ray.shutdown() yours first, or start the run in a process of its own (`factory run "
+                        "SPEC`, a subprocess)")
 
 
 def sessions_dir() -> Path:
