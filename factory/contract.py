@@ -107,7 +107,9 @@ class StageActor:
     """The base class of every stage actor. The driver constructs it in a Ray actor with its slice of the
     plan (`Class(settings)`), calls `setup(placement)` on every replica (callees before their callers),
     then the methods the plan's edges name, as `CONTRACT` says, and `close()` at the end of the run --
-    on every stage, whatever happened, also when setup never ran or failed."""
+    on every replica whose setup ran, whatever happened, also when it failed. A start cut short (a Ctrl-C,
+    another stage failing) kills the replicas whose setup is still running, or never ran, without a close:
+    what a setup started as child processes ends with Ray's (factory.runtime.driver.teardown)."""
 
     CONTRACT: ClassVar[Contract] = Contract()
 

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from factory.contract import StageActor
 from factory.runtime.lifecycle import (GracefulStop, SessionRecord, children_ignore_sigint, prune_ray_sessions,
                                        ray_starts_sessions, reap_orphans, sigterm_restored)
 
@@ -382,7 +383,7 @@ def test_a_stage_that_hangs_says_how_its_work_is_taken_up(placed_without_ray, mo
 
     _, args = placed_without_ray
 
-    def place(plan, status, deadlines, ready):  # a setup that never answers
+    def place(plan, status, deadlines, ready, **kwargs):  # a setup that never answers
         deadlines.fail("rollout.setup", "starting", 61.0, deadlines.budget("rollout.setup"))
 
     monkeypatch.setattr(driver, "place", place)
@@ -597,3 +598,81 @@ def test_rays_note_that_a_thread_set_no_sigterm_handler_is_not_shown():
     assert not _no_sigterm_handler_note(record("SIGTERM handler is not set because current thread is not the main "
                                                "thread."))
     assert _no_sigterm_handler_note(record("Failed to connect to the GCS"))
+
+
+# ------------------------------------------------------------------------------- Ctrl-C while the stages start
+class ClosesAtOnce(StageActor):
+    """A stage stand-in set up at once, which notes its `close` in the folder its settings name."""
+
+    def __init__(self, settings):
+        self.folder = settings
+
+    def setup(self, placement=None):
+        return {}
+
+    def close(self):
+        open(os.path.join(self.folder, f"closed-{type(self).__name__}"), "w").close()
+
+
+class StillSettingUp(ClosesAtOnce):
+    """A synchronous stage whose setup starts a process (an engine, a tool server) and then takes a minute: a
+    `close` sent meanwhile is answered only once setup returns."""
+
+    def setup(self, placement=None):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        with open(os.path.join(self.folder, "child.pid"), "w") as f:
+            f.write(str(child.pid))
+        time.sleep(60)
+        return {}
+
+
+def test_a_ctrl_c_while_the_stages_start_says_so_and_stops_without_waiting_for_their_setup(tmp_path, monkeypatch):
+    """A Ctrl-C (a notebook's interrupt) while a stage was still setting up: nothing was said, and the
+    KeyboardInterrupt came 17-28 s later (up to 30 s: teardown sent `close` to every stage and waited, and a
+    synchronous stage answers only once its setup is done). Now a line says it at once; the stages set up are
+    closed, the one still setting up is killed, and what its setup started ends with it. A real local Ray."""
+    import dataclasses
+    import tempfile
+    import threading
+    from types import SimpleNamespace
+
+    from factory.compiler.compile import compile_file
+    from factory.plan import Stage
+    from factory.runtime import driver
+    from factory.runtime.startup import Startup
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    short = tempfile.mkdtemp(prefix="f-", dir="/tmp")  # (Ray's unix sockets go under it: a short path)
+    monkeypatch.setattr(tempfile, "tempdir", short)  # this run's own Ray folder and driver records
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setattr(driver, "build_models", lambda plan, status: None)
+    plan = compile_file(os.path.join(repo, "specs", "tiny.yaml"), weights=False)[1]
+    plan = dataclasses.replace(plan, edges=(), stages=tuple(
+        Stage(name, "test", f"tests.test_lifecycle:{cls}", str(tmp_path), (), ())
+        for name, cls in (("ready", "ClosesAtOnce"), ("slow", "StillSettingUp"))))
+    said: list[str] = []
+    sent: list[float] = []
+
+    def ctrl_c_once_setting_up():
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "child.pid").exists() or not any(s.startswith("ready ready") for s in said):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_setting_up, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt), driver.placed(plan, SimpleNamespace(status=said.append), Startup()):
+            pytest.fail("the stages were placed")
+        took = time.monotonic() - sent[0]
+    finally:
+        import shutil
+
+        shutil.rmtree(short, ignore_errors=True)
+    assert said[-1] == "stopping: closing the stages that are set up, ending those still setting up", said
+    assert took < 10, took  # Ray's shutdown and the wait for its processes to end: not the stage's setup (60 s)
+    assert sorted(p.name for p in tmp_path.glob("closed-*")) == ["closed-ClosesAtOnce"]
+    child = int((tmp_path / "child.pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

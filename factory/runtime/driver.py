@@ -458,12 +458,18 @@ def start_group(stage: Stage) -> Group:
 
 
 def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines: Deadlines | None = None,
-          ready: Callable[[str, float], None] = lambda name, seconds: None) -> Groups:
+          ready: Callable[[str, float], None] = lambda name, seconds: None,
+          record: Callable[[], None] = lambda: None) -> Groups:
     """Start every stage's group and set its replicas up, callees before their callers (each caller
     gets a handle on the stages its call edges reach, under each edge's role); a torch.distributed
     group first meets at rank 0's address. `status` hears each stage as it is ready, and `ready` its
-    name and the seconds since placing began."""
+    name and the seconds since placing began. Should it fail or be interrupted, what is placed is torn
+    down: the replicas whose setup ran closed, the others killed (`teardown`'s `closing`), after `record()`
+    (the session record's update: what a setup still running started, an engine or tool servers, is ended
+    with Ray's processes)."""
     groups: Groups = {}
+    setups: dict[Any, Any] = {}  # setup ref -> the replica (its actor) it was sent to
+    unanswered: dict[Any, str] = {}  # setup ref -> its stage, until it answers
     t0 = time.perf_counter()
     if plan.driver.resources.ray_address is None and (why := room_problem(plan.stages, ray.cluster_resources())):
         raise PlacementError(why)  # a cluster's room may free up (other jobs end, nodes join): only ours is fixed
@@ -479,7 +485,6 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
         # A stage's setup starts as soon as the stages it calls are ready, not when every stage of the
         # previous wave is: the rollout's engine does not wait for the update's DeepSpeed start.
         pending: dict[str, tuple[list[Any], float]] = {}  # stage -> its replicas' setup refs, when they began
-        unanswered: dict[Any, str] = {}  # setup ref -> its stage, until it answers
         answers: dict[Any, Any] = {}  # setup ref -> what its replica reported, until its stage is ready
         while order.is_active():
             for name in order.get_ready():
@@ -488,6 +493,7 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
                 except ray.exceptions.RayError as e:  # a world's rank 0 died (or raised) before it gave its address
                     raise start_error(name, e) from None
                 unanswered.update(dict.fromkeys(pending[name][0], name))
+                setups.update(zip(pending[name][0], groups[name].actors))
             # Only the unanswered are waited on (an answered ref returns at once: the loop spun), and each is
             # fetched as it answers: a failed setup fails the start now, not once its stage's other replicas
             # are done (a world's other ranks wait for it until the stage's timeout: a StageTimeout, no error)
@@ -511,8 +517,11 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
                 status(f"{name} ready ({time.perf_counter() - t0:.1f} s)")
                 order.done(name)
         agree_sync_dtypes(plan, groups)
-    except BaseException:
-        teardown(groups)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):  # said now: Ray's shutdown and its processes' end still take seconds
+            status("stopping: closing the stages that are set up, ending those still setting up")
+        record()
+        teardown(groups, closing=[actor for ref, actor in setups.items() if ref not in unanswered])
         raise
     return groups
 
@@ -580,11 +589,15 @@ def setup_group(g: Group, peers: dict[str, Any]) -> list[Any]:
             for rank, actor in enumerate(g.actors)]
 
 
-def teardown(groups: Groups) -> None:
+def teardown(groups: Groups, closing: Iterable[Any] | None = None) -> None:
     """Close every stage (tool servers, engines, the trainer's process group: each stage's `close`) before
     the actors go, then free the placement groups. A close that fails or hangs (30 s) does not keep the
-    others from running nor the actors from being killed."""
-    refs = [ref for g in groups.values() for ref in g.submit("close")]
+    others from running nor the actors from being killed. `closing`: only these replicas are closed, those
+    whose setup ran (`place` cut short by a Ctrl-C or a stage that failed); the others are killed without a
+    close: one whose setup is still running, a synchronous actor, would answer it only once setup is done
+    (minutes, for an engine loading), and one whose setup never ran has started nothing."""
+    close = [a for g in groups.values() for a in g.actors] if closing is None else list(closing)
+    refs = [actor.close.remote() for actor in close]
     ray.wait(refs, num_returns=len(refs), timeout=30)
     for g in groups.values():
         for actor in g.actors:
@@ -1232,7 +1245,7 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
             stages = ", ".join(s.name + (f" x{s.replicas}" if s.replicas > 1 else "") for s in plan.stages)
             display.status(f"starting the stages: {stages}")
             deadlines = Deadlines(plan.driver.train.stage_timeout_s, again=again)
-            groups = place(plan, display.status, deadlines, startup.stage_ready)
+            groups = place(plan, display.status, deadlines, startup.stage_ready, record=record.update)
             startup.lap("stages")
             record.update()
             try:
