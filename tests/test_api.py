@@ -557,6 +557,38 @@ def test_on_step_raising_stops_the_run_saved_and_is_raised_with_how_to_resume(mo
         assert note in capsys.readouterr().err
 
 
+def test_a_run_stopped_at_once_is_raised_with_how_to_resume(monkeypatch, capsys):
+    """A second Ctrl-C (or one while the stages started) reached the caller as a bare KeyboardInterrupt(): the
+    run's id was on it as `run_id`, said nowhere, where `factory run` prints the command that resumes it and an
+    on_step that raised carries a note saying so."""
+    import factory.runtime.driver as driver
+
+    def interrupted(run_id):
+        def fake_run(plan, found, **kwargs):
+            e = KeyboardInterrupt()
+            if run_id is not None:  # what the driver's opened_run sets once the run is recorded
+                e.run_id = run_id
+            raise e
+        return fake_run
+
+    monkeypatch.chdir(TINY.parent.parent)
+    notes = []
+    for run_id in ("abc123", None):
+        monkeypatch.setattr(driver, "run", interrupted(run_id))
+        with pytest.raises(KeyboardInterrupt) as caught:
+            factory.run(TINY)
+        assert getattr(caught.value, "run_id", None) == run_id
+        notes.append(caught.value.__notes__ if sys.version_info >= (3, 11) else capsys.readouterr().err)
+    said = ["factory.run: stopped at once, the step in flight unsaved: factory.run(..., resume='abc123') continues "
+            "the run from its newest checkpoint (once its steps have begun)",
+            "factory.run: stopped during start-up, before the run was recorded: there is nothing to resume; the same "
+            "call starts it again"]
+    if sys.version_info >= (3, 11):
+        assert notes == [[said[0]], [said[1]]]
+    else:  # (no exception notes before 3.11: said on stderr)
+        assert [n.strip() for n in notes] == said
+
+
 @pytest.mark.parametrize("with_on_step", [True, False])
 def test_ctrl_c_stops_the_run_but_leaves_the_callers_stop_event_unset(monkeypatch, with_on_step):
     """Ctrl-C ("interrupt kernel") during factory.run(..., stop=ev) set the caller's own Event when no on_step

@@ -141,6 +141,13 @@ def run(plan: Plan | Spec | SpecInput, overrides: Iterable[str] = (), *, on_step
         print(found.describe(), file=sys.stderr)
     try:
         return _run_plan(plan, found, on_step, stop, started_at)
+    except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or one before the steps began: stopped at once
+        run_id = getattr(e, "run_id", None) or (found.run_id if found is not None else None)
+        _note(e, "factory.run: stopped during start-up, before the run was recorded: there is nothing to resume; "
+                 "the same call starts it again" if run_id is None else
+                 f"factory.run: stopped at once, the step in flight unsaved: factory.run(..., resume={run_id!r}) "
+                 "continues the run from its newest checkpoint (once its steps have begun)")
+        raise
     finally:
         # its claim (find), where the run never reopened: the driver released one that did, after its teardown
         if found is not None:
@@ -190,12 +197,17 @@ def _run_plan(plan: Plan, found: Any, on_step: OnStep | None, stop: threading.Ev
             note = (f"factory.run: on_step raised this at step {step}; the run stopped after step {result.last_step}"
                     + (f", saved: factory.run(..., resume={result.run_id!r}) continues it" if result.checkpoint
                        else " with nothing trained"))
-        if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(note)
-        else:
-            print(note, file=sys.stderr)
+        _note(e, note)
         raise e
     return result
+
+
+def _note(e: BaseException, note: str) -> None:
+    """`note` added to what factory.run raises (how to take the run up), as the command prints it."""
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(note)
+    else:
+        print(note, file=sys.stderr)
 
 
 class _Either:
