@@ -334,7 +334,7 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
     except SpecErrors:
         loaded = None
     if loaded is not None and not cluster_address(loaded):  # before the model is found and its server asked
-        check_ray_on_loopback("factory.evaluate")  # (local_ray_on_loopback below, for a spec with mistakes)
+        check_ray_on_loopback("factory.evaluate")  # (one that did not load: local_ray_on_loopback, below)
     if loaded is not None and loaded.data.eval is None:
         why = ("not set; evaluation scores the spec's eval split: add data.eval (a file or generator of held-out "
                "rows)")

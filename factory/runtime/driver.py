@@ -520,8 +520,10 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):  # said now: Ray's shutdown and its processes' end still take seconds
             status("stopping: closing the stages that are set up, ending those still setting up")
-        record()
-        teardown(groups, closing=[actor for ref, actor in setups.items() if ref not in unanswered])
+        try:
+            record()
+        finally:
+            teardown(groups, closing=[actor for ref, actor in setups.items() if ref not in unanswered])
         raise
     return groups
 
