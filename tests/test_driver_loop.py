@@ -854,3 +854,29 @@ def test_an_evaluation_counts_the_trajectories_an_infrastructure_failure_hit(mon
                    "eval/tool_calls": 2.0, "eval/infra_errors": 1.0} and len(trajs) == 3
     assert len(said) == 1 and said[0].startswith("step 4 evaluation: 1 of 3 trajectories met an infrastructure "
                                                  "failure (first: tool calculate: timeout)")
+
+
+def test_the_first_weight_sync_checks_the_store_size_read_when_the_stages_were_placed(monkeypatch):
+    """The store-size check at the first weight sync asked the Ray head (ray.nodes()) mid-run: a joined cluster's
+    head that stopped answering (frozen, not gone) hung the run there, with no deadline, while the stages' own
+    calls went on. It reads the size `place` read when it placed the trainer's stage."""
+    from factory.plan import Edge
+
+    def frozen_head():
+        raise AssertionError("the Ray head was asked mid-run")
+
+    monkeypatch.setattr(driver.ray, "nodes", frozen_head)
+    monkeypatch.setattr(driver, "fetch_weights", lambda g, plan: [])
+    monkeypatch.setattr(driver, "load_weights", lambda g, fetched: 0.1)
+    stats = {"perf/weight_sync_mb": 538.0, "timing/update_s": 1.0}
+    update = SimpleNamespace(submit=lambda method, trajs: ["update"], store_bytes=0.5 * 2**30,
+                             deadlines=SimpleNamespace(get=lambda *a, **k: [dict(stats)]))
+    plan = SimpleNamespace(flow=lambda _: [Edge("reward", "update", "scored_trajectories", method="step")],
+                           driver=SimpleNamespace(train=SimpleNamespace(max_staleness=0)))
+    said: list[str] = []
+    updates = driver.Updates({"update": update}, plan, synced=0, warn=said.append)
+    for step in (1, 2):
+        updates.submit(step, [], {"rollout/generated_tokens": 1.0}, 0.0)
+        assert [n for n, _, _ in updates.finish(drain=False)] == [step]
+    assert len(said) == 1 and said[0].startswith("one weight sync is 538 MB, more than Ray's object store holds "
+                                                 "(537 MB)"), said

@@ -293,8 +293,8 @@ def placed_without_ray(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "start_ray", lambda cluster: calls.append("start_ray"))
     monkeypatch.setattr(driver, "place", lambda plan, *a, **k: {})
     monkeypatch.setattr(driver, "teardown", lambda groups: calls.append("teardown"))
-    monkeypatch.setattr(driver, "stop_ray", lambda: calls.append("stop_ray"))
-    plan = SimpleNamespace(stages=(), driver=SimpleNamespace(resources=None,
+    monkeypatch.setattr(driver, "stop_ray", lambda *a: calls.append("stop_ray"))
+    plan = SimpleNamespace(stages=(), driver=SimpleNamespace(resources=SimpleNamespace(ray_address=None),
                                                              train=SimpleNamespace(stage_timeout_s=60)))
     yield calls, (plan, SimpleNamespace(status=lambda said: None), Startup())
 

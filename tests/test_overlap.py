@@ -363,10 +363,8 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
     (said to be) smaller than a sync, the run is told so once, when the first sync's size is reported."""
     import torch
 
-    from factory.runtime import driver
     from factory.runtime.driver import Updates, sync_weights
 
-    monkeypatch.setattr(driver, "object_store_bytes", lambda: 1e6)  # 1 MB: less than the tiny model's weights
     said: list[str] = []
     from tests.test_update import batch
     from tests.test_update import make_spec as update_spec
@@ -384,6 +382,7 @@ def test_max_staleness_0_trains_bit_for_bit_what_the_sequential_loop_trained(loc
         return {"update": update, "rollout": holder}
 
     before, after = stages(), stages()
+    after["update"].store_bytes = 1e6  # (as place read it) 1 MB: less than the tiny model's weights
     # both learners set up at once (each its own world of one), as the driver sets up its stages
     setups = [setup_group(g["update"], {}) for g in (before, after)]
     for g, refs in zip((before, after), setups):
@@ -549,7 +548,7 @@ def test_place_does_not_spin_while_one_replica_is_still_setting_up(tiny_plan, lo
     """place waited again on the replicas already set up, which returns at once: 85814 ray.wait calls in
     4.9 s, a core busy while an engine loaded."""
     from factory.runtime.deadlines import POLL_S
-    from factory.runtime.driver import place
+    from factory.runtime.driver import object_store_bytes, place
 
     waits = []
     real = ray.wait
@@ -558,6 +557,7 @@ def test_place_does_not_spin_while_one_replica_is_still_setting_up(tiny_plan, lo
     groups = place(_two_replicas(tiny_plan, "SlowerSecond", 2.0))
     took = time.monotonic() - t0
     teardown(groups)
+    assert {g.store_bytes for g in groups.values()} == {object_store_bytes()}  # read once, for the weight syncs
     assert len(waits) <= 2 * took / POLL_S + 10, (len(waits), took)  # a poll every POLL_S, and one when answered
 
 

@@ -358,7 +358,7 @@ def test_a_rescore_with_a_local_judge_places_it_as_a_run_does_recorded_and_torn_
     monkeypatch.setattr(driver, "place", lambda plan, *a, **k: calls.append(f"place {[s.name for s in plan.stages]}")
                         or {})
     monkeypatch.setattr(driver, "teardown", lambda groups: calls.append("teardown"))
-    monkeypatch.setattr(driver, "stop_ray", lambda: calls.append("stop_ray"))
+    monkeypatch.setattr(driver, "stop_ray", lambda *a: calls.append("stop_ray"))
     drivers = tmp_path / f"factory-{os.getuid()}" / "drivers"
 
     async def scoring(plan, batches, placed):

@@ -132,6 +132,46 @@ def test_what_starting_a_runs_ray_set_in_the_environment_is_put_back_when_it_sto
     assert dict(os.environ) == before
 
 
+def test_leaving_a_cluster_whose_head_does_not_answer_says_so_and_goes_on(monkeypatch):
+    """A joined cluster's head that stopped answering (frozen, not gone) held `factory run` in ray.shutdown after
+    its last step, with no word and no deadline. The disconnect is waited for SHUTDOWN_WAIT_S, then the run says
+    why it leaves without it, puts back what starting Ray set, and drops Ray's exit hook (which would wait on the
+    shutdown in flight as the process exits). A local Ray's shutdown (its own processes) is waited for."""
+    import threading
+    import time
+
+    from factory.runtime import driver
+
+    answers = threading.Event()
+    monkeypatch.setattr(driver.ray, "shutdown", lambda: answers.wait(30))
+    monkeypatch.setattr(driver, "SHUTDOWN_WAIT_S", 0.2)
+    unhooked, said = [], []
+    monkeypatch.setattr(driver.atexit, "unregister", unhooked.append)
+    monkeypatch.setattr(driver, "_restore_ray_env", lambda: said.append("restored"))
+    t0 = time.monotonic()
+    try:
+        driver.stop_ray("192.0.2.2:6379", said.append)
+        assert time.monotonic() - t0 < 5
+        assert said == ["the Ray head at 192.0.2.2:6379 does not answer; leaving without disconnecting", "restored"]
+        assert unhooked == [driver.ray.shutdown]
+    finally:
+        answers.set()
+    said.clear()
+    driver.stop_ray("192.0.2.2:6379", said.append)  # one that answers: nothing to say
+    assert said == ["restored"] and len(unhooked) == 1
+    answers.clear()
+    threading.Timer(0.5, answers.set).start()
+    driver.stop_ray(None, said.append)  # ours: waited for
+    assert answers.is_set() and said == ["restored", "restored"]
+
+    def refused():
+        raise ConnectionError("refused")
+
+    monkeypatch.setattr(driver.ray, "shutdown", refused)  # what it raises, raised as before
+    with pytest.raises(ConnectionError):
+        driver.stop_ray("192.0.2.2:6379", said.append)
+
+
 def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monkeypatch):
     """It said 'internal error: RuntimeError' and exited 1."""
     import ray

@@ -16,6 +16,7 @@ Everything that branches (algorithm, backend, dynamic sampling) lives outside `t
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import graphlib
@@ -158,12 +159,44 @@ def _restore_ray_env() -> None:
         _reload_ray_auth()
 
 
-def stop_ray() -> None:
-    """ray.shutdown, and what the run's _start_ray set in this process's environment back as it was."""
+# How long leaving a joined cluster (ray.shutdown: a disconnect) is waited for. Its head frozen (not gone: nothing
+# refuses) held it for good, after the run's last step, without a word.
+SHUTDOWN_WAIT_S = 10.0
+
+
+def stop_ray(joined: str | None = None, status: Callable[[str], None] = lambda said: print(said, file=sys.stderr)
+             ) -> None:
+    """ray.shutdown, and what the run's _start_ray set in this process's environment back as it was. From the
+    cluster joined at `joined` the run leaves after SHUTDOWN_WAIT_S at most, telling `status` when its head did
+    not answer; a local Ray's shutdown (ending its processes, ours) is waited for."""
     try:
-        ray.shutdown()
+        if joined is None:
+            ray.shutdown()
+        elif not _returned_within(SHUTDOWN_WAIT_S, ray.shutdown):
+            # Ray's exit hook, ray.shutdown again, would wait for the one in flight (its lock) as the process exits
+            atexit.unregister(ray.shutdown)
+            status(f"the Ray head at {joined} does not answer; leaving without disconnecting")
     finally:
         _restore_ray_env()
+
+
+def _returned_within(seconds: float, call: Callable[[], object]) -> bool:
+    """Whether `call`, run in a daemon thread (left behind if it does not return), returned within `seconds`;
+    what it raised, raised here."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 -- raised in the caller's thread below
+            raised.append(e)
+
+    thread = threading.Thread(target=run, name="factory-ray-shutdown", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if raised:
+        raise raised[0]
+    return not thread.is_alive()
 
 
 def _start_ray(cluster: ClusterSettings) -> None:
@@ -278,6 +311,7 @@ class Group:
     info: list[dict[str, Any]] = field(default_factory=list)  # what each replica's setup reported
     turn: int = 0  # the replica the next `one` call goes to
     deadlines: Deadlines = field(default_factory=Deadlines)  # every wait on it ends (factory.runtime.deadlines)
+    store_bytes: float = math.inf  # the cluster's smallest object store as `place` read it (object_store_bytes)
     # `progress`: the replicas' answers asked for and not yet read, and the last counts read
     _asked: list[Any] | None = None
     _counts: tuple[int, int, int] = (0, 0, 0)
@@ -473,9 +507,13 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
     t0 = time.perf_counter()
     if plan.driver.resources.ray_address is None and (why := room_problem(plan.stages, ray.cluster_resources())):
         raise PlacementError(why)  # a cluster's room may free up (other jobs end, nodes join): only ours is fixed
+    # read now, while placing needs the head anyway: asked at the first weight sync (Updates), a joined cluster's
+    # head that stopped answering held the run there with no deadline, while the stages' own calls went on
+    store = object_store_bytes()
     try:
         for stage in plan.stages:
             groups[stage.name] = start_group(stage)
+            groups[stage.name].store_bytes = store
             if deadlines is not None:  # one for the run: the waits on every stage share its record
                 groups[stage.name].deadlines = deadlines
         calls = [e for e in plan.edges if e.kind == "call" and e.method]
@@ -872,7 +910,7 @@ class Updates:
                 p.metrics["timing/weight_sync_s"] = synced
             p.metrics.update(stale_named(stats, p.metrics["train/staleness"]))
             if self.warn and "perf/weight_sync_mb" in stats:  # checked once: every sync is the same size
-                said = store_advice(stats["perf/weight_sync_mb"], object_store_bytes(), self.k)
+                said = store_advice(stats["perf/weight_sync_mb"], self.g[trainer.dst].store_bytes, self.k)
                 if said:
                     self.warn(said)
                 self.warn = None
@@ -1259,7 +1297,7 @@ def placed(plan: Plan, display: Any, startup: Startup, *,
                 teardown(groups)
             finally:
                 try:
-                    stop_ray()
+                    stop_ray(plan.driver.resources.ray_address, display.status)
                 finally:
                     record.close()
 
