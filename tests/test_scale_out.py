@@ -207,6 +207,71 @@ def test_a_reservation_the_cluster_cannot_hold_is_an_infrastructure_failure(monk
         driver._placement_group(stage)
 
 
+def test_a_stage_waiting_for_room_on_a_busy_cluster_says_so_once(monkeypatch):
+    """A stage whose reservation other jobs held waited up to PLACEMENT_TIMEOUT_S (600 s) in one silent ray.wait:
+    the run's last line stayed "starting the stages". It waits in slices, and after the first says, in one line,
+    what it waits for, what is free now and until when."""
+    import sys
+
+    import ray
+
+    from factory.plan import Stage
+    from factory.runtime import driver
+
+    stage = Stage.__new__(Stage)
+    for key, value in (("name", "rollout"), ("resources", {"CPU": 1.0}), ("replicas", 1), ("strategy", "PACK")):
+        object.__setattr__(stage, key, value)
+
+    class Group:
+        def ready(self):
+            return "ready"
+
+    waits, said = [], []
+    pg = Group()
+    monkeypatch.setattr(sys.modules["ray.util.placement_group"], "placement_group", lambda *a, **k: pg)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0, "memory": 2.4e10})
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (waits.append(timeout), ([], refs) if len(waits) < 4
+                                                            else (refs, []))[1])
+    monkeypatch.setattr(driver.time, "time", lambda: 1_000_000.0)
+    assert driver._placement_group(stage, said.append) is pg
+    assert waits == [5.0] * 4  # 600 s in 120 slices: ready in the fourth
+    until = driver.time.strftime("%H:%M:%S", driver.time.localtime(1_000_000.0 + 595))
+    assert said == [f"rollout waits for room on Ray: 1 x {{'CPU': 1.0}} (PACK); free now {{'CPU': 0.0}} of "
+                    f"{{'CPU': 4.0}} (other jobs, or the run's other stages, hold the rest); it gives up at {until}"]
+
+
+def test_a_joined_run_whose_stages_exceed_the_cluster_says_so_before_it_waits(monkeypatch):
+    """A run's own Ray that cannot hold every stage at once is refused (room_problem); a joined cluster's was not
+    looked at as a whole (each stage alone fit), so the stages placed last waited 600 s each without a word."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from factory.runtime import driver
+
+    def stage(name, cpus):
+        return SimpleNamespace(name=name, resources={"CPU": cpus}, replicas=1)
+
+    plan = SimpleNamespace(stages=[stage("rollout", 2.0), stage("update", 2.0)],
+                           driver=SimpleNamespace(resources=SimpleNamespace(ray_address="192.0.2.2:6379")))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 3.0})
+    monkeypatch.setattr(driver, "object_store_bytes", lambda: 1.0)
+
+    def start_group(stage, status):
+        raise RuntimeError("placing")
+
+    monkeypatch.setattr(driver, "start_group", start_group)
+    monkeypatch.setattr(driver, "teardown", lambda groups, **k: None)  # (its ray.wait would start a local Ray)
+    said = []
+    with pytest.raises(RuntimeError, match="placing"):
+        driver.place(plan, said.append)
+    assert said == ["warning: the stages reserve 4 CPU in all (rollout 2, update 2; replicas counted) but the Ray "
+                    "cluster at 192.0.2.2:6379 has 3, and each stage holds its share for the whole run: the stages "
+                    "placed last wait for nodes to join, up to 600 s each (else reserve less: the spec's "
+                    "`resources`)"]
+
+
 def test_a_cluster_that_went_away_is_an_infrastructure_failure_that_says_resume(monkeypatch):
     """The head node killed during a step: 'internal error: ActorUnavailableError', exit 1, nothing about
     --resume."""

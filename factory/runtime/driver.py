@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 # How long a stage's placement group may wait for its resources on a cluster that has them in total
 # (busy with other jobs, or an autoscaler adding nodes) before the run gives up with a clear message.
 PLACEMENT_TIMEOUT_S = 600
+PLACEMENT_SLICE_S = 5.0  # waited in slices: after the first, the run says what it waits for (else silent 600 s)
 
 
 @dataclass
@@ -428,10 +429,11 @@ Groups = dict[str, Group]
 PLURAL = {"trajectory": "trajectories", "group": "groups"}
 
 
-def room_problem(stages: Iterable[Stage], total: Mapping[str, float]) -> str | None:
+def room_problem(stages: Iterable[Stage], total: Mapping[str, float], joined: str | None = None) -> str | None:
     """Why a Ray of the run's own (one node, no other jobs) can never hold every stage at once, or None.
     Each stage's placement group holds its share for the whole run, so the shares must fit together: else
-    the last stage placed waited PLACEMENT_TIMEOUT_S for room only the run itself held."""
+    the last stage placed waited PLACEMENT_TIMEOUT_S for room only the run itself held. For the cluster
+    `joined` (whose nodes may yet grow: an autoscaler) the same, said as what the last stages will wait for."""
     shares: dict[str, list[tuple[str, float]]] = {}
     for stage in stages:
         for key, amount in stage.resources.items():
@@ -441,14 +443,20 @@ def room_problem(stages: Iterable[Stage], total: Mapping[str, float]) -> str | N
         need, have = sum(n for _, n in asks), total.get(key, 0.0)
         if need > have + 1e-9:
             listed = ", ".join(f"{name} {n:g}" for name, n in asks)
+            if joined:
+                return (f"the stages reserve {need:g} {key} in all ({listed}; replicas counted) but the Ray cluster "
+                        f"at {joined} has {have:g}, and each stage holds its share for the whole run: the stages "
+                        f"placed last wait for nodes to join, up to {PLACEMENT_TIMEOUT_S} s each (else reserve less: "
+                        "the spec's `resources`)")
             return (f"the stages reserve {need:g} {key} in all ({listed}; replicas counted) but the run's own local "
                     f"Ray has {have:g}, and each stage holds its share for the whole run: reserve less (the spec's "
                     "`resources`), or join a Ray cluster that has room (resources.ray_address or $RAY_ADDRESS)")
     return None
 
 
-def _placement_group(stage: Stage) -> Any:
-    """A placement group reserving one bundle per replica, or None when a replica reserves nothing."""
+def _placement_group(stage: Stage, status: Callable[[str], None] = lambda _: None) -> Any:
+    """A placement group reserving one bundle per replica, or None when a replica reserves nothing. One that
+    is not ready after a first PLACEMENT_SLICE_S is told to `status`, once (the run waits for room)."""
     if not stage.resources:
         return None
     from ray.util.placement_group import placement_group
@@ -460,24 +468,36 @@ def _placement_group(stage: Stage) -> Any:
                              f"has {({k: total.get(k, 0.0) for k in short})} in all: reserve less for it (the "
                              "spec's `resources`) or add nodes")
     pg = placement_group([dict(stage.resources)] * stage.replicas, strategy=stage.strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
-        free = ray.available_resources()  # only what the stage asks for: not Ray's bundle and memory entries
-        raise PlacementError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
-                             f"no room in {PLACEMENT_TIMEOUT_S} s; free: "
-                             f"{({k: free.get(k, 0.0) for k in stage.resources})} of "
-                             f"{({k: total.get(k, 0.0) for k in stage.resources})} (the run's other stages and other "
-                             "jobs hold the rest): reserve less (the spec's `resources`) or add nodes")
-    return pg
+    ready, slices = pg.ready(), max(1, math.ceil(PLACEMENT_TIMEOUT_S / PLACEMENT_SLICE_S))
+    for n in range(slices):
+        if ray.wait([ready], timeout=PLACEMENT_TIMEOUT_S / slices)[0]:
+            return pg
+        if n == 0 and slices > 1:
+            status(waiting_said(stage, ray.available_resources(), total,
+                                time.time() + PLACEMENT_TIMEOUT_S * (slices - 1) / slices))
+    free = ray.available_resources()  # only what the stage asks for: not Ray's bundle and memory entries
+    raise PlacementError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
+                         f"no room in {PLACEMENT_TIMEOUT_S} s; free: "
+                         f"{({k: free.get(k, 0.0) for k in stage.resources})} of "
+                         f"{({k: total.get(k, 0.0) for k in stage.resources})} (the run's other stages and other "
+                         "jobs hold the rest): reserve less (the spec's `resources`) or add nodes")
 
 
-def start_group(stage: Stage) -> Group:
+def waiting_said(stage: Stage, free: Mapping[str, float], total: Mapping[str, float], until: float) -> str:
+    """One line: the stage waits for room (what it asks, what is free now, of what), until `until` (epoch s)."""
+    asked = {k: free.get(k, 0.0) for k in stage.resources}, {k: total.get(k, 0.0) for k in stage.resources}
+    return (f"{stage.name} waits for room on Ray: {stage.replicas} x {dict(stage.resources)} ({stage.strategy}); free "
+            f"now {asked[0]} of {asked[1]} (other jobs, or the run's other stages, hold the rest); it gives up at "
+            f"{time.strftime('%H:%M:%S', time.localtime(until))}")
+
+
+def start_group(stage: Stage, status: Callable[[str], None] = lambda _: None) -> Group:
     """The stage's replicas as Ray actors: constructed with the stage's slice (nothing else), each in
-    its own bundle of the stage's placement group."""
+    its own bundle of the stage's placement group (a wait for room told to `status`)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = import_object(stage.cls)
-    pg = _placement_group(stage)
+    pg = _placement_group(stage, status)
     custom = {k: v for k, v in stage.resources.items() if k not in ("CPU", "GPU")}
     actors = []
     for i in range(stage.replicas):
@@ -505,14 +525,17 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
     setups: dict[Any, Any] = {}  # setup ref -> the replica (its actor) it was sent to
     unanswered: dict[Any, str] = {}  # setup ref -> its stage, until it answers
     t0 = time.perf_counter()
-    if plan.driver.resources.ray_address is None and (why := room_problem(plan.stages, ray.cluster_resources())):
-        raise PlacementError(why)  # a cluster's room may free up (other jobs end, nodes join): only ours is fixed
+    joined = plan.driver.resources.ray_address
+    if why := room_problem(plan.stages, ray.cluster_resources(), joined):
+        if joined is None:
+            raise PlacementError(why)
+        status(f"warning: {why}")  # a cluster's room may grow (nodes join): only ours is fixed
     # read now, while placing needs the head anyway: asked at the first weight sync (Updates), a joined cluster's
     # head that stopped answering held the run there with no deadline, while the stages' own calls went on
     store = object_store_bytes()
     try:
         for stage in plan.stages:
-            groups[stage.name] = start_group(stage)
+            groups[stage.name] = start_group(stage, status)
             groups[stage.name].store_bytes = store
             if deadlines is not None:  # one for the run: the waits on every stage share its record
                 groups[stage.name].deadlines = deadlines
