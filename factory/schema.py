@@ -888,7 +888,9 @@ class GroupResources(StageResources):
 
 class ResourcesSpec(Section):
     ray_address: str | None = None
-    """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started."""
+    """A Ray cluster to join. Unset: $RAY_ADDRESS, else a local Ray is started. It says where a run runs, not
+    what it is: no part of the spec hash (`--resume` takes a run up with its cluster at another address, or on
+    another), recorded as the run's tag `factory.ray_cluster`."""
     object_store_gb: float = Field(1.0, gt=0)
     """Object store size of a local Ray, at least 75 MiB (0.0733 GB: Ray's smallest). Every weight sync passes
     through it (the model's weights in the rollout's dtype; LoRA: the adapters): a sync larger than the store

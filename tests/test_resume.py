@@ -822,7 +822,8 @@ def test_a_resumed_session_records_what_it_ran_on_and_diff_compares_the_newest(u
 
     on("aaaa", "none")
     first = Tracker(uri, "sessions")
-    run_id = first.start("r", {"resolved": {"rollout": {"dtype": "bfloat16"}}}, mt.environment_tags(), {})
+    local = {**mt.environment_tags(), mt.RAY_CLUSTER_TAG: "local"}  # what start_run tags a run with
+    run_id = first.start("r", {"resolved": {"rollout": {"dtype": "bfloat16"}}}, local, {})
     first.log_metrics({"timing/step_s": 1.0}, step=1)
     first.end("KILLED")
     on("bbbb", "1 x NVIDIA H100 80GB HBM3")
@@ -830,7 +831,8 @@ def test_a_resumed_session_records_what_it_ran_on_and_diff_compares_the_newest(u
                               resolved={"rollout": {"dtype": "float32"}})
     resumed.end()
     fresh = Tracker(uri, "sessions")  # a run made wholly where the resumed one's later steps ran
-    fresh_id = fresh.start("f", {"resolved": {"rollout": {"dtype": "float32"}}}, mt.environment_tags(), {})
+    fresh_id = fresh.start("f", {"resolved": {"rollout": {"dtype": "float32"}}}, {**local, **mt.environment_tags()},
+                           {})
     fresh.end()
 
     a, b = fresh.run(run_id), fresh.run(fresh_id)
@@ -1081,3 +1083,45 @@ def test_a_run_of_another_spec_is_refused_even_with_a_changed_spec_allowed(store
     MlflowClient(uri).set_tag(run, "factory.spec_name", "other")
     with pytest.raises(ResumeError, match=f"^run {run} is not a run of spec 'tiny' \\(it ran 'other'\\)$"):
         find(plan, run, uri, train=spec.train, experiment="named", allow_spec_change=True)
+
+
+def test_a_run_resumes_with_its_cluster_at_another_address_and_records_where_it_ran(store, monkeypatch):
+    """resources.ray_address was part of the spec hash: `--resume` of a joined run whose cluster came back at
+    another address, or on another cluster (what a lost cluster's message offers), was refused as "another version
+    of the spec"; from $RAY_ADDRESS it was recorded nowhere (`factory diff` of a local and a joined run: "defined
+    identically"). The address says where a run ran, not what it is: no part of the hash, the tag
+    factory.ray_cluster of each session (its address masked where it came from the environment)."""
+    from factory.commands.diff import RunRecord, compare
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    uri, ckpt = store
+    spec, joined = compiled(ckpt, "resources.ray_address=192.0.2.1:6379")
+    _, local = compiled(ckpt)
+    _, moved = compiled(ckpt, "resources.ray_address=192.0.2.2:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "192.0.2.3:6379")
+    _, from_env = compiled(ckpt)
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert joined.hashes == local.hashes == moved.hashes == from_env.hashes
+    exp = {"experiment": "moved"}
+    killed = fake_run(uri, ckpt, joined, logged=2, checkpoints=(2,), **exp)
+    assert find(moved, None, uri, train=spec.train, **exp).run_id == killed
+    assert find(local, None, uri, train=spec.train, **exp).run_id == killed
+
+    def tagged(plan) -> str:
+        t = Tracker(uri, "where")
+        t.start_run(plan, {"calc": []})
+        t.end("FINISHED")
+        return t.run(t.run_id)
+
+    assert [tagged(p).tags["factory.ray_cluster"] for p in (local, joined, from_env)] == [
+        "local", "joined 192.0.2.1:6379", "joined ***"]
+    first = tagged(joined)
+    resumed = resumed_tracker(uri, "where", first.run_id, ckpt, 1, resolved={})  # (compiled(): a local Ray)
+    resumed.end()
+    again = resumed.run(first.run_id)
+    assert again.tags["factory.resumed.1.factory.ray_cluster"] == "local"
+    report = compare(RunRecord(again, {}, None), RunRecord(tagged(local), {}, None), {}, {})
+    assert report["environment"] == [] and report["notes"] == [
+        "A was resumed after step 1 where it ran otherwise: factory.ray_cluster joined 192.0.2.1:6379 -> local"]
+    report = compare(RunRecord(first, {}, None), RunRecord(tagged(from_env), {}, None), {}, {})
+    assert report["environment"] == [{"key": "factory.ray_cluster", "a": "joined 192.0.2.1:6379", "b": "joined ***"}]

@@ -809,6 +809,22 @@ def test_environment_changes_cover_versions_hardware_and_resolved_dtypes():
         {"key": "resolved.rollout.dtype", "a": "bfloat16", "b": "float32"}]
 
 
+def test_environment_changes_name_the_ray_cluster_each_run_ran_on():
+    """A local and a joined run of one spec: `factory diff` said "defined identically" and nothing of where they ran
+    (the address is no part of the spec hash: the tag factory.ray_cluster records it)."""
+    from factory.commands.diff import environment_changes
+    from factory.tracking.tracker import TrackedRun
+
+    def run(cluster):
+        return TrackedRun("r", "r", "0", "FINISHED", None, None, tags={"factory.ray_cluster": cluster}, params={})
+
+    assert environment_changes(run("local"), run("joined ***")) == [
+        {"key": "factory.ray_cluster", "a": "local", "b": "joined ***"}]
+    assert environment_changes(run("joined ***"), run("joined ***")) == []
+    rescored = TrackedRun("r", "r", "0", "FINISHED", None, None, tags={"factory.rescore_of": "r"}, params={})
+    assert environment_changes(run("local"), rescored) == []  # (a rescore records none: it ran none of the stages)
+
+
 def test_environment_leaves_out_the_stages_an_eval_or_rescore_run_never_ran():
     """`factory diff TRAIN RESCORE` listed every resolved.rollout.* and resolved.update.* param of the training run
     as "X -> -" under where and how they ran: a rescore runs neither stage, an eval no update stage. Against such

@@ -43,7 +43,8 @@ _COMPARABLE_WAYS = ("model.lora", "data.prompt", "data.system_prompt", "data.shu
 # (`./data/train.jsonl` for `data/train.jsonl`, the file moved)
 _JUDGED_BY_CONTENT = ("data.train.path", "data.eval.path")
 # tags that describe where a run ran (not part of its plan): shown when they differ
-_ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit")
+_ENVIRONMENT = ("factory.version.", "factory.cpu", "factory.gpu", "factory.git_commit", "factory.source_commit",
+                "factory.ray_cluster")
 _SESSION = re.compile(r"factory\.resumed\.(\d+)\.")  # the tags of a resumed session's environment (SESSION_TAG)
 
 
@@ -210,8 +211,8 @@ def progress(runs: dict[str, TrackedRun], histories: dict[str, dict[str, list[tu
 
 def sessions(run: TrackedRun) -> list[tuple[int | None, dict[str, str]]]:
     """Where and how each session of the run ran, oldest first, as (the step it resumed after, None for the
-    first; versions, CPU, GPU, commits and what each stage chose on its device: `resolved.*`). The run's own tags
-    and params are its first session's; each resumed one is tagged `factory.resumed.N.*`
+    first; versions, CPU, GPU, commits, the Ray cluster and what each stage chose on its device: `resolved.*`).
+    The run's own tags and params are its first session's; each resumed one is tagged `factory.resumed.N.*`
     (factory.tracking.mlflow_tracker.session_tags; a run resumed before they were has none)."""
     def environment(values: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in values.items() if k.startswith((*_ENVIRONMENT, "resolved."))}
@@ -227,14 +228,15 @@ def sessions(run: TrackedRun) -> list[tuple[int | None, dict[str, str]]]:
 
 
 def environment_changes(run_a: TrackedRun, run_b: TrackedRun) -> list[dict[str, Any]]:
-    """Where and how the runs ran, when it differs: versions, CPU, GPU, commits (tags) and what each stage
-    chose on its device (`resolved.*` params: engine, device, dtypes), of each run's newest session (`sessions`):
+    """Where and how the runs ran, when it differs: versions, CPU, GPU, commits, Ray cluster (tags) and what each
+    stage chose on its device (`resolved.*` params: engine, device, dtypes), of each run's newest session (`sessions`):
     the steps a resumed run ended with ran there. Against an eval run (no update stage) or a rescore (neither
-    stage) only the stages both resolved are compared: one the other never ran is no difference in where it ran."""
+    stage) only the stages both resolved are compared: one the other never ran is no difference in where it ran;
+    nor is the Ray cluster a rescore does not record (it places no stage of the run's)."""
     a, b = sessions(run_a)[-1][1], sessions(run_b)[-1][1]
     keys = set(a) | set(b)
     if {"eval", "rescore"} & {run_kind(run_a), run_kind(run_b)}:
-        keys = {k for k in keys if not k.startswith("resolved.") or (k in a and k in b)}
+        keys = {k for k in keys if not k.startswith(("resolved.", "factory.ray_cluster")) or (k in a and k in b)}
     return [{"key": k, "a": a.get(k), "b": b.get(k)} for k in sorted(keys) if a.get(k) != b.get(k)]
 
 

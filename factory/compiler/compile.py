@@ -1573,7 +1573,7 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
         return None, r.errors
     assert train is not None and algorithm is not None  # no errors: both were resolved
     hashes: dict[str, Any] = {
-        "spec": sha256_json(shown),
+        "spec": spec_hash(shown),
         "templates": templates,
         "rewards": rewards,
         "data": data,
@@ -1605,6 +1605,13 @@ def _compile(spec: Spec, source: SpecSource, broken: Mapping[str, set[str]] | No
     if problems := check_contracts(plan):  # Factory's own stage classes disagree with its stage graph
         raise ContractError(problems)
     return plan, []
+
+
+def spec_hash(shown: dict[str, Any]) -> str:
+    """The hash of a spec (as shown), `resources.ray_address` left out: it says where the run runs, not what it is
+    (recorded as the run's tag factory.ray_cluster), and `--resume` on the cluster back at another address, or on
+    another cluster, is the same run."""
+    return sha256_json({**shown, "resources": {**shown["resources"], "ray_address": None}})
 
 
 def _offered(tools: Mapping[str, Any], name: str, listed: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 - params: the flattened resolved spec (`train.lr`, `rewards.total.sum.correct`, ...);
 - tags (all `factory.*`): spec and plan hashes, spec name, git commits, package versions, CPU model and
-  GPU kind, the last step done, the newest checkpoint;
+  GPU kind, the Ray cluster (`ray_cluster`), the last step done, the newest checkpoint;
 - artifacts: `plan.json` (with the tool schemas hashed after the servers started), `spec.yaml`,
   `tools.json` (the tool listing the model was offered), `checkpoints.json`, and per step a parquet table
   of trajectories (`trajectories/step_NNNNN.parquet`, `eval_trajectories/...`) and one of the tool calls
@@ -246,15 +246,30 @@ def _taken_as_is(name: str) -> bool:
 
 
 SESSION_TAG = "factory.resumed.{n}."  # before what the run's Nth resumed session ran on (`session_tags`)
+RAY_CLUSTER_TAG = "factory.ray_cluster"  # the Ray the run's stages ran on (`ray_cluster`)
 
 
-def session_tags(n: int, after_step: int, resolved: dict[str, Any]) -> dict[str, str]:
+def ray_cluster(plan: Any) -> str:
+    """Where a plan's stages run (RAY_CLUSTER_TAG): "local", a Ray of the run's own, or "joined ADDRESS", the address
+    "***" where it came from the environment ($RAY_ADDRESS, `${oc.env:...}`), as the plan shows it. The address is
+    no part of the spec hash (factory.compiler.compile.spec_hash): this tag alone records it."""
+    from factory.plan import MASK
+
+    address = plan.driver.resources.ray_address
+    if address is None:
+        return "local"
+    return f"joined {MASK if plan.from_env('resources', 'ray_address') else address}"
+
+
+def session_tags(n: int, after_step: int, resolved: dict[str, Any], cluster: str) -> dict[str, str]:
     """What the run's `n`th resumed session, which resumed after `after_step`, runs on, as tags: each environment
-    tag and `resolved.*` param a run starts with, named `factory.resumed.N.<its name>`, and
-    `factory.resumed.N.after_step`. A run resumed on another commit or machine kept its first session's alone, and
-    `factory diff` said its later steps ran there (factory.commands.diff.sessions reads these back)."""
+    tag, its Ray (`cluster`, as `ray_cluster` says it) and each `resolved.*` param a run starts with, named
+    `factory.resumed.N.<its name>`, and `factory.resumed.N.after_step`. A run resumed on another commit or machine
+    kept its first session's alone, and `factory diff` said its later steps ran there
+    (factory.commands.diff.sessions reads these back)."""
     prefix = SESSION_TAG.format(n=n)
-    env = {**environment_tags(), **dict(flatten({"resolved": resolved})), "after_step": str(after_step)}
+    env = {**environment_tags(), RAY_CLUSTER_TAG: cluster, **dict(flatten({"resolved": resolved})),
+           "after_step": str(after_step)}
     named = mlflow_keys(prefix + k for k in env)
     return {named[prefix + k]: v for k, v in env.items()}
 
@@ -514,7 +529,8 @@ class MlflowTracker:
 
         plan = with_tool_listing(plan, listing)
         shown = plan.spec
-        tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), **(extra_tags or {})}
+        tags = {**run_tags(plan.hashes, shown["name"], shown["tracking"]["tags"]), RAY_CLUSTER_TAG: ray_cluster(plan),
+                **(extra_tags or {})}
         name = self.free_name(run_name(shown["name"]))
         # the algorithm's params as the run uses it: the preset's choices, not the nulls it filled in
         params = {**plan.filled_spec, **(extra_params or {})}
@@ -589,7 +605,8 @@ class MlflowTracker:
                          STEPS_TAG: str(plan.driver.train.steps),
                          # (None: no stage ran, the run only ended: a session of its own would be its newest, with
                          # none of the `resolved.*` its stages chose, read by `factory diff` as where it ran last)
-                         **(session_tags(count, resume.step, resolved) if resolved is not None else {})})
+                         **(session_tags(count, resume.step, resolved, ray_cluster(plan)) if resolved is not None
+                            else {})})
         from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG
 
         for tag in (STOPPED_BY_TAG, HALTED_BY_TAG):  # what stopped it stops it no longer: it goes on (a run
