@@ -499,6 +499,23 @@ tracking:
     assert source.env_paths == {("tracking", "uri")}
 
 
+def test_an_override_may_interpolate_another_key_of_the_spec(project):
+    """`train.checkpoint_dir=/ck/${name}` (the default's own form, `runs/${name}`) was refused, "interpolation key
+    'name' not found": the override was resolved on its own, before it was merged. The same line in the spec file
+    worked. A key it names that the spec lacks is still refused, and so is a misspelt override key."""
+    path = project.spec(_base(project, "rw_interp"))
+    spec = load_spec(path, ["train.steps=3", "train.checkpoint_dir=/ck/${name}",
+                            "tracking.experiment=${name}-${train.steps}-${data.train.size}"])
+    assert spec.train.checkpoint_dir == "/ck/demo" and spec.tracking.experiment == "demo-3-8"
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.checkpoint_dir=/ck/${nmae}"])
+    assert "interpolation key 'nmae' not found" in report(e), report(e)
+    with pytest.raises(SpecErrors) as e:
+        load_spec(path, ["train.checkpoint_dri=/ck/${name}"])
+    assert report(e).startswith("<override 1>: train.checkpoint_dri: unknown key 'checkpoint_dri'; did you mean "
+                                "'checkpoint_dir'?"), report(e)
+
+
 def test_a_value_read_from_the_environment_is_never_printed_in_an_error(project, monkeypatch):
     """Plans show a value read from the environment as ***, but "expected an integer, got 'hunter2...'" printed
     it: a token in a terminal, a CI log, a bug report. Each way a loader's message shows a value is here."""

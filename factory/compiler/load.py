@@ -411,7 +411,8 @@ def _apply_overrides(cfg: DictConfig, overrides: tuple[str, ...], errors: list[S
                     continue
             else:
                 given = OmegaConf.from_dotlist([f"{key.strip()}={item.partition('=')[2]}"])  # `train.steps =3` too
-                value = OmegaConf.select(given, key.strip())
+                # not resolved here: `${name}` names a key of the spec, resolved once the override is merged into it
+                value = OmegaConf.select(given, key.strip(), throw_on_resolution_failure=False)
                 if isinstance(value, DictConfig) and not value and isinstance(
                         OmegaConf.select(cfg, key.strip(), throw_on_resolution_failure=False), DictConfig):
                     # `tools={}`: empties it (merged, an empty mapping changed nothing, in silence)
