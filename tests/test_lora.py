@@ -263,6 +263,9 @@ def test_an_eval_of_adapters_names_them_as_its_model_not_the_merged_copy_it_remo
     (tmp_path / "scratch").symlink_to(resolve_model("factory:tiny-qwen3"))  # another scratch folder, same model
     _, again = compile_file(_tiny_spec(project, ""), [f"model.path={tmp_path / 'scratch'}"])
     assert shown.hashes == tracked_model(again, "/runs/x/step_3").hashes != plan.hashes
+    # and as a run's spec is hashed: where it ran (resources.ray_address) is not what it is
+    _, joined = compile_file(_tiny_spec(project, ""), ["resources.ray_address=10.0.0.1:6379"])
+    assert tracked_model(joined, "/runs/x/step_3").hashes == shown.hashes
 
 
 def _adapter_folder(folder, base: str, r: int = 2, targets=("q_proj",)):

@@ -475,11 +475,12 @@ def tracked_model(plan: Plan, source: str) -> Plan:
 
     import yaml
 
+    from factory.compiler.compile import spec_hash
     from factory.compiler.refs import sha256_json
 
     spec = {**plan.spec, "model": {**plan.spec["model"], "path": source}}
     hashes = {k: v for k, v in plan.hashes.items() if k != "run"}
-    hashes["spec"] = sha256_json(spec)  # (the same adapters, the same hash: not the scratch folder's)
+    hashes["spec"] = spec_hash(spec)  # (the same adapters, the same hash: not the scratch folder's)
     hashes["run"] = sha256_json(hashes)
     return dataclasses.replace(plan, spec=spec, hashes=hashes, spec_yaml=yaml.safe_dump(
         spec, sort_keys=True, allow_unicode=True, default_flow_style=False))
