@@ -329,10 +329,14 @@ class Plan:
         left to them (factory.presets.filled). What a run and its rescore record as params, and `factory explain`
         shows: the spec's nulls made a run and its rescore of one spec differ in MLflow's compare view. A value the
         spec read from the environment stays "***" (the preset's fill wrote it out: `dual_clip_c: 3.0`)."""
-        from factory.compiler.compile import mask  # (the compiler imports this module)
-
-        return mask({**self.spec, "algorithm": filled(self.spec["algorithm"], self.algorithm)},
-                    [keys for keys in self.masked if keys[0] == "algorithm"])
+        shown = self.spec["algorithm"]
+        algorithm = filled(shown, self.algorithm)  # (a new dict, and a new `kl` in it: the spec's are left as they are)
+        for keys in self.masked:  # what the fill sets: the section's own keys and kl's
+            if keys[:1] == ("algorithm",) and len(keys) == 2 and keys[1] in algorithm:
+                algorithm[keys[1]] = shown[keys[1]]
+            elif keys[:2] == ("algorithm", "kl") and len(keys) == 3:
+                algorithm["kl"][keys[2]] = shown["kl"][keys[2]]
+        return {**self.spec, "algorithm": algorithm}
 
     @property
     def metrics(self) -> dict[str, str]:
