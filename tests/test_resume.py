@@ -1085,6 +1085,26 @@ def test_a_run_of_another_spec_is_refused_even_with_a_changed_spec_allowed(store
         find(plan, run, uri, train=spec.train, experiment="named", allow_spec_change=True)
 
 
+def test_a_joined_run_recorded_before_the_address_left_the_hash_resumes_with_the_same_spec(store, monkeypatch):
+    """Runs that joined a cluster recorded the spec hashed with resources.ray_address in it (before d737a73): the
+    same spec at the same address was then not found by a bare --resume, and refused as "trained with another spec"
+    with no key named."""
+    import dataclasses
+
+    from factory.compiler.refs import sha256_json
+    from factory.runtime.resume import changes
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    uri, ckpt = store
+    spec, joined = compiled(ckpt, "resources.ray_address=192.0.2.1:6379")
+    old = sha256_json(joined.spec)  # the hash such a run recorded, as its tag and in plan.json
+    assert old != joined.hashes["spec"]
+    before = dataclasses.replace(joined, hashes={**joined.hashes, "spec": old})
+    killed = fake_run(uri, ckpt, before, logged=2, checkpoints=(2,), experiment="old")
+    assert find(joined, None, uri, train=spec.train, experiment="old").run_id == killed
+    assert changes(joined, json.loads(plan_json(before)), old) == []
+
+
 def test_a_run_resumes_with_its_cluster_at_another_address_and_records_where_it_ran(store, monkeypatch):
     """resources.ray_address was part of the spec hash: `--resume` of a joined run whose cluster came back at
     another address, or on another cluster (what a lost cluster's message offers), was refused as "another version

@@ -362,7 +362,7 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
     unfinished = [r for r in runs if r.status != "FINISHED" and run_kind(r) == "train"]
     # the spec a run now trains under: that of its newest resume under a changed spec, else its first
     same = [r for r in unfinished
-            if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) == plan.hashes["spec"]]
+            if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) in spec_hashes(plan)]
     if same:
         return same[0]
     others = "; ".join(f"{r.run_id} ({r.name}, {r.status})" for r in unfinished[:5])
@@ -373,12 +373,21 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
                          ": start it without --resume"))
 
 
+def spec_hashes(plan: Any) -> tuple[str, str]:
+    """The hashes a run of this plan's spec may have recorded: the spec's, and the same with `resources.ray_address`
+    in it, as runs that joined a cluster hashed it before (factory.compiler.compile.spec_hash): resumed with the same
+    spec, one was refused as trained under another, with no key named (for a local run the two are one)."""
+    from factory.compiler.refs import sha256_json
+
+    return plan.hashes["spec"], sha256_json(plan.spec)
+
+
 def changes(plan: Any, recorded: dict[str, Any] | None, spec_hash: str | None) -> list[str]:
     """What of this plan differs from `recorded`, the plan the resumed checkpoint was trained under (its
     plan.json, `_plan_saving`): "spec" and the names of HASHED_INPUTS. Without that record (a run started
     before plan.json was logged) the spec hash its tag holds, `spec_hash`, is compared alone."""
     hashes = (recorded or {}).get("hashes") or {}
-    out = [] if hashes.get("spec", spec_hash) == plan.hashes["spec"] else ["spec"]
+    out = [] if hashes.get("spec", spec_hash) in spec_hashes(plan) else ["spec"]
     if hashes:
         out += [k for k in HASHED_INPUTS if not same_sources(hashes.get(k), plan.hashes.get(k))]
     return out
