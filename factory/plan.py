@@ -12,6 +12,7 @@ torch-free `factory.presets`), so every stage can read its slice without importi
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -330,12 +331,20 @@ class Plan:
         shows: the spec's nulls made a run and its rescore of one spec differ in MLflow's compare view. A value the
         spec read from the environment stays "***" (the preset's fill wrote it out: `dual_clip_c: 3.0`)."""
         shown = self.spec["algorithm"]
-        algorithm = filled(shown, self.algorithm)  # (a new dict, and a new `kl` in it: the spec's are left as they are)
-        for keys in self.masked:  # what the fill sets: the section's own keys and kl's
-            if keys[:1] == ("algorithm",) and len(keys) == 2 and keys[1] in algorithm:
-                algorithm[keys[1]] = shown[keys[1]]
-            elif keys[:2] == ("algorithm", "kl") and len(keys) == 3:
-                algorithm["kl"][keys[2]] = shown["kl"][keys[2]]
+        algorithm = copy.deepcopy(filled(shown, self.algorithm))  # (written into below: the spec's left as it is)
+        for keys in self.masked:
+            if keys[:1] != ("algorithm",) or len(keys) < 2:
+                continue
+            value, into = shown, algorithm
+            try:
+                for key in keys[1:]:
+                    value = value[key]
+                for key in keys[1:-1]:
+                    into = into[key]
+            except (KeyError, IndexError, TypeError):
+                continue
+            if value is not None:  # (an unset `${oc.env:X,null}` read nothing: the preset's fill stands)
+                into[keys[-1]] = value
         return {**self.spec, "algorithm": algorithm}
 
     @property

@@ -528,6 +528,13 @@ def test_an_algorithm_value_read_from_the_environment_stays_masked_where_the_pre
     algorithm = plan.filled_spec["algorithm"]
     assert (algorithm["dual_clip_c"], algorithm["kl"]["apply"]) == ("***", "***")
     assert (algorithm["clip"], algorithm["loss"], algorithm["kl"]["coef"]) == ([0.2, 0.2], "ppo_clip", 0.1)  # filled
+    # at any depth (a list's element), and not where an unset `${oc.env:X,null}` read nothing: the fill stands there
+    monkeypatch.setenv("RC_CLIP_LOW", "0.25")
+    monkeypatch.delenv("RC_UNSET_LOSS", raising=False)
+    _, plan = compile_file(path, ["algorithm.clip=['${oc.env:RC_CLIP_LOW}', 0.3]",
+                                  "algorithm.loss=${oc.env:RC_UNSET_LOSS,null}"])
+    algorithm = plan.filled_spec["algorithm"]
+    assert (algorithm["clip"], algorithm["loss"], algorithm["dual_clip_c"]) == (["***", 0.3], "ppo_clip", "***")
 
 
 def test_a_value_read_from_the_environment_is_not_printed_by_another_keys_message_nor_cut(project, monkeypatch):
