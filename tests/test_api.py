@@ -800,6 +800,40 @@ def test_a_run_where_ray_was_imported_first_is_refused_at_once_saying_what_helps
         f"{fix}"]
 
 
+JOINED_FIRST = '''
+import sys
+
+from factory.runtime import lifecycle
+
+assert "ray" not in sys.modules
+lifecycle.local_ray_on_loopback("192.0.2.1:6379", "factory.run")  # a run that joins a cluster ...
+import ray  # ... whose driver imports ray, the flag unset (a joined driver needs it so)
+
+try:
+    lifecycle.local_ray_on_loopback(None, "factory.run")  # the next run in this process is a local one
+except lifecycle.UserError as e:
+    print(e)
+'''
+
+
+def test_a_local_run_after_a_joined_one_in_one_process_is_refused_saying_why(tmp_path):
+    """A notebook's first run joined a cluster (its driver imported ray without the loopback flag, as a joined
+    driver must); the next, local one was refused saying ray was imported "before Factory could set" the flag and to
+    set it "above the `import ray`": a line the user never wrote."""
+    import subprocess
+
+    from factory.runtime.lifecycle import LOOPBACK_FLAG
+
+    env = {k: v for k, v in os.environ.items() if k != LOOPBACK_FLAG}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", JOINED_FIRST], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("factory.run: an earlier run in this process joined a Ray cluster, so ray was "
+                                 "imported without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+    assert "start this local run in a process of its own" in out.stdout and "import ray`" not in out.stdout
+
+
 def test_runs_with_no_room_for_a_run_is_a_value_error():
     """MLflow's own error named its max_results."""
     for limit in (0, -1, 2.5, True):

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from factory.compiler.compile import compile_file
+from factory.util import UserError
 from tests.test_settings import _spec
 
 
@@ -132,6 +133,34 @@ def test_what_starting_a_runs_ray_set_in_the_environment_is_put_back_when_it_sto
     assert dict(os.environ) == before
 
 
+def test_a_start_cut_short_raises_its_own_error_where_its_processes_cannot_be_recorded(monkeypatch):
+    """place()'s clean-up records what the stages started, then tears them down and raises the start's error; a
+    record that could not be written (a full disk) raised its OSError instead, the user's Ctrl-C (or a
+    PlacementError, a StageTimeout with how to resume) left only as its __context__."""
+    from types import SimpleNamespace
+
+    from factory.runtime import driver
+
+    plan = SimpleNamespace(stages=[SimpleNamespace(name="rollout", resources={}, replicas=1)],
+                           driver=SimpleNamespace(resources=SimpleNamespace(ray_address=None)))
+    monkeypatch.setattr(driver.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(driver, "object_store_bytes", lambda: 1.0)
+
+    def interrupted(stage, status):
+        raise KeyboardInterrupt  # Ctrl-C while the stage is placed
+
+    def record():
+        raise OSError(28, "No space left on device")
+
+    torn, said = [], []
+    monkeypatch.setattr(driver, "start_group", interrupted)
+    monkeypatch.setattr(driver, "teardown", lambda groups, **k: torn.append(groups))
+    with pytest.raises(KeyboardInterrupt):
+        driver.place(plan, said.append, record=record)
+    assert torn == [{}] and said[-1].startswith("warning: the processes the stages started could not be recorded "
+                                                "([Errno 28] No space left on device)")
+
+
 def test_leaving_a_cluster_whose_head_does_not_answer_says_so_and_goes_on(monkeypatch):
     """A joined cluster's head that stopped answering (frozen, not gone) held `factory run` in ray.shutdown after
     its last step, with no word and no deadline. The disconnect is waited for SHUTDOWN_WAIT_S, then the run says
@@ -148,12 +177,17 @@ def test_leaving_a_cluster_whose_head_does_not_answer_says_so_and_goes_on(monkey
     unhooked, said = [], []
     monkeypatch.setattr(driver.atexit, "unregister", unhooked.append)
     monkeypatch.setattr(driver, "_restore_ray_env", lambda: said.append("restored"))
+    monkeypatch.setattr(driver.lifecycle, "left_hanging", None)
     t0 = time.monotonic()
     try:
         driver.stop_ray("192.0.2.2:6379", said.append)
         assert time.monotonic() - t0 < 5
         assert said == ["the Ray head at 192.0.2.2:6379 does not answer; leaving without disconnecting", "restored"]
         assert unhooked == [driver.ray.shutdown]
+        # the disconnect left running holds Ray's lock: the next run here would wait in ray.init for good
+        with pytest.raises(UserError, match=r"^factory.run: the Ray head at 192.0.2.2:6379 did not answer .* "
+                                            r"cannot start or join a Ray again; restart it"):
+            driver.lifecycle.refuse_a_ray_up("factory.run")
     finally:
         answers.set()
     said.clear()

@@ -41,6 +41,7 @@ import ray
 from factory.contract import Contract, peers_of
 from factory.plan import ClusterSettings, DriverSettings, Edge, Plan, Replayed, Stage, StreamPart
 from factory.monitors import HALTED_BY_TAG, STOPPED_BY_TAG, Watch
+from factory.runtime import lifecycle
 from factory.runtime.deadlines import POLL_S, Deadlines
 from factory.runtime.health import (RESUME_SAID, CheckpointWriteError, PlacementError, RayStartError,
                                      StageLostError, StageStartError, check_infra, infra_causes, write_problem)
@@ -176,6 +177,7 @@ def stop_ray(joined: str | None = None, status: Callable[[str], None] = lambda s
         elif not _returned_within(SHUTDOWN_WAIT_S, ray.shutdown):
             # Ray's exit hook, ray.shutdown again, would wait for the one in flight (its lock) as the process exits
             atexit.unregister(ray.shutdown)
+            lifecycle.left_hanging = joined  # (the next run in this process is refused: refuse_a_ray_up)
             status(f"the Ray head at {joined} does not answer; leaving without disconnecting")
     finally:
         _restore_ray_env()
@@ -583,6 +585,9 @@ def place(plan: Plan, status: Callable[[str], None] = lambda _: None, deadlines:
             status("stopping: closing the stages that are set up, ending those still setting up")
         try:
             record()
+        except Exception as failed:  # noqa: BLE001 -- the start's own error is what the caller must see
+            status(f"warning: the processes the stages started could not be recorded ({failed}): those of a setup "
+                   "cut short may outlive the run")
         finally:
             teardown(groups, closing=[actor for ref, actor in setups.items() if ref not in unanswered])
         raise

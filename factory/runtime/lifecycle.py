@@ -81,14 +81,30 @@ IMPORTED_TOO_EARLY = (f"ray was imported in this process before Factory could se
                       "`import ray`), or start the run in a process of its own (`factory run SPEC`, a subprocess)")
 
 
+# Said instead where it was an earlier run of this process, one that joined a cluster, whose driver imported ray: a
+# joined driver needs the flag unset (with it, its own address is 127.0.0.1, which the cluster's nodes cannot reach).
+JOINED_FIRST = ("an earlier run in this process joined a Ray cluster, so ray was imported without "
+                f"{LOOPBACK_FLAG}=0 (a run that joins needs it unset), and Ray reads it once, at import: a local Ray "
+                "started here would listen on every network interface: start this local run in a process of its own "
+                "(`factory run SPEC`, a subprocess), or join a cluster again")
+_imported_for_a_joined_run = False  # (`local_ray_on_loopback` of a joined run, ray not yet imported)
+
+# Set where leaving a cluster gave up on a head that did not answer (factory.runtime.driver.stop_ray): its
+# ray.shutdown still runs in a thread and holds Ray's connect lock, so the next ray.init here would wait for good.
+left_hanging: str | None = None
+
+
 def local_ray_on_loopback(ray_address: str | None, what: str = "the run") -> None:
     """Before `ray` is imported: a local Ray of our own (no `ray_address`) will listen on loopback only.
     Every entry point that may start one (factory.run, factory.evaluate, rescore) calls it first, and so
     refuses `what` at once where ray was imported too early for that (`check_ray_on_loopback`);
     factory.runtime.driver.start_ray checks again."""
+    global _imported_for_a_joined_run
     if not ray_address:
         os.environ.setdefault(LOOPBACK_FLAG, "0")
         check_ray_on_loopback(what)
+    elif "ray" not in sys.modules:
+        _imported_for_a_joined_run = True
 
 
 def ray_read_the_flag_too_early() -> bool:
@@ -107,7 +123,11 @@ def check_ray_on_loopback(what: str = "the run") -> None:
     imports cell, by other code) before `local_ray_on_loopback` set the flag. Only setting it before the
     import, or a process of its own, helps."""
     if ray_read_the_flag_too_early():
-        raise UserError(f"{what}: {IMPORTED_TOO_EARLY}")
+        raise UserError(f"{what}: {_too_early()}")
+
+
+def _too_early() -> str:
+    return JOINED_FIRST if _imported_for_a_joined_run else IMPORTED_TOO_EARLY
 
 
 def refuse_a_ray_up(what: str) -> None:
@@ -116,12 +136,16 @@ def refuse_a_ray_up(what: str) -> None:
     under its owner. Their ray.shutdown() helps only where ray was imported with the loopback flag set
     (`check_ray_on_loopback`), else the advice is what does. Asked of `ray` only where it was imported:
     importing it here would come before `local_ray_on_loopback`."""
+    if left_hanging is not None:
+        raise UserError(f"{what}: the Ray head at {left_hanging} did not answer when an earlier run in this process "
+                        "left it, and that disconnect still holds Ray's lock here: this process cannot start or join "
+                        "a Ray again; restart it (a notebook's kernel), or start the run in a process of its own")
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         up = (f"{what}: a Ray is already up in this process (your own ray.init(), or another library's): a run "
               "starts a Ray of its own, and a process holds one Ray at a time")
         if ray_read_the_flag_too_early():
-            raise UserError(f"{up}; ray.shutdown() yours would not be enough for a local Ray: {IMPORTED_TOO_EARLY}")
+            raise UserError(f"{up}; ray.shutdown() yours would not be enough for a local Ray: {_too_early()}")
         raise UserError(f"{up}: ray.shutdown() yours first, or start the run in a process of its own (`factory run "
                         "SPEC`, a subprocess)")
 
