@@ -708,6 +708,24 @@ def test_turns_reach_only_functions_that_declare_them():
     assert trajs[0].rewards == {"calls": 1.0, "answer": 2.0, "total": 3.0} and m["rewards/calls/errors"] == 0.0
 
 
+def test_a_function_that_changes_what_it_is_given_changes_no_other_node_nor_the_record():
+    """Each call gets its own copy of the turns (and a group function of the rows): `turns.pop()` in one node
+    took the last turn from every other node's input and from the trajectory the step saves."""
+    import copy
+
+    turns = [Turn(text="<tool_call>{}</tool_call>", num_tokens=9, calls=[ToolCall(name="add", arguments={}, raw="{}")],
+                  results=[ToolResult(tool="add", text="3")]),
+             Turn(text="<answer>3</answer>", num_tokens=5)]
+    spec = make_spec({"early": {"fn": f"{FNS}:pops_a_turn"}, "grp": {"fn": f"{FNS}:group_clears", "group": True},
+                      "each": {"fn": f"{FNS}:turn_clears", "per": "turn"},
+                      "calls": {"fn": f"{FNS}:sees_turns"}, "answer": {"fn": f"{FNS}:sees_row"},
+                      "total": {"sum": {"early": 1.0, "grp": 1.0, "each": 1.0, "calls": 1.0, "answer": 1.0}}})
+    trajs, m = score(spec, [traj("x", turns=copy.deepcopy(turns), answer="2")])
+    assert trajs[0].turns == turns and trajs[0].row == {"answer": "2"}
+    assert trajs[0].rewards == {"early": 1.0, "grp": 0.0, "each": 0.0, "calls": 1.0, "answer": 2.0, "total": 4.0}
+    assert sum(m[f"rewards/{n}/errors"] for n in ("early", "grp", "each", "calls", "answer")) == 0.0
+
+
 def test_a_function_gets_only_the_row_columns_it_names():
     """Without `**row` a reward function is passed the columns it names, not every column of the row (each
     call raised TypeError before, and the node scored nothing). No function is passed a row's `completion`
