@@ -247,3 +247,18 @@ def test_a_rescored_trajectory_gets_the_same_per_turn_values():
     (record,) = pa.Table.from_pylist(trajectory_records([scored], step=1)).to_pylist()
     (again,), _ = score(spec, [trajectory_from_record(record)])
     assert again.turn_rewards == scored.turn_rewards == {"step": [1.0, 0.0, 0.0]}
+
+
+def test_the_documented_call_ok_gives_a_call_that_never_ran_no_credit():
+    """docs/rewards.md's per-turn `call_ok` (and this suite's copy) gave 1.0 to a last turn whose call never
+    ran (the episode ended at max_turns): it has no result, and all() of no results is True."""
+    from tests.docblocks import REPO, parse
+
+    block = next(b for b in parse(REPO / "docs" / "rewards.md").blocks if b.attrs.get("file") == "rewards/steps.py")
+    documented: dict = {}
+    exec(block.text, documented)
+    unrun = Turn(text="<tool_call>\n<answer>", num_tokens=4,
+                 calls=[ToolCall(name="?", arguments=None, raw="\n<answer>", parse_error="unclosed <tool_call>")])
+    for call_ok in (documented["call_ok"], reward_fns.call_ok):
+        assert [call_ok("q", t.text, turn=t, index=0) for t in (unrun, turn("a", ["ok"]), turn("b"))] == [
+            0.0, 1.0, None]
