@@ -338,9 +338,11 @@ class JudgeNode(_Leaf):
     (vLLM, SGLang) answers with that one; a server of several needs it."""
     local: LocalJudge | None = None
     """A judge model that Factory runs itself, as its own Ray actor."""
-    parse: str = r"(?i)score[*_\s]*[:=][*_\s]*(-?(?:\d+(?:\.\d+)?|\.\d+))"
+    parse: str = r"(?i)score[*_\s]*[:=][*_\s]*(-?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)(?![^\W_]|[/%]|\.\d)"
     """A regex searched in the reply; its first group (or whole match) is the score. A reply it does not
     match is a parse failure: counted in `rewards/<node>/parse_failures`, kept in the trajectory record. The
+    default reads a whole number (`1`, `.5`, `1e-3`) after `score:`; one followed by `/`, `%`, a letter or
+    more digits (`Score: 8/10`) is not read, so as not to take its start for the score. The
     judge's reasoning (`<think>...</think>`, a block left open) is left out first: a draft verdict is not one
     (a `<think>` left open after the reply's own words is read as a quote when the reply needs it to parse)."""
     json_field: str | None = None

@@ -182,6 +182,24 @@ def test_a_judge_score_is_a_whole_number_and_reasoning_closed_after_the_words_st
         parse_score("No verdict yet. <think>score: 1</think>", strict)
 
 
+def test_the_default_parse_reads_a_whole_number_or_none():
+    """The default `parse` read the start of a number: "Score: 8/10" scored 8 (on a node's 0-1 scale),
+    "score: 1e-3" 1.0, and "score: 1e39" 1.0 where a number too large for float32 has no value."""
+    from factory.reward.graph import parse_score
+    from factory.reward.stage import usable
+    from factory.schema import JudgeNode
+
+    node = JudgeNode(llm_judge="j.jinja", endpoint="http://127.0.0.1:1/v1")
+    assert [parse_score(r, node) for r in ("score: 1e-3", "Score: 0.5E1.", "score: -2.5e+0", "__Score: 1__")] == [
+        0.001, 5.0, -2.5, 1.0]
+    assert parse_score("score: 1e39", node) == 1e39 and not usable(1e39)  # the stage's non_finite
+    for reply in ("Score: 8/10", "score: 80%", "score: 7a", "score: 1.2.3", "score: 3e"):
+        with pytest.raises(ValueError, match="does not match"):
+            parse_score(reply, node)
+    # a later verdict written whole is still read
+    assert parse_score("Score: 8/10 on their scale; on ours, score: 0.8", node) == 0.8
+
+
 def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
