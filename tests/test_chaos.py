@@ -69,7 +69,9 @@ def test_a_run_whose_judge_endpoint_is_down_stops_with_exit_3_naming_it(tmp_path
             pass
     err = proc.stderr.read()
     assert proc.returncode == 3, err[-3000:]
-    assert "step 1: 8 of 8 trajectories failed from infrastructure" in err and "judge judged: ConnectError" in err
+    assert "step 1: 8 of 8 trajectories failed from infrastructure" in err
+    assert f"judge judged: {dead}/chat/completions: ConnectError" in err
+    assert f"reward node judged: no answer from {dead} within 10 s" in err  # said at the start
     _, alive = psutil.wait_procs([psutil.Process(p) for p in seen if psutil.pid_exists(p)], timeout=20)
     assert alive == [], alive  # the teardown ran: Ray, the stage actors, the MCP servers are gone
 

@@ -27,11 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_step_whose_judge_is_down_stops_naming_it(tmp_path):
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
-    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
-                                "retries": 0}})
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "retries": 0}})
     trajs, _ = _score(spec, [traj(str(i), i) for i in range(4)], tmp_path)
     with pytest.raises(InfraFailure, match=r"step 2: 4 of 4 trajectories failed from infrastructure \(100%, above "
-                                           r"train.max_infra_error_rate 0.5\): judge judge: ConnectError"):
+                                           rf"train.max_infra_error_rate 0.5\): judge judge: {url}/chat/completions: "
+                                           "ConnectError"):
         check_infra(trajs, 0.5, step=2)
     assert check_infra(trajs, 1.0, step=2) == 1.0  # 1 = never stop
 
@@ -107,7 +108,8 @@ def test_an_evaluation_says_how_many_trajectories_met_an_infrastructure_failure(
     out, _ = driver.evaluate({}, plan, SimpleNamespace(warning=said.append), step=3)
     assert out["eval/infra_errors"] == 1.0 and out["eval/reward"] == 0.2
     assert said == ["step 3 evaluation: 1 of 2 trajectories met an infrastructure failure (first: tool calculate: "
-                    "circuit_open): its eval metrics score them as they ended (eval/infra_errors counts them)"]
+                    "circuit_open): its eval metrics score them as they ended, a reward node without a value as its "
+                    "on_missing says (0, or left out under drop_sample); eval/infra_errors counts them"]
     trajs.pop()
     assert driver.evaluate({}, plan, SimpleNamespace(warning=said.append), step=4)[0]["eval/infra_errors"] == 0.0
     assert len(said) == 1

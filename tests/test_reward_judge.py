@@ -60,7 +60,8 @@ def test_endpoint_judge_behind_a_gate_counts_every_failure(judge_server, tmp_pat
     assert trajs[2].reward_details["judge"] == {"status": "parse_failure", "reply": "I refuse to grade this.",
                                                 "error": "the reply does not match `parse`"}
     assert trajs[3].reward_details["judge"] == {"status": "error",
-                                                "error": 'JudgeError: HTTP 500: {"error": "judge down"}'}
+                                                "error": f'JudgeError: {url}/chat/completions: HTTP 500: '
+                                                         '{"error": "judge down"}'}
     assert trajs[0].reward_details["judge"] == {"status": "ok", "reply": "The answer is right.\nScore: 1"}
     assert trajs[5].reward_details["judge"] == {"status": "skipped"}
     assert (m["rewards/judge/calls"], m["rewards/judge/errors"], m["rewards/judge/parse_failures"],
@@ -200,14 +201,44 @@ def test_the_default_parse_reads_a_whole_number_or_none():
     assert parse_score("Score: 8/10 on their scale; on ours, score: 0.8", node) == 0.8
 
 
-def test_unreachable_endpoint_is_an_error_per_request(tmp_path):
+def test_unreachable_endpoint_is_an_error_per_request_that_names_its_url(tmp_path):
+    """(The error said `ConnectError: All connection attempts failed`, not which endpoint.)"""
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
-    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": f"http://127.0.0.1:{free_port()}/v1",
-                                "retries": 0, "on_missing": "drop_sample"}})
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "retries": 0,
+                                "on_missing": "drop_sample"}})
     trajs, m = _score(spec, [traj("a", 0), traj("b", 1)], tmp_path)
     assert m["rewards/judge/errors"] == 2.0 and m["reward/dropped"] == 2.0
-    assert all(t.reward_details["judge"]["error"].startswith("JudgeError: ConnectError") for t in trajs)
-    assert all(t.dropped.startswith("rewards.judge: error: JudgeError: ConnectError") for t in trajs)
+    said = f"JudgeError: {url}/chat/completions: ConnectError"
+    assert all(t.reward_details["judge"]["error"].startswith(said) for t in trajs)
+    assert all(t.dropped.startswith(f"rewards.judge: error: {said}") for t in trajs)
+
+
+def test_a_judge_endpoint_that_does_not_answer_is_said_when_the_stage_starts(judge_server, tmp_path, caplog):
+    """A judge that was down was found only once scoring began, one error per trajectory (`factory run` and
+    `rescore` do not probe as `check --connect` does): the stage says so at its start, and goes on."""
+    import time
+
+    url, _ = judge_server
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    (tmp_path / "judge.jinja").write_text("{{ completion }}")
+    spec = make_spec({"up": {"llm_judge": "judge.jinja", "endpoint": url},
+                      "down": {"llm_judge": "judge.jinja", "endpoint": down, "on_missing": "drop_sample"},
+                      "total": {"sum": {"up": 1.0, "down": 1.0}}})
+    stage = RewardStage(stage_settings(spec, tmp_path)["reward"])
+
+    async def go():
+        started = time.perf_counter()
+        await stage.setup(Placement())
+        took = time.perf_counter() - started
+        await stage.close()
+        return took
+
+    took = asyncio.run(go())
+    said = [r.getMessage() for r in caplog.records if "no answer from" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"reward node down: no answer from {down} within 10 s (ConnectError")
+    assert said[0].endswith("Until it answers, each of its requests fails and has no value (on_missing: drop_sample)")
+    assert took < 2.0  # an up server answers at once, a closed port refuses at once
 
 
 def test_local_judge_model_runs_as_its_own_ray_actor(tmp_path, local_ray):
@@ -365,7 +396,7 @@ def test_a_reply_that_does_not_decode_is_a_judge_failure_and_an_unreadable_retry
     (tmp_path / "judge.jinja").write_text("{{ completion }}")
     spec = make_spec({"judge": {"llm_judge": "judge.jinja", "endpoint": url, "retries": 1}})
     trajs, m = _score(spec, [traj("ok [gzip]", 0), traj("ok [farday]", 1)], tmp_path)
-    assert trajs[0].reward_details["judge"]["error"].startswith("JudgeError: DecodingError"), trajs[0].reward_details
+    assert trajs[0].reward_details["judge"]["error"].startswith(f"JudgeError: {url}/chat/completions: DecodingError")
     assert trajs[1].rewards["judge"] == 1.0 and m["rewards/judge/errors"] == 1.0
     assert stats()["by_marker"] == {"gzip": 2, "farday": 2}  # each retried once
 

@@ -122,7 +122,7 @@ def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, A
 JUDGE_PROBE_S = 10.0  # an endpoint that has not answered `GET /models` by then is reported
 
 
-async def _unreachable(url: str) -> str | None:
+async def why_unreachable(url: str) -> str | None:
     """Why `url` (an OpenAI-compatible base) does not answer, or None when it answers at all: any HTTP
     status, a 404 or a 401 too, means a server is there (the run's requests say the rest)."""
     from factory.endpoints import open_client
@@ -137,8 +137,14 @@ async def _unreachable(url: str) -> str | None:
 
 
 def unreachable(url: str) -> str | None:
-    """`_unreachable`, from a notebook's running event loop too (factory.evaluate checks its --model)."""
-    return run_sync(_unreachable(url))
+    """`why_unreachable`, from a notebook's running event loop too (factory.evaluate checks its --model)."""
+    return run_sync(why_unreachable(url))
+
+
+def judge_unanswered(url: str, why: str) -> str:
+    """What `factory check --connect` and the reward stage's start say of a judge endpoint that did not answer."""
+    return (f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): is the judge's server up, and the URL its "
+            "OpenAI-compatible base (ending in /v1)?")
 
 
 def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
@@ -150,10 +156,8 @@ def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:
               if isinstance(node, JudgeNode) and node.endpoint}
 
     async def probe_all() -> list[str | None]:
-        return list(await asyncio.gather(*(_unreachable(url) for url in judges.values())))
+        return list(await asyncio.gather(*(why_unreachable(url) for url in judges.values())))
 
-    return [source.error(f"rewards.{name}.endpoint", f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): "
-                                                     "is the judge's server up, and the URL its OpenAI-compatible "
-                                                     "base (ending in /v1)? A run would score nothing with it",
+    return [source.error(f"rewards.{name}.endpoint", f"{judge_unanswered(url, why)} A run would score nothing with it",
                          level="warning")
             for (name, url), why in zip(judges.items(), run_sync(probe_all()) if judges else []) if why]

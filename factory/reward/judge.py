@@ -64,8 +64,8 @@ class EndpointSession:
                 resp = await request(self._client, "POST", self.url, body=body, retries=self.node.retries,
                                      cap_s=self.node.timeout_s, key_withheld=self.key_withheld,
                                      before_each=lambda: self._within_limits(messages))
-            except EndpointError as e:
-                raise JudgeError(str(e)) from None
+            except EndpointError as e:  # (named: a spec may hold several judges, and a down one is found here)
+                raise JudgeError(f"{self.url}: {e}") from None
         return _content(resp)
 
     async def _within_limits(self, messages: list[dict[str, str]]) -> None:

@@ -121,7 +121,21 @@ class RewardStage(StageActor):
         self._judges = {name: await self._sessions.enter_async_context(
                             EndpointSession(node) if node.local is None else LocalSession(node, self._judge_actors[name]))
                         for name, node in self.nodes.items() if isinstance(node, JudgeNode)}
+        await self._probe_judges()
         return {"node": node_id(), "order": list(self.order), "train_node": self.train_node}
+
+    async def _probe_judges(self) -> None:
+        """A warning now for each judge endpoint that does not answer, as `factory check --connect` says: found
+        otherwise only once scoring begins. Not a refusal (a server may come up later), and probed from here, on
+        the network the requests will take (a cluster's). An up server answers in milliseconds."""
+        from factory.compiler.connect import judge_unanswered, why_unreachable
+
+        urls = {name: node.endpoint for name, node in self.nodes.items()
+                if isinstance(node, JudgeNode) and node.endpoint}
+        for (name, url), why in zip(urls.items(), await asyncio.gather(*map(why_unreachable, urls.values()))):
+            if why:
+                log.warning("reward node %s: %s Until it answers, each of its requests fails and has no value "
+                            "(on_missing: %s)", name, judge_unanswered(url, why), self.nodes[name].on_missing)
 
     async def score(self, trajs: list[Trajectory], *, step: int = 0,
                     attempt: int = 0) -> tuple[list[Trajectory], dict[str, float]]:

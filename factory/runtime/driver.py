@@ -764,8 +764,9 @@ def evaluate(g: Groups, plan: Plan, display: Any, step: int) -> tuple[dict[str, 
     out["eval/infra_errors"] = float(len(causes))
     if causes:
         display.warning(f"step {step} evaluation: {len(causes)} of {len(trajs)} trajectories met an infrastructure "
-                        f"failure (first: {causes[0][0]}): its eval metrics score them as they ended "
-                        "(eval/infra_errors counts them)")
+                        f"failure (first: {causes[0][0]}): its eval metrics score them as they ended, a reward "
+                        "node without a value as its on_missing says (0, or left out under drop_sample); "
+                        "eval/infra_errors counts them")
     return out, trajs
 
 
