@@ -766,6 +766,21 @@ def test_group_reward_gets_each_group():
     assert [t.rewards["calls"] for t in trajs] == [1.0, -1.0, -0.5, 0.5]  # calls minus the group's mean
 
 
+def test_a_group_function_behind_a_gate_ranks_its_whole_group_where_any_member_passes():
+    """The documented exception to a gate's `then` being evaluated only where it passes (docs/rewards.md): a group
+    function's values are one per member, shared by every node that reads them, over the members scored (as a group
+    normalize's population), so it is called on the whole group, and its value is used only where the gate passes.
+    A group where no member passes does not call it."""
+    reward_fns.GROUPS_SEEN.clear()
+    spec = make_spec({"ok": {"fn": f"{FNS}:starts_with_ok"}, "rank": {"fn": f"{FNS}:group_rank_seen", "group": True},
+                      "total": {"gate": "ok", "then": "rank", "otherwise": -1.0}})
+    trajs, m = score(spec, [traj("ok a", 0, 0), traj("no bb", 0, 1), traj("ok ccc", 0, 2), traj("no x", 1, 0),
+                            traj("no yy", 1, 1)])
+    assert reward_fns.GROUPS_SEEN == [["ok a", "no bb", "ok ccc"]]  # "no bb" ranked among them; group 1 not called
+    assert [t.rewards["rank"] for t in trajs] == [0.0, None, 2.0, None, None]
+    assert [t.reward for t in trajs] == [0.0, -1.0, 2.0, -1.0, -1.0] and m["rewards/rank/skipped"] == 3.0
+
+
 def test_the_stage_scores_in_the_compiled_order():
     spec = make_spec({"t": {"sum": {"a": 1, "m": 1}}, "m": {"max": ["a"]}, "g": {"gate": "a", "then": "m"},
                       "a": {"fn": f"{FNS}:length"}}, reward="t")
