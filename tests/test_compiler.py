@@ -129,6 +129,8 @@ def test_the_rollout_streams_trajectories_groups_or_nothing_as_the_reward_graph_
     _, plan = compile_file(project.spec(base))
     assert [e.stream for e in plan.flow("data")] == [None, "trajectory", None]  # rollout -> reward, as each ends
     assert edge_text(plan.flow("data")[1]) == "rollout --trajectories--> reward.score (each trajectory as it completes)"
+    # (the stage's own line said "per trajectory" whichever way it was handed them)
+    assert plan.stage("reward").does == "evaluates the reward graph on each trajectory as it ends"
     by_group = ["  norm: {normalize: correct}\n  total: {sum: {norm: 1.0, fmt: 0.1}}",
                 "  rank: {fn: rc_stream:group_ok, group: true}\n  total: {sum: {rank: 1.0, fmt: 0.1}}"]
     for nodes in by_group:
@@ -138,6 +140,11 @@ def test_the_rollout_streams_trajectories_groups_or_nothing_as_the_reward_graph_
                            "  total: {sum: {norm: 1.0, rank: 0.1}}"))
     _, plan = compile_file(project.spec(base.replace("  total: {sum: {correct: 1.0, fmt: 0.1}}", by_group[0])))
     assert edge_text(plan.flow("data")[1]) == "rollout --trajectories--> reward.score (each group as it completes)"
+    assert plan.stage("reward").does == "evaluates the reward graph on each group as its last sample ends"
+    _, plan = compile_file(project.spec(base.replace("  total: {sum: {correct: 1.0, fmt: 0.1}}",
+                                                     "  norm: {normalize: correct, over: batch}\n"
+                                                     "  total: {sum: {norm: 1.0, fmt: 0.1}}")))
+    assert plan.stage("reward").does == "evaluates the reward graph on the whole batch after the rollout"
 
 
 def test_missing_template_files(project):

@@ -1327,7 +1327,9 @@ def stage_graph(spec: Spec, *, base_dir: str, algorithm: Algorithm, order: Seque
     whole_batch = stream is None
     pools = "; ".join(f"{n} in {node.processes} worker process{'es' if node.processes > 1 else ''} of its own"
                       for n, node in spec.rewards.items() if isinstance(node, FnNode) and node.processes)
-    stages.append(Stage("reward", "evaluates the reward graph per trajectory" + (f"; {pools}" if pools else ""),
+    scored = {"trajectory": "each trajectory as it ends", "group": "each group as its last sample ends",
+              None: "the whole batch after the rollout"}[stream]
+    stages.append(Stage("reward", f"evaluates the reward graph on {scored}" + (f"; {pools}" if pools else ""),
                         "factory.reward.stage:RewardStage",
                         RewardSettings(rewards=spec.rewards, order=tuple(order), train_node=train_node,
                                        base_dir=base_dir, whole_batch=whole_batch,

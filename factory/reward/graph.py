@@ -334,14 +334,14 @@ def reward_metrics(trajs: list[Trajectory], nodes: dict[str, Any], train: str) -
     calls, an eval batch and a rescored run all follow one rule):
 
     `rewards/<node>/mean` over kept trajectories where the node has a value (a per-turn node's value: the
-    mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason), `/errors` (it raised / the request failed),
-    `/parse_failures` (a judge reply or tool text that is not a score), `/non_finite` (a value that was
-    inf or NaN, taken as none); for judges `/calls` (requests made: not where a gate skipped it, nor where
-    its template did not render); for nodes a gate may leave out `/skipped` (not evaluated), and for those and
-    per-turn nodes `/values` (the kept trajectories its mean is over); `reward/mean` over kept trajectories;
-    `reward/dropped` (trajectories a `drop_sample` node took out). A per-turn node's counts are of turns,
-    its `/turns/mean` is the mean over every turn of the kept trajectories that has a value, `/turns` how
-    many such turns there are."""
+    mean over its turns); for function, judge and tool nodes also `/missing` (no value, whatever the reason),
+    `/errors` (it raised or returned no number / the request failed), `/parse_failures` (a judge reply or
+    tool text that is not a score), `/non_finite` (a value that was inf, NaN or past float32, taken as none);
+    for judges `/calls` (requests made: not where a gate skipped it, nor where its template did not render);
+    for nodes a gate may leave out `/skipped` (not evaluated), and for those and per-turn nodes `/values` (the
+    kept trajectories its mean is over); `reward/mean` over kept trajectories; `reward/dropped` (trajectories
+    a `drop_sample` node took out). A per-turn node's counts are of turns, its `/turns/mean` is the mean over
+    every turn of the kept trajectories that has a value, `/turns` how many such turns there are."""
     kept = [t for t in trajs if t.dropped is None]
     gated = conditional(nodes, train)
     t_nodes = per_turn_nodes(nodes)
