@@ -101,3 +101,24 @@ def retry_after(value: str | None, cap_s: float) -> float | None:
         if not math.isfinite(seconds) or seconds < 0:
             return None
     return min(max(seconds, 0.0), cap_s)
+
+
+JUDGE_PROBE_S = 10.0  # an endpoint that has not answered `GET /models` by then is reported
+
+
+async def why_unreachable(url: str) -> str | None:
+    """Why `url` (an OpenAI-compatible base) does not answer, or None when it answers at all: any HTTP
+    status, a 404 or a 401 too, means a server is there (the run's requests say the rest)."""
+    client, _ = open_client(url, JUDGE_PROBE_S)
+    try:
+        async with client:
+            await client.get(url.rstrip("/") + "/models")
+    except Exception as e:  # noqa: BLE001 -- whatever the transport raised is the answer
+        return f"{type(e).__name__}: {e}"[:200] if str(e) else type(e).__name__
+    return None
+
+
+def judge_unanswered(url: str, why: str) -> str:
+    """What `factory check --connect` and the reward stage's start say of a judge endpoint that did not answer."""
+    return (f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): is the judge's server up, and the URL its "
+            "OpenAI-compatible base (ending in /v1)?")

@@ -1062,7 +1062,8 @@ def test_what_a_resume_reads_from_the_runs_history():
     assert step0_eval(tracker, run) == {"eval/reward": 0.25}
     # another reward file's contents is a change that refuses the resume (as another spec is)
     recorded = {"hashes": {"spec": "s", "templates": "t", "rewards": {"r.py": "a"}, "data": "d", "code": {}}}
-    plan = SimpleNamespace(hashes={"spec": "s", "templates": "t", "rewards": {"r.py": "b"}, "data": "d", "code": {}})
+    plan = SimpleNamespace(hashes={"spec": "s", "templates": "t", "rewards": {"r.py": "b"}, "data": "d", "code": {}},
+                           spec={"name": "n"})
     assert changes(plan, recorded, "s") == ["rewards"]
     plan.hashes.update(rewards={"rewards/r.py": "a"}, data="d2")  # re-keyed, same contents: no change
     assert changes(plan, recorded, "s") == ["data"]

@@ -379,7 +379,8 @@ def evaluate(spec: Spec | SpecInput, model: str | os.PathLike | None = None, ove
 def _check_endpoint(url: str, joins: bool) -> None:
     """A server that does not answer is said before Ray starts: the engine's requests retried it for minutes.
     On a cluster (`joins`) only a warning, as the server may answer only on the cluster's network."""
-    from factory.compiler.connect import JUDGE_PROBE_S, unreachable
+    from factory.compiler.connect import unreachable
+    from factory.endpoints import JUDGE_PROBE_S
 
     why = unreachable(url)
     if why is None:

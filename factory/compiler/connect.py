@@ -14,6 +14,7 @@ from typing import Any
 
 from factory.compiler.errors import SpecError
 from factory.compiler.load import SpecSource
+from factory.endpoints import judge_unanswered, why_unreachable
 from factory.schema import HttpServer, JudgeNode, Spec, StdioServer
 from factory.util import run_sync, shown_path
 
@@ -119,32 +120,9 @@ def list_all(spec: Spec, source: SpecSource) -> tuple[dict[str, list[dict[str, A
     return run_sync(_list_all(spec, source))
 
 
-JUDGE_PROBE_S = 10.0  # an endpoint that has not answered `GET /models` by then is reported
-
-
-async def why_unreachable(url: str) -> str | None:
-    """Why `url` (an OpenAI-compatible base) does not answer, or None when it answers at all: any HTTP
-    status, a 404 or a 401 too, means a server is there (the run's requests say the rest)."""
-    from factory.endpoints import open_client
-
-    client, _ = open_client(url, JUDGE_PROBE_S)
-    try:
-        async with client:
-            await client.get(url.rstrip("/") + "/models")
-    except Exception as e:  # noqa: BLE001 -- whatever the transport raised is the answer
-        return f"{type(e).__name__}: {e}"[:200] if str(e) else type(e).__name__
-    return None
-
-
 def unreachable(url: str) -> str | None:
     """`why_unreachable`, from a notebook's running event loop too (factory.evaluate checks its --model)."""
     return run_sync(why_unreachable(url))
-
-
-def judge_unanswered(url: str, why: str) -> str:
-    """What `factory check --connect` and the reward stage's start say of a judge endpoint that did not answer."""
-    return (f"no answer from {url} within {JUDGE_PROBE_S:.0f} s ({why}): is the judge's server up, and the URL its "
-            "OpenAI-compatible base (ending in /v1)?")
 
 
 def probe_judges(spec: Spec, source: SpecSource) -> list[SpecError]:

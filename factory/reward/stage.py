@@ -128,7 +128,7 @@ class RewardStage(StageActor):
         """A warning now for each judge endpoint that does not answer, as `factory check --connect` says: found
         otherwise only once scoring begins. Not a refusal (a server may come up later), and probed from here, on
         the network the requests will take (a cluster's). An up server answers in milliseconds."""
-        from factory.compiler.connect import judge_unanswered, why_unreachable
+        from factory.endpoints import judge_unanswered, why_unreachable
 
         urls = {name: node.endpoint for name, node in self.nodes.items()
                 if isinstance(node, JudgeNode) and node.endpoint}

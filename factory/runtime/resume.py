@@ -387,7 +387,8 @@ def changes(plan: Any, recorded: dict[str, Any] | None, spec_hash: str | None) -
     plan.json, `_plan_saving`): "spec" and the names of HASHED_INPUTS. Without that record (a run started
     before plan.json was logged) the spec hash its tag holds, `spec_hash`, is compared alone."""
     hashes = (recorded or {}).get("hashes") or {}
-    out = [] if hashes.get("spec", spec_hash) in spec_hashes(plan) else ["spec"]
+    recorded_spec = hashes.get("spec", spec_hash)  # (the older hash is worked out only where the spec's differs)
+    out = [] if recorded_spec == plan.hashes["spec"] or recorded_spec in spec_hashes(plan) else ["spec"]
     if hashes:
         out += [k for k in HASHED_INPUTS if not same_sources(hashes.get(k), plan.hashes.get(k))]
     return out
