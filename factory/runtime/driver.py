@@ -477,20 +477,23 @@ def _placement_group(stage: Stage, status: Callable[[str], None] = lambda _: Non
         if n == 0 and slices > 1:
             status(waiting_said(stage, ray.available_resources(), total,
                                 time.time() + PLACEMENT_TIMEOUT_S * (slices - 1) / slices))
-    free = ray.available_resources()  # only what the stage asks for: not Ray's bundle and memory entries
+    free = _free_of(stage, ray.available_resources(), total)
     raise PlacementError(f"stage {stage.name!r}: {stage.replicas} x {stage.resources} ({stage.strategy}) found "
-                         f"no room in {PLACEMENT_TIMEOUT_S} s; free: "
-                         f"{({k: free.get(k, 0.0) for k in stage.resources})} of "
-                         f"{({k: total.get(k, 0.0) for k in stage.resources})} (the run's other stages and other "
-                         "jobs hold the rest): reserve less (the spec's `resources`) or add nodes")
+                         f"no room in {PLACEMENT_TIMEOUT_S} s; free: {free} (the run's other stages and other jobs "
+                         "hold the rest): reserve less (the spec's `resources`) or add nodes")
+
+
+def _free_of(stage: Stage, free: Mapping[str, float], total: Mapping[str, float]) -> str:
+    """What is free of what the stage asks for, of the cluster's total: only those (not Ray's bundle and memory
+    entries)."""
+    return f"{({k: free.get(k, 0.0) for k in stage.resources})} of {({k: total.get(k, 0.0) for k in stage.resources})}"
 
 
 def waiting_said(stage: Stage, free: Mapping[str, float], total: Mapping[str, float], until: float) -> str:
     """One line: the stage waits for room (what it asks, what is free now, of what), until `until` (epoch s)."""
-    asked = {k: free.get(k, 0.0) for k in stage.resources}, {k: total.get(k, 0.0) for k in stage.resources}
     return (f"{stage.name} waits for room on Ray: {stage.replicas} x {dict(stage.resources)} ({stage.strategy}); free "
-            f"now {asked[0]} of {asked[1]} (other jobs, or the run's other stages, hold the rest); it gives up at "
-            f"{time.strftime('%H:%M:%S', time.localtime(until))}")
+            f"now {_free_of(stage, free, total)} (other jobs, or the run's other stages, hold the rest); it gives up "
+            f"at {time.strftime('%H:%M:%S', time.localtime(until))}")
 
 
 def start_group(stage: Stage, status: Callable[[str], None] = lambda _: None) -> Group:

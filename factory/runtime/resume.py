@@ -30,7 +30,8 @@ from typing import Any
 
 from factory.compiler.compile import plan_json
 from factory.monitors import HALTED_BY_TAG
-from factory.tracking.mlflow_tracker import DRIVER_TAG, driver_alive, driver_tag, flatten, setting_text, uri_option
+from factory.tracking.mlflow_tracker import (DRIVER_TAG, INPUT_KINDS, driver_alive, driver_tag, flatten, setting_text,
+                                              uri_option)
 from factory.tracking.runs import run_kind
 from factory.tracking.tracker import RunLookupError, TrackedRun, Tracker
 from factory.update.checkpoint import RUN_STATE, complete, manifested, read_run_state, run_folder, verify
@@ -43,7 +44,8 @@ EVAL_METRIC = "eval/reward"
 # Logged by each session of a run at the first step it logs (factory.runtime.startup).
 STARTUP_METRIC = "timing/startup_s"
 # Inputs whose hash must match for a resume (beside the spec's own): what else defines the training.
-HASHED_INPUTS = ("templates", "rewards", "data", "code")
+# (Not the tool schemas: a plan holds them only once its servers have listed them, after the resume is judged.)
+HASHED_INPUTS = tuple(kind for kind in INPUT_KINDS if kind != "tools")
 INPUT_WORDS = {"templates": "template", "rewards": "reward code", "data": "data", "code": "tool code"}
 
 
@@ -361,8 +363,9 @@ def _newest_resumable(tracker: Tracker, plan: Any, experiment: str, uri: str) ->
     # stopped after the training run was killed would be picked, and trained from step 0 without its checkpoints
     unfinished = [r for r in runs if r.status != "FINISHED" and run_kind(r) == "train"]
     # the spec a run now trains under: that of its newest resume under a changed spec, else its first
+    ours = spec_hashes(plan)
     same = [r for r in unfinished
-            if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) in spec_hashes(plan)]
+            if (r.tags.get("factory.resumed_spec_hash") or r.tags.get("factory.spec_hash")) in ours]
     if same:
         return same[0]
     others = "; ".join(f"{r.run_id} ({r.name}, {r.status})" for r in unfinished[:5])

@@ -274,8 +274,8 @@ def session_tags(n: int, after_step: int, resolved: dict[str, Any], cluster: str
     return {named[prefix + k]: v for k, v in env.items()}
 
 
-# The files a run reads beside its spec, each kind hashed as a tag of its own (`run_tags`)
-HASHED_INPUTS = ("code", "data", "rewards", "templates", "tools")
+# The kinds of file a run reads beside its spec (plan.hashes' keys), each hashed as a tag of its own (`run_tags`)
+INPUT_KINDS = ("templates", "rewards", "data", "code", "tools")
 
 
 def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> dict[str, str]:
@@ -285,7 +285,7 @@ def run_tags(hashes: dict[str, Any], spec_name: str, extra: dict[str, str]) -> d
     alone only said that something did (`factory diff` names the files)."""
     from factory.compiler.refs import sha256_json
 
-    inputs = {f"factory.hash.{kind}": sha256_json(hashes[kind])[:12] for kind in HASHED_INPUTS if hashes.get(kind)}
+    inputs = {f"factory.hash.{kind}": sha256_json(hashes[kind])[:12] for kind in INPUT_KINDS if hashes.get(kind)}
     return {"factory.spec_name": spec_name, "factory.spec_hash": hashes["spec"], "factory.plan_hash": hashes["run"],
             **inputs, **environment_tags(), **extra}
 
